@@ -1,0 +1,291 @@
+//! The parallel configuration (CFG): `dp=60,tp=8,pp=8,mbs=1,recompute=full`.
+//!
+//! [`PartialConfig`] is what a user wrote (every key optional, so `plan --config`
+//! can fix some keys and search the rest); [`ParallelConfig`] is a complete one,
+//! with `dp` resolved from the number of GPUs.
+
+use crate::error::IrError;
+use serde::{Deserialize, Serialize};
+use std::fmt;
+
+/// Activation recomputation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Keep every activation.
+    None,
+    /// Recompute the attention core only (Korthikanti et al. 2022).
+    Selective,
+    /// Keep only each layer's input and recompute the layer.
+    Full,
+}
+
+/// Pipeline schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Schedule {
+    /// All forwards, then all backwards.
+    #[serde(rename = "gpipe")]
+    Gpipe,
+    /// One forward, one backward (PipeDream-flush).
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+    /// 1F1B over `vpp` model chunks per rank.
+    #[serde(rename = "interleaved")]
+    Interleaved,
+}
+
+/// Attention kernel: a flash kernel (no score matrix in memory, causal half skipped)
+/// or the unfused batched-GEMM + softmax form (score matrix materialised).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AttnImpl {
+    /// Tiled, online softmax.
+    Flash,
+    /// Scores, softmax and dropout as separate kernels.
+    Unfused,
+}
+
+/// A complete parallel configuration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct ParallelConfig {
+    /// Data-parallel degree.
+    pub dp: u64,
+    /// Tensor-parallel degree.
+    pub tp: u64,
+    /// Pipeline stages.
+    pub pp: u64,
+    /// Context-parallel degree.
+    pub cp: u64,
+    /// Expert-parallel degree (MoE).
+    pub ep: u64,
+    /// Micro-batch size in sequences.
+    pub mbs: u64,
+    /// ZeRO stage 0-3.
+    pub zero: u8,
+    /// Activation recomputation.
+    pub recompute: Recompute,
+    /// Megatron sequence parallelism on the tensor axis.
+    pub sp: bool,
+    /// Model chunks per pipeline rank.
+    pub vpp: u64,
+    /// Pipeline schedule.
+    pub schedule: Schedule,
+    /// Inference: attention data-parallel, MoE/FFN on tp/ep.
+    pub dp_attention: bool,
+    /// Attention kernel.
+    pub attn: AttnImpl,
+}
+
+impl ParallelConfig {
+    /// Ranks the configuration needs.
+    pub fn world_size(&self) -> u64 {
+        self.dp * self.tp * self.pp * self.cp
+    }
+}
+
+/// A configuration as written: any key may be missing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PartialConfig {
+    /// `dp`.
+    pub dp: Option<u64>,
+    /// `tp`.
+    pub tp: Option<u64>,
+    /// `pp`.
+    pub pp: Option<u64>,
+    /// `cp`.
+    pub cp: Option<u64>,
+    /// `ep`.
+    pub ep: Option<u64>,
+    /// `mbs`.
+    pub mbs: Option<u64>,
+    /// `zero`.
+    pub zero: Option<u8>,
+    /// `recompute`.
+    pub recompute: Option<Recompute>,
+    /// `sp`.
+    pub sp: Option<bool>,
+    /// `vpp`.
+    pub vpp: Option<u64>,
+    /// `schedule`.
+    pub schedule: Option<Schedule>,
+    /// `dp_attention`.
+    pub dp_attention: Option<bool>,
+    /// `attn`.
+    pub attn: Option<AttnImpl>,
+}
+
+const KEYS: &str = "dp, tp, pp, cp, ep, mbs, zero, recompute, sp, vpp, schedule, dp_attention, attn";
+
+fn bad(source: &str, key: &str, message: impl Into<String>) -> IrError {
+    IrError::invalid(source, key, message)
+}
+
+fn parse_degree(source: &str, key: &str, v: &str) -> Result<u64, IrError> {
+    match v.parse::<u64>() {
+        Ok(0) | Err(_) => Err(bad(source, key, format!("expected a positive integer, got `{v}`"))),
+        Ok(n) => Ok(n),
+    }
+}
+
+fn parse_bool(source: &str, key: &str, v: &str) -> Result<bool, IrError> {
+    match v {
+        "true" | "1" | "yes" | "on" => Ok(true),
+        "false" | "0" | "no" | "off" => Ok(false),
+        _ => Err(bad(source, key, format!("expected `true` or `false`, got `{v}`"))),
+    }
+}
+
+impl PartialConfig {
+    /// Parses `key=value,key=value`. `source` names where the text came from in
+    /// error messages (e.g. `--config`).
+    pub fn parse(text: &str, source: &str) -> Result<PartialConfig, IrError> {
+        let mut c = PartialConfig::default();
+        for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            let Some((key, v)) = item.split_once('=') else {
+                return Err(bad(source, item, format!("expected `key=value`; keys are {KEYS}")));
+            };
+            let (key, v) = (key.trim(), v.trim());
+            match key {
+                "dp" => c.dp = Some(parse_degree(source, key, v)?),
+                "tp" => c.tp = Some(parse_degree(source, key, v)?),
+                "pp" => c.pp = Some(parse_degree(source, key, v)?),
+                "cp" => c.cp = Some(parse_degree(source, key, v)?),
+                "ep" => c.ep = Some(parse_degree(source, key, v)?),
+                "mbs" => c.mbs = Some(parse_degree(source, key, v)?),
+                "vpp" => c.vpp = Some(parse_degree(source, key, v)?),
+                "zero" => {
+                    c.zero = Some(match v {
+                        "0" => 0,
+                        "1" => 1,
+                        "2" => 2,
+                        "3" => 3,
+                        _ => return Err(bad(source, key, format!("expected 0, 1, 2 or 3, got `{v}`"))),
+                    })
+                }
+                "recompute" => {
+                    c.recompute = Some(match v {
+                        "none" => Recompute::None,
+                        "selective" => Recompute::Selective,
+                        "full" => Recompute::Full,
+                        _ => return Err(bad(source, key, format!("expected none, selective or full, got `{v}`"))),
+                    })
+                }
+                "sp" => c.sp = Some(parse_bool(source, key, v)?),
+                "dp_attention" => c.dp_attention = Some(parse_bool(source, key, v)?),
+                "schedule" => {
+                    c.schedule = Some(match v {
+                        "gpipe" => Schedule::Gpipe,
+                        "1f1b" => Schedule::OneFOneB,
+                        "interleaved" => Schedule::Interleaved,
+                        _ => return Err(bad(source, key, format!("expected gpipe, 1f1b or interleaved, got `{v}`"))),
+                    })
+                }
+                "attn" => {
+                    c.attn = Some(match v {
+                        "flash" => AttnImpl::Flash,
+                        "unfused" => AttnImpl::Unfused,
+                        _ => return Err(bad(source, key, format!("expected flash or unfused, got `{v}`"))),
+                    })
+                }
+                _ => return Err(bad(source, key, format!("unknown key; keys are {KEYS}"))),
+            }
+        }
+        Ok(c)
+    }
+
+    /// Fills defaults and resolves `dp` from the number of GPUs. Errors state the
+    /// arithmetic: `dp(2) * tp(4) * pp(2) * cp(1) = 16 != GPUs(8)`.
+    pub fn resolve(&self, gpus: u64, source: &str) -> Result<ParallelConfig, IrError> {
+        let tp = self.tp.unwrap_or(1);
+        let pp = self.pp.unwrap_or(1);
+        let cp = self.cp.unwrap_or(1);
+        let others = tp * pp * cp;
+        let dp = match self.dp {
+            Some(d) => d,
+            None => {
+                if gpus % others != 0 {
+                    return Err(bad(
+                        source,
+                        "dp",
+                        format!("tp({tp}) * pp({pp}) * cp({cp}) = {others} does not divide GPUs({gpus}); choose degrees whose product divides {gpus}"),
+                    ));
+                }
+                gpus / others
+            }
+        };
+        if dp * others != gpus {
+            return Err(bad(
+                source,
+                "dp",
+                format!(
+                    "dp({dp}) * tp({tp}) * pp({pp}) * cp({cp}) = {} != GPUs({gpus}); leave dp out to use dp={}",
+                    dp * others,
+                    if gpus % others == 0 { (gpus / others).to_string() } else { "-".into() }
+                ),
+            ));
+        }
+        let ep = self.ep.unwrap_or(1);
+        if (dp * tp * cp) % ep != 0 {
+            return Err(bad(
+                source,
+                "ep",
+                format!("ep({ep}) must divide dp({dp}) * tp({tp}) * cp({cp}) = {}", dp * tp * cp),
+            ));
+        }
+        let vpp = self.vpp.unwrap_or(1);
+        let schedule = match self.schedule {
+            Some(s) => s,
+            None if vpp > 1 => Schedule::Interleaved,
+            None => Schedule::OneFOneB,
+        };
+        if vpp > 1 && schedule != Schedule::Interleaved {
+            return Err(bad(source, "vpp", format!("vpp({vpp}) > 1 needs schedule=interleaved")));
+        }
+        if vpp > 1 && pp == 1 {
+            return Err(bad(source, "vpp", format!("vpp({vpp}) > 1 needs pp > 1")));
+        }
+        let sp = self.sp.unwrap_or(false);
+        Ok(ParallelConfig {
+            dp,
+            tp,
+            pp,
+            cp,
+            ep,
+            mbs: self.mbs.unwrap_or(1),
+            zero: self.zero.unwrap_or(0),
+            recompute: self.recompute.unwrap_or(Recompute::None),
+            sp,
+            vpp,
+            schedule,
+            dp_attention: self.dp_attention.unwrap_or(false),
+            attn: self.attn.unwrap_or(AttnImpl::Flash),
+        })
+    }
+}
+
+impl fmt::Display for ParallelConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let rc = match self.recompute {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        };
+        let sched = match self.schedule {
+            Schedule::Gpipe => "gpipe",
+            Schedule::OneFOneB => "1f1b",
+            Schedule::Interleaved => "interleaved",
+        };
+        write!(
+            f,
+            "dp={},tp={},pp={},cp={},ep={},mbs={},zero={},recompute={rc},sp={},vpp={},schedule={sched}",
+            self.dp, self.tp, self.pp, self.cp, self.ep, self.mbs, self.zero, self.sp, self.vpp
+        )?;
+        if self.dp_attention {
+            write!(f, ",dp_attention=true")?;
+        }
+        if self.attn == AttnImpl::Unfused {
+            write!(f, ",attn=unfused")?;
+        }
+        Ok(())
+    }
+}

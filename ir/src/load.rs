@@ -1,0 +1,93 @@
+//! Reading model files: the model YAML, or a Hugging Face `config.json` with the
+//! workload from flags or a workload file.
+
+use crate::builder::build_transformer;
+use crate::error::IrError;
+use crate::graph::Graph;
+use crate::spec::{Architecture, ModelSpec, RawModel, Workload};
+use std::path::{Path, PathBuf};
+
+/// Workload settings given on the command line; they override the model file's.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct WorkloadOverrides {
+    /// `--seq-len`: training sequence length.
+    pub seq_len: Option<u64>,
+    /// `--global-batch`: training sequences per step.
+    pub global_batch: Option<u64>,
+    /// `--workload FILE`: a YAML holding the `workload:` mapping's contents.
+    pub workload_file: Option<PathBuf>,
+}
+
+fn read(path: &Path) -> Result<String, IrError> {
+    std::fs::read_to_string(path).map_err(|source| IrError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
+/// Whether `path` is a Hugging Face config rather than a model YAML.
+fn is_hf_config(path: &Path, text: &str) -> bool {
+    path.extension().is_some_and(|e| e == "json") || text.trim_start().starts_with('{')
+}
+
+/// Reads and validates a model file (YAML or `config.json`) and applies overrides.
+pub fn load_model(path: &Path, overrides: &WorkloadOverrides) -> Result<ModelSpec, IrError> {
+    let file = path.display().to_string();
+    let text = read(path)?;
+    let mut spec = if is_hf_config(path, &text) {
+        crate::hf::import_hf_config(&text, &file)?
+    } else {
+        parse_model_yaml(&text, &file)?
+    };
+    apply_overrides(&mut spec, overrides, &file)?;
+    Ok(spec)
+}
+
+/// Parses and validates model YAML text.
+pub fn parse_model_yaml(text: &str, file: &str) -> Result<ModelSpec, IrError> {
+    let raw: RawModel = serde_yaml_ng::from_str(text).map_err(|e| IrError::from_yaml(file, &e))?;
+    raw.validate(file)
+}
+
+fn apply_overrides(spec: &mut ModelSpec, ov: &WorkloadOverrides, file: &str) -> Result<(), IrError> {
+    if let Some(wf) = &ov.workload_file {
+        let wfile = wf.display().to_string();
+        let text = read(wf)?;
+        let w: Workload = serde_yaml_ng::from_str(&text).map_err(|e| IrError::from_yaml(&wfile, &e))?;
+        w.validate(&wfile)?;
+        spec.workload = Some(w);
+    }
+    if ov.seq_len.is_some() || ov.global_batch.is_some() {
+        let (seq, gb) = match &spec.workload {
+            Some(Workload::Train {
+                seq_len, global_batch, ..
+            }) => (ov.seq_len.unwrap_or(*seq_len), ov.global_batch.unwrap_or(*global_batch)),
+            _ => match (ov.seq_len, ov.global_batch) {
+                (Some(s), Some(g)) => (s, g),
+                _ => {
+                    return Err(IrError::invalid(
+                        file,
+                        "workload",
+                        "a training workload needs both --seq-len and --global-batch (or a workload in the file)",
+                    ))
+                }
+            },
+        };
+        let w = Workload::Train {
+            seq_len: seq,
+            global_batch: gb,
+            optimizer: "adamw".into(),
+        };
+        w.validate("command line")?;
+        spec.workload = Some(w);
+    }
+    Ok(())
+}
+
+/// The op graph of a model.
+pub fn model_graph(spec: &ModelSpec) -> Result<Graph, IrError> {
+    match &spec.arch {
+        Architecture::Transformer(t) => Ok(build_transformer(&spec.name, t, spec.dtype)),
+        Architecture::Graph(g) => g.to_graph(&spec.name, spec.dtype),
+    }
+}

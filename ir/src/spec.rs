@@ -1,0 +1,527 @@
+//! The model file: architecture form, graph form and workload, parsed into raw
+//! serde types and then validated into [`ModelSpec`] (low -> high, as ripgrep's
+//! `LowArgs` -> `HiArgs`).
+
+use crate::dtype::DType;
+use crate::error::IrError;
+use crate::explicit::GraphSpec;
+use serde::{Deserialize, Serialize};
+
+/// Feed-forward nonlinearity.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MlpKind {
+    /// `down(gelu(up(x)))`, two matrices.
+    Gelu,
+    /// `down(silu(gate(x)) * up(x))`, three matrices.
+    Swiglu,
+}
+
+impl MlpKind {
+    /// Number of `hidden x ffn` matrices in one MLP.
+    pub const fn matrices(self) -> u64 {
+        match self {
+            MlpKind::Gelu => 2,
+            MlpKind::Swiglu => 3,
+        }
+    }
+}
+
+/// Normalisation layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum NormKind {
+    /// Scale and shift (2 parameters per channel).
+    Layernorm,
+    /// Scale only (1 parameter per channel).
+    Rmsnorm,
+}
+
+impl NormKind {
+    /// Parameters per channel.
+    pub const fn params_per_channel(self) -> u64 {
+        match self {
+            NormKind::Layernorm => 2,
+            NormKind::Rmsnorm => 1,
+        }
+    }
+}
+
+/// How token positions enter the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PositionKind {
+    /// Rotary embeddings applied to queries and keys (no parameters).
+    Rope,
+    /// A learned `[max_positions, hidden]` table added to the token embedding (GPT-2/3).
+    Learned,
+}
+
+/// Mixture-of-experts feed-forward layers.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoeSpec {
+    /// Routed experts per MoE layer.
+    pub experts: u64,
+    /// Experts each token is sent to.
+    pub top_k: u64,
+    /// Hidden width of one routed expert.
+    pub expert_ffn_hidden: u64,
+    /// Always-active shared experts per MoE layer (DeepSeek).
+    #[serde(default)]
+    pub shared_experts: u64,
+    /// Hidden width of one shared expert; defaults to `expert_ffn_hidden`.
+    #[serde(default)]
+    pub shared_expert_ffn_hidden: Option<u64>,
+    /// Leading layers that keep a dense MLP of `ffn_hidden` (DeepSeek-V3: 3).
+    #[serde(default)]
+    pub first_dense_layers: u64,
+}
+
+/// DeepSeek-style multi-head latent attention (low-rank queries and keys/values).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MlaSpec {
+    /// Rank of the query down-projection; `null` projects queries directly.
+    #[serde(default)]
+    pub q_lora_rank: Option<u64>,
+    /// Rank of the compressed key/value latent (what the KV cache holds).
+    pub kv_lora_rank: u64,
+    /// Per-head query/key width without rotary part.
+    pub qk_nope_head_dim: u64,
+    /// Per-head rotary width, shared across heads for keys.
+    pub qk_rope_head_dim: u64,
+    /// Per-head value width.
+    pub v_head_dim: u64,
+}
+
+/// The architecture form of a model file, as written.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawTransformer {
+    /// Transformer blocks.
+    pub layers: u64,
+    /// Model width.
+    pub hidden: u64,
+    /// Query heads.
+    pub heads: u64,
+    /// Key/value heads (GQA when fewer than `heads`).
+    #[serde(default)]
+    pub kv_heads: Option<u64>,
+    /// Per-head width; defaults to `hidden / heads`.
+    #[serde(default)]
+    pub head_dim: Option<u64>,
+    /// MLP width; defaults to `4 * hidden`.
+    #[serde(default)]
+    pub ffn_hidden: Option<u64>,
+    /// MLP nonlinearity.
+    #[serde(default = "default_mlp")]
+    pub mlp: MlpKind,
+    /// Normalisation.
+    #[serde(default = "default_norm")]
+    pub norm: NormKind,
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// Whether the LM head shares the embedding matrix.
+    #[serde(default)]
+    pub tie_embeddings: bool,
+    /// Biases on every linear layer (GPT-2/3 style).
+    #[serde(default)]
+    pub bias: bool,
+    /// Biases on the query/key/value projections only (Qwen2 style).
+    #[serde(default)]
+    pub qkv_bias: bool,
+    /// Position encoding.
+    #[serde(default = "default_position")]
+    pub position: PositionKind,
+    /// Rows of the learned position table (required with `position: learned`).
+    #[serde(default)]
+    pub max_positions: Option<u64>,
+    /// Dropout after attention probabilities, attention output and MLP output.
+    #[serde(default)]
+    pub dropout: bool,
+    /// Rotary base frequency (kept for the executor; does not change costs).
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    /// Normalisation epsilon (kept for the executor; does not change costs).
+    #[serde(default)]
+    pub norm_eps: Option<f64>,
+    /// Mixture of experts.
+    #[serde(default)]
+    pub moe: Option<MoeSpec>,
+    /// Multi-head latent attention instead of standard attention.
+    #[serde(default)]
+    pub mla: Option<MlaSpec>,
+}
+
+fn default_mlp() -> MlpKind {
+    MlpKind::Gelu
+}
+fn default_norm() -> NormKind {
+    NormKind::Layernorm
+}
+fn default_position() -> PositionKind {
+    PositionKind::Rope
+}
+
+/// A validated transformer architecture: every default resolved.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TransformerSpec {
+    /// Transformer blocks.
+    pub layers: u64,
+    /// Model width.
+    pub hidden: u64,
+    /// Query heads.
+    pub heads: u64,
+    /// Key/value heads.
+    pub kv_heads: u64,
+    /// Per-head width.
+    pub head_dim: u64,
+    /// MLP width of dense layers.
+    pub ffn_hidden: u64,
+    /// MLP nonlinearity.
+    pub mlp: MlpKind,
+    /// Normalisation.
+    pub norm: NormKind,
+    /// Vocabulary size.
+    pub vocab: u64,
+    /// LM head shares the embedding.
+    pub tie_embeddings: bool,
+    /// Biases on every linear layer and on norms' shift (GPT style).
+    pub bias: bool,
+    /// Biases on the QKV projections.
+    pub qkv_bias: bool,
+    /// Position encoding.
+    pub position: PositionKind,
+    /// Learned position rows (0 for rotary).
+    pub max_positions: u64,
+    /// Dropout layers present.
+    pub dropout: bool,
+    /// Rotary base.
+    pub rope_theta: f64,
+    /// Normalisation epsilon.
+    pub norm_eps: f64,
+    /// Mixture of experts.
+    pub moe: Option<MoeSpec>,
+    /// Multi-head latent attention.
+    pub mla: Option<MlaSpec>,
+}
+
+impl TransformerSpec {
+    /// Number of layers with a MoE feed-forward.
+    pub fn moe_layers(&self) -> u64 {
+        self.moe
+            .as_ref()
+            .map_or(0, |m| self.layers - m.first_dense_layers)
+    }
+
+    /// Key/value bytes cached per token per layer: `2 x kv_heads x head_dim x bytes`,
+    /// or for MLA the compressed latent plus the shared rotary key.
+    pub fn kv_cache_bytes_per_token_per_layer(&self, dtype: DType) -> u64 {
+        let elems = match &self.mla {
+            Some(m) => m.kv_lora_rank + m.qk_rope_head_dim,
+            None => 2 * self.kv_heads * self.head_dim,
+        };
+        elems * dtype.size_bytes()
+    }
+}
+
+/// Service-level objective for inference.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Slo {
+    /// Time to first token bound, milliseconds.
+    #[serde(default)]
+    pub ttft_ms: Option<f64>,
+    /// Time per output token bound, milliseconds.
+    #[serde(default)]
+    pub tpot_ms: Option<f64>,
+}
+
+/// What the model is used for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Workload {
+    /// Training with an optimizer.
+    Train {
+        /// Tokens per sequence.
+        seq_len: u64,
+        /// Sequences per optimizer step.
+        global_batch: u64,
+        /// Optimizer (only `adamw` is modelled).
+        #[serde(default = "default_optimizer")]
+        optimizer: String,
+    },
+    /// Serving requests.
+    Inference {
+        /// Prompt tokens per request.
+        prompt_len: u64,
+        /// Generated tokens per request.
+        output_len: u64,
+        /// Requests decoded together.
+        #[serde(default = "one")]
+        concurrency: u64,
+        /// Optional latency bounds.
+        #[serde(default)]
+        slo: Option<Slo>,
+    },
+}
+
+fn default_optimizer() -> String {
+    "adamw".to_string()
+}
+fn one() -> u64 {
+    1
+}
+
+/// The model file as written.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawModel {
+    /// Model name.
+    pub name: String,
+    /// Architecture form.
+    #[serde(default)]
+    pub transformer: Option<RawTransformer>,
+    /// Explicit graph form.
+    #[serde(default)]
+    pub graph: Option<GraphSpec>,
+    /// Compute dtype.
+    #[serde(default = "default_dtype")]
+    pub dtype: DType,
+    /// Workload.
+    #[serde(default)]
+    pub workload: Option<Workload>,
+}
+
+fn default_dtype() -> DType {
+    DType::Bf16
+}
+
+/// The model body: a standard transformer or an explicit graph.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Architecture {
+    /// Architecture form, expanded by the transformer builder.
+    Transformer(TransformerSpec),
+    /// Explicit ops over named tensors.
+    Graph(GraphSpec),
+}
+
+/// A validated model: name, architecture, compute dtype and workload.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    /// Model name.
+    pub name: String,
+    /// The body.
+    pub arch: Architecture,
+    /// Compute dtype.
+    pub dtype: DType,
+    /// Workload, if the file (or flags) gave one.
+    pub workload: Option<Workload>,
+}
+
+impl ModelSpec {
+    /// The transformer spec, if this is one.
+    pub fn transformer(&self) -> Option<&TransformerSpec> {
+        match &self.arch {
+            Architecture::Transformer(t) => Some(t),
+            Architecture::Graph(_) => None,
+        }
+    }
+}
+
+fn positive(file: &str, field: &str, v: u64) -> Result<u64, IrError> {
+    if v == 0 {
+        return Err(IrError::invalid(file, field, "must be a positive integer, got 0"));
+    }
+    Ok(v)
+}
+
+impl RawTransformer {
+    /// Resolves defaults and checks that the shapes fit together.
+    pub fn validate(self, file: &str) -> Result<TransformerSpec, IrError> {
+        let f = |name: &str| format!("transformer.{name}");
+        let layers = positive(file, &f("layers"), self.layers)?;
+        let hidden = positive(file, &f("hidden"), self.hidden)?;
+        let heads = positive(file, &f("heads"), self.heads)?;
+        let vocab = positive(file, &f("vocab"), self.vocab)?;
+        let kv_heads = positive(file, &f("kv_heads"), self.kv_heads.unwrap_or(heads))?;
+        if heads % kv_heads != 0 {
+            return Err(IrError::invalid(
+                file,
+                &f("kv_heads"),
+                format!("heads({heads}) % kv_heads({kv_heads}) != 0: kv_heads must divide heads"),
+            ));
+        }
+        let head_dim = match self.head_dim {
+            Some(d) => positive(file, &f("head_dim"), d)?,
+            None => {
+                if hidden % heads != 0 {
+                    return Err(IrError::invalid(
+                        file,
+                        &f("head_dim"),
+                        format!(
+                            "not given and hidden({hidden}) % heads({heads}) != 0: \
+                             give head_dim or make heads divide hidden"
+                        ),
+                    ));
+                }
+                hidden / heads
+            }
+        };
+        let ffn_hidden = positive(file, &f("ffn_hidden"), self.ffn_hidden.unwrap_or(4 * hidden))?;
+        let max_positions = match (self.position, self.max_positions) {
+            (PositionKind::Learned, None) => {
+                return Err(IrError::invalid(
+                    file,
+                    &f("max_positions"),
+                    "required with `position: learned` (rows of the position table)",
+                ))
+            }
+            (PositionKind::Learned, Some(p)) => positive(file, &f("max_positions"), p)?,
+            (PositionKind::Rope, _) => 0,
+        };
+        if let Some(m) = &self.moe {
+            positive(file, &f("moe.experts"), m.experts)?;
+            positive(file, &f("moe.top_k"), m.top_k)?;
+            positive(file, &f("moe.expert_ffn_hidden"), m.expert_ffn_hidden)?;
+            if m.top_k > m.experts {
+                return Err(IrError::invalid(
+                    file,
+                    &f("moe.top_k"),
+                    format!("top_k({}) > experts({}): top_k must be at most experts", m.top_k, m.experts),
+                ));
+            }
+            if m.first_dense_layers > layers {
+                return Err(IrError::invalid(
+                    file,
+                    &f("moe.first_dense_layers"),
+                    format!("first_dense_layers({}) > layers({layers})", m.first_dense_layers),
+                ));
+            }
+            if let Some(s) = m.shared_expert_ffn_hidden {
+                positive(file, &f("moe.shared_expert_ffn_hidden"), s)?;
+            }
+        }
+        if let Some(m) = &self.mla {
+            positive(file, &f("mla.kv_lora_rank"), m.kv_lora_rank)?;
+            positive(file, &f("mla.qk_nope_head_dim"), m.qk_nope_head_dim)?;
+            positive(file, &f("mla.qk_rope_head_dim"), m.qk_rope_head_dim)?;
+            positive(file, &f("mla.v_head_dim"), m.v_head_dim)?;
+            if let Some(q) = m.q_lora_rank {
+                positive(file, &f("mla.q_lora_rank"), q)?;
+            }
+        }
+        for (name, v) in [("rope_theta", self.rope_theta), ("norm_eps", self.norm_eps)] {
+            if let Some(v) = v {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(IrError::invalid(file, &f(name), format!("must be a positive number, got {v}")));
+                }
+            }
+        }
+        Ok(TransformerSpec {
+            layers,
+            hidden,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn_hidden,
+            mlp: self.mlp,
+            norm: self.norm,
+            vocab,
+            tie_embeddings: self.tie_embeddings,
+            bias: self.bias,
+            qkv_bias: self.qkv_bias,
+            position: self.position,
+            max_positions,
+            dropout: self.dropout,
+            rope_theta: self.rope_theta.unwrap_or(10000.0),
+            norm_eps: self.norm_eps.unwrap_or(1e-5),
+            moe: self.moe,
+            mla: self.mla,
+        })
+    }
+}
+
+impl Workload {
+    /// Checks sizes.
+    pub fn validate(&self, file: &str) -> Result<(), IrError> {
+        match self {
+            Workload::Train {
+                seq_len,
+                global_batch,
+                optimizer,
+            } => {
+                positive(file, "workload.seq_len", *seq_len)?;
+                positive(file, "workload.global_batch", *global_batch)?;
+                if optimizer != "adamw" {
+                    return Err(IrError::invalid(
+                        file,
+                        "workload.optimizer",
+                        format!("`{optimizer}` is not modelled; use `adamw`"),
+                    ));
+                }
+            }
+            Workload::Inference {
+                prompt_len,
+                output_len,
+                concurrency,
+                slo,
+            } => {
+                positive(file, "workload.prompt_len", *prompt_len)?;
+                positive(file, "workload.output_len", *output_len)?;
+                positive(file, "workload.concurrency", *concurrency)?;
+                if let Some(s) = slo {
+                    for (name, v) in [("workload.slo.ttft_ms", s.ttft_ms), ("workload.slo.tpot_ms", s.tpot_ms)] {
+                        if let Some(v) = v {
+                            if !(v.is_finite() && v > 0.0) {
+                                return Err(IrError::invalid(file, name, format!("must be a positive number, got {v}")));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl RawModel {
+    /// Resolves the model: exactly one of `transformer:` and `graph:`, valid sizes.
+    pub fn validate(self, file: &str) -> Result<ModelSpec, IrError> {
+        if self.name.trim().is_empty() {
+            return Err(IrError::invalid(file, "name", "must not be empty"));
+        }
+        let arch = match (self.transformer, self.graph) {
+            (Some(t), None) => Architecture::Transformer(t.validate(file)?),
+            (None, Some(g)) => {
+                g.validate(file)?;
+                Architecture::Graph(g)
+            }
+            (Some(_), Some(_)) => {
+                return Err(IrError::invalid(
+                    file,
+                    "transformer",
+                    "give either `transformer:` or `graph:`, not both",
+                ))
+            }
+            (None, None) => {
+                return Err(IrError::invalid(
+                    file,
+                    "transformer",
+                    "missing: give the architecture (`transformer:`) or an explicit `graph:`",
+                ))
+            }
+        };
+        if let Some(w) = &self.workload {
+            w.validate(file)?;
+        }
+        Ok(ModelSpec {
+            name: self.name,
+            arch,
+            dtype: self.dtype,
+            workload: self.workload,
+        })
+    }
+}

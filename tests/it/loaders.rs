@@ -1,0 +1,1 @@
+//! Loader robustness: bad input never panics.

@@ -1,0 +1,2 @@
+mod loaders;
+mod models;

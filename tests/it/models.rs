@@ -1,0 +1,1 @@
+//! Shipped models: parameter counts and HF import.
