@@ -1,1 +1,373 @@
-fn main() {}
+//! The `meshplan` command line: wiring only; the work is in the crates.
+
+use clap::{Args, Parser, Subcommand};
+use meshplan_cost_model::estimate::gib;
+use meshplan_cost_model::{
+    estimate_inference, estimate_train, flops_per_token_forward, load_cluster, prepare_model,
+    replica_memory, Cluster, Estimate, InferenceLoad, MemoryLedger, PreparedGraph,
+};
+use meshplan_ir::{
+    load_model, IrError, ModelSpec, ParallelConfig, PartialConfig, Recompute, Workload,
+    WorkloadOverrides,
+};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(
+    name = "meshplan",
+    version,
+    about = "How to split a model over these GPUs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Args, Clone)]
+struct WorkloadFlags {
+    /// Training sequence length (for a config.json model).
+    #[arg(long)]
+    seq_len: Option<u64>,
+    /// Training sequences per optimizer step (for a config.json model).
+    #[arg(long)]
+    global_batch: Option<u64>,
+    /// A YAML holding the `workload:` mapping's contents.
+    #[arg(long)]
+    workload: Option<PathBuf>,
+}
+
+impl WorkloadFlags {
+    fn overrides(&self) -> WorkloadOverrides {
+        WorkloadOverrides {
+            seq_len: self.seq_len,
+            global_batch: self.global_batch,
+            workload_file: self.workload.clone(),
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Parameters, FLOPs per token and the memory ledger of a model.
+    Inspect {
+        /// Model YAML or Hugging Face config.json.
+        model: PathBuf,
+        #[command(flatten)]
+        workload: WorkloadFlags,
+        /// One JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Evaluate one parallel configuration with the cost model.
+    Estimate {
+        /// Model YAML or Hugging Face config.json.
+        model: PathBuf,
+        /// Cluster YAML.
+        cluster: PathBuf,
+        /// The configuration, e.g. `dp=60,tp=8,pp=8,mbs=1,recompute=full`.
+        #[arg(long)]
+        config: String,
+        /// Override the cluster's node count.
+        #[arg(long)]
+        nodes: Option<u64>,
+        #[command(flatten)]
+        workload: WorkloadFlags,
+        /// One JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// A failure with its exit code: 2 bad input, 3 does not fit.
+struct Failure {
+    code: u8,
+    message: String,
+}
+
+impl From<IrError> for Failure {
+    fn from(e: IrError) -> Self {
+        Failure {
+            code: 2,
+            message: e.to_string(),
+        }
+    }
+}
+
+fn no_fit(message: String) -> Failure {
+    Failure { code: 3, message }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect {
+            model,
+            workload,
+            json,
+        } => inspect(&model, &workload, json),
+        Command::Estimate {
+            model,
+            cluster,
+            config,
+            nodes,
+            workload,
+            json,
+        } => estimate(&model, &cluster, &config, nodes, &workload, json),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("error: {}", f.message);
+            ExitCode::from(f.code)
+        }
+    }
+}
+
+fn print_json(v: &serde_json::Value) {
+    match serde_json::to_string_pretty(v) {
+        Ok(s) => println!("{s}"),
+        Err(e) => eprintln!("error: cannot serialise output: {e}"),
+    }
+}
+
+fn ledger_lines(m: &MemoryLedger) -> String {
+    format!(
+        "  params      {:>9.2} GiB\n  grads       {:>9.2} GiB\n  optimizer   {:>9.2} GiB\n  activations {:>9.2} GiB\n  kv_cache    {:>9.2} GiB\n  workspace   {:>9.2} GiB\n  total       {:>9.2} GiB",
+        gib(m.params),
+        gib(m.grads),
+        gib(m.optimizer),
+        gib(m.activations),
+        gib(m.kv_cache),
+        gib(m.workspace),
+        gib(m.total)
+    )
+}
+
+fn inspect(model: &PathBuf, wf: &WorkloadFlags, json: bool) -> Result<(), Failure> {
+    let spec = load_model(model, &wf.overrides())?;
+    let pg = prepare_model(&spec)?;
+    let workload = spec.workload.clone().unwrap_or(Workload::Train {
+        seq_len: 2048,
+        global_batch: 1,
+        optimizer: "adamw".into(),
+    });
+    let seq = match &workload {
+        Workload::Train { seq_len, .. } => *seq_len,
+        Workload::Inference { prompt_len, .. } => *prompt_len,
+    };
+    let fwd = flops_per_token_forward(&pg, seq);
+    let memory = replica_memory(&pg, &workload);
+    if json {
+        print_json(&serde_json::json!({
+            "name": spec.name,
+            "params_total": pg.params_total,
+            "params_active": pg.params_active,
+            "flops_per_token_forward": fwd,
+            "flops_per_token_train": 3.0 * fwd,
+            "seq_len": seq,
+            "memory_bytes": memory,
+        }));
+    } else {
+        println!("{}", spec.name);
+        println!(
+            "  parameters   {:.4e} total, {:.4e} active",
+            pg.params_total, pg.params_active
+        );
+        println!(
+            "  FLOPs/token  {:.4e} forward, {:.4e} training (at sequence {seq})",
+            fwd,
+            3.0 * fwd
+        );
+        println!("memory of one unsharded replica:");
+        println!("{}", ledger_lines(&memory));
+    }
+    Ok(())
+}
+
+fn load_inputs(
+    model: &PathBuf,
+    cluster: &PathBuf,
+    nodes: Option<u64>,
+    wf: &WorkloadFlags,
+) -> Result<(ModelSpec, PreparedGraph, Cluster), Failure> {
+    let spec = load_model(model, &wf.overrides())?;
+    let pg = prepare_model(&spec)?;
+    let cluster = load_cluster(cluster, nodes)?;
+    Ok((spec, pg, cluster))
+}
+
+fn estimate(
+    model: &PathBuf,
+    cluster_path: &PathBuf,
+    config: &str,
+    nodes: Option<u64>,
+    wf: &WorkloadFlags,
+    json: bool,
+) -> Result<(), Failure> {
+    let (spec, pg, cluster) = load_inputs(model, cluster_path, nodes, wf)?;
+    let partial = PartialConfig::parse(config, "--config")?;
+    let cfg = partial
+        .resolve(cluster.gpus(), "--config")
+        .map_err(|e| no_fit(e.to_string()))?;
+    let est = evaluate(&spec, &pg, &cluster, &cfg)?;
+    if json {
+        print_json(&serde_json::to_value(&est).unwrap_or_default());
+    } else {
+        print_estimate(&spec, &cluster, &est);
+    }
+    if !est.feasible {
+        let reason = est.infeasible_reason.clone().unwrap_or_default();
+        let hint = suggestions(&spec, &pg, &cluster, &cfg);
+        return Err(no_fit(format!("{}: {reason}{hint}", cfg)));
+    }
+    Ok(())
+}
+
+fn evaluate(
+    spec: &ModelSpec,
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+) -> Result<Estimate, Failure> {
+    let workload = spec.workload.as_ref().ok_or_else(|| Failure {
+        code: 2,
+        message: format!(
+            "model `{}` has no workload: add `workload:` to the model file, or give --seq-len and --global-batch, or --workload FILE",
+            spec.name
+        ),
+    })?;
+    let r = match workload {
+        Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } => estimate_train(pg, cluster, cfg, *seq_len, *global_batch),
+        Workload::Inference { .. } => match InferenceLoad::from_workload(workload) {
+            Some(load) => estimate_inference(pg, cluster, cfg, &load),
+            None => unreachable!("an inference workload converts"),
+        },
+    };
+    r.map_err(|e| no_fit(format!("{cfg}: {e}")))
+}
+
+/// What would fit: the nearest changes (more ZeRO, recomputation, more stages or
+/// tensor ranks) that bring memory under capacity.
+fn suggestions(
+    spec: &ModelSpec,
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+) -> String {
+    let mut tries: Vec<(String, ParallelConfig)> = Vec::new();
+    for zero in (cfg.zero + 1)..=3 {
+        tries.push((format!("zero={zero}"), ParallelConfig { zero, ..*cfg }));
+    }
+    for (name, rc) in [
+        ("recompute=selective", Recompute::Selective),
+        ("recompute=full", Recompute::Full),
+    ] {
+        if rc != cfg.recompute {
+            tries.push((
+                name.into(),
+                ParallelConfig {
+                    recompute: rc,
+                    ..*cfg
+                },
+            ));
+        }
+    }
+    if cfg.dp % 2 == 0 {
+        tries.push((
+            format!("pp={}", cfg.pp * 2),
+            ParallelConfig {
+                pp: cfg.pp * 2,
+                dp: cfg.dp / 2,
+                ..*cfg
+            },
+        ));
+        tries.push((
+            format!("tp={}", cfg.tp * 2),
+            ParallelConfig {
+                tp: cfg.tp * 2,
+                dp: cfg.dp / 2,
+                ..*cfg
+            },
+        ));
+    }
+    let fits: Vec<String> = tries
+        .into_iter()
+        .filter_map(|(name, c)| match evaluate(spec, pg, cluster, &c) {
+            Ok(e) if e.feasible => Some(format!(
+                "{name} ({:.1} GiB)",
+                gib(e.memory_per_gpu_bytes.total)
+            )),
+            _ => None,
+        })
+        .collect();
+    if fits.is_empty() {
+        "; no single change of zero, recompute, pp or tp fits".into()
+    } else {
+        format!("; these would fit: {}", fits.join(", "))
+    }
+}
+
+fn print_estimate(spec: &ModelSpec, cluster: &Cluster, e: &Estimate) {
+    println!(
+        "{} on {} x {} ({} GPUs)",
+        spec.name,
+        cluster.nodes,
+        cluster.name,
+        cluster.gpus()
+    );
+    println!("config       {}", e.config);
+    if let (Some(ttft), Some(tpot)) = (e.ttft_s, e.tpot_s) {
+        println!("TTFT         {:.1} ms", ttft * 1e3);
+        println!("TPOT         {:.2} ms", tpot * 1e3);
+        println!(
+            "output       {:.0} tokens/s",
+            e.output_tokens_per_s.unwrap_or(0.0)
+        );
+        println!(
+            "KV capacity  {:.3e} tokens, max concurrency {}",
+            e.kv_capacity_tokens.unwrap_or(0.0),
+            e.max_concurrency.unwrap_or(0)
+        );
+    } else {
+        println!(
+            "step time    {:.3} s ({} micro-batches)",
+            e.step_time_s, e.microbatches
+        );
+        println!("throughput   {:.0} tokens/s", e.tokens_per_s);
+        println!(
+            "per GPU      {:.1} model TFLOP/s (MFU {:.1}%), {:.1} hardware TFLOP/s (HFU {:.1}%)",
+            e.model_tflops_per_gpu,
+            100.0 * e.mfu,
+            e.hardware_tflops_per_gpu,
+            100.0 * e.hfu
+        );
+        let t = &e.time_breakdown_s;
+        println!(
+            "time         compute {:.3} s, exposed comm {:.3} s, bubble {:.3} s ({:.1}%)",
+            t.compute,
+            t.exposed_comm,
+            t.bubble,
+            100.0 * e.bubble_fraction
+        );
+        let c = &e.comm_bytes_per_gpu;
+        println!(
+            "sent/GPU     dp {:.2} GB, tp {:.2} GB, pp {:.2} GB, cp {:.2} GB, ep {:.2} GB",
+            c.dp / 1e9,
+            c.tp / 1e9,
+            c.pp / 1e9,
+            c.cp / 1e9,
+            c.ep / 1e9
+        );
+    }
+    println!(
+        "memory of the fullest GPU (capacity {:.1} GiB):",
+        gib(e.memory_capacity_bytes)
+    );
+    println!("{}", ledger_lines(&e.memory_per_gpu_bytes));
+    println!("feasible     {}", e.feasible);
+}

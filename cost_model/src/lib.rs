@@ -1,1 +1,30 @@
-//! cost model
+//! Brief overview: the cost model prices a model on a cluster.
+//!
+//! - [`Cluster`] is a validated cluster file (GPUs, NVLink, InfiniBand) in SI units.
+//! - [`CommModel`] prices collectives with the alpha-beta model, ring or tree, inside a
+//!   node or hierarchically across nodes.
+//! - [`PreparedGraph`] turns an `ir` graph into monomials once; [`estimate_train`] and
+//!   [`estimate_inference`] price one parallel configuration end to end into an
+//!   [`Estimate`] (the contract's JSON keys).
+//!
+//! Every calibration constant lives in [`calib`]. The cost model knows nothing of
+//! which plan is chosen.
+#![warn(missing_docs)]
+
+pub mod calib;
+pub mod cluster;
+pub mod collective;
+pub mod compute;
+pub mod estimate;
+pub mod graph_cost;
+pub mod memory;
+pub mod pipeline;
+
+pub use cluster::{load_cluster, parse_cluster_yaml, Cluster, GroupShape};
+pub use collective::{Collective, CommModel};
+pub use estimate::{
+    estimate_inference, estimate_train, flops_per_token_forward, prepare_model, replica_memory,
+    Estimate, InferenceLoad, Unsupported,
+};
+pub use graph_cost::PreparedGraph;
+pub use memory::MemoryLedger;

@@ -22,7 +22,14 @@ fn act_shape(width: u64) -> Vec<Dim> {
 }
 
 impl Builder {
-    fn tensor(&mut self, name: String, shape: Vec<Dim>, dtype: DType, kind: TensorKind, split: TpSplit) -> TensorId {
+    fn tensor(
+        &mut self,
+        name: String,
+        shape: Vec<Dim>,
+        dtype: DType,
+        kind: TensorKind,
+        split: TpSplit,
+    ) -> TensorId {
         let id = TensorId(self.tensors.len() as u32);
         self.tensors.push(Tensor {
             name,
@@ -65,7 +72,11 @@ impl Builder {
         let w = self.weight(format!("{name}.w"), &[in_width, out_width], w_split);
         let mut inputs = vec![x, w];
         if bias {
-            let b_split = if role == TpRole::RowParallel { TpSplit::Replicated } else { w_split };
+            let b_split = if role == TpRole::RowParallel {
+                TpSplit::Replicated
+            } else {
+                w_split
+            };
             inputs.push(self.weight(format!("{name}.b"), &[out_width], b_split));
         }
         let y = self.act(format!("{name}.out"), out_width, out_split);
@@ -82,8 +93,19 @@ impl Builder {
         y
     }
 
-    fn norm(&mut self, ops: &mut Vec<Op>, name: &str, x: TensorId, width: u64, kind: NormKind, split: TpSplit) -> TensorId {
-        let mut inputs = vec![x, self.weight(format!("{name}.w"), &[width], TpSplit::Replicated)];
+    fn norm(
+        &mut self,
+        ops: &mut Vec<Op>,
+        name: &str,
+        x: TensorId,
+        width: u64,
+        kind: NormKind,
+        split: TpSplit,
+    ) -> TensorId {
+        let mut inputs = vec![
+            x,
+            self.weight(format!("{name}.w"), &[width], TpSplit::Replicated),
+        ];
         if kind == NormKind::Layernorm {
             inputs.push(self.weight(format!("{name}.b"), &[width], TpSplit::Replicated));
         }
@@ -94,14 +116,24 @@ impl Builder {
             inputs,
             outputs: vec![y],
             saves: vec![x],
-            role: if split == TpSplit::Sharded { TpRole::Local } else { TpRole::Replicated },
+            role: if split == TpSplit::Sharded {
+                TpRole::Local
+            } else {
+                TpRole::Replicated
+            },
         });
         y
     }
 
     fn dropout(&mut self, ops: &mut Vec<Op>, name: &str, x: TensorId, width: u64) -> TensorId {
         let y = self.act(format!("{name}.out"), width, TpSplit::Replicated);
-        let mask = self.tensor(format!("{name}.mask"), act_shape(width), DType::U8, TensorKind::Mask, TpSplit::Replicated);
+        let mask = self.tensor(
+            format!("{name}.mask"),
+            act_shape(width),
+            DType::U8,
+            TensorKind::Mask,
+            TpSplit::Replicated,
+        );
         ops.push(Op {
             name: name.to_string(),
             kind: OpKind::Dropout,
@@ -113,7 +145,14 @@ impl Builder {
         y
     }
 
-    fn add(&mut self, ops: &mut Vec<Op>, name: &str, a: TensorId, b: TensorId, width: u64) -> TensorId {
+    fn add(
+        &mut self,
+        ops: &mut Vec<Op>,
+        name: &str,
+        a: TensorId,
+        b: TensorId,
+        width: u64,
+    ) -> TensorId {
         let y = self.act(format!("{name}.out"), width, TpSplit::Replicated);
         ops.push(Op {
             name: name.to_string(),
@@ -127,9 +166,24 @@ impl Builder {
     }
 
     /// A dense MLP: up (column), nonlinearity, down (row). Returns the output.
-    fn mlp(&mut self, ops: &mut Vec<Op>, prefix: &str, x: TensorId, t: &TransformerSpec, ffn: u64) -> TensorId {
+    fn mlp(
+        &mut self,
+        ops: &mut Vec<Op>,
+        prefix: &str,
+        x: TensorId,
+        t: &TransformerSpec,
+        ffn: u64,
+    ) -> TensorId {
         let up_width = ffn * if t.mlp == MlpKind::Swiglu { 2 } else { 1 };
-        let u = self.linear(ops, &format!("{prefix}.up"), x, t.hidden, up_width, t.bias, TpRole::ColumnParallel);
+        let u = self.linear(
+            ops,
+            &format!("{prefix}.up"),
+            x,
+            t.hidden,
+            up_width,
+            t.bias,
+            TpRole::ColumnParallel,
+        );
         let g = self.act(format!("{prefix}.act.out"), ffn, TpSplit::Sharded);
         ops.push(Op {
             name: format!("{prefix}.act"),
@@ -139,11 +193,29 @@ impl Builder {
             saves: vec![u],
             role: TpRole::Local,
         });
-        self.linear(ops, &format!("{prefix}.down"), g, ffn, t.hidden, t.bias, TpRole::RowParallel)
+        self.linear(
+            ops,
+            &format!("{prefix}.down"),
+            g,
+            ffn,
+            t.hidden,
+            t.bias,
+            TpRole::RowParallel,
+        )
     }
 
-    fn attention_core(&mut self, ops: &mut Vec<Op>, qkv: &[TensorId], t: &TransformerSpec, shape: AttentionShape) -> TensorId {
-        let out = self.act("block.attn.core.out".into(), shape.heads * shape.v_dim, TpSplit::Sharded);
+    fn attention_core(
+        &mut self,
+        ops: &mut Vec<Op>,
+        qkv: &[TensorId],
+        t: &TransformerSpec,
+        shape: AttentionShape,
+    ) -> TensorId {
+        let out = self.act(
+            "block.attn.core.out".into(),
+            shape.heads * shape.v_dim,
+            TpSplit::Sharded,
+        );
         ops.push(Op {
             name: "block.attn.core".into(),
             kind: OpKind::Attention(shape),
@@ -174,7 +246,15 @@ impl Builder {
     fn attention(&mut self, ops: &mut Vec<Op>, n1: TensorId, t: &TransformerSpec) -> TensorId {
         let qkv_width = (t.heads + 2 * t.kv_heads) * t.head_dim;
         let qkv_bias = t.bias || t.qkv_bias;
-        let mut qkv = self.linear(ops, "block.attn.qkv", n1, t.hidden, qkv_width, qkv_bias, TpRole::ColumnParallel);
+        let mut qkv = self.linear(
+            ops,
+            "block.attn.qkv",
+            n1,
+            t.hidden,
+            qkv_width,
+            qkv_bias,
+            TpRole::ColumnParallel,
+        );
         if t.position == PositionKind::Rope {
             qkv = self.rope(ops, "block.attn.rope", qkv, qkv_width);
         }
@@ -186,7 +266,15 @@ impl Builder {
             causal: true,
         };
         let core = self.attention_core(ops, &[qkv], t, shape);
-        self.linear(ops, "block.attn.proj", core, t.heads * t.head_dim, t.hidden, t.bias, TpRole::RowParallel)
+        self.linear(
+            ops,
+            "block.attn.proj",
+            core,
+            t.heads * t.head_dim,
+            t.hidden,
+            t.bias,
+            TpRole::RowParallel,
+        )
     }
 
     /// DeepSeek multi-head latent attention sub-block.
@@ -197,11 +285,42 @@ impl Builder {
         let qk_dim = m.qk_nope_head_dim + m.qk_rope_head_dim;
         let q = match m.q_lora_rank {
             Some(r) => {
-                let qa = self.linear(ops, "block.attn.q_a", n1, t.hidden, r, false, TpRole::Replicated);
-                let qn = self.norm(ops, "block.attn.q_a_norm", qa, r, NormKind::Rmsnorm, TpSplit::Replicated);
-                self.linear(ops, "block.attn.q_b", qn, r, t.heads * qk_dim, false, TpRole::ColumnParallel)
+                let qa = self.linear(
+                    ops,
+                    "block.attn.q_a",
+                    n1,
+                    t.hidden,
+                    r,
+                    false,
+                    TpRole::Replicated,
+                );
+                let qn = self.norm(
+                    ops,
+                    "block.attn.q_a_norm",
+                    qa,
+                    r,
+                    NormKind::Rmsnorm,
+                    TpSplit::Replicated,
+                );
+                self.linear(
+                    ops,
+                    "block.attn.q_b",
+                    qn,
+                    r,
+                    t.heads * qk_dim,
+                    false,
+                    TpRole::ColumnParallel,
+                )
             }
-            None => self.linear(ops, "block.attn.q", n1, t.hidden, t.heads * qk_dim, false, TpRole::ColumnParallel),
+            None => self.linear(
+                ops,
+                "block.attn.q",
+                n1,
+                t.hidden,
+                t.heads * qk_dim,
+                false,
+                TpRole::ColumnParallel,
+            ),
         };
         let kva = self.linear(
             ops,
@@ -212,7 +331,14 @@ impl Builder {
             false,
             TpRole::Replicated,
         );
-        let kvn = self.norm(ops, "block.attn.kv_a_norm", kva, m.kv_lora_rank, NormKind::Rmsnorm, TpSplit::Replicated);
+        let kvn = self.norm(
+            ops,
+            "block.attn.kv_a_norm",
+            kva,
+            m.kv_lora_rank,
+            NormKind::Rmsnorm,
+            TpSplit::Replicated,
+        );
         let kv = self.linear(
             ops,
             "block.attn.kv_b",
@@ -231,7 +357,15 @@ impl Builder {
             causal: true,
         };
         let core = self.attention_core(ops, &[q, kv], t, shape);
-        self.linear(ops, "block.attn.proj", core, t.heads * m.v_head_dim, t.hidden, false, TpRole::RowParallel)
+        self.linear(
+            ops,
+            "block.attn.proj",
+            core,
+            t.heads * m.v_head_dim,
+            t.hidden,
+            false,
+            TpRole::RowParallel,
+        )
     }
 
     fn block(&mut self, t: &TransformerSpec, moe: bool) -> Vec<Op> {
@@ -251,12 +385,29 @@ impl Builder {
         let n2 = self.norm(&mut ops, "block.norm2", x1, h, t.norm, TpSplit::Replicated);
         let mut f = match (&t.moe, moe) {
             (Some(m), true) => {
-                let logits = self.linear(&mut ops, "block.moe.router", n2, h, m.experts, false, TpRole::Replicated);
+                let logits = self.linear(
+                    &mut ops,
+                    "block.moe.router",
+                    n2,
+                    h,
+                    m.experts,
+                    false,
+                    TpRole::Replicated,
+                );
                 let gated = t.mlp == MlpKind::Swiglu;
                 let up_w = m.expert_ffn_hidden * if gated { 2 } else { 1 };
-                let w_up = self.weight("block.moe.experts.up.w".into(), &[m.experts, h, up_w], TpSplit::Experts);
-                let w_down = self.weight("block.moe.experts.down.w".into(), &[m.experts, m.expert_ffn_hidden, h], TpSplit::Experts);
+                let w_up = self.weight(
+                    "block.moe.experts.up.w".into(),
+                    &[m.experts, h, up_w],
+                    TpSplit::Experts,
+                );
+                let w_down = self.weight(
+                    "block.moe.experts.down.w".into(),
+                    &[m.experts, m.expert_ffn_hidden, h],
+                    TpSplit::Experts,
+                );
                 // Tokens as the experts see them: each token `top_k` times.
+                // Sharded: balanced routing spreads a tensor-parallel group's tokens over its ranks.
                 let routed = |b: &mut Builder, name: &str, width: u64| {
                     let dt = b.dtype;
                     b.tensor(
@@ -264,7 +415,7 @@ impl Builder {
                         vec![Dim::Batch, Dim::Seq, Dim::Fixed(m.top_k), Dim::Fixed(width)],
                         dt,
                         TensorKind::Activation,
-                        TpSplit::Replicated,
+                        TpSplit::Sharded,
                     )
                 };
                 let r_in = routed(self, "dispatched", h);
@@ -286,7 +437,8 @@ impl Builder {
                     role: TpRole::Experts,
                 });
                 if m.shared_experts > 0 {
-                    let sf = m.shared_experts * m.shared_expert_ffn_hidden.unwrap_or(m.expert_ffn_hidden);
+                    let sf = m.shared_experts
+                        * m.shared_expert_ffn_hidden.unwrap_or(m.expert_ffn_hidden);
                     let s = self.mlp(&mut ops, "block.moe.shared", n2, t, sf);
                     self.add(&mut ops, "block.moe.combine", y, s, h)
                 } else {
@@ -314,7 +466,13 @@ pub fn build_transformer(name: &str, t: &TransformerSpec, dtype: DType) -> Graph
 
     // Embedding.
     let mut ops = Vec::new();
-    let ids = b.tensor("tokens".into(), BS.to_vec(), DType::I32, TensorKind::Index, TpSplit::Replicated);
+    let ids = b.tensor(
+        "tokens".into(),
+        BS.to_vec(),
+        DType::I32,
+        TensorKind::Index,
+        TpSplit::Replicated,
+    );
     let wte = b.weight("embed.tokens.w".into(), &[t.vocab, h], TpSplit::Sharded);
     let tok = b.act("embed.tokens.out".into(), h, TpSplit::Replicated);
     ops.push(Op {
@@ -326,7 +484,11 @@ pub fn build_transformer(name: &str, t: &TransformerSpec, dtype: DType) -> Graph
         role: TpRole::VocabEmbedding,
     });
     if t.position == PositionKind::Learned {
-        let wpe = b.weight("embed.positions.w".into(), &[t.max_positions, h], TpSplit::Replicated);
+        let wpe = b.weight(
+            "embed.positions.w".into(),
+            &[t.max_positions, h],
+            TpSplit::Replicated,
+        );
         let pos = b.act("embed.positions.out".into(), h, TpSplit::Replicated);
         ops.push(Op {
             name: "embed.positions".into(),
@@ -376,19 +538,43 @@ pub fn build_transformer(name: &str, t: &TransformerSpec, dtype: DType) -> Graph
     } else {
         b.weight("head.lm.w".into(), &[h, t.vocab], TpSplit::Sharded)
     };
-    let logits = b.tensor("head.lm.out".into(), act_shape(t.vocab), DType::F32, TensorKind::Activation, TpSplit::Sharded);
+    let logits = b.tensor(
+        "head.lm.out".into(),
+        act_shape(t.vocab),
+        DType::F32,
+        TensorKind::Activation,
+        TpSplit::Sharded,
+    );
     // The tied table is stored `[vocab, hidden]`, hence the transposed signature.
-    let einsum = if t.tie_embeddings { "bsh,vh->bsv" } else { "bsh,hv->bsv" };
+    let einsum = if t.tie_embeddings {
+        "bsh,vh->bsv"
+    } else {
+        "bsh,hv->bsv"
+    };
     ops.push(Op {
         name: "head.lm".into(),
-        kind: OpKind::Matmul { einsum: einsum.into() },
+        kind: OpKind::Matmul {
+            einsum: einsum.into(),
+        },
         inputs: vec![n, w_head],
         outputs: vec![logits],
         saves: vec![n],
         role: TpRole::VocabHead,
     });
-    let labels = b.tensor("labels".into(), BS.to_vec(), DType::I32, TensorKind::Index, TpSplit::Replicated);
-    let loss = b.tensor("loss".into(), vec![], DType::F32, TensorKind::Activation, TpSplit::Replicated);
+    let labels = b.tensor(
+        "labels".into(),
+        BS.to_vec(),
+        DType::I32,
+        TensorKind::Index,
+        TpSplit::Replicated,
+    );
+    let loss = b.tensor(
+        "loss".into(),
+        vec![],
+        DType::F32,
+        TensorKind::Activation,
+        TpSplit::Replicated,
+    );
     ops.push(Op {
         name: "head.loss".into(),
         kind: OpKind::CrossEntropy { vocab: t.vocab },

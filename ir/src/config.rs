@@ -114,7 +114,8 @@ pub struct PartialConfig {
     pub attn: Option<AttnImpl>,
 }
 
-const KEYS: &str = "dp, tp, pp, cp, ep, mbs, zero, recompute, sp, vpp, schedule, dp_attention, attn";
+const KEYS: &str =
+    "dp, tp, pp, cp, ep, mbs, zero, recompute, sp, vpp, schedule, dp_attention, attn";
 
 fn bad(source: &str, key: &str, message: impl Into<String>) -> IrError {
     IrError::invalid(source, key, message)
@@ -122,7 +123,11 @@ fn bad(source: &str, key: &str, message: impl Into<String>) -> IrError {
 
 fn parse_degree(source: &str, key: &str, v: &str) -> Result<u64, IrError> {
     match v.parse::<u64>() {
-        Ok(0) | Err(_) => Err(bad(source, key, format!("expected a positive integer, got `{v}`"))),
+        Ok(0) | Err(_) => Err(bad(
+            source,
+            key,
+            format!("expected a positive integer, got `{v}`"),
+        )),
         Ok(n) => Ok(n),
     }
 }
@@ -131,7 +136,11 @@ fn parse_bool(source: &str, key: &str, v: &str) -> Result<bool, IrError> {
     match v {
         "true" | "1" | "yes" | "on" => Ok(true),
         "false" | "0" | "no" | "off" => Ok(false),
-        _ => Err(bad(source, key, format!("expected `true` or `false`, got `{v}`"))),
+        _ => Err(bad(
+            source,
+            key,
+            format!("expected `true` or `false`, got `{v}`"),
+        )),
     }
 }
 
@@ -142,7 +151,11 @@ impl PartialConfig {
         let mut c = PartialConfig::default();
         for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let Some((key, v)) = item.split_once('=') else {
-                return Err(bad(source, item, format!("expected `key=value`; keys are {KEYS}")));
+                return Err(bad(
+                    source,
+                    item,
+                    format!("expected `key=value`; keys are {KEYS}"),
+                ));
             };
             let (key, v) = (key.trim(), v.trim());
             match key {
@@ -159,7 +172,13 @@ impl PartialConfig {
                         "1" => 1,
                         "2" => 2,
                         "3" => 3,
-                        _ => return Err(bad(source, key, format!("expected 0, 1, 2 or 3, got `{v}`"))),
+                        _ => {
+                            return Err(bad(
+                                source,
+                                key,
+                                format!("expected 0, 1, 2 or 3, got `{v}`"),
+                            ))
+                        }
                     })
                 }
                 "recompute" => {
@@ -167,7 +186,13 @@ impl PartialConfig {
                         "none" => Recompute::None,
                         "selective" => Recompute::Selective,
                         "full" => Recompute::Full,
-                        _ => return Err(bad(source, key, format!("expected none, selective or full, got `{v}`"))),
+                        _ => {
+                            return Err(bad(
+                                source,
+                                key,
+                                format!("expected none, selective or full, got `{v}`"),
+                            ))
+                        }
                     })
                 }
                 "sp" => c.sp = Some(parse_bool(source, key, v)?),
@@ -177,14 +202,26 @@ impl PartialConfig {
                         "gpipe" => Schedule::Gpipe,
                         "1f1b" => Schedule::OneFOneB,
                         "interleaved" => Schedule::Interleaved,
-                        _ => return Err(bad(source, key, format!("expected gpipe, 1f1b or interleaved, got `{v}`"))),
+                        _ => {
+                            return Err(bad(
+                                source,
+                                key,
+                                format!("expected gpipe, 1f1b or interleaved, got `{v}`"),
+                            ))
+                        }
                     })
                 }
                 "attn" => {
                     c.attn = Some(match v {
                         "flash" => AttnImpl::Flash,
                         "unfused" => AttnImpl::Unfused,
-                        _ => return Err(bad(source, key, format!("expected flash or unfused, got `{v}`"))),
+                        _ => {
+                            return Err(bad(
+                                source,
+                                key,
+                                format!("expected flash or unfused, got `{v}`"),
+                            ))
+                        }
                     })
                 }
                 _ => return Err(bad(source, key, format!("unknown key; keys are {KEYS}"))),
@@ -229,7 +266,10 @@ impl PartialConfig {
             return Err(bad(
                 source,
                 "ep",
-                format!("ep({ep}) must divide dp({dp}) * tp({tp}) * cp({cp}) = {}", dp * tp * cp),
+                format!(
+                    "ep({ep}) must divide dp({dp}) * tp({tp}) * cp({cp}) = {}",
+                    dp * tp * cp
+                ),
             ));
         }
         let vpp = self.vpp.unwrap_or(1);
@@ -239,7 +279,11 @@ impl PartialConfig {
             None => Schedule::OneFOneB,
         };
         if vpp > 1 && schedule != Schedule::Interleaved {
-            return Err(bad(source, "vpp", format!("vpp({vpp}) > 1 needs schedule=interleaved")));
+            return Err(bad(
+                source,
+                "vpp",
+                format!("vpp({vpp}) > 1 needs schedule=interleaved"),
+            ));
         }
         if vpp > 1 && pp == 1 {
             return Err(bad(source, "vpp", format!("vpp({vpp}) > 1 needs pp > 1")));

@@ -55,11 +55,21 @@ pub struct Mono {
 
 impl Mono {
     /// Zero.
-    pub const ZERO: Mono = Mono { coef: 0.0, b: 0, s: 0, k: 0 };
+    pub const ZERO: Mono = Mono {
+        coef: 0.0,
+        b: 0,
+        s: 0,
+        k: 0,
+    };
 
     /// A constant.
     pub const fn constant(c: f64) -> Mono {
-        Mono { coef: c, b: 0, s: 0, k: 0 }
+        Mono {
+            coef: c,
+            b: 0,
+            s: 0,
+            k: 0,
+        }
     }
 
     /// The product of a shape's dims.
@@ -362,7 +372,12 @@ impl Graph {
         self.segments
             .iter()
             .map(|seg| {
-                seg.repeat as f64 * seg.ops.iter().map(|op| self.op_flops(op).eval(env)).sum::<f64>()
+                seg.repeat as f64
+                    * seg
+                        .ops
+                        .iter()
+                        .map(|op| self.op_flops(op).eval(env))
+                        .sum::<f64>()
             })
             .sum()
     }
@@ -382,7 +397,8 @@ pub fn einsum_flops(einsum: &str, a: &[Dim], b: &[Dim]) -> Result<Mono, IrError>
         op: format!("einsum `{einsum}`"),
         message,
     };
-    let (la, lb, lo) = einsum_parts(einsum).ok_or_else(|| shape_err("expected `ab,bc->ac` form".into()))?;
+    let (la, lb, lo) =
+        einsum_parts(einsum).ok_or_else(|| shape_err("expected `ab,bc->ac` form".into()))?;
     if la.chars().count() != a.len() || lb.chars().count() != b.len() {
         return Err(shape_err(format!(
             "operand ranks {} and {} do not match `{la}` and `{lb}`",
@@ -395,7 +411,9 @@ pub fn einsum_flops(einsum: &str, a: &[Dim], b: &[Dim]) -> Result<Mono, IrError>
         for (c, d) in letters.chars().zip(shape.iter()) {
             match sizes.iter().find(|(l, _)| *l == c) {
                 Some((_, prev)) if prev != d => {
-                    return Err(shape_err(format!("index `{c}` is {prev:?} in one operand and {d:?} in the other")))
+                    return Err(shape_err(format!(
+                        "index `{c}` is {prev:?} in one operand and {d:?} in the other"
+                    )))
                 }
                 Some(_) => {}
                 None => sizes.push((c, *d)),

@@ -25,6 +25,12 @@ pub use builder::build_transformer;
 pub use config::{AttnImpl, ParallelConfig, PartialConfig, Recompute, Schedule};
 pub use dtype::DType;
 pub use error::IrError;
-pub use graph::{Dim, DimEnv, Graph, Mono, Op, OpKind, Segment, SegmentKind, Tensor, TensorId, TensorKind, TpRole, TpSplit};
+pub use graph::{
+    Dim, DimEnv, Graph, Mono, Op, OpKind, Segment, SegmentKind, Tensor, TensorId, TensorKind,
+    TpRole, TpSplit,
+};
 pub use load::{load_model, model_graph, parse_model_yaml, WorkloadOverrides};
-pub use spec::{Architecture, MlaSpec, MlpKind, ModelSpec, MoeSpec, NormKind, PositionKind, TransformerSpec, Workload};
+pub use spec::{
+    Architecture, MlaSpec, MlpKind, ModelSpec, MoeSpec, NormKind, PositionKind, TransformerSpec,
+    Workload,
+};

@@ -49,11 +49,16 @@ pub fn parse_model_yaml(text: &str, file: &str) -> Result<ModelSpec, IrError> {
     raw.validate(file)
 }
 
-fn apply_overrides(spec: &mut ModelSpec, ov: &WorkloadOverrides, file: &str) -> Result<(), IrError> {
+fn apply_overrides(
+    spec: &mut ModelSpec,
+    ov: &WorkloadOverrides,
+    file: &str,
+) -> Result<(), IrError> {
     if let Some(wf) = &ov.workload_file {
         let wfile = wf.display().to_string();
         let text = read(wf)?;
-        let w: Workload = serde_yaml_ng::from_str(&text).map_err(|e| IrError::from_yaml(&wfile, &e))?;
+        let w: Workload =
+            serde_yaml_ng::from_str(&text).map_err(|e| IrError::from_yaml(&wfile, &e))?;
         w.validate(&wfile)?;
         spec.workload = Some(w);
     }

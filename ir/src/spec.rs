@@ -187,7 +187,7 @@ pub struct TransformerSpec {
     pub vocab: u64,
     /// LM head shares the embedding.
     pub tie_embeddings: bool,
-    /// Biases on every linear layer and on norms' shift (GPT style).
+    /// Biases on every linear layer (GPT style); a layernorm always has its shift.
     pub bias: bool,
     /// Biases on the QKV projections.
     pub qkv_bias: bool,
@@ -331,9 +331,24 @@ impl ModelSpec {
     }
 }
 
+/// Largest size any dim may have: products of a few dims must stay exact in `f64`
+/// and must not overflow `u64`.
+pub const DIM_MAX: u64 = 1 << 32;
+
 fn positive(file: &str, field: &str, v: u64) -> Result<u64, IrError> {
     if v == 0 {
-        return Err(IrError::invalid(file, field, "must be a positive integer, got 0"));
+        return Err(IrError::invalid(
+            file,
+            field,
+            "must be a positive integer, got 0",
+        ));
+    }
+    if v > DIM_MAX {
+        return Err(IrError::invalid(
+            file,
+            field,
+            format!("{v} is larger than the supported maximum {DIM_MAX}"),
+        ));
     }
     Ok(v)
 }
@@ -370,7 +385,11 @@ impl RawTransformer {
                 hidden / heads
             }
         };
-        let ffn_hidden = positive(file, &f("ffn_hidden"), self.ffn_hidden.unwrap_or(4 * hidden))?;
+        let ffn_hidden = positive(
+            file,
+            &f("ffn_hidden"),
+            self.ffn_hidden.unwrap_or(4 * hidden),
+        )?;
         let max_positions = match (self.position, self.max_positions) {
             (PositionKind::Learned, None) => {
                 return Err(IrError::invalid(
@@ -390,14 +409,20 @@ impl RawTransformer {
                 return Err(IrError::invalid(
                     file,
                     &f("moe.top_k"),
-                    format!("top_k({}) > experts({}): top_k must be at most experts", m.top_k, m.experts),
+                    format!(
+                        "top_k({}) > experts({}): top_k must be at most experts",
+                        m.top_k, m.experts
+                    ),
                 ));
             }
             if m.first_dense_layers > layers {
                 return Err(IrError::invalid(
                     file,
                     &f("moe.first_dense_layers"),
-                    format!("first_dense_layers({}) > layers({layers})", m.first_dense_layers),
+                    format!(
+                        "first_dense_layers({}) > layers({layers})",
+                        m.first_dense_layers
+                    ),
                 ));
             }
             if let Some(s) = m.shared_expert_ffn_hidden {
@@ -416,7 +441,11 @@ impl RawTransformer {
         for (name, v) in [("rope_theta", self.rope_theta), ("norm_eps", self.norm_eps)] {
             if let Some(v) = v {
                 if !(v.is_finite() && v > 0.0) {
-                    return Err(IrError::invalid(file, &f(name), format!("must be a positive number, got {v}")));
+                    return Err(IrError::invalid(
+                        file,
+                        &f(name),
+                        format!("must be a positive number, got {v}"),
+                    ));
                 }
             }
         }
@@ -473,10 +502,17 @@ impl Workload {
                 positive(file, "workload.output_len", *output_len)?;
                 positive(file, "workload.concurrency", *concurrency)?;
                 if let Some(s) = slo {
-                    for (name, v) in [("workload.slo.ttft_ms", s.ttft_ms), ("workload.slo.tpot_ms", s.tpot_ms)] {
+                    for (name, v) in [
+                        ("workload.slo.ttft_ms", s.ttft_ms),
+                        ("workload.slo.tpot_ms", s.tpot_ms),
+                    ] {
                         if let Some(v) = v {
                             if !(v.is_finite() && v > 0.0) {
-                                return Err(IrError::invalid(file, name, format!("must be a positive number, got {v}")));
+                                return Err(IrError::invalid(
+                                    file,
+                                    name,
+                                    format!("must be a positive number, got {v}"),
+                                ));
                             }
                         }
                     }

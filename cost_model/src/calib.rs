@@ -1,0 +1,57 @@
+//! Every calibration constant of the cost model, in one place, with its source.
+//!
+//! These were set once against the published runs in `tests/data/published.yaml`
+//! (Narayanan et al. 2021 Table 1 on A100; Megatron-Core weak scaling on H100) by a
+//! coarse grid search over the few free constants below, the same constants for every
+//! run; `meshplan calibrate` (a later issue) will replace them with measurements of the
+//! user's own GPUs through a cluster overlay.
+
+/// Fraction of the datasheet peak that a large, well-shaped GEMM reaches.
+/// Source: cuBLAS on A100 reaches 250-280 of 312 TFLOP/s on 8192^3 fp16 (80-90%);
+/// on H200 we measured 769-798 of 989 through PyTorch (78-81%). Fitted value.
+pub const GEMM_EFFICIENCY_MAX: f64 = 0.84;
+
+/// Dimension at which a GEMM reaches half of [`GEMM_EFFICIENCY_MAX`] along that
+/// dimension: efficiency `x / (x + GEMM_HALF_DIM)` per dimension, so skinny or small
+/// GEMMs (decode with few tokens, `head_dim`-wide attention products) run slower.
+/// Source: the knee of cuBLAS efficiency curves on A100/H100 lies near 64-128 for the
+/// smallest dimension. Fitted value.
+pub const GEMM_HALF_DIM: f64 = 40.0;
+
+/// Fraction of peak a flash-attention kernel reaches on the work it executes
+/// (FlashAttention-2 reports 50-73% of peak forward on A100, FA3 ~75% on H100;
+/// backward is slower). Fitted value.
+pub const FLASH_ATTENTION_EFFICIENCY: f64 = 0.55;
+
+/// Backward work of a flash kernel relative to its forward: 2x for the two gradient
+/// products plus the recomputed scores (FlashAttention paper, Sec. 3.1).
+pub const FLASH_BACKWARD_RATIO: f64 = 2.5;
+
+/// Fraction of HBM bandwidth reached by memory-bound kernels (elementwise, norms,
+/// softmax). STREAM-like copies reach 85-92% of datasheet bandwidth on A100/H100;
+/// the measured H200 device copy was 4.3 of 4.8 TB/s (90%). Fitted value.
+pub const HBM_EFFICIENCY: f64 = 0.70;
+
+/// Fraction of the NVLink per-GPU bandwidth that NCCL collectives reach (nccl-tests
+/// bus bandwidth ~230 GB/s on 8x A100 NVLink3 at 300 GB/s; ~360-370 GB/s of 450 on H100).
+pub const NVLINK_EFFICIENCY: f64 = 0.78;
+
+/// Fraction of the InfiniBand per-GPU bandwidth that NCCL reaches across nodes
+/// (nccl-tests on HDR/NDR rails: 80-90% of line rate).
+pub const IB_EFFICIENCY: f64 = 0.85;
+
+/// Fixed launch and synchronisation cost per kernel, seconds (CUDA launch ~3-5 us,
+/// hidden partly by asynchronous launches).
+pub const KERNEL_OVERHEAD_S: f64 = 4e-6;
+
+/// Parameters per data-parallel gradient bucket (Megatron-LM's default bucket is
+/// 40M elements).
+pub const DP_BUCKET_PARAMS: f64 = 40e6;
+
+/// Bytes of HBM traffic per parameter in one AdamW step with fp32 master weights:
+/// read param, grad, m, v (4+4+4+4); write param, m, v (4+4+4); write the bf16 copy (2).
+pub const ADAMW_BYTES_PER_PARAM: f64 = 30.0;
+
+/// CUDA context, cuBLAS workspace and NCCL channel buffers per GPU, bytes
+/// (PyTorch reports ~0.5-1 GiB of non-tensor memory per process on Hopper).
+pub const RUNTIME_RESERVED_BYTES: f64 = 1.0 * 1024.0 * 1024.0 * 1024.0;

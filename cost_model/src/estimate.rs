@@ -1,0 +1,903 @@
+//! One configuration evaluated end to end: training (pipeline simulated, data-parallel
+//! reduction overlapped with backward, optimizer step) and inference (prefill and
+//! decode). The same function serves `estimate`, `compare`, the planner's search and
+//! the executor's predicted column.
+
+use crate::calib;
+use crate::cluster::{Cluster, GroupShape};
+use crate::collective::{bytes_sent_per_rank, Collective, CommModel};
+use crate::compute::Roofline;
+use crate::graph_cost::{LayoutCtx, PreparedGraph, SegCost};
+use crate::memory::{model_state_bytes, MemoryLedger};
+use crate::pipeline::{simulate, PipelineInput};
+use meshplan_ir::{DimEnv, ParallelConfig, Recompute, SegmentKind, Workload};
+use serde::Serialize;
+
+/// Compute, exposed communication and bubble; they add up to the step time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct TimeBreakdown {
+    /// Kernels on the busiest GPU, recomputation and optimizer included.
+    pub compute: f64,
+    /// Communication not hidden behind compute.
+    pub exposed_comm: f64,
+    /// Pipeline idle time.
+    pub bubble: f64,
+}
+
+/// Bytes one GPU sends per step, by mesh axis.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct CommBytes {
+    /// Data axis (gradient reduction, ZeRO gathers).
+    pub dp: f64,
+    /// Tensor axis.
+    pub tp: f64,
+    /// Pipeline sends.
+    pub pp: f64,
+    /// Context axis.
+    pub cp: f64,
+    /// Expert axis.
+    pub ep: f64,
+}
+
+/// The contract's estimate keys.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Estimate {
+    /// Fits in memory and in the SLO (inference).
+    pub feasible: bool,
+    /// The configuration.
+    pub config: ParallelConfig,
+    /// One optimizer step (training) or one decode step (inference).
+    pub step_time_s: f64,
+    /// Tokens per second, whole cluster (output tokens for inference).
+    pub tokens_per_s: f64,
+    /// Model FLOPs (no recomputation) per second per GPU, in TFLOP/s.
+    pub model_tflops_per_gpu: f64,
+    /// Executed FLOPs (with recomputation) per second per GPU, in TFLOP/s.
+    pub hardware_tflops_per_gpu: f64,
+    /// Model FLOP utilisation.
+    pub mfu: f64,
+    /// Hardware FLOP utilisation.
+    pub hfu: f64,
+    /// Memory of the fullest GPU.
+    pub memory_per_gpu_bytes: MemoryLedger,
+    /// Where the step time goes.
+    pub time_breakdown_s: TimeBreakdown,
+    /// Bytes sent per GPU per step.
+    pub comm_bytes_per_gpu: CommBytes,
+    /// Micro-batches per step per pipeline.
+    pub microbatches: u64,
+    /// Bubble over step time.
+    pub bubble_fraction: f64,
+    /// GPU memory capacity.
+    pub memory_capacity_bytes: f64,
+    /// Inference: time to first token, s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttft_s: Option<f64>,
+    /// Inference: time per output token, s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tpot_s: Option<f64>,
+    /// Inference: generated tokens per second, whole deployment.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub output_tokens_per_s: Option<f64>,
+    /// Inference: requests whose KV cache fits at once.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_concurrency: Option<u64>,
+    /// Inference: KV cache tokens that fit, whole deployment.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kv_capacity_tokens: Option<f64>,
+    /// Why the configuration does not fit, when it does not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub infeasible_reason: Option<String>,
+}
+
+/// A configuration that cannot run at all on this model (as opposed to one that
+/// runs out of memory, which is an [`Estimate`] with `feasible: false`).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{reason}")]
+pub struct Unsupported {
+    /// What does not fit together, with the arithmetic.
+    pub reason: String,
+}
+
+fn unsupported(reason: String) -> Unsupported {
+    Unsupported { reason }
+}
+
+/// Checks the degrees against the model's shapes.
+pub fn check_shapes(pg: &PreparedGraph, cfg: &ParallelConfig, seq: u64) -> Result<(), Unsupported> {
+    if pg.heads > 0 && !cfg.dp_attention && pg.heads % cfg.tp != 0 {
+        return Err(unsupported(format!(
+            "heads({}) % tp({}) != 0: tp must divide the attention heads",
+            pg.heads, cfg.tp
+        )));
+    }
+    if pg.kv_heads > 0
+        && !cfg.dp_attention
+        && pg.kv_heads % cfg.tp != 0
+        && cfg.tp % pg.kv_heads != 0
+    {
+        return Err(unsupported(format!(
+            "kv_heads({}) and tp({}): one must divide the other (kv heads are split or replicated over tp)",
+            pg.kv_heads, cfg.tp
+        )));
+    }
+    if seq % cfg.cp != 0 {
+        return Err(unsupported(format!(
+            "seq_len({seq}) % cp({}) != 0: cp must divide the sequence",
+            cfg.cp
+        )));
+    }
+    if cfg.ep > 1 && pg.experts == 0 {
+        return Err(unsupported(format!(
+            "ep({}) > 1 on a dense model: ep applies to MoE layers",
+            cfg.ep
+        )));
+    }
+    if pg.experts > 0 && pg.experts % cfg.ep != 0 {
+        return Err(unsupported(format!(
+            "experts({}) % ep({}) != 0: ep must divide the experts",
+            pg.experts, cfg.ep
+        )));
+    }
+    let chunks = cfg.pp * cfg.vpp;
+    if pg.layers < chunks {
+        return Err(unsupported(format!(
+            "layers({}) < pp({}) * vpp({}) = {chunks}: every model chunk needs a layer",
+            pg.layers, cfg.pp, cfg.vpp
+        )));
+    }
+    if cfg.zero > 3 {
+        return Err(unsupported(format!(
+            "zero({}) must be 0, 1, 2 or 3",
+            cfg.zero
+        )));
+    }
+    Ok(())
+}
+
+/// Where the axes sit: tensor innermost, then context, data, and pipeline outermost
+/// (Megatron's order), experts on a contiguous block of ranks.
+#[derive(Clone, Copy, Debug)]
+pub struct Groups {
+    /// Tensor axis.
+    pub tp: GroupShape,
+    /// Context axis.
+    pub cp: GroupShape,
+    /// Data axis for dense weights (`dp * cp` ranks).
+    pub dp: GroupShape,
+    /// Expert axis.
+    pub ep: GroupShape,
+    /// Data axis for expert weights.
+    pub edp: GroupShape,
+    /// Consecutive pipeline stages share a node.
+    pub pp_same_node: bool,
+}
+
+impl Groups {
+    /// Groups of `cfg` on `cluster`.
+    pub fn new(cfg: &ParallelConfig, gpn: u64) -> Groups {
+        let dense_dp = cfg.dp * cfg.cp;
+        let stage = cfg.tp * cfg.cp * cfg.dp;
+        let edp = (stage / cfg.ep.max(1)).max(1);
+        Groups {
+            tp: GroupShape::of_axis(cfg.tp, 1, gpn),
+            cp: GroupShape::of_axis(cfg.cp, cfg.tp, gpn),
+            // The dense gradient group spans the context ranks too (inner to dp).
+            dp: GroupShape::of_axis(dense_dp, cfg.tp, gpn),
+            ep: GroupShape::of_axis(cfg.ep, 1, gpn),
+            edp: GroupShape::of_axis(edp, cfg.ep, gpn),
+            pp_same_node: stage < gpn,
+        }
+    }
+}
+
+/// Per-chunk sums of segment costs.
+#[derive(Clone, Copy, Debug, Default)]
+struct Chunk {
+    compute_f: f64,
+    compute_b: f64,
+    comm_f: f64,
+    comm_b: f64,
+    act: f64,
+    transient: f64,
+    params_dense: f64,
+    params_expert: f64,
+    tp_bytes: f64,
+    cp_bytes: f64,
+    ep_bytes: f64,
+    recompute_comm: f64,
+}
+
+impl Chunk {
+    fn add(&mut self, c: &SegCost, n: f64) {
+        // Recomputation's own communication is part of `recompute_s`; split it out so
+        // compute and communication are reported apart.
+        let recompute_comm =
+            if c.recompute_s > 0.0 && c.flops_recompute >= c.flops_fwd && c.flops_fwd > 0.0 {
+                c.comm_fwd_s
+            } else {
+                0.0
+            };
+        self.compute_f += n * c.fwd_s;
+        self.compute_b += n * (c.bwd_s + c.recompute_s - recompute_comm);
+        self.comm_f += n * c.comm_fwd_s;
+        self.comm_b += n * (c.comm_bwd_s + recompute_comm);
+        self.recompute_comm += n * recompute_comm;
+        self.act += n * c.act_bytes;
+        self.transient = self.transient.max(c.act_transient_bytes);
+        self.params_dense += n * c.params_dense;
+        self.params_expert += n * c.params_expert;
+        self.tp_bytes += n * c.tp_bytes;
+        self.cp_bytes += n * c.cp_bytes;
+        self.ep_bytes += n * c.ep_bytes;
+    }
+}
+
+/// Splits the segments' costs into `chunks` model chunks: blocks evenly by layer, the
+/// embedding on the first chunk and the head on the last.
+fn build_chunks(pg: &PreparedGraph, costs: &[SegCost], chunks: usize) -> (Vec<Chunk>, f64) {
+    let mut out = vec![Chunk::default(); chunks];
+    let total_layers = pg.layers as usize;
+    let mut layer = 0usize;
+    let mut shared = 0.0;
+    for ((kind, repeat), c) in pg.segment_kinds().zip(costs) {
+        match kind {
+            SegmentKind::Embed => {
+                out[0].add(c, 1.0);
+                shared = c.params_shared;
+            }
+            SegmentKind::Head => out[chunks - 1].add(c, 1.0),
+            SegmentKind::Block => {
+                let (start, end) = (layer, layer + repeat as usize);
+                for (j, ch) in out.iter_mut().enumerate() {
+                    let (lo, hi) = (j * total_layers / chunks, (j + 1) * total_layers / chunks);
+                    let n = hi.min(end).saturating_sub(lo.max(start));
+                    if n > 0 {
+                        ch.add(c, n as f64);
+                    }
+                }
+                layer = end;
+            }
+        }
+    }
+    // With one chunk the tied embedding is held once, not twice.
+    if chunks == 1 {
+        out[0].params_dense -= shared;
+    }
+    (out, shared)
+}
+
+/// Model FLOPs of one sequence's forward pass (matrix products and attention).
+fn forward_flops_per_sequence(pg: &PreparedGraph, env: &DimEnv) -> f64 {
+    pg.segment_kinds()
+        .zip(pg.segment_forward_flops(env))
+        .map(|((_, r), f)| r as f64 * f)
+        .sum()
+}
+
+/// Estimates one training configuration.
+pub fn estimate_train(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    seq_len: u64,
+    global_batch: u64,
+) -> Result<Estimate, Unsupported> {
+    let gpus = cluster.gpus();
+    if cfg.world_size() != gpus {
+        return Err(unsupported(format!(
+            "dp({}) * tp({}) * pp({}) * cp({}) = {} != GPUs({gpus})",
+            cfg.dp,
+            cfg.tp,
+            cfg.pp,
+            cfg.cp,
+            cfg.world_size()
+        )));
+    }
+    check_shapes(pg, cfg, seq_len)?;
+    let groups = Groups::new(cfg, cluster.gpus_per_node);
+    let roof = Roofline::new(&cluster.gpu, pg.dtype);
+    let comm = CommModel::new(cluster);
+    let seq = seq_len as f64;
+    let ctx = LayoutCtx {
+        tp: cfg.tp,
+        cp: cfg.cp,
+        ep: cfg.ep,
+        sp: cfg.sp && cfg.tp > 1,
+        attn: cfg.attn,
+        recompute: cfg.recompute,
+        env: DimEnv {
+            batch: cfg.mbs as f64,
+            seq,
+            kv: seq,
+        },
+        roof,
+        comm,
+        tp_group: groups.tp,
+        cp_group: groups.cp,
+        ep_group: groups.ep,
+        dp_attention: false,
+    };
+    let costs = ctx.price(pg);
+    let nchunks = (cfg.pp * cfg.vpp) as usize;
+    let (chunks, _) = build_chunks(pg, &costs, nchunks);
+    let microbatches = global_batch.div_ceil(cfg.dp * cfg.mbs);
+    let m = microbatches as f64;
+
+    // Pipeline.
+    let bpe = pg.dtype.size_bytes() as f64;
+    let p2p_bytes = pg.boundary_bytes_per_token / bpe * bpe * cfg.mbs as f64 * seq
+        / cfg.cp as f64
+        / if cfg.tp > 1 { cfg.tp as f64 } else { 1.0 };
+    let p2p_s = if cfg.pp > 1 {
+        comm.p2p_time_s(groups.pp_same_node, p2p_bytes)
+            + if cfg.tp > 1 {
+                // The receiver gathers the scattered activation over the tensor axis.
+                comm.time_s(Collective::AllGather, groups.tp, p2p_bytes * cfg.tp as f64)
+            } else {
+                0.0
+            }
+    } else {
+        0.0
+    };
+    let fwd: Vec<f64> = chunks.iter().map(|c| c.compute_f + c.comm_f).collect();
+    let bwd: Vec<f64> = chunks.iter().map(|c| c.compute_b + c.comm_b).collect();
+    let pipe = simulate(&PipelineInput {
+        pp: cfg.pp as usize,
+        vpp: cfg.vpp as usize,
+        microbatches: microbatches as usize,
+        forward_s: &fwd,
+        backward_s: &bwd,
+        p2p_s,
+        schedule: cfg.schedule,
+    });
+
+    // Per stage: data-parallel reduction, optimizer, memory.
+    let pp = cfg.pp as usize;
+    let dense_dp = cfg.dp * cfg.cp;
+    let expert_dp = (cfg.dp * cfg.cp * cfg.tp / cfg.ep).max(1);
+    let mut worst_mem = MemoryLedger::default();
+    let mut worst_tail = 0.0f64;
+    let mut dp_bytes_max = 0.0f64;
+    let mut crit = (0.0f64, 0.0f64, 0.0f64); // (compute, comm, dp+optimizer tail) of the busiest stage
+    for i in 0..pp {
+        let mine: Vec<&Chunk> = (0..cfg.vpp as usize).map(|c| &chunks[c * pp + i]).collect();
+        let dense: f64 = mine.iter().map(|c| c.params_dense).sum();
+        let expert: f64 = mine.iter().map(|c| c.params_expert).sum();
+        let compute: f64 = mine.iter().map(|c| c.compute_f + c.compute_b).sum::<f64>() * m;
+        let comm_s: f64 = mine.iter().map(|c| c.comm_f + c.comm_b).sum::<f64>() * m;
+        let last_bwd: f64 = mine.iter().map(|c| c.compute_b).sum::<f64>() / cfg.vpp as f64;
+        let fwd_bwd_mb: f64 = mine.iter().map(|c| c.compute_f + c.compute_b).sum();
+
+        // Gradient reduction: AllReduce (ZeRO 0), ReduceScatter + AllGather (1, 2),
+        // per micro-batch gathers and scatters (3).
+        let (dp_time, dp_bytes, exposed_dp) = {
+            let mut time = 0.0;
+            let mut bytes = 0.0;
+            let mut exposed = 0.0;
+            for (params, group, n) in [
+                (dense, groups.dp, dense_dp),
+                (expert, groups.edp, expert_dp),
+            ] {
+                if n <= 1 || params <= 0.0 {
+                    continue;
+                }
+                let g = params * bpe;
+                if cfg.zero >= 3 {
+                    let per_mb = 2.0 * comm.time_s(Collective::AllGather, group, g)
+                        + comm.time_s(Collective::ReduceScatter, group, g);
+                    let b = 2.0 * bytes_sent_per_rank(Collective::AllGather, n, g)
+                        + bytes_sent_per_rank(Collective::ReduceScatter, n, g);
+                    time += per_mb * m;
+                    bytes += b * m;
+                    // Prefetched gathers hide behind the micro-batch's compute.
+                    exposed += (per_mb - fwd_bwd_mb).max(0.0) * m
+                        + per_mb / (params / calib::DP_BUCKET_PARAMS).max(1.0);
+                } else {
+                    let t = if cfg.zero == 0 {
+                        comm.time_s(Collective::AllReduce, group, g)
+                    } else {
+                        comm.time_s(Collective::ReduceScatter, group, g)
+                            + comm.time_s(Collective::AllGather, group, g)
+                    };
+                    let b = if cfg.zero == 0 {
+                        bytes_sent_per_rank(Collective::AllReduce, n, g)
+                    } else {
+                        bytes_sent_per_rank(Collective::ReduceScatter, n, g)
+                            + bytes_sent_per_rank(Collective::AllGather, n, g)
+                    };
+                    time += t;
+                    bytes += b;
+                    // Buckets reduce while the last micro-batch's backward runs; the
+                    // last bucket is always exposed.
+                    let buckets = (params / calib::DP_BUCKET_PARAMS).ceil().max(1.0);
+                    exposed += (t - last_bwd).max(t / buckets);
+                }
+            }
+            (time, bytes, exposed)
+        };
+        let _ = dp_time;
+        let opt_params = dense / if cfg.zero >= 1 { dense_dp as f64 } else { 1.0 }
+            + expert / if cfg.zero >= 1 { expert_dp as f64 } else { 1.0 };
+        let optimizer_s = roof.memory_s(opt_params * calib::ADAMW_BYTES_PER_PARAM);
+        let tail = exposed_dp + optimizer_s;
+        worst_tail = worst_tail.max(tail);
+        dp_bytes_max = dp_bytes_max.max(dp_bytes);
+        if compute + comm_s > crit.0 + crit.1 {
+            crit = (compute + optimizer_s, comm_s + exposed_dp, tail);
+        }
+
+        // Memory.
+        let (pd, gd, od) = model_state_bytes(dense, dense_dp, cfg.zero);
+        let (pe, ge, oe) = model_state_bytes(expert, expert_dp, cfg.zero);
+        let act_per_mb = mine.iter().map(|c| c.act).fold(0.0, f64::max);
+        let transient = mine.iter().map(|c| c.transient).fold(0.0, f64::max);
+        let activations = pipe.max_in_flight[i] as f64 * act_per_mb + transient;
+        let bucket_buffers = 2.0 * (dense + expert).min(calib::DP_BUCKET_PARAMS) * bpe;
+        let ledger = MemoryLedger {
+            params: pd + pe,
+            grads: gd + ge,
+            optimizer: od + oe,
+            activations,
+            kv_cache: 0.0,
+            workspace: calib::RUNTIME_RESERVED_BYTES + bucket_buffers,
+            total: 0.0,
+        }
+        .summed();
+        if ledger.total > worst_mem.total {
+            worst_mem = ledger;
+        }
+    }
+    let step = pipe.makespan_s + worst_tail;
+    let compute = crit.0.min(step);
+    let exposed_comm = crit.1.min(step - compute);
+    let bubble = (step - compute - exposed_comm).max(0.0);
+
+    // FLOPs: model FLOPs from the unsharded graph, recomputation on top.
+    let global = LayoutCtx {
+        tp: 1,
+        cp: 1,
+        ep: 1,
+        sp: false,
+        env: DimEnv {
+            batch: 1.0,
+            seq,
+            kv: seq,
+        },
+        ..ctx
+    }
+    .price(pg);
+    let fwd_per_seq = forward_flops_per_sequence(
+        pg,
+        &DimEnv {
+            batch: 1.0,
+            seq,
+            kv: seq,
+        },
+    );
+    let recompute_per_seq: f64 = pg
+        .segment_kinds()
+        .zip(&global)
+        .filter(|((k, _), _)| *k == SegmentKind::Block)
+        .map(|((_, r), c)| r as f64 * c.flops_recompute)
+        .sum();
+    let model_flops = 3.0 * fwd_per_seq * global_batch as f64;
+    let hw_flops = model_flops + recompute_per_seq * global_batch as f64;
+    let peak = roof.peak_flops;
+    let model_tflops = model_flops / (gpus as f64 * step) / 1e12;
+    let hw_tflops = hw_flops / (gpus as f64 * step) / 1e12;
+
+    let tp_bytes = m
+        * (0..pp)
+            .map(|i| {
+                (0..cfg.vpp as usize)
+                    .map(|c| chunks[c * pp + i].tp_bytes)
+                    .sum::<f64>()
+            })
+            .fold(0.0, f64::max);
+    let cp_bytes = m
+        * (0..pp)
+            .map(|i| {
+                (0..cfg.vpp as usize)
+                    .map(|c| chunks[c * pp + i].cp_bytes)
+                    .sum::<f64>()
+            })
+            .fold(0.0, f64::max);
+    let ep_bytes = m
+        * (0..pp)
+            .map(|i| {
+                (0..cfg.vpp as usize)
+                    .map(|c| chunks[c * pp + i].ep_bytes)
+                    .sum::<f64>()
+            })
+            .fold(0.0, f64::max);
+    let pp_bytes = if cfg.pp > 1 {
+        2.0 * m * cfg.vpp as f64 * p2p_bytes
+    } else {
+        0.0
+    };
+
+    let capacity = cluster.gpu.memory_bytes;
+    let feasible = worst_mem.total <= capacity;
+    let infeasible_reason = (!feasible).then(|| {
+        format!(
+            "per-GPU memory {:.1} GiB > {:.1} GiB capacity (params {:.1}, grads {:.1}, optimizer {:.1}, activations {:.1} GiB)",
+            gib(worst_mem.total),
+            gib(capacity),
+            gib(worst_mem.params),
+            gib(worst_mem.grads),
+            gib(worst_mem.optimizer),
+            gib(worst_mem.activations)
+        )
+    });
+    Ok(Estimate {
+        feasible,
+        config: *cfg,
+        step_time_s: step,
+        tokens_per_s: global_batch as f64 * seq / step,
+        model_tflops_per_gpu: model_tflops,
+        hardware_tflops_per_gpu: hw_tflops,
+        mfu: model_tflops * 1e12 / peak,
+        hfu: hw_tflops * 1e12 / peak,
+        memory_per_gpu_bytes: worst_mem,
+        time_breakdown_s: TimeBreakdown {
+            compute,
+            exposed_comm,
+            bubble,
+        },
+        comm_bytes_per_gpu: CommBytes {
+            dp: dp_bytes_max,
+            tp: tp_bytes,
+            pp: pp_bytes,
+            cp: cp_bytes,
+            ep: ep_bytes,
+        },
+        microbatches,
+        bubble_fraction: bubble / step,
+        memory_capacity_bytes: capacity,
+        ttft_s: None,
+        tpot_s: None,
+        output_tokens_per_s: None,
+        max_concurrency: None,
+        kv_capacity_tokens: None,
+        infeasible_reason,
+    })
+}
+
+/// Bytes to GiB.
+pub fn gib(bytes: f64) -> f64 {
+    bytes / (1024.0 * 1024.0 * 1024.0)
+}
+
+/// Inference workload parameters.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct InferenceLoad {
+    /// Prompt tokens per request.
+    pub prompt_len: u64,
+    /// Generated tokens per request.
+    pub output_len: u64,
+    /// Requests decoded together, whole deployment.
+    pub concurrency: u64,
+    /// Time-to-first-token bound, s.
+    pub ttft_max_s: Option<f64>,
+    /// Time-per-output-token bound, s.
+    pub tpot_max_s: Option<f64>,
+}
+
+impl InferenceLoad {
+    /// From a workload, if it is an inference one.
+    pub fn from_workload(w: &Workload) -> Option<InferenceLoad> {
+        match w {
+            Workload::Inference {
+                prompt_len,
+                output_len,
+                concurrency,
+                slo,
+            } => Some(InferenceLoad {
+                prompt_len: *prompt_len,
+                output_len: *output_len,
+                concurrency: *concurrency,
+                ttft_max_s: slo.as_ref().and_then(|s| s.ttft_ms).map(|v| v / 1e3),
+                tpot_max_s: slo.as_ref().and_then(|s| s.tpot_ms).map(|v| v / 1e3),
+            }),
+            Workload::Train { .. } => None,
+        }
+    }
+}
+
+/// Estimates one inference configuration: prefill of one request for TTFT, a decode
+/// step of the deployment's concurrent requests at the mean context for TPOT.
+///
+/// # Assumptions
+/// `concurrency` requests are spread evenly over the `dp` replicas; pipeline stages
+/// run one after another for one batch (no micro-batching across stages), so PP adds
+/// capacity, not speed; the KV cache takes what memory the weights leave.
+pub fn estimate_inference(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    load: &InferenceLoad,
+) -> Result<Estimate, Unsupported> {
+    let gpus = cluster.gpus();
+    if cfg.world_size() != gpus {
+        return Err(unsupported(format!(
+            "dp({}) * tp({}) * pp({}) * cp({}) = {} != GPUs({gpus})",
+            cfg.dp,
+            cfg.tp,
+            cfg.pp,
+            cfg.cp,
+            cfg.world_size()
+        )));
+    }
+    check_shapes(pg, cfg, load.prompt_len.max(cfg.cp))?;
+    let groups = Groups::new(cfg, cluster.gpus_per_node);
+    let roof = Roofline::new(&cluster.gpu, pg.dtype);
+    let comm = CommModel::new(cluster);
+    let per_replica = load.concurrency.div_ceil(cfg.dp).max(1) as f64;
+    let base = LayoutCtx {
+        tp: cfg.tp,
+        cp: cfg.cp,
+        ep: cfg.ep,
+        sp: false,
+        attn: cfg.attn,
+        recompute: Recompute::None,
+        env: DimEnv {
+            batch: 1.0,
+            seq: load.prompt_len as f64,
+            kv: load.prompt_len as f64,
+        },
+        roof,
+        comm,
+        tp_group: groups.tp,
+        cp_group: groups.cp,
+        ep_group: groups.ep,
+        dp_attention: cfg.dp_attention,
+    };
+    let chunks_of = |ctx: &LayoutCtx| build_chunks(pg, &ctx.price(pg), cfg.pp as usize).0;
+    let bpe = pg.dtype.size_bytes() as f64;
+    let pp_hop = |tokens: f64| {
+        if cfg.pp > 1 {
+            (cfg.pp - 1) as f64
+                * comm.p2p_time_s(groups.pp_same_node, tokens * pg.boundary_bytes_per_token)
+        } else {
+            0.0
+        }
+    };
+    let forward_s = |chunks: &[crate::estimate::Chunk]| {
+        chunks.iter().map(|c| c.compute_f + c.comm_f).sum::<f64>()
+    };
+    let prefill = chunks_of(&base);
+    let ttft = forward_s(&prefill) + pp_hop(load.prompt_len as f64);
+    let mean_ctx = load.prompt_len as f64 + load.output_len as f64 / 2.0;
+    let decode_ctx = LayoutCtx {
+        env: DimEnv {
+            batch: per_replica,
+            seq: 1.0,
+            kv: mean_ctx,
+        },
+        cp: 1,
+        ..base
+    };
+    let decode = chunks_of(&decode_ctx);
+    let tpot = forward_s(&decode) + pp_hop(per_replica);
+
+    // Memory: weights of the fullest stage, the larger of the two steps' live
+    // activations, and the KV cache for this replica's share of requests.
+    let weights = decode
+        .iter()
+        .map(|c| (c.params_dense + c.params_expert) * bpe)
+        .fold(0.0, f64::max);
+    let live = prefill
+        .iter()
+        .chain(&decode)
+        .map(|c| c.act)
+        .fold(0.0, f64::max);
+    let layers_per_stage = (pg.layers as f64 / cfg.pp as f64).ceil();
+    // KV heads split over tp (replicated when fewer than tp); DP-attention keeps whole
+    // heads but only this rank's requests.
+    let kv_split = if cfg.dp_attention {
+        cfg.tp as f64
+    } else {
+        (cfg.tp as f64).min(pg.kv_heads.max(1) as f64)
+    };
+    let kv_per_token_gpu = layers_per_stage * pg.kv_bytes_per_token_layer / kv_split;
+    let ctx_tokens = (load.prompt_len + load.output_len) as f64;
+    let kv_need = per_replica * ctx_tokens * kv_per_token_gpu;
+    let workspace = calib::RUNTIME_RESERVED_BYTES;
+    let capacity = cluster.gpu.memory_bytes;
+    let free = (capacity - weights - live - workspace).max(0.0);
+    let kv_tokens_replica = if kv_per_token_gpu > 0.0 {
+        free / kv_per_token_gpu * 1.0
+    } else {
+        f64::INFINITY
+    };
+    // A replica's KV tokens are spread over its tp ranks (or its requests over them).
+    let kv_capacity_tokens = kv_tokens_replica * cfg.dp as f64;
+    let max_concurrency = (kv_capacity_tokens / ctx_tokens)
+        .floor()
+        .min(u64::MAX as f64) as u64;
+    let ledger = MemoryLedger {
+        params: weights,
+        grads: 0.0,
+        optimizer: 0.0,
+        activations: live,
+        kv_cache: kv_need,
+        workspace,
+        total: 0.0,
+    }
+    .summed();
+    let mut reasons = Vec::new();
+    if ledger.total > capacity {
+        reasons.push(format!(
+            "per-GPU memory {:.1} GiB > {:.1} GiB capacity (weights {:.1}, KV cache {:.1} GiB)",
+            gib(ledger.total),
+            gib(capacity),
+            gib(weights),
+            gib(kv_need)
+        ));
+    }
+    if let Some(b) = load.ttft_max_s {
+        if ttft > b {
+            reasons.push(format!("TTFT {:.1} ms > SLO {:.1} ms", ttft * 1e3, b * 1e3));
+        }
+    }
+    if let Some(b) = load.tpot_max_s {
+        if tpot > b {
+            reasons.push(format!("TPOT {:.2} ms > SLO {:.2} ms", tpot * 1e3, b * 1e3));
+        }
+    }
+    let output_tps = load.concurrency as f64 / tpot;
+    let flops_per_token = forward_flops_per_sequence(
+        pg,
+        &DimEnv {
+            batch: 1.0,
+            seq: 1.0,
+            kv: mean_ctx,
+        },
+    );
+    let tflops = output_tps * flops_per_token / gpus as f64 / 1e12;
+    let tp_bytes: f64 = decode.iter().map(|c| c.tp_bytes).sum();
+    let ep_bytes: f64 = decode.iter().map(|c| c.ep_bytes).sum();
+    Ok(Estimate {
+        feasible: reasons.is_empty(),
+        config: *cfg,
+        step_time_s: tpot,
+        tokens_per_s: output_tps,
+        model_tflops_per_gpu: tflops,
+        hardware_tflops_per_gpu: tflops,
+        mfu: tflops * 1e12 / roof.peak_flops,
+        hfu: tflops * 1e12 / roof.peak_flops,
+        memory_per_gpu_bytes: ledger,
+        time_breakdown_s: TimeBreakdown {
+            compute: decode.iter().map(|c| c.compute_f).sum(),
+            exposed_comm: decode.iter().map(|c| c.comm_f).sum::<f64>() + pp_hop(per_replica),
+            bubble: 0.0,
+        },
+        comm_bytes_per_gpu: CommBytes {
+            dp: 0.0,
+            tp: tp_bytes,
+            pp: if cfg.pp > 1 {
+                per_replica * pg.boundary_bytes_per_token
+            } else {
+                0.0
+            },
+            cp: 0.0,
+            ep: ep_bytes,
+        },
+        microbatches: 1,
+        bubble_fraction: 0.0,
+        memory_capacity_bytes: capacity,
+        ttft_s: Some(ttft),
+        tpot_s: Some(tpot),
+        output_tokens_per_s: Some(output_tps),
+        max_concurrency: Some(max_concurrency),
+        kv_capacity_tokens: Some(kv_capacity_tokens),
+        infeasible_reason: (!reasons.is_empty()).then(|| reasons.join("; ")),
+    })
+}
+
+/// Prepares a model for pricing: builds its graph and takes the KV-cache size from
+/// the architecture (MLA caches a latent, not per-head keys and values).
+pub fn prepare_model(spec: &meshplan_ir::ModelSpec) -> Result<PreparedGraph, meshplan_ir::IrError> {
+    let graph = meshplan_ir::model_graph(spec)?;
+    let mut pg = PreparedGraph::new(&graph);
+    if let Some(t) = spec.transformer() {
+        pg.set_kv_bytes_per_token_layer(t.kv_cache_bytes_per_token_per_layer(spec.dtype) as f64);
+    }
+    Ok(pg)
+}
+
+/// FLOPs per token of the forward pass at a sequence length (attention at that context).
+pub fn flops_per_token_forward(pg: &PreparedGraph, seq: u64) -> f64 {
+    let s = seq as f64;
+    forward_flops_per_sequence(
+        pg,
+        &DimEnv {
+            batch: 1.0,
+            seq: s,
+            kv: s,
+        },
+    ) / s
+}
+
+/// The memory ledger of one unsharded replica: training states (16 bytes per
+/// parameter) and the activations of one sequence (flash attention, no
+/// recomputation), or for inference the weights and the KV cache of the workload.
+pub fn replica_memory(pg: &PreparedGraph, workload: &Workload) -> MemoryLedger {
+    let roof = Roofline {
+        peak_flops: 1e12,
+        hbm_bytes_per_s: 1e12,
+    };
+    let one = GroupShape {
+        size: 1,
+        per_node: 1,
+    };
+    let link = crate::cluster::Link {
+        bandwidth_bytes_per_s: 1e9,
+        latency_s: 0.0,
+    };
+    let ctx = |seq: f64| LayoutCtx {
+        tp: 1,
+        cp: 1,
+        ep: 1,
+        sp: false,
+        attn: meshplan_ir::AttnImpl::Flash,
+        recompute: Recompute::None,
+        env: DimEnv {
+            batch: 1.0,
+            seq,
+            kv: seq,
+        },
+        roof,
+        comm: CommModel::exact(link, link),
+        tp_group: one,
+        cp_group: one,
+        ep_group: one,
+        dp_attention: false,
+    };
+    let p = pg.params_total;
+    let bpe = pg.dtype.size_bytes() as f64;
+    match workload {
+        Workload::Train { seq_len, .. } => {
+            let costs = ctx(*seq_len as f64).price(pg);
+            let act: f64 = pg
+                .segment_kinds()
+                .zip(&costs)
+                .map(|((_, r), c)| r as f64 * c.act_bytes)
+                .sum();
+            let (params, grads, optimizer) = model_state_bytes(p, 1, 0);
+            MemoryLedger {
+                params,
+                grads,
+                optimizer,
+                activations: act,
+                kv_cache: 0.0,
+                workspace: calib::RUNTIME_RESERVED_BYTES,
+                total: 0.0,
+            }
+            .summed()
+        }
+        Workload::Inference {
+            prompt_len,
+            output_len,
+            concurrency,
+            ..
+        } => {
+            let tokens = (*concurrency * (*prompt_len + *output_len)) as f64;
+            MemoryLedger {
+                params: p * bpe,
+                grads: 0.0,
+                optimizer: 0.0,
+                activations: 0.0,
+                kv_cache: crate::memory::kv_cache_bytes(
+                    pg.layers,
+                    tokens,
+                    pg.kv_bytes_per_token_layer,
+                ),
+                workspace: calib::RUNTIME_RESERVED_BYTES,
+                total: 0.0,
+            }
+            .summed()
+        }
+    }
+}
