@@ -6,22 +6,51 @@
 //! run; `meshplan calibrate` (a later issue) will replace them with measurements of the
 //! user's own GPUs through a cluster overlay.
 
-/// Fraction of the datasheet peak that a large, well-shaped GEMM reaches.
-/// Source: cuBLAS on A100 reaches 250-280 of 312 TFLOP/s on 8192^3 fp16 (80-90%);
-/// on H200 we measured 769-798 of 989 through PyTorch (78-81%). Fitted value.
-pub const GEMM_EFFICIENCY_MAX: f64 = 0.84;
+/// Fraction of the datasheet peak that large, well-shaped GEMMs reach inside a real
+/// training step (clocks under sustained load, fp16/bf16 casts, tile tails), for GPUs
+/// the table below does not name. Fitted value.
+pub const GEMM_EFFICIENCY_MAX: f64 = 0.75;
 
-/// Dimension at which a GEMM reaches half of [`GEMM_EFFICIENCY_MAX`] along that
+/// Per GPU family, the same fraction: the first entry whose key the GPU's name
+/// contains wins. A cluster file may set `gpu.gemm_efficiency` to override it (what
+/// `meshplan calibrate` measures).
+///
+/// Sources: A100 cuBLAS reaches 250-280 of 312 TFLOP/s on 8192^3 fp16 in isolation;
+/// Hopper parts are power-limited well below their 989 TFLOP/s datasheet peak
+/// (we measured 769-798 on an H200 for one 8192^3 product; sustained training runs
+/// lower). The values themselves were fitted on the published runs.
+pub const GEMM_EFFICIENCY_BY_GPU: &[(&str, f64)] = &[
+    ("A100", 0.70),
+    ("H100", 0.62),
+    ("H200", 0.62),
+    ("H800", 0.62),
+];
+
+/// The GEMM efficiency maximum for a GPU name.
+pub fn gemm_efficiency_for(gpu_name: &str) -> f64 {
+    GEMM_EFFICIENCY_BY_GPU
+        .iter()
+        .find(|(k, _)| gpu_name.contains(k))
+        .map_or(GEMM_EFFICIENCY_MAX, |(_, v)| *v)
+}
+
+/// With tensor-parallel communication overlapped with the adjacent GEMMs
+/// (Megatron-Core `--tp-comm-overlap`), the share of each collective that stays
+/// exposed: the first chunk of a pipelined AllGather/ReduceScatter cannot overlap.
+pub const TP_OVERLAP_EXPOSED_SHARE: f64 = 0.2;
+
+/// Dimension at which a GEMM reaches half of its maximum efficiency along that
 /// dimension: efficiency `x / (x + GEMM_HALF_DIM)` per dimension, so skinny or small
 /// GEMMs (decode with few tokens, `head_dim`-wide attention products) run slower.
 /// Source: the knee of cuBLAS efficiency curves on A100/H100 lies near 64-128 for the
 /// smallest dimension. Fitted value.
 pub const GEMM_HALF_DIM: f64 = 40.0;
 
-/// Fraction of peak a flash-attention kernel reaches on the work it executes
-/// (FlashAttention-2 reports 50-73% of peak forward on A100, FA3 ~75% on H100;
-/// backward is slower). Fitted value.
-pub const FLASH_ATTENTION_EFFICIENCY: f64 = 0.55;
+/// Fraction of peak a flash-attention kernel reaches on the work it executes.
+/// FlashAttention-2 reaches ~350 of 989 TFLOP/s forward on H100 at head_dim 128 and
+/// less backward (FlashAttention-3 paper, Fig. 1-2); the H100 runs replayed here predate
+/// FA3. Fitted value (only the H100 runs use a flash kernel).
+pub const FLASH_ATTENTION_EFFICIENCY: f64 = 0.35;
 
 /// Backward work of a flash kernel relative to its forward: 2x for the two gradient
 /// products plus the recomputed scores (FlashAttention paper, Sec. 3.1).
@@ -40,9 +69,10 @@ pub const NVLINK_EFFICIENCY: f64 = 0.78;
 /// (nccl-tests on HDR/NDR rails: 80-90% of line rate).
 pub const IB_EFFICIENCY: f64 = 0.85;
 
-/// Fixed launch and synchronisation cost per kernel, seconds (CUDA launch ~3-5 us,
-/// hidden partly by asynchronous launches).
-pub const KERNEL_OVERHEAD_S: f64 = 4e-6;
+/// Fixed cost per graph op and pass, seconds: one op of the graph is several kernels in
+/// a real framework (casts, bias, fused epilogues, layout changes) plus dispatch on the
+/// host, 3-5 us each. Fitted value; it is what separates small models from large ones.
+pub const KERNEL_OVERHEAD_S: f64 = 20e-6;
 
 /// Parameters per data-parallel gradient bucket (Megatron-LM's default bucket is
 /// 40M elements).

@@ -34,6 +34,9 @@ pub struct RawGpu {
     pub peak_tflops: RawPeaks,
     /// HBM bandwidth, GB/s.
     pub hbm_gbps: f64,
+    /// Fraction of peak that large GEMMs reach (measured); defaults per GPU family.
+    #[serde(default)]
+    pub gemm_efficiency: Option<f64>,
 }
 
 /// A link as written.
@@ -93,6 +96,8 @@ pub struct Gpu {
     pub peak_fp8_flops: f64,
     /// HBM bandwidth, bytes/s.
     pub hbm_bytes_per_s: f64,
+    /// Fraction of peak that large GEMMs reach.
+    pub gemm_efficiency: f64,
 }
 
 impl Gpu {
@@ -197,17 +202,30 @@ impl RawCluster {
             g.peak_tflops.fp8.unwrap_or(bf16),
         )?;
         let hbm = positive(file, "gpu.hbm_gbps", g.hbm_gbps)?;
+        let gemm_efficiency = match g.gemm_efficiency {
+            Some(e) if !(e.is_finite() && e > 0.0 && e <= 1.0) => {
+                return Err(IrError::invalid(
+                    file,
+                    "gpu.gemm_efficiency",
+                    format!("must be in (0, 1], got {e}"),
+                ))
+            }
+            Some(e) => e,
+            None => crate::calib::gemm_efficiency_for(&g.name),
+        };
         let intra = link(file, "intra_node", &self.intra_node)?;
         let inter = match &self.inter_node {
             Some(l) => link(file, "inter_node", l)?,
             None if nodes == 1 => intra,
-            None => return Err(IrError::invalid(
-                file,
-                "inter_node",
-                format!(
+            None => {
+                return Err(IrError::invalid(
+                    file,
+                    "inter_node",
+                    format!(
                     "missing: {nodes} nodes need an `inter_node` link (bandwidth_gbps, latency_us)"
                 ),
-            )),
+                ))
+            }
         };
         Ok(Cluster {
             name: self.name.clone(),
@@ -221,6 +239,7 @@ impl RawCluster {
                 peak_fp32_flops: fp32 * 1e12,
                 peak_fp8_flops: fp8 * 1e12,
                 hbm_bytes_per_s: hbm * 1e9,
+                gemm_efficiency,
             },
             intra,
             inter,

@@ -13,9 +13,9 @@ use meshplan_ir::DType;
 /// few rows (decode) or a short contraction (`head_dim`) runs slower. Wave
 /// quantisation and tile shapes are not modelled.
 #[inline]
-pub fn gemm_efficiency(m: f64, n: f64, k: f64) -> f64 {
+pub fn gemm_efficiency(max: f64, m: f64, n: f64, k: f64) -> f64 {
     let s = |x: f64| x / (x + calib::GEMM_HALF_DIM);
-    calib::GEMM_EFFICIENCY_MAX * s(m) * s(n) * s(k)
+    max * s(m) * s(n) * s(k)
 }
 
 /// Roofline throughput of one GPU for a compute dtype.
@@ -25,6 +25,8 @@ pub struct Roofline {
     pub peak_flops: f64,
     /// Achieved HBM bandwidth, bytes/s.
     pub hbm_bytes_per_s: f64,
+    /// Fraction of peak large GEMMs reach.
+    pub gemm_max: f64,
 }
 
 impl Roofline {
@@ -33,6 +35,7 @@ impl Roofline {
         Roofline {
             peak_flops: gpu.peak_flops(dtype),
             hbm_bytes_per_s: gpu.hbm_bytes_per_s * calib::HBM_EFFICIENCY,
+            gemm_max: gpu.gemm_efficiency,
         }
     }
 
@@ -43,7 +46,7 @@ impl Roofline {
         if flops <= 0.0 {
             return 0.0;
         }
-        let compute = flops / (self.peak_flops * gemm_efficiency(m, n, k));
+        let compute = flops / (self.peak_flops * gemm_efficiency(self.gemm_max, m, n, k));
         compute.max(bytes / self.hbm_bytes_per_s) + calib::KERNEL_OVERHEAD_S
     }
 
@@ -73,11 +76,11 @@ mod tests {
 
     #[test]
     fn efficiency_saturates_and_penalises_skinny() {
-        let big = gemm_efficiency(16384.0, 16384.0, 16384.0);
-        assert!(big > 0.99 * calib::GEMM_EFFICIENCY_MAX);
-        let decode = gemm_efficiency(8.0, 16384.0, 16384.0);
+        let big = gemm_efficiency(0.8, 16384.0, 16384.0, 16384.0);
+        assert!(big > 0.99 * 0.8);
+        let decode = gemm_efficiency(0.8, 8.0, 16384.0, 16384.0);
         assert!(decode < 0.25 * big);
-        let short_k = gemm_efficiency(4096.0, 4096.0, 64.0);
+        let short_k = gemm_efficiency(0.8, 4096.0, 4096.0, 64.0);
         assert!(short_k < 0.7 * big);
     }
 
@@ -86,6 +89,7 @@ mod tests {
         let r = Roofline {
             peak_flops: 100e12,
             hbm_bytes_per_s: 1e12,
+            gemm_max: 0.8,
         };
         let (m, n, k) = (4096.0, 4096.0, 4096.0);
         let t = r.gemm_s(1.0, m, n, k, 0.0);

@@ -317,6 +317,7 @@ pub fn estimate_train(
         cp_group: groups.cp,
         ep_group: groups.ep,
         dp_attention: false,
+        tp_overlap: cfg.tp_overlap,
     };
     let costs = ctx.price(pg);
     let nchunks = (cfg.pp * cfg.vpp) as usize;
@@ -652,6 +653,7 @@ pub fn estimate_inference(
         cp_group: groups.cp,
         ep_group: groups.ep,
         dp_attention: cfg.dp_attention,
+        tp_overlap: cfg.tp_overlap,
     };
     let chunks_of = |ctx: &LayoutCtx| build_chunks(pg, &ctx.price(pg), cfg.pp as usize).0;
     let bpe = pg.dtype.size_bytes() as f64;
@@ -827,6 +829,7 @@ pub fn replica_memory(pg: &PreparedGraph, workload: &Workload) -> MemoryLedger {
     let roof = Roofline {
         peak_flops: 1e12,
         hbm_bytes_per_s: 1e12,
+        gemm_max: calib::GEMM_EFFICIENCY_MAX,
     };
     let one = GroupShape {
         size: 1,
@@ -854,6 +857,7 @@ pub fn replica_memory(pg: &PreparedGraph, workload: &Workload) -> MemoryLedger {
         cp_group: one,
         ep_group: one,
         dp_attention: false,
+        tp_overlap: false,
     };
     let p = pg.params_total;
     let bpe = pg.dtype.size_bytes() as f64;

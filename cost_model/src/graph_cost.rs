@@ -386,6 +386,8 @@ pub struct LayoutCtx {
     pub cp_group: GroupShape,
     /// Where the expert axis sits.
     pub ep_group: GroupShape,
+    /// Tensor-parallel collectives overlapped with the adjacent GEMMs.
+    pub tp_overlap: bool,
     /// Batch split of attention over the tensor axis (inference DP-attention): the
     /// attention part runs data-parallel on the `tp` ranks with full weights.
     pub dp_attention: bool,
@@ -497,6 +499,9 @@ impl LayoutCtx {
         let mut attn_fwd_s = 0.0;
         let mut attn_bwd_s = 0.0;
         let mut attn_internal_bytes = 0.0;
+        // GEMM time of the tensor-parallel matmuls, which overlapped collectives hide behind.
+        let mut tp_gemm_fwd = 0.0;
+        let mut tp_gemm_bwd = 0.0;
         let mut flops_attn = 0.0;
         for op in &seg.ops {
             match &op.work {
@@ -505,9 +510,18 @@ impl LayoutCtx {
                     let w = batch * k * n * bpe;
                     let x = batch * m * k * bpe;
                     let y = batch * m * n * bpe;
-                    c.fwd_s += self.roof.gemm_s(batch, m, n, k, w + x + y);
-                    c.bwd_s += self.roof.gemm_s(batch, m, k, n, w + y + x)
+                    let f = self.roof.gemm_s(batch, m, n, k, w + x + y);
+                    let b = self.roof.gemm_s(batch, m, k, n, w + y + x)
                         + self.roof.gemm_s(batch, k, n, m, x + y + w);
+                    if matches!(
+                        op.role,
+                        TpRole::ColumnParallel | TpRole::RowParallel | TpRole::VocabHead
+                    ) {
+                        tp_gemm_fwd += f;
+                        tp_gemm_bwd += b;
+                    }
+                    c.fwd_s += f;
+                    c.bwd_s += b;
                     c.flops_fwd += 2.0 * batch * m * n * k;
                 }
                 Work::Attention(a) => {
@@ -591,7 +605,12 @@ impl LayoutCtx {
                 }
             }
         }
-        let (tp_fwd, tp_bwd) = (tp_f.0, tp_b.0);
+        let (mut tp_fwd, mut tp_bwd) = (tp_f.0, tp_b.0);
+        if self.tp_overlap {
+            let share = calib::TP_OVERLAP_EXPOSED_SHARE;
+            tp_fwd = (tp_fwd - tp_gemm_fwd).max(tp_fwd * share);
+            tp_bwd = (tp_bwd - tp_gemm_bwd).max(tp_bwd * share);
+        }
         let tp_bytes = tp_f.1 + tp_b.1;
         c.tp_bytes = tp_bytes;
         // Expert-parallel All-to-All: dispatch and combine, forward and backward.

@@ -74,6 +74,8 @@ pub struct ParallelConfig {
     pub dp_attention: bool,
     /// Attention kernel.
     pub attn: AttnImpl,
+    /// Tensor-parallel communication overlapped with the adjacent GEMMs.
+    pub tp_overlap: bool,
 }
 
 impl ParallelConfig {
@@ -112,6 +114,8 @@ pub struct PartialConfig {
     pub dp_attention: Option<bool>,
     /// `attn`.
     pub attn: Option<AttnImpl>,
+    /// `tp_overlap`.
+    pub tp_overlap: Option<bool>,
 }
 
 const KEYS: &str =
@@ -197,6 +201,7 @@ impl PartialConfig {
                 }
                 "sp" => c.sp = Some(parse_bool(source, key, v)?),
                 "dp_attention" => c.dp_attention = Some(parse_bool(source, key, v)?),
+                "tp_overlap" => c.tp_overlap = Some(parse_bool(source, key, v)?),
                 "schedule" => {
                     c.schedule = Some(match v {
                         "gpipe" => Schedule::Gpipe,
@@ -303,6 +308,7 @@ impl PartialConfig {
             schedule,
             dp_attention: self.dp_attention.unwrap_or(false),
             attn: self.attn.unwrap_or(AttnImpl::Flash),
+            tp_overlap: self.tp_overlap.unwrap_or(false),
         })
     }
 }
@@ -326,6 +332,9 @@ impl fmt::Display for ParallelConfig {
         )?;
         if self.dp_attention {
             write!(f, ",dp_attention=true")?;
+        }
+        if self.tp_overlap {
+            write!(f, ",tp_overlap=true")?;
         }
         if self.attn == AttnImpl::Unfused {
             write!(f, ",attn=unfused")?;

@@ -36,7 +36,7 @@
 //! | `layernorm`, `rmsnorm` | x[, scale[, shift]] `[last dim]` | shape of x | |
 //! | `rope` | n tensors | n tensors of the same shapes | |
 //! | `gelu` | x | shape of x | |
-//! | `swiglu` | x (last dim halved) or gate, up | | |
+//! | `swiglu` | x (gate and up packed), or gate, up | x with its last dim halved, or shape of gate | |
 //! | `attention` | qkv packed, or q, kv, or q, k, v | `heads * v_dim` per token | `heads`, `qk_dim`, `kv_heads` (= heads), `v_dim` (= qk_dim), `causal` (true) |
 //! | `add` | two or more of one shape | that shape | |
 //! | `dropout` | x | y[, mask] of the shape of x | |
@@ -44,7 +44,8 @@
 //! | `experts` | x `[.., hidden]`, router logits, w_up, w_down | y (shape of x), any | `experts`, `top_k`, `ffn`, `mlp` (gelu) |
 //! | `cross_entropy` | logits `[.., vocab]`, labels (index) | loss | `vocab` |
 //!
-//! Every tensor is produced by at most one op, and only by an op listed before its
+//! Sizes are positive and at most [`DIM_MAX`], as in the architecture form. Every
+//! tensor is produced by at most one op, and only by an op listed before its
 //! consumers; tensors that no op produces (and weights and index tensors) are the
 //! graph's inputs.
 

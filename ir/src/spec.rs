@@ -333,7 +333,7 @@ impl ModelSpec {
 
 /// Largest size any dim may have: products of a few dims must stay exact in `f64`
 /// and must not overflow `u64`.
-pub const DIM_MAX: u64 = 1 << 32;
+pub const DIM_MAX: u64 = 1 << 24;
 
 fn positive(file: &str, field: &str, v: u64) -> Result<u64, IrError> {
     if v == 0 {

@@ -600,7 +600,6 @@ proptest! {
 
     /// (a) with sizes near `u64::MAX`.
     #[test]
-    #[ignore = "builder.rs overflows `shared_experts * expert width`: spec.rs does not bound moe.shared_experts"]
     fn model_yaml_overflowing_sizes_never_panic(
         base in 0..YAML_BASES.len(),
         edits in prop::collection::vec(edit_strategy(), 1..3),
@@ -610,7 +609,6 @@ proptest! {
 
     /// (c) with sizes near `u64::MAX`.
     #[test]
-    #[ignore = "builder.rs overflows `shared_experts * expert width`: spec.rs does not bound moe.shared_experts"]
     fn hf_config_overflowing_sizes_never_panic(
         base in 0..JSON_BASES.len(),
         edits in prop::collection::vec(edit_strategy(), 1..3),
@@ -837,7 +835,6 @@ fn huge_head_dim_is_an_error_not_a_panic() {
 }
 
 #[test]
-#[ignore = "builder.rs overflows `shared_experts * expert width`: spec.rs does not bound moe.shared_experts"]
 fn huge_shared_experts_is_an_error_not_a_panic() {
     let text = MOE_YAML.replacen(
         "shared_experts: 1",
@@ -855,7 +852,6 @@ fn huge_shared_experts_is_an_error_not_a_panic() {
 }
 
 #[test]
-#[ignore = "builder.rs overflows `(heads + 2 * kv_heads) * head_dim` for sizes within spec.rs's DIM_MAX"]
 fn products_of_allowed_sizes_are_errors_not_panics() {
     let text = dense_with("  heads: 8\n", "  heads: 4294967296\n").replacen(
         "  head_dim: 32\n",

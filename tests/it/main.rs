@@ -1,2 +1,3 @@
+mod calibration;
 mod loaders;
 mod models;
