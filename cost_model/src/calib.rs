@@ -85,3 +85,7 @@ pub const ADAMW_BYTES_PER_PARAM: f64 = 30.0;
 /// CUDA context, cuBLAS workspace and NCCL channel buffers per GPU, bytes
 /// (PyTorch reports ~0.5-1 GiB of non-tensor memory per process on Hopper).
 pub const RUNTIME_RESERVED_BYTES: f64 = 1.0 * 1024.0 * 1024.0 * 1024.0;
+
+/// Tree AllReduce bandwidth cost relative to a ring's `2 M / bw` (assumed: nccl-tests
+/// bus bandwidth with `NCCL_ALGO=Tree` on large buffers is roughly two thirds of Ring's).
+pub const TREE_BANDWIDTH_FACTOR: f64 = 1.5;

@@ -54,16 +54,19 @@ pub fn ring_all_gather_s(n: u64, alpha_s: f64, bw_bytes_per_s: f64, bytes: f64) 
 }
 
 /// Tree AllReduce (NCCL's double binary tree): a reduce up and a broadcast down,
-/// pipelined, `2 log2(N)` latency steps, each link carrying the whole buffer.
+/// pipelined, `2 log2(N)` latency steps.
 ///
 /// # Assumptions
-/// The two trees split the buffer, so the bandwidth term is `M / bw` each way.
+/// Each phase moves the whole buffer through a node's links, and a tree keeps its links
+/// busy less evenly than a ring: the bandwidth term is
+/// `calib::TREE_BANDWIDTH_FACTOR x 2 M / bw`, so trees win on small messages (latency)
+/// and rings on large ones (bandwidth), as NCCL's tuner finds.
 pub fn tree_all_reduce_s(n: u64, alpha_s: f64, bw_bytes_per_s: f64, bytes: f64) -> f64 {
     if n <= 1 {
         return 0.0;
     }
     let depth = (n as f64).log2().ceil();
-    2.0 * depth * alpha_s + 2.0 * bytes / bw_bytes_per_s
+    2.0 * depth * alpha_s + crate::calib::TREE_BANDWIDTH_FACTOR * 2.0 * bytes / bw_bytes_per_s
 }
 
 /// Pairwise All-to-All: `N-1` exchanges, `(N-1)/N` of the send buffer leaves the rank.

@@ -94,7 +94,7 @@ mod tests {
         let (m, n, k) = (4096.0, 4096.0, 4096.0);
         let t = r.gemm_s(1.0, m, n, k, 0.0);
         let expect =
-            2.0 * m * n * k / (100e12 * gemm_efficiency(m, n, k)) + calib::KERNEL_OVERHEAD_S;
+            2.0 * m * n * k / (100e12 * gemm_efficiency(0.8, m, n, k)) + calib::KERNEL_OVERHEAD_S;
         assert!((t - expect).abs() < 1e-15);
         // A decode-shaped product is bound by reading its weights.
         let w_bytes = 2.0 * 8192.0 * 8192.0;

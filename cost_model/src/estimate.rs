@@ -203,6 +203,8 @@ struct Chunk {
     params_dense: f64,
     params_expert: f64,
     tp_bytes: f64,
+    tp_bytes_fwd: f64,
+    ep_bytes_fwd: f64,
     cp_bytes: f64,
     ep_bytes: f64,
     recompute_comm: f64,
@@ -228,6 +230,8 @@ impl Chunk {
         self.params_dense += n * c.params_dense;
         self.params_expert += n * c.params_expert;
         self.tp_bytes += n * c.tp_bytes;
+        self.tp_bytes_fwd += n * c.tp_bytes_fwd;
+        self.ep_bytes_fwd += n * c.ep_bytes_fwd;
         self.cp_bytes += n * c.cp_bytes;
         self.ep_bytes += n * c.ep_bytes;
     }
@@ -323,6 +327,12 @@ pub fn estimate_train(
     let nchunks = (cfg.pp * cfg.vpp) as usize;
     let (chunks, _) = build_chunks(pg, &costs, nchunks);
     let microbatches = global_batch.div_ceil(cfg.dp * cfg.mbs);
+    if cfg.vpp > 1 && microbatches % cfg.pp != 0 {
+        return Err(unsupported(format!(
+            "the interleaved schedule needs micro-batches ({microbatches} = ceil(global_batch({global_batch}) / (dp({}) * mbs({})))) to be a multiple of pp({}), as Megatron-LM requires",
+            cfg.dp, cfg.mbs, cfg.pp
+        )));
+    }
     let m = microbatches as f64;
 
     // Pipeline.
@@ -655,7 +665,12 @@ pub fn estimate_inference(
         dp_attention: cfg.dp_attention,
         tp_overlap: cfg.tp_overlap,
     };
-    let chunks_of = |ctx: &LayoutCtx| build_chunks(pg, &ctx.price(pg), cfg.pp as usize).0;
+    let chunks_of = |ctx: &LayoutCtx| {
+        let costs = ctx.price(pg);
+        // Inference keeps no activations for backward: one layer's tensors are live at a time.
+        let live = costs.iter().map(|c| c.act_bytes).fold(0.0, f64::max);
+        (build_chunks(pg, &costs, cfg.pp as usize).0, live)
+    };
     let bpe = pg.dtype.size_bytes() as f64;
     let pp_hop = |tokens: f64| {
         if cfg.pp > 1 {
@@ -668,7 +683,7 @@ pub fn estimate_inference(
     let forward_s = |chunks: &[crate::estimate::Chunk]| {
         chunks.iter().map(|c| c.compute_f + c.comm_f).sum::<f64>()
     };
-    let prefill = chunks_of(&base);
+    let (prefill, live_prefill) = chunks_of(&base);
     let ttft = forward_s(&prefill) + pp_hop(load.prompt_len as f64);
     let mean_ctx = load.prompt_len as f64 + load.output_len as f64 / 2.0;
     let decode_ctx = LayoutCtx {
@@ -680,7 +695,7 @@ pub fn estimate_inference(
         cp: 1,
         ..base
     };
-    let decode = chunks_of(&decode_ctx);
+    let (decode, live_decode) = chunks_of(&decode_ctx);
     let tpot = forward_s(&decode) + pp_hop(per_replica);
 
     // Memory: weights of the fullest stage, the larger of the two steps' live
@@ -758,8 +773,8 @@ pub fn estimate_inference(
         },
     );
     let tflops = output_tps * flops_per_token / gpus as f64 / 1e12;
-    let tp_bytes: f64 = decode.iter().map(|c| c.tp_bytes).sum();
-    let ep_bytes: f64 = decode.iter().map(|c| c.ep_bytes).sum();
+    let tp_bytes: f64 = decode.iter().map(|c| c.tp_bytes_fwd).sum();
+    let ep_bytes: f64 = decode.iter().map(|c| c.ep_bytes_fwd).sum();
     Ok(Estimate {
         feasible: reasons.is_empty(),
         config: *cfg,

@@ -416,6 +416,10 @@ pub struct SegCost {
     pub act_transient_bytes: f64,
     /// Bytes sent per GPU: tensor, context, expert axes (forward + backward + recompute).
     pub tp_bytes: f64,
+    /// Of `tp_bytes`, those sent in the forward pass (all of inference's).
+    pub tp_bytes_fwd: f64,
+    /// Of `ep_bytes`, those sent in the forward pass.
+    pub ep_bytes_fwd: f64,
     /// Context axis.
     pub cp_bytes: f64,
     /// Expert axis.
@@ -613,6 +617,7 @@ impl LayoutCtx {
         }
         let tp_bytes = tp_f.1 + tp_b.1;
         c.tp_bytes = tp_bytes;
+        c.tp_bytes_fwd = tp_f.1;
         // Expert-parallel All-to-All: dispatch and combine, forward and backward.
         let mut ep_fwd = 0.0;
         let mut ep_bwd = 0.0;
@@ -625,6 +630,8 @@ impl LayoutCtx {
                     ep_fwd += 2.0 * time;
                     ep_bwd += 2.0 * time;
                     c.ep_bytes += 4.0 * bytes_sent_per_rank(Collective::AllToAll, self.ep, bytes);
+                    c.ep_bytes_fwd +=
+                        2.0 * bytes_sent_per_rank(Collective::AllToAll, self.ep, bytes);
                 }
             }
         }

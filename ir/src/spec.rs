@@ -425,6 +425,16 @@ impl RawTransformer {
                     ),
                 ));
             }
+            if m.shared_experts > DIM_MAX {
+                return Err(IrError::invalid(
+                    file,
+                    &f("moe.shared_experts"),
+                    format!(
+                        "{} is larger than the supported maximum {DIM_MAX}",
+                        m.shared_experts
+                    ),
+                ));
+            }
             if let Some(s) = m.shared_expert_ffn_hidden {
                 positive(file, &f("moe.shared_expert_ffn_hidden"), s)?;
             }

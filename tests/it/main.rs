@@ -1,3 +1,6 @@
 mod calibration;
+mod cli;
+mod cost;
 mod loaders;
 mod models;
+mod tidy;

@@ -1,0 +1,548 @@
+//! The `meshplan` binary end to end: `inspect --json` and `estimate --json` print the
+//! contract's keys (shared/design/CONTRACT.md), bad input exits 2, a configuration
+//! that does not fit exits 3 with the arithmetic, and nothing panics.
+//!
+//! The binary is built once per test run (`cargo build --bin meshplan`, a no-op when
+//! it is fresh) into the workspace's `target/debug`.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Once;
+
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+const BIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/meshplan");
+
+static BUILD: Once = Once::new();
+
+/// The binary, built on first use.
+fn binary() -> &'static Path {
+    BUILD.call_once(|| {
+        let out = Command::new(env!("CARGO"))
+            .args(["build", "--bin", "meshplan", "--target-dir"])
+            .arg(PathBuf::from(ROOT).join("target"))
+            .current_dir(ROOT)
+            .output();
+        let ok = matches!(&out, Ok(o) if o.status.success());
+        if !ok {
+            let why = match out {
+                Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
+                Err(e) => e.to_string(),
+            };
+            // A tree mid-edit may not build; an earlier binary is better than none.
+            assert!(
+                Path::new(BIN).exists(),
+                "cannot build the meshplan binary:\n{why}"
+            );
+            eprintln!(
+                "warning: `cargo build --bin meshplan` failed; testing the existing {BIN}:\n{why}"
+            );
+        }
+    });
+    Path::new(BIN)
+}
+
+/// One run of the binary.
+struct Run {
+    args: String,
+    code: i32,
+    stdout: String,
+    stderr: String,
+}
+
+impl Run {
+    #[track_caller]
+    fn expect_code(&self, code: i32) -> &Self {
+        assert_eq!(
+            self.code, code,
+            "meshplan {}: exit {} (want {code})\nstdout:\n{}\nstderr:\n{}",
+            self.args, self.code, self.stdout, self.stderr
+        );
+        self
+    }
+
+    #[track_caller]
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.stdout).unwrap_or_else(|e| {
+            panic!(
+                "meshplan {}: stdout is not one JSON object ({e}):\n{}",
+                self.args, self.stdout
+            )
+        })
+    }
+
+    #[track_caller]
+    fn stderr_has(&self, needles: &[&str]) -> &Self {
+        for n in needles {
+            assert!(
+                self.stderr.contains(n),
+                "meshplan {}: stderr lacks `{n}`:\n{}",
+                self.args,
+                self.stderr
+            );
+        }
+        self
+    }
+}
+
+/// Runs `meshplan ARGS` in the workspace root; never a panic.
+#[track_caller]
+fn meshplan(args: &[&str]) -> Run {
+    let out = Command::new(binary())
+        .args(args)
+        .current_dir(ROOT)
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {BIN}: {e}"));
+    let run = Run {
+        args: args.join(" "),
+        code: out.status.code().unwrap_or(-1),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    };
+    assert!(
+        !run.stderr.contains("panicked"),
+        "meshplan {} panicked:\n{}",
+        run.args,
+        run.stderr
+    );
+    assert!(
+        out.status.code().is_some(),
+        "meshplan {} was killed by a signal",
+        run.args
+    );
+    run
+}
+
+/// A file in the temporary directory, unique to this process and test.
+fn temp_file(name: &str, text: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("meshplan-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("temp file");
+    path
+}
+
+#[track_caller]
+fn number(v: &Value, key: &str) -> f64 {
+    v.get(key)
+        .and_then(Value::as_f64)
+        .unwrap_or_else(|| panic!("key `{key}` missing or not a number in {v}"))
+}
+
+#[track_caller]
+fn object<'a>(v: &'a Value, key: &str, keys: &[&str]) -> &'a Value {
+    let o = v
+        .get(key)
+        .filter(|o| o.is_object())
+        .unwrap_or_else(|| panic!("key `{key}` missing or not an object in {v}"));
+    for k in keys {
+        number(o, k);
+    }
+    o
+}
+
+const MEMORY_KEYS: &[&str] = &[
+    "params",
+    "grads",
+    "optimizer",
+    "activations",
+    "kv_cache",
+    "workspace",
+    "total",
+];
+
+/// Every key of the contract's estimate output, with its type.
+#[track_caller]
+fn check_estimate_keys(v: &Value) {
+    assert!(v.get("feasible").is_some_and(Value::is_boolean), "{v}");
+    let cfg = v.get("config").expect("config");
+    for k in ["dp", "tp", "pp", "cp", "ep", "mbs", "zero", "vpp"] {
+        assert!(cfg.get(k).is_some_and(Value::is_u64), "config.{k} in {cfg}");
+    }
+    for k in ["recompute", "schedule"] {
+        assert!(
+            cfg.get(k).is_some_and(Value::is_string),
+            "config.{k} in {cfg}"
+        );
+    }
+    assert!(cfg.get("sp").is_some_and(Value::is_boolean), "config.sp");
+    for k in [
+        "step_time_s",
+        "tokens_per_s",
+        "model_tflops_per_gpu",
+        "hardware_tflops_per_gpu",
+        "mfu",
+        "hfu",
+    ] {
+        number(v, k);
+    }
+    let m = object(v, "memory_per_gpu_bytes", MEMORY_KEYS);
+    let parts: f64 = MEMORY_KEYS[..6].iter().map(|k| number(m, k)).sum();
+    let total = number(m, "total");
+    assert!((parts - total).abs() <= 1e-9 * total, "{m}");
+    let t = object(
+        v,
+        "time_breakdown_s",
+        &["compute", "exposed_comm", "bubble"],
+    );
+    let step = number(v, "step_time_s");
+    let sum = number(t, "compute") + number(t, "exposed_comm") + number(t, "bubble");
+    assert!(step > 0.0);
+    assert!((sum - step).abs() <= 1e-9 * step, "{t} vs {step}");
+    object(v, "comm_bytes_per_gpu", &["dp", "tp", "pp", "cp", "ep"]);
+}
+
+// === inspect ===
+
+#[test]
+fn inspect_json_prints_the_contract_keys() {
+    // GPT-3 175B: 174,615,846,912 parameters; forward FLOPs per token at s = 2048:
+    // 24 L h^2 + 4 L s h + 2 h V = 358,814,318,592; training 3x.
+    let r = meshplan(&["inspect", "models/gpt3-175b.yaml", "--json"]);
+    r.expect_code(0);
+    let v = r.json();
+    assert_eq!(number(&v, "params_total"), 174_615_846_912.0);
+    assert_eq!(number(&v, "params_active"), 174_615_846_912.0);
+    assert_eq!(number(&v, "flops_per_token_forward"), 358_814_318_592.0);
+    assert_eq!(number(&v, "flops_per_token_train"), 3.0 * 358_814_318_592.0);
+    let m = object(&v, "memory_bytes", MEMORY_KEYS);
+    // 16 bytes per parameter of training state.
+    assert_eq!(
+        number(m, "params") + number(m, "grads") + number(m, "optimizer"),
+        16.0 * 174_615_846_912.0
+    );
+}
+
+#[test]
+fn inspect_moe_active_parameters() {
+    // Mixtral 8x7B: 46,702,792,704 total, 12,879,925,248 active (top 2 of 8).
+    let r = meshplan(&["inspect", "models/mixtral-8x7b.yaml", "--json"]);
+    r.expect_code(0);
+    let v = r.json();
+    assert_eq!(number(&v, "params_total"), 46_702_792_704.0);
+    assert_eq!(number(&v, "params_active"), 12_879_925_248.0);
+}
+
+#[test]
+fn inspect_inference_model_has_a_kv_cache() {
+    // 64 requests x 2304 tokens x 80 layers x 4096 bytes = 48,318,382,080.
+    let r = meshplan(&["inspect", "models/llama3-70b-inference.yaml", "--json"]);
+    r.expect_code(0);
+    let m = object(&r.json(), "memory_bytes", MEMORY_KEYS).clone();
+    assert_eq!(number(&m, "kv_cache"), 48_318_382_080.0);
+}
+
+#[test]
+fn inspect_text_goes_to_stdout_without_json() {
+    let r = meshplan(&["inspect", "models/gpt3-175b.yaml"]);
+    r.expect_code(0);
+    assert!(r.stdout.contains("gpt3-175b"), "{}", r.stdout);
+    assert!(serde_json::from_str::<Value>(&r.stdout).is_err());
+}
+
+// === estimate ===
+
+#[test]
+fn estimate_json_train_has_every_contract_key() {
+    // GPT-3 on 480 DGX A100 nodes, 8 x 8 x 60, full recomputation: fits, 26
+    // micro-batches (ceil(1536 / 60)).
+    let r = meshplan(&[
+        "estimate",
+        "models/gpt3-175b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--nodes",
+        "480",
+        "--config",
+        "dp=60,tp=8,pp=8,mbs=1,recompute=full",
+        "--json",
+    ]);
+    r.expect_code(0);
+    let v = r.json();
+    check_estimate_keys(&v);
+    assert_eq!(v["feasible"], Value::Bool(true));
+    let cfg = &v["config"];
+    assert_eq!(
+        (&cfg["dp"], &cfg["tp"], &cfg["pp"], &cfg["mbs"]),
+        (
+            &Value::from(60),
+            &Value::from(8),
+            &Value::from(8),
+            &Value::from(1)
+        )
+    );
+    assert_eq!(cfg["recompute"], Value::from("full"));
+    assert_eq!(v["microbatches"], Value::from(26));
+    // Tokens per step: 1536 x 2048.
+    let tokens = number(&v, "tokens_per_s") * number(&v, "step_time_s");
+    assert!((tokens - 1536.0 * 2048.0).abs() < 1e-6 * tokens, "{tokens}");
+    // Full recomputation: HFU / MFU = Eq. 3 / Eq. 7
+    //   = 96 (1 + s/6h + V/16lh) / (72 (1 + s/6h + V/12hl))
+    //   = 4/3 x 1.0304905 / 1.0313947 = 1.332164 for GPT-3.
+    let (s, h, l, vv) = (2048.0, 12288.0, 96.0, 51200.0);
+    let ratio = 96.0 * (1.0 + s / (6.0 * h) + vv / (16.0 * l * h))
+        / (72.0 * (1.0 + s / (6.0 * h) + vv / (12.0 * h * l)));
+    let got = number(&v, "hfu") / number(&v, "mfu");
+    assert!((got - ratio).abs() < 1e-9, "{got} vs {ratio}");
+    // Inference keys are absent from a training estimate.
+    assert!(v.get("ttft_s").is_none(), "{v}");
+}
+
+#[test]
+fn estimate_json_inference_has_the_inference_keys() {
+    let r = meshplan(&[
+        "estimate",
+        "models/llama3-70b-inference.yaml",
+        "topologies/h200-node.yaml",
+        "--config",
+        "tp=8",
+        "--json",
+    ]);
+    r.expect_code(0);
+    let v = r.json();
+    check_estimate_keys(&v);
+    for k in ["ttft_s", "tpot_s", "output_tokens_per_s"] {
+        assert!(number(&v, k) > 0.0, "{k} in {v}");
+    }
+    assert!(v.get("max_concurrency").is_some_and(Value::is_u64), "{v}");
+    // KV cache of 64 requests x 2304 tokens x 80 layers x 4096 bytes, over 8 kv heads
+    // on 8 ranks: 48,318,382,080 / 8 = 6,039,797,760 bytes per GPU.
+    assert_eq!(
+        number(&v["memory_per_gpu_bytes"], "kv_cache"),
+        6_039_797_760.0
+    );
+    // Output tokens per second: 64 requests / TPOT.
+    let tps = number(&v, "output_tokens_per_s");
+    let want = 64.0 / number(&v, "tpot_s");
+    assert!((tps - want).abs() <= 1e-9 * want, "{tps} vs {want}");
+}
+
+#[test]
+fn estimate_text_mode() {
+    let r = meshplan(&[
+        "estimate",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--config",
+        "tp=8",
+    ]);
+    r.expect_code(0);
+    assert!(r.stdout.contains("feasible"), "{}", r.stdout);
+    assert!(r.stdout.contains("GiB"), "{}", r.stdout);
+}
+
+#[test]
+fn hf_config_json_with_workload_flags() {
+    // Llama 3 8B from its Hugging Face config.json: 8,030,261,248 parameters.
+    let r = meshplan(&["inspect", "models/hf/llama3-8b.json", "--json"]);
+    r.expect_code(0);
+    assert_eq!(number(&r.json(), "params_total"), 8_030_261_248.0);
+    let r = meshplan(&[
+        "estimate",
+        "models/hf/llama3-8b.json",
+        "topologies/dgx-a100-80g.yaml",
+        "--config",
+        "tp=8",
+        "--seq-len",
+        "4096",
+        "--global-batch",
+        "64",
+        "--json",
+    ]);
+    r.expect_code(0);
+    let v = r.json();
+    check_estimate_keys(&v);
+    // dp = 1, mbs = 1: 64 micro-batches of one 4096-token sequence.
+    assert_eq!(v["microbatches"], Value::from(64));
+    let tokens = number(&v, "tokens_per_s") * number(&v, "step_time_s");
+    assert!((tokens - 64.0 * 4096.0).abs() < 1e-6 * tokens, "{tokens}");
+}
+
+// === exit 2: bad input ===
+
+#[test]
+fn missing_model_file_exits_2() {
+    let r = meshplan(&["inspect", "models/no-such-model.yaml", "--json"]);
+    r.expect_code(2).stderr_has(&["no-such-model.yaml"]);
+    assert!(r.stdout.trim().is_empty(), "{}", r.stdout);
+    let r = meshplan(&[
+        "estimate",
+        "models/gpt3-175b.yaml",
+        "topologies/no-such-cluster.yaml",
+        "--config",
+        "tp=8",
+    ]);
+    r.expect_code(2).stderr_has(&["no-such-cluster.yaml"]);
+}
+
+#[test]
+fn unknown_yaml_key_exits_2_naming_file_line_and_key() {
+    // `hiddenn` on line 4.
+    let path = temp_file(
+        "typo.yaml",
+        "name: typo\ntransformer:\n  layers: 2\n  hiddenn: 64\n  heads: 4\n  vocab: 100\n",
+    );
+    let p = path.to_str().unwrap();
+    let r = meshplan(&["inspect", p, "--json"]);
+    r.expect_code(2)
+        .stderr_has(&[p, &format!("{p}:4"), "hiddenn"]);
+    let r = meshplan(&[
+        "estimate",
+        p,
+        "topologies/dgx-a100-80g.yaml",
+        "--config",
+        "tp=1",
+    ]);
+    r.expect_code(2).stderr_has(&["hiddenn", ":4"]);
+}
+
+#[test]
+fn unknown_cluster_key_exits_2() {
+    let path = temp_file(
+        "cluster-typo.yaml",
+        "name: c\nnodes: 1\ngpus_per_node: 8\ngpu:\n  name: g\n  memory_gib: 80\n  \
+         peak_tflops: {bf16: 312, fp32: 19.5}\n  hbm_gbs: 2039\nintra_node:\n  link: nv\n  \
+         bandwidth_gbps: 300\n  latency_us: 3\n",
+    );
+    let p = path.to_str().unwrap();
+    let r = meshplan(&["estimate", "models/llama3-8b.yaml", p, "--config", "tp=8"]);
+    r.expect_code(2).stderr_has(&[p, "hbm_gbs"]);
+}
+
+#[test]
+fn bad_config_key_exits_2() {
+    let r = meshplan(&[
+        "estimate",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--config",
+        "tq=8",
+    ]);
+    r.expect_code(2).stderr_has(&["--config", "tq"]);
+    let r = meshplan(&[
+        "estimate",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--config",
+        "tp=eight",
+    ]);
+    r.expect_code(2).stderr_has(&["--config", "tp", "eight"]);
+    let r = meshplan(&[
+        "estimate",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--config",
+        "recompute=most",
+    ]);
+    r.expect_code(2).stderr_has(&["recompute", "most"]);
+}
+
+#[test]
+fn bad_flag_exits_2() {
+    let r = meshplan(&[
+        "estimate",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--config",
+        "tp=8",
+        "--bogus",
+    ]);
+    r.expect_code(2).stderr_has(&["--bogus"]);
+    // estimate without --config.
+    let r = meshplan(&[
+        "estimate",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+    ]);
+    r.expect_code(2).stderr_has(&["--config"]);
+}
+
+#[test]
+fn hf_config_without_a_workload_exits_2() {
+    let r = meshplan(&[
+        "estimate",
+        "models/hf/llama3-8b.json",
+        "topologies/dgx-a100-80g.yaml",
+        "--config",
+        "tp=8",
+    ]);
+    r.expect_code(2).stderr_has(&["workload", "--seq-len"]);
+    // Half of the pair is not enough either.
+    let r = meshplan(&[
+        "estimate",
+        "models/hf/llama3-8b.json",
+        "topologies/dgx-a100-80g.yaml",
+        "--config",
+        "tp=8",
+        "--seq-len",
+        "4096",
+    ]);
+    r.expect_code(2).stderr_has(&["--global-batch"]);
+}
+
+// === exit 3: does not fit ===
+
+#[test]
+fn world_size_mismatch_exits_3_with_the_arithmetic() {
+    // dp(3) * tp(2) * pp(1) * cp(1) = 6 != GPUs(8).
+    let r = meshplan(&[
+        "estimate",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--config",
+        "dp=3,tp=2",
+    ]);
+    r.expect_code(3)
+        .stderr_has(&["dp(3) * tp(2) * pp(1) * cp(1) = 6 != GPUs(8)"]);
+    // GPT-3's 3840 GPUs: dp = 61 gives 3904.
+    let r = meshplan(&[
+        "estimate",
+        "models/gpt3-175b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--nodes",
+        "480",
+        "--config",
+        "dp=61,tp=8,pp=8",
+    ]);
+    r.expect_code(3).stderr_has(&["3904", "3840", "dp=60"]);
+}
+
+#[test]
+fn over_memory_exits_3_in_gib_with_what_would_fit() {
+    // Llama 3 8B, dp = 8 without ZeRO: 16 bytes x 8.03e9 = 128 GB of states per GPU
+    // > 80 GiB; ZeRO-3 divides them by 8 (16 GB) and fits.
+    let args = [
+        "estimate",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--config",
+        "dp=8",
+    ];
+    let r = meshplan(&args);
+    r.expect_code(3)
+        .stderr_has(&["GiB", "80.0 GiB", "would fit", "zero=3"]);
+    // With --json the estimate is still printed, and says it does not fit.
+    let mut json_args = args.to_vec();
+    json_args.push("--json");
+    let r = meshplan(&json_args);
+    r.expect_code(3).stderr_has(&["GiB"]);
+    let v = r.json();
+    check_estimate_keys(&v);
+    assert_eq!(v["feasible"], Value::Bool(false));
+    let m = &v["memory_per_gpu_bytes"];
+    assert!(number(m, "total") > 80.0 * 1024.0 * 1024.0 * 1024.0, "{m}");
+}
+
+#[test]
+fn heads_not_divisible_by_tp_exits_3() {
+    // GPT-3 has 96 heads; tp = 64 does not divide them.
+    let r = meshplan(&[
+        "estimate",
+        "models/gpt3-175b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--nodes",
+        "8",
+        "--config",
+        "tp=64",
+    ]);
+    r.expect_code(3).stderr_has(&["heads(96)", "tp(64)"]);
+}

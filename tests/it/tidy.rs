@@ -1,0 +1,105 @@
+//! Project rules checked as tests: the crate arrows point one way, and no test is
+//! switched off.
+
+use std::path::{Path, PathBuf};
+
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+
+/// Internal (`meshplan-*`) dependencies of a crate, read from its manifest.
+fn internal_deps(crate_dir: &str) -> Vec<String> {
+    let text = std::fs::read_to_string(format!("{ROOT}/{crate_dir}/Cargo.toml")).expect("manifest");
+    let mut deps = Vec::new();
+    let mut in_deps = false;
+    for line in text.lines() {
+        let line = line.trim();
+        if line.starts_with('[') {
+            in_deps = line == "[dependencies]"
+                || line.starts_with("[dependencies.")
+                || line == "[dev-dependencies]";
+            continue;
+        }
+        if in_deps {
+            if let Some((name, _)) = line.split_once('=') {
+                let name = name.trim();
+                if name.starts_with("meshplan") || ["cudarc", "good_lp"].contains(&name) {
+                    deps.push(name.to_string());
+                }
+            }
+        }
+    }
+    deps
+}
+
+#[test]
+fn dependency_arrows_point_one_way() {
+    let allowed: &[(&str, &[&str])] = &[
+        ("ir", &[]),
+        ("cost_model", &["meshplan-ir"]),
+        (
+            "planner",
+            &["meshplan-ir", "meshplan-cost-model", "good_lp"],
+        ),
+        ("kernels", &[]),
+        ("executor", &["meshplan-ir", "meshplan-kernels", "cudarc"]),
+    ];
+    for (dir, ok) in allowed {
+        for dep in internal_deps(dir) {
+            assert!(
+                ok.contains(&dep.as_str()),
+                "{dir}/Cargo.toml depends on `{dep}`: only {ok:?} are allowed (ARCHITECTURE.md)"
+            );
+        }
+    }
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let p = e.path();
+        if p.file_name().is_some_and(|n| n == "target" || n == ".git") {
+            continue;
+        }
+        if p.is_dir() {
+            rust_files(&p, out);
+        } else if p.extension().is_some_and(|x| x == "rs") {
+            out.push(p);
+        }
+    }
+}
+
+#[test]
+fn no_test_is_ignored_or_expects_a_panic() {
+    let mut files = Vec::new();
+    rust_files(Path::new(ROOT), &mut files);
+    assert!(files.len() > 10, "found the sources");
+    // Spelled in pieces so this file does not trip its own check.
+    let banned = [concat!("#[", "ignore"), concat!("#[", "should_panic")];
+    for f in files {
+        let text = std::fs::read_to_string(&f).expect("source");
+        for b in banned {
+            assert!(
+                !text.contains(b),
+                "{} contains `{b}`: a test that does not run proves nothing",
+                f.display()
+            );
+        }
+    }
+}
+
+#[test]
+fn every_topology_loads() {
+    let dir = format!("{ROOT}/topologies");
+    let mut n = 0;
+    for e in std::fs::read_dir(&dir).expect("topologies/").flatten() {
+        let p = e.path();
+        if p.extension().is_some_and(|x| x == "yaml") {
+            let c =
+                meshplan_cost_model::load_cluster(&p, None).unwrap_or_else(|err| panic!("{err}"));
+            assert!(c.gpus() >= 1);
+            n += 1;
+        }
+    }
+    assert!(n >= 6, "six shipped topologies, found {n}");
+}
