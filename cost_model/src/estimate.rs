@@ -704,11 +704,7 @@ pub fn estimate_inference(
         .iter()
         .map(|c| (c.params_dense + c.params_expert) * bpe)
         .fold(0.0, f64::max);
-    let live = prefill
-        .iter()
-        .chain(&decode)
-        .map(|c| c.act)
-        .fold(0.0, f64::max);
+    let live = live_prefill.max(live_decode);
     let layers_per_stage = (pg.layers as f64 / cfg.pp as f64).ceil();
     // KV heads split over tp (replicated when fewer than tp); DP-attention keeps whole
     // heads but only this rank's requests.
