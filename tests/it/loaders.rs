@@ -901,3 +901,104 @@ fn hf_errors_name_the_json_key() {
     };
     assert!(e.starts_with("config.json:1:"), "{e}");
 }
+
+/// A valid cluster file whose lines the property below mutates.
+const CLUSTER_YAML: &str = "name: c
+nodes: 2
+gpus_per_node: 8
+gpu:
+  name: A100-SXM4-80GB
+  memory_gib: 80
+  peak_tflops: {bf16: 312, fp32: 19.5}
+  hbm_gbps: 2039
+intra_node:
+  link: nvlink3
+  bandwidth_gbps: 300
+  latency_us: 3
+inter_node:
+  link: ib
+  bandwidth_gbps: 25
+  latency_us: 8
+";
+
+const CLUSTER_VALUES: &[&str] = &[
+    "0",
+    "-1",
+    "1e400",
+    "nan",
+    "abc",
+    "[]",
+    "{}",
+    "~",
+    "0.0",
+    "18446744073709551616",
+    "-0.5",
+];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// Mutated cluster files give an error naming the file, never a panic.
+    #[test]
+    fn cluster_mutations_never_panic(line in 0usize..16, value in 0usize..11, mode in 0u8..4, cut in 0usize..400) {
+        let lines: Vec<&str> = CLUSTER_YAML.lines().collect();
+        let text = match mode {
+            0 => lines.iter().enumerate().filter(|(i, _)| *i != line).map(|(_, l)| *l).collect::<Vec<_>>().join("\n"),
+            1 => lines
+                .iter()
+                .enumerate()
+                .map(|(i, l)| match (i == line, l.split_once(':')) {
+                    (true, Some((k, _))) => format!("{k}: {}", CLUSTER_VALUES[value]),
+                    _ => l.to_string(),
+                })
+                .collect::<Vec<_>>()
+                .join("\n"),
+            2 => format!("{CLUSTER_YAML}unknown_{line}: {}\n", CLUSTER_VALUES[value]),
+            _ => CLUSTER_YAML.chars().take(cut).collect(),
+        };
+        let r = catch_unwind(AssertUnwindSafe(|| {
+            meshplan_cost_model::parse_cluster_yaml(&text, "cluster.yaml", None).map(|_| ()).map_err(|e| e.to_string())
+        }));
+        match r {
+            Err(_) => return Err(TestCaseError::fail(format!("cluster loader panicked on:\n{text}"))),
+            Ok(Err(e)) => prop_assert!(e.starts_with("cluster.yaml"), "{}", e),
+            Ok(Ok(())) => {}
+        }
+    }
+}
+
+#[test]
+fn cluster_errors_name_the_field() {
+    let bad = CLUSTER_YAML.replace("bandwidth_gbps: 300", "bandwidth_gbps: 0");
+    let e = meshplan_cost_model::parse_cluster_yaml(&bad, "cluster.yaml", None)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("intra_node.bandwidth_gbps"), "{e}");
+    let no_ib = CLUSTER_YAML
+        .split("inter_node")
+        .next()
+        .unwrap_or_default()
+        .to_string();
+    let e = meshplan_cost_model::parse_cluster_yaml(&no_ib, "cluster.yaml", None)
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("inter_node"), "{e}");
+    // One node needs no inter-node link; --nodes 0 is refused.
+    assert!(meshplan_cost_model::parse_cluster_yaml(&no_ib, "cluster.yaml", Some(1)).is_ok());
+    let e = meshplan_cost_model::parse_cluster_yaml(CLUSTER_YAML, "cluster.yaml", Some(0))
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("--nodes"), "{e}");
+    let e = meshplan_cost_model::parse_cluster_yaml(
+        &format!("{CLUSTER_YAML}typo: 1\n"),
+        "cluster.yaml",
+        None,
+    )
+    .map(|_| ())
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("typo") && e.starts_with("cluster.yaml:"), "{e}");
+}
