@@ -103,6 +103,21 @@ fn unsupported(reason: String) -> Unsupported {
     Unsupported { reason }
 }
 
+/// Checks that the degrees use every GPU exactly once.
+fn check_world_size(cfg: &ParallelConfig, gpus: u64) -> Result<(), Unsupported> {
+    if cfg.world_size() == gpus {
+        return Ok(());
+    }
+    Err(unsupported(format!(
+        "dp({}) * tp({}) * pp({}) * cp({}) = {} != GPUs({gpus})",
+        cfg.dp,
+        cfg.tp,
+        cfg.pp,
+        cfg.cp,
+        cfg.world_size()
+    )))
+}
+
 /// Checks the degrees against the model's shapes.
 pub fn check_shapes(pg: &PreparedGraph, cfg: &ParallelConfig, seq: u64) -> Result<(), Unsupported> {
     if pg.heads > 0 && !cfg.dp_attention && pg.heads % cfg.tp != 0 {
@@ -288,16 +303,7 @@ pub fn estimate_train(
     global_batch: u64,
 ) -> Result<Estimate, Unsupported> {
     let gpus = cluster.gpus();
-    if cfg.world_size() != gpus {
-        return Err(unsupported(format!(
-            "dp({}) * tp({}) * pp({}) * cp({}) = {} != GPUs({gpus})",
-            cfg.dp,
-            cfg.tp,
-            cfg.pp,
-            cfg.cp,
-            cfg.world_size()
-        )));
-    }
+    check_world_size(cfg, gpus)?;
     check_shapes(pg, cfg, seq_len)?;
     let groups = Groups::new(cfg, cluster.gpus_per_node);
     let roof = Roofline::new(&cluster.gpu, pg.dtype);
@@ -337,7 +343,7 @@ pub fn estimate_train(
 
     // Pipeline.
     let bpe = pg.dtype.size_bytes() as f64;
-    let p2p_bytes = pg.boundary_bytes_per_token / bpe * bpe * cfg.mbs as f64 * seq
+    let p2p_bytes = pg.boundary_bytes_per_token * cfg.mbs as f64 * seq
         / cfg.cp as f64
         / if cfg.tp > 1 { cfg.tp as f64 } else { 1.0 };
     let p2p_s = if cfg.pp > 1 {
@@ -382,8 +388,7 @@ pub fn estimate_train(
 
         // Gradient reduction: AllReduce (ZeRO 0), ReduceScatter + AllGather (1, 2),
         // per micro-batch gathers and scatters (3).
-        let (dp_time, dp_bytes, exposed_dp) = {
-            let mut time = 0.0;
+        let (dp_bytes, exposed_dp) = {
             let mut bytes = 0.0;
             let mut exposed = 0.0;
             for (params, group, n) in [
@@ -399,7 +404,6 @@ pub fn estimate_train(
                         + comm.time_s(Collective::ReduceScatter, group, g);
                     let b = 2.0 * bytes_sent_per_rank(Collective::AllGather, n, g)
                         + bytes_sent_per_rank(Collective::ReduceScatter, n, g);
-                    time += per_mb * m;
                     bytes += b * m;
                     // Prefetched gathers hide behind the micro-batch's compute.
                     exposed += (per_mb - fwd_bwd_mb).max(0.0) * m
@@ -417,7 +421,6 @@ pub fn estimate_train(
                         bytes_sent_per_rank(Collective::ReduceScatter, n, g)
                             + bytes_sent_per_rank(Collective::AllGather, n, g)
                     };
-                    time += t;
                     bytes += b;
                     // Buckets reduce while the last micro-batch's backward runs; the
                     // last bucket is always exposed.
@@ -425,9 +428,8 @@ pub fn estimate_train(
                     exposed += (t - last_bwd).max(t / buckets);
                 }
             }
-            (time, bytes, exposed)
+            (bytes, exposed)
         };
-        let _ = dp_time;
         let opt_params = dense / if cfg.zero >= 1 { dense_dp as f64 } else { 1.0 }
             + expert / if cfg.zero >= 1 { expert_dp as f64 } else { 1.0 };
         let optimizer_s = roof.memory_s(opt_params * calib::ADAMW_BYTES_PER_PARAM);
@@ -498,30 +500,19 @@ pub fn estimate_train(
     let model_tflops = model_flops / (gpus as f64 * step) / 1e12;
     let hw_tflops = hw_flops / (gpus as f64 * step) / 1e12;
 
-    let tp_bytes = m
-        * (0..pp)
+    // Bytes of the stage that sends the most, over its chunks and micro-batches.
+    let busiest = |field: fn(&Chunk) -> f64| {
+        m * (0..pp)
             .map(|i| {
                 (0..cfg.vpp as usize)
-                    .map(|c| chunks[c * pp + i].tp_bytes)
+                    .map(|c| field(&chunks[c * pp + i]))
                     .sum::<f64>()
             })
-            .fold(0.0, f64::max);
-    let cp_bytes = m
-        * (0..pp)
-            .map(|i| {
-                (0..cfg.vpp as usize)
-                    .map(|c| chunks[c * pp + i].cp_bytes)
-                    .sum::<f64>()
-            })
-            .fold(0.0, f64::max);
-    let ep_bytes = m
-        * (0..pp)
-            .map(|i| {
-                (0..cfg.vpp as usize)
-                    .map(|c| chunks[c * pp + i].ep_bytes)
-                    .sum::<f64>()
-            })
-            .fold(0.0, f64::max);
+            .fold(0.0, f64::max)
+    };
+    let tp_bytes = busiest(|c| c.tp_bytes);
+    let cp_bytes = busiest(|c| c.cp_bytes);
+    let ep_bytes = busiest(|c| c.ep_bytes);
     let pp_bytes = if cfg.pp > 1 {
         2.0 * m * cfg.vpp as f64 * p2p_bytes
     } else {
@@ -630,16 +621,7 @@ pub fn estimate_inference(
     load: &InferenceLoad,
 ) -> Result<Estimate, Unsupported> {
     let gpus = cluster.gpus();
-    if cfg.world_size() != gpus {
-        return Err(unsupported(format!(
-            "dp({}) * tp({}) * pp({}) * cp({}) = {} != GPUs({gpus})",
-            cfg.dp,
-            cfg.tp,
-            cfg.pp,
-            cfg.cp,
-            cfg.world_size()
-        )));
-    }
+    check_world_size(cfg, gpus)?;
     check_shapes(pg, cfg, load.prompt_len.max(cfg.cp))?;
     let groups = Groups::new(cfg, cluster.gpus_per_node);
     let roof = Roofline::new(&cluster.gpu, pg.dtype);

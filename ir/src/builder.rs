@@ -208,7 +208,6 @@ impl Builder {
         &mut self,
         ops: &mut Vec<Op>,
         qkv: &[TensorId],
-        t: &TransformerSpec,
         shape: AttentionShape,
     ) -> TensorId {
         let out = self.act(
@@ -224,7 +223,6 @@ impl Builder {
             saves: qkv.to_vec(),
             role: TpRole::Local,
         });
-        let _ = t;
         out
     }
 
@@ -265,7 +263,7 @@ impl Builder {
             v_dim: t.head_dim,
             causal: true,
         };
-        let core = self.attention_core(ops, &[qkv], t, shape);
+        let core = self.attention_core(ops, &[qkv], shape);
         self.linear(
             ops,
             "block.attn.proj",
@@ -356,7 +354,7 @@ impl Builder {
             v_dim: m.v_head_dim,
             causal: true,
         };
-        let core = self.attention_core(ops, &[q, kv], t, shape);
+        let core = self.attention_core(ops, &[q, kv], shape);
         self.linear(
             ops,
             "block.attn.proj",
