@@ -252,11 +252,27 @@ impl Chunk {
     }
 }
 
-/// Splits the segments' costs into `chunks` model chunks: blocks evenly by layer, the
-/// embedding on the first chunk and the head on the last.
-fn build_chunks(pg: &PreparedGraph, costs: &[SegCost], chunks: usize) -> (Vec<Chunk>, f64) {
+/// Splits the segments' costs into `chunks` model chunks: the embedding on the first
+/// chunk, the head on the last, and the blocks by `split` (layers per chunk, in chunk
+/// order) or evenly by layer.
+fn build_chunks(
+    pg: &PreparedGraph,
+    costs: &[SegCost],
+    chunks: usize,
+    split: Option<&[u64]>,
+) -> (Vec<Chunk>, f64) {
     let mut out = vec![Chunk::default(); chunks];
     let total_layers = pg.layers as usize;
+    // Chunk j holds layers bounds[j]..bounds[j + 1].
+    let bounds: Vec<usize> = match split {
+        Some(s) => std::iter::once(0)
+            .chain(s.iter().scan(0usize, |acc, &n| {
+                *acc += n as usize;
+                Some(*acc)
+            }))
+            .collect(),
+        None => (0..=chunks).map(|j| j * total_layers / chunks).collect(),
+    };
     let mut layer = 0usize;
     let mut shared = 0.0;
     for ((kind, repeat), c) in pg.segment_kinds().zip(costs) {
@@ -269,7 +285,7 @@ fn build_chunks(pg: &PreparedGraph, costs: &[SegCost], chunks: usize) -> (Vec<Ch
             SegmentKind::Block => {
                 let (start, end) = (layer, layer + repeat as usize);
                 for (j, ch) in out.iter_mut().enumerate() {
-                    let (lo, hi) = (j * total_layers / chunks, (j + 1) * total_layers / chunks);
+                    let (lo, hi) = (bounds[j], bounds[j + 1]);
                     let n = hi.min(end).saturating_sub(lo.max(start));
                     if n > 0 {
                         ch.add(c, n as f64);
@@ -294,22 +310,17 @@ fn forward_flops_per_sequence(pg: &PreparedGraph, env: &DimEnv) -> f64 {
         .sum()
 }
 
-/// Estimates one training configuration.
-pub fn estimate_train(
+/// The layout context of a training configuration: what [`LayoutCtx::price`] needs to
+/// price each segment for one micro-batch.
+pub fn train_ctx(
     pg: &PreparedGraph,
     cluster: &Cluster,
     cfg: &ParallelConfig,
     seq_len: u64,
-    global_batch: u64,
-) -> Result<Estimate, Unsupported> {
-    let gpus = cluster.gpus();
-    check_world_size(cfg, gpus)?;
-    check_shapes(pg, cfg, seq_len)?;
+) -> LayoutCtx {
     let groups = Groups::new(cfg, cluster.gpus_per_node);
-    let roof = Roofline::new(&cluster.gpu, pg.dtype);
-    let comm = CommModel::new(cluster);
     let seq = seq_len as f64;
-    let ctx = LayoutCtx {
+    LayoutCtx {
         tp: cfg.tp,
         cp: cfg.cp,
         ep: cfg.ep,
@@ -321,22 +332,60 @@ pub fn estimate_train(
             seq,
             kv: seq,
         },
-        roof,
-        comm,
+        roof: Roofline::new(&cluster.gpu, pg.dtype),
+        comm: CommModel::new(cluster),
         tp_group: groups.tp,
         cp_group: groups.cp,
         ep_group: groups.ep,
         dp_attention: false,
         tp_overlap: cfg.tp_overlap,
-    };
-    let costs = ctx.price(pg);
+    }
+}
+
+/// Estimates one training configuration, blocks split evenly over pipeline chunks.
+pub fn estimate_train(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    seq_len: u64,
+    global_batch: u64,
+) -> Result<Estimate, Unsupported> {
+    estimate_train_split(pg, cluster, cfg, seq_len, global_batch, None)
+}
+
+/// Estimates one training configuration with `split[j]` block layers on model chunk
+/// `j` (chunk `c * pp + i` is stage `i`'s `c`-th virtual chunk); `None` splits evenly.
+pub fn estimate_train_split(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    seq_len: u64,
+    global_batch: u64,
+    split: Option<&[u64]>,
+) -> Result<Estimate, Unsupported> {
+    let gpus = cluster.gpus();
+    check_world_size(cfg, gpus)?;
+    check_shapes(pg, cfg, seq_len)?;
     let nchunks = (cfg.pp * cfg.vpp) as usize;
-    let (chunks, _) = build_chunks(pg, &costs, nchunks);
+    if let Some(s) = split {
+        if s.len() != nchunks || s.iter().sum::<u64>() != pg.layers {
+            return Err(unsupported(format!(
+                "a layer split must give {nchunks} chunks summing to {} layers, got {s:?}",
+                pg.layers
+            )));
+        }
+    }
+    let groups = Groups::new(cfg, cluster.gpus_per_node);
+    let ctx = train_ctx(pg, cluster, cfg, seq_len);
+    let (roof, comm) = (ctx.roof, ctx.comm);
+    let seq = seq_len as f64;
+    let costs = ctx.price(pg);
+    let (chunks, _) = build_chunks(pg, &costs, nchunks, split);
     let microbatches = global_batch.div_ceil(cfg.dp * cfg.mbs);
-    if cfg.vpp > 1 && microbatches % cfg.pp != 0 {
+    if cfg.vpp > 1 && microbatches < cfg.pp {
         return Err(unsupported(format!(
-            "the interleaved schedule needs micro-batches ({microbatches} = ceil(global_batch({global_batch}) / (dp({}) * mbs({})))) to be a multiple of pp({}), as Megatron-LM requires",
-            cfg.dp, cfg.mbs, cfg.pp
+            "the interleaved schedule needs at least pp({}) micro-batches, got {microbatches} = ceil(global_batch({global_batch}) / (dp({}) * mbs({})))",
+            cfg.pp, cfg.dp, cfg.mbs
         )));
     }
     let m = microbatches as f64;
@@ -651,7 +700,7 @@ pub fn estimate_inference(
         let costs = ctx.price(pg);
         // Inference keeps no activations for backward: one layer's tensors are live at a time.
         let live = costs.iter().map(|c| c.act_bytes).fold(0.0, f64::max);
-        (build_chunks(pg, &costs, cfg.pp as usize).0, live)
+        (build_chunks(pg, &costs, cfg.pp as usize, None).0, live)
     };
     let bpe = pg.dtype.size_bytes() as f64;
     let pp_hop = |tokens: f64| {

@@ -19,6 +19,7 @@ pub mod explicit;
 pub mod graph;
 pub mod hf;
 pub mod load;
+pub mod plan;
 pub mod spec;
 
 pub use builder::build_transformer;

@@ -1,8 +1,30 @@
-//! Brief overview: the planner searches placements on a device mesh and pipeline
-//! schedules for the cheapest plan under the cost model.
+//! Brief overview: the planner finds, for a model on a cluster, the parallel layout
+//! with the shortest predicted step time that fits in memory.
 //!
-//! This crate is a shell until the planner issue lands; it exists now so that the
-//! dependency arrows (`planner -> cost_model -> ir`) are fixed and tested from the start.
+//! - [`placement`], [`mesh`]: DTensor-style placements (`Shard(dim)`, `Replicate`,
+//!   `Partial`) per axis of a device mesh.
+//! - [`strategy`]: per op family, the sharding strategies an op can run under, with
+//!   their forward and backward cost.
+//! - [`redistribute`]: the one collective (or none, or infeasible) between two
+//!   placements of a tensor, with its alpha-beta cost.
+//! - [`intra`], [`ilp`]: choosing one strategy per op of a block (an ILP through
+//!   good_lp), checked against brute force on small graphs.
+//! - [`stages`]: splitting layers into pipeline stages (dynamic programming).
+//! - [`search`]: the driver over mesh shapes, micro-batch sizes, ZeRO, recomputation
+//!   and schedules, for training and inference.
+//! - [`lower`]: the chosen plan as per-stage program templates and ranks (`plan.json`).
+//! - [`compare`]: the planner's best beside hand-given configurations.
 #![warn(missing_docs)]
 
 pub use meshplan_cost_model as cost_model;
+
+pub mod compare;
+pub mod ilp;
+pub mod intra;
+pub mod lower;
+pub mod mesh;
+pub mod placement;
+pub mod redistribute;
+pub mod search;
+pub mod stages;
+pub mod strategy;

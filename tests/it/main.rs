@@ -2,5 +2,6 @@ mod calibration;
 mod cli;
 mod cost;
 mod loaders;
+mod lowering;
 mod models;
 mod tidy;
