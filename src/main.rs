@@ -13,6 +13,8 @@ use meshplan_ir::{
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+mod plan;
+
 #[derive(Parser)]
 #[command(
     name = "meshplan",
@@ -59,6 +61,60 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Search for the fastest configuration that fits and write its plan.
+    Plan {
+        /// Model YAML or Hugging Face config.json.
+        model: PathBuf,
+        /// Cluster YAML.
+        cluster: PathBuf,
+        /// Where to write the plan.
+        #[arg(short = 'o', long = "output", default_value = "plan.json")]
+        output: PathBuf,
+        /// Override the cluster's node count.
+        #[arg(long)]
+        nodes: Option<u64>,
+        /// Keys to fix (e.g. `tp=2,pp=2`); the rest are searched.
+        #[arg(long)]
+        config: Option<String>,
+        /// Print the K best candidates.
+        #[arg(long, default_value_t = 1)]
+        top: usize,
+        /// Stop after pricing this many configurations.
+        #[arg(long, default_value_t = 20_000_000)]
+        max_candidates: u64,
+        /// Stop sweeping after this many seconds.
+        #[arg(long, default_value_t = 60.0)]
+        time_limit: f64,
+        /// No progress bar.
+        #[arg(long)]
+        quiet: bool,
+        #[command(flatten)]
+        workload: WorkloadFlags,
+        /// One JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The planner's best beside hand-given configurations.
+    Compare {
+        /// Model YAML or Hugging Face config.json.
+        model: PathBuf,
+        /// Cluster YAML.
+        cluster: PathBuf,
+        /// A configuration to compare (repeatable).
+        #[arg(long = "config")]
+        configs: Vec<String>,
+        /// A YAML list of `{name: ..., config: "..."}`.
+        #[arg(long)]
+        configs_file: Option<PathBuf>,
+        /// Override the cluster's node count.
+        #[arg(long)]
+        nodes: Option<u64>,
+        #[command(flatten)]
+        workload: WorkloadFlags,
+        /// One JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+    },
     /// Evaluate one parallel configuration with the cost model.
     Estimate {
         /// Model YAML or Hugging Face config.json.
@@ -80,9 +136,9 @@ enum Command {
 }
 
 /// A failure with its exit code: 2 bad input, 3 does not fit.
-struct Failure {
-    code: u8,
-    message: String,
+pub(crate) struct Failure {
+    pub(crate) code: u8,
+    pub(crate) message: String,
 }
 
 impl From<IrError> for Failure {
@@ -94,7 +150,7 @@ impl From<IrError> for Failure {
     }
 }
 
-fn no_fit(message: String) -> Failure {
+pub(crate) fn no_fit(message: String) -> Failure {
     Failure { code: 3, message }
 }
 
@@ -114,6 +170,48 @@ fn main() -> ExitCode {
             workload,
             json,
         } => estimate(&model, &cluster, &config, nodes, &workload, json),
+        Command::Plan {
+            model,
+            cluster,
+            output,
+            nodes,
+            config,
+            top,
+            max_candidates,
+            time_limit,
+            quiet,
+            workload,
+            json,
+        } => plan::plan(&plan::PlanArgs {
+            model,
+            cluster,
+            output,
+            nodes,
+            config,
+            top,
+            max_candidates,
+            time_limit,
+            quiet,
+            workload: workload.overrides(),
+            json,
+        }),
+        Command::Compare {
+            model,
+            cluster,
+            configs,
+            configs_file,
+            nodes,
+            workload,
+            json,
+        } => plan::compare(
+            &model,
+            &cluster,
+            &configs,
+            configs_file.as_deref(),
+            nodes,
+            &workload.overrides(),
+            json,
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -124,14 +222,14 @@ fn main() -> ExitCode {
     }
 }
 
-fn print_json(v: &serde_json::Value) {
+pub(crate) fn print_json(v: &serde_json::Value) {
     match serde_json::to_string_pretty(v) {
         Ok(s) => println!("{s}"),
         Err(e) => eprintln!("error: cannot serialise output: {e}"),
     }
 }
 
-fn ledger_lines(m: &MemoryLedger) -> String {
+pub(crate) fn ledger_lines(m: &MemoryLedger) -> String {
     format!(
         "  params      {:>9.2} GiB\n  grads       {:>9.2} GiB\n  optimizer   {:>9.2} GiB\n  activations {:>9.2} GiB\n  kv_cache    {:>9.2} GiB\n  workspace   {:>9.2} GiB\n  total       {:>9.2} GiB",
         gib(m.params),
@@ -224,7 +322,7 @@ fn estimate(
     Ok(())
 }
 
-fn evaluate(
+pub(crate) fn evaluate(
     spec: &ModelSpec,
     pg: &PreparedGraph,
     cluster: &Cluster,
@@ -253,7 +351,7 @@ fn evaluate(
 
 /// What would fit: the nearest changes (more ZeRO, recomputation, more stages or
 /// tensor ranks) that bring memory under capacity.
-fn suggestions(
+pub(crate) fn suggestions(
     spec: &ModelSpec,
     pg: &PreparedGraph,
     cluster: &Cluster,
@@ -312,7 +410,7 @@ fn suggestions(
     }
 }
 
-fn print_estimate(spec: &ModelSpec, cluster: &Cluster, e: &Estimate) {
+pub(crate) fn print_estimate(spec: &ModelSpec, cluster: &Cluster, e: &Estimate) {
     println!(
         "{} on {} x {} ({} GPUs)",
         spec.name,

@@ -363,6 +363,30 @@ pub fn estimate_train_split(
     global_batch: u64,
     split: Option<&[u64]>,
 ) -> Result<Estimate, Unsupported> {
+    estimate_train_bounded(
+        pg,
+        cluster,
+        cfg,
+        seq_len,
+        global_batch,
+        split,
+        f64::INFINITY,
+    )?
+    .ok_or_else(|| unsupported(format!("{cfg}: the step time is not a number")))
+}
+
+/// [`estimate_train_split`], or `None` as soon as a lower bound of the step time
+/// (the busiest stage's work plus the data-parallel tail) exceeds `bound_s`: a search
+/// holding candidates faster than `bound_s` need not simulate the schedule.
+pub fn estimate_train_bounded(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    seq_len: u64,
+    global_batch: u64,
+    split: Option<&[u64]>,
+    bound_s: f64,
+) -> Result<Option<Estimate>, Unsupported> {
     let gpus = cluster.gpus();
     check_world_size(cfg, gpus)?;
     check_shapes(pg, cfg, seq_len)?;
@@ -395,10 +419,13 @@ pub fn estimate_train_split(
     let p2p_bytes = pg.boundary_bytes_per_token * cfg.mbs as f64 * seq
         / cfg.cp as f64
         / if cfg.tp > 1 { cfg.tp as f64 } else { 1.0 };
+    // Without sequence parallelism each tensor rank sends its 1/tp slice and the
+    // receiver gathers it over the tensor axis (Megatron's scatter-gather); with it the
+    // activation is already split along the sequence and stays so.
+    let p2p_gather = cfg.pp > 1 && cfg.tp > 1 && !ctx.sp;
     let p2p_s = if cfg.pp > 1 {
         comm.p2p_time_s(groups.pp_same_node, p2p_bytes)
-            + if cfg.tp > 1 {
-                // The receiver gathers the scattered activation over the tensor axis.
+            + if p2p_gather {
                 comm.time_s(Collective::AllGather, groups.tp, p2p_bytes * cfg.tp as f64)
             } else {
                 0.0
@@ -408,16 +435,6 @@ pub fn estimate_train_split(
     };
     let fwd: Vec<f64> = chunks.iter().map(|c| c.compute_f + c.comm_f).collect();
     let bwd: Vec<f64> = chunks.iter().map(|c| c.compute_b + c.comm_b).collect();
-    let pipe = simulate(&PipelineInput {
-        pp: cfg.pp as usize,
-        vpp: cfg.vpp as usize,
-        microbatches: microbatches as usize,
-        forward_s: &fwd,
-        backward_s: &bwd,
-        p2p_s,
-        schedule: cfg.schedule,
-    });
-
     // Per stage: data-parallel reduction, optimizer, memory.
     let pp = cfg.pp as usize;
     let dense_dp = cfg.dp * cfg.cp;
@@ -426,6 +443,8 @@ pub fn estimate_train_split(
     let mut worst_tail = 0.0f64;
     let mut dp_bytes_max = 0.0f64;
     let mut crit = (0.0f64, 0.0f64, 0.0f64); // (compute, comm, dp+optimizer tail) of the busiest stage
+    let mut stage_mem = Vec::with_capacity(pp);
+    let mut busiest_work = 0.0f64;
     for i in 0..pp {
         let mine: Vec<&Chunk> = (0..cfg.vpp as usize).map(|c| &chunks[c * pp + i]).collect();
         let dense: f64 = mine.iter().map(|c| c.params_dense).sum();
@@ -494,18 +513,45 @@ pub fn estimate_train_split(
         let (pe, ge, oe) = model_state_bytes(expert, expert_dp, cfg.zero);
         let act_per_mb = mine.iter().map(|c| c.act).fold(0.0, f64::max);
         let transient = mine.iter().map(|c| c.transient).fold(0.0, f64::max);
-        let activations = pipe.max_in_flight[i] as f64 * act_per_mb + transient;
         let bucket_buffers = 2.0 * (dense + expert).min(calib::DP_BUCKET_PARAMS) * bpe;
-        let ledger = MemoryLedger {
-            params: pd + pe,
-            grads: gd + ge,
-            optimizer: od + oe,
-            activations,
-            kv_cache: 0.0,
-            workspace: calib::RUNTIME_RESERVED_BYTES + bucket_buffers,
-            total: 0.0,
-        }
-        .summed();
+        stage_mem.push((
+            MemoryLedger {
+                params: pd + pe,
+                grads: gd + ge,
+                optimizer: od + oe,
+                activations: transient,
+                kv_cache: 0.0,
+                workspace: calib::RUNTIME_RESERVED_BYTES + bucket_buffers,
+                total: 0.0,
+            },
+            act_per_mb,
+        ));
+        // Stage i cannot start before micro-batch 0 has come through the stages before
+        // it, nor finish before its last gradient has gone back through them.
+        let stage_work: f64 = (0..cfg.vpp as usize)
+            .map(|c| fwd[c * pp + i] + bwd[c * pp + i])
+            .sum();
+        let fill: f64 = (0..i).map(|j| fwd[j] + bwd[j] + 2.0 * p2p_s).sum();
+        busiest_work = busiest_work.max(stage_work * m + fill);
+    }
+    // No schedule finishes before its busiest stage has done its work between the
+    // pipeline's fill and drain: a search already holding better candidates skips the
+    // simulation.
+    if busiest_work + worst_tail > bound_s {
+        return Ok(None);
+    }
+    let pipe = simulate(&PipelineInput {
+        pp: cfg.pp as usize,
+        vpp: cfg.vpp as usize,
+        microbatches: microbatches as usize,
+        forward_s: &fwd,
+        backward_s: &bwd,
+        p2p_s,
+        schedule: cfg.schedule,
+    });
+    for (i, (mut ledger, act_per_mb)) in stage_mem.into_iter().enumerate() {
+        ledger.activations += pipe.max_in_flight[i] as f64 * act_per_mb;
+        let ledger = ledger.summed();
         if ledger.total > worst_mem.total {
             worst_mem = ledger;
         }
@@ -559,14 +605,40 @@ pub fn estimate_train_split(
             })
             .fold(0.0, f64::max)
     };
-    let tp_bytes = busiest(|c| c.tp_bytes);
-    let cp_bytes = busiest(|c| c.cp_bytes);
-    let ep_bytes = busiest(|c| c.ep_bytes);
-    let pp_bytes = if cfg.pp > 1 {
-        2.0 * m * cfg.vpp as f64 * p2p_bytes
+    // Boundary transfers of stage i per step: an activation out of every chunk but
+    // the model's last and a gradient out of every chunk but its first; receives mirror
+    // sends.
+    let transfers = |i: usize| {
+        if cfg.pp <= 1 {
+            return 0.0;
+        }
+        let mut n = 2.0 * cfg.vpp as f64;
+        if i == 0 {
+            n -= 1.0;
+        }
+        if i + 1 == pp {
+            n -= 1.0;
+        }
+        n * m
+    };
+    let gather_sent = if p2p_gather {
+        bytes_sent_per_rank(Collective::AllGather, cfg.tp, p2p_bytes * cfg.tp as f64)
     } else {
         0.0
     };
+    let tp_bytes = (0..pp)
+        .map(|i| {
+            m * (0..cfg.vpp as usize)
+                .map(|c| chunks[c * pp + i].tp_bytes)
+                .sum::<f64>()
+                + transfers(i) * gather_sent
+        })
+        .fold(0.0, f64::max);
+    let cp_bytes = busiest(|c| c.cp_bytes);
+    let ep_bytes = busiest(|c| c.ep_bytes);
+    let pp_bytes = (0..pp)
+        .map(|i| transfers(i) * p2p_bytes)
+        .fold(0.0, f64::max);
 
     let capacity = cluster.gpu.memory_bytes;
     let feasible = worst_mem.total <= capacity;
@@ -581,7 +653,7 @@ pub fn estimate_train_split(
             gib(worst_mem.activations)
         )
     });
-    Ok(Estimate {
+    Ok(Some(Estimate {
         feasible,
         config: *cfg,
         step_time_s: step,
@@ -612,7 +684,7 @@ pub fn estimate_train_split(
         max_concurrency: None,
         kv_capacity_tokens: None,
         infeasible_reason,
-    })
+    }))
 }
 
 /// Bytes to GiB.
@@ -800,8 +872,9 @@ pub fn estimate_inference(
         },
     );
     let tflops = output_tps * flops_per_token / gpus as f64 / 1e12;
-    let tp_bytes: f64 = decode.iter().map(|c| c.tp_bytes_fwd).sum();
-    let ep_bytes: f64 = decode.iter().map(|c| c.ep_bytes_fwd).sum();
+    // Each GPU belongs to one stage: its bytes are its own stage's.
+    let tp_bytes: f64 = decode.iter().map(|c| c.tp_bytes_fwd).fold(0.0, f64::max);
+    let ep_bytes: f64 = decode.iter().map(|c| c.ep_bytes_fwd).fold(0.0, f64::max);
     Ok(Estimate {
         feasible: reasons.is_empty(),
         config: *cfg,

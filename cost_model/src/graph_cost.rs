@@ -639,7 +639,9 @@ impl LayoutCtx {
         // overlapped with the attention of the previous block.
         let mut cp_fwd = 0.0;
         let mut cp_bwd = 0.0;
-        if self.cp > 1 && pg.heads > 0 {
+        // Only segments with an attention core pass key/value blocks around the ring.
+        let has_attention = seg.ops.iter().any(|o| matches!(o.work, Work::Attention(_)));
+        if self.cp > 1 && pg.heads > 0 && has_attention {
             let cpf = self.cp as f64;
             let kv_heads_local = (pg.kv_heads as f64 / t).max(1.0);
             let per_head = pg.kv_bytes_per_token_layer / (pg.kv_heads.max(1) as f64);
@@ -664,6 +666,8 @@ impl LayoutCtx {
                 c.flops_recompute = c.flops_fwd;
                 c.tp_bytes += tp_f.1;
                 c.ep_bytes *= 1.5;
+                // The recomputed forward passes the ring again: 1 + 2 passes become 2 + 2.
+                c.cp_bytes *= 4.0 / 3.0;
             }
             (SegmentKind::Block, Recompute::Selective) => {
                 c.act_bytes = all_saved - attn_internal_bytes;

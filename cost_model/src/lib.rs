@@ -23,8 +23,9 @@ pub mod pipeline;
 pub use cluster::{load_cluster, parse_cluster_yaml, Cluster, GroupShape};
 pub use collective::{Collective, CommModel};
 pub use estimate::{
-    estimate_inference, estimate_train, estimate_train_split, flops_per_token_forward,
-    prepare_model, replica_memory, train_ctx, Estimate, InferenceLoad, Unsupported,
+    estimate_inference, estimate_train, estimate_train_bounded, estimate_train_split,
+    flops_per_token_forward, prepare_model, replica_memory, train_ctx, Estimate, InferenceLoad,
+    Unsupported,
 };
 pub use graph_cost::PreparedGraph;
 pub use memory::MemoryLedger;

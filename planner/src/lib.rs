@@ -21,6 +21,7 @@ pub use meshplan_cost_model as cost_model;
 pub mod compare;
 pub mod ilp;
 pub mod intra;
+pub mod layout;
 pub mod lower;
 pub mod mesh;
 pub mod placement;

@@ -2,8 +2,8 @@
 //! replayed with the configurations in tests/data/calibration-configs.yaml: one set
 //! of constants for every run, mean absolute error at most 5%, no run over 10%.
 
-use meshplan_cost_model::{estimate_train, load_cluster, prepare_model};
-use meshplan_ir::{parse_model_yaml, PartialConfig};
+use meshplan_cost_model::{estimate_train, load_cluster, prepare_model, Cluster, PreparedGraph};
+use meshplan_ir::{model_graph, parse_model_yaml, ParallelConfig, PartialConfig};
 use serde::Deserialize;
 
 const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
@@ -42,8 +42,32 @@ struct Replay {
     metric: String,
 }
 
-/// (id, predicted TFLOP/s, published TFLOP/s) for every run.
-pub fn predictions() -> Vec<(String, f64, f64)> {
+/// One published run, ready to price: its model, cluster and configuration.
+pub struct Case {
+    /// Run id.
+    pub id: String,
+    /// The model's op graph.
+    pub graph: meshplan_ir::Graph,
+    /// The model, prepared.
+    pub pg: PreparedGraph,
+    /// The cluster at the run's size.
+    pub cluster: Cluster,
+    /// The published configuration.
+    pub cfg: ParallelConfig,
+    /// Its text, as in calibration-configs.yaml.
+    pub config_text: String,
+    /// Tokens per sequence.
+    pub seq_len: u64,
+    /// Sequences per step.
+    pub global_batch: u64,
+    /// Which estimate field the published TFLOP/s is.
+    pub metric: String,
+    /// Published TFLOP/s per GPU.
+    pub measured_tflops: f64,
+}
+
+/// Every published run with its replay.
+pub fn cases() -> Vec<Case> {
     let text = std::fs::read_to_string(format!("{ROOT}/tests/data/published.yaml"))
         .expect("published.yaml");
     let published: Published = serde_yaml_ng::from_str(&text).expect("published.yaml parses");
@@ -76,6 +100,7 @@ pub fn predictions() -> Vec<(String, f64, f64)> {
             b = run.global_batch_seqs,
         );
         let spec = parse_model_yaml(&yaml, &run.id).expect("model parses");
+        let graph = model_graph(&spec).expect("graph builds");
         let pg = prepare_model(&spec).expect("graph builds");
         let cluster = load_cluster(
             std::path::Path::new(&format!("{ROOT}/topologies/{}.yaml", replay.cluster)),
@@ -85,18 +110,38 @@ pub fn predictions() -> Vec<(String, f64, f64)> {
         let cfg = PartialConfig::parse(&replay.config, &run.id)
             .and_then(|c| c.resolve(cluster.gpus(), &run.id))
             .expect("config resolves");
-        let est = estimate_train(&pg, &cluster, &cfg, run.seq_len, run.global_batch_seqs)
-            .expect("estimate");
+        out.push(Case {
+            id: run.id.clone(),
+            graph,
+            pg,
+            cluster,
+            cfg,
+            config_text: replay.config.clone(),
+            seq_len: run.seq_len,
+            global_batch: run.global_batch_seqs,
+            metric: replay.metric.clone(),
+            measured_tflops: run.measured.tflops_per_gpu,
+        });
+    }
+    out
+}
+
+/// (id, predicted TFLOP/s, published TFLOP/s) for every run.
+pub fn predictions() -> Vec<(String, f64, f64)> {
+    let mut out = Vec::new();
+    for c in cases() {
+        let est =
+            estimate_train(&c.pg, &c.cluster, &c.cfg, c.seq_len, c.global_batch).expect("estimate");
         assert!(
             est.feasible,
             "{}: the published configuration must fit: {:?}",
-            run.id, est.infeasible_reason
+            c.id, est.infeasible_reason
         );
-        let predicted = match replay.metric.as_str() {
+        let predicted = match c.metric.as_str() {
             "hardware" => est.hardware_tflops_per_gpu,
             _ => est.model_tflops_per_gpu,
         };
-        out.push((run.id.clone(), predicted, run.measured.tflops_per_gpu));
+        out.push((c.id, predicted, c.measured_tflops));
     }
     out
 }

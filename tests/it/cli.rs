@@ -546,3 +546,229 @@ fn heads_not_divisible_by_tp_exits_3() {
     ]);
     r.expect_code(3).stderr_has(&["heads(96)", "tp(64)"]);
 }
+
+// === plan and compare ===
+
+fn json_of(run: &Run) -> Value {
+    serde_json::from_str(&run.stdout).unwrap_or_else(|e| {
+        panic!(
+            "meshplan {}: stdout is not JSON ({e}):\n{}",
+            run.args, run.stdout
+        )
+    })
+}
+
+#[test]
+fn plan_json_has_the_contract_keys_and_writes_the_plan() {
+    let out = temp_file("plan-tiny.json", "");
+    let run = meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "-o",
+        out.to_str().expect("utf-8 path"),
+        "--json",
+    ]);
+    run.expect_code(0);
+    let v = json_of(&run);
+    check_estimate_keys(v.get("predicted").expect("predicted"));
+    let s = v.get("strategy").expect("strategy");
+    for k in ["dp", "tp", "pp", "cp", "ep", "mbs", "zero", "vpp"] {
+        assert!(s.get(k).is_some_and(Value::is_u64), "strategy.{k} in {s}");
+    }
+    let search = v.get("search").expect("search");
+    number(search, "candidates_evaluated");
+    number(search, "pruned");
+    number(search, "wall_s");
+    assert!(search.get("solver").is_some_and(Value::is_string));
+    assert!(search.get("stop_reason").is_some_and(Value::is_string));
+    let plan: Value =
+        serde_json::from_slice(&std::fs::read(&out).expect("plan written")).expect("plan is JSON");
+    for k in [
+        "format",
+        "model",
+        "cluster",
+        "workload",
+        "mesh",
+        "strategy",
+        "placements",
+        "predicted",
+        "programs",
+        "ranks",
+        "search",
+    ] {
+        assert!(plan.get(k).is_some(), "plan.json lacks `{k}`");
+    }
+    assert!(plan["format"].is_u64());
+    assert_eq!(
+        plan["strategy"], *s,
+        "the plan file holds the printed strategy"
+    );
+    let ranks = plan["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 8, "cpu-test-mesh has 8 ranks");
+    assert!(plan["mesh"]["axes"].is_array() && plan["mesh"]["shape"].is_array());
+    assert!(!plan["placements"]
+        .as_object()
+        .expect("placements")
+        .is_empty());
+}
+
+#[test]
+fn plan_is_deterministic() {
+    let a = temp_file("plan-a.json", "");
+    let b = temp_file("plan-b.json", "");
+    for out in [&a, &b] {
+        meshplan(&[
+            "plan",
+            "models/llama3-8b.yaml",
+            "topologies/dgx-h100.yaml",
+            "--quiet",
+            "-o",
+            out.to_str().expect("utf-8 path"),
+        ])
+        .expect_code(0);
+    }
+    let (x, y) = (std::fs::read(&a).expect("a"), std::fs::read(&b).expect("b"));
+    assert!(!x.is_empty());
+    // The search's wall time is the one field allowed to differ; compare the rest.
+    let strip = |bytes: &[u8]| {
+        let mut v: Value = serde_json::from_slice(bytes).expect("JSON");
+        v["search"]["wall_s"] = Value::Null;
+        v["search"]["extra"] = Value::Null;
+        serde_json::to_vec(&v).expect("JSON")
+    };
+    assert_eq!(strip(&x), strip(&y), "same inputs, same plan");
+}
+
+#[test]
+fn plan_config_fixes_the_keys_it_names() {
+    let out = temp_file("plan-fixed.json", "");
+    let run = meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "tp=2,pp=2",
+        "--top",
+        "3",
+        "-o",
+        out.to_str().expect("utf-8 path"),
+        "--json",
+    ]);
+    run.expect_code(0);
+    let v = json_of(&run);
+    assert_eq!(v["strategy"]["tp"], 2);
+    assert_eq!(v["strategy"]["pp"], 2);
+    assert_eq!(v["strategy"]["dp"], 2);
+    let top = v["top"].as_array().expect("top");
+    assert!(!top.is_empty() && top.len() <= 3);
+}
+
+#[test]
+fn plan_with_nothing_that_fits_exits_3_with_the_closest_miss() {
+    let out = temp_file("plan-none.json", "");
+    let run = meshplan(&[
+        "plan",
+        "models/llama3-405b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--quiet",
+        "-o",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    run.expect_code(3);
+    assert!(run.stderr.contains("no feasible plan"), "{}", run.stderr);
+    assert!(run.stderr.contains("GiB"), "{}", run.stderr);
+    assert!(!out.exists() || std::fs::read(&out).expect("read").is_empty());
+}
+
+#[test]
+fn plan_bad_config_key_exits_2() {
+    let run = meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "tq=2",
+    ]);
+    run.expect_code(2);
+    assert!(run.stderr.contains("tq"), "{}", run.stderr);
+}
+
+#[test]
+fn plan_inference_reports_latency_and_capacity() {
+    let out = temp_file("plan-inf.json", "");
+    let run = meshplan(&[
+        "plan",
+        "models/llama3-70b-inference.yaml",
+        "topologies/h200-node.yaml",
+        "-o",
+        out.to_str().expect("utf-8 path"),
+        "--json",
+    ]);
+    run.expect_code(0);
+    let v = json_of(&run);
+    let p = &v["predicted"];
+    for k in ["ttft_s", "tpot_s", "output_tokens_per_s", "max_concurrency"] {
+        number(p, k);
+    }
+    assert!(v["search"]["prefill_best"].is_object());
+    assert!(v["search"]["decode_best"].is_object());
+}
+
+#[test]
+fn compare_puts_the_planner_first_with_ratios() {
+    let file = temp_file(
+        "configs.yaml",
+        "- name: megatron-tp8\n  config: \"tp=8,mbs=1\"\n- name: zero1\n  config: \"dp=8,zero=1,mbs=1\"\n",
+    );
+    let run = meshplan(&[
+        "compare",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-h100.yaml",
+        "--config",
+        "dp=4,tp=2,mbs=1,recompute=full",
+        "--configs-file",
+        file.to_str().expect("utf-8 path"),
+        "--json",
+    ]);
+    run.expect_code(0);
+    let v = json_of(&run);
+    let rows = v["rows"].as_array().expect("rows");
+    assert_eq!(rows.len(), 4);
+    assert_eq!(rows[0]["name"], "planner");
+    assert_eq!(rows[2]["name"], "megatron-tp8");
+    let best = number(&rows[0]["predicted"], "step_time_s");
+    for r in rows {
+        assert!(r["strategy"].is_string());
+        check_estimate_keys(&r["predicted"]);
+        let step = number(&r["predicted"], "step_time_s");
+        let ratio = number(r, "ratio_to_planner");
+        assert!((ratio - step / best).abs() < 1e-9, "{r}");
+        assert!(ratio >= 1.0 - 1e-9, "the planner is not slower: {r}");
+        assert!(r["account"].is_string());
+    }
+    // Text mode prints one row per configuration.
+    let text = meshplan(&[
+        "compare",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-h100.yaml",
+        "--config",
+        "tp=8,mbs=1",
+    ]);
+    text.expect_code(0);
+    assert!(text.stdout.contains("planner") && text.stdout.contains("tp=8,mbs=1"));
+}
+
+#[test]
+fn compare_bad_configs_file_exits_2_naming_it() {
+    let file = temp_file("bad-configs.yaml", "- nam: x\n  config: tp=2\n");
+    let run = meshplan(&[
+        "compare",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--configs-file",
+        file.to_str().expect("utf-8 path"),
+    ]);
+    run.expect_code(2);
+    assert!(run.stderr.contains("bad-configs.yaml"), "{}", run.stderr);
+}

@@ -4,4 +4,5 @@ mod cost;
 mod loaders;
 mod lowering;
 mod models;
+mod planner;
 mod tidy;

@@ -1,0 +1,532 @@
+//! `plan` and `compare`: the search, its report, the plan file.
+
+use crate::{evaluate, no_fit, print_json, suggestions, Failure};
+use meshplan_cost_model::estimate::gib;
+use meshplan_cost_model::{
+    load_cluster, prepare_model, Cluster, Estimate, InferenceLoad, PreparedGraph,
+};
+use meshplan_ir::plan::{Plan, SearchInfo};
+use meshplan_ir::{
+    load_model, model_graph, Graph, IrError, ModelSpec, PartialConfig, Workload, WorkloadOverrides,
+};
+use meshplan_planner::compare;
+use meshplan_planner::lower::{lower_inference, lower_train, standard_placements, LowerInput};
+use meshplan_planner::search::{
+    search_inference, search_train, Candidate, Progress, SearchOptions, SearchReport,
+};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The flags of `plan`.
+pub(crate) struct PlanArgs {
+    pub model: PathBuf,
+    pub cluster: PathBuf,
+    pub output: PathBuf,
+    pub nodes: Option<u64>,
+    pub config: Option<String>,
+    pub top: usize,
+    pub max_candidates: u64,
+    pub time_limit: f64,
+    pub quiet: bool,
+    pub workload: WorkloadOverrides,
+    pub json: bool,
+}
+
+struct Inputs {
+    spec: ModelSpec,
+    graph: Graph,
+    pg: PreparedGraph,
+    cluster: Cluster,
+    workload: Workload,
+}
+
+fn load(
+    model: &Path,
+    cluster: &Path,
+    nodes: Option<u64>,
+    wo: &WorkloadOverrides,
+) -> Result<Inputs, Failure> {
+    let spec = load_model(model, wo)?;
+    let graph = model_graph(&spec)?;
+    let pg = prepare_model(&spec)?;
+    let cluster = load_cluster(cluster, nodes)?;
+    let workload = spec.workload.clone().ok_or_else(|| Failure {
+        code: 2,
+        message: format!(
+            "{}: model `{}` has no workload: add `workload:` to the model file, or give --seq-len and --global-batch, or --workload FILE",
+            model.display(),
+            spec.name
+        ),
+    })?;
+    Ok(Inputs {
+        spec,
+        graph,
+        pg,
+        cluster,
+        workload,
+    })
+}
+
+/// Runs the search with a progress bar on stderr when it takes more than a moment.
+fn run_search(inp: &Inputs, opts: &SearchOptions, quiet: bool) -> Result<SearchReport, Failure> {
+    let progress = Arc::new(Progress::default());
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let bar_thread = (!quiet).then(|| {
+        let (progress, done) = (progress.clone(), done.clone());
+        std::thread::spawn(move || {
+            // Only searches that outlast half a second get a bar.
+            for _ in 0..10 {
+                if done.load(Ordering::Relaxed) {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            let bar = indicatif::ProgressBar::new(progress.total.load(Ordering::Relaxed));
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{spinner} searching {pos}/{len} configurations [{elapsed}]",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            while !done.load(Ordering::Relaxed) {
+                bar.set_length(progress.total.load(Ordering::Relaxed));
+                bar.set_position(progress.done.load(Ordering::Relaxed));
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            bar.finish_and_clear();
+        })
+    });
+    let r = match &inp.workload {
+        Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } => search_train(
+            &inp.graph,
+            &inp.pg,
+            &inp.cluster,
+            *seq_len,
+            *global_batch,
+            opts,
+            Some(&progress),
+        ),
+        Workload::Inference { .. } => match InferenceLoad::from_workload(&inp.workload) {
+            Some(load) => search_inference(&inp.graph, &inp.pg, &inp.cluster, &load, opts),
+            None => unreachable!("an inference workload converts"),
+        },
+    };
+    done.store(true, Ordering::Relaxed);
+    if let Some(t) = bar_thread {
+        let _ = t.join();
+    }
+    r.map_err(|e| no_fit(e.message))
+}
+
+/// Exit 3 with the closest miss and what would bring it under.
+fn nothing_fits(inp: &Inputs, report: &SearchReport) -> Failure {
+    let Some(c) = &report.closest_miss else {
+        let mut msg = format!(
+            "no feasible plan for {} on {} GPUs ({} enumerated, {} pruned by the memory lower bound, {} ruled out by shapes)",
+            inp.spec.name,
+            inp.cluster.gpus(),
+            report.enumerated,
+            report.pruned,
+            report.rejected
+        );
+        if let Some((cfg, bytes)) = &report.smallest_lower_bound {
+            // With everything sharded (ZeRO-3 over every GPU), the states alone need
+            // 16 bytes per parameter spread over the cluster.
+            let usable =
+                inp.cluster.gpu.memory_bytes - meshplan_cost_model::calib::RUNTIME_RESERVED_BYTES;
+            let gpus_needed = (16.0 * inp.pg.params_total / usable).ceil();
+            let nodes = (gpus_needed / inp.cluster.gpus_per_node as f64).ceil();
+            msg.push_str(&format!(
+                "; smallest per-GPU memory found {:.1} GiB > {:.1} GiB (model states alone, {cfg}); the weights, gradients and Adam states need at least {gpus_needed:.0} GPUs of {:.0} GiB: try --nodes {nodes:.0} or more",
+                gib(*bytes),
+                gib(inp.cluster.gpu.memory_bytes),
+                gib(inp.cluster.gpu.memory_bytes),
+            ));
+        }
+        return no_fit(msg);
+    };
+    let e = &c.estimate;
+    let mut msg = format!(
+        "no feasible plan for {} on {} GPUs; closest: {} with per-GPU memory {:.1} GiB > {:.1} GiB",
+        inp.spec.name,
+        inp.cluster.gpus(),
+        c.cfg,
+        gib(e.memory_per_gpu_bytes.total),
+        gib(e.memory_capacity_bytes)
+    );
+    if let (Some(t), Some(p)) = (e.ttft_s, e.tpot_s) {
+        msg.push_str(&format!(", TTFT {:.0} ms, TPOT {:.1} ms", t * 1e3, p * 1e3));
+    }
+    if report.pruned > 0 {
+        msg.push_str(&format!(
+            " ({} configurations could not hold the model states at all)",
+            report.pruned
+        ));
+    }
+    msg.push_str(&suggestions(&inp.spec, &inp.pg, &inp.cluster, &c.cfg));
+    no_fit(msg)
+}
+
+fn search_json(r: &SearchReport) -> serde_json::Value {
+    let cand = |c: &Option<Candidate>| {
+        c.as_ref().map(|c| {
+            serde_json::json!({
+                "strategy": c.cfg.to_string(),
+                "ttft_s": c.estimate.ttft_s,
+                "tpot_s": c.estimate.tpot_s,
+                "output_tokens_per_s": c.estimate.output_tokens_per_s,
+            })
+        })
+    };
+    serde_json::json!({
+        "candidates_enumerated": r.enumerated,
+        "candidates_evaluated": r.evaluated,
+        "pruned": r.pruned,
+        "rejected": r.rejected,
+        "infeasible": r.infeasible,
+        "bounded": r.bounded,
+        "wall_s": r.wall_s,
+        "sweep_s": r.sweep_s,
+        "stop_reason": r.stop_reason,
+        "ilp_solves": r.ilp_solves,
+        "solver": r.solver,
+        "prefill_best": cand(&r.prefill_best),
+        "decode_best": cand(&r.decode_best),
+    })
+}
+
+fn print_candidate_line(i: usize, c: &Candidate) {
+    let e = &c.estimate;
+    if let (Some(tok), Some(tpot)) = (e.output_tokens_per_s, e.tpot_s) {
+        eprintln!(
+            "{:>3}. {:<70} {:>9.0} tok/s  TTFT {:>7.1} ms  TPOT {:>6.2} ms  {:>6.1} GiB",
+            i + 1,
+            c.cfg.to_string(),
+            tok,
+            e.ttft_s.unwrap_or(0.0) * 1e3,
+            tpot * 1e3,
+            gib(e.memory_per_gpu_bytes.total)
+        );
+    } else {
+        eprintln!(
+            "{:>3}. {:<70} {:>8.3} s  MFU {:>5.1}%  bubble {:>4.1}%  {:>6.1} GiB{}",
+            i + 1,
+            c.cfg.to_string(),
+            e.step_time_s,
+            100.0 * e.mfu,
+            100.0 * e.bubble_fraction,
+            gib(e.memory_per_gpu_bytes.total),
+            c.layer_split
+                .as_ref()
+                .map(|s| format!("  layers {s:?}"))
+                .unwrap_or_default()
+        );
+    }
+}
+
+/// `meshplan plan`.
+pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
+    let inp = load(&a.model, &a.cluster, a.nodes, &a.workload)?;
+    let fixed = match &a.config {
+        Some(c) => PartialConfig::parse(c, "--config")?,
+        None => PartialConfig::default(),
+    };
+    let opts = SearchOptions {
+        fixed,
+        top_k: a.top.max(1),
+        max_candidates: a.max_candidates,
+        time_limit_s: a.time_limit,
+        ..SearchOptions::default()
+    };
+    let report = run_search(&inp, &opts, a.quiet || a.json)?;
+    let Some(best) = report.top.first() else {
+        return Err(nothing_fits(&inp, &report));
+    };
+    let plan = lower(&inp, best, &report).map_err(|message| Failure { code: 1, message })?;
+    let bytes = plan.to_json().map_err(|e| Failure {
+        code: 1,
+        message: format!("cannot serialise the plan: {e}"),
+    })?;
+    write_atomically(&a.output, &bytes)?;
+    let search = search_json(&report);
+    if a.json {
+        print_json(&serde_json::json!({
+            "plan_file": a.output.display().to_string(),
+            "strategy": best.cfg,
+            "layer_split": best.split_or_even(inp.pg.layers),
+            "predicted": best.estimate,
+            "search": search,
+            "top": report.top.iter().map(|c| serde_json::json!({
+                "strategy": c.cfg.to_string(),
+                "predicted": c.estimate,
+                "layer_split": c.layer_split,
+            })).collect::<Vec<_>>(),
+        }));
+    } else {
+        eprintln!(
+            "searched {} configurations ({} priced, {} of them stopped at the step-time bound; {} pruned by memory, {} ruled out by shapes, {} over memory or SLO) in {:.3} s; {} ILP solves ({}); stop: {:?}",
+            report.enumerated,
+            report.evaluated,
+            report.bounded,
+            report.pruned,
+            report.rejected,
+            report.infeasible,
+            report.wall_s,
+            report.ilp_solves,
+            report.solver,
+            report.stop_reason
+        );
+        for (i, c) in report.top.iter().enumerate() {
+            print_candidate_line(i, c);
+        }
+        crate::print_estimate(&inp.spec, &inp.cluster, &best.estimate);
+        if let Some(s) = &best.layer_split {
+            println!("layer split  {s:?} (stage DP; even would be {:?})", {
+                let mut even = best.clone();
+                even.layer_split = None;
+                even.split_or_even(inp.pg.layers)
+            });
+        }
+        if let (Some(p), Some(d)) = (&report.prefill_best, &report.decode_best) {
+            println!(
+                "prefill best {} (TTFT {:.1} ms); decode best {} (TPOT {:.2} ms)",
+                p.cfg,
+                p.estimate.ttft_s.unwrap_or(0.0) * 1e3,
+                d.cfg,
+                d.estimate.tpot_s.unwrap_or(0.0) * 1e3
+            );
+        }
+        println!(
+            "plan written to {} ({} bytes)",
+            a.output.display(),
+            bytes.len()
+        );
+    }
+    Ok(())
+}
+
+/// The best candidate as per-rank programs: its layout's graph (roles from the ILP),
+/// the placements per axis (`dp` and `cp` from the data and context split, `tp` from
+/// the ILP's solution), the stage DP's layer split.
+fn lower(inp: &Inputs, best: &Candidate, report: &SearchReport) -> Result<Plan, String> {
+    let layout = best.layout.as_deref();
+    let graph = layout.and_then(|l| l.graph.as_ref()).unwrap_or(&inp.graph);
+    let prepared = layout.and_then(|l| l.prepared.as_ref()).unwrap_or(&inp.pg);
+    let mut placements = standard_placements(graph, &best.cfg);
+    if let Some(l) = layout {
+        let solved: BTreeMap<&str, &Vec<String>> =
+            l.placements.iter().map(|(n, p)| (n.as_str(), p)).collect();
+        for (name, place) in placements.iter_mut() {
+            if let (Some(tp), Some(last)) = (
+                solved.get(name.as_str()).and_then(|p| p.last()),
+                place.last_mut(),
+            ) {
+                *last = tp.clone();
+            }
+        }
+    }
+    let split = best.split_or_even(inp.pg.layers);
+    let mut extra = BTreeMap::new();
+    extra.insert(
+        "candidates_enumerated".to_string(),
+        serde_json::json!(report.enumerated),
+    );
+    extra.insert("rejected".to_string(), serde_json::json!(report.rejected));
+    extra.insert(
+        "ilp_solves".to_string(),
+        serde_json::json!(report.ilp_solves),
+    );
+    extra.insert(
+        "layout".to_string(),
+        serde_json::json!(if layout.is_some_and(|l| l.standard) {
+            "ilp (equals the standard layout)"
+        } else {
+            "ilp"
+        }),
+    );
+    let search = SearchInfo {
+        candidates_evaluated: report.evaluated,
+        pruned: report.pruned,
+        wall_s: report.wall_s,
+        solver: report.solver.to_string(),
+        stop_reason: serde_json::to_value(report.stop_reason)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default(),
+        extra,
+    };
+    let input = LowerInput {
+        model_name: &inp.spec.name,
+        graph,
+        prepared,
+        cluster: &inp.cluster,
+        cfg: &best.cfg,
+        workload: &inp.workload,
+        layer_split: &split,
+        placements,
+        estimate: &best.estimate,
+        search,
+    };
+    let r = match inp.workload {
+        Workload::Train { .. } => lower_train(&input),
+        Workload::Inference { .. } => lower_inference(&input),
+    };
+    r.map_err(|e| format!("cannot lower {}: {e}", best.cfg))
+}
+
+/// Writes to a temporary name and renames, so an existing plan is never left half
+/// overwritten.
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), Failure> {
+    let io = |e: std::io::Error| Failure {
+        code: 1,
+        message: format!("{}: cannot write the plan: {e}", path.display()),
+    };
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().to_string())
+        .unwrap_or_else(|| "plan.json".into());
+    let tmp = path.with_file_name(format!(".{name}.tmp"));
+    std::fs::write(&tmp, bytes).map_err(io)?;
+    std::fs::rename(&tmp, path).map_err(io)
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NamedConfig {
+    name: String,
+    config: String,
+}
+
+fn read_configs_file(path: &Path) -> Result<Vec<(String, String)>, Failure> {
+    let file = path.display().to_string();
+    let text = std::fs::read_to_string(path).map_err(|e| IrError::Io {
+        path: path.to_path_buf(),
+        source: e,
+    })?;
+    let list: Vec<NamedConfig> = serde_yaml_ng::from_str(&text).map_err(|e| Failure {
+        code: 2,
+        message: format!(
+            "{file}: {e}; expected a list of `{{name: ..., config: \"dp=..,tp=..\"}}`"
+        ),
+    })?;
+    Ok(list.into_iter().map(|c| (c.name, c.config)).collect())
+}
+
+/// `meshplan compare`.
+pub(crate) fn compare(
+    model: &Path,
+    cluster: &Path,
+    configs: &[String],
+    configs_file: Option<&Path>,
+    nodes: Option<u64>,
+    wo: &WorkloadOverrides,
+    json: bool,
+) -> Result<(), Failure> {
+    let inp = load(model, cluster, nodes, wo)?;
+    let mut named: Vec<(String, String)> = configs.iter().map(|c| (c.clone(), c.clone())).collect();
+    if let Some(f) = configs_file {
+        named.extend(read_configs_file(f)?);
+    }
+    if named.is_empty() {
+        return Err(Failure {
+            code: 2,
+            message: "compare needs at least one --config CFG or --configs-file FILE.yaml".into(),
+        });
+    }
+    // Parse every configuration before searching, so a typo fails fast.
+    let mut hand: Vec<(String, String, Result<Estimate, String>)> = Vec::new();
+    let mut parsed = Vec::new();
+    for (name, text) in &named {
+        let source = format!("--config {name}");
+        parsed.push((
+            name.clone(),
+            text.clone(),
+            PartialConfig::parse(text, &source)?,
+        ));
+    }
+    let opts = SearchOptions::default();
+    let report = run_search(&inp, &opts, json)?;
+    let Some(best) = report.top.first() else {
+        return Err(nothing_fits(&inp, &report));
+    };
+    for (name, text, p) in parsed {
+        let r = p
+            .resolve(inp.cluster.gpus(), &format!("--config {name}"))
+            .map_err(|e| e.to_string())
+            .and_then(|cfg| {
+                evaluate(&inp.spec, &inp.pg, &inp.cluster, &cfg).map_err(|f| f.message)
+            });
+        hand.push((name, text, r));
+    }
+    let rows = compare::rows(&best.estimate, best.layer_split.as_deref(), &hand);
+    if json {
+        print_json(&serde_json::json!({
+            "rows": rows,
+            "search": search_json(&report),
+        }));
+        return Ok(());
+    }
+    println!(
+        "{} on {} GPUs ({} x {})",
+        inp.spec.name,
+        inp.cluster.gpus(),
+        inp.cluster.nodes,
+        inp.cluster.name
+    );
+    let inference = best.estimate.tpot_s.is_some();
+    if inference {
+        println!(
+            "{:<22} {:>11} {:>10} {:>10} {:>9} {:>7}",
+            "name", "tok/s", "TTFT ms", "TPOT ms", "mem GiB", "ratio"
+        );
+    } else {
+        println!(
+            "{:<22} {:>9} {:>8} {:>6} {:>9} {:>8} {:>9} {:>7}",
+            "name", "step s", "TFLOP/s", "MFU%", "mem GiB", "bubble%", "exp.comm", "ratio"
+        );
+    }
+    for r in &rows {
+        match &r.predicted {
+            Some(e) if inference => println!(
+                "{:<22} {:>11.0} {:>10.1} {:>10.2} {:>9.1} {:>7.3}",
+                short(&r.name),
+                e.output_tokens_per_s.unwrap_or(0.0),
+                e.ttft_s.unwrap_or(0.0) * 1e3,
+                e.tpot_s.unwrap_or(0.0) * 1e3,
+                gib(e.memory_per_gpu_bytes.total),
+                r.ratio_to_planner.unwrap_or(f64::NAN)
+            ),
+            Some(e) => println!(
+                "{:<22} {:>9.3} {:>8.1} {:>6.1} {:>9.1} {:>8.1} {:>9.3} {:>7.3}",
+                short(&r.name),
+                e.step_time_s,
+                e.model_tflops_per_gpu,
+                100.0 * e.mfu,
+                gib(e.memory_per_gpu_bytes.total),
+                100.0 * e.bubble_fraction,
+                e.time_breakdown_s.exposed_comm,
+                r.ratio_to_planner.unwrap_or(f64::NAN)
+            ),
+            None => println!("{:<22} cannot run", short(&r.name)),
+        }
+        println!("    {}", r.strategy);
+        println!("    {}", r.account);
+    }
+    Ok(())
+}
+
+fn short(s: &str) -> String {
+    if s.chars().count() <= 22 {
+        s.to_string()
+    } else {
+        let head: String = s.chars().take(21).collect();
+        format!("{head}~")
+    }
+}
