@@ -10,7 +10,7 @@ use meshplan_ir::{
     load_model, IrError, ModelSpec, ParallelConfig, PartialConfig, Recompute, Workload,
     WorkloadOverrides,
 };
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 mod plan;
@@ -242,7 +242,7 @@ pub(crate) fn ledger_lines(m: &MemoryLedger) -> String {
     )
 }
 
-fn inspect(model: &PathBuf, wf: &WorkloadFlags, json: bool) -> Result<(), Failure> {
+fn inspect(model: &Path, wf: &WorkloadFlags, json: bool) -> Result<(), Failure> {
     let spec = load_model(model, &wf.overrides())?;
     let pg = prepare_model(&spec)?;
     let workload = spec.workload.clone().unwrap_or(Workload::Train {
@@ -284,8 +284,8 @@ fn inspect(model: &PathBuf, wf: &WorkloadFlags, json: bool) -> Result<(), Failur
 }
 
 fn load_inputs(
-    model: &PathBuf,
-    cluster: &PathBuf,
+    model: &Path,
+    cluster: &Path,
     nodes: Option<u64>,
     wf: &WorkloadFlags,
 ) -> Result<(ModelSpec, PreparedGraph, Cluster), Failure> {
@@ -296,8 +296,8 @@ fn load_inputs(
 }
 
 fn estimate(
-    model: &PathBuf,
-    cluster_path: &PathBuf,
+    model: &Path,
+    cluster_path: &Path,
     config: &str,
     nodes: Option<u64>,
     wf: &WorkloadFlags,
@@ -375,7 +375,7 @@ pub(crate) fn suggestions(
             ));
         }
     }
-    if cfg.dp % 2 == 0 {
+    if cfg.dp.is_multiple_of(2) {
         tries.push((
             format!("pp={}", cfg.pp * 2),
             ParallelConfig {

@@ -5,16 +5,14 @@ use meshplan_cost_model::estimate::gib;
 use meshplan_cost_model::{
     load_cluster, prepare_model, Cluster, Estimate, InferenceLoad, PreparedGraph,
 };
-use meshplan_ir::plan::{Plan, SearchInfo};
 use meshplan_ir::{
     load_model, model_graph, Graph, IrError, ModelSpec, PartialConfig, Workload, WorkloadOverrides,
 };
 use meshplan_planner::compare;
-use meshplan_planner::lower::{lower_inference, lower_train, standard_placements, LowerInput};
+use meshplan_planner::output::plan_of;
 use meshplan_planner::search::{
     search_inference, search_train, Candidate, Progress, SearchOptions, SearchReport,
 };
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -249,7 +247,16 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
     let Some(best) = report.top.first() else {
         return Err(nothing_fits(&inp, &report));
     };
-    let plan = lower(&inp, best, &report).map_err(|message| Failure { code: 1, message })?;
+    let plan = plan_of(
+        &inp.spec.name,
+        &inp.graph,
+        &inp.pg,
+        &inp.cluster,
+        &inp.workload,
+        best,
+        &report,
+    )
+    .map_err(|message| Failure { code: 1, message })?;
     let bytes = plan.to_json().map_err(|e| Failure {
         code: 1,
         message: format!("cannot serialise the plan: {e}"),
@@ -310,75 +317,6 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
         );
     }
     Ok(())
-}
-
-/// The best candidate as per-rank programs: its layout's graph (roles from the ILP),
-/// the placements per axis (`dp` and `cp` from the data and context split, `tp` from
-/// the ILP's solution), the stage DP's layer split.
-fn lower(inp: &Inputs, best: &Candidate, report: &SearchReport) -> Result<Plan, String> {
-    let layout = best.layout.as_deref();
-    let graph = layout.and_then(|l| l.graph.as_ref()).unwrap_or(&inp.graph);
-    let prepared = layout.and_then(|l| l.prepared.as_ref()).unwrap_or(&inp.pg);
-    let mut placements = standard_placements(graph, &best.cfg);
-    if let Some(l) = layout {
-        let solved: BTreeMap<&str, &Vec<String>> =
-            l.placements.iter().map(|(n, p)| (n.as_str(), p)).collect();
-        for (name, place) in placements.iter_mut() {
-            if let (Some(tp), Some(last)) = (
-                solved.get(name.as_str()).and_then(|p| p.last()),
-                place.last_mut(),
-            ) {
-                *last = tp.clone();
-            }
-        }
-    }
-    let split = best.split_or_even(inp.pg.layers);
-    let mut extra = BTreeMap::new();
-    extra.insert(
-        "candidates_enumerated".to_string(),
-        serde_json::json!(report.enumerated),
-    );
-    extra.insert("rejected".to_string(), serde_json::json!(report.rejected));
-    extra.insert(
-        "ilp_solves".to_string(),
-        serde_json::json!(report.ilp_solves),
-    );
-    extra.insert(
-        "layout".to_string(),
-        serde_json::json!(if layout.is_some_and(|l| l.standard) {
-            "ilp (equals the standard layout)"
-        } else {
-            "ilp"
-        }),
-    );
-    let search = SearchInfo {
-        candidates_evaluated: report.evaluated,
-        pruned: report.pruned,
-        wall_s: report.wall_s,
-        solver: report.solver.to_string(),
-        stop_reason: serde_json::to_value(report.stop_reason)
-            .ok()
-            .and_then(|v| v.as_str().map(str::to_string))
-            .unwrap_or_default(),
-        extra,
-    };
-    let input = LowerInput {
-        model_name: &inp.spec.name,
-        graph,
-        prepared,
-        cluster: &inp.cluster,
-        cfg: &best.cfg,
-        workload: &inp.workload,
-        layer_split: &split,
-        placements,
-        estimate: &best.estimate,
-        search,
-    };
-    let r = match inp.workload {
-        Workload::Train { .. } => lower_train(&input),
-        Workload::Inference { .. } => lower_inference(&input),
-    };
-    r.map_err(|e| format!("cannot lower {}: {e}", best.cfg))
 }
 
 /// Writes to a temporary name and renames, so an existing plan is never left half

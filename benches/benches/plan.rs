@@ -4,7 +4,7 @@
 //! - GPT-3 175B on 480 DGX A100 nodes (3840 GPUs), global batch 1536;
 //! - Llama 3 8B on 8 DGX H100 nodes (64 GPUs);
 //! - Llama 3 405B on 2048 DGX H100 nodes (16,384 GPUs);
-//! - lowering GPT-3's best plan and serialising its 3840 ranks.
+//! - lowering each best plan to per-rank programs and serialising it (`plan.json`).
 //!
 //! Each search is run fresh (no cache kept between iterations). Run:
 //! `cargo bench -p meshplan-benches --bench plan`. A line per model with the

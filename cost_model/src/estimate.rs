@@ -120,7 +120,7 @@ fn check_world_size(cfg: &ParallelConfig, gpus: u64) -> Result<(), Unsupported> 
 
 /// Checks the degrees against the model's shapes.
 pub fn check_shapes(pg: &PreparedGraph, cfg: &ParallelConfig, seq: u64) -> Result<(), Unsupported> {
-    if pg.heads > 0 && !cfg.dp_attention && pg.heads % cfg.tp != 0 {
+    if pg.heads > 0 && !cfg.dp_attention && !pg.heads.is_multiple_of(cfg.tp) {
         return Err(unsupported(format!(
             "heads({}) % tp({}) != 0: tp must divide the attention heads",
             pg.heads, cfg.tp
@@ -128,15 +128,15 @@ pub fn check_shapes(pg: &PreparedGraph, cfg: &ParallelConfig, seq: u64) -> Resul
     }
     if pg.kv_heads > 0
         && !cfg.dp_attention
-        && pg.kv_heads % cfg.tp != 0
-        && cfg.tp % pg.kv_heads != 0
+        && !pg.kv_heads.is_multiple_of(cfg.tp)
+        && !cfg.tp.is_multiple_of(pg.kv_heads)
     {
         return Err(unsupported(format!(
             "kv_heads({}) and tp({}): one must divide the other (kv heads are split or replicated over tp)",
             pg.kv_heads, cfg.tp
         )));
     }
-    if seq % cfg.cp != 0 {
+    if !seq.is_multiple_of(cfg.cp) {
         return Err(unsupported(format!(
             "seq_len({seq}) % cp({}) != 0: cp must divide the sequence",
             cfg.cp
@@ -148,7 +148,7 @@ pub fn check_shapes(pg: &PreparedGraph, cfg: &ParallelConfig, seq: u64) -> Resul
             cfg.ep
         )));
     }
-    if pg.experts > 0 && pg.experts % cfg.ep != 0 {
+    if pg.experts > 0 && !pg.experts.is_multiple_of(cfg.ep) {
         return Err(unsupported(format!(
             "experts({}) % ep({}) != 0: ep must divide the experts",
             pg.experts, cfg.ep

@@ -248,10 +248,10 @@ impl PreparedGraph {
                     }
                 };
                 match op.role {
-                    TpRole::ColumnParallel | TpRole::VocabHead => {
-                        if !col_ids.iter().any(|(i, _)| *i == op.inputs[0]) {
-                            col_ids.push((op.inputs[0], attn_part));
-                        }
+                    TpRole::ColumnParallel | TpRole::VocabHead
+                        if !col_ids.iter().any(|(i, _)| *i == op.inputs[0]) =>
+                    {
+                        col_ids.push((op.inputs[0], attn_part));
                     }
                     TpRole::RowParallel | TpRole::VocabEmbedding => {
                         row_ids.push((op.outputs[0], attn_part))

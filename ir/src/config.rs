@@ -245,7 +245,7 @@ impl PartialConfig {
         let dp = match self.dp {
             Some(d) => d,
             None => {
-                if gpus % others != 0 {
+                if !gpus.is_multiple_of(others) {
                     return Err(bad(
                         source,
                         "dp",
@@ -262,12 +262,12 @@ impl PartialConfig {
                 format!(
                     "dp({dp}) * tp({tp}) * pp({pp}) * cp({cp}) = {} != GPUs({gpus}); leave dp out to use dp={}",
                     dp * others,
-                    if gpus % others == 0 { (gpus / others).to_string() } else { "-".into() }
+                    if gpus.is_multiple_of(others) { (gpus / others).to_string() } else { "-".into() }
                 ),
             ));
         }
         let ep = self.ep.unwrap_or(1);
-        if (dp * tp * cp) % ep != 0 {
+        if !(dp * tp * cp).is_multiple_of(ep) {
             return Err(bad(
                 source,
                 "ep",

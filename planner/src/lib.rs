@@ -13,6 +13,7 @@
 //! - [`search`]: the driver over mesh shapes, micro-batch sizes, ZeRO, recomputation
 //!   and schedules, for training and inference.
 //! - [`lower`]: the chosen plan as per-stage program templates and ranks (`plan.json`).
+//! - [`output`]: the best candidate as a plan file.
 //! - [`compare`]: the planner's best beside hand-given configurations.
 #![warn(missing_docs)]
 
@@ -24,6 +25,7 @@ pub mod intra;
 pub mod layout;
 pub mod lower;
 pub mod mesh;
+pub mod output;
 pub mod placement;
 pub mod redistribute;
 pub mod search;

@@ -178,7 +178,7 @@ pub fn divisors(n: u64) -> Vec<u64> {
     let mut large = Vec::new();
     let mut d = 1;
     while d * d <= n {
-        if n % d == 0 {
+        if n.is_multiple_of(d) {
             small.push(d);
             if d * d != n {
                 large.push(n / d);
@@ -221,17 +221,17 @@ pub fn training_space(
         fixed.tp,
         divisors(n)
             .into_iter()
-            .filter(|&t| t <= gpn && gpn % t == 0),
+            .filter(|&t| t <= gpn && gpn.is_multiple_of(t)),
     );
     for &tp in &tps {
         let cps = pick_degree(
             fixed.cp,
             divisors(n / tp.max(1))
                 .into_iter()
-                .filter(|&c| c <= 16 && seq_len % (2 * c) == 0 || c == 1),
+                .filter(|&c| c <= 16 && seq_len.is_multiple_of(2 * c) || c == 1),
         );
         for &cp in &cps {
-            if tp * cp == 0 || n % (tp * cp) != 0 {
+            if tp * cp == 0 || !n.is_multiple_of(tp * cp) {
                 continue;
             }
             let pps = pick_degree(
@@ -241,7 +241,7 @@ pub fn training_space(
                     .filter(|&p| p <= pg.layers),
             );
             for &pp in &pps {
-                if n % (tp * cp * pp) != 0 {
+                if !n.is_multiple_of(tp * cp * pp) {
                     continue;
                 }
                 let dp = n / (tp * cp * pp);
@@ -253,7 +253,7 @@ pub fn training_space(
                         fixed.ep,
                         divisors(dp * tp * cp)
                             .into_iter()
-                            .filter(|&e| pg.experts % e == 0),
+                            .filter(|&e| pg.experts.is_multiple_of(e)),
                     )
                 } else {
                     vec![fixed.ep.unwrap_or(1)]
@@ -703,7 +703,7 @@ pub fn inference_space(
                 .into_iter()
                 .filter(|&p| p <= pg.layers),
         ) {
-            if tp * pp == 0 || n % (tp * pp) != 0 {
+            if tp * pp == 0 || !n.is_multiple_of(tp * pp) {
                 continue;
             }
             let dp = n / (tp * pp);
@@ -715,7 +715,7 @@ pub fn inference_space(
                     fixed.ep,
                     divisors(dp * tp)
                         .into_iter()
-                        .filter(|&e| pg.experts % e == 0),
+                        .filter(|&e| pg.experts.is_multiple_of(e)),
                 )
             } else {
                 vec![fixed.ep.unwrap_or(1)]

@@ -182,6 +182,7 @@ pub fn brute_force(c: &StageCosts, stages: usize, lim: Option<&MemoryLimit>) -> 
     let p = Prefix::new(c);
     let mut best: Option<Split> = None;
     let mut cuts = vec![0usize; stages + 1];
+    #[allow(clippy::too_many_arguments)] // a recursive enumerator's state, spelled out
     fn rec(
         c: &StageCosts,
         p: &Prefix,

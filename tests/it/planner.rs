@@ -91,7 +91,7 @@ fn planner_is_at_least_as_fast_as_every_published_configuration() {
         };
         f.attn = Some(case.cfg.attn);
         let opts = SearchOptions {
-            fixed: f.clone(),
+            fixed: f,
             ..SearchOptions::default()
         };
         let space = training_space(&case.pg, &case.cluster, &f, case.seq_len, case.global_batch);
@@ -229,4 +229,80 @@ fn inference_search_honours_the_slo_and_reports_prefill_and_decode() {
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(r.top.is_empty());
     assert!(r.closest_miss.is_some());
+}
+
+#[test]
+fn megatron_layout_found_by_the_ilp_lowers_to_two_all_reduces_per_layer() {
+    // A GPT block at hidden 8192, sequence 2048 on the 8 GPUs of one DGX A100 node,
+    // tensor parallel over all 8: the search's placements come from the ILP, which
+    // finds column-parallel QKV and MLP-up, row-parallel projection and MLP-down;
+    // the plan written from them has exactly two AllReduce per layer in forward.
+    let yaml = "name: gpt-block-8192\ntransformer:\n  layers: 2\n  hidden: 8192\n  heads: 64\n  mlp: gelu\n  norm: layernorm\n  vocab: 51200\ndtype: bf16\nworkload:\n  kind: train\n  seq_len: 2048\n  global_batch: 8\n";
+    let spec =
+        meshplan_ir::parse_model_yaml(yaml, "gpt-block.yaml").unwrap_or_else(|e| panic!("{e}"));
+    let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let cl = cluster("dgx-a100-80g", 1);
+    let opts = SearchOptions {
+        fixed: fixed("tp=8,sp=false,mbs=1"),
+        ..SearchOptions::default()
+    };
+    let report =
+        search_train(&graph, &pg, &cl, 2048, 8, &opts, None).unwrap_or_else(|e| panic!("{e}"));
+    let best = report.top.first().expect("feasible");
+    let layout = best.layout.as_ref().expect("refined with the ILP");
+    let role = |name: &str| {
+        layout
+            .roles
+            .iter()
+            .find(|&&(s, o, _)| graph.segments[s].ops[o].name == name)
+            .map(|&(_, _, r)| r)
+            .unwrap_or_else(|| panic!("no role for {name}"))
+    };
+    use meshplan_ir::TpRole::{ColumnParallel, RowParallel};
+    assert_eq!(role("block.attn.qkv"), ColumnParallel);
+    assert_eq!(role("block.mlp.up"), ColumnParallel);
+    assert_eq!(role("block.attn.proj"), RowParallel);
+    assert_eq!(role("block.mlp.down"), RowParallel);
+    let placements: std::collections::BTreeMap<_, _> = layout.placements.iter().cloned().collect();
+    assert_eq!(placements["block.attn.qkv.w"], vec!["S(1)".to_string()]);
+    assert_eq!(placements["block.mlp.down.w"], vec!["S(0)".to_string()]);
+    let workload = spec.workload.clone().expect("workload");
+    let plan =
+        meshplan_planner::output::plan_of(&spec.name, &graph, &pg, &cl, &workload, best, &report)
+            .unwrap_or_else(|e| panic!("{e}"));
+    use meshplan_ir::plan::{Axis, CollectiveKind, Instr};
+    let ph = &plan.programs[0].phases[0];
+    let (body, repeat) = ph.chunks[0]
+        .forward
+        .iter()
+        .find_map(|i| match i {
+            Instr::Segment {
+                kind: meshplan_ir::SegmentKind::Block,
+                body,
+                repeat,
+                ..
+            } => Some((body, *repeat)),
+            _ => None,
+        })
+        .expect("a block in the forward list");
+    assert_eq!(repeat, 2);
+    let tp: Vec<CollectiveKind> = body
+        .iter()
+        .filter_map(|i| match i {
+            Instr::Collective {
+                kind,
+                axis: Axis::Tp,
+                ..
+            } => Some(*kind),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(tp, [CollectiveKind::AllReduce, CollectiveKind::AllReduce]);
+    assert_eq!(
+        plan.placements["block.attn.qkv.w"]
+            .last()
+            .map(String::as_str),
+        Some("S(1)")
+    );
 }

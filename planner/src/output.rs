@@ -1,0 +1,86 @@
+//! The search's best candidate as a plan file: its layout's graph (roles from the
+//! ILP), placements per axis, the stage DP's layer split and the search's report.
+
+use crate::cost_model::{Cluster, PreparedGraph};
+use crate::lower::{lower_inference, lower_train, standard_placements, LowerInput};
+use crate::search::{Candidate, SearchReport};
+use meshplan_ir::plan::{Plan, SearchInfo};
+use meshplan_ir::{Graph, Workload};
+use std::collections::BTreeMap;
+
+/// The best candidate as per-rank programs: its layout's graph (roles from the ILP),
+/// the placements per axis (`dp` and `cp` from the data and context split, `tp` from
+/// the ILP's solution), the stage DP's layer split.
+pub fn plan_of(
+    model_name: &str,
+    model_graph: &Graph,
+    model_pg: &PreparedGraph,
+    cluster: &Cluster,
+    workload: &Workload,
+    best: &Candidate,
+    report: &SearchReport,
+) -> Result<Plan, String> {
+    let layout = best.layout.as_deref();
+    let graph = layout.and_then(|l| l.graph.as_ref()).unwrap_or(model_graph);
+    let prepared = layout.and_then(|l| l.prepared.as_ref()).unwrap_or(model_pg);
+    let mut placements = standard_placements(graph, &best.cfg);
+    if let Some(l) = layout {
+        let solved: BTreeMap<&str, &Vec<String>> =
+            l.placements.iter().map(|(n, p)| (n.as_str(), p)).collect();
+        for (name, place) in placements.iter_mut() {
+            if let (Some(tp), Some(last)) = (
+                solved.get(name.as_str()).and_then(|p| p.last()),
+                place.last_mut(),
+            ) {
+                *last = tp.clone();
+            }
+        }
+    }
+    let split = best.split_or_even(model_pg.layers);
+    let mut extra = BTreeMap::new();
+    extra.insert(
+        "candidates_enumerated".to_string(),
+        serde_json::json!(report.enumerated),
+    );
+    extra.insert("rejected".to_string(), serde_json::json!(report.rejected));
+    extra.insert(
+        "ilp_solves".to_string(),
+        serde_json::json!(report.ilp_solves),
+    );
+    extra.insert(
+        "layout".to_string(),
+        serde_json::json!(if layout.is_some_and(|l| l.standard) {
+            "ilp (equals the standard layout)"
+        } else {
+            "ilp"
+        }),
+    );
+    let search = SearchInfo {
+        candidates_evaluated: report.evaluated,
+        pruned: report.pruned,
+        wall_s: report.wall_s,
+        solver: report.solver.to_string(),
+        stop_reason: serde_json::to_value(report.stop_reason)
+            .ok()
+            .and_then(|v| v.as_str().map(str::to_string))
+            .unwrap_or_default(),
+        extra,
+    };
+    let input = LowerInput {
+        model_name,
+        graph,
+        prepared,
+        cluster,
+        cfg: &best.cfg,
+        workload,
+        layer_split: &split,
+        placements,
+        estimate: &best.estimate,
+        search,
+    };
+    let r = match workload {
+        Workload::Train { .. } => lower_train(&input),
+        Workload::Inference { .. } => lower_inference(&input),
+    };
+    r.map_err(|e| format!("cannot lower {}: {e}", best.cfg))
+}
