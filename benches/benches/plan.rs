@@ -13,6 +13,7 @@
 use criterion::{criterion_group, criterion_main, Criterion};
 use meshplan_cost_model::{load_cluster, prepare_model, Cluster, PreparedGraph};
 use meshplan_ir::{load_model, model_graph, Graph, ModelSpec, Workload, WorkloadOverrides};
+use meshplan_planner::output::plan_of;
 use meshplan_planner::search::{search_train, SearchOptions};
 use std::hint::black_box;
 use std::path::Path;
@@ -84,7 +85,6 @@ fn bench(c: &mut Criterion) {
             r.ilp_solves,
             r.top.first().map(|c| c.cfg.to_string()).unwrap_or_default()
         );
-        let _ = &k.spec;
         c.bench_function(&format!("plan search {}", k.name), |b| {
             b.iter(|| {
                 search_train(
@@ -97,6 +97,42 @@ fn bench(c: &mut Criterion) {
                     None,
                 )
                 .expect("search")
+            })
+        });
+        let best = r.top.first().expect("a feasible plan");
+        let workload = k.spec.workload.clone().expect("workload");
+        let bytes = plan_of(
+            &k.spec.name,
+            &k.graph,
+            &k.pg,
+            &k.cluster,
+            &workload,
+            best,
+            &r,
+        )
+        .expect("lowers")
+        .to_json()
+        .expect("serialises");
+        eprintln!(
+            "{}: plan.json for {} ranks is {} bytes",
+            k.name,
+            k.cluster.gpus(),
+            bytes.len()
+        );
+        c.bench_function(&format!("lower + serialise plan {}", k.name), |b| {
+            b.iter(|| {
+                plan_of(
+                    &k.spec.name,
+                    black_box(&k.graph),
+                    &k.pg,
+                    &k.cluster,
+                    &workload,
+                    best,
+                    &r,
+                )
+                .expect("lowers")
+                .to_json()
+                .expect("serialises")
             })
         });
     }

@@ -1,3 +1,8 @@
-//! Brief overview: CPU reference kernels and CUDA sources for the executor.
+//! Brief overview: CPU reference kernels (forward and backward of every op the
+//! executor runs) and, later, their CUDA counterparts.
 //!
-//! This crate is a shell until the executor issue lands.
+//! - [`cpu`]: plain f32 kernels on row-major slices, each checked against finite
+//!   differences; the reference every GPU kernel is tested against.
+#![warn(missing_docs)]
+
+pub mod cpu;

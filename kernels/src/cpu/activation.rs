@@ -1,0 +1,159 @@
+//! Pointwise activations: GELU (tanh approximation), SwiGLU, residual add.
+
+use super::{check_len, invalid, prod, KernelError};
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const GELU_C: f32 = 0.044_715;
+
+/// GELU forward, tanh approximation (GPT-2 / Megatron `gelu`):
+/// `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
+pub fn gelu_fwd(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
+    check_len("y", y.len(), x.len())?;
+    for (o, &v) in y.iter_mut().zip(x) {
+        let t = (SQRT_2_OVER_PI * (v + GELU_C * v * v * v)).tanh();
+        *o = 0.5 * v * (1.0 + t);
+    }
+    Ok(())
+}
+
+/// GELU backward: `dx += dy * gelu'(x)` (recomputed from `x`).
+pub fn gelu_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
+    check_len("dy", dy.len(), x.len())?;
+    check_len("dx", dx.len(), x.len())?;
+    for ((d, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
+        let t = (SQRT_2_OVER_PI * (v + GELU_C * v * v * v)).tanh();
+        let dt = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v * v);
+        *d += g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * dt);
+    }
+    Ok(())
+}
+
+fn sigmoid(v: f32) -> f32 {
+    1.0 / (1.0 + (-v).exp())
+}
+
+fn check_swiglu(rows: usize, f: usize, x_len: usize, y_len: usize, yname: &'static str) -> Result<(), KernelError> {
+    if f == 0 {
+        return Err(invalid("f", "must be positive"));
+    }
+    check_len("x", x_len, prod("x", &[rows, 2, f])?)?;
+    check_len(yname, y_len, prod(yname, &[rows, f])?)
+}
+
+/// SwiGLU forward: `x [rows, 2f]` laid out `[gate | up]` per row,
+/// `y [rows, f] = silu(gate) * up` with `silu(g) = g * sigmoid(g)`.
+pub fn swiglu_fwd(x: &[f32], rows: usize, f: usize, y: &mut [f32]) -> Result<(), KernelError> {
+    check_swiglu(rows, f, x.len(), y.len(), "y")?;
+    for (xr, yr) in x.chunks_exact(2 * f).zip(y.chunks_exact_mut(f)) {
+        let (gate, up) = xr.split_at(f);
+        for ((o, &g), &u) in yr.iter_mut().zip(gate).zip(up) {
+            *o = g * sigmoid(g) * u;
+        }
+    }
+    Ok(())
+}
+
+/// SwiGLU backward: accumulates `dx [rows, 2f]` (`[d_gate | d_up]`) from
+/// `dy [rows, f]`, recomputing the sigmoid from `x`.
+pub fn swiglu_bwd(x: &[f32], dy: &[f32], rows: usize, f: usize, dx: &mut [f32]) -> Result<(), KernelError> {
+    check_swiglu(rows, f, x.len(), dy.len(), "dy")?;
+    check_len("dx", dx.len(), x.len())?;
+    for ((xr, gr), dr) in x.chunks_exact(2 * f).zip(dy.chunks_exact(f)).zip(dx.chunks_exact_mut(2 * f)) {
+        let (gate, up) = xr.split_at(f);
+        let (dgate, dup) = dr.split_at_mut(f);
+        for c in 0..f {
+            let (g, u, d) = (gate[c], up[c], gr[c]);
+            let s = sigmoid(g);
+            dgate[c] += d * u * s * (1.0 + g * (1.0 - s));
+            dup[c] += d * g * s;
+        }
+    }
+    Ok(())
+}
+
+/// Residual add: `out = a + b`.
+pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
+    check_len("b", b.len(), a.len())?;
+    check_len("out", out.len(), a.len())?;
+    for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
+        *o = x + y;
+    }
+    Ok(())
+}
+
+/// Backward of [`add`]: `da += d_out`, `db += d_out`.
+pub fn add_bwd(d_out: &[f32], da: &mut [f32], db: &mut [f32]) -> Result<(), KernelError> {
+    check_len("da", da.len(), d_out.len())?;
+    check_len("db", db.len(), d_out.len())?;
+    for ((a, b), &g) in da.iter_mut().zip(db.iter_mut()).zip(d_out) {
+        *a += g;
+        *b += g;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::{assert_grad_close, dot64, numeric_grad, Rng};
+
+    #[test]
+    fn gelu_known_values() {
+        let x = [0.0f32, 1.0, -1.0, 3.0];
+        let mut y = [0.0; 4];
+        gelu_fwd(&x, &mut y).unwrap();
+        // torch.nn.functional.gelu(x, approximate="tanh")
+        let expect = [0.0, 0.841_192, -0.158_808, 2.996_363_5];
+        for (a, b) in y.iter().zip(expect) {
+            assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn gelu_backward_matches_finite_differences() {
+        let mut rng = Rng::new(31);
+        let x: Vec<f32> = rng.vec(40).iter().map(|v| v * 4.0).collect();
+        let dy = rng.vec(40);
+        let mut dx = vec![0.0; 40];
+        gelu_bwd(&x, &dy, &mut dx).unwrap();
+        let n = numeric_grad(&x, 2e-3, |x| {
+            let mut y = vec![0.0; x.len()];
+            gelu_fwd(x, &mut y).unwrap();
+            dot64(&dy, &y)
+        });
+        assert_grad_close("gelu dx", &dx, &n, 1e-2, 2e-3);
+    }
+
+    #[test]
+    fn swiglu_by_hand_and_backward_matches_finite_differences() {
+        // one row, f = 1: gate 1, up 2 -> silu(1) * 2 = 2 * 0.7310586
+        let mut y = [0.0];
+        swiglu_fwd(&[1.0, 2.0], 1, 1, &mut y).unwrap();
+        assert!((y[0] - 1.462_117_2).abs() < 1e-6);
+
+        let mut rng = Rng::new(32);
+        let (rows, f) = (3, 5);
+        let x: Vec<f32> = rng.vec(rows * 2 * f).iter().map(|v| v * 3.0).collect();
+        let dy = rng.vec(rows * f);
+        let mut dx = vec![0.0; x.len()];
+        swiglu_bwd(&x, &dy, rows, f, &mut dx).unwrap();
+        let n = numeric_grad(&x, 2e-3, |x| {
+            let mut y = vec![0.0; rows * f];
+            swiglu_fwd(x, rows, f, &mut y).unwrap();
+            dot64(&dy, &y)
+        });
+        assert_grad_close("swiglu dx", &dx, &n, 1e-2, 2e-3);
+        assert!(swiglu_fwd(&x, rows, f + 1, &mut vec![0.0; rows * (f + 1)]).is_err());
+    }
+
+    #[test]
+    fn add_and_its_backward() {
+        let mut out = [0.0; 2];
+        add(&[1.0, 2.0], &[10.0, 20.0], &mut out).unwrap();
+        assert_eq!(out, [11.0, 22.0]);
+        let (mut da, mut db) = ([1.0, 1.0], [0.0, 0.0]);
+        add_bwd(&[3.0, 4.0], &mut da, &mut db).unwrap();
+        assert_eq!((da, db), ([4.0, 5.0], [3.0, 4.0]));
+        assert!(add(&[1.0], &[1.0, 2.0], &mut out).is_err());
+    }
+}

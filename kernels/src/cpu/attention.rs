@@ -1,0 +1,609 @@
+//! Blockwise (flash-style) scaled dot-product attention with GQA, explicit
+//! global positions, and exact merging of partial results for ring attention.
+//!
+//! Layouts (row-major): `q [batch, sq, hq, d]`, `k [batch, sk, hkv, d]`,
+//! `v [batch, sk, hkv, dv]`, `out [batch, sq, hq, dv]`, `lse [batch, hq, sq]`
+//! (natural log-sum-exp of the scaled scores). Query head `h` reads kv head
+//! `h / (hq / hkv)`.
+//!
+//! Keys are processed [`KEY_TILE`] at a time with an online softmax, so no
+//! `[sq, sk]` matrix is ever materialised. Query `i` sits at global position
+//! `q_pos0 + i` and key `j` at `k_pos0 + j`; with `causal`, keys at a later
+//! position than the query are masked. A ring rank therefore calls
+//! [`attention_fwd`] once per KV block with that block's `k_pos0`, folds the
+//! results with [`attention_merge`], and in the backward calls
+//! [`attention_bwd`] per block with the *final* `out`/`lse`: the softmax
+//! probabilities `exp(s - lse_final)` and `D = sum(dO * O_final)` are then
+//! those of the full attention, so the per-block gradients sum exactly to the
+//! full gradient.
+//!
+//! A query row with no visible key (every key masked) gets `out = 0` and
+//! `lse = -inf`; merge and backward treat such rows without producing NaN.
+
+#![allow(clippy::too_many_arguments)] // mirrors the CUDA kernel signature
+
+use super::{check_len, invalid, prod, KernelError};
+
+/// Number of keys processed per tile of the online softmax.
+pub const KEY_TILE: usize = 64;
+
+/// Sizes of one attention call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AttnDims {
+    /// Batch size.
+    pub batch: usize,
+    /// Query length (local).
+    pub sq: usize,
+    /// Key/value length (local block).
+    pub sk: usize,
+    /// Query heads.
+    pub hq: usize,
+    /// Key/value heads; must divide `hq`.
+    pub hkv: usize,
+    /// Query/key head dimension.
+    pub d: usize,
+    /// Value head dimension.
+    pub dv: usize,
+}
+
+impl AttnDims {
+    fn group(&self) -> Result<usize, KernelError> {
+        if self.hkv == 0 || self.hq % self.hkv != 0 {
+            return Err(invalid(
+                "dims.hkv",
+                format!("hq ({}) must be a positive multiple of hkv ({})", self.hq, self.hkv),
+            ));
+        }
+        Ok(self.hq / self.hkv)
+    }
+
+    fn q_len(&self) -> Result<usize, KernelError> {
+        prod("q", &[self.batch, self.sq, self.hq, self.d])
+    }
+    fn k_len(&self) -> Result<usize, KernelError> {
+        prod("k", &[self.batch, self.sk, self.hkv, self.d])
+    }
+    fn v_len(&self) -> Result<usize, KernelError> {
+        prod("v", &[self.batch, self.sk, self.hkv, self.dv])
+    }
+    fn o_len(&self) -> Result<usize, KernelError> {
+        prod("out", &[self.batch, self.sq, self.hq, self.dv])
+    }
+    fn lse_len(&self) -> Result<usize, KernelError> {
+        prod("lse", &[self.batch, self.hq, self.sq])
+    }
+}
+
+/// Number of leading keys of the block visible to query position `qpos`.
+fn visible_keys(sk: usize, qpos: usize, k_pos0: usize, causal: bool) -> usize {
+    if !causal {
+        sk
+    } else if qpos < k_pos0 {
+        0
+    } else {
+        sk.min(qpos - k_pos0 + 1)
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(&x, &y)| x * y).sum()
+}
+
+/// Attention forward over one KV block. Writes `out` and `lse` (see the
+/// module docs for layouts and masking).
+pub fn attention_fwd(
+    dims: &AttnDims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    q_pos0: usize,
+    k_pos0: usize,
+    causal: bool,
+    scale: f32,
+    out: &mut [f32],
+    lse: &mut [f32],
+) -> Result<(), KernelError> {
+    let group = dims.group()?;
+    check_len("q", q.len(), dims.q_len()?)?;
+    check_len("k", k.len(), dims.k_len()?)?;
+    check_len("v", v.len(), dims.v_len()?)?;
+    check_len("out", out.len(), dims.o_len()?)?;
+    check_len("lse", lse.len(), dims.lse_len()?)?;
+    let AttnDims {
+        batch,
+        sq,
+        sk,
+        hq,
+        hkv,
+        d,
+        dv,
+    } = *dims;
+    let mut s = [0.0f32; KEY_TILE];
+    let mut acc = vec![0.0f32; dv];
+    for b in 0..batch {
+        for i in 0..sq {
+            let nk = visible_keys(sk, q_pos0 + i, k_pos0, causal);
+            for h in 0..hq {
+                let g = h / group;
+                let qr = &q[((b * sq + i) * hq + h) * d..][..d];
+                let orow = &mut out[((b * sq + i) * hq + h) * dv..][..dv];
+                let lrow = &mut lse[(b * hq + h) * sq + i];
+                if nk == 0 {
+                    orow.fill(0.0);
+                    *lrow = f32::NEG_INFINITY;
+                    continue;
+                }
+                acc.fill(0.0);
+                let mut m = f32::NEG_INFINITY;
+                let mut l = 0.0f32;
+                for t0 in (0..nk).step_by(KEY_TILE) {
+                    let t1 = nk.min(t0 + KEY_TILE);
+                    let mut tmax = f32::NEG_INFINITY;
+                    for j in t0..t1 {
+                        let kr = &k[((b * sk + j) * hkv + g) * d..][..d];
+                        let sj = scale * dot(qr, kr);
+                        s[j - t0] = sj;
+                        tmax = tmax.max(sj);
+                    }
+                    let m_new = m.max(tmax);
+                    // exp(-inf) = 0 on the first tile, so the empty state is
+                    // rescaled away without a special case.
+                    let alpha = (m - m_new).exp();
+                    l *= alpha;
+                    for a in acc.iter_mut() {
+                        *a *= alpha;
+                    }
+                    for j in t0..t1 {
+                        let p = (s[j - t0] - m_new).exp();
+                        l += p;
+                        let vr = &v[((b * sk + j) * hkv + g) * dv..][..dv];
+                        for (a, &x) in acc.iter_mut().zip(vr) {
+                            *a += p * x;
+                        }
+                    }
+                    m = m_new;
+                }
+                let inv = 1.0 / l;
+                for (o, &a) in orow.iter_mut().zip(&acc) {
+                    *o = a * inv;
+                }
+                *lrow = m + l.ln();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Folds a partial result `(o_blk, lse_blk)` over another set of keys into
+/// the running `(o_acc, lse_acc)`:
+/// `lse = logaddexp(lse_acc, lse_blk)`,
+/// `o = exp(lse_acc - lse) o_acc + exp(lse_blk - lse) o_blk`.
+///
+/// Exact up to rounding, associative and commutative in exact arithmetic.
+/// A side with `lse = -inf` contributes nothing and its `o` is never read, so
+/// the accumulator may start as `lse = -inf` with any `o`. Uses `batch`,
+/// `sq`, `hq`, `dv` of `dims`.
+pub fn attention_merge(
+    dims: &AttnDims,
+    o_acc: &mut [f32],
+    lse_acc: &mut [f32],
+    o_blk: &[f32],
+    lse_blk: &[f32],
+) -> Result<(), KernelError> {
+    let AttnDims {
+        batch, sq, hq, dv, ..
+    } = *dims;
+    let ol = dims.o_len()?;
+    let ll = dims.lse_len()?;
+    check_len("o_acc", o_acc.len(), ol)?;
+    check_len("o_blk", o_blk.len(), ol)?;
+    check_len("lse_acc", lse_acc.len(), ll)?;
+    check_len("lse_blk", lse_blk.len(), ll)?;
+    for b in 0..batch {
+        for h in 0..hq {
+            for i in 0..sq {
+                let li = (b * hq + h) * sq + i;
+                let (la, lb) = (lse_acc[li], lse_blk[li]);
+                let oa = &mut o_acc[((b * sq + i) * hq + h) * dv..][..dv];
+                let ob = &o_blk[((b * sq + i) * hq + h) * dv..][..dv];
+                if lb == f32::NEG_INFINITY {
+                    continue;
+                }
+                if la == f32::NEG_INFINITY {
+                    oa.copy_from_slice(ob);
+                    lse_acc[li] = lb;
+                    continue;
+                }
+                let mx = la.max(lb);
+                let lse = mx + (-(la - lb).abs()).exp().ln_1p();
+                let (wa, wb) = ((la - lse).exp(), (lb - lse).exp());
+                for (a, &x) in oa.iter_mut().zip(ob) {
+                    *a = wa * *a + wb * x;
+                }
+                lse_acc[li] = lse;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Attention backward over one KV block, accumulating into `d_q`, `d_k`,
+/// `d_v` (same layouts as `q`, `k`, `v`).
+///
+/// `o` and `lse` must be the final forward results over *all* KV blocks
+/// (for a single block, simply the output of [`attention_fwd`]); `d_o` is
+/// the gradient of `o`. Rows whose final `lse` is `-inf` saw no key and get
+/// no gradient.
+pub fn attention_bwd(
+    dims: &AttnDims,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    o: &[f32],
+    lse: &[f32],
+    d_o: &[f32],
+    q_pos0: usize,
+    k_pos0: usize,
+    causal: bool,
+    scale: f32,
+    d_q: &mut [f32],
+    d_k: &mut [f32],
+    d_v: &mut [f32],
+) -> Result<(), KernelError> {
+    let group = dims.group()?;
+    let (ql, kl, vl, ol) = (dims.q_len()?, dims.k_len()?, dims.v_len()?, dims.o_len()?);
+    check_len("q", q.len(), ql)?;
+    check_len("k", k.len(), kl)?;
+    check_len("v", v.len(), vl)?;
+    check_len("o", o.len(), ol)?;
+    check_len("lse", lse.len(), dims.lse_len()?)?;
+    check_len("d_o", d_o.len(), ol)?;
+    check_len("d_q", d_q.len(), ql)?;
+    check_len("d_k", d_k.len(), kl)?;
+    check_len("d_v", d_v.len(), vl)?;
+    let AttnDims {
+        batch,
+        sq,
+        sk,
+        hq,
+        hkv,
+        d,
+        dv,
+    } = *dims;
+    let mut p = [0.0f32; KEY_TILE];
+    for b in 0..batch {
+        for i in 0..sq {
+            let nk = visible_keys(sk, q_pos0 + i, k_pos0, causal);
+            if nk == 0 {
+                continue;
+            }
+            for h in 0..hq {
+                let g = h / group;
+                let l = lse[(b * hq + h) * sq + i];
+                if l == f32::NEG_INFINITY {
+                    continue;
+                }
+                let row = (b * sq + i) * hq + h;
+                let qr = &q[row * d..][..d];
+                let dor = &d_o[row * dv..][..dv];
+                let dd = dot(dor, &o[row * dv..][..dv]);
+                let dqr = &mut d_q[row * d..][..d];
+                for t0 in (0..nk).step_by(KEY_TILE) {
+                    let t1 = nk.min(t0 + KEY_TILE);
+                    for j in t0..t1 {
+                        let kr = &k[((b * sk + j) * hkv + g) * d..][..d];
+                        p[j - t0] = (scale * dot(qr, kr) - l).exp();
+                    }
+                    for j in t0..t1 {
+                        let pj = p[j - t0];
+                        let kv = (b * sk + j) * hkv + g;
+                        let vr = &v[kv * dv..][..dv];
+                        let dp = dot(dor, vr);
+                        for (x, &y) in d_v[kv * dv..][..dv].iter_mut().zip(dor) {
+                            *x += pj * y;
+                        }
+                        let ds = scale * pj * (dp - dd);
+                        let kr = &k[kv * d..][..d];
+                        for (x, &y) in dqr.iter_mut().zip(kr) {
+                            *x += ds * y;
+                        }
+                        for (x, &y) in d_k[kv * d..][..d].iter_mut().zip(qr) {
+                            *x += ds * y;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::{assert_close, assert_grad_close, dot64, numeric_grad, Rng};
+
+    struct Case {
+        dims: AttnDims,
+        q: Vec<f32>,
+        k: Vec<f32>,
+        v: Vec<f32>,
+        q_pos0: usize,
+        causal: bool,
+        scale: f32,
+    }
+
+    fn case(seed: u64, dims: AttnDims, q_pos0: usize, causal: bool) -> Case {
+        let mut rng = Rng::new(seed);
+        let mul = |v: Vec<f32>, s: f32| v.into_iter().map(|x| x * s).collect::<Vec<_>>();
+        Case {
+            q: mul(rng.vec(dims.q_len().unwrap()), 2.0),
+            k: mul(rng.vec(dims.k_len().unwrap()), 2.0),
+            v: rng.vec(dims.v_len().unwrap()),
+            scale: 1.0 / (dims.d as f32).sqrt(),
+            dims,
+            q_pos0,
+            causal,
+        }
+    }
+
+    fn fwd(c: &Case, k: &[f32], v: &[f32], sk: usize, k_pos0: usize) -> (Vec<f32>, Vec<f32>) {
+        let dims = AttnDims { sk, ..c.dims };
+        let mut o = vec![f32::NAN; dims.o_len().unwrap()];
+        let mut l = vec![f32::NAN; dims.lse_len().unwrap()];
+        attention_fwd(&dims, &c.q, k, v, c.q_pos0, k_pos0, c.causal, c.scale, &mut o, &mut l).unwrap();
+        (o, l)
+    }
+
+    /// Full score matrix and softmax in f64: the definition the tiled kernel
+    /// must reproduce.
+    fn naive(c: &Case) -> (Vec<f32>, Vec<f32>) {
+        let AttnDims {
+            batch,
+            sq,
+            sk,
+            hq,
+            hkv,
+            d,
+            dv,
+        } = c.dims;
+        let group = hq / hkv;
+        let mut o = vec![0.0f32; c.dims.o_len().unwrap()];
+        let mut lse = vec![0.0f32; c.dims.lse_len().unwrap()];
+        for b in 0..batch {
+            for h in 0..hq {
+                let g = h / group;
+                for i in 0..sq {
+                    let qr = &c.q[((b * sq + i) * hq + h) * d..][..d];
+                    let s: Vec<Option<f64>> = (0..sk)
+                        .map(|j| {
+                            if c.causal && j > c.q_pos0 + i {
+                                return None;
+                            }
+                            let kr = &c.k[((b * sk + j) * hkv + g) * d..][..d];
+                            Some(c.scale as f64 * dot64(qr, kr))
+                        })
+                        .collect();
+                    let mx = s.iter().flatten().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+                    let z: f64 = s.iter().flatten().map(|x| (x - mx).exp()).sum();
+                    lse[(b * hq + h) * sq + i] = (mx + z.ln()) as f32;
+                    for e in 0..dv {
+                        let mut acc = 0.0f64;
+                        for (j, sj) in s.iter().enumerate() {
+                            if let Some(sj) = sj {
+                                acc += (sj - mx).exp() / z * c.v[((b * sk + j) * hkv + g) * dv + e] as f64;
+                            }
+                        }
+                        o[((b * sq + i) * hq + h) * dv + e] = acc as f32;
+                    }
+                }
+            }
+        }
+        (o, lse)
+    }
+
+    fn dims(batch: usize, sq: usize, sk: usize, hq: usize, hkv: usize, d: usize, dv: usize) -> AttnDims {
+        AttnDims {
+            batch,
+            sq,
+            sk,
+            hq,
+            hkv,
+            d,
+            dv,
+        }
+    }
+
+    #[test]
+    fn tiled_forward_matches_naive_causal_noncausal_gqa_odd_sizes() {
+        // sk = 150 spans three tiles (64, 64, 22); GQA 4:1 and 1:1.
+        for (seed, dm, q_pos0, causal) in [
+            (1, dims(2, 7, 150, 8, 2, 5, 3), 143, true),
+            (2, dims(2, 7, 150, 8, 2, 5, 3), 0, false),
+            (3, dims(1, 70, 70, 4, 1, 6, 7), 0, true),
+            (4, dims(1, 13, 131, 3, 3, 4, 4), 60, true),
+            (5, dims(1, 3, 1, 4, 1, 3, 2), 0, false),
+        ] {
+            let c = case(seed, dm, q_pos0, causal);
+            let (o, l) = fwd(&c, &c.k, &c.v, dm.sk, 0);
+            let (ro, rl) = naive(&c);
+            assert_close(&format!("out seed {seed}"), &o, &ro, 2e-5);
+            assert_close(&format!("lse seed {seed}"), &l, &rl, 2e-5);
+        }
+    }
+
+    #[test]
+    fn fully_masked_rows_give_zero_and_neg_inf() {
+        // keys start at global position 5; queries at 3..8 -> first two rows see nothing
+        let dm = dims(1, 5, 4, 2, 1, 3, 2);
+        let c = case(7, dm, 3, true);
+        let (o, l) = fwd(&c, &c.k, &c.v, dm.sk, 5);
+        for h in 0..2 {
+            for i in 0..5 {
+                let li = l[h * 5 + i];
+                let row = &o[(i * 2 + h) * 2..][..2];
+                if i < 2 {
+                    assert_eq!(li, f32::NEG_INFINITY);
+                    assert_eq!(row, [0.0, 0.0]);
+                } else {
+                    assert!(li.is_finite());
+                }
+                assert!(row.iter().all(|x| x.is_finite()));
+            }
+        }
+        // backward through those rows adds nothing and stays finite
+        let d_o = vec![1.0; o.len()];
+        let mut dq = vec![0.0; c.q.len()];
+        let mut dk = vec![0.0; c.k.len()];
+        let mut dvv = vec![0.0; c.v.len()];
+        attention_bwd(&dm, &c.q, &c.k, &c.v, &o, &l, &d_o, 3, 5, true, c.scale, &mut dq, &mut dk, &mut dvv)
+            .unwrap();
+        assert!(dq[..2 * 2 * 3].iter().all(|&x| x == 0.0));
+        assert!(dq.iter().chain(&dk).chain(&dvv).all(|x| x.is_finite()));
+        assert!(dvv.iter().any(|&x| x != 0.0));
+    }
+
+    /// Split K/V along the sequence into `nblk` blocks (uneven sizes).
+    fn split(c: &Case, nblk: usize) -> Vec<(usize, usize)> {
+        let sk = c.dims.sk;
+        let mut bounds: Vec<usize> = (0..=nblk).map(|b| b * sk / nblk).collect();
+        bounds[1] += 1; // make block sizes unequal
+        bounds.windows(2).map(|w| (w[0], w[1])).collect()
+    }
+
+    fn slice_kv(x: &[f32], dm: &AttnDims, width: usize, j0: usize, j1: usize) -> Vec<f32> {
+        let row = dm.hkv * width;
+        (0..dm.batch)
+            .flat_map(|b| x[(b * dm.sk + j0) * row..(b * dm.sk + j1) * row].iter().copied())
+            .collect()
+    }
+
+    fn unslice_add(dst: &mut [f32], src: &[f32], dm: &AttnDims, width: usize, j0: usize, j1: usize) {
+        let row = dm.hkv * width;
+        let n = (j1 - j0) * row;
+        for b in 0..dm.batch {
+            for (x, &y) in dst[(b * dm.sk + j0) * row..][..n].iter_mut().zip(&src[b * n..][..n]) {
+                *x += y;
+            }
+        }
+    }
+
+    #[test]
+    fn ring_blocks_forward_merge_and_backward_sum_equal_full() {
+        for (seed, causal, nblk) in [(11, true, 2), (12, true, 4), (13, false, 2), (14, false, 4)] {
+            // queries are the second half of a 2*sq sequence (as on a cp rank)
+            let dm = dims(2, 9, 150, 8, 2, 5, 3);
+            let c = case(seed, dm, 75, causal);
+            let (o_full, l_full) = fwd(&c, &c.k, &c.v, dm.sk, 0);
+
+            let mut o_acc = vec![f32::NAN; o_full.len()];
+            let mut l_acc = vec![f32::NEG_INFINITY; l_full.len()];
+            let blocks = split(&c, nblk);
+            for &(j0, j1) in &blocks {
+                let kb = slice_kv(&c.k, &dm, dm.d, j0, j1);
+                let vb = slice_kv(&c.v, &dm, dm.dv, j0, j1);
+                let (ob, lb) = fwd(&c, &kb, &vb, j1 - j0, j0);
+                attention_merge(&dm, &mut o_acc, &mut l_acc, &ob, &lb).unwrap();
+            }
+            assert_close(&format!("ring out {seed}"), &o_acc, &o_full, 1e-5);
+            assert_close(&format!("ring lse {seed}"), &l_acc, &l_full, 1e-5);
+
+            let mut rng = Rng::new(seed + 100);
+            let d_o = rng.vec(o_full.len());
+            let mut dq = vec![0.0; c.q.len()];
+            let mut dk = vec![0.0; c.k.len()];
+            let mut dvv = vec![0.0; c.v.len()];
+            attention_bwd(
+                &dm, &c.q, &c.k, &c.v, &o_full, &l_full, &d_o, 75, 0, causal, c.scale, &mut dq, &mut dk, &mut dvv,
+            )
+            .unwrap();
+            let mut rq = vec![0.0; c.q.len()];
+            let mut rk = vec![0.0; c.k.len()];
+            let mut rv = vec![0.0; c.v.len()];
+            for &(j0, j1) in &blocks {
+                let bd = AttnDims { sk: j1 - j0, ..dm };
+                let kb = slice_kv(&c.k, &dm, dm.d, j0, j1);
+                let vb = slice_kv(&c.v, &dm, dm.dv, j0, j1);
+                let mut dkb = vec![0.0; kb.len()];
+                let mut dvb = vec![0.0; vb.len()];
+                attention_bwd(
+                    &bd, &c.q, &kb, &vb, &o_acc, &l_acc, &d_o, 75, j0, causal, c.scale, &mut rq, &mut dkb, &mut dvb,
+                )
+                .unwrap();
+                unslice_add(&mut rk, &dkb, &dm, dm.d, j0, j1);
+                unslice_add(&mut rv, &dvb, &dm, dm.dv, j0, j1);
+            }
+            assert_close(&format!("ring dq {seed}"), &rq, &dq, 1e-4);
+            assert_close(&format!("ring dk {seed}"), &rk, &dk, 1e-4);
+            assert_close(&format!("ring dv {seed}"), &rv, &dvv, 1e-4);
+        }
+    }
+
+    #[test]
+    fn merge_handles_neg_inf_on_either_side() {
+        let dm = dims(1, 2, 0, 1, 1, 1, 1);
+        let mut o = [5.0, f32::NAN];
+        let mut l = [0.0, f32::NEG_INFINITY];
+        attention_merge(&dm, &mut o, &mut l, &[f32::NAN, 7.0], &[f32::NEG_INFINITY, 1.0]).unwrap();
+        assert_eq!(o, [5.0, 7.0]);
+        assert_eq!(l, [0.0, 1.0]);
+        // equal-weight blocks average, lse grows by ln 2
+        let mut o = [1.0, 0.0];
+        let mut l = [0.5, f32::NEG_INFINITY];
+        attention_merge(&dm, &mut o, &mut l, &[3.0, 0.0], &[0.5, f32::NEG_INFINITY]).unwrap();
+        assert!((o[0] - 2.0).abs() < 1e-6 && (l[0] - (0.5 + 2f32.ln())).abs() < 1e-6);
+        assert_eq!((o[1], l[1]), (0.0, f32::NEG_INFINITY));
+    }
+
+    fn check_fd(c: &Case, k_pos0: usize, seed: u64) {
+        let dm = c.dims;
+        let (o, l) = fwd(c, &c.k, &c.v, dm.sk, k_pos0);
+        let d_o = Rng::new(seed).vec(o.len());
+        let mut dq = vec![0.0; c.q.len()];
+        let mut dk = vec![0.0; c.k.len()];
+        let mut dvv = vec![0.0; c.v.len()];
+        attention_bwd(
+            &dm, &c.q, &c.k, &c.v, &o, &l, &d_o, c.q_pos0, k_pos0, c.causal, c.scale, &mut dq, &mut dk, &mut dvv,
+        )
+        .unwrap();
+        let loss = |q: &[f32], k: &[f32], v: &[f32]| {
+            let mut o = vec![0.0; dm.o_len().unwrap()];
+            let mut l = vec![0.0; dm.lse_len().unwrap()];
+            attention_fwd(&dm, q, k, v, c.q_pos0, k_pos0, c.causal, c.scale, &mut o, &mut l).unwrap();
+            dot64(&d_o, &o)
+        };
+        let h = 2e-3;
+        let nq = numeric_grad(&c.q, h, |q| loss(q, &c.k, &c.v));
+        let nk = numeric_grad(&c.k, h, |k| loss(&c.q, k, &c.v));
+        let nv = numeric_grad(&c.v, h, |v| loss(&c.q, &c.k, v));
+        assert_grad_close("attn dq", &dq, &nq, 1e-2, 3e-3);
+        assert_grad_close("attn dk", &dk, &nk, 1e-2, 3e-3);
+        assert_grad_close("attn dv", &dvv, &nv, 1e-2, 3e-3);
+    }
+
+    #[test]
+    fn backward_matches_finite_differences() {
+        // GQA 4:1, causal with queries offset into the sequence
+        check_fd(&case(21, dims(1, 5, 6, 4, 1, 3, 2), 1, true), 0, 121);
+        // GQA 2:1, non-causal, batch 2
+        check_fd(&case(22, dims(2, 3, 4, 4, 2, 3, 3), 0, false), 0, 122);
+        // keys span two tiles; queries near the end, block offset k_pos0 = 2
+        check_fd(&case(23, dims(1, 3, 70, 2, 1, 3, 2), 67, true), 2, 123);
+    }
+
+    #[test]
+    fn validation_errors() {
+        let dm = dims(1, 1, 1, 3, 2, 1, 1);
+        let mut o = [0.0; 3];
+        let mut l = [0.0; 3];
+        assert!(matches!(
+            attention_fwd(&dm, &[0.0; 3], &[0.0; 2], &[0.0; 2], 0, 0, true, 1.0, &mut o, &mut l),
+            Err(KernelError::Invalid { name: "dims.hkv", .. })
+        ));
+        let dm = dims(1, 1, 1, 2, 1, 1, 1);
+        assert!(matches!(
+            attention_fwd(&dm, &[0.0; 2], &[0.0; 2], &[0.0; 1], 0, 0, true, 1.0, &mut o[..2], &mut l[..2]),
+            Err(KernelError::Length { name: "k", .. })
+        ));
+    }
+}

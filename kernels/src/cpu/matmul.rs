@@ -1,0 +1,298 @@
+//! General matrix multiply via the `gemm` crate.
+//!
+//! Backward of `C = A B` is two more calls of the same kernel:
+//! `dA += dC B^T` (`matmul(No, Yes, .., beta = 1)`) and
+//! `dB += A^T dC` (`matmul(Yes, No, .., beta = 1)`).
+
+use super::{check_len, invalid, prod, KernelError};
+
+/// Whether an operand is used as stored or transposed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transpose {
+    /// Use the operand as stored.
+    No,
+    /// Use the transpose of the stored operand.
+    Yes,
+}
+
+/// `C = beta * C + op(A) op(B)` with `op(A)` of shape `[m, k]`, `op(B)` of
+/// shape `[k, n]` and `C` of shape `[m, n]`, all row-major.
+///
+/// `a` is stored `[m, k]` (or `[k, m]` when `trans_a` is [`Transpose::Yes`]),
+/// `b` is stored `[k, n]` (or `[n, k]`). With `beta == 0` the old contents of
+/// `c` are never read, so uninitialised garbage (even NaN) is harmless.
+/// Runs single-threaded so results are deterministic.
+#[allow(clippy::too_many_arguments)] // flat BLAS-style signature on purpose
+pub fn matmul(
+    trans_a: Transpose,
+    trans_b: Transpose,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+    c: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("a", a.len(), prod("a", &[m, k])?)?;
+    check_len("b", b.len(), prod("b", &[k, n])?)?;
+    check_len("c", c.len(), prod("c", &[m, n])?)?;
+    // gemm takes isize strides; keep every offset it may form representable.
+    for (name, len) in [("a", a.len()), ("b", b.len()), ("c", c.len())] {
+        if len > isize::MAX as usize / 4 {
+            return Err(invalid(name, "too large for gemm strides"));
+        }
+    }
+    gemm_unchecked(trans_a, trans_b, m, k, n, a, b, beta, c);
+    Ok(())
+}
+
+/// [`matmul`] over a leading batch dimension: `a` is `[batch, ..a shape..]`,
+/// and so on; batch entries are independent and run in order.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_batched(
+    batch: usize,
+    trans_a: Transpose,
+    trans_b: Transpose,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+    c: &mut [f32],
+) -> Result<(), KernelError> {
+    let sa = prod("a", &[m, k])?;
+    let sb = prod("b", &[k, n])?;
+    let sc = prod("c", &[m, n])?;
+    check_len("a", a.len(), prod("a", &[batch, sa])?)?;
+    check_len("b", b.len(), prod("b", &[batch, sb])?)?;
+    check_len("c", c.len(), prod("c", &[batch, sc])?)?;
+    for i in 0..batch {
+        matmul(
+            trans_a,
+            trans_b,
+            m,
+            k,
+            n,
+            &a[i * sa..(i + 1) * sa],
+            &b[i * sb..(i + 1) * sb],
+            beta,
+            &mut c[i * sc..(i + 1) * sc],
+        )?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_unchecked(
+    trans_a: Transpose,
+    trans_b: Transpose,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+    c: &mut [f32],
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        // Empty inner product: only the scaling of C remains, and gemm's
+        // handling of k == 0 is not something we want to depend on.
+        for x in c.iter_mut() {
+            *x = if beta == 0.0 { 0.0 } else { beta * *x };
+        }
+        return;
+    }
+    // (row stride, column stride) of op(X) in the stored row-major buffer.
+    let (a_rs, a_cs) = match trans_a {
+        Transpose::No => (k as isize, 1),
+        Transpose::Yes => (1, m as isize),
+    };
+    let (b_rs, b_cs) = match trans_b {
+        Transpose::No => (n as isize, 1),
+        Transpose::Yes => (1, k as isize),
+    };
+    // SAFETY: the lengths of `a`, `b`, `c` were checked against m*k, k*n and
+    // m*n, and the strides above address exactly those row-major (or
+    // transposed) layouts, so every element gemm touches is in bounds; `c` is
+    // a unique borrow, so the destination aliases neither input.
+    #[allow(unsafe_code)]
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            beta != 0.0,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            beta,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::{assert_close, Rng};
+    use proptest::prelude::*;
+
+    fn at(x: &[f32], trans: Transpose, rows: usize, cols: usize, i: usize, j: usize) -> f64 {
+        // element (i, j) of op(X) where op(X) is [rows, cols]
+        match trans {
+            Transpose::No => x[i * cols + j] as f64,
+            Transpose::Yes => x[j * rows + i] as f64,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn naive(
+        ta: Transpose,
+        tb: Transpose,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: &[f32],
+        b: &[f32],
+        beta: f32,
+        c: &[f32],
+    ) -> Vec<f32> {
+        let mut out = vec![0.0; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0f64;
+                for p in 0..k {
+                    s += at(a, ta, m, k, i, p) * at(b, tb, k, n, p, j);
+                }
+                let old = if beta == 0.0 { 0.0 } else { beta as f64 * c[i * n + j] as f64 };
+                out[i * n + j] = (old + s) as f32;
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn all_transpose_combinations_match_naive() {
+        let mut rng = Rng::new(1);
+        let (m, k, n) = (7, 13, 5);
+        for ta in [Transpose::No, Transpose::Yes] {
+            for tb in [Transpose::No, Transpose::Yes] {
+                for beta in [0.0f32, 1.0, 0.5] {
+                    let a = rng.vec(m * k);
+                    let b = rng.vec(k * n);
+                    let c0 = rng.vec(m * n);
+                    let mut c = c0.clone();
+                    matmul(ta, tb, m, k, n, &a, &b, beta, &mut c).unwrap();
+                    let r = naive(ta, tb, m, k, n, &a, &b, beta, &c0);
+                    assert_close(&format!("{ta:?}{tb:?} beta={beta}"), &c, &r, 1e-5);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn hand_worked_2x2_and_beta_zero_ignores_nan() {
+        let a = [1.0, 2.0, 3.0, 4.0];
+        let b = [5.0, 6.0, 7.0, 8.0];
+        let mut c = [f32::NAN; 4];
+        matmul(Transpose::No, Transpose::No, 2, 2, 2, &a, &b, 0.0, &mut c).unwrap();
+        assert_eq!(c, [19.0, 22.0, 43.0, 50.0]);
+        // A^T B: [[1,3],[2,4]] * [[5,6],[7,8]]
+        matmul(Transpose::Yes, Transpose::No, 2, 2, 2, &a, &b, 1.0, &mut c).unwrap();
+        assert_eq!(c, [19.0 + 26.0, 22.0 + 30.0, 43.0 + 38.0, 50.0 + 44.0]);
+    }
+
+    #[test]
+    fn empty_inner_dim_scales_c() {
+        let mut c = [2.0f32, f32::NAN];
+        matmul(Transpose::No, Transpose::No, 1, 0, 2, &[], &[], 0.0, &mut c).unwrap();
+        assert_eq!(c, [0.0, 0.0]);
+        let mut c = [2.0f32, 4.0];
+        matmul(Transpose::No, Transpose::No, 1, 0, 2, &[], &[], 0.5, &mut c).unwrap();
+        assert_eq!(c, [1.0, 2.0]);
+    }
+
+    #[test]
+    fn length_mismatch_is_an_error() {
+        let mut c = [0.0; 4];
+        let e = matmul(Transpose::No, Transpose::No, 2, 2, 2, &[0.0; 3], &[0.0; 4], 0.0, &mut c);
+        assert_eq!(
+            e,
+            Err(KernelError::Length {
+                name: "a",
+                expected: 4,
+                actual: 3
+            })
+        );
+        let e = matmul(Transpose::No, Transpose::No, 2, 2, 2, &[0.0; 4], &[0.0; 4], 0.0, &mut c[..3]);
+        assert!(matches!(e, Err(KernelError::Length { name: "c", .. })));
+    }
+
+    #[test]
+    fn batched_matches_per_batch_and_is_deterministic() {
+        let mut rng = Rng::new(2);
+        let (bt, m, k, n) = (3, 4, 6, 5);
+        let a = rng.vec(bt * k * m);
+        let b = rng.vec(bt * k * n);
+        let mut c = vec![0.0; bt * m * n];
+        matmul_batched(bt, Transpose::Yes, Transpose::No, m, k, n, &a, &b, 0.0, &mut c).unwrap();
+        for i in 0..bt {
+            let r = naive(
+                Transpose::Yes,
+                Transpose::No,
+                m,
+                k,
+                n,
+                &a[i * m * k..(i + 1) * m * k],
+                &b[i * k * n..(i + 1) * k * n],
+                0.0,
+                &[],
+            );
+            assert_close("batched", &c[i * m * n..(i + 1) * m * n], &r, 1e-5);
+        }
+        let mut c2 = vec![0.0; bt * m * n];
+        matmul_batched(bt, Transpose::Yes, Transpose::No, m, k, n, &a, &b, 0.0, &mut c2).unwrap();
+        assert_eq!(
+            c.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+            c2.iter().map(|x| x.to_bits()).collect::<Vec<_>>()
+        );
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn prop_matmul_matches_naive(
+            m in 1usize..40, k in 0usize..40, n in 1usize..40,
+            ta in any::<bool>(), tb in any::<bool>(), seed in any::<u64>(),
+        ) {
+            let ta = if ta { Transpose::Yes } else { Transpose::No };
+            let tb = if tb { Transpose::Yes } else { Transpose::No };
+            let mut rng = Rng::new(seed);
+            let a = rng.vec(m * k);
+            let b = rng.vec(k * n);
+            let c0 = rng.vec(m * n);
+            let mut c = c0.clone();
+            matmul(ta, tb, m, k, n, &a, &b, 1.0, &mut c).unwrap();
+            let r = naive(ta, tb, m, k, n, &a, &b, 1.0, &c0);
+            for (x, y) in c.iter().zip(&r) {
+                prop_assert!(x.is_finite());
+                prop_assert!((x - y).abs() <= 1e-4 * (1.0 + y.abs()), "{} vs {}", x, y);
+            }
+        }
+    }
+}

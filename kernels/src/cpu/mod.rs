@@ -1,0 +1,217 @@
+//! Plain f32 reference kernels on row-major slices.
+//!
+//! Conventions shared by every kernel in this module:
+//!
+//! - Inputs are `&[f32]` (or `&[u32]` for ids/labels), outputs `&mut [f32]`,
+//!   with explicit sizes; every length is validated up front and a mismatch
+//!   returns [`KernelError`] before any output is touched.
+//! - Forward kernels **overwrite** their outputs. Backward kernels
+//!   **accumulate** (`+=`) into every gradient output (activation gradients as
+//!   well as parameter gradients), so the caller zeroes them once and can sum
+//!   contributions from residual branches, ring blocks or micro-batches.
+//! - Arithmetic is f32 with f32 accumulation unless a kernel's docs say
+//!   otherwise, and every reduction runs in a fixed sequential order, so the
+//!   same inputs give bit-identical outputs on the same machine.
+//!
+//! Families: [`matmul`](mod@matmul), [`embedding`](mod@embedding),
+//! [`norm`], [`rope`], [`activation`], [`attention`], [`loss`], [`adamw`],
+//! [`moe`].
+
+use std::error::Error;
+use std::fmt;
+
+pub mod activation;
+pub mod adamw;
+pub mod attention;
+pub mod embedding;
+pub mod loss;
+pub mod matmul;
+pub mod moe;
+pub mod norm;
+pub mod rope;
+
+pub use activation::{add, add_bwd, gelu_bwd, gelu_fwd, swiglu_bwd, swiglu_fwd};
+pub use adamw::adamw_step;
+pub use attention::{attention_bwd, attention_fwd, attention_merge, AttnDims, KEY_TILE};
+pub use embedding::{embedding_bwd, embedding_fwd};
+pub use loss::{ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit};
+pub use matmul::{matmul, matmul_batched, Transpose};
+pub use moe::{
+    moe_combine_bwd, moe_combine_fwd, moe_dispatch_bwd, moe_dispatch_fwd, moe_route_bwd,
+    moe_route_fwd,
+};
+pub use norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
+pub use rope::{rope_bwd, rope_fwd};
+
+/// Why a kernel refused its arguments.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KernelError {
+    /// A slice does not have the length implied by the size arguments.
+    Length {
+        /// Which argument (parameter name).
+        name: &'static str,
+        /// Length implied by the sizes.
+        expected: usize,
+        /// Length actually passed.
+        actual: usize,
+    },
+    /// A size or scalar argument is invalid on its own (e.g. an odd RoPE
+    /// head dimension, `hq` not a multiple of `hkv`, an id out of range).
+    Invalid {
+        /// Which argument (parameter name).
+        name: &'static str,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+impl fmt::Display for KernelError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KernelError::Length {
+                name,
+                expected,
+                actual,
+            } => write!(
+                f,
+                "kernel argument `{name}` has length {actual}, expected {expected}"
+            ),
+            KernelError::Invalid { name, reason } => {
+                write!(f, "kernel argument `{name}` is invalid: {reason}")
+            }
+        }
+    }
+}
+
+impl Error for KernelError {}
+
+/// Checks `actual == expected` for the slice called `name`.
+pub(crate) fn check_len(name: &'static str, actual: usize, expected: usize) -> Result<(), KernelError> {
+    if actual == expected {
+        Ok(())
+    } else {
+        Err(KernelError::Length {
+            name,
+            expected,
+            actual,
+        })
+    }
+}
+
+/// Multiplies sizes, turning overflow into an error rather than a wrong
+/// length check that could let a short slice through.
+pub(crate) fn prod(name: &'static str, dims: &[usize]) -> Result<usize, KernelError> {
+    dims.iter().try_fold(1usize, |acc, &d| {
+        acc.checked_mul(d).ok_or_else(|| invalid(name, "size product overflows usize"))
+    })
+}
+
+/// Shorthand for [`KernelError::Invalid`].
+pub(crate) fn invalid(name: &'static str, reason: impl Into<String>) -> KernelError {
+    KernelError::Invalid {
+        name,
+        reason: reason.into(),
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testutil {
+    //! Seeded data and finite-difference helpers shared by the kernel tests.
+
+    /// xorshift64*: tiny, seeded, and identical on every platform.
+    pub struct Rng(u64);
+
+    impl Rng {
+        pub fn new(seed: u64) -> Self {
+            Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        }
+
+        pub fn next_u64(&mut self) -> u64 {
+            let mut x = self.0;
+            x ^= x >> 12;
+            x ^= x << 25;
+            x ^= x >> 27;
+            self.0 = x;
+            x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        }
+
+        /// Uniform in [-1, 1).
+        pub fn f32(&mut self) -> f32 {
+            ((self.next_u64() >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        }
+
+        pub fn below(&mut self, n: u64) -> u64 {
+            self.next_u64() % n
+        }
+
+        pub fn vec(&mut self, n: usize) -> Vec<f32> {
+            (0..n).map(|_| self.f32()).collect()
+        }
+    }
+
+    /// `sum_i w_i * y_i` in f64: the scalar loss whose gradient w.r.t. `y` is
+    /// `w`, so a backward kernel fed `dy = w` must match its finite differences.
+    pub fn dot64(w: &[f32], y: &[f32]) -> f64 {
+        assert_eq!(w.len(), y.len());
+        w.iter().zip(y).map(|(&a, &b)| a as f64 * b as f64).sum()
+    }
+
+    /// Central differences of `f` at `x`, in f64. The step actually taken is
+    /// recomputed from the rounded f32 points so it does not add error.
+    pub fn numeric_grad(x: &[f32], eps: f32, mut f: impl FnMut(&[f32]) -> f64) -> Vec<f64> {
+        let mut xp = x.to_vec();
+        (0..x.len())
+            .map(|i| {
+                let hi = x[i] + eps;
+                let lo = x[i] - eps;
+                xp[i] = hi;
+                let fh = f(&xp);
+                xp[i] = lo;
+                let fl = f(&xp);
+                xp[i] = x[i];
+                (fh - fl) / (hi as f64 - lo as f64)
+            })
+            .collect()
+    }
+
+    /// Elementwise `|a - n| <= rtol * |n| + atol_frac * max|n|` (plus a tiny
+    /// floor for all-zero gradients).
+    pub fn assert_grad_close(what: &str, analytic: &[f32], numeric: &[f64], rtol: f64, atol_frac: f64) {
+        assert_eq!(analytic.len(), numeric.len(), "{what}: length");
+        let scale = numeric.iter().fold(0.0f64, |m, v| m.max(v.abs()));
+        let atol = atol_frac * scale + 1e-4;
+        for (i, (&a, &n)) in analytic.iter().zip(numeric).enumerate() {
+            let err = (a as f64 - n).abs();
+            assert!(
+                err <= rtol * n.abs() + atol,
+                "{what}[{i}]: analytic {a} vs numeric {n} (err {err}, scale {scale})"
+            );
+        }
+    }
+
+    /// Elementwise `|a - b| <= tol * (1 + |b|)`.
+    pub fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+        assert_eq!(a.len(), b.len(), "{what}: length");
+        for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+            assert!(
+                (x - y).abs() <= tol * (1.0 + y.abs()),
+                "{what}[{i}]: {x} vs {y}"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_display_names_argument() {
+        let e = check_len("x", 3, 4).unwrap_err();
+        assert_eq!(e.to_string(), "kernel argument `x` has length 3, expected 4");
+        let e = invalid("head_dim", "must be even");
+        assert_eq!(e.to_string(), "kernel argument `head_dim` is invalid: must be even");
+        assert!(prod("n", &[usize::MAX, 2]).is_err());
+        assert_eq!(prod("n", &[2, 3, 4]), Ok(24));
+    }
+}

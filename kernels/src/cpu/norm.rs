@@ -1,0 +1,337 @@
+//! LayerNorm and RMSNorm over the last dimension.
+//!
+//! The forward saves per-row statistics (`mean`, `rstd = 1/sqrt(var + eps)`)
+//! so the backward does not recompute reductions over `x`.
+
+#![allow(clippy::too_many_arguments)] // flat kernel-launch style signatures
+
+use super::{check_len, invalid, prod, KernelError};
+
+fn check_rows(
+    rows: usize,
+    dim: usize,
+    xs: &[(&'static str, usize)],
+    per_row: &[(&'static str, usize)],
+    per_col: &[(&'static str, usize)],
+) -> Result<(), KernelError> {
+    if dim == 0 {
+        return Err(invalid("dim", "must be positive"));
+    }
+    let n = prod("x", &[rows, dim])?;
+    for &(name, len) in xs {
+        check_len(name, len, n)?;
+    }
+    for &(name, len) in per_row {
+        check_len(name, len, rows)?;
+    }
+    for &(name, len) in per_col {
+        check_len(name, len, dim)?;
+    }
+    Ok(())
+}
+
+/// LayerNorm forward: `y = (x - mean) * rstd * weight + bias` per row of
+/// `x [rows, dim]`, variance biased (divide by `dim`) as in PyTorch.
+/// Writes `y [rows, dim]`, `mean [rows]`, `rstd [rows]`.
+///
+/// Mean and variance use two passes in f32, which avoids the cancellation of
+/// `E[x^2] - E[x]^2` for rows with a large offset.
+pub fn layernorm_fwd(
+    x: &[f32],
+    weight: &[f32],
+    bias: &[f32],
+    rows: usize,
+    dim: usize,
+    eps: f32,
+    y: &mut [f32],
+    mean: &mut [f32],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    check_rows(
+        rows,
+        dim,
+        &[("x", x.len()), ("y", y.len())],
+        &[("mean", mean.len()), ("rstd", rstd.len())],
+        &[("weight", weight.len()), ("bias", bias.len())],
+    )?;
+    let inv = 1.0 / dim as f32;
+    for r in 0..rows {
+        let xr = &x[r * dim..(r + 1) * dim];
+        let mu = xr.iter().sum::<f32>() * inv;
+        let var = xr.iter().map(|&v| (v - mu) * (v - mu)).sum::<f32>() * inv;
+        let rs = 1.0 / (var + eps).sqrt();
+        mean[r] = mu;
+        rstd[r] = rs;
+        for (c, yo) in y[r * dim..(r + 1) * dim].iter_mut().enumerate() {
+            *yo = (xr[c] - mu) * rs * weight[c] + bias[c];
+        }
+    }
+    Ok(())
+}
+
+/// LayerNorm backward. Accumulates `dx [rows, dim]`, `dweight [dim]`,
+/// `dbias [dim]` from `dy` using the `mean`/`rstd` saved by
+/// [`layernorm_fwd`].
+///
+/// `dx = rstd * (g - mean(g) - xhat * mean(g * xhat))` with `g = dy * weight`
+/// and `xhat = (x - mean) * rstd`.
+pub fn layernorm_bwd(
+    x: &[f32],
+    weight: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+    rows: usize,
+    dim: usize,
+    dx: &mut [f32],
+    dweight: &mut [f32],
+    dbias: &mut [f32],
+) -> Result<(), KernelError> {
+    check_rows(
+        rows,
+        dim,
+        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len())],
+        &[("mean", mean.len()), ("rstd", rstd.len())],
+        &[
+            ("weight", weight.len()),
+            ("dweight", dweight.len()),
+            ("dbias", dbias.len()),
+        ],
+    )?;
+    let inv = 1.0 / dim as f32;
+    for r in 0..rows {
+        let xr = &x[r * dim..(r + 1) * dim];
+        let dyr = &dy[r * dim..(r + 1) * dim];
+        let (mu, rs) = (mean[r], rstd[r]);
+        let mut sum_g = 0.0f32;
+        let mut sum_gx = 0.0f32;
+        for c in 0..dim {
+            let xhat = (xr[c] - mu) * rs;
+            let g = dyr[c] * weight[c];
+            sum_g += g;
+            sum_gx += g * xhat;
+            dweight[c] += dyr[c] * xhat;
+            dbias[c] += dyr[c];
+        }
+        let (mg, mgx) = (sum_g * inv, sum_gx * inv);
+        for (c, d) in dx[r * dim..(r + 1) * dim].iter_mut().enumerate() {
+            let xhat = (xr[c] - mu) * rs;
+            *d += rs * (dyr[c] * weight[c] - mg - xhat * mgx);
+        }
+    }
+    Ok(())
+}
+
+/// RMSNorm forward: `y = x * rstd * weight` with
+/// `rstd = 1 / sqrt(mean(x^2) + eps)` per row (no mean subtraction, no bias,
+/// as in Llama). Writes `y [rows, dim]` and `rstd [rows]`.
+pub fn rmsnorm_fwd(
+    x: &[f32],
+    weight: &[f32],
+    rows: usize,
+    dim: usize,
+    eps: f32,
+    y: &mut [f32],
+    rstd: &mut [f32],
+) -> Result<(), KernelError> {
+    check_rows(
+        rows,
+        dim,
+        &[("x", x.len()), ("y", y.len())],
+        &[("rstd", rstd.len())],
+        &[("weight", weight.len())],
+    )?;
+    let inv = 1.0 / dim as f32;
+    for r in 0..rows {
+        let xr = &x[r * dim..(r + 1) * dim];
+        let ms = xr.iter().map(|&v| v * v).sum::<f32>() * inv;
+        let rs = 1.0 / (ms + eps).sqrt();
+        rstd[r] = rs;
+        for (c, yo) in y[r * dim..(r + 1) * dim].iter_mut().enumerate() {
+            *yo = xr[c] * rs * weight[c];
+        }
+    }
+    Ok(())
+}
+
+/// RMSNorm backward. Accumulates `dx [rows, dim]` and `dweight [dim]` using
+/// the `rstd` saved by [`rmsnorm_fwd`]:
+/// `dx = rstd * (g - xhat * mean(g * xhat))`, `g = dy * weight`,
+/// `xhat = x * rstd`.
+pub fn rmsnorm_bwd(
+    x: &[f32],
+    weight: &[f32],
+    rstd: &[f32],
+    dy: &[f32],
+    rows: usize,
+    dim: usize,
+    dx: &mut [f32],
+    dweight: &mut [f32],
+) -> Result<(), KernelError> {
+    check_rows(
+        rows,
+        dim,
+        &[("x", x.len()), ("dy", dy.len()), ("dx", dx.len())],
+        &[("rstd", rstd.len())],
+        &[("weight", weight.len()), ("dweight", dweight.len())],
+    )?;
+    let inv = 1.0 / dim as f32;
+    for r in 0..rows {
+        let xr = &x[r * dim..(r + 1) * dim];
+        let dyr = &dy[r * dim..(r + 1) * dim];
+        let rs = rstd[r];
+        let mut sum_gx = 0.0f32;
+        for c in 0..dim {
+            let xhat = xr[c] * rs;
+            sum_gx += dyr[c] * weight[c] * xhat;
+            dweight[c] += dyr[c] * xhat;
+        }
+        let mgx = sum_gx * inv;
+        for (c, d) in dx[r * dim..(r + 1) * dim].iter_mut().enumerate() {
+            *d += rs * (dyr[c] * weight[c] - xr[c] * rs * mgx);
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::{assert_grad_close, dot64, numeric_grad, Rng};
+    use proptest::prelude::*;
+
+    #[test]
+    fn layernorm_of_1_2_3_by_hand() {
+        // mean 2, biased var 2/3, rstd = 1/sqrt(2/3) = 1.2247449
+        let mut y = [0.0; 3];
+        let (mut m, mut r) = ([0.0], [0.0]);
+        layernorm_fwd(&[1.0, 2.0, 3.0], &[1.0; 3], &[0.0; 3], 1, 3, 0.0, &mut y, &mut m, &mut r).unwrap();
+        assert_eq!(m[0], 2.0);
+        assert!((r[0] - 1.224_744_9).abs() < 1e-6);
+        for (a, b) in y.iter().zip([-1.224_744_9, 0.0, 1.224_744_9]) {
+            assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+        }
+        // weight and bias apply elementwise after normalisation
+        layernorm_fwd(&[1.0, 2.0, 3.0], &[2.0, 1.0, 0.5], &[1.0, -1.0, 0.0], 1, 3, 0.0, &mut y, &mut m, &mut r)
+            .unwrap();
+        for (a, b) in y.iter().zip([1.0 - 2.449_489_8, -1.0, 0.612_372_4]) {
+            assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+        }
+    }
+
+    #[test]
+    fn rmsnorm_by_hand() {
+        // mean square of [3, 4] is 12.5; rstd = 1/sqrt(12.5)
+        let mut y = [0.0; 2];
+        let mut r = [0.0];
+        rmsnorm_fwd(&[3.0, 4.0], &[1.0, 2.0], 1, 2, 0.0, &mut y, &mut r).unwrap();
+        let rs = 1.0 / 12.5f32.sqrt();
+        assert!((r[0] - rs).abs() < 1e-7);
+        assert!((y[0] - 3.0 * rs).abs() < 1e-6 && (y[1] - 8.0 * rs).abs() < 1e-6);
+    }
+
+    #[test]
+    fn layernorm_backward_matches_finite_differences() {
+        let mut rng = Rng::new(11);
+        let (rows, dim, eps) = (3, 7, 1e-5);
+        let x = rng.vec(rows * dim);
+        let w: Vec<f32> = rng.vec(dim).iter().map(|v| 1.0 + v).collect();
+        let b = rng.vec(dim);
+        let dy = rng.vec(rows * dim);
+        let fwd = |x: &[f32], w: &[f32], b: &[f32]| {
+            let mut y = vec![0.0; rows * dim];
+            let (mut m, mut r) = (vec![0.0; rows], vec![0.0; rows]);
+            layernorm_fwd(x, w, b, rows, dim, eps, &mut y, &mut m, &mut r).unwrap();
+            (y, m, r)
+        };
+        let (_, m, r) = fwd(&x, &w, &b);
+        let mut dx = vec![0.0; rows * dim];
+        let mut dw = vec![0.0; dim];
+        let mut db = vec![0.0; dim];
+        layernorm_bwd(&x, &w, &m, &r, &dy, rows, dim, &mut dx, &mut dw, &mut db).unwrap();
+        let h = 2e-3;
+        let nx = numeric_grad(&x, h, |x| dot64(&dy, &fwd(x, &w, &b).0));
+        let nw = numeric_grad(&w, h, |w| dot64(&dy, &fwd(&x, w, &b).0));
+        let nb = numeric_grad(&b, h, |b| dot64(&dy, &fwd(&x, &w, b).0));
+        assert_grad_close("ln dx", &dx, &nx, 1e-2, 2e-3);
+        assert_grad_close("ln dw", &dw, &nw, 1e-2, 2e-3);
+        assert_grad_close("ln db", &db, &nb, 1e-2, 2e-3);
+
+        // accumulation: a second call doubles every gradient
+        let (dx1, dw1) = (dx.clone(), dw.clone());
+        layernorm_bwd(&x, &w, &m, &r, &dy, rows, dim, &mut dx, &mut dw, &mut db).unwrap();
+        for (a, b) in dx.iter().zip(&dx1).chain(dw.iter().zip(&dw1)) {
+            assert_eq!(*a, 2.0 * b);
+        }
+    }
+
+    #[test]
+    fn rmsnorm_backward_matches_finite_differences() {
+        let mut rng = Rng::new(12);
+        let (rows, dim, eps) = (4, 5, 1e-6);
+        let x = rng.vec(rows * dim);
+        let w: Vec<f32> = rng.vec(dim).iter().map(|v| 1.0 + v).collect();
+        let dy = rng.vec(rows * dim);
+        let fwd = |x: &[f32], w: &[f32]| {
+            let mut y = vec![0.0; rows * dim];
+            let mut r = vec![0.0; rows];
+            rmsnorm_fwd(x, w, rows, dim, eps, &mut y, &mut r).unwrap();
+            (y, r)
+        };
+        let (_, r) = fwd(&x, &w);
+        let mut dx = vec![0.0; rows * dim];
+        let mut dw = vec![0.0; dim];
+        rmsnorm_bwd(&x, &w, &r, &dy, rows, dim, &mut dx, &mut dw).unwrap();
+        let h = 2e-3;
+        let nx = numeric_grad(&x, h, |x| dot64(&dy, &fwd(x, &w).0));
+        let nw = numeric_grad(&w, h, |w| dot64(&dy, &fwd(&x, w).0));
+        assert_grad_close("rms dx", &dx, &nx, 1e-2, 2e-3);
+        assert_grad_close("rms dw", &dw, &nw, 1e-2, 2e-3);
+    }
+
+    #[test]
+    fn norm_size_errors() {
+        let mut y = [0.0; 4];
+        let (mut m, mut r) = ([0.0; 2], [0.0; 2]);
+        assert!(matches!(
+            layernorm_fwd(&[0.0; 4], &[1.0; 3], &[0.0; 2], 2, 2, 1e-5, &mut y, &mut m, &mut r),
+            Err(KernelError::Length { name: "weight", .. })
+        ));
+        assert!(rmsnorm_fwd(&[0.0; 4], &[1.0; 2], 2, 2, 1e-5, &mut y, &mut r[..1]).is_err());
+        assert!(rmsnorm_fwd(&[], &[], 2, 0, 1e-5, &mut [], &mut r).is_err());
+    }
+
+    fn naive_layernorm(x: &[f32], w: &[f32], b: &[f32], rows: usize, dim: usize, eps: f64) -> Vec<f64> {
+        let mut y = vec![0.0; rows * dim];
+        for r in 0..rows {
+            let xr: Vec<f64> = x[r * dim..(r + 1) * dim].iter().map(|&v| v as f64).collect();
+            let mu = xr.iter().sum::<f64>() / dim as f64;
+            let var = xr.iter().map(|v| (v - mu) * (v - mu)).sum::<f64>() / dim as f64;
+            for c in 0..dim {
+                y[r * dim + c] = (xr[c] - mu) / (var + eps).sqrt() * w[c] as f64 + b[c] as f64;
+            }
+        }
+        y
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn prop_layernorm_finite_and_matches_f64(
+            rows in 1usize..6, dim in 1usize..70, seed in any::<u64>(), shift in -100.0f32..100.0,
+        ) {
+            let mut rng = Rng::new(seed);
+            let x: Vec<f32> = rng.vec(rows * dim).iter().map(|v| v * 3.0 + shift).collect();
+            let w = rng.vec(dim);
+            let b = rng.vec(dim);
+            let mut y = vec![0.0; rows * dim];
+            let (mut m, mut r) = (vec![0.0; rows], vec![0.0; rows]);
+            layernorm_fwd(&x, &w, &b, rows, dim, 1e-5, &mut y, &mut m, &mut r).unwrap();
+            let yr = naive_layernorm(&x, &w, &b, rows, dim, 1e-5);
+            for (a, e) in y.iter().zip(&yr) {
+                prop_assert!(a.is_finite());
+                prop_assert!((*a as f64 - e).abs() <= 2e-3 * (1.0 + e.abs()), "{} vs {}", a, e);
+            }
+        }
+    }
+}
