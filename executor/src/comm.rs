@@ -186,7 +186,11 @@ impl fmt::Display for WaitPoint {
                 write!(f, "send on {} to rank {to} (seq {})", self.axis, self.seq)
             }
             (CommKind::Recv, [from, _]) => {
-                write!(f, "recv on {} from rank {from} (seq {})", self.axis, self.seq)
+                write!(
+                    f,
+                    "recv on {} from rank {from} (seq {})",
+                    self.axis, self.seq
+                )
             }
             _ if self.group == self.axis => {
                 write!(f, "{} on {} (seq {})", self.kind, self.axis, self.seq)

@@ -3,5 +3,7 @@
 //! This crate is a shell until the executor issue lands; it exists now so that the
 //! dependency arrows (`executor -> ir + kernels`) are fixed and tested from the start.
 
+pub mod comm;
+
 pub use meshplan_ir as ir;
 pub use meshplan_kernels as kernels;

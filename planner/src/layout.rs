@@ -10,9 +10,9 @@
 use crate::cost_model::cluster::GroupShape;
 use crate::cost_model::compute::Roofline;
 use crate::cost_model::{Cluster, CommModel, InferenceLoad, PreparedGraph};
-use crate::intra::{apply_roles, solve_segment, IntraOptions};
+use crate::intra::{apply_roles, solve_segment, solve_with, IntraExtras, IntraOptions};
 use crate::mesh::Mesh;
-use meshplan_ir::{DimEnv, Graph, ParallelConfig, SegmentKind, TpRole};
+use meshplan_ir::{DimEnv, Graph, OpKind, ParallelConfig, SegmentKind, TpRole};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -83,6 +83,8 @@ pub struct Layout {
     pub roles: Vec<(usize, usize, TpRole)>,
     /// The chosen roles equal the standard (Megatron) layout the builder wrote.
     pub standard: bool,
+    /// Why the standard layout was used instead of the ILP's, if it was.
+    pub fallback: Option<String>,
 }
 
 /// Solved layouts, shared by the threads of a search.
@@ -171,13 +173,63 @@ impl LayoutCache {
         let mut roles = Vec::new();
         let mut placements = Vec::new();
         let mut cost = 0.0;
+        let mut fallback = None;
         for segs in &problems {
-            let sol = solve_segment(graph, segs, &mesh, &opts)
-                .map_err(|e| format!("intra-op ILP on tp={} for segments {segs:?}: {e}", key.tp))?;
+            let err = |e: crate::intra::IntraError| {
+                format!("intra-op ILP on tp={} for segments {segs:?}: {e}", key.tp)
+            };
+            let mut sol = solve_segment(graph, segs, &mesh, &opts).map_err(err)?;
             self.solves.fetch_add(1, Ordering::Relaxed);
+            if !expressible(graph, &sol, key.sp) {
+                // The cheapest way to a small vocabulary's loss can be to gather the
+                // logits, which the role-based pricing and the programs do not
+                // express: keep the loss vocabulary-parallel instead.
+                let extras = IntraExtras {
+                    fixed: loss_ops(graph, segs)
+                        .into_iter()
+                        .map(|name| (name, "vocab".to_string()))
+                        .collect(),
+                    ..IntraExtras::default()
+                };
+                if !extras.fixed.is_empty() {
+                    if let Ok(s) = solve_with(graph, segs, &mesh, &opts, &extras) {
+                        self.solves.fetch_add(1, Ordering::Relaxed);
+                        if expressible(graph, &s, key.sp) {
+                            sol = s;
+                        }
+                    }
+                }
+            }
+            if !expressible(graph, &sol, key.sp) {
+                fallback = Some(format!(
+                    "the ILP's layout of segments {segs:?} moves tensors the standard roles do not; the standard layout is used"
+                ));
+                break;
+            }
             cost += sol.cost_s;
             roles.extend(sol.roles(graph, "tp"));
             placements.extend(sol.placements(graph));
+        }
+        if let Some(reason) = fallback {
+            return Ok(Layout {
+                graph: None,
+                prepared: None,
+                placements: Vec::new(),
+                ilp_cost_s: f64::NAN,
+                roles: graph
+                    .segments
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(s, seg)| {
+                        seg.ops
+                            .iter()
+                            .enumerate()
+                            .map(move |(o, op)| (s, o, op.role))
+                    })
+                    .collect(),
+                standard: true,
+                fallback: Some(reason),
+            });
         }
         roles.sort_by_key(|(s, o, _)| (*s, *o));
         placements.sort();
@@ -201,8 +253,52 @@ impl LayoutCache {
             ilp_cost_s: cost,
             roles,
             standard,
+            fallback: None,
         })
     }
+}
+
+/// Names of the cross-entropy ops in `segments`.
+fn loss_ops(graph: &Graph, segments: &[usize]) -> Vec<String> {
+    segments
+        .iter()
+        .filter_map(|&s| graph.segments.get(s))
+        .flat_map(|seg| &seg.ops)
+        .filter(|op| matches!(op.kind, OpKind::CrossEntropy { .. }))
+        .map(|op| op.name.clone())
+        .collect()
+}
+
+/// Whether a solution's forward collectives are those its roles imply (what the
+/// cost model prices and the lowering emits): per row-parallel or vocabulary-parallel
+/// embedding output one AllReduce (ReduceScatter under sequence parallelism), per
+/// column-parallel input one AllGather under sequence parallelism (ops sharing an
+/// input share the gather), three AllReduces per vocabulary-parallel loss.
+pub fn expressible(graph: &Graph, sol: &crate::intra::Solution, sp: bool) -> bool {
+    use crate::cost_model::Collective;
+    let (mut ar, mut rs, mut ag) = (0usize, 0usize, 0usize);
+    for (_, _, r) in sol.roles(graph, "tp") {
+        match r {
+            TpRole::RowParallel | TpRole::VocabEmbedding if sp => rs += 1,
+            TpRole::RowParallel | TpRole::VocabEmbedding => ar += 1,
+            TpRole::ColumnParallel | TpRole::VocabHead if sp => ag += 1,
+            TpRole::VocabLoss => ar += 3,
+            _ => {}
+        }
+    }
+    let mut got = (0usize, 0usize, 0usize);
+    for (axis, kind, _) in sol.forward_collectives() {
+        if axis != "tp" {
+            continue;
+        }
+        match kind {
+            Collective::AllReduce => got.0 += 1,
+            Collective::ReduceScatter => got.1 += 1,
+            Collective::AllGather => got.2 += 1,
+            _ => return false,
+        }
+    }
+    got.0 == ar && got.1 == rs && got.2 <= ag && (ag == 0) == (got.2 == 0)
 }
 
 /// A tensor-parallel group of `tp` consecutive ranks.

@@ -49,10 +49,11 @@ pub fn plan_of(
     );
     extra.insert(
         "layout".to_string(),
-        serde_json::json!(if layout.is_some_and(|l| l.standard) {
-            "ilp (equals the standard layout)"
-        } else {
-            "ilp"
+        serde_json::json!(match layout {
+            Some(l) if l.fallback.is_some() => l.fallback.clone().unwrap_or_default(),
+            Some(l) if l.standard => "ilp (equals the standard layout)".to_string(),
+            Some(_) => "ilp".to_string(),
+            None => "standard".to_string(),
         }),
     );
     let search = SearchInfo {

@@ -67,10 +67,9 @@ fn gcd(mut a: u128, mut b: u128) -> u128 {
 fn add_fraction(a: (u128, u128), b: (u128, u128)) -> Option<(u128, u128)> {
     let g = gcd(a.1, b.1).max(1);
     let den = (a.1 / g).checked_mul(b.1)?;
-    let num = a
-        .0
-        .checked_mul(b.1 / g)?
-        .checked_add(b.0.checked_mul(a.1 / g)?)?;
+    let num =
+        a.0.checked_mul(b.1 / g)?
+            .checked_add(b.0.checked_mul(a.1 / g)?)?;
     let r = gcd(num, den).max(1);
     Some((num / r, den / r))
 }

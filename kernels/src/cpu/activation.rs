@@ -32,7 +32,13 @@ fn sigmoid(v: f32) -> f32 {
     1.0 / (1.0 + (-v).exp())
 }
 
-fn check_swiglu(rows: usize, f: usize, x_len: usize, y_len: usize, yname: &'static str) -> Result<(), KernelError> {
+fn check_swiglu(
+    rows: usize,
+    f: usize,
+    x_len: usize,
+    y_len: usize,
+    yname: &'static str,
+) -> Result<(), KernelError> {
     if f == 0 {
         return Err(invalid("f", "must be positive"));
     }
@@ -55,10 +61,20 @@ pub fn swiglu_fwd(x: &[f32], rows: usize, f: usize, y: &mut [f32]) -> Result<(),
 
 /// SwiGLU backward: accumulates `dx [rows, 2f]` (`[d_gate | d_up]`) from
 /// `dy [rows, f]`, recomputing the sigmoid from `x`.
-pub fn swiglu_bwd(x: &[f32], dy: &[f32], rows: usize, f: usize, dx: &mut [f32]) -> Result<(), KernelError> {
+pub fn swiglu_bwd(
+    x: &[f32],
+    dy: &[f32],
+    rows: usize,
+    f: usize,
+    dx: &mut [f32],
+) -> Result<(), KernelError> {
     check_swiglu(rows, f, x.len(), dy.len(), "dy")?;
     check_len("dx", dx.len(), x.len())?;
-    for ((xr, gr), dr) in x.chunks_exact(2 * f).zip(dy.chunks_exact(f)).zip(dx.chunks_exact_mut(2 * f)) {
+    for ((xr, gr), dr) in x
+        .chunks_exact(2 * f)
+        .zip(dy.chunks_exact(f))
+        .zip(dx.chunks_exact_mut(2 * f))
+    {
         let (gate, up) = xr.split_at(f);
         let (dgate, dup) = dr.split_at_mut(f);
         for c in 0..f {

@@ -48,10 +48,13 @@ pub struct AttnDims {
 
 impl AttnDims {
     fn group(&self) -> Result<usize, KernelError> {
-        if self.hkv == 0 || self.hq % self.hkv != 0 {
+        if self.hkv == 0 || !self.hq.is_multiple_of(self.hkv) {
             return Err(invalid(
                 "dims.hkv",
-                format!("hq ({}) must be a positive multiple of hkv ({})", self.hq, self.hkv),
+                format!(
+                    "hq ({}) must be a positive multiple of hkv ({})",
+                    self.hq, self.hkv
+                ),
             ));
         }
         Ok(self.hq / self.hkv)
@@ -181,8 +184,9 @@ pub fn attention_fwd(
 ///
 /// Exact up to rounding, associative and commutative in exact arithmetic.
 /// A side with `lse = -inf` contributes nothing and its `o` is never read, so
-/// the accumulator may start as `lse = -inf` with any `o`. Uses `batch`,
-/// `sq`, `hq`, `dv` of `dims`.
+/// the accumulator may start as `lse = -inf`; start it with `o = 0` so that
+/// rows no block ever reaches keep the forward's `out = 0` convention. Uses
+/// `batch`, `sq`, `hq`, `dv` of `dims`.
 pub fn attention_merge(
     dims: &AttnDims,
     o_acc: &mut [f32],
@@ -351,7 +355,10 @@ mod tests {
         let dims = AttnDims { sk, ..c.dims };
         let mut o = vec![f32::NAN; dims.o_len().unwrap()];
         let mut l = vec![f32::NAN; dims.lse_len().unwrap()];
-        attention_fwd(&dims, &c.q, k, v, c.q_pos0, k_pos0, c.causal, c.scale, &mut o, &mut l).unwrap();
+        attention_fwd(
+            &dims, &c.q, k, v, c.q_pos0, k_pos0, c.causal, c.scale, &mut o, &mut l,
+        )
+        .unwrap();
         (o, l)
     }
 
@@ -391,7 +398,8 @@ mod tests {
                         let mut acc = 0.0f64;
                         for (j, sj) in s.iter().enumerate() {
                             if let Some(sj) = sj {
-                                acc += (sj - mx).exp() / z * c.v[((b * sk + j) * hkv + g) * dv + e] as f64;
+                                acc += (sj - mx).exp() / z
+                                    * c.v[((b * sk + j) * hkv + g) * dv + e] as f64;
                             }
                         }
                         o[((b * sq + i) * hq + h) * dv + e] = acc as f32;
@@ -402,7 +410,15 @@ mod tests {
         (o, lse)
     }
 
-    fn dims(batch: usize, sq: usize, sk: usize, hq: usize, hkv: usize, d: usize, dv: usize) -> AttnDims {
+    fn dims(
+        batch: usize,
+        sq: usize,
+        sk: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        dv: usize,
+    ) -> AttnDims {
         AttnDims {
             batch,
             sq,
@@ -456,8 +472,10 @@ mod tests {
         let mut dq = vec![0.0; c.q.len()];
         let mut dk = vec![0.0; c.k.len()];
         let mut dvv = vec![0.0; c.v.len()];
-        attention_bwd(&dm, &c.q, &c.k, &c.v, &o, &l, &d_o, 3, 5, true, c.scale, &mut dq, &mut dk, &mut dvv)
-            .unwrap();
+        attention_bwd(
+            &dm, &c.q, &c.k, &c.v, &o, &l, &d_o, 3, 5, true, c.scale, &mut dq, &mut dk, &mut dvv,
+        )
+        .unwrap();
         assert!(dq[..2 * 2 * 3].iter().all(|&x| x == 0.0));
         assert!(dq.iter().chain(&dk).chain(&dvv).all(|x| x.is_finite()));
         assert!(dvv.iter().any(|&x| x != 0.0));
@@ -474,15 +492,29 @@ mod tests {
     fn slice_kv(x: &[f32], dm: &AttnDims, width: usize, j0: usize, j1: usize) -> Vec<f32> {
         let row = dm.hkv * width;
         (0..dm.batch)
-            .flat_map(|b| x[(b * dm.sk + j0) * row..(b * dm.sk + j1) * row].iter().copied())
+            .flat_map(|b| {
+                x[(b * dm.sk + j0) * row..(b * dm.sk + j1) * row]
+                    .iter()
+                    .copied()
+            })
             .collect()
     }
 
-    fn unslice_add(dst: &mut [f32], src: &[f32], dm: &AttnDims, width: usize, j0: usize, j1: usize) {
+    fn unslice_add(
+        dst: &mut [f32],
+        src: &[f32],
+        dm: &AttnDims,
+        width: usize,
+        j0: usize,
+        j1: usize,
+    ) {
         let row = dm.hkv * width;
         let n = (j1 - j0) * row;
         for b in 0..dm.batch {
-            for (x, &y) in dst[(b * dm.sk + j0) * row..][..n].iter_mut().zip(&src[b * n..][..n]) {
+            for (x, &y) in dst[(b * dm.sk + j0) * row..][..n]
+                .iter_mut()
+                .zip(&src[b * n..][..n])
+            {
                 *x += y;
             }
         }
@@ -514,7 +546,8 @@ mod tests {
             let mut dk = vec![0.0; c.k.len()];
             let mut dvv = vec![0.0; c.v.len()];
             attention_bwd(
-                &dm, &c.q, &c.k, &c.v, &o_full, &l_full, &d_o, 75, 0, causal, c.scale, &mut dq, &mut dk, &mut dvv,
+                &dm, &c.q, &c.k, &c.v, &o_full, &l_full, &d_o, 75, 0, causal, c.scale, &mut dq,
+                &mut dk, &mut dvv,
             )
             .unwrap();
             let mut rq = vec![0.0; c.q.len()];
@@ -527,7 +560,8 @@ mod tests {
                 let mut dkb = vec![0.0; kb.len()];
                 let mut dvb = vec![0.0; vb.len()];
                 attention_bwd(
-                    &bd, &c.q, &kb, &vb, &o_acc, &l_acc, &d_o, 75, j0, causal, c.scale, &mut rq, &mut dkb, &mut dvb,
+                    &bd, &c.q, &kb, &vb, &o_acc, &l_acc, &d_o, 75, j0, causal, c.scale, &mut rq,
+                    &mut dkb, &mut dvb,
                 )
                 .unwrap();
                 unslice_add(&mut rk, &dkb, &dm, dm.d, j0, j1);
@@ -544,7 +578,14 @@ mod tests {
         let dm = dims(1, 2, 0, 1, 1, 1, 1);
         let mut o = [5.0, f32::NAN];
         let mut l = [0.0, f32::NEG_INFINITY];
-        attention_merge(&dm, &mut o, &mut l, &[f32::NAN, 7.0], &[f32::NEG_INFINITY, 1.0]).unwrap();
+        attention_merge(
+            &dm,
+            &mut o,
+            &mut l,
+            &[f32::NAN, 7.0],
+            &[f32::NEG_INFINITY, 1.0],
+        )
+        .unwrap();
         assert_eq!(o, [5.0, 7.0]);
         assert_eq!(l, [0.0, 1.0]);
         // equal-weight blocks average, lse grows by ln 2
@@ -563,13 +604,17 @@ mod tests {
         let mut dk = vec![0.0; c.k.len()];
         let mut dvv = vec![0.0; c.v.len()];
         attention_bwd(
-            &dm, &c.q, &c.k, &c.v, &o, &l, &d_o, c.q_pos0, k_pos0, c.causal, c.scale, &mut dq, &mut dk, &mut dvv,
+            &dm, &c.q, &c.k, &c.v, &o, &l, &d_o, c.q_pos0, k_pos0, c.causal, c.scale, &mut dq,
+            &mut dk, &mut dvv,
         )
         .unwrap();
         let loss = |q: &[f32], k: &[f32], v: &[f32]| {
             let mut o = vec![0.0; dm.o_len().unwrap()];
             let mut l = vec![0.0; dm.lse_len().unwrap()];
-            attention_fwd(&dm, q, k, v, c.q_pos0, k_pos0, c.causal, c.scale, &mut o, &mut l).unwrap();
+            attention_fwd(
+                &dm, q, k, v, c.q_pos0, k_pos0, c.causal, c.scale, &mut o, &mut l,
+            )
+            .unwrap();
             dot64(&d_o, &o)
         };
         let h = 2e-3;
@@ -598,11 +643,25 @@ mod tests {
         let mut l = [0.0; 3];
         assert!(matches!(
             attention_fwd(&dm, &[0.0; 3], &[0.0; 2], &[0.0; 2], 0, 0, true, 1.0, &mut o, &mut l),
-            Err(KernelError::Invalid { name: "dims.hkv", .. })
+            Err(KernelError::Invalid {
+                name: "dims.hkv",
+                ..
+            })
         ));
         let dm = dims(1, 1, 1, 2, 1, 1, 1);
         assert!(matches!(
-            attention_fwd(&dm, &[0.0; 2], &[0.0; 2], &[0.0; 1], 0, 0, true, 1.0, &mut o[..2], &mut l[..2]),
+            attention_fwd(
+                &dm,
+                &[0.0; 2],
+                &[0.0; 2],
+                &[0.0; 1],
+                0,
+                0,
+                true,
+                1.0,
+                &mut o[..2],
+                &mut l[..2]
+            ),
             Err(KernelError::Length { name: "k", .. })
         ));
     }

@@ -10,8 +10,11 @@ fn vocab_local(table_len: usize, dim: usize) -> Result<usize, KernelError> {
     if dim == 0 {
         return Err(invalid("dim", "must be positive"));
     }
-    if table_len % dim != 0 {
-        return Err(invalid("table", format!("length {table_len} is not a multiple of dim {dim}")));
+    if !table_len.is_multiple_of(dim) {
+        return Err(invalid(
+            "table",
+            format!("length {table_len} is not a multiple of dim {dim}"),
+        ));
     }
     Ok(table_len / dim)
 }

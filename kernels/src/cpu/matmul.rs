@@ -179,7 +179,11 @@ mod tests {
                 for p in 0..k {
                     s += at(a, ta, m, k, i, p) * at(b, tb, k, n, p, j);
                 }
-                let old = if beta == 0.0 { 0.0 } else { beta as f64 * c[i * n + j] as f64 };
+                let old = if beta == 0.0 {
+                    0.0
+                } else {
+                    beta as f64 * c[i * n + j] as f64
+                };
                 out[i * n + j] = (old + s) as f32;
             }
         }
@@ -230,7 +234,17 @@ mod tests {
     #[test]
     fn length_mismatch_is_an_error() {
         let mut c = [0.0; 4];
-        let e = matmul(Transpose::No, Transpose::No, 2, 2, 2, &[0.0; 3], &[0.0; 4], 0.0, &mut c);
+        let e = matmul(
+            Transpose::No,
+            Transpose::No,
+            2,
+            2,
+            2,
+            &[0.0; 3],
+            &[0.0; 4],
+            0.0,
+            &mut c,
+        );
         assert_eq!(
             e,
             Err(KernelError::Length {
@@ -239,7 +253,17 @@ mod tests {
                 actual: 3
             })
         );
-        let e = matmul(Transpose::No, Transpose::No, 2, 2, 2, &[0.0; 4], &[0.0; 4], 0.0, &mut c[..3]);
+        let e = matmul(
+            Transpose::No,
+            Transpose::No,
+            2,
+            2,
+            2,
+            &[0.0; 4],
+            &[0.0; 4],
+            0.0,
+            &mut c[..3],
+        );
         assert!(matches!(e, Err(KernelError::Length { name: "c", .. })));
     }
 
@@ -250,7 +274,19 @@ mod tests {
         let a = rng.vec(bt * k * m);
         let b = rng.vec(bt * k * n);
         let mut c = vec![0.0; bt * m * n];
-        matmul_batched(bt, Transpose::Yes, Transpose::No, m, k, n, &a, &b, 0.0, &mut c).unwrap();
+        matmul_batched(
+            bt,
+            Transpose::Yes,
+            Transpose::No,
+            m,
+            k,
+            n,
+            &a,
+            &b,
+            0.0,
+            &mut c,
+        )
+        .unwrap();
         for i in 0..bt {
             let r = naive(
                 Transpose::Yes,
@@ -266,7 +302,19 @@ mod tests {
             assert_close("batched", &c[i * m * n..(i + 1) * m * n], &r, 1e-5);
         }
         let mut c2 = vec![0.0; bt * m * n];
-        matmul_batched(bt, Transpose::Yes, Transpose::No, m, k, n, &a, &b, 0.0, &mut c2).unwrap();
+        matmul_batched(
+            bt,
+            Transpose::Yes,
+            Transpose::No,
+            m,
+            k,
+            n,
+            &a,
+            &b,
+            0.0,
+            &mut c2,
+        )
+        .unwrap();
         assert_eq!(
             c.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
             c2.iter().map(|x| x.to_bits()).collect::<Vec<_>>()

@@ -86,7 +86,11 @@ impl fmt::Display for KernelError {
 impl Error for KernelError {}
 
 /// Checks `actual == expected` for the slice called `name`.
-pub(crate) fn check_len(name: &'static str, actual: usize, expected: usize) -> Result<(), KernelError> {
+pub(crate) fn check_len(
+    name: &'static str,
+    actual: usize,
+    expected: usize,
+) -> Result<(), KernelError> {
     if actual == expected {
         Ok(())
     } else {
@@ -102,7 +106,8 @@ pub(crate) fn check_len(name: &'static str, actual: usize, expected: usize) -> R
 /// length check that could let a short slice through.
 pub(crate) fn prod(name: &'static str, dims: &[usize]) -> Result<usize, KernelError> {
     dims.iter().try_fold(1usize, |acc, &d| {
-        acc.checked_mul(d).ok_or_else(|| invalid(name, "size product overflows usize"))
+        acc.checked_mul(d)
+            .ok_or_else(|| invalid(name, "size product overflows usize"))
     })
 }
 
@@ -176,7 +181,13 @@ pub(crate) mod testutil {
 
     /// Elementwise `|a - n| <= rtol * |n| + atol_frac * max|n|` (plus a tiny
     /// floor for all-zero gradients).
-    pub fn assert_grad_close(what: &str, analytic: &[f32], numeric: &[f64], rtol: f64, atol_frac: f64) {
+    pub fn assert_grad_close(
+        what: &str,
+        analytic: &[f32],
+        numeric: &[f64],
+        rtol: f64,
+        atol_frac: f64,
+    ) {
         assert_eq!(analytic.len(), numeric.len(), "{what}: length");
         let scale = numeric.iter().fold(0.0f64, |m, v| m.max(v.abs()));
         let atol = atol_frac * scale + 1e-4;
@@ -208,9 +219,15 @@ mod tests {
     #[test]
     fn error_display_names_argument() {
         let e = check_len("x", 3, 4).unwrap_err();
-        assert_eq!(e.to_string(), "kernel argument `x` has length 3, expected 4");
+        assert_eq!(
+            e.to_string(),
+            "kernel argument `x` has length 3, expected 4"
+        );
         let e = invalid("head_dim", "must be even");
-        assert_eq!(e.to_string(), "kernel argument `head_dim` is invalid: must be even");
+        assert_eq!(
+            e.to_string(),
+            "kernel argument `head_dim` is invalid: must be even"
+        );
         assert!(prod("n", &[usize::MAX, 2]).is_err());
         assert_eq!(prod("n", &[2, 3, 4]), Ok(24));
     }

@@ -20,7 +20,7 @@ fn check(
     heads: usize,
     head_dim: usize,
 ) -> Result<(), KernelError> {
-    if head_dim % 2 != 0 {
+    if !head_dim.is_multiple_of(2) {
         return Err(invalid("head_dim", format!("must be even, got {head_dim}")));
     }
     check_len("positions", positions.len(), tokens)?;
@@ -179,7 +179,10 @@ mod tests {
         let mut out = [0.0; 3];
         assert!(matches!(
             rope_fwd(&[0.0; 3], &[0], 1, 1, 3, 1e4, &mut out),
-            Err(KernelError::Invalid { name: "head_dim", .. })
+            Err(KernelError::Invalid {
+                name: "head_dim",
+                ..
+            })
         ));
         assert!(rope_fwd(&[0.0; 4], &[0, 1], 1, 1, 4, 1e4, &mut [0.0; 4]).is_err());
     }

@@ -1,0 +1,180 @@
+//! Running a world of ranks as threads, and reporting how it failed.
+
+use super::thread::Shared;
+use super::{rank_list, CommError, ThreadComm};
+use std::any::Any;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Why one rank of [`run_ranks`] failed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RankError {
+    /// A communication operation failed (including being aborted by another rank).
+    Comm(CommError),
+    /// The rank's own work failed.
+    Failed(String),
+    /// The rank panicked; the panic's message.
+    Panicked(String),
+}
+
+impl fmt::Display for RankError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            RankError::Comm(e) => write!(f, "{e}"),
+            RankError::Failed(m) => f.write_str(m),
+            RankError::Panicked(m) => write!(f, "panicked: {m}"),
+        }
+    }
+}
+
+impl std::error::Error for RankError {}
+
+impl From<CommError> for RankError {
+    fn from(e: CommError) -> RankError {
+        RankError::Comm(e)
+    }
+}
+
+impl From<String> for RankError {
+    fn from(m: String) -> RankError {
+        RankError::Failed(m)
+    }
+}
+
+impl From<&str> for RankError {
+    fn from(m: &str) -> RankError {
+        RankError::Failed(m.to_string())
+    }
+}
+
+fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".to_string()
+    }
+}
+
+/// Runs `f` once per rank of a world of `world` ranks, each on its own thread with
+/// its own [`ThreadComm`], and returns each rank's result, index = rank.
+///
+/// A rank whose `f` returns an error or panics aborts the world with its reason
+/// (`panicked: <message>` for a panic), so the others stop with
+/// [`CommError::Aborted`] instead of waiting; a rank whose `f` returns early marks
+/// itself finished, so peers still waiting for it fail with
+/// [`CommError::Unmatched`]. Pass the results to [`failure_summary`] for a one-line
+/// report.
+pub fn run_ranks<T, F>(world: usize, timeout: Duration, f: F) -> Vec<Result<T, RankError>>
+where
+    T: Send,
+    F: Fn(ThreadComm) -> Result<T, RankError> + Sync,
+{
+    let comms = ThreadComm::create(world, timeout);
+    let Some(shared) = comms.first().map(ThreadComm::shared) else {
+        return Vec::new();
+    };
+    let f = &f;
+    std::thread::scope(|s| {
+        let mut handles = Vec::with_capacity(world);
+        for (rank, comm) in comms.into_iter().enumerate() {
+            let sh = Arc::clone(&shared);
+            let spawned = std::thread::Builder::new()
+                .name(format!("rank-{rank}"))
+                .spawn_scoped(s, move || run_one(rank, &sh, f, comm));
+            handles.push(spawned.map_err(|e| {
+                let reason = format!("could not start a thread: {e}");
+                shared.abort(rank, reason.clone());
+                RankError::Failed(reason)
+            }));
+        }
+        handles
+            .into_iter()
+            .enumerate()
+            .map(|(rank, h)| match h {
+                Ok(h) => h.join().unwrap_or_else(|payload| {
+                    // `run_one` catches panics; this is only a panic in the
+                    // catching itself.
+                    let msg = panic_message(payload.as_ref());
+                    shared.abort(rank, format!("panicked: {msg}"));
+                    Err(RankError::Panicked(msg))
+                }),
+                Err(e) => Err(e),
+            })
+            .collect()
+    })
+}
+
+fn run_one<T, F>(rank: usize, shared: &Shared, f: &F, comm: ThreadComm) -> Result<T, RankError>
+where
+    F: Fn(ThreadComm) -> Result<T, RankError>,
+{
+    let out = match catch_unwind(AssertUnwindSafe(|| f(comm))) {
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => {
+            // A no-op when this rank only reports an abort that came first.
+            shared.abort(rank, e.to_string());
+            Err(e)
+        }
+        Err(payload) => {
+            let msg = panic_message(payload.as_ref());
+            shared.abort(rank, format!("panicked: {msg}"));
+            Err(RankError::Panicked(msg))
+        }
+    };
+    shared.finish(rank);
+    out
+}
+
+/// One line saying which rank failed first, why, and where the others were
+/// waiting, e.g. `rank 3 failed: bad input; ranks 0,1,2 were waiting in all_reduce
+/// on tp (seq 7)`; `None` if every rank succeeded.
+///
+/// The first failure is the one every aborted rank reports; when no rank was
+/// aborted, it is the lowest failed rank. Other ranks that failed on their own are
+/// listed after the waiting ones.
+pub fn failure_summary<T>(results: &[Result<T, RankError>]) -> Option<String> {
+    let errors: Vec<(usize, &RankError)> = results
+        .iter()
+        .enumerate()
+        .filter_map(|(r, res)| res.as_ref().err().map(|e| (r, e)))
+        .collect();
+    let from_abort = errors.iter().find_map(|(_, e)| match e {
+        RankError::Comm(CommError::Aborted {
+            first_rank, reason, ..
+        }) => Some((*first_rank, reason.clone())),
+        _ => None,
+    });
+    let (first, reason) = match from_abort {
+        Some(f) => f,
+        None => errors.first().map(|(r, e)| (*r, e.to_string()))?,
+    };
+    let mut parts = vec![format!("rank {first} failed: {reason}")];
+    // Waiting ranks grouped by where they waited, in order of their lowest rank.
+    let mut waits: Vec<(String, Vec<usize>)> = Vec::new();
+    let mut others = Vec::new();
+    for (r, e) in &errors {
+        if *r == first {
+            continue;
+        }
+        match e {
+            RankError::Comm(CommError::Aborted { waiting_in, .. }) => {
+                let w = waiting_in.to_string();
+                match waits.iter_mut().find(|(x, _)| *x == w) {
+                    Some((_, ranks)) => ranks.push(*r),
+                    None => waits.push((w, vec![*r])),
+                }
+            }
+            other => others.push(format!("rank {r} also failed: {other}")),
+        }
+    }
+    for (w, ranks) in waits {
+        let verb = if ranks.len() == 1 { "was" } else { "were" };
+        parts.push(format!("{} {verb} waiting in {w}", rank_list(&ranks)));
+    }
+    parts.extend(others);
+    Some(parts.join("; "))
+}

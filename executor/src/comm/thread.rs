@@ -1,0 +1,860 @@
+//! [`ThreadComm`]: every rank a thread of one process, meeting in a shared
+//! rendezvous table.
+//!
+//! Each collective is a slot keyed by (group, sequence number). A member copies its
+//! input into the slot and waits until every member has; each then reads what it
+//! needs from the shared inputs outside the lock, so large copies and sums of one
+//! group do not hold up the others. The last member to leave removes the slot.
+//! Sends are buffered (a send never waits for its receive), which is what lets
+//! pipeline stages exchange activations in either order without deadlock.
+
+use super::counts::ring_bytes;
+use super::{ByteCounts, CommError, CommKind, Communicator, Failure, Group, WaitPoint};
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+type GroupKey = (String, Vec<usize>);
+
+/// In-process communicator: one per rank, each moved into its rank's thread.
+pub struct ThreadComm {
+    rank: usize,
+    timeout: Duration,
+    shared: Arc<Shared>,
+    /// Next sequence number per group; presence also means the group was validated.
+    seqs: HashMap<GroupKey, u64>,
+    send_seq: HashMap<usize, u64>,
+    recv_seq: HashMap<usize, u64>,
+    counts: ByteCounts,
+}
+
+pub(crate) struct Shared {
+    world: usize,
+    state: Mutex<State>,
+    /// One condition for every waiter: waits are short and worlds small, and a
+    /// single condition cannot miss a wake-up between groups.
+    wake: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    failure: Option<Failure>,
+    slots: HashMap<(GroupKey, u64), Slot>,
+    mail: HashMap<(usize, usize), VecDeque<Message>>,
+    /// Ranks whose work has ended (set by the runner), so waiting for them fails
+    /// at once instead of at the timeout.
+    finished: Vec<bool>,
+}
+
+struct Message {
+    axis: String,
+    data: Vec<f32>,
+}
+
+/// What every member of a collective must agree on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Signature {
+    kind: CommKind,
+    axis: String,
+    len: usize,
+    root: usize,
+}
+
+impl std::fmt::Display for Signature {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} on {} with {} elements",
+            self.kind, self.axis, self.len
+        )?;
+        if self.kind == CommKind::Broadcast {
+            write!(f, " from member {}", self.root)?;
+        }
+        Ok(())
+    }
+}
+
+#[derive(Default)]
+struct Contribution {
+    data: Vec<f32>,
+    send_counts: Vec<usize>,
+    recv_counts: Vec<usize>,
+}
+
+struct Slot {
+    sig: Signature,
+    first_rank: usize,
+    inputs: Vec<Option<Arc<Contribution>>>,
+    arrived: usize,
+    departed: usize,
+    /// Disagreement found once everyone arrived (All-to-All-v counts).
+    error: Option<String>,
+}
+
+fn poisoned<T>(_: PoisonError<T>) -> CommError {
+    CommError::Internal {
+        detail: "shared state poisoned: a thread panicked inside the communicator".into(),
+    }
+}
+
+fn aborted(failure: &Failure, wait: &WaitPoint) -> CommError {
+    CommError::Aborted {
+        first_rank: failure.first_rank,
+        reason: failure.reason.clone(),
+        waiting_in: wait.clone(),
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> Result<MutexGuard<'_, State>, CommError> {
+        self.state.lock().map_err(poisoned)
+    }
+
+    /// Records the first failure and wakes everyone. Recovers a poisoned lock: the
+    /// failure flag must get through precisely when something already went wrong.
+    pub(crate) fn abort(&self, rank: usize, reason: String) {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if st.failure.is_none() {
+            st.failure = Some(Failure {
+                first_rank: rank,
+                reason,
+            });
+        }
+        drop(st);
+        self.wake.notify_all();
+    }
+
+    /// Marks `rank`'s work as ended and wakes everyone.
+    pub(crate) fn finish(&self, rank: usize) {
+        let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(f) = st.finished.get_mut(rank) {
+            *f = true;
+        }
+        drop(st);
+        self.wake.notify_all();
+    }
+
+    pub(crate) fn failure(&self) -> Option<Failure> {
+        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        st.failure.clone()
+    }
+
+    /// Waits on the condition until `deadline` (forever when `None`); `false` once
+    /// the deadline has passed.
+    fn wait<'a>(
+        &self,
+        st: MutexGuard<'a, State>,
+        deadline: Option<Instant>,
+    ) -> Result<(MutexGuard<'a, State>, bool), CommError> {
+        match deadline {
+            None => Ok((self.wake.wait(st).map_err(poisoned)?, true)),
+            Some(d) => {
+                let now = Instant::now();
+                if now >= d {
+                    return Ok((st, false));
+                }
+                let (g, _) = self.wake.wait_timeout(st, d - now).map_err(poisoned)?;
+                Ok((g, true))
+            }
+        }
+    }
+}
+
+impl ThreadComm {
+    /// Communicators for a world of `world` ranks, index = rank. A wait longer than
+    /// `timeout` fails with [`CommError::Timeout`].
+    pub fn create(world: usize, timeout: Duration) -> Vec<ThreadComm> {
+        let shared = Arc::new(Shared {
+            world,
+            state: Mutex::new(State {
+                finished: vec![false; world],
+                ..State::default()
+            }),
+            wake: Condvar::new(),
+        });
+        (0..world)
+            .map(|rank| ThreadComm {
+                rank,
+                timeout,
+                shared: Arc::clone(&shared),
+                seqs: HashMap::new(),
+                send_seq: HashMap::new(),
+                recv_seq: HashMap::new(),
+                counts: ByteCounts::new(),
+            })
+            .collect()
+    }
+
+    /// The world's first failure, if any.
+    pub fn failure(&self) -> Option<Failure> {
+        self.shared.failure()
+    }
+
+    pub(crate) fn shared(&self) -> Arc<Shared> {
+        Arc::clone(&self.shared)
+    }
+
+    fn deadline(&self) -> Option<Instant> {
+        Instant::now().checked_add(self.timeout)
+    }
+
+    /// Aborts the world on any error: the peers cannot finish without this rank.
+    fn check<T>(&self, r: Result<T, CommError>) -> Result<T, CommError> {
+        if let Err(e) = &r {
+            self.shared.abort(self.rank, e.to_string());
+        }
+        r
+    }
+
+    /// Validates the group (once per group), takes the next sequence number, and
+    /// returns this rank's index and wait point.
+    fn enter(
+        &mut self,
+        group: &Group,
+        kind: CommKind,
+        axis: &str,
+    ) -> Result<(usize, WaitPoint), CommError> {
+        let invalid = |detail: String| CommError::InvalidArgument { kind, detail };
+        let me = group.index_of(self.rank).ok_or_else(|| {
+            invalid(format!(
+                "rank {} is not in group {} {:?}",
+                self.rank, group.id, group.ranks
+            ))
+        })?;
+        let key = (group.id.clone(), group.ranks.clone());
+        if !self.seqs.contains_key(&key) {
+            let mut sorted = group.ranks.clone();
+            sorted.sort_unstable();
+            if sorted.windows(2).any(|w| w[0] == w[1]) {
+                return Err(invalid(format!(
+                    "group {} repeats a rank: {:?}",
+                    group.id, group.ranks
+                )));
+            }
+            if let Some(&r) = sorted.last().filter(|&&r| r >= self.shared.world) {
+                return Err(invalid(format!(
+                    "group {} names rank {r} in a world of {}",
+                    group.id, self.shared.world
+                )));
+            }
+        }
+        let seq = self.seqs.entry(key).or_insert(0);
+        let wait = WaitPoint {
+            kind,
+            axis: axis.to_string(),
+            group: group.id.clone(),
+            ranks: group.ranks.clone(),
+            seq: *seq,
+        };
+        *seq += 1;
+        Ok((me, wait))
+    }
+
+    /// Deposits this member's contribution and returns every member's, in group
+    /// order, once all have arrived.
+    fn exchange(
+        &self,
+        me: usize,
+        wait: &WaitPoint,
+        len: usize,
+        root: usize,
+        contribution: Contribution,
+    ) -> Result<Vec<Arc<Contribution>>, CommError> {
+        let n = wait.ranks.len();
+        let sig = Signature {
+            kind: wait.kind,
+            axis: wait.axis.clone(),
+            len,
+            root,
+        };
+        let key = ((wait.group.clone(), wait.ranks.clone()), wait.seq);
+        let deadline = self.deadline();
+        let mut st = self.shared.lock()?;
+        if let Some(f) = &st.failure {
+            return Err(aborted(f, wait));
+        }
+        let slot = st.slots.entry(key.clone()).or_insert_with(|| Slot {
+            sig: sig.clone(),
+            first_rank: self.rank,
+            inputs: vec![None; n],
+            arrived: 0,
+            departed: 0,
+            error: None,
+        });
+        if slot.sig != sig {
+            return Err(CommError::Mismatch {
+                waiting_in: wait.clone(),
+                detail: format!(
+                    "rank {} called {sig} but rank {} called {}",
+                    self.rank, slot.first_rank, slot.sig
+                ),
+            });
+        }
+        match slot.inputs.get_mut(me) {
+            Some(entry @ None) => *entry = Some(Arc::new(contribution)),
+            _ => {
+                return Err(CommError::Internal {
+                    detail: format!("rank {} entered {wait} twice", self.rank),
+                })
+            }
+        }
+        slot.arrived += 1;
+        if slot.arrived == n {
+            if sig.kind == CommKind::AllToAllV {
+                slot.error = check_counts(&slot.inputs, &wait.ranks).err();
+            }
+            self.shared.wake.notify_all();
+        }
+        loop {
+            let Some(slot) = st.slots.get_mut(&key) else {
+                return Err(CommError::Internal {
+                    detail: format!("rendezvous of {wait} vanished"),
+                });
+            };
+            if let Some(detail) = &slot.error {
+                return Err(CommError::Mismatch {
+                    waiting_in: wait.clone(),
+                    detail: detail.clone(),
+                });
+            }
+            if slot.arrived == n {
+                let inputs: Option<Vec<Arc<Contribution>>> = slot.inputs.iter().cloned().collect();
+                slot.departed += 1;
+                if slot.departed == n {
+                    st.slots.remove(&key);
+                }
+                return inputs.ok_or_else(|| CommError::Internal {
+                    detail: format!("rendezvous of {wait} complete with an input missing"),
+                });
+            }
+            let missing: Vec<usize> = wait
+                .ranks
+                .iter()
+                .zip(&slot.inputs)
+                .filter(|(_, i)| i.is_none())
+                .map(|(&r, _)| r)
+                .collect();
+            if let Some(f) = &st.failure {
+                return Err(aborted(f, wait));
+            }
+            let finished: Vec<usize> = missing
+                .iter()
+                .copied()
+                .filter(|&r| st.finished.get(r).copied().unwrap_or(false))
+                .collect();
+            if !finished.is_empty() {
+                return Err(CommError::Unmatched {
+                    waiting_in: wait.clone(),
+                    finished,
+                });
+            }
+            let (guard, in_time) = self.shared.wait(st, deadline)?;
+            st = guard;
+            if !in_time {
+                return Err(timeout(wait, missing, self.timeout));
+            }
+        }
+    }
+
+    fn all_reduce_inner(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        buf: &mut [f32],
+    ) -> Result<(), CommError> {
+        let (me, wait) = self.enter(group, CommKind::AllReduce, axis)?;
+        let mine = Contribution {
+            data: buf.to_vec(),
+            ..Contribution::default()
+        };
+        let inputs = self.exchange(me, &wait, buf.len(), 0, mine)?;
+        sum_into(buf, &inputs, 0, &wait)?;
+        let payload = bytes_of(buf.len());
+        let (num, den) = ring_bytes(CommKind::AllReduce, group.size(), payload);
+        self.counts
+            .record(CommKind::AllReduce, axis, payload, num, den);
+        Ok(())
+    }
+
+    fn all_gather_inner(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        local: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        let n = group.size();
+        if out.len() != n * local.len() {
+            return Err(CommError::InvalidArgument {
+                kind: CommKind::AllGather,
+                detail: format!(
+                    "output holds {} elements, expected {n} members x {}",
+                    out.len(),
+                    local.len()
+                ),
+            });
+        }
+        let (me, wait) = self.enter(group, CommKind::AllGather, axis)?;
+        let mine = Contribution {
+            data: local.to_vec(),
+            ..Contribution::default()
+        };
+        let inputs = self.exchange(me, &wait, local.len(), 0, mine)?;
+        if !local.is_empty() {
+            for (dst, c) in out.chunks_mut(local.len()).zip(&inputs) {
+                dst.copy_from_slice(part(c, 0, dst.len(), &wait)?);
+            }
+        }
+        let payload = bytes_of(out.len());
+        let (num, den) = ring_bytes(CommKind::AllGather, n, payload);
+        self.counts
+            .record(CommKind::AllGather, axis, payload, num, den);
+        Ok(())
+    }
+
+    fn reduce_scatter_inner(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        input: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        let n = group.size();
+        if input.len() != n * out.len() {
+            return Err(CommError::InvalidArgument {
+                kind: CommKind::ReduceScatter,
+                detail: format!(
+                    "input holds {} elements, expected {n} members x {}",
+                    input.len(),
+                    out.len()
+                ),
+            });
+        }
+        let (me, wait) = self.enter(group, CommKind::ReduceScatter, axis)?;
+        let mine = Contribution {
+            data: input.to_vec(),
+            ..Contribution::default()
+        };
+        let inputs = self.exchange(me, &wait, input.len(), 0, mine)?;
+        sum_into(out, &inputs, me * out.len(), &wait)?;
+        let payload = bytes_of(input.len());
+        let (num, den) = ring_bytes(CommKind::ReduceScatter, n, payload);
+        self.counts
+            .record(CommKind::ReduceScatter, axis, payload, num, den);
+        Ok(())
+    }
+
+    fn broadcast_inner(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        buf: &mut [f32],
+        root_index: usize,
+    ) -> Result<(), CommError> {
+        let n = group.size();
+        if root_index >= n {
+            return Err(CommError::InvalidArgument {
+                kind: CommKind::Broadcast,
+                detail: format!("root index {root_index} in a group of {n}"),
+            });
+        }
+        let (me, wait) = self.enter(group, CommKind::Broadcast, axis)?;
+        // Only the root's data is read, so the others contribute nothing.
+        let data = if me == root_index {
+            buf.to_vec()
+        } else {
+            Vec::new()
+        };
+        let mine = Contribution {
+            data,
+            ..Contribution::default()
+        };
+        let inputs = self.exchange(me, &wait, buf.len(), root_index, mine)?;
+        if me != root_index {
+            let root = inputs.get(root_index).ok_or_else(|| CommError::Internal {
+                detail: format!("{wait} has no root input"),
+            })?;
+            buf.copy_from_slice(part(root, 0, buf.len(), &wait)?);
+        }
+        let payload = bytes_of(buf.len());
+        let (num, den) = ring_bytes(CommKind::Broadcast, n, payload);
+        self.counts
+            .record(CommKind::Broadcast, axis, payload, num, den);
+        Ok(())
+    }
+
+    fn all_to_all_inner(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
+        let n = group.size();
+        if send.len() != recv.len() || n == 0 || !send.len().is_multiple_of(n) {
+            return Err(CommError::InvalidArgument {
+                kind: CommKind::AllToAll,
+                detail: format!(
+                    "send holds {} and recv {} elements; both must be the same multiple of \
+                     {n} members",
+                    send.len(),
+                    recv.len()
+                ),
+            });
+        }
+        let (me, wait) = self.enter(group, CommKind::AllToAll, axis)?;
+        let mine = Contribution {
+            data: send.to_vec(),
+            ..Contribution::default()
+        };
+        let inputs = self.exchange(me, &wait, send.len(), 0, mine)?;
+        let p = send.len() / n;
+        if p > 0 {
+            for (dst, c) in recv.chunks_mut(p).zip(&inputs) {
+                dst.copy_from_slice(part(c, me * p, p, &wait)?);
+            }
+        }
+        let payload = bytes_of(send.len());
+        let (num, den) = ring_bytes(CommKind::AllToAll, n, payload);
+        self.counts
+            .record(CommKind::AllToAll, axis, payload, num, den);
+        Ok(())
+    }
+
+    fn all_to_all_v_inner(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        send: (&[f32], &[usize]),
+        recv: (&mut [f32], &[usize]),
+    ) -> Result<(), CommError> {
+        let n = group.size();
+        let (send, send_counts) = send;
+        let (recv, recv_counts) = recv;
+        let invalid = |detail: String| CommError::InvalidArgument {
+            kind: CommKind::AllToAllV,
+            detail,
+        };
+        if send_counts.len() != n || recv_counts.len() != n {
+            return Err(invalid(format!(
+                "{} send and {} recv counts for {n} members",
+                send_counts.len(),
+                recv_counts.len()
+            )));
+        }
+        if send_counts.iter().sum::<usize>() != send.len() {
+            return Err(invalid(format!(
+                "send counts {send_counts:?} do not add up to the {} elements sent",
+                send.len()
+            )));
+        }
+        if recv_counts.iter().sum::<usize>() != recv.len() {
+            return Err(invalid(format!(
+                "recv counts {recv_counts:?} do not add up to the {} elements of recv",
+                recv.len()
+            )));
+        }
+        let (me, wait) = self.enter(group, CommKind::AllToAllV, axis)?;
+        let mine = Contribution {
+            data: send.to_vec(),
+            send_counts: send_counts.to_vec(),
+            recv_counts: recv_counts.to_vec(),
+        };
+        // Sizes legitimately differ between members; the counts are checked against
+        // each other once everyone has arrived.
+        let inputs = self.exchange(me, &wait, 0, 0, mine)?;
+        let mut at = 0;
+        for (c, &count) in inputs.iter().zip(recv_counts) {
+            let offset: usize = c.send_counts.iter().take(me).sum();
+            let src = part(c, offset, count, &wait)?;
+            let dst = recv
+                .get_mut(at..at + count)
+                .ok_or_else(|| CommError::Internal {
+                    detail: format!("{wait}: receive window out of range"),
+                })?;
+            dst.copy_from_slice(src);
+            at += count;
+        }
+        let to_others: usize = send_counts
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != me)
+            .map(|(_, &c)| c)
+            .sum();
+        self.counts.record(
+            CommKind::AllToAllV,
+            axis,
+            bytes_of(send.len()),
+            u128::from(bytes_of(to_others)),
+            1,
+        );
+        Ok(())
+    }
+
+    fn send_inner(&mut self, peer: usize, axis: &str, buf: &[f32]) -> Result<(), CommError> {
+        self.check_peer(CommKind::Send, peer)?;
+        let seq = self.send_seq.entry(peer).or_insert(0);
+        let wait = WaitPoint {
+            kind: CommKind::Send,
+            axis: axis.to_string(),
+            group: "p2p".into(),
+            ranks: vec![self.rank, peer],
+            seq: *seq,
+        };
+        *seq += 1;
+        let mut st = self.shared.lock()?;
+        if let Some(f) = &st.failure {
+            return Err(aborted(f, &wait));
+        }
+        st.mail
+            .entry((self.rank, peer))
+            .or_default()
+            .push_back(Message {
+                axis: axis.to_string(),
+                data: buf.to_vec(),
+            });
+        drop(st);
+        self.shared.wake.notify_all();
+        let b = bytes_of(buf.len());
+        self.counts
+            .record(CommKind::Send, axis, b, u128::from(b), 1);
+        Ok(())
+    }
+
+    fn recv_inner(&mut self, peer: usize, axis: &str, buf: &mut [f32]) -> Result<(), CommError> {
+        self.check_peer(CommKind::Recv, peer)?;
+        let seq = self.recv_seq.entry(peer).or_insert(0);
+        let wait = WaitPoint {
+            kind: CommKind::Recv,
+            axis: axis.to_string(),
+            group: "p2p".into(),
+            ranks: vec![peer, self.rank],
+            seq: *seq,
+        };
+        *seq += 1;
+        let deadline = self.deadline();
+        let mut st = self.shared.lock()?;
+        let msg = loop {
+            if let Some(f) = &st.failure {
+                return Err(aborted(f, &wait));
+            }
+            if let Some(m) = st
+                .mail
+                .get_mut(&(peer, self.rank))
+                .and_then(VecDeque::pop_front)
+            {
+                break m;
+            }
+            if st.finished.get(peer).copied().unwrap_or(false) {
+                return Err(CommError::Unmatched {
+                    waiting_in: wait,
+                    finished: vec![peer],
+                });
+            }
+            let (guard, in_time) = self.shared.wait(st, deadline)?;
+            st = guard;
+            if !in_time {
+                return Err(timeout(&wait, vec![peer], self.timeout));
+            }
+        };
+        drop(st);
+        if msg.data.len() != buf.len() || msg.axis != axis {
+            return Err(CommError::Mismatch {
+                detail: format!(
+                    "rank {peer} sent {} elements on {} but rank {} receives {} on {axis}",
+                    msg.data.len(),
+                    msg.axis,
+                    self.rank,
+                    buf.len()
+                ),
+                waiting_in: wait,
+            });
+        }
+        buf.copy_from_slice(&msg.data);
+        self.counts
+            .record(CommKind::Recv, axis, bytes_of(buf.len()), 0, 1);
+        Ok(())
+    }
+
+    fn barrier_inner(&mut self, group: &Group) -> Result<(), CommError> {
+        let (me, wait) = self.enter(group, CommKind::Barrier, &group.id)?;
+        self.exchange(me, &wait, 0, 0, Contribution::default())?;
+        Ok(())
+    }
+
+    fn check_peer(&self, kind: CommKind, peer: usize) -> Result<(), CommError> {
+        if peer >= self.shared.world {
+            return Err(CommError::InvalidArgument {
+                kind,
+                detail: format!("peer {peer} in a world of {}", self.shared.world),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn bytes_of(elements: usize) -> u64 {
+    (elements as u64) * 4
+}
+
+fn timeout(wait: &WaitPoint, missing: Vec<usize>, timeout: Duration) -> CommError {
+    CommError::Timeout {
+        kind: wait.kind,
+        axis: wait.axis.clone(),
+        group: wait.group.clone(),
+        seq: wait.seq,
+        missing,
+        timeout,
+    }
+}
+
+/// `len` elements of a member's input from `offset`, or an error instead of a panic
+/// if a peer's input is shorter than agreed.
+fn part<'a>(
+    c: &'a Contribution,
+    offset: usize,
+    len: usize,
+    wait: &WaitPoint,
+) -> Result<&'a [f32], CommError> {
+    c.data
+        .get(offset..offset + len)
+        .ok_or_else(|| CommError::Internal {
+            detail: format!("{wait}: a member's input is shorter than agreed"),
+        })
+}
+
+/// `out` = sum over members, in group order, of `out.len()` elements from `offset`.
+/// Every member runs this same loop on the same inputs, so all get the same bits.
+fn sum_into(
+    out: &mut [f32],
+    inputs: &[Arc<Contribution>],
+    offset: usize,
+    wait: &WaitPoint,
+) -> Result<(), CommError> {
+    let Some((first, rest)) = inputs.split_first() else {
+        return Ok(());
+    };
+    let len = out.len();
+    out.copy_from_slice(part(first, offset, len, wait)?);
+    for c in rest {
+        for (o, x) in out.iter_mut().zip(part(c, offset, len, wait)?) {
+            *o += *x;
+        }
+    }
+    Ok(())
+}
+
+/// Member `i`'s `send_counts[j]` must equal member `j`'s `recv_counts[i]`.
+fn check_counts(inputs: &[Option<Arc<Contribution>>], ranks: &[usize]) -> Result<(), String> {
+    for (i, ci) in inputs.iter().enumerate() {
+        for (j, cj) in inputs.iter().enumerate() {
+            let sent = ci.as_ref().and_then(|c| c.send_counts.get(j).copied());
+            let expected = cj.as_ref().and_then(|c| c.recv_counts.get(i).copied());
+            if sent != expected {
+                return Err(format!(
+                    "rank {} sends {} elements to rank {}, which expects {}",
+                    ranks[i],
+                    sent.map_or("?".into(), |s| s.to_string()),
+                    ranks[j],
+                    expected.map_or("?".into(), |s| s.to_string()),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+impl Communicator for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.shared.world
+    }
+
+    fn all_reduce(&mut self, group: &Group, axis: &str, buf: &mut [f32]) -> Result<(), CommError> {
+        let r = self.all_reduce_inner(group, axis, buf);
+        self.check(r)
+    }
+
+    fn all_gather(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        local: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        let r = self.all_gather_inner(group, axis, local, out);
+        self.check(r)
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        input: &[f32],
+        out: &mut [f32],
+    ) -> Result<(), CommError> {
+        let r = self.reduce_scatter_inner(group, axis, input, out);
+        self.check(r)
+    }
+
+    fn broadcast(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        buf: &mut [f32],
+        root_index: usize,
+    ) -> Result<(), CommError> {
+        let r = self.broadcast_inner(group, axis, buf, root_index);
+        self.check(r)
+    }
+
+    fn all_to_all(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        send: &[f32],
+        recv: &mut [f32],
+    ) -> Result<(), CommError> {
+        let r = self.all_to_all_inner(group, axis, send, recv);
+        self.check(r)
+    }
+
+    fn all_to_all_v(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        send: &[f32],
+        send_counts: &[usize],
+        recv: &mut [f32],
+        recv_counts: &[usize],
+    ) -> Result<(), CommError> {
+        let r = self.all_to_all_v_inner(group, axis, (send, send_counts), (recv, recv_counts));
+        self.check(r)
+    }
+
+    fn send(&mut self, peer: usize, axis: &str, buf: &[f32]) -> Result<(), CommError> {
+        let r = self.send_inner(peer, axis, buf);
+        self.check(r)
+    }
+
+    fn recv(&mut self, peer: usize, axis: &str, buf: &mut [f32]) -> Result<(), CommError> {
+        let r = self.recv_inner(peer, axis, buf);
+        self.check(r)
+    }
+
+    fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
+        let r = self.barrier_inner(group);
+        self.check(r)
+    }
+
+    fn counts(&self) -> ByteCounts {
+        self.counts.clone()
+    }
+
+    fn abort(&self, reason: String) {
+        self.shared.abort(self.rank, reason);
+    }
+}

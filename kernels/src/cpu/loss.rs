@@ -1,0 +1,290 @@
+//! Cross-entropy over logits that may be sharded along the vocabulary.
+//!
+//! Each rank holds `logits [rows, v_local]` for global vocabulary ids
+//! `[vocab_start, vocab_start + v_local)`. The executor combines the pieces:
+//!
+//! 1. `ce_row_max` locally, AllReduce(max) -> `global_max`;
+//! 2. `ce_row_sumexp(.., global_max)` and `ce_target_logit` locally,
+//!    AllReduce(sum) each -> `global_sumexp`, `global_target`;
+//! 3. `ce_loss` gives the per-row loss `max + ln(sumexp) - target`;
+//! 4. `ce_bwd` gives each shard its slice of `softmax - onehot`.
+//!
+//! With one shard (`vocab_start = 0`, `v_local = vocab`) no communication is
+//! needed and this is ordinary cross-entropy.
+
+#![allow(clippy::too_many_arguments)]
+
+use super::{check_len, prod, KernelError};
+
+fn check_logits(logits: &[f32], rows: usize, v_local: usize) -> Result<(), KernelError> {
+    check_len("logits", logits.len(), prod("logits", &[rows, v_local])?)
+}
+
+/// Local maximum of each row of `logits [rows, v_local]` into `max [rows]`
+/// (`-inf` for an empty shard).
+pub fn ce_row_max(
+    logits: &[f32],
+    rows: usize,
+    v_local: usize,
+    max: &mut [f32],
+) -> Result<(), KernelError> {
+    check_logits(logits, rows, v_local)?;
+    check_len("max", max.len(), rows)?;
+    for r in 0..rows {
+        max[r] = logits[r * v_local..(r + 1) * v_local]
+            .iter()
+            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+    }
+    Ok(())
+}
+
+/// `sumexp[r] = sum_j exp(logits[r, j] - global_max[r])` over this shard.
+pub fn ce_row_sumexp(
+    logits: &[f32],
+    rows: usize,
+    v_local: usize,
+    global_max: &[f32],
+    sumexp: &mut [f32],
+) -> Result<(), KernelError> {
+    check_logits(logits, rows, v_local)?;
+    check_len("global_max", global_max.len(), rows)?;
+    check_len("sumexp", sumexp.len(), rows)?;
+    for r in 0..rows {
+        let m = global_max[r];
+        sumexp[r] = logits[r * v_local..(r + 1) * v_local]
+            .iter()
+            .map(|&x| (x - m).exp())
+            .sum();
+    }
+    Ok(())
+}
+
+/// `target[r] = logits[r, labels[r] - vocab_start]` when this shard owns the
+/// label, else 0 (so the sum over shards is the target logit).
+pub fn ce_target_logit(
+    logits: &[f32],
+    labels: &[u32],
+    rows: usize,
+    v_local: usize,
+    vocab_start: usize,
+    target: &mut [f32],
+) -> Result<(), KernelError> {
+    check_logits(logits, rows, v_local)?;
+    check_len("labels", labels.len(), rows)?;
+    check_len("target", target.len(), rows)?;
+    for r in 0..rows {
+        target[r] = match local(labels[r], vocab_start, v_local) {
+            Some(c) => logits[r * v_local + c],
+            None => 0.0,
+        };
+    }
+    Ok(())
+}
+
+fn local(label: u32, vocab_start: usize, v_local: usize) -> Option<usize> {
+    (label as usize)
+        .checked_sub(vocab_start)
+        .filter(|&c| c < v_local)
+}
+
+/// Per-row loss from the reduced pieces:
+/// `loss[r] = global_max[r] + ln(global_sumexp[r]) - global_target[r]`.
+pub fn ce_loss(
+    global_max: &[f32],
+    global_sumexp: &[f32],
+    global_target: &[f32],
+    loss: &mut [f32],
+) -> Result<(), KernelError> {
+    let rows = loss.len();
+    check_len("global_max", global_max.len(), rows)?;
+    check_len("global_sumexp", global_sumexp.len(), rows)?;
+    check_len("global_target", global_target.len(), rows)?;
+    for r in 0..rows {
+        loss[r] = global_max[r] + global_sumexp[r].ln() - global_target[r];
+    }
+    Ok(())
+}
+
+/// Gradient of `scale * sum_r loss[r]` w.r.t. this shard's logits,
+/// accumulated into `dlogits [rows, v_local]`:
+/// `dlogits[r, j] += scale * (exp(logits[r, j] - max[r]) / sumexp[r] - [j is the label])`.
+/// `scale` is typically `1 / tokens` for a mean loss.
+pub fn ce_bwd(
+    logits: &[f32],
+    rows: usize,
+    v_local: usize,
+    global_max: &[f32],
+    global_sumexp: &[f32],
+    labels: &[u32],
+    vocab_start: usize,
+    scale: f32,
+    dlogits: &mut [f32],
+) -> Result<(), KernelError> {
+    check_logits(logits, rows, v_local)?;
+    check_len("global_max", global_max.len(), rows)?;
+    check_len("global_sumexp", global_sumexp.len(), rows)?;
+    check_len("labels", labels.len(), rows)?;
+    check_len("dlogits", dlogits.len(), logits.len())?;
+    for r in 0..rows {
+        let (m, inv) = (global_max[r], 1.0 / global_sumexp[r]);
+        let lr = &logits[r * v_local..(r + 1) * v_local];
+        let dr = &mut dlogits[r * v_local..(r + 1) * v_local];
+        for (d, &x) in dr.iter_mut().zip(lr) {
+            *d += scale * ((x - m).exp() * inv);
+        }
+        if let Some(c) = local(labels[r], vocab_start, v_local) {
+            dr[c] -= scale;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::{assert_close, assert_grad_close, numeric_grad, Rng};
+
+    /// Unsharded loss vector, composed from the pieces.
+    fn ce_full(
+        logits: &[f32],
+        labels: &[u32],
+        rows: usize,
+        v: usize,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let mut m = vec![0.0; rows];
+        let mut s = vec![0.0; rows];
+        let mut t = vec![0.0; rows];
+        let mut loss = vec![0.0; rows];
+        ce_row_max(logits, rows, v, &mut m).unwrap();
+        ce_row_sumexp(logits, rows, v, &m, &mut s).unwrap();
+        ce_target_logit(logits, labels, rows, v, 0, &mut t).unwrap();
+        ce_loss(&m, &s, &t, &mut loss).unwrap();
+        (loss, m, s)
+    }
+
+    #[test]
+    fn three_class_example_by_hand() {
+        // logits [1, 2, 3], label 0: loss = ln(e + e^2 + e^3) - 1 = 2.4076059
+        let (loss, m, s) = ce_full(&[1.0, 2.0, 3.0], &[0], 1, 3);
+        assert!((loss[0] - 2.407_606).abs() < 1e-6, "{}", loss[0]);
+        let mut d = [0.0; 3];
+        ce_bwd(&[1.0, 2.0, 3.0], 1, 3, &m, &s, &[0], 0, 1.0, &mut d).unwrap();
+        // softmax = [0.09003057, 0.24472847, 0.66524096]
+        assert_close(
+            "ce grad",
+            &d,
+            &[0.090_030_57 - 1.0, 0.244_728_47, 0.665_240_96],
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn unsharded_gradient_matches_finite_differences() {
+        let mut rng = Rng::new(41);
+        let (rows, v) = (4, 7);
+        let logits: Vec<f32> = rng.vec(rows * v).iter().map(|x| 3.0 * x).collect();
+        let labels: Vec<u32> = (0..rows).map(|_| rng.below(v as u64) as u32).collect();
+        let scale = 1.0 / rows as f32;
+        let (_, m, s) = ce_full(&logits, &labels, rows, v);
+        let mut d = vec![0.0; rows * v];
+        ce_bwd(&logits, rows, v, &m, &s, &labels, 0, scale, &mut d).unwrap();
+        let n = numeric_grad(&logits, 2e-3, |x| {
+            let (loss, _, _) = ce_full(x, &labels, rows, v);
+            loss.iter().map(|&l| l as f64).sum::<f64>() * scale as f64
+        });
+        assert_grad_close("ce dlogits", &d, &n, 1e-2, 2e-3);
+        // each row's gradient sums to zero (softmax sums to one)
+        for r in 0..rows {
+            assert!(d[r * v..(r + 1) * v].iter().sum::<f32>().abs() < 1e-6);
+        }
+    }
+
+    #[test]
+    fn two_shards_match_unsharded_loss_and_gradient() {
+        let mut rng = Rng::new(42);
+        let (rows, v, split) = (6, 11, 4);
+        let logits: Vec<f32> = rng.vec(rows * v).iter().map(|x| 5.0 * x).collect();
+        let labels: Vec<u32> = (0..rows)
+            .map(|r| {
+                if r < 3 {
+                    r as u32
+                } else {
+                    (v - 1 - r) as u32 + 3
+                }
+            })
+            .collect();
+        assert!(
+            labels.iter().any(|&l| (l as usize) < split)
+                && labels.iter().any(|&l| l as usize >= split)
+        );
+        let (loss_full, m_full, s_full) = ce_full(&logits, &labels, rows, v);
+        let mut d_full = vec![0.0; rows * v];
+        ce_bwd(
+            &logits,
+            rows,
+            v,
+            &m_full,
+            &s_full,
+            &labels,
+            0,
+            0.5,
+            &mut d_full,
+        )
+        .unwrap();
+
+        let shard = |lo: usize, hi: usize| -> Vec<f32> {
+            (0..rows)
+                .flat_map(|r| logits[r * v + lo..r * v + hi].iter().copied())
+                .collect()
+        };
+        let shards = [(0usize, shard(0, split)), (split, shard(split, v))];
+        let width = |s: usize| if s == 0 { split } else { v - split };
+        // step 1: max, reduced by hand
+        let mut gmax = vec![f32::NEG_INFINITY; rows];
+        for (start, lg) in &shards {
+            let mut m = vec![0.0; rows];
+            ce_row_max(lg, rows, width(*start), &mut m).unwrap();
+            for r in 0..rows {
+                gmax[r] = gmax[r].max(m[r]);
+            }
+        }
+        // step 2: sumexp and target, summed by hand
+        let mut gsum = vec![0.0; rows];
+        let mut gtgt = vec![0.0; rows];
+        for (start, lg) in &shards {
+            let mut s = vec![0.0; rows];
+            let mut t = vec![0.0; rows];
+            ce_row_sumexp(lg, rows, width(*start), &gmax, &mut s).unwrap();
+            ce_target_logit(lg, &labels, rows, width(*start), *start, &mut t).unwrap();
+            for r in 0..rows {
+                gsum[r] += s[r];
+                gtgt[r] += t[r];
+            }
+        }
+        let mut loss = vec![0.0; rows];
+        ce_loss(&gmax, &gsum, &gtgt, &mut loss).unwrap();
+        assert_close("sharded loss", &loss, &loss_full, 1e-6);
+        for (start, lg) in &shards {
+            let w = width(*start);
+            let mut d = vec![0.0; rows * w];
+            ce_bwd(lg, rows, w, &gmax, &gsum, &labels, *start, 0.5, &mut d).unwrap();
+            for r in 0..rows {
+                assert_close(
+                    "sharded grad",
+                    &d[r * w..(r + 1) * w],
+                    &d_full[r * v + start..r * v + start + w],
+                    1e-6,
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn stable_for_large_logits_and_validates() {
+        let (loss, _, _) = ce_full(&[1000.0, 0.0], &[0], 1, 2);
+        assert!(loss[0].is_finite() && loss[0].abs() < 1e-6);
+        let mut m = [0.0; 2];
+        assert!(ce_row_max(&[0.0; 5], 2, 3, &mut m).is_err());
+        assert!(ce_loss(&[0.0], &[1.0, 1.0], &[0.0], &mut [0.0]).is_err());
+    }
+}

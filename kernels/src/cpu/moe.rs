@@ -1,0 +1,610 @@
+//! Mixture-of-experts routing, dispatch and combine.
+//!
+//! Routing: `probs = softmax(logits)` over **all** experts, then the top `k`
+//! experts per token by logit (ties broken towards the lower expert index,
+//! selected experts listed in descending order). The routing weights are
+//! either the selected probabilities renormalised to sum to one
+//! (`renormalize = true`; Mixtral / Qwen-MoE `norm_topk_prob`, equal to a
+//! softmax over the selected logits only) or the raw probabilities
+//! (`renormalize = false`; Switch / GShard style). Note that with
+//! `renormalize` and `k = 1` every weight is 1 and the router receives no
+//! gradient through the weights.
+//!
+//! Dispatch sorts the `tokens * k` assignments by expert (stable, so token
+//! order is kept within an expert) and gathers the token rows in that order;
+//! `perm[slot]` is the assignment index `t * k + j` the slot came from and
+//! `counts[e]` the number of slots of expert `e` (the All-to-All split sizes
+//! for expert parallelism). Combine scatters the expert outputs back to token
+//! order, weighted by the routing weights.
+
+#![allow(clippy::too_many_arguments)]
+
+use super::{check_len, invalid, prod, KernelError};
+
+fn check_route(tokens: usize, experts: usize, k: usize) -> Result<(usize, usize), KernelError> {
+    if k == 0 || k > experts {
+        return Err(invalid("k", format!("must be in 1..={experts}, got {k}")));
+    }
+    Ok((
+        prod("logits", &[tokens, experts])?,
+        prod("expert_idx", &[tokens, k])?,
+    ))
+}
+
+/// Router forward for `logits [tokens, experts]`. Writes
+/// `probs [tokens, experts]` (softmax over all experts, saved for the
+/// backward), `expert_idx [tokens, k]` and `weights [tokens, k]`.
+/// NaN logits are rejected because they make the top-k order meaningless.
+pub fn moe_route_fwd(
+    logits: &[f32],
+    tokens: usize,
+    experts: usize,
+    k: usize,
+    renormalize: bool,
+    probs: &mut [f32],
+    expert_idx: &mut [u32],
+    weights: &mut [f32],
+) -> Result<(), KernelError> {
+    let (nl, nk) = check_route(tokens, experts, k)?;
+    check_len("logits", logits.len(), nl)?;
+    check_len("probs", probs.len(), nl)?;
+    check_len("expert_idx", expert_idx.len(), nk)?;
+    check_len("weights", weights.len(), nk)?;
+    if experts > u32::MAX as usize {
+        return Err(invalid("experts", "does not fit in u32"));
+    }
+    if logits.iter().any(|x| x.is_nan()) {
+        return Err(invalid("logits", "contains NaN"));
+    }
+    let mut taken = vec![false; experts];
+    for t in 0..tokens {
+        let lr = &logits[t * experts..(t + 1) * experts];
+        let pr = &mut probs[t * experts..(t + 1) * experts];
+        let mx = lr.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        let mut z = 0.0f32;
+        for (p, &l) in pr.iter_mut().zip(lr) {
+            *p = (l - mx).exp();
+            z += *p;
+        }
+        let inv = 1.0 / z;
+        for p in pr.iter_mut() {
+            *p *= inv;
+        }
+        taken.fill(false);
+        let idx = &mut expert_idx[t * k..(t + 1) * k];
+        let w = &mut weights[t * k..(t + 1) * k];
+        let mut sel_sum = 0.0f32;
+        for j in 0..k {
+            // strict `>` keeps the lowest index among equal logits
+            let mut best: Option<usize> = None;
+            for e in 0..experts {
+                if !taken[e] && best.is_none_or(|b| lr[e] > lr[b]) {
+                    best = Some(e);
+                }
+            }
+            let e = best.expect("k <= experts leaves an untaken expert");
+            taken[e] = true;
+            idx[j] = e as u32;
+            w[j] = pr[e];
+            sel_sum += pr[e];
+        }
+        if renormalize {
+            let inv = 1.0 / sel_sum;
+            for x in w.iter_mut() {
+                *x *= inv;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Router backward: accumulates into `d_logits [tokens, experts]` the
+/// gradient of the routing weights' loss given `d_weights [tokens, k]`, using
+/// `probs`, `expert_idx`, `weights` saved by [`moe_route_fwd`] with the same
+/// `renormalize`. The top-k selection itself is piecewise constant and has
+/// no gradient.
+///
+/// - renormalised: `d_logit[e_j] += w_j (dw_j - sum_i w_i dw_i)`, other
+///   experts get nothing (the weights depend only on the selected logits);
+/// - raw: `d_logit[e] += p_e (dp_e - sum_j w_j dw_j)` with `dp_e = dw_j` for
+///   the selected `e = e_j`, 0 otherwise.
+pub fn moe_route_bwd(
+    probs: &[f32],
+    expert_idx: &[u32],
+    weights: &[f32],
+    d_weights: &[f32],
+    tokens: usize,
+    experts: usize,
+    k: usize,
+    renormalize: bool,
+    d_logits: &mut [f32],
+) -> Result<(), KernelError> {
+    let (nl, nk) = check_route(tokens, experts, k)?;
+    check_len("probs", probs.len(), nl)?;
+    check_len("expert_idx", expert_idx.len(), nk)?;
+    check_len("weights", weights.len(), nk)?;
+    check_len("d_weights", d_weights.len(), nk)?;
+    check_len("d_logits", d_logits.len(), nl)?;
+    check_experts(expert_idx, experts)?;
+    for t in 0..tokens {
+        let idx = &expert_idx[t * k..(t + 1) * k];
+        let w = &weights[t * k..(t + 1) * k];
+        let dw = &d_weights[t * k..(t + 1) * k];
+        let dl = &mut d_logits[t * experts..(t + 1) * experts];
+        let wdw: f32 = w.iter().zip(dw).map(|(&a, &b)| a * b).sum();
+        if renormalize {
+            for j in 0..k {
+                dl[idx[j] as usize] += w[j] * (dw[j] - wdw);
+            }
+        } else {
+            let pr = &probs[t * experts..(t + 1) * experts];
+            for (d, &p) in dl.iter_mut().zip(pr) {
+                *d -= p * wdw;
+            }
+            for j in 0..k {
+                let e = idx[j] as usize;
+                dl[e] += pr[e] * dw[j];
+            }
+        }
+    }
+    Ok(())
+}
+
+fn check_experts(expert_idx: &[u32], experts: usize) -> Result<(), KernelError> {
+    match expert_idx.iter().find(|&&e| e as usize >= experts) {
+        Some(e) => Err(invalid(
+            "expert_idx",
+            format!("expert {e} >= experts ({experts})"),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn check_perm(perm: &[u32], n: usize) -> Result<(), KernelError> {
+    check_len("perm", perm.len(), n)?;
+    match perm.iter().find(|&&a| a as usize >= n) {
+        Some(a) => Err(invalid(
+            "perm",
+            format!("assignment {a} >= tokens * k ({n})"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Dispatch forward: groups the rows of `x [tokens, dim]` by expert.
+///
+/// Writes `out [tokens * k, dim]` (slot `s` holds row `perm[s] / k` of `x`),
+/// `counts [experts]` and `perm [tokens * k]` (see the module docs).
+pub fn moe_dispatch_fwd(
+    x: &[f32],
+    expert_idx: &[u32],
+    tokens: usize,
+    k: usize,
+    experts: usize,
+    dim: usize,
+    out: &mut [f32],
+    counts: &mut [usize],
+    perm: &mut [u32],
+) -> Result<(), KernelError> {
+    let n = prod("expert_idx", &[tokens, k])?;
+    check_len("x", x.len(), prod("x", &[tokens, dim])?)?;
+    check_len("expert_idx", expert_idx.len(), n)?;
+    check_len("out", out.len(), prod("out", &[n, dim])?)?;
+    check_len("counts", counts.len(), experts)?;
+    check_len("perm", perm.len(), n)?;
+    if k == 0 {
+        return Err(invalid("k", "must be positive"));
+    }
+    if n > u32::MAX as usize {
+        return Err(invalid("tokens", "tokens * k does not fit in u32"));
+    }
+    check_experts(expert_idx, experts)?;
+    counts.fill(0);
+    for &e in expert_idx {
+        counts[e as usize] += 1;
+    }
+    let mut next: Vec<usize> = counts
+        .iter()
+        .scan(0usize, |acc, &c| {
+            let start = *acc;
+            *acc += c;
+            Some(start)
+        })
+        .collect();
+    for (a, &e) in expert_idx.iter().enumerate() {
+        let s = next[e as usize];
+        next[e as usize] += 1;
+        perm[s] = a as u32;
+        let t = a / k;
+        out[s * dim..(s + 1) * dim].copy_from_slice(&x[t * dim..(t + 1) * dim]);
+    }
+    Ok(())
+}
+
+/// Dispatch backward: `dx[perm[s] / k] += d_out[s]` for every slot, in slot
+/// order.
+pub fn moe_dispatch_bwd(
+    d_out: &[f32],
+    perm: &[u32],
+    tokens: usize,
+    k: usize,
+    dim: usize,
+    dx: &mut [f32],
+) -> Result<(), KernelError> {
+    let n = prod("perm", &[tokens, k])?;
+    check_perm(perm, n)?;
+    check_len("d_out", d_out.len(), prod("d_out", &[n, dim])?)?;
+    check_len("dx", dx.len(), prod("dx", &[tokens, dim])?)?;
+    for (s, &a) in perm.iter().enumerate() {
+        let t = a as usize / k;
+        for (d, &g) in dx[t * dim..(t + 1) * dim]
+            .iter_mut()
+            .zip(&d_out[s * dim..(s + 1) * dim])
+        {
+            *d += g;
+        }
+    }
+    Ok(())
+}
+
+/// Combine forward: `out[t] = sum over slots s with perm[s] / k == t of
+/// weights[perm[s]] * y[s]`, for expert outputs `y [tokens * k, dim]` in
+/// dispatch order; writes `out [tokens, dim]`.
+pub fn moe_combine_fwd(
+    y: &[f32],
+    perm: &[u32],
+    weights: &[f32],
+    tokens: usize,
+    k: usize,
+    dim: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let n = prod("perm", &[tokens, k])?;
+    check_perm(perm, n)?;
+    check_len("y", y.len(), prod("y", &[n, dim])?)?;
+    check_len("weights", weights.len(), n)?;
+    check_len("out", out.len(), prod("out", &[tokens, dim])?)?;
+    out.fill(0.0);
+    for (s, &a) in perm.iter().enumerate() {
+        let (t, w) = (a as usize / k, weights[a as usize]);
+        for (o, &v) in out[t * dim..(t + 1) * dim]
+            .iter_mut()
+            .zip(&y[s * dim..(s + 1) * dim])
+        {
+            *o += w * v;
+        }
+    }
+    Ok(())
+}
+
+/// Combine backward: accumulates `d_y [tokens * k, dim]`
+/// (`weights[perm[s]] * d_out[t]`) and `d_weights [tokens, k]`
+/// (`d_out[t] . y[s]`).
+pub fn moe_combine_bwd(
+    d_out: &[f32],
+    y: &[f32],
+    perm: &[u32],
+    weights: &[f32],
+    tokens: usize,
+    k: usize,
+    dim: usize,
+    d_y: &mut [f32],
+    d_weights: &mut [f32],
+) -> Result<(), KernelError> {
+    let n = prod("perm", &[tokens, k])?;
+    check_perm(perm, n)?;
+    let ny = prod("y", &[n, dim])?;
+    check_len("d_out", d_out.len(), prod("d_out", &[tokens, dim])?)?;
+    check_len("y", y.len(), ny)?;
+    check_len("weights", weights.len(), n)?;
+    check_len("d_y", d_y.len(), ny)?;
+    check_len("d_weights", d_weights.len(), n)?;
+    for (s, &a) in perm.iter().enumerate() {
+        let (a, t) = (a as usize, a as usize / k);
+        let g = &d_out[t * dim..(t + 1) * dim];
+        let w = weights[a];
+        let mut dw = 0.0f32;
+        for ((d, &gv), &yv) in d_y[s * dim..(s + 1) * dim]
+            .iter_mut()
+            .zip(g)
+            .zip(&y[s * dim..(s + 1) * dim])
+        {
+            *d += w * gv;
+            dw += gv * yv;
+        }
+        d_weights[a] += dw;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::testutil::{assert_close, assert_grad_close, dot64, numeric_grad, Rng};
+
+    fn route(
+        logits: &[f32],
+        tokens: usize,
+        experts: usize,
+        k: usize,
+        renorm: bool,
+    ) -> (Vec<f32>, Vec<u32>, Vec<f32>) {
+        let mut p = vec![0.0; tokens * experts];
+        let mut idx = vec![0; tokens * k];
+        let mut w = vec![0.0; tokens * k];
+        moe_route_fwd(logits, tokens, experts, k, renorm, &mut p, &mut idx, &mut w).unwrap();
+        (p, idx, w)
+    }
+
+    /// Logits whose top-k gaps are far larger than the finite-difference step.
+    fn separated_logits(rng: &mut Rng, tokens: usize, experts: usize) -> Vec<f32> {
+        let mut out = Vec::with_capacity(tokens * experts);
+        for _ in 0..tokens {
+            let mut vals: Vec<f32> = (0..experts).map(|e| e as f32 * 0.4).collect();
+            for i in (1..experts).rev() {
+                vals.swap(i, rng.below(i as u64 + 1) as usize);
+            }
+            out.extend(vals.iter().map(|v| v + 0.05 * rng.f32()));
+        }
+        out
+    }
+
+    #[test]
+    fn route_top2_tie_break_and_weights_by_hand() {
+        let logits = [1.0, 3.0, 2.0, 3.0];
+        let (p, idx, w) = route(&logits, 1, 4, 2, true);
+        assert_eq!(idx, [1, 3]);
+        assert_close("tied weights", &w, &[0.5, 0.5], 1e-6);
+        let z = 1f32.exp() + 2.0 * 3f32.exp() + 2f32.exp();
+        assert!((p[1] - 3f32.exp() / z).abs() < 1e-6);
+        let (_, idx, w) = route(&logits, 1, 4, 3, false);
+        assert_eq!(idx, [1, 3, 2]);
+        assert_close(
+            "raw weights",
+            &w,
+            &[3f32.exp() / z, 3f32.exp() / z, 2f32.exp() / z],
+            1e-6,
+        );
+        let (_, idx, w) = route(&logits, 1, 4, 3, true);
+        assert_eq!(idx, [1, 3, 2]);
+        let zs = 2.0 * 3f32.exp() + 2f32.exp();
+        assert_close(
+            "renorm weights",
+            &w,
+            &[3f32.exp() / zs, 3f32.exp() / zs, 2f32.exp() / zs],
+            1e-6,
+        );
+    }
+
+    #[test]
+    fn route_backward_matches_finite_differences_both_modes() {
+        let mut rng = Rng::new(51);
+        let (tokens, experts, k) = (5, 6, 2);
+        let logits = separated_logits(&mut rng, tokens, experts);
+        let dw = rng.vec(tokens * k);
+        for renorm in [true, false] {
+            let (p, idx, w) = route(&logits, tokens, experts, k, renorm);
+            let mut dl = vec![0.0; logits.len()];
+            moe_route_bwd(&p, &idx, &w, &dw, tokens, experts, k, renorm, &mut dl).unwrap();
+            let n = numeric_grad(&logits, 2e-3, |x| {
+                let (_, i2, w2) = route(x, tokens, experts, k, renorm);
+                assert_eq!(i2, idx, "selection must not flip under the FD step");
+                dot64(&dw, &w2)
+            });
+            assert_grad_close(&format!("route renorm={renorm}"), &dl, &n, 1e-2, 2e-3);
+            if renorm {
+                // unselected experts get exactly zero
+                for t in 0..tokens {
+                    for e in 0..experts {
+                        if !idx[t * k..(t + 1) * k].contains(&(e as u32)) {
+                            assert_eq!(dl[t * experts + e], 0.0);
+                        }
+                    }
+                }
+            } else {
+                assert!(dl.iter().all(|&x| x != 0.0));
+            }
+        }
+    }
+
+    #[test]
+    fn dispatch_groups_by_expert_and_combine_round_trips() {
+        let mut rng = Rng::new(52);
+        let (tokens, experts, k, dim) = (9, 4, 2, 3);
+        let logits = separated_logits(&mut rng, tokens, experts);
+        let (_, idx, w) = route(&logits, tokens, experts, k, true);
+        let x = rng.vec(tokens * dim);
+        let mut disp = vec![0.0; tokens * k * dim];
+        let mut counts = vec![99; experts];
+        let mut perm = vec![0; tokens * k];
+        moe_dispatch_fwd(
+            &x,
+            &idx,
+            tokens,
+            k,
+            experts,
+            dim,
+            &mut disp,
+            &mut counts,
+            &mut perm,
+        )
+        .unwrap();
+        assert_eq!(counts.iter().sum::<usize>(), tokens * k);
+        let mut sorted = perm.clone();
+        sorted.sort();
+        assert_eq!(sorted, (0..(tokens * k) as u32).collect::<Vec<_>>());
+        let mut s = 0;
+        for (e, &c) in counts.iter().enumerate() {
+            for s in s..s + c {
+                let a = perm[s] as usize;
+                assert_eq!(idx[a] as usize, e);
+                assert_eq!(
+                    &disp[s * dim..(s + 1) * dim],
+                    &x[a / k * dim..(a / k + 1) * dim]
+                );
+            }
+            // stable: token order kept within an expert
+            assert!(perm[s..s + c].windows(2).all(|p| p[0] < p[1]));
+            s += c;
+        }
+        // identity experts + weights summing to one -> combine gives x back
+        let mut out = vec![f32::NAN; tokens * dim];
+        moe_combine_fwd(&disp, &perm, &w, tokens, k, dim, &mut out).unwrap();
+        assert_close("round trip", &out, &x, 1e-6);
+    }
+
+    #[test]
+    fn dispatch_and_combine_backward_match_finite_differences() {
+        let mut rng = Rng::new(53);
+        let (tokens, experts, k, dim) = (6, 3, 2, 4);
+        let logits = separated_logits(&mut rng, tokens, experts);
+        let (_, idx, w) = route(&logits, tokens, experts, k, false);
+        let x = rng.vec(tokens * dim);
+        let n = tokens * k;
+        let mut disp = vec![0.0; n * dim];
+        let mut counts = vec![0; experts];
+        let mut perm = vec![0; n];
+        moe_dispatch_fwd(
+            &x,
+            &idx,
+            tokens,
+            k,
+            experts,
+            dim,
+            &mut disp,
+            &mut counts,
+            &mut perm,
+        )
+        .unwrap();
+
+        let r = rng.vec(n * dim);
+        let mut dx = vec![0.0; x.len()];
+        moe_dispatch_bwd(&r, &perm, tokens, k, dim, &mut dx).unwrap();
+        let nx = numeric_grad(&x, 2e-3, |x| {
+            let mut o = vec![0.0; n * dim];
+            let (mut c, mut p) = (vec![0; experts], vec![0; n]);
+            moe_dispatch_fwd(x, &idx, tokens, k, experts, dim, &mut o, &mut c, &mut p).unwrap();
+            dot64(&r, &o)
+        });
+        assert_grad_close("dispatch dx", &dx, &nx, 1e-2, 2e-3);
+
+        let y = rng.vec(n * dim);
+        let g = rng.vec(tokens * dim);
+        let mut dy = vec![0.0; y.len()];
+        let mut dw = vec![0.0; n];
+        moe_combine_bwd(&g, &y, &perm, &w, tokens, k, dim, &mut dy, &mut dw).unwrap();
+        let comb = |y: &[f32], w: &[f32]| {
+            let mut o = vec![0.0; tokens * dim];
+            moe_combine_fwd(y, &perm, w, tokens, k, dim, &mut o).unwrap();
+            dot64(&g, &o)
+        };
+        let ny = numeric_grad(&y, 2e-3, |y| comb(y, &w));
+        let nw = numeric_grad(&w, 2e-3, |w| comb(&y, w));
+        assert_grad_close("combine dy", &dy, &ny, 1e-2, 2e-3);
+        assert_grad_close("combine dw", &dw, &nw, 1e-2, 2e-3);
+    }
+
+    /// Route -> dispatch -> per-expert scaling -> combine, differentiated end
+    /// to end through the router logits and the token inputs.
+    #[test]
+    fn full_moe_layer_gradient_matches_finite_differences() {
+        let mut rng = Rng::new(54);
+        let (tokens, experts, k, dim) = (5, 4, 2, 3);
+        let logits = separated_logits(&mut rng, tokens, experts);
+        let x = rng.vec(tokens * dim);
+        let g = rng.vec(tokens * dim);
+        let n = tokens * k;
+        let expert_scale = |e: usize| 1.0 + e as f32;
+        let layer = |logits: &[f32], x: &[f32]| {
+            let (p, idx, w) = route(logits, tokens, experts, k, true);
+            let mut disp = vec![0.0; n * dim];
+            let (mut counts, mut perm) = (vec![0; experts], vec![0; n]);
+            moe_dispatch_fwd(
+                x,
+                &idx,
+                tokens,
+                k,
+                experts,
+                dim,
+                &mut disp,
+                &mut counts,
+                &mut perm,
+            )
+            .unwrap();
+            for s in 0..n {
+                let e = idx[perm[s] as usize] as usize;
+                disp[s * dim..(s + 1) * dim]
+                    .iter_mut()
+                    .for_each(|v| *v *= expert_scale(e));
+            }
+            let mut out = vec![0.0; tokens * dim];
+            moe_combine_fwd(&disp, &perm, &w, tokens, k, dim, &mut out).unwrap();
+            (out, disp, p, idx, w, perm)
+        };
+        let (_, y, p, idx, w, perm) = layer(&logits, &x);
+        let mut dy = vec![0.0; n * dim];
+        let mut dw = vec![0.0; n];
+        moe_combine_bwd(&g, &y, &perm, &w, tokens, k, dim, &mut dy, &mut dw).unwrap();
+        for s in 0..n {
+            let e = idx[perm[s] as usize] as usize;
+            dy[s * dim..(s + 1) * dim]
+                .iter_mut()
+                .for_each(|v| *v *= expert_scale(e));
+        }
+        let mut dx = vec![0.0; x.len()];
+        moe_dispatch_bwd(&dy, &perm, tokens, k, dim, &mut dx).unwrap();
+        let mut dl = vec![0.0; logits.len()];
+        moe_route_bwd(&p, &idx, &w, &dw, tokens, experts, k, true, &mut dl).unwrap();
+        let nl = numeric_grad(&logits, 2e-3, |l| dot64(&g, &layer(l, &x).0));
+        let nx = numeric_grad(&x, 2e-3, |xx| dot64(&g, &layer(&logits, xx).0));
+        assert_grad_close("moe d_logits", &dl, &nl, 1e-2, 2e-3);
+        assert_grad_close("moe dx", &dx, &nx, 1e-2, 2e-3);
+        assert!(dl.iter().any(|&v| v.abs() > 1e-3));
+    }
+
+    #[test]
+    fn validation_errors() {
+        let mut p = [0.0; 4];
+        let (mut idx, mut w) = ([0u32; 3], [0.0; 3]);
+        assert!(
+            moe_route_fwd(&[0.0; 4], 1, 4, 0, true, &mut p, &mut idx[..0], &mut w[..0]).is_err()
+        );
+        assert!(moe_route_fwd(&[0.0; 4], 1, 4, 5, true, &mut p, &mut idx, &mut w).is_err());
+        assert!(matches!(
+            moe_route_fwd(
+                &[f32::NAN, 0.0, 0.0, 0.0],
+                1,
+                4,
+                1,
+                true,
+                &mut p,
+                &mut idx[..1],
+                &mut w[..1]
+            ),
+            Err(KernelError::Invalid { name: "logits", .. })
+        ));
+        let mut out = [0.0; 2];
+        let (mut c, mut perm) = ([0usize; 2], [0u32; 2]);
+        assert!(matches!(
+            moe_dispatch_fwd(
+                &[1.0, 2.0],
+                &[0, 2],
+                2,
+                1,
+                2,
+                1,
+                &mut out,
+                &mut c,
+                &mut perm
+            ),
+            Err(KernelError::Invalid {
+                name: "expert_idx",
+                ..
+            })
+        ));
+        assert!(matches!(
+            moe_combine_fwd(&[1.0, 2.0], &[0, 7], &[1.0, 1.0], 2, 1, 1, &mut out),
+            Err(KernelError::Invalid { name: "perm", .. })
+        ));
+    }
+}
