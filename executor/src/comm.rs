@@ -290,19 +290,15 @@ impl fmt::Display for CommError {
                 missing,
                 timeout,
             } => {
-                let wait = WaitPoint {
-                    kind: *kind,
-                    axis: axis.clone(),
-                    group: group.clone(),
-                    ranks: Vec::new(),
-                    seq: *seq,
-                };
                 write!(
                     f,
-                    "timed out after {:.3} s in {wait}: {} did not arrive",
-                    timeout.as_secs_f64(),
-                    rank_list(missing)
-                )
+                    "timed out after {:.3} s in {kind} on {axis} (",
+                    timeout.as_secs_f64()
+                )?;
+                if group != axis && !matches!(kind, CommKind::Send | CommKind::Recv) {
+                    write!(f, "group {group}, ")?;
+                }
+                write!(f, "seq {seq}): {} did not arrive", rank_list(missing))
             }
             CommError::Mismatch { waiting_in, detail } => {
                 write!(f, "mismatched {waiting_in}: {detail}")

@@ -592,5 +592,9 @@ pub fn build_transformer(name: &str, t: &TransformerSpec, dtype: DType) -> Graph
         name: name.to_string(),
         tensors: b.tensors,
         segments,
+        constants: Constants {
+            rope_theta: t.rope_theta,
+            norm_eps: t.norm_eps,
+        },
     }
 }

@@ -1267,6 +1267,7 @@ impl GraphSpec {
                 repeat: self.repeat,
                 ops: checked.ops,
             }],
+            constants: Default::default(),
         })
     }
 }

@@ -314,6 +314,27 @@ pub struct Graph {
     pub tensors: Vec<Tensor>,
     /// Segments in execution order.
     pub segments: Vec<Segment>,
+    /// Numeric constants of the ops (what an executor needs beyond shapes).
+    #[serde(default)]
+    pub constants: Constants,
+}
+
+/// Numeric constants an executor needs to run the graph's ops.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Constants {
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// Normalisation epsilon.
+    pub norm_eps: f64,
+}
+
+impl Default for Constants {
+    fn default() -> Self {
+        Constants {
+            rope_theta: 10000.0,
+            norm_eps: 1e-5,
+        }
+    }
 }
 
 impl Graph {

@@ -27,8 +27,8 @@ pub use config::{AttnImpl, ParallelConfig, PartialConfig, Recompute, Schedule};
 pub use dtype::DType;
 pub use error::IrError;
 pub use graph::{
-    Dim, DimEnv, Graph, Mono, Op, OpKind, Segment, SegmentKind, Tensor, TensorId, TensorKind,
-    TpRole, TpSplit,
+    Constants, Dim, DimEnv, Graph, Mono, Op, OpKind, Segment, SegmentKind, Tensor, TensorId,
+    TensorKind, TpRole, TpSplit,
 };
 pub use load::{load_model, model_graph, parse_model_yaml, WorkloadOverrides};
 pub use spec::{

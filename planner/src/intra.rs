@@ -1227,6 +1227,7 @@ workload:
                     repeat: 1,
                     ops: self.ops,
                 }],
+                constants: Default::default(),
             }
         }
     }
