@@ -223,6 +223,7 @@ struct Chunk {
     cp_bytes: f64,
     ep_bytes: f64,
     recompute_comm: f64,
+    seq_partial: f64,
 }
 
 impl Chunk {
@@ -244,6 +245,7 @@ impl Chunk {
         self.transient = self.transient.max(c.act_transient_bytes);
         self.params_dense += n * c.params_dense;
         self.params_expert += n * c.params_expert;
+        self.seq_partial += n * c.params_seq_partial;
         self.tp_bytes += n * c.tp_bytes;
         self.tp_bytes_fwd += n * c.tp_bytes_fwd;
         self.ep_bytes_fwd += n * c.ep_bytes_fwd;
@@ -444,6 +446,7 @@ pub fn estimate_train_bounded(
     let mut dp_bytes_max = 0.0f64;
     let mut crit = (0.0f64, 0.0f64, 0.0f64); // (compute, comm, dp+optimizer tail) of the busiest stage
     let mut stage_mem = Vec::with_capacity(pp);
+    let mut sp_sync_bytes_stage: Vec<f64> = Vec::with_capacity(pp);
     let mut busiest_work = 0.0f64;
     for i in 0..pp {
         let mine: Vec<&Chunk> = (0..cfg.vpp as usize).map(|c| &chunks[c * pp + i]).collect();
@@ -498,10 +501,23 @@ pub fn estimate_train_bounded(
             }
             (bytes, exposed)
         };
+        // Sequence parallelism leaves norm gradients partial over the tensor axis:
+        // one AllReduce of them per step, before the optimizer.
+        let seq_partial: f64 = mine.iter().map(|c| c.seq_partial).sum();
+        let (sp_sync_s, sp_sync_bytes) = if seq_partial > 0.0 {
+            let g = seq_partial * bpe;
+            (
+                comm.time_s(Collective::AllReduce, groups.tp, g),
+                bytes_sent_per_rank(Collective::AllReduce, cfg.tp, g),
+            )
+        } else {
+            (0.0, 0.0)
+        };
+        sp_sync_bytes_stage.push(sp_sync_bytes);
         let opt_params = dense / if cfg.zero >= 1 { dense_dp as f64 } else { 1.0 }
             + expert / if cfg.zero >= 1 { expert_dp as f64 } else { 1.0 };
         let optimizer_s = roof.memory_s(opt_params * calib::ADAMW_BYTES_PER_PARAM);
-        let tail = exposed_dp + optimizer_s;
+        let tail = exposed_dp + optimizer_s + sp_sync_s;
         worst_tail = worst_tail.max(tail);
         dp_bytes_max = dp_bytes_max.max(dp_bytes);
         if compute + comm_s > crit.0 + crit.1 {
@@ -632,6 +648,7 @@ pub fn estimate_train_bounded(
                 .map(|c| chunks[c * pp + i].tp_bytes)
                 .sum::<f64>()
                 + transfers(i) * gather_sent
+                + sp_sync_bytes_stage[i]
         })
         .fold(0.0, f64::max);
     let cp_bytes = busiest(|c| c.cp_bytes);

@@ -81,6 +81,9 @@ struct PSegment {
     experts: u64,
     /// Weight elements this segment shares with another segment (tied embeddings).
     params_shared: f64,
+    /// Weight elements of replicated ops (norm scales, their biases): under sequence
+    /// parallelism each tensor rank holds a partial gradient of them.
+    params_seq_partial: f64,
 }
 
 /// A graph turned into monomials, ready to be priced many times.
@@ -296,6 +299,20 @@ impl PreparedGraph {
                 params_experts: p_exp,
                 experts: seg_experts,
                 params_shared: 0.0,
+                params_seq_partial: {
+                    let mut seen = Vec::new();
+                    let mut n = 0.0;
+                    for op in seg.ops.iter().filter(|o| o.role == TpRole::Replicated) {
+                        for &w in &op.inputs {
+                            let t = graph.tensor(w);
+                            if t.kind == TensorKind::Weight && !seen.contains(&w) {
+                                seen.push(w);
+                                n += t.elems().coef;
+                            }
+                        }
+                    }
+                    n
+                },
             });
         }
         // Weights used by two segments (a tied embedding): each holder keeps a copy.
@@ -430,6 +447,8 @@ pub struct SegCost {
     pub params_expert: f64,
     /// Of `params_dense`, those shared with another segment (tied embedding).
     pub params_shared: f64,
+    /// Weight elements whose gradient sequence parallelism leaves partial over `tp`.
+    pub params_seq_partial: f64,
 }
 
 impl LayoutCtx {
@@ -684,6 +703,11 @@ impl LayoutCtx {
             seg.params_sharded / t
         };
         c.params_dense = seg.params_replicated + dense_sharded;
+        c.params_seq_partial = if self.sp && self.tp > 1 {
+            seg.params_seq_partial
+        } else {
+            0.0
+        };
         c.params_shared = seg.params_shared
             / if seg.kind == SegmentKind::Embed || seg.kind == SegmentKind::Head {
                 t

@@ -1,9 +1,16 @@
-//! Brief overview: the executor interprets per-rank programs of a plan on a backend.
+//! Brief overview: the executor runs a plan's per-rank programs.
 //!
-//! This crate is a shell until the executor issue lands; it exists now so that the
-//! dependency arrows (`executor -> ir + kernels`) are fixed and tested from the start.
+//! - [`comm`]: the `Communicator` trait and the in-process implementation (ranks as
+//!   threads) that counts bytes per collective kind and axis.
+//! - [`train`]: the training interpreter over the CPU kernels, `--check` against a
+//!   single-rank run, and the byte comparison with the plan.
+//! - [`shard`], [`init`]: which slice of each weight a rank holds; deterministic
+//!   weights and data, identical whatever the sharding.
 
 pub mod comm;
+pub mod init;
+pub mod shard;
+pub mod train;
 
 pub use meshplan_ir as ir;
 pub use meshplan_kernels as kernels;

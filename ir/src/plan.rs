@@ -33,6 +33,7 @@
 
 use crate::config::ParallelConfig;
 use crate::dtype::DType;
+use crate::graph::Graph;
 use crate::graph::SegmentKind;
 use crate::spec::Workload;
 use serde::{Deserialize, Serialize};
@@ -71,6 +72,9 @@ pub struct Plan {
     pub ranks: Vec<RankEntry>,
     /// How the plan was found.
     pub search: SearchInfo,
+    /// The op graph the programs name (roles = the chosen tensor-parallel layout), so
+    /// an executor needs nothing but this file.
+    pub graph: Graph,
 }
 
 /// What a plan runs.

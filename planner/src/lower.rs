@@ -147,6 +147,32 @@ struct SegmentLowered {
     backward: Vec<Instr>,
     dense_params: f64,
     expert_params: f64,
+    /// Weights of ops that sequence parallelism runs on a slice of the sequence: each
+    /// tensor rank holds a partial gradient of them.
+    seq_partial_params: f64,
+}
+
+/// Elements of the weights a segment's replicated ops use (norm scales and biases),
+/// each once: under sequence parallelism their gradients are partial sums over the
+/// tensor axis (Megatron-LM all-reduces them before the optimizer).
+pub fn seq_partial_params(graph: &Graph, seg: &Segment) -> f64 {
+    let mut seen: Vec<TensorId> = Vec::new();
+    let mut n = 0.0;
+    for op in &seg.ops {
+        if op.role != TpRole::Replicated {
+            continue;
+        }
+        for &w in &op.inputs {
+            let Some(t) = graph.tensors.get(w.0 as usize) else {
+                continue;
+            };
+            if t.kind == TensorKind::Weight && !seen.contains(&w) {
+                seen.push(w);
+                n += t.elems().coef;
+            }
+        }
+    }
+    n
 }
 
 fn coll_of(kind: CollectiveKind) -> Collective {
@@ -622,6 +648,11 @@ impl Layout<'_> {
             backward,
             dense_params: dense,
             expert_params: experts,
+            seq_partial_params: if self.sp && self.tp > 1 {
+                seq_partial_params(self.graph, seg)
+            } else {
+                0.0
+            },
         }
     }
 }
@@ -1011,7 +1042,7 @@ fn build_phase(
     step_params.clear();
     for (i, order) in orders.into_iter().enumerate() {
         let mut chunks = Vec::with_capacity(vpp);
-        let (mut dense, mut experts) = (0.0, 0.0);
+        let (mut dense, mut experts, mut seq_partial) = (0.0, 0.0, 0.0);
         for c in 0..vpp {
             let vs = c * pp + i;
             let (lo, hi) = (b[vs], b[vs + 1]);
@@ -1036,6 +1067,7 @@ fn build_phase(
                 let lowered = layout.segment(seg, &mut held);
                 dense += n as f64 * lowered.dense_params;
                 experts += n as f64 * lowered.expert_params;
+                seq_partial += n as f64 * lowered.seq_partial_params;
                 segs.push(ChunkSegment {
                     segment: seg.name.clone(),
                     repeat: n,
@@ -1139,6 +1171,20 @@ fn build_phase(
         };
         if spec.training {
             phase.step = optimizer_step(layout, dense, experts);
+            if seq_partial > 0.0 {
+                // First, so the data-parallel reduction sees whole gradients.
+                phase.step.insert(
+                    0,
+                    collective(
+                        CollectiveKind::AllReduce,
+                        "tp",
+                        Axis::Tp,
+                        layout.tp,
+                        "grads:seq_partial".into(),
+                        seq_partial * layout.bpe,
+                    ),
+                );
+            }
         }
         phase.comm_bytes_per_gpu = phase.bytes_sent();
         phases.push(phase);
@@ -1412,6 +1458,7 @@ fn assemble(
         programs,
         ranks: rank_table(cfg, input.cluster.gpus_per_node),
         search: input.search.clone(),
+        graph: input.graph.clone(),
     })
 }
 

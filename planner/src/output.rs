@@ -85,3 +85,57 @@ pub fn plan_of(
     };
     r.map_err(|e| format!("cannot lower {}: {e}", best.cfg))
 }
+
+/// The plan of one hand-given training configuration under the standard layout and
+/// an even layer split: what `run --check` lowers for its single-rank reference, and
+/// what tests run the executor on.
+pub fn plan_for_config(
+    model_name: &str,
+    graph: &Graph,
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    workload: &Workload,
+    cfg: &meshplan_ir::ParallelConfig,
+) -> Result<Plan, String> {
+    let Workload::Train {
+        seq_len,
+        global_batch,
+        ..
+    } = workload
+    else {
+        return Err("plan_for_config lowers training workloads".into());
+    };
+    let chunks = cfg.pp * cfg.vpp;
+    let split: Vec<u64> = (0..chunks)
+        .map(|j| (j + 1) * pg.layers / chunks - j * pg.layers / chunks)
+        .collect();
+    let est = crate::cost_model::estimate_train_split(
+        pg,
+        cluster,
+        cfg,
+        *seq_len,
+        *global_batch,
+        Some(&split),
+    )
+    .map_err(|e| format!("{cfg}: {e}"))?;
+    lower_train(&LowerInput {
+        model_name,
+        graph,
+        prepared: pg,
+        cluster,
+        cfg,
+        workload,
+        layer_split: &split,
+        placements: standard_placements(graph, cfg),
+        estimate: &est,
+        search: SearchInfo {
+            candidates_evaluated: 1,
+            pruned: 0,
+            wall_s: 0.0,
+            solver: "none (hand-given configuration)".into(),
+            stop_reason: "given".into(),
+            extra: BTreeMap::new(),
+        },
+    })
+    .map_err(|e| format!("cannot lower {cfg}: {e}"))
+}

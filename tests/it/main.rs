@@ -1,6 +1,7 @@
 mod calibration;
 mod cli;
 mod cost;
+mod executor;
 mod loaders;
 mod lowering;
 mod models;

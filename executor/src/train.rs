@@ -1,0 +1,2060 @@
+//! The training interpreter: every rank runs its stage's program from `plan.json`
+//! (schedule of forward and backward tasks, collectives, point-to-point transfers,
+//! the optimizer step) on the CPU kernels, with ranks as threads.
+//!
+//! The interpreter holds no planning logic. What a compute instruction does follows
+//! from its op in the plan's graph and the op's tensor-parallel role; where tensors
+//! move is what the program says. Activations are laid out sequence-major
+//! (`[s, b, h]`, as Megatron-LM does), so a sequence split is a contiguous block of
+//! rows and the collectives of sequence parallelism act on contiguous buffers.
+
+use crate::comm::{ByteCounts, CommError, Communicator, Group, RankError, ThreadComm};
+use crate::init::{init_full, synthetic_sequence, InitKind};
+use crate::shard::{local_heads, local_weight, TpPos};
+use meshplan_ir::graph::OpKind;
+use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Pass, Plan, PlanKind, Program};
+use meshplan_ir::{Graph, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
+use meshplan_kernels::cpu as k;
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+/// Knobs of a training run.
+#[derive(Clone, Debug)]
+pub struct TrainOptions {
+    /// Optimizer steps.
+    pub steps: u64,
+    /// Seed of the weights and the synthetic data.
+    pub seed: u64,
+    /// AdamW learning rate.
+    pub lr: f32,
+    /// A collective that waits longer than this fails the run.
+    pub timeout: Duration,
+    /// For tests: this rank fails at this step.
+    pub fail_at: Option<(usize, u64)>,
+}
+
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions {
+            steps: 5,
+            seed: 1234,
+            lr: 3e-3,
+            timeout: Duration::from_secs(30),
+            fail_at: None,
+        }
+    }
+}
+
+/// Weight key: tensor name and layer (`u64::MAX` outside the repeated blocks).
+pub type Key = (String, u64);
+
+/// Outside the blocks.
+const NO_LAYER: u64 = u64::MAX;
+
+/// What one rank reports.
+#[derive(Clone, Debug)]
+pub struct RankReport {
+    /// Global rank.
+    pub rank: usize,
+    /// Its share of each step's loss (non-zero on loss-owning ranks only).
+    pub loss_parts: Vec<f64>,
+    /// Its local weights after the last step.
+    pub weights: BTreeMap<Key, Vec<f32>>,
+    /// Bytes it sent, per collective kind and axis, over the training steps.
+    pub counts: ByteCounts,
+    /// Wall seconds of each step.
+    pub step_s: Vec<f64>,
+}
+
+/// A whole run.
+#[derive(Clone, Debug)]
+pub struct TrainReport {
+    /// Mean loss over the global batch, per step.
+    pub losses: Vec<f64>,
+    /// Wall seconds per step (slowest rank).
+    pub step_s: Vec<f64>,
+    /// Tokens per step (whole cluster).
+    pub tokens_per_step: u64,
+    /// Per rank, in rank order.
+    pub ranks: Vec<RankReport>,
+}
+
+/// Why a run failed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExecError {
+    /// What went wrong, naming the rank and where others waited.
+    pub message: String,
+}
+
+impl std::fmt::Display for ExecError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ExecError {}
+
+fn fail(msg: impl Into<String>) -> RankError {
+    RankError::Failed(msg.into())
+}
+
+fn kerr(what: &str) -> impl Fn(k::KernelError) -> RankError + '_ {
+    move |e| RankError::Failed(format!("{what}: {e}"))
+}
+
+/// Runs the plan's training programs for `opts.steps` steps.
+pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, ExecError> {
+    if plan.kind != PlanKind::Train {
+        return Err(ExecError {
+            message: "this plan is an inference plan; training needs a train plan".into(),
+        });
+    }
+    let (seq_len, global_batch) = match &plan.workload {
+        Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } => (*seq_len, *global_batch),
+        Workload::Inference { .. } => {
+            return Err(ExecError {
+                message: "the plan's workload is not training".into(),
+            })
+        }
+    };
+    let world = plan.ranks.len();
+    let results = crate::comm::run_ranks(world, opts.timeout, |comm| {
+        let mut r = RankState::new(plan, comm, opts, seq_len, global_batch)?;
+        let mut loss_parts = Vec::new();
+        let mut step_s = Vec::new();
+        for step in 0..opts.steps {
+            if opts.fail_at == Some((r.rank, step)) {
+                return Err(fail(format!("injected failure at step {step}")));
+            }
+            let t = Instant::now();
+            loss_parts.push(r.step(step)?);
+            step_s.push(t.elapsed().as_secs_f64());
+        }
+        let counts = r.comm.counts();
+        r.gather_zero3_for_report()?;
+        Ok(RankReport {
+            rank: r.rank,
+            loss_parts,
+            weights: r.weights.clone(),
+            counts,
+            step_s,
+        })
+    });
+    if let Some(summary) = crate::comm::failure_summary(&results) {
+        return Err(ExecError { message: summary });
+    }
+    let mut ranks = Vec::new();
+    for r in results {
+        match r {
+            Ok(rep) => ranks.push(rep),
+            Err(e) => {
+                return Err(ExecError {
+                    message: format!("{e:?}"),
+                })
+            }
+        }
+    }
+    let steps = opts.steps as usize;
+    let losses = (0..steps)
+        .map(|s| ranks.iter().map(|r| r.loss_parts[s]).sum())
+        .collect();
+    let step_s = (0..steps)
+        .map(|s| ranks.iter().map(|r| r.step_s[s]).fold(0.0, f64::max))
+        .collect();
+    Ok(TrainReport {
+        losses,
+        step_s,
+        tokens_per_step: seq_len * global_batch,
+        ranks,
+    })
+}
+
+/// Per-task tensors: activations, gradients and what kernels saved, keyed by layer
+/// and tensor name.
+#[derive(Default)]
+struct Store {
+    acts: HashMap<(u64, String), Vec<f32>>,
+    grads: HashMap<(u64, String), Vec<f32>>,
+}
+
+struct RankState<'a> {
+    plan: &'a Plan,
+    graph: &'a Graph,
+    rank: usize,
+    comm: ThreadComm,
+    program: &'a Program,
+    coords: BTreeMap<String, usize>,
+    groups: BTreeMap<String, Group>,
+    tp: TpPos,
+    cp: TpPos,
+    dp_index: usize,
+    dp_size: usize,
+    seq_len: usize,
+    global_batch: usize,
+    mbs: usize,
+    opts: TrainOptions,
+    /// Which op of which segment uses each weight.
+    users: HashMap<String, (usize, usize)>,
+    weights: BTreeMap<Key, Vec<f32>>,
+    wgrads: BTreeMap<Key, Vec<f32>>,
+    /// ZeRO-3: gradient shards accumulated per segment copy and kind.
+    shard_grads: BTreeMap<(String, u64), Vec<f32>>,
+    /// Adam state per flat parameter set (`dense`, `experts`).
+    adam: BTreeMap<String, (Vec<f32>, Vec<f32>)>,
+    /// Reduced gradient shards (ZeRO 1, 2) per set.
+    reduced: BTreeMap<String, Vec<f32>>,
+    tasks: BTreeMap<(u64, u64), Store>,
+    hidden: Vec<f32>,
+    grad_hidden: Vec<f32>,
+    loss_part: f64,
+    step_no: u64,
+}
+
+impl<'a> RankState<'a> {
+    fn new(
+        plan: &'a Plan,
+        comm: ThreadComm,
+        opts: &TrainOptions,
+        seq_len: u64,
+        global_batch: u64,
+    ) -> Result<RankState<'a>, RankError> {
+        let rank = comm.rank();
+        let entry = plan
+            .ranks
+            .get(rank)
+            .ok_or_else(|| fail(format!("rank {rank} is not in the plan's rank table")))?;
+        let program = plan
+            .programs
+            .get(entry.program as usize)
+            .ok_or_else(|| fail(format!("rank {rank}: program {} missing", entry.program)))?;
+        let coords: BTreeMap<String, usize> = plan
+            .mesh
+            .axes
+            .iter()
+            .cloned()
+            .zip(entry.coords.iter().map(|&c| c as usize))
+            .collect();
+        let size_of = |axis: &str| {
+            plan.mesh
+                .axes
+                .iter()
+                .position(|a| a == axis)
+                .map(|i| plan.mesh.shape[i] as usize)
+                .unwrap_or(1)
+        };
+        let tp = TpPos {
+            rank: coords.get("tp").copied().unwrap_or(0),
+            size: size_of("tp"),
+        };
+        let cp = TpPos {
+            rank: coords.get("cp").copied().unwrap_or(0),
+            size: size_of("cp"),
+        };
+        let groups = build_groups(plan, rank)?;
+        let graph = &plan.graph;
+        let mut users = HashMap::new();
+        for (s, seg) in graph.segments.iter().enumerate() {
+            for (o, op) in seg.ops.iter().enumerate() {
+                for &t in &op.inputs {
+                    let tensor = graph.tensor(t);
+                    if tensor.kind == TensorKind::Weight {
+                        users.entry(tensor.name.clone()).or_insert((s, o));
+                    }
+                }
+            }
+        }
+        let mut st = RankState {
+            plan,
+            graph,
+            rank,
+            comm,
+            program,
+            tp,
+            cp,
+            dp_index: coords.get("dp").copied().unwrap_or(0),
+            dp_size: size_of("dp"),
+            coords,
+            groups,
+            seq_len: seq_len as usize,
+            global_batch: global_batch as usize,
+            mbs: plan.strategy.mbs as usize,
+            opts: opts.clone(),
+            users,
+            weights: BTreeMap::new(),
+            wgrads: BTreeMap::new(),
+            shard_grads: BTreeMap::new(),
+            adam: BTreeMap::new(),
+            reduced: BTreeMap::new(),
+            tasks: BTreeMap::new(),
+            hidden: Vec::new(),
+            grad_hidden: Vec::new(),
+            loss_part: 0.0,
+            step_no: 0,
+        };
+        st.init_weights()?;
+        Ok(st)
+    }
+
+    fn phase(&self) -> Result<&'a meshplan_ir::plan::Phase, RankError> {
+        self.program
+            .phases
+            .first()
+            .ok_or_else(|| fail("the program has no phase"))
+    }
+
+    /// Layers of this rank: (segment index, layer key) per segment copy it runs.
+    fn copies(&self) -> Result<Vec<(usize, u64)>, RankError> {
+        let mut out = Vec::new();
+        for ch in &self.phase()?.chunks {
+            let mut layer = ch.layer_start;
+            for instr in &ch.forward {
+                if let Instr::Segment {
+                    name, kind, repeat, ..
+                } = instr
+                {
+                    let s = self.segment_index(name)?;
+                    for _ in 0..*repeat {
+                        if *kind == SegmentKind::Block {
+                            out.push((s, layer));
+                            layer += 1;
+                        } else {
+                            out.push((s, NO_LAYER));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn segment_index(&self, name: &str) -> Result<usize, RankError> {
+        self.graph
+            .segments
+            .iter()
+            .position(|s| s.name == name)
+            .ok_or_else(|| fail(format!("segment `{name}` is not in the plan's graph")))
+    }
+
+    fn init_weights(&mut self) -> Result<(), RankError> {
+        for (s, layer) in self.copies()? {
+            let seg = &self.graph.segments[s];
+            for op in &seg.ops {
+                for &w in &op.inputs {
+                    let t = self.graph.tensor(w);
+                    if t.kind != TensorKind::Weight {
+                        continue;
+                    }
+                    let key = (t.name.clone(), layer);
+                    if self.weights.contains_key(&key) {
+                        continue;
+                    }
+                    let shape = fixed_shape(t)?;
+                    let elems: usize = shape.iter().product();
+                    let kind = match op.kind {
+                        OpKind::Norm(_) if shape.len() == 1 && op.inputs.get(1) == Some(&w) => {
+                            InitKind::Ones
+                        }
+                        _ if shape.len() == 1 => InitKind::Zeros,
+                        _ => InitKind::Normal(0.02),
+                    };
+                    let full = init_full(self.opts.seed, &t.name, layer, elems, kind);
+                    let local = local_weight(self.graph, op, op.role, w, &full, &shape, self.tp);
+                    self.wgrads.insert(key.clone(), vec![0.0; local.len()]);
+                    self.weights.insert(key, local);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Keys of the weights of a parameter set (`dense` or `experts`), optionally of
+    /// one segment copy, in the canonical (sorted) order every rank uses.
+    fn set_keys(&self, what: &str, copy: Option<(usize, u64)>) -> Vec<Key> {
+        let expert = what == "experts";
+        self.weights
+            .keys()
+            .filter(|(name, layer)| {
+                let is_expert = self
+                    .graph
+                    .tensors
+                    .iter()
+                    .find(|t| &t.name == name)
+                    .is_some_and(|t| t.split == meshplan_ir::TpSplit::Experts);
+                if is_expert != expert {
+                    return false;
+                }
+                match copy {
+                    Some((s, l)) => {
+                        *layer == l
+                            && self.users.get(name).is_some_and(|&(us, _)| {
+                                self.graph.segments[us].name == self.graph.segments[s].name
+                            })
+                    }
+                    None => true,
+                }
+            })
+            .cloned()
+            .collect()
+    }
+
+    fn flat(&self, map: &BTreeMap<Key, Vec<f32>>, keys: &[Key]) -> Vec<f32> {
+        let mut out = Vec::new();
+        for key in keys {
+            if let Some(v) = map.get(key) {
+                out.extend_from_slice(v);
+            }
+        }
+        out
+    }
+
+    fn unflat(
+        map: &mut BTreeMap<Key, Vec<f32>>,
+        keys: &[Key],
+        flat: &[f32],
+        range: (usize, usize),
+    ) {
+        let mut off = 0;
+        for key in keys {
+            if let Some(v) = map.get_mut(key) {
+                for (i, x) in v.iter_mut().enumerate() {
+                    let g = off + i;
+                    if g >= range.0 && g < range.1 {
+                        *x = flat[g];
+                    }
+                }
+                off += v.len();
+            }
+        }
+    }
+
+    fn group(&self, name: &str) -> Result<Group, RankError> {
+        self.groups
+            .get(name)
+            .cloned()
+            .ok_or_else(|| fail(format!("group `{name}` is not in the plan's mesh")))
+    }
+
+    /// One optimizer step: every task of the schedule, then the step list.
+    fn step(&mut self, step: u64) -> Result<f64, RankError> {
+        self.step_no = step;
+        self.loss_part = 0.0;
+        for g in self.wgrads.values_mut() {
+            g.iter_mut().for_each(|x| *x = 0.0);
+        }
+        self.shard_grads.clear();
+        let phase = self.phase()?;
+        for task in &phase.schedule {
+            let ch = phase
+                .chunks
+                .iter()
+                .find(|c| c.chunk == task.chunk)
+                .ok_or_else(|| fail(format!("schedule names chunk {}", task.chunk)))?;
+            match task.pass {
+                Pass::F => {
+                    let mut store = Store::default();
+                    self.load_batch(&mut store, task.mb)?;
+                    self.hidden.clear();
+                    let mut layer = ch.layer_start;
+                    self.run_forward(&ch.forward, &mut store, &mut layer, NO_LAYER)?;
+                    self.tasks.insert((task.chunk, task.mb), store);
+                }
+                Pass::B => {
+                    let mut store = self
+                        .tasks
+                        .remove(&(task.chunk, task.mb))
+                        .ok_or_else(|| fail("a backward before its forward"))?;
+                    self.grad_hidden.clear();
+                    let mut layer = ch.layer_end;
+                    self.run_backward(&ch.backward, &mut store, &mut layer)?;
+                }
+            }
+        }
+        let step_list = phase.step.clone();
+        self.run_step(&step_list)?;
+        Ok(self.loss_part)
+    }
+
+    /// Tokens and labels of micro-batch `mb` on this rank, sequence-major.
+    fn load_batch(&self, store: &mut Store, mb: u64) -> Result<(), RankError> {
+        let per_dp = self.global_batch / self.dp_size.max(1);
+        let s_local = self.seq_len / self.cp.size;
+        let s0 = self.cp.rank * s_local;
+        let b = self.mbs;
+        let vocab = self.vocab();
+        let mut tokens = vec![0.0f32; s_local * b];
+        let mut labels = vec![0.0f32; s_local * b];
+        for bi in 0..b {
+            let seq_index = (self.dp_index * per_dp + mb as usize * b + bi) as u64;
+            let seq =
+                synthetic_sequence(self.opts.seed, self.step_no, seq_index, self.seq_len, vocab);
+            for si in 0..s_local {
+                tokens[si * b + bi] = seq[s0 + si] as f32;
+                labels[si * b + bi] = seq[s0 + si + 1] as f32;
+            }
+        }
+        store.acts.insert((NO_LAYER, "tokens".into()), tokens);
+        store.acts.insert((NO_LAYER, "labels".into()), labels);
+        Ok(())
+    }
+
+    fn vocab(&self) -> u64 {
+        for op in self.graph.segments.iter().flat_map(|s| &s.ops) {
+            if let OpKind::CrossEntropy { vocab } = op.kind {
+                return vocab;
+            }
+        }
+        2
+    }
+
+    fn peer(&self, stage: u64) -> Result<usize, RankError> {
+        let mut coords: Vec<u64> = self
+            .plan
+            .mesh
+            .axes
+            .iter()
+            .map(|a| self.coords.get(a).copied().unwrap_or(0) as u64)
+            .collect();
+        let pp_axis = self
+            .plan
+            .mesh
+            .axes
+            .iter()
+            .position(|a| a == "pp")
+            .ok_or_else(|| fail("the mesh has no pp axis"))?;
+        coords[pp_axis] = stage;
+        self.plan
+            .ranks
+            .iter()
+            .find(|r| r.coords == coords)
+            .map(|r| r.rank as usize)
+            .ok_or_else(|| fail(format!("no rank at {coords:?}")))
+    }
+
+    fn run_forward(
+        &mut self,
+        instrs: &[Instr],
+        store: &mut Store,
+        layer: &mut u64,
+        cur: u64,
+    ) -> Result<(), RankError> {
+        for instr in instrs {
+            match instr {
+                Instr::Segment {
+                    name,
+                    kind,
+                    repeat,
+                    body,
+                } => {
+                    let s = self.segment_index(name)?;
+                    for _ in 0..*repeat {
+                        let l = if *kind == SegmentKind::Block {
+                            let l = *layer;
+                            *layer += 1;
+                            l
+                        } else {
+                            NO_LAYER
+                        };
+                        if let Some(input) = segment_input(self.graph, s) {
+                            store.acts.insert((l, input), self.hidden.clone());
+                        }
+                        self.run_forward(body, store, layer, l)?;
+                        if let Some(out) = segment_output(self.graph, s) {
+                            if let Some(v) = store.acts.get(&(l, out)) {
+                                self.hidden = v.clone();
+                            }
+                        }
+                    }
+                }
+                Instr::Recompute { body } => self.run_forward(body, store, layer, cur)?,
+                Instr::Compute { name, outputs, .. } => {
+                    let op = self.find_op(name)?;
+                    let out_rows = outputs
+                        .first()
+                        .map(|t| {
+                            let n = t.shape.len();
+                            t.shape[..n.saturating_sub(1)].iter().product::<u64>() as usize
+                        })
+                        .unwrap_or(0);
+                    self.forward_op(op, cur, store, out_rows)?;
+                }
+                Instr::Collective {
+                    kind,
+                    group,
+                    axis,
+                    tensor,
+                    ..
+                } => self.collective(*kind, group, *axis, tensor, cur, store, false)?,
+                Instr::Send {
+                    peer_stage, bytes, ..
+                } => {
+                    let peer = self.peer(*peer_stage)?;
+                    let n = (*bytes / 4.0) as usize;
+                    let part = slice_for(&self.hidden, n, self.tp)?;
+                    self.comm.send(peer, "pp", &part)?;
+                }
+                Instr::Recv {
+                    peer_stage, bytes, ..
+                } => {
+                    let peer = self.peer(*peer_stage)?;
+                    let mut buf = vec![0.0f32; (*bytes / 4.0) as usize];
+                    self.comm.recv(peer, "pp", &mut buf)?;
+                    self.hidden = buf;
+                }
+                Instr::RingPass { .. } => {
+                    return Err(fail(
+                        "ring attention (cp > 1) is not run by the CPU executor yet",
+                    ))
+                }
+                Instr::Optimizer { .. } => {}
+            }
+        }
+        Ok(())
+    }
+
+    fn run_backward(
+        &mut self,
+        instrs: &[Instr],
+        store: &mut Store,
+        layer: &mut u64,
+    ) -> Result<(), RankError> {
+        for instr in instrs {
+            match instr {
+                Instr::Segment {
+                    name,
+                    kind,
+                    repeat,
+                    body,
+                } => {
+                    let s = self.segment_index(name)?;
+                    for _ in 0..*repeat {
+                        let l = if *kind == SegmentKind::Block {
+                            *layer -= 1;
+                            *layer
+                        } else {
+                            NO_LAYER
+                        };
+                        if let Some(out) = segment_output(self.graph, s) {
+                            if !self.grad_hidden.is_empty() {
+                                store.grads.insert((l, out), self.grad_hidden.clone());
+                            }
+                        }
+                        self.run_backward_body(body, store, l, s)?;
+                        if let Some(input) = segment_input(self.graph, s) {
+                            self.grad_hidden = store.grads.remove(&(l, input)).unwrap_or_default();
+                        }
+                    }
+                }
+                Instr::Collective {
+                    group,
+                    axis,
+                    tensor,
+                    ..
+                } => {
+                    if tensor == "grad:hidden_states" {
+                        let g = self.group(group)?;
+                        let mut out = vec![0.0f32; self.grad_hidden.len() * g.size()];
+                        self.comm
+                            .all_gather(&g, axis.name(), &self.grad_hidden, &mut out)?;
+                        self.grad_hidden = out;
+                    } else {
+                        return Err(fail(format!(
+                            "unexpected collective on `{tensor}` outside a segment"
+                        )));
+                    }
+                }
+                Instr::Send {
+                    peer_stage, bytes, ..
+                } => {
+                    let peer = self.peer(*peer_stage)?;
+                    let n = (*bytes / 4.0) as usize;
+                    let part = slice_for(&self.grad_hidden, n, self.tp)?;
+                    self.comm.send(peer, "pp", &part)?;
+                }
+                Instr::Recv {
+                    peer_stage, bytes, ..
+                } => {
+                    let peer = self.peer(*peer_stage)?;
+                    let mut buf = vec![0.0f32; (*bytes / 4.0) as usize];
+                    self.comm.recv(peer, "pp", &mut buf)?;
+                    self.grad_hidden = buf;
+                }
+                other => {
+                    return Err(fail(format!(
+                        "unexpected instruction in a backward list: {other:?}"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run_backward_body(
+        &mut self,
+        body: &[Instr],
+        store: &mut Store,
+        l: u64,
+        s: usize,
+    ) -> Result<(), RankError> {
+        for instr in body {
+            match instr {
+                Instr::Recompute { body } => {
+                    let mut dummy = l;
+                    self.run_forward(body, store, &mut dummy, l)?;
+                }
+                Instr::Compute { name, .. } => {
+                    let op = self.find_op(name)?;
+                    self.backward_op(op, l, store)?;
+                }
+                Instr::Collective {
+                    kind,
+                    group,
+                    axis,
+                    tensor,
+                    ..
+                } => self.collective(*kind, group, *axis, tensor, l, store, true)?,
+                other => {
+                    let _ = s;
+                    return Err(fail(format!(
+                        "unexpected instruction in a segment's backward: {other:?}"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn find_op(&self, name: &str) -> Result<&'a Op, RankError> {
+        self.graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find(|o| o.name == name)
+            .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
+    }
+
+    fn act(&self, store: &Store, l: u64, id: meshplan_ir::TensorId) -> Result<Vec<f32>, RankError> {
+        let name = &self.graph.tensor(id).name;
+        let key_l = if name == "tokens" || name == "labels" {
+            NO_LAYER
+        } else {
+            l
+        };
+        store
+            .acts
+            .get(&(key_l, name.clone()))
+            .cloned()
+            .ok_or_else(|| fail(format!("tensor `{name}` (layer {l}) has not been produced")))
+    }
+
+    /// The input as a column-parallel op reads it: gathered when sequence parallelism
+    /// gathered it.
+    fn act_gathered(
+        &self,
+        store: &Store,
+        l: u64,
+        id: meshplan_ir::TensorId,
+    ) -> Result<Vec<f32>, RankError> {
+        let name = format!("{}@g", self.graph.tensor(id).name);
+        match store.acts.get(&(l, name)) {
+            Some(v) => Ok(v.clone()),
+            None => self.act(store, l, id),
+        }
+    }
+
+    fn weight(&self, id: meshplan_ir::TensorId, l: u64) -> Result<&Vec<f32>, RankError> {
+        let name = &self.graph.tensor(id).name;
+        self.weights
+            .get(&(name.clone(), l))
+            .or_else(|| self.weights.get(&(name.clone(), NO_LAYER)))
+            .ok_or_else(|| {
+                fail(format!(
+                    "weight `{name}` (layer {l}) is not held by rank {}",
+                    self.rank
+                ))
+            })
+    }
+
+    fn wkey(&self, id: meshplan_ir::TensorId, l: u64) -> Key {
+        let name = self.graph.tensor(id).name.clone();
+        if self.weights.contains_key(&(name.clone(), l)) {
+            (name, l)
+        } else {
+            (name, NO_LAYER)
+        }
+    }
+
+    fn add_grad(store: &mut Store, l: u64, name: &str, g: &[f32]) {
+        let e = store
+            .grads
+            .entry((l, name.to_string()))
+            .or_insert_with(|| vec![0.0; g.len()]);
+        if e.len() == g.len() {
+            for (a, b) in e.iter_mut().zip(g) {
+                *a += b;
+            }
+        } else {
+            *e = g.to_vec();
+        }
+    }
+
+    fn out_name(&self, op: &Op) -> String {
+        op.outputs
+            .first()
+            .map(|&t| self.graph.tensor(t).name.clone())
+            .unwrap_or_default()
+    }
+
+    fn attention_dims(
+        &self,
+        op: &Op,
+        rows: usize,
+    ) -> Result<(k::AttnDims, usize, usize), RankError> {
+        let OpKind::Attention(a) = &op.kind else {
+            return Err(fail("not an attention op"));
+        };
+        let (hq, hkv, _) = if op.role == TpRole::Replicated {
+            (a.heads as usize, a.kv_heads as usize, 0)
+        } else {
+            local_heads(a.heads, a.kv_heads, self.tp)
+        };
+        let b = self.mbs;
+        let s = rows / b.max(1);
+        Ok((
+            k::AttnDims {
+                batch: b,
+                sq: s,
+                sk: s,
+                hq,
+                hkv,
+                d: a.qk_dim as usize,
+                dv: a.v_dim as usize,
+            },
+            hq,
+            hkv,
+        ))
+    }
+
+    fn forward_op(
+        &mut self,
+        op: &Op,
+        l: u64,
+        store: &mut Store,
+        out_rows: usize,
+    ) -> Result<(), RankError> {
+        let out = self.out_name(op);
+        let eps = self.graph.constants.norm_eps as f32;
+        match &op.kind {
+            OpKind::Embedding => {
+                let ids = self.act(store, l, op.inputs[0])?;
+                let table = self.weight(op.inputs[1], l)?;
+                let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
+                    .last()
+                    .unwrap_or(&1);
+                let (vocab_start, ids) = self.embedding_rows(op, &ids, out_rows, dim)?;
+                let ids: Vec<u32> = ids.iter().map(|&x| x as u32).collect();
+                let mut y = vec![0.0; ids.len() * dim];
+                k::embedding_fwd(&ids, table, vocab_start, dim, &mut y).map_err(kerr(&op.name))?;
+                store.acts.insert((l, out), y);
+            }
+            OpKind::Norm(kind) => {
+                let x = self.act(store, l, op.inputs[0])?;
+                let w = self.weight(op.inputs[1], l)?.clone();
+                let dim = w.len();
+                let rows = x.len() / dim;
+                let mut y = vec![0.0; x.len()];
+                let mut rstd = vec![0.0; rows];
+                match kind {
+                    NormKind::Rmsnorm => k::rmsnorm_fwd(&x, &w, rows, dim, eps, &mut y, &mut rstd),
+                    NormKind::Layernorm => {
+                        let b = match op.inputs.get(2) {
+                            Some(&bid) => self.weight(bid, l)?.clone(),
+                            None => vec![0.0; dim],
+                        };
+                        let mut mean = vec![0.0; rows];
+                        let r = k::layernorm_fwd(
+                            &x, &w, &b, rows, dim, eps, &mut y, &mut mean, &mut rstd,
+                        );
+                        store.acts.insert((l, format!("{}#mean", op.name)), mean);
+                        r
+                    }
+                }
+                .map_err(kerr(&op.name))?;
+                store.acts.insert((l, format!("{}#rstd", op.name)), rstd);
+                store.acts.insert((l, out), y);
+            }
+            OpKind::Matmul { .. } => {
+                let gathered = matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead);
+                let x = if gathered {
+                    self.act_gathered(store, l, op.inputs[0])?
+                } else {
+                    self.act(store, l, op.inputs[0])?
+                };
+                let w = self.weight(op.inputs[1], l)?;
+                let (kk, n) = self.matmul_dims(op, w.len())?;
+                let rows = x.len() / kk.max(1);
+                let mut y = vec![0.0; rows * n];
+                k::matmul(
+                    k::Transpose::No,
+                    k::Transpose::No,
+                    rows,
+                    kk,
+                    n,
+                    &x,
+                    w,
+                    0.0,
+                    &mut y,
+                )
+                .map_err(kerr(&op.name))?;
+                if let Some(&bid) = op.inputs.get(2) {
+                    // A row-parallel bias is added once, before the partial sums meet.
+                    if op.role != TpRole::RowParallel || self.tp.rank == 0 {
+                        let b = self.weight(bid, l)?;
+                        for r in 0..rows {
+                            for c in 0..n {
+                                y[r * n + c] += b[c];
+                            }
+                        }
+                    }
+                }
+                store.acts.insert((l, out), y);
+            }
+            OpKind::Rope => {
+                let x = self.act(store, l, op.inputs[0])?;
+                let att = self.consumer_attention(op)?;
+                let rows = x.len() / self.qkv_width(att)?;
+                let y = self.rope(att, &x, rows, false)?;
+                store.acts.insert((l, out), y);
+            }
+            OpKind::Attention(a) => {
+                let x = self.act(store, l, op.inputs[0])?;
+                let width = self.qkv_width(op)?;
+                let rows = x.len() / width;
+                let (dims, hq, hkv) = self.attention_dims(op, rows)?;
+                let (q, kk, v) = split_qkv(&x, rows, hq, hkv, dims.d, dims.dv, self.mbs);
+                let mut o = vec![0.0; dims.batch * dims.sq * hq * dims.dv];
+                let mut lse = vec![0.0; dims.batch * hq * dims.sq];
+                let pos0 = self.cp.rank * self.seq_len / self.cp.size;
+                let scale = 1.0 / (a.qk_dim as f32).sqrt();
+                k::attention_fwd(
+                    &dims, &q, &kk, &v, pos0, pos0, a.causal, scale, &mut o, &mut lse,
+                )
+                .map_err(kerr(&op.name))?;
+                store.acts.insert((l, format!("{}#lse", op.name)), lse);
+                store.acts.insert((l, format!("{}#o", op.name)), o.clone());
+                store
+                    .acts
+                    .insert((l, out), bshd_to_sbhd(&o, self.mbs, dims.sq, hq * dims.dv));
+            }
+            OpKind::Activation(kind) => {
+                let x = self.act(store, l, op.inputs[0])?;
+                let y = match kind {
+                    meshplan_ir::MlpKind::Swiglu => {
+                        let f = self.swiglu_width(op)?;
+                        let rows = x.len() / (2 * f);
+                        let mut y = vec![0.0; rows * f];
+                        k::swiglu_fwd(&x, rows, f, &mut y).map_err(kerr(&op.name))?;
+                        y
+                    }
+                    meshplan_ir::MlpKind::Gelu => {
+                        let mut y = vec![0.0; x.len()];
+                        k::gelu_fwd(&x, &mut y).map_err(kerr(&op.name))?;
+                        y
+                    }
+                };
+                store.acts.insert((l, out), y);
+            }
+            OpKind::Add => {
+                let a = self.act(store, l, op.inputs[0])?;
+                let b = self.act(store, l, op.inputs[1])?;
+                let mut y = vec![0.0; a.len()];
+                k::add(&a, &b, &mut y).map_err(kerr(&op.name))?;
+                store.acts.insert((l, out), y);
+            }
+            OpKind::Dropout => {
+                // Probability 0 in the models the CPU executor runs: an identity.
+                let x = self.act(store, l, op.inputs[0])?;
+                store.acts.insert((l, out), x);
+            }
+            OpKind::CrossEntropy { vocab } => {
+                let logits = self.act(store, l, op.inputs[0])?;
+                let labels = self.act(store, l, op.inputs[1])?;
+                let rows = labels.len();
+                let v_local = logits.len() / rows.max(1);
+                let mut max = vec![0.0; rows];
+                k::ce_row_max(&logits, rows, v_local, &mut max).map_err(kerr(&op.name))?;
+                store.acts.insert((l, format!("{}.max", op.name)), max);
+                if op.role != TpRole::VocabLoss || self.tp.size == 1 {
+                    self.loss_after_max(op, l, store)?;
+                    self.loss_finish(op, l, store)?;
+                }
+                let _ = vocab;
+            }
+            OpKind::Router { .. } | OpKind::Experts(_) => {
+                return Err(fail(
+                    "mixture-of-experts layers are not run by the CPU executor yet",
+                ))
+            }
+        }
+        Ok(())
+    }
+
+    /// The ids a rank looks up and the first vocabulary row it holds.
+    fn embedding_rows(
+        &self,
+        op: &Op,
+        ids: &[f32],
+        out_rows: usize,
+        _dim: usize,
+    ) -> Result<(usize, Vec<f32>), RankError> {
+        let vocab_start = if op.role == TpRole::VocabEmbedding {
+            let v = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
+            self.tp.rank * v / self.tp.size
+        } else {
+            0
+        };
+        if op.role != TpRole::VocabEmbedding && out_rows > 0 && out_rows < ids.len() {
+            // A replicated table under sequence parallelism: this rank looks up its own
+            // block of sequence positions (a vocabulary-parallel one looks up every
+            // position and reduce-scatters the partial rows).
+            let c = out_rows;
+            return Ok((
+                vocab_start,
+                ids[self.tp.rank * c..(self.tp.rank + 1) * c].to_vec(),
+            ));
+        }
+        Ok((vocab_start, ids.to_vec()))
+    }
+
+    fn loss_after_max(&mut self, op: &Op, l: u64, store: &mut Store) -> Result<(), RankError> {
+        let logits = self.act(store, l, op.inputs[0])?;
+        let labels = self.act(store, l, op.inputs[1])?;
+        let rows = labels.len();
+        let v_local = logits.len() / rows.max(1);
+        let max = store
+            .acts
+            .get(&(l, format!("{}.max", op.name)))
+            .cloned()
+            .ok_or_else(|| fail("loss max missing"))?;
+        let mut se = vec![0.0; rows];
+        k::ce_row_sumexp(&logits, rows, v_local, &max, &mut se).map_err(kerr(&op.name))?;
+        store.acts.insert((l, format!("{}.sum_exp", op.name)), se);
+        let lab: Vec<u32> = labels.iter().map(|&x| x as u32).collect();
+        let mut target = vec![0.0; rows];
+        let start = if op.role == TpRole::VocabLoss {
+            self.tp.rank * v_local
+        } else {
+            0
+        };
+        k::ce_target_logit(&logits, &lab, rows, v_local, start, &mut target)
+            .map_err(kerr(&op.name))?;
+        store
+            .acts
+            .insert((l, format!("{}.target", op.name)), target);
+        Ok(())
+    }
+
+    fn loss_finish(&mut self, op: &Op, l: u64, store: &mut Store) -> Result<(), RankError> {
+        let get = |what: &str| {
+            store
+                .acts
+                .get(&(l, format!("{}.{what}", op.name)))
+                .cloned()
+                .ok_or_else(|| fail(format!("loss {what} missing")))
+        };
+        let (max, se, target) = (get("max")?, get("sum_exp")?, get("target")?);
+        let mut loss = vec![0.0; max.len()];
+        k::ce_loss(&max, &se, &target, &mut loss).map_err(kerr(&op.name))?;
+        if self.tp.rank == 0 {
+            let scale = 1.0 / (self.global_batch * self.seq_len) as f64;
+            self.loss_part += loss.iter().map(|&x| x as f64).sum::<f64>() * scale;
+        }
+        Ok(())
+    }
+
+    fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: &str,
+        axis: Axis,
+        tensor: &str,
+        l: u64,
+        store: &mut Store,
+        backward: bool,
+    ) -> Result<(), RankError> {
+        let g = self.group(group)?;
+        let n = g.size();
+        let ax = axis.name();
+        // Parameter sets (ZeRO-3 inside a segment).
+        if let Some(rest) = tensor.strip_prefix("params:") {
+            return self.zero3_gather(&g, ax, rest, l);
+        }
+        if let Some(rest) = tensor.strip_prefix("grads:") {
+            return self.zero3_scatter(&g, ax, rest, l);
+        }
+        if let Some(name) = tensor.strip_prefix("grad:") {
+            let key = (l, name.to_string());
+            let gkey = (l, format!("{name}@g"));
+            match kind {
+                CollectiveKind::AllReduce => {
+                    let buf = store
+                        .grads
+                        .get_mut(&key)
+                        .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
+                    self.comm.all_reduce(&g, ax, buf)?;
+                }
+                CollectiveKind::ReduceScatter => {
+                    let full = store
+                        .grads
+                        .remove(&gkey)
+                        .or_else(|| store.grads.remove(&key))
+                        .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
+                    let mut out = vec![0.0; full.len() / n];
+                    self.comm.reduce_scatter(&g, ax, &full, &mut out)?;
+                    Self::add_grad(store, l, name, &out);
+                }
+                CollectiveKind::AllGather => {
+                    let local = store
+                        .grads
+                        .get(&key)
+                        .cloned()
+                        .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
+                    let mut out = vec![0.0; local.len() * n];
+                    self.comm.all_gather(&g, ax, &local, &mut out)?;
+                    store.grads.insert(key, out);
+                }
+                other => return Err(fail(format!("{other:?} on a gradient is not supported"))),
+            }
+            return Ok(());
+        }
+        if tensor == "hidden_states" {
+            let mut out = vec![0.0f32; self.hidden.len() * n];
+            self.comm.all_gather(&g, ax, &self.hidden, &mut out)?;
+            self.hidden = out;
+            return Ok(());
+        }
+        // Loss statistics.
+        for (suffix, then) in [(".max", 1), (".sum_exp", 2), (".target", 3)] {
+            if let Some(op_name) = tensor.strip_suffix(suffix) {
+                if let Ok(op) = self.find_op(op_name) {
+                    if matches!(op.kind, OpKind::CrossEntropy { .. }) {
+                        if backward {
+                            return Ok(());
+                        }
+                        let buf = store
+                            .acts
+                            .get_mut(&(l, tensor.to_string()))
+                            .ok_or_else(|| fail(format!("`{tensor}` missing")))?;
+                        match suffix {
+                            ".max" => {
+                                // The plan reduces by sum: the shift of the log-sum-exp
+                                // becomes the mean of the local maxima, which is exact
+                                // for any common shift and safe at these magnitudes.
+                                self.comm.all_reduce(&g, ax, buf)?;
+                                let inv = 1.0 / n as f32;
+                                buf.iter_mut().for_each(|x| *x *= inv);
+                            }
+                            _ => self.comm.all_reduce(&g, ax, buf)?,
+                        }
+                        match then {
+                            1 => self.loss_after_max(op, l, store)?,
+                            3 => self.loss_finish(op, l, store)?,
+                            _ => {}
+                        }
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        let key = (l, tensor.to_string());
+        match kind {
+            CollectiveKind::AllReduce => {
+                let buf = store
+                    .acts
+                    .get_mut(&key)
+                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
+                self.comm.all_reduce(&g, ax, buf)?;
+            }
+            CollectiveKind::ReduceScatter => {
+                let full = store
+                    .acts
+                    .get(&key)
+                    .cloned()
+                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
+                let mut out = vec![0.0; full.len() / n];
+                self.comm.reduce_scatter(&g, ax, &full, &mut out)?;
+                store.acts.insert(key, out);
+            }
+            CollectiveKind::AllGather => {
+                let local = store
+                    .acts
+                    .get(&key)
+                    .cloned()
+                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
+                let mut out = vec![0.0; local.len() * n];
+                self.comm.all_gather(&g, ax, &local, &mut out)?;
+                store.acts.insert((l, format!("{tensor}@g")), out);
+            }
+            other => return Err(fail(format!("{other:?} on `{tensor}` is not supported"))),
+        }
+        Ok(())
+    }
+
+    fn zero3_gather(&mut self, g: &Group, ax: &str, what: &str, l: u64) -> Result<(), RankError> {
+        let (seg, set) = what
+            .rsplit_once('.')
+            .ok_or_else(|| fail(format!("bad parameter set `{what}`")))?;
+        let s = self.segment_index(seg)?;
+        let keys = self.set_keys(set, Some((s, l)));
+        let flat = self.flat(&self.weights, &keys);
+        let n = g.size();
+        if flat.len() % n != 0 {
+            return Err(fail(format!(
+                "{} parameters of `{what}` do not split over {n} ranks",
+                flat.len()
+            )));
+        }
+        let c = flat.len() / n;
+        let me = g.index_of(self.rank).unwrap_or(0);
+        let mut out = vec![0.0; flat.len()];
+        self.comm
+            .all_gather(g, ax, &flat[me * c..(me + 1) * c], &mut out)?;
+        Self::unflat(&mut self.weights, &keys, &out, (0, out.len()));
+        Ok(())
+    }
+
+    fn zero3_scatter(&mut self, g: &Group, ax: &str, what: &str, l: u64) -> Result<(), RankError> {
+        let Some((seg, set)) = what.rsplit_once('.') else {
+            return Err(fail(format!("bad gradient set `{what}`")));
+        };
+        let s = self.segment_index(seg)?;
+        let keys = self.set_keys(set, Some((s, l)));
+        let flat = self.flat(&self.wgrads, &keys);
+        let n = g.size();
+        let mut out = vec![0.0; flat.len() / n];
+        self.comm.reduce_scatter(g, ax, &flat, &mut out)?;
+        for key in &keys {
+            if let Some(v) = self.wgrads.get_mut(key) {
+                v.iter_mut().for_each(|x| *x = 0.0);
+            }
+        }
+        let acc = self
+            .shard_grads
+            .entry((format!("{seg}.{set}"), l))
+            .or_insert_with(|| vec![0.0; out.len()]);
+        for (a, b) in acc.iter_mut().zip(&out) {
+            *a += b;
+        }
+        Ok(())
+    }
+
+    /// After training, gather ZeRO-3 shards so the report holds every local weight.
+    fn gather_zero3_for_report(&mut self) -> Result<(), RankError> {
+        if self.plan.strategy.zero < 3 || self.dp_size * self.cp.size <= 1 {
+            return Ok(());
+        }
+        let g = self.group("dp")?;
+        for (s, l) in self.copies()? {
+            let seg = self.graph.segments[s].name.clone();
+            if !self.set_keys("dense", Some((s, l))).is_empty() {
+                self.zero3_gather(&g, "dp", &format!("{seg}.dense"), l)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn run_step(&mut self, step: &[Instr]) -> Result<(), RankError> {
+        for instr in step {
+            match instr {
+                Instr::Collective {
+                    kind,
+                    group,
+                    axis,
+                    tensor,
+                    ..
+                } => {
+                    let g = self.group(group)?;
+                    let ax = axis.name();
+                    let n = g.size();
+                    let me = g.index_of(self.rank).unwrap_or(0);
+                    if tensor == "grads:seq_partial" {
+                        let keys: Vec<Key> = self
+                            .weights
+                            .keys()
+                            .filter(|(name, _)| {
+                                self.users.get(name).is_some_and(|&(s, o)| {
+                                    self.graph.segments[s].ops[o].role == TpRole::Replicated
+                                })
+                            })
+                            .cloned()
+                            .collect();
+                        let mut flat = self.flat(&self.wgrads, &keys);
+                        self.comm.all_reduce(&g, ax, &mut flat)?;
+                        Self::unflat(&mut self.wgrads, &keys, &flat, (0, flat.len()));
+                    } else if let Some(set) = tensor.strip_prefix("grads:") {
+                        let keys = self.set_keys(set, None);
+                        let mut flat = self.flat(&self.wgrads, &keys);
+                        match kind {
+                            CollectiveKind::AllReduce => {
+                                self.comm.all_reduce(&g, ax, &mut flat)?;
+                                Self::unflat(&mut self.wgrads, &keys, &flat, (0, flat.len()));
+                            }
+                            CollectiveKind::ReduceScatter => {
+                                let mut out = vec![0.0; flat.len() / n];
+                                self.comm.reduce_scatter(&g, ax, &flat, &mut out)?;
+                                self.reduced.insert(set.to_string(), out);
+                            }
+                            other => {
+                                return Err(fail(format!(
+                                    "{other:?} of gradients is not supported"
+                                )))
+                            }
+                        }
+                    } else if let Some(set) = tensor.strip_prefix("params:") {
+                        let keys = self.set_keys(set, None);
+                        let flat = self.flat(&self.weights, &keys);
+                        let c = flat.len() / n;
+                        let mut out = vec![0.0; flat.len()];
+                        self.comm
+                            .all_gather(&g, ax, &flat[me * c..(me + 1) * c], &mut out)?;
+                        Self::unflat(&mut self.weights, &keys, &out, (0, out.len()));
+                    } else {
+                        return Err(fail(format!("unexpected step collective on `{tensor}`")));
+                    }
+                }
+                Instr::Optimizer { params, .. } => self.optimizer(params)?,
+                other => return Err(fail(format!("unexpected step instruction {other:?}"))),
+            }
+        }
+        Ok(())
+    }
+
+    fn optimizer(&mut self, set: &str) -> Result<(), RankError> {
+        let zero = self.plan.strategy.zero;
+        let dpg = self.group(if set == "experts" { "edp" } else { "dp" })?;
+        let n = dpg.size();
+        let me = dpg.index_of(self.rank).unwrap_or(0);
+        let step = self.step_no + 1;
+        let (lr, b1, b2, eps, wd) = (self.opts.lr, 0.9, 0.95, 1e-8, 0.0);
+        if zero >= 3 && n > 1 {
+            // Each segment copy's shard, in the order the copies run.
+            for (s, l) in self.copies()? {
+                let seg = self.graph.segments[s].name.clone();
+                let keys = self.set_keys(set, Some((s, l)));
+                if keys.is_empty() {
+                    continue;
+                }
+                let mut flat = self.flat(&self.weights, &keys);
+                let c = flat.len() / n;
+                let grad = self
+                    .shard_grads
+                    .get(&(format!("{seg}.{set}"), l))
+                    .cloned()
+                    .unwrap_or_else(|| vec![0.0; c]);
+                let name = format!("{set}@{seg}@{l}");
+                let (m, v) = self
+                    .adam
+                    .entry(name)
+                    .or_insert_with(|| (vec![0.0; c], vec![0.0; c]));
+                k::adamw_step(
+                    &mut flat[me * c..(me + 1) * c],
+                    &grad,
+                    m,
+                    v,
+                    step,
+                    lr,
+                    b1,
+                    b2,
+                    eps,
+                    wd,
+                )
+                .map_err(kerr("adamw"))?;
+                Self::unflat(&mut self.weights, &keys, &flat, (me * c, (me + 1) * c));
+            }
+            return Ok(());
+        }
+        let keys = self.set_keys(set, None);
+        let mut flat = self.flat(&self.weights, &keys);
+        let (range, grad) = if zero >= 1 && n > 1 {
+            let c = flat.len() / n;
+            let g = self
+                .reduced
+                .remove(set)
+                .ok_or_else(|| fail(format!("no reduced gradients of `{set}`")))?;
+            ((me * c, (me + 1) * c), g)
+        } else {
+            ((0, flat.len()), self.flat(&self.wgrads, &keys))
+        };
+        let len = range.1 - range.0;
+        let (m, v) = self
+            .adam
+            .entry(set.to_string())
+            .or_insert_with(|| (vec![0.0; len], vec![0.0; len]));
+        k::adamw_step(
+            &mut flat[range.0..range.1],
+            &grad,
+            m,
+            v,
+            step,
+            lr,
+            b1,
+            b2,
+            eps,
+            wd,
+        )
+        .map_err(kerr("adamw"))?;
+        Self::unflat(&mut self.weights, &keys, &flat, range);
+        Ok(())
+    }
+}
+
+impl RankState<'_> {
+    fn matmul_dims(&self, op: &Op, w_len: usize) -> Result<(usize, usize), RankError> {
+        let shape = fixed_shape(self.graph.tensor(op.inputs[1]))?;
+        let (kf, nf) = (shape[0], shape[1]);
+        let t = self.tp.size;
+        Ok(match op.role {
+            TpRole::RowParallel => (kf / t, nf),
+            _ => {
+                let _ = nf;
+                (kf, w_len / kf.max(1))
+            }
+        })
+    }
+
+    fn consumer_attention(&self, op: &Op) -> Result<&Op, RankError> {
+        let out = op
+            .outputs
+            .first()
+            .ok_or_else(|| fail("rope without output"))?;
+        self.graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find(|o| o.inputs.first() == Some(out) && matches!(o.kind, OpKind::Attention(_)))
+            .ok_or_else(|| fail("rope feeds no attention op"))
+    }
+
+    fn qkv_width(&self, att: &Op) -> Result<usize, RankError> {
+        let OpKind::Attention(a) = &att.kind else {
+            return Err(fail("not attention"));
+        };
+        let (hq, hkv, _) = if att.role == TpRole::Replicated {
+            (a.heads as usize, a.kv_heads as usize, 0)
+        } else {
+            local_heads(a.heads, a.kv_heads, self.tp)
+        };
+        Ok(hq * a.qk_dim as usize + hkv * a.qk_dim as usize + hkv * a.v_dim as usize)
+    }
+
+    fn swiglu_width(&self, op: &Op) -> Result<usize, RankError> {
+        let t = self.graph.tensor(op.outputs[0]);
+        let full = *fixed_shape_tail(t).last().unwrap_or(&1);
+        Ok(if op.role == TpRole::Replicated {
+            full
+        } else {
+            full / self.tp.size
+        })
+    }
+
+    /// Rotates the query and key heads of a fused QKV row block (or, backward, their
+    /// gradients by the inverse rotation).
+    fn rope(
+        &self,
+        att: &Op,
+        x: &[f32],
+        rows: usize,
+        backward: bool,
+    ) -> Result<Vec<f32>, RankError> {
+        let OpKind::Attention(a) = &att.kind else {
+            return Err(fail("not attention"));
+        };
+        let (hq, hkv, _) = if att.role == TpRole::Replicated {
+            (a.heads as usize, a.kv_heads as usize, 0)
+        } else {
+            local_heads(a.heads, a.kv_heads, self.tp)
+        };
+        let d = a.qk_dim as usize;
+        let width = self.qkv_width(att)?;
+        let b = self.mbs;
+        let pos0 = self.cp.rank * self.seq_len / self.cp.size;
+        let positions: Vec<u32> = (0..rows).map(|r| (pos0 + r / b) as u32).collect();
+        let theta = self.graph.constants.rope_theta as f32;
+        let mut y = x.to_vec();
+        for (start, heads) in [(0, hq), (hq * d, hkv)] {
+            let mut part = vec![0.0; rows * heads * d];
+            for r in 0..rows {
+                part[r * heads * d..(r + 1) * heads * d]
+                    .copy_from_slice(&x[r * width + start..r * width + start + heads * d]);
+            }
+            let mut out = vec![0.0; part.len()];
+            if backward {
+                k::rope_bwd(&part, &positions, rows, heads, d, theta, &mut out)
+            } else {
+                k::rope_fwd(&part, &positions, rows, heads, d, theta, &mut out)
+            }
+            .map_err(kerr(&att.name))?;
+            for r in 0..rows {
+                y[r * width + start..r * width + start + heads * d]
+                    .copy_from_slice(&out[r * heads * d..(r + 1) * heads * d]);
+            }
+        }
+        Ok(y)
+    }
+
+    fn backward_op(&mut self, op: &Op, l: u64, store: &mut Store) -> Result<(), RankError> {
+        let out = self.out_name(op);
+        let dy = store.grads.get(&(l, out.clone())).cloned();
+        let in_name = |i: usize| self.graph.tensor(op.inputs[i]).name.clone();
+        match &op.kind {
+            OpKind::CrossEntropy { .. } => {
+                let logits = self.act(store, l, op.inputs[0])?;
+                let labels = self.act(store, l, op.inputs[1])?;
+                let rows = labels.len();
+                let v_local = logits.len() / rows.max(1);
+                let get = |what: &str| {
+                    store
+                        .acts
+                        .get(&(l, format!("{}.{what}", op.name)))
+                        .cloned()
+                        .ok_or_else(|| fail(format!("loss {what} missing")))
+                };
+                let (max, se) = (get("max")?, get("sum_exp")?);
+                let lab: Vec<u32> = labels.iter().map(|&x| x as u32).collect();
+                let start = if op.role == TpRole::VocabLoss {
+                    self.tp.rank * v_local
+                } else {
+                    0
+                };
+                let scale = 1.0 / (self.global_batch * self.seq_len) as f32;
+                let mut d = vec![0.0; logits.len()];
+                k::ce_bwd(
+                    &logits, rows, v_local, &max, &se, &lab, start, scale, &mut d,
+                )
+                .map_err(kerr(&op.name))?;
+                Self::add_grad(store, l, &in_name(0), &d);
+            }
+            _ => {
+                let Some(dy) = dy else {
+                    // Nothing downstream used this output.
+                    return Ok(());
+                };
+                self.backward_op_with(op, l, store, &dy)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn backward_op_with(
+        &mut self,
+        op: &Op,
+        l: u64,
+        store: &mut Store,
+        dy: &[f32],
+    ) -> Result<(), RankError> {
+        let in_name = |i: usize| self.graph.tensor(op.inputs[i]).name.clone();
+        match &op.kind {
+            OpKind::Embedding => {
+                let ids = self.act(store, l, op.inputs[0])?;
+                let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
+                    .last()
+                    .unwrap_or(&1);
+                let rows = dy.len() / dim;
+                let (vocab_start, ids) = self.embedding_rows(op, &ids, rows, dim)?;
+                let ids: Vec<u32> = ids.iter().map(|&x| x as u32).collect();
+                let key = self.wkey(op.inputs[1], l);
+                let dt = self
+                    .wgrads
+                    .get_mut(&key)
+                    .ok_or_else(|| fail("embedding gradient missing"))?;
+                k::embedding_bwd(&ids, dy, vocab_start, dim, dt).map_err(kerr(&op.name))?;
+            }
+            OpKind::Norm(kind) => {
+                let x = self.act(store, l, op.inputs[0])?;
+                let w = self.weight(op.inputs[1], l)?.clone();
+                let dim = w.len();
+                let rows = x.len() / dim;
+                let rstd = store
+                    .acts
+                    .get(&(l, format!("{}#rstd", op.name)))
+                    .cloned()
+                    .ok_or_else(|| fail("rstd missing"))?;
+                let mut dx = vec![0.0; x.len()];
+                let wkey = self.wkey(op.inputs[1], l);
+                let mut dw = self
+                    .wgrads
+                    .get(&wkey)
+                    .cloned()
+                    .ok_or_else(|| fail("norm gradient missing"))?;
+                match kind {
+                    NormKind::Rmsnorm => {
+                        k::rmsnorm_bwd(&x, &w, &rstd, dy, rows, dim, &mut dx, &mut dw)
+                            .map_err(kerr(&op.name))?
+                    }
+                    NormKind::Layernorm => {
+                        let mean = store
+                            .acts
+                            .get(&(l, format!("{}#mean", op.name)))
+                            .cloned()
+                            .ok_or_else(|| fail("mean missing"))?;
+                        let mut db = match op.inputs.get(2) {
+                            Some(&b) => self
+                                .wgrads
+                                .get(&self.wkey(b, l))
+                                .cloned()
+                                .unwrap_or_else(|| vec![0.0; dim]),
+                            None => vec![0.0; dim],
+                        };
+                        k::layernorm_bwd(
+                            &x, &w, &mean, &rstd, dy, rows, dim, &mut dx, &mut dw, &mut db,
+                        )
+                        .map_err(kerr(&op.name))?;
+                        if let Some(&b) = op.inputs.get(2) {
+                            let bk = self.wkey(b, l);
+                            self.wgrads.insert(bk, db);
+                        }
+                    }
+                }
+                self.wgrads.insert(wkey, dw);
+                Self::add_grad(store, l, &in_name(0), &dx);
+            }
+            OpKind::Matmul { .. } => {
+                let gathered = matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead);
+                let x = if gathered {
+                    self.act_gathered(store, l, op.inputs[0])?
+                } else {
+                    self.act(store, l, op.inputs[0])?
+                };
+                let w = self.weight(op.inputs[1], l)?.clone();
+                let (kk, n) = self.matmul_dims(op, w.len())?;
+                let rows = x.len() / kk.max(1);
+                let mut dx = vec![0.0; rows * kk];
+                k::matmul(
+                    k::Transpose::No,
+                    k::Transpose::Yes,
+                    rows,
+                    n,
+                    kk,
+                    dy,
+                    &w,
+                    0.0,
+                    &mut dx,
+                )
+                .map_err(kerr(&op.name))?;
+                let wkey = self.wkey(op.inputs[1], l);
+                let dw = self
+                    .wgrads
+                    .get_mut(&wkey)
+                    .ok_or_else(|| fail("matmul gradient missing"))?;
+                k::matmul(
+                    k::Transpose::Yes,
+                    k::Transpose::No,
+                    kk,
+                    rows,
+                    n,
+                    &x,
+                    dy,
+                    1.0,
+                    dw,
+                )
+                .map_err(kerr(&op.name))?;
+                if let Some(&b) = op.inputs.get(2) {
+                    let bk = self.wkey(b, l);
+                    if let Some(db) = self.wgrads.get_mut(&bk) {
+                        for r in 0..rows {
+                            for c in 0..n {
+                                db[c] += dy[r * n + c];
+                            }
+                        }
+                    }
+                }
+                let name = in_name(0);
+                let sp_gathered = gathered && store.acts.contains_key(&(l, format!("{name}@g")));
+                if sp_gathered {
+                    Self::add_grad(store, l, &format!("{name}@g"), &dx);
+                } else {
+                    Self::add_grad(store, l, &name, &dx);
+                }
+            }
+            OpKind::Rope => {
+                let att = self.consumer_attention(op)?;
+                let rows = dy.len() / self.qkv_width(att)?;
+                let dx = self.rope(att, dy, rows, true)?;
+                Self::add_grad(store, l, &in_name(0), &dx);
+            }
+            OpKind::Attention(a) => {
+                let x = self.act(store, l, op.inputs[0])?;
+                let width = self.qkv_width(op)?;
+                let rows = x.len() / width;
+                let (dims, hq, hkv) = self.attention_dims(op, rows)?;
+                let (q, kk, v) = split_qkv(&x, rows, hq, hkv, dims.d, dims.dv, self.mbs);
+                let o = store
+                    .acts
+                    .get(&(l, format!("{}#o", op.name)))
+                    .cloned()
+                    .ok_or_else(|| fail("attention output missing"))?;
+                let lse = store
+                    .acts
+                    .get(&(l, format!("{}#lse", op.name)))
+                    .cloned()
+                    .ok_or_else(|| fail("lse missing"))?;
+                let d_o = sbhd_to_bshd(dy, self.mbs, dims.sq, hq * dims.dv);
+                let mut dq = vec![0.0; q.len()];
+                let mut dk = vec![0.0; kk.len()];
+                let mut dv = vec![0.0; v.len()];
+                let pos0 = self.cp.rank * self.seq_len / self.cp.size;
+                let scale = 1.0 / (a.qk_dim as f32).sqrt();
+                k::attention_bwd(
+                    &dims, &q, &kk, &v, &o, &lse, &d_o, pos0, pos0, a.causal, scale, &mut dq,
+                    &mut dk, &mut dv,
+                )
+                .map_err(kerr(&op.name))?;
+                let dx = join_qkv(&dq, &dk, &dv, rows, hq, hkv, dims.d, dims.dv, self.mbs);
+                Self::add_grad(store, l, &in_name(0), &dx);
+            }
+            OpKind::Activation(kind) => {
+                let x = self.act(store, l, op.inputs[0])?;
+                let mut dx = vec![0.0; x.len()];
+                match kind {
+                    meshplan_ir::MlpKind::Swiglu => {
+                        let f = self.swiglu_width(op)?;
+                        let rows = x.len() / (2 * f);
+                        k::swiglu_bwd(&x, dy, rows, f, &mut dx).map_err(kerr(&op.name))?;
+                    }
+                    meshplan_ir::MlpKind::Gelu => {
+                        k::gelu_bwd(&x, dy, &mut dx).map_err(kerr(&op.name))?
+                    }
+                }
+                Self::add_grad(store, l, &in_name(0), &dx);
+            }
+            OpKind::Add => {
+                Self::add_grad(store, l, &in_name(0), dy);
+                Self::add_grad(store, l, &in_name(1), dy);
+            }
+            OpKind::Dropout => Self::add_grad(store, l, &in_name(0), dy),
+            OpKind::CrossEntropy { .. } => {}
+            OpKind::Router { .. } | OpKind::Experts(_) => {
+                return Err(fail(
+                    "mixture-of-experts layers are not run by the CPU executor yet",
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The full shape of a weight (its dims are fixed).
+fn fixed_shape(t: &meshplan_ir::Tensor) -> Result<Vec<usize>, RankError> {
+    t.shape
+        .iter()
+        .map(|d| match d {
+            meshplan_ir::Dim::Fixed(n) => Ok(*n as usize),
+            other => Err(fail(format!("`{}` has a symbolic dim {other:?}", t.name))),
+        })
+        .collect()
+}
+
+/// The fixed trailing dims of an activation.
+fn fixed_shape_tail(t: &meshplan_ir::Tensor) -> Vec<usize> {
+    t.shape
+        .iter()
+        .filter_map(|d| match d {
+            meshplan_ir::Dim::Fixed(n) => Some(*n as usize),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A segment's input activation (what the previous segment produced).
+fn segment_input(graph: &Graph, s: usize) -> Option<String> {
+    let seg = &graph.segments[s];
+    let produced: Vec<_> = seg
+        .ops
+        .iter()
+        .flat_map(|o| o.outputs.iter().copied())
+        .collect();
+    seg.ops
+        .iter()
+        .flat_map(|o| o.inputs.iter().copied())
+        .find(|t| {
+            let tensor = graph.tensor(*t);
+            tensor.kind == TensorKind::Activation && !produced.contains(t)
+        })
+        .map(|t| graph.tensor(t).name.clone())
+}
+
+/// A segment's output activation (the residual stream it hands on).
+fn segment_output(graph: &Graph, s: usize) -> Option<String> {
+    let seg = &graph.segments[s];
+    if seg.kind == SegmentKind::Head {
+        return None;
+    }
+    seg.ops
+        .last()
+        .and_then(|o| o.outputs.first())
+        .map(|&t| graph.tensor(t).name.clone())
+}
+
+/// The part of `v` a rank sends when a boundary is scattered over the tensor axis.
+fn slice_for(v: &[f32], n: usize, tp: TpPos) -> Result<Vec<f32>, RankError> {
+    if n == v.len() {
+        return Ok(v.to_vec());
+    }
+    if n * tp.size != v.len() {
+        return Err(fail(format!(
+            "a boundary of {} values cannot be sent as {n} per rank over tp={}",
+            v.len(),
+            tp.size
+        )));
+    }
+    Ok(v[tp.rank * n..(tp.rank + 1) * n].to_vec())
+}
+
+/// `[s, b, (hq d | hkv d | hkv dv)]` rows into `q [b, s, hq, d]`, `k`, `v`.
+fn split_qkv(
+    x: &[f32],
+    rows: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    dv: usize,
+    b: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let s = rows / b.max(1);
+    let width = hq * d + hkv * d + hkv * dv;
+    let mut q = vec![0.0; b * s * hq * d];
+    let mut kk = vec![0.0; b * s * hkv * d];
+    let mut v = vec![0.0; b * s * hkv * dv];
+    for si in 0..s {
+        for bi in 0..b {
+            let row = &x[(si * b + bi) * width..(si * b + bi + 1) * width];
+            let t = bi * s + si;
+            q[t * hq * d..(t + 1) * hq * d].copy_from_slice(&row[..hq * d]);
+            kk[t * hkv * d..(t + 1) * hkv * d].copy_from_slice(&row[hq * d..hq * d + hkv * d]);
+            v[t * hkv * dv..(t + 1) * hkv * dv].copy_from_slice(&row[hq * d + hkv * d..]);
+        }
+    }
+    (q, kk, v)
+}
+
+#[allow(clippy::too_many_arguments)] // the inverse of `split_qkv`, same shape arguments
+fn join_qkv(
+    dq: &[f32],
+    dk: &[f32],
+    dv: &[f32],
+    rows: usize,
+    hq: usize,
+    hkv: usize,
+    d: usize,
+    dvw: usize,
+    b: usize,
+) -> Vec<f32> {
+    let s = rows / b.max(1);
+    let width = hq * d + hkv * d + hkv * dvw;
+    let mut x = vec![0.0; rows * width];
+    for si in 0..s {
+        for bi in 0..b {
+            let t = bi * s + si;
+            let row = &mut x[(si * b + bi) * width..(si * b + bi + 1) * width];
+            row[..hq * d].copy_from_slice(&dq[t * hq * d..(t + 1) * hq * d]);
+            row[hq * d..hq * d + hkv * d].copy_from_slice(&dk[t * hkv * d..(t + 1) * hkv * d]);
+            row[hq * d + hkv * d..].copy_from_slice(&dv[t * hkv * dvw..(t + 1) * hkv * dvw]);
+        }
+    }
+    x
+}
+
+fn bshd_to_sbhd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    for bi in 0..b {
+        for si in 0..s {
+            y[(si * b + bi) * w..(si * b + bi + 1) * w]
+                .copy_from_slice(&x[(bi * s + si) * w..(bi * s + si + 1) * w]);
+        }
+    }
+    y
+}
+
+fn sbhd_to_bshd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    for bi in 0..b {
+        for si in 0..s {
+            y[(bi * s + si) * w..(bi * s + si + 1) * w]
+                .copy_from_slice(&x[(si * b + bi) * w..(si * b + bi + 1) * w]);
+        }
+    }
+    y
+}
+
+/// The communication groups of `rank`, by name (see the plan format's rule).
+fn build_groups(plan: &Plan, rank: usize) -> Result<BTreeMap<String, Group>, RankError> {
+    let axes = &plan.mesh.axes;
+    let shape = &plan.mesh.shape;
+    let me = plan
+        .ranks
+        .get(rank)
+        .ok_or_else(|| fail(format!("rank {rank} missing")))?;
+    let mut out = BTreeMap::new();
+    for g in &plan.mesh.groups {
+        let over: Vec<usize> = g
+            .over
+            .iter()
+            .filter_map(|a| axes.iter().position(|x| x == a))
+            .collect();
+        let flat_of = |coords: &[u64]| -> u64 {
+            over.iter().fold(0u64, |acc, &i| acc * shape[i] + coords[i])
+        };
+        let x = flat_of(&me.coords);
+        let (size, stride) = (g.size.max(1), g.stride.max(1));
+        let digit = (x / stride) % size;
+        let base = x - digit * stride;
+        let mut members: Vec<(u64, usize)> = Vec::new();
+        for r in &plan.ranks {
+            let same_elsewhere = (0..axes.len())
+                .filter(|i| !over.contains(i))
+                .all(|i| r.coords[i] == me.coords[i]);
+            if !same_elsewhere {
+                continue;
+            }
+            let y = flat_of(&r.coords);
+            let d = (y / stride) % size;
+            if y == base + d * stride {
+                members.push((d, r.rank as usize));
+            }
+        }
+        members.sort();
+        let ranks: Vec<usize> = members.into_iter().map(|(_, r)| r).collect();
+        out.insert(
+            g.name.clone(),
+            Group::new(format!("{}:{:?}", g.name, ranks), ranks),
+        );
+    }
+    Ok(out)
+}
+
+/// Largest absolute difference allowed in a final parameter. AdamW divides each
+/// gradient by its own running magnitude, so where a gradient is near zero, rounding
+/// differences of a sharded sum move the update by a visible fraction of the learning
+/// rate; weights start at 0.02 and move at most `lr * steps` (1.5e-2 over 5 steps at
+/// the default rate), and 1e-4 is under 1% of that.
+pub const PARAM_TOLERANCE: f64 = 1e-4;
+
+/// Compares a run with its single-rank reference: per-step losses (relative) and
+/// every rank's final weights against the reference's sliced the same way.
+pub fn check_against(
+    plan: &Plan,
+    run: &TrainReport,
+    reference: &TrainReport,
+    tolerance: f64,
+) -> Result<Vec<String>, String> {
+    let mut lines = Vec::new();
+    let mut worst_loss: f64 = 0.0;
+    for (i, (a, b)) in run.losses.iter().zip(&reference.losses).enumerate() {
+        let rel = (a - b).abs() / b.abs().max(1e-12);
+        worst_loss = worst_loss.max(rel);
+        lines.push(format!(
+            "step {i}: loss {a:.6} vs reference {b:.6} (rel {rel:.2e})"
+        ));
+    }
+    let refw = &reference
+        .ranks
+        .first()
+        .ok_or("the reference has no rank")?
+        .weights;
+    let graph = &plan.graph;
+    let mut worst_w: f64 = 0.0;
+    let mut worst_at = String::new();
+    for rep in &run.ranks {
+        let entry = &plan.ranks[rep.rank];
+        let tp_axis = plan.mesh.axes.iter().position(|a| a == "tp");
+        let tp = TpPos {
+            rank: tp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
+            size: tp_axis.map(|i| plan.mesh.shape[i] as usize).unwrap_or(1),
+        };
+        for ((name, layer), local) in &rep.weights {
+            let full = refw
+                .get(&(name.clone(), *layer))
+                .ok_or_else(|| format!("reference lacks `{name}` layer {layer}"))?;
+            let (op, id) = graph
+                .segments
+                .iter()
+                .flat_map(|s| &s.ops)
+                .find_map(|o| {
+                    o.inputs
+                        .iter()
+                        .find(|&&t| graph.tensor(t).name == *name)
+                        .map(|&t| (o, t))
+                })
+                .ok_or_else(|| format!("`{name}` used by no op"))?;
+            let shape = fixed_shape(graph.tensor(id)).map_err(|e| format!("{e:?}"))?;
+            let want = local_weight(graph, op, op.role, id, full, &shape, tp);
+            if want.len() != local.len() {
+                return Err(format!(
+                    "rank {}: `{name}` has {} values, reference slice {}",
+                    rep.rank,
+                    local.len(),
+                    want.len()
+                ));
+            }
+            for (i, (a, b)) in local.iter().zip(&want).enumerate() {
+                let d = (a - b).abs() as f64;
+                if d > worst_w {
+                    worst_w = d;
+                    worst_at =
+                        format!("rank {} `{name}` layer {layer} [{i}]: {a} vs {b}", rep.rank);
+                }
+            }
+        }
+    }
+    lines.push(format!("worst relative loss difference {worst_loss:.2e} (tolerance {tolerance:.0e}), worst absolute parameter difference {worst_w:.2e} at {worst_at} (tolerance {PARAM_TOLERANCE:.0e})"));
+    if worst_loss > tolerance || worst_w > PARAM_TOLERANCE {
+        return Err(lines.join("\n"));
+    }
+    Ok(lines)
+}
+
+/// Bytes sent per rank and axis, summed over kinds, against the plan's prediction
+/// for `steps` steps: every difference.
+pub fn byte_mismatches(plan: &Plan, run: &TrainReport, steps: u64) -> Vec<String> {
+    let mut out = Vec::new();
+    for rep in &run.ranks {
+        let entry = &plan.ranks[rep.rank];
+        let Some(program) = plan.programs.get(entry.program as usize) else {
+            out.push(format!("rank {}: no program", rep.rank));
+            continue;
+        };
+        let predicted = program.phases.iter().map(|p| p.bytes_sent()).fold(
+            meshplan_ir::plan::AxisBytes::default(),
+            |a, b| meshplan_ir::plan::AxisBytes {
+                dp: a.dp + b.dp,
+                tp: a.tp + b.tp,
+                pp: a.pp + b.pp,
+                cp: a.cp + b.cp,
+                ep: a.ep + b.ep,
+            },
+        );
+        for axis in Axis::ALL {
+            let want = predicted.get(axis) * steps as f64;
+            let got = rep.counts.axis_bytes_sent(axis.name());
+            if (got - want).abs() > 1e-6 * want.max(1.0) {
+                out.push(format!(
+                    "rank {} {}: measured {got} bytes, plan {want}",
+                    rep.rank,
+                    axis.name()
+                ));
+            }
+        }
+    }
+    out
+}
+
+impl From<CommError> for ExecError {
+    fn from(e: CommError) -> Self {
+        ExecError {
+            message: e.to_string(),
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! The executor end to end: every parallel mode of the tiny models trains to the same
+//! losses and weights as the single-rank run, sends exactly the bytes the plan
+//! predicts, and a failing rank stops the whole run with a message.
+
+use meshplan_cost_model::{load_cluster, prepare_model, Cluster, PreparedGraph};
+use meshplan_executor::train::{byte_mismatches, check_against, train, TrainOptions};
+use meshplan_ir::plan::Plan;
+use meshplan_ir::{load_model, model_graph, Graph, ModelSpec, PartialConfig, WorkloadOverrides};
+use meshplan_planner::output::plan_for_config;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+
+struct Model {
+    spec: ModelSpec,
+    graph: Graph,
+    pg: PreparedGraph,
+}
+
+fn model(name: &str) -> Model {
+    let spec = load_model(
+        Path::new(&format!("{ROOT}/models/{name}.yaml")),
+        &WorkloadOverrides::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
+    Model { spec, graph, pg }
+}
+
+fn mesh(gpus: u64) -> Cluster {
+    let mut c = load_cluster(
+        Path::new(&format!("{ROOT}/topologies/cpu-test-mesh.yaml")),
+        Some(1),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    c.gpus_per_node = gpus;
+    c
+}
+
+fn plan(m: &Model, cfg: &str) -> Plan {
+    let gpus = {
+        let p = PartialConfig::parse(cfg, "test").unwrap_or_else(|e| panic!("{e}"));
+        p.dp.unwrap_or(1) * p.tp.unwrap_or(1) * p.pp.unwrap_or(1) * p.cp.unwrap_or(1)
+    };
+    let cl = mesh(gpus);
+    let c = PartialConfig::parse(cfg, "test")
+        .and_then(|p| p.resolve(cl.gpus(), "test"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let workload = m.spec.workload.clone().expect("workload");
+    plan_for_config(&m.spec.name, &m.graph, &m.pg, &cl, &workload, &c)
+        .unwrap_or_else(|e| panic!("{cfg}: {e}"))
+}
+
+/// Trains `cfg` and its single-rank reference for 5 steps; asserts equal losses
+/// (1e-5 relative) and weights, and bytes equal to the plan's.
+#[track_caller]
+fn check(m: &Model, cfg: &str) {
+    let opts = TrainOptions::default();
+    let p = plan(m, cfg);
+    let mbs = p.strategy.mbs;
+    let reference = plan(m, &format!("dp=1,mbs={mbs}"));
+    let run = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+    let base = train(&reference, &opts).unwrap_or_else(|e| panic!("reference: {e}"));
+    match check_against(&p, &run, &base, 1e-5) {
+        Ok(lines) => eprintln!("{cfg}: {}", lines.last().cloned().unwrap_or_default()),
+        Err(why) => panic!("{cfg} differs from the single-rank run:\n{why}"),
+    }
+    let bytes = byte_mismatches(&p, &run, opts.steps);
+    assert!(
+        bytes.is_empty(),
+        "{cfg}: bytes differ from the plan:\n{}",
+        bytes.join("\n")
+    );
+    assert!(
+        run.losses[4] < run.losses[0],
+        "{cfg}: the loss falls: {:?}",
+        run.losses
+    );
+}
+
+#[test]
+fn dense_dp2() {
+    check(&model("tiny-gpt"), "dp=2");
+}
+
+#[test]
+fn dense_tp2() {
+    check(&model("tiny-gpt"), "tp=2");
+}
+
+#[test]
+fn dense_tp2_sp() {
+    check(&model("tiny-gpt"), "tp=2,sp=true");
+}
+
+#[test]
+fn dense_pp2_1f1b() {
+    check(&model("tiny-gpt"), "pp=2,mbs=1");
+}
+
+/// tiny-gpt with 4 layers, so two stages can hold two chunks each.
+fn four_layers() -> Model {
+    let text = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");
+    let text = text.replace("layers: 2", "layers: 4");
+    let spec =
+        meshplan_ir::parse_model_yaml(&text, "tiny-gpt-4l.yaml").unwrap_or_else(|e| panic!("{e}"));
+    let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
+    Model { spec, graph, pg }
+}
+
+#[test]
+fn dense_pp2_vpp2() {
+    check(&four_layers(), "pp=2,vpp=2,mbs=1");
+}
+
+#[test]
+fn dense_zero_1_2_3() {
+    let m = model("tiny-gpt");
+    for z in 1..=3 {
+        check(&m, &format!("dp=2,zero={z}"));
+    }
+}
+
+#[test]
+fn dense_dp2_tp2_pp2() {
+    check(&model("tiny-gpt"), "dp=2,tp=2,pp=2,mbs=1");
+}
+
+#[test]
+fn a_failing_rank_stops_every_rank_with_a_message() {
+    let m = model("tiny-gpt");
+    let p = plan(&m, "dp=2,tp=2,pp=2,mbs=1");
+    let opts = TrainOptions {
+        fail_at: Some((5, 1)),
+        timeout: Duration::from_secs(20),
+        ..TrainOptions::default()
+    };
+    let t = Instant::now();
+    let err = train(&p, &opts).expect_err("a rank failed");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "stopped within seconds"
+    );
+    assert!(err.message.contains("rank 5 failed"), "{}", err.message);
+    assert!(err.message.contains("waiting in"), "{}", err.message);
+}
