@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 mod plan;
+mod run;
 
 #[derive(Parser)]
 #[command(
@@ -115,6 +116,33 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Execute a plan (ranks as CPU threads) and report measured beside predicted.
+    Run {
+        /// A plan written by `meshplan plan`.
+        plan: PathBuf,
+        /// cpu (ranks as threads) or cuda.
+        #[arg(long, default_value = "cpu")]
+        backend: String,
+        /// Optimizer steps.
+        #[arg(long, default_value_t = 5)]
+        steps: u64,
+        /// Also run the single-rank reference and fail if losses, weights or
+        /// communicated bytes differ.
+        #[arg(long)]
+        check: bool,
+        /// A u16 token file (not supported yet).
+        #[arg(long)]
+        data: Option<PathBuf>,
+        /// A Hugging Face checkpoint directory (not supported yet).
+        #[arg(long)]
+        weights: Option<PathBuf>,
+        /// A Chrome trace to write (not supported yet).
+        #[arg(long)]
+        trace: Option<PathBuf>,
+        /// One JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+    },
     /// Evaluate one parallel configuration with the cost model.
     Estimate {
         /// Model YAML or Hugging Face config.json.
@@ -195,6 +223,35 @@ fn main() -> ExitCode {
             workload: workload.overrides(),
             json,
         }),
+        Command::Run {
+            plan,
+            backend,
+            steps,
+            check,
+            data,
+            weights,
+            trace,
+            json,
+        } => {
+            let mut unsupported = Vec::new();
+            for (flag, given) in [
+                ("--data", data.is_some()),
+                ("--weights", weights.is_some()),
+                ("--trace", trace.is_some()),
+            ] {
+                if given {
+                    unsupported.push(flag);
+                }
+            }
+            run::run(&run::RunArgs {
+                plan: &plan,
+                backend: &backend,
+                steps,
+                check,
+                json,
+                unsupported,
+            })
+        }
         Command::Compare {
             model,
             cluster,

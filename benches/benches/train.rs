@@ -1,0 +1,114 @@
+//! Criterion benchmark of CPU training throughput of the executor: one AdamW step
+//! (forward, backward, gradient all-reduce, optimizer) of the whole global batch of
+//! `models/small-gpt.yaml` (6 layers, hidden 384, 8 sequences of 256 tokens) on
+//!
+//! - 1 thread: `dp=1,mbs=8`, one rank;
+//! - 2 threads: `dp=2,mbs=4`, two ranks on the in-process communicator.
+//!
+//! The executor runs one thread per rank and each rank's kernels are single-threaded,
+//! so the rank count is the thread count. The figure to compare with PyTorch eager
+//! (`benches/python/torch_train.py`, same model and thread counts) is printed as
+//! `tokens/s = 8 * 256 / median step time` after each group.
+//!
+//! Run: `cargo bench -p meshplan-benches --bench train`.
+//!
+//! What is timed is the executor's own per-step wall clock (`TrainReport::step_s`,
+//! slowest rank), not the whole `train` call: weight initialisation and spawning the
+//! rank threads happen once per call and are not part of a training step, and
+//! PyTorch's figure excludes model construction too. Each call runs one untimed
+//! warm-up step before the timed ones, so first-touch allocation of the Adam state
+//! and activation buffers is not billed to the step either (PyTorch warms up too).
+
+use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
+use meshplan_cost_model::{load_cluster, prepare_model};
+use meshplan_executor::train::{train, TrainOptions};
+use meshplan_ir::plan::Plan;
+use meshplan_ir::{load_model, model_graph, PartialConfig, WorkloadOverrides};
+use meshplan_planner::output::plan_for_config;
+use std::path::Path;
+use std::time::Duration;
+
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+const MODEL: &str = "small-gpt";
+
+/// Untimed steps at the start of every `train` call.
+const WARMUP_STEPS: u64 = 1;
+
+/// The training plan of `small-gpt` under `cfg` on a CPU mesh of exactly as many
+/// ranks as the configuration needs.
+fn plan(cfg: &str) -> Plan {
+    let spec = load_model(
+        Path::new(&format!("{ROOT}/models/{MODEL}.yaml")),
+        &WorkloadOverrides::default(),
+    )
+    .expect("model loads");
+    let graph = model_graph(&spec).expect("graph builds");
+    let pg = prepare_model(&spec).expect("graph prepares");
+    let partial = PartialConfig::parse(cfg, "bench").expect("config parses");
+    let gpus = partial.dp.unwrap_or(1)
+        * partial.tp.unwrap_or(1)
+        * partial.pp.unwrap_or(1)
+        * partial.cp.unwrap_or(1);
+    let mut cluster = load_cluster(
+        Path::new(&format!("{ROOT}/topologies/cpu-test-mesh.yaml")),
+        Some(1),
+    )
+    .expect("cluster loads");
+    // One node of exactly `gpus` ranks: the executor spawns one thread per rank.
+    cluster.gpus_per_node = gpus;
+    let c = partial
+        .resolve(cluster.gpus(), "bench")
+        .expect("config resolves");
+    let workload = spec.workload.clone().expect("workload");
+    plan_for_config(&spec.name, &graph, &pg, &cluster, &workload, &c)
+        .unwrap_or_else(|e| panic!("{cfg}: {e}"))
+}
+
+fn median(xs: &mut [f64]) -> f64 {
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+fn bench_train(c: &mut Criterion) {
+    let mut group = c.benchmark_group("train_small_gpt");
+    // A step takes seconds: the minimum sample count, every sample one step (flat
+    // sampling; linear sampling would run 1 + 2 + ... + 10 steps per sample set).
+    group.sample_size(10);
+    group.sampling_mode(SamplingMode::Flat);
+    group.warm_up_time(Duration::from_millis(1));
+    group.measurement_time(Duration::from_secs(1));
+    for (threads, cfg) in [(1, "dp=1,mbs=8"), (2, "dp=2,mbs=4")] {
+        let p = plan(cfg);
+        let mut steps: Vec<f64> = Vec::new();
+        let mut tokens_per_step = 0;
+        group.bench_function(format!("{threads}_threads_{cfg}"), |b| {
+            b.iter_custom(|iters| {
+                let opts = TrainOptions {
+                    steps: WARMUP_STEPS + iters,
+                    ..Default::default()
+                };
+                let report = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+                tokens_per_step = report.tokens_per_step;
+                let timed = &report.step_s[WARMUP_STEPS as usize..];
+                steps.extend_from_slice(timed);
+                Duration::from_secs_f64(timed.iter().sum())
+            })
+        });
+        let med = median(&mut steps);
+        eprintln!(
+            "meshplan small-gpt {threads} thread(s) ({cfg}): {tokens_per_step} tokens/step, \
+             median step {med:.3} s over {} steps, {:.1} tokens/s",
+            steps.len(),
+            tokens_per_step as f64 / med
+        );
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_train);
+criterion_main!(benches);

@@ -1,0 +1,214 @@
+//! `run`: execute a plan on the CPU backend (ranks as threads), report measured beside
+//! predicted, and with `--check` compare with the single-rank run.
+
+use crate::{print_json, Failure};
+use meshplan_cost_model::estimate::gib;
+use meshplan_cost_model::{parse_cluster_yaml, PreparedGraph};
+use meshplan_executor::train::{byte_mismatches, check_against, train, TrainOptions, TrainReport};
+use meshplan_ir::plan::{Plan, PlanKind};
+use meshplan_ir::{ParallelConfig, PartialConfig};
+use meshplan_planner::output::plan_for_config;
+use std::path::Path;
+
+/// The flags of `run`.
+pub(crate) struct RunArgs<'a> {
+    pub plan: &'a Path,
+    pub backend: &'a str,
+    pub steps: u64,
+    pub check: bool,
+    pub json: bool,
+    pub unsupported: Vec<&'static str>,
+}
+
+fn bad(message: String) -> Failure {
+    Failure { code: 2, message }
+}
+
+fn runtime(message: String) -> Failure {
+    Failure { code: 1, message }
+}
+
+/// The single-rank reference of a training plan: same model, data, seed and
+/// micro-batch size, one GPU, no parallelism.
+fn reference_plan(plan: &Plan) -> Result<Plan, String> {
+    let yaml = format!(
+        "name: reference\nnodes: 1\ngpus_per_node: 1\ngpu:\n  name: reference\n  memory_gib: {}\n  peak_tflops: {{bf16: 1, fp32: 1}}\n  hbm_gbps: 1\nintra_node:\n  link: none\n  bandwidth_gbps: 1\n  latency_us: 1\n",
+        (plan.cluster.gpu_memory_bytes / (1u64 << 30) as f64).max(1.0)
+    );
+    let cluster =
+        parse_cluster_yaml(&yaml, "reference cluster", None).map_err(|e| e.to_string())?;
+    let cfg: ParallelConfig =
+        PartialConfig::parse(&format!("dp=1,mbs={}", plan.strategy.mbs), "reference")
+            .and_then(|p| p.resolve(1, "reference"))
+            .map_err(|e| e.to_string())?;
+    // The builder's standard roles: with one rank every layout is the same math.
+    let mut graph = plan.graph.clone();
+    for seg in &mut graph.segments {
+        for op in &mut seg.ops {
+            op.role = meshplan_ir::TpRole::Replicated;
+        }
+    }
+    let pg = PreparedGraph::new(&graph);
+    plan_for_config(
+        &plan.model.name,
+        &graph,
+        &pg,
+        &cluster,
+        &plan.workload,
+        &cfg,
+    )
+}
+
+/// `meshplan run`.
+pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
+    if let Some(flag) = a.unsupported.first() {
+        return Err(bad(format!(
+            "{flag} is not supported yet by `run` (it arrives with real weights, data and traces); run without it"
+        )));
+    }
+    match a.backend {
+        "cpu" => {}
+        "cuda" => {
+            return Err(runtime(
+                "--backend cuda: this build has no CUDA backend yet (it arrives with the CUDA issue); use --backend cpu".into(),
+            ))
+        }
+        other => return Err(bad(format!("--backend {other}: expected cpu or cuda"))),
+    }
+    let file = a.plan.display().to_string();
+    let text = std::fs::read_to_string(a.plan).map_err(|e| bad(format!("{file}: {e}")))?;
+    let plan = Plan::from_json(&text).map_err(|e| {
+        bad(format!(
+            "{file}: not a plan written by `meshplan plan`: {e}"
+        ))
+    })?;
+    if plan.kind != PlanKind::Train {
+        return Err(runtime(format!(
+            "{file}: inference plans are not run by this build yet (the inference issue); plan a training workload"
+        )));
+    }
+    if a.steps == 0 {
+        return Err(bad("--steps must be at least 1".into()));
+    }
+    let opts = TrainOptions {
+        steps: a.steps,
+        ..TrainOptions::default()
+    };
+    let report = train(&plan, &opts).map_err(|e| runtime(e.message))?;
+    let bytes = byte_mismatches(&plan, &report, a.steps);
+    let check = if a.check {
+        let reference = reference_plan(&plan).map_err(runtime)?;
+        let base =
+            train(&reference, &opts).map_err(|e| runtime(format!("reference: {}", e.message)))?;
+        Some(check_against(&plan, &report, &base, 1e-5))
+    } else {
+        None
+    };
+    print_report(&plan, &report, &bytes, check.as_ref(), a.json);
+    if let Some(Err(why)) = &check {
+        return Err(runtime(format!(
+            "the run differs from the single-rank reference:\n{why}"
+        )));
+    }
+    if a.check && !bytes.is_empty() {
+        return Err(runtime(format!(
+            "measured communication differs from the plan:\n{}",
+            bytes.join("\n")
+        )));
+    }
+    Ok(())
+}
+
+fn print_report(
+    plan: &Plan,
+    r: &TrainReport,
+    bytes: &[String],
+    check: Option<&Result<Vec<String>, String>>,
+    json: bool,
+) {
+    let predicted_step = plan
+        .predicted
+        .get("step_time_s")
+        .and_then(|v| v.as_f64())
+        .unwrap_or(f64::NAN);
+    let predicted_mem = plan
+        .predicted
+        .pointer("/memory_per_gpu_bytes/total")
+        .and_then(|v| v.as_f64())
+        .unwrap_or(f64::NAN);
+    let median = {
+        let mut s = r.step_s.clone();
+        s.sort_by(f64::total_cmp);
+        s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    let mut per_axis = serde_json::Map::new();
+    for rank in &r.ranks {
+        for (axis, b) in rank.counts.per_axis() {
+            let e = per_axis.entry(axis).or_insert(serde_json::json!(0.0));
+            let prev = e.as_f64().unwrap_or(0.0);
+            *e = serde_json::json!(prev.max(b / r.step_s.len() as f64));
+        }
+    }
+    if json {
+        print_json(&serde_json::json!({
+            "steps": r.losses.iter().zip(&r.step_s).enumerate().map(|(i, (l, s))| serde_json::json!({
+                "step": i,
+                "loss": l,
+                "step_time_s": s,
+                "tokens_per_s": r.tokens_per_step as f64 / s,
+            })).collect::<Vec<_>>(),
+            "loss": r.losses,
+            "measured": {
+                "step_time_s": median,
+                "tokens_per_s": r.tokens_per_step as f64 / median,
+                "comm_bytes_per_gpu": per_axis,
+            },
+            "predicted": plan.predicted,
+            "bytes_match_plan": bytes.is_empty(),
+            "byte_mismatches": bytes,
+            "check": check.map(|c| match c {
+                Ok(lines) => serde_json::json!({"passed": true, "details": lines}),
+                Err(why) => serde_json::json!({"passed": false, "details": why}),
+            }),
+        }));
+        return;
+    }
+    println!(
+        "{} on {} ranks ({}), {} steps",
+        plan.model.name,
+        plan.ranks.len(),
+        plan.strategy,
+        r.losses.len()
+    );
+    for (i, (l, s)) in r.losses.iter().zip(&r.step_s).enumerate() {
+        println!(
+            "step {i:>3}  loss {l:.6}  {:.3} s  {:.0} tokens/s",
+            s,
+            r.tokens_per_step as f64 / s
+        );
+    }
+    println!(
+        "step time    measured {median:.4} s (median), predicted {predicted_step:.4} s for the plan's cluster ({})",
+        plan.cluster.gpu
+    );
+    println!(
+        "memory       predicted {:.3} GiB per GPU",
+        gib(predicted_mem)
+    );
+    if bytes.is_empty() {
+        println!("comm bytes   equal to the plan's on every rank and axis");
+    } else {
+        println!(
+            "comm bytes   differ from the plan:\n  {}",
+            bytes.join("\n  ")
+        );
+    }
+    match check {
+        Some(Ok(lines)) => println!(
+            "check        passed: {}",
+            lines.last().cloned().unwrap_or_default()
+        ),
+        Some(Err(_)) => println!("check        FAILED (details on stderr)"),
+        None => {}
+    }
+}
