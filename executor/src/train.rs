@@ -604,11 +604,8 @@ impl<'a> RankState<'a> {
                     self.comm.recv(peer, "pp", &mut buf)?;
                     self.hidden = buf;
                 }
-                Instr::RingPass { .. } => {
-                    return Err(fail(
-                        "ring attention (cp > 1) is not run by the CPU executor yet",
-                    ))
-                }
+                // The attention op passes the blocks itself (see `ring_forward`).
+                Instr::RingPass { .. } => {}
                 Instr::Optimizer { .. } => {}
             }
         }
@@ -709,6 +706,7 @@ impl<'a> RankState<'a> {
                     let op = self.find_op(name)?;
                     self.backward_op(op, l, store)?;
                 }
+                Instr::RingPass { .. } => {}
                 Instr::Collective {
                     kind,
                     group,
@@ -939,10 +937,14 @@ impl<'a> RankState<'a> {
                 let mut lse = vec![0.0; dims.batch * hq * dims.sq];
                 let pos0 = self.cp.rank * self.seq_len / self.cp.size;
                 let scale = 1.0 / (a.qk_dim as f32).sqrt();
-                k::attention_fwd(
-                    &dims, &q, &kk, &v, pos0, pos0, a.causal, scale, &mut o, &mut lse,
-                )
-                .map_err(kerr(&op.name))?;
+                if self.cp.size > 1 {
+                    self.ring_forward(&dims, &q, &kk, &v, a.causal, scale, &mut o, &mut lse)?;
+                } else {
+                    k::attention_fwd(
+                        &dims, &q, &kk, &v, pos0, pos0, a.causal, scale, &mut o, &mut lse,
+                    )
+                    .map_err(kerr(&op.name))?;
+                }
                 store.acts.insert((l, format!("{}#lse", op.name)), lse);
                 store.acts.insert((l, format!("{}#o", op.name)), o.clone());
                 store
@@ -1412,6 +1414,136 @@ impl<'a> RankState<'a> {
 }
 
 impl RankState<'_> {
+    /// The context-parallel ring: this rank's queries meet every rank's key/value
+    /// block in turn (its own first), each block passed on to the next rank while
+    /// partial results merge by log-sum-exp.
+    #[allow(clippy::too_many_arguments)] // the attention kernel's own arguments
+    fn ring_forward(
+        &mut self,
+        dims: &k::AttnDims,
+        q: &[f32],
+        kk: &[f32],
+        v: &[f32],
+        causal: bool,
+        scale: f32,
+        o: &mut [f32],
+        lse: &mut [f32],
+    ) -> Result<(), RankError> {
+        let g = self.group("cp")?;
+        let n = g.size();
+        let me = g
+            .index_of(self.rank)
+            .ok_or_else(|| fail("not in my cp group"))?;
+        let s_l = self.seq_len / n;
+        let (next, prev) = (g.ranks[(me + 1) % n], g.ranks[(me + n - 1) % n]);
+        o.iter_mut().for_each(|x| *x = 0.0);
+        lse.iter_mut().for_each(|x| *x = f32::NEG_INFINITY);
+        let mut block: Vec<f32> = kk.iter().chain(v).copied().collect();
+        let split = kk.len();
+        for t in 0..n {
+            let owner = (me + n - t) % n;
+            let mut ob = vec![0.0; o.len()];
+            let mut lb = vec![0.0; lse.len()];
+            k::attention_fwd(
+                dims,
+                q,
+                &block[..split],
+                &block[split..],
+                me * s_l,
+                owner * s_l,
+                causal,
+                scale,
+                &mut ob,
+                &mut lb,
+            )
+            .map_err(kerr("ring attention"))?;
+            k::attention_merge(dims, o, lse, &ob, &lb).map_err(kerr("ring attention"))?;
+            if t + 1 < n {
+                self.comm.send(next, "cp", &block)?;
+                self.comm.recv(prev, "cp", &mut block)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The ring's backward: key/value blocks go round again; each rank sends the
+    /// gradient it computed for every other rank's block straight to its owner, which
+    /// adds them in rank order.
+    #[allow(clippy::too_many_arguments)] // the attention kernel's own arguments
+    fn ring_backward(
+        &mut self,
+        dims: &k::AttnDims,
+        q: &[f32],
+        kk: &[f32],
+        v: &[f32],
+        o: &[f32],
+        lse: &[f32],
+        d_o: &[f32],
+        causal: bool,
+        scale: f32,
+        dq: &mut [f32],
+        dk: &mut [f32],
+        dv: &mut [f32],
+    ) -> Result<(), RankError> {
+        let g = self.group("cp")?;
+        let n = g.size();
+        let me = g
+            .index_of(self.rank)
+            .ok_or_else(|| fail("not in my cp group"))?;
+        let s_l = self.seq_len / n;
+        let (next, prev) = (g.ranks[(me + 1) % n], g.ranks[(me + n - 1) % n]);
+        let split = kk.len();
+        let mut block: Vec<f32> = kk.iter().chain(v).copied().collect();
+        let mut grads = vec![vec![0.0f32; block.len()]; n];
+        for t in 0..n {
+            let owner = (me + n - t) % n;
+            let (gk, gv) = grads[owner].split_at_mut(split);
+            k::attention_bwd(
+                dims,
+                q,
+                &block[..split],
+                &block[split..],
+                o,
+                lse,
+                d_o,
+                me * s_l,
+                owner * s_l,
+                causal,
+                scale,
+                dq,
+                gk,
+                gv,
+            )
+            .map_err(kerr("ring attention"))?;
+            if t + 1 < n {
+                self.comm.send(next, "cp", &block)?;
+                self.comm.recv(prev, "cp", &mut block)?;
+            }
+        }
+        for (j, gj) in grads.iter().enumerate() {
+            if j != me {
+                self.comm.send(g.ranks[j], "cp", gj)?;
+            }
+        }
+        let mut total = grads[me].clone();
+        let mut buf = vec![0.0f32; total.len()];
+        for j in 0..n {
+            if j != me {
+                self.comm.recv(g.ranks[j], "cp", &mut buf)?;
+                for (a, b) in total.iter_mut().zip(&buf) {
+                    *a += b;
+                }
+            }
+        }
+        for (a, b) in dk.iter_mut().zip(&total[..split]) {
+            *a += b;
+        }
+        for (a, b) in dv.iter_mut().zip(&total[split..]) {
+            *a += b;
+        }
+        Ok(())
+    }
+
     fn matmul_dims(&self, op: &Op, w_len: usize) -> Result<(usize, usize), RankError> {
         let shape = fixed_shape(self.graph.tensor(op.inputs[1]))?;
         let (kf, nf) = (shape[0], shape[1]);
@@ -1707,11 +1839,18 @@ impl RankState<'_> {
                 let mut dv = vec![0.0; v.len()];
                 let pos0 = self.cp.rank * self.seq_len / self.cp.size;
                 let scale = 1.0 / (a.qk_dim as f32).sqrt();
-                k::attention_bwd(
-                    &dims, &q, &kk, &v, &o, &lse, &d_o, pos0, pos0, a.causal, scale, &mut dq,
-                    &mut dk, &mut dv,
-                )
-                .map_err(kerr(&op.name))?;
+                if self.cp.size > 1 {
+                    self.ring_backward(
+                        &dims, &q, &kk, &v, &o, &lse, &d_o, a.causal, scale, &mut dq, &mut dk,
+                        &mut dv,
+                    )?;
+                } else {
+                    k::attention_bwd(
+                        &dims, &q, &kk, &v, &o, &lse, &d_o, pos0, pos0, a.causal, scale, &mut dq,
+                        &mut dk, &mut dv,
+                    )
+                    .map_err(kerr(&op.name))?;
+                }
                 let dx = join_qkv(&dq, &dk, &dv, rows, hq, hkv, dims.d, dims.dv, self.mbs);
                 Self::add_grad(store, l, &in_name(0), &dx);
             }

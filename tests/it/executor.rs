@@ -125,6 +125,13 @@ fn dense_zero_1_2_3() {
 }
 
 #[test]
+fn dense_cp2_ring_attention() {
+    let m = model("tiny-gpt");
+    check(&m, "cp=2");
+    check(&m, "cp=2,dp=2,recompute=full");
+}
+
+#[test]
 fn dense_dp2_tp2_pp2() {
     check(&model("tiny-gpt"), "dp=2,tp=2,pp=2,mbs=1");
 }
