@@ -103,6 +103,16 @@ fn row_range(rows: usize, tp: TpPos) -> (usize, usize) {
     (tp.rank * c, (tp.rank + 1) * c)
 }
 
+/// The axis position that splits a weight used under `role`: expert weights split
+/// over the expert axis, everything else over the tensor axis.
+pub fn position_for(role: TpRole, tp: TpPos, ep: TpPos) -> TpPos {
+    if role == TpRole::Experts {
+        ep
+    } else {
+        tp
+    }
+}
+
 /// The local part of weight `w` (its full values row-major with `shape`) used by
 /// `op` under `role`.
 pub fn local_weight(
@@ -137,7 +147,9 @@ pub fn local_weight(
             let (a, b) = row_range(rows, tp);
             full[a * n..b * n].to_vec()
         }
-        TpRole::VocabEmbedding => {
+        // Expert weights `[experts, ..]` split by expert over the expert axis (the
+        // caller passes the rank's expert-axis position, see `position_for`).
+        TpRole::VocabEmbedding | TpRole::Experts => {
             let rows = shape[0];
             let n = full.len() / rows.max(1);
             let (a, b) = row_range(rows, tp);

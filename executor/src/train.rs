@@ -10,7 +10,7 @@
 
 use crate::comm::{ByteCounts, CommError, Communicator, Group, RankError, ThreadComm};
 use crate::init::{init_full, synthetic_sequence, InitKind};
-use crate::shard::{local_heads, local_weight, TpPos};
+use crate::shard::{local_heads, local_weight, position_for, TpPos};
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Pass, Plan, PlanKind, Program};
 use meshplan_ir::{Graph, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
@@ -191,6 +191,7 @@ struct RankState<'a> {
     groups: BTreeMap<String, Group>,
     tp: TpPos,
     cp: TpPos,
+    ep: TpPos,
     dp_index: usize,
     dp_size: usize,
     seq_len: usize,
@@ -255,6 +256,15 @@ impl<'a> RankState<'a> {
             size: size_of("cp"),
         };
         let groups = build_groups(plan, rank)?;
+        let ep = groups
+            .get("ep")
+            .and_then(|g| {
+                g.index_of(rank).map(|i| TpPos {
+                    rank: i,
+                    size: g.size(),
+                })
+            })
+            .unwrap_or(TpPos::ONE);
         let graph = &plan.graph;
         let mut users = HashMap::new();
         for (s, seg) in graph.segments.iter().enumerate() {
@@ -275,6 +285,7 @@ impl<'a> RankState<'a> {
             program,
             tp,
             cp,
+            ep,
             dp_index: coords.get("dp").copied().unwrap_or(0),
             dp_size: size_of("dp"),
             coords,
@@ -362,7 +373,8 @@ impl<'a> RankState<'a> {
                         _ => InitKind::Normal(0.02),
                     };
                     let full = init_full(self.opts.seed, &t.name, layer, elems, kind);
-                    let local = local_weight(self.graph, op, op.role, w, &full, &shape, self.tp);
+                    let pos = position_for(op.role, self.tp, self.ep);
+                    let local = local_weight(self.graph, op, op.role, w, &full, &shape, pos);
                     self.wgrads.insert(key.clone(), vec![0.0; local.len()]);
                     self.weights.insert(key, local);
                 }
@@ -995,10 +1007,9 @@ impl<'a> RankState<'a> {
                 }
                 let _ = vocab;
             }
-            OpKind::Router { .. } | OpKind::Experts(_) => {
-                return Err(fail(
-                    "mixture-of-experts layers are not run by the CPU executor yet",
-                ))
+            OpKind::Experts(e) => self.experts_forward(op, e, l, store)?,
+            OpKind::Router { .. } => {
+                return Err(fail("a separate router op is not run by the CPU executor"))
             }
         }
         Ok(())
@@ -1090,6 +1101,10 @@ impl<'a> RankState<'a> {
         let g = self.group(group)?;
         let n = g.size();
         let ax = axis.name();
+        // The experts op moves its tokens itself (counts depend on the routing).
+        if axis == Axis::Ep && tensor.contains(".experts.") {
+            return Ok(());
+        }
         // Parameter sets (ZeRO-3 inside a segment).
         if let Some(rest) = tensor.strip_prefix("params:") {
             return self.zero3_gather(&g, ax, rest, l);
@@ -1414,6 +1429,346 @@ impl<'a> RankState<'a> {
 }
 
 impl RankState<'_> {
+    /// Routed experts: top-k routing, tokens grouped by expert, sent to the ranks
+    /// holding their experts (All-to-All with the actual counts), each expert's gated
+    /// MLP, and the weighted combine back in token order.
+    fn experts_forward(
+        &mut self,
+        op: &Op,
+        e: &meshplan_ir::graph::ExpertsShape,
+        l: u64,
+        store: &mut Store,
+    ) -> Result<(), RankError> {
+        if self.tp.size > 1 && self.ep.size == 1 {
+            return Err(fail(
+                "experts split over the tensor axis (ep=1, tp>1) are not run by the CPU executor",
+            ));
+        }
+        let x = self.act(store, l, op.inputs[0])?;
+        let logits = self.act(store, l, op.inputs[1])?;
+        let (h, f, ne, kk) = (
+            e.hidden as usize,
+            e.ffn as usize,
+            e.experts as usize,
+            e.top_k as usize,
+        );
+        let rows = x.len() / h;
+        let mut probs = vec![0.0; rows * ne];
+        let mut idx = vec![0u32; rows * kk];
+        let mut wts = vec![0.0; rows * kk];
+        k::moe_route_fwd(&logits, rows, ne, kk, true, &mut probs, &mut idx, &mut wts)
+            .map_err(kerr(&op.name))?;
+        let mut disp = vec![0.0; rows * kk * h];
+        let mut counts = vec![0usize; ne];
+        let mut perm = vec![0u32; rows * kk];
+        k::moe_dispatch_fwd(&x, &idx, rows, kk, ne, h, &mut disp, &mut counts, &mut perm)
+            .map_err(kerr(&op.name))?;
+        let (local_rows, local_counts, route) = self.experts_exchange(&disp, &counts, ne, h)?;
+        let w_up = self.weight(op.inputs[2], l)?.clone();
+        let w_down = self.weight(op.inputs[3], l)?.clone();
+        let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
+        let up_w = if gated { 2 * f } else { f };
+        let total = local_rows.len() / h;
+        let mut y = vec![0.0; total * h];
+        let mut ups = vec![0.0; total * up_w];
+        let mut acts = vec![0.0; total * f];
+        let mut off = 0;
+        for (j, &n) in local_counts.iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
+            let xr = &local_rows[off * h..(off + n) * h];
+            let up = &mut ups[off * up_w..(off + n) * up_w];
+            let wu = &w_up[j * h * up_w..(j + 1) * h * up_w];
+            k::matmul(
+                k::Transpose::No,
+                k::Transpose::No,
+                n,
+                h,
+                up_w,
+                xr,
+                wu,
+                0.0,
+                up,
+            )
+            .map_err(kerr(&op.name))?;
+            let act = &mut acts[off * f..(off + n) * f];
+            if gated {
+                k::swiglu_fwd(up, n, f, act).map_err(kerr(&op.name))?;
+            } else {
+                k::gelu_fwd(up, act).map_err(kerr(&op.name))?;
+            }
+            let wd = &w_down[j * f * h..(j + 1) * f * h];
+            let yr = &mut y[off * h..(off + n) * h];
+            k::matmul(
+                k::Transpose::No,
+                k::Transpose::No,
+                n,
+                f,
+                h,
+                act,
+                wd,
+                0.0,
+                yr,
+            )
+            .map_err(kerr(&op.name))?;
+            off += n;
+        }
+        let y_disp = self.experts_return(&y, &route, h)?;
+        let mut out = vec![0.0; rows * h];
+        k::moe_combine_fwd(&y_disp, &perm, &wts, rows, kk, h, &mut out).map_err(kerr(&op.name))?;
+        let key = |w: &str| (l, format!("{}#{w}", op.name));
+        store.acts.insert(key("probs"), probs);
+        store
+            .acts
+            .insert(key("idx"), idx.iter().map(|&i| i as f32).collect());
+        store.acts.insert(key("wts"), wts);
+        store
+            .acts
+            .insert(key("perm"), perm.iter().map(|&i| i as f32).collect());
+        store.acts.insert(key("local_rows"), local_rows);
+        store.acts.insert(
+            key("local_counts"),
+            local_counts.iter().map(|&c| c as f32).collect(),
+        );
+        store.acts.insert(key("ups"), ups);
+        store.acts.insert(key("acts"), acts);
+        store.acts.insert(key("y_disp"), y_disp);
+        store.acts.insert(key("route"), route.to_f32());
+        store.acts.insert((l, self.out_name(op)), out);
+        Ok(())
+    }
+
+    fn experts_backward(
+        &mut self,
+        op: &Op,
+        e: &meshplan_ir::graph::ExpertsShape,
+        l: u64,
+        store: &mut Store,
+        dy: &[f32],
+    ) -> Result<(), RankError> {
+        let (h, f, ne, kk) = (
+            e.hidden as usize,
+            e.ffn as usize,
+            e.experts as usize,
+            e.top_k as usize,
+        );
+        let get = |w: &str| {
+            store
+                .acts
+                .get(&(l, format!("{}#{w}", op.name)))
+                .cloned()
+                .ok_or_else(|| fail(format!("{}: {w} was not kept", op.name)))
+        };
+        let probs = get("probs")?;
+        let idx: Vec<u32> = get("idx")?.iter().map(|&v| v as u32).collect();
+        let wts = get("wts")?;
+        let perm: Vec<u32> = get("perm")?.iter().map(|&v| v as u32).collect();
+        let local_rows = get("local_rows")?;
+        let local_counts: Vec<usize> = get("local_counts")?.iter().map(|&v| v as usize).collect();
+        let ups = get("ups")?;
+        let acts = get("acts")?;
+        let y_disp = get("y_disp")?;
+        let route = Route::from_f32(&get("route")?)?;
+        let rows = dy.len() / h;
+        let mut d_y = vec![0.0; y_disp.len()];
+        let mut d_w = vec![0.0; wts.len()];
+        k::moe_combine_bwd(dy, &y_disp, &perm, &wts, rows, kk, h, &mut d_y, &mut d_w)
+            .map_err(kerr(&op.name))?;
+        // Gradients of the expert outputs travel to the experts as the tokens did.
+        let d_local = self.experts_resend(&d_y, &route, h)?;
+        let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
+        let up_w = if gated { 2 * f } else { f };
+        let w_up = self.weight(op.inputs[2], l)?.clone();
+        let w_down = self.weight(op.inputs[3], l)?.clone();
+        let (ku, kd) = (self.wkey(op.inputs[2], l), self.wkey(op.inputs[3], l));
+        let mut d_rows = vec![0.0; local_rows.len()];
+        let mut off = 0;
+        for (j, &n) in local_counts.iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
+            let dyr = &d_local[off * h..(off + n) * h];
+            let act = &acts[off * f..(off + n) * f];
+            let up = &ups[off * up_w..(off + n) * up_w];
+            let xr = &local_rows[off * h..(off + n) * h];
+            let wd = &w_down[j * f * h..(j + 1) * f * h];
+            let mut d_act = vec![0.0; n * f];
+            k::matmul(
+                k::Transpose::No,
+                k::Transpose::Yes,
+                n,
+                h,
+                f,
+                dyr,
+                wd,
+                0.0,
+                &mut d_act,
+            )
+            .map_err(kerr(&op.name))?;
+            {
+                let gd = self
+                    .wgrads
+                    .get_mut(&kd)
+                    .ok_or_else(|| fail("expert gradient missing"))?;
+                let gd = &mut gd[j * f * h..(j + 1) * f * h];
+                k::matmul(
+                    k::Transpose::Yes,
+                    k::Transpose::No,
+                    f,
+                    n,
+                    h,
+                    act,
+                    dyr,
+                    1.0,
+                    gd,
+                )
+                .map_err(kerr(&op.name))?;
+            }
+            let mut d_up = vec![0.0; n * up_w];
+            if gated {
+                k::swiglu_bwd(up, &d_act, n, f, &mut d_up).map_err(kerr(&op.name))?;
+            } else {
+                k::gelu_bwd(up, &d_act, &mut d_up).map_err(kerr(&op.name))?;
+            }
+            {
+                let gu = self
+                    .wgrads
+                    .get_mut(&ku)
+                    .ok_or_else(|| fail("expert gradient missing"))?;
+                let gu = &mut gu[j * h * up_w..(j + 1) * h * up_w];
+                k::matmul(
+                    k::Transpose::Yes,
+                    k::Transpose::No,
+                    h,
+                    n,
+                    up_w,
+                    xr,
+                    &d_up,
+                    1.0,
+                    gu,
+                )
+                .map_err(kerr(&op.name))?;
+            }
+            let wu = &w_up[j * h * up_w..(j + 1) * h * up_w];
+            let dr = &mut d_rows[off * h..(off + n) * h];
+            k::matmul(
+                k::Transpose::No,
+                k::Transpose::Yes,
+                n,
+                up_w,
+                h,
+                &d_up,
+                wu,
+                0.0,
+                dr,
+            )
+            .map_err(kerr(&op.name))?;
+            off += n;
+        }
+        let d_disp = self.experts_return(&d_rows, &route, h)?;
+        let mut dx = vec![0.0; rows * h];
+        k::moe_dispatch_bwd(&d_disp, &perm, rows, kk, h, &mut dx).map_err(kerr(&op.name))?;
+        let mut d_logits = vec![0.0; rows * ne];
+        k::moe_route_bwd(&probs, &idx, &wts, &d_w, rows, ne, kk, true, &mut d_logits)
+            .map_err(kerr(&op.name))?;
+        let x_name = self.graph.tensor(op.inputs[0]).name.clone();
+        let g_name = self.graph.tensor(op.inputs[1]).name.clone();
+        Self::add_grad(store, l, &x_name, &dx);
+        Self::add_grad(store, l, &g_name, &d_logits);
+        Ok(())
+    }
+
+    /// Sends rows grouped by global expert to the ranks holding those experts (their
+    /// per-expert counts first); returns the rows this rank's experts process
+    /// (expert-major), their counts, and the route back.
+    fn experts_exchange(
+        &mut self,
+        disp: &[f32],
+        counts: &[usize],
+        ne: usize,
+        h: usize,
+    ) -> Result<(Vec<f32>, Vec<usize>, Route), RankError> {
+        let n = self.ep.size;
+        let el = ne / n;
+        if n == 1 {
+            let route = Route {
+                n: 1,
+                el,
+                send: vec![counts.to_vec()],
+                recv: vec![counts.to_vec()],
+            };
+            return Ok((disp.to_vec(), counts.to_vec(), route));
+        }
+        let g = self.group("ep")?;
+        let send_counts: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
+        let mut recv_counts = vec![0.0f32; el * n];
+        self.comm
+            .all_to_all(&g, "ep", &send_counts, &mut recv_counts)?;
+        let send: Vec<Vec<usize>> = (0..n)
+            .map(|d| counts[d * el..(d + 1) * el].to_vec())
+            .collect();
+        let recv: Vec<Vec<usize>> = (0..n)
+            .map(|s| {
+                recv_counts[s * el..(s + 1) * el]
+                    .iter()
+                    .map(|&c| c as usize)
+                    .collect()
+            })
+            .collect();
+        let route = Route { n, el, send, recv };
+        let src_major = self.a2a_rows(&g, disp, &route.send, &route.recv, h)?;
+        let local_counts: Vec<usize> = (0..el)
+            .map(|j| route.recv.iter().map(|r| r[j]).sum())
+            .collect();
+        Ok((route.to_expert_major(&src_major, h), local_counts, route))
+    }
+
+    /// Expert-major rows back to their sources, in each source's dispatch order.
+    fn experts_return(
+        &mut self,
+        rows: &[f32],
+        route: &Route,
+        h: usize,
+    ) -> Result<Vec<f32>, RankError> {
+        if route.n == 1 {
+            return Ok(rows.to_vec());
+        }
+        let g = self.group("ep")?;
+        let src_major = route.to_source_major(rows, h);
+        self.a2a_rows(&g, &src_major, &route.recv, &route.send, h)
+    }
+
+    /// Dispatch-ordered rows to the experts again (gradients in backward).
+    fn experts_resend(
+        &mut self,
+        rows: &[f32],
+        route: &Route,
+        h: usize,
+    ) -> Result<Vec<f32>, RankError> {
+        if route.n == 1 {
+            return Ok(rows.to_vec());
+        }
+        let g = self.group("ep")?;
+        let src_major = self.a2a_rows(&g, rows, &route.send, &route.recv, h)?;
+        Ok(route.to_expert_major(&src_major, h))
+    }
+
+    fn a2a_rows(
+        &mut self,
+        g: &Group,
+        rows: &[f32],
+        send: &[Vec<usize>],
+        recv: &[Vec<usize>],
+        h: usize,
+    ) -> Result<Vec<f32>, RankError> {
+        let sc: Vec<usize> = send.iter().map(|c| c.iter().sum::<usize>() * h).collect();
+        let rc: Vec<usize> = recv.iter().map(|c| c.iter().sum::<usize>() * h).collect();
+        let mut out = vec![0.0; rc.iter().sum()];
+        self.comm.all_to_all_v(g, "ep", rows, &sc, &mut out, &rc)?;
+        Ok(out)
+    }
+
     /// The context-parallel ring: this rank's queries meet every rank's key/value
     /// block in turn (its own first), each block passed on to the next rank while
     /// partial results merge by log-sum-exp.
@@ -1875,13 +2230,97 @@ impl RankState<'_> {
             }
             OpKind::Dropout => Self::add_grad(store, l, &in_name(0), dy),
             OpKind::CrossEntropy { .. } => {}
-            OpKind::Router { .. } | OpKind::Experts(_) => {
-                return Err(fail(
-                    "mixture-of-experts layers are not run by the CPU executor yet",
-                ))
+            OpKind::Experts(e) => self.experts_backward(op, e, l, store, dy)?,
+            OpKind::Router { .. } => {
+                return Err(fail("a separate router op is not run by the CPU executor"))
             }
         }
         Ok(())
+    }
+}
+
+/// Token counts of an expert-parallel exchange: `send[d][j]` rows for destination
+/// `d`'s local expert `j`, `recv[s][j]` rows from source `s` for local expert `j`.
+struct Route {
+    n: usize,
+    el: usize,
+    send: Vec<Vec<usize>>,
+    recv: Vec<Vec<usize>>,
+}
+
+impl Route {
+    /// Source-major rows (per source, its rows for local expert 0, 1, ...) to
+    /// expert-major (per local expert, its rows from source 0, 1, ...).
+    fn to_expert_major(&self, src_major: &[f32], h: usize) -> Vec<f32> {
+        let mut starts = Vec::new();
+        let mut off = 0;
+        for s in 0..self.n {
+            let mut row = Vec::new();
+            for j in 0..self.el {
+                row.push(off);
+                off += self.recv[s][j];
+            }
+            starts.push(row);
+        }
+        let mut out = Vec::with_capacity(src_major.len());
+        for j in 0..self.el {
+            for s in 0..self.n {
+                let a = starts[s][j];
+                out.extend_from_slice(&src_major[a * h..(a + self.recv[s][j]) * h]);
+            }
+        }
+        out
+    }
+
+    /// The inverse of [`Route::to_expert_major`].
+    fn to_source_major(&self, expert_major: &[f32], h: usize) -> Vec<f32> {
+        let mut starts = vec![vec![0usize; self.n]; self.el];
+        let mut off = 0;
+        for (j, row) in starts.iter_mut().enumerate() {
+            for (s, start) in row.iter_mut().enumerate() {
+                *start = off;
+                off += self.recv[s][j];
+            }
+        }
+        let mut out = Vec::with_capacity(expert_major.len());
+        for s in 0..self.n {
+            for (j, row) in starts.iter().enumerate() {
+                let a = row[s];
+                out.extend_from_slice(&expert_major[a * h..(a + self.recv[s][j]) * h]);
+            }
+        }
+        out
+    }
+
+    fn to_f32(&self) -> Vec<f32> {
+        let mut v = vec![self.n as f32, self.el as f32];
+        for c in self.send.iter().chain(&self.recv) {
+            v.extend(c.iter().map(|&x| x as f32));
+        }
+        v
+    }
+
+    fn from_f32(v: &[f32]) -> Result<Route, RankError> {
+        let n = v.first().copied().unwrap_or(0.0) as usize;
+        let el = v.get(1).copied().unwrap_or(0.0) as usize;
+        if v.len() != 2 + 2 * n * el {
+            return Err(fail("expert route record is damaged"));
+        }
+        let part = |i: usize| -> Vec<Vec<usize>> {
+            (0..n)
+                .map(|d| {
+                    (0..el)
+                        .map(|j| v[2 + i * n * el + d * el + j] as usize)
+                        .collect()
+                })
+                .collect()
+        };
+        Ok(Route {
+            n,
+            el,
+            send: part(0),
+            recv: part(1),
+        })
     }
 }
 
@@ -2129,7 +2568,25 @@ pub fn check_against(
                 })
                 .ok_or_else(|| format!("`{name}` used by no op"))?;
             let shape = fixed_shape(graph.tensor(id)).map_err(|e| format!("{e:?}"))?;
-            let want = local_weight(graph, op, op.role, id, full, &shape, tp);
+            let ep = build_groups(plan, rep.rank)
+                .ok()
+                .and_then(|gs| gs.get("ep").cloned())
+                .and_then(|g| {
+                    g.index_of(rep.rank).map(|i| TpPos {
+                        rank: i,
+                        size: g.size(),
+                    })
+                })
+                .unwrap_or(TpPos::ONE);
+            let want = local_weight(
+                graph,
+                op,
+                op.role,
+                id,
+                full,
+                &shape,
+                position_for(op.role, tp, ep),
+            );
             if want.len() != local.len() {
                 return Err(format!(
                     "rank {}: `{name}` has {} values, reference slice {}",

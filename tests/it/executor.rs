@@ -137,6 +137,13 @@ fn dense_dp2_tp2_pp2() {
 }
 
 #[test]
+fn moe_dp2_and_ep2() {
+    let m = model("tiny-moe");
+    check(&m, "dp=2");
+    check(&m, "dp=2,ep=2");
+}
+
+#[test]
 fn a_failing_rank_stops_every_rank_with_a_message() {
     let m = model("tiny-gpt");
     let p = plan(&m, "dp=2,tp=2,pp=2,mbs=1");
