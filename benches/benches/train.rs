@@ -99,6 +99,10 @@ fn bench_train(c: &mut Criterion) {
                 Duration::from_secs_f64(timed.iter().sum())
             })
         });
+        // Nothing ran when a name filter (or `--profile-time`) skipped this case.
+        if steps.is_empty() {
+            continue;
+        }
         let med = median(&mut steps);
         eprintln!(
             "meshplan small-gpt {threads} thread(s) ({cfg}): {tokens_per_step} tokens/step, \

@@ -70,7 +70,7 @@ pub fn synthetic_sequence(
     let stride = 1 + start % 7;
     (0..=len as u64)
         .map(|i| {
-            let noise = splitmix(start.wrapping_add(i)) % 8 == 0;
+            let noise = splitmix(start.wrapping_add(i)).is_multiple_of(8);
             let t = if noise {
                 splitmix(start ^ i.wrapping_mul(31)) % vocab
             } else {

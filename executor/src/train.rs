@@ -1088,6 +1088,8 @@ impl<'a> RankState<'a> {
         Ok(())
     }
 
+    /// One collective of a forward or backward list, on the tensor it names.
+    #[allow(clippy::too_many_arguments)] // the instruction's fields plus where it runs
     fn collective(
         &mut self,
         kind: CollectiveKind,
@@ -1228,7 +1230,7 @@ impl<'a> RankState<'a> {
         let keys = self.set_keys(set, Some((s, l)));
         let flat = self.flat(&self.weights, &keys);
         let n = g.size();
-        if flat.len() % n != 0 {
+        if !flat.len().is_multiple_of(n) {
             return Err(fail(format!(
                 "{} parameters of `{what}` do not split over {n} ranks",
                 flat.len()

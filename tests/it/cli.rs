@@ -772,3 +772,60 @@ fn compare_bad_configs_file_exits_2_naming_it() {
     run.expect_code(2);
     assert!(run.stderr.contains("bad-configs.yaml"), "{}", run.stderr);
 }
+
+// === run ===
+
+#[test]
+fn run_check_trains_the_planned_layout_like_one_rank() {
+    let out = temp_file("plan-run.json", "");
+    let path = out.to_str().expect("utf-8 path");
+    meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "dp=2,tp=2,pp=2,mbs=1",
+        "--quiet",
+        "-o",
+        path,
+    ])
+    .expect_code(0);
+    let run = meshplan(&["run", path, "--steps", "5", "--check", "--json"]);
+    run.expect_code(0);
+    let v = json_of(&run);
+    let losses = v["loss"].as_array().expect("loss per step");
+    assert_eq!(losses.len(), 5);
+    assert!(losses[4].as_f64() < losses[0].as_f64(), "{v}");
+    assert_eq!(v["check"]["passed"], true, "{v}");
+    assert_eq!(v["bytes_match_plan"], true, "{v}");
+    number(&v["measured"], "step_time_s");
+    number(&v["predicted"], "step_time_s");
+    for s in v["steps"].as_array().expect("steps") {
+        number(s, "loss");
+        number(s, "tokens_per_s");
+    }
+}
+
+#[test]
+fn run_rejects_bad_input_and_missing_backends() {
+    let bad = temp_file("not-a-plan.json", "{\"format\": 1}");
+    let run = meshplan(&["run", bad.to_str().expect("utf-8 path")]);
+    run.expect_code(2);
+    assert!(run.stderr.contains("not-a-plan.json"), "{}", run.stderr);
+    let out = temp_file("plan-run-cuda.json", "");
+    let path = out.to_str().expect("utf-8 path");
+    meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--quiet",
+        "-o",
+        path,
+    ])
+    .expect_code(0);
+    let cuda = meshplan(&["run", path, "--backend", "cuda"]);
+    cuda.expect_code(1);
+    assert!(cuda.stderr.contains("CUDA"), "{}", cuda.stderr);
+    let tpu = meshplan(&["run", path, "--backend", "tpu"]);
+    tpu.expect_code(2);
+}
