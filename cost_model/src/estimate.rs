@@ -170,6 +170,16 @@ pub fn check_shapes(pg: &PreparedGraph, cfg: &ParallelConfig, seq: u64) -> Resul
     Ok(())
 }
 
+/// The data-parallel degree of expert weights: the stage's ranks over ep when experts
+/// are split by expert, the dense data axis when they are split over tp (ep = 1).
+pub fn expert_dp_of(cfg: &ParallelConfig) -> u64 {
+    if cfg.ep > 1 {
+        (cfg.dp * cfg.cp * cfg.tp / cfg.ep).max(1)
+    } else {
+        cfg.dp * cfg.cp
+    }
+}
+
 /// Where the axes sit: tensor innermost, then context, data, and pipeline outermost
 /// (Megatron's order), experts on a contiguous block of ranks.
 #[derive(Clone, Copy, Debug)]
@@ -193,14 +203,24 @@ impl Groups {
     pub fn new(cfg: &ParallelConfig, gpn: u64) -> Groups {
         let dense_dp = cfg.dp * cfg.cp;
         let stage = cfg.tp * cfg.cp * cfg.dp;
-        let edp = (stage / cfg.ep.max(1)).max(1);
+        // Experts split over ep (ep > 1) take the rest of the stage as their data axis;
+        // with ep = 1 they are split over tp like the dense weights and share dp.
+        let edp = if cfg.ep > 1 {
+            (stage / cfg.ep).max(1)
+        } else {
+            dense_dp
+        };
         Groups {
             tp: GroupShape::of_axis(cfg.tp, 1, gpn),
             cp: GroupShape::of_axis(cfg.cp, cfg.tp, gpn),
             // The dense gradient group spans the context ranks too (inner to dp).
             dp: GroupShape::of_axis(dense_dp, cfg.tp, gpn),
             ep: GroupShape::of_axis(cfg.ep, 1, gpn),
-            edp: GroupShape::of_axis(edp, cfg.ep, gpn),
+            edp: if cfg.ep > 1 {
+                GroupShape::of_axis(edp, cfg.ep, gpn)
+            } else {
+                GroupShape::of_axis(dense_dp, cfg.tp, gpn)
+            },
             pp_same_node: stage < gpn,
         }
     }
@@ -440,7 +460,7 @@ pub fn estimate_train_bounded(
     // Per stage: data-parallel reduction, optimizer, memory.
     let pp = cfg.pp as usize;
     let dense_dp = cfg.dp * cfg.cp;
-    let expert_dp = (cfg.dp * cfg.cp * cfg.tp / cfg.ep).max(1);
+    let expert_dp = expert_dp_of(cfg);
     let mut worst_mem = MemoryLedger::default();
     let mut worst_tail = 0.0f64;
     let mut dp_bytes_max = 0.0f64;

@@ -81,9 +81,9 @@ struct PSegment {
     experts: u64,
     /// Weight elements this segment shares with another segment (tied embeddings).
     params_shared: f64,
-    /// Weight elements of replicated ops (norm scales, their biases): under sequence
-    /// parallelism each tensor rank holds a partial gradient of them.
-    params_seq_partial: f64,
+    /// Weight elements whose gradient a tensor rank holds as a partial sum: under
+    /// sequence parallelism (`[0]`), with experts split over tp (`[1]`).
+    params_seq_partial: [f64; 2],
 }
 
 /// A graph turned into monomials, ready to be priced many times.
@@ -299,20 +299,12 @@ impl PreparedGraph {
                 params_experts: p_exp,
                 experts: seg_experts,
                 params_shared: 0.0,
-                params_seq_partial: {
-                    let mut seen = Vec::new();
-                    let mut n = 0.0;
-                    for op in seg.ops.iter().filter(|o| o.role == TpRole::Replicated) {
-                        for &w in &op.inputs {
-                            let t = graph.tensor(w);
-                            if t.kind == TensorKind::Weight && !seen.contains(&w) {
-                                seen.push(w);
-                                n += t.elems().coef;
-                            }
-                        }
-                    }
-                    n
-                },
+                params_seq_partial: [false, true].map(|expert_tp| {
+                    meshplan_ir::graph::tp_partial_weights(graph, seg, !expert_tp, expert_tp)
+                        .iter()
+                        .map(|&w| graph.tensor(w).elems().coef)
+                        .sum::<f64>()
+                }),
             });
         }
         // Weights used by two segments (a tied embedding): each holder keeps a copy.
@@ -703,8 +695,13 @@ impl LayoutCtx {
             seg.params_sharded / t
         };
         c.params_dense = seg.params_replicated + dense_sharded;
-        c.params_seq_partial = if self.sp && self.tp > 1 {
-            seg.params_seq_partial
+        c.params_seq_partial = if self.tp <= 1 {
+            0.0
+        } else if self.sp {
+            // Replicated ops include the router, so this covers both cases.
+            seg.params_seq_partial[0]
+        } else if self.ep <= 1 {
+            seg.params_seq_partial[1]
         } else {
             0.0
         };

@@ -103,16 +103,6 @@ fn row_range(rows: usize, tp: TpPos) -> (usize, usize) {
     (tp.rank * c, (tp.rank + 1) * c)
 }
 
-/// The axis position that splits a weight used under `role`: expert weights split
-/// over the expert axis, everything else over the tensor axis.
-pub fn position_for(role: TpRole, tp: TpPos, ep: TpPos) -> TpPos {
-    if role == TpRole::Experts {
-        ep
-    } else {
-        tp
-    }
-}
-
 /// The local part of weight `w` (its full values row-major with `shape`) used by
 /// `op` under `role`.
 pub fn local_weight(
@@ -123,7 +113,11 @@ pub fn local_weight(
     full: &[f32],
     shape: &[usize],
     tp: TpPos,
+    ep: TpPos,
 ) -> Vec<f32> {
+    if role == TpRole::Experts {
+        return expert_slice(full, shape, tp, ep);
+    }
     if tp.size <= 1 {
         return full.to_vec();
     }
@@ -147,9 +141,7 @@ pub fn local_weight(
             let (a, b) = row_range(rows, tp);
             full[a * n..b * n].to_vec()
         }
-        // Expert weights `[experts, ..]` split by expert over the expert axis (the
-        // caller passes the rank's expert-axis position, see `position_for`).
-        TpRole::VocabEmbedding | TpRole::Experts => {
+        TpRole::VocabEmbedding => {
             let rows = shape[0];
             let n = full.len() / rows.max(1);
             let (a, b) = row_range(rows, tp);
@@ -157,6 +149,43 @@ pub fn local_weight(
         }
         _ => full.to_vec(),
     }
+}
+
+/// Expert weights: `[experts, h, up]` and `[experts, f, h]` split by expert over
+/// the expert axis when ep > 1; otherwise each expert's MLP is split over the tensor
+/// axis like a dense one (gate and up halves by column, down by row).
+fn expert_slice(full: &[f32], shape: &[usize], tp: TpPos, ep: TpPos) -> Vec<f32> {
+    if shape.len() != 3 {
+        return full.to_vec();
+    }
+    let (e, r, c) = (shape[0], shape[1], shape[2]);
+    if ep.size > 1 {
+        let per = e / ep.size;
+        return full[ep.rank * per * r * c..(ep.rank + 1) * per * r * c].to_vec();
+    }
+    if tp.size <= 1 {
+        return full.to_vec();
+    }
+    let mut out = Vec::with_capacity(full.len() / tp.size);
+    for x in 0..e {
+        let m = &full[x * r * c..(x + 1) * r * c];
+        if c > r {
+            // Up `[h, 2f]` as [gate | up]: this rank's columns of each half.
+            let f = c / 2;
+            let w = f / tp.size;
+            for row in 0..r {
+                out.extend_from_slice(&m[row * c + tp.rank * w..row * c + (tp.rank + 1) * w]);
+                out.extend_from_slice(
+                    &m[row * c + f + tp.rank * w..row * c + f + (tp.rank + 1) * w],
+                );
+            }
+        } else {
+            // Down `[f, h]`: this rank's rows.
+            let rows = r / tp.size;
+            out.extend_from_slice(&m[tp.rank * rows * c..(tp.rank + 1) * rows * c]);
+        }
+    }
+    out
 }
 
 #[cfg(test)]

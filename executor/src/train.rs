@@ -10,7 +10,7 @@
 
 use crate::comm::{ByteCounts, CommError, Communicator, Group, RankError, ThreadComm};
 use crate::init::{init_full, synthetic_sequence, InitKind};
-use crate::shard::{local_heads, local_weight, position_for, TpPos};
+use crate::shard::{local_heads, local_weight, TpPos};
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Pass, Plan, PlanKind, Program};
 use meshplan_ir::{Graph, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
@@ -373,8 +373,8 @@ impl<'a> RankState<'a> {
                         _ => InitKind::Normal(0.02),
                     };
                     let full = init_full(self.opts.seed, &t.name, layer, elems, kind);
-                    let pos = position_for(op.role, self.tp, self.ep);
-                    let local = local_weight(self.graph, op, op.role, w, &full, &shape, pos);
+                    let local =
+                        local_weight(self.graph, op, op.role, w, &full, &shape, self.tp, self.ep);
                     self.wgrads.insert(key.clone(), vec![0.0; local.len()]);
                     self.weights.insert(key, local);
                 }
@@ -1119,16 +1119,23 @@ impl<'a> RankState<'a> {
             let gkey = (l, format!("{name}@g"));
             match kind {
                 CollectiveKind::AllReduce => {
-                    let buf = store
-                        .grads
-                        .get_mut(&key)
-                        .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
-                    self.comm.all_reduce(&g, ax, buf)?;
+                    let pkey = (l, format!("{name}@p"));
+                    if let Some(mut partial) = store.grads.remove(&pkey) {
+                        self.comm.all_reduce(&g, ax, &mut partial)?;
+                        Self::add_grad(store, l, name, &partial);
+                    } else {
+                        let buf = store
+                            .grads
+                            .get_mut(&key)
+                            .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
+                        self.comm.all_reduce(&g, ax, buf)?;
+                    }
                 }
                 CollectiveKind::ReduceScatter => {
                     let full = store
                         .grads
-                        .remove(&gkey)
+                        .remove(&(l, format!("{name}@p")))
+                        .or_else(|| store.grads.remove(&gkey))
                         .or_else(|| store.grads.remove(&key))
                         .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
                     let mut out = vec![0.0; full.len() / n];
@@ -1300,14 +1307,23 @@ impl<'a> RankState<'a> {
                     let n = g.size();
                     let me = g.index_of(self.rank).unwrap_or(0);
                     if tensor == "grads:seq_partial" {
+                        let sp = self.plan.strategy.sp && self.tp.size > 1;
+                        let expert_tp = self.ep.size <= 1 && self.tp.size > 1;
+                        let partial: Vec<String> = self
+                            .graph
+                            .segments
+                            .iter()
+                            .flat_map(|seg| {
+                                meshplan_ir::graph::tp_partial_weights(
+                                    self.graph, seg, sp, expert_tp,
+                                )
+                            })
+                            .map(|w| self.graph.tensor(w).name.clone())
+                            .collect();
                         let keys: Vec<Key> = self
                             .weights
                             .keys()
-                            .filter(|(name, _)| {
-                                self.users.get(name).is_some_and(|&(s, o)| {
-                                    self.graph.segments[s].ops[o].role == TpRole::Replicated
-                                })
-                            })
+                            .filter(|(name, _)| partial.contains(name))
                             .cloned()
                             .collect();
                         let mut flat = self.flat(&self.wgrads, &keys);
@@ -1441,19 +1457,9 @@ impl RankState<'_> {
         l: u64,
         store: &mut Store,
     ) -> Result<(), RankError> {
-        if self.tp.size > 1 && self.ep.size == 1 {
-            return Err(fail(
-                "experts split over the tensor axis (ep=1, tp>1) are not run by the CPU executor",
-            ));
-        }
         let x = self.act(store, l, op.inputs[0])?;
         let logits = self.act(store, l, op.inputs[1])?;
-        let (h, f, ne, kk) = (
-            e.hidden as usize,
-            e.ffn as usize,
-            e.experts as usize,
-            e.top_k as usize,
-        );
+        let (h, f, ne, kk) = self.expert_dims(e);
         let rows = x.len() / h;
         let mut probs = vec![0.0; rows * ne];
         let mut idx = vec![0u32; rows * kk];
@@ -1549,12 +1555,7 @@ impl RankState<'_> {
         store: &mut Store,
         dy: &[f32],
     ) -> Result<(), RankError> {
-        let (h, f, ne, kk) = (
-            e.hidden as usize,
-            e.ffn as usize,
-            e.experts as usize,
-            e.top_k as usize,
-        );
+        let (h, f, ne, kk) = self.expert_dims(e);
         let get = |w: &str| {
             store
                 .acts
@@ -1676,9 +1677,26 @@ impl RankState<'_> {
             .map_err(kerr(&op.name))?;
         let x_name = self.graph.tensor(op.inputs[0]).name.clone();
         let g_name = self.graph.tensor(op.inputs[1]).name.clone();
-        Self::add_grad(store, l, &x_name, &dx);
+        // Split over tp, each rank's experts give a partial input gradient.
+        let x_key = if self.ep.size == 1 && self.tp.size > 1 {
+            format!("{x_name}@p")
+        } else {
+            x_name
+        };
+        Self::add_grad(store, l, &x_key, &dx);
         Self::add_grad(store, l, &g_name, &d_logits);
         Ok(())
+    }
+
+    /// (hidden, this rank's expert MLP width, experts, top-k).
+    fn expert_dims(&self, e: &meshplan_ir::graph::ExpertsShape) -> (usize, usize, usize, usize) {
+        let tp_split = if self.ep.size == 1 { self.tp.size } else { 1 };
+        (
+            e.hidden as usize,
+            e.ffn as usize / tp_split,
+            e.experts as usize,
+            e.top_k as usize,
+        )
     }
 
     /// Sends rows grouped by global expert to the ranks holding those experts (their
@@ -2160,10 +2178,18 @@ impl RankState<'_> {
                         }
                     }
                 }
+                // A split op's input gradient is partial until the program reduces it;
+                // so is a router's when the experts it feeds are split over tp.
                 let name = in_name(0);
-                let sp_gathered = gathered && store.acts.contains_key(&(l, format!("{name}@g")));
-                if sp_gathered {
-                    Self::add_grad(store, l, &format!("{name}@g"), &dx);
+                let router_of_split_experts = self.ep.size <= 1
+                    && self.tp.size > 1
+                    && op.outputs.first().is_some_and(|out| {
+                        self.graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
+                            matches!(o.kind, OpKind::Experts(_)) && o.inputs.get(1) == Some(out)
+                        })
+                    });
+                if (gathered || router_of_split_experts) && self.tp.size > 1 {
+                    Self::add_grad(store, l, &format!("{name}@p"), &dx);
                 } else {
                     Self::add_grad(store, l, &name, &dx);
                 }
@@ -2580,15 +2606,7 @@ pub fn check_against(
                     })
                 })
                 .unwrap_or(TpPos::ONE);
-            let want = local_weight(
-                graph,
-                op,
-                op.role,
-                id,
-                full,
-                &shape,
-                position_for(op.role, tp, ep),
-            );
+            let want = local_weight(graph, op, op.role, id, full, &shape, tp, ep);
             if want.len() != local.len() {
                 return Err(format!(
                     "rank {}: `{name}` has {} values, reference slice {}",

@@ -404,6 +404,44 @@ impl Graph {
     }
 }
 
+/// The weights of `seg` whose gradient each tensor-parallel rank holds only as a
+/// partial sum, to be all-reduced over the tensor axis once per step: under sequence
+/// parallelism (`sp`) those of replicated ops (norm scales and biases, which see a
+/// slice of the sequence); with experts split over the tensor axis (`expert_tp`) the
+/// router's, whose logits' gradient comes from partial expert outputs.
+pub fn tp_partial_weights(
+    graph: &Graph,
+    seg: &Segment,
+    sp: bool,
+    expert_tp: bool,
+) -> Vec<TensorId> {
+    let routers: Vec<TensorId> = seg
+        .ops
+        .iter()
+        .filter(|o| matches!(o.kind, OpKind::Experts(_)))
+        .filter_map(|o| o.inputs.get(1).copied())
+        .collect();
+    let mut out = Vec::new();
+    for op in &seg.ops {
+        let is_router = op.outputs.iter().any(|t| routers.contains(t));
+        let take = (sp && op.role == TpRole::Replicated) || (expert_tp && is_router);
+        if !take {
+            continue;
+        }
+        for &w in &op.inputs {
+            if graph
+                .tensors
+                .get(w.0 as usize)
+                .is_some_and(|t| t.kind == TensorKind::Weight)
+                && !out.contains(&w)
+            {
+                out.push(w);
+            }
+        }
+    }
+    out
+}
+
 /// Letters of an einsum operand.
 fn einsum_parts(einsum: &str) -> Option<(&str, &str, &str)> {
     let (lhs, out) = einsum.split_once("->")?;

@@ -152,29 +152,6 @@ struct SegmentLowered {
     seq_partial_params: f64,
 }
 
-/// Elements of the weights a segment's replicated ops use (norm scales and biases),
-/// each once: under sequence parallelism their gradients are partial sums over the
-/// tensor axis (Megatron-LM all-reduces them before the optimizer).
-pub fn seq_partial_params(graph: &Graph, seg: &Segment) -> f64 {
-    let mut seen: Vec<TensorId> = Vec::new();
-    let mut n = 0.0;
-    for op in &seg.ops {
-        if op.role != TpRole::Replicated {
-            continue;
-        }
-        for &w in &op.inputs {
-            let Some(t) = graph.tensors.get(w.0 as usize) else {
-                continue;
-            };
-            if t.kind == TensorKind::Weight && !seen.contains(&w) {
-                seen.push(w);
-                n += t.elems().coef;
-            }
-        }
-    }
-    n
-}
-
 fn coll_of(kind: CollectiveKind) -> Collective {
     match kind {
         CollectiveKind::AllReduce => Collective::AllReduce,
@@ -496,6 +473,7 @@ impl Layout<'_> {
         let mut per_op_backward: Vec<Vec<Instr>> = Vec::new();
         let mut in_attention = seg.kind == SegmentKind::Block;
         let mut column_seen: Vec<TensorId> = Vec::new();
+        let mut deferred: Vec<(usize, Vec<Instr>)> = Vec::new();
         let bpe = self.bpe;
         let block = seg.kind == SegmentKind::Block;
         for op in &seg.ops {
@@ -521,7 +499,23 @@ impl Layout<'_> {
                 TpRole::Experts if self.ep <= 1 => {
                     // Without an expert axis the experts are a column/row pair on `tp`.
                     if let Some(&x) = op.inputs.first() {
-                        self.column(x, false, &mut c);
+                        let mut col = OpComm::default();
+                        self.column(x, false, &mut col);
+                        c.pre.extend(col.pre);
+                        c.post.extend(col.post);
+                        c.bpre.extend(col.bpre);
+                        // The router reads the same input and, fed by partial expert
+                        // outputs, also returns a partial gradient: reduce after its
+                        // backward, which runs after the experts'.
+                        let router = op.inputs.get(1).and_then(|logits| {
+                            seg.ops
+                                .iter()
+                                .position(|o| o.outputs.first() == Some(logits))
+                        });
+                        match router {
+                            Some(r) => deferred.push((r, col.bpost)),
+                            None => c.bpost.extend(col.bpost),
+                        }
                     }
                     if let Some(&y) = op.outputs.first() {
                         self.row(y, false, &mut c);
@@ -595,6 +589,11 @@ impl Layout<'_> {
             b.extend(c.bpost);
             per_op_backward.push(b);
         }
+        for (r, instrs) in deferred {
+            if let Some(list) = per_op_backward.get_mut(r) {
+                list.extend(instrs);
+            }
+        }
         let mut backward: Vec<Instr> = Vec::new();
         if block && self.recompute == Recompute::Full {
             backward.push(Instr::Recompute {
@@ -648,8 +647,12 @@ impl Layout<'_> {
             backward,
             dense_params: dense,
             expert_params: experts,
-            seq_partial_params: if self.sp && self.tp > 1 {
-                seq_partial_params(self.graph, seg)
+            seq_partial_params: if self.tp > 1 {
+                meshplan_ir::graph::tp_partial_weights(self.graph, seg, self.sp, self.ep <= 1)
+                    .iter()
+                    .filter_map(|&w| self.graph.tensors.get(w.0 as usize))
+                    .map(|t| t.elems().coef)
+                    .sum()
             } else {
                 0.0
             },
@@ -857,7 +860,12 @@ fn mesh_info(cfg: &ParallelConfig) -> MeshInfo {
             group("cp", &["cp"], cfg.cp, 1),
             group("dp", &["dp", "cp"], cfg.dp * cfg.cp, 1),
             group("ep", &["dp", "cp", "tp"], ep, 1),
-            group("edp", &["dp", "cp", "tp"], (stage_ranks / ep).max(1), ep),
+            if ep > 1 {
+                group("edp", &["dp", "cp", "tp"], (stage_ranks / ep).max(1), ep)
+            } else {
+                // Experts split over tp share the dense data axis.
+                group("edp", &["dp", "cp"], cfg.dp * cfg.cp, 1)
+            },
             group("pp", &["pp"], cfg.pp, 1),
         ],
     }
@@ -1297,7 +1305,7 @@ pub fn lower_train(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
         zero3: cfg.zero >= 3,
         zero: cfg.zero,
         dense_dp: cfg.dp * cfg.cp,
-        expert_dp: (cfg.dp * cfg.cp * cfg.tp / cfg.ep).max(1),
+        expert_dp: crate::cost_model::estimate::expert_dp_of(cfg),
         weight_dim: weight_dims(input.graph),
     };
     let p2p_bytes = pg.boundary_bytes_per_token * cfg.mbs as f64 * seq
@@ -1380,7 +1388,7 @@ pub fn lower_inference(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
         zero3: false,
         zero: 0,
         dense_dp: cfg.dp * cfg.cp,
-        expert_dp: (cfg.dp * cfg.cp * cfg.tp / cfg.ep).max(1),
+        expert_dp: crate::cost_model::estimate::expert_dp_of(cfg),
         weight_dim: weight_dims(input.graph),
     };
     let decode = Layout {

@@ -156,6 +156,7 @@ fn moe_dp2_and_ep2() {
     let m = model("tiny-moe");
     check(&m, "dp=2");
     check(&m, "dp=2,ep=2");
+    check(&m, "tp=2");
 }
 
 #[test]
