@@ -141,6 +141,13 @@ fn print_report(
         s.sort_by(f64::total_cmp);
         s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
     };
+    let worst = r.ranks.iter().max_by(|a, b| {
+        (a.state_bytes + a.peak_activation_bytes)
+            .total_cmp(&(b.state_bytes + b.peak_activation_bytes))
+    });
+    let (measured_states, measured_acts) =
+        worst.map_or((0.0, 0.0), |w| (w.state_bytes, w.peak_activation_bytes));
+    let measured_mem = measured_states + measured_acts;
     let mut per_axis = serde_json::Map::new();
     for rank in &r.ranks {
         for (axis, b) in rank.counts.per_axis() {
@@ -162,6 +169,11 @@ fn print_report(
                 "step_time_s": median,
                 "tokens_per_s": r.tokens_per_step as f64 / median,
                 "comm_bytes_per_gpu": per_axis,
+                "memory_per_gpu_bytes": {
+                    "states": measured_states,
+                    "activations": measured_acts,
+                    "total": measured_mem,
+                },
             },
             "predicted": plan.predicted,
             "bytes_match_plan": bytes.is_empty(),
@@ -192,7 +204,10 @@ fn print_report(
         plan.cluster.gpu
     );
     println!(
-        "memory       predicted {:.3} GiB per GPU",
+        "memory       measured {:.4} GiB (states {:.4} + activations {:.4}, fullest rank), predicted {:.4} GiB per GPU",
+        gib(measured_mem),
+        gib(measured_states),
+        gib(measured_acts),
         gib(predicted_mem)
     );
     if bytes.is_empty() {

@@ -64,6 +64,10 @@ pub struct RankReport {
     pub counts: ByteCounts,
     /// Wall seconds of each step.
     pub step_s: Vec<f64>,
+    /// Bytes of weights, their gradients and optimizer state held at the end.
+    pub state_bytes: f64,
+    /// Most bytes of activations (and kept kernel statistics) held at once.
+    pub peak_activation_bytes: f64,
 }
 
 /// A whole run.
@@ -136,12 +140,16 @@ pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, ExecError>
         }
         let counts = r.comm.counts();
         r.gather_zero3_for_report()?;
+        let bytes = |m: &BTreeMap<Key, Vec<f32>>| m.values().map(|v| v.len()).sum::<usize>();
+        let adam: usize = r.adam.values().map(|(m, v)| m.len() + v.len()).sum();
         Ok(RankReport {
             rank: r.rank,
             loss_parts,
             weights: r.weights.clone(),
             counts,
             step_s,
+            state_bytes: 4.0 * (bytes(&r.weights) + bytes(&r.wgrads) + adam) as f64,
+            peak_activation_bytes: r.peak_act_bytes,
         })
     });
     if let Some(summary) = crate::comm::failure_summary(&results) {
@@ -213,6 +221,7 @@ struct RankState<'a> {
     grad_hidden: Vec<f32>,
     loss_part: f64,
     step_no: u64,
+    peak_act_bytes: f64,
 }
 
 impl<'a> RankState<'a> {
@@ -305,6 +314,7 @@ impl<'a> RankState<'a> {
             grad_hidden: Vec::new(),
             loss_part: 0.0,
             step_no: 0,
+            peak_act_bytes: 0.0,
         };
         st.init_weights()?;
         Ok(st)
@@ -473,6 +483,12 @@ impl<'a> RankState<'a> {
                     let mut layer = ch.layer_start;
                     self.run_forward(&ch.forward, &mut store, &mut layer, NO_LAYER)?;
                     self.tasks.insert((task.chunk, task.mb), store);
+                    let held: usize = self
+                        .tasks
+                        .values()
+                        .map(|st| st.acts.values().map(|v| v.len()).sum::<usize>())
+                        .sum();
+                    self.peak_act_bytes = self.peak_act_bytes.max(4.0 * held as f64);
                 }
                 Pass::B => {
                     let mut store = self
