@@ -16,6 +16,7 @@ use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Pass, Plan, PlanKind, Progr
 use meshplan_ir::{Graph, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
 use meshplan_kernels::cpu as k;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Knobs of a training run.
@@ -185,7 +186,8 @@ pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, ExecError>
 /// and tensor name.
 #[derive(Default)]
 struct Store {
-    acts: HashMap<(u64, String), Vec<f32>>,
+    /// Shared so that reading an input does not copy it.
+    acts: HashMap<(u64, String), Arc<Vec<f32>>>,
     grads: HashMap<(u64, String), Vec<f32>>,
 }
 
@@ -222,6 +224,12 @@ struct RankState<'a> {
     loss_part: f64,
     step_no: u64,
     peak_act_bytes: f64,
+}
+
+impl Store {
+    fn put(&mut self, key: (u64, String), v: Vec<f32>) {
+        self.acts.insert(key, Arc::new(v));
+    }
 }
 
 impl<'a> RankState<'a> {
@@ -524,8 +532,8 @@ impl<'a> RankState<'a> {
                 labels[si * b + bi] = seq[s0 + si + 1] as f32;
             }
         }
-        store.acts.insert((NO_LAYER, "tokens".into()), tokens);
-        store.acts.insert((NO_LAYER, "labels".into()), labels);
+        store.put((NO_LAYER, "tokens".into()), tokens);
+        store.put((NO_LAYER, "labels".into()), labels);
         Ok(())
     }
 
@@ -587,12 +595,12 @@ impl<'a> RankState<'a> {
                             NO_LAYER
                         };
                         if let Some(input) = segment_input(self.graph, s) {
-                            store.acts.insert((l, input), self.hidden.clone());
+                            store.put((l, input), self.hidden.clone());
                         }
                         self.run_forward(body, store, layer, l)?;
                         if let Some(out) = segment_output(self.graph, s) {
                             if let Some(v) = store.acts.get(&(l, out)) {
-                                self.hidden = v.clone();
+                                self.hidden = v.to_vec();
                             }
                         }
                     }
@@ -762,7 +770,12 @@ impl<'a> RankState<'a> {
             .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
     }
 
-    fn act(&self, store: &Store, l: u64, id: meshplan_ir::TensorId) -> Result<Vec<f32>, RankError> {
+    fn act(
+        &self,
+        store: &Store,
+        l: u64,
+        id: meshplan_ir::TensorId,
+    ) -> Result<Arc<Vec<f32>>, RankError> {
         let name = &self.graph.tensor(id).name;
         let key_l = if name == "tokens" || name == "labels" {
             NO_LAYER
@@ -783,7 +796,7 @@ impl<'a> RankState<'a> {
         store: &Store,
         l: u64,
         id: meshplan_ir::TensorId,
-    ) -> Result<Vec<f32>, RankError> {
+    ) -> Result<Arc<Vec<f32>>, RankError> {
         let name = format!("{}@g", self.graph.tensor(id).name);
         match store.acts.get(&(l, name)) {
             Some(v) => Ok(v.clone()),
@@ -884,7 +897,7 @@ impl<'a> RankState<'a> {
                 let ids: Vec<u32> = ids.iter().map(|&x| x as u32).collect();
                 let mut y = vec![0.0; ids.len() * dim];
                 k::embedding_fwd(&ids, table, vocab_start, dim, &mut y).map_err(kerr(&op.name))?;
-                store.acts.insert((l, out), y);
+                store.put((l, out), y);
             }
             OpKind::Norm(kind) => {
                 let x = self.act(store, l, op.inputs[0])?;
@@ -904,13 +917,13 @@ impl<'a> RankState<'a> {
                         let r = k::layernorm_fwd(
                             &x, &w, &b, rows, dim, eps, &mut y, &mut mean, &mut rstd,
                         );
-                        store.acts.insert((l, format!("{}#mean", op.name)), mean);
+                        store.put((l, format!("{}#mean", op.name)), mean);
                         r
                     }
                 }
                 .map_err(kerr(&op.name))?;
-                store.acts.insert((l, format!("{}#rstd", op.name)), rstd);
-                store.acts.insert((l, out), y);
+                store.put((l, format!("{}#rstd", op.name)), rstd);
+                store.put((l, out), y);
             }
             OpKind::Matmul { .. } => {
                 let gathered = matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead);
@@ -946,14 +959,14 @@ impl<'a> RankState<'a> {
                         }
                     }
                 }
-                store.acts.insert((l, out), y);
+                store.put((l, out), y);
             }
             OpKind::Rope => {
                 let x = self.act(store, l, op.inputs[0])?;
                 let att = self.consumer_attention(op)?;
                 let rows = x.len() / self.qkv_width(att)?;
                 let y = self.rope(att, &x, rows, false)?;
-                store.acts.insert((l, out), y);
+                store.put((l, out), y);
             }
             OpKind::Attention(a) => {
                 let x = self.act(store, l, op.inputs[0])?;
@@ -973,11 +986,9 @@ impl<'a> RankState<'a> {
                     )
                     .map_err(kerr(&op.name))?;
                 }
-                store.acts.insert((l, format!("{}#lse", op.name)), lse);
-                store.acts.insert((l, format!("{}#o", op.name)), o.clone());
-                store
-                    .acts
-                    .insert((l, out), bshd_to_sbhd(&o, self.mbs, dims.sq, hq * dims.dv));
+                store.put((l, format!("{}#lse", op.name)), lse);
+                store.put((l, format!("{}#o", op.name)), o.clone());
+                store.put((l, out), bshd_to_sbhd(&o, self.mbs, dims.sq, hq * dims.dv));
             }
             OpKind::Activation(kind) => {
                 let x = self.act(store, l, op.inputs[0])?;
@@ -995,19 +1006,19 @@ impl<'a> RankState<'a> {
                         y
                     }
                 };
-                store.acts.insert((l, out), y);
+                store.put((l, out), y);
             }
             OpKind::Add => {
                 let a = self.act(store, l, op.inputs[0])?;
                 let b = self.act(store, l, op.inputs[1])?;
                 let mut y = vec![0.0; a.len()];
                 k::add(&a, &b, &mut y).map_err(kerr(&op.name))?;
-                store.acts.insert((l, out), y);
+                store.put((l, out), y);
             }
             OpKind::Dropout => {
                 // Probability 0 in the models the CPU executor runs: an identity.
                 let x = self.act(store, l, op.inputs[0])?;
-                store.acts.insert((l, out), x);
+                store.put((l, out), x.to_vec());
             }
             OpKind::CrossEntropy { vocab } => {
                 let logits = self.act(store, l, op.inputs[0])?;
@@ -1016,7 +1027,7 @@ impl<'a> RankState<'a> {
                 let v_local = logits.len() / rows.max(1);
                 let mut max = vec![0.0; rows];
                 k::ce_row_max(&logits, rows, v_local, &mut max).map_err(kerr(&op.name))?;
-                store.acts.insert((l, format!("{}.max", op.name)), max);
+                store.put((l, format!("{}.max", op.name)), max);
                 if op.role != TpRole::VocabLoss || self.tp.size == 1 {
                     self.loss_after_max(op, l, store)?;
                     self.loss_finish(op, l, store)?;
@@ -1070,7 +1081,7 @@ impl<'a> RankState<'a> {
             .ok_or_else(|| fail("loss max missing"))?;
         let mut se = vec![0.0; rows];
         k::ce_row_sumexp(&logits, rows, v_local, &max, &mut se).map_err(kerr(&op.name))?;
-        store.acts.insert((l, format!("{}.sum_exp", op.name)), se);
+        store.put((l, format!("{}.sum_exp", op.name)), se);
         let lab: Vec<u32> = labels.iter().map(|&x| x as u32).collect();
         let mut target = vec![0.0; rows];
         let start = if op.role == TpRole::VocabLoss {
@@ -1080,9 +1091,7 @@ impl<'a> RankState<'a> {
         };
         k::ce_target_logit(&logits, &lab, rows, v_local, start, &mut target)
             .map_err(kerr(&op.name))?;
-        store
-            .acts
-            .insert((l, format!("{}.target", op.name)), target);
+        store.put((l, format!("{}.target", op.name)), target);
         Ok(())
     }
 
@@ -1189,6 +1198,7 @@ impl<'a> RankState<'a> {
                         let buf = store
                             .acts
                             .get_mut(&(l, tensor.to_string()))
+                            .map(Arc::make_mut)
                             .ok_or_else(|| fail(format!("`{tensor}` missing")))?;
                         match suffix {
                             ".max" => {
@@ -1217,6 +1227,7 @@ impl<'a> RankState<'a> {
                 let buf = store
                     .acts
                     .get_mut(&key)
+                    .map(Arc::make_mut)
                     .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
                 self.comm.all_reduce(&g, ax, buf)?;
             }
@@ -1228,7 +1239,7 @@ impl<'a> RankState<'a> {
                     .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
                 let mut out = vec![0.0; full.len() / n];
                 self.comm.reduce_scatter(&g, ax, &full, &mut out)?;
-                store.acts.insert(key, out);
+                store.put(key, out);
             }
             CollectiveKind::AllGather => {
                 let local = store
@@ -1238,7 +1249,7 @@ impl<'a> RankState<'a> {
                     .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
                 let mut out = vec![0.0; local.len() * n];
                 self.comm.all_gather(&g, ax, &local, &mut out)?;
-                store.acts.insert((l, format!("{tensor}@g")), out);
+                store.put((l, format!("{tensor}@g")), out);
             }
             other => return Err(fail(format!("{other:?} on `{tensor}` is not supported"))),
         }
@@ -1542,24 +1553,20 @@ impl RankState<'_> {
         let mut out = vec![0.0; rows * h];
         k::moe_combine_fwd(&y_disp, &perm, &wts, rows, kk, h, &mut out).map_err(kerr(&op.name))?;
         let key = |w: &str| (l, format!("{}#{w}", op.name));
-        store.acts.insert(key("probs"), probs);
-        store
-            .acts
-            .insert(key("idx"), idx.iter().map(|&i| i as f32).collect());
-        store.acts.insert(key("wts"), wts);
-        store
-            .acts
-            .insert(key("perm"), perm.iter().map(|&i| i as f32).collect());
-        store.acts.insert(key("local_rows"), local_rows);
-        store.acts.insert(
+        store.put(key("probs"), probs);
+        store.put(key("idx"), idx.iter().map(|&i| i as f32).collect());
+        store.put(key("wts"), wts);
+        store.put(key("perm"), perm.iter().map(|&i| i as f32).collect());
+        store.put(key("local_rows"), local_rows);
+        store.put(
             key("local_counts"),
             local_counts.iter().map(|&c| c as f32).collect(),
         );
-        store.acts.insert(key("ups"), ups);
-        store.acts.insert(key("acts"), acts);
-        store.acts.insert(key("y_disp"), y_disp);
-        store.acts.insert(key("route"), route.to_f32());
-        store.acts.insert((l, self.out_name(op)), out);
+        store.put(key("ups"), ups);
+        store.put(key("acts"), acts);
+        store.put(key("y_disp"), y_disp);
+        store.put(key("route"), route.to_f32());
+        store.put((l, self.out_name(op)), out);
         Ok(())
     }
 

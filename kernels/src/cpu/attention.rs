@@ -666,3 +666,51 @@ mod tests {
         ));
     }
 }
+
+#[cfg(test)]
+mod microbench_tmp {
+    use super::*;
+    use crate::cpu::testutil::Rng;
+
+    #[test]
+    #[ignore]
+    fn microbench_attention() {
+        let dm = AttnDims {
+            batch: 8,
+            sq: 256,
+            sk: 256,
+            hq: 6,
+            hkv: 6,
+            d: 64,
+            dv: 64,
+        };
+        let mut rng = Rng::new(1);
+        let q = rng.vec(dm.q_len().unwrap());
+        let k = rng.vec(dm.k_len().unwrap());
+        let v = rng.vec(dm.v_len().unwrap());
+        let d_o = rng.vec(dm.o_len().unwrap());
+        let mut o = vec![0.0; d_o.len()];
+        let mut l = vec![0.0; dm.lse_len().unwrap()];
+        let (mut dq, mut dk, mut dvv) =
+            (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+        let mut tf = Vec::new();
+        let mut tb = Vec::new();
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            attention_fwd(&dm, &q, &k, &v, 0, 0, true, 0.125, &mut o, &mut l).unwrap();
+            tf.push(t.elapsed().as_secs_f64() * 1e3);
+            let t = std::time::Instant::now();
+            attention_bwd(
+                &dm, &q, &k, &v, &o, &l, &d_o, 0, 0, true, 0.125, &mut dq, &mut dk, &mut dvv,
+            )
+            .unwrap();
+            tb.push(t.elapsed().as_secs_f64() * 1e3);
+        }
+        tf.sort_by(f64::total_cmp);
+        tb.sort_by(f64::total_cmp);
+        eprintln!(
+            "MICROBENCH fwd min {:.2} ms median {:.2} ms; bwd min {:.2} ms median {:.2} ms",
+            tf[0], tf[2], tb[0], tb[2]
+        );
+    }
+}
