@@ -44,9 +44,12 @@ fn rotate(
     let half = head_dim / 2;
     let mut cs = vec![(0.0f32, 0.0f32); half];
     let tok_len = heads * head_dim;
+    // The frequencies depend only on the pair index: computed once per call.
+    let freqs: Vec<f64> = (0..half)
+        .map(|i| (theta as f64).powf(-2.0 * i as f64 / head_dim as f64))
+        .collect();
     for (t, &pos) in positions.iter().enumerate() {
-        for (i, c) in cs.iter_mut().enumerate() {
-            let freq = (theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+        for (c, &freq) in cs.iter_mut().zip(&freqs) {
             let ang = pos as f64 * freq * sign;
             *c = (ang.cos() as f32, ang.sin() as f32);
         }
