@@ -22,6 +22,7 @@
 
 #![allow(clippy::too_many_arguments)] // mirrors the CUDA kernel signature
 
+use super::matmul::{matmul, Transpose};
 use super::{check_len, invalid, prod, KernelError};
 
 /// Number of keys processed per tile of the online softmax.
@@ -88,12 +89,133 @@ fn visible_keys(sk: usize, qpos: usize, k_pos0: usize, causal: bool) -> usize {
     }
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(&x, &y)| x * y).sum()
+/// Number of query rows per tile: each tile's score block is one
+/// `[Q_TILE, KEY_TILE]` product.
+const Q_TILE: usize = 64;
+
+/// Copies rows `j0..j0 + n` of head `h` of batch `b` of a `[batch, s, heads,
+/// width]` tensor into the contiguous `[n, width]` prefix of `dst`.
+fn gather(
+    x: &[f32],
+    s: usize,
+    heads: usize,
+    width: usize,
+    at: (usize, usize, usize),
+    n: usize,
+    dst: &mut [f32],
+) {
+    let (b, h, j0) = at;
+    if width == 0 {
+        return;
+    }
+    for (j, row) in (j0..j0 + n).zip(dst[..n * width].chunks_exact_mut(width)) {
+        row.copy_from_slice(&x[((b * s + j) * heads + h) * width..][..width]);
+    }
+}
+
+/// Adds the contiguous `[n, width]` prefix of `src` into rows `j0..j0 + n`
+/// of head `h` of batch `b` of a `[batch, s, heads, width]` tensor.
+fn scatter_add(
+    dst: &mut [f32],
+    s: usize,
+    heads: usize,
+    width: usize,
+    at: (usize, usize, usize),
+    n: usize,
+    src: &[f32],
+) {
+    let (b, h, j0) = at;
+    if width == 0 {
+        return;
+    }
+    for (j, row) in (j0..j0 + n).zip(src[..n * width].chunks_exact(width)) {
+        for (x, &y) in dst[((b * s + j) * heads + h) * width..][..width]
+            .iter_mut()
+            .zip(row)
+        {
+            *x += y;
+        }
+    }
+}
+
+/// `exp(x)` to within a few ulp, written branch-free so that loops over
+/// slices vectorise (the libm call does not). Cephes `expf` reduction:
+/// `x = n ln2 + r` with `|r| <= ln2 / 2`, a degree-7 polynomial for
+/// `exp(r)`, and `2^n` built from the exponent bits. Arguments below
+/// `-87` (results under `1.7e-38`) give 0, `-inf` included; NaN stays NaN.
+#[inline(always)]
+fn fast_exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
+    const MAGIC: f32 = 12_582_912.0;
+    const C1: f32 = 0.693_359_4;
+    const C2: f32 = -2.121_944_4e-4;
+    let xc = x.clamp(-87.0, 88.0);
+    let y = xc * LOG2E + MAGIC;
+    let n = y - MAGIC;
+    let r = xc - n * C1 - n * C2;
+    let mut p = 1.987_569_1e-4;
+    p = p * r + 1.398_2e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let e = p * r * r + r + 1.0;
+    let ni = (y.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
+    let pow2 = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
+    if x < -87.0 {
+        0.0
+    } else {
+        e * pow2
+    }
+}
+
+/// Lanes of the fixed-order reductions below (enough for one AVX-512
+/// register; the order, hence the result, does not depend on the target).
+const LANES: usize = 16;
+
+/// Multiplies `xs` by `scale` and returns the maximum of the products.
+fn scale_and_max(xs: &mut [f32], scale: f32) -> f32 {
+    let mut m = [f32::NEG_INFINITY; LANES];
+    let mut chunks = xs.chunks_exact_mut(LANES);
+    for c in &mut chunks {
+        for (mi, x) in m.iter_mut().zip(c) {
+            *x *= scale;
+            *mi = mi.max(*x);
+        }
+    }
+    for (mi, x) in m.iter_mut().zip(chunks.into_remainder()) {
+        *x *= scale;
+        *mi = mi.max(*x);
+    }
+    m.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
+/// Replaces each `x` with `exp(x - shift)` and returns their sum.
+fn exp_shift_and_sum(xs: &mut [f32], shift: f32) -> f32 {
+    for x in xs.iter_mut() {
+        *x = fast_exp(*x - shift);
+    }
+    let mut s = [0.0f32; LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (si, &x) in s.iter_mut().zip(c) {
+            *si += x;
+        }
+    }
+    for (si, &x) in s.iter_mut().zip(chunks.remainder()) {
+        *si += x;
+    }
+    s.iter().sum()
 }
 
 /// Attention forward over one KV block. Writes `out` and `lse` (see the
 /// module docs for layouts and masking).
+///
+/// Per (batch, query head) and tile of `Q_TILE` queries, the tile's scores
+/// against each [`KEY_TILE`] keys are one matrix product, folded into the
+/// rows' running max and sum, and `P V` is a second product; key tiles that
+/// lie entirely after the tile's last query (causal) are skipped.
 pub fn attention_fwd(
     dims: &AttnDims,
     q: &[f32],
@@ -121,56 +243,100 @@ pub fn attention_fwd(
         d,
         dv,
     } = *dims;
-    let mut s = [0.0f32; KEY_TILE];
-    let mut acc = vec![0.0f32; dv];
+    if sq == 0 {
+        return Ok(());
+    }
+    // Keys any query of the call can see (the last query sees the most).
+    let nk_all = visible_keys(sk, q_pos0 + sq - 1, k_pos0, causal);
+    // Scratch, allocated once: one kv head's keys and values, one query tile,
+    // its score block and output accumulator, and per-row softmax state.
+    let mut kb = vec![0.0f32; nk_all * d];
+    let mut vb = vec![0.0f32; nk_all * dv];
+    let mut qb = vec![0.0f32; Q_TILE * d];
+    let mut sb = vec![0.0f32; Q_TILE * KEY_TILE];
+    let mut acc = vec![0.0f32; Q_TILE * dv];
+    let mut mrow = [0.0f32; Q_TILE];
+    let mut lrow = [0.0f32; Q_TILE];
+    let mut nvis = [0usize; Q_TILE];
     for b in 0..batch {
-        for i in 0..sq {
-            let nk = visible_keys(sk, q_pos0 + i, k_pos0, causal);
-            for h in 0..hq {
-                let g = h / group;
-                let qr = &q[((b * sq + i) * hq + h) * d..][..d];
-                let orow = &mut out[((b * sq + i) * hq + h) * dv..][..dv];
-                let lrow = &mut lse[(b * hq + h) * sq + i];
-                if nk == 0 {
-                    orow.fill(0.0);
-                    *lrow = f32::NEG_INFINITY;
-                    continue;
-                }
-                acc.fill(0.0);
-                let mut m = f32::NEG_INFINITY;
-                let mut l = 0.0f32;
-                for t0 in (0..nk).step_by(KEY_TILE) {
-                    let t1 = nk.min(t0 + KEY_TILE);
-                    let mut tmax = f32::NEG_INFINITY;
-                    for j in t0..t1 {
-                        let kr = &k[((b * sk + j) * hkv + g) * d..][..d];
-                        let sj = scale * dot(qr, kr);
-                        s[j - t0] = sj;
-                        tmax = tmax.max(sj);
+        for g in 0..hkv {
+            gather(k, sk, hkv, d, (b, g, 0), nk_all, &mut kb);
+            gather(v, sk, hkv, dv, (b, g, 0), nk_all, &mut vb);
+            for h in g * group..(g + 1) * group {
+                for i0 in (0..sq).step_by(Q_TILE) {
+                    let mt = Q_TILE.min(sq - i0);
+                    for (r, n) in nvis[..mt].iter_mut().enumerate() {
+                        *n = visible_keys(sk, q_pos0 + i0 + r, k_pos0, causal);
                     }
-                    let m_new = m.max(tmax);
-                    // exp(-inf) = 0 on the first tile, so the empty state is
-                    // rescaled away without a special case.
-                    let alpha = (m - m_new).exp();
-                    l *= alpha;
-                    for a in acc.iter_mut() {
-                        *a *= alpha;
-                    }
-                    for j in t0..t1 {
-                        let p = (s[j - t0] - m_new).exp();
-                        l += p;
-                        let vr = &v[((b * sk + j) * hkv + g) * dv..][..dv];
-                        for (a, &x) in acc.iter_mut().zip(vr) {
-                            *a += p * x;
+                    let nk = nvis[..mt].iter().copied().max().unwrap_or(0);
+                    gather(q, sq, hq, d, (b, h, i0), mt, &mut qb);
+                    mrow[..mt].fill(f32::NEG_INFINITY);
+                    lrow[..mt].fill(0.0);
+                    acc[..mt * dv].fill(0.0);
+                    for t0 in (0..nk).step_by(KEY_TILE) {
+                        let nt = KEY_TILE.min(nk - t0);
+                        let s = &mut sb[..mt * nt];
+                        matmul(
+                            Transpose::No,
+                            Transpose::Yes,
+                            mt,
+                            d,
+                            nt,
+                            &qb[..mt * d],
+                            &kb[t0 * d..(t0 + nt) * d],
+                            0.0,
+                            s,
+                        )?;
+                        for (r, srow) in s.chunks_exact_mut(nt).enumerate() {
+                            let lim = nvis[r].saturating_sub(t0).min(nt);
+                            let (vis, hidden) = srow.split_at_mut(lim);
+                            hidden.fill(0.0);
+                            if lim == 0 {
+                                continue;
+                            }
+                            let tmax = scale_and_max(vis, scale);
+                            let m_new = mrow[r].max(tmax);
+                            // exp(-inf) = 0 on the row's first tile, so the
+                            // empty state is rescaled away without a special
+                            // case.
+                            let alpha = (mrow[r] - m_new).exp();
+                            if alpha != 1.0 {
+                                lrow[r] *= alpha;
+                                for a in &mut acc[r * dv..(r + 1) * dv] {
+                                    *a *= alpha;
+                                }
+                            }
+                            lrow[r] += exp_shift_and_sum(vis, m_new);
+                            mrow[r] = m_new;
                         }
+                        matmul(
+                            Transpose::No,
+                            Transpose::No,
+                            mt,
+                            nt,
+                            dv,
+                            s,
+                            &vb[t0 * dv..(t0 + nt) * dv],
+                            1.0,
+                            &mut acc[..mt * dv],
+                        )?;
                     }
-                    m = m_new;
+                    for r in 0..mt {
+                        let i = i0 + r;
+                        let orow = &mut out[((b * sq + i) * hq + h) * dv..][..dv];
+                        let li = &mut lse[(b * hq + h) * sq + i];
+                        if nvis[r] == 0 {
+                            orow.fill(0.0);
+                            *li = f32::NEG_INFINITY;
+                            continue;
+                        }
+                        let inv = 1.0 / lrow[r];
+                        for (o, &a) in orow.iter_mut().zip(&acc[r * dv..(r + 1) * dv]) {
+                            *o = a * inv;
+                        }
+                        *li = mrow[r] + lrow[r].ln();
+                    }
                 }
-                let inv = 1.0 / l;
-                for (o, &a) in orow.iter_mut().zip(&acc) {
-                    *o = a * inv;
-                }
-                *lrow = m + l.ln();
             }
         }
     }
@@ -238,6 +404,12 @@ pub fn attention_merge(
 /// (for a single block, simply the output of [`attention_fwd`]); `d_o` is
 /// the gradient of `o`. Rows whose final `lse` is `-inf` saw no key and get
 /// no gradient.
+///
+/// FlashAttention-2 order: per (batch, kv head), query head of its group and
+/// tile of `Q_TILE` queries, each visible [`KEY_TILE`] keys recompute
+/// `P = exp(S - lse)` and take `dV += Pᵀ dO`, `dP = dO Vᵀ`,
+/// `dS = P ∘ (dP - D)` with `D = rowsum(dO ∘ O)`, `dQ += dS K scale` and
+/// `dK += dSᵀ Q scale`, all as matrix products over the tile.
 pub fn attention_bwd(
     dims: &AttnDims,
     q: &[f32],
@@ -274,49 +446,151 @@ pub fn attention_bwd(
         d,
         dv,
     } = *dims;
-    let mut p = [0.0f32; KEY_TILE];
+    if sq == 0 {
+        return Ok(());
+    }
+    let nk_all = visible_keys(sk, q_pos0 + sq - 1, k_pos0, causal);
+    if nk_all == 0 {
+        return Ok(());
+    }
+    // Scratch, allocated once: one kv head's keys, values and their gradient
+    // accumulators; one query tile with its dO, dQ accumulator, probability
+    // and dP/dS blocks, and per-row lse and D.
+    let mut kb = vec![0.0f32; nk_all * d];
+    let mut vb = vec![0.0f32; nk_all * dv];
+    let mut dkb = vec![0.0f32; nk_all * d];
+    let mut dvb = vec![0.0f32; nk_all * dv];
+    let mut qb = vec![0.0f32; Q_TILE * d];
+    let mut dob = vec![0.0f32; Q_TILE * dv];
+    let mut dqb = vec![0.0f32; Q_TILE * d];
+    let mut pb = vec![0.0f32; Q_TILE * KEY_TILE];
+    let mut dsb = vec![0.0f32; Q_TILE * KEY_TILE];
+    let mut lrow = [0.0f32; Q_TILE];
+    let mut drow = [0.0f32; Q_TILE];
+    let mut nvis = [0usize; Q_TILE];
     for b in 0..batch {
-        for i in 0..sq {
-            let nk = visible_keys(sk, q_pos0 + i, k_pos0, causal);
-            if nk == 0 {
-                continue;
-            }
-            for h in 0..hq {
-                let g = h / group;
-                let l = lse[(b * hq + h) * sq + i];
-                if l == f32::NEG_INFINITY {
-                    continue;
-                }
-                let row = (b * sq + i) * hq + h;
-                let qr = &q[row * d..][..d];
-                let dor = &d_o[row * dv..][..dv];
-                let dd = dot(dor, &o[row * dv..][..dv]);
-                let dqr = &mut d_q[row * d..][..d];
-                for t0 in (0..nk).step_by(KEY_TILE) {
-                    let t1 = nk.min(t0 + KEY_TILE);
-                    for j in t0..t1 {
-                        let kr = &k[((b * sk + j) * hkv + g) * d..][..d];
-                        p[j - t0] = (scale * dot(qr, kr) - l).exp();
+        for g in 0..hkv {
+            gather(k, sk, hkv, d, (b, g, 0), nk_all, &mut kb);
+            gather(v, sk, hkv, dv, (b, g, 0), nk_all, &mut vb);
+            dkb.fill(0.0);
+            dvb.fill(0.0);
+            for h in g * group..(g + 1) * group {
+                for i0 in (0..sq).step_by(Q_TILE) {
+                    let mt = Q_TILE.min(sq - i0);
+                    for r in 0..mt {
+                        let i = i0 + r;
+                        let l = lse[(b * hq + h) * sq + i];
+                        lrow[r] = l;
+                        // A row whose final lse is -inf saw no key anywhere.
+                        nvis[r] = if l == f32::NEG_INFINITY {
+                            0
+                        } else {
+                            visible_keys(sk, q_pos0 + i, k_pos0, causal)
+                        };
                     }
-                    for j in t0..t1 {
-                        let pj = p[j - t0];
-                        let kv = (b * sk + j) * hkv + g;
-                        let vr = &v[kv * dv..][..dv];
-                        let dp = dot(dor, vr);
-                        for (x, &y) in d_v[kv * dv..][..dv].iter_mut().zip(dor) {
-                            *x += pj * y;
-                        }
-                        let ds = scale * pj * (dp - dd);
-                        let kr = &k[kv * d..][..d];
-                        for (x, &y) in dqr.iter_mut().zip(kr) {
-                            *x += ds * y;
-                        }
-                        for (x, &y) in d_k[kv * d..][..d].iter_mut().zip(qr) {
-                            *x += ds * y;
-                        }
+                    let nk = nvis[..mt].iter().copied().max().unwrap_or(0);
+                    if nk == 0 {
+                        continue;
                     }
+                    gather(q, sq, hq, d, (b, h, i0), mt, &mut qb);
+                    gather(d_o, sq, hq, dv, (b, h, i0), mt, &mut dob);
+                    for (r, dr) in drow[..mt].iter_mut().enumerate() {
+                        let row = ((b * sq + i0 + r) * hq + h) * dv;
+                        *dr = o[row..row + dv]
+                            .iter()
+                            .zip(&d_o[row..row + dv])
+                            .fold(0.0f32, |s, (&x, &y)| s + x * y);
+                    }
+                    dqb[..mt * d].fill(0.0);
+                    for t0 in (0..nk).step_by(KEY_TILE) {
+                        let nt = KEY_TILE.min(nk - t0);
+                        let kt = &kb[t0 * d..(t0 + nt) * d];
+                        let vt = &vb[t0 * dv..(t0 + nt) * dv];
+                        let p = &mut pb[..mt * nt];
+                        matmul(
+                            Transpose::No,
+                            Transpose::Yes,
+                            mt,
+                            d,
+                            nt,
+                            &qb[..mt * d],
+                            kt,
+                            0.0,
+                            p,
+                        )?;
+                        for (r, prow) in p.chunks_exact_mut(nt).enumerate() {
+                            let lim = nvis[r].saturating_sub(t0).min(nt);
+                            let (vis, hidden) = prow.split_at_mut(lim);
+                            let l = lrow[r];
+                            for x in vis.iter_mut() {
+                                *x = fast_exp(scale * *x - l);
+                            }
+                            hidden.fill(0.0);
+                        }
+                        // dV += P^T dO
+                        matmul(
+                            Transpose::Yes,
+                            Transpose::No,
+                            nt,
+                            mt,
+                            dv,
+                            p,
+                            &dob[..mt * dv],
+                            1.0,
+                            &mut dvb[t0 * dv..(t0 + nt) * dv],
+                        )?;
+                        // dP = dO V^T, then dS = scale * P * (dP - D) in place
+                        let ds = &mut dsb[..mt * nt];
+                        matmul(
+                            Transpose::No,
+                            Transpose::Yes,
+                            mt,
+                            dv,
+                            nt,
+                            &dob[..mt * dv],
+                            vt,
+                            0.0,
+                            ds,
+                        )?;
+                        for (r, (dsrow, prow)) in
+                            ds.chunks_exact_mut(nt).zip(p.chunks_exact(nt)).enumerate()
+                        {
+                            let lim = nvis[r].saturating_sub(t0).min(nt);
+                            let dd = drow[r];
+                            for (x, &pj) in dsrow[..lim].iter_mut().zip(&prow[..lim]) {
+                                *x = scale * pj * (*x - dd);
+                            }
+                            dsrow[lim..].fill(0.0);
+                        }
+                        // dQ += dS K, dK += dS^T Q (scale already in dS)
+                        matmul(
+                            Transpose::No,
+                            Transpose::No,
+                            mt,
+                            nt,
+                            d,
+                            ds,
+                            kt,
+                            1.0,
+                            &mut dqb[..mt * d],
+                        )?;
+                        matmul(
+                            Transpose::Yes,
+                            Transpose::No,
+                            nt,
+                            mt,
+                            d,
+                            ds,
+                            &qb[..mt * d],
+                            1.0,
+                            &mut dkb[t0 * d..(t0 + nt) * d],
+                        )?;
+                    }
+                    scatter_add(d_q, sq, hq, d, (b, h, i0), mt, &dqb);
                 }
             }
+            scatter_add(d_k, sk, hkv, d, (b, g, 0), nk_all, &dkb);
+            scatter_add(d_v, sk, hkv, dv, (b, g, 0), nk_all, &dvb);
         }
     }
     Ok(())
@@ -637,6 +911,21 @@ mod tests {
     }
 
     #[test]
+    fn fast_exp_is_accurate_and_handles_edges() {
+        let mut worst = 0.0f64;
+        for i in 0..=200_000 {
+            let x = -87.0 + 97.0 * i as f32 / 200_000.0;
+            let r = (x as f64).exp();
+            worst = worst.max((fast_exp(x) as f64 - r).abs() / r);
+        }
+        assert!(worst < 4e-7, "max relative error {worst}");
+        assert_eq!(fast_exp(0.0), 1.0);
+        assert_eq!(fast_exp(f32::NEG_INFINITY), 0.0);
+        assert_eq!(fast_exp(-1e30), 0.0);
+        assert!(fast_exp(f32::NAN).is_nan());
+    }
+
+    #[test]
     fn validation_errors() {
         let dm = dims(1, 1, 1, 3, 2, 1, 1);
         let mut o = [0.0; 3];
@@ -664,53 +953,5 @@ mod tests {
             ),
             Err(KernelError::Length { name: "k", .. })
         ));
-    }
-}
-
-#[cfg(test)]
-mod microbench_tmp {
-    use super::*;
-    use crate::cpu::testutil::Rng;
-
-    #[test]
-    #[ignore]
-    fn microbench_attention() {
-        let dm = AttnDims {
-            batch: 8,
-            sq: 256,
-            sk: 256,
-            hq: 6,
-            hkv: 6,
-            d: 64,
-            dv: 64,
-        };
-        let mut rng = Rng::new(1);
-        let q = rng.vec(dm.q_len().unwrap());
-        let k = rng.vec(dm.k_len().unwrap());
-        let v = rng.vec(dm.v_len().unwrap());
-        let d_o = rng.vec(dm.o_len().unwrap());
-        let mut o = vec![0.0; d_o.len()];
-        let mut l = vec![0.0; dm.lse_len().unwrap()];
-        let (mut dq, mut dk, mut dvv) =
-            (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
-        let mut tf = Vec::new();
-        let mut tb = Vec::new();
-        for _ in 0..5 {
-            let t = std::time::Instant::now();
-            attention_fwd(&dm, &q, &k, &v, 0, 0, true, 0.125, &mut o, &mut l).unwrap();
-            tf.push(t.elapsed().as_secs_f64() * 1e3);
-            let t = std::time::Instant::now();
-            attention_bwd(
-                &dm, &q, &k, &v, &o, &l, &d_o, 0, 0, true, 0.125, &mut dq, &mut dk, &mut dvv,
-            )
-            .unwrap();
-            tb.push(t.elapsed().as_secs_f64() * 1e3);
-        }
-        tf.sort_by(f64::total_cmp);
-        tb.sort_by(f64::total_cmp);
-        eprintln!(
-            "MICROBENCH fwd min {:.2} ms median {:.2} ms; bwd min {:.2} ms median {:.2} ms",
-            tf[0], tf[2], tb[0], tb[2]
-        );
     }
 }
