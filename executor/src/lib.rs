@@ -1,5 +1,7 @@
 //! Brief overview: the executor runs a plan's per-rank programs.
 //!
+//! - [`backend`]: the `Backend` trait (the kernels an interpreter runs) and the CPU
+//!   implementation over `meshplan_kernels::cpu`.
 //! - [`comm`]: the `Communicator` trait and the in-process implementation (ranks as
 //!   threads) that counts bytes per collective kind and axis.
 //! - [`train`]: the training interpreter over the CPU kernels, `--check` against a
@@ -7,6 +9,7 @@
 //! - [`shard`], [`init`]: which slice of each weight a rank holds; deterministic
 //!   weights and data, identical whatever the sharding.
 
+pub mod backend;
 pub mod comm;
 pub mod init;
 pub mod shard;

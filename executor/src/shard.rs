@@ -105,6 +105,7 @@ fn row_range(rows: usize, tp: TpPos) -> (usize, usize) {
 
 /// The local part of weight `w` (its full values row-major with `shape`) used by
 /// `op` under `role`.
+#[allow(clippy::too_many_arguments)] // the weight, its op, and the rank's two positions
 pub fn local_weight(
     graph: &Graph,
     op: &Op,

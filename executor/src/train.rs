@@ -8,6 +8,7 @@
 //! (`[s, b, h]`, as Megatron-LM does), so a sequence split is a contiguous block of
 //! rows and the collectives of sequence parallelism act on contiguous buffers.
 
+use crate::backend::{Backend, CpuBackend};
 use crate::comm::{ByteCounts, CommError, Communicator, Group, RankError, ThreadComm};
 use crate::init::{init_full, synthetic_sequence, InitKind};
 use crate::shard::{local_heads, local_weight, TpPos};
@@ -107,8 +108,17 @@ fn kerr(what: &str) -> impl Fn(k::KernelError) -> RankError + '_ {
     move |e| RankError::Failed(format!("{what}: {e}"))
 }
 
-/// Runs the plan's training programs for `opts.steps` steps.
+/// Runs the plan's training programs for `opts.steps` steps on the CPU kernels.
 pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, ExecError> {
+    train_on(plan, opts, &CpuBackend)
+}
+
+/// Runs the plan's training programs on `backend`.
+pub fn train_on(
+    plan: &Plan,
+    opts: &TrainOptions,
+    backend: &dyn Backend,
+) -> Result<TrainReport, ExecError> {
     if plan.kind != PlanKind::Train {
         return Err(ExecError {
             message: "this plan is an inference plan; training needs a train plan".into(),
@@ -128,7 +138,7 @@ pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, ExecError>
     };
     let world = plan.ranks.len();
     let results = crate::comm::run_ranks(world, opts.timeout, |comm| {
-        let mut r = RankState::new(plan, comm, opts, seq_len, global_batch)?;
+        let mut r = RankState::new(backend, plan, comm, opts, seq_len, global_batch)?;
         let mut loss_parts = Vec::new();
         let mut step_s = Vec::new();
         for step in 0..opts.steps {
@@ -192,6 +202,7 @@ struct Store {
 }
 
 struct RankState<'a> {
+    be: &'a dyn Backend,
     plan: &'a Plan,
     graph: &'a Graph,
     rank: usize,
@@ -234,6 +245,7 @@ impl Store {
 
 impl<'a> RankState<'a> {
     fn new(
+        be: &'a dyn Backend,
         plan: &'a Plan,
         comm: ThreadComm,
         opts: &TrainOptions,
@@ -295,6 +307,7 @@ impl<'a> RankState<'a> {
             }
         }
         let mut st = RankState {
+            be,
             plan,
             graph,
             rank,
@@ -910,7 +923,9 @@ impl<'a> RankState<'a> {
                 let (vocab_start, ids) = self.embedding_rows(op, &ids, out_rows, dim)?;
                 let ids: Vec<u32> = ids.iter().map(|&x| x as u32).collect();
                 let mut y = vec![0.0; ids.len() * dim];
-                k::embedding_fwd(&ids, table, vocab_start, dim, &mut y).map_err(kerr(&op.name))?;
+                self.be
+                    .embedding_fwd(&ids, table, vocab_start, dim, &mut y)
+                    .map_err(kerr(&op.name))?;
                 store.put((l, out), y);
             }
             OpKind::Norm(kind) => {
@@ -921,14 +936,16 @@ impl<'a> RankState<'a> {
                 let mut y = vec![0.0; x.len()];
                 let mut rstd = vec![0.0; rows];
                 match kind {
-                    NormKind::Rmsnorm => k::rmsnorm_fwd(&x, &w, rows, dim, eps, &mut y, &mut rstd),
+                    NormKind::Rmsnorm => self
+                        .be
+                        .rmsnorm_fwd(&x, &w, rows, dim, eps, &mut y, &mut rstd),
                     NormKind::Layernorm => {
                         let b = match op.inputs.get(2) {
                             Some(&bid) => self.weight(bid, l)?.clone(),
                             None => vec![0.0; dim],
                         };
                         let mut mean = vec![0.0; rows];
-                        let r = k::layernorm_fwd(
+                        let r = self.be.layernorm_fwd(
                             &x, &w, &b, rows, dim, eps, &mut y, &mut mean, &mut rstd,
                         );
                         store.put((l, format!("{}#mean", op.name)), mean);
@@ -950,18 +967,19 @@ impl<'a> RankState<'a> {
                 let (kk, n) = self.matmul_dims(op, w.len())?;
                 let rows = x.len() / kk.max(1);
                 let mut y = vec![0.0; rows * n];
-                k::matmul(
-                    k::Transpose::No,
-                    k::Transpose::No,
-                    rows,
-                    kk,
-                    n,
-                    &x,
-                    w,
-                    0.0,
-                    &mut y,
-                )
-                .map_err(kerr(&op.name))?;
+                self.be
+                    .matmul(
+                        k::Transpose::No,
+                        k::Transpose::No,
+                        rows,
+                        kk,
+                        n,
+                        &x,
+                        w,
+                        0.0,
+                        &mut y,
+                    )
+                    .map_err(kerr(&op.name))?;
                 if let Some(&bid) = op.inputs.get(2) {
                     // A row-parallel bias is added once, before the partial sums meet.
                     if op.role != TpRole::RowParallel || self.tp.rank == 0 {
@@ -995,10 +1013,11 @@ impl<'a> RankState<'a> {
                 if self.cp.size > 1 {
                     self.ring_forward(&dims, &q, &kk, &v, a.causal, scale, &mut o, &mut lse)?;
                 } else {
-                    k::attention_fwd(
-                        &dims, &q, &kk, &v, pos0, pos0, a.causal, scale, &mut o, &mut lse,
-                    )
-                    .map_err(kerr(&op.name))?;
+                    self.be
+                        .attention_fwd(
+                            &dims, &q, &kk, &v, pos0, pos0, a.causal, scale, &mut o, &mut lse,
+                        )
+                        .map_err(kerr(&op.name))?;
                 }
                 store.put((l, format!("{}#lse", op.name)), lse);
                 store.put((l, format!("{}#o", op.name)), o.clone());
@@ -1011,12 +1030,14 @@ impl<'a> RankState<'a> {
                         let f = self.swiglu_width(op)?;
                         let rows = x.len() / (2 * f);
                         let mut y = vec![0.0; rows * f];
-                        k::swiglu_fwd(&x, rows, f, &mut y).map_err(kerr(&op.name))?;
+                        self.be
+                            .swiglu_fwd(&x, rows, f, &mut y)
+                            .map_err(kerr(&op.name))?;
                         y
                     }
                     meshplan_ir::MlpKind::Gelu => {
                         let mut y = vec![0.0; x.len()];
-                        k::gelu_fwd(&x, &mut y).map_err(kerr(&op.name))?;
+                        self.be.gelu_fwd(&x, &mut y).map_err(kerr(&op.name))?;
                         y
                     }
                 };
@@ -1026,7 +1047,7 @@ impl<'a> RankState<'a> {
                 let a = self.act(store, l, op.inputs[0])?;
                 let b = self.act(store, l, op.inputs[1])?;
                 let mut y = vec![0.0; a.len()];
-                k::add(&a, &b, &mut y).map_err(kerr(&op.name))?;
+                self.be.add(&a, &b, &mut y).map_err(kerr(&op.name))?;
                 store.put((l, out), y);
             }
             OpKind::Dropout => {
@@ -1040,7 +1061,9 @@ impl<'a> RankState<'a> {
                 let rows = labels.len();
                 let v_local = logits.len() / rows.max(1);
                 let mut max = vec![0.0; rows];
-                k::ce_row_max(&logits, rows, v_local, &mut max).map_err(kerr(&op.name))?;
+                self.be
+                    .ce_row_max(&logits, rows, v_local, &mut max)
+                    .map_err(kerr(&op.name))?;
                 store.put((l, format!("{}.max", op.name)), max);
                 if op.role != TpRole::VocabLoss || self.tp.size == 1 {
                     self.loss_after_max(op, l, store)?;
@@ -1094,7 +1117,9 @@ impl<'a> RankState<'a> {
             .cloned()
             .ok_or_else(|| fail("loss max missing"))?;
         let mut se = vec![0.0; rows];
-        k::ce_row_sumexp(&logits, rows, v_local, &max, &mut se).map_err(kerr(&op.name))?;
+        self.be
+            .ce_row_sumexp(&logits, rows, v_local, &max, &mut se)
+            .map_err(kerr(&op.name))?;
         store.put((l, format!("{}.sum_exp", op.name)), se);
         let lab: Vec<u32> = labels.iter().map(|&x| x as u32).collect();
         let mut target = vec![0.0; rows];
@@ -1103,7 +1128,8 @@ impl<'a> RankState<'a> {
         } else {
             0
         };
-        k::ce_target_logit(&logits, &lab, rows, v_local, start, &mut target)
+        self.be
+            .ce_target_logit(&logits, &lab, rows, v_local, start, &mut target)
             .map_err(kerr(&op.name))?;
         store.put((l, format!("{}.target", op.name)), target);
         Ok(())
@@ -1119,7 +1145,9 @@ impl<'a> RankState<'a> {
         };
         let (max, se, target) = (get("max")?, get("sum_exp")?, get("target")?);
         let mut loss = vec![0.0; max.len()];
-        k::ce_loss(&max, &se, &target, &mut loss).map_err(kerr(&op.name))?;
+        self.be
+            .ce_loss(&max, &se, &target, &mut loss)
+            .map_err(kerr(&op.name))?;
         if self.tp.rank == 0 {
             let scale = 1.0 / (self.global_batch * self.seq_len) as f64;
             self.loss_part += loss.iter().map(|&x| x as f64).sum::<f64>() * scale;
@@ -1435,19 +1463,20 @@ impl<'a> RankState<'a> {
                     .adam
                     .entry(name)
                     .or_insert_with(|| (vec![0.0; c], vec![0.0; c]));
-                k::adamw_step(
-                    &mut flat[me * c..(me + 1) * c],
-                    &grad,
-                    m,
-                    v,
-                    step,
-                    lr,
-                    b1,
-                    b2,
-                    eps,
-                    wd,
-                )
-                .map_err(kerr("adamw"))?;
+                self.be
+                    .adamw_step(
+                        &mut flat[me * c..(me + 1) * c],
+                        &grad,
+                        m,
+                        v,
+                        step,
+                        lr,
+                        b1,
+                        b2,
+                        eps,
+                        wd,
+                    )
+                    .map_err(kerr("adamw"))?;
                 Self::unflat(&mut self.weights, &keys, &flat, (me * c, (me + 1) * c));
             }
             return Ok(());
@@ -1469,19 +1498,20 @@ impl<'a> RankState<'a> {
             .adam
             .entry(set.to_string())
             .or_insert_with(|| (vec![0.0; len], vec![0.0; len]));
-        k::adamw_step(
-            &mut flat[range.0..range.1],
-            &grad,
-            m,
-            v,
-            step,
-            lr,
-            b1,
-            b2,
-            eps,
-            wd,
-        )
-        .map_err(kerr("adamw"))?;
+        self.be
+            .adamw_step(
+                &mut flat[range.0..range.1],
+                &grad,
+                m,
+                v,
+                step,
+                lr,
+                b1,
+                b2,
+                eps,
+                wd,
+            )
+            .map_err(kerr("adamw"))?;
         Self::unflat(&mut self.weights, &keys, &flat, range);
         Ok(())
     }
@@ -1505,12 +1535,14 @@ impl RankState<'_> {
         let mut probs = vec![0.0; rows * ne];
         let mut idx = vec![0u32; rows * kk];
         let mut wts = vec![0.0; rows * kk];
-        k::moe_route_fwd(&logits, rows, ne, kk, true, &mut probs, &mut idx, &mut wts)
+        self.be
+            .moe_route_fwd(&logits, rows, ne, kk, true, &mut probs, &mut idx, &mut wts)
             .map_err(kerr(&op.name))?;
         let mut disp = vec![0.0; rows * kk * h];
         let mut counts = vec![0usize; ne];
         let mut perm = vec![0u32; rows * kk];
-        k::moe_dispatch_fwd(&x, &idx, rows, kk, ne, h, &mut disp, &mut counts, &mut perm)
+        self.be
+            .moe_dispatch_fwd(&x, &idx, rows, kk, ne, h, &mut disp, &mut counts, &mut perm)
             .map_err(kerr(&op.name))?;
         let (local_rows, local_counts, route) = self.experts_exchange(&disp, &counts, ne, h)?;
         let w_up = self.weight(op.inputs[2], l)?.clone();
@@ -1529,43 +1561,47 @@ impl RankState<'_> {
             let xr = &local_rows[off * h..(off + n) * h];
             let up = &mut ups[off * up_w..(off + n) * up_w];
             let wu = &w_up[j * h * up_w..(j + 1) * h * up_w];
-            k::matmul(
-                k::Transpose::No,
-                k::Transpose::No,
-                n,
-                h,
-                up_w,
-                xr,
-                wu,
-                0.0,
-                up,
-            )
-            .map_err(kerr(&op.name))?;
+            self.be
+                .matmul(
+                    k::Transpose::No,
+                    k::Transpose::No,
+                    n,
+                    h,
+                    up_w,
+                    xr,
+                    wu,
+                    0.0,
+                    up,
+                )
+                .map_err(kerr(&op.name))?;
             let act = &mut acts[off * f..(off + n) * f];
             if gated {
-                k::swiglu_fwd(up, n, f, act).map_err(kerr(&op.name))?;
+                self.be.swiglu_fwd(up, n, f, act).map_err(kerr(&op.name))?;
             } else {
-                k::gelu_fwd(up, act).map_err(kerr(&op.name))?;
+                self.be.gelu_fwd(up, act).map_err(kerr(&op.name))?;
             }
             let wd = &w_down[j * f * h..(j + 1) * f * h];
             let yr = &mut y[off * h..(off + n) * h];
-            k::matmul(
-                k::Transpose::No,
-                k::Transpose::No,
-                n,
-                f,
-                h,
-                act,
-                wd,
-                0.0,
-                yr,
-            )
-            .map_err(kerr(&op.name))?;
+            self.be
+                .matmul(
+                    k::Transpose::No,
+                    k::Transpose::No,
+                    n,
+                    f,
+                    h,
+                    act,
+                    wd,
+                    0.0,
+                    yr,
+                )
+                .map_err(kerr(&op.name))?;
             off += n;
         }
         let y_disp = self.experts_return(&y, &route, h)?;
         let mut out = vec![0.0; rows * h];
-        k::moe_combine_fwd(&y_disp, &perm, &wts, rows, kk, h, &mut out).map_err(kerr(&op.name))?;
+        self.be
+            .moe_combine_fwd(&y_disp, &perm, &wts, rows, kk, h, &mut out)
+            .map_err(kerr(&op.name))?;
         let key = |w: &str| (l, format!("{}#{w}", op.name));
         store.put(key("probs"), probs);
         store.put(key("idx"), idx.iter().map(|&i| i as f32).collect());
@@ -1613,7 +1649,8 @@ impl RankState<'_> {
         let rows = dy.len() / h;
         let mut d_y = vec![0.0; y_disp.len()];
         let mut d_w = vec![0.0; wts.len()];
-        k::moe_combine_bwd(dy, &y_disp, &perm, &wts, rows, kk, h, &mut d_y, &mut d_w)
+        self.be
+            .moe_combine_bwd(dy, &y_disp, &perm, &wts, rows, kk, h, &mut d_y, &mut d_w)
             .map_err(kerr(&op.name))?;
         // Gradients of the expert outputs travel to the experts as the tokens did.
         let d_local = self.experts_resend(&d_y, &route, h)?;
@@ -1634,42 +1671,48 @@ impl RankState<'_> {
             let xr = &local_rows[off * h..(off + n) * h];
             let wd = &w_down[j * f * h..(j + 1) * f * h];
             let mut d_act = vec![0.0; n * f];
-            k::matmul(
-                k::Transpose::No,
-                k::Transpose::Yes,
-                n,
-                h,
-                f,
-                dyr,
-                wd,
-                0.0,
-                &mut d_act,
-            )
-            .map_err(kerr(&op.name))?;
+            self.be
+                .matmul(
+                    k::Transpose::No,
+                    k::Transpose::Yes,
+                    n,
+                    h,
+                    f,
+                    dyr,
+                    wd,
+                    0.0,
+                    &mut d_act,
+                )
+                .map_err(kerr(&op.name))?;
             {
                 let gd = self
                     .wgrads
                     .get_mut(&kd)
                     .ok_or_else(|| fail("expert gradient missing"))?;
                 let gd = &mut gd[j * f * h..(j + 1) * f * h];
-                k::matmul(
-                    k::Transpose::Yes,
-                    k::Transpose::No,
-                    f,
-                    n,
-                    h,
-                    act,
-                    dyr,
-                    1.0,
-                    gd,
-                )
-                .map_err(kerr(&op.name))?;
+                self.be
+                    .matmul(
+                        k::Transpose::Yes,
+                        k::Transpose::No,
+                        f,
+                        n,
+                        h,
+                        act,
+                        dyr,
+                        1.0,
+                        gd,
+                    )
+                    .map_err(kerr(&op.name))?;
             }
             let mut d_up = vec![0.0; n * up_w];
             if gated {
-                k::swiglu_bwd(up, &d_act, n, f, &mut d_up).map_err(kerr(&op.name))?;
+                self.be
+                    .swiglu_bwd(up, &d_act, n, f, &mut d_up)
+                    .map_err(kerr(&op.name))?;
             } else {
-                k::gelu_bwd(up, &d_act, &mut d_up).map_err(kerr(&op.name))?;
+                self.be
+                    .gelu_bwd(up, &d_act, &mut d_up)
+                    .map_err(kerr(&op.name))?;
             }
             {
                 let gu = self
@@ -1677,40 +1720,45 @@ impl RankState<'_> {
                     .get_mut(&ku)
                     .ok_or_else(|| fail("expert gradient missing"))?;
                 let gu = &mut gu[j * h * up_w..(j + 1) * h * up_w];
-                k::matmul(
-                    k::Transpose::Yes,
-                    k::Transpose::No,
-                    h,
-                    n,
-                    up_w,
-                    xr,
-                    &d_up,
-                    1.0,
-                    gu,
-                )
-                .map_err(kerr(&op.name))?;
+                self.be
+                    .matmul(
+                        k::Transpose::Yes,
+                        k::Transpose::No,
+                        h,
+                        n,
+                        up_w,
+                        xr,
+                        &d_up,
+                        1.0,
+                        gu,
+                    )
+                    .map_err(kerr(&op.name))?;
             }
             let wu = &w_up[j * h * up_w..(j + 1) * h * up_w];
             let dr = &mut d_rows[off * h..(off + n) * h];
-            k::matmul(
-                k::Transpose::No,
-                k::Transpose::Yes,
-                n,
-                up_w,
-                h,
-                &d_up,
-                wu,
-                0.0,
-                dr,
-            )
-            .map_err(kerr(&op.name))?;
+            self.be
+                .matmul(
+                    k::Transpose::No,
+                    k::Transpose::Yes,
+                    n,
+                    up_w,
+                    h,
+                    &d_up,
+                    wu,
+                    0.0,
+                    dr,
+                )
+                .map_err(kerr(&op.name))?;
             off += n;
         }
         let d_disp = self.experts_return(&d_rows, &route, h)?;
         let mut dx = vec![0.0; rows * h];
-        k::moe_dispatch_bwd(&d_disp, &perm, rows, kk, h, &mut dx).map_err(kerr(&op.name))?;
+        self.be
+            .moe_dispatch_bwd(&d_disp, &perm, rows, kk, h, &mut dx)
+            .map_err(kerr(&op.name))?;
         let mut d_logits = vec![0.0; rows * ne];
-        k::moe_route_bwd(&probs, &idx, &wts, &d_w, rows, ne, kk, true, &mut d_logits)
+        self.be
+            .moe_route_bwd(&probs, &idx, &wts, &d_w, rows, ne, kk, true, &mut d_logits)
             .map_err(kerr(&op.name))?;
         let x_name = self.graph.tensor(op.inputs[0]).name.clone();
         let g_name = self.graph.tensor(op.inputs[1]).name.clone();
@@ -1856,20 +1904,23 @@ impl RankState<'_> {
             let owner = (me + n - t) % n;
             let mut ob = vec![0.0; o.len()];
             let mut lb = vec![0.0; lse.len()];
-            k::attention_fwd(
-                dims,
-                q,
-                &block[..split],
-                &block[split..],
-                me * s_l,
-                owner * s_l,
-                causal,
-                scale,
-                &mut ob,
-                &mut lb,
-            )
-            .map_err(kerr("ring attention"))?;
-            k::attention_merge(dims, o, lse, &ob, &lb).map_err(kerr("ring attention"))?;
+            self.be
+                .attention_fwd(
+                    dims,
+                    q,
+                    &block[..split],
+                    &block[split..],
+                    me * s_l,
+                    owner * s_l,
+                    causal,
+                    scale,
+                    &mut ob,
+                    &mut lb,
+                )
+                .map_err(kerr("ring attention"))?;
+            self.be
+                .attention_merge(dims, o, lse, &ob, &lb)
+                .map_err(kerr("ring attention"))?;
             if t + 1 < n {
                 self.comm.send(next, "cp", &block)?;
                 self.comm.recv(prev, "cp", &mut block)?;
@@ -1910,23 +1961,24 @@ impl RankState<'_> {
         for t in 0..n {
             let owner = (me + n - t) % n;
             let (gk, gv) = grads[owner].split_at_mut(split);
-            k::attention_bwd(
-                dims,
-                q,
-                &block[..split],
-                &block[split..],
-                o,
-                lse,
-                d_o,
-                me * s_l,
-                owner * s_l,
-                causal,
-                scale,
-                dq,
-                gk,
-                gv,
-            )
-            .map_err(kerr("ring attention"))?;
+            self.be
+                .attention_bwd(
+                    dims,
+                    q,
+                    &block[..split],
+                    &block[split..],
+                    o,
+                    lse,
+                    d_o,
+                    me * s_l,
+                    owner * s_l,
+                    causal,
+                    scale,
+                    dq,
+                    gk,
+                    gv,
+                )
+                .map_err(kerr("ring attention"))?;
             if t + 1 < n {
                 self.comm.send(next, "cp", &block)?;
                 self.comm.recv(prev, "cp", &mut block)?;
@@ -2036,9 +2088,11 @@ impl RankState<'_> {
             }
             let mut out = vec![0.0; part.len()];
             if backward {
-                k::rope_bwd(&part, &positions, rows, heads, d, theta, &mut out)
+                self.be
+                    .rope_bwd(&part, &positions, rows, heads, d, theta, &mut out)
             } else {
-                k::rope_fwd(&part, &positions, rows, heads, d, theta, &mut out)
+                self.be
+                    .rope_fwd(&part, &positions, rows, heads, d, theta, &mut out)
             }
             .map_err(kerr(&att.name))?;
             for r in 0..rows {
@@ -2075,10 +2129,11 @@ impl RankState<'_> {
                 };
                 let scale = 1.0 / (self.global_batch * self.seq_len) as f32;
                 let mut d = vec![0.0; logits.len()];
-                k::ce_bwd(
-                    &logits, rows, v_local, &max, &se, &lab, start, scale, &mut d,
-                )
-                .map_err(kerr(&op.name))?;
+                self.be
+                    .ce_bwd(
+                        &logits, rows, v_local, &max, &se, &lab, start, scale, &mut d,
+                    )
+                    .map_err(kerr(&op.name))?;
                 Self::add_grad_vec(store, l, &in_name(0), d);
             }
             _ => {
@@ -2114,7 +2169,9 @@ impl RankState<'_> {
                     .wgrads
                     .get_mut(&key)
                     .ok_or_else(|| fail("embedding gradient missing"))?;
-                k::embedding_bwd(&ids, dy, vocab_start, dim, dt).map_err(kerr(&op.name))?;
+                self.be
+                    .embedding_bwd(&ids, dy, vocab_start, dim, dt)
+                    .map_err(kerr(&op.name))?;
             }
             OpKind::Norm(kind) => {
                 let x = self.act(store, l, op.inputs[0])?;
@@ -2134,10 +2191,10 @@ impl RankState<'_> {
                     .cloned()
                     .ok_or_else(|| fail("norm gradient missing"))?;
                 match kind {
-                    NormKind::Rmsnorm => {
-                        k::rmsnorm_bwd(&x, &w, &rstd, dy, rows, dim, &mut dx, &mut dw)
-                            .map_err(kerr(&op.name))?
-                    }
+                    NormKind::Rmsnorm => self
+                        .be
+                        .rmsnorm_bwd(&x, &w, &rstd, dy, rows, dim, &mut dx, &mut dw)
+                        .map_err(kerr(&op.name))?,
                     NormKind::Layernorm => {
                         let mean = store
                             .acts
@@ -2152,10 +2209,11 @@ impl RankState<'_> {
                                 .unwrap_or_else(|| vec![0.0; dim]),
                             None => vec![0.0; dim],
                         };
-                        k::layernorm_bwd(
-                            &x, &w, &mean, &rstd, dy, rows, dim, &mut dx, &mut dw, &mut db,
-                        )
-                        .map_err(kerr(&op.name))?;
+                        self.be
+                            .layernorm_bwd(
+                                &x, &w, &mean, &rstd, dy, rows, dim, &mut dx, &mut dw, &mut db,
+                            )
+                            .map_err(kerr(&op.name))?;
                         if let Some(&b) = op.inputs.get(2) {
                             let bk = self.wkey(b, l);
                             self.wgrads.insert(bk, db);
@@ -2176,35 +2234,37 @@ impl RankState<'_> {
                 let (kk, n) = self.matmul_dims(op, w.len())?;
                 let rows = x.len() / kk.max(1);
                 let mut dx = vec![0.0; rows * kk];
-                k::matmul(
-                    k::Transpose::No,
-                    k::Transpose::Yes,
-                    rows,
-                    n,
-                    kk,
-                    dy,
-                    &w,
-                    0.0,
-                    &mut dx,
-                )
-                .map_err(kerr(&op.name))?;
+                self.be
+                    .matmul(
+                        k::Transpose::No,
+                        k::Transpose::Yes,
+                        rows,
+                        n,
+                        kk,
+                        dy,
+                        &w,
+                        0.0,
+                        &mut dx,
+                    )
+                    .map_err(kerr(&op.name))?;
                 let wkey = self.wkey(op.inputs[1], l);
                 let dw = self
                     .wgrads
                     .get_mut(&wkey)
                     .ok_or_else(|| fail("matmul gradient missing"))?;
-                k::matmul(
-                    k::Transpose::Yes,
-                    k::Transpose::No,
-                    kk,
-                    rows,
-                    n,
-                    &x,
-                    dy,
-                    1.0,
-                    dw,
-                )
-                .map_err(kerr(&op.name))?;
+                self.be
+                    .matmul(
+                        k::Transpose::Yes,
+                        k::Transpose::No,
+                        kk,
+                        rows,
+                        n,
+                        &x,
+                        dy,
+                        1.0,
+                        dw,
+                    )
+                    .map_err(kerr(&op.name))?;
                 if let Some(&b) = op.inputs.get(2) {
                     let bk = self.wkey(b, l);
                     if let Some(db) = self.wgrads.get_mut(&bk) {
@@ -2265,11 +2325,12 @@ impl RankState<'_> {
                         &mut dv,
                     )?;
                 } else {
-                    k::attention_bwd(
-                        &dims, &q, &kk, &v, &o, &lse, &d_o, pos0, pos0, a.causal, scale, &mut dq,
-                        &mut dk, &mut dv,
-                    )
-                    .map_err(kerr(&op.name))?;
+                    self.be
+                        .attention_bwd(
+                            &dims, &q, &kk, &v, &o, &lse, &d_o, pos0, pos0, a.causal, scale,
+                            &mut dq, &mut dk, &mut dv,
+                        )
+                        .map_err(kerr(&op.name))?;
                 }
                 let dx = join_qkv(&dq, &dk, &dv, rows, hq, hkv, dims.d, dims.dv, self.mbs);
                 Self::add_grad_vec(store, l, &in_name(0), dx);
@@ -2281,10 +2342,12 @@ impl RankState<'_> {
                     meshplan_ir::MlpKind::Swiglu => {
                         let f = self.swiglu_width(op)?;
                         let rows = x.len() / (2 * f);
-                        k::swiglu_bwd(&x, dy, rows, f, &mut dx).map_err(kerr(&op.name))?;
+                        self.be
+                            .swiglu_bwd(&x, dy, rows, f, &mut dx)
+                            .map_err(kerr(&op.name))?;
                     }
                     meshplan_ir::MlpKind::Gelu => {
-                        k::gelu_bwd(&x, dy, &mut dx).map_err(kerr(&op.name))?
+                        self.be.gelu_bwd(&x, dy, &mut dx).map_err(kerr(&op.name))?
                     }
                 }
                 Self::add_grad_vec(store, l, &in_name(0), dx);
