@@ -1528,6 +1528,17 @@ impl RankState<'_> {
         l: u64,
         store: &mut Store,
     ) -> Result<(), RankError> {
+        if self.tp.size > 1 && (self.plan.strategy.sp || self.ep.size > 1) {
+            // Under sequence parallelism the router sees a slice of the tokens the
+            // experts gather; with ep > 1 each tensor rank would route the same
+            // tokens again. Neither layout is expressed by the plan's programs yet.
+            return Err(fail(format!(
+                "{}: experts with tp={} and {} are not run by the CPU executor; use sp=false and ep=1, or tp=1",
+                op.name,
+                self.tp.size,
+                if self.plan.strategy.sp { "sequence parallelism" } else { "ep > 1" }
+            )));
+        }
         let x = self.act(store, l, op.inputs[0])?;
         let logits = self.act(store, l, op.inputs[1])?;
         let (h, f, ne, kk) = self.expert_dims(e);
