@@ -127,6 +127,11 @@ fn four_layers() -> Model {
 }
 
 #[test]
+fn dense_pp2_gpipe() {
+    check(&model("tiny-gpt"), "pp=2,mbs=1,schedule=gpipe");
+}
+
+#[test]
 fn dense_pp2_vpp2() {
     check(&four_layers(), "pp=2,vpp=2,mbs=1");
 }
