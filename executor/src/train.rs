@@ -306,6 +306,40 @@ impl<'a> RankState<'a> {
                 }
             }
         }
+        // Programs the CPU executor cannot run faithfully: refuse rather than
+        // compute something else.
+        if graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .any(|o| matches!(o.kind, OpKind::Dropout))
+        {
+            return Err(fail(
+                "dropout layers are not run by the CPU executor (they would be an identity); set `dropout: false` in the model",
+            ));
+        }
+        let pp_size = size_of("pp");
+        if pp_size > 1 {
+            let weights_of = |kind: SegmentKind| -> Vec<meshplan_ir::TensorId> {
+                graph
+                    .segments
+                    .iter()
+                    .filter(|s| s.kind == kind)
+                    .flat_map(|s| &s.ops)
+                    .flat_map(|o| o.inputs.iter().copied())
+                    .filter(|&t| graph.tensor(t).kind == TensorKind::Weight)
+                    .collect()
+            };
+            let head = weights_of(SegmentKind::Head);
+            if weights_of(SegmentKind::Embed)
+                .iter()
+                .any(|w| head.contains(w))
+            {
+                return Err(fail(
+                    "tied embeddings across pipeline stages need an embedding-gradient reduction between the first and last stage, which plans do not contain yet; use pp=1 or untie the embeddings",
+                ));
+            }
+        }
         let mut st = RankState {
             be,
             plan,

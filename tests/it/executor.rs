@@ -182,3 +182,30 @@ fn a_failing_rank_stops_every_rank_with_a_message() {
     assert!(err.message.contains("rank 5 failed"), "{}", err.message);
     assert!(err.message.contains("waiting in"), "{}", err.message);
 }
+
+#[test]
+fn layouts_the_executor_cannot_run_faithfully_are_refused() {
+    let text = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");
+    let variant = |from: &str, to: &str, name: &str| {
+        let spec = meshplan_ir::parse_model_yaml(&text.replace(from, to), name)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
+        let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
+        Model { spec, graph, pg }
+    };
+    let tied = variant("tie_embeddings: false", "tie_embeddings: true", "tied.yaml");
+    let err = train(&plan(&tied, "pp=2,mbs=1"), &TrainOptions::default()).expect_err("refused");
+    assert!(err.message.contains("tied embeddings"), "{}", err.message);
+    // With one stage the tied table is one weight and trains like the reference.
+    check(&tied, "dp=2");
+    let dropout = variant(
+        "position: rope",
+        "position: rope\n  dropout: true",
+        "dropout.yaml",
+    );
+    let err = train(&plan(&dropout, "dp=2"), &TrainOptions::default()).expect_err("refused");
+    assert!(err.message.contains("dropout"), "{}", err.message);
+    let moe = model("tiny-moe");
+    let err = train(&plan(&moe, "tp=2,sp=true"), &TrainOptions::default()).expect_err("refused");
+    assert!(err.message.contains("experts"), "{}", err.message);
+}
