@@ -657,7 +657,9 @@ impl LayoutCtx {
             let kv_heads_local = (pg.kv_heads as f64 / t).max(1.0);
             let per_head = pg.kv_bytes_per_token_layer / (pg.kv_heads.max(1) as f64);
             let kv_block = self.env.batch * self.env.seq / cpf * kv_heads_local * per_head;
-            let same_node = self.cp_group.per_node > 1;
+            // A ring moves at the pace of its slowest hop: once it spans nodes, every
+            // step waits on the InfiniBand transfers.
+            let same_node = self.cp_group.nodes() <= 1;
             let step = self.comm.p2p_time_s(same_node, kv_block);
             let steps = cpf - 1.0;
             cp_fwd = (steps * step - attn_fwd_s * steps / cpf).max(0.0);

@@ -973,3 +973,27 @@ fn inference_over_memory_is_infeasible_with_a_reason_in_gib() {
     let reason = e.infeasible_reason.expect("a reason");
     assert!(reason.contains("GiB"), "{reason}");
 }
+
+#[test]
+fn a_context_ring_that_crosses_nodes_moves_at_infiniband_pace() {
+    // Llama 3 8B at 8K on 16 GPUs, cp=16 and nothing else: the same ring, once inside
+    // one 16-GPU node and once over two 8-GPU nodes. Only the ring's links differ,
+    // and the ring waits on its slowest hop.
+    let (_, pg) = shipped("models/llama3-8b.yaml");
+    let step = |nodes, gpn| {
+        let cl = cluster(nodes, gpn, 80);
+        let cfg = config("cp=16,mbs=1,recompute=full", 16);
+        // The block's forward communication: with tp = 1, only the ring.
+        let costs = meshplan_cost_model::train_ctx(&pg, &cl, &cfg, 8192).price(&pg);
+        pg.segment_kinds()
+            .zip(&costs)
+            .find(|((k, _), _)| *k == meshplan_ir::SegmentKind::Block)
+            .map(|(_, c)| c.comm_fwd_s)
+            .expect("a block")
+    };
+    let (one_node, two_nodes) = (step(1, 16), step(2, 8));
+    assert!(
+        two_nodes > 2.0 * one_node.max(1e-6),
+        "exposed ring time per layer over InfiniBand {two_nodes} s vs NVLink {one_node} s"
+    );
+}
