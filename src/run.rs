@@ -87,6 +87,20 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "{file}: inference plans are not run by this build yet (the inference issue); plan a training workload"
         )));
     }
+    // Ranks are threads of this process holding fp32 weights, gradients and Adam
+    // state: refuse what cannot fit rather than exhausting the machine.
+    let s = &plan.strategy;
+    let replicas = (plan.ranks.len() as f64 / (s.tp * s.pp).max(1) as f64).max(1.0);
+    let host_bytes = 16.0 * plan.model.params * replicas;
+    const HOST_BUDGET: f64 = 16.0 * (1u64 << 30) as f64;
+    if host_bytes > HOST_BUDGET || plan.ranks.len() > 256 {
+        return Err(runtime(format!(
+            "{file}: the CPU backend runs every rank as a thread of this process; {} ranks holding {:.1} GiB of fp32 weights, gradients and Adam state exceed its {:.0} GiB budget (use a small model, e.g. models/tiny-gpt.yaml on topologies/cpu-test-mesh.yaml)",
+            plan.ranks.len(),
+            host_bytes / (1u64 << 30) as f64,
+            HOST_BUDGET / (1u64 << 30) as f64
+        )));
+    }
     if a.steps == 0 {
         return Err(bad("--steps must be at least 1".into()));
     }

@@ -828,4 +828,19 @@ fn run_rejects_bad_input_and_missing_backends() {
     assert!(cuda.stderr.contains("CUDA"), "{}", cuda.stderr);
     let tpu = meshplan(&["run", path, "--backend", "tpu"]);
     tpu.expect_code(2);
+    // An 8B-parameter plan does not fit the CPU backend's threads: a message, exit 1.
+    let big = temp_file("plan-run-big.json", "");
+    let big_path = big.to_str().expect("utf-8 path");
+    meshplan(&[
+        "plan",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-h100.yaml",
+        "--quiet",
+        "-o",
+        big_path,
+    ])
+    .expect_code(0);
+    let run = meshplan(&["run", big_path]);
+    run.expect_code(1);
+    assert!(run.stderr.contains("budget"), "{}", run.stderr);
 }
