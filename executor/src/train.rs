@@ -227,8 +227,9 @@ struct RankState<'a> {
     shard_grads: BTreeMap<(String, u64), Vec<f32>>,
     /// Adam state per flat parameter set (`dense`, `experts`).
     adam: BTreeMap<String, (Vec<f32>, Vec<f32>)>,
-    /// Reduced gradient shards (ZeRO 1, 2) per set.
-    reduced: BTreeMap<String, Vec<f32>>,
+    /// Reduced gradient shards (ZeRO 1, 2) per set: (this rank's flat range, values)
+    /// per bucket.
+    reduced: BTreeMap<String, Vec<Shard>>,
     tasks: BTreeMap<(u64, u64), Store>,
     hidden: Vec<f32>,
     grad_hidden: Vec<f32>,
@@ -1432,18 +1433,31 @@ impl<'a> RankState<'a> {
                         let mut flat = self.flat(&self.wgrads, &keys);
                         self.comm.all_reduce(&g, ax, &mut flat)?;
                         Self::unflat(&mut self.wgrads, &keys, &flat, (0, flat.len()));
-                    } else if let Some(set) = tensor.strip_prefix("grads:") {
+                    } else if let Some(rest) = tensor.strip_prefix("grads:") {
+                        let (set, range) = parse_bucket(rest)?;
                         let keys = self.set_keys(set, None);
                         let mut flat = self.flat(&self.wgrads, &keys);
+                        let (a, b) = range.unwrap_or((0, flat.len()));
+                        if b > flat.len() || a > b || (b - a) % n != 0 {
+                            return Err(fail(format!(
+                                "bucket {a}..{b} of `{set}` does not fit {} parameters over {n} ranks",
+                                flat.len()
+                            )));
+                        }
                         match kind {
                             CollectiveKind::AllReduce => {
-                                self.comm.all_reduce(&g, ax, &mut flat)?;
-                                Self::unflat(&mut self.wgrads, &keys, &flat, (0, flat.len()));
+                                self.comm.all_reduce(&g, ax, &mut flat[a..b])?;
+                                Self::unflat(&mut self.wgrads, &keys, &flat, (a, b));
                             }
                             CollectiveKind::ReduceScatter => {
-                                let mut out = vec![0.0; flat.len() / n];
-                                self.comm.reduce_scatter(&g, ax, &flat, &mut out)?;
-                                self.reduced.insert(set.to_string(), out);
+                                let c = (b - a) / n;
+                                let mut out = vec![0.0; c];
+                                self.comm.reduce_scatter(&g, ax, &flat[a..b], &mut out)?;
+                                let mine = (a + me * c, a + (me + 1) * c);
+                                self.reduced
+                                    .entry(set.to_string())
+                                    .or_default()
+                                    .push((mine, out));
                             }
                             other => {
                                 return Err(fail(format!(
@@ -1451,14 +1465,20 @@ impl<'a> RankState<'a> {
                                 )))
                             }
                         }
-                    } else if let Some(set) = tensor.strip_prefix("params:") {
+                    } else if let Some(rest) = tensor.strip_prefix("params:") {
+                        let (set, range) = parse_bucket(rest)?;
                         let keys = self.set_keys(set, None);
-                        let flat = self.flat(&self.weights, &keys);
-                        let c = flat.len() / n;
-                        let mut out = vec![0.0; flat.len()];
-                        self.comm
-                            .all_gather(&g, ax, &flat[me * c..(me + 1) * c], &mut out)?;
-                        Self::unflat(&mut self.weights, &keys, &out, (0, out.len()));
+                        let mut flat = self.flat(&self.weights, &keys);
+                        let (a, b) = range.unwrap_or((0, flat.len()));
+                        if b > flat.len() || a > b || (b - a) % n != 0 {
+                            return Err(fail(format!("bucket {a}..{b} of `{set}` does not fit")));
+                        }
+                        let c = (b - a) / n;
+                        let mut out = vec![0.0; b - a];
+                        let mine = flat[a + me * c..a + (me + 1) * c].to_vec();
+                        self.comm.all_gather(&g, ax, &mine, &mut out)?;
+                        flat[a..b].copy_from_slice(&out);
+                        Self::unflat(&mut self.weights, &keys, &flat, (a, b));
                     } else {
                         return Err(fail(format!("unexpected step collective on `{tensor}`")));
                     }
@@ -1517,16 +1537,23 @@ impl<'a> RankState<'a> {
         }
         let keys = self.set_keys(set, None);
         let mut flat = self.flat(&self.weights, &keys);
-        let (range, grad) = if zero >= 1 && n > 1 {
-            let c = flat.len() / n;
-            let g = self
+        // The slices this rank updates: everything, or its share of each bucket.
+        let (parts, grad): (Vec<(usize, usize)>, Vec<f32>) = if zero >= 1 && n > 1 {
+            let mut got = self
                 .reduced
                 .remove(set)
                 .ok_or_else(|| fail(format!("no reduced gradients of `{set}`")))?;
-            ((me * c, (me + 1) * c), g)
+            got.sort_by_key(|(r, _)| r.0);
+            let parts = got.iter().map(|(r, _)| *r).collect();
+            (parts, got.into_iter().flat_map(|(_, g)| g).collect())
         } else {
-            ((0, flat.len()), self.flat(&self.wgrads, &keys))
+            (vec![(0, flat.len())], self.flat(&self.wgrads, &keys))
         };
+        let mut own: Vec<f32> = parts
+            .iter()
+            .flat_map(|&(a, b)| flat[a..b].to_vec())
+            .collect();
+        let range = (0, own.len());
         let len = range.1 - range.0;
         let (m, v) = self
             .adam
@@ -1534,7 +1561,7 @@ impl<'a> RankState<'a> {
             .or_insert_with(|| (vec![0.0; len], vec![0.0; len]));
         self.be
             .adamw_step(
-                &mut flat[range.0..range.1],
+                &mut own[range.0..range.1],
                 &grad,
                 m,
                 v,
@@ -1546,7 +1573,12 @@ impl<'a> RankState<'a> {
                 wd,
             )
             .map_err(kerr("adamw"))?;
-        Self::unflat(&mut self.weights, &keys, &flat, range);
+        let mut off = 0;
+        for &(a, b) in &parts {
+            flat[a..b].copy_from_slice(&own[off..off + b - a]);
+            off += b - a;
+        }
+        Self::unflat(&mut self.weights, &keys, &flat, (0, flat.len()));
         Ok(())
     }
 }
@@ -2410,6 +2442,25 @@ impl RankState<'_> {
         }
         Ok(())
     }
+}
+
+/// A `[start, end)` range of a flat parameter set.
+type Range = (usize, usize);
+
+/// A rank's reduced share of one gradient bucket: its flat range and the values.
+type Shard = (Range, Vec<f32>);
+
+/// `dense[0..4096]` -> (`dense`, Some((0, 4096))); `dense` -> (`dense`, None).
+fn parse_bucket(text: &str) -> Result<(&str, Option<Range>), RankError> {
+    let Some((set, rest)) = text.split_once('[') else {
+        return Ok((text, None));
+    };
+    let range = rest
+        .strip_suffix(']')
+        .and_then(|r| r.split_once(".."))
+        .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
+        .ok_or_else(|| fail(format!("bad bucket `{text}`")))?;
+    Ok((set, Some(range)))
 }
 
 /// Token counts of an expert-parallel exchange: `send[d][j]` rows for destination

@@ -115,6 +115,9 @@ pub struct LowerInput<'a> {
     pub estimate: &'a Estimate,
     /// The search report.
     pub search: SearchInfo,
+    /// Parameters per data-parallel gradient bucket (`calib::DP_BUCKET_PARAMS`, as
+    /// the cost model prices): each bucket is its own reduction in the step list.
+    pub dp_bucket_params: f64,
 }
 
 // === layout context ===
@@ -1007,6 +1010,8 @@ struct PhaseSpec {
     /// Receivers all-gather the boundary over `tp` (the scatter-gather send).
     p2p_gather_tp: bool,
     training: bool,
+    /// Parameters per data-parallel gradient bucket.
+    bucket_params: f64,
 }
 
 /// Layer range of each chunk.
@@ -1178,7 +1183,7 @@ fn build_phase(
             comm_bytes_per_gpu: Default::default(),
         };
         if spec.training {
-            phase.step = optimizer_step(layout, dense, experts);
+            phase.step = optimizer_step(layout, dense, experts, spec.bucket_params);
             if seq_partial > 0.0 {
                 // First, so the data-parallel reduction sees whole gradients.
                 phase.step.insert(
@@ -1202,7 +1207,7 @@ fn build_phase(
 
 /// Once per step: reduce gradients over the data groups per the ZeRO stage, update
 /// this rank's share of the parameters, gather updated parameters (ZeRO 1, 2).
-fn optimizer_step(layout: &Layout<'_>, dense: f64, experts: f64) -> Vec<Instr> {
+fn optimizer_step(layout: &Layout<'_>, dense: f64, experts: f64, bucket_params: f64) -> Vec<Instr> {
     let zero = layout.zero;
     let bpe = layout.bpe;
     let groups = [
@@ -1217,33 +1222,47 @@ fn optimizer_step(layout: &Layout<'_>, dense: f64, experts: f64) -> Vec<Instr> {
             continue;
         }
         if n > 1 && zero < 3 {
-            let g = params * bpe;
-            if zero == 0 {
-                reduce.push(collective(
-                    CollectiveKind::AllReduce,
-                    group,
-                    Axis::Dp,
-                    n,
-                    format!("grads:{what}"),
-                    g,
-                ));
-            } else {
-                reduce.push(collective(
-                    CollectiveKind::ReduceScatter,
-                    group,
-                    Axis::Dp,
-                    n,
-                    format!("grads:{what}"),
-                    g,
-                ));
-                gather.push(collective(
-                    CollectiveKind::AllGather,
-                    group,
-                    Axis::Dp,
-                    n,
-                    format!("params:{what}"),
-                    g,
-                ));
+            // Buckets of whole shards: a multiple of the group size each, so every
+            // rank owns an equal slice of every bucket.
+            let total = params.round() as u64;
+            let size = ((bucket_params.max(1.0) as u64) / n).max(1) * n;
+            let mut start = 0u64;
+            while start < total {
+                let end = (start + size).min(total);
+                let range = if start == 0 && end == total {
+                    String::new()
+                } else {
+                    format!("[{start}..{end}]")
+                };
+                let g = (end - start) as f64 * bpe;
+                if zero == 0 {
+                    reduce.push(collective(
+                        CollectiveKind::AllReduce,
+                        group,
+                        Axis::Dp,
+                        n,
+                        format!("grads:{what}{range}"),
+                        g,
+                    ));
+                } else {
+                    reduce.push(collective(
+                        CollectiveKind::ReduceScatter,
+                        group,
+                        Axis::Dp,
+                        n,
+                        format!("grads:{what}{range}"),
+                        g,
+                    ));
+                    gather.push(collective(
+                        CollectiveKind::AllGather,
+                        group,
+                        Axis::Dp,
+                        n,
+                        format!("params:{what}{range}"),
+                        g,
+                    ));
+                }
+                start = end;
             }
         }
         let share = if zero >= 1 { n.max(1) as f64 } else { 1.0 };
@@ -1322,6 +1341,7 @@ pub fn lower_train(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
         // sequence, so nothing is gathered.
         p2p_gather_tp: !(cfg.sp && cfg.tp > 1),
         training: true,
+        bucket_params: input.dp_bucket_params,
     };
     let mut params = Vec::new();
     let phases = build_phase(&layout, &spec, input.layer_split, &mut params)?;
@@ -1411,6 +1431,7 @@ pub fn lower_inference(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
         p2p_bytes: tokens * pg.boundary_bytes_per_token,
         p2p_gather_tp: false,
         training: false,
+        bucket_params: input.dp_bucket_params,
     };
     let mut params = Vec::new();
     let prefill = build_phase(

@@ -68,6 +68,7 @@ pub fn plan_of(
         extra,
     };
     let input = LowerInput {
+        dp_bucket_params: crate::cost_model::calib::DP_BUCKET_PARAMS,
         model_name,
         graph,
         prepared,
@@ -97,6 +98,28 @@ pub fn plan_for_config(
     workload: &Workload,
     cfg: &meshplan_ir::ParallelConfig,
 ) -> Result<Plan, String> {
+    plan_for_config_with_buckets(
+        model_name,
+        graph,
+        pg,
+        cluster,
+        workload,
+        cfg,
+        crate::cost_model::calib::DP_BUCKET_PARAMS,
+    )
+}
+
+/// [`plan_for_config`] with gradient buckets of `bucket_params` parameters (tests use
+/// small buckets to exercise several on small models).
+pub fn plan_for_config_with_buckets(
+    model_name: &str,
+    graph: &Graph,
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    workload: &Workload,
+    cfg: &meshplan_ir::ParallelConfig,
+    bucket_params: f64,
+) -> Result<Plan, String> {
     let Workload::Train {
         seq_len,
         global_batch,
@@ -119,6 +142,7 @@ pub fn plan_for_config(
     )
     .map_err(|e| format!("{cfg}: {e}"))?;
     lower_train(&LowerInput {
+        dp_bucket_params: bucket_params,
         model_name,
         graph,
         prepared: pg,

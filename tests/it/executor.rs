@@ -6,7 +6,7 @@ use meshplan_cost_model::{load_cluster, prepare_model, Cluster, PreparedGraph};
 use meshplan_executor::train::{byte_mismatches, check_against, train, TrainOptions};
 use meshplan_ir::plan::Plan;
 use meshplan_ir::{load_model, model_graph, Graph, ModelSpec, PartialConfig, WorkloadOverrides};
-use meshplan_planner::output::plan_for_config;
+use meshplan_planner::output::plan_for_config_with_buckets;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -40,6 +40,10 @@ fn mesh(gpus: u64) -> Cluster {
 }
 
 fn plan(m: &Model, cfg: &str) -> Plan {
+    plan_buckets(m, cfg, meshplan_cost_model::calib::DP_BUCKET_PARAMS)
+}
+
+fn plan_buckets(m: &Model, cfg: &str, bucket: f64) -> Plan {
     let gpus = {
         let p = PartialConfig::parse(cfg, "test").unwrap_or_else(|e| panic!("{e}"));
         p.dp.unwrap_or(1) * p.tp.unwrap_or(1) * p.pp.unwrap_or(1) * p.cp.unwrap_or(1)
@@ -49,7 +53,7 @@ fn plan(m: &Model, cfg: &str) -> Plan {
         .and_then(|p| p.resolve(cl.gpus(), "test"))
         .unwrap_or_else(|e| panic!("{e}"));
     let workload = m.spec.workload.clone().expect("workload");
-    plan_for_config(&m.spec.name, &m.graph, &m.pg, &cl, &workload, &c)
+    plan_for_config_with_buckets(&m.spec.name, &m.graph, &m.pg, &cl, &workload, &c, bucket)
         .unwrap_or_else(|e| panic!("{cfg}: {e}"))
 }
 
@@ -57,8 +61,12 @@ fn plan(m: &Model, cfg: &str) -> Plan {
 /// (1e-5 relative) and weights, and bytes equal to the plan's.
 #[track_caller]
 fn check(m: &Model, cfg: &str) {
+    check_plan(m, cfg, plan(m, cfg));
+}
+
+#[track_caller]
+fn check_plan(m: &Model, cfg: &str, p: Plan) {
     let opts = TrainOptions::default();
-    let p = plan(m, cfg);
     let mbs = p.strategy.mbs;
     let reference = plan(m, &format!("dp=1,mbs={mbs}"));
     let run = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
@@ -149,6 +157,23 @@ fn dense_cp2_ring_attention() {
     let m = model("tiny-gpt");
     check(&m, "cp=2");
     check(&m, "cp=2,dp=2,recompute=full");
+}
+
+#[test]
+fn dense_dp2_gradient_buckets() {
+    // 10,000-parameter buckets: tiny-gpt's ~120k parameters reduce in 13 buckets,
+    // each its own collective, with and without ZeRO.
+    let m = model("tiny-gpt");
+    for cfg in ["dp=2", "dp=2,zero=1", "dp=2,tp=2,zero=2"] {
+        let p = plan_buckets(&m, cfg, 10_000.0);
+        let buckets = p.programs[0].phases[0]
+            .step
+            .iter()
+            .filter(|i| matches!(i, meshplan_ir::plan::Instr::Collective { tensor, .. } if tensor.starts_with("grads:dense[")))
+            .count();
+        assert!(buckets > 5, "{cfg}: {buckets} buckets");
+        check_plan(&m, cfg, p);
+    }
 }
 
 #[test]

@@ -98,6 +98,7 @@ fn train(m: &Model, cl: &Cluster, cfg_text: &str) -> Lowered {
         .unwrap_or_else(|e| panic!("{cfg_text}: {e}"));
     let workload = m.spec.workload.clone().unwrap_or_else(|| unreachable!());
     let plan = lower_train(&LowerInput {
+        dp_bucket_params: meshplan_cost_model::calib::DP_BUCKET_PARAMS,
         model_name: &m.spec.name,
         graph: &m.graph,
         prepared: &m.pg,
@@ -120,6 +121,7 @@ fn inference(m: &Model, cl: &Cluster, cfg_text: &str) -> Lowered {
     let est = estimate_inference(&m.pg, cl, &cfg, &load).unwrap_or_else(|e| panic!("{e}"));
     let split = even_split(m.pg.layers, cfg.pp);
     let plan = lower_inference(&LowerInput {
+        dp_bucket_params: meshplan_cost_model::calib::DP_BUCKET_PARAMS,
         model_name: &m.spec.name,
         graph: &m.graph,
         prepared: &m.pg,
@@ -683,6 +685,7 @@ fn bad_inputs_are_errors_not_panics() {
     let cfg = l.cfg;
     let base = |split: &'static [u64], placements: Vec<(String, Vec<String>)>| {
         lower_train(&LowerInput {
+            dp_bucket_params: meshplan_cost_model::calib::DP_BUCKET_PARAMS,
             model_name: "tiny",
             graph: &m.graph,
             prepared: &m.pg,
@@ -705,6 +708,7 @@ fn bad_inputs_are_errors_not_panics() {
     assert!(base(&[2], vec![]).is_ok());
     let big = config("dp=16", 16);
     let err = lower_train(&LowerInput {
+        dp_bucket_params: meshplan_cost_model::calib::DP_BUCKET_PARAMS,
         model_name: "tiny",
         graph: &m.graph,
         prepared: &m.pg,
@@ -718,6 +722,7 @@ fn bad_inputs_are_errors_not_panics() {
     });
     assert!(err.is_err(), "16 ranks on an 8-GPU cluster");
     let inf = lower_inference(&LowerInput {
+        dp_bucket_params: meshplan_cost_model::calib::DP_BUCKET_PARAMS,
         model_name: "tiny",
         graph: &m.graph,
         prepared: &m.pg,
