@@ -242,6 +242,14 @@ impl Store {
     fn put(&mut self, key: (u64, String), v: Vec<f32>) {
         self.acts.insert(key, Arc::new(v));
     }
+
+    /// A tensor or kernel statistic kept earlier in this task.
+    fn kept(&self, l: u64, name: &str) -> Result<Arc<Vec<f32>>, RankError> {
+        self.acts
+            .get(&(l, name.to_string()))
+            .cloned()
+            .ok_or_else(|| fail(format!("`{name}` (layer {l}) was not kept")))
+    }
 }
 
 impl<'a> RankState<'a> {
@@ -1002,19 +1010,7 @@ impl<'a> RankState<'a> {
                 let (kk, n) = self.matmul_dims(op, w.len())?;
                 let rows = x.len() / kk.max(1);
                 let mut y = vec![0.0; rows * n];
-                self.be
-                    .matmul(
-                        k::Transpose::No,
-                        k::Transpose::No,
-                        rows,
-                        kk,
-                        n,
-                        &x,
-                        w,
-                        0.0,
-                        &mut y,
-                    )
-                    .map_err(kerr(&op.name))?;
+                linear_fwd(self.be, &x, w, rows, kk, n, &mut y).map_err(kerr(&op.name))?;
                 if let Some(&bid) = op.inputs.get(2) {
                     // A row-parallel bias is added once, before the partial sums meet.
                     if op.role != TpRole::RowParallel || self.tp.rank == 0 {
@@ -1055,8 +1051,9 @@ impl<'a> RankState<'a> {
                         .map_err(kerr(&op.name))?;
                 }
                 store.put((l, format!("{}#lse", op.name)), lse);
-                store.put((l, format!("{}#o", op.name)), o.clone());
-                store.put((l, out), bshd_to_sbhd(&o, self.mbs, dims.sq, hq * dims.dv));
+                let y = bshd_to_sbhd(&o, self.mbs, dims.sq, hq * dims.dv);
+                store.put((l, format!("{}#o", op.name)), o);
+                store.put((l, out), y);
             }
             OpKind::Activation(kind) => {
                 let x = self.act(store, l, op.inputs[0])?;
@@ -1146,11 +1143,7 @@ impl<'a> RankState<'a> {
         let labels = self.act(store, l, op.inputs[1])?;
         let rows = labels.len();
         let v_local = logits.len() / rows.max(1);
-        let max = store
-            .acts
-            .get(&(l, format!("{}.max", op.name)))
-            .cloned()
-            .ok_or_else(|| fail("loss max missing"))?;
+        let max = store.kept(l, &format!("{}.max", op.name))?;
         let mut se = vec![0.0; rows];
         self.be
             .ce_row_sumexp(&logits, rows, v_local, &max, &mut se)
@@ -1158,11 +1151,7 @@ impl<'a> RankState<'a> {
         store.put((l, format!("{}.sum_exp", op.name)), se);
         let lab: Vec<u32> = labels.iter().map(|&x| x as u32).collect();
         let mut target = vec![0.0; rows];
-        let start = if op.role == TpRole::VocabLoss {
-            self.tp.rank * v_local
-        } else {
-            0
-        };
+        let start = self.loss_vocab_start(op, v_local);
         self.be
             .ce_target_logit(&logits, &lab, rows, v_local, start, &mut target)
             .map_err(kerr(&op.name))?;
@@ -1170,21 +1159,29 @@ impl<'a> RankState<'a> {
         Ok(())
     }
 
+    /// The first vocabulary column of this rank's logits.
+    fn loss_vocab_start(&self, op: &Op, v_local: usize) -> usize {
+        if op.role == TpRole::VocabLoss {
+            self.tp.rank * v_local
+        } else {
+            0
+        }
+    }
+
+    /// Each token's weight in the step's loss: the mean over the global batch.
+    fn loss_scale(&self) -> f64 {
+        1.0 / (self.global_batch * self.seq_len) as f64
+    }
+
     fn loss_finish(&mut self, op: &Op, l: u64, store: &mut Store) -> Result<(), RankError> {
-        let get = |what: &str| {
-            store
-                .acts
-                .get(&(l, format!("{}.{what}", op.name)))
-                .cloned()
-                .ok_or_else(|| fail(format!("loss {what} missing")))
-        };
+        let get = |what: &str| store.kept(l, &format!("{}.{what}", op.name));
         let (max, se, target) = (get("max")?, get("sum_exp")?, get("target")?);
         let mut loss = vec![0.0; max.len()];
         self.be
             .ce_loss(&max, &se, &target, &mut loss)
             .map_err(kerr(&op.name))?;
         if self.tp.rank == 0 {
-            let scale = 1.0 / (self.global_batch * self.seq_len) as f64;
+            let scale = self.loss_scale();
             self.loss_part += loss.iter().map(|&x| x as f64).sum::<f64>() * scale;
         }
         Ok(())
@@ -1622,8 +1619,8 @@ impl RankState<'_> {
             .moe_dispatch_fwd(&x, &idx, rows, kk, ne, h, &mut disp, &mut counts, &mut perm)
             .map_err(kerr(&op.name))?;
         let (local_rows, local_counts, route) = self.experts_exchange(&disp, &counts, ne, h)?;
-        let w_up = self.weight(op.inputs[2], l)?.clone();
-        let w_down = self.weight(op.inputs[3], l)?.clone();
+        let w_up = self.weight(op.inputs[2], l)?;
+        let w_down = self.weight(op.inputs[3], l)?;
         let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
         let up_w = if gated { 2 * f } else { f };
         let total = local_rows.len() / h;
@@ -1638,19 +1635,7 @@ impl RankState<'_> {
             let xr = &local_rows[off * h..(off + n) * h];
             let up = &mut ups[off * up_w..(off + n) * up_w];
             let wu = &w_up[j * h * up_w..(j + 1) * h * up_w];
-            self.be
-                .matmul(
-                    k::Transpose::No,
-                    k::Transpose::No,
-                    n,
-                    h,
-                    up_w,
-                    xr,
-                    wu,
-                    0.0,
-                    up,
-                )
-                .map_err(kerr(&op.name))?;
+            linear_fwd(self.be, xr, wu, n, h, up_w, up).map_err(kerr(&op.name))?;
             let act = &mut acts[off * f..(off + n) * f];
             if gated {
                 self.be.swiglu_fwd(up, n, f, act).map_err(kerr(&op.name))?;
@@ -1659,19 +1644,7 @@ impl RankState<'_> {
             }
             let wd = &w_down[j * f * h..(j + 1) * f * h];
             let yr = &mut y[off * h..(off + n) * h];
-            self.be
-                .matmul(
-                    k::Transpose::No,
-                    k::Transpose::No,
-                    n,
-                    f,
-                    h,
-                    act,
-                    wd,
-                    0.0,
-                    yr,
-                )
-                .map_err(kerr(&op.name))?;
+            linear_fwd(self.be, act, wd, n, f, h, yr).map_err(kerr(&op.name))?;
             off += n;
         }
         let y_disp = self.experts_return(&y, &route, h)?;
@@ -1706,13 +1679,7 @@ impl RankState<'_> {
         dy: &[f32],
     ) -> Result<(), RankError> {
         let (h, f, ne, kk) = self.expert_dims(e);
-        let get = |w: &str| {
-            store
-                .acts
-                .get(&(l, format!("{}#{w}", op.name)))
-                .cloned()
-                .ok_or_else(|| fail(format!("{}: {w} was not kept", op.name)))
-        };
+        let get = |w: &str| store.kept(l, &format!("{}#{w}", op.name));
         let probs = get("probs")?;
         let idx: Vec<u32> = get("idx")?.iter().map(|&v| v as u32).collect();
         let wts = get("wts")?;
@@ -1733,9 +1700,8 @@ impl RankState<'_> {
         let d_local = self.experts_resend(&d_y, &route, h)?;
         let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
         let up_w = if gated { 2 * f } else { f };
-        let w_up = self.weight(op.inputs[2], l)?.clone();
-        let w_down = self.weight(op.inputs[3], l)?.clone();
         let (ku, kd) = (self.wkey(op.inputs[2], l), self.wkey(op.inputs[3], l));
+        let missing = || fail(format!("{}: expert weights or gradients missing", op.name));
         let mut d_rows = vec![0.0; local_rows.len()];
         let mut off = 0;
         for (j, &n) in local_counts.iter().enumerate() {
@@ -1746,41 +1712,22 @@ impl RankState<'_> {
             let act = &acts[off * f..(off + n) * f];
             let up = &ups[off * up_w..(off + n) * up_w];
             let xr = &local_rows[off * h..(off + n) * h];
-            let wd = &w_down[j * f * h..(j + 1) * f * h];
+            // Distinct fields: weights read, their gradients written, no copies.
+            let w_down = self.weights.get(&kd).ok_or_else(missing)?;
+            let gd = self.wgrads.get_mut(&kd).ok_or_else(missing)?;
             let mut d_act = vec![0.0; n * f];
-            self.be
-                .matmul(
-                    k::Transpose::No,
-                    k::Transpose::Yes,
-                    n,
-                    h,
-                    f,
-                    dyr,
-                    wd,
-                    0.0,
-                    &mut d_act,
-                )
-                .map_err(kerr(&op.name))?;
-            {
-                let gd = self
-                    .wgrads
-                    .get_mut(&kd)
-                    .ok_or_else(|| fail("expert gradient missing"))?;
-                let gd = &mut gd[j * f * h..(j + 1) * f * h];
-                self.be
-                    .matmul(
-                        k::Transpose::Yes,
-                        k::Transpose::No,
-                        f,
-                        n,
-                        h,
-                        act,
-                        dyr,
-                        1.0,
-                        gd,
-                    )
-                    .map_err(kerr(&op.name))?;
-            }
+            linear_bwd(
+                self.be,
+                act,
+                &w_down[j * f * h..(j + 1) * f * h],
+                dyr,
+                n,
+                f,
+                h,
+                &mut d_act,
+                &mut gd[j * f * h..(j + 1) * f * h],
+            )
+            .map_err(kerr(&op.name))?;
             let mut d_up = vec![0.0; n * up_w];
             if gated {
                 self.be
@@ -1791,41 +1738,20 @@ impl RankState<'_> {
                     .gelu_bwd(up, &d_act, &mut d_up)
                     .map_err(kerr(&op.name))?;
             }
-            {
-                let gu = self
-                    .wgrads
-                    .get_mut(&ku)
-                    .ok_or_else(|| fail("expert gradient missing"))?;
-                let gu = &mut gu[j * h * up_w..(j + 1) * h * up_w];
-                self.be
-                    .matmul(
-                        k::Transpose::Yes,
-                        k::Transpose::No,
-                        h,
-                        n,
-                        up_w,
-                        xr,
-                        &d_up,
-                        1.0,
-                        gu,
-                    )
-                    .map_err(kerr(&op.name))?;
-            }
-            let wu = &w_up[j * h * up_w..(j + 1) * h * up_w];
-            let dr = &mut d_rows[off * h..(off + n) * h];
-            self.be
-                .matmul(
-                    k::Transpose::No,
-                    k::Transpose::Yes,
-                    n,
-                    up_w,
-                    h,
-                    &d_up,
-                    wu,
-                    0.0,
-                    dr,
-                )
-                .map_err(kerr(&op.name))?;
+            let w_up = self.weights.get(&ku).ok_or_else(missing)?;
+            let gu = self.wgrads.get_mut(&ku).ok_or_else(missing)?;
+            linear_bwd(
+                self.be,
+                xr,
+                &w_up[j * h * up_w..(j + 1) * h * up_w],
+                &d_up,
+                n,
+                h,
+                up_w,
+                &mut d_rows[off * h..(off + n) * h],
+                &mut gu[j * h * up_w..(j + 1) * h * up_w],
+            )
+            .map_err(kerr(&op.name))?;
             off += n;
         }
         let d_disp = self.experts_return(&d_rows, &route, h)?;
@@ -2190,21 +2116,11 @@ impl RankState<'_> {
                 let labels = self.act(store, l, op.inputs[1])?;
                 let rows = labels.len();
                 let v_local = logits.len() / rows.max(1);
-                let get = |what: &str| {
-                    store
-                        .acts
-                        .get(&(l, format!("{}.{what}", op.name)))
-                        .cloned()
-                        .ok_or_else(|| fail(format!("loss {what} missing")))
-                };
+                let get = |what: &str| store.kept(l, &format!("{}.{what}", op.name));
                 let (max, se) = (get("max")?, get("sum_exp")?);
                 let lab: Vec<u32> = labels.iter().map(|&x| x as u32).collect();
-                let start = if op.role == TpRole::VocabLoss {
-                    self.tp.rank * v_local
-                } else {
-                    0
-                };
-                let scale = 1.0 / (self.global_batch * self.seq_len) as f32;
+                let start = self.loss_vocab_start(op, v_local);
+                let scale = self.loss_scale() as f32;
                 let mut d = vec![0.0; logits.len()];
                 self.be
                     .ce_bwd(
@@ -2255,11 +2171,7 @@ impl RankState<'_> {
                 let w = self.weight(op.inputs[1], l)?.clone();
                 let dim = w.len();
                 let rows = x.len() / dim;
-                let rstd = store
-                    .acts
-                    .get(&(l, format!("{}#rstd", op.name)))
-                    .cloned()
-                    .ok_or_else(|| fail("rstd missing"))?;
+                let rstd = store.kept(l, &format!("{}#rstd", op.name))?;
                 let mut dx = vec![0.0; x.len()];
                 let wkey = self.wkey(op.inputs[1], l);
                 let mut dw = self
@@ -2273,11 +2185,7 @@ impl RankState<'_> {
                         .rmsnorm_bwd(&x, &w, &rstd, dy, rows, dim, &mut dx, &mut dw)
                         .map_err(kerr(&op.name))?,
                     NormKind::Layernorm => {
-                        let mean = store
-                            .acts
-                            .get(&(l, format!("{}#mean", op.name)))
-                            .cloned()
-                            .ok_or_else(|| fail("mean missing"))?;
+                        let mean = store.kept(l, &format!("{}#mean", op.name))?;
                         let mut db = match op.inputs.get(2) {
                             Some(&b) => self
                                 .wgrads
@@ -2307,41 +2215,16 @@ impl RankState<'_> {
                 } else {
                     self.act(store, l, op.inputs[0])?
                 };
-                let w = self.weight(op.inputs[1], l)?.clone();
-                let (kk, n) = self.matmul_dims(op, w.len())?;
+                let wkey = self.wkey(op.inputs[1], l);
+                // Distinct fields: the weight read, its gradient written, no copy.
+                let missing = || fail(format!("{}: weight or gradient missing", op.name));
+                let w_len = self.weights.get(&wkey).ok_or_else(missing)?.len();
+                let (kk, n) = self.matmul_dims(op, w_len)?;
+                let w = self.weights.get(&wkey).ok_or_else(missing)?;
+                let dw = self.wgrads.get_mut(&wkey).ok_or_else(missing)?;
                 let rows = x.len() / kk.max(1);
                 let mut dx = vec![0.0; rows * kk];
-                self.be
-                    .matmul(
-                        k::Transpose::No,
-                        k::Transpose::Yes,
-                        rows,
-                        n,
-                        kk,
-                        dy,
-                        &w,
-                        0.0,
-                        &mut dx,
-                    )
-                    .map_err(kerr(&op.name))?;
-                let wkey = self.wkey(op.inputs[1], l);
-                let dw = self
-                    .wgrads
-                    .get_mut(&wkey)
-                    .ok_or_else(|| fail("matmul gradient missing"))?;
-                self.be
-                    .matmul(
-                        k::Transpose::Yes,
-                        k::Transpose::No,
-                        kk,
-                        rows,
-                        n,
-                        &x,
-                        dy,
-                        1.0,
-                        dw,
-                    )
-                    .map_err(kerr(&op.name))?;
+                linear_bwd(self.be, &x, w, dy, rows, kk, n, &mut dx, dw).map_err(kerr(&op.name))?;
                 if let Some(&b) = op.inputs.get(2) {
                     let bk = self.wkey(b, l);
                     if let Some(db) = self.wgrads.get_mut(&bk) {
@@ -2380,16 +2263,8 @@ impl RankState<'_> {
                 let rows = x.len() / width;
                 let (dims, hq, hkv) = self.attention_dims(op, rows)?;
                 let (q, kk, v) = split_qkv(&x, rows, hq, hkv, dims.d, dims.dv, self.mbs);
-                let o = store
-                    .acts
-                    .get(&(l, format!("{}#o", op.name)))
-                    .cloned()
-                    .ok_or_else(|| fail("attention output missing"))?;
-                let lse = store
-                    .acts
-                    .get(&(l, format!("{}#lse", op.name)))
-                    .cloned()
-                    .ok_or_else(|| fail("lse missing"))?;
+                let o = store.kept(l, &format!("{}#o", op.name))?;
+                let lse = store.kept(l, &format!("{}#lse", op.name))?;
                 let d_o = sbhd_to_bshd(dy, self.mbs, dims.sq, hq * dims.dv);
                 let mut dq = vec![0.0; q.len()];
                 let mut dk = vec![0.0; kk.len()];
@@ -2546,6 +2421,56 @@ impl Route {
             recv: part(1),
         })
     }
+}
+
+/// `y = x w`: `x [rows, k]`, `w [k, n]`, `y [rows, n]` overwritten.
+fn linear_fwd(
+    be: &dyn Backend,
+    x: &[f32],
+    w: &[f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+    y: &mut [f32],
+) -> Result<(), k::KernelError> {
+    be.matmul(k::Transpose::No, k::Transpose::No, rows, k, n, x, w, 0.0, y)
+}
+
+/// The backward of [`linear_fwd`]: `dx = dy wᵀ` (overwritten) and `dw += xᵀ dy`.
+#[allow(clippy::too_many_arguments)] // the product's operands and their gradients
+fn linear_bwd(
+    be: &dyn Backend,
+    x: &[f32],
+    w: &[f32],
+    dy: &[f32],
+    rows: usize,
+    k: usize,
+    n: usize,
+    dx: &mut [f32],
+    dw: &mut [f32],
+) -> Result<(), k::KernelError> {
+    be.matmul(
+        k::Transpose::No,
+        k::Transpose::Yes,
+        rows,
+        n,
+        k,
+        dy,
+        w,
+        0.0,
+        dx,
+    )?;
+    be.matmul(
+        k::Transpose::Yes,
+        k::Transpose::No,
+        k,
+        rows,
+        n,
+        x,
+        dy,
+        1.0,
+        dw,
+    )
 }
 
 /// The full shape of a weight (its dims are fixed).
