@@ -82,7 +82,10 @@ pub fn moe_route_fwd(
                     best = Some(e);
                 }
             }
-            let e = best.expect("k <= experts leaves an untaken expert");
+            // `check_route` keeps k <= experts, so an untaken expert always remains.
+            let Some(e) = best else {
+                return Err(invalid("k", "exceeds the number of experts"));
+            };
             taken[e] = true;
             idx[j] = e as u32;
             w[j] = pr[e];
