@@ -731,7 +731,7 @@ impl<'a> RankState<'a> {
                                 store.grads.insert((l, out), self.grad_hidden.clone());
                             }
                         }
-                        self.run_backward_body(body, store, l, s)?;
+                        self.run_backward_body(body, store, l)?;
                         if let Some(input) = segment_input(self.graph, s) {
                             self.grad_hidden = store.grads.remove(&(l, input)).unwrap_or_default();
                         }
@@ -786,7 +786,6 @@ impl<'a> RankState<'a> {
         body: &[Instr],
         store: &mut Store,
         l: u64,
-        s: usize,
     ) -> Result<(), RankError> {
         for instr in body {
             match instr {
@@ -807,7 +806,6 @@ impl<'a> RankState<'a> {
                     ..
                 } => self.collective(*kind, group, *axis, tensor, l, store, true)?,
                 other => {
-                    let _ = s;
                     return Err(fail(format!(
                         "unexpected instruction in a segment's backward: {other:?}"
                     )));
@@ -963,7 +961,7 @@ impl<'a> RankState<'a> {
                 let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
                     .last()
                     .unwrap_or(&1);
-                let (vocab_start, ids) = self.embedding_rows(op, &ids, out_rows, dim)?;
+                let (vocab_start, ids) = self.embedding_rows(op, &ids, out_rows)?;
                 let ids: Vec<u32> = ids.iter().map(|&x| x as u32).collect();
                 let mut y = vec![0.0; ids.len() * dim];
                 self.be
@@ -1087,7 +1085,7 @@ impl<'a> RankState<'a> {
                 let x = self.act(store, l, op.inputs[0])?;
                 store.put((l, out), x.to_vec());
             }
-            OpKind::CrossEntropy { vocab } => {
+            OpKind::CrossEntropy { .. } => {
                 let logits = self.act(store, l, op.inputs[0])?;
                 let labels = self.act(store, l, op.inputs[1])?;
                 let rows = labels.len();
@@ -1101,7 +1099,6 @@ impl<'a> RankState<'a> {
                     self.loss_after_max(op, l, store)?;
                     self.loss_finish(op, l, store)?;
                 }
-                let _ = vocab;
             }
             OpKind::Experts(e) => self.experts_forward(op, e, l, store)?,
             OpKind::Router { .. } => {
@@ -1117,7 +1114,6 @@ impl<'a> RankState<'a> {
         op: &Op,
         ids: &[f32],
         out_rows: usize,
-        _dim: usize,
     ) -> Result<(usize, Vec<f32>), RankError> {
         let vocab_start = if op.role == TpRole::VocabEmbedding {
             let v = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
@@ -2017,10 +2013,7 @@ impl RankState<'_> {
         let t = self.tp.size;
         Ok(match op.role {
             TpRole::RowParallel => (kf / t, nf),
-            _ => {
-                let _ = nf;
-                (kf, w_len / kf.max(1))
-            }
+            _ => (kf, w_len / kf.max(1)),
         })
     }
 
@@ -2155,7 +2148,7 @@ impl RankState<'_> {
                     .last()
                     .unwrap_or(&1);
                 let rows = dy.len() / dim;
-                let (vocab_start, ids) = self.embedding_rows(op, &ids, rows, dim)?;
+                let (vocab_start, ids) = self.embedding_rows(op, &ids, rows)?;
                 let ids: Vec<u32> = ids.iter().map(|&x| x as u32).collect();
                 let key = self.wkey(op.inputs[1], l);
                 let dt = self

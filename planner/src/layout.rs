@@ -7,7 +7,6 @@
 //! per distinct submesh shape and micro-batch shape serves every configuration that
 //! shares it, and every repeat of a block.
 
-use crate::cost_model::cluster::GroupShape;
 use crate::cost_model::compute::Roofline;
 use crate::cost_model::{Cluster, CommModel, InferenceLoad, PreparedGraph};
 use crate::intra::{apply_roles, solve_segment, solve_with, IntraExtras, IntraOptions};
@@ -299,9 +298,4 @@ pub fn expressible(graph: &Graph, sol: &crate::intra::Solution, sp: bool) -> boo
         }
     }
     got.0 == ar && got.1 == rs && got.2 <= ag && (ag == 0) == (got.2 == 0)
-}
-
-/// A tensor-parallel group of `tp` consecutive ranks.
-pub fn tp_group(tp: u64, gpus_per_node: u64) -> GroupShape {
-    GroupShape::of_axis(tp, 1, gpus_per_node)
 }

@@ -23,7 +23,7 @@ use crate::cost_model::{
 use crate::layout::{Layout, LayoutCache, LayoutKey};
 use crate::stages::{one_f_one_b_in_flight, partition, MemoryLimit, StageCosts};
 use meshplan_ir::{
-    AttnImpl, Graph, ParallelConfig, PartialConfig, Recompute, Schedule, SegmentKind, Workload,
+    AttnImpl, Graph, ParallelConfig, PartialConfig, Recompute, Schedule, SegmentKind,
 };
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -593,8 +593,6 @@ pub fn stage_costs(
 ) -> StageCosts {
     let ctx = train_ctx(pg, cluster, cfg, seq_len);
     let costs = ctx.price(pg);
-    let bpe = pg.dtype.size_bytes() as f64;
-    let _ = bpe;
     let state = |params: f64| {
         let (p, g, o) = model_state_bytes(params, cfg.dp * cfg.cp, cfg.zero);
         p + g + o
@@ -854,18 +852,6 @@ pub fn search_inference(
         prefill_best,
         decode_best,
     })
-}
-
-/// Workload accessor for callers that hold a [`Workload`].
-pub fn train_shape(w: &Workload) -> Option<(u64, u64)> {
-    match w {
-        Workload::Train {
-            seq_len,
-            global_batch,
-            ..
-        } => Some((*seq_len, *global_batch)),
-        Workload::Inference { .. } => None,
-    }
 }
 
 #[cfg(test)]
