@@ -199,6 +199,23 @@ struct Store {
     /// Shared so that reading an input does not copy it.
     acts: HashMap<(u64, String), Arc<Vec<f32>>>,
     grads: HashMap<(u64, String), Vec<f32>>,
+    /// What each experts op keeps for its backward, by layer and op name.
+    experts: HashMap<(u64, String), ExpertsKept>,
+}
+
+/// An experts op's forward state: routing, the exchange's counts, and the local
+/// experts' inputs and intermediate activations.
+struct ExpertsKept {
+    probs: Vec<f32>,
+    idx: Vec<u32>,
+    wts: Vec<f32>,
+    perm: Vec<u32>,
+    local_rows: Vec<f32>,
+    local_counts: Vec<usize>,
+    ups: Vec<f32>,
+    acts: Vec<f32>,
+    y_disp: Vec<f32>,
+    route: Route,
 }
 
 struct RankState<'a> {
@@ -241,6 +258,23 @@ struct RankState<'a> {
 impl Store {
     fn put(&mut self, key: (u64, String), v: Vec<f32>) {
         self.acts.insert(key, Arc::new(v));
+    }
+
+    /// Values held, for the memory report.
+    fn held_floats(&self) -> usize {
+        let experts: usize = self
+            .experts
+            .values()
+            .map(|e| {
+                e.probs.len()
+                    + e.wts.len()
+                    + e.local_rows.len()
+                    + e.ups.len()
+                    + e.acts.len()
+                    + e.y_disp.len()
+            })
+            .sum();
+        self.acts.values().map(|v| v.len()).sum::<usize>() + experts
     }
 
     /// A tensor or kernel statistic kept earlier in this task.
@@ -547,11 +581,7 @@ impl<'a> RankState<'a> {
                     let mut layer = ch.layer_start;
                     self.run_forward(&ch.forward, &mut store, &mut layer, NO_LAYER)?;
                     self.tasks.insert((task.chunk, task.mb), store);
-                    let held: usize = self
-                        .tasks
-                        .values()
-                        .map(|st| st.acts.values().map(|v| v.len()).sum::<usize>())
-                        .sum();
+                    let held: usize = self.tasks.values().map(Store::held_floats).sum();
                     self.peak_act_bytes = self.peak_act_bytes.max(4.0 * held as f64);
                 }
                 Pass::B => {
@@ -1648,20 +1678,21 @@ impl RankState<'_> {
         self.be
             .moe_combine_fwd(&y_disp, &perm, &wts, rows, kk, h, &mut out)
             .map_err(kerr(&op.name))?;
-        let key = |w: &str| (l, format!("{}#{w}", op.name));
-        store.put(key("probs"), probs);
-        store.put(key("idx"), idx.iter().map(|&i| i as f32).collect());
-        store.put(key("wts"), wts);
-        store.put(key("perm"), perm.iter().map(|&i| i as f32).collect());
-        store.put(key("local_rows"), local_rows);
-        store.put(
-            key("local_counts"),
-            local_counts.iter().map(|&c| c as f32).collect(),
+        store.experts.insert(
+            (l, op.name.clone()),
+            ExpertsKept {
+                probs,
+                idx,
+                wts,
+                perm,
+                local_rows,
+                local_counts,
+                ups,
+                acts,
+                y_disp,
+                route,
+            },
         );
-        store.put(key("ups"), ups);
-        store.put(key("acts"), acts);
-        store.put(key("y_disp"), y_disp);
-        store.put(key("route"), route.to_f32());
         store.put((l, self.out_name(op)), out);
         Ok(())
     }
@@ -1675,17 +1706,23 @@ impl RankState<'_> {
         dy: &[f32],
     ) -> Result<(), RankError> {
         let (h, f, ne, kk) = self.expert_dims(e);
-        let get = |w: &str| store.kept(l, &format!("{}#{w}", op.name));
-        let probs = get("probs")?;
-        let idx: Vec<u32> = get("idx")?.iter().map(|&v| v as u32).collect();
-        let wts = get("wts")?;
-        let perm: Vec<u32> = get("perm")?.iter().map(|&v| v as u32).collect();
-        let local_rows = get("local_rows")?;
-        let local_counts: Vec<usize> = get("local_counts")?.iter().map(|&v| v as usize).collect();
-        let ups = get("ups")?;
-        let acts = get("acts")?;
-        let y_disp = get("y_disp")?;
-        let route = Route::from_f32(&get("route")?)?;
+        let ExpertsKept {
+            probs,
+            idx,
+            wts,
+            perm,
+            local_rows,
+            local_counts,
+            ups,
+            acts,
+            y_disp,
+            route,
+        } = store.experts.remove(&(l, op.name.clone())).ok_or_else(|| {
+            fail(format!(
+                "{} (layer {l}): forward state was not kept",
+                op.name
+            ))
+        })?;
         let rows = dy.len() / h;
         let mut d_y = vec![0.0; y_disp.len()];
         let mut d_w = vec![0.0; wts.len()];
@@ -2382,37 +2419,6 @@ impl Route {
             }
         }
         out
-    }
-
-    fn to_f32(&self) -> Vec<f32> {
-        let mut v = vec![self.n as f32, self.el as f32];
-        for c in self.send.iter().chain(&self.recv) {
-            v.extend(c.iter().map(|&x| x as f32));
-        }
-        v
-    }
-
-    fn from_f32(v: &[f32]) -> Result<Route, RankError> {
-        let n = v.first().copied().unwrap_or(0.0) as usize;
-        let el = v.get(1).copied().unwrap_or(0.0) as usize;
-        if v.len() != 2 + 2 * n * el {
-            return Err(fail("expert route record is damaged"));
-        }
-        let part = |i: usize| -> Vec<Vec<usize>> {
-            (0..n)
-                .map(|d| {
-                    (0..el)
-                        .map(|j| v[2 + i * n * el + d * el + j] as usize)
-                        .collect()
-                })
-                .collect()
-        };
-        Ok(Route {
-            n,
-            el,
-            send: part(0),
-            recv: part(1),
-        })
     }
 }
 
