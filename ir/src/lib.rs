@@ -21,6 +21,7 @@ pub mod hf;
 pub mod load;
 pub mod plan;
 pub mod spec;
+pub mod trace;
 
 pub use builder::build_transformer;
 pub use config::{AttnImpl, ParallelConfig, PartialConfig, Recompute, Schedule};
