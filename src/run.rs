@@ -113,7 +113,8 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let check = if a.check {
         let reference = reference_plan(&plan).map_err(runtime)?;
         let base =
-            train(&reference, &opts).map_err(|e| runtime(format!("reference: {}", e.message)))?;
+            train(&reference, &opts.reference_of(&plan))
+                .map_err(|e| runtime(format!("reference: {}", e.message)))?;
         Some(check_against(&plan, &report, &base, 1e-5))
     } else {
         None
@@ -124,10 +125,13 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "the run differs from the single-rank reference:\n{why}"
         )));
     }
-    // Expert-parallel bytes follow the router's choices; the plan prices balanced
-    // routing, so on that axis a difference is reported, not failed.
-    let (routed, exact): (Vec<&String>, Vec<&String>) =
-        bytes.iter().partition(|m| m.contains(" ep: "));
+    // Dropless expert-parallel bytes follow the router's choices; the plan prices
+    // balanced routing, so on that axis a difference is reported, not failed. Under
+    // an expert capacity the buffers are padded and must match like every axis.
+    let dropless = plan.graph.dropless_experts();
+    let (routed, exact): (Vec<&String>, Vec<&String>) = bytes
+        .iter()
+        .partition(|m| dropless && m.contains(" ep: "));
     if !routed.is_empty() {
         eprintln!(
             "note: expert-parallel bytes depend on the routing; the plan assumes balanced experts:\n  {}",
@@ -176,6 +180,9 @@ fn print_report(
     let (measured_states, measured_acts) =
         worst.map_or((0.0, 0.0), |w| (w.state_bytes, w.peak_activation_bytes));
     let measured_mem = measured_states + measured_acts;
+    let (slots, dropped) = r.ranks.iter().fold((0u64, 0u64), |a, k| {
+        (a.0 + k.expert_slots.0, a.1 + k.expert_slots.1)
+    });
     let mut per_axis = serde_json::Map::new();
     for rank in &r.ranks {
         for (axis, b) in rank.counts.per_axis() {
@@ -197,6 +204,8 @@ fn print_report(
                 "step_time_s": median,
                 "tokens_per_s": r.tokens_per_step as f64 / median,
                 "comm_bytes_per_gpu": per_axis,
+                "expert_assignments": slots,
+                "expert_assignments_dropped": dropped,
                 "memory_per_gpu_bytes": {
                     "states": measured_states,
                     "activations": measured_acts,
@@ -238,6 +247,12 @@ fn print_report(
         gib(measured_acts),
         gib(predicted_mem)
     );
+    if slots > 0 {
+        println!(
+            "experts      {dropped} of {slots} token-expert assignments over capacity ({:.2}%)",
+            100.0 * dropped as f64 / slots as f64
+        );
+    }
     if bytes.is_empty() {
         println!("comm bytes   equal to the plan's on every rank and axis");
     } else if bytes.iter().all(|m| m.contains(" ep: ")) {

@@ -448,6 +448,12 @@ impl LayoutCtx {
         self.cp as f64
     }
 
+    /// Tokens of one expert-capacity group: a rank's slice of one sequence; `None`
+    /// while decoding (see [`ExpertsShape::dispatched_rows`]).
+    fn capacity_group(&self) -> Option<f64> {
+        (self.env.kv <= self.env.seq).then(|| self.env.seq / self.cp as f64)
+    }
+
     /// Local bytes of an activation (`attn_part`: produced in a block's attention half).
     fn local(&self, a: &Act, attn_part: bool) -> f64 {
         let t = self.tp as f64;
@@ -636,7 +642,8 @@ impl LayoutCtx {
             for op in &seg.ops {
                 if let Work::Experts(e) = &op.work {
                     let tokens = self.env.batch * self.env.seq / (self.tokens_div() * t);
-                    let bytes = tokens * e.top_k as f64 * e.hidden as f64 * bpe;
+                    let rows = e.dispatched_rows(tokens, self.capacity_group());
+                    let bytes = rows * e.hidden as f64 * bpe;
                     let time = self.comm.time_s(Collective::AllToAll, self.ep_group, bytes);
                     ep_fwd += 2.0 * time;
                     ep_bwd += 2.0 * time;
@@ -796,20 +803,21 @@ impl LayoutCtx {
     fn experts(&self, e: &ExpertsShape, bpe: f64) -> (f64, f64, f64) {
         let t = self.tp as f64;
         let tokens = self.env.batch * self.env.seq / self.tokens_div();
-        let k = e.top_k as f64;
+        let group = self.capacity_group();
         let mats = e.mlp.matrices() as f64;
         let up_w = if mats > 2.0 { 2.0 } else { 1.0 };
+        // Rows per expert: balanced routing dropless, padded capacity otherwise.
         let (experts_local, rows, ffn) = if self.ep > 1 {
             let ep = self.ep as f64;
             (
                 e.experts as f64 / ep,
-                tokens / t * k * ep / e.experts as f64,
+                e.dispatched_rows(tokens / t, group) * ep / e.experts as f64,
                 e.ffn as f64,
             )
         } else {
             (
                 e.experts as f64,
-                tokens * k / e.experts as f64,
+                e.dispatched_rows(tokens, group) / e.experts as f64,
                 e.ffn as f64 / t,
             )
         };
@@ -831,7 +839,9 @@ impl LayoutCtx {
         let permute = self.roof.memory_s(4.0 * rows * experts_local * h * bpe);
         let f = experts_local * (up + down + act) + permute;
         let b = experts_local * (2.0 * (up + down) + 1.5 * act) + permute;
-        let flops = experts_local * 2.0 * rows * h * ffn * mats;
+        // Model FLOPs count routed tokens, not the padding of capacity buffers.
+        let padded = e.dispatched_rows(tokens, group) / e.dispatched_rows(tokens, None);
+        let flops = experts_local * 2.0 * rows / padded * h * ffn * mats;
         (f, b, flops)
     }
 

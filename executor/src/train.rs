@@ -33,6 +33,26 @@ pub struct TrainOptions {
     pub timeout: Duration,
     /// For tests: this rank fails at this step.
     pub fail_at: Option<(usize, u64)>,
+    /// Tokens of an expert-capacity group; `None`: a rank's slice of one sequence
+    /// (`seq_len / cp`). The single-rank reference of a plan takes the plan's, so
+    /// that both drop the same tokens ([`TrainOptions::reference_of`]).
+    pub moe_group_tokens: Option<usize>,
+}
+
+impl TrainOptions {
+    /// These options for the single-rank reference of `plan`: the same capacity
+    /// groups (a capacity group is part of what the model computes).
+    pub fn reference_of(&self, plan: &Plan) -> TrainOptions {
+        let cp = plan.strategy.cp.max(1) as usize;
+        let seq = match &plan.workload {
+            Workload::Train { seq_len, .. } => *seq_len as usize,
+            _ => 0,
+        };
+        TrainOptions {
+            moe_group_tokens: self.moe_group_tokens.or(Some(seq / cp)),
+            ..self.clone()
+        }
+    }
 }
 
 impl Default for TrainOptions {
@@ -43,6 +63,7 @@ impl Default for TrainOptions {
             lr: 3e-3,
             timeout: Duration::from_secs(30),
             fail_at: None,
+            moe_group_tokens: None,
         }
     }
 }
@@ -70,6 +91,9 @@ pub struct RankReport {
     pub state_bytes: f64,
     /// Most bytes of activations (and kept kernel statistics) held at once.
     pub peak_activation_bytes: f64,
+    /// Token-to-expert assignments routed by this rank, and of those the ones over
+    /// an expert's capacity (they skip that expert), over all steps and passes.
+    pub expert_slots: (u64, u64),
 }
 
 /// A whole run.
@@ -161,6 +185,7 @@ pub fn train_on(
             step_s,
             state_bytes: 4.0 * (bytes(&r.weights) + bytes(&r.wgrads) + adam) as f64,
             peak_activation_bytes: r.peak_act_bytes,
+            expert_slots: r.expert_slots,
         })
     });
     if let Some(summary) = crate::comm::failure_summary(&results) {
@@ -216,6 +241,7 @@ struct ExpertsKept {
     acts: Vec<f32>,
     y_disp: Vec<f32>,
     route: Route,
+    padding: Option<Padding>,
 }
 
 struct RankState<'a> {
@@ -253,6 +279,7 @@ struct RankState<'a> {
     loss_part: f64,
     step_no: u64,
     peak_act_bytes: f64,
+    expert_slots: (u64, u64),
 }
 
 impl Store {
@@ -413,6 +440,7 @@ impl<'a> RankState<'a> {
             loss_part: 0.0,
             step_no: 0,
             peak_act_bytes: 0.0,
+            expert_slots: (0, 0),
         };
         st.init_weights()?;
         Ok(st)
@@ -1644,7 +1672,15 @@ impl RankState<'_> {
         self.be
             .moe_dispatch_fwd(&x, &idx, rows, kk, ne, h, &mut disp, &mut counts, &mut perm)
             .map_err(kerr(&op.name))?;
-        let (local_rows, local_counts, route) = self.experts_exchange(&disp, &counts, ne, h)?;
+        let padding = self.capacity_padding(e, &counts, &perm, kk, rows)?;
+        self.expert_slots.0 += perm.len() as u64;
+        if let Some(p) = &padding {
+            self.expert_slots.1 += p.at.iter().filter(|&&a| a == Padding::DROPPED).count() as u64;
+        }
+        let (local_rows, local_counts, route) = match &padding {
+            Some(p) => self.experts_exchange(&p.pad(&disp, h), &p.counts(), ne, h, true)?,
+            None => self.experts_exchange(&disp, &counts, ne, h, false)?,
+        };
         let w_up = self.weight(op.inputs[2], l)?;
         let w_down = self.weight(op.inputs[3], l)?;
         let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
@@ -1674,6 +1710,10 @@ impl RankState<'_> {
             off += n;
         }
         let y_disp = self.experts_return(&y, &route, h)?;
+        let y_disp = match &padding {
+            Some(p) => p.unpad(&y_disp, h),
+            None => y_disp,
+        };
         let mut out = vec![0.0; rows * h];
         self.be
             .moe_combine_fwd(&y_disp, &perm, &wts, rows, kk, h, &mut out)
@@ -1691,6 +1731,7 @@ impl RankState<'_> {
                 acts,
                 y_disp,
                 route,
+                padding,
             },
         );
         store.put((l, self.out_name(op)), out);
@@ -1717,6 +1758,7 @@ impl RankState<'_> {
             acts,
             y_disp,
             route,
+            padding,
         } = store.experts.remove(&(l, op.name.clone())).ok_or_else(|| {
             fail(format!(
                 "{} (layer {l}): forward state was not kept",
@@ -1730,6 +1772,10 @@ impl RankState<'_> {
             .moe_combine_bwd(dy, &y_disp, &perm, &wts, rows, kk, h, &mut d_y, &mut d_w)
             .map_err(kerr(&op.name))?;
         // Gradients of the expert outputs travel to the experts as the tokens did.
+        let d_y = match &padding {
+            Some(p) => p.pad(&d_y, h),
+            None => d_y,
+        };
         let d_local = self.experts_resend(&d_y, &route, h)?;
         let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
         let up_w = if gated { 2 * f } else { f };
@@ -1788,6 +1834,10 @@ impl RankState<'_> {
             off += n;
         }
         let d_disp = self.experts_return(&d_rows, &route, h)?;
+        let d_disp = match &padding {
+            Some(p) => p.unpad(&d_disp, h),
+            None => d_disp,
+        };
         let mut dx = vec![0.0; rows * h];
         self.be
             .moe_dispatch_bwd(&d_disp, &perm, rows, kk, h, &mut dx)
@@ -1809,6 +1859,32 @@ impl RankState<'_> {
         Ok(())
     }
 
+    /// Under an expert capacity, which dispatch slots each expert keeps (the first
+    /// `capacity` of every capacity group, in token order) and where they sit in
+    /// buffers padded to capacity; `None` when the experts route dropless.
+    fn capacity_padding(
+        &self,
+        e: &meshplan_ir::graph::ExpertsShape,
+        counts: &[usize],
+        perm: &[u32],
+        k: usize,
+        rows: usize,
+    ) -> Result<Option<Padding>, RankError> {
+        let group = self
+            .opts
+            .moe_group_tokens
+            .unwrap_or(self.seq_len / self.cp.size.max(1));
+        let Some(cap) = e.capacity(group as u64) else {
+            return Ok(None);
+        };
+        if group == 0 || rows % group != 0 {
+            return Err(fail(format!(
+                "experts: {rows} local tokens are not whole capacity groups of {group}"
+            )));
+        }
+        Ok(Some(Padding::new(cap as usize, group, counts, perm, k, rows)))
+    }
+
     /// (hidden, this rank's expert MLP width, experts, top-k).
     fn expert_dims(&self, e: &meshplan_ir::graph::ExpertsShape) -> (usize, usize, usize, usize) {
         let tp_split = if self.ep.size == 1 { self.tp.size } else { 1 };
@@ -1823,12 +1899,15 @@ impl RankState<'_> {
     /// Sends rows grouped by global expert to the ranks holding those experts (their
     /// per-expert counts first); returns the rows this rank's experts process
     /// (expert-major), their counts, and the route back.
+    /// `uniform`: every rank sends every expert `counts` rows (padded capacity), so
+    /// the counts need no exchange.
     fn experts_exchange(
         &mut self,
         disp: &[f32],
         counts: &[usize],
         ne: usize,
         h: usize,
+        uniform: bool,
     ) -> Result<(Vec<f32>, Vec<usize>, Route), RankError> {
         let n = self.ep.size;
         let el = ne / n;
@@ -1842,10 +1921,15 @@ impl RankState<'_> {
             return Ok((disp.to_vec(), counts.to_vec(), route));
         }
         let g = self.group("ep")?;
-        let send_counts: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
-        let mut recv_counts = vec![0.0f32; el * n];
-        self.comm
-            .all_to_all(&g, "ep", &send_counts, &mut recv_counts)?;
+        let recv_counts: Vec<f32> = if uniform {
+            counts.iter().map(|&c| c as f32).collect()
+        } else {
+            let send_counts: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
+            let mut recv_counts = vec![0.0f32; el * n];
+            self.comm
+                .all_to_all(&g, "ep", &send_counts, &mut recv_counts)?;
+            recv_counts
+        };
         let send: Vec<Vec<usize>> = (0..n)
             .map(|d| counts[d * el..(d + 1) * el].to_vec())
             .collect();
@@ -2370,6 +2454,77 @@ fn parse_bucket(text: &str) -> Result<(&str, Option<Range>), RankError> {
 
 /// Token counts of an expert-parallel exchange: `send[d][j]` rows for destination
 /// `d`'s local expert `j`, `recv[s][j]` rows from source `s` for local expert `j`.
+/// Dispatch slots placed in buffers padded to expert capacity: every expert gets
+/// `per_expert` rows from every rank, kept tokens first, zeros after. A zero row
+/// through a bias-free expert MLP gives a zero row, so padding changes nothing but
+/// the bytes, which become the plan's exactly.
+struct Padding {
+    /// Per dispatch slot: its padded row, or [`Padding::DROPPED`] (over capacity:
+    /// the token skips this expert).
+    at: Vec<u32>,
+    per_expert: usize,
+    experts: usize,
+}
+
+impl Padding {
+    const DROPPED: u32 = u32::MAX;
+
+    /// Keeps the first `cap` slots of each expert in every group of `group`
+    /// consecutive tokens (slots are expert-major and in token order within an
+    /// expert, as dispatch leaves them).
+    fn new(cap: usize, group: usize, counts: &[usize], perm: &[u32], k: usize, rows: usize) -> Self {
+        let per_expert = rows / group * cap as usize;
+        let mut at = vec![Padding::DROPPED; perm.len()];
+        let mut s = 0;
+        for (x, &n) in counts.iter().enumerate() {
+            let mut used = vec![0usize; rows / group];
+            let mut kept = 0;
+            for slot in s..s + n {
+                let g = perm[slot] as usize / k / group;
+                if used[g] < cap {
+                    used[g] += 1;
+                    at[slot] = (x * per_expert + kept) as u32;
+                    kept += 1;
+                }
+            }
+            s += n;
+        }
+        Padding {
+            at,
+            per_expert,
+            experts: counts.len(),
+        }
+    }
+
+    fn counts(&self) -> Vec<usize> {
+        vec![self.per_expert; self.experts]
+    }
+
+    /// Slot-ordered rows into the padded buffer.
+    fn pad(&self, slots: &[f32], h: usize) -> Vec<f32> {
+        let mut out = vec![0.0; self.experts * self.per_expert * h];
+        for (s, &a) in self.at.iter().enumerate() {
+            if a != Self::DROPPED {
+                let a = a as usize;
+                out[a * h..(a + 1) * h].copy_from_slice(&slots[s * h..(s + 1) * h]);
+            }
+        }
+        out
+    }
+
+    /// The padded buffer back to slot order; dropped slots are zero.
+    fn unpad(&self, padded: &[f32], h: usize) -> Vec<f32> {
+        let mut out = vec![0.0; self.at.len() * h];
+        for (s, &a) in self.at.iter().enumerate() {
+            if a != Self::DROPPED {
+                let a = a as usize;
+                out[s * h..(s + 1) * h].copy_from_slice(&padded[a * h..(a + 1) * h]);
+            }
+        }
+        out
+    }
+}
+
 struct Route {
     n: usize,
     el: usize,
@@ -2792,5 +2947,22 @@ impl From<CommError> for ExecError {
         ExecError {
             message: e.to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Padding;
+
+    #[test]
+    fn capacity_keeps_the_first_tokens_of_each_group_and_pads_every_expert() {
+        // Tokens 0, 1, 2 go to expert 0 and token 3 to expert 1 (k = 1); groups of
+        // two tokens, one slot per expert and group: token 1 is over capacity.
+        let p = Padding::new(1, 2, &[3, 1], &[0, 1, 2, 3], 1, 4);
+        assert_eq!(p.at, vec![0, Padding::DROPPED, 1, 2]);
+        assert_eq!(p.counts(), vec![2, 2]);
+        let padded = p.pad(&[1.0, 2.0, 3.0, 4.0], 1);
+        assert_eq!(padded, vec![1.0, 3.0, 4.0, 0.0]);
+        assert_eq!(p.unpad(&padded, 1), vec![1.0, 0.0, 3.0, 4.0]);
     }
 }

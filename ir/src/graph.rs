@@ -185,7 +185,7 @@ pub struct AttentionShape {
 }
 
 /// Routed experts of a MoE layer, run as one grouped MLP.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ExpertsShape {
     /// Routed experts.
     pub experts: u64,
@@ -197,6 +197,36 @@ pub struct ExpertsShape {
     pub ffn: u64,
     /// Nonlinearity.
     pub mlp: MlpKind,
+    /// Expert capacity factor; `None` routes dropless (see [`crate::MoeSpec`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_factor: Option<f64>,
+}
+
+impl ExpertsShape {
+    /// Slots each expert keeps per capacity group of `group_tokens` tokens:
+    /// `ceil(capacity_factor * group_tokens * top_k / experts)`, `None` when dropless.
+    pub fn capacity(&self, group_tokens: u64) -> Option<u64> {
+        self.capacity_factor.map(|cf| {
+            let ideal = group_tokens as f64 * self.top_k as f64 / self.experts as f64;
+            // A hair below an integer must not round up to one more slot.
+            (cf * ideal - 1e-9).ceil().max(1.0) as u64
+        })
+    }
+
+    /// Rows `tokens` of one rank put into the dispatch buffers, summed over experts:
+    /// `tokens * top_k` dropless (balanced routing), or every expert's padded
+    /// capacity over the `tokens / group_tokens` groups. Decoding (`group_tokens`
+    /// `None`: one new token per sequence) routes dropless, as capacity groups of
+    /// one token would pad every expert for every token.
+    pub fn dispatched_rows(&self, tokens: f64, group_tokens: Option<f64>) -> f64 {
+        let Some(group_tokens) = group_tokens else {
+            return tokens * self.top_k as f64;
+        };
+        match self.capacity(group_tokens.round() as u64) {
+            None => tokens * self.top_k as f64,
+            Some(c) => (tokens / group_tokens) * self.experts as f64 * c as f64,
+        }
+    }
 }
 
 /// What an op computes.
@@ -338,6 +368,15 @@ impl Default for Constants {
 }
 
 impl Graph {
+    /// Whether some MoE layer routes dropless (no expert capacity): its
+    /// expert-parallel traffic follows the router's choices, not a fixed size.
+    pub fn dropless_experts(&self) -> bool {
+        self.segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .any(|o| matches!(&o.kind, OpKind::Experts(e) if e.capacity_factor.is_none()))
+    }
+
     /// A tensor by id.
     pub fn tensor(&self, id: TensorId) -> &Tensor {
         &self.tensors[id.0 as usize]

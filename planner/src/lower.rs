@@ -541,7 +541,11 @@ impl Layout<'_> {
             if let OpKind::Experts(e) = &op.kind {
                 if self.ep > 1 {
                     let tokens = self.env.batch * self.env.seq / (self.cp * self.tp.max(1)) as f64;
-                    let bytes = tokens * e.top_k as f64 * e.hidden as f64 * bpe;
+                    // Capacity groups are a rank's slice of a sequence; decoding
+                    // routes dropless (`ExpertsShape::dispatched_rows`).
+                    let group =
+                        (self.env.kv <= self.env.seq).then(|| self.env.seq / self.cp as f64);
+                    let bytes = e.dispatched_rows(tokens, group) * e.hidden as f64 * bpe;
                     let a2a = |what: &str| {
                         collective(
                             CollectiveKind::AllToAll,

@@ -807,6 +807,32 @@ fn run_check_trains_the_planned_layout_like_one_rank() {
 }
 
 #[test]
+fn run_check_expert_parallel_with_capacity_matches_the_plan_byte_for_byte() {
+    let out = temp_file("plan-run-moe.json", "");
+    let path = out.to_str().expect("utf-8 path");
+    meshplan(&[
+        "plan",
+        "models/tiny-moe-capacity.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "dp=4,ep=4,tp=2,sp=false,mbs=1",
+        "--quiet",
+        "-o",
+        path,
+    ])
+    .expect_code(0);
+    let run = meshplan(&["run", path, "--steps", "5", "--check", "--json"]);
+    run.expect_code(0);
+    let v = json_of(&run);
+    assert_eq!(v["check"]["passed"], true, "{v}");
+    assert_eq!(v["bytes_match_plan"], true, "{v}");
+    assert!(number(&v["measured"]["comm_bytes_per_gpu"], "ep") > 0.0, "{v}");
+    let slots = number(&v["measured"], "expert_assignments");
+    let dropped = number(&v["measured"], "expert_assignments_dropped");
+    assert!(dropped > 0.0 && dropped < slots, "{v}");
+}
+
+#[test]
 fn run_rejects_bad_input_and_missing_backends() {
     let bad = temp_file("not-a-plan.json", "{\"format\": 1}");
     let run = meshplan(&["run", bad.to_str().expect("utf-8 path")]);
