@@ -112,9 +112,8 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let bytes = byte_mismatches(&plan, &report, a.steps);
     let check = if a.check {
         let reference = reference_plan(&plan).map_err(runtime)?;
-        let base =
-            train(&reference, &opts.reference_of(&plan))
-                .map_err(|e| runtime(format!("reference: {}", e.message)))?;
+        let base = train(&reference, &opts.reference_of(&plan))
+            .map_err(|e| runtime(format!("reference: {}", e.message)))?;
         Some(check_against(&plan, &report, &base, 1e-5))
     } else {
         None
@@ -129,9 +128,8 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     // balanced routing, so on that axis a difference is reported, not failed. Under
     // an expert capacity the buffers are padded and must match like every axis.
     let dropless = plan.graph.dropless_experts();
-    let (routed, exact): (Vec<&String>, Vec<&String>) = bytes
-        .iter()
-        .partition(|m| dropless && m.contains(" ep: "));
+    let (routed, exact): (Vec<&String>, Vec<&String>) =
+        bytes.iter().partition(|m| dropless && m.contains(" ep: "));
     if !routed.is_empty() {
         eprintln!(
             "note: expert-parallel bytes depend on the routing; the plan assumes balanced experts:\n  {}",

@@ -73,6 +73,9 @@ struct PSegment {
     /// Same, for expert MLPs, which are column/row pairs only when `ep == 1`.
     expert_inputs: Vec<Act>,
     expert_outputs: Vec<Act>,
+    /// Router scores the experts read (gathered with the tokens under sequence
+    /// parallelism when the experts are split over `tp`).
+    expert_scores: Vec<Act>,
     /// Weight elements: replicated over `tp`, sharded over `tp`, routed experts.
     params_replicated: f64,
     params_sharded: f64,
@@ -174,6 +177,7 @@ impl PreparedGraph {
             let mut col_ids = Vec::new();
             let mut row_ids = Vec::new();
             let mut exp_in = Vec::new();
+            let mut exp_scores = Vec::new();
             let mut exp_out = Vec::new();
             let mut weights: Vec<u32> = Vec::new();
             let (mut p_rep, mut p_sh, mut p_exp) = (0.0, 0.0, 0.0);
@@ -261,6 +265,7 @@ impl PreparedGraph {
                     }
                     TpRole::Experts => {
                         exp_in.push(op.inputs[0]);
+                        exp_scores.extend(op.inputs.get(1).copied());
                         exp_out.push(op.outputs[0]);
                     }
                     _ => {}
@@ -294,6 +299,7 @@ impl PreparedGraph {
                 row_outputs: row_ids.iter().map(|&(i, a)| (act(i), a)).collect(),
                 expert_inputs: exp_in.iter().map(|&i| act(i)).collect(),
                 expert_outputs: exp_out.iter().map(|&i| act(i)).collect(),
+                expert_scores: exp_scores.iter().map(|&i| act(i)).collect(),
                 params_replicated: p_rep,
                 params_sharded: p_sh,
                 params_experts: p_exp,
@@ -448,10 +454,11 @@ impl LayoutCtx {
         self.cp as f64
     }
 
-    /// Tokens of one expert-capacity group: a rank's slice of one sequence; `None`
-    /// while decoding (see [`ExpertsShape::dispatched_rows`]).
+    /// Tokens of one expert-capacity group (`capacity_group_tokens`); `None` while
+    /// decoding (see [`ExpertsShape::dispatched_rows`]).
     fn capacity_group(&self) -> Option<f64> {
-        (self.env.kv <= self.env.seq).then(|| self.env.seq / self.cp as f64)
+        let tp_split = if self.ep > 1 { self.tp as f64 } else { 1.0 };
+        (self.env.kv <= self.env.seq).then(|| self.env.seq / self.cp as f64 / tp_split)
     }
 
     /// Local bytes of an activation (`attn_part`: produced in a block's attention half).
@@ -602,6 +609,14 @@ impl LayoutCtx {
                 add(&mut tp_b, self.tp_coll(Collective::ReduceScatter, full));
             } else {
                 add(&mut tp_b, self.tp_coll(Collective::AllReduce, full));
+            }
+        }
+        if !ep_split && self.sp && !self.dp_attention {
+            // The router scored only this rank's tokens; the experts gather the scores.
+            for a in &seg.expert_scores {
+                let full = a.bytes.eval(&self.env) / self.tokens_div();
+                add(&mut tp_f, self.tp_coll(Collective::AllGather, full));
+                add(&mut tp_b, self.tp_coll(Collective::ReduceScatter, full));
             }
         }
         for (a, attn_part) in row {

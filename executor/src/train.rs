@@ -33,8 +33,8 @@ pub struct TrainOptions {
     pub timeout: Duration,
     /// For tests: this rank fails at this step.
     pub fail_at: Option<(usize, u64)>,
-    /// Tokens of an expert-capacity group; `None`: a rank's slice of one sequence
-    /// (`seq_len / cp`). The single-rank reference of a plan takes the plan's, so
+    /// Tokens of an expert-capacity group; `None`: the plan's
+    /// (`meshplan_ir::graph::capacity_group_tokens`). The single-rank reference of a plan takes the plan's, so
     /// that both drop the same tokens ([`TrainOptions::reference_of`]).
     pub moe_group_tokens: Option<usize>,
 }
@@ -43,13 +43,14 @@ impl TrainOptions {
     /// These options for the single-rank reference of `plan`: the same capacity
     /// groups (a capacity group is part of what the model computes).
     pub fn reference_of(&self, plan: &Plan) -> TrainOptions {
-        let cp = plan.strategy.cp.max(1) as usize;
+        let st = &plan.strategy;
         let seq = match &plan.workload {
-            Workload::Train { seq_len, .. } => *seq_len as usize,
+            Workload::Train { seq_len, .. } => *seq_len,
             _ => 0,
         };
+        let group = meshplan_ir::graph::capacity_group_tokens(seq, st.cp, st.tp, st.ep);
         TrainOptions {
-            moe_group_tokens: self.moe_group_tokens.or(Some(seq / cp)),
+            moe_group_tokens: self.moe_group_tokens.or(Some(group as usize)),
             ..self.clone()
         }
     }
@@ -1645,19 +1646,18 @@ impl RankState<'_> {
         l: u64,
         store: &mut Store,
     ) -> Result<(), RankError> {
-        if self.tp.size > 1 && (self.plan.strategy.sp || self.ep.size > 1) {
-            // Under sequence parallelism the router sees a slice of the tokens the
-            // experts gather; with ep > 1 each tensor rank would route the same
-            // tokens again. Neither layout is expressed by the plan's programs yet.
+        if self.tp.size > 1 && self.ep.size > 1 && !self.plan.strategy.sp {
+            // Every tensor rank would hold, and route, the same tokens; the planner
+            // requires sequence parallelism here (`check_train_shapes`).
             return Err(fail(format!(
-                "{}: experts with tp={} and {} are not run by the CPU executor; use sp=false and ep=1, or tp=1",
-                op.name,
-                self.tp.size,
-                if self.plan.strategy.sp { "sequence parallelism" } else { "ep > 1" }
+                "{}: experts with tp={} and ep={} need sp=true",
+                op.name, self.tp.size, self.ep.size
             )));
         }
-        let x = self.act(store, l, op.inputs[0])?;
-        let logits = self.act(store, l, op.inputs[1])?;
+        // Split over tp under sequence parallelism, the experts read the gathered
+        // tokens and router scores.
+        let x = self.act_gathered(store, l, op.inputs[0])?;
+        let logits = self.act_gathered(store, l, op.inputs[1])?;
         let (h, f, ne, kk) = self.expert_dims(e);
         let rows = x.len() / h;
         let mut probs = vec![0.0; rows * ne];
@@ -1848,14 +1848,21 @@ impl RankState<'_> {
             .map_err(kerr(&op.name))?;
         let x_name = self.graph.tensor(op.inputs[0]).name.clone();
         let g_name = self.graph.tensor(op.inputs[1]).name.clone();
-        // Split over tp, each rank's experts give a partial input gradient.
-        let x_key = if self.ep.size == 1 && self.tp.size > 1 {
-            format!("{x_name}@p")
+        // Split over tp, each rank's experts give a partial input gradient (and,
+        // under sequence parallelism, partial router scores for every token: the
+        // plan reduce-scatters them before the router's backward).
+        let (x_key, g_key) = if self.ep.size == 1 && self.tp.size > 1 {
+            let g_key = if self.plan.strategy.sp {
+                format!("{g_name}@p")
+            } else {
+                g_name
+            };
+            (format!("{x_name}@p"), g_key)
         } else {
-            x_name
+            (x_name, g_name)
         };
         Self::add_grad_vec(store, l, &x_key, dx);
-        Self::add_grad_vec(store, l, &g_name, d_logits);
+        Self::add_grad_vec(store, l, &g_key, d_logits);
         Ok(())
     }
 
@@ -1870,10 +1877,14 @@ impl RankState<'_> {
         k: usize,
         rows: usize,
     ) -> Result<Option<Padding>, RankError> {
-        let group = self
-            .opts
-            .moe_group_tokens
-            .unwrap_or(self.seq_len / self.cp.size.max(1));
+        let group = self.opts.moe_group_tokens.unwrap_or_else(|| {
+            meshplan_ir::graph::capacity_group_tokens(
+                self.seq_len as u64,
+                self.cp.size as u64,
+                self.tp.size as u64,
+                self.ep.size as u64,
+            ) as usize
+        });
         let Some(cap) = e.capacity(group as u64) else {
             return Ok(None);
         };
@@ -1882,7 +1893,14 @@ impl RankState<'_> {
                 "experts: {rows} local tokens are not whole capacity groups of {group}"
             )));
         }
-        Ok(Some(Padding::new(cap as usize, group, counts, perm, k, rows)))
+        Ok(Some(Padding::new(
+            cap as usize,
+            group,
+            counts,
+            perm,
+            k,
+            rows,
+        )))
     }
 
     /// (hidden, this rank's expert MLP width, experts, top-k).
@@ -2350,10 +2368,12 @@ impl RankState<'_> {
                     }
                 }
                 // A split op's input gradient is partial until the program reduces it;
-                // so is a router's when the experts it feeds are split over tp.
+                // so is a router's when the experts it feeds are split over tp (under
+                // sequence parallelism its scores' gradient arrives reduced instead).
                 let name = in_name(0);
                 let router_of_split_experts = self.ep.size <= 1
                     && self.tp.size > 1
+                    && !self.plan.strategy.sp
                     && op.outputs.first().is_some_and(|out| {
                         self.graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
                             matches!(o.kind, OpKind::Experts(_)) && o.inputs.get(1) == Some(out)
@@ -2472,7 +2492,14 @@ impl Padding {
     /// Keeps the first `cap` slots of each expert in every group of `group`
     /// consecutive tokens (slots are expert-major and in token order within an
     /// expert, as dispatch leaves them).
-    fn new(cap: usize, group: usize, counts: &[usize], perm: &[u32], k: usize, rows: usize) -> Self {
+    fn new(
+        cap: usize,
+        group: usize,
+        counts: &[usize],
+        perm: &[u32],
+        k: usize,
+        rows: usize,
+    ) -> Self {
         let per_expert = rows / group * cap as usize;
         let mut at = vec![Padding::DROPPED; perm.len()];
         let mut s = 0;

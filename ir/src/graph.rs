@@ -202,6 +202,16 @@ pub struct ExpertsShape {
     pub capacity_factor: Option<f64>,
 }
 
+/// Tokens of one expert-capacity group: what one rank dispatches of one sequence
+/// of its micro-batch, `seq / cp`, and a further `1 / tp` when expert parallelism
+/// runs under sequence parallelism (each tensor rank dispatches its own slice).
+/// Groups are consecutive in the sequence-major token order, so a plan and its
+/// single-rank reference, given the same group size, drop the same tokens.
+pub fn capacity_group_tokens(seq: u64, cp: u64, tp: u64, ep: u64) -> u64 {
+    let tp_split = if ep > 1 { tp.max(1) } else { 1 };
+    seq / cp.max(1) / tp_split
+}
+
 impl ExpertsShape {
     /// Slots each expert keeps per capacity group of `group_tokens` tokens:
     /// `ceil(capacity_factor * group_tokens * top_k / experts)`, `None` when dropless.

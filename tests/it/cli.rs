@@ -815,7 +815,7 @@ fn run_check_expert_parallel_with_capacity_matches_the_plan_byte_for_byte() {
         "models/tiny-moe-capacity.yaml",
         "topologies/cpu-test-mesh.yaml",
         "--config",
-        "dp=4,ep=4,tp=2,sp=false,mbs=1",
+        "dp=4,ep=4,tp=2,sp=true,mbs=1",
         "--quiet",
         "-o",
         path,
@@ -826,10 +826,23 @@ fn run_check_expert_parallel_with_capacity_matches_the_plan_byte_for_byte() {
     let v = json_of(&run);
     assert_eq!(v["check"]["passed"], true, "{v}");
     assert_eq!(v["bytes_match_plan"], true, "{v}");
-    assert!(number(&v["measured"]["comm_bytes_per_gpu"], "ep") > 0.0, "{v}");
+    assert!(
+        number(&v["measured"]["comm_bytes_per_gpu"], "ep") > 0.0,
+        "{v}"
+    );
     let slots = number(&v["measured"], "expert_assignments");
     let dropped = number(&v["measured"], "expert_assignments_dropped");
     assert!(dropped > 0.0 && dropped < slots, "{v}");
+    // Without sequence parallelism every tensor rank would route the same tokens.
+    let est = meshplan(&[
+        "estimate",
+        "models/tiny-moe-capacity.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "dp=4,ep=4,tp=2,sp=false",
+    ]);
+    est.expect_code(3);
+    assert!(est.stderr.contains("needs sp=true"), "{}", est.stderr);
 }
 
 #[test]

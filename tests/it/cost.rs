@@ -1027,10 +1027,19 @@ fn expert_capacity_pads_the_all_to_all_to_capacity() {
 #[test]
 fn a_capacity_factor_out_of_range_names_the_field() {
     let text = std::fs::read_to_string(root_path("models/tiny-moe-capacity.yaml")).unwrap();
-    for bad in ["capacity_factor: 0", "capacity_factor: 5.0", "capacity_factor: .nan"] {
+    for bad in [
+        "capacity_factor: 0",
+        "capacity_factor: 5.0",
+        "capacity_factor: .nan",
+    ] {
         let yaml = text.replace("capacity_factor: 1.0", bad);
-        let err = parse_model_yaml(&yaml, "m.yaml").expect_err(bad).to_string();
-        assert!(err.contains("m.yaml") && err.contains("moe.capacity_factor"), "{err}");
+        let err = parse_model_yaml(&yaml, "m.yaml")
+            .expect_err(bad)
+            .to_string();
+        assert!(
+            err.contains("m.yaml") && err.contains("moe.capacity_factor"),
+            "{err}"
+        );
         assert!(err.contains("dropless"), "{err}");
     }
 }
