@@ -1888,7 +1888,7 @@ impl RankState<'_> {
         let Some(cap) = e.capacity(group as u64) else {
             return Ok(None);
         };
-        if group == 0 || rows % group != 0 {
+        if group == 0 || !rows.is_multiple_of(group) {
             return Err(fail(format!(
                 "experts: {rows} local tokens are not whole capacity groups of {group}"
             )));
@@ -2500,7 +2500,7 @@ impl Padding {
         k: usize,
         rows: usize,
     ) -> Self {
-        let per_expert = rows / group * cap as usize;
+        let per_expert = rows / group * cap;
         let mut at = vec![Padding::DROPPED; perm.len()];
         let mut s = 0;
         for (x, &n) in counts.iter().enumerate() {
