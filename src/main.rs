@@ -130,7 +130,8 @@ enum Command {
         /// communicated bytes differ.
         #[arg(long)]
         check: bool,
-        /// A u16 token file (not supported yet).
+        /// Train on a u16 token file (nanoGPT / llm.c format, llm.c's header
+        /// optional) instead of the synthetic stream.
         #[arg(long)]
         data: Option<PathBuf>,
         /// A Hugging Face checkpoint directory (not supported yet).
@@ -234,11 +235,7 @@ fn main() -> ExitCode {
             json,
         } => {
             let mut unsupported = Vec::new();
-            for (flag, given) in [
-                ("--data", data.is_some()),
-                ("--weights", weights.is_some()),
-                ("--trace", trace.is_some()),
-            ] {
+            for (flag, given) in [("--weights", weights.is_some())] {
                 if given {
                     unsupported.push(flag);
                 }
@@ -249,6 +246,8 @@ fn main() -> ExitCode {
                 steps,
                 check,
                 json,
+                data: data.as_deref(),
+                trace: trace.as_deref(),
                 unsupported,
             })
         }

@@ -4,6 +4,7 @@
 use crate::{print_json, Failure};
 use meshplan_cost_model::estimate::gib;
 use meshplan_cost_model::{parse_cluster_yaml, PreparedGraph};
+use meshplan_executor::data::{DataSource, Sampler, TokenFile};
 use meshplan_executor::train::{byte_mismatches, check_against, train, TrainOptions, TrainReport};
 use meshplan_ir::plan::{Plan, PlanKind};
 use meshplan_ir::{ParallelConfig, PartialConfig};
@@ -17,6 +18,8 @@ pub(crate) struct RunArgs<'a> {
     pub steps: u64,
     pub check: bool,
     pub json: bool,
+    pub data: Option<&'a Path>,
+    pub trace: Option<&'a Path>,
     pub unsupported: Vec<&'static str>,
 }
 
@@ -104,11 +107,47 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     if a.steps == 0 {
         return Err(bad("--steps must be at least 1".into()));
     }
+    let data = match a.data {
+        None => DataSource::Synthetic,
+        Some(path) => {
+            let vocab = plan.graph.vocab().unwrap_or(u64::MAX);
+            let file = TokenFile::open(path, vocab).map_err(|e| bad(e.message))?;
+            let (seq, gb) = match plan.workload {
+                meshplan_ir::Workload::Train {
+                    seq_len,
+                    global_batch,
+                    ..
+                } => (seq_len as usize, global_batch),
+                _ => (0, 0),
+            };
+            Sampler::new(file.len(), seq, gb, TrainOptions::default().seed)
+                .map_err(|m| bad(format!("{}: {m}", path.display())))?;
+            DataSource::File {
+                file: std::sync::Arc::new(file),
+            }
+        }
+    };
     let opts = TrainOptions {
         steps: a.steps,
+        data,
+        trace: a.trace.is_some(),
         ..TrainOptions::default()
     };
     let report = train(&plan, &opts).map_err(|e| runtime(e.message))?;
+    if let Some(path) = a.trace {
+        let spans: Vec<_> = report
+            .ranks
+            .iter()
+            .map(|r| (r.rank, r.spans.clone()))
+            .collect();
+        let text = meshplan_executor::trace::chrome_trace(&plan, &spans).to_json();
+        crate::plan::write_atomically(path, text.as_bytes(), "trace")?;
+        eprintln!(
+            "trace written to {} ({} spans; open in https://ui.perfetto.dev)",
+            path.display(),
+            spans.iter().map(|(_, s)| s.len()).sum::<usize>()
+        );
+    }
     let bytes = byte_mismatches(&plan, &report, a.steps);
     let check = if a.check {
         let reference = reference_plan(&plan).map_err(runtime)?;

@@ -11,8 +11,10 @@
 
 pub mod backend;
 pub mod comm;
+pub mod data;
 pub mod init;
 pub mod shard;
+pub mod trace;
 pub mod train;
 
 pub use meshplan_ir as ir;

@@ -10,7 +10,7 @@
 
 use crate::backend::{Backend, CpuBackend};
 use crate::comm::{ByteCounts, CommError, Communicator, Group, RankError, ThreadComm};
-use crate::init::{init_full, synthetic_sequence, InitKind};
+use crate::init::{init_full, InitKind};
 use crate::shard::{local_heads, local_weight, TpPos};
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Pass, Plan, PlanKind, Program};
@@ -37,6 +37,10 @@ pub struct TrainOptions {
     /// (`meshplan_ir::graph::capacity_group_tokens`). The single-rank reference of a plan takes the plan's, so
     /// that both drop the same tokens ([`TrainOptions::reference_of`]).
     pub moe_group_tokens: Option<usize>,
+    /// Where the tokens come from.
+    pub data: crate::data::DataSource,
+    /// Record a timeline of spans per rank ([`RankReport::spans`]).
+    pub trace: bool,
 }
 
 impl TrainOptions {
@@ -65,6 +69,8 @@ impl Default for TrainOptions {
             timeout: Duration::from_secs(30),
             fail_at: None,
             moe_group_tokens: None,
+            data: crate::data::DataSource::Synthetic,
+            trace: false,
         }
     }
 }
@@ -95,6 +101,8 @@ pub struct RankReport {
     /// Token-to-expert assignments routed by this rank, and of those the ones over
     /// an expert's capacity (they skip that expert), over all steps and passes.
     pub expert_slots: (u64, u64),
+    /// Measured spans, when tracing.
+    pub spans: Vec<crate::trace::Span>,
 }
 
 /// A whole run.
@@ -162,8 +170,9 @@ pub fn train_on(
         }
     };
     let world = plan.ranks.len();
+    let t0 = Instant::now();
     let results = crate::comm::run_ranks(world, opts.timeout, |comm| {
-        let mut r = RankState::new(backend, plan, comm, opts, seq_len, global_batch)?;
+        let mut r = RankState::new(backend, plan, comm, opts, seq_len, global_batch, t0)?;
         let mut loss_parts = Vec::new();
         let mut step_s = Vec::new();
         for step in 0..opts.steps {
@@ -187,6 +196,7 @@ pub fn train_on(
             state_bytes: 4.0 * (bytes(&r.weights) + bytes(&r.wgrads) + adam) as f64,
             peak_activation_bytes: r.peak_act_bytes,
             expert_slots: r.expert_slots,
+            spans: std::mem::take(&mut r.tracer.spans),
         })
     });
     if let Some(summary) = crate::comm::failure_summary(&results) {
@@ -281,6 +291,7 @@ struct RankState<'a> {
     step_no: u64,
     peak_act_bytes: f64,
     expert_slots: (u64, u64),
+    tracer: crate::trace::Tracer,
 }
 
 impl Store {
@@ -322,6 +333,7 @@ impl<'a> RankState<'a> {
         opts: &TrainOptions,
         seq_len: u64,
         global_batch: u64,
+        t0: Instant,
     ) -> Result<RankState<'a>, RankError> {
         let rank = comm.rank();
         let entry = plan
@@ -442,6 +454,7 @@ impl<'a> RankState<'a> {
             step_no: 0,
             peak_act_bytes: 0.0,
             expert_slots: (0, 0),
+            tracer: crate::trace::Tracer::new(t0, opts.trace),
         };
         st.init_weights()?;
         Ok(st)
@@ -602,6 +615,7 @@ impl<'a> RankState<'a> {
                 .iter()
                 .find(|c| c.chunk == task.chunk)
                 .ok_or_else(|| fail(format!("schedule names chunk {}", task.chunk)))?;
+            let t = self.tracer.begin();
             match task.pass {
                 Pass::F => {
                     let mut store = Store::default();
@@ -623,6 +637,13 @@ impl<'a> RankState<'a> {
                     self.run_backward(&ch.backward, &mut store, &mut layer)?;
                 }
             }
+            let pass = if task.pass == Pass::F { "fwd" } else { "bwd" };
+            self.tracer.end(
+                t,
+                format!("{pass} mb{} c{}", task.mb, task.chunk),
+                "task",
+                serde_json::json!({"step": self.step_no, "mb": task.mb, "chunk": task.chunk}),
+            );
         }
         let step_list = phase.step.clone();
         self.run_step(&step_list)?;
@@ -640,8 +661,18 @@ impl<'a> RankState<'a> {
         let mut labels = vec![0.0f32; s_local * b];
         for bi in 0..b {
             let seq_index = (self.dp_index * per_dp + mb as usize * b + bi) as u64;
-            let seq =
-                synthetic_sequence(self.opts.seed, self.step_no, seq_index, self.seq_len, vocab);
+            let seq = self
+                .opts
+                .data
+                .sequence(
+                    self.opts.seed,
+                    self.step_no,
+                    seq_index,
+                    self.seq_len,
+                    self.global_batch as u64,
+                    vocab,
+                )
+                .map_err(fail)?;
             for si in 0..s_local {
                 tokens[si * b + bi] = seq[s0 + si] as f32;
                 labels[si * b + bi] = seq[s0 + si + 1] as f32;
@@ -653,12 +684,7 @@ impl<'a> RankState<'a> {
     }
 
     fn vocab(&self) -> u64 {
-        for op in self.graph.segments.iter().flat_map(|s| &s.ops) {
-            if let OpKind::CrossEntropy { vocab } = op.kind {
-                return vocab;
-            }
-        }
-        2
+        self.graph.vocab().unwrap_or(2)
     }
 
     fn peer(&self, stage: u64) -> Result<usize, RankError> {
@@ -693,6 +719,7 @@ impl<'a> RankState<'a> {
         cur: u64,
     ) -> Result<(), RankError> {
         for instr in instrs {
+            let t = self.tracer.begin();
             match instr {
                 Instr::Segment {
                     name,
@@ -759,6 +786,7 @@ impl<'a> RankState<'a> {
                 Instr::RingPass { .. } => {}
                 Instr::Optimizer { .. } => {}
             }
+            self.tracer.end_instr(t, instr, self.step_no, cur);
         }
         Ok(())
     }
@@ -770,6 +798,7 @@ impl<'a> RankState<'a> {
         layer: &mut u64,
     ) -> Result<(), RankError> {
         for instr in instrs {
+            let t = self.tracer.begin();
             match instr {
                 Instr::Segment {
                     name,
@@ -836,6 +865,7 @@ impl<'a> RankState<'a> {
                     )))
                 }
             }
+            self.tracer.end_instr(t, instr, self.step_no, NO_LAYER);
         }
         Ok(())
     }
@@ -847,6 +877,7 @@ impl<'a> RankState<'a> {
         l: u64,
     ) -> Result<(), RankError> {
         for instr in body {
+            let t = self.tracer.begin();
             match instr {
                 Instr::Recompute { body } => {
                     let mut dummy = l;
@@ -870,6 +901,7 @@ impl<'a> RankState<'a> {
                     )));
                 }
             }
+            self.tracer.end_instr(t, instr, self.step_no, l);
         }
         Ok(())
     }
@@ -1450,6 +1482,7 @@ impl<'a> RankState<'a> {
 
     fn run_step(&mut self, step: &[Instr]) -> Result<(), RankError> {
         for instr in step {
+            let t = self.tracer.begin();
             match instr {
                 Instr::Collective {
                     kind,
@@ -1538,6 +1571,7 @@ impl<'a> RankState<'a> {
                 Instr::Optimizer { params, .. } => self.optimizer(params)?,
                 other => return Err(fail(format!("unexpected step instruction {other:?}"))),
             }
+            self.tracer.end_instr(t, instr, self.step_no, NO_LAYER);
         }
         Ok(())
     }

@@ -378,6 +378,25 @@ impl Default for Constants {
 }
 
 impl Graph {
+    /// The vocabulary: the cross-entropy's width, or the embedding table's rows.
+    pub fn vocab(&self) -> Option<u64> {
+        let ops = || self.segments.iter().flat_map(|s| &s.ops);
+        ops()
+            .find_map(|o| match o.kind {
+                OpKind::CrossEntropy { vocab } => Some(vocab),
+                _ => None,
+            })
+            .or_else(|| {
+                ops().find(|o| o.kind == OpKind::Embedding).and_then(|o| {
+                    let t = self.tensors.get(o.inputs.get(1)?.0 as usize)?;
+                    match t.shape.first()? {
+                        Dim::Fixed(v) => Some(*v),
+                        _ => None,
+                    }
+                })
+            })
+    }
+
     /// Whether some MoE layer routes dropless (no expert capacity): its
     /// expert-parallel traffic follows the router's choices, not a fixed size.
     pub fn dropless_experts(&self) -> bool {
