@@ -56,7 +56,11 @@ pub(crate) fn write_figures(dir: &Path, figures: &[Figure], png: bool) -> Result
         })?;
         let path: PathBuf = dir.join(format!("{}.{}", f.name, if png { "png" } else { "svg" }));
         std::fs::write(&path, &bytes).map_err(|e| io_fail(&path, "a figure", e))?;
-        eprintln!("figure written to {} ({} bytes)", path.display(), bytes.len());
+        eprintln!(
+            "figure written to {} ({} bytes)",
+            path.display(),
+            bytes.len()
+        );
     }
     Ok(())
 }

@@ -9,11 +9,11 @@ use meshplan_ir::{
     load_model, model_graph, Graph, IrError, ModelSpec, PartialConfig, Workload, WorkloadOverrides,
 };
 use meshplan_planner::compare;
-use meshplan_viz::compare::{compare_bars, CompareBar};
 use meshplan_planner::output::plan_of;
 use meshplan_planner::search::{
     search_inference, search_train, Candidate, Progress, SearchOptions, SearchReport,
 };
+use meshplan_viz::compare::{compare_bars, CompareBar};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;

@@ -410,10 +410,17 @@ pub fn estimate_train_bounded(
     split: Option<&[u64]>,
     bound_s: f64,
 ) -> Result<Option<Estimate>, Unsupported> {
-    Ok(
-        train_impl(pg, cluster, cfg, seq_len, global_batch, split, bound_s, false)?
-            .map(|(e, _)| e),
-    )
+    Ok(train_impl(
+        pg,
+        cluster,
+        cfg,
+        seq_len,
+        global_batch,
+        split,
+        bound_s,
+        false,
+    )?
+    .map(|(e, _)| e))
 }
 
 /// [`estimate_train_split`] with the schedule it simulated: per virtual stage the
@@ -439,9 +446,7 @@ pub fn train_timeline(
         true,
     )? {
         Some((e, Some(t))) => Ok((e, t)),
-        _ => Err(unsupported(format!(
-            "{cfg}: the step time is not a number"
-        ))),
+        _ => Err(unsupported(format!("{cfg}: the step time is not a number"))),
     }
 }
 

@@ -28,6 +28,6 @@ pub use estimate::{
     flops_per_token_forward, inference_timeline, prepare_model, replica_memory, train_ctx,
     train_timeline, Estimate, InferenceLoad, Unsupported,
 };
-pub use timeline::{Lane, Span, SpanKind, Timeline};
 pub use graph_cost::PreparedGraph;
 pub use memory::MemoryLedger;
+pub use timeline::{Lane, Span, SpanKind, Timeline};

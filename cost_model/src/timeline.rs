@@ -244,7 +244,10 @@ impl Timeline {
                     .saturating_mul(t.vpp)
                     .saturating_mul(t.microbatches);
                 if tasks > 1 << 22 {
-                    return Err(format!("{tasks} schedule tasks: at most {} are drawn", 1 << 22));
+                    return Err(format!(
+                        "{tasks} schedule tasks: at most {} are drawn",
+                        1 << 22
+                    ));
                 }
                 let nvs = t.pp * t.vpp;
                 for (name, v) in [

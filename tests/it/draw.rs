@@ -150,7 +150,8 @@ fn check_gantt(c: &Canvas, tl: &Timeline) -> Vec<Vec<(Pass, u64, u64)>> {
     let k = gantt::px_per_s(tl);
     let mut orders = Vec::new();
     for s in 0..pp {
-        let mut lane: Vec<(&str, (f64, f64, f64, f64), &Item)> = COMPUTE_LANE
+        type Boxed<'a> = (&'a str, (f64, f64, f64, f64), &'a Item);
+        let mut lane: Vec<Boxed> = COMPUTE_LANE
             .iter()
             .flat_map(|cls| c.rects(cls).map(move |i| (*cls, bounds(i), i)))
             .filter(|(_, _, i)| stage_of(i) == s)
@@ -231,7 +232,9 @@ fn axis_class(c: &Canvas, axis: &str) -> String {
     c.items
         .iter()
         .find_map(|i| match i {
-            Item::Rect { class, .. } if class.starts_with("axis-") && i.data("axis") == Some(axis) => {
+            Item::Rect { class, .. }
+                if class.starts_with("axis-") && i.data("axis") == Some(axis) =>
+            {
                 Some(class.clone())
             }
             _ => None,
@@ -266,7 +269,12 @@ fn hand_train() -> TrainTimeline {
         forward_comm_s: vec![0.02; pp * vpp],
         backward_comm_s: vec![0.04; pp * vpp],
         p2p_s: 0.01,
-        stages: vec![tail(0.1, 0.02), tail(0.12, 0.02), tail(0.1, 0.0), tail(0.08, 0.0)],
+        stages: vec![
+            tail(0.1, 0.02),
+            tail(0.12, 0.02),
+            tail(0.1, 0.0),
+            tail(0.08, 0.0),
+        ],
         critical_stage: 3,
         step_s: 0.0,
         memory_capacity_bytes: 80.0 * 1024.0 * 1024.0 * 1024.0,
@@ -309,7 +317,9 @@ fn golden_pictures_and_trace_of_a_tiny_plan() {
     }
     golden(
         "tiny-gpt-trace.json",
-        &plan_trace(&plan).unwrap_or_else(|e| panic!("{e}")).to_json(),
+        &plan_trace(&plan)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .to_json(),
     );
     let tl = timeline_of(&plan).unwrap_or_else(|e| panic!("{e}"));
     let orders = check_gantt(&figs[0].canvas, &tl);
@@ -319,7 +329,10 @@ fn golden_pictures_and_trace_of_a_tiny_plan() {
             .iter()
             .map(|t| (t.pass, t.chunk, t.mb))
             .collect();
-        assert_eq!(order, &want, "stage {s}: the chart runs the plan's schedule");
+        assert_eq!(
+            order, &want,
+            "stage {s}: the chart runs the plan's schedule"
+        );
     }
 }
 
@@ -407,7 +420,11 @@ fn golden_compare_bars_add_up_to_each_step_time() {
             .filter(|it| it.data("row") == Some(&i.to_string()))
             .map(|it| bounds(it).2)
             .sum();
-        let want = b.compute_s.map(|x| x + b.exposed_comm_s + b.bubble_s).unwrap_or(0.0) * k;
+        let want = b
+            .compute_s
+            .map(|x| x + b.exposed_comm_s + b.bubble_s)
+            .unwrap_or(0.0)
+            * k;
         assert!(close(w, want, 1e-9), "row {i}: {w} px, want {want}");
     }
     assert_eq!(c.rects("cmp-bubble").count(), 2);
@@ -640,7 +657,11 @@ fn bad_input_to_draw_exits_2_naming_the_file_and_the_fix() {
     let old = temp_file("old-plan.json", &plan.to_json_pretty().expect("json"));
     meshplan(&["draw", &old.display().to_string()])
         .expect_code(2)
-        .stderr_has(&["old-plan.json", "predicted.timeline", "re-run `meshplan plan`"]);
+        .stderr_has(&[
+            "old-plan.json",
+            "predicted.timeline",
+            "re-run `meshplan plan`",
+        ]);
 
     // A timeline whose lists do not match its stages.
     let mut plan = tiny_plan();

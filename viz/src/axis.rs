@@ -2,7 +2,11 @@
 
 /// The 1, 2 or 5 times a power of ten nearest above `raw` (at least 1e-9).
 pub fn nice_step(raw: f64) -> f64 {
-    let raw = if raw.is_finite() && raw > 1e-9 { raw } else { 1e-9 };
+    let raw = if raw.is_finite() && raw > 1e-9 {
+        raw
+    } else {
+        1e-9
+    };
     let p = 10f64.powf(raw.log10().floor());
     for m in [1.0, 2.0, 5.0, 10.0] {
         if m * p >= raw * (1.0 - 1e-9) {

@@ -155,6 +155,7 @@ impl Canvas {
     }
 
     /// Adds an outline.
+    #[allow(clippy::too_many_arguments)]
     pub fn outline(&mut self, x: f64, y: f64, w: f64, h: f64, color: Rgb, width: f64, class: &str) {
         self.items.push(Item::Rect {
             x,
@@ -265,12 +266,8 @@ impl Canvas {
                         None => s.push_str(r#" fill="none""#),
                     }
                     if let Some((c, width)) = stroke {
-                        let _ = write!(
-                            s,
-                            r#" stroke="{}" stroke-width="{}""#,
-                            c.hex(),
-                            num(*width)
-                        );
+                        let _ =
+                            write!(s, r#" stroke="{}" stroke-width="{}""#, c.hex(), num(*width));
                     }
                     for (k, v) in data {
                         let _ = write!(s, r#" data-{k}="{}""#, escape(v));
@@ -339,7 +336,10 @@ impl Item {
     /// A rectangle's `data-*` value.
     pub fn data(&self, key: &str) -> Option<&str> {
         match self {
-            Item::Rect { data, .. } => data.iter().find(|(k, _)| *k == key).map(|(_, v)| v.as_str()),
+            Item::Rect { data, .. } => data
+                .iter()
+                .find(|(k, _)| *k == key)
+                .map(|(_, v)| v.as_str()),
             _ => None,
         }
     }

@@ -57,7 +57,14 @@ pub fn compare_bars(bars: &[CompareBar], title: &str, what: &str) -> Canvas {
         c.text(lx + 16.0, 44.0, 12.0, Anchor::Start, label, "legend");
         lx += 16.0 + crate::canvas::text_width(label, 12.0) + 18.0;
     }
-    c.text(lx + 10.0, 44.0, 12.0, Anchor::Start, &format!("({what})"), "legend");
+    c.text(
+        lx + 10.0,
+        44.0,
+        12.0,
+        Anchor::Start,
+        &format!("({what})"),
+        "legend",
+    );
     let planner = bars
         .first()
         .and_then(|b| b.compute_s.map(|c| c + b.exposed_comm_s + b.bubble_s));
@@ -70,7 +77,14 @@ pub fn compare_bars(bars: &[CompareBar], title: &str, what: &str) -> Canvas {
         };
         c.text(LEFT - 8.0, y + 14.0, 12.0, Anchor::End, &name, "row");
         let strategy: String = b.strategy.chars().take(40).collect();
-        c.text(LEFT - 8.0, y + 28.0, 9.0, Anchor::End, &strategy, "strategy");
+        c.text(
+            LEFT - 8.0,
+            y + 28.0,
+            9.0,
+            Anchor::End,
+            &strategy,
+            "strategy",
+        );
         let Some(compute) = b.compute_s else {
             c.text(
                 LEFT + 4.0,
@@ -90,7 +104,11 @@ pub fn compare_bars(bars: &[CompareBar], title: &str, what: &str) -> Canvas {
             }
         }
         let total = compute + b.exposed_comm_s + b.bubble_s;
-        let mut note = fmt_time(total, nice_step(total / 1000.0));
+        let mut note = if total >= 1.0 {
+            format!("{total:.3} s")
+        } else {
+            fmt_time(total, nice_step(total / 1000.0))
+        };
         if let Some(p) = planner.filter(|p| *p > 0.0) {
             note.push_str(&format!("  x{:.2}", total / p));
         }

@@ -106,7 +106,10 @@ pub fn gantt(tl: &Timeline, title: &str) -> Canvas {
         };
         legend(&mut c, color(*kind, 0), label);
     }
-    if spans.iter().any(|s| s.lane == Lane::Compute && s.comm_s > 0.0) {
+    if spans
+        .iter()
+        .any(|s| s.lane == Lane::Compute && s.comm_s > 0.0)
+    {
         legend(&mut c, COMM_IN_TASK, "collectives inside a task");
     }
 
@@ -127,7 +130,16 @@ pub fn gantt(tl: &Timeline, title: &str) -> Canvas {
 
     // Time axis.
     let axis_y = TOP + pp as f64 * ROW + 2.0;
-    c.line(LEFT, axis_y, LEFT + end * k, axis_y, Rgb(0, 0, 0), 1.0, false, "axis");
+    c.line(
+        LEFT,
+        axis_y,
+        LEFT + end * k,
+        axis_y,
+        Rgb(0, 0, 0),
+        1.0,
+        false,
+        "axis",
+    );
     let step = nice_step(end / 8.0);
     let mut t = 0.0;
     while t <= end * (1.0 + 1e-9) {

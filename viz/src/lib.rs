@@ -44,7 +44,12 @@ pub fn timeline_of(plan: &Plan) -> Result<Timeline, String> {
         .map_err(|e| format!("field `predicted.timeline`: {e}"))?;
     tl.validate()
         .map_err(|e| format!("field `predicted.timeline`: {e}"))?;
-    let stages = plan.mesh.axes.iter().position(|a| a == "pp").map(|i| plan.mesh.shape[i]);
+    let stages = plan
+        .mesh
+        .axes
+        .iter()
+        .position(|a| a == "pp")
+        .map(|i| plan.mesh.shape[i]);
     if stages != Some(tl.pp() as u64) {
         return Err(format!(
             "field `predicted.timeline`: {} stages, but the mesh's pp axis is {stages:?}",
@@ -83,7 +88,9 @@ pub fn plan_figures(plan: &Plan) -> Result<Vec<Figure>, String> {
         title: format!("{}: device mesh", heading(plan)),
     };
     if plan.mesh.axes.len() != plan.mesh.shape.len() || plan.mesh.shape.contains(&0) {
-        return Err("field `mesh`: `axes` and `shape` must have the same length and sizes >= 1".into());
+        return Err(
+            "field `mesh`: `axes` and `shape` must have the same length and sizes >= 1".into(),
+        );
     }
     Ok(vec![
         Figure {

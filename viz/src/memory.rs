@@ -84,7 +84,14 @@ pub fn memory_bars(
             false,
             "grid",
         );
-        c.text(LEFT - 8.0, y + 4.0, 11.0, Anchor::End, &format!("{g}"), "tick");
+        c.text(
+            LEFT - 8.0,
+            y + 4.0,
+            11.0,
+            Anchor::End,
+            &format!("{g}"),
+            "tick",
+        );
         g += step;
     }
     c.text(10.0, TOP - 10.0, 11.0, Anchor::Start, "GiB", "tick");

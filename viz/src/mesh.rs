@@ -383,13 +383,7 @@ pub fn mesh_map(m: &MeshDesc) -> Canvas {
             if v.len() <= 6 {
                 v.iter().map(u64::to_string).collect::<Vec<_>>().join(", ")
             } else {
-                format!(
-                    "{}, {}, {}, ..., {}",
-                    v[0],
-                    v[1],
-                    v[2],
-                    v[v.len() - 1]
-                )
+                format!("{}, {}, {}, ..., {}", v[0], v[1], v[2], v[v.len() - 1])
             }
         };
         c.rect(10.0, y - 11.0, 14.0, 14.0, color, &format!("link-{class}"));

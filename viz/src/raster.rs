@@ -108,7 +108,16 @@ pub fn to_png(canvas: &Canvas, scale: f64) -> Result<Vec<u8>, String> {
                 color,
                 text,
                 ..
-            } => draw_text(&mut pm, &font, x * scale, y * scale, size * scale, *anchor, *color, text),
+            } => draw_text(
+                &mut pm,
+                &font,
+                x * scale,
+                y * scale,
+                size * scale,
+                *anchor,
+                *color,
+                text,
+            ),
         }
     }
     let mut out = Vec::new();
