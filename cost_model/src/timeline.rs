@@ -352,14 +352,16 @@ fn fill_bubbles(pp: usize, end: f64, spans: &mut Vec<Span>) {
             .map(|s| (s.start_s, s.end_s))
             .collect();
         busy.sort_by(|a, b| a.0.total_cmp(&b.0));
+        // Gaps of rounding size are not waits.
+        let eps = 1e-12 * end.abs();
         let mut t = 0.0;
         for (a, b) in busy {
-            if a > t {
+            if a > t + eps {
                 bubbles.push(span(stage, SpanKind::Bubble, t, a));
             }
             t = t.max(b);
         }
-        if end > t {
+        if end > t + eps {
             bubbles.push(span(stage, SpanKind::Bubble, t, end));
         }
     }
