@@ -94,7 +94,7 @@ enum Command {
         #[arg(long)]
         figures: Option<PathBuf>,
         /// Write the figures as PNG instead of SVG.
-        #[arg(long)]
+        #[arg(long, requires = "figures")]
         png: bool,
         /// Also write the predicted schedule as a Chrome trace (Perfetto, chrome://tracing).
         #[arg(long)]
@@ -138,7 +138,7 @@ enum Command {
         #[arg(long)]
         figures: Option<PathBuf>,
         /// Write the figure as PNG instead of SVG.
-        #[arg(long)]
+        #[arg(long, requires = "figures")]
         png: bool,
         #[command(flatten)]
         workload: WorkloadFlags,

@@ -34,6 +34,17 @@ pub fn fmt_time(t: f64, step: f64) -> String {
     format!("{v:.decimals$} {unit}")
 }
 
+/// A duration to four significant figures or so: `6.667 s`, `263.79 ms`, `40.1 us`.
+pub fn fmt_dur(t: f64) -> String {
+    if t >= 1.0 {
+        format!("{t:.3} s")
+    } else if t >= 1e-3 {
+        format!("{:.2} ms", t * 1e3)
+    } else {
+        format!("{:.1} us", t * 1e6)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -48,5 +59,8 @@ mod tests {
         assert_eq!(fmt_time(0.012, 0.002), "12 ms");
         assert_eq!(fmt_time(0.0125, 0.0005), "12.5 ms");
         assert_eq!(fmt_time(3e-5, 1e-5), "30 us");
+        assert_eq!(fmt_dur(6.6670114), "6.667 s");
+        assert_eq!(fmt_dur(0.26378), "263.78 ms");
+        assert_eq!(fmt_dur(4.01e-5), "40.1 us");
     }
 }

@@ -1,7 +1,7 @@
 //! `compare`'s candidates side by side: each one's step time split into compute,
 //! exposed communication and pipeline bubble (the estimate's `time_breakdown_s`).
 
-use crate::axis::{fmt_time, nice_step};
+use crate::axis::fmt_dur;
 use crate::canvas::{Anchor, Canvas, Rgb};
 
 /// One candidate.
@@ -104,11 +104,7 @@ pub fn compare_bars(bars: &[CompareBar], title: &str, what: &str) -> Canvas {
             }
         }
         let total = compute + b.exposed_comm_s + b.bubble_s;
-        let mut note = if total >= 1.0 {
-            format!("{total:.3} s")
-        } else {
-            fmt_time(total, nice_step(total / 1000.0))
-        };
+        let mut note = fmt_dur(total);
         if let Some(p) = planner.filter(|p| *p > 0.0) {
             note.push_str(&format!("  x{:.2}", total / p));
         }

@@ -2,7 +2,7 @@
 //! over time (forward, backward, their collectives, sends to the neighbour stage, the
 //! step's tail) and the waits between them (the bubble).
 
-use crate::axis::{fmt_time, nice_step};
+use crate::axis::{fmt_dur, fmt_time, nice_step};
 use crate::canvas::{text_width, Anchor, Canvas, Rgb};
 use meshplan_cost_model::{Lane, Span, SpanKind, Timeline};
 
@@ -181,13 +181,13 @@ pub fn gantt(tl: &Timeline, title: &str) -> Canvas {
                 t.microbatches,
                 schedule_name(t),
                 t.critical_stage,
-                fmt_time(idle, nice_step(idle.max(1e-9) / 4.0))
+                fmt_dur(idle)
             )
         }
         Timeline::Inference(i) => format!(
             "time -> (one request's prefill, then one decode step of the replica's batch: TTFT {}, TPOT {})",
-            fmt_time(i.ttft_s, nice_step(i.ttft_s / 100.0)),
-            fmt_time(i.tpot_s, nice_step(i.tpot_s / 100.0))
+            fmt_dur(i.ttft_s),
+            fmt_dur(i.tpot_s)
         ),
     };
     c.text(LEFT, axis_y + 40.0, 12.0, Anchor::Start, &note, "note");
