@@ -31,7 +31,9 @@
 //! the simulation does when a partial group of micro-batches would deadlock.
 
 use meshplan_cost_model::collective::{bytes_sent_per_rank, Collective};
-use meshplan_cost_model::{Cluster, Estimate, PreparedGraph};
+use meshplan_cost_model::{
+    inference_timeline, train_timeline, Cluster, Estimate, InferenceLoad, PreparedGraph, Timeline,
+};
 use meshplan_ir::graph::Segment;
 use meshplan_ir::plan::{
     Axis, ChunkProgram, ChunkSegment, ClusterInfo, CollectiveKind, GroupSpec, Instr, LocalTensor,
@@ -1483,14 +1485,55 @@ pub fn lower_inference(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
     assemble(input, PlanKind::Inference, programs)
 }
 
+/// The estimate's timeline for the lowered configuration (same graph, cluster and
+/// layer split as the estimate the plan carries).
+fn timeline_of(input: &LowerInput<'_>) -> Result<Timeline, LowerError> {
+    let r = match input.workload {
+        Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } => train_timeline(
+            input.prepared,
+            input.cluster,
+            input.cfg,
+            *seq_len,
+            *global_batch,
+            Some(input.layer_split),
+        )
+        .map(|(_, t)| Timeline::Train(t)),
+        Workload::Inference { .. } => match InferenceLoad::from_workload(input.workload) {
+            Some(load) => inference_timeline(input.prepared, input.cluster, input.cfg, &load)
+                .map(|(_, t)| Timeline::Inference(t)),
+            None => {
+                return Err(invalid(
+                    "workload",
+                    "an inference workload without its load".into(),
+                ))
+            }
+        },
+    };
+    r.map_err(|e| invalid("timeline", e.reason))
+}
+
 fn assemble(
     input: &LowerInput<'_>,
     kind: PlanKind,
     programs: Vec<Program>,
 ) -> Result<Plan, LowerError> {
     let cfg = input.cfg;
-    let predicted = serde_json::to_value(input.estimate)
+    let mut predicted = serde_json::to_value(input.estimate)
         .map_err(|e| invalid("estimate", format!("does not serialise: {e}")))?;
+    // The schedule the estimate simulated, so pictures and the predicted trace of a
+    // plan file replay the cost model's own timeline.
+    let timeline = timeline_of(input)?;
+    if let serde_json::Value::Object(m) = &mut predicted {
+        m.insert(
+            "timeline".into(),
+            serde_json::to_value(&timeline)
+                .map_err(|e| invalid("timeline", format!("does not serialise: {e}")))?,
+        );
+    }
     Ok(Plan {
         format: PLAN_FORMAT,
         kind,
