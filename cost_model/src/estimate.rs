@@ -129,6 +129,12 @@ pub fn check_train_shapes(
     seq: u64,
 ) -> Result<(), Unsupported> {
     check_shapes(pg, cfg, seq)?;
+    if pg.tied && cfg.pp > 1 && cfg.zero >= 3 {
+        return Err(unsupported(format!(
+            "tied embeddings on pp({}) stages with zero=3: the first and last stage reduce the shared table's gradient before the data axis shards it; use zero <= 2 or untie the embeddings",
+            cfg.pp
+        )));
+    }
     if pg.experts > 0 && cfg.ep > 1 && cfg.tp > 1 && !cfg.sp {
         return Err(unsupported(format!(
             "ep({}) > 1 with tp({}) > 1 needs sp=true: each tensor rank dispatches its own slice of the tokens",
@@ -214,6 +220,8 @@ pub struct Groups {
     pub ep: GroupShape,
     /// Data axis for expert weights.
     pub edp: GroupShape,
+    /// The first and the last pipeline stage (a tied embedding's two holders).
+    pub embed: GroupShape,
     /// Consecutive pipeline stages share a node.
     pub pp_same_node: bool,
 }
@@ -241,6 +249,7 @@ impl Groups {
             } else {
                 GroupShape::of_axis(dense_dp, cfg.tp, gpn)
             },
+            embed: GroupShape::of_axis(2, (cfg.pp.max(2) - 1) * stage, gpn),
             pp_same_node: stage < gpn,
         }
     }
@@ -497,7 +506,7 @@ fn train_impl(
     let (roof, comm) = (ctx.roof, ctx.comm);
     let seq = seq_len as f64;
     let costs = ctx.price(pg);
-    let (chunks, _) = build_chunks(pg, &costs, nchunks, split);
+    let (chunks, shared) = build_chunks(pg, &costs, nchunks, split);
     let microbatches = global_batch.div_ceil(cfg.dp * cfg.mbs);
     if cfg.vpp > 1 && microbatches < cfg.pp {
         return Err(unsupported(format!(
@@ -538,6 +547,7 @@ fn train_impl(
     let mut crit = (0.0f64, 0.0f64, 0.0f64); // (compute, comm, dp+optimizer tail) of the busiest stage
     let mut stage_mem = Vec::with_capacity(pp);
     let mut sp_sync_bytes_stage: Vec<f64> = Vec::with_capacity(pp);
+    let mut tied_bytes_stage: Vec<f64> = Vec::with_capacity(pp);
     let mut busiest_work = 0.0f64;
     let mut tails: Vec<StageTail> = Vec::with_capacity(if want_timeline { pp } else { 0 });
     let mut critical_stage = 0usize;
@@ -607,6 +617,20 @@ fn train_impl(
             (0.0, 0.0)
         };
         sp_sync_bytes_stage.push(sp_sync_bytes);
+        // A table tied between embedding and head lives on the first and the last
+        // stage: their gradients meet in one AllReduce per step (Megatron's embedding
+        // group), before the data-parallel reduction, exposed like it.
+        let (tied_s, tied_bytes) = if pp > 1 && shared > 0.0 && (i == 0 || i == pp - 1) {
+            let g = shared * bpe;
+            (
+                comm.time_s(Collective::AllReduce, groups.embed, g),
+                bytes_sent_per_rank(Collective::AllReduce, 2, g),
+            )
+        } else {
+            (0.0, 0.0)
+        };
+        let exposed_dp = exposed_dp + tied_s;
+        tied_bytes_stage.push(tied_bytes);
         let opt_params = dense / if cfg.zero >= 1 { dense_dp as f64 } else { 1.0 }
             + expert / if cfg.zero >= 1 { expert_dp as f64 } else { 1.0 };
         let optimizer_s = roof.memory_s(opt_params * calib::ADAMW_BYTES_PER_PARAM);
@@ -759,7 +783,7 @@ fn train_impl(
     let cp_bytes = busiest(|c| c.cp_bytes);
     let ep_bytes = busiest(|c| c.ep_bytes);
     let pp_bytes = (0..pp)
-        .map(|i| transfers(i) * p2p_bytes)
+        .map(|i| transfers(i) * p2p_bytes + tied_bytes_stage[i])
         .fold(0.0, f64::max);
 
     let capacity = cluster.gpu.memory_bytes;

@@ -472,6 +472,30 @@ impl Layout<'_> {
         (dense, experts)
     }
 
+    /// Weight elements this rank holds of the tables the embedding and the head share.
+    fn tied_params(&self) -> f64 {
+        let weights = |kind: SegmentKind| -> Vec<TensorId> {
+            self.graph
+                .segments
+                .iter()
+                .filter(|s| s.kind == kind)
+                .flat_map(|s| s.ops.iter().flat_map(|o| o.inputs.iter().copied()))
+                .collect()
+        };
+        let head = weights(SegmentKind::Head);
+        // Count the embedding's weights the head also reads, skipping the others.
+        let mut held: Vec<TensorId> = weights(SegmentKind::Embed)
+            .into_iter()
+            .filter(|w| !head.contains(w))
+            .collect();
+        self.graph
+            .segments
+            .iter()
+            .filter(|s| s.kind == SegmentKind::Embed)
+            .map(|s| self.params(s, &mut held).0)
+            .sum()
+    }
+
     /// One copy of a segment for one micro-batch: forward and backward instructions.
     fn segment(&self, seg: &Segment, held: &mut Vec<TensorId>) -> SegmentLowered {
         let mut forward = Vec::new();
@@ -870,7 +894,9 @@ pub fn stage_orders(
 /// Communication groups of a configuration (the cost model's `Groups::new` layout:
 /// tensor innermost, then context, data, pipeline; experts on contiguous blocks of
 /// `ep` ranks inside a stage, the expert data group strided by `ep`).
-fn mesh_info(cfg: &ParallelConfig) -> MeshInfo {
+/// `tied`: embedding and head share a table, so with several stages the first and
+/// the last form the `embed` group that reduces its gradient.
+fn mesh_info(cfg: &ParallelConfig, tied: bool) -> MeshInfo {
     let axes = ["pp", "dp", "cp", "tp"].map(String::from).to_vec();
     let stage_ranks = cfg.dp * cfg.cp * cfg.tp;
     let ep = cfg.ep.max(1);
@@ -896,7 +922,10 @@ fn mesh_info(cfg: &ParallelConfig) -> MeshInfo {
                 group("edp", &["dp", "cp"], cfg.dp * cfg.cp, 1)
             },
             group("pp", &["pp"], cfg.pp, 1),
-        ],
+        ]
+        .into_iter()
+        .chain((tied && cfg.pp > 1).then(|| group("embed", &["pp"], 2, cfg.pp - 1)))
+        .collect(),
     }
 }
 
@@ -1210,6 +1239,22 @@ fn build_phase(
         };
         if spec.training {
             phase.step = optimizer_step(layout, dense, experts, spec.bucket_params);
+            let tied = layout.tied_params();
+            if pp > 1 && tied > 0.0 && (i == 0 || i == pp - 1) {
+                // The first and the last stage each hold the tied table: its two
+                // gradients are summed before the data-parallel reduction.
+                phase.step.insert(
+                    0,
+                    collective(
+                        CollectiveKind::AllReduce,
+                        "embed",
+                        Axis::Pp,
+                        2,
+                        "grads:tied".into(),
+                        tied * layout.bpe,
+                    ),
+                );
+            }
             if seq_partial > 0.0 {
                 // First, so the data-parallel reduction sees whole gradients.
                 phase.step.insert(
@@ -1546,7 +1591,7 @@ fn assemble(
             gpu_memory_bytes: input.cluster.gpu.memory_bytes,
         },
         workload: input.workload.clone(),
-        mesh: mesh_info(cfg),
+        mesh: mesh_info(cfg, input.prepared.tied),
         strategy: *cfg,
         layer_split: input.layer_split.to_vec(),
         placements: placements_map(&input.placements)?,
