@@ -5,7 +5,7 @@
 //!
 //! (Generated from the signatures of `meshplan_kernels::cpu`; keep them in step.)
 
-use meshplan_kernels::cpu::{self, AttnDims, KernelError, Transpose};
+use meshplan_kernels::cpu::{self, AttnDims, Dropout, KernelError, Transpose};
 
 /// The kernels an interpreter needs, forward and backward.
 #[allow(clippy::too_many_arguments)] // the kernels' own argument lists
@@ -76,6 +76,7 @@ pub trait Backend: Send + Sync {
         scale: f32,
         out: &mut [f32],
         lse: &mut [f32],
+        dropout: Option<&Dropout<'_>>,
     ) -> Result<(), KernelError>;
 
     /// Folds a partial result `(o_blk, lse_blk)` over another set of keys into
@@ -105,6 +106,7 @@ pub trait Backend: Send + Sync {
         d_q: &mut [f32],
         d_k: &mut [f32],
         d_v: &mut [f32],
+        dropout: Option<&Dropout<'_>>,
     ) -> Result<(), KernelError>;
 
     /// `out[t, :] = table[ids[t] - vocab_start, :]` for ids owned by this shard,
@@ -441,8 +443,11 @@ impl Backend for CpuBackend {
         scale: f32,
         out: &mut [f32],
         lse: &mut [f32],
+        dropout: Option<&Dropout<'_>>,
     ) -> Result<(), KernelError> {
-        cpu::attention_fwd(dims, q, k, v, q_pos0, k_pos0, causal, scale, out, lse)
+        cpu::attention_fwd(
+            dims, q, k, v, q_pos0, k_pos0, causal, scale, out, lse, dropout,
+        )
     }
 
     fn attention_merge(
@@ -472,9 +477,10 @@ impl Backend for CpuBackend {
         d_q: &mut [f32],
         d_k: &mut [f32],
         d_v: &mut [f32],
+        dropout: Option<&Dropout<'_>>,
     ) -> Result<(), KernelError> {
         cpu::attention_bwd(
-            dims, q, k, v, o, lse, d_o, q_pos0, k_pos0, causal, scale, d_q, d_k, d_v,
+            dims, q, k, v, o, lse, d_o, q_pos0, k_pos0, causal, scale, d_q, d_k, d_v, dropout,
         )
     }
 

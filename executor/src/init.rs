@@ -56,6 +56,18 @@ pub fn init_full(seed: u64, name: &str, layer: u64, elems: usize, kind: InitKind
     }
 }
 
+/// Whether a dropout entry survives: a counter-based draw from the run's seed, the
+/// step, the dropout site and the entry's global coordinates, so it is the same on
+/// every rank that holds the entry and in every recomputation.
+pub fn dropout_keep(seed: u64, step: u64, site: u64, coords: [u64; 3], p: f64) -> bool {
+    let mut z = splitmix(seed ^ splitmix(step ^ splitmix(site)));
+    for c in coords {
+        z = splitmix(z ^ c);
+    }
+    // 53 random bits as a uniform draw in [0, 1).
+    ((z >> 11) as f64) * (1.0 / (1u64 << 53) as f64) >= p
+}
+
 /// The synthetic token stream: sequence `seq_index` of step `step` has `len + 1`
 /// tokens (inputs and next-token labels) drawn from a fixed pattern plus noise, so a
 /// model can learn it and the loss falls.

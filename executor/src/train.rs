@@ -292,6 +292,8 @@ struct RankState<'a> {
     peak_act_bytes: f64,
     expert_slots: (u64, u64),
     tracer: crate::trace::Tracer,
+    /// The micro-batch the running task belongs to (dropout masks are keyed by it).
+    cur_mb: u64,
 }
 
 impl Store {
@@ -391,16 +393,6 @@ impl<'a> RankState<'a> {
         }
         // Programs the CPU executor cannot run faithfully: refuse rather than
         // compute something else.
-        if graph
-            .segments
-            .iter()
-            .flat_map(|s| &s.ops)
-            .any(|o| matches!(o.kind, OpKind::Dropout))
-        {
-            return Err(fail(
-                "dropout layers are not run by the CPU executor (they would be an identity); set `dropout: false` in the model",
-            ));
-        }
         let mut st = RankState {
             be,
             plan,
@@ -433,6 +425,7 @@ impl<'a> RankState<'a> {
             peak_act_bytes: 0.0,
             expert_slots: (0, 0),
             tracer: crate::trace::Tracer::new(t0, opts.trace),
+            cur_mb: 0,
         };
         st.init_weights()?;
         Ok(st)
@@ -619,6 +612,7 @@ impl<'a> RankState<'a> {
                 .find(|c| c.chunk == task.chunk)
                 .ok_or_else(|| fail(format!("schedule names chunk {}", task.chunk)))?;
             let t = self.tracer.begin();
+            self.cur_mb = task.mb;
             match task.pass {
                 Pass::F => {
                     let mut store = Store::default();
@@ -684,6 +678,96 @@ impl<'a> RankState<'a> {
         store.put((NO_LAYER, "tokens".into()), tokens);
         store.put((NO_LAYER, "labels".into()), labels);
         Ok(())
+    }
+
+    /// Global (sample, position) of local row `r` of a sequence-major activation of
+    /// `rows` rows: the micro-batch's samples of this data rank, positions offset by
+    /// the context rank and, when sequence parallelism split the rows, the tensor rank.
+    fn row_coords(&self, r: usize, rows: usize) -> (u64, u64) {
+        let b = self.mbs.max(1);
+        let s_cp = self.seq_len / self.cp.size.max(1);
+        let s_rows = (rows / b).max(1);
+        let sp_off = if s_rows < s_cp {
+            self.tp.rank * s_rows
+        } else {
+            0
+        };
+        let per_dp = self.global_batch / self.dp_size.max(1);
+        let sample = self.dp_index * per_dp + self.cur_mb as usize * b + r % b;
+        let pos = self.cp.rank * s_cp + sp_off + r / b;
+        (sample as u64, pos as u64)
+    }
+
+    /// A dropout op's mask over its `rows x width` input: `1 / (1 - p)` where an entry
+    /// survives, 0 where it drops; a pure function of the run's seed, the step, the op
+    /// and layer, and the entry's global sample, position and column, so every
+    /// sharding (and recomputation) draws the same mask.
+    fn dropout_mask(&self, op: &Op, l: u64, rows: usize, width: usize) -> Vec<f32> {
+        let p = self.graph.constants.dropout_p;
+        let inv = (1.0 / (1.0 - p)) as f32;
+        let site = crate::init::name_hash(&op.name) ^ l;
+        let mut mask = vec![0.0f32; rows * width];
+        for r in 0..rows {
+            let (sample, pos) = self.row_coords(r, rows);
+            for (j, m) in mask[r * width..(r + 1) * width].iter_mut().enumerate() {
+                let keep = crate::init::dropout_keep(
+                    self.opts.seed,
+                    self.step_no,
+                    site,
+                    [sample, pos, j as u64],
+                    p,
+                );
+                *m = if keep { inv } else { 0.0 };
+            }
+        }
+        mask
+    }
+
+    /// Attention-probability dropout of a graph with dropout layers: `p` and the
+    /// keep function over (local batch row, local head, query, key position), keyed
+    /// by global sample and head so that every sharding draws the same mask.
+    #[allow(clippy::type_complexity)]
+    fn attention_keep(
+        &self,
+        op: &Op,
+        l: u64,
+    ) -> Option<(f32, Box<dyn Fn(usize, usize, usize, usize) -> bool + Sync>)> {
+        let has_dropout = self
+            .graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .any(|o| matches!(o.kind, OpKind::Dropout));
+        let p = self.graph.constants.dropout_p;
+        if !has_dropout || p <= 0.0 {
+            return None;
+        }
+        let OpKind::Attention(a) = &op.kind else {
+            return None;
+        };
+        let head0 = if op.role == TpRole::Replicated {
+            0
+        } else {
+            local_heads(a.heads, a.kv_heads, self.tp).0 * self.tp.rank
+        };
+        let per_dp = self.global_batch / self.dp_size.max(1);
+        let sample0 = (self.dp_index * per_dp + self.cur_mb as usize * self.mbs) as u64;
+        let (seed, step) = (self.opts.seed, self.step_no);
+        let site = crate::init::name_hash(&op.name) ^ l ^ 0xa77e_0000;
+        Some((
+            p as f32,
+            Box::new(move |b, h, i, j| {
+                let head = (head0 + h) as u64;
+                let sample = sample0 + b as u64;
+                crate::init::dropout_keep(
+                    seed,
+                    step,
+                    site ^ (head << 40),
+                    [sample, i as u64, j as u64],
+                    p,
+                )
+            }),
+        ))
     }
 
     fn vocab(&self) -> u64 {
@@ -1149,12 +1233,34 @@ impl<'a> RankState<'a> {
                 let mut lse = vec![0.0; dims.batch * hq * dims.sq];
                 let pos0 = self.cp.rank * self.seq_len / self.cp.size;
                 let scale = 1.0 / (a.qk_dim as f32).sqrt();
+                let keep = self.attention_keep(op, l);
+                let dropout = keep.as_ref().map(|(p, f)| k::Dropout { p: *p, keep: f });
                 if self.cp.size > 1 {
-                    self.ring_forward(&dims, &q, &kk, &v, a.causal, scale, &mut o, &mut lse)?;
+                    self.ring_forward(
+                        &dims,
+                        &q,
+                        &kk,
+                        &v,
+                        a.causal,
+                        scale,
+                        &mut o,
+                        &mut lse,
+                        dropout.as_ref(),
+                    )?;
                 } else {
                     self.be
                         .attention_fwd(
-                            &dims, &q, &kk, &v, pos0, pos0, a.causal, scale, &mut o, &mut lse,
+                            &dims,
+                            &q,
+                            &kk,
+                            &v,
+                            pos0,
+                            pos0,
+                            a.causal,
+                            scale,
+                            &mut o,
+                            &mut lse,
+                            dropout.as_ref(),
                         )
                         .map_err(kerr(&op.name))?;
                 }
@@ -1191,9 +1297,15 @@ impl<'a> RankState<'a> {
                 store.put((l, out), y);
             }
             OpKind::Dropout => {
-                // Probability 0 in the models the CPU executor runs: an identity.
                 let x = self.act(store, l, op.inputs[0])?;
-                store.put((l, out), x.to_vec());
+                let width = match self.graph.tensor(op.inputs[0]).shape.last() {
+                    Some(meshplan_ir::Dim::Fixed(w)) => *w as usize,
+                    _ => return Err(fail(format!("{}: input width is not fixed", op.name))),
+                };
+                let mask = self.dropout_mask(op, l, x.len() / width.max(1), width);
+                let y: Vec<f32> = x.iter().zip(&mask).map(|(a, m)| a * m).collect();
+                store.put((l, format!("{}#mask", op.name)), mask);
+                store.put((l, out), y);
             }
             OpKind::CrossEntropy { .. } => {
                 let logits = self.act(store, l, op.inputs[0])?;
@@ -2086,6 +2198,7 @@ impl RankState<'_> {
         scale: f32,
         o: &mut [f32],
         lse: &mut [f32],
+        dropout: Option<&k::Dropout<'_>>,
     ) -> Result<(), RankError> {
         let g = self.group("cp")?;
         let n = g.size();
@@ -2114,6 +2227,7 @@ impl RankState<'_> {
                     scale,
                     &mut ob,
                     &mut lb,
+                    dropout,
                 )
                 .map_err(kerr("ring attention"))?;
             self.be
@@ -2145,6 +2259,7 @@ impl RankState<'_> {
         dq: &mut [f32],
         dk: &mut [f32],
         dv: &mut [f32],
+        dropout: Option<&k::Dropout<'_>>,
     ) -> Result<(), RankError> {
         let g = self.group("cp")?;
         let n = g.size();
@@ -2175,6 +2290,7 @@ impl RankState<'_> {
                     dq,
                     gk,
                     gv,
+                    dropout,
                 )
                 .map_err(kerr("ring attention"))?;
             if t + 1 < n {
@@ -2498,18 +2614,44 @@ impl RankState<'_> {
                 let mut dq = vec![0.0; q.len()];
                 let mut dk = vec![0.0; kk.len()];
                 let mut dv = vec![0.0; v.len()];
+                let keep = self.attention_keep(op, l);
+                let dropout = keep.as_ref().map(|(p, f)| k::Dropout { p: *p, keep: f });
                 let pos0 = self.cp.rank * self.seq_len / self.cp.size;
                 let scale = 1.0 / (a.qk_dim as f32).sqrt();
                 if self.cp.size > 1 {
                     self.ring_backward(
-                        &dims, &q, &kk, &v, &o, &lse, &d_o, a.causal, scale, &mut dq, &mut dk,
+                        &dims,
+                        &q,
+                        &kk,
+                        &v,
+                        &o,
+                        &lse,
+                        &d_o,
+                        a.causal,
+                        scale,
+                        &mut dq,
+                        &mut dk,
                         &mut dv,
+                        dropout.as_ref(),
                     )?;
                 } else {
                     self.be
                         .attention_bwd(
-                            &dims, &q, &kk, &v, &o, &lse, &d_o, pos0, pos0, a.causal, scale,
-                            &mut dq, &mut dk, &mut dv,
+                            &dims,
+                            &q,
+                            &kk,
+                            &v,
+                            &o,
+                            &lse,
+                            &d_o,
+                            pos0,
+                            pos0,
+                            a.causal,
+                            scale,
+                            &mut dq,
+                            &mut dk,
+                            &mut dv,
+                            dropout.as_ref(),
                         )
                         .map_err(kerr(&op.name))?;
                 }
@@ -2537,7 +2679,11 @@ impl RankState<'_> {
                 Self::add_grad(store, l, &in_name(0), dy);
                 Self::add_grad(store, l, &in_name(1), dy);
             }
-            OpKind::Dropout => Self::add_grad(store, l, &in_name(0), dy),
+            OpKind::Dropout => {
+                let mask = store.kept(l, &format!("{}#mask", op.name))?;
+                let dx: Vec<f32> = dy.iter().zip(mask.iter()).map(|(g, m)| g * m).collect();
+                Self::add_grad_vec(store, l, &in_name(0), dx);
+            }
             OpKind::CrossEntropy { .. } => {}
             OpKind::Experts(e) => self.experts_backward(op, e, l, store, dy)?,
             OpKind::Router { .. } => {

@@ -596,6 +596,7 @@ pub fn build_transformer(name: &str, t: &TransformerSpec, dtype: DType) -> Graph
         constants: Constants {
             rope_theta: t.rope_theta,
             norm_eps: t.norm_eps,
+            dropout_p: crate::graph::DEFAULT_DROPOUT_P,
         },
     }
 }

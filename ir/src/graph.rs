@@ -366,6 +366,17 @@ pub struct Constants {
     pub rope_theta: f64,
     /// Normalisation epsilon.
     pub norm_eps: f64,
+    /// Probability of dropping an entry, where the graph has dropout (its dropout ops
+    /// and the attention probabilities).
+    #[serde(default = "default_dropout_p")]
+    pub dropout_p: f64,
+}
+
+/// GPT-2's and GPT-3's `resid_pdrop` and `attn_pdrop`.
+pub const DEFAULT_DROPOUT_P: f64 = 0.1;
+
+fn default_dropout_p() -> f64 {
+    DEFAULT_DROPOUT_P
 }
 
 impl Default for Constants {
@@ -373,6 +384,7 @@ impl Default for Constants {
         Constants {
             rope_theta: 10000.0,
             norm_eps: 1e-5,
+            dropout_p: DEFAULT_DROPOUT_P,
         }
     }
 }

@@ -230,7 +230,7 @@ fn a_failing_rank_stops_every_rank_with_a_message() {
 }
 
 #[test]
-fn layouts_the_executor_cannot_run_faithfully_are_refused() {
+fn tied_embeddings_and_dropout_train_like_one_rank() {
     let text = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");
     let variant = |from: &str, to: &str, name: &str| {
         let spec = meshplan_ir::parse_model_yaml(&text.replace(from, to), name)
@@ -251,8 +251,28 @@ fn layouts_the_executor_cannot_run_faithfully_are_refused() {
         "position: rope\n  dropout: true",
         "dropout.yaml",
     );
-    let err = train(&plan(&dropout, "dp=2"), &TrainOptions::default()).expect_err("refused");
-    assert!(err.message.contains("dropout"), "{}", err.message);
+    // Dropout masks are drawn from global coordinates (sample, position, column or
+    // head and key), so every sharding, and recomputation, drops the same entries.
+    for cfg in [
+        "dp=2",
+        "tp=2,sp=true",
+        "cp=2",
+        "dp=2,tp=2,pp=2,mbs=1",
+        "tp=2,cp=2,recompute=full",
+        "dp=2,recompute=selective",
+        "dp=2,tp=2,sp=true,mbs=2",
+    ] {
+        check(&dropout, cfg);
+    }
+    // And dropout is on: the first loss differs from the same model without it.
+    let without = train(&plan(&model("tiny-gpt"), "dp=2"), &TrainOptions::default()).unwrap();
+    let with = train(&plan(&dropout, "dp=2"), &TrainOptions::default()).unwrap();
+    assert!(
+        (with.losses[0] - without.losses[0]).abs() > 1e-4 * without.losses[0],
+        "{} vs {}",
+        with.losses[0],
+        without.losses[0]
+    );
 }
 
 #[test]

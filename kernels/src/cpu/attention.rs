@@ -28,6 +28,48 @@ use super::{check_len, invalid, prod, KernelError};
 /// Number of keys processed per tile of the online softmax.
 pub const KEY_TILE: usize = 64;
 
+/// Dropout on the attention probabilities (GPT-2's `attn_pdrop`): probability
+/// `p` of dropping, and `keep(b, h, q_pos, k_pos)` telling, for the call's batch
+/// row `b` and query head `h` at global positions `q_pos`, `k_pos`, whether the
+/// entry survives. A pure function of its arguments, it regenerates the same mask
+/// in the backward (and on every ring block) without storing it; kept entries are
+/// scaled by `1 / (1 - p)`. The log-sum-exp is that of the undropped scores.
+pub struct Dropout<'a> {
+    /// Probability of dropping an entry, in `[0, 1)`.
+    pub p: f32,
+    /// Whether an entry survives.
+    pub keep: &'a (dyn Fn(usize, usize, usize, usize) -> bool + Sync),
+}
+
+impl std::fmt::Debug for Dropout<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dropout").field("p", &self.p).finish()
+    }
+}
+
+impl Dropout<'_> {
+    fn check(&self) -> Result<f32, KernelError> {
+        if !(0.0..1.0).contains(&self.p) {
+            return Err(invalid(
+                "dropout.p",
+                format!("must be in [0, 1), got {}", self.p),
+            ));
+        }
+        Ok(1.0 / (1.0 - self.p))
+    }
+
+    /// Multiplies `row` (keys `k_pos0..` of query `q_pos`) by the mask's scale.
+    fn apply(&self, inv: f32, b: usize, h: usize, q_pos: usize, k_pos0: usize, row: &mut [f32]) {
+        for (j, x) in row.iter_mut().enumerate() {
+            *x *= if (self.keep)(b, h, q_pos, k_pos0 + j) {
+                inv
+            } else {
+                0.0
+            };
+        }
+    }
+}
+
 /// Sizes of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnDims {
@@ -227,8 +269,10 @@ pub fn attention_fwd(
     scale: f32,
     out: &mut [f32],
     lse: &mut [f32],
+    dropout: Option<&Dropout<'_>>,
 ) -> Result<(), KernelError> {
     let group = dims.group()?;
+    let inv_keep = dropout.map(Dropout::check).transpose()?;
     check_len("q", q.len(), dims.q_len()?)?;
     check_len("k", k.len(), dims.k_len()?)?;
     check_len("v", v.len(), dims.v_len()?)?;
@@ -308,6 +352,10 @@ pub fn attention_fwd(
                             }
                             lrow[r] += exp_shift_and_sum(vis, m_new);
                             mrow[r] = m_new;
+                            // The normaliser counts every entry; only P V sees the mask.
+                            if let (Some(dr), Some(inv)) = (dropout, inv_keep) {
+                                dr.apply(inv, b, h, q_pos0 + i0 + r, k_pos0 + t0, vis);
+                            }
                         }
                         matmul(
                             Transpose::No,
@@ -425,8 +473,10 @@ pub fn attention_bwd(
     d_q: &mut [f32],
     d_k: &mut [f32],
     d_v: &mut [f32],
+    dropout: Option<&Dropout<'_>>,
 ) -> Result<(), KernelError> {
     let group = dims.group()?;
+    let inv_keep = dropout.map(Dropout::check).transpose()?;
     let (ql, kl, vl, ol) = (dims.q_len()?, dims.k_len()?, dims.v_len()?, dims.o_len()?);
     check_len("q", q.len(), ql)?;
     check_len("k", k.len(), kl)?;
@@ -465,6 +515,16 @@ pub fn attention_bwd(
     let mut dqb = vec![0.0f32; Q_TILE * d];
     let mut pb = vec![0.0f32; Q_TILE * KEY_TILE];
     let mut dsb = vec![0.0f32; Q_TILE * KEY_TILE];
+    // Under dropout: the mask's scale per entry (Z) and the dropped P (P Z).
+    let mut zb = vec![
+        0.0f32;
+        if dropout.is_some() {
+            Q_TILE * KEY_TILE
+        } else {
+            0
+        }
+    ];
+    let mut pzb = vec![0.0f32; zb.len()];
     let mut lrow = [0.0f32; Q_TILE];
     let mut drow = [0.0f32; Q_TILE];
     let mut nvis = [0usize; Q_TILE];
@@ -527,14 +587,30 @@ pub fn attention_bwd(
                             }
                             hidden.fill(0.0);
                         }
-                        // dV += P^T dO
+                        // Under dropout O = (P Z) V: dV takes P Z, and dP's entries
+                        // are scaled by Z before dS (D = rowsum(dO O) still holds).
+                        let z = if let (Some(dr), Some(inv)) = (dropout, inv_keep) {
+                            let z = &mut zb[..mt * nt];
+                            let pz = &mut pzb[..mt * nt];
+                            for (r, zrow) in z.chunks_exact_mut(nt).enumerate() {
+                                zrow.fill(1.0);
+                                dr.apply(inv, b, h, q_pos0 + i0 + r, k_pos0 + t0, zrow);
+                            }
+                            for ((x, &pj), &zj) in pz.iter_mut().zip(p.iter()).zip(z.iter()) {
+                                *x = pj * zj;
+                            }
+                            Some(&zb[..mt * nt])
+                        } else {
+                            None
+                        };
+                        // dV += (P Z)^T dO
                         matmul(
                             Transpose::Yes,
                             Transpose::No,
                             nt,
                             mt,
                             dv,
-                            p,
+                            if z.is_some() { &pzb[..mt * nt] } else { p },
                             &dob[..mt * dv],
                             1.0,
                             &mut dvb[t0 * dv..(t0 + nt) * dv],
@@ -557,8 +633,17 @@ pub fn attention_bwd(
                         {
                             let lim = nvis[r].saturating_sub(t0).min(nt);
                             let dd = drow[r];
-                            for (x, &pj) in dsrow[..lim].iter_mut().zip(&prow[..lim]) {
-                                *x = scale * pj * (*x - dd);
+                            if let Some(z) = z {
+                                let zrow = &z[r * nt..r * nt + lim];
+                                for ((x, &pj), &zj) in
+                                    dsrow[..lim].iter_mut().zip(&prow[..lim]).zip(zrow)
+                                {
+                                    *x = scale * pj * (*x * zj - dd);
+                                }
+                            } else {
+                                for (x, &pj) in dsrow[..lim].iter_mut().zip(&prow[..lim]) {
+                                    *x = scale * pj * (*x - dd);
+                                }
                             }
                             dsrow[lim..].fill(0.0);
                         }
@@ -630,7 +715,7 @@ mod tests {
         let mut o = vec![f32::NAN; dims.o_len().unwrap()];
         let mut l = vec![f32::NAN; dims.lse_len().unwrap()];
         attention_fwd(
-            &dims, &c.q, k, v, c.q_pos0, k_pos0, c.causal, c.scale, &mut o, &mut l,
+            &dims, &c.q, k, v, c.q_pos0, k_pos0, c.causal, c.scale, &mut o, &mut l, None,
         )
         .unwrap();
         (o, l)
@@ -748,6 +833,7 @@ mod tests {
         let mut dvv = vec![0.0; c.v.len()];
         attention_bwd(
             &dm, &c.q, &c.k, &c.v, &o, &l, &d_o, 3, 5, true, c.scale, &mut dq, &mut dk, &mut dvv,
+            None,
         )
         .unwrap();
         assert!(dq[..2 * 2 * 3].iter().all(|&x| x == 0.0));
@@ -821,7 +907,7 @@ mod tests {
             let mut dvv = vec![0.0; c.v.len()];
             attention_bwd(
                 &dm, &c.q, &c.k, &c.v, &o_full, &l_full, &d_o, 75, 0, causal, c.scale, &mut dq,
-                &mut dk, &mut dvv,
+                &mut dk, &mut dvv, None,
             )
             .unwrap();
             let mut rq = vec![0.0; c.q.len()];
@@ -835,7 +921,7 @@ mod tests {
                 let mut dvb = vec![0.0; vb.len()];
                 attention_bwd(
                     &bd, &c.q, &kb, &vb, &o_acc, &l_acc, &d_o, 75, j0, causal, c.scale, &mut rq,
-                    &mut dkb, &mut dvb,
+                    &mut dkb, &mut dvb, None,
                 )
                 .unwrap();
                 unslice_add(&mut rk, &dkb, &dm, dm.d, j0, j1);
@@ -871,22 +957,31 @@ mod tests {
     }
 
     fn check_fd(c: &Case, k_pos0: usize, seed: u64) {
+        check_fd_dropout(c, k_pos0, seed, None);
+    }
+
+    fn check_fd_dropout(c: &Case, k_pos0: usize, seed: u64, dropout: Option<&Dropout<'_>>) {
         let dm = c.dims;
-        let (o, l) = fwd(c, &c.k, &c.v, dm.sk, k_pos0);
+        let mut o = vec![0.0; dm.o_len().unwrap()];
+        let mut l = vec![0.0; dm.lse_len().unwrap()];
+        attention_fwd(
+            &dm, &c.q, &c.k, &c.v, c.q_pos0, k_pos0, c.causal, c.scale, &mut o, &mut l, dropout,
+        )
+        .unwrap();
         let d_o = Rng::new(seed).vec(o.len());
         let mut dq = vec![0.0; c.q.len()];
         let mut dk = vec![0.0; c.k.len()];
         let mut dvv = vec![0.0; c.v.len()];
         attention_bwd(
             &dm, &c.q, &c.k, &c.v, &o, &l, &d_o, c.q_pos0, k_pos0, c.causal, c.scale, &mut dq,
-            &mut dk, &mut dvv,
+            &mut dk, &mut dvv, dropout,
         )
         .unwrap();
         let loss = |q: &[f32], k: &[f32], v: &[f32]| {
             let mut o = vec![0.0; dm.o_len().unwrap()];
             let mut l = vec![0.0; dm.lse_len().unwrap()];
             attention_fwd(
-                &dm, q, k, v, c.q_pos0, k_pos0, c.causal, c.scale, &mut o, &mut l,
+                &dm, q, k, v, c.q_pos0, k_pos0, c.causal, c.scale, &mut o, &mut l, dropout,
             )
             .unwrap();
             dot64(&d_o, &o)
@@ -910,6 +1005,102 @@ mod tests {
         check_fd(&case(23, dims(1, 3, 70, 2, 1, 3, 2), 67, true), 2, 123);
     }
 
+    /// A fixed pseudo-random mask over (batch row, head, query, key).
+    fn mask(b: usize, h: usize, i: usize, j: usize) -> bool {
+        let x = (b * 1_000_003 + h * 10_007 + i * 101 + j).wrapping_mul(0x9e37_79b9);
+        (x >> 7) % 10 >= 3
+    }
+
+    #[test]
+    fn dropout_forward_matches_masked_naive_and_backward_matches_finite_differences() {
+        let dr = Dropout {
+            p: 0.3,
+            keep: &mask,
+        };
+        let c = case(31, dims(2, 5, 70, 4, 2, 3, 2), 65, true);
+        let dm = c.dims;
+        let mut o = vec![0.0; dm.o_len().unwrap()];
+        let mut l = vec![0.0; dm.lse_len().unwrap()];
+        attention_fwd(
+            &dm,
+            &c.q,
+            &c.k,
+            &c.v,
+            c.q_pos0,
+            0,
+            c.causal,
+            c.scale,
+            &mut o,
+            &mut l,
+            Some(&dr),
+        )
+        .unwrap();
+        // The definition in f64: softmax over every visible key, then each kept
+        // probability scaled by 1 / (1 - p), dropped ones zero; lse undropped.
+        let (_, lse_ref) = naive(&c);
+        assert_close("dropout lse", &l, &lse_ref, 1e-5);
+        let (sq, sk, hq, hkv, d, dv) = (dm.sq, dm.sk, dm.hq, dm.hkv, dm.d, dm.dv);
+        let mut dropped = 0;
+        for b in 0..dm.batch {
+            for h in 0..hq {
+                let g = h / (hq / hkv);
+                for i in 0..sq {
+                    let qpos = c.q_pos0 + i;
+                    let qr = &c.q[((b * sq + i) * hq + h) * d..][..d];
+                    let l = lse_ref[(b * hq + h) * sq + i] as f64;
+                    for e in 0..dv {
+                        let mut acc = 0.0f64;
+                        for j in 0..sk.min(qpos + 1) {
+                            if !mask(b, h, qpos, j) {
+                                dropped += usize::from(e == 0);
+                                continue;
+                            }
+                            let kr = &c.k[((b * sk + j) * hkv + g) * d..][..d];
+                            let pij = (c.scale as f64 * dot64(qr, kr) - l).exp() / 0.7;
+                            acc += pij * c.v[((b * sk + j) * hkv + g) * dv + e] as f64;
+                        }
+                        let got = o[((b * sq + i) * hq + h) * dv + e] as f64;
+                        assert!(
+                            (got - acc).abs() < 1e-4,
+                            "b{b} h{h} i{i} e{e}: {got} vs {acc}"
+                        );
+                    }
+                }
+            }
+        }
+        assert!(dropped > 100, "the mask drops entries ({dropped})");
+        check_fd_dropout(
+            &case(32, dims(1, 5, 6, 4, 1, 3, 2), 1, true),
+            0,
+            132,
+            Some(&dr),
+        );
+        check_fd_dropout(
+            &case(33, dims(1, 3, 70, 2, 1, 3, 2), 67, true),
+            2,
+            133,
+            Some(&dr),
+        );
+        let bad = Dropout {
+            p: 1.0,
+            keep: &mask,
+        };
+        let e = attention_fwd(
+            &dm,
+            &c.q,
+            &c.k,
+            &c.v,
+            0,
+            0,
+            true,
+            1.0,
+            &mut o,
+            &mut l,
+            Some(&bad),
+        );
+        assert!(e.is_err());
+    }
+
     #[test]
     fn fast_exp_is_accurate_and_handles_edges() {
         let mut worst = 0.0f64;
@@ -931,7 +1122,9 @@ mod tests {
         let mut o = [0.0; 3];
         let mut l = [0.0; 3];
         assert!(matches!(
-            attention_fwd(&dm, &[0.0; 3], &[0.0; 2], &[0.0; 2], 0, 0, true, 1.0, &mut o, &mut l),
+            attention_fwd(
+                &dm, &[0.0; 3], &[0.0; 2], &[0.0; 2], 0, 0, true, 1.0, &mut o, &mut l, None
+            ),
             Err(KernelError::Invalid {
                 name: "dims.hkv",
                 ..
@@ -949,7 +1142,8 @@ mod tests {
                 true,
                 1.0,
                 &mut o[..2],
-                &mut l[..2]
+                &mut l[..2],
+                None
             ),
             Err(KernelError::Length { name: "k", .. })
         ));

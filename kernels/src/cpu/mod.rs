@@ -32,7 +32,7 @@ pub mod rope;
 
 pub use activation::{add, add_bwd, gelu_bwd, gelu_fwd, swiglu_bwd, swiglu_fwd};
 pub use adamw::adamw_step;
-pub use attention::{attention_bwd, attention_fwd, attention_merge, AttnDims, KEY_TILE};
+pub use attention::{attention_bwd, attention_fwd, attention_merge, AttnDims, Dropout, KEY_TILE};
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use loss::{ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit};
 pub use matmul::{matmul, matmul_batched, Transpose};
