@@ -108,12 +108,26 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         steps: a.steps,
         ..TrainOptions::default()
     };
-    let report = train(&plan, &opts).map_err(|e| runtime(e.message))?;
+    tracing::info!(
+        "training {} steps of {} on {} ranks (CPU threads)",
+        a.steps,
+        plan.model.name,
+        plan.ranks.len()
+    );
+    let bar = crate::log::spinner(format!("training {} steps", a.steps));
+    let report = train(&plan, &opts).map_err(|e| runtime(e.message));
+    bar.finish_and_clear();
+    let report = report?;
+    tracing::debug!("losses {:?}", report.losses);
     let bytes = byte_mismatches(&plan, &report, a.steps);
     let check = if a.check {
         let reference = reference_plan(&plan).map_err(runtime)?;
+        tracing::info!("training the single-rank reference for --check");
+        let bar = crate::log::spinner(format!("training the reference {} steps", a.steps));
         let base =
-            train(&reference, &opts).map_err(|e| runtime(format!("reference: {}", e.message)))?;
+            train(&reference, &opts).map_err(|e| runtime(format!("reference: {}", e.message)));
+        bar.finish_and_clear();
+        let base = base?;
         Some(check_against(&plan, &report, &base, 1e-5))
     } else {
         None
@@ -129,9 +143,13 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let (routed, exact): (Vec<&String>, Vec<&String>) =
         bytes.iter().partition(|m| m.contains(" ep: "));
     if !routed.is_empty() {
-        eprintln!(
-            "note: expert-parallel bytes depend on the routing; the plan assumes balanced experts:\n  {}",
-            routed.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n  ")
+        tracing::warn!(
+            "expert-parallel bytes depend on the routing; the plan assumes balanced experts:\n  {}",
+            routed
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join("\n  ")
         );
     }
     if a.check && !exact.is_empty() {
