@@ -3,7 +3,7 @@
 //! expert split of a model it did not write (those need Megatron-DeepSpeed, whose
 //! arguments are `--to megatron`'s), so those plans are refused.
 
-use crate::{gib, predicted, train_shape, Refusals, Target};
+use crate::{batch_refusal, gib, predicted, train_shape, Refusals, Target};
 use meshplan_ir::plan::Plan;
 use meshplan_ir::{DType, Recompute};
 use serde_json::{json, Map, Value};
@@ -27,11 +27,12 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
         ));
     }
     let per_step = c.mbs * c.dp;
-    if !global_batch.is_multiple_of(per_step) {
-        r.push(format!(
-            "DeepSpeed requires train_batch_size ({global_batch}) = micro-batch ({}) x gradient accumulation x data-parallel size ({}); {global_batch} is not a multiple of {per_step}",
-            c.mbs, c.dp
-        ));
+    if let Some(why) = batch_refusal(
+        plan,
+        "DeepSpeed (train_batch_size = micro-batch x accumulation x data-parallel size)",
+        global_batch,
+    ) {
+        r.push(why);
     }
     if c.tp_overlap {
         r.push("tp_overlap: there is no tensor axis to overlap under plain DeepSpeed");

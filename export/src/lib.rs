@@ -198,6 +198,24 @@ fn predicted(plan: &Plan, path: &[&str]) -> Option<f64> {
     v.as_f64()
 }
 
+/// The refusal when a framework needs `global_batch` to be a whole number of
+/// micro-batches on every data-parallel replica and the plan's is not: the cost
+/// model priced the rounded-up count, so the batch that count makes is named.
+fn batch_refusal(plan: &Plan, framework: &str, global_batch: u64) -> Option<String> {
+    let c = &plan.strategy;
+    let per_step = c.mbs * c.dp;
+    if global_batch.is_multiple_of(per_step) {
+        return None;
+    }
+    let micro = global_batch.div_ceil(per_step);
+    Some(format!(
+        "{framework} needs the global batch ({global_batch}) to be a multiple of micro-batch x data-parallel size ({} x {} = {per_step}); the plan priced {micro} micro-batches per replica, which is a global batch of {} (or re-plan with a dp that divides {global_batch})",
+        c.mbs,
+        c.dp,
+        micro * per_step
+    ))
+}
+
 fn gib(bytes: f64) -> f64 {
     bytes / (1u64 << 30) as f64
 }

@@ -1,7 +1,7 @@
 //! Megatron-LM (`pretrain_gpt.py`) arguments: parallel degrees, batch, recomputation,
 //! the distributed optimizer, and the model's shape.
 
-use crate::{even_split, train_shape, transformer, ArgList, Refusals, Target};
+use crate::{batch_refusal, even_split, train_shape, transformer, ArgList, Refusals, Target};
 use meshplan_ir::plan::Plan;
 use meshplan_ir::{DType, MlpKind, NormKind, PositionKind, Recompute, Schedule};
 
@@ -38,12 +38,8 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
             first_last = Some((split[0], split[pp - 1]));
         }
     }
-    let replicas = c.dp * c.mbs;
-    if !global_batch.is_multiple_of(replicas) {
-        r.push(format!(
-            "Megatron-LM needs the global batch ({global_batch}) to be a multiple of micro-batch x data-parallel size ({} x {} = {replicas})",
-            c.mbs, c.dp
-        ));
+    if let Some(why) = batch_refusal(plan, "Megatron-LM", global_batch) {
+        r.push(why);
     }
     let vocab_divisor = t.and_then(|t| {
         // Megatron pads the vocabulary to a multiple of divisor x tp; pick the largest

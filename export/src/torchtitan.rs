@@ -2,7 +2,7 @@
 //! `[activation_checkpoint]`): FSDP or DDP for the data axis, TP (always with
 //! sequence parallelism), PP with PyTorch's schedule names, CP, EP.
 
-use crate::{even_split, gib, predicted, provenance, train_shape, Refusals, Target};
+use crate::{batch_refusal, even_split, gib, predicted, provenance, train_shape, Refusals, Target};
 use meshplan_ir::plan::Plan;
 use meshplan_ir::{DType, Recompute, Schedule};
 use std::fmt::Write;
@@ -15,9 +15,8 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
     if c.zero == 1 {
         let opt = predicted(plan, &["memory_per_gpu_bytes", "optimizer"]).unwrap_or(0.0);
         r.push(format!(
-            "torchtitan has no ZeRO-1: its data axis is DDP (ZeRO-0: the optimizer state unsharded, {:.1} GiB x {} per GPU instead of {:.1} GiB) or FSDP (ZeRO-2/3: gradients sharded too, plus a parameter all-gather per step the plan did not price); re-plan with --config zero=0, zero=2 or zero=3",
-            gib(opt),
-            c.dp * c.cp,
+            "torchtitan has no ZeRO-1: its data axis is DDP (the whole optimizer state on every GPU, {:.1} GiB instead of the plan's {:.1} GiB) or FSDP (gradients sharded too, plus parameter all-gathers the plan did not price); re-plan with --config zero=0, zero=2 or zero=3",
+            gib(opt) * (c.dp * c.cp) as f64,
             gib(opt)
         ));
     }
@@ -43,11 +42,8 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
         ));
     }
     let local = global_batch.div_ceil(c.dp);
-    if !global_batch.is_multiple_of(c.dp * c.mbs) {
-        r.push(format!(
-            "torchtitan needs the global batch ({global_batch}) to be a multiple of data-parallel size x micro-batch ({} x {})",
-            c.dp, c.mbs
-        ));
+    if let Some(why) = batch_refusal(plan, "torchtitan", global_batch) {
+        r.push(why);
     }
     // recompute=selective is not refused: torchtitan's op-level selective
     // checkpointing keeps matmul outputs and recomputes the cheap ops, the same trade.

@@ -1,7 +1,10 @@
+mod bin;
 mod calibration;
 mod cli;
 mod cost;
 mod executor;
+mod explain;
+mod export;
 mod loaders;
 mod lowering;
 mod models;

@@ -23,7 +23,7 @@ Static reading (ast), no import: the frameworks need torch and a GPU to import.
 - deepspeed: top-level keys (string constants of deepspeed/runtime/constants.py) and
   `section.key` for zero_optimization (DeepSpeedZeroConfig fields and aliases),
   bf16/fp16 (precision_config.py fields) and activation_checkpointing (its
-  config.py constants).
+  config.py constants); the section names from ZERO_OPTIMIZATION and ACT_CHKPT.
 - vllm: `--x` literals in vllm/engine/arg_utils.py.
 - sglang: `--field-name` (or `Arg(cli_name=...)`) and `Arg(aliases=[...])` of the
   annotated fields in sglang/srt/arg_groups/fields/*.py, plus `--x` literals passed
@@ -201,6 +201,11 @@ def deepspeed(dl):
                     out.add(alias.value)
         return out
 
+    # Section names defined beside their sections' fields.
+    for suffix, const in [("zero/config.py", "ZERO_OPTIMIZATION"), ("activation_checkpointing/config.py", "ACT_CHKPT")]:
+        for node in ast.walk(ast.parse(get(suffix))):
+            if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name) and node.targets[0].id == const:
+                names.add(node.value.value)
     for f in model_fields(get("zero/config.py"), "DeepSpeedZeroConfig"):
         names.add(f"zero_optimization.{f}")
     prec = get("runtime/precision_config.py")
