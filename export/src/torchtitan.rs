@@ -15,7 +15,7 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
     if c.zero == 1 {
         let opt = predicted(plan, &["memory_per_gpu_bytes", "optimizer"]).unwrap_or(0.0);
         r.push(format!(
-            "torchtitan has no ZeRO-1: its data axis is DDP (the whole optimizer state on every GPU, {:.1} GiB instead of the plan's {:.1} GiB) or FSDP (gradients sharded too, plus parameter all-gathers the plan did not price); re-plan with --config zero=0, zero=2 or zero=3",
+            "torchtitan has no ZeRO-1: its data axis is DDP (the optimizer state unsharded, up to {:.1} GiB per GPU instead of the plan's {:.1} GiB) or FSDP (gradients sharded too, plus parameter all-gathers the plan did not price); re-plan with --config zero=0, zero=2 or zero=3",
             gib(opt) * (c.dp * c.cp) as f64,
             gib(opt)
         ));

@@ -4,7 +4,7 @@
 
 use crate::bin::{meshplan, plan_file, temp_dir};
 use serde_json::Value;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 const GPT3: &str = "models/gpt3-175b.yaml";
 const A100: &str = "topologies/dgx-a100-80g.yaml";
@@ -38,7 +38,7 @@ fn estimate(cfg: &str, extra: &[&str]) -> Value {
     meshplan(&args).expect_code(0).json()
 }
 
-fn explanation(plan: &PathBuf) -> Value {
+fn explanation(plan: &Path) -> Value {
     let p = plan.display().to_string();
     meshplan(&["explain", &p, "--json"]).expect_code(0).json()
 }
@@ -122,9 +122,10 @@ fn alternatives_are_ranked_and_what_ifs_are_estimates() {
     let x = explanation(&gpt3_plan());
     let alts = x["alternatives"].as_array().expect("alternatives");
     assert!(alts.len() >= 10, "{} alternatives", alts.len());
-    let keys: Vec<(bool, f64)> = alts
+    // (0 for feasible, step time): sorted means feasible first, then by step time.
+    let keys: Vec<(u8, f64)> = alts
         .iter()
-        .map(|a| (a["feasible"] == false, num(a, "/step_time_s")))
+        .map(|a| (u8::from(a["feasible"] == false), num(a, "/step_time_s")))
         .collect();
     assert!(
         keys.windows(2)
