@@ -613,3 +613,70 @@ fn what_ifs(plan: &Plan, inp: &Inputs, base: &Estimate, inference: bool) -> Vec<
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshplan_ir::PartialConfig;
+
+    fn cfg(s: &str, gpus: u64) -> ParallelConfig {
+        PartialConfig::parse(s, "test")
+            .and_then(|p| p.resolve(gpus, "test"))
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn degrees_trade_against_dp_and_schedules_stay_valid() {
+        let c = cfg("dp=60,tp=8,pp=8,mbs=1,recompute=full,vpp=2", 3840);
+        let n = neighbours(&c, 96, 0, false);
+        let find = |name: &str| {
+            n.iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, c)| *c)
+                .unwrap_or_else(|| {
+                    panic!(
+                        "no `{name}` in {:?}",
+                        n.iter().map(|x| &x.0).collect::<Vec<_>>()
+                    )
+                })
+        };
+        let tp16 = find("tp 8->16, dp 60->30");
+        assert_eq!((tp16.tp, tp16.dp, tp16.world_size()), (16, 30, 3840));
+        // 96 layers make 16 stages x 2 chunks of 3: the interleaving stays.
+        let pp16 = find("pp 8->16, dp 60->30");
+        assert_eq!((pp16.vpp, pp16.schedule), (2, Schedule::Interleaved));
+        // With 4 chunks per stage, 16 stages would need 64 chunks of 1.5 layers: the
+        // neighbour falls back to one chunk and 1F1B.
+        let c4 = cfg("dp=60,tp=8,pp=8,mbs=1,vpp=4,schedule=interleaved", 3840);
+        let (_, pp16_4) = neighbours(&c4, 96, 0, false)
+            .into_iter()
+            .find(|(k, _)| k.starts_with("pp 8->16"))
+            .expect("pp x2");
+        assert_eq!((pp16_4.vpp, pp16_4.schedule), (1, Schedule::OneFOneB));
+        let pp4 = find("pp 8->4, dp 60->120");
+        assert_eq!(pp4.world_size(), 3840);
+        let vpp1 = find("vpp 2->1");
+        assert_eq!(vpp1.schedule, Schedule::OneFOneB);
+        assert!(n.iter().all(|(_, x)| x.world_size() == 3840 && *x != c));
+        // Inference: degrees and DP-attention, no training knobs.
+        let i = cfg("dp=1,tp=8", 8);
+        let n = neighbours(&i, 80, 0, true);
+        assert!(n
+            .iter()
+            .any(|(k, x)| k == "dp_attention false->true" && x.dp_attention));
+        assert!(!n
+            .iter()
+            .any(|(k, _)| k.starts_with("zero") || k.starts_with("mbs")));
+    }
+
+    #[test]
+    fn a_tensor_axis_wider_than_a_node_crosses_infiniband() {
+        let base = cfg("dp=60,tp=8,pp=8", 3840);
+        let wide = cfg("dp=30,tp=16,pp=8", 3840);
+        assert_eq!(crossings(&base, &wide, 8), vec!["tp".to_string()]);
+        assert!(crossings(&wide, &base, 8).is_empty());
+        // cp outside a full node of tp leaves the node too.
+        let cp2 = cfg("dp=30,tp=8,pp=8,cp=2", 3840);
+        assert_eq!(crossings(&base, &cp2, 8), vec!["cp".to_string()]);
+    }
+}

@@ -413,3 +413,58 @@ fn a_plan_without_its_architecture_is_refused_for_megatron() {
     // Targets that need no model shape still export it.
     meshplan(&["export", &old, "--to", "deepspeed"]).expect_code(0);
 }
+
+/// DeepSeek-V3's architecture (multi-latent attention, a shared expert, dense first
+/// layers) as Megatron model arguments. Its own plans do not lower yet, so the
+/// architecture is put into a Mixtral plan of the same kind (experts over 8 ranks):
+/// the exporter reads the shape from `model.transformer` and nothing else.
+#[test]
+fn deepseek_v3_architecture_as_megatron_arguments() {
+    let spec = meshplan_ir::load_model(
+        &PathBuf::from(ROOT).join("models/deepseek-v3.yaml"),
+        &meshplan_ir::WorkloadOverrides::default(),
+    )
+    .expect("DeepSeek-V3 loads");
+    let t = spec.transformer().expect("a transformer").clone();
+    let c = CASES
+        .iter()
+        .find(|c| c.name == "mixtral-ep")
+        .expect("the Mixtral case");
+    let plan = case_plan(c);
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).expect("plan")).expect("json");
+    v["model"]["transformer"] = serde_json::to_value(&t).expect("spec");
+    v["model"]["layers"] = serde_json::json!(t.layers);
+    let path = temp_dir("export").join("deepseek-arch.json");
+    std::fs::write(&path, serde_json::to_vec(&v).expect("json")).expect("write");
+    let p = path.display().to_string();
+    let r = meshplan(&["export", &p, "--to", "megatron"]);
+    r.expect_code(0);
+    let (_, names) = defined("megatron");
+    for name in emitted("megatron", &r.stdout) {
+        assert!(names.contains(&name), "megatron does not define {name}");
+    }
+    for line in [
+        "--multi-latent-attention",
+        "--q-lora-rank 1536",
+        "--kv-lora-rank 512",
+        "--qk-head-dim 128",
+        "--qk-pos-emb-head-dim 64",
+        "--v-head-dim 128",
+        "--num-experts 256",
+        "--moe-router-topk 8",
+        "--moe-shared-expert-intermediate-size 2048",
+        "--moe-layer-freq ([0]*3+[1]*58)",
+    ] {
+        assert!(
+            r.stdout.lines().any(|l| l == line),
+            "missing `{line}`:\n{}",
+            r.stdout
+        );
+    }
+    assert!(
+        !r.stdout.contains("--group-query-attention"),
+        "MLA is not GQA"
+    );
+    check_golden("deepseek-v3-arch.megatron.args", &r.stdout);
+}
