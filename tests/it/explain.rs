@@ -311,3 +311,37 @@ fn quiet_and_verbose_control_the_logs() {
     );
     run(&["--quiet", "-v"]).expect_code(2);
 }
+
+/// The search and explain price with the same functions: no neighbour of the
+/// planner's own best for GPT-3 on 3840 GPUs that the search space holds (tensor
+/// parallelism inside a node) is faster.
+#[test]
+fn the_planners_best_has_no_faster_neighbour() {
+    let plan = plan_file(
+        &temp_dir("explain"),
+        "gpt3-best-3840",
+        GPT3,
+        A100,
+        &["--nodes", "480"],
+    );
+    let x = explanation(&plan);
+    let base = num(&x, "/baseline/step_time_s");
+    let mut compared = 0;
+    for a in x["alternatives"].as_array().expect("alternatives") {
+        let s = a["strategy"].as_str().expect("strategy");
+        let tp: u64 = s
+            .split(',')
+            .find_map(|kv| kv.strip_prefix("tp="))
+            .and_then(|v| v.parse().ok())
+            .expect("tp");
+        if a["feasible"] == true && tp <= 8 {
+            assert!(
+                num(a, "/step_time_s") >= base * (1.0 - 1e-9),
+                "{} is faster than the plan's {base} s: {a}",
+                a["change"]
+            );
+            compared += 1;
+        }
+    }
+    assert!(compared >= 8, "compared {compared} neighbours");
+}
