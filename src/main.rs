@@ -14,6 +14,9 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 mod draw;
+mod explain;
+mod export;
+mod log;
 mod plan;
 mod run;
 
@@ -26,6 +29,12 @@ mod run;
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Only warnings and errors on stderr; no progress bars.
+    #[arg(short, long, global = true, conflicts_with = "verbose")]
+    quiet: bool,
+    /// More detail on stderr (-v debug, -vv trace).
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    verbose: u8,
 }
 
 #[derive(Args, Clone)]
@@ -87,9 +96,6 @@ enum Command {
         /// Stop sweeping after this many seconds.
         #[arg(long, default_value_t = 60.0)]
         time_limit: f64,
-        /// No progress bar.
-        #[arg(long)]
-        quiet: bool,
         /// Also draw the plan (pipeline.svg, memory.svg, mesh.svg) into this directory.
         #[arg(long)]
         figures: Option<PathBuf>,
@@ -174,6 +180,28 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Write a plan as a framework's arguments or config file.
+    Export {
+        /// A plan written by `meshplan plan`.
+        plan: PathBuf,
+        /// megatron, torchtitan, deepspeed (training plans); sglang, vllm (inference plans).
+        #[arg(long = "to", value_name = "TARGET")]
+        to: String,
+        /// Write here instead of stdout.
+        #[arg(short = 'o', long = "output")]
+        output: Option<PathBuf>,
+    },
+    /// Why this plan: its neighbours re-priced, the deciding terms, what-ifs.
+    Explain {
+        /// A plan written by `meshplan plan`.
+        plan: PathBuf,
+        /// Show this many alternatives (all with --json).
+        #[arg(long, default_value_t = 8)]
+        top: usize,
+        /// One JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+    },
     /// Evaluate one parallel configuration with the cost model.
     Estimate {
         /// Model YAML or Hugging Face config.json.
@@ -215,7 +243,10 @@ pub(crate) fn no_fit(message: String) -> Failure {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    log::init(cli.quiet, cli.verbose);
     let result = match cli.command {
+        Command::Export { plan, to, output } => export::export(&plan, &to, output.as_deref()),
+        Command::Explain { plan, top, json } => explain::explain(&plan, top, json),
         Command::Inspect {
             model,
             workload,
@@ -238,7 +269,6 @@ fn main() -> ExitCode {
             top,
             max_candidates,
             time_limit,
-            quiet,
             figures,
             png,
             trace,
@@ -253,7 +283,7 @@ fn main() -> ExitCode {
             top,
             max_candidates,
             time_limit,
-            quiet,
+            quiet: cli.quiet,
             figures,
             png,
             trace,

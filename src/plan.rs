@@ -55,6 +55,14 @@ fn load(
     let graph = model_graph(&spec)?;
     let pg = prepare_model(&spec)?;
     let cluster = load_cluster(cluster, nodes)?;
+    tracing::debug!(
+        "model {} ({} layers, {:.3e} parameters); cluster {} x {} GPUs",
+        spec.name,
+        pg.layers,
+        pg.params_total,
+        cluster.nodes,
+        cluster.gpus_per_node
+    );
     let workload = spec.workload.clone().ok_or_else(|| Failure {
         code: 2,
         message: format!(
@@ -76,7 +84,7 @@ fn load(
 fn run_search(inp: &Inputs, opts: &SearchOptions, quiet: bool) -> Result<SearchReport, Failure> {
     let progress = Arc::new(Progress::default());
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let bar_thread = (!quiet).then(|| {
+    let bar_thread = (!quiet && crate::log::progress_visible()).then(|| {
         let (progress, done) = (progress.clone(), done.clone());
         std::thread::spawn(move || {
             // Only searches that outlast half a second get a bar.
@@ -257,7 +265,7 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
     let Some(best) = report.top.first() else {
         return Err(nothing_fits(&inp, &report));
     };
-    let plan = plan_of(
+    let mut plan = plan_of(
         &inp.spec.name,
         &inp.graph,
         &inp.pg,
@@ -267,6 +275,7 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
         &report,
     )
     .map_err(|message| Failure { code: 1, message })?;
+    plan.model.transformer = inp.spec.transformer().cloned();
     let bytes = plan.to_json().map_err(|e| Failure {
         code: 1,
         message: format!("cannot serialise the plan: {e}"),
@@ -295,7 +304,7 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
             })).collect::<Vec<_>>(),
         }));
     } else {
-        eprintln!(
+        tracing::info!(
             "searched {} configurations ({} priced, {} of them stopped at the step-time bound; {} pruned by memory, {} ruled out by shapes, {} over memory or SLO) in {:.3} s; {} ILP solves ({}); stop: {:?}",
             report.enumerated,
             report.evaluated,

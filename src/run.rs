@@ -133,7 +133,17 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         trace: a.trace.is_some(),
         ..TrainOptions::default()
     };
-    let report = train(&plan, &opts).map_err(|e| runtime(e.message))?;
+    tracing::info!(
+        "training {} steps of {} on {} ranks (CPU threads)",
+        a.steps,
+        plan.model.name,
+        plan.ranks.len()
+    );
+    let bar = crate::log::spinner(format!("training {} steps", a.steps));
+    let report = train(&plan, &opts).map_err(|e| runtime(e.message));
+    bar.finish_and_clear();
+    let report = report?;
+    tracing::debug!("losses {:?}", report.losses);
     if let Some(path) = a.trace {
         let spans: Vec<_> = report
             .ranks
@@ -142,7 +152,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             .collect();
         let text = meshplan_executor::trace::chrome_trace(&plan, &spans).to_json();
         crate::plan::write_atomically(path, text.as_bytes(), "trace")?;
-        eprintln!(
+        tracing::info!(
             "trace written to {} ({} spans; open in https://ui.perfetto.dev)",
             path.display(),
             spans.iter().map(|(_, s)| s.len()).sum::<usize>()
@@ -151,8 +161,12 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let bytes = byte_mismatches(&plan, &report, a.steps);
     let check = if a.check {
         let reference = reference_plan(&plan).map_err(runtime)?;
+        tracing::info!("training the single-rank reference for --check");
+        let bar = crate::log::spinner(format!("training the reference {} steps", a.steps));
         let base = train(&reference, &opts.reference_of(&plan))
-            .map_err(|e| runtime(format!("reference: {}", e.message)))?;
+            .map_err(|e| runtime(format!("reference: {}", e.message)));
+        bar.finish_and_clear();
+        let base = base?;
         Some(check_against(&plan, &report, &base, 1e-5))
     } else {
         None
@@ -170,9 +184,13 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let (routed, exact): (Vec<&String>, Vec<&String>) =
         bytes.iter().partition(|m| dropless && m.contains(" ep: "));
     if !routed.is_empty() {
-        eprintln!(
-            "note: expert-parallel bytes depend on the routing; the plan assumes balanced experts:\n  {}",
-            routed.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n  ")
+        tracing::warn!(
+            "expert-parallel bytes depend on the routing; the plan assumes balanced experts:\n  {}",
+            routed
+                .iter()
+                .map(|s| s.as_str())
+                .collect::<Vec<_>>()
+                .join("\n  ")
         );
     }
     if a.check && !exact.is_empty() {

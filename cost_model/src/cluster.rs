@@ -71,7 +71,7 @@ pub struct RawCluster {
 }
 
 /// A link in SI units.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Link {
     /// Bytes per second per GPU per direction.
     pub bandwidth_bytes_per_s: f64,
@@ -80,7 +80,7 @@ pub struct Link {
 }
 
 /// A GPU in SI units.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Gpu {
     /// Model name.
     pub name: String,
@@ -113,7 +113,7 @@ impl Gpu {
 }
 
 /// A validated cluster.
-#[derive(Clone, Debug, PartialEq, Serialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Cluster {
     /// Name.
     pub name: String,

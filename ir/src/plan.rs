@@ -35,7 +35,7 @@ use crate::config::ParallelConfig;
 use crate::dtype::DType;
 use crate::graph::Graph;
 use crate::graph::SegmentKind;
-use crate::spec::Workload;
+use crate::spec::{TransformerSpec, Workload};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -100,6 +100,11 @@ pub struct ModelInfo {
     pub params: f64,
     /// Graph segments in execution order.
     pub segments: Vec<SegmentInfo>,
+    /// The architecture as specified (layers, widths, heads, vocabulary, MoE), so
+    /// a plan can be exported to a framework's model arguments without the model
+    /// file. Absent in plans of explicit graphs and in older plans.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transformer: Option<TransformerSpec>,
 }
 
 /// One graph segment, summarised.
@@ -128,6 +133,12 @@ pub struct ClusterInfo {
     pub gpu: String,
     /// GPU memory, bytes.
     pub gpu_memory_bytes: f64,
+    /// The validated cluster (the cost model's `Cluster`, SI units), so `explain`
+    /// can re-price alternatives with the links the plan was priced on. Kept as
+    /// JSON because this crate knows nothing of the cost model. Absent in older
+    /// plans.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec: Option<serde_json::Value>,
 }
 
 /// The device mesh.

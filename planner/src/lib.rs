@@ -20,6 +20,7 @@
 pub use meshplan_cost_model as cost_model;
 
 pub mod compare;
+pub mod explain;
 pub mod ilp;
 pub mod intra;
 pub mod layout;

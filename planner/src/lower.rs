@@ -965,6 +965,7 @@ fn model_info(name: &str, graph: &Graph, pg: &PreparedGraph) -> ModelInfo {
                 ops: s.ops.iter().map(|o| o.name.clone()).collect(),
             })
             .collect(),
+        transformer: None,
     }
 }
 
@@ -1589,6 +1590,7 @@ fn assemble(
             gpus_per_node: input.cluster.gpus_per_node,
             gpu: input.cluster.gpu.name.clone(),
             gpu_memory_bytes: input.cluster.gpu.memory_bytes,
+            spec: serde_json::to_value(input.cluster).ok(),
         },
         workload: input.workload.clone(),
         mesh: mesh_info(cfg, input.prepared.tied),

@@ -1,8 +1,11 @@
+mod bin;
 mod calibration;
 mod cli;
 mod cost;
 mod draw;
 mod executor;
+mod explain;
+mod export;
 mod loaders;
 mod lowering;
 mod models;

@@ -42,6 +42,7 @@ fn dependency_arrows_point_one_way() {
         ("kernels", &[]),
         ("executor", &["meshplan-ir", "meshplan-kernels", "cudarc"]),
         ("viz", &["meshplan-ir", "meshplan-cost-model"]),
+        ("export", &["meshplan-ir"]),
     ];
     for (dir, ok) in allowed {
         for dep in internal_deps(dir) {
