@@ -43,16 +43,16 @@ fn binary() -> &'static Path {
 }
 
 /// One run of the binary.
-struct Run {
-    args: String,
-    code: i32,
-    stdout: String,
-    stderr: String,
+pub(crate) struct Run {
+    pub args: String,
+    pub code: i32,
+    pub stdout: String,
+    pub stderr: String,
 }
 
 impl Run {
     #[track_caller]
-    fn expect_code(&self, code: i32) -> &Self {
+    pub(crate) fn expect_code(&self, code: i32) -> &Self {
         assert_eq!(
             self.code, code,
             "meshplan {}: exit {} (want {code})\nstdout:\n{}\nstderr:\n{}",
@@ -72,7 +72,7 @@ impl Run {
     }
 
     #[track_caller]
-    fn stderr_has(&self, needles: &[&str]) -> &Self {
+    pub(crate) fn stderr_has(&self, needles: &[&str]) -> &Self {
         for n in needles {
             assert!(
                 self.stderr.contains(n),
@@ -87,7 +87,7 @@ impl Run {
 
 /// Runs `meshplan ARGS` in the workspace root; never a panic.
 #[track_caller]
-fn meshplan(args: &[&str]) -> Run {
+pub(crate) fn meshplan(args: &[&str]) -> Run {
     let out = Command::new(binary())
         .args(args)
         .current_dir(ROOT)
@@ -114,7 +114,7 @@ fn meshplan(args: &[&str]) -> Run {
 }
 
 /// A file in the temporary directory, unique to this process and test.
-fn temp_file(name: &str, text: &str) -> PathBuf {
+pub(crate) fn temp_file(name: &str, text: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("meshplan-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join(name);
@@ -549,7 +549,7 @@ fn heads_not_divisible_by_tp_exits_3() {
 
 // === plan and compare ===
 
-fn json_of(run: &Run) -> Value {
+pub(crate) fn json_of(run: &Run) -> Value {
     serde_json::from_str(&run.stdout).unwrap_or_else(|e| {
         panic!(
             "meshplan {}: stdout is not JSON ({e}):\n{}",

@@ -1,4 +1,5 @@
 mod calibration;
+mod ckpt;
 mod cli;
 mod cost;
 mod executor;
