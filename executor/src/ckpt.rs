@@ -343,13 +343,16 @@ impl Saver {
     }
 }
 
+/// A full tensor: name, shape, values.
+type Full = (String, Vec<usize>, Vec<f32>);
+
 /// Full tensors from the ranks' pieces, in the order of `sites`: (name, shape,
 /// values), weights then Adam moments of each weight.
 fn assemble(
     graph: &Graph,
     sites: &[WeightSite],
     snaps: &[RankSnapshot],
-) -> Result<Vec<(String, Vec<usize>, Vec<f32>)>, String> {
+) -> Result<Vec<Full>, String> {
     let by_key: HashMap<&Key, usize> = sites.iter().enumerate().map(|(i, s)| (&s.key, i)).collect();
     let mut full: Vec<[Vec<f32>; 3]> = sites
         .iter()

@@ -81,6 +81,9 @@ impl Default for TrainOptions {
 /// Weight key: tensor name and layer (`u64::MAX` outside the repeated blocks).
 pub type Key = (String, u64);
 
+/// Values per weight.
+type Weights = BTreeMap<Key, Vec<f32>>;
+
 /// Outside the blocks.
 const NO_LAYER: u64 = u64::MAX;
 
@@ -344,7 +347,7 @@ struct RankState<'a> {
     adam_parts: BTreeMap<String, (Vec<Key>, Vec<Range>)>,
     /// Resuming: AdamW moments (m, v) of each local weight, the starting state of
     /// each partition.
-    resume_adam: Option<(BTreeMap<Key, Vec<f32>>, BTreeMap<Key, Vec<f32>>)>,
+    resume_adam: Option<(Weights, Weights)>,
 }
 
 impl Store {
