@@ -67,7 +67,8 @@ pub struct SaveOptions {
     /// Bound on one safetensors file.
     pub file_bytes: usize,
     /// For tests: the save after this many steps stops with an error after writing
-    /// this many files, as a crash would leave it.
+    /// this many files and half of the next (or, past the last file, before the
+    /// manifest), leaving the folder as a crash would.
     pub fail_after_files: Option<(u64, usize)>,
 }
 
@@ -465,6 +466,12 @@ fn sync_dir(path: &Path) -> Result<(), String> {
         .map_err(io(path, "fsync folder"))
 }
 
+/// The shortest decimal of an f32 as an f64 (`0.9`, not `0.8999999761581421`); it
+/// reads back to the same f32.
+fn decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
 /// `step-00000006`.
 pub fn step_folder(step: u64) -> String {
     format!("step-{step:08}")
@@ -515,11 +522,6 @@ fn write_checkpoint(
     let mut entries = BTreeMap::new();
     let mut total = 0u64;
     for (f, group) in groups.iter().enumerate() {
-        if opts.fail_after_files == Some((step, f)) {
-            return Err(format!(
-                "injected failure while saving step {step}, after {f} of {n} files"
-            ));
-        }
         let name = format!("model-{:05}-of-{n:05}.safetensors", f + 1);
         let views = group.iter().map(|&i| {
             let (tname, shape, v) = &tensors[i];
@@ -527,6 +529,13 @@ fn write_checkpoint(
         });
         let bytes = safetensors::tensor::serialize(views, None)
             .map_err(|e| format!("{name}: serialize: {e}"))?;
+        if opts.fail_after_files == Some((step, f)) {
+            write_synced(&tmp.join(&name), &bytes[..bytes.len() / 2])?;
+            return Err(format!(
+                "injected failure while saving step {step}, half way through file {} of {n}",
+                f + 1
+            ));
+        }
         write_synced(&tmp.join(&name), &bytes)?;
         for &i in group {
             let (tname, shape, _) = &tensors[i];
@@ -559,8 +568,8 @@ fn write_checkpoint(
         step,
         seed: meta.seed,
         optimizer: serde_json::json!({
-            "kind": "adamw", "lr": meta.lr, "beta1": b1, "beta2": b2, "eps": eps,
-            "weight_decay": wd,
+            "kind": "adamw", "lr": decimal(meta.lr), "beta1": decimal(b1),
+            "beta2": decimal(b2), "eps": decimal(eps), "weight_decay": decimal(wd),
         }),
         data: serde_json::json!({"source": "synthetic", "seed": meta.seed, "next_step": step}),
         workload: meta.workload.clone(),

@@ -166,9 +166,11 @@ fn ckpt_a_save_killed_half_way_keeps_the_previous_checkpoint() {
     assert_eq!(tmp.len(), 1, "{tmp:?}");
     let written = std::fs::read_dir(dir.join(&tmp[0])).expect("tmp").count();
     assert_eq!(
-        written, 2,
-        "the interrupted save wrote 2 files and no manifest"
+        written, 3,
+        "the interrupted save wrote 2 files, half of a third and no manifest"
     );
+    let err = open_err(&dir.join(&tmp[0]));
+    assert!(err.contains("no checkpoint here"), "{err}");
     // The previous checkpoint resumes to the uninterrupted curve, and the next save
     // removes the leftover.
     let whole = run(&p, &opts(6));
