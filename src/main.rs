@@ -176,6 +176,18 @@ enum Command {
         /// A Chrome trace to write (not supported yet).
         #[arg(long)]
         trace: Option<PathBuf>,
+        /// Write checkpoints (full weights and AdamW state, safetensors) into DIR:
+        /// after the last step, and every --save-every steps.
+        #[arg(long, value_name = "DIR")]
+        save: Option<PathBuf>,
+        /// Also save after every N steps (global step numbers); needs --save.
+        #[arg(long, value_name = "N")]
+        save_every: Option<u64>,
+        /// Continue from a checkpoint (a --save DIR, whose `latest` is used, or one
+        /// of its step folders), on this or any other plan of the model; --steps
+        /// counts all steps, so the run does the steps from the checkpoint's to N.
+        #[arg(long, value_name = "DIR")]
+        resume: Option<PathBuf>,
         /// One JSON object on stdout.
         #[arg(long)]
         json: bool,
@@ -304,6 +316,9 @@ fn main() -> ExitCode {
             data,
             weights,
             trace,
+            save,
+            save_every,
+            resume,
             json,
         } => {
             let mut unsupported = Vec::new();
@@ -321,6 +336,9 @@ fn main() -> ExitCode {
                 data: data.as_deref(),
                 trace: trace.as_deref(),
                 unsupported,
+                save: save.as_deref(),
+                save_every,
+                resume: resume.as_deref(),
             })
         }
         Command::Compare {

@@ -4,6 +4,7 @@
 use crate::{print_json, Failure};
 use meshplan_cost_model::estimate::gib;
 use meshplan_cost_model::{parse_cluster_yaml, PreparedGraph};
+use meshplan_executor::ckpt::{Checkpoint, SaveOptions};
 use meshplan_executor::data::{DataSource, Sampler, TokenFile};
 use meshplan_executor::train::{byte_mismatches, check_against, train, TrainOptions, TrainReport};
 use meshplan_ir::plan::{Plan, PlanKind};
@@ -21,6 +22,9 @@ pub(crate) struct RunArgs<'a> {
     pub data: Option<&'a Path>,
     pub trace: Option<&'a Path>,
     pub unsupported: Vec<&'static str>,
+    pub save: Option<&'a Path>,
+    pub save_every: Option<u64>,
+    pub resume: Option<&'a Path>,
 }
 
 fn bad(message: String) -> Failure {
@@ -127,11 +131,11 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             }
         }
     };
+    let (opts, start) = checkpoint_options(a, &plan)?;
     let opts = TrainOptions {
-        steps: a.steps,
         data,
         trace: a.trace.is_some(),
-        ..TrainOptions::default()
+        ..opts
     };
     tracing::info!(
         "training {} steps of {} on {} ranks (CPU threads)",
@@ -158,7 +162,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             spans.iter().map(|(_, s)| s.len()).sum::<usize>()
         );
     }
-    let bytes = byte_mismatches(&plan, &report, a.steps);
+    let bytes = byte_mismatches(&plan, &report, a.steps - start);
     let check = if a.check {
         let reference = reference_plan(&plan).map_err(runtime)?;
         tracing::info!("training the single-rank reference for --check");
@@ -171,7 +175,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     } else {
         None
     };
-    print_report(&plan, &report, &bytes, check.as_ref(), a.json);
+    print_report(&plan, &report, &bytes, check.as_ref(), a.json, start);
     if let Some(Err(why)) = &check {
         return Err(runtime(format!(
             "the run differs from the single-rank reference:\n{why}"
@@ -206,12 +210,52 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Training options of `--save`, `--save-every` and `--resume`, and the step the
+/// run starts at. A checkpoint that cannot be read or does not fit the plan's model
+/// is bad input.
+fn checkpoint_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64), Failure> {
+    let mut opts = TrainOptions {
+        steps: a.steps,
+        ..TrainOptions::default()
+    };
+    match (a.save, a.save_every) {
+        (None, Some(_)) => return Err(bad("--save-every needs --save DIR".into())),
+        (_, Some(0)) => return Err(bad("--save-every must be at least 1".into())),
+        (Some(dir), every) => opts.save = Some(SaveOptions::new(dir, every.unwrap_or(0))),
+        (None, None) => {}
+    }
+    let Some(dir) = a.resume else {
+        return Ok((opts, 0));
+    };
+    let ck = Checkpoint::open(dir).map_err(|e| bad(format!("--resume: {e}")))?;
+    ck.check_model(&plan.graph)
+        .map_err(|e| bad(format!("--resume: {e}")))?;
+    let m = ck.manifest();
+    if m.step >= a.steps {
+        return Err(bad(format!(
+            "--resume: {} holds {} steps already; --steps counts all steps, so ask for more than {}",
+            ck.dir().display(),
+            m.step,
+            m.step
+        )));
+    }
+    // The data continue only with the saved seed; the rate continues the run.
+    opts.seed = m.seed;
+    if let Some(lr) = m.optimizer.get("lr").and_then(|v| v.as_f64()) {
+        opts.lr = lr as f32;
+    }
+    let start = m.step;
+    opts.resume = Some(std::sync::Arc::new(ck));
+    Ok((opts, start))
+}
+
 fn print_report(
     plan: &Plan,
     r: &TrainReport,
     bytes: &[String],
     check: Option<&Result<Vec<String>, String>>,
     json: bool,
+    start: u64,
 ) {
     let predicted_step = plan
         .predicted
@@ -249,7 +293,7 @@ fn print_report(
     if json {
         print_json(&serde_json::json!({
             "steps": r.losses.iter().zip(&r.step_s).enumerate().map(|(i, (l, s))| serde_json::json!({
-                "step": i,
+                "step": start + i as u64,
                 "loss": l,
                 "step_time_s": s,
                 "tokens_per_s": r.tokens_per_step as f64 / s,
@@ -268,6 +312,14 @@ fn print_report(
                 },
             },
             "predicted": plan.predicted,
+            "resumed_from_step": (start > 0).then_some(start),
+            "checkpoints": r.saved.iter().map(|c| serde_json::json!({
+                "step": c.step,
+                "path": c.path.display().to_string(),
+                "bytes": c.bytes,
+                "files": c.files,
+                "seconds": c.seconds,
+            })).collect::<Vec<_>>(),
             "bytes_match_plan": bytes.is_empty(),
             "byte_mismatches": bytes,
             "check": check.map(|c| match c {
@@ -284,7 +336,11 @@ fn print_report(
         plan.strategy,
         r.losses.len()
     );
+    if start > 0 {
+        println!("resumed at step {start} from a checkpoint of {start} steps");
+    }
     for (i, (l, s)) in r.losses.iter().zip(&r.step_s).enumerate() {
+        let i = start + i as u64;
         println!(
             "step {i:>3}  loss {l:.6}  {:.3} s  {:.0} tokens/s",
             s,
@@ -318,6 +374,16 @@ fn print_report(
         println!(
             "comm bytes   differ from the plan:\n  {}",
             bytes.join("\n  ")
+        );
+    }
+    for c in &r.saved {
+        println!(
+            "checkpoint   step {} saved to {} ({} files, {:.1} MiB, {:.3} s)",
+            c.step,
+            c.path.display(),
+            c.files,
+            c.bytes as f64 / (1u64 << 20) as f64,
+            c.seconds
         );
     }
     match check {

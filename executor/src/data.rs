@@ -224,6 +224,19 @@ pub enum DataSource {
 }
 
 impl DataSource {
+    /// What a checkpoint records of the data, to continue only on the same tokens:
+    /// the source and, for a file, its path and token count.
+    pub fn describe(&self) -> serde_json::Value {
+        match self {
+            DataSource::Synthetic => serde_json::json!({"source": "synthetic"}),
+            DataSource::File { file } => serde_json::json!({
+                "source": "file",
+                "path": file.path().display().to_string(),
+                "tokens": file.len(),
+            }),
+        }
+    }
+
     /// The `len + 1` tokens of sample `seq_index` of step `step`.
     pub fn sequence(
         &self,

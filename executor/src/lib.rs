@@ -6,10 +6,12 @@
 //!   threads) that counts bytes per collective kind and axis.
 //! - [`train`]: the training interpreter over the CPU kernels, `--check` against a
 //!   single-rank run, and the byte comparison with the plan.
+//! - [`ckpt`]: checkpoints of full tensors that any plan resumes from.
 //! - [`shard`], [`init`]: which slice of each weight a rank holds; deterministic
 //!   weights and data, identical whatever the sharding.
 
 pub mod backend;
+pub mod ckpt;
 pub mod comm;
 pub mod data;
 pub mod init;

@@ -6,7 +6,7 @@ use meshplan_ir::graph::OpKind;
 use meshplan_ir::{Graph, MlpKind, Op, TensorId, TpRole};
 
 /// A rank's position on the tensor axis.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct TpPos {
     /// Index on the axis.
     pub rank: usize,
@@ -118,18 +118,20 @@ fn row_range(rows: usize, tp: TpPos) -> (usize, usize) {
 }
 
 /// The local part of weight `w` (its full values row-major with `shape`) used by
-/// `op` under `role`.
+/// `op` under `role`. Generic over the element so that slicing element indices
+/// gives where each local value sits in the full tensor (checkpoints assemble full
+/// tensors from that, and so cannot disagree with this rule).
 #[allow(clippy::too_many_arguments)] // the weight, its op, and the rank's two positions
-pub fn local_weight(
+pub fn local_weight<T: Copy>(
     graph: &Graph,
     op: &Op,
     role: TpRole,
     w: TensorId,
-    full: &[f32],
+    full: &[T],
     shape: &[usize],
     tp: TpPos,
     ep: TpPos,
-) -> Vec<f32> {
+) -> Vec<T> {
     if role == TpRole::Experts {
         return expert_slice(full, shape, tp, ep);
     }
@@ -177,7 +179,7 @@ pub fn local_weight(
 /// Expert weights: `[experts, h, up]` and `[experts, f, h]` split by expert over
 /// the expert axis when ep > 1; otherwise each expert's MLP is split over the tensor
 /// axis like a dense one (gate and up halves by column, down by row).
-fn expert_slice(full: &[f32], shape: &[usize], tp: TpPos, ep: TpPos) -> Vec<f32> {
+fn expert_slice<T: Copy>(full: &[T], shape: &[usize], tp: TpPos, ep: TpPos) -> Vec<T> {
     if shape.len() != 3 {
         return full.to_vec();
     }

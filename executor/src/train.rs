@@ -41,6 +41,11 @@ pub struct TrainOptions {
     pub data: crate::data::DataSource,
     /// Record a timeline of spans per rank ([`RankReport::spans`]).
     pub trace: bool,
+    /// Write checkpoints.
+    pub save: Option<crate::ckpt::SaveOptions>,
+    /// Start from this checkpoint (its weights, AdamW state and step) and run up
+    /// to `steps` steps in all.
+    pub resume: Option<Arc<crate::ckpt::Checkpoint>>,
 }
 
 impl TrainOptions {
@@ -55,6 +60,8 @@ impl TrainOptions {
         let group = meshplan_ir::graph::capacity_group_tokens(seq, st.cp, st.tp, st.ep);
         TrainOptions {
             moe_group_tokens: self.moe_group_tokens.or(Some(group as usize)),
+            // The reference resumes from the same checkpoint but writes none.
+            save: None,
             ..self.clone()
         }
     }
@@ -71,12 +78,17 @@ impl Default for TrainOptions {
             moe_group_tokens: None,
             data: crate::data::DataSource::Synthetic,
             trace: false,
+            save: None,
+            resume: None,
         }
     }
 }
 
 /// Weight key: tensor name and layer (`u64::MAX` outside the repeated blocks).
 pub type Key = (String, u64);
+
+/// Values per weight.
+type Weights = BTreeMap<Key, Vec<f32>>;
 
 /// Outside the blocks.
 const NO_LAYER: u64 = u64::MAX;
@@ -116,6 +128,8 @@ pub struct TrainReport {
     pub tokens_per_step: u64,
     /// Per rank, in rank order.
     pub ranks: Vec<RankReport>,
+    /// Checkpoints written, in step order.
+    pub saved: Vec<crate::ckpt::Saved>,
 }
 
 /// Why a run failed.
@@ -171,17 +185,30 @@ pub fn train_on(
     };
     let world = plan.ranks.len();
     let t0 = Instant::now();
+    let start = match &opts.resume {
+        Some(ck) => check_resume(plan, opts, ck)?,
+        None => 0,
+    };
+    let saver = match &opts.save {
+        Some(s) => {
+            Some(crate::ckpt::Saver::new(plan, opts, s).map_err(|message| ExecError { message })?)
+        }
+        None => None,
+    };
     let results = crate::comm::run_ranks(world, opts.timeout, |comm| {
         let mut r = RankState::new(backend, plan, comm, opts, seq_len, global_batch, t0)?;
         let mut loss_parts = Vec::new();
         let mut step_s = Vec::new();
-        for step in 0..opts.steps {
+        for step in start..opts.steps {
             if opts.fail_at == Some((r.rank, step)) {
                 return Err(fail(format!("injected failure at step {step}")));
             }
             let t = Instant::now();
             loss_parts.push(r.step(step)?);
             step_s.push(t.elapsed().as_secs_f64());
+            if let Some(sv) = saver.as_ref().filter(|sv| sv.due(step + 1, opts.steps)) {
+                sv.deposit(step + 1, r.snapshot()?).map_err(fail)?;
+            }
         }
         let counts = r.comm.counts();
         r.gather_zero3_for_report()?;
@@ -199,9 +226,14 @@ pub fn train_on(
             spans: std::mem::take(&mut r.tracer.spans),
         })
     });
+    // Joined even when the run failed, so that no write outlives the call.
+    let saved = saver.map(crate::ckpt::Saver::finish);
     if let Some(summary) = crate::comm::failure_summary(&results) {
         return Err(ExecError { message: summary });
     }
+    let saved = saved.transpose().map_err(|e| ExecError {
+        message: format!("checkpoint: {e}"),
+    })?;
     let mut ranks = Vec::new();
     for r in results {
         match r {
@@ -213,7 +245,7 @@ pub fn train_on(
             }
         }
     }
-    let steps = opts.steps as usize;
+    let steps = opts.steps.saturating_sub(start) as usize;
     let losses = (0..steps)
         .map(|s| ranks.iter().map(|r| r.loss_parts[s]).sum())
         .collect();
@@ -225,7 +257,47 @@ pub fn train_on(
         step_s,
         tokens_per_step: seq_len * global_batch,
         ranks,
+        saved: saved.unwrap_or_default(),
     })
+}
+
+/// The step a run resumed from `ck` starts at, once the checkpoint is known to fit
+/// the plan's model and the run's data.
+fn check_resume(
+    plan: &Plan,
+    opts: &TrainOptions,
+    ck: &crate::ckpt::Checkpoint,
+) -> Result<u64, ExecError> {
+    let err = |message: String| ExecError { message };
+    ck.check_model(&plan.graph).map_err(err)?;
+    let m = ck.manifest();
+    if m.seed != opts.seed {
+        return Err(err(format!(
+            "{}: saved with seed {}, this run uses {} (the data would not continue)",
+            ck.dir().display(),
+            m.seed,
+            opts.seed
+        )));
+    }
+    // The data continue only on the same tokens (a moved file is fine).
+    let now = opts.data.describe();
+    let same = |k: &str| m.data.get(k).unwrap_or(&serde_json::Value::Null) == &now[k];
+    if !same("source") || !same("tokens") {
+        return Err(err(format!(
+            "{}: saved while training on {}, this run reads {} (the data would not continue); give the same --data",
+            ck.dir().display(),
+            m.data,
+            now
+        )));
+    }
+    if m.step >= opts.steps {
+        return Err(err(format!(
+            "{}: the checkpoint has done {} steps; ask for more than that in all",
+            ck.dir().display(),
+            m.step
+        )));
+    }
+    Ok(m.step)
 }
 
 /// Per-task tensors: activations, gradients and what kernels saved, keyed by layer
@@ -294,6 +366,12 @@ struct RankState<'a> {
     tracer: crate::trace::Tracer,
     /// The micro-batch the running task belongs to (dropout masks are keyed by it).
     cur_mb: u64,
+    /// Per AdamW state: the weight keys of its flat vector and the flat ranges it
+    /// holds, in order (what a checkpoint reads back).
+    adam_parts: BTreeMap<String, (Vec<Key>, Vec<Range>)>,
+    /// Resuming: AdamW moments (m, v) of each local weight, the starting state of
+    /// each partition.
+    resume_adam: Option<(Weights, Weights)>,
 }
 
 impl Store {
@@ -426,6 +504,8 @@ impl<'a> RankState<'a> {
             expert_slots: (0, 0),
             tracer: crate::trace::Tracer::new(t0, opts.trace),
             cur_mb: 0,
+            adam_parts: BTreeMap::new(),
+            resume_adam: None,
         };
         st.init_weights()?;
         Ok(st)
@@ -493,7 +573,24 @@ impl<'a> RankState<'a> {
                         _ if shape.len() == 1 => InitKind::Zeros,
                         _ => InitKind::Normal(0.02),
                     };
-                    let full = init_full(self.opts.seed, &t.name, layer, elems, kind);
+                    let full = match &self.opts.resume {
+                        Some(ck) => {
+                            let slice = |kind: &str| -> Result<Vec<f32>, RankError> {
+                                let name = crate::ckpt::tensor_name(kind, &key);
+                                let full = ck.values(&name, &shape).map_err(fail)?;
+                                Ok(local_weight(
+                                    self.graph, op, op.role, w, &full, &shape, self.tp, self.ep,
+                                ))
+                            };
+                            let (m, v) = (slice("adam_m")?, slice("adam_v")?);
+                            let state = self.resume_adam.get_or_insert_with(Default::default);
+                            state.0.insert(key.clone(), m);
+                            state.1.insert(key.clone(), v);
+                            ck.values(&crate::ckpt::tensor_name("w", &key), &shape)
+                                .map_err(fail)?
+                        }
+                        None => init_full(self.opts.seed, &t.name, layer, elems, kind),
+                    };
                     let local =
                         local_weight(self.graph, op, op.role, w, &full, &shape, self.tp, self.ep);
                     self.wgrads.insert(key.clone(), vec![0.0; local.len()]);
@@ -1720,7 +1817,8 @@ impl<'a> RankState<'a> {
         let n = dpg.size();
         let me = dpg.index_of(self.rank).unwrap_or(0);
         let step = self.step_no + 1;
-        let (lr, b1, b2, eps, wd) = (self.opts.lr, 0.9, 0.95, 1e-8, 0.0);
+        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
+        let lr = self.opts.lr;
         if zero >= 3 && n > 1 {
             // Each segment copy's shard, in the order the copies run.
             for (s, l) in self.copies()? {
@@ -1737,24 +1835,21 @@ impl<'a> RankState<'a> {
                     .cloned()
                     .unwrap_or_else(|| vec![0.0; c]);
                 let name = format!("{set}@{seg}@{l}");
-                let (m, v) = self
-                    .adam
-                    .entry(name)
-                    .or_insert_with(|| (vec![0.0; c], vec![0.0; c]));
-                self.be
-                    .adamw_step(
-                        &mut flat[me * c..(me + 1) * c],
-                        &grad,
-                        m,
-                        v,
-                        step,
-                        lr,
-                        b1,
-                        b2,
-                        eps,
-                        wd,
-                    )
-                    .map_err(kerr("adamw"))?;
+                let be = self.be;
+                let (m, v) = self.adam_state(name, &keys, vec![(me * c, (me + 1) * c)])?;
+                be.adamw_step(
+                    &mut flat[me * c..(me + 1) * c],
+                    &grad,
+                    m,
+                    v,
+                    step,
+                    lr,
+                    b1,
+                    b2,
+                    eps,
+                    wd,
+                )
+                .map_err(kerr("adamw"))?;
                 Self::unflat(&mut self.weights, &keys, &flat, (me * c, (me + 1) * c));
             }
             return Ok(());
@@ -1778,25 +1873,21 @@ impl<'a> RankState<'a> {
             .flat_map(|&(a, b)| flat[a..b].to_vec())
             .collect();
         let range = (0, own.len());
-        let len = range.1 - range.0;
-        let (m, v) = self
-            .adam
-            .entry(set.to_string())
-            .or_insert_with(|| (vec![0.0; len], vec![0.0; len]));
-        self.be
-            .adamw_step(
-                &mut own[range.0..range.1],
-                &grad,
-                m,
-                v,
-                step,
-                lr,
-                b1,
-                b2,
-                eps,
-                wd,
-            )
-            .map_err(kerr("adamw"))?;
+        let be = self.be;
+        let (m, v) = self.adam_state(set.to_string(), &keys, parts.clone())?;
+        be.adamw_step(
+            &mut own[range.0..range.1],
+            &grad,
+            m,
+            v,
+            step,
+            lr,
+            b1,
+            b2,
+            eps,
+            wd,
+        )
+        .map_err(kerr("adamw"))?;
         let mut off = 0;
         for &(a, b) in &parts {
             flat[a..b].copy_from_slice(&own[off..off + b - a]);
@@ -1804,6 +1895,79 @@ impl<'a> RankState<'a> {
         }
         Self::unflat(&mut self.weights, &keys, &flat, (0, flat.len()));
         Ok(())
+    }
+
+    /// The AdamW state `name` over flat `parts` of `keys`' weights: zeros, or when
+    /// resuming the checkpoint's moments of those parts.
+    fn adam_state(
+        &mut self,
+        name: String,
+        keys: &[Key],
+        parts: Vec<Range>,
+    ) -> Result<&mut (Vec<f32>, Vec<f32>), RankError> {
+        if !self.adam.contains_key(&name) {
+            let len: usize = parts.iter().map(|(a, b)| b - a).sum();
+            let state = match &self.resume_adam {
+                None => (vec![0.0; len], vec![0.0; len]),
+                Some((rm, rv)) => {
+                    let (fm, fv) = (self.flat(rm, keys), self.flat(rv, keys));
+                    let take = |f: &[f32]| -> Result<Vec<f32>, RankError> {
+                        let mut out = Vec::with_capacity(len);
+                        for &(a, b) in &parts {
+                            out.extend_from_slice(f.get(a..b).ok_or_else(|| {
+                                fail(format!("resumed AdamW state of `{name}` lacks {a}..{b}"))
+                            })?);
+                        }
+                        Ok(out)
+                    };
+                    (take(&fm)?, take(&fv)?)
+                }
+            };
+            self.adam.insert(name.clone(), state);
+            self.adam_parts.insert(name.clone(), (keys.to_vec(), parts));
+        }
+        self.adam
+            .get_mut(&name)
+            .ok_or_else(|| fail(format!("no AdamW state `{name}`")))
+    }
+
+    /// This rank's part of a checkpoint: the flat ranges its AdamW states cover, with
+    /// the weights' values there (under ZeRO-3 the only up-to-date ones).
+    fn snapshot(&self) -> Result<crate::ckpt::RankSnapshot, RankError> {
+        let mut pieces = Vec::new();
+        for (name, (keys, parts)) in &self.adam_parts {
+            let (m, v) = self
+                .adam
+                .get(name)
+                .ok_or_else(|| fail(format!("no AdamW state `{name}`")))?;
+            let mut at = 0;
+            for &(a, b) in parts {
+                let mut off = 0;
+                for key in keys {
+                    let Some(w) = self.weights.get(key) else {
+                        continue;
+                    };
+                    let (x, y) = (off.max(a), (off + w.len()).min(b));
+                    if x < y {
+                        let (i, j) = (at + x - a, at + y - a);
+                        pieces.push(crate::ckpt::Piece {
+                            key: key.clone(),
+                            start: x - off,
+                            w: w[x - off..y - off].to_vec(),
+                            m: m[i..j].to_vec(),
+                            v: v[i..j].to_vec(),
+                        });
+                    }
+                    off += w.len();
+                }
+                at += b - a;
+            }
+        }
+        Ok(crate::ckpt::RankSnapshot {
+            tp: self.tp,
+            ep: self.ep,
+            pieces,
+        })
     }
 }
 
@@ -2896,7 +3060,7 @@ fn linear_bwd(
 }
 
 /// The full shape of a weight (its dims are fixed).
-fn fixed_shape(t: &meshplan_ir::Tensor) -> Result<Vec<usize>, RankError> {
+pub(crate) fn fixed_shape(t: &meshplan_ir::Tensor) -> Result<Vec<usize>, RankError> {
     t.shape
         .iter()
         .map(|d| match d {

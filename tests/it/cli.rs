@@ -549,7 +549,7 @@ fn heads_not_divisible_by_tp_exits_3() {
 
 // === plan and compare ===
 
-fn json_of(run: &Run) -> Value {
+pub(crate) fn json_of(run: &Run) -> Value {
     serde_json::from_str(&run.stdout).unwrap_or_else(|e| {
         panic!(
             "meshplan {}: stdout is not JSON ({e}):\n{}",

@@ -12,13 +12,13 @@ use std::time::{Duration, Instant};
 
 const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
 
-struct Model {
-    spec: ModelSpec,
-    graph: Graph,
-    pg: PreparedGraph,
+pub(crate) struct Model {
+    pub spec: ModelSpec,
+    pub graph: Graph,
+    pub pg: PreparedGraph,
 }
 
-fn model(name: &str) -> Model {
+pub(crate) fn model(name: &str) -> Model {
     let spec = load_model(
         Path::new(&format!("{ROOT}/models/{name}.yaml")),
         &WorkloadOverrides::default(),
@@ -39,11 +39,11 @@ fn mesh(gpus: u64) -> Cluster {
     c
 }
 
-fn plan(m: &Model, cfg: &str) -> Plan {
+pub(crate) fn plan(m: &Model, cfg: &str) -> Plan {
     plan_buckets(m, cfg, meshplan_cost_model::calib::DP_BUCKET_PARAMS)
 }
 
-fn plan_buckets(m: &Model, cfg: &str, bucket: f64) -> Plan {
+pub(crate) fn plan_buckets(m: &Model, cfg: &str, bucket: f64) -> Plan {
     let gpus = {
         let p = PartialConfig::parse(cfg, "test").unwrap_or_else(|e| panic!("{e}"));
         p.dp.unwrap_or(1) * p.tp.unwrap_or(1) * p.pp.unwrap_or(1) * p.cp.unwrap_or(1)

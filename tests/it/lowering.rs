@@ -362,7 +362,11 @@ fn boundary_transfers_and_gathers_per_stage() {
     let two = check_train(&m, &cl, "dp=240,tp=8,pp=2,mbs=1,recompute=full,zero=1");
     let mb2 = two.est.microbatches as f64;
     let tied = 51200.0 * 12288.0 / 8.0 * 2.0;
-    assert_close("pp=2 pp bytes", two.est.comm_bytes_per_gpu.pp, mb2 * p2p + tied);
+    assert_close(
+        "pp=2 pp bytes",
+        two.est.comm_bytes_per_gpu.pp,
+        mb2 * p2p + tied,
+    );
     // In the middle of pp=8 the boundary traffic is the larger; the ends add the table.
     assert!(2.0 * mb * p2p > mb * p2p + tied);
 }

@@ -1,5 +1,6 @@
 mod bin;
 mod calibration;
+mod ckpt;
 mod cli;
 mod cost;
 mod draw;
