@@ -146,6 +146,9 @@ fn nothing_fits(inp: &Inputs, report: &SearchReport) -> Failure {
             report.pruned,
             report.rejected
         );
+        if let Some(why) = &report.rejected_reason {
+            msg.push_str(&format!("; ruled out because {why}"));
+        }
         if let Some((cfg, bytes)) = &report.smallest_lower_bound {
             // With everything sharded (ZeRO-3 over every GPU), the states alone need
             // 16 bytes per parameter spread over the cluster.

@@ -129,6 +129,14 @@ pub fn check_train_shapes(
     seq: u64,
 ) -> Result<(), Unsupported> {
     check_shapes(pg, cfg, seq)?;
+    if pg.kv_heads > 0 && !cfg.dp_attention && !pg.kv_heads.is_multiple_of(cfg.tp) {
+        // A key/value head copied on several tensor ranks would get a partial
+        // gradient on each; Megatron-LM requires the split too.
+        return Err(unsupported(format!(
+            "kv_heads({}) % tp({}) != 0: training splits key/value heads over tp; copied kv heads are for inference",
+            pg.kv_heads, cfg.tp
+        )));
+    }
     if pg.tied && cfg.pp > 1 && cfg.zero >= 3 {
         return Err(unsupported(format!(
             "tied embeddings on pp({}) stages with zero=3: the first and last stage reduce the shared table's gradient before the data axis shards it; use zero <= 2 or untie the embeddings",

@@ -120,6 +120,9 @@ pub struct SearchReport {
     pub pruned: u64,
     /// Configurations the model's shapes rule out (heads not divisible, ...).
     pub rejected: u64,
+    /// One reason a configuration was ruled out (the first in sort order, so the
+    /// report does not depend on thread timing).
+    pub rejected_reason: Option<String>,
     /// Priced but over memory (or over the SLO). Depends on thread timing, like
     /// `bounded`: a configuration stopped at the bound is not checked for memory.
     pub infeasible: u64,
@@ -341,10 +344,18 @@ struct Sweep {
     evaluated: u64,
     pruned: u64,
     rejected: u64,
+    rejected_reason: Option<String>,
     infeasible: u64,
 }
 
 impl Sweep {
+    fn reject(&mut self, why: String) {
+        self.rejected += 1;
+        if self.rejected_reason.as_ref().is_none_or(|r| why < *r) {
+            self.rejected_reason = Some(why);
+        }
+    }
+
     fn new() -> Sweep {
         Sweep {
             best: Vec::new(),
@@ -355,6 +366,7 @@ impl Sweep {
             evaluated: 0,
             pruned: 0,
             rejected: 0,
+            rejected_reason: None,
             infeasible: 0,
         }
     }
@@ -393,6 +405,10 @@ impl Sweep {
         self.evaluated += other.evaluated;
         self.pruned += other.pruned;
         self.rejected += other.rejected;
+        if let Some(r) = other.rejected_reason {
+            self.rejected -= 1;
+            self.reject(r);
+        }
         self.infeasible += other.infeasible;
         self.bounded += other.bounded;
         if let Some((c, b)) = other.smallest_lb {
@@ -494,8 +510,8 @@ pub fn search_train(
                     acc.note_lb(*cfg, lb);
                     continue;
                 }
-                if check_train_shapes(pg, cfg, seq_len).is_err() {
-                    acc.rejected += 1;
+                if let Err(e) = check_train_shapes(pg, cfg, seq_len) {
+                    acc.reject(e.reason);
                     continue;
                 }
                 match estimate_train_bounded(
@@ -526,7 +542,7 @@ pub fn search_train(
                             acc.miss(c);
                         }
                     }
-                    Err(_) => acc.rejected += 1,
+                    Err(e) => acc.reject(e.reason),
                 }
             }
             shared_bound.fetch_min(acc.bound.to_bits(), Ordering::Relaxed);
@@ -570,6 +586,7 @@ pub fn search_train(
         evaluated: sweep.evaluated,
         pruned: sweep.pruned,
         rejected: sweep.rejected,
+        rejected_reason: sweep.rejected_reason.clone(),
         infeasible: sweep.infeasible,
         bounded: sweep.bounded,
         closest_miss: sweep.closest,
@@ -807,7 +824,7 @@ pub fn search_inference(
                     }
                 }
             }
-            Err(_) => sweep.rejected += 1,
+            Err(e) => sweep.reject(e),
         }
     }
     sort_candidates(&mut sweep.best);
@@ -840,6 +857,7 @@ pub fn search_inference(
         evaluated: sweep.evaluated,
         pruned: 0,
         rejected: sweep.rejected,
+        rejected_reason: sweep.rejected_reason.clone(),
         infeasible: sweep.infeasible,
         bounded: 0,
         closest_miss: sweep.closest,

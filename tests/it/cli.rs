@@ -1024,3 +1024,27 @@ fn run_rejects_bad_input_and_missing_backends() {
     run.expect_code(1);
     assert!(run.stderr.contains("budget"), "{}", run.stderr);
 }
+
+#[test]
+fn training_refuses_kv_heads_copied_over_tp() {
+    // tiny-gpt has 2 key/value heads: tp=4 would copy each on two tensor ranks, whose
+    // gradients would then be partial (inference may copy them; training may not).
+    let est = meshplan(&[
+        "estimate",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "tp=4,dp=2",
+    ]);
+    est.expect_code(3);
+    assert!(est.stderr.contains("kv_heads(2) % tp(4) != 0"), "{}", est.stderr);
+    let plan = meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "tp=4",
+    ]);
+    plan.expect_code(3);
+    assert!(plan.stderr.contains("ruled out because kv_heads(2)"), "{}", plan.stderr);
+}
