@@ -1046,8 +1046,15 @@ fn placements_map(
                 ),
             ));
         }
-        if map.insert(name.clone(), p.clone()).is_some() {
-            return Err(invalid("placements", format!("`{name}` is given twice")));
+        // Repeated blocks of different kinds (DeepSeek's dense and MoE layers) name
+        // their shared tensors alike; one placement for both is fine, two are not.
+        if let Some(prev) = map.insert(name.clone(), p.clone()) {
+            if prev != *p {
+                return Err(invalid(
+                    "placements",
+                    format!("`{name}` is given twice, as {prev:?} and {p:?}"),
+                ));
+            }
         }
     }
     Ok(map)

@@ -1037,7 +1037,11 @@ fn training_refuses_kv_heads_copied_over_tp() {
         "tp=4,dp=2",
     ]);
     est.expect_code(3);
-    assert!(est.stderr.contains("kv_heads(2) % tp(4) != 0"), "{}", est.stderr);
+    assert!(
+        est.stderr.contains("kv_heads(2) % tp(4) != 0"),
+        "{}",
+        est.stderr
+    );
     let plan = meshplan(&[
         "plan",
         "models/tiny-gpt.yaml",
@@ -1046,5 +1050,40 @@ fn training_refuses_kv_heads_copied_over_tp() {
         "tp=4",
     ]);
     plan.expect_code(3);
-    assert!(plan.stderr.contains("ruled out because kv_heads(2)"), "{}", plan.stderr);
+    assert!(
+        plan.stderr.contains("ruled out because kv_heads(2)"),
+        "{}",
+        plan.stderr
+    );
+}
+
+#[test]
+fn deepseek_v3_with_dense_and_moe_blocks_plans_and_lowers() {
+    // Two kinds of repeated block name their shared tensors alike (`block.in`): the
+    // plan holds one placement for both rather than refusing to lower.
+    let out = temp_file("plan-deepseek.json", "");
+    let path = out.to_str().expect("utf-8 path");
+    let run = meshplan(&[
+        "plan",
+        "models/deepseek-v3.yaml",
+        "topologies/h800-node.yaml",
+        "--nodes",
+        "256",
+        "--json",
+        "-o",
+        path,
+    ]);
+    run.expect_code(0);
+    let plan: Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("plan written")).expect("JSON");
+    let segments = plan["model"]["segments"].as_array().expect("segments");
+    assert!(
+        segments.len() >= 4,
+        "embed, dense blocks, MoE blocks, head: {segments:?}"
+    );
+    assert!(plan["placements"]["block.in"].is_array());
+    assert!(
+        plan["predicted"]["comm_bytes_per_gpu"]["ep"].as_f64() > Some(0.0)
+            || plan["strategy"]["ep"] == 1
+    );
 }
