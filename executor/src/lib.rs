@@ -6,14 +6,23 @@
 //!   threads) that counts bytes per collective kind and axis.
 //! - [`train`]: the training interpreter over the CPU kernels, `--check` against a
 //!   single-rank run, and the byte comparison with the plan.
+//! - [`infer`]: the inference interpreter (prefill, decode, per-rank KV cache),
+//!   with [`sample`] (greedy, temperature and top-p) and `--check` against a
+//!   single-rank run.
+//! - [`weights`]: Hugging Face safetensors checkpoints, each rank reading its shard
+//!   from a shared memory map; [`tokenize`]: `tokenizer.json` prompts.
 //! - [`shard`], [`init`]: which slice of each weight a rank holds; deterministic
 //!   weights and data, identical whatever the sharding.
 
 pub mod backend;
 pub mod comm;
+pub mod infer;
 pub mod init;
+pub mod sample;
 pub mod shard;
+pub mod tokenize;
 pub mod train;
+pub mod weights;
 
 pub use meshplan_ir as ir;
 pub use meshplan_kernels as kernels;
