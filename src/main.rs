@@ -13,6 +13,7 @@ use meshplan_ir::{
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod generate;
 mod plan;
 mod run;
 
@@ -133,7 +134,8 @@ enum Command {
         /// A u16 token file (not supported yet).
         #[arg(long)]
         data: Option<PathBuf>,
-        /// A Hugging Face checkpoint directory (not supported yet).
+        /// A Hugging Face checkpoint directory (config.json + *.safetensors; inference
+        /// plans).
         #[arg(long)]
         weights: Option<PathBuf>,
         /// A Chrome trace to write (not supported yet).
@@ -142,6 +144,8 @@ enum Command {
         /// One JSON object on stdout.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        generate: generate::GenerateFlags,
     },
     /// Evaluate one parallel configuration with the cost model.
     Estimate {
@@ -232,13 +236,10 @@ fn main() -> ExitCode {
             weights,
             trace,
             json,
+            generate,
         } => {
             let mut unsupported = Vec::new();
-            for (flag, given) in [
-                ("--data", data.is_some()),
-                ("--weights", weights.is_some()),
-                ("--trace", trace.is_some()),
-            ] {
+            for (flag, given) in [("--data", data.is_some()), ("--trace", trace.is_some())] {
                 if given {
                     unsupported.push(flag);
                 }
@@ -250,6 +251,8 @@ fn main() -> ExitCode {
                 check,
                 json,
                 unsupported,
+                weights: weights.as_deref(),
+                generate: &generate,
             })
         }
         Command::Compare {

@@ -790,9 +790,11 @@ impl<'a> InferRank<'a> {
                 Instr::Collective { tensor, .. } if tensor == "hidden_states" => {
                     self.collective(instr, "hidden_states")?;
                 }
-                other => return Err(fail(format!(
+                other => {
+                    return Err(fail(format!(
                     "unexpected instruction outside a segment of an inference program: {other:?}"
-                ))),
+                )))
+                }
             }
         }
         Ok(())
