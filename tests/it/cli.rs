@@ -43,16 +43,16 @@ fn binary() -> &'static Path {
 }
 
 /// One run of the binary.
-struct Run {
-    args: String,
-    code: i32,
-    stdout: String,
-    stderr: String,
+pub(crate) struct Run {
+    pub(crate) args: String,
+    pub(crate) code: i32,
+    pub(crate) stdout: String,
+    pub(crate) stderr: String,
 }
 
 impl Run {
     #[track_caller]
-    fn expect_code(&self, code: i32) -> &Self {
+    pub(crate) fn expect_code(&self, code: i32) -> &Self {
         assert_eq!(
             self.code, code,
             "meshplan {}: exit {} (want {code})\nstdout:\n{}\nstderr:\n{}",
@@ -62,7 +62,7 @@ impl Run {
     }
 
     #[track_caller]
-    fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_str(&self.stdout).unwrap_or_else(|e| {
             panic!(
                 "meshplan {}: stdout is not one JSON object ({e}):\n{}",
@@ -72,7 +72,7 @@ impl Run {
     }
 
     #[track_caller]
-    fn stderr_has(&self, needles: &[&str]) -> &Self {
+    pub(crate) fn stderr_has(&self, needles: &[&str]) -> &Self {
         for n in needles {
             assert!(
                 self.stderr.contains(n),
@@ -87,7 +87,7 @@ impl Run {
 
 /// Runs `meshplan ARGS` in the workspace root; never a panic.
 #[track_caller]
-fn meshplan(args: &[&str]) -> Run {
+pub(crate) fn meshplan(args: &[&str]) -> Run {
     let out = Command::new(binary())
         .args(args)
         .current_dir(ROOT)

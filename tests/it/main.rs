@@ -2,6 +2,7 @@ mod calibration;
 mod cli;
 mod cost;
 mod executor;
+mod infer;
 mod loaders;
 mod lowering;
 mod models;
