@@ -669,13 +669,29 @@ fn check_all(dir: &Path, forward: &dyn Fn(&[u32]) -> Vec<f64>) {
         "{}: single rank vs naive f64 reference, largest logit difference {worst:.3e}",
         dir.display()
     );
-    for (cfg, gpus) in [
-        ("tp=2", 2),
-        ("pp=2", 2),
-        ("tp=2,pp=2", 4),
-        ("tp=2,pp=2,dp=2", 8),
+    // The cache is split by KV heads over tp and by layers over pp: the fullest rank
+    // holds exactly that share of the single rank's (dp=2 splits the requests instead).
+    for (cfg, gpus, share) in [
+        ("tp=2", 2, Some(2.0)),
+        ("pp=2", 2, Some(2.0)),
+        ("tp=2,pp=2", 4, Some(4.0)),
+        ("tp=2,pp=2,dp=2", 8, None),
     ] {
         let r = run(&plan_of(dir, cfg, gpus), &ck, Sampling::GREEDY, 3);
+        if let Some(share) = share {
+            assert_eq!(
+                r.kv_cache_bytes * share,
+                single.kv_cache_bytes,
+                "{cfg}: KV cache"
+            );
+            // Weights too, but for what stays replicated (norms, biases, GPT-2 positions).
+            assert!(
+                r.weight_bytes < 1.5 * single.weight_bytes / share,
+                "{cfg}: {} of {} weight bytes",
+                r.weight_bytes,
+                single.weight_bytes
+            );
+        }
         let (line, diff) = check_inference(&r, &single).unwrap_or_else(|e| panic!("{cfg}: {e}"));
         eprintln!("{cfg}: {line}");
         assert!(diff <= TOL, "{cfg}: {diff}");
