@@ -4,7 +4,9 @@
 use crate::run::{bad, reference_plan, runtime, RunArgs};
 use crate::{print_json, Failure};
 use clap::Args;
-use meshplan_executor::infer::{check_inference, infer, InferOptions, InferReport};
+use meshplan_executor::infer::{
+    byte_mismatches, check_inference, infer, InferOptions, InferReport,
+};
 use meshplan_executor::init::synthetic_sequence;
 use meshplan_executor::sample::Sampling;
 use meshplan_executor::tokenize::TextTokenizer;
@@ -188,11 +190,27 @@ pub(crate) fn run(a: &RunArgs<'_>, plan: &Plan, file: &str) -> Result<(), Failur
     } else {
         None
     };
-    print_report(plan, &report, tok.as_ref(), check.as_ref(), a.json);
+    let bytes = byte_mismatches(plan, &opts, &report);
+    print_report(
+        plan,
+        &report,
+        tok.as_ref(),
+        check.as_ref(),
+        bytes.as_deref(),
+        a.json,
+    );
     if let Some(Err(why)) = &check {
         return Err(runtime(format!(
             "the run differs from the single-rank reference:\n{why}"
         )));
+    }
+    if let (true, Some(b)) = (a.check, &bytes) {
+        if !b.is_empty() {
+            return Err(runtime(format!(
+                "measured communication differs from the plan:\n{}",
+                b.join("\n")
+            )));
+        }
     }
     Ok(())
 }
@@ -209,6 +227,7 @@ fn print_report(
     r: &InferReport,
     tok: Option<&TextTokenizer>,
     check: Option<&Result<(String, f64), String>>,
+    bytes: Option<&[String]>,
     json: bool,
 ) {
     let text = |ids: &[u32]| tok.and_then(|t| t.decode(ids).ok());
@@ -249,6 +268,8 @@ fn print_report(
                 "comm_bytes_per_gpu": comm,
             },
             "predicted": plan.predicted,
+            "bytes_match_plan": bytes.map(|b| b.is_empty()),
+            "byte_mismatches": bytes,
             "check": check.map(|c| match c {
                 Ok((line, worst)) => serde_json::json!({"passed": true, "details": line, "max_abs_logit_diff": worst}),
                 Err(why) => serde_json::json!({"passed": false, "details": why}),
@@ -296,6 +317,11 @@ fn print_report(
         r.weight_bytes / (1u64 << 20) as f64,
         r.kv_cache_bytes / (1u64 << 20) as f64
     );
+    match bytes {
+        Some([]) => println!("comm bytes   equal to the plan's on every rank and axis"),
+        Some(b) => println!("comm bytes   differ from the plan:\n  {}", b.join("\n  ")),
+        None => println!("comm bytes   not compared (the prompts are not the plan's workload)"),
+    }
     match check {
         Some(Ok((line, _))) => println!("check        passed: {line}"),
         Some(Err(_)) => println!("check        FAILED (details on stderr)"),

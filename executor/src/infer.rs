@@ -14,10 +14,9 @@
 //! fewer KV heads than tensor ranks) for the layers of its pipeline stage.
 //!
 //! The last stage gathers the last position's logits over `tp` (the head is split by
-//! vocabulary), samples, and sends the new tokens to the first stage. Departure from
-//! the plan: the plan's head still holds the training loss and its three small
-//! reductions; the executor does not run them and all-gathers the logits instead, so
-//! inference bytes are reported, not compared with the plan's.
+//! vocabulary: the plan's AllGather of the logits, priced by the cost model as
+//! `LayoutCtx::sampling`), samples, and sends the new tokens to the first stage (a
+//! few bytes per request the plan does not list).
 
 use crate::backend::{Backend, CpuBackend};
 use crate::comm::{ByteCounts, Communicator, Group, RankError, ThreadComm};
@@ -855,7 +854,20 @@ impl<'a> InferRank<'a> {
         else {
             return Ok(());
         };
-        // The training loss's statistics: generation samples from gathered logits.
+        // The head's logits: `last_logits` gathers the last positions, the rows this
+        // collective's bytes count.
+        let is_logits = self.graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
+            matches!(o.kind, OpKind::CrossEntropy { .. })
+                && o.inputs
+                    .first()
+                    .map(|&t| self.graph.tensor(t).name.as_str())
+                    == Some(tensor)
+        });
+        if is_logits && *kind == CollectiveKind::AllGather {
+            return Ok(());
+        }
+        // Plans lowered before sampling was planned hold the training loss's
+        // statistics instead: nothing to reduce when generating.
         for suffix in [".max", ".sum_exp", ".target"] {
             if let Some(op_name) = tensor.strip_suffix(suffix) {
                 let is_loss =
@@ -1146,4 +1158,56 @@ impl<'a> InferRank<'a> {
         }
         Ok(y)
     }
+}
+
+/// Bytes each rank sent against the plan's programs, when the run has the plan's
+/// shapes (every prompt `prompt_len` tokens, each replica decoding the plan's batch):
+/// `None` otherwise. Per rank: its prefill phase once per request it served, its
+/// decode phase once per step after the first token; the last stage also sends the
+/// sampled tokens back to the first (4 bytes per request and step), which the plan
+/// does not list.
+pub fn byte_mismatches(plan: &Plan, opts: &InferOptions, run: &InferReport) -> Option<Vec<String>> {
+    let meshplan_ir::Workload::Inference { prompt_len, .. } = plan.workload else {
+        return None;
+    };
+    if opts.requests.iter().any(|r| r.len() as u64 != prompt_len) {
+        return None;
+    }
+    let axis = |name: &str| plan.mesh.axes.iter().position(|a| a == name);
+    let size = |name: &str| axis(name).map(|i| plan.mesh.shape[i] as usize).unwrap_or(1);
+    let (dp, pp) = (size("dp").max(1), size("pp"));
+    let mut out = Vec::new();
+    for (rank, counts) in run.counts.iter().enumerate() {
+        let entry = plan.ranks.get(rank)?;
+        let program = plan.programs.get(entry.program as usize)?;
+        let dp_index = axis("dp").map(|i| entry.coords[i] as usize).unwrap_or(0);
+        let served = (0..opts.requests.len())
+            .filter(|i| i % dp == dp_index)
+            .count();
+        let phase = |k: PhaseKind| program.phases.iter().find(|p| p.kind == k);
+        let (pre, dec) = (phase(PhaseKind::Prefill)?, phase(PhaseKind::Decode)?);
+        if served > 0 && dec.dims.batch as usize != served {
+            return None;
+        }
+        let steps = if served > 0 {
+            opts.max_new_tokens as f64 - 1.0
+        } else {
+            0.0
+        };
+        let (p, d) = (pre.bytes_sent(), dec.bytes_sent());
+        for ax in meshplan_ir::plan::Axis::ALL {
+            let mut want = served as f64 * p.get(ax) + steps * d.get(ax);
+            if ax == meshplan_ir::plan::Axis::Pp && pp > 1 && program.stage + 1 == pp as u64 {
+                want += steps * served as f64 * 4.0;
+            }
+            let got = counts.axis_bytes_sent(ax.name());
+            if (got - want).abs() > 1e-6 * want.max(1.0) {
+                out.push(format!(
+                    "rank {rank} {}: measured {got} bytes, plan {want}",
+                    ax.name()
+                ));
+            }
+        }
+    }
+    Some(out)
 }

@@ -8,7 +8,9 @@
 
 use crate::cli::meshplan;
 use meshplan_cost_model::{load_cluster, prepare_model};
-use meshplan_executor::infer::{check_inference, infer, InferOptions, InferReport};
+use meshplan_executor::infer::{
+    byte_mismatches, check_inference, infer, InferOptions, InferReport,
+};
 use meshplan_executor::sample::Sampling;
 use meshplan_executor::weights::Checkpoint;
 use meshplan_ir::plan::Plan;
@@ -840,6 +842,75 @@ fn checkpoint_errors_name_the_tensor_or_field() {
         .unwrap_err()
         .message;
     assert!(e.contains("`hidden_size`") && e.contains("64"), "{e}");
+}
+
+#[test]
+fn the_plans_workload_sends_the_plans_bytes() {
+    // Sampling is planned: the head's logit gather is in the programs and the cost
+    // model, so the run sends what the plan says on every rank and axis.
+    let spec = load_model(
+        Path::new(&format!("{ROOT}/models/tiny-llama-inference.yaml")),
+        &WorkloadOverrides::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let workload = spec.workload.clone().expect("a workload");
+    let meshplan_ir::Workload::Inference {
+        prompt_len,
+        output_len,
+        concurrency,
+        ..
+    } = workload
+    else {
+        panic!("an inference workload")
+    };
+    for (cfg, gpus) in [("tp=2,pp=2", 4), ("tp=2,pp=2,dp=2", 8), ("tp=4", 4)] {
+        let mut cluster = load_cluster(
+            Path::new(&format!("{ROOT}/topologies/cpu-test-mesh.yaml")),
+            Some(1),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        cluster.gpus_per_node = gpus;
+        let c = PartialConfig::parse(cfg, "test")
+            .and_then(|p| p.resolve(gpus, "test"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let plan = plan_for_config(&spec.name, &graph, &pg, &cluster, &workload, &c)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let gathers = plan.programs.last().expect("a program").phases[1]
+            .chunks
+            .iter()
+            .flat_map(|ch| &ch.forward)
+            .flat_map(|i| match i {
+                meshplan_ir::plan::Instr::Segment { body, .. } => body.clone(),
+                other => vec![other.clone()],
+            })
+            .filter(|i| matches!(i, meshplan_ir::plan::Instr::Collective { kind: meshplan_ir::plan::CollectiveKind::AllGather, tensor, .. } if tensor == "head.lm.out"))
+            .count();
+        assert_eq!(gathers, 1, "{cfg}: the decode head gathers the logits once");
+        let opts = InferOptions {
+            requests: (0..concurrency)
+                .map(|i| {
+                    (0..prompt_len)
+                        .map(|t| ((i * 31 + t * 7) % 256) as u32)
+                        .collect()
+                })
+                .collect(),
+            max_new_tokens: output_len as usize,
+            ..InferOptions::default()
+        };
+        let r = infer(&plan, &opts).unwrap_or_else(|e| panic!("{e}"));
+        let bytes = byte_mismatches(&plan, &opts, &r).expect("the plan's shapes");
+        assert!(bytes.is_empty(), "{cfg}:\n{}", bytes.join("\n"));
+        assert!(r.counts.iter().any(|c| c.axis_bytes_sent("tp") > 0.0));
+        // Other prompt lengths are not the plan's shapes: not compared.
+        let other = InferOptions {
+            requests: vec![vec![1, 2, 3]],
+            ..opts
+        };
+        let r = infer(&plan, &other).unwrap_or_else(|e| panic!("{e}"));
+        assert!(byte_mismatches(&plan, &other, &r).is_none());
+    }
 }
 
 // === the command line ===
