@@ -948,7 +948,7 @@ fn cli_runs_a_checkpoint_with_ids_text_and_check() {
         "--workload",
         &wl,
         "--config",
-        "tp=2,pp=2",
+        "tp=2,pp=2,dp_attention=false",
         "-o",
         &plan_s,
     ])
@@ -1054,7 +1054,7 @@ fn cli_bad_inference_input_exits_2() {
         "--workload",
         &wl,
         "--config",
-        "tp=2,pp=2",
+        "tp=2,pp=2,dp_attention=false",
         "-o",
         &plan,
     ])
@@ -1071,6 +1071,23 @@ fn cli_bad_inference_input_exits_2() {
     meshplan(&["run", &plan, "--prompt-ids", "1", "--top-p", "0"])
         .expect_code(2)
         .stderr_has(&["--top-p"]);
+    // Plans the executor cannot run yet say so and how to plan instead.
+    let dpa = dir.join("dpa.json").display().to_string();
+    meshplan(&[
+        "plan",
+        &config,
+        "topologies/cpu-test-mesh.yaml",
+        "--workload",
+        &wl,
+        "--config",
+        "tp=2,pp=2,dp_attention=true",
+        "-o",
+        &dpa,
+    ])
+    .expect_code(0);
+    meshplan(&["run", &dpa, "--prompt-ids", "1"])
+        .expect_code(2)
+        .stderr_has(&["dp_attention=false"]);
     // Without --weights the plan runs on its deterministic synthetic weights.
     meshplan(&[
         "run",
@@ -1105,7 +1122,7 @@ fn cli_bad_inference_input_exits_2() {
         "models/tiny-llama-inference.yaml",
         "topologies/cpu-test-mesh.yaml",
         "--config",
-        "tp=2,pp=2",
+        "tp=2,pp=2,dp_attention=false",
         "-o",
         &tiny,
     ])
