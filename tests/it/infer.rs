@@ -56,6 +56,7 @@ fn to_bf16(x: f32) -> u16 {
 enum Store {
     F32,
     Bf16,
+    F16,
 }
 
 /// Tensors by Hugging Face name: shape and the values the checkpoint holds (already
@@ -63,11 +64,13 @@ enum Store {
 type Tensors = HashMap<String, (Vec<usize>, Vec<f64>)>;
 
 fn round_to(store: Store, t: &mut Tensors) {
-    if store == Store::Bf16 {
-        for (_, v) in t.values_mut() {
-            for x in v.iter_mut() {
-                *x = f32::from_bits((to_bf16(*x as f32) as u32) << 16) as f64;
-            }
+    for (_, v) in t.values_mut() {
+        for x in v.iter_mut() {
+            *x = match store {
+                Store::F32 => *x as f32 as f64,
+                Store::Bf16 => f32::from_bits((to_bf16(*x as f32) as u32) << 16) as f64,
+                Store::F16 => half::f16::from_f32(*x as f32).to_f32() as f64,
+            };
         }
     }
 }
@@ -90,6 +93,10 @@ fn write_checkpoint(dir: &Path, config: &str, t: &Tensors, store: Store, files: 
                         .iter()
                         .flat_map(|&x| to_bf16(x as f32).to_le_bytes())
                         .collect(),
+                    Store::F16 => v
+                        .iter()
+                        .flat_map(|&x| half::f16::from_f32(x as f32).to_le_bytes())
+                        .collect(),
                 };
                 ((*n).clone(), shape.clone(), b)
             })
@@ -97,6 +104,7 @@ fn write_checkpoint(dir: &Path, config: &str, t: &Tensors, store: Store, files: 
         let dtype = match store {
             Store::F32 => Dtype::F32,
             Store::Bf16 => Dtype::BF16,
+            Store::F16 => Dtype::F16,
         };
         let views: Vec<(String, TensorView<'_>)> = bytes
             .iter()
@@ -738,6 +746,28 @@ fn gpt2_checkpoint_sharded_equals_single_rank_and_reference() {
     let t = gpt2_tensors(13);
     write_checkpoint(&dir, &gpt2_config(), &t, Store::F32, 1);
     check_all(&dir, &|tokens| gpt2_forward(&t, tokens));
+}
+
+#[test]
+fn gpt2_f16_checkpoint_saved_by_the_lm_head_model() {
+    // `GPT2LMHeadModel.save_pretrained` names tensors `transformer.*` and leaves the
+    // tied head out; stored in f16.
+    let dir = temp_dir("gpt2-f16");
+    let mut t = gpt2_tensors(19);
+    round_to(Store::F16, &mut t);
+    let prefixed: Tensors = t
+        .iter()
+        .map(|(k, v)| (format!("transformer.{k}"), v.clone()))
+        .collect();
+    write_checkpoint(&dir, &gpt2_config(), &prefixed, Store::F16, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let r = run(&plan_of(&dir, "tp=2,pp=2", 4), &ck, Sampling::GREEDY, 3);
+    for (i, req) in r.requests.iter().enumerate() {
+        let (tokens, logits) = reference_generate(&|s| gpt2_forward(&t, s), PROMPTS[i], 5);
+        assert_eq!(req.tokens, tokens, "request {i}");
+        let (d, scale) = max_diff(&req.logits, &logits);
+        assert!(d <= TOL * scale, "request {i}: {d:e}");
+    }
 }
 
 #[test]
