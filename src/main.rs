@@ -131,7 +131,8 @@ enum Command {
         /// communicated bytes differ.
         #[arg(long)]
         check: bool,
-        /// A u16 token file (not supported yet).
+        /// Train on a u16 token file (nanoGPT / llm.c format, llm.c's header
+        /// optional) instead of the synthetic stream.
         #[arg(long)]
         data: Option<PathBuf>,
         /// A Hugging Face checkpoint directory (config.json + *.safetensors; inference
@@ -238,18 +239,15 @@ fn main() -> ExitCode {
             json,
             generate,
         } => {
-            let mut unsupported = Vec::new();
-            for (flag, given) in [("--data", data.is_some()), ("--trace", trace.is_some())] {
-                if given {
-                    unsupported.push(flag);
-                }
-            }
+            let unsupported = Vec::new();
             run::run(&run::RunArgs {
                 plan: &plan,
                 backend: &backend,
                 steps,
                 check,
                 json,
+                data: data.as_deref(),
+                trace: trace.as_deref(),
                 unsupported,
                 weights: weights.as_deref(),
                 generate: &generate,

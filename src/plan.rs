@@ -261,7 +261,7 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
         code: 1,
         message: format!("cannot serialise the plan: {e}"),
     })?;
-    write_atomically(&a.output, &bytes)?;
+    write_atomically(&a.output, &bytes, "plan")?;
     let search = search_json(&report);
     if a.json {
         print_json(&serde_json::json!({
@@ -319,17 +319,17 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Writes to a temporary name and renames, so an existing plan is never left half
-/// overwritten.
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), Failure> {
+/// Writes to a temporary name and renames, so an existing file (a plan, a trace) is
+/// never left half overwritten.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8], what: &str) -> Result<(), Failure> {
     let io = |e: std::io::Error| Failure {
         code: 1,
-        message: format!("{}: cannot write the plan: {e}", path.display()),
+        message: format!("{}: cannot write the {what}: {e}", path.display()),
     };
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_else(|| "plan.json".into());
+        .unwrap_or_else(|| what.into());
     let tmp = path.with_file_name(format!(".{name}.tmp"));
     std::fs::write(&tmp, bytes).map_err(io)?;
     std::fs::rename(&tmp, path).map_err(io)

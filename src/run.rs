@@ -4,6 +4,7 @@
 use crate::{print_json, Failure};
 use meshplan_cost_model::estimate::gib;
 use meshplan_cost_model::{parse_cluster_yaml, PreparedGraph};
+use meshplan_executor::data::{DataSource, Sampler, TokenFile};
 use meshplan_executor::train::{byte_mismatches, check_against, train, TrainOptions, TrainReport};
 use meshplan_ir::plan::{Plan, PlanKind};
 use meshplan_ir::{ParallelConfig, PartialConfig};
@@ -17,6 +18,8 @@ pub(crate) struct RunArgs<'a> {
     pub steps: u64,
     pub check: bool,
     pub json: bool,
+    pub data: Option<&'a Path>,
+    pub trace: Option<&'a Path>,
     pub unsupported: Vec<&'static str>,
     /// A checkpoint (inference plans).
     pub weights: Option<&'a Path>,
@@ -87,6 +90,11 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         ))
     })?;
     if plan.kind == PlanKind::Inference {
+        if a.data.is_some() || a.trace.is_some() {
+            return Err(bad(format!(
+                "{file}: --data and --trace are read for training plans; this is an inference plan (give prompts with --prompt-ids, --prompt or --prompt-file)"
+            )));
+        }
         return crate::generate::run(a, &plan, &file);
     }
     if a.generate.any_given() {
@@ -116,16 +124,52 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     if a.steps == 0 {
         return Err(bad("--steps must be at least 1".into()));
     }
+    let data = match a.data {
+        None => DataSource::Synthetic,
+        Some(path) => {
+            let vocab = plan.graph.vocab().unwrap_or(u64::MAX);
+            let file = TokenFile::open(path, vocab).map_err(|e| bad(e.message))?;
+            let (seq, gb) = match plan.workload {
+                meshplan_ir::Workload::Train {
+                    seq_len,
+                    global_batch,
+                    ..
+                } => (seq_len as usize, global_batch),
+                _ => (0, 0),
+            };
+            Sampler::new(file.len(), seq, gb, TrainOptions::default().seed)
+                .map_err(|m| bad(format!("{}: {m}", path.display())))?;
+            DataSource::File {
+                file: std::sync::Arc::new(file),
+            }
+        }
+    };
     let opts = TrainOptions {
         steps: a.steps,
+        data,
+        trace: a.trace.is_some(),
         ..TrainOptions::default()
     };
     let report = train(&plan, &opts).map_err(|e| runtime(e.message))?;
+    if let Some(path) = a.trace {
+        let spans: Vec<_> = report
+            .ranks
+            .iter()
+            .map(|r| (r.rank, r.spans.clone()))
+            .collect();
+        let text = meshplan_executor::trace::chrome_trace(&plan, &spans).to_json();
+        crate::plan::write_atomically(path, text.as_bytes(), "trace")?;
+        eprintln!(
+            "trace written to {} ({} spans; open in https://ui.perfetto.dev)",
+            path.display(),
+            spans.iter().map(|(_, s)| s.len()).sum::<usize>()
+        );
+    }
     let bytes = byte_mismatches(&plan, &report, a.steps);
     let check = if a.check {
         let reference = reference_plan(&plan).map_err(runtime)?;
-        let base =
-            train(&reference, &opts).map_err(|e| runtime(format!("reference: {}", e.message)))?;
+        let base = train(&reference, &opts.reference_of(&plan))
+            .map_err(|e| runtime(format!("reference: {}", e.message)))?;
         Some(check_against(&plan, &report, &base, 1e-5))
     } else {
         None
@@ -136,10 +180,12 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "the run differs from the single-rank reference:\n{why}"
         )));
     }
-    // Expert-parallel bytes follow the router's choices; the plan prices balanced
-    // routing, so on that axis a difference is reported, not failed.
+    // Dropless expert-parallel bytes follow the router's choices; the plan prices
+    // balanced routing, so on that axis a difference is reported, not failed. Under
+    // an expert capacity the buffers are padded and must match like every axis.
+    let dropless = plan.graph.dropless_experts();
     let (routed, exact): (Vec<&String>, Vec<&String>) =
-        bytes.iter().partition(|m| m.contains(" ep: "));
+        bytes.iter().partition(|m| dropless && m.contains(" ep: "));
     if !routed.is_empty() {
         eprintln!(
             "note: expert-parallel bytes depend on the routing; the plan assumes balanced experts:\n  {}",
@@ -188,6 +234,9 @@ fn print_report(
     let (measured_states, measured_acts) =
         worst.map_or((0.0, 0.0), |w| (w.state_bytes, w.peak_activation_bytes));
     let measured_mem = measured_states + measured_acts;
+    let (slots, dropped) = r.ranks.iter().fold((0u64, 0u64), |a, k| {
+        (a.0 + k.expert_slots.0, a.1 + k.expert_slots.1)
+    });
     let mut per_axis = serde_json::Map::new();
     for rank in &r.ranks {
         for (axis, b) in rank.counts.per_axis() {
@@ -209,6 +258,8 @@ fn print_report(
                 "step_time_s": median,
                 "tokens_per_s": r.tokens_per_step as f64 / median,
                 "comm_bytes_per_gpu": per_axis,
+                "expert_assignments": slots,
+                "expert_assignments_dropped": dropped,
                 "memory_per_gpu_bytes": {
                     "states": measured_states,
                     "activations": measured_acts,
@@ -250,6 +301,12 @@ fn print_report(
         gib(measured_acts),
         gib(predicted_mem)
     );
+    if slots > 0 {
+        println!(
+            "experts      {dropped} of {slots} token-expert assignments over capacity ({:.2}%)",
+            100.0 * dropped as f64 / slots as f64
+        );
+    }
     if bytes.is_empty() {
         println!("comm bytes   equal to the plan's on every rank and axis");
     } else if bytes.iter().all(|m| m.contains(" ep: ")) {

@@ -118,6 +118,25 @@ fn check_world_size(cfg: &ParallelConfig, gpus: u64) -> Result<(), Unsupported> 
     )))
 }
 
+/// [`check_shapes`] plus the rules of training: expert parallelism with `tp > 1`
+/// needs sequence parallelism, as in Megatron-Core, so that each tensor rank
+/// dispatches its own slice of the tokens (otherwise every tensor rank holds the
+/// same tokens and would route them again).
+pub fn check_train_shapes(
+    pg: &PreparedGraph,
+    cfg: &ParallelConfig,
+    seq: u64,
+) -> Result<(), Unsupported> {
+    check_shapes(pg, cfg, seq)?;
+    if pg.experts > 0 && cfg.ep > 1 && cfg.tp > 1 && !cfg.sp {
+        return Err(unsupported(format!(
+            "ep({}) > 1 with tp({}) > 1 needs sp=true: each tensor rank dispatches its own slice of the tokens",
+            cfg.ep, cfg.tp
+        )));
+    }
+    Ok(())
+}
+
 /// Checks the degrees against the model's shapes.
 pub fn check_shapes(pg: &PreparedGraph, cfg: &ParallelConfig, seq: u64) -> Result<(), Unsupported> {
     if pg.heads > 0 && !cfg.dp_attention && !pg.heads.is_multiple_of(cfg.tp) {
@@ -412,7 +431,7 @@ pub fn estimate_train_bounded(
 ) -> Result<Option<Estimate>, Unsupported> {
     let gpus = cluster.gpus();
     check_world_size(cfg, gpus)?;
-    check_shapes(pg, cfg, seq_len)?;
+    check_train_shapes(pg, cfg, seq_len)?;
     let nchunks = (cfg.pp * cfg.vpp) as usize;
     if let Some(s) = split {
         if s.len() != nchunks || s.iter().sum::<u64>() != pg.layers {

@@ -73,6 +73,9 @@ struct PSegment {
     /// Same, for expert MLPs, which are column/row pairs only when `ep == 1`.
     expert_inputs: Vec<Act>,
     expert_outputs: Vec<Act>,
+    /// Router scores the experts read (gathered with the tokens under sequence
+    /// parallelism when the experts are split over `tp`).
+    expert_scores: Vec<Act>,
     /// Weight elements: replicated over `tp`, sharded over `tp`, routed experts.
     params_replicated: f64,
     params_sharded: f64,
@@ -174,6 +177,7 @@ impl PreparedGraph {
             let mut col_ids = Vec::new();
             let mut row_ids = Vec::new();
             let mut exp_in = Vec::new();
+            let mut exp_scores = Vec::new();
             let mut exp_out = Vec::new();
             let mut weights: Vec<u32> = Vec::new();
             let (mut p_rep, mut p_sh, mut p_exp) = (0.0, 0.0, 0.0);
@@ -261,6 +265,7 @@ impl PreparedGraph {
                     }
                     TpRole::Experts => {
                         exp_in.push(op.inputs[0]);
+                        exp_scores.extend(op.inputs.get(1).copied());
                         exp_out.push(op.outputs[0]);
                     }
                     _ => {}
@@ -294,6 +299,7 @@ impl PreparedGraph {
                 row_outputs: row_ids.iter().map(|&(i, a)| (act(i), a)).collect(),
                 expert_inputs: exp_in.iter().map(|&i| act(i)).collect(),
                 expert_outputs: exp_out.iter().map(|&i| act(i)).collect(),
+                expert_scores: exp_scores.iter().map(|&i| act(i)).collect(),
                 params_replicated: p_rep,
                 params_sharded: p_sh,
                 params_experts: p_exp,
@@ -452,6 +458,13 @@ impl LayoutCtx {
         self.cp as f64
     }
 
+    /// Tokens of one expert-capacity group (`capacity_group_tokens`); `None` while
+    /// decoding (see [`ExpertsShape::dispatched_rows`]).
+    fn capacity_group(&self) -> Option<f64> {
+        let tp_split = if self.ep > 1 { self.tp as f64 } else { 1.0 };
+        (self.env.kv <= self.env.seq).then(|| self.env.seq / self.cp as f64 / tp_split)
+    }
+
     /// Local bytes of an activation (`attn_part`: produced in a block's attention half).
     fn local(&self, a: &Act, attn_part: bool) -> f64 {
         let t = self.tp as f64;
@@ -602,6 +615,14 @@ impl LayoutCtx {
                 add(&mut tp_b, self.tp_coll(Collective::AllReduce, full));
             }
         }
+        if !ep_split && self.sp && !self.dp_attention {
+            // The router scored only this rank's tokens; the experts gather the scores.
+            for a in &seg.expert_scores {
+                let full = a.bytes.eval(&self.env) / self.tokens_div();
+                add(&mut tp_f, self.tp_coll(Collective::AllGather, full));
+                add(&mut tp_b, self.tp_coll(Collective::ReduceScatter, full));
+            }
+        }
         for (a, attn_part) in row {
             let full = a.bytes.eval(&self.env) / self.tokens_div();
             if self.dp_attention {
@@ -650,7 +671,8 @@ impl LayoutCtx {
             for op in &seg.ops {
                 if let Work::Experts(e) = &op.work {
                     let tokens = self.env.batch * self.env.seq / (self.tokens_div() * t);
-                    let bytes = tokens * e.top_k as f64 * e.hidden as f64 * bpe;
+                    let rows = e.dispatched_rows(tokens, self.capacity_group());
+                    let bytes = rows * e.hidden as f64 * bpe;
                     let time = self.comm.time_s(Collective::AllToAll, self.ep_group, bytes);
                     ep_fwd += 2.0 * time;
                     ep_bwd += 2.0 * time;
@@ -810,20 +832,21 @@ impl LayoutCtx {
     fn experts(&self, e: &ExpertsShape, bpe: f64) -> (f64, f64, f64) {
         let t = self.tp as f64;
         let tokens = self.env.batch * self.env.seq / self.tokens_div();
-        let k = e.top_k as f64;
+        let group = self.capacity_group();
         let mats = e.mlp.matrices() as f64;
         let up_w = if mats > 2.0 { 2.0 } else { 1.0 };
+        // Rows per expert: balanced routing dropless, padded capacity otherwise.
         let (experts_local, rows, ffn) = if self.ep > 1 {
             let ep = self.ep as f64;
             (
                 e.experts as f64 / ep,
-                tokens / t * k * ep / e.experts as f64,
+                e.dispatched_rows(tokens / t, group) * ep / e.experts as f64,
                 e.ffn as f64,
             )
         } else {
             (
                 e.experts as f64,
-                tokens * k / e.experts as f64,
+                e.dispatched_rows(tokens, group) / e.experts as f64,
                 e.ffn as f64 / t,
             )
         };
@@ -845,7 +868,9 @@ impl LayoutCtx {
         let permute = self.roof.memory_s(4.0 * rows * experts_local * h * bpe);
         let f = experts_local * (up + down + act) + permute;
         let b = experts_local * (2.0 * (up + down) + 1.5 * act) + permute;
-        let flops = experts_local * 2.0 * rows * h * ffn * mats;
+        // Model FLOPs count routed tokens, not the padding of capacity buffers.
+        let padded = e.dispatched_rows(tokens, group) / e.dispatched_rows(tokens, None);
+        let flops = experts_local * 2.0 * rows / padded * h * ffn * mats;
         (f, b, flops)
     }
 

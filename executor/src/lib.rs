@@ -16,11 +16,13 @@
 
 pub mod backend;
 pub mod comm;
+pub mod data;
 pub mod infer;
 pub mod init;
 pub mod sample;
 pub mod shard;
 pub mod tokenize;
+pub mod trace;
 pub mod train;
 pub mod weights;
 

@@ -10,7 +10,7 @@
 
 use crate::backend::{Backend, CpuBackend};
 use crate::comm::{ByteCounts, CommError, Communicator, Group, RankError, ThreadComm};
-use crate::init::{init_full, synthetic_sequence, InitKind};
+use crate::init::{init_full, InitKind};
 use crate::shard::{local_heads, local_weight, TpPos};
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Pass, Plan, PlanKind, Program};
@@ -33,6 +33,31 @@ pub struct TrainOptions {
     pub timeout: Duration,
     /// For tests: this rank fails at this step.
     pub fail_at: Option<(usize, u64)>,
+    /// Tokens of an expert-capacity group; `None`: the plan's
+    /// (`meshplan_ir::graph::capacity_group_tokens`). The single-rank reference of a plan takes the plan's, so
+    /// that both drop the same tokens ([`TrainOptions::reference_of`]).
+    pub moe_group_tokens: Option<usize>,
+    /// Where the tokens come from.
+    pub data: crate::data::DataSource,
+    /// Record a timeline of spans per rank ([`RankReport::spans`]).
+    pub trace: bool,
+}
+
+impl TrainOptions {
+    /// These options for the single-rank reference of `plan`: the same capacity
+    /// groups (a capacity group is part of what the model computes).
+    pub fn reference_of(&self, plan: &Plan) -> TrainOptions {
+        let st = &plan.strategy;
+        let seq = match &plan.workload {
+            Workload::Train { seq_len, .. } => *seq_len,
+            _ => 0,
+        };
+        let group = meshplan_ir::graph::capacity_group_tokens(seq, st.cp, st.tp, st.ep);
+        TrainOptions {
+            moe_group_tokens: self.moe_group_tokens.or(Some(group as usize)),
+            ..self.clone()
+        }
+    }
 }
 
 impl Default for TrainOptions {
@@ -43,6 +68,9 @@ impl Default for TrainOptions {
             lr: 3e-3,
             timeout: Duration::from_secs(30),
             fail_at: None,
+            moe_group_tokens: None,
+            data: crate::data::DataSource::Synthetic,
+            trace: false,
         }
     }
 }
@@ -70,6 +98,11 @@ pub struct RankReport {
     pub state_bytes: f64,
     /// Most bytes of activations (and kept kernel statistics) held at once.
     pub peak_activation_bytes: f64,
+    /// Token-to-expert assignments routed by this rank, and of those the ones over
+    /// an expert's capacity (they skip that expert), over all steps and passes.
+    pub expert_slots: (u64, u64),
+    /// Measured spans, when tracing.
+    pub spans: Vec<crate::trace::Span>,
 }
 
 /// A whole run.
@@ -137,8 +170,9 @@ pub fn train_on(
         }
     };
     let world = plan.ranks.len();
+    let t0 = Instant::now();
     let results = crate::comm::run_ranks(world, opts.timeout, |comm| {
-        let mut r = RankState::new(backend, plan, comm, opts, seq_len, global_batch)?;
+        let mut r = RankState::new(backend, plan, comm, opts, seq_len, global_batch, t0)?;
         let mut loss_parts = Vec::new();
         let mut step_s = Vec::new();
         for step in 0..opts.steps {
@@ -161,6 +195,8 @@ pub fn train_on(
             step_s,
             state_bytes: 4.0 * (bytes(&r.weights) + bytes(&r.wgrads) + adam) as f64,
             peak_activation_bytes: r.peak_act_bytes,
+            expert_slots: r.expert_slots,
+            spans: std::mem::take(&mut r.tracer.spans),
         })
     });
     if let Some(summary) = crate::comm::failure_summary(&results) {
@@ -216,6 +252,7 @@ struct ExpertsKept {
     acts: Vec<f32>,
     y_disp: Vec<f32>,
     route: Route,
+    padding: Option<Padding>,
 }
 
 struct RankState<'a> {
@@ -253,6 +290,8 @@ struct RankState<'a> {
     loss_part: f64,
     step_no: u64,
     peak_act_bytes: f64,
+    expert_slots: (u64, u64),
+    tracer: crate::trace::Tracer,
 }
 
 impl Store {
@@ -294,6 +333,7 @@ impl<'a> RankState<'a> {
         opts: &TrainOptions,
         seq_len: u64,
         global_batch: u64,
+        t0: Instant,
     ) -> Result<RankState<'a>, RankError> {
         let rank = comm.rank();
         let entry = plan
@@ -413,6 +453,8 @@ impl<'a> RankState<'a> {
             loss_part: 0.0,
             step_no: 0,
             peak_act_bytes: 0.0,
+            expert_slots: (0, 0),
+            tracer: crate::trace::Tracer::new(t0, opts.trace),
         };
         st.init_weights()?;
         Ok(st)
@@ -573,6 +615,7 @@ impl<'a> RankState<'a> {
                 .iter()
                 .find(|c| c.chunk == task.chunk)
                 .ok_or_else(|| fail(format!("schedule names chunk {}", task.chunk)))?;
+            let t = self.tracer.begin();
             match task.pass {
                 Pass::F => {
                     let mut store = Store::default();
@@ -594,6 +637,13 @@ impl<'a> RankState<'a> {
                     self.run_backward(&ch.backward, &mut store, &mut layer)?;
                 }
             }
+            let pass = if task.pass == Pass::F { "fwd" } else { "bwd" };
+            self.tracer.end(
+                t,
+                format!("{pass} mb{} c{}", task.mb, task.chunk),
+                "task",
+                serde_json::json!({"step": self.step_no, "mb": task.mb, "chunk": task.chunk}),
+            );
         }
         let step_list = phase.step.clone();
         self.run_step(&step_list)?;
@@ -611,8 +661,18 @@ impl<'a> RankState<'a> {
         let mut labels = vec![0.0f32; s_local * b];
         for bi in 0..b {
             let seq_index = (self.dp_index * per_dp + mb as usize * b + bi) as u64;
-            let seq =
-                synthetic_sequence(self.opts.seed, self.step_no, seq_index, self.seq_len, vocab);
+            let seq = self
+                .opts
+                .data
+                .sequence(
+                    self.opts.seed,
+                    self.step_no,
+                    seq_index,
+                    self.seq_len,
+                    self.global_batch as u64,
+                    vocab,
+                )
+                .map_err(fail)?;
             for si in 0..s_local {
                 tokens[si * b + bi] = seq[s0 + si] as f32;
                 labels[si * b + bi] = seq[s0 + si + 1] as f32;
@@ -624,12 +684,7 @@ impl<'a> RankState<'a> {
     }
 
     fn vocab(&self) -> u64 {
-        for op in self.graph.segments.iter().flat_map(|s| &s.ops) {
-            if let OpKind::CrossEntropy { vocab } = op.kind {
-                return vocab;
-            }
-        }
-        2
+        self.graph.vocab().unwrap_or(2)
     }
 
     fn peer(&self, stage: u64) -> Result<usize, RankError> {
@@ -664,6 +719,7 @@ impl<'a> RankState<'a> {
         cur: u64,
     ) -> Result<(), RankError> {
         for instr in instrs {
+            let t = self.tracer.begin();
             match instr {
                 Instr::Segment {
                     name,
@@ -730,6 +786,7 @@ impl<'a> RankState<'a> {
                 Instr::RingPass { .. } => {}
                 Instr::Optimizer { .. } => {}
             }
+            self.tracer.end_instr(t, instr, self.step_no, cur);
         }
         Ok(())
     }
@@ -741,6 +798,7 @@ impl<'a> RankState<'a> {
         layer: &mut u64,
     ) -> Result<(), RankError> {
         for instr in instrs {
+            let t = self.tracer.begin();
             match instr {
                 Instr::Segment {
                     name,
@@ -807,6 +865,7 @@ impl<'a> RankState<'a> {
                     )))
                 }
             }
+            self.tracer.end_instr(t, instr, self.step_no, NO_LAYER);
         }
         Ok(())
     }
@@ -818,6 +877,7 @@ impl<'a> RankState<'a> {
         l: u64,
     ) -> Result<(), RankError> {
         for instr in body {
+            let t = self.tracer.begin();
             match instr {
                 Instr::Recompute { body } => {
                     let mut dummy = l;
@@ -841,6 +901,7 @@ impl<'a> RankState<'a> {
                     )));
                 }
             }
+            self.tracer.end_instr(t, instr, self.step_no, l);
         }
         Ok(())
     }
@@ -1421,6 +1482,7 @@ impl<'a> RankState<'a> {
 
     fn run_step(&mut self, step: &[Instr]) -> Result<(), RankError> {
         for instr in step {
+            let t = self.tracer.begin();
             match instr {
                 Instr::Collective {
                     kind,
@@ -1509,6 +1571,7 @@ impl<'a> RankState<'a> {
                 Instr::Optimizer { params, .. } => self.optimizer(params)?,
                 other => return Err(fail(format!("unexpected step instruction {other:?}"))),
             }
+            self.tracer.end_instr(t, instr, self.step_no, NO_LAYER);
         }
         Ok(())
     }
@@ -1617,19 +1680,18 @@ impl RankState<'_> {
         l: u64,
         store: &mut Store,
     ) -> Result<(), RankError> {
-        if self.tp.size > 1 && (self.plan.strategy.sp || self.ep.size > 1) {
-            // Under sequence parallelism the router sees a slice of the tokens the
-            // experts gather; with ep > 1 each tensor rank would route the same
-            // tokens again. Neither layout is expressed by the plan's programs yet.
+        if self.tp.size > 1 && self.ep.size > 1 && !self.plan.strategy.sp {
+            // Every tensor rank would hold, and route, the same tokens; the planner
+            // requires sequence parallelism here (`check_train_shapes`).
             return Err(fail(format!(
-                "{}: experts with tp={} and {} are not run by the CPU executor; use sp=false and ep=1, or tp=1",
-                op.name,
-                self.tp.size,
-                if self.plan.strategy.sp { "sequence parallelism" } else { "ep > 1" }
+                "{}: experts with tp={} and ep={} need sp=true",
+                op.name, self.tp.size, self.ep.size
             )));
         }
-        let x = self.act(store, l, op.inputs[0])?;
-        let logits = self.act(store, l, op.inputs[1])?;
+        // Split over tp under sequence parallelism, the experts read the gathered
+        // tokens and router scores.
+        let x = self.act_gathered(store, l, op.inputs[0])?;
+        let logits = self.act_gathered(store, l, op.inputs[1])?;
         let (h, f, ne, kk) = self.expert_dims(e);
         let rows = x.len() / h;
         let mut probs = vec![0.0; rows * ne];
@@ -1644,7 +1706,15 @@ impl RankState<'_> {
         self.be
             .moe_dispatch_fwd(&x, &idx, rows, kk, ne, h, &mut disp, &mut counts, &mut perm)
             .map_err(kerr(&op.name))?;
-        let (local_rows, local_counts, route) = self.experts_exchange(&disp, &counts, ne, h)?;
+        let padding = self.capacity_padding(e, &counts, &perm, kk, rows)?;
+        self.expert_slots.0 += perm.len() as u64;
+        if let Some(p) = &padding {
+            self.expert_slots.1 += p.at.iter().filter(|&&a| a == Padding::DROPPED).count() as u64;
+        }
+        let (local_rows, local_counts, route) = match &padding {
+            Some(p) => self.experts_exchange(&p.pad(&disp, h), &p.counts(), ne, h, true)?,
+            None => self.experts_exchange(&disp, &counts, ne, h, false)?,
+        };
         let w_up = self.weight(op.inputs[2], l)?;
         let w_down = self.weight(op.inputs[3], l)?;
         let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
@@ -1674,6 +1744,10 @@ impl RankState<'_> {
             off += n;
         }
         let y_disp = self.experts_return(&y, &route, h)?;
+        let y_disp = match &padding {
+            Some(p) => p.unpad(&y_disp, h),
+            None => y_disp,
+        };
         let mut out = vec![0.0; rows * h];
         self.be
             .moe_combine_fwd(&y_disp, &perm, &wts, rows, kk, h, &mut out)
@@ -1691,6 +1765,7 @@ impl RankState<'_> {
                 acts,
                 y_disp,
                 route,
+                padding,
             },
         );
         store.put((l, self.out_name(op)), out);
@@ -1717,6 +1792,7 @@ impl RankState<'_> {
             acts,
             y_disp,
             route,
+            padding,
         } = store.experts.remove(&(l, op.name.clone())).ok_or_else(|| {
             fail(format!(
                 "{} (layer {l}): forward state was not kept",
@@ -1730,6 +1806,10 @@ impl RankState<'_> {
             .moe_combine_bwd(dy, &y_disp, &perm, &wts, rows, kk, h, &mut d_y, &mut d_w)
             .map_err(kerr(&op.name))?;
         // Gradients of the expert outputs travel to the experts as the tokens did.
+        let d_y = match &padding {
+            Some(p) => p.pad(&d_y, h),
+            None => d_y,
+        };
         let d_local = self.experts_resend(&d_y, &route, h)?;
         let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
         let up_w = if gated { 2 * f } else { f };
@@ -1788,6 +1868,10 @@ impl RankState<'_> {
             off += n;
         }
         let d_disp = self.experts_return(&d_rows, &route, h)?;
+        let d_disp = match &padding {
+            Some(p) => p.unpad(&d_disp, h),
+            None => d_disp,
+        };
         let mut dx = vec![0.0; rows * h];
         self.be
             .moe_dispatch_bwd(&d_disp, &perm, rows, kk, h, &mut dx)
@@ -1798,15 +1882,59 @@ impl RankState<'_> {
             .map_err(kerr(&op.name))?;
         let x_name = self.graph.tensor(op.inputs[0]).name.clone();
         let g_name = self.graph.tensor(op.inputs[1]).name.clone();
-        // Split over tp, each rank's experts give a partial input gradient.
-        let x_key = if self.ep.size == 1 && self.tp.size > 1 {
-            format!("{x_name}@p")
+        // Split over tp, each rank's experts give a partial input gradient (and,
+        // under sequence parallelism, partial router scores for every token: the
+        // plan reduce-scatters them before the router's backward).
+        let (x_key, g_key) = if self.ep.size == 1 && self.tp.size > 1 {
+            let g_key = if self.plan.strategy.sp {
+                format!("{g_name}@p")
+            } else {
+                g_name
+            };
+            (format!("{x_name}@p"), g_key)
         } else {
-            x_name
+            (x_name, g_name)
         };
         Self::add_grad_vec(store, l, &x_key, dx);
-        Self::add_grad_vec(store, l, &g_name, d_logits);
+        Self::add_grad_vec(store, l, &g_key, d_logits);
         Ok(())
+    }
+
+    /// Under an expert capacity, which dispatch slots each expert keeps (the first
+    /// `capacity` of every capacity group, in token order) and where they sit in
+    /// buffers padded to capacity; `None` when the experts route dropless.
+    fn capacity_padding(
+        &self,
+        e: &meshplan_ir::graph::ExpertsShape,
+        counts: &[usize],
+        perm: &[u32],
+        k: usize,
+        rows: usize,
+    ) -> Result<Option<Padding>, RankError> {
+        let group = self.opts.moe_group_tokens.unwrap_or_else(|| {
+            meshplan_ir::graph::capacity_group_tokens(
+                self.seq_len as u64,
+                self.cp.size as u64,
+                self.tp.size as u64,
+                self.ep.size as u64,
+            ) as usize
+        });
+        let Some(cap) = e.capacity(group as u64) else {
+            return Ok(None);
+        };
+        if group == 0 || !rows.is_multiple_of(group) {
+            return Err(fail(format!(
+                "experts: {rows} local tokens are not whole capacity groups of {group}"
+            )));
+        }
+        Ok(Some(Padding::new(
+            cap as usize,
+            group,
+            counts,
+            perm,
+            k,
+            rows,
+        )))
     }
 
     /// (hidden, this rank's expert MLP width, experts, top-k).
@@ -1823,12 +1951,15 @@ impl RankState<'_> {
     /// Sends rows grouped by global expert to the ranks holding those experts (their
     /// per-expert counts first); returns the rows this rank's experts process
     /// (expert-major), their counts, and the route back.
+    /// `uniform`: every rank sends every expert `counts` rows (padded capacity), so
+    /// the counts need no exchange.
     fn experts_exchange(
         &mut self,
         disp: &[f32],
         counts: &[usize],
         ne: usize,
         h: usize,
+        uniform: bool,
     ) -> Result<(Vec<f32>, Vec<usize>, Route), RankError> {
         let n = self.ep.size;
         let el = ne / n;
@@ -1842,10 +1973,15 @@ impl RankState<'_> {
             return Ok((disp.to_vec(), counts.to_vec(), route));
         }
         let g = self.group("ep")?;
-        let send_counts: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
-        let mut recv_counts = vec![0.0f32; el * n];
-        self.comm
-            .all_to_all(&g, "ep", &send_counts, &mut recv_counts)?;
+        let recv_counts: Vec<f32> = if uniform {
+            counts.iter().map(|&c| c as f32).collect()
+        } else {
+            let send_counts: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
+            let mut recv_counts = vec![0.0f32; el * n];
+            self.comm
+                .all_to_all(&g, "ep", &send_counts, &mut recv_counts)?;
+            recv_counts
+        };
         let send: Vec<Vec<usize>> = (0..n)
             .map(|d| counts[d * el..(d + 1) * el].to_vec())
             .collect();
@@ -2266,10 +2402,12 @@ impl RankState<'_> {
                     }
                 }
                 // A split op's input gradient is partial until the program reduces it;
-                // so is a router's when the experts it feeds are split over tp.
+                // so is a router's when the experts it feeds are split over tp (under
+                // sequence parallelism its scores' gradient arrives reduced instead).
                 let name = in_name(0);
                 let router_of_split_experts = self.ep.size <= 1
                     && self.tp.size > 1
+                    && !self.plan.strategy.sp
                     && op.outputs.first().is_some_and(|out| {
                         self.graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
                             matches!(o.kind, OpKind::Experts(_)) && o.inputs.get(1) == Some(out)
@@ -2370,6 +2508,84 @@ fn parse_bucket(text: &str) -> Result<(&str, Option<Range>), RankError> {
 
 /// Token counts of an expert-parallel exchange: `send[d][j]` rows for destination
 /// `d`'s local expert `j`, `recv[s][j]` rows from source `s` for local expert `j`.
+/// Dispatch slots placed in buffers padded to expert capacity: every expert gets
+/// `per_expert` rows from every rank, kept tokens first, zeros after. A zero row
+/// through a bias-free expert MLP gives a zero row, so padding changes nothing but
+/// the bytes, which become the plan's exactly.
+struct Padding {
+    /// Per dispatch slot: its padded row, or [`Padding::DROPPED`] (over capacity:
+    /// the token skips this expert).
+    at: Vec<u32>,
+    per_expert: usize,
+    experts: usize,
+}
+
+impl Padding {
+    const DROPPED: u32 = u32::MAX;
+
+    /// Keeps the first `cap` slots of each expert in every group of `group`
+    /// consecutive tokens (slots are expert-major and in token order within an
+    /// expert, as dispatch leaves them).
+    fn new(
+        cap: usize,
+        group: usize,
+        counts: &[usize],
+        perm: &[u32],
+        k: usize,
+        rows: usize,
+    ) -> Self {
+        let per_expert = rows / group * cap;
+        let mut at = vec![Padding::DROPPED; perm.len()];
+        let mut s = 0;
+        for (x, &n) in counts.iter().enumerate() {
+            let mut used = vec![0usize; rows / group];
+            let mut kept = 0;
+            for slot in s..s + n {
+                let g = perm[slot] as usize / k / group;
+                if used[g] < cap {
+                    used[g] += 1;
+                    at[slot] = (x * per_expert + kept) as u32;
+                    kept += 1;
+                }
+            }
+            s += n;
+        }
+        Padding {
+            at,
+            per_expert,
+            experts: counts.len(),
+        }
+    }
+
+    fn counts(&self) -> Vec<usize> {
+        vec![self.per_expert; self.experts]
+    }
+
+    /// Slot-ordered rows into the padded buffer.
+    fn pad(&self, slots: &[f32], h: usize) -> Vec<f32> {
+        let mut out = vec![0.0; self.experts * self.per_expert * h];
+        for (s, &a) in self.at.iter().enumerate() {
+            if a != Self::DROPPED {
+                let a = a as usize;
+                out[a * h..(a + 1) * h].copy_from_slice(&slots[s * h..(s + 1) * h]);
+            }
+        }
+        out
+    }
+
+    /// The padded buffer back to slot order; dropped slots are zero.
+    fn unpad(&self, padded: &[f32], h: usize) -> Vec<f32> {
+        let mut out = vec![0.0; self.at.len() * h];
+        for (s, &a) in self.at.iter().enumerate() {
+            if a != Self::DROPPED {
+                let a = a as usize;
+                out[s * h..(s + 1) * h].copy_from_slice(&padded[a * h..(a + 1) * h]);
+            }
+        }
+        out
+    }
+}
+
 struct Route {
     n: usize,
     el: usize,
@@ -2792,5 +3008,22 @@ impl From<CommError> for ExecError {
         ExecError {
             message: e.to_string(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Padding;
+
+    #[test]
+    fn capacity_keeps_the_first_tokens_of_each_group_and_pads_every_expert() {
+        // Tokens 0, 1, 2 go to expert 0 and token 3 to expert 1 (k = 1); groups of
+        // two tokens, one slot per expert and group: token 1 is over capacity.
+        let p = Padding::new(1, 2, &[3, 1], &[0, 1, 2, 3], 1, 4);
+        assert_eq!(p.at, vec![0, Padding::DROPPED, 1, 2]);
+        assert_eq!(p.counts(), vec![2, 2]);
+        let padded = p.pad(&[1.0, 2.0, 3.0, 4.0], 1);
+        assert_eq!(padded, vec![1.0, 3.0, 4.0, 0.0]);
+        assert_eq!(p.unpad(&padded, 1), vec![1.0, 0.0, 3.0, 4.0]);
     }
 }

@@ -428,6 +428,7 @@ impl Builder {
                         hidden: h,
                         ffn: m.expert_ffn_hidden,
                         mlp: t.mlp,
+                        capacity_factor: m.capacity_factor,
                     }),
                     inputs: vec![n2, logits, w_up, w_down],
                     outputs: vec![y, r_in, r_up, r_act],

@@ -1141,6 +1141,7 @@ impl<'a> Checker<'a> {
                     hidden,
                     ffn,
                     mlp,
+                    capacity_factor: None,
                 })
             }
             OpKindSpec::CrossEntropy => {

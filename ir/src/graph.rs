@@ -185,7 +185,7 @@ pub struct AttentionShape {
 }
 
 /// Routed experts of a MoE layer, run as one grouped MLP.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ExpertsShape {
     /// Routed experts.
     pub experts: u64,
@@ -197,6 +197,46 @@ pub struct ExpertsShape {
     pub ffn: u64,
     /// Nonlinearity.
     pub mlp: MlpKind,
+    /// Expert capacity factor; `None` routes dropless (see [`crate::MoeSpec`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity_factor: Option<f64>,
+}
+
+/// Tokens of one expert-capacity group: what one rank dispatches of one sequence
+/// of its micro-batch, `seq / cp`, and a further `1 / tp` when expert parallelism
+/// runs under sequence parallelism (each tensor rank dispatches its own slice).
+/// Groups are consecutive in the sequence-major token order, so a plan and its
+/// single-rank reference, given the same group size, drop the same tokens.
+pub fn capacity_group_tokens(seq: u64, cp: u64, tp: u64, ep: u64) -> u64 {
+    let tp_split = if ep > 1 { tp.max(1) } else { 1 };
+    seq / cp.max(1) / tp_split
+}
+
+impl ExpertsShape {
+    /// Slots each expert keeps per capacity group of `group_tokens` tokens:
+    /// `ceil(capacity_factor * group_tokens * top_k / experts)`, `None` when dropless.
+    pub fn capacity(&self, group_tokens: u64) -> Option<u64> {
+        self.capacity_factor.map(|cf| {
+            let ideal = group_tokens as f64 * self.top_k as f64 / self.experts as f64;
+            // A hair below an integer must not round up to one more slot.
+            (cf * ideal - 1e-9).ceil().max(1.0) as u64
+        })
+    }
+
+    /// Rows `tokens` of one rank put into the dispatch buffers, summed over experts:
+    /// `tokens * top_k` dropless (balanced routing), or every expert's padded
+    /// capacity over the `tokens / group_tokens` groups. Decoding (`group_tokens`
+    /// `None`: one new token per sequence) routes dropless, as capacity groups of
+    /// one token would pad every expert for every token.
+    pub fn dispatched_rows(&self, tokens: f64, group_tokens: Option<f64>) -> f64 {
+        let Some(group_tokens) = group_tokens else {
+            return tokens * self.top_k as f64;
+        };
+        match self.capacity(group_tokens.round() as u64) {
+            None => tokens * self.top_k as f64,
+            Some(c) => (tokens / group_tokens) * self.experts as f64 * c as f64,
+        }
+    }
 }
 
 /// What an op computes.
@@ -338,6 +378,34 @@ impl Default for Constants {
 }
 
 impl Graph {
+    /// The vocabulary: the cross-entropy's width, or the embedding table's rows.
+    pub fn vocab(&self) -> Option<u64> {
+        let ops = || self.segments.iter().flat_map(|s| &s.ops);
+        ops()
+            .find_map(|o| match o.kind {
+                OpKind::CrossEntropy { vocab } => Some(vocab),
+                _ => None,
+            })
+            .or_else(|| {
+                ops().find(|o| o.kind == OpKind::Embedding).and_then(|o| {
+                    let t = self.tensors.get(o.inputs.get(1)?.0 as usize)?;
+                    match t.shape.first()? {
+                        Dim::Fixed(v) => Some(*v),
+                        _ => None,
+                    }
+                })
+            })
+    }
+
+    /// Whether some MoE layer routes dropless (no expert capacity): its
+    /// expert-parallel traffic follows the router's choices, not a fixed size.
+    pub fn dropless_experts(&self) -> bool {
+        self.segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .any(|o| matches!(&o.kind, OpKind::Experts(e) if e.capacity_factor.is_none()))
+    }
+
     /// A tensor by id.
     pub fn tensor(&self, id: TensorId) -> &Tensor {
         &self.tensors[id.0 as usize]

@@ -120,6 +120,7 @@ fn mixtral(cfg: &Config) -> Result<RawTransformer, IrError> {
         shared_experts: 0,
         shared_expert_ffn_hidden: None,
         first_dense_layers: 0,
+        capacity_factor: None,
     };
     Ok(RawTransformer {
         moe: Some(moe),
@@ -216,6 +217,7 @@ fn deepseek_v3(cfg: &Config) -> Result<RawTransformer, IrError> {
         shared_experts: cfg.count_or("n_shared_experts", 0)?,
         shared_expert_ffn_hidden: None,
         first_dense_layers: cfg.count_or("first_k_dense_replace", 0)?,
+        capacity_factor: None,
     };
     let heads = cfg.positive("num_attention_heads")?;
     Ok(RawTransformer {
@@ -932,6 +934,7 @@ mod tests {
                 shared_experts: 1,
                 shared_expert_ffn_hidden: None,
                 first_dense_layers: 3,
+                capacity_factor: None,
             })
         );
         assert_eq!(t.moe_layers(), 58);

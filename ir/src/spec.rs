@@ -76,6 +76,13 @@ pub struct MoeSpec {
     /// Leading layers that keep a dense MLP of `ffn_hidden` (DeepSeek-V3: 3).
     #[serde(default)]
     pub first_dense_layers: u64,
+    /// Expert capacity (GShard, Switch; Megatron's `--moe-expert-capacity-factor`):
+    /// each expert takes at most `ceil(capacity_factor * tokens * top_k / experts)`
+    /// of a capacity group's tokens, the rest pass through the residual only, and
+    /// dispatch buffers are padded to capacity. Absent: dropless, with buffers sized
+    /// by the actual routing.
+    #[serde(default)]
+    pub capacity_factor: Option<f64>,
 }
 
 /// DeepSeek-style multi-head latent attention (low-rank queries and keys/values).
@@ -414,6 +421,18 @@ impl RawTransformer {
                         m.top_k, m.experts
                     ),
                 ));
+            }
+            if let Some(cf) = m.capacity_factor {
+                if !(cf.is_finite() && cf > 0.0 && cf <= m.experts as f64) {
+                    return Err(IrError::invalid(
+                        file,
+                        &f("moe.capacity_factor"),
+                        format!(
+                            "must be a number in (0, experts({})], got {cf}; omit it for dropless routing",
+                            m.experts
+                        ),
+                    ));
+                }
             }
             if m.first_dense_layers > layers {
                 return Err(IrError::invalid(

@@ -523,6 +523,25 @@ impl Layout<'_> {
                             Some(r) => deferred.push((r, col.bpost)),
                             None => c.bpost.extend(col.bpost),
                         }
+                        // Under sequence parallelism the router scores only this
+                        // rank's tokens: the experts gather the scores with the
+                        // tokens, and return their (partial) gradient scattered.
+                        if self.sp && !self.dp_attention {
+                            if let Some(&logits) = op.inputs.get(1) {
+                                let full = self.full_bytes(logits);
+                                let name = self.tensor_name(logits);
+                                c.pre.extend(self.tp_coll(
+                                    CollectiveKind::AllGather,
+                                    name.clone(),
+                                    full,
+                                ));
+                                c.bpost.extend(self.tp_coll(
+                                    CollectiveKind::ReduceScatter,
+                                    format!("grad:{name}"),
+                                    full,
+                                ));
+                            }
+                        }
                     }
                     if let Some(&y) = op.outputs.first() {
                         self.row(y, false, &mut c);
@@ -560,7 +579,12 @@ impl Layout<'_> {
             if let OpKind::Experts(e) = &op.kind {
                 if self.ep > 1 {
                     let tokens = self.env.batch * self.env.seq / (self.cp * self.tp.max(1)) as f64;
-                    let bytes = tokens * e.top_k as f64 * e.hidden as f64 * bpe;
+                    // Capacity groups: `capacity_group_tokens` (ep > 1 here);
+                    // decoding routes dropless (`ExpertsShape::dispatched_rows`).
+                    let tp_split = self.tp.max(1) as f64;
+                    let group = (self.env.kv <= self.env.seq)
+                        .then(|| self.env.seq / self.cp as f64 / tp_split);
+                    let bytes = e.dispatched_rows(tokens, group) * e.hidden as f64 * bpe;
                     let a2a = |what: &str| {
                         collective(
                             CollectiveKind::AllToAll,

@@ -14,7 +14,7 @@
 //!    split the layers with the stage DP ([`crate::stages`]), and price again. The
 //!    refined step time is what the ranking and the plan report.
 
-use crate::cost_model::estimate::{check_shapes, Estimate};
+use crate::cost_model::estimate::{check_train_shapes, Estimate};
 use crate::cost_model::memory::model_state_bytes;
 use crate::cost_model::{
     calib, estimate_inference, estimate_train_bounded, estimate_train_split, train_ctx, Cluster,
@@ -494,7 +494,7 @@ pub fn search_train(
                     acc.note_lb(*cfg, lb);
                     continue;
                 }
-                if check_shapes(pg, cfg, seq_len).is_err() {
+                if check_train_shapes(pg, cfg, seq_len).is_err() {
                     acc.rejected += 1;
                     continue;
                 }

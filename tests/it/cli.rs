@@ -807,6 +807,186 @@ fn run_check_trains_the_planned_layout_like_one_rank() {
 }
 
 #[test]
+fn run_check_expert_parallel_with_capacity_matches_the_plan_byte_for_byte() {
+    let out = temp_file("plan-run-moe.json", "");
+    let path = out.to_str().expect("utf-8 path");
+    meshplan(&[
+        "plan",
+        "models/tiny-moe-capacity.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "dp=4,ep=4,tp=2,sp=true,mbs=1",
+        "--quiet",
+        "-o",
+        path,
+    ])
+    .expect_code(0);
+    let run = meshplan(&["run", path, "--steps", "5", "--check", "--json"]);
+    run.expect_code(0);
+    let v = json_of(&run);
+    assert_eq!(v["check"]["passed"], true, "{v}");
+    assert_eq!(v["bytes_match_plan"], true, "{v}");
+    assert!(
+        number(&v["measured"]["comm_bytes_per_gpu"], "ep") > 0.0,
+        "{v}"
+    );
+    let slots = number(&v["measured"], "expert_assignments");
+    let dropped = number(&v["measured"], "expert_assignments_dropped");
+    assert!(dropped > 0.0 && dropped < slots, "{v}");
+    // Without sequence parallelism every tensor rank would route the same tokens.
+    let est = meshplan(&[
+        "estimate",
+        "models/tiny-moe-capacity.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "dp=4,ep=4,tp=2,sp=false",
+    ]);
+    est.expect_code(3);
+    assert!(est.stderr.contains("needs sp=true"), "{}", est.stderr);
+}
+
+/// `tokens` as a u16 file, raw or behind llm.c's header.
+fn token_file(name: &str, tokens: &[u16], llmc_header: bool) -> PathBuf {
+    let mut bytes = Vec::new();
+    if llmc_header {
+        let mut header = [0i32; 256];
+        header[0] = 20240520;
+        header[1] = 1;
+        header[2] = tokens.len() as i32;
+        bytes.extend(header.iter().flat_map(|x| x.to_le_bytes()));
+    }
+    bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+    let path = temp_file(name, "");
+    std::fs::write(&path, bytes).expect("write tokens");
+    path
+}
+
+#[test]
+fn run_trains_on_a_token_file_and_writes_a_trace() {
+    let out = temp_file("plan-data.json", "");
+    let path = out.to_str().expect("utf-8 path");
+    meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "dp=2,tp=2,pp=2,mbs=1",
+        "--quiet",
+        "-o",
+        path,
+    ])
+    .expect_code(0);
+    // 64 windows of 33 tokens: a counting pattern the model can learn.
+    let tokens: Vec<u16> = (0..32 * 64 + 1)
+        .map(|i| ((i * 5 + i / 7) % 256) as u16)
+        .collect();
+    let raw = token_file("tokens.bin", &tokens, false);
+    let trace = temp_file("trace.json", "");
+    let args = |data: &str| {
+        vec![
+            "run".to_string(),
+            path.to_string(),
+            "--steps".into(),
+            "5".into(),
+            "--check".into(),
+            "--json".into(),
+            "--data".into(),
+            data.to_string(),
+        ]
+    };
+    let mut with_trace = args(raw.to_str().expect("utf-8"));
+    with_trace.extend(["--trace".to_string(), trace.to_str().expect("utf-8").into()]);
+    let run = meshplan(&with_trace.iter().map(String::as_str).collect::<Vec<_>>());
+    run.expect_code(0);
+    let v = json_of(&run);
+    assert_eq!(v["check"]["passed"], true, "{v}");
+    assert_eq!(v["bytes_match_plan"], true, "{v}");
+    let losses: Vec<f64> = v["loss"]
+        .as_array()
+        .expect("loss")
+        .iter()
+        .map(|x| x.as_f64().expect("number"))
+        .collect();
+    assert!(losses[4] < losses[0], "{losses:?}");
+    // The file's tokens, not the synthetic stream.
+    let synthetic = meshplan(&["run", path, "--steps", "1", "--json"]);
+    synthetic.expect_code(0);
+    assert_ne!(json_of(&synthetic)["loss"][0].as_f64(), Some(losses[0]));
+    // llm.c's header gives the same tokens, so the same losses.
+    let llmc = token_file("tokens-llmc.bin", &tokens, true);
+    let run = meshplan(
+        &args(llmc.to_str().expect("utf-8"))
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    run.expect_code(0);
+    let again: Vec<f64> = json_of(&run)["loss"]
+        .as_array()
+        .expect("loss")
+        .iter()
+        .map(|x| x.as_f64().expect("number"))
+        .collect();
+    assert_eq!(again, losses);
+
+    // The trace: Chrome trace fields, one track per rank, every kind of span.
+    let t: Value = serde_json::from_str(&std::fs::read_to_string(&trace).expect("trace written"))
+        .expect("trace is JSON");
+    let events = t["traceEvents"].as_array().expect("traceEvents");
+    let spans: Vec<&Value> = events.iter().filter(|e| e["ph"] == "X").collect();
+    for e in &spans {
+        for key in ["name", "cat", "ts", "dur", "pid", "tid"] {
+            assert!(!e[key].is_null(), "span without {key}: {e}");
+        }
+        assert!(e["dur"].as_f64().expect("dur") >= 0.0);
+    }
+    let tids: std::collections::BTreeSet<u64> = spans
+        .iter()
+        .map(|e| e["tid"].as_u64().expect("tid"))
+        .collect();
+    assert_eq!(tids, (0..8).collect());
+    for cat in ["task", "compute", "comm", "p2p", "optimizer"] {
+        assert!(spans.iter().any(|e| e["cat"] == cat), "no {cat} span");
+    }
+    // 5 steps x 4 micro-batches forward tasks on every rank.
+    let fwd_rank0 = spans
+        .iter()
+        .filter(|e| {
+            e["tid"] == 0
+                && e["cat"] == "task"
+                && e["name"].as_str().is_some_and(|n| n.starts_with("fwd"))
+        })
+        .count();
+    assert_eq!(fwd_rank0, 20);
+    assert!(spans
+        .iter()
+        .any(|e| e["cat"] == "comm" && e["args"]["bytes_sent"].as_f64() > Some(0.0)));
+    let names: Vec<&str> = events
+        .iter()
+        .filter(|e| e["ph"] == "M")
+        .filter_map(|e| e["args"]["name"].as_str())
+        .collect();
+    assert!(
+        names.contains(&"stage 1") && names.contains(&"rank 7"),
+        "{names:?}"
+    );
+
+    // Bad files: a token outside the vocabulary, too few sequences for a step.
+    let bad = token_file("bad-tokens.bin", &[1, 2, 300, 4], false);
+    let run = meshplan(&["run", path, "--data", bad.to_str().expect("utf-8")]);
+    run.expect_code(2);
+    assert!(
+        run.stderr.contains("bad-tokens.bin") && run.stderr.contains("token 300"),
+        "{}",
+        run.stderr
+    );
+    let small = token_file("small-tokens.bin", &tokens[..32 * 4 + 1], false);
+    let run = meshplan(&["run", path, "--data", small.to_str().expect("utf-8")]);
+    run.expect_code(2);
+    assert!(run.stderr.contains("global_batch(8)"), "{}", run.stderr);
+}
+
+#[test]
 fn run_rejects_bad_input_and_missing_backends() {
     let bad = temp_file("not-a-plan.json", "{\"format\": 1}");
     let run = meshplan(&["run", bad.to_str().expect("utf-8 path")]);

@@ -998,3 +998,49 @@ fn a_context_ring_that_crosses_nodes_moves_at_infiniband_pace() {
         "exposed ring time per layer over InfiniBand {two_nodes} s vs NVLink {one_node} s"
     );
 }
+
+#[test]
+fn expert_capacity_pads_the_all_to_all_to_capacity() {
+    // tiny-moe-capacity on dp=2, ep=2: 4 experts, top-2, hidden 64, f32, sequences of
+    // 32 tokens, global batch 8 -> 4 micro-batches of one sequence per rank.
+    // Capacity factor f: ceil(f * 32 * 2 / 4) slots per expert and sequence; every
+    // rank dispatches 4 * slots rows of 64 floats per All-to-All and sends half of
+    // them. Per step: 4 All-to-Alls x 2 layers x 4 micro-batches.
+    //   f = 1.0  -> 16 slots:  4 * 16 * 64 * 4 B / 2 * 32 = 262,144 B (= dropless)
+    //   f = 1.25 -> 20 slots:  4 * 20 * 64 * 4 B / 2 * 32 = 327,680 B
+    let text = std::fs::read_to_string(root_path("models/tiny-moe-capacity.yaml")).unwrap();
+    let cl = cluster(1, 2, 80);
+    let ep_bytes = |factor: &str| {
+        let yaml = text.replace("capacity_factor: 1.0", factor);
+        let (spec, pg) = inline(&yaml);
+        let (seq, gb) = train_workload(&spec);
+        let cfg = config("dp=2,ep=2,mbs=1", 2);
+        let e = estimate_train(&pg, &cl, &cfg, seq, gb).unwrap_or_else(|e| panic!("{e}"));
+        e.comm_bytes_per_gpu.ep
+    };
+    assert_eq!(ep_bytes("capacity_factor: 1.0"), 262_144.0);
+    assert_eq!(ep_bytes("capacity_factor: 1.25"), 327_680.0);
+    assert_eq!(ep_bytes(""), 262_144.0);
+    // 0.3 * 16 = 4.8 -> 5 slots.
+    assert_eq!(ep_bytes("capacity_factor: 0.3"), 262_144.0 * 5.0 / 16.0);
+}
+
+#[test]
+fn a_capacity_factor_out_of_range_names_the_field() {
+    let text = std::fs::read_to_string(root_path("models/tiny-moe-capacity.yaml")).unwrap();
+    for bad in [
+        "capacity_factor: 0",
+        "capacity_factor: 5.0",
+        "capacity_factor: .nan",
+    ] {
+        let yaml = text.replace("capacity_factor: 1.0", bad);
+        let err = parse_model_yaml(&yaml, "m.yaml")
+            .expect_err(bad)
+            .to_string();
+        assert!(
+            err.contains("m.yaml") && err.contains("moe.capacity_factor"),
+            "{err}"
+        );
+        assert!(err.contains("dropless"), "{err}");
+    }
+}

@@ -246,10 +246,11 @@ fn tiny_models_on_the_cpu_mesh_match_on_every_axis() {
     }
     for cfg in [
         "dp=8,ep=2",
-        "dp=4,tp=2,ep=2",
-        "dp=4,tp=2,ep=4,zero=3",
+        "dp=4,tp=2,ep=2,sp=true",
+        "dp=4,tp=2,ep=4,sp=true,zero=3",
+        "dp=4,tp=2,sp=true",
         "dp=4,tp=2",
-        "dp=2,tp=2,pp=2,ep=2,recompute=full",
+        "dp=2,tp=2,pp=2,ep=2,sp=true,recompute=full",
         "dp=4,cp=2,ep=2,zero=1",
     ] {
         let l = check_train(&moe, &cl, cfg);
@@ -450,7 +451,7 @@ fn megatron_block_has_two_tp_all_reduces_in_forward() {
 fn plans_are_deterministic_and_round_trip() {
     let m = shipped("models/tiny-moe.yaml");
     let cl = cluster("topologies/cpu-test-mesh.yaml", 1);
-    let cfg = "dp=2,tp=2,pp=2,ep=2,recompute=full";
+    let cfg = "dp=2,tp=2,pp=2,ep=2,sp=true,recompute=full";
     let a = train(&m, &cl, cfg).plan;
     let b = train(&m, &cl, cfg).plan;
     let (ja, jb) = (a.to_json().expect("json"), b.to_json().expect("json"));

@@ -43,6 +43,7 @@ const EXPECTED: &[(&str, u64, u64)] = &[
     // 4096*384 embedding + 6 * (2*384 + 384*1152 + 384*384 + 384*3072 + 1536*384) + 384 + 384*4096.
     ("small-gpt.yaml", 17_306_496, 17_306_496),
     ("tiny-moe.yaml", TINY_MOE_TOTAL, TINY_MOE_ACTIVE),
+    ("tiny-moe-capacity.yaml", TINY_MOE_TOTAL, TINY_MOE_ACTIVE),
     ("hf/llama3-8b.json", LLAMA3_8B, LLAMA3_8B),
     ("hf/llama3-8b-transformers5.json", LLAMA3_8B, LLAMA3_8B),
     ("hf/mistral-7b.json", MISTRAL_7B, MISTRAL_7B),

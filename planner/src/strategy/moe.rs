@@ -105,9 +105,11 @@ impl Family for Experts {
         }
         let bpe = ctx.input(2).map_or(2.0, |t| t.dtype.size_bytes() as f64);
         let tokens = env.batch * env.seq / token_div;
-        let k = e.top_k as f64;
+        // Capacity groups are a rank's slice of a sequence (dropless while decoding).
+        let group = (env.kv <= env.seq).then_some(env.seq);
+        let dispatched = e.dispatched_rows(tokens, group);
         let experts_local = e.experts as f64 / expert_div;
-        let rows = tokens * k * a2a_div / e.experts as f64;
+        let rows = dispatched * a2a_div / e.experts as f64;
         let ffn = e.ffn as f64 / ffn_div;
         let mats = e.mlp.matrices() as f64;
         let up_w = if mats > 2.0 { 2.0 } else { 1.0 };
@@ -132,8 +134,9 @@ impl Family for Experts {
             if !c.label.starts_with("ep(") || axis.size <= 1 {
                 continue;
             }
-            // Dispatch and combine: this rank's tokens, top_k copies of width h.
-            let bytes = tokens * k * h * bpe;
+            // Dispatch and combine: this rank's tokens, top_k copies (or padded
+            // capacity) of width h.
+            let bytes = dispatched * h * bpe;
             let kind = Collective::AllToAll;
             for phase in [
                 Phase::Forward,
