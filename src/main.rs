@@ -13,6 +13,7 @@ use meshplan_ir::{
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod draw;
 mod generate;
 mod plan;
 mod run;
@@ -90,11 +91,34 @@ enum Command {
         /// No progress bar.
         #[arg(long)]
         quiet: bool,
+        /// Also draw the plan (pipeline.svg, memory.svg, mesh.svg) into this directory.
+        #[arg(long)]
+        figures: Option<PathBuf>,
+        /// Write the figures as PNG instead of SVG.
+        #[arg(long, requires = "figures")]
+        png: bool,
+        /// Also write the predicted schedule as a Chrome trace (Perfetto, chrome://tracing).
+        #[arg(long)]
+        trace: Option<PathBuf>,
         #[command(flatten)]
         workload: WorkloadFlags,
         /// One JSON object on stdout.
         #[arg(long)]
         json: bool,
+    },
+    /// Draw an existing plan: pipeline schedule, memory per GPU, device mesh.
+    Draw {
+        /// A plan written by `meshplan plan`.
+        plan: PathBuf,
+        /// Directory for the figures (created if missing).
+        #[arg(short = 'o', long = "output", default_value = "figures")]
+        output: PathBuf,
+        /// PNG instead of SVG.
+        #[arg(long)]
+        png: bool,
+        /// Also write the predicted schedule as a Chrome trace.
+        #[arg(long)]
+        trace: Option<PathBuf>,
     },
     /// The planner's best beside hand-given configurations.
     Compare {
@@ -111,6 +135,12 @@ enum Command {
         /// Override the cluster's node count.
         #[arg(long)]
         nodes: Option<u64>,
+        /// Also draw the candidates side by side (compare.svg) into this directory.
+        #[arg(long)]
+        figures: Option<PathBuf>,
+        /// Write the figure as PNG instead of SVG.
+        #[arg(long, requires = "figures")]
+        png: bool,
         #[command(flatten)]
         workload: WorkloadFlags,
         /// One JSON object on stdout.
@@ -213,6 +243,9 @@ fn main() -> ExitCode {
             max_candidates,
             time_limit,
             quiet,
+            figures,
+            png,
+            trace,
             workload,
             json,
         } => plan::plan(&plan::PlanArgs {
@@ -225,9 +258,18 @@ fn main() -> ExitCode {
             max_candidates,
             time_limit,
             quiet,
+            figures,
+            png,
+            trace,
             workload: workload.overrides(),
             json,
         }),
+        Command::Draw {
+            plan,
+            output,
+            png,
+            trace,
+        } => draw::draw(&plan, &output, png, trace.as_deref()),
         Command::Run {
             plan,
             backend,
@@ -259,17 +301,21 @@ fn main() -> ExitCode {
             configs,
             configs_file,
             nodes,
+            figures,
+            png,
             workload,
             json,
-        } => plan::compare(
-            &model,
-            &cluster,
-            &configs,
-            configs_file.as_deref(),
+        } => plan::compare(&plan::CompareArgs {
+            model: &model,
+            cluster: &cluster,
+            configs: &configs,
+            configs_file: configs_file.as_deref(),
             nodes,
-            &workload.overrides(),
+            wo: &workload.overrides(),
             json,
-        ),
+            figures: figures.as_deref(),
+            png,
+        }),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

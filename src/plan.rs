@@ -13,6 +13,7 @@ use meshplan_planner::output::plan_of;
 use meshplan_planner::search::{
     search_inference, search_train, Candidate, Progress, SearchOptions, SearchReport,
 };
+use meshplan_viz::compare::{compare_bars, CompareBar};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -29,6 +30,9 @@ pub(crate) struct PlanArgs {
     pub max_candidates: u64,
     pub time_limit: f64,
     pub quiet: bool,
+    pub figures: Option<PathBuf>,
+    pub png: bool,
+    pub trace: Option<PathBuf>,
     pub workload: WorkloadOverrides,
     pub json: bool,
 }
@@ -231,6 +235,12 @@ fn print_candidate_line(i: usize, c: &Candidate) {
 
 /// `meshplan plan`.
 pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
+    if let Some(d) = &a.figures {
+        crate::draw::check_dir("--figures", d)?;
+    }
+    if let Some(t) = &a.trace {
+        crate::draw::check_file("--trace", t)?;
+    }
     let inp = load(&a.model, &a.cluster, a.nodes, &a.workload)?;
     let fixed = match &a.config {
         Some(c) => PartialConfig::parse(c, "--config")?,
@@ -262,6 +272,14 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
         message: format!("cannot serialise the plan: {e}"),
     })?;
     write_atomically(&a.output, &bytes, "plan")?;
+    let source = a.output.display().to_string();
+    if let Some(dir) = &a.figures {
+        let figures = crate::draw::plan_figures(&plan, &source)?;
+        crate::draw::write_figures(dir, &figures, a.png)?;
+    }
+    if let Some(t) = &a.trace {
+        crate::draw::write_trace(&plan, t, &source)?;
+    }
     let search = search_json(&report);
     if a.json {
         print_json(&serde_json::json!({
@@ -357,16 +375,35 @@ fn read_configs_file(path: &Path) -> Result<Vec<(String, String)>, Failure> {
     Ok(list.into_iter().map(|c| (c.name, c.config)).collect())
 }
 
+/// The flags of `compare`.
+pub(crate) struct CompareArgs<'a> {
+    pub model: &'a Path,
+    pub cluster: &'a Path,
+    pub configs: &'a [String],
+    pub configs_file: Option<&'a Path>,
+    pub nodes: Option<u64>,
+    pub wo: &'a WorkloadOverrides,
+    pub json: bool,
+    pub figures: Option<&'a Path>,
+    pub png: bool,
+}
+
 /// `meshplan compare`.
-pub(crate) fn compare(
-    model: &Path,
-    cluster: &Path,
-    configs: &[String],
-    configs_file: Option<&Path>,
-    nodes: Option<u64>,
-    wo: &WorkloadOverrides,
-    json: bool,
-) -> Result<(), Failure> {
+pub(crate) fn compare(a: &CompareArgs<'_>) -> Result<(), Failure> {
+    let CompareArgs {
+        model,
+        cluster,
+        configs,
+        configs_file,
+        nodes,
+        wo,
+        json,
+        figures,
+        png,
+    } = *a;
+    if let Some(d) = figures {
+        crate::draw::check_dir("--figures", d)?;
+    }
     let inp = load(model, cluster, nodes, wo)?;
     let mut named: Vec<(String, String)> = configs.iter().map(|c| (c.clone(), c.clone())).collect();
     if let Some(f) = configs_file {
@@ -404,6 +441,41 @@ pub(crate) fn compare(
         hand.push((name, text, r));
     }
     let rows = compare::rows(&best.estimate, best.layer_split.as_deref(), &hand);
+    if let Some(dir) = figures {
+        let inference = best.estimate.tpot_s.is_some();
+        let bars: Vec<CompareBar> = rows
+            .iter()
+            .map(|r| {
+                let t = r.predicted.as_ref().map(|e| e.time_breakdown_s);
+                CompareBar {
+                    name: r.name.clone(),
+                    strategy: r.strategy.clone(),
+                    compute_s: t.map(|t| t.compute),
+                    exposed_comm_s: t.map(|t| t.exposed_comm).unwrap_or(0.0),
+                    bubble_s: t.map(|t| t.bubble).unwrap_or(0.0),
+                    feasible: r.predicted.as_ref().is_some_and(|e| e.feasible),
+                    error: r.error.clone(),
+                }
+            })
+            .collect();
+        let title = format!(
+            "{} on {} GPUs ({} x {}): planner's best and hand-given configurations",
+            inp.spec.name,
+            inp.cluster.gpus(),
+            inp.cluster.nodes,
+            inp.cluster.name
+        );
+        let what = if inference {
+            "one decode step (TPOT)"
+        } else {
+            "one training step"
+        };
+        let figure = meshplan_viz::Figure {
+            name: "compare",
+            canvas: compare_bars(&bars, &title, what),
+        };
+        crate::draw::write_figures(dir, &[figure], png)?;
+    }
     if json {
         print_json(&serde_json::json!({
             "rows": rows,

@@ -10,6 +10,7 @@ use crate::compute::Roofline;
 use crate::graph_cost::{LayoutCtx, PreparedGraph, SegCost};
 use crate::memory::{model_state_bytes, MemoryLedger};
 use crate::pipeline::{simulate, PipelineInput};
+use crate::timeline::{InferenceTimeline, StageTail, TrainTimeline};
 use meshplan_ir::{DimEnv, ParallelConfig, Recompute, SegmentKind, Workload};
 use serde::Serialize;
 
@@ -128,6 +129,12 @@ pub fn check_train_shapes(
     seq: u64,
 ) -> Result<(), Unsupported> {
     check_shapes(pg, cfg, seq)?;
+    if pg.tied && cfg.pp > 1 && cfg.zero >= 3 {
+        return Err(unsupported(format!(
+            "tied embeddings on pp({}) stages with zero=3: the first and last stage reduce the shared table's gradient before the data axis shards it; use zero <= 2 or untie the embeddings",
+            cfg.pp
+        )));
+    }
     if pg.experts > 0 && cfg.ep > 1 && cfg.tp > 1 && !cfg.sp {
         return Err(unsupported(format!(
             "ep({}) > 1 with tp({}) > 1 needs sp=true: each tensor rank dispatches its own slice of the tokens",
@@ -213,6 +220,8 @@ pub struct Groups {
     pub ep: GroupShape,
     /// Data axis for expert weights.
     pub edp: GroupShape,
+    /// The first and the last pipeline stage (a tied embedding's two holders).
+    pub embed: GroupShape,
     /// Consecutive pipeline stages share a node.
     pub pp_same_node: bool,
 }
@@ -240,6 +249,7 @@ impl Groups {
             } else {
                 GroupShape::of_axis(dense_dp, cfg.tp, gpn)
             },
+            embed: GroupShape::of_axis(2, (cfg.pp.max(2) - 1) * stage, gpn),
             pp_same_node: stage < gpn,
         }
     }
@@ -429,6 +439,57 @@ pub fn estimate_train_bounded(
     split: Option<&[u64]>,
     bound_s: f64,
 ) -> Result<Option<Estimate>, Unsupported> {
+    Ok(train_impl(
+        pg,
+        cluster,
+        cfg,
+        seq_len,
+        global_batch,
+        split,
+        bound_s,
+        false,
+    )?
+    .map(|(e, _)| e))
+}
+
+/// [`estimate_train_split`] with the schedule it simulated: per virtual stage the
+/// forward and backward times (and their communication), the pipeline transfer, each
+/// stage's step tail (exposed gradient reduction, tensor-axis sync, optimizer) and
+/// memory. [`TrainTimeline::spans`] replays the same simulation task by task.
+pub fn train_timeline(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    seq_len: u64,
+    global_batch: u64,
+    split: Option<&[u64]>,
+) -> Result<(Estimate, TrainTimeline), Unsupported> {
+    match train_impl(
+        pg,
+        cluster,
+        cfg,
+        seq_len,
+        global_batch,
+        split,
+        f64::INFINITY,
+        true,
+    )? {
+        Some((e, Some(t))) => Ok((e, t)),
+        _ => Err(unsupported(format!("{cfg}: the step time is not a number"))),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn train_impl(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    seq_len: u64,
+    global_batch: u64,
+    split: Option<&[u64]>,
+    bound_s: f64,
+    want_timeline: bool,
+) -> Result<Option<(Estimate, Option<TrainTimeline>)>, Unsupported> {
     let gpus = cluster.gpus();
     check_world_size(cfg, gpus)?;
     check_train_shapes(pg, cfg, seq_len)?;
@@ -446,7 +507,7 @@ pub fn estimate_train_bounded(
     let (roof, comm) = (ctx.roof, ctx.comm);
     let seq = seq_len as f64;
     let costs = ctx.price(pg);
-    let (chunks, _) = build_chunks(pg, &costs, nchunks, split);
+    let (chunks, shared) = build_chunks(pg, &costs, nchunks, split);
     let microbatches = global_batch.div_ceil(cfg.dp * cfg.mbs);
     if cfg.vpp > 1 && microbatches < cfg.pp {
         return Err(unsupported(format!(
@@ -487,7 +548,10 @@ pub fn estimate_train_bounded(
     let mut crit = (0.0f64, 0.0f64, 0.0f64); // (compute, comm, dp+optimizer tail) of the busiest stage
     let mut stage_mem = Vec::with_capacity(pp);
     let mut sp_sync_bytes_stage: Vec<f64> = Vec::with_capacity(pp);
+    let mut tied_bytes_stage: Vec<f64> = Vec::with_capacity(pp);
     let mut busiest_work = 0.0f64;
+    let mut tails: Vec<StageTail> = Vec::with_capacity(if want_timeline { pp } else { 0 });
+    let mut critical_stage = 0usize;
     for i in 0..pp {
         let mine: Vec<&Chunk> = (0..cfg.vpp as usize).map(|c| &chunks[c * pp + i]).collect();
         let dense: f64 = mine.iter().map(|c| c.params_dense).sum();
@@ -554,6 +618,20 @@ pub fn estimate_train_bounded(
             (0.0, 0.0)
         };
         sp_sync_bytes_stage.push(sp_sync_bytes);
+        // A table tied between embedding and head lives on the first and the last
+        // stage: their gradients meet in one AllReduce per step (Megatron's embedding
+        // group), before the data-parallel reduction, exposed like it.
+        let (tied_s, tied_bytes) = if pp > 1 && shared > 0.0 && (i == 0 || i == pp - 1) {
+            let g = shared * bpe;
+            (
+                comm.time_s(Collective::AllReduce, groups.embed, g),
+                bytes_sent_per_rank(Collective::AllReduce, 2, g),
+            )
+        } else {
+            (0.0, 0.0)
+        };
+        let exposed_dp = exposed_dp + tied_s;
+        tied_bytes_stage.push(tied_bytes);
         let opt_params = dense / if cfg.zero >= 1 { dense_dp as f64 } else { 1.0 }
             + expert / if cfg.zero >= 1 { expert_dp as f64 } else { 1.0 };
         let optimizer_s = roof.memory_s(opt_params * calib::ADAMW_BYTES_PER_PARAM);
@@ -562,6 +640,15 @@ pub fn estimate_train_bounded(
         dp_bytes_max = dp_bytes_max.max(dp_bytes);
         if compute + comm_s > crit.0 + crit.1 {
             crit = (compute + optimizer_s, comm_s + exposed_dp, tail);
+            critical_stage = i;
+        }
+        if want_timeline {
+            tails.push(StageTail {
+                exposed_dp_s: exposed_dp,
+                sp_sync_s,
+                optimizer_s,
+                memory: MemoryLedger::default(),
+            });
         }
 
         // Memory.
@@ -608,6 +695,9 @@ pub fn estimate_train_bounded(
     for (i, (mut ledger, act_per_mb)) in stage_mem.into_iter().enumerate() {
         ledger.activations += pipe.max_in_flight[i] as f64 * act_per_mb;
         let ledger = ledger.summed();
+        if let Some(t) = tails.get_mut(i) {
+            t.memory = ledger;
+        }
         if ledger.total > worst_mem.total {
             worst_mem = ledger;
         }
@@ -694,7 +784,7 @@ pub fn estimate_train_bounded(
     let cp_bytes = busiest(|c| c.cp_bytes);
     let ep_bytes = busiest(|c| c.ep_bytes);
     let pp_bytes = (0..pp)
-        .map(|i| transfers(i) * p2p_bytes)
+        .map(|i| transfers(i) * p2p_bytes + tied_bytes_stage[i])
         .fold(0.0, f64::max);
 
     let capacity = cluster.gpu.memory_bytes;
@@ -710,7 +800,22 @@ pub fn estimate_train_bounded(
             gib(worst_mem.activations)
         )
     });
-    Ok(Some(Estimate {
+    let timeline = want_timeline.then(|| TrainTimeline {
+        pp: cfg.pp as usize,
+        vpp: cfg.vpp as usize,
+        microbatches: microbatches as usize,
+        schedule: cfg.schedule,
+        forward_s: fwd.clone(),
+        backward_s: bwd.clone(),
+        forward_comm_s: chunks.iter().map(|c| c.comm_f).collect(),
+        backward_comm_s: chunks.iter().map(|c| c.comm_b).collect(),
+        p2p_s,
+        stages: tails,
+        critical_stage,
+        step_s: step,
+        memory_capacity_bytes: cluster.gpu.memory_bytes,
+    });
+    let estimate = Estimate {
         feasible,
         config: *cfg,
         step_time_s: step,
@@ -741,7 +846,8 @@ pub fn estimate_train_bounded(
         max_concurrency: None,
         kv_capacity_tokens: None,
         infeasible_reason,
-    }))
+    };
+    Ok(Some((estimate, timeline)))
 }
 
 /// Bytes to GiB.
@@ -798,6 +904,18 @@ pub fn estimate_inference(
     cfg: &ParallelConfig,
     load: &InferenceLoad,
 ) -> Result<Estimate, Unsupported> {
+    inference_timeline(pg, cluster, cfg, load).map(|(e, _)| e)
+}
+
+/// [`estimate_inference`] with the timeline it assumed: each stage's prefill and
+/// decode forward (and their communication), the hop between stages, and each stage's
+/// memory.
+pub fn inference_timeline(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    load: &InferenceLoad,
+) -> Result<(Estimate, InferenceTimeline), Unsupported> {
     let gpus = cluster.gpus();
     check_world_size(cfg, gpus)?;
     check_shapes(pg, cfg, load.prompt_len.max(cfg.cp))?;
@@ -833,14 +951,14 @@ pub fn estimate_inference(
         (build_chunks(pg, &costs, cfg.pp as usize, None).0, live)
     };
     let bpe = pg.dtype.size_bytes() as f64;
-    let pp_hop = |tokens: f64| {
+    let hop = |tokens: f64| {
         if cfg.pp > 1 {
-            (cfg.pp - 1) as f64
-                * comm.p2p_time_s(groups.pp_same_node, tokens * pg.boundary_bytes_per_token)
+            comm.p2p_time_s(groups.pp_same_node, tokens * pg.boundary_bytes_per_token)
         } else {
             0.0
         }
     };
+    let pp_hop = |tokens: f64| (cfg.pp.max(1) - 1) as f64 * hop(tokens);
     let forward_s = |chunks: &[crate::estimate::Chunk]| {
         chunks.iter().map(|c| c.compute_f + c.comm_f).sum::<f64>()
     };
@@ -920,6 +1038,33 @@ pub fn estimate_inference(
             reasons.push(format!("TPOT {:.2} ms > SLO {:.2} ms", tpot * 1e3, b * 1e3));
         }
     }
+    let timeline = InferenceTimeline {
+        pp: cfg.pp as usize,
+        prefill_s: prefill.iter().map(|c| c.compute_f + c.comm_f).collect(),
+        prefill_comm_s: prefill.iter().map(|c| c.comm_f).collect(),
+        decode_s: decode.iter().map(|c| c.compute_f + c.comm_f).collect(),
+        decode_comm_s: decode.iter().map(|c| c.comm_f).collect(),
+        hop_prefill_s: hop(load.prompt_len as f64),
+        hop_decode_s: hop(per_replica),
+        memory: decode
+            .iter()
+            .map(|c| {
+                MemoryLedger {
+                    params: (c.params_dense + c.params_expert) * bpe,
+                    grads: 0.0,
+                    optimizer: 0.0,
+                    activations: live,
+                    kv_cache: kv_need,
+                    workspace,
+                    total: 0.0,
+                }
+                .summed()
+            })
+            .collect(),
+        ttft_s: ttft,
+        tpot_s: tpot,
+        memory_capacity_bytes: capacity,
+    };
     let output_tps = load.concurrency as f64 / tpot;
     let flops_per_token = forward_flops_per_sequence(
         pg,
@@ -933,7 +1078,7 @@ pub fn estimate_inference(
     // Each GPU belongs to one stage: its bytes are its own stage's.
     let tp_bytes: f64 = decode.iter().map(|c| c.tp_bytes_fwd).fold(0.0, f64::max);
     let ep_bytes: f64 = decode.iter().map(|c| c.ep_bytes_fwd).fold(0.0, f64::max);
-    Ok(Estimate {
+    let estimate = Estimate {
         feasible: reasons.is_empty(),
         config: *cfg,
         step_time_s: tpot,
@@ -968,7 +1113,8 @@ pub fn estimate_inference(
         max_concurrency: Some(max_concurrency),
         kv_capacity_tokens: Some(kv_capacity_tokens),
         infeasible_reason: (!reasons.is_empty()).then(|| reasons.join("; ")),
-    })
+    };
+    Ok((estimate, timeline))
 }
 
 /// Prepares a model for pricing: builds its graph and takes the KV-cache size from

@@ -113,6 +113,8 @@ pub struct PreparedGraph {
     pub kv_bytes_per_token_layer: f64,
     /// Block layers.
     pub layers: u64,
+    /// Embedding and head share a weight (tied embeddings).
+    pub tied: bool,
 }
 
 fn einsum_mnk(
@@ -327,6 +329,7 @@ impl PreparedGraph {
             }
             segments[i].params_shared = shared;
         }
+        let segments_tied = segments.iter().any(|s| s.params_shared > 0.0);
         if let Some(t) = graph
             .segments
             .iter()
@@ -351,6 +354,7 @@ impl PreparedGraph {
             experts,
             kv_bytes_per_token_layer: kv_bytes,
             layers,
+            tied: segments_tied,
         }
     }
 

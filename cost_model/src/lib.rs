@@ -19,13 +19,15 @@ pub mod estimate;
 pub mod graph_cost;
 pub mod memory;
 pub mod pipeline;
+pub mod timeline;
 
 pub use cluster::{load_cluster, parse_cluster_yaml, Cluster, GroupShape};
 pub use collective::{Collective, CommModel};
 pub use estimate::{
     estimate_inference, estimate_train, estimate_train_bounded, estimate_train_split,
-    flops_per_token_forward, prepare_model, replica_memory, train_ctx, Estimate, InferenceLoad,
-    Unsupported,
+    flops_per_token_forward, inference_timeline, prepare_model, replica_memory, train_ctx,
+    train_timeline, Estimate, InferenceLoad, Unsupported,
 };
 pub use graph_cost::PreparedGraph;
 pub use memory::MemoryLedger;
+pub use timeline::{Lane, Span, SpanKind, Timeline};

@@ -2,7 +2,7 @@
 //! and the per-GPU total. Activation bytes come from the graph
 //! ([`crate::graph_cost`]); this module holds the state arithmetic.
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// Bytes per parameter of the compute copy (bf16/fp16).
 pub const PARAM_BYTES: f64 = 2.0;
@@ -31,7 +31,7 @@ pub fn kv_cache_bytes(layers: u64, tokens: f64, bytes_per_token_layer: f64) -> f
 }
 
 /// Per-GPU memory, the contract's `memory_per_gpu_bytes`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct MemoryLedger {
     /// Compute copy of the parameters.
     pub params: f64,

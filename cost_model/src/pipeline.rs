@@ -35,6 +35,23 @@ pub struct PipelineResult {
     pub max_in_flight: Vec<usize>,
 }
 
+/// One task as the simulation ran it: its stage, what it was and when.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TimedTask {
+    /// Pipeline stage (rank).
+    pub stage: usize,
+    /// Local model chunk on the stage (`0..vpp`).
+    pub chunk: usize,
+    /// Micro-batch.
+    pub mb: usize,
+    /// Forward (else backward).
+    pub forward: bool,
+    /// Start, s from the beginning of the step.
+    pub start_s: f64,
+    /// End, s.
+    pub end_s: f64,
+}
+
 #[derive(Clone, Copy)]
 struct Task {
     forward: bool,
@@ -104,6 +121,19 @@ fn stage_order(pp: usize, vpp: usize, m: usize, stage: usize, schedule: Schedule
 /// A stage runs its tasks in the schedule's order, each as soon as its input has
 /// arrived; sends overlap with compute (no stage waits for its own send).
 pub fn simulate(input: &PipelineInput<'_>) -> PipelineResult {
+    run(input, None)
+}
+
+/// [`simulate`], also returning every task with its start and end, in the order the
+/// simulation ran them: the schedule the estimate's step time comes from, for
+/// pictures and traces.
+pub fn simulate_timeline(input: &PipelineInput<'_>) -> (PipelineResult, Vec<TimedTask>) {
+    let mut tasks = Vec::new();
+    let r = run(input, Some(&mut tasks));
+    (r, tasks)
+}
+
+fn run(input: &PipelineInput<'_>, mut record: Option<&mut Vec<TimedTask>>) -> PipelineResult {
     let (pp, vpp, m) = (input.pp.max(1), input.vpp.max(1), input.microbatches.max(1));
     let nvs = pp * vpp;
     assert_eq!(input.forward_s.len(), nvs);
@@ -148,8 +178,19 @@ pub fn simulate(input: &PipelineInput<'_>) -> PipelineResult {
                 } else {
                     input.backward_s[vs]
                 };
-                let end = clock[i].max(ready) + dur;
+                let start = clock[i].max(ready);
+                let end = start + dur;
                 clock[i] = end;
+                if let Some(rec) = record.as_deref_mut() {
+                    rec.push(TimedTask {
+                        stage: i,
+                        chunk: t.chunk,
+                        mb: t.mb,
+                        forward: t.forward,
+                        start_s: start,
+                        end_s: end,
+                    });
+                }
                 busy[i] += dur;
                 if t.forward {
                     f_done[vs * m + t.mb] = end;
@@ -249,6 +290,46 @@ mod tests {
         assert!(r.makespan_s >= 26.0 * 3.0);
         assert!((r.busiest_stage_s - 26.0 * 3.0).abs() < 1e-9);
         assert!(r.max_in_flight.iter().all(|&n| n >= 1));
+    }
+
+    #[test]
+    fn timeline_is_the_simulation() {
+        let fw = vec![1.0, 1.5, 1.0, 1.0];
+        let bw = vec![2.0, 3.0, 2.0, 2.0];
+        let input = PipelineInput {
+            pp: 4,
+            vpp: 1,
+            microbatches: 6,
+            forward_s: &fw,
+            backward_s: &bw,
+            p2p_s: 0.25,
+            schedule: Schedule::OneFOneB,
+        };
+        let (r, tasks) = simulate_timeline(&input);
+        assert_eq!(r, simulate(&input));
+        assert_eq!(tasks.len(), 2 * 4 * 6);
+        let end = tasks.iter().map(|t| t.end_s).fold(0.0, f64::max);
+        assert_eq!(end, r.makespan_s);
+        for s in 0..4 {
+            let mut mine: Vec<&TimedTask> = tasks.iter().filter(|t| t.stage == s).collect();
+            mine.sort_by(|a, b| a.start_s.total_cmp(&b.start_s));
+            // A stage runs one task at a time, each as long as its duration.
+            for w in mine.windows(2) {
+                assert!(w[1].start_s >= w[0].end_s - 1e-12);
+            }
+            for t in &mine {
+                let d = if t.forward { fw[s] } else { bw[s] };
+                assert!((t.end_s - t.start_s - d).abs() < 1e-12);
+            }
+        }
+        // A forward starts no earlier than the previous stage's forward plus the hop.
+        for t in tasks.iter().filter(|t| t.forward && t.stage > 0) {
+            let prev = tasks
+                .iter()
+                .find(|u| u.forward && u.stage == t.stage - 1 && u.mb == t.mb)
+                .unwrap();
+            assert!(t.start_s >= prev.end_s + 0.25 - 1e-12);
+        }
     }
 
     #[test]

@@ -22,12 +22,12 @@ use crate::backend::{Backend, CpuBackend};
 use crate::comm::{ByteCounts, Communicator, Group, RankError, ThreadComm};
 use crate::init::{init_full, InitKind};
 use crate::sample::{sample, Sampling};
-use crate::shard::{local_heads, TpPos};
+use crate::shard::{local_heads, weight_transposed, TpPos};
 use crate::train::{
     bshd_to_sbhd, build_groups, fail, fixed_shape, kerr, segment_input, segment_output, ExecError,
     NO_LAYER,
 };
-use crate::weights::{apply_spec, shard_spec, transposed_weight, Checkpoint};
+use crate::weights::{apply_spec, shard_spec, Checkpoint};
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{CollectiveKind, Instr, Phase, PhaseKind, Plan, PlanKind};
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole};
@@ -992,7 +992,7 @@ impl<'a> InferRank<'a> {
                 let kk = x.len() / rows.max(1);
                 let n = w.len() / kk.max(1);
                 let mut y = vec![0.0; rows * n];
-                let tb = if transposed_weight(op) {
+                let tb = if weight_transposed(op) {
                     k::Transpose::Yes
                 } else {
                     k::Transpose::No

@@ -97,6 +97,20 @@ fn swiglu_up(graph: &Graph, op: &Op) -> bool {
     })
 }
 
+/// Whether a matmul's weight is stored `[n, k]` (its operand leads with the output's
+/// last index), as a table tied to the embedding is (`bsh,vh->bsv`): the product is
+/// then `x wᵀ`.
+pub fn weight_transposed(op: &Op) -> bool {
+    let OpKind::Matmul { einsum } = &op.kind else {
+        return false;
+    };
+    let Some((lhs, out)) = einsum.split_once("->") else {
+        return false;
+    };
+    let w = lhs.split(',').nth(1).unwrap_or("").trim();
+    matches!((w.chars().next(), out.trim().chars().last()), (Some(a), Some(b)) if a == b)
+}
+
 /// The rows (first-dim ranges) a rank holds of a weight split along its first dim.
 fn row_range(rows: usize, tp: TpPos) -> (usize, usize) {
     let c = rows / tp.size;
@@ -124,6 +138,14 @@ pub fn local_weight(
     }
     let is_bias = shape.len() == 1 && op.inputs.get(2) == Some(&w);
     match role {
+        // A head reading a table tied to the embedding (`bsh,vh->bsv`) splits the
+        // table's vocabulary rows, as the embedding does.
+        TpRole::VocabHead if weight_transposed(op) => {
+            let rows = shape[0];
+            let n = full.len() / rows.max(1);
+            let (a, b) = row_range(rows, tp);
+            full[a * n..b * n].to_vec()
+        }
         TpRole::ColumnParallel | TpRole::VocabHead => {
             let n = *shape.last().unwrap_or(&1);
             let rows = full.len() / n.max(1);

@@ -401,28 +401,6 @@ impl<'a> RankState<'a> {
                 "dropout layers are not run by the CPU executor (they would be an identity); set `dropout: false` in the model",
             ));
         }
-        let pp_size = size_of("pp");
-        if pp_size > 1 {
-            let weights_of = |kind: SegmentKind| -> Vec<meshplan_ir::TensorId> {
-                graph
-                    .segments
-                    .iter()
-                    .filter(|s| s.kind == kind)
-                    .flat_map(|s| &s.ops)
-                    .flat_map(|o| o.inputs.iter().copied())
-                    .filter(|&t| graph.tensor(t).kind == TensorKind::Weight)
-                    .collect()
-            };
-            let head = weights_of(SegmentKind::Head);
-            if weights_of(SegmentKind::Embed)
-                .iter()
-                .any(|w| head.contains(w))
-            {
-                return Err(fail(
-                    "tied embeddings across pipeline stages need an embedding-gradient reduction between the first and last stage, which plans do not contain yet; use pp=1 or untie the embeddings",
-                ));
-            }
-        }
         let mut st = RankState {
             be,
             plan,
@@ -531,6 +509,31 @@ impl<'a> RankState<'a> {
             }
         }
         Ok(())
+    }
+
+    /// Keys of the weights embedding and head share (a tied table) that this rank holds.
+    fn tied_keys(&self) -> Vec<Key> {
+        let weights_of = |kind: SegmentKind| -> Vec<String> {
+            self.graph
+                .segments
+                .iter()
+                .filter(|s| s.kind == kind)
+                .flat_map(|s| &s.ops)
+                .flat_map(|o| o.inputs.iter().copied())
+                .filter(|&t| self.graph.tensor(t).kind == TensorKind::Weight)
+                .map(|t| self.graph.tensor(t).name.clone())
+                .collect()
+        };
+        let head = weights_of(SegmentKind::Head);
+        let tied: Vec<String> = weights_of(SegmentKind::Embed)
+            .into_iter()
+            .filter(|w| head.contains(w))
+            .collect();
+        self.weights
+            .keys()
+            .filter(|(name, _)| tied.contains(name))
+            .cloned()
+            .collect()
     }
 
     /// Keys of the weights of a parameter set (`dense` or `experts`), optionally of
@@ -1099,7 +1102,23 @@ impl<'a> RankState<'a> {
                 let (kk, n) = self.matmul_dims(op, w.len())?;
                 let rows = x.len() / kk.max(1);
                 let mut y = vec![0.0; rows * n];
-                linear_fwd(self.be, &x, w, rows, kk, n, &mut y).map_err(kerr(&op.name))?;
+                if crate::shard::weight_transposed(op) {
+                    self.be
+                        .matmul(
+                            k::Transpose::No,
+                            k::Transpose::Yes,
+                            rows,
+                            kk,
+                            n,
+                            &x,
+                            w,
+                            0.0,
+                            &mut y,
+                        )
+                        .map_err(kerr(&op.name))?;
+                } else {
+                    linear_fwd(self.be, &x, w, rows, kk, n, &mut y).map_err(kerr(&op.name))?;
+                }
                 if let Some(&bid) = op.inputs.get(2) {
                     // A row-parallel bias is added once, before the partial sums meet.
                     if op.role != TpRole::RowParallel || self.tp.rank == 0 {
@@ -1495,7 +1514,14 @@ impl<'a> RankState<'a> {
                     let ax = axis.name();
                     let n = g.size();
                     let me = g.index_of(self.rank).unwrap_or(0);
-                    if tensor == "grads:seq_partial" {
+                    if tensor == "grads:tied" {
+                        // The table embedding and head share, held by the first and
+                        // the last stage: sum the two gradients.
+                        let keys = self.tied_keys();
+                        let mut flat = self.flat(&self.wgrads, &keys);
+                        self.comm.all_reduce(&g, ax, &mut flat)?;
+                        Self::unflat(&mut self.wgrads, &keys, &flat, (0, flat.len()));
+                    } else if tensor == "grads:seq_partial" {
                         let sp = self.plan.strategy.sp && self.tp.size > 1;
                         let expert_tp = self.ep.size <= 1 && self.tp.size > 1;
                         let partial: Vec<String> = self
@@ -2182,7 +2208,11 @@ impl RankState<'_> {
 
     fn matmul_dims(&self, op: &Op, w_len: usize) -> Result<(usize, usize), RankError> {
         let shape = fixed_shape(self.graph.tensor(op.inputs[1]))?;
-        let (kf, nf) = (shape[0], shape[1]);
+        let (kf, nf) = if crate::shard::weight_transposed(op) {
+            (shape[1], shape[0])
+        } else {
+            (shape[0], shape[1])
+        };
         let t = self.tp.size;
         Ok(match op.role {
             TpRole::RowParallel => (kf / t, nf),
@@ -2390,7 +2420,38 @@ impl RankState<'_> {
                 let dw = self.wgrads.get_mut(&wkey).ok_or_else(missing)?;
                 let rows = x.len() / kk.max(1);
                 let mut dx = vec![0.0; rows * kk];
-                linear_bwd(self.be, &x, w, dy, rows, kk, n, &mut dx, dw).map_err(kerr(&op.name))?;
+                if crate::shard::weight_transposed(op) {
+                    // `y = x wᵀ` with `w [n, k]`: `dx = dy w`, `dw += dyᵀ x`.
+                    let be = self.be;
+                    be.matmul(
+                        k::Transpose::No,
+                        k::Transpose::No,
+                        rows,
+                        n,
+                        kk,
+                        dy,
+                        w,
+                        0.0,
+                        &mut dx,
+                    )
+                    .and_then(|()| {
+                        be.matmul(
+                            k::Transpose::Yes,
+                            k::Transpose::No,
+                            n,
+                            rows,
+                            kk,
+                            dy,
+                            &x,
+                            1.0,
+                            dw,
+                        )
+                    })
+                    .map_err(kerr(&op.name))?;
+                } else {
+                    linear_bwd(self.be, &x, w, dy, rows, kk, n, &mut dx, dw)
+                        .map_err(kerr(&op.name))?;
+                }
                 if let Some(&b) = op.inputs.get(2) {
                     let bk = self.wkey(b, l);
                     if let Some(db) = self.wgrads.get_mut(&bk) {

@@ -12,7 +12,7 @@
 //! QKV projection is `q | k | v`, a SwiGLU up projection is `gate | up`. Rotary
 //! embedding needs no permutation: the kernel uses Hugging Face's rotate-half pairs.
 
-use crate::shard::{column_ranges, TpPos};
+use crate::shard::{column_ranges, weight_transposed, TpPos};
 use memmap2::Mmap;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::spec::TransformerSpec;
@@ -106,24 +106,8 @@ pub enum ShardSpec {
     Rows(usize, usize),
 }
 
-/// Whether `op` multiplies by its weight transposed (the tied LM head reads the
-/// `[vocab, hidden]` embedding table as `bsh,vh->bsv`).
-pub fn transposed_weight(op: &Op) -> bool {
-    match &op.kind {
-        OpKind::Matmul { einsum } => einsum
-            .split_once("->")
-            .and_then(|(lhs, _)| lhs.split_once(','))
-            .is_some_and(|(a, b)| {
-                let (a, b) = (a.trim(), b.trim());
-                b.len() == 2 && a.ends_with(&b[1..]) && !a.ends_with(&b[..1])
-            }),
-        _ => false,
-    }
-}
-
 /// The part of weight `w` (full shape `shape`) that `op` under `role` needs on tensor
-/// rank `tp`: [`crate::shard::local_weight`] as index ranges, plus the tied head
-/// (vocabulary rows of the `[vocab, hidden]` table).
+/// rank `tp`: [`crate::shard::local_weight`] as index ranges.
 pub fn shard_spec(
     graph: &Graph,
     op: &Op,
@@ -141,7 +125,7 @@ pub fn shard_spec(
         ShardSpec::Rows(tp.rank * c, (tp.rank + 1) * c)
     };
     match role {
-        TpRole::VocabHead if shape.len() == 2 && transposed_weight(op) => rows_of(shape[0]),
+        TpRole::VocabHead if shape.len() == 2 && weight_transposed(op) => rows_of(shape[0]),
         TpRole::ColumnParallel | TpRole::VocabHead => {
             let n = *shape.last().unwrap_or(&1);
             ShardSpec::Cols(column_ranges(graph, op, n, tp))
@@ -727,7 +711,13 @@ mod tests {
 
     #[test]
     fn shard_spec_is_local_weight_as_ranges() {
-        let g = graph(LLAMA);
+        let tied = LLAMA.replace("tie_embeddings: false", "tie_embeddings: true");
+        for g in [graph(LLAMA), graph(&tied)] {
+            check_spec(&g);
+        }
+    }
+
+    fn check_spec(g: &Graph) {
         for (role_of, tp) in [(None, 2), (None, 4), (Some(TpRole::Replicated), 2)] {
             for rank in 0..tp {
                 let pos = TpPos { rank, size: tp };
@@ -737,12 +727,12 @@ mod tests {
                         if g.tensor(w).kind != TensorKind::Weight {
                             continue;
                         }
-                        let shape = weight_shape(&g, w).unwrap();
+                        let shape = weight_shape(g, w).unwrap();
                         let n: usize = shape.iter().product();
                         let full: Vec<f32> = (0..n).map(|i| i as f32).collect();
-                        let want = local_weight(&g, op, role, w, &full, &shape, pos, TpPos::ONE);
+                        let want = local_weight(g, op, role, w, &full, &shape, pos, TpPos::ONE);
                         let got =
-                            apply_spec(&shard_spec(&g, op, role, w, &shape, pos), &full, &shape);
+                            apply_spec(&shard_spec(g, op, role, w, &shape, pos), &full, &shape);
                         assert_eq!(got, want, "{} of {} on {pos:?}", g.tensor(w).name, op.name);
                     }
                 }
@@ -759,7 +749,7 @@ mod tests {
             .flat_map(|s| &s.ops)
             .find(|o| o.name == "head.lm")
             .unwrap();
-        assert!(transposed_weight(head));
+        assert!(weight_transposed(head));
         let w = head.inputs[1];
         let spec = shard_spec(
             &g,
@@ -776,6 +766,6 @@ mod tests {
             .flat_map(|s| &s.ops)
             .find(|o| o.name == "block.attn.qkv")
             .unwrap();
-        assert!(!transposed_weight(qkv));
+        assert!(!weight_transposed(qkv));
     }
 }

@@ -32,7 +32,9 @@
 //! the simulation does when a partial group of micro-batches would deadlock.
 
 use meshplan_cost_model::collective::{bytes_sent_per_rank, Collective};
-use meshplan_cost_model::{Cluster, Estimate, PreparedGraph};
+use meshplan_cost_model::{
+    inference_timeline, train_timeline, Cluster, Estimate, InferenceLoad, PreparedGraph, Timeline,
+};
 use meshplan_ir::graph::Segment;
 use meshplan_ir::plan::{
     Axis, ChunkProgram, ChunkSegment, ClusterInfo, CollectiveKind, GroupSpec, Instr, LocalTensor,
@@ -474,6 +476,30 @@ impl Layout<'_> {
         (dense, experts)
     }
 
+    /// Weight elements this rank holds of the tables the embedding and the head share.
+    fn tied_params(&self) -> f64 {
+        let weights = |kind: SegmentKind| -> Vec<TensorId> {
+            self.graph
+                .segments
+                .iter()
+                .filter(|s| s.kind == kind)
+                .flat_map(|s| s.ops.iter().flat_map(|o| o.inputs.iter().copied()))
+                .collect()
+        };
+        let head = weights(SegmentKind::Head);
+        // Count the embedding's weights the head also reads, skipping the others.
+        let mut held: Vec<TensorId> = weights(SegmentKind::Embed)
+            .into_iter()
+            .filter(|w| !head.contains(w))
+            .collect();
+        self.graph
+            .segments
+            .iter()
+            .filter(|s| s.kind == SegmentKind::Embed)
+            .map(|s| self.params(s, &mut held).0)
+            .sum()
+    }
+
     /// One copy of a segment for one micro-batch: forward and backward instructions.
     fn segment(&self, seg: &Segment, held: &mut Vec<TensorId>) -> SegmentLowered {
         let mut forward = Vec::new();
@@ -887,7 +913,9 @@ pub fn stage_orders(
 /// Communication groups of a configuration (the cost model's `Groups::new` layout:
 /// tensor innermost, then context, data, pipeline; experts on contiguous blocks of
 /// `ep` ranks inside a stage, the expert data group strided by `ep`).
-fn mesh_info(cfg: &ParallelConfig) -> MeshInfo {
+/// `tied`: embedding and head share a table, so with several stages the first and
+/// the last form the `embed` group that reduces its gradient.
+fn mesh_info(cfg: &ParallelConfig, tied: bool) -> MeshInfo {
     let axes = ["pp", "dp", "cp", "tp"].map(String::from).to_vec();
     let stage_ranks = cfg.dp * cfg.cp * cfg.tp;
     let ep = cfg.ep.max(1);
@@ -913,7 +941,10 @@ fn mesh_info(cfg: &ParallelConfig) -> MeshInfo {
                 group("edp", &["dp", "cp"], cfg.dp * cfg.cp, 1)
             },
             group("pp", &["pp"], cfg.pp, 1),
-        ],
+        ]
+        .into_iter()
+        .chain((tied && cfg.pp > 1).then(|| group("embed", &["pp"], 2, cfg.pp - 1)))
+        .collect(),
     }
 }
 
@@ -1227,6 +1258,22 @@ fn build_phase(
         };
         if spec.training {
             phase.step = optimizer_step(layout, dense, experts, spec.bucket_params);
+            let tied = layout.tied_params();
+            if pp > 1 && tied > 0.0 && (i == 0 || i == pp - 1) {
+                // The first and the last stage each hold the tied table: its two
+                // gradients are summed before the data-parallel reduction.
+                phase.step.insert(
+                    0,
+                    collective(
+                        CollectiveKind::AllReduce,
+                        "embed",
+                        Axis::Pp,
+                        2,
+                        "grads:tied".into(),
+                        tied * layout.bpe,
+                    ),
+                );
+            }
             if seq_partial > 0.0 {
                 // First, so the data-parallel reduction sees whole gradients.
                 phase.step.insert(
@@ -1504,14 +1551,55 @@ pub fn lower_inference(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
     assemble(input, PlanKind::Inference, programs)
 }
 
+/// The estimate's timeline for the lowered configuration (same graph, cluster and
+/// layer split as the estimate the plan carries).
+fn timeline_of(input: &LowerInput<'_>) -> Result<Timeline, LowerError> {
+    let r = match input.workload {
+        Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } => train_timeline(
+            input.prepared,
+            input.cluster,
+            input.cfg,
+            *seq_len,
+            *global_batch,
+            Some(input.layer_split),
+        )
+        .map(|(_, t)| Timeline::Train(t)),
+        Workload::Inference { .. } => match InferenceLoad::from_workload(input.workload) {
+            Some(load) => inference_timeline(input.prepared, input.cluster, input.cfg, &load)
+                .map(|(_, t)| Timeline::Inference(t)),
+            None => {
+                return Err(invalid(
+                    "workload",
+                    "an inference workload without its load".into(),
+                ))
+            }
+        },
+    };
+    r.map_err(|e| invalid("timeline", e.reason))
+}
+
 fn assemble(
     input: &LowerInput<'_>,
     kind: PlanKind,
     programs: Vec<Program>,
 ) -> Result<Plan, LowerError> {
     let cfg = input.cfg;
-    let predicted = serde_json::to_value(input.estimate)
+    let mut predicted = serde_json::to_value(input.estimate)
         .map_err(|e| invalid("estimate", format!("does not serialise: {e}")))?;
+    // The schedule the estimate simulated, so pictures and the predicted trace of a
+    // plan file replay the cost model's own timeline.
+    let timeline = timeline_of(input)?;
+    if let serde_json::Value::Object(m) = &mut predicted {
+        m.insert(
+            "timeline".into(),
+            serde_json::to_value(&timeline)
+                .map_err(|e| invalid("timeline", format!("does not serialise: {e}")))?,
+        );
+    }
     Ok(Plan {
         format: PLAN_FORMAT,
         kind,
@@ -1524,7 +1612,7 @@ fn assemble(
             gpu_memory_bytes: input.cluster.gpu.memory_bytes,
         },
         workload: input.workload.clone(),
-        mesh: mesh_info(cfg),
+        mesh: mesh_info(cfg, input.prepared.tied),
         strategy: *cfg,
         layer_split: input.layer_split.to_vec(),
         placements: placements_map(&input.placements)?,

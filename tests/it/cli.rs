@@ -114,7 +114,7 @@ pub(crate) fn meshplan(args: &[&str]) -> Run {
 }
 
 /// A file in the temporary directory, unique to this process and test.
-fn temp_file(name: &str, text: &str) -> PathBuf {
+pub(crate) fn temp_file(name: &str, text: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("meshplan-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join(name);

@@ -244,6 +244,38 @@ fn tiny_models_on_the_cpu_mesh_match_on_every_axis() {
     ] {
         check_train(&gpt, &cl, cfg);
     }
+    // A tied table across stages: one AllReduce of its gradient between the first and
+    // the last stage, on the pipeline axis.
+    let text = std::fs::read_to_string(PathBuf::from(ROOT).join("models/tiny-gpt.yaml")).unwrap();
+    let tied = from_spec(
+        parse_model_yaml(
+            &text.replace("tie_embeddings: false", "tie_embeddings: true"),
+            "tied.yaml",
+        )
+        .unwrap_or_else(|e| panic!("{e}")),
+    );
+    for cfg in [
+        "dp=2,tp=2,pp=2",
+        "dp=4,pp=2,zero=1",
+        "dp=2,tp=2,pp=2,sp=true",
+    ] {
+        let l = check_train(&tied, &cl, cfg);
+        let tied_ar = |stage: usize| {
+            l.plan.programs[stage].phases[0]
+                .step
+                .iter()
+                .filter(|i| matches!(i, Instr::Collective { tensor, .. } if tensor == "grads:tied"))
+                .count()
+        };
+        let last = l.cfg.pp as usize - 1;
+        assert_eq!((tied_ar(0), tied_ar(last)), (1, 1), "{cfg}");
+        if last > 1 {
+            assert_eq!(tied_ar(1), 0, "{cfg}: a middle stage holds no tied table");
+        }
+    }
+    let cfg = config("dp=4,pp=2,zero=3", cl.gpus());
+    let err = estimate_train_split(&tied.pg, &cl, &cfg, 32, 8, None).expect_err("zero=3 refused");
+    assert!(err.reason.contains("tied embeddings"), "{}", err.reason);
     for cfg in [
         "dp=8,ep=2",
         "dp=4,tp=2,ep=2,sp=true",

@@ -1,6 +1,7 @@
 mod calibration;
 mod cli;
 mod cost;
+mod draw;
 mod executor;
 mod infer;
 mod loaders;

@@ -41,6 +41,7 @@ fn dependency_arrows_point_one_way() {
         ),
         ("kernels", &[]),
         ("executor", &["meshplan-ir", "meshplan-kernels", "cudarc"]),
+        ("viz", &["meshplan-ir", "meshplan-cost-model"]),
     ];
     for (dir, ok) in allowed {
         for dep in internal_deps(dir) {
