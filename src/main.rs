@@ -16,6 +16,7 @@ use std::process::ExitCode;
 mod draw;
 mod explain;
 mod export;
+mod generate;
 mod log;
 mod plan;
 mod run;
@@ -170,7 +171,8 @@ enum Command {
         /// optional) instead of the synthetic stream.
         #[arg(long)]
         data: Option<PathBuf>,
-        /// A Hugging Face checkpoint directory (not supported yet).
+        /// A Hugging Face checkpoint directory (config.json + *.safetensors; inference
+        /// plans).
         #[arg(long)]
         weights: Option<PathBuf>,
         /// A Chrome trace to write (not supported yet).
@@ -191,6 +193,8 @@ enum Command {
         /// One JSON object on stdout.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        generate: generate::GenerateFlags,
     },
     /// Write a plan as a framework's arguments or config file.
     Export {
@@ -320,13 +324,9 @@ fn main() -> ExitCode {
             save_every,
             resume,
             json,
+            generate,
         } => {
-            let mut unsupported = Vec::new();
-            for (flag, given) in [("--weights", weights.is_some())] {
-                if given {
-                    unsupported.push(flag);
-                }
-            }
+            let unsupported = Vec::new();
             run::run(&run::RunArgs {
                 plan: &plan,
                 backend: &backend,
@@ -339,6 +339,8 @@ fn main() -> ExitCode {
                 save: save.as_deref(),
                 save_every,
                 resume: resume.as_deref(),
+                weights: weights.as_deref(),
+                generate: &generate,
             })
         }
         Command::Compare {

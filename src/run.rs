@@ -25,19 +25,23 @@ pub(crate) struct RunArgs<'a> {
     pub save: Option<&'a Path>,
     pub save_every: Option<u64>,
     pub resume: Option<&'a Path>,
+    /// A checkpoint (inference plans).
+    pub weights: Option<&'a Path>,
+    /// Prompts and sampling (inference plans).
+    pub generate: &'a crate::generate::GenerateFlags,
 }
 
-fn bad(message: String) -> Failure {
+pub(crate) fn bad(message: String) -> Failure {
     Failure { code: 2, message }
 }
 
-fn runtime(message: String) -> Failure {
+pub(crate) fn runtime(message: String) -> Failure {
     Failure { code: 1, message }
 }
 
 /// The single-rank reference of a training plan: same model, data, seed and
 /// micro-batch size, one GPU, no parallelism.
-fn reference_plan(plan: &Plan) -> Result<Plan, String> {
+pub(crate) fn reference_plan(plan: &Plan) -> Result<Plan, String> {
     let yaml = format!(
         "name: reference\nnodes: 1\ngpus_per_node: 1\ngpu:\n  name: reference\n  memory_gib: {}\n  peak_tflops: {{bf16: 1, fp32: 1}}\n  hbm_gbps: 1\nintra_node:\n  link: none\n  bandwidth_gbps: 1\n  latency_us: 1\n",
         (plan.cluster.gpu_memory_bytes / (1u64 << 30) as f64).max(1.0)
@@ -89,10 +93,23 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "{file}: not a plan written by `meshplan plan`: {e}"
         ))
     })?;
-    if plan.kind != PlanKind::Train {
-        return Err(runtime(format!(
-            "{file}: inference plans are not run by this build yet (the inference issue); plan a training workload"
+    if plan.kind == PlanKind::Inference {
+        if a.data.is_some() || a.trace.is_some() {
+            return Err(bad(format!(
+                "{file}: --data and --trace are read for training plans; this is an inference plan (give prompts with --prompt-ids, --prompt or --prompt-file)"
+            )));
+        }
+        return crate::generate::run(a, &plan, &file);
+    }
+    if a.generate.any_given() {
+        return Err(bad(format!(
+            "{file}: prompts and sampling flags are for inference plans; this is a training plan"
         )));
+    }
+    if a.weights.is_some() {
+        return Err(bad(
+            "--weights is read for inference plans; training from a checkpoint is not supported yet (run without it)".into(),
+        ));
     }
     // Ranks are threads of this process holding fp32 weights, gradients and Adam
     // state: refuse what cannot fit rather than exhausting the machine.

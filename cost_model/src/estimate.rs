@@ -398,6 +398,7 @@ pub fn train_ctx(
         ep_group: groups.ep,
         dp_attention: false,
         tp_overlap: cfg.tp_overlap,
+        sampling: false,
     }
 }
 
@@ -949,6 +950,7 @@ pub fn inference_timeline(
         ep_group: groups.ep,
         dp_attention: cfg.dp_attention,
         tp_overlap: cfg.tp_overlap,
+        sampling: true,
     };
     let chunks_of = |ctx: &LayoutCtx| {
         let costs = ctx.price(pg);
@@ -1183,6 +1185,7 @@ pub fn replica_memory(pg: &PreparedGraph, workload: &Workload) -> MemoryLedger {
         ep_group: one,
         dp_attention: false,
         tp_overlap: false,
+        sampling: false,
     };
     let p = pg.params_total;
     let bpe = pg.dtype.size_bytes() as f64;

@@ -410,6 +410,10 @@ pub struct LayoutCtx {
     /// Batch split of attention over the tensor axis (inference DP-attention): the
     /// attention part runs data-parallel on the `tp` ranks with full weights.
     pub dp_attention: bool,
+    /// Generation: the head samples instead of computing the loss, so it gathers each
+    /// sequence's last-position logits over the tensor axis (fp32, full vocabulary)
+    /// in place of the loss's three per-token reductions.
+    pub sampling: bool,
 }
 
 /// Cost of one copy of a segment for one micro-batch.
@@ -637,7 +641,17 @@ impl LayoutCtx {
             }
         }
         for op in &seg.ops {
-            if op.role == TpRole::VocabLoss {
+            if op.role == TpRole::VocabLoss && self.sampling {
+                if let Work::Memory { acts, .. } = &op.work {
+                    if let Some(logits) = acts.first() {
+                        let last = logits.bytes.eval(&DimEnv {
+                            seq: 1.0,
+                            ..self.env
+                        });
+                        add(&mut tp_f, self.tp_coll(Collective::AllGather, last));
+                    }
+                }
+            } else if op.role == TpRole::VocabLoss {
                 // Max, sum of exponentials and the target logit, one float per token each.
                 let tokens = self.env.batch * self.env.seq / self.tokens_div();
                 for _ in 0..3 {

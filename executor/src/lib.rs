@@ -7,6 +7,11 @@
 //! - [`train`]: the training interpreter over the CPU kernels, `--check` against a
 //!   single-rank run, and the byte comparison with the plan.
 //! - [`ckpt`]: checkpoints of full tensors that any plan resumes from.
+//! - [`infer`]: the inference interpreter (prefill, decode, per-rank KV cache),
+//!   with [`sample`] (greedy, temperature and top-p) and `--check` against a
+//!   single-rank run.
+//! - [`weights`]: Hugging Face safetensors checkpoints, each rank reading its shard
+//!   from a shared memory map; [`tokenize`]: `tokenizer.json` prompts.
 //! - [`shard`], [`init`]: which slice of each weight a rank holds; deterministic
 //!   weights and data, identical whatever the sharding.
 
@@ -14,10 +19,14 @@ pub mod backend;
 pub mod ckpt;
 pub mod comm;
 pub mod data;
+pub mod infer;
 pub mod init;
+pub mod sample;
 pub mod shard;
+pub mod tokenize;
 pub mod trace;
 pub mod train;
+pub mod weights;
 
 pub use meshplan_ir as ir;
 pub use meshplan_kernels as kernels;

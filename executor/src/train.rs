@@ -91,7 +91,7 @@ pub type Key = (String, u64);
 type Weights = BTreeMap<Key, Vec<f32>>;
 
 /// Outside the blocks.
-const NO_LAYER: u64 = u64::MAX;
+pub(crate) const NO_LAYER: u64 = u64::MAX;
 
 /// What one rank reports.
 #[derive(Clone, Debug)]
@@ -147,11 +147,11 @@ impl std::fmt::Display for ExecError {
 
 impl std::error::Error for ExecError {}
 
-fn fail(msg: impl Into<String>) -> RankError {
+pub(crate) fn fail(msg: impl Into<String>) -> RankError {
     RankError::Failed(msg.into())
 }
 
-fn kerr(what: &str) -> impl Fn(k::KernelError) -> RankError + '_ {
+pub(crate) fn kerr(what: &str) -> impl Fn(k::KernelError) -> RankError + '_ {
     move |e| RankError::Failed(format!("{what}: {e}"))
 }
 
@@ -3010,7 +3010,7 @@ impl Route {
 }
 
 /// `y = x w`: `x [rows, k]`, `w [k, n]`, `y [rows, n]` overwritten.
-fn linear_fwd(
+pub(crate) fn linear_fwd(
     be: &dyn Backend,
     x: &[f32],
     w: &[f32],
@@ -3071,7 +3071,7 @@ pub(crate) fn fixed_shape(t: &meshplan_ir::Tensor) -> Result<Vec<usize>, RankErr
 }
 
 /// The fixed trailing dims of an activation.
-fn fixed_shape_tail(t: &meshplan_ir::Tensor) -> Vec<usize> {
+pub(crate) fn fixed_shape_tail(t: &meshplan_ir::Tensor) -> Vec<usize> {
     t.shape
         .iter()
         .filter_map(|d| match d {
@@ -3082,7 +3082,7 @@ fn fixed_shape_tail(t: &meshplan_ir::Tensor) -> Vec<usize> {
 }
 
 /// A segment's input activation (what the previous segment produced).
-fn segment_input(graph: &Graph, s: usize) -> Option<String> {
+pub(crate) fn segment_input(graph: &Graph, s: usize) -> Option<String> {
     let seg = &graph.segments[s];
     let produced: Vec<_> = seg
         .ops
@@ -3100,7 +3100,7 @@ fn segment_input(graph: &Graph, s: usize) -> Option<String> {
 }
 
 /// A segment's output activation (the residual stream it hands on).
-fn segment_output(graph: &Graph, s: usize) -> Option<String> {
+pub(crate) fn segment_output(graph: &Graph, s: usize) -> Option<String> {
     let seg = &graph.segments[s];
     if seg.kind == SegmentKind::Head {
         return None;
@@ -3127,7 +3127,7 @@ fn slice_for(v: &[f32], n: usize, tp: TpPos) -> Result<Vec<f32>, RankError> {
 }
 
 /// `[s, b, (hq d | hkv d | hkv dv)]` rows into `q [b, s, hq, d]`, `k`, `v`.
-fn split_qkv(
+pub(crate) fn split_qkv(
     x: &[f32],
     rows: usize,
     hq: usize,
@@ -3180,7 +3180,7 @@ fn join_qkv(
     x
 }
 
-fn bshd_to_sbhd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> {
+pub(crate) fn bshd_to_sbhd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> {
     let mut y = vec![0.0; x.len()];
     for bi in 0..b {
         for si in 0..s {
@@ -3203,7 +3203,7 @@ fn sbhd_to_bshd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> {
 }
 
 /// The communication groups of `rank`, by name (see the plan format's rule).
-fn build_groups(plan: &Plan, rank: usize) -> Result<BTreeMap<String, Group>, RankError> {
+pub(crate) fn build_groups(plan: &Plan, rank: usize) -> Result<BTreeMap<String, Group>, RankError> {
     let axes = &plan.mesh.axes;
     let shape = &plan.mesh.shape;
     let me = plan

@@ -11,7 +11,8 @@
 //!   (under sequence parallelism: all-gathered in forward, all-gathered again and
 //!   reduce-scattered in backward), once per distinct input; a row-parallel op's output
 //!   is all-reduced in forward (reduce-scattered in forward, all-gathered in backward
-//!   under SP); the vocabulary-parallel loss all-reduces three floats per token;
+//!   under SP); the vocabulary-parallel loss all-reduces three floats per token
+//!   (inference instead all-gathers each sequence's last-position logits to sample);
 //!   expert MLPs without `ep` are a column/row pair;
 //! - expert axis: an All-to-All before (dispatch) and after (combine) the experts, in
 //!   forward and in backward;
@@ -144,6 +145,9 @@ struct Layout<'a> {
     expert_dp: u64,
     /// The dim of each weight the tensor axis splits (`None`: not split or unknown).
     weight_dim: Vec<Option<usize>>,
+    /// Generation: the head gathers the last position's logits to sample from instead
+    /// of reducing the loss (`LayoutCtx::sampling`).
+    sampling: bool,
 }
 
 /// A segment copy's instructions and the parameters this rank holds for it.
@@ -567,6 +571,21 @@ impl Layout<'_> {
                     }
                     if let Some(&y) = op.outputs.first() {
                         self.row(y, false, &mut c);
+                    }
+                }
+                TpRole::VocabLoss if self.sampling => {
+                    // Each sequence's last-position logits (fp32, the whole
+                    // vocabulary), gathered over the tensor axis to sample from.
+                    if let Some(&logits) = op.inputs.first() {
+                        let last = self.graph.tensor(logits).bytes().eval(&DimEnv {
+                            seq: 1.0,
+                            ..self.env
+                        });
+                        c.post.extend(self.tp_coll(
+                            CollectiveKind::AllGather,
+                            self.tensor_name(logits),
+                            last,
+                        ));
                     }
                 }
                 TpRole::VocabLoss => {
@@ -1405,6 +1424,7 @@ pub fn lower_train(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
         dense_dp: cfg.dp * cfg.cp,
         expert_dp: crate::cost_model::estimate::expert_dp_of(cfg),
         weight_dim: weight_dims(input.graph),
+        sampling: false,
     };
     let p2p_bytes = pg.boundary_bytes_per_token * cfg.mbs as f64 * seq
         / cfg.cp as f64
@@ -1489,6 +1509,7 @@ pub fn lower_inference(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
         dense_dp: cfg.dp * cfg.cp,
         expert_dp: crate::cost_model::estimate::expert_dp_of(cfg),
         weight_dim: weight_dims(input.graph),
+        sampling: true,
     };
     let decode = Layout {
         env: DimEnv {

@@ -87,7 +87,7 @@ pub fn plan_of(
     r.map_err(|e| format!("cannot lower {}: {e}", best.cfg))
 }
 
-/// The plan of one hand-given training configuration under the standard layout and
+/// The plan of one hand-given (training or inference) configuration under the standard layout and
 /// an even layer split: what `run --check` lowers for its single-rank reference, and
 /// what tests run the executor on.
 pub fn plan_for_config(
@@ -120,13 +120,43 @@ pub fn plan_for_config_with_buckets(
     cfg: &meshplan_ir::ParallelConfig,
     bucket_params: f64,
 ) -> Result<Plan, String> {
-    let Workload::Train {
-        seq_len,
-        global_batch,
-        ..
-    } = workload
-    else {
-        return Err("plan_for_config lowers training workloads".into());
+    let search = SearchInfo {
+        candidates_evaluated: 1,
+        pruned: 0,
+        wall_s: 0.0,
+        solver: "none (hand-given configuration)".into(),
+        stop_reason: "given".into(),
+        extra: BTreeMap::new(),
+    };
+    let (seq_len, global_batch) = match workload {
+        Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } => (seq_len, global_batch),
+        Workload::Inference { .. } => {
+            let split: Vec<u64> = (0..cfg.pp)
+                .map(|j| (j + 1) * pg.layers / cfg.pp - j * pg.layers / cfg.pp)
+                .collect();
+            let load = crate::cost_model::InferenceLoad::from_workload(workload)
+                .ok_or("an inference workload without its load")?;
+            let est = crate::cost_model::estimate_inference(pg, cluster, cfg, &load)
+                .map_err(|e| format!("{cfg}: {e}"))?;
+            return lower_inference(&LowerInput {
+                dp_bucket_params: bucket_params,
+                model_name,
+                graph,
+                prepared: pg,
+                cluster,
+                cfg,
+                workload,
+                layer_split: &split,
+                placements: standard_placements(graph, cfg),
+                estimate: &est,
+                search,
+            })
+            .map_err(|e| format!("cannot lower {cfg}: {e}"));
+        }
     };
     let chunks = cfg.pp * cfg.vpp;
     let split: Vec<u64> = (0..chunks)
@@ -152,14 +182,7 @@ pub fn plan_for_config_with_buckets(
         layer_split: &split,
         placements: standard_placements(graph, cfg),
         estimate: &est,
-        search: SearchInfo {
-            candidates_evaluated: 1,
-            pruned: 0,
-            wall_s: 0.0,
-            solver: "none (hand-given configuration)".into(),
-            stop_reason: "given".into(),
-            extra: BTreeMap::new(),
-        },
+        search,
     })
     .map_err(|e| format!("cannot lower {cfg}: {e}"))
 }

@@ -62,7 +62,7 @@ impl Run {
     }
 
     #[track_caller]
-    fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_str(&self.stdout).unwrap_or_else(|e| {
             panic!(
                 "meshplan {}: stdout is not one JSON object ({e}):\n{}",

@@ -139,6 +139,7 @@ fn layout(tp: u64, sp: bool, recompute: Recompute, attn: AttnImpl, env: DimEnv) 
         ep_group: group(1),
         dp_attention: false,
         tp_overlap: false,
+        sampling: false,
     }
 }
 

@@ -7,6 +7,7 @@ mod draw;
 mod executor;
 mod explain;
 mod export;
+mod infer;
 mod loaders;
 mod lowering;
 mod models;

@@ -38,6 +38,8 @@ const EXPECTED: &[(&str, u64, u64)] = &[
     ("deepseek-v3.yaml", DEEPSEEK_V3_TOTAL, DEEPSEEK_V3_ACTIVE),
     ("gpt2-124m.yaml", GPT2_124M, GPT2_124M),
     ("tiny-gpt.yaml", TINY_GPT, TINY_GPT),
+    // tiny-gpt's architecture, served.
+    ("tiny-llama-inference.yaml", TINY_GPT, TINY_GPT),
     // 4096*384 embedding + 6 * (2*384 + 384*1152 + 384*384 + 384*3072 + 1536*384) + 384 + 384*4096.
     ("small-gpt.yaml", 17_306_496, 17_306_496),
     ("tiny-moe.yaml", TINY_MOE_TOTAL, TINY_MOE_ACTIVE),

@@ -798,6 +798,8 @@ mod tests {
             (3, dims(1, 70, 70, 4, 1, 6, 7), 0, true),
             (4, dims(1, 13, 131, 3, 3, 4, 4), 60, true),
             (5, dims(1, 3, 1, 4, 1, 3, 2), 0, false),
+            // Decode: one query at the end of a cached context.
+            (6, dims(1, 1, 37, 4, 2, 8, 8), 36, true),
         ] {
             let c = case(seed, dm, q_pos0, causal);
             let (o, l) = fwd(&c, &c.k, &c.v, dm.sk, 0);

@@ -1,0 +1,1215 @@
+//! The inference interpreter: every rank runs its stage's `prefill` and `decode`
+//! programs from `plan.json` on the CPU kernels, ranks as threads, with a KV cache
+//! per rank.
+//!
+//! Requests are spread over the data-parallel replicas (request `i` on replica
+//! `i % dp`). A replica prefills its requests one at a time (the plan's prefill phase
+//! is one request's prompt) and then decodes them together, one token per request
+//! per step (the plan's decode phase), requests of different prompt lengths side by
+//! side: everything but attention is row-wise, and attention runs per request
+//! against that request's cache, queries placed at the end of its keys.
+//!
+//! The cache holds, per block layer and request, the keys and values of the rank's
+//! own KV heads (`shard::local_heads`: split over `tp`, replicated when there are
+//! fewer KV heads than tensor ranks) for the layers of its pipeline stage.
+//!
+//! The last stage gathers the last position's logits over `tp` (the head is split by
+//! vocabulary: the plan's AllGather of the logits, priced by the cost model as
+//! `LayoutCtx::sampling`), samples, and sends the new tokens to the first stage (a
+//! few bytes per request the plan does not list).
+
+use crate::backend::{Backend, CpuBackend};
+use crate::comm::{ByteCounts, Communicator, Group, RankError, ThreadComm};
+use crate::init::{init_full, InitKind};
+use crate::sample::{sample, Sampling};
+use crate::shard::{local_heads, weight_transposed, TpPos};
+use crate::train::{
+    bshd_to_sbhd, build_groups, fail, fixed_shape, kerr, segment_input, segment_output, ExecError,
+    NO_LAYER,
+};
+use crate::weights::{apply_spec, shard_spec, Checkpoint};
+use meshplan_ir::graph::OpKind;
+use meshplan_ir::plan::{CollectiveKind, Instr, Phase, PhaseKind, Plan, PlanKind};
+use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole};
+use meshplan_kernels::cpu as k;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct InferOptions {
+    /// Prompt token ids, one list per request.
+    pub requests: Vec<Vec<u32>>,
+    /// Tokens generated per request (the first comes from the prefill).
+    pub max_new_tokens: usize,
+    /// Greedy or sampled.
+    pub sampling: Sampling,
+    /// Seed of the synthetic weights when no checkpoint is given.
+    pub seed: u64,
+    /// A collective that waits longer than this fails the run.
+    pub timeout: Duration,
+    /// A Hugging Face checkpoint to read the weights from.
+    pub weights: Option<Arc<Checkpoint>>,
+}
+
+impl Default for InferOptions {
+    fn default() -> Self {
+        InferOptions {
+            requests: vec![vec![1, 2, 3]],
+            max_new_tokens: 8,
+            sampling: Sampling::GREEDY,
+            seed: 1234,
+            timeout: Duration::from_secs(60),
+            weights: None,
+        }
+    }
+}
+
+/// One request's result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestOutput {
+    /// Prompt tokens.
+    pub prompt_len: usize,
+    /// Generated tokens (prompt excluded).
+    pub tokens: Vec<u32>,
+    /// The full-vocabulary fp32 logits the last token was chosen from.
+    pub logits: Vec<f32>,
+    /// The logits the first token was chosen from (the prefill's last position).
+    pub first_logits: Vec<f32>,
+    /// Seconds from the start of generation to the first token.
+    pub ttft_s: f64,
+    /// Mean seconds per token after the first (0 when one token was generated).
+    pub tpot_s: f64,
+}
+
+/// A whole run.
+#[derive(Clone, Debug)]
+pub struct InferReport {
+    /// Per request, in the order given.
+    pub requests: Vec<RequestOutput>,
+    /// Seconds from the start of generation until the last rank finished.
+    pub wall_s: f64,
+    /// Generated tokens of all requests per wall second.
+    pub output_tokens_per_s: f64,
+    /// Mean time to first token over the requests.
+    pub ttft_s: f64,
+    /// Mean time per output token over the requests that generated more than one.
+    pub tpot_s: f64,
+    /// The fullest rank's KV cache at the end, bytes (fp32).
+    pub kv_cache_bytes: f64,
+    /// The fullest rank's weights, bytes (fp32).
+    pub weight_bytes: f64,
+    /// Bytes each rank sent, in rank order.
+    pub counts: Vec<ByteCounts>,
+}
+
+/// What one rank hands back.
+struct RankOut {
+    outputs: Vec<(usize, RequestOutput)>,
+    elapsed: f64,
+    kv_bytes: f64,
+    weight_bytes: f64,
+    counts: ByteCounts,
+}
+
+/// Checks the requests against the plan's model before any rank starts: the
+/// message says which request or option is wrong.
+pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
+    if plan.kind != PlanKind::Inference {
+        return Err("this plan is a training plan; generation needs an inference plan".into());
+    }
+    if opts.requests.is_empty() {
+        return Err("no request: give prompt token ids or a prompt".into());
+    }
+    if opts.max_new_tokens == 0 {
+        return Err("--max-new-tokens must be at least 1".into());
+    }
+    opts.sampling.validate()?;
+    let graph = &plan.graph;
+    let vocab =
+        table_rows(graph, "embed.tokens.w").ok_or("the plan's model has no token embedding")?;
+    for (i, r) in opts.requests.iter().enumerate() {
+        if r.is_empty() {
+            return Err(format!("request {i} has an empty prompt"));
+        }
+        if let Some(&t) = r.iter().find(|&&t| t as usize >= vocab) {
+            return Err(format!(
+                "request {i}: token id {t} is outside the model's vocabulary of {vocab}"
+            ));
+        }
+        if let Some(max) = table_rows(graph, "embed.positions.w") {
+            let need = r.len() + opts.max_new_tokens;
+            if need > max {
+                return Err(format!(
+                    "request {i}: {} prompt tokens + {} new ones exceed the model's {max} learned positions",
+                    r.len(),
+                    opts.max_new_tokens
+                ));
+            }
+        }
+    }
+    let s = &plan.strategy;
+    if s.cp > 1 {
+        return Err("inference with cp > 1 (ring attention over the prompt) is not run by the CPU executor yet; plan with cp=1".into());
+    }
+    if s.dp_attention {
+        return Err(
+            "dp_attention plans are not run by the CPU executor yet; plan with dp_attention=false"
+                .into(),
+        );
+    }
+    for op in graph.segments.iter().flat_map(|s| &s.ops) {
+        match &op.kind {
+            OpKind::Experts(_) | OpKind::Router { .. } => {
+                return Err(format!(
+                    "`{}`: MoE layers are not run by the inference executor yet",
+                    op.name
+                ))
+            }
+            OpKind::Attention(_) if op.inputs.len() != 1 => {
+                return Err(format!(
+                    "`{}`: latent (MLA) attention is not run by the inference executor yet",
+                    op.name
+                ))
+            }
+            _ => {}
+        }
+    }
+    for kind in [PhaseKind::Prefill, PhaseKind::Decode] {
+        if plan
+            .programs
+            .iter()
+            .any(|p| !p.phases.iter().any(|ph| ph.kind == kind))
+        {
+            return Err(format!("a program of the plan has no {kind:?} phase"));
+        }
+    }
+    Ok(())
+}
+
+/// Rows of a weight table in the graph, if it has it.
+fn table_rows(graph: &Graph, name: &str) -> Option<usize> {
+    graph
+        .tensors
+        .iter()
+        .find(|t| t.name == name)
+        .and_then(|t| fixed_shape(t).ok().and_then(|s| s.first().copied()))
+}
+
+/// Generates with the plan's inference programs on the CPU kernels.
+pub fn infer(plan: &Plan, opts: &InferOptions) -> Result<InferReport, ExecError> {
+    infer_on(plan, opts, &CpuBackend)
+}
+
+/// Generates with the plan's inference programs on `backend`.
+pub fn infer_on(
+    plan: &Plan,
+    opts: &InferOptions,
+    backend: &dyn Backend,
+) -> Result<InferReport, ExecError> {
+    check_inputs(plan, opts).map_err(|message| ExecError { message })?;
+    if let Some(ck) = &opts.weights {
+        ck.check_config(&plan.graph)
+            .and_then(|_| ck.validate(&plan.graph))
+            .map_err(|e| ExecError { message: e.message })?;
+    }
+    let world = plan.ranks.len();
+    let results = crate::comm::run_ranks(world, opts.timeout, |comm| {
+        let mut r = InferRank::new(backend, plan, comm, opts)?;
+        let everyone = Group::new("world", (0..world).collect());
+        r.comm.barrier(&everyone)?;
+        let t0 = Instant::now();
+        let outputs = r.generate(t0)?;
+        let elapsed = t0.elapsed().as_secs_f64();
+        let kv_bytes = 4.0
+            * r.kv
+                .values()
+                .map(|(a, b)| (a.len() + b.len()) as f64)
+                .sum::<f64>();
+        let weight_bytes = 4.0 * r.weights.values().map(|w| w.len() as f64).sum::<f64>();
+        Ok(RankOut {
+            outputs,
+            elapsed,
+            kv_bytes,
+            weight_bytes,
+            counts: r.comm.counts(),
+        })
+    });
+    if let Some(summary) = crate::comm::failure_summary(&results) {
+        return Err(ExecError { message: summary });
+    }
+    let mut outs = Vec::new();
+    for r in results {
+        match r {
+            Ok(o) => outs.push(o),
+            Err(e) => {
+                return Err(ExecError {
+                    message: format!("{e:?}"),
+                })
+            }
+        }
+    }
+    let mut requests: Vec<Option<RequestOutput>> = vec![None; opts.requests.len()];
+    for o in &outs {
+        for (i, r) in &o.outputs {
+            requests[*i] = Some(r.clone());
+        }
+    }
+    let requests: Vec<RequestOutput> = requests
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            r.ok_or_else(|| ExecError {
+                message: format!("request {i} was not generated by any rank"),
+            })
+        })
+        .collect::<Result<_, _>>()?;
+    let wall_s = outs.iter().map(|o| o.elapsed).fold(0.0, f64::max);
+    let generated: usize = requests.iter().map(|r| r.tokens.len()).sum();
+    let n = requests.len() as f64;
+    let multi: Vec<f64> = requests
+        .iter()
+        .filter(|r| r.tokens.len() > 1)
+        .map(|r| r.tpot_s)
+        .collect();
+    Ok(InferReport {
+        wall_s,
+        output_tokens_per_s: generated as f64 / wall_s.max(1e-12),
+        ttft_s: requests.iter().map(|r| r.ttft_s).sum::<f64>() / n,
+        tpot_s: if multi.is_empty() {
+            0.0
+        } else {
+            multi.iter().sum::<f64>() / multi.len() as f64
+        },
+        kv_cache_bytes: outs.iter().map(|o| o.kv_bytes).fold(0.0, f64::max),
+        weight_bytes: outs.iter().map(|o| o.weight_bytes).fold(0.0, f64::max),
+        counts: outs.into_iter().map(|o| o.counts).collect(),
+        requests,
+    })
+}
+
+/// Largest logit difference `--check` accepts, relative to the reference's largest
+/// logit magnitude (at least 1): sharded sums round differently in fp32, by about
+/// 1e-6 of the magnitude at these sizes.
+pub const LOGIT_TOLERANCE: f64 = 1e-4;
+
+/// Compares a run with its single-rank reference: every request's tokens must be
+/// equal, its first and last logits within [`LOGIT_TOLERANCE`]. Returns the summary
+/// line (and the worst difference) or every difference found.
+pub fn check_inference(
+    run: &InferReport,
+    reference: &InferReport,
+) -> Result<(String, f64), String> {
+    let mut problems = Vec::new();
+    let mut worst: f64 = 0.0;
+    let mut worst_rel: f64 = 0.0;
+    if run.requests.len() != reference.requests.len() {
+        return Err(format!(
+            "{} requests generated, the reference {}",
+            run.requests.len(),
+            reference.requests.len()
+        ));
+    }
+    for (i, (a, b)) in run.requests.iter().zip(&reference.requests).enumerate() {
+        if a.tokens != b.tokens {
+            problems.push(format!(
+                "request {i}: tokens {:?} differ from the reference's {:?}",
+                a.tokens, b.tokens
+            ));
+        }
+        for (x, y, what) in [
+            (&a.first_logits, &b.first_logits, "first"),
+            (&a.logits, &b.logits, "last"),
+        ] {
+            if x.len() != y.len() {
+                problems.push(format!(
+                    "request {i}: {what} logits have {} values, the reference's {}",
+                    x.len(),
+                    y.len()
+                ));
+                continue;
+            }
+            let scale = y.iter().fold(1.0f64, |m, v| m.max(v.abs() as f64));
+            let d = x
+                .iter()
+                .zip(y)
+                .map(|(p, q)| (p - q).abs() as f64)
+                .fold(0.0, f64::max);
+            worst = worst.max(d);
+            worst_rel = worst_rel.max(d / scale);
+            if d > LOGIT_TOLERANCE * scale {
+                problems.push(format!(
+                    "request {i}: {what} logits differ by up to {d:.3e} (tolerance {:.1e})",
+                    LOGIT_TOLERANCE * scale
+                ));
+            }
+        }
+    }
+    let summary = format!(
+        "tokens equal on {} requests; largest logit difference {worst:.3e} ({worst_rel:.3e} of the largest logit; tolerance {LOGIT_TOLERANCE:.0e})",
+        run.requests.len()
+    );
+    if problems.is_empty() {
+        Ok((summary, worst))
+    } else {
+        problems.push(summary);
+        Err(problems.join("\n"))
+    }
+}
+
+/// The rows one pass computes: `seq` query tokens of each request of `reqs`,
+/// sequence-major (`row = s * reqs.len() + b`).
+struct Batch {
+    /// Local request slots.
+    reqs: Vec<usize>,
+    /// Query tokens per request.
+    seq: usize,
+    /// Position of each request's first query token.
+    pos0: Vec<usize>,
+    /// Token ids per row.
+    tokens: Vec<u32>,
+}
+
+impl Batch {
+    fn rows(&self) -> usize {
+        self.seq * self.reqs.len()
+    }
+
+    fn positions(&self) -> Vec<u32> {
+        let b = self.reqs.len();
+        (0..self.rows())
+            .map(|r| (self.pos0[r % b] + r / b) as u32)
+            .collect()
+    }
+}
+
+/// Weight key: op, tensor and block layer (`NO_LAYER` outside blocks). Keyed by op
+/// because a tied table is sliced by vocabulary rows for the head but may be
+/// replicated for the embedding.
+type WKey = (String, String, u64);
+
+struct InferRank<'a> {
+    be: &'a dyn Backend,
+    plan: &'a Plan,
+    graph: &'a Graph,
+    rank: usize,
+    comm: ThreadComm,
+    coords: Vec<u64>,
+    pp_axis: usize,
+    stage: u64,
+    last_stage: u64,
+    dp: usize,
+    dp_index: usize,
+    tp: TpPos,
+    groups: BTreeMap<String, Group>,
+    prefill: &'a Phase,
+    decode: &'a Phase,
+    opts: &'a InferOptions,
+    weights: HashMap<WKey, Vec<f32>>,
+    /// (layer, local request) -> keys `[len, hkv, d]` and values `[len, hkv, dv]`.
+    kv: HashMap<(u64, usize), (Vec<f32>, Vec<f32>)>,
+    hidden: Vec<f32>,
+    hidden_width: usize,
+    vocab: usize,
+    acts: HashMap<String, Vec<f32>>,
+    logits: Vec<f32>,
+}
+
+impl<'a> InferRank<'a> {
+    fn new(
+        be: &'a dyn Backend,
+        plan: &'a Plan,
+        comm: ThreadComm,
+        opts: &'a InferOptions,
+    ) -> Result<InferRank<'a>, RankError> {
+        let rank = comm.rank();
+        let entry = plan
+            .ranks
+            .get(rank)
+            .ok_or_else(|| fail(format!("rank {rank} is not in the plan's rank table")))?;
+        let program = plan
+            .programs
+            .get(entry.program as usize)
+            .ok_or_else(|| fail(format!("rank {rank}: program {} missing", entry.program)))?;
+        let phase = |kind: PhaseKind| {
+            program
+                .phases
+                .iter()
+                .find(|p| p.kind == kind)
+                .ok_or_else(|| fail(format!("program {} has no {kind:?} phase", program.id)))
+        };
+        let axis = |name: &str| plan.mesh.axes.iter().position(|a| a == name);
+        let coord = |name: &str| axis(name).map(|i| entry.coords[i] as usize).unwrap_or(0);
+        let size = |name: &str| axis(name).map(|i| plan.mesh.shape[i] as usize).unwrap_or(1);
+        let graph = &plan.graph;
+        let table = graph
+            .tensors
+            .iter()
+            .find(|t| t.name == "embed.tokens.w")
+            .ok_or_else(|| fail("the plan's model has no token embedding"))?;
+        let shape = fixed_shape(table)?;
+        let mut st = InferRank {
+            be,
+            plan,
+            graph,
+            rank,
+            comm,
+            coords: entry.coords.clone(),
+            pp_axis: axis("pp").ok_or_else(|| fail("the mesh has no pp axis"))?,
+            stage: program.stage,
+            last_stage: size("pp") as u64 - 1,
+            dp: size("dp"),
+            dp_index: coord("dp"),
+            tp: TpPos {
+                rank: coord("tp"),
+                size: size("tp"),
+            },
+            groups: build_groups(plan, rank)?,
+            prefill: phase(PhaseKind::Prefill)?,
+            decode: phase(PhaseKind::Decode)?,
+            opts,
+            weights: HashMap::new(),
+            kv: HashMap::new(),
+            hidden: Vec::new(),
+            hidden_width: shape.get(1).copied().unwrap_or(1),
+            vocab: shape[0],
+            acts: HashMap::new(),
+            logits: Vec::new(),
+        };
+        st.load_weights()?;
+        Ok(st)
+    }
+
+    /// (segment index, block layer) of every segment copy this stage runs.
+    fn copies(&self) -> Result<Vec<(usize, Option<u64>)>, RankError> {
+        let mut out = Vec::new();
+        for ch in &self.prefill.chunks {
+            let mut layer = ch.layer_start;
+            for instr in &ch.forward {
+                if let Instr::Segment {
+                    name, kind, repeat, ..
+                } = instr
+                {
+                    let s = self.segment_index(name)?;
+                    for _ in 0..*repeat {
+                        if *kind == SegmentKind::Block {
+                            out.push((s, Some(layer)));
+                            layer += 1;
+                        } else {
+                            out.push((s, None));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn segment_index(&self, name: &str) -> Result<usize, RankError> {
+        self.graph
+            .segments
+            .iter()
+            .position(|s| s.name == name)
+            .ok_or_else(|| fail(format!("segment `{name}` is not in the plan's graph")))
+    }
+
+    /// This rank's shard of every weight its stage uses: read from the checkpoint,
+    /// or the deterministic initial values training starts from.
+    fn load_weights(&mut self) -> Result<(), RankError> {
+        for (s, layer) in self.copies()? {
+            let seg = &self.graph.segments[s];
+            for op in &seg.ops {
+                for &w in &op.inputs {
+                    let t = self.graph.tensor(w);
+                    if t.kind != TensorKind::Weight {
+                        continue;
+                    }
+                    let l = layer.unwrap_or(NO_LAYER);
+                    let key = (op.name.clone(), t.name.clone(), l);
+                    if self.weights.contains_key(&key) {
+                        continue;
+                    }
+                    let shape = fixed_shape(t)?;
+                    let spec = shard_spec(self.graph, op, op.role, w, &shape, self.tp);
+                    let local = match &self.opts.weights {
+                        Some(ck) => ck
+                            .local(self.graph, op, w, layer, &spec)
+                            .map_err(|e| fail(e.message))?,
+                        None => {
+                            let kind = match op.kind {
+                                OpKind::Norm(_)
+                                    if shape.len() == 1 && op.inputs.get(1) == Some(&w) =>
+                                {
+                                    InitKind::Ones
+                                }
+                                _ if shape.len() == 1 => InitKind::Zeros,
+                                _ => InitKind::Normal(0.02),
+                            };
+                            let elems = shape.iter().product();
+                            let full = init_full(self.opts.seed, &t.name, l, elems, kind);
+                            apply_spec(&spec, &full, &shape)
+                        }
+                    };
+                    self.weights.insert(key, local);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn weight(&self, op: &Op, i: usize, l: u64) -> Result<&Vec<f32>, RankError> {
+        let name = &self.graph.tensor(op.inputs[i]).name;
+        self.weights
+            .get(&(op.name.clone(), name.clone(), l))
+            .ok_or_else(|| {
+                fail(format!(
+                    "weight `{name}` of `{}` (layer {l}) is not held by rank {}",
+                    op.name, self.rank
+                ))
+            })
+    }
+
+    fn act(&self, op: &Op, i: usize) -> Result<&Vec<f32>, RankError> {
+        let name = &self.graph.tensor(op.inputs[i]).name;
+        self.acts.get(name).ok_or_else(|| {
+            fail(format!(
+                "`{}` reads `{name}` before it is produced",
+                op.name
+            ))
+        })
+    }
+
+    fn peer(&self, stage: u64) -> Result<usize, RankError> {
+        let mut coords = self.coords.clone();
+        coords[self.pp_axis] = stage;
+        self.plan
+            .ranks
+            .iter()
+            .find(|r| r.coords == coords)
+            .map(|r| r.rank as usize)
+            .ok_or_else(|| fail(format!("no rank at {coords:?}")))
+    }
+
+    fn group(&self, name: &str) -> Result<Group, RankError> {
+        self.groups
+            .get(name)
+            .cloned()
+            .ok_or_else(|| fail(format!("group `{name}` is not in the plan's mesh")))
+    }
+
+    /// Prefill every request of this replica, then decode them together.
+    fn generate(&mut self, t0: Instant) -> Result<Vec<(usize, RequestOutput)>, RankError> {
+        let dp = self.dp.max(1);
+        let mine: Vec<usize> = (0..self.opts.requests.len())
+            .filter(|i| i % dp == self.dp_index)
+            .collect();
+        if mine.is_empty() {
+            return Ok(Vec::new());
+        }
+        let last = self.stage == self.last_stage;
+        let record = last && self.tp.rank == 0;
+        let max_new = self.opts.max_new_tokens;
+        let mut outs: Vec<RequestOutput> = mine
+            .iter()
+            .map(|&i| RequestOutput {
+                prompt_len: self.opts.requests[i].len(),
+                tokens: Vec::new(),
+                logits: Vec::new(),
+                first_logits: Vec::new(),
+                ttft_s: 0.0,
+                tpot_s: 0.0,
+            })
+            .collect();
+        let mut first_at = vec![0.0; mine.len()];
+        let mut current = vec![0u32; mine.len()];
+        let prefill = self.prefill;
+        for (j, &i) in mine.iter().enumerate() {
+            let prompt = &self.opts.requests[i];
+            let batch = Batch {
+                reqs: vec![j],
+                seq: prompt.len(),
+                pos0: vec![0],
+                tokens: prompt.clone(),
+            };
+            self.run_phase(prefill, &batch)?;
+            if last {
+                let rows = self.last_logits(&batch)?;
+                let t = sample(&rows, &self.opts.sampling, i as u64, 0);
+                current[j] = t;
+                if record {
+                    first_at[j] = t0.elapsed().as_secs_f64();
+                    let o = &mut outs[j];
+                    o.tokens.push(t);
+                    o.ttft_s = first_at[j];
+                    o.first_logits = rows.clone();
+                    o.logits = rows;
+                }
+            }
+        }
+        let decode = self.decode;
+        for step in 1..max_new {
+            self.hand_tokens_back(&mut current)?;
+            let batch = Batch {
+                reqs: (0..mine.len()).collect(),
+                seq: 1,
+                pos0: mine
+                    .iter()
+                    .map(|&i| self.opts.requests[i].len() + step - 1)
+                    .collect(),
+                tokens: current.clone(),
+            };
+            self.run_phase(decode, &batch)?;
+            if last {
+                let all = self.last_logits(&batch)?;
+                let v = self.vocab;
+                for (j, &i) in mine.iter().enumerate() {
+                    let row = &all[j * v..(j + 1) * v];
+                    let t = sample(row, &self.opts.sampling, i as u64, step as u64);
+                    current[j] = t;
+                    if record {
+                        let o = &mut outs[j];
+                        o.tokens.push(t);
+                        o.logits = row.to_vec();
+                        let now = t0.elapsed().as_secs_f64();
+                        o.tpot_s = (now - first_at[j]) / step as f64;
+                    }
+                }
+            }
+        }
+        Ok(if record {
+            mine.into_iter().zip(outs).collect()
+        } else {
+            Vec::new()
+        })
+    }
+
+    /// The last stage sends the tokens it sampled to the first, which embeds them.
+    fn hand_tokens_back(&mut self, current: &mut [u32]) -> Result<(), RankError> {
+        if self.last_stage == 0 {
+            return Ok(());
+        }
+        if self.stage == self.last_stage {
+            let peer = self.peer(0)?;
+            let buf: Vec<f32> = current.iter().map(|&t| t as f32).collect();
+            self.comm.send(peer, "pp", &buf)?;
+        } else if self.stage == 0 {
+            let peer = self.peer(self.last_stage)?;
+            let mut buf = vec![0.0f32; current.len()];
+            self.comm.recv(peer, "pp", &mut buf)?;
+            for (c, b) in current.iter_mut().zip(&buf) {
+                *c = *b as u32;
+            }
+        }
+        Ok(())
+    }
+
+    /// The full-vocabulary logits of each request's last row, `[requests, vocab]`.
+    fn last_logits(&mut self, batch: &Batch) -> Result<Vec<f32>, RankError> {
+        let b = batch.reqs.len();
+        let rows = batch.rows();
+        let v_local = self.logits.len() / rows.max(1);
+        let first = (batch.seq - 1) * b;
+        let local = &self.logits[first * v_local..rows * v_local];
+        if v_local == self.vocab {
+            return Ok(local.to_vec());
+        }
+        let g = self.group("tp")?;
+        if v_local * g.size() != self.vocab {
+            return Err(fail(format!(
+                "logits of {v_local} columns per rank do not make a vocabulary of {} over {} ranks",
+                self.vocab,
+                g.size()
+            )));
+        }
+        let mut gathered = vec![0.0f32; local.len() * g.size()];
+        self.comm.all_gather(&g, "tp", local, &mut gathered)?;
+        let mut full = vec![0.0f32; b * self.vocab];
+        for t in 0..g.size() {
+            for r in 0..b {
+                let src = &gathered[(t * b + r) * v_local..(t * b + r + 1) * v_local];
+                full[r * self.vocab + t * v_local..r * self.vocab + (t + 1) * v_local]
+                    .copy_from_slice(src);
+            }
+        }
+        Ok(full)
+    }
+
+    fn run_phase(&mut self, phase: &Phase, batch: &Batch) -> Result<(), RankError> {
+        for ch in &phase.chunks {
+            let mut layer = ch.layer_start;
+            self.hidden.clear();
+            self.run(&ch.forward, batch, &mut layer)?;
+        }
+        Ok(())
+    }
+
+    fn run(&mut self, instrs: &[Instr], batch: &Batch, layer: &mut u64) -> Result<(), RankError> {
+        for instr in instrs {
+            match instr {
+                Instr::Segment {
+                    name,
+                    kind,
+                    repeat,
+                    body,
+                } => {
+                    let s = self.segment_index(name)?;
+                    for _ in 0..*repeat {
+                        let l = if *kind == SegmentKind::Block {
+                            *layer += 1;
+                            *layer - 1
+                        } else {
+                            NO_LAYER
+                        };
+                        self.acts.clear();
+                        if let Some(input) = segment_input(self.graph, s) {
+                            self.acts.insert(input, std::mem::take(&mut self.hidden));
+                        }
+                        self.run_body(body, batch, l)?;
+                        match segment_output(self.graph, s) {
+                            Some(out) => {
+                                self.hidden = self.acts.remove(&out).ok_or_else(|| {
+                                    fail(format!("segment `{name}` did not produce `{out}`"))
+                                })?;
+                            }
+                            None => self.logits = self.head_logits(s)?,
+                        }
+                    }
+                }
+                Instr::Send { peer_stage, .. } => {
+                    let peer = self.peer(*peer_stage)?;
+                    self.comm.send(peer, "pp", &self.hidden)?;
+                }
+                Instr::Recv { peer_stage, .. } => {
+                    let peer = self.peer(*peer_stage)?;
+                    let mut buf = vec![0.0f32; batch.rows() * self.hidden_width];
+                    self.comm.recv(peer, "pp", &mut buf)?;
+                    self.hidden = buf;
+                }
+                Instr::Collective { tensor, .. } if tensor == "hidden_states" => {
+                    self.collective(instr, "hidden_states")?;
+                }
+                other => {
+                    return Err(fail(format!(
+                    "unexpected instruction outside a segment of an inference program: {other:?}"
+                )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The logits the head segment produced: the loss's input, or its last matmul's
+    /// output.
+    fn head_logits(&mut self, s: usize) -> Result<Vec<f32>, RankError> {
+        let seg = &self.graph.segments[s];
+        let name = seg
+            .ops
+            .iter()
+            .find(|o| matches!(o.kind, OpKind::CrossEntropy { .. }))
+            .map(|o| o.inputs[0])
+            .or_else(|| {
+                seg.ops
+                    .iter()
+                    .rev()
+                    .find(|o| matches!(o.kind, OpKind::Matmul { .. }))
+                    .and_then(|o| o.outputs.first().copied())
+            })
+            .map(|t| self.graph.tensor(t).name.clone())
+            .ok_or_else(|| fail("the head segment produces no logits"))?;
+        self.acts
+            .remove(&name)
+            .ok_or_else(|| fail(format!("the head did not produce `{name}`")))
+    }
+
+    fn run_body(&mut self, body: &[Instr], batch: &Batch, l: u64) -> Result<(), RankError> {
+        for instr in body {
+            match instr {
+                Instr::Compute { name, .. } => {
+                    let op = self
+                        .graph
+                        .segments
+                        .iter()
+                        .flat_map(|s| &s.ops)
+                        .find(|o| &o.name == name)
+                        .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))?;
+                    self.forward_op(op, batch, l)?;
+                }
+                Instr::Collective { tensor, .. } => self.collective(instr, tensor)?,
+                Instr::Recompute { body } => self.run_body(body, batch, l)?,
+                other => {
+                    return Err(fail(format!(
+                        "unexpected instruction in an inference segment: {other:?}"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn collective(&mut self, instr: &Instr, tensor: &str) -> Result<(), RankError> {
+        let Instr::Collective {
+            kind, group, axis, ..
+        } = instr
+        else {
+            return Ok(());
+        };
+        // The head's logits: `last_logits` gathers the last positions, the rows this
+        // collective's bytes count.
+        let is_logits = self.graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
+            matches!(o.kind, OpKind::CrossEntropy { .. })
+                && o.inputs
+                    .first()
+                    .map(|&t| self.graph.tensor(t).name.as_str())
+                    == Some(tensor)
+        });
+        if is_logits && *kind == CollectiveKind::AllGather {
+            return Ok(());
+        }
+        // Plans lowered before sampling was planned hold the training loss's
+        // statistics instead: nothing to reduce when generating.
+        for suffix in [".max", ".sum_exp", ".target"] {
+            if let Some(op_name) = tensor.strip_suffix(suffix) {
+                let is_loss =
+                    self.graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
+                        o.name == op_name && matches!(o.kind, OpKind::CrossEntropy { .. })
+                    });
+                if is_loss {
+                    return Ok(());
+                }
+            }
+        }
+        let g = self.group(group)?;
+        let n = g.size();
+        let ax = axis.name();
+        if tensor == "hidden_states" {
+            let mut out = vec![0.0f32; self.hidden.len() * n];
+            self.comm.all_gather(&g, ax, &self.hidden, &mut out)?;
+            self.hidden = out;
+            return Ok(());
+        }
+        let buf = self
+            .acts
+            .get_mut(tensor)
+            .ok_or_else(|| fail(format!("no tensor `{tensor}` to communicate")))?;
+        match kind {
+            CollectiveKind::AllReduce => self.comm.all_reduce(&g, ax, buf)?,
+            CollectiveKind::AllGather => {
+                let mut out = vec![0.0f32; buf.len() * n];
+                self.comm.all_gather(&g, ax, buf, &mut out)?;
+                self.acts.insert(format!("{tensor}@g"), out);
+            }
+            CollectiveKind::ReduceScatter => {
+                let mut out = vec![0.0f32; buf.len() / n];
+                self.comm.reduce_scatter(&g, ax, buf, &mut out)?;
+                *buf = out;
+            }
+            other => {
+                return Err(fail(format!(
+                    "{other:?} on `{tensor}` is not run by the inference executor"
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// Local (query heads, kv heads) of an attention op.
+    fn heads(&self, att: &Op) -> Result<(usize, usize, usize, usize), RankError> {
+        let OpKind::Attention(a) = &att.kind else {
+            return Err(fail(format!("`{}` is not attention", att.name)));
+        };
+        let (hq, hkv, _) = if att.role == TpRole::Replicated {
+            (a.heads as usize, a.kv_heads as usize, 0)
+        } else {
+            local_heads(a.heads, a.kv_heads, self.tp)
+        };
+        Ok((hq, hkv, a.qk_dim as usize, a.v_dim as usize))
+    }
+
+    fn forward_op(&mut self, op: &Op, batch: &Batch, l: u64) -> Result<(), RankError> {
+        let out = op
+            .outputs
+            .first()
+            .map(|&t| self.graph.tensor(t).name.clone())
+            .unwrap_or_default();
+        let rows = batch.rows();
+        let eps = self.graph.constants.norm_eps as f32;
+        let y = match &op.kind {
+            OpKind::Embedding => {
+                let table_name = &self.graph.tensor(op.inputs[1]).name;
+                let ids: Vec<u32> = if table_name == "embed.positions.w" {
+                    batch.positions()
+                } else {
+                    batch.tokens.clone()
+                };
+                let table = self.weight(op, 1, l)?;
+                let dim = self.hidden_width;
+                let vocab_start = if op.role == TpRole::VocabEmbedding {
+                    let full = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
+                    self.tp.rank * (full / self.tp.size.max(1))
+                } else {
+                    0
+                };
+                let mut y = vec![0.0; ids.len() * dim];
+                self.be
+                    .embedding_fwd(&ids, table, vocab_start, dim, &mut y)
+                    .map_err(kerr(&op.name))?;
+                y
+            }
+            OpKind::Norm(kind) => {
+                let x = self.act(op, 0)?;
+                let w = self.weight(op, 1, l)?;
+                let dim = w.len();
+                let n = x.len() / dim.max(1);
+                let mut y = vec![0.0; x.len()];
+                let mut rstd = vec![0.0; n];
+                match kind {
+                    NormKind::Rmsnorm => self.be.rmsnorm_fwd(x, w, n, dim, eps, &mut y, &mut rstd),
+                    NormKind::Layernorm => {
+                        let zeros;
+                        let b = match op.inputs.get(2) {
+                            Some(_) => self.weight(op, 2, l)?,
+                            None => {
+                                zeros = vec![0.0; dim];
+                                &zeros
+                            }
+                        };
+                        let mut mean = vec![0.0; n];
+                        self.be
+                            .layernorm_fwd(x, w, b, n, dim, eps, &mut y, &mut mean, &mut rstd)
+                    }
+                }
+                .map_err(kerr(&op.name))?;
+                y
+            }
+            OpKind::Matmul { .. } => {
+                let in_name = &self.graph.tensor(op.inputs[0]).name;
+                let x = match self.acts.get(&format!("{in_name}@g")) {
+                    Some(g) if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) => g,
+                    _ => self.act(op, 0)?,
+                };
+                let w = self.weight(op, 1, l)?;
+                let kk = x.len() / rows.max(1);
+                let n = w.len() / kk.max(1);
+                let mut y = vec![0.0; rows * n];
+                let tb = if weight_transposed(op) {
+                    k::Transpose::Yes
+                } else {
+                    k::Transpose::No
+                };
+                self.be
+                    .matmul(k::Transpose::No, tb, rows, kk, n, x, w, 0.0, &mut y)
+                    .map_err(kerr(&op.name))?;
+                // A row-parallel bias is added once, before the partial sums meet.
+                if op.inputs.get(2).is_some()
+                    && (op.role != TpRole::RowParallel || self.tp.rank == 0)
+                {
+                    let b = self.weight(op, 2, l)?;
+                    for r in 0..rows {
+                        for (c, bv) in b.iter().enumerate().take(n) {
+                            y[r * n + c] += bv;
+                        }
+                    }
+                }
+                y
+            }
+            OpKind::Rope => {
+                let att = self.consumer_attention(op)?;
+                let (hq, hkv, d, dv) = self.heads(att)?;
+                let x = self.act(op, 0)?;
+                let width = hq * d + hkv * d + hkv * dv;
+                let positions = batch.positions();
+                let theta = self.graph.constants.rope_theta as f32;
+                let mut y = x.clone();
+                for (start, heads) in [(0, hq), (hq * d, hkv)] {
+                    let mut part = vec![0.0; rows * heads * d];
+                    for r in 0..rows {
+                        part[r * heads * d..(r + 1) * heads * d]
+                            .copy_from_slice(&x[r * width + start..r * width + start + heads * d]);
+                    }
+                    let mut rotated = vec![0.0; part.len()];
+                    self.be
+                        .rope_fwd(&part, &positions, rows, heads, d, theta, &mut rotated)
+                        .map_err(kerr(&op.name))?;
+                    for r in 0..rows {
+                        y[r * width + start..r * width + start + heads * d]
+                            .copy_from_slice(&rotated[r * heads * d..(r + 1) * heads * d]);
+                    }
+                }
+                y
+            }
+            OpKind::Attention(a) => self.attention(op, a.causal, batch, l)?,
+            OpKind::Activation(MlpKind::Swiglu) => {
+                let x = self.act(op, 0)?;
+                let f = x.len() / (2 * rows.max(1));
+                let mut y = vec![0.0; rows * f];
+                self.be
+                    .swiglu_fwd(x, rows, f, &mut y)
+                    .map_err(kerr(&op.name))?;
+                y
+            }
+            OpKind::Activation(MlpKind::Gelu) => {
+                let x = self.act(op, 0)?;
+                let mut y = vec![0.0; x.len()];
+                self.be.gelu_fwd(x, &mut y).map_err(kerr(&op.name))?;
+                y
+            }
+            OpKind::Add => {
+                let (a, b) = (self.act(op, 0)?, self.act(op, 1)?);
+                let mut y = vec![0.0; a.len()];
+                self.be.add(a, b, &mut y).map_err(kerr(&op.name))?;
+                y
+            }
+            // Dropout is the identity at inference.
+            OpKind::Dropout => self.act(op, 0)?.clone(),
+            // Generation samples from the logits; the loss is not computed.
+            OpKind::CrossEntropy { .. } => return Ok(()),
+            OpKind::Experts(_) | OpKind::Router { .. } => {
+                return Err(fail(format!(
+                    "`{}`: MoE layers are not run by the inference executor yet",
+                    op.name
+                )))
+            }
+        };
+        self.acts.insert(out, y);
+        Ok(())
+    }
+
+    fn consumer_attention(&self, op: &Op) -> Result<&'a Op, RankError> {
+        let out = op
+            .outputs
+            .first()
+            .ok_or_else(|| fail("rope without output"))?;
+        self.graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find(|o| o.inputs.first() == Some(out) && matches!(o.kind, OpKind::Attention(_)))
+            .ok_or_else(|| fail("rope feeds no attention op"))
+    }
+
+    /// Appends each request's new keys and values to its cache and attends its
+    /// queries (at positions `pos0..pos0 + seq`) to everything cached.
+    fn attention(
+        &mut self,
+        op: &Op,
+        causal: bool,
+        batch: &Batch,
+        l: u64,
+    ) -> Result<Vec<f32>, RankError> {
+        let (hq, hkv, d, dv) = self.heads(op)?;
+        let width = hq * d + hkv * d + hkv * dv;
+        let b = batch.reqs.len();
+        let seq = batch.seq;
+        let scale = 1.0 / (d as f32).sqrt();
+        let x = self
+            .acts
+            .get(&self.graph.tensor(op.inputs[0]).name)
+            .ok_or_else(|| fail(format!("`{}` has no input", op.name)))?;
+        let mut y = vec![0.0f32; batch.rows() * hq * dv];
+        for (bi, &req) in batch.reqs.iter().enumerate() {
+            let mut q = Vec::with_capacity(seq * hq * d);
+            let cache = self.kv.entry((l, req)).or_default();
+            for si in 0..seq {
+                let row = &x[(si * b + bi) * width..(si * b + bi + 1) * width];
+                q.extend_from_slice(&row[..hq * d]);
+                cache.0.extend_from_slice(&row[hq * d..hq * d + hkv * d]);
+                cache.1.extend_from_slice(&row[hq * d + hkv * d..]);
+            }
+            let sk = cache.0.len() / (hkv * d).max(1);
+            if sk != batch.pos0[bi] + seq {
+                return Err(fail(format!(
+                    "`{}` layer {l}: the cache holds {sk} positions, expected {}",
+                    op.name,
+                    batch.pos0[bi] + seq
+                )));
+            }
+            let dims = k::AttnDims {
+                batch: 1,
+                sq: seq,
+                sk,
+                hq,
+                hkv,
+                d,
+                dv,
+            };
+            let mut o = vec![0.0; seq * hq * dv];
+            let mut lse = vec![0.0; hq * seq];
+            self.be
+                .attention_fwd(
+                    &dims,
+                    &q,
+                    &cache.0,
+                    &cache.1,
+                    batch.pos0[bi],
+                    0,
+                    causal,
+                    scale,
+                    &mut o,
+                    &mut lse,
+                    // Inference runs in eval mode: no dropout.
+                    None,
+                )
+                .map_err(kerr(&op.name))?;
+            // `o` is `[1, seq, hq dv]`: row `si` goes to sequence-major row `si b + bi`.
+            let o = bshd_to_sbhd(&o, 1, seq, hq * dv);
+            for si in 0..seq {
+                y[(si * b + bi) * hq * dv..(si * b + bi + 1) * hq * dv]
+                    .copy_from_slice(&o[si * hq * dv..(si + 1) * hq * dv]);
+            }
+        }
+        Ok(y)
+    }
+}
+
+/// Bytes each rank sent against the plan's programs, when the run has the plan's
+/// shapes (every prompt `prompt_len` tokens, each replica decoding the plan's batch):
+/// `None` otherwise. Per rank: its prefill phase once per request it served, its
+/// decode phase once per step after the first token; the last stage also sends the
+/// sampled tokens back to the first (4 bytes per request and step), which the plan
+/// does not list.
+pub fn byte_mismatches(plan: &Plan, opts: &InferOptions, run: &InferReport) -> Option<Vec<String>> {
+    let meshplan_ir::Workload::Inference { prompt_len, .. } = plan.workload else {
+        return None;
+    };
+    if opts.requests.iter().any(|r| r.len() as u64 != prompt_len) {
+        return None;
+    }
+    let axis = |name: &str| plan.mesh.axes.iter().position(|a| a == name);
+    let size = |name: &str| axis(name).map(|i| plan.mesh.shape[i] as usize).unwrap_or(1);
+    let (dp, pp) = (size("dp").max(1), size("pp"));
+    let mut out = Vec::new();
+    for (rank, counts) in run.counts.iter().enumerate() {
+        let entry = plan.ranks.get(rank)?;
+        let program = plan.programs.get(entry.program as usize)?;
+        let dp_index = axis("dp").map(|i| entry.coords[i] as usize).unwrap_or(0);
+        let served = (0..opts.requests.len())
+            .filter(|i| i % dp == dp_index)
+            .count();
+        let phase = |k: PhaseKind| program.phases.iter().find(|p| p.kind == k);
+        let (pre, dec) = (phase(PhaseKind::Prefill)?, phase(PhaseKind::Decode)?);
+        if served > 0 && dec.dims.batch as usize != served {
+            return None;
+        }
+        let steps = if served > 0 {
+            opts.max_new_tokens as f64 - 1.0
+        } else {
+            0.0
+        };
+        let (p, d) = (pre.bytes_sent(), dec.bytes_sent());
+        for ax in meshplan_ir::plan::Axis::ALL {
+            let mut want = served as f64 * p.get(ax) + steps * d.get(ax);
+            if ax == meshplan_ir::plan::Axis::Pp && pp > 1 && program.stage + 1 == pp as u64 {
+                want += steps * served as f64 * 4.0;
+            }
+            let got = counts.axis_bytes_sent(ax.name());
+            if (got - want).abs() > 1e-6 * want.max(1.0) {
+                out.push(format!(
+                    "rank {rank} {}: measured {got} bytes, plan {want}",
+                    ax.name()
+                ));
+            }
+        }
+    }
+    Some(out)
+}

@@ -1,0 +1,771 @@
+//! Hugging Face checkpoints: a directory with `config.json` and one or many
+//! `*.safetensors` files (Llama / Mistral / Qwen2 or GPT-2 tensor names).
+//!
+//! Every file is memory-mapped once per process and shared by the rank threads; a
+//! rank copies out only the elements of its own shard ([`ShardSpec`], the same rule
+//! as [`crate::shard::local_weight`]), converting bf16 / f16 to f32 as it reads. No
+//! rank ever holds a full copy of a sharded weight.
+//!
+//! The graph stores a linear layer as `[in, out]`; Hugging Face's `nn.Linear` stores
+//! `[out, in]` (read transposed) and GPT-2's `Conv1D` stores `[in, out]` (read as
+//! is). Fused graph weights are column blocks of several checkpoint tensors: the
+//! QKV projection is `q | k | v`, a SwiGLU up projection is `gate | up`. Rotary
+//! embedding needs no permutation: the kernel uses Hugging Face's rotate-half pairs.
+
+use crate::shard::{column_ranges, weight_transposed, TpPos};
+use memmap2::Mmap;
+use meshplan_ir::graph::OpKind;
+use meshplan_ir::spec::TransformerSpec;
+use meshplan_ir::{Dim, Graph, Op, SegmentKind, TensorId, TensorKind, TpRole};
+use safetensors::tensor::{Dtype, SafeTensors};
+use std::collections::HashMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+/// Why a checkpoint cannot serve a plan: names the file, tensor or field and the fix.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WeightsError {
+    /// The message.
+    pub message: String,
+}
+
+impl std::fmt::Display for WeightsError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for WeightsError {}
+
+fn werr(message: impl Into<String>) -> WeightsError {
+    WeightsError {
+        message: message.into(),
+    }
+}
+
+/// Tensor naming scheme of a checkpoint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// Llama, Mistral, Qwen2: `model.layers.{i}.self_attn.q_proj.weight`, ...
+    Llama,
+    /// GPT-2: `h.{i}.attn.c_attn.weight` (Conv1D, `[in, out]`), ...
+    Gpt2,
+}
+
+/// One tensor's place in a mapped file.
+#[derive(Clone, Debug)]
+struct Entry {
+    file: usize,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    /// Byte range in the file.
+    start: usize,
+    end: usize,
+}
+
+/// An opened checkpoint.
+pub struct Checkpoint {
+    dir: PathBuf,
+    family: Family,
+    config_text: String,
+    maps: Vec<Mmap>,
+    files: Vec<PathBuf>,
+    index: HashMap<String, Entry>,
+}
+
+impl std::fmt::Debug for Checkpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Checkpoint")
+            .field("dir", &self.dir)
+            .field("family", &self.family)
+            .field("files", &self.files)
+            .field("tensors", &self.index.len())
+            .finish()
+    }
+}
+
+/// A checkpoint tensor giving a column block of a graph weight.
+#[derive(Clone, Debug)]
+struct Part {
+    /// Checkpoint tensor name, as found.
+    name: String,
+    /// Stored `[cols, rows]` (`nn.Linear`): read transposed.
+    transpose: bool,
+    /// Graph columns it gives.
+    cols: usize,
+}
+
+/// What a rank holds of a `[rows, cols]` weight (a 1-D weight is one row).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShardSpec {
+    /// Everything.
+    All,
+    /// These column ranges of every row, in order.
+    Cols(Vec<(usize, usize)>),
+    /// These rows, whole.
+    Rows(usize, usize),
+}
+
+/// The part of weight `w` (full shape `shape`) that `op` under `role` needs on tensor
+/// rank `tp`: [`crate::shard::local_weight`] as index ranges.
+pub fn shard_spec(
+    graph: &Graph,
+    op: &Op,
+    role: TpRole,
+    w: TensorId,
+    shape: &[usize],
+    tp: TpPos,
+) -> ShardSpec {
+    if tp.size <= 1 {
+        return ShardSpec::All;
+    }
+    let is_bias = shape.len() == 1 && op.inputs.get(2) == Some(&w);
+    let rows_of = |rows: usize| {
+        let c = rows / tp.size;
+        ShardSpec::Rows(tp.rank * c, (tp.rank + 1) * c)
+    };
+    match role {
+        TpRole::VocabHead if shape.len() == 2 && weight_transposed(op) => rows_of(shape[0]),
+        TpRole::ColumnParallel | TpRole::VocabHead => {
+            let n = *shape.last().unwrap_or(&1);
+            ShardSpec::Cols(column_ranges(graph, op, n, tp))
+        }
+        TpRole::RowParallel if !is_bias => rows_of(shape[0]),
+        TpRole::VocabEmbedding => rows_of(shape[0]),
+        _ => ShardSpec::All,
+    }
+}
+
+/// Applies a spec to a full row-major weight.
+pub fn apply_spec(spec: &ShardSpec, full: &[f32], shape: &[usize]) -> Vec<f32> {
+    let n = if shape.len() >= 2 {
+        *shape.last().unwrap_or(&1)
+    } else {
+        full.len()
+    };
+    match spec {
+        ShardSpec::All => full.to_vec(),
+        ShardSpec::Rows(a, b) => full[a * n..b * n].to_vec(),
+        ShardSpec::Cols(ranges) => {
+            let rows = full.len() / n.max(1);
+            let mut out = Vec::new();
+            for r in 0..rows {
+                for &(a, b) in ranges {
+                    out.extend_from_slice(&full[r * n + a..r * n + b]);
+                }
+            }
+            out
+        }
+    }
+}
+
+/// The fixed shape of a weight tensor.
+fn weight_shape(graph: &Graph, id: TensorId) -> Result<Vec<usize>, WeightsError> {
+    let t = graph.tensor(id);
+    t.shape
+        .iter()
+        .map(|d| match d {
+            Dim::Fixed(n) => Ok(*n as usize),
+            other => Err(werr(format!("`{}` has a symbolic dim {other:?}", t.name))),
+        })
+        .collect()
+}
+
+impl Checkpoint {
+    /// Opens `dir`: reads `config.json`, maps every `*.safetensors` file and indexes
+    /// its tensors.
+    pub fn open(dir: &Path) -> Result<Checkpoint, WeightsError> {
+        let shown = dir.display();
+        let config_path = dir.join("config.json");
+        let config_text = std::fs::read_to_string(&config_path).map_err(|e| {
+            werr(format!(
+                "{}: {e} (--weights takes a Hugging Face checkpoint directory holding config.json and *.safetensors)",
+                config_path.display()
+            ))
+        })?;
+        let config: serde_json::Value = serde_json::from_str(&config_text)
+            .map_err(|e| werr(format!("{}: not JSON: {e}", config_path.display())))?;
+        let model_type = config
+            .get("model_type")
+            .and_then(|v| v.as_str())
+            .unwrap_or("");
+        let family = match model_type {
+            "llama" | "mistral" | "qwen2" => Family::Llama,
+            "gpt2" => Family::Gpt2,
+            other => {
+                return Err(werr(format!(
+                    "{}: field `model_type` is `{other}`; --weights reads llama, mistral, qwen2 and gpt2 checkpoints",
+                    config_path.display()
+                )))
+            }
+        };
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|e| werr(format!("{shown}: {e}")))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(werr(format!(
+                "{shown}: no *.safetensors file (PyTorch .bin checkpoints are not read; convert them to safetensors)"
+            )));
+        }
+        let mut maps = Vec::new();
+        let mut index = HashMap::new();
+        for (fi, path) in files.iter().enumerate() {
+            let file = File::open(path).map_err(|e| werr(format!("{}: {e}", path.display())))?;
+            let map = map_file(&file).map_err(|e| werr(format!("{}: {e}", path.display())))?;
+            let (header, meta) = SafeTensors::read_metadata(&map)
+                .map_err(|e| werr(format!("{}: not a safetensors file: {e}", path.display())))?;
+            let base = 8 + header;
+            for (name, info) in meta.tensors() {
+                let (a, b) = info.data_offsets;
+                if base + b > map.len() || a > b {
+                    return Err(werr(format!(
+                        "{}: tensor `{name}` lies outside the file",
+                        path.display()
+                    )));
+                }
+                if let Some(prev) = index.insert(
+                    name.clone(),
+                    Entry {
+                        file: fi,
+                        dtype: info.dtype,
+                        shape: info.shape.clone(),
+                        start: base + a,
+                        end: base + b,
+                    },
+                ) {
+                    return Err(werr(format!(
+                        "{shown}: tensor `{name}` is in both {} and {}",
+                        files[prev.file].display(),
+                        path.display()
+                    )));
+                }
+            }
+            maps.push(map);
+        }
+        Ok(Checkpoint {
+            dir: dir.to_path_buf(),
+            family,
+            config_text,
+            maps,
+            files,
+            index,
+        })
+    }
+
+    /// The naming scheme.
+    pub fn family(&self) -> Family {
+        self.family
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The text of `config.json`.
+    pub fn config_text(&self) -> &str {
+        &self.config_text
+    }
+
+    /// Tensors in the checkpoint.
+    pub fn len(&self) -> usize {
+        self.index.len()
+    }
+
+    /// Whether it holds no tensor.
+    pub fn is_empty(&self) -> bool {
+        self.index.is_empty()
+    }
+
+    /// Checks `config.json` describes the plan's model: each architecture field the
+    /// graph fixes, named by its `config.json` key.
+    pub fn check_config(&self, graph: &Graph) -> Result<(), WeightsError> {
+        let file = self.dir.join("config.json").display().to_string();
+        let spec = meshplan_ir::hf::import_hf_config(&self.config_text, &file)
+            .map_err(|e| werr(e.to_string()))?;
+        let Some(t) = spec.transformer() else {
+            return Err(werr(format!("{file}: not a transformer config")));
+        };
+        let got = arch_of(graph)?;
+        let want = arch_of_spec(t);
+        let gpt2 = self.family == Family::Gpt2;
+        let key = |llama: &'static str, gpt: &'static str| if gpt2 { gpt } else { llama };
+        let fields: [(&str, u64, u64); 7] = [
+            (key("num_hidden_layers", "n_layer"), want.layers, got.layers),
+            (key("hidden_size", "n_embd"), want.hidden, got.hidden),
+            (key("num_attention_heads", "n_head"), want.heads, got.heads),
+            (
+                key("num_key_value_heads", "n_head"),
+                want.kv_heads,
+                got.kv_heads,
+            ),
+            (
+                key("head_dim", "n_embd / n_head"),
+                want.head_dim,
+                got.head_dim,
+            ),
+            (key("intermediate_size", "n_inner"), want.ffn, got.ffn),
+            ("vocab_size", want.vocab, got.vocab),
+        ];
+        for (field, w, g) in fields {
+            if w != g {
+                return Err(werr(format!(
+                    "{file}: field `{field}` gives {w} but the plan's model has {g}; plan this checkpoint's model (meshplan plan {file} CLUSTER --workload FILE) or pass the matching --weights"
+                )));
+            }
+        }
+        if want.tied != got.tied {
+            return Err(werr(format!(
+                "{file}: field `tie_word_embeddings` is {} but the plan's model has {} embeddings",
+                want.tied,
+                if got.tied { "tied" } else { "untied" }
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks every weight of the graph is in the checkpoint with the shape the plan's
+    /// model needs, for every layer.
+    pub fn validate(&self, graph: &Graph) -> Result<(), WeightsError> {
+        let mut layer0 = 0u64;
+        for seg in &graph.segments {
+            let layers: Vec<Option<u64>> = if seg.kind == SegmentKind::Block {
+                (layer0..layer0 + seg.repeat).map(Some).collect()
+            } else {
+                vec![None]
+            };
+            if seg.kind == SegmentKind::Block {
+                layer0 += seg.repeat;
+            }
+            for op in &seg.ops {
+                for &w in &op.inputs {
+                    if graph.tensor(w).kind != TensorKind::Weight {
+                        continue;
+                    }
+                    for &l in &layers {
+                        self.parts(graph, op, w, l)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The checkpoint tensors that make up graph weight `w` of `op` at block `layer`,
+    /// each checked against the shape the graph needs.
+    fn parts(
+        &self,
+        graph: &Graph,
+        op: &Op,
+        w: TensorId,
+        layer: Option<u64>,
+    ) -> Result<Vec<Part>, WeightsError> {
+        let t = graph.tensor(w);
+        let shape = weight_shape(graph, w)?;
+        let (rows, cols) = match shape.as_slice() {
+            [n] => (1, *n),
+            [r, c] => (*r, *c),
+            _ => {
+                return Err(werr(format!(
+                    "`{}`: weights of rank {} are not read from checkpoints (MoE checkpoints are not supported yet)",
+                    t.name,
+                    shape.len()
+                )))
+            }
+        };
+        let one_d = shape.len() == 1;
+        // Column widths of the fused blocks, from the graph's own shapes.
+        let qkv_widths = || -> Option<Vec<usize>> {
+            graph
+                .segments
+                .iter()
+                .flat_map(|s| &s.ops)
+                .find_map(|o| match &o.kind {
+                    OpKind::Attention(a) => Some(vec![
+                        (a.heads * a.qk_dim) as usize,
+                        (a.kv_heads * a.qk_dim) as usize,
+                        (a.kv_heads * a.v_dim) as usize,
+                    ]),
+                    _ => None,
+                })
+        };
+        let l = layer.unwrap_or(0);
+        let suffix = if one_d && t.name.ends_with(".b") {
+            "bias"
+        } else {
+            "weight"
+        };
+        let (names, transpose, widths): (Vec<String>, bool, Vec<usize>) = match self.family {
+            Family::Llama => {
+                let p = format!("model.layers.{l}.");
+                match t.name.as_str() {
+                    "embed.tokens.w" if op.name == "head.lm" => {
+                        // Tied: the head reads the embedding table itself.
+                        (vec!["model.embed_tokens.weight".into()], false, vec![cols])
+                    }
+                    "embed.tokens.w" => {
+                        (vec!["model.embed_tokens.weight".into()], false, vec![cols])
+                    }
+                    "block.norm1.w" => (
+                        vec![format!("{p}input_layernorm.weight")],
+                        false,
+                        vec![cols],
+                    ),
+                    "block.norm2.w" => (
+                        vec![format!("{p}post_attention_layernorm.weight")],
+                        false,
+                        vec![cols],
+                    ),
+                    "block.attn.qkv.w" | "block.attn.qkv.b" => (
+                        ["q", "k", "v"]
+                            .iter()
+                            .map(|x| format!("{p}self_attn.{x}_proj.{suffix}"))
+                            .collect(),
+                        !one_d,
+                        qkv_widths().unwrap_or_else(|| vec![cols]),
+                    ),
+                    "block.attn.proj.w" | "block.attn.proj.b" => (
+                        vec![format!("{p}self_attn.o_proj.{suffix}")],
+                        !one_d,
+                        vec![cols],
+                    ),
+                    "block.mlp.up.w" | "block.mlp.up.b" => {
+                        let gated = graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
+                            matches!(o.kind, OpKind::Activation(meshplan_ir::MlpKind::Swiglu))
+                        });
+                        if gated {
+                            (
+                                vec![
+                                    format!("{p}mlp.gate_proj.{suffix}"),
+                                    format!("{p}mlp.up_proj.{suffix}"),
+                                ],
+                                !one_d,
+                                vec![cols / 2, cols / 2],
+                            )
+                        } else {
+                            (vec![format!("{p}mlp.up_proj.{suffix}")], !one_d, vec![cols])
+                        }
+                    }
+                    "block.mlp.down.w" | "block.mlp.down.b" => (
+                        vec![format!("{p}mlp.down_proj.{suffix}")],
+                        !one_d,
+                        vec![cols],
+                    ),
+                    "head.norm.w" => (vec!["model.norm.weight".into()], false, vec![cols]),
+                    "head.lm.w" => (vec!["lm_head.weight".into()], true, vec![cols]),
+                    other => {
+                        return Err(werr(format!(
+                            "the plan's weight `{other}` has no Llama-family checkpoint name"
+                        )))
+                    }
+                }
+            }
+            Family::Gpt2 => {
+                let p = format!("h.{l}.");
+                let (base, transpose) = match t.name.as_str() {
+                    "embed.tokens.w" => ("wte".to_string(), false),
+                    "embed.positions.w" => ("wpe".to_string(), false),
+                    "block.norm1.w" | "block.norm1.b" => (format!("{p}ln_1"), false),
+                    "block.norm2.w" | "block.norm2.b" => (format!("{p}ln_2"), false),
+                    "block.attn.qkv.w" | "block.attn.qkv.b" => (format!("{p}attn.c_attn"), false),
+                    "block.attn.proj.w" | "block.attn.proj.b" => (format!("{p}attn.c_proj"), false),
+                    "block.mlp.up.w" | "block.mlp.up.b" => (format!("{p}mlp.c_fc"), false),
+                    "block.mlp.down.w" | "block.mlp.down.b" => (format!("{p}mlp.c_proj"), false),
+                    "head.norm.w" | "head.norm.b" => ("ln_f".to_string(), false),
+                    "head.lm.w" => ("lm_head".to_string(), true),
+                    other => {
+                        return Err(werr(format!(
+                            "the plan's weight `{other}` has no GPT-2 checkpoint name"
+                        )))
+                    }
+                };
+                (
+                    vec![format!("{base}.{suffix}")],
+                    transpose && !one_d,
+                    vec![cols],
+                )
+            }
+        };
+        let total: usize = widths.iter().sum();
+        if total != cols {
+            return Err(werr(format!(
+                "`{}`: the checkpoint's blocks give {total} columns, the plan's model {cols}",
+                t.name
+            )));
+        }
+        let mut parts = Vec::new();
+        for (name, &c) in names.iter().zip(&widths) {
+            let found = self.resolve(name).ok_or_else(|| {
+                werr(format!(
+                    "{}: tensor `{name}` is missing (needed for the plan's `{}`{}, shape {:?}); is this the checkpoint the plan was made for?",
+                    self.dir.display(),
+                    t.name,
+                    layer.map(|l| format!(" of layer {l}")).unwrap_or_default(),
+                    expected_shape(one_d, transpose, rows, c),
+                ))
+            })?;
+            let e = &self.index[&found];
+            let want = expected_shape(one_d, transpose, rows, c);
+            if e.shape != want {
+                return Err(werr(format!(
+                    "{}: tensor `{found}` has shape {:?}, the plan's model needs {want:?} (for `{}`{})",
+                    self.dir.display(),
+                    e.shape,
+                    t.name,
+                    layer.map(|l| format!(" of layer {l}")).unwrap_or_default(),
+                )));
+            }
+            if !matches!(e.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+                return Err(werr(format!(
+                    "{}: tensor `{found}` is {:?}; --weights reads f32, f16 and bf16",
+                    self.dir.display(),
+                    e.dtype
+                )));
+            }
+            parts.push(Part {
+                name: found,
+                transpose,
+                cols: c,
+            });
+        }
+        Ok(parts)
+    }
+
+    /// A checkpoint name as stored: with or without the model's prefix.
+    fn resolve(&self, name: &str) -> Option<String> {
+        let bare = name.strip_prefix("model.").unwrap_or(name);
+        let candidates = match self.family {
+            Family::Llama => vec![name.to_string(), bare.to_string()],
+            Family::Gpt2 => vec![name.to_string(), format!("transformer.{name}")],
+        };
+        candidates.into_iter().find(|c| self.index.contains_key(c))
+    }
+
+    /// One element, converted to f32.
+    fn elem(&self, e: &Entry, i: usize) -> f32 {
+        let bytes = &self.maps[e.file][e.start..e.end];
+        match e.dtype {
+            Dtype::F32 => {
+                let b = &bytes[4 * i..4 * i + 4];
+                f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+            }
+            Dtype::BF16 => half::bf16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+            _ => half::f16::from_le_bytes([bytes[2 * i], bytes[2 * i + 1]]).to_f32(),
+        }
+    }
+
+    /// The part of graph weight `w` of `op` (block `layer`) that a rank holds under
+    /// `spec`, read from the mapped files element by element.
+    pub fn local(
+        &self,
+        graph: &Graph,
+        op: &Op,
+        w: TensorId,
+        layer: Option<u64>,
+        spec: &ShardSpec,
+    ) -> Result<Vec<f32>, WeightsError> {
+        let shape = weight_shape(graph, w)?;
+        let parts = self.parts(graph, op, w, layer)?;
+        let rows = if shape.len() == 2 { shape[0] } else { 1 };
+        let cols = *shape.last().unwrap_or(&1);
+        // Column -> (part, column inside it).
+        let mut starts = Vec::new();
+        let mut acc = 0;
+        for p in &parts {
+            starts.push(acc);
+            acc += p.cols;
+        }
+        let entries: Vec<&Entry> = parts.iter().map(|p| &self.index[&p.name]).collect();
+        let read = |r: usize, c: usize| -> f32 {
+            let pi = starts.partition_point(|&s| s <= c) - 1;
+            let (p, e) = (&parts[pi], entries[pi]);
+            let cc = c - starts[pi];
+            let i = if p.transpose {
+                cc * rows + r
+            } else {
+                r * p.cols + cc
+            };
+            self.elem(e, i)
+        };
+        let mut out = Vec::new();
+        match spec {
+            ShardSpec::All => {
+                for r in 0..rows {
+                    out.extend((0..cols).map(|c| read(r, c)));
+                }
+            }
+            ShardSpec::Rows(a, b) => {
+                for r in *a..*b {
+                    out.extend((0..cols).map(|c| read(r, c)));
+                }
+            }
+            ShardSpec::Cols(ranges) => {
+                for r in 0..rows {
+                    for &(a, b) in ranges {
+                        out.extend((a..b).map(|c| read(r, c)));
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+}
+
+fn expected_shape(one_d: bool, transpose: bool, rows: usize, cols: usize) -> Vec<usize> {
+    if one_d {
+        vec![cols]
+    } else if transpose {
+        vec![cols, rows]
+    } else {
+        vec![rows, cols]
+    }
+}
+
+/// Maps a checkpoint file read-only.
+#[allow(unsafe_code)]
+fn map_file(file: &File) -> std::io::Result<Mmap> {
+    // SAFETY: the mapping is read-only and lives as long as the checkpoint; the file
+    // must not be truncated or rewritten while a run reads it, the usual condition of
+    // memory-mapped checkpoints (safetensors' own loaders make the same one).
+    unsafe { Mmap::map(file) }
+}
+
+/// The architecture sizes a checkpoint must agree on.
+#[derive(Debug, PartialEq, Eq)]
+struct Arch {
+    layers: u64,
+    hidden: u64,
+    heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
+    ffn: u64,
+    vocab: u64,
+    tied: bool,
+}
+
+fn arch_of_spec(t: &TransformerSpec) -> Arch {
+    Arch {
+        layers: t.layers,
+        hidden: t.hidden,
+        heads: t.heads,
+        kv_heads: t.kv_heads,
+        head_dim: t.head_dim,
+        ffn: t.ffn_hidden,
+        vocab: t.vocab,
+        tied: t.tie_embeddings,
+    }
+}
+
+fn arch_of(graph: &Graph) -> Result<Arch, WeightsError> {
+    let find = |name: &str| -> Option<Vec<usize>> {
+        graph
+            .tensors
+            .iter()
+            .position(|t| t.name == name)
+            .and_then(|i| weight_shape(graph, TensorId(i as u32)).ok())
+    };
+    let table =
+        find("embed.tokens.w").ok_or_else(|| werr("the plan's model has no token embedding"))?;
+    let (heads, kv_heads, head_dim) = graph
+        .segments
+        .iter()
+        .flat_map(|s| &s.ops)
+        .find_map(|o| match &o.kind {
+            OpKind::Attention(a) => Some((a.heads, a.kv_heads, a.qk_dim)),
+            _ => None,
+        })
+        .unwrap_or((0, 0, 0));
+    Ok(Arch {
+        layers: graph
+            .segments
+            .iter()
+            .filter(|s| s.kind == SegmentKind::Block)
+            .map(|s| s.repeat)
+            .sum(),
+        hidden: table.get(1).copied().unwrap_or(0) as u64,
+        heads,
+        kv_heads,
+        head_dim,
+        ffn: find("block.mlp.down.w")
+            .and_then(|s| s.first().copied())
+            .unwrap_or(0) as u64,
+        vocab: table[0] as u64,
+        tied: find("head.lm.w").is_none(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::shard::local_weight;
+
+    fn graph(yaml: &str) -> Graph {
+        let spec = meshplan_ir::load::parse_model_yaml(yaml, "test.yaml").unwrap();
+        meshplan_ir::model_graph(&spec).unwrap()
+    }
+
+    const LLAMA: &str = "name: t\ntransformer: {layers: 1, hidden: 16, heads: 4, kv_heads: 2, ffn_hidden: 32, mlp: swiglu, norm: rmsnorm, vocab: 32, tie_embeddings: false, position: rope}\ndtype: f32\nworkload: {kind: inference, prompt_len: 4, output_len: 4}\n";
+
+    #[test]
+    fn shard_spec_is_local_weight_as_ranges() {
+        let tied = LLAMA.replace("tie_embeddings: false", "tie_embeddings: true");
+        for g in [graph(LLAMA), graph(&tied)] {
+            check_spec(&g);
+        }
+    }
+
+    fn check_spec(g: &Graph) {
+        for (role_of, tp) in [(None, 2), (None, 4), (Some(TpRole::Replicated), 2)] {
+            for rank in 0..tp {
+                let pos = TpPos { rank, size: tp };
+                for op in g.segments.iter().flat_map(|s| &s.ops) {
+                    let role = role_of.unwrap_or(op.role);
+                    for &w in &op.inputs {
+                        if g.tensor(w).kind != TensorKind::Weight {
+                            continue;
+                        }
+                        let shape = weight_shape(g, w).unwrap();
+                        let n: usize = shape.iter().product();
+                        let full: Vec<f32> = (0..n).map(|i| i as f32).collect();
+                        let want = local_weight(g, op, role, w, &full, &shape, pos, TpPos::ONE);
+                        let got =
+                            apply_spec(&shard_spec(g, op, role, w, &shape, pos), &full, &shape);
+                        assert_eq!(got, want, "{} of {} on {pos:?}", g.tensor(w).name, op.name);
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn tied_head_reads_vocabulary_rows() {
+        let g = graph(&LLAMA.replace("tie_embeddings: false", "tie_embeddings: true"));
+        let head = g
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find(|o| o.name == "head.lm")
+            .unwrap();
+        assert!(weight_transposed(head));
+        let w = head.inputs[1];
+        let spec = shard_spec(
+            &g,
+            head,
+            TpRole::VocabHead,
+            w,
+            &[32, 16],
+            TpPos { rank: 1, size: 2 },
+        );
+        assert_eq!(spec, ShardSpec::Rows(16, 32));
+        let qkv = g
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find(|o| o.name == "block.attn.qkv")
+            .unwrap();
+        assert!(!weight_transposed(qkv));
+    }
+}

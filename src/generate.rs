@@ -1,0 +1,330 @@
+//! `run` on an inference plan: prompts in, tokens out, TTFT / TPOT / tokens per
+//! second measured beside the plan's prediction, and `--check` against one rank.
+
+use crate::run::{bad, reference_plan, runtime, RunArgs};
+use crate::{print_json, Failure};
+use clap::Args;
+use meshplan_executor::infer::{
+    byte_mismatches, check_inference, infer, InferOptions, InferReport,
+};
+use meshplan_executor::init::synthetic_sequence;
+use meshplan_executor::sample::Sampling;
+use meshplan_executor::tokenize::TextTokenizer;
+use meshplan_executor::weights::Checkpoint;
+use meshplan_ir::plan::Plan;
+use meshplan_ir::Workload;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Prompts and sampling of `run` on an inference plan.
+#[derive(Args, Clone, Debug, Default)]
+pub(crate) struct GenerateFlags {
+    /// Prompt token ids, e.g. `1,15,42`; repeat the flag for a batch of requests.
+    #[arg(long = "prompt-ids", value_name = "IDS")]
+    prompt_ids: Vec<String>,
+    /// A text prompt (needs the checkpoint's tokenizer.json); repeat for a batch.
+    #[arg(long, value_name = "TEXT")]
+    prompt: Vec<String>,
+    /// A file with one request per line: text with a tokenizer, else token ids.
+    #[arg(long = "prompt-file", value_name = "FILE")]
+    prompt_file: Option<PathBuf>,
+    /// Tokens to generate per request (default: the plan's output_len).
+    #[arg(long = "max-new-tokens", value_name = "N")]
+    max_new_tokens: Option<usize>,
+    /// Sampling temperature; 0 (the default) is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling mass in (0, 1].
+    #[arg(long = "top-p", default_value_t = 1.0)]
+    top_p: f32,
+    /// Seed of the sampling draws.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl GenerateFlags {
+    /// Whether any generation flag was given (they mean nothing to a training plan).
+    pub(crate) fn any_given(&self) -> bool {
+        !self.prompt_ids.is_empty()
+            || !self.prompt.is_empty()
+            || self.prompt_file.is_some()
+            || self.max_new_tokens.is_some()
+            || self.temperature != 0.0
+            || self.top_p != 1.0
+            || self.seed != 0
+    }
+}
+
+fn parse_ids(text: &str, what: &str) -> Result<Vec<u32>, Failure> {
+    let ids: Result<Vec<u32>, _> = text
+        .split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<u32>())
+        .collect();
+    match ids {
+        Ok(v) if !v.is_empty() => Ok(v),
+        Ok(_) => Err(bad(format!("{what}: no token id; expected e.g. 1,15,42"))),
+        Err(e) => Err(bad(format!(
+            "{what}: `{text}` is not a list of token ids ({e}); expected e.g. 1,15,42"
+        ))),
+    }
+}
+
+/// The requests the flags give, or the plan's own workload (its concurrency of
+/// synthetic prompts of `prompt_len` tokens).
+fn requests(
+    plan: &Plan,
+    flags: &GenerateFlags,
+    tok: Option<&TextTokenizer>,
+) -> Result<Vec<Vec<u32>>, Failure> {
+    let mut out = Vec::new();
+    for (i, ids) in flags.prompt_ids.iter().enumerate() {
+        out.push(parse_ids(ids, &format!("--prompt-ids #{}", i + 1))?);
+    }
+    let need_tok = |what: &str| {
+        bad(format!(
+            "{what} needs a tokenizer: give --weights DIR holding tokenizer.json, or token ids with --prompt-ids"
+        ))
+    };
+    for text in &flags.prompt {
+        let t = tok.ok_or_else(|| need_tok("--prompt"))?;
+        out.push(t.encode(text).map_err(bad)?);
+    }
+    if let Some(path) = &flags.prompt_file {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| bad(format!("{file}: {e}")))?;
+        for (n, line) in text.lines().enumerate() {
+            if line.trim().is_empty() {
+                continue;
+            }
+            out.push(match tok {
+                Some(t) => t
+                    .encode(line)
+                    .map_err(|e| bad(format!("{file}:{}: {e}", n + 1)))?,
+                None => parse_ids(
+                    line,
+                    &format!("{file}:{} (no tokenizer.json, so token ids)", n + 1),
+                )?,
+            });
+        }
+    }
+    if out.is_empty() {
+        if let Workload::Inference {
+            prompt_len,
+            concurrency,
+            ..
+        } = &plan.workload
+        {
+            let vocab = plan
+                .graph
+                .tensors
+                .iter()
+                .find(|t| t.name == "embed.tokens.w")
+                .and_then(|t| match t.shape.first() {
+                    Some(meshplan_ir::Dim::Fixed(v)) => Some(*v),
+                    _ => None,
+                })
+                .unwrap_or(2);
+            for i in 0..*concurrency {
+                let mut s = synthetic_sequence(7, 0, i, *prompt_len as usize, vocab);
+                s.truncate(*prompt_len as usize);
+                out.push(s);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// `meshplan run PLAN` on an inference plan.
+pub(crate) fn run(a: &RunArgs<'_>, plan: &Plan, file: &str) -> Result<(), Failure> {
+    let flags = a.generate;
+    let checkpoint = match a.weights {
+        Some(dir) => {
+            let ck = Checkpoint::open(dir).map_err(|e| bad(e.message))?;
+            ck.check_config(&plan.graph).map_err(|e| bad(e.message))?;
+            ck.validate(&plan.graph).map_err(|e| bad(e.message))?;
+            Some(Arc::new(ck))
+        }
+        None => None,
+    };
+    let tok = match a.weights {
+        Some(dir) => TextTokenizer::from_dir(dir).map_err(bad)?,
+        None => None,
+    };
+    let requests = requests(plan, flags, tok.as_ref())?;
+    let output_len = match &plan.workload {
+        Workload::Inference { output_len, .. } => *output_len as usize,
+        Workload::Train { .. } => 1,
+    };
+    // Ranks are threads of this process, each holding its fp32 weights.
+    let s = &plan.strategy;
+    let replicas = (plan.ranks.len() as f64 / (s.tp * s.pp).max(1) as f64).max(1.0);
+    let host_bytes = 4.0 * plan.model.params * replicas;
+    const HOST_BUDGET: f64 = 16.0 * (1u64 << 30) as f64;
+    if host_bytes > HOST_BUDGET || plan.ranks.len() > 256 {
+        return Err(runtime(format!(
+            "{file}: the CPU backend runs every rank as a thread of this process; {} ranks holding {:.1} GiB of fp32 weights exceed its {:.0} GiB budget",
+            plan.ranks.len(),
+            host_bytes / (1u64 << 30) as f64,
+            HOST_BUDGET / (1u64 << 30) as f64
+        )));
+    }
+    let opts = InferOptions {
+        requests,
+        max_new_tokens: flags.max_new_tokens.unwrap_or(output_len),
+        sampling: Sampling {
+            temperature: flags.temperature,
+            top_p: flags.top_p,
+            seed: flags.seed,
+        },
+        weights: checkpoint,
+        ..InferOptions::default()
+    };
+    meshplan_executor::infer::check_inputs(plan, &opts).map_err(|m| bad(format!("{file}: {m}")))?;
+    let report = infer(plan, &opts).map_err(|e| runtime(e.message))?;
+    let check = if a.check {
+        let reference = reference_plan(plan).map_err(runtime)?;
+        let base =
+            infer(&reference, &opts).map_err(|e| runtime(format!("reference: {}", e.message)))?;
+        Some(check_inference(&report, &base))
+    } else {
+        None
+    };
+    let bytes = byte_mismatches(plan, &opts, &report);
+    print_report(
+        plan,
+        &report,
+        tok.as_ref(),
+        check.as_ref(),
+        bytes.as_deref(),
+        a.json,
+    );
+    if let Some(Err(why)) = &check {
+        return Err(runtime(format!(
+            "the run differs from the single-rank reference:\n{why}"
+        )));
+    }
+    if let (true, Some(b)) = (a.check, &bytes) {
+        if !b.is_empty() {
+            return Err(runtime(format!(
+                "measured communication differs from the plan:\n{}",
+                b.join("\n")
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn predicted(plan: &Plan, key: &str) -> f64 {
+    plan.predicted
+        .get(key)
+        .and_then(|v| v.as_f64())
+        .unwrap_or(f64::NAN)
+}
+
+fn print_report(
+    plan: &Plan,
+    r: &InferReport,
+    tok: Option<&TextTokenizer>,
+    check: Option<&Result<(String, f64), String>>,
+    bytes: Option<&[String]>,
+    json: bool,
+) {
+    let text = |ids: &[u32]| tok.and_then(|t| t.decode(ids).ok());
+    let comm: serde_json::Map<String, serde_json::Value> = {
+        let mut m = serde_json::Map::new();
+        for c in &r.counts {
+            for (axis, b) in c.per_axis() {
+                let e = m.entry(axis).or_insert(serde_json::json!(0.0));
+                let prev = e.as_f64().unwrap_or(0.0);
+                *e = serde_json::json!(prev.max(b));
+            }
+        }
+        m
+    };
+    if json {
+        let first = r.requests.first();
+        print_json(&serde_json::json!({
+            "tokens": first.map(|q| q.tokens.clone()).unwrap_or_default(),
+            "text": first.and_then(|q| text(&q.tokens)),
+            "logits": first.map(|q| q.logits.clone()).unwrap_or_default(),
+            "requests": r.requests.iter().map(|q| serde_json::json!({
+                "prompt_len": q.prompt_len,
+                "tokens": q.tokens,
+                "text": text(&q.tokens),
+                "ttft_s": q.ttft_s,
+                "tpot_s": q.tpot_s,
+            })).collect::<Vec<_>>(),
+            "ttft_s": r.ttft_s,
+            "tpot_s": r.tpot_s,
+            "output_tokens_per_s": r.output_tokens_per_s,
+            "wall_s": r.wall_s,
+            "predicted_ttft_s": predicted(plan, "ttft_s"),
+            "predicted_tpot_s": predicted(plan, "tpot_s"),
+            "predicted_output_tokens_per_s": predicted(plan, "output_tokens_per_s"),
+            "measured": {
+                "kv_cache_bytes": r.kv_cache_bytes,
+                "weight_bytes": r.weight_bytes,
+                "comm_bytes_per_gpu": comm,
+            },
+            "predicted": plan.predicted,
+            "bytes_match_plan": bytes.map(|b| b.is_empty()),
+            "byte_mismatches": bytes,
+            "check": check.map(|c| match c {
+                Ok((line, worst)) => serde_json::json!({"passed": true, "details": line, "max_abs_logit_diff": worst}),
+                Err(why) => serde_json::json!({"passed": false, "details": why}),
+            }),
+        }));
+        return;
+    }
+    println!(
+        "{} on {} ranks ({}), {} requests",
+        plan.model.name,
+        plan.ranks.len(),
+        plan.strategy,
+        r.requests.len()
+    );
+    for (i, q) in r.requests.iter().enumerate() {
+        let shown = match text(&q.tokens) {
+            Some(t) => format!("{t:?}"),
+            None => format!("{:?}", q.tokens),
+        };
+        println!(
+            "request {i}: {} prompt tokens -> {shown}  (TTFT {:.2} ms, TPOT {:.2} ms)",
+            q.prompt_len,
+            q.ttft_s * 1e3,
+            q.tpot_s * 1e3
+        );
+    }
+    println!(
+        "TTFT         measured {:.3} ms (mean), predicted {:.3} ms for the plan's cluster ({})",
+        r.ttft_s * 1e3,
+        predicted(plan, "ttft_s") * 1e3,
+        plan.cluster.gpu
+    );
+    println!(
+        "TPOT         measured {:.3} ms (mean), predicted {:.3} ms",
+        r.tpot_s * 1e3,
+        predicted(plan, "tpot_s") * 1e3
+    );
+    println!(
+        "output       measured {:.0} tokens/s, predicted {:.0} tokens/s",
+        r.output_tokens_per_s,
+        predicted(plan, "output_tokens_per_s")
+    );
+    println!(
+        "memory       fullest rank: weights {:.3} MiB, KV cache {:.3} MiB (fp32)",
+        r.weight_bytes / (1u64 << 20) as f64,
+        r.kv_cache_bytes / (1u64 << 20) as f64
+    );
+    match bytes {
+        Some([]) => println!("comm bytes   equal to the plan's on every rank and axis"),
+        Some(b) => println!("comm bytes   differ from the plan:\n  {}", b.join("\n  ")),
+        None => println!("comm bytes   not compared (the prompts are not the plan's workload)"),
+    }
+    match check {
+        Some(Ok((line, _))) => println!("check        passed: {line}"),
+        Some(Err(_)) => println!("check        FAILED (details on stderr)"),
+        None => {}
+    }
+}

@@ -1,0 +1,1171 @@
+//! Inference end to end on checkpoints the tests write in Hugging Face layout
+//! (`config.json` + safetensors, random weights): greedy tokens of tensor-, pipeline-
+//! and tensor+pipeline-parallel plans equal the single-rank tokens and those of an
+//! independent naive f64 forward pass of the architecture (Llama / Qwen2 and GPT-2,
+//! written here with plain loops and no shared kernels); logits agree within
+//! tolerance. Then the `run` command: `--weights`, `--prompt` through a
+//! `tokenizer.json`, `--check`, and the bad-input exits.
+
+use crate::cli::meshplan;
+use meshplan_cost_model::{load_cluster, prepare_model};
+use meshplan_executor::infer::{
+    byte_mismatches, check_inference, infer, InferOptions, InferReport,
+};
+use meshplan_executor::sample::Sampling;
+use meshplan_executor::weights::Checkpoint;
+use meshplan_ir::plan::Plan;
+use meshplan_ir::{load_model, model_graph, PartialConfig, WorkloadOverrides};
+use meshplan_planner::output::plan_for_config;
+use safetensors::tensor::{Dtype, TensorView};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+
+/// Logit agreement demanded, relative to the largest logit magnitude (at least 1):
+/// fp32 kernels against an f64 loop, or against another sharding.
+const TOL: f64 = 1e-4;
+
+// === checkpoints in Hugging Face layout ===
+
+/// A test-local generator, so the weights owe nothing to the executor's init.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> f64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        ((self.0 >> 11) as f64 / (1u64 << 53) as f64) * 2.0 - 1.0
+    }
+
+    fn vec(&mut self, n: usize, scale: f64, offset: f64) -> Vec<f64> {
+        (0..n).map(|_| offset + scale * self.next()).collect()
+    }
+}
+
+/// bf16 with round-to-nearest-even, as torch stores it.
+fn to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Store {
+    F32,
+    Bf16,
+    F16,
+}
+
+/// Tensors by Hugging Face name: shape and the values the checkpoint holds (already
+/// rounded to its dtype, so the reference sees exactly what the executor reads).
+type Tensors = HashMap<String, (Vec<usize>, Vec<f64>)>;
+
+fn round_to(store: Store, t: &mut Tensors) {
+    for (_, v) in t.values_mut() {
+        for x in v.iter_mut() {
+            *x = match store {
+                Store::F32 => *x as f32 as f64,
+                Store::Bf16 => f32::from_bits((to_bf16(*x as f32) as u32) << 16) as f64,
+                Store::F16 => half::f16::from_f32(*x as f32).to_f32() as f64,
+            };
+        }
+    }
+}
+
+/// Writes `config.json` and the tensors over `files` safetensors files.
+fn write_checkpoint(dir: &Path, config: &str, t: &Tensors, store: Store, files: usize) {
+    std::fs::create_dir_all(dir).expect("checkpoint dir");
+    std::fs::write(dir.join("config.json"), config).expect("config.json");
+    let mut names: Vec<&String> = t.keys().collect();
+    names.sort();
+    let per = names.len().div_ceil(files);
+    for (fi, chunk) in names.chunks(per).enumerate() {
+        let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = chunk
+            .iter()
+            .map(|n| {
+                let (shape, v) = &t[*n];
+                let b: Vec<u8> = match store {
+                    Store::F32 => v.iter().flat_map(|&x| (x as f32).to_le_bytes()).collect(),
+                    Store::Bf16 => v
+                        .iter()
+                        .flat_map(|&x| to_bf16(x as f32).to_le_bytes())
+                        .collect(),
+                    Store::F16 => v
+                        .iter()
+                        .flat_map(|&x| half::f16::from_f32(x as f32).to_le_bytes())
+                        .collect(),
+                };
+                ((*n).clone(), shape.clone(), b)
+            })
+            .collect();
+        let dtype = match store {
+            Store::F32 => Dtype::F32,
+            Store::Bf16 => Dtype::BF16,
+            Store::F16 => Dtype::F16,
+        };
+        let views: Vec<(String, TensorView<'_>)> = bytes
+            .iter()
+            .map(|(n, s, b)| {
+                (
+                    n.clone(),
+                    TensorView::new(dtype, s.clone(), b).expect("view"),
+                )
+            })
+            .collect();
+        let path = dir.join(format!("model-{:05}-of-{files:05}.safetensors", fi + 1));
+        safetensors::serialize_to_file(views, None, &path).expect("write safetensors");
+    }
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("meshplan-infer-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// Sizes of the Llama-family test model.
+#[derive(Clone, Copy)]
+struct LlamaCfg {
+    layers: usize,
+    hidden: usize,
+    heads: usize,
+    kv_heads: usize,
+    ffn: usize,
+    vocab: usize,
+    /// Qwen2: biases on q, k and v.
+    qkv_bias: bool,
+    tied: bool,
+}
+
+const LLAMA: LlamaCfg = LlamaCfg {
+    layers: 4,
+    hidden: 32,
+    heads: 4,
+    kv_heads: 2,
+    ffn: 48,
+    vocab: 64,
+    qkv_bias: false,
+    tied: false,
+};
+
+const THETA: f64 = 10000.0;
+const EPS: f64 = 1e-5;
+
+fn llama_config(c: &LlamaCfg) -> String {
+    format!(
+        r#"{{"architectures": ["{arch}"], "model_type": "{mt}", "hidden_size": {h}, "intermediate_size": {f},
+"num_hidden_layers": {l}, "num_attention_heads": {a}, "num_key_value_heads": {kv}, "vocab_size": {v},
+"rms_norm_eps": {EPS:e}, "rope_theta": {THETA:.1}, "tie_word_embeddings": {tied}, "hidden_act": "silu",
+"max_position_embeddings": 128, "torch_dtype": "float32"}}"#,
+        arch = if c.qkv_bias {
+            "Qwen2ForCausalLM"
+        } else {
+            "LlamaForCausalLM"
+        },
+        mt = if c.qkv_bias { "qwen2" } else { "llama" },
+        h = c.hidden,
+        f = c.ffn,
+        l = c.layers,
+        a = c.heads,
+        kv = c.kv_heads,
+        v = c.vocab,
+        tied = c.tied,
+    )
+}
+
+fn llama_tensors(c: &LlamaCfg, seed: u64) -> Tensors {
+    let mut r = Rng(seed);
+    let d = c.hidden / c.heads;
+    let mut t = Tensors::new();
+    let mut put = |name: String, shape: Vec<usize>, scale: f64, offset: f64, r: &mut Rng| {
+        let n = shape.iter().product();
+        t.insert(name, (shape, r.vec(n, scale, offset)));
+    };
+    put(
+        "model.embed_tokens.weight".into(),
+        vec![c.vocab, c.hidden],
+        1.0,
+        0.0,
+        &mut r,
+    );
+    for i in 0..c.layers {
+        let p = format!("model.layers.{i}.");
+        let w = 0.6 / (c.hidden as f64).sqrt();
+        put(
+            format!("{p}input_layernorm.weight"),
+            vec![c.hidden],
+            0.2,
+            1.0,
+            &mut r,
+        );
+        put(
+            format!("{p}self_attn.q_proj.weight"),
+            vec![c.heads * d, c.hidden],
+            w,
+            0.0,
+            &mut r,
+        );
+        put(
+            format!("{p}self_attn.k_proj.weight"),
+            vec![c.kv_heads * d, c.hidden],
+            w,
+            0.0,
+            &mut r,
+        );
+        put(
+            format!("{p}self_attn.v_proj.weight"),
+            vec![c.kv_heads * d, c.hidden],
+            w,
+            0.0,
+            &mut r,
+        );
+        if c.qkv_bias {
+            put(
+                format!("{p}self_attn.q_proj.bias"),
+                vec![c.heads * d],
+                0.1,
+                0.0,
+                &mut r,
+            );
+            put(
+                format!("{p}self_attn.k_proj.bias"),
+                vec![c.kv_heads * d],
+                0.1,
+                0.0,
+                &mut r,
+            );
+            put(
+                format!("{p}self_attn.v_proj.bias"),
+                vec![c.kv_heads * d],
+                0.1,
+                0.0,
+                &mut r,
+            );
+        }
+        put(
+            format!("{p}self_attn.o_proj.weight"),
+            vec![c.hidden, c.heads * d],
+            w,
+            0.0,
+            &mut r,
+        );
+        put(
+            format!("{p}post_attention_layernorm.weight"),
+            vec![c.hidden],
+            0.2,
+            1.0,
+            &mut r,
+        );
+        put(
+            format!("{p}mlp.gate_proj.weight"),
+            vec![c.ffn, c.hidden],
+            w,
+            0.0,
+            &mut r,
+        );
+        put(
+            format!("{p}mlp.up_proj.weight"),
+            vec![c.ffn, c.hidden],
+            w,
+            0.0,
+            &mut r,
+        );
+        let wd = 0.6 / (c.ffn as f64).sqrt();
+        put(
+            format!("{p}mlp.down_proj.weight"),
+            vec![c.hidden, c.ffn],
+            wd,
+            0.0,
+            &mut r,
+        );
+    }
+    put("model.norm.weight".into(), vec![c.hidden], 0.2, 1.0, &mut r);
+    if !c.tied {
+        put(
+            "lm_head.weight".into(),
+            vec![c.vocab, c.hidden],
+            0.5,
+            0.0,
+            &mut r,
+        );
+    }
+    t
+}
+
+/// Sizes of the GPT-2 test model.
+const GPT2: (usize, usize, usize, usize, usize) = (2, 32, 4, 64, 64); // layers, n_embd, n_head, vocab, n_positions
+
+fn gpt2_config() -> String {
+    let (l, h, a, v, np) = GPT2;
+    format!(
+        r#"{{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_layer": {l}, "n_embd": {h}, "n_head": {a},
+"vocab_size": {v}, "n_positions": {np}, "n_inner": null, "activation_function": "gelu_new",
+"layer_norm_epsilon": {EPS:e}, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0, "torch_dtype": "float32"}}"#
+    )
+}
+
+/// GPT-2 names as the original checkpoint stores them (no `transformer.` prefix).
+fn gpt2_tensors(seed: u64) -> Tensors {
+    let (l, h, _, v, np) = GPT2;
+    let mut r = Rng(seed);
+    let mut t = Tensors::new();
+    let mut put = |name: String, shape: Vec<usize>, scale: f64, offset: f64, r: &mut Rng| {
+        let n = shape.iter().product();
+        t.insert(name, (shape, r.vec(n, scale, offset)));
+    };
+    put("wte.weight".into(), vec![v, h], 0.5, 0.0, &mut r);
+    put("wpe.weight".into(), vec![np, h], 0.3, 0.0, &mut r);
+    let w = 0.6 / (h as f64).sqrt();
+    for i in 0..l {
+        let p = format!("h.{i}.");
+        put(format!("{p}ln_1.weight"), vec![h], 0.2, 1.0, &mut r);
+        put(format!("{p}ln_1.bias"), vec![h], 0.1, 0.0, &mut r);
+        put(
+            format!("{p}attn.c_attn.weight"),
+            vec![h, 3 * h],
+            w,
+            0.0,
+            &mut r,
+        );
+        put(
+            format!("{p}attn.c_attn.bias"),
+            vec![3 * h],
+            0.1,
+            0.0,
+            &mut r,
+        );
+        put(format!("{p}attn.c_proj.weight"), vec![h, h], w, 0.0, &mut r);
+        put(format!("{p}attn.c_proj.bias"), vec![h], 0.1, 0.0, &mut r);
+        put(format!("{p}ln_2.weight"), vec![h], 0.2, 1.0, &mut r);
+        put(format!("{p}ln_2.bias"), vec![h], 0.1, 0.0, &mut r);
+        put(
+            format!("{p}mlp.c_fc.weight"),
+            vec![h, 4 * h],
+            w,
+            0.0,
+            &mut r,
+        );
+        put(format!("{p}mlp.c_fc.bias"), vec![4 * h], 0.1, 0.0, &mut r);
+        put(
+            format!("{p}mlp.c_proj.weight"),
+            vec![4 * h, h],
+            0.3 / (h as f64).sqrt(),
+            0.0,
+            &mut r,
+        );
+        put(format!("{p}mlp.c_proj.bias"), vec![h], 0.1, 0.0, &mut r);
+    }
+    put("ln_f.weight".into(), vec![h], 0.2, 1.0, &mut r);
+    put("ln_f.bias".into(), vec![h], 0.1, 0.0, &mut r);
+    t
+}
+
+// === naive reference forward passes (f64, plain loops) ===
+
+fn get<'a>(t: &'a Tensors, name: &str) -> &'a [f64] {
+    &t.get(name)
+        .unwrap_or_else(|| panic!("reference lacks {name}"))
+        .1
+}
+
+/// `nn.Linear`: `w [out, in]`.
+fn linear(x: &[f64], w: &[f64], b: Option<&[f64]>, out: usize) -> Vec<f64> {
+    let inp = x.len();
+    (0..out)
+        .map(|o| {
+            let s: f64 = (0..inp).map(|i| w[o * inp + i] * x[i]).sum();
+            s + b.map_or(0.0, |b| b[o])
+        })
+        .collect()
+}
+
+/// GPT-2 `Conv1D`: `w [in, out]`.
+fn conv1d(x: &[f64], w: &[f64], b: &[f64]) -> Vec<f64> {
+    let out = b.len();
+    (0..out)
+        .map(|o| (0..x.len()).map(|i| x[i] * w[i * out + o]).sum::<f64>() + b[o])
+        .collect()
+}
+
+fn rmsnorm(x: &[f64], w: &[f64]) -> Vec<f64> {
+    let ms = x.iter().map(|v| v * v).sum::<f64>() / x.len() as f64;
+    let r = 1.0 / (ms + EPS).sqrt();
+    x.iter().zip(w).map(|(v, g)| v * r * g).collect()
+}
+
+fn layernorm(x: &[f64], w: &[f64], b: &[f64]) -> Vec<f64> {
+    let n = x.len() as f64;
+    let mean = x.iter().sum::<f64>() / n;
+    let var = x.iter().map(|v| (v - mean) * (v - mean)).sum::<f64>() / n;
+    let r = 1.0 / (var + EPS).sqrt();
+    (0..x.len())
+        .map(|i| (x[i] - mean) * r * w[i] + b[i])
+        .collect()
+}
+
+/// Hugging Face `rotate_half` RoPE on one head at position `pos`.
+fn rope(x: &mut [f64], pos: usize) {
+    let d = x.len();
+    let half = d / 2;
+    for i in 0..half {
+        let ang = pos as f64 * THETA.powf(-2.0 * i as f64 / d as f64);
+        let (c, s) = (ang.cos(), ang.sin());
+        let (a, b) = (x[i], x[i + half]);
+        x[i] = a * c - b * s;
+        x[i + half] = b * c + a * s;
+    }
+}
+
+/// Causal attention of every position: `q [t][heads*d]`, `k`, `v` `[t][kv_heads*d]`.
+fn attend(
+    q: &[Vec<f64>],
+    k: &[Vec<f64>],
+    v: &[Vec<f64>],
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+) -> Vec<Vec<f64>> {
+    let group = heads / kv_heads;
+    (0..q.len())
+        .map(|t| {
+            let mut out = vec![0.0; heads * d];
+            for h in 0..heads {
+                let g = h / group;
+                let scores: Vec<f64> = (0..=t)
+                    .map(|j| {
+                        (0..d)
+                            .map(|e| q[t][h * d + e] * k[j][g * d + e])
+                            .sum::<f64>()
+                            / (d as f64).sqrt()
+                    })
+                    .collect();
+                let m = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let z: f64 = scores.iter().map(|s| (s - m).exp()).sum();
+                for (j, s) in scores.iter().enumerate() {
+                    let p = (s - m).exp() / z;
+                    for e in 0..d {
+                        out[h * d + e] += p * v[j][g * d + e];
+                    }
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+/// Logits of the last position of `tokens`.
+fn llama_forward(c: &LlamaCfg, t: &Tensors, tokens: &[u32]) -> Vec<f64> {
+    let d = c.hidden / c.heads;
+    let emb = get(t, "model.embed_tokens.weight");
+    let mut x: Vec<Vec<f64>> = tokens
+        .iter()
+        .map(|&id| emb[id as usize * c.hidden..(id as usize + 1) * c.hidden].to_vec())
+        .collect();
+    for i in 0..c.layers {
+        let p = format!("model.layers.{i}.");
+        let w = |n: &str| get(t, &format!("{p}{n}"));
+        let b = |n: &str| c.qkv_bias.then(|| get(t, &format!("{p}{n}")));
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        for (pos, xt) in x.iter().enumerate() {
+            let h = rmsnorm(xt, w("input_layernorm.weight"));
+            let mut qt = linear(
+                &h,
+                w("self_attn.q_proj.weight"),
+                b("self_attn.q_proj.bias"),
+                c.heads * d,
+            );
+            let mut kt = linear(
+                &h,
+                w("self_attn.k_proj.weight"),
+                b("self_attn.k_proj.bias"),
+                c.kv_heads * d,
+            );
+            for head in qt.chunks_mut(d) {
+                rope(head, pos);
+            }
+            for head in kt.chunks_mut(d) {
+                rope(head, pos);
+            }
+            q.push(qt);
+            k.push(kt);
+            v.push(linear(
+                &h,
+                w("self_attn.v_proj.weight"),
+                b("self_attn.v_proj.bias"),
+                c.kv_heads * d,
+            ));
+        }
+        let o = attend(&q, &k, &v, c.heads, c.kv_heads, d);
+        for (xt, ot) in x.iter_mut().zip(&o) {
+            let a = linear(ot, w("self_attn.o_proj.weight"), None, c.hidden);
+            xt.iter_mut().zip(&a).for_each(|(u, y)| *u += y);
+            let h = rmsnorm(xt, w("post_attention_layernorm.weight"));
+            let g = linear(&h, w("mlp.gate_proj.weight"), None, c.ffn);
+            let u = linear(&h, w("mlp.up_proj.weight"), None, c.ffn);
+            let m: Vec<f64> = g
+                .iter()
+                .zip(&u)
+                .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
+                .collect();
+            let dn = linear(&m, w("mlp.down_proj.weight"), None, c.hidden);
+            xt.iter_mut().zip(&dn).for_each(|(u, y)| *u += y);
+        }
+    }
+    let last = rmsnorm(x.last().expect("a token"), get(t, "model.norm.weight"));
+    let head = if c.tied {
+        emb
+    } else {
+        get(t, "lm_head.weight")
+    };
+    linear(&last, head, None, c.vocab)
+}
+
+fn gelu_new(x: f64) -> f64 {
+    0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh())
+}
+
+fn gpt2_forward(t: &Tensors, tokens: &[u32]) -> Vec<f64> {
+    let (layers, h, heads, vocab, _) = GPT2;
+    let d = h / heads;
+    let (wte, wpe) = (get(t, "wte.weight"), get(t, "wpe.weight"));
+    let mut x: Vec<Vec<f64>> = tokens
+        .iter()
+        .enumerate()
+        .map(|(pos, &id)| {
+            (0..h)
+                .map(|e| wte[id as usize * h + e] + wpe[pos * h + e])
+                .collect()
+        })
+        .collect();
+    for i in 0..layers {
+        let w = |n: &str| get(t, &format!("h.{i}.{n}"));
+        let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
+        for xt in &x {
+            let n = layernorm(xt, w("ln_1.weight"), w("ln_1.bias"));
+            let qkv = conv1d(&n, w("attn.c_attn.weight"), w("attn.c_attn.bias"));
+            q.push(qkv[..h].to_vec());
+            k.push(qkv[h..2 * h].to_vec());
+            v.push(qkv[2 * h..].to_vec());
+        }
+        let o = attend(&q, &k, &v, heads, heads, d);
+        for (xt, ot) in x.iter_mut().zip(&o) {
+            let a = conv1d(ot, w("attn.c_proj.weight"), w("attn.c_proj.bias"));
+            xt.iter_mut().zip(&a).for_each(|(u, y)| *u += y);
+            let n = layernorm(xt, w("ln_2.weight"), w("ln_2.bias"));
+            let f: Vec<f64> = conv1d(&n, w("mlp.c_fc.weight"), w("mlp.c_fc.bias"))
+                .into_iter()
+                .map(gelu_new)
+                .collect();
+            let m = conv1d(&f, w("mlp.c_proj.weight"), w("mlp.c_proj.bias"));
+            xt.iter_mut().zip(&m).for_each(|(u, y)| *u += y);
+        }
+    }
+    let last = layernorm(
+        x.last().expect("a token"),
+        get(t, "ln_f.weight"),
+        get(t, "ln_f.bias"),
+    );
+    linear(&last, wte, None, vocab)
+}
+
+/// Greedy generation with full recomputation: the tokens and the logits the last
+/// one was chosen from.
+fn reference_generate(
+    forward: &dyn Fn(&[u32]) -> Vec<f64>,
+    prompt: &[u32],
+    n: usize,
+) -> (Vec<u32>, Vec<f64>) {
+    let mut seq = prompt.to_vec();
+    let mut out = Vec::new();
+    let mut logits = Vec::new();
+    for _ in 0..n {
+        logits = forward(&seq);
+        let mut best = 0;
+        for (i, &x) in logits.iter().enumerate() {
+            if x > logits[best] {
+                best = i;
+            }
+        }
+        out.push(best as u32);
+        seq.push(best as u32);
+    }
+    (out, logits)
+}
+
+// === plans and runs ===
+
+const WORKLOAD: &str = "kind: inference\nprompt_len: 6\noutput_len: 5\nconcurrency: 2\n";
+
+/// A plan of `cfg` for the checkpoint's config.json on a CPU mesh of exactly the
+/// ranks the configuration names.
+fn plan_of(dir: &Path, cfg: &str, gpus: u64) -> Plan {
+    let workload = dir.join("workload.yaml");
+    std::fs::write(&workload, WORKLOAD).expect("workload");
+    let spec = load_model(
+        &dir.join("config.json"),
+        &WorkloadOverrides {
+            workload_file: Some(workload),
+            ..WorkloadOverrides::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let mut cluster = load_cluster(
+        Path::new(&format!("{ROOT}/topologies/cpu-test-mesh.yaml")),
+        Some(1),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    cluster.gpus_per_node = gpus;
+    let cfg = PartialConfig::parse(cfg, "test")
+        .and_then(|p| p.resolve(gpus, "test"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let workload = spec.workload.clone().expect("an inference workload");
+    plan_for_config(&spec.name, &graph, &pg, &cluster, &workload, &cfg)
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+const PROMPTS: [&[u32]; 3] = [&[1, 15, 42, 7, 3, 9], &[60, 2], &[5, 6, 7, 8]];
+
+fn run(plan: &Plan, ck: &Arc<Checkpoint>, sampling: Sampling, requests: usize) -> InferReport {
+    infer(
+        plan,
+        &InferOptions {
+            requests: PROMPTS[..requests].iter().map(|p| p.to_vec()).collect(),
+            max_new_tokens: 5,
+            sampling,
+            weights: Some(ck.clone()),
+            ..InferOptions::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn max_diff(a: &[f32], b: &[f64]) -> (f64, f64) {
+    assert_eq!(a.len(), b.len());
+    let d = a
+        .iter()
+        .zip(b)
+        .map(|(x, y)| (*x as f64 - y).abs())
+        .fold(0.0, f64::max);
+    let scale = b.iter().fold(1.0f64, |m, y| m.max(y.abs()));
+    (d, scale)
+}
+
+/// Every configuration's greedy tokens equal the single-rank run's and the naive
+/// reference's; logits agree with both.
+fn check_all(dir: &Path, forward: &dyn Fn(&[u32]) -> Vec<f64>) {
+    let ck = Arc::new(Checkpoint::open(dir).unwrap_or_else(|e| panic!("{e}")));
+    let single = run(&plan_of(dir, "dp=1", 1), &ck, Sampling::GREEDY, 3);
+    let mut worst: f64 = 0.0;
+    for (i, req) in single.requests.iter().enumerate() {
+        let (tokens, logits) = reference_generate(forward, PROMPTS[i], 5);
+        assert_eq!(
+            req.tokens, tokens,
+            "request {i}: single rank vs naive reference"
+        );
+        let (d, scale) = max_diff(&req.logits, &logits);
+        assert!(
+            d <= TOL * scale,
+            "request {i}: logits differ from the reference by {d:e}"
+        );
+        worst = worst.max(d);
+    }
+    eprintln!(
+        "{}: single rank vs naive f64 reference, largest logit difference {worst:.3e}",
+        dir.display()
+    );
+    // The cache is split by KV heads over tp and by layers over pp: the fullest rank
+    // holds exactly that share of the single rank's (dp=2 splits the requests instead).
+    for (cfg, gpus, share) in [
+        ("tp=2", 2, Some(2.0)),
+        ("pp=2", 2, Some(2.0)),
+        ("tp=2,pp=2", 4, Some(4.0)),
+        ("tp=2,pp=2,dp=2", 8, None),
+    ] {
+        let r = run(&plan_of(dir, cfg, gpus), &ck, Sampling::GREEDY, 3);
+        if let Some(share) = share {
+            assert_eq!(
+                r.kv_cache_bytes * share,
+                single.kv_cache_bytes,
+                "{cfg}: KV cache"
+            );
+            // Weights too, but for what stays replicated (norms, biases, GPT-2 positions).
+            assert!(
+                r.weight_bytes < 1.5 * single.weight_bytes / share,
+                "{cfg}: {} of {} weight bytes",
+                r.weight_bytes,
+                single.weight_bytes
+            );
+        }
+        let (line, diff) = check_inference(&r, &single).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        eprintln!("{cfg}: {line}");
+        assert!(diff <= TOL, "{cfg}: {diff}");
+        for (i, req) in r.requests.iter().enumerate() {
+            let (_, logits) = reference_generate(forward, PROMPTS[i], 5);
+            let (d, scale) = max_diff(&req.logits, &logits);
+            assert!(
+                d <= TOL * scale,
+                "{cfg} request {i}: logits differ from the reference by {d:e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn llama_checkpoint_sharded_equals_single_rank_and_reference() {
+    let dir = temp_dir("llama");
+    let mut t = llama_tensors(&LLAMA, 11);
+    round_to(Store::F32, &mut t);
+    // Two files: the loader indexes tensors across shards.
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 2);
+    check_all(&dir, &|tokens| llama_forward(&LLAMA, &t, tokens));
+}
+
+#[test]
+fn qwen2_bf16_tied_checkpoint_sharded_equals_single_rank_and_reference() {
+    let c = LlamaCfg {
+        qkv_bias: true,
+        tied: true,
+        ..LLAMA
+    };
+    let dir = temp_dir("qwen2");
+    let mut t = llama_tensors(&c, 12);
+    round_to(Store::Bf16, &mut t);
+    write_checkpoint(&dir, &llama_config(&c), &t, Store::Bf16, 1);
+    check_all(&dir, &|tokens| llama_forward(&c, &t, tokens));
+}
+
+#[test]
+fn gpt2_checkpoint_sharded_equals_single_rank_and_reference() {
+    let dir = temp_dir("gpt2");
+    let t = gpt2_tensors(13);
+    write_checkpoint(&dir, &gpt2_config(), &t, Store::F32, 1);
+    check_all(&dir, &|tokens| gpt2_forward(&t, tokens));
+}
+
+#[test]
+fn gpt2_f16_checkpoint_saved_by_the_lm_head_model() {
+    // `GPT2LMHeadModel.save_pretrained` names tensors `transformer.*` and leaves the
+    // tied head out; stored in f16.
+    let dir = temp_dir("gpt2-f16");
+    let mut t = gpt2_tensors(19);
+    round_to(Store::F16, &mut t);
+    let prefixed: Tensors = t
+        .iter()
+        .map(|(k, v)| (format!("transformer.{k}"), v.clone()))
+        .collect();
+    write_checkpoint(&dir, &gpt2_config(), &prefixed, Store::F16, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let r = run(&plan_of(&dir, "tp=2,pp=2", 4), &ck, Sampling::GREEDY, 3);
+    for (i, req) in r.requests.iter().enumerate() {
+        let (tokens, logits) = reference_generate(&|s| gpt2_forward(&t, s), PROMPTS[i], 5);
+        assert_eq!(req.tokens, tokens, "request {i}");
+        let (d, scale) = max_diff(&req.logits, &logits);
+        assert!(d <= TOL * scale, "request {i}: {d:e}");
+    }
+}
+
+#[test]
+fn sampling_is_seeded_and_equal_across_shardings() {
+    let dir = temp_dir("sampling");
+    let mut t = llama_tensors(&LLAMA, 14);
+    round_to(Store::F32, &mut t);
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let s = Sampling {
+        temperature: 1.5,
+        top_p: 0.95,
+        seed: 1,
+    };
+    let single = run(&plan_of(&dir, "dp=1", 1), &ck, s, 3);
+    let sharded = run(&plan_of(&dir, "tp=2,pp=2", 4), &ck, s, 3);
+    check_inference(&sharded, &single).unwrap_or_else(|e| panic!("{e}"));
+    let other = run(&plan_of(&dir, "dp=1", 1), &ck, Sampling { seed: 2, ..s }, 3);
+    let tokens = |r: &InferReport| {
+        r.requests
+            .iter()
+            .map(|q| q.tokens.clone())
+            .collect::<Vec<_>>()
+    };
+    assert_ne!(
+        tokens(&single),
+        tokens(&other),
+        "another seed draws other tokens"
+    );
+    let greedy = run(&plan_of(&dir, "dp=1", 1), &ck, Sampling::GREEDY, 3);
+    assert_ne!(
+        tokens(&single),
+        tokens(&greedy),
+        "sampling at temperature 1.5 is not greedy"
+    );
+}
+
+#[test]
+fn check_fails_on_different_tokens_or_logits() {
+    let dir = temp_dir("check");
+    let mut t = llama_tensors(&LLAMA, 15);
+    round_to(Store::F32, &mut t);
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let base = run(&plan_of(&dir, "dp=1", 1), &ck, Sampling::GREEDY, 1);
+    let mut r = base.clone();
+    r.requests[0].tokens[2] ^= 1;
+    assert!(check_inference(&r, &base).unwrap_err().contains("tokens"));
+    let mut r = base.clone();
+    r.requests[0].logits[3] += 0.01;
+    assert!(check_inference(&r, &base)
+        .unwrap_err()
+        .contains("last logits differ"));
+}
+
+#[test]
+fn checkpoint_errors_name_the_tensor_or_field() {
+    let dir = temp_dir("bad-shape");
+    let mut t = llama_tensors(&LLAMA, 16);
+    let k = t
+        .get_mut("model.layers.1.self_attn.k_proj.weight")
+        .expect("k_proj");
+    k.0 = vec![LLAMA.hidden, LLAMA.hidden];
+    k.1 = vec![0.0; LLAMA.hidden * LLAMA.hidden];
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
+    let plan = plan_of(&dir, "dp=1", 1);
+    let ck = Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}"));
+    let e = ck.validate(&plan.graph).unwrap_err().message;
+    assert!(
+        e.contains("model.layers.1.self_attn.k_proj.weight") && e.contains("[16, 32]"),
+        "{e}"
+    );
+    let mut t = llama_tensors(&LLAMA, 16);
+    t.remove("model.norm.weight");
+    let dir2 = temp_dir("missing");
+    write_checkpoint(&dir2, &llama_config(&LLAMA), &t, Store::F32, 1);
+    let e = Checkpoint::open(&dir2)
+        .unwrap()
+        .validate(&plan.graph)
+        .unwrap_err()
+        .message;
+    assert!(
+        e.contains("model.norm.weight") && e.contains("missing"),
+        "{e}"
+    );
+    // A config.json of another size names the field.
+    let other = LlamaCfg {
+        hidden: 64,
+        ..LLAMA
+    };
+    let dir3 = temp_dir("other-config");
+    write_checkpoint(
+        &dir3,
+        &llama_config(&other),
+        &llama_tensors(&other, 1),
+        Store::F32,
+        1,
+    );
+    let e = Checkpoint::open(&dir3)
+        .unwrap()
+        .check_config(&plan.graph)
+        .unwrap_err()
+        .message;
+    assert!(e.contains("`hidden_size`") && e.contains("64"), "{e}");
+}
+
+#[test]
+fn the_plans_workload_sends_the_plans_bytes() {
+    // Sampling is planned: the head's logit gather is in the programs and the cost
+    // model, so the run sends what the plan says on every rank and axis.
+    let spec = load_model(
+        Path::new(&format!("{ROOT}/models/tiny-llama-inference.yaml")),
+        &WorkloadOverrides::default(),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let workload = spec.workload.clone().expect("a workload");
+    let meshplan_ir::Workload::Inference {
+        prompt_len,
+        output_len,
+        concurrency,
+        ..
+    } = workload
+    else {
+        panic!("an inference workload")
+    };
+    for (cfg, gpus) in [("tp=2,pp=2", 4), ("tp=2,pp=2,dp=2", 8), ("tp=4", 4)] {
+        let mut cluster = load_cluster(
+            Path::new(&format!("{ROOT}/topologies/cpu-test-mesh.yaml")),
+            Some(1),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        cluster.gpus_per_node = gpus;
+        let c = PartialConfig::parse(cfg, "test")
+            .and_then(|p| p.resolve(gpus, "test"))
+            .unwrap_or_else(|e| panic!("{e}"));
+        let plan = plan_for_config(&spec.name, &graph, &pg, &cluster, &workload, &c)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let gathers = plan.programs.last().expect("a program").phases[1]
+            .chunks
+            .iter()
+            .flat_map(|ch| &ch.forward)
+            .flat_map(|i| match i {
+                meshplan_ir::plan::Instr::Segment { body, .. } => body.clone(),
+                other => vec![other.clone()],
+            })
+            .filter(|i| matches!(i, meshplan_ir::plan::Instr::Collective { kind: meshplan_ir::plan::CollectiveKind::AllGather, tensor, .. } if tensor == "head.lm.out"))
+            .count();
+        assert_eq!(gathers, 1, "{cfg}: the decode head gathers the logits once");
+        let opts = InferOptions {
+            requests: (0..concurrency)
+                .map(|i| {
+                    (0..prompt_len)
+                        .map(|t| ((i * 31 + t * 7) % 256) as u32)
+                        .collect()
+                })
+                .collect(),
+            max_new_tokens: output_len as usize,
+            ..InferOptions::default()
+        };
+        let r = infer(&plan, &opts).unwrap_or_else(|e| panic!("{e}"));
+        let bytes = byte_mismatches(&plan, &opts, &r).expect("the plan's shapes");
+        assert!(bytes.is_empty(), "{cfg}:\n{}", bytes.join("\n"));
+        assert!(r.counts.iter().any(|c| c.axis_bytes_sent("tp") > 0.0));
+        // Other prompt lengths are not the plan's shapes: not compared.
+        let other = InferOptions {
+            requests: vec![vec![1, 2, 3]],
+            ..opts
+        };
+        let r = infer(&plan, &other).unwrap_or_else(|e| panic!("{e}"));
+        assert!(byte_mismatches(&plan, &other, &r).is_none());
+    }
+}
+
+// === the command line ===
+
+/// A WordLevel tokenizer over `w0 .. w63`, split on whitespace.
+fn tokenizer_json(vocab: usize) -> String {
+    let words: Vec<String> = (0..vocab).map(|i| format!("\"w{i}\": {i}")).collect();
+    format!(
+        r#"{{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+"pre_tokenizer": {{"type": "Whitespace"}}, "post_processor": null, "decoder": null,
+"model": {{"type": "WordLevel", "vocab": {{{}}}, "unk_token": "w0"}}}}"#,
+        words.join(", ")
+    )
+}
+
+#[test]
+fn cli_runs_a_checkpoint_with_ids_text_and_check() {
+    let dir = temp_dir("cli");
+    let mut t = llama_tensors(&LLAMA, 17);
+    round_to(Store::F32, &mut t);
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 2);
+    std::fs::write(dir.join("tokenizer.json"), tokenizer_json(LLAMA.vocab)).expect("tokenizer");
+    std::fs::write(dir.join("workload.yaml"), WORKLOAD).expect("workload");
+    let plan = dir.join("plan.json");
+    let (config, wl, plan_s, dir_s) = (
+        dir.join("config.json").display().to_string(),
+        dir.join("workload.yaml").display().to_string(),
+        plan.display().to_string(),
+        dir.display().to_string(),
+    );
+    meshplan(&[
+        "plan",
+        &config,
+        "topologies/cpu-test-mesh.yaml",
+        "--workload",
+        &wl,
+        "--config",
+        "tp=2,pp=2,dp_attention=false",
+        "-o",
+        &plan_s,
+    ])
+    .expect_code(0);
+    let out = meshplan(&[
+        "run",
+        &plan_s,
+        "--weights",
+        &dir_s,
+        "--json",
+        "--check",
+        "--max-new-tokens",
+        "5",
+        "--prompt-ids",
+        "1,15,42,7,3,9",
+        "--prompt-ids",
+        "60,2",
+    ]);
+    out.expect_code(0);
+    let v = out.json();
+    for (i, p) in PROMPTS[..2].iter().enumerate() {
+        let (want, logits) = reference_generate(&|s| llama_forward(&LLAMA, &t, s), p, 5);
+        let got: Vec<u32> =
+            serde_json::from_value(v["requests"][i]["tokens"].clone()).expect("tokens");
+        assert_eq!(got, want, "request {i}");
+        if i == 0 {
+            let first: Vec<u32> = serde_json::from_value(v["tokens"].clone()).expect("tokens");
+            assert_eq!(first, want);
+            let l: Vec<f32> = serde_json::from_value(v["logits"].clone()).expect("logits");
+            let (d, scale) = max_diff(&l, &logits);
+            assert!(d <= TOL * scale, "{d}");
+        }
+    }
+    assert_eq!(v["check"]["passed"], true);
+    for key in [
+        "ttft_s",
+        "tpot_s",
+        "output_tokens_per_s",
+        "predicted_ttft_s",
+        "predicted_tpot_s",
+        "predicted_output_tokens_per_s",
+    ] {
+        assert!(
+            v[key].as_f64().is_some_and(|x| x > 0.0),
+            "{key}: {}",
+            v[key]
+        );
+    }
+    // The same prompt as text through tokenizer.json, and back.
+    let text = meshplan(&[
+        "run",
+        &plan_s,
+        "--weights",
+        &dir_s,
+        "--json",
+        "--max-new-tokens",
+        "5",
+        "--prompt",
+        "w1 w15 w42 w7 w3 w9",
+    ]);
+    text.expect_code(0);
+    let tv = text.json();
+    assert_eq!(tv["tokens"], v["tokens"]);
+    let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).expect("tokens");
+    let words: Vec<String> = ids.iter().map(|i| format!("w{i}")).collect();
+    assert_eq!(tv["text"].as_str(), Some(words.join(" ").as_str()));
+    // A prompt file, one request per line.
+    let prompts = dir.join("prompts.txt");
+    std::fs::write(&prompts, "w1 w15 w42 w7 w3 w9\n\nw60 w2\n").expect("prompts");
+    let file = meshplan(&[
+        "run",
+        &plan_s,
+        "--weights",
+        &dir_s,
+        "--json",
+        "--max-new-tokens",
+        "5",
+        "--prompt-file",
+        &prompts.display().to_string(),
+    ]);
+    file.expect_code(0);
+    let fv = file.json();
+    assert_eq!(fv["requests"][0]["tokens"], v["requests"][0]["tokens"]);
+    assert_eq!(fv["requests"][1]["tokens"], v["requests"][1]["tokens"]);
+}
+
+#[test]
+fn cli_bad_inference_input_exits_2() {
+    let dir = temp_dir("cli-bad");
+    let mut t = llama_tensors(&LLAMA, 18);
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
+    std::fs::write(dir.join("workload.yaml"), WORKLOAD).expect("workload");
+    let plan = dir.join("plan.json").display().to_string();
+    let (config, wl, dir_s) = (
+        dir.join("config.json").display().to_string(),
+        dir.join("workload.yaml").display().to_string(),
+        dir.display().to_string(),
+    );
+    meshplan(&[
+        "plan",
+        &config,
+        "topologies/cpu-test-mesh.yaml",
+        "--workload",
+        &wl,
+        "--config",
+        "tp=2,pp=2,dp_attention=false",
+        "-o",
+        &plan,
+    ])
+    .expect_code(0);
+    meshplan(&["run", &plan, "--prompt", "hello"])
+        .expect_code(2)
+        .stderr_has(&["tokenizer"]);
+    meshplan(&["run", &plan, "--prompt-ids", "1,x"])
+        .expect_code(2)
+        .stderr_has(&["--prompt-ids"]);
+    meshplan(&["run", &plan, "--prompt-ids", "1,64"])
+        .expect_code(2)
+        .stderr_has(&["token id 64", "vocabulary of 64"]);
+    meshplan(&["run", &plan, "--prompt-ids", "1", "--top-p", "0"])
+        .expect_code(2)
+        .stderr_has(&["--top-p"]);
+    // Plans the executor cannot run yet say so and how to plan instead.
+    let dpa = dir.join("dpa.json").display().to_string();
+    meshplan(&[
+        "plan",
+        &config,
+        "topologies/cpu-test-mesh.yaml",
+        "--workload",
+        &wl,
+        "--config",
+        "tp=2,pp=2,dp_attention=true",
+        "-o",
+        &dpa,
+    ])
+    .expect_code(0);
+    meshplan(&["run", &dpa, "--prompt-ids", "1"])
+        .expect_code(2)
+        .stderr_has(&["dp_attention=false"]);
+    // Without --weights the plan runs on its deterministic synthetic weights.
+    meshplan(&[
+        "run",
+        &plan,
+        "--prompt-ids",
+        "1,2",
+        "--max-new-tokens",
+        "2",
+        "--check",
+    ])
+    .expect_code(0);
+    // A checkpoint whose tensor has the wrong shape names it and the shape wanted.
+    let v = t.get_mut("model.layers.0.mlp.up_proj.weight").expect("up");
+    v.0 = vec![LLAMA.ffn + 1, LLAMA.hidden];
+    v.1 = vec![0.0; (LLAMA.ffn + 1) * LLAMA.hidden];
+    let bad = temp_dir("cli-bad-shape");
+    write_checkpoint(&bad, &llama_config(&LLAMA), &t, Store::F32, 1);
+    meshplan(&[
+        "run",
+        &plan,
+        "--weights",
+        &bad.display().to_string(),
+        "--prompt-ids",
+        "1",
+    ])
+    .expect_code(2)
+    .stderr_has(&["model.layers.0.mlp.up_proj.weight", "[48, 32]"]);
+    // A checkpoint of another model names the config field.
+    let tiny = dir.join("tiny.json").display().to_string();
+    meshplan(&[
+        "plan",
+        "models/tiny-llama-inference.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "tp=2,pp=2,dp_attention=false",
+        "-o",
+        &tiny,
+    ])
+    .expect_code(0);
+    meshplan(&["run", &tiny, "--weights", &dir_s, "--prompt-ids", "1"])
+        .expect_code(2)
+        .stderr_has(&["num_hidden_layers"]);
+    meshplan(&[
+        "run",
+        &tiny,
+        "--weights",
+        &dir.join("nowhere").display().to_string(),
+    ])
+    .expect_code(2)
+    .stderr_has(&["config.json"]);
+}
