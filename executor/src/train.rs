@@ -1231,7 +1231,7 @@ impl<'a> RankState<'a> {
         let eps = self.graph.constants.norm_eps as f32;
         match &op.kind {
             OpKind::Embedding => {
-                let ids = self.act(store, l, op.inputs[0])?;
+                let ids = self.lookup_ids(op, self.act(store, l, op.inputs[0])?);
                 let table = self.weight(op.inputs[1], l)?;
                 let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
                     .last()
@@ -1428,6 +1428,18 @@ impl<'a> RankState<'a> {
     }
 
     /// The ids a rank looks up and the first vocabulary row it holds.
+    /// The rows an embedding op looks up: token ids, or, for a learned position
+    /// table (`embed.positions`, reading the tokens only for their layout), each
+    /// token's global position in its sequence.
+    fn lookup_ids(&self, op: &Op, tokens: Arc<Vec<f32>>) -> Arc<Vec<f32>> {
+        if !op.name.ends_with("positions") {
+            return tokens;
+        }
+        let b = self.mbs.max(1);
+        let s0 = self.cp.rank * self.seq_len / self.cp.size.max(1);
+        Arc::new((0..tokens.len()).map(|r| (s0 + r / b) as f32).collect())
+    }
+
     fn embedding_rows(
         &self,
         op: &Op,
@@ -2626,7 +2638,7 @@ impl RankState<'_> {
         let in_name = |i: usize| self.graph.tensor(op.inputs[i]).name.clone();
         match &op.kind {
             OpKind::Embedding => {
-                let ids = self.act(store, l, op.inputs[0])?;
+                let ids = self.lookup_ids(op, self.act(store, l, op.inputs[0])?);
                 let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
                     .last()
                     .unwrap_or(&1);

@@ -264,6 +264,36 @@ fn tied_embeddings_and_dropout_train_like_one_rank() {
     ] {
         check(&dropout, cfg);
     }
+    // A learned position table is looked up by position, under every split of the
+    // sequence: one step moves every row of it by about the learning rate (Adam),
+    // where looking it up by token id would leave most rows to weight decay alone.
+    let learned = variant(
+        "position: rope",
+        "position: learned\n  max_positions: 32",
+        "learned.yaml",
+    );
+    for cfg in ["dp=2", "tp=2,sp=true", "cp=2", "pp=2,mbs=1"] {
+        check(&learned, cfg);
+    }
+    let one = TrainOptions {
+        steps: 1,
+        ..TrainOptions::default()
+    };
+    let run = train(&plan(&learned, "dp=2"), &one).unwrap();
+    let w = &run.ranks[0].weights[&("embed.positions.w".to_string(), u64::MAX)];
+    let w0 = meshplan_executor::init::init_full(
+        one.seed,
+        "embed.positions.w",
+        u64::MAX,
+        w.len(),
+        meshplan_executor::init::InitKind::Normal(0.02),
+    );
+    for row in 0..32 {
+        let moved = (0..64)
+            .map(|j| (w[row * 64 + j] - w0[row * 64 + j]).abs())
+            .fold(0.0f32, f32::max);
+        assert!(moved > 1e-3, "position row {row} moved only {moved}");
+    }
     // And dropout is on: the first loss differs from the same model without it.
     let without = train(&plan(&model("tiny-gpt"), "dp=2"), &TrainOptions::default()).unwrap();
     let with = train(&plan(&dropout, "dp=2"), &TrainOptions::default()).unwrap();

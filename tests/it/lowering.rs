@@ -753,7 +753,10 @@ fn bad_inputs_are_errors_not_panics() {
         ("x".to_string(), vec!["R".into(), "R".into(), "R".into()]),
         ("x".to_string(), vec!["S(0)".into(), "R".into(), "R".into()]),
     ];
-    assert!(base(&[2], dup).is_err(), "a tensor placed twice differently");
+    assert!(
+        base(&[2], dup).is_err(),
+        "a tensor placed twice differently"
+    );
     assert!(base(&[2], vec![]).is_ok());
     let big = config("dp=16", 16);
     let err = lower_train(&LowerInput {
