@@ -1867,8 +1867,45 @@ impl<'a> RankState<'a> {
             return Ok(());
         }
         let keys = self.set_keys(set, None);
+        if zero == 0 || n <= 1 {
+            // Every weight whole on this rank: update each in place (the state is the
+            // set's flat vector in key order, as the sharded path keeps it).
+            let total: usize = keys
+                .iter()
+                .map(|k| self.weights.get(k).map_or(0, Vec::len))
+                .sum();
+            self.adam_state(set.to_string(), &keys, vec![(0, total)])?;
+            let (mut m, mut v) = self
+                .adam
+                .remove(set)
+                .ok_or_else(|| fail(format!("no AdamW state `{set}`")))?;
+            let be = self.be;
+            let mut off = 0;
+            for k in &keys {
+                let missing = || fail(format!("weight or gradient of `{}` missing", k.0));
+                let w = self.weights.get_mut(k).ok_or_else(missing)?;
+                let g = self.wgrads.get(k).ok_or_else(missing)?;
+                let len = w.len();
+                be.adamw_step(
+                    w,
+                    g,
+                    &mut m[off..off + len],
+                    &mut v[off..off + len],
+                    step,
+                    lr,
+                    b1,
+                    b2,
+                    eps,
+                    wd,
+                )
+                .map_err(kerr("adamw"))?;
+                off += len;
+            }
+            self.adam.insert(set.to_string(), (m, v));
+            return Ok(());
+        }
         let mut flat = self.flat(&self.weights, &keys);
-        // The slices this rank updates: everything, or its share of each bucket.
+        // The slices this rank updates: its share of each bucket.
         let (parts, grad): (Vec<(usize, usize)>, Vec<f32>) = if zero >= 1 && n > 1 {
             let mut got = self
                 .reduced

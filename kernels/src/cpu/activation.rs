@@ -28,8 +28,10 @@ pub fn gelu_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError
     Ok(())
 }
 
+/// With the vectorisable exponential: SwiGLU runs over every MLP activation.
+#[inline(always)]
 fn sigmoid(v: f32) -> f32 {
-    1.0 / (1.0 + (-v).exp())
+    1.0 / (1.0 + super::fast_exp(-v))
 }
 
 fn check_swiglu(

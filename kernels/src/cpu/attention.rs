@@ -23,7 +23,7 @@
 #![allow(clippy::too_many_arguments)] // mirrors the CUDA kernel signature
 
 use super::matmul::{matmul, Transpose};
-use super::{check_len, invalid, prod, KernelError};
+use super::{check_len, fast_exp, invalid, prod, KernelError};
 
 /// Number of keys processed per tile of the online softmax.
 pub const KEY_TILE: usize = 64;
@@ -177,38 +177,6 @@ fn scatter_add(
         {
             *x += y;
         }
-    }
-}
-
-/// `exp(x)` to within a few ulp, written branch-free so that loops over
-/// slices vectorise (the libm call does not). Cephes `expf` reduction:
-/// `x = n ln2 + r` with `|r| <= ln2 / 2`, a degree-7 polynomial for
-/// `exp(r)`, and `2^n` built from the exponent bits. Arguments below
-/// `-87` (results under `1.7e-38`) give 0, `-inf` included; NaN stays NaN.
-#[inline(always)]
-fn fast_exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    // 1.5 * 2^23: adding it rounds to an integer held in the low mantissa bits.
-    const MAGIC: f32 = 12_582_912.0;
-    const C1: f32 = 0.693_359_4;
-    const C2: f32 = -2.121_944_4e-4;
-    let xc = x.clamp(-87.0, 88.0);
-    let y = xc * LOG2E + MAGIC;
-    let n = y - MAGIC;
-    let r = xc - n * C1 - n * C2;
-    let mut p = 1.987_569_1e-4;
-    p = p * r + 1.398_2e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
-    let e = p * r * r + r + 1.0;
-    let ni = (y.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);
-    let pow2 = f32::from_bits((ni.wrapping_add(127) as u32) << 23);
-    if x < -87.0 {
-        0.0
-    } else {
-        e * pow2
     }
 }
 
