@@ -735,9 +735,16 @@ pub fn inference_space(
             } else {
                 vec![fixed.ep.unwrap_or(1)]
             };
+            // DP-attention serves MoE models (SGLang's `--enable-dp-attention` for
+            // DeepSeek): a dense model keeps attention on its tensor ranks unless the
+            // configuration asks for it.
             let dpas = pick(
                 fixed.dp_attention,
-                if tp > 1 { &[false, true] } else { &[false] },
+                if tp > 1 && pg.experts > 0 {
+                    &[false, true]
+                } else {
+                    &[false]
+                },
             );
             for &ep in &eps {
                 for &dp_attention in &dpas {
