@@ -47,3 +47,19 @@ pub(crate) fn spinner(message: String) -> indicatif::ProgressBar {
     bar.enable_steady_tick(std::time::Duration::from_millis(120));
     bar
 }
+
+/// A bar of `len` steps with a message, or a hidden bar.
+pub(crate) fn bar(len: u64, message: String) -> indicatif::ProgressBar {
+    if !progress_visible() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(len);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} {bar:30} {pos}/{len} steps [{elapsed}, {eta} left]",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_message(message);
+    bar
+}

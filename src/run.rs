@@ -160,7 +160,14 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         plan.model.name,
         plan.ranks.len()
     );
-    let bar = crate::log::spinner(format!("training {} steps", a.steps));
+    let bar = crate::log::bar(a.steps - start, format!("training {}", plan.model.name));
+    let shown = bar.clone();
+    let opts = TrainOptions {
+        on_step: Some(meshplan_executor::train::StepHook(std::sync::Arc::new(
+            move |done| shown.set_position(done),
+        ))),
+        ..opts
+    };
     let report = train(&plan, &opts).map_err(|e| runtime(e.message));
     bar.finish_and_clear();
     let report = report?;

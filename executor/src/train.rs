@@ -46,6 +46,19 @@ pub struct TrainOptions {
     /// Start from this checkpoint (its weights, AdamW state and step) and run up
     /// to `steps` steps in all.
     pub resume: Option<Arc<crate::ckpt::Checkpoint>>,
+    /// Told by rank 0 after each step how many steps this run has done (a progress
+    /// bar; the executor knows nothing of terminals).
+    pub on_step: Option<StepHook>,
+}
+
+/// A callback after each training step, with the number of steps done so far.
+#[derive(Clone)]
+pub struct StepHook(pub Arc<dyn Fn(u64) + Send + Sync>);
+
+impl std::fmt::Debug for StepHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StepHook")
+    }
 }
 
 impl TrainOptions {
@@ -62,6 +75,7 @@ impl TrainOptions {
             moe_group_tokens: self.moe_group_tokens.or(Some(group as usize)),
             // The reference resumes from the same checkpoint but writes none.
             save: None,
+            on_step: None,
             ..self.clone()
         }
     }
@@ -80,6 +94,7 @@ impl Default for TrainOptions {
             trace: false,
             save: None,
             resume: None,
+            on_step: None,
         }
     }
 }
@@ -206,6 +221,9 @@ pub fn train_on(
             let t = Instant::now();
             loss_parts.push(r.step(step)?);
             step_s.push(t.elapsed().as_secs_f64());
+            if let (0, Some(hook)) = (r.rank, &opts.on_step) {
+                (hook.0)(step_s.len() as u64);
+            }
             if let Some(sv) = saver.as_ref().filter(|sv| sv.due(step + 1, opts.steps)) {
                 sv.deposit(step + 1, r.snapshot()?).map_err(fail)?;
             }

@@ -318,3 +318,18 @@ fn moe_under_sequence_parallelism() {
     check(&c, "dp=2,tp=2,ep=4,sp=true");
     check(&c, "tp=2,ep=2,sp=true,pp=2,mbs=1");
 }
+
+#[test]
+fn the_step_hook_hears_every_step_once_from_rank_0() {
+    use meshplan_executor::train::StepHook;
+    use std::sync::{Arc, Mutex};
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let s2 = seen.clone();
+    let opts = TrainOptions {
+        steps: 3,
+        on_step: Some(StepHook(Arc::new(move |n| s2.lock().unwrap().push(n)))),
+        ..TrainOptions::default()
+    };
+    train(&plan(&model("tiny-gpt"), "dp=2,tp=2,pp=2,mbs=1"), &opts).unwrap();
+    assert_eq!(*seen.lock().unwrap(), vec![1, 2, 3]);
+}

@@ -52,7 +52,6 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
     }
 }
 
-
 pub mod activation;
 pub mod adamw;
 pub mod attention;
