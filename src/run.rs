@@ -106,11 +106,21 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "{file}: prompts and sampling flags are for inference plans; this is a training plan"
         )));
     }
-    if a.weights.is_some() {
-        return Err(bad(
-            "--weights is read for inference plans; training from a checkpoint is not supported yet (run without it)".into(),
-        ));
-    }
+    let hf = match a.weights {
+        Some(dir) => {
+            if a.resume.is_some() {
+                return Err(bad(
+                    "--weights and --resume both give the weights; use one (a --save checkpoint already holds them)".into(),
+                ));
+            }
+            let ck =
+                meshplan_executor::weights::Checkpoint::open(dir).map_err(|e| bad(e.message))?;
+            ck.check_config(&plan.graph).map_err(|e| bad(e.message))?;
+            ck.validate(&plan.graph).map_err(|e| bad(e.message))?;
+            Some(std::sync::Arc::new(ck))
+        }
+        None => None,
+    };
     // Ranks are threads of this process holding fp32 weights, gradients and Adam
     // state: refuse what cannot fit rather than exhausting the machine.
     let s = &plan.strategy;
@@ -152,6 +162,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let opts = TrainOptions {
         data,
         trace: a.trace.is_some(),
+        weights: hf,
         ..opts
     };
     tracing::info!(

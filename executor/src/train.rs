@@ -49,6 +49,9 @@ pub struct TrainOptions {
     /// Told by rank 0 after each step how many steps this run has done (a progress
     /// bar; the executor knows nothing of terminals).
     pub on_step: Option<StepHook>,
+    /// Start from a Hugging Face checkpoint's weights (fine-tuning) instead of the
+    /// seeded initialisation; each rank reads its own slice.
+    pub weights: Option<Arc<crate::weights::Checkpoint>>,
 }
 
 /// A callback after each training step, with the number of steps done so far.
@@ -95,6 +98,7 @@ impl Default for TrainOptions {
             save: None,
             resume: None,
             on_step: None,
+            weights: None,
         }
     }
 }
@@ -607,10 +611,23 @@ impl<'a> RankState<'a> {
                             ck.values(&crate::ckpt::tensor_name("w", &key), &shape)
                                 .map_err(fail)?
                         }
+                        None if self.opts.weights.is_some() => Vec::new(),
                         None => init_full(self.opts.seed, &t.name, layer, elems, kind),
                     };
-                    let local =
-                        local_weight(self.graph, op, op.role, w, &full, &shape, self.tp, self.ep);
+                    let local = match (&self.opts.weights, &self.opts.resume) {
+                        // Fine-tuning: this rank's slice straight from the mapped files.
+                        (Some(hf), None) => {
+                            let spec = crate::weights::shard_spec(
+                                self.graph, op, op.role, w, &shape, self.tp,
+                            );
+                            let l = (layer != NO_LAYER).then_some(layer);
+                            hf.local(self.graph, op, w, l, &spec)
+                                .map_err(|e| fail(e.message))?
+                        }
+                        _ => local_weight(
+                            self.graph, op, op.role, w, &full, &shape, self.tp, self.ep,
+                        ),
+                    };
                     self.wgrads.insert(key.clone(), vec![0.0; local.len()]);
                     self.weights.insert(key, local);
                 }

@@ -1169,3 +1169,77 @@ fn cli_bad_inference_input_exits_2() {
     .expect_code(2)
     .stderr_has(&["config.json"]);
 }
+
+// === fine-tuning from a checkpoint ===
+
+/// A training plan of the checkpoint's model: `seq_len` 16, 4 sequences a step.
+fn train_plan_of(dir: &Path, cfg: &str, gpus: u64) -> Plan {
+    let spec = load_model(
+        &dir.join("config.json"),
+        &WorkloadOverrides {
+            seq_len: Some(16),
+            global_batch: Some(4),
+            ..WorkloadOverrides::default()
+        },
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let mut cluster = load_cluster(
+        Path::new(&format!("{ROOT}/topologies/cpu-test-mesh.yaml")),
+        Some(1),
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    cluster.gpus_per_node = gpus;
+    let cfg = PartialConfig::parse(cfg, "test")
+        .and_then(|p| p.resolve(gpus, "test"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let workload = spec.workload.clone().expect("a training workload");
+    plan_for_config(&spec.name, &graph, &pg, &cluster, &workload, &cfg)
+        .unwrap_or_else(|e| panic!("{e}"))
+}
+
+#[test]
+fn fine_tuning_starts_from_the_checkpoint_weights_on_any_sharding() {
+    use meshplan_executor::train::{check_against, train, TrainOptions};
+    let dir = temp_dir("finetune-llama");
+    let t = llama_tensors(&LLAMA, 11);
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 2);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let opts = TrainOptions {
+        steps: 3,
+        weights: Some(ck),
+        ..TrainOptions::default()
+    };
+    let single = train_plan_of(&dir, "dp=1", 1);
+    let base = train(&single, &opts).unwrap_or_else(|e| panic!("{e}"));
+    // The first step's loss is the checkpoint's: the naive f64 forward's mean
+    // cross-entropy over the same synthetic sequences, position by position.
+    let mut total = 0.0;
+    let mut n = 0.0;
+    for i in 0..4u64 {
+        let seq = meshplan_executor::init::synthetic_sequence(opts.seed, 0, i, 16, 64);
+        for p in 0..16 {
+            let logits = llama_forward(&LLAMA, &t, &seq[..=p]);
+            let m = logits.iter().fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+            let lse = m + logits.iter().map(|x| (x - m).exp()).sum::<f64>().ln();
+            total += lse - logits[seq[p + 1] as usize];
+            n += 1.0;
+        }
+    }
+    let want = total / n;
+    assert!(
+        (base.losses[0] - want).abs() < 1e-4 * want,
+        "step 0 loss {} vs naive {want}",
+        base.losses[0]
+    );
+    assert!(base.losses[2] < base.losses[0], "{:?}", base.losses);
+    for cfg in ["dp=2,tp=2", "tp=2,pp=2", "dp=2,pp=2,zero=2"] {
+        let plan = train_plan_of(&dir, cfg, 4);
+        let run = train(&plan, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        let base = train(&single, &opts.reference_of(&plan)).unwrap_or_else(|e| panic!("{e}"));
+        if let Err(why) = check_against(&plan, &run, &base, 1e-5) {
+            panic!("{cfg} differs from the single-rank fine-tuning:\n{why}");
+        }
+    }
+}
