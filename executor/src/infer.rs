@@ -20,7 +20,7 @@
 
 use crate::backend::{Backend, CpuBackend};
 use crate::comm::{ByteCounts, Communicator, Group, RankError, ThreadComm};
-use crate::init::{init_full, InitKind};
+use crate::init::init_full;
 use crate::sample::{sample, Sampling};
 use crate::shard::{local_heads, weight_transposed, TpPos};
 use crate::train::{
@@ -483,35 +483,11 @@ impl<'a> InferRank<'a> {
 
     /// (segment index, block layer) of every segment copy this stage runs.
     fn copies(&self) -> Result<Vec<(usize, Option<u64>)>, RankError> {
-        let mut out = Vec::new();
-        for ch in &self.prefill.chunks {
-            let mut layer = ch.layer_start;
-            for instr in &ch.forward {
-                if let Instr::Segment {
-                    name, kind, repeat, ..
-                } = instr
-                {
-                    let s = self.segment_index(name)?;
-                    for _ in 0..*repeat {
-                        if *kind == SegmentKind::Block {
-                            out.push((s, Some(layer)));
-                            layer += 1;
-                        } else {
-                            out.push((s, None));
-                        }
-                    }
-                }
-            }
-        }
-        Ok(out)
+        crate::train::segment_copies(self.graph, self.prefill)
     }
 
     fn segment_index(&self, name: &str) -> Result<usize, RankError> {
-        self.graph
-            .segments
-            .iter()
-            .position(|s| s.name == name)
-            .ok_or_else(|| fail(format!("segment `{name}` is not in the plan's graph")))
+        crate::train::segment_index(self.graph, name)
     }
 
     /// This rank's shard of every weight its stage uses: read from the checkpoint,
@@ -537,15 +513,7 @@ impl<'a> InferRank<'a> {
                             .local(self.graph, op, w, layer, &spec)
                             .map_err(|e| fail(e.message))?,
                         None => {
-                            let kind = match op.kind {
-                                OpKind::Norm(_)
-                                    if shape.len() == 1 && op.inputs.get(1) == Some(&w) =>
-                                {
-                                    InitKind::Ones
-                                }
-                                _ if shape.len() == 1 => InitKind::Zeros,
-                                _ => InitKind::Normal(0.02),
-                            };
+                            let kind = crate::init::init_kind(op, w, &shape);
                             let elems = shape.iter().product();
                             let full = init_full(self.opts.seed, &t.name, l, elems, kind);
                             apply_spec(&spec, &full, &shape)

@@ -68,6 +68,18 @@ pub fn dropout_keep(seed: u64, step: u64, site: u64, coords: [u64; 3], p: f64) -
     ((z >> 11) as f64) * (1.0 / (1u64 << 53) as f64) >= p
 }
 
+/// How weight `w` of `op` starts: norm scales at one, other vectors (biases) at
+/// zero, matrices normal with standard deviation 0.02 (GPT-2's).
+pub fn init_kind(op: &meshplan_ir::Op, w: meshplan_ir::TensorId, shape: &[usize]) -> InitKind {
+    match op.kind {
+        meshplan_ir::OpKind::Norm(_) if shape.len() == 1 && op.inputs.get(1) == Some(&w) => {
+            InitKind::Ones
+        }
+        _ if shape.len() == 1 => InitKind::Zeros,
+        _ => InitKind::Normal(0.02),
+    }
+}
+
 /// The synthetic token stream: sequence `seq_index` of step `step` has `len + 1`
 /// tokens (inputs and next-token labels) drawn from a fixed pattern plus noise, so a
 /// model can learn it and the loss falls.

@@ -10,7 +10,7 @@
 
 use crate::backend::{Backend, CpuBackend};
 use crate::comm::{ByteCounts, CommError, Communicator, Group, RankError, ThreadComm};
-use crate::init::{init_full, InitKind};
+use crate::init::{init_full, init_kind};
 use crate::shard::{local_heads, local_weight, TpPos};
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Pass, Plan, PlanKind, Program};
@@ -542,35 +542,14 @@ impl<'a> RankState<'a> {
 
     /// Layers of this rank: (segment index, layer key) per segment copy it runs.
     fn copies(&self) -> Result<Vec<(usize, u64)>, RankError> {
-        let mut out = Vec::new();
-        for ch in &self.phase()?.chunks {
-            let mut layer = ch.layer_start;
-            for instr in &ch.forward {
-                if let Instr::Segment {
-                    name, kind, repeat, ..
-                } = instr
-                {
-                    let s = self.segment_index(name)?;
-                    for _ in 0..*repeat {
-                        if *kind == SegmentKind::Block {
-                            out.push((s, layer));
-                            layer += 1;
-                        } else {
-                            out.push((s, NO_LAYER));
-                        }
-                    }
-                }
-            }
-        }
-        Ok(out)
+        Ok(segment_copies(self.graph, self.phase()?)?
+            .into_iter()
+            .map(|(s, l)| (s, l.unwrap_or(NO_LAYER)))
+            .collect())
     }
 
     fn segment_index(&self, name: &str) -> Result<usize, RankError> {
-        self.graph
-            .segments
-            .iter()
-            .position(|s| s.name == name)
-            .ok_or_else(|| fail(format!("segment `{name}` is not in the plan's graph")))
+        segment_index(self.graph, name)
     }
 
     fn init_weights(&mut self) -> Result<(), RankError> {
@@ -588,13 +567,7 @@ impl<'a> RankState<'a> {
                     }
                     let shape = fixed_shape(t)?;
                     let elems: usize = shape.iter().product();
-                    let kind = match op.kind {
-                        OpKind::Norm(_) if shape.len() == 1 && op.inputs.get(1) == Some(&w) => {
-                            InitKind::Ones
-                        }
-                        _ if shape.len() == 1 => InitKind::Zeros,
-                        _ => InitKind::Normal(0.02),
-                    };
+                    let kind = init_kind(op, w, &shape);
                     let full = match &self.opts.resume {
                         Some(ck) => {
                             let slice = |kind: &str| -> Result<Vec<f32>, RankError> {
@@ -3284,6 +3257,44 @@ fn sbhd_to_bshd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> {
         }
     }
     y
+}
+
+/// Every copy of a segment a phase's chunks run, in order: (segment index, block
+/// layer or `None` outside the blocks). Both interpreters hold weights per copy.
+pub(crate) fn segment_copies(
+    graph: &Graph,
+    phase: &meshplan_ir::plan::Phase,
+) -> Result<Vec<(usize, Option<u64>)>, RankError> {
+    let mut out = Vec::new();
+    for ch in &phase.chunks {
+        let mut layer = ch.layer_start;
+        for instr in &ch.forward {
+            if let Instr::Segment {
+                name, kind, repeat, ..
+            } = instr
+            {
+                let s = segment_index(graph, name)?;
+                for _ in 0..*repeat {
+                    if *kind == SegmentKind::Block {
+                        out.push((s, Some(layer)));
+                        layer += 1;
+                    } else {
+                        out.push((s, None));
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The index of segment `name` in the plan's graph.
+pub(crate) fn segment_index(graph: &Graph, name: &str) -> Result<usize, RankError> {
+    graph
+        .segments
+        .iter()
+        .position(|s| s.name == name)
+        .ok_or_else(|| fail(format!("segment `{name}` is not in the plan's graph")))
 }
 
 /// The communication groups of `rank`, by name (see the plan format's rule).

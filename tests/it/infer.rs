@@ -605,14 +605,20 @@ const WORKLOAD: &str = "kind: inference\nprompt_len: 6\noutput_len: 5\nconcurren
 fn plan_of(dir: &Path, cfg: &str, gpus: u64) -> Plan {
     let workload = dir.join("workload.yaml");
     std::fs::write(&workload, WORKLOAD).expect("workload");
-    let spec = load_model(
-        &dir.join("config.json"),
-        &WorkloadOverrides {
+    plan_with(
+        dir,
+        WorkloadOverrides {
             workload_file: Some(workload),
             ..WorkloadOverrides::default()
         },
+        cfg,
+        gpus,
     )
-    .unwrap_or_else(|e| panic!("{e}"));
+}
+
+/// A plan of `cfg` for the checkpoint's model under the workload `overrides` give.
+fn plan_with(dir: &Path, overrides: WorkloadOverrides, cfg: &str, gpus: u64) -> Plan {
+    let spec = load_model(&dir.join("config.json"), &overrides).unwrap_or_else(|e| panic!("{e}"));
     let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
     let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
     let mut cluster = load_cluster(
@@ -624,7 +630,7 @@ fn plan_of(dir: &Path, cfg: &str, gpus: u64) -> Plan {
     let cfg = PartialConfig::parse(cfg, "test")
         .and_then(|p| p.resolve(gpus, "test"))
         .unwrap_or_else(|e| panic!("{e}"));
-    let workload = spec.workload.clone().expect("an inference workload");
+    let workload = spec.workload.clone().expect("a workload");
     plan_for_config(&spec.name, &graph, &pg, &cluster, &workload, &cfg)
         .unwrap_or_else(|e| panic!("{e}"))
 }
@@ -1174,29 +1180,12 @@ fn cli_bad_inference_input_exits_2() {
 
 /// A training plan of the checkpoint's model: `seq_len` 16, 4 sequences a step.
 fn train_plan_of(dir: &Path, cfg: &str, gpus: u64) -> Plan {
-    let spec = load_model(
-        &dir.join("config.json"),
-        &WorkloadOverrides {
-            seq_len: Some(16),
-            global_batch: Some(4),
-            ..WorkloadOverrides::default()
-        },
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
-    let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
-    let mut cluster = load_cluster(
-        Path::new(&format!("{ROOT}/topologies/cpu-test-mesh.yaml")),
-        Some(1),
-    )
-    .unwrap_or_else(|e| panic!("{e}"));
-    cluster.gpus_per_node = gpus;
-    let cfg = PartialConfig::parse(cfg, "test")
-        .and_then(|p| p.resolve(gpus, "test"))
-        .unwrap_or_else(|e| panic!("{e}"));
-    let workload = spec.workload.clone().expect("a training workload");
-    plan_for_config(&spec.name, &graph, &pg, &cluster, &workload, &cfg)
-        .unwrap_or_else(|e| panic!("{e}"))
+    let overrides = WorkloadOverrides {
+        seq_len: Some(16),
+        global_batch: Some(4),
+        ..WorkloadOverrides::default()
+    };
+    plan_with(dir, overrides, cfg, gpus)
 }
 
 #[test]
