@@ -3,7 +3,7 @@
 //! degrees; a save that dies half way leaves the previous checkpoint loadable; a
 //! damaged or foreign checkpoint is a clean error; and the `run` flags.
 
-use crate::cli::{json_of, meshplan, temp_file};
+use crate::cli::{json_of, meshplan, plan_file};
 use crate::executor::{model, plan, Model};
 use meshplan_executor::ckpt::{step_folder, Checkpoint, SaveOptions};
 use meshplan_executor::train::{train, TrainOptions, TrainReport, PARAM_TOLERANCE};
@@ -258,19 +258,12 @@ fn ckpt_damaged_or_foreign_checkpoints_are_clean_errors() {
 
 #[test]
 fn ckpt_run_flags_save_resume_and_exit_codes() {
-    let out = temp_file("plan-ckpt.json", "");
-    let path = out.to_str().expect("utf-8 path");
-    meshplan(&[
-        "plan",
+    let out = plan_file(
+        "plan-ckpt.json",
         "models/tiny-gpt.yaml",
-        "topologies/cpu-test-mesh.yaml",
-        "--config",
         "dp=2,tp=2,pp=2,mbs=1",
-        "--quiet",
-        "-o",
-        path,
-    ])
-    .expect_code(0);
+    );
+    let path = out.to_str().expect("utf-8 path");
     let dir = temp_dir("cli");
     let d = dir.to_str().expect("utf-8 path");
     let first = meshplan(&[
@@ -360,19 +353,8 @@ fn ckpt_run_flags_save_resume_and_exit_codes() {
     meshplan(&["run", path, "--steps", "6", "--resume", d])
         .expect_code(2)
         .stderr_has(&["model-00001-of-00001.safetensors", "checksum"]);
-    let moe_plan = temp_file("plan-ckpt-moe.json", "");
+    let moe_plan = plan_file("plan-ckpt-moe.json", "models/tiny-moe.yaml", "dp=2");
     let moe = moe_plan.to_str().expect("utf-8 path");
-    meshplan(&[
-        "plan",
-        "models/tiny-moe.yaml",
-        "topologies/cpu-test-mesh.yaml",
-        "--config",
-        "dp=2",
-        "--quiet",
-        "-o",
-        moe,
-    ])
-    .expect_code(0);
     meshplan(&[
         "run",
         moe,

@@ -122,6 +122,25 @@ pub(crate) fn temp_file(name: &str, text: &str) -> PathBuf {
     path
 }
 
+/// `meshplan plan MODEL` on the 8-thread CPU mesh under `cfg`, written to a temporary
+/// `name`; the plan's path.
+pub(crate) fn plan_file(name: &str, model: &str, cfg: &str) -> PathBuf {
+    let out = temp_file(name, "");
+    let path = out.to_str().expect("utf-8 path");
+    meshplan(&[
+        "plan",
+        model,
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        cfg,
+        "--quiet",
+        "-o",
+        path,
+    ])
+    .expect_code(0);
+    out
+}
+
 #[track_caller]
 fn number(v: &Value, key: &str) -> f64 {
     v.get(key)
@@ -777,19 +796,12 @@ fn compare_bad_configs_file_exits_2_naming_it() {
 
 #[test]
 fn run_check_trains_the_planned_layout_like_one_rank() {
-    let out = temp_file("plan-run.json", "");
-    let path = out.to_str().expect("utf-8 path");
-    meshplan(&[
-        "plan",
+    let out = plan_file(
+        "plan-run.json",
         "models/tiny-gpt.yaml",
-        "topologies/cpu-test-mesh.yaml",
-        "--config",
         "dp=2,tp=2,pp=2,mbs=1",
-        "--quiet",
-        "-o",
-        path,
-    ])
-    .expect_code(0);
+    );
+    let path = out.to_str().expect("utf-8 path");
     let run = meshplan(&["run", path, "--steps", "5", "--check", "--json"]);
     run.expect_code(0);
     let v = json_of(&run);
@@ -808,19 +820,12 @@ fn run_check_trains_the_planned_layout_like_one_rank() {
 
 #[test]
 fn run_check_expert_parallel_with_capacity_matches_the_plan_byte_for_byte() {
-    let out = temp_file("plan-run-moe.json", "");
-    let path = out.to_str().expect("utf-8 path");
-    meshplan(&[
-        "plan",
+    let out = plan_file(
+        "plan-run-moe.json",
         "models/tiny-moe-capacity.yaml",
-        "topologies/cpu-test-mesh.yaml",
-        "--config",
         "dp=4,ep=4,tp=2,sp=true,mbs=1",
-        "--quiet",
-        "-o",
-        path,
-    ])
-    .expect_code(0);
+    );
+    let path = out.to_str().expect("utf-8 path");
     let run = meshplan(&["run", path, "--steps", "5", "--check", "--json"]);
     run.expect_code(0);
     let v = json_of(&run);
@@ -863,19 +868,12 @@ fn token_file(name: &str, tokens: &[u16], llmc_header: bool) -> PathBuf {
 
 #[test]
 fn run_trains_on_a_token_file_and_writes_a_trace() {
-    let out = temp_file("plan-data.json", "");
-    let path = out.to_str().expect("utf-8 path");
-    meshplan(&[
-        "plan",
+    let out = plan_file(
+        "plan-data.json",
         "models/tiny-gpt.yaml",
-        "topologies/cpu-test-mesh.yaml",
-        "--config",
         "dp=2,tp=2,pp=2,mbs=1",
-        "--quiet",
-        "-o",
-        path,
-    ])
-    .expect_code(0);
+    );
+    let path = out.to_str().expect("utf-8 path");
     // 64 windows of 33 tokens: a counting pattern the model can learn.
     let tokens: Vec<u16> = (0..32 * 64 + 1)
         .map(|i| ((i * 5 + i / 7) % 256) as u16)
