@@ -178,14 +178,21 @@ pub(crate) fn run(a: &RunArgs<'_>, plan: &Plan, file: &str) -> Result<(), Failur
             seed: flags.seed,
         },
         weights: checkpoint,
+        threads_per_rank: crate::run::threads_per_rank(a.threads, plan.ranks.len())?,
         ..InferOptions::default()
     };
     meshplan_executor::infer::check_inputs(plan, &opts).map_err(|m| bad(format!("{file}: {m}")))?;
     let report = infer(plan, &opts).map_err(|e| runtime(e.message))?;
     let check = if a.check {
         let reference = reference_plan(plan).map_err(runtime)?;
-        let base =
-            infer(&reference, &opts).map_err(|e| runtime(format!("reference: {}", e.message)))?;
+        let base = infer(
+            &reference,
+            &InferOptions {
+                threads_per_rank: crate::run::threads_per_rank(None, 1)?,
+                ..opts.clone()
+            },
+        )
+        .map_err(|e| runtime(format!("reference: {}", e.message)))?;
         Some(check_inference(&report, &base))
     } else {
         None

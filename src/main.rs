@@ -175,9 +175,14 @@ enum Command {
         /// plans).
         #[arg(long)]
         weights: Option<PathBuf>,
-        /// A Chrome trace to write (not supported yet).
+        /// Write the measured timeline (tasks, ops, collectives, optimizer) of every
+        /// rank as a Chrome trace (training plans).
         #[arg(long)]
         trace: Option<PathBuf>,
+        /// Kernel threads of each rank; results do not depend on it [default: the
+        /// machine's cores divided by the plan's ranks, at least 1].
+        #[arg(long, value_name = "N")]
+        threads: Option<usize>,
         /// Write checkpoints (full weights and AdamW state, safetensors) into DIR:
         /// after the last step, and every --save-every steps.
         #[arg(long, value_name = "DIR")]
@@ -320,6 +325,7 @@ fn main() -> ExitCode {
             data,
             weights,
             trace,
+            threads,
             save,
             save_every,
             resume,
@@ -335,6 +341,7 @@ fn main() -> ExitCode {
                 json,
                 data: data.as_deref(),
                 trace: trace.as_deref(),
+                threads,
                 unsupported,
                 save: save.as_deref(),
                 save_every,

@@ -21,6 +21,8 @@ pub(crate) struct RunArgs<'a> {
     pub json: bool,
     pub data: Option<&'a Path>,
     pub trace: Option<&'a Path>,
+    /// `--threads`: kernel threads per rank.
+    pub threads: Option<usize>,
     pub unsupported: Vec<&'static str>,
     pub save: Option<&'a Path>,
     pub save_every: Option<u64>,
@@ -29,6 +31,21 @@ pub(crate) struct RunArgs<'a> {
     pub weights: Option<&'a Path>,
     /// Prompts and sampling (inference plans).
     pub generate: &'a crate::generate::GenerateFlags,
+}
+
+/// Kernel threads per rank: `--threads`, or the machine's cores shared out over
+/// `ranks` ranks (at least one each).
+pub(crate) fn threads_per_rank(requested: Option<usize>, ranks: usize) -> Result<usize, Failure> {
+    match requested {
+        Some(0) => Err(bad(
+            "--threads must be at least 1 (kernel threads per rank)".into(),
+        )),
+        Some(t) => Ok(t),
+        None => {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            Ok((cores / ranks.max(1)).max(1))
+        }
+    }
 }
 
 pub(crate) fn bad(message: String) -> Failure {
@@ -163,6 +180,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         data,
         trace: a.trace.is_some(),
         weights: hf,
+        threads_per_rank: threads_per_rank(a.threads, plan.ranks.len())?,
         ..opts
     };
     tracing::info!(
@@ -202,8 +220,12 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         let reference = reference_plan(&plan).map_err(runtime)?;
         tracing::info!("training the single-rank reference for --check");
         let bar = crate::log::spinner(format!("training the reference {} steps", a.steps));
-        let base = train(&reference, &opts.reference_of(&plan))
-            .map_err(|e| runtime(format!("reference: {}", e.message)));
+        let ref_opts = TrainOptions {
+            threads_per_rank: threads_per_rank(None, 1)?,
+            ..opts.reference_of(&plan)
+        };
+        let base =
+            train(&reference, &ref_opts).map_err(|e| runtime(format!("reference: {}", e.message)));
         bar.finish_and_clear();
         let base = base?;
         Some(check_against(&plan, &report, &base, 1e-5))

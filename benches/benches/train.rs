@@ -3,11 +3,13 @@
 //! `models/small-gpt.yaml` (6 layers, hidden 384, 8 sequences of 256 tokens) on
 //!
 //! - 1 thread: `dp=1,mbs=8`, one rank;
-//! - 2 threads: `dp=2,mbs=4`, two ranks on the in-process communicator.
+//! - 2 threads as PyTorch uses them: `dp=1,mbs=8`, one rank whose kernels split
+//!   their work over a pool of 2 threads (`TrainOptions::threads_per_rank`);
+//! - 2 threads as ranks: `dp=2,mbs=4`, two single-threaded ranks on the in-process
+//!   communicator.
 //!
-//! The executor runs one thread per rank and each rank's kernels are single-threaded,
-//! so the rank count is the thread count. The figure to compare with PyTorch eager
-//! (`benches/python/torch_train.py`, same model and thread counts) is printed as
+//! The figure to compare with PyTorch eager (`benches/python/torch_train.py`, same
+//! model and thread counts, intra-op threads) is printed as
 //! `tokens/s = 8 * 256 / median step time` after each group.
 //!
 //! Run: `cargo bench -p meshplan-benches --bench train`.
@@ -82,23 +84,29 @@ fn bench_train(c: &mut Criterion) {
     group.sampling_mode(SamplingMode::Flat);
     group.warm_up_time(Duration::from_millis(1));
     group.measurement_time(Duration::from_secs(1));
-    for (threads, cfg) in [(1, "dp=1,mbs=8"), (2, "dp=2,mbs=4")] {
+    // (kernel threads per rank, configuration); ranks x kernel threads = threads.
+    for (per_rank, cfg) in [(1, "dp=1,mbs=8"), (2, "dp=1,mbs=8"), (1, "dp=2,mbs=4")] {
         let p = plan(cfg);
+        let threads = per_rank * p.ranks.len();
         let mut steps: Vec<f64> = Vec::new();
         let mut tokens_per_step = 0;
-        group.bench_function(format!("{threads}_threads_{cfg}"), |b| {
-            b.iter_custom(|iters| {
-                let opts = TrainOptions {
-                    steps: WARMUP_STEPS + iters,
-                    ..Default::default()
-                };
-                let report = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
-                tokens_per_step = report.tokens_per_step;
-                let timed = &report.step_s[WARMUP_STEPS as usize..];
-                steps.extend_from_slice(timed);
-                Duration::from_secs_f64(timed.iter().sum())
-            })
-        });
+        group.bench_function(
+            format!("{threads}_threads_{cfg}_{per_rank}_per_rank"),
+            |b| {
+                b.iter_custom(|iters| {
+                    let opts = TrainOptions {
+                        steps: WARMUP_STEPS + iters,
+                        threads_per_rank: per_rank,
+                        ..Default::default()
+                    };
+                    let report = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+                    tokens_per_step = report.tokens_per_step;
+                    let timed = &report.step_s[WARMUP_STEPS as usize..];
+                    steps.extend_from_slice(timed);
+                    Duration::from_secs_f64(timed.iter().sum())
+                })
+            },
+        );
         // Nothing ran when a name filter (or `--profile-time`) skipped this case.
         if steps.is_empty() {
             continue;
@@ -109,7 +117,8 @@ fn bench_train(c: &mut Criterion) {
         let min = steps[0]; // `median` sorted them
         let tps = |s: f64| tokens_per_step as f64 / s;
         eprintln!(
-            "meshplan small-gpt {threads} thread(s) ({cfg}): {tokens_per_step} tokens/step, \
+            "meshplan small-gpt {threads} thread(s) ({cfg}, {per_rank} per rank): \
+             {tokens_per_step} tokens/step, \
              median step {med:.3} s over {} steps, {:.1} tokens/s (fastest step {min:.3} s, \
              {:.1} tokens/s)",
             steps.len(),

@@ -51,6 +51,8 @@ pub struct InferOptions {
     pub timeout: Duration,
     /// A Hugging Face checkpoint to read the weights from.
     pub weights: Option<Arc<Checkpoint>>,
+    /// Kernel threads of each rank (its own pool; 1: the rank's thread alone).
+    pub threads_per_rank: usize,
 }
 
 impl Default for InferOptions {
@@ -62,6 +64,7 @@ impl Default for InferOptions {
             seed: 1234,
             timeout: Duration::from_secs(60),
             weights: None,
+            threads_per_rank: 1,
         }
     }
 }
@@ -215,7 +218,7 @@ pub fn infer_on(
             .map_err(|e| ExecError { message: e.message })?;
     }
     let world = plan.ranks.len();
-    let results = crate::comm::run_ranks(world, opts.timeout, |comm| {
+    let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
         let mut r = InferRank::new(backend, plan, comm, opts)?;
         let everyone = Group::new("world", (0..world).collect());
         r.comm.barrier(&everyone)?;

@@ -52,6 +52,9 @@ pub struct TrainOptions {
     /// Start from a Hugging Face checkpoint's weights (fine-tuning) instead of the
     /// seeded initialisation; each rank reads its own slice.
     pub weights: Option<Arc<crate::weights::Checkpoint>>,
+    /// Kernel threads of each rank (its own pool; 1: the rank's thread alone).
+    /// The results do not depend on it.
+    pub threads_per_rank: usize,
 }
 
 /// A callback after each training step, with the number of steps done so far.
@@ -99,6 +102,7 @@ impl Default for TrainOptions {
             resume: None,
             on_step: None,
             weights: None,
+            threads_per_rank: 1,
         }
     }
 }
@@ -214,7 +218,7 @@ pub fn train_on(
         }
         None => None,
     };
-    let results = crate::comm::run_ranks(world, opts.timeout, |comm| {
+    let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
         let mut r = RankState::new(backend, plan, comm, opts, seq_len, global_batch, t0)?;
         let mut loss_parts = Vec::new();
         let mut step_s = Vec::new();

@@ -819,6 +819,21 @@ fn run_check_trains_the_planned_layout_like_one_rank() {
 }
 
 #[test]
+fn run_threads_split_kernels_without_changing_the_losses() {
+    let out = plan_file("plan-run-threads.json", "models/tiny-gpt.yaml", "dp=2,tp=2,mbs=1");
+    let path = out.to_str().expect("utf-8 path");
+    let losses = |threads: &str| {
+        let run = meshplan(&["run", path, "--steps", "2", "--threads", threads, "--json"]);
+        run.expect_code(0);
+        json_of(&run)["loss"].clone()
+    };
+    assert_eq!(losses("1"), losses("3"), "kernel threads change no bit");
+    meshplan(&["run", path, "--threads", "0"])
+        .expect_code(2)
+        .stderr_has(&["--threads must be at least 1"]);
+}
+
+#[test]
 fn run_check_expert_parallel_with_capacity_matches_the_plan_byte_for_byte() {
     let out = plan_file(
         "plan-run-moe.json",

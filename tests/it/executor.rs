@@ -333,3 +333,31 @@ fn the_step_hook_hears_every_step_once_from_rank_0() {
     train(&plan(&model("tiny-gpt"), "dp=2,tp=2,pp=2,mbs=1"), &opts).unwrap();
     assert_eq!(*seen.lock().unwrap(), vec![1, 2, 3]);
 }
+
+#[test]
+fn kernel_threads_per_rank_do_not_change_a_single_bit() {
+    // Each rank's kernels split rows, heads and output tiles over a pool of their
+    // own; no reduction is split, so losses and every weight are bit-identical to
+    // single-threaded ranks, on a plain and on a ring-attention, MoE-free mesh.
+    let m = model("tiny-gpt");
+    for cfg in ["dp=1", "dp=2,tp=2", "cp=2,mbs=2"] {
+        let p = plan(&m, cfg);
+        let run = |threads| {
+            train(
+                &p,
+                &TrainOptions {
+                    steps: 3,
+                    threads_per_rank: threads,
+                    ..TrainOptions::default()
+                },
+            )
+            .unwrap_or_else(|e| panic!("{cfg} on {threads} threads: {e}"))
+        };
+        let (one, three) = (run(1), run(3));
+        assert_eq!(one.losses, three.losses, "{cfg}: losses");
+        for (a, b) in one.ranks.iter().zip(&three.ranks) {
+            assert_eq!(a.weights, b.weights, "{cfg}: rank {} weights", a.rank);
+            assert_eq!(a.counts, b.counts, "{cfg}: rank {} bytes", a.rank);
+        }
+    }
+}

@@ -62,13 +62,22 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
 /// Runs `f` once per rank of a world of `world` ranks, each on its own thread with
 /// its own [`ThreadComm`], and returns each rank's result, index = rank.
 ///
+/// With `threads_per_rank > 1` each rank runs inside a rayon pool of its own of that
+/// many threads, which its kernels split their work over
+/// (`meshplan_kernels::cpu::intra_op_threads`); ranks never share a pool.
+///
 /// A rank whose `f` returns an error or panics aborts the world with its reason
 /// (`panicked: <message>` for a panic), so the others stop with
 /// [`CommError::Aborted`] instead of waiting; a rank whose `f` returns early marks
 /// itself finished, so peers still waiting for it fail with
 /// [`CommError::Unmatched`]. Pass the results to [`failure_summary`] for a one-line
 /// report.
-pub fn run_ranks<T, F>(world: usize, timeout: Duration, f: F) -> Vec<Result<T, RankError>>
+pub fn run_ranks<T, F>(
+    world: usize,
+    timeout: Duration,
+    threads_per_rank: usize,
+    f: F,
+) -> Vec<Result<T, RankError>>
 where
     T: Send,
     F: Fn(ThreadComm) -> Result<T, RankError> + Sync,
@@ -84,7 +93,7 @@ where
             let sh = Arc::clone(&shared);
             let spawned = std::thread::Builder::new()
                 .name(format!("rank-{rank}"))
-                .spawn_scoped(s, move || run_one(rank, &sh, f, comm));
+                .spawn_scoped(s, move || run_one(rank, &sh, threads_per_rank, f, comm));
             handles.push(spawned.map_err(|e| {
                 let reason = format!("could not start a thread: {e}");
                 shared.abort(rank, reason.clone());
@@ -108,11 +117,32 @@ where
     })
 }
 
-fn run_one<T, F>(rank: usize, shared: &Shared, f: &F, comm: ThreadComm) -> Result<T, RankError>
+fn run_one<T, F>(
+    rank: usize,
+    shared: &Shared,
+    threads: usize,
+    f: &F,
+    comm: ThreadComm,
+) -> Result<T, RankError>
 where
-    F: Fn(ThreadComm) -> Result<T, RankError>,
+    T: Send,
+    F: Fn(ThreadComm) -> Result<T, RankError> + Sync,
 {
-    let out = match catch_unwind(AssertUnwindSafe(|| f(comm))) {
+    let body = || -> Result<T, RankError> {
+        if threads <= 1 {
+            return f(comm);
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(move |i| format!("rank-{rank}-kernel-{i}"))
+            .build()
+            .map_err(|e| {
+                RankError::Failed(format!("could not start {threads} kernel threads: {e}"))
+            })?;
+        // A panic inside the pool resumes here, where it is caught below.
+        pool.install(|| f(comm))
+    };
+    let out = match catch_unwind(AssertUnwindSafe(body)) {
         Ok(Ok(v)) => Ok(v),
         Ok(Err(e)) => {
             // A no-op when this rank only reports an abort that came first.

@@ -85,7 +85,7 @@ const A2A_PART: usize = 2;
 fn run_all_collectives(world: usize, group: &Group) -> Vec<Outputs> {
     let n = group.size();
     let root = n - 1;
-    all_ok(run_ranks(world, LONG, |mut c| {
+    all_ok(run_ranks(world, LONG, 1, |mut c| {
         let me = group.index_of(c.rank()).ok_or("not in group")?;
         let mut o = Outputs::default();
         let mut buf = data(me, AR_LEN, 1);
@@ -212,7 +212,7 @@ fn group_order_is_the_order_of_ranks_not_rank_numbers() {
 fn run_all_collectives_in(world: usize, group: &Group) -> Vec<Outputs> {
     let n = group.size();
     let root = n - 1;
-    all_ok(run_ranks(world, LONG, |mut c| {
+    all_ok(run_ranks(world, LONG, 1, |mut c| {
         let Some(me) = group.index_of(c.rank()) else {
             return Ok(Outputs::default());
         };
@@ -250,7 +250,7 @@ fn mesh_2x2_tp_and_dp_groups_run_interleaved() {
     const LEN: usize = 6;
     let tp = |r: usize| Group::new("tp", vec![r / 2 * 2, r / 2 * 2 + 1]);
     let dp = |r: usize| Group::new("dp", vec![r % 2, r % 2 + 2]);
-    let results = all_ok(run_ranks(4, LONG, |mut c| {
+    let results = all_ok(run_ranks(4, LONG, 1, |mut c| {
         let r = c.rank();
         let (tg, dg) = (tp(r), dp(r));
         let (ti, di) = (r % 2, r / 2);
@@ -306,7 +306,7 @@ fn all_reduce_is_bit_identical_across_members_and_reruns() {
     assert_eq!(reference[0], 1.0);
     let mut first: Option<Vec<u32>> = None;
     for run in 0..20u64 {
-        let results = all_ok(run_ranks(4, LONG, |mut c| {
+        let results = all_ok(run_ranks(4, LONG, 1, |mut c| {
             let mut rng = (run + 1).wrapping_mul(0x2545_f491_4f6c_dd1d) ^ (c.rank() as u64 + 7);
             jitter(&mut rng);
             jitter(&mut rng);
@@ -331,7 +331,7 @@ fn send_recv_keep_order_per_pair() {
     // Rank 0 sends 10 messages to 1 and to 2, interleaved; rank 2 sends 10 to 1.
     // Rank 1 drains rank 2 first, then rank 0: per-pair order must hold whatever
     // the arrival order across pairs.
-    let results = all_ok(run_ranks(3, LONG, |mut c| {
+    let results = all_ok(run_ranks(3, LONG, 1, |mut c| {
         let mut got = Vec::new();
         match c.rank() {
             0 => {
@@ -385,7 +385,7 @@ fn send_recv_keep_order_per_pair() {
 
 #[test]
 fn ring_exchange_with_sends_first_does_not_deadlock() {
-    let results = all_ok(run_ranks(4, LONG, |mut c| {
+    let results = all_ok(run_ranks(4, LONG, 1, |mut c| {
         let r = c.rank();
         c.send((r + 1) % 4, "cp", &[r as f32; 8])?;
         let mut b = [0.0; 8];
@@ -404,7 +404,7 @@ fn a2av_count(i: usize, j: usize) -> usize {
 fn all_to_all_v_with_uneven_counts() {
     for n in 1..=4 {
         let group = Group::new("ep", (0..n).collect());
-        let results = all_ok(run_ranks(n, LONG, |mut c| {
+        let results = all_ok(run_ranks(n, LONG, 1, |mut c| {
             let me = c.rank();
             let send_counts: Vec<usize> = (0..n).map(|j| a2av_count(me, j)).collect();
             let recv_counts: Vec<usize> = (0..n).map(|i| a2av_count(i, me)).collect();
@@ -435,7 +435,7 @@ fn all_to_all_v_with_uneven_counts() {
 fn all_to_all_v_with_inconsistent_counts_fails_on_every_member() {
     let group = Group::world(2);
     let start = Instant::now();
-    let results = run_ranks(2, LONG, |mut c| {
+    let results = run_ranks(2, LONG, 1, |mut c| {
         // Rank 0 sends 2 elements to rank 1, which expects 3.
         let (sc, rc): ([usize; 2], [usize; 2]) = if c.rank() == 0 {
             ([1, 2], [1, 1])
@@ -462,7 +462,7 @@ fn all_to_all_v_with_inconsistent_counts_fails_on_every_member() {
 fn a_rank_returning_an_error_stops_everyone() {
     let start = Instant::now();
     let group = Group::new("tp", vec![0, 1, 2, 3]);
-    let results: Vec<Result<(), RankError>> = run_ranks(4, LONG, |mut c| {
+    let results: Vec<Result<(), RankError>> = run_ranks(4, LONG, 1, |mut c| {
         for _ in 0..7 {
             c.all_reduce(&group, "tp", &mut [1.0; 4])?;
         }
@@ -502,41 +502,44 @@ fn a_rank_returning_an_error_stops_everyone() {
 
 #[test]
 fn a_panicking_rank_stops_everyone() {
-    let start = Instant::now();
-    let results: Vec<Result<(), RankError>> = run_ranks(4, LONG, |mut c| {
-        let dp = Group::new("dp", vec![0, 1, 2, 3]);
-        c.barrier(&dp)?;
-        if c.rank() == 1 {
-            panic!("boom at step {}", 2);
-        }
-        let mut out = [0.0; 8];
-        c.all_gather(&dp, "dp", &[1.0, 2.0], &mut out)?;
-        Ok(())
-    });
-    assert!(
-        start.elapsed() < Duration::from_secs(2),
-        "took {:?}",
-        start.elapsed()
-    );
-    assert!(results.iter().all(Result::is_err));
-    assert_eq!(
-        results[1],
-        Err(RankError::Panicked("boom at step 2".into()))
-    );
-    assert_eq!(
-        failure_summary(&results).as_deref(),
-        Some(
-            "rank 1 failed: panicked: boom at step 2; ranks 0,2,3 were waiting in all_gather \
+    // Also when the rank runs inside its own kernel pool: the panic crosses it.
+    for threads in [1, 2] {
+        let start = Instant::now();
+        let results: Vec<Result<(), RankError>> = run_ranks(4, LONG, threads, |mut c| {
+            let dp = Group::new("dp", vec![0, 1, 2, 3]);
+            c.barrier(&dp)?;
+            if c.rank() == 1 {
+                panic!("boom at step {}", 2);
+            }
+            let mut out = [0.0; 8];
+            c.all_gather(&dp, "dp", &[1.0, 2.0], &mut out)?;
+            Ok(())
+        });
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "took {:?}",
+            start.elapsed()
+        );
+        assert!(results.iter().all(Result::is_err));
+        assert_eq!(
+            results[1],
+            Err(RankError::Panicked("boom at step 2".into()))
+        );
+        assert_eq!(
+            failure_summary(&results).as_deref(),
+            Some(
+                "rank 1 failed: panicked: boom at step 2; ranks 0,2,3 were waiting in all_gather \
              on dp (seq 1)"
-        )
-    );
+            )
+        );
+    }
 }
 
 #[test]
 fn a_blocked_receive_is_aborted_too() {
     // Rank 0 waits for a message rank 1 never sends; rank 1 fails instead.
     let start = Instant::now();
-    let results: Vec<Result<(), RankError>> = run_ranks(2, LONG, |mut c| {
+    let results: Vec<Result<(), RankError>> = run_ranks(2, LONG, 1, |mut c| {
         if c.rank() == 1 {
             std::thread::sleep(Duration::from_millis(50));
             return Err("out of memory".into());
@@ -555,14 +558,15 @@ fn a_blocked_receive_is_aborted_too() {
 fn a_timeout_names_the_ranks_that_did_not_arrive() {
     let start = Instant::now();
     let group = Group::new("dp", vec![0, 1, 2]);
-    let results: Vec<Result<(), RankError>> = run_ranks(3, Duration::from_millis(200), |mut c| {
-        if c.rank() == 2 {
-            // Late, but not finished: only the timeout can end the wait.
-            std::thread::sleep(Duration::from_millis(800));
-        }
-        c.all_reduce(&group, "dp", &mut [1.0])?;
-        Ok(())
-    });
+    let results: Vec<Result<(), RankError>> =
+        run_ranks(3, Duration::from_millis(200), 1, |mut c| {
+            if c.rank() == 2 {
+                // Late, but not finished: only the timeout can end the wait.
+                std::thread::sleep(Duration::from_millis(800));
+            }
+            c.all_reduce(&group, "dp", &mut [1.0])?;
+            Ok(())
+        });
     assert!(
         start.elapsed() < Duration::from_secs(3),
         "took {:?}",
@@ -610,7 +614,7 @@ fn a_timeout_names_the_ranks_that_did_not_arrive() {
 fn a_rank_that_finishes_without_joining_fails_its_peers_at_once() {
     let start = Instant::now();
     let group = Group::new("tp", vec![0, 1]);
-    let results: Vec<Result<(), RankError>> = run_ranks(2, LONG, |mut c| {
+    let results: Vec<Result<(), RankError>> = run_ranks(2, LONG, 1, |mut c| {
         if c.rank() == 0 {
             c.all_reduce(&group, "tp", &mut [1.0])?;
         }
@@ -630,7 +634,7 @@ fn a_rank_that_finishes_without_joining_fails_its_peers_at_once() {
 fn mismatched_collectives_are_reported() {
     let group = Group::world(2);
     // Different kinds at the same sequence number.
-    let results: Vec<Result<(), RankError>> = run_ranks(2, LONG, |mut c| {
+    let results: Vec<Result<(), RankError>> = run_ranks(2, LONG, 1, |mut c| {
         if c.rank() == 0 {
             c.all_reduce(&group, "tp", &mut [0.0; 4])?;
         } else {
@@ -646,7 +650,7 @@ fn mismatched_collectives_are_reported() {
         "{summary}"
     );
     // Same kind, different sizes.
-    let results: Vec<Result<(), RankError>> = run_ranks(2, LONG, |mut c| {
+    let results: Vec<Result<(), RankError>> = run_ranks(2, LONG, 1, |mut c| {
         let len = 4 + c.rank();
         c.all_reduce(&group, "tp", &mut vec![0.0; len])?;
         Ok(())
@@ -657,7 +661,7 @@ fn mismatched_collectives_are_reported() {
         "{summary}"
     );
     // A message that does not fit the receive.
-    let results: Vec<Result<(), RankError>> = run_ranks(2, LONG, |mut c| {
+    let results: Vec<Result<(), RankError>> = run_ranks(2, LONG, 1, |mut c| {
         if c.rank() == 0 {
             c.send(1, "pp", &[0.0; 3])?;
         } else {
@@ -738,7 +742,7 @@ fn abort_reaches_ranks_not_yet_communicating() {
 
 #[test]
 fn summary_is_none_when_every_rank_succeeds() {
-    let results = run_ranks(3, LONG, |mut c| {
+    let results = run_ranks(3, LONG, 1, |mut c| {
         c.barrier(&Group::world(3))?;
         Ok(c.rank())
     });

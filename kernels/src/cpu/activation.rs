@@ -1,6 +1,6 @@
 //! Pointwise activations: GELU (tanh approximation), SwiGLU, residual add.
 
-use super::{check_len, invalid, prod, KernelError};
+use super::{check_len, invalid, par_rows, prod, KernelError};
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_C: f32 = 0.044_715;
@@ -9,10 +9,12 @@ const GELU_C: f32 = 0.044_715;
 /// `y = 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`.
 pub fn gelu_fwd(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     check_len("y", y.len(), x.len())?;
-    for (o, &v) in y.iter_mut().zip(x) {
-        let t = (SQRT_2_OVER_PI * (v + GELU_C * v * v * v)).tanh();
-        *o = 0.5 * v * (1.0 + t);
-    }
+    par_rows(y, 1, |i0, y| {
+        for (o, &v) in y.iter_mut().zip(&x[i0..]) {
+            let t = (SQRT_2_OVER_PI * (v + GELU_C * v * v * v)).tanh();
+            *o = 0.5 * v * (1.0 + t);
+        }
+    });
     Ok(())
 }
 
@@ -20,11 +22,13 @@ pub fn gelu_fwd(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
 pub fn gelu_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError> {
     check_len("dy", dy.len(), x.len())?;
     check_len("dx", dx.len(), x.len())?;
-    for ((d, &v), &g) in dx.iter_mut().zip(x).zip(dy) {
-        let t = (SQRT_2_OVER_PI * (v + GELU_C * v * v * v)).tanh();
-        let dt = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v * v);
-        *d += g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * dt);
-    }
+    par_rows(dx, 1, |i0, dx| {
+        for ((d, &v), &g) in dx.iter_mut().zip(&x[i0..]).zip(&dy[i0..]) {
+            let t = (SQRT_2_OVER_PI * (v + GELU_C * v * v * v)).tanh();
+            let dt = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v * v);
+            *d += g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * dt);
+        }
+    });
     Ok(())
 }
 
@@ -52,12 +56,17 @@ fn check_swiglu(
 /// `y [rows, f] = silu(gate) * up` with `silu(g) = g * sigmoid(g)`.
 pub fn swiglu_fwd(x: &[f32], rows: usize, f: usize, y: &mut [f32]) -> Result<(), KernelError> {
     check_swiglu(rows, f, x.len(), y.len(), "y")?;
-    for (xr, yr) in x.chunks_exact(2 * f).zip(y.chunks_exact_mut(f)) {
-        let (gate, up) = xr.split_at(f);
-        for ((o, &g), &u) in yr.iter_mut().zip(gate).zip(up) {
-            *o = g * sigmoid(g) * u;
+    par_rows(y, f, |r0, y| {
+        for (xr, yr) in x[r0 * 2 * f..]
+            .chunks_exact(2 * f)
+            .zip(y.chunks_exact_mut(f))
+        {
+            let (gate, up) = xr.split_at(f);
+            for ((o, &g), &u) in yr.iter_mut().zip(gate).zip(up) {
+                *o = g * sigmoid(g) * u;
+            }
         }
-    }
+    });
     Ok(())
 }
 
@@ -72,20 +81,22 @@ pub fn swiglu_bwd(
 ) -> Result<(), KernelError> {
     check_swiglu(rows, f, x.len(), dy.len(), "dy")?;
     check_len("dx", dx.len(), x.len())?;
-    for ((xr, gr), dr) in x
-        .chunks_exact(2 * f)
-        .zip(dy.chunks_exact(f))
-        .zip(dx.chunks_exact_mut(2 * f))
-    {
-        let (gate, up) = xr.split_at(f);
-        let (dgate, dup) = dr.split_at_mut(f);
-        for c in 0..f {
-            let (g, u, d) = (gate[c], up[c], gr[c]);
-            let s = sigmoid(g);
-            dgate[c] += d * u * s * (1.0 + g * (1.0 - s));
-            dup[c] += d * g * s;
+    par_rows(dx, 2 * f, |r0, dx| {
+        for ((xr, gr), dr) in x[r0 * 2 * f..]
+            .chunks_exact(2 * f)
+            .zip(dy[r0 * f..].chunks_exact(f))
+            .zip(dx.chunks_exact_mut(2 * f))
+        {
+            let (gate, up) = xr.split_at(f);
+            let (dgate, dup) = dr.split_at_mut(f);
+            for c in 0..f {
+                let (g, u, d) = (gate[c], up[c], gr[c]);
+                let s = sigmoid(g);
+                dgate[c] += d * u * s * (1.0 + g * (1.0 - s));
+                dup[c] += d * g * s;
+            }
         }
-    }
+    });
     Ok(())
 }
 
@@ -93,9 +104,11 @@ pub fn swiglu_bwd(
 pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
     check_len("b", b.len(), a.len())?;
     check_len("out", out.len(), a.len())?;
-    for ((o, &x), &y) in out.iter_mut().zip(a).zip(b) {
-        *o = x + y;
-    }
+    par_rows(out, 1, |i0, out| {
+        for ((o, &x), &y) in out.iter_mut().zip(&a[i0..]).zip(&b[i0..]) {
+            *o = x + y;
+        }
+    });
     Ok(())
 }
 
@@ -103,9 +116,12 @@ pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
 pub fn add_bwd(d_out: &[f32], da: &mut [f32], db: &mut [f32]) -> Result<(), KernelError> {
     check_len("da", da.len(), d_out.len())?;
     check_len("db", db.len(), d_out.len())?;
-    for ((a, b), &g) in da.iter_mut().zip(db.iter_mut()).zip(d_out) {
-        *a += g;
-        *b += g;
+    for d in [da, db] {
+        par_rows(d, 1, |i0, d| {
+            for (a, &g) in d.iter_mut().zip(&d_out[i0..]) {
+                *a += g;
+            }
+        });
     }
     Ok(())
 }

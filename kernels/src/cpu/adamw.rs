@@ -2,7 +2,10 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use super::{check_len, invalid, KernelError};
+use super::{check_len, intra_op_threads, invalid, KernelError};
+
+/// Below this many elements a step is too short to be worth splitting.
+const PAR_MIN: usize = 1 << 16;
 
 /// One AdamW step in place, elementwise over `param`, `grad`, `m`, `v`
 /// (all the same length; with ZeRO each rank passes its shard).
@@ -43,15 +46,30 @@ pub fn adamw_step(
     let step_size = (lr as f64 / bc1) as f32;
     let bc2_sqrt = bc2.sqrt() as f32;
     let decay = 1.0 - lr * weight_decay;
-    for i in 0..n {
-        let g = grad[i];
-        let mi = beta1 * m[i] + (1.0 - beta1) * g;
-        let vi = beta2 * v[i] + (1.0 - beta2) * g * g;
-        m[i] = mi;
-        v[i] = vi;
-        let denom = vi.sqrt() / bc2_sqrt + eps;
-        param[i] = param[i] * decay - step_size * mi / denom;
+    let update = |param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]| {
+        for i in 0..param.len() {
+            let g = grad[i];
+            let mi = beta1 * m[i] + (1.0 - beta1) * g;
+            let vi = beta2 * v[i] + (1.0 - beta2) * g * g;
+            m[i] = mi;
+            v[i] = vi;
+            let denom = vi.sqrt() / bc2_sqrt + eps;
+            param[i] = param[i] * decay - step_size * mi / denom;
+        }
+    };
+    let threads = intra_op_threads();
+    if threads <= 1 || n < PAR_MIN {
+        update(param, grad, m, v);
+        return Ok(());
     }
+    use rayon::prelude::*;
+    let c = n.div_ceil(threads);
+    param
+        .par_chunks_mut(c)
+        .zip(grad.par_chunks(c))
+        .zip(m.par_chunks_mut(c))
+        .zip(v.par_chunks_mut(c))
+        .for_each(|(((p, g), m), v)| update(p, g, m, v));
     Ok(())
 }
 

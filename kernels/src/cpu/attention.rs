@@ -22,8 +22,8 @@
 
 #![allow(clippy::too_many_arguments)] // mirrors the CUDA kernel signature
 
-use super::matmul::{matmul, Transpose};
-use super::{check_len, fast_exp, invalid, prod, KernelError};
+use super::matmul::{matmul_tile, Transpose};
+use super::{check_len, fast_exp, invalid, par_map, prod, KernelError};
 
 /// Number of keys processed per tile of the online softmax.
 pub const KEY_TILE: usize = 64;
@@ -260,99 +260,118 @@ pub fn attention_fwd(
     }
     // Keys any query of the call can see (the last query sees the most).
     let nk_all = visible_keys(sk, q_pos0 + sq - 1, k_pos0, causal);
-    // Scratch, allocated once: one kv head's keys and values, one query tile,
-    // its score block and output accumulator, and per-row softmax state.
-    let mut kb = vec![0.0f32; nk_all * d];
-    let mut vb = vec![0.0f32; nk_all * dv];
-    let mut qb = vec![0.0f32; Q_TILE * d];
-    let mut sb = vec![0.0f32; Q_TILE * KEY_TILE];
-    let mut acc = vec![0.0f32; Q_TILE * dv];
-    let mut mrow = [0.0f32; Q_TILE];
-    let mut lrow = [0.0f32; Q_TILE];
-    let mut nvis = [0usize; Q_TILE];
-    for b in 0..batch {
-        for g in 0..hkv {
-            gather(k, sk, hkv, d, (b, g, 0), nk_all, &mut kb);
-            gather(v, sk, hkv, dv, (b, g, 0), nk_all, &mut vb);
-            for h in g * group..(g + 1) * group {
-                for i0 in (0..sq).step_by(Q_TILE) {
-                    let mt = Q_TILE.min(sq - i0);
-                    for (r, n) in nvis[..mt].iter_mut().enumerate() {
-                        *n = visible_keys(sk, q_pos0 + i0 + r, k_pos0, causal);
-                    }
-                    let nk = nvis[..mt].iter().copied().max().unwrap_or(0);
-                    gather(q, sq, hq, d, (b, h, i0), mt, &mut qb);
-                    mrow[..mt].fill(f32::NEG_INFINITY);
-                    lrow[..mt].fill(0.0);
-                    acc[..mt * dv].fill(0.0);
-                    for t0 in (0..nk).step_by(KEY_TILE) {
-                        let nt = KEY_TILE.min(nk - t0);
-                        let s = &mut sb[..mt * nt];
-                        matmul(
-                            Transpose::No,
-                            Transpose::Yes,
-                            mt,
-                            d,
-                            nt,
-                            &qb[..mt * d],
-                            &kb[t0 * d..(t0 + nt) * d],
-                            0.0,
-                            s,
-                        )?;
-                        for (r, srow) in s.chunks_exact_mut(nt).enumerate() {
-                            let lim = nvis[r].saturating_sub(t0).min(nt);
-                            let (vis, hidden) = srow.split_at_mut(lim);
-                            hidden.fill(0.0);
-                            if lim == 0 {
-                                continue;
-                            }
-                            let tmax = scale_and_max(vis, scale);
-                            let m_new = mrow[r].max(tmax);
-                            // exp(-inf) = 0 on the row's first tile, so the
-                            // empty state is rescaled away without a special
-                            // case.
-                            let alpha = (mrow[r] - m_new).exp();
-                            if alpha != 1.0 {
-                                lrow[r] *= alpha;
-                                for a in &mut acc[r * dv..(r + 1) * dv] {
-                                    *a *= alpha;
-                                }
-                            }
-                            lrow[r] += exp_shift_and_sum(vis, m_new);
-                            mrow[r] = m_new;
-                            // The normaliser counts every entry; only P V sees the mask.
-                            if let (Some(dr), Some(inv)) = (dropout, inv_keep) {
-                                dr.apply(inv, b, h, q_pos0 + i0 + r, k_pos0 + t0, vis);
-                            }
-                        }
-                        matmul(
-                            Transpose::No,
-                            Transpose::No,
-                            mt,
-                            nt,
-                            dv,
-                            s,
-                            &vb[t0 * dv..(t0 + nt) * dv],
-                            1.0,
-                            &mut acc[..mt * dv],
-                        )?;
-                    }
-                    for r in 0..mt {
-                        let i = i0 + r;
-                        let orow = &mut out[((b * sq + i) * hq + h) * dv..][..dv];
-                        let li = &mut lse[(b * hq + h) * sq + i];
-                        if nvis[r] == 0 {
-                            orow.fill(0.0);
-                            *li = f32::NEG_INFINITY;
+    // One task per (batch row, kv head): its query heads' outputs do not
+    // interleave with any other task's work, so tasks run in parallel and the
+    // result is the same whatever the thread count.
+    let task = |bg: usize| -> Result<(Vec<f32>, Vec<f32>), KernelError> {
+        let (b, g) = (bg / hkv, bg % hkv);
+        // Scratch: the kv head's keys and values, one query tile, its score
+        // block and output accumulator, and per-row softmax state.
+        let mut kb = vec![0.0f32; nk_all * d];
+        let mut vb = vec![0.0f32; nk_all * dv];
+        let mut qb = vec![0.0f32; Q_TILE * d];
+        let mut sb = vec![0.0f32; Q_TILE * KEY_TILE];
+        let mut acc = vec![0.0f32; Q_TILE * dv];
+        let mut mrow = [0.0f32; Q_TILE];
+        let mut lrow = [0.0f32; Q_TILE];
+        let mut nvis = [0usize; Q_TILE];
+        // This task's outputs: `[group, sq, dv]` and `[group, sq]`.
+        let mut og = vec![0.0f32; group * sq * dv];
+        let mut lg = vec![0.0f32; group * sq];
+        gather(k, sk, hkv, d, (b, g, 0), nk_all, &mut kb);
+        gather(v, sk, hkv, dv, (b, g, 0), nk_all, &mut vb);
+        for hi in 0..group {
+            let h = g * group + hi;
+            for i0 in (0..sq).step_by(Q_TILE) {
+                let mt = Q_TILE.min(sq - i0);
+                for (r, n) in nvis[..mt].iter_mut().enumerate() {
+                    *n = visible_keys(sk, q_pos0 + i0 + r, k_pos0, causal);
+                }
+                let nk = nvis[..mt].iter().copied().max().unwrap_or(0);
+                gather(q, sq, hq, d, (b, h, i0), mt, &mut qb);
+                mrow[..mt].fill(f32::NEG_INFINITY);
+                lrow[..mt].fill(0.0);
+                acc[..mt * dv].fill(0.0);
+                for t0 in (0..nk).step_by(KEY_TILE) {
+                    let nt = KEY_TILE.min(nk - t0);
+                    let s = &mut sb[..mt * nt];
+                    matmul_tile(
+                        Transpose::No,
+                        Transpose::Yes,
+                        mt,
+                        d,
+                        nt,
+                        &qb[..mt * d],
+                        &kb[t0 * d..(t0 + nt) * d],
+                        0.0,
+                        s,
+                    )?;
+                    for (r, srow) in s.chunks_exact_mut(nt).enumerate() {
+                        let lim = nvis[r].saturating_sub(t0).min(nt);
+                        let (vis, hidden) = srow.split_at_mut(lim);
+                        hidden.fill(0.0);
+                        if lim == 0 {
                             continue;
                         }
-                        let inv = 1.0 / lrow[r];
-                        for (o, &a) in orow.iter_mut().zip(&acc[r * dv..(r + 1) * dv]) {
-                            *o = a * inv;
+                        let tmax = scale_and_max(vis, scale);
+                        let m_new = mrow[r].max(tmax);
+                        // exp(-inf) = 0 on the row's first tile, so the empty
+                        // state is rescaled away without a special case.
+                        let alpha = (mrow[r] - m_new).exp();
+                        if alpha != 1.0 {
+                            lrow[r] *= alpha;
+                            for a in &mut acc[r * dv..(r + 1) * dv] {
+                                *a *= alpha;
+                            }
                         }
-                        *li = mrow[r] + lrow[r].ln();
+                        lrow[r] += exp_shift_and_sum(vis, m_new);
+                        mrow[r] = m_new;
+                        // The normaliser counts every entry; only P V sees the mask.
+                        if let (Some(dr), Some(inv)) = (dropout, inv_keep) {
+                            dr.apply(inv, b, h, q_pos0 + i0 + r, k_pos0 + t0, vis);
+                        }
                     }
+                    matmul_tile(
+                        Transpose::No,
+                        Transpose::No,
+                        mt,
+                        nt,
+                        dv,
+                        s,
+                        &vb[t0 * dv..(t0 + nt) * dv],
+                        1.0,
+                        &mut acc[..mt * dv],
+                    )?;
                 }
+                for r in 0..mt {
+                    let i = i0 + r;
+                    let orow = &mut og[(hi * sq + i) * dv..][..dv];
+                    let li = &mut lg[hi * sq + i];
+                    if nvis[r] == 0 {
+                        orow.fill(0.0);
+                        *li = f32::NEG_INFINITY;
+                        continue;
+                    }
+                    let inv = 1.0 / lrow[r];
+                    for (o, &a) in orow.iter_mut().zip(&acc[r * dv..(r + 1) * dv]) {
+                        *o = a * inv;
+                    }
+                    *li = mrow[r] + lrow[r].ln();
+                }
+            }
+        }
+        Ok((og, lg))
+    };
+    for (bg, res) in par_map(batch * hkv, task).into_iter().enumerate() {
+        let (og, lg) = res?;
+        let (b, g) = (bg / hkv, bg % hkv);
+        // The group's query heads are adjacent, so its lse rows are one run.
+        lse[(b * hq + g * group) * sq..][..group * sq].copy_from_slice(&lg);
+        for hi in 0..group {
+            let h = g * group + hi;
+            for i in 0..sq {
+                out[((b * sq + i) * hq + h) * dv..][..dv]
+                    .copy_from_slice(&og[(hi * sq + i) * dv..][..dv]);
             }
         }
     }
@@ -471,180 +490,195 @@ pub fn attention_bwd(
     if nk_all == 0 {
         return Ok(());
     }
-    // Scratch, allocated once: one kv head's keys, values and their gradient
-    // accumulators; one query tile with its dO, dQ accumulator, probability
-    // and dP/dS blocks, and per-row lse and D.
-    let mut kb = vec![0.0f32; nk_all * d];
-    let mut vb = vec![0.0f32; nk_all * dv];
-    let mut dkb = vec![0.0f32; nk_all * d];
-    let mut dvb = vec![0.0f32; nk_all * dv];
-    let mut qb = vec![0.0f32; Q_TILE * d];
-    let mut dob = vec![0.0f32; Q_TILE * dv];
-    let mut dqb = vec![0.0f32; Q_TILE * d];
-    let mut pb = vec![0.0f32; Q_TILE * KEY_TILE];
-    let mut dsb = vec![0.0f32; Q_TILE * KEY_TILE];
-    // Under dropout: the mask's scale per entry (Z) and the dropped P (P Z).
-    let mut zb = vec![
-        0.0f32;
-        if dropout.is_some() {
-            Q_TILE * KEY_TILE
-        } else {
-            0
-        }
-    ];
-    let mut pzb = vec![0.0f32; zb.len()];
-    let mut lrow = [0.0f32; Q_TILE];
-    let mut drow = [0.0f32; Q_TILE];
-    let mut nvis = [0usize; Q_TILE];
-    for b in 0..batch {
-        for g in 0..hkv {
-            gather(k, sk, hkv, d, (b, g, 0), nk_all, &mut kb);
-            gather(v, sk, hkv, dv, (b, g, 0), nk_all, &mut vb);
-            dkb.fill(0.0);
-            dvb.fill(0.0);
-            for h in g * group..(g + 1) * group {
-                for i0 in (0..sq).step_by(Q_TILE) {
-                    let mt = Q_TILE.min(sq - i0);
-                    for r in 0..mt {
-                        let i = i0 + r;
-                        let l = lse[(b * hq + h) * sq + i];
-                        lrow[r] = l;
-                        // A row whose final lse is -inf saw no key anywhere.
-                        nvis[r] = if l == f32::NEG_INFINITY {
-                            0
-                        } else {
-                            visible_keys(sk, q_pos0 + i, k_pos0, causal)
-                        };
-                    }
-                    let nk = nvis[..mt].iter().copied().max().unwrap_or(0);
-                    if nk == 0 {
-                        continue;
-                    }
-                    gather(q, sq, hq, d, (b, h, i0), mt, &mut qb);
-                    gather(d_o, sq, hq, dv, (b, h, i0), mt, &mut dob);
-                    for (r, dr) in drow[..mt].iter_mut().enumerate() {
-                        let row = ((b * sq + i0 + r) * hq + h) * dv;
-                        *dr = o[row..row + dv]
-                            .iter()
-                            .zip(&d_o[row..row + dv])
-                            .fold(0.0f32, |s, (&x, &y)| s + x * y);
-                    }
-                    dqb[..mt * d].fill(0.0);
-                    for t0 in (0..nk).step_by(KEY_TILE) {
-                        let nt = KEY_TILE.min(nk - t0);
-                        let kt = &kb[t0 * d..(t0 + nt) * d];
-                        let vt = &vb[t0 * dv..(t0 + nt) * dv];
-                        let p = &mut pb[..mt * nt];
-                        matmul(
-                            Transpose::No,
-                            Transpose::Yes,
-                            mt,
-                            d,
-                            nt,
-                            &qb[..mt * d],
-                            kt,
-                            0.0,
-                            p,
-                        )?;
-                        for (r, prow) in p.chunks_exact_mut(nt).enumerate() {
-                            let lim = nvis[r].saturating_sub(t0).min(nt);
-                            let (vis, hidden) = prow.split_at_mut(lim);
-                            let l = lrow[r];
-                            for x in vis.iter_mut() {
-                                *x = fast_exp(scale * *x - l);
-                            }
-                            hidden.fill(0.0);
+    // One task per (batch row, kv head), as in the forward: it owns the kv
+    // head's dK and dV and its query heads' dQ, which the tasks' results add
+    // into the outputs in task order.
+    let task = |bg: usize| -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), KernelError> {
+        let (b, g) = (bg / hkv, bg % hkv);
+        // Scratch: the kv head's keys, values and their gradient accumulators;
+        // one query tile with its dO, dQ accumulator, probability and dP/dS
+        // blocks, and per-row lse and D.
+        let mut kb = vec![0.0f32; nk_all * d];
+        let mut vb = vec![0.0f32; nk_all * dv];
+        let mut dkb = vec![0.0f32; nk_all * d];
+        let mut dvb = vec![0.0f32; nk_all * dv];
+        // This task's dQ: `[group, sq, d]`.
+        let mut dqg = vec![0.0f32; group * sq * d];
+        let mut qb = vec![0.0f32; Q_TILE * d];
+        let mut dob = vec![0.0f32; Q_TILE * dv];
+        let mut dqb = vec![0.0f32; Q_TILE * d];
+        let mut pb = vec![0.0f32; Q_TILE * KEY_TILE];
+        let mut dsb = vec![0.0f32; Q_TILE * KEY_TILE];
+        // Under dropout: the mask's scale per entry (Z) and the dropped P (P Z).
+        let mut zb = vec![
+            0.0f32;
+            if dropout.is_some() {
+                Q_TILE * KEY_TILE
+            } else {
+                0
+            }
+        ];
+        let mut pzb = vec![0.0f32; zb.len()];
+        let mut lrow = [0.0f32; Q_TILE];
+        let mut drow = [0.0f32; Q_TILE];
+        let mut nvis = [0usize; Q_TILE];
+        gather(k, sk, hkv, d, (b, g, 0), nk_all, &mut kb);
+        gather(v, sk, hkv, dv, (b, g, 0), nk_all, &mut vb);
+        for hi in 0..group {
+            let h = g * group + hi;
+            for i0 in (0..sq).step_by(Q_TILE) {
+                let mt = Q_TILE.min(sq - i0);
+                for r in 0..mt {
+                    let i = i0 + r;
+                    let l = lse[(b * hq + h) * sq + i];
+                    lrow[r] = l;
+                    // A row whose final lse is -inf saw no key anywhere.
+                    nvis[r] = if l == f32::NEG_INFINITY {
+                        0
+                    } else {
+                        visible_keys(sk, q_pos0 + i, k_pos0, causal)
+                    };
+                }
+                let nk = nvis[..mt].iter().copied().max().unwrap_or(0);
+                if nk == 0 {
+                    continue;
+                }
+                gather(q, sq, hq, d, (b, h, i0), mt, &mut qb);
+                gather(d_o, sq, hq, dv, (b, h, i0), mt, &mut dob);
+                for (r, dr) in drow[..mt].iter_mut().enumerate() {
+                    let row = ((b * sq + i0 + r) * hq + h) * dv;
+                    *dr = o[row..row + dv]
+                        .iter()
+                        .zip(&d_o[row..row + dv])
+                        .fold(0.0f32, |s, (&x, &y)| s + x * y);
+                }
+                dqb[..mt * d].fill(0.0);
+                for t0 in (0..nk).step_by(KEY_TILE) {
+                    let nt = KEY_TILE.min(nk - t0);
+                    let kt = &kb[t0 * d..(t0 + nt) * d];
+                    let vt = &vb[t0 * dv..(t0 + nt) * dv];
+                    let p = &mut pb[..mt * nt];
+                    matmul_tile(
+                        Transpose::No,
+                        Transpose::Yes,
+                        mt,
+                        d,
+                        nt,
+                        &qb[..mt * d],
+                        kt,
+                        0.0,
+                        p,
+                    )?;
+                    for (r, prow) in p.chunks_exact_mut(nt).enumerate() {
+                        let lim = nvis[r].saturating_sub(t0).min(nt);
+                        let (vis, hidden) = prow.split_at_mut(lim);
+                        let l = lrow[r];
+                        for x in vis.iter_mut() {
+                            *x = fast_exp(scale * *x - l);
                         }
-                        // Under dropout O = (P Z) V: dV takes P Z, and dP's entries
-                        // are scaled by Z before dS (D = rowsum(dO O) still holds).
-                        let z = if let (Some(dr), Some(inv)) = (dropout, inv_keep) {
-                            let z = &mut zb[..mt * nt];
-                            let pz = &mut pzb[..mt * nt];
-                            for (r, zrow) in z.chunks_exact_mut(nt).enumerate() {
-                                zrow.fill(1.0);
-                                dr.apply(inv, b, h, q_pos0 + i0 + r, k_pos0 + t0, zrow);
-                            }
-                            for ((x, &pj), &zj) in pz.iter_mut().zip(p.iter()).zip(z.iter()) {
-                                *x = pj * zj;
-                            }
-                            Some(&zb[..mt * nt])
-                        } else {
-                            None
-                        };
-                        // dV += (P Z)^T dO
-                        matmul(
-                            Transpose::Yes,
-                            Transpose::No,
-                            nt,
-                            mt,
-                            dv,
-                            if z.is_some() { &pzb[..mt * nt] } else { p },
-                            &dob[..mt * dv],
-                            1.0,
-                            &mut dvb[t0 * dv..(t0 + nt) * dv],
-                        )?;
-                        // dP = dO V^T, then dS = scale * P * (dP - D) in place
-                        let ds = &mut dsb[..mt * nt];
-                        matmul(
-                            Transpose::No,
-                            Transpose::Yes,
-                            mt,
-                            dv,
-                            nt,
-                            &dob[..mt * dv],
-                            vt,
-                            0.0,
-                            ds,
-                        )?;
-                        for (r, (dsrow, prow)) in
-                            ds.chunks_exact_mut(nt).zip(p.chunks_exact(nt)).enumerate()
-                        {
-                            let lim = nvis[r].saturating_sub(t0).min(nt);
-                            let dd = drow[r];
-                            if let Some(z) = z {
-                                let zrow = &z[r * nt..r * nt + lim];
-                                for ((x, &pj), &zj) in
-                                    dsrow[..lim].iter_mut().zip(&prow[..lim]).zip(zrow)
-                                {
-                                    *x = scale * pj * (*x * zj - dd);
-                                }
-                            } else {
-                                for (x, &pj) in dsrow[..lim].iter_mut().zip(&prow[..lim]) {
-                                    *x = scale * pj * (*x - dd);
-                                }
-                            }
-                            dsrow[lim..].fill(0.0);
-                        }
-                        // dQ += dS K, dK += dS^T Q (scale already in dS)
-                        matmul(
-                            Transpose::No,
-                            Transpose::No,
-                            mt,
-                            nt,
-                            d,
-                            ds,
-                            kt,
-                            1.0,
-                            &mut dqb[..mt * d],
-                        )?;
-                        matmul(
-                            Transpose::Yes,
-                            Transpose::No,
-                            nt,
-                            mt,
-                            d,
-                            ds,
-                            &qb[..mt * d],
-                            1.0,
-                            &mut dkb[t0 * d..(t0 + nt) * d],
-                        )?;
+                        hidden.fill(0.0);
                     }
-                    scatter_add(d_q, sq, hq, d, (b, h, i0), mt, &dqb);
+                    // Under dropout O = (P Z) V: dV takes P Z, and dP's entries
+                    // are scaled by Z before dS (D = rowsum(dO O) still holds).
+                    let z = if let (Some(dr), Some(inv)) = (dropout, inv_keep) {
+                        let z = &mut zb[..mt * nt];
+                        let pz = &mut pzb[..mt * nt];
+                        for (r, zrow) in z.chunks_exact_mut(nt).enumerate() {
+                            zrow.fill(1.0);
+                            dr.apply(inv, b, h, q_pos0 + i0 + r, k_pos0 + t0, zrow);
+                        }
+                        for ((x, &pj), &zj) in pz.iter_mut().zip(p.iter()).zip(z.iter()) {
+                            *x = pj * zj;
+                        }
+                        Some(&zb[..mt * nt])
+                    } else {
+                        None
+                    };
+                    // dV += (P Z)^T dO
+                    matmul_tile(
+                        Transpose::Yes,
+                        Transpose::No,
+                        nt,
+                        mt,
+                        dv,
+                        if z.is_some() { &pzb[..mt * nt] } else { p },
+                        &dob[..mt * dv],
+                        1.0,
+                        &mut dvb[t0 * dv..(t0 + nt) * dv],
+                    )?;
+                    // dP = dO V^T, then dS = scale * P * (dP - D) in place
+                    let ds = &mut dsb[..mt * nt];
+                    matmul_tile(
+                        Transpose::No,
+                        Transpose::Yes,
+                        mt,
+                        dv,
+                        nt,
+                        &dob[..mt * dv],
+                        vt,
+                        0.0,
+                        ds,
+                    )?;
+                    for (r, (dsrow, prow)) in
+                        ds.chunks_exact_mut(nt).zip(p.chunks_exact(nt)).enumerate()
+                    {
+                        let lim = nvis[r].saturating_sub(t0).min(nt);
+                        let dd = drow[r];
+                        if let Some(z) = z {
+                            let zrow = &z[r * nt..r * nt + lim];
+                            for ((x, &pj), &zj) in
+                                dsrow[..lim].iter_mut().zip(&prow[..lim]).zip(zrow)
+                            {
+                                *x = scale * pj * (*x * zj - dd);
+                            }
+                        } else {
+                            for (x, &pj) in dsrow[..lim].iter_mut().zip(&prow[..lim]) {
+                                *x = scale * pj * (*x - dd);
+                            }
+                        }
+                        dsrow[lim..].fill(0.0);
+                    }
+                    // dQ += dS K, dK += dS^T Q (scale already in dS)
+                    matmul_tile(
+                        Transpose::No,
+                        Transpose::No,
+                        mt,
+                        nt,
+                        d,
+                        ds,
+                        kt,
+                        1.0,
+                        &mut dqb[..mt * d],
+                    )?;
+                    matmul_tile(
+                        Transpose::Yes,
+                        Transpose::No,
+                        nt,
+                        mt,
+                        d,
+                        ds,
+                        &qb[..mt * d],
+                        1.0,
+                        &mut dkb[t0 * d..(t0 + nt) * d],
+                    )?;
+                }
+                let dst = &mut dqg[(hi * sq + i0) * d..][..mt * d];
+                for (x, &y) in dst.iter_mut().zip(&dqb[..mt * d]) {
+                    *x += y;
                 }
             }
-            scatter_add(d_k, sk, hkv, d, (b, g, 0), nk_all, &dkb);
-            scatter_add(d_v, sk, hkv, dv, (b, g, 0), nk_all, &dvb);
         }
+        Ok((dqg, dkb, dvb))
+    };
+    for (bg, res) in par_map(batch * hkv, task).into_iter().enumerate() {
+        let (dqg, dkb, dvb) = res?;
+        let (b, g) = (bg / hkv, bg % hkv);
+        for hi in 0..group {
+            let h = g * group + hi;
+            scatter_add(d_q, sq, hq, d, (b, h, 0), sq, &dqg[hi * sq * d..]);
+        }
+        scatter_add(d_k, sk, hkv, d, (b, g, 0), nk_all, &dkb);
+        scatter_add(d_v, sk, hkv, dv, (b, g, 0), nk_all, &dvb);
     }
     Ok(())
 }

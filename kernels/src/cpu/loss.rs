@@ -14,7 +14,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use super::{check_len, prod, KernelError};
+use super::{check_len, par_rows, prod, KernelError};
 
 fn check_logits(logits: &[f32], rows: usize, v_local: usize) -> Result<(), KernelError> {
     check_len("logits", logits.len(), prod("logits", &[rows, v_local])?)
@@ -30,11 +30,14 @@ pub fn ce_row_max(
 ) -> Result<(), KernelError> {
     check_logits(logits, rows, v_local)?;
     check_len("max", max.len(), rows)?;
-    for r in 0..rows {
-        max[r] = logits[r * v_local..(r + 1) * v_local]
-            .iter()
-            .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-    }
+    par_rows(max, 1, |r0, max| {
+        for (i, mx) in max.iter_mut().enumerate() {
+            let r = r0 + i;
+            *mx = logits[r * v_local..(r + 1) * v_local]
+                .iter()
+                .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+        }
+    });
     Ok(())
 }
 
@@ -49,13 +52,16 @@ pub fn ce_row_sumexp(
     check_logits(logits, rows, v_local)?;
     check_len("global_max", global_max.len(), rows)?;
     check_len("sumexp", sumexp.len(), rows)?;
-    for r in 0..rows {
-        let m = global_max[r];
-        sumexp[r] = logits[r * v_local..(r + 1) * v_local]
-            .iter()
-            .map(|&x| (x - m).exp())
-            .sum();
-    }
+    par_rows(sumexp, 1, |r0, sumexp| {
+        for (i, s) in sumexp.iter_mut().enumerate() {
+            let r = r0 + i;
+            let m = global_max[r];
+            *s = logits[r * v_local..(r + 1) * v_local]
+                .iter()
+                .map(|&x| (x - m).exp())
+                .sum();
+        }
+    });
     Ok(())
 }
 
@@ -125,17 +131,22 @@ pub fn ce_bwd(
     check_len("global_sumexp", global_sumexp.len(), rows)?;
     check_len("labels", labels.len(), rows)?;
     check_len("dlogits", dlogits.len(), logits.len())?;
-    for r in 0..rows {
-        let (m, inv) = (global_max[r], 1.0 / global_sumexp[r]);
-        let lr = &logits[r * v_local..(r + 1) * v_local];
-        let dr = &mut dlogits[r * v_local..(r + 1) * v_local];
-        for (d, &x) in dr.iter_mut().zip(lr) {
-            *d += scale * ((x - m).exp() * inv);
-        }
-        if let Some(c) = local(labels[r], vocab_start, v_local) {
-            dr[c] -= scale;
-        }
+    if v_local == 0 {
+        return Ok(());
     }
+    par_rows(dlogits, v_local, |r0, dlogits| {
+        for (i, dr) in dlogits.chunks_exact_mut(v_local).enumerate() {
+            let r = r0 + i;
+            let (m, inv) = (global_max[r], 1.0 / global_sumexp[r]);
+            let lr = &logits[r * v_local..(r + 1) * v_local];
+            for (d, &x) in dr.iter_mut().zip(lr) {
+                *d += scale * ((x - m).exp() * inv);
+            }
+            if let Some(c) = local(labels[r], vocab_start, v_local) {
+                dr[c] -= scale;
+            }
+        }
+    });
     Ok(())
 }
 

@@ -21,9 +21,45 @@ pub enum Transpose {
 /// `a` is stored `[m, k]` (or `[k, m]` when `trans_a` is [`Transpose::Yes`]),
 /// `b` is stored `[k, n]` (or `[n, k]`). With `beta == 0` the old contents of
 /// `c` are never read, so uninitialised garbage (even NaN) is harmless.
-/// Runs single-threaded so results are deterministic.
+/// Inside a rayon pool it splits output tiles over the pool's threads
+/// ([`intra_op_threads`](super::intra_op_threads)); each element's sum over `k`
+/// is still formed by one thread in one order.
 #[allow(clippy::too_many_arguments)] // flat BLAS-style signature on purpose
 pub fn matmul(
+    trans_a: Transpose,
+    trans_b: Transpose,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+    c: &mut [f32],
+) -> Result<(), KernelError> {
+    let threads = super::intra_op_threads();
+    matmul_on(threads, trans_a, trans_b, m, k, n, a, b, beta, c)
+}
+
+/// [`matmul`] on the calling thread only: for the small tile products of a
+/// kernel that already runs its tiles in parallel.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn matmul_tile(
+    trans_a: Transpose,
+    trans_b: Transpose,
+    m: usize,
+    k: usize,
+    n: usize,
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+    c: &mut [f32],
+) -> Result<(), KernelError> {
+    matmul_on(1, trans_a, trans_b, m, k, n, a, b, beta, c)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn matmul_on(
+    threads: usize,
     trans_a: Transpose,
     trans_b: Transpose,
     m: usize,
@@ -43,7 +79,7 @@ pub fn matmul(
             return Err(invalid(name, "too large for gemm strides"));
         }
     }
-    gemm_unchecked(trans_a, trans_b, m, k, n, a, b, beta, c);
+    gemm_unchecked(threads, trans_a, trans_b, m, k, n, a, b, beta, c);
     Ok(())
 }
 
@@ -86,6 +122,7 @@ pub fn matmul_batched(
 
 #[allow(clippy::too_many_arguments)]
 fn gemm_unchecked(
+    threads: usize,
     trans_a: Transpose,
     trans_b: Transpose,
     m: usize,
@@ -141,7 +178,11 @@ fn gemm_unchecked(
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            if threads > 1 {
+                gemm::Parallelism::Rayon(threads)
+            } else {
+                gemm::Parallelism::None
+            },
         );
     }
 }

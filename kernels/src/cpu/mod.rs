@@ -12,6 +12,11 @@
 //! - Arithmetic is f32 with f32 accumulation unless a kernel's docs say
 //!   otherwise, and every reduction runs in a fixed sequential order, so the
 //!   same inputs give bit-identical outputs on the same machine.
+//! - Called from inside a rayon pool, the heavy kernels (matmul, attention,
+//!   the activations, RoPE, cross-entropy, AdamW) split their work over that
+//!   pool's threads ([`intra_op_threads`]). The split is over independent rows,
+//!   heads or output tiles, never inside a reduction, so the result does not
+//!   depend on the number of threads.
 //!
 //! Families: [`matmul`](mod@matmul), [`embedding`](mod@embedding),
 //! [`norm`], [`rope`], [`activation`], [`attention`], [`loss`], [`adamw`],
@@ -116,6 +121,52 @@ impl fmt::Display for KernelError {
 }
 
 impl Error for KernelError {}
+
+/// Threads a kernel may use: the size of the rayon pool the caller runs in, or 1
+/// on any other thread. A rank thread outside a pool must not borrow the global
+/// pool, which the other ranks of the process share.
+pub fn intra_op_threads() -> usize {
+    if rayon::current_thread_index().is_some() {
+        rayon::current_num_threads()
+    } else {
+        1
+    }
+}
+
+/// Work items per thread: enough pieces that an unlucky split does not leave a
+/// thread idle for long, few enough that scheduling costs nothing.
+const PIECES_PER_THREAD: usize = 4;
+
+/// Calls `f(first_row, rows)` over `out` cut into runs of whole rows of
+/// `row_len` elements: one call on this thread, or runs spread over the pool of
+/// [`intra_op_threads`]. `f` must treat rows independently.
+pub(crate) fn par_rows<T: Send>(
+    out: &mut [T],
+    row_len: usize,
+    f: impl Fn(usize, &mut [T]) + Sync + Send,
+) {
+    let threads = intra_op_threads();
+    let rows = out.len().checked_div(row_len).unwrap_or(0);
+    if threads <= 1 || rows < 2 {
+        f(0, out);
+        return;
+    }
+    use rayon::prelude::*;
+    let per = rows.div_ceil(threads * PIECES_PER_THREAD).max(1);
+    out.par_chunks_mut(per * row_len)
+        .enumerate()
+        .for_each(|(i, c)| f(i * per, c));
+}
+
+/// `(0..n).map(f)` collected in order, the items computed in parallel over the
+/// pool of [`intra_op_threads`] when there is one.
+pub(crate) fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
+    if intra_op_threads() <= 1 || n < 2 {
+        return (0..n).map(f).collect();
+    }
+    use rayon::prelude::*;
+    (0..n).into_par_iter().map(f).collect()
+}
 
 /// Checks `actual == expected` for the slice called `name`.
 pub(crate) fn check_len(
@@ -262,5 +313,141 @@ mod tests {
         );
         assert!(prod("n", &[usize::MAX, 2]).is_err());
         assert_eq!(prod("n", &[2, 3, 4]), Ok(24));
+    }
+}
+
+#[cfg(test)]
+mod threads_tests {
+    //! The kernels that split work over a pool give the same bits on 1, 2 and 3
+    //! threads, so a rank's result does not depend on how many cores it got.
+
+    use super::testutil::Rng;
+    use super::*;
+
+    /// Every parallel kernel's outputs on one input set, computed on the calling
+    /// thread.
+    fn outputs(seed: u64) -> Vec<Vec<f32>> {
+        let mut rng = Rng::new(seed);
+        let (rows, f, kdim) = (37, 24, 19);
+        let x = rng.vec(rows * 2 * f);
+        let dy = rng.vec(rows * f);
+        let w = rng.vec(kdim * 2 * f);
+        let mut out = Vec::new();
+
+        let mut c = vec![0.0; rows * 2 * f];
+        let a = rng.vec(rows * kdim);
+        matmul(
+            Transpose::No,
+            Transpose::No,
+            rows,
+            kdim,
+            2 * f,
+            &a,
+            &w,
+            0.0,
+            &mut c,
+        )
+        .unwrap();
+        out.push(c);
+        // Big enough for gemm to split it.
+        let (m, k, n) = (300, 200, 260);
+        let (a, b) = (rng.vec(m * k), rng.vec(k * n));
+        let mut c = rng.vec(m * n);
+        matmul(Transpose::Yes, Transpose::No, m, k, n, &a, &b, 1.0, &mut c).unwrap();
+        out.push(c);
+
+        let mut y = vec![0.0; rows * f];
+        swiglu_fwd(&x, rows, f, &mut y).unwrap();
+        out.push(y);
+        let mut dx = vec![0.5; rows * 2 * f];
+        swiglu_bwd(&x, &dy, rows, f, &mut dx).unwrap();
+        out.push(dx);
+        let mut g = vec![0.0; x.len()];
+        gelu_fwd(&x, &mut g).unwrap();
+        let mut dg = vec![0.25; x.len()];
+        gelu_bwd(&x, &g, &mut dg).unwrap();
+        out.push(dg);
+        let mut sum = vec![0.0; x.len()];
+        add(&x, &g, &mut sum).unwrap();
+        let (mut da, mut db) = (vec![1.0; x.len()], vec![2.0; x.len()]);
+        add_bwd(&sum, &mut da, &mut db).unwrap();
+        out.extend([sum, da, db]);
+
+        let (tokens, heads, hd) = (11, 3, 8);
+        let xr = rng.vec(tokens * heads * hd);
+        let pos: Vec<u32> = (0..tokens as u32).map(|p| p * 7 + 3).collect();
+        let mut r = vec![0.0; xr.len()];
+        rope_fwd(&xr, &pos, tokens, heads, hd, 10000.0, &mut r).unwrap();
+        let mut dr = vec![0.1; xr.len()];
+        rope_bwd(&r, &pos, tokens, heads, hd, 10000.0, &mut dr).unwrap();
+        out.extend([r, dr]);
+
+        let (cr, v) = (13, 50);
+        let logits: Vec<f32> = rng.vec(cr * v).iter().map(|z| z * 6.0).collect();
+        let labels: Vec<u32> = (0..cr as u64).map(|_| rng.below(v as u64) as u32).collect();
+        let (mut mx, mut se) = (vec![0.0; cr], vec![0.0; cr]);
+        ce_row_max(&logits, cr, v, &mut mx).unwrap();
+        ce_row_sumexp(&logits, cr, v, &mx, &mut se).unwrap();
+        let mut dl = vec![0.0; cr * v];
+        ce_bwd(&logits, cr, v, &mx, &se, &labels, 0, 0.3, &mut dl).unwrap();
+        out.extend([mx, se, dl]);
+
+        let n = 70_001;
+        let (mut p, grad) = (rng.vec(n), rng.vec(n));
+        let mut m1 = rng.vec(n);
+        let mut v1: Vec<f32> = rng.vec(n).iter().map(|z| z * z).collect();
+        adamw_step(
+            &mut p, &grad, &mut m1, &mut v1, 3, 1e-2, 0.9, 0.95, 1e-8, 0.1,
+        )
+        .unwrap();
+        out.extend([p, m1, v1]);
+
+        let dims = AttnDims {
+            batch: 2,
+            sq: 70,
+            sk: 70,
+            hq: 4,
+            hkv: 2,
+            d: 8,
+            dv: 8,
+        };
+        let q = rng.vec(2 * 70 * 4 * 8);
+        let kk = rng.vec(2 * 70 * 2 * 8);
+        let vv = rng.vec(2 * 70 * 2 * 8);
+        let mut o = vec![0.0; q.len()];
+        let mut lse = vec![0.0; 2 * 4 * 70];
+        attention_fwd(
+            &dims, &q, &kk, &vv, 0, 0, true, 0.35, &mut o, &mut lse, None,
+        )
+        .unwrap();
+        let d_o = rng.vec(o.len());
+        let (mut dq, mut dk, mut dv) =
+            (vec![0.0; q.len()], vec![0.0; kk.len()], vec![0.0; vv.len()]);
+        attention_bwd(
+            &dims, &q, &kk, &vv, &o, &lse, &d_o, 0, 0, true, 0.35, &mut dq, &mut dk, &mut dv, None,
+        )
+        .unwrap();
+        out.extend([o, lse, dq, dk, dv]);
+        out
+    }
+
+    #[test]
+    fn parallel_kernels_give_the_same_bits_on_any_thread_count() {
+        assert_eq!(intra_op_threads(), 1, "a plain test thread is not a pool");
+        let serial = outputs(5);
+        for threads in [2, 3] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let par = pool.install(|| {
+                assert_eq!(intra_op_threads(), threads);
+                outputs(5)
+            });
+            for (i, (a, b)) in serial.iter().zip(&par).enumerate() {
+                let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+                assert!(same, "output {i} differs on {threads} threads");
+            }
+        }
     }
 }

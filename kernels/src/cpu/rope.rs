@@ -10,7 +10,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use super::{check_len, invalid, prod, KernelError};
+use super::{check_len, invalid, par_rows, prod, KernelError};
 
 fn check(
     x_len: usize,
@@ -42,35 +42,40 @@ fn rotate(
     out: &mut [f32],
 ) {
     let half = head_dim / 2;
-    let mut cs = vec![(0.0f32, 0.0f32); half];
     let tok_len = heads * head_dim;
     // The frequencies depend only on the pair index: computed once per call.
     let freqs: Vec<f64> = (0..half)
         .map(|i| (theta as f64).powf(-2.0 * i as f64 / head_dim as f64))
         .collect();
-    for (t, &pos) in positions.iter().enumerate() {
-        for (c, &freq) in cs.iter_mut().zip(&freqs) {
-            let ang = pos as f64 * freq * sign;
-            *c = (ang.cos() as f32, ang.sin() as f32);
-        }
-        for h in 0..heads {
-            let base = t * tok_len + h * head_dim;
-            let xv = &x[base..base + head_dim];
-            let ov = &mut out[base..base + head_dim];
-            for (i, &(cos, sin)) in cs.iter().enumerate() {
-                let (x1, x2) = (xv[i], xv[i + half]);
-                let y1 = x1 * cos - x2 * sin;
-                let y2 = x2 * cos + x1 * sin;
-                if accumulate {
-                    ov[i] += y1;
-                    ov[i + half] += y2;
-                } else {
-                    ov[i] = y1;
-                    ov[i + half] = y2;
+    par_rows(out, tok_len, |t0, out| {
+        let mut cs = vec![(0.0f32, 0.0f32); half];
+        for (t, &pos) in positions[t0..t0 + out.len() / tok_len.max(1)]
+            .iter()
+            .enumerate()
+        {
+            for (c, &freq) in cs.iter_mut().zip(&freqs) {
+                let ang = pos as f64 * freq * sign;
+                *c = (ang.cos() as f32, ang.sin() as f32);
+            }
+            for h in 0..heads {
+                let base = t * tok_len + h * head_dim;
+                let xv = &x[t0 * tok_len + base..][..head_dim];
+                let ov = &mut out[base..base + head_dim];
+                for (i, &(cos, sin)) in cs.iter().enumerate() {
+                    let (x1, x2) = (xv[i], xv[i + half]);
+                    let y1 = x1 * cos - x2 * sin;
+                    let y2 = x2 * cos + x1 * sin;
+                    if accumulate {
+                        ov[i] += y1;
+                        ov[i + half] += y2;
+                    } else {
+                        ov[i] = y1;
+                        ov[i + half] = y2;
+                    }
                 }
             }
         }
-    }
+    });
 }
 
 /// RoPE forward on `x [tokens, heads, head_dim]` with `positions [tokens]`,
