@@ -70,6 +70,10 @@ impl Dropout<'_> {
     }
 }
 
+/// One (batch row, kv head) task's gradients in the backward: its query heads'
+/// `dQ [group, sq, d]`, and the kv head's `dK [nk, d]` and `dV [nk, dv]`.
+type GroupGrads = (Vec<f32>, Vec<f32>, Vec<f32>);
+
 /// Sizes of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnDims {
@@ -493,7 +497,7 @@ pub fn attention_bwd(
     // One task per (batch row, kv head), as in the forward: it owns the kv
     // head's dK and dV and its query heads' dQ, which the tasks' results add
     // into the outputs in task order.
-    let task = |bg: usize| -> Result<(Vec<f32>, Vec<f32>, Vec<f32>), KernelError> {
+    let task = |bg: usize| -> Result<GroupGrads, KernelError> {
         let (b, g) = (bg / hkv, bg % hkv);
         // Scratch: the kv head's keys, values and their gradient accumulators;
         // one query tile with its dO, dQ accumulator, probability and dP/dS
