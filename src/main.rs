@@ -13,6 +13,11 @@ use meshplan_ir::{
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+/// Keeps freed activation buffers for the next op instead of returning them to
+/// the kernel (see the workspace Cargo.toml).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod draw;
 mod explain;
 mod export;
