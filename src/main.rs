@@ -13,10 +13,9 @@ use meshplan_ir::{
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-/// Keeps freed activation buffers for the next op instead of returning them to
-/// the kernel (see the workspace Cargo.toml).
+/// The executor's allocator: freed activation buffers are kept for the next op.
 #[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+static ALLOC: meshplan_executor::alloc::Allocator = meshplan_executor::alloc::ALLOCATOR;
 
 mod draw;
 mod explain;
@@ -268,6 +267,7 @@ pub(crate) fn no_fit(message: String) -> Failure {
 }
 
 fn main() -> ExitCode {
+    meshplan_executor::alloc::keep_freed_memory();
     let cli = Cli::parse();
     log::init(cli.quiet, cli.verbose);
     let result = match cli.command {

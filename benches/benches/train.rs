@@ -30,6 +30,10 @@ use meshplan_planner::output::plan_for_config;
 use std::path::Path;
 use std::time::Duration;
 
+/// The allocator of the `meshplan` binary, so the figures are the command's.
+#[global_allocator]
+static ALLOC: meshplan_executor::alloc::Allocator = meshplan_executor::alloc::ALLOCATOR;
+
 const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
 const MODEL: &str = "small-gpt";
 
@@ -77,6 +81,7 @@ fn median(xs: &mut [f64]) -> f64 {
 }
 
 fn bench_train(c: &mut Criterion) {
+    meshplan_executor::alloc::keep_freed_memory();
     let mut group = c.benchmark_group("train_small_gpt");
     // A step takes seconds: the minimum sample count, every sample one step (flat
     // sampling; linear sampling would run 1 + 2 + ... + 10 steps per sample set).

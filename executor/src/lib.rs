@@ -12,9 +12,11 @@
 //!   single-rank run.
 //! - [`weights`]: Hugging Face safetensors checkpoints, each rank reading its shard
 //!   from a shared memory map; [`tokenize`]: `tokenizer.json` prompts.
+//! - [`alloc`]: the allocator a process running ranks should use.
 //! - [`shard`], [`init`]: which slice of each weight a rank holds; deterministic
 //!   weights and data, identical whatever the sharding.
 
+pub mod alloc;
 pub mod backend;
 pub mod ckpt;
 pub mod comm;

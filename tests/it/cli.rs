@@ -820,7 +820,11 @@ fn run_check_trains_the_planned_layout_like_one_rank() {
 
 #[test]
 fn run_threads_split_kernels_without_changing_the_losses() {
-    let out = plan_file("plan-run-threads.json", "models/tiny-gpt.yaml", "dp=2,tp=2,mbs=1");
+    let out = plan_file(
+        "plan-run-threads.json",
+        "models/tiny-gpt.yaml",
+        "dp=2,tp=2,mbs=1",
+    );
     let path = out.to_str().expect("utf-8 path");
     let losses = |threads: &str| {
         let run = meshplan(&["run", path, "--steps", "2", "--threads", threads, "--json"]);
