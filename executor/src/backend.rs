@@ -48,6 +48,9 @@ pub trait Backend: Send + Sync {
     /// Backward of [`add`]: `da += d_out`, `db += d_out`.
     fn add_bwd(&self, d_out: &[f32], da: &mut [f32], db: &mut [f32]) -> Result<(), KernelError>;
 
+    /// `acc += x`, elementwise (gradient accumulation); equal lengths.
+    fn accumulate(&self, acc: &mut [f32], x: &[f32]);
+
     /// One AdamW step in place, elementwise over `param`, `grad`, `m`, `v`
     fn adamw_step(
         &self,
@@ -413,6 +416,10 @@ impl Backend for CpuBackend {
 
     fn add_bwd(&self, d_out: &[f32], da: &mut [f32], db: &mut [f32]) -> Result<(), KernelError> {
         cpu::add_bwd(d_out, da, db)
+    }
+
+    fn accumulate(&self, acc: &mut [f32], x: &[f32]) {
+        cpu::accumulate(acc, x)
     }
 
     fn adamw_step(

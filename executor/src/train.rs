@@ -1168,30 +1168,21 @@ impl<'a> RankState<'a> {
     }
 
     /// Adds a gradient it owns: the first contribution is moved in, not copied.
-    fn add_grad_vec(store: &mut Store, l: u64, name: &str, g: Vec<f32>) {
+    fn add_grad_vec(be: &dyn Backend, store: &mut Store, l: u64, name: &str, g: Vec<f32>) {
         match store.grads.get_mut(&(l, name.to_string())) {
-            Some(e) if e.len() == g.len() => {
-                for (a, b) in e.iter_mut().zip(&g) {
-                    *a += b;
-                }
-            }
+            Some(e) if e.len() == g.len() => be.accumulate(e, &g),
             _ => {
                 store.grads.insert((l, name.to_string()), g);
             }
         }
     }
 
-    fn add_grad(store: &mut Store, l: u64, name: &str, g: &[f32]) {
-        let e = store
-            .grads
-            .entry((l, name.to_string()))
-            .or_insert_with(|| vec![0.0; g.len()]);
-        if e.len() == g.len() {
-            for (a, b) in e.iter_mut().zip(g) {
-                *a += b;
+    fn add_grad(be: &dyn Backend, store: &mut Store, l: u64, name: &str, g: &[f32]) {
+        match store.grads.get_mut(&(l, name.to_string())) {
+            Some(e) if e.len() == g.len() => be.accumulate(e, g),
+            _ => {
+                store.grads.insert((l, name.to_string()), g.to_vec());
             }
-        } else {
-            *e = g.to_vec();
         }
     }
 
@@ -1560,7 +1551,7 @@ impl<'a> RankState<'a> {
                     let pkey = (l, format!("{name}@p"));
                     if let Some(mut partial) = store.grads.remove(&pkey) {
                         self.comm.all_reduce(&g, ax, &mut partial)?;
-                        Self::add_grad_vec(store, l, name, partial);
+                        Self::add_grad_vec(self.be, store, l, name, partial);
                     } else {
                         let buf = store
                             .grads
@@ -1578,7 +1569,7 @@ impl<'a> RankState<'a> {
                         .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
                     let mut out = vec![0.0; full.len() / n];
                     self.comm.reduce_scatter(&g, ax, &full, &mut out)?;
-                    Self::add_grad_vec(store, l, name, out);
+                    Self::add_grad_vec(self.be, store, l, name, out);
                 }
                 CollectiveKind::AllGather => {
                     let local = store
@@ -2258,8 +2249,8 @@ impl RankState<'_> {
         } else {
             (x_name, g_name)
         };
-        Self::add_grad_vec(store, l, &x_key, dx);
-        Self::add_grad_vec(store, l, &g_key, d_logits);
+        Self::add_grad_vec(self.be, store, l, &x_key, dx);
+        Self::add_grad_vec(self.be, store, l, &g_key, d_logits);
         Ok(())
     }
 
@@ -2664,7 +2655,7 @@ impl RankState<'_> {
                         &logits, rows, v_local, &max, &se, &lab, start, scale, &mut d,
                     )
                     .map_err(kerr(&op.name))?;
-                Self::add_grad_vec(store, l, &in_name(0), d);
+                Self::add_grad_vec(self.be, store, l, &in_name(0), d);
             }
             _ => {
                 let Some(dy) = dy else {
@@ -2743,7 +2734,7 @@ impl RankState<'_> {
                     }
                 }
                 self.wgrads.insert(wkey, dw);
-                Self::add_grad_vec(store, l, &in_name(0), dx);
+                Self::add_grad_vec(self.be, store, l, &in_name(0), dx);
             }
             OpKind::Matmul { .. } => {
                 let gathered = matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead);
@@ -2816,16 +2807,16 @@ impl RankState<'_> {
                         })
                     });
                 if (gathered || router_of_split_experts) && self.tp.size > 1 {
-                    Self::add_grad_vec(store, l, &format!("{name}@p"), dx);
+                    Self::add_grad_vec(self.be, store, l, &format!("{name}@p"), dx);
                 } else {
-                    Self::add_grad_vec(store, l, &name, dx);
+                    Self::add_grad_vec(self.be, store, l, &name, dx);
                 }
             }
             OpKind::Rope => {
                 let att = self.consumer_attention(op)?;
                 let rows = dy.len() / self.qkv_width(att)?;
                 let dx = self.rope(att, dy, rows, true)?;
-                Self::add_grad_vec(store, l, &in_name(0), dx);
+                Self::add_grad_vec(self.be, store, l, &in_name(0), dx);
             }
             OpKind::Attention(a) => {
                 let x = self.act(store, l, op.inputs[0])?;
@@ -2881,7 +2872,7 @@ impl RankState<'_> {
                         .map_err(kerr(&op.name))?;
                 }
                 let dx = join_qkv(&dq, &dk, &dv, rows, hq, hkv, dims.d, dims.dv, self.mbs);
-                Self::add_grad_vec(store, l, &in_name(0), dx);
+                Self::add_grad_vec(self.be, store, l, &in_name(0), dx);
             }
             OpKind::Activation(kind) => {
                 let x = self.act(store, l, op.inputs[0])?;
@@ -2898,16 +2889,16 @@ impl RankState<'_> {
                         self.be.gelu_bwd(&x, dy, &mut dx).map_err(kerr(&op.name))?
                     }
                 }
-                Self::add_grad_vec(store, l, &in_name(0), dx);
+                Self::add_grad_vec(self.be, store, l, &in_name(0), dx);
             }
             OpKind::Add => {
-                Self::add_grad(store, l, &in_name(0), dy);
-                Self::add_grad(store, l, &in_name(1), dy);
+                Self::add_grad(self.be, store, l, &in_name(0), dy);
+                Self::add_grad(self.be, store, l, &in_name(1), dy);
             }
             OpKind::Dropout => {
                 let mask = store.kept(l, &format!("{}#mask", op.name))?;
                 let dx: Vec<f32> = dy.iter().zip(mask.iter()).map(|(g, m)| g * m).collect();
-                Self::add_grad_vec(store, l, &in_name(0), dx);
+                Self::add_grad_vec(self.be, store, l, &in_name(0), dx);
             }
             OpKind::CrossEntropy { .. } => {}
             OpKind::Experts(e) => self.experts_backward(op, e, l, store, dy)?,

@@ -112,17 +112,21 @@ pub fn add(a: &[f32], b: &[f32], out: &mut [f32]) -> Result<(), KernelError> {
     Ok(())
 }
 
+/// `acc += x` over the common length (gradient accumulation).
+pub fn accumulate(acc: &mut [f32], x: &[f32]) {
+    par_rows(acc, 1, |i0, acc| {
+        for (a, &v) in acc.iter_mut().zip(&x[i0.min(x.len())..]) {
+            *a += v;
+        }
+    });
+}
+
 /// Backward of [`add`]: `da += d_out`, `db += d_out`.
 pub fn add_bwd(d_out: &[f32], da: &mut [f32], db: &mut [f32]) -> Result<(), KernelError> {
     check_len("da", da.len(), d_out.len())?;
     check_len("db", db.len(), d_out.len())?;
-    for d in [da, db] {
-        par_rows(d, 1, |i0, d| {
-            for (a, &g) in d.iter_mut().zip(&d_out[i0..]) {
-                *a += g;
-            }
-        });
-    }
+    accumulate(da, d_out);
+    accumulate(db, d_out);
     Ok(())
 }
 

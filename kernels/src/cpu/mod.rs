@@ -67,7 +67,7 @@ pub mod moe;
 pub mod norm;
 pub mod rope;
 
-pub use activation::{add, add_bwd, gelu_bwd, gelu_fwd, swiglu_bwd, swiglu_fwd};
+pub use activation::{accumulate, add, add_bwd, gelu_bwd, gelu_fwd, swiglu_bwd, swiglu_fwd};
 pub use adamw::adamw_step;
 pub use attention::{attention_bwd, attention_fwd, attention_merge, AttnDims, Dropout, KEY_TILE};
 pub use embedding::{embedding_bwd, embedding_fwd};
@@ -371,7 +371,9 @@ mod threads_tests {
         add(&x, &g, &mut sum).unwrap();
         let (mut da, mut db) = (vec![1.0; x.len()], vec![2.0; x.len()]);
         add_bwd(&sum, &mut da, &mut db).unwrap();
-        out.extend([sum, da, db]);
+        let mut acc = x.clone();
+        accumulate(&mut acc, &g);
+        out.extend([sum, da, db, acc]);
 
         let (tokens, heads, hd) = (11, 3, 8);
         let xr = rng.vec(tokens * heads * hd);
