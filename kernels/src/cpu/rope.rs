@@ -47,16 +47,25 @@ fn rotate(
     let freqs: Vec<f64> = (0..half)
         .map(|i| (theta as f64).powf(-2.0 * i as f64 / head_dim as f64))
         .collect();
+    // The rotations depend only on the position, and a batch repeats its
+    // positions in every sequence: one (cos, sin) row per distinct position.
+    let mut distinct = positions.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let mut table = vec![(0.0f32, 0.0f32); distinct.len() * half];
+    for (row, &pos) in table.chunks_exact_mut(half.max(1)).zip(&distinct) {
+        for (c, &freq) in row.iter_mut().zip(&freqs) {
+            let ang = pos as f64 * freq * sign;
+            *c = (ang.cos() as f32, ang.sin() as f32);
+        }
+    }
     par_rows(out, tok_len, |t0, out| {
-        let mut cs = vec![(0.0f32, 0.0f32); half];
         for (t, &pos) in positions[t0..t0 + out.len() / tok_len.max(1)]
             .iter()
             .enumerate()
         {
-            for (c, &freq) in cs.iter_mut().zip(&freqs) {
-                let ang = pos as f64 * freq * sign;
-                *c = (ang.cos() as f32, ang.sin() as f32);
-            }
+            let at = distinct.binary_search(&pos).unwrap_or(0);
+            let cs = &table[at * half..(at + 1) * half];
             for h in 0..heads {
                 let base = t * tok_len + h * head_dim;
                 let xv = &x[t0 * tok_len + base..][..head_dim];
