@@ -3,7 +3,8 @@
 use clap::{Args, Parser, Subcommand};
 use meshplan_cost_model::estimate::gib;
 use meshplan_cost_model::{
-    estimate_inference, estimate_train, flops_per_token_forward, load_cluster, prepare_model,
+    estimate_inference, estimate_train, flops_per_token_forward, load_cluster_calibrated,
+    prepare_model,
     replica_memory, Cluster, Estimate, InferenceLoad, MemoryLedger, PreparedGraph,
 };
 use meshplan_ir::{
@@ -13,6 +14,7 @@ use meshplan_ir::{
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+mod calibrate;
 mod draw;
 mod explain;
 mod export;
@@ -85,6 +87,10 @@ enum Command {
         /// Override the cluster's node count.
         #[arg(long)]
         nodes: Option<u64>,
+        /// A calibration overlay (`meshplan calibrate -o FILE`) laid over the cluster:
+        /// measured GEMM, HBM, attention and collective speeds.
+        #[arg(long, value_name = "FILE")]
+        calibration: Option<PathBuf>,
         /// Keys to fix (e.g. `tp=2,pp=2`); the rest are searched.
         #[arg(long)]
         config: Option<String>,
@@ -141,6 +147,10 @@ enum Command {
         /// Override the cluster's node count.
         #[arg(long)]
         nodes: Option<u64>,
+        /// A calibration overlay (`meshplan calibrate -o FILE`) laid over the cluster:
+        /// measured GEMM, HBM, attention and collective speeds.
+        #[arg(long, value_name = "FILE")]
+        calibration: Option<PathBuf>,
         /// Also draw the candidates side by side (compare.svg) into this directory.
         #[arg(long)]
         figures: Option<PathBuf>,
@@ -230,11 +240,28 @@ enum Command {
         /// Override the cluster's node count.
         #[arg(long)]
         nodes: Option<u64>,
+        /// A calibration overlay (`meshplan calibrate -o FILE`) laid over the cluster:
+        /// measured GEMM, HBM, attention and collective speeds.
+        #[arg(long, value_name = "FILE")]
+        calibration: Option<PathBuf>,
         #[command(flatten)]
         workload: WorkloadFlags,
         /// One JSON object on stdout.
         #[arg(long)]
         json: bool,
+    },
+    /// Measure this node's GPUs (GEMM, HBM, attention, NCCL collectives) into a
+    /// calibration overlay for --calibration.
+    Calibrate {
+        /// Where to write the overlay.
+        #[arg(short = 'o', long = "output", value_name = "FILE")]
+        output: PathBuf,
+        /// The backend that measures (only cuda measures GPUs).
+        #[arg(long, default_value = "cuda")]
+        backend: String,
+        /// Print what would be measured and exit.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -273,14 +300,29 @@ fn main() -> ExitCode {
             cluster,
             config,
             nodes,
+            calibration,
             workload,
             json,
-        } => estimate(&model, &cluster, &config, nodes, &workload, json),
+        } => estimate(
+            &model,
+            &cluster,
+            &config,
+            nodes,
+            calibration.as_deref(),
+            &workload,
+            json,
+        ),
+        Command::Calibrate {
+            output,
+            backend,
+            dry_run,
+        } => calibrate::calibrate(&output, &backend, dry_run),
         Command::Plan {
             model,
             cluster,
             output,
             nodes,
+            calibration,
             config,
             top,
             max_candidates,
@@ -295,6 +337,7 @@ fn main() -> ExitCode {
             cluster,
             output,
             nodes,
+            calibration,
             config,
             top,
             max_candidates,
@@ -349,6 +392,7 @@ fn main() -> ExitCode {
             configs,
             configs_file,
             nodes,
+            calibration,
             figures,
             png,
             workload,
@@ -359,6 +403,7 @@ fn main() -> ExitCode {
             configs: &configs,
             configs_file: configs_file.as_deref(),
             nodes,
+            calibration: calibration.as_deref(),
             wo: &workload.overrides(),
             json,
             figures: figures.as_deref(),
@@ -435,15 +480,45 @@ fn inspect(model: &Path, wf: &WorkloadFlags, json: bool) -> Result<(), Failure> 
     Ok(())
 }
 
+/// A cluster file with its calibration overlay (`--calibration` wins over the one
+/// the file names); says on stderr which measurements price the run.
+pub(crate) fn load_cluster_flagged(
+    path: &Path,
+    nodes: Option<u64>,
+    calibration: Option<&Path>,
+) -> Result<Cluster, Failure> {
+    let cluster = load_cluster_calibrated(path, nodes, calibration)?;
+    if let Some(c) = &cluster.calibration {
+        tracing::info!(
+            "calibrated by {}: {} measured at {} ({})",
+            c.file,
+            c.device,
+            c.measured_at,
+            c.measured_with
+        );
+        if c.device_matches(&cluster.gpu.name) == Some(false) {
+            tracing::warn!(
+                "{}: measured on `{}`, but {} describes `{}`; the measurements may not fit these GPUs",
+                c.file,
+                c.device,
+                path.display(),
+                cluster.gpu.name
+            );
+        }
+    }
+    Ok(cluster)
+}
+
 fn load_inputs(
     model: &Path,
     cluster: &Path,
     nodes: Option<u64>,
+    calibration: Option<&Path>,
     wf: &WorkloadFlags,
 ) -> Result<(ModelSpec, PreparedGraph, Cluster), Failure> {
     let spec = load_model(model, &wf.overrides())?;
     let pg = prepare_model(&spec)?;
-    let cluster = load_cluster(cluster, nodes)?;
+    let cluster = load_cluster_flagged(cluster, nodes, calibration)?;
     Ok((spec, pg, cluster))
 }
 
@@ -452,10 +527,11 @@ fn estimate(
     cluster_path: &Path,
     config: &str,
     nodes: Option<u64>,
+    calibration: Option<&Path>,
     wf: &WorkloadFlags,
     json: bool,
 ) -> Result<(), Failure> {
-    let (spec, pg, cluster) = load_inputs(model, cluster_path, nodes, wf)?;
+    let (spec, pg, cluster) = load_inputs(model, cluster_path, nodes, calibration, wf)?;
     let partial = PartialConfig::parse(config, "--config")?;
     let cfg = partial
         .resolve(cluster.gpus(), "--config")

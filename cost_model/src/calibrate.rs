@@ -147,21 +147,15 @@ impl MeasurementPlan {
     /// One line per measured family, for `meshplan calibrate --dry-run`.
     pub fn describe(&self) -> String {
         let dtypes: Vec<&str> = self.gemm_dtypes.iter().map(|d| dtype_key(*d)).collect();
-        let sides: Vec<String> = self
+        let shapes: Vec<String> = self
             .gemm_shapes
             .iter()
-            .map(|(m, n, k)| {
-                if m == n && n == k {
-                    m.to_string()
-                } else {
-                    format!("{m}x{n}x{k}")
-                }
-            })
+            .map(|(m, n, k)| format!("{m}x{n}x{k}"))
             .collect();
         let mut s = format!(
-            "gemm         {} products ({}^3) in {}\n",
+            "gemm         {} products ({}) in {}\n",
             self.gemm_shapes.len(),
-            sides.join(", "),
+            shapes.join(", "),
             dtypes.join(", ")
         );
         s += &format!(

@@ -11,5 +11,6 @@ mod infer;
 mod loaders;
 mod lowering;
 mod models;
+mod overlay;
 mod planner;
 mod tidy;
