@@ -12,6 +12,8 @@
 //!   single-rank run.
 //! - [`weights`]: Hugging Face safetensors checkpoints, each rank reading its shard
 //!   from a shared memory map; [`tokenize`]: `tokenizer.json` prompts.
+//! - [`launch`]: processes as ranks: torchrun/Slurm variables, the TCP rendezvous
+//!   (NCCL's unique id), and the `meshplan launch` supervisor.
 //! - [`shard`], [`init`]: which slice of each weight a rank holds; deterministic
 //!   weights and data, identical whatever the sharding.
 
@@ -21,6 +23,7 @@ pub mod comm;
 pub mod data;
 pub mod infer;
 pub mod init;
+pub mod launch;
 pub mod sample;
 pub mod shard;
 pub mod tokenize;
