@@ -19,6 +19,7 @@ mod draw;
 mod explain;
 mod export;
 mod generate;
+mod launch;
 mod log;
 mod plan;
 mod run;
@@ -250,6 +251,54 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Start this node's ranks as processes (torchrun-style), each running the
+    /// meshplan command after `--` with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+    /// MASTER_PORT set; output lines are prefixed with `[rank r]`.
+    #[command(
+        after_help = "Example: meshplan launch --nproc-per-node 8 -- run plan.json --backend cuda\nOn several nodes run it on each with --nnodes, --node-rank and the same --master-addr/--master-port."
+    )]
+    Launch {
+        /// Processes (GPUs) on this node.
+        #[arg(long)]
+        nproc_per_node: usize,
+        /// Nodes of the run.
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        /// This node's index, 0..nnodes.
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        /// Host of node 0, where rank 0 listens (default 127.0.0.1 on one node).
+        #[arg(long)]
+        master_addr: Option<String>,
+        /// Rank 0's port; 0 picks a free one (one node only).
+        #[arg(long, default_value_t = 29500)]
+        master_port: u16,
+        /// Seconds between SIGTERM and SIGKILL when stopping ranks.
+        #[arg(long, default_value_t = 10.0)]
+        grace: f64,
+        /// The meshplan command every rank runs, after `--`.
+        #[arg(last = true, value_name = "COMMAND")]
+        command: Vec<std::ffi::OsString>,
+    },
+    /// Join the rendezvous of a launched run and print the rank -> node map (tests).
+    #[command(hide = true)]
+    RendezvousCheck {
+        /// Seconds any wait may take.
+        #[arg(long, default_value_t = 60.0)]
+        timeout: f64,
+        /// A plan file whose hash every rank must share.
+        #[arg(long)]
+        plan: Option<PathBuf>,
+        /// This rank exits with --fail-code before joining.
+        #[arg(long)]
+        fail_rank: Option<usize>,
+        /// The exit code of --fail-rank.
+        #[arg(long, default_value_t = 3)]
+        fail_code: u8,
+        /// Seconds to wait before the final barrier.
+        #[arg(long, default_value_t = 0.0)]
+        hold: f64,
+    },
     /// Measure this node's GPUs (GEMM, HBM, attention, NCCL collectives) into a
     /// calibration overlay for --calibration.
     Calibrate {
@@ -287,6 +336,16 @@ pub(crate) fn no_fit(message: String) -> Failure {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     log::init(cli.quiet, cli.verbose);
+    // A rank started by `meshplan launch` stops when its launcher dies.
+    meshplan_executor::launch::watch_launcher(|| {
+        // The launcher held our stderr too: a failed write must not stop the exit.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "error: the `meshplan launch` that started this rank exited; stopping"
+        );
+        std::process::exit(1);
+    });
     let result = match cli.command {
         Command::Export { plan, to, output } => export::export(&plan, &to, output.as_deref()),
         Command::Explain { plan, top, json } => explain::explain(&plan, top, json),
@@ -317,6 +376,36 @@ fn main() -> ExitCode {
             backend,
             dry_run,
         } => calibrate::calibrate(&output, &backend, dry_run),
+        Command::Launch {
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            grace,
+            command,
+        } => launch::launch(launch::LaunchArgs {
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            grace_s: grace,
+            command,
+        }),
+        Command::RendezvousCheck {
+            timeout,
+            plan,
+            fail_rank,
+            fail_code,
+            hold,
+        } => launch::rendezvous_check(&launch::CheckArgs {
+            timeout_s: timeout,
+            plan,
+            fail_rank,
+            fail_code,
+            hold_s: hold,
+        }),
         Command::Plan {
             model,
             cluster,

@@ -8,6 +8,7 @@ mod executor;
 mod explain;
 mod export;
 mod infer;
+mod launch;
 mod loaders;
 mod lowering;
 mod models;

@@ -18,3 +18,19 @@ mod tests;
 pub use env::{LaunchEnv, LaunchEnvError};
 pub use rendezvous::{Rendezvous, RendezvousConfig, RendezvousError};
 pub use spawn::{launch, watch_launcher, LaunchOptions, LaunchOutcome};
+
+/// This machine's host name (for the rank -> node map); `localhost` if unknown.
+pub fn hostname() -> String {
+    #[cfg(unix)]
+    {
+        if let Ok(h) = nix::unistd::gethostname() {
+            if let Some(s) = h.to_str().filter(|s| !s.is_empty()) {
+                return s.to_string();
+            }
+        }
+    }
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
