@@ -155,7 +155,10 @@ pub(crate) fn rendezvous_check(a: &CheckArgs) -> Result<(), Failure> {
             },
         });
     if !(a.timeout_s.is_finite() && a.timeout_s > 0.0) {
-        return Err(bad(format!("--timeout {}: expected seconds > 0", a.timeout_s)));
+        return Err(bad(format!(
+            "--timeout {}: expected seconds > 0",
+            a.timeout_s
+        )));
     }
     if a.fail_rank == Some(env.rank) {
         return Err(Failure {
@@ -190,13 +193,18 @@ pub(crate) fn rendezvous_check(a: &CheckArgs) -> Result<(), Failure> {
         "{host}\t{}\t{}\t{}",
         env.local_rank,
         std::process::id(),
-        env.local_world_size.map_or("-".to_string(), |v| v.to_string())
+        env.local_world_size
+            .map_or("-".to_string(), |v| v.to_string())
     );
     let all = rv
         .all_gather_bytes(mine.as_bytes())
         .map_err(rendezvous_failure)?;
     // The NCCL unique id's path: 128 bytes made by rank 0, the same on every rank.
-    let id = if env.rank == 0 { unique_id() } else { Vec::new() };
+    let id = if env.rank == 0 {
+        unique_id()
+    } else {
+        Vec::new()
+    };
     let id = rv.broadcast(&id).map_err(rendezvous_failure)?;
     let digest = fnv1a64(&id);
     let digests = rv
@@ -249,7 +257,9 @@ fn report_map(all: &[Vec<u8>], digests: &[Vec<u8>], world: usize) -> Result<(), 
         let text = String::from_utf8_lossy(b);
         let f: Vec<&str> = text.split('\t').collect();
         let [host, local, pid, local_world] = f[..] else {
-            return Err(runtime(format!("rank {rank} sent a malformed entry `{text}`")));
+            return Err(runtime(format!(
+                "rank {rank} sent a malformed entry `{text}`"
+            )));
         };
         let local: usize = local.parse().unwrap_or(usize::MAX);
         println!("  rank {rank}: host {host}, local rank {local}, pid {pid}");

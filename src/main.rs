@@ -4,8 +4,7 @@ use clap::{Args, Parser, Subcommand};
 use meshplan_cost_model::estimate::gib;
 use meshplan_cost_model::{
     estimate_inference, estimate_train, flops_per_token_forward, load_cluster_calibrated,
-    prepare_model,
-    replica_memory, Cluster, Estimate, InferenceLoad, MemoryLedger, PreparedGraph,
+    prepare_model, replica_memory, Cluster, Estimate, InferenceLoad, MemoryLedger, PreparedGraph,
 };
 use meshplan_ir::{
     load_model, IrError, ModelSpec, ParallelConfig, PartialConfig, Recompute, Workload,

@@ -90,7 +90,8 @@ pub struct MeasurementPlan {
 }
 
 /// The cube sides of the GEMM sweep.
-pub const GEMM_SWEEP_SIDES: [u64; 10] = [256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384];
+pub const GEMM_SWEEP_SIDES: [u64; 10] =
+    [256, 512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384];
 
 /// Collective message sizes: 4 KiB to 1 GiB by factors of 4.
 pub fn collective_sweep_bytes() -> Vec<u64> {
@@ -327,7 +328,10 @@ pub fn fit_alpha_beta(what: &str, samples: &[SizeSample]) -> Result<(f64, f64), 
                 s.bytes
             )));
         }
-        by_size.entry(s.bytes.to_bits()).or_default().push(s.seconds);
+        by_size
+            .entry(s.bytes.to_bits())
+            .or_default()
+            .push(s.seconds);
     }
     if by_size.len() < 2 {
         return Err(err(format!(
@@ -504,7 +508,11 @@ mod tests {
 
     #[test]
     fn exact_line_is_recovered() {
-        let s = samples(25e-6, 180e9, &[4096.0, 65536.0, 1048576.0, 16777216.0, 268435456.0]);
+        let s = samples(
+            25e-6,
+            180e9,
+            &[4096.0, 65536.0, 1048576.0, 16777216.0, 268435456.0],
+        );
         let (a, b) = fit_alpha_beta("t", &s).expect("fit");
         assert!((a - 25e-6).abs() < 1e-12, "{a}");
         assert!((b - 180e9).abs() < 1e-3 * 1.0, "{b}");
@@ -585,8 +593,13 @@ mod tests {
         };
         // 2 * 4096^3 = 1.374e11 FLOPs; median of 0.5, 0.25, 0.3 ms = 0.3 ms:
         // 458.130 TFLOP/s. 1024^3 in 10 us: 214.748 TFLOP/s.
-        let pts = gemm_points(&[s(4096, 0.5e-3), s(4096, 0.25e-3), s(1024, 10e-6), s(4096, 0.3e-3)])
-            .expect("points");
+        let pts = gemm_points(&[
+            s(4096, 0.5e-3),
+            s(4096, 0.25e-3),
+            s(1024, 10e-6),
+            s(4096, 0.3e-3),
+        ])
+        .expect("points");
         let bf = &pts["bf16"];
         assert_eq!(bf.len(), 2);
         assert_eq!(bf[0].m, 1024);

@@ -63,7 +63,10 @@ impl GemmCurve {
             .take(GEMM_POINTS_MAX)
             .map(|p| {
                 let (m, n, k) = (p.m as f64, p.n as f64, p.k as f64);
-                ((2.0 * m * n * k).ln(), p.flops_per_s / shape_factor(m, n, k))
+                (
+                    (2.0 * m * n * k).ln(),
+                    p.flops_per_s / shape_factor(m, n, k),
+                )
             })
             .collect();
         if pts.is_empty() {
@@ -265,14 +268,23 @@ mod tests {
     fn curve_interpolates_in_log_flops_and_holds_the_ends() {
         // 1024^3 at 200 TFLOP/s and 4096^3 at 600: 2048^3 has 8x the FLOPs of the
         // first and 1/8 of the second, the midpoint in ln(FLOPs): 400 TFLOP/s.
-        let c = GemmCurve::from_points(&[point(4096, 4096, 4096, 600.0), point(1024, 1024, 1024, 200.0)])
-            .expect("two points");
+        let c = GemmCurve::from_points(&[
+            point(4096, 4096, 4096, 600.0),
+            point(1024, 1024, 1024, 200.0),
+        ])
+        .expect("two points");
         let at = |d: f64| c.rate(d, d, d) / 1e12;
         assert!((at(2048.0) - 400.0).abs() < 1e-9, "{}", at(2048.0));
         assert!((at(1024.0) - 200.0).abs() < 1e-9);
         assert!((at(4096.0) - 600.0).abs() < 1e-9);
-        assert!((at(256.0) - 200.0).abs() < 1e-9, "flat below the first point");
-        assert!((at(16384.0) - 600.0).abs() < 1e-9, "flat beyond the last point");
+        assert!(
+            (at(256.0) - 200.0).abs() < 1e-9,
+            "flat below the first point"
+        );
+        assert!(
+            (at(16384.0) - 600.0).abs() < 1e-9,
+            "flat beyond the last point"
+        );
     }
 
     #[test]

@@ -25,9 +25,7 @@ pub mod overlay;
 pub mod pipeline;
 pub mod timeline;
 
-pub use cluster::{
-    load_cluster, load_cluster_calibrated, parse_cluster_yaml, Cluster, GroupShape,
-};
+pub use cluster::{load_cluster, load_cluster_calibrated, parse_cluster_yaml, Cluster, GroupShape};
 pub use collective::{Collective, CommModel};
 pub use estimate::{
     estimate_inference, estimate_train, estimate_train_bounded, estimate_train_split,

@@ -137,7 +137,10 @@ impl RawOverlay {
     pub fn to_yaml(&self) -> String {
         let mut s = String::new();
         let q = |v: &str| serde_json::to_string(v).unwrap_or_else(|_| format!("\"{v}\""));
-        let _ = writeln!(s, "# meshplan calibration overlay: use with --calibration FILE, or name it as");
+        let _ = writeln!(
+            s,
+            "# meshplan calibration overlay: use with --calibration FILE, or name it as"
+        );
         let _ = writeln!(s, "# `calibration: FILE` in a cluster YAML.");
         let _ = writeln!(s, "format: {}", self.format);
         let _ = writeln!(s, "device: {}", q(&self.device));
@@ -174,7 +177,8 @@ impl RawOverlay {
                         );
                     }
                     None => {
-                        let _ = writeln!(s, "  {dtype}: {{forward_tflops: {:?}}}", a.forward_tflops);
+                        let _ =
+                            writeln!(s, "  {dtype}: {{forward_tflops: {:?}}}", a.forward_tflops);
                     }
                 }
             }
@@ -396,8 +400,7 @@ fn model_tokens(name: &str) -> Vec<String> {
             let t = t.to_ascii_uppercase();
             let letters = t.chars().take_while(|c| c.is_ascii_alphabetic()).count();
             let rest = &t[letters..];
-            (letters >= 1
-                && letters <= 3
+            ((1..=3).contains(&letters)
                 && rest.len() >= 2
                 && rest.chars().all(|c| c.is_ascii_digit()))
             .then_some(t)
@@ -530,7 +533,10 @@ impl RawOverlay {
                     format!("`{key}` is given twice (as {key} and an alias); keep one"),
                 ));
             }
-            gemm.push(GemmCurveSpec { dtype: key, points: out });
+            gemm.push(GemmCurveSpec {
+                dtype: key,
+                points: out,
+            });
         }
         let hbm_bytes_per_s = match self.hbm_gbps {
             Some(h) => {
@@ -629,7 +635,10 @@ impl RawOverlay {
                 return Err(invalid(
                     file,
                     &format!("{f}.ranks"),
-                    format!("send_recv is between 2 ranks, got {}; write ranks: 2", c.ranks),
+                    format!(
+                        "send_recv is between 2 ranks, got {}; write ranks: 2",
+                        c.ranks
+                    ),
                 ));
             }
             if c.ranks > cluster.gpus_per_node {
@@ -650,10 +659,7 @@ impl RawOverlay {
                 ));
             }
             let beta = positive(file, &format!("{f}.beta_gbps"), c.beta_gbps)?;
-            if intra_node
-                .iter()
-                .any(|x| x.op == op && x.ranks == c.ranks)
-            {
+            if intra_node.iter().any(|x| x.op == op && x.ranks == c.ranks) {
                 return Err(invalid(
                     file,
                     &f,

@@ -72,7 +72,11 @@ pub fn command() -> Command {
 pub fn meshplan(args: &[&str]) -> Run {
     let mut c = command();
     c.args(args);
-    finish(args, &c.output().unwrap_or_else(|e| panic!("cannot run {BIN}: {e}")))
+    finish(
+        args,
+        &c.output()
+            .unwrap_or_else(|e| panic!("cannot run {BIN}: {e}")),
+    )
 }
 
 /// The [`Run`] of a finished `meshplan ARGS`; fails the test on a panic or signal.

@@ -67,8 +67,14 @@ fn launch_joins_1_2_and_4_processes_and_prints_the_rank_map() {
             out.contains(&format!("[rank 0] rank -> node map (WORLD_SIZE={n}):")),
             "{out}"
         );
-        assert!(out.contains(&format!("[rank 0] rendezvous ok: {n} ranks")), "{out}");
-        assert!(out.contains("[rank 0] every rank holds the same 128-byte id; 1 node(s)"), "{out}");
+        assert!(
+            out.contains(&format!("[rank 0] rendezvous ok: {n} ranks")),
+            "{out}"
+        );
+        assert!(
+            out.contains("[rank 0] every rank holds the same 128-byte id; 1 node(s)"),
+            "{out}"
+        );
         let mut digests = std::collections::BTreeSet::new();
         for r in 0..n {
             let joined = format!("[rank {r}] rank {r}: joined 127.0.0.1:");
@@ -99,14 +105,23 @@ fn a_missing_process_times_out_naming_its_rank() {
     assert!(t0.elapsed() < Duration::from_secs(20));
     r0.expect_code(1);
     assert!(
-        r0.stderr.contains("timed out after 1.0 s waiting at 127.0.0.1:")
+        r0.stderr
+            .contains("timed out after 1.0 s waiting at 127.0.0.1:")
             && r0.stderr.contains("for rank 2 of WORLD_SIZE=3 to connect"),
         "{}",
         r0.stderr
     );
     r1.expect_code(1);
-    assert!(r1.stderr.contains("rank 0 aborted: timed out"), "{}", r1.stderr);
-    assert!(r1.stderr.contains("rank 2 of WORLD_SIZE=3"), "{}", r1.stderr);
+    assert!(
+        r1.stderr.contains("rank 0 aborted: timed out"),
+        "{}",
+        r1.stderr
+    );
+    assert!(
+        r1.stderr.contains("rank 2 of WORLD_SIZE=3"),
+        "{}",
+        r1.stderr
+    );
 }
 
 #[test]
@@ -135,7 +150,11 @@ fn bad_launch_variables_exit_2_naming_the_variable() {
             .expect("run"),
     );
     run.expect_code(2);
-    assert!(run.stderr.contains("RANK=4 is not below WORLD_SIZE=4"), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("RANK=4 is not below WORLD_SIZE=4"),
+        "{}",
+        run.stderr
+    );
 }
 
 #[test]
@@ -162,9 +181,15 @@ fn launch_forwards_the_first_failure_and_stops_the_other_ranks() {
     ]);
     run.expect_code(7);
     assert!(t0.elapsed() < Duration::from_secs(30), "{:?}", t0.elapsed());
-    assert!(run.stderr.contains("[rank 2] error: rank 2 fails on purpose"), "{}", run.stderr);
     assert!(
-        run.stderr.contains("rank 2 exited with code 7; stopped the other ranks"),
+        run.stderr
+            .contains("[rank 2] error: rank 2 fails on purpose"),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr
+            .contains("rank 2 exited with code 7; stopped the other ranks"),
         "{}",
         run.stderr
     );
@@ -175,22 +200,55 @@ fn launch_checks_its_flags() {
     for (args, needle) in [
         (vec!["launch", "--nproc-per-node", "2"], "after `--`"),
         (
-            vec!["launch", "--nproc-per-node", "2", "--nnodes", "2", "--", "rendezvous-check"],
+            vec![
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "2",
+                "--",
+                "rendezvous-check",
+            ],
             "--master-addr",
         ),
         (
             vec![
-                "launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2",
-                "--master-addr", "127.0.0.1", "--", "rendezvous-check",
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--",
+                "rendezvous-check",
             ],
             "--node-rank 2 is not below --nnodes 2",
         ),
         (
-            vec!["launch", "--nproc-per-node", "0", "--master-port", "0", "--", "rendezvous-check"],
+            vec![
+                "launch",
+                "--nproc-per-node",
+                "0",
+                "--master-port",
+                "0",
+                "--",
+                "rendezvous-check",
+            ],
             "--nproc-per-node 0",
         ),
         (
-            vec!["launch", "--nproc-per-node", "1", "--", "launch", "--nproc-per-node", "1"],
+            vec![
+                "launch",
+                "--nproc-per-node",
+                "1",
+                "--",
+                "launch",
+                "--nproc-per-node",
+                "1",
+            ],
             "cannot launch again",
         ),
     ] {
@@ -229,7 +287,10 @@ fn holding_launch() -> (Child, Vec<u32>, std::thread::JoinHandle<String>) {
         let line = line.expect("line");
         seen.push_str(&line);
         seen.push('\n');
-        if let Some(p) = line.strip_prefix("[rank 0]   rank ").and_then(|l| l.rsplit_once("pid ")) {
+        if let Some(p) = line
+            .strip_prefix("[rank 0]   rank ")
+            .and_then(|l| l.rsplit_once("pid "))
+        {
             pids.push(p.1.trim().parse::<u32>().expect("pid"));
         }
         if line.contains("every rank holds the same") {
@@ -238,9 +299,8 @@ fn holding_launch() -> (Child, Vec<u32>, std::thread::JoinHandle<String>) {
     }
     assert_eq!(pids.len(), 3, "{seen}");
     // Keep draining so the ranks never block on a full pipe.
-    let rest = std::thread::spawn(move || {
-        lines.map_while(Result::ok).collect::<Vec<_>>().join("\n")
-    });
+    let rest =
+        std::thread::spawn(move || lines.map_while(Result::ok).collect::<Vec<_>>().join("\n"));
     (child, pids, rest)
 }
 
@@ -256,7 +316,10 @@ fn signal(pid: u32, sig: &str) {
 fn all_dead_within(pids: &[u32], limit: Duration) {
     let t0 = Instant::now();
     while !pids.iter().all(|&p| dead(p)) {
-        assert!(t0.elapsed() < limit, "ranks {pids:?} still alive after {limit:?}");
+        assert!(
+            t0.elapsed() < limit,
+            "ranks {pids:?} still alive after {limit:?}"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -297,7 +360,16 @@ fn run_refuses_a_multi_process_launch_on_the_cpu_backend() {
     );
     let p = plan.display().to_string();
     let run = meshplan(&[
-        "launch", "--nproc-per-node", "2", "--master-port", "0", "--", "run", &p, "--steps", "1",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "0",
+        "--",
+        "run",
+        &p,
+        "--steps",
+        "1",
     ]);
     run.expect_code(2);
     // The first rank to refuse decides; the launcher may stop the other first.
@@ -308,12 +380,35 @@ fn run_refuses_a_multi_process_launch_on_the_cpu_backend() {
         "{}",
         run.stderr
     );
-    assert!(run.stderr.contains("exited with code 2; stopped the other ranks"), "{}", run.stderr);
-    assert!(run.stderr.contains("Multi-process runs need --backend cuda"), "{}", run.stderr);
+    assert!(
+        run.stderr
+            .contains("exited with code 2; stopped the other ranks"),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr
+            .contains("Multi-process runs need --backend cuda"),
+        "{}",
+        run.stderr
+    );
     // One process under a launcher runs the whole plan as threads, as without one.
     let run = meshplan(&[
-        "launch", "--nproc-per-node", "1", "--master-port", "0", "--", "run", &p, "--steps", "1",
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--master-port",
+        "0",
+        "--",
+        "run",
+        &p,
+        "--steps",
+        "1",
     ]);
     run.expect_code(0);
-    assert!(run.stdout.contains("[rank 0] tiny-gpt on 8 ranks"), "{}", run.stdout);
+    assert!(
+        run.stdout.contains("[rank 0] tiny-gpt on 8 ranks"),
+        "{}",
+        run.stdout
+    );
 }

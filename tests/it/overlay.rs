@@ -5,8 +5,8 @@
 
 use crate::bin::{meshplan, temp_dir, ROOT};
 use meshplan_cost_model::calibrate::{
-    build_overlay, AttentionCase, AttentionSample, CollectiveSample, GemmSample, Measurements,
-    MeasurementPlan, SizeSample,
+    build_overlay, AttentionCase, AttentionSample, CollectiveSample, GemmSample, MeasurementPlan,
+    Measurements, SizeSample,
 };
 use meshplan_cost_model::compute::Roofline;
 use meshplan_cost_model::overlay::{parse_overlay_yaml, LinkOp};
@@ -87,9 +87,21 @@ fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     p
 }
 
-fn estimate_json(model: &Path, cluster: &Path, config: &str, overlay: Option<&Path>) -> serde_json::Value {
+fn estimate_json(
+    model: &Path,
+    cluster: &Path,
+    config: &str,
+    overlay: Option<&Path>,
+) -> serde_json::Value {
     let (m, c) = (model.display().to_string(), cluster.display().to_string());
-    let mut args = vec!["estimate", m.as_str(), c.as_str(), "--config", config, "--json"];
+    let mut args = vec![
+        "estimate",
+        m.as_str(),
+        c.as_str(),
+        "--config",
+        config,
+        "--json",
+    ];
     let o = overlay.map(|p| p.display().to_string());
     if let Some(o) = &o {
         args.extend(["--calibration", o.as_str()]);
@@ -167,11 +179,21 @@ fn measured_hbm_bandwidth_prices_memory_bound_work() {
     };
     let fast = write(&dir, "fast.yaml", &overlay(2000.0));
     let slow = write(&dir, "slow.yaml", &overlay(1000.0));
-    let d = f(&estimate_json(&model, &cluster, "dp=1", Some(&slow)), "/step_time_s")
-        - f(&estimate_json(&model, &cluster, "dp=1", Some(&fast)), "/step_time_s");
+    let d = f(
+        &estimate_json(&model, &cluster, "dp=1", Some(&slow)),
+        "/step_time_s",
+    ) - f(
+        &estimate_json(&model, &cluster, "dp=1", Some(&fast)),
+        "/step_time_s",
+    );
     let opt_bytes = 4096.0 * 4096.0 * 30.0;
     assert_close("optimizer bytes", opt_bytes, 503.316e6, 1e-6);
-    assert_close("step difference", d, opt_bytes / 1000e9 - opt_bytes / 2000e9, 1e-9);
+    assert_close(
+        "step difference",
+        d,
+        opt_bytes / 1000e9 - opt_bytes / 2000e9,
+        1e-9,
+    );
 }
 
 #[test]
@@ -195,7 +217,10 @@ fn measured_all_reduce_gives_alpha_plus_bytes_over_beta() {
     let cal = CommModel::new(
         &load_cluster_calibrated(&path, None, Some(&overlay)).expect("calibrated dgx-h100"),
     );
-    let g8 = GroupShape { size: 8, per_node: 8 };
+    let g8 = GroupShape {
+        size: 8,
+        per_node: 8,
+    };
     let bytes = 268435456.0;
     assert_close(
         "measured AllReduce",
@@ -209,13 +234,21 @@ fn measured_all_reduce_gives_alpha_plus_bytes_over_beta() {
         1.380353e-3,
         1e-6,
     );
-    let g4 = GroupShape { size: 4, per_node: 4 };
+    let g4 = GroupShape {
+        size: 4,
+        per_node: 4,
+    };
     assert_eq!(
         cal.time_s(Collective::AllReduce, g4, bytes),
         plain.time_s(Collective::AllReduce, g4, bytes)
     );
     // A pipeline send inside the node: 5 us + 64 MiB / 300 GB/s = 228.6962 us.
-    assert_close("send_recv", cal.p2p_time_s(true, 67108864.0), 228.6962e-6, 1e-6);
+    assert_close(
+        "send_recv",
+        cal.p2p_time_s(true, 67108864.0),
+        228.6962e-6,
+        1e-6,
+    );
     assert_eq!(cal.p2p_time_s(false, 1e6), plain.p2p_time_s(false, 1e6));
 }
 
@@ -236,13 +269,28 @@ fn measured_beta_changes_tensor_parallel_step_time_by_the_bytes() {
         )
     };
     let model = Path::new(ROOT).join("models/tiny-gpt.yaml");
-    let fast = estimate_json(&model, &cluster, "tp=2", Some(&write(&dir, "f.yaml", &overlay(100.0, 10.0))));
-    let slow = estimate_json(&model, &cluster, "tp=2", Some(&write(&dir, "s.yaml", &overlay(50.0, 10.0))));
+    let fast = estimate_json(
+        &model,
+        &cluster,
+        "tp=2",
+        Some(&write(&dir, "f.yaml", &overlay(100.0, 10.0))),
+    );
+    let slow = estimate_json(
+        &model,
+        &cluster,
+        "tp=2",
+        Some(&write(&dir, "s.yaml", &overlay(50.0, 10.0))),
+    );
     let tp_bytes = f(&fast, "/comm_bytes_per_gpu/tp");
     assert!(tp_bytes > 0.0);
     assert_eq!(tp_bytes, f(&slow, "/comm_bytes_per_gpu/tp"));
     let d = f(&slow, "/step_time_s") - f(&fast, "/step_time_s");
-    assert_close("step difference", d, tp_bytes * (1.0 / 50e9 - 1.0 / 100e9), 1e-6);
+    assert_close(
+        "step difference",
+        d,
+        tp_bytes * (1.0 / 50e9 - 1.0 / 100e9),
+        1e-6,
+    );
 }
 
 #[test]
@@ -262,8 +310,18 @@ fn measured_attention_rate_replaces_the_flash_efficiency() {
     let path = Path::new(ROOT).join("topologies/dgx-h100.yaml");
     let c = load_cluster_calibrated(&path, None, Some(&overlay)).expect("calibrated");
     let r = Roofline::new(&c, DType::Bf16);
-    assert_close("forward efficiency", r.flash_fwd_efficiency, 450.0 / 989.0, 1e-12);
-    assert_close("backward efficiency", r.flash_bwd_efficiency, 300.0 / 989.0, 1e-12);
+    assert_close(
+        "forward efficiency",
+        r.flash_fwd_efficiency,
+        450.0 / 989.0,
+        1e-12,
+    );
+    assert_close(
+        "backward efficiency",
+        r.flash_bwd_efficiency,
+        300.0 / 989.0,
+        1e-12,
+    );
     // Other dtypes keep the fitted constant.
     let r32 = Roofline::new(&c, DType::F32);
     assert_eq!(
@@ -288,11 +346,20 @@ fn a_cluster_file_may_name_its_overlay_and_the_flag_wins() {
     };
     write(&dir, "a.yaml", &overlay(600.0));
     let b = write(&dir, "b.yaml", &overlay(300.0));
-    let cluster = write(&dir, "named.yaml", &format!("{ONE_H100}calibration: a.yaml\n"));
+    let cluster = write(
+        &dir,
+        "named.yaml",
+        &format!("{ONE_H100}calibration: a.yaml\n"),
+    );
     let named = estimate_json(&model, &cluster, "dp=1", None);
     let flagged = estimate_json(&model, &cluster, "dp=1", Some(&b));
     let d = f(&flagged, "/step_time_s") - f(&named, "/step_time_s");
-    assert_close("named vs flag", d, 24.0 * 2.0 * 4096f64.powi(3) / 600e12, 1e-9);
+    assert_close(
+        "named vs flag",
+        d,
+        24.0 * 2.0 * 4096f64.powi(3) / 600e12,
+        1e-9,
+    );
     // A plan records the overlay with its cluster.
     let out = dir.join("plan.json");
     let (m, c, o) = (
@@ -358,7 +425,11 @@ fn bad_overlays_exit_2_naming_file_field_and_fix() {
         let run = meshplan(&["estimate", &m, &c, "--config", "dp=1", "--calibration", &ps]);
         run.expect_code(2);
         for n in *needles {
-            assert!(run.stderr.contains(n), "{name}: `{n}` missing from:\n{}", run.stderr);
+            assert!(
+                run.stderr.contains(n),
+                "{name}: `{n}` missing from:\n{}",
+                run.stderr
+            );
         }
     }
     // A zero bandwidth on a two-GPU node: the field is named.
@@ -366,7 +437,10 @@ fn bad_overlays_exit_2_naming_file_field_and_fix() {
     let p = write(
         &dir,
         "zero-beta.yaml",
-        &format!("{}intra_node:\n  - {{collective: send_recv, ranks: 2, alpha_us: 1, beta_gbps: 0}}\n", header("A100")),
+        &format!(
+            "{}intra_node:\n  - {{collective: send_recv, ranks: 2, alpha_us: 1, beta_gbps: 0}}\n",
+            header("A100")
+        ),
     );
     let run = meshplan(&[
         "estimate",
@@ -378,15 +452,37 @@ fn bad_overlays_exit_2_naming_file_field_and_fix() {
         &p.display().to_string(),
     ]);
     run.expect_code(2);
-    assert!(run.stderr.contains("intra_node[0].beta_gbps"), "{}", run.stderr);
+    assert!(
+        run.stderr.contains("intra_node[0].beta_gbps"),
+        "{}",
+        run.stderr
+    );
     // A missing overlay named by the cluster file.
-    let named = write(&dir, "named.yaml", &format!("{ONE_H100}calibration: nowhere.yaml\n"));
-    let run = meshplan(&["estimate", &m, &named.display().to_string(), "--config", "dp=1"]);
+    let named = write(
+        &dir,
+        "named.yaml",
+        &format!("{ONE_H100}calibration: nowhere.yaml\n"),
+    );
+    let run = meshplan(&[
+        "estimate",
+        &m,
+        &named.display().to_string(),
+        "--config",
+        "dp=1",
+    ]);
     run.expect_code(2);
     assert!(run.stderr.contains("field `calibration`"), "{}", run.stderr);
     assert!(run.stderr.contains("nowhere.yaml"), "{}", run.stderr);
     // A missing --calibration file.
-    let run = meshplan(&["estimate", &m, &c, "--config", "dp=1", "--calibration", "/nonexistent/o.yaml"]);
+    let run = meshplan(&[
+        "estimate",
+        &m,
+        &c,
+        "--config",
+        "dp=1",
+        "--calibration",
+        "/nonexistent/o.yaml",
+    ]);
     run.expect_code(2);
     assert!(run.stderr.contains("/nonexistent/o.yaml"), "{}", run.stderr);
 }
@@ -486,7 +582,10 @@ fn calibrate_fits_synthetic_measurements_into_an_overlay_the_cost_model_reads() 
     // The YAML round-trips and prices: a 1 GiB AllReduce over the node's 8 GPUs
     // takes 30 us + 1073741824 / 170e9 = 6.346129 ms.
     let yaml = overlay.to_yaml();
-    assert_eq!(parse_overlay_yaml(&yaml, "written.yaml").expect("parses"), overlay);
+    assert_eq!(
+        parse_overlay_yaml(&yaml, "written.yaml").expect("parses"),
+        overlay
+    );
     let dir = temp_dir("overlay-calibrate");
     let path = write(&dir, "h100-overlay.yaml", &yaml);
     let cluster = load_cluster_calibrated(
@@ -497,13 +596,21 @@ fn calibrate_fits_synthetic_measurements_into_an_overlay_the_cost_model_reads() 
     .expect("the written overlay applies to dgx-h100");
     let t = CommModel::new(&cluster).time_s(
         Collective::AllReduce,
-        GroupShape { size: 8, per_node: 8 },
+        GroupShape {
+            size: 8,
+            per_node: 8,
+        },
         1073741824.0,
     );
     assert_close("AllReduce from the fitted overlay", t, 6.346129e-3, 1e-6);
     // And the GEMM curve: a 4096^3 product at 622.222 TFLOP/s.
     let r = Roofline::new(&cluster, DType::Bf16);
-    assert_close("4096^3 rate", r.gemm_rate(4096.0, 4096.0, 4096.0), 622.222e12, 1e-12);
+    assert_close(
+        "4096^3 rate",
+        r.gemm_rate(4096.0, 4096.0, 4096.0),
+        622.222e12,
+        1e-12,
+    );
 }
 
 #[test]
@@ -520,7 +627,12 @@ fn calibrate_without_a_gpu_exits_1_and_writes_nothing() {
     assert!(run.stderr.contains("--backend cuda"), "{}", run.stderr);
     let run = meshplan(&["calibrate", "--dry-run", "-o", &o]);
     run.expect_code(0);
-    for needle in ["16384x16384x16384", "all_reduce", "send_recv", "4096 B to 1073741824 B"] {
+    for needle in [
+        "16384x16384x16384",
+        "all_reduce",
+        "send_recv",
+        "4096 B to 1073741824 B",
+    ] {
         assert!(run.stdout.contains(needle), "{needle}: {}", run.stdout);
     }
 }

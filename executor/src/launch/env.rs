@@ -82,7 +82,11 @@ impl LaunchEnv {
     pub fn from_vars(
         get: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Option<LaunchEnv>, LaunchEnvError> {
-        let var = |k: &str| get(k).map(|v| v.trim().to_string()).filter(|v| !v.is_empty());
+        let var = |k: &str| {
+            get(k)
+                .map(|v| v.trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
         let torch = var("RANK").is_some() || var("WORLD_SIZE").is_some();
         let slurm = var("SLURM_PROCID").is_some()
             && (var("SLURM_STEP_ID").is_some() || var("SLURM_STEPID").is_some());
@@ -253,7 +257,10 @@ fn slurm_tasks_on_node(
     var: &dyn Fn(&str) -> Option<String>,
 ) -> Result<Option<(&'static str, usize)>, LaunchEnvError> {
     if let Some(v) = var("SLURM_NTASKS_PER_NODE") {
-        return Ok(Some(("SLURM_NTASKS_PER_NODE", count("SLURM_NTASKS_PER_NODE", &v)?)));
+        return Ok(Some((
+            "SLURM_NTASKS_PER_NODE",
+            count("SLURM_NTASKS_PER_NODE", &v)?,
+        )));
     }
     for name in ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"] {
         let Some(v) = var(name) else { continue };
@@ -307,11 +314,18 @@ fn slurm_first_host(
     if !slurm {
         return Ok(None);
     }
-    for name in ["SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"] {
+    for name in [
+        "SLURM_STEP_NODELIST",
+        "SLURM_JOB_NODELIST",
+        "SLURM_NODELIST",
+    ] {
         if let Some(list) = var(name) {
-            return first_host(&list)
-                .map(|h| Some((name, h)))
-                .map_err(|m| err(name, format!("{m}; set MASTER_ADDR to rank 0's host instead")));
+            return first_host(&list).map(|h| Some((name, h))).map_err(|m| {
+                err(
+                    name,
+                    format!("{m}; set MASTER_ADDR to rank 0's host instead"),
+                )
+            });
         }
     }
     Ok(None)
@@ -343,7 +357,10 @@ mod tests {
     fn nothing_set_is_a_plain_run() {
         assert_eq!(env(&[]).unwrap(), None);
         // A batch script's allocation variables without a step are not a launch.
-        assert_eq!(env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")]).unwrap(), None);
+        assert_eq!(
+            env(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "4")]).unwrap(),
+            None
+        );
     }
 
     #[test]
@@ -378,7 +395,11 @@ mod tests {
         assert_eq!(e.sources.master_addr, "SLURM_STEP_NODELIST");
         // torchrun's variables win, one by one.
         let mut v = SLURM.to_vec();
-        v.extend([("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0")]);
+        v.extend([
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "29500"),
+            ("RANK", "0"),
+        ]);
         let e = env(&v).unwrap().unwrap();
         assert_eq!((e.rank, e.master_port), (0, 29500));
         assert_eq!(e.master_addr, "10.0.0.1");
@@ -421,25 +442,61 @@ mod tests {
             }
             p
         };
-        refused(&with("RANK", "8"), "RANK", &["RANK=8 is not below WORLD_SIZE=8", "0..7"]);
-        refused(&with("RANK", "two"), "RANK", &["RANK=two is not a non-negative integer"]);
+        refused(
+            &with("RANK", "8"),
+            "RANK",
+            &["RANK=8 is not below WORLD_SIZE=8", "0..7"],
+        );
+        refused(
+            &with("RANK", "two"),
+            "RANK",
+            &["RANK=two is not a non-negative integer"],
+        );
         refused(&with("WORLD_SIZE", "0"), "WORLD_SIZE", &["is 0"]);
-        refused(&with("WORLD_SIZE", ""), "WORLD_SIZE", &["is not set, but RANK is"]);
-        refused(&with("LOCAL_RANK", "4"), "LOCAL_RANK", &["LOCAL_RANK=4 is not below LOCAL_WORLD_SIZE=4"]);
+        refused(
+            &with("WORLD_SIZE", ""),
+            "WORLD_SIZE",
+            &["is not set, but RANK is"],
+        );
+        refused(
+            &with("LOCAL_RANK", "4"),
+            "LOCAL_RANK",
+            &["LOCAL_RANK=4 is not below LOCAL_WORLD_SIZE=4"],
+        );
         refused(&with("LOCAL_RANK", ""), "LOCAL_RANK", &["GPU index"]);
-        refused(&with("LOCAL_WORLD_SIZE", "16"), "LOCAL_WORLD_SIZE", &["exceeds WORLD_SIZE=8"]);
-        refused(&with("MASTER_ADDR", ""), "MASTER_ADDR", &["rank 0's node", "--master-addr"]);
-        refused(&with("MASTER_PORT", ""), "MASTER_PORT", &["free TCP port", "29500"]);
+        refused(
+            &with("LOCAL_WORLD_SIZE", "16"),
+            "LOCAL_WORLD_SIZE",
+            &["exceeds WORLD_SIZE=8"],
+        );
+        refused(
+            &with("MASTER_ADDR", ""),
+            "MASTER_ADDR",
+            &["rank 0's node", "--master-addr"],
+        );
+        refused(
+            &with("MASTER_PORT", ""),
+            "MASTER_PORT",
+            &["free TCP port", "29500"],
+        );
         refused(&with("MASTER_PORT", "70000"), "MASTER_PORT", &["1..65535"]);
         refused(&[("WORLD_SIZE", "4")], "RANK", &["WORLD_SIZE=4 is", "0..3"]);
         let mut v = SLURM.to_vec();
         v.retain(|(k, _)| *k != "SLURM_PROCID");
         v.push(("SLURM_PROCID", "9"));
-        refused(&v, "SLURM_PROCID", &["SLURM_PROCID=9 is not below SLURM_NTASKS=8"]);
+        refused(
+            &v,
+            "SLURM_PROCID",
+            &["SLURM_PROCID=9 is not below SLURM_NTASKS=8"],
+        );
         let mut v = SLURM.to_vec();
         v.retain(|(k, _)| *k != "SLURM_STEP_NODELIST");
         v.push(("SLURM_JOB_NODELIST", "gpu-[3-"));
-        refused(&v, "SLURM_JOB_NODELIST", &["without `]`", "set MASTER_ADDR"]);
+        refused(
+            &v,
+            "SLURM_JOB_NODELIST",
+            &["without `]`", "set MASTER_ADDR"],
+        );
     }
 
     #[test]

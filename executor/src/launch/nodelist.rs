@@ -162,7 +162,10 @@ mod tests {
             ["node01", "node02", "node03", "node04", "node07"]
         );
         assert_eq!(expand_nodelist("a,b").unwrap(), ["a", "b"]);
-        assert_eq!(expand_nodelist("gpu-[3-5]").unwrap(), ["gpu-3", "gpu-4", "gpu-5"]);
+        assert_eq!(
+            expand_nodelist("gpu-[3-5]").unwrap(),
+            ["gpu-3", "gpu-4", "gpu-5"]
+        );
         assert_eq!(
             expand_nodelist("r[1-2]-n[1-2],login").unwrap(),
             ["r1-n1", "r1-n2", "r2-n1", "r2-n2", "login"]
@@ -172,10 +175,21 @@ mod tests {
 
     #[test]
     fn malformed_lists_are_refused() {
-        for bad in ["node[01-04", "node01-04]", "n[a-b]", "n[5-3]", "", "a,,b", "n[[1]]", "n[1-]"] {
+        for bad in [
+            "node[01-04",
+            "node01-04]",
+            "n[a-b]",
+            "n[5-3]",
+            "",
+            "a,,b",
+            "n[[1]]",
+            "n[1-]",
+        ] {
             assert!(expand_nodelist(bad).is_err(), "{bad}");
             assert!(first_host(bad).is_err(), "{bad}");
         }
-        assert!(expand_nodelist("n[0-99999]").unwrap_err().contains("more than"));
+        assert!(expand_nodelist("n[0-99999]")
+            .unwrap_err()
+            .contains("more than"));
     }
 }

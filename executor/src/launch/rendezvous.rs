@@ -65,9 +65,15 @@ enum Kind {
 
 impl Kind {
     fn from_u8(v: u8) -> Option<Kind> {
-        [Kind::Hello, Kind::Welcome, Kind::Refuse, Kind::Data, Kind::Abort]
-            .into_iter()
-            .find(|k| *k as u8 == v)
+        [
+            Kind::Hello,
+            Kind::Welcome,
+            Kind::Refuse,
+            Kind::Data,
+            Kind::Abort,
+        ]
+        .into_iter()
+        .find(|k| *k as u8 == v)
     }
 }
 
@@ -137,7 +143,11 @@ impl RendezvousError {
     pub fn is_bad_input(&self) -> bool {
         matches!(
             self,
-            RendezvousError::Refused { .. } | RendezvousError::Aborted { bad_input: true, .. }
+            RendezvousError::Refused { .. }
+                | RendezvousError::Aborted {
+                    bad_input: true,
+                    ..
+                }
         )
     }
 
@@ -265,7 +275,12 @@ fn read_exact_by(
                 }
             }
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) if matches!(e.kind(), ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    ErrorKind::ConnectionReset | ErrorKind::ConnectionAborted
+                ) =>
+            {
                 return Err(ReadFail::Closed)
             }
             Err(e) => return Err(ReadFail::Io(e.to_string())),
@@ -384,9 +399,12 @@ fn listen_addr(cfg: &RendezvousConfig) -> Result<SocketAddr, RendezvousError> {
             ),
         })?
         .collect();
-    let first = resolved.first().copied().ok_or_else(|| RendezvousError::Io {
-        message: format!("MASTER_ADDR={} resolves to no address", cfg.master_addr),
-    })?;
+    let first = resolved
+        .first()
+        .copied()
+        .ok_or_else(|| RendezvousError::Io {
+            message: format!("MASTER_ADDR={} resolves to no address", cfg.master_addr),
+        })?;
     Ok(if first.ip().is_loopback() {
         first
     } else if first.is_ipv4() {
@@ -419,7 +437,10 @@ impl Rendezvous {
     }
 
     /// Rank 0 on a listener the caller bound (tests bind port 0).
-    pub fn host(listener: TcpListener, cfg: &RendezvousConfig) -> Result<Rendezvous, RendezvousError> {
+    pub fn host(
+        listener: TcpListener,
+        cfg: &RendezvousConfig,
+    ) -> Result<Rendezvous, RendezvousError> {
         check_config(cfg)?;
         if cfg.world_size == 1 {
             return Ok(Rendezvous::single(cfg));
@@ -445,7 +466,8 @@ impl Rendezvous {
                     let frame = match read_frame(&mut stream, Some(hello_by)) {
                         Ok(f) if f.kind == Kind::Hello => f,
                         Err(ReadFail::Bad(why)) if why.contains("protocol version") => {
-                            let msg = format!("a rank connected to {endpoint} with a different {why}");
+                            let msg =
+                                format!("a rank connected to {endpoint} with a different {why}");
                             let _ = write_frame(&mut stream, Kind::Refuse, msg.as_bytes());
                             abort_all(&mut joined, &msg, true);
                             return Err(RendezvousError::Refused { message: msg });
@@ -480,7 +502,10 @@ impl Rendezvous {
                             cfg.world_size
                         );
                         abort_all(&mut joined, &msg, false);
-                        return Err(RendezvousError::Timeout { message: msg, missing });
+                        return Err(RendezvousError::Timeout {
+                            message: msg,
+                            missing,
+                        });
                     }
                     thread::sleep(Duration::from_millis(5));
                 }
@@ -497,7 +522,8 @@ impl Rendezvous {
             };
             let rank = i + 1;
             let _ = s.set_write_timeout(Some(cfg.timeout));
-            write_frame(&mut s, Kind::Welcome, &[]).map_err(|e| io(&format!("cannot welcome rank {rank}"), e))?;
+            write_frame(&mut s, Kind::Welcome, &[])
+                .map_err(|e| io(&format!("cannot welcome rank {rank}"), e))?;
             let mut reader = s.try_clone().map_err(|e| io("cannot clone a socket", e))?;
             let tx = tx.clone();
             thread::Builder::new()
@@ -513,7 +539,8 @@ impl Rendezvous {
                             }
                             Err(ReadFail::Timeout) => {}
                             Err(ReadFail::Closed) => {
-                                let _ = tx.send(Event::Closed(rank, "closed its connection".into()));
+                                let _ =
+                                    tx.send(Event::Closed(rank, "closed its connection".into()));
                                 return;
                             }
                             Err(ReadFail::Bad(why)) | Err(ReadFail::Io(why)) => {
@@ -564,22 +591,26 @@ impl Rendezvous {
                     missing: vec![0],
                 });
             }
-            let addrs: Vec<SocketAddr> = match (cfg.master_addr.as_str(), cfg.master_port).to_socket_addrs() {
-                Ok(a) => a.collect(),
-                Err(e) => {
-                    last_error = format!("cannot resolve MASTER_ADDR={}: {e}", cfg.master_addr);
-                    thread::sleep(RETRY_PAUSE);
-                    continue;
-                }
-            };
+            let addrs: Vec<SocketAddr> =
+                match (cfg.master_addr.as_str(), cfg.master_port).to_socket_addrs() {
+                    Ok(a) => a.collect(),
+                    Err(e) => {
+                        last_error = format!("cannot resolve MASTER_ADDR={}: {e}", cfg.master_addr);
+                        thread::sleep(RETRY_PAUSE);
+                        continue;
+                    }
+                };
             let attempt = (deadline - now).min(Duration::from_secs(1));
-            let connected = addrs.iter().find_map(|a| match TcpStream::connect_timeout(a, attempt) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    last_error = e.to_string();
-                    None
-                }
-            });
+            let connected =
+                addrs
+                    .iter()
+                    .find_map(|a| match TcpStream::connect_timeout(a, attempt) {
+                        Ok(s) => Some(s),
+                        Err(e) => {
+                            last_error = e.to_string();
+                            None
+                        }
+                    });
             match connected {
                 Some(s) => break s,
                 None => thread::sleep(RETRY_PAUSE),
@@ -630,7 +661,10 @@ impl Rendezvous {
                 let payload = data_payload(seq, Op::Broadcast, blob);
                 for (i, p) in peers.iter_mut().enumerate() {
                     write_frame(p, Kind::Data, &payload).map_err(|e| RendezvousError::Io {
-                        message: format!("rank 0 cannot send broadcast #{seq} to rank {}: {e}", i + 1),
+                        message: format!(
+                            "rank 0 cannot send broadcast #{seq} to rank {}: {e}",
+                            i + 1
+                        ),
                     })?;
                 }
                 Ok(blob.to_vec())
@@ -646,7 +680,10 @@ impl Rendezvous {
     pub fn all_gather_bytes(&mut self, blob: &[u8]) -> Result<Vec<Vec<u8>>, RendezvousError> {
         let out = self.gather(Op::AllGather, blob)?;
         decode_list(&out).ok_or_else(|| RendezvousError::Mismatch {
-            message: format!("rank {}: malformed all_gather result from rank 0", self.rank),
+            message: format!(
+                "rank {}: malformed all_gather result from rank 0",
+                self.rank
+            ),
         })
     }
 
@@ -699,7 +736,9 @@ impl Rendezvous {
                             return fail(peers, RendezvousError::Io { message });
                         }
                         Event::Frame(r, f) => {
-                            let parsed = (f.kind == Kind::Data).then(|| parse_data(&f.payload)).flatten();
+                            let parsed = (f.kind == Kind::Data)
+                                .then(|| parse_data(&f.payload))
+                                .flatten();
                             match parsed {
                                 Some((s, o, b)) if s == seq && o == op && waiting.contains(&r) => {
                                     blobs[r] = Some(b.to_vec());
@@ -714,8 +753,11 @@ impl Rendezvous {
                                     return fail(peers, RendezvousError::Mismatch { message });
                                 }
                                 None => {
-                                    let message =
-                                        format!("rank {r} sent an unexpected {:?} frame during {} #{seq}", f.kind, op.name());
+                                    let message = format!(
+                                        "rank {r} sent an unexpected {:?} frame during {} #{seq}",
+                                        f.kind,
+                                        op.name()
+                                    );
                                     return fail(peers, RendezvousError::Mismatch { message });
                                 }
                             }
@@ -735,7 +777,11 @@ impl Rendezvous {
                 }
                 for (i, p) in peers.iter_mut().enumerate() {
                     write_frame(p, Kind::Data, &payload).map_err(|e| RendezvousError::Io {
-                        message: format!("rank 0 cannot send {} #{seq} to rank {}: {e}", op.name(), i + 1),
+                        message: format!(
+                            "rank 0 cannot send {} #{seq} to rank {}: {e}",
+                            op.name(),
+                            i + 1
+                        ),
                     })?;
                 }
                 Ok(encoded)
@@ -743,7 +789,11 @@ impl Rendezvous {
             Role::Member { stream } => {
                 write_frame(stream, Kind::Data, &data_payload(seq, op, blob)).map_err(|e| {
                     RendezvousError::Io {
-                        message: format!("rank {} cannot send {} #{seq} to rank 0: {e}", self.rank, op.name()),
+                        message: format!(
+                            "rank {} cannot send {} #{seq} to rank 0: {e}",
+                            self.rank,
+                            op.name()
+                        ),
                     }
                 })?;
                 self.member_result(seq, op, deadline + RELAY_GRACE)
@@ -752,7 +802,12 @@ impl Rendezvous {
     }
 
     /// A non-zero rank waits for rank 0's result of operation `seq`.
-    fn member_result(&mut self, seq: u64, op: Op, deadline: Instant) -> Result<Vec<u8>, RendezvousError> {
+    fn member_result(
+        &mut self,
+        seq: u64,
+        op: Op,
+        deadline: Instant,
+    ) -> Result<Vec<u8>, RendezvousError> {
         let f = self.member_read(deadline, &format!("{} #{seq}", op.name()))?;
         match (f.kind, parse_data(&f.payload)) {
             (Kind::Data, Some((s, o, b))) if s == seq && o == op => Ok(b.to_vec()),
@@ -799,7 +854,8 @@ impl Rendezvous {
             Kind::Abort => {
                 let bad_input = f.payload.first() == Some(&1);
                 Err(RendezvousError::Aborted {
-                    message: String::from_utf8_lossy(f.payload.get(1..).unwrap_or_default()).into_owned(),
+                    message: String::from_utf8_lossy(f.payload.get(1..).unwrap_or_default())
+                        .into_owned(),
                     bad_input,
                 })
             }
@@ -864,7 +920,11 @@ fn check_blob(blob: &[u8]) -> Result<(), RendezvousError> {
 }
 
 /// Checks a `hello` against rank 0's own configuration: its rank, if acceptable.
-fn check_hello(p: &[u8], cfg: &RendezvousConfig, joined: &[Option<TcpStream>]) -> Result<usize, String> {
+fn check_hello(
+    p: &[u8],
+    cfg: &RendezvousConfig,
+    joined: &[Option<TcpStream>],
+) -> Result<usize, String> {
     if p.len() != 16 {
         return Err(format!("a malformed hello of {} bytes", p.len()));
     }

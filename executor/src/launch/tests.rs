@@ -35,11 +35,14 @@ fn world<T: Send + 'static>(
     for rank in (1..world_size).rev() {
         let f = f.clone();
         handles.push(thread::spawn(move || {
-            f(Rendezvous::connect(&cfg(port, rank, world_size, timeout_ms)))
+            f(Rendezvous::connect(&cfg(
+                port, rank, world_size, timeout_ms,
+            )))
         }));
     }
     let f0 = f.clone();
-    let host = thread::spawn(move || f0(Rendezvous::host(l, &cfg(port, 0, world_size, timeout_ms))));
+    let host =
+        thread::spawn(move || f0(Rendezvous::host(l, &cfg(port, 0, world_size, timeout_ms))));
     let mut out = vec![host.join().expect("rank 0")];
     for h in handles.into_iter().rev() {
         out.push(h.join().expect("rank"));
@@ -86,7 +89,9 @@ fn a_missing_rank_times_out_naming_it_on_every_rank() {
     // WORLD_SIZE=4 but rank 3 never starts.
     let (l, port) = listener();
     let members: Vec<_> = (1..3)
-        .map(|rank| thread::spawn(move || Rendezvous::connect(&cfg(port, rank, 4, 500)).map(|_| ())))
+        .map(|rank| {
+            thread::spawn(move || Rendezvous::connect(&cfg(port, rank, 4, 500)).map(|_| ()))
+        })
         .collect();
     let t0 = Instant::now();
     let host = Rendezvous::host(l, &cfg(port, 0, 4, 500)).map(|_| ());
@@ -102,7 +107,16 @@ fn a_missing_rank_times_out_naming_it_on_every_rank() {
     }
     for m in members {
         let e = m.join().expect("member").expect_err("aborted");
-        assert!(matches!(e, RendezvousError::Aborted { bad_input: false, .. }), "{e:?}");
+        assert!(
+            matches!(
+                e,
+                RendezvousError::Aborted {
+                    bad_input: false,
+                    ..
+                }
+            ),
+            "{e:?}"
+        );
         assert!(e.to_string().contains("rank 3 of WORLD_SIZE=4"), "{e}");
     }
 }
@@ -112,9 +126,15 @@ fn nobody_listening_times_out_naming_rank_0() {
     let (l, port) = listener();
     drop(l);
     let e = Rendezvous::connect(&cfg(port, 1, 2, 300)).expect_err("no rank 0");
-    assert!(matches!(&e, RendezvousError::Timeout { missing, .. } if missing == &[0]), "{e:?}");
+    assert!(
+        matches!(&e, RendezvousError::Timeout { missing, .. } if missing == &[0]),
+        "{e:?}"
+    );
     assert!(e.to_string().contains("rank 0 at 127.0.0.1:"), "{e}");
-    assert!(e.to_string().contains("same MASTER_ADDR and MASTER_PORT"), "{e}");
+    assert!(
+        e.to_string().contains("same MASTER_ADDR and MASTER_PORT"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -124,7 +144,10 @@ fn a_different_world_size_is_refused_naming_both() {
     let e = Rendezvous::host(l, &cfg(port, 0, 2, 5000)).expect_err("refused");
     assert!(e.is_bad_input());
     let msg = e.to_string();
-    assert!(msg.contains("rank 1 was started with WORLD_SIZE=3, but rank 0 with WORLD_SIZE=2"), "{msg}");
+    assert!(
+        msg.contains("rank 1 was started with WORLD_SIZE=3, but rank 0 with WORLD_SIZE=2"),
+        "{msg}"
+    );
     let m = member.join().expect("member").expect_err("refused");
     assert!(m.is_bad_input());
     assert_eq!(m.to_string(), msg);
@@ -139,7 +162,11 @@ fn a_different_plan_and_a_taken_rank_are_refused() {
         Rendezvous::connect(&c).map(|_| ())
     });
     let e = Rendezvous::host(l, &cfg(port, 0, 2, 5000)).expect_err("refused");
-    assert!(e.to_string().contains("hash 0000000000000007, but rank 0 one with hash 000000000000002a"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("hash 0000000000000007, but rank 0 one with hash 000000000000002a"),
+        "{e}"
+    );
     assert!(member.join().expect("member").is_err());
 
     // Two processes claiming rank 1 of 3: the second is refused, and so is the first
@@ -149,7 +176,10 @@ fn a_different_plan_and_a_taken_rank_are_refused() {
     thread::sleep(Duration::from_millis(200));
     let second = thread::spawn(move || Rendezvous::connect(&cfg(port, 1, 3, 5000)).map(|_| ()));
     let e = Rendezvous::host(l, &cfg(port, 0, 3, 5000)).expect_err("refused");
-    assert!(e.to_string().contains("two processes connected as RANK=1"), "{e}");
+    assert!(
+        e.to_string().contains("two processes connected as RANK=1"),
+        "{e}"
+    );
     let (a, b) = (first.join().expect("a"), second.join().expect("b"));
     assert!(a.is_err() && b.is_err());
     assert!(a.unwrap_err().is_bad_input());
@@ -166,10 +196,23 @@ fn a_rank_missing_from_a_collective_is_named() {
         }
         Some(r.all_gather_bytes(b"x").map(|_| ()))
     });
-    let e0 = results[0].clone().expect("rank 0 called").expect_err("timeout");
-    assert!(matches!(&e0, RendezvousError::Timeout { missing, .. } if missing == &[2]), "{e0:?}");
-    assert!(e0.to_string().contains("all_gather #1: rank 2 did not arrive"), "{e0}");
-    let e1 = results[1].clone().expect("rank 1 called").expect_err("aborted");
+    let e0 = results[0]
+        .clone()
+        .expect("rank 0 called")
+        .expect_err("timeout");
+    assert!(
+        matches!(&e0, RendezvousError::Timeout { missing, .. } if missing == &[2]),
+        "{e0:?}"
+    );
+    assert!(
+        e0.to_string()
+            .contains("all_gather #1: rank 2 did not arrive"),
+        "{e0}"
+    );
+    let e1 = results[1]
+        .clone()
+        .expect("rank 1 called")
+        .expect_err("aborted");
     assert!(e1.to_string().contains("rank 2 did not arrive"), "{e1}");
 }
 
@@ -186,18 +229,26 @@ fn a_rank_that_exits_and_mismatched_calls_are_reported() {
         }
     });
     let e0 = results[0].clone().expect("rank 0").expect_err("closed");
-    assert!(e0.contains("rank 2 closed its connection during barrier #1"), "{e0}");
+    assert!(
+        e0.contains("rank 2 closed its connection during barrier #1"),
+        "{e0}"
+    );
 
     let results = world(2, 5000, |r| {
         let mut r = r.expect("rendezvous");
         if r.rank() == 1 {
             r.barrier().map_err(|e| e.to_string())
         } else {
-            r.all_gather_bytes(b"").map(|_| ()).map_err(|e| e.to_string())
+            r.all_gather_bytes(b"")
+                .map(|_| ())
+                .map_err(|e| e.to_string())
         }
     });
     let e0 = results[0].clone().expect_err("mismatch");
-    assert!(e0.contains("rank 1 called barrier #1 while rank 0 called all_gather #1"), "{e0}");
+    assert!(
+        e0.contains("rank 1 called barrier #1 while rank 0 called all_gather #1"),
+        "{e0}"
+    );
 }
 
 #[test]
