@@ -97,7 +97,7 @@ fn launch_joins_1_2_and_4_processes_and_prints_the_rank_map() {
 fn a_missing_process_times_out_naming_its_rank() {
     // WORLD_SIZE=3, but only ranks 0 and 1 are started.
     let port = free_port();
-    let args = ["rendezvous-check", "--timeout", "1"];
+    let args = ["rendezvous-check", "--timeout", "3"];
     let t0 = Instant::now();
     let r0 = rank_process(&args, 0, 3, port);
     let r1 = rank_process(&args, 1, 3, port);
@@ -106,7 +106,7 @@ fn a_missing_process_times_out_naming_its_rank() {
     r0.expect_code(1);
     assert!(
         r0.stderr
-            .contains("timed out after 1.0 s waiting at 127.0.0.1:")
+            .contains("timed out after 3.0 s waiting at 127.0.0.1:")
             && r0.stderr.contains("for rank 2 of WORLD_SIZE=3 to connect"),
         "{}",
         r0.stderr

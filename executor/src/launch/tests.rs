@@ -90,11 +90,11 @@ fn a_missing_rank_times_out_naming_it_on_every_rank() {
     let (l, port) = listener();
     let members: Vec<_> = (1..3)
         .map(|rank| {
-            thread::spawn(move || Rendezvous::connect(&cfg(port, rank, 4, 500)).map(|_| ()))
+            thread::spawn(move || Rendezvous::connect(&cfg(port, rank, 4, 1500)).map(|_| ()))
         })
         .collect();
     let t0 = Instant::now();
-    let host = Rendezvous::host(l, &cfg(port, 0, 4, 500)).map(|_| ());
+    let host = Rendezvous::host(l, &cfg(port, 0, 4, 1500)).map(|_| ());
     let e = host.expect_err("rank 0 times out");
     assert!(t0.elapsed() < Duration::from_secs(5));
     match &e {
@@ -188,10 +188,10 @@ fn a_different_plan_and_a_taken_rank_are_refused() {
 #[test]
 fn a_rank_missing_from_a_collective_is_named() {
     // Rank 2 joins but never calls all_gather: rank 0 names it, rank 1 hears why.
-    let results = world(3, 600, |r| {
+    let results = world(3, 1500, |r| {
         let mut r = r.expect("rendezvous");
         if r.rank() == 2 {
-            thread::sleep(Duration::from_millis(1500));
+            thread::sleep(Duration::from_millis(3500));
             return None;
         }
         Some(r.all_gather_bytes(b"x").map(|_| ()))
