@@ -442,6 +442,14 @@ impl Rendezvous {
         cfg: &RendezvousConfig,
     ) -> Result<Rendezvous, RendezvousError> {
         check_config(cfg)?;
+        if cfg.rank != 0 {
+            return Err(RendezvousError::Refused {
+                message: format!(
+                    "rank {} cannot host the rendezvous: rank 0 listens",
+                    cfg.rank
+                ),
+            });
+        }
         if cfg.world_size == 1 {
             return Ok(Rendezvous::single(cfg));
         }
