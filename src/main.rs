@@ -3,8 +3,8 @@
 use clap::{Args, Parser, Subcommand};
 use meshplan_cost_model::estimate::gib;
 use meshplan_cost_model::{
-    estimate_inference, estimate_train, flops_per_token_forward, load_cluster, prepare_model,
-    replica_memory, Cluster, Estimate, InferenceLoad, MemoryLedger, PreparedGraph,
+    estimate_inference, estimate_train, flops_per_token_forward, load_cluster_calibrated,
+    prepare_model, replica_memory, Cluster, Estimate, InferenceLoad, MemoryLedger, PreparedGraph,
 };
 use meshplan_ir::{
     load_model, IrError, ModelSpec, ParallelConfig, PartialConfig, Recompute, Workload,
@@ -17,10 +17,12 @@ use std::process::ExitCode;
 #[global_allocator]
 static ALLOC: meshplan_executor::alloc::Allocator = meshplan_executor::alloc::ALLOCATOR;
 
+mod calibrate;
 mod draw;
 mod explain;
 mod export;
 mod generate;
+mod launch;
 mod log;
 mod plan;
 mod run;
@@ -89,6 +91,10 @@ enum Command {
         /// Override the cluster's node count.
         #[arg(long)]
         nodes: Option<u64>,
+        /// A calibration overlay (`meshplan calibrate -o FILE`) laid over the cluster:
+        /// measured GEMM, HBM, attention and collective speeds.
+        #[arg(long, value_name = "FILE")]
+        calibration: Option<PathBuf>,
         /// Keys to fix (e.g. `tp=2,pp=2`); the rest are searched.
         #[arg(long)]
         config: Option<String>,
@@ -145,6 +151,10 @@ enum Command {
         /// Override the cluster's node count.
         #[arg(long)]
         nodes: Option<u64>,
+        /// A calibration overlay (`meshplan calibrate -o FILE`) laid over the cluster:
+        /// measured GEMM, HBM, attention and collective speeds.
+        #[arg(long, value_name = "FILE")]
+        calibration: Option<PathBuf>,
         /// Also draw the candidates side by side (compare.svg) into this directory.
         #[arg(long)]
         figures: Option<PathBuf>,
@@ -239,11 +249,76 @@ enum Command {
         /// Override the cluster's node count.
         #[arg(long)]
         nodes: Option<u64>,
+        /// A calibration overlay (`meshplan calibrate -o FILE`) laid over the cluster:
+        /// measured GEMM, HBM, attention and collective speeds.
+        #[arg(long, value_name = "FILE")]
+        calibration: Option<PathBuf>,
         #[command(flatten)]
         workload: WorkloadFlags,
         /// One JSON object on stdout.
         #[arg(long)]
         json: bool,
+    },
+    /// Start this node's ranks as processes (torchrun-style), each running the
+    /// meshplan command after `--` with RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and
+    /// MASTER_PORT set; output lines are prefixed with `[rank r]`.
+    #[command(
+        after_help = "Example: meshplan launch --nproc-per-node 8 -- run plan.json --backend cuda\nOn several nodes run it on each with --nnodes, --node-rank and the same --master-addr/--master-port."
+    )]
+    Launch {
+        /// Processes (GPUs) on this node.
+        #[arg(long)]
+        nproc_per_node: usize,
+        /// Nodes of the run.
+        #[arg(long, default_value_t = 1)]
+        nnodes: usize,
+        /// This node's index, 0..nnodes.
+        #[arg(long, default_value_t = 0)]
+        node_rank: usize,
+        /// Host of node 0, where rank 0 listens (default 127.0.0.1 on one node).
+        #[arg(long)]
+        master_addr: Option<String>,
+        /// Rank 0's port; 0 picks a free one (one node only).
+        #[arg(long, default_value_t = 29500)]
+        master_port: u16,
+        /// Seconds between SIGTERM and SIGKILL when stopping ranks.
+        #[arg(long, default_value_t = 10.0)]
+        grace: f64,
+        /// The meshplan command every rank runs, after `--`.
+        #[arg(last = true, value_name = "COMMAND")]
+        command: Vec<std::ffi::OsString>,
+    },
+    /// Join the rendezvous of a launched run and print the rank -> node map (tests).
+    #[command(hide = true)]
+    RendezvousCheck {
+        /// Seconds any wait may take.
+        #[arg(long, default_value_t = 60.0)]
+        timeout: f64,
+        /// A plan file whose hash every rank must share.
+        #[arg(long)]
+        plan: Option<PathBuf>,
+        /// This rank exits with --fail-code before joining.
+        #[arg(long)]
+        fail_rank: Option<usize>,
+        /// The exit code of --fail-rank.
+        #[arg(long, default_value_t = 3)]
+        fail_code: u8,
+        /// Seconds to wait before the final barrier.
+        #[arg(long, default_value_t = 0.0)]
+        hold: f64,
+    },
+    /// Measure this node's GPUs (GEMM, HBM, attention, NCCL collectives) into a
+    /// calibration overlay for --calibration.
+    Calibrate {
+        /// Where to write the overlay.
+        #[arg(short = 'o', long = "output", value_name = "FILE")]
+        output: PathBuf,
+        /// The backend that measures (only cuda measures GPUs).
+        #[arg(long, default_value = "cuda")]
+        backend: String,
+        /// Print what would be measured and exit.
+        #[arg(long)]
+        dry_run: bool,
     },
 }
 
@@ -270,6 +345,16 @@ fn main() -> ExitCode {
     meshplan_executor::alloc::keep_freed_memory();
     let cli = Cli::parse();
     log::init(cli.quiet, cli.verbose);
+    // A rank started by `meshplan launch` stops when its launcher dies.
+    meshplan_executor::launch::watch_launcher(|| {
+        // The launcher held our stderr too: a failed write must not stop the exit.
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "error: the `meshplan launch` that started this rank exited; stopping"
+        );
+        std::process::exit(1);
+    });
     let result = match cli.command {
         Command::Export { plan, to, output } => export::export(&plan, &to, output.as_deref()),
         Command::Explain { plan, top, json } => explain::explain(&plan, top, json),
@@ -283,14 +368,59 @@ fn main() -> ExitCode {
             cluster,
             config,
             nodes,
+            calibration,
             workload,
             json,
-        } => estimate(&model, &cluster, &config, nodes, &workload, json),
+        } => estimate(
+            &model,
+            &cluster,
+            &config,
+            nodes,
+            calibration.as_deref(),
+            &workload,
+            json,
+        ),
+        Command::Calibrate {
+            output,
+            backend,
+            dry_run,
+        } => calibrate::calibrate(&output, &backend, dry_run),
+        Command::Launch {
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            grace,
+            command,
+        } => launch::launch(launch::LaunchArgs {
+            nproc_per_node,
+            nnodes,
+            node_rank,
+            master_addr,
+            master_port,
+            grace_s: grace,
+            command,
+        }),
+        Command::RendezvousCheck {
+            timeout,
+            plan,
+            fail_rank,
+            fail_code,
+            hold,
+        } => launch::rendezvous_check(&launch::CheckArgs {
+            timeout_s: timeout,
+            plan,
+            fail_rank,
+            fail_code,
+            hold_s: hold,
+        }),
         Command::Plan {
             model,
             cluster,
             output,
             nodes,
+            calibration,
             config,
             top,
             max_candidates,
@@ -305,6 +435,7 @@ fn main() -> ExitCode {
             cluster,
             output,
             nodes,
+            calibration,
             config,
             top,
             max_candidates,
@@ -361,6 +492,7 @@ fn main() -> ExitCode {
             configs,
             configs_file,
             nodes,
+            calibration,
             figures,
             png,
             workload,
@@ -371,6 +503,7 @@ fn main() -> ExitCode {
             configs: &configs,
             configs_file: configs_file.as_deref(),
             nodes,
+            calibration: calibration.as_deref(),
             wo: &workload.overrides(),
             json,
             figures: figures.as_deref(),
@@ -447,15 +580,45 @@ fn inspect(model: &Path, wf: &WorkloadFlags, json: bool) -> Result<(), Failure> 
     Ok(())
 }
 
+/// A cluster file with its calibration overlay (`--calibration` wins over the one
+/// the file names); says on stderr which measurements price the run.
+pub(crate) fn load_cluster_flagged(
+    path: &Path,
+    nodes: Option<u64>,
+    calibration: Option<&Path>,
+) -> Result<Cluster, Failure> {
+    let cluster = load_cluster_calibrated(path, nodes, calibration)?;
+    if let Some(c) = &cluster.calibration {
+        tracing::info!(
+            "calibrated by {}: {} measured at {} ({})",
+            c.file,
+            c.device,
+            c.measured_at,
+            c.measured_with
+        );
+        if c.device_matches(&cluster.gpu.name) == Some(false) {
+            tracing::warn!(
+                "{}: measured on `{}`, but {} describes `{}`; the measurements may not fit these GPUs",
+                c.file,
+                c.device,
+                path.display(),
+                cluster.gpu.name
+            );
+        }
+    }
+    Ok(cluster)
+}
+
 fn load_inputs(
     model: &Path,
     cluster: &Path,
     nodes: Option<u64>,
+    calibration: Option<&Path>,
     wf: &WorkloadFlags,
 ) -> Result<(ModelSpec, PreparedGraph, Cluster), Failure> {
     let spec = load_model(model, &wf.overrides())?;
     let pg = prepare_model(&spec)?;
-    let cluster = load_cluster(cluster, nodes)?;
+    let cluster = load_cluster_flagged(cluster, nodes, calibration)?;
     Ok((spec, pg, cluster))
 }
 
@@ -464,10 +627,11 @@ fn estimate(
     cluster_path: &Path,
     config: &str,
     nodes: Option<u64>,
+    calibration: Option<&Path>,
     wf: &WorkloadFlags,
     json: bool,
 ) -> Result<(), Failure> {
-    let (spec, pg, cluster) = load_inputs(model, cluster_path, nodes, wf)?;
+    let (spec, pg, cluster) = load_inputs(model, cluster_path, nodes, calibration, wf)?;
     let partial = PartialConfig::parse(config, "--config")?;
     let cfg = partial
         .resolve(cluster.gpus(), "--config")

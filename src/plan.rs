@@ -2,9 +2,7 @@
 
 use crate::{evaluate, no_fit, print_json, suggestions, Failure};
 use meshplan_cost_model::estimate::gib;
-use meshplan_cost_model::{
-    load_cluster, prepare_model, Cluster, Estimate, InferenceLoad, PreparedGraph,
-};
+use meshplan_cost_model::{prepare_model, Cluster, Estimate, InferenceLoad, PreparedGraph};
 use meshplan_ir::{
     load_model, model_graph, Graph, IrError, ModelSpec, PartialConfig, Workload, WorkloadOverrides,
 };
@@ -25,6 +23,7 @@ pub(crate) struct PlanArgs {
     pub cluster: PathBuf,
     pub output: PathBuf,
     pub nodes: Option<u64>,
+    pub calibration: Option<PathBuf>,
     pub config: Option<String>,
     pub top: usize,
     pub max_candidates: u64,
@@ -49,12 +48,13 @@ fn load(
     model: &Path,
     cluster: &Path,
     nodes: Option<u64>,
+    calibration: Option<&Path>,
     wo: &WorkloadOverrides,
 ) -> Result<Inputs, Failure> {
     let spec = load_model(model, wo)?;
     let graph = model_graph(&spec)?;
     let pg = prepare_model(&spec)?;
-    let cluster = load_cluster(cluster, nodes)?;
+    let cluster = crate::load_cluster_flagged(cluster, nodes, calibration)?;
     tracing::debug!(
         "model {} ({} layers, {:.3e} parameters); cluster {} x {} GPUs",
         spec.name,
@@ -252,7 +252,13 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
     if let Some(t) = &a.trace {
         crate::draw::check_file("--trace", t)?;
     }
-    let inp = load(&a.model, &a.cluster, a.nodes, &a.workload)?;
+    let inp = load(
+        &a.model,
+        &a.cluster,
+        a.nodes,
+        a.calibration.as_deref(),
+        &a.workload,
+    )?;
     let fixed = match &a.config {
         Some(c) => PartialConfig::parse(c, "--config")?,
         None => PartialConfig::default(),
@@ -394,6 +400,7 @@ pub(crate) struct CompareArgs<'a> {
     pub configs: &'a [String],
     pub configs_file: Option<&'a Path>,
     pub nodes: Option<u64>,
+    pub calibration: Option<&'a Path>,
     pub wo: &'a WorkloadOverrides,
     pub json: bool,
     pub figures: Option<&'a Path>,
@@ -408,6 +415,7 @@ pub(crate) fn compare(a: &CompareArgs<'_>) -> Result<(), Failure> {
         configs,
         configs_file,
         nodes,
+        calibration,
         wo,
         json,
         figures,
@@ -416,7 +424,7 @@ pub(crate) fn compare(a: &CompareArgs<'_>) -> Result<(), Failure> {
     if let Some(d) = figures {
         crate::draw::check_dir("--figures", d)?;
     }
-    let inp = load(model, cluster, nodes, wo)?;
+    let inp = load(model, cluster, nodes, calibration, wo)?;
     let mut named: Vec<(String, String)> = configs.iter().map(|c| (c.clone(), c.clone())).collect();
     if let Some(f) = configs_file {
         named.extend(read_configs_file(f)?);

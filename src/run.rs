@@ -94,6 +94,17 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "{flag} is not supported yet by `run` (it arrives with real weights, data and traces); run without it"
         )));
     }
+    let launched = meshplan_executor::launch::LaunchEnv::from_env()
+        .map_err(|e| bad(format!("launch variables: {e}")))?;
+    if let Some(env) = launched.as_ref().filter(|e| e.world_size > 1) {
+        if a.backend == "cpu" {
+            return Err(bad(format!(
+                "this process is {}, but --backend cpu runs every rank of the plan as a thread of one process: {} processes would each run the whole plan. Multi-process runs need --backend cuda (one process per GPU, NCCL between them); for the CPU backend start one process (`meshplan run PLAN`, or `launch --nproc-per-node 1`)",
+                env.describe(),
+                env.world_size
+            )));
+        }
+    }
     match a.backend {
         "cpu" => {}
         "cuda" => {

@@ -3,8 +3,9 @@
 //! These were set once against the published runs in `tests/data/published.yaml`
 //! (Narayanan et al. 2021 Table 1 on A100; Megatron-Core weak scaling on H100) by a
 //! coarse grid search over the few free constants below, the same constants for every
-//! run; `meshplan calibrate` (a later issue) will replace them with measurements of the
-//! user's own GPUs through a cluster overlay.
+//! run; a calibration overlay (`meshplan calibrate`, [`crate::overlay`]) replaces the
+//! GEMM, HBM, flash-attention and in-node collective ones with measurements of the
+//! user's own GPUs.
 
 /// Fraction of the datasheet peak that large, well-shaped GEMMs reach inside a real
 /// training step (clocks under sustained load, fp16/bf16 casts, tile tails), for GPUs

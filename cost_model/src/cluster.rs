@@ -1,10 +1,15 @@
 //! The cluster file: GPUs per node, the GPU's peaks and memory, NVLink and
 //! InfiniBand. Parsed into [`RawCluster`] (units as written: GB/s, us, GiB) and
 //! validated into [`Cluster`] (SI: bytes/s, s, bytes) once.
+//!
+//! A cluster may carry a calibration overlay ([`crate::overlay`]): named in the file
+//! (`calibration: overlay.yaml`, relative to the cluster file) or given on the command
+//! line (`--calibration`, which wins).
 
+use crate::overlay::{load_overlay, Calibration};
 use meshplan_ir::{DType, IrError};
 use serde::{Deserialize, Serialize};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Datasheet peaks, TFLOP/s, dense.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -68,6 +73,9 @@ pub struct RawCluster {
     /// Links between nodes (required when `nodes > 1`).
     #[serde(default)]
     pub inter_node: Option<RawLink>,
+    /// A calibration overlay to apply, relative to the cluster file.
+    #[serde(default)]
+    pub calibration: Option<PathBuf>,
 }
 
 /// A link in SI units.
@@ -128,6 +136,9 @@ pub struct Cluster {
     /// InfiniBand (or Ethernet) between nodes; equal to `intra` on a one-node cluster
     /// without an `inter_node` entry.
     pub inter: Link,
+    /// What `meshplan calibrate` measured on these GPUs, if an overlay was applied.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub calibration: Option<Calibration>,
 }
 
 impl Cluster {
@@ -243,28 +254,84 @@ impl RawCluster {
             },
             intra,
             inter,
+            calibration: None,
         })
     }
 }
 
-/// Parses and validates cluster YAML text.
+/// Parses and validates cluster YAML text. A `calibration:` overlay it names is read
+/// relative to the directory of `file`.
 pub fn parse_cluster_yaml(
     text: &str,
     file: &str,
     nodes_override: Option<u64>,
 ) -> Result<Cluster, IrError> {
-    let raw: RawCluster =
-        serde_yaml_ng::from_str(text).map_err(|e| IrError::from_yaml(file, &e))?;
-    raw.validate(file, nodes_override)
+    parse_calibrated(text, file, nodes_override, None)
 }
 
-/// Reads a cluster file.
+fn parse_calibrated(
+    text: &str,
+    file: &str,
+    nodes_override: Option<u64>,
+    overlay: Option<&Path>,
+) -> Result<Cluster, IrError> {
+    let raw: RawCluster =
+        serde_yaml_ng::from_str(text).map_err(|e| IrError::from_yaml(file, &e))?;
+    let mut cluster = raw.validate(file, nodes_override)?;
+    let named = raw.calibration.as_ref().map(|p| {
+        Path::new(file)
+            .parent()
+            .map_or_else(|| p.clone(), |dir| dir.join(p))
+    });
+    let path = match (overlay, &named) {
+        (Some(flag), _) => flag.to_path_buf(),
+        (None, Some(named)) => {
+            if !named.is_file() {
+                return Err(IrError::invalid(
+                    file,
+                    "calibration",
+                    format!(
+                        "names {}, which is not a readable file; write the overlay's path relative to the cluster file, or remove the field",
+                        named.display()
+                    ),
+                ));
+            }
+            named.clone()
+        }
+        (None, None) => return Ok(cluster),
+    };
+    cluster.calibration = Some(apply_overlay(&cluster, &path, file)?);
+    Ok(cluster)
+}
+
+/// Reads the overlay at `path` and validates it against `cluster` (named
+/// `cluster_file` in messages).
+pub fn apply_overlay(
+    cluster: &Cluster,
+    path: &Path,
+    cluster_file: &str,
+) -> Result<Calibration, IrError> {
+    let raw = load_overlay(path)?;
+    raw.validate(&path.display().to_string(), cluster, cluster_file)
+}
+
+/// Reads a cluster file (and the calibration overlay it names, if any).
 pub fn load_cluster(path: &Path, nodes_override: Option<u64>) -> Result<Cluster, IrError> {
+    load_cluster_calibrated(path, nodes_override, None)
+}
+
+/// Reads a cluster file and lays a calibration overlay over it: `overlay` (the
+/// `--calibration` flag) if given, else the one the file names, else none.
+pub fn load_cluster_calibrated(
+    path: &Path,
+    nodes_override: Option<u64>,
+    overlay: Option<&Path>,
+) -> Result<Cluster, IrError> {
     let text = std::fs::read_to_string(path).map_err(|source| IrError::Io {
         path: path.to_path_buf(),
         source,
     })?;
-    parse_cluster_yaml(&text, &path.display().to_string(), nodes_override)
+    parse_calibrated(&text, &path.display().to_string(), nodes_override, overlay)
 }
 
 /// How a communication group sits on the cluster: `size` ranks, `per_node` of them

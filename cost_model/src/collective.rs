@@ -11,10 +11,11 @@
 
 use crate::calib;
 use crate::cluster::{Cluster, GroupShape, Link};
-use serde::Serialize;
+use crate::overlay::{AlphaBeta, CollectiveFit, LinkOp, COLLECTIVE_SIZES_MAX};
+use serde::{Deserialize, Serialize};
 
 /// The collectives the cost model prices.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Collective {
     /// Sum over the group, result everywhere.
@@ -94,6 +95,48 @@ pub fn p2p_s(alpha_s: f64, bw_bytes_per_s: f64, bytes: f64) -> f64 {
     alpha_s + bytes / bw_bytes_per_s
 }
 
+/// Measured collectives inside a node (a calibration overlay's `intra_node`), in a
+/// fixed-size table so that a pricing context stays `Copy`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MeasuredLinks {
+    /// Group sizes with a measurement; 0 marks an unused slot.
+    sizes: [u64; COLLECTIVE_SIZES_MAX],
+    /// `fits[op][slot]`: the fit of `LinkOp::ALL[op]` over `sizes[slot]` ranks.
+    fits: [[Option<AlphaBeta>; COLLECTIVE_SIZES_MAX]; LinkOp::ALL.len()],
+}
+
+impl MeasuredLinks {
+    /// The table of `fits` (validated: at most [`COLLECTIVE_SIZES_MAX`] distinct
+    /// sizes; later entries beyond that are ignored).
+    pub fn new(fits: &[CollectiveFit]) -> MeasuredLinks {
+        let mut t = MeasuredLinks {
+            sizes: [0; COLLECTIVE_SIZES_MAX],
+            fits: [[None; COLLECTIVE_SIZES_MAX]; LinkOp::ALL.len()],
+        };
+        for f in fits {
+            let slot = match t.sizes.iter().position(|&s| s == f.ranks) {
+                Some(i) => i,
+                None => match t.sizes.iter().position(|&s| s == 0) {
+                    Some(i) => {
+                        t.sizes[i] = f.ranks;
+                        i
+                    }
+                    None => continue,
+                },
+            };
+            t.fits[f.op.index()][slot] = Some(f.fit);
+        }
+        t
+    }
+
+    /// The fit of `op` over exactly `ranks` ranks, if measured.
+    #[inline]
+    pub fn get(&self, op: LinkOp, ranks: u64) -> Option<AlphaBeta> {
+        let slot = self.sizes.iter().position(|&s| s == ranks)?;
+        self.fits[op.index()][slot]
+    }
+}
+
 /// Links as NCCL achieves them on a cluster.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CommModel {
@@ -101,10 +144,14 @@ pub struct CommModel {
     pub intra: Link,
     /// Across nodes, per GPU, with NCCL's achieved fraction applied.
     pub inter: Link,
+    /// Collectives measured inside a node (calibration overlay); they replace the
+    /// link model for the group sizes they name.
+    pub measured: Option<MeasuredLinks>,
 }
 
 impl CommModel {
-    /// Effective links of a cluster (calibrated fractions of the datasheet bandwidth).
+    /// Effective links of a cluster (calibrated fractions of the datasheet bandwidth),
+    /// with the collectives its calibration overlay measured.
     pub fn new(cluster: &Cluster) -> CommModel {
         CommModel {
             intra: Link {
@@ -116,24 +163,64 @@ impl CommModel {
                 bandwidth_bytes_per_s: cluster.inter.bandwidth_bytes_per_s * calib::IB_EFFICIENCY,
                 latency_s: cluster.inter.latency_s,
             },
+            measured: cluster
+                .calibration
+                .as_ref()
+                .filter(|c| !c.intra_node.is_empty())
+                .map(|c| MeasuredLinks::new(&c.intra_node)),
         }
     }
 
     /// Links exactly as given, for hand-worked tests.
     pub fn exact(intra: Link, inter: Link) -> CommModel {
-        CommModel { intra, inter }
+        CommModel {
+            intra,
+            inter,
+            measured: None,
+        }
+    }
+
+    /// The measured fit of `op` over `ranks` ranks inside a node, if any.
+    #[inline]
+    fn fit(&self, op: LinkOp, ranks: u64) -> Option<AlphaBeta> {
+        self.measured.as_ref().and_then(|m| m.get(op, ranks))
+    }
+
+    /// One collective over `n` ranks inside one node: measured if the overlay has it,
+    /// else the link model (AllReduce the cheaper of ring and tree).
+    fn inside_node_s(&self, kind: Collective, n: u64, bytes: f64) -> f64 {
+        if n <= 1 {
+            return 0.0;
+        }
+        if let Some(f) = self.fit(LinkOp::of(kind), n) {
+            return f.time_s(bytes);
+        }
+        let (ai, bi) = (self.intra.latency_s, self.intra.bandwidth_bytes_per_s);
+        match kind {
+            Collective::AllReduce => {
+                ring_all_reduce_s(n, ai, bi, bytes).min(tree_all_reduce_s(n, ai, bi, bytes))
+            }
+            Collective::AllGather | Collective::ReduceScatter => {
+                ring_all_gather_s(n, ai, bi, bytes)
+            }
+            Collective::Broadcast => broadcast_s(n, ai, bi, bytes),
+            Collective::AllToAll => all_to_all_s(n, ai, bi, bytes),
+        }
     }
 
     /// Time of one collective over `group`.
     ///
     /// # Assumptions
     /// - Inside one node every GPU pair is connected through NVSwitch at `intra`
-    ///   bandwidth; AllReduce takes the cheaper of ring and tree, as NCCL does.
+    ///   bandwidth; AllReduce takes the cheaper of ring and tree, as NCCL does. A
+    ///   collective the calibration overlay measured for this group size takes its
+    ///   fitted `alpha + bytes / beta` instead (NCCL's own choice, as measured).
     /// - A group spanning `k` nodes with `g` ranks per node runs hierarchically (as
     ///   NCCL's ring over rails does): a reduce-scatter inside each node, then `g`
     ///   concurrent inter-node collectives over `k` ranks each on `1/g` of the data,
     ///   each GPU using its own share of the node's NICs, then an all-gather inside the
-    ///   node. The slowest link (InfiniBand) dominates.
+    ///   node. The slowest link (InfiniBand) dominates. The phases inside the node use
+    ///   the measured ReduceScatter/AllGather/Broadcast of `g` ranks where measured.
     /// - All-to-All across nodes sends `(g-1)/N` of its buffer over NVLink and
     ///   `(N-g)/N` over InfiniBand concurrently.
     pub fn time_s(&self, kind: Collective, group: GroupShape, bytes: f64) -> f64 {
@@ -143,32 +230,26 @@ impl CommModel {
         }
         let g = group.per_node.max(1);
         let k = group.nodes();
-        let (ai, bi) = (self.intra.latency_s, self.intra.bandwidth_bytes_per_s);
-        let (ae, be) = (self.inter.latency_s, self.inter.bandwidth_bytes_per_s);
         if k <= 1 {
-            return match kind {
-                Collective::AllReduce => {
-                    ring_all_reduce_s(n, ai, bi, bytes).min(tree_all_reduce_s(n, ai, bi, bytes))
-                }
-                Collective::AllGather | Collective::ReduceScatter => {
-                    ring_all_gather_s(n, ai, bi, bytes)
-                }
-                Collective::Broadcast => broadcast_s(n, ai, bi, bytes),
-                Collective::AllToAll => all_to_all_s(n, ai, bi, bytes),
-            };
+            return self.inside_node_s(kind, n, bytes);
         }
+        let bi = self.intra.bandwidth_bytes_per_s;
+        let (ae, be) = (self.inter.latency_s, self.inter.bandwidth_bytes_per_s);
         match kind {
             Collective::AllReduce => {
-                let inner = 2.0 * ring_all_gather_s(g, ai, bi, bytes);
+                let inner = self.inside_node_s(Collective::ReduceScatter, g, bytes)
+                    + self.inside_node_s(Collective::AllGather, g, bytes);
                 let chunk = bytes / g as f64;
                 let outer =
                     ring_all_reduce_s(k, ae, be, chunk).min(tree_all_reduce_s(k, ae, be, chunk));
                 inner + outer
             }
             Collective::AllGather | Collective::ReduceScatter => {
-                ring_all_gather_s(g, ai, bi, bytes) + ring_all_gather_s(k, ae, be, bytes / g as f64)
+                self.inside_node_s(kind, g, bytes) + ring_all_gather_s(k, ae, be, bytes / g as f64)
             }
-            Collective::Broadcast => broadcast_s(k, ae, be, bytes) + broadcast_s(g, ai, bi, bytes),
+            Collective::Broadcast => {
+                broadcast_s(k, ae, be, bytes) + self.inside_node_s(Collective::Broadcast, g, bytes)
+            }
             Collective::AllToAll => {
                 let nf = n as f64;
                 let intra_s = (g as f64 - 1.0) / nf * bytes / bi;
@@ -178,10 +259,16 @@ impl CommModel {
         }
     }
 
-    /// Point-to-point transfer between two ranks, over NVLink if `same_node`.
+    /// Point-to-point transfer between two ranks, over NVLink if `same_node` (the
+    /// overlay's measured `send_recv` when it has one).
     pub fn p2p_time_s(&self, same_node: bool, bytes: f64) -> f64 {
         if bytes <= 0.0 {
             return 0.0;
+        }
+        if same_node {
+            if let Some(f) = self.fit(LinkOp::SendRecv, 2) {
+                return f.time_s(bytes);
+            }
         }
         let l = if same_node { self.intra } else { self.inter };
         p2p_s(l.latency_s, l.bandwidth_bytes_per_s, bytes)

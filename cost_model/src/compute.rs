@@ -1,8 +1,13 @@
 //! Compute time: FLOPs over an efficiency-scaled peak for matrix products, bytes over
 //! HBM bandwidth for memory-bound kernels, and the larger of the two (roofline).
+//!
+//! A cluster with a calibration overlay ([`crate::overlay`]) replaces the datasheet
+//! side with measurements: a [`GemmCurve`] of achieved GEMM FLOP/s, the measured HBM
+//! bandwidth and the measured flash-attention rates.
 
 use crate::calib;
-use crate::cluster::Gpu;
+use crate::cluster::Cluster;
+use crate::overlay::{GemmPoint, GEMM_POINTS_MAX};
 use meshplan_ir::DType;
 
 /// Fraction of peak a `[m,k] x [k,n]` product reaches.
@@ -18,6 +23,101 @@ pub fn gemm_efficiency(max: f64, m: f64, n: f64, k: f64) -> f64 {
     max * s(m) * s(n) * s(k)
 }
 
+/// How much slower a `[m,k] x [k,n]` product runs than the cube of the same FLOPs
+/// (side `c = (m n k)^(1/3)`), by the shape term of [`gemm_efficiency`]:
+/// `s(m) s(n) s(k) / s(c)^3` with `s(x) = x / (x + GEMM_HALF_DIM)`.
+///
+/// 1 for a cube and below 1 for any other shape (`ln s` is concave in `ln x`, so
+/// Jensen's inequality bounds the product by the cube's).
+#[inline]
+pub fn shape_factor(m: f64, n: f64, k: f64) -> f64 {
+    let s = |x: f64| x / (x + calib::GEMM_HALF_DIM);
+    let c = (m * n * k).cbrt();
+    let sc = s(c);
+    (s(m) * s(n) * s(k) / (sc * sc * sc)).min(1.0)
+}
+
+/// A measured GEMM curve: achieved FLOP/s of cube-shaped products over their FLOPs,
+/// in a fixed-size form so that a pricing context stays `Copy`.
+///
+/// # Assumptions
+/// - The rate is linear in `ln(FLOPs)` between measured points and flat beyond the
+///   first and the last (small products are dominated by the per-kernel overhead,
+///   large ones are saturated).
+/// - A product of another shape runs at the rate of its FLOPs times
+///   [`shape_factor`]; a point measured at a non-cube shape enters the curve divided
+///   by its shape factor, so it reproduces its own time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct GemmCurve {
+    len: usize,
+    ln_flops: [f64; GEMM_POINTS_MAX],
+    flops_per_s: [f64; GEMM_POINTS_MAX],
+}
+
+impl GemmCurve {
+    /// The curve through `points` (at most [`GEMM_POINTS_MAX`], validated positive);
+    /// points of equal FLOPs are averaged. `None` for no points.
+    pub fn from_points(points: &[GemmPoint]) -> Option<GemmCurve> {
+        let mut pts: Vec<(f64, f64)> = points
+            .iter()
+            .take(GEMM_POINTS_MAX)
+            .map(|p| {
+                let (m, n, k) = (p.m as f64, p.n as f64, p.k as f64);
+                (
+                    (2.0 * m * n * k).ln(),
+                    p.flops_per_s / shape_factor(m, n, k),
+                )
+            })
+            .collect();
+        if pts.is_empty() {
+            return None;
+        }
+        pts.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let mut c = GemmCurve {
+            len: 0,
+            ln_flops: [0.0; GEMM_POINTS_MAX],
+            flops_per_s: [0.0; GEMM_POINTS_MAX],
+        };
+        let mut i = 0;
+        while i < pts.len() {
+            let x = pts[i].0;
+            let same: Vec<f64> = pts[i..]
+                .iter()
+                .take_while(|p| p.0 == x)
+                .map(|p| p.1)
+                .collect();
+            c.ln_flops[c.len] = x;
+            c.flops_per_s[c.len] = same.iter().sum::<f64>() / same.len() as f64;
+            c.len += 1;
+            i += same.len();
+        }
+        Some(c)
+    }
+
+    /// Rate of a cube-shaped product of `flops` FLOPs.
+    #[inline]
+    pub fn cube_rate(&self, flops: f64) -> f64 {
+        let x = flops.ln();
+        let (xs, ys) = (&self.ln_flops[..self.len], &self.flops_per_s[..self.len]);
+        if x <= xs[0] {
+            return ys[0];
+        }
+        let last = self.len - 1;
+        if x >= xs[last] {
+            return ys[last];
+        }
+        let j = xs.partition_point(|&v| v <= x);
+        let (x0, x1, y0, y1) = (xs[j - 1], xs[j], ys[j - 1], ys[j]);
+        y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    }
+
+    /// Rate of a `[m,k] x [k,n]` product, FLOP/s.
+    #[inline]
+    pub fn rate(&self, m: f64, n: f64, k: f64) -> f64 {
+        self.cube_rate(2.0 * m * n * k) * shape_factor(m, n, k)
+    }
+}
+
 /// Roofline throughput of one GPU for a compute dtype.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Roofline {
@@ -25,17 +125,63 @@ pub struct Roofline {
     pub peak_flops: f64,
     /// Achieved HBM bandwidth, bytes/s.
     pub hbm_bytes_per_s: f64,
-    /// Fraction of peak large GEMMs reach.
+    /// Fraction of peak large GEMMs reach (the datasheet model, without a curve).
     pub gemm_max: f64,
+    /// Measured GEMM rates; replaces `peak_flops x gemm_efficiency` when present.
+    pub gemm_curve: Option<GemmCurve>,
+    /// Fraction of peak the flash-attention forward reaches.
+    pub flash_fwd_efficiency: f64,
+    /// Fraction of peak the flash-attention backward reaches (on
+    /// `FLASH_BACKWARD_RATIO` x the forward's FLOPs).
+    pub flash_bwd_efficiency: f64,
 }
 
 impl Roofline {
-    /// The roofline of `gpu` computing in `dtype`.
-    pub fn new(gpu: &Gpu, dtype: DType) -> Roofline {
+    /// The roofline of a datasheet GPU (no measurements): `peak_flops` FLOP/s,
+    /// `hbm_bytes_per_s` achieved, GEMMs up to `gemm_max` of peak.
+    pub fn uncalibrated(peak_flops: f64, hbm_bytes_per_s: f64, gemm_max: f64) -> Roofline {
         Roofline {
-            peak_flops: gpu.peak_flops(dtype),
-            hbm_bytes_per_s: gpu.hbm_bytes_per_s * calib::HBM_EFFICIENCY,
-            gemm_max: gpu.gemm_efficiency,
+            peak_flops,
+            hbm_bytes_per_s,
+            gemm_max,
+            gemm_curve: None,
+            flash_fwd_efficiency: calib::FLASH_ATTENTION_EFFICIENCY,
+            flash_bwd_efficiency: calib::FLASH_ATTENTION_EFFICIENCY,
+        }
+    }
+
+    /// The roofline of `cluster`'s GPU computing in `dtype`: the datasheet with the
+    /// fitted fractions of [`calib`], or what the cluster's calibration overlay
+    /// measured for this dtype where it has it.
+    pub fn new(cluster: &Cluster, dtype: DType) -> Roofline {
+        let gpu = &cluster.gpu;
+        let peak = gpu.peak_flops(dtype);
+        let mut r = Roofline::uncalibrated(
+            peak,
+            gpu.hbm_bytes_per_s * calib::HBM_EFFICIENCY,
+            gpu.gemm_efficiency,
+        );
+        if let Some(c) = &cluster.calibration {
+            if let Some(points) = c.gemm_points(dtype) {
+                r.gemm_curve = GemmCurve::from_points(points);
+            }
+            if let Some(h) = c.hbm_bytes_per_s {
+                r.hbm_bytes_per_s = h;
+            }
+            if let Some(a) = c.attention_rate(dtype) {
+                r.flash_fwd_efficiency = a.forward_flops_per_s / peak;
+                r.flash_bwd_efficiency = a.backward_flops_per_s / peak;
+            }
+        }
+        r
+    }
+
+    /// FLOP/s of a `[m,k] x [k,n]` product.
+    #[inline]
+    pub fn gemm_rate(&self, m: f64, n: f64, k: f64) -> f64 {
+        match &self.gemm_curve {
+            Some(c) => c.rate(m, n, k),
+            None => self.peak_flops * gemm_efficiency(self.gemm_max, m, n, k),
         }
     }
 
@@ -46,7 +192,7 @@ impl Roofline {
         if flops <= 0.0 {
             return 0.0;
         }
-        let compute = flops / (self.peak_flops * gemm_efficiency(self.gemm_max, m, n, k));
+        let compute = flops / self.gemm_rate(m, n, k);
         compute.max(bytes / self.hbm_bytes_per_s) + calib::KERNEL_OVERHEAD_S
     }
 
@@ -86,11 +232,7 @@ mod tests {
 
     #[test]
     fn gemm_time_is_2mnk_over_rate() {
-        let r = Roofline {
-            peak_flops: 100e12,
-            hbm_bytes_per_s: 1e12,
-            gemm_max: 0.8,
-        };
+        let r = Roofline::uncalibrated(100e12, 1e12, 0.8);
         let (m, n, k) = (4096.0, 4096.0, 4096.0);
         let t = r.gemm_s(1.0, m, n, k, 0.0);
         let expect =
@@ -100,5 +242,81 @@ mod tests {
         let w_bytes = 2.0 * 8192.0 * 8192.0;
         let t = r.gemm_s(1.0, 1.0, 8192.0, 8192.0, w_bytes);
         assert!((t - (w_bytes / 1e12 + calib::KERNEL_OVERHEAD_S)).abs() < 1e-12);
+    }
+
+    fn point(m: u64, n: u64, k: u64, tflops: f64) -> GemmPoint {
+        GemmPoint {
+            m,
+            n,
+            k,
+            flops_per_s: tflops * 1e12,
+        }
+    }
+
+    #[test]
+    fn shape_factor_is_one_for_cubes_and_below_for_skinny() {
+        assert!((shape_factor(4096.0, 4096.0, 4096.0) - 1.0).abs() < 1e-12);
+        let skinny = shape_factor(8.0, 16384.0, 16384.0);
+        assert!(skinny < 0.5, "{skinny}");
+        // Equal to the datasheet model's ratio of the two shapes.
+        let c = (8.0f64 * 16384.0 * 16384.0).cbrt();
+        let want = gemm_efficiency(1.0, 8.0, 16384.0, 16384.0) / gemm_efficiency(1.0, c, c, c);
+        assert!((skinny - want).abs() < 1e-12);
+    }
+
+    #[test]
+    fn curve_interpolates_in_log_flops_and_holds_the_ends() {
+        // 1024^3 at 200 TFLOP/s and 4096^3 at 600: 2048^3 has 8x the FLOPs of the
+        // first and 1/8 of the second, the midpoint in ln(FLOPs): 400 TFLOP/s.
+        let c = GemmCurve::from_points(&[
+            point(4096, 4096, 4096, 600.0),
+            point(1024, 1024, 1024, 200.0),
+        ])
+        .expect("two points");
+        let at = |d: f64| c.rate(d, d, d) / 1e12;
+        assert!((at(2048.0) - 400.0).abs() < 1e-9, "{}", at(2048.0));
+        assert!((at(1024.0) - 200.0).abs() < 1e-9);
+        assert!((at(4096.0) - 600.0).abs() < 1e-9);
+        assert!(
+            (at(256.0) - 200.0).abs() < 1e-9,
+            "flat below the first point"
+        );
+        assert!(
+            (at(16384.0) - 600.0).abs() < 1e-9,
+            "flat beyond the last point"
+        );
+    }
+
+    #[test]
+    fn every_measured_point_reproduces_its_own_time() {
+        let pts = [
+            point(1024, 1024, 1024, 250.0),
+            point(8192, 8192, 8192, 700.0),
+            point(8, 8192, 8192, 40.0),
+            point(4096, 4096, 128, 300.0),
+        ];
+        let c = GemmCurve::from_points(&pts).expect("points");
+        for p in pts {
+            let (m, n, k) = (p.m as f64, p.n as f64, p.k as f64);
+            let got = c.rate(m, n, k);
+            assert!(
+                (got - p.flops_per_s).abs() < 1e-6 * p.flops_per_s,
+                "{p:?}: {got}"
+            );
+        }
+    }
+
+    #[test]
+    fn halved_curve_doubles_compute_bound_gemm_time() {
+        let full = GemmCurve::from_points(&[point(4096, 4096, 4096, 600.0)]);
+        let half = GemmCurve::from_points(&[point(4096, 4096, 4096, 300.0)]);
+        let mut r = Roofline::uncalibrated(989e12, 3e12, 0.6);
+        r.gemm_curve = full;
+        let t_full = r.gemm_s(1.0, 4096.0, 4096.0, 4096.0, 0.0) - calib::KERNEL_OVERHEAD_S;
+        r.gemm_curve = half;
+        let t_half = r.gemm_s(1.0, 4096.0, 4096.0, 4096.0, 0.0) - calib::KERNEL_OVERHEAD_S;
+        // 2 * 4096^3 / 600e12 = 229.0649 us; twice that at 300 TFLOP/s.
+        assert!((t_full - 2.0 * 4096f64.powi(3) / 600e12).abs() < 1e-15);
+        assert!((t_half - 2.0 * t_full).abs() < 1e-15);
     }
 }

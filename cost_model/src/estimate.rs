@@ -391,7 +391,7 @@ pub fn train_ctx(
             seq,
             kv: seq,
         },
-        roof: Roofline::new(&cluster.gpu, pg.dtype),
+        roof: Roofline::new(cluster, pg.dtype),
         comm: CommModel::new(cluster),
         tp_group: groups.tp,
         cp_group: groups.cp,
@@ -928,7 +928,7 @@ pub fn inference_timeline(
     check_world_size(cfg, gpus)?;
     check_shapes(pg, cfg, load.prompt_len.max(cfg.cp))?;
     let groups = Groups::new(cfg, cluster.gpus_per_node);
-    let roof = Roofline::new(&cluster.gpu, pg.dtype);
+    let roof = Roofline::new(cluster, pg.dtype);
     let comm = CommModel::new(cluster);
     let per_replica = load.concurrency.div_ceil(cfg.dp).max(1) as f64;
     let base = LayoutCtx {
@@ -1153,11 +1153,7 @@ pub fn flops_per_token_forward(pg: &PreparedGraph, seq: u64) -> f64 {
 /// parameter) and the activations of one sequence (flash attention, no
 /// recomputation), or for inference the weights and the KV cache of the workload.
 pub fn replica_memory(pg: &PreparedGraph, workload: &Workload) -> MemoryLedger {
-    let roof = Roofline {
-        peak_flops: 1e12,
-        hbm_bytes_per_s: 1e12,
-        gemm_max: calib::GEMM_EFFICIENCY_MAX,
-    };
+    let roof = Roofline::uncalibrated(1e12, 1e12, calib::GEMM_EFFICIENCY_MAX);
     let one = GroupShape {
         size: 1,
         per_node: 1,

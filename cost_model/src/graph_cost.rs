@@ -792,11 +792,12 @@ impl LayoutCtx {
                 } else {
                     1.0
                 };
-                let eff = calib::FLASH_ATTENTION_EFFICIENCY;
-                let f = self.roof.kernel_s(flops * frac, eff, io_bytes);
+                let f = self
+                    .roof
+                    .kernel_s(flops * frac, self.roof.flash_fwd_efficiency, io_bytes);
                 let bw = self.roof.kernel_s(
                     flops * frac * calib::FLASH_BACKWARD_RATIO,
-                    eff,
+                    self.roof.flash_bwd_efficiency,
                     2.0 * io_bytes,
                 );
                 // Log-sum-exp per query row, fp32.

@@ -7,21 +7,25 @@
 //!   [`estimate_inference`] price one parallel configuration end to end into an
 //!   [`Estimate`] (the contract's JSON keys).
 //!
-//! Every calibration constant lives in [`calib`]. The cost model knows nothing of
+//! Every calibration constant lives in [`calib`]; a cluster may carry measurements of
+//! the user's GPUs instead ([`overlay`], written by `meshplan calibrate` through
+//! [`calibrate`]). The cost model knows nothing of
 //! which plan is chosen.
 #![warn(missing_docs)]
 
 pub mod calib;
+pub mod calibrate;
 pub mod cluster;
 pub mod collective;
 pub mod compute;
 pub mod estimate;
 pub mod graph_cost;
 pub mod memory;
+pub mod overlay;
 pub mod pipeline;
 pub mod timeline;
 
-pub use cluster::{load_cluster, parse_cluster_yaml, Cluster, GroupShape};
+pub use cluster::{load_cluster, load_cluster_calibrated, parse_cluster_yaml, Cluster, GroupShape};
 pub use collective::{Collective, CommModel};
 pub use estimate::{
     estimate_inference, estimate_train, estimate_train_bounded, estimate_train_split,

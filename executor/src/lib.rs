@@ -13,6 +13,8 @@
 //! - [`weights`]: Hugging Face safetensors checkpoints, each rank reading its shard
 //!   from a shared memory map; [`tokenize`]: `tokenizer.json` prompts.
 //! - [`alloc`]: the allocator a process running ranks should use.
+//! - [`launch`]: processes as ranks: torchrun/Slurm variables, the TCP rendezvous
+//!   (NCCL's unique id), and the `meshplan launch` supervisor.
 //! - [`shard`], [`init`]: which slice of each weight a rank holds; deterministic
 //!   weights and data, identical whatever the sharding.
 
@@ -23,6 +25,7 @@ pub mod comm;
 pub mod data;
 pub mod infer;
 pub mod init;
+pub mod launch;
 pub mod sample;
 pub mod shard;
 pub mod tokenize;

@@ -949,7 +949,7 @@ mod tests {
                 seq,
                 kv: seq,
             },
-            roof: Roofline::new(&c.gpu, DType::Bf16),
+            roof: Roofline::new(c, DType::Bf16),
             comm: CommModel::new(c),
             allow_seq_split: sp,
             memory_limit_bytes: None,

@@ -105,7 +105,7 @@ impl LayoutCache {
             .map(|t| t.dtype)
             .unwrap_or(meshplan_ir::DType::Bf16);
         LayoutCache {
-            roof: Roofline::new(&cluster.gpu, dtype),
+            roof: Roofline::new(cluster, dtype),
             comm: CommModel::new(cluster),
             gpus_per_node: cluster.gpus_per_node,
             map: Mutex::new(HashMap::new()),

@@ -60,14 +60,28 @@ impl Run {
     }
 }
 
+/// A `meshplan` command in the workspace root, to add arguments and environment to.
+pub fn command() -> Command {
+    let mut c = Command::new(binary());
+    c.current_dir(ROOT);
+    c
+}
+
 /// Runs `meshplan ARGS` in the workspace root; fails the test on a panic or signal.
 #[track_caller]
 pub fn meshplan(args: &[&str]) -> Run {
-    let out = Command::new(binary())
-        .args(args)
-        .current_dir(ROOT)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run {BIN}: {e}"));
+    let mut c = command();
+    c.args(args);
+    finish(
+        args,
+        &c.output()
+            .unwrap_or_else(|e| panic!("cannot run {BIN}: {e}")),
+    )
+}
+
+/// The [`Run`] of a finished `meshplan ARGS`; fails the test on a panic or signal.
+#[track_caller]
+pub fn finish(args: &[&str], out: &std::process::Output) -> Run {
     let run = Run {
         args: args.join(" "),
         code: out.status.code().unwrap_or(-1),

@@ -132,7 +132,7 @@ fn layout(tp: u64, sp: bool, recompute: Recompute, attn: AttnImpl, env: DimEnv) 
         attn,
         recompute,
         env,
-        roof: Roofline::new(&cluster(1, 8, 80).gpu, DType::Bf16),
+        roof: Roofline::new(&cluster(1, 8, 80), DType::Bf16),
         comm: CommModel::exact(link, link),
         tp_group: group(tp),
         cp_group: group(1),

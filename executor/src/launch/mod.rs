@@ -1,0 +1,36 @@
+//! Processes as ranks: where a process sits in a multi-process run ([`LaunchEnv`],
+//! from torchrun's or Slurm's variables), the TCP [`Rendezvous`] through which the
+//! processes find each other and share the NCCL unique id, and the `meshplan launch`
+//! supervisor ([`spawn::launch`]) that starts a node's ranks.
+//!
+//! The CPU backend runs every rank as a thread of one process
+//! ([`crate::comm::ThreadComm`]); processes matter for the CUDA backend, one per GPU,
+//! with NCCL between them.
+
+pub mod env;
+pub mod nodelist;
+pub mod rendezvous;
+pub mod spawn;
+
+#[cfg(test)]
+mod tests;
+
+pub use env::{LaunchEnv, LaunchEnvError};
+pub use rendezvous::{Rendezvous, RendezvousConfig, RendezvousError};
+pub use spawn::{launch, watch_launcher, LaunchOptions, LaunchOutcome};
+
+/// This machine's host name (for the rank -> node map); `localhost` if unknown.
+pub fn hostname() -> String {
+    #[cfg(unix)]
+    {
+        if let Ok(h) = nix::unistd::gethostname() {
+            if let Some(s) = h.to_str().filter(|s| !s.is_empty()) {
+                return s.to_string();
+            }
+        }
+    }
+    std::env::var("HOSTNAME")
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "localhost".to_string())
+}
