@@ -463,7 +463,7 @@ pub fn estimate_train_bounded(
 /// [`estimate_train_split`] with the schedule it simulated: per virtual stage the
 /// forward and backward times (and their communication), the pipeline transfer, each
 /// stage's step tail (exposed gradient reduction, tensor-axis sync, optimizer) and
-/// memory. [`TrainTimeline::spans`] replays the same simulation task by task.
+/// memory. [`Timeline::spans`](crate::timeline::Timeline::spans) replays the same simulation task by task.
 pub fn train_timeline(
     pg: &PreparedGraph,
     cluster: &Cluster,

@@ -45,7 +45,7 @@ pub trait Backend: Send + Sync {
     /// Residual add: `out = a + b`.
     fn add(&self, a: &[f32], b: &[f32], out: &mut [f32]) -> Result<(), KernelError>;
 
-    /// Backward of [`add`]: `da += d_out`, `db += d_out`.
+    /// Backward of [`add`](Backend::add): `da += d_out`, `db += d_out`.
     fn add_bwd(&self, d_out: &[f32], da: &mut [f32], db: &mut [f32]) -> Result<(), KernelError>;
 
     /// `acc += x`, elementwise (gradient accumulation); equal lengths.
@@ -266,7 +266,8 @@ pub trait Backend: Send + Sync {
         dx: &mut [f32],
     ) -> Result<(), KernelError>;
 
-    /// Combine forward: `out[t] = sum over slots s with perm[s] / k == t of
+    /// Combine forward: `out[t]` is the sum, over the slots `s` with `perm[s] / k == t`,
+    /// of `weights[s] * y[s]`.
     fn moe_combine_fwd(
         &self,
         y: &[f32],

@@ -6,7 +6,7 @@
 //! standard layout), the op's own communication, the weight-gradient synchronisation
 //! it implies, and what it keeps in memory.
 //!
-//! Each family proposes, per mesh axis, a list of one-axis choices ([`AxisChoice`]);
+//! Each family proposes, per mesh axis, a list of one-axis choices (`AxisChoice`);
 //! [`generate`] takes their cartesian product over the axes, drops the combinations
 //! whose sharded dims do not divide, and prices the rest. Resharding between ops is
 //! not part of a strategy: a partial output is resolved on the edge, by the placement
