@@ -105,12 +105,9 @@ impl fmt::Display for CudaUnavailable {
                 "this binary was built without CUDA support; rebuild with `cargo build --release --features cuda` (CUDA 13) or `--features cuda-12` (CUDA 12.8); no CUDA toolkit is needed to build"
             ),
             CudaUnavailable::MissingLibraries(libs) => {
-                write!(f, "no usable CUDA installation: ")?;
-                for (i, l) in libs.iter().enumerate() {
-                    if i > 0 {
-                        write!(f, "; ")?;
-                    }
-                    write!(f, "{} cannot be loaded ({})", l.library, l.hint)?;
+                write!(f, "no usable CUDA installation:")?;
+                for l in libs {
+                    write!(f, "\n  - {} cannot be loaded: {}", l.library, l.hint)?;
                 }
                 Ok(())
             }

@@ -163,8 +163,9 @@ fn round_bf16(x: &[f32]) -> Vec<f32> {
 fn close(what: &str, a: &[f32], b: &[f32], atol: f32, rtol: f32) {
     assert_eq!(a.len(), b.len(), "{what}: length");
     for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        // Equal values pass (-inf log-sum-exps of rows that see no key included).
         assert!(
-            (x - y).abs() <= atol + rtol * y.abs() && x.is_finite() == y.is_finite(),
+            x == y || (x - y).abs() <= atol + rtol * y.abs(),
             "{what}[{i}]: gpu {x} vs cpu {y}"
         );
     }
@@ -387,8 +388,8 @@ fn gpu_norms_match_cpu() {
         )
         .unwrap();
         close("ln dx", &dev.gb(&gdx), &dx, 2e-2, BF16_RTOL);
-        close("ln dw", &dev.gf(&gdw), &dw, 1e-3 * rows as f32, 1e-4);
-        close("ln db", &dev.gf(&gdb), &db, 1e-3 * rows as f32, 1e-4);
+        close("ln dw", &dev.gf(&gdw), &dw, 1e-3, 1e-3);
+        close("ln db", &dev.gf(&gdb), &db, 1e-3, 1e-3);
 
         // RMSNorm
         let (mut y, mut rs) = (vec![0.0; rows * dim], vec![0.0; rows]);
@@ -413,7 +414,7 @@ fn gpu_norms_match_cpu() {
         )
         .unwrap();
         close("rms dx", &dev.gb(&gdx), &dx, 2e-2, BF16_RTOL);
-        close("rms dw", &dev.gf(&gdw), &dw, 1e-3 * rows as f32, 1e-4);
+        close("rms dw", &dev.gf(&gdw), &dw, 1e-3, 1e-3);
     }
 }
 
