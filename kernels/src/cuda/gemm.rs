@@ -1,5 +1,5 @@
 //! GEMM through cuBLASLt: bf16 inputs, fp32 accumulation, fp32 or bf16 output,
-//! row-major with the transposes of [`crate::cpu::matmul`].
+//! row-major with the transposes of [`crate::cpu::matmul()`].
 //!
 //! cuBLASLt is column-major, and a row-major `[r, c]` matrix is the column-major
 //! `[c, r]` one: `C = op(A) op(B)` (row-major) is computed as
@@ -163,7 +163,7 @@ fn op(trans: Transpose) -> i32 {
 }
 
 impl Gpu {
-    /// `C = beta * C + op(A) op(B)` on the device, as [`crate::cpu::matmul`]:
+    /// `C = beta * C + op(A) op(B)` on the device, as [`crate::cpu::matmul()`]:
     /// `op(A)` is `[m, k]` (`a` stored `[m, k]`, or `[k, m]` with
     /// [`Transpose::Yes`]), `op(B)` is `[k, n]`, `C` is `[m, n]`, all row-major.
     /// bf16 inputs, fp32 accumulation; `C` is fp32 or bf16. With `beta == 0` the old

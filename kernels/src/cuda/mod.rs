@@ -6,13 +6,13 @@
 //! Always built: the sources and their registry ([`KernelModule`]), the PTX cache
 //! ([`cache`]) and [`probe`], which in a build without the `cuda` feature says so
 //! ([`CudaUnavailable::NotCompiled`]). With the `cuda` (CUDA 13) or `cuda-12`
-//! (CUDA 12.8) feature: [`Gpu`] (device, stream, loaded modules, cuBLASLt handle),
-//! one launch method per kernel on it, [`Gpu::gemm`] through cuBLASLt, and
-//! [`compile`] (NVRTC, with the compiler's log).
+//! (CUDA 12.8) feature: `Gpu` (device, stream, loaded modules, cuBLASLt handle),
+//! one launch method per kernel on it, `Gpu::gemm` through cuBLASLt, and
+//! `compile` / `compile_cached` (NVRTC, with the compiler's log).
 //!
 //! cudarc loads libcuda, libnvrtc and libcublasLt when first used and panics if one
 //! is missing, so nothing here touches cudarc before [`probe`] has checked that each
-//! library can be loaded; [`Gpu::new`] runs the probe first.
+//! library can be loaded; `Gpu::new` runs the probe first.
 //!
 //! Precision: activations and weights used for compute are bf16 (`half::bf16` on the
 //! Rust side, the bit pattern in the kernels) with fp32 accumulation; master
