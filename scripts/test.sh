@@ -52,7 +52,9 @@ step "CUDA kernels: NVRTC compile tests (GPU tests skip without a GPU)"
 REQUIRE_NVRTC=1 cargo test -p meshplan-kernels --release --features cuda
 
 step "run --backend cuda with a --features cuda binary"
-MESHPLAN_BIN_FEATURES=cuda cargo test -p meshplan-tests --release --test it -- cuda::
+# `--workspace` (the CPU suite's selection) reuses its test binary; only the binary
+# under test is rebuilt, with the feature.
+MESHPLAN_BIN_FEATURES=cuda cargo test --workspace --release --test it -- cuda::
 
 step "clippy --features cuda"
 cargo clippy --workspace --all-targets --release --features cuda -- -D warnings
