@@ -171,7 +171,8 @@ enum Command {
     Run {
         /// A plan written by `meshplan plan`.
         plan: PathBuf,
-        /// cpu (ranks as threads) or cuda.
+        /// cpu (ranks as threads) or cuda (a build with `--features cuda`; it
+        /// checks the GPU and says what is missing: no CUDA interpreter yet).
         #[arg(long, default_value = "cpu")]
         backend: String,
         /// Optimizer steps.

@@ -87,6 +87,19 @@ pub(crate) fn reference_plan(plan: &Plan) -> Result<Plan, String> {
     )
 }
 
+/// Why `--backend cuda` cannot run a plan here, whatever the build: a build without
+/// the `cuda` feature says how to rebuild; a build with it says what the probe found
+/// missing (driver, NVRTC, cuBLASLt, a device), or, on a GPU, that the executor has
+/// no CUDA interpreter yet.
+fn cuda_refusal() -> String {
+    match meshplan_executor::kernels::cuda::probe() {
+        Err(why) => format!("--backend cuda: {why}"),
+        Ok(device) => format!(
+            "--backend cuda: found {device}, but the executor cannot run a plan on it yet: the GPU kernels are built and tested, the CUDA interpreter and NCCL communicator are not; use --backend cpu"
+        ),
+    }
+}
+
 /// `meshplan run`.
 pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     if let Some(flag) = a.unsupported.first() {
@@ -107,11 +120,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     }
     match a.backend {
         "cpu" => {}
-        "cuda" => {
-            return Err(runtime(
-                "--backend cuda: this build has no CUDA backend yet (it arrives with the CUDA issue); use --backend cpu".into(),
-            ))
-        }
+        "cuda" => return Err(runtime(cuda_refusal())),
         other => return Err(bad(format!("--backend {other}: expected cpu or cuda"))),
     }
     let file = a.plan.display().to_string();

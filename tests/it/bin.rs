@@ -1,6 +1,9 @@
-//! The release `meshplan` binary for the export and explain tests: built once per
-//! run (`cargo build --release --bin meshplan`, a no-op when fresh), because these
-//! tests plan GPT-3 on 3840 GPUs and want the optimised search.
+//! The release `meshplan` binary for the export, explain and CUDA tests: built once
+//! per run (`cargo build --release --bin meshplan`, a no-op when fresh), because
+//! these tests plan GPT-3 on 3840 GPUs and want the optimised search.
+//!
+//! `MESHPLAN_BIN_FEATURES=cuda` builds it with those cargo features instead
+//! (scripts/test.sh runs the CUDA test so, against a `--features cuda` binary).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,13 +14,23 @@ const BIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/meshpl
 
 static BUILD: Once = Once::new();
 
+/// The cargo features the binary is built with (`MESHPLAN_BIN_FEATURES`), if any.
+pub fn bin_features() -> Option<String> {
+    std::env::var("MESHPLAN_BIN_FEATURES")
+        .ok()
+        .filter(|f| !f.trim().is_empty())
+}
+
 fn binary() -> &'static Path {
     BUILD.call_once(|| {
-        let out = Command::new(env!("CARGO"))
-            .args(["build", "--release", "--bin", "meshplan", "--target-dir"])
+        let mut cmd = Command::new(env!("CARGO"));
+        cmd.args(["build", "--release", "--bin", "meshplan", "--target-dir"])
             .arg(PathBuf::from(ROOT).join("target"))
-            .current_dir(ROOT)
-            .output();
+            .current_dir(ROOT);
+        if let Some(features) = bin_features() {
+            cmd.args(["--features", &features]);
+        }
+        let out = cmd.output();
         let ok = matches!(&out, Ok(o) if o.status.success());
         if !ok {
             let why = match out {

@@ -3,6 +3,7 @@ mod calibration;
 mod ckpt;
 mod cli;
 mod cost;
+mod cuda;
 mod draw;
 mod executor;
 mod explain;

@@ -39,7 +39,7 @@ fn dependency_arrows_point_one_way() {
             "planner",
             &["meshplan-ir", "meshplan-cost-model", "good_lp"],
         ),
-        ("kernels", &[]),
+        ("kernels", &["cudarc"]),
         ("executor", &["meshplan-ir", "meshplan-kernels", "cudarc"]),
         ("viz", &["meshplan-ir", "meshplan-cost-model"]),
         ("export", &["meshplan-ir"]),
@@ -52,6 +52,52 @@ fn dependency_arrows_point_one_way() {
             );
         }
     }
+}
+
+/// The `[dependencies]` entry of `name` in a crate's manifest, joined onto one line.
+fn dependency_entry(crate_dir: &str, name: &str) -> Option<String> {
+    let text = std::fs::read_to_string(format!("{ROOT}/{crate_dir}/Cargo.toml")).expect("manifest");
+    let start = text.find(&format!("\n{name} = "))?;
+    let rest = &text[start + 1..];
+    // An inline table may span lines up to its closing brace.
+    let end = if rest[name.len() + 3..].trim_start().starts_with('{') {
+        rest.find('}').map_or(rest.len(), |i| i + 1)
+    } else {
+        rest.find('\n').unwrap_or(rest.len())
+    };
+    Some(rest[..end].split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
+#[test]
+fn cudarc_is_optional_and_stays_below_the_planner() {
+    // The default build must not pull cudarc: only the `cuda` features bring it in.
+    let entry = dependency_entry("kernels", "cudarc").expect("kernels depends on cudarc");
+    assert!(entry.contains("optional = true"), "{entry}");
+    assert!(entry.contains("default-features = false"), "{entry}");
+    assert!(
+        entry.contains("\"dynamic-loading\""),
+        "loaded at run time: {entry}"
+    );
+    if let Some(entry) = dependency_entry("executor", "cudarc") {
+        assert!(entry.contains("optional = true"), "executor: {entry}");
+    }
+    for dir in ["ir", "cost_model", "planner", "viz", "export", "."] {
+        assert!(
+            dependency_entry(dir, "cudarc").is_none(),
+            "{dir}/Cargo.toml names cudarc: only kernels/ and executor/ may, behind `cuda`"
+        );
+    }
+    // The binary and the executor forward the features to the kernels.
+    let root = std::fs::read_to_string(format!("{ROOT}/Cargo.toml")).expect("manifest");
+    assert!(
+        root.contains("cuda = [\"meshplan-executor/cuda\"]"),
+        "root forwards `cuda`"
+    );
+    let exec = std::fs::read_to_string(format!("{ROOT}/executor/Cargo.toml")).expect("manifest");
+    assert!(
+        exec.contains("cuda = [\"meshplan-kernels/cuda\"]"),
+        "executor forwards `cuda`"
+    );
 }
 
 fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {

@@ -1,0 +1,142 @@
+// Shared helpers for every kernel module: prepended to each `.cu` file by the Rust
+// side (`KernelModule::source`), so NVRTC needs no include path and no CUDA header.
+//
+// bf16 values travel as their bit pattern (`bf16`, an unsigned short) and are
+// converted here: the header-free forms work on every NVRTC, and on sm_80+ the
+// float -> bf16 rounding is the hardware `cvt.rn.bf16.f32`.
+//
+// Conventions (the GPU twins of `kernels/src/cpu`):
+// - compute activations and weights are bf16, accumulation fp32; master weights,
+//   optimizer moments, parameter gradients, statistics and losses are fp32;
+// - forward kernels overwrite their outputs; backward kernels accumulate (`+=`)
+//   into every gradient, bf16 ones included (read, add in fp32, round once);
+// - sizes are `int` (the wrappers check that they fit) and offsets `long long`.
+
+typedef unsigned short bf16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define WARP 32
+#define FULL_MASK 0xffffffffu
+// -inf without <math.h>.
+#define NEG_INF __int_as_float(0xff800000)
+
+__device__ __forceinline__ float bf16_to_f32(bf16 h) {
+    return __uint_as_float(((u32)h) << 16);
+}
+
+__device__ __forceinline__ bf16 f32_to_bf16(float f) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    bf16 r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
+    return r;
+#else
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        // NaN: keep the sign, force a quiet NaN.
+        return (bf16)((u >> 16) | 0x0040u);
+    }
+    // Round to nearest, ties to even.
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (bf16)(u >> 16);
+#endif
+}
+
+// Eight bf16 values as one 16-byte load/store.
+struct __align__(16) bf16x8 {
+    u32 w[4];
+};
+
+__device__ __forceinline__ void unpack8(const bf16x8 v, float out[8]) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        out[2 * i] = __uint_as_float(v.w[i] << 16);
+        out[2 * i + 1] = __uint_as_float(v.w[i] & 0xffff0000u);
+    }
+}
+
+__device__ __forceinline__ bf16x8 pack8(const float in[8]) {
+    bf16x8 v;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        v.w[i] = (u32)f32_to_bf16(in[2 * i]) | ((u32)f32_to_bf16(in[2 * i + 1]) << 16);
+    }
+    return v;
+}
+
+// Whether rows of `n` bf16 starting at these pointers can be read 8 at a time.
+__device__ __forceinline__ bool aligned8(const void* p, int n) {
+    return (n % 8 == 0) && ((((u64)p) & 15u) == 0);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) v += __shfl_xor_sync(FULL_MASK, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(FULL_MASK, v, o));
+    return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, at most 1024). `scratch` holds
+// 32 floats of shared memory; every thread gets the result.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x % WARP;
+    const int warp = threadIdx.x / WARP;
+    const int nwarps = blockDim.x / WARP;
+    v = warp_sum(v);
+    __syncthreads();  // scratch may still be read by a previous reduction
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = (lane < nwarps) ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+
+// Online softmax state (running max `m` and sum of exp(x - m)) merged across
+// threads: the pair for the union of two sets.
+__device__ __forceinline__ void softmax_merge(float& m, float& s, float m2, float s2) {
+    const float mx = fmaxf(m, m2);
+    if (mx == NEG_INF) return;  // both empty
+    s = s * __expf(m - mx) + s2 * __expf(m2 - mx);
+    m = mx;
+}
+
+__device__ __forceinline__ void warp_softmax_merge(float& m, float& s) {
+#pragma unroll
+    for (int o = WARP / 2; o > 0; o >>= 1) {
+        const float m2 = __shfl_xor_sync(FULL_MASK, m, o);
+        const float s2 = __shfl_xor_sync(FULL_MASK, s, o);
+        softmax_merge(m, s, m2, s2);
+    }
+}
+
+// Grid-stride loop over `n` elements.
+#define GRID_STRIDE(i, n) \
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)gridDim.x * blockDim.x)
+
+// Calls `f(c, value)` for every element of a bf16 row of `dim` values, the block's
+// threads striding over it; 16-byte loads when the row allows them. A thread sees
+// the same columns for every row of the same length and alignment.
+template <typename F>
+__device__ __forceinline__ void row_for_each(const bf16* row, int dim, F f) {
+    if (aligned8(row, dim)) {
+        const bf16x8* v = (const bf16x8*)row;
+        for (int i = threadIdx.x; i < dim / 8; i += blockDim.x) {
+            float e[8];
+            unpack8(v[i], e);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) f(i * 8 + j, e[j]);
+        }
+    } else {
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) f(c, bf16_to_f32(row[c]));
+    }
+}
+
+// `*p += x` on a bf16 in fp32, rounded once (no other thread writes *p).
+__device__ __forceinline__ void bf16_add(bf16* p, float x) {
+    *p = f32_to_bf16(bf16_to_f32(*p) + x);
+}

@@ -1,0 +1,908 @@
+//! Tests of the GPU layer, in two tiers that skip (with the reason printed) where
+//! the machine cannot run them:
+//!
+//! - NVRTC compiles every module for sm_80 and sm_90 with no warning, each kernel
+//!   the wrappers load is in the PTX, and the PTX cache round-trips. Needs only
+//!   libnvrtc; `REQUIRE_NVRTC=1` turns a skip into a failure.
+//! - Every kernel on random inputs against its CPU reference in [`crate::cpu`]
+//!   (bf16 tolerances where the GPU computes in bf16), and the cuBLASLt GEMM
+//!   against `cpu::matmul`. Needs a GPU; `REQUIRE_GPU=1` turns a skip into a
+//!   failure.
+
+use super::*;
+use crate::cpu;
+use crate::cpu::testutil::Rng;
+use crate::cpu::{AttnDims, Transpose};
+use cudarc::driver::CudaSlice;
+use half::bf16;
+
+fn required(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| v == "1")
+}
+
+/// Whether NVRTC can be loaded; prints why not, and fails under `REQUIRE_NVRTC=1`.
+fn nvrtc_or_skip(test: &str) -> bool {
+    match nvrtc_version() {
+        Ok(_) => true,
+        Err(e) => {
+            assert!(
+                !required("REQUIRE_NVRTC"),
+                "{test}: REQUIRE_NVRTC=1 but NVRTC cannot be used: {e}"
+            );
+            println!("{test}: skipped, NVRTC cannot be used: {e}");
+            false
+        }
+    }
+}
+
+/// The GPU, or `None` after printing why not (a failure under `REQUIRE_GPU=1`).
+fn gpu_or_skip(test: &str) -> Option<Gpu> {
+    match Gpu::new() {
+        Ok(gpu) => Some(gpu),
+        Err(e) => {
+            assert!(
+                !required("REQUIRE_GPU"),
+                "{test}: REQUIRE_GPU=1 but no GPU can be used: {e}"
+            );
+            println!("{test}: skipped, no GPU: {e}");
+            None
+        }
+    }
+}
+
+const TEST_ARCHS: [&str; 2] = ["sm_80", "sm_90"];
+
+#[test]
+fn nvrtc_compiles_every_module_without_warnings() {
+    if !nvrtc_or_skip("nvrtc_compiles_every_module_without_warnings") {
+        return;
+    }
+    let mut kernels = 0;
+    for arch in TEST_ARCHS {
+        for m in ALL_MODULES {
+            let c = compile(m, arch).unwrap_or_else(|e| panic!("{e}"));
+            assert!(
+                !c.log.to_lowercase().contains("warning"),
+                "{} for {arch} compiled with warnings:\n{}",
+                m.file(),
+                c.log
+            );
+            assert!(cache::looks_like_ptx(&c.ptx), "{}: not PTX", m.file());
+            assert!(c.ptx.contains(&format!(".target {arch}")), "{}", m.file());
+            for k in m.kernels() {
+                assert!(
+                    c.ptx.contains(&format!(".entry {k}(")),
+                    "{} for {arch}: no kernel `{k}` in the PTX",
+                    m.file()
+                );
+                kernels += 1;
+            }
+        }
+    }
+    println!(
+        "compiled {} modules, {kernels} kernels, for {TEST_ARCHS:?} with NVRTC {:?}",
+        ALL_MODULES.len() * TEST_ARCHS.len(),
+        nvrtc_version().ok()
+    );
+}
+
+#[test]
+fn nvrtc_reports_errors_with_the_log_and_rejects_bad_arch_names() {
+    if !nvrtc_or_skip("nvrtc_reports_errors_with_the_log") {
+        return;
+    }
+    let e = compile(KernelModule::Cast, "sm_90; rm").unwrap_err();
+    assert!(e.error.contains("not an architecture"), "{e}");
+    // An architecture NVRTC does not know: its log says why.
+    let e = compile(KernelModule::Cast, "sm_1").unwrap_err();
+    assert_eq!(e.module, "cast.cu");
+    assert!(!e.to_string().is_empty());
+}
+
+#[test]
+fn ptx_cache_round_trips_and_recovers_from_a_damaged_file() {
+    if !nvrtc_or_skip("ptx_cache_round_trips") {
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("meshplan-ptx-test-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let m = KernelModule::Rope;
+    let (first, cached) = compile_cached(m, "sm_90", Some(&dir)).unwrap();
+    assert!(!cached, "an empty cache compiles");
+    let (second, cached) = compile_cached(m, "sm_90", Some(&dir)).unwrap();
+    assert!(cached, "the second call reads the file");
+    assert_eq!(first, second);
+    // Another architecture is another file.
+    let (_, cached) = compile_cached(m, "sm_80", Some(&dir)).unwrap();
+    assert!(!cached);
+    let files = std::fs::read_dir(&dir).unwrap().flatten().count();
+    assert_eq!(files, 2);
+    // A truncated file is recompiled and replaced.
+    let version = nvrtc_version().unwrap();
+    let key = cache::key(m.source(), "sm_90", version, &compile::options("sm_90"));
+    std::fs::write(cache::path(&dir, &key), &first[..first.len() / 3]).unwrap();
+    let (third, cached) = compile_cached(m, "sm_90", Some(&dir)).unwrap();
+    assert!(!cached);
+    assert_eq!(third, first);
+    assert_eq!(cache::read(&dir, &key).as_deref(), Some(first.as_str()));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn probe_without_a_driver_names_what_is_missing() {
+    // On a machine with a GPU this is the probe's success path instead.
+    match probe() {
+        Ok(info) => println!("probe found {info}"),
+        Err(CudaUnavailable::MissingLibraries(libs)) => {
+            let msg = CudaUnavailable::MissingLibraries(libs.clone()).to_string();
+            assert!(msg.contains("LD_LIBRARY_PATH"), "{msg}");
+            assert!(!libs.is_empty());
+            println!("probe: {msg}");
+        }
+        Err(e) => println!("probe: {e}"),
+    }
+}
+
+// === GPU kernels against the CPU references ===
+
+fn to_bf16(x: &[f32]) -> Vec<bf16> {
+    x.iter().map(|&v| bf16::from_f32(v)).collect()
+}
+
+fn from_bf16(x: &[bf16]) -> Vec<f32> {
+    x.iter().map(|v| v.to_f32()).collect()
+}
+
+/// The values the GPU actually sees: `x` rounded to bf16.
+fn round_bf16(x: &[f32]) -> Vec<f32> {
+    from_bf16(&to_bf16(x))
+}
+
+/// `|a - b| <= atol + rtol * |b|` elementwise, with the first offender named.
+#[track_caller]
+fn close(what: &str, a: &[f32], b: &[f32], atol: f32, rtol: f32) {
+    assert_eq!(a.len(), b.len(), "{what}: length");
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        // Equal values pass (-inf log-sum-exps of rows that see no key included).
+        assert!(
+            x == y || (x - y).abs() <= atol + rtol * y.abs(),
+            "{what}[{i}]: gpu {x} vs cpu {y}"
+        );
+    }
+}
+
+/// Tolerances: one bf16 rounding of the result (2^-8 relative) plus fp32 noise.
+const BF16_RTOL: f32 = 1.0 / 128.0;
+
+struct Dev<'a> {
+    gpu: &'a Gpu,
+}
+
+impl Dev<'_> {
+    fn b(&self, x: &[f32]) -> CudaSlice<bf16> {
+        self.gpu.upload(&to_bf16(x)).unwrap()
+    }
+    fn f(&self, x: &[f32]) -> CudaSlice<f32> {
+        self.gpu.upload(x).unwrap()
+    }
+    fn u(&self, x: &[u32]) -> CudaSlice<u32> {
+        self.gpu.upload(x).unwrap()
+    }
+    fn gb(&self, x: &CudaSlice<bf16>) -> Vec<f32> {
+        from_bf16(&self.gpu.download(x).unwrap())
+    }
+    fn gf(&self, x: &CudaSlice<f32>) -> Vec<f32> {
+        self.gpu.download(x).unwrap()
+    }
+    fn gu(&self, x: &CudaSlice<u32>) -> Vec<u32> {
+        self.gpu.download(x).unwrap()
+    }
+}
+
+#[test]
+fn gpu_gemm_matches_cpu_matmul_every_transpose() {
+    let Some(gpu) = gpu_or_skip("gpu_gemm_matches_cpu_matmul_every_transpose") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(101);
+    for (m, k, n) in [(7, 13, 5), (64, 128, 96), (1, 300, 33)] {
+        for ta in [Transpose::No, Transpose::Yes] {
+            for tb in [Transpose::No, Transpose::Yes] {
+                let a = round_bf16(&rng.vec(m * k));
+                let b = round_bf16(&rng.vec(k * n));
+                let c0 = rng.vec(m * n);
+                for beta in [0.0f32, 1.0] {
+                    let mut want = c0.clone();
+                    cpu::matmul(ta, tb, m, k, n, &a, &b, beta, &mut want).unwrap();
+                    // fp32 output
+                    let mut c = dev.f(&c0);
+                    gpu.gemm(ta, tb, m, k, n, &dev.b(&a), &dev.b(&b), beta, &mut c)
+                        .unwrap();
+                    let tol = 1e-4 * (k as f32).sqrt();
+                    close(
+                        &format!("gemm f32 {m}x{k}x{n} {ta:?}{tb:?} b{beta}"),
+                        &dev.gf(&c),
+                        &want,
+                        tol,
+                        1e-4,
+                    );
+                    // bf16 output
+                    let mut cb = dev.b(&c0);
+                    gpu.gemm(ta, tb, m, k, n, &dev.b(&a), &dev.b(&b), beta, &mut cb)
+                        .unwrap();
+                    let mut want_b = round_bf16(&c0);
+                    cpu::matmul(ta, tb, m, k, n, &a, &b, beta, &mut want_b).unwrap();
+                    close(
+                        &format!("gemm bf16 {m}x{k}x{n} {ta:?}{tb:?}"),
+                        &dev.gb(&cb),
+                        &want_b,
+                        tol,
+                        BF16_RTOL,
+                    );
+                }
+            }
+        }
+    }
+    // batched
+    let (bt, m, k, n) = (3, 5, 8, 6);
+    let a = round_bf16(&rng.vec(bt * m * k));
+    let b = round_bf16(&rng.vec(bt * k * n));
+    let mut want = vec![0.0; bt * m * n];
+    cpu::matmul_batched(
+        bt,
+        Transpose::Yes,
+        Transpose::No,
+        m,
+        k,
+        n,
+        &a,
+        &b,
+        0.0,
+        &mut want,
+    )
+    .unwrap();
+    let mut c = dev.f(&vec![f32::NAN; bt * m * n]);
+    gpu.gemm_batched(
+        bt,
+        Transpose::Yes,
+        Transpose::No,
+        m,
+        k,
+        n,
+        &dev.b(&a),
+        &dev.b(&b),
+        0.0,
+        &mut c,
+    )
+    .unwrap();
+    close("gemm batched", &dev.gf(&c), &want, 1e-4, 1e-4);
+    // a length mismatch is an error, not a launch
+    let e = gpu.gemm(
+        Transpose::No,
+        Transpose::No,
+        2,
+        2,
+        2,
+        &dev.b(&[0.0; 3]),
+        &dev.b(&[0.0; 4]),
+        0.0,
+        &mut dev.f(&[0.0; 4]),
+    );
+    assert!(matches!(e, Err(GpuError::Args(_))));
+}
+
+#[test]
+fn gpu_embedding_matches_cpu() {
+    let Some(gpu) = gpu_or_skip("gpu_embedding_matches_cpu") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(102);
+    // dim 64 takes the 16-byte path, dim 5 the scalar one.
+    for (vocab, dim, n, start) in [(50, 64, 37, 10), (9, 5, 17, 0)] {
+        let table = round_bf16(&rng.vec(vocab * dim));
+        let ids: Vec<u32> = (0..n)
+            .map(|_| rng.below((vocab + start + 5) as u64) as u32)
+            .collect();
+        let mut want = vec![0.0; n * dim];
+        cpu::embedding_fwd(&ids, &table, start, dim, &mut want).unwrap();
+        let mut out = dev.b(&vec![1.0; n * dim]);
+        gpu.embedding_fwd(&dev.u(&ids), &dev.b(&table), start, dim, &mut out)
+            .unwrap();
+        assert_eq!(dev.gb(&out), want, "embedding fwd dim {dim}");
+
+        let dy = round_bf16(&rng.vec(n * dim));
+        let g0 = rng.vec(vocab * dim);
+        let mut want = g0.clone();
+        cpu::embedding_bwd(&ids, &dy, start, dim, &mut want).unwrap();
+        let mut g = dev.f(&g0);
+        gpu.embedding_bwd(&dev.u(&ids), &dev.b(&dy), start, dim, &mut g)
+            .unwrap();
+        close("embedding bwd", &dev.gf(&g), &want, 1e-5, 1e-5);
+    }
+}
+
+#[test]
+fn gpu_norms_match_cpu() {
+    let Some(gpu) = gpu_or_skip("gpu_norms_match_cpu") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(103);
+    for (rows, dim) in [(37, 256), (5, 7), (300, 1000)] {
+        let x = round_bf16(
+            &rng.vec(rows * dim)
+                .iter()
+                .map(|v| 2.0 * v + 0.5)
+                .collect::<Vec<_>>(),
+        );
+        let w = round_bf16(
+            &rng.vec(dim)
+                .iter()
+                .map(|v| 1.0 + 0.5 * v)
+                .collect::<Vec<_>>(),
+        );
+        let bias = round_bf16(&rng.vec(dim));
+        let dy = round_bf16(&rng.vec(rows * dim));
+        let dx0 = round_bf16(&rng.vec(rows * dim));
+        let eps = 1e-5;
+
+        // LayerNorm
+        let (mut y, mut mu, mut rs) = (vec![0.0; rows * dim], vec![0.0; rows], vec![0.0; rows]);
+        cpu::layernorm_fwd(&x, &w, &bias, rows, dim, eps, &mut y, &mut mu, &mut rs).unwrap();
+        let (mut gy, mut gmu, mut grs) = (dev.b(&y), dev.f(&mu), dev.f(&rs));
+        gpu.layernorm_fwd(
+            &dev.b(&x),
+            &dev.b(&w),
+            &dev.b(&bias),
+            rows,
+            dim,
+            eps,
+            &mut gy,
+            &mut gmu,
+            &mut grs,
+        )
+        .unwrap();
+        close("ln y", &dev.gb(&gy), &y, 1e-2, BF16_RTOL);
+        close("ln mean", &dev.gf(&gmu), &mu, 1e-5, 1e-4);
+        close("ln rstd", &dev.gf(&grs), &rs, 1e-5, 1e-4);
+        let (mut dx, mut dw, mut db) = (dx0.clone(), vec![0.5; dim], vec![0.25; dim]);
+        cpu::layernorm_bwd(&x, &w, &mu, &rs, &dy, rows, dim, &mut dx, &mut dw, &mut db).unwrap();
+        let (mut gdx, mut gdw, mut gdb) = (
+            dev.b(&dx0),
+            dev.f(&[0.5; 1000][..dim]),
+            dev.f(&[0.25; 1000][..dim]),
+        );
+        gpu.layernorm_bwd(
+            &dev.b(&x),
+            &dev.b(&w),
+            &dev.f(&mu),
+            &dev.f(&rs),
+            &dev.b(&dy),
+            rows,
+            dim,
+            &mut gdx,
+            &mut gdw,
+            &mut gdb,
+        )
+        .unwrap();
+        close("ln dx", &dev.gb(&gdx), &dx, 2e-2, BF16_RTOL);
+        close("ln dw", &dev.gf(&gdw), &dw, 1e-3, 1e-3);
+        close("ln db", &dev.gf(&gdb), &db, 1e-3, 1e-3);
+
+        // RMSNorm
+        let (mut y, mut rs) = (vec![0.0; rows * dim], vec![0.0; rows]);
+        cpu::rmsnorm_fwd(&x, &w, rows, dim, eps, &mut y, &mut rs).unwrap();
+        let (mut gy, mut grs) = (dev.b(&y), dev.f(&rs));
+        gpu.rmsnorm_fwd(&dev.b(&x), &dev.b(&w), rows, dim, eps, &mut gy, &mut grs)
+            .unwrap();
+        close("rms y", &dev.gb(&gy), &y, 1e-2, BF16_RTOL);
+        close("rms rstd", &dev.gf(&grs), &rs, 1e-5, 1e-4);
+        let (mut dx, mut dw) = (dx0.clone(), vec![0.5; dim]);
+        cpu::rmsnorm_bwd(&x, &w, &rs, &dy, rows, dim, &mut dx, &mut dw).unwrap();
+        let (mut gdx, mut gdw) = (dev.b(&dx0), dev.f(&[0.5; 1000][..dim]));
+        gpu.rmsnorm_bwd(
+            &dev.b(&x),
+            &dev.b(&w),
+            &dev.f(&rs),
+            &dev.b(&dy),
+            rows,
+            dim,
+            &mut gdx,
+            &mut gdw,
+        )
+        .unwrap();
+        close("rms dx", &dev.gb(&gdx), &dx, 2e-2, BF16_RTOL);
+        close("rms dw", &dev.gf(&gdw), &dw, 1e-3, 1e-3);
+    }
+}
+
+#[test]
+fn gpu_rope_matches_cpu() {
+    let Some(gpu) = gpu_or_skip("gpu_rope_matches_cpu") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(104);
+    let (tokens, heads, hd, theta) = (19, 4, 64, 500_000.0);
+    let x = round_bf16(&rng.vec(tokens * heads * hd));
+    let pos: Vec<u32> = (0..tokens as u32).map(|t| t * 977 + 3).collect();
+    let mut want = vec![0.0; x.len()];
+    cpu::rope_fwd(&x, &pos, tokens, heads, hd, theta, &mut want).unwrap();
+    let mut out = dev.b(&vec![0.0; x.len()]);
+    gpu.rope_fwd(&dev.b(&x), &dev.u(&pos), tokens, heads, hd, theta, &mut out)
+        .unwrap();
+    close("rope fwd", &dev.gb(&out), &want, 1e-2, BF16_RTOL);
+    let d0 = round_bf16(&rng.vec(x.len()));
+    let mut want = d0.clone();
+    cpu::rope_bwd(&x, &pos, tokens, heads, hd, theta, &mut want).unwrap();
+    let mut dx = dev.b(&d0);
+    gpu.rope_bwd(&dev.b(&x), &dev.u(&pos), tokens, heads, hd, theta, &mut dx)
+        .unwrap();
+    close("rope bwd", &dev.gb(&dx), &want, 2e-2, BF16_RTOL);
+}
+
+#[test]
+fn gpu_pointwise_and_casts_match_cpu() {
+    let Some(gpu) = gpu_or_skip("gpu_pointwise_and_casts_match_cpu") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(105);
+    // 1003: an aligned 8-wide body and a scalar tail.
+    let n = 1003;
+    let x = round_bf16(&rng.vec(n).iter().map(|v| 4.0 * v).collect::<Vec<_>>());
+    let dy = round_bf16(&rng.vec(n));
+    let d0 = round_bf16(&rng.vec(n));
+
+    let mut want = vec![0.0; n];
+    cpu::gelu_fwd(&x, &mut want).unwrap();
+    let mut y = dev.b(&vec![0.0; n]);
+    gpu.gelu_fwd(&dev.b(&x), &mut y).unwrap();
+    close("gelu fwd", &dev.gb(&y), &want, 1e-2, BF16_RTOL);
+    let mut want = d0.clone();
+    cpu::gelu_bwd(&x, &dy, &mut want).unwrap();
+    let mut dx = dev.b(&d0);
+    gpu.gelu_bwd(&dev.b(&x), &dev.b(&dy), &mut dx).unwrap();
+    close("gelu bwd", &dev.gb(&dx), &want, 2e-2, BF16_RTOL);
+
+    let (rows, f) = (7, 33);
+    let xs = round_bf16(
+        &rng.vec(rows * 2 * f)
+            .iter()
+            .map(|v| 3.0 * v)
+            .collect::<Vec<_>>(),
+    );
+    let mut want = vec![0.0; rows * f];
+    cpu::swiglu_fwd(&xs, rows, f, &mut want).unwrap();
+    let mut y = dev.b(&vec![0.0; rows * f]);
+    gpu.swiglu_fwd(&dev.b(&xs), rows, f, &mut y).unwrap();
+    close("swiglu fwd", &dev.gb(&y), &want, 1e-2, BF16_RTOL);
+    let dys = round_bf16(&rng.vec(rows * f));
+    let ds0 = round_bf16(&rng.vec(rows * 2 * f));
+    let mut want = ds0.clone();
+    cpu::swiglu_bwd(&xs, &dys, rows, f, &mut want).unwrap();
+    let mut dx = dev.b(&ds0);
+    gpu.swiglu_bwd(&dev.b(&xs), &dev.b(&dys), rows, f, &mut dx)
+        .unwrap();
+    close("swiglu bwd", &dev.gb(&dx), &want, 2e-2, BF16_RTOL);
+
+    let mut want = vec![0.0; n];
+    cpu::add(&x, &dy, &mut want).unwrap();
+    let mut out = dev.b(&vec![0.0; n]);
+    gpu.add(&dev.b(&x), &dev.b(&dy), &mut out).unwrap();
+    close("add", &dev.gb(&out), &want, 1e-2, BF16_RTOL);
+    let (mut wa, mut wb) = (d0.clone(), x.clone());
+    cpu::add_bwd(&dy, &mut wa, &mut wb).unwrap();
+    let (mut da, mut db) = (dev.b(&d0), dev.b(&x));
+    gpu.add_bwd(&dev.b(&dy), &mut da, &mut db).unwrap();
+    close("add bwd a", &dev.gb(&da), &wa, 1e-2, BF16_RTOL);
+    close("add bwd b", &dev.gb(&db), &wb, 1e-2, BF16_RTOL);
+
+    // Casts: bf16 rounding equals half's (round to nearest even), NaN and inf kept.
+    let mut v = rng.vec(n);
+    v[0] = f32::INFINITY;
+    v[1] = f32::NEG_INFINITY;
+    v[2] = 1.0 + 1.0 / 256.0; // a tie: rounds to even (1.0)
+    let mut yb = dev.b(&vec![0.0; n]);
+    gpu.cast_f32_to_bf16(&dev.f(&v), &mut yb).unwrap();
+    let got: Vec<u16> = gpu
+        .download(&yb)
+        .unwrap()
+        .iter()
+        .map(|b| b.to_bits())
+        .collect();
+    let want: Vec<u16> = to_bf16(&v).iter().map(|b| b.to_bits()).collect();
+    assert_eq!(got, want);
+    let mut yf = dev.f(&vec![0.0; n]);
+    gpu.cast_bf16_to_f32(&yb, &mut yf).unwrap();
+    assert_eq!(dev.gf(&yf), from_bf16(&to_bf16(&v)));
+    let mut acc = dev.b(&d0);
+    gpu.add_f32_into_bf16(&dev.f(&x), &mut acc).unwrap();
+    let want: Vec<f32> = d0.iter().zip(&x).map(|(a, b)| a + b).collect();
+    close("add f32 into bf16", &dev.gb(&acc), &want, 1e-2, BF16_RTOL);
+}
+
+#[test]
+fn gpu_fused_cross_entropy_matches_cpu() {
+    let Some(gpu) = gpu_or_skip("gpu_fused_cross_entropy_matches_cpu") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(106);
+    // vocab 50257 (GPT-2): odd, so rows are not 16-byte aligned; 32000 is.
+    for (rows, vocab) in [(9, 50_257), (4, 32_000), (3, 5)] {
+        let logits = round_bf16(
+            &rng.vec(rows * vocab)
+                .iter()
+                .map(|v| 6.0 * v)
+                .collect::<Vec<_>>(),
+        );
+        let mut labels: Vec<u32> = (0..rows).map(|_| rng.below(vocab as u64) as u32).collect();
+        labels[0] = vocab as u32 + 7; // outside: no target term, no onehot
+        let scale = 1.0 / rows as f32;
+        let (mut mx, mut se, mut tg, mut want_loss) = (
+            vec![0.0; rows],
+            vec![0.0; rows],
+            vec![0.0; rows],
+            vec![0.0; rows],
+        );
+        cpu::ce_row_max(&logits, rows, vocab, &mut mx).unwrap();
+        cpu::ce_row_sumexp(&logits, rows, vocab, &mx, &mut se).unwrap();
+        cpu::ce_target_logit(&logits, &labels, rows, vocab, 0, &mut tg).unwrap();
+        cpu::ce_loss(&mx, &se, &tg, &mut want_loss).unwrap();
+        let mut want_d = vec![0.0; rows * vocab];
+        cpu::ce_bwd(
+            &logits,
+            rows,
+            vocab,
+            &mx,
+            &se,
+            &labels,
+            0,
+            scale,
+            &mut want_d,
+        )
+        .unwrap();
+        let mut loss = dev.f(&vec![0.0; rows]);
+        let mut d = dev.b(&vec![1.0; rows * vocab]);
+        gpu.ce_fused(
+            &dev.b(&logits),
+            &dev.u(&labels),
+            rows,
+            vocab,
+            scale,
+            &mut loss,
+            &mut d,
+        )
+        .unwrap();
+        close("ce loss", &dev.gf(&loss), &want_loss, 1e-4, 1e-4);
+        close("ce dlogits", &dev.gb(&d), &want_d, 1e-6, BF16_RTOL);
+    }
+}
+
+#[test]
+fn gpu_adamw_matches_cpu_and_writes_the_bf16_copy() {
+    let Some(gpu) = gpu_or_skip("gpu_adamw_matches_cpu") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(107);
+    let n = 1001;
+    let (mut p, mut m, mut v) = (rng.vec(n), vec![0.0; n], vec![0.0; n]);
+    let (mut gp, mut gm, mut gv) = (dev.f(&p), dev.f(&m), dev.f(&v));
+    let mut pb = dev.b(&vec![0.0; n]);
+    for step in 1..=3u64 {
+        let g = rng.vec(n);
+        cpu::adamw_step(&mut p, &g, &mut m, &mut v, step, 1e-3, 0.9, 0.95, 1e-8, 0.1).unwrap();
+        gpu.adamw_step(
+            &mut gp,
+            &dev.f(&g),
+            &mut gm,
+            &mut gv,
+            &mut pb,
+            step,
+            1e-3,
+            0.9,
+            0.95,
+            1e-8,
+            0.1,
+        )
+        .unwrap();
+    }
+    close("adamw param", &dev.gf(&gp), &p, 1e-6, 1e-5);
+    close("adamw m", &dev.gf(&gm), &m, 1e-7, 1e-5);
+    close("adamw v", &dev.gf(&gv), &v, 1e-9, 1e-5);
+    assert_eq!(dev.gb(&pb), round_bf16(&dev.gf(&gp)));
+}
+
+fn attn_case(gpu: &Gpu, seed: u64, dims: AttnDims, q_pos0: usize, k_pos0: usize, causal: bool) {
+    let dev = Dev { gpu };
+    let mut rng = Rng::new(seed);
+    let AttnDims {
+        batch,
+        sq,
+        sk,
+        hq,
+        hkv,
+        d,
+        dv,
+    } = dims;
+    let q = round_bf16(&rng.vec(batch * sq * hq * d));
+    let k = round_bf16(&rng.vec(batch * sk * hkv * d));
+    let v = round_bf16(&rng.vec(batch * sk * hkv * dv));
+    let scale = 1.0 / (d as f32).sqrt();
+    let what = format!("attention {dims:?} q_pos0 {q_pos0} k_pos0 {k_pos0} causal {causal}");
+    let (mut o, mut lse) = (vec![0.0; batch * sq * hq * dv], vec![0.0; batch * hq * sq]);
+    cpu::attention_fwd(
+        &dims, &q, &k, &v, q_pos0, k_pos0, causal, scale, &mut o, &mut lse, None,
+    )
+    .unwrap();
+    let (gq, gk, gv) = (dev.b(&q), dev.b(&k), dev.b(&v));
+    let mut go = dev.b(&vec![1.0; o.len()]);
+    let mut glse = dev.f(&vec![0.0; lse.len()]);
+    gpu.attention_fwd(
+        &dims, &gq, &gk, &gv, q_pos0, k_pos0, causal, scale, &mut go, &mut glse,
+    )
+    .unwrap();
+    let o_gpu = dev.gb(&go);
+    close(&format!("{what}: out"), &o_gpu, &o, 1e-2, BF16_RTOL);
+    close(&format!("{what}: lse"), &dev.gf(&glse), &lse, 1e-4, 1e-4);
+
+    // Backward from the GPU's own (bf16) output, on both sides.
+    let d_o = round_bf16(&rng.vec(o.len()));
+    let (mut dq, mut dk, mut dvv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
+    cpu::attention_bwd(
+        &dims, &q, &k, &v, &o_gpu, &lse, &d_o, q_pos0, k_pos0, causal, scale, &mut dq, &mut dk,
+        &mut dvv, None,
+    )
+    .unwrap();
+    let (mut gdq, mut gdk, mut gdv) = (
+        dev.b(&vec![0.0; q.len()]),
+        dev.b(&vec![0.0; k.len()]),
+        dev.b(&vec![0.0; v.len()]),
+    );
+    gpu.attention_bwd(
+        &dims,
+        &gq,
+        &gk,
+        &gv,
+        &go,
+        &dev.f(&lse),
+        &dev.b(&d_o),
+        q_pos0,
+        k_pos0,
+        causal,
+        scale,
+        &mut gdq,
+        &mut gdk,
+        &mut gdv,
+    )
+    .unwrap();
+    let scale_of = |x: &[f32]| x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let (tq, tk, tv) = (scale_of(&dq), scale_of(&dk), scale_of(&dvv));
+    close(
+        &format!("{what}: dq"),
+        &dev.gb(&gdq),
+        &dq,
+        2e-2 * tq,
+        2.0 * BF16_RTOL,
+    );
+    close(
+        &format!("{what}: dk"),
+        &dev.gb(&gdk),
+        &dk,
+        2e-2 * tk,
+        2.0 * BF16_RTOL,
+    );
+    close(
+        &format!("{what}: dv"),
+        &dev.gb(&gdv),
+        &dvv,
+        2e-2 * tv,
+        2.0 * BF16_RTOL,
+    );
+}
+
+#[test]
+fn gpu_attention_matches_cpu_causal_gqa_offsets_and_head_dims() {
+    let Some(gpu) = gpu_or_skip("gpu_attention_matches_cpu") else {
+        return;
+    };
+    let dims = |batch, sq, sk, hq, hkv, d, dv| AttnDims {
+        batch,
+        sq,
+        sk,
+        hq,
+        hkv,
+        d,
+        dv,
+    };
+    // Causal training shapes, GQA 4:1 and 1:1, head dims 64 and 128.
+    attn_case(&gpu, 201, dims(2, 100, 100, 8, 2, 64, 64), 0, 0, true);
+    attn_case(&gpu, 202, dims(1, 77, 77, 4, 4, 128, 128), 0, 0, true);
+    // Non-causal, odd sizes, d != dv.
+    attn_case(&gpu, 203, dims(2, 7, 150, 8, 2, 5, 3), 0, 0, false);
+    // A ring block: queries after the keys, and keys after some queries.
+    attn_case(&gpu, 204, dims(1, 40, 70, 4, 1, 32, 32), 75, 0, true);
+    attn_case(&gpu, 205, dims(1, 40, 30, 2, 1, 16, 16), 3, 20, true);
+    // Decode: one query at the end of a cached context.
+    attn_case(&gpu, 206, dims(3, 1, 300, 8, 1, 64, 64), 299, 0, true);
+    // Head dim 256 (the `_256` kernels, opting into more shared memory).
+    attn_case(&gpu, 207, dims(1, 33, 33, 2, 1, 256, 256), 0, 0, true);
+}
+
+#[test]
+fn gpu_moe_matches_cpu() {
+    let Some(gpu) = gpu_or_skip("gpu_moe_matches_cpu") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(108);
+    for (tokens, experts, k, renorm, dim) in [
+        (37, 8, 2, true, 64),
+        (50, 40, 3, false, 7),
+        (9, 4, 1, true, 16),
+    ] {
+        let logits: Vec<f32> = rng.vec(tokens * experts).iter().map(|v| 3.0 * v).collect();
+        let (mut p, mut idx, mut w) = (
+            vec![0.0; tokens * experts],
+            vec![0; tokens * k],
+            vec![0.0; tokens * k],
+        );
+        cpu::moe_route_fwd(
+            &logits, tokens, experts, k, renorm, &mut p, &mut idx, &mut w,
+        )
+        .unwrap();
+        let (mut gp, mut gidx, mut gw) = (dev.f(&p), dev.u(&idx), dev.f(&w));
+        gpu.moe_route_fwd(
+            &dev.f(&logits),
+            tokens,
+            experts,
+            k,
+            renorm,
+            &mut gp,
+            &mut gidx,
+            &mut gw,
+        )
+        .unwrap();
+        assert_eq!(dev.gu(&gidx), idx, "route: expert choice");
+        close("route probs", &dev.gf(&gp), &p, 1e-6, 1e-5);
+        close("route weights", &dev.gf(&gw), &w, 1e-6, 1e-5);
+        let dw = rng.vec(tokens * k);
+        let dl0 = rng.vec(tokens * experts);
+        let mut want = dl0.clone();
+        cpu::moe_route_bwd(&p, &idx, &w, &dw, tokens, experts, k, renorm, &mut want).unwrap();
+        let mut gdl = dev.f(&dl0);
+        gpu.moe_route_bwd(
+            &dev.f(&p),
+            &dev.u(&idx),
+            &dev.f(&w),
+            &dev.f(&dw),
+            tokens,
+            experts,
+            k,
+            renorm,
+            &mut gdl,
+        )
+        .unwrap();
+        close("route bwd", &dev.gf(&gdl), &want, 1e-6, 1e-5);
+
+        let n = tokens * k;
+        let x = round_bf16(&rng.vec(tokens * dim));
+        let (mut out, mut counts, mut perm) =
+            (vec![0.0; n * dim], vec![0usize; experts], vec![0u32; n]);
+        cpu::moe_dispatch_fwd(
+            &x,
+            &idx,
+            tokens,
+            k,
+            experts,
+            dim,
+            &mut out,
+            &mut counts,
+            &mut perm,
+        )
+        .unwrap();
+        let (mut gout, mut gcounts, mut gperm) = (
+            dev.b(&vec![0.0; n * dim]),
+            dev.u(&vec![0; experts]),
+            dev.u(&vec![0; n]),
+        );
+        gpu.moe_dispatch_fwd(
+            &dev.b(&x),
+            &dev.u(&idx),
+            tokens,
+            k,
+            experts,
+            dim,
+            &mut gout,
+            &mut gcounts,
+            &mut gperm,
+        )
+        .unwrap();
+        assert_eq!(dev.gu(&gperm), perm, "dispatch perm");
+        let counts32: Vec<u32> = counts.iter().map(|&c| c as u32).collect();
+        assert_eq!(dev.gu(&gcounts), counts32, "dispatch counts");
+        assert_eq!(dev.gb(&gout), out, "dispatch rows");
+
+        let d_out = round_bf16(&rng.vec(n * dim));
+        let dx0 = round_bf16(&rng.vec(tokens * dim));
+        let mut want = dx0.clone();
+        cpu::moe_dispatch_bwd(&d_out, &perm, tokens, k, dim, &mut want).unwrap();
+        let mut gdx = dev.b(&dx0);
+        gpu.moe_dispatch_bwd(&dev.b(&d_out), &gperm, tokens, k, dim, &mut gdx)
+            .unwrap();
+        close("dispatch bwd", &dev.gb(&gdx), &want, 1e-2, BF16_RTOL);
+
+        let y = round_bf16(&rng.vec(n * dim));
+        let mut want = vec![0.0; tokens * dim];
+        cpu::moe_combine_fwd(&y, &perm, &w, tokens, k, dim, &mut want).unwrap();
+        let mut gc = dev.b(&vec![1.0; tokens * dim]);
+        gpu.moe_combine_fwd(&dev.b(&y), &gperm, &dev.f(&w), tokens, k, dim, &mut gc)
+            .unwrap();
+        close("combine fwd", &dev.gb(&gc), &want, 1e-2, BF16_RTOL);
+
+        let g = round_bf16(&rng.vec(tokens * dim));
+        let dy0 = round_bf16(&rng.vec(n * dim));
+        let dw0 = rng.vec(n);
+        let (mut wdy, mut wdw) = (dy0.clone(), dw0.clone());
+        cpu::moe_combine_bwd(&g, &y, &perm, &w, tokens, k, dim, &mut wdy, &mut wdw).unwrap();
+        let (mut gdy, mut gdw) = (dev.b(&dy0), dev.f(&dw0));
+        gpu.moe_combine_bwd(
+            &dev.b(&g),
+            &dev.b(&y),
+            &gperm,
+            &dev.f(&w),
+            tokens,
+            k,
+            dim,
+            &mut gdy,
+            &mut gdw,
+        )
+        .unwrap();
+        close("combine bwd dy", &dev.gb(&gdy), &wdy, 1e-2, BF16_RTOL);
+        close("combine bwd dw", &dev.gf(&gdw), &wdw, 1e-4, 1e-4);
+    }
+}
+
+#[test]
+fn gpu_rejects_bad_sizes_without_launching() {
+    let Some(gpu) = gpu_or_skip("gpu_rejects_bad_sizes_without_launching") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let dims = AttnDims {
+        batch: 1,
+        sq: 2,
+        sk: 2,
+        hq: 3,
+        hkv: 2,
+        d: 4,
+        dv: 4,
+    };
+    let e = gpu.attention_fwd(
+        &dims,
+        &dev.b(&[0.0; 24]),
+        &dev.b(&[0.0; 16]),
+        &dev.b(&[0.0; 16]),
+        0,
+        0,
+        true,
+        1.0,
+        &mut dev.b(&[0.0; 24]),
+        &mut dev.f(&[0.0; 6]),
+    );
+    assert!(matches!(e, Err(GpuError::Args(_))), "{e:?}");
+    let e = gpu.rope_fwd(
+        &dev.b(&[0.0; 3]),
+        &dev.u(&[0]),
+        1,
+        1,
+        3,
+        1e4,
+        &mut dev.b(&[0.0; 3]),
+    );
+    assert!(matches!(e, Err(GpuError::Args(_))));
+}

@@ -1,0 +1,50 @@
+//! `run --backend cuda` on a machine without a GPU: exit 1 with a message that says
+//! what to do, never a panic. The default build says it was built without CUDA and
+//! how to rebuild; a `--features cuda` binary (`MESHPLAN_BIN_FEATURES=cuda`, as
+//! scripts/test.sh runs it) names the missing driver or libraries, or on a GPU
+//! machine says the executor has no CUDA interpreter yet.
+
+use crate::bin::{bin_features, meshplan, plan_file, temp_dir};
+
+#[test]
+fn run_backend_cuda_exits_1_with_what_to_do() {
+    let dir = temp_dir("cuda");
+    let plan = plan_file(
+        &dir,
+        "tiny-gpt",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        &[],
+    );
+    let plan = plan.to_str().expect("utf-8 path");
+    // `meshplan` fails the test on any panic text or signal.
+    let run = meshplan(&["run", plan, "--backend", "cuda", "--steps", "1"]);
+    run.expect_code(1);
+    let err = run.stderr.trim();
+    assert!(err.contains("--backend cuda: "), "{err}");
+    assert!(
+        run.stdout.trim().is_empty(),
+        "no run happened: {}",
+        run.stdout
+    );
+    match bin_features() {
+        None => {
+            assert!(err.contains("built without CUDA support"), "{err}");
+            assert!(
+                err.contains("--features cuda"),
+                "says how to rebuild: {err}"
+            );
+        }
+        Some(features) => {
+            assert!(features.contains("cuda"), "{features}");
+            let no_driver = err.contains("libcuda.so.1") && err.contains("LD_LIBRARY_PATH");
+            let no_device = err.contains("reports no CUDA device");
+            let no_interpreter = err.contains("cannot run a plan on it yet");
+            assert!(
+                no_driver || no_device || no_interpreter,
+                "the probe's reason: {err}"
+            );
+            println!("--backend cuda with --features {features}: {err}");
+        }
+    }
+}
