@@ -93,7 +93,7 @@ fn program(c: &mut dyn Communicator) -> (Vec<Vec<f32>>, ByteCounts) {
         let prev = (r + n - 1) % n;
         let msg: Vec<f32> = (0..13).map(val).collect();
         let mut got = vec![0.0; 13];
-        if r % 2 == 0 {
+        if r.is_multiple_of(2) {
             c.send(next, "pp", &msg).unwrap();
             c.recv(prev, "pp", &mut got).unwrap();
         } else {
