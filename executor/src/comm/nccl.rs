@@ -19,7 +19,7 @@
 //! ranks; barrier is a one-element all-reduce on the group's communicator.
 //!
 //! Byte counts are recorded exactly as [`super::ThreadComm`] records them (payload
-//! and [`ring_bytes`]), so `--check`'s comparison against the plan applies unchanged.
+//! and `ring_bytes`), so `--check`'s comparison against the plan applies unchanged.
 //! Unlike `ThreadComm`, NCCL does not detect mismatched calls or time out: a
 //! mismatch hangs or corrupts, so validate a program with `ThreadComm` first.
 //!
