@@ -35,7 +35,7 @@ pub(crate) fn calibrate(output: &Path, backend: &str, dry_run: bool) -> Result<(
 #[cfg(not(feature = "cuda"))]
 fn measure(output: &Path) -> Result<(), Failure> {
     Err(runtime(format!(
-        "calibrate: this binary was built without the CUDA backend (rebuild with `cargo build --release --features cuda`), so nothing was measured and {} was not written; `meshplan calibrate --dry-run` lists what it will measure",
+        "calibrate: this binary has no CUDA backend (rebuild with `cargo build --release --features cuda`), so nothing was measured and {} was not written; `meshplan calibrate --dry-run` lists what it will measure",
         output.display()
     )))
 }
@@ -44,7 +44,7 @@ fn measure(output: &Path) -> Result<(), Failure> {
 fn measure(output: &Path) -> Result<(), Failure> {
     let m = cuda::measure().map_err(|e| {
         runtime(format!(
-            "calibrate: {e}; nothing was written to {}",
+            "calibrate: no CUDA backend can measure here: {e}; nothing was written to {}",
             output.display()
         ))
     })?;
