@@ -59,24 +59,30 @@ fi
 # --- libraries: cudarc loads libcuda.so.1, libnvrtc.so.13, libcublasLt.so.13 and
 # libnccl.so (or .so.13/.12/.../.1, never .so.2, which is what NCCL ships).
 LIBDIR=$(mktemp -d /tmp/meshplan-libs.XXXXXX)
-find_lib() { find / -xdev \( -path /proc -o -path /sys \) -prune -o -name "$1" -print 2>/dev/null | head -n 1; }
+# One pass over the file system (pip wheels put these under site-packages/nvidia/).
+find / -xdev \( -path /proc -o -path /sys \) -prune -o \( -name 'libnvrtc.so*' -o \
+    -name 'libcublasLt.so*' -o -name 'libnccl.so*' -o -name 'libcuda.so*' \) -print \
+    2>/dev/null >"$OUTDIR/libraries.txt"
 paths=()
-for pat in 'libnvrtc.so.13*' 'libcublasLt.so.13*' 'libnccl.so.2*' 'libcuda.so.1'; do
-    f=$(find_lib "$pat")
+# The CUDA 13 names first (the `cuda` feature), then whatever else there is.
+for pat in 'libnvrtc.so.13' 'libcublasLt.so.13' 'libnccl.so.2' 'libcuda.so.1' \
+    'libnvrtc.so.12' 'libcublasLt.so.12'; do
+    f=$(grep -m1 "/$pat\$" "$OUTDIR/libraries.txt" || true)
     if [ -n "$f" ]; then
         say "found $pat: $f"
-        paths+=("$(dirname "$f")")
+        d=$(dirname "$f")
+        case " ${paths[*]-} " in *" $d "*) ;; *) paths+=("$d") ;; esac
     else
         say "not found: $pat"
     fi
 done
-nccl=$(find_lib 'libnccl.so.2*')
+nccl=$(grep -m1 '/libnccl.so.2$' "$OUTDIR/libraries.txt" || true)
 if [ -n "$nccl" ]; then
     ln -sf "$nccl" "$LIBDIR/libnccl.so"
     say "linked $LIBDIR/libnccl.so -> $nccl (cudarc does not look for libnccl.so.2)"
 fi
 LD=$LIBDIR
-for p in "${paths[@]}"; do LD="$LD:$p"; done
+for p in "${paths[@]-}"; do [ -n "$p" ] && LD="$LD:$p"; done
 export LD_LIBRARY_PATH="$LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
 export REQUIRE_GPU=1 REQUIRE_NVRTC=1
@@ -91,7 +97,7 @@ run kernel-tests 150 "$B/tests/meshplan-kernels" cuda:: --test-threads=1
 if [ "$rc" = 0 ]; then result kernel-tests PASS; else result kernel-tests FAIL; fi
 
 # --- 3. NCCL communicator (world 1; world 2 needs two GPUs and skips otherwise)
-run nccl-tests 90 "$B/tests/meshplan-executor" comm::nccl --test-threads=1 --nocapture
+run nccl-tests 90 env REQUIRE_NCCL_LIB=1 "$B/tests/meshplan-executor" comm::nccl --test-threads=1 --nocapture
 if [ "$rc" = 0 ]; then result "nccl-tests (GPUs: $GPUS)" PASS; else result nccl-tests FAIL; fi
 
 # --- 4. calibrate
@@ -100,6 +106,17 @@ if [ "$rc" = 0 ] && [ -s "$OUTDIR/overlay.yaml" ]; then result calibrate PASS; e
 
 # --- 5. PyTorch comparison (bf16 matmul vs meshplan's cuBLASLt; GPT-2 baseline)
 PY=${PYTHON:-python3}
+if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
+    # PyTorch may live in a venv: try the python next to the NCCL wheel.
+    for site in $(grep '/site-packages/nvidia/nccl/lib/libnccl.so.2$' "$OUTDIR/libraries.txt"); do
+        cand="${site%%/lib/python*}/bin/python"
+        if [ -x "$cand" ] && "$cand" -c 'import torch' >/dev/null 2>&1; then
+            PY=$cand
+            break
+        fi
+    done
+fi
+say "python: $PY"
 if ! "$PY" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then
     result "torch (no CUDA PyTorch for $PY)" SKIP
 else

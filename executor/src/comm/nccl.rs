@@ -85,12 +85,17 @@ pub fn nccl_missing_message() -> String {
     )
 }
 
+/// Whether one of [`nccl_library_candidates`] can be loaded (no GPU needed).
+pub fn nccl_loadable() -> bool {
+    // SAFETY: only tries to dlopen each candidate name.
+    unsafe { sys::is_culib_present() }
+}
+
 /// `Ok` when a GPU and NCCL can be used (checked without touching cudarc's NCCL
 /// loader, which panics when the library is missing); otherwise why not.
 pub fn nccl_available() -> Result<meshplan_kernels::cuda::DeviceInfo, NcclError> {
     let info = meshplan_kernels::cuda::probe().map_err(|e| err(e.to_string()))?;
-    // SAFETY: only tries to dlopen each candidate name.
-    if !unsafe { sys::is_culib_present() } {
+    if !nccl_loadable() {
         return Err(err(nccl_missing_message()));
     }
     Ok(info)

@@ -170,4 +170,8 @@ fn nccl_missing_message_names_the_symlink_fix() {
     assert!(nccl_library_candidates().contains(&"libnccl.so".to_string()));
     // Never a panic, whatever is installed.
     let _ = nccl_available();
+    eprintln!("libnccl loadable by cudarc's names: {}", nccl_loadable());
+    if std::env::var("REQUIRE_NCCL_LIB").is_ok_and(|v| v == "1") {
+        assert!(nccl_loadable(), "REQUIRE_NCCL_LIB=1: {m}");
+    }
 }
