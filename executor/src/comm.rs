@@ -53,6 +53,8 @@
 //! who failed first and where the others were waiting.
 
 mod counts;
+#[cfg(feature = "cuda")]
+pub mod nccl;
 mod run;
 mod thread;
 
@@ -60,6 +62,8 @@ mod thread;
 mod tests;
 
 pub use counts::{ByteCounts, KindCount};
+#[cfg(feature = "cuda")]
+pub use nccl::{nccl_available, BenchOp, NcclBench, NcclComm, NcclError};
 pub use run::{failure_summary, run_ranks, RankError};
 pub use thread::ThreadComm;
 

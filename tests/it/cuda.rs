@@ -48,3 +48,28 @@ fn run_backend_cuda_exits_1_with_what_to_do() {
         }
     }
 }
+
+/// `calibrate` without a usable GPU: exit 1, nothing written, no panic; a
+/// `--features cuda` binary names what is missing (the probe's answer).
+#[test]
+fn cuda_calibrate_without_a_gpu_exits_1_and_writes_nothing() {
+    let dir = temp_dir("cuda-calibrate");
+    let out = dir.join("overlay.yaml");
+    let o = out.to_str().expect("utf-8 path");
+    let run = meshplan(&["calibrate", "-o", o]);
+    if bin_features().is_some() && run.code == 0 {
+        // A GPU machine: the overlay was measured.
+        assert!(out.exists());
+        return;
+    }
+    run.expect_code(1);
+    let err = run.stderr.trim();
+    assert!(err.contains("no CUDA backend"), "{err}");
+    assert!(!out.exists());
+    if bin_features().is_some() {
+        assert!(
+            err.contains("libcuda.so.1") || err.contains("reports no CUDA device"),
+            "the probe's reason: {err}"
+        );
+    }
+}

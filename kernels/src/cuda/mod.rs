@@ -38,6 +38,10 @@ mod tests;
 
 #[cfg(feature = "cudarc")]
 pub use compile::{compile, compile_cached, nvrtc_version, Compiled, KernelCompileError};
+/// cudarc itself, for crates above (the executor's NCCL communicator) that need its
+/// driver and NCCL APIs at the same version and features.
+#[cfg(feature = "cudarc")]
+pub use cudarc;
 #[cfg(feature = "cudarc")]
 pub use gemm::GemmOut;
 #[cfg(feature = "cudarc")]

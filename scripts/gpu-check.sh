@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Runs THERE: on a GPU machine (CUDA 13 driver, NCCL and PyTorch, e.g. inside Python
+# packages; no Rust), from the repository root, with target/gpu-bundle made by
+# scripts/gpu-bundle.sh. One go, about 5 minutes; everything is also written under
+# $OUT when it is set (else target/gpu-check/).
+#
+#   scripts/gpu-check.sh
+#
+# Steps, each PASS / FAIL / SKIP: nvidia-smi; the kernel tests with REQUIRE_GPU=1
+# (every CUDA kernel against its CPU reference); the NCCL communicator tests
+# (world size 1, and 2 when two GPUs are visible) with REQUIRE_GPU=1; `meshplan
+# calibrate` (overlay.yaml); benches/python/torch_gpu.py (PyTorch bf16 matmul on the
+# calibrate shapes beside meshplan's cuBLASLt numbers, and GPT-2 124M training
+# tokens/s and MFU, eager and torch.compile). Exits non-zero if any step fails.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+B=target/gpu-bundle
+OUTDIR=${OUT:-target/gpu-check}
+mkdir -p "$OUTDIR"
+LOG="$OUTDIR/gpu-check.log"
+: >"$LOG"
+START=$SECONDS
+BUDGET=${GPU_CHECK_BUDGET_S:-300}
+failed=0
+summary=()
+
+say() { echo "$*" | tee -a "$LOG"; }
+# result NAME STATUS
+result() {
+    summary+=("$2 $1")
+    say "== $2: $1 ($((SECONDS - START))s elapsed)"
+    [ "$2" = FAIL ] && failed=1
+    return 0
+}
+# run NAME SECONDS CMD...: runs with a timeout (what is left of the budget, at most
+# SECONDS), output to the log and $OUTDIR/NAME.txt; sets $rc.
+run() {
+    local name=$1 limit=$2
+    shift 2
+    local left=$((BUDGET - (SECONDS - START)))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -le 5 ]; then
+        rc=124
+        say "-- $name: no time left in the ${BUDGET}s budget"
+        return
+    fi
+    say "-- $name: $* (timeout ${limit}s)"
+    timeout "$limit" "$@" >"$OUTDIR/$name.txt" 2>&1
+    rc=$?
+    cat "$OUTDIR/$name.txt" >>"$LOG"
+    tail -n 40 "$OUTDIR/$name.txt"
+}
+
+if [ ! -x "$B/bin/meshplan" ]; then
+    say "gpu-check: no $B/bin/meshplan: run scripts/gpu-bundle.sh where Rust is, and bring target/gpu-bundle"
+    exit 1
+fi
+
+# --- libraries: cudarc loads libcuda.so.1, libnvrtc.so.13, libcublasLt.so.13 and
+# libnccl.so (or .so.13/.12/.../.1, never .so.2, which is what NCCL ships).
+LIBDIR=$(mktemp -d /tmp/meshplan-libs.XXXXXX)
+# One pass over the file system (pip wheels put these under site-packages/nvidia/).
+find / -xdev \( -path /proc -o -path /sys \) -prune -o \( -name 'libnvrtc.so*' -o \
+    -name 'libcublasLt.so*' -o -name 'libnccl.so*' -o -name 'libcuda.so*' \) -print \
+    2>/dev/null >"$OUTDIR/libraries.txt"
+paths=()
+# The CUDA 13 names first (the `cuda` feature), then whatever else there is.
+for pat in 'libnvrtc.so.13' 'libcublasLt.so.13' 'libnccl.so.2' 'libcuda.so.1' \
+    'libnvrtc.so.12' 'libcublasLt.so.12'; do
+    f=$(grep -m1 "/$pat\$" "$OUTDIR/libraries.txt" || true)
+    if [ -n "$f" ]; then
+        say "found $pat: $f"
+        d=$(dirname "$f")
+        case " ${paths[*]-} " in *" $d "*) ;; *) paths+=("$d") ;; esac
+    else
+        say "not found: $pat"
+    fi
+done
+nccl=$(grep -m1 '/libnccl.so.2$' "$OUTDIR/libraries.txt" || true)
+if [ -n "$nccl" ]; then
+    ln -sf "$nccl" "$LIBDIR/libnccl.so"
+    say "linked $LIBDIR/libnccl.so -> $nccl (cudarc does not look for libnccl.so.2)"
+fi
+LD=$LIBDIR
+for p in "${paths[@]-}"; do [ -n "$p" ] && LD="$LD:$p"; done
+export LD_LIBRARY_PATH="$LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+export REQUIRE_GPU=1 REQUIRE_NVRTC=1
+
+# --- 1. nvidia-smi
+run nvidia-smi 30 nvidia-smi
+if [ "$rc" = 0 ]; then result nvidia-smi PASS; else result nvidia-smi FAIL; fi
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
+
+# --- 2. kernel tests (GPU against CPU reference)
+run kernel-tests 150 "$B/tests/meshplan-kernels" cuda:: --test-threads=1
+if [ "$rc" = 0 ]; then result kernel-tests PASS; else result kernel-tests FAIL; fi
+
+# --- 3. NCCL communicator (world 1; world 2 needs two GPUs and skips otherwise)
+run nccl-tests 90 env REQUIRE_NCCL_LIB=1 "$B/tests/meshplan-executor" comm::nccl --test-threads=1 --nocapture
+if [ "$rc" = 0 ]; then result "nccl-tests (GPUs: $GPUS)" PASS; else result nccl-tests FAIL; fi
+
+# --- 4. calibrate
+run calibrate 120 env MESHPLAN_CALIBRATE_QUICK=1 "$B/bin/meshplan" calibrate --backend cuda -o "$OUTDIR/overlay.yaml"
+if [ "$rc" = 0 ] && [ -s "$OUTDIR/overlay.yaml" ]; then result calibrate PASS; else result calibrate FAIL; fi
+
+# --- 5. PyTorch comparison (bf16 matmul vs meshplan's cuBLASLt; GPT-2 baseline)
+PY=${PYTHON:-python3}
+if ! "$PY" -c 'import torch' >/dev/null 2>&1; then
+    # PyTorch may live in a venv: try the python next to the NCCL wheel.
+    for site in $(grep '/site-packages/nvidia/nccl/lib/libnccl.so.2$' "$OUTDIR/libraries.txt"); do
+        cand="${site%%/lib/python*}/bin/python"
+        if [ -x "$cand" ] && "$cand" -c 'import torch' >/dev/null 2>&1; then
+            PY=$cand
+            break
+        fi
+    done
+fi
+say "python: $PY"
+if ! "$PY" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; then
+    result "torch (no CUDA PyTorch for $PY)" SKIP
+else
+    run torch "$((BUDGET))" "$PY" benches/python/torch_gpu.py --meshplan "$OUTDIR/calibrate.txt" \
+        --json "$OUTDIR/torch_gpu.json"
+    case $rc in
+        0) result torch PASS ;;
+        2) result "torch (meshplan GEMM below 90% of PyTorch)" FAIL ;;
+        *) result torch FAIL ;;
+    esac
+fi
+
+say ""
+say "gpu-check summary (${SECONDS}s):"
+for s in "${summary[@]}"; do say "  $s"; done
+exit $failed
