@@ -52,6 +52,7 @@
 //! a rank's error or panic into an abort, and [`failure_summary`] says in one line
 //! who failed first and where the others were waiting.
 
+mod args;
 mod counts;
 #[cfg(feature = "cuda")]
 pub mod nccl;

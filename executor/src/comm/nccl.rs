@@ -42,6 +42,7 @@ use meshplan_kernels::cuda::cudarc::driver::{
 };
 use meshplan_kernels::cuda::cudarc::nccl::{result, sys};
 
+use super::args;
 use super::counts::ring_bytes;
 use super::{ByteCounts, CommError, CommKind, Communicator, Group};
 use crate::launch::{LaunchEnv, Rendezvous};
@@ -264,27 +265,8 @@ impl NcclComm {
         axis: &str,
     ) -> Result<(usize, sys::ncclComm_t), CommError> {
         self.check_aborted(kind, axis, &group.id)?;
-        let invalid = |detail: String| CommError::InvalidArgument { kind, detail };
-        let me = group.index_of(self.rank).ok_or_else(|| {
-            invalid(format!(
-                "rank {} is not in group {} {:?}",
-                self.rank, group.id, group.ranks
-            ))
-        })?;
-        let mut sorted = group.ranks.clone();
-        sorted.sort_unstable();
-        if sorted.windows(2).any(|w| w[0] == w[1]) {
-            return Err(invalid(format!(
-                "group {} repeats a rank: {:?}",
-                group.id, group.ranks
-            )));
-        }
-        if let Some(&r) = sorted.last().filter(|&&r| r >= self.world) {
-            return Err(invalid(format!(
-                "group {} names rank {r} in a world of {}",
-                group.id, self.world
-            )));
-        }
+        let me = args::index_in(group, self.rank, kind)?;
+        args::check_members(group, self.world, kind)?;
         if group.ranks.iter().copied().eq(0..self.world) {
             return Ok((me, self.world_comm.0));
         }
@@ -474,16 +456,7 @@ impl Communicator for NcclComm {
     ) -> Result<(), CommError> {
         let kind = CommKind::AllGather;
         let n = group.size();
-        if out.len() != n * local.len() {
-            return Err(CommError::InvalidArgument {
-                kind,
-                detail: format!(
-                    "output holds {} elements, expected {n} members x {}",
-                    out.len(),
-                    local.len()
-                ),
-            });
-        }
+        args::all_gather(n, local.len(), out.len())?;
         let (_, comm) = self.group_comm(group, kind, axis)?;
         self.run(kind, |s| {
             let src = s.stage(local.len(), Some(local))?;
@@ -510,16 +483,7 @@ impl Communicator for NcclComm {
     ) -> Result<(), CommError> {
         let kind = CommKind::ReduceScatter;
         let n = group.size();
-        if input.len() != n * out.len() {
-            return Err(CommError::InvalidArgument {
-                kind,
-                detail: format!(
-                    "input holds {} elements, expected {n} members x {}",
-                    input.len(),
-                    out.len()
-                ),
-            });
-        }
+        args::reduce_scatter(n, input.len(), out.len())?;
         let (_, comm) = self.group_comm(group, kind, axis)?;
         self.run(kind, |s| {
             let src = s.stage(input.len(), Some(input))?;
@@ -546,12 +510,7 @@ impl Communicator for NcclComm {
     ) -> Result<(), CommError> {
         let kind = CommKind::Broadcast;
         let n = group.size();
-        if root_index >= n {
-            return Err(CommError::InvalidArgument {
-                kind,
-                detail: format!("root index {root_index} in a group of {n}"),
-            });
-        }
+        args::broadcast(n, root_index)?;
         let (_, comm) = self.group_comm(group, kind, axis)?;
         self.run(kind, |s| {
             let mut d = s.stage(buf.len(), Some(buf))?;
@@ -585,17 +544,7 @@ impl Communicator for NcclComm {
     ) -> Result<(), CommError> {
         let kind = CommKind::AllToAll;
         let n = group.size();
-        if send.len() != recv.len() || n == 0 || !send.len().is_multiple_of(n) {
-            return Err(CommError::InvalidArgument {
-                kind,
-                detail: format!(
-                    "send holds {} and recv {} elements; both must be the same multiple of \
-                     {n} members",
-                    send.len(),
-                    recv.len()
-                ),
-            });
-        }
+        args::all_to_all(n, send.len(), recv.len())?;
         let (_, comm) = self.group_comm(group, kind, axis)?;
         let p = send.len() / n;
         let counts = vec![p; n];
@@ -619,26 +568,7 @@ impl Communicator for NcclComm {
     ) -> Result<(), CommError> {
         let kind = CommKind::AllToAllV;
         let n = group.size();
-        let invalid = |detail: String| CommError::InvalidArgument { kind, detail };
-        if send_counts.len() != n || recv_counts.len() != n {
-            return Err(invalid(format!(
-                "{} send and {} recv counts for {n} members",
-                send_counts.len(),
-                recv_counts.len()
-            )));
-        }
-        if send_counts.iter().sum::<usize>() != send.len() {
-            return Err(invalid(format!(
-                "send counts {send_counts:?} do not add up to the {} elements sent",
-                send.len()
-            )));
-        }
-        if recv_counts.iter().sum::<usize>() != recv.len() {
-            return Err(invalid(format!(
-                "recv counts {recv_counts:?} do not add up to the {} elements of recv",
-                recv.len()
-            )));
-        }
+        args::all_to_all_v(n, (send.len(), send_counts), (recv.len(), recv_counts))?;
         let (me, comm) = self.group_comm(group, kind, axis)?;
         self.run(kind, |s| {
             grouped_exchange(s, comm, (send, send_counts), (recv, recv_counts))

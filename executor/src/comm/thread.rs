@@ -8,6 +8,7 @@
 //! Sends are buffered (a send never waits for its receive), which is what lets
 //! pipeline stages exchange activations in either order without deadlock.
 
+use super::args;
 use super::counts::ring_bytes;
 use super::{ByteCounts, CommError, CommKind, Communicator, Failure, Group, WaitPoint};
 use std::collections::{HashMap, VecDeque};
@@ -214,29 +215,10 @@ impl ThreadComm {
         kind: CommKind,
         axis: &str,
     ) -> Result<(usize, WaitPoint), CommError> {
-        let invalid = |detail: String| CommError::InvalidArgument { kind, detail };
-        let me = group.index_of(self.rank).ok_or_else(|| {
-            invalid(format!(
-                "rank {} is not in group {} {:?}",
-                self.rank, group.id, group.ranks
-            ))
-        })?;
+        let me = args::index_in(group, self.rank, kind)?;
         let key = (group.id.clone(), group.ranks.clone());
         if !self.seqs.contains_key(&key) {
-            let mut sorted = group.ranks.clone();
-            sorted.sort_unstable();
-            if sorted.windows(2).any(|w| w[0] == w[1]) {
-                return Err(invalid(format!(
-                    "group {} repeats a rank: {:?}",
-                    group.id, group.ranks
-                )));
-            }
-            if let Some(&r) = sorted.last().filter(|&&r| r >= self.shared.world) {
-                return Err(invalid(format!(
-                    "group {} names rank {r} in a world of {}",
-                    group.id, self.shared.world
-                )));
-            }
+            args::check_members(group, self.shared.world, kind)?;
         }
         let seq = self.seqs.entry(key).or_insert(0);
         let wait = WaitPoint {
@@ -384,16 +366,7 @@ impl ThreadComm {
         out: &mut [f32],
     ) -> Result<(), CommError> {
         let n = group.size();
-        if out.len() != n * local.len() {
-            return Err(CommError::InvalidArgument {
-                kind: CommKind::AllGather,
-                detail: format!(
-                    "output holds {} elements, expected {n} members x {}",
-                    out.len(),
-                    local.len()
-                ),
-            });
-        }
+        args::all_gather(n, local.len(), out.len())?;
         let (me, wait) = self.enter(group, CommKind::AllGather, axis)?;
         let mine = Contribution {
             data: local.to_vec(),
@@ -420,16 +393,7 @@ impl ThreadComm {
         out: &mut [f32],
     ) -> Result<(), CommError> {
         let n = group.size();
-        if input.len() != n * out.len() {
-            return Err(CommError::InvalidArgument {
-                kind: CommKind::ReduceScatter,
-                detail: format!(
-                    "input holds {} elements, expected {n} members x {}",
-                    input.len(),
-                    out.len()
-                ),
-            });
-        }
+        args::reduce_scatter(n, input.len(), out.len())?;
         let (me, wait) = self.enter(group, CommKind::ReduceScatter, axis)?;
         let mine = Contribution {
             data: input.to_vec(),
@@ -452,12 +416,7 @@ impl ThreadComm {
         root_index: usize,
     ) -> Result<(), CommError> {
         let n = group.size();
-        if root_index >= n {
-            return Err(CommError::InvalidArgument {
-                kind: CommKind::Broadcast,
-                detail: format!("root index {root_index} in a group of {n}"),
-            });
-        }
+        args::broadcast(n, root_index)?;
         let (me, wait) = self.enter(group, CommKind::Broadcast, axis)?;
         // Only the root's data is read, so the others contribute nothing.
         let data = if me == root_index {
@@ -491,17 +450,7 @@ impl ThreadComm {
         recv: &mut [f32],
     ) -> Result<(), CommError> {
         let n = group.size();
-        if send.len() != recv.len() || n == 0 || !send.len().is_multiple_of(n) {
-            return Err(CommError::InvalidArgument {
-                kind: CommKind::AllToAll,
-                detail: format!(
-                    "send holds {} and recv {} elements; both must be the same multiple of \
-                     {n} members",
-                    send.len(),
-                    recv.len()
-                ),
-            });
-        }
+        args::all_to_all(n, send.len(), recv.len())?;
         let (me, wait) = self.enter(group, CommKind::AllToAll, axis)?;
         let mine = Contribution {
             data: send.to_vec(),
@@ -531,29 +480,7 @@ impl ThreadComm {
         let n = group.size();
         let (send, send_counts) = send;
         let (recv, recv_counts) = recv;
-        let invalid = |detail: String| CommError::InvalidArgument {
-            kind: CommKind::AllToAllV,
-            detail,
-        };
-        if send_counts.len() != n || recv_counts.len() != n {
-            return Err(invalid(format!(
-                "{} send and {} recv counts for {n} members",
-                send_counts.len(),
-                recv_counts.len()
-            )));
-        }
-        if send_counts.iter().sum::<usize>() != send.len() {
-            return Err(invalid(format!(
-                "send counts {send_counts:?} do not add up to the {} elements sent",
-                send.len()
-            )));
-        }
-        if recv_counts.iter().sum::<usize>() != recv.len() {
-            return Err(invalid(format!(
-                "recv counts {recv_counts:?} do not add up to the {} elements of recv",
-                recv.len()
-            )));
-        }
+        args::all_to_all_v(n, (send.len(), send_counts), (recv.len(), recv_counts))?;
         let (me, wait) = self.enter(group, CommKind::AllToAllV, axis)?;
         let mine = Contribution {
             data: send.to_vec(),
