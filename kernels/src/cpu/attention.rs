@@ -22,7 +22,7 @@
 
 #![allow(clippy::too_many_arguments)] // mirrors the CUDA kernel signature
 
-use super::matmul::{matmul_tile, Transpose};
+use super::matmul::{matmul_on, Transpose};
 use super::{check_len, fast_exp, invalid, par_map, prod, KernelError};
 
 /// Number of keys processed per tile of the online softmax.
@@ -299,7 +299,8 @@ pub fn attention_fwd(
                 for t0 in (0..nk).step_by(KEY_TILE) {
                     let nt = KEY_TILE.min(nk - t0);
                     let s = &mut sb[..mt * nt];
-                    matmul_tile(
+                    matmul_on(
+                        1,
                         Transpose::No,
                         Transpose::Yes,
                         mt,
@@ -335,7 +336,8 @@ pub fn attention_fwd(
                             dr.apply(inv, b, h, q_pos0 + i0 + r, k_pos0 + t0, vis);
                         }
                     }
-                    matmul_tile(
+                    matmul_on(
+                        1,
                         Transpose::No,
                         Transpose::No,
                         mt,
@@ -562,7 +564,8 @@ pub fn attention_bwd(
                     let kt = &kb[t0 * d..(t0 + nt) * d];
                     let vt = &vb[t0 * dv..(t0 + nt) * dv];
                     let p = &mut pb[..mt * nt];
-                    matmul_tile(
+                    matmul_on(
+                        1,
                         Transpose::No,
                         Transpose::Yes,
                         mt,
@@ -599,7 +602,8 @@ pub fn attention_bwd(
                         None
                     };
                     // dV += (P Z)^T dO
-                    matmul_tile(
+                    matmul_on(
+                        1,
                         Transpose::Yes,
                         Transpose::No,
                         nt,
@@ -612,7 +616,8 @@ pub fn attention_bwd(
                     )?;
                     // dP = dO V^T, then dS = scale * P * (dP - D) in place
                     let ds = &mut dsb[..mt * nt];
-                    matmul_tile(
+                    matmul_on(
+                        1,
                         Transpose::No,
                         Transpose::Yes,
                         mt,
@@ -643,7 +648,8 @@ pub fn attention_bwd(
                         dsrow[lim..].fill(0.0);
                     }
                     // dQ += dS K, dK += dS^T Q (scale already in dS)
-                    matmul_tile(
+                    matmul_on(
+                        1,
                         Transpose::No,
                         Transpose::No,
                         mt,
@@ -654,7 +660,8 @@ pub fn attention_bwd(
                         1.0,
                         &mut dqb[..mt * d],
                     )?;
-                    matmul_tile(
+                    matmul_on(
+                        1,
                         Transpose::Yes,
                         Transpose::No,
                         nt,

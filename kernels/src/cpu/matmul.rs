@@ -40,25 +40,11 @@ pub fn matmul(
     matmul_on(threads, trans_a, trans_b, m, k, n, a, b, beta, c)
 }
 
-/// [`matmul`] on the calling thread only: for the small tile products of a
-/// kernel that already runs its tiles in parallel.
+/// [`matmul`] on `threads` threads of the caller's pool (1: the calling thread
+/// only, for the small tile products of a kernel that already runs its tiles in
+/// parallel).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn matmul_tile(
-    trans_a: Transpose,
-    trans_b: Transpose,
-    m: usize,
-    k: usize,
-    n: usize,
-    a: &[f32],
-    b: &[f32],
-    beta: f32,
-    c: &mut [f32],
-) -> Result<(), KernelError> {
-    matmul_on(1, trans_a, trans_b, m, k, n, a, b, beta, c)
-}
-
-#[allow(clippy::too_many_arguments)]
-fn matmul_on(
+pub(crate) fn matmul_on(
     threads: usize,
     trans_a: Transpose,
     trans_b: Transpose,
