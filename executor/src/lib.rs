@@ -23,6 +23,7 @@ pub mod backend;
 pub mod ckpt;
 pub mod comm;
 pub mod data;
+pub mod device;
 pub mod infer;
 pub mod init;
 pub mod launch;

@@ -2610,28 +2610,16 @@ impl RankState<'_> {
         let pos0 = self.cp.rank * self.seq_len / self.cp.size;
         let positions: Vec<u32> = (0..rows).map(|r| (pos0 + r / b) as u32).collect();
         let theta = self.graph.constants.rope_theta as f32;
-        let mut y = x.to_vec();
-        for (start, heads) in [(0, hq), (hq * d, hkv)] {
-            let mut part = vec![0.0; rows * heads * d];
-            for r in 0..rows {
-                part[r * heads * d..(r + 1) * heads * d]
-                    .copy_from_slice(&x[r * width + start..r * width + start + heads * d]);
-            }
-            let mut out = vec![0.0; part.len()];
-            if backward {
-                self.be
-                    .rope_bwd(&part, &positions, rows, heads, d, theta, &mut out)
-            } else {
-                self.be
-                    .rope_fwd(&part, &positions, rows, heads, d, theta, &mut out)
-            }
-            .map_err(kerr(&att.name))?;
-            for r in 0..rows {
-                y[r * width + start..r * width + start + heads * d]
-                    .copy_from_slice(&out[r * heads * d..(r + 1) * heads * d]);
-            }
-        }
-        Ok(y)
+        rope_qkv_host(
+            self.be,
+            x,
+            &positions,
+            rows,
+            (hq, hkv, d, width),
+            theta,
+            backward,
+        )
+        .map_err(kerr(&att.name))
     }
 
     fn backward_op(&mut self, op: &Op, l: u64, store: &mut Store) -> Result<(), RankError> {
@@ -3206,7 +3194,7 @@ pub(crate) fn split_qkv(
 }
 
 #[allow(clippy::too_many_arguments)] // the inverse of `split_qkv`, same shape arguments
-fn join_qkv(
+pub(crate) fn join_qkv(
     dq: &[f32],
     dk: &[f32],
     dv: &[f32],
@@ -3243,7 +3231,7 @@ pub(crate) fn bshd_to_sbhd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> 
     y
 }
 
-fn sbhd_to_bshd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> {
+pub(crate) fn sbhd_to_bshd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> {
     let mut y = vec![0.0; x.len()];
     for bi in 0..b {
         for si in 0..s {
@@ -3252,6 +3240,39 @@ fn sbhd_to_bshd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> {
         }
     }
     y
+}
+
+/// RoPE on the query and key heads of fused QKV rows `[rows, width]` (`shape`:
+/// query heads, key/value heads, head dim, row width), the value columns copied;
+/// with `backward`, the inverse rotation of a gradient.
+pub(crate) fn rope_qkv_host(
+    be: &dyn Backend,
+    x: &[f32],
+    positions: &[u32],
+    rows: usize,
+    (hq, hkv, d, width): (usize, usize, usize, usize),
+    theta: f32,
+    backward: bool,
+) -> Result<Vec<f32>, k::KernelError> {
+    let mut y = x.to_vec();
+    for (start, heads) in [(0, hq), (hq * d, hkv)] {
+        let mut part = vec![0.0; rows * heads * d];
+        for r in 0..rows {
+            part[r * heads * d..(r + 1) * heads * d]
+                .copy_from_slice(&x[r * width + start..r * width + start + heads * d]);
+        }
+        let mut out = vec![0.0; part.len()];
+        if backward {
+            be.rope_bwd(&part, positions, rows, heads, d, theta, &mut out)?;
+        } else {
+            be.rope_fwd(&part, positions, rows, heads, d, theta, &mut out)?;
+        }
+        for r in 0..rows {
+            y[r * width + start..r * width + start + heads * d]
+                .copy_from_slice(&out[r * heads * d..(r + 1) * heads * d]);
+        }
+    }
+    Ok(y)
 }
 
 /// Every copy of a segment a phase's chunks run, in order: (segment index, block

@@ -169,11 +169,7 @@ pub(crate) fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync + Send) -
 }
 
 /// Checks `actual == expected` for the slice called `name`.
-pub(crate) fn check_len(
-    name: &'static str,
-    actual: usize,
-    expected: usize,
-) -> Result<(), KernelError> {
+pub fn check_len(name: &'static str, actual: usize, expected: usize) -> Result<(), KernelError> {
     if actual == expected {
         Ok(())
     } else {

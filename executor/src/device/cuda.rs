@@ -1,0 +1,1 @@
+//! The CUDA [`super::Device`] (feature `cuda`).

@@ -1,0 +1,741 @@
+//! Device-resident execution: the [`Device`] trait is a backend whose buffers live
+//! where its kernels run (GPU memory for [`cuda`], host vectors for [`HostDevice`]),
+//! and [`train`] is an interpreter of dense training plans over it that never moves
+//! an activation, weight or gradient to the host during a step.
+//!
+//! The general interpreter ([`crate::train`]) works on host `Vec<f32>` and handles
+//! every plan (tensor, pipeline, context and expert parallelism, ZeRO-3); driving a
+//! GPU through it would copy every operand over PCIe twice per kernel. The device
+//! interpreter covers the plans that most single-node training runs are (one
+//! pipeline stage, no tensor, context or expert split, any data parallelism with
+//! plain all-reduce of gradient buckets, gradient accumulation, recomputation) and
+//! keeps everything on the device, in the device's compute precision: bf16
+//! activations and weight copies for the kernels, fp32 master weights, gradients and
+//! AdamW moments.
+//!
+//! [`HostDevice`] runs the same interpreter on the CPU reference kernels in fp32. It
+//! is what proves the device interpreter's bookkeeping on a machine without a GPU:
+//! on the plans it supports, it reproduces the general interpreter's losses and
+//! weights (tests in [`train`]). The CUDA device differs from it only in the
+//! kernels, each of which is tested against its CPU reference.
+
+use crate::comm::{CommError, Communicator, Group};
+use meshplan_kernels::cpu::{self as k, AttnDims, KernelError, Transpose};
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+pub mod train;
+
+/// Why a device operation failed.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeviceError(pub String);
+
+impl std::fmt::Display for DeviceError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for DeviceError {}
+
+impl From<KernelError> for DeviceError {
+    fn from(e: KernelError) -> Self {
+        DeviceError(e.to_string())
+    }
+}
+
+/// Result of a device operation.
+pub type DResult<T> = Result<T, DeviceError>;
+
+/// A device: buffers and the kernels over them. Launches may be asynchronous; a
+/// download waits for the work before it.
+///
+/// Overwrite/accumulate rules follow the CPU kernels of the same name
+/// (`meshplan_kernels::cpu`), except where a method says otherwise.
+#[allow(clippy::too_many_arguments)] // the kernels' own argument lists
+pub trait Device: Send + Sync {
+    /// Activations and compute copies of weights (bf16 on a GPU).
+    type Act: Send + Sync;
+    /// fp32 buffers: master weights, their gradients, AdamW moments, kernel
+    /// statistics, losses.
+    type F32: Send + Sync;
+    /// Token ids, labels, positions.
+    type Ids: Send + Sync;
+    /// A point on the device's timeline (for traces).
+    type Mark: Send;
+
+    /// Short name for reports (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+    /// Bytes per element of [`Device::Act`].
+    fn act_bytes(&self) -> usize;
+
+    /// A zeroed activation buffer of `n` elements.
+    fn act_zeros(&self, n: usize) -> DResult<Self::Act>;
+    /// A zeroed fp32 buffer.
+    fn f32_zeros(&self, n: usize) -> DResult<Self::F32>;
+    /// An fp32 buffer holding `host`.
+    fn f32_upload(&self, host: &[f32]) -> DResult<Self::F32>;
+    /// An id buffer holding `host`.
+    fn ids_upload(&self, host: &[u32]) -> DResult<Self::Ids>;
+    /// The values of an fp32 buffer (waits for the work before it).
+    fn f32_download(&self, x: &Self::F32) -> DResult<Vec<f32>>;
+    /// The values of an activation buffer, widened to f32.
+    fn act_download(&self, x: &Self::Act) -> DResult<Vec<f32>>;
+    /// Elements of an activation buffer.
+    fn act_len(x: &Self::Act) -> usize;
+    /// Elements of an fp32 buffer.
+    fn f32_len(x: &Self::F32) -> usize;
+
+    /// `y = x` rounded to the compute precision (a weight's compute copy).
+    fn to_act(&self, x: &Self::F32, y: &mut Self::Act) -> DResult<()>;
+    /// Sets every element to zero.
+    fn f32_zero(&self, x: &mut Self::F32) -> DResult<()>;
+    /// `dst[dst_off..dst_off + n] = src[src_off..src_off + n]`.
+    fn f32_copy(
+        &self,
+        src: &Self::F32,
+        src_off: usize,
+        dst: &mut Self::F32,
+        dst_off: usize,
+        n: usize,
+    ) -> DResult<()>;
+    /// `acc += x`, elementwise.
+    fn accumulate(&self, acc: &mut Self::Act, x: &Self::Act) -> DResult<()>;
+
+    /// `c = op(a) op(b)` (`beta` 0) with `op(a) [m, k]`, `op(b) [k, n]`.
+    fn matmul(
+        &self,
+        ta: Transpose,
+        tb: Transpose,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: &Self::Act,
+        b: &Self::Act,
+        c: &mut Self::Act,
+    ) -> DResult<()>;
+    /// `c += op(a) op(b)` into an fp32 buffer (weight gradients).
+    fn matmul_acc(
+        &self,
+        ta: Transpose,
+        tb: Transpose,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: &Self::Act,
+        b: &Self::Act,
+        c: &mut Self::F32,
+    ) -> DResult<()>;
+    /// `y[r, c] += bias[c]` over `rows` rows of width `n`.
+    fn bias_add(&self, y: &mut Self::Act, bias: &Self::Act, rows: usize, n: usize) -> DResult<()>;
+    /// `dbias[c] += sum_r dy[r, c]`, rows in order.
+    fn bias_grad(
+        &self,
+        dy: &Self::Act,
+        rows: usize,
+        n: usize,
+        dbias: &mut Self::F32,
+    ) -> DResult<()>;
+
+    /// Fused QKV rows `[s, b, (hq d | hkv d | hkv dv)]` into `q [b, s, hq, d]`,
+    /// `k [b, s, hkv, d]`, `v [b, s, hkv, dv]` (overwritten).
+    fn split_qkv(
+        &self,
+        x: &Self::Act,
+        dims: &AttnDims,
+        q: &mut Self::Act,
+        k: &mut Self::Act,
+        v: &mut Self::Act,
+    ) -> DResult<()>;
+    /// The inverse of [`Device::split_qkv`] (`dx` overwritten).
+    fn join_qkv(
+        &self,
+        dq: &Self::Act,
+        dk: &Self::Act,
+        dv: &Self::Act,
+        dims: &AttnDims,
+        dx: &mut Self::Act,
+    ) -> DResult<()>;
+    /// `[b, s, w]` into `[s, b, w]` (`to_sbhd`) or back (overwritten).
+    fn transpose_bs(
+        &self,
+        x: &Self::Act,
+        b: usize,
+        s: usize,
+        w: usize,
+        to_sbhd: bool,
+        y: &mut Self::Act,
+    ) -> DResult<()>;
+    /// RoPE on the query and key heads of fused QKV rows `[rows, width]` (the
+    /// value columns copied), forward or, with `backward`, the inverse rotation of
+    /// a gradient; `y` overwritten.
+    fn rope_qkv(
+        &self,
+        x: &Self::Act,
+        positions: &Self::Ids,
+        rows: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        width: usize,
+        theta: f32,
+        backward: bool,
+        y: &mut Self::Act,
+    ) -> DResult<()>;
+
+    /// Causal (or full) attention over `[b, s, h, d]` operands; `out` and `lse`
+    /// overwritten.
+    fn attention_fwd(
+        &self,
+        dims: &AttnDims,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        causal: bool,
+        scale: f32,
+        out: &mut Self::Act,
+        lse: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Attention backward; `d_q`, `d_k`, `d_v` zeroed by the caller, accumulated.
+    fn attention_bwd(
+        &self,
+        dims: &AttnDims,
+        q: &Self::Act,
+        k: &Self::Act,
+        v: &Self::Act,
+        o: &Self::Act,
+        lse: &Self::F32,
+        d_o: &Self::Act,
+        causal: bool,
+        scale: f32,
+        d_q: &mut Self::Act,
+        d_k: &mut Self::Act,
+        d_v: &mut Self::Act,
+    ) -> DResult<()>;
+
+    /// `out[t] = table[ids[t]]` (overwritten).
+    fn embedding_fwd(
+        &self,
+        ids: &Self::Ids,
+        table: &Self::Act,
+        dim: usize,
+        out: &mut Self::Act,
+    ) -> DResult<()>;
+    /// `d_table[ids[t]] += d_out[t]`.
+    fn embedding_bwd(
+        &self,
+        ids: &Self::Ids,
+        d_out: &Self::Act,
+        dim: usize,
+        d_table: &mut Self::F32,
+    ) -> DResult<()>;
+
+    /// LayerNorm forward (`y`, `mean`, `rstd` overwritten).
+    fn layernorm_fwd(
+        &self,
+        x: &Self::Act,
+        w: &Self::Act,
+        b: &Self::Act,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        y: &mut Self::Act,
+        mean: &mut Self::F32,
+        rstd: &mut Self::F32,
+    ) -> DResult<()>;
+    /// LayerNorm backward: accumulates `dx`, `dw`, `db`.
+    fn layernorm_bwd(
+        &self,
+        x: &Self::Act,
+        w: &Self::Act,
+        mean: &Self::F32,
+        rstd: &Self::F32,
+        dy: &Self::Act,
+        rows: usize,
+        dim: usize,
+        dx: &mut Self::Act,
+        dw: &mut Self::F32,
+        db: &mut Self::F32,
+    ) -> DResult<()>;
+    /// RMSNorm forward (`y`, `rstd` overwritten).
+    fn rmsnorm_fwd(
+        &self,
+        x: &Self::Act,
+        w: &Self::Act,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        y: &mut Self::Act,
+        rstd: &mut Self::F32,
+    ) -> DResult<()>;
+    /// RMSNorm backward: accumulates `dx`, `dw`.
+    fn rmsnorm_bwd(
+        &self,
+        x: &Self::Act,
+        w: &Self::Act,
+        rstd: &Self::F32,
+        dy: &Self::Act,
+        rows: usize,
+        dim: usize,
+        dx: &mut Self::Act,
+        dw: &mut Self::F32,
+    ) -> DResult<()>;
+
+    /// GELU (tanh) forward, `y` overwritten.
+    fn gelu_fwd(&self, x: &Self::Act, y: &mut Self::Act) -> DResult<()>;
+    /// GELU backward, accumulates `dx`.
+    fn gelu_bwd(&self, x: &Self::Act, dy: &Self::Act, dx: &mut Self::Act) -> DResult<()>;
+    /// SwiGLU forward over `[rows, 2f]` (`[gate | up]`), `y [rows, f]` overwritten.
+    fn swiglu_fwd(&self, x: &Self::Act, rows: usize, f: usize, y: &mut Self::Act) -> DResult<()>;
+    /// SwiGLU backward, accumulates `dx [rows, 2f]`.
+    fn swiglu_bwd(
+        &self,
+        x: &Self::Act,
+        dy: &Self::Act,
+        rows: usize,
+        f: usize,
+        dx: &mut Self::Act,
+    ) -> DResult<()>;
+    /// `out = a + b` (overwritten).
+    fn add(&self, a: &Self::Act, b: &Self::Act, out: &mut Self::Act) -> DResult<()>;
+
+    /// Cross-entropy of `logits [rows, vocab]` against `labels`, forward and
+    /// backward at once: `loss[r]` (overwritten) and `dlogits = scale * d loss[r] /
+    /// d logits` (overwritten).
+    fn cross_entropy(
+        &self,
+        logits: &Self::Act,
+        labels: &Self::Ids,
+        rows: usize,
+        vocab: usize,
+        scale: f32,
+        loss: &mut Self::F32,
+        dlogits: &mut Self::Act,
+    ) -> DResult<()>;
+
+    /// One AdamW step of `param` (fp32 master) in place, and its compute copy
+    /// refreshed.
+    fn adamw(
+        &self,
+        param: &mut Self::F32,
+        grad: &Self::F32,
+        m: &mut Self::F32,
+        v: &mut Self::F32,
+        compute: &mut Self::Act,
+        step: u64,
+        lr: f32,
+        hyper: (f32, f32, f32, f32),
+    ) -> DResult<()>;
+
+    /// Sums `buf` over `group` through `comm`. The default stages it through the
+    /// host; a device with its own collective engine overrides it.
+    fn all_reduce(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        buf: &mut Self::F32,
+    ) -> Result<(), CommError> {
+        let mut host = self
+            .f32_download(buf)
+            .map_err(|e| CommError::Internal { detail: e.0 })?;
+        comm.all_reduce(group, axis, &mut host)?;
+        *buf = self
+            .f32_upload(&host)
+            .map_err(|e| CommError::Internal { detail: e.0 })?;
+        Ok(())
+    }
+
+    /// Waits for everything launched so far.
+    fn synchronize(&self) -> DResult<()>;
+    /// Records a point on the device's timeline after the work launched so far.
+    fn mark(&self) -> DResult<Self::Mark>;
+    /// Seconds from `a` to `b` (after [`Device::synchronize`]).
+    fn seconds_between(&self, a: &Self::Mark, b: &Self::Mark) -> DResult<f64>;
+    /// Bytes of device memory in use by this process's buffers, where known.
+    fn memory_in_use(&self) -> Option<u64>;
+}
+
+/// The CPU reference kernels in fp32 behind the [`Device`] trait: the device
+/// interpreter on a machine without a GPU, and the proof of its bookkeeping.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostDevice;
+
+fn range_err(what: &str) -> DeviceError {
+    DeviceError(format!("{what}: range out of bounds"))
+}
+
+#[allow(clippy::too_many_arguments)]
+impl Device for HostDevice {
+    type Act = Vec<f32>;
+    type F32 = Vec<f32>;
+    type Ids = Vec<u32>;
+    type Mark = std::time::Instant;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+    fn act_bytes(&self) -> usize {
+        4
+    }
+    fn act_zeros(&self, n: usize) -> DResult<Vec<f32>> {
+        Ok(vec![0.0; n])
+    }
+    fn f32_zeros(&self, n: usize) -> DResult<Vec<f32>> {
+        Ok(vec![0.0; n])
+    }
+    fn f32_upload(&self, host: &[f32]) -> DResult<Vec<f32>> {
+        Ok(host.to_vec())
+    }
+    fn ids_upload(&self, host: &[u32]) -> DResult<Vec<u32>> {
+        Ok(host.to_vec())
+    }
+    fn f32_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
+        Ok(x.clone())
+    }
+    fn act_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
+        Ok(x.clone())
+    }
+    fn act_len(x: &Vec<f32>) -> usize {
+        x.len()
+    }
+    fn f32_len(x: &Vec<f32>) -> usize {
+        x.len()
+    }
+    fn to_act(&self, x: &Vec<f32>, y: &mut Vec<f32>) -> DResult<()> {
+        k::check_len("y", y.len(), x.len())?;
+        y.copy_from_slice(x);
+        Ok(())
+    }
+    fn f32_zero(&self, x: &mut Vec<f32>) -> DResult<()> {
+        x.iter_mut().for_each(|v| *v = 0.0);
+        Ok(())
+    }
+    fn f32_copy(
+        &self,
+        src: &Vec<f32>,
+        src_off: usize,
+        dst: &mut Vec<f32>,
+        dst_off: usize,
+        n: usize,
+    ) -> DResult<()> {
+        let s = src
+            .get(src_off..src_off + n)
+            .ok_or_else(|| range_err("f32_copy source"))?;
+        dst.get_mut(dst_off..dst_off + n)
+            .ok_or_else(|| range_err("f32_copy destination"))?
+            .copy_from_slice(s);
+        Ok(())
+    }
+    fn accumulate(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> DResult<()> {
+        k::check_len("x", x.len(), acc.len())?;
+        k::accumulate(acc, x);
+        Ok(())
+    }
+    fn matmul(
+        &self,
+        ta: Transpose,
+        tb: Transpose,
+        m: usize,
+        kk: usize,
+        n: usize,
+        a: &Vec<f32>,
+        b: &Vec<f32>,
+        c: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::matmul(ta, tb, m, kk, n, a, b, 0.0, c)?)
+    }
+    fn matmul_acc(
+        &self,
+        ta: Transpose,
+        tb: Transpose,
+        m: usize,
+        kk: usize,
+        n: usize,
+        a: &Vec<f32>,
+        b: &Vec<f32>,
+        c: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::matmul(ta, tb, m, kk, n, a, b, 1.0, c)?)
+    }
+    fn bias_add(&self, y: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, n: usize) -> DResult<()> {
+        k::check_len("bias", bias.len(), n)?;
+        k::check_len("y", y.len(), rows * n)?;
+        for r in 0..rows {
+            for c in 0..n {
+                y[r * n + c] += bias[c];
+            }
+        }
+        Ok(())
+    }
+    fn bias_grad(&self, dy: &Vec<f32>, rows: usize, n: usize, db: &mut Vec<f32>) -> DResult<()> {
+        k::check_len("dbias", db.len(), n)?;
+        k::check_len("dy", dy.len(), rows * n)?;
+        for r in 0..rows {
+            for c in 0..n {
+                db[c] += dy[r * n + c];
+            }
+        }
+        Ok(())
+    }
+    fn split_qkv(
+        &self,
+        x: &Vec<f32>,
+        dims: &AttnDims,
+        q: &mut Vec<f32>,
+        kk: &mut Vec<f32>,
+        v: &mut Vec<f32>,
+    ) -> DResult<()> {
+        let rows = dims.batch * dims.sq;
+        let width = qkv_width(dims);
+        k::check_len("x", x.len(), rows * width)?;
+        let (a, b, c) =
+            crate::train::split_qkv(x, rows, dims.hq, dims.hkv, dims.d, dims.dv, dims.batch);
+        (*q, *kk, *v) = (a, b, c);
+        Ok(())
+    }
+    fn join_qkv(
+        &self,
+        dq: &Vec<f32>,
+        dk: &Vec<f32>,
+        dv: &Vec<f32>,
+        dims: &AttnDims,
+        dx: &mut Vec<f32>,
+    ) -> DResult<()> {
+        let rows = dims.batch * dims.sq;
+        k::check_len("dq", dq.len(), rows * dims.hq * dims.d)?;
+        k::check_len("dk", dk.len(), rows * dims.hkv * dims.d)?;
+        k::check_len("dv", dv.len(), rows * dims.hkv * dims.dv)?;
+        *dx = crate::train::join_qkv(
+            dq, dk, dv, rows, dims.hq, dims.hkv, dims.d, dims.dv, dims.batch,
+        );
+        Ok(())
+    }
+    fn transpose_bs(
+        &self,
+        x: &Vec<f32>,
+        b: usize,
+        s: usize,
+        w: usize,
+        to_sbhd: bool,
+        y: &mut Vec<f32>,
+    ) -> DResult<()> {
+        k::check_len("x", x.len(), b * s * w)?;
+        *y = if to_sbhd {
+            crate::train::bshd_to_sbhd(x, b, s, w)
+        } else {
+            crate::train::sbhd_to_bshd(x, b, s, w)
+        };
+        Ok(())
+    }
+    fn rope_qkv(
+        &self,
+        x: &Vec<f32>,
+        positions: &Vec<u32>,
+        rows: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        width: usize,
+        theta: f32,
+        backward: bool,
+        y: &mut Vec<f32>,
+    ) -> DResult<()> {
+        k::check_len("x", x.len(), rows * width)?;
+        *y = crate::train::rope_qkv_host(
+            &crate::backend::CpuBackend,
+            x,
+            positions,
+            rows,
+            (hq, hkv, d, width),
+            theta,
+            backward,
+        )?;
+        Ok(())
+    }
+    fn attention_fwd(
+        &self,
+        dims: &AttnDims,
+        q: &Vec<f32>,
+        kk: &Vec<f32>,
+        v: &Vec<f32>,
+        causal: bool,
+        scale: f32,
+        out: &mut Vec<f32>,
+        lse: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::attention_fwd(
+            dims, q, kk, v, 0, 0, causal, scale, out, lse, None,
+        )?)
+    }
+    fn attention_bwd(
+        &self,
+        dims: &AttnDims,
+        q: &Vec<f32>,
+        kk: &Vec<f32>,
+        v: &Vec<f32>,
+        o: &Vec<f32>,
+        lse: &Vec<f32>,
+        d_o: &Vec<f32>,
+        causal: bool,
+        scale: f32,
+        d_q: &mut Vec<f32>,
+        d_k: &mut Vec<f32>,
+        d_v: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::attention_bwd(
+            dims, q, kk, v, o, lse, d_o, 0, 0, causal, scale, d_q, d_k, d_v, None,
+        )?)
+    }
+    fn embedding_fwd(
+        &self,
+        ids: &Vec<u32>,
+        table: &Vec<f32>,
+        dim: usize,
+        out: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::embedding_fwd(ids, table, 0, dim, out)?)
+    }
+    fn embedding_bwd(
+        &self,
+        ids: &Vec<u32>,
+        d_out: &Vec<f32>,
+        dim: usize,
+        d_table: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::embedding_bwd(ids, d_out, 0, dim, d_table)?)
+    }
+    fn layernorm_fwd(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        b: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        y: &mut Vec<f32>,
+        mean: &mut Vec<f32>,
+        rstd: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::layernorm_fwd(x, w, b, rows, dim, eps, y, mean, rstd)?)
+    }
+    fn layernorm_bwd(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        mean: &Vec<f32>,
+        rstd: &Vec<f32>,
+        dy: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+        dx: &mut Vec<f32>,
+        dw: &mut Vec<f32>,
+        db: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::layernorm_bwd(
+            x, w, mean, rstd, dy, rows, dim, dx, dw, db,
+        )?)
+    }
+    fn rmsnorm_fwd(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        y: &mut Vec<f32>,
+        rstd: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::rmsnorm_fwd(x, w, rows, dim, eps, y, rstd)?)
+    }
+    fn rmsnorm_bwd(
+        &self,
+        x: &Vec<f32>,
+        w: &Vec<f32>,
+        rstd: &Vec<f32>,
+        dy: &Vec<f32>,
+        rows: usize,
+        dim: usize,
+        dx: &mut Vec<f32>,
+        dw: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::rmsnorm_bwd(x, w, rstd, dy, rows, dim, dx, dw)?)
+    }
+    fn gelu_fwd(&self, x: &Vec<f32>, y: &mut Vec<f32>) -> DResult<()> {
+        Ok(k::gelu_fwd(x, y)?)
+    }
+    fn gelu_bwd(&self, x: &Vec<f32>, dy: &Vec<f32>, dx: &mut Vec<f32>) -> DResult<()> {
+        Ok(k::gelu_bwd(x, dy, dx)?)
+    }
+    fn swiglu_fwd(&self, x: &Vec<f32>, rows: usize, f: usize, y: &mut Vec<f32>) -> DResult<()> {
+        Ok(k::swiglu_fwd(x, rows, f, y)?)
+    }
+    fn swiglu_bwd(
+        &self,
+        x: &Vec<f32>,
+        dy: &Vec<f32>,
+        rows: usize,
+        f: usize,
+        dx: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::swiglu_bwd(x, dy, rows, f, dx)?)
+    }
+    fn add(&self, a: &Vec<f32>, b: &Vec<f32>, out: &mut Vec<f32>) -> DResult<()> {
+        Ok(k::add(a, b, out)?)
+    }
+    fn cross_entropy(
+        &self,
+        logits: &Vec<f32>,
+        labels: &Vec<u32>,
+        rows: usize,
+        vocab: usize,
+        scale: f32,
+        loss: &mut Vec<f32>,
+        dlogits: &mut Vec<f32>,
+    ) -> DResult<()> {
+        // The general interpreter's sequence of kernels, so that both runs agree bit
+        // for bit.
+        let mut max = vec![0.0; rows];
+        k::ce_row_max(logits, rows, vocab, &mut max)?;
+        let mut se = vec![0.0; rows];
+        k::ce_row_sumexp(logits, rows, vocab, &max, &mut se)?;
+        let mut target = vec![0.0; rows];
+        k::ce_target_logit(logits, labels, rows, vocab, 0, &mut target)?;
+        k::ce_loss(&max, &se, &target, loss)?;
+        dlogits.iter_mut().for_each(|x| *x = 0.0);
+        k::ce_bwd(logits, rows, vocab, &max, &se, labels, 0, scale, dlogits)?;
+        Ok(())
+    }
+    fn adamw(
+        &self,
+        param: &mut Vec<f32>,
+        grad: &Vec<f32>,
+        m: &mut Vec<f32>,
+        v: &mut Vec<f32>,
+        compute: &mut Vec<f32>,
+        step: u64,
+        lr: f32,
+        (b1, b2, eps, wd): (f32, f32, f32, f32),
+    ) -> DResult<()> {
+        k::adamw_step(param, grad, m, v, step, lr, b1, b2, eps, wd)?;
+        compute.copy_from_slice(param);
+        Ok(())
+    }
+    fn synchronize(&self) -> DResult<()> {
+        Ok(())
+    }
+    fn mark(&self) -> DResult<std::time::Instant> {
+        Ok(std::time::Instant::now())
+    }
+    fn seconds_between(&self, a: &std::time::Instant, b: &std::time::Instant) -> DResult<f64> {
+        Ok(b.saturating_duration_since(*a).as_secs_f64())
+    }
+    fn memory_in_use(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// Width of a fused QKV row.
+pub fn qkv_width(dims: &AttnDims) -> usize {
+    dims.hq * dims.d + dims.hkv * dims.d + dims.hkv * dims.dv
+}
