@@ -4,6 +4,7 @@ mod ckpt;
 mod cli;
 mod cost;
 mod cuda;
+mod device;
 mod draw;
 mod executor;
 mod explain;

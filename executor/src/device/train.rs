@@ -1,1 +1,1192 @@
+//! The device interpreter: a dense training plan's program run on a [`Device`] with
+//! every tensor resident there.
+//!
+//! It walks the same program as [`crate::train`] (schedule of forward and backward
+//! tasks, segments, recomputation, the step list's gradient buckets and AdamW) and
+//! gives each op the same meaning, so on [`super::HostDevice`] it reproduces the
+//! general interpreter's run. Which plans it takes is [`supported`]'s answer; the
+//! others run on the general interpreter.
+//!
+//! Precision on a GPU: activations, activation gradients and the weights' compute
+//! copies are bf16; weight gradients accumulate in fp32 (the GEMM writes them with
+//! fp32 accumulation and `beta = 1` across micro-batches), and AdamW updates fp32
+//! master weights and moments, refreshing the bf16 copy in the same kernel.
 
+use super::{qkv_width, DResult, Device, DeviceError};
+use crate::comm::{Communicator, Group, RankError, ThreadComm};
+use crate::init::{init_full, init_kind};
+use crate::train::{
+    build_groups, fail, fixed_shape, fixed_shape_tail, segment_copies, segment_index,
+    segment_input, segment_output, ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER,
+};
+use meshplan_ir::graph::OpKind;
+use meshplan_ir::plan::{CollectiveKind, Instr, Pass, Plan, PlanKind, Program};
+use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, Workload};
+use meshplan_kernels::cpu::{AttnDims, Transpose};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Why the device interpreter does not take `plan` (with these options), or `Ok`.
+/// What it takes: a training plan on one pipeline stage with no tensor, context or
+/// expert split, ZeRO 0 (or one data rank), no routed experts, no dropout, seeded
+/// weights, no checkpoints.
+pub fn supported(plan: &Plan, opts: &TrainOptions) -> Result<(), String> {
+    if plan.kind != PlanKind::Train || !matches!(plan.workload, Workload::Train { .. }) {
+        return Err("not a training plan".into());
+    }
+    for (axis, size) in plan.mesh.axes.iter().zip(&plan.mesh.shape) {
+        if axis != "dp" && *size > 1 {
+            return Err(format!(
+                "the mesh splits `{axis}` {size} ways; the device interpreter runs data \
+                 parallelism only"
+            ));
+        }
+    }
+    let dp = mesh_size(plan, "dp");
+    if plan.strategy.zero > 0 && dp > 1 {
+        return Err(format!(
+            "ZeRO-{} shards optimizer state; the device interpreter reduces whole gradients",
+            plan.strategy.zero
+        ));
+    }
+    let graph = &plan.graph;
+    for op in graph.segments.iter().flat_map(|s| &s.ops) {
+        match op.kind {
+            OpKind::Experts(_) | OpKind::Router { .. } => {
+                return Err(format!("`{}`: routed experts", op.name))
+            }
+            OpKind::Dropout if graph.constants.dropout_p > 0.0 => {
+                return Err(format!("`{}`: dropout with p > 0", op.name))
+            }
+            _ => {}
+        }
+    }
+    if opts.resume.is_some() || opts.save.is_some() || opts.weights.is_some() {
+        return Err("checkpoints and fine-tuning weights run on the general interpreter".into());
+    }
+    Ok(())
+}
+
+fn mesh_size(plan: &Plan, axis: &str) -> usize {
+    plan.mesh
+        .axes
+        .iter()
+        .position(|a| a == axis)
+        .map(|i| plan.mesh.shape[i] as usize)
+        .unwrap_or(1)
+}
+
+/// Runs `plan`'s training programs for `opts.steps` steps, each rank on the device
+/// `make(rank)` gives, ranks as threads over the in-process communicator.
+pub fn train_device<D: Device>(
+    plan: &Plan,
+    opts: &TrainOptions,
+    make: &(dyn Fn(usize) -> DResult<D> + Sync),
+) -> Result<TrainReport, ExecError> {
+    supported(plan, opts).map_err(|m| ExecError {
+        message: format!("the device interpreter cannot run this plan: {m}"),
+    })?;
+    let Workload::Train {
+        seq_len,
+        global_batch,
+        ..
+    } = plan.workload
+    else {
+        unreachable!("checked by supported()")
+    };
+    let world = plan.ranks.len();
+    let t0 = Instant::now();
+    let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
+        let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
+        let mut r = DevRank::new(dev, plan, comm, opts, seq_len, global_batch, t0)?;
+        let mut loss_parts = Vec::new();
+        let mut step_s = Vec::new();
+        for step in 0..opts.steps {
+            if opts.fail_at == Some((r.rank, step)) {
+                return Err(fail(format!("injected failure at step {step}")));
+            }
+            let t = Instant::now();
+            loss_parts.push(r.step(step)?);
+            step_s.push(t.elapsed().as_secs_f64());
+            if let (0, Some(hook)) = (r.rank, &opts.on_step) {
+                (hook.0)(step_s.len() as u64);
+            }
+        }
+        r.report(loss_parts, step_s)
+    });
+    if let Some(summary) = crate::comm::failure_summary(&results) {
+        return Err(ExecError { message: summary });
+    }
+    let ranks: Vec<RankReport> =
+        results
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .map_err(|e| ExecError {
+                message: format!("{e:?}"),
+            })?;
+    let steps = opts.steps as usize;
+    Ok(TrainReport {
+        losses: (0..steps)
+            .map(|s| ranks.iter().map(|r| r.loss_parts[s]).sum())
+            .collect(),
+        step_s: (0..steps)
+            .map(|s| ranks.iter().map(|r| r.step_s[s]).fold(0.0, f64::max))
+            .collect(),
+        tokens_per_step: seq_len * global_batch,
+        ranks,
+        saved: Vec::new(),
+    })
+}
+
+fn derr(what: &str) -> impl Fn(DeviceError) -> RankError + '_ {
+    move |e| fail(format!("{what}: {e}"))
+}
+
+/// Query, key and value of an attention op, `[b, s, h, d]` each.
+type Qkv<D> = (<D as Device>::Act, <D as Device>::Act, <D as Device>::Act);
+
+/// One forward-backward task's tensors on the device.
+struct Task<D: Device> {
+    acts: HashMap<(u64, String), Arc<D::Act>>,
+    /// Kernel statistics kept for the backward (norm means and scales, attention
+    /// log-sum-exps).
+    stats: HashMap<(u64, String), D::F32>,
+    grads: HashMap<(u64, String), D::Act>,
+    tokens: D::Ids,
+    labels: D::Ids,
+    /// Each row's position in its sequence (rows are sequence-major).
+    positions: D::Ids,
+}
+
+/// A span on the device timeline, resolved at the end of the step.
+struct Pending<M> {
+    from: M,
+    to: M,
+    name: String,
+    cat: &'static str,
+    args: serde_json::Value,
+}
+
+struct DevRank<'a, D: Device> {
+    dev: D,
+    graph: &'a Graph,
+    rank: usize,
+    comm: ThreadComm,
+    program: &'a Program,
+    groups: BTreeMap<String, Group>,
+    dp_index: usize,
+    dp_size: usize,
+    seq_len: usize,
+    global_batch: usize,
+    mbs: usize,
+    opts: TrainOptions,
+    /// fp32 master weights, their compute copies, gradients and AdamW moments.
+    master: BTreeMap<Key, D::F32>,
+    compute: BTreeMap<Key, D::Act>,
+    wgrads: BTreeMap<Key, D::F32>,
+    adam: BTreeMap<Key, (D::F32, D::F32)>,
+    tasks: BTreeMap<(u64, u64), Task<D>>,
+    hidden: Option<Arc<D::Act>>,
+    grad_hidden: Option<D::Act>,
+    loss_part: f64,
+    step_no: u64,
+    peak_act_bytes: f64,
+    t0: Instant,
+    pending: Vec<Pending<D::Mark>>,
+    spans: Vec<crate::trace::Span>,
+}
+
+impl<'a, D: Device> DevRank<'a, D> {
+    fn new(
+        dev: D,
+        plan: &'a Plan,
+        comm: ThreadComm,
+        opts: &TrainOptions,
+        seq_len: u64,
+        global_batch: u64,
+        t0: Instant,
+    ) -> Result<DevRank<'a, D>, RankError> {
+        let rank = comm.rank();
+        let entry = plan
+            .ranks
+            .get(rank)
+            .ok_or_else(|| fail(format!("rank {rank} is not in the plan's rank table")))?;
+        let program = plan
+            .programs
+            .get(entry.program as usize)
+            .ok_or_else(|| fail(format!("rank {rank}: program {} missing", entry.program)))?;
+        let dp_axis = plan.mesh.axes.iter().position(|a| a == "dp");
+        let mut r = DevRank {
+            dev,
+            graph: &plan.graph,
+            rank,
+            comm,
+            program,
+            groups: build_groups(plan, rank)?,
+            dp_index: dp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
+            dp_size: mesh_size(plan, "dp"),
+            seq_len: seq_len as usize,
+            global_batch: global_batch as usize,
+            mbs: plan.strategy.mbs as usize,
+            opts: opts.clone(),
+            master: BTreeMap::new(),
+            compute: BTreeMap::new(),
+            wgrads: BTreeMap::new(),
+            adam: BTreeMap::new(),
+            tasks: BTreeMap::new(),
+            hidden: None,
+            grad_hidden: None,
+            loss_part: 0.0,
+            step_no: 0,
+            peak_act_bytes: 0.0,
+            t0,
+            pending: Vec::new(),
+            spans: Vec::new(),
+        };
+        r.init_weights()?;
+        Ok(r)
+    }
+
+    fn phase(&self) -> Result<&'a meshplan_ir::plan::Phase, RankError> {
+        self.program
+            .phases
+            .first()
+            .ok_or_else(|| fail("the program has no phase"))
+    }
+
+    /// The seeded weights the general interpreter starts from (whole: nothing is
+    /// split), with zero gradients and AdamW moments.
+    fn init_weights(&mut self) -> Result<(), RankError> {
+        let graph = self.graph;
+        for (s, layer) in segment_copies(graph, self.phase()?)? {
+            let layer = layer.unwrap_or(NO_LAYER);
+            for op in &graph.segments[s].ops {
+                for &w in &op.inputs {
+                    let t = graph.tensor(w);
+                    let key = (t.name.clone(), layer);
+                    if t.kind != TensorKind::Weight || self.master.contains_key(&key) {
+                        continue;
+                    }
+                    let shape = fixed_shape(t)?;
+                    let n: usize = shape.iter().product();
+                    let full =
+                        init_full(self.opts.seed, &t.name, layer, n, init_kind(op, w, &shape));
+                    let dev = &self.dev;
+                    let e = derr(&t.name);
+                    let master = dev.f32_upload(&full).map_err(&e)?;
+                    let mut compute = dev.act_zeros(n).map_err(&e)?;
+                    dev.to_act(&master, &mut compute).map_err(&e)?;
+                    self.wgrads
+                        .insert(key.clone(), dev.f32_zeros(n).map_err(&e)?);
+                    self.adam.insert(
+                        key.clone(),
+                        (dev.f32_zeros(n).map_err(&e)?, dev.f32_zeros(n).map_err(&e)?),
+                    );
+                    self.compute.insert(key.clone(), compute);
+                    self.master.insert(key, master);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One optimizer step: the schedule's tasks, then the step list.
+    fn step(&mut self, step: u64) -> Result<f64, RankError> {
+        self.step_no = step;
+        self.loss_part = 0.0;
+        let step_mark = (Instant::now(), self.dev.mark().map_err(derr("mark"))?);
+        for g in self.wgrads.values_mut() {
+            self.dev.f32_zero(g).map_err(derr("zero gradients"))?;
+        }
+        let phase = self.phase()?;
+        for task in &phase.schedule {
+            let ch = phase
+                .chunks
+                .iter()
+                .find(|c| c.chunk == task.chunk)
+                .ok_or_else(|| fail(format!("schedule names chunk {}", task.chunk)))?;
+            let m0 = self.mark()?;
+            match task.pass {
+                Pass::F => {
+                    let mut t = self.load_batch(task.mb)?;
+                    self.hidden = None;
+                    let mut layer = ch.layer_start;
+                    self.run_forward(&ch.forward, &mut t, &mut layer, NO_LAYER)?;
+                    self.tasks.insert((task.chunk, task.mb), t);
+                    let held: f64 = self.tasks.values().map(|t| self.held_bytes(t)).sum();
+                    self.peak_act_bytes = self.peak_act_bytes.max(held);
+                }
+                Pass::B => {
+                    let mut t = self
+                        .tasks
+                        .remove(&(task.chunk, task.mb))
+                        .ok_or_else(|| fail("a backward before its forward"))?;
+                    self.grad_hidden = None;
+                    let mut layer = ch.layer_end;
+                    self.run_backward(&ch.backward, &mut t, &mut layer)?;
+                }
+            }
+            let pass = if task.pass == Pass::F { "fwd" } else { "bwd" };
+            self.span(
+                m0,
+                format!("{pass} mb{} c{}", task.mb, task.chunk),
+                "task",
+                serde_json::json!({"step": step, "mb": task.mb, "chunk": task.chunk}),
+            )?;
+        }
+        for instr in &phase.step {
+            let m0 = self.mark()?;
+            match instr {
+                Instr::Collective {
+                    kind,
+                    group,
+                    axis,
+                    tensor,
+                    ..
+                } => {
+                    self.reduce_bucket(*kind, group, axis.name(), tensor)?;
+                    self.span(
+                        m0,
+                        format!("{kind:?} {}", axis.name()),
+                        "comm",
+                        serde_json::json!({"step": step, "tensor": tensor}),
+                    )?;
+                }
+                Instr::Optimizer { params, .. } => {
+                    self.optimizer(params)?;
+                    self.span(
+                        m0,
+                        "optimizer",
+                        "optimizer",
+                        serde_json::json!({"step": step}),
+                    )?;
+                }
+                other => return Err(fail(format!("unexpected step instruction {other:?}"))),
+            }
+        }
+        // A step ends when its work has, not when its launches have.
+        self.dev.synchronize().map_err(derr("synchronize"))?;
+        self.resolve_spans(step_mark)?;
+        Ok(self.loss_part)
+    }
+
+    fn mark(&self) -> Result<Option<D::Mark>, RankError> {
+        if self.opts.trace {
+            Ok(Some(self.dev.mark().map_err(derr("mark"))?))
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn span(
+        &mut self,
+        from: Option<D::Mark>,
+        name: impl Into<String>,
+        cat: &'static str,
+        args: serde_json::Value,
+    ) -> Result<(), RankError> {
+        if let Some(from) = from {
+            let to = self.dev.mark().map_err(derr("mark"))?;
+            self.pending.push(Pending {
+                from,
+                to,
+                name: name.into(),
+                cat,
+                args,
+            });
+        }
+        Ok(())
+    }
+
+    /// Device times of this step's spans, placed on the run's clock by the step's
+    /// first mark.
+    fn resolve_spans(&mut self, (host0, mark0): (Instant, D::Mark)) -> Result<(), RankError> {
+        let base = host0.duration_since(self.t0).as_secs_f64();
+        for p in std::mem::take(&mut self.pending) {
+            let e = derr("timing");
+            let start = self.dev.seconds_between(&mark0, &p.from).map_err(&e)?;
+            let dur = self.dev.seconds_between(&p.from, &p.to).map_err(&e)?;
+            self.spans.push(crate::trace::Span {
+                name: p.name,
+                cat: p.cat,
+                start_s: base + start,
+                dur_s: dur,
+                args: p.args,
+            });
+        }
+        Ok(())
+    }
+
+    fn held_bytes(&self, t: &Task<D>) -> f64 {
+        let act: usize = t.acts.values().map(|a| D::act_len(a)).sum();
+        let stats: usize = t.stats.values().map(D::f32_len).sum();
+        (act * self.dev.act_bytes() + stats * 4) as f64
+    }
+
+    /// Tokens, labels and positions of micro-batch `mb` of this data rank,
+    /// sequence-major, from the run's data source.
+    fn load_batch(&self, mb: u64) -> Result<Task<D>, RankError> {
+        let per_dp = self.global_batch / self.dp_size.max(1);
+        let (s, b) = (self.seq_len, self.mbs);
+        let vocab = self.graph.vocab().unwrap_or(2);
+        let mut tokens = vec![0u32; s * b];
+        let mut labels = vec![0u32; s * b];
+        for bi in 0..b {
+            let seq_index = (self.dp_index * per_dp + mb as usize * b + bi) as u64;
+            let seq = self
+                .opts
+                .data
+                .sequence(
+                    self.opts.seed,
+                    self.step_no,
+                    seq_index,
+                    self.seq_len,
+                    self.global_batch as u64,
+                    vocab,
+                )
+                .map_err(fail)?;
+            for si in 0..s {
+                tokens[si * b + bi] = seq[si];
+                labels[si * b + bi] = seq[si + 1];
+            }
+        }
+        let positions: Vec<u32> = (0..s * b).map(|r| (r / b.max(1)) as u32).collect();
+        let e = derr("batch");
+        Ok(Task {
+            acts: HashMap::new(),
+            stats: HashMap::new(),
+            grads: HashMap::new(),
+            tokens: self.dev.ids_upload(&tokens).map_err(&e)?,
+            labels: self.dev.ids_upload(&labels).map_err(&e)?,
+            positions: self.dev.ids_upload(&positions).map_err(&e)?,
+        })
+    }
+
+    fn run_forward(
+        &mut self,
+        instrs: &[Instr],
+        t: &mut Task<D>,
+        layer: &mut u64,
+        cur: u64,
+    ) -> Result<(), RankError> {
+        for instr in instrs {
+            match instr {
+                Instr::Segment {
+                    name,
+                    kind,
+                    repeat,
+                    body,
+                } => {
+                    let s = segment_index(self.graph, name)?;
+                    for _ in 0..*repeat {
+                        let l = if *kind == SegmentKind::Block {
+                            *layer += 1;
+                            *layer - 1
+                        } else {
+                            NO_LAYER
+                        };
+                        if let (Some(input), Some(h)) = (segment_input(self.graph, s), &self.hidden)
+                        {
+                            t.acts.insert((l, input), Arc::clone(h));
+                        }
+                        self.run_forward(body, t, layer, l)?;
+                        if let Some(out) = segment_output(self.graph, s) {
+                            if let Some(v) = t.acts.get(&(l, out)) {
+                                self.hidden = Some(Arc::clone(v));
+                            }
+                        }
+                    }
+                }
+                Instr::Recompute { body } => self.run_forward(body, t, layer, cur)?,
+                Instr::Compute { name, .. } => {
+                    let m0 = self.mark()?;
+                    let op = self.find_op(name)?;
+                    self.forward_op(op, cur, t)?;
+                    self.span(m0, name.clone(), "compute", self.op_args(cur))?;
+                }
+                other => {
+                    return Err(fail(format!(
+                        "the device interpreter does not run {other:?} in a forward list"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn run_backward(
+        &mut self,
+        instrs: &[Instr],
+        t: &mut Task<D>,
+        layer: &mut u64,
+    ) -> Result<(), RankError> {
+        for instr in instrs {
+            let Instr::Segment {
+                name,
+                kind,
+                repeat,
+                body,
+            } = instr
+            else {
+                return Err(fail(format!(
+                    "the device interpreter does not run {instr:?} in a backward list"
+                )));
+            };
+            let s = segment_index(self.graph, name)?;
+            for _ in 0..*repeat {
+                let l = if *kind == SegmentKind::Block {
+                    *layer -= 1;
+                    *layer
+                } else {
+                    NO_LAYER
+                };
+                if let (Some(out), Some(g)) =
+                    (segment_output(self.graph, s), self.grad_hidden.take())
+                {
+                    t.grads.insert((l, out), g);
+                }
+                for instr in body {
+                    match instr {
+                        Instr::Recompute { body } => {
+                            let mut dummy = l;
+                            self.run_forward(body, t, &mut dummy, l)?;
+                        }
+                        Instr::Compute { name, .. } => {
+                            let m0 = self.mark()?;
+                            let op = self.find_op(name)?;
+                            self.backward_op(op, l, t)?;
+                            self.span(m0, format!("{name} bwd"), "compute", self.op_args(l))?;
+                        }
+                        other => {
+                            return Err(fail(format!(
+                                "the device interpreter does not run {other:?} in a backward body"
+                            )))
+                        }
+                    }
+                }
+                if let Some(input) = segment_input(self.graph, s) {
+                    self.grad_hidden = t.grads.remove(&(l, input));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn op_args(&self, l: u64) -> serde_json::Value {
+        if l == NO_LAYER {
+            serde_json::json!({"step": self.step_no})
+        } else {
+            serde_json::json!({"step": self.step_no, "layer": l})
+        }
+    }
+
+    fn find_op(&self, name: &str) -> Result<&'a Op, RankError> {
+        self.graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find(|o| o.name == name)
+            .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
+    }
+
+    fn name_of(&self, id: meshplan_ir::TensorId) -> String {
+        self.graph.tensor(id).name.clone()
+    }
+
+    fn act(
+        &self,
+        t: &Task<D>,
+        l: u64,
+        id: meshplan_ir::TensorId,
+    ) -> Result<Arc<D::Act>, RankError> {
+        let name = self.name_of(id);
+        t.acts
+            .get(&(l, name.clone()))
+            .cloned()
+            .ok_or_else(|| fail(format!("tensor `{name}` (layer {l}) has not been produced")))
+    }
+
+    fn wkey(&self, id: meshplan_ir::TensorId, l: u64) -> Result<Key, RankError> {
+        let name = self.name_of(id);
+        [(name.clone(), l), (name.clone(), NO_LAYER)]
+            .into_iter()
+            .find(|k| self.master.contains_key(k))
+            .ok_or_else(|| fail(format!("weight `{name}` (layer {l}) is not held")))
+    }
+
+    fn weight(&self, id: meshplan_ir::TensorId, l: u64) -> Result<&D::Act, RankError> {
+        let key = self.wkey(id, l)?;
+        self.compute
+            .get(&key)
+            .ok_or_else(|| fail(format!("weight `{}` has no compute copy", key.0)))
+    }
+
+    fn zeros(&self, n: usize) -> Result<D::Act, RankError> {
+        self.dev.act_zeros(n).map_err(derr("alloc"))
+    }
+
+    fn zeros_f32(&self, n: usize) -> Result<D::F32, RankError> {
+        self.dev.f32_zeros(n).map_err(derr("alloc"))
+    }
+
+    /// `grads[name] += g`; the first contribution is moved in.
+    fn add_grad(&self, t: &mut Task<D>, l: u64, name: String, g: D::Act) -> Result<(), RankError> {
+        match t.grads.get_mut(&(l, name.clone())) {
+            Some(e) if D::act_len(e) == D::act_len(&g) => {
+                self.dev.accumulate(e, &g).map_err(derr(&name))
+            }
+            _ => {
+                t.grads.insert((l, name), g);
+                Ok(())
+            }
+        }
+    }
+
+    /// `grads[name] += g` for a gradient also used elsewhere.
+    fn add_grad_copy(
+        &self,
+        t: &mut Task<D>,
+        l: u64,
+        name: String,
+        g: &D::Act,
+    ) -> Result<(), RankError> {
+        if let Some(e) = t.grads.get_mut(&(l, name.clone())) {
+            if D::act_len(e) == D::act_len(g) {
+                return self.dev.accumulate(e, g).map_err(derr(&name));
+            }
+        }
+        let mut c = self.zeros(D::act_len(g))?;
+        self.dev.accumulate(&mut c, g).map_err(derr(&name))?;
+        t.grads.insert((l, name), c);
+        Ok(())
+    }
+
+    fn attention_dims(&self, op: &Op, rows: usize) -> Result<(AttnDims, usize), RankError> {
+        let OpKind::Attention(a) = &op.kind else {
+            return Err(fail(format!("`{}` is not an attention op", op.name)));
+        };
+        let b = self.mbs.max(1);
+        let dims = AttnDims {
+            batch: b,
+            sq: rows / b,
+            sk: rows / b,
+            hq: a.heads as usize,
+            hkv: a.kv_heads as usize,
+            d: a.qk_dim as usize,
+            dv: a.v_dim as usize,
+        };
+        Ok((dims, qkv_width(&dims)))
+    }
+
+    fn consumer_attention(&self, op: &Op) -> Result<&'a Op, RankError> {
+        let out = op
+            .outputs
+            .first()
+            .ok_or_else(|| fail("rope without output"))?;
+        self.graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find(|o| o.inputs.first() == Some(out) && matches!(o.kind, OpKind::Attention(_)))
+            .ok_or_else(|| fail("rope feeds no attention op"))
+    }
+
+    /// `(k, n)` of a matmul op (`y [rows, n] = x [rows, k] w`).
+    fn matmul_dims(&self, op: &Op) -> Result<(usize, usize), RankError> {
+        let shape = fixed_shape(self.graph.tensor(op.inputs[1]))?;
+        Ok(if crate::shard::weight_transposed(op) {
+            (shape[1], shape[0])
+        } else {
+            (shape[0], shape[1])
+        })
+    }
+
+    fn rope(&self, op: &Op, x: &D::Act, backward: bool, t: &Task<D>) -> Result<D::Act, RankError> {
+        let att = self.consumer_attention(op)?;
+        let rows = D::act_len(x) / self.attention_dims(att, 1)?.1;
+        let (dims, width) = self.attention_dims(att, rows)?;
+        let mut y = self.zeros(D::act_len(x))?;
+        let theta = self.graph.constants.rope_theta as f32;
+        self.dev
+            .rope_qkv(
+                x,
+                &t.positions,
+                rows,
+                dims.hq,
+                dims.hkv,
+                dims.d,
+                width,
+                theta,
+                backward,
+                &mut y,
+            )
+            .map_err(derr(&op.name))?;
+        Ok(y)
+    }
+
+    fn forward_op(&mut self, op: &Op, l: u64, t: &mut Task<D>) -> Result<(), RankError> {
+        let out = op
+            .outputs
+            .first()
+            .map(|&o| self.name_of(o))
+            .unwrap_or_default();
+        let eps = self.graph.constants.norm_eps as f32;
+        let e = derr(&op.name);
+        let dev = &self.dev;
+        let y = match &op.kind {
+            OpKind::Embedding => {
+                let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
+                    .last()
+                    .unwrap_or(&1);
+                let rows = self.seq_len * self.mbs;
+                let mut y = self.zeros(rows * dim)?;
+                let ids = if op.name.ends_with("positions") {
+                    &t.positions
+                } else {
+                    &t.tokens
+                };
+                dev.embedding_fwd(ids, self.weight(op.inputs[1], l)?, dim, &mut y)
+                    .map_err(&e)?;
+                y
+            }
+            OpKind::Norm(kind) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
+                let rows = D::act_len(&x) / dim;
+                let w = self.weight(op.inputs[1], l)?;
+                let mut y = self.zeros(D::act_len(&x))?;
+                let mut rstd = self.zeros_f32(rows)?;
+                match kind {
+                    NormKind::Rmsnorm => {
+                        dev.rmsnorm_fwd(&x, w, rows, dim, eps, &mut y, &mut rstd)
+                            .map_err(&e)?;
+                    }
+                    NormKind::Layernorm => {
+                        let mut mean = self.zeros_f32(rows)?;
+                        let zero;
+                        let b = match op.inputs.get(2) {
+                            Some(&bid) => self.weight(bid, l)?,
+                            None => {
+                                zero = self.zeros(dim)?;
+                                &zero
+                            }
+                        };
+                        dev.layernorm_fwd(&x, w, b, rows, dim, eps, &mut y, &mut mean, &mut rstd)
+                            .map_err(&e)?;
+                        t.stats.insert((l, format!("{}#mean", op.name)), mean);
+                    }
+                }
+                t.stats.insert((l, format!("{}#rstd", op.name)), rstd);
+                y
+            }
+            OpKind::Matmul { .. } => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let (kk, n) = self.matmul_dims(op)?;
+                let rows = D::act_len(&x) / kk.max(1);
+                let w = self.weight(op.inputs[1], l)?;
+                let mut y = self.zeros(rows * n)?;
+                let tb = if crate::shard::weight_transposed(op) {
+                    Transpose::Yes
+                } else {
+                    Transpose::No
+                };
+                dev.matmul(Transpose::No, tb, rows, kk, n, &x, w, &mut y)
+                    .map_err(&e)?;
+                if let Some(&bid) = op.inputs.get(2) {
+                    dev.bias_add(&mut y, self.weight(bid, l)?, rows, n)
+                        .map_err(&e)?;
+                }
+                y
+            }
+            OpKind::Rope => {
+                let x = self.act(t, l, op.inputs[0])?;
+                self.rope(op, &x, false, t)?
+            }
+            OpKind::Attention(a) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let rows = D::act_len(&x) / self.attention_dims(op, 1)?.1;
+                let (dims, _) = self.attention_dims(op, rows)?;
+                let (q, kk, v) = self.split(&x, &dims)?;
+                let mut o = self.zeros(rows * dims.hq * dims.dv)?;
+                let mut lse = self.zeros_f32(dims.batch * dims.hq * dims.sq)?;
+                let scale = 1.0 / (a.qk_dim as f32).sqrt();
+                dev.attention_fwd(&dims, &q, &kk, &v, a.causal, scale, &mut o, &mut lse)
+                    .map_err(&e)?;
+                let mut y = self.zeros(D::act_len(&o))?;
+                dev.transpose_bs(&o, dims.batch, dims.sq, dims.hq * dims.dv, true, &mut y)
+                    .map_err(&e)?;
+                t.stats.insert((l, format!("{}#lse", op.name)), lse);
+                t.acts.insert((l, format!("{}#o", op.name)), Arc::new(o));
+                y
+            }
+            OpKind::Activation(kind) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                match kind {
+                    MlpKind::Swiglu => {
+                        let f = *fixed_shape_tail(self.graph.tensor(op.outputs[0]))
+                            .last()
+                            .unwrap_or(&1);
+                        let rows = D::act_len(&x) / (2 * f);
+                        let mut y = self.zeros(rows * f)?;
+                        dev.swiglu_fwd(&x, rows, f, &mut y).map_err(&e)?;
+                        y
+                    }
+                    MlpKind::Gelu => {
+                        let mut y = self.zeros(D::act_len(&x))?;
+                        dev.gelu_fwd(&x, &mut y).map_err(&e)?;
+                        y
+                    }
+                }
+            }
+            OpKind::Add => {
+                let a = self.act(t, l, op.inputs[0])?;
+                let b = self.act(t, l, op.inputs[1])?;
+                let mut y = self.zeros(D::act_len(&a))?;
+                dev.add(&a, &b, &mut y).map_err(&e)?;
+                y
+            }
+            OpKind::Dropout => {
+                // p = 0 (`supported`): the identity, sharing the input's buffer.
+                let x = self.act(t, l, op.inputs[0])?;
+                t.acts.insert((l, out), x);
+                return Ok(());
+            }
+            OpKind::CrossEntropy { .. } => {
+                let logits = self.act(t, l, op.inputs[0])?;
+                let rows = self.seq_len * self.mbs;
+                let vocab = D::act_len(&logits) / rows.max(1);
+                let scale = 1.0 / (self.global_batch * self.seq_len) as f64;
+                let mut loss = self.zeros_f32(rows)?;
+                let mut dlogits = self.zeros(D::act_len(&logits))?;
+                dev.cross_entropy(
+                    &logits,
+                    &t.labels,
+                    rows,
+                    vocab,
+                    scale as f32,
+                    &mut loss,
+                    &mut dlogits,
+                )
+                .map_err(&e)?;
+                let loss = dev.f32_download(&loss).map_err(&e)?;
+                self.loss_part += loss.iter().map(|&x| x as f64).sum::<f64>() * scale;
+                // The backward is done: the gradient waits for the backward pass.
+                t.acts
+                    .insert((l, format!("{}#dlogits", op.name)), Arc::new(dlogits));
+                return Ok(());
+            }
+            OpKind::Experts(_) | OpKind::Router { .. } => {
+                return Err(fail(format!("`{}`: routed experts", op.name)))
+            }
+        };
+        t.acts.insert((l, out), Arc::new(y));
+        Ok(())
+    }
+
+    fn split(&self, x: &D::Act, dims: &AttnDims) -> Result<Qkv<D>, RankError> {
+        let rows = dims.batch * dims.sq;
+        let mut q = self.zeros(rows * dims.hq * dims.d)?;
+        let mut kk = self.zeros(rows * dims.hkv * dims.d)?;
+        let mut v = self.zeros(rows * dims.hkv * dims.dv)?;
+        self.dev
+            .split_qkv(x, dims, &mut q, &mut kk, &mut v)
+            .map_err(derr("split_qkv"))?;
+        Ok((q, kk, v))
+    }
+
+    fn backward_op(&mut self, op: &Op, l: u64, t: &mut Task<D>) -> Result<(), RankError> {
+        let in0 = self.name_of(op.inputs[0]);
+        if let OpKind::CrossEntropy { .. } = op.kind {
+            let d = t
+                .acts
+                .remove(&(l, format!("{}#dlogits", op.name)))
+                .ok_or_else(|| fail("the loss gradient was not kept"))?;
+            let d = Arc::try_unwrap(d).map_err(|_| fail("the loss gradient is shared"))?;
+            return self.add_grad(t, l, in0, d);
+        }
+        let out = op
+            .outputs
+            .first()
+            .map(|&o| self.name_of(o))
+            .unwrap_or_default();
+        // Nothing downstream used this output.
+        let Some(dy) = t.grads.remove(&(l, out.clone())) else {
+            return Ok(());
+        };
+        let e = derr(&op.name);
+        let dev = &self.dev;
+        match &op.kind {
+            OpKind::Embedding => {
+                let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
+                    .last()
+                    .unwrap_or(&1);
+                let key = self.wkey(op.inputs[1], l)?;
+                let ids = if op.name.ends_with("positions") {
+                    &t.positions
+                } else {
+                    &t.tokens
+                };
+                let dt = self
+                    .wgrads
+                    .get_mut(&key)
+                    .ok_or_else(|| fail("embedding gradient missing"))?;
+                dev.embedding_bwd(ids, &dy, dim, dt).map_err(&e)?;
+            }
+            OpKind::Norm(kind) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
+                let rows = D::act_len(&x) / dim;
+                let mut dx = self.zeros(D::act_len(&x))?;
+                let wkey = self.wkey(op.inputs[1], l)?;
+                let bkey = op.inputs.get(2).map(|&b| self.wkey(b, l)).transpose()?;
+                let w = self
+                    .compute
+                    .get(&wkey)
+                    .ok_or_else(|| fail("norm weight missing"))?;
+                let rstd = stat(t, l, format!("{}#rstd", op.name))?;
+                let mut dw = self
+                    .wgrads
+                    .remove(&wkey)
+                    .ok_or_else(|| fail("norm gradient missing"))?;
+                let r = match kind {
+                    NormKind::Rmsnorm => {
+                        dev.rmsnorm_bwd(&x, w, rstd, &dy, rows, dim, &mut dx, &mut dw)
+                    }
+                    NormKind::Layernorm => {
+                        let mean = stat(t, l, format!("{}#mean", op.name))?;
+                        // A bias-less norm's bias gradient goes to a scratch buffer.
+                        let mut scratch = self.zeros_f32(dim)?;
+                        let db = match &bkey {
+                            Some(k) => self
+                                .wgrads
+                                .get_mut(k)
+                                .ok_or_else(|| fail("bias gradient missing"))?,
+                            None => &mut scratch,
+                        };
+                        dev.layernorm_bwd(&x, w, mean, rstd, &dy, rows, dim, &mut dx, &mut dw, db)
+                    }
+                };
+                self.wgrads.insert(wkey, dw);
+                r.map_err(&e)?;
+                self.add_grad(t, l, in0, dx)?;
+            }
+            OpKind::Matmul { .. } => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let (kk, n) = self.matmul_dims(op)?;
+                let rows = D::act_len(&x) / kk.max(1);
+                let wkey = self.wkey(op.inputs[1], l)?;
+                let w = self
+                    .compute
+                    .get(&wkey)
+                    .ok_or_else(|| fail("weight missing"))?;
+                let mut dx = self.zeros(rows * kk)?;
+                let dw = self
+                    .wgrads
+                    .get_mut(&wkey)
+                    .ok_or_else(|| fail("gradient missing"))?;
+                if crate::shard::weight_transposed(op) {
+                    // `y = x wᵀ` with `w [n, k]`: `dx = dy w`, `dw += dyᵀ x`.
+                    dev.matmul(Transpose::No, Transpose::No, rows, n, kk, &dy, w, &mut dx)
+                        .map_err(&e)?;
+                    dev.matmul_acc(Transpose::Yes, Transpose::No, n, rows, kk, &dy, &x, dw)
+                        .map_err(&e)?;
+                } else {
+                    dev.matmul(Transpose::No, Transpose::Yes, rows, n, kk, &dy, w, &mut dx)
+                        .map_err(&e)?;
+                    dev.matmul_acc(Transpose::Yes, Transpose::No, kk, rows, n, &x, &dy, dw)
+                        .map_err(&e)?;
+                }
+                if let Some(&b) = op.inputs.get(2) {
+                    let bk = self.wkey(b, l)?;
+                    let db = self
+                        .wgrads
+                        .get_mut(&bk)
+                        .ok_or_else(|| fail("bias gradient missing"))?;
+                    dev.bias_grad(&dy, rows, n, db).map_err(&e)?;
+                }
+                self.add_grad(t, l, in0, dx)?;
+            }
+            OpKind::Rope => {
+                let dx = self.rope(op, &dy, true, t)?;
+                self.add_grad(t, l, in0, dx)?;
+            }
+            OpKind::Attention(a) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let rows = D::act_len(&x) / self.attention_dims(op, 1)?.1;
+                let (dims, _) = self.attention_dims(op, rows)?;
+                let (q, kk, v) = self.split(&x, &dims)?;
+                let o = t
+                    .acts
+                    .get(&(l, format!("{}#o", op.name)))
+                    .cloned()
+                    .ok_or_else(|| fail("attention output was not kept"))?;
+                let lse = stat(t, l, format!("{}#lse", op.name))?;
+                let mut d_o = self.zeros(D::act_len(&dy))?;
+                dev.transpose_bs(&dy, dims.batch, dims.sq, dims.hq * dims.dv, false, &mut d_o)
+                    .map_err(&e)?;
+                let mut dq = self.zeros(D::act_len(&q))?;
+                let mut dk = self.zeros(D::act_len(&kk))?;
+                let mut dv = self.zeros(D::act_len(&v))?;
+                let scale = 1.0 / (a.qk_dim as f32).sqrt();
+                dev.attention_bwd(
+                    &dims, &q, &kk, &v, &o, lse, &d_o, a.causal, scale, &mut dq, &mut dk, &mut dv,
+                )
+                .map_err(&e)?;
+                let mut dx = self.zeros(D::act_len(&x))?;
+                dev.join_qkv(&dq, &dk, &dv, &dims, &mut dx).map_err(&e)?;
+                self.add_grad(t, l, in0, dx)?;
+            }
+            OpKind::Activation(kind) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let mut dx = self.zeros(D::act_len(&x))?;
+                match kind {
+                    MlpKind::Swiglu => {
+                        let f = *fixed_shape_tail(self.graph.tensor(op.outputs[0]))
+                            .last()
+                            .unwrap_or(&1);
+                        let rows = D::act_len(&x) / (2 * f);
+                        dev.swiglu_bwd(&x, &dy, rows, f, &mut dx).map_err(&e)?;
+                    }
+                    MlpKind::Gelu => dev.gelu_bwd(&x, &dy, &mut dx).map_err(&e)?,
+                }
+                self.add_grad(t, l, in0, dx)?;
+            }
+            OpKind::Add => {
+                let in1 = self.name_of(op.inputs[1]);
+                self.add_grad_copy(t, l, in0, &dy)?;
+                self.add_grad(t, l, in1, dy)?;
+            }
+            OpKind::Dropout => self.add_grad(t, l, in0, dy)?,
+            OpKind::CrossEntropy { .. } => {}
+            OpKind::Experts(_) | OpKind::Router { .. } => {
+                return Err(fail(format!("`{}`: routed experts", op.name)))
+            }
+        }
+        Ok(())
+    }
+
+    /// A step-list collective: a bucket `grads:dense[a..b]` of the flat gradient
+    /// (weights in key order), summed over the data ranks.
+    fn reduce_bucket(
+        &mut self,
+        kind: CollectiveKind,
+        group: &str,
+        axis: &str,
+        tensor: &str,
+    ) -> Result<(), RankError> {
+        let rest = tensor
+            .strip_prefix("grads:")
+            .ok_or_else(|| fail(format!("unexpected step collective on `{tensor}`")))?;
+        if kind != CollectiveKind::AllReduce {
+            return Err(fail(format!(
+                "{kind:?} of gradients needs ZeRO, not run here"
+            )));
+        }
+        let (set, range) = match rest.split_once('[') {
+            None => (rest, None),
+            Some((set, r)) => {
+                let (a, b) = r
+                    .strip_suffix(']')
+                    .and_then(|r| r.split_once(".."))
+                    .ok_or_else(|| fail(format!("bad bucket `{tensor}`")))?;
+                let parse = |s: &str| {
+                    s.parse::<usize>()
+                        .map_err(|_| fail(format!("bad bucket `{tensor}`")))
+                };
+                (set, Some((parse(a)?, parse(b)?)))
+            }
+        };
+        if set != "dense" {
+            return Err(fail(format!("gradient set `{set}` is not run here")));
+        }
+        let g = self
+            .groups
+            .get(group)
+            .cloned()
+            .ok_or_else(|| fail(format!("group `{group}` is not in the plan's mesh")))?;
+        let total: usize = self.wgrads.values().map(D::f32_len).sum();
+        let (a, b) = range.unwrap_or((0, total));
+        if b > total || a > b {
+            return Err(fail(format!(
+                "bucket {a}..{b} does not fit {total} parameters"
+            )));
+        }
+        let e = derr("bucket");
+        let mut bucket = self.zeros_f32(b - a)?;
+        // The pieces of each weight's gradient inside [a, b).
+        let mut pieces = Vec::new();
+        let mut off = 0;
+        for (key, grad) in &self.wgrads {
+            let len = D::f32_len(grad);
+            let (x, y) = (off.max(a), (off + len).min(b));
+            if x < y {
+                pieces.push((key.clone(), x - off, x - a, y - x));
+            }
+            off += len;
+        }
+        for (key, src, dst, n) in &pieces {
+            self.dev
+                .f32_copy(&self.wgrads[key], *src, &mut bucket, *dst, *n)
+                .map_err(&e)?;
+        }
+        self.dev.all_reduce(&mut self.comm, &g, axis, &mut bucket)?;
+        for (key, src, dst, n) in &pieces {
+            let grad = self
+                .wgrads
+                .get_mut(key)
+                .ok_or_else(|| fail("gradient missing"))?;
+            self.dev
+                .f32_copy(&bucket, *dst, grad, *src, *n)
+                .map_err(&e)?;
+        }
+        Ok(())
+    }
+
+    fn optimizer(&mut self, set: &str) -> Result<(), RankError> {
+        if set != "dense" {
+            return Err(fail(format!("parameter set `{set}` is not run here")));
+        }
+        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
+        let step = self.step_no + 1;
+        for (key, w) in self.master.iter_mut() {
+            let e = derr(&key.0);
+            let missing = || fail(format!("state of `{}` missing", key.0));
+            let g = self.wgrads.get(key).ok_or_else(missing)?;
+            let (m, v) = self.adam.get_mut(key).ok_or_else(missing)?;
+            let c = self.compute.get_mut(key).ok_or_else(missing)?;
+            self.dev
+                .adamw(w, g, m, v, c, step, self.opts.lr, (b1, b2, eps, wd))
+                .map_err(e)?;
+        }
+        Ok(())
+    }
+
+    fn report(mut self, loss_parts: Vec<f64>, step_s: Vec<f64>) -> Result<RankReport, RankError> {
+        let mut weights = BTreeMap::new();
+        for (key, w) in &self.master {
+            weights.insert(key.clone(), self.dev.f32_download(w).map_err(derr(&key.0))?);
+        }
+        let n: usize = self.master.values().map(D::f32_len).sum();
+        // Master, gradient and two moments in fp32, and the compute copy.
+        let state_bytes = (n * 16 + n * self.dev.act_bytes()) as f64;
+        Ok(RankReport {
+            rank: self.rank,
+            loss_parts,
+            weights,
+            counts: self.comm.counts(),
+            step_s,
+            state_bytes,
+            peak_activation_bytes: self.peak_act_bytes,
+            expert_slots: (0, 0),
+            spans: std::mem::take(&mut self.spans),
+        })
+    }
+}
+
+/// A kernel statistic kept in the forward.
+fn stat<D: Device>(t: &Task<D>, l: u64, name: String) -> Result<&D::F32, RankError> {
+    t.stats
+        .get(&(l, name.clone()))
+        .ok_or_else(|| fail(format!("`{name}` (layer {l}) was not kept")))
+}

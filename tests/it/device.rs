@@ -1,0 +1,167 @@
+//! The device interpreter (`meshplan_executor::device`) on the host device: on every
+//! plan it takes, it trains to exactly the losses, weights and communicated bytes of
+//! the general interpreter, so what differs on a GPU is the kernels alone (tested
+//! against their CPU references in `meshplan_kernels::cuda`).
+
+use crate::executor::{model, plan, plan_buckets, Model};
+use meshplan_cost_model::prepare_model;
+use meshplan_executor::device::train::{supported, train_device};
+use meshplan_executor::device::HostDevice;
+use meshplan_executor::train::{byte_mismatches, train, TrainOptions, TrainReport};
+use meshplan_ir::model_graph;
+use meshplan_ir::plan::Plan;
+
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+
+fn variant(edits: &[(&str, &str)], name: &str) -> Model {
+    let mut text = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");
+    for (from, to) in edits {
+        assert!(text.contains(from), "{name}: `{from}` not in tiny-gpt.yaml");
+        text = text.replace(from, to);
+    }
+    let spec = meshplan_ir::parse_model_yaml(&text, name).unwrap_or_else(|e| panic!("{e}"));
+    let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
+    Model { spec, graph, pg }
+}
+
+/// GPT-2's layout at tiny-gpt's sizes: LayerNorm with biases, GELU, learned
+/// positions, the head tied to the token table, biases on every matmul.
+fn gpt2_like() -> Model {
+    variant(
+        &[
+            ("mlp: swiglu", "mlp: gelu"),
+            ("norm: rmsnorm", "norm: layernorm\n  bias: true"),
+            ("tie_embeddings: false", "tie_embeddings: true"),
+            ("position: rope", "position: learned\n  max_positions: 32"),
+            ("kv_heads: 2", "kv_heads: 4"),
+        ],
+        "gpt2-like.yaml",
+    )
+}
+
+fn same(cfg: &str, p: &Plan, a: &TrainReport, b: &TrainReport) {
+    assert_eq!(a.losses, b.losses, "{cfg}: losses");
+    assert_eq!(a.ranks.len(), b.ranks.len(), "{cfg}: ranks");
+    for (x, y) in a.ranks.iter().zip(&b.ranks) {
+        assert_eq!(x.weights.len(), y.weights.len(), "{cfg}: weights held");
+        for (key, w) in &x.weights {
+            assert!(
+                y.weights[key] == *w,
+                "{cfg}: rank {} `{}` differs",
+                x.rank,
+                key.0
+            );
+        }
+        assert_eq!(x.counts, y.counts, "{cfg}: rank {} bytes", x.rank);
+    }
+    let bytes = byte_mismatches(p, a, TrainOptions::default().steps);
+    assert!(bytes.is_empty(), "{cfg}: {}", bytes.join("\n"));
+    assert!(
+        a.losses[4] < a.losses[0],
+        "{cfg}: the loss falls: {:?}",
+        a.losses
+    );
+}
+
+#[track_caller]
+fn check(m: &Model, cfg: &str, p: Plan) {
+    let opts = TrainOptions::default();
+    supported(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+    let general = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+    let device =
+        train_device(&p, &opts, &|_| Ok(HostDevice)).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+    same(cfg, &p, &device, &general);
+    eprintln!("{}: {cfg}: losses {:?}", m.spec.name, device.losses);
+}
+
+#[test]
+fn device_interpreter_reproduces_the_general_one_bit_for_bit() {
+    let llama = model("tiny-gpt");
+    for cfg in [
+        "dp=1",
+        "dp=2",
+        "dp=2,mbs=1",
+        "dp=1,mbs=2,recompute=full",
+        "dp=2,recompute=selective",
+    ] {
+        check(&llama, cfg, plan(&llama, cfg));
+    }
+    let gpt2 = gpt2_like();
+    for cfg in ["dp=1", "dp=2,mbs=2"] {
+        check(&gpt2, cfg, plan(&gpt2, cfg));
+    }
+    // Many buckets, each its own all-reduce over pieces of several weights.
+    let p = plan_buckets(&gpt2, "dp=2", 10_000.0);
+    let buckets = p.programs[0].phases[0]
+        .step
+        .iter()
+        .filter(|i| matches!(i, meshplan_ir::plan::Instr::Collective { tensor, .. } if tensor.starts_with("grads:dense[")))
+        .count();
+    assert!(buckets > 5, "{buckets} buckets");
+    check(&gpt2, "dp=2 in 10k-parameter buckets", p);
+}
+
+#[test]
+fn device_interpreter_names_what_it_does_not_run() {
+    let m = model("tiny-gpt");
+    let opts = TrainOptions::default();
+    for (cfg, why) in [
+        ("tp=2", "splits `tp` 2 ways"),
+        ("pp=2,mbs=1", "splits `pp` 2 ways"),
+        ("cp=2", "splits `cp` 2 ways"),
+        ("dp=2,zero=1", "ZeRO-1"),
+    ] {
+        let p = plan(&m, cfg);
+        let e = supported(&p, &opts).expect_err(cfg);
+        assert!(e.contains(why), "{cfg}: {e}");
+        let run = train_device(&p, &opts, &|_| Ok(HostDevice)).expect_err(cfg);
+        assert!(run.message.contains(why), "{cfg}: {}", run.message);
+    }
+    let moe = model("tiny-moe");
+    let e = supported(&plan(&moe, "dp=1"), &opts).expect_err("moe");
+    assert!(e.contains("routed experts"), "{e}");
+    let dropout = variant(
+        &[("position: rope", "position: rope\n  dropout: true")],
+        "d.yaml",
+    );
+    let e = supported(&plan(&dropout, "dp=1"), &opts).expect_err("dropout");
+    assert!(e.contains("dropout"), "{e}");
+}
+
+#[test]
+fn device_trace_spans_are_on_the_run_clock() {
+    let m = model("tiny-gpt");
+    let p = plan(&m, "dp=2");
+    let opts = TrainOptions {
+        steps: 2,
+        trace: true,
+        ..TrainOptions::default()
+    };
+    let run = train_device(&p, &opts, &|_| Ok(HostDevice)).expect("run");
+    for r in &run.ranks {
+        let names: Vec<&str> = r.spans.iter().map(|s| s.name.as_str()).collect();
+        for want in ["fwd mb0 c0", "bwd mb0 c0", "optimizer", "AllReduce dp"] {
+            assert!(
+                names.contains(&want),
+                "rank {}: no `{want}` in {names:?}",
+                r.rank
+            );
+        }
+        let total: f64 = run.step_s.iter().sum();
+        for s in &r.spans {
+            assert!(s.dur_s >= 0.0 && s.start_s >= 0.0, "{s:?}");
+            assert!(s.dur_s <= total + 1e-3, "{s:?} longer than the run");
+        }
+        // Ops nest inside their task.
+        let task = r
+            .spans
+            .iter()
+            .find(|s| s.name == "fwd mb0 c0")
+            .expect("task");
+        let op = r.spans.iter().find(|s| {
+            s.cat == "compute" && s.start_s >= task.start_s && s.start_s < task.start_s + task.dur_s
+        });
+        assert!(op.is_some(), "no op inside the first forward task");
+    }
+}
