@@ -171,8 +171,9 @@ enum Command {
     Run {
         /// A plan written by `meshplan plan`.
         plan: PathBuf,
-        /// cpu (ranks as threads) or cuda (a build with `--features cuda`; it
-        /// checks the GPU and says what is missing: no CUDA interpreter yet).
+        /// cpu (ranks as threads, fp32), cpu-bf16 (the device interpreter with a
+        /// GPU's bf16 rounding, on the CPU) or cuda (a build with `--features cuda`:
+        /// the device interpreter on GPU 0; data-parallel plans on one stage).
         #[arg(long, default_value = "cpu")]
         backend: String,
         /// Optimizer steps.

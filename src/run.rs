@@ -87,17 +87,60 @@ pub(crate) fn reference_plan(plan: &Plan) -> Result<Plan, String> {
     )
 }
 
-/// Why `--backend cuda` cannot run a plan here, whatever the build: a build without
-/// the `cuda` feature says how to rebuild; a build with it says what the probe found
-/// missing (driver, NVRTC, cuBLASLt, a device), or, on a GPU, that the executor has
-/// no CUDA interpreter yet.
-fn cuda_refusal() -> String {
-    match meshplan_executor::kernels::cuda::probe() {
-        Err(why) => format!("--backend cuda: {why}"),
-        Ok(device) => format!(
-            "--backend cuda: found {device}, but the executor cannot run a plan on it yet: the GPU kernels are built and tested, the CUDA interpreter and NCCL communicator are not; use --backend cpu"
-        ),
+/// Where a training plan runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Engine {
+    /// The general interpreter on the CPU kernels, fp32.
+    Cpu,
+    /// The device interpreter on the CPU kernels with a GPU's bf16 rounding.
+    CpuBf16,
+    /// The device interpreter on the GPU.
+    Cuda,
+}
+
+/// `--backend`, checked before the plan is read: `cuda` needs a build with the
+/// feature, a driver, NVRTC, cuBLASLt and a device, and says which is missing.
+fn engine(backend: &str) -> Result<Engine, Failure> {
+    match backend {
+        "cpu" => Ok(Engine::Cpu),
+        "cpu-bf16" => Ok(Engine::CpuBf16),
+        "cuda" => match meshplan_executor::kernels::cuda::probe() {
+            Ok(device) => {
+                tracing::info!("--backend cuda: {device}");
+                Ok(Engine::Cuda)
+            }
+            Err(why) => Err(runtime(format!("--backend cuda: {why}"))),
+        },
+        other => Err(bad(format!(
+            "--backend {other}: expected cpu, cpu-bf16 or cuda"
+        ))),
     }
+}
+
+/// Trains on the chosen engine.
+fn train_on(plan: &Plan, opts: &TrainOptions, engine: Engine) -> Result<TrainReport, String> {
+    use meshplan_executor::device::train::train_device;
+    match engine {
+        Engine::Cpu => train(plan, opts).map_err(|e| e.message),
+        Engine::CpuBf16 => train_device(plan, opts, &|_| {
+            Ok(meshplan_executor::device::emulate::Bf16Host)
+        })
+        .map_err(|e| e.message),
+        Engine::Cuda => train_cuda(plan, opts),
+    }
+}
+
+#[cfg(feature = "cuda")]
+fn train_cuda(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, String> {
+    use meshplan_executor::device::cuda::CudaDevice;
+    meshplan_executor::device::train::train_device(plan, opts, &|_| CudaDevice::new())
+        .map_err(|e| e.message)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn train_cuda(_: &Plan, _: &TrainOptions) -> Result<TrainReport, String> {
+    // `engine` refuses cuda in a build without the feature.
+    Err("this binary was built without the cuda feature".into())
 }
 
 /// `meshplan run`.
@@ -110,19 +153,20 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let launched = meshplan_executor::launch::LaunchEnv::from_env()
         .map_err(|e| bad(format!("launch variables: {e}")))?;
     if let Some(env) = launched.as_ref().filter(|e| e.world_size > 1) {
-        if a.backend == "cpu" {
-            return Err(bad(format!(
-                "this process is {}, but --backend cpu runs every rank of the plan as a thread of one process: {} processes would each run the whole plan. Multi-process runs need --backend cuda (one process per GPU, NCCL between them); for the CPU backend start one process (`meshplan run PLAN`, or `launch --nproc-per-node 1`)",
-                env.describe(),
-                env.world_size
+        if a.backend == "cuda" {
+            return Err(runtime(format!(
+                "this process is {}: the device interpreter runs a plan's ranks as threads of one process (sharing this node's GPU 0); one process per GPU over NCCL is not wired to it yet. Run one process: `meshplan run PLAN --backend cuda`",
+                env.describe()
             )));
         }
+        return Err(bad(format!(
+            "this process is {}, but --backend {} runs every rank of the plan as a thread of one process: {} processes would each run the whole plan. Start one process (`meshplan run PLAN`, or `launch --nproc-per-node 1`)",
+            env.describe(),
+            a.backend,
+            env.world_size
+        )));
     }
-    match a.backend {
-        "cpu" => {}
-        "cuda" => return Err(runtime(cuda_refusal())),
-        other => return Err(bad(format!("--backend {other}: expected cpu or cuda"))),
-    }
+    let engine = engine(a.backend)?;
     let file = a.plan.display().to_string();
     let text = std::fs::read_to_string(a.plan).map_err(|e| bad(format!("{file}: {e}")))?;
     let plan = Plan::from_json(&text).map_err(|e| {
@@ -134,6 +178,12 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         if a.data.is_some() || a.trace.is_some() {
             return Err(bad(format!(
                 "{file}: --data and --trace are read for training plans; this is an inference plan (give prompts with --prompt-ids, --prompt or --prompt-file)"
+            )));
+        }
+        if engine != Engine::Cpu {
+            return Err(runtime(format!(
+                "{file}: inference plans run on --backend cpu; --backend {} trains",
+                a.backend
             )));
         }
         return crate::generate::run(a, &plan, &file);
@@ -164,7 +214,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let replicas = (plan.ranks.len() as f64 / (s.tp * s.pp).max(1) as f64).max(1.0);
     let host_bytes = 16.0 * plan.model.params * replicas;
     const HOST_BUDGET: f64 = 16.0 * (1u64 << 30) as f64;
-    if host_bytes > HOST_BUDGET || plan.ranks.len() > 256 {
+    if engine != Engine::Cuda && (host_bytes > HOST_BUDGET || plan.ranks.len() > 256) {
         return Err(runtime(format!(
             "{file}: the CPU backend runs every rank as a thread of this process; {} ranks holding {:.1} GiB of fp32 weights, gradients and Adam state exceed its {:.0} GiB budget (use a small model, e.g. models/tiny-gpt.yaml on topologies/cpu-test-mesh.yaml)",
             plan.ranks.len(),
@@ -203,11 +253,24 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         threads_per_rank: threads_per_rank(a.threads, plan.ranks.len())?,
         ..opts
     };
+    if engine != Engine::Cpu {
+        meshplan_executor::device::train::supported(&plan, &opts).map_err(|why| {
+            runtime(format!(
+                "{file}: --backend {} runs plans of data parallelism on one pipeline stage (the device interpreter), and this one is not: {why}. Run it with --backend cpu",
+                a.backend
+            ))
+        })?;
+    }
     tracing::info!(
-        "training {} steps of {} on {} ranks (CPU threads)",
+        "training {} steps of {} on {} ranks ({})",
         a.steps,
         plan.model.name,
-        plan.ranks.len()
+        plan.ranks.len(),
+        match engine {
+            Engine::Cpu => "CPU threads, fp32",
+            Engine::CpuBf16 => "CPU threads, bf16 rounding",
+            Engine::Cuda => "threads sharing one GPU, bf16 compute",
+        }
     );
     let bar = crate::log::bar(a.steps - start, format!("training {}", plan.model.name));
     let shown = bar.clone();
@@ -217,7 +280,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         ))),
         ..opts
     };
-    let report = train(&plan, &opts).map_err(|e| runtime(e.message));
+    let report = train_on(&plan, &opts, engine).map_err(runtime);
     bar.finish_and_clear();
     let report = report?;
     tracing::debug!("losses {:?}", report.losses);
@@ -248,7 +311,21 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             train(&reference, &ref_opts).map_err(|e| runtime(format!("reference: {}", e.message)));
         bar.finish_and_clear();
         let base = base?;
-        Some(check_against(&plan, &report, &base, 1e-5))
+        Some(match engine {
+            Engine::Cpu => check_against(&plan, &report, &base, 1e-5),
+            // Mixed precision against the fp32 reference: bf16 tolerances.
+            Engine::CpuBf16 | Engine::Cuda => {
+                use meshplan_executor::device as dv;
+                dv::check_mixed_precision(
+                    &plan,
+                    &report,
+                    &base,
+                    opts.seed,
+                    dv::MIXED_LOSS_TOLERANCE,
+                    dv::MIXED_UPDATE_TOLERANCE,
+                )
+            }
+        })
     } else {
         None
     };
@@ -349,6 +426,13 @@ fn print_report(
         s.sort_by(f64::total_cmp);
         s.get(s.len() / 2).copied().unwrap_or(f64::NAN)
     };
+    // The same model FLOPs over the same peak: MFU scales with the inverse step time.
+    let predicted_mfu = plan
+        .predicted
+        .get("mfu")
+        .and_then(|v| v.as_f64())
+        .unwrap_or(f64::NAN);
+    let measured_mfu = predicted_mfu * predicted_step / median;
     let worst = r.ranks.iter().max_by(|a, b| {
         (a.state_bytes + a.peak_activation_bytes)
             .total_cmp(&(b.state_bytes + b.peak_activation_bytes))
@@ -378,6 +462,7 @@ fn print_report(
             "loss": r.losses,
             "measured": {
                 "step_time_s": median,
+                "mfu": measured_mfu,
                 "tokens_per_s": r.tokens_per_step as f64 / median,
                 "comm_bytes_per_gpu": per_axis,
                 "expert_assignments": slots,
@@ -426,6 +511,12 @@ fn print_report(
     }
     println!(
         "step time    measured {median:.4} s (median), predicted {predicted_step:.4} s for the plan's cluster ({})",
+        plan.cluster.gpu
+    );
+    println!(
+        "mfu          measured {:.2}%, predicted {:.2}% (model FLOPs over the peak of the plan's {})",
+        100.0 * measured_mfu,
+        100.0 * predicted_mfu,
         plan.cluster.gpu
     );
     println!(

@@ -1104,3 +1104,41 @@ fn deepseek_v3_with_dense_and_moe_blocks_plans_and_lowers() {
             || plan["strategy"]["ep"] == 1
     );
 }
+
+#[test]
+fn run_backend_cpu_bf16_checks_mixed_precision_and_names_plans_it_does_not_run() {
+    let out = plan_file(
+        "plan-run-bf16.json",
+        "models/tiny-gpt.yaml",
+        "dp=8,tp=1,pp=1,cp=1,zero=0",
+    );
+    let path = out.to_str().expect("utf-8 path");
+    let run = meshplan(&["run", path, "--backend", "cpu-bf16", "--check", "--json"]);
+    run.expect_code(0);
+    let v = json_of(&run);
+    assert_eq!(v["check"]["passed"], true, "{v}");
+    assert_eq!(v["bytes_match_plan"], true, "{v}");
+    let details = v["check"]["details"].to_string();
+    assert!(
+        details.contains("of the reference's update away"),
+        "{details}"
+    );
+    let mfu = number(&v["measured"], "mfu");
+    assert!(mfu > 0.0 && mfu.is_finite(), "{v}");
+    // bf16 rounding moves the losses off the fp32 run's, a little.
+    let fp32 = meshplan(&["run", path, "--json"]);
+    fp32.expect_code(0);
+    let (a, b) = (&v["loss"], &json_of(&fp32)["loss"]);
+    assert_ne!(a, b, "bf16 rounding changed nothing");
+    let tp = plan_file(
+        "plan-run-bf16-tp.json",
+        "models/tiny-gpt.yaml",
+        "dp=4,tp=2,pp=1,cp=1",
+    );
+    meshplan(&["run", tp.to_str().expect("utf-8"), "--backend", "cpu-bf16"])
+        .expect_code(1)
+        .stderr_has(&["splits `tp` 2 ways", "Run it with --backend cpu"]);
+    meshplan(&["run", path, "--backend", "tpu"])
+        .expect_code(2)
+        .stderr_has(&["expected cpu, cpu-bf16 or cuda"]);
+}
