@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # Runs THERE: on a GPU machine (CUDA 13 driver, NCCL and PyTorch, e.g. inside Python
 # packages; no Rust), from the repository root, with target/gpu-bundle made by
-# scripts/gpu-bundle.sh. One go, about 5 minutes; everything is also written under
+# scripts/gpu-bundle.sh. One go, at most 9 minutes; everything is also written under
 # $OUT when it is set (else target/gpu-check/).
 #
 #   scripts/gpu-check.sh
 #
 # Steps, each PASS / FAIL / SKIP: nvidia-smi; the kernel tests with REQUIRE_GPU=1
-# (every CUDA kernel against its CPU reference); the NCCL communicator tests
+# (every CUDA kernel against its CPU reference); the CUDA device's tests (its
+# methods against the host device's); `run --backend cuda --check` (tiny-gpt over 8
+# data-parallel ranks sharing the GPU, against the fp32 CPU reference within bf16
+# tolerances); GPT-2 124M training on the GPU (tokens/s, MFU); the NCCL communicator tests
 # (world size 1, and 2 when two GPUs are visible) with REQUIRE_GPU=1; `meshplan
 # calibrate` (overlay.yaml); benches/python/torch_gpu.py (PyTorch bf16 matmul on the
 # calibrate shapes beside meshplan's cuBLASLt numbers, and GPT-2 124M training
@@ -20,7 +23,7 @@ mkdir -p "$OUTDIR"
 LOG="$OUTDIR/gpu-check.log"
 : >"$LOG"
 START=$SECONDS
-BUDGET=${GPU_CHECK_BUDGET_S:-300}
+BUDGET=${GPU_CHECK_BUDGET_S:-540}
 failed=0
 summary=()
 
@@ -96,6 +99,32 @@ GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU' || true)
 run kernel-tests 150 "$B/tests/meshplan-kernels" cuda:: --test-threads=1
 if [ "$rc" = 0 ]; then result kernel-tests PASS; else result kernel-tests FAIL; fi
 
+# --- 2b. the CUDA device against the host device (executor/src/device/cuda.rs)
+run device-tests 120 "$B/tests/meshplan-executor" device:: --test-threads=1 --nocapture
+if [ "$rc" = 0 ]; then result device-tests PASS; else result device-tests FAIL; fi
+
+# --- 2c. run --check on the GPU: the device interpreter against the fp32 CPU run
+run plan-tiny 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
+    --config dp=8,tp=1,pp=1,cp=1,zero=0 -o "$OUTDIR/tiny-dp8.json" --quiet
+run run-check 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp8.json" --backend cuda --steps 5 --check \
+    --trace "$OUTDIR/tiny-dp8-trace.json"
+if [ "$rc" = 0 ]; then result "run --backend cuda --check" PASS; else result "run --backend cuda --check" FAIL; fi
+
+# --- 2d. GPT-2 124M on one GPU (no dropout, as the PyTorch baseline): 32 sequences
+# of 1024 tokens per step, micro-batch 16, the same batch as torch_gpu.py's default.
+sed 's/dropout: true/dropout: false/' models/gpt2-124m.yaml >"$OUTDIR/gpt2-124m-nodropout.yaml"
+sed 's/gpus_per_node: 8/gpus_per_node: 1/' topologies/h200-node.yaml >"$OUTDIR/h200-1gpu.yaml"
+run plan-gpt2 30 "$B/bin/meshplan" plan "$OUTDIR/gpt2-124m-nodropout.yaml" "$OUTDIR/h200-1gpu.yaml" \
+    --global-batch 32 --config dp=1,tp=1,pp=1,cp=1,mbs=16,zero=0,recompute=none \
+    -o "$OUTDIR/gpt2.json" --quiet
+run gpt2-cuda 150 "$B/bin/meshplan" run "$OUTDIR/gpt2.json" --backend cuda --steps 4 --json
+if [ "$rc" = 0 ]; then
+    cp "$OUTDIR/gpt2-cuda.txt" "$OUTDIR/gpt2-cuda.json"
+    result gpt2-cuda PASS
+else
+    result gpt2-cuda FAIL
+fi
+
 # --- 3. NCCL communicator (world 1; world 2 needs two GPUs and skips otherwise)
 run nccl-tests 90 env REQUIRE_NCCL_LIB=1 "$B/tests/meshplan-executor" comm::nccl --test-threads=1 --nocapture
 if [ "$rc" = 0 ]; then result "nccl-tests (GPUs: $GPUS)" PASS; else result nccl-tests FAIL; fi
@@ -121,7 +150,7 @@ if ! "$PY" -c 'import torch; assert torch.cuda.is_available()' >/dev/null 2>&1; 
     result "torch (no CUDA PyTorch for $PY)" SKIP
 else
     run torch "$((BUDGET))" "$PY" benches/python/torch_gpu.py --meshplan "$OUTDIR/calibrate.txt" \
-        --json "$OUTDIR/torch_gpu.json"
+        --json "$OUTDIR/torch_gpu.json" --meshplan-train "$OUTDIR/gpt2-cuda.json"
     case $rc in
         0) result torch PASS ;;
         2) result "torch (meshplan GEMM below 90% of PyTorch)" FAIL ;;

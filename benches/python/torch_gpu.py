@@ -166,6 +166,10 @@ def main():
     ap.add_argument("--accum", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--skip-train", action="store_true")
+    ap.add_argument(
+        "--meshplan-train",
+        help="`meshplan run --backend cuda --json` of the same GPT-2 workload, printed beside",
+    )
     args = ap.parse_args()
 
     name = torch.cuda.get_device_name(0)
@@ -205,6 +209,23 @@ def main():
             r["mfu"] = mfu
             results[f"gpt2_{mode}"] = r
             print(f"{mode:>8}: {r['tokens_per_s']:>10.0f} tokens/s, {r['tflops']:.1f} TFLOP/s, MFU {mfu:.1%} (loss {r['loss']:.3f})")
+
+    if args.meshplan_train:
+        try:
+            with open(args.meshplan_train) as f:
+                run = json.load(f)
+            # meshplan's model: vocabulary 50257 (PyTorch's pads to 50304).
+            tps = run["measured"]["tokens_per_s"]
+            tflops = tps * (6 * 124_439_808 + 12 * 12 * 768 * 1024) / 1e12
+            mfu = tflops / peak if not math.isnan(peak) else float("nan")
+            results["gpt2_meshplan"] = {"tokens_per_s": tps, "tflops": tflops, "mfu": mfu, "loss": run["loss"]}
+            print(f"{'meshplan':>8}: {tps:>10.0f} tokens/s, {tflops:.1f} TFLOP/s, MFU {mfu:.1%} (run --backend cuda, median step)")
+            for mode in ("eager", "compile"):
+                other = results.get(f"gpt2_{mode}", {}).get("tokens_per_s")
+                if other:
+                    print(f"          meshplan / torch {mode}: {tps / other:.2f}x")
+        except (OSError, ValueError, KeyError) as e:
+            print(f"meshplan training numbers unreadable ({args.meshplan_train}): {e}")
 
     if args.json:
         with open(args.json, "w") as f:
