@@ -140,3 +140,17 @@ __device__ __forceinline__ void row_for_each(const bf16* row, int dim, F f) {
 __device__ __forceinline__ void bf16_add(bf16* p, float x) {
     *p = f32_to_bf16(bf16_to_f32(*p) + x);
 }
+
+// RoPE's rotation for pair `i` of a `head_dim`-wide head at `pos`, by `sign` times
+// the angle pos * theta^(-2i / head_dim): cosine and sine. Angle, sine and cosine
+// in fp64 as on the CPU (pos * freq in fp32 loses the angle's fraction at long
+// positions), rounded to fp32 once. Shared by every kernel that rotates, so they
+// agree bit for bit.
+__device__ __forceinline__ void rope_cos_sin(double pos, int i, int head_dim, float theta,
+                                             float sign, float& c, float& s) {
+    const double freq = pow((double)theta, -2.0 * (double)i / (double)head_dim);
+    double sn, cs;
+    sincos(pos * freq * (double)sign, &sn, &cs);
+    c = (float)cs;
+    s = (float)sn;
+}

@@ -1,1 +1,638 @@
-//! The CUDA [`super::Device`] (feature `cuda`).
+//! The CUDA [`Device`] (feature `cuda`): one GPU through the kernels of
+//! [`meshplan_kernels::cuda`], bf16 activations and weight copies, fp32 master
+//! weights, gradients and moments, every launch on the [`Gpu`]'s one stream (so
+//! the stream's order is the program's, and a download waits for what came before
+//! it).
+//!
+//! Each method is the `Gpu` launch of the same kernel family, with the host
+//! device's fixed arguments made explicit: no vocabulary shard (`vocab_start` 0),
+//! no context-parallel offset (attention positions from 0), `beta` 0 for an
+//! activation GEMM and 1 for a weight gradient.
+
+use super::{range_err, DResult, Device, DeviceError};
+use meshplan_kernels::cpu::{AttnDims, Transpose};
+use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
+use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DriverError};
+use meshplan_kernels::cuda::{bf16, Gpu, GpuError};
+
+impl From<GpuError> for DeviceError {
+    fn from(e: GpuError) -> Self {
+        DeviceError(e.to_string())
+    }
+}
+
+fn driver(e: DriverError) -> DeviceError {
+    GpuError::from(e).into()
+}
+
+/// One GPU as a [`Device`].
+#[derive(Debug)]
+pub struct CudaDevice {
+    gpu: Gpu,
+}
+
+impl CudaDevice {
+    /// Opens the GPU and compiles (or reads from the PTX cache) every kernel module
+    /// now, so that a missing driver, a compile error or a PTX the driver refuses
+    /// is reported here rather than in the middle of the first step.
+    pub fn new() -> Result<CudaDevice, DeviceError> {
+        let gpu = Gpu::new()?;
+        gpu.load_all()?;
+        Ok(CudaDevice { gpu })
+    }
+
+    /// The GPU the device launches on.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+}
+
+/// `off..off + n` when it lies within `len` elements.
+fn range(what: &str, off: usize, n: usize, len: usize) -> DResult<std::ops::Range<usize>> {
+    match off.checked_add(n) {
+        Some(end) if end <= len => Ok(off..end),
+        _ => Err(range_err(what)),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+impl Device for CudaDevice {
+    type Act = CudaSlice<bf16>;
+    type F32 = CudaSlice<f32>;
+    type Ids = CudaSlice<u32>;
+    type Mark = CudaEvent;
+
+    fn name(&self) -> &'static str {
+        "cuda"
+    }
+    fn act_bytes(&self) -> usize {
+        2
+    }
+    fn act_zeros(&self, n: usize) -> DResult<CudaSlice<bf16>> {
+        Ok(self.gpu.zeros(n)?)
+    }
+    fn f32_zeros(&self, n: usize) -> DResult<CudaSlice<f32>> {
+        Ok(self.gpu.zeros(n)?)
+    }
+    fn f32_upload(&self, host: &[f32]) -> DResult<CudaSlice<f32>> {
+        Ok(self.gpu.upload(host)?)
+    }
+    fn ids_upload(&self, host: &[u32]) -> DResult<CudaSlice<u32>> {
+        Ok(self.gpu.upload(host)?)
+    }
+    fn f32_download(&self, x: &CudaSlice<f32>) -> DResult<Vec<f32>> {
+        Ok(self.gpu.download(x)?)
+    }
+    fn act_download(&self, x: &CudaSlice<bf16>) -> DResult<Vec<f32>> {
+        Ok(self.gpu.download(x)?.iter().map(|v| v.to_f32()).collect())
+    }
+    fn act_len(x: &CudaSlice<bf16>) -> usize {
+        x.len()
+    }
+    fn f32_len(x: &CudaSlice<f32>) -> usize {
+        x.len()
+    }
+    fn to_act(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<bf16>) -> DResult<()> {
+        Ok(self.gpu.cast_f32_to_bf16(x, y)?)
+    }
+    fn f32_zero(&self, x: &mut CudaSlice<f32>) -> DResult<()> {
+        self.gpu.stream().memset_zeros(x).map_err(driver)
+    }
+    fn f32_copy(
+        &self,
+        src: &CudaSlice<f32>,
+        src_off: usize,
+        dst: &mut CudaSlice<f32>,
+        dst_off: usize,
+        n: usize,
+    ) -> DResult<()> {
+        let s = range("f32_copy source", src_off, n, src.len())?;
+        let d = range("f32_copy destination", dst_off, n, dst.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.gpu
+            .stream()
+            .memcpy_dtod(&src.slice(s), &mut dst.slice_mut(d))
+            .map_err(driver)
+    }
+    fn accumulate(&self, acc: &mut CudaSlice<bf16>, x: &CudaSlice<bf16>) -> DResult<()> {
+        Ok(self.gpu.accumulate(acc, x)?)
+    }
+    fn matmul(
+        &self,
+        ta: Transpose,
+        tb: Transpose,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: &CudaSlice<bf16>,
+        b: &CudaSlice<bf16>,
+        c: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.gemm(ta, tb, m, k, n, a, b, 0.0, c)?)
+    }
+    fn matmul_acc(
+        &self,
+        ta: Transpose,
+        tb: Transpose,
+        m: usize,
+        k: usize,
+        n: usize,
+        a: &CudaSlice<bf16>,
+        b: &CudaSlice<bf16>,
+        c: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self.gpu.gemm(ta, tb, m, k, n, a, b, 1.0, c)?)
+    }
+    fn bias_add(
+        &self,
+        y: &mut CudaSlice<bf16>,
+        bias: &CudaSlice<bf16>,
+        rows: usize,
+        n: usize,
+    ) -> DResult<()> {
+        Ok(self.gpu.bias_add(y, bias, rows, n)?)
+    }
+    fn bias_grad(
+        &self,
+        dy: &CudaSlice<bf16>,
+        rows: usize,
+        n: usize,
+        dbias: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self.gpu.bias_grad(dy, rows, n, dbias)?)
+    }
+    fn split_qkv(
+        &self,
+        x: &CudaSlice<bf16>,
+        dims: &AttnDims,
+        q: &mut CudaSlice<bf16>,
+        k: &mut CudaSlice<bf16>,
+        v: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.split_qkv(x, dims, q, k, v)?)
+    }
+    fn join_qkv(
+        &self,
+        dq: &CudaSlice<bf16>,
+        dk: &CudaSlice<bf16>,
+        dv: &CudaSlice<bf16>,
+        dims: &AttnDims,
+        dx: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.join_qkv(dq, dk, dv, dims, dx)?)
+    }
+    fn transpose_bs(
+        &self,
+        x: &CudaSlice<bf16>,
+        b: usize,
+        s: usize,
+        w: usize,
+        to_sbhd: bool,
+        y: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.transpose_bs(x, b, s, w, to_sbhd, y)?)
+    }
+    fn rope_qkv(
+        &self,
+        x: &CudaSlice<bf16>,
+        positions: &CudaSlice<u32>,
+        rows: usize,
+        hq: usize,
+        hkv: usize,
+        d: usize,
+        width: usize,
+        theta: f32,
+        backward: bool,
+        y: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self
+            .gpu
+            .rope_qkv(x, positions, rows, hq, hkv, d, width, theta, backward, y)?)
+    }
+    fn attention_fwd(
+        &self,
+        dims: &AttnDims,
+        q: &CudaSlice<bf16>,
+        k: &CudaSlice<bf16>,
+        v: &CudaSlice<bf16>,
+        causal: bool,
+        scale: f32,
+        out: &mut CudaSlice<bf16>,
+        lse: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self
+            .gpu
+            .attention_fwd(dims, q, k, v, 0, 0, causal, scale, out, lse)?)
+    }
+    fn attention_bwd(
+        &self,
+        dims: &AttnDims,
+        q: &CudaSlice<bf16>,
+        k: &CudaSlice<bf16>,
+        v: &CudaSlice<bf16>,
+        o: &CudaSlice<bf16>,
+        lse: &CudaSlice<f32>,
+        d_o: &CudaSlice<bf16>,
+        causal: bool,
+        scale: f32,
+        d_q: &mut CudaSlice<bf16>,
+        d_k: &mut CudaSlice<bf16>,
+        d_v: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.attention_bwd(
+            dims, q, k, v, o, lse, d_o, 0, 0, causal, scale, d_q, d_k, d_v,
+        )?)
+    }
+    fn embedding_fwd(
+        &self,
+        ids: &CudaSlice<u32>,
+        table: &CudaSlice<bf16>,
+        dim: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.embedding_fwd(ids, table, 0, dim, out)?)
+    }
+    fn embedding_bwd(
+        &self,
+        ids: &CudaSlice<u32>,
+        d_out: &CudaSlice<bf16>,
+        dim: usize,
+        d_table: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self.gpu.embedding_bwd(ids, d_out, 0, dim, d_table)?)
+    }
+    fn layernorm_fwd(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        b: &CudaSlice<bf16>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        y: &mut CudaSlice<bf16>,
+        mean: &mut CudaSlice<f32>,
+        rstd: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self
+            .gpu
+            .layernorm_fwd(x, w, b, rows, dim, eps, y, mean, rstd)?)
+    }
+    fn layernorm_bwd(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        mean: &CudaSlice<f32>,
+        rstd: &CudaSlice<f32>,
+        dy: &CudaSlice<bf16>,
+        rows: usize,
+        dim: usize,
+        dx: &mut CudaSlice<bf16>,
+        dw: &mut CudaSlice<f32>,
+        db: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self
+            .gpu
+            .layernorm_bwd(x, w, mean, rstd, dy, rows, dim, dx, dw, db)?)
+    }
+    fn rmsnorm_fwd(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        y: &mut CudaSlice<bf16>,
+        rstd: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self.gpu.rmsnorm_fwd(x, w, rows, dim, eps, y, rstd)?)
+    }
+    fn rmsnorm_bwd(
+        &self,
+        x: &CudaSlice<bf16>,
+        w: &CudaSlice<bf16>,
+        rstd: &CudaSlice<f32>,
+        dy: &CudaSlice<bf16>,
+        rows: usize,
+        dim: usize,
+        dx: &mut CudaSlice<bf16>,
+        dw: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self.gpu.rmsnorm_bwd(x, w, rstd, dy, rows, dim, dx, dw)?)
+    }
+    fn gelu_fwd(&self, x: &CudaSlice<bf16>, y: &mut CudaSlice<bf16>) -> DResult<()> {
+        Ok(self.gpu.gelu_fwd(x, y)?)
+    }
+    fn gelu_bwd(
+        &self,
+        x: &CudaSlice<bf16>,
+        dy: &CudaSlice<bf16>,
+        dx: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.gelu_bwd(x, dy, dx)?)
+    }
+    fn swiglu_fwd(
+        &self,
+        x: &CudaSlice<bf16>,
+        rows: usize,
+        f: usize,
+        y: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.swiglu_fwd(x, rows, f, y)?)
+    }
+    fn swiglu_bwd(
+        &self,
+        x: &CudaSlice<bf16>,
+        dy: &CudaSlice<bf16>,
+        rows: usize,
+        f: usize,
+        dx: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.swiglu_bwd(x, dy, rows, f, dx)?)
+    }
+    fn add(
+        &self,
+        a: &CudaSlice<bf16>,
+        b: &CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.add(a, b, out)?)
+    }
+    fn cross_entropy(
+        &self,
+        logits: &CudaSlice<bf16>,
+        labels: &CudaSlice<u32>,
+        rows: usize,
+        vocab: usize,
+        scale: f32,
+        loss: &mut CudaSlice<f32>,
+        dlogits: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self
+            .gpu
+            .ce_fused(logits, labels, rows, vocab, scale, loss, dlogits)?)
+    }
+    fn adamw(
+        &self,
+        param: &mut CudaSlice<f32>,
+        grad: &CudaSlice<f32>,
+        m: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        compute: &mut CudaSlice<bf16>,
+        step: u64,
+        lr: f32,
+        (b1, b2, eps, wd): (f32, f32, f32, f32),
+    ) -> DResult<()> {
+        Ok(self
+            .gpu
+            .adamw_step(param, grad, m, v, compute, step, lr, b1, b2, eps, wd)?)
+    }
+    fn synchronize(&self) -> DResult<()> {
+        Ok(self.gpu.synchronize()?)
+    }
+    fn mark(&self) -> DResult<CudaEvent> {
+        // cudarc's default event has timing disabled, and `elapsed_ms` refuses it.
+        self.gpu
+            .stream()
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver)
+    }
+    fn seconds_between(&self, a: &CudaEvent, b: &CudaEvent) -> DResult<f64> {
+        let ms = a.elapsed_ms(b).map_err(driver)?;
+        Ok(f64::from(ms) / 1e3)
+    }
+    /// Device-wide (`total - free` of cuMemGetInfo): this process's buffers and
+    /// cached pool, its context, and any other process on the same GPU.
+    fn memory_in_use(&self) -> Option<u64> {
+        let (free, total) = self.gpu.context().mem_get_info().ok()?;
+        Some(total.saturating_sub(free) as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! [`CudaDevice`] against [`HostDevice`] through the [`Device`] trait alone, on
+    //! the same bf16-representable inputs: the mapping of each method onto its GPU
+    //! kernel (argument order, transposes, fixed offsets, overwrite or accumulate).
+    //! The kernels themselves are tested against the CPU in `meshplan-kernels`.
+    //! Skips without a GPU (saying why); `REQUIRE_GPU=1` turns the skip into a
+    //! failure.
+
+    use super::*;
+    use crate::device::{qkv_width, HostDevice};
+    use crate::init::splitmix;
+    use meshplan_kernels::cpu::Transpose::{No, Yes};
+
+    /// `n` values in `[-scale, scale)` rounded to bf16, so that rounding an input
+    /// to the GPU's compute precision changes nothing.
+    fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+        (0..n as u64)
+            .map(|i| {
+                let u = (splitmix(seed ^ splitmix(i)) >> 40) as f32 / (1u64 << 24) as f32;
+                bf16::from_f32(scale * (2.0 * u - 1.0)).to_f32()
+            })
+            .collect()
+    }
+
+    fn ids(seed: u64, n: usize, below: u64) -> Vec<u32> {
+        (0..n as u64)
+            .map(|i| (splitmix(seed ^ splitmix(i)) % below) as u32)
+            .collect()
+    }
+
+    /// An activation buffer holding `x`: the trait has no bf16 upload, so through
+    /// an fp32 buffer and [`Device::to_act`].
+    fn act<D: Device>(dev: &D, x: &[f32]) -> D::Act {
+        let f = dev.f32_upload(x).unwrap();
+        let mut a = dev.act_zeros(x.len()).unwrap();
+        dev.to_act(&f, &mut a).unwrap();
+        a
+    }
+
+    /// A result to compare: its name, values and tolerance `(atol, rtol)`.
+    type Out = (String, Vec<f32>, (f32, f32));
+
+    /// One bf16 rounding of the result on top of fp32 noise.
+    const BF16: (f32, f32) = (2e-2, 1.0 / 128.0);
+    /// fp32 results of the same fp32 arithmetic.
+    const FP32: (f32, f32) = (1e-6, 1e-5);
+    /// Bit-for-bit copies.
+    const EXACT: (f32, f32) = (0.0, 0.0);
+
+    fn run<D: Device>(dev: &D) -> Vec<Out> {
+        let mut out: Vec<Out> = Vec::new();
+        let mut act_out = |name: String, x: &D::Act, tol| {
+            out.push((name, dev.act_download(x).unwrap(), tol));
+        };
+
+        // Every transpose pair, bf16 activations out and fp32 gradients added into.
+        let (m, k, n) = (13, 70, 9);
+        let (a, b) = (
+            act(dev, &values(1, m * k, 1.0)),
+            act(dev, &values(2, k * n, 1.0)),
+        );
+        let mut f32_out = Vec::new();
+        for ta in [No, Yes] {
+            for tb in [No, Yes] {
+                let mut c = dev.act_zeros(m * n).unwrap();
+                dev.matmul(ta, tb, m, k, n, &a, &b, &mut c).unwrap();
+                act_out(format!("matmul {ta:?} {tb:?}"), &c, BF16);
+                let mut c = dev.f32_upload(&values(3, m * n, 1.0)).unwrap();
+                dev.matmul_acc(ta, tb, m, k, n, &a, &b, &mut c).unwrap();
+                f32_out.push((
+                    format!("matmul_acc {ta:?} {tb:?}"),
+                    dev.f32_download(&c).unwrap(),
+                    (1e-3, 1e-4),
+                ));
+            }
+        }
+
+        // Fused QKV rows [s, b, width] split and joined back, RoPE on them both ways.
+        let dims = AttnDims {
+            batch: 2,
+            sq: 3,
+            sk: 3,
+            hq: 4,
+            hkv: 2,
+            d: 8,
+            dv: 6,
+        };
+        let rows = dims.batch * dims.sq;
+        let width = qkv_width(&dims);
+        let x = act(dev, &values(4, rows * width, 1.0));
+        let mut q = dev.act_zeros(rows * dims.hq * dims.d).unwrap();
+        let mut kk = dev.act_zeros(rows * dims.hkv * dims.d).unwrap();
+        let mut v = dev.act_zeros(rows * dims.hkv * dims.dv).unwrap();
+        dev.split_qkv(&x, &dims, &mut q, &mut kk, &mut v).unwrap();
+        act_out("split_qkv q".into(), &q, EXACT);
+        act_out("split_qkv k".into(), &kk, EXACT);
+        act_out("split_qkv v".into(), &v, EXACT);
+        let mut joined = dev.act_zeros(rows * width).unwrap();
+        dev.join_qkv(&q, &kk, &v, &dims, &mut joined).unwrap();
+        act_out("join_qkv".into(), &joined, EXACT);
+        let mut t = dev.act_zeros(rows * width).unwrap();
+        dev.transpose_bs(&x, dims.batch, dims.sq, width, true, &mut t)
+            .unwrap();
+        act_out("transpose_bs".into(), &t, EXACT);
+        let positions = dev
+            .ids_upload(&(0..rows as u32).map(|r| 37 * r + 5).collect::<Vec<_>>())
+            .unwrap();
+        for backward in [false, true] {
+            let mut y = dev.act_zeros(rows * width).unwrap();
+            dev.rope_qkv(
+                &x, &positions, rows, dims.hq, dims.hkv, dims.d, width, 10_000.0, backward, &mut y,
+            )
+            .unwrap();
+            act_out(format!("rope_qkv backward={backward}"), &y, BF16);
+        }
+
+        // Bias, accumulate.
+        let mut y = act(dev, &values(5, rows * width, 1.0));
+        dev.bias_add(&mut y, &act(dev, &values(6, width, 1.0)), rows, width)
+            .unwrap();
+        act_out("bias_add".into(), &y, BF16);
+        let mut db = dev.f32_upload(&values(7, width, 1.0)).unwrap();
+        dev.bias_grad(&x, rows, width, &mut db).unwrap();
+        f32_out.push((
+            "bias_grad".into(),
+            dev.f32_download(&db).unwrap(),
+            (1e-5, 1e-5),
+        ));
+        dev.accumulate(&mut y, &x).unwrap();
+        act_out("accumulate".into(), &y, BF16);
+
+        // Cross-entropy: loss written, dlogits written (not added to the ones).
+        let (ce_rows, vocab) = (5, 37);
+        let logits = act(dev, &values(8, ce_rows * vocab, 3.0));
+        let labels = dev.ids_upload(&ids(9, ce_rows, vocab as u64)).unwrap();
+        let mut loss = dev.f32_upload(&vec![7.0; ce_rows]).unwrap();
+        let mut dlogits = act(dev, &vec![1.0; ce_rows * vocab]);
+        dev.cross_entropy(
+            &logits,
+            &labels,
+            ce_rows,
+            vocab,
+            0.2,
+            &mut loss,
+            &mut dlogits,
+        )
+        .unwrap();
+        f32_out.push((
+            "ce loss".into(),
+            dev.f32_download(&loss).unwrap(),
+            (1e-4, 1e-4),
+        ));
+        act_out("ce dlogits".into(), &dlogits, (1e-4, 1.0 / 128.0));
+
+        // AdamW: the fp32 master, moments and the refreshed compute copy.
+        let np = 103;
+        let mut param = dev.f32_upload(&values(10, np, 1.0)).unwrap();
+        let grad = dev.f32_upload(&values(11, np, 0.1)).unwrap();
+        let mut m1 = dev.f32_upload(&values(12, np, 0.01)).unwrap();
+        let v0: Vec<f32> = values(13, np, 1e-4).iter().map(|x| x.abs()).collect();
+        let mut v1 = dev.f32_upload(&v0).unwrap();
+        let mut compute = dev.act_zeros(np).unwrap();
+        dev.adamw(
+            &mut param,
+            &grad,
+            &mut m1,
+            &mut v1,
+            &mut compute,
+            3,
+            1e-2,
+            (0.9, 0.95, 1e-8, 0.1),
+        )
+        .unwrap();
+        act_out("adamw compute copy".into(), &compute, (1e-6, 1.0 / 128.0));
+        for (name, buf) in [("adamw param", &param), ("adamw m", &m1), ("adamw v", &v1)] {
+            f32_out.push((name.into(), dev.f32_download(buf).unwrap(), FP32));
+        }
+
+        // A sub-range copy between fp32 buffers.
+        let src = dev.f32_upload(&values(14, 20, 1.0)).unwrap();
+        let mut dst = dev.f32_zeros(16).unwrap();
+        dev.f32_copy(&src, 5, &mut dst, 3, 10).unwrap();
+        f32_out.push(("f32_copy".into(), dev.f32_download(&dst).unwrap(), EXACT));
+        assert!(dev.f32_copy(&src, 15, &mut dst, 0, 10).is_err());
+        assert!(dev.f32_copy(&src, 0, &mut dst, 7, 10).is_err());
+
+        out.extend(f32_out);
+        out
+    }
+
+    #[test]
+    fn cuda_device_matches_the_host_device() {
+        // First, so that the sizes and the expected errors are checked everywhere.
+        let want = run(&HostDevice);
+        let dev = match CudaDevice::new() {
+            Ok(dev) => dev,
+            Err(e) => {
+                assert!(
+                    std::env::var("REQUIRE_GPU").as_deref() != Ok("1"),
+                    "REQUIRE_GPU=1 but no GPU can be used: {e}"
+                );
+                println!("cuda_device_matches_the_host_device: skipped, no GPU: {e}");
+                return;
+            }
+        };
+        let start = dev.mark().unwrap();
+        let got = run(&dev);
+        let end = dev.mark().unwrap();
+        assert_eq!(got.len(), want.len());
+        for ((name, g, (atol, rtol)), (wname, w, _)) in got.iter().zip(&want) {
+            assert_eq!(name, wname);
+            assert_eq!(g.len(), w.len(), "{name}: length");
+            for (i, (&x, &y)) in g.iter().zip(w).enumerate() {
+                assert!(
+                    x == y || (x - y).abs() <= atol + rtol * y.abs(),
+                    "{name}[{i}]: cuda {x} vs host {y}"
+                );
+            }
+        }
+        dev.synchronize().unwrap();
+        let seconds = dev.seconds_between(&start, &end).unwrap();
+        assert!(seconds.is_finite() && seconds >= 0.0, "{seconds}");
+        assert!(dev.memory_in_use().is_some_and(|b| b > 0));
+    }
+}

@@ -32,6 +32,8 @@ mod gemm;
 #[cfg(feature = "cudarc")]
 mod gpu;
 #[cfg(feature = "cudarc")]
+mod layout_ops;
+#[cfg(feature = "cudarc")]
 mod ops;
 #[cfg(all(test, feature = "cudarc"))]
 mod tests;
@@ -74,10 +76,13 @@ pub enum KernelModule {
     Attention,
     /// `moe.cu`: MoE routing, dispatch and combine.
     Moe,
+    /// `layout.cu`: the device interpreter's data movement (fused QKV split and
+    /// join, batch/sequence transpose, RoPE on fused rows) and bias/accumulate.
+    Layout,
 }
 
 /// Every module, in a fixed order (the index of [`KernelModule::index`]).
-pub const ALL_MODULES: [KernelModule; 9] = [
+pub const ALL_MODULES: [KernelModule; 10] = [
     KernelModule::Embedding,
     KernelModule::Norm,
     KernelModule::Rope,
@@ -87,6 +92,7 @@ pub const ALL_MODULES: [KernelModule; 9] = [
     KernelModule::Adamw,
     KernelModule::Attention,
     KernelModule::Moe,
+    KernelModule::Layout,
 ];
 
 /// The prelude, a `#line` reset (so NVRTC's messages name the `.cu` file and its own
@@ -121,6 +127,7 @@ impl KernelModule {
             KernelModule::Adamw => "adamw.cu",
             KernelModule::Attention => "attention.cu",
             KernelModule::Moe => "moe.cu",
+            KernelModule::Layout => "layout.cu",
         }
     }
 
@@ -137,6 +144,7 @@ impl KernelModule {
             KernelModule::Adamw => module_source!("adamw.cu"),
             KernelModule::Attention => module_source!("attention.cu"),
             KernelModule::Moe => module_source!("moe.cu"),
+            KernelModule::Layout => module_source!("layout.cu"),
         }
     }
 
@@ -180,6 +188,15 @@ impl KernelModule {
                 "moe_dispatch_bwd_bf16",
                 "moe_combine_fwd_bf16",
                 "moe_combine_bwd_bf16",
+            ],
+            KernelModule::Layout => &[
+                "split_qkv_bf16",
+                "join_qkv_bf16",
+                "transpose_bs_bf16",
+                "rope_qkv_bf16",
+                "bias_add_bf16",
+                "bias_grad_f32",
+                "accumulate_bf16",
             ],
         }
     }

@@ -18,17 +18,17 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 /// `v` as a kernel's `int` argument.
-fn int(name: &'static str, v: usize) -> Result<i32, KernelError> {
+pub(super) fn int(name: &'static str, v: usize) -> Result<i32, KernelError> {
     i32::try_from(v).map_err(|_| invalid(name, format!("{v} does not fit in a 32-bit int")))
 }
 
 /// `v` as a kernel's `long long` element count.
-fn long(name: &'static str, v: usize) -> Result<i64, KernelError> {
+pub(super) fn long(name: &'static str, v: usize) -> Result<i64, KernelError> {
     i64::try_from(v).map_err(|_| invalid(name, format!("{v} does not fit in 64 bits")))
 }
 
 /// One block of `threads` per row (`rows` > 0, at most `i32::MAX`).
-fn per_row(rows: usize, threads: u32, shared_bytes: u32) -> LaunchConfig {
+pub(super) fn per_row(rows: usize, threads: u32, shared_bytes: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (rows as u32, 1, 1),
         block_dim: (threads, 1, 1),
@@ -37,7 +37,7 @@ fn per_row(rows: usize, threads: u32, shared_bytes: u32) -> LaunchConfig {
 }
 
 /// Threads per block of the row kernels (norms, embedding rows).
-const ROW_THREADS: u32 = 256;
+pub(super) const ROW_THREADS: u32 = 256;
 /// Threads per block of the elementwise (grid-stride) kernels.
 const ELEM_THREADS: u32 = 256;
 /// Threads per block of the fused cross-entropy (`CE_THREADS` in loss.cu).
@@ -69,11 +69,12 @@ macro_rules! launch {
         launched.map(|_| ()).map_err(GpuError::from)
     }};
 }
+pub(super) use launch;
 
 impl Gpu {
     /// A grid-stride launch over `n` elements (`n` > 0): enough blocks to fill the
     /// device a few times over, no more.
-    fn elementwise(&self, n: usize) -> LaunchConfig {
+    pub(super) fn elementwise(&self, n: usize) -> LaunchConfig {
         let max_blocks = (self.info().sm_count.max(1) as usize) * 32;
         let blocks = n.div_ceil(ELEM_THREADS as usize).clamp(1, max_blocks);
         LaunchConfig {

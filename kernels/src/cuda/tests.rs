@@ -5,7 +5,8 @@
 //!   the wrappers load is in the PTX, and the PTX cache round-trips. Needs only
 //!   libnvrtc; `REQUIRE_NVRTC=1` turns a skip into a failure.
 //! - Every kernel on random inputs against its CPU reference in [`crate::cpu`]
-//!   (bf16 tolerances where the GPU computes in bf16), and the cuBLASLt GEMM
+//!   (or, for the layout kernels, a host loop; bf16 tolerances where the GPU
+//!   computes in bf16), and the cuBLASLt GEMM
 //!   against `cpu::matmul`. Needs a GPU; `REQUIRE_GPU=1` turns a skip into a
 //!   failure.
 
@@ -868,6 +869,169 @@ fn gpu_moe_matches_cpu() {
 }
 
 #[test]
+fn gpu_layout_kernels_match_host() {
+    let Some(gpu) = gpu_or_skip("gpu_layout_kernels_match_host") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(107);
+
+    // Fused QKV split and join: exact copies. d 16 and dv 8 take the 16-byte path,
+    // d 5 and dv 3 the scalar one.
+    for (batch, sq, hq, hkv, d, dv) in [(3, 5, 4, 2, 16, 8), (2, 3, 3, 1, 5, 3)] {
+        let dims = AttnDims {
+            batch,
+            sq,
+            sk: sq,
+            hq,
+            hkv,
+            d,
+            dv,
+        };
+        let (qw, kw, vw) = (hq * d, hkv * d, hkv * dv);
+        let width = qw + kw + vw;
+        let x = round_bf16(&rng.vec(batch * sq * width));
+        let (mut q, mut k, mut v) = (
+            vec![0.0; batch * sq * qw],
+            vec![0.0; batch * sq * kw],
+            vec![0.0; batch * sq * vw],
+        );
+        for si in 0..sq {
+            for bi in 0..batch {
+                let row = &x[(si * batch + bi) * width..][..width];
+                let t = bi * sq + si;
+                q[t * qw..][..qw].copy_from_slice(&row[..qw]);
+                k[t * kw..][..kw].copy_from_slice(&row[qw..qw + kw]);
+                v[t * vw..][..vw].copy_from_slice(&row[qw + kw..]);
+            }
+        }
+        let (mut gq, mut gk, mut gv) = (
+            dev.b(&vec![9.0; q.len()]),
+            dev.b(&vec![9.0; k.len()]),
+            dev.b(&vec![9.0; v.len()]),
+        );
+        gpu.split_qkv(&dev.b(&x), &dims, &mut gq, &mut gk, &mut gv)
+            .unwrap();
+        assert_eq!(dev.gb(&gq), q, "split q d{d}");
+        assert_eq!(dev.gb(&gk), k, "split k d{d}");
+        assert_eq!(dev.gb(&gv), v, "split v d{d}");
+        let mut gx = dev.b(&vec![9.0; x.len()]);
+        gpu.join_qkv(&dev.b(&q), &dev.b(&k), &dev.b(&v), &dims, &mut gx)
+            .unwrap();
+        assert_eq!(dev.gb(&gx), x, "join d{d}");
+    }
+
+    // [b, s, w] <-> [s, b, w]: exact copies.
+    for (b, s, w) in [(3, 7, 16), (2, 5, 3)] {
+        let x = round_bf16(&rng.vec(b * s * w));
+        let mut sbw = vec![0.0; x.len()];
+        for bi in 0..b {
+            for si in 0..s {
+                sbw[(si * b + bi) * w..][..w].copy_from_slice(&x[(bi * s + si) * w..][..w]);
+            }
+        }
+        let mut gy = dev.b(&vec![0.0; x.len()]);
+        gpu.transpose_bs(&dev.b(&x), b, s, w, true, &mut gy)
+            .unwrap();
+        assert_eq!(dev.gb(&gy), sbw, "to [s, b, w], w {w}");
+        let mut back = dev.b(&vec![0.0; x.len()]);
+        gpu.transpose_bs(&gy, b, s, w, false, &mut back).unwrap();
+        assert_eq!(dev.gb(&back), x, "to [b, s, w], w {w}");
+    }
+
+    // RoPE on fused rows: the CPU rope on the query and key parts, values copied.
+    let (rows, hq, hkv, d, theta) = (11, 4, 2, 64, 500_000.0);
+    let width = (hq + hkv) * d + hkv * 24;
+    let x = round_bf16(&rng.vec(rows * width));
+    let pos: Vec<u32> = (0..rows as u32).map(|r| r * 977 + 3).collect();
+    for backward in [false, true] {
+        let mut want = x.clone();
+        for (start, heads) in [(0, hq), (hq * d, hkv)] {
+            let part: Vec<f32> = (0..rows)
+                .flat_map(|r| x[r * width + start..][..heads * d].to_vec())
+                .collect();
+            let mut out = vec![0.0; part.len()];
+            if backward {
+                cpu::rope_bwd(&part, &pos, rows, heads, d, theta, &mut out).unwrap();
+            } else {
+                cpu::rope_fwd(&part, &pos, rows, heads, d, theta, &mut out).unwrap();
+            }
+            for r in 0..rows {
+                want[r * width + start..][..heads * d]
+                    .copy_from_slice(&out[r * heads * d..][..heads * d]);
+            }
+        }
+        let mut gy = dev.b(&vec![0.0; x.len()]);
+        gpu.rope_qkv(
+            &dev.b(&x),
+            &dev.u(&pos),
+            rows,
+            hq,
+            hkv,
+            d,
+            width,
+            theta,
+            backward,
+            &mut gy,
+        )
+        .unwrap();
+        close(
+            &format!("rope_qkv backward={backward}"),
+            &dev.gb(&gy),
+            &want,
+            1e-2,
+            BF16_RTOL,
+        );
+    }
+    // With no value columns the rows are rope_fwd's [tokens, heads, d]: the same
+    // rotation, bit for bit.
+    let width = (hq + hkv) * d;
+    let x = round_bf16(&rng.vec(rows * width));
+    let (gx, gpos) = (dev.b(&x), dev.u(&pos));
+    let (mut fused, mut plain) = (dev.b(&vec![0.0; x.len()]), dev.b(&vec![0.0; x.len()]));
+    gpu.rope_qkv(
+        &gx, &gpos, rows, hq, hkv, d, width, theta, false, &mut fused,
+    )
+    .unwrap();
+    gpu.rope_fwd(&gx, &gpos, rows, hq + hkv, d, theta, &mut plain)
+        .unwrap();
+    assert_eq!(dev.gb(&fused), dev.gb(&plain), "rope_qkv vs rope_fwd");
+
+    // Bias add and gradient; 300 rows make several row chunks.
+    for (rows, n) in [(37, 64), (300, 5), (1000, 129)] {
+        let y0 = round_bf16(&rng.vec(rows * n));
+        let bias = round_bf16(&rng.vec(n));
+        let want: Vec<f32> = y0
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| v + bias[i % n])
+            .collect();
+        let mut gy = dev.b(&y0);
+        gpu.bias_add(&mut gy, &dev.b(&bias), rows, n).unwrap();
+        close("bias_add", &dev.gb(&gy), &want, 1e-6, BF16_RTOL);
+        let db0 = rng.vec(n);
+        let mut want = db0.clone();
+        for r in 0..rows {
+            for c in 0..n {
+                want[c] += y0[r * n + c];
+            }
+        }
+        let mut gdb = dev.f(&db0);
+        gpu.bias_grad(&dev.b(&y0), rows, n, &mut gdb).unwrap();
+        close("bias_grad", &dev.gf(&gdb), &want, 1e-4, 1e-4);
+    }
+
+    // acc += x; 1003: an aligned 8-wide body and a scalar tail.
+    let n = 1003;
+    let acc0 = round_bf16(&rng.vec(n));
+    let x = round_bf16(&rng.vec(n));
+    let want: Vec<f32> = acc0.iter().zip(&x).map(|(a, b)| a + b).collect();
+    let mut gacc = dev.b(&acc0);
+    gpu.accumulate(&mut gacc, &dev.b(&x)).unwrap();
+    close("accumulate", &dev.gb(&gacc), &want, 1e-6, BF16_RTOL);
+}
+
+#[test]
 fn gpu_rejects_bad_sizes_without_launching() {
     let Some(gpu) = gpu_or_skip("gpu_rejects_bad_sizes_without_launching") else {
         return;
@@ -905,4 +1069,21 @@ fn gpu_rejects_bad_sizes_without_launching() {
         &mut dev.b(&[0.0; 3]),
     );
     assert!(matches!(e, Err(GpuError::Args(_))));
+    // Query and key columns wider than the row.
+    let e = gpu.rope_qkv(
+        &dev.b(&[0.0; 8]),
+        &dev.u(&[0]),
+        1,
+        2,
+        1,
+        4,
+        8,
+        1e4,
+        false,
+        &mut dev.b(&[0.0; 8]),
+    );
+    assert!(matches!(e, Err(GpuError::Args(_))), "{e:?}");
+    let (mut q, mut k, mut v) = (dev.b(&[0.0; 24]), dev.b(&[0.0; 15]), dev.b(&[0.0; 16]));
+    let e = gpu.split_qkv(&dev.b(&[0.0; 56]), &dims, &mut q, &mut k, &mut v);
+    assert!(matches!(e, Err(GpuError::Args(_))), "{e:?}");
 }
