@@ -216,3 +216,54 @@ fn mixed_precision_stays_within_the_check_tolerances_and_a_wrong_run_does_not() 
         eprintln!("{cfg}, 1.5x lr: {}", e.lines().last().unwrap());
     }
 }
+
+/// Gradient buckets start as soon as the step's last backward has finished their
+/// gradients, not after it: on a device with its own collective engine that is the
+/// overlap of communication with the backward.
+#[test]
+fn gradient_buckets_start_during_the_last_backward() {
+    let m = model("tiny-gpt");
+    let p = plan_buckets(&m, "dp=2,mbs=2", 10_000.0);
+    let opts = TrainOptions {
+        steps: 1,
+        trace: true,
+        ..TrainOptions::default()
+    };
+    let run = train_device(&p, &opts, &|_| Ok(HostDevice)).expect("run");
+    let spans = &run.ranks[0].spans;
+    let last_bwd = spans
+        .iter()
+        .filter(|s| s.name.starts_with("bwd "))
+        .max_by(|a, b| a.start_s.total_cmp(&b.start_s))
+        .expect("a backward task");
+    let end = last_bwd.start_s + last_bwd.dur_s;
+    let early: Vec<_> = spans
+        .iter()
+        .filter(|s| s.name == "AllReduce dp (start)")
+        .collect();
+    let during = early
+        .iter()
+        .filter(|s| s.start_s >= last_bwd.start_s && s.start_s + s.dur_s <= end + 1e-9)
+        .count();
+    let buckets = spans.iter().filter(|s| s.name == "AllReduce dp").count();
+    eprintln!(
+        "{buckets} buckets, {} started early, {during} inside the last backward",
+        early.len()
+    );
+    assert!(buckets > 5, "{buckets}");
+    // All but the bucket holding the embedding table (whose gradient is the last
+    // one written) start inside the backward.
+    assert!(
+        during + 1 >= buckets,
+        "{during} of {buckets} started during the backward"
+    );
+    // The first micro-batch's backward starts none: its gradients are not final.
+    let first_bwd = spans
+        .iter()
+        .filter(|s| s.name.starts_with("bwd "))
+        .min_by(|a, b| a.start_s.total_cmp(&b.start_s))
+        .expect("a backward task");
+    assert!(early
+        .iter()
+        .all(|s| s.start_s >= first_bwd.start_s + first_bwd.dur_s));
+}

@@ -10,6 +10,7 @@
 //! activation GEMM and 1 for a weight gradient.
 
 use super::{range_err, DResult, Device, DeviceError};
+use crate::comm::{CommError, Communicator, Group};
 use meshplan_kernels::cpu::{AttnDims, Transpose};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DriverError};
@@ -61,6 +62,7 @@ impl Device for CudaDevice {
     type F32 = CudaSlice<f32>;
     type Ids = CudaSlice<u32>;
     type Mark = CudaEvent;
+    type Reduction = CudaSlice<f32>;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -387,6 +389,27 @@ impl Device for CudaDevice {
         Ok(self
             .gpu
             .adamw_step(param, grad, m, v, compute, step, lr, b1, b2, eps, wd)?)
+    }
+    fn all_reduce_start(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        buf: CudaSlice<f32>,
+    ) -> Result<CudaSlice<f32>, CommError> {
+        // Through the host: the in-process communicator (ranks sharing the GPU), or
+        // NCCL's host-buffer interface.
+        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+        let mut host = self.f32_download(&buf).map_err(internal)?;
+        comm.all_reduce(group, axis, &mut host)?;
+        self.f32_upload(&host).map_err(internal)
+    }
+    fn all_reduce_finish(
+        &self,
+        _: &mut dyn Communicator,
+        r: CudaSlice<f32>,
+    ) -> Result<CudaSlice<f32>, CommError> {
+        Ok(r)
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(self.gpu.synchronize()?)

@@ -34,6 +34,7 @@ impl Device for Bf16Host {
     type F32 = Vec<f32>;
     type Ids = Vec<u32>;
     type Mark = std::time::Instant;
+    type Reduction = Vec<f32>;
 
     fn name(&self) -> &'static str {
         "cpu-bf16"
@@ -336,6 +337,22 @@ impl Device for Bf16Host {
             HostDevice.adamw(param, grad, m, v, compute, step, lr, hyper),
             compute
         )
+    }
+    fn all_reduce_start(
+        &self,
+        comm: &mut dyn crate::comm::Communicator,
+        group: &crate::comm::Group,
+        axis: &str,
+        buf: Vec<f32>,
+    ) -> Result<Vec<f32>, crate::comm::CommError> {
+        HostDevice.all_reduce_start(comm, group, axis, buf)
+    }
+    fn all_reduce_finish(
+        &self,
+        comm: &mut dyn crate::comm::Communicator,
+        r: Vec<f32>,
+    ) -> Result<Vec<f32>, crate::comm::CommError> {
+        HostDevice.all_reduce_finish(comm, r)
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(())

@@ -64,6 +64,8 @@ pub trait Device: Send + Sync {
     type Ids: Send + Sync;
     /// A point on the device's timeline (for traces).
     type Mark: Send;
+    /// A reduction in flight ([`Device::all_reduce_start`]).
+    type Reduction: Send;
 
     /// Short name for reports (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
@@ -328,24 +330,24 @@ pub trait Device: Send + Sync {
         hyper: (f32, f32, f32, f32),
     ) -> DResult<()>;
 
-    /// Sums `buf` over `group` through `comm`. The default stages it through the
-    /// host; a device with its own collective engine overrides it.
-    fn all_reduce(
+    /// Starts summing `buf` over `group` through `comm`, after the work launched so
+    /// far; the interpreter issues a gradient bucket as soon as its gradients are
+    /// final, so that a device with a collective engine of its own overlaps it with
+    /// the rest of the backward.
+    fn all_reduce_start(
         &self,
         comm: &mut dyn Communicator,
         group: &Group,
         axis: &str,
-        buf: &mut Self::F32,
-    ) -> Result<(), CommError> {
-        let mut host = self
-            .f32_download(buf)
-            .map_err(|e| CommError::Internal { detail: e.0 })?;
-        comm.all_reduce(group, axis, &mut host)?;
-        *buf = self
-            .f32_upload(&host)
-            .map_err(|e| CommError::Internal { detail: e.0 })?;
-        Ok(())
-    }
+        buf: Self::F32,
+    ) -> Result<Self::Reduction, CommError>;
+    /// The summed buffer of a reduction [`Device::all_reduce_start`] began, ready for
+    /// the work launched after this call.
+    fn all_reduce_finish(
+        &self,
+        comm: &mut dyn Communicator,
+        r: Self::Reduction,
+    ) -> Result<Self::F32, CommError>;
 
     /// Waits for everything launched so far.
     fn synchronize(&self) -> DResult<()>;
@@ -372,6 +374,7 @@ impl Device for HostDevice {
     type F32 = Vec<f32>;
     type Ids = Vec<u32>;
     type Mark = std::time::Instant;
+    type Reduction = Vec<f32>;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -721,6 +724,23 @@ impl Device for HostDevice {
         k::adamw_step(param, grad, m, v, step, lr, b1, b2, eps, wd)?;
         compute.copy_from_slice(param);
         Ok(())
+    }
+    fn all_reduce_start(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        mut buf: Vec<f32>,
+    ) -> Result<Vec<f32>, CommError> {
+        comm.all_reduce(group, axis, &mut buf)?;
+        Ok(buf)
+    }
+    fn all_reduce_finish(
+        &self,
+        _: &mut dyn Communicator,
+        r: Vec<f32>,
+    ) -> Result<Vec<f32>, CommError> {
+        Ok(r)
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(())

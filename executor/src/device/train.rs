@@ -13,7 +13,7 @@
 //! master weights and moments, refreshing the bf16 copy in the same kernel.
 
 use super::{qkv_width, DResult, Device, DeviceError};
-use crate::comm::{Communicator, Group, RankError, ThreadComm};
+use crate::comm::{Communicator, Group, RankError};
 use crate::init::{init_full, init_kind};
 use crate::train::{
     build_groups, fail, fixed_shape, fixed_shape_tail, segment_copies, segment_index,
@@ -99,7 +99,7 @@ pub fn train_device<D: Device>(
     let t0 = Instant::now();
     let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
         let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
-        let mut r = DevRank::new(dev, plan, comm, opts, seq_len, global_batch, t0)?;
+        let mut r = DevRank::new(dev, plan, Box::new(comm), opts, seq_len, global_batch, t0)?;
         let mut loss_parts = Vec::new();
         let mut step_s = Vec::new();
         for step in 0..opts.steps {
@@ -172,7 +172,7 @@ struct DevRank<'a, D: Device> {
     dev: D,
     graph: &'a Graph,
     rank: usize,
-    comm: ThreadComm,
+    comm: Box<dyn Communicator>,
     program: &'a Program,
     groups: BTreeMap<String, Group>,
     dp_index: usize,
@@ -195,13 +195,44 @@ struct DevRank<'a, D: Device> {
     t0: Instant,
     pending: Vec<Pending<D::Mark>>,
     spans: Vec<crate::trace::Span>,
+    /// The step list, checked once: gradient buckets and the optimizer.
+    step_plan: Vec<StepItem>,
+    buckets: Vec<Bucket>,
+    /// Reductions started early, per bucket.
+    in_flight: Vec<Option<D::Reduction>>,
+    /// The next bucket to start (buckets start in the step list's order on every
+    /// rank, as the communicator matches them).
+    next_bucket: usize,
+    /// Backward ops writing each weight's gradient in one backward task, and during
+    /// the step's last backward task how many are still to run.
+    uses: BTreeMap<Key, usize>,
+    remaining: Option<BTreeMap<Key, usize>>,
+    /// Weights in the order the backward's last write to their gradient comes.
+    final_order: Vec<Key>,
+}
+
+/// What the step list does, in order.
+enum StepItem {
+    /// All-reduce of bucket `i` over the data ranks.
+    Bucket(usize),
+    Optimizer,
+}
+
+/// A gradient bucket: a range of the flat gradient (weights in key order).
+struct Bucket {
+    group: Group,
+    axis: String,
+    tensor: String,
+    len: usize,
+    /// (weight, offset in its gradient, offset in the bucket, values).
+    pieces: Vec<(Key, usize, usize, usize)>,
 }
 
 impl<'a, D: Device> DevRank<'a, D> {
     fn new(
         dev: D,
         plan: &'a Plan,
-        comm: ThreadComm,
+        comm: Box<dyn Communicator>,
         opts: &TrainOptions,
         seq_len: u64,
         global_batch: u64,
@@ -243,8 +274,17 @@ impl<'a, D: Device> DevRank<'a, D> {
             t0,
             pending: Vec::new(),
             spans: Vec::new(),
+            step_plan: Vec::new(),
+            buckets: Vec::new(),
+            in_flight: Vec::new(),
+            next_bucket: 0,
+            uses: BTreeMap::new(),
+            remaining: None,
+            final_order: Vec::new(),
         };
         r.init_weights()?;
+        r.count_uses()?;
+        r.plan_step()?;
         Ok(r)
     }
 
@@ -300,7 +340,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             self.dev.f32_zero(g).map_err(derr("zero gradients"))?;
         }
         let phase = self.phase()?;
-        for task in &phase.schedule {
+        let last_b = phase.schedule.iter().rposition(|t| t.pass == Pass::B);
+        for (ti, task) in phase.schedule.iter().enumerate() {
             let ch = phase
                 .chunks
                 .iter()
@@ -324,7 +365,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                         .ok_or_else(|| fail("a backward before its forward"))?;
                     self.grad_hidden = None;
                     let mut layer = ch.layer_end;
+                    // In the step's last backward, each gradient is final once the
+                    // last op writing it has run.
+                    if Some(ti) == last_b && phase.chunks.len() == 1 {
+                        self.remaining = Some(self.uses.clone());
+                    }
                     self.run_backward(&ch.backward, &mut t, &mut layer)?;
+                    self.remaining = None;
                 }
             }
             let pass = if task.pass == Pass::F { "fwd" } else { "bwd" };
@@ -335,26 +382,21 @@ impl<'a, D: Device> DevRank<'a, D> {
                 serde_json::json!({"step": step, "mb": task.mb, "chunk": task.chunk}),
             )?;
         }
-        for instr in &phase.step {
+        for i in 0..self.step_plan.len() {
             let m0 = self.mark()?;
-            match instr {
-                Instr::Collective {
-                    kind,
-                    group,
-                    axis,
-                    tensor,
-                    ..
-                } => {
-                    self.reduce_bucket(*kind, group, axis.name(), tensor)?;
-                    self.span(
-                        m0,
-                        format!("{kind:?} {}", axis.name()),
-                        "comm",
-                        serde_json::json!({"step": step, "tensor": tensor}),
-                    )?;
+            match self.step_plan[i] {
+                StepItem::Bucket(b) => {
+                    if self.in_flight[b].is_none() {
+                        self.start_bucket(b)?;
+                    }
+                    self.finish_bucket(b)?;
+                    let bk = &self.buckets[b];
+                    let args = serde_json::json!({"step": step, "tensor": bk.tensor});
+                    let name = format!("AllReduce {}", bk.axis);
+                    self.span(m0, name, "comm", args)?;
                 }
-                Instr::Optimizer { params, .. } => {
-                    self.optimizer(params)?;
+                StepItem::Optimizer => {
+                    self.optimizer()?;
                     self.span(
                         m0,
                         "optimizer",
@@ -362,9 +404,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                         serde_json::json!({"step": step}),
                     )?;
                 }
-                other => return Err(fail(format!("unexpected step instruction {other:?}"))),
             }
         }
+        self.next_bucket = 0;
         // A step ends when its work has, not when its launches have.
         self.dev.synchronize().map_err(derr("synchronize"))?;
         self.resolve_spans(step_mark)?;
@@ -556,6 +598,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                             let m0 = self.mark()?;
                             let op = self.find_op(name)?;
                             self.backward_op(op, l, t)?;
+                            self.gradients_written(op, l)?;
                             self.span(m0, format!("{name} bwd"), "compute", self.op_args(l))?;
                         }
                         other => {
@@ -1066,87 +1109,190 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(())
     }
 
-    /// A step-list collective: a bucket `grads:dense[a..b]` of the flat gradient
-    /// (weights in key order), summed over the data ranks.
-    fn reduce_bucket(
-        &mut self,
-        kind: CollectiveKind,
-        group: &str,
-        axis: &str,
-        tensor: &str,
-    ) -> Result<(), RankError> {
-        let rest = tensor
-            .strip_prefix("grads:")
-            .ok_or_else(|| fail(format!("unexpected step collective on `{tensor}`")))?;
-        if kind != CollectiveKind::AllReduce {
-            return Err(fail(format!(
-                "{kind:?} of gradients needs ZeRO, not run here"
-            )));
-        }
-        let (set, range) = match rest.split_once('[') {
-            None => (rest, None),
-            Some((set, r)) => {
-                let (a, b) = r
-                    .strip_suffix(']')
-                    .and_then(|r| r.split_once(".."))
-                    .ok_or_else(|| fail(format!("bad bucket `{tensor}`")))?;
-                let parse = |s: &str| {
-                    s.parse::<usize>()
-                        .map_err(|_| fail(format!("bad bucket `{tensor}`")))
-                };
-                (set, Some((parse(a)?, parse(b)?)))
-            }
-        };
-        if set != "dense" {
-            return Err(fail(format!("gradient set `{set}` is not run here")));
-        }
-        let g = self
-            .groups
-            .get(group)
-            .cloned()
-            .ok_or_else(|| fail(format!("group `{group}` is not in the plan's mesh")))?;
+    /// Checks the step list once and lays out its buckets: each `grads:dense[a..b]`
+    /// is a range of the flat gradient. The weights lie in it in the order the
+    /// backward finishes their gradients (as DDP orders its buckets), so that the
+    /// first buckets fill first; without ZeRO the layout changes no value (each
+    /// element is summed alone) and no byte count (the ranges are the plan's).
+    fn plan_step(&mut self) -> Result<(), RankError> {
         let total: usize = self.wgrads.values().map(D::f32_len).sum();
-        let (a, b) = range.unwrap_or((0, total));
-        if b > total || a > b {
-            return Err(fail(format!(
-                "bucket {a}..{b} does not fit {total} parameters"
-            )));
-        }
-        let e = derr("bucket");
-        let mut bucket = self.zeros_f32(b - a)?;
-        // The pieces of each weight's gradient inside [a, b).
-        let mut pieces = Vec::new();
-        let mut off = 0;
-        for (key, grad) in &self.wgrads {
-            let len = D::f32_len(grad);
-            let (x, y) = (off.max(a), (off + len).min(b));
-            if x < y {
-                pieces.push((key.clone(), x - off, x - a, y - x));
+        let mut sizes: Vec<(Key, usize)> = Vec::new();
+        for key in self.final_order.iter().chain(self.wgrads.keys()) {
+            if !sizes.iter().any(|(k, _)| k == key) {
+                let g = self
+                    .wgrads
+                    .get(key)
+                    .ok_or_else(|| fail("gradient missing"))?;
+                sizes.push((key.clone(), D::f32_len(g)));
             }
-            off += len;
         }
-        for (key, src, dst, n) in &pieces {
-            self.dev
-                .f32_copy(&self.wgrads[key], *src, &mut bucket, *dst, *n)
-                .map_err(&e)?;
+        for instr in &self.phase()?.step {
+            match instr {
+                Instr::Collective {
+                    kind,
+                    group,
+                    axis,
+                    tensor,
+                    ..
+                } => {
+                    let (a, b) = bucket_range(tensor, total)?;
+                    if *kind != CollectiveKind::AllReduce {
+                        return Err(fail(format!(
+                            "{kind:?} of gradients needs ZeRO, which the device interpreter does not run"
+                        )));
+                    }
+                    let g = self.groups.get(group).cloned().ok_or_else(|| {
+                        fail(format!("group `{group}` is not in the plan's mesh"))
+                    })?;
+                    let mut pieces = Vec::new();
+                    let mut off = 0;
+                    for (key, len) in &sizes {
+                        let (x, y) = (off.max(a), (off + len).min(b));
+                        if x < y {
+                            pieces.push((key.clone(), x - off, x - a, y - x));
+                        }
+                        off += len;
+                    }
+                    self.step_plan.push(StepItem::Bucket(self.buckets.len()));
+                    self.buckets.push(Bucket {
+                        group: g,
+                        axis: axis.name().to_string(),
+                        tensor: tensor.clone(),
+                        len: b - a,
+                        pieces,
+                    });
+                }
+                Instr::Optimizer { params, .. } if params == "dense" => {
+                    self.step_plan.push(StepItem::Optimizer)
+                }
+                other => return Err(fail(format!("unexpected step instruction {other:?}"))),
+            }
         }
-        self.dev.all_reduce(&mut self.comm, &g, axis, &mut bucket)?;
-        for (key, src, dst, n) in &pieces {
-            let grad = self
-                .wgrads
-                .get_mut(key)
-                .ok_or_else(|| fail("gradient missing"))?;
-            self.dev
-                .f32_copy(&bucket, *dst, grad, *src, *n)
-                .map_err(&e)?;
+        self.in_flight = self.buckets.iter().map(|_| None).collect();
+        Ok(())
+    }
+
+    /// How many backward ops of one backward task write each weight's gradient.
+    fn count_uses(&mut self) -> Result<(), RankError> {
+        let phase = self.phase()?;
+        let mut uses = BTreeMap::new();
+        let mut order: Vec<Key> = Vec::new();
+        for ch in &phase.chunks {
+            let mut layer = ch.layer_end;
+            for instr in &ch.backward {
+                let Instr::Segment {
+                    name,
+                    kind,
+                    repeat,
+                    body,
+                } = instr
+                else {
+                    continue;
+                };
+                segment_index(self.graph, name)?;
+                for _ in 0..*repeat {
+                    let l = if *kind == SegmentKind::Block {
+                        layer -= 1;
+                        layer
+                    } else {
+                        NO_LAYER
+                    };
+                    for instr in body {
+                        if let Instr::Compute { name, .. } = instr {
+                            for key in self.weight_keys(self.find_op(name)?, l)? {
+                                *uses.entry(key.clone()).or_insert(0) += 1;
+                                order.retain(|k| *k != key);
+                                order.push(key);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        self.uses = uses;
+        self.final_order = order;
+        Ok(())
+    }
+
+    fn weight_keys(&self, op: &Op, l: u64) -> Result<Vec<Key>, RankError> {
+        op.inputs
+            .iter()
+            .filter(|&&id| self.graph.tensor(id).kind == TensorKind::Weight)
+            .map(|&id| self.wkey(id, l))
+            .collect()
+    }
+
+    /// After a backward op of the step's last backward task: its weights' gradients
+    /// may be final, and with them the next buckets.
+    fn gradients_written(&mut self, op: &Op, l: u64) -> Result<(), RankError> {
+        let keys = self.weight_keys(op, l)?;
+        let Some(remaining) = self.remaining.as_mut() else {
+            return Ok(());
+        };
+        for key in keys {
+            if let Some(n) = remaining.get_mut(&key) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        while let Some(b) = self.buckets.get(self.next_bucket) {
+            let remaining = self.remaining.as_ref().ok_or_else(|| fail("no counts"))?;
+            let ready = b
+                .pieces
+                .iter()
+                .all(|(key, ..)| remaining.get(key).is_none_or(|&n| n == 0));
+            if !ready {
+                break;
+            }
+            let m0 = self.mark()?;
+            let i = self.next_bucket;
+            self.start_bucket(i)?;
+            let bk = &self.buckets[i];
+            let args =
+                serde_json::json!({"step": self.step_no, "tensor": bk.tensor, "early": true});
+            let name = format!("AllReduce {} (start)", bk.axis);
+            self.span(m0, name, "comm", args)?;
         }
         Ok(())
     }
 
-    fn optimizer(&mut self, set: &str) -> Result<(), RankError> {
-        if set != "dense" {
-            return Err(fail(format!("parameter set `{set}` is not run here")));
+    /// Copies bucket `i`'s gradient pieces into one buffer and starts its sum.
+    fn start_bucket(&mut self, i: usize) -> Result<(), RankError> {
+        let b = &self.buckets[i];
+        let e = derr("bucket");
+        let mut buf = self.zeros_f32(b.len)?;
+        for (key, src, dst, n) in &b.pieces {
+            let g = self
+                .wgrads
+                .get(key)
+                .ok_or_else(|| fail("gradient missing"))?;
+            self.dev.f32_copy(g, *src, &mut buf, *dst, *n).map_err(&e)?;
         }
+        let r = self
+            .dev
+            .all_reduce_start(&mut *self.comm, &b.group, &b.axis, buf)?;
+        self.in_flight[i] = Some(r);
+        self.next_bucket = self.next_bucket.max(i + 1);
+        Ok(())
+    }
+
+    /// Waits for bucket `i`'s sum and copies it back into the gradients.
+    fn finish_bucket(&mut self, i: usize) -> Result<(), RankError> {
+        let r = self.in_flight[i]
+            .take()
+            .ok_or_else(|| fail("a bucket finished before it started"))?;
+        let buf = self.dev.all_reduce_finish(&mut *self.comm, r)?;
+        let e = derr("bucket");
+        for (key, src, dst, n) in &self.buckets[i].pieces {
+            let g = self
+                .wgrads
+                .get_mut(key)
+                .ok_or_else(|| fail("gradient missing"))?;
+            self.dev.f32_copy(&buf, *dst, g, *src, *n).map_err(&e)?;
+        }
+        Ok(())
+    }
+
+    fn optimizer(&mut self) -> Result<(), RankError> {
         let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
         let step = self.step_no + 1;
         for (key, w) in self.master.iter_mut() {
@@ -1189,4 +1335,27 @@ fn stat<D: Device>(t: &Task<D>, l: u64, name: String) -> Result<&D::F32, RankErr
     t.stats
         .get(&(l, name.clone()))
         .ok_or_else(|| fail(format!("`{name}` (layer {l}) was not kept")))
+}
+
+/// `grads:dense[a..b]` as `(a, b)`, or the whole `grads:dense`, within `total`.
+fn bucket_range(tensor: &str, total: usize) -> Result<(usize, usize), RankError> {
+    let bad = || fail(format!("the device interpreter does not reduce `{tensor}`"));
+    let rest = tensor.strip_prefix("grads:dense").ok_or_else(bad)?;
+    let (a, b) = if rest.is_empty() {
+        (0, total)
+    } else {
+        let (a, b) = rest
+            .strip_prefix('[')
+            .and_then(|r| r.strip_suffix(']'))
+            .and_then(|r| r.split_once(".."))
+            .ok_or_else(bad)?;
+        let parse = |x: &str| x.parse::<usize>().map_err(|_| bad());
+        (parse(a)?, parse(b)?)
+    };
+    if a > b || b > total {
+        return Err(fail(format!(
+            "bucket {a}..{b} does not fit {total} parameters"
+        )));
+    }
+    Ok((a, b))
 }
