@@ -130,6 +130,164 @@ fn train_on(plan: &Plan, opts: &TrainOptions, engine: Engine) -> Result<TrainRep
     }
 }
 
+/// `run --backend cuda` in one process per GPU (`meshplan launch`, torchrun or
+/// Slurm): this process trains its rank on GPU `LOCAL_RANK`, NCCL between the
+/// processes, the NCCL id shared through the TCP rendezvous; rank 0 gathers the
+/// losses and reports (and with `--check` compares its weights, which data
+/// parallelism keeps equal on every rank, with the CPU reference).
+fn launched_cuda(
+    a: &RunArgs<'_>,
+    env: &meshplan_executor::launch::LaunchEnv,
+) -> Result<(), Failure> {
+    engine(a.backend)?;
+    let file = a.plan.display().to_string();
+    let bytes = std::fs::read(a.plan).map_err(|e| bad(format!("{file}: {e}")))?;
+    let text = String::from_utf8(bytes.clone()).map_err(|e| bad(format!("{file}: {e}")))?;
+    let plan = Plan::from_json(&text).map_err(|e| {
+        bad(format!(
+            "{file}: not a plan written by `meshplan plan`: {e}"
+        ))
+    })?;
+    if plan.kind != PlanKind::Train || plan.ranks.len() != env.world_size {
+        return Err(bad(format!(
+            "{file}: a launch of {} processes runs a training plan of {} ranks, one per process; this plan has {} ranks{}",
+            env.world_size,
+            env.world_size,
+            plan.ranks.len(),
+            if plan.kind == PlanKind::Train { "" } else { " and is an inference plan" }
+        )));
+    }
+    if a.steps == 0 {
+        return Err(bad("--steps must be at least 1".into()));
+    }
+    let opts = TrainOptions {
+        steps: a.steps,
+        trace: a.trace.is_some(),
+        ..TrainOptions::default()
+    };
+    meshplan_executor::device::train::supported(&plan, &opts).map_err(|why| {
+        runtime(format!(
+            "{file}: --backend cuda runs plans of data parallelism on one pipeline stage, and this one is not: {why}"
+        ))
+    })?;
+    let cfg = meshplan_executor::launch::RendezvousConfig {
+        master_addr: env.master_addr.clone(),
+        master_port: env.master_port,
+        rank: env.rank,
+        world_size: env.world_size,
+        plan_hash: meshplan_executor::launch::rendezvous::fnv1a64(&bytes),
+        timeout: std::time::Duration::from_secs(120),
+    };
+    let report = train_cuda_rank(&plan, &opts, env, &cfg).map_err(runtime)?;
+    if env.rank != 0 {
+        return Ok(());
+    }
+    let bytes_off = byte_mismatches(&plan, &report, a.steps);
+    let check = if a.check {
+        let reference = reference_plan(&plan).map_err(runtime)?;
+        let ref_opts = TrainOptions {
+            threads_per_rank: threads_per_rank(None, 1)?,
+            ..opts.reference_of(&plan)
+        };
+        let base = train(&reference, &ref_opts)
+            .map_err(|e| runtime(format!("reference: {}", e.message)))?;
+        use meshplan_executor::device as dv;
+        Some(dv::check_mixed_precision(
+            &plan,
+            &report,
+            &base,
+            opts.seed,
+            dv::MIXED_LOSS_TOLERANCE,
+            dv::MIXED_UPDATE_TOLERANCE,
+        ))
+    } else {
+        None
+    };
+    if let Some(path) = a.trace {
+        // Rank 0's timeline (every rank of data parallelism runs the same program).
+        let spans = vec![(0, report.ranks[0].spans.clone())];
+        let text = meshplan_executor::trace::chrome_trace(&plan, &spans).to_json();
+        crate::plan::write_atomically(path, text.as_bytes(), "trace")?;
+    }
+    print_report(&plan, &report, &bytes_off, check.as_ref(), a.json, 0);
+    if let Some(Err(why)) = &check {
+        return Err(runtime(format!(
+            "the run differs from the single-rank reference:\n{why}"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(feature = "cuda")]
+fn train_cuda_rank(
+    plan: &Plan,
+    opts: &TrainOptions,
+    env: &meshplan_executor::launch::LaunchEnv,
+    cfg: &meshplan_executor::launch::RendezvousConfig,
+) -> Result<TrainReport, String> {
+    use meshplan_executor::comm::nccl::NcclComm;
+    use meshplan_executor::device::cuda::CudaDevice;
+    let mut rv = meshplan_executor::launch::Rendezvous::connect(cfg).map_err(|e| e.to_string())?;
+    let comm = NcclComm::from_launch(env, &mut rv).map_err(|e| e.to_string())?;
+    let dev = CudaDevice::on(env.local_rank).map_err(|e| e.to_string())?;
+    let rep = meshplan_executor::device::train::train_device_rank(plan, opts, dev, Box::new(comm))
+        .map_err(|e| e.message)?;
+    // Every rank's loss parts and step times, exactly (f64 bits), to rank 0.
+    let mine: Vec<u8> = rep
+        .loss_parts
+        .iter()
+        .chain(&rep.step_s)
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let all = rv.all_gather_bytes(&mine).map_err(|e| e.to_string())?;
+    let steps = rep.loss_parts.len();
+    let mut losses = vec![0.0; steps];
+    let mut step_s = vec![0.0f64; steps];
+    for blob in &all {
+        let vals: Vec<f64> = blob
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect();
+        if vals.len() != 2 * steps {
+            return Err(format!(
+                "a rank reported {} values, expected {}",
+                vals.len(),
+                2 * steps
+            ));
+        }
+        for s in 0..steps {
+            losses[s] += vals[s];
+            step_s[s] = step_s[s].max(vals[steps + s]);
+        }
+    }
+    let tokens_per_step = match plan.workload {
+        meshplan_ir::Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } => seq_len * global_batch,
+        _ => 0,
+    };
+    Ok(TrainReport {
+        losses,
+        step_s,
+        tokens_per_step,
+        ranks: vec![rep],
+        saved: Vec::new(),
+    })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn train_cuda_rank(
+    _: &Plan,
+    _: &TrainOptions,
+    _: &meshplan_executor::launch::LaunchEnv,
+    _: &meshplan_executor::launch::RendezvousConfig,
+) -> Result<TrainReport, String> {
+    // `engine` refuses cuda in a build without the feature.
+    Err("this binary was built without the cuda feature".into())
+}
+
 #[cfg(feature = "cuda")]
 fn train_cuda(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, String> {
     use meshplan_executor::device::cuda::CudaDevice;
@@ -154,10 +312,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         .map_err(|e| bad(format!("launch variables: {e}")))?;
     if let Some(env) = launched.as_ref().filter(|e| e.world_size > 1) {
         if a.backend == "cuda" {
-            return Err(runtime(format!(
-                "this process is {}: the device interpreter runs a plan's ranks as threads of one process (sharing this node's GPU 0); one process per GPU over NCCL is not wired to it yet. Run one process: `meshplan run PLAN --backend cuda`",
-                env.describe()
-            )));
+            return launched_cuda(a, env);
         }
         return Err(bad(format!(
             "this process is {}, but --backend {} runs every rank of the plan as a thread of one process: {} processes would each run the whole plan. Start one process (`meshplan run PLAN`, or `launch --nproc-per-node 1`)",

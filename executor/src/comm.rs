@@ -346,6 +346,13 @@ pub trait Communicator: Send {
     /// This rank's global rank.
     fn rank(&self) -> usize;
 
+    /// The NCCL communicator behind this one, for a device that runs collectives on
+    /// its own buffers and streams rather than through host slices.
+    #[cfg(feature = "cuda")]
+    fn as_nccl(&mut self) -> Option<&mut nccl::NcclComm> {
+        None
+    }
+
     /// Number of ranks in the world.
     fn world(&self) -> usize;
 

@@ -406,4 +406,28 @@ fn run_refuses_a_multi_process_launch_on_the_cpu_backend() {
         "{}",
         run.stdout
     );
+    // `--backend cuda` takes a launch (one process per GPU): here, without a GPU,
+    // each process says what its GPU layer lacks, exit 1.
+    let run = meshplan(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "0",
+        "--",
+        "run",
+        &p,
+        "--backend",
+        "cuda",
+        "--steps",
+        "1",
+    ]);
+    if crate::bin::bin_features().is_none() {
+        run.expect_code(1);
+        assert!(
+            run.stderr.contains("--backend cuda: ") && run.stderr.contains("--features cuda"),
+            "{}",
+            run.stderr
+        );
+    }
 }

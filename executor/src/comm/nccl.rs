@@ -38,7 +38,7 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use meshplan_kernels::cuda::cudarc::driver::{
-    CudaContext, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
 };
 use meshplan_kernels::cuda::cudarc::nccl::{result, sys};
 
@@ -386,6 +386,46 @@ impl NcclComm {
     }
 }
 
+impl NcclComm {
+    /// Starts summing the device buffer `buf` over `group` on the communication
+    /// stream, once `ready` (recorded on the stream that wrote `buf`) has passed, and
+    /// returns the event marking its end: the consumer's stream waits on that event,
+    /// and the host waits for neither. Bytes are counted as
+    /// [`Communicator::all_reduce`] counts them. `buf` must stay alive, and unwritten,
+    /// until the returned event has passed.
+    pub fn all_reduce_device_start(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        buf: &mut CudaSlice<f32>,
+        ready: &CudaEvent,
+    ) -> Result<CudaEvent, CommError> {
+        let kind = CommKind::AllReduce;
+        let (_, comm) = self.group_comm(group, kind, axis)?;
+        let n = buf.len();
+        let done = self.run(kind, |s| {
+            s.stream
+                .wait(ready)
+                .map_err(|e| format!("waiting for the gradients: {e:?}"))?;
+            if n > 0 {
+                let p = ptr_mut(buf, &s.stream, 0);
+                // SAFETY: `buf` holds `n` floats; the caller keeps it alive and
+                // unwritten until the returned event has passed.
+                nccl_call("ncclAllReduce", unsafe {
+                    result::all_reduce(p, p, n, F32, SUM, comm, s.raw_stream())
+                })?;
+            }
+            s.stream
+                .record_event(None)
+                .map_err(|e| format!("recording the reduction's end: {e:?}"))
+        })?;
+        let payload = bytes_of(n);
+        let (num, den) = ring_bytes(kind, group.size(), payload);
+        self.counts.record(kind, axis, payload, num, den);
+        Ok(done)
+    }
+}
+
 fn id_from_bytes(b: &[u8]) -> Option<sys::ncclUniqueId> {
     let arr: [u8; 128] = b.try_into().ok()?;
     Some(sys::ncclUniqueId {
@@ -423,6 +463,10 @@ const SUM: sys::ncclRedOp_t = sys::ncclRedOp_t::ncclSum;
 impl Communicator for NcclComm {
     fn rank(&self) -> usize {
         self.rank
+    }
+
+    fn as_nccl(&mut self) -> Option<&mut NcclComm> {
+        Some(self)
     }
 
     fn world(&self) -> usize {

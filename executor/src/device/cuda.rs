@@ -26,6 +26,21 @@ fn driver(e: DriverError) -> DeviceError {
     GpuError::from(e).into()
 }
 
+/// A gradient bucket's sum: finished (through the host), or in flight on NCCL's
+/// stream until `done`.
+#[derive(Debug)]
+pub enum Reduction {
+    /// Summed already.
+    Done(CudaSlice<f32>),
+    /// Being summed by NCCL; `buf` is not to be touched before `done`.
+    InFlight {
+        /// The bucket.
+        buf: CudaSlice<f32>,
+        /// Recorded on NCCL's stream after the sum.
+        done: CudaEvent,
+    },
+}
+
 /// One GPU as a [`Device`].
 #[derive(Debug)]
 pub struct CudaDevice {
@@ -37,7 +52,12 @@ impl CudaDevice {
     /// now, so that a missing driver, a compile error or a PTX the driver refuses
     /// is reported here rather than in the middle of the first step.
     pub fn new() -> Result<CudaDevice, DeviceError> {
-        let gpu = Gpu::new()?;
+        CudaDevice::on(0)
+    }
+
+    /// [`CudaDevice::new`] on device `ordinal`.
+    pub fn on(ordinal: usize) -> Result<CudaDevice, DeviceError> {
+        let gpu = Gpu::on(ordinal)?;
         gpu.load_all()?;
         Ok(CudaDevice { gpu })
     }
@@ -62,7 +82,7 @@ impl Device for CudaDevice {
     type F32 = CudaSlice<f32>;
     type Ids = CudaSlice<u32>;
     type Mark = CudaEvent;
-    type Reduction = CudaSlice<f32>;
+    type Reduction = Reduction;
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -395,21 +415,39 @@ impl Device for CudaDevice {
         comm: &mut dyn Communicator,
         group: &Group,
         axis: &str,
-        buf: CudaSlice<f32>,
-    ) -> Result<CudaSlice<f32>, CommError> {
-        // Through the host: the in-process communicator (ranks sharing the GPU), or
-        // NCCL's host-buffer interface.
+        mut buf: CudaSlice<f32>,
+    ) -> Result<Reduction, CommError> {
         let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+        if let Some(nccl) = comm.as_nccl() {
+            // On NCCL's stream after the gradients' copy, while this stream goes on
+            // with the backward.
+            let ready = self.mark().map_err(internal)?;
+            let done = nccl.all_reduce_device_start(group, axis, &mut buf, &ready)?;
+            return Ok(Reduction::InFlight { buf, done });
+        }
+        // Through the host: the in-process communicator (ranks sharing the GPU).
         let mut host = self.f32_download(&buf).map_err(internal)?;
         comm.all_reduce(group, axis, &mut host)?;
-        self.f32_upload(&host).map_err(internal)
+        Ok(Reduction::Done(self.f32_upload(&host).map_err(internal)?))
     }
     fn all_reduce_finish(
         &self,
         _: &mut dyn Communicator,
-        r: CudaSlice<f32>,
+        r: Reduction,
     ) -> Result<CudaSlice<f32>, CommError> {
-        Ok(r)
+        match r {
+            Reduction::Done(buf) => Ok(buf),
+            Reduction::InFlight { buf, done } => {
+                // The stream, not the host, waits for the sum.
+                self.gpu
+                    .stream()
+                    .wait(&done)
+                    .map_err(|e| CommError::Internal {
+                        detail: format!("waiting for a reduction: {e:?}"),
+                    })?;
+                Ok(buf)
+            }
+        }
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(self.gpu.synchronize()?)

@@ -99,21 +99,7 @@ pub fn train_device<D: Device>(
     let t0 = Instant::now();
     let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
         let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
-        let mut r = DevRank::new(dev, plan, Box::new(comm), opts, seq_len, global_batch, t0)?;
-        let mut loss_parts = Vec::new();
-        let mut step_s = Vec::new();
-        for step in 0..opts.steps {
-            if opts.fail_at == Some((r.rank, step)) {
-                return Err(fail(format!("injected failure at step {step}")));
-            }
-            let t = Instant::now();
-            loss_parts.push(r.step(step)?);
-            step_s.push(t.elapsed().as_secs_f64());
-            if let (0, Some(hook)) = (r.rank, &opts.on_step) {
-                (hook.0)(step_s.len() as u64);
-            }
-        }
-        r.report(loss_parts, step_s)
+        run_rank(dev, plan, Box::new(comm), opts, (seq_len, global_batch), t0)
     });
     if let Some(summary) = crate::comm::failure_summary(&results) {
         return Err(ExecError { message: summary });
@@ -137,6 +123,75 @@ pub fn train_device<D: Device>(
         ranks,
         saved: Vec::new(),
     })
+}
+
+/// One rank of `plan` in this process, connected to the others by `comm` (one
+/// process per GPU, NCCL between them): its report alone. The caller gathers the
+/// ranks' losses.
+pub fn train_device_rank<D: Device>(
+    plan: &Plan,
+    opts: &TrainOptions,
+    dev: D,
+    comm: Box<dyn Communicator>,
+) -> Result<RankReport, ExecError> {
+    supported(plan, opts).map_err(|m| ExecError {
+        message: format!("the device interpreter cannot run this plan: {m}"),
+    })?;
+    let Workload::Train {
+        seq_len,
+        global_batch,
+        ..
+    } = plan.workload
+    else {
+        unreachable!("checked by supported()")
+    };
+    if comm.world() != plan.ranks.len() {
+        return Err(ExecError {
+            message: format!(
+                "the plan has {} ranks and this launch {}: start one process per rank",
+                plan.ranks.len(),
+                comm.world()
+            ),
+        });
+    }
+    let rank = comm.rank();
+    run_rank(
+        dev,
+        plan,
+        comm,
+        opts,
+        (seq_len, global_batch),
+        Instant::now(),
+    )
+    .map_err(|e| ExecError {
+        message: format!("rank {rank}: {e:?}"),
+    })
+}
+
+/// Trains one rank for `opts.steps` steps.
+fn run_rank<D: Device>(
+    dev: D,
+    plan: &Plan,
+    comm: Box<dyn Communicator>,
+    opts: &TrainOptions,
+    (seq_len, global_batch): (u64, u64),
+    t0: Instant,
+) -> Result<RankReport, RankError> {
+    let mut r = DevRank::new(dev, plan, comm, opts, seq_len, global_batch, t0)?;
+    let mut loss_parts = Vec::new();
+    let mut step_s = Vec::new();
+    for step in 0..opts.steps {
+        if opts.fail_at == Some((r.rank, step)) {
+            return Err(fail(format!("injected failure at step {step}")));
+        }
+        let t = Instant::now();
+        loss_parts.push(r.step(step)?);
+        step_s.push(t.elapsed().as_secs_f64());
+        if let (0, Some(hook)) = (r.rank, &opts.on_step) {
+            (hook.0)(step_s.len() as u64);
+        }
+    }
+    r.report(loss_parts, step_s)
 }
 
 fn derr(what: &str) -> impl Fn(DeviceError) -> RankError + '_ {

@@ -131,7 +131,12 @@ impl Gpu {
     /// Opens device 0 after [`probe`](super::probe) found the driver, NVRTC,
     /// cuBLASLt and a device, with the PTX cache of [`cache::cache_dir`].
     pub fn new() -> Result<Gpu, GpuError> {
-        let info = probe::probe()?;
+        Gpu::on(0)
+    }
+
+    /// Opens device `ordinal` ([`Gpu::new`] for another device of the node).
+    pub fn on(ordinal: usize) -> Result<Gpu, GpuError> {
+        let info = probe::probe_device(ordinal)?;
         let ctx = CudaContext::new(info.ordinal)?;
         let stream = ctx.new_stream()?;
         let blas = Blas::new(&stream)?;

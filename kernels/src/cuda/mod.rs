@@ -23,7 +23,7 @@
 pub mod cache;
 mod probe;
 
-pub use probe::{probe, CudaUnavailable, DeviceInfo, MissingLibrary};
+pub use probe::{probe, probe_device, CudaUnavailable, DeviceInfo, MissingLibrary};
 
 #[cfg(feature = "cudarc")]
 mod compile;

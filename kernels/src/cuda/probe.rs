@@ -172,14 +172,21 @@ const CUBLASLT_NAME: &str = "libcublasLt (cuBLASLt)";
 /// describes device 0. Never panics; in a build without the `cuda` feature it
 /// returns [`CudaUnavailable::NotCompiled`].
 pub fn probe() -> Result<DeviceInfo, CudaUnavailable> {
-    imp::probe()
+    imp::probe(0)
+}
+
+/// [`probe`] describing device `ordinal` (a process of a multi-GPU launch uses its
+/// `LOCAL_RANK`); an ordinal past the devices the driver reports is
+/// [`CudaUnavailable::NoDevice`].
+pub fn probe_device(ordinal: usize) -> Result<DeviceInfo, CudaUnavailable> {
+    imp::probe(ordinal)
 }
 
 #[cfg(not(feature = "cudarc"))]
 mod imp {
     use super::*;
 
-    pub(super) fn probe() -> Result<DeviceInfo, CudaUnavailable> {
+    pub(super) fn probe(_: usize) -> Result<DeviceInfo, CudaUnavailable> {
         Err(CudaUnavailable::NotCompiled)
     }
 }
@@ -241,7 +248,7 @@ mod imp {
         }
     }
 
-    fn describe() -> Result<DeviceInfo, CudaUnavailable> {
+    fn describe(ordinal: usize) -> Result<DeviceInfo, CudaUnavailable> {
         match drv::init() {
             Ok(()) => {}
             Err(e) if e.0 == cudarc::driver::sys::CUresult::CUDA_ERROR_NO_DEVICE => {
@@ -250,10 +257,10 @@ mod imp {
             Err(e) => return Err(driver_err("cuInit")(e)),
         }
         let count = drv::device::get_count().map_err(driver_err("cuDeviceGetCount"))?;
-        if count <= 0 {
+        if count <= 0 || ordinal >= count as usize {
             return Err(CudaUnavailable::NoDevice);
         }
-        let dev = drv::device::get(0).map_err(driver_err("cuDeviceGet"))?;
+        let dev = drv::device::get(ordinal as i32).map_err(driver_err("cuDeviceGet"))?;
         let name = drv::device::get_name(dev).map_err(driver_err("cuDeviceGetName"))?;
         // SAFETY: `dev` came from cuDeviceGet on an initialised driver.
         #[allow(unsafe_code)]
@@ -280,7 +287,7 @@ mod imp {
             .map_err(driver_err("cuDriverGetVersion"))?;
         let nvrtc = crate::cuda::compile::nvrtc_version()?;
         Ok(DeviceInfo {
-            ordinal: 0,
+            ordinal,
             device_count: count as usize,
             name,
             compute_capability: (major, minor),
@@ -292,12 +299,12 @@ mod imp {
         })
     }
 
-    pub(super) fn probe() -> Result<DeviceInfo, CudaUnavailable> {
+    pub(super) fn probe(ordinal: usize) -> Result<DeviceInfo, CudaUnavailable> {
         let missing = missing_libraries();
         if !missing.is_empty() {
             return Err(CudaUnavailable::MissingLibraries(missing));
         }
-        catch_unwind(AssertUnwindSafe(describe)).unwrap_or_else(|p| {
+        catch_unwind(AssertUnwindSafe(|| describe(ordinal))).unwrap_or_else(|p| {
             Err(CudaUnavailable::Panicked {
                 during: "reading the device",
                 message: panic_message(&*p),
