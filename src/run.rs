@@ -622,6 +622,7 @@ fn print_report(
                 "comm_bytes_per_gpu": per_axis,
                 "expert_assignments": slots,
                 "expert_assignments_dropped": dropped,
+                "device_memory_in_use_bytes": r.ranks.iter().filter_map(|k| k.device_memory_bytes).reduce(f64::max),
                 "memory_per_gpu_bytes": {
                     "states": measured_states,
                     "activations": measured_acts,
@@ -681,6 +682,17 @@ fn print_report(
         gib(measured_acts),
         gib(predicted_mem)
     );
+    if let Some(used) = r
+        .ranks
+        .iter()
+        .filter_map(|k| k.device_memory_bytes)
+        .reduce(f64::max)
+    {
+        println!(
+            "gpu memory   {:.4} GiB in use at the fullest (the driver's count: context, cuBLASLt workspace and caching included)",
+            gib(used)
+        );
+    }
     if slots > 0 {
         println!(
             "experts      {dropped} of {slots} token-expert assignments over capacity ({:.2}%)",

@@ -138,6 +138,9 @@ pub struct RankReport {
     pub expert_slots: (u64, u64),
     /// Measured spans, when tracing.
     pub spans: Vec<crate::trace::Span>,
+    /// Most device memory the driver reported in use (all of the device's users),
+    /// sampled after each forward task; `None` off a GPU.
+    pub device_memory_bytes: Option<f64>,
 }
 
 /// A whole run.
@@ -250,6 +253,7 @@ pub fn train_on(
             peak_activation_bytes: r.peak_act_bytes,
             expert_slots: r.expert_slots,
             spans: std::mem::take(&mut r.tracer.spans),
+            device_memory_bytes: None,
         })
     });
     // Joined even when the run failed, so that no write outlives the call.

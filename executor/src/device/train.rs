@@ -264,6 +264,10 @@ struct DevRank<'a, D: Device> {
     remaining: Option<BTreeMap<Key, usize>>,
     /// Weights in the order the backward's last write to their gradient comes.
     final_order: Vec<Key>,
+    /// Per-row losses of this step's micro-batches, in order.
+    losses: Vec<D::F32>,
+    /// Most device memory in use seen after a forward task.
+    device_peak: Option<u64>,
 }
 
 /// What the step list does, in order.
@@ -336,6 +340,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             uses: BTreeMap::new(),
             remaining: None,
             final_order: Vec::new(),
+            losses: Vec::new(),
+            device_peak: None,
         };
         r.init_weights()?;
         r.count_uses()?;
@@ -412,6 +418,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                     self.tasks.insert((task.chunk, task.mb), t);
                     let held: f64 = self.tasks.values().map(|t| self.held_bytes(t)).sum();
                     self.peak_act_bytes = self.peak_act_bytes.max(held);
+                    if let Some(used) = self.dev.memory_in_use() {
+                        self.device_peak = Some(self.device_peak.unwrap_or(0).max(used));
+                    }
                 }
                 Pass::B => {
                     let mut t = self
@@ -462,6 +471,11 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
         }
         self.next_bucket = 0;
+        let scale = 1.0 / (self.global_batch * self.seq_len) as f64;
+        for loss in std::mem::take(&mut self.losses) {
+            let loss = self.dev.f32_download(&loss).map_err(derr("loss"))?;
+            self.loss_part += loss.iter().map(|&x| x as f64).sum::<f64>() * scale;
+        }
         // A step ends when its work has, not when its launches have.
         self.dev.synchronize().map_err(derr("synchronize"))?;
         self.resolve_spans(step_mark)?;
@@ -967,8 +981,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                     &mut dlogits,
                 )
                 .map_err(&e)?;
-                let loss = dev.f32_download(&loss).map_err(&e)?;
-                self.loss_part += loss.iter().map(|&x| x as f64).sum::<f64>() * scale;
+                // Read at the end of the step: a download here would stall the
+                // launches of the backward behind the forward's kernels.
+                self.losses.push(loss);
                 // The backward is done: the gradient waits for the backward pass.
                 t.acts
                     .insert((l, format!("{}#dlogits", op.name)), Arc::new(dlogits));
@@ -1381,6 +1396,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             peak_activation_bytes: self.peak_act_bytes,
             expert_slots: (0, 0),
             spans: std::mem::take(&mut self.spans),
+            device_memory_bytes: self.device_peak.map(|b| b as f64),
         })
     }
 }
