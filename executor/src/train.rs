@@ -3392,43 +3392,14 @@ pub fn check_against(
         .first()
         .ok_or("the reference has no rank")?
         .weights;
-    let graph = &plan.graph;
     let mut worst_w: f64 = 0.0;
     let mut worst_at = String::new();
     for rep in &run.ranks {
-        let entry = &plan.ranks[rep.rank];
-        let tp_axis = plan.mesh.axes.iter().position(|a| a == "tp");
-        let tp = TpPos {
-            rank: tp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
-            size: tp_axis.map(|i| plan.mesh.shape[i] as usize).unwrap_or(1),
-        };
         for ((name, layer), local) in &rep.weights {
             let full = refw
                 .get(&(name.clone(), *layer))
                 .ok_or_else(|| format!("reference lacks `{name}` layer {layer}"))?;
-            let (op, id) = graph
-                .segments
-                .iter()
-                .flat_map(|s| &s.ops)
-                .find_map(|o| {
-                    o.inputs
-                        .iter()
-                        .find(|&&t| graph.tensor(t).name == *name)
-                        .map(|&t| (o, t))
-                })
-                .ok_or_else(|| format!("`{name}` used by no op"))?;
-            let shape = fixed_shape(graph.tensor(id)).map_err(|e| format!("{e:?}"))?;
-            let ep = build_groups(plan, rep.rank)
-                .ok()
-                .and_then(|gs| gs.get("ep").cloned())
-                .and_then(|g| {
-                    g.index_of(rep.rank).map(|i| TpPos {
-                        rank: i,
-                        size: g.size(),
-                    })
-                })
-                .unwrap_or(TpPos::ONE);
-            let want = local_weight(graph, op, op.role, id, full, &shape, tp, ep);
+            let want = rank_slice(plan, rep.rank, name, full)?;
             if want.len() != local.len() {
                 return Err(format!(
                     "rank {}: `{name}` has {} values, reference slice {}",
@@ -3452,6 +3423,48 @@ pub fn check_against(
         return Err(lines.join("\n"));
     }
     Ok(lines)
+}
+
+/// The part of weight `name` (whole values `full`) that `rank` of `plan` holds.
+pub(crate) fn rank_slice(
+    plan: &Plan,
+    rank: usize,
+    name: &str,
+    full: &[f32],
+) -> Result<Vec<f32>, String> {
+    let graph = &plan.graph;
+    let entry = plan
+        .ranks
+        .get(rank)
+        .ok_or_else(|| format!("rank {rank} is not in the plan"))?;
+    let tp_axis = plan.mesh.axes.iter().position(|a| a == "tp");
+    let tp = TpPos {
+        rank: tp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
+        size: tp_axis.map(|i| plan.mesh.shape[i] as usize).unwrap_or(1),
+    };
+    let (op, id) = graph
+        .segments
+        .iter()
+        .flat_map(|s| &s.ops)
+        .find_map(|o| {
+            o.inputs
+                .iter()
+                .find(|&&t| graph.tensor(t).name == name)
+                .map(|&t| (o, t))
+        })
+        .ok_or_else(|| format!("`{name}` used by no op"))?;
+    let shape = fixed_shape(graph.tensor(id)).map_err(|e| format!("{e:?}"))?;
+    let ep = build_groups(plan, rank)
+        .ok()
+        .and_then(|gs| gs.get("ep").cloned())
+        .and_then(|g| {
+            g.index_of(rank).map(|i| TpPos {
+                rank: i,
+                size: g.size(),
+            })
+        })
+        .unwrap_or(TpPos::ONE);
+    Ok(local_weight(graph, op, op.role, id, full, &shape, tp, ep))
 }
 
 /// Bytes sent per rank and axis, summed over kinds, against the plan's prediction

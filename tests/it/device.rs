@@ -267,3 +267,47 @@ fn gradient_buckets_start_during_the_last_backward() {
         .iter()
         .all(|s| s.start_s >= first_bwd.start_s + first_bwd.dur_s));
 }
+
+/// The mixed-precision check compares a sharded rank with the same slice of the
+/// reference: an fp32 tensor- and pipeline-parallel run passes it at a distance of
+/// almost nothing, and a wrong one does not.
+#[test]
+fn mixed_precision_check_slices_sharded_weights() {
+    use meshplan_executor::device::{
+        check_mixed_precision, MIXED_LOSS_TOLERANCE, MIXED_UPDATE_TOLERANCE,
+    };
+    let m = model("tiny-gpt");
+    let opts = TrainOptions::default();
+    let p = plan(&m, "dp=2,tp=2,pp=2,mbs=1");
+    let run = train(&p, &opts).expect("run");
+    let reference = train(&plan(&m, "dp=1,mbs=1"), &opts.reference_of(&p)).expect("reference");
+    let lines = check_mixed_precision(
+        &p,
+        &run,
+        &reference,
+        opts.seed,
+        MIXED_LOSS_TOLERANCE,
+        MIXED_UPDATE_TOLERANCE,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    let last = lines.last().unwrap();
+    eprintln!("{last}");
+    assert!(last.contains("weights 0.00"), "{last}");
+    let wrong = train(
+        &p,
+        &TrainOptions {
+            lr: opts.lr * 1.5,
+            ..opts.clone()
+        },
+    )
+    .expect("run");
+    check_mixed_precision(
+        &p,
+        &wrong,
+        &reference,
+        opts.seed,
+        MIXED_LOSS_TOLERANCE,
+        MIXED_UPDATE_TOLERANCE,
+    )
+    .expect_err("a 1.5x learning rate passes");
+}

@@ -775,7 +775,8 @@ pub const MIXED_LOSS_TOLERANCE: f64 = 1e-3;
 /// models; a 1.5× learning rate measures 0.56.
 pub const MIXED_UPDATE_TOLERANCE: f64 = 0.2;
 
-/// Compares a run of unsharded weights in mixed precision with its fp32 reference:
+/// Compares a run in mixed precision with its fp32 reference (each rank's weights
+/// against the same slice of the reference's):
 /// per-step losses (relative) and the weights' distance relative to the reference's
 /// updates ([`MIXED_UPDATE_TOLERANCE`]). `Ok` holds the report lines; `Err` them with
 /// the failure.
@@ -806,12 +807,14 @@ pub fn check_mixed_precision(
     let mut worst = (0.0f64, String::new());
     for rep in &run.ranks {
         for ((name, layer), w) in &rep.weights {
-            let want = refw
+            let full = refw
                 .get(&(name.clone(), *layer))
                 .ok_or_else(|| format!("the reference lacks `{name}` layer {layer}"))?;
+            // A sharded rank holds a slice: compare it with the same slice.
+            let want = &crate::train::rank_slice(plan, rep.rank, name, full)?;
             if want.len() != w.len() {
                 return Err(format!(
-                    "rank {}: `{name}` has {} values, the reference {}",
+                    "rank {}: `{name}` has {} values, the reference's slice {}",
                     rep.rank,
                     w.len(),
                     want.len()
@@ -830,13 +833,14 @@ pub fn check_mixed_precision(
                 .ok_or_else(|| format!("`{name}` is used by no op"))?;
             let shape =
                 crate::train::fixed_shape(graph.tensor(id)).map_err(|e| format!("{e:?}"))?;
-            let w0 = crate::init::init_full(
+            let start = crate::init::init_full(
                 seed,
                 name,
                 *layer,
-                w.len(),
+                full.len(),
                 crate::init::init_kind(op, id, &shape),
             );
+            let w0 = crate::train::rank_slice(plan, rep.rank, name, &start)?;
             let d: f64 = w
                 .iter()
                 .zip(want)
