@@ -127,6 +127,29 @@ impl fmt::Debug for Gpu {
     }
 }
 
+/// Keeps memory freed to the device's stream-ordered pool there: the pool's default
+/// release threshold (0) hands it back to the driver at every synchronisation, and
+/// an interpreter that frees and reallocates its activations every step would then
+/// map fresh memory every step.
+fn keep_freed_memory(ctx: &CudaContext) -> Result<(), GpuError> {
+    use cudarc::driver::sys;
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let mut threshold: u64 = u64::MAX;
+    // SAFETY: `pool` receives the device's default pool, a handle the driver owns;
+    // the attribute's value is a `cuuint64_t` read through the pointer during the call.
+    #[allow(unsafe_code)]
+    unsafe {
+        sys::cuDeviceGetDefaultMemPool(&mut pool, ctx.cu_device()).result()?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut threshold as *mut u64).cast(),
+        )
+        .result()?;
+    }
+    Ok(())
+}
+
 impl Gpu {
     /// Opens device 0 after [`probe`](super::probe) found the driver, NVRTC,
     /// cuBLASLt and a device, with the PTX cache of [`cache::cache_dir`].
@@ -138,6 +161,9 @@ impl Gpu {
     pub fn on(ordinal: usize) -> Result<Gpu, GpuError> {
         let info = probe::probe_device(ordinal)?;
         let ctx = CudaContext::new(info.ordinal)?;
+        if ctx.has_async_alloc() {
+            keep_freed_memory(&ctx)?;
+        }
         let stream = ctx.new_stream()?;
         let blas = Blas::new(&stream)?;
         let optin = ctx
