@@ -288,11 +288,31 @@ fn train_cuda_rank(
     Err("this binary was built without the cuda feature".into())
 }
 
+/// The ranks as threads of this process: with as many GPUs as ranks, one GPU and one
+/// NCCL communicator each (`ncclCommInitAll`); otherwise rank `r` on GPU `r mod
+/// GPUs`, summing through the host with the in-process communicator.
 #[cfg(feature = "cuda")]
 fn train_cuda(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, String> {
+    use meshplan_executor::comm::nccl::{nccl_available, NcclComm};
+    use meshplan_executor::comm::Communicator;
     use meshplan_executor::device::cuda::CudaDevice;
-    meshplan_executor::device::train::train_device(plan, opts, &|_| CudaDevice::new())
-        .map_err(|e| e.message)
+    use meshplan_executor::device::train::{train_device, train_device_with};
+    let gpus = meshplan_executor::kernels::cuda::probe()
+        .map_err(|e| e.to_string())?
+        .device_count
+        .max(1);
+    let ranks = plan.ranks.len();
+    if ranks > 1 && ranks == gpus && nccl_available().is_ok() {
+        tracing::info!("{ranks} ranks on {gpus} GPUs, NCCL between them");
+        let devices: Vec<usize> = (0..gpus).collect();
+        let comms: Vec<Box<dyn Communicator>> = NcclComm::in_process(&devices)
+            .map_err(|e| e.to_string())?
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Communicator>)
+            .collect();
+        return train_device_with(plan, opts, &CudaDevice::on, comms).map_err(|e| e.message);
+    }
+    train_device(plan, opts, &|r| CudaDevice::on(r % gpus)).map_err(|e| e.message)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -424,7 +444,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         match engine {
             Engine::Cpu => "CPU threads, fp32",
             Engine::CpuBf16 => "CPU threads, bf16 rounding",
-            Engine::Cuda => "threads sharing one GPU, bf16 compute",
+            Engine::Cuda => "threads on the GPUs, bf16 compute",
         }
     );
     let bar = crate::log::bar(a.steps - start, format!("training {}", plan.model.name));

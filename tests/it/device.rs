@@ -311,3 +311,34 @@ fn mixed_precision_check_slices_sharded_weights() {
     )
     .expect_err("a 1.5x learning rate passes");
 }
+
+/// Ranks over given communicators (how one process drives several GPUs with NCCL)
+/// train exactly as over the in-process world `train_device` makes.
+#[test]
+fn given_communicators_train_like_the_in_process_world() {
+    use meshplan_executor::comm::{Communicator, ThreadComm};
+    let m = model("tiny-gpt");
+    let p = plan(&m, "dp=2,mbs=1");
+    let opts = TrainOptions::default();
+    let comms: Vec<Box<dyn Communicator>> = ThreadComm::create(2, opts.timeout)
+        .into_iter()
+        .map(|c| Box::new(c) as Box<dyn Communicator>)
+        .collect();
+    let with =
+        meshplan_executor::device::train::train_device_with(&p, &opts, &|_| Ok(HostDevice), comms)
+            .expect("run");
+    let world = train_device(&p, &opts, &|_| Ok(HostDevice)).expect("run");
+    same("given communicators", &p, &with, &world);
+    let one: Vec<Box<dyn Communicator>> = ThreadComm::create(1, opts.timeout)
+        .into_iter()
+        .map(|c| Box::new(c) as Box<dyn Communicator>)
+        .collect();
+    let e =
+        meshplan_executor::device::train::train_device_with(&p, &opts, &|_| Ok(HostDevice), one)
+            .expect_err("one communicator for two ranks");
+    assert!(
+        e.message.contains("1 communicators for a plan of 2 ranks"),
+        "{}",
+        e.message
+    );
+}

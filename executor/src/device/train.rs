@@ -101,6 +101,16 @@ pub fn train_device<D: Device>(
         let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
         run_rank(dev, plan, Box::new(comm), opts, (seq_len, global_batch), t0)
     });
+    assemble(results, opts, seq_len * global_batch)
+}
+
+/// The run of every rank's report: losses summed over ranks, step times of the
+/// slowest.
+fn assemble(
+    results: Vec<Result<RankReport, RankError>>,
+    opts: &TrainOptions,
+    tokens_per_step: u64,
+) -> Result<TrainReport, ExecError> {
     if let Some(summary) = crate::comm::failure_summary(&results) {
         return Err(ExecError { message: summary });
     }
@@ -119,10 +129,64 @@ pub fn train_device<D: Device>(
         step_s: (0..steps)
             .map(|s| ranks.iter().map(|r| r.step_s[s]).fold(0.0, f64::max))
             .collect(),
-        tokens_per_step: seq_len * global_batch,
+        tokens_per_step,
         ranks,
         saved: Vec::new(),
     })
+}
+
+/// [`train_device`] over given communicators, one per rank in rank order (one
+/// process driving several GPUs: `NcclComm::in_process`), each rank a thread.
+/// Unlike the in-process communicator these need not detect a rank that fails, so
+/// a failure may leave the others waiting (NCCL has no timeout).
+pub fn train_device_with<D: Device>(
+    plan: &Plan,
+    opts: &TrainOptions,
+    make: &(dyn Fn(usize) -> DResult<D> + Sync),
+    comms: Vec<Box<dyn Communicator>>,
+) -> Result<TrainReport, ExecError> {
+    supported(plan, opts).map_err(|m| ExecError {
+        message: format!("the device interpreter cannot run this plan: {m}"),
+    })?;
+    let Workload::Train {
+        seq_len,
+        global_batch,
+        ..
+    } = plan.workload
+    else {
+        unreachable!("checked by supported()")
+    };
+    if comms.len() != plan.ranks.len() || comms.iter().enumerate().any(|(r, c)| c.rank() != r) {
+        return Err(ExecError {
+            message: format!(
+                "{} communicators for a plan of {} ranks (one per rank, in rank order)",
+                comms.len(),
+                plan.ranks.len()
+            ),
+        });
+    }
+    let t0 = Instant::now();
+    let results = std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let dev = make(rank).map_err(|e| fail(format!("device: {e}")))?;
+                    let r = run_rank(dev, plan, comm, opts, (seq_len, global_batch), t0);
+                    r.map_err(|e| fail(format!("rank {rank}: {e:?}")))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(fail("a rank's thread panicked")))
+            })
+            .collect::<Vec<_>>()
+    });
+    assemble(results, opts, seq_len * global_batch)
 }
 
 /// One rank of `plan` in this process, connected to the others by `comm` (one
