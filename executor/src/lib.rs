@@ -1,7 +1,9 @@
 //! Brief overview: the executor runs a plan's per-rank programs.
 //!
 //! - [`backend`]: the `Backend` trait (the kernels an interpreter runs) and the CPU
-//!   implementation over `meshplan_kernels::cpu`.
+//!   implementation over `meshplan_kernels::cpu`; `backend_cuda` (feature `cuda`):
+//!   the same trait on a GPU through host staging, for the plans the device
+//!   interpreter does not take.
 //! - [`comm`]: the `Communicator` trait and the in-process implementation (ranks as
 //!   threads) that counts bytes per collective kind and axis.
 //! - [`train`]: the training interpreter over the CPU kernels, `--check` against a
@@ -20,6 +22,8 @@
 
 pub mod alloc;
 pub mod backend;
+#[cfg(feature = "cuda")]
+pub mod backend_cuda;
 pub mod ckpt;
 pub mod comm;
 pub mod data;
