@@ -10,7 +10,8 @@
 # (every CUDA kernel against its CPU reference); the CUDA device's tests (its
 # methods against the host device's); `run --backend cuda --check` (tiny-gpt over 8
 # data-parallel ranks sharing the GPU, against the fp32 CPU reference within bf16
-# tolerances); GPT-2 124M training on the GPU (tokens/s, MFU); the NCCL communicator tests
+# tolerances; and a tp=2 pp=2 plan through the general interpreter's host-staged GPU
+# kernels); GPT-2 124M training on the GPU (tokens/s, MFU); the NCCL communicator tests
 # (world size 1, and 2 when two GPUs are visible) with REQUIRE_GPU=1; `meshplan
 # calibrate` (overlay.yaml); benches/python/torch_gpu.py (PyTorch bf16 matmul on the
 # calibrate shapes beside meshplan's cuBLASLt numbers, and GPT-2 124M training
@@ -100,7 +101,7 @@ run kernel-tests 150 "$B/tests/meshplan-kernels" cuda:: --test-threads=1
 if [ "$rc" = 0 ]; then result kernel-tests PASS; else result kernel-tests FAIL; fi
 
 # --- 2b. the CUDA device against the host device (executor/src/device/cuda.rs)
-run device-tests 120 "$B/tests/meshplan-executor" device:: --test-threads=1 --nocapture
+run device-tests 120 "$B/tests/meshplan-executor" device:: backend_cuda:: --test-threads=1 --nocapture
 if [ "$rc" = 0 ]; then result device-tests PASS; else result device-tests FAIL; fi
 
 # --- 2c. run --check on the GPU: the device interpreter against the fp32 CPU run
@@ -109,6 +110,13 @@ run plan-tiny 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test
 run run-check 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp8.json" --backend cuda --steps 5 --check \
     --trace "$OUTDIR/tiny-dp8-trace.json"
 if [ "$rc" = 0 ]; then result "run --backend cuda --check" PASS; else result "run --backend cuda --check" FAIL; fi
+
+# --- 2c'. a plan the device interpreter does not take (tp, pp): the general
+# interpreter with its kernels on the GPU through host staging, --check as above
+run plan-tiny-tp 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
+    --config dp=2,tp=2,pp=2,mbs=1 -o "$OUTDIR/tiny-tp2pp2.json" --quiet
+run run-check-staged 150 "$B/bin/meshplan" run "$OUTDIR/tiny-tp2pp2.json" --backend cuda --steps 5 --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (staged, tp=2 pp=2)" PASS; else result "run --backend cuda --check (staged)" FAIL; fi
 
 # --- 2d. GPT-2 124M on one GPU (no dropout, as the PyTorch baseline): 32 sequences
 # of 1024 tokens per step, micro-batch 16, the same batch as torch_gpu.py's default.

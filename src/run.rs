@@ -96,6 +96,9 @@ enum Engine {
     CpuBf16,
     /// The device interpreter on the GPU.
     Cuda,
+    /// The general interpreter with its kernels on the GPU, through host buffers
+    /// (plans the device interpreter does not take).
+    CudaStaged,
 }
 
 /// `--backend`, checked before the plan is read: `cuda` needs a build with the
@@ -127,6 +130,7 @@ fn train_on(plan: &Plan, opts: &TrainOptions, engine: Engine) -> Result<TrainRep
         })
         .map_err(|e| e.message),
         Engine::Cuda => train_cuda(plan, opts),
+        Engine::CudaStaged => train_staged(plan, opts),
     }
 }
 
@@ -315,6 +319,18 @@ fn train_cuda(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, String> {
     train_device(plan, opts, &|r| CudaDevice::on(r % gpus)).map_err(|e| e.message)
 }
 
+#[cfg(feature = "cuda")]
+fn train_staged(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, String> {
+    let backend = meshplan_executor::backend_cuda::CudaBackend::new().map_err(|e| e.to_string())?;
+    meshplan_executor::train::train_on(plan, opts, &backend).map_err(|e| e.message)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn train_staged(_: &Plan, _: &TrainOptions) -> Result<TrainReport, String> {
+    // `engine` refuses cuda in a build without the feature.
+    Err("this binary was built without the cuda feature".into())
+}
+
 #[cfg(not(feature = "cuda"))]
 fn train_cuda(_: &Plan, _: &TrainOptions) -> Result<TrainReport, String> {
     // `engine` refuses cuda in a build without the feature.
@@ -383,20 +399,6 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         }
         None => None,
     };
-    // Ranks are threads of this process holding fp32 weights, gradients and Adam
-    // state: refuse what cannot fit rather than exhausting the machine.
-    let s = &plan.strategy;
-    let replicas = (plan.ranks.len() as f64 / (s.tp * s.pp).max(1) as f64).max(1.0);
-    let host_bytes = 16.0 * plan.model.params * replicas;
-    const HOST_BUDGET: f64 = 16.0 * (1u64 << 30) as f64;
-    if engine != Engine::Cuda && (host_bytes > HOST_BUDGET || plan.ranks.len() > 256) {
-        return Err(runtime(format!(
-            "{file}: the CPU backend runs every rank as a thread of this process; {} ranks holding {:.1} GiB of fp32 weights, gradients and Adam state exceed its {:.0} GiB budget (use a small model, e.g. models/tiny-gpt.yaml on topologies/cpu-test-mesh.yaml)",
-            plan.ranks.len(),
-            host_bytes / (1u64 << 30) as f64,
-            HOST_BUDGET / (1u64 << 30) as f64
-        )));
-    }
     if a.steps == 0 {
         return Err(bad("--steps must be at least 1".into()));
     }
@@ -428,14 +430,36 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         threads_per_rank: threads_per_rank(a.threads, plan.ranks.len())?,
         ..opts
     };
-    if engine != Engine::Cpu {
-        meshplan_executor::device::train::supported(&plan, &opts).map_err(|why| {
-            runtime(format!(
+    let engine = match (engine, meshplan_executor::device::train::supported(&plan, &opts)) {
+        (Engine::Cpu, _) | (_, Ok(())) => engine,
+        (Engine::Cuda, Err(why)) => {
+            tracing::warn!(
+                "{file}: the device interpreter does not take this plan ({why}); running the general interpreter on the GPU through host staging (two PCIe copies per kernel: correct, not fast)"
+            );
+            Engine::CudaStaged
+        }
+        (_, Err(why)) => {
+            return Err(runtime(format!(
                 "{file}: --backend {} runs plans of data parallelism on one pipeline stage (the device interpreter), and this one is not: {why}. Run it with --backend cpu",
                 a.backend
-            ))
-        })?;
+            )))
+        }
+    };
+    // Ranks are threads of this process holding fp32 weights, gradients and Adam
+    // state: refuse what cannot fit rather than exhausting the machine.
+    let s = &plan.strategy;
+    let replicas = (plan.ranks.len() as f64 / (s.tp * s.pp).max(1) as f64).max(1.0);
+    let host_bytes = 16.0 * plan.model.params * replicas;
+    const HOST_BUDGET: f64 = 16.0 * (1u64 << 30) as f64;
+    if engine != Engine::Cuda && (host_bytes > HOST_BUDGET || plan.ranks.len() > 256) {
+        return Err(runtime(format!(
+            "{file}: the CPU backend runs every rank as a thread of this process; {} ranks holding {:.1} GiB of fp32 weights, gradients and Adam state exceed its {:.0} GiB budget (use a small model, e.g. models/tiny-gpt.yaml on topologies/cpu-test-mesh.yaml)",
+            plan.ranks.len(),
+            host_bytes / (1u64 << 30) as f64,
+            HOST_BUDGET / (1u64 << 30) as f64
+        )));
     }
+
     tracing::info!(
         "training {} steps of {} on {} ranks ({})",
         a.steps,
@@ -445,6 +469,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             Engine::Cpu => "CPU threads, fp32",
             Engine::CpuBf16 => "CPU threads, bf16 rounding",
             Engine::Cuda => "threads on the GPUs, bf16 compute",
+            Engine::CudaStaged => "CPU threads, kernels on the GPU through host staging",
         }
     );
     let bar = crate::log::bar(a.steps - start, format!("training {}", plan.model.name));
@@ -489,7 +514,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         Some(match engine {
             Engine::Cpu => check_against(&plan, &report, &base, 1e-5),
             // Mixed precision against the fp32 reference: bf16 tolerances.
-            Engine::CpuBf16 | Engine::Cuda => {
+            Engine::CpuBf16 | Engine::Cuda | Engine::CudaStaged => {
                 use meshplan_executor::device as dv;
                 dv::check_mixed_precision(
                     &plan,
