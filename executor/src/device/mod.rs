@@ -1,7 +1,8 @@
 //! Device-resident execution: the [`Device`] trait is a backend whose buffers live
-//! where its kernels run (GPU memory for [`cuda`], host vectors for [`HostDevice`]),
-//! and [`train`] is an interpreter of dense training plans over it that never moves
-//! an activation, weight or gradient to the host during a step.
+//! where its kernels run (GPU memory for `cuda::CudaDevice` with the `cuda` feature,
+//! host vectors for [`HostDevice`]), and [`train`] is an interpreter of dense
+//! training plans over it that never moves an activation, weight or gradient to the
+//! host during a step (only the losses, once per step).
 //!
 //! The general interpreter ([`crate::train`]) works on host `Vec<f32>` and handles
 //! every plan (tensor, pipeline, context and expert parallelism, ZeRO-3); driving a
