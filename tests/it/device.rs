@@ -91,6 +91,14 @@ fn device_interpreter_reproduces_the_general_one_bit_for_bit() {
     for cfg in ["dp=1", "dp=2,mbs=2"] {
         check(&gpt2, cfg, plan(&gpt2, cfg));
     }
+    // ZeRO-1 and -2: each data rank updates its part of the flat vector and the
+    // parts are gathered; the flat layout (backward order) differs from the general
+    // interpreter's (key order), which changes no value.
+    for cfg in ["dp=2,zero=1", "dp=2,zero=2,mbs=1"] {
+        check(&llama, cfg, plan(&llama, cfg));
+    }
+    let p = plan_buckets(&gpt2, "dp=2,zero=1", 10_000.0);
+    check(&gpt2, "dp=2,zero=1 in 10k-parameter buckets", p);
     // Many buckets, each its own all-reduce over pieces of several weights.
     let p = plan_buckets(&gpt2, "dp=2", 10_000.0);
     let buckets = p.programs[0].phases[0]
@@ -110,7 +118,7 @@ fn device_interpreter_names_what_it_does_not_run() {
         ("tp=2", "splits `tp` 2 ways"),
         ("pp=2,mbs=1", "splits `pp` 2 ways"),
         ("cp=2", "splits `cp` 2 ways"),
-        ("dp=2,zero=1", "ZeRO-1"),
+        ("dp=2,zero=3", "ZeRO-3"),
     ] {
         let p = plan(&m, cfg);
         let e = supported(&p, &opts).expect_err(cfg);

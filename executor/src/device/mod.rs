@@ -9,7 +9,7 @@
 //! GPU through it would copy every operand over PCIe twice per kernel. The device
 //! interpreter covers the plans that most single-node training runs are (one
 //! pipeline stage, no tensor, context or expert split, any data parallelism with
-//! plain all-reduce of gradient buckets, gradient accumulation, recomputation) and
+//! ZeRO 0 to 2, gradient accumulation, recomputation) and
 //! keeps everything on the device, in the device's compute precision: bf16
 //! activations and weight copies for the kernels, fp32 master weights, gradients and
 //! AdamW moments.
@@ -349,6 +349,42 @@ pub trait Device: Send + Sync {
         comm: &mut dyn Communicator,
         r: Self::Reduction,
     ) -> Result<Self::F32, CommError>;
+
+    /// `out` = this member's part of the sum of every member's `buf` over `group`
+    /// (ZeRO's gradient shards). The default goes through the host.
+    fn reduce_scatter(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        buf: &Self::F32,
+        out: &mut Self::F32,
+    ) -> Result<(), CommError> {
+        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+        let host = self.f32_download(buf).map_err(internal)?;
+        let mut part = vec![0.0; Self::f32_len(out)];
+        comm.reduce_scatter(group, axis, &host, &mut part)?;
+        *out = self.f32_upload(&part).map_err(internal)?;
+        Ok(())
+    }
+
+    /// `out` = every member's `local`, in group order (ZeRO's updated parameters).
+    /// The default goes through the host.
+    fn all_gather(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        local: &Self::F32,
+        out: &mut Self::F32,
+    ) -> Result<(), CommError> {
+        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+        let host = self.f32_download(local).map_err(internal)?;
+        let mut all = vec![0.0; Self::f32_len(out)];
+        comm.all_gather(group, axis, &host, &mut all)?;
+        *out = self.f32_upload(&all).map_err(internal)?;
+        Ok(())
+    }
 
     /// Waits for everything launched so far.
     fn synchronize(&self) -> DResult<()>;

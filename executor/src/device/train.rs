@@ -29,7 +29,7 @@ use std::time::Instant;
 
 /// Why the device interpreter does not take `plan` (with these options), or `Ok`.
 /// What it takes: a training plan on one pipeline stage with no tensor, context or
-/// expert split, ZeRO 0 (or one data rank), no routed experts, no dropout, seeded
+/// expert split, ZeRO 0 to 2 (or one data rank), no routed experts, no dropout, seeded
 /// weights, no checkpoints.
 pub fn supported(plan: &Plan, opts: &TrainOptions) -> Result<(), String> {
     if plan.kind != PlanKind::Train || !matches!(plan.workload, Workload::Train { .. }) {
@@ -44,9 +44,9 @@ pub fn supported(plan: &Plan, opts: &TrainOptions) -> Result<(), String> {
         }
     }
     let dp = mesh_size(plan, "dp");
-    if plan.strategy.zero > 0 && dp > 1 {
+    if plan.strategy.zero >= 3 && dp > 1 {
         return Err(format!(
-            "ZeRO-{} shards optimizer state; the device interpreter reduces whole gradients",
+            "ZeRO-{} shards the weights themselves; the device interpreter keeps them whole",
             plan.strategy.zero
         ));
     }
@@ -332,13 +332,26 @@ struct DevRank<'a, D: Device> {
     losses: Vec<D::F32>,
     /// Most device memory in use seen after a forward task.
     device_peak: Option<u64>,
+    /// The flat vector's layout: weights and their lengths, in order.
+    layout: Vec<(Key, usize)>,
+    /// ZeRO's gradient and parameter buckets.
+    scatter: Vec<Bucket>,
+    gather: Vec<Bucket>,
+    /// ZeRO: this rank's reduced gradient parts this step (flat start, values), and
+    /// the AdamW moments of each part it updates.
+    shards: Vec<(usize, D::F32)>,
+    shard_adam: BTreeMap<usize, (D::F32, D::F32)>,
 }
 
 /// What the step list does, in order.
 enum StepItem {
     /// All-reduce of bucket `i` over the data ranks.
     Bucket(usize),
+    /// ZeRO: reduce-scatter of gradient bucket `i`, each rank keeping its part.
+    ReduceScatter(usize),
     Optimizer,
+    /// ZeRO: all-gather of parameter bucket `i`, the parts each rank updated.
+    AllGather(usize),
 }
 
 /// A gradient bucket: a range of the flat gradient (weights in key order).
@@ -346,6 +359,8 @@ struct Bucket {
     group: Group,
     axis: String,
     tensor: String,
+    /// Where it starts in the flat vector, and its length.
+    start: usize,
     len: usize,
     /// (weight, offset in its gradient, offset in the bucket, values).
     pieces: Vec<(Key, usize, usize, usize)>,
@@ -406,6 +421,11 @@ impl<'a, D: Device> DevRank<'a, D> {
             final_order: Vec::new(),
             losses: Vec::new(),
             device_peak: None,
+            layout: Vec::new(),
+            scatter: Vec::new(),
+            gather: Vec::new(),
+            shards: Vec::new(),
+            shard_adam: BTreeMap::new(),
         };
         r.init_weights()?;
         r.count_uses()?;
@@ -444,10 +464,6 @@ impl<'a, D: Device> DevRank<'a, D> {
                     dev.to_act(&master, &mut compute).map_err(&e)?;
                     self.wgrads
                         .insert(key.clone(), dev.f32_zeros(n).map_err(&e)?);
-                    self.adam.insert(
-                        key.clone(),
-                        (dev.f32_zeros(n).map_err(&e)?, dev.f32_zeros(n).map_err(&e)?),
-                    );
                     self.compute.insert(key.clone(), compute);
                     self.master.insert(key, master);
                 }
@@ -532,6 +548,30 @@ impl<'a, D: Device> DevRank<'a, D> {
                         serde_json::json!({"step": step}),
                     )?;
                 }
+                StepItem::ReduceScatter(b) => {
+                    self.reduce_scatter(b)?;
+                    let bk = &self.scatter[b];
+                    let args = serde_json::json!({"step": step, "tensor": bk.tensor});
+                    let name = format!("ReduceScatter {}", bk.axis);
+                    self.span(m0, name, "comm", args)?;
+                }
+                StepItem::AllGather(b) => {
+                    self.all_gather(b)?;
+                    let bk = &self.gather[b];
+                    let args = serde_json::json!({"step": step, "tensor": bk.tensor});
+                    let name = format!("AllGather {}", bk.axis);
+                    self.span(m0, name, "comm", args)?;
+                }
+            }
+        }
+        if !self.gather.is_empty() {
+            // The gathered masters hold every rank's update: refresh the compute copies.
+            for (key, w) in &self.master {
+                let c = self
+                    .compute
+                    .get_mut(key)
+                    .ok_or_else(|| fail("compute copy missing"))?;
+                self.dev.to_act(w, c).map_err(derr(&key.0))?;
             }
         }
         self.next_bucket = 0;
@@ -1246,8 +1286,9 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Checks the step list once and lays out its buckets: each `grads:dense[a..b]`
     /// is a range of the flat gradient. The weights lie in it in the order the
     /// backward finishes their gradients (as DDP orders its buckets), so that the
-    /// first buckets fill first; without ZeRO the layout changes no value (each
-    /// element is summed alone) and no byte count (the ranges are the plan's).
+    /// first buckets fill first. The layout changes no value (each element is summed
+    /// and updated alone, with or without ZeRO) and no byte count (the ranges are
+    /// the plan's).
     fn plan_step(&mut self) -> Result<(), RankError> {
         let total: usize = self.wgrads.values().map(D::f32_len).sum();
         let mut sizes: Vec<(Key, usize)> = Vec::new();
@@ -1269,32 +1310,44 @@ impl<'a, D: Device> DevRank<'a, D> {
                     tensor,
                     ..
                 } => {
-                    let (a, b) = bucket_range(tensor, total)?;
-                    if *kind != CollectiveKind::AllReduce {
-                        return Err(fail(format!(
-                            "{kind:?} of gradients needs ZeRO, which the device interpreter does not run"
-                        )));
-                    }
+                    let (set, (a, b)) = bucket_range(tensor, total)?;
                     let g = self.groups.get(group).cloned().ok_or_else(|| {
                         fail(format!("group `{group}` is not in the plan's mesh"))
                     })?;
-                    let mut pieces = Vec::new();
-                    let mut off = 0;
-                    for (key, len) in &sizes {
-                        let (x, y) = (off.max(a), (off + len).min(b));
-                        if x < y {
-                            pieces.push((key.clone(), x - off, x - a, y - x));
-                        }
-                        off += len;
+                    if (b - a) % g.size() != 0 {
+                        return Err(fail(format!(
+                            "bucket {a}..{b} of `{tensor}` does not split over {} ranks",
+                            g.size()
+                        )));
                     }
-                    self.step_plan.push(StepItem::Bucket(self.buckets.len()));
-                    self.buckets.push(Bucket {
+                    let bucket = Bucket {
                         group: g,
                         axis: axis.name().to_string(),
                         tensor: tensor.clone(),
+                        start: a,
                         len: b - a,
-                        pieces,
-                    });
+                        pieces: pieces_of(&sizes, a, b),
+                    };
+                    match (set, kind) {
+                        ("grads", CollectiveKind::AllReduce) => {
+                            self.step_plan.push(StepItem::Bucket(self.buckets.len()));
+                            self.buckets.push(bucket);
+                        }
+                        ("grads", CollectiveKind::ReduceScatter) => {
+                            self.step_plan
+                                .push(StepItem::ReduceScatter(self.scatter.len()));
+                            self.scatter.push(bucket);
+                        }
+                        ("params", CollectiveKind::AllGather) => {
+                            self.step_plan.push(StepItem::AllGather(self.gather.len()));
+                            self.gather.push(bucket);
+                        }
+                        _ => {
+                            return Err(fail(format!(
+                                "{kind:?} of `{tensor}` is not a step the device interpreter runs"
+                            )))
+                        }
+                    }
                 }
                 Instr::Optimizer { params, .. } if params == "dense" => {
                     self.step_plan.push(StepItem::Optimizer)
@@ -1303,6 +1356,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
         }
         self.in_flight = self.buckets.iter().map(|_| None).collect();
+        self.layout = sizes;
         Ok(())
     }
 
@@ -1426,12 +1480,130 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(())
     }
 
+    /// Gradient bucket `i` summed over the data ranks, this rank keeping its part.
+    fn reduce_scatter(&mut self, i: usize) -> Result<(), RankError> {
+        let bk = &self.scatter[i];
+        let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
+        let c = bk.len / n;
+        let e = derr("reduce-scatter");
+        let mut buf = self.zeros_f32(bk.len)?;
+        for (key, src, dst, len) in &bk.pieces {
+            let g = self
+                .wgrads
+                .get(key)
+                .ok_or_else(|| fail("gradient missing"))?;
+            self.dev
+                .f32_copy(g, *src, &mut buf, *dst, *len)
+                .map_err(&e)?;
+        }
+        let mut part = self.zeros_f32(c)?;
+        self.dev
+            .reduce_scatter(&mut *self.comm, &bk.group, &bk.axis, &buf, &mut part)?;
+        self.shards.push((bk.start + me * c, part));
+        Ok(())
+    }
+
+    /// Parameter bucket `i` from the parts each data rank updated.
+    fn all_gather(&mut self, i: usize) -> Result<(), RankError> {
+        let bk = &self.gather[i];
+        let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
+        let c = bk.len / n;
+        let e = derr("all-gather");
+        let mut local = self.zeros_f32(c)?;
+        let own = bk.start + me * c;
+        for (key, src, dst, len) in pieces_of(&self.layout, own, own + c) {
+            let w = self
+                .master
+                .get(&key)
+                .ok_or_else(|| fail("weight missing"))?;
+            self.dev
+                .f32_copy(w, src, &mut local, dst, len)
+                .map_err(&e)?;
+        }
+        let mut all = self.zeros_f32(bk.len)?;
+        self.dev
+            .all_gather(&mut *self.comm, &bk.group, &bk.axis, &local, &mut all)?;
+        for (key, src, dst, len) in &bk.pieces {
+            let w = self
+                .master
+                .get_mut(key)
+                .ok_or_else(|| fail("weight missing"))?;
+            self.dev.f32_copy(&all, *dst, w, *src, *len).map_err(&e)?;
+        }
+        Ok(())
+    }
+
+    fn index_in(&self, g: &Group) -> Result<usize, RankError> {
+        g.index_of(self.rank)
+            .ok_or_else(|| fail(format!("rank {} is not in group {}", self.rank, g.id)))
+    }
+
+    /// ZeRO's AdamW: each reduced part of the flat gradient updates the same part of
+    /// the fp32 masters, with moments of that part alone.
+    fn optimizer_shards(&mut self) -> Result<(), RankError> {
+        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
+        let step = self.step_no + 1;
+        let e = derr("adamw");
+        for (start, grad) in std::mem::take(&mut self.shards) {
+            let c = D::f32_len(&grad);
+            let pieces = pieces_of(&self.layout, start, start + c);
+            let mut param = self.zeros_f32(c)?;
+            for (key, src, dst, len) in &pieces {
+                let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
+                self.dev
+                    .f32_copy(w, *src, &mut param, *dst, *len)
+                    .map_err(&e)?;
+            }
+            if !self.shard_adam.contains_key(&start) {
+                let state = (self.zeros_f32(c)?, self.zeros_f32(c)?);
+                self.shard_adam.insert(start, state);
+            }
+            let mut scratch = self.zeros(c)?;
+            let (m, v) = self
+                .shard_adam
+                .get_mut(&start)
+                .ok_or_else(|| fail("no AdamW state"))?;
+            self.dev
+                .adamw(
+                    &mut param,
+                    &grad,
+                    m,
+                    v,
+                    &mut scratch,
+                    step,
+                    self.opts.lr,
+                    (b1, b2, eps, wd),
+                )
+                .map_err(&e)?;
+            for (key, src, dst, len) in &pieces {
+                let w = self
+                    .master
+                    .get_mut(key)
+                    .ok_or_else(|| fail("weight missing"))?;
+                self.dev.f32_copy(&param, *dst, w, *src, *len).map_err(&e)?;
+            }
+        }
+        Ok(())
+    }
+
     fn optimizer(&mut self) -> Result<(), RankError> {
+        if !self.scatter.is_empty() {
+            return self.optimizer_shards();
+        }
         let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
         let step = self.step_no + 1;
         for (key, w) in self.master.iter_mut() {
             let e = derr(&key.0);
             let missing = || fail(format!("state of `{}` missing", key.0));
+            if !self.adam.contains_key(key) {
+                // Moments on first use: under ZeRO only the parts' moments exist.
+                let n = D::f32_len(w);
+                let state = (
+                    self.dev.f32_zeros(n).map_err(&e)?,
+                    self.dev.f32_zeros(n).map_err(&e)?,
+                );
+                self.adam.insert(key.clone(), state);
+            }
             let g = self.wgrads.get(key).ok_or_else(missing)?;
             let (m, v) = self.adam.get_mut(key).ok_or_else(missing)?;
             let c = self.compute.get_mut(key).ok_or_else(missing)?;
@@ -1448,8 +1620,15 @@ impl<'a, D: Device> DevRank<'a, D> {
             weights.insert(key.clone(), self.dev.f32_download(w).map_err(derr(&key.0))?);
         }
         let n: usize = self.master.values().map(D::f32_len).sum();
-        // Master, gradient and two moments in fp32, and the compute copy.
-        let state_bytes = (n * 16 + n * self.dev.act_bytes()) as f64;
+        let moments: usize = self
+            .adam
+            .values()
+            .chain(self.shard_adam.values())
+            .map(|(m, v)| D::f32_len(m) + D::f32_len(v))
+            .sum();
+        // Master and gradient in fp32, the moments held (a part of them under ZeRO),
+        // and the compute copy.
+        let state_bytes = ((n * 8 + moments * 4) + n * self.dev.act_bytes()) as f64;
         Ok(RankReport {
             rank: self.rank,
             loss_parts,
@@ -1472,10 +1651,17 @@ fn stat<D: Device>(t: &Task<D>, l: u64, name: String) -> Result<&D::F32, RankErr
         .ok_or_else(|| fail(format!("`{name}` (layer {l}) was not kept")))
 }
 
-/// `grads:dense[a..b]` as `(a, b)`, or the whole `grads:dense`, within `total`.
-fn bucket_range(tensor: &str, total: usize) -> Result<(usize, usize), RankError> {
+/// `grads:dense[a..b]` as `("grads", (a, b))` (or `params:`), the whole set
+/// without a range, within `total`.
+fn bucket_range(tensor: &str, total: usize) -> Result<(&'static str, (usize, usize)), RankError> {
     let bad = || fail(format!("the device interpreter does not reduce `{tensor}`"));
-    let rest = tensor.strip_prefix("grads:dense").ok_or_else(bad)?;
+    let (set, rest) = if let Some(rest) = tensor.strip_prefix("grads:dense") {
+        ("grads", rest)
+    } else if let Some(rest) = tensor.strip_prefix("params:dense") {
+        ("params", rest)
+    } else {
+        return Err(bad());
+    };
     let (a, b) = if rest.is_empty() {
         (0, total)
     } else {
@@ -1492,5 +1678,20 @@ fn bucket_range(tensor: &str, total: usize) -> Result<(usize, usize), RankError>
             "bucket {a}..{b} does not fit {total} parameters"
         )));
     }
-    Ok((a, b))
+    Ok((set, (a, b)))
+}
+
+/// The pieces of the flat range `a..b` over weights laid out as `layout`: (weight,
+/// offset in it, offset in the range, values).
+fn pieces_of(layout: &[(Key, usize)], a: usize, b: usize) -> Vec<(Key, usize, usize, usize)> {
+    let mut pieces = Vec::new();
+    let mut off = 0;
+    for (key, len) in layout {
+        let (x, y) = (off.max(a), (off + len).min(b));
+        if x < y {
+            pieces.push((key.clone(), x - off, x - a, y - x));
+        }
+        off += len;
+    }
+    pieces
 }
