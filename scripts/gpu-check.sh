@@ -110,6 +110,10 @@ run plan-tiny 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test
 run run-check 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp8.json" --backend cuda --steps 5 --check \
     --trace "$OUTDIR/tiny-dp8-trace.json"
 if [ "$rc" = 0 ]; then result "run --backend cuda --check" PASS; else result "run --backend cuda --check" FAIL; fi
+run plan-tiny-zero1 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
+    --config dp=8,tp=1,pp=1,cp=1,zero=1 -o "$OUTDIR/tiny-dp8-zero1.json" --quiet
+run run-check-zero1 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp8-zero1.json" --backend cuda --steps 5 --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (ZeRO-1)" PASS; else result "run --backend cuda --check (ZeRO-1)" FAIL; fi
 
 # --- 2c'. a plan the device interpreter does not take (tp, pp): the general
 # interpreter with its kernels on the GPU through host staging, --check as above
