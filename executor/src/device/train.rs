@@ -29,8 +29,8 @@ use std::time::Instant;
 
 /// Why the device interpreter does not take `plan` (with these options), or `Ok`.
 /// What it takes: a training plan on one pipeline stage with no tensor, context or
-/// expert split, ZeRO 0 to 2 (or one data rank), no routed experts, no dropout, seeded
-/// weights, no checkpoints.
+/// expert split, ZeRO 0 to 2 (or one data rank), no routed experts, no dropout, no
+/// checkpoint saved or resumed (fine-tuning from a Hugging Face checkpoint is fine).
 pub fn supported(plan: &Plan, opts: &TrainOptions) -> Result<(), String> {
     if plan.kind != PlanKind::Train || !matches!(plan.workload, Workload::Train { .. }) {
         return Err("not a training plan".into());
@@ -62,8 +62,8 @@ pub fn supported(plan: &Plan, opts: &TrainOptions) -> Result<(), String> {
             _ => {}
         }
     }
-    if opts.resume.is_some() || opts.save.is_some() || opts.weights.is_some() {
-        return Err("checkpoints and fine-tuning weights run on the general interpreter".into());
+    if opts.resume.is_some() || opts.save.is_some() {
+        return Err("saving and resuming checkpoints run on the general interpreter".into());
     }
     Ok(())
 }
@@ -440,8 +440,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             .ok_or_else(|| fail("the program has no phase"))
     }
 
-    /// The seeded weights the general interpreter starts from (whole: nothing is
-    /// split), with zero gradients and AdamW moments.
+    /// The weights the general interpreter starts from, seeded or a checkpoint's
+    /// (whole: nothing is split), with zero gradients.
     fn init_weights(&mut self) -> Result<(), RankError> {
         let graph = self.graph;
         for (s, layer) in segment_copies(graph, self.phase()?)? {
@@ -455,8 +455,17 @@ impl<'a, D: Device> DevRank<'a, D> {
                     }
                     let shape = fixed_shape(t)?;
                     let n: usize = shape.iter().product();
-                    let full =
-                        init_full(self.opts.seed, &t.name, layer, n, init_kind(op, w, &shape));
+                    let full = match &self.opts.weights {
+                        // Fine-tuning: the checkpoint's whole tensor (nothing is split).
+                        Some(hf) => {
+                            let l = (layer != NO_LAYER).then_some(layer);
+                            hf.local(graph, op, w, l, &crate::weights::ShardSpec::All)
+                                .map_err(|e| fail(e.message))?
+                        }
+                        None => {
+                            init_full(self.opts.seed, &t.name, layer, n, init_kind(op, w, &shape))
+                        }
+                    };
                     let dev = &self.dev;
                     let e = derr(&t.name);
                     let master = dev.f32_upload(&full).map_err(&e)?;
