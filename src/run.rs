@@ -161,15 +161,13 @@ fn launched_cuda(
             if plan.kind == PlanKind::Train { "" } else { " and is an inference plan" }
         )));
     }
-    if a.steps == 0 {
-        return Err(bad("--steps must be at least 1".into()));
+    if a.save.is_some() {
+        return Err(bad(format!(
+            "{file}: --save writes one checkpoint from every rank's state, which one process per GPU does not hold; save from a single-process run (`meshplan run PLAN --backend cuda --save DIR`) and resume here with --resume"
+        )));
     }
-    let opts = TrainOptions {
-        steps: a.steps,
-        trace: a.trace.is_some(),
-        ..TrainOptions::default()
-    };
-    meshplan_executor::device::train::supported(&plan, &opts).map_err(|why| {
+    let (opts, start) = training_options(a, &plan)?;
+    meshplan_executor::device::train::supported(&plan).map_err(|why| {
         runtime(format!(
             "{file}: --backend cuda runs plans of data parallelism on one pipeline stage, and this one is not: {why}"
         ))
@@ -186,7 +184,7 @@ fn launched_cuda(
     if env.rank != 0 {
         return Ok(());
     }
-    let bytes_off = byte_mismatches(&plan, &report, a.steps);
+    let bytes_off = byte_mismatches(&plan, &report, a.steps - start);
     let check = if a.check {
         let reference = reference_plan(&plan).map_err(runtime)?;
         let ref_opts = TrainOptions {
@@ -213,7 +211,7 @@ fn launched_cuda(
         let text = meshplan_executor::trace::chrome_trace(&plan, &spans).to_json();
         crate::plan::write_atomically(path, text.as_bytes(), "trace")?;
     }
-    print_report(&plan, &report, &bytes_off, check.as_ref(), a.json, 0);
+    print_report(&plan, &report, &bytes_off, check.as_ref(), a.json, start);
     if let Some(Err(why)) = &check {
         return Err(runtime(format!(
             "the run differs from the single-rank reference:\n{why}"
@@ -384,53 +382,8 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "{file}: prompts and sampling flags are for inference plans; this is a training plan"
         )));
     }
-    let hf = match a.weights {
-        Some(dir) => {
-            if a.resume.is_some() {
-                return Err(bad(
-                    "--weights and --resume both give the weights; use one (a --save checkpoint already holds them)".into(),
-                ));
-            }
-            let ck =
-                meshplan_executor::weights::Checkpoint::open(dir).map_err(|e| bad(e.message))?;
-            ck.check_config(&plan.graph).map_err(|e| bad(e.message))?;
-            ck.validate(&plan.graph).map_err(|e| bad(e.message))?;
-            Some(std::sync::Arc::new(ck))
-        }
-        None => None,
-    };
-    if a.steps == 0 {
-        return Err(bad("--steps must be at least 1".into()));
-    }
-    let data = match a.data {
-        None => DataSource::Synthetic,
-        Some(path) => {
-            let vocab = plan.graph.vocab().unwrap_or(u64::MAX);
-            let file = TokenFile::open(path, vocab).map_err(|e| bad(e.message))?;
-            let (seq, gb) = match plan.workload {
-                meshplan_ir::Workload::Train {
-                    seq_len,
-                    global_batch,
-                    ..
-                } => (seq_len as usize, global_batch),
-                _ => (0, 0),
-            };
-            Sampler::new(file.len(), seq, gb, TrainOptions::default().seed)
-                .map_err(|m| bad(format!("{}: {m}", path.display())))?;
-            DataSource::File {
-                file: std::sync::Arc::new(file),
-            }
-        }
-    };
-    let (opts, start) = checkpoint_options(a, &plan)?;
-    let opts = TrainOptions {
-        data,
-        trace: a.trace.is_some(),
-        weights: hf,
-        threads_per_rank: threads_per_rank(a.threads, plan.ranks.len())?,
-        ..opts
-    };
-    let engine = match (engine, meshplan_executor::device::train::supported(&plan, &opts)) {
+    let (opts, start) = training_options(a, &plan)?;
+    let engine = match (engine, meshplan_executor::device::train::supported(&plan)) {
         (Engine::Cpu, _) | (_, Ok(())) => engine,
         (Engine::Cuda, Err(why)) => {
             tracing::warn!(
@@ -562,6 +515,58 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         )));
     }
     Ok(())
+}
+
+/// The training options the flags give (fine-tuning weights, data, checkpoints,
+/// trace, threads) and the step the run starts at; bad input exits 2.
+fn training_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64), Failure> {
+    let hf = match a.weights {
+        Some(dir) => {
+            if a.resume.is_some() {
+                return Err(bad(
+                    "--weights and --resume both give the weights; use one (a --save checkpoint already holds them)".into(),
+                ));
+            }
+            let ck =
+                meshplan_executor::weights::Checkpoint::open(dir).map_err(|e| bad(e.message))?;
+            ck.check_config(&plan.graph).map_err(|e| bad(e.message))?;
+            ck.validate(&plan.graph).map_err(|e| bad(e.message))?;
+            Some(std::sync::Arc::new(ck))
+        }
+        None => None,
+    };
+    if a.steps == 0 {
+        return Err(bad("--steps must be at least 1".into()));
+    }
+    let data = match a.data {
+        None => DataSource::Synthetic,
+        Some(path) => {
+            let vocab = plan.graph.vocab().unwrap_or(u64::MAX);
+            let file = TokenFile::open(path, vocab).map_err(|e| bad(e.message))?;
+            let (seq, gb) = match plan.workload {
+                meshplan_ir::Workload::Train {
+                    seq_len,
+                    global_batch,
+                    ..
+                } => (seq_len as usize, global_batch),
+                _ => (0, 0),
+            };
+            Sampler::new(file.len(), seq, gb, TrainOptions::default().seed)
+                .map_err(|m| bad(format!("{}: {m}", path.display())))?;
+            DataSource::File {
+                file: std::sync::Arc::new(file),
+            }
+        }
+    };
+    let (opts, start) = checkpoint_options(a, plan)?;
+    let opts = TrainOptions {
+        data,
+        trace: a.trace.is_some(),
+        weights: hf,
+        threads_per_rank: threads_per_rank(a.threads, plan.ranks.len())?,
+        ..opts
+    };
+    Ok((opts, start))
 }
 
 /// Training options of `--save`, `--save-every` and `--resume`, and the step the

@@ -293,7 +293,7 @@ pub fn train_on(
 
 /// The step a run resumed from `ck` starts at, once the checkpoint is known to fit
 /// the plan's model and the run's data.
-fn check_resume(
+pub(crate) fn check_resume(
     plan: &Plan,
     opts: &TrainOptions,
     ck: &crate::ckpt::Checkpoint,

@@ -366,3 +366,48 @@ fn ckpt_run_flags_save_resume_and_exit_codes() {
     .expect_code(2)
     .stderr_has(&["has no `", "tiny-moe"]);
 }
+
+/// The device interpreter writes and reads the general interpreter's checkpoints:
+/// 3 steps saved by one, resumed to 6 by the other (and by itself), equal bit for
+/// bit to 6 uninterrupted steps, with and without ZeRO.
+#[test]
+fn ckpt_device_and_general_interpreters_resume_each_other() {
+    use meshplan_executor::device::{train::train_device, HostDevice};
+    let m = model("tiny-gpt");
+    let device = |p: &Plan, o: &TrainOptions| {
+        train_device(p, o, &|_| Ok(HostDevice)).unwrap_or_else(|e| panic!("{}: {e}", p.strategy))
+    };
+    for cfg in ["dp=2", "dp=2,zero=1"] {
+        let p = plan(&m, cfg);
+        let whole = run(&p, &opts(6));
+        type Trainer<'a> = &'a dyn Fn(&Plan, &TrainOptions) -> TrainReport;
+        let pairs: [(&str, Trainer, Trainer); 3] = [
+            ("device -> general", &device, &run),
+            ("general -> device", &run, &device),
+            ("device -> device", &device, &device),
+        ];
+        for (what, save, resume) in pairs {
+            let dir = temp_dir(&format!("device-{cfg}-{}", what.replace(' ', "")));
+            let first = save(&p, &saving(3, &dir, 3));
+            assert_eq!(first.saved.len(), 1, "{cfg} {what}");
+            assert!(
+                first.losses == whole.losses[..3],
+                "{cfg} {what}: first 3 steps"
+            );
+            let resumed = resume(&p, &resuming(6, &dir));
+            assert!(
+                resumed.losses == whole.losses[3..],
+                "{cfg} {what}: resumed {:?} vs uninterrupted {:?}",
+                resumed.losses,
+                &whole.losses[3..]
+            );
+            for (a, b) in resumed.ranks.iter().zip(&whole.ranks) {
+                assert!(
+                    a.weights == b.weights,
+                    "{cfg} {what}: rank {} weights",
+                    a.rank
+                );
+            }
+        }
+    }
+}

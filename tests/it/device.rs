@@ -67,7 +67,7 @@ fn same(cfg: &str, p: &Plan, a: &TrainReport, b: &TrainReport) {
 #[track_caller]
 fn check(m: &Model, cfg: &str, p: Plan) {
     let opts = TrainOptions::default();
-    supported(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+    supported(&p).unwrap_or_else(|e| panic!("{cfg}: {e}"));
     let general = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
     let device =
         train_device(&p, &opts, &|_| Ok(HostDevice)).unwrap_or_else(|e| panic!("{cfg}: {e}"));
@@ -121,19 +121,19 @@ fn device_interpreter_names_what_it_does_not_run() {
         ("dp=2,zero=3", "ZeRO-3"),
     ] {
         let p = plan(&m, cfg);
-        let e = supported(&p, &opts).expect_err(cfg);
+        let e = supported(&p).expect_err(cfg);
         assert!(e.contains(why), "{cfg}: {e}");
         let run = train_device(&p, &opts, &|_| Ok(HostDevice)).expect_err(cfg);
         assert!(run.message.contains(why), "{cfg}: {}", run.message);
     }
     let moe = model("tiny-moe");
-    let e = supported(&plan(&moe, "dp=1"), &opts).expect_err("moe");
+    let e = supported(&plan(&moe, "dp=1")).expect_err("moe");
     assert!(e.contains("routed experts"), "{e}");
     let dropout = variant(
         &[("position: rope", "position: rope\n  dropout: true")],
         "d.yaml",
     );
-    let e = supported(&plan(&dropout, "dp=1"), &opts).expect_err("dropout");
+    let e = supported(&plan(&dropout, "dp=1")).expect_err("dropout");
     assert!(e.contains("dropout"), "{e}");
 }
 

@@ -27,11 +27,13 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Why the device interpreter does not take `plan` (with these options), or `Ok`.
+/// Why the device interpreter does not take `plan`, or `Ok`.
 /// What it takes: a training plan on one pipeline stage with no tensor, context or
-/// expert split, ZeRO 0 to 2 (or one data rank), no routed experts, no dropout, no
-/// checkpoint saved or resumed (fine-tuning from a Hugging Face checkpoint is fine).
-pub fn supported(plan: &Plan, opts: &TrainOptions) -> Result<(), String> {
+/// expert split, ZeRO 0 to 2 (or one data rank), no routed experts, no dropout.
+/// Checkpoints save and resume as on the general interpreter (the same files: either
+/// interpreter resumes the other's), and fine-tuning starts from a Hugging Face
+/// checkpoint.
+pub fn supported(plan: &Plan) -> Result<(), String> {
     if plan.kind != PlanKind::Train || !matches!(plan.workload, Workload::Train { .. }) {
         return Err("not a training plan".into());
     }
@@ -62,9 +64,6 @@ pub fn supported(plan: &Plan, opts: &TrainOptions) -> Result<(), String> {
             _ => {}
         }
     }
-    if opts.resume.is_some() || opts.save.is_some() {
-        return Err("saving and resuming checkpoints run on the general interpreter".into());
-    }
     Ok(())
 }
 
@@ -77,6 +76,124 @@ fn mesh_size(plan: &Plan, axis: &str) -> usize {
         .unwrap_or(1)
 }
 
+/// What every rank of a run shares: the workload's sizes, the clock, the step the
+/// run starts at (a resumed checkpoint's) and the checkpoint writer.
+struct Run<'a> {
+    plan: &'a Plan,
+    opts: &'a TrainOptions,
+    seq_len: u64,
+    global_batch: u64,
+    t0: Instant,
+    start: u64,
+    saver: Option<crate::ckpt::Saver>,
+}
+
+impl<'a> Run<'a> {
+    fn new(plan: &'a Plan, opts: &'a TrainOptions) -> Result<Run<'a>, ExecError> {
+        supported(plan).map_err(|m| ExecError {
+            message: format!("the device interpreter cannot run this plan: {m}"),
+        })?;
+        let Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } = plan.workload
+        else {
+            unreachable!("checked by supported()")
+        };
+        let start = match &opts.resume {
+            Some(ck) => crate::train::check_resume(plan, opts, ck)?,
+            None => 0,
+        };
+        let saver = match &opts.save {
+            Some(s) => Some(
+                crate::ckpt::Saver::new(plan, opts, s).map_err(|message| ExecError { message })?,
+            ),
+            None => None,
+        };
+        Ok(Run {
+            plan,
+            opts,
+            seq_len,
+            global_batch,
+            t0: Instant::now(),
+            start,
+            saver,
+        })
+    }
+
+    /// The run of every rank's report: losses summed over ranks, step times of the
+    /// slowest, the checkpoints written (joined even when the run failed, so that
+    /// no write outlives the call).
+    fn finish(self, results: Vec<Result<RankReport, RankError>>) -> Result<TrainReport, ExecError> {
+        let saved = self.saver.map(crate::ckpt::Saver::finish);
+        if let Some(summary) = crate::comm::failure_summary(&results) {
+            return Err(ExecError { message: summary });
+        }
+        let saved = saved.transpose().map_err(|e| ExecError {
+            message: format!("checkpoint: {e}"),
+        })?;
+        let ranks: Vec<RankReport> =
+            results
+                .into_iter()
+                .collect::<Result<_, _>>()
+                .map_err(|e| ExecError {
+                    message: format!("{e:?}"),
+                })?;
+        let steps = self.opts.steps.saturating_sub(self.start) as usize;
+        Ok(TrainReport {
+            losses: (0..steps)
+                .map(|s| ranks.iter().map(|r| r.loss_parts[s]).sum())
+                .collect(),
+            step_s: (0..steps)
+                .map(|s| ranks.iter().map(|r| r.step_s[s]).fold(0.0, f64::max))
+                .collect(),
+            tokens_per_step: self.seq_len * self.global_batch,
+            ranks,
+            saved: saved.unwrap_or_default(),
+        })
+    }
+
+    /// Trains one rank from the run's first step to `opts.steps`, saving where due.
+    fn rank<D: Device>(
+        &self,
+        dev: D,
+        comm: Box<dyn Communicator>,
+    ) -> Result<RankReport, RankError> {
+        let opts = self.opts;
+        let mut r = DevRank::new(
+            dev,
+            self.plan,
+            comm,
+            opts,
+            self.seq_len,
+            self.global_batch,
+            self.t0,
+        )?;
+        let mut loss_parts = Vec::new();
+        let mut step_s = Vec::new();
+        for step in self.start..opts.steps {
+            if opts.fail_at == Some((r.rank, step)) {
+                return Err(fail(format!("injected failure at step {step}")));
+            }
+            let t = Instant::now();
+            loss_parts.push(r.step(step)?);
+            step_s.push(t.elapsed().as_secs_f64());
+            if let (0, Some(hook)) = (r.rank, &opts.on_step) {
+                (hook.0)(step_s.len() as u64);
+            }
+            if let Some(sv) = self
+                .saver
+                .as_ref()
+                .filter(|sv| sv.due(step + 1, opts.steps))
+            {
+                sv.deposit(step + 1, r.snapshot()?).map_err(fail)?;
+            }
+        }
+        r.report(loss_parts, step_s)
+    }
+}
+
 /// Runs `plan`'s training programs for `opts.steps` steps, each rank on the device
 /// `make(rank)` gives, ranks as threads over the in-process communicator.
 pub fn train_device<D: Device>(
@@ -84,55 +201,17 @@ pub fn train_device<D: Device>(
     opts: &TrainOptions,
     make: &(dyn Fn(usize) -> DResult<D> + Sync),
 ) -> Result<TrainReport, ExecError> {
-    supported(plan, opts).map_err(|m| ExecError {
-        message: format!("the device interpreter cannot run this plan: {m}"),
-    })?;
-    let Workload::Train {
-        seq_len,
-        global_batch,
-        ..
-    } = plan.workload
-    else {
-        unreachable!("checked by supported()")
-    };
-    let world = plan.ranks.len();
-    let t0 = Instant::now();
-    let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
-        let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
-        run_rank(dev, plan, Box::new(comm), opts, (seq_len, global_batch), t0)
-    });
-    assemble(results, opts, seq_len * global_batch)
-}
-
-/// The run of every rank's report: losses summed over ranks, step times of the
-/// slowest.
-fn assemble(
-    results: Vec<Result<RankReport, RankError>>,
-    opts: &TrainOptions,
-    tokens_per_step: u64,
-) -> Result<TrainReport, ExecError> {
-    if let Some(summary) = crate::comm::failure_summary(&results) {
-        return Err(ExecError { message: summary });
-    }
-    let ranks: Vec<RankReport> =
-        results
-            .into_iter()
-            .collect::<Result<_, _>>()
-            .map_err(|e| ExecError {
-                message: format!("{e:?}"),
-            })?;
-    let steps = opts.steps as usize;
-    Ok(TrainReport {
-        losses: (0..steps)
-            .map(|s| ranks.iter().map(|r| r.loss_parts[s]).sum())
-            .collect(),
-        step_s: (0..steps)
-            .map(|s| ranks.iter().map(|r| r.step_s[s]).fold(0.0, f64::max))
-            .collect(),
-        tokens_per_step,
-        ranks,
-        saved: Vec::new(),
-    })
+    let run = Run::new(plan, opts)?;
+    let results = crate::comm::run_ranks(
+        plan.ranks.len(),
+        opts.timeout,
+        opts.threads_per_rank,
+        |comm| {
+            let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
+            run.rank(dev, Box::new(comm))
+        },
+    );
+    run.finish(results)
 }
 
 /// [`train_device`] over given communicators, one per rank in rank order (one
@@ -145,17 +224,6 @@ pub fn train_device_with<D: Device>(
     make: &(dyn Fn(usize) -> DResult<D> + Sync),
     comms: Vec<Box<dyn Communicator>>,
 ) -> Result<TrainReport, ExecError> {
-    supported(plan, opts).map_err(|m| ExecError {
-        message: format!("the device interpreter cannot run this plan: {m}"),
-    })?;
-    let Workload::Train {
-        seq_len,
-        global_batch,
-        ..
-    } = plan.workload
-    else {
-        unreachable!("checked by supported()")
-    };
     if comms.len() != plan.ranks.len() || comms.iter().enumerate().any(|(r, c)| c.rank() != r) {
         return Err(ExecError {
             message: format!(
@@ -165,16 +233,17 @@ pub fn train_device_with<D: Device>(
             ),
         });
     }
-    let t0 = Instant::now();
+    let run = Run::new(plan, opts)?;
     let results = std::thread::scope(|s| {
+        let run = &run;
         let handles: Vec<_> = comms
             .into_iter()
             .map(|comm| {
                 s.spawn(move || {
                     let rank = comm.rank();
                     let dev = make(rank).map_err(|e| fail(format!("device: {e}")))?;
-                    let r = run_rank(dev, plan, comm, opts, (seq_len, global_batch), t0);
-                    r.map_err(|e| fail(format!("rank {rank}: {e:?}")))
+                    run.rank(dev, comm)
+                        .map_err(|e| fail(format!("rank {rank}: {e:?}")))
                 })
             })
             .collect();
@@ -186,29 +255,24 @@ pub fn train_device_with<D: Device>(
             })
             .collect::<Vec<_>>()
     });
-    assemble(results, opts, seq_len * global_batch)
+    run.finish(results)
 }
 
 /// One rank of `plan` in this process, connected to the others by `comm` (one
 /// process per GPU, NCCL between them): its report alone. The caller gathers the
-/// ranks' losses.
+/// ranks' losses. It may resume from a checkpoint; saving needs every rank's state
+/// in one process, so `opts.save` is refused.
 pub fn train_device_rank<D: Device>(
     plan: &Plan,
     opts: &TrainOptions,
     dev: D,
     comm: Box<dyn Communicator>,
 ) -> Result<RankReport, ExecError> {
-    supported(plan, opts).map_err(|m| ExecError {
-        message: format!("the device interpreter cannot run this plan: {m}"),
-    })?;
-    let Workload::Train {
-        seq_len,
-        global_batch,
-        ..
-    } = plan.workload
-    else {
-        unreachable!("checked by supported()")
-    };
+    if opts.save.is_some() {
+        return Err(ExecError {
+            message: "a checkpoint is written by one process holding every rank; with one process per GPU, save from a single-process run".into(),
+        });
+    }
     if comm.world() != plan.ranks.len() {
         return Err(ExecError {
             message: format!(
@@ -218,44 +282,11 @@ pub fn train_device_rank<D: Device>(
             ),
         });
     }
+    let run = Run::new(plan, opts)?;
     let rank = comm.rank();
-    run_rank(
-        dev,
-        plan,
-        comm,
-        opts,
-        (seq_len, global_batch),
-        Instant::now(),
-    )
-    .map_err(|e| ExecError {
+    run.rank(dev, comm).map_err(|e| ExecError {
         message: format!("rank {rank}: {e:?}"),
     })
-}
-
-/// Trains one rank for `opts.steps` steps.
-fn run_rank<D: Device>(
-    dev: D,
-    plan: &Plan,
-    comm: Box<dyn Communicator>,
-    opts: &TrainOptions,
-    (seq_len, global_batch): (u64, u64),
-    t0: Instant,
-) -> Result<RankReport, RankError> {
-    let mut r = DevRank::new(dev, plan, comm, opts, seq_len, global_batch, t0)?;
-    let mut loss_parts = Vec::new();
-    let mut step_s = Vec::new();
-    for step in 0..opts.steps {
-        if opts.fail_at == Some((r.rank, step)) {
-            return Err(fail(format!("injected failure at step {step}")));
-        }
-        let t = Instant::now();
-        loss_parts.push(r.step(step)?);
-        step_s.push(t.elapsed().as_secs_f64());
-        if let (0, Some(hook)) = (r.rank, &opts.on_step) {
-            (hook.0)(step_s.len() as u64);
-        }
-    }
-    r.report(loss_parts, step_s)
 }
 
 fn derr(what: &str) -> impl Fn(DeviceError) -> RankError + '_ {
@@ -341,6 +372,9 @@ struct DevRank<'a, D: Device> {
     /// the AdamW moments of each part it updates.
     shards: Vec<(usize, D::F32)>,
     shard_adam: BTreeMap<usize, (D::F32, D::F32)>,
+    /// Resuming: each weight's saved AdamW moments, whole, until the optimizer's
+    /// first step takes its parts of them.
+    resume_moments: BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
 }
 
 /// What the step list does, in order.
@@ -426,6 +460,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             gather: Vec::new(),
             shards: Vec::new(),
             shard_adam: BTreeMap::new(),
+            resume_moments: BTreeMap::new(),
         };
         r.init_weights()?;
         r.count_uses()?;
@@ -455,14 +490,25 @@ impl<'a, D: Device> DevRank<'a, D> {
                     }
                     let shape = fixed_shape(t)?;
                     let n: usize = shape.iter().product();
-                    let full = match &self.opts.weights {
+                    let full = match (&self.opts.resume, &self.opts.weights) {
+                        // Resuming: the saved weights and moments, whole.
+                        (Some(ck), _) => {
+                            let key = (t.name.clone(), layer);
+                            let read = |kind: &str| {
+                                ck.values(&crate::ckpt::tensor_name(kind, &key), &shape)
+                                    .map_err(fail)
+                            };
+                            let (m, v) = (read("adam_m")?, read("adam_v")?);
+                            self.resume_moments.insert(key.clone(), (m, v));
+                            read("w")?
+                        }
                         // Fine-tuning: the checkpoint's whole tensor (nothing is split).
-                        Some(hf) => {
+                        (None, Some(hf)) => {
                             let l = (layer != NO_LAYER).then_some(layer);
                             hf.local(graph, op, w, l, &crate::weights::ShardSpec::All)
                                 .map_err(|e| fail(e.message))?
                         }
-                        None => {
+                        (None, None) => {
                             init_full(self.opts.seed, &t.name, layer, n, init_kind(op, w, &shape))
                         }
                     };
@@ -1547,6 +1593,63 @@ impl<'a, D: Device> DevRank<'a, D> {
             .ok_or_else(|| fail(format!("rank {} is not in group {}", self.rank, g.id)))
     }
 
+    fn initial_moments(
+        &self,
+        pieces: &[(Key, usize, usize, usize)],
+        n: usize,
+    ) -> Result<(D::F32, D::F32), RankError> {
+        initial_moments(&self.dev, &self.resume_moments, pieces, n)
+    }
+
+    /// This rank's part of a checkpoint: the weights whose moments it holds (whole
+    /// weights, or under ZeRO its parts of the flat vector), with those moments.
+    fn snapshot(&self) -> Result<crate::ckpt::RankSnapshot, RankError> {
+        let e = derr("checkpoint");
+        // Each weight read back once, however many parts it spans.
+        let mut masters: BTreeMap<Key, Vec<f32>> = BTreeMap::new();
+        let mut master = |key: &Key| -> Result<Vec<f32>, RankError> {
+            if !masters.contains_key(key) {
+                let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
+                masters.insert(key.clone(), self.dev.f32_download(w).map_err(&e)?);
+            }
+            masters
+                .get(key)
+                .cloned()
+                .ok_or_else(|| fail("weight missing"))
+        };
+        let mut pieces = Vec::new();
+        for (key, (m, v)) in &self.adam {
+            pieces.push(crate::ckpt::Piece {
+                key: key.clone(),
+                start: 0,
+                w: master(key)?,
+                m: self.dev.f32_download(m).map_err(&e)?,
+                v: self.dev.f32_download(v).map_err(&e)?,
+            });
+        }
+        for (&start, (m, v)) in &self.shard_adam {
+            let (m, v) = (
+                self.dev.f32_download(m).map_err(&e)?,
+                self.dev.f32_download(v).map_err(&e)?,
+            );
+            for (key, src, dst, len) in pieces_of(&self.layout, start, start + m.len()) {
+                let w = master(&key)?;
+                pieces.push(crate::ckpt::Piece {
+                    key,
+                    start: src,
+                    w: w[src..src + len].to_vec(),
+                    m: m[dst..dst + len].to_vec(),
+                    v: v[dst..dst + len].to_vec(),
+                });
+            }
+        }
+        Ok(crate::ckpt::RankSnapshot {
+            tp: crate::shard::TpPos::ONE,
+            ep: crate::shard::TpPos::ONE,
+            pieces,
+        })
+    }
+
     /// ZeRO's AdamW: each reduced part of the flat gradient updates the same part of
     /// the fp32 masters, with moments of that part alone.
     fn optimizer_shards(&mut self) -> Result<(), RankError> {
@@ -1564,7 +1667,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .map_err(&e)?;
             }
             if !self.shard_adam.contains_key(&start) {
-                let state = (self.zeros_f32(c)?, self.zeros_f32(c)?);
+                let state = self.initial_moments(&pieces, c)?;
                 self.shard_adam.insert(start, state);
             }
             let mut scratch = self.zeros(c)?;
@@ -1607,10 +1710,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             if !self.adam.contains_key(key) {
                 // Moments on first use: under ZeRO only the parts' moments exist.
                 let n = D::f32_len(w);
-                let state = (
-                    self.dev.f32_zeros(n).map_err(&e)?,
-                    self.dev.f32_zeros(n).map_err(&e)?,
-                );
+                let whole = [(key.clone(), 0, 0, n)];
+                let state = initial_moments(&self.dev, &self.resume_moments, &whole, n)?;
                 self.adam.insert(key.clone(), state);
             }
             let g = self.wgrads.get(key).ok_or_else(missing)?;
@@ -1703,4 +1804,30 @@ fn pieces_of(layout: &[(Key, usize)], a: usize, b: usize) -> Vec<(Key, usize, us
         off += len;
     }
     pieces
+}
+
+/// AdamW moments of `n` values made of `pieces` (weight, offset in it, offset in the
+/// result, values): a resumed checkpoint's, or zeros.
+fn initial_moments<D: Device>(
+    dev: &D,
+    saved: &BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
+    pieces: &[(Key, usize, usize, usize)],
+    n: usize,
+) -> Result<(D::F32, D::F32), RankError> {
+    let e = derr("AdamW state");
+    if saved.is_empty() {
+        return Ok((dev.f32_zeros(n).map_err(&e)?, dev.f32_zeros(n).map_err(&e)?));
+    }
+    let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+    for (key, src, dst, len) in pieces {
+        let (sm, sv) = saved
+            .get(key)
+            .ok_or_else(|| fail(format!("the checkpoint has no AdamW state of `{}`", key.0)))?;
+        m[*dst..dst + len].copy_from_slice(&sm[*src..src + len]);
+        v[*dst..dst + len].copy_from_slice(&sv[*src..src + len]);
+    }
+    Ok((
+        dev.f32_upload(&m).map_err(&e)?,
+        dev.f32_upload(&v).map_err(&e)?,
+    ))
 }
