@@ -401,12 +401,29 @@ pub trait Device: Send + Sync {
 #[derive(Clone, Copy, Debug, Default)]
 pub struct HostDevice;
 
+/// What distinguishes the host devices, which share one implementation of
+/// [`Device`] over the CPU kernels: how they store what a GPU stores in bf16.
+pub trait HostPrecision: Copy + Send + Sync + 'static {
+    /// [`Device::name`].
+    const NAME: &'static str;
+    /// [`Device::act_bytes`].
+    const ACT_BYTES: usize;
+    /// Applied to each buffer a GPU kernel would store in bf16, after the kernel.
+    fn round(x: &mut [f32]);
+}
+
+impl HostPrecision for HostDevice {
+    const NAME: &'static str = "cpu";
+    const ACT_BYTES: usize = 4;
+    fn round(_: &mut [f32]) {}
+}
+
 fn range_err(what: &str) -> DeviceError {
     DeviceError(format!("{what}: range out of bounds"))
 }
 
 #[allow(clippy::too_many_arguments)]
-impl Device for HostDevice {
+impl<H: HostPrecision> Device for H {
     type Act = Vec<f32>;
     type F32 = Vec<f32>;
     type Ids = Vec<u32>;
@@ -414,10 +431,10 @@ impl Device for HostDevice {
     type Reduction = Vec<f32>;
 
     fn name(&self) -> &'static str {
-        "cpu"
+        H::NAME
     }
     fn act_bytes(&self) -> usize {
-        4
+        H::ACT_BYTES
     }
     fn act_zeros(&self, n: usize) -> DResult<Vec<f32>> {
         Ok(vec![0.0; n])
@@ -446,6 +463,7 @@ impl Device for HostDevice {
     fn to_act(&self, x: &Vec<f32>, y: &mut Vec<f32>) -> DResult<()> {
         k::check_len("y", y.len(), x.len())?;
         y.copy_from_slice(x);
+        H::round(y);
         Ok(())
     }
     fn f32_zero(&self, x: &mut Vec<f32>) -> DResult<()> {
@@ -471,6 +489,7 @@ impl Device for HostDevice {
     fn accumulate(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> DResult<()> {
         k::check_len("x", x.len(), acc.len())?;
         k::accumulate(acc, x);
+        H::round(acc);
         Ok(())
     }
     fn matmul(
@@ -484,7 +503,9 @@ impl Device for HostDevice {
         b: &Vec<f32>,
         c: &mut Vec<f32>,
     ) -> DResult<()> {
-        Ok(k::matmul(ta, tb, m, kk, n, a, b, 0.0, c)?)
+        k::matmul(ta, tb, m, kk, n, a, b, 0.0, c)?;
+        H::round(c);
+        Ok(())
     }
     fn matmul_acc(
         &self,
@@ -507,6 +528,7 @@ impl Device for HostDevice {
                 y[r * n + c] += bias[c];
             }
         }
+        H::round(y);
         Ok(())
     }
     fn bias_grad(&self, dy: &Vec<f32>, rows: usize, n: usize, db: &mut Vec<f32>) -> DResult<()> {
@@ -592,6 +614,7 @@ impl Device for HostDevice {
             theta,
             backward,
         )?;
+        H::round(y);
         Ok(())
     }
     fn attention_fwd(
@@ -605,9 +628,9 @@ impl Device for HostDevice {
         out: &mut Vec<f32>,
         lse: &mut Vec<f32>,
     ) -> DResult<()> {
-        Ok(k::attention_fwd(
-            dims, q, kk, v, 0, 0, causal, scale, out, lse, None,
-        )?)
+        k::attention_fwd(dims, q, kk, v, 0, 0, causal, scale, out, lse, None)?;
+        H::round(out);
+        Ok(())
     }
     fn attention_bwd(
         &self,
@@ -624,9 +647,13 @@ impl Device for HostDevice {
         d_k: &mut Vec<f32>,
         d_v: &mut Vec<f32>,
     ) -> DResult<()> {
-        Ok(k::attention_bwd(
+        k::attention_bwd(
             dims, q, kk, v, o, lse, d_o, 0, 0, causal, scale, d_q, d_k, d_v, None,
-        )?)
+        )?;
+        H::round(d_q);
+        H::round(d_k);
+        H::round(d_v);
+        Ok(())
     }
     fn embedding_fwd(
         &self,
@@ -658,7 +685,9 @@ impl Device for HostDevice {
         mean: &mut Vec<f32>,
         rstd: &mut Vec<f32>,
     ) -> DResult<()> {
-        Ok(k::layernorm_fwd(x, w, b, rows, dim, eps, y, mean, rstd)?)
+        k::layernorm_fwd(x, w, b, rows, dim, eps, y, mean, rstd)?;
+        H::round(y);
+        Ok(())
     }
     fn layernorm_bwd(
         &self,
@@ -673,9 +702,9 @@ impl Device for HostDevice {
         dw: &mut Vec<f32>,
         db: &mut Vec<f32>,
     ) -> DResult<()> {
-        Ok(k::layernorm_bwd(
-            x, w, mean, rstd, dy, rows, dim, dx, dw, db,
-        )?)
+        k::layernorm_bwd(x, w, mean, rstd, dy, rows, dim, dx, dw, db)?;
+        H::round(dx);
+        Ok(())
     }
     fn rmsnorm_fwd(
         &self,
@@ -687,7 +716,9 @@ impl Device for HostDevice {
         y: &mut Vec<f32>,
         rstd: &mut Vec<f32>,
     ) -> DResult<()> {
-        Ok(k::rmsnorm_fwd(x, w, rows, dim, eps, y, rstd)?)
+        k::rmsnorm_fwd(x, w, rows, dim, eps, y, rstd)?;
+        H::round(y);
+        Ok(())
     }
     fn rmsnorm_bwd(
         &self,
@@ -700,16 +731,24 @@ impl Device for HostDevice {
         dx: &mut Vec<f32>,
         dw: &mut Vec<f32>,
     ) -> DResult<()> {
-        Ok(k::rmsnorm_bwd(x, w, rstd, dy, rows, dim, dx, dw)?)
+        k::rmsnorm_bwd(x, w, rstd, dy, rows, dim, dx, dw)?;
+        H::round(dx);
+        Ok(())
     }
     fn gelu_fwd(&self, x: &Vec<f32>, y: &mut Vec<f32>) -> DResult<()> {
-        Ok(k::gelu_fwd(x, y)?)
+        k::gelu_fwd(x, y)?;
+        H::round(y);
+        Ok(())
     }
     fn gelu_bwd(&self, x: &Vec<f32>, dy: &Vec<f32>, dx: &mut Vec<f32>) -> DResult<()> {
-        Ok(k::gelu_bwd(x, dy, dx)?)
+        k::gelu_bwd(x, dy, dx)?;
+        H::round(dx);
+        Ok(())
     }
     fn swiglu_fwd(&self, x: &Vec<f32>, rows: usize, f: usize, y: &mut Vec<f32>) -> DResult<()> {
-        Ok(k::swiglu_fwd(x, rows, f, y)?)
+        k::swiglu_fwd(x, rows, f, y)?;
+        H::round(y);
+        Ok(())
     }
     fn swiglu_bwd(
         &self,
@@ -719,10 +758,14 @@ impl Device for HostDevice {
         f: usize,
         dx: &mut Vec<f32>,
     ) -> DResult<()> {
-        Ok(k::swiglu_bwd(x, dy, rows, f, dx)?)
+        k::swiglu_bwd(x, dy, rows, f, dx)?;
+        H::round(dx);
+        Ok(())
     }
     fn add(&self, a: &Vec<f32>, b: &Vec<f32>, out: &mut Vec<f32>) -> DResult<()> {
-        Ok(k::add(a, b, out)?)
+        k::add(a, b, out)?;
+        H::round(out);
+        Ok(())
     }
     fn cross_entropy(
         &self,
@@ -745,6 +788,7 @@ impl Device for HostDevice {
         k::ce_loss(&max, &se, &target, loss)?;
         dlogits.iter_mut().for_each(|x| *x = 0.0);
         k::ce_bwd(logits, rows, vocab, &max, &se, labels, 0, scale, dlogits)?;
+        H::round(dlogits);
         Ok(())
     }
     fn adamw(
@@ -760,6 +804,7 @@ impl Device for HostDevice {
     ) -> DResult<()> {
         k::adamw_step(param, grad, m, v, step, lr, b1, b2, eps, wd)?;
         compute.copy_from_slice(param);
+        H::round(compute);
         Ok(())
     }
     fn all_reduce_start(
