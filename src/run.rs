@@ -186,30 +186,19 @@ fn launched_cuda(
     }
     let bytes_off = byte_mismatches(&plan, &report, a.steps - start);
     let check = if a.check {
-        let reference = reference_plan(&plan).map_err(runtime)?;
-        let ref_opts = TrainOptions {
-            threads_per_rank: threads_per_rank(None, 1)?,
-            ..opts.reference_of(&plan)
-        };
-        let base = train(&reference, &ref_opts)
-            .map_err(|e| runtime(format!("reference: {}", e.message)))?;
-        use meshplan_executor::device as dv;
-        Some(dv::check_mixed_precision(
+        Some(check_with_reference(
             &plan,
             &report,
-            &base,
-            opts.seed,
-            dv::MIXED_LOSS_TOLERANCE,
-            dv::MIXED_UPDATE_TOLERANCE,
-        ))
+            &opts,
+            Engine::Cuda,
+            a.steps,
+        )?)
     } else {
         None
     };
     if let Some(path) = a.trace {
         // Rank 0's timeline (every rank of data parallelism runs the same program).
-        let spans = vec![(0, report.ranks[0].spans.clone())];
-        let text = meshplan_executor::trace::chrome_trace(&plan, &spans).to_json();
-        crate::plan::write_atomically(path, text.as_bytes(), "trace")?;
+        write_trace(path, &plan, &report)?;
     }
     print_report(&plan, &report, &bytes_off, check.as_ref(), a.json, start);
     if let Some(Err(why)) = &check {
@@ -438,47 +427,13 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     let report = report?;
     tracing::debug!("losses {:?}", report.losses);
     if let Some(path) = a.trace {
-        let spans: Vec<_> = report
-            .ranks
-            .iter()
-            .map(|r| (r.rank, r.spans.clone()))
-            .collect();
-        let text = meshplan_executor::trace::chrome_trace(&plan, &spans).to_json();
-        crate::plan::write_atomically(path, text.as_bytes(), "trace")?;
-        tracing::info!(
-            "trace written to {} ({} spans; open in https://ui.perfetto.dev)",
-            path.display(),
-            spans.iter().map(|(_, s)| s.len()).sum::<usize>()
-        );
+        write_trace(path, &plan, &report)?;
     }
     let bytes = byte_mismatches(&plan, &report, a.steps - start);
     let check = if a.check {
-        let reference = reference_plan(&plan).map_err(runtime)?;
-        tracing::info!("training the single-rank reference for --check");
-        let bar = crate::log::spinner(format!("training the reference {} steps", a.steps));
-        let ref_opts = TrainOptions {
-            threads_per_rank: threads_per_rank(None, 1)?,
-            ..opts.reference_of(&plan)
-        };
-        let base =
-            train(&reference, &ref_opts).map_err(|e| runtime(format!("reference: {}", e.message)));
-        bar.finish_and_clear();
-        let base = base?;
-        Some(match engine {
-            Engine::Cpu => check_against(&plan, &report, &base, 1e-5),
-            // Mixed precision against the fp32 reference: bf16 tolerances.
-            Engine::CpuBf16 | Engine::Cuda | Engine::CudaStaged => {
-                use meshplan_executor::device as dv;
-                dv::check_mixed_precision(
-                    &plan,
-                    &report,
-                    &base,
-                    opts.seed,
-                    dv::MIXED_LOSS_TOLERANCE,
-                    dv::MIXED_UPDATE_TOLERANCE,
-                )
-            }
-        })
+        Some(check_with_reference(
+            &plan, &report, &opts, engine, a.steps,
+        )?)
     } else {
         None
     };
@@ -567,6 +522,61 @@ fn training_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64),
         ..opts
     };
     Ok((opts, start))
+}
+
+/// Trains the single-rank reference of `plan` on the CPU in fp32 and compares
+/// `report` with it: to 1e-5 for an fp32 run, within the mixed-precision tolerances
+/// for a bf16 one. The outer error is a failure to run the reference.
+fn check_with_reference(
+    plan: &Plan,
+    report: &TrainReport,
+    opts: &TrainOptions,
+    engine: Engine,
+    steps: u64,
+) -> Result<Result<Vec<String>, String>, Failure> {
+    let reference = reference_plan(plan).map_err(runtime)?;
+    tracing::info!("training the single-rank reference for --check");
+    let bar = crate::log::spinner(format!("training the reference {steps} steps"));
+    let ref_opts = TrainOptions {
+        threads_per_rank: threads_per_rank(None, 1)?,
+        ..opts.reference_of(plan)
+    };
+    let base =
+        train(&reference, &ref_opts).map_err(|e| runtime(format!("reference: {}", e.message)));
+    bar.finish_and_clear();
+    let base = base?;
+    Ok(match engine {
+        Engine::Cpu => check_against(plan, report, &base, 1e-5),
+        // Mixed precision against the fp32 reference: bf16 tolerances.
+        Engine::CpuBf16 | Engine::Cuda | Engine::CudaStaged => {
+            use meshplan_executor::device as dv;
+            dv::check_mixed_precision(
+                plan,
+                report,
+                &base,
+                opts.seed,
+                dv::MIXED_LOSS_TOLERANCE,
+                dv::MIXED_UPDATE_TOLERANCE,
+            )
+        }
+    })
+}
+
+/// Writes the measured timeline of `report`'s ranks as a Chrome trace.
+fn write_trace(path: &Path, plan: &Plan, report: &TrainReport) -> Result<(), Failure> {
+    let spans: Vec<_> = report
+        .ranks
+        .iter()
+        .map(|r| (r.rank, r.spans.clone()))
+        .collect();
+    let text = meshplan_executor::trace::chrome_trace(plan, &spans).to_json();
+    crate::plan::write_atomically(path, text.as_bytes(), "trace")?;
+    tracing::info!(
+        "trace written to {} ({} spans; open in https://ui.perfetto.dev)",
+        path.display(),
+        spans.iter().map(|(_, s)| s.len()).sum::<usize>()
+    );
+    Ok(())
 }
 
 /// Training options of `--save`, `--save-every` and `--resume`, and the step the
