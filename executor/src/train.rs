@@ -3425,6 +3425,27 @@ pub fn check_against(
     Ok(lines)
 }
 
+/// The first op reading weight `name` (whose role decides how it is sliced and
+/// initialised), the weight's tensor and its full shape.
+pub(crate) fn weight_site<'g>(
+    graph: &'g Graph,
+    name: &str,
+) -> Result<(&'g Op, meshplan_ir::TensorId, Vec<usize>), String> {
+    let (op, id) = graph
+        .segments
+        .iter()
+        .flat_map(|s| &s.ops)
+        .find_map(|o| {
+            o.inputs
+                .iter()
+                .find(|&&t| graph.tensor(t).name == name)
+                .map(|&t| (o, t))
+        })
+        .ok_or_else(|| format!("`{name}` used by no op"))?;
+    let shape = fixed_shape(graph.tensor(id)).map_err(|e| format!("{e:?}"))?;
+    Ok((op, id, shape))
+}
+
 /// The part of weight `name` (whole values `full`) that `rank` of `plan` holds.
 pub(crate) fn rank_slice(
     plan: &Plan,
@@ -3442,18 +3463,7 @@ pub(crate) fn rank_slice(
         rank: tp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
         size: tp_axis.map(|i| plan.mesh.shape[i] as usize).unwrap_or(1),
     };
-    let (op, id) = graph
-        .segments
-        .iter()
-        .flat_map(|s| &s.ops)
-        .find_map(|o| {
-            o.inputs
-                .iter()
-                .find(|&&t| graph.tensor(t).name == name)
-                .map(|&t| (o, t))
-        })
-        .ok_or_else(|| format!("`{name}` used by no op"))?;
-    let shape = fixed_shape(graph.tensor(id)).map_err(|e| format!("{e:?}"))?;
+    let (op, id, shape) = weight_site(graph, name)?;
     let ep = build_groups(plan, rank)
         .ok()
         .and_then(|gs| gs.get("ep").cloned())

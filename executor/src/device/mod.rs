@@ -902,19 +902,7 @@ pub fn check_mixed_precision(
                     want.len()
                 ));
             }
-            let (op, id) = graph
-                .segments
-                .iter()
-                .flat_map(|s| &s.ops)
-                .find_map(|o| {
-                    o.inputs
-                        .iter()
-                        .find(|&&t| graph.tensor(t).name == *name)
-                        .map(|&t| (o, t))
-                })
-                .ok_or_else(|| format!("`{name}` is used by no op"))?;
-            let shape =
-                crate::train::fixed_shape(graph.tensor(id)).map_err(|e| format!("{e:?}"))?;
+            let (op, id, shape) = crate::train::weight_site(graph, name)?;
             let start = crate::init::init_full(
                 seed,
                 name,

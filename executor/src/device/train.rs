@@ -630,7 +630,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
         }
         self.next_bucket = 0;
-        let scale = 1.0 / (self.global_batch * self.seq_len) as f64;
+        let scale = self.loss_scale();
         for loss in std::mem::take(&mut self.losses) {
             let loss = self.dev.f32_download(&loss).map_err(derr("loss"))?;
             self.loss_part += loss.iter().map(|&x| x as f64).sum::<f64>() * scale;
@@ -842,6 +842,11 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
         }
         Ok(())
+    }
+
+    /// Each token's weight in the step's loss: the mean over the global batch.
+    fn loss_scale(&self) -> f64 {
+        1.0 / (self.global_batch * self.seq_len) as f64
     }
 
     fn op_args(&self, l: u64) -> serde_json::Value {
@@ -1127,7 +1132,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let logits = self.act(t, l, op.inputs[0])?;
                 let rows = self.seq_len * self.mbs;
                 let vocab = D::act_len(&logits) / rows.max(1);
-                let scale = 1.0 / (self.global_batch * self.seq_len) as f64;
+                let scale = self.loss_scale();
                 let mut loss = self.zeros_f32(rows)?;
                 let mut dlogits = self.zeros(D::act_len(&logits))?;
                 dev.cross_entropy(
@@ -1605,41 +1610,38 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// weights, or under ZeRO its parts of the flat vector), with those moments.
     fn snapshot(&self) -> Result<crate::ckpt::RankSnapshot, RankError> {
         let e = derr("checkpoint");
-        // Each weight read back once, however many parts it spans.
-        let mut masters: BTreeMap<Key, Vec<f32>> = BTreeMap::new();
-        let mut master = |key: &Key| -> Result<Vec<f32>, RankError> {
-            if !masters.contains_key(key) {
-                let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
-                masters.insert(key.clone(), self.dev.f32_download(w).map_err(&e)?);
-            }
-            masters
-                .get(key)
-                .cloned()
-                .ok_or_else(|| fail("weight missing"))
+        let download = |key: &Key| -> Result<Vec<f32>, RankError> {
+            let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
+            self.dev.f32_download(w).map_err(&e)
         };
         let mut pieces = Vec::new();
         for (key, (m, v)) in &self.adam {
             pieces.push(crate::ckpt::Piece {
                 key: key.clone(),
                 start: 0,
-                w: master(key)?,
+                w: download(key)?,
                 m: self.dev.f32_download(m).map_err(&e)?,
                 v: self.dev.f32_download(v).map_err(&e)?,
             });
         }
+        // Under ZeRO each weight is read back once, however many parts it spans.
+        let mut masters: BTreeMap<Key, Vec<f32>> = BTreeMap::new();
         for (&start, (m, v)) in &self.shard_adam {
             let (m, v) = (
                 self.dev.f32_download(m).map_err(&e)?,
                 self.dev.f32_download(v).map_err(&e)?,
             );
             for (key, src, dst, len) in pieces_of(&self.layout, start, start + m.len()) {
-                let w = master(&key)?;
+                if !masters.contains_key(&key) {
+                    masters.insert(key.clone(), download(&key)?);
+                }
+                let w = masters.get(&key).ok_or_else(|| fail("weight missing"))?;
                 pieces.push(crate::ckpt::Piece {
-                    key,
                     start: src,
                     w: w[src..src + len].to_vec(),
                     m: m[dst..dst + len].to_vec(),
                     v: v[dst..dst + len].to_vec(),
+                    key,
                 });
             }
         }
