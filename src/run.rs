@@ -265,6 +265,7 @@ fn train_cuda_rank(
         tokens_per_step,
         ranks: vec![rep],
         saved: Vec::new(),
+        lr: f64::from(opts.lr),
     })
 }
 

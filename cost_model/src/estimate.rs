@@ -614,13 +614,17 @@ fn train_impl(
             (bytes, exposed)
         };
         // Sequence parallelism leaves norm gradients partial over the tensor axis:
-        // one AllReduce of them per step, before the optimizer.
+        // one AllReduce of them per step, before the optimizer; under ZeRO-3 with data
+        // parallelism one per segment copy and micro-batch, before the segment's
+        // ReduceScatter leaves each rank a slice of them (as the plan lowers it).
         let seq_partial: f64 = mine.iter().map(|c| c.seq_partial).sum();
         let (sp_sync_s, sp_sync_bytes) = if seq_partial > 0.0 {
+            let per_mb = cfg.zero >= 3 && dense_dp > 1;
+            let times = if per_mb { m } else { 1.0 };
             let g = seq_partial * bpe;
             (
-                comm.time_s(Collective::AllReduce, groups.tp, g),
-                bytes_sent_per_rank(Collective::AllReduce, cfg.tp, g),
+                times * comm.time_s(Collective::AllReduce, groups.tp, g),
+                times * bytes_sent_per_rank(Collective::AllReduce, cfg.tp, g),
             )
         } else {
             (0.0, 0.0)

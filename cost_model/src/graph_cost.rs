@@ -725,8 +725,12 @@ impl LayoutCtx {
             (SegmentKind::Block, Recompute::Selective) => {
                 c.act_bytes = all_saved - attn_internal_bytes;
                 c.act_transient_bytes = attn_internal_bytes;
-                c.recompute_s = attn_fwd_s;
+                c.recompute_s = attn_fwd_s + cp_fwd;
                 c.flops_recompute = flops_attn;
+                // Recomputed ring attention needs every key/value block again: under
+                // context parallelism the ring passes once more, as under full
+                // recomputation.
+                c.cp_bytes *= 4.0 / 3.0;
             }
             _ => c.act_bytes = all_saved,
         }

@@ -156,6 +156,8 @@ pub struct TrainReport {
     pub ranks: Vec<RankReport>,
     /// Checkpoints written, in step order.
     pub saved: Vec<crate::ckpt::Saved>,
+    /// The AdamW learning rate the run stepped with: the scale of its updates.
+    pub lr: f64,
 }
 
 /// Why a run failed.
@@ -288,6 +290,7 @@ pub fn train_on(
         tokens_per_step: seq_len * global_batch,
         ranks,
         saved: saved.unwrap_or_default(),
+        lr: f64::from(opts.lr),
     })
 }
 
@@ -1687,11 +1690,50 @@ impl<'a> RankState<'a> {
         Ok(())
     }
 
+    /// Sums over the tensor axis the partial gradients of the weights that sequence
+    /// parallelism (or a router under tensor-parallel experts) leaves partial: all of
+    /// this rank's, or one segment copy's.
+    fn seq_partial_reduce(
+        &mut self,
+        g: &Group,
+        ax: &str,
+        copy: Option<(usize, u64)>,
+    ) -> Result<(), RankError> {
+        let sp = self.plan.strategy.sp && self.tp.size > 1;
+        let expert_tp = self.ep.size <= 1 && self.tp.size > 1;
+        let partial: Vec<String> = self
+            .graph
+            .segments
+            .iter()
+            .enumerate()
+            .filter(|(s, _)| copy.is_none_or(|(want, _)| want == *s))
+            .flat_map(|(_, seg)| {
+                meshplan_ir::graph::tp_partial_weights(self.graph, seg, sp, expert_tp)
+            })
+            .map(|w| self.graph.tensor(w).name.clone())
+            .collect();
+        let keys: Vec<Key> = self
+            .weights
+            .keys()
+            .filter(|(name, layer)| {
+                partial.contains(name) && copy.is_none_or(|(_, l)| l == *layer)
+            })
+            .cloned()
+            .collect();
+        let mut flat = self.flat(&self.wgrads, &keys);
+        self.comm.all_reduce(g, ax, &mut flat)?;
+        Self::unflat(&mut self.wgrads, &keys, &flat, (0, flat.len()));
+        Ok(())
+    }
+
     fn zero3_scatter(&mut self, g: &Group, ax: &str, what: &str, l: u64) -> Result<(), RankError> {
         let Some((seg, set)) = what.rsplit_once('.') else {
             return Err(fail(format!("bad gradient set `{what}`")));
         };
         let s = self.segment_index(seg)?;
+        if set == "seq_partial" {
+            return self.seq_partial_reduce(g, ax, Some((s, l)));
+        }
         let keys = self.set_keys(set, Some((s, l)));
         let flat = self.flat(&self.wgrads, &keys);
         let n = g.size();
@@ -1714,14 +1756,20 @@ impl<'a> RankState<'a> {
 
     /// After training, gather ZeRO-3 shards so the report holds every local weight.
     fn gather_zero3_for_report(&mut self) -> Result<(), RankError> {
-        if self.plan.strategy.zero < 3 || self.dp_size * self.cp.size <= 1 {
+        if self.plan.strategy.zero < 3 {
             return Ok(());
         }
-        let g = self.group("dp")?;
-        for (s, l) in self.copies()? {
-            let seg = self.graph.segments[s].name.clone();
-            if !self.set_keys("dense", Some((s, l))).is_empty() {
-                self.zero3_gather(&g, "dp", &format!("{seg}.dense"), l)?;
+        // Both sets, each over the group that shards it (experts over `edp`), or the
+        // report holds the other ranks' slices as of the last gather, one update old.
+        for (set, group) in [("dense", "dp"), ("experts", "edp")] {
+            let Some(g) = self.groups.get(group).filter(|g| g.size() > 1).cloned() else {
+                continue;
+            };
+            for (s, l) in self.copies()? {
+                let seg = self.graph.segments[s].name.clone();
+                if !self.set_keys(set, Some((s, l))).is_empty() {
+                    self.zero3_gather(&g, "dp", &format!("{seg}.{set}"), l)?;
+                }
             }
         }
         Ok(())
@@ -1750,28 +1798,7 @@ impl<'a> RankState<'a> {
                         self.comm.all_reduce(&g, ax, &mut flat)?;
                         Self::unflat(&mut self.wgrads, &keys, &flat, (0, flat.len()));
                     } else if tensor == "grads:seq_partial" {
-                        let sp = self.plan.strategy.sp && self.tp.size > 1;
-                        let expert_tp = self.ep.size <= 1 && self.tp.size > 1;
-                        let partial: Vec<String> = self
-                            .graph
-                            .segments
-                            .iter()
-                            .flat_map(|seg| {
-                                meshplan_ir::graph::tp_partial_weights(
-                                    self.graph, seg, sp, expert_tp,
-                                )
-                            })
-                            .map(|w| self.graph.tensor(w).name.clone())
-                            .collect();
-                        let keys: Vec<Key> = self
-                            .weights
-                            .keys()
-                            .filter(|(name, _)| partial.contains(name))
-                            .cloned()
-                            .collect();
-                        let mut flat = self.flat(&self.wgrads, &keys);
-                        self.comm.all_reduce(&g, ax, &mut flat)?;
-                        Self::unflat(&mut self.wgrads, &keys, &flat, (0, flat.len()));
+                        self.seq_partial_reduce(&g, ax, None)?;
                     } else if let Some(rest) = tensor.strip_prefix("grads:") {
                         let (set, range) = parse_bucket(rest)?;
                         let keys = self.set_keys(set, None);
@@ -3363,15 +3390,38 @@ pub(crate) fn build_groups(plan: &Plan, rank: usize) -> Result<BTreeMap<String, 
     Ok(out)
 }
 
-/// Largest absolute difference allowed in a final parameter. AdamW divides each
-/// gradient by its own running magnitude, so where a gradient is near zero, rounding
-/// differences of a sharded sum move the update by a visible fraction of the learning
-/// rate; weights start at 0.02 and move at most `lr * steps` (1.5e-2 over 5 steps at
-/// the default rate), and 1e-4 is under 1% of that.
-pub const PARAM_TOLERANCE: f64 = 1e-4;
+/// Largest distance allowed between a rank's final weight tensor and the reference's
+/// same slice, as the root mean square of the element differences over the farthest
+/// an AdamW update can move one element in the run (`lr` per step, times the steps).
+///
+/// A per-element bound measures the optimizer, not the run: AdamW divides each
+/// gradient by its own running magnitude, so where a gradient sums to nearly zero the
+/// rounding of a sharded sum (another order of the same additions) flips its sign and
+/// moves that element by up to `2 lr` per step (the old 1e-4 per-element bound failed
+/// correct runs so). Measured over the generated mode matrix (`tests/it/matrix.rs`:
+/// 141 configurations, 5 steps at lr 3e-3), correct runs stay at or under 3.9e-4;
+/// the wrong runs it caught measure 0.685 (sequence-parallel norm gradients not
+/// summed under ZeRO-3, whose losses stayed within 7.3e-6) and 0.093 (ZeRO-3 expert
+/// weights reported one update old).
+pub const PARAM_TOLERANCE: f64 = 1e-2;
+
+/// One weight tensor of one rank against the reference: `(rms of the differences,
+/// largest difference, its index)`.
+pub fn tensor_distance(local: &[f32], want: &[f32]) -> (f64, f64, usize) {
+    let (mut sum2, mut worst, mut at) = (0.0f64, 0.0f64, 0usize);
+    for (i, (a, b)) in local.iter().zip(want).enumerate() {
+        let d = (a - b).abs() as f64;
+        sum2 += d * d;
+        if d > worst || d.is_nan() {
+            (worst, at) = (d, i);
+        }
+    }
+    ((sum2 / local.len().max(1) as f64).sqrt(), worst, at)
+}
 
 /// Compares a run with its single-rank reference: per-step losses (relative) and
-/// every rank's final weights against the reference's sliced the same way.
+/// every rank's final weights against the reference's sliced the same way
+/// ([`PARAM_TOLERANCE`]).
 pub fn check_against(
     plan: &Plan,
     run: &TrainReport,
@@ -3382,7 +3432,7 @@ pub fn check_against(
     let mut worst_loss: f64 = 0.0;
     for (i, (a, b)) in run.losses.iter().zip(&reference.losses).enumerate() {
         let rel = (a - b).abs() / b.abs().max(1e-12);
-        worst_loss = worst_loss.max(rel);
+        worst_loss = if rel.is_nan() { f64::NAN } else { worst_loss.max(rel) };
         lines.push(format!(
             "step {i}: loss {a:.6} vs reference {b:.6} (rel {rel:.2e})"
         ));
@@ -3392,8 +3442,9 @@ pub fn check_against(
         .first()
         .ok_or("the reference has no rank")?
         .weights;
-    let mut worst_w: f64 = 0.0;
-    let mut worst_at = String::new();
+    // The farthest one element can move: the scale the distances are measured in.
+    let reach = run.lr.abs() * run.losses.len().max(1) as f64;
+    let mut worst = (0.0f64, String::new());
     for rep in &run.ranks {
         for ((name, layer), local) in &rep.weights {
             let full = refw
@@ -3408,18 +3459,29 @@ pub fn check_against(
                     want.len()
                 ));
             }
-            for (i, (a, b)) in local.iter().zip(&want).enumerate() {
-                let d = (a - b).abs() as f64;
-                if d > worst_w {
-                    worst_w = d;
-                    worst_at =
-                        format!("rank {} `{name}` layer {layer} [{i}]: {a} vs {b}", rep.rank);
-                }
+            let (rms, max, at) = tensor_distance(local, &want);
+            let rel = rms / reach.max(f64::MIN_POSITIVE);
+            if rel > worst.0 || rel.is_nan() {
+                let layer = if *layer == NO_LAYER {
+                    String::new()
+                } else {
+                    format!(" layer {layer}")
+                };
+                worst = (
+                    rel,
+                    format!(
+                        "rank {} `{name}`{layer} (rms {rms:.2e}; largest {max:.2e} at [{at}]: {} vs {})",
+                        rep.rank, local[at], want[at]
+                    ),
+                );
             }
         }
     }
-    lines.push(format!("worst relative loss difference {worst_loss:.2e} (tolerance {tolerance:.0e}), worst absolute parameter difference {worst_w:.2e} at {worst_at} (tolerance {PARAM_TOLERANCE:.0e})"));
-    if worst_loss > tolerance || worst_w > PARAM_TOLERANCE {
+    lines.push(format!(
+        "worst relative loss difference {worst_loss:.2e} (tolerance {tolerance:.0e}); weights at most {:.2e} of lr x steps away (tolerance {PARAM_TOLERANCE:.0e}), at {}",
+        worst.0, worst.1
+    ));
+    if !(worst_loss <= tolerance) || !(worst.0 <= PARAM_TOLERANCE) {
         return Err(lines.join("\n"));
     }
     Ok(lines)

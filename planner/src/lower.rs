@@ -157,7 +157,8 @@ struct SegmentLowered {
     dense_params: f64,
     expert_params: f64,
     /// Weights of ops that sequence parallelism runs on a slice of the sequence: each
-    /// tensor rank holds a partial gradient of them.
+    /// tensor rank holds a partial gradient of them, summed once per step (none under
+    /// ZeRO-3 with data parallelism: the segment's backward sums them itself).
     seq_partial_params: f64,
 }
 
@@ -647,6 +648,14 @@ impl Layout<'_> {
                 c.bpost.push(ring("grad:kv"));
             }
             let fwd_op = self.compute(op, attn_part, false);
+            // Recomputed attention under context parallelism passes the key/value
+            // ring again (the forward's ring markers, before the op).
+            let rings: Vec<Instr> = c
+                .pre
+                .iter()
+                .filter(|i| matches!(i, Instr::RingPass { .. }))
+                .cloned()
+                .collect();
             forward.extend(c.pre);
             forward.push(fwd_op.clone());
             forward.extend(c.post);
@@ -655,7 +664,9 @@ impl Layout<'_> {
                 && self.recompute == Recompute::Selective
                 && matches!(op.kind, OpKind::Attention(_))
             {
-                b.push(Instr::Recompute { body: vec![fwd_op] });
+                let mut body = rings;
+                body.push(fwd_op);
+                b.push(Instr::Recompute { body });
             }
             b.push(self.compute(op, attn_part, true));
             b.extend(c.bpost);
@@ -674,6 +685,21 @@ impl Layout<'_> {
         }
         backward.extend(per_op_backward.into_iter().rev().flatten());
         let (dense, experts) = self.params(seg, held);
+        let seq_partial = if self.tp > 1 {
+            meshplan_ir::graph::tp_partial_weights(self.graph, seg, self.sp, self.ep <= 1)
+                .iter()
+                .filter_map(|&w| self.graph.tensors.get(w.0 as usize))
+                .map(|t| t.elems().coef)
+                .sum()
+        } else {
+            0.0
+        };
+        // Under ZeRO-3 the data-parallel ReduceScatter below leaves each rank only a
+        // slice of this segment's gradients, so the tensor-parallel partial sums of
+        // sequence-parallel (and router) weights must meet first, per segment copy
+        // and micro-batch, as FSDP with DTensor tensor parallelism does.
+        let seq_partial_here =
+            self.zero3 && self.dense_dp > 1 && dense > 0.0 && seq_partial > 0.0;
         if self.zero3 {
             // FSDP: gather this segment's parameters before its forward and again
             // before its backward, scatter its gradients after.
@@ -701,6 +727,16 @@ impl Layout<'_> {
                 };
                 f_pre.push(gather());
                 b_pre.push(gather());
+                if seq_partial_here && what == "dense" {
+                    b_post.push(collective(
+                        CollectiveKind::AllReduce,
+                        "tp",
+                        Axis::Tp,
+                        self.tp,
+                        format!("grads:{}.seq_partial", seg.name),
+                        seq_partial * bpe,
+                    ));
+                }
                 b_post.push(collective(
                     CollectiveKind::ReduceScatter,
                     group,
@@ -719,15 +755,7 @@ impl Layout<'_> {
             backward,
             dense_params: dense,
             expert_params: experts,
-            seq_partial_params: if self.tp > 1 {
-                meshplan_ir::graph::tp_partial_weights(self.graph, seg, self.sp, self.ep <= 1)
-                    .iter()
-                    .filter_map(|&w| self.graph.tensors.get(w.0 as usize))
-                    .map(|t| t.elems().coef)
-                    .sum()
-            } else {
-                0.0
-            },
+            seq_partial_params: if seq_partial_here { 0.0 } else { seq_partial },
         }
     }
 }

@@ -65,7 +65,7 @@ fn check(m: &Model, cfg: &str) {
 }
 
 #[track_caller]
-fn check_plan(m: &Model, cfg: &str, p: Plan) {
+pub(crate) fn check_plan(m: &Model, cfg: &str, p: Plan) {
     let opts = TrainOptions::default();
     let mbs = p.strategy.mbs;
     let reference = plan(m, &format!("dp=1,mbs={mbs}"));

@@ -12,6 +12,7 @@ mod export;
 mod infer;
 mod launch;
 mod loaders;
+mod matrix;
 mod lowering;
 mod models;
 mod overlay;

@@ -151,6 +151,7 @@ impl<'a> Run<'a> {
             tokens_per_step: self.seq_len * self.global_batch,
             ranks,
             saved: saved.unwrap_or_default(),
+            lr: f64::from(self.opts.lr),
         })
     }
 
