@@ -10,7 +10,11 @@ use std::path::Path;
 const DRY_RUN_GPUS: u64 = 8;
 
 /// `meshplan calibrate`.
-pub(crate) fn calibrate(output: &Path, backend: &str, dry_run: bool) -> Result<(), Failure> {
+pub(crate) fn calibrate(
+    output: Option<&Path>,
+    backend: &str,
+    dry_run: bool,
+) -> Result<(), Failure> {
     match backend {
         "cuda" => {}
         "cpu" => {
@@ -26,9 +30,19 @@ pub(crate) fn calibrate(output: &Path, backend: &str, dry_run: bool) -> Result<(
             "meshplan calibrate measures, on a node of {DRY_RUN_GPUS} GPUs (the run uses the GPUs it finds):"
         );
         print!("{}", plan.describe());
-        println!("and writes the fits to {}", output.display());
+        match output {
+            Some(o) => println!("and writes the fits to {}", o.display()),
+            None => println!("and writes the fits to the FILE given with -o FILE"),
+        }
         return Ok(());
     }
+    // clap already requires -o without --dry-run; this keeps a caller honest.
+    let Some(output) = output else {
+        return Err(bad(
+            "calibrate: -o FILE is needed to write the overlay (only --dry-run runs without it)"
+                .into(),
+        ));
+    };
     measure(output)
 }
 

@@ -46,8 +46,10 @@ fn line(i: usize, a: &Alternative, inference: bool) -> String {
             a.step_time_s, a.delta_s, a.delta_pct
         )
     };
+    // A move that does not fit is no improvement, however fast it would be.
+    let verdict = if a.feasible { "" } else { "does not fit: " };
     format!(
-        "{:>3}. {:<44} {speed}  {:>6.1} GiB  {}",
+        "{:>3}. {:<44} {speed}  {:>6.1} GiB  {verdict}{}",
         i + 1,
         a.change,
         a.memory_gib,
@@ -86,6 +88,29 @@ fn print_text(x: &Explanation, top: usize) {
             }
         }
     }
+    if let Some(t) = &x.near_ties {
+        let within = t["within"].as_f64().unwrap_or(0.0) * 100.0;
+        let rule = t["rule"].as_str().unwrap_or_default();
+        println!();
+        println!("near-ties (within {within:.0}% of the fastest; the cost model cannot tell them apart, so the simplest was chosen: {rule}):");
+        for c in t["candidates"].as_array().into_iter().flatten() {
+            let speed = match c["output_tokens_per_s"].as_f64() {
+                Some(tps) => format!("{tps:.0} tok/s"),
+                None => format!("{:.3} s", c["step_time_s"].as_f64().unwrap_or(0.0)),
+            };
+            let me = c["config"].as_str() == Some(x.strategy.as_str());
+            println!(
+                "  {} {}  {speed}  {:.2} GB sent per GPU, {} parallel axes, {:.1} GiB",
+                if me { "*" } else { " " },
+                c["config"].as_str().unwrap_or_default(),
+                c["network_bytes_per_gpu"].as_f64().unwrap_or(0.0) / 1e9,
+                c["parallel_axes"].as_u64().unwrap_or(0),
+                meshplan_cost_model::estimate::gib(
+                    c["memory_per_gpu_bytes"].as_f64().unwrap_or(0.0)
+                ),
+            );
+        }
+    }
     println!();
     println!(
         "alternatives, one change each, {} (same cost model):",
@@ -122,29 +147,39 @@ fn print_text(x: &Explanation, top: usize) {
     if !x.sensitivity.is_empty() {
         println!();
         println!("sensitivity of step time to each degree (x2 / /2, dp takes up the rest):");
-        let f = |v: Option<f64>| v.map_or("      -".to_string(), |p| format!("{p:>+6.1}%"));
+        let f = |v: Option<f64>, bad: &Option<String>| match (v, bad) {
+            (Some(p), _) => format!("{p:>+6.1}%    "),
+            (None, Some(_)) => "infeasible".to_string(),
+            (None, None) => "      -    ".to_string(),
+        };
         for s in &x.sensitivity {
             println!(
                 "     {:<4} = {:<5} x2 {}   /2 {}",
                 s.key,
                 s.value,
-                f(s.doubled_pct),
-                f(s.halved_pct)
+                f(s.doubled_pct, &s.doubled_infeasible),
+                f(s.halved_pct, &s.halved_infeasible)
             );
+            for (what, why) in [("x2", &s.doubled_infeasible), ("/2", &s.halved_infeasible)] {
+                if let Some(why) = why {
+                    println!("            {} {what} does not fit: {why}", s.key);
+                }
+            }
         }
     }
     if !x.what_if.is_empty() {
         println!();
         println!("what if:");
         for a in &x.what_if {
+            let verdict = if a.feasible { "" } else { "does not fit: " };
             if inference {
                 println!(
-                    "     {}: {:.0} tokens/s, {}",
+                    "     {}: {:.0} tokens/s, {verdict}{}",
                     a.change, a.tokens_per_s, a.deciding
                 );
             } else {
                 println!(
-                    "     {}: step {:.3} s ({:+.3} s, {:+.1}%), {:.0} tokens/s; {}",
+                    "     {}: step {:.3} s ({:+.3} s, {:+.1}%), {:.0} tokens/s; {verdict}{}",
                     a.change, a.step_time_s, a.delta_s, a.delta_pct, a.tokens_per_s, a.deciding
                 );
             }

@@ -3,8 +3,8 @@
 use clap::{Args, Parser, Subcommand};
 use meshplan_cost_model::estimate::gib;
 use meshplan_cost_model::{
-    estimate_inference, estimate_train, flops_per_token_forward, load_cluster_calibrated,
-    prepare_model, replica_memory, Cluster, Estimate, InferenceLoad, MemoryLedger, PreparedGraph,
+    flops_per_token_forward, load_cluster_calibrated, prepare_model, replica_memory, Cluster,
+    Estimate, MemoryLedger, PreparedGraph,
 };
 use meshplan_ir::{
     load_model, IrError, ModelSpec, ParallelConfig, PartialConfig, Recompute, Workload,
@@ -187,8 +187,8 @@ enum Command {
         /// optional) instead of the synthetic stream.
         #[arg(long)]
         data: Option<PathBuf>,
-        /// A Hugging Face checkpoint directory (config.json + *.safetensors; inference
-        /// plans).
+        /// A Hugging Face checkpoint directory (config.json + *.safetensors): the
+        /// weights an inference plan serves, or a training plan fine-tunes from.
         #[arg(long)]
         weights: Option<PathBuf>,
         /// Write the measured timeline (tasks, ops, collectives, optimizer) of every
@@ -312,9 +312,14 @@ enum Command {
     /// Measure this node's GPUs (GEMM, HBM, attention, NCCL collectives) into a
     /// calibration overlay for --calibration.
     Calibrate {
-        /// Where to write the overlay.
-        #[arg(short = 'o', long = "output", value_name = "FILE")]
-        output: PathBuf,
+        /// Where to write the overlay (not needed with --dry-run).
+        #[arg(
+            short = 'o',
+            long = "output",
+            value_name = "FILE",
+            required_unless_present = "dry_run"
+        )]
+        output: Option<PathBuf>,
         /// The backend that measures (only cuda measures GPUs).
         #[arg(long, default_value = "cuda")]
         backend: String,
@@ -386,7 +391,7 @@ fn main() -> ExitCode {
             output,
             backend,
             dry_run,
-        } => calibrate::calibrate(&output, &backend, dry_run),
+        } => calibrate::calibrate(output.as_deref(), &backend, dry_run),
         Command::Launch {
             nproc_per_node,
             nnodes,
@@ -611,6 +616,52 @@ pub(crate) fn load_cluster_flagged(
     Ok(cluster)
 }
 
+/// Top-level keys that only a cluster file has, and only a model file (YAML or a
+/// Hugging Face config.json) has.
+const CLUSTER_KEYS: &[&str] = &["gpus_per_node", "gpu", "nodes", "intra_node", "inter_node"];
+const MODEL_KEYS: &[&str] = &[
+    "transformer",
+    "graph",
+    "workload",
+    "hidden_size",
+    "num_hidden_layers",
+    "model_type",
+];
+
+/// The first of `keys` that the mapping in `path` has at its top level.
+fn has_top_key(path: &Path, keys: &[&'static str]) -> Option<&'static str> {
+    let text = std::fs::read_to_string(path).ok()?;
+    let serde_yaml_ng::Value::Mapping(m) = serde_yaml_ng::from_str(&text).ok()? else {
+        return None;
+    };
+    m.keys()
+        .filter_map(|k| k.as_str())
+        .find_map(|k| keys.iter().find(|c| **c == k).copied())
+}
+
+/// When MODEL or CLUSTER failed to load, whether the two were given in the wrong
+/// order: the loader's `unknown field` alone does not say so.
+pub(crate) fn swapped_inputs(model: &Path, cluster: &Path) -> Option<Failure> {
+    let model_is_cluster =
+        has_top_key(model, CLUSTER_KEYS).filter(|_| has_top_key(model, MODEL_KEYS).is_none());
+    let cluster_is_model =
+        has_top_key(cluster, MODEL_KEYS).filter(|_| has_top_key(cluster, CLUSTER_KEYS).is_none());
+    let (m, c) = (model.display(), cluster.display());
+    let message = match (model_is_cluster, cluster_is_model) {
+        (Some(mk), Some(ck)) => format!(
+            "{c}: this looks like a model file (it has `{ck}:`), and {m} like a cluster file (it has `{mk}:`); the order is MODEL CLUSTER: give {c} first, then {m}"
+        ),
+        (Some(mk), None) => format!(
+            "{m}: this looks like a cluster file (it has `{mk}:`), given as MODEL; the order is MODEL CLUSTER"
+        ),
+        (None, Some(ck)) => format!(
+            "{c}: this looks like a model file (it has `{ck}:`), given as CLUSTER; the order is MODEL CLUSTER"
+        ),
+        (None, None) => return None,
+    };
+    Some(Failure { code: 2, message })
+}
+
 fn load_inputs(
     model: &Path,
     cluster: &Path,
@@ -618,9 +669,10 @@ fn load_inputs(
     calibration: Option<&Path>,
     wf: &WorkloadFlags,
 ) -> Result<(ModelSpec, PreparedGraph, Cluster), Failure> {
-    let spec = load_model(model, &wf.overrides())?;
+    let swapped = |f: Failure| swapped_inputs(model, cluster).unwrap_or(f);
+    let spec = load_model(model, &wf.overrides()).map_err(|e| swapped(e.into()))?;
     let pg = prepare_model(&spec)?;
-    let cluster = load_cluster_flagged(cluster, nodes, calibration)?;
+    let cluster = load_cluster_flagged(cluster, nodes, calibration).map_err(swapped)?;
     Ok((spec, pg, cluster))
 }
 
@@ -635,6 +687,8 @@ fn estimate(
 ) -> Result<(), Failure> {
     let (spec, pg, cluster) = load_inputs(model, cluster_path, nodes, calibration, wf)?;
     let partial = PartialConfig::parse(config, "--config")?;
+    let inference = matches!(spec.workload, Some(Workload::Inference { .. }));
+    partial.check_workload(inference, "--config")?;
     let cfg = partial
         .resolve(cluster.gpus(), "--config")
         .map_err(|e| no_fit(e.to_string()))?;
@@ -665,18 +719,12 @@ pub(crate) fn evaluate(
             spec.name
         ),
     })?;
-    let r = match workload {
-        Workload::Train {
-            seq_len,
-            global_batch,
-            ..
-        } => estimate_train(pg, cluster, cfg, *seq_len, *global_batch),
-        Workload::Inference { .. } => match InferenceLoad::from_workload(workload) {
-            Some(load) => estimate_inference(pg, cluster, cfg, &load),
-            None => unreachable!("an inference workload converts"),
-        },
-    };
-    r.map_err(|e| no_fit(format!("{cfg}: {e}")))
+    // Priced as the search prices it (balanced and stage-DP layer splits, standard
+    // and ILP placements), so that `estimate` agrees with `plan --config`.
+    let graph = meshplan_ir::model_graph(spec)?;
+    meshplan_planner::search::price_config(&graph, pg, cluster, workload, cfg)
+        .map(|c| c.estimate)
+        .map_err(|e| no_fit(format!("{cfg}: {}", e.message)))
 }
 
 /// What would fit: the nearest changes (more ZeRO, recomputation, more stages or

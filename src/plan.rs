@@ -9,8 +9,10 @@ use meshplan_ir::{
 use meshplan_planner::compare;
 use meshplan_planner::output::plan_of;
 use meshplan_planner::search::{
-    search_inference, search_train, Candidate, Progress, SearchOptions, SearchReport,
+    inference_space, search_inference, search_train, training_space, Candidate, Progress,
+    SearchOptions, SearchReport, StopReason,
 };
+use meshplan_planner::search::{violations, Violation};
 use meshplan_viz::compare::{compare_bars, CompareBar};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
@@ -51,10 +53,11 @@ fn load(
     calibration: Option<&Path>,
     wo: &WorkloadOverrides,
 ) -> Result<Inputs, Failure> {
-    let spec = load_model(model, wo)?;
+    let swapped = |f: Failure| crate::swapped_inputs(model, cluster).unwrap_or(f);
+    let spec = load_model(model, wo).map_err(|e| swapped(e.into()))?;
     let graph = model_graph(&spec)?;
     let pg = prepare_model(&spec)?;
-    let cluster = crate::load_cluster_flagged(cluster, nodes, calibration)?;
+    let cluster = crate::load_cluster_flagged(cluster, nodes, calibration).map_err(swapped)?;
     tracing::debug!(
         "model {} ({} layers, {:.3e} parameters); cluster {} x {} GPUs",
         spec.name,
@@ -78,6 +81,10 @@ fn load(
         cluster,
         workload,
     })
+}
+
+fn is_inference(w: &Workload) -> bool {
+    matches!(w, Workload::Inference { .. })
 }
 
 /// Runs the search with a progress bar on stderr when it takes more than a moment.
@@ -135,6 +142,49 @@ fn run_search(inp: &Inputs, opts: &SearchOptions, quiet: bool) -> Result<SearchR
     r.map_err(|e| no_fit(e.message))
 }
 
+/// Exit 2 when `--config` (`text`, parsed as `fixed`) leaves no configuration at
+/// all: that is bad input, not a model that does not fit.
+fn fixed_keys_conflict(inp: &Inputs, fixed: &PartialConfig, text: &str) -> Option<Failure> {
+    let (empty, inference) = match &inp.workload {
+        Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } => (
+            training_space(&inp.pg, &inp.cluster, fixed, *seq_len, *global_batch).is_empty(),
+            false,
+        ),
+        Workload::Inference { .. } => (
+            inference_space(&inp.pg, &inp.cluster, fixed).is_empty(),
+            true,
+        ),
+    };
+    if !empty {
+        return None;
+    }
+    let written: Vec<&str> = text
+        .split(',')
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .collect();
+    Some(Failure {
+        code: 2,
+        message: format!(
+            "--config {}: no configuration of {} GPUs ({} x {}) satisfies these keys: {}",
+            written.join(","),
+            inp.cluster.gpus(),
+            inp.cluster.nodes,
+            inp.cluster.name,
+            meshplan_planner::search::unsatisfiable_because(
+                fixed,
+                &inp.cluster,
+                inp.pg.layers,
+                inference
+            )
+        ),
+    })
+}
+
 /// Exit 3 with the closest miss and what would bring it under.
 fn nothing_fits(inp: &Inputs, report: &SearchReport) -> Failure {
     let Some(c) = &report.closest_miss else {
@@ -165,6 +215,9 @@ fn nothing_fits(inp: &Inputs, report: &SearchReport) -> Failure {
         }
         return no_fit(msg);
     };
+    if let Some(load) = InferenceLoad::from_workload(&inp.workload) {
+        return no_fit(inference_miss(inp, report, c, &load));
+    }
     let e = &c.estimate;
     let mut msg = format!(
         "no feasible plan for {} on {} GPUs; closest: {} with per-GPU memory {:.1} GiB > {:.1} GiB",
@@ -185,6 +238,129 @@ fn nothing_fits(inp: &Inputs, report: &SearchReport) -> Failure {
     }
     msg.push_str(&suggestions(&inp.spec, &inp.pg, &inp.cluster, &c.cfg));
     no_fit(msg)
+}
+
+/// The closest inference miss: which objectives it violates and by how much, and
+/// what would meet them all (fewer requests, more nodes, a shorter prompt).
+fn inference_miss(
+    inp: &Inputs,
+    report: &SearchReport,
+    c: &Candidate,
+    load: &InferenceLoad,
+) -> String {
+    let e = &c.estimate;
+    let missed = violations(e, Some(load));
+    let mut msg = format!(
+        "no feasible plan for {} on {} GPUs; closest: {} misses {}",
+        inp.spec.name,
+        inp.cluster.gpus(),
+        c.cfg,
+        missed
+            .iter()
+            .map(|v| v.to_string())
+            .collect::<Vec<_>>()
+            .join(" and ")
+    );
+    // The objectives it meets, and the predictions no SLO bounds, so the reader sees
+    // every number of the miss.
+    let missed_any = |f: fn(&Violation) -> bool| missed.iter().any(f);
+    let mut met = Vec::new();
+    let mut unbounded = Vec::new();
+    if !missed_any(|v| matches!(v, Violation::Memory { .. })) {
+        met.push(format!(
+            "memory {:.1} of {:.1} GiB",
+            gib(e.memory_per_gpu_bytes.total),
+            gib(e.memory_capacity_bytes)
+        ));
+    }
+    if let Some(t) = e
+        .ttft_s
+        .filter(|_| !missed_any(|v| matches!(v, Violation::Ttft { .. })))
+    {
+        match load.ttft_max_s {
+            Some(m) => met.push(format!("TTFT {:.1} ms <= {:.1} ms", t * 1e3, m * 1e3)),
+            None => unbounded.push(format!("TTFT {:.1} ms", t * 1e3)),
+        }
+    }
+    if let Some(t) = e
+        .tpot_s
+        .filter(|_| !missed_any(|v| matches!(v, Violation::Tpot { .. })))
+    {
+        match load.tpot_max_s {
+            Some(m) => met.push(format!("TPOT {:.2} ms <= {:.2} ms", t * 1e3, m * 1e3)),
+            None => unbounded.push(format!("TPOT {:.2} ms", t * 1e3)),
+        }
+    }
+    if !met.is_empty() {
+        msg.push_str(&format!(" (meets {})", met.join(", ")));
+    }
+    if !unbounded.is_empty() {
+        msg.push_str(&format!(" ({}; no SLO bounds them)", unbounded.join(", ")));
+    }
+    let knobs: Vec<&str> = missed
+        .iter()
+        .map(|v| match v {
+            Violation::Tpot { .. } => {
+                "TPOT grows with the requests each replica decodes together: fewer concurrent requests or more replicas (more nodes) lower it"
+            }
+            Violation::Ttft { .. } => {
+                "TTFT is one request's prefill: more tensor ranks or a shorter prompt lower it, fewer requests do not"
+            }
+            Violation::Memory { .. } => {
+                "the KV cache grows with concurrency x (prompt + output) tokens: fewer requests, shorter contexts or more GPUs (tp, pp, nodes) bring it under"
+            }
+        })
+        .collect();
+    if !knobs.is_empty() {
+        msg.push_str(&format!("; {}", knobs.join("; ")));
+    }
+    let served = |c: &Candidate| {
+        let e = &c.estimate;
+        format!(
+            "{}: TTFT {:.1} ms, TPOT {:.2} ms, {:.1} GiB",
+            c.cfg,
+            e.ttft_s.unwrap_or(0.0) * 1e3,
+            e.tpot_s.unwrap_or(0.0) * 1e3,
+            gib(e.memory_per_gpu_bytes.total)
+        )
+    };
+    let mut fixes = Vec::new();
+    if let Some(r) = &report.remedy {
+        if let Some((n, c)) = &r.concurrency {
+            fixes.push(format!(
+                "concurrency {n} instead of {} ({})",
+                load.concurrency,
+                served(c)
+            ));
+        }
+        if let Some((n, c)) = &r.nodes {
+            fixes.push(format!("--nodes {n} ({})", served(c)));
+        }
+        if let Some((p, n, c)) = &r.prompt_len {
+            let with = if *n == load.concurrency {
+                String::new()
+            } else {
+                format!(" with concurrency {n} instead of {}", load.concurrency)
+            };
+            fixes.push(format!(
+                "prompt_len {p} instead of {}{with} ({})",
+                load.prompt_len,
+                served(c)
+            ));
+        }
+    }
+    if fixes.is_empty() {
+        msg.push_str(&format!(
+            "; no smaller concurrency or prompt, nor up to {} nodes, meets every objective: relax the SLO or use faster GPUs",
+            inp.cluster.nodes * 8
+        ));
+    } else {
+        msg.push_str(&format!(
+            "; these would meet every objective: {}",
+            fixes.join(", or ")
+        ));
+    }
+    msg
 }
 
 fn search_json(r: &SearchReport) -> serde_json::Value {
@@ -263,6 +439,7 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
         Some(c) => PartialConfig::parse(c, "--config")?,
         None => PartialConfig::default(),
     };
+    fixed.check_workload(is_inference(&inp.workload), "--config")?;
     let opts = SearchOptions {
         fixed,
         top_k: a.top.max(1),
@@ -270,7 +447,16 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
         time_limit_s: a.time_limit,
         ..SearchOptions::default()
     };
-    let report = run_search(&inp, &opts, a.quiet || a.json)?;
+    let report = match run_search(&inp, &opts, a.quiet || a.json) {
+        Ok(r) => r,
+        Err(f) => {
+            let conflict = a
+                .config
+                .as_deref()
+                .and_then(|text| fixed_keys_conflict(&inp, &opts.fixed, text));
+            return Err(conflict.unwrap_or(f));
+        }
+    };
     let Some(best) = report.top.first() else {
         return Err(nothing_fits(&inp, &report));
     };
@@ -306,16 +492,29 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
             "layer_split": best.split_or_even(inp.pg.layers),
             "predicted": best.estimate,
             "search": search,
-            "top": report.top.iter().map(|c| serde_json::json!({
+            "top": report.top.iter().take(a.top.max(1)).map(|c| serde_json::json!({
                 "strategy": c.cfg.to_string(),
                 "predicted": c.estimate,
                 "layer_split": c.layer_split,
             })).collect::<Vec<_>>(),
         }));
     } else {
+        // Every configuration the sweep looked at was priced, pruned or ruled out;
+        // a budget or time limit leaves the rest of the space unexamined.
+        let examined = report.evaluated + report.pruned + report.rejected;
+        let searched = match report.stop_reason {
+            StopReason::Exhausted => format!("{} configurations", report.enumerated),
+            StopReason::CandidateBudget => format!(
+                "{examined} of {} configurations, stopped by the candidate budget (--max-candidates {}):",
+                report.enumerated, a.max_candidates
+            ),
+            StopReason::TimeLimit => format!(
+                "{examined} of {} configurations, stopped by the time limit (--time-limit {} s):",
+                report.enumerated, a.time_limit
+            ),
+        };
         tracing::info!(
-            "searched {} configurations ({} priced, {} of them stopped at the step-time bound; {} pruned by memory, {} ruled out by shapes, {} over memory or SLO) in {:.3} s; {} ILP solves ({}); stop: {:?}",
-            report.enumerated,
+            "searched {searched} ({} priced, {} of them stopped at the step-time bound; {} pruned by memory, {} ruled out by shapes, {} over memory or SLO) in {:.3} s; {} ILP solves ({}); stop: {:?}",
             report.evaluated,
             report.bounded,
             report.pruned,
@@ -326,8 +525,12 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
             report.solver,
             report.stop_reason
         );
-        for (i, c) in report.top.iter().enumerate() {
-            print_candidate_line(i, c);
+        // The ranking goes to stderr beside the logs, so -q silences it too; the
+        // chosen plan still goes to stdout and the file.
+        if !a.quiet {
+            for (i, c) in report.top.iter().take(a.top.max(1)).enumerate() {
+                print_candidate_line(i, c);
+            }
         }
         crate::print_estimate(&inp.spec, &inp.cluster, &best.estimate);
         if let Some(s) = &best.layer_split {
@@ -425,9 +628,16 @@ pub(crate) fn compare(a: &CompareArgs<'_>) -> Result<(), Failure> {
         crate::draw::check_dir("--figures", d)?;
     }
     let inp = load(model, cluster, nodes, calibration, wo)?;
-    let mut named: Vec<(String, String)> = configs.iter().map(|c| (c.clone(), c.clone())).collect();
+    // (name, configuration, where it was written, for error messages)
+    let mut named: Vec<(String, String, String)> = configs
+        .iter()
+        .map(|c| (c.clone(), c.clone(), format!("--config {c}")))
+        .collect();
     if let Some(f) = configs_file {
-        named.extend(read_configs_file(f)?);
+        named.extend(read_configs_file(f)?.into_iter().map(|(name, text)| {
+            let source = format!("{}: entry `{name}`", f.display());
+            (name, text, source)
+        }));
     }
     if named.is_empty() {
         return Err(Failure {
@@ -438,13 +648,10 @@ pub(crate) fn compare(a: &CompareArgs<'_>) -> Result<(), Failure> {
     // Parse every configuration before searching, so a typo fails fast.
     let mut hand: Vec<(String, String, Result<Estimate, String>)> = Vec::new();
     let mut parsed = Vec::new();
-    for (name, text) in &named {
-        let source = format!("--config {name}");
-        parsed.push((
-            name.clone(),
-            text.clone(),
-            PartialConfig::parse(text, &source)?,
-        ));
+    for (name, text, source) in &named {
+        let p = PartialConfig::parse(text, source)?;
+        p.check_workload(is_inference(&inp.workload), source)?;
+        parsed.push((name.clone(), text.clone(), p));
     }
     let opts = SearchOptions::default();
     let report = run_search(&inp, &opts, json)?;
@@ -452,12 +659,28 @@ pub(crate) fn compare(a: &CompareArgs<'_>) -> Result<(), Failure> {
         return Err(nothing_fits(&inp, &report));
     };
     for (name, text, p) in parsed {
-        let r = p
-            .resolve(inp.cluster.gpus(), &format!("--config {name}"))
-            .map_err(|e| e.to_string())
-            .and_then(|cfg| {
-                evaluate(&inp.spec, &inp.pg, &inp.cluster, &cfg).map_err(|f| f.message)
-            });
+        // A row means what `plan --config` means: the keys it names fixed, the rest
+        // searched, priced as the search prices; a row with no layout that fits is
+        // shown at its defaults, marked as not fitting.
+        let searched = run_search(
+            &inp,
+            &SearchOptions {
+                fixed: p,
+                ..SearchOptions::default()
+            },
+            true,
+        )
+        .ok()
+        .and_then(|r| r.top.into_iter().next());
+        let r = match searched {
+            Some(c) => Ok(c.estimate),
+            None => p
+                .resolve(inp.cluster.gpus(), &format!("--config {name}"))
+                .map_err(|e| e.to_string())
+                .and_then(|cfg| {
+                    evaluate(&inp.spec, &inp.pg, &inp.cluster, &cfg).map_err(|f| f.message)
+                }),
+        };
         hand.push((name, text, r));
     }
     let rows = compare::rows(&best.estimate, best.layer_split.as_deref(), &hand);
@@ -511,52 +734,53 @@ pub(crate) fn compare(a: &CompareArgs<'_>) -> Result<(), Failure> {
         inp.cluster.name
     );
     let inference = best.estimate.tpot_s.is_some();
+    // Names are printed whole (two configurations must never share a row label); the
+    // column is as wide as the longest.
+    let w = rows
+        .iter()
+        .map(|r| r.name.chars().count())
+        .fold(22, usize::max);
     if inference {
         println!(
-            "{:<22} {:>11} {:>10} {:>10} {:>9} {:>7}",
+            "{:<w$} {:>11} {:>10} {:>10} {:>9} {:>7}  fits",
             "name", "tok/s", "TTFT ms", "TPOT ms", "mem GiB", "ratio"
         );
     } else {
         println!(
-            "{:<22} {:>9} {:>8} {:>6} {:>9} {:>8} {:>9} {:>7}",
+            "{:<w$} {:>9} {:>8} {:>6} {:>9} {:>8} {:>9} {:>7}  fits",
             "name", "step s", "TFLOP/s", "MFU%", "mem GiB", "bubble%", "exp.comm", "ratio"
         );
     }
+    // The figure flags rows that miss memory or the SLO; the table says so too.
+    let fits = |e: &Estimate| if e.feasible { "yes" } else { "NO" };
     for r in &rows {
         match &r.predicted {
             Some(e) if inference => println!(
-                "{:<22} {:>11.0} {:>10.1} {:>10.2} {:>9.1} {:>7.3}",
-                short(&r.name),
+                "{:<w$} {:>11.0} {:>10.1} {:>10.2} {:>9.1} {:>7.3}  {}",
+                r.name,
                 e.output_tokens_per_s.unwrap_or(0.0),
                 e.ttft_s.unwrap_or(0.0) * 1e3,
                 e.tpot_s.unwrap_or(0.0) * 1e3,
                 gib(e.memory_per_gpu_bytes.total),
-                r.ratio_to_planner.unwrap_or(f64::NAN)
+                r.ratio_to_planner.unwrap_or(f64::NAN),
+                fits(e)
             ),
             Some(e) => println!(
-                "{:<22} {:>9.3} {:>8.1} {:>6.1} {:>9.1} {:>8.1} {:>9.3} {:>7.3}",
-                short(&r.name),
+                "{:<w$} {:>9.3} {:>8.1} {:>6.1} {:>9.1} {:>8.1} {:>9.3} {:>7.3}  {}",
+                r.name,
                 e.step_time_s,
                 e.model_tflops_per_gpu,
                 100.0 * e.mfu,
                 gib(e.memory_per_gpu_bytes.total),
                 100.0 * e.bubble_fraction,
                 e.time_breakdown_s.exposed_comm,
-                r.ratio_to_planner.unwrap_or(f64::NAN)
+                r.ratio_to_planner.unwrap_or(f64::NAN),
+                fits(e)
             ),
-            None => println!("{:<22} cannot run", short(&r.name)),
+            None => println!("{:<w$} cannot run", r.name),
         }
         println!("    {}", r.strategy);
         println!("    {}", r.account);
     }
     Ok(())
-}
-
-fn short(s: &str) -> String {
-    if s.chars().count() <= 22 {
-        s.to_string()
-    } else {
-        let head: String = s.chars().take(21).collect();
-        format!("{head}~")
-    }
 }

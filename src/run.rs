@@ -403,9 +403,20 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         )));
     }
 
+    // --steps counts all steps: a resumed run does only those after the checkpoint's.
+    let plural = |n: u64| if n == 1 { "step" } else { "steps" };
+    let steps = if start > 0 {
+        let n = a.steps - start;
+        format!(
+            "{n} {} (from the checkpoint's step {start} to step {})",
+            plural(n),
+            a.steps
+        )
+    } else {
+        format!("{} {}", a.steps, plural(a.steps))
+    };
     tracing::info!(
-        "training {} steps of {} on {} ranks ({})",
-        a.steps,
+        "training {steps} of {} on {} ranks ({})",
         plan.model.name,
         plan.ranks.len(),
         match engine {

@@ -311,6 +311,148 @@ impl Chunk {
     }
 }
 
+/// The contiguous split of the block layers into `chunks` non-empty model chunks
+/// whose busiest chunk (its layers' work, plus the embedding on the first chunk and
+/// the head on the last) is lightest: the time-balanced split the stage DP finds when
+/// memory does not bind, computed in `O(layers * log)` so the sweep can price every
+/// pipeline configuration at it. `None` when the even split is as good (or there is
+/// one chunk), so even splits stay the default.
+///
+/// A bottleneck `B` is feasible iff packing chunks greedily from the last one
+/// (each as full as `B` allows, leaving a layer for every chunk before it) covers the
+/// layers; feasibility is monotone in `B`, so the smallest is found by bisection.
+/// Packing from the back leaves the earlier stages, which hold the most in-flight
+/// activations under 1F1B, the fewer layers.
+pub fn balanced_split(pg: &PreparedGraph, costs: &[SegCost], chunks: usize) -> Option<Vec<u64>> {
+    let layers = pg.layers as usize;
+    if chunks <= 1 || layers < chunks {
+        return None;
+    }
+    let work = |c: &SegCost| c.fwd_s + c.bwd_s + c.recompute_s + c.comm_fwd_s + c.comm_bwd_s;
+    let (mut first, mut last) = (0.0, 0.0);
+    let mut t: Vec<f64> = Vec::with_capacity(layers);
+    for ((kind, repeat), c) in pg.segment_kinds().zip(costs) {
+        match kind {
+            SegmentKind::Embed => first += work(c),
+            SegmentKind::Head => last += work(c),
+            SegmentKind::Block => t.extend(std::iter::repeat_n(work(c), repeat as usize)),
+        }
+    }
+    if t.len() != layers || t.iter().any(|x| !x.is_finite()) {
+        return None;
+    }
+    let extra =
+        |j: usize| (if j == 0 { first } else { 0.0 }) + (if j == chunks - 1 { last } else { 0.0 });
+    // Layers per chunk under bottleneck `b`, or None if it does not fit.
+    let pack = |b: f64| -> Option<Vec<u64>> {
+        let mut n = vec![0u64; chunks];
+        let mut end = layers; // layers end..layers are placed
+        for j in (0..chunks).rev() {
+            let mut load = extra(j);
+            let mut start = end;
+            let keep = j; // one layer for each earlier chunk
+            if j == 0 {
+                start = 0;
+                load += t[..end].iter().sum::<f64>();
+            } else {
+                while start > keep && (start == end || load + t[start - 1] <= b) {
+                    load += t[start - 1];
+                    start -= 1;
+                }
+            }
+            if start == end || load > b {
+                return None;
+            }
+            n[j] = (end - start) as u64;
+            end = start;
+        }
+        Some(n)
+    };
+    let even: Vec<u64> = (0..chunks)
+        .map(|j| ((j + 1) * layers / chunks - j * layers / chunks) as u64)
+        .collect();
+    // Identical layers (the common case): a chunk's capacity under `b` is a division,
+    // and the best bottleneck is `k` layers plus one of the chunks' extras.
+    let t0 = t[0];
+    if t0 > 0.0 && t.iter().all(|&x| x == t0) {
+        let cap = |b: f64, j: usize| ((b - extra(j)) / t0 * (1.0 + 1e-12)).floor();
+        let fill = |b: f64| -> Option<Vec<u64>> {
+            let mut n = vec![0u64; chunks];
+            let mut left = layers as f64;
+            for j in (1..chunks).rev() {
+                let k = cap(b, j).min(left - j as f64);
+                if k < 1.0 {
+                    return None;
+                }
+                n[j] = k as u64;
+                left -= k;
+            }
+            (left >= 1.0 && left <= cap(b, 0)).then(|| {
+                n[0] = left as u64;
+                n
+            })
+        };
+        let mut cands: Vec<f64> = (1..=layers)
+            .flat_map(|k| {
+                let b = k as f64 * t0;
+                [b, b + first, b + last, b + first + last]
+            })
+            .collect();
+        cands.sort_by(f64::total_cmp);
+        let (mut lo, mut hi) = (0usize, cands.len() - 1);
+        fill(cands[hi])?;
+        while lo < hi {
+            let mid = (lo + hi) / 2;
+            if fill(cands[mid]).is_some() {
+                hi = mid;
+            } else {
+                lo = mid + 1;
+            }
+        }
+        let split = fill(cands[hi])?;
+        let load = |n: &[u64]| {
+            n.iter()
+                .enumerate()
+                .map(|(j, &k)| extra(j) + k as f64 * t0)
+                .fold(0.0f64, f64::max)
+        };
+        return (load(&split) < load(&even) * (1.0 - 1e-9)).then_some(split);
+    }
+    let load_of = |n: &[u64]| {
+        let mut at = 0usize;
+        n.iter()
+            .enumerate()
+            .map(|(j, &k)| {
+                let w = extra(j) + t[at..at + k as usize].iter().sum::<f64>();
+                at += k as usize;
+                w
+            })
+            .fold(0.0f64, f64::max)
+    };
+    let even_b = load_of(&even);
+    let total: f64 = t.iter().sum::<f64>() + first + last;
+    let mut lo = (total / chunks as f64).max(t.iter().copied().fold(0.0, f64::max));
+    let mut hi = even_b;
+    if pack(lo).is_some() {
+        hi = lo;
+    } else {
+        for _ in 0..64 {
+            let mid = 0.5 * (lo + hi);
+            if pack(mid).is_some() {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+            if hi - lo <= 1e-6 * hi {
+                break;
+            }
+        }
+    }
+    let split = pack(hi)?;
+    // Only a strictly lighter bottleneck is worth an uneven split.
+    (load_of(&split) < even_b * (1.0 - 1e-9)).then_some(split)
+}
+
 /// Splits the segments' costs into `chunks` model chunks: the embedding on the first
 /// chunk, the head on the last, and the blocks by `split` (layers per chunk, in chunk
 /// order) or evenly by layer.
@@ -456,8 +598,34 @@ pub fn estimate_train_bounded(
         split,
         bound_s,
         false,
+        false,
     )?
-    .map(|(e, _)| e))
+    .map(|(e, _, _)| e))
+}
+
+/// [`estimate_train_bounded`] at the [`balanced_split`] of the layers (the even split
+/// where that is as good): the price the search sweeps every configuration at, with
+/// the split it used (`None`: even).
+pub fn estimate_train_balanced_bounded(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    seq_len: u64,
+    global_batch: u64,
+    bound_s: f64,
+) -> Result<Option<(Estimate, Option<LayerSplit>)>, Unsupported> {
+    Ok(train_impl(
+        pg,
+        cluster,
+        cfg,
+        seq_len,
+        global_batch,
+        None,
+        bound_s,
+        false,
+        true,
+    )?
+    .map(|(e, _, split)| (e, split)))
 }
 
 /// [`estimate_train_split`] with the schedule it simulated: per virtual stage the
@@ -481,11 +649,19 @@ pub fn train_timeline(
         split,
         f64::INFINITY,
         true,
+        false,
     )? {
-        Some((e, Some(t))) => Ok((e, t)),
+        Some((e, Some(t), _)) => Ok((e, t)),
         _ => Err(unsupported(format!("{cfg}: the step time is not a number"))),
     }
 }
+
+/// Block layers per model chunk.
+pub type LayerSplit = Vec<u64>;
+
+/// What [`train_impl`] priced: the estimate, the schedule it simulated (when asked)
+/// and the balanced split it chose (when asked to balance and it is not even).
+type Priced = (Estimate, Option<TrainTimeline>, Option<LayerSplit>);
 
 #[allow(clippy::too_many_arguments)]
 fn train_impl(
@@ -497,7 +673,8 @@ fn train_impl(
     split: Option<&[u64]>,
     bound_s: f64,
     want_timeline: bool,
-) -> Result<Option<(Estimate, Option<TrainTimeline>)>, Unsupported> {
+    balance: bool,
+) -> Result<Option<Priced>, Unsupported> {
     let gpus = cluster.gpus();
     check_world_size(cfg, gpus)?;
     check_train_shapes(pg, cfg, seq_len)?;
@@ -515,6 +692,12 @@ fn train_impl(
     let (roof, comm) = (ctx.roof, ctx.comm);
     let seq = seq_len as f64;
     let costs = ctx.price(pg);
+    let balanced = if balance && split.is_none() {
+        balanced_split(pg, &costs, nchunks)
+    } else {
+        None
+    };
+    let split = split.or(balanced.as_deref());
     let (chunks, shared) = build_chunks(pg, &costs, nchunks, split);
     let microbatches = global_batch.div_ceil(cfg.dp * cfg.mbs);
     if cfg.vpp > 1 && microbatches < cfg.pp {
@@ -859,7 +1042,7 @@ fn train_impl(
         kv_capacity_tokens: None,
         infeasible_reason,
     };
-    Ok(Some((estimate, timeline)))
+    Ok(Some((estimate, timeline, balanced)))
 }
 
 /// Bytes to GiB.

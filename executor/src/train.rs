@@ -1715,9 +1715,7 @@ impl<'a> RankState<'a> {
         let keys: Vec<Key> = self
             .weights
             .keys()
-            .filter(|(name, layer)| {
-                partial.contains(name) && copy.is_none_or(|(_, l)| l == *layer)
-            })
+            .filter(|(name, layer)| partial.contains(name) && copy.is_none_or(|(_, l)| l == *layer))
             .cloned()
             .collect();
         let mut flat = self.flat(&self.wgrads, &keys);
@@ -3432,7 +3430,11 @@ pub fn check_against(
     let mut worst_loss: f64 = 0.0;
     for (i, (a, b)) in run.losses.iter().zip(&reference.losses).enumerate() {
         let rel = (a - b).abs() / b.abs().max(1e-12);
-        worst_loss = if rel.is_nan() { f64::NAN } else { worst_loss.max(rel) };
+        worst_loss = if rel.is_nan() {
+            f64::NAN
+        } else {
+            worst_loss.max(rel)
+        };
         lines.push(format!(
             "step {i}: loss {a:.6} vs reference {b:.6} (rel {rel:.2e})"
         ));
@@ -3481,7 +3483,9 @@ pub fn check_against(
         "worst relative loss difference {worst_loss:.2e} (tolerance {tolerance:.0e}); weights at most {:.2e} of lr x steps away (tolerance {PARAM_TOLERANCE:.0e}), at {}",
         worst.0, worst.1
     ));
-    if !(worst_loss <= tolerance) || !(worst.0 <= PARAM_TOLERANCE) {
+    // A NaN anywhere fails too: it is never within a tolerance.
+    let within = |x: f64, tol: f64| x <= tol;
+    if !within(worst_loss, tolerance) || !within(worst.0, PARAM_TOLERANCE) {
         return Err(lines.join("\n"));
     }
     Ok(lines)

@@ -14,11 +14,19 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
             c.cp
         ));
     }
-    // An SGLang server's expert group lives inside one replica's tensor ranks.
-    let instance_ranks = if c.dp_attention { c.tp } else { c.tp * c.dp };
-    if c.ep > 1 && !instance_ranks.is_multiple_of(c.ep) {
+    // An SGLang server's expert group lives inside its own tensor ranks (MoE tensor
+    // parallelism is --tp-size / --ep-size), and --dp-size replicas are independent
+    // servers, each holding every expert: the plan's experts must not span replicas.
+    if c.ep > 1 && !c.tp.is_multiple_of(c.ep) {
+        let inside = gcd(c.tp, c.ep);
         r.push(format!(
-            "ep={} spans ranks of several replicas; SGLang's --ep-size must divide one server's --tp-size ({instance_ranks})",
+            "ep={} spans the ranks of {} data-parallel replicas (dp={}, tp={}), but SGLang's --ep-size must divide one server's --tp-size ({}), each --dp-size replica holding every expert; re-plan with an ep that divides tp (--config ep={inside}) or a tp that is a multiple of ep (e.g. --config tp={},ep={})",
+            c.ep,
+            (c.ep / inside).min(c.dp),
+            c.dp,
+            c.tp,
+            c.tp,
+            c.ep,
             c.ep
         ));
     }
@@ -70,4 +78,12 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
     a.opt("--context-length", context);
     a.opt("--max-running-requests", concurrency);
     Ok(a.render())
+}
+
+fn gcd(a: u64, b: u64) -> u64 {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }

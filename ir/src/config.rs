@@ -235,6 +235,56 @@ impl PartialConfig {
         Ok(c)
     }
 
+    /// Refuses keys that mean nothing for the workload, so a configuration is never
+    /// priced as something other than what it says: on inference the training keys
+    /// (`mbs`, `zero`, `recompute`, `sp`, `vpp`, `schedule`), on training
+    /// `dp_attention=true`. The values inference always runs with (`mbs=1`, `zero=0`,
+    /// `recompute=none`, `sp=false`, `vpp=1`, `schedule=1f1b`) and `dp_attention=false`
+    /// pass, so that a strategy string meshplan printed reads back.
+    pub fn check_workload(&self, inference: bool, source: &str) -> Result<(), IrError> {
+        if !inference {
+            if self.dp_attention == Some(true) {
+                return Err(bad(
+                    source,
+                    "dp_attention",
+                    "dp_attention=true is an inference layout (attention data-parallel over the tensor ranks while serving) and means nothing for training; remove it, or plan an inference workload (`workload: {kind: inference, ...}` or --workload FILE)",
+                ));
+            }
+            return Ok(());
+        }
+        let why = "inference has no micro-batches, optimizer states, recomputation, sequence parallelism or virtual stages";
+        let fix = "remove it; inference configurations take dp, tp, pp, ep, dp_attention, attn and tp_overlap";
+        let refuse = |key: &str, given: String| -> Result<(), IrError> {
+            Err(bad(
+                source,
+                key,
+                format!("`{key}={given}` means nothing for an inference workload ({why}); {fix}"),
+            ))
+        };
+        if let Some(v) = self.mbs.filter(|&v| v != 1) {
+            return refuse("mbs", v.to_string());
+        }
+        if let Some(v) = self.zero.filter(|&v| v != 0) {
+            return refuse("zero", v.to_string());
+        }
+        match self.recompute {
+            Some(Recompute::Selective) => return refuse("recompute", "selective".into()),
+            Some(Recompute::Full) => return refuse("recompute", "full".into()),
+            _ => {}
+        }
+        if self.sp == Some(true) {
+            return refuse("sp", "true".into());
+        }
+        if let Some(v) = self.vpp.filter(|&v| v != 1) {
+            return refuse("vpp", v.to_string());
+        }
+        match self.schedule {
+            Some(Schedule::Gpipe) => refuse("schedule", "gpipe".into()),
+            Some(Schedule::Interleaved) => refuse("schedule", "interleaved".into()),
+            _ => Ok(()),
+        }
+    }
+
     /// Fills defaults and resolves `dp` from the number of GPUs. Errors state the
     /// arithmetic: `dp(2) * tp(4) * pp(2) * cp(1) = 16 != GPUs(8)`.
     pub fn resolve(&self, gpus: u64, source: &str) -> Result<ParallelConfig, IrError> {

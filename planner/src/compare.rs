@@ -107,6 +107,9 @@ pub fn account(
             gib(best.memory_per_gpu_bytes.total),
             gib(other.memory_per_gpu_bytes.total)
         ));
+        if !other.feasible {
+            parts.push(does_not_fit(other));
+        }
         return parts.join("; ");
     }
     let (a, b) = (&best.time_breakdown_s, &other.time_breakdown_s);
@@ -128,12 +131,16 @@ pub fn account(
             .join(", ")
     ));
     if !other.feasible {
-        parts.push(format!(
-            "does not fit: {}",
-            other.infeasible_reason.clone().unwrap_or_default()
-        ));
+        parts.push(does_not_fit(other));
     }
     parts.join("; ")
+}
+
+fn does_not_fit(e: &Estimate) -> String {
+    format!(
+        "does not fit: {}",
+        e.infeasible_reason.as_deref().unwrap_or("over memory")
+    )
 }
 
 /// The ratio of a row to the planner's: step time over the planner's for training,

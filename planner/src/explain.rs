@@ -38,6 +38,10 @@ pub struct Explanation {
     pub sensitivity: Vec<Sensitivity>,
     /// Changes of the workload or cluster rather than of the configuration.
     pub what_if: Vec<Alternative>,
+    /// The layouts the search found within its tie margin of the fastest, as the plan
+    /// recorded them (`search.extra.near_ties`): why this plan and not a faster one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub near_ties: Option<serde_json::Value>,
 }
 
 /// One re-priced neighbour.
@@ -104,10 +108,17 @@ pub struct Sensitivity {
     pub key: String,
     /// The plan's value.
     pub value: u64,
-    /// Percent change of step time at twice the degree, if it runs.
+    /// Percent change of step time at twice the degree, if it runs and fits.
     pub doubled_pct: Option<f64>,
-    /// Percent change of step time at half the degree, if it runs.
+    /// Percent change of step time at half the degree, if it runs and fits.
     pub halved_pct: Option<f64>,
+    /// Why twice the degree does not fit (memory, or the SLO for inference): its
+    /// step time is then no improvement, whatever it is.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub doubled_infeasible: Option<String>,
+    /// Why half the degree does not fit.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub halved_infeasible: Option<String>,
 }
 
 /// What explaining needs from a plan file: its cluster and model as the cost
@@ -471,21 +482,37 @@ pub fn explain(plan: &Plan, inp: &Inputs) -> Result<Explanation, String> {
         ("ep", c.ep),
         ("mbs", c.mbs),
     ] {
-        let find = |to: u64| {
+        // A move that does not fit gets its reason instead of a percentage: a faster
+        // step that runs out of memory (or misses the SLO) is not an improvement.
+        let find = |to: u64| -> (Option<f64>, Option<String>) {
             let prefix = format!("{key} {value}->{to}");
-            alternatives
+            match alternatives
                 .iter()
                 .find(|a| a.change == prefix || a.change.starts_with(&format!("{prefix},")))
-                .map(|a| a.delta_pct)
+            {
+                Some(a) if a.feasible => (Some(a.delta_pct), None),
+                Some(a) => (None, Some(a.deciding.clone())),
+                None => (None, None),
+            }
         };
-        let doubled = find(value * 2);
-        let halved = if value > 1 { find(value / 2) } else { None };
-        if doubled.is_some() || halved.is_some() {
+        let (doubled_pct, doubled_infeasible) = find(value * 2);
+        let (halved_pct, halved_infeasible) = if value > 1 {
+            find(value / 2)
+        } else {
+            (None, None)
+        };
+        let any = doubled_pct.is_some()
+            || halved_pct.is_some()
+            || doubled_infeasible.is_some()
+            || halved_infeasible.is_some();
+        if any {
             sensitivity.push(Sensitivity {
                 key: key.into(),
                 value,
-                doubled_pct: doubled,
-                halved_pct: halved,
+                doubled_pct,
+                halved_pct,
+                doubled_infeasible,
+                halved_infeasible,
             });
         }
     }
@@ -509,6 +536,7 @@ pub fn explain(plan: &Plan, inp: &Inputs) -> Result<Explanation, String> {
         cannot_run,
         sensitivity,
         what_if,
+        near_ties: plan.search.extra.get("near_ties").cloned(),
     })
 }
 

@@ -14,7 +14,7 @@ use crate::mesh::Mesh;
 use meshplan_ir::{DimEnv, Graph, OpKind, ParallelConfig, SegmentKind, TpRole};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// The LP solver good_lp is built with.
 pub const SOLVER: &str = if cfg!(feature = "highs") {
@@ -91,9 +91,14 @@ pub struct LayoutCache {
     roof: Roofline,
     comm: CommModel,
     gpus_per_node: u64,
-    map: Mutex<HashMap<LayoutKey, Arc<Layout>>>,
+    /// One cell per key: the first thread to ask solves it, the others wait for its
+    /// answer, so each distinct layout is solved (and counted) exactly once whatever
+    /// the thread timing.
+    map: Mutex<HashMap<LayoutKey, Arc<SolvedCell>>>,
     solves: AtomicU64,
 }
+
+type SolvedCell = OnceLock<Result<Arc<Layout>, String>>;
 
 impl LayoutCache {
     /// An empty cache for `cluster`.
@@ -113,7 +118,8 @@ impl LayoutCache {
         }
     }
 
-    /// ILP problems solved so far.
+    /// ILP problems solved so far, one set per distinct layout asked for: the same
+    /// for every run of the same search.
     pub fn solves(&self) -> u64 {
         self.solves.load(Ordering::Relaxed)
     }
@@ -129,12 +135,16 @@ impl LayoutCache {
             gpus_per_node: self.gpus_per_node,
             ..key
         };
-        if let Some(l) = self.map.lock().map_err(|e| e.to_string())?.get(&key) {
-            return Ok(l.clone());
-        }
-        let layout = Arc::new(self.solve(&key, graph, pg)?);
-        let mut map = self.map.lock().map_err(|e| e.to_string())?;
-        Ok(map.entry(key).or_insert(layout).clone())
+        let cell = self
+            .map
+            .lock()
+            .map_err(|e| e.to_string())?
+            .entry(key)
+            .or_default()
+            .clone();
+        // Outside the map's lock: other keys solve in parallel meanwhile.
+        cell.get_or_init(|| self.solve(&key, graph, pg).map(Arc::new))
+            .clone()
     }
 
     fn solve(&self, key: &LayoutKey, graph: &Graph, pg: &PreparedGraph) -> Result<Layout, String> {

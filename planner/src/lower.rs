@@ -698,8 +698,7 @@ impl Layout<'_> {
         // slice of this segment's gradients, so the tensor-parallel partial sums of
         // sequence-parallel (and router) weights must meet first, per segment copy
         // and micro-batch, as FSDP with DTensor tensor parallelism does.
-        let seq_partial_here =
-            self.zero3 && self.dense_dp > 1 && dense > 0.0 && seq_partial > 0.0;
+        let seq_partial_here = self.zero3 && self.dense_dp > 1 && dense > 0.0 && seq_partial > 0.0;
         if self.zero3 {
             // FSDP: gather this segment's parameters before its forward and again
             // before its backward, scatter its gradients after.

@@ -47,6 +47,33 @@ pub fn plan_of(
         "ilp_solves".to_string(),
         serde_json::json!(report.ilp_solves),
     );
+    if report.near_ties > 1 {
+        // The candidates the cost model cannot tell apart from the fastest, and why
+        // this one was taken: `explain` shows them beside the plan.
+        let ties: Vec<serde_json::Value> = report
+            .top
+            .iter()
+            .take(report.near_ties)
+            .map(|c| {
+                serde_json::json!({
+                    "config": c.cfg.to_string(),
+                    "step_time_s": c.estimate.step_time_s,
+                    "output_tokens_per_s": c.estimate.output_tokens_per_s,
+                    "network_bytes_per_gpu": crate::search::network_bytes(&c.estimate),
+                    "parallel_axes": crate::search::parallel_axes(&c.cfg),
+                    "memory_per_gpu_bytes": c.estimate.memory_per_gpu_bytes.total,
+                })
+            })
+            .collect();
+        extra.insert(
+            "near_ties".to_string(),
+            serde_json::json!({
+                "within": crate::search::NEAR_TIE,
+                "rule": "fewest bytes on the network, then fewest parallel axes, then least memory",
+                "candidates": ties,
+            }),
+        );
+    }
     extra.insert(
         "layout".to_string(),
         serde_json::json!(match layout {

@@ -14,16 +14,16 @@
 //!    split the layers with the stage DP ([`crate::stages`]), and price again. The
 //!    refined step time is what the ranking and the plan report.
 
-use crate::cost_model::estimate::{check_train_shapes, Estimate};
+use crate::cost_model::estimate::{check_train_shapes, gib, Estimate};
 use crate::cost_model::memory::model_state_bytes;
 use crate::cost_model::{
-    calib, estimate_inference, estimate_train_bounded, estimate_train_split, train_ctx, Cluster,
-    InferenceLoad, PreparedGraph,
+    calib, estimate::estimate_train_balanced_bounded, estimate_inference, estimate_train_bounded,
+    estimate_train_split, train_ctx, Cluster, InferenceLoad, PreparedGraph,
 };
 use crate::layout::{Layout, LayoutCache, LayoutKey};
 use crate::stages::{one_f_one_b_in_flight, partition, MemoryLimit, StageCosts};
 use meshplan_ir::{
-    AttnImpl, Graph, ParallelConfig, PartialConfig, Recompute, Schedule, SegmentKind,
+    AttnImpl, Graph, ParallelConfig, PartialConfig, Recompute, Schedule, SegmentKind, Workload,
 };
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -85,7 +85,7 @@ pub struct Candidate {
 impl Candidate {
     /// The score to minimise: step time for training, time per output token for
     /// inference (the deployment's throughput is its inverse).
-    fn score(&self) -> f64 {
+    pub fn score(&self) -> f64 {
         match self.estimate.output_tokens_per_s {
             Some(t) if t > 0.0 => 1.0 / t,
             _ => self.estimate.step_time_s,
@@ -149,6 +149,11 @@ pub struct SearchReport {
     pub prefill_best: Option<Candidate>,
     /// Inference: the best configuration for decode alone (smallest TPOT).
     pub decode_best: Option<Candidate>,
+    /// How many of `top`'s first entries tie within [`NEAR_TIE`] of the fastest (the
+    /// first is the simplest of them); 1 when the best stands alone.
+    pub near_ties: usize,
+    /// Inference, when nothing fits: the nearest workloads and clusters that would.
+    pub remedy: Option<InferenceRemedy>,
 }
 
 /// The search could not start.
@@ -324,6 +329,122 @@ pub fn training_space(
     out
 }
 
+/// `fixed` in `--config` syntax (`dp=1,tp=2`), its keys in canonical order.
+pub fn fixed_keys_text(fixed: &PartialConfig) -> String {
+    // The enums serialise to the spelling `--config` parses.
+    let word = |v: serde_json::Value| v.as_str().map(str::to_string).unwrap_or_default();
+    let f = fixed;
+    let keys: [(&str, Option<String>); 14] = [
+        ("dp", f.dp.map(|v| v.to_string())),
+        ("tp", f.tp.map(|v| v.to_string())),
+        ("pp", f.pp.map(|v| v.to_string())),
+        ("cp", f.cp.map(|v| v.to_string())),
+        ("ep", f.ep.map(|v| v.to_string())),
+        ("mbs", f.mbs.map(|v| v.to_string())),
+        ("zero", f.zero.map(|v| v.to_string())),
+        (
+            "recompute",
+            f.recompute
+                .map(|v| word(serde_json::to_value(v).unwrap_or_default())),
+        ),
+        ("sp", f.sp.map(|v| v.to_string())),
+        ("vpp", f.vpp.map(|v| v.to_string())),
+        (
+            "schedule",
+            f.schedule
+                .map(|v| word(serde_json::to_value(v).unwrap_or_default())),
+        ),
+        ("dp_attention", f.dp_attention.map(|v| v.to_string())),
+        (
+            "attn",
+            f.attn
+                .map(|v| word(serde_json::to_value(v).unwrap_or_default())),
+        ),
+        ("tp_overlap", f.tp_overlap.map(|v| v.to_string())),
+    ];
+    keys.iter()
+        .filter_map(|(k, v)| v.as_ref().map(|v| format!("{k}={v}")))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// Why no configuration of `cluster` completes `fixed` (whose search space came out
+/// empty), and what to change.
+pub fn unsatisfiable_because(
+    fixed: &PartialConfig,
+    cluster: &Cluster,
+    layers: u64,
+    inference: bool,
+) -> String {
+    let n = cluster.gpus();
+    let gpn = cluster.gpus_per_node;
+    // Inference configurations have no context axis: dp x tp x pp covers the GPUs.
+    let degrees: &[(&str, Option<u64>)] = if inference {
+        &[("dp", fixed.dp), ("tp", fixed.tp), ("pp", fixed.pp)]
+    } else {
+        &[
+            ("dp", fixed.dp),
+            ("tp", fixed.tp),
+            ("pp", fixed.pp),
+            ("cp", fixed.cp),
+        ]
+    };
+    let all = degrees
+        .iter()
+        .map(|(k, _)| *k)
+        .collect::<Vec<_>>()
+        .join(" x ");
+    let given: Vec<(&str, u64)> = degrees
+        .iter()
+        .filter_map(|(k, v)| v.map(|v| (*k, v)))
+        .collect();
+    let names = given
+        .iter()
+        .map(|(k, _)| *k)
+        .collect::<Vec<_>>()
+        .join(" x ");
+    let values = given
+        .iter()
+        .map(|(_, v)| v.to_string())
+        .collect::<Vec<_>>()
+        .join(" x ");
+    let product: u64 = given.iter().map(|(_, v)| *v).product();
+    let product_text = match given.as_slice() {
+        [(k, v)] => format!("{k}={v}"),
+        _ => format!("their product {names} = {values} = {product}"),
+    };
+    if given.len() == degrees.len() && product != n {
+        return format!(
+            "their product {names} = {values} = {product} != {n} GPUs; choose degrees whose product is {n}, or leave dp out to fill the rest"
+        );
+    }
+    if !given.is_empty() && !n.is_multiple_of(product) {
+        return format!(
+            "{product_text} does not divide {n} GPUs; choose degrees whose product divides {n}"
+        );
+    }
+    // Inference plans have one stage chunk per rank: vpp and schedule do not apply.
+    let interleaved = fixed
+        .schedule
+        .filter(|_| !inference)
+        .map(|s| s == Schedule::Interleaved);
+    match (fixed.vpp.filter(|_| !inference), interleaved) {
+        (Some(v), Some(false)) if v > 1 => {
+            return format!("vpp={v} needs schedule=interleaved (or leave schedule out)")
+        }
+        (Some(1), Some(true)) => {
+            return "schedule=interleaved needs vpp > 1 (or leave vpp out)".into()
+        }
+        _ => {}
+    }
+    if fixed.pp == Some(1) && interleaved == Some(true) {
+        return "virtual stages (vpp > 1, schedule=interleaved) need pp > 1".into();
+    }
+    format!(
+        "the degrees left free cannot make up the rest: {all} must equal {n} GPUs, with tp dividing the {gpn} GPUs of a node and pp at most the model's {layers} layers"
+    )
+}
+
 /// A lower bound of the per-GPU bytes of `cfg` (model states over every split that
 /// could apply, plus the runtime's reserve): above capacity, the configuration cannot
 /// fit whatever the activations.
@@ -436,6 +557,236 @@ fn miss_distance(c: &Candidate) -> f64 {
     mem.max(slo_ratio(e, None))
 }
 
+/// One objective a configuration misses.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Violation {
+    /// Per-GPU memory (weights, KV cache, activations, workspace) over capacity, bytes.
+    Memory {
+        /// Bytes needed per GPU.
+        need: f64,
+        /// Bytes a GPU has.
+        capacity: f64,
+    },
+    /// Time to first token over the SLO, s.
+    Ttft {
+        /// Predicted.
+        got: f64,
+        /// The SLO.
+        max: f64,
+    },
+    /// Time per output token over the SLO, s.
+    Tpot {
+        /// Predicted.
+        got: f64,
+        /// The SLO.
+        max: f64,
+    },
+}
+
+impl Violation {
+    /// How many times its bound the value is.
+    pub fn ratio(&self) -> f64 {
+        match *self {
+            Violation::Memory { need, capacity } => need / capacity,
+            Violation::Ttft { got, max } | Violation::Tpot { got, max } => got / max,
+        }
+    }
+
+    /// The objective's name as the message and the model file write it.
+    pub fn objective(&self) -> &'static str {
+        match self {
+            Violation::Memory { .. } => "memory",
+            Violation::Ttft { .. } => "TTFT",
+            Violation::Tpot { .. } => "TPOT",
+        }
+    }
+}
+
+impl std::fmt::Display for Violation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let over = 100.0 * (self.ratio() - 1.0);
+        match *self {
+            Violation::Memory { need, capacity } => write!(
+                f,
+                "per-GPU memory {:.1} GiB > {:.1} GiB capacity (+{:.1} GiB, {over:.1}% over)",
+                gib(need),
+                gib(capacity),
+                gib(need - capacity)
+            ),
+            Violation::Ttft { got, max } => write!(
+                f,
+                "TTFT {:.1} ms > SLO {:.1} ms (+{:.1} ms, {over:.1}% over)",
+                got * 1e3,
+                max * 1e3,
+                (got - max) * 1e3
+            ),
+            Violation::Tpot { got, max } => write!(
+                f,
+                "TPOT {:.2} ms > SLO {:.2} ms (+{:.2} ms, {over:.1}% over)",
+                got * 1e3,
+                max * 1e3,
+                (got - max) * 1e3
+            ),
+        }
+    }
+}
+
+/// The objectives `e` misses, worst (largest ratio to its bound) first; the SLO
+/// counts only with an inference `load`.
+pub fn violations(e: &Estimate, load: Option<&InferenceLoad>) -> Vec<Violation> {
+    let mut v = Vec::new();
+    if e.memory_per_gpu_bytes.total > e.memory_capacity_bytes {
+        v.push(Violation::Memory {
+            need: e.memory_per_gpu_bytes.total,
+            capacity: e.memory_capacity_bytes,
+        });
+    }
+    if let Some(load) = load {
+        if let (Some(max), Some(got)) = (load.ttft_max_s, e.ttft_s) {
+            if got > max {
+                v.push(Violation::Ttft { got, max });
+            }
+        }
+        if let (Some(max), Some(got)) = (load.tpot_max_s, e.tpot_s) {
+            if got > max {
+                v.push(Violation::Tpot { got, max });
+            }
+        }
+    }
+    v.sort_by(|a, b| b.ratio().total_cmp(&a.ratio()));
+    v
+}
+
+/// What would serve an inference load that no configuration serves, each found by
+/// pricing again with one thing changed.
+#[derive(Clone, Debug)]
+pub struct InferenceRemedy {
+    /// The most concurrent requests some configuration serves within memory and the
+    /// SLO, with the fastest configuration at that concurrency.
+    pub concurrency: Option<(u64, Candidate)>,
+    /// The fewest nodes (up to 8 times as many) on which some configuration serves
+    /// the whole load, with the fastest there.
+    pub nodes: Option<(u64, Candidate)>,
+    /// The longest prompt some configuration serves, the most concurrent requests at
+    /// that length, and the fastest configuration; looked for only when no
+    /// concurrency helps (TTFT is one request's prefill, so fewer requests cannot
+    /// bring it down).
+    pub prompt_len: Option<(u64, u64, Candidate)>,
+}
+
+/// The fastest configuration of `cluster` that serves `load` within memory and the
+/// SLO, if any.
+fn best_serving(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    load: &InferenceLoad,
+    fixed: &PartialConfig,
+) -> Option<Candidate> {
+    let mut fit: Vec<Candidate> = inference_space(pg, cluster, fixed)
+        .par_iter()
+        .filter_map(|cfg| {
+            let e = estimate_inference(pg, cluster, cfg, load).ok()?;
+            (e.feasible && slo_ratio(&e, Some(load)) <= 1.0).then_some(Candidate {
+                cfg: *cfg,
+                estimate: e,
+                layer_split: None,
+                layout: None,
+            })
+        })
+        .collect();
+    sort_candidates(&mut fit);
+    fit.into_iter().next()
+}
+
+/// The largest `x` in `1..hi` for which `serve(x)` finds a configuration, assuming
+/// that a smaller `x` (fewer requests, a shorter prompt) never makes things worse.
+fn largest_serving(hi: u64, serve: impl Fn(u64) -> Option<Candidate>) -> Option<(u64, Candidate)> {
+    if hi <= 1 {
+        return None;
+    }
+    let mut best = (1, serve(1)?);
+    let (mut lo, mut hi) = (1, hi);
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        match serve(mid) {
+            Some(c) => {
+                lo = mid;
+                best = (mid, c);
+            }
+            None => hi = mid,
+        }
+    }
+    Some(best)
+}
+
+/// Looks for what would serve `load` when nothing on `cluster` does.
+pub fn inference_remedy(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    load: &InferenceLoad,
+    fixed: &PartialConfig,
+) -> InferenceRemedy {
+    let concurrency = largest_serving(load.concurrency, |c| {
+        let l = InferenceLoad {
+            concurrency: c,
+            ..*load
+        };
+        best_serving(pg, cluster, &l, fixed)
+    });
+    // Up to 64 node counts between one more and eight times as many.
+    let most = cluster.nodes.saturating_mul(8).max(cluster.nodes + 1);
+    let step = ((most - cluster.nodes) / 64).max(1);
+    let nodes = (1..)
+        .map(|i| cluster.nodes + i * step)
+        .take_while(|&n| n <= most)
+        .find_map(|n| {
+            let bigger = Cluster {
+                nodes: n,
+                ..cluster.clone()
+            };
+            best_serving(pg, &bigger, load, fixed).map(|c| (n, c))
+        });
+    let prompt_len = if concurrency.is_none() {
+        // One request is the easiest load: the prompt is found for it, then the
+        // concurrency for that prompt.
+        let one = InferenceLoad {
+            concurrency: 1,
+            ..*load
+        };
+        largest_serving(load.prompt_len, |p| {
+            let l = InferenceLoad {
+                prompt_len: p,
+                ..one
+            };
+            best_serving(pg, cluster, &l, fixed)
+        })
+        .map(|(p, c1)| {
+            let at = InferenceLoad {
+                prompt_len: p,
+                ..*load
+            };
+            match best_serving(pg, cluster, &at, fixed) {
+                Some(c) => (p, load.concurrency, c),
+                None => largest_serving(load.concurrency, |c| {
+                    let l = InferenceLoad {
+                        concurrency: c,
+                        ..at
+                    };
+                    best_serving(pg, cluster, &l, fixed)
+                })
+                .map_or((p, 1, c1), |(n, c)| (p, n, c)),
+            }
+        })
+    } else {
+        None
+    };
+    InferenceRemedy {
+        concurrency,
+        nodes,
+        prompt_len,
+    }
+}
+
 fn slo_ratio(e: &Estimate, load: Option<&InferenceLoad>) -> f64 {
     let Some(load) = load else { return 0.0 };
     let mut r: f64 = 0.0;
@@ -446,6 +797,10 @@ fn slo_ratio(e: &Estimate, load: Option<&InferenceLoad>) -> f64 {
         r = r.max(t / max);
     }
     r
+}
+
+fn inference_miss_distance(e: &Estimate, load: &InferenceLoad) -> f64 {
+    (e.memory_per_gpu_bytes.total / e.memory_capacity_bytes).max(slo_ratio(e, Some(load)))
 }
 
 /// Best first; ties broken by the configuration's text so the order is deterministic.
@@ -463,6 +818,73 @@ fn sort_candidates(v: &mut [Candidate]) {
     });
 }
 
+/// Step times within this fraction of the fastest are a tie: the cost model cannot
+/// tell them apart (its error on the published runs it was fitted to is 3.1% mean,
+/// see `tests/it/calibration.rs`), so the choice among them goes to the simplest
+/// layout, not to whichever rounding came out ahead.
+pub const NEAR_TIE: f64 = 0.01;
+
+/// Bytes each GPU sends per step over every axis.
+pub fn network_bytes(e: &Estimate) -> f64 {
+    let b = &e.comm_bytes_per_gpu;
+    b.dp + b.tp + b.pp + b.cp + b.ep
+}
+
+/// Parallel axes in use (degree above one, virtual stages counted as an axis).
+pub fn parallel_axes(c: &ParallelConfig) -> usize {
+    [c.dp, c.tp, c.pp, c.cp, c.ep, c.vpp]
+        .iter()
+        .filter(|&&d| d > 1)
+        .count()
+}
+
+/// Whether `b` is simpler than `a` by a margin the cost model can stand behind: fewer
+/// bytes on the network (by more than [`NEAR_TIE`]); or as many bytes and fewer
+/// parallel axes; or as many bytes and axes and less memory (by more than
+/// [`NEAR_TIE`]). Smaller differences, a few kilobytes of memory say, do not outweigh
+/// speed.
+pub fn simpler(b: &Candidate, a: &Candidate) -> bool {
+    let (ba, bb) = (network_bytes(&a.estimate), network_bytes(&b.estimate));
+    if bb < ba * (1.0 - NEAR_TIE) {
+        return true;
+    }
+    if bb > ba * (1.0 + NEAR_TIE) {
+        return false;
+    }
+    let (xa, xb) = (parallel_axes(&a.cfg), parallel_axes(&b.cfg));
+    if xb != xa {
+        return xb < xa;
+    }
+    let (ma, mb) = (
+        a.estimate.memory_per_gpu_bytes.total,
+        b.estimate.memory_per_gpu_bytes.total,
+    );
+    mb < ma * (1.0 - NEAR_TIE)
+}
+
+/// Orders a best-first list so that the simplest of the candidates within
+/// [`NEAR_TIE`] of the fastest leads: walking them fastest first, a candidate
+/// replaces the one held when it is [`simpler`]. The rest keep their order. Returns
+/// how many tied.
+pub fn prefer_simplest(v: &mut [Candidate]) -> usize {
+    sort_candidates(v);
+    let Some(best) = v.first().map(Candidate::score) else {
+        return 0;
+    };
+    let tied = v
+        .iter()
+        .take_while(|c| c.score() <= best * (1.0 + NEAR_TIE))
+        .count();
+    let mut chosen = 0;
+    for i in 1..tied {
+        if simpler(&v[i], &v[chosen]) {
+            chosen = i;
+        }
+    }
+    v[..=chosen].rotate_right(1);
+    tied
+}
+
 /// Searches training configurations of `graph` (prepared as `pg`) on `cluster`.
 pub fn search_train(
     graph: &Graph,
@@ -478,9 +900,10 @@ pub fn search_train(
     if space.is_empty() {
         return Err(SearchError {
             message: format!(
-                "no configuration of {} GPUs satisfies the fixed keys {:?}",
+                "no configuration of {} GPUs satisfies the fixed keys {}: {}",
                 cluster.gpus(),
-                opts.fixed
+                fixed_keys_text(&opts.fixed),
+                unsatisfiable_because(&opts.fixed, cluster, pg.layers, false)
             ),
         });
     }
@@ -514,25 +937,40 @@ pub fn search_train(
                     acc.reject(e.reason);
                     continue;
                 }
-                match estimate_train_bounded(
+                // Every pipeline configuration at its time-balanced split, so that
+                // layer counts the stages do not divide compete at their best; the
+                // even split where the balanced one does not fit in memory.
+                let priced = match estimate_train_balanced_bounded(
                     pg,
                     cluster,
                     cfg,
                     seq_len,
                     global_batch,
-                    None,
                     acc.bound,
                 ) {
+                    Ok(Some((e, Some(_)))) if !e.feasible => estimate_train_bounded(
+                        pg,
+                        cluster,
+                        cfg,
+                        seq_len,
+                        global_batch,
+                        None,
+                        acc.bound,
+                    )
+                    .map(|o| o.map(|e| (e, None))),
+                    other => other,
+                };
+                match priced {
                     Ok(None) => {
                         acc.evaluated += 1;
                         acc.bounded += 1;
                     }
-                    Ok(Some(e)) => {
+                    Ok(Some((e, layer_split))) => {
                         acc.evaluated += 1;
                         let c = Candidate {
                             cfg: *cfg,
                             estimate: e,
-                            layer_split: None,
+                            layer_split,
                             layout: None,
                         };
                         if c.estimate.feasible {
@@ -578,8 +1016,9 @@ pub fn search_train(
         .into_iter()
         .filter(|c| c.estimate.feasible)
         .collect();
-    sort_candidates(&mut top);
-    top.truncate(opts.top_k.max(1));
+    let near_ties = prefer_simplest(&mut top);
+    // The near-ties stay, whatever `top_k`: the plan records them for `explain`.
+    top.truncate(opts.top_k.max(near_ties).max(1));
     Ok(SearchReport {
         top,
         enumerated: space.len() as u64,
@@ -598,7 +1037,116 @@ pub fn search_train(
         solver: crate::layout::SOLVER,
         prefill_best: None,
         decode_best: None,
+        remedy: None,
+        near_ties,
     })
+}
+
+/// `c` (priced under the standard placements) with the ILP's `layout` where that
+/// prices faster; the plan is written with the placements its prediction was priced
+/// under.
+fn with_inference_layout(
+    c: Candidate,
+    layout: Arc<Layout>,
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    load: &InferenceLoad,
+) -> Candidate {
+    if layout.standard {
+        return Candidate {
+            layout: Some(layout),
+            ..c
+        };
+    }
+    let lpg = layout.prepared.as_ref().unwrap_or(pg);
+    match estimate_inference(lpg, cluster, &c.cfg, load) {
+        Ok(e)
+            if e.feasible && {
+                let ilp = Candidate {
+                    cfg: c.cfg,
+                    estimate: e.clone(),
+                    layer_split: None,
+                    layout: None,
+                };
+                ilp.score() < c.score() * (1.0 - 1e-9)
+            } =>
+        {
+            Candidate {
+                estimate: e,
+                layout: Some(layout),
+                ..c
+            }
+        }
+        _ => c,
+    }
+}
+
+/// One complete configuration priced as the search prices it (the sweep's balanced
+/// split, then the standard and ILP placements at the even, balanced and stage-DP
+/// splits for training; the better of the standard and ILP placements for
+/// inference): what `estimate` and `compare` report, so that they agree with `plan`.
+pub fn price_config(
+    graph: &Graph,
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    workload: &Workload,
+    cfg: &ParallelConfig,
+) -> Result<Candidate, SearchError> {
+    let cache = LayoutCache::new(graph, cluster);
+    let err = |e: crate::cost_model::estimate::Unsupported| SearchError { message: e.reason };
+    match workload {
+        Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } => {
+            let (estimate, layer_split) = match estimate_train_balanced_bounded(
+                pg,
+                cluster,
+                cfg,
+                *seq_len,
+                *global_batch,
+                f64::INFINITY,
+            )
+            .map_err(err)?
+            {
+                Some((e, Some(_))) if !e.feasible => (
+                    estimate_train_split(pg, cluster, cfg, *seq_len, *global_batch, None)
+                        .map_err(err)?,
+                    None,
+                ),
+                Some((e, split)) => (e, split),
+                None => {
+                    return Err(SearchError {
+                        message: format!("{cfg}: the step time is not a number"),
+                    })
+                }
+            };
+            let swept = Candidate {
+                cfg: *cfg,
+                estimate,
+                layer_split,
+                layout: None,
+            };
+            refine_train(&swept, graph, pg, cluster, &cache, *seq_len, *global_batch)
+        }
+        Workload::Inference { .. } => {
+            let load = InferenceLoad::from_workload(workload).ok_or_else(|| SearchError {
+                message: "an inference workload without its load".into(),
+            })?;
+            let estimate = estimate_inference(pg, cluster, cfg, &load).map_err(err)?;
+            let c = Candidate {
+                cfg: *cfg,
+                estimate,
+                layer_split: None,
+                layout: None,
+            };
+            let layout = cache
+                .get(LayoutKey::inference(cfg, &load), graph, pg)
+                .map_err(|message| SearchError { message })?;
+            Ok(with_inference_layout(c, layout, pg, cluster, &load))
+        }
+    }
 }
 
 /// Per-micro-batch stage costs of a configuration for the stage DP.
@@ -679,27 +1227,82 @@ fn refine_train(
     let layout = cache
         .get(LayoutKey::train(cfg, seq_len), graph, pg)
         .map_err(|message| SearchError { message })?;
-    let lpg = layout.prepared.as_ref().unwrap_or(pg);
-    let even = estimate_train_split(lpg, cluster, cfg, seq_len, global_batch, None)
-        .map_err(|e| SearchError { message: e.reason })?;
-    let mut best = Candidate {
-        cfg: *cfg,
-        estimate: even,
-        layer_split: None,
-        layout: Some(layout.clone()),
+    // The ILP's placements and the standard (Megatron) ones, each at the even split,
+    // the time-balanced split and the stage DP's memory-aware split: the best that
+    // fits wins. The sweep's own price (standard, balanced) is among them, so
+    // refinement never makes a candidate slower; the ILP's placements (found from
+    // the same costs) and the even split win ties.
+    let mut layouts: Vec<(Option<Arc<Layout>>, &PreparedGraph)> =
+        vec![(Some(layout.clone()), layout.prepared.as_ref().unwrap_or(pg))];
+    if !layout.standard {
+        layouts.push((None, pg));
+    }
+    let mut best: Option<Candidate> = None;
+    let consider = |best: &mut Option<Candidate>, cand: Candidate| {
+        let better = match best {
+            None => true,
+            Some(b) => {
+                (cand.estimate.feasible && !b.estimate.feasible)
+                    || (cand.estimate.feasible == b.estimate.feasible
+                        && cand.estimate.step_time_s < b.estimate.step_time_s * (1.0 - 1e-9))
+            }
+        };
+        if better {
+            *best = Some(cand);
+        }
     };
-    if let Some(split) = dp_split(lpg, cluster, cfg, seq_len, best.estimate.microbatches) {
-        if let Ok(e) = estimate_train_split(lpg, cluster, cfg, seq_len, global_batch, Some(&split))
-        {
-            let better = e.feasible
-                && (!best.estimate.feasible || e.step_time_s < best.estimate.step_time_s);
-            if better {
-                best.estimate = e;
-                best.layer_split = Some(split);
+    for (lay, lpg) in layouts {
+        let mut splits: Vec<Option<Vec<u64>>> = vec![None];
+        if cfg.pp * cfg.vpp > 1 {
+            if let Ok(Some((_, Some(s)))) = estimate_train_balanced_bounded(
+                lpg,
+                cluster,
+                cfg,
+                seq_len,
+                global_batch,
+                f64::INFINITY,
+            ) {
+                splits.push(Some(s));
+            }
+            let microbatches = global_batch.div_ceil(cfg.dp * cfg.mbs);
+            if let Some(s) = dp_split(lpg, cluster, cfg, seq_len, microbatches) {
+                splits.push(Some(s));
             }
         }
+        for split in splits {
+            if split.is_some()
+                && best
+                    .as_ref()
+                    .is_some_and(|b| b.layer_split == split && b.layout.is_some() == lay.is_some())
+            {
+                continue;
+            }
+            let e = match estimate_train_split(
+                lpg,
+                cluster,
+                cfg,
+                seq_len,
+                global_batch,
+                split.as_deref(),
+            ) {
+                Ok(e) => e,
+                Err(e) if split.is_none() => return Err(SearchError { message: e.reason }),
+                Err(_) => continue,
+            };
+            consider(
+                &mut best,
+                Candidate {
+                    cfg: *cfg,
+                    estimate: e,
+                    layer_split: split,
+                    layout: lay.clone(),
+                },
+            );
+        }
     }
-    Ok(best)
+    best.ok_or_else(|| SearchError {
+        message: format!("{cfg}: no layout priced"),
+    })
 }
 
 /// The inference search space.
@@ -785,9 +1388,10 @@ pub fn search_inference(
     if space.is_empty() {
         return Err(SearchError {
             message: format!(
-                "no inference configuration of {} GPUs satisfies the fixed keys {:?}",
+                "no inference configuration of {} GPUs satisfies the fixed keys {}: {}",
                 cluster.gpus(),
-                opts.fixed
+                fixed_keys_text(&opts.fixed),
+                unsatisfiable_because(&opts.fixed, cluster, pg.layers, true)
             ),
         });
     }
@@ -818,13 +1422,12 @@ pub fn search_inference(
                     sweep.best.push(c);
                 } else {
                     sweep.infeasible += 1;
-                    let d = (c.estimate.memory_per_gpu_bytes.total
-                        / c.estimate.memory_capacity_bytes)
-                        .max(slo);
+                    // The closest miss is the one whose worst objective is least over
+                    // its bound; ties go to the configuration's text for a stable report.
+                    let d = inference_miss_distance(&c.estimate, load);
                     let better = sweep.closest.as_ref().is_none_or(|o| {
-                        d < (o.estimate.memory_per_gpu_bytes.total
-                            / o.estimate.memory_capacity_bytes)
-                            .max(slo_ratio(&o.estimate, Some(load)))
+                        let od = inference_miss_distance(&o.estimate, load);
+                        d < od || (d == od && c.cfg.to_string() < o.cfg.to_string())
                     });
                     if better {
                         sweep.closest = Some(c);
@@ -834,7 +1437,9 @@ pub fn search_inference(
             Err(e) => sweep.reject(e),
         }
     }
-    sort_candidates(&mut sweep.best);
+    prefer_simplest(&mut sweep.best);
+    let remedy = (sweep.best.is_empty() && sweep.closest.is_some())
+        .then(|| inference_remedy(pg, cluster, load, &opts.fixed));
     let by = |f: fn(&Estimate) -> f64| {
         let mut v = all_fit.clone();
         v.sort_by(|a, b| {
@@ -853,11 +1458,26 @@ pub fn search_inference(
         let layout = cache
             .get(LayoutKey::inference(&c.cfg, load), graph, pg)
             .map_err(|message| SearchError { message })?;
-        top.push(Candidate {
-            layout: Some(layout),
-            ..c
-        });
+        top.push(with_inference_layout(c, layout, pg, cluster, load));
     }
+    let near_ties = prefer_simplest(&mut top);
+    // The prefill and decode bests over every placement priced, the ILP's included.
+    let prefill_best = top
+        .iter()
+        .chain(&prefill_best)
+        .min_by(|a, b| {
+            let t = |c: &Candidate| c.estimate.ttft_s.unwrap_or(f64::INFINITY);
+            t(a).total_cmp(&t(b))
+        })
+        .cloned();
+    let decode_best = top
+        .iter()
+        .chain(&decode_best)
+        .min_by(|a, b| {
+            let t = |c: &Candidate| c.estimate.tpot_s.unwrap_or(f64::INFINITY);
+            t(a).total_cmp(&t(b))
+        })
+        .cloned();
     Ok(SearchReport {
         top,
         enumerated: space.len() as u64,
@@ -876,6 +1496,8 @@ pub fn search_inference(
         solver: crate::layout::SOLVER,
         prefill_best,
         decode_best,
+        remedy,
+        near_ties,
     })
 }
 

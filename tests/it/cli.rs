@@ -2,45 +2,15 @@
 //! contract's keys (shared/design/CONTRACT.md), bad input exits 2, a configuration
 //! that does not fit exits 3 with the arithmetic, and nothing panics.
 //!
-//! The binary is built once per test run (`cargo build --bin meshplan`, a no-op when
-//! it is fresh) into the workspace's `target/debug`.
+//! The binary is the release one `crate::bin` builds once per run (a no-op when the
+//! workspace's release build is fresh): one build profile for every CLI test, not a
+//! second, debug build of the whole workspace.
 
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::process::Command;
-use std::sync::Once;
+use std::path::PathBuf;
 
 const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-const BIN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/debug/meshplan");
-
-static BUILD: Once = Once::new();
-
-/// The binary, built on first use.
-fn binary() -> &'static Path {
-    BUILD.call_once(|| {
-        let out = Command::new(env!("CARGO"))
-            .args(["build", "--bin", "meshplan", "--target-dir"])
-            .arg(PathBuf::from(ROOT).join("target"))
-            .current_dir(ROOT)
-            .output();
-        let ok = matches!(&out, Ok(o) if o.status.success());
-        if !ok {
-            let why = match out {
-                Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
-                Err(e) => e.to_string(),
-            };
-            // A tree mid-edit may not build; an earlier binary is better than none.
-            assert!(
-                Path::new(BIN).exists(),
-                "cannot build the meshplan binary:\n{why}"
-            );
-            eprintln!(
-                "warning: `cargo build --bin meshplan` failed; testing the existing {BIN}:\n{why}"
-            );
-        }
-    });
-    Path::new(BIN)
-}
+const BIN: &str = "target/release/meshplan";
 
 /// One run of the binary.
 pub(crate) struct Run {
@@ -88,9 +58,8 @@ impl Run {
 /// Runs `meshplan ARGS` in the workspace root; never a panic.
 #[track_caller]
 pub(crate) fn meshplan(args: &[&str]) -> Run {
-    let out = Command::new(binary())
+    let out = crate::bin::command()
         .args(args)
-        .current_dir(ROOT)
         .output()
         .unwrap_or_else(|e| panic!("cannot run {BIN}: {e}"));
     let run = Run {
@@ -1141,4 +1110,809 @@ fn run_backend_cpu_bf16_checks_mixed_precision_and_names_plans_it_does_not_run()
     meshplan(&["run", path, "--backend", "tpu"])
         .expect_code(2)
         .stderr_has(&["expected cpu, cpu-bf16 or cuda"]);
+}
+
+// Issue 15 (items 6 and 7): command-line papercuts.
+
+#[test]
+fn calibrate_dry_run_needs_no_output_file() {
+    let run = meshplan(&["calibrate", "--dry-run"]);
+    run.expect_code(0);
+    assert!(run.stdout.contains("measures"), "{}", run.stdout);
+    assert!(run.stdout.contains("-o FILE"), "{}", run.stdout);
+    let named = temp_file("overlay-dry.yaml", "");
+    std::fs::remove_file(&named).expect("remove");
+    let path = named.to_str().expect("utf-8 path");
+    let run = meshplan(&["calibrate", "--dry-run", "-o", path]);
+    run.expect_code(0);
+    assert!(run.stdout.contains(path), "{}", run.stdout);
+    assert!(!named.exists(), "a dry run writes nothing");
+    // Measuring for real still needs somewhere to write.
+    meshplan(&["calibrate"])
+        .expect_code(2)
+        .stderr_has(&["--output"]);
+}
+
+#[test]
+fn swapped_model_and_cluster_exit_2_naming_the_order() {
+    for cmd in [
+        &["plan", "topologies/dgx-h100.yaml", "models/llama3-8b.yaml"][..],
+        &[
+            "estimate",
+            "topologies/dgx-h100.yaml",
+            "models/llama3-8b.yaml",
+            "--config",
+            "tp=8",
+        ][..],
+        &[
+            "compare",
+            "topologies/dgx-h100.yaml",
+            "models/llama3-8b.yaml",
+            "--config",
+            "tp=8",
+        ][..],
+    ] {
+        meshplan(cmd).expect_code(2).stderr_has(&[
+            "models/llama3-8b.yaml: this looks like a model file (it has `transformer:`)",
+            "topologies/dgx-h100.yaml like a cluster file",
+            "the order is MODEL CLUSTER",
+        ]);
+    }
+    // Only one of the two misplaced.
+    meshplan(&["plan", "models/llama3-8b.yaml", "models/tiny-gpt.yaml"])
+        .expect_code(2)
+        .stderr_has(&[
+            "models/tiny-gpt.yaml: this looks like a model file",
+            "given as CLUSTER; the order is MODEL CLUSTER",
+        ]);
+    meshplan(&[
+        "plan",
+        "topologies/dgx-h100.yaml",
+        "topologies/dgx-h100.yaml",
+    ])
+    .expect_code(2)
+    .stderr_has(&[
+        "topologies/dgx-h100.yaml: this looks like a cluster file",
+        "given as MODEL; the order is MODEL CLUSTER",
+    ]);
+    // A real typo in a model file keeps its own message.
+    let tiny = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");
+    let typo = temp_file("typo-model.yaml", &format!("{tiny}\nnodes: 1\n"));
+    let run = meshplan(&[
+        "plan",
+        typo.to_str().expect("utf-8 path"),
+        "topologies/cpu-test-mesh.yaml",
+    ]);
+    run.expect_code(2);
+    assert!(
+        run.stderr.contains("unknown field `nodes`"),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains("MODEL CLUSTER"), "{}", run.stderr);
+}
+
+#[test]
+fn quiet_plan_prints_no_ranking_but_writes_the_plan() {
+    let out = temp_file("plan-quiet.json", "");
+    std::fs::remove_file(&out).expect("remove");
+    let path = out.to_str().expect("utf-8 path");
+    let args = |quiet: bool| {
+        let mut a = vec![
+            "plan",
+            "models/tiny-gpt.yaml",
+            "topologies/cpu-test-mesh.yaml",
+            "--top",
+            "3",
+            "-o",
+            path,
+        ];
+        if quiet {
+            a.push("-q");
+        }
+        meshplan(&a)
+    };
+    let loud = args(false);
+    loud.expect_code(0);
+    assert!(loud.stderr.contains("  1. dp="), "{}", loud.stderr);
+    let quiet = args(true);
+    quiet.expect_code(0);
+    assert!(quiet.stderr.trim().is_empty(), "-q: {}", quiet.stderr);
+    assert!(quiet.stdout.contains("plan written to"), "{}", quiet.stdout);
+    assert!(std::fs::metadata(&out).expect("plan written").len() > 0);
+    // Errors still show.
+    meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "tq=2",
+        "-q",
+    ])
+    .expect_code(2)
+    .stderr_has(&["tq"]);
+}
+
+#[test]
+fn identical_plans_differ_only_in_the_search_wall_time() {
+    // Searches whose refinement solves the intra-op ILP for several candidates at
+    // once: racing threads must not count a layout twice.
+    for (name, args) in [
+        (
+            "llama",
+            &["models/llama3-8b.yaml", "topologies/dgx-h100.yaml"][..],
+        ),
+        (
+            "mixtral",
+            &[
+                "models/mixtral-8x7b.yaml",
+                "topologies/dgx-h100.yaml",
+                "--nodes",
+                "2",
+            ][..],
+        ),
+    ] {
+        let runs: Vec<(Vec<u8>, Value)> = (0..3)
+            .map(|i| {
+                let out = temp_file(&format!("plan-same-{name}-{i}.json"), "");
+                let mut a = vec!["plan"];
+                a.extend_from_slice(args);
+                a.extend_from_slice(&["-q", "-o", out.to_str().expect("utf-8 path")]);
+                meshplan(&a).expect_code(0);
+                let mut v: Value =
+                    serde_json::from_slice(&std::fs::read(&out).expect("plan")).expect("JSON");
+                let solves = v["search"]["extra"]["ilp_solves"].clone();
+                assert!(solves.is_u64(), "{name}: ilp_solves in {}", v["search"]);
+                // The measured time is the one field allowed to differ.
+                assert!(v["search"]["wall_s"].is_number(), "{}", v["search"]);
+                v["search"]["wall_s"] = Value::Null;
+                (serde_json::to_vec(&v).expect("JSON"), solves)
+            })
+            .collect();
+        for (bytes, solves) in &runs[1..] {
+            assert_eq!(*solves, runs[0].1, "{name}: ILP solves differ between runs");
+            assert!(
+                *bytes == runs[0].0,
+                "{name}: same inputs, different plan.json"
+            );
+        }
+    }
+}
+
+#[test]
+fn search_log_counts_what_a_budget_let_it_examine() {
+    let out = temp_file("plan-budget.json", "");
+    let run = meshplan(&[
+        "plan",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-h100.yaml",
+        "--max-candidates",
+        "300",
+        "-o",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    run.expect_code(0);
+    let line = run
+        .stderr
+        .lines()
+        .find(|l| l.contains("searched "))
+        .unwrap_or_else(|| panic!("no search line:\n{}", run.stderr));
+    assert!(
+        line.contains("stopped by the candidate budget (--max-candidates 300)"),
+        "{line}"
+    );
+    let words: Vec<&str> = line
+        .split("searched ")
+        .nth(1)
+        .expect("count")
+        .split_whitespace()
+        .collect();
+    let (examined, of, total): (u64, &str, u64) = (
+        words[0].parse().expect("examined"),
+        words[1],
+        words[2].parse().expect("enumerated"),
+    );
+    assert_eq!(of, "of", "{line}");
+    assert!(examined >= 300 && examined < total, "{line}");
+    // Without a limit the whole space is searched and said so.
+    let full = meshplan(&[
+        "plan",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-h100.yaml",
+        "-o",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    full.expect_code(0);
+    assert!(
+        full.stderr
+            .contains(&format!("searched {total} configurations (")),
+        "{}",
+        full.stderr
+    );
+}
+
+#[test]
+fn run_help_says_weights_also_fine_tune_training_plans() {
+    let run = meshplan(&["run", "--help"]);
+    run.expect_code(0);
+    let weights = run
+        .stdout
+        .split("--weights")
+        .nth(1)
+        .and_then(|s| s.split("\n  ").next())
+        .unwrap_or_else(|| panic!("no --weights in:\n{}", run.stdout));
+    assert!(weights.contains("fine-tunes"), "{weights}");
+    assert!(weights.contains("inference"), "{weights}");
+}
+
+#[test]
+fn resumed_run_logs_the_steps_it_runs_and_from_where() {
+    let plan = plan_file(
+        "plan-resume-log.json",
+        "models/tiny-gpt.yaml",
+        "dp=2,tp=1,pp=1",
+    );
+    let path = plan.to_str().expect("utf-8 path");
+    let dir = std::env::temp_dir().join(format!("meshplan-cli-{}-resume-log", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let ck = dir.to_str().expect("utf-8 path");
+    let first = meshplan(&["run", path, "--steps", "2", "--save", ck]);
+    first.expect_code(0);
+    assert!(
+        first.stderr.contains("training 2 steps of"),
+        "{}",
+        first.stderr
+    );
+    let resumed = meshplan(&["run", path, "--steps", "5", "--resume", ck]);
+    resumed.expect_code(0);
+    assert!(
+        resumed
+            .stderr
+            .contains("training 3 steps (from the checkpoint's step 2 to step 5) of"),
+        "{}",
+        resumed.stderr
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn plan_default_output_is_git_ignored() {
+    let ignore = std::fs::read_to_string(format!("{ROOT}/.gitignore")).expect(".gitignore");
+    let default = "plan.json";
+    assert!(
+        ignore
+            .lines()
+            .map(str::trim)
+            .any(|l| l == default || l == format!("/{default}")),
+        "`meshplan plan` writes {default} by default (the README's main job); .gitignore:\n{ignore}"
+    );
+}
+
+/// Test paths (`module::function`) of the `it` test binary.
+fn it_test_paths() -> Vec<String> {
+    let dir = format!("{ROOT}/tests/it");
+    let main = std::fs::read_to_string(format!("{dir}/main.rs")).expect("tests/it/main.rs");
+    let mut paths = Vec::new();
+    for module in main
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("mod "))
+        .map(|m| m.trim_end_matches(';'))
+    {
+        let text = std::fs::read_to_string(format!("{dir}/{module}.rs")).unwrap_or_default();
+        let mut after_test = false;
+        for line in text.lines().map(str::trim) {
+            if line == "#[test]" {
+                after_test = true;
+            } else if after_test {
+                if let Some(rest) = line.strip_prefix("fn ") {
+                    let name: String = rest
+                        .chars()
+                        .take_while(|c| c.is_alphanumeric() || *c == '_')
+                        .collect();
+                    paths.push(format!("{module}::{name}"));
+                    after_test = false;
+                }
+            }
+        }
+    }
+    paths
+}
+
+/// Every `cargo test` command the README shows runs tests: a filter at the workspace
+/// root alone matches nothing (the integration tests are the `it` binary of
+/// meshplan-tests), so a filtered command names the package and the binary, and the
+/// filter matches at least one test.
+#[test]
+fn readme_cargo_test_commands_run_tests() {
+    let readme = std::fs::read_to_string(format!("{ROOT}/README.md")).expect("README");
+    let paths = it_test_paths();
+    assert!(paths.len() > 50, "found only {} tests", paths.len());
+    let mut commands = Vec::new();
+    for (at, _) in readme.match_indices("cargo test") {
+        let fenced = readme[..at].matches("```").count() % 2 == 1;
+        let rest = &readme[at..];
+        let end = if fenced {
+            rest.find('\n')
+        } else {
+            rest.find('`')
+        }
+        .unwrap_or(rest.len());
+        let cmd = rest[..end].split('#').next().unwrap_or("");
+        commands.push(cmd.split_whitespace().collect::<Vec<_>>().join(" "));
+    }
+    assert!(
+        commands.iter().any(|c| c.contains("calibration")),
+        "the README's accuracy command is gone: {commands:?}"
+    );
+    for cmd in &commands {
+        let words: Vec<&str> = cmd.split_whitespace().skip(2).collect();
+        let (mut package, mut binary, mut filter, mut workspace) = (None, None, None, false);
+        let mut i = 0;
+        while i < words.len() {
+            match words[i] {
+                "--" => break,
+                "-p" | "--package" => {
+                    package = words.get(i + 1).copied();
+                    i += 1;
+                }
+                "--test" => {
+                    binary = words.get(i + 1).copied();
+                    i += 1;
+                }
+                "--features" | "--bench" | "--target-dir" | "-j" => i += 1,
+                "--workspace" => workspace = true,
+                w if w.starts_with('-') => {}
+                w => filter = Some(w),
+            }
+            i += 1;
+        }
+        let Some(filter) = filter else {
+            assert!(
+                workspace || package.is_some(),
+                "`{cmd}`: name a package or --workspace"
+            );
+            continue;
+        };
+        assert_eq!(
+            (package, binary),
+            (Some("meshplan-tests"), Some("it")),
+            "`{cmd}`: a filter at the workspace root runs no test; the tests are `-p meshplan-tests --test it`"
+        );
+        let hits = paths.iter().filter(|p| p.contains(filter)).count();
+        assert!(hits > 0, "`{cmd}`: no test of tests/it matches `{filter}`");
+    }
+}
+
+#[test]
+fn plan_fixed_keys_that_cannot_multiply_exit_2_as_written() {
+    let run = meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "cp=2,dp=1,tp=1,pp=1",
+    ]);
+    run.expect_code(2).stderr_has(&[
+        "--config cp=2,dp=1,tp=1,pp=1",
+        "no configuration of 8 GPUs",
+        "dp x tp x pp x cp = 1 x 1 x 1 x 2 = 2 != 8 GPUs",
+    ]);
+    for debug in ["PartialConfig", "Some(", "None"] {
+        assert!(!run.stderr.contains(debug), "{}", run.stderr);
+    }
+    // The inference search says the same.
+    let run = meshplan(&[
+        "plan",
+        "models/tiny-llama-inference.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "tp=3",
+    ]);
+    run.expect_code(2)
+        .stderr_has(&["--config tp=3", "tp=3 does not divide 8 GPUs"]);
+    assert!(!run.stderr.contains("PartialConfig"), "{}", run.stderr);
+    // A virtual-stage schedule on one stage.
+    meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "pp=1,schedule=interleaved",
+    ])
+    .expect_code(2)
+    .stderr_has(&["--config pp=1,schedule=interleaved", "need pp > 1"]);
+}
+
+// === issue 15: a planner you can trust ===
+
+/// The Llama 3 70B serving model with `slo` (and `concurrency`) replaced.
+fn llama70b_serving(name: &str, slo: &str, concurrency: u64) -> PathBuf {
+    let text = std::fs::read_to_string(format!("{ROOT}/models/llama3-70b-inference.yaml"))
+        .expect("llama3-70b-inference.yaml");
+    let text = text
+        .lines()
+        .map(|l| match l.trim_start() {
+            s if s.starts_with("slo:") => format!("  slo: {slo}"),
+            s if s.starts_with("concurrency:") => format!("  concurrency: {concurrency}"),
+            _ => l.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("\n");
+    temp_file(name, &text)
+}
+
+/// The number after `prefix` in `text` (up to the next space).
+#[track_caller]
+fn number_after(text: &str, prefix: &str) -> f64 {
+    let at = text
+        .find(prefix)
+        .unwrap_or_else(|| panic!("no `{prefix}` in:\n{text}"));
+    let rest = &text[at + prefix.len()..];
+    let end = rest
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(rest.len());
+    rest[..end]
+        .parse()
+        .unwrap_or_else(|e| panic!("`{prefix}` not followed by a number ({e}):\n{text}"))
+}
+
+#[test]
+fn inference_miss_names_the_violated_objective_its_numbers_and_what_meets_it() {
+    let model = llama70b_serving("l70-tpot.yaml", "{ttft_ms: 1000, tpot_ms: 30}", 64);
+    let model = model.to_str().expect("utf-8 path");
+    let out = temp_file("l70-tpot.json", "");
+    let run = meshplan(&[
+        "plan",
+        model,
+        "topologies/dgx-h100.yaml",
+        "--quiet",
+        "-o",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    run.expect_code(3);
+    let msg = run.stderr.clone();
+    // TPOT is what fails, with the prediction above the SLO; memory fits and is not
+    // blamed.
+    assert!(msg.contains("misses TPOT "), "{msg}");
+    let tpot = number_after(&msg, "misses TPOT ");
+    assert!(
+        msg.contains(&format!("TPOT {tpot:.2} ms > SLO 30.00 ms")),
+        "{msg}"
+    );
+    assert!(tpot > 30.0, "{msg}");
+    assert!(
+        !msg.contains("GiB >") && !msg.contains("GiB capacity"),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("TTFT") && msg.contains("<= 1000.0 ms"),
+        "{msg}"
+    );
+    // What would meet it: fewer requests, or more nodes, each with its configuration.
+    assert!(msg.contains("fewer concurrent requests"), "{msg}");
+    let n = number_after(&msg, "concurrency ") as u64;
+    assert!((1..64).contains(&n), "{msg}");
+    assert!(msg.contains("--nodes "), "{msg}");
+    // The remedy is true: at that concurrency a plan meets the SLO, at one more none.
+    let at = llama70b_serving("l70-at.yaml", "{ttft_ms: 1000, tpot_ms: 30}", n);
+    let fits = meshplan(&[
+        "plan",
+        at.to_str().expect("utf-8 path"),
+        "topologies/dgx-h100.yaml",
+        "--quiet",
+        "-o",
+        out.to_str().expect("utf-8 path"),
+        "--json",
+    ]);
+    fits.expect_code(0);
+    assert!(number(&json_of(&fits)["predicted"], "tpot_s") <= 0.030);
+    let over = llama70b_serving("l70-over.yaml", "{ttft_ms: 1000, tpot_ms: 30}", n + 1);
+    meshplan(&[
+        "plan",
+        over.to_str().expect("utf-8 path"),
+        "topologies/dgx-h100.yaml",
+        "--quiet",
+        "-o",
+        out.to_str().expect("utf-8 path"),
+    ])
+    .expect_code(3)
+    .stderr_has(&["misses TPOT"]);
+
+    // TTFT is one request's prefill: fewer requests cannot help, a shorter prompt can.
+    let ttft = llama70b_serving("l70-ttft.yaml", "{ttft_ms: 50, tpot_ms: 50}", 64);
+    let r = meshplan(&[
+        "plan",
+        ttft.to_str().expect("utf-8 path"),
+        "topologies/dgx-h100.yaml",
+        "--quiet",
+        "-o",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    r.expect_code(3);
+    r.stderr_has(&["misses TTFT ", "> SLO 50.0 ms", "prompt_len "]);
+    assert!(!r.stderr.contains("TPOT grows"), "{}", r.stderr);
+
+    // Memory, when memory is what fails (no SLO at all).
+    let mem = llama70b_serving("l70-mem.yaml", "{}", 100_000);
+    let r = meshplan(&[
+        "plan",
+        mem.to_str().expect("utf-8 path"),
+        "topologies/dgx-h100.yaml",
+        "--quiet",
+        "-o",
+        out.to_str().expect("utf-8 path"),
+    ]);
+    r.expect_code(3);
+    r.stderr_has(&[
+        "misses per-GPU memory ",
+        "GiB > 80.0 GiB capacity",
+        "KV cache",
+    ]);
+    assert!(!r.stderr.contains("> SLO"), "{}", r.stderr);
+}
+
+#[test]
+fn compare_shows_whole_names_and_flags_rows_that_do_not_fit() {
+    let file = temp_file(
+        "long-names.yaml",
+        "- name: llama-70b-serving-candidate-tp4\n  config: \"dp=2,tp=4\"\n- name: llama-70b-serving-candidate-tp1\n  config: \"dp=8,tp=1\"\n",
+    );
+    let figures = std::env::temp_dir().join(format!("meshplan-cli-{}-cmp", std::process::id()));
+    let run = meshplan(&[
+        "compare",
+        "models/llama3-70b-inference.yaml",
+        "topologies/dgx-h100.yaml",
+        "--configs-file",
+        file.to_str().expect("utf-8 path"),
+        "--config",
+        "dp=1,tp=8,pp=1,cp=1,ep=1,mbs=1,zero=0,recompute=none,sp=false,vpp=1,schedule=1f1b",
+        "--figures",
+        figures.to_str().expect("utf-8 path"),
+    ]);
+    run.expect_code(0);
+    let rows: Vec<&str> = run.stdout.lines().filter(|l| !l.starts_with(' ')).collect();
+    let row = |name: &str| {
+        *rows
+            .iter()
+            .find(|l| l.starts_with(&format!("{name} ")))
+            .unwrap_or_else(|| panic!("no row named `{name}` in full:\n{}", run.stdout))
+    };
+    assert!(row("name").ends_with("fits"), "{}", run.stdout);
+    assert!(row("planner").ends_with(" yes"), "{}", run.stdout);
+    assert!(row("llama-70b-serving-candidate-tp4").ends_with(" yes"));
+    // dp=8,tp=1 holds the whole 70B model per GPU: flagged in the table as in the figure.
+    assert!(
+        row("llama-70b-serving-candidate-tp1").ends_with(" NO"),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.stdout.contains("does not fit: per-GPU memory"),
+        "{}",
+        run.stdout
+    );
+    row("dp=1,tp=8,pp=1,cp=1,ep=1,mbs=1,zero=0,recompute=none,sp=false,vpp=1,schedule=1f1b");
+    let svg = std::fs::read_to_string(figures.join("compare.svg")).expect("compare.svg");
+    for name in [
+        ">llama-70b-serving-candidate-tp4<",
+        ">llama-70b-serving-candidate-tp1<",
+        ">dp=8,tp=1,pp=1,cp=1,ep=1,mbs=1,zero=0,recompute=none,sp=false,vpp=1,schedule=1f1b<",
+    ] {
+        assert!(svg.contains(name), "compare.svg lacks {name}");
+    }
+    assert!(!svg.contains('~'), "a truncated label in compare.svg");
+}
+
+#[test]
+fn explain_marks_moves_that_do_not_fit_and_never_as_improvements() {
+    // ZeRO-2 with one sequence per micro-batch fills 80 GiB: mbs=2 is faster but OOM.
+    let out = temp_file("explain-oom.json", "");
+    let plan = out.to_str().expect("utf-8 path");
+    meshplan(&[
+        "plan",
+        "models/llama3-8b.yaml",
+        "topologies/dgx-h100.yaml",
+        "--config",
+        "dp=8,tp=1,pp=1,mbs=1,zero=2,recompute=none",
+        "--quiet",
+        "-o",
+        plan,
+    ])
+    .expect_code(0);
+    let j = meshplan(&["explain", plan, "--json"]);
+    j.expect_code(0);
+    let x = j.json();
+    let alts = x["alternatives"].as_array().expect("alternatives");
+    let mbs2 = alts
+        .iter()
+        .find(|a| a["change"] == "mbs 1->2")
+        .expect("mbs 1->2");
+    assert_eq!(mbs2["feasible"], false, "{mbs2}");
+    let sens = x["sensitivity"].as_array().expect("sensitivity");
+    let mbs = sens.iter().find(|s| s["key"] == "mbs").expect("mbs");
+    assert!(mbs["doubled_pct"].is_null(), "{mbs}");
+    assert!(
+        mbs["doubled_infeasible"]
+            .as_str()
+            .is_some_and(|w| w.contains("GiB capacity")),
+        "{mbs}"
+    );
+    // No sensitivity percentage comes from a move that does not fit.
+    for s in sens {
+        let key = s["key"].as_str().expect("key");
+        let value = s["value"].as_u64().expect("value");
+        for (field, to) in [("doubled_pct", value * 2), ("halved_pct", value / 2)] {
+            let prefix = format!("{key} {value}->{to}");
+            let alt = alts.iter().find(|a| {
+                let c = a["change"].as_str().unwrap_or("");
+                c == prefix || c.starts_with(&format!("{prefix},"))
+            });
+            if let Some(a) = alt.filter(|a| a["feasible"] == false) {
+                assert!(s[field].is_null(), "{s} reports {a}");
+            }
+        }
+    }
+    // Text: the sensitivity says infeasible and why; each alternative that does not
+    // fit says so on its own line.
+    let t = meshplan(&["explain", plan, "--top", "50"]);
+    t.expect_code(0);
+    let mbs_line = t
+        .stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("mbs  ="))
+        .unwrap_or_else(|| panic!("no mbs sensitivity:\n{}", t.stdout));
+    assert!(mbs_line.contains("x2 infeasible"), "{mbs_line}");
+    assert!(!mbs_line.contains('%'), "{mbs_line}");
+    assert!(
+        t.stdout.contains("mbs x2 does not fit: memory"),
+        "{}",
+        t.stdout
+    );
+    for a in alts.iter().filter(|a| a["feasible"] == false) {
+        let change = a["change"].as_str().expect("change");
+        let line = t
+            .stdout
+            .lines()
+            .find(|l| l.contains(&format!(". {change} ")))
+            .unwrap_or_else(|| panic!("no line for {change}:\n{}", t.stdout));
+        assert!(line.contains("does not fit: "), "{line}");
+    }
+}
+
+#[test]
+fn sglang_export_keeps_experts_inside_one_server() {
+    let workload = temp_file(
+        "mixtral-serve.yaml",
+        "kind: inference\nprompt_len: 2048\noutput_len: 256\nconcurrency: 64\n",
+    );
+    let workload = workload.to_str().expect("utf-8 path");
+    let plan_of = |name: &str, cfg: &str| {
+        let out = temp_file(name, "");
+        meshplan(&[
+            "plan",
+            "models/mixtral-8x7b.yaml",
+            "topologies/dgx-h100.yaml",
+            "--workload",
+            workload,
+            "--config",
+            cfg,
+            "--quiet",
+            "-o",
+            out.to_str().expect("utf-8 path"),
+        ])
+        .expect_code(0);
+        out.display().to_string()
+    };
+    // Experts over 8 ranks, servers of 2: SGLang cannot express it; the refusal names
+    // the rule and the fix.
+    let spans = plan_of("mixtral-ep8.json", "dp=4,tp=2,ep=8,dp_attention=false");
+    let r = meshplan(&["export", &spans, "--to", "sglang"]);
+    r.expect_code(3);
+    assert!(r.stdout.is_empty(), "{}", r.stdout);
+    r.stderr_has(&[
+        "cannot export this plan to sglang",
+        "ep=8",
+        "--ep-size must divide one server's --tp-size (2)",
+        "--config ep=2",
+    ]);
+    // Experts inside a server's tensor ranks: the flags follow the rule.
+    for (name, cfg, tp, ep) in [
+        (
+            "mixtral-ep2.json",
+            "dp=4,tp=2,ep=2,dp_attention=false",
+            2,
+            2,
+        ),
+        (
+            "mixtral-tp8.json",
+            "dp=1,tp=8,ep=8,dp_attention=false",
+            8,
+            8,
+        ),
+    ] {
+        let plan = plan_of(name, cfg);
+        let r = meshplan(&["export", &plan, "--to", "sglang"]);
+        r.expect_code(0);
+        let flag = |f: &str| -> u64 {
+            let line = r
+                .stdout
+                .lines()
+                .find(|l| l.starts_with(&format!("{f} ")))
+                .unwrap_or_else(|| panic!("{cfg}: no {f}:\n{}", r.stdout));
+            line[f.len() + 1..].trim().parse().expect("a number")
+        };
+        assert_eq!((flag("--tp-size"), flag("--ep-size")), (tp, ep), "{cfg}");
+        assert!(flag("--tp-size") % flag("--ep-size") == 0, "{}", r.stdout);
+    }
+}
+
+#[test]
+fn config_keys_that_mean_nothing_for_the_workload_exit_2() {
+    let serve = "models/llama3-70b-inference.yaml";
+    let node = "topologies/dgx-h100.yaml";
+    for (cfg, key) in [
+        ("tp=8,zero=1", "zero"),
+        ("tp=8,recompute=full", "recompute"),
+        ("tp=8,mbs=4", "mbs"),
+        ("tp=8,sp=true", "sp"),
+    ] {
+        for cmd in ["plan", "estimate"] {
+            let r = meshplan(&[cmd, serve, node, "--config", cfg]);
+            r.expect_code(2);
+            r.stderr_has(&[
+                "--config",
+                &format!("field `{key}`"),
+                "means nothing for an inference workload",
+                "remove it",
+            ]);
+            assert!(!r.stderr.contains("Invalid {"), "{}", r.stderr);
+        }
+    }
+    // A configuration file names itself and the entry.
+    let file = temp_file(
+        "inference-zero.yaml",
+        "- name: sharded\n  config: \"tp=4,zero=3\"\n",
+    );
+    let r = meshplan(&[
+        "compare",
+        serve,
+        node,
+        "--configs-file",
+        file.to_str().expect("utf-8 path"),
+    ]);
+    r.expect_code(2);
+    r.stderr_has(&["inference-zero.yaml", "entry `sharded`", "field `zero`"]);
+    // The strategy meshplan prints for an inference plan reads back.
+    meshplan(&[
+        "estimate",
+        serve,
+        node,
+        "--config",
+        "dp=1,tp=8,pp=1,cp=1,ep=1,mbs=1,zero=0,recompute=none,sp=false,vpp=1,schedule=1f1b",
+    ])
+    .expect_code(0);
+    // DP-attention is a serving layout: refused for training.
+    for cmd in ["estimate", "compare"] {
+        let r = meshplan(&[
+            cmd,
+            "models/llama3-8b.yaml",
+            node,
+            "--config",
+            "tp=8,dp_attention=true",
+        ]);
+        r.expect_code(2);
+        r.stderr_has(&[
+            "field `dp_attention`",
+            "means nothing for training",
+            "remove it",
+        ]);
+    }
+    meshplan(&[
+        "estimate",
+        "models/llama3-8b.yaml",
+        node,
+        "--config",
+        "tp=8,dp_attention=false",
+    ])
+    .expect_code(0);
 }

@@ -49,12 +49,26 @@ const CASES: &[Case] = &[
         ],
         expressible: &["megatron"],
     },
-    // The planner's own best for GPT-3 on 3840 GPUs: dp=40 does not divide 1536.
+    // The planner's own best for GPT-3 on 3840 GPUs: 96 layers over 20 stages, an
+    // uneven split Megatron-LM cannot take.
     Case {
         name: "gpt3-3840-best",
         model: "models/gpt3-175b.yaml",
         cluster: "topologies/dgx-a100-80g.yaml",
         flags: &["--nodes", "480"],
+        expressible: &[],
+    },
+    // GPT-3 on 3840 GPUs at dp=40, which does not divide the batch of 1536.
+    Case {
+        name: "gpt3-3840-padded",
+        model: "models/gpt3-175b.yaml",
+        cluster: "topologies/dgx-a100-80g.yaml",
+        flags: &[
+            "--nodes",
+            "480",
+            "--config",
+            "dp=40,tp=4,pp=12,cp=2,mbs=1,zero=2,recompute=none,sp=true,vpp=1",
+        ],
         expressible: &[],
     },
     // FSDP (ZeRO-3) on one node: every training target.
@@ -323,10 +337,15 @@ fn refusal(case: &str, target: &str) -> String {
 /// Refusals say what the framework lacks and what approximating would lose.
 #[test]
 fn refusals_name_what_the_target_lacks() {
-    let m = refusal("gpt3-3840-best", "megatron");
+    let m = refusal("gpt3-3840-padded", "megatron");
     assert!(
         m.contains("1536") && m.contains("1560") && m.contains("39 micro-batches"),
         "{m}"
+    );
+    let u = refusal("gpt3-3840-best", "megatron");
+    assert!(
+        u.contains("splits layers") && u.contains("--decoder-first"),
+        "{u}"
     );
     let d = refusal("llama3-70b-3d", "deepspeed");
     assert!(
@@ -355,7 +374,10 @@ fn refusals_name_what_the_target_lacks() {
 /// `-o FILE` writes what stdout would show; bad input exits 2 naming what is wrong.
 #[test]
 fn output_file_and_bad_input() {
-    let c = &CASES[3];
+    let c = CASES
+        .iter()
+        .find(|c| c.name == "llama3-8b-fsdp")
+        .expect("the FSDP case");
     let plan = case_plan(c).display().to_string();
     let out = temp_dir("export").join("llama.toml");
     let out_s = out.display().to_string();
@@ -391,7 +413,10 @@ fn output_file_and_bad_input() {
 /// Megatron its model arguments: refused with the fix, not guessed.
 #[test]
 fn a_plan_without_its_architecture_is_refused_for_megatron() {
-    let c = &CASES[3];
+    let c = CASES
+        .iter()
+        .find(|c| c.name == "llama3-8b-fsdp")
+        .expect("the FSDP case");
     let plan = case_plan(c);
     let mut v: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&plan).expect("plan")).expect("json");

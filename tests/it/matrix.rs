@@ -139,7 +139,11 @@ fn cover(cands: &[Vec<String>], t: usize) -> (Vec<usize>, usize) {
                 (i, gain)
             })
             .fold((0, 0), |a, b| if b.1 > a.1 { b } else { a });
-        assert!(gain > 0, "covering stalled with {} combinations left", left.len());
+        assert!(
+            gain > 0,
+            "covering stalled with {} combinations left",
+            left.len()
+        );
         for s in &per[best] {
             left.remove(s.as_str());
         }
@@ -262,15 +266,18 @@ fn every_mode_combination_the_planner_emits_trains_like_one_rank() {
         let m = &models[*mi].1;
         let name = format!("{} {c}", models[*mi].0);
         let plan = p.clone();
-        if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            check_plan(m, &name, plan)
-        })) {
+        if let Err(e) =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check_plan(m, &name, plan)))
+        {
             let msg = e
                 .downcast_ref::<String>()
                 .cloned()
                 .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
                 .unwrap_or_default();
-            failures.push(format!("{name}: {}", msg.lines().take(3).collect::<Vec<_>>().join(" | ")));
+            failures.push(format!(
+                "{name}: {}",
+                msg.lines().take(3).collect::<Vec<_>>().join(" | ")
+            ));
         }
     }
     assert!(

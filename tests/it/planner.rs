@@ -160,8 +160,17 @@ fn fixed_keys_are_honoured_and_the_rest_searched() {
     // Something besides the fixed keys varied.
     let first = report.top[0].cfg;
     assert!(report.top.iter().any(|c| c.cfg != first));
-    // Sorted best first.
-    for w in report.top.windows(2) {
+    // The near-ties first (the simplest of them leading), within NEAR_TIE of the
+    // fastest; the rest sorted fastest first.
+    let n = report.near_ties;
+    let fastest = report.top[..n]
+        .iter()
+        .map(|c| c.estimate.step_time_s)
+        .fold(f64::INFINITY, f64::min);
+    for c in &report.top[..n] {
+        assert!(c.estimate.step_time_s <= fastest * (1.0 + meshplan_planner::search::NEAR_TIE));
+    }
+    for w in report.top[n..].windows(2) {
         assert!(w[0].estimate.step_time_s <= w[1].estimate.step_time_s);
     }
 }
@@ -250,7 +259,20 @@ fn megatron_layout_found_by_the_ilp_lowers_to_two_all_reduces_per_layer() {
     let report =
         search_train(&graph, &pg, &cl, 2048, 8, &opts, None).unwrap_or_else(|e| panic!("{e}"));
     let best = report.top.first().expect("feasible");
-    let layout = best.layout.as_ref().expect("refined with the ILP");
+    // The ILP's own layout for the best configuration, written into a plan (the
+    // search keeps the standard placements here: they price 3% faster, the ILP's
+    // solution holding twice the bytes per GPU).
+    let layout = meshplan_planner::layout::LayoutCache::new(&graph, &cl)
+        .get(
+            meshplan_planner::layout::LayoutKey::train(&best.cfg, 2048),
+            &graph,
+            &pg,
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+    let best = &meshplan_planner::search::Candidate {
+        layout: Some(layout.clone()),
+        ..best.clone()
+    };
     let role = |name: &str| {
         layout
             .roles

@@ -2,7 +2,7 @@
 //! exposed communication and pipeline bubble (the estimate's `time_breakdown_s`).
 
 use crate::axis::fmt_dur;
-use crate::canvas::{Anchor, Canvas, Rgb};
+use crate::canvas::{text_width, Anchor, Canvas, Rgb};
 
 /// One candidate.
 #[derive(Clone, Debug, PartialEq)]
@@ -49,13 +49,20 @@ pub fn px_per_s(bars: &[CompareBar]) -> f64 {
 pub fn compare_bars(bars: &[CompareBar], title: &str, what: &str) -> Canvas {
     let k = px_per_s(bars);
     let height = TOP + bars.len() as f64 * ROW + 60.0;
-    let mut c = Canvas::new(LEFT + BAR_W + 200.0, height);
+    // Names and configurations are drawn whole: configurations that differ only at
+    // the end (vpp, schedule) must not look alike. The label column grows to fit.
+    let widest = bars
+        .iter()
+        .map(|b| text_width(&b.name, 12.0).max(text_width(&b.strategy, 9.0)))
+        .fold(0.0, f64::max);
+    let left = LEFT.max(widest + 16.0);
+    let mut c = Canvas::new(left + BAR_W + 200.0, height);
     c.text(10.0, 22.0, 15.0, Anchor::Start, title, "title");
     let mut lx = 10.0;
     for (_, label, fill) in PARTS {
         c.rect(lx, 34.0, 12.0, 12.0, fill, "legend");
         c.text(lx + 16.0, 44.0, 12.0, Anchor::Start, label, "legend");
-        lx += 16.0 + crate::canvas::text_width(label, 12.0) + 18.0;
+        lx += 16.0 + text_width(label, 12.0) + 18.0;
     }
     c.text(
         lx + 10.0,
@@ -70,24 +77,18 @@ pub fn compare_bars(bars: &[CompareBar], title: &str, what: &str) -> Canvas {
         .and_then(|b| b.compute_s.map(|c| c + b.exposed_comm_s + b.bubble_s));
     for (i, b) in bars.iter().enumerate() {
         let y = TOP + i as f64 * ROW;
-        let name: String = if b.name.chars().count() > 30 {
-            b.name.chars().take(29).chain(['~']).collect()
-        } else {
-            b.name.clone()
-        };
-        c.text(LEFT - 8.0, y + 14.0, 12.0, Anchor::End, &name, "row");
-        let strategy: String = b.strategy.chars().take(40).collect();
+        c.text(left - 8.0, y + 14.0, 12.0, Anchor::End, &b.name, "row");
         c.text(
-            LEFT - 8.0,
+            left - 8.0,
             y + 28.0,
             9.0,
             Anchor::End,
-            &strategy,
+            &b.strategy,
             "strategy",
         );
         let Some(compute) = b.compute_s else {
             c.text(
-                LEFT + 4.0,
+                left + 4.0,
                 y + 18.0,
                 12.0,
                 Anchor::Start,
@@ -96,7 +97,7 @@ pub fn compare_bars(bars: &[CompareBar], title: &str, what: &str) -> Canvas {
             );
             continue;
         };
-        let mut x = LEFT;
+        let mut x = left;
         for ((class, _, fill), v) in PARTS.iter().zip([compute, b.exposed_comm_s, b.bubble_s]) {
             if v > 0.0 {
                 c.rect(x, y + 2.0, v * k, 26.0, *fill, class).with("row", i);

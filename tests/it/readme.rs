@@ -1,0 +1,74 @@
+//! Every `cargo run --release -- ...` command the README shows runs, in order, in a
+//! scratch directory holding the repository's models and topologies, and exits 0:
+//! the README's examples do what they say.
+
+use std::path::{Path, PathBuf};
+
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+
+/// The README's `cargo run --release -- ARGS` commands (continuation lines joined),
+/// as argument lists, with each one's README line.
+fn readme_commands() -> Vec<(usize, Vec<String>)> {
+    let text = std::fs::read_to_string(format!("{ROOT}/README.md")).expect("README.md");
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let start = i;
+        if let Some(rest) = lines[i]
+            .trim_start()
+            .strip_prefix("cargo run --release -- ")
+        {
+            let mut cmd = rest.to_string();
+            while cmd.trim_end().ends_with('\\') && i + 1 < lines.len() {
+                cmd = cmd.trim_end().trim_end_matches('\\').to_string();
+                i += 1;
+                cmd.push(' ');
+                cmd.push_str(lines[i].trim());
+            }
+            // A trailing shell comment is the README's, not the command's.
+            let cmd = cmd.split(" #").next().unwrap_or_default();
+            out.push((
+                start + 1,
+                cmd.split_whitespace().map(str::to_string).collect(),
+            ));
+        }
+        i += 1;
+    }
+    out
+}
+
+fn scratch() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("meshplan-readme-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    for d in ["models", "topologies"] {
+        std::os::unix::fs::symlink(Path::new(ROOT).join(d), dir.join(d)).expect("symlink");
+    }
+    dir
+}
+
+#[test]
+fn every_cargo_run_command_of_the_readme_succeeds() {
+    let cmds = readme_commands();
+    assert!(cmds.len() >= 20, "only {} commands found", cmds.len());
+    let dir = scratch();
+    let mut failed = Vec::new();
+    for (line, args) in &cmds {
+        let out = crate::bin::command()
+            .args(args)
+            .current_dir(&dir)
+            .output()
+            .expect("run meshplan");
+        if !out.status.success() {
+            failed.push(format!(
+                "README.md:{line}: meshplan {} exited {:?}:\n{}",
+                args.join(" "),
+                out.status.code(),
+                String::from_utf8_lossy(&out.stderr)
+            ));
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(failed.is_empty(), "{}", failed.join("\n"));
+}
