@@ -330,19 +330,88 @@ pub fn balanced_split(pg: &PreparedGraph, costs: &[SegCost], chunks: usize) -> O
     }
     let work = |c: &SegCost| c.fwd_s + c.bwd_s + c.recompute_s + c.comm_fwd_s + c.comm_bwd_s;
     let (mut first, mut last) = (0.0, 0.0);
-    let mut t: Vec<f64> = Vec::with_capacity(layers);
+    let mut blocks: Vec<(f64, usize)> = Vec::new();
     for ((kind, repeat), c) in pg.segment_kinds().zip(costs) {
         match kind {
             SegmentKind::Embed => first += work(c),
             SegmentKind::Head => last += work(c),
-            SegmentKind::Block => t.extend(std::iter::repeat_n(work(c), repeat as usize)),
+            SegmentKind::Block => blocks.push((work(c), repeat as usize)),
         }
     }
-    if t.len() != layers || t.iter().any(|x| !x.is_finite()) {
+    balance_layers(first, last, &blocks, chunks)
+}
+
+/// [`balanced_split`] on plain numbers: the work `first` on chunk 0 and `last` on the
+/// last chunk, and runs of identical block layers `(work, count)` in model order.
+pub fn balance_layers(
+    first: f64,
+    last: f64,
+    blocks: &[(f64, usize)],
+    chunks: usize,
+) -> Option<Vec<u64>> {
+    let layers: usize = blocks.iter().map(|b| b.1).sum();
+    if chunks <= 1
+        || layers < chunks
+        || blocks.iter().any(|b| !b.0.is_finite() || b.0 < 0.0)
+        || !(first + last).is_finite()
+    {
         return None;
     }
     let extra =
         |j: usize| (if j == 0 { first } else { 0.0 }) + (if j == chunks - 1 { last } else { 0.0 });
+    let even = |j: usize| ((j + 1) * layers / chunks - j * layers / chunks) as u64;
+    // Identical layers (the common case): a chunk's capacity under a bottleneck is a
+    // division, and the best bottleneck is `k` layers plus one of the extras, so a
+    // bisection over `k` per extra finds it without building a list.
+    let t0 = blocks[0].0;
+    if t0 > 0.0 && blocks.iter().all(|b| b.0 == t0) {
+        let cap = |b: f64, j: usize| ((b - extra(j)) / t0 * (1.0 + 1e-12)).floor();
+        // Layers per chunk under bottleneck `b`, packed from the last chunk into `n`.
+        let fill = |b: f64, n: &mut [u64]| -> bool {
+            let mut left = layers as f64;
+            for j in (1..chunks).rev() {
+                let k = cap(b, j).min(left - j as f64);
+                if k < 1.0 {
+                    return false;
+                }
+                n[j] = k as u64;
+                left -= k;
+            }
+            n[0] = left as u64;
+            left >= 1.0 && left <= cap(b, 0)
+        };
+        let mut split = vec![0u64; chunks];
+        let mut best = f64::INFINITY;
+        for e in [0.0, first, last, first + last] {
+            if !fill(layers as f64 * t0 + e, &mut split) {
+                continue;
+            }
+            let (mut lo, mut hi) = (1usize, layers);
+            while lo < hi {
+                let mid = (lo + hi) / 2;
+                if fill(mid as f64 * t0 + e, &mut split) {
+                    hi = mid;
+                } else {
+                    lo = mid + 1;
+                }
+            }
+            best = best.min(lo as f64 * t0 + e);
+        }
+        if !best.is_finite() || !fill(best, &mut split) {
+            return None;
+        }
+        let load = |n: &dyn Fn(usize) -> u64| {
+            (0..chunks)
+                .map(|j| extra(j) + n(j) as f64 * t0)
+                .fold(0.0f64, f64::max)
+        };
+        let lighter = load(&|j| split[j]) < load(&even) * (1.0 - 1e-9);
+        return lighter.then_some(split);
+    }
+    let t: Vec<f64> = blocks
+        .iter()
+        .flat_map(|&(w, n)| std::iter::repeat_n(w, n))
+        .collect();
     // Layers per chunk under bottleneck `b`, or None if it does not fit.
     let pack = |b: f64| -> Option<Vec<u64>> {
         let mut n = vec![0u64; chunks];
@@ -368,56 +437,7 @@ pub fn balanced_split(pg: &PreparedGraph, costs: &[SegCost], chunks: usize) -> O
         }
         Some(n)
     };
-    let even: Vec<u64> = (0..chunks)
-        .map(|j| ((j + 1) * layers / chunks - j * layers / chunks) as u64)
-        .collect();
-    // Identical layers (the common case): a chunk's capacity under `b` is a division,
-    // and the best bottleneck is `k` layers plus one of the chunks' extras.
-    let t0 = t[0];
-    if t0 > 0.0 && t.iter().all(|&x| x == t0) {
-        let cap = |b: f64, j: usize| ((b - extra(j)) / t0 * (1.0 + 1e-12)).floor();
-        let fill = |b: f64| -> Option<Vec<u64>> {
-            let mut n = vec![0u64; chunks];
-            let mut left = layers as f64;
-            for j in (1..chunks).rev() {
-                let k = cap(b, j).min(left - j as f64);
-                if k < 1.0 {
-                    return None;
-                }
-                n[j] = k as u64;
-                left -= k;
-            }
-            (left >= 1.0 && left <= cap(b, 0)).then(|| {
-                n[0] = left as u64;
-                n
-            })
-        };
-        let mut cands: Vec<f64> = (1..=layers)
-            .flat_map(|k| {
-                let b = k as f64 * t0;
-                [b, b + first, b + last, b + first + last]
-            })
-            .collect();
-        cands.sort_by(f64::total_cmp);
-        let (mut lo, mut hi) = (0usize, cands.len() - 1);
-        fill(cands[hi])?;
-        while lo < hi {
-            let mid = (lo + hi) / 2;
-            if fill(cands[mid]).is_some() {
-                hi = mid;
-            } else {
-                lo = mid + 1;
-            }
-        }
-        let split = fill(cands[hi])?;
-        let load = |n: &[u64]| {
-            n.iter()
-                .enumerate()
-                .map(|(j, &k)| extra(j) + k as f64 * t0)
-                .fold(0.0f64, f64::max)
-        };
-        return (load(&split) < load(&even) * (1.0 - 1e-9)).then_some(split);
-    }
+    let even: Vec<u64> = (0..chunks).map(even).collect();
     let load_of = |n: &[u64]| {
         let mut at = 0usize;
         n.iter()
@@ -451,6 +471,52 @@ pub fn balanced_split(pg: &PreparedGraph, costs: &[SegCost], chunks: usize) -> O
     let split = pack(hi)?;
     // Only a strictly lighter bottleneck is worth an uneven split.
     (load_of(&split) < even_b * (1.0 - 1e-9)).then_some(split)
+}
+
+#[cfg(test)]
+mod balance_tests {
+    use super::balance_layers;
+
+    #[test]
+    fn a_heavy_head_takes_layers_off_the_last_stage() {
+        // 6 layers of 1 s over 4 stages, the head 1.5 s on the last: the even split
+        // [1, 2, 1, 2] has a 3.5 s bottleneck (2 layers + head); a bottleneck of
+        // 2.5 s holds (no split does better: the last stage needs a layer + 1.5 s),
+        // packed from the back: [1, 2, 2, 1].
+        assert_eq!(
+            balance_layers(0.0, 1.5, &[(1.0, 6)], 4),
+            Some(vec![1, 2, 2, 1])
+        );
+        // GPT-3's 96 layers over 20 stages, embedding 0.5 and head 2.0 layers of
+        // work: a bottleneck of 5 fits 3 + 5 x 18 + 3 (3.5 on stage 0, 5 on the
+        // last); 4.5 fits only 4 + 4 x 18 + 2 = 78 layers. Evenly the last stage
+        // holds 5 layers and the head: 7.
+        let mut want = vec![5u64; 20];
+        (want[0], want[19]) = (3, 3);
+        assert_eq!(balance_layers(0.5, 2.0, &[(1.0, 96)], 20), Some(want));
+    }
+
+    #[test]
+    fn an_even_split_that_is_as_good_stays_even() {
+        // 8 layers over 4 stages with no extra work: 2 each is optimal.
+        assert_eq!(balance_layers(0.0, 0.0, &[(1.0, 8)], 4), None);
+        assert_eq!(balance_layers(0.0, 0.0, &[(1.0, 8)], 1), None);
+    }
+
+    #[test]
+    fn different_layers_balance_by_work() {
+        // Two dense layers of 1 s then four MoE layers of 2 s over 2 stages: 10 s of
+        // work, 5 s each at best: [dense, dense, moe] = 4 s, [moe x3] = 6 s; or
+        // [dense, dense, moe, moe] = 6 s and [moe, moe] = 4 s: 6 s is the best
+        // bottleneck, and the even split [3, 3] (4 s / 6 s) is as good.
+        assert_eq!(balance_layers(0.0, 0.0, &[(1.0, 2), (2.0, 4)], 2), None);
+        // With a 3 s head on the last stage the first stage takes 4 layers (6 s)
+        // and the last 2 MoE layers + head (7 s), against 3 + 6 = 9 s evenly.
+        assert_eq!(
+            balance_layers(0.0, 3.0, &[(1.0, 2), (2.0, 4)], 2),
+            Some(vec![4, 2])
+        );
+    }
 }
 
 /// Splits the segments' costs into `chunks` model chunks: the embedding on the first
@@ -604,8 +670,9 @@ pub fn estimate_train_bounded(
 }
 
 /// [`estimate_train_bounded`] at the [`balanced_split`] of the layers (the even split
-/// where that is as good): the price the search sweeps every configuration at, with
-/// the split it used (`None`: even).
+/// where that is as good, or where the balanced one does not fit in memory): the
+/// price the search sweeps every configuration at, with the split it used (`None`:
+/// even).
 pub fn estimate_train_balanced_bounded(
     pg: &PreparedGraph,
     cluster: &Cluster,
@@ -614,18 +681,23 @@ pub fn estimate_train_balanced_bounded(
     global_batch: u64,
     bound_s: f64,
 ) -> Result<Option<(Estimate, Option<LayerSplit>)>, Unsupported> {
-    Ok(train_impl(
-        pg,
-        cluster,
-        cfg,
-        seq_len,
-        global_batch,
-        None,
-        bound_s,
-        false,
-        true,
-    )?
-    .map(|(e, _, split)| (e, split)))
+    let run = |balance| {
+        train_impl(
+            pg,
+            cluster,
+            cfg,
+            seq_len,
+            global_batch,
+            None,
+            bound_s,
+            false,
+            balance,
+        )
+    };
+    match run(true)? {
+        Some((e, _, Some(_))) if !e.feasible => Ok(run(false)?.map(|(e, _, _)| (e, None))),
+        other => Ok(other.map(|(e, _, split)| (e, split))),
+    }
 }
 
 /// [`estimate_train_split`] with the schedule it simulated: per virtual stage the

@@ -17,8 +17,8 @@
 use crate::cost_model::estimate::{check_train_shapes, gib, Estimate};
 use crate::cost_model::memory::model_state_bytes;
 use crate::cost_model::{
-    calib, estimate::estimate_train_balanced_bounded, estimate_inference, estimate_train_bounded,
-    estimate_train_split, train_ctx, Cluster, InferenceLoad, PreparedGraph,
+    calib, estimate::estimate_train_balanced_bounded, estimate_inference, estimate_train_split,
+    train_ctx, Cluster, InferenceLoad, PreparedGraph,
 };
 use crate::layout::{Layout, LayoutCache, LayoutKey};
 use crate::stages::{one_f_one_b_in_flight, partition, MemoryLimit, StageCosts};
@@ -940,26 +940,14 @@ pub fn search_train(
                 // Every pipeline configuration at its time-balanced split, so that
                 // layer counts the stages do not divide compete at their best; the
                 // even split where the balanced one does not fit in memory.
-                let priced = match estimate_train_balanced_bounded(
+                let priced = estimate_train_balanced_bounded(
                     pg,
                     cluster,
                     cfg,
                     seq_len,
                     global_batch,
                     acc.bound,
-                ) {
-                    Ok(Some((e, Some(_)))) if !e.feasible => estimate_train_bounded(
-                        pg,
-                        cluster,
-                        cfg,
-                        seq_len,
-                        global_batch,
-                        None,
-                        acc.bound,
-                    )
-                    .map(|o| o.map(|e| (e, None))),
-                    other => other,
-                };
+                );
                 match priced {
                     Ok(None) => {
                         acc.evaluated += 1;
@@ -1100,7 +1088,7 @@ pub fn price_config(
             global_batch,
             ..
         } => {
-            let (estimate, layer_split) = match estimate_train_balanced_bounded(
+            let (estimate, layer_split) = estimate_train_balanced_bounded(
                 pg,
                 cluster,
                 cfg,
@@ -1109,19 +1097,9 @@ pub fn price_config(
                 f64::INFINITY,
             )
             .map_err(err)?
-            {
-                Some((e, Some(_))) if !e.feasible => (
-                    estimate_train_split(pg, cluster, cfg, *seq_len, *global_batch, None)
-                        .map_err(err)?,
-                    None,
-                ),
-                Some((e, split)) => (e, split),
-                None => {
-                    return Err(SearchError {
-                        message: format!("{cfg}: the step time is not a number"),
-                    })
-                }
-            };
+            .ok_or_else(|| SearchError {
+                message: format!("{cfg}: the step time is not a number"),
+            })?;
             let swept = Candidate {
                 cfg: *cfg,
                 estimate,
@@ -1462,22 +1440,15 @@ pub fn search_inference(
     }
     let near_ties = prefer_simplest(&mut top);
     // The prefill and decode bests over every placement priced, the ILP's included.
-    let prefill_best = top
-        .iter()
-        .chain(&prefill_best)
-        .min_by(|a, b| {
-            let t = |c: &Candidate| c.estimate.ttft_s.unwrap_or(f64::INFINITY);
-            t(a).total_cmp(&t(b))
-        })
-        .cloned();
-    let decode_best = top
-        .iter()
-        .chain(&decode_best)
-        .min_by(|a, b| {
-            let t = |c: &Candidate| c.estimate.tpot_s.unwrap_or(f64::INFINITY);
-            t(a).total_cmp(&t(b))
-        })
-        .cloned();
+    let least = |by: fn(&Estimate) -> Option<f64>, other: &Option<Candidate>| {
+        let t = |c: &Candidate| by(&c.estimate).unwrap_or(f64::INFINITY);
+        top.iter()
+            .chain(other)
+            .min_by(|a, b| t(a).total_cmp(&t(b)))
+            .cloned()
+    };
+    let prefill_best = least(|e| e.ttft_s, &prefill_best);
+    let decode_best = least(|e| e.tpot_s, &decode_best);
     Ok(SearchReport {
         top,
         enumerated: space.len() as u64,

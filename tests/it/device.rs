@@ -4,25 +4,13 @@
 //! against their CPU references in `meshplan_kernels::cuda`).
 
 use crate::executor::{model, plan, plan_buckets, Model};
-use meshplan_cost_model::prepare_model;
 use meshplan_executor::device::train::{supported, train_device};
 use meshplan_executor::device::HostDevice;
 use meshplan_executor::train::{byte_mismatches, train, TrainOptions, TrainReport};
-use meshplan_ir::model_graph;
 use meshplan_ir::plan::Plan;
 
-const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-
 fn variant(edits: &[(&str, &str)], name: &str) -> Model {
-    let mut text = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");
-    for (from, to) in edits {
-        assert!(text.contains(from), "{name}: `{from}` not in tiny-gpt.yaml");
-        text = text.replace(from, to);
-    }
-    let spec = meshplan_ir::parse_model_yaml(&text, name).unwrap_or_else(|e| panic!("{e}"));
-    let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
-    let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
-    Model { spec, graph, pg }
+    crate::matrix::variant("tiny-gpt", edits, name)
 }
 
 /// GPT-2's layout at tiny-gpt's sizes: LayerNorm with biases, GELU, learned

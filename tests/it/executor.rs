@@ -29,7 +29,8 @@ pub(crate) fn model(name: &str) -> Model {
     Model { spec, graph, pg }
 }
 
-fn mesh(gpus: u64) -> Cluster {
+/// The CPU test mesh with `gpus` ranks on its one node.
+pub(crate) fn mesh(gpus: u64) -> Cluster {
     let mut c = load_cluster(
         Path::new(&format!("{ROOT}/topologies/cpu-test-mesh.yaml")),
         Some(1),

@@ -90,25 +90,19 @@ fn fastest(r: &SearchReport) -> Option<f64> {
 
 /// Keys of `cfg`, a subset chosen by the bits of `mask`, as a partial configuration.
 fn subset(cfg: &ParallelConfig, mask: u32) -> (PartialConfig, String) {
-    let keys = [
-        format!("dp={}", cfg.dp),
-        format!("tp={}", cfg.tp),
-        format!("pp={}", cfg.pp),
-        format!("cp={}", cfg.cp),
-        format!("ep={}", cfg.ep),
-        format!("mbs={}", cfg.mbs),
-        format!("zero={}", cfg.zero),
-        format!("recompute={:?}", cfg.recompute).to_lowercase(),
-        format!("sp={}", cfg.sp),
-        format!("vpp={}", cfg.vpp),
-    ];
-    let text: Vec<&str> = keys
+    // The configuration's own `key=value` text; the schedule is left to the search.
+    let text = cfg.to_string();
+    let keys: Vec<&str> = text
+        .split(',')
+        .filter(|k| !k.starts_with("schedule="))
+        .collect();
+    let chosen: Vec<&str> = keys
         .iter()
         .enumerate()
         .filter(|(i, _)| mask & (1 << i) != 0)
-        .map(|(_, k)| k.as_str())
+        .map(|(_, k)| *k)
         .collect();
-    let text = text.join(",");
+    let text = chosen.join(",");
     (
         PartialConfig::parse(&text, "test").unwrap_or_else(|e| panic!("{text}: {e}")),
         text,
