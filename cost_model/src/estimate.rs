@@ -380,16 +380,27 @@ pub fn balance_layers(
             n[0] = left as u64;
             left >= 1.0 && left <= cap(b, 0)
         };
+        // Whether bottleneck `b` fits, in O(1): every chunk holds a layer, and the
+        // capacities (the first, the middle ones alike, the last) cover the layers.
+        let fits = |b: f64| -> bool {
+            let (c0, cl) = (cap(b, 0), cap(b, chunks - 1));
+            let mid = chunks.saturating_sub(2) as f64;
+            let cm = if chunks > 2 { cap(b, 1) } else { f64::INFINITY };
+            c0 >= 1.0
+                && cl >= 1.0
+                && cm >= 1.0
+                && c0 + mid * cm.min(layers as f64) + cl >= layers as f64
+        };
         let mut split = vec![0u64; chunks];
         let mut best = f64::INFINITY;
         for e in [0.0, first, last, first + last] {
-            if !fill(layers as f64 * t0 + e, &mut split) {
+            if !fits(layers as f64 * t0 + e) {
                 continue;
             }
             let (mut lo, mut hi) = (1usize, layers);
             while lo < hi {
                 let mid = (lo + hi) / 2;
-                if fill(mid as f64 * t0 + e, &mut split) {
+                if fits(mid as f64 * t0 + e) {
                     hi = mid;
                 } else {
                     lo = mid + 1;

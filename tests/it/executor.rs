@@ -362,3 +362,26 @@ fn kernel_threads_per_rank_do_not_change_a_single_bit() {
         }
     }
 }
+
+#[test]
+fn check_names_a_wrong_embedding_without_a_layer_number() {
+    // A run whose token table alone is off by 1e-3 everywhere (a third of the 3e-3
+    // learning rate, over 5 steps: 6.7e-2 of lr x steps, above the 1e-2 bound):
+    // `check_against` fails naming the weight, with no layer for a weight outside the
+    // repeated blocks.
+    let m = model("tiny-gpt");
+    let p = plan(&m, "dp=1");
+    let opts = TrainOptions::default();
+    let base = train(&p, &opts).unwrap_or_else(|e| panic!("{e}"));
+    let mut run = base.clone();
+    for ((name, _), w) in run.ranks[0].weights.iter_mut() {
+        if name == "embed.tokens.w" {
+            w.iter_mut().for_each(|x| *x += 1e-3);
+        }
+    }
+    let why = check_against(&p, &run, &base, 1e-5).expect_err("the table is off");
+    assert!(why.contains("`embed.tokens.w` (rms 1.00e-3"), "{why}");
+    assert!(!why.contains(&u64::MAX.to_string()), "{why}");
+    // And the unchanged run passes.
+    check_against(&p, &base, &base, 1e-5).unwrap_or_else(|e| panic!("{e}"));
+}
