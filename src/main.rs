@@ -348,7 +348,35 @@ pub(crate) fn no_fit(message: String) -> Failure {
     Failure { code: 3, message }
 }
 
+/// `println!` panics when standard output cannot be written: a reader that went away
+/// (`meshplan inspect M | head -1`) ends the command quietly, any other failure (a
+/// full disk) is an error with exit 1, never a panic and a backtrace.
+fn stdout_failures_end_cleanly() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let msg = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if let Some(why) = msg.strip_prefix("failed printing to stdout: ") {
+            if why.contains("Broken pipe") {
+                std::process::exit(0);
+            }
+            use std::io::Write;
+            let _ = writeln!(
+                std::io::stderr(),
+                "error: cannot write to standard output: {why}"
+            );
+            std::process::exit(1);
+        }
+        default(info);
+    }));
+}
+
 fn main() -> ExitCode {
+    stdout_failures_end_cleanly();
     meshplan_executor::alloc::keep_freed_memory();
     let cli = Cli::parse();
     log::init(cli.quiet, cli.verbose);

@@ -268,6 +268,20 @@ pub fn infer_on(
             })
         })
         .collect::<Result<_, _>>()?;
+    for (i, r) in requests.iter().enumerate() {
+        if let Some(bad) = r
+            .first_logits
+            .iter()
+            .chain(&r.logits)
+            .find(|x| !x.is_finite())
+        {
+            return Err(ExecError {
+                message: format!(
+                    "request {i}: the logits hold {bad}: the model's arithmetic overflowed, its tokens mean nothing"
+                ),
+            });
+        }
+    }
     let wall_s = outs.iter().map(|o| o.elapsed).fold(0.0, f64::max);
     let generated: usize = requests.iter().map(|r| r.tokens.len()).sum();
     let n = requests.len() as f64;
@@ -522,6 +536,15 @@ impl<'a> InferRank<'a> {
                             apply_spec(&spec, &full, &shape)
                         }
                     };
+                    if let Some(bad) = local.iter().find(|x| !x.is_finite()) {
+                        // A checkpoint holding NaN or infinity generates garbage
+                        // without a word; refuse it naming the tensor.
+                        let layer = layer.map(|l| format!(" layer {l}")).unwrap_or_default();
+                        return Err(fail(format!(
+                            "weight `{}`{layer} holds {bad}: the weights are damaged or were saved from a diverged run",
+                            t.name
+                        )));
+                    }
                     self.weights.insert(key, local);
                 }
             }

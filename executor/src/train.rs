@@ -760,6 +760,29 @@ impl<'a> RankState<'a> {
         }
         let step_list = phase.step.clone();
         self.run_step(&step_list)?;
+        // A NaN or an infinity never recovers, and training on would write it into
+        // every checkpoint: stop, naming the step and the first tensor it reached.
+        let bad = self
+            .weights
+            .iter()
+            .find_map(|(k, w)| w.iter().find(|x| !x.is_finite()).map(|x| (k, *x)));
+        if let Some(((name, layer), x)) = bad {
+            let layer = if *layer == NO_LAYER {
+                String::new()
+            } else {
+                format!(" layer {layer}")
+            };
+            return Err(fail(format!(
+                "step {step}: weight `{name}`{layer} holds {x} after the update (loss {}): stopping; a learning rate too large, or non-finite --weights",
+                self.loss_part
+            )));
+        }
+        if !self.loss_part.is_finite() {
+            return Err(fail(format!(
+                "step {step}: the loss is {}: stopping; non-finite activations from finite weights (an overflow in the model's arithmetic)",
+                self.loss_part
+            )));
+        }
         Ok(self.loss_part)
     }
 

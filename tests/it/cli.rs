@@ -1916,3 +1916,34 @@ fn config_keys_that_mean_nothing_for_the_workload_exit_2() {
     ])
     .expect_code(0);
 }
+
+#[test]
+fn a_closed_or_full_standard_output_ends_without_a_panic() {
+    // A reader that goes away: a quiet end, no backtrace.
+    let mut child = crate::bin::command()
+        .args(["inspect", "models/small-gpt.yaml"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    drop(child.stdout.take());
+    let out = child.wait_with_output().expect("wait");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    // A full device: an error naming it, exit 1.
+    let full = std::fs::OpenOptions::new().write(true).open("/dev/full");
+    if let Ok(full) = full {
+        let out = crate::bin::command()
+            .args(["inspect", "models/small-gpt.yaml"])
+            .stdout(full)
+            .output()
+            .expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(
+            err.contains("cannot write to standard output") && !err.contains("panicked"),
+            "{err}"
+        );
+    }
+}

@@ -385,3 +385,22 @@ fn check_names_a_wrong_embedding_without_a_layer_number() {
     // And the unchanged run passes.
     check_against(&p, &base, &base, 1e-5).unwrap_or_else(|e| panic!("{e}"));
 }
+
+#[test]
+fn a_diverging_run_stops_naming_the_step_and_the_tensor() {
+    // A learning rate of 1e30 turns the first update into weights of 1e30, whose
+    // activations overflow: the run stops with an error instead of training on NaN.
+    let p = plan(&model("tiny-gpt"), "dp=2,tp=2");
+    let opts = TrainOptions {
+        lr: 1e30,
+        ..TrainOptions::default()
+    };
+    let err = train(&p, &opts).expect_err("a diverging run fails");
+    assert!(
+        err.message.contains("stopping")
+            && err.message.contains("step ")
+            && (err.message.contains("holds") || err.message.contains("the loss is")),
+        "{}",
+        err.message
+    );
+}

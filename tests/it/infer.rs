@@ -1245,3 +1245,29 @@ fn fine_tuning_starts_from_the_checkpoint_weights_on_any_sharding() {
         }
     }
 }
+
+#[test]
+fn a_checkpoint_holding_nan_is_refused_naming_the_tensor() {
+    let dir = temp_dir("llama-nan");
+    let mut t = llama_tensors(&LLAMA, 11);
+    let name = "model.layers.2.input_layernorm.weight";
+    t.get_mut(name).expect("the tensor").1[3] = f64::NAN;
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let plan = plan_of(&dir, "tp=2", 2);
+    let err = infer(
+        &plan,
+        &InferOptions {
+            requests: vec![PROMPTS[0].to_vec()],
+            max_new_tokens: 2,
+            weights: Some(ck),
+            ..InferOptions::default()
+        },
+    )
+    .expect_err("NaN weights are refused");
+    assert!(
+        err.message.contains("holds NaN") && err.message.contains("layer 2"),
+        "{}",
+        err.message
+    );
+}
