@@ -176,9 +176,9 @@ enum Command {
         /// the device interpreter on GPU 0; data-parallel plans on one stage).
         #[arg(long, default_value = "cpu")]
         backend: String,
-        /// Optimizer steps.
-        #[arg(long, default_value_t = 5)]
-        steps: u64,
+        /// Optimizer steps (training plans; default 5).
+        #[arg(long)]
+        steps: Option<u64>,
         /// Also run the single-rank reference and fail if losses, weights or
         /// communicated bytes differ.
         #[arg(long)]
@@ -507,7 +507,8 @@ fn main() -> ExitCode {
             run::run(&run::RunArgs {
                 plan: &plan,
                 backend: &backend,
-                steps,
+                steps: steps.unwrap_or(5),
+                steps_given: steps.is_some(),
                 check,
                 json,
                 data: data.as_deref(),

@@ -17,6 +17,8 @@ pub(crate) struct RunArgs<'a> {
     pub plan: &'a Path,
     pub backend: &'a str,
     pub steps: u64,
+    /// Whether `--steps` was given (an inference plan refuses it).
+    pub steps_given: bool,
     pub check: bool,
     pub json: bool,
     pub data: Option<&'a Path>,
@@ -354,6 +356,22 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         ))
     })?;
     if plan.kind == PlanKind::Inference {
+        let training: Vec<&str> = [
+            (a.steps_given, "--steps"),
+            (a.save.is_some(), "--save"),
+            (a.save_every.is_some(), "--save-every"),
+            (a.resume.is_some(), "--resume"),
+        ]
+        .iter()
+        .filter(|(given, _)| *given)
+        .map(|(_, flag)| *flag)
+        .collect();
+        if !training.is_empty() {
+            return Err(bad(format!(
+                "{file}: {} train; this is an inference plan (give prompts with --prompt-ids, --prompt or --prompt-file, and --max-new-tokens)",
+                training.join(", ")
+            )));
+        }
         if a.data.is_some() || a.trace.is_some() {
             return Err(bad(format!(
                 "{file}: --data and --trace are read for training plans; this is an inference plan (give prompts with --prompt-ids, --prompt or --prompt-file)"

@@ -327,10 +327,7 @@ pub fn load_cluster_calibrated(
     nodes_override: Option<u64>,
     overlay: Option<&Path>,
 ) -> Result<Cluster, IrError> {
-    let text = std::fs::read_to_string(path).map_err(|source| IrError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = meshplan_ir::load::read_text(path)?;
     parse_calibrated(&text, &path.display().to_string(), nodes_override, overlay)
 }
 

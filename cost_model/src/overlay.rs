@@ -711,10 +711,7 @@ pub fn parse_overlay_yaml(text: &str, file: &str) -> Result<RawOverlay, IrError>
 
 /// Reads an overlay file.
 pub fn load_overlay(path: &std::path::Path) -> Result<RawOverlay, IrError> {
-    let text = std::fs::read_to_string(path).map_err(|source| IrError::Io {
-        path: path.to_path_buf(),
-        source,
-    })?;
+    let text = meshplan_ir::load::read_text(path)?;
     parse_overlay_yaml(&text, &path.display().to_string())
 }
 

@@ -153,6 +153,7 @@ impl PartialConfig {
     /// error messages (e.g. `--config`).
     pub fn parse(text: &str, source: &str) -> Result<PartialConfig, IrError> {
         let mut c = PartialConfig::default();
+        let mut seen: Vec<&str> = Vec::new();
         for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let Some((key, v)) = item.split_once('=') else {
                 return Err(bad(
@@ -162,6 +163,16 @@ impl PartialConfig {
                 ));
             };
             let (key, v) = (key.trim(), v.trim());
+            // A key given twice (`dp=4,dp=8`) is a typo, not a choice: which one was
+            // meant cannot be guessed.
+            if seen.contains(&key) {
+                return Err(bad(
+                    source,
+                    key,
+                    format!("`{key}` is given twice in `{text}`; give it once"),
+                ));
+            }
+            seen.push(key);
             match key {
                 "dp" => c.dp = Some(parse_degree(source, key, v)?),
                 "tp" => c.tp = Some(parse_degree(source, key, v)?),

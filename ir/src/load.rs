@@ -19,10 +19,21 @@ pub struct WorkloadOverrides {
 }
 
 fn read(path: &Path) -> Result<String, IrError> {
-    std::fs::read_to_string(path).map_err(|source| IrError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    read_text(path)
+}
+
+/// A text input file, without the UTF-8 byte order mark some editors write (YAML
+/// and JSON parsers would take it for content).
+pub fn read_text(path: &Path) -> Result<String, IrError> {
+    std::fs::read_to_string(path)
+        .map(|t| match t.strip_prefix('\u{feff}') {
+            Some(rest) => rest.to_string(),
+            None => t,
+        })
+        .map_err(|source| IrError::Io {
+            path: path.to_path_buf(),
+            source,
+        })
 }
 
 /// Whether `path` is a Hugging Face config rather than a model YAML.

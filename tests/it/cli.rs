@@ -1947,3 +1947,47 @@ fn a_closed_or_full_standard_output_ends_without_a_panic() {
         );
     }
 }
+
+#[test]
+fn a_key_given_twice_a_byte_order_mark_and_training_flags_on_inference() {
+    // `--config dp=4,dp=8` is refused naming the key, not resolved to the last.
+    meshplan(&[
+        "estimate",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "dp=4,dp=8",
+    ])
+    .expect_code(2)
+    .stderr_has(&["`dp` is given twice", "give it once"]);
+    // A UTF-8 byte order mark before a model and a cluster file is not content.
+    let model = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");
+    let cluster =
+        std::fs::read_to_string(format!("{ROOT}/topologies/cpu-test-mesh.yaml")).expect("cluster");
+    let m = temp_file("bom-model.yaml", &format!("\u{feff}{model}"));
+    let c = temp_file("bom-cluster.yaml", &format!("\u{feff}{cluster}"));
+    meshplan(&[
+        "estimate",
+        m.to_str().expect("path"),
+        c.to_str().expect("path"),
+        "--config",
+        "dp=8",
+    ])
+    .expect_code(0);
+    // Training flags on an inference plan exit 2 naming them.
+    let plan = temp_file("inference-plan-flags.json", "");
+    let p = plan.to_str().expect("path");
+    meshplan(&[
+        "plan",
+        "models/tiny-llama-inference.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "tp=2",
+        "-o",
+        p,
+    ])
+    .expect_code(0);
+    meshplan(&["run", p, "--steps", "3", "--resume", "ck"])
+        .expect_code(2)
+        .stderr_has(&["--steps, --resume train", "inference plan"]);
+}
