@@ -539,7 +539,7 @@ impl<'a> InferRank<'a> {
                     if let Some(bad) = local.iter().find(|x| !x.is_finite()) {
                         // A checkpoint holding NaN or infinity generates garbage
                         // without a word; refuse it naming the tensor.
-                        let layer = layer.map(|l| format!(" layer {l}")).unwrap_or_default();
+                        let layer = crate::train::layer_label(l);
                         return Err(fail(format!(
                             "weight `{}`{layer} holds {bad}: the weights are damaged or were saved from a diverged run",
                             t.name

@@ -767,11 +767,7 @@ impl<'a> RankState<'a> {
             .iter()
             .find_map(|(k, w)| w.iter().find(|x| !x.is_finite()).map(|x| (k, *x)));
         if let Some(((name, layer), x)) = bad {
-            let layer = if *layer == NO_LAYER {
-                String::new()
-            } else {
-                format!(" layer {layer}")
-            };
+            let layer = layer_label(*layer);
             return Err(fail(format!(
                 "step {step}: weight `{name}`{layer} holds {x} after the update (loss {}): stopping; a learning rate too large, or non-finite --weights",
                 self.loss_part
@@ -3426,6 +3422,15 @@ pub(crate) fn build_groups(plan: &Plan, rank: usize) -> Result<BTreeMap<String, 
 /// weights reported one update old).
 pub const PARAM_TOLERANCE: f64 = 1e-2;
 
+/// ` layer L` for a weight of a repeated block, nothing for one outside them.
+pub(crate) fn layer_label(layer: u64) -> String {
+    if layer == NO_LAYER {
+        String::new()
+    } else {
+        format!(" layer {layer}")
+    }
+}
+
 /// One weight tensor of one rank against the reference: `(rms of the differences,
 /// largest difference, its index)`.
 pub fn tensor_distance(local: &[f32], want: &[f32]) -> (f64, f64, usize) {
@@ -3487,11 +3492,7 @@ pub fn check_against(
             let (rms, max, at) = tensor_distance(local, &want);
             let rel = rms / reach.max(f64::MIN_POSITIVE);
             if rel > worst.0 || rel.is_nan() {
-                let layer = if *layer == NO_LAYER {
-                    String::new()
-                } else {
-                    format!(" layer {layer}")
-                };
+                let layer = layer_label(*layer);
                 worst = (
                     rel,
                     format!(

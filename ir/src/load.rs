@@ -18,10 +18,6 @@ pub struct WorkloadOverrides {
     pub workload_file: Option<PathBuf>,
 }
 
-fn read(path: &Path) -> Result<String, IrError> {
-    read_text(path)
-}
-
 /// A text input file, without the UTF-8 byte order mark some editors write (YAML
 /// and JSON parsers would take it for content).
 pub fn read_text(path: &Path) -> Result<String, IrError> {
@@ -44,7 +40,7 @@ fn is_hf_config(path: &Path, text: &str) -> bool {
 /// Reads and validates a model file (YAML or `config.json`) and applies overrides.
 pub fn load_model(path: &Path, overrides: &WorkloadOverrides) -> Result<ModelSpec, IrError> {
     let file = path.display().to_string();
-    let text = read(path)?;
+    let text = read_text(path)?;
     let mut spec = if is_hf_config(path, &text) {
         crate::hf::import_hf_config(&text, &file)?
     } else {
@@ -67,7 +63,7 @@ fn apply_overrides(
 ) -> Result<(), IrError> {
     if let Some(wf) = &ov.workload_file {
         let wfile = wf.display().to_string();
-        let text = read(wf)?;
+        let text = read_text(wf)?;
         let w: Workload =
             serde_yaml_ng::from_str(&text).map_err(|e| IrError::from_yaml(&wfile, &e))?;
         w.validate(&wfile)?;

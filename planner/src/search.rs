@@ -510,7 +510,7 @@ impl Sweep {
     fn miss(&mut self, c: Candidate) {
         let better = match &self.closest {
             None => true,
-            Some(o) => miss_distance(&c) < miss_distance(o),
+            Some(o) => miss_distance(&c.estimate, None) < miss_distance(&o.estimate, None),
         };
         if better {
             self.closest = Some(c);
@@ -549,12 +549,10 @@ impl Sweep {
     }
 }
 
-/// How far an infeasible candidate is from fitting: memory over capacity, or the
-/// worst SLO ratio.
-fn miss_distance(c: &Candidate) -> f64 {
-    let e = &c.estimate;
-    let mem = e.memory_per_gpu_bytes.total / e.memory_capacity_bytes;
-    mem.max(slo_ratio(e, None))
+/// How far an infeasible estimate is from fitting: memory over capacity, or (with an
+/// inference `load`) the worst SLO ratio.
+fn miss_distance(e: &Estimate, load: Option<&InferenceLoad>) -> f64 {
+    (e.memory_per_gpu_bytes.total / e.memory_capacity_bytes).max(slo_ratio(e, load))
 }
 
 /// One objective a configuration misses.
@@ -797,10 +795,6 @@ fn slo_ratio(e: &Estimate, load: Option<&InferenceLoad>) -> f64 {
         r = r.max(t / max);
     }
     r
-}
-
-fn inference_miss_distance(e: &Estimate, load: &InferenceLoad) -> f64 {
-    (e.memory_per_gpu_bytes.total / e.memory_capacity_bytes).max(slo_ratio(e, Some(load)))
 }
 
 /// Best first; ties broken by the configuration's text so the order is deterministic.
@@ -1402,9 +1396,9 @@ pub fn search_inference(
                     sweep.infeasible += 1;
                     // The closest miss is the one whose worst objective is least over
                     // its bound; ties go to the configuration's text for a stable report.
-                    let d = inference_miss_distance(&c.estimate, load);
+                    let d = miss_distance(&c.estimate, Some(load));
                     let better = sweep.closest.as_ref().is_none_or(|o| {
-                        let od = inference_miss_distance(&o.estimate, load);
+                        let od = miss_distance(&o.estimate, Some(load));
                         d < od || (d == od && c.cfg.to_string() < o.cfg.to_string())
                     });
                     if better {
@@ -1415,7 +1409,7 @@ pub fn search_inference(
             Err(e) => sweep.reject(e),
         }
     }
-    prefer_simplest(&mut sweep.best);
+    let tied = prefer_simplest(&mut sweep.best);
     let remedy = (sweep.best.is_empty() && sweep.closest.is_some())
         .then(|| inference_remedy(pg, cluster, load, &opts.fixed));
     let by = |f: fn(&Estimate) -> f64| {
@@ -1429,7 +1423,8 @@ pub fn search_inference(
     };
     let prefill_best = by(|e| e.ttft_s.unwrap_or(f64::INFINITY));
     let decode_best = by(|e| e.tpot_s.unwrap_or(f64::INFINITY));
-    sweep.best.truncate(opts.top_k.max(1));
+    // The near-ties stay, whatever `top_k`, as in `search_train`.
+    sweep.best.truncate(opts.top_k.max(tied).max(1));
     let cache = LayoutCache::new(graph, cluster);
     let mut top = Vec::new();
     for c in sweep.best {
