@@ -18,6 +18,7 @@ pub mod error;
 pub mod explicit;
 pub mod graph;
 pub mod hf;
+pub mod input;
 pub mod load;
 pub mod plan;
 pub mod spec;

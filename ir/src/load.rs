@@ -18,18 +18,13 @@ pub struct WorkloadOverrides {
     pub workload_file: Option<PathBuf>,
 }
 
-/// A text input file, without the UTF-8 byte order mark some editors write (YAML
-/// and JSON parsers would take it for content).
+/// A text input file of at most [`crate::input::TEXT_LIMIT`] bytes, without the
+/// UTF-8 byte order mark some editors write.
 pub fn read_text(path: &Path) -> Result<String, IrError> {
-    std::fs::read_to_string(path)
-        .map(|t| match t.strip_prefix('\u{feff}') {
-            Some(rest) => rest.to_string(),
-            None => t,
-        })
-        .map_err(|source| IrError::Io {
-            path: path.to_path_buf(),
-            source,
-        })
+    crate::input::read_text_bounded(path, crate::input::TEXT_LIMIT).map_err(|source| IrError::Io {
+        path: path.to_path_buf(),
+        source,
+    })
 }
 
 /// Whether `path` is a Hugging Face config rather than a model YAML.
