@@ -69,8 +69,7 @@ fn measure(output: &Path) -> Result<(), Failure> {
     let overlay = meshplan_cost_model::calibrate::build_overlay(&m, &rfc3339_utc(now))
         .map_err(|e| runtime(format!("calibrate: fitting the measurements: {e}")))?;
     let yaml = overlay.to_yaml();
-    std::fs::write(output, yaml)
-        .map_err(|e| runtime(format!("calibrate: writing {}: {e}", output.display())))?;
+    crate::atomic::write_atomically(output, yaml.as_bytes(), "overlay")?;
     println!("wrote {}", output.display());
     Ok(())
 }

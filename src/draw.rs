@@ -55,7 +55,7 @@ pub(crate) fn write_figures(dir: &Path, figures: &[Figure], png: bool) -> Result
             message: format!("cannot render {}: {message}", f.name),
         })?;
         let path: PathBuf = dir.join(format!("{}.{}", f.name, if png { "png" } else { "svg" }));
-        crate::plan::write_atomically(&path, &bytes, "figure")?;
+        crate::atomic::write_atomically(&path, &bytes, "figure")?;
         eprintln!(
             "figure written to {} ({} bytes)",
             path.display(),
@@ -69,7 +69,7 @@ pub(crate) fn write_figures(dir: &Path, figures: &[Figure], png: bool) -> Result
 pub(crate) fn write_trace(plan: &Plan, path: &Path, source: &str) -> Result<(), Failure> {
     let trace = meshplan_viz::plan_trace(plan).map_err(|e| bad(format!("{source}: {e}")))?;
     let text = trace.to_json();
-    crate::plan::write_atomically(path, text.as_bytes(), "trace")?;
+    crate::atomic::write_atomically(path, text.as_bytes(), "trace")?;
     eprintln!(
         "predicted trace written to {} ({} spans, {} bytes)",
         path.display(),
@@ -96,13 +96,7 @@ pub(crate) fn draw(
         check_file("--trace", t)?;
     }
     let source = plan_path.display().to_string();
-    let text = std::fs::read_to_string(plan_path)
-        .map_err(|e| bad(format!("{source}: cannot read the plan: {e}")))?;
-    let plan = Plan::from_json(&text).map_err(|e| {
-        bad(format!(
-            "{source}: not a plan file ({e}); give a plan.json written by `meshplan plan`"
-        ))
-    })?;
+    let plan = crate::export::read_plan(plan_path)?;
     let figures = plan_figures(&plan, &source)?;
     write_figures(out, &figures, png)?;
     if let Some(t) = trace {

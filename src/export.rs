@@ -2,18 +2,27 @@
 
 use crate::Failure;
 use meshplan_export::Target;
-use meshplan_ir::plan::Plan;
+use meshplan_ir::plan::{Plan, PlanError};
 use std::path::Path;
 
-/// Reads a plan file: exit 2 naming the file when it is missing or not a plan.
+/// Reads and checks a plan file ([`Plan::read_file`]): exit 2 naming the file and,
+/// for a plan whose parts disagree, the field. Every command that takes a plan reads
+/// it here.
 pub(crate) fn read_plan(path: &Path) -> Result<Plan, Failure> {
+    read_plan_bytes(path).map(|(plan, _)| plan)
+}
+
+/// [`read_plan`], also returning the file's bytes.
+pub(crate) fn read_plan_bytes(path: &Path) -> Result<(Plan, Vec<u8>), Failure> {
     let file = path.display().to_string();
-    let bad = |message: String| Failure { code: 2, message };
-    let text = std::fs::read_to_string(path).map_err(|e| bad(format!("{file}: {e}")))?;
-    Plan::from_json(&text).map_err(|e| {
-        bad(format!(
-            "{file}: not a plan written by `meshplan plan`: {e}; write one with `meshplan plan MODEL CLUSTER -o {file}`"
-        ))
+    Plan::read_file(path).map_err(|e| Failure {
+        code: 2,
+        message: match e {
+            PlanError::Parse(why) => format!(
+                "{file}: not a plan file written by `meshplan plan` ({why}); write one with `meshplan plan MODEL CLUSTER -o {file}`"
+            ),
+            other => format!("{file}: {other}"),
+        },
     })
 }
 
@@ -39,10 +48,7 @@ pub(crate) fn export(plan_path: &Path, to: &str, output: Option<&Path>) -> Resul
     })?;
     match output {
         Some(path) => {
-            std::fs::write(path, &text).map_err(|e| Failure {
-                code: 1,
-                message: format!("{}: cannot write: {e}", path.display()),
-            })?;
+            crate::atomic::write_atomically(path, text.as_bytes(), "export")?;
             tracing::info!("{target} {} written to {}", kind(target), path.display());
         }
         None => print!("{text}"),

@@ -92,7 +92,7 @@ fn requests(
     }
     if let Some(path) = &flags.prompt_file {
         let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| bad(format!("{file}: {e}")))?;
+        let text = meshplan_ir::load::read_text(path).map_err(|e| bad(e.to_string()))?;
         for (n, line) in text.lines().enumerate() {
             if line.trim().is_empty() {
                 continue;

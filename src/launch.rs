@@ -4,11 +4,12 @@
 
 use crate::run::{bad, runtime};
 use crate::Failure;
+use meshplan_executor::launch::auth::TOKEN_VAR;
 use meshplan_executor::launch::env::DEFAULT_MASTER_PORT;
 use meshplan_executor::launch::rendezvous::fnv1a64;
 use meshplan_executor::launch::{
-    hostname, launch as start, LaunchEnv, LaunchOptions, Rendezvous, RendezvousConfig,
-    RendezvousError,
+    hostname, launch as start, JobSecret, LaunchEnv, LaunchOptions, Rendezvous, RendezvousConfig,
+    RendezvousError, SecretSource,
 };
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -69,6 +70,7 @@ pub(crate) fn launch(a: LaunchArgs) -> Result<(), Failure> {
     } else {
         a.master_port
     };
+    let job_token = job_token(a.nnodes)?;
     let program = std::env::current_exe()
         .map_err(|e| runtime(format!("launch: cannot find this program: {e}")))?;
     let opts = LaunchOptions {
@@ -80,6 +82,7 @@ pub(crate) fn launch(a: LaunchArgs) -> Result<(), Failure> {
         master_addr,
         master_port,
         grace: Duration::from_secs_f64(a.grace_s),
+        job_token,
     };
     tracing::info!(
         "launching ranks {}..{} of {} (MASTER_ADDR={} MASTER_PORT={})",
@@ -100,6 +103,31 @@ pub(crate) fn launch(a: LaunchArgs) -> Result<(), Failure> {
             message: format!("stopped by signal {sig}, forwarded to every rank"),
         }),
         (None, None) => Ok(()),
+    }
+}
+
+/// The `MESHPLAN_JOB_TOKEN` to hand the ranks: none when the launcher has one (they
+/// inherit it; checked here so that a bad one fails once, not once per rank), a fresh
+/// random one on a single node. On several nodes each node's launcher would make a
+/// different one, so there the ranks fall back (see `JobSecret::from_env`) and the
+/// launcher says how to set one.
+fn job_token(nnodes: usize) -> Result<Option<String>, Failure> {
+    let own = JobSecret::from_env().map_err(|e| bad(format!("launch: {e}")))?;
+    match own.source() {
+        SecretSource::Token => Ok(None),
+        _ if nnodes == 1 => JobSecret::generate_token()
+            .map(Some)
+            .map_err(|e| runtime(format!("launch: {e}"))),
+        source => {
+            let fallback = match source {
+                SecretSource::SlurmJob(id) => format!("a key derived from SLURM_JOB_ID={id}"),
+                _ => "no secret at all".to_string(),
+            };
+            tracing::warn!(
+                "--nnodes {nnodes} without {TOKEN_VAR}: the launchers of different nodes cannot agree on a random one, so the ranks use {fallback}; export the same {TOKEN_VAR} (e.g. $(openssl rand -hex 32)) on every node before `meshplan launch`"
+            );
+            Ok(None)
+        }
     }
 }
 
@@ -168,10 +196,12 @@ pub(crate) fn rendezvous_check(a: &CheckArgs) -> Result<(), Failure> {
     }
     let plan_hash = match &a.plan {
         Some(p) => fnv1a64(
-            &std::fs::read(p).map_err(|e| bad(format!("{}: cannot read: {e}", p.display())))?,
+            &meshplan_ir::input::read_bounded(p, meshplan_ir::input::PLAN_LIMIT)
+                .map_err(|e| bad(format!("{}: cannot read: {e}", p.display())))?,
         ),
         None => 0,
     };
+    let secret = JobSecret::from_env().map_err(|e| bad(format!("launch variables: {e}")))?;
     let host = hostname();
     println!(
         "rank {} of {}: host {host}, local rank {}, pid {}",
@@ -179,6 +209,17 @@ pub(crate) fn rendezvous_check(a: &CheckArgs) -> Result<(), Failure> {
         env.world_size,
         env.local_rank,
         std::process::id()
+    );
+    // The job id, never the token: tests and operators check that ranks agree.
+    println!(
+        "rank {}: job {} (key from {})",
+        env.rank,
+        secret.job_id_hex(),
+        match secret.source() {
+            SecretSource::Token => TOKEN_VAR.to_string(),
+            SecretSource::SlurmJob(id) => format!("SLURM_JOB_ID={id}"),
+            SecretSource::Open => "nothing: open".to_string(),
+        }
     );
     let cfg = RendezvousConfig {
         master_addr: env.master_addr.clone(),
@@ -188,7 +229,7 @@ pub(crate) fn rendezvous_check(a: &CheckArgs) -> Result<(), Failure> {
         plan_hash,
         timeout: Duration::from_secs_f64(a.timeout_s),
     };
-    let mut rv = Rendezvous::connect(&cfg).map_err(rendezvous_failure)?;
+    let mut rv = Rendezvous::connect_with(&cfg, &secret).map_err(rendezvous_failure)?;
     let mine = format!(
         "{host}\t{}\t{}\t{}",
         env.local_rank,

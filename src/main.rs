@@ -17,6 +17,7 @@ use std::process::ExitCode;
 #[global_allocator]
 static ALLOC: meshplan_executor::alloc::Allocator = meshplan_executor::alloc::ALLOCATOR;
 
+mod atomic;
 mod calibrate;
 mod draw;
 mod explain;
@@ -206,6 +207,10 @@ enum Command {
         /// Also save after every N steps (global step numbers); needs --save.
         #[arg(long, value_name = "N")]
         save_every: Option<u64>,
+        /// Keep only the newest K step folders in the --save folder (the one
+        /// `latest` names always stays); needs --save.
+        #[arg(long, value_name = "K")]
+        keep_last: Option<u64>,
         /// Continue from a checkpoint (a --save DIR, whose `latest` is used, or one
         /// of its step folders), on this or any other plan of the model; --steps
         /// counts all steps, so the run does the steps from the checkpoint's to N.
@@ -330,6 +335,7 @@ enum Command {
 }
 
 /// A failure with its exit code: 2 bad input, 3 does not fit.
+#[derive(Debug)]
 pub(crate) struct Failure {
     pub(crate) code: u8,
     pub(crate) message: String,
@@ -499,6 +505,7 @@ fn main() -> ExitCode {
             threads,
             save,
             save_every,
+            keep_last,
             resume,
             json,
             generate,
@@ -517,6 +524,7 @@ fn main() -> ExitCode {
                 unsupported,
                 save: save.as_deref(),
                 save_every,
+                keep_last,
                 resume: resume.as_deref(),
                 weights: weights.as_deref(),
                 generate: &generate,
@@ -659,7 +667,8 @@ const MODEL_KEYS: &[&str] = &[
 
 /// The first of `keys` that the mapping in `path` has at its top level.
 fn has_top_key(path: &Path, keys: &[&'static str]) -> Option<&'static str> {
-    let text = std::fs::read_to_string(path).ok()?;
+    let text = meshplan_ir::load::read_text(path).ok()?;
+    meshplan_ir::yaml_depth::check_yaml_depth(&text, "").ok()?;
     let serde_yaml_ng::Value::Mapping(m) = serde_yaml_ng::from_str(&text).ok()? else {
         return None;
     };

@@ -4,7 +4,7 @@ use crate::{evaluate, no_fit, print_json, suggestions, Failure};
 use meshplan_cost_model::estimate::gib;
 use meshplan_cost_model::{prepare_model, Cluster, Estimate, InferenceLoad, PreparedGraph};
 use meshplan_ir::{
-    load_model, model_graph, Graph, IrError, ModelSpec, PartialConfig, Workload, WorkloadOverrides,
+    load_model, model_graph, Graph, ModelSpec, PartialConfig, Workload, WorkloadOverrides,
 };
 use meshplan_planner::compare;
 use meshplan_planner::output::plan_of;
@@ -475,7 +475,7 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
         code: 1,
         message: format!("cannot serialise the plan: {e}"),
     })?;
-    write_atomically(&a.output, &bytes, "plan")?;
+    crate::atomic::write_atomically(&a.output, &bytes, "plan")?;
     let source = a.output.display().to_string();
     if let Some(dir) = &a.figures {
         let figures = crate::draw::plan_figures(&plan, &source)?;
@@ -558,22 +558,6 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Writes to a temporary name and renames, so an existing file (a plan, a trace) is
-/// never left half overwritten.
-pub(crate) fn write_atomically(path: &Path, bytes: &[u8], what: &str) -> Result<(), Failure> {
-    let io = |e: std::io::Error| Failure {
-        code: 1,
-        message: format!("{}: cannot write the {what}: {e}", path.display()),
-    };
-    let name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().to_string())
-        .unwrap_or_else(|| what.into());
-    let tmp = path.with_file_name(format!(".{name}.tmp"));
-    std::fs::write(&tmp, bytes).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
-}
-
 #[derive(serde::Deserialize)]
 #[serde(deny_unknown_fields)]
 struct NamedConfig {
@@ -583,10 +567,8 @@ struct NamedConfig {
 
 fn read_configs_file(path: &Path) -> Result<Vec<(String, String)>, Failure> {
     let file = path.display().to_string();
-    let text = std::fs::read_to_string(path).map_err(|e| IrError::Io {
-        path: path.to_path_buf(),
-        source: e,
-    })?;
+    let text = meshplan_ir::load::read_text(path)?;
+    meshplan_ir::yaml_depth::check_yaml_depth(&text, &file)?;
     let list: Vec<NamedConfig> = serde_yaml_ng::from_str(&text).map_err(|e| Failure {
         code: 2,
         message: format!(

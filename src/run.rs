@@ -28,12 +28,19 @@ pub(crate) struct RunArgs<'a> {
     pub unsupported: Vec<&'static str>,
     pub save: Option<&'a Path>,
     pub save_every: Option<u64>,
+    /// `--keep-last`: step folders kept in the `--save` folder.
+    pub keep_last: Option<u64>,
     pub resume: Option<&'a Path>,
     /// A checkpoint (inference plans).
     pub weights: Option<&'a Path>,
     /// Prompts and sampling (inference plans).
     pub generate: &'a crate::generate::GenerateFlags,
 }
+
+/// Most kernel threads `--threads` may give each rank: more than any machine's
+/// cores, and each thread reserves a stack, so 100,000 per rank spent 25 s starting
+/// threads and then aborted.
+pub(crate) const THREADS_PER_RANK_MAX: usize = 1024;
 
 /// Kernel threads per rank: `--threads`, or the machine's cores shared out over
 /// `ranks` ranks (at least one each).
@@ -42,6 +49,9 @@ pub(crate) fn threads_per_rank(requested: Option<usize>, ranks: usize) -> Result
         Some(0) => Err(bad(
             "--threads must be at least 1 (kernel threads per rank)".into(),
         )),
+        Some(t) if t > THREADS_PER_RANK_MAX => Err(bad(format!(
+            "--threads {t}: more than the limit of {THREADS_PER_RANK_MAX} kernel threads per rank; give at most the machine's cores"
+        ))),
         Some(t) => Ok(t),
         None => {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -147,13 +157,7 @@ fn launched_cuda(
 ) -> Result<(), Failure> {
     engine(a.backend)?;
     let file = a.plan.display().to_string();
-    let bytes = std::fs::read(a.plan).map_err(|e| bad(format!("{file}: {e}")))?;
-    let text = String::from_utf8(bytes.clone()).map_err(|e| bad(format!("{file}: {e}")))?;
-    let plan = Plan::from_json(&text).map_err(|e| {
-        bad(format!(
-            "{file}: not a plan written by `meshplan plan`: {e}"
-        ))
-    })?;
+    let (plan, bytes) = crate::export::read_plan_bytes(a.plan)?;
     if plan.kind != PlanKind::Train || plan.ranks.len() != env.world_size {
         return Err(bad(format!(
             "{file}: a launch of {} processes runs a training plan of {} ranks, one per process; this plan has {} ranks{}",
@@ -349,17 +353,13 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     }
     let engine = engine(a.backend)?;
     let file = a.plan.display().to_string();
-    let text = std::fs::read_to_string(a.plan).map_err(|e| bad(format!("{file}: {e}")))?;
-    let plan = Plan::from_json(&text).map_err(|e| {
-        bad(format!(
-            "{file}: not a plan written by `meshplan plan`: {e}"
-        ))
-    })?;
+    let plan = crate::export::read_plan(a.plan)?;
     if plan.kind == PlanKind::Inference {
         let training: Vec<&str> = [
             (a.steps_given, "--steps"),
             (a.save.is_some(), "--save"),
             (a.save_every.is_some(), "--save-every"),
+            (a.keep_last.is_some(), "--keep-last"),
             (a.resume.is_some(), "--resume"),
         ]
         .iter()
@@ -471,6 +471,21 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     if let Some(Err(why)) = &check {
         return Err(runtime(format!(
             "the run differs from the single-rank reference:\n{why}"
+        )));
+    }
+    // A failed save was reported when it happened and training went on; the run
+    // still fails, so that a script does not take the missing checkpoint for saved.
+    let failed: Vec<String> = report
+        .saved
+        .iter()
+        .filter_map(|c| c.error.as_ref().map(|e| format!("step {}: {e}", c.step)))
+        .collect();
+    if !failed.is_empty() {
+        return Err(runtime(format!(
+            "{} of {} checkpoint saves failed:\n{}",
+            failed.len(),
+            report.saved.len(),
+            failed.join("\n")
         )));
     }
     // Dropless expert-parallel bytes follow the router's choices; the plan prices
@@ -600,7 +615,7 @@ fn write_trace(path: &Path, plan: &Plan, report: &TrainReport) -> Result<(), Fai
         .map(|r| (r.rank, r.spans.clone()))
         .collect();
     let text = meshplan_executor::trace::chrome_trace(plan, &spans).to_json();
-    crate::plan::write_atomically(path, text.as_bytes(), "trace")?;
+    crate::atomic::write_atomically(path, text.as_bytes(), "trace")?;
     tracing::info!(
         "trace written to {} ({} spans; open in https://ui.perfetto.dev)",
         path.display(),
@@ -609,21 +624,40 @@ fn write_trace(path: &Path, plan: &Plan, report: &TrainReport) -> Result<(), Fai
     Ok(())
 }
 
-/// Training options of `--save`, `--save-every` and `--resume`, and the step the
-/// run starts at. A checkpoint that cannot be read or does not fit the plan's model
-/// is bad input.
+/// Training options of `--save`, `--save-every`, `--keep-last` and `--resume`, and
+/// the step the run starts at. A checkpoint that cannot be read or does not fit the
+/// plan's model, and a `--save` folder another run holds or whose `latest` this run
+/// would move back, are bad input.
 fn checkpoint_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64), Failure> {
     let mut opts = TrainOptions {
         steps: a.steps,
         ..TrainOptions::default()
     };
-    match (a.save, a.save_every) {
-        (None, Some(_)) => return Err(bad("--save-every needs --save DIR".into())),
-        (_, Some(0)) => return Err(bad("--save-every must be at least 1".into())),
-        (Some(dir), every) => opts.save = Some(SaveOptions::new(dir, every.unwrap_or(0))),
-        (None, None) => {}
+    match (a.save, a.save_every, a.keep_last) {
+        (None, Some(_), _) => return Err(bad("--save-every needs --save DIR".into())),
+        (None, _, Some(_)) => return Err(bad("--keep-last needs --save DIR".into())),
+        (_, Some(0), _) => return Err(bad("--save-every must be at least 1".into())),
+        (_, _, Some(0)) => {
+            return Err(bad(
+                "--keep-last must be at least 1 (the checkpoint `latest` names is always kept)"
+                    .into(),
+            ))
+        }
+        (Some(dir), every, keep_last) => {
+            let mut save = SaveOptions::new(dir, every.unwrap_or(0));
+            save.keep_last = keep_last;
+            save.notify = Some(meshplan_executor::ckpt::SaveNotify(std::sync::Arc::new(
+                |m: &str| tracing::error!("{m}"),
+            )));
+            // Locked before the resumed checkpoint is read, so that no other run
+            // moves `latest` in between.
+            save.lock().map_err(|e| bad(format!("--save: {e}")))?;
+            opts.save = Some(save);
+        }
+        (None, None, None) => {}
     }
     let Some(dir) = a.resume else {
+        prepare_save(&mut opts, 0, a.steps)?;
         return Ok((opts, 0));
     };
     let ck = Checkpoint::open(dir).map_err(|e| bad(format!("--resume: {e}")))?;
@@ -645,7 +679,19 @@ fn checkpoint_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64
     }
     let start = m.step;
     opts.resume = Some(std::sync::Arc::new(ck));
+    prepare_save(&mut opts, start, a.steps)?;
     Ok((opts, start))
+}
+
+/// Checks the `--save` folder for a run from `start` to `steps` (the first save
+/// must not move `latest` back) and removes what dead runs left there.
+fn prepare_save(opts: &mut TrainOptions, start: u64, steps: u64) -> Result<(), Failure> {
+    match opts.save.as_mut() {
+        Some(save) => save
+            .prepare(start, steps)
+            .map_err(|e| bad(format!("--save: {e}"))),
+        None => Ok(()),
+    }
 }
 
 fn print_report(
@@ -727,6 +773,8 @@ fn print_report(
                 "bytes": c.bytes,
                 "files": c.files,
                 "seconds": c.seconds,
+                "saved": c.error.is_none(),
+                "error": c.error,
             })).collect::<Vec<_>>(),
             "bytes_match_plan": bytes.is_empty(),
             "byte_mismatches": bytes,
@@ -802,6 +850,10 @@ fn print_report(
         );
     }
     for c in &r.saved {
+        if let Some(e) = &c.error {
+            println!("checkpoint   step {} FAILED: {e}", c.step);
+            continue;
+        }
         println!(
             "checkpoint   step {} saved to {} ({} files, {:.1} MiB, {:.3} s)",
             c.step,

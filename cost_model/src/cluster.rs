@@ -141,6 +141,11 @@ pub struct Cluster {
     pub calibration: Option<Calibration>,
 }
 
+/// Most GPUs a cluster may have: the most ranks a plan may describe (the planner's
+/// `RANKS_MAX`); beyond it `nodes * gpus_per_node` could also wrap (2^61 nodes of 8
+/// GPUs planned for "0 GPUs").
+pub const GPUS_MAX: u64 = 1 << 20;
+
 impl Cluster {
     /// GPUs in the cluster.
     pub fn gpus(&self) -> u64 {
@@ -196,6 +201,24 @@ impl RawCluster {
                 file,
                 "gpus_per_node",
                 "must be a positive integer, got 0",
+            ));
+        }
+        if nodes
+            .checked_mul(self.gpus_per_node)
+            .is_none_or(|g| g > GPUS_MAX)
+        {
+            let field = if nodes_override.is_some() {
+                "--nodes"
+            } else {
+                "nodes"
+            };
+            return Err(IrError::invalid(
+                file,
+                field,
+                format!(
+                    "nodes({nodes}) * gpus_per_node({}) is more than the limit of {GPUS_MAX} GPUs",
+                    self.gpus_per_node
+                ),
             ));
         }
         let g = &self.gpu;
@@ -275,9 +298,30 @@ fn parse_calibrated(
     nodes_override: Option<u64>,
     overlay: Option<&Path>,
 ) -> Result<Cluster, IrError> {
+    meshplan_ir::yaml_depth::check_yaml_depth(text, file)?;
     let raw: RawCluster =
         serde_yaml_ng::from_str(text).map_err(|e| IrError::from_yaml(file, &e))?;
     let mut cluster = raw.validate(file, nodes_override)?;
+    // A file names only overlays beside it: a shared cluster file must not make
+    // meshplan read (and quote) whatever path it likes. The flag may name any path.
+    if let Some(p) = raw.calibration.as_ref().filter(|_| overlay.is_none()) {
+        let escapes = p.components().any(|c| {
+            !matches!(
+                c,
+                std::path::Component::Normal(_) | std::path::Component::CurDir
+            )
+        });
+        if escapes {
+            return Err(IrError::invalid(
+                file,
+                "calibration",
+                format!(
+                    "names {}, outside the cluster file's folder; write a path relative to the cluster file without `..`, or pass the overlay with --calibration",
+                    p.display()
+                ),
+            ));
+        }
+    }
     let named = raw.calibration.as_ref().map(|p| {
         Path::new(file)
             .parent()

@@ -706,6 +706,7 @@ impl RawOverlay {
 
 /// Parses overlay YAML text (named `file` in messages).
 pub fn parse_overlay_yaml(text: &str, file: &str) -> Result<RawOverlay, IrError> {
+    meshplan_ir::yaml_depth::check_yaml_depth(text, file)?;
     serde_yaml_ng::from_str(text).map_err(|e| IrError::from_yaml(file, &e))
 }
 

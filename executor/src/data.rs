@@ -12,7 +12,6 @@
 
 use crate::init::splitmix;
 use memmap2::Mmap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 /// llm.c's header: 256 little-endian int32, the first three being magic, version
@@ -51,14 +50,6 @@ impl std::fmt::Debug for TokenFile {
     }
 }
 
-#[allow(unsafe_code)]
-fn map_file(file: &File) -> std::io::Result<Mmap> {
-    // SAFETY: the map is read-only and lives as long as the `TokenFile`; a file
-    // truncated by another process while mapped would fault, which is the accepted
-    // contract of every memory-mapped reader (llm.c and nanoGPT's np.memmap alike).
-    unsafe { Mmap::map(file) }
-}
-
 impl TokenFile {
     /// Opens and validates `path`: llm.c header or none, whole `u16` tokens, every
     /// id below `vocab`.
@@ -67,8 +58,8 @@ impl TokenFile {
         let err = |m: String| DataError {
             message: format!("{shown}: {m}"),
         };
-        let file = File::open(path).map_err(|e| err(format!("cannot open: {e}")))?;
-        let map = map_file(&file).map_err(|e| err(format!("cannot map: {e}")))?;
+        let map =
+            crate::mapped::map_readonly(path).map_err(|e| err(format!("cannot read: {e}")))?;
         let word = |i: usize| -> Option<i32> {
             map.get(4 * i..4 * i + 4)
                 .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))

@@ -14,6 +14,8 @@
 //!   single-rank run.
 //! - [`weights`]: Hugging Face safetensors checkpoints, each rank reading its shard
 //!   from a shared memory map; [`tokenize`]: `tokenizer.json` prompts.
+//! - [`mapped`]: read-only maps of input files, and a clear stop when one is
+//!   truncated under a run.
 //! - [`alloc`]: the allocator a process running ranks should use.
 //! - [`launch`]: processes as ranks: torchrun/Slurm variables, the TCP rendezvous
 //!   (NCCL's unique id), and the `meshplan launch` supervisor.
@@ -31,6 +33,7 @@ pub mod device;
 pub mod infer;
 pub mod init;
 pub mod launch;
+pub mod mapped;
 pub mod sample;
 pub mod shard;
 pub mod tokenize;

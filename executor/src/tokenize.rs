@@ -23,7 +23,9 @@ impl TextTokenizer {
         if !path.exists() {
             return Ok(None);
         }
-        tokenizers::Tokenizer::from_file(&path)
+        let bytes = meshplan_ir::input::read_bounded(&path, meshplan_ir::input::TEXT_LIMIT)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        tokenizers::Tokenizer::from_bytes(bytes)
             .map(|inner| Some(TextTokenizer { inner }))
             .map_err(|e| format!("{}: not a tokenizer file: {e}", path.display()))
     }

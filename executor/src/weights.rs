@@ -19,7 +19,6 @@ use meshplan_ir::spec::TransformerSpec;
 use meshplan_ir::{Dim, Graph, Op, SegmentKind, TensorId, TensorKind, TpRole};
 use safetensors::tensor::{Dtype, SafeTensors};
 use std::collections::HashMap;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
 /// Why a checkpoint cannot serve a plan: names the file, tensor or field and the fix.
@@ -177,7 +176,11 @@ impl Checkpoint {
     pub fn open(dir: &Path) -> Result<Checkpoint, WeightsError> {
         let shown = dir.display();
         let config_path = dir.join("config.json");
-        let config_text = std::fs::read_to_string(&config_path).map_err(|e| {
+        let config_text = meshplan_ir::input::read_text_bounded(
+            &config_path,
+            meshplan_ir::input::TEXT_LIMIT,
+        )
+        .map_err(|e| {
             werr(format!(
                 "{}: {e} (--weights takes a Hugging Face checkpoint directory holding config.json and *.safetensors)",
                 config_path.display()
@@ -213,8 +216,8 @@ impl Checkpoint {
         let mut maps = Vec::new();
         let mut index = HashMap::new();
         for (fi, path) in files.iter().enumerate() {
-            let file = File::open(path).map_err(|e| werr(format!("{}: {e}", path.display())))?;
-            let map = map_file(&file).map_err(|e| werr(format!("{}: {e}", path.display())))?;
+            let map = crate::mapped::map_readonly(path)
+                .map_err(|e| werr(format!("{}: {e}", path.display())))?;
             let (header, meta) = SafeTensors::read_metadata(&map)
                 .map_err(|e| werr(format!("{}: not a safetensors file: {e}", path.display())))?;
             let base = 8 + header;
@@ -622,15 +625,6 @@ fn expected_shape(one_d: bool, transpose: bool, rows: usize, cols: usize) -> Vec
     } else {
         vec![rows, cols]
     }
-}
-
-/// Maps a checkpoint file read-only.
-#[allow(unsafe_code)]
-fn map_file(file: &File) -> std::io::Result<Mmap> {
-    // SAFETY: the mapping is read-only and lives as long as the checkpoint; the file
-    // must not be truncated or rewritten while a run reads it, the usual condition of
-    // memory-mapped checkpoints (safetensors' own loaders make the same one).
-    unsafe { Mmap::map(file) }
 }
 
 /// The architecture sizes a checkpoint must agree on.

@@ -302,7 +302,13 @@ impl PartialConfig {
         let tp = self.tp.unwrap_or(1);
         let pp = self.pp.unwrap_or(1);
         let cp = self.cp.unwrap_or(1);
-        let others = tp * pp * cp;
+        let Some(others) = tp.checked_mul(pp).and_then(|x| x.checked_mul(cp)) else {
+            return Err(bad(
+                source,
+                "tp",
+                format!("tp({tp}) * pp({pp}) * cp({cp}) is larger than any cluster; choose degrees whose product divides GPUs({gpus})"),
+            ));
+        };
         let dp = match self.dp {
             Some(d) => d,
             None => {
@@ -316,14 +322,18 @@ impl PartialConfig {
                 gpus / others
             }
         };
-        if dp * others != gpus {
+        if dp.checked_mul(others) != Some(gpus) {
             return Err(bad(
                 source,
                 "dp",
                 format!(
-                    "dp({dp}) * tp({tp}) * pp({pp}) * cp({cp}) = {} != GPUs({gpus}); leave dp out to use dp={}",
-                    dp * others,
-                    if gpus.is_multiple_of(others) { (gpus / others).to_string() } else { "-".into() }
+                    "dp({dp}) * tp({tp}) * pp({pp}) * cp({cp}) = {} != GPUs({gpus}); {}",
+                    u128::from(dp) * u128::from(others),
+                    if gpus.is_multiple_of(others) {
+                        format!("leave dp out to use dp={}", gpus / others)
+                    } else {
+                        format!("tp * pp * cp = {others} does not divide {gpus} either: choose degrees whose product divides {gpus}")
+                    }
                 ),
             ));
         }

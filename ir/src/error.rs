@@ -92,9 +92,62 @@ impl IrError {
 }
 
 /// serde's messages end with "at line L column C"; the error already carries both.
+/// What they quote of the file is clipped, so a wrong file given as input (a
+/// `calibration:` naming `/etc/passwd`) is not echoed whole.
 fn strip_location(msg: &str) -> String {
-    match msg.rfind(" at line ") {
-        Some(i) => msg[..i].to_string(),
-        None => msg.to_string(),
+    let msg = match msg.rfind(" at line ") {
+        Some(i) => &msg[..i],
+        None => msg,
+    };
+    clip_quotes(msg)
+}
+
+/// The longest stretch of file content a message quotes.
+const QUOTE_CHARS: usize = 40;
+
+/// Shortens every double-quoted stretch of `msg` longer than forty characters and
+/// keeps only its first line.
+pub fn clip_quotes(msg: &str) -> String {
+    let mut out = String::with_capacity(msg.len().min(512));
+    let mut parts = msg.split('"');
+    if let Some(first) = parts.next() {
+        out.push_str(first);
+    }
+    for (i, part) in parts.enumerate() {
+        out.push('"');
+        let quoted = i % 2 == 0;
+        if !quoted {
+            out.push_str(part);
+            continue;
+        }
+        let line = part.lines().next().unwrap_or("");
+        let clipped: String = line.chars().take(QUOTE_CHARS).collect();
+        out.push_str(&clipped);
+        if clipped.len() < part.len() {
+            out.push('…');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod clip_tests {
+    use super::clip_quotes;
+
+    #[test]
+    fn long_quotes_are_clipped_to_forty_characters_and_one_line() {
+        let long = "x".repeat(100);
+        let msg = format!("invalid type: string \"{long}\", expected a map");
+        let want = format!(
+            "invalid type: string \"{}…\", expected a map",
+            "x".repeat(40)
+        );
+        assert_eq!(clip_quotes(&msg), want);
+        assert_eq!(clip_quotes("a \"b\nc\" d"), "a \"b…\" d");
+        assert_eq!(clip_quotes("no quotes"), "no quotes");
+        assert_eq!(
+            clip_quotes("unknown field `x`, \"short\""),
+            "unknown field `x`, \"short\""
+        );
     }
 }

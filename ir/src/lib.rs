@@ -21,8 +21,10 @@ pub mod hf;
 pub mod input;
 pub mod load;
 pub mod plan;
+pub mod plan_check;
 pub mod spec;
 pub mod trace;
+pub mod yaml_depth;
 
 pub use builder::build_transformer;
 pub use config::{AttnImpl, ParallelConfig, PartialConfig, Recompute, Schedule};

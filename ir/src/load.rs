@@ -47,6 +47,7 @@ pub fn load_model(path: &Path, overrides: &WorkloadOverrides) -> Result<ModelSpe
 
 /// Parses and validates model YAML text.
 pub fn parse_model_yaml(text: &str, file: &str) -> Result<ModelSpec, IrError> {
+    crate::yaml_depth::check_yaml_depth(text, file)?;
     let raw: RawModel = serde_yaml_ng::from_str(text).map_err(|e| IrError::from_yaml(file, &e))?;
     raw.validate(file)
 }
@@ -59,8 +60,9 @@ fn apply_overrides(
     if let Some(wf) = &ov.workload_file {
         let wfile = wf.display().to_string();
         let text = read_text(wf)?;
-        let w: Workload =
-            serde_yaml_ng::from_str(&text).map_err(|e| IrError::from_yaml(&wfile, &e))?;
+        let w: Workload = crate::yaml_depth::check_yaml_depth(&text, &wfile).and_then(|()| {
+            serde_yaml_ng::from_str(&text).map_err(|e| IrError::from_yaml(&wfile, &e))
+        })?;
         w.validate(&wfile)?;
         spec.workload = Some(w);
     }

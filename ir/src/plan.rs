@@ -39,6 +39,26 @@ use crate::spec::{TransformerSpec, Workload};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+pub use crate::plan_check::PlanError;
+
+/// serde's message, cut to its first line and 200 characters: it may quote the
+/// file, and a wrong file given as a plan should not be echoed whole.
+fn clip(msg: &str) -> String {
+    let line = msg.lines().next().unwrap_or("");
+    let mut out: String = line.chars().take(200).collect();
+    if out.len() < msg.len() {
+        out.push('…');
+    }
+    out
+}
+
+/// Only the version, read before the rest so that a plan of another format is named
+/// as such.
+#[derive(Deserialize)]
+struct FormatOnly {
+    format: u32,
+}
+
 /// Version of the plan format this crate writes and reads.
 pub const PLAN_FORMAT: u32 = 1;
 
@@ -587,16 +607,36 @@ impl Plan {
         serde_json::to_vec(self)
     }
 
-    /// Reads a plan, rejecting a format version this crate does not know.
-    pub fn from_json(text: &str) -> Result<Plan, String> {
-        let plan: Plan = serde_json::from_str(text).map_err(|e| e.to_string())?;
-        if plan.format != PLAN_FORMAT {
-            return Err(format!(
-                "plan format {} is not supported (this build reads format {PLAN_FORMAT})",
-                plan.format
-            ));
+    /// Reads a plan and checks it ([`Plan::validate`]): a format version this crate
+    /// does not know, or a plan whose parts disagree, is an error naming the field.
+    pub fn from_json(text: &str) -> Result<Plan, PlanError> {
+        // The version first, so a newer format is named as such rather than as
+        // whatever field it renamed.
+        if let Ok(v) = serde_json::from_str::<FormatOnly>(text) {
+            if v.format != PLAN_FORMAT {
+                return Err(PlanError::Format { found: v.format });
+            }
         }
+        let plan: Plan =
+            serde_json::from_str(text).map_err(|e| PlanError::Parse(clip(&e.to_string())))?;
+        plan.validate()?;
         Ok(plan)
+    }
+
+    /// Reads and checks the plan file at `path`, refusing what is not a regular file
+    /// or is larger than [`crate::input::PLAN_LIMIT`]; also returns the file's bytes
+    /// (the rendezvous hashes them).
+    pub fn read_file(path: &std::path::Path) -> Result<(Plan, Vec<u8>), PlanError> {
+        let bytes = crate::input::read_bounded(path, crate::input::PLAN_LIMIT)
+            .map_err(|e| PlanError::Parse(format!("cannot read: {e}")))?;
+        let text = std::str::from_utf8(&bytes).map_err(|e| {
+            PlanError::Parse(format!(
+                "is not UTF-8 text (invalid byte at offset {})",
+                e.valid_up_to()
+            ))
+        })?;
+        let plan = Plan::from_json(text)?;
+        Ok((plan, bytes))
     }
 
     /// The largest bytes any stage sends per run of phase `kind`, per axis taken

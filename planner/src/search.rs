@@ -185,10 +185,12 @@ pub fn divisors(n: u64) -> Vec<u64> {
     let mut small = Vec::new();
     let mut large = Vec::new();
     let mut d = 1;
-    while d * d <= n {
+    // `d <= n / d`, not `d * d <= n`: the square wraps for n near 2^64 and the loop
+    // never ends.
+    while d <= n / d {
         if n.is_multiple_of(d) {
             small.push(d);
-            if d * d != n {
+            if d != n / d {
                 large.push(n / d);
             }
         }

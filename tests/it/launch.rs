@@ -5,11 +5,15 @@
 //! WORLD_SIZE is refused naming both values; the first failure's exit code is
 //! forwarded and the other ranks are stopped; signals are forwarded; no rank
 //! outlives its launcher; `run` refuses a multi-process launch on the CPU backend.
+//! Issue 16: `launch` hands its ranks one job token; a stranger process of another
+//! job, killer frames and 100 idle connections do not stop a job of real processes.
 
 use crate::bin::{command, finish, meshplan, plan_file, temp_dir, Run};
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+const TOKEN_VAR: &str = "MESHPLAN_JOB_TOKEN";
 
 fn free_port() -> u16 {
     let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -18,8 +22,23 @@ fn free_port() -> u16 {
 
 /// `meshplan ARGS` with launch variables for `rank` of `world` on `port`.
 fn rank_process(args: &[&str], rank: usize, world: usize, port: u16) -> Child {
-    command()
-        .args(args)
+    rank_process_with(args, rank, world, port, None)
+}
+
+/// As [`rank_process`], with `token` as `MESHPLAN_JOB_TOKEN` (`None`: unset).
+fn rank_process_with(
+    args: &[&str],
+    rank: usize,
+    world: usize,
+    port: u16,
+    token: Option<&str>,
+) -> Child {
+    let mut cmd = command();
+    match token {
+        Some(t) => cmd.env(TOKEN_VAR, t),
+        None => cmd.env_remove(TOKEN_VAR),
+    };
+    cmd.args(args)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", world.to_string())
         .env("LOCAL_RANK", rank.to_string())
@@ -126,10 +145,13 @@ fn a_missing_process_times_out_naming_its_rank() {
 
 #[test]
 fn a_different_world_size_is_refused_naming_both_values() {
+    // Both hold the job's token, so rank 0 knows the misconfigured rank is its own
+    // and fails the job at once.
     let port = free_port();
     let args = ["rendezvous-check", "--timeout", "20"];
-    let r0 = rank_process(&args, 0, 2, port);
-    let r1 = rank_process(&args, 1, 3, port);
+    let token = Some("issue-16-it-token-0123456789");
+    let r0 = rank_process_with(&args, 0, 2, port, token);
+    let r1 = rank_process_with(&args, 1, 3, port, token);
     let (r0, r1) = (wait(&args, r0), wait(&args, r1));
     let want = "rank 1 was started with WORLD_SIZE=3, but rank 0 with WORLD_SIZE=2";
     r0.expect_code(2);
@@ -430,4 +452,143 @@ fn run_refuses_a_multi_process_launch_on_the_cpu_backend() {
             run.stderr
         );
     }
+}
+
+/// The `job ID (key from SOURCE)` each rank of a `rendezvous-check` output printed.
+fn job_ids(out: &str, n: usize) -> Vec<String> {
+    (0..n)
+        .map(|r| {
+            let prefix = format!("[rank {r}] rank {r}: job ");
+            let line = out
+                .lines()
+                .find(|l| l.starts_with(&prefix))
+                .unwrap_or_else(|| panic!("no `{prefix}` in:\n{out}"));
+            line[prefix.len()..].to_string()
+        })
+        .collect()
+}
+
+#[test]
+fn r16_launch_hands_its_ranks_one_job_token() {
+    let args = [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        "0",
+        "--",
+        "rendezvous-check",
+        "--timeout",
+        "30",
+    ];
+    let launch = || {
+        let mut c = command();
+        c.env_remove(TOKEN_VAR).args(args);
+        let run = finish(&args, &c.output().expect("launch"));
+        run.expect_code(0);
+        assert!(
+            !run.stderr.contains("is not set"),
+            "no fallback warning under launch:\n{}",
+            run.stderr
+        );
+        job_ids(&run.stdout, 2)
+    };
+    let (a, b) = (launch(), launch());
+    assert_eq!(a[0], a[1], "the ranks of one launch share a job");
+    assert!(a[0].ends_with("(key from MESHPLAN_JOB_TOKEN)"), "{a:?}");
+    assert_ne!(a[0], b[0], "two launches are two jobs");
+    // A token given to the launcher is checked once, there.
+    let mut c = command();
+    c.env(TOKEN_VAR, "short").args(args);
+    let run = finish(&args, &c.output().expect("launch"));
+    run.expect_code(2);
+    assert!(
+        run.stderr.contains("MESHPLAN_JOB_TOKEN: has 5 characters")
+            && run.stderr.contains("openssl rand -hex 32"),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn r16_strangers_killer_frames_and_idle_connections_do_not_stop_a_job() {
+    use std::io::{Read, Write};
+    let port = free_port();
+    let token = Some("issue-16-it-token-0123456789");
+    let args = ["rendezvous-check", "--timeout", "20"];
+    let r0 = rank_process_with(&args, 0, 3, port, token);
+    // 100 idle connections, opened as soon as rank 0 listens and held throughout.
+    let t_listen = Instant::now();
+    let first = loop {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => break s,
+            Err(_) if t_listen.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => panic!("rank 0 never listened: {e}"),
+        }
+    };
+    let mut idle = vec![first];
+    for _ in 0..99 {
+        idle.push(std::net::TcpStream::connect(("127.0.0.1", port)).expect("idle"));
+    }
+    // Killer frames: a hello of protocol version 1, and bytes of another protocol.
+    for bytes in [
+        {
+            let mut f = b"MPRV\x01\x00\x01\x10\x00\x00\x00".to_vec();
+            f.extend_from_slice(&[1, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+            f
+        },
+        b"GET / HTTP/1.0\r\n\r\n".to_vec(),
+    ] {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("killer");
+        s.write_all(&bytes).expect("send");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut answer = Vec::new();
+        let _ = s.read_to_end(&mut answer);
+        assert!(
+            String::from_utf8_lossy(&answer).contains("refused this connection"),
+            "{answer:?}"
+        );
+    }
+    // A process of another job (its own token), same plan and world size, as rank 1.
+    let stranger = wait(
+        &args,
+        rank_process_with(&args, 1, 3, port, Some("another-job-token-abcdefghij")),
+    );
+    stranger.expect_code(2);
+    assert!(
+        stranger.stderr.contains("of another job"),
+        "{}",
+        stranger.stderr
+    );
+    // The real ranks join behind all of that.
+    let t0 = Instant::now();
+    let r1 = rank_process_with(&args, 1, 3, port, token);
+    let r2 = rank_process_with(&args, 2, 3, port, token);
+    let (r1, r2, r0) = (wait(&args, r1), wait(&args, r2), wait(&args, r0));
+    let elapsed = t0.elapsed();
+    eprintln!("3 rank processes behind 100 idle connections, 2 killer frames and a stranger joined and finished in {elapsed:?}");
+    r1.expect_code(0);
+    r2.expect_code(0);
+    r0.expect_code(0);
+    assert!(
+        r0.stdout.contains("rendezvous ok: 3 ranks"),
+        "{}",
+        r0.stdout
+    );
+    assert!(elapsed < Duration::from_secs(15), "{elapsed:?}");
+    for why in [
+        "speaks rendezvous protocol version 1",
+        "not a meshplan rendezvous frame",
+        "of another job",
+    ] {
+        assert!(
+            r0.stderr.contains("refused 127.0.0.1:") && r0.stderr.contains(why),
+            "`{why}` missing from rank 0's log:\n{}",
+            r0.stderr
+        );
+    }
+    drop(idle);
 }

@@ -1,12 +1,15 @@
 //! Processes as ranks: where a process sits in a multi-process run ([`LaunchEnv`],
 //! from torchrun's or Slurm's variables), the TCP [`Rendezvous`] through which the
-//! processes find each other and share the NCCL unique id, and the `meshplan launch`
-//! supervisor ([`spawn::launch`]) that starts a node's ranks.
+//! processes find each other and share the NCCL unique id, the job secret
+//! ([`JobSecret`], from `MESHPLAN_JOB_TOKEN`) with which they prove to each other
+//! that they belong to one job, and the `meshplan launch` supervisor
+//! ([`spawn::launch`]) that starts a node's ranks.
 //!
 //! The CPU backend runs every rank as a thread of one process
 //! ([`crate::comm::ThreadComm`]); processes matter for the CUDA backend, one per GPU,
 //! with NCCL between them.
 
+pub mod auth;
 pub mod env;
 pub mod nodelist;
 pub mod rendezvous;
@@ -15,6 +18,7 @@ pub mod spawn;
 #[cfg(test)]
 mod tests;
 
+pub use auth::{JobSecret, SecretSource};
 pub use env::{LaunchEnv, LaunchEnvError};
 pub use rendezvous::{Rendezvous, RendezvousConfig, RendezvousError};
 pub use spawn::{launch, watch_launcher, LaunchOptions, LaunchOutcome};

@@ -1,6 +1,8 @@
 //! `meshplan launch`: start this node's ranks as processes of a program (the
 //! `meshplan` binary itself) with torchrun's variables, prefix their output with
-//! `[rank r]`, and stop them all when one fails or the launcher is signalled.
+//! `[rank r]`, and stop them all when one fails or the launcher is signalled. The
+//! ranks get the job's `MESHPLAN_JOB_TOKEN` ([`LaunchOptions::job_token`]) with which
+//! they prove to rank 0 that they belong to this job.
 //!
 //! # Failures and signals
 //!
@@ -48,6 +50,9 @@ pub struct LaunchOptions {
     pub master_port: u16,
     /// Between SIGTERM and SIGKILL when stopping ranks.
     pub grace: Duration,
+    /// The job's `MESHPLAN_JOB_TOKEN` to hand every rank (`None`: the ranks inherit
+    /// the launcher's environment, token or not).
+    pub job_token: Option<String>,
 }
 
 /// How a launch ended.
@@ -180,7 +185,13 @@ pub fn launch(o: &LaunchOptions) -> Result<LaunchOutcome, String> {
     let me = std::process::id().to_string();
     for local in 0..o.nproc_per_node {
         let rank = o.node_rank * o.nproc_per_node + local;
-        let spawned: std::io::Result<Child> = Command::new(&o.program)
+        let mut cmd = Command::new(&o.program);
+        if let Some(t) = &o.job_token {
+            // Through the environment, as torchrun passes its variables: a command
+            // line would show the token to every user of the node in `ps`.
+            cmd.env(super::auth::TOKEN_VAR, t);
+        }
+        let spawned: std::io::Result<Child> = cmd
             .args(&o.args)
             .env("RANK", rank.to_string())
             .env("LOCAL_RANK", local.to_string())

@@ -1,11 +1,21 @@
 //! The rendezvous with ranks as threads on loopback: worlds of 1, 2 and 4, the NCCL
-//! id broadcast, timeouts naming the missing ranks, refusals naming both values.
+//! id broadcast, timeouts naming the missing ranks, refusals naming both values; and
+//! the authenticated handshake of issue 16 against strangers: a wrong token, killer
+//! frames, 100 idle connections, two jobs on one port, and the wire itself.
 
-use super::rendezvous::{fnv1a64, Rendezvous, RendezvousConfig, RendezvousError};
-use std::io::Write;
+use super::auth::JobSecret;
+use super::rendezvous::{fnv1a64, Rendezvous, RendezvousConfig, RendezvousError, HELLO_TIMEOUT};
+use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
+
+/// The job's token in these tests (what `MESHPLAN_JOB_TOKEN` would hold).
+const TOKEN: &str = "issue-16-test-token-0123456789";
+
+fn secret() -> JobSecret {
+    JobSecret::from_token(TOKEN).expect("a valid token")
+}
 
 fn listener() -> (TcpListener, u16) {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
@@ -31,18 +41,34 @@ fn world<T: Send + 'static>(
     f: impl Fn(Result<Rendezvous, RendezvousError>) -> T + Send + Sync + Clone + 'static,
 ) -> Vec<T> {
     let (l, port) = listener();
+    world_on(l, port, world_size, timeout_ms, f)
+}
+
+fn world_on<T: Send + 'static>(
+    l: TcpListener,
+    port: u16,
+    world_size: usize,
+    timeout_ms: u64,
+    f: impl Fn(Result<Rendezvous, RendezvousError>) -> T + Send + Sync + Clone + 'static,
+) -> Vec<T> {
     let mut handles = Vec::new();
     for rank in (1..world_size).rev() {
         let f = f.clone();
         handles.push(thread::spawn(move || {
-            f(Rendezvous::connect(&cfg(
-                port, rank, world_size, timeout_ms,
-            )))
+            f(Rendezvous::connect_with(
+                &cfg(port, rank, world_size, timeout_ms),
+                &secret(),
+            ))
         }));
     }
     let f0 = f.clone();
-    let host =
-        thread::spawn(move || f0(Rendezvous::host(l, &cfg(port, 0, world_size, timeout_ms))));
+    let host = thread::spawn(move || {
+        f0(Rendezvous::host_with(
+            l,
+            &cfg(port, 0, world_size, timeout_ms),
+            &secret(),
+        ))
+    });
     let mut out = vec![host.join().expect("rank 0")];
     for h in handles.into_iter().rev() {
         out.push(h.join().expect("rank"));
@@ -140,8 +166,10 @@ fn nobody_listening_times_out_naming_rank_0() {
 #[test]
 fn a_different_world_size_is_refused_naming_both() {
     let (l, port) = listener();
-    let member = thread::spawn(move || Rendezvous::connect(&cfg(port, 1, 3, 5000)).map(|_| ()));
-    let e = Rendezvous::host(l, &cfg(port, 0, 2, 5000)).expect_err("refused");
+    let member = thread::spawn(move || {
+        Rendezvous::connect_with(&cfg(port, 1, 3, 5000), &secret()).map(|_| ())
+    });
+    let e = Rendezvous::host_with(l, &cfg(port, 0, 2, 5000), &secret()).expect_err("refused");
     assert!(e.is_bad_input());
     let msg = e.to_string();
     assert!(
@@ -159,9 +187,9 @@ fn a_different_plan_and_a_taken_rank_are_refused() {
     let member = thread::spawn(move || {
         let mut c = cfg(port, 1, 2, 5000);
         c.plan_hash = 7;
-        Rendezvous::connect(&c).map(|_| ())
+        Rendezvous::connect_with(&c, &secret()).map(|_| ())
     });
-    let e = Rendezvous::host(l, &cfg(port, 0, 2, 5000)).expect_err("refused");
+    let e = Rendezvous::host_with(l, &cfg(port, 0, 2, 5000), &secret()).expect_err("refused");
     assert!(
         e.to_string()
             .contains("hash 0000000000000007, but rank 0 one with hash 000000000000002a"),
@@ -169,13 +197,17 @@ fn a_different_plan_and_a_taken_rank_are_refused() {
     );
     assert!(member.join().expect("member").is_err());
 
-    // Two processes claiming rank 1 of 3: the second is refused, and so is the first
-    // (the rendezvous fails as a whole).
+    // Two processes holding the job's token claim rank 1 of 3: the second is
+    // refused, and so is the first (the job cannot succeed, so it fails as a whole).
     let (l, port) = listener();
-    let first = thread::spawn(move || Rendezvous::connect(&cfg(port, 1, 3, 5000)).map(|_| ()));
+    let first = thread::spawn(move || {
+        Rendezvous::connect_with(&cfg(port, 1, 3, 5000), &secret()).map(|_| ())
+    });
     thread::sleep(Duration::from_millis(200));
-    let second = thread::spawn(move || Rendezvous::connect(&cfg(port, 1, 3, 5000)).map(|_| ()));
-    let e = Rendezvous::host(l, &cfg(port, 0, 3, 5000)).expect_err("refused");
+    let second = thread::spawn(move || {
+        Rendezvous::connect_with(&cfg(port, 1, 3, 5000), &secret()).map(|_| ())
+    });
+    let e = Rendezvous::host_with(l, &cfg(port, 0, 3, 5000), &secret()).expect_err("refused");
     assert!(
         e.to_string().contains("two processes connected as RANK=1"),
         "{e}"
@@ -274,4 +306,324 @@ fn strangers_on_the_port_are_ignored() {
 fn fnv_is_the_reference_hash() {
     assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
     assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+}
+
+// === Issue 16: strangers on the rendezvous port ===
+
+/// A frame as the protocol documents it, written by hand so that these tests pin
+/// the wire format rather than reuse the implementation's encoder.
+fn raw_frame(version: u16, kind: u8, payload: &[u8]) -> Vec<u8> {
+    let mut b = b"MPRV".to_vec();
+    b.extend_from_slice(&version.to_le_bytes());
+    b.push(kind);
+    b.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    b.extend_from_slice(payload);
+    b
+}
+
+/// Reads one frame (kind, payload), or `None` at end of stream or after 5 s.
+fn read_raw_frame(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    let mut h = [0u8; 11];
+    s.read_exact(&mut h).ok()?;
+    assert_eq!(&h[..4], b"MPRV");
+    assert_eq!(u16::from_le_bytes([h[4], h[5]]), 2, "protocol version");
+    let len = u32::from_le_bytes([h[7], h[8], h[9], h[10]]) as usize;
+    let mut p = vec![0u8; len];
+    s.read_exact(&mut p).ok()?;
+    Some((h[6], p))
+}
+
+const KIND_HELLO: u8 = 1;
+const KIND_REFUSE: u8 = 3;
+const KIND_CHALLENGE: u8 = 6;
+const KIND_ADMIT: u8 = 7;
+
+/// A stranger: connects, takes the challenge, sends `bytes`, and returns what rank 0
+/// answered (its refusal's text, if any).
+fn stranger(port: u16, bytes: Vec<u8>) -> thread::JoinHandle<Option<String>> {
+    thread::spawn(move || {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        let (kind, nonce) = read_raw_frame(&mut s).expect("a challenge");
+        assert_eq!((kind, nonce.len()), (KIND_CHALLENGE, 32));
+        s.write_all(&bytes).expect("send");
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        match read_raw_frame(&mut s) {
+            Some((KIND_REFUSE, text)) => Some(String::from_utf8_lossy(&text).into_owned()),
+            _ => None,
+        }
+    })
+}
+
+/// A hello's payload for rank 1 of `world` with plan hash 42 and the given job id,
+/// carrying a tag the sender could not compute (it lacks the key).
+fn forged_hello(world: u32, job_id: [u8; 16]) -> Vec<u8> {
+    let mut p = Vec::new();
+    p.extend_from_slice(&1u32.to_le_bytes());
+    p.extend_from_slice(&world.to_le_bytes());
+    p.extend_from_slice(&42u64.to_le_bytes());
+    p.extend_from_slice(&job_id);
+    p.extend_from_slice(&[7u8; 32]);
+    p.extend_from_slice(&[0u8; 32]);
+    p
+}
+
+/// Ranks 1 and 2 of the real job (after the strangers), and rank 0's rendezvous; the
+/// job runs an all_gather and a broadcast, and rank 0's rendezvous is returned.
+fn real_job_of_3(l: TcpListener, port: u16, strangers_first: impl FnOnce()) -> Rendezvous {
+    let host = thread::spawn(move || {
+        let mut r = Rendezvous::host_with(l, &cfg(port, 0, 3, 10_000), &secret())
+            .expect("rank 0 completes the rendezvous");
+        let all = r.all_gather_bytes(b"r0").expect("all_gather");
+        assert_eq!(all.len(), 3);
+        r.broadcast(b"nccl-id").expect("broadcast");
+        r
+    });
+    strangers_first();
+    let members: Vec<_> = (1..3)
+        .map(|rank| {
+            thread::spawn(move || {
+                let mut r = Rendezvous::connect_with(&cfg(port, rank, 3, 10_000), &secret())
+                    .expect("a real rank joins");
+                r.all_gather_bytes(b"rN").expect("all_gather");
+                r.broadcast(&[]).expect("broadcast")
+            })
+        })
+        .collect();
+    for m in members {
+        assert_eq!(m.join().expect("member"), b"nccl-id");
+    }
+    host.join().expect("rank 0")
+}
+
+#[test]
+fn r16_a_stranger_with_the_plan_hash_but_not_the_token_is_refused() {
+    let (l, port) = listener();
+    let rv = real_job_of_3(l, port, || {
+        // Right plan hash, world size and rank, wrong token: before the fix it was
+        // admitted as rank 1 and the real rank 1 was locked out.
+        let wrong = JobSecret::from_token("not-the-job-token-0123456789").expect("token");
+        let e = Rendezvous::connect_with(&cfg(port, 1, 3, 5000), &wrong)
+            .expect_err("a stranger is refused");
+        assert!(e.is_bad_input(), "{e:?}");
+        let msg = e.to_string();
+        assert!(msg.contains("of another job"), "{msg}");
+        assert!(msg.contains(&secret().job_id_hex()), "{msg}");
+        // A stranger who copied the job id off the wire still lacks the key.
+        let answer = stranger(
+            port,
+            raw_frame(2, KIND_HELLO, &forged_hello(3, secret().job_id())),
+        )
+        .join()
+        .expect("stranger");
+        let answer = answer.expect("a refusal");
+        assert!(answer.contains("carries a wrong tag"), "{answer}");
+        assert!(answer.contains("MESHPLAN_JOB_TOKEN"), "{answer}");
+    });
+    assert_eq!(rv.refused_connections(), 2, "{:?}", rv.refusal_log());
+    for line in rv.refusal_log() {
+        assert!(line.starts_with("refused 127.0.0.1:"), "{line}");
+    }
+}
+
+#[test]
+fn r16_killer_frames_do_not_stop_the_job() {
+    let (l, port) = listener();
+    let job = secret().job_id();
+    let mut v1_hello = Vec::new();
+    v1_hello.extend_from_slice(&1u32.to_le_bytes());
+    v1_hello.extend_from_slice(&3u32.to_le_bytes());
+    v1_hello.extend_from_slice(&42u64.to_le_bytes());
+    let mut oversized = raw_frame(2, KIND_HELLO, &[]);
+    oversized[7..11].copy_from_slice(&u32::MAX.to_le_bytes());
+    let killers: Vec<(Vec<u8>, &str)> = vec![
+        // Before the fix, a hello of another version made rank 0 exit.
+        (raw_frame(1, KIND_HELLO, &v1_hello), "protocol version 1"),
+        // Before the fix, a hello with another WORLD_SIZE made rank 0 exit.
+        (
+            raw_frame(2, KIND_HELLO, &forged_hello(7, job)),
+            "carries a wrong tag",
+        ),
+        (
+            b"GET / HTTP/1.0\r\n\r\n".to_vec(),
+            "not a meshplan rendezvous frame",
+        ),
+        (oversized, "of 4294967295 bytes where at most 96"),
+        (raw_frame(2, 200, &[]), "unknown kind 200"),
+        (raw_frame(2, KIND_HELLO, &[1, 2, 3]), "a hello of 3 bytes"),
+        (raw_frame(2, KIND_HELLO, &[0; 40])[..30].to_vec(), "closed"),
+    ];
+    let wants: Vec<&str> = killers.iter().map(|k| k.1).collect();
+    let t0 = Instant::now();
+    let rv = real_job_of_3(l, port, move || {
+        let answers: Vec<_> = killers
+            .into_iter()
+            .map(|(bytes, want)| (stranger(port, bytes), want))
+            .collect();
+        for (h, want) in answers {
+            let answer = h.join().expect("stranger");
+            // The peer that closed mid-frame cannot hear its refusal.
+            if want != "closed" {
+                let answer = answer.unwrap_or_else(|| panic!("no refusal naming `{want}`"));
+                assert!(answer.contains(want), "`{want}` missing from: {answer}");
+            }
+        }
+    });
+    let elapsed = t0.elapsed();
+    assert!(elapsed < Duration::from_secs(5), "{elapsed:?}");
+    let log = rv.refusal_log().join("\n");
+    assert_eq!(rv.refused_connections(), wants.len(), "{log}");
+    for want in wants {
+        assert!(
+            log.contains(want),
+            "`{want}` missing from rank 0's log:\n{log}"
+        );
+    }
+}
+
+#[test]
+fn r16_without_a_token_a_wrong_world_size_is_refused_and_the_job_goes_on() {
+    // With the public key of a run without MESHPLAN_JOB_TOKEN anyone can compute a
+    // valid tag, so a hello with another WORLD_SIZE may be a stranger's: rank 0 refuses
+    // it and goes on, where before it exited.
+    let (l, port) = listener();
+    let open = JobSecret::open();
+    let host = {
+        let open = open.clone();
+        thread::spawn(move || {
+            let mut r = Rendezvous::host_with(l, &cfg(port, 0, 2, 10_000), &open)?;
+            r.barrier()?;
+            Ok::<_, RendezvousError>(r.refusal_log().to_vec())
+        })
+    };
+    let e = Rendezvous::connect_with(&cfg(port, 1, 7, 5000), &open).expect_err("refused");
+    assert!(e.is_bad_input());
+    assert!(
+        e.to_string()
+            .contains("rank 1 was started with WORLD_SIZE=7, but rank 0 with WORLD_SIZE=2"),
+        "{e}"
+    );
+    // A second RANK=1 cannot take the slot from the first either.
+    let mut first = Rendezvous::connect_with(&cfg(port, 1, 2, 5000), &open).expect("rank 1");
+    first.barrier().expect("barrier");
+    let log = host.join().expect("rank 0").expect("rank 0 completes");
+    assert_eq!(log.len(), 1, "{log:?}");
+    assert!(log[0].contains("WORLD_SIZE=7"), "{log:?}");
+}
+
+#[test]
+fn r16_a_hundred_idle_connections_do_not_delay_the_real_ranks() {
+    let (l, port) = listener();
+    // Connected before rank 0 even starts, and silent throughout: before the fix
+    // rank 0 waited 5 s on each, one after another.
+    let idle: Vec<TcpStream> = (0..100)
+        .map(|_| TcpStream::connect(("127.0.0.1", port)).expect("connect"))
+        .collect();
+    let t0 = Instant::now();
+    let results = world_on(l, port, 3, 10_000, |r| {
+        let mut r = r.expect("rendezvous");
+        r.barrier().expect("barrier");
+        r.refused_connections()
+    });
+    let elapsed = t0.elapsed();
+    eprintln!("a job of 3 ranks behind 100 idle connections joined in {elapsed:?}");
+    // Faster than one idle connection's deadline: nobody waited on a stranger.
+    assert!(elapsed < HELLO_TIMEOUT, "{elapsed:?}");
+    assert_eq!(results.len(), 3);
+    drop(idle);
+}
+
+#[test]
+fn r16_two_jobs_on_one_port_do_not_mix() {
+    let (l, port) = listener();
+    let host = thread::spawn(move || {
+        let mut r = Rendezvous::host_with(l, &cfg(port, 0, 2, 10_000), &secret())?;
+        r.broadcast(b"job A")
+    });
+    // Job B, same plan, same world size, its own token, started on the same port.
+    let b = JobSecret::from_token("job-B-token-abcdefghijklmnop").expect("token");
+    let e = Rendezvous::connect_with(&cfg(port, 1, 2, 5000), &b).expect_err("refused");
+    assert!(e.is_bad_input(), "{e:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&format!(
+            "of another job: job id {}, but this rendezvous serves job {}",
+            b.job_id_hex(),
+            secret().job_id_hex()
+        )),
+        "{msg}"
+    );
+    assert!(msg.contains("two jobs on one MASTER_PORT"), "{msg}");
+    // Job A's own rank 1 joins and gets job A's broadcast.
+    let mut a1 = Rendezvous::connect_with(&cfg(port, 1, 2, 5000), &secret()).expect("rank 1");
+    assert_eq!(a1.broadcast(&[]).expect("broadcast"), b"job A");
+    assert_eq!(host.join().expect("rank 0").expect("job A"), b"job A");
+}
+
+#[test]
+fn r16_the_token_never_crosses_the_wire_and_rank_0_must_prove_itself() {
+    use hmac::{Hmac, KeyInit, Mac};
+    use sha2::{Digest, Sha256};
+    // A fake rank 0 that records what a rank sends and cannot prove it holds the key.
+    let (l, port) = listener();
+    let nonce = [0x5au8; 32];
+    let fake = thread::spawn(move || {
+        let (mut s, _) = l.accept().expect("accept");
+        s.write_all(&raw_frame(2, KIND_CHALLENGE, &nonce))
+            .expect("challenge");
+        s.set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut hello = vec![0u8; 11 + 96];
+        s.read_exact(&mut hello).expect("a hello");
+        s.write_all(&raw_frame(2, KIND_ADMIT, &[0u8; 32]))
+            .expect("admit");
+        let mut rest = Vec::new();
+        let _ = s.read_to_end(&mut rest);
+        hello.extend_from_slice(&rest);
+        hello
+    });
+    let e = Rendezvous::connect_with(&cfg(port, 1, 2, 5000), &secret())
+        .expect_err("a rank 0 without the key is refused");
+    assert!(e.is_bad_input(), "{e:?}");
+    assert!(
+        e.to_string()
+            .contains("could not prove it holds this job's secret"),
+        "{e}"
+    );
+    let wire = fake.join().expect("fake rank 0");
+    let contains = |needle: &[u8]| wire.windows(needle.len()).any(|w| w == needle);
+    assert!(!contains(TOKEN.as_bytes()), "the token went out in clear");
+    // The key is a hash of the token, and never goes out either.
+    let key: [u8; 32] = Sha256::new()
+        .chain_update(b"meshplan rendezvous key v2\0token\0")
+        .chain_update(TOKEN.as_bytes())
+        .finalize()
+        .into();
+    assert!(!contains(&key), "the key went out in clear");
+    // What went out is the documented hello, and its tag is the documented HMAC.
+    assert_eq!(wire.len(), 11 + 96, "nothing after the refused admission");
+    assert_eq!(&wire[..11], &raw_frame(2, KIND_HELLO, &[0; 96])[..11]);
+    let p = &wire[11..];
+    assert_eq!(&p[..4], &1u32.to_le_bytes());
+    assert_eq!(&p[4..8], &2u32.to_le_bytes());
+    assert_eq!(&p[8..16], &42u64.to_le_bytes());
+    assert_eq!(p[16..32], secret().job_id());
+    let client_nonce = &p[32..64];
+    let mut mac = Hmac::<Sha256>::new_from_slice(&key).expect("key");
+    mac.update(b"MPRV2 hello");
+    for part in [
+        &nonce[..],
+        client_nonce,
+        &p[16..32],
+        &p[..4],
+        &p[4..8],
+        &p[8..16],
+    ] {
+        mac.update(&(part.len() as u32).to_le_bytes());
+        mac.update(part);
+    }
+    assert!(
+        mac.verify_slice(&p[64..96]).is_ok(),
+        "the tag is HMAC-SHA256 of the transcript"
+    );
 }
