@@ -403,4 +403,19 @@ fn a_diverging_run_stops_naming_the_step_and_the_tensor() {
         "{}",
         err.message
     );
+    // The device interpreter (the GPU's, here on host memory) stops on the loss,
+    // the one number it brings back each step.
+    use meshplan_executor::device::{train::train_device, HostDevice};
+    let p = plan(&model("tiny-gpt"), "dp=8");
+    let opts = TrainOptions {
+        lr: 1e30,
+        steps: 4,
+        ..TrainOptions::default()
+    };
+    let err = train_device(&p, &opts, &|_| Ok(HostDevice)).expect_err("a diverging run fails");
+    assert!(
+        err.message.contains("the loss is") && err.message.contains("stopping"),
+        "{}",
+        err.message
+    );
 }

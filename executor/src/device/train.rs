@@ -639,6 +639,15 @@ impl<'a, D: Device> DevRank<'a, D> {
         // A step ends when its work has, not when its launches have.
         self.dev.synchronize().map_err(derr("synchronize"))?;
         self.resolve_spans(step_mark)?;
+        // The loss is the one number that leaves the device each step: a NaN or an
+        // infinity in it (from non-finite weights, or an update that overflowed)
+        // stops the run rather than writing it into every later checkpoint.
+        if !self.loss_part.is_finite() {
+            return Err(fail(format!(
+                "step {step}: the loss is {}: stopping; non-finite weights (a learning rate too large, or non-finite --weights) or an overflow in the model's arithmetic",
+                self.loss_part
+            )));
+        }
         Ok(self.loss_part)
     }
 
