@@ -184,12 +184,12 @@ impl RawCluster {
     /// Converts units and checks every field; `nodes_override` is `--nodes`.
     pub fn validate(&self, file: &str, nodes_override: Option<u64>) -> Result<Cluster, IrError> {
         let nodes = nodes_override.unwrap_or(self.nodes);
+        let field = if nodes_override.is_some() {
+            "--nodes"
+        } else {
+            "nodes"
+        };
         if nodes == 0 {
-            let field = if nodes_override.is_some() {
-                "--nodes"
-            } else {
-                "nodes"
-            };
             return Err(IrError::invalid(
                 file,
                 field,
@@ -207,11 +207,6 @@ impl RawCluster {
             .checked_mul(self.gpus_per_node)
             .is_none_or(|g| g > GPUS_MAX)
         {
-            let field = if nodes_override.is_some() {
-                "--nodes"
-            } else {
-                "nodes"
-            };
             return Err(IrError::invalid(
                 file,
                 field,

@@ -99,17 +99,21 @@ fn a_cluster_file_reads_overlays_only_beside_it_and_never_echoes_a_file() {
     let secret = dir.join("secret.txt");
     let long_line = format!("s3cret-{}", "x".repeat(200));
     std::fs::write(&secret, format!("{long_line}\nsecond-line-of-the-secret\n")).expect("write");
-    for named in [s(&secret).to_string(), "../elsewhere.yaml".into()] {
-        let c = dir.join("outside.yaml");
-        std::fs::write(&c, format!("{base}calibration: {named}\n")).expect("write");
+    let plan_on = |cluster: &Path| {
         let run = meshplan(&[
             "plan",
             "models/tiny-gpt.yaml",
-            s(&c),
+            s(cluster),
             "-o",
             "/tmp/unused.json",
         ]);
         run.expect_code(2);
+        run
+    };
+    for named in [s(&secret).to_string(), "../elsewhere.yaml".into()] {
+        let c = dir.join("outside.yaml");
+        std::fs::write(&c, format!("{base}calibration: {named}\n")).expect("write");
+        let run = plan_on(&c);
         assert!(
             run.stderr.contains("field `calibration`")
                 && run.stderr.contains("outside the cluster file's folder"),
@@ -125,14 +129,7 @@ fn a_cluster_file_reads_overlays_only_beside_it_and_never_echoes_a_file() {
     )
     .expect("copy");
     std::fs::write(&c, format!("{base}calibration: overlay.yaml\n")).expect("write");
-    let run = meshplan(&[
-        "plan",
-        "models/tiny-gpt.yaml",
-        s(&c),
-        "-o",
-        "/tmp/unused.json",
-    ]);
-    run.expect_code(2);
+    let run = plan_on(&c);
     assert!(run.stderr.contains("s3cret-xxx"), "{}", run.stderr);
     assert!(!run.stderr.contains(&long_line), "{}", run.stderr);
     assert!(!run.stderr.contains("second-line"), "{}", run.stderr);
