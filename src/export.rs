@@ -28,7 +28,27 @@ pub(crate) fn read_plan_bytes(path: &Path) -> Result<(Plan, Vec<u8>), Failure> {
 
 /// `meshplan export`: exit 2 for a bad file or target, 3 when the target cannot
 /// express the plan (the plan is valid; the framework lacks what it chose).
-pub(crate) fn export(plan_path: &Path, to: &str, output: Option<&Path>) -> Result<(), Failure> {
+pub(crate) fn export(
+    plan_path: &Path,
+    to: Option<&str>,
+    output: Option<&Path>,
+) -> Result<(), Failure> {
+    let plan = read_plan(plan_path)?;
+    // Without --to, the framework the plan was made for.
+    let framework = plan.workload.framework();
+    let to = match to.or(framework.export_target()) {
+        Some(t) => t,
+        None => {
+            return Err(Failure {
+                code: 2,
+                message: format!(
+                    "{}: the plan is for meshplan's own executor; give --to with one of {}, or plan with --framework",
+                    plan_path.display(),
+                    Target::ALL.map(Target::name).join(", ")
+                ),
+            })
+        }
+    };
     let target = Target::parse(to).ok_or_else(|| Failure {
         code: 2,
         message: format!(
@@ -36,7 +56,6 @@ pub(crate) fn export(plan_path: &Path, to: &str, output: Option<&Path>) -> Resul
             Target::ALL.map(Target::name).join(", ")
         ),
     })?;
-    let plan = read_plan(plan_path)?;
     tracing::debug!(
         "exporting {} ({}) to {target}",
         plan_path.display(),

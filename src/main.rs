@@ -56,6 +56,10 @@ struct WorkloadFlags {
     /// A YAML holding the `workload:` mapping's contents.
     #[arg(long)]
     workload: Option<PathBuf>,
+    /// The framework that will run the plan (megatron-core, torchtitan, deepspeed,
+    /// megatron-deepspeed, meshplan): only what it can run is searched.
+    #[arg(long, value_name = "NAME")]
+    framework: Option<meshplan_ir::Framework>,
 }
 
 impl WorkloadFlags {
@@ -64,6 +68,7 @@ impl WorkloadFlags {
             seq_len: self.seq_len,
             global_batch: self.global_batch,
             workload_file: self.workload.clone(),
+            framework: self.framework,
         }
     }
 }
@@ -226,9 +231,10 @@ enum Command {
     Export {
         /// A plan written by `meshplan plan`.
         plan: PathBuf,
-        /// megatron, torchtitan, deepspeed (training plans); sglang, vllm (inference plans).
+        /// megatron, torchtitan, deepspeed (training plans); sglang, vllm (inference
+        /// plans). Default: the framework the plan was made for (`plan --framework`).
         #[arg(long = "to", value_name = "TARGET")]
-        to: String,
+        to: Option<String>,
         /// Write here instead of stdout.
         #[arg(short = 'o', long = "output")]
         output: Option<PathBuf>,
@@ -397,7 +403,9 @@ fn main() -> ExitCode {
         std::process::exit(1);
     });
     let result = match cli.command {
-        Command::Export { plan, to, output } => export::export(&plan, &to, output.as_deref()),
+        Command::Export { plan, to, output } => {
+            export::export(&plan, to.as_deref(), output.as_deref())
+        }
         Command::Explain { plan, top, json } => explain::explain(&plan, top, json),
         Command::Inspect {
             model,
@@ -590,6 +598,7 @@ fn inspect(model: &Path, wf: &WorkloadFlags, json: bool) -> Result<(), Failure> 
         seq_len: 2048,
         global_batch: 1,
         optimizer: "adamw".into(),
+        framework: Default::default(),
     });
     let seq = match &workload {
         Workload::Train { seq_len, .. } => *seq_len,
@@ -760,7 +769,25 @@ pub(crate) fn evaluate(
     // Priced as the search prices it (balanced and stage-DP layer splits, standard
     // and ILP placements), so that `estimate` agrees with `plan --config`.
     let graph = meshplan_ir::model_graph(spec)?;
-    meshplan_planner::search::price_config(&graph, pg, cluster, workload, cfg)
+    if let Workload::Train {
+        global_batch,
+        framework,
+        ..
+    } = workload
+    {
+        let vocab = graph.vocab().unwrap_or(1);
+        let why = framework.cannot_run(cfg, pg.layers, vocab, *global_batch);
+        if !why.is_empty() {
+            return Err(Failure {
+                code: 2,
+                message: format!(
+                    "{cfg}: --framework {framework} cannot run it: {}",
+                    why.join("; ")
+                ),
+            });
+        }
+    }
+    meshplan_planner::search::price_config(&graph, pg, cluster, workload, cfg, workload.framework())
         .map(|c| c.estimate)
         .map_err(|e| no_fit(format!("{cfg}: {}", e.message)))
 }

@@ -89,6 +89,12 @@ fn is_inference(w: &Workload) -> bool {
 
 /// Runs the search with a progress bar on stderr when it takes more than a moment.
 fn run_search(inp: &Inputs, opts: &SearchOptions, quiet: bool) -> Result<SearchReport, Failure> {
+    // The workload names the framework (`framework:` or `--framework`): every
+    // search of a command is for it.
+    let opts = &SearchOptions {
+        framework: inp.workload.framework(),
+        ..opts.clone()
+    };
     let progress = Arc::new(Progress::default());
     let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let bar_thread = (!quiet && crate::log::progress_visible()).then(|| {
@@ -149,11 +155,32 @@ fn fixed_keys_conflict(inp: &Inputs, fixed: &PartialConfig, text: &str) -> Optio
         Workload::Train {
             seq_len,
             global_batch,
+            framework,
             ..
-        } => (
-            training_space(&inp.pg, &inp.cluster, fixed, *seq_len, *global_batch).is_empty(),
-            false,
-        ),
+        } => {
+            let space = training_space(&inp.pg, &inp.cluster, fixed, *seq_len, *global_batch);
+            let vocab = inp.graph.vocab().unwrap_or(1);
+            let refusals: Vec<Vec<String>> = space
+                .iter()
+                .map(|c| framework.cannot_run(c, inp.pg.layers, vocab, *global_batch))
+                .collect();
+            if !space.is_empty() && refusals.iter().all(|r| !r.is_empty()) {
+                // What the framework lacks, from the configuration it misses least.
+                let fewest = refusals
+                    .iter()
+                    .min_by_key(|r| r.len())
+                    .cloned()
+                    .unwrap_or_default();
+                return Some(Failure {
+                    code: 2,
+                    message: format!(
+                        "--config {text}: --framework {framework} cannot run any configuration with these keys: {}",
+                        fewest.join("; ")
+                    ),
+                });
+            }
+            (space.is_empty(), false)
+        }
         Workload::Inference { .. } => (
             inference_space(&inp.pg, &inp.cluster, fixed).is_empty(),
             true,
@@ -460,6 +487,17 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
     let Some(best) = report.top.first() else {
         return Err(nothing_fits(&inp, &report));
     };
+    if let Workload::Train { global_batch, .. } = &inp.workload {
+        if meshplan_ir::framework::pads(&best.cfg, *global_batch) {
+            let per_step = best.cfg.dp * best.cfg.mbs;
+            tracing::warn!(
+                "dp({}) x mbs({}) = {per_step} does not divide the global batch ({global_batch}): the plan computes {} sequences per step, and no framework but meshplan's executor runs it",
+                best.cfg.dp,
+                best.cfg.mbs,
+                global_batch.div_ceil(per_step) * per_step
+            );
+        }
+    }
     let mut plan = plan_of(
         &inp.spec.name,
         &inp.graph,

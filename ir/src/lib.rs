@@ -16,6 +16,7 @@ pub mod config;
 pub mod dtype;
 pub mod error;
 pub mod explicit;
+pub mod framework;
 pub mod graph;
 pub mod hf;
 pub mod input;
@@ -30,6 +31,7 @@ pub use builder::build_transformer;
 pub use config::{AttnImpl, ParallelConfig, PartialConfig, Recompute, Schedule};
 pub use dtype::DType;
 pub use error::IrError;
+pub use framework::Framework;
 pub use graph::{
     Constants, Dim, DimEnv, Graph, Mono, Op, OpKind, Segment, SegmentKind, Tensor, TensorId,
     TensorKind, TpRole, TpSplit,

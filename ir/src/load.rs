@@ -16,6 +16,8 @@ pub struct WorkloadOverrides {
     pub global_batch: Option<u64>,
     /// `--workload FILE`: a YAML holding the `workload:` mapping's contents.
     pub workload_file: Option<PathBuf>,
+    /// `--framework`: the framework that will run a training workload.
+    pub framework: Option<crate::Framework>,
 }
 
 /// A text input file of at most [`crate::input::TEXT_LIMIT`] bytes, without the
@@ -67,12 +69,19 @@ fn apply_overrides(
         spec.workload = Some(w);
     }
     if ov.seq_len.is_some() || ov.global_batch.is_some() {
-        let (seq, gb) = match &spec.workload {
+        let (seq, gb, framework) = match &spec.workload {
             Some(Workload::Train {
-                seq_len, global_batch, ..
-            }) => (ov.seq_len.unwrap_or(*seq_len), ov.global_batch.unwrap_or(*global_batch)),
+                seq_len,
+                global_batch,
+                framework,
+                ..
+            }) => (
+                ov.seq_len.unwrap_or(*seq_len),
+                ov.global_batch.unwrap_or(*global_batch),
+                *framework,
+            ),
             _ => match (ov.seq_len, ov.global_batch) {
-                (Some(s), Some(g)) => (s, g),
+                (Some(s), Some(g)) => (s, g, crate::Framework::default()),
                 _ => {
                     return Err(IrError::invalid(
                         file,
@@ -86,9 +95,22 @@ fn apply_overrides(
             seq_len: seq,
             global_batch: gb,
             optimizer: "adamw".into(),
+            framework,
         };
         w.validate("command line")?;
         spec.workload = Some(w);
+    }
+    if let Some(f) = ov.framework {
+        match &mut spec.workload {
+            Some(Workload::Train { framework, .. }) => *framework = f,
+            _ => {
+                return Err(IrError::invalid(
+                    file,
+                    "workload",
+                    format!("--framework {f} plans training; this model's workload is not a training one (give --seq-len and --global-batch)"),
+                ))
+            }
+        }
     }
     Ok(())
 }

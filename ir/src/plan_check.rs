@@ -232,6 +232,7 @@ impl Plan {
                     seq_len,
                     global_batch,
                     optimizer,
+                    ..
                 },
                 PlanKind::Train,
             ) => {
@@ -248,6 +249,23 @@ impl Plan {
                         "workload.optimizer",
                         format!("`{optimizer}` is not modelled; plans use `adamw`"),
                     ));
+                }
+                // A plan made for a framework is one that framework runs; meshplan's
+                // own older plans (a padded batch) still load.
+                let fw = self.workload.framework();
+                if fw != crate::Framework::Meshplan {
+                    let vocab = self.graph.vocab().unwrap_or(1);
+                    let c = &self.strategy;
+                    let why = fw.cannot_run(c, self.model.layers, vocab, *global_batch);
+                    if let Some(w) = why.first() {
+                        return Err(bad("workload.framework", w.clone()));
+                    }
+                    if !fw.split_ok(&self.layer_split, c.pp, c.vpp) {
+                        return Err(bad(
+                            "layer_split",
+                            format!("{fw} cannot split layers as {:?}", self.layer_split),
+                        ));
+                    }
                 }
                 Ok(())
             }

@@ -258,6 +258,9 @@ pub enum Workload {
         /// Optimizer (only `adamw` is modelled).
         #[serde(default = "default_optimizer")]
         optimizer: String,
+        /// The framework that will run it; the planner searches only what it can.
+        #[serde(default, skip_serializing_if = "is_meshplan")]
+        framework: crate::Framework,
     },
     /// Serving requests.
     Inference {
@@ -272,6 +275,20 @@ pub enum Workload {
         #[serde(default)]
         slo: Option<Slo>,
     },
+}
+
+impl Workload {
+    /// The framework a training workload is for (meshplan's own for inference).
+    pub fn framework(&self) -> crate::Framework {
+        match self {
+            Workload::Train { framework, .. } => *framework,
+            Workload::Inference { .. } => crate::Framework::Meshplan,
+        }
+    }
+}
+
+fn is_meshplan(f: &crate::Framework) -> bool {
+    *f == crate::Framework::Meshplan
 }
 
 fn default_optimizer() -> String {
@@ -510,6 +527,7 @@ impl Workload {
                 seq_len,
                 global_batch,
                 optimizer,
+                ..
             } => {
                 positive(file, "workload.seq_len", *seq_len)?;
                 positive(file, "workload.global_batch", *global_batch)?;

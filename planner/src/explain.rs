@@ -577,11 +577,13 @@ fn what_ifs(plan: &Plan, inp: &Inputs, base: &Estimate, inference: bool) -> Vec<
             seq_len,
             global_batch,
             optimizer,
+            framework,
         } => {
             let longer = Workload::Train {
                 seq_len: seq_len * 2,
                 global_batch: *global_batch,
                 optimizer: optimizer.clone(),
+                framework: *framework,
             };
             if let Ok(e) = price(&inp.pg, &inp.cluster, &longer, &c, Some(&plan.layer_split)) {
                 out.push(alternative(

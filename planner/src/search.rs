@@ -23,7 +23,8 @@ use crate::cost_model::{
 use crate::layout::{Layout, LayoutCache, LayoutKey};
 use crate::stages::{one_f_one_b_in_flight, partition, MemoryLimit, StageCosts};
 use meshplan_ir::{
-    AttnImpl, Graph, ParallelConfig, PartialConfig, Recompute, Schedule, SegmentKind, Workload,
+    AttnImpl, Framework, Graph, ParallelConfig, PartialConfig, Recompute, Schedule, SegmentKind,
+    Workload,
 };
 use rayon::prelude::*;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,6 +44,8 @@ pub struct SearchOptions {
     pub max_candidates: u64,
     /// Stop after this many seconds of sweeping.
     pub time_limit_s: f64,
+    /// The framework the plan is for: the search takes only what it can run.
+    pub framework: Framework,
 }
 
 impl Default for SearchOptions {
@@ -53,6 +56,7 @@ impl Default for SearchOptions {
             refine: 24,
             max_candidates: 20_000_000,
             time_limit_s: 60.0,
+            framework: Framework::default(),
         }
     }
 }
@@ -96,14 +100,18 @@ impl Candidate {
     pub fn split_or_even(&self, layers: u64) -> Vec<u64> {
         match &self.layer_split {
             Some(s) => s.clone(),
-            None => {
-                let n = self.cfg.pp * self.cfg.vpp;
-                (0..n)
-                    .map(|j| (j + 1) * layers / n - j * layers / n)
-                    .collect()
-            }
+            None => even_split(layers, self.cfg.pp * self.cfg.vpp),
         }
     }
+}
+
+/// `layers` over `n` chunks as evenly as whole layers allow (the cost model's and
+/// the lowering's even split).
+pub fn even_split(layers: u64, n: u64) -> Vec<u64> {
+    let n = n.max(1);
+    (0..n)
+        .map(|j| (j + 1) * layers / n - j * layers / n)
+        .collect()
 }
 
 /// What a search found and what it cost.
@@ -892,7 +900,39 @@ pub fn search_train(
     progress: Option<&Progress>,
 ) -> Result<SearchReport, SearchError> {
     let start = Instant::now();
-    let space = training_space(pg, cluster, &opts.fixed, seq_len, global_batch);
+    let mut space = training_space(pg, cluster, &opts.fixed, seq_len, global_batch);
+    let vocab = graph.vocab().unwrap_or(1);
+    let fw = opts.framework;
+    let before = space.len();
+    let mut first_refusal = None;
+    space.retain(|c| {
+        let why = fw.cannot_run(c, pg.layers, vocab, global_batch);
+        if first_refusal.is_none() {
+            first_refusal = why.first().map(|w| format!("{c}: {w}"));
+        }
+        why.is_empty()
+    });
+    // meshplan's executor can pad; it does so only when nothing exact is left.
+    if space
+        .iter()
+        .any(|c| !meshplan_ir::framework::pads(c, global_batch))
+    {
+        space.retain(|c| !meshplan_ir::framework::pads(c, global_batch));
+    }
+    if space.is_empty() && before > 0 {
+        return Err(SearchError {
+            message: format!(
+                "--framework {fw} cannot run any of the {before} configurations of {} GPUs{}; for example {}",
+                cluster.gpus(),
+                if opts.fixed == PartialConfig::default() {
+                    String::new()
+                } else {
+                    format!(" with {}", fixed_keys_text(&opts.fixed))
+                },
+                first_refusal.unwrap_or_default()
+            ),
+        });
+    }
     if space.is_empty() {
         return Err(SearchError {
             message: format!(
@@ -943,7 +983,15 @@ pub fn search_train(
                     seq_len,
                     global_batch,
                     acc.bound,
-                );
+                )
+                .and_then(|p| match p {
+                    // The framework cannot take the balanced split: its even one.
+                    Some((_, split)) if !takes_split(fw, cfg, split.as_deref(), pg.layers) => {
+                        estimate_train_split(pg, cluster, cfg, seq_len, global_batch, None)
+                            .map(|e| Some((e, None)))
+                    }
+                    other => Ok(other),
+                });
                 match priced {
                     Ok(None) => {
                         acc.evaluated += 1;
@@ -994,7 +1042,7 @@ pub fn search_train(
     let refined: Vec<Candidate> = sweep
         .best
         .par_iter()
-        .map(|c| refine_train(c, graph, pg, cluster, &cache, seq_len, global_batch))
+        .map(|c| refine_train(c, graph, pg, cluster, &cache, seq_len, global_batch, fw))
         .collect::<Result<Vec<_>, _>>()?;
     let mut top: Vec<Candidate> = refined
         .into_iter()
@@ -1075,6 +1123,7 @@ pub fn price_config(
     cluster: &Cluster,
     workload: &Workload,
     cfg: &ParallelConfig,
+    framework: Framework,
 ) -> Result<Candidate, SearchError> {
     let cache = LayoutCache::new(graph, cluster);
     let err = |e: crate::cost_model::estimate::Unsupported| SearchError { message: e.reason };
@@ -1102,7 +1151,23 @@ pub fn price_config(
                 layer_split,
                 layout: None,
             };
-            refine_train(&swept, graph, pg, cluster, &cache, *seq_len, *global_batch)
+            let why =
+                framework.cannot_run(cfg, pg.layers, graph.vocab().unwrap_or(1), *global_batch);
+            if let Some(w) = why.first() {
+                return Err(SearchError {
+                    message: format!("{cfg} does not run under --framework {framework}: {w}"),
+                });
+            }
+            refine_train(
+                &swept,
+                graph,
+                pg,
+                cluster,
+                &cache,
+                *seq_len,
+                *global_batch,
+                framework,
+            )
         }
         Workload::Inference { .. } => {
             let load = InferenceLoad::from_workload(workload).ok_or_else(|| SearchError {
@@ -1188,6 +1253,15 @@ pub fn dp_split(
     partition(&sc, chunks, lim.as_ref()).map(|s| s.layers)
 }
 
+/// Whether `fw` can run `split` (`None`: the even split of `layers`).
+fn takes_split(fw: Framework, cfg: &ParallelConfig, split: Option<&[u64]>, layers: u64) -> bool {
+    match split {
+        Some(s) => fw.split_ok(s, cfg.pp, cfg.vpp),
+        None => fw.split_ok(&even_split(layers, cfg.pp * cfg.vpp), cfg.pp, cfg.vpp),
+    }
+}
+
+#[allow(clippy::too_many_arguments)] // the search's context, passed as it is
 fn refine_train(
     c: &Candidate,
     graph: &Graph,
@@ -1196,6 +1270,7 @@ fn refine_train(
     cache: &LayoutCache,
     seq_len: u64,
     global_batch: u64,
+    fw: Framework,
 ) -> Result<Candidate, SearchError> {
     let cfg = &c.cfg;
     let layout = cache
@@ -1243,6 +1318,7 @@ fn refine_train(
                 splits.push(Some(s));
             }
         }
+        splits.retain(|s| takes_split(fw, cfg, s.as_deref(), pg.layers));
         for split in splits {
             if split.is_some()
                 && best

@@ -10,6 +10,7 @@ mod draw;
 mod executor;
 mod explain;
 mod export;
+mod framework;
 mod fuzz;
 mod fuzz_plan;
 mod hostile;

@@ -1,0 +1,293 @@
+//! The software a plan is for. A framework is a set of mechanisms; this module holds
+//! what each can *run* (parallel modes, schedules, batch and layer arithmetic), the
+//! part the planner's search and every exporter must agree on. How fast each runs
+//! (attention kernels, overlap, gather granularity) belongs to the cost model.
+
+use crate::config::{ParallelConfig, Recompute, Schedule};
+use std::fmt;
+use std::str::FromStr;
+
+/// A training framework the planner can target.
+#[derive(
+    Clone, Copy, Debug, Default, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "kebab-case")]
+pub enum Framework {
+    /// meshplan's own executor: every mode it plans.
+    #[default]
+    Meshplan,
+    /// Megatron-LM / Megatron-Core (`pretrain_gpt.py`).
+    MegatronCore,
+    /// torchtitan: FSDP2 (or DDP) + TP (always with sequence parallelism) + PP + CP.
+    Torchtitan,
+    /// DeepSpeed alone: ZeRO 0-3 over data-parallel ranks, nothing else.
+    Deepspeed,
+    /// Megatron-DeepSpeed: Megatron's tensor parallelism, DeepSpeed's pipeline
+    /// engine (1F1B without virtual stages) and ZeRO (at most stage 1 with a pipeline).
+    MegatronDeepspeed,
+}
+
+impl Framework {
+    /// Every framework, in the order `--help` lists them.
+    pub const ALL: [Framework; 5] = [
+        Framework::Meshplan,
+        Framework::MegatronCore,
+        Framework::Torchtitan,
+        Framework::Deepspeed,
+        Framework::MegatronDeepspeed,
+    ];
+
+    /// The spelling on the command line and in files.
+    pub fn name(self) -> &'static str {
+        match self {
+            Framework::Meshplan => "meshplan",
+            Framework::MegatronCore => "megatron-core",
+            Framework::Torchtitan => "torchtitan",
+            Framework::Deepspeed => "deepspeed",
+            Framework::MegatronDeepspeed => "megatron-deepspeed",
+        }
+    }
+
+    /// The `export --to` target that writes this framework's launch files.
+    pub fn export_target(self) -> Option<&'static str> {
+        match self {
+            Framework::Meshplan => None,
+            Framework::MegatronCore | Framework::MegatronDeepspeed => Some("megatron"),
+            Framework::Torchtitan => Some("torchtitan"),
+            Framework::Deepspeed => Some("deepspeed"),
+        }
+    }
+
+    /// Why this framework cannot run `cfg` on a model of `layers` blocks and a
+    /// vocabulary of `vocab` rows at `global_batch` sequences per step; empty when
+    /// it can. Layer splits are judged by [`Framework::split_ok`].
+    pub fn cannot_run(
+        self,
+        cfg: &ParallelConfig,
+        layers: u64,
+        vocab: u64,
+        global_batch: u64,
+    ) -> Vec<String> {
+        let mut why = Vec::new();
+        let name = self.name();
+        // Every framework runs exactly the batch asked for. meshplan's executor
+        // can round the micro-batch count up (computing sequences nobody asked
+        // for); its search prefers exact batches and pads only where the fixed
+        // keys leave nothing else (`pads`).
+        let per_step = cfg.dp.saturating_mul(cfg.mbs).max(1);
+        if self != Framework::Meshplan && pads(cfg, global_batch) {
+            why.push(format!(
+                "the global batch ({global_batch}) is not a whole number of micro-batches on every replica: dp({}) x mbs({}) = {per_step} does not divide it",
+                cfg.dp, cfg.mbs
+            ));
+        }
+        let deg = [
+            ("tp", cfg.tp),
+            ("pp", cfg.pp),
+            ("cp", cfg.cp),
+            ("ep", cfg.ep),
+        ];
+        match self {
+            Framework::Meshplan => {}
+            Framework::Deepspeed => {
+                for (k, d) in deg {
+                    if d > 1 {
+                        why.push(format!("{name} splits a model only over data-parallel ranks (ZeRO): {k}={d} needs megatron-deepspeed"));
+                    }
+                }
+                if cfg.recompute == Recompute::Selective {
+                    why.push(format!(
+                        "{name} checkpoints whole layers: recompute=selective has no switch"
+                    ));
+                }
+                if cfg.tp_overlap {
+                    why.push(format!("{name} has no tensor axis to overlap (tp_overlap)"));
+                }
+            }
+            Framework::MegatronCore => {
+                if cfg.pp > 1 && cfg.schedule == Schedule::Gpipe {
+                    why.push(format!(
+                        "{name} has no GPipe schedule (1F1B or interleaved 1F1B)"
+                    ));
+                }
+                if cfg.vpp > 1 && !layers.is_multiple_of(cfg.pp * cfg.vpp) {
+                    why.push(format!(
+                        "{name} needs the {layers} layers to divide into pp({}) x vpp({}) chunks",
+                        cfg.pp, cfg.vpp
+                    ));
+                }
+                if !vocab.is_multiple_of(cfg.tp) {
+                    why.push(format!(
+                        "{name} pads the vocabulary ({vocab}) to a multiple of tp({})",
+                        cfg.tp
+                    ));
+                }
+            }
+            Framework::Torchtitan => {
+                if cfg.zero == 1 {
+                    why.push(format!(
+                        "{name} has no ZeRO-1 (its data axis is DDP or FSDP: zero=0, 2 or 3)"
+                    ));
+                }
+                if cfg.tp > 1 && !cfg.sp {
+                    why.push(format!(
+                        "{name}'s tensor parallelism always shards the sequence (sp=true)"
+                    ));
+                }
+                if cfg.pp > 1 && !layers.is_multiple_of(cfg.pp * cfg.vpp) {
+                    why.push(format!("{name} gives every pipeline stage the same layer count: {layers} layers do not divide into pp({}) x vpp({})", cfg.pp, cfg.vpp));
+                }
+            }
+            Framework::MegatronDeepspeed => {
+                if !layers.is_multiple_of(cfg.pp) {
+                    why.push(format!("{name}'s pipeline engine is planned here with the same layer count per stage: {layers} layers do not divide into pp({})", cfg.pp));
+                }
+                if cfg.vpp > 1 || cfg.schedule != Schedule::OneFOneB {
+                    why.push(format!(
+                        "{name}'s pipeline engine runs 1F1B without virtual stages"
+                    ));
+                }
+                if cfg.pp > 1 && cfg.zero > 1 {
+                    why.push(format!(
+                        "{name} combines a pipeline with ZeRO stage 1 at most (zero={})",
+                        cfg.zero
+                    ));
+                }
+                if cfg.cp > 1 || cfg.ep > 1 {
+                    why.push(format!("{name} is planned here without context or expert parallelism (cp={}, ep={})", cfg.cp, cfg.ep));
+                }
+                if !vocab.is_multiple_of(cfg.tp) {
+                    why.push(format!(
+                        "{name} pads the vocabulary ({vocab}) to a multiple of tp({})",
+                        cfg.tp
+                    ));
+                }
+            }
+        }
+        why
+    }
+
+    /// Whether the framework can split layers over `pp` stages of `vpp` chunks as
+    /// `split` (block layers per chunk, in order) says.
+    pub fn split_ok(self, split: &[u64], pp: u64, vpp: u64) -> bool {
+        let even = split.windows(2).all(|w| w[0] == w[1]);
+        match self {
+            Framework::Meshplan => true,
+            Framework::Torchtitan | Framework::MegatronDeepspeed => even,
+            // --decoder-first/last-pipeline-num-layers: only the ends may differ,
+            // and not with virtual stages.
+            Framework::MegatronCore => {
+                even || (vpp == 1
+                    && split.len() == pp as usize
+                    && split.len() >= 2
+                    && split[1..split.len() - 1].windows(2).all(|w| w[0] == w[1]))
+            }
+            Framework::Deepspeed => split.len() <= 1,
+        }
+    }
+}
+
+/// Whether `cfg` computes more sequences than `global_batch` (dp x mbs does not
+/// divide it, so the micro-batch count is rounded up).
+pub fn pads(cfg: &ParallelConfig, global_batch: u64) -> bool {
+    !global_batch.is_multiple_of(cfg.dp.saturating_mul(cfg.mbs).max(1))
+}
+
+impl fmt::Display for Framework {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Framework {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Framework, String> {
+        let key = s.trim().to_ascii_lowercase().replace('_', "-");
+        let alias = match key.as_str() {
+            "megatron" | "megatron-lm" => "megatron-core",
+            "fsdp" | "fsdp2" => "torchtitan",
+            k => k,
+        };
+        Framework::ALL
+            .into_iter()
+            .find(|f| f.name() == alias)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Framework::ALL.iter().map(|f| f.name()).collect();
+                format!(
+                    "unknown framework `{s}`; expected one of {}",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(dp: u64, tp: u64, pp: u64, mbs: u64) -> ParallelConfig {
+        crate::PartialConfig::parse(&format!("dp={dp},tp={tp},pp={pp},mbs={mbs}"), "test")
+            .and_then(|p| p.resolve(dp * tp * pp, "test"))
+            .expect("a configuration")
+    }
+
+    #[test]
+    fn no_framework_pads_the_batch() {
+        assert!(pads(&cfg(480, 8, 1, 4), 1536) && !pads(&cfg(16, 1, 1, 4), 1536));
+        // GPT-3 on 3840 GPUs: dp=480, mbs=4 would compute 1920 sequences for 1536.
+        for f in Framework::ALL
+            .into_iter()
+            .filter(|f| *f != Framework::Meshplan)
+        {
+            let why = f.cannot_run(&cfg(480, 8, 1, 4), 96, 51200, 1536);
+            assert!(
+                why.iter().any(|w| w.contains("= 1920 does not divide")),
+                "{f}: {why:?}"
+            );
+            assert!(f
+                .cannot_run(&cfg(16, 1, 1, 4), 96, 51200, 1536)
+                .iter()
+                .all(|w| !w.contains("batch")));
+        }
+    }
+
+    #[test]
+    fn deepspeed_runs_data_parallel_plans_only() {
+        let d = Framework::Deepspeed;
+        assert!(d.cannot_run(&cfg(8, 1, 1, 1), 32, 50304, 64).is_empty());
+        let why = d.cannot_run(&cfg(2, 2, 2, 1), 32, 50304, 64);
+        assert_eq!(why.len(), 2, "{why:?}");
+        assert!(
+            why[0].contains("tp=2") && why[1].contains("pp=2"),
+            "{why:?}"
+        );
+    }
+
+    #[test]
+    fn splits_each_framework_takes() {
+        let m = Framework::MegatronCore;
+        assert!(m.split_ok(&[5, 6, 6, 5], 4, 1));
+        assert!(m.split_ok(&[2, 5, 5, 4], 4, 1));
+        assert!(!m.split_ok(&[5, 6, 7, 4], 4, 1));
+        assert!(!m.split_ok(&[3, 4, 4, 3, 3, 4, 4, 3], 4, 2));
+        assert!(!Framework::Torchtitan.split_ok(&[5, 6, 6, 5], 4, 1));
+        assert!(Framework::Torchtitan.split_ok(&[6, 6], 2, 1));
+        assert!(Framework::Meshplan.split_ok(&[5, 7], 2, 1));
+    }
+
+    #[test]
+    fn names_round_trip_and_unknown_ones_list_the_choices() {
+        for f in Framework::ALL {
+            assert_eq!(f.name().parse::<Framework>(), Ok(f));
+        }
+        assert_eq!(
+            "Megatron-LM".parse::<Framework>(),
+            Ok(Framework::MegatronCore)
+        );
+        let e = "colossal".parse::<Framework>().unwrap_err();
+        assert!(
+            e.contains("unknown framework `colossal`") && e.contains("megatron-deepspeed"),
+            "{e}"
+        );
+    }
+}

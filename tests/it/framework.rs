@@ -1,0 +1,218 @@
+//! `--framework`: the planner searches only what the named framework can run, never
+//! pads the batch, and the plan it writes exports to that framework.
+
+use crate::bin::{meshplan, temp_dir};
+
+fn strategy(plan: &std::path::Path) -> serde_json::Value {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(plan).expect("plan")).expect("json");
+    v["strategy"].clone()
+}
+
+fn global_batch(plan: &std::path::Path) -> u64 {
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(plan).expect("plan")).expect("json");
+    v["workload"]["global_batch"]
+        .as_u64()
+        .expect("global batch")
+}
+
+/// Plans `model` on `cluster` for `framework`; the plan's path, or the failed run.
+fn plan_for(
+    tag: &str,
+    model: &str,
+    cluster: &str,
+    nodes: &str,
+    framework: &str,
+) -> Result<std::path::PathBuf, crate::bin::Run> {
+    let out = temp_dir("framework").join(format!("{tag}-{framework}.json"));
+    let o = out.display().to_string();
+    let run = meshplan(&[
+        "plan",
+        model,
+        cluster,
+        "--nodes",
+        nodes,
+        "--framework",
+        framework,
+        "-o",
+        &o,
+        "--quiet",
+    ]);
+    if run.code == 0 {
+        Ok(out)
+    } else {
+        Err(run)
+    }
+}
+
+#[track_caller]
+fn check_runnable(plan: &std::path::Path, framework: &str) {
+    let s = strategy(plan);
+    let (dp, mbs) = (
+        s["dp"].as_u64().expect("dp"),
+        s["mbs"].as_u64().expect("mbs"),
+    );
+    assert_eq!(
+        global_batch(plan) % (dp * mbs),
+        0,
+        "{framework}: a padded batch: {s}"
+    );
+    if framework == "deepspeed" {
+        for k in ["tp", "pp", "cp", "ep"] {
+            assert_eq!(s[k], 1, "deepspeed with {k}>1: {s}");
+        }
+    }
+    // `export` without --to writes the plan's framework's files.
+    let p = plan.display().to_string();
+    let run = meshplan(&["export", &p]);
+    run.expect_code(0);
+    assert!(!run.stdout.is_empty());
+}
+
+#[test]
+fn gpt3_on_3840_a100s_plans_and_exports_for_each_framework_that_can_run_it() {
+    let model = "models/gpt3-175b.yaml";
+    let cluster = "topologies/dgx-a100-80g.yaml";
+    let plan = plan_for("gpt3", model, cluster, "480", "megatron-core")
+        .unwrap_or_else(|r| panic!("megatron-core: {}", r.stderr));
+    check_runnable(&plan, "megatron-core");
+    // 3840 GPUs and 1536 sequences: the factor of 5 in 3840 must go into tp, pp
+    // or cp, since dp divides 1536. Data parallelism alone cannot; even stages of
+    // 96 layers (torchtitan, megatron-deepspeed) cannot; only Megatron-Core's
+    // uneven first and last stages (pp=20) can. Each of the others says so.
+    for fw in ["deepspeed", "torchtitan", "megatron-deepspeed"] {
+        let run = plan_for("gpt3", model, cluster, "480", fw).expect_err(fw);
+        assert_eq!(run.code, 3, "{}", run.stderr);
+        assert!(
+            run.stderr
+                .contains(&format!("--framework {fw} cannot run any of the"))
+                && run.stderr.contains("does not divide"),
+            "{}",
+            run.stderr
+        );
+    }
+    // On 192 nodes (1536 GPUs) every framework has a plan, and each exports.
+    for fw in [
+        "megatron-core",
+        "megatron-deepspeed",
+        "torchtitan",
+        "deepspeed",
+    ] {
+        let plan = plan_for("gpt3-1536", model, cluster, "192", fw)
+            .unwrap_or_else(|r| panic!("{fw}: {}", r.stderr));
+        check_runnable(&plan, fw);
+    }
+}
+
+#[test]
+fn llama3_405b_on_16384_h100s_plans_and_exports_for_each_framework() {
+    let (model, cluster) = ("models/llama3-405b.yaml", "topologies/dgx-h100.yaml");
+    // 16384 GPUs and 2048 sequences: DeepSpeed alone cannot divide the batch.
+    let run = plan_for("llama405", model, cluster, "2048", "deepspeed").expect_err("deepspeed");
+    assert_eq!(run.code, 3, "{}", run.stderr);
+    assert!(run.stderr.contains("does not divide"), "{}", run.stderr);
+    for fw in ["megatron-core", "megatron-deepspeed", "torchtitan"] {
+        let plan = plan_for(
+            "llama405",
+            "models/llama3-405b.yaml",
+            "topologies/dgx-h100.yaml",
+            "2048",
+            fw,
+        )
+        .unwrap_or_else(|r| panic!("{fw}: {}", r.stderr));
+        check_runnable(&plan, fw);
+    }
+}
+
+#[test]
+fn what_a_framework_cannot_run_exits_2_naming_it() {
+    let tiny = ["models/tiny-gpt.yaml", "topologies/cpu-test-mesh.yaml"];
+    let run = meshplan(&[
+        "plan",
+        tiny[0],
+        tiny[1],
+        "--framework",
+        "deepspeed",
+        "--config",
+        "tp=2",
+        "-o",
+        "/tmp/unused.json",
+    ]);
+    run.expect_code(2);
+    assert!(
+        run.stderr.contains("--framework deepspeed") && run.stderr.contains("tp=2"),
+        "{}",
+        run.stderr
+    );
+    let run = meshplan(&[
+        "estimate",
+        tiny[0],
+        tiny[1],
+        "--framework",
+        "torchtitan",
+        "--config",
+        "dp=4,tp=2,sp=false",
+    ]);
+    run.expect_code(2);
+    assert!(
+        run.stderr.contains("--framework torchtitan") && run.stderr.contains("sp=true"),
+        "{}",
+        run.stderr
+    );
+    let run = meshplan(&[
+        "plan",
+        tiny[0],
+        tiny[1],
+        "--framework",
+        "colossal",
+        "-o",
+        "/tmp/unused.json",
+    ]);
+    run.expect_code(2);
+    assert!(
+        run.stderr.contains("unknown framework `colossal`") && run.stderr.contains("megatron-core"),
+        "{}",
+        run.stderr
+    );
+    // meshplan's own search never pads where an exact batch exists: 8 GPUs and
+    // 12 sequences give dp x mbs dividing 12; pinning dp=8 pads, and says so.
+    let dir = temp_dir("framework");
+    let out = dir.join("batch12.json");
+    let o = out.display().to_string();
+    let batch = ["--global-batch", "12", "--seq-len", "32"];
+    let mut args = vec!["plan", tiny[0], tiny[1], "-o", &o];
+    args.extend(batch);
+    meshplan(&args).expect_code(0);
+    let s = strategy(&out);
+    assert_eq!(
+        12 % (s["dp"].as_u64().expect("dp") * s["mbs"].as_u64().expect("mbs")),
+        0,
+        "{s}"
+    );
+    args.extend(["--config", "dp=8"]);
+    let run = meshplan(&args);
+    run.expect_code(0);
+    assert!(
+        run.stderr.contains("computes 16 sequences per step"),
+        "{}",
+        run.stderr
+    );
+}
+
+#[test]
+fn a_plan_edited_to_claim_a_framework_that_cannot_run_it_is_refused() {
+    let plan = crate::cli::plan_file("framework-tp.json", "models/tiny-gpt.yaml", "dp=4,tp=2");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).expect("plan")).expect("json");
+    v["workload"]["framework"] = "deepspeed".into();
+    let edited = temp_dir("framework").join("claims-deepspeed.json");
+    std::fs::write(&edited, v.to_string()).expect("write");
+    let run = meshplan(&["export", edited.to_str().expect("utf-8")]);
+    run.expect_code(2);
+    assert!(
+        run.stderr.contains("workload.framework") && run.stderr.contains("tp=2"),
+        "{}",
+        run.stderr
+    );
+}
