@@ -320,8 +320,9 @@ enum Command {
         #[arg(long, default_value_t = 0.0)]
         hold: f64,
     },
-    /// Measure this node's GPUs (GEMM, HBM, attention, NCCL collectives) into a
-    /// calibration overlay for --calibration.
+    /// Measure this node's GPUs (GEMM, HBM, attention, NCCL collectives) and, under a
+    /// launch on several nodes, the collectives across them, into a calibration
+    /// overlay for --calibration.
     Calibrate {
         /// Where to write the overlay (not needed with --dry-run).
         #[arg(
@@ -337,6 +338,10 @@ enum Command {
         /// Print what would be measured and exit.
         #[arg(long)]
         dry_run: bool,
+        /// Nodes the run spans: with --dry-run, lists the sweep across them; on a
+        /// run under a launch, the node count the launch must have.
+        #[arg(long, value_name = "N")]
+        nodes: Option<u64>,
     },
 }
 
@@ -433,7 +438,8 @@ fn main() -> ExitCode {
             output,
             backend,
             dry_run,
-        } => calibrate::calibrate(output.as_deref(), &backend, dry_run),
+            nodes,
+        } => calibrate::calibrate(output.as_deref(), &backend, dry_run, nodes),
         Command::Launch {
             nproc_per_node,
             nnodes,

@@ -14,11 +14,15 @@
 //!   AllReduce and Broadcast, the gathered buffer of AllGather/ReduceScatter, one
 //!   rank's send buffer of All-to-All, the message of a send); `t = alpha + bytes /
 //!   beta` is fitted by [`fit_alpha_beta`].
+//! - Collectives across nodes (a run under `meshplan launch` on two or more nodes):
+//!   the same sizes and fit, per operation, node count and ranks per node
+//!   ([`InterNodeSweep`]).
 
 use crate::calib;
 use crate::graph_cost::causal_fraction;
 use crate::overlay::{
-    dtype_key, LinkOp, RawAttention, RawCollectiveFit, RawGemmPoint, RawOverlay, OVERLAY_FORMAT,
+    dtype_key, LinkOp, RawAttention, RawCollectiveFit, RawGemmPoint, RawInterNodeFit, RawOverlay,
+    OVERLAY_FORMAT,
 };
 use meshplan_ir::DType;
 use std::collections::BTreeMap;
@@ -70,6 +74,44 @@ pub struct CollectiveSweep {
     pub bytes: Vec<u64>,
 }
 
+/// One collective across nodes swept over message sizes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct InterNodeSweep {
+    /// The operation.
+    pub op: LinkOp,
+    /// Nodes each group spans (the first `nodes` nodes of the run).
+    pub nodes: u64,
+    /// Ranks of a group on each node.
+    pub ranks_per_node: u64,
+    /// Message sizes, bytes (the cost model's convention).
+    pub bytes: Vec<u64>,
+}
+
+impl InterNodeSweep {
+    /// The groups timed at once on a run of `gpus_per_node` ranks per node, each a list
+    /// of `(node, slot)` members in group rank order (slot: the rank's index among its
+    /// node's ranks). The node's ranks are split into `gpus_per_node / ranks_per_node`
+    /// groups side by side (one rank per node: every rail at once, as a data-parallel
+    /// axis outside a tensor axis runs); `send_recv` pairs slot `l` of node 0 (the
+    /// sender, member 0) with slot `l` of node 1 for `l < ranks_per_node`. The first
+    /// group's first member (node 0, slot 0: rank 0) reports the time.
+    pub fn groups(&self, gpus_per_node: u64) -> Vec<Vec<(u64, u64)>> {
+        if self.op == LinkOp::SendRecv {
+            return (0..self.ranks_per_node)
+                .map(|l| vec![(0, l), (1, l)])
+                .collect();
+        }
+        let r = self.ranks_per_node.max(1);
+        (0..gpus_per_node / r)
+            .map(|i| {
+                (0..self.nodes)
+                    .flat_map(|node| (i * r..(i + 1) * r).map(move |slot| (node, slot)))
+                    .collect()
+            })
+            .collect()
+    }
+}
+
 /// Everything `meshplan calibrate` times, and how often.
 #[derive(Clone, Debug, PartialEq)]
 pub struct MeasurementPlan {
@@ -83,6 +125,8 @@ pub struct MeasurementPlan {
     pub attention: Vec<AttentionCase>,
     /// Collectives inside the node.
     pub collectives: Vec<CollectiveSweep>,
+    /// Collectives across nodes (empty on one node).
+    pub inter_node: Vec<InterNodeSweep>,
     /// Untimed runs before timing each case.
     pub warmup: u32,
     /// Timed runs of each case (the median is kept).
@@ -97,6 +141,27 @@ pub const GEMM_SWEEP_SIDES: [u64; 10] =
 pub fn collective_sweep_bytes() -> Vec<u64> {
     (0..10).map(|i| 4096u64 << (2 * i)).collect()
 }
+
+/// The node counts measured across `nodes` nodes: 2 and all of them. Two fix what a
+/// pair of nodes costs (pipeline neighbours, the smallest data-parallel span) and
+/// all of them the run's widest groups; the cost model stretches the nearest one
+/// below to the counts between.
+pub fn inter_node_counts(nodes: u64) -> Vec<u64> {
+    match nodes {
+        0 | 1 => Vec::new(),
+        2 => vec![2],
+        n => vec![2, n],
+    }
+}
+
+/// The collectives timed across nodes, in [`LinkOp::ALL`] order (send/recv apart).
+const ACROSS_OPS: [LinkOp; 5] = [
+    LinkOp::AllReduce,
+    LinkOp::AllGather,
+    LinkOp::ReduceScatter,
+    LinkOp::Broadcast,
+    LinkOp::AllToAll,
+];
 
 impl MeasurementPlan {
     /// The standard sweep on a node of `gpus_per_node` GPUs: cube GEMMs from 256 to
@@ -140,9 +205,45 @@ impl MeasurementPlan {
                 })
                 .collect(),
             collectives,
+            inter_node: Vec::new(),
             warmup: 5,
             repeats: 20,
         }
+    }
+
+    /// The standard sweep of one node of `gpus_per_node` GPUs, and across `nodes`
+    /// nodes: at each of [`inter_node_counts`], every collective over the nodes' GPUs
+    /// (`ranks_per_node = gpus_per_node`) and over one rank per node (every rail at
+    /// once), 4 KiB to 1 GiB; and send/recv between two nodes, every GPU of one
+    /// sending to its peer on the other at once.
+    pub fn across_nodes(nodes: u64, gpus_per_node: u64) -> MeasurementPlan {
+        let mut plan = MeasurementPlan::standard(gpus_per_node);
+        let bytes = collective_sweep_bytes();
+        let mut shapes = vec![gpus_per_node.max(1)];
+        if gpus_per_node > 1 {
+            shapes.push(1);
+        }
+        for k in inter_node_counts(nodes) {
+            for &ranks_per_node in &shapes {
+                for op in ACROSS_OPS {
+                    plan.inter_node.push(InterNodeSweep {
+                        op,
+                        nodes: k,
+                        ranks_per_node,
+                        bytes: bytes.clone(),
+                    });
+                }
+            }
+        }
+        if nodes >= 2 {
+            plan.inter_node.push(InterNodeSweep {
+                op: LinkOp::SendRecv,
+                nodes: 2,
+                ranks_per_node: gpus_per_node.max(1),
+                bytes,
+            });
+        }
+        plan
     }
 
     /// One line per measured family, for `meshplan calibrate --dry-run`.
@@ -189,11 +290,91 @@ impl MeasurementPlan {
                 c.bytes.last().copied().unwrap_or(0)
             );
         }
+        let mut by_shape: BTreeMap<(u64, u64), Vec<&str>> = BTreeMap::new();
+        for c in &self.inter_node {
+            by_shape
+                .entry((c.nodes, c.ranks_per_node))
+                .or_default()
+                .push(c.op.name());
+        }
+        for ((nodes, per_node), ops) in by_shape {
+            let how = if per_node == 1 {
+                "1 GPU per node, every rail at once".to_string()
+            } else {
+                format!("{per_node} GPUs per node")
+            };
+            s += &format!("across nodes {nodes} nodes x {how}: {}\n", ops.join(", "));
+        }
+        if let Some(c) = self.inter_node.first() {
+            s += &format!(
+                "             messages of {} B to {} B by factors of 4; other node counts extrapolated\n",
+                c.bytes.first().copied().unwrap_or(0),
+                c.bytes.last().copied().unwrap_or(0)
+            );
+        }
         s += &format!(
             "repeats      {} warm-up and {} timed runs per case (median kept)\n",
             self.warmup, self.repeats
         );
         s
+    }
+}
+
+/// Where the processes of a run launched on several nodes sit, from each rank's host
+/// name: nodes numbered in the order of their first rank, and each rank's slot (its
+/// index among its node's ranks, in rank order). [`InterNodeSweep::groups`] names
+/// members by `(node, slot)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeLayout {
+    /// Per rank, `(node, slot)`.
+    pub places: Vec<(u64, u64)>,
+    /// Nodes of the run.
+    pub nodes: u64,
+    /// Ranks on each node.
+    pub per_node: u64,
+}
+
+impl NodeLayout {
+    /// The layout of ranks whose host names are `hosts` (rank order).
+    ///
+    /// # Errors
+    /// No ranks, or nodes holding different numbers of ranks (the measurement groups
+    /// assume every node alike), named with what to do.
+    pub fn of_hosts(hosts: &[String]) -> Result<NodeLayout, String> {
+        let mut names: Vec<&str> = Vec::new();
+        let mut counts: Vec<u64> = Vec::new();
+        let mut places = Vec::with_capacity(hosts.len());
+        for h in hosts {
+            let node = match names.iter().position(|n| *n == h.as_str()) {
+                Some(i) => i,
+                None => {
+                    names.push(h);
+                    counts.push(0);
+                    names.len() - 1
+                }
+            };
+            places.push((node as u64, counts[node]));
+            counts[node] += 1;
+        }
+        let Some(&per_node) = counts.first() else {
+            return Err("no ranks joined".into());
+        };
+        if let Some(i) = counts.iter().position(|&c| c != per_node) {
+            return Err(format!(
+                "the launch has {per_node} ranks on {} but {} on {}: calibrate measures nodes alike; start one process per GPU, as many on every node",
+                names[0], counts[i], names[i]
+            ));
+        }
+        Ok(NodeLayout {
+            places,
+            nodes: names.len() as u64,
+            per_node,
+        })
+    }
+
+    /// The rank at `place`, if any.
+    pub fn rank_of(&self, place: (u64, u64)) -> Option<usize> {
+        self.places.iter().position(|&p| p == place)
     }
 }
 
@@ -247,6 +428,19 @@ pub struct CollectiveSample {
     pub sample: SizeSample,
 }
 
+/// A timed collective across nodes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct InterNodeSample {
+    /// The operation.
+    pub op: LinkOp,
+    /// Nodes the group spans.
+    pub nodes: u64,
+    /// Ranks of the group on each node.
+    pub ranks_per_node: u64,
+    /// Message size and seconds.
+    pub sample: SizeSample,
+}
+
 /// What a calibration run measured (repeats as separate samples).
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct Measurements {
@@ -264,6 +458,8 @@ pub struct Measurements {
     pub attention: Vec<AttentionSample>,
     /// Collectives inside the node.
     pub collectives: Vec<CollectiveSample>,
+    /// Collectives across nodes.
+    pub inter_node: Vec<InterNodeSample>,
 }
 
 /// A fit that cannot be made from the measurements.
@@ -457,6 +653,28 @@ pub fn build_overlay(m: &Measurements, measured_at: &str) -> Result<RawOverlay, 
             beta_gbps: round(beta / 1e9, 3),
         });
     }
+    let mut across: BTreeMap<(LinkOp, u64, u64), Vec<SizeSample>> = BTreeMap::new();
+    for c in &m.inter_node {
+        across
+            .entry((c.op, c.nodes, c.ranks_per_node))
+            .or_default()
+            .push(c.sample);
+    }
+    let mut inter_node = Vec::new();
+    for ((op, nodes, ranks_per_node), samples) in across {
+        let what = format!(
+            "{} across {nodes} nodes x {ranks_per_node} ranks",
+            op.name()
+        );
+        let (alpha, beta) = fit_alpha_beta(&what, &samples)?;
+        inter_node.push(RawInterNodeFit {
+            op: op.name().to_string(),
+            nodes,
+            ranks_per_node,
+            alpha_us: round(alpha * 1e6, 3),
+            beta_gbps: round(beta / 1e9, 3),
+        });
+    }
     Ok(RawOverlay {
         format: OVERLAY_FORMAT,
         device: m.device.clone(),
@@ -467,6 +685,7 @@ pub fn build_overlay(m: &Measurements, measured_at: &str) -> Result<RawOverlay, 
         hbm_gbps,
         attention,
         intra_node,
+        inter_node,
     })
 }
 
@@ -612,6 +831,191 @@ mod tests {
         assert_eq!(rfc3339_utc(0), "1970-01-01T00:00:00Z");
         assert_eq!(rfc3339_utc(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(rfc3339_utc(1_748_779_200), "2025-06-01T12:00:00Z");
+    }
+
+    #[test]
+    fn across_nodes_plan_measures_two_and_all_nodes_in_two_shapes() {
+        // 4 nodes of 8: at 2 and 4 nodes, the five collectives over 8 GPUs per node
+        // and over 1 (every rail at once): 2 x 2 x 5 = 20 sweeps, and one send/recv
+        // between 2 nodes with all 8 pairs at once.
+        let p = MeasurementPlan::across_nodes(4, 8);
+        assert_eq!(p.collectives, MeasurementPlan::standard(8).collectives);
+        assert_eq!(p.inter_node.len(), 21);
+        assert!(p.inter_node.len() <= crate::overlay::INTER_FITS_MAX);
+        let shapes: std::collections::BTreeSet<(u64, u64)> = p
+            .inter_node
+            .iter()
+            .filter(|c| c.op != LinkOp::SendRecv)
+            .map(|c| (c.nodes, c.ranks_per_node))
+            .collect();
+        assert_eq!(
+            shapes.into_iter().collect::<Vec<_>>(),
+            vec![(2, 1), (2, 8), (4, 1), (4, 8)]
+        );
+        let sr: Vec<_> = p
+            .inter_node
+            .iter()
+            .filter(|c| c.op == LinkOp::SendRecv)
+            .collect();
+        assert_eq!(sr.len(), 1);
+        assert_eq!((sr[0].nodes, sr[0].ranks_per_node), (2, 8));
+        assert!(p
+            .inter_node
+            .iter()
+            .all(|c| c.bytes == collective_sweep_bytes()));
+        // Two nodes: only the count 2; one GPU per node: one shape; one node: none.
+        assert_eq!(inter_node_counts(2), vec![2]);
+        assert_eq!(inter_node_counts(480), vec![2, 480]);
+        assert_eq!(MeasurementPlan::across_nodes(2, 8).inter_node.len(), 11);
+        assert_eq!(MeasurementPlan::across_nodes(3, 1).inter_node.len(), 11);
+        assert!(MeasurementPlan::across_nodes(1, 8).inter_node.is_empty());
+        let text = p.describe();
+        for needle in [
+            "across nodes 2 nodes x 8 GPUs per node: all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, send_recv",
+            "across nodes 4 nodes x 1 GPU per node, every rail at once: all_reduce",
+            "messages of 4096 B to 1073741824 B by factors of 4; other node counts extrapolated",
+        ] {
+            assert!(text.contains(needle), "{needle}:\n{text}");
+        }
+        assert!(!MeasurementPlan::standard(8)
+            .describe()
+            .contains("across nodes"));
+    }
+
+    #[test]
+    fn inter_node_groups_place_ranks_on_nodes() {
+        let sweep = |op, nodes, ranks_per_node| InterNodeSweep {
+            op,
+            nodes,
+            ranks_per_node,
+            bytes: vec![4096],
+        };
+        // All 4 GPUs of nodes 0 and 1, node-major: one group of 8.
+        let all = sweep(LinkOp::AllReduce, 2, 4).groups(4);
+        assert_eq!(
+            all,
+            vec![vec![
+                (0, 0),
+                (0, 1),
+                (0, 2),
+                (0, 3),
+                (1, 0),
+                (1, 1),
+                (1, 2),
+                (1, 3)
+            ]]
+        );
+        // One rank per node on 3 nodes of 4: four rails, slot l on each node.
+        let rails = sweep(LinkOp::AllGather, 3, 1).groups(4);
+        assert_eq!(rails.len(), 4);
+        assert_eq!(rails[2], vec![(0, 2), (1, 2), (2, 2)]);
+        // Two per node: two groups side by side.
+        let pairs = sweep(LinkOp::AllToAll, 2, 2).groups(4);
+        assert_eq!(pairs[1], vec![(0, 2), (0, 3), (1, 2), (1, 3)]);
+        // send/recv: node 0's slot l sends to node 1's slot l.
+        let sends = sweep(LinkOp::SendRecv, 2, 4).groups(4);
+        assert_eq!(sends.len(), 4);
+        assert_eq!(sends[3], vec![(0, 3), (1, 3)]);
+    }
+
+    #[test]
+    fn node_layout_numbers_nodes_and_slots_in_rank_order() {
+        let hosts = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        // Ranks interleaved over two hosts (a launcher that deals round robin).
+        let l = NodeLayout::of_hosts(&hosts(&["b", "a", "b", "a"])).expect("layout");
+        assert_eq!((l.nodes, l.per_node), (2, 2));
+        assert_eq!(l.places, vec![(0, 0), (1, 0), (0, 1), (1, 1)]);
+        assert_eq!(l.rank_of((1, 1)), Some(3));
+        assert_eq!(l.rank_of((2, 0)), None);
+        let e = NodeLayout::of_hosts(&hosts(&["a", "a", "b"])).unwrap_err();
+        assert!(
+            e.contains("2 ranks on a but 1 on b") && e.contains("as many on every node"),
+            "{e}"
+        );
+        assert!(NodeLayout::of_hosts(&[]).is_err());
+    }
+
+    #[test]
+    fn inter_node_fits_recover_alpha_and_beta() {
+        // fit_alpha_beta on exact lines with awkward numbers: within 1e-6 relative.
+        let sizes: Vec<f64> = collective_sweep_bytes().iter().map(|&b| b as f64).collect();
+        for (alpha, beta) in [(37.123_456e-6, 41.987_654e9), (112.5e-6, 6.25e9)] {
+            let (a, b) = fit_alpha_beta("x", &samples(alpha, beta, &sizes)).expect("fit");
+            assert!((a - alpha).abs() <= 1e-6 * alpha, "alpha {a} vs {alpha}");
+            assert!((b - beta).abs() <= 1e-6 * beta, "beta {b} vs {beta}");
+        }
+        // build_overlay: AllReduce across 2 nodes x 8 at 47.25 us + B / 23.5 GB/s and
+        // across 2 x 1 at 21 us + B / 11.75 GB/s, send/recv at 12.5 us + B / 44 GB/s,
+        // three repeats each (one 5% slow: the median drops it).
+        let plan = MeasurementPlan::across_nodes(2, 8);
+        let mut m = Measurements {
+            device: "NVIDIA H100 80GB HBM3".into(),
+            gpus_per_node: 8,
+            ..Measurements::default()
+        };
+        let truth = [
+            (LinkOp::AllReduce, 8, 47.25e-6, 23.5e9),
+            (LinkOp::AllReduce, 1, 21e-6, 11.75e9),
+            (LinkOp::SendRecv, 8, 12.5e-6, 44e9),
+        ];
+        for sweep in &plan.inter_node {
+            let Some(&(_, _, alpha, beta)) = truth
+                .iter()
+                .find(|t| t.0 == sweep.op && t.1 == sweep.ranks_per_node)
+            else {
+                continue;
+            };
+            for &b in &sweep.bytes {
+                for slow in [1.0, 1.05, 1.0] {
+                    m.inter_node.push(InterNodeSample {
+                        op: sweep.op,
+                        nodes: sweep.nodes,
+                        ranks_per_node: sweep.ranks_per_node,
+                        sample: SizeSample {
+                            bytes: b as f64,
+                            seconds: (alpha + b as f64 / beta) * slow,
+                        },
+                    });
+                }
+            }
+        }
+        let o = build_overlay(&m, "2025-06-01T12:00:00Z").expect("overlay");
+        assert!(o.intra_node.is_empty());
+        let got: Vec<(String, u64, u64, f64, f64)> = o
+            .inter_node
+            .iter()
+            .map(|f| {
+                (
+                    f.op.clone(),
+                    f.nodes,
+                    f.ranks_per_node,
+                    f.alpha_us,
+                    f.beta_gbps,
+                )
+            })
+            .collect();
+        let want = [
+            ("all_reduce", 2, 1, 21.0, 11.75),
+            ("all_reduce", 2, 8, 47.25, 23.5),
+            ("send_recv", 2, 8, 12.5, 44.0),
+        ];
+        assert_eq!(got.len(), want.len(), "{got:?}");
+        for (g, w) in got.iter().zip(want) {
+            assert_eq!((g.0.as_str(), g.1, g.2), (w.0, w.1, w.2));
+            assert!((g.3 - w.3).abs() <= 1e-6 * w.3, "{g:?} vs {w:?}");
+            assert!((g.4 - w.4).abs() <= 1e-6 * w.4, "{g:?} vs {w:?}");
+        }
+        // The overlay written reads back equal.
+        let yaml = o.to_yaml();
+        assert!(yaml.contains("inter_node:\n"), "{yaml}");
+        assert_eq!(
+            crate::overlay::parse_overlay_yaml(&yaml, "w.yaml").expect("parses"),
+            o
+        );
+        // A shape with one message size cannot be fitted, and the error names it.
+        m.inter_node.retain(|c| c.sample.bytes == 4096.0);
+        let e = build_overlay(&m, "t").unwrap_err().to_string();
+        assert!(e.contains("all_reduce across 2 nodes x 1 ranks"), "{e}");
     }
 
     #[test]

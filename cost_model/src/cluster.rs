@@ -139,6 +139,10 @@ pub struct Cluster {
     /// What `meshplan calibrate` measured on these GPUs, if an overlay was applied.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub calibration: Option<Calibration>,
+    /// The fitted constants pricing reads (the defaults of [`crate::calib`]; a fit
+    /// to published runs varies them).
+    #[serde(skip)]
+    pub constants: crate::calib::Constants,
 }
 
 /// Most GPUs a cluster may have: the most ranks a plan may describe (the planner's
@@ -273,6 +277,7 @@ impl RawCluster {
             intra,
             inter,
             calibration: None,
+            constants: crate::calib::Constants::default(),
         })
     }
 }

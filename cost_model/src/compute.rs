@@ -23,6 +23,40 @@ pub fn gemm_efficiency(max: f64, m: f64, n: f64, k: f64) -> f64 {
     max * s(m) * s(n) * s(k)
 }
 
+/// Output tile side a GEMM kernel uses along a dimension of `d`: 128 for large
+/// dimensions (cuBLAS/CUTLASS's 128x128 and 128x256 tiles); a dimension below 128
+/// gets a kernel shaped for it (narrow tiles, or a GEMV for decode's few rows),
+/// which the shape term of [`gemm_efficiency`] prices instead.
+#[inline]
+pub fn tile_side(d: f64) -> f64 {
+    if d >= 128.0 {
+        128.0
+    } else {
+        d.max(1.0)
+    }
+}
+
+/// Fraction of a `batch x [m,k] x [k,n]` product's tile work that is useful.
+///
+/// # Assumptions
+/// - Tile quantisation: the output is computed in whole tiles ([`tile_side`]), so a
+///   dimension of 129 costs two tiles (NVIDIA's Matrix Multiplication Background
+///   guide, "Tile quantization"): `m n / (pad(m) pad(n))`.
+/// - Wave quantisation: tiles run in waves of one tile per SM; a last partial wave
+///   costs a whole one: `tiles / (ceil(tiles / sms) sms)` ("Wave quantization", same
+///   guide). `sms = 0` leaves it out.
+#[inline]
+pub fn quantisation(batch: f64, m: f64, n: f64, sms: f64) -> f64 {
+    let (tm, tn) = (tile_side(m), tile_side(n));
+    let (pm, pn) = ((m / tm).ceil(), (n / tn).ceil());
+    let tile = m * n / (pm * tm * pn * tn);
+    if sms <= 0.0 {
+        return tile;
+    }
+    let tiles = batch.max(1.0).ceil() * pm * pn;
+    tile * tiles / ((tiles / sms).ceil() * sms)
+}
+
 /// How much slower a `[m,k] x [k,n]` product runs than the cube of the same FLOPs
 /// (side `c = (m n k)^(1/3)`), by the shape term of [`gemm_efficiency`]:
 /// `s(m) s(n) s(k) / s(c)^3` with `s(x) = x / (x + GEMM_HALF_DIM)`.
@@ -134,6 +168,10 @@ pub struct Roofline {
     /// Fraction of peak the flash-attention backward reaches (on
     /// `FLASH_BACKWARD_RATIO` x the forward's FLOPs).
     pub flash_bwd_efficiency: f64,
+    /// Fixed cost of one kernel, s (`calib::Constants::kernel_overhead_s`).
+    pub kernel_overhead_s: f64,
+    /// Streaming multiprocessors, for wave quantisation (0: not modelled).
+    pub sms: f64,
 }
 
 impl Roofline {
@@ -147,6 +185,8 @@ impl Roofline {
             gemm_curve: None,
             flash_fwd_efficiency: calib::FLASH_ATTENTION_EFFICIENCY,
             flash_bwd_efficiency: calib::FLASH_ATTENTION_EFFICIENCY,
+            kernel_overhead_s: calib::KERNEL_OVERHEAD_S,
+            sms: 0.0,
         }
     }
 
@@ -156,11 +196,16 @@ impl Roofline {
     pub fn new(cluster: &Cluster, dtype: DType) -> Roofline {
         let gpu = &cluster.gpu;
         let peak = gpu.peak_flops(dtype);
+        let k = &cluster.constants;
         let mut r = Roofline::uncalibrated(
             peak,
-            gpu.hbm_bytes_per_s * calib::HBM_EFFICIENCY,
+            gpu.hbm_bytes_per_s * k.hbm_efficiency,
             gpu.gemm_efficiency,
         );
+        r.kernel_overhead_s = k.kernel_overhead_s;
+        r.sms = calib::sms_for(&gpu.name);
+        r.flash_fwd_efficiency = k.flash_efficiency * calib::flash_arch_scale(&gpu.name);
+        r.flash_bwd_efficiency = r.flash_fwd_efficiency;
         if let Some(c) = &cluster.calibration {
             if let Some(points) = c.gemm_points(dtype) {
                 r.gemm_curve = GemmCurve::from_points(points);
@@ -192,8 +237,14 @@ impl Roofline {
         if flops <= 0.0 {
             return 0.0;
         }
-        let compute = flops / self.gemm_rate(m, n, k);
-        compute.max(bytes / self.hbm_bytes_per_s) + calib::KERNEL_OVERHEAD_S
+        // A measured curve's points carry their own tile and wave losses.
+        let q = if self.gemm_curve.is_some() {
+            1.0
+        } else {
+            quantisation(batch, m, n, self.sms)
+        };
+        let compute = flops / (self.gemm_rate(m, n, k) * q);
+        compute.max(bytes / self.hbm_bytes_per_s) + self.kernel_overhead_s
     }
 
     /// Time of a memory-bound kernel moving `bytes`.
@@ -202,7 +253,7 @@ impl Roofline {
         if bytes <= 0.0 {
             return 0.0;
         }
-        bytes / self.hbm_bytes_per_s + calib::KERNEL_OVERHEAD_S
+        bytes / self.hbm_bytes_per_s + self.kernel_overhead_s
     }
 
     /// Time of a kernel that executes `flops` at `efficiency` and moves `bytes`.
@@ -212,13 +263,48 @@ impl Roofline {
             return 0.0;
         }
         (flops / (self.peak_flops * efficiency)).max(bytes / self.hbm_bytes_per_s)
-            + calib::KERNEL_OVERHEAD_S
+            + self.kernel_overhead_s
+    }
+
+    /// Forward and backward time of a flash-attention kernel executing `flops`
+    /// forward FLOPs (causal share applied) and moving `io_bytes`, for heads of
+    /// `head_dim` over `seq` keys: the kernel's rate falls for small heads and short
+    /// sequences ([`calib::flash_shape`]), measured rates included.
+    pub fn flash_s(&self, flops: f64, io_bytes: f64, head_dim: f64, seq: f64) -> (f64, f64) {
+        let shape = calib::flash_shape(head_dim, seq);
+        (
+            self.kernel_s(flops, self.flash_fwd_efficiency * shape, io_bytes),
+            self.kernel_s(
+                flops * calib::FLASH_BACKWARD_RATIO,
+                self.flash_bwd_efficiency * shape,
+                2.0 * io_bytes,
+            ),
+        )
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tiles_and_waves_waste_what_they_pad() {
+        // 8192 x 8192 on 128x128 tiles: 64 x 64 = 4096 tiles, no padding; on 108 SMs
+        // 38 waves hold 4104 tiles: 4096 / 4104 = 0.99805.
+        let q = quantisation(1.0, 8192.0, 8192.0, 108.0);
+        assert!((q - 4096.0 / 4104.0).abs() < 1e-12, "{q}");
+        // 8320 = 65 x 128 (no padding) but 8321 needs 66 tiles: 8321 / 8448 along m.
+        assert!((quantisation(1.0, 8321.0, 128.0, 0.0) - 8321.0 / 8448.0).abs() < 1e-12);
+        // A hidden size of 5120 split 8 ways (640 = 5 tiles) pads nothing;
+        // 5000 / 8 = 625 pads to 640: 625 / 640 = 0.977.
+        assert!((quantisation(1.0, 4096.0, 625.0, 0.0) - 625.0 / 640.0).abs() < 1e-12);
+        // Decode's few rows get a kernel of their own: no padding.
+        assert!((quantisation(1.0, 8.0, 4096.0, 0.0) - 1.0).abs() < 1e-12);
+        // 200 columns: two 128-wide tiles, 200 / 256.
+        assert!((quantisation(1.0, 4096.0, 200.0, 0.0) - 200.0 / 256.0).abs() < 1e-12);
+        // 132 tiles on 132 SMs: one full wave; 133 tiles: two waves, 133 / 264.
+        assert!((quantisation(1.0, 128.0 * 133.0, 128.0, 132.0) - 133.0 / 264.0).abs() < 1e-12);
+    }
 
     #[test]
     fn efficiency_saturates_and_penalises_skinny() {

@@ -7,8 +7,9 @@ use crate::calib;
 use crate::cluster::{Cluster, GroupShape};
 use crate::collective::{bytes_sent_per_rank, Collective, CommModel};
 use crate::compute::Roofline;
+use crate::framework::Mechanisms;
 use crate::graph_cost::{LayoutCtx, PreparedGraph, SegCost};
-use crate::memory::{model_state_bytes, MemoryLedger};
+use crate::memory::{model_state_bytes, model_state_bytes_with, MemoryLedger};
 use crate::pipeline::{simulate, PipelineInput};
 use crate::timeline::{InferenceTimeline, StageTail, TrainTimeline};
 use meshplan_ir::{DimEnv, ParallelConfig, Recompute, SegmentKind, Workload};
@@ -281,6 +282,7 @@ struct Chunk {
     ep_bytes: f64,
     recompute_comm: f64,
     seq_partial: f64,
+    layers: f64,
 }
 
 impl Chunk {
@@ -359,7 +361,7 @@ pub fn balance_layers(
     }
     let extra =
         |j: usize| (if j == 0 { first } else { 0.0 }) + (if j == chunks - 1 { last } else { 0.0 });
-    let even = |j: usize| ((j + 1) * layers / chunks - j * layers / chunks) as u64;
+    let even = |j: usize| (layers / chunks + usize::from(j < layers % chunks)) as u64;
     // Identical layers (the common case): a chunk's capacity under a bottleneck is a
     // division, and the best bottleneck is `k` layers plus one of the extras, so a
     // bisection over `k` per extra finds it without building a list.
@@ -490,14 +492,16 @@ mod balance_tests {
 
     #[test]
     fn a_heavy_head_takes_layers_off_the_last_stage() {
-        // 6 layers of 1 s over 4 stages, the head 1.5 s on the last: the even split
-        // [1, 2, 1, 2] has a 3.5 s bottleneck (2 layers + head); a bottleneck of
-        // 2.5 s holds (no split does better: the last stage needs a layer + 1.5 s),
-        // packed from the back: [1, 2, 2, 1].
+        // 6 layers of 1 s over 4 stages, the embedding 1.5 s on the first: the even
+        // split [2, 2, 1, 1] has a 3.5 s bottleneck (2 layers + embedding); a
+        // bottleneck of 2.5 s holds (stage 0 needs a layer + 1.5 s), packed from the
+        // back: [1, 1, 2, 2]. With the 1.5 s on the last stage instead the even split
+        // is already as good (2, 2, 1, 1 + 1.5).
         assert_eq!(
-            balance_layers(0.0, 1.5, &[(1.0, 6)], 4),
-            Some(vec![1, 2, 2, 1])
+            balance_layers(1.5, 0.0, &[(1.0, 6)], 4),
+            Some(vec![1, 1, 2, 2])
         );
+        assert_eq!(balance_layers(0.0, 1.5, &[(1.0, 6)], 4), None);
         // GPT-3's 96 layers over 20 stages, embedding 0.5 and head 2.0 layers of
         // work: a bottleneck of 5 fits 3 + 5 x 18 + 3 (3.5 on stage 0, 5 on the
         // last); 4.5 fits only 4 + 4 x 18 + 2 = 78 layers. Evenly the last stage
@@ -530,6 +534,17 @@ mod balance_tests {
     }
 }
 
+/// The even split of `layers` block layers over `pp` stages of `vpp` chunks each
+/// (chunk `c * pp + i` is stage `i`'s `c`-th): every chunk holds `layers / (pp vpp)`
+/// layers and the first `layers mod (pp vpp)` chunks one more, so no stage holds more
+/// than one layer more than another (126 layers over 16 stages of 7 chunks: every
+/// stage 7 or 8 layers, not two stages of 14).
+pub fn even_layer_split(layers: u64, pp: u64, vpp: u64) -> Vec<u64> {
+    let chunks = pp.max(1) * vpp.max(1);
+    let (base, rem) = (layers / chunks, layers % chunks);
+    (0..chunks).map(|j| base + u64::from(j < rem)).collect()
+}
+
 /// Splits the segments' costs into `chunks` model chunks: the embedding on the first
 /// chunk, the head on the last, and the blocks by `split` (layers per chunk, in chunk
 /// order) or evenly by layer.
@@ -537,6 +552,7 @@ fn build_chunks(
     pg: &PreparedGraph,
     costs: &[SegCost],
     chunks: usize,
+    vpp: u64,
     split: Option<&[u64]>,
 ) -> (Vec<Chunk>, f64) {
     let mut out = vec![Chunk::default(); chunks];
@@ -549,7 +565,19 @@ fn build_chunks(
                 Some(*acc)
             }))
             .collect(),
-        None => (0..=chunks).map(|j| j * total_layers / chunks).collect(),
+        None => {
+            let pp = (chunks as u64 / vpp.max(1)).max(1);
+            std::iter::once(0)
+                .chain(
+                    even_layer_split(total_layers as u64, pp, vpp.max(1))
+                        .into_iter()
+                        .scan(0usize, |acc, n| {
+                            *acc += n as usize;
+                            Some(*acc)
+                        }),
+                )
+                .collect()
+        }
     };
     let mut layer = 0usize;
     let mut shared = 0.0;
@@ -567,6 +595,7 @@ fn build_chunks(
                     let n = hi.min(end).saturating_sub(lo.max(start));
                     if n > 0 {
                         ch.add(c, n as f64);
+                        ch.layers += n as f64;
                     }
                 }
                 layer = end;
@@ -666,6 +695,30 @@ pub fn estimate_train_bounded(
     split: Option<&[u64]>,
     bound_s: f64,
 ) -> Result<Option<Estimate>, Unsupported> {
+    estimate_train_with(
+        pg,
+        cluster,
+        cfg,
+        seq_len,
+        global_batch,
+        split,
+        bound_s,
+        &Mechanisms::default(),
+    )
+}
+
+/// [`estimate_train_bounded`] as framework `mech` runs the configuration.
+#[allow(clippy::too_many_arguments)]
+pub fn estimate_train_with(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    seq_len: u64,
+    global_batch: u64,
+    split: Option<&[u64]>,
+    bound_s: f64,
+    mech: &Mechanisms,
+) -> Result<Option<Estimate>, Unsupported> {
     Ok(train_impl(
         pg,
         cluster,
@@ -676,6 +729,7 @@ pub fn estimate_train_bounded(
         bound_s,
         false,
         false,
+        mech,
     )?
     .map(|(e, _, _)| e))
 }
@@ -692,6 +746,27 @@ pub fn estimate_train_balanced_bounded(
     global_batch: u64,
     bound_s: f64,
 ) -> Result<Option<(Estimate, Option<LayerSplit>)>, Unsupported> {
+    estimate_train_balanced_with(
+        pg,
+        cluster,
+        cfg,
+        seq_len,
+        global_batch,
+        bound_s,
+        &Mechanisms::default(),
+    )
+}
+
+/// [`estimate_train_balanced_bounded`] as framework `mech` runs the configuration.
+pub fn estimate_train_balanced_with(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    seq_len: u64,
+    global_batch: u64,
+    bound_s: f64,
+    mech: &Mechanisms,
+) -> Result<Option<(Estimate, Option<LayerSplit>)>, Unsupported> {
     let run = |balance| {
         train_impl(
             pg,
@@ -703,6 +778,7 @@ pub fn estimate_train_balanced_bounded(
             bound_s,
             false,
             balance,
+            mech,
         )
     };
     match run(true)? {
@@ -723,6 +799,27 @@ pub fn train_timeline(
     global_batch: u64,
     split: Option<&[u64]>,
 ) -> Result<(Estimate, TrainTimeline), Unsupported> {
+    train_timeline_with(
+        pg,
+        cluster,
+        cfg,
+        seq_len,
+        global_batch,
+        split,
+        &Mechanisms::default(),
+    )
+}
+
+/// [`train_timeline`] as framework `mech` runs the configuration.
+pub fn train_timeline_with(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    seq_len: u64,
+    global_batch: u64,
+    split: Option<&[u64]>,
+    mech: &Mechanisms,
+) -> Result<(Estimate, TrainTimeline), Unsupported> {
     match train_impl(
         pg,
         cluster,
@@ -733,6 +830,7 @@ pub fn train_timeline(
         f64::INFINITY,
         true,
         false,
+        mech,
     )? {
         Some((e, Some(t), _)) => Ok((e, t)),
         _ => Err(unsupported(format!("{cfg}: the step time is not a number"))),
@@ -741,6 +839,57 @@ pub fn train_timeline(
 
 /// Block layers per model chunk.
 pub type LayerSplit = Vec<u64>;
+
+/// ZeRO-3 communication of one micro-batch on one stage: what stays exposed and what
+/// runs beside compute.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Zero3Exposure {
+    /// Seconds the stage waits on gathers and scatters.
+    pub exposed_s: f64,
+    /// Seconds of communication that overlap compute.
+    pub hidden_s: f64,
+}
+
+/// ZeRO-3 / FSDP over `group` for one micro-batch of a stage holding `p_bytes` of
+/// parameters (gradients `g_bytes`) in `layers` layers, whose forward takes `fwd_s`
+/// and backward (recomputation included) `bwd_s`.
+///
+/// # Assumptions
+/// - Parameters are gathered one layer at a time, `mech.zero3_calls_per_layer`
+///   collectives per layer, each paying its ring latency: once for the forward and
+///   once for the backward (the recomputed forward runs right before the layer's
+///   backward and uses the same gather); each layer's gradients are reduce-scattered
+///   after its backward.
+/// - A layer's gather is issued `mech.zero3_prefetch_layers` layers ahead, so it hides
+///   only behind that many layers' compute: the first gather of each pass and the last
+///   scatter are exposed, and each other layer exposes what its communication exceeds
+///   the compute in front of it.
+#[allow(clippy::too_many_arguments)]
+pub fn zero3_exposure(
+    comm: &CommModel,
+    group: GroupShape,
+    p_bytes: f64,
+    g_bytes: f64,
+    layers: f64,
+    fwd_s: f64,
+    bwd_s: f64,
+    mech: &Mechanisms,
+) -> Zero3Exposure {
+    let units = layers.max(1.0);
+    let calls = mech.zero3_calls_per_layer.max(1.0);
+    let gather = calls * comm.time_s(Collective::AllGather, group, p_bytes / (units * calls));
+    let scatter = calls * comm.time_s(Collective::ReduceScatter, group, g_bytes / (units * calls));
+    let d = mech.zero3_prefetch_layers.max(0.0);
+    let (cf, cb) = (fwd_s / units, bwd_s / units);
+    let fwd = gather + (units - 1.0) * (gather - d * cf).max(0.0);
+    let bwd = gather + scatter + (units - 1.0) * (gather + scatter - d * cb).max(0.0);
+    let total = units * (2.0 * gather + scatter);
+    let exposed = (fwd + bwd).min(total);
+    Zero3Exposure {
+        exposed_s: exposed,
+        hidden_s: total - exposed,
+    }
+}
 
 /// What [`train_impl`] priced: the estimate, the schedule it simulated (when asked)
 /// and the balanced split it chose (when asked to balance and it is not even).
@@ -757,6 +906,7 @@ fn train_impl(
     bound_s: f64,
     want_timeline: bool,
     balance: bool,
+    mech: &Mechanisms,
 ) -> Result<Option<Priced>, Unsupported> {
     let gpus = cluster.gpus();
     check_world_size(cfg, gpus)?;
@@ -781,7 +931,7 @@ fn train_impl(
         None
     };
     let split = split.or(balanced.as_deref());
-    let (chunks, shared) = build_chunks(pg, &costs, nchunks, split);
+    let (chunks, shared) = build_chunks(pg, &costs, nchunks, cfg.vpp, split);
     let microbatches = global_batch.div_ceil(cfg.dp * cfg.mbs);
     if cfg.vpp > 1 && microbatches < cfg.pp {
         return Err(unsupported(format!(
@@ -793,13 +943,19 @@ fn train_impl(
 
     // Pipeline.
     let bpe = pg.dtype.size_bytes() as f64;
+    // Without sequence parallelism each tensor rank sends its 1/tp slice and the
+    // receiver gathers it over the tensor axis (Megatron's scatter-gather), unless the
+    // framework's pipeline engine sends every tensor rank's whole copy; with sequence
+    // parallelism the activation is already split along the sequence and stays so.
+    let whole = cfg.tp > 1 && !ctx.sp && mech.p2p_whole_activation;
     let p2p_bytes = pg.boundary_bytes_per_token * cfg.mbs as f64 * seq
         / cfg.cp as f64
-        / if cfg.tp > 1 { cfg.tp as f64 } else { 1.0 };
-    // Without sequence parallelism each tensor rank sends its 1/tp slice and the
-    // receiver gathers it over the tensor axis (Megatron's scatter-gather); with it the
-    // activation is already split along the sequence and stays so.
-    let p2p_gather = cfg.pp > 1 && cfg.tp > 1 && !ctx.sp;
+        / if cfg.tp > 1 && !whole {
+            cfg.tp as f64
+        } else {
+            1.0
+        };
+    let p2p_gather = cfg.pp > 1 && cfg.tp > 1 && !ctx.sp && !whole;
     let p2p_s = if cfg.pp > 1 {
         comm.p2p_time_s(groups.pp_same_node, p2p_bytes)
             + if p2p_gather {
@@ -810,8 +966,18 @@ fn train_impl(
     } else {
         0.0
     };
-    let fwd: Vec<f64> = chunks.iter().map(|c| c.compute_f + c.comm_f).collect();
-    let bwd: Vec<f64> = chunks.iter().map(|c| c.compute_b + c.comm_b).collect();
+    // A blocking pipeline engine keeps the stage busy while it sends; every
+    // micro-batch costs the stage the framework's host-side step.
+    let held = if mech.p2p_blocking { p2p_s } else { 0.0 };
+    let per_mb = cluster.constants.microbatch_overhead_s / (2.0 * cfg.vpp as f64);
+    let fwd: Vec<f64> = chunks
+        .iter()
+        .map(|c| c.compute_f + c.comm_f + held + per_mb)
+        .collect();
+    let bwd: Vec<f64> = chunks
+        .iter()
+        .map(|c| c.compute_b + c.comm_b + held + per_mb)
+        .collect();
     // Per stage: data-parallel reduction, optimizer, memory.
     let pp = cfg.pp as usize;
     let dense_dp = cfg.dp * cfg.cp;
@@ -833,13 +999,17 @@ fn train_impl(
         let compute: f64 = mine.iter().map(|c| c.compute_f + c.compute_b).sum::<f64>() * m;
         let comm_s: f64 = mine.iter().map(|c| c.comm_f + c.comm_b).sum::<f64>() * m;
         let last_bwd: f64 = mine.iter().map(|c| c.compute_b).sum::<f64>() / cfg.vpp as f64;
-        let fwd_bwd_mb: f64 = mine.iter().map(|c| c.compute_f + c.compute_b).sum();
 
         // Gradient reduction: AllReduce (ZeRO 0), ReduceScatter + AllGather (1, 2),
-        // per micro-batch gathers and scatters (3).
+        // per layer gathers and scatters in every micro-batch (3).
+        let fwd_mb: f64 = mine.iter().map(|c| c.compute_f).sum();
+        let bwd_mb: f64 = mine.iter().map(|c| c.compute_b).sum();
+        let stage_layers: f64 = mine.iter().map(|c| c.layers).sum::<f64>().max(1.0);
         let (dp_bytes, exposed_dp) = {
             let mut bytes = 0.0;
             let mut exposed = 0.0;
+            // Communication that runs beside compute and slows it.
+            let mut hidden = 0.0;
             for (params, group, n) in [
                 (dense, groups.dp, dense_dp),
                 (expert, groups.edp, expert_dp),
@@ -847,37 +1017,51 @@ fn train_impl(
                 if n <= 1 || params <= 0.0 {
                     continue;
                 }
-                let g = params * bpe;
+                // Gradients travel in the framework's precision, never below the
+                // compute dtype's.
+                let (p_bytes, g_bytes) = (params * bpe, params * mech.grad_bytes.max(bpe));
                 if cfg.zero >= 3 {
-                    let per_mb = 2.0 * comm.time_s(Collective::AllGather, group, g)
-                        + comm.time_s(Collective::ReduceScatter, group, g);
-                    let b = 2.0 * bytes_sent_per_rank(Collective::AllGather, n, g)
-                        + bytes_sent_per_rank(Collective::ReduceScatter, n, g);
+                    let b = 2.0 * bytes_sent_per_rank(Collective::AllGather, n, p_bytes)
+                        + bytes_sent_per_rank(Collective::ReduceScatter, n, g_bytes);
                     bytes += b * m;
-                    // Prefetched gathers hide behind the micro-batch's compute.
-                    exposed += (per_mb - fwd_bwd_mb).max(0.0) * m
-                        + per_mb / (params / calib::DP_BUCKET_PARAMS).max(1.0);
+                    let z = zero3_exposure(
+                        &comm,
+                        group,
+                        p_bytes,
+                        g_bytes,
+                        stage_layers,
+                        fwd_mb,
+                        bwd_mb,
+                        mech,
+                    );
+                    exposed += z.exposed_s * m;
+                    hidden += z.hidden_s * m;
                 } else {
                     let t = if cfg.zero == 0 {
-                        comm.time_s(Collective::AllReduce, group, g)
+                        comm.time_s(Collective::AllReduce, group, g_bytes)
                     } else {
-                        comm.time_s(Collective::ReduceScatter, group, g)
-                            + comm.time_s(Collective::AllGather, group, g)
+                        comm.time_s(Collective::ReduceScatter, group, g_bytes)
+                            + comm.time_s(Collective::AllGather, group, p_bytes)
                     };
                     let b = if cfg.zero == 0 {
-                        bytes_sent_per_rank(Collective::AllReduce, n, g)
+                        bytes_sent_per_rank(Collective::AllReduce, n, g_bytes)
                     } else {
-                        bytes_sent_per_rank(Collective::ReduceScatter, n, g)
-                            + bytes_sent_per_rank(Collective::AllGather, n, g)
+                        bytes_sent_per_rank(Collective::ReduceScatter, n, g_bytes)
+                            + bytes_sent_per_rank(Collective::AllGather, n, p_bytes)
                     };
                     bytes += b;
                     // Buckets reduce while the last micro-batch's backward runs; the
                     // last bucket is always exposed.
                     let buckets = (params / calib::DP_BUCKET_PARAMS).ceil().max(1.0);
-                    exposed += (t - last_bwd).max(t / buckets);
+                    let e = (t - last_bwd).max(t / buckets);
+                    exposed += e;
+                    hidden += t - e;
                 }
             }
-            (bytes, exposed)
+            (
+                bytes,
+                exposed + cluster.constants.comm_compute_slowdown * hidden,
+            )
         };
         // Sequence parallelism leaves norm gradients partial over the tensor axis:
         // one AllReduce of them per step, before the optimizer; under ZeRO-3 with data
@@ -930,8 +1114,8 @@ fn train_impl(
         }
 
         // Memory.
-        let (pd, gd, od) = model_state_bytes(dense, dense_dp, cfg.zero);
-        let (pe, ge, oe) = model_state_bytes(expert, expert_dp, cfg.zero);
+        let (pd, gd, od) = model_state_bytes_with(dense, dense_dp, cfg.zero, mech.grad_bytes);
+        let (pe, ge, oe) = model_state_bytes_with(expert, expert_dp, cfg.zero, mech.grad_bytes);
         let act_per_mb = mine.iter().map(|c| c.act).fold(0.0, f64::max);
         let transient = mine.iter().map(|c| c.transient).fold(0.0, f64::max);
         let bucket_buffers = 2.0 * (dense + expert).min(calib::DP_BUCKET_PARAMS) * bpe;
@@ -1226,7 +1410,7 @@ pub fn inference_timeline(
         let costs = ctx.price(pg);
         // Inference keeps no activations for backward: one layer's tensors are live at a time.
         let live = costs.iter().map(|c| c.act_bytes).fold(0.0, f64::max);
-        (build_chunks(pg, &costs, cfg.pp as usize, None).0, live)
+        (build_chunks(pg, &costs, cfg.pp as usize, 1, None).0, live)
     };
     let bpe = pg.dtype.size_bytes() as f64;
     let hop = |tokens: f64| {
@@ -1497,5 +1681,99 @@ pub fn replica_memory(pg: &PreparedGraph, workload: &Workload) -> MemoryLedger {
             }
             .summed()
         }
+    }
+}
+
+#[cfg(test)]
+mod zero3_tests {
+    use super::*;
+    use crate::cluster::Link;
+
+    fn exact() -> CommModel {
+        let l = |gbps: f64| Link {
+            bandwidth_bytes_per_s: gbps * 1e9,
+            latency_s: 0.0,
+        };
+        CommModel::exact(l(300.0), l(25.0))
+    }
+
+    #[test]
+    fn gathers_hide_behind_compute_until_the_per_layer_compute_is_shorter() {
+        // 10B parameters in fp16 (20 GB, gradients 20 GB) in 40 layers, gathered over
+        // 32 ranks on 4 nodes: a layer's 0.5 GB AllGather takes, pipelined, the larger
+        // of 7/8 x 0.5 GB / 300 GB/s = 1.458 ms in the node and 3/4 x 0.5 GB / 8 /
+        // 25 GB/s = 1.875 ms across: 1.875 ms; its ReduceScatter the same.
+        let group = GroupShape {
+            size: 32,
+            per_node: 8,
+        };
+        let m = Mechanisms::of(meshplan_ir::Framework::Torchtitan).with_grad_bytes(2.0);
+        let (g, s) = (1.875e-3, 1.875e-3);
+        let total = 40.0 * (2.0 * g + s); // 225 ms per micro-batch
+                                          // Compute-bound: 4 ms forward and 8 ms backward per layer (160 ms, 320 ms):
+                                          // only the first gather of each pass and the last scatter wait.
+        let z = zero3_exposure(&exact(), group, 20e9, 20e9, 40.0, 0.160, 0.320, &m);
+        assert!((z.exposed_s - (g + g + s)).abs() < 1e-12, "{z:?}");
+        assert!((z.hidden_s - (total - 3.0 * g)).abs() < 1e-12);
+        // Communication-bound: 1 ms forward, 2 ms backward per layer: every later
+        // layer exposes 0.875 ms forward and 1.75 ms backward:
+        // 1.875 + 39 x 0.875 + 3.75 + 39 x 1.75 = 108.0 ms exposed.
+        let z = zero3_exposure(&exact(), group, 20e9, 20e9, 40.0, 0.040, 0.080, &m);
+        let want = 1.875e-3 + 39.0 * 0.875e-3 + 3.75e-3 + 39.0 * 1.75e-3;
+        assert!(
+            (z.exposed_s - want).abs() < 1e-12,
+            "{} vs {want}",
+            z.exposed_s
+        );
+        assert!((want - 0.108).abs() < 1e-12);
+        assert!((z.exposed_s + z.hidden_s - total).abs() < 1e-12);
+        // The crossover: a forward of exactly one gather per layer (1.875 ms, and a
+        // backward of gather + scatter, 3.75 ms) is the last compute that hides it.
+        let z = zero3_exposure(&exact(), group, 20e9, 20e9, 40.0, 0.075, 0.150, &m);
+        assert!((z.exposed_s - 3.0 * g).abs() < 1e-12);
+        let z = zero3_exposure(&exact(), group, 20e9, 20e9, 40.0, 0.074, 0.148, &m);
+        assert!(z.exposed_s > 3.0 * g);
+    }
+
+    #[test]
+    fn deepspeed_pays_the_ring_latency_once_per_parameter() {
+        // With a 10 us step latency and 4 gathers per layer (DeepSpeed gathers each
+        // weight), each gather of 1/4 of the layer pays the latency of the 2-node
+        // ring (1 step across at 10 us) and of the 14 other in-node steps (10 us).
+        let l = |gbps: f64| Link {
+            bandwidth_bytes_per_s: gbps * 1e9,
+            latency_s: 10e-6,
+        };
+        let comm = CommModel::exact(l(300.0), l(25.0));
+        let group = GroupShape {
+            size: 16,
+            per_node: 8,
+        };
+        let one = zero3_exposure(
+            &comm,
+            group,
+            1e3,
+            1e3,
+            1.0,
+            0.0,
+            0.0,
+            &Mechanisms::default(),
+        );
+        let ds = zero3_exposure(
+            &comm,
+            group,
+            1e3,
+            1e3,
+            1.0,
+            0.0,
+            0.0,
+            &Mechanisms::of(meshplan_ir::Framework::Deepspeed),
+        );
+        // Tiny buffers: latency only. One collective: the in-node phase (7 steps,
+        // 70 us) and the crossing (10 us) overlap: 70 us, plus 16 - 8 - 2 + 1 = 7
+        // in-node steps = 70 us: 140 us; the exposure of 2 gathers + 1 scatter is
+        // 3 x 140 us (plus the bytes, < 1 ns).
+        assert!((one.exposed_s - 3.0 * 140e-6).abs() < 1e-8, "{one:?}");
+        assert!((ds.exposed_s - 4.0 * one.exposed_s).abs() < 1e-7, "{ds:?}");
     }
 }

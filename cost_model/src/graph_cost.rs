@@ -796,14 +796,9 @@ impl LayoutCtx {
                 } else {
                     1.0
                 };
-                let f = self
+                let (f, bw) = self
                     .roof
-                    .kernel_s(flops * frac, self.roof.flash_fwd_efficiency, io_bytes);
-                let bw = self.roof.kernel_s(
-                    flops * frac * calib::FLASH_BACKWARD_RATIO,
-                    self.roof.flash_bwd_efficiency,
-                    2.0 * io_bytes,
-                );
+                    .flash_s(flops * frac, io_bytes, a.qk_dim as f64, kv);
                 // Log-sum-exp per query row, fp32.
                 (f, bw, batch * heads * s * 4.0, flops)
             }

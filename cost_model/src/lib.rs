@@ -19,6 +19,7 @@ pub mod cluster;
 pub mod collective;
 pub mod compute;
 pub mod estimate;
+pub mod framework;
 pub mod graph_cost;
 pub mod memory;
 pub mod overlay;
@@ -28,10 +29,12 @@ pub mod timeline;
 pub use cluster::{load_cluster, load_cluster_calibrated, parse_cluster_yaml, Cluster, GroupShape};
 pub use collective::{Collective, CommModel};
 pub use estimate::{
-    estimate_inference, estimate_train, estimate_train_bounded, estimate_train_split,
-    flops_per_token_forward, inference_timeline, prepare_model, replica_memory, train_ctx,
-    train_timeline, Estimate, InferenceLoad, Unsupported,
+    estimate_inference, estimate_train, estimate_train_balanced_with, estimate_train_bounded,
+    estimate_train_split, estimate_train_with, flops_per_token_forward, inference_timeline,
+    prepare_model, replica_memory, train_ctx, train_timeline, train_timeline_with, Estimate,
+    InferenceLoad, Unsupported,
 };
+pub use framework::Mechanisms;
 pub use graph_cost::PreparedGraph;
 pub use memory::MemoryLedger;
 pub use timeline::{Lane, Span, SpanKind, Timeline};

@@ -17,9 +17,15 @@ pub const OPTIMIZER_BYTES: f64 = 12.0;
 ///
 /// Returns (params, grads, optimizer) bytes.
 pub fn model_state_bytes(params: f64, dp: u64, stage: u8) -> (f64, f64, f64) {
+    model_state_bytes_with(params, dp, stage, GRAD_BYTES)
+}
+
+/// [`model_state_bytes`] with gradients held in `grad_bytes` per element: Megatron-LM's
+/// fp32 main gradients (4) make stage 0 `18 P`.
+pub fn model_state_bytes_with(params: f64, dp: u64, stage: u8, grad_bytes: f64) -> (f64, f64, f64) {
     let d = dp.max(1) as f64;
     let p = PARAM_BYTES * params / if stage >= 3 { d } else { 1.0 };
-    let g = GRAD_BYTES * params / if stage >= 2 { d } else { 1.0 };
+    let g = grad_bytes * params / if stage >= 2 { d } else { 1.0 };
     let o = OPTIMIZER_BYTES * params / if stage >= 1 { d } else { 1.0 };
     (p, g, o)
 }

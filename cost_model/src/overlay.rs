@@ -18,6 +18,10 @@
 //! intra_node:               # per collective and group size: t = alpha + bytes / beta
 //!   - {collective: all_reduce, ranks: 8, alpha_us: 28.1, beta_gbps: 182.5}
 //!   - {collective: send_recv, ranks: 2, alpha_us: 9.0, beta_gbps: 310.0}
+//! inter_node:               # per collective, nodes and GPUs per node: t = alpha + bytes / beta
+//!   - {op: all_reduce, nodes: 2, ranks_per_node: 8, alpha_us: 48.0, beta_gbps: 46.5}
+//!   - {op: all_reduce, nodes: 2, ranks_per_node: 1, alpha_us: 21.0, beta_gbps: 24.0}
+//!   - {op: send_recv, nodes: 2, ranks_per_node: 8, alpha_us: 12.0, beta_gbps: 44.0}
 //! ```
 //!
 //! Every section is optional: what the overlay does not name keeps the cluster
@@ -41,6 +45,15 @@
 //!   `send_recv`). Measured ReduceScatter/AllGather/Broadcast of `g` ranks also
 //!   price the inside-the-node phases of collectives across nodes. Group sizes the
 //!   overlay does not name keep the link model.
+//! - **Collectives across nodes** (`meshplan calibrate` under a launch of two or more
+//!   nodes): a group spanning `nodes` nodes with `ranks_per_node` ranks on each takes
+//!   the fit as a whole (in place of the hierarchical link model), same message size
+//!   convention. `ranks_per_node: 1` was measured with every node's GPUs running their
+//!   own such group at once (one per rail, as a data-parallel axis outside a tensor
+//!   axis runs), so it is one GPU's share of the node's NICs. Other node counts are
+//!   extrapolated from the largest measured one below (see
+//!   [`crate::collective::MeasuredAcrossNodes`]); `send_recv` (always `nodes: 2`)
+//!   prices pipeline sends between nodes.
 //!
 //! Bad overlays are bad input: every error names the overlay file, the field and the
 //! fix, as cluster errors do.
@@ -59,6 +72,11 @@ pub const GEMM_POINTS_MAX: usize = 32;
 
 /// Most distinct group sizes among the measured collectives.
 pub const COLLECTIVE_SIZES_MAX: usize = 8;
+
+/// Most `inter_node` fits (the measurement plan writes at most 21: five
+/// collectives at two node counts and two shapes, and one send/recv). It bounds the
+/// fixed-size table that keeps [`crate::CommModel`] `Copy`.
+pub const INTER_FITS_MAX: usize = 32;
 
 // === the file as written ===
 
@@ -89,6 +107,9 @@ pub struct RawOverlay {
     /// Collectives inside one node.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub intra_node: Vec<RawCollectiveFit>,
+    /// Collectives across nodes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inter_node: Vec<RawInterNodeFit>,
 }
 
 /// One measured `[m,k] x [k,n]` product.
@@ -125,6 +146,23 @@ pub struct RawCollectiveFit {
     pub collective: String,
     /// Group size.
     pub ranks: u64,
+    /// Fitted latency, microseconds.
+    pub alpha_us: f64,
+    /// Fitted bandwidth over the cost model's message size, GB/s.
+    pub beta_gbps: f64,
+}
+
+/// One collective's fitted latency and bandwidth across nodes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawInterNodeFit {
+    /// `all_reduce`, `all_gather`, `reduce_scatter`, `broadcast`, `all_to_all` or
+    /// `send_recv`.
+    pub op: String,
+    /// Nodes the group spans (at least 2; `send_recv` joins exactly 2).
+    pub nodes: u64,
+    /// Ranks of the group on each node.
+    pub ranks_per_node: u64,
     /// Fitted latency, microseconds.
     pub alpha_us: f64,
     /// Fitted bandwidth over the cost model's message size, GB/s.
@@ -190,6 +228,16 @@ impl RawOverlay {
                     s,
                     "  - {{collective: {}, ranks: {}, alpha_us: {:?}, beta_gbps: {:?}}}",
                     c.collective, c.ranks, c.alpha_us, c.beta_gbps
+                );
+            }
+        }
+        if !self.inter_node.is_empty() {
+            let _ = writeln!(s, "inter_node:");
+            for c in &self.inter_node {
+                let _ = writeln!(
+                    s,
+                    "  - {{op: {}, nodes: {}, ranks_per_node: {}, alpha_us: {:?}, beta_gbps: {:?}}}",
+                    c.op, c.nodes, c.ranks_per_node, c.alpha_us, c.beta_gbps
                 );
             }
         }
@@ -323,6 +371,19 @@ pub struct CollectiveFit {
     pub fit: AlphaBeta,
 }
 
+/// One collective's fit across nodes, SI.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct InterNodeFit {
+    /// The operation.
+    pub op: LinkOp,
+    /// Nodes the group spans (at least 2).
+    pub nodes: u64,
+    /// Ranks of the group on each node.
+    pub ranks_per_node: u64,
+    /// The fit.
+    pub fit: AlphaBeta,
+}
+
 /// A validated overlay in SI units, as the cluster carries it (and plans record it).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Calibration {
@@ -342,6 +403,9 @@ pub struct Calibration {
     pub attention: Vec<AttentionRate>,
     /// Collectives inside one node.
     pub intra_node: Vec<CollectiveFit>,
+    /// Collectives across nodes (absent in plans written before they were measured).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inter_node: Vec<InterNodeFit>,
 }
 
 /// The overlay key of a compute dtype (the spelling of `gpu.peak_tflops`).
@@ -691,6 +755,7 @@ impl RawOverlay {
                 },
             });
         }
+        let inter_node = self.validate_inter_node(file, cluster, cluster_file)?;
         Ok(Calibration {
             file: file.to_string(),
             device: self.device.clone(),
@@ -700,7 +765,123 @@ impl RawOverlay {
             hbm_bytes_per_s,
             attention,
             intra_node,
+            inter_node,
         })
+    }
+
+    /// The `inter_node` section, checked as `intra_node` is.
+    fn validate_inter_node(
+        &self,
+        file: &str,
+        cluster: &Cluster,
+        cluster_file: &str,
+    ) -> Result<Vec<InterNodeFit>, IrError> {
+        if self.inter_node.len() > INTER_FITS_MAX {
+            return Err(invalid(
+                file,
+                "inter_node",
+                format!(
+                    "{} fits, more than the {INTER_FITS_MAX} this meshplan keeps; keep the node counts and shapes the cluster uses",
+                    self.inter_node.len()
+                ),
+            ));
+        }
+        let mut out: Vec<InterNodeFit> = Vec::with_capacity(self.inter_node.len());
+        for (i, c) in self.inter_node.iter().enumerate() {
+            let f = format!("inter_node[{i}]");
+            let op = LinkOp::parse(&c.op).ok_or_else(|| {
+                invalid(
+                    file,
+                    &format!("{f}.op"),
+                    format!(
+                        "unknown collective `{}`; expected one of {}",
+                        c.op,
+                        LinkOp::ALL.map(LinkOp::name).join(", ")
+                    ),
+                )
+            })?;
+            if c.nodes < 2 {
+                return Err(invalid(
+                    file,
+                    &format!("{f}.nodes"),
+                    format!(
+                        "a fit across nodes spans at least 2 nodes, got {}; put a measurement inside one node under intra_node",
+                        c.nodes
+                    ),
+                ));
+            }
+            if c.nodes > crate::cluster::GPUS_MAX {
+                return Err(invalid(
+                    file,
+                    &format!("{f}.nodes"),
+                    format!(
+                        "{} nodes is more than any cluster meshplan plans ({} GPUs); write the node count the fit was measured on",
+                        c.nodes,
+                        crate::cluster::GPUS_MAX
+                    ),
+                ));
+            }
+            if op == LinkOp::SendRecv && c.nodes != 2 {
+                return Err(invalid(
+                    file,
+                    &format!("{f}.nodes"),
+                    format!(
+                        "send_recv is between 2 nodes, got {}; write nodes: 2",
+                        c.nodes
+                    ),
+                ));
+            }
+            if c.ranks_per_node == 0 {
+                return Err(invalid(
+                    file,
+                    &format!("{f}.ranks_per_node"),
+                    "must be at least 1, got 0; write the group's ranks on each node",
+                ));
+            }
+            if c.ranks_per_node > cluster.gpus_per_node {
+                return Err(invalid(
+                    file,
+                    &format!("{f}.ranks_per_node"),
+                    format!(
+                        "{} ranks per node do not fit in a node of {} GPUs (gpus_per_node in {cluster_file}): the overlay was measured on larger nodes; remove the entry or use an overlay of this cluster",
+                        c.ranks_per_node, cluster.gpus_per_node
+                    ),
+                ));
+            }
+            if !(c.alpha_us.is_finite() && c.alpha_us >= 0.0) {
+                return Err(invalid(
+                    file,
+                    &format!("{f}.alpha_us"),
+                    format!("must be a non-negative number, got {}", c.alpha_us),
+                ));
+            }
+            let beta = positive(file, &format!("{f}.beta_gbps"), c.beta_gbps)?;
+            if out
+                .iter()
+                .any(|x| x.op == op && x.nodes == c.nodes && x.ranks_per_node == c.ranks_per_node)
+            {
+                return Err(invalid(
+                    file,
+                    &f,
+                    format!(
+                        "{} over {} nodes with {} ranks each is given twice; keep one fit",
+                        op.name(),
+                        c.nodes,
+                        c.ranks_per_node
+                    ),
+                ));
+            }
+            out.push(InterNodeFit {
+                op,
+                nodes: c.nodes,
+                ranks_per_node: c.ranks_per_node,
+                fit: AlphaBeta {
+                    alpha_s: c.alpha_us * 1e-6,
+                    beta_bytes_per_s: beta * 1e9,
+                },
+            });
+        }
+        Ok(out)
     }
 }
 
@@ -726,6 +907,109 @@ mod tests {
         assert_eq!(model_tokens("H100-SXM5-80GB"), vec!["H100"]);
         assert_eq!(model_tokens("A100-SXM4-80GB"), vec!["A100"]);
         assert!(model_tokens("cpu-thread").is_empty());
+    }
+
+    fn two_dgx() -> Cluster {
+        crate::cluster::parse_cluster_yaml(
+            "name: t\nnodes: 2\ngpus_per_node: 8\ngpu:\n  name: H100-SXM5-80GB\n  memory_gib: 80\n  peak_tflops: {bf16: 989, fp32: 67}\n  hbm_gbps: 3350\nintra_node:\n  link: nv\n  bandwidth_gbps: 450\n  latency_us: 3\ninter_node:\n  link: ib\n  bandwidth_gbps: 50\n  latency_us: 6\n",
+            "t.yaml",
+            None,
+        )
+        .expect("cluster")
+    }
+
+    const HEADER: &str = "format: 1\ndevice: NVIDIA H100 80GB HBM3\nmeasured_at: 2025-06-01T12:00:00Z\nmeasured_with: test\n";
+
+    fn inter(entries: &str) -> Result<Calibration, IrError> {
+        let raw = parse_overlay_yaml(&format!("{HEADER}inter_node:\n{entries}"), "o.yaml")?;
+        raw.validate("o.yaml", &two_dgx(), "t.yaml")
+    }
+
+    #[test]
+    fn inter_node_fits_round_trip_and_convert_to_si() {
+        // 48 us and 46.5 GB/s are 4.8e-5 s and 4.65e10 B/s.
+        let text = format!(
+            "{HEADER}intra_node:\n  - {{collective: all_reduce, ranks: 8, alpha_us: 28.1, beta_gbps: 182.5}}\ninter_node:\n  - {{op: all_reduce, nodes: 2, ranks_per_node: 8, alpha_us: 48.0, beta_gbps: 46.5}}\n  - {{op: send_recv, nodes: 2, ranks_per_node: 1, alpha_us: 0.0, beta_gbps: 24.0}}\n"
+        );
+        let raw = parse_overlay_yaml(&text, "o.yaml").expect("parses");
+        assert_eq!(raw.inter_node.len(), 2);
+        let again = parse_overlay_yaml(&raw.to_yaml(), "again.yaml").expect("round trip");
+        assert_eq!(again, raw);
+        assert!(raw.to_yaml().contains(
+            "  - {op: all_reduce, nodes: 2, ranks_per_node: 8, alpha_us: 48.0, beta_gbps: 46.5}"
+        ));
+        let c = raw.validate("o.yaml", &two_dgx(), "t.yaml").expect("valid");
+        assert_eq!(c.inter_node.len(), 2);
+        let f = c.inter_node[0];
+        assert_eq!((f.op, f.nodes, f.ranks_per_node), (LinkOp::AllReduce, 2, 8));
+        assert!((f.fit.alpha_s - 4.8e-5).abs() < 1e-18);
+        assert!((f.fit.beta_bytes_per_s - 4.65e10).abs() < 1e-3);
+        // Absent is empty, and an overlay without the section writes none.
+        let old = parse_overlay_yaml(HEADER, "old.yaml").expect("old overlay");
+        assert!(old.inter_node.is_empty());
+        assert!(!old.to_yaml().contains("inter_node"));
+    }
+
+    #[test]
+    fn bad_inter_node_entries_name_the_field_and_the_fix() {
+        let cases: &[(&str, &[&str])] = &[
+            (
+                "  - {op: allreduce, nodes: 2, ranks_per_node: 8, alpha_us: 1, beta_gbps: 1}\n",
+                &["inter_node[0].op", "all_reduce"],
+            ),
+            (
+                "  - {op: all_reduce, nodes: 1, ranks_per_node: 8, alpha_us: 1, beta_gbps: 1}\n",
+                &["inter_node[0].nodes", "at least 2", "intra_node"],
+            ),
+            (
+                "  - {op: send_recv, nodes: 4, ranks_per_node: 8, alpha_us: 1, beta_gbps: 1}\n",
+                &["inter_node[0].nodes", "nodes: 2"],
+            ),
+            (
+                "  - {op: all_gather, nodes: 2, ranks_per_node: 0, alpha_us: 1, beta_gbps: 1}\n",
+                &["inter_node[0].ranks_per_node", "at least 1"],
+            ),
+            (
+                "  - {op: all_gather, nodes: 2, ranks_per_node: 16, alpha_us: 1, beta_gbps: 1}\n",
+                &["inter_node[0].ranks_per_node", "node of 8 GPUs", "t.yaml"],
+            ),
+            (
+                "  - {op: broadcast, nodes: 2, ranks_per_node: 8, alpha_us: -1, beta_gbps: 1}\n",
+                &["inter_node[0].alpha_us", "non-negative"],
+            ),
+            (
+                "  - {op: broadcast, nodes: 2, ranks_per_node: 8, alpha_us: 1, beta_gbps: .inf}\n",
+                &["inter_node[0].beta_gbps", "positive"],
+            ),
+            (
+                "  - {op: all_to_all, nodes: 2, ranks_per_node: 8, alpha_us: 1, beta_gbps: 1}\n  - {op: all_to_all, nodes: 2, ranks_per_node: 8, alpha_us: 2, beta_gbps: 2}\n",
+                &["inter_node[1]", "given twice"],
+            ),
+            (
+                "  - {op: all_to_all, node: 2, ranks_per_node: 8, alpha_us: 1, beta_gbps: 1}\n",
+                &["o.yaml", "node"],
+            ),
+        ];
+        for (entries, needles) in cases {
+            let e = inter(entries).expect_err(entries).to_string();
+            assert!(e.contains("o.yaml"), "{e}");
+            for n in *needles {
+                assert!(e.contains(n), "`{n}` missing from: {e}");
+            }
+        }
+        let many: String = (0..=INTER_FITS_MAX)
+            .map(|i| {
+                format!(
+                    "  - {{op: all_reduce, nodes: {}, ranks_per_node: 8, alpha_us: 1, beta_gbps: 1}}\n",
+                    i + 2
+                )
+            })
+            .collect();
+        let e = inter(&many).expect_err("too many").to_string();
+        assert!(
+            e.contains("inter_node") && e.contains("more than the 32"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -10,7 +10,8 @@
 use crate::compare;
 use crate::cost_model::estimate::{gib, Groups};
 use crate::cost_model::{
-    estimate_inference, estimate_train_split, Cluster, Estimate, InferenceLoad, PreparedGraph,
+    estimate_inference, estimate_train_with, Cluster, Estimate, InferenceLoad, Mechanisms,
+    PreparedGraph,
 };
 use meshplan_ir::plan::Plan;
 use meshplan_ir::{ParallelConfig, Recompute, Schedule, Workload};
@@ -158,7 +159,21 @@ fn price(
             seq_len,
             global_batch,
             ..
-        } => estimate_train_split(pg, cluster, cfg, *seq_len, *global_batch, split),
+        } => estimate_train_with(
+            pg,
+            cluster,
+            cfg,
+            *seq_len,
+            *global_batch,
+            split,
+            f64::INFINITY,
+            &Mechanisms::of(workload.framework()),
+        )
+        .and_then(|e| {
+            e.ok_or_else(|| crate::cost_model::Unsupported {
+                reason: format!("{cfg}: the step time is not a number"),
+            })
+        }),
         Workload::Inference { .. } => match InferenceLoad::from_workload(workload) {
             Some(load) => estimate_inference(pg, cluster, cfg, &load),
             None => return Err("not an inference workload".into()),
@@ -449,7 +464,24 @@ pub fn explain(plan: &Plan, inp: &Inputs) -> Result<Explanation, String> {
     let mut alternatives = Vec::new();
     let mut cannot_run = Vec::new();
     let mut sensitivity: Vec<Sensitivity> = Vec::new();
+    let framework = plan.workload.framework();
+    let vocab = plan.graph.vocab().unwrap_or(1);
     for (change, n) in neighbours(&c, inp.pg.layers, inp.pg.experts, inference) {
+        // An alternative the plan's framework cannot run is no alternative for its user.
+        let why = match &plan.workload {
+            Workload::Train { global_batch, .. } => framework
+                .cannot_run(&n, inp.pg.layers, vocab, *global_batch)
+                .into_iter()
+                .next(),
+            Workload::Inference { .. } => None,
+        };
+        if let Some(why) = why {
+            cannot_run.push(Rejected {
+                change,
+                reason: format!("--framework {framework} cannot run it: {why}"),
+            });
+            continue;
+        }
         match price(
             &inp.pg,
             &inp.cluster,

@@ -33,7 +33,8 @@
 
 use meshplan_cost_model::collective::{bytes_sent_per_rank, Collective};
 use meshplan_cost_model::{
-    inference_timeline, train_timeline, Cluster, Estimate, InferenceLoad, PreparedGraph, Timeline,
+    inference_timeline, train_timeline_with, Cluster, Estimate, InferenceLoad, PreparedGraph,
+    Timeline,
 };
 use meshplan_ir::graph::Segment;
 use meshplan_ir::plan::{
@@ -1594,13 +1595,14 @@ fn timeline_of(input: &LowerInput<'_>) -> Result<Timeline, LowerError> {
             seq_len,
             global_batch,
             ..
-        } => train_timeline(
+        } => train_timeline_with(
             input.prepared,
             input.cluster,
             input.cfg,
             *seq_len,
             *global_batch,
             Some(input.layer_split),
+            &crate::cost_model::Mechanisms::of(input.workload.framework()),
         )
         .map(|(_, t)| Timeline::Train(t)),
         Workload::Inference { .. } => match InferenceLoad::from_workload(input.workload) {

@@ -185,19 +185,19 @@ pub fn plan_for_config_with_buckets(
             .map_err(|e| format!("cannot lower {cfg}: {e}"));
         }
     };
-    let chunks = cfg.pp * cfg.vpp;
-    let split: Vec<u64> = (0..chunks)
-        .map(|j| (j + 1) * pg.layers / chunks - j * pg.layers / chunks)
-        .collect();
-    let est = crate::cost_model::estimate_train_split(
+    let split = crate::cost_model::estimate::even_layer_split(pg.layers, cfg.pp, cfg.vpp);
+    let est = crate::cost_model::estimate_train_with(
         pg,
         cluster,
         cfg,
         *seq_len,
         *global_batch,
         Some(&split),
+        f64::INFINITY,
+        &crate::cost_model::Mechanisms::of(workload.framework()),
     )
-    .map_err(|e| format!("{cfg}: {e}"))?;
+    .map_err(|e| format!("{cfg}: {e}"))?
+    .ok_or_else(|| format!("{cfg}: the step time is not a number"))?;
     lower_train(&LowerInput {
         dp_bucket_params: bucket_params,
         model_name,

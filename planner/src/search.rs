@@ -17,8 +17,8 @@
 use crate::cost_model::estimate::{check_train_shapes, gib, Estimate};
 use crate::cost_model::memory::model_state_bytes;
 use crate::cost_model::{
-    calib, estimate::estimate_train_balanced_bounded, estimate_inference, estimate_train_split,
-    train_ctx, Cluster, InferenceLoad, PreparedGraph,
+    calib, estimate::estimate_train_balanced_with, estimate_inference, estimate_train_with,
+    train_ctx, Cluster, InferenceLoad, Mechanisms, PreparedGraph,
 };
 use crate::layout::{Layout, LayoutCache, LayoutKey};
 use crate::stages::{one_f_one_b_in_flight, partition, MemoryLimit, StageCosts};
@@ -100,18 +100,15 @@ impl Candidate {
     pub fn split_or_even(&self, layers: u64) -> Vec<u64> {
         match &self.layer_split {
             Some(s) => s.clone(),
-            None => even_split(layers, self.cfg.pp * self.cfg.vpp),
+            None => even_split(layers, self.cfg.pp, self.cfg.vpp),
         }
     }
 }
 
-/// `layers` over `n` chunks as evenly as whole layers allow (the cost model's and
-/// the lowering's even split).
-pub fn even_split(layers: u64, n: u64) -> Vec<u64> {
-    let n = n.max(1);
-    (0..n)
-        .map(|j| (j + 1) * layers / n - j * layers / n)
-        .collect()
+/// `layers` over `pp` stages of `vpp` chunks as evenly as whole layers allow (the
+/// cost model's and the lowering's even split).
+pub fn even_split(layers: u64, pp: u64, vpp: u64) -> Vec<u64> {
+    crate::cost_model::estimate::even_layer_split(layers, pp, vpp)
 }
 
 /// What a search found and what it cost.
@@ -903,6 +900,9 @@ pub fn search_train(
     let mut space = training_space(pg, cluster, &opts.fixed, seq_len, global_batch);
     let vocab = graph.vocab().unwrap_or(1);
     let fw = opts.framework;
+    // How the framework runs each layout (gradient precision, blocking sends, ZeRO-3
+    // granularity): every price below is the framework's.
+    let mech = Mechanisms::of(fw);
     let before = space.len();
     let mut first_refusal = None;
     space.retain(|c| {
@@ -976,19 +976,29 @@ pub fn search_train(
                 // Every pipeline configuration at its time-balanced split, so that
                 // layer counts the stages do not divide compete at their best; the
                 // even split where the balanced one does not fit in memory.
-                let priced = estimate_train_balanced_bounded(
+                let priced = estimate_train_balanced_with(
                     pg,
                     cluster,
                     cfg,
                     seq_len,
                     global_batch,
                     acc.bound,
+                    &mech,
                 )
                 .and_then(|p| match p {
                     // The framework cannot take the balanced split: its even one.
                     Some((_, split)) if !takes_split(fw, cfg, split.as_deref(), pg.layers) => {
-                        estimate_train_split(pg, cluster, cfg, seq_len, global_batch, None)
-                            .map(|e| Some((e, None)))
+                        estimate_train_with(
+                            pg,
+                            cluster,
+                            cfg,
+                            seq_len,
+                            global_batch,
+                            None,
+                            acc.bound,
+                            &mech,
+                        )
+                        .map(|e| e.map(|e| (e, None)))
                     }
                     other => Ok(other),
                 });
@@ -1133,13 +1143,14 @@ pub fn price_config(
             global_batch,
             ..
         } => {
-            let (estimate, layer_split) = estimate_train_balanced_bounded(
+            let (estimate, layer_split) = estimate_train_balanced_with(
                 pg,
                 cluster,
                 cfg,
                 *seq_len,
                 *global_batch,
                 f64::INFINITY,
+                &Mechanisms::of(framework),
             )
             .map_err(err)?
             .ok_or_else(|| SearchError {
@@ -1257,7 +1268,7 @@ pub fn dp_split(
 fn takes_split(fw: Framework, cfg: &ParallelConfig, split: Option<&[u64]>, layers: u64) -> bool {
     match split {
         Some(s) => fw.split_ok(s, cfg.pp, cfg.vpp),
-        None => fw.split_ok(&even_split(layers, cfg.pp * cfg.vpp), cfg.pp, cfg.vpp),
+        None => fw.split_ok(&even_split(layers, cfg.pp, cfg.vpp), cfg.pp, cfg.vpp),
     }
 }
 
@@ -1281,8 +1292,16 @@ fn refine_train(
     // fits wins. The sweep's own price (standard, balanced) is among them, so
     // refinement never makes a candidate slower; the ILP's placements (found from
     // the same costs) and the even split win ties.
+    let mech = Mechanisms::of(fw);
+    // A framework other than meshplan's executor runs its own placements: tp is
+    // Megatron tensor parallelism there, so an ILP layout that uses the axis for
+    // something else (the batch, say) would be a different run than the one exported.
     let mut layouts: Vec<(Option<Arc<Layout>>, &PreparedGraph)> =
-        vec![(Some(layout.clone()), layout.prepared.as_ref().unwrap_or(pg))];
+        if fw == Framework::Meshplan || layout.standard {
+            vec![(Some(layout.clone()), layout.prepared.as_ref().unwrap_or(pg))]
+        } else {
+            Vec::new()
+        };
     if !layout.standard {
         layouts.push((None, pg));
     }
@@ -1303,13 +1322,14 @@ fn refine_train(
     for (lay, lpg) in layouts {
         let mut splits: Vec<Option<Vec<u64>>> = vec![None];
         if cfg.pp * cfg.vpp > 1 {
-            if let Ok(Some((_, Some(s)))) = estimate_train_balanced_bounded(
+            if let Ok(Some((_, Some(s)))) = estimate_train_balanced_with(
                 lpg,
                 cluster,
                 cfg,
                 seq_len,
                 global_batch,
                 f64::INFINITY,
+                &mech,
             ) {
                 splits.push(Some(s));
             }
@@ -1327,14 +1347,21 @@ fn refine_train(
             {
                 continue;
             }
-            let e = match estimate_train_split(
+            let e = match estimate_train_with(
                 lpg,
                 cluster,
                 cfg,
                 seq_len,
                 global_batch,
                 split.as_deref(),
-            ) {
+                f64::INFINITY,
+                &mech,
+            )
+            .and_then(|e| {
+                e.ok_or_else(|| crate::cost_model::Unsupported {
+                    reason: format!("{cfg}: the step time is not a number"),
+                })
+            }) {
                 Ok(e) => e,
                 Err(e) if split.is_none() => return Err(SearchError { message: e.reason }),
                 Err(_) => continue,

@@ -1558,7 +1558,7 @@ fn number_after(text: &str, prefix: &str) -> f64 {
 
 #[test]
 fn inference_miss_names_the_violated_objective_its_numbers_and_what_meets_it() {
-    let model = llama70b_serving("l70-tpot.yaml", "{ttft_ms: 1000, tpot_ms: 30}", 64);
+    let model = llama70b_serving("l70-tpot.yaml", "{ttft_ms: 1000, tpot_ms: 15}", 64);
     let model = model.to_str().expect("utf-8 path");
     let out = temp_file("l70-tpot.json", "");
     let run = meshplan(&[
@@ -1576,10 +1576,10 @@ fn inference_miss_names_the_violated_objective_its_numbers_and_what_meets_it() {
     assert!(msg.contains("misses TPOT "), "{msg}");
     let tpot = number_after(&msg, "misses TPOT ");
     assert!(
-        msg.contains(&format!("TPOT {tpot:.2} ms > SLO 30.00 ms")),
+        msg.contains(&format!("TPOT {tpot:.2} ms > SLO 15.00 ms")),
         "{msg}"
     );
-    assert!(tpot > 30.0, "{msg}");
+    assert!(tpot > 15.0, "{msg}");
     assert!(
         !msg.contains("GiB >") && !msg.contains("GiB capacity"),
         "{msg}"
@@ -1594,7 +1594,7 @@ fn inference_miss_names_the_violated_objective_its_numbers_and_what_meets_it() {
     assert!((1..64).contains(&n), "{msg}");
     assert!(msg.contains("--nodes "), "{msg}");
     // The remedy is true: at that concurrency a plan meets the SLO, at one more none.
-    let at = llama70b_serving("l70-at.yaml", "{ttft_ms: 1000, tpot_ms: 30}", n);
+    let at = llama70b_serving("l70-at.yaml", "{ttft_ms: 1000, tpot_ms: 15}", n);
     let fits = meshplan(&[
         "plan",
         at.to_str().expect("utf-8 path"),
@@ -1606,7 +1606,7 @@ fn inference_miss_names_the_violated_objective_its_numbers_and_what_meets_it() {
     ]);
     fits.expect_code(0);
     assert!(number(&json_of(&fits)["predicted"], "tpot_s") <= 0.030);
-    let over = llama70b_serving("l70-over.yaml", "{ttft_ms: 1000, tpot_ms: 30}", n + 1);
+    let over = llama70b_serving("l70-over.yaml", "{ttft_ms: 1000, tpot_ms: 15}", n + 1);
     meshplan(&[
         "plan",
         over.to_str().expect("utf-8 path"),

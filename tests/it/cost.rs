@@ -1044,3 +1044,95 @@ fn a_capacity_factor_out_of_range_names_the_field() {
         assert!(err.contains("dropless"), "{err}");
     }
 }
+
+// === ZeRO-3 at a growing data-parallel degree ===
+
+#[test]
+fn zero3_throughput_per_gpu_falls_once_gathers_outrun_compute() {
+    // GPT-3 175B with ZeRO-3 alone on A100 nodes with 400 Gb/s per node (6.25 GB/s
+    // per GPU) at a fixed global batch of 1536 sequences, one micro-batch per step: every GPU gathers the whole model twice and
+    // scatters its gradients once per step whatever the degree (bytes per GPU per
+    // step: 3 x (N-1)/N x 2 bytes x P, P the parameters), while its compute halves
+    // each time the degree doubles. Per-GPU throughput holds while a layer's compute
+    // hides a layer's gather, then falls. A layer's gather (3.6 GB of fp16
+    // weights) crosses the nodes in 191/192 x 3.6 GB / 8 / 6.25 GB/s = 72 ms; a
+    // layer's forward at one sequence of 2048 tokens (2 x 2048 x 1.8e9 FLOPs, 7.4
+    // TFLOP) takes about 33 ms at 224 TFLOP/s, its backward with recomputation about
+    // 100 ms against a gather and a scatter (144 ms): the forward's gathers outrun
+    // it from 2 sequences per GPU (dp=768), the backward's from 1 (dp=1536).
+    let (spec, pg) = shipped("models/gpt3-175b.yaml");
+    let (seq, _) = train_workload(&spec);
+    let mut last: Option<Estimate> = None;
+    let mut falls = 0;
+    for dp in [96u64, 192, 384, 768, 1536] {
+        let cl = shipped_cluster("tests/data/calibration/a100-400g-node.yaml", Some(dp / 8));
+        let mbs = 1536 / dp;
+        let cfg = config(
+            &format!("dp={dp},tp=1,pp=1,mbs={mbs},zero=3,recompute=full"),
+            dp,
+        );
+        let est = estimate_train(&pg, &cl, &cfg, seq, 1536).expect("estimate");
+        // P from the ledger: ZeRO-3 holds 2 P / N bytes of parameters per GPU.
+        let p = est.memory_per_gpu_bytes.params * dp as f64 / 2.0;
+        let n = dp as f64;
+        assert_close(
+            "dp bytes per GPU per step",
+            est.comm_bytes_per_gpu.dp,
+            3.0 * (n - 1.0) / n * 2.0 * p,
+            1e-9,
+        );
+        eprintln!(
+            "dp={dp:<5} mbs={mbs:<3} hardware {:.1} TFLOP/s per GPU, step {:.2} s, exposed comm {:.2} s",
+            est.hardware_tflops_per_gpu,
+            est.step_time_s,
+            est.time_breakdown_s.exposed_comm
+        );
+        if let Some(prev) = &last {
+            // Never faster per GPU with more GPUs on the same batch.
+            assert!(
+                est.hardware_tflops_per_gpu <= prev.hardware_tflops_per_gpu * 1.0001,
+                "dp={dp}"
+            );
+            assert!(est.time_breakdown_s.exposed_comm >= prev.time_breakdown_s.exposed_comm);
+            if est.hardware_tflops_per_gpu < prev.hardware_tflops_per_gpu * 0.97 {
+                falls += 1;
+            }
+        }
+        let exposed_share = est.time_breakdown_s.exposed_comm / est.step_time_s;
+        if dp <= 384 {
+            assert!(exposed_share < 0.10, "dp={dp}: compute hides the gathers");
+        }
+        if dp == 1536 {
+            assert!(exposed_share > 0.25, "dp={dp}: the gathers are exposed");
+        }
+        last = Some(est);
+    }
+    assert!(falls >= 2, "per-GPU throughput falls at 768 and 1536");
+}
+
+#[test]
+fn llama3_405b_interleaved_on_16k_h100s_fits_and_splits_its_126_layers_evenly() {
+    // 126 layers over 16 stages of 7 chunks: 112 chunks of 1 layer and 14 of 2; the
+    // 14 extra layers go to the first 14 chunks, one per stage for stages 0-13:
+    // every stage holds 7 or 8 layers (not two stages of 14).
+    let split = meshplan_cost_model::estimate::even_layer_split(126, 16, 7);
+    assert_eq!(split.len(), 112);
+    let per_stage: Vec<u64> = (0..16)
+        .map(|i| (0..7).map(|c| split[c * 16 + i]).sum())
+        .collect();
+    assert_eq!(per_stage[..14], [8; 14]);
+    assert_eq!(per_stage[14..], [7; 2]);
+    // Meta trained it with tp=8, pp=16, dp=128, 8k tokens, one sequence per
+    // micro-batch, the interleaved schedule, no recomputation (Llama 3 paper,
+    // Sec. 3.3.2 and Table 4): it fits in 80 GB.
+    let (_, pg) = shipped("models/llama3-405b.yaml");
+    let cl = shipped_cluster("topologies/dgx-h100.yaml", Some(2048));
+    let cfg = config("dp=128,tp=8,pp=16,vpp=2,mbs=1,sp=true,zero=1", 16384);
+    let est = estimate_train(&pg, &cl, &cfg, 8192, 2048).expect("estimate");
+    assert!(
+        est.feasible,
+        "{:?} ({:.1} GiB)",
+        est.infeasible_reason,
+        est.memory_per_gpu_bytes.total / (1u64 << 30) as f64
+    );
+}

@@ -23,7 +23,7 @@ const MB: usize = 1 << 20;
 
 /// Compares `text` with `tests/data/golden/NAME`, or writes it under `UPDATE_GOLDEN=1`.
 #[track_caller]
-fn golden(name: &str, text: &str) {
+pub(crate) fn golden(name: &str, text: &str) {
     let path = PathBuf::from(format!("{ROOT}/tests/data/golden/{name}"));
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         std::fs::create_dir_all(path.parent().expect("dir")).expect("golden dir");

@@ -58,12 +58,7 @@ fn config(text: &str, gpus: u64) -> ParallelConfig {
         .unwrap_or_else(|e| panic!("{text}: {e}"))
 }
 
-/// The cost model's even split of `layers` over `chunks`.
-fn even_split(layers: u64, chunks: u64) -> Vec<u64> {
-    (0..chunks)
-        .map(|j| (j + 1) * layers / chunks - j * layers / chunks)
-        .collect()
-}
+use meshplan_cost_model::estimate::even_layer_split;
 
 fn search_info() -> SearchInfo {
     SearchInfo {
@@ -93,7 +88,7 @@ fn train(m: &Model, cl: &Cluster, cfg_text: &str) -> Lowered {
     else {
         panic!("{}: not a training workload", m.spec.name)
     };
-    let split = even_split(m.pg.layers, cfg.pp * cfg.vpp);
+    let split = even_layer_split(m.pg.layers, cfg.pp, cfg.vpp);
     let est = estimate_train_split(&m.pg, cl, &cfg, seq_len, global_batch, Some(&split))
         .unwrap_or_else(|e| panic!("{cfg_text}: {e}"));
     let workload = m.spec.workload.clone().unwrap_or_else(|| unreachable!());
@@ -119,7 +114,7 @@ fn inference(m: &Model, cl: &Cluster, cfg_text: &str) -> Lowered {
     let workload = m.spec.workload.clone().unwrap_or_else(|| unreachable!());
     let load = InferenceLoad::from_workload(&workload).expect("an inference workload");
     let est = estimate_inference(&m.pg, cl, &cfg, &load).unwrap_or_else(|e| panic!("{e}"));
-    let split = even_split(m.pg.layers, cfg.pp);
+    let split = even_layer_split(m.pg.layers, cfg.pp, 1);
     let plan = lower_inference(&LowerInput {
         dp_bucket_params: meshplan_cost_model::calib::DP_BUCKET_PARAMS,
         model_name: &m.spec.name,

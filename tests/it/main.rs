@@ -22,6 +22,7 @@ mod matrix;
 mod models;
 mod optimality;
 mod overlay;
+mod overlay_inter;
 mod planfile;
 mod planner;
 mod readme;

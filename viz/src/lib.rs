@@ -13,6 +13,7 @@
 #![warn(missing_docs)]
 
 pub mod axis;
+pub mod calibration;
 pub mod canvas;
 pub mod compare;
 pub mod gantt;

@@ -12,7 +12,6 @@
 
 use super::{AxisChoice, CommItem, Ctx, Family, Phase, Strategy};
 use crate::placement::Placement;
-use meshplan_cost_model::calib;
 use meshplan_cost_model::collective::bytes_sent_per_rank;
 use meshplan_cost_model::graph_cost::causal_fraction;
 use meshplan_cost_model::Collective;
@@ -104,9 +103,7 @@ impl Family for Attention {
             1.0
         };
         let r = &ctx.opts.roof;
-        let eff = calib::FLASH_ATTENTION_EFFICIENCY;
-        s.fwd_s = r.kernel_s(flops * frac, eff, io);
-        s.bwd_s = r.kernel_s(flops * frac * calib::FLASH_BACKWARD_RATIO, eff, 2.0 * io);
+        (s.fwd_s, s.bwd_s) = r.flash_s(flops * frac, io, dq, env.kv);
         // Log-sum-exp per query row, fp32.
         s.saved_bytes += batch * heads * s_local * 4.0;
         for (ai, c) in combo.iter().enumerate() {
