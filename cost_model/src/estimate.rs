@@ -840,6 +840,33 @@ pub fn train_timeline_with(
 /// Block layers per model chunk.
 pub type LayerSplit = Vec<u64>;
 
+/// Seconds one pass (forward or backward) of one micro-batch keeps a GPU's share of
+/// its node's NICs busy with the stage's own traffic: `cp_bytes` and `ep_bytes` (sent
+/// per micro-batch, both passes) where their groups span nodes, half in each pass,
+/// and one pipeline transfer of `p2p_bytes` where consecutive stages sit on
+/// different nodes, each over the per-GPU inter-node bandwidth.
+pub fn nic_busy_per_pass(
+    comm: &CommModel,
+    groups: &Groups,
+    cp_bytes: f64,
+    ep_bytes: f64,
+    p2p_bytes: f64,
+    pipelined: bool,
+) -> f64 {
+    let be = comm.inter.bandwidth_bytes_per_s;
+    let mut bytes = 0.0;
+    if groups.cp.nodes() > 1 {
+        bytes += cp_bytes / 2.0;
+    }
+    if groups.ep.nodes() > 1 {
+        bytes += ep_bytes / 2.0;
+    }
+    if pipelined && !groups.pp_same_node {
+        bytes += p2p_bytes;
+    }
+    bytes / be
+}
+
 /// ZeRO-3 communication of one micro-batch on one stage: what stays exposed and what
 /// runs beside compute.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -1005,6 +1032,18 @@ fn train_impl(
         let fwd_mb: f64 = mine.iter().map(|c| c.compute_f).sum();
         let bwd_mb: f64 = mine.iter().map(|c| c.compute_b).sum();
         let stage_layers: f64 = mine.iter().map(|c| c.layers).sum::<f64>().max(1.0);
+        // The stage's own traffic across nodes in one micro-batch's forward or
+        // backward (context ring, expert All-to-All, pipeline sends whose groups leave
+        // the node) holds the NICs a data-parallel collective across nodes would use
+        // beside it: the two share the links, so that time hides none of it.
+        let nic_pass = nic_busy_per_pass(
+            &comm,
+            &groups,
+            mine.iter().map(|c| c.cp_bytes).sum::<f64>(),
+            mine.iter().map(|c| c.ep_bytes).sum::<f64>(),
+            p2p_bytes,
+            cfg.pp > 1,
+        );
         let (dp_bytes, exposed_dp) = {
             let mut bytes = 0.0;
             let mut exposed = 0.0;
@@ -1017,6 +1056,7 @@ fn train_impl(
                 if n <= 1 || params <= 0.0 {
                     continue;
                 }
+                let shared = if group.nodes() > 1 { nic_pass } else { 0.0 };
                 // Gradients travel in the framework's precision, never below the
                 // compute dtype's.
                 let (p_bytes, g_bytes) = (params * bpe, params * mech.grad_bytes.max(bpe));
@@ -1030,8 +1070,8 @@ fn train_impl(
                         p_bytes,
                         g_bytes,
                         stage_layers,
-                        fwd_mb,
-                        bwd_mb,
+                        (fwd_mb - shared).max(0.0),
+                        (bwd_mb - shared).max(0.0),
                         mech,
                     );
                     exposed += z.exposed_s * m;
@@ -1053,7 +1093,8 @@ fn train_impl(
                     // Buckets reduce while the last micro-batch's backward runs; the
                     // last bucket is always exposed.
                     let buckets = (params / calib::DP_BUCKET_PARAMS).ceil().max(1.0);
-                    let e = (t - last_bwd).max(t / buckets);
+                    let window = (last_bwd - shared / cfg.vpp as f64).max(0.0);
+                    let e = (t - window).max(t / buckets);
                     exposed += e;
                     hidden += t - e;
                 }
@@ -1775,5 +1816,37 @@ mod zero3_tests {
         // 3 x 140 us (plus the bytes, < 1 ns).
         assert!((one.exposed_s - 3.0 * 140e-6).abs() < 1e-8, "{one:?}");
         assert!((ds.exposed_s - 4.0 * one.exposed_s).abs() < 1e-7, "{ds:?}");
+    }
+}
+
+#[cfg(test)]
+mod nic_tests {
+    use super::*;
+    use crate::cluster::Link;
+
+    #[test]
+    fn traffic_that_leaves_the_node_holds_its_nics() {
+        // tp=8 fills a node, so cp=2 spans two nodes: 1 GB of ring traffic per
+        // micro-batch is 0.5 GB a pass, 20 ms at 25 GB/s per GPU; pp=2 puts the next
+        // stage on another node too: +100 MB, 4 ms. Inside the node (tp=2, cp=2 on
+        // 8-GPU nodes) the ring holds no NIC.
+        let l = |gbps: f64| Link {
+            bandwidth_bytes_per_s: gbps * 1e9,
+            latency_s: 0.0,
+        };
+        let comm = CommModel::exact(l(300.0), l(25.0));
+        let cfg = |text: &str, gpus: u64| {
+            meshplan_ir::PartialConfig::parse(text, "test")
+                .and_then(|c| c.resolve(gpus, "test"))
+                .expect("config")
+        };
+        let across = Groups::new(&cfg("dp=2,cp=2,tp=8,pp=2", 64), 8);
+        let t = nic_busy_per_pass(&comm, &across, 1e9, 0.0, 100e6, true);
+        assert!((t - 0.024).abs() < 1e-12, "{t}");
+        let inside = Groups::new(&cfg("dp=2,cp=2,tp=2", 8), 8);
+        assert_eq!(
+            nic_busy_per_pass(&comm, &inside, 1e9, 0.0, 100e6, false),
+            0.0
+        );
     }
 }

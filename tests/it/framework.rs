@@ -216,3 +216,40 @@ fn a_plan_edited_to_claim_a_framework_that_cannot_run_it_is_refused() {
         run.stderr
     );
 }
+
+#[test]
+fn a_framework_plan_uses_the_framework_s_own_placements() {
+    // Llama 3 8B on one DGX H100 with tp=2 fixed: meshplan's executor may use the
+    // tensor axis as the ILP finds best (here not Megatron's tensor parallelism);
+    // under megatron-core tp is Megatron tensor parallelism, so the plan keeps the
+    // standard placements and its prediction is for the run `export` writes.
+    let layout = |fw: &str| {
+        let out = temp_dir("framework").join(format!("l8b-tp2-{fw}.json"));
+        let o = out.display().to_string();
+        let run = meshplan(&[
+            "plan",
+            "models/llama3-8b.yaml",
+            "topologies/dgx-h100.yaml",
+            "--config",
+            "tp=2",
+            "--framework",
+            fw,
+            "-o",
+            &o,
+            "--quiet",
+        ]);
+        assert_eq!(run.code, 0, "{}", run.stderr);
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&out).expect("plan")).expect("json");
+        v["search"]["extra"]["layout"]
+            .as_str()
+            .expect("layout")
+            .to_string()
+    };
+    assert_eq!(layout("meshplan"), "ilp");
+    let mc = layout("megatron-core");
+    assert!(
+        mc == "standard" || mc == "ilp (equals the standard layout)",
+        "{mc}"
+    );
+}
