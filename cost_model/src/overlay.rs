@@ -674,17 +674,7 @@ impl RawOverlay {
         let mut sizes: Vec<u64> = Vec::new();
         for (i, c) in self.intra_node.iter().enumerate() {
             let f = format!("intra_node[{i}]");
-            let op = LinkOp::parse(&c.collective).ok_or_else(|| {
-                invalid(
-                    file,
-                    &format!("{f}.collective"),
-                    format!(
-                        "unknown collective `{}`; expected one of {}",
-                        c.collective,
-                        LinkOp::ALL.map(LinkOp::name).join(", ")
-                    ),
-                )
-            })?;
+            let op = parse_link_op(file, &format!("{f}.collective"), &c.collective)?;
             if c.ranks < 2 {
                 return Err(invalid(
                     file,
@@ -789,17 +779,7 @@ impl RawOverlay {
         let mut out: Vec<InterNodeFit> = Vec::with_capacity(self.inter_node.len());
         for (i, c) in self.inter_node.iter().enumerate() {
             let f = format!("inter_node[{i}]");
-            let op = LinkOp::parse(&c.op).ok_or_else(|| {
-                invalid(
-                    file,
-                    &format!("{f}.op"),
-                    format!(
-                        "unknown collective `{}`; expected one of {}",
-                        c.op,
-                        LinkOp::ALL.map(LinkOp::name).join(", ")
-                    ),
-                )
-            })?;
+            let op = parse_link_op(file, &format!("{f}.op"), &c.op)?;
             if c.nodes < 2 {
                 return Err(invalid(
                     file,
@@ -895,6 +875,20 @@ pub fn parse_overlay_yaml(text: &str, file: &str) -> Result<RawOverlay, IrError>
 pub fn load_overlay(path: &std::path::Path) -> Result<RawOverlay, IrError> {
     let text = meshplan_ir::load::read_text(path)?;
     parse_overlay_yaml(&text, &path.display().to_string())
+}
+
+/// A collective's name in an overlay, or an error naming `field` and the spellings.
+fn parse_link_op(file: &str, field: &str, name: &str) -> Result<LinkOp, IrError> {
+    LinkOp::parse(name).ok_or_else(|| {
+        invalid(
+            file,
+            field,
+            format!(
+                "unknown collective `{name}`; expected one of {}",
+                LinkOp::ALL.map(LinkOp::name).join(", ")
+            ),
+        )
+    })
 }
 
 #[cfg(test)]

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 /// A compute-bound model: one `[4096, 4096]` weight applied to 4096 tokens, so the
 /// forward and both backward products are `4096^3` cubes.
-const ONE_MATMUL: &str = "\
+pub(crate) const ONE_MATMUL: &str = "\
 name: one-matmul
 dtype: bf16
 graph:
@@ -75,13 +75,13 @@ intra_node:
   latency_us: 3
 ";
 
-fn header(device: &str) -> String {
+pub(crate) fn header(device: &str) -> String {
     format!(
         "format: 1\ndevice: {device}\nmeasured_at: 2025-06-01T12:00:00Z\nmeasured_with: hand-written test overlay\n"
     )
 }
 
-fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
+pub(crate) fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::write(&p, text).expect("write test file");
     p
@@ -111,14 +111,14 @@ fn estimate_json(
     run.json()
 }
 
-fn f(v: &serde_json::Value, ptr: &str) -> f64 {
+pub(crate) fn f(v: &serde_json::Value, ptr: &str) -> f64 {
     v.pointer(ptr)
         .and_then(|x| x.as_f64())
         .unwrap_or_else(|| panic!("no number at {ptr} in {v}"))
 }
 
 #[track_caller]
-fn assert_close(what: &str, got: f64, want: f64, rel: f64) {
+pub(crate) fn assert_close(what: &str, got: f64, want: f64, rel: f64) {
     assert!(
         (got - want).abs() <= rel * want.abs(),
         "{what}: got {got}, want {want} (relative tolerance {rel:e})"

@@ -12,46 +12,18 @@ use meshplan_cost_model::overlay::{parse_overlay_yaml, LinkOp};
 use meshplan_cost_model::{
     load_cluster, load_cluster_calibrated, Collective, CommModel, GroupShape,
 };
+use crate::overlay::{assert_close, f, header, write, ONE_MATMUL};
 use std::path::{Path, PathBuf};
 
 /// One `[4096, 4096]` bf16 weight over 4096-token sequences: 16,777,216 parameters
 /// whose bf16 gradients (33,554,432 bytes, under 40M parameters: one bucket, all of it
 /// exposed after the backward) are the only bytes data parallelism moves.
-const ONE_MATMUL: &str = "\
-name: one-matmul
-dtype: bf16
-graph:
-  dims:
-    hidden: 4096
-  tensors:
-    x: {shape: [batch, seq, hidden]}
-    w: {shape: [hidden, hidden], kind: weight}
-    y: {shape: [batch, seq, hidden]}
-  ops:
-    - name: mm
-      kind: matmul
-      einsum: \"bsh,hk->bsk\"
-      inputs: [x, w]
-      outputs: [y]
-workload:
-  kind: train
-  seq_len: 4096
-  global_batch: 32
-  optimizer: adamw
-";
+fn one_matmul() -> String {
+    ONE_MATMUL.replace("global_batch: 8\n", "global_batch: 32\n")
+}
 
-/// The gradient bytes of [`ONE_MATMUL`]: 4096^2 parameters x 2 bytes.
+/// The gradient bytes of [`one_matmul`]: 4096^2 parameters x 2 bytes.
 const GRAD_BYTES: f64 = 33_554_432.0;
-
-fn header() -> &'static str {
-    "format: 1\ndevice: NVIDIA H100 80GB HBM3\nmeasured_at: 2025-06-01T12:00:00Z\nmeasured_with: hand-written test overlay\n"
-}
-
-fn write(dir: &Path, name: &str, text: &str) -> PathBuf {
-    let p = dir.join(name);
-    std::fs::write(&p, text).expect("write test file");
-    p
-}
 
 fn dgx_h100() -> String {
     Path::new(ROOT)
@@ -75,27 +47,13 @@ fn estimate(model: &Path, nodes: u64, config: &str, overlay: Option<&Path>) -> s
     run.json()
 }
 
-fn f(v: &serde_json::Value, ptr: &str) -> f64 {
-    v.pointer(ptr)
-        .and_then(|x| x.as_f64())
-        .unwrap_or_else(|| panic!("no number at {ptr} in {v}"))
-}
-
-#[track_caller]
-fn assert_close(what: &str, got: f64, want: f64, rel: f64) {
-    assert!(
-        (got - want).abs() <= rel * want.abs(),
-        "{what}: got {got}, want {want} (relative tolerance {rel:e})"
-    );
-}
-
 fn all_reduce_overlay(dir: &Path, name: &str, alpha_us: f64, beta_gbps: f64) -> PathBuf {
     write(
         dir,
         name,
         &format!(
             "{}inter_node:\n  - {{op: all_reduce, nodes: 2, ranks_per_node: 8, alpha_us: {alpha_us}, beta_gbps: {beta_gbps}}}\n",
-            header()
+            header("NVIDIA H100 80GB HBM3")
         ),
     )
 }
@@ -108,7 +66,7 @@ fn a_measured_all_reduce_across_nodes_prices_data_parallel_gradients() {
     // B / 40 GB/s it takes 50e-6 + 33554432 / 40e9 = 888.8608 us; at 50 us + B / 20
     // GB/s, 1727.7216 us: the step grows by 838.8608 us and nothing else moves.
     let dir = temp_dir("overlay-inter-dp");
-    let model = write(&dir, "mm.yaml", ONE_MATMUL);
+    let model = write(&dir, "mm.yaml", &one_matmul());
     let fast = all_reduce_overlay(&dir, "fast.yaml", 50.0, 40.0);
     let slow = all_reduce_overlay(&dir, "slow.yaml", 50.0, 20.0);
     let cfg = "dp=16,zero=0,mbs=1";
@@ -164,7 +122,7 @@ fn four_nodes_stretch_the_two_node_fit() {
     // share per rank, (31/32) / (15/16) = 1.0333: at 40 GB/s 838.8608 us x 1.0333 =
     // 866.8228 us, in all 1016.8228 us; at 20 GB/s the step grows by 866.8228 us.
     let dir = temp_dir("overlay-inter-4");
-    let model = write(&dir, "mm.yaml", ONE_MATMUL);
+    let model = write(&dir, "mm.yaml", &one_matmul());
     let fast = all_reduce_overlay(&dir, "fast.yaml", 50.0, 40.0);
     let slow = all_reduce_overlay(&dir, "slow.yaml", 50.0, 20.0);
     let cfg = "dp=32,zero=0,mbs=1";
@@ -190,7 +148,7 @@ fn four_nodes_stretch_the_two_node_fit() {
 #[test]
 fn bad_inter_node_entries_exit_2_naming_the_field() {
     let dir = temp_dir("overlay-inter-bad");
-    let model = write(&dir, "mm.yaml", ONE_MATMUL);
+    let model = write(&dir, "mm.yaml", &one_matmul());
     let m = model.display().to_string();
     let c = dgx_h100();
     let cases: &[(&str, &str, &[&str])] = &[
@@ -234,7 +192,7 @@ fn bad_inter_node_entries_exit_2_naming_the_field() {
         let p = write(
             &dir,
             &format!("{name}.yaml"),
-            &format!("{}inter_node:\n{entries}", header()),
+            &format!("{}inter_node:\n{entries}", header("NVIDIA H100 80GB HBM3")),
         );
         let ps = p.display().to_string();
         let run = meshplan(&[
