@@ -53,7 +53,7 @@ pub const GEMM_HALF_DIM: f64 = 40.0;
 /// 70% of the A100's 312 TFLOP/s forward and backward (FlashAttention-2 paper, Fig. 6);
 /// Hopper scales it by [`flash_arch_scale`]. Fitted value, at the lower bound of
 /// FlashAttention-2's published range (50-73%).
-pub const FLASH_ATTENTION_EFFICIENCY: f64 = 0.50;
+pub const FLASH_ATTENTION_EFFICIENCY: f64 = 0.5316;
 
 /// Backward work of a flash kernel relative to its forward: 2x for the two gradient
 /// products plus the recomputed scores (FlashAttention paper, Sec. 3.1).
@@ -117,6 +117,8 @@ pub struct Constants {
     pub comm_compute_slowdown: f64,
     /// [`MICROBATCH_OVERHEAD_S`].
     pub microbatch_overhead_s: f64,
+    /// [`STEP_OVERHEAD_S`].
+    pub step_overhead_s: f64,
 }
 
 impl Default for Constants {
@@ -129,6 +131,7 @@ impl Default for Constants {
             flash_efficiency: FLASH_ATTENTION_EFFICIENCY,
             comm_compute_slowdown: COMM_COMPUTE_SLOWDOWN,
             microbatch_overhead_s: MICROBATCH_OVERHEAD_S,
+            step_overhead_s: STEP_OVERHEAD_S,
         }
     }
 }
@@ -144,6 +147,12 @@ pub const COMM_COMPUTE_SLOWDOWN: f64 = 0.231;
 /// schedule step, hooks, the loss's host synchronisation and the launch gap before
 /// the first kernel. Fitted value; it matters where micro-batches are short.
 pub const MICROBATCH_OVERHEAD_S: f64 = 0.0;
+
+/// Host-side cost of one optimizer step outside the micro-batches, seconds: fetching
+/// the next batch, the loss and gradient-norm reductions to the host, logging and
+/// timers, the optimizer's kernel launches (one or a few per parameter tensor).
+/// Fitted value; it matters where steps are short (small models, few micro-batches).
+pub const STEP_OVERHEAD_S: f64 = 0.0474;
 
 /// Head dimension at which a flash-attention kernel reaches half of its efficiency
 /// along that axis: its inner products are `head_dim` long, so small heads run below

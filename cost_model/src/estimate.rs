@@ -18,7 +18,8 @@ use serde::Serialize;
 /// Compute, exposed communication and bubble; they add up to the step time.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
 pub struct TimeBreakdown {
-    /// Kernels on the busiest GPU, recomputation and optimizer included.
+    /// Kernels on the busiest GPU, recomputation and optimizer included (training: and
+    /// the framework's host work per step, `calib::STEP_OVERHEAD_S`).
     pub compute: f64,
     /// Communication not hidden behind compute.
     pub exposed_comm: f64,
@@ -1019,6 +1020,8 @@ fn train_impl(
     let mut busiest_work = 0.0f64;
     let mut tails: Vec<StageTail> = Vec::with_capacity(if want_timeline { pp } else { 0 });
     let mut critical_stage = 0usize;
+    // The busiest stage's compute and communication per step, as compared.
+    let mut busiest_load = f64::NEG_INFINITY;
     for i in 0..pp {
         let mine: Vec<&Chunk> = (0..cfg.vpp as usize).map(|c| &chunks[c * pp + i]).collect();
         let dense: f64 = mine.iter().map(|c| c.params_dense).sum();
@@ -1138,18 +1141,23 @@ fn train_impl(
         let opt_params = dense / if cfg.zero >= 1 { dense_dp as f64 } else { 1.0 }
             + expert / if cfg.zero >= 1 { expert_dp as f64 } else { 1.0 };
         let optimizer_s = roof.memory_s(opt_params * calib::ADAMW_BYTES_PER_PARAM);
-        let tail = exposed_dp + optimizer_s + sp_sync_s;
+        let tail = exposed_dp + optimizer_s + sp_sync_s + cluster.constants.step_overhead_s;
         worst_tail = worst_tail.max(tail);
         dp_bytes_max = dp_bytes_max.max(dp_bytes);
-        if compute + comm_s > crit.0 + crit.1 {
-            crit = (compute + optimizer_s, comm_s + exposed_dp, tail);
+        if compute + comm_s > busiest_load {
+            busiest_load = compute + comm_s;
+            crit = (
+                compute + optimizer_s + cluster.constants.step_overhead_s,
+                comm_s + exposed_dp,
+                tail,
+            );
             critical_stage = i;
         }
         if want_timeline {
             tails.push(StageTail {
                 exposed_dp_s: exposed_dp,
                 sp_sync_s,
-                optimizer_s,
+                optimizer_s: optimizer_s + cluster.constants.step_overhead_s,
                 memory: MemoryLedger::default(),
             });
         }

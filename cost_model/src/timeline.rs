@@ -17,7 +17,8 @@ pub struct StageTail {
     pub exposed_dp_s: f64,
     /// The tensor-axis AllReduce of gradients sequence parallelism leaves partial.
     pub sp_sync_s: f64,
-    /// The optimizer update.
+    /// The optimizer update and the framework's host work per step
+    /// (`calib::STEP_OVERHEAD_S`).
     pub optimizer_s: f64,
     /// Memory of each GPU of the stage.
     pub memory: MemoryLedger,

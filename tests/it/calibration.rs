@@ -95,10 +95,10 @@ pub struct Case {
 /// compute lost per second of overlapped communication, the host cost per
 /// micro-batch, and the achieved fraction of the inter-node links.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Params(pub [f64; 7]);
+pub struct Params(pub [f64; 8]);
 
 /// Names, lower and upper bounds of [`Params`]: physical ranges, not fit knobs.
-pub const PARAMS: [(&str, f64, f64); 7] = [
+pub const PARAMS: [(&str, f64, f64); 8] = [
     ("gemm_efficiency[A100]", 0.40, 0.95),
     ("gemm_efficiency[H100]", 0.30, 0.95),
     // A graph op is 1-5 kernels of 3-5 us of launch and tail each.
@@ -108,6 +108,7 @@ pub const PARAMS: [(&str, f64, f64); 7] = [
     ("comm_compute_slowdown", 0.0, 1.0),
     ("microbatch_overhead_s", 0.0, 0.05),
     ("ib_efficiency", 0.30, 1.0),
+    ("step_overhead_s", 0.0, 0.5),
 ];
 
 impl Params {
@@ -123,6 +124,7 @@ impl Params {
             k.comm_compute_slowdown,
             k.microbatch_overhead_s,
             k.ib_efficiency,
+            k.step_overhead_s,
         ])
     }
 
@@ -139,6 +141,7 @@ impl Params {
             comm_compute_slowdown: self.0[4],
             microbatch_overhead_s: self.0[5],
             ib_efficiency: self.0[6],
+            step_overhead_s: self.0[7],
             ..Constants::default()
         };
         c

@@ -5,6 +5,7 @@
 //! the dry run lists the sweep across nodes.
 
 use crate::bin::{meshplan, temp_dir, ROOT};
+use crate::overlay::{assert_close, f, header, write, ONE_MATMUL};
 use meshplan_cost_model::calibrate::{
     build_overlay, InterNodeSample, MeasurementPlan, Measurements, SizeSample,
 };
@@ -12,7 +13,6 @@ use meshplan_cost_model::overlay::{parse_overlay_yaml, LinkOp};
 use meshplan_cost_model::{
     load_cluster, load_cluster_calibrated, Collective, CommModel, GroupShape,
 };
-use crate::overlay::{assert_close, f, header, write, ONE_MATMUL};
 use std::path::{Path, PathBuf};
 
 /// One `[4096, 4096]` bf16 weight over 4096-token sequences: 16,777,216 parameters
