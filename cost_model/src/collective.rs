@@ -326,6 +326,9 @@ impl CommModel {
     ///   latency (already in the inter-node phase) and the rest at the in-node one.
     ///   The phases inside the node use the measured ReduceScatter/AllGather/Broadcast
     ///   of `g` ranks where measured.
+    /// - A collective the overlay measured across nodes (`inter_node`, `g` ranks per
+    ///   node) takes that fit instead of all of the above (see
+    ///   `MeasuredAcrossNodes::time_s` for node counts between measured ones).
     /// - All-to-All across nodes sends `(g-1)/N` of its buffer over NVLink and
     ///   `(N-g)/N` over InfiniBand concurrently.
     pub fn time_s(&self, kind: Collective, group: GroupShape, bytes: f64) -> f64 {
