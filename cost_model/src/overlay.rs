@@ -705,14 +705,7 @@ impl RawOverlay {
                     ),
                 ));
             }
-            if !(c.alpha_us.is_finite() && c.alpha_us >= 0.0) {
-                return Err(invalid(
-                    file,
-                    &format!("{f}.alpha_us"),
-                    format!("must be a non-negative number, got {}", c.alpha_us),
-                ));
-            }
-            let beta = positive(file, &format!("{f}.beta_gbps"), c.beta_gbps)?;
+            let beta = checked_fit(file, &f, c.alpha_us, c.beta_gbps)?;
             if intra_node.iter().any(|x| x.op == op && x.ranks == c.ranks) {
                 return Err(invalid(
                     file,
@@ -828,14 +821,7 @@ impl RawOverlay {
                     ),
                 ));
             }
-            if !(c.alpha_us.is_finite() && c.alpha_us >= 0.0) {
-                return Err(invalid(
-                    file,
-                    &format!("{f}.alpha_us"),
-                    format!("must be a non-negative number, got {}", c.alpha_us),
-                ));
-            }
-            let beta = positive(file, &format!("{f}.beta_gbps"), c.beta_gbps)?;
+            let beta = checked_fit(file, &f, c.alpha_us, c.beta_gbps)?;
             if out
                 .iter()
                 .any(|x| x.op == op && x.nodes == c.nodes && x.ranks_per_node == c.ranks_per_node)
@@ -875,6 +861,19 @@ pub fn parse_overlay_yaml(text: &str, file: &str) -> Result<RawOverlay, IrError>
 pub fn load_overlay(path: &std::path::Path) -> Result<RawOverlay, IrError> {
     let text = meshplan_ir::load::read_text(path)?;
     parse_overlay_yaml(&text, &path.display().to_string())
+}
+
+/// A fit's `alpha_us` (non-negative) and `beta_gbps` (positive) under entry `f`:
+/// the validated beta.
+fn checked_fit(file: &str, f: &str, alpha_us: f64, beta_gbps: f64) -> Result<f64, IrError> {
+    if !(alpha_us.is_finite() && alpha_us >= 0.0) {
+        return Err(invalid(
+            file,
+            &format!("{f}.alpha_us"),
+            format!("must be a non-negative number, got {alpha_us}"),
+        ));
+    }
+    positive(file, &format!("{f}.beta_gbps"), beta_gbps)
 }
 
 /// A collective's name in an overlay, or an error naming `field` and the spellings.
