@@ -253,3 +253,61 @@ fn a_framework_plan_uses_the_framework_s_own_placements() {
         "{mc}"
     );
 }
+
+#[test]
+fn explain_offers_only_neighbours_the_plan_s_framework_runs() {
+    // tiny-gpt on the 8-rank CPU mesh for DeepSpeed: dp=8, one sequence each (global
+    // batch 8). Splitting over tp, pp or cp, two sequences per micro-batch (16 per
+    // step > 8) and selective recomputation are neighbours DeepSpeed cannot run;
+    // explain lists them as such, naming the framework, and ranks only the rest.
+    let out = temp_dir("framework").join("tiny-deepspeed.json");
+    let o = out.display().to_string();
+    let run = meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--framework",
+        "deepspeed",
+        "-o",
+        &o,
+        "--quiet",
+    ]);
+    run.expect_code(0);
+    let run = meshplan(&["explain", &o, "--json"]);
+    run.expect_code(0);
+    let v = run.json();
+    let refused: Vec<String> = v["cannot_run"]
+        .as_array()
+        .expect("cannot_run")
+        .iter()
+        .filter(|r| {
+            r["reason"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("--framework deepspeed cannot run it"))
+        })
+        .map(|r| r["change"].as_str().expect("change").to_string())
+        .collect();
+    for want in [
+        "tp 1->2",
+        "pp 1->2",
+        "cp 1->2",
+        "mbs 1->2",
+        "recompute none->selective",
+    ] {
+        assert!(
+            refused.iter().any(|c| c.starts_with(want)),
+            "{want} refused: {refused:?}"
+        );
+    }
+    for a in v["alternatives"].as_array().expect("alternatives") {
+        let change = a["change"].as_str().expect("change");
+        assert!(
+            !refused.iter().any(|c| c == change),
+            "{change} both refused and offered"
+        );
+        assert!(
+            !["tp ", "pp ", "cp "].iter().any(|k| change.starts_with(k)),
+            "{change} offered to a DeepSpeed plan"
+        );
+    }
+}
