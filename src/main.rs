@@ -793,7 +793,8 @@ pub(crate) fn evaluate(
             });
         }
     }
-    meshplan_planner::search::price_config(&graph, pg, cluster, workload, cfg, workload.framework())
+    // The framework's refusal was given above (exit 2); price_config prices as it runs.
+    meshplan_planner::search::price_config(&graph, pg, cluster, workload, cfg)
         .map(|c| c.estimate)
         .map_err(|e| no_fit(format!("{cfg}: {}", e.message)))
 }

@@ -362,7 +362,8 @@ pub fn balance_layers(
     }
     let extra =
         |j: usize| (if j == 0 { first } else { 0.0 }) + (if j == chunks - 1 { last } else { 0.0 });
-    let even = |j: usize| (layers / chunks + usize::from(j < layers % chunks)) as u64;
+    let even_split = even_layer_split(layers as u64, chunks as u64, 1);
+    let even = |j: usize| even_split[j];
     // Identical layers (the common case): a chunk's capacity under a bottleneck is a
     // division, and the best bottleneck is `k` layers plus one of the extras, so a
     // bisection over `k` per extra finds it without building a list.
@@ -451,7 +452,6 @@ pub fn balance_layers(
         }
         Some(n)
     };
-    let even: Vec<u64> = (0..chunks).map(even).collect();
     let load_of = |n: &[u64]| {
         let mut at = 0usize;
         n.iter()
@@ -463,7 +463,7 @@ pub fn balance_layers(
             })
             .fold(0.0f64, f64::max)
     };
-    let even_b = load_of(&even);
+    let even_b = load_of(&even_split);
     let total: f64 = t.iter().sum::<f64>() + first + last;
     let mut lo = (total / chunks as f64).max(t.iter().copied().fold(0.0, f64::max));
     let mut hi = even_b;
@@ -546,40 +546,33 @@ pub fn even_layer_split(layers: u64, pp: u64, vpp: u64) -> Vec<u64> {
     (0..chunks).map(|j| base + u64::from(j < rem)).collect()
 }
 
-/// Splits the segments' costs into `chunks` model chunks: the embedding on the first
-/// chunk, the head on the last, and the blocks by `split` (layers per chunk, in chunk
-/// order) or evenly by layer.
+/// Splits the segments' costs into the `pp x vpp` model chunks: the embedding on the
+/// first chunk, the head on the last, and the blocks by `split` (layers per chunk, in
+/// chunk order) or by [`even_layer_split`].
 fn build_chunks(
     pg: &PreparedGraph,
     costs: &[SegCost],
-    chunks: usize,
+    pp: u64,
     vpp: u64,
     split: Option<&[u64]>,
 ) -> (Vec<Chunk>, f64) {
+    let chunks = (pp * vpp) as usize;
     let mut out = vec![Chunk::default(); chunks];
-    let total_layers = pg.layers as usize;
-    // Chunk j holds layers bounds[j]..bounds[j + 1].
-    let bounds: Vec<usize> = match split {
-        Some(s) => std::iter::once(0)
-            .chain(s.iter().scan(0usize, |acc, &n| {
-                *acc += n as usize;
-                Some(*acc)
-            }))
-            .collect(),
+    let even;
+    let split = match split {
+        Some(s) => s,
         None => {
-            let pp = (chunks as u64 / vpp.max(1)).max(1);
-            std::iter::once(0)
-                .chain(
-                    even_layer_split(total_layers as u64, pp, vpp.max(1))
-                        .into_iter()
-                        .scan(0usize, |acc, n| {
-                            *acc += n as usize;
-                            Some(*acc)
-                        }),
-                )
-                .collect()
+            even = even_layer_split(pg.layers, pp, vpp);
+            &even
         }
     };
+    // Chunk j holds layers bounds[j]..bounds[j + 1].
+    let bounds: Vec<usize> = std::iter::once(0)
+        .chain(split.iter().scan(0usize, |acc, &n| {
+            *acc += n as usize;
+            Some(*acc)
+        }))
+        .collect();
     let mut layer = 0usize;
     let mut shared = 0.0;
     for ((kind, repeat), c) in pg.segment_kinds().zip(costs) {
@@ -672,7 +665,28 @@ pub fn estimate_train_split(
     global_batch: u64,
     split: Option<&[u64]>,
 ) -> Result<Estimate, Unsupported> {
-    estimate_train_bounded(
+    estimate_train_split_with(
+        pg,
+        cluster,
+        cfg,
+        seq_len,
+        global_batch,
+        split,
+        &Mechanisms::default(),
+    )
+}
+
+/// [`estimate_train_split`] as framework `mech` runs the configuration.
+pub fn estimate_train_split_with(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    seq_len: u64,
+    global_batch: u64,
+    split: Option<&[u64]>,
+    mech: &Mechanisms,
+) -> Result<Estimate, Unsupported> {
+    estimate_train_with(
         pg,
         cluster,
         cfg,
@@ -680,6 +694,7 @@ pub fn estimate_train_split(
         global_batch,
         split,
         f64::INFINITY,
+        mech,
     )?
     .ok_or_else(|| unsupported(format!("{cfg}: the step time is not a number")))
 }
@@ -959,7 +974,7 @@ fn train_impl(
         None
     };
     let split = split.or(balanced.as_deref());
-    let (chunks, shared) = build_chunks(pg, &costs, nchunks, cfg.vpp, split);
+    let (chunks, shared) = build_chunks(pg, &costs, cfg.pp, cfg.vpp, split);
     let microbatches = global_batch.div_ceil(cfg.dp * cfg.mbs);
     if cfg.vpp > 1 && microbatches < cfg.pp {
         return Err(unsupported(format!(
@@ -997,14 +1012,14 @@ fn train_impl(
     // A blocking pipeline engine keeps the stage busy while it sends; every
     // micro-batch costs the stage the framework's host-side step.
     let held = if mech.p2p_blocking { p2p_s } else { 0.0 };
-    let per_mb = cluster.constants.microbatch_overhead_s / (2.0 * cfg.vpp as f64);
+    let per_pass = held + cluster.constants.microbatch_overhead_s / (2.0 * cfg.vpp as f64);
     let fwd: Vec<f64> = chunks
         .iter()
-        .map(|c| c.compute_f + c.comm_f + held + per_mb)
+        .map(|c| c.compute_f + c.comm_f + per_pass)
         .collect();
     let bwd: Vec<f64> = chunks
         .iter()
-        .map(|c| c.compute_b + c.comm_b + held + per_mb)
+        .map(|c| c.compute_b + c.comm_b + per_pass)
         .collect();
     // Per stage: data-parallel reduction, optimizer, memory.
     let pp = cfg.pp as usize;
@@ -1013,7 +1028,7 @@ fn train_impl(
     let mut worst_mem = MemoryLedger::default();
     let mut worst_tail = 0.0f64;
     let mut dp_bytes_max = 0.0f64;
-    let mut crit = (0.0f64, 0.0f64, 0.0f64); // (compute, comm, dp+optimizer tail) of the busiest stage
+    let mut crit = (0.0f64, 0.0f64); // (compute, comm) of the busiest stage
     let mut stage_mem = Vec::with_capacity(pp);
     let mut sp_sync_bytes_stage: Vec<f64> = Vec::with_capacity(pp);
     let mut tied_bytes_stage: Vec<f64> = Vec::with_capacity(pp);
@@ -1028,12 +1043,12 @@ fn train_impl(
         let expert: f64 = mine.iter().map(|c| c.params_expert).sum();
         let compute: f64 = mine.iter().map(|c| c.compute_f + c.compute_b).sum::<f64>() * m;
         let comm_s: f64 = mine.iter().map(|c| c.comm_f + c.comm_b).sum::<f64>() * m;
-        let last_bwd: f64 = mine.iter().map(|c| c.compute_b).sum::<f64>() / cfg.vpp as f64;
 
         // Gradient reduction: AllReduce (ZeRO 0), ReduceScatter + AllGather (1, 2),
         // per layer gathers and scatters in every micro-batch (3).
         let fwd_mb: f64 = mine.iter().map(|c| c.compute_f).sum();
         let bwd_mb: f64 = mine.iter().map(|c| c.compute_b).sum();
+        let last_bwd = bwd_mb / cfg.vpp as f64;
         let stage_layers: f64 = mine.iter().map(|c| c.layers).sum::<f64>().max(1.0);
         // The stage's own traffic across nodes in one micro-batch's forward or
         // backward (context ring, expert All-to-All, pipeline sends whose groups leave
@@ -1140,24 +1155,22 @@ fn train_impl(
         tied_bytes_stage.push(tied_bytes);
         let opt_params = dense / if cfg.zero >= 1 { dense_dp as f64 } else { 1.0 }
             + expert / if cfg.zero >= 1 { expert_dp as f64 } else { 1.0 };
-        let optimizer_s = roof.memory_s(opt_params * calib::ADAMW_BYTES_PER_PARAM);
-        let tail = exposed_dp + optimizer_s + sp_sync_s + cluster.constants.step_overhead_s;
+        // The update and the framework's host work per step.
+        let optimizer_s = roof.memory_s(opt_params * calib::ADAMW_BYTES_PER_PARAM)
+            + cluster.constants.step_overhead_s;
+        let tail = exposed_dp + optimizer_s + sp_sync_s;
         worst_tail = worst_tail.max(tail);
         dp_bytes_max = dp_bytes_max.max(dp_bytes);
         if compute + comm_s > busiest_load {
             busiest_load = compute + comm_s;
-            crit = (
-                compute + optimizer_s + cluster.constants.step_overhead_s,
-                comm_s + exposed_dp,
-                tail,
-            );
+            crit = (compute + optimizer_s, comm_s + exposed_dp);
             critical_stage = i;
         }
         if want_timeline {
             tails.push(StageTail {
                 exposed_dp_s: exposed_dp,
                 sp_sync_s,
-                optimizer_s: optimizer_s + cluster.constants.step_overhead_s,
+                optimizer_s,
                 memory: MemoryLedger::default(),
             });
         }
@@ -1459,7 +1472,7 @@ pub fn inference_timeline(
         let costs = ctx.price(pg);
         // Inference keeps no activations for backward: one layer's tensors are live at a time.
         let live = costs.iter().map(|c| c.act_bytes).fold(0.0, f64::max);
-        (build_chunks(pg, &costs, cfg.pp as usize, 1, None).0, live)
+        (build_chunks(pg, &costs, cfg.pp, 1, None).0, live)
     };
     let bpe = pg.dtype.size_bytes() as f64;
     let hop = |tokens: f64| {

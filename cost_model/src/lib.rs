@@ -30,9 +30,9 @@ pub use cluster::{load_cluster, load_cluster_calibrated, parse_cluster_yaml, Clu
 pub use collective::{Collective, CommModel};
 pub use estimate::{
     estimate_inference, estimate_train, estimate_train_balanced_with, estimate_train_bounded,
-    estimate_train_split, estimate_train_with, flops_per_token_forward, inference_timeline,
-    prepare_model, replica_memory, train_ctx, train_timeline, train_timeline_with, Estimate,
-    InferenceLoad, Unsupported,
+    estimate_train_split, estimate_train_split_with, estimate_train_with, flops_per_token_forward,
+    inference_timeline, prepare_model, replica_memory, train_ctx, train_timeline,
+    train_timeline_with, Estimate, InferenceLoad, Unsupported,
 };
 pub use framework::Mechanisms;
 pub use graph_cost::PreparedGraph;

@@ -10,7 +10,7 @@
 use crate::compare;
 use crate::cost_model::estimate::{gib, Groups};
 use crate::cost_model::{
-    estimate_inference, estimate_train_with, Cluster, Estimate, InferenceLoad, Mechanisms,
+    estimate_inference, estimate_train_split_with, Cluster, Estimate, InferenceLoad, Mechanisms,
     PreparedGraph,
 };
 use meshplan_ir::plan::Plan;
@@ -159,21 +159,15 @@ fn price(
             seq_len,
             global_batch,
             ..
-        } => estimate_train_with(
+        } => estimate_train_split_with(
             pg,
             cluster,
             cfg,
             *seq_len,
             *global_batch,
             split,
-            f64::INFINITY,
             &Mechanisms::of(workload.framework()),
-        )
-        .and_then(|e| {
-            e.ok_or_else(|| crate::cost_model::Unsupported {
-                reason: format!("{cfg}: the step time is not a number"),
-            })
-        }),
+        ),
         Workload::Inference { .. } => match InferenceLoad::from_workload(workload) {
             Some(load) => estimate_inference(pg, cluster, cfg, &load),
             None => return Err("not an inference workload".into()),

@@ -186,18 +186,16 @@ pub fn plan_for_config_with_buckets(
         }
     };
     let split = crate::cost_model::estimate::even_layer_split(pg.layers, cfg.pp, cfg.vpp);
-    let est = crate::cost_model::estimate_train_with(
+    let est = crate::cost_model::estimate_train_split_with(
         pg,
         cluster,
         cfg,
         *seq_len,
         *global_batch,
         Some(&split),
-        f64::INFINITY,
         &crate::cost_model::Mechanisms::of(workload.framework()),
     )
-    .map_err(|e| format!("{cfg}: {e}"))?
-    .ok_or_else(|| format!("{cfg}: the step time is not a number"))?;
+    .map_err(|e| format!("{cfg}: {e}"))?;
     lower_train(&LowerInput {
         dp_bucket_params: bucket_params,
         model_name,

@@ -17,8 +17,10 @@
 use crate::cost_model::estimate::{check_train_shapes, gib, Estimate};
 use crate::cost_model::memory::model_state_bytes;
 use crate::cost_model::{
-    calib, estimate::estimate_train_balanced_with, estimate_inference, estimate_train_with,
-    train_ctx, Cluster, InferenceLoad, Mechanisms, PreparedGraph,
+    calib,
+    estimate::{estimate_train_balanced_with, even_layer_split},
+    estimate_inference, estimate_train_split_with, estimate_train_with, train_ctx, Cluster,
+    InferenceLoad, Mechanisms, PreparedGraph,
 };
 use crate::layout::{Layout, LayoutCache, LayoutKey};
 use crate::stages::{one_f_one_b_in_flight, partition, MemoryLimit, StageCosts};
@@ -100,15 +102,9 @@ impl Candidate {
     pub fn split_or_even(&self, layers: u64) -> Vec<u64> {
         match &self.layer_split {
             Some(s) => s.clone(),
-            None => even_split(layers, self.cfg.pp, self.cfg.vpp),
+            None => even_layer_split(layers, self.cfg.pp, self.cfg.vpp),
         }
     }
-}
-
-/// `layers` over `pp` stages of `vpp` chunks as evenly as whole layers allow (the
-/// cost model's and the lowering's even split).
-pub fn even_split(layers: u64, pp: u64, vpp: u64) -> Vec<u64> {
-    crate::cost_model::estimate::even_layer_split(layers, pp, vpp)
 }
 
 /// What a search found and what it cost.
@@ -1127,14 +1123,16 @@ fn with_inference_layout(
 /// split, then the standard and ILP placements at the even, balanced and stage-DP
 /// splits for training; the better of the standard and ILP placements for
 /// inference): what `estimate` and `compare` report, so that they agree with `plan`.
+/// Training is priced as the workload's framework runs it; whether that framework can
+/// run `cfg` at all is the caller's check (`Framework::cannot_run`).
 pub fn price_config(
     graph: &Graph,
     pg: &PreparedGraph,
     cluster: &Cluster,
     workload: &Workload,
     cfg: &ParallelConfig,
-    framework: Framework,
 ) -> Result<Candidate, SearchError> {
+    let framework = workload.framework();
     let cache = LayoutCache::new(graph, cluster);
     let err = |e: crate::cost_model::estimate::Unsupported| SearchError { message: e.reason };
     match workload {
@@ -1162,13 +1160,6 @@ pub fn price_config(
                 layer_split,
                 layout: None,
             };
-            let why =
-                framework.cannot_run(cfg, pg.layers, graph.vocab().unwrap_or(1), *global_batch);
-            if let Some(w) = why.first() {
-                return Err(SearchError {
-                    message: format!("{cfg} does not run under --framework {framework}: {w}"),
-                });
-            }
             refine_train(
                 &swept,
                 graph,
@@ -1268,7 +1259,7 @@ pub fn dp_split(
 fn takes_split(fw: Framework, cfg: &ParallelConfig, split: Option<&[u64]>, layers: u64) -> bool {
     match split {
         Some(s) => fw.split_ok(s, cfg.pp, cfg.vpp),
-        None => fw.split_ok(&even_split(layers, cfg.pp, cfg.vpp), cfg.pp, cfg.vpp),
+        None => fw.split_ok(&even_layer_split(layers, cfg.pp, cfg.vpp), cfg.pp, cfg.vpp),
     }
 }
 
@@ -1347,21 +1338,15 @@ fn refine_train(
             {
                 continue;
             }
-            let e = match estimate_train_with(
+            let e = match estimate_train_split_with(
                 lpg,
                 cluster,
                 cfg,
                 seq_len,
                 global_batch,
                 split.as_deref(),
-                f64::INFINITY,
                 &mech,
-            )
-            .and_then(|e| {
-                e.ok_or_else(|| crate::cost_model::Unsupported {
-                    reason: format!("{cfg}: the step time is not a number"),
-                })
-            }) {
+            ) {
                 Ok(e) => e,
                 Err(e) if split.is_none() => return Err(SearchError { message: e.reason }),
                 Err(_) => continue,
