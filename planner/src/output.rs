@@ -162,9 +162,8 @@ pub fn plan_for_config_with_buckets(
             ..
         } => (seq_len, global_batch),
         Workload::Inference { .. } => {
-            let split: Vec<u64> = (0..cfg.pp)
-                .map(|j| (j + 1) * pg.layers / cfg.pp - j * pg.layers / cfg.pp)
-                .collect();
+            // The split the estimate's chunks use, so the plan runs what was priced.
+            let split = crate::cost_model::estimate::even_layer_split(pg.layers, cfg.pp, 1);
             let load = crate::cost_model::InferenceLoad::from_workload(workload)
                 .ok_or("an inference workload without its load")?;
             let est = crate::cost_model::estimate_inference(pg, cluster, cfg, &load)

@@ -783,3 +783,25 @@ fn bad_inputs_are_errors_not_panics() {
     });
     assert!(inf.is_err(), "inference lowering of a training workload");
 }
+
+#[test]
+fn a_hand_given_inference_plan_splits_its_layers_as_the_estimate_chunks_them() {
+    // Llama 3 70B's 80 layers over 3 pipeline stages: the estimate's chunks (and the
+    // searched plans) hold [27, 27, 26]; a hand-given configuration's plan must run
+    // the same split, not [26, 27, 27].
+    let m = shipped("models/llama3-70b-inference.yaml");
+    let cl = cluster("topologies/dgx-h100.yaml", 3);
+    let cfg = config("tp=8,pp=3", 24);
+    let workload = m.spec.workload.clone().expect("a workload");
+    let plan = meshplan_planner::output::plan_for_config(
+        &m.spec.name,
+        &m.graph,
+        &m.pg,
+        &cl,
+        &workload,
+        &cfg,
+    )
+    .unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(plan.layer_split, vec![27, 27, 26]);
+    assert_eq!(plan.layer_split, even_layer_split(80, 3, 1));
+}
