@@ -40,6 +40,14 @@ pub(crate) struct GenerateFlags {
     /// Seed of the sampling draws.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Generate --max-new-tokens for every request even past the checkpoint's
+    /// end-of-sequence token (`eos_token_id`), as a benchmark does.
+    #[arg(long = "ignore-eos")]
+    ignore_eos: bool,
+    /// With --json: every request's logits at every step (`requests[i].step_logits`),
+    /// not only the first request's last.
+    #[arg(long = "step-logits")]
+    step_logits: bool,
 }
 
 impl GenerateFlags {
@@ -52,6 +60,8 @@ impl GenerateFlags {
             || self.temperature != 0.0
             || self.top_p != 1.0
             || self.seed != 0
+            || self.ignore_eos
+            || self.step_logits
     }
 }
 
@@ -177,8 +187,13 @@ pub(crate) fn run(a: &RunArgs<'_>, plan: &Plan, file: &str) -> Result<(), Failur
             top_p: flags.top_p,
             seed: flags.seed,
         },
+        eos: match &checkpoint {
+            Some(ck) if !flags.ignore_eos => ck.eos_tokens().map_err(|e| bad(e.message))?,
+            _ => Vec::new(),
+        },
         weights: checkpoint,
         threads_per_rank: crate::run::threads_per_rank(a.threads, plan.ranks.len())?,
+        step_logits: flags.step_logits,
         ..InferOptions::default()
     };
     meshplan_executor::infer::check_inputs(plan, &opts).map_err(|m| bad(format!("{file}: {m}")))?;
@@ -255,13 +270,20 @@ fn print_report(
             "tokens": first.map(|q| q.tokens.clone()).unwrap_or_default(),
             "text": first.and_then(|q| text(&q.tokens)),
             "logits": first.map(|q| q.logits.clone()).unwrap_or_default(),
-            "requests": r.requests.iter().map(|q| serde_json::json!({
-                "prompt_len": q.prompt_len,
-                "tokens": q.tokens,
-                "text": text(&q.tokens),
-                "ttft_s": q.ttft_s,
-                "tpot_s": q.tpot_s,
-            })).collect::<Vec<_>>(),
+            "requests": r.requests.iter().map(|q| {
+                let mut o = serde_json::json!({
+                    "prompt_len": q.prompt_len,
+                    "tokens": q.tokens,
+                    "text": text(&q.tokens),
+                    "finish_reason": if q.ended_at_eos { "eos" } else { "length" },
+                    "ttft_s": q.ttft_s,
+                    "tpot_s": q.tpot_s,
+                });
+                if !q.step_logits.is_empty() {
+                    o["step_logits"] = serde_json::json!(q.step_logits);
+                }
+                o
+            }).collect::<Vec<_>>(),
             "ttft_s": r.ttft_s,
             "tpot_s": r.tpot_s,
             "output_tokens_per_s": r.output_tokens_per_s,

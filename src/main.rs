@@ -638,6 +638,7 @@ fn inspect(model: &Path, wf: &WorkloadFlags, json: bool) -> Result<(), Failure> 
     }
     Ok(())
 }
+            "dtype": spec.dtype,
 
 /// A cluster file with its calibration overlay (`--calibration` wins over the one
 /// the file names); says on stderr which measurements price the run.

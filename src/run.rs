@@ -390,6 +390,10 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "{file}: prompts and sampling flags are for inference plans; this is a training plan"
         )));
     }
+    if let meshplan_ir::Workload::Train { seq_len, .. } = &plan.workload {
+        meshplan_executor::check_executable(&plan.graph, *seq_len as usize)
+            .map_err(|m| bad(format!("{file}: {m}")))?;
+    }
     let (opts, start) = training_options(a, &plan)?;
     let engine = match (engine, meshplan_executor::device::train::supported(&plan)) {
         (Engine::Cpu, _) | (_, Ok(())) => engine,

@@ -418,15 +418,10 @@ pub fn dtype_key(dtype: DType) -> &'static str {
     }
 }
 
-/// The dtype of an overlay key (`f16`/`f32`, the model files' spellings, are accepted).
+/// The dtype of an overlay key: a floating-point type in any spelling
+/// [`DType::parse`] takes.
 fn parse_dtype_key(key: &str) -> Option<DType> {
-    match key {
-        "bf16" => Some(DType::Bf16),
-        "fp16" | "f16" => Some(DType::F16),
-        "fp32" | "f32" => Some(DType::F32),
-        "fp8" => Some(DType::Fp8),
-        _ => None,
-    }
+    DType::parse(key).filter(|d| !matches!(d, DType::I32 | DType::U8))
 }
 
 impl Calibration {

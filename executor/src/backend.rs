@@ -5,7 +5,7 @@
 //!
 //! (Generated from the signatures of `meshplan_kernels::cpu`; keep them in step.)
 
-use meshplan_kernels::cpu::{self, AttnDims, Dropout, KernelError, Transpose};
+use meshplan_kernels::cpu::{self, AttnDims, Dropout, KernelError, Rope, Transpose};
 
 /// The kernels an interpreter needs, forward and backward.
 #[allow(clippy::too_many_arguments)] // the kernels' own argument lists
@@ -355,7 +355,7 @@ pub trait Backend: Send + Sync {
         tokens: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: Rope,
         out: &mut [f32],
     ) -> Result<(), KernelError>;
 
@@ -367,7 +367,7 @@ pub trait Backend: Send + Sync {
         tokens: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: Rope,
         dx: &mut [f32],
     ) -> Result<(), KernelError>;
 }
@@ -781,10 +781,10 @@ impl Backend for CpuBackend {
         tokens: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: Rope,
         out: &mut [f32],
     ) -> Result<(), KernelError> {
-        cpu::rope_fwd(x, positions, tokens, heads, head_dim, theta, out)
+        cpu::rope_fwd(x, positions, tokens, heads, head_dim, rope, out)
     }
 
     fn rope_bwd(
@@ -794,9 +794,9 @@ impl Backend for CpuBackend {
         tokens: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: Rope,
         dx: &mut [f32],
     ) -> Result<(), KernelError> {
-        cpu::rope_bwd(d_out, positions, tokens, heads, head_dim, theta, dx)
+        cpu::rope_bwd(d_out, positions, tokens, heads, head_dim, rope, dx)
     }
 }

@@ -63,7 +63,7 @@
 //! buffers after waiting for the stream.
 
 use crate::backend::Backend;
-use meshplan_kernels::cpu::{self, AttnDims, Dropout, KernelError, Transpose};
+use meshplan_kernels::cpu::{self, AttnDims, Dropout, KernelError, Rope, Transpose};
 use meshplan_kernels::cuda::cudarc::driver::{CudaSlice, DeviceRepr};
 use meshplan_kernels::cuda::{bf16, Gpu, GpuError};
 
@@ -1016,11 +1016,11 @@ impl Backend for CudaBackend {
         tokens: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: Rope,
         out: &mut [f32],
     ) -> Result<(), KernelError> {
         if any_empty(&[x.len(), positions.len(), out.len()]) {
-            return cpu::rope_fwd(x, positions, tokens, heads, head_dim, theta, out);
+            return cpu::rope_fwd(x, positions, tokens, heads, head_dim, rope, out);
         }
         on_gpu(|| {
             let mut od = self.gpu.zeros(out.len())?;
@@ -1030,7 +1030,7 @@ impl Backend for CudaBackend {
                 tokens,
                 heads,
                 head_dim,
-                theta,
+                rope,
                 &mut od,
             )?;
             self.down_bf16(&od, out)
@@ -1044,11 +1044,11 @@ impl Backend for CudaBackend {
         tokens: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: Rope,
         dx: &mut [f32],
     ) -> Result<(), KernelError> {
         if any_empty(&[d_out.len(), positions.len(), dx.len()]) {
-            return cpu::rope_bwd(d_out, positions, tokens, heads, head_dim, theta, dx);
+            return cpu::rope_bwd(d_out, positions, tokens, heads, head_dim, rope, dx);
         }
         on_gpu(|| {
             let mut dxd = self.gpu.zeros(dx.len())?;
@@ -1058,7 +1058,7 @@ impl Backend for CudaBackend {
                 tokens,
                 heads,
                 head_dim,
-                theta,
+                rope,
                 &mut dxd,
             )?;
             self.add_bf16(&dxd, dx)
@@ -1617,15 +1617,15 @@ mod tests {
         o.push("rmsnorm_bwd dx", &dx, BF16);
         o.push("rmsnorm_bwd dweight", &dw, PARAM_GRAD);
 
-        let (tokens, heads, hd, theta) = (19, 4, 64, 500_000.0);
+        let (tokens, heads, hd, rope) = (19, 4, 64, Rope::plain(500_000.0));
         let xr = values(89, tokens * heads * hd, 1.0);
         let pos: Vec<u32> = (0..tokens as u32).map(|t| t * 977 + 3).collect();
         let mut out = vec![f32::NAN; xr.len()];
-        be.rope_fwd(&xr, &pos, tokens, heads, hd, theta, &mut out)
+        be.rope_fwd(&xr, &pos, tokens, heads, hd, rope, &mut out)
             .unwrap();
         o.push("rope_fwd", &out, BF16);
         let mut dx = fp32_values(90, xr.len(), 1.0);
-        be.rope_bwd(&xr, &pos, tokens, heads, hd, theta, &mut dx)
+        be.rope_bwd(&xr, &pos, tokens, heads, hd, rope, &mut dx)
             .unwrap();
         o.push("rope_bwd", &dx, BF16);
     }

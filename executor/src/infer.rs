@@ -53,6 +53,12 @@ pub struct InferOptions {
     pub weights: Option<Arc<Checkpoint>>,
     /// Kernel threads of each rank (its own pool; 1: the rank's thread alone).
     pub threads_per_rank: usize,
+    /// End-of-sequence tokens: a request's generation ends with the first of them
+    /// (included), as transformers' `generate` does. Empty: every request generates
+    /// `max_new_tokens`.
+    pub eos: Vec<u32>,
+    /// Keep the logits of every step of every request, not only the last.
+    pub step_logits: bool,
 }
 
 impl Default for InferOptions {
@@ -65,6 +71,8 @@ impl Default for InferOptions {
             timeout: Duration::from_secs(60),
             weights: None,
             threads_per_rank: 1,
+            eos: Vec::new(),
+            step_logits: false,
         }
     }
 }
@@ -80,6 +88,11 @@ pub struct RequestOutput {
     pub logits: Vec<f32>,
     /// The logits the first token was chosen from (the prefill's last position).
     pub first_logits: Vec<f32>,
+    /// The logits of every generated token, in order (kept only with
+    /// [`InferOptions::step_logits`]).
+    pub step_logits: Vec<Vec<f32>>,
+    /// Whether generation ended at an end-of-sequence token (else at the length).
+    pub ended_at_eos: bool,
     /// Seconds from the start of generation to the first token.
     pub ttft_s: f64,
     /// Mean seconds per token after the first (0 when one token was generated).
@@ -152,6 +165,9 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
             }
         }
     }
+    // The last new token is sampled, never fed back through the model.
+    let longest = opts.requests.iter().map(Vec::len).max().unwrap_or(0) + opts.max_new_tokens - 1;
+    crate::check_executable(graph, longest)?;
     let s = &plan.strategy;
     if s.cp > 1 {
         return Err("inference with cp > 1 (ring attention over the prompt) is not run by the CPU executor yet; plan with cp=1".into());
@@ -611,12 +627,19 @@ impl<'a> InferRank<'a> {
                 tokens: Vec::new(),
                 logits: Vec::new(),
                 first_logits: Vec::new(),
+                step_logits: Vec::new(),
+                ended_at_eos: false,
                 ttft_s: 0.0,
                 tpot_s: 0.0,
             })
             .collect();
         let mut first_at = vec![0.0; mine.len()];
         let mut current = vec![0u32; mine.len()];
+        // A request that produced an end-of-sequence token keeps its place in the
+        // batch (every rank runs the same steps, and the plan's bytes stay exact)
+        // but records nothing more.
+        let eos = &self.opts.eos;
+        let mut ended = vec![false; mine.len()];
         let prefill = self.prefill;
         for (j, &i) in mine.iter().enumerate() {
             let prompt = &self.opts.requests[i];
@@ -631,11 +654,16 @@ impl<'a> InferRank<'a> {
                 let rows = self.last_logits(&batch)?;
                 let t = sample(&rows, &self.opts.sampling, i as u64, 0);
                 current[j] = t;
+                ended[j] = eos.contains(&t);
                 if record {
                     first_at[j] = t0.elapsed().as_secs_f64();
                     let o = &mut outs[j];
                     o.tokens.push(t);
+                    o.ended_at_eos = ended[j];
                     o.ttft_s = first_at[j];
+                    if self.opts.step_logits {
+                        o.step_logits.push(rows.clone());
+                    }
                     o.first_logits = rows.clone();
                     o.logits = rows;
                 }
@@ -661,9 +689,17 @@ impl<'a> InferRank<'a> {
                     let row = &all[j * v..(j + 1) * v];
                     let t = sample(row, &self.opts.sampling, i as u64, step as u64);
                     current[j] = t;
+                    if ended[j] {
+                        continue;
+                    }
+                    ended[j] = eos.contains(&t);
                     if record {
                         let o = &mut outs[j];
                         o.tokens.push(t);
+                        o.ended_at_eos = ended[j];
+                        if self.opts.step_logits {
+                            o.step_logits.push(row.to_vec());
+                        }
                         o.logits = row.to_vec();
                         let now = t0.elapsed().as_secs_f64();
                         o.tpot_s = (now - first_at[j]) / step as f64;
@@ -1013,7 +1049,7 @@ impl<'a> InferRank<'a> {
                 let x = self.act(op, 0)?;
                 let width = hq * d + hkv * d + hkv * dv;
                 let positions = batch.positions();
-                let theta = self.graph.constants.rope_theta as f32;
+                let rope = crate::rope_of(&self.graph.constants);
                 let mut y = x.clone();
                 for (start, heads) in [(0, hq), (hq * d, hkv)] {
                     let mut part = vec![0.0; rows * heads * d];
@@ -1023,7 +1059,7 @@ impl<'a> InferRank<'a> {
                     }
                     let mut rotated = vec![0.0; part.len()];
                     self.be
-                        .rope_fwd(&part, &positions, rows, heads, d, theta, &mut rotated)
+                        .rope_fwd(&part, &positions, rows, heads, d, rope, &mut rotated)
                         .map_err(kerr(&op.name))?;
                     for r in 0..rows {
                         y[r * width + start..r * width + start + heads * d]

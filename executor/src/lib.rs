@@ -43,3 +43,49 @@ pub mod weights;
 
 pub use meshplan_ir as ir;
 pub use meshplan_kernels as kernels;
+
+/// The rotary frequencies of a graph's constants, in the kernels' form.
+pub(crate) fn rope_of(c: &ir::graph::Constants) -> kernels::cpu::Rope {
+    let (factor, low, high) = c.rope_scaling.wavelength_form();
+    kernels::cpu::Rope {
+        theta: c.rope_theta as f32,
+        factor: factor as f32,
+        low_wavelength: low as f32,
+        high_wavelength: high as f32,
+    }
+}
+
+/// Refuses a model whose math the executor does not implement, naming the field,
+/// rather than computing another model: the `config.json` fields recorded as
+/// unexecutable, and a sliding attention window shorter than the `tokens` one
+/// sequence runs through the model (within the window every query sees its whole
+/// causal prefix, so the window changes nothing and the run is exact).
+pub fn check_executable(graph: &ir::Graph, tokens: usize) -> Result<(), String> {
+    let c = &graph.constants;
+    if let Some(u) = c.unexecutable.first() {
+        let more = match c.unexecutable.len() {
+            1 => String::new(),
+            n => format!(
+                " (and {} more: {})",
+                n - 1,
+                c.unexecutable[1..]
+                    .iter()
+                    .map(|u| format!("`{}`", u.field))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        return Err(format!(
+            "the model's config.json field `{}`: {}{more}. The executor refuses it rather than compute a different model; planning and estimates are unaffected",
+            u.field, u.reason
+        ));
+    }
+    if let Some(w) = c.sliding_window {
+        if tokens as u64 > w {
+            return Err(format!(
+                "the model's config.json field `sliding_window` ({w}): a sequence of {tokens} tokens would need the window, which the executor does not implement; keep prompt + new tokens - 1 (or the training seq_len) at most {w}"
+            ));
+        }
+    }
+    Ok(())
+}

@@ -16,6 +16,7 @@ use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Pass, Plan, PlanKind, Program};
 use meshplan_ir::{Graph, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
 use meshplan_kernels::cpu as k;
+use meshplan_kernels::cpu::Rope;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -2657,14 +2658,14 @@ impl RankState<'_> {
         let b = self.mbs;
         let pos0 = self.cp.rank * self.seq_len / self.cp.size;
         let positions: Vec<u32> = (0..rows).map(|r| (pos0 + r / b) as u32).collect();
-        let theta = self.graph.constants.rope_theta as f32;
+        let rope = crate::rope_of(&self.graph.constants);
         rope_qkv_host(
             self.be,
             x,
             &positions,
             rows,
             (hq, hkv, d, width),
-            theta,
+            rope,
             backward,
         )
         .map_err(kerr(&att.name))
@@ -3299,7 +3300,7 @@ pub(crate) fn rope_qkv_host(
     positions: &[u32],
     rows: usize,
     (hq, hkv, d, width): (usize, usize, usize, usize),
-    theta: f32,
+    rope: Rope,
     backward: bool,
 ) -> Result<Vec<f32>, k::KernelError> {
     let mut y = x.to_vec();
@@ -3311,9 +3312,9 @@ pub(crate) fn rope_qkv_host(
         }
         let mut out = vec![0.0; part.len()];
         if backward {
-            be.rope_bwd(&part, positions, rows, heads, d, theta, &mut out)?;
+            be.rope_bwd(&part, positions, rows, heads, d, rope, &mut out)?;
         } else {
-            be.rope_fwd(&part, positions, rows, heads, d, theta, &mut out)?;
+            be.rope_fwd(&part, positions, rows, heads, d, rope, &mut out)?;
         }
         for r in 0..rows {
             y[r * width + start..r * width + start + heads * d]

@@ -327,7 +327,78 @@ impl Checkpoint {
                 if got.tied { "tied" } else { "untied" }
             )));
         }
+        // The numbers the math reads beyond the shapes: a plan made from another file
+        // would otherwise run this checkpoint with its own.
+        let c = &graph.constants;
+        let replan = "plan this checkpoint's config.json instead";
+        if t.position == meshplan_ir::PositionKind::Rope && c.rope_theta != t.rope_theta {
+            return Err(werr(format!(
+                "{file}: field `rope_theta` is {} but the plan's model has {}; {replan}",
+                t.rope_theta, c.rope_theta
+            )));
+        }
+        if c.rope_scaling != t.rope_scaling {
+            return Err(werr(format!(
+                "{file}: field `rope_scaling` gives {} but the plan's model has {}; {replan}",
+                t.rope_scaling, c.rope_scaling
+            )));
+        }
+        if c.norm_eps != t.norm_eps {
+            return Err(werr(format!(
+                "{file}: field `{}` is {} but the plan's model has {}; {replan}",
+                key("rms_norm_eps", "layer_norm_epsilon"),
+                t.norm_eps,
+                c.norm_eps
+            )));
+        }
+        if c.sliding_window != t.sliding_window {
+            let show = |w: Option<u64>| w.map_or("none".to_string(), |w| w.to_string());
+            return Err(werr(format!(
+                "{file}: field `sliding_window` is {} but the plan's model has {}; {replan}",
+                show(t.sliding_window),
+                show(c.sliding_window)
+            )));
+        }
+        if let Some(u) = t.unexecutable.first() {
+            return Err(werr(format!(
+                "{file}: field `{}`: {}. The executor refuses it rather than compute a different model",
+                u.field, u.reason
+            )));
+        }
         Ok(())
+    }
+
+    /// The end-of-sequence tokens `generate` stops at: `eos_token_id` of
+    /// `generation_config.json` when the checkpoint has one (transformers reads it
+    /// first), else of `config.json`; an id or a list of ids, none when absent.
+    pub fn eos_tokens(&self) -> Result<Vec<u32>, WeightsError> {
+        let gen_path = self.dir.join("generation_config.json");
+        let (path, text) = if gen_path.is_file() {
+            let text =
+                meshplan_ir::input::read_text_bounded(&gen_path, meshplan_ir::input::TEXT_LIMIT)
+                    .map_err(|e| werr(format!("{}: {e}", gen_path.display())))?;
+            (gen_path, text)
+        } else {
+            (self.dir.join("config.json"), self.config_text.clone())
+        };
+        let value: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| werr(format!("{}: not JSON: {e}", path.display())))?;
+        let bad = |v: &serde_json::Value| {
+            werr(format!(
+                "{}: field `eos_token_id` is {v}; expected a token id, a list of them, or null",
+                path.display()
+            ))
+        };
+        let id = |v: &serde_json::Value| {
+            v.as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .ok_or_else(|| bad(v))
+        };
+        match value.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => Ok(Vec::new()),
+            Some(serde_json::Value::Array(a)) => a.iter().map(id).collect(),
+            Some(v) => Ok(vec![id(v)?]),
+        }
     }
 
     /// Checks every weight of the graph is in the checkpoint with the shape the plan's

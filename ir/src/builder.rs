@@ -181,7 +181,7 @@ impl Builder {
             x,
             t.hidden,
             up_width,
-            t.bias,
+            t.bias || t.mlp_bias,
             TpRole::ColumnParallel,
         );
         let g = self.act(format!("{prefix}.act.out"), ffn, TpSplit::Sharded);
@@ -199,7 +199,7 @@ impl Builder {
             g,
             ffn,
             t.hidden,
-            t.bias,
+            t.bias || t.mlp_bias,
             TpRole::RowParallel,
         )
     }
@@ -270,7 +270,7 @@ impl Builder {
             core,
             t.heads * t.head_dim,
             t.hidden,
-            t.bias,
+            t.bias || t.attn_out_bias,
             TpRole::RowParallel,
         )
     }
@@ -595,6 +595,9 @@ pub fn build_transformer(name: &str, t: &TransformerSpec, dtype: DType) -> Graph
         segments,
         constants: Constants {
             rope_theta: t.rope_theta,
+            rope_scaling: t.rope_scaling,
+            sliding_window: t.sliding_window,
+            unexecutable: t.unexecutable.clone(),
             norm_eps: t.norm_eps,
             dropout_p: crate::graph::DEFAULT_DROPOUT_P,
         },

@@ -9,7 +9,7 @@
 
 use crate::dtype::DType;
 use crate::error::IrError;
-use crate::spec::{MlpKind, NormKind};
+use crate::spec::{MlpKind, NormKind, RopeScaling, Unexecutable};
 use serde::{Deserialize, Serialize};
 
 /// Index of a tensor in [`Graph::tensors`].
@@ -360,10 +360,20 @@ pub struct Graph {
 }
 
 /// Numeric constants an executor needs to run the graph's ops.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Constants {
     /// RoPE base.
     pub rope_theta: f64,
+    /// RoPE frequency scaling.
+    #[serde(default, skip_serializing_if = "RopeScaling::is_none")]
+    pub rope_scaling: RopeScaling,
+    /// Keys each query attends to at most, itself included; `None`: all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<u64>,
+    /// Fields of the model's `config.json` the executor does not implement: a run
+    /// refuses, naming them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unexecutable: Vec<Unexecutable>,
     /// Normalisation epsilon.
     pub norm_eps: f64,
     /// Probability of dropping an entry, where the graph has dropout (its dropout ops
@@ -383,6 +393,9 @@ impl Default for Constants {
     fn default() -> Self {
         Constants {
             rope_theta: 10000.0,
+            rope_scaling: RopeScaling::None,
+            sliding_window: None,
+            unexecutable: Vec::new(),
             norm_eps: 1e-5,
             dropout_p: DEFAULT_DROPOUT_P,
         }

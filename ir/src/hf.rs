@@ -16,15 +16,27 @@
 //! Both the Transformers 4 and 5 spellings are read: `rope_theta` at the top level or
 //! under `rope_parameters` (or `rope_scaling`), and `torch_dtype` or `dtype`.
 //!
-//! What the spec cannot express is left out on purpose and does not change parameter
-//! counts of the shipped families: rope scaling (`rope_scaling.factor`, YaRN), sliding
-//! windows, DeepSeek's multi-token-prediction module (`num_nextn_predict_layers`) and
-//! its router's score-correction bias (one value per expert per layer).
+//! Fields that change the math but not the cost are kept for the executor:
+//! `rope_scaling` of type `default`, `linear` and `llama3`, and `sliding_window`
+//! (Mistral, Mixtral; Qwen2 with `use_sliding_window`). A field whose math the
+//! executor does not implement is recorded as [`Unexecutable`]: the model can be
+//! planned (the field does not change costs), and `run` refuses it naming the field,
+//! never computing something else. Those are: the other rope types (`dynamic`,
+//! `yarn`, `longrope`, ...), `partial_rotary_factor` below 1, an `attention_factor`,
+//! GPT-2 activations other
+//! than the tanh approximation (`gelu_new`, `gelu_pytorch_tanh`, `gelu_fast`),
+//! `scale_attn_weights: false`, `scale_attn_by_inverse_layer_idx: true` and
+//! `add_cross_attention: true`.
+//!
+//! Left out on purpose, as they do not change parameter counts of the shipped
+//! families: DeepSeek's multi-token-prediction module (`num_nextn_predict_layers`)
+//! and its router's score-correction bias (one value per expert per layer).
 
 use crate::dtype::DType;
 use crate::error::IrError;
 use crate::spec::{
     Architecture, MlaSpec, MlpKind, ModelSpec, MoeSpec, NormKind, PositionKind, RawTransformer,
+    RopeScaling, Unexecutable,
 };
 use serde_json::{Map, Value};
 
@@ -72,7 +84,8 @@ pub fn import_hf_config(text: &str, file: &str) -> Result<ModelSpec, IrError> {
             ))
         }
     };
-    let transformer = raw.validate(file).map_err(|e| to_hf_field(e, keys))?;
+    let mut transformer = raw.validate(file).map_err(|e| to_hf_field(e, keys))?;
+    transformer.unexecutable = cfg.unexecutable(model_type)?;
     let dtype = cfg.dtype()?;
     let name = match cfg.opt_str("_name_or_path")?.map(str::trim) {
         Some(n) if !n.is_empty() => n.to_string(),
@@ -91,18 +104,14 @@ pub fn import_hf_config(text: &str, file: &str) -> Result<ModelSpec, IrError> {
 /// Llama, Mistral and Qwen2: pre-norm RMSNorm, SwiGLU, rotary, GQA.
 fn llama_family(cfg: &Config, model_type: &str) -> Result<RawTransformer, IrError> {
     cfg.expect_silu("hidden_act")?;
-    if cfg.bool_or("mlp_bias", false)? {
-        return Err(cfg.err(
-            "mlp_bias",
-            "biases on the MLP projections are not modelled; expected false",
-        ));
-    }
-    // Qwen2 always has biases on q/k/v (and none elsewhere); Llama's `attention_bias`
-    // also puts one on the output projection, which the spec cannot express, so it is
-    // read as QKV biases (`hidden` parameters per layer short).
-    let qkv_bias = model_type == "qwen2" || cfg.bool_or("attention_bias", false)?;
+    // Qwen2 always has biases on q/k/v (and none elsewhere); Llama's and Mistral's
+    // `attention_bias` puts them on q, k, v and the output projection.
+    let attention_bias = model_type != "qwen2" && cfg.bool_or("attention_bias", false)?;
     Ok(RawTransformer {
-        qkv_bias,
+        qkv_bias: model_type == "qwen2" || attention_bias,
+        attn_out_bias: attention_bias,
+        mlp_bias: model_type != "qwen2" && cfg.bool_or("mlp_bias", false)?,
+        sliding_window: cfg.sliding_window(model_type)?,
         ..llama_like(cfg)?
     })
 }
@@ -125,6 +134,7 @@ fn mixtral(cfg: &Config) -> Result<RawTransformer, IrError> {
     Ok(RawTransformer {
         moe: Some(moe),
         rope_theta: Some(base.rope_theta.unwrap_or(1.0e6)),
+        sliding_window: cfg.sliding_window("mixtral")?,
         ..base
     })
 }
@@ -163,10 +173,14 @@ fn gpt2(cfg: &Config) -> Result<RawTransformer, IrError> {
         tie_embeddings: cfg.bool_or("tie_word_embeddings", true)?,
         bias: true,
         qkv_bias: false,
+        attn_out_bias: false,
+        mlp_bias: false,
         position: PositionKind::Learned,
         max_positions: Some(cfg.positive("n_positions")?),
         dropout: cfg.fraction_or("resid_pdrop", 0.1)? > 0.0,
         rope_theta: None,
+        rope_scaling: None,
+        sliding_window: None,
         norm_eps: cfg.norm_eps()?,
         moe: None,
         mla: None,
@@ -244,10 +258,14 @@ fn deepseek_v3(cfg: &Config) -> Result<RawTransformer, IrError> {
         tie_embeddings: cfg.bool_or("tie_word_embeddings", false)?,
         bias: false,
         qkv_bias: false,
+        attn_out_bias: false,
+        mlp_bias: false,
         position: PositionKind::Rope,
         max_positions: None,
         dropout: false,
         rope_theta: cfg.rope_theta()?,
+        rope_scaling: Some(cfg.rope_scaling()?),
+        sliding_window: None,
         norm_eps: cfg.norm_eps()?,
         moe: Some(moe),
         mla: Some(mla),
@@ -269,10 +287,14 @@ fn llama_like(cfg: &Config) -> Result<RawTransformer, IrError> {
         tie_embeddings: cfg.bool_or("tie_word_embeddings", false)?,
         bias: false,
         qkv_bias: false,
+        attn_out_bias: false,
+        mlp_bias: false,
         position: PositionKind::Rope,
         max_positions: None,
         dropout: false,
         rope_theta: cfg.rope_theta()?,
+        rope_scaling: Some(cfg.rope_scaling()?),
+        sliding_window: None,
         norm_eps: cfg.norm_eps()?,
         moe: None,
         mla: None,
@@ -526,6 +548,194 @@ impl<'a> Config<'a> {
         Ok(found.map(|(_, t)| t))
     }
 
+    /// The rope dictionary: `rope_parameters` (Transformers 5) or `rope_scaling`
+    /// (Transformers 4), with its key prefix for messages.
+    fn rope_dict(&self) -> Option<(&'static str, &'a Map<String, Value>)> {
+        ["rope_parameters", "rope_scaling"]
+            .into_iter()
+            .find_map(|k| match self.get(k) {
+                Some(Value::Object(m)) => Some((k, m)),
+                _ => None,
+            })
+    }
+
+    /// The rope type: `rope_type` or the older `type`; `default` when absent.
+    fn rope_type(&self) -> Result<Option<(String, &'a str)>, IrError> {
+        let Some((outer, m)) = self.rope_dict() else {
+            return Ok(None);
+        };
+        for key in ["rope_type", "type"] {
+            match m.get(key) {
+                None | Some(Value::Null) => {}
+                Some(Value::String(t)) => return Ok(Some((format!("{outer}.{key}"), t))),
+                Some(v) => {
+                    return Err(self.err(
+                        &format!("{outer}.{key}"),
+                        format!("expected a string, got {}", describe(v)),
+                    ))
+                }
+            }
+        }
+        Ok(Some((format!("{outer}.rope_type"), "default")))
+    }
+
+    /// The frequency scaling the executor implements; other rope types read as
+    /// none here and are listed by [`Config::unexecutable`].
+    fn rope_scaling(&self) -> Result<RopeScaling, IrError> {
+        let Some((outer, m)) = self.rope_dict() else {
+            return Ok(RopeScaling::None);
+        };
+        let number = |key: &str| -> Result<f64, IrError> {
+            let path = format!("{outer}.{key}");
+            match m.get(key).filter(|v| !v.is_null()) {
+                None => Err(self.err(&path, "missing: expected a positive number")),
+                Some(v) => self.positive_number(&path, v),
+            }
+        };
+        Ok(match self.rope_type()?.map(|(_, t)| t) {
+            Some("linear") => RopeScaling::Linear {
+                factor: number("factor")?,
+            },
+            Some("llama3") => {
+                let original_max_positions = match m
+                    .get("original_max_position_embeddings")
+                    .filter(|v| !v.is_null())
+                {
+                    Some(_) => number("original_max_position_embeddings")?,
+                    None => match self.get("max_position_embeddings") {
+                        Some(v) => self.positive_number("max_position_embeddings", v)?,
+                        None => number("original_max_position_embeddings")?,
+                    },
+                };
+                let (low, high) = (number("low_freq_factor")?, number("high_freq_factor")?);
+                if high <= low {
+                    return Err(self.err(
+                        &format!("{outer}.high_freq_factor"),
+                        format!("must be larger than low_freq_factor ({low}), got {high}"),
+                    ));
+                }
+                RopeScaling::Llama3 {
+                    factor: number("factor")?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max_positions,
+                }
+            }
+            _ => RopeScaling::None,
+        })
+    }
+
+    /// The attention window: Mistral's and Mixtral's `sliding_window`, Qwen2's when
+    /// `use_sliding_window` is true (Transformers 5 may instead list
+    /// `sliding_attention` in `layer_types`). Windows on only some layers read as a
+    /// window on all: the executor runs either exactly (no sequence longer than the
+    /// window) or refuses, so the difference never shows in an output.
+    fn sliding_window(&self, model_type: &str) -> Result<Option<u64>, IrError> {
+        let applies = match model_type {
+            "mistral" | "mixtral" => true,
+            "qwen2" => {
+                let listed = match self.get("layer_types") {
+                    Some(Value::Array(a)) => a.iter().any(|t| t == "sliding_attention"),
+                    _ => false,
+                };
+                listed || self.bool_or("use_sliding_window", false)?
+            }
+            _ => false,
+        };
+        if !applies {
+            return Ok(None);
+        }
+        self.opt_positive("sliding_window")
+    }
+
+    /// The fields whose math the executor does not implement (see the module
+    /// documentation), each with what it asks for.
+    fn unexecutable(&self, model_type: &str) -> Result<Vec<Unexecutable>, IrError> {
+        let mut out = Vec::new();
+        let mut refuse = |field: &str, reason: String| {
+            out.push(Unexecutable {
+                field: field.to_string(),
+                reason,
+            })
+        };
+        if let Some((path, t)) = self.rope_type()? {
+            if !matches!(t, "default" | "linear" | "llama3") {
+                refuse(
+                    &path,
+                    format!(
+                        "rope type `{}` is not implemented (default, linear and llama3 are)",
+                        truncate(t)
+                    ),
+                );
+            }
+        }
+        if let Some((outer, m)) = self.rope_dict() {
+            for key in ["attention_factor", "partial_rotary_factor"] {
+                if let Some(v) = m.get(key).filter(|v| !v.is_null()) {
+                    if v.as_f64() != Some(1.0) {
+                        refuse(
+                            &format!("{outer}.{key}"),
+                            format!("{} is not implemented (only 1 is)", describe(v)),
+                        );
+                    }
+                }
+            }
+        }
+        if let Some(v) = self.get("partial_rotary_factor") {
+            if v.as_f64() != Some(1.0) {
+                refuse(
+                    "partial_rotary_factor",
+                    format!(
+                        "{}: rotating part of each head is not implemented (only 1 is)",
+                        describe(v)
+                    ),
+                );
+            }
+        }
+        match model_type {
+            "gpt2" => {
+                let act = self.opt_str("activation_function")?.unwrap_or("gelu_new");
+                // transformers' tanh-approximation spellings, one formula.
+                let tanh = [
+                    "gelu_new",
+                    "gelu_pytorch_tanh",
+                    "gelu_fast",
+                    "gelu_accurate",
+                    "gelu_python_tanh",
+                ];
+                if !tanh.contains(&act) {
+                    refuse(
+                        "activation_function",
+                        format!(
+                            "`{}` is not implemented; the executor's GELU is the tanh approximation (gelu_new, gelu_pytorch_tanh, gelu_fast, gelu_accurate, gelu_python_tanh)",
+                            truncate(act)
+                        ),
+                    );
+                }
+                if !self.bool_or("scale_attn_weights", true)? {
+                    refuse(
+                        "scale_attn_weights",
+                        "false (unscaled attention scores) is not implemented".into(),
+                    );
+                }
+                if self.bool_or("scale_attn_by_inverse_layer_idx", false)? {
+                    refuse(
+                        "scale_attn_by_inverse_layer_idx",
+                        "true (scores divided by the layer number) is not implemented".into(),
+                    );
+                }
+                if self.bool_or("add_cross_attention", false)? {
+                    refuse(
+                        "add_cross_attention",
+                        "true (cross-attention blocks) is not implemented".into(),
+                    );
+                }
+            }
+            _ => {}
+        }
+        Ok(out)
+    }
+
     /// `rms_norm_eps` (Llama family) or `layer_norm_epsilon` (GPT-2).
     fn norm_eps(&self) -> Result<Option<f64>, IrError> {
         for key in ["rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps"] {
@@ -540,15 +750,13 @@ impl<'a> Config<'a> {
     fn dtype(&self) -> Result<DType, IrError> {
         for key in ["dtype", "torch_dtype"] {
             if let Some(s) = self.opt_str(key)? {
-                return match s.strip_prefix("torch.").unwrap_or(s) {
-                    "bfloat16" | "bf16" => Ok(DType::Bf16),
-                    "float16" | "half" | "fp16" => Ok(DType::F16),
-                    "float32" | "float" | "fp32" => Ok(DType::F32),
-                    other => Err(self.err(
+                return match DType::parse(s) {
+                    Some(d @ (DType::Bf16 | DType::F16 | DType::F32)) => Ok(d),
+                    _ => Err(self.err(
                         key,
                         format!(
                             "`{}` is not supported; expected bfloat16, float16 or float32",
-                            truncate(other)
+                            truncate(s.strip_prefix("torch.").unwrap_or(s))
                         ),
                     )),
                 };
@@ -1114,6 +1322,121 @@ mod tests {
             Ok(spec) => assert_eq!(spec.name, "meta-llama/Meta-Llama-3-8B"),
             Err(e) => panic!("{e}"),
         }
+    }
+
+    #[test]
+    fn llama3_rope_scaling_in_both_spellings() {
+        let want = RopeScaling::Llama3 {
+            factor: 8.0,
+            low_freq_factor: 1.0,
+            high_freq_factor: 4.0,
+            original_max_positions: 8192.0,
+        };
+        // Transformers 4: `rope_scaling` beside `rope_theta` (Llama 3.1 8B's config).
+        let tf4 = LLAMA3_8B_TF4.replace(
+            "\"rope_scaling\": null",
+            r#""rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192, "rope_type": "llama3"}"#,
+        );
+        let t = transformer(&tf4);
+        assert_eq!(t.rope_scaling, want);
+        assert_eq!(t.rope_theta, 500000.0);
+        assert!(t.unexecutable.is_empty());
+        // Transformers 5: everything under `rope_parameters`.
+        let tf5 = LLAMA3_8B_TF5.replace(
+            r#""rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}"#,
+            r#""rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}"#,
+        );
+        assert_eq!(transformer(&tf5).rope_scaling, want);
+        // Linear, under the old `type` key.
+        let lin = LLAMA3_8B_TF4.replace(
+            "\"rope_scaling\": null",
+            r#""rope_scaling": {"type": "linear", "factor": 2.0}"#,
+        );
+        assert_eq!(
+            transformer(&lin).rope_scaling,
+            RopeScaling::Linear { factor: 2.0 }
+        );
+        // A missing or inconsistent number names its key.
+        let (field, _) = invalid(&tf4.replace("\"low_freq_factor\": 1.0, ", ""));
+        assert_eq!(field, "rope_scaling.low_freq_factor");
+        let (field, message) =
+            invalid(&tf4.replace("\"high_freq_factor\": 4.0", "\"high_freq_factor\": 1.0"));
+        assert_eq!(field, "rope_scaling.high_freq_factor");
+        assert!(message.contains("larger than low_freq_factor"), "{message}");
+    }
+
+    #[test]
+    fn unimplemented_math_is_recorded_not_dropped() {
+        let fields = |text: &str| -> Vec<String> {
+            transformer(text)
+                .unexecutable
+                .into_iter()
+                .map(|u| u.field)
+                .collect()
+        };
+        assert!(fields(LLAMA3_8B_TF4).is_empty());
+        let yarn = LLAMA3_8B_TF4.replace(
+            "\"rope_scaling\": null",
+            r#""rope_scaling": {"type": "yarn", "factor": 4.0}"#,
+        );
+        assert_eq!(fields(&yarn), ["rope_scaling.type"]);
+        // DeepSeek-V3 plans (its YaRN does not change costs) but would not run.
+        assert_eq!(fields(DEEPSEEK_V3), ["rope_scaling.type"]);
+        let bias =
+            LLAMA3_8B_TF4.replace("\"vocab_size\"", "\"attention_bias\": true, \"vocab_size\"");
+        assert_eq!(fields(&bias), ["attention_bias"]);
+        assert!(transformer(&bias).qkv_bias);
+        let gpt2 = GPT2
+            .replace("\"gelu_new\"", "\"gelu\"")
+            .replace(
+                "\"n_inner\": null",
+                "\"n_inner\": null, \"scale_attn_weights\": false, \"scale_attn_by_inverse_layer_idx\": true",
+            );
+        assert_eq!(
+            fields(&gpt2),
+            [
+                "activation_function",
+                "scale_attn_weights",
+                "scale_attn_by_inverse_layer_idx"
+            ]
+        );
+        for tanh in [
+            "gelu_new",
+            "gelu_pytorch_tanh",
+            "gelu_fast",
+            "gelu_accurate",
+            "gelu_python_tanh",
+        ] {
+            assert!(fields(&GPT2.replace("gelu_new", tanh)).is_empty(), "{tanh}");
+        }
+    }
+
+    #[test]
+    fn sliding_windows() {
+        let mistral = r#"{"model_type": "mistral", "hidden_size": 64, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256,
+            "sliding_window": 4096}"#;
+        assert_eq!(transformer(mistral).sliding_window, Some(4096));
+        assert_eq!(
+            transformer(&mistral.replace("4096", "null")).sliding_window,
+            None
+        );
+        let qwen2 = r#"{"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+            "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 256,
+            "sliding_window": 32768, "use_sliding_window": false}"#;
+        assert_eq!(transformer(qwen2).sliding_window, None);
+        assert_eq!(
+            transformer(&qwen2.replace("false", "true")).sliding_window,
+            Some(32768)
+        );
+        // Llama has no window, whatever the file says.
+        assert_eq!(
+            transformer(&mistral.replace("mistral", "llama")).sliding_window,
+            None
+        );
     }
 
     #[test]

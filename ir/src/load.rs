@@ -122,3 +122,43 @@ pub fn model_graph(spec: &ModelSpec) -> Result<Graph, IrError> {
         Architecture::Graph(g) => g.to_graph(&spec.name, spec.dtype),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::spec::RopeScaling;
+
+    const BASE: &str =
+        "name: m\ntransformer:\n  layers: 2\n  hidden: 64\n  heads: 4\n  vocab: 256\n";
+
+    #[test]
+    fn rope_scaling_and_sliding_window_in_a_model_file() {
+        let text = format!(
+            "{BASE}  rope_scaling: {{type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4, original_max_positions: 8192}}\n  sliding_window: 4096\n"
+        );
+        let spec = parse_model_yaml(&text, "m.yaml").unwrap_or_else(|e| panic!("{e}"));
+        let Some(t) = spec.transformer() else {
+            panic!("a transformer")
+        };
+        assert_eq!(
+            t.rope_scaling,
+            RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_positions: 8192.0
+            }
+        );
+        assert_eq!(t.sliding_window, Some(4096));
+        let graph = crate::build_transformer(&spec.name, t, spec.dtype);
+        assert_eq!(graph.constants.rope_scaling, t.rope_scaling);
+        assert_eq!(graph.constants.sliding_window, Some(4096));
+        // Checked like every other field.
+        let bad = format!("{BASE}  rope_scaling: {{type: linear, factor: 0}}\n");
+        let e = parse_model_yaml(&bad, "m.yaml").unwrap_err().to_string();
+        assert!(e.contains("rope_scaling.factor"), "{e}");
+        let bad = format!("{BASE}  sliding_window: 0\n");
+        let e = parse_model_yaml(&bad, "m.yaml").unwrap_err().to_string();
+        assert!(e.contains("sliding_window"), "{e}");
+    }
+}

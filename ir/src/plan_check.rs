@@ -708,11 +708,15 @@ fn check_transformer(t: &TransformerSpec) -> Check {
         tie_embeddings: t.tie_embeddings,
         bias: t.bias,
         qkv_bias: t.qkv_bias,
+        attn_out_bias: t.attn_out_bias,
+        mlp_bias: t.mlp_bias,
         position: t.position,
         max_positions: (t.position == crate::spec::PositionKind::Learned)
             .then_some(t.max_positions),
         dropout: t.dropout,
         rope_theta: Some(t.rope_theta),
+        rope_scaling: Some(t.rope_scaling),
+        sliding_window: t.sliding_window,
         norm_eps: Some(t.norm_eps),
         moe: t.moe.clone(),
         mla: t.mla.clone(),
@@ -868,6 +872,18 @@ fn check_graph(g: &Graph) -> Check {
                 format!("must be a positive number, got {v}"),
             ));
         }
+    }
+    if let Err(crate::error::IrError::Invalid { field, message, .. }) = c
+        .rope_scaling
+        .validate("plan", "graph.constants.rope_scaling")
+    {
+        return Err(bad(field, message));
+    }
+    if c.sliding_window == Some(0) {
+        return Err(bad(
+            "graph.constants.sliding_window",
+            "must be a positive number of keys, or absent",
+        ));
     }
     if !(c.dropout_p.is_finite() && (0.0..1.0).contains(&c.dropout_p)) {
         return Err(bad(

@@ -57,6 +57,132 @@ pub enum PositionKind {
     Learned,
 }
 
+/// Rotary frequency scaling (Hugging Face's `rope_scaling` / `rope_parameters`):
+/// how each pair's frequency `theta^(-2i/d)` is changed before it rotates.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "lowercase", deny_unknown_fields)]
+pub enum RopeScaling {
+    /// Frequencies as they are.
+    #[default]
+    None,
+    /// Every frequency divided by `factor` (position interpolation).
+    Linear {
+        /// Divisor of every frequency.
+        factor: f64,
+    },
+    /// Llama 3.1's: wavelengths shorter than `original_max_positions /
+    /// high_freq_factor` kept, longer than `original_max_positions / low_freq_factor`
+    /// divided by `factor`, and a smooth blend between.
+    Llama3 {
+        /// Divisor of the low frequencies.
+        factor: f64,
+        /// Wavelengths above `original_max_positions / low_freq_factor` are scaled.
+        low_freq_factor: f64,
+        /// Wavelengths below `original_max_positions / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// The context length the model was pretrained on.
+        original_max_positions: f64,
+    },
+}
+
+impl RopeScaling {
+    /// Whether frequencies are left as they are.
+    pub fn is_none(&self) -> bool {
+        *self == RopeScaling::None
+    }
+
+    /// `(factor, low_wavelength, high_wavelength)`: a frequency whose wavelength
+    /// `2 pi / f` is below `high_wavelength` is kept, above `low_wavelength` divided
+    /// by `factor`, and between them blended by `(1/wl - 1/low) / (1/high - 1/low)`.
+    /// Linear scaling is `(factor, 0, 0)`, none is `(1, 0, 0)`: one formula serves
+    /// every kind, on the CPU and in the GPU kernels.
+    pub fn wavelength_form(&self) -> (f64, f64, f64) {
+        match *self {
+            RopeScaling::None => (1.0, 0.0, 0.0),
+            RopeScaling::Linear { factor } => (factor, 0.0, 0.0),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_positions,
+            } => (
+                factor,
+                original_max_positions / low_freq_factor,
+                original_max_positions / high_freq_factor,
+            ),
+        }
+    }
+
+    pub(crate) fn validate(&self, file: &str, field: &str) -> Result<(), IrError> {
+        let positive = |name: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(IrError::invalid(
+                    file,
+                    &format!("{field}.{name}"),
+                    format!("must be a positive number, got {v}"),
+                ))
+            }
+        };
+        match *self {
+            RopeScaling::None => Ok(()),
+            RopeScaling::Linear { factor } => positive("factor", factor),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_positions,
+            } => {
+                positive("factor", factor)?;
+                positive("low_freq_factor", low_freq_factor)?;
+                positive("high_freq_factor", high_freq_factor)?;
+                positive("original_max_positions", original_max_positions)?;
+                if high_freq_factor <= low_freq_factor {
+                    return Err(IrError::invalid(
+                        file,
+                        &format!("{field}.high_freq_factor"),
+                        format!(
+                            "must be larger than low_freq_factor ({low_freq_factor}), got {high_freq_factor}"
+                        ),
+                    ));
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for RopeScaling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RopeScaling::None => f.write_str("no scaling"),
+            RopeScaling::Linear { factor } => write!(f, "linear scaling by {factor}"),
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_positions,
+            } => write!(
+                f,
+                "llama3 scaling (factor {factor}, low_freq_factor {low_freq_factor}, high_freq_factor {high_freq_factor}, original_max_position_embeddings {original_max_positions})"
+            ),
+        }
+    }
+}
+
+/// A `config.json` field whose math the executor does not implement: planning
+/// prices the model (the field does not change costs), running it refuses, naming
+/// the field, rather than computing something else.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Unexecutable {
+    /// The field as written, e.g. `activation_function`.
+    pub field: String,
+    /// What it asks for and what is implemented instead.
+    pub reason: String,
+}
+
 /// Mixture-of-experts feed-forward layers.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -138,6 +264,13 @@ pub struct RawTransformer {
     /// Biases on the query/key/value projections only (Qwen2 style).
     #[serde(default)]
     pub qkv_bias: bool,
+    /// A bias on the attention output projection (Llama's `attention_bias`, with
+    /// `qkv_bias`); implied by `bias`.
+    #[serde(default)]
+    pub attn_out_bias: bool,
+    /// Biases on the MLP projections (Llama's `mlp_bias`); implied by `bias`.
+    #[serde(default)]
+    pub mlp_bias: bool,
     /// Position encoding.
     #[serde(default = "default_position")]
     pub position: PositionKind,
@@ -150,6 +283,13 @@ pub struct RawTransformer {
     /// Rotary base frequency (kept for the executor; does not change costs).
     #[serde(default)]
     pub rope_theta: Option<f64>,
+    /// Rotary frequency scaling (kept for the executor; does not change costs).
+    #[serde(default)]
+    pub rope_scaling: Option<RopeScaling>,
+    /// Keys each query attends to at most, itself included (Mistral's
+    /// `sliding_window`); absent: the whole causal prefix.
+    #[serde(default)]
+    pub sliding_window: Option<u64>,
     /// Normalisation epsilon (kept for the executor; does not change costs).
     #[serde(default)]
     pub norm_eps: Option<f64>,
@@ -198,6 +338,12 @@ pub struct TransformerSpec {
     pub bias: bool,
     /// Biases on the QKV projections.
     pub qkv_bias: bool,
+    /// A bias on the attention output projection.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub attn_out_bias: bool,
+    /// Biases on the MLP projections.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub mlp_bias: bool,
     /// Position encoding.
     pub position: PositionKind,
     /// Learned position rows (0 for rotary).
@@ -206,6 +352,15 @@ pub struct TransformerSpec {
     pub dropout: bool,
     /// Rotary base.
     pub rope_theta: f64,
+    /// Rotary frequency scaling.
+    #[serde(default, skip_serializing_if = "RopeScaling::is_none")]
+    pub rope_scaling: RopeScaling,
+    /// Keys each query attends to at most, itself included; `None`: all.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sliding_window: Option<u64>,
+    /// Fields of the source `config.json` the executor does not implement.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unexecutable: Vec<Unexecutable>,
     /// Normalisation epsilon.
     pub norm_eps: f64,
     /// Mixture of experts.
@@ -495,6 +650,11 @@ impl RawTransformer {
                 }
             }
         }
+        let rope_scaling = self.rope_scaling.unwrap_or_default();
+        rope_scaling.validate(file, &f("rope_scaling"))?;
+        if let Some(w) = self.sliding_window {
+            positive(file, &f("sliding_window"), w)?;
+        }
         Ok(TransformerSpec {
             layers,
             hidden,
@@ -508,10 +668,15 @@ impl RawTransformer {
             tie_embeddings: self.tie_embeddings,
             bias: self.bias,
             qkv_bias: self.qkv_bias,
+            attn_out_bias: self.attn_out_bias,
+            mlp_bias: self.mlp_bias,
             position: self.position,
             max_positions,
             dropout: self.dropout,
             rope_theta: self.rope_theta.unwrap_or(10000.0),
+            rope_scaling,
+            sliding_window: self.sliding_window,
+            unexecutable: Vec::new(),
             norm_eps: self.norm_eps.unwrap_or(1e-5),
             moe: self.moe,
             mla: self.mla,

@@ -75,8 +75,8 @@ extern "C" __global__ void transpose_bs_bf16(const bf16* x, int b, int s, int w,
 // columns after them copied; y written. One block per row; threads stride over
 // pair indices, each pair's rotation computed once and reused over the heads.
 extern "C" __global__ void rope_qkv_bf16(const bf16* x, const u32* positions, int heads,
-                                         int head_dim, int width, float theta, float sign,
-                                         bf16* y) {
+                                         int head_dim, int width, float theta, float factor,
+                                         float low_wl, float high_wl, float sign, bf16* y) {
     const int r = blockIdx.x;
     const bf16* xr = x + (i64)r * width;
     bf16* yr = y + (i64)r * width;
@@ -86,7 +86,7 @@ extern "C" __global__ void rope_qkv_bf16(const bf16* x, const u32* positions, in
     const double pos = (double)positions[r];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float c, s;
-        rope_cos_sin(pos, i, head_dim, theta, sign, c, s);
+        rope_cos_sin(pos, i, head_dim, theta, factor, low_wl, high_wl, sign, c, s);
         for (int h = 0; h < heads; ++h) {
             const int base = h * head_dim;
             const float x1 = bf16_to_f32(xr[base + i]);

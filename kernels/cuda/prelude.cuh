@@ -142,13 +142,26 @@ __device__ __forceinline__ void bf16_add(bf16* p, float x) {
 }
 
 // RoPE's rotation for pair `i` of a `head_dim`-wide head at `pos`, by `sign` times
-// the angle pos * theta^(-2i / head_dim): cosine and sine. Angle, sine and cosine
-// in fp64 as on the CPU (pos * freq in fp32 loses the angle's fraction at long
-// positions), rounded to fp32 once. Shared by every kernel that rotates, so they
-// agree bit for bit.
+// the angle pos * freq: cosine and sine. freq = theta^(-2i / head_dim), scaled in
+// the wavelength form of `cpu::Rope::freq` (kept below high_wl, divided by factor
+// above low_wl, blended between; linear scaling is low_wl = high_wl = 0). Angle,
+// sine and cosine in fp64 as on the CPU (pos * freq in fp32 loses the angle's
+// fraction at long positions), rounded to fp32 once. Shared by every kernel that
+// rotates, so they agree bit for bit.
 __device__ __forceinline__ void rope_cos_sin(double pos, int i, int head_dim, float theta,
+                                             float factor, float low_wl, float high_wl,
                                              float sign, float& c, float& s) {
-    const double freq = pow((double)theta, -2.0 * (double)i / (double)head_dim);
+    double freq = pow((double)theta, -2.0 * (double)i / (double)head_dim);
+    const double wl = 2.0 * 3.141592653589793 / freq;
+    if (wl >= (double)high_wl) {
+        if (wl > (double)low_wl) {
+            freq = freq / (double)factor;
+        } else {
+            const double sm = (1.0 / wl - 1.0 / (double)low_wl) /
+                              (1.0 / (double)high_wl - 1.0 / (double)low_wl);
+            freq = (1.0 - sm) * freq / (double)factor + sm * freq;
+        }
+    }
     double sn, cs;
     sincos(pos * freq * (double)sign, &sn, &cs);
     c = (float)cs;

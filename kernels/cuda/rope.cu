@@ -5,14 +5,14 @@
 // One block per token; threads stride over pair indices i < head_dim / 2.
 // out = R(sign * angle) x, written (accumulate == 0) or added (accumulate != 0).
 extern "C" __global__ void rope_bf16(const bf16* x, const u32* positions, int tokens, int heads,
-                                     int head_dim, float theta, float sign, int accumulate,
-                                     bf16* out) {
+                                     int head_dim, float theta, float factor, float low_wl,
+                                     float high_wl, float sign, int accumulate, bf16* out) {
     const int t = blockIdx.x;
     const int half = head_dim / 2;
     const double pos = (double)positions[t];
     for (int i = threadIdx.x; i < half; i += blockDim.x) {
         float c, s;
-        rope_cos_sin(pos, i, head_dim, theta, sign, c, s);
+        rope_cos_sin(pos, i, head_dim, theta, factor, low_wl, high_wl, sign, c, s);
         for (int h = 0; h < heads; ++h) {
             const i64 base = ((i64)t * heads + h) * head_dim;
             const float x1 = bf16_to_f32(x[base + i]);

@@ -74,6 +74,12 @@ pub(crate) fn meshplan(args: &[&str]) -> Run {
         run.args,
         run.stderr
     );
+    if let Some(dump) = debug_dump(&run.stderr) {
+        panic!(
+            "meshplan {}: stderr shows a Rust debug dump (`{dump}`) where a message in words belongs:\n{}",
+            run.args, run.stderr
+        );
+    }
     assert!(
         out.status.code().is_some(),
         "meshplan {} was killed by a signal",
@@ -1990,4 +1996,97 @@ fn a_key_given_twice_a_byte_order_mark_and_training_flags_on_inference() {
     meshplan(&["run", p, "--steps", "3", "--resume", "ck"])
         .expect_code(2)
         .stderr_has(&["--steps, --resume train", "inference plan"]);
+}
+
+/// The first trace of Rust's `{:?}` of a struct or an option in `text`: `Name { field:`
+/// or `Some(`. A user reads messages in words, never a debug dump.
+pub(crate) fn debug_dump(text: &str) -> Option<String> {
+    if let Some(i) = text.find("Some(") {
+        return Some(text[i..].chars().take(30).collect());
+    }
+    let b = text.as_bytes();
+    for (i, w) in text.match_indices(" { ") {
+        let _ = w;
+        let name_start = text[..i]
+            .rfind(|c: char| !c.is_ascii_alphanumeric() && c != '_')
+            .map_or(0, |j| j + 1);
+        let name = &text[name_start..i];
+        let field: String = text[i + 3..]
+            .chars()
+            .take_while(|c| c.is_ascii_lowercase() || *c == '_')
+            .collect();
+        let after = i + 3 + field.len();
+        if name.starts_with(|c: char| c.is_ascii_uppercase())
+            && !field.is_empty()
+            && b.get(after) == Some(&b':')
+        {
+            return Some(text[name_start..].chars().take(40).collect());
+        }
+    }
+    None
+}
+
+#[test]
+fn the_debug_dump_detector_finds_what_it_should() {
+    assert!(debug_dump("fixed keys PartialConfig { dp: Some(1), tp: None }").is_some());
+    assert!(debug_dump("expected Some(3)").is_some());
+    assert!(debug_dump("got Linear { factor: 2.0 }").is_some());
+    assert!(debug_dump("no configuration of 8 GPUs satisfies the fixed keys cp=2, dp=1").is_none());
+    assert!(debug_dump("field `x` {expected}: 3").is_none());
+}
+
+/// Every spelling of a dtype users write plans the same model, written back in the
+/// canonical spelling; an unknown one exits 2 naming the file, the field and the
+/// spellings.
+#[test]
+fn dtype_spellings() {
+    let dir = std::env::temp_dir().join(format!("meshplan-dtypes-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let text = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("tiny-gpt");
+    assert!(text.contains("dtype: "), "tiny-gpt.yaml names its dtype");
+    let with = |dtype: &str| {
+        let lines: Vec<String> = text
+            .lines()
+            .map(|l| {
+                if l.starts_with("dtype:") {
+                    format!("dtype: {dtype}")
+                } else {
+                    l.to_string()
+                }
+            })
+            .collect();
+        let p = dir.join(format!("m-{dtype}.yaml"));
+        std::fs::write(&p, lines.join("\n")).expect("model");
+        p.display().to_string()
+    };
+    for (spellings, canonical) in [
+        (&["fp32", "float32", "f32", "FP32"][..], "f32"),
+        (&["bf16", "bfloat16"][..], "bf16"),
+        (&["fp16", "f16", "float16", "half"][..], "f16"),
+    ] {
+        for s in spellings {
+            let m = with(s);
+            let r = meshplan(&["inspect", &m, "--json"]);
+            r.expect_code(0);
+            assert_eq!(r.json()["dtype"], canonical, "{s}");
+        }
+    }
+    let m = with("float64");
+    meshplan(&["inspect", &m, "--json"])
+        .expect_code(2)
+        .stderr_has(&[&m, "dtype", "unknown dtype `float64`", "fp32", "bfloat16"]);
+}
+
+/// Fixed degrees that cannot multiply to the cluster's GPUs: exit 2 with the keys
+/// in the `--config` spelling and why, never a debug dump (checked by `meshplan`).
+#[test]
+fn unsatisfiable_fixed_keys_are_explained_in_words() {
+    let r = meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "cp=2,dp=1,tp=1,pp=1",
+    ]);
+    r.expect_code(2).stderr_has(&["cp=2", "dp=1"]);
 }

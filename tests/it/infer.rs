@@ -139,6 +139,12 @@ struct LlamaCfg {
     /// Qwen2: biases on q, k and v.
     qkv_bias: bool,
     tied: bool,
+    /// Llama 3.1 rope scaling `(factor, low_freq_factor, high_freq_factor,
+    /// original_max_position_embeddings)`.
+    llama3: Option<(f64, f64, f64, f64)>,
+    /// Llama's `attention_bias` and `mlp_bias`: biases on q, k, v, o, gate, up
+    /// and down.
+    attn_bias: bool,
 }
 
 const LLAMA: LlamaCfg = LlamaCfg {
@@ -150,6 +156,8 @@ const LLAMA: LlamaCfg = LlamaCfg {
     vocab: 64,
     qkv_bias: false,
     tied: false,
+    llama3: None,
+    attn_bias: false,
 };
 
 const THETA: f64 = 10000.0;
@@ -160,7 +168,7 @@ fn llama_config(c: &LlamaCfg) -> String {
         r#"{{"architectures": ["{arch}"], "model_type": "{mt}", "hidden_size": {h}, "intermediate_size": {f},
 "num_hidden_layers": {l}, "num_attention_heads": {a}, "num_key_value_heads": {kv}, "vocab_size": {v},
 "rms_norm_eps": {EPS:e}, "rope_theta": {THETA:.1}, "tie_word_embeddings": {tied}, "hidden_act": "silu",
-"max_position_embeddings": 128, "torch_dtype": "float32"}}"#,
+"max_position_embeddings": 128, "torch_dtype": "float32"{scaling}{bias}}}"#,
         arch = if c.qkv_bias {
             "Qwen2ForCausalLM"
         } else {
@@ -174,6 +182,17 @@ fn llama_config(c: &LlamaCfg) -> String {
         kv = c.kv_heads,
         v = c.vocab,
         tied = c.tied,
+        scaling = match c.llama3 {
+            Some((f, lo, hi, orig)) => format!(
+                r#", "rope_scaling": {{"rope_type": "llama3", "factor": {f:.1}, "low_freq_factor": {lo:.1}, "high_freq_factor": {hi:.1}, "original_max_position_embeddings": {orig}}}"#
+            ),
+            None => String::new(),
+        },
+        bias = if c.attn_bias {
+            r#", "attention_bias": true, "mlp_bias": true"#
+        } else {
+            ""
+        },
     )
 }
 
@@ -223,7 +242,7 @@ fn llama_tensors(c: &LlamaCfg, seed: u64) -> Tensors {
             0.0,
             &mut r,
         );
-        if c.qkv_bias {
+        if c.qkv_bias || c.attn_bias {
             put(
                 format!("{p}self_attn.q_proj.bias"),
                 vec![c.heads * d],
@@ -253,6 +272,15 @@ fn llama_tensors(c: &LlamaCfg, seed: u64) -> Tensors {
             0.0,
             &mut r,
         );
+        if c.attn_bias {
+            put(
+                format!("{p}self_attn.o_proj.bias"),
+                vec![c.hidden],
+                0.3,
+                0.0,
+                &mut r,
+            );
+        }
         put(
             format!("{p}post_attention_layernorm.weight"),
             vec![c.hidden],
@@ -282,6 +310,17 @@ fn llama_tensors(c: &LlamaCfg, seed: u64) -> Tensors {
             0.0,
             &mut r,
         );
+        if c.attn_bias {
+            for (name, n) in [("gate", c.ffn), ("up", c.ffn), ("down", c.hidden)] {
+                put(
+                    format!("{p}mlp.{name}_proj.bias"),
+                    vec![n],
+                    0.2,
+                    0.0,
+                    &mut r,
+                );
+            }
+        }
     }
     put("model.norm.weight".into(), vec![c.hidden], 0.2, 1.0, &mut r);
     if !c.tied {
@@ -407,12 +446,23 @@ fn layernorm(x: &[f64], w: &[f64], b: &[f64]) -> Vec<f64> {
         .collect()
 }
 
-/// Hugging Face `rotate_half` RoPE on one head at position `pos`.
-fn rope(x: &mut [f64], pos: usize) {
+/// Hugging Face `rotate_half` RoPE on one head at position `pos`, with
+/// transformers' `_compute_llama3_parameters` written out when `llama3` is given.
+fn rope(x: &mut [f64], pos: usize, llama3: Option<(f64, f64, f64, f64)>) {
     let d = x.len();
     let half = d / 2;
     for i in 0..half {
-        let ang = pos as f64 * THETA.powf(-2.0 * i as f64 / d as f64);
+        let mut freq = THETA.powf(-2.0 * i as f64 / d as f64);
+        if let Some((factor, low, high, orig)) = llama3 {
+            let wavelen = 2.0 * std::f64::consts::PI / freq;
+            if wavelen > orig / low {
+                freq /= factor;
+            } else if wavelen >= orig / high {
+                let smooth = (orig / wavelen - low) / (high - low);
+                freq = (1.0 - smooth) * freq / factor + smooth * freq;
+            }
+        }
+        let ang = pos as f64 * freq;
         let (c, s) = (ang.cos(), ang.sin());
         let (a, b) = (x[i], x[i + half]);
         x[i] = a * c - b * s;
@@ -468,7 +518,7 @@ fn llama_forward(c: &LlamaCfg, t: &Tensors, tokens: &[u32]) -> Vec<f64> {
     for i in 0..c.layers {
         let p = format!("model.layers.{i}.");
         let w = |n: &str| get(t, &format!("{p}{n}"));
-        let b = |n: &str| c.qkv_bias.then(|| get(t, &format!("{p}{n}")));
+        let b = |n: &str| (c.qkv_bias || c.attn_bias).then(|| get(t, &format!("{p}{n}")));
         let (mut q, mut k, mut v) = (Vec::new(), Vec::new(), Vec::new());
         for (pos, xt) in x.iter().enumerate() {
             let h = rmsnorm(xt, w("input_layernorm.weight"));
@@ -485,10 +535,10 @@ fn llama_forward(c: &LlamaCfg, t: &Tensors, tokens: &[u32]) -> Vec<f64> {
                 c.kv_heads * d,
             );
             for head in qt.chunks_mut(d) {
-                rope(head, pos);
+                rope(head, pos, c.llama3);
             }
             for head in kt.chunks_mut(d) {
-                rope(head, pos);
+                rope(head, pos, c.llama3);
             }
             q.push(qt);
             k.push(kt);
@@ -501,17 +551,33 @@ fn llama_forward(c: &LlamaCfg, t: &Tensors, tokens: &[u32]) -> Vec<f64> {
         }
         let o = attend(&q, &k, &v, c.heads, c.kv_heads, d);
         for (xt, ot) in x.iter_mut().zip(&o) {
-            let a = linear(ot, w("self_attn.o_proj.weight"), None, c.hidden);
+            let a = linear(
+                ot,
+                w("self_attn.o_proj.weight"),
+                c.attn_bias.then(|| w("self_attn.o_proj.bias")),
+                c.hidden,
+            );
             xt.iter_mut().zip(&a).for_each(|(u, y)| *u += y);
             let h = rmsnorm(xt, w("post_attention_layernorm.weight"));
-            let g = linear(&h, w("mlp.gate_proj.weight"), None, c.ffn);
-            let u = linear(&h, w("mlp.up_proj.weight"), None, c.ffn);
+            let mb = |n: &str| c.attn_bias.then(|| w(n));
+            let g = linear(
+                &h,
+                w("mlp.gate_proj.weight"),
+                mb("mlp.gate_proj.bias"),
+                c.ffn,
+            );
+            let u = linear(&h, w("mlp.up_proj.weight"), mb("mlp.up_proj.bias"), c.ffn);
             let m: Vec<f64> = g
                 .iter()
                 .zip(&u)
                 .map(|(g, u)| g / (1.0 + (-g).exp()) * u)
                 .collect();
-            let dn = linear(&m, w("mlp.down_proj.weight"), None, c.hidden);
+            let dn = linear(
+                &m,
+                w("mlp.down_proj.weight"),
+                mb("mlp.down_proj.bias"),
+                c.hidden,
+            );
             xt.iter_mut().zip(&dn).for_each(|(u, y)| *u += y);
         }
     }
@@ -730,6 +796,46 @@ fn llama_checkpoint_sharded_equals_single_rank_and_reference() {
     // Two files: the loader indexes tensors across shards.
     write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 2);
     check_all(&dir, &|tokens| llama_forward(&LLAMA, &t, tokens));
+}
+
+#[test]
+fn llama3_rope_scaling_checkpoint_equals_single_rank_and_reference() {
+    // Head width 8 over base 10000: wavelengths 6.3, 63, 628 and 6283. With 64
+    // original positions and frequency factors 1 and 4 the first is kept, the second
+    // blended and the last two divided by 8: every branch of the scaling runs.
+    let c = LlamaCfg {
+        llama3: Some((8.0, 1.0, 4.0, 64.0)),
+        ..LLAMA
+    };
+    let dir = temp_dir("llama3-rope");
+    let mut t = llama_tensors(&c, 21);
+    round_to(Store::F32, &mut t);
+    write_checkpoint(&dir, &llama_config(&c), &t, Store::F32, 1);
+    check_all(&dir, &|tokens| llama_forward(&c, &t, tokens));
+    // The scaling changes the outputs: the unscaled reference does not match.
+    let scaled = llama_forward(&c, &t, PROMPTS[0]);
+    let plain = llama_forward(&LLAMA, &t, PROMPTS[0]);
+    let d = scaled
+        .iter()
+        .zip(&plain)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(d > 1e-3, "scaling moved the logits by only {d:e}");
+}
+
+#[test]
+fn llama_attention_and_mlp_bias_checkpoint_equals_single_rank_and_reference() {
+    // Biases on q, k, v, o, gate, up and down: the row-parallel projections' (o and
+    // down) are added once after the reduction, whatever tp.
+    let c = LlamaCfg {
+        attn_bias: true,
+        ..LLAMA
+    };
+    let dir = temp_dir("llama-attention-bias");
+    let mut t = llama_tensors(&c, 28);
+    round_to(Store::F32, &mut t);
+    write_checkpoint(&dir, &llama_config(&c), &t, Store::F32, 1);
+    check_all(&dir, &|tokens| llama_forward(&c, &t, tokens));
 }
 
 #[test]
@@ -1270,4 +1376,281 @@ fn a_checkpoint_holding_nan_is_refused_naming_the_tensor() {
         "{}",
         err.message
     );
+}
+
+/// Plans `dir`'s config.json with `cfg` and runs it greedily on `prompt` through the
+/// command line, with extra `run` flags.
+fn cli_plan_and_run(
+    dir: &Path,
+    cfg: &str,
+    prompt: &str,
+    new: &str,
+    extra: &[&str],
+) -> crate::cli::Run {
+    std::fs::write(dir.join("workload.yaml"), WORKLOAD).expect("workload");
+    let (config, wl, plan) = (
+        dir.join("config.json").display().to_string(),
+        dir.join("workload.yaml").display().to_string(),
+        dir.join("plan.json").display().to_string(),
+    );
+    meshplan(&[
+        "plan",
+        &config,
+        "topologies/cpu-test-mesh.yaml",
+        "--workload",
+        &wl,
+        "--config",
+        cfg,
+        "-o",
+        &plan,
+    ])
+    .expect_code(0);
+    let dir_s = dir.display().to_string();
+    let mut args = vec![
+        "run",
+        &plan,
+        "--weights",
+        &dir_s,
+        "--json",
+        "--max-new-tokens",
+        new,
+        "--prompt-ids",
+        prompt,
+    ];
+    args.extend_from_slice(extra);
+    meshplan(&args)
+}
+
+#[test]
+fn cli_refuses_config_fields_whose_math_is_not_implemented() {
+    // Each field plans (costs are unaffected) and then `run` exits 2 naming it,
+    // never generating from another model.
+    let mut t = llama_tensors(&LLAMA, 22);
+    round_to(Store::F32, &mut t);
+    let base = llama_config(&LLAMA);
+    let cases: [(&str, String, &str); 3] = [
+        (
+            "yarn",
+            base.replace(
+                "\"torch_dtype\"",
+                r#""rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}, "torch_dtype""#,
+            ),
+            "rope_scaling.rope_type",
+        ),
+        (
+            "dynamic",
+            base.replace(
+                "\"torch_dtype\"",
+                r#""rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}, "torch_dtype""#,
+            ),
+            "rope_parameters.rope_type",
+        ),
+        (
+            "partial-rotary",
+            base.replace("\"torch_dtype\"", r#""partial_rotary_factor": 0.5, "torch_dtype""#),
+            "partial_rotary_factor",
+        ),
+    ];
+    for (name, config, field) in cases {
+        let dir = temp_dir(&format!("refuse-{name}"));
+        write_checkpoint(&dir, &config, &t, Store::F32, 1);
+        let r = cli_plan_and_run(&dir, "dp=1", "1,2,3", "3", &[]);
+        r.expect_code(2).stderr_has(&[field, "config.json"]);
+    }
+    // GPT-2's attention-scaling switches and the exact GELU.
+    let gt = gpt2_tensors(23);
+    for (name, from, to, field) in [
+        ("gelu", "\"gelu_new\"", "\"gelu\"", "activation_function"),
+        (
+            "unscaled",
+            "\"n_inner\": null",
+            "\"n_inner\": null, \"scale_attn_weights\": false",
+            "scale_attn_weights",
+        ),
+        (
+            "inverse-layer",
+            "\"n_inner\": null",
+            "\"n_inner\": null, \"scale_attn_by_inverse_layer_idx\": true",
+            "scale_attn_by_inverse_layer_idx",
+        ),
+    ] {
+        let dir = temp_dir(&format!("refuse-gpt2-{name}"));
+        write_checkpoint(&dir, &gpt2_config().replace(from, to), &gt, Store::F32, 1);
+        let r = cli_plan_and_run(&dir, "dp=1", "1,2,3", "3", &[]);
+        r.expect_code(2).stderr_has(&[field]);
+    }
+    // The tanh spellings are the executor's GELU and run.
+    let dir = temp_dir("gpt2-tanh");
+    write_checkpoint(
+        &dir,
+        &gpt2_config().replace("\"gelu_new\"", "\"gelu_pytorch_tanh\""),
+        &gt,
+        Store::F32,
+        1,
+    );
+    let r = cli_plan_and_run(&dir, "dp=1", "1,15,42,7,3,9", "5", &[]);
+    r.expect_code(0);
+    let (want, _) = reference_generate(&|s| gpt2_forward(&gt, s), PROMPTS[0], 5);
+    let got: Vec<u32> = serde_json::from_value(r.json()["tokens"].clone()).expect("tokens");
+    assert_eq!(got, want);
+}
+
+#[test]
+fn cli_sliding_window_runs_within_it_and_refuses_past_it() {
+    // Mistral's window of 8 keys: 6 prompt tokens + 3 new ones feed 8 positions
+    // through the model (the last token is only sampled), every query sees its
+    // whole prefix and the run is exact; 4 new ones would need the window.
+    let mut t = llama_tensors(&LLAMA, 24);
+    round_to(Store::F32, &mut t);
+    let config = llama_config(&LLAMA)
+        .replace("\"llama\"", "\"mistral\"")
+        .replace("LlamaForCausalLM", "MistralForCausalLM")
+        .replace("\"torch_dtype\"", "\"sliding_window\": 8, \"torch_dtype\"");
+    let dir = temp_dir("sliding-window");
+    write_checkpoint(&dir, &config, &t, Store::F32, 1);
+    let r = cli_plan_and_run(&dir, "tp=2", "1,15,42,7,3,9", "3", &[]);
+    r.expect_code(0);
+    let (want, _) = reference_generate(&|s| llama_forward(&LLAMA, &t, s), PROMPTS[0], 3);
+    let got: Vec<u32> = serde_json::from_value(r.json()["tokens"].clone()).expect("tokens");
+    assert_eq!(got, want);
+    let r = cli_plan_and_run(&dir, "tp=2", "1,15,42,7,3,9", "4", &[]);
+    r.expect_code(2)
+        .stderr_has(&["sliding_window", "8", "9 tokens"]);
+    // Qwen2 without use_sliding_window ignores the key, as transformers does.
+    let q = LlamaCfg {
+        qkv_bias: true,
+        ..LLAMA
+    };
+    let mut qt = llama_tensors(&q, 25);
+    round_to(Store::F32, &mut qt);
+    let dir = temp_dir("qwen2-window-off");
+    let config = llama_config(&q).replace(
+        "\"torch_dtype\"",
+        "\"sliding_window\": 4, \"use_sliding_window\": false, \"torch_dtype\"",
+    );
+    write_checkpoint(&dir, &config, &qt, Store::F32, 1);
+    cli_plan_and_run(&dir, "dp=1", "1,15,42,7,3,9", "5", &[]).expect_code(0);
+}
+
+#[test]
+fn cli_generation_stops_at_the_checkpoints_eos() {
+    let mut t = llama_tensors(&LLAMA, 26);
+    round_to(Store::F32, &mut t);
+    let (want, _) = reference_generate(&|s| llama_forward(&LLAMA, &t, s), PROMPTS[0], 6);
+    // The end-of-sequence token is the one greedy decoding picks third (one that
+    // did not come before it, so generation ends exactly there).
+    let k = (2..want.len())
+        .find(|&k| !want[..k].contains(&want[k]))
+        .expect("a new token after the second");
+    let eos = want[k];
+    let dir = temp_dir("eos");
+    let config = llama_config(&LLAMA).replace(
+        "\"torch_dtype\"",
+        &format!(
+            "\"eos_token_id\": [{}, {eos}], \"torch_dtype\"",
+            LLAMA.vocab + 5
+        ),
+    );
+    write_checkpoint(&dir, &config, &t, Store::F32, 1);
+    let tokens = |r: &crate::cli::Run| -> Vec<u32> {
+        serde_json::from_value(r.json()["tokens"].clone()).expect("tokens")
+    };
+    let r = cli_plan_and_run(&dir, "pp=2", "1,15,42,7,3,9", "6", &[]);
+    r.expect_code(0);
+    assert_eq!(tokens(&r), want[..=k].to_vec(), "stops after the EOS token");
+    assert_eq!(r.json()["requests"][0]["finish_reason"], "eos");
+    let r = cli_plan_and_run(
+        &dir,
+        "pp=2",
+        "1,15,42,7,3,9",
+        "6",
+        &["--ignore-eos", "--step-logits"],
+    );
+    r.expect_code(0);
+    assert_eq!(tokens(&r), want, "--ignore-eos generates them all");
+    let v = r.json();
+    assert_eq!(v["requests"][0]["finish_reason"], "length");
+    // Every step's logits, each the reference's for that prefix.
+    let steps: Vec<Vec<f32>> =
+        serde_json::from_value(v["requests"][0]["step_logits"].clone()).expect("step_logits");
+    assert_eq!(steps.len(), want.len());
+    for (i, row) in steps.iter().enumerate() {
+        let mut seq = PROMPTS[0].to_vec();
+        seq.extend_from_slice(&want[..i]);
+        let (d, scale) = max_diff(row, &llama_forward(&LLAMA, &t, &seq));
+        assert!(d <= TOL * scale, "step {i}: {d:e}");
+    }
+    assert_eq!(v["logits"], v["requests"][0]["step_logits"][want.len() - 1]);
+    // generation_config.json comes first, as in transformers.
+    std::fs::write(
+        dir.join("generation_config.json"),
+        format!("{{\"eos_token_id\": {}}}", want[1]),
+    )
+    .expect("generation_config.json");
+    let r = cli_plan_and_run(&dir, "pp=2", "1,15,42,7,3,9", "6", &[]);
+    r.expect_code(0);
+    let first = want.iter().position(|&x| x == want[1]).expect("present");
+    assert_eq!(tokens(&r), want[..=first].to_vec());
+}
+
+#[test]
+fn cli_refuses_a_checkpoint_whose_rope_differs_from_the_plan() {
+    // A plan made from one config.json and run with weights whose config.json says
+    // another rotary base or scaling would compute another model.
+    let mut t = llama_tensors(&LLAMA, 27);
+    round_to(Store::F32, &mut t);
+    let dir = temp_dir("rope-mismatch");
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
+    std::fs::write(dir.join("workload.yaml"), WORKLOAD).expect("workload");
+    let (config, wl, plan) = (
+        dir.join("config.json").display().to_string(),
+        dir.join("workload.yaml").display().to_string(),
+        dir.join("plan.json").display().to_string(),
+    );
+    meshplan(&[
+        "plan",
+        &config,
+        "topologies/cpu-test-mesh.yaml",
+        "--workload",
+        &wl,
+        "--config",
+        "dp=1",
+        "-o",
+        &plan,
+    ])
+    .expect_code(0);
+    for (from, to, field) in [
+        (
+            "\"rope_theta\": 10000.0",
+            "\"rope_theta\": 500000.0",
+            "rope_theta",
+        ),
+        (
+            "\"torch_dtype\"",
+            r#""rope_scaling": {"rope_type": "linear", "factor": 2.0}, "torch_dtype""#,
+            "rope_scaling",
+        ),
+        (
+            "\"rms_norm_eps\": 1e-5",
+            "\"rms_norm_eps\": 1e-6",
+            "rms_norm_eps",
+        ),
+    ] {
+        let text = llama_config(&LLAMA);
+        assert!(text.contains(from), "{from} in {text}");
+        std::fs::write(dir.join("config.json"), text.replace(from, to)).expect("config");
+        let dir_s = dir.display().to_string();
+        meshplan(&[
+            "run",
+            &plan,
+            "--weights",
+            &dir_s,
+            "--prompt-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "2",
+        ])
+        .expect_code(2)
+        .stderr_has(&[field, "plan this checkpoint's config.json"]);
+    }
 }

@@ -11,7 +11,7 @@
 
 use super::{range_err, DResult, Device, DeviceError};
 use crate::comm::{CommError, Communicator, Group};
-use meshplan_kernels::cpu::{AttnDims, Transpose};
+use meshplan_kernels::cpu::{AttnDims, Rope, Transpose};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DriverError};
 use meshplan_kernels::cuda::{bf16, Gpu, GpuError};
@@ -225,13 +225,13 @@ impl Device for CudaDevice {
         hkv: usize,
         d: usize,
         width: usize,
-        theta: f32,
+        rope: Rope,
         backward: bool,
         y: &mut CudaSlice<bf16>,
     ) -> DResult<()> {
         Ok(self
             .gpu
-            .rope_qkv(x, positions, rows, hq, hkv, d, width, theta, backward, y)?)
+            .rope_qkv(x, positions, rows, hq, hkv, d, width, rope, backward, y)?)
     }
     fn attention_fwd(
         &self,
@@ -582,7 +582,16 @@ mod tests {
         for backward in [false, true] {
             let mut y = dev.act_zeros(rows * width).unwrap();
             dev.rope_qkv(
-                &x, &positions, rows, dims.hq, dims.hkv, dims.d, width, 10_000.0, backward, &mut y,
+                &x,
+                &positions,
+                rows,
+                dims.hq,
+                dims.hkv,
+                dims.d,
+                width,
+                Rope::plain(10_000.0),
+                backward,
+                &mut y,
             )
             .unwrap();
             act_out(format!("rope_qkv backward={backward}"), &y, BF16);

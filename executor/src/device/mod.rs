@@ -21,7 +21,7 @@
 //! kernels, each of which is tested against its CPU reference.
 
 use crate::comm::{CommError, Communicator, Group};
-use meshplan_kernels::cpu::{self as k, AttnDims, KernelError, Transpose};
+use meshplan_kernels::cpu::{self as k, AttnDims, KernelError, Rope, Transpose};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -182,7 +182,7 @@ pub trait Device: Send + Sync {
         hkv: usize,
         d: usize,
         width: usize,
-        theta: f32,
+        rope: Rope,
         backward: bool,
         y: &mut Self::Act,
     ) -> DResult<()>;
@@ -600,7 +600,7 @@ impl<H: HostPrecision> Device for H {
         hkv: usize,
         d: usize,
         width: usize,
-        theta: f32,
+        rope: Rope,
         backward: bool,
         y: &mut Vec<f32>,
     ) -> DResult<()> {
@@ -611,7 +611,7 @@ impl<H: HostPrecision> Device for H {
             positions,
             rows,
             (hq, hkv, d, width),
-            theta,
+            rope,
             backward,
         )?;
         H::round(y);

@@ -993,7 +993,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let rows = D::act_len(x) / self.attention_dims(att, 1)?.1;
         let (dims, width) = self.attention_dims(att, rows)?;
         let mut y = self.zeros(D::act_len(x))?;
-        let theta = self.graph.constants.rope_theta as f32;
+        let rope = crate::rope_of(&self.graph.constants);
         self.dev
             .rope_qkv(
                 x,
@@ -1003,7 +1003,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 dims.hkv,
                 dims.d,
                 width,
-                theta,
+                rope,
                 backward,
                 &mut y,
             )

@@ -78,7 +78,7 @@ pub use moe::{
     moe_route_fwd,
 };
 pub use norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
-pub use rope::{rope_bwd, rope_fwd};
+pub use rope::{rope_bwd, rope_fwd, Rope};
 
 /// Why a kernel refused its arguments.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -375,9 +375,9 @@ mod threads_tests {
         let xr = rng.vec(tokens * heads * hd);
         let pos: Vec<u32> = (0..tokens as u32).map(|p| p * 7 + 3).collect();
         let mut r = vec![0.0; xr.len()];
-        rope_fwd(&xr, &pos, tokens, heads, hd, 10000.0, &mut r).unwrap();
+        rope_fwd(&xr, &pos, tokens, heads, hd, Rope::plain(10000.0), &mut r).unwrap();
         let mut dr = vec![0.1; xr.len()];
-        rope_bwd(&r, &pos, tokens, heads, hd, 10000.0, &mut dr).unwrap();
+        rope_bwd(&r, &pos, tokens, heads, hd, Rope::plain(10000.0), &mut dr).unwrap();
         out.extend([r, dr]);
 
         let (cr, v) = (13, 50);

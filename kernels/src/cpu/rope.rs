@@ -12,6 +12,51 @@
 
 use super::{check_len, invalid, par_rows, prod, KernelError};
 
+/// RoPE's frequencies: the base `theta` and a scaling in wavelength form. A pair's
+/// frequency `f = theta^(-2i/d)` has wavelength `wl = 2 pi / f`; below
+/// `high_wavelength` it is kept, above `low_wavelength` divided by `factor`, and
+/// between them blended as Llama 3.1 does: `(1 - s) f / factor + s f` with
+/// `s = (1/wl - 1/low) / (1/high - 1/low)`. Linear scaling is `(factor, 0, 0)` and
+/// none `(1, 0, 0)`, so one formula serves every kind here and in the GPU kernels.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rope {
+    /// Base (10000 in Llama 2, 500000 in Llama 3).
+    pub theta: f32,
+    /// Divisor of the scaled (long-wavelength) frequencies.
+    pub factor: f32,
+    /// Wavelengths above it are divided by `factor`.
+    pub low_wavelength: f32,
+    /// Wavelengths below it are kept.
+    pub high_wavelength: f32,
+}
+
+impl Rope {
+    /// Unscaled frequencies of base `theta`.
+    pub const fn plain(theta: f32) -> Rope {
+        Rope {
+            theta,
+            factor: 1.0,
+            low_wavelength: 0.0,
+            high_wavelength: 0.0,
+        }
+    }
+
+    /// The frequency of pair `i` of a `head_dim`-wide head, in f64.
+    pub fn freq(&self, i: usize, head_dim: usize) -> f64 {
+        let f = (self.theta as f64).powf(-2.0 * i as f64 / head_dim as f64);
+        let (low, high) = (self.low_wavelength as f64, self.high_wavelength as f64);
+        let wl = 2.0 * std::f64::consts::PI / f;
+        if wl < high {
+            f
+        } else if wl > low {
+            f / self.factor as f64
+        } else {
+            let s = (1.0 / wl - 1.0 / low) / (1.0 / high - 1.0 / low);
+            (1.0 - s) * f / self.factor as f64 + s * f
+        }
+    }
+}
+
 fn check(
     x_len: usize,
     out_len: usize,
@@ -36,7 +81,7 @@ fn rotate(
     positions: &[u32],
     heads: usize,
     head_dim: usize,
-    theta: f32,
+    rope: Rope,
     sign: f64,
     accumulate: bool,
     out: &mut [f32],
@@ -44,9 +89,7 @@ fn rotate(
     let half = head_dim / 2;
     let tok_len = heads * head_dim;
     // The frequencies depend only on the pair index: computed once per call.
-    let freqs: Vec<f64> = (0..half)
-        .map(|i| (theta as f64).powf(-2.0 * i as f64 / head_dim as f64))
-        .collect();
+    let freqs: Vec<f64> = (0..half).map(|i| rope.freq(i, head_dim)).collect();
     // The rotations depend only on the position, and a batch repeats its
     // positions in every sequence: one (cos, sin) row per distinct position.
     let mut distinct = positions.to_vec();
@@ -88,19 +131,18 @@ fn rotate(
 }
 
 /// RoPE forward on `x [tokens, heads, head_dim]` with `positions [tokens]`,
-/// writing `out` (same shape). `head_dim` must be even; `theta` is the base
-/// (10000 in Llama 2, 500000 in Llama 3).
+/// writing `out` (same shape). `head_dim` must be even.
 pub fn rope_fwd(
     x: &[f32],
     positions: &[u32],
     tokens: usize,
     heads: usize,
     head_dim: usize,
-    theta: f32,
+    rope: Rope,
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     check(x.len(), out.len(), positions, tokens, heads, head_dim)?;
-    rotate(x, positions, heads, head_dim, theta, 1.0, false, out);
+    rotate(x, positions, heads, head_dim, rope, 1.0, false, out);
     Ok(())
 }
 
@@ -111,11 +153,11 @@ pub fn rope_bwd(
     tokens: usize,
     heads: usize,
     head_dim: usize,
-    theta: f32,
+    rope: Rope,
     dx: &mut [f32],
 ) -> Result<(), KernelError> {
     check(d_out.len(), dx.len(), positions, tokens, heads, head_dim)?;
-    rotate(d_out, positions, heads, head_dim, theta, -1.0, true, dx);
+    rotate(d_out, positions, heads, head_dim, rope, -1.0, true, dx);
     Ok(())
 }
 
@@ -129,14 +171,14 @@ mod tests {
         // head_dim 4: pairs (0,2) with freq 1 and (1,3) with freq theta^-0.5 = 0.01
         let x = [1.0, 1.0, 0.0, 0.0];
         let mut out = [0.0; 4];
-        rope_fwd(&x, &[2], 1, 1, 4, 10000.0, &mut out).unwrap();
+        rope_fwd(&x, &[2], 1, 1, 4, Rope::plain(10000.0), &mut out).unwrap();
         let (a0, a1) = (2.0f64, 0.02f64);
         let expect = [a0.cos(), a1.cos(), a0.sin(), a1.sin()];
         for (o, e) in out.iter().zip(expect) {
             assert!((*o as f64 - e).abs() < 1e-6, "{o} vs {e}");
         }
         // position 0 is the identity
-        rope_fwd(&x, &[0], 1, 1, 4, 10000.0, &mut out).unwrap();
+        rope_fwd(&x, &[0], 1, 1, 4, Rope::plain(10000.0), &mut out).unwrap();
         assert_eq!(out, x);
     }
 
@@ -149,8 +191,8 @@ mod tests {
         let k = rng.vec(heads * hd);
         let dotp = |pq: u32, pk: u32| {
             let (mut a, mut b) = (vec![0.0; heads * hd], vec![0.0; heads * hd]);
-            rope_fwd(&q, &[pq], 1, heads, hd, 10000.0, &mut a).unwrap();
-            rope_fwd(&k, &[pk], 1, heads, hd, 10000.0, &mut b).unwrap();
+            rope_fwd(&q, &[pq], 1, heads, hd, Rope::plain(10000.0), &mut a).unwrap();
+            rope_fwd(&k, &[pk], 1, heads, hd, Rope::plain(10000.0), &mut b).unwrap();
             dot64(&a, &b)
         };
         assert!((dotp(5, 2) - dotp(105, 102)).abs() < 1e-5);
@@ -159,10 +201,19 @@ mod tests {
         let x = rng.vec(tokens * heads * hd);
         let pos: Vec<u32> = (0..tokens as u32).collect();
         let mut full = vec![0.0; x.len()];
-        rope_fwd(&x, &pos, tokens, heads, hd, 10000.0, &mut full).unwrap();
+        rope_fwd(&x, &pos, tokens, heads, hd, Rope::plain(10000.0), &mut full).unwrap();
         let n = heads * hd;
         let mut part = vec![0.0; 3 * n];
-        rope_fwd(&x[3 * n..], &pos[3..], 3, heads, hd, 10000.0, &mut part).unwrap();
+        rope_fwd(
+            &x[3 * n..],
+            &pos[3..],
+            3,
+            heads,
+            hd,
+            Rope::plain(10000.0),
+            &mut part,
+        )
+        .unwrap();
         assert_eq!(&full[3 * n..], &part[..]);
     }
 
@@ -174,33 +225,81 @@ mod tests {
         let pos = [7u32, 0, 1234];
         let dy = rng.vec(x.len());
         let mut dx = vec![0.0; x.len()];
-        rope_bwd(&dy, &pos, tokens, heads, hd, 500000.0, &mut dx).unwrap();
+        rope_bwd(&dy, &pos, tokens, heads, hd, Rope::plain(500000.0), &mut dx).unwrap();
         let n = numeric_grad(&x, 2e-3, |x| {
             let mut y = vec![0.0; x.len()];
-            rope_fwd(x, &pos, tokens, heads, hd, 500000.0, &mut y).unwrap();
+            rope_fwd(x, &pos, tokens, heads, hd, Rope::plain(500000.0), &mut y).unwrap();
             dot64(&dy, &y)
         });
         assert_grad_close("rope dx", &dx, &n, 1e-2, 2e-3);
         // bwd(fwd(x)) == x since the rotation is orthogonal
         let mut y = vec![0.0; x.len()];
-        rope_fwd(&x, &pos, tokens, heads, hd, 500000.0, &mut y).unwrap();
+        rope_fwd(&x, &pos, tokens, heads, hd, Rope::plain(500000.0), &mut y).unwrap();
         let mut back = vec![0.0; x.len()];
-        rope_bwd(&y, &pos, tokens, heads, hd, 500000.0, &mut back).unwrap();
+        rope_bwd(
+            &y,
+            &pos,
+            tokens,
+            heads,
+            hd,
+            Rope::plain(500000.0),
+            &mut back,
+        )
+        .unwrap();
         for (a, b) in back.iter().zip(&x) {
             assert!((a - b).abs() < 1e-6);
         }
     }
 
     #[test]
+    fn llama3_scaling_by_hand() {
+        // Llama 3.1: theta 500000, factor 8, low/high_freq_factor 1/4, 8192 original
+        // positions: wavelengths below 8192/4 = 2048 kept, above 8192 divided by 8.
+        let rope = Rope {
+            theta: 500000.0,
+            factor: 8.0,
+            low_wavelength: 8192.0,
+            high_wavelength: 2048.0,
+        };
+        // Pair 0: frequency 1, wavelength 2 pi: kept.
+        assert_eq!(rope.freq(0, 128), 1.0);
+        // Pair 63: 500000^(-126/128) = 2.455140791e-6, wavelength 2.56e6: divided by 8.
+        let f63 = rope.freq(63, 128);
+        assert!((f63 / 3.068925988914511e-7 - 1.0).abs() < 1e-12, "{f63}");
+        // Pair 32: 500000^-0.5 = 1.414213562e-3, wavelength 4442.88, between the two:
+        // s = (8192 / 4442.88 - 1) / (4 - 1) = 0.2812826, (1 - s) f / 8 + s f = 5.248462e-4.
+        let f32_ = rope.freq(32, 128);
+        assert!((f32_ / 5.248461609929547e-4 - 1.0).abs() < 1e-12, "{f32_}");
+        // Linear scaling divides every frequency; none keeps them.
+        let linear = Rope {
+            factor: 4.0,
+            ..Rope::plain(10000.0)
+        };
+        for i in [0, 5, 31] {
+            let plain = Rope::plain(10000.0).freq(i, 64);
+            assert_eq!(plain, 10000f64.powf(-2.0 * i as f64 / 64.0));
+            assert!((linear.freq(i, 64) - plain / 4.0).abs() < 1e-18);
+        }
+        // The rotation uses the scaled frequency: position 1000 of pair 63.
+        let mut x = vec![0.0f32; 128];
+        x[63] = 1.0;
+        let mut out = vec![0.0f32; 128];
+        rope_fwd(&x, &[1000], 1, 1, 128, rope, &mut out).unwrap();
+        let ang = 1000.0 * 3.068925988914511e-7f64;
+        assert!((out[63] as f64 - ang.cos()).abs() < 1e-7);
+        assert!((out[127] as f64 - ang.sin()).abs() < 1e-7);
+    }
+
+    #[test]
     fn odd_head_dim_and_bad_lengths_rejected() {
         let mut out = [0.0; 3];
         assert!(matches!(
-            rope_fwd(&[0.0; 3], &[0], 1, 1, 3, 1e4, &mut out),
+            rope_fwd(&[0.0; 3], &[0], 1, 1, 3, Rope::plain(1e4), &mut out),
             Err(KernelError::Invalid {
                 name: "head_dim",
                 ..
             })
         ));
-        assert!(rope_fwd(&[0.0; 4], &[0, 1], 1, 1, 4, 1e4, &mut [0.0; 4]).is_err());
+        assert!(rope_fwd(&[0.0; 4], &[0, 1], 1, 1, 4, Rope::plain(1e4), &mut [0.0; 4]).is_err());
     }
 }

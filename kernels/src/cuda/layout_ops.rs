@@ -10,7 +10,7 @@
 use super::gpu::{Gpu, GpuError};
 use super::ops::{int, launch, long, per_row, ROW_THREADS};
 use super::KernelModule as M;
-use crate::cpu::{check_len, invalid, prod, AttnDims, KernelError};
+use crate::cpu::{check_len, invalid, prod, AttnDims, KernelError, Rope};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 
@@ -163,7 +163,7 @@ impl Gpu {
         hkv: usize,
         d: usize,
         width: usize,
-        theta: f32,
+        rope: Rope,
         backward: bool,
         y: &mut CudaSlice<bf16>,
     ) -> Result<(), GpuError> {
@@ -197,7 +197,19 @@ impl Gpu {
             self,
             f,
             per_row(rows, threads, 0),
-            [x, positions, &h, &hd, &w, &theta, &sign, y]
+            [
+                x,
+                positions,
+                &h,
+                &hd,
+                &w,
+                &rope.theta,
+                &rope.factor,
+                &rope.low_wavelength,
+                &rope.high_wavelength,
+                &sign,
+                y
+            ]
         )
     }
 

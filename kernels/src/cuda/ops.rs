@@ -13,7 +13,7 @@
 
 use super::gpu::{Gpu, GpuError};
 use super::KernelModule as M;
-use crate::cpu::{check_len, invalid, prod, AttnDims, KernelError};
+use crate::cpu::{check_len, invalid, prod, AttnDims, KernelError, Rope};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 use half::bf16;
 
@@ -325,10 +325,10 @@ impl Gpu {
         tokens: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: Rope,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), GpuError> {
-        self.rope(x, positions, tokens, heads, head_dim, theta, false, out)
+        self.rope(x, positions, tokens, heads, head_dim, rope, false, out)
     }
 
     /// [`crate::cpu::rope_bwd`]: `dx += R(-angle) d_out`.
@@ -339,10 +339,10 @@ impl Gpu {
         tokens: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: Rope,
         dx: &mut CudaSlice<bf16>,
     ) -> Result<(), GpuError> {
-        self.rope(d_out, positions, tokens, heads, head_dim, theta, true, dx)
+        self.rope(d_out, positions, tokens, heads, head_dim, rope, true, dx)
     }
 
     fn rope(
@@ -352,7 +352,7 @@ impl Gpu {
         tokens: usize,
         heads: usize,
         head_dim: usize,
-        theta: f32,
+        rope: Rope,
         backward: bool,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), GpuError> {
@@ -382,7 +382,20 @@ impl Gpu {
             self,
             f,
             per_row(tokens, threads, 0),
-            [x, positions, &t, &h, &hd, &theta, &sign, &acc, out]
+            [
+                x,
+                positions,
+                &t,
+                &h,
+                &hd,
+                &rope.theta,
+                &rope.factor,
+                &rope.low_wavelength,
+                &rope.high_wavelength,
+                &sign,
+                &acc,
+                out
+            ]
         )
     }
 

@@ -426,7 +426,7 @@ fn gpu_rope_matches_cpu() {
     };
     let dev = Dev { gpu: &gpu };
     let mut rng = Rng::new(104);
-    let (tokens, heads, hd, theta) = (19, 4, 64, 500_000.0);
+    let (tokens, heads, hd, theta) = (19, 4, 64, cpu::Rope::plain(500_000.0));
     let x = round_bf16(&rng.vec(tokens * heads * hd));
     let pos: Vec<u32> = (0..tokens as u32).map(|t| t * 977 + 3).collect();
     let mut want = vec![0.0; x.len()];
@@ -940,7 +940,7 @@ fn gpu_layout_kernels_match_host() {
     }
 
     // RoPE on fused rows: the CPU rope on the query and key parts, values copied.
-    let (rows, hq, hkv, d, theta) = (11, 4, 2, 64, 500_000.0);
+    let (rows, hq, hkv, d, theta) = (11, 4, 2, 64, cpu::Rope::plain(500_000.0));
     let width = (hq + hkv) * d + hkv * 24;
     let x = round_bf16(&rng.vec(rows * width));
     let pos: Vec<u32> = (0..rows as u32).map(|r| r * 977 + 3).collect();
@@ -1065,7 +1065,7 @@ fn gpu_rejects_bad_sizes_without_launching() {
         1,
         1,
         3,
-        1e4,
+        cpu::Rope::plain(1e4),
         &mut dev.b(&[0.0; 3]),
     );
     assert!(matches!(e, Err(GpuError::Args(_))));
@@ -1078,7 +1078,7 @@ fn gpu_rejects_bad_sizes_without_launching() {
         1,
         4,
         8,
-        1e4,
+        cpu::Rope::plain(1e4),
         false,
         &mut dev.b(&[0.0; 8]),
     );
