@@ -8,7 +8,10 @@
 #     the GPU kernel tests skip and say why (run with REQUIRE_GPU=1 on a GPU machine);
 #  3. `run --backend cuda` of a `--features cuda` binary exits 1 naming what is
 #     missing, without a panic;
-#  4. clippy on every target with `--features cuda`, warnings denied.
+#  4. clippy on every target with `--features cuda`, warnings denied;
+#  5. the Python suites, each in a pinned virtual environment cached outside the
+#     clone (scripts/pyvenv.sh): Hugging Face fidelity against transformers
+#     (tests/python/hf).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,6 +29,10 @@ step() {
 
 step "CPU suite"
 cargo test --workspace --release
+
+step "Hugging Face fidelity: meshplan run against transformers' generate (tests/python/hf)"
+cargo build --release
+tests/python/hf/run.sh
 
 step "NVRTC wheel ($NVRTC_WHEEL) in $NVRTC_DIR"
 stamp="$NVRTC_DIR/.installed-${NVRTC_WHEEL//[^A-Za-z0-9.]/_}"
