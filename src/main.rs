@@ -26,6 +26,7 @@ mod generate;
 mod launch;
 mod log;
 mod plan;
+mod report;
 mod run;
 
 #[derive(Parser)]
@@ -122,6 +123,9 @@ enum Command {
         /// Also write the predicted schedule as a Chrome trace (Perfetto, chrome://tracing).
         #[arg(long)]
         trace: Option<PathBuf>,
+        /// Also write the plan as one self-contained HTML page (`meshplan report`).
+        #[arg(long, value_name = "FILE")]
+        report: Option<PathBuf>,
         #[command(flatten)]
         workload: WorkloadFlags,
         /// One JSON object on stdout.
@@ -167,6 +171,10 @@ enum Command {
         /// Write the figure as PNG instead of SVG.
         #[arg(long, requires = "figures")]
         png: bool,
+        /// Also write one self-contained HTML page: the planner's best plan and the
+        /// comparison.
+        #[arg(long, value_name = "FILE")]
+        report: Option<PathBuf>,
         #[command(flatten)]
         workload: WorkloadFlags,
         /// One JSON object on stdout.
@@ -226,6 +234,15 @@ enum Command {
         json: bool,
         #[command(flatten)]
         generate: generate::GenerateFlags,
+    },
+    /// One self-contained HTML page of a plan: summary, schedule, memory, mesh, its
+    /// neighbours compared and explained, calibration.
+    Report {
+        /// A plan written by `meshplan plan`.
+        plan: PathBuf,
+        /// Where to write the page.
+        #[arg(short = 'o', long = "output", default_value = "report.html")]
+        output: PathBuf,
     },
     /// Write a plan as a framework's arguments or config file.
     Export {
@@ -412,6 +429,7 @@ fn main() -> ExitCode {
             export::export(&plan, to.as_deref(), output.as_deref())
         }
         Command::Explain { plan, top, json } => explain::explain(&plan, top, json),
+        Command::Report { plan, output } => report::report(&plan, &output, "-o"),
         Command::Inspect {
             model,
             workload,
@@ -483,12 +501,14 @@ fn main() -> ExitCode {
             figures,
             png,
             trace,
+            report: html,
             workload,
             json,
-        } => plan::plan(&plan::PlanArgs {
+        } => report::check(html.as_deref())
+            .and_then(|()| plan::plan(&plan::PlanArgs {
             model,
             cluster,
-            output,
+            output: output.clone(),
             nodes,
             calibration,
             config,
@@ -501,7 +521,8 @@ fn main() -> ExitCode {
             trace,
             workload: workload.overrides(),
             json,
-        }),
+        }))
+            .and_then(|()| html.map_or(Ok(()), |h| report::report(&output, &h, "--report"))),
         Command::Draw {
             plan,
             output,
@@ -553,9 +574,10 @@ fn main() -> ExitCode {
             calibration,
             figures,
             png,
+            report: html,
             workload,
             json,
-        } => plan::compare(&plan::CompareArgs {
+        } => report::check(html.as_deref()).and_then(|()| plan::compare(&plan::CompareArgs {
             model: &model,
             cluster: &cluster,
             configs: &configs,
@@ -566,7 +588,8 @@ fn main() -> ExitCode {
             json,
             figures: figures.as_deref(),
             png,
-        }),
+            report: html.as_deref(),
+        })),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -615,6 +638,7 @@ fn inspect(model: &Path, wf: &WorkloadFlags, json: bool) -> Result<(), Failure> 
     if json {
         print_json(&serde_json::json!({
             "name": spec.name,
+            "dtype": spec.dtype,
             "params_total": pg.params_total,
             "params_active": pg.params_active,
             "flops_per_token_forward": fwd,
@@ -638,7 +662,6 @@ fn inspect(model: &Path, wf: &WorkloadFlags, json: bool) -> Result<(), Failure> 
     }
     Ok(())
 }
-            "dtype": spec.dtype,
 
 /// A cluster file with its calibration overlay (`--calibration` wins over the one
 /// the file names); says on stderr which measurements price the run.

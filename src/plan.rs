@@ -628,6 +628,8 @@ pub(crate) struct CompareArgs<'a> {
     pub json: bool,
     pub figures: Option<&'a Path>,
     pub png: bool,
+    /// `--report FILE`: the planner's best plan and the rows as one HTML page.
+    pub report: Option<&'a Path>,
 }
 
 /// `meshplan compare`.
@@ -643,6 +645,7 @@ pub(crate) fn compare(a: &CompareArgs<'_>) -> Result<(), Failure> {
         json,
         figures,
         png,
+        report: html,
     } = *a;
     if let Some(d) = figures {
         crate::draw::check_dir("--figures", d)?;
@@ -704,6 +707,13 @@ pub(crate) fn compare(a: &CompareArgs<'_>) -> Result<(), Failure> {
         hand.push((name, text, r));
     }
     let rows = compare::rows(&best.estimate, best.layer_split.as_deref(), &hand);
+    if let Some(path) = html {
+        let (spec, g, pg, c, w) = (&inp.spec, &inp.graph, &inp.pg, &inp.cluster, &inp.workload);
+        let mut plan = plan_of(&spec.name, g, pg, c, w, best, &report)
+            .map_err(|message| Failure { code: 1, message })?;
+        plan.model.transformer = spec.transformer().cloned();
+        crate::report::compare_report(path, &plan, &rows)?;
+    }
     if let Some(dir) = figures {
         let inference = best.estimate.tpot_s.is_some();
         let bars: Vec<CompareBar> = rows

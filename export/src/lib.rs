@@ -1,5 +1,5 @@
 //! A plan as a framework's own configuration: Megatron-LM arguments, a torchtitan
-//! TOML, a DeepSpeed JSON, SGLang and vLLM server flags.
+//! TOML (0.2) or command line (0.3), a DeepSpeed JSON, SGLang and vLLM server flags.
 //!
 //! Exporters read only the [`Plan`]. Each one either writes everything the plan
 //! chose in the framework's spelling, or refuses with [`CannotExpress`], naming
@@ -23,8 +23,10 @@ mod vllm;
 pub enum Target {
     /// Megatron-LM `pretrain_gpt.py` arguments.
     Megatron,
-    /// torchtitan TOML job config.
+    /// torchtitan TOML job config (torchtitan 0.2 and earlier).
     Torchtitan,
+    /// torchtitan command-line overrides (torchtitan 0.3, which reads no TOML).
+    TorchtitanCli,
     /// DeepSpeed JSON config (ZeRO data parallelism).
     Deepspeed,
     /// SGLang `launch_server` flags.
@@ -35,9 +37,10 @@ pub enum Target {
 
 impl Target {
     /// Every target, in the order the CLI lists them.
-    pub const ALL: [Target; 5] = [
+    pub const ALL: [Target; 6] = [
         Target::Megatron,
         Target::Torchtitan,
+        Target::TorchtitanCli,
         Target::Deepspeed,
         Target::Sglang,
         Target::Vllm,
@@ -48,6 +51,7 @@ impl Target {
         match self {
             Target::Megatron => "megatron",
             Target::Torchtitan => "torchtitan",
+            Target::TorchtitanCli => "torchtitan-cli",
             Target::Deepspeed => "deepspeed",
             Target::Sglang => "sglang",
             Target::Vllm => "vllm",
@@ -62,7 +66,7 @@ impl Target {
     fn trains(self) -> bool {
         matches!(
             self,
-            Target::Megatron | Target::Torchtitan | Target::Deepspeed
+            Target::Megatron | Target::Torchtitan | Target::TorchtitanCli | Target::Deepspeed
         )
     }
 }
@@ -112,7 +116,7 @@ pub fn export(plan: &Plan, target: Target) -> Result<String, CannotExpress> {
     r.check()?;
     match target {
         Target::Megatron => megatron::export(plan),
-        Target::Torchtitan => torchtitan::export(plan),
+        Target::Torchtitan | Target::TorchtitanCli => torchtitan::export(plan, target),
         Target::Deepspeed => deepspeed::export(plan),
         Target::Sglang => sglang::export(plan),
         Target::Vllm => vllm::export(plan),
@@ -241,6 +245,11 @@ impl ArgList {
 
     fn flag(&mut self, name: &str) {
         self.args.push((name.to_string(), None));
+    }
+
+    /// A bare word (a subcommand), on its own line.
+    fn word(&mut self, word: &str) {
+        self.args.push((word.to_string(), None));
     }
 
     fn opt(&mut self, name: &str, value: impl fmt::Display) {

@@ -74,10 +74,41 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
     };
 
     let mut a = ArgList::new(plan, Target::Megatron);
+    let fsdp = c.zero >= 2;
+    // validate_args: tensor or context parallelism on GPUs before Blackwell needs
+    // CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue keeps the communication
+    // kernels in launch order); Megatron-FSDP needs it unset or above 1, and
+    // only warns next to tensor or context parallelism.
+    let env = if fsdp {
+        a.comment(
+            "Megatron-FSDP: leave CUDA_DEVICE_MAX_CONNECTIONS unset (validate_args refuses 1)",
+        );
+        ""
+    } else if c.tp > 1 || c.cp > 1 {
+        a.comment("tensor or context parallelism: Megatron-LM's validate_args requires CUDA_DEVICE_MAX_CONNECTIONS=1 on GPUs before Blackwell");
+        "CUDA_DEVICE_MAX_CONNECTIONS=1 "
+    } else {
+        ""
+    };
+    let nodes = plan.cluster.nodes;
+    let rendezvous = if nodes > 1 {
+        // The same command on every node, each with its own NODE_RANK (0..nodes-1)
+        // and node 0's address as MASTER_ADDR.
+        " --node-rank $NODE_RANK --master-addr $MASTER_ADDR --master-port ${MASTER_PORT:-6000}"
+            .to_string()
+    } else {
+        String::new()
+    };
     a.comment(format!(
-        "torchrun --nnodes {} --nproc-per-node {} pretrain_gpt.py $(grep -v '^#' THIS_FILE) plus data, tokenizer, optimizer and checkpoint arguments",
-        plan.cluster.nodes, plan.cluster.gpus_per_node
+        "{env}torchrun --nnodes {nodes}{rendezvous} --nproc-per-node {} pretrain_gpt.py $(grep -v '^#' THIS_FILE) plus data, tokenizer, optimizer and checkpoint arguments",
+        plan.cluster.gpus_per_node
     ));
+    if nodes > 1 {
+        a.comment(format!(
+            "on each node: NODE_RANK = 0..{} and MASTER_ADDR = node 0's address, the same on every node",
+            nodes - 1
+        ));
+    }
     // Parallelism.
     a.opt("--tensor-model-parallel-size", c.tp);
     a.opt("--pipeline-model-parallel-size", c.pp);
@@ -110,7 +141,7 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
     if c.zero >= 1 {
         a.flag("--use-distributed-optimizer");
     }
-    if c.zero >= 2 {
+    if fsdp {
         a.flag("--use-megatron-fsdp");
         a.opt(
             "--data-parallel-sharding-strategy",
@@ -120,6 +151,8 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
                 "optim_grads_params"
             },
         );
+        // Megatron-FSDP saves only this format (validate_args).
+        a.opt("--ckpt-format", "fsdp_dtensor");
     }
     // Batch.
     a.opt("--micro-batch-size", c.mbs);

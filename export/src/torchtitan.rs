@@ -1,14 +1,21 @@
-//! torchtitan's TOML job config (`[training]`, `[parallelism]`,
-//! `[activation_checkpoint]`): FSDP or DDP for the data axis, TP (always with
+//! torchtitan's job config: FSDP or DDP for the data axis, TP (always with
 //! sequence parallelism), PP with PyTorch's schedule names, CP, EP.
+//!
+//! Two spellings: the TOML file (`[training]`, `[parallelism]`,
+//! `[activation_checkpoint]`) that torchtitan up to 0.2 reads with
+//! `--job.config_file`, and the command-line overrides torchtitan 0.3 takes after
+//! `--module M --config C` (it reads no TOML: a config is a Python function of its
+//! `config_registry`, and `--section.key value` flags override its fields).
 
-use crate::{batch_refusal, even_split, gib, predicted, provenance, train_shape, Refusals, Target};
+use crate::{
+    batch_refusal, even_split, gib, predicted, provenance, train_shape, ArgList, Refusals, Target,
+};
 use meshplan_ir::plan::Plan;
 use meshplan_ir::{DType, Recompute, Schedule};
 use std::fmt::Write;
 
-pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
-    let mut r = Refusals::new(Target::Torchtitan);
+pub(crate) fn export(plan: &Plan, target: Target) -> Result<String, crate::CannotExpress> {
+    let mut r = Refusals::new(target);
     let c = &plan.strategy;
     let (seq, global_batch) = train_shape(plan);
     let layers = plan.model.layers;
@@ -54,6 +61,9 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
         )),
     }
     r.check()?;
+    if target == Target::TorchtitanCli {
+        return Ok(cli(plan, global_batch, seq, local));
+    }
 
     let mut s = String::new();
     let _ = writeln!(s, "# {}", provenance(plan, Target::Torchtitan));
@@ -93,11 +103,7 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
     }
     let _ = writeln!(s, "pipeline_parallel_degree = {}", c.pp);
     if c.pp > 1 {
-        let schedule = match c.schedule {
-            Schedule::Gpipe => "GPipe",
-            Schedule::OneFOneB => "1F1B",
-            Schedule::Interleaved => "Interleaved1F1B",
-        };
+        let schedule = schedule_name(c.schedule);
         let _ = writeln!(s, "pipeline_parallel_schedule = \"{schedule}\"");
         let _ = writeln!(
             s,
@@ -133,4 +139,90 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
         let _ = writeln!(s, "enable = true");
     }
     Ok(s)
+}
+
+/// torchtitan 0.3's command-line overrides: every field the plan decides, set
+/// explicitly (a config function's own defaults, e.g. tensor_parallel_degree = 8 in
+/// `llama3_70b`, must not survive), and the activation-checkpointing mode as the
+/// `activation_checkpoint:MODE` subcommand, last.
+fn cli(plan: &Plan, global_batch: u64, seq: u64, local: u64) -> String {
+    let c = &plan.strategy;
+    let layers = plan.model.layers;
+    let mut a = ArgList::new(plan, Target::TorchtitanCli);
+    a.comment(format!(
+        "torchrun --nnodes {} --nproc-per-node {} -m torchtitan.train --module MODULE --config CONFIG $(grep -v '^#' THIS_FILE)",
+        plan.cluster.nodes, plan.cluster.gpus_per_node
+    ));
+    a.comment(format!(
+        "torchtitan 0.3: MODULE and CONFIG name the config_registry function for {} (e.g. --module llama3 --config llama3_8b); these flags override its fields",
+        plan.model.name
+    ));
+    let local_batch = if c.pp > 1 { local } else { c.mbs };
+    a.opt("--training.local_batch_size", local_batch);
+    a.opt("--training.global_batch_size", global_batch);
+    a.opt("--training.seq_len", seq);
+    a.opt(
+        "--training.mixed_precision_param",
+        if plan.model.dtype == DType::Bf16 {
+            "bfloat16"
+        } else {
+            "float32"
+        },
+    );
+    if c.pp > 1 || c.ep > 1 {
+        // torchtitan 0.3 validates that CUDA graphs (its default) are off under
+        // pipeline parallelism and under expert parallelism with a token
+        // dispatcher that synchronizes with the CPU (the default ones do).
+        a.flag("--training.disable_cuda_graphs");
+    }
+    let (replicate, shard) = if c.zero >= 2 { (1, c.dp) } else { (c.dp, 1) };
+    a.opt("--parallelism.data_parallel_replicate_degree", replicate);
+    a.opt("--parallelism.data_parallel_shard_degree", shard);
+    if c.zero >= 2 {
+        let policy = if c.zero == 2 { "never" } else { "always" };
+        a.opt("--parallelism.fsdp_reshard_after_forward", policy);
+    }
+    a.opt("--parallelism.tensor_parallel_degree", c.tp);
+    if c.tp > 1 {
+        a.flag("--parallelism.enable_sequence_parallel");
+    }
+    a.opt("--parallelism.pipeline_parallel_degree", c.pp);
+    if c.pp > 1 {
+        a.opt(
+            "--parallelism.pipeline_parallel_schedule",
+            schedule_name(c.schedule),
+        );
+        a.opt(
+            "--parallelism.pipeline_parallel_layers_per_stage",
+            layers / (c.pp * c.vpp),
+        );
+        a.opt("--parallelism.pipeline_parallel_first_stage_less_layers", 0);
+        a.opt("--parallelism.pipeline_parallel_last_stage_less_layers", 0);
+        a.opt("--parallelism.pipeline_parallel_microbatch_size", c.mbs);
+    }
+    a.opt("--parallelism.context_parallel_degree", c.cp);
+    a.opt("--parallelism.expert_parallel_degree", c.ep);
+    if c.tp_overlap {
+        // Async tensor parallelism is a compiler pass over the model.
+        a.flag("--compile.enable");
+        a.opt("--compile.components", "model,loss");
+        a.flag("--compile.enable_async_tensor_parallel");
+    } else {
+        a.flag("--compile.no-enable-async-tensor-parallel");
+    }
+    // A subcommand, not an option: the last word on the line.
+    a.word(match c.recompute {
+        Recompute::None => "activation_checkpoint:none",
+        Recompute::Selective => "activation_checkpoint:selective",
+        Recompute::Full => "activation_checkpoint:full",
+    });
+    a.render()
+}
+
+fn schedule_name(s: Schedule) -> &'static str {
+    match s {
+        Schedule::Gpipe => "GPipe",
+        Schedule::OneFOneB => "1F1B",
+        Schedule::Interleaved => "Interleaved1F1B",
+    }
 }

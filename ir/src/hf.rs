@@ -692,46 +692,43 @@ impl<'a> Config<'a> {
                 );
             }
         }
-        match model_type {
-            "gpt2" => {
-                let act = self.opt_str("activation_function")?.unwrap_or("gelu_new");
-                // transformers' tanh-approximation spellings, one formula.
-                let tanh = [
-                    "gelu_new",
-                    "gelu_pytorch_tanh",
-                    "gelu_fast",
-                    "gelu_accurate",
-                    "gelu_python_tanh",
-                ];
-                if !tanh.contains(&act) {
-                    refuse(
+        if model_type == "gpt2" {
+            let act = self.opt_str("activation_function")?.unwrap_or("gelu_new");
+            // transformers' tanh-approximation spellings, one formula.
+            let tanh = [
+                "gelu_new",
+                "gelu_pytorch_tanh",
+                "gelu_fast",
+                "gelu_accurate",
+                "gelu_python_tanh",
+            ];
+            if !tanh.contains(&act) {
+                refuse(
                         "activation_function",
                         format!(
                             "`{}` is not implemented; the executor's GELU is the tanh approximation (gelu_new, gelu_pytorch_tanh, gelu_fast, gelu_accurate, gelu_python_tanh)",
                             truncate(act)
                         ),
                     );
-                }
-                if !self.bool_or("scale_attn_weights", true)? {
-                    refuse(
-                        "scale_attn_weights",
-                        "false (unscaled attention scores) is not implemented".into(),
-                    );
-                }
-                if self.bool_or("scale_attn_by_inverse_layer_idx", false)? {
-                    refuse(
-                        "scale_attn_by_inverse_layer_idx",
-                        "true (scores divided by the layer number) is not implemented".into(),
-                    );
-                }
-                if self.bool_or("add_cross_attention", false)? {
-                    refuse(
-                        "add_cross_attention",
-                        "true (cross-attention blocks) is not implemented".into(),
-                    );
-                }
             }
-            _ => {}
+            if !self.bool_or("scale_attn_weights", true)? {
+                refuse(
+                    "scale_attn_weights",
+                    "false (unscaled attention scores) is not implemented".into(),
+                );
+            }
+            if self.bool_or("scale_attn_by_inverse_layer_idx", false)? {
+                refuse(
+                    "scale_attn_by_inverse_layer_idx",
+                    "true (scores divided by the layer number) is not implemented".into(),
+                );
+            }
+            if self.bool_or("add_cross_attention", false)? {
+                refuse(
+                    "add_cross_attention",
+                    "true (cross-attention blocks) is not implemented".into(),
+                );
+            }
         }
         Ok(out)
     }
@@ -1387,8 +1384,12 @@ mod tests {
         assert_eq!(fields(DEEPSEEK_V3), ["rope_scaling.type"]);
         let bias =
             LLAMA3_8B_TF4.replace("\"vocab_size\"", "\"attention_bias\": true, \"vocab_size\"");
-        assert_eq!(fields(&bias), ["attention_bias"]);
-        assert!(transformer(&bias).qkv_bias);
+        // Llama's attention_bias and mlp_bias run: biases on q, k, v, o and the MLP.
+        assert!(fields(&bias).is_empty());
+        let t = transformer(&bias);
+        assert!(t.qkv_bias && t.attn_out_bias && !t.mlp_bias && !t.bias);
+        let t = transformer(&bias.replace("\"vocab_size\"", "\"mlp_bias\": true, \"vocab_size\""));
+        assert!(t.mlp_bias);
         let gpt2 = GPT2
             .replace("\"gelu_new\"", "\"gelu\"")
             .replace(

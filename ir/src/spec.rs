@@ -480,6 +480,8 @@ fn default_dtype() -> DType {
 /// The model body: a standard transformer or an explicit graph.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
+// One per loaded model, moved rarely: boxing the larger form would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum Architecture {
     /// Architecture form, expanded by the transformer builder.
     Transformer(TransformerSpec),

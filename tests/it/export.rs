@@ -10,7 +10,17 @@ use crate::bin::{meshplan, plan_file, temp_dir, ROOT};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
-const TARGETS: [&str; 5] = ["megatron", "torchtitan", "deepspeed", "sglang", "vllm"];
+const TARGETS: [&str; 6] = [
+    "megatron",
+    "torchtitan",
+    "torchtitan-cli",
+    "deepspeed",
+    "sglang",
+    "vllm",
+];
+
+/// The serving workload Mixtral (a training model file) is planned for.
+const INFERENCE: &str = "tests/python/exports/inference-workload.yaml";
 
 /// A plan the goldens are made from: name, model, cluster, plan flags, and the
 /// targets expected to express it (the rest refuse).
@@ -80,7 +90,7 @@ const CASES: &[Case] = &[
             "--config",
             "dp=8,tp=1,pp=1,cp=1,mbs=1,zero=3,recompute=full",
         ],
-        expressible: &["megatron", "torchtitan", "deepspeed"],
+        expressible: &["megatron", "torchtitan", "torchtitan-cli", "deepspeed"],
     },
     // ZeRO-2, two sequences per micro-batch: torchtitan as
     // FSDP that keeps parameters gathered from forward to backward.
@@ -92,7 +102,7 @@ const CASES: &[Case] = &[
             "--config",
             "dp=8,tp=1,pp=1,cp=1,mbs=2,zero=2,recompute=full",
         ],
-        expressible: &["megatron", "torchtitan", "deepspeed"],
+        expressible: &["megatron", "torchtitan", "torchtitan-cli", "deepspeed"],
     },
     // 3D with FSDP and sequence parallelism on 64 H100s.
     Case {
@@ -105,7 +115,7 @@ const CASES: &[Case] = &[
             "--config",
             "dp=4,tp=8,pp=2,cp=1,mbs=1,zero=3,sp=true,recompute=selective,vpp=1",
         ],
-        expressible: &["megatron", "torchtitan"],
+        expressible: &["megatron", "torchtitan", "torchtitan-cli"],
     },
     // Experts over 8 ranks, ZeRO-1: torchtitan has no ZeRO-1.
     Case {
@@ -144,6 +154,41 @@ const CASES: &[Case] = &[
         flags: &["--config", "tp=4,pp=1,dp=2,dp_attention=false"],
         expressible: &["sglang", "vllm"],
     },
+    // One tp=16 server over two nodes: per-node launch lines.
+    Case {
+        name: "llama3-70b-2nodes",
+        model: "models/llama3-70b-inference.yaml",
+        cluster: "topologies/h200-node.yaml",
+        flags: &[
+            "--nodes",
+            "2",
+            "--config",
+            "tp=16,pp=1,dp=1,dp_attention=false",
+        ],
+        expressible: &["sglang", "vllm"],
+    },
+    // Mixtral served with experts over two tp=4 replicas: one SGLang server of 8
+    // GPUs with two attention groups.
+    Case {
+        name: "mixtral-serve-ep8",
+        model: "models/mixtral-8x7b.yaml",
+        cluster: "topologies/h200-node.yaml",
+        flags: &[
+            "--workload",
+            INFERENCE,
+            "--config",
+            "tp=4,dp=2,ep=8,dp_attention=false",
+        ],
+        expressible: &["sglang", "vllm"],
+    },
+    // The planner's own Mixtral deployment.
+    Case {
+        name: "mixtral-serve",
+        model: "models/mixtral-8x7b.yaml",
+        cluster: "topologies/h200-node.yaml",
+        flags: &["--workload", INFERENCE],
+        expressible: &["sglang", "vllm"],
+    },
 ];
 
 fn golden_dir() -> PathBuf {
@@ -153,6 +198,7 @@ fn golden_dir() -> PathBuf {
 fn extension(target: &str) -> &'static str {
     match target {
         "torchtitan" => "toml",
+        "torchtitan-cli" => "args",
         "deepspeed" => "json",
         _ => "args",
     }
@@ -267,7 +313,10 @@ fn emitted(target: &str, text: &str) -> Vec<String> {
             .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
             .map(|l| {
                 let flag = l.split_whitespace().next().unwrap_or_default();
-                assert!(flag.starts_with("--"), "not an option line: {l}");
+                assert!(
+                    flag.starts_with("--") || flag.starts_with("activation_checkpoint:"),
+                    "not an option line: {l}"
+                );
                 flag.to_string()
             })
             .collect(),
@@ -279,7 +328,9 @@ fn emitted(target: &str, text: &str) -> Vec<String> {
 #[test]
 fn every_emitted_option_is_spelled_as_the_framework_defines_it() {
     let mut checked = 0;
-    for t in TARGETS {
+    // torchtitan 0.3's names are checked by its own parser
+    // (tests/python/exports/test_torchtitan.py); the lists are 0.2.2's.
+    for t in TARGETS.into_iter().filter(|&t| t != "torchtitan-cli") {
         let (header, names) = defined(t);
         assert!(
             header.starts_with("# ") && header.contains("extract_options.py"),
@@ -393,7 +444,7 @@ fn output_file_and_bad_input() {
     assert!(
         r.stderr.contains("--to colossalai")
             && r.stderr
-                .contains("megatron, torchtitan, deepspeed, sglang, vllm"),
+                .contains("megatron, torchtitan, torchtitan-cli, deepspeed, sglang, vllm"),
         "{}",
         r.stderr
     );
@@ -497,4 +548,146 @@ fn deepseek_v3_architecture_as_megatron_arguments() {
         "MLA is not GQA"
     );
     check_golden("deepseek-v3-arch.megatron.args", &r.stdout);
+}
+
+/// The export of one case to one target (exit 0).
+#[track_caller]
+fn exported(case: &str, target: &str) -> String {
+    let c = CASES
+        .iter()
+        .find(|c| c.name == case)
+        .expect("a case of the table");
+    let plan = case_plan(c).display().to_string();
+    let r = meshplan(&["export", &plan, "--to", target]);
+    r.expect_code(0);
+    r.stdout
+}
+
+fn has_line(text: &str, line: &str) -> bool {
+    text.lines().any(|l| l == line)
+}
+
+/// Megatron-FSDP (ZeRO-2/3) saves only `fsdp_dtensor` checkpoints; validate_args
+/// refuses it without `--ckpt-format fsdp_dtensor`, and refuses
+/// CUDA_DEVICE_MAX_CONNECTIONS=1 with it.
+#[test]
+fn megatron_fsdp_exports_its_checkpoint_format() {
+    for case in ["llama3-8b-fsdp", "llama3-8b-zero2", "llama3-70b-3d"] {
+        let m = exported(case, "megatron");
+        assert!(has_line(&m, "--use-megatron-fsdp"), "{m}");
+        assert!(has_line(&m, "--ckpt-format fsdp_dtensor"), "{m}");
+        assert!(!m.contains("CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun"), "{m}");
+        assert!(m.contains("leave CUDA_DEVICE_MAX_CONNECTIONS unset"), "{m}");
+    }
+    let m = exported("gpt3-megatron", "megatron");
+    assert!(!m.contains("--ckpt-format"), "{m}");
+}
+
+/// Tensor or context parallelism without FSDP: validate_args (before Blackwell)
+/// requires CUDA_DEVICE_MAX_CONNECTIONS=1, which the launch line sets; a multi-node
+/// launch line names the node rank and the master address.
+#[test]
+fn megatron_launch_line_sets_cuda_device_max_connections() {
+    for case in ["gpt3-megatron", "gpt3-interleaved", "mixtral-ep"] {
+        let m = exported(case, "megatron");
+        let launch = m
+            .lines()
+            .find(|l| l.contains("torchrun"))
+            .expect("a launch line");
+        assert!(
+            launch.starts_with("# CUDA_DEVICE_MAX_CONNECTIONS=1 torchrun --nnodes "),
+            "{launch}"
+        );
+        assert!(
+            launch.contains("--node-rank $NODE_RANK --master-addr $MASTER_ADDR"),
+            "{launch}"
+        );
+    }
+    // dp only, one node: neither.
+    let m = exported("llama3-8b-fsdp", "megatron");
+    assert!(
+        m.contains("# torchrun --nnodes 1 --nproc-per-node 8 pretrain_gpt.py"),
+        "{m}"
+    );
+}
+
+/// torchtitan 0.3 reads no TOML: `--to torchtitan-cli` writes its command-line
+/// overrides, every degree explicit, the activation checkpointing as the last word,
+/// and CUDA graphs off under pipeline parallelism (0.3 refuses them there).
+#[test]
+fn torchtitan_0_3_command_line() {
+    let t = exported("llama3-70b-3d", "torchtitan-cli");
+    assert!(!t.contains('['), "no TOML sections: {t}");
+    for line in [
+        "--parallelism.data_parallel_replicate_degree 1",
+        "--parallelism.data_parallel_shard_degree 4",
+        "--parallelism.fsdp_reshard_after_forward always",
+        "--parallelism.tensor_parallel_degree 8",
+        "--parallelism.enable_sequence_parallel",
+        "--parallelism.pipeline_parallel_degree 2",
+        "--parallelism.pipeline_parallel_layers_per_stage 40",
+        "--training.disable_cuda_graphs",
+        "--compile.no-enable-async-tensor-parallel",
+    ] {
+        assert!(has_line(&t, line), "missing `{line}`:\n{t}");
+    }
+    assert_eq!(
+        t.lines().last(),
+        Some("activation_checkpoint:selective"),
+        "{t}"
+    );
+    assert!(t.contains("--module MODULE --config CONFIG"), "{t}");
+    let f = exported("llama3-8b-fsdp", "torchtitan-cli");
+    assert!(!f.contains("--training.disable_cuda_graphs"), "{f}");
+    assert_eq!(f.lines().last(), Some("activation_checkpoint:full"), "{f}");
+    // The same refusals as the TOML.
+    let r = refusal("mixtral-ep", "torchtitan-cli");
+    assert!(r.contains("no ZeRO-1"), "{r}");
+}
+
+/// Experts over two tp=4 replicas: SGLang's --ep-size must divide its --tp-size
+/// (MoE TP = tp / ep would be 0), so the export is one 8-GPU server with two
+/// attention groups of 4, which SGLang runs with whole experts per GPU.
+#[test]
+fn sglang_ep_over_replicas_is_one_server_with_attention_groups() {
+    let s = exported("mixtral-serve-ep8", "sglang");
+    for line in ["--tp-size 8", "--attn-dp-size 2", "--ep-size 8"] {
+        assert!(has_line(&s, line), "missing `{line}`:\n{s}");
+    }
+    assert!(!s.contains("--dp-size"), "{s}");
+    // 64 requests over 2 attention groups: 32 each, so 64 for the server (SGLang
+    // gives each group max_running_requests // attn_dp_size).
+    assert!(has_line(&s, "--max-running-requests 64"), "{s}");
+    // The planner's own Mixtral deployment exports too.
+    let own = exported("mixtral-serve", "sglang");
+    assert!(own.contains("--ep-size 8"), "{own}");
+}
+
+/// SGLang applies --max-running-requests to each --dp-size replica: the plan's
+/// concurrency is split over them.
+#[test]
+fn sglang_max_running_requests_is_per_replica() {
+    let s = exported("llama3-70b-serve-dp", "sglang");
+    assert!(has_line(&s, "--dp-size 2"), "{s}");
+    assert!(has_line(&s, "--max-running-requests 32"), "{s}");
+    let s = exported("llama3-70b-serve", "sglang");
+    assert!(has_line(&s, "--max-running-requests 64"), "{s}");
+}
+
+/// A server over two nodes: one launch line per node with its --node-rank, and
+/// --dist-init-addr from an environment variable the user sets on every node.
+#[test]
+fn sglang_multi_node_has_per_node_launch_lines() {
+    let s = exported("llama3-70b-2nodes", "sglang");
+    assert!(has_line(&s, "--nnodes 2"), "{s}");
+    assert!(s.contains("set SGLANG_DIST_INIT_ADDR=HOST:PORT"), "{s}");
+    for i in 0..2 {
+        assert!(
+            s.lines().any(|l| l.starts_with(&format!("# node {i}: "))
+                && l.ends_with(&format!(
+                    "--node-rank {i} --dist-init-addr $SGLANG_DIST_INIT_ADDR"
+                ))),
+            "node {i}:\n{s}"
+        );
+    }
 }

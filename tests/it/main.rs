@@ -26,4 +26,5 @@ mod overlay_inter;
 mod planfile;
 mod planner;
 mod readme;
+mod report;
 mod tidy;

@@ -6,7 +6,9 @@
 //! - [`memory`]: the memory ledger per GPU (one bar per stage) against capacity;
 //! - [`mesh`]: the device mesh on the nodes, NVLink and InfiniBand axes;
 //! - [`compare`]: candidates side by side (compute, exposed communication, bubble);
-//! - [`trace`]: the predicted Chrome trace, laid out as the executor's measured one.
+//! - [`trace`]: the predicted Chrome trace, laid out as the executor's measured one;
+//! - [`report`]: all of them in one self-contained HTML page, with the summary, the
+//!   comparison, the explanation and the calibration figure.
 //!
 //! Every function is pure and returns a [`Canvas`]; output is deterministic, so
 //! golden files compare as text. Files are written by the binary.
@@ -20,6 +22,7 @@ pub mod gantt;
 pub mod memory;
 pub mod mesh;
 pub mod raster;
+pub mod report;
 pub mod trace;
 
 pub use canvas::Canvas;
