@@ -187,6 +187,37 @@ impl Framework {
     }
 }
 
+impl Framework {
+    /// The split of `layers` over `pp` stages this framework takes when stages
+    /// cannot be even: Megatron-Core's `--decoder-first/last-pipeline-num-layers`
+    /// give the middle stages `m` layers each and the two ends the rest, `m` the
+    /// ceiling or floor of `layers / pp` (whichever makes the fullest stage smaller),
+    /// the first end at least as full as the last (which also holds the head and
+    /// the loss). `None` for a framework without uneven stages, with virtual stages,
+    /// or when the ends would be empty.
+    pub fn ends_split(self, layers: u64, pp: u64, vpp: u64) -> Option<Vec<u64>> {
+        if self != Framework::MegatronCore || vpp != 1 || pp < 3 {
+            return None;
+        }
+        let middle = pp - 2;
+        let floor = layers / pp;
+        [floor + 1, floor]
+            .into_iter()
+            .filter(|&m| m >= 1)
+            .filter_map(|m| {
+                let rest = layers.checked_sub(middle * m)?;
+                (rest >= 2).then(|| {
+                    let last = rest / 2;
+                    let mut split = vec![rest - last];
+                    split.extend(std::iter::repeat_n(m, middle as usize));
+                    split.push(last);
+                    split
+                })
+            })
+            .min_by_key(|s| s.iter().copied().max().unwrap_or(0))
+    }
+}
+
 /// Whether `cfg` computes more sequences than `global_batch` (dp x mbs does not
 /// divide it, so the micro-batch count is rounded up).
 pub fn pads(cfg: &ParallelConfig, global_batch: u64) -> bool {
@@ -224,6 +255,27 @@ impl FromStr for Framework {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn megatron_core_ends_split_by_hand() {
+        // GPT-3's 96 layers over 15 stages: 13 middle stages of 7, ends 3 and 2 (the
+        // floor, 6, would leave 18 for the ends: 9 and 9, a fuller stage).
+        let s = Framework::MegatronCore
+            .ends_split(96, 15, 1)
+            .expect("a split");
+        assert_eq!(s[0], 3);
+        assert_eq!(s[14], 2);
+        assert!(s[1..14].iter().all(|&m| m == 7));
+        assert_eq!(s.iter().sum::<u64>(), 96);
+        assert!(Framework::MegatronCore.split_ok(&s, 15, 1));
+        // 80 layers over 6 stages: middle 14 each (4 x 14 = 56), ends 12 and 12.
+        assert_eq!(
+            Framework::MegatronCore.ends_split(80, 6, 1),
+            Some(vec![12, 14, 14, 14, 14, 12])
+        );
+        assert_eq!(Framework::MegatronCore.ends_split(96, 15, 2), None);
+        assert_eq!(Framework::Torchtitan.ends_split(96, 15, 1), None);
+    }
 
     fn cfg(dp: u64, tp: u64, pp: u64, mbs: u64) -> ParallelConfig {
         crate::PartialConfig::parse(&format!("dp={dp},tp={tp},pp={pp},mbs={mbs}"), "test")

@@ -982,19 +982,28 @@ pub fn search_train(
                     &mech,
                 )
                 .and_then(|p| match p {
-                    // The framework cannot take the balanced split: its even one.
+                    // The framework cannot take the balanced split: its even one, or
+                    // where stages cannot be even its own uneven one.
                     Some((_, split)) if !takes_split(fw, cfg, split.as_deref(), pg.layers) => {
+                        let fallback = framework_split(fw, cfg, pg.layers).ok_or_else(|| {
+                            meshplan_cost_model::estimate::Unsupported {
+                                reason: format!(
+                                    "{fw} cannot split {} layers over {} stages of {} chunks",
+                                    pg.layers, cfg.pp, cfg.vpp
+                                ),
+                            }
+                        })?;
                         estimate_train_with(
                             pg,
                             cluster,
                             cfg,
                             seq_len,
                             global_batch,
-                            None,
+                            fallback.as_deref(),
                             acc.bound,
                             &mech,
                         )
-                        .map(|e| e.map(|e| (e, None)))
+                        .map(|e| e.map(|e| (e, fallback)))
                     }
                     other => Ok(other),
                 });
@@ -1256,6 +1265,15 @@ pub fn dp_split(
 }
 
 /// Whether `fw` can run `split` (`None`: the even split of `layers`).
+/// The split a framework runs when the time-balanced one is not its: the even split
+/// (`Some(None)`) where it takes it, else its own uneven one, else `None`.
+fn framework_split(fw: Framework, cfg: &ParallelConfig, layers: u64) -> Option<Option<Vec<u64>>> {
+    if takes_split(fw, cfg, None, layers) {
+        return Some(None);
+    }
+    fw.ends_split(layers, cfg.pp, cfg.vpp).map(Some)
+}
+
 fn takes_split(fw: Framework, cfg: &ParallelConfig, split: Option<&[u64]>, layers: u64) -> bool {
     match split {
         Some(s) => fw.split_ok(s, cfg.pp, cfg.vpp),
@@ -1328,6 +1346,9 @@ fn refine_train(
             if let Some(s) = dp_split(lpg, cluster, cfg, seq_len, microbatches) {
                 splits.push(Some(s));
             }
+        }
+        if let Some(s) = fw.ends_split(pg.layers, cfg.pp, cfg.vpp) {
+            splits.push(Some(s));
         }
         splits.retain(|s| takes_split(fw, cfg, s.as_deref(), pg.layers));
         for split in splits {

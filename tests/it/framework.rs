@@ -311,3 +311,40 @@ fn explain_offers_only_neighbours_the_plan_s_framework_runs() {
         );
     }
 }
+
+/// Fixed keys that leave only layer counts the stages cannot share evenly: the
+/// search prices each candidate at a split the framework takes (Megatron-Core's
+/// uneven ends), never at one it does not, so the plan is written (this exited 3,
+/// "no layout priced", when GPT-3's 96 layers over 15 stages were priced evenly in
+/// the sweep and then found unrunnable).
+#[test]
+fn megatron_core_with_fixed_tp_plans_at_a_split_it_takes() {
+    let out = temp_dir("framework").join("gpt3-tp8-megatron-core.json");
+    let o = out.display().to_string();
+    meshplan(&[
+        "plan",
+        "models/gpt3-175b.yaml",
+        "topologies/dgx-a100-80g.yaml",
+        "--nodes",
+        "480",
+        "--config",
+        "tp=8",
+        "--framework",
+        "megatron-core",
+        "-o",
+        &o,
+        "--quiet",
+    ])
+    .expect_code(0);
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("plan")).expect("json");
+    let split: Vec<u64> = serde_json::from_value(v["layer_split"].clone()).expect("split");
+    let pp = v["strategy"]["pp"].as_u64().expect("pp") as usize;
+    assert_eq!(split.len(), pp);
+    assert_eq!(split.iter().sum::<u64>(), 96);
+    assert!(
+        split[1..pp - 1].windows(2).all(|w| w[0] == w[1]),
+        "only the ends may differ: {split:?}"
+    );
+    check_runnable(&out, "megatron-core");
+}
