@@ -10,8 +10,11 @@
 #     missing, without a panic;
 #  4. clippy on every target with `--features cuda`, warnings denied;
 #  5. the Python suites, each in a pinned virtual environment cached outside the
-#     clone (scripts/pyvenv.sh): Hugging Face fidelity against transformers
-#     (tests/python/hf).
+#     clone (scripts/pyvenv.sh; the first run downloads PyPI's torch, twice): Hugging
+#     Face fidelity against transformers (tests/python/hf), the exports read by the
+#     frameworks' own configuration code (tests/python/exports), the Python package
+#     built from ./python (tests/python/package) and the report page in headless
+#     Chromium (tests/python/report; installs Debian's chromium when root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,6 +36,15 @@ cargo test --workspace --release
 step "Hugging Face fidelity: meshplan run against transformers' generate (tests/python/hf)"
 cargo build --release
 tests/python/hf/run.sh
+
+step "exports read by Megatron-LM, torchtitan, DeepSpeed, SGLang and vLLM (tests/python/exports)"
+tests/python/exports/run.sh
+
+step "the Python package: pip install ./python, then pytest (tests/python/package)"
+tests/python/package/run.sh
+
+step "the report page in headless Chromium (tests/python/report)"
+tests/python/report/run.sh
 
 step "NVRTC wheel ($NVRTC_WHEEL) in $NVRTC_DIR"
 stamp="$NVRTC_DIR/.installed-${NVRTC_WHEEL//[^A-Za-z0-9.]/_}"

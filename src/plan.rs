@@ -716,33 +716,14 @@ pub(crate) fn compare(a: &CompareArgs<'_>) -> Result<(), Failure> {
     }
     if let Some(dir) = figures {
         let inference = best.estimate.tpot_s.is_some();
-        let bars: Vec<CompareBar> = rows
-            .iter()
-            .map(|r| {
-                let t = r.predicted.as_ref().map(|e| e.time_breakdown_s);
-                CompareBar {
-                    name: r.name.clone(),
-                    strategy: r.strategy.clone(),
-                    compute_s: t.map(|t| t.compute),
-                    exposed_comm_s: t.map(|t| t.exposed_comm).unwrap_or(0.0),
-                    bubble_s: t.map(|t| t.bubble).unwrap_or(0.0),
-                    feasible: r.predicted.as_ref().is_some_and(|e| e.feasible),
-                    error: r.error.clone(),
-                }
-            })
-            .collect();
-        let title = format!(
-            "{} on {} GPUs ({} x {}): planner's best and hand-given configurations",
-            inp.spec.name,
+        let bars: Vec<CompareBar> = rows.iter().map(crate::report::compare_bar).collect();
+        let title = crate::report::compare_title(
+            &inp.spec.name,
             inp.cluster.gpus(),
             inp.cluster.nodes,
-            inp.cluster.name
+            &inp.cluster.name,
         );
-        let what = if inference {
-            "one decode step (TPOT)"
-        } else {
-            "one training step"
-        };
+        let what = crate::report::what(inference);
         let figure = meshplan_viz::Figure {
             name: "compare",
             canvas: compare_bars(&bars, &title, what),

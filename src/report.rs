@@ -17,13 +17,28 @@ fn generator() -> String {
     format!("meshplan {}", env!("CARGO_PKG_VERSION"))
 }
 
-/// `what` of the comparison figure, as `compare --figures` words it.
-fn what(inference: bool) -> String {
+/// `what` of the comparison figure (`compare --figures` and the report's).
+pub(crate) fn what(inference: bool) -> &'static str {
     if inference {
-        "one decode step (TPOT)".into()
+        "one decode step (TPOT)"
     } else {
-        "one training step".into()
+        "one training step"
     }
+}
+
+/// Heading of `compare`'s figure (`compare --figures` and `compare --report`).
+pub(crate) fn compare_title(model: &str, gpus: u64, nodes: u64, cluster: &str) -> String {
+    format!("{model} on {gpus} GPUs ({nodes} x {cluster}): planner's best and hand-given configurations")
+}
+
+/// The bar of one of `compare`'s rows (`compare --figures` and `compare --report`).
+pub(crate) fn compare_bar(r: &Row) -> CompareBar {
+    CompareBar::priced(
+        &r.name,
+        &r.strategy,
+        r.predicted.as_ref(),
+        r.error.as_deref(),
+    )
 }
 
 fn world(plan: &Plan) -> u64 {
@@ -155,7 +170,7 @@ fn neighbours_compare(plan: &Plan, x: &Explanation) -> CompareSection {
             plan.cluster.nodes,
             plan.cluster.name
         ),
-        what: what(inference),
+        what: what(inference).into(),
         rows,
     }
 }
@@ -170,17 +185,8 @@ fn rows_compare(plan: &Plan, rows: &[Row]) -> CompareSection {
         .iter()
         .map(|r| {
             let e = r.predicted.as_ref();
-            let t = e.map(|e| e.time_breakdown_s);
             CompareRow {
-                bar: CompareBar {
-                    name: r.name.clone(),
-                    strategy: r.strategy.clone(),
-                    compute_s: t.map(|t| t.compute),
-                    exposed_comm_s: t.map(|t| t.exposed_comm).unwrap_or(0.0),
-                    bubble_s: t.map(|t| t.bubble).unwrap_or(0.0),
-                    feasible: e.is_some_and(|e| e.feasible),
-                    error: r.error.clone(),
-                },
+                bar: compare_bar(r),
                 time_s: e.map(|e| {
                     if inference {
                         e.tpot_s.unwrap_or(0.0)
@@ -197,14 +203,13 @@ fn rows_compare(plan: &Plan, rows: &[Row]) -> CompareSection {
         .collect();
     CompareSection {
         caption: "The planner's best (the plan this page shows) beside the hand-given configurations of `meshplan compare`, each priced as `plan --config` prices it; ratio is the row's step time over the planner's (inference: the planner's tokens/s over the row's).".into(),
-        title: format!(
-            "{} on {} GPUs ({} x {}): planner's best and hand-given configurations",
-            plan.model.name,
+        title: compare_title(
+            &plan.model.name,
             world(plan),
             plan.cluster.nodes,
-            plan.cluster.name
+            &plan.cluster.name,
         ),
-        what: what(inference),
+        what: what(inference).into(),
         rows,
     }
 }

@@ -1378,15 +1378,8 @@ fn a_checkpoint_holding_nan_is_refused_naming_the_tensor() {
     );
 }
 
-/// Plans `dir`'s config.json with `cfg` and runs it greedily on `prompt` through the
-/// command line, with extra `run` flags.
-fn cli_plan_and_run(
-    dir: &Path,
-    cfg: &str,
-    prompt: &str,
-    new: &str,
-    extra: &[&str],
-) -> crate::cli::Run {
+/// Plans `dir`'s config.json with `cfg` through the command line: the plan's path.
+fn cli_plan(dir: &Path, cfg: &str) -> String {
     std::fs::write(dir.join("workload.yaml"), WORKLOAD).expect("workload");
     let (config, wl, plan) = (
         dir.join("config.json").display().to_string(),
@@ -1405,6 +1398,19 @@ fn cli_plan_and_run(
         &plan,
     ])
     .expect_code(0);
+    plan
+}
+
+/// Plans `dir`'s config.json with `cfg` and runs it greedily on `prompt` through the
+/// command line, with extra `run` flags.
+fn cli_plan_and_run(
+    dir: &Path,
+    cfg: &str,
+    prompt: &str,
+    new: &str,
+    extra: &[&str],
+) -> crate::cli::Run {
+    let plan = cli_plan(dir, cfg);
     let dir_s = dir.display().to_string();
     let mut args = vec![
         "run",
@@ -1601,24 +1607,7 @@ fn cli_refuses_a_checkpoint_whose_rope_differs_from_the_plan() {
     round_to(Store::F32, &mut t);
     let dir = temp_dir("rope-mismatch");
     write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
-    std::fs::write(dir.join("workload.yaml"), WORKLOAD).expect("workload");
-    let (config, wl, plan) = (
-        dir.join("config.json").display().to_string(),
-        dir.join("workload.yaml").display().to_string(),
-        dir.join("plan.json").display().to_string(),
-    );
-    meshplan(&[
-        "plan",
-        &config,
-        "topologies/cpu-test-mesh.yaml",
-        "--workload",
-        &wl,
-        "--config",
-        "dp=1",
-        "-o",
-        &plan,
-    ])
-    .expect_code(0);
+    let plan = cli_plan(&dir, "dp=1");
     for (from, to, field) in [
         (
             "\"rope_theta\": 10000.0",

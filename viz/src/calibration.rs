@@ -34,12 +34,23 @@ pub fn x_of(left: f64, ratio: f64) -> f64 {
     left + AXIS_W * (r / LO).log2() / (HI / LO).log2()
 }
 
+/// A row's label: the run id, marked when the run is kept out of the fit.
+fn label(r: &CalibrationRow) -> String {
+    if r.unfitted {
+        format!("{} (not fitted)", r.id)
+    } else {
+        r.id.clone()
+    }
+}
+
 /// Draws every run as a row with two markers: predicted (blue) and leave-one-out
 /// (orange), with grid lines at 0.5x, 0.8x, 1x, 1.25x, 2x and 4x.
 pub fn calibration_chart(rows: &[CalibrationRow], title: &str) -> Canvas {
-    let widest = rows
+    // The label column is sized from the labels as drawn, suffix included.
+    let labels: Vec<String> = rows.iter().map(label).collect();
+    let widest = labels
         .iter()
-        .map(|r| text_width(&r.id, 11.0))
+        .map(|l| text_width(l, 11.0))
         .fold(0.0, f64::max);
     let left = widest + 24.0;
     let height = TOP + rows.len() as f64 * ROW + 40.0;
@@ -73,14 +84,9 @@ pub fn calibration_chart(rows: &[CalibrationRow], title: &str) -> Canvas {
             "tick",
         );
     }
-    for (i, r) in rows.iter().enumerate() {
+    for (i, (r, label)) in rows.iter().zip(&labels).enumerate() {
         let y = TOP + i as f64 * ROW;
-        let label = if r.unfitted {
-            format!("{} (not fitted)", r.id)
-        } else {
-            r.id.clone()
-        };
-        c.text(left - 8.0, y + 12.0, 11.0, Anchor::End, &label, "row");
+        c.text(left - 8.0, y + 12.0, 11.0, Anchor::End, label, "row");
         for (v, fill, class, dy) in [
             (r.ratio, PREDICTED, "cal-predicted", 2.0),
             (r.loo_ratio, LOO, "cal-loo", 9.0),
@@ -114,5 +120,37 @@ mod tests {
         assert_eq!(c.rects("cal-predicted").count(), 1);
         assert_eq!(c.rects("cal-loo").count(), 1);
         assert!(c.to_svg().contains("leave-one-out"));
+    }
+
+    #[test]
+    fn unfitted_labels_are_drawn_whole() {
+        let rows = vec![
+            CalibrationRow {
+                id: "short".into(),
+                ratio: 1.0,
+                loo_ratio: 1.0,
+                unfitted: false,
+            },
+            CalibrationRow {
+                id: "a-rather-long-run-id-of-a-published-run".into(),
+                ratio: 1.0,
+                loo_ratio: 1.0,
+                unfitted: true,
+            },
+        ];
+        let svg = calibration_chart(&rows, "t").to_svg();
+        // Right-aligned at `x`: the label starts at x minus its width.
+        let line = svg
+            .lines()
+            .find(|l| l.contains("(not fitted)"))
+            .expect("the unfitted row's label");
+        let x: f64 = line
+            .split(" x=\"")
+            .nth(1)
+            .and_then(|r| r.split('"').next())
+            .and_then(|x| x.parse().ok())
+            .expect("its x");
+        let label = "a-rather-long-run-id-of-a-published-run (not fitted)";
+        assert!(x - text_width(label, 11.0) >= 0.0, "{line}");
     }
 }

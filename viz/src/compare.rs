@@ -3,6 +3,7 @@
 
 use crate::axis::fmt_dur;
 use crate::canvas::{text_width, Anchor, Canvas, Rgb};
+use meshplan_cost_model::Estimate;
 
 /// One candidate.
 #[derive(Clone, Debug, PartialEq)]
@@ -21,6 +22,29 @@ pub struct CompareBar {
     pub feasible: bool,
     /// Why it cannot run.
     pub error: Option<String>,
+}
+
+impl CompareBar {
+    /// The bar of a configuration the cost model priced (`estimate`), or of one that
+    /// cannot run (`None`, `error` saying why): one row of `compare`, as both
+    /// `compare --figures` and the report draw it.
+    pub fn priced(
+        name: &str,
+        strategy: &str,
+        estimate: Option<&Estimate>,
+        error: Option<&str>,
+    ) -> CompareBar {
+        let t = estimate.map(|e| e.time_breakdown_s);
+        CompareBar {
+            name: name.to_string(),
+            strategy: strategy.to_string(),
+            compute_s: t.map(|t| t.compute),
+            exposed_comm_s: t.map_or(0.0, |t| t.exposed_comm),
+            bubble_s: t.map_or(0.0, |t| t.bubble),
+            feasible: estimate.is_some_and(|e| e.feasible),
+            error: error.map(str::to_string),
+        }
+    }
 }
 
 /// The bar parts: SVG class, label, colour.

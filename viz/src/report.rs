@@ -1129,6 +1129,12 @@ footer{color:var(--muted);font-size:12px;text-align:center;padding:6px 0 28px}
 #tip strong{display:block;color:#fff;font-weight:600;margin-bottom:1px}
 "#;
 
+// The tooltip script. Its `dur` is `crate::axis::fmt_dur` again, and must be: the
+// schedule's bars carry only `data-t0`/`data-dur`/`data-comm` (seconds) and the
+// script formats start, end (t0 + dur) and duration on hover. Formatting those lines
+// in Rust instead, as a `data-tip` per bar, would multiply the page's size by the
+// spans of a large plan (GPT-3's page must stay under 2 MB). The other tooltips are
+// formatted in Rust (`data-tip`). `js_dur_is_fmt_dur` holds the two alike.
 const JS: &str = r#"
 (function(){
 "use strict";
@@ -1186,6 +1192,17 @@ mod tests {
         assert_eq!(rows.len(), 22);
         assert_eq!(rows.iter().filter(|r| r.unfitted).count(), 3);
         assert!(rows.iter().all(|r| r.ratio > 0.0 && r.loo_ratio > 0.0));
+    }
+
+    #[test]
+    fn js_dur_is_fmt_dur() {
+        // Same thresholds, units and decimals as `fmt_dur`.
+        assert!(JS.contains(
+            r#"function dur(t){return t>=1?t.toFixed(3)+" s":t>=1e-3?(t*1e3).toFixed(2)+" ms":(t*1e6).toFixed(1)+" us";}"#
+        ));
+        assert_eq!(fmt_dur(1.0), "1.000 s");
+        assert_eq!(fmt_dur(1e-3), "1.00 ms");
+        assert_eq!(fmt_dur(9.99e-4), "999.0 us");
     }
 
     #[test]
