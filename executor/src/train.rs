@@ -2602,15 +2602,8 @@ impl RankState<'_> {
     }
 
     fn consumer_attention(&self, op: &Op) -> Result<&Op, RankError> {
-        let out = op
-            .outputs
-            .first()
-            .ok_or_else(|| fail("rope without output"))?;
         self.graph
-            .segments
-            .iter()
-            .flat_map(|s| &s.ops)
-            .find(|o| o.inputs.first() == Some(out) && matches!(o.kind, OpKind::Attention(_)))
+            .attention_fed_by(op)
             .ok_or_else(|| fail("rope feeds no attention op"))
     }
 

@@ -431,6 +431,16 @@ impl Graph {
             .any(|o| matches!(&o.kind, OpKind::Experts(e) if e.capacity_factor.is_none()))
     }
 
+    /// The attention op that reads `op`'s first output as its first input (the
+    /// rotary op's consumer, whose heads say how the rotated columns are laid out).
+    pub fn attention_fed_by(&self, op: &Op) -> Option<&Op> {
+        let out = op.outputs.first()?;
+        self.segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find(|o| o.inputs.first() == Some(out) && matches!(o.kind, OpKind::Attention(_)))
+    }
+
     /// A tensor by id.
     pub fn tensor(&self, id: TensorId) -> &Tensor {
         &self.tensors[id.0 as usize]
