@@ -788,14 +788,22 @@ fn check_all(dir: &Path, forward: &dyn Fn(&[u32]) -> Vec<f64>) {
     }
 }
 
+/// Writes a Llama-family checkpoint of `c` (tensors from `seed`, stored as `store`,
+/// over `files` files) and runs [`check_all`] on it against the f64 reference: the
+/// tensors, for more checks.
+fn check_llama(c: &LlamaCfg, tag: &str, seed: u64, store: Store, files: usize) -> Tensors {
+    let dir = temp_dir(tag);
+    let mut t = llama_tensors(c, seed);
+    round_to(store, &mut t);
+    write_checkpoint(&dir, &llama_config(c), &t, store, files);
+    check_all(&dir, &|tokens| llama_forward(c, &t, tokens));
+    t
+}
+
 #[test]
 fn llama_checkpoint_sharded_equals_single_rank_and_reference() {
-    let dir = temp_dir("llama");
-    let mut t = llama_tensors(&LLAMA, 11);
-    round_to(Store::F32, &mut t);
     // Two files: the loader indexes tensors across shards.
-    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 2);
-    check_all(&dir, &|tokens| llama_forward(&LLAMA, &t, tokens));
+    check_llama(&LLAMA, "llama", 11, Store::F32, 2);
 }
 
 #[test]
@@ -807,11 +815,7 @@ fn llama3_rope_scaling_checkpoint_equals_single_rank_and_reference() {
         llama3: Some((8.0, 1.0, 4.0, 64.0)),
         ..LLAMA
     };
-    let dir = temp_dir("llama3-rope");
-    let mut t = llama_tensors(&c, 21);
-    round_to(Store::F32, &mut t);
-    write_checkpoint(&dir, &llama_config(&c), &t, Store::F32, 1);
-    check_all(&dir, &|tokens| llama_forward(&c, &t, tokens));
+    let t = check_llama(&c, "llama3-rope", 21, Store::F32, 1);
     // The scaling changes the outputs: the unscaled reference does not match.
     let scaled = llama_forward(&c, &t, PROMPTS[0]);
     let plain = llama_forward(&LLAMA, &t, PROMPTS[0]);
@@ -831,11 +835,7 @@ fn llama_attention_and_mlp_bias_checkpoint_equals_single_rank_and_reference() {
         attn_bias: true,
         ..LLAMA
     };
-    let dir = temp_dir("llama-attention-bias");
-    let mut t = llama_tensors(&c, 28);
-    round_to(Store::F32, &mut t);
-    write_checkpoint(&dir, &llama_config(&c), &t, Store::F32, 1);
-    check_all(&dir, &|tokens| llama_forward(&c, &t, tokens));
+    check_llama(&c, "llama-attention-bias", 28, Store::F32, 1);
 }
 
 #[test]
@@ -845,11 +845,7 @@ fn qwen2_bf16_tied_checkpoint_sharded_equals_single_rank_and_reference() {
         tied: true,
         ..LLAMA
     };
-    let dir = temp_dir("qwen2");
-    let mut t = llama_tensors(&c, 12);
-    round_to(Store::Bf16, &mut t);
-    write_checkpoint(&dir, &llama_config(&c), &t, Store::Bf16, 1);
-    check_all(&dir, &|tokens| llama_forward(&c, &t, tokens));
+    check_llama(&c, "qwen2", 12, Store::Bf16, 1);
 }
 
 #[test]
