@@ -1071,26 +1071,8 @@ fn cli_runs_a_checkpoint_with_ids_text_and_check() {
     round_to(Store::F32, &mut t);
     write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 2);
     std::fs::write(dir.join("tokenizer.json"), tokenizer_json(LLAMA.vocab)).expect("tokenizer");
-    std::fs::write(dir.join("workload.yaml"), WORKLOAD).expect("workload");
-    let plan = dir.join("plan.json");
-    let (config, wl, plan_s, dir_s) = (
-        dir.join("config.json").display().to_string(),
-        dir.join("workload.yaml").display().to_string(),
-        plan.display().to_string(),
-        dir.display().to_string(),
-    );
-    meshplan(&[
-        "plan",
-        &config,
-        "topologies/cpu-test-mesh.yaml",
-        "--workload",
-        &wl,
-        "--config",
-        "tp=2,pp=2,dp_attention=false",
-        "-o",
-        &plan_s,
-    ])
-    .expect_code(0);
+    let plan_s = cli_plan(&dir, "tp=2,pp=2,dp_attention=false");
+    let dir_s = dir.display().to_string();
     let out = meshplan(&[
         "run",
         &plan_s,
@@ -1178,25 +1160,8 @@ fn cli_bad_inference_input_exits_2() {
     let dir = temp_dir("cli-bad");
     let mut t = llama_tensors(&LLAMA, 18);
     write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
-    std::fs::write(dir.join("workload.yaml"), WORKLOAD).expect("workload");
-    let plan = dir.join("plan.json").display().to_string();
-    let (config, wl, dir_s) = (
-        dir.join("config.json").display().to_string(),
-        dir.join("workload.yaml").display().to_string(),
-        dir.display().to_string(),
-    );
-    meshplan(&[
-        "plan",
-        &config,
-        "topologies/cpu-test-mesh.yaml",
-        "--workload",
-        &wl,
-        "--config",
-        "tp=2,pp=2,dp_attention=false",
-        "-o",
-        &plan,
-    ])
-    .expect_code(0);
+    let plan = cli_plan(&dir, "tp=2,pp=2,dp_attention=false");
+    let dir_s = dir.display().to_string();
     meshplan(&["run", &plan, "--prompt", "hello"])
         .expect_code(2)
         .stderr_has(&["tokenizer"]);
@@ -1210,19 +1175,7 @@ fn cli_bad_inference_input_exits_2() {
         .expect_code(2)
         .stderr_has(&["--top-p"]);
     // Plans the executor cannot run yet say so and how to plan instead.
-    let dpa = dir.join("dpa.json").display().to_string();
-    meshplan(&[
-        "plan",
-        &config,
-        "topologies/cpu-test-mesh.yaml",
-        "--workload",
-        &wl,
-        "--config",
-        "tp=2,pp=2,dp_attention=true",
-        "-o",
-        &dpa,
-    ])
-    .expect_code(0);
+    let dpa = cli_plan_named(&dir, "tp=2,pp=2,dp_attention=true", "dpa.json");
     meshplan(&["run", &dpa, "--prompt-ids", "1"])
         .expect_code(2)
         .stderr_has(&["dp_attention=false"]);
@@ -1374,13 +1327,14 @@ fn a_checkpoint_holding_nan_is_refused_naming_the_tensor() {
     );
 }
 
-/// Plans `dir`'s config.json with `cfg` through the command line: the plan's path.
-fn cli_plan(dir: &Path, cfg: &str) -> String {
+/// Plans `dir`'s config.json with `cfg` through the command line into `dir/NAME`:
+/// the plan's path.
+fn cli_plan_named(dir: &Path, cfg: &str, name: &str) -> String {
     std::fs::write(dir.join("workload.yaml"), WORKLOAD).expect("workload");
     let (config, wl, plan) = (
         dir.join("config.json").display().to_string(),
         dir.join("workload.yaml").display().to_string(),
-        dir.join("plan.json").display().to_string(),
+        dir.join(name).display().to_string(),
     );
     meshplan(&[
         "plan",
@@ -1395,6 +1349,11 @@ fn cli_plan(dir: &Path, cfg: &str) -> String {
     ])
     .expect_code(0);
     plan
+}
+
+/// [`cli_plan_named`] into `dir/plan.json`.
+fn cli_plan(dir: &Path, cfg: &str) -> String {
+    cli_plan_named(dir, cfg, "plan.json")
 }
 
 /// Plans `dir`'s config.json with `cfg` and runs it greedily on `prompt` through the

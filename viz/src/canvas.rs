@@ -115,7 +115,8 @@ fn num(v: f64) -> String {
     }
 }
 
-fn escape(s: &str) -> String {
+/// Text and attribute values of an SVG (double-quoted attributes).
+pub(crate) fn escape(s: &str) -> String {
     let mut out = String::with_capacity(s.len());
     for c in s.chars() {
         match c {

@@ -20,7 +20,8 @@ pub const PARTS: [(&str, &str, Rgb); 6] = [
     ("mem-workspace", "workspace", Rgb(0x9d, 0x9d, 0x9d)),
 ];
 
-fn parts(m: &MemoryLedger) -> [f64; 6] {
+/// The ledger's bytes in the order of [`PARTS`].
+pub(crate) fn parts(m: &MemoryLedger) -> [f64; 6] {
     [
         m.params,
         m.grads,

@@ -179,20 +179,10 @@ fn prose(s: &str) -> String {
         .collect()
 }
 
-/// HTML text (also safe inside a double-quoted attribute).
+/// HTML text (also safe inside a double-quoted attribute): the figures' escaping,
+/// and the apostrophe as well.
 pub fn esc(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&#39;"),
-            _ => out.push(c),
-        }
-    }
-    out
+    crate::canvas::escape(s).replace('\'', "&#39;")
 }
 
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
@@ -860,14 +850,7 @@ fn memory_table(h: &mut String, tl: &Timeline) {
     h.push_str("<th class=\"n\">total</th><th class=\"n\">of capacity</th></tr></thead><tbody>");
     for (i, m) in stages.iter().enumerate() {
         let _ = write!(h, "<tr><td>{i}</td>");
-        for v in [
-            m.params,
-            m.grads,
-            m.optimizer,
-            m.activations,
-            m.kv_cache,
-            m.workspace,
-        ] {
+        for v in crate::memory::parts(m) {
             let _ = write!(h, "<td class=\"n\">{:.2}</td>", v / GIB);
         }
         let _ = write!(
