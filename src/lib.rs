@@ -20,6 +20,7 @@ use std::process::ExitCode;
 
 mod atomic;
 mod calibrate;
+mod deploy;
 mod draw;
 mod explain;
 mod export;
@@ -127,6 +128,38 @@ enum Command {
         /// Also write the plan as one self-contained HTML page (`meshplan report`).
         #[arg(long, value_name = "FILE")]
         report: Option<PathBuf>,
+        #[command(flatten)]
+        workload: WorkloadFlags,
+        /// One JSON object on stdout.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Plan a serving deployment within SLOs: aggregated (continuous batching) or
+    /// prefill and decode pools, the throughput-latency frontier, and the plan of
+    /// the best.
+    Deploy {
+        /// Model YAML or Hugging Face config.json (an inference workload).
+        model: PathBuf,
+        /// Cluster YAML.
+        cluster: PathBuf,
+        /// Where to write the plan.
+        #[arg(short = 'o', long = "output", default_value = "plan.json")]
+        output: PathBuf,
+        /// Override the cluster's node count.
+        #[arg(long)]
+        nodes: Option<u64>,
+        /// A calibration overlay (`meshplan calibrate -o FILE`) laid over the cluster.
+        #[arg(long, value_name = "FILE")]
+        calibration: Option<PathBuf>,
+        /// Keys every instance keeps (e.g. `tp=8`); the rest are searched.
+        #[arg(long)]
+        config: Option<String>,
+        /// Also draw the frontier (frontier.svg) into this directory.
+        #[arg(long)]
+        figures: Option<PathBuf>,
+        /// Write the figure as PNG instead of SVG.
+        #[arg(long, requires = "figures")]
+        png: bool,
         #[command(flatten)]
         workload: WorkloadFlags,
         /// One JSON object on stdout.
@@ -567,6 +600,29 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
                 })
             })
             .and_then(|()| html.map_or(Ok(()), |h| report::report(&output, &h, "--report"))),
+        Command::Deploy {
+            model,
+            cluster,
+            output,
+            nodes,
+            calibration,
+            config,
+            figures,
+            png,
+            workload,
+            json,
+        } => deploy::deploy(&deploy::DeployArgs {
+            model,
+            cluster,
+            output,
+            nodes,
+            calibration,
+            config,
+            figures,
+            png,
+            workload: workload.overrides(),
+            json,
+        }),
         Command::Draw {
             plan,
             output,

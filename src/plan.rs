@@ -38,15 +38,15 @@ pub(crate) struct PlanArgs {
     pub json: bool,
 }
 
-struct Inputs {
-    spec: ModelSpec,
-    graph: Graph,
-    pg: PreparedGraph,
-    cluster: Cluster,
-    workload: Workload,
+pub(crate) struct Inputs {
+    pub spec: ModelSpec,
+    pub graph: Graph,
+    pub pg: PreparedGraph,
+    pub cluster: Cluster,
+    pub workload: Workload,
 }
 
-fn load(
+pub(crate) fn load(
     model: &Path,
     cluster: &Path,
     nodes: Option<u64>,

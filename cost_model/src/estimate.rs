@@ -1403,6 +1403,7 @@ impl InferenceLoad {
                 output_len,
                 concurrency,
                 slo,
+                ..
             } => Some(InferenceLoad {
                 prompt_len: *prompt_len,
                 output_len: *output_len,
@@ -1514,7 +1515,7 @@ pub fn inference_timeline(
     let kv_split = if cfg.dp_attention {
         cfg.tp as f64
     } else {
-        (cfg.tp as f64).min(pg.kv_heads.max(1) as f64)
+        (cfg.tp as f64).min(pg.kv_cache_heads.max(1) as f64)
     };
     let kv_per_token_gpu = layers_per_stage * pg.kv_bytes_per_token_layer / kv_split;
     let ctx_tokens = (load.prompt_len + load.output_len) as f64;
@@ -1648,6 +1649,9 @@ pub fn prepare_model(spec: &meshplan_ir::ModelSpec) -> Result<PreparedGraph, mes
     let mut pg = PreparedGraph::new(&graph);
     if let Some(t) = spec.transformer() {
         pg.set_kv_bytes_per_token_layer(t.kv_cache_bytes_per_token_per_layer(spec.dtype) as f64);
+        if t.mla.is_some() {
+            pg.kv_cache_heads = 1;
+        }
     }
     Ok(pg)
 }

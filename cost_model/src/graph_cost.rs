@@ -111,6 +111,9 @@ pub struct PreparedGraph {
     pub experts: u64,
     /// Key/value bytes per token per layer, for the KV cache (0 if no attention).
     pub kv_bytes_per_token_layer: f64,
+    /// Heads the KV cache splits into over tensor ranks: the KV heads, or 1 for
+    /// MLA, whose compressed latent every tensor rank keeps whole.
+    pub kv_cache_heads: u64,
     /// Block layers.
     pub layers: u64,
     /// Embedding and head share a weight (tied embeddings).
@@ -351,6 +354,7 @@ impl PreparedGraph {
             params_active: graph.param_count(true),
             heads,
             kv_heads,
+            kv_cache_heads: kv_heads,
             experts,
             kv_bytes_per_token_layer: kv_bytes,
             layers,
@@ -786,9 +790,22 @@ impl LayoutCtx {
         let bpe = pg.dtype.size_bytes() as f64;
         let flops = 2.0 * batch * heads * s * kv * (a.qk_dim + a.v_dim) as f64;
         let scores = batch * heads * s * kv;
-        // Reading K and V (the cache while decoding), Q, and writing the output.
-        let io_bytes = batch * kv * kv_heads * (a.qk_dim + a.v_dim) as f64 * bpe
-            + batch * s * heads * (a.qk_dim + a.v_dim) as f64 * bpe;
+        // Reading K and V, Q, and writing the output. Queries behind cached keys
+        // (decoding) read the cache as stored: for MLA the latent, which absorbed
+        // attention reads once for all heads, not per-head keys and values.
+        let kv_per_token = if s < kv && pg.kv_bytes_per_token_layer > 0.0 {
+            let cache_heads = pg.kv_cache_heads.max(1) as f64;
+            let local = if self.dp_attention {
+                cache_heads
+            } else {
+                (cache_heads / t).max(1.0)
+            };
+            pg.kv_bytes_per_token_layer * local / cache_heads
+        } else {
+            kv_heads * (a.qk_dim + a.v_dim) as f64 * bpe
+        };
+        let io_bytes =
+            batch * kv * kv_per_token + batch * s * heads * (a.qk_dim + a.v_dim) as f64 * bpe;
         match self.attn {
             AttnImpl::Flash => {
                 let frac = if a.causal {
@@ -854,6 +871,16 @@ impl LayoutCtx {
                 e.ffn as f64 / t,
             )
         };
+        // Experts no token reached are skipped by the grouped kernel: with `r` rows
+        // routed uniformly over the experts, each is hit with probability
+        // `1 - (1 - 1/E)^(r E)` (1 in training, a fraction while decoding few tokens).
+        let all = e.experts as f64;
+        let hit = 1.0 - (1.0 - 1.0 / all).powf(rows * all);
+        let (experts_local, rows) = if hit > 0.0 {
+            (experts_local * hit, rows / hit)
+        } else {
+            (experts_local, rows)
+        };
         let h = e.hidden as f64;
         let w_up = h * ffn * up_w * bpe;
         let w_down = ffn * h * bpe;
@@ -870,8 +897,16 @@ impl LayoutCtx {
         let act = self.roof.memory_s(rows * ffn * (up_w + 1.0) * bpe);
         // Permuting tokens into expert order and back.
         let permute = self.roof.memory_s(4.0 * rows * experts_local * h * bpe);
-        let f = experts_local * (up + down + act) + permute;
-        let b = experts_local * (2.0 * (up + down) + 1.5 * act) + permute;
+        // One grouped kernel per matrix runs every local expert: its fixed cost is
+        // paid once, not per expert.
+        let ko = self.roof.kernel_overhead_s;
+        let (up, down, act) = (
+            (up - ko).max(0.0),
+            (down - ko).max(0.0),
+            (act - ko).max(0.0),
+        );
+        let f = experts_local * (up + down + act) + 3.0 * ko + permute;
+        let b = experts_local * (2.0 * (up + down) + 1.5 * act) + 5.5 * ko + permute;
         // Model FLOPs count routed tokens, not the padding of capacity buffers.
         let padded = e.dispatched_rows(tokens, group) / e.dispatched_rows(tokens, None);
         let flops = experts_local * 2.0 * rows / padded * h * ffn * mats;

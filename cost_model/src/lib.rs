@@ -24,6 +24,7 @@ pub mod graph_cost;
 pub mod memory;
 pub mod overlay;
 pub mod pipeline;
+pub mod serving;
 pub mod timeline;
 
 pub use cluster::{load_cluster, load_cluster_calibrated, parse_cluster_yaml, Cluster, GroupShape};

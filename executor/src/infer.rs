@@ -17,19 +17,29 @@
 //! vocabulary: the plan's AllGather of the logits, priced by the cost model as
 //! `LayoutCtx::sampling`), samples, and sends the new tokens to the first stage (a
 //! few bytes per request the plan does not list).
+//!
+//! MoE layers run the training interpreter's experts (`moe::forward`): split over
+//! `tp` like a dense MLP (the plan all-reduces their output) or by expert over `ep`
+//! (All-to-All). Prefill holds each expert to its capacity over the prompt (a
+//! capacity group is one prompt, as one rank prefills it); decoding routes dropless,
+//! as the cost model prices it (`ExpertsShape::dispatched_rows`), so the sharded run
+//! and its single-rank reference keep the same tokens. An expert group spanning
+//! replicas runs every pass together: a replica without a request for a pass runs
+//! only its experts, on what the others send them.
 
 use crate::backend::{Backend, CpuBackend};
 use crate::comm::{ByteCounts, Communicator, Group, RankError, ThreadComm};
 use crate::init::init_full;
+use crate::moe::Routing;
 use crate::sample::{sample, Sampling};
-use crate::shard::{local_heads, weight_transposed, TpPos};
+use crate::shard::{local_heads, local_weight, weight_transposed, TpPos};
 use crate::train::{
     bshd_to_sbhd, build_groups, fail, fixed_shape, kerr, segment_input, segment_output, ExecError,
     NO_LAYER,
 };
 use crate::weights::{apply_spec, shard_spec, Checkpoint};
 use meshplan_ir::graph::OpKind;
-use meshplan_ir::plan::{CollectiveKind, Instr, Phase, PhaseKind, Plan, PlanKind};
+use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Phase, PhaseKind, Plan, PlanKind};
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole};
 use meshplan_kernels::cpu as k;
 use std::collections::{BTreeMap, HashMap};
@@ -118,6 +128,11 @@ pub struct InferReport {
     pub weight_bytes: f64,
     /// Bytes each rank sent, in rank order.
     pub counts: Vec<ByteCounts>,
+    /// Per rank, the expert-parallel bytes of passes whose exchange follows the
+    /// router (dropless routing, every decode step, expert groups whose members hold
+    /// different numbers of tokens): (sent, what the plan lists for those passes,
+    /// which assumes balanced routing). [`byte_mismatches`] leaves them out.
+    pub routed_ep_bytes: Vec<(f64, f64)>,
 }
 
 /// What one rank hands back.
@@ -127,6 +142,7 @@ struct RankOut {
     kv_bytes: f64,
     weight_bytes: f64,
     counts: ByteCounts,
+    routed_ep: (f64, f64),
 }
 
 /// Checks the requests against the plan's model before any rank starts: the
@@ -180,9 +196,9 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     }
     for op in graph.segments.iter().flat_map(|s| &s.ops) {
         match &op.kind {
-            OpKind::Experts(_) | OpKind::Router { .. } => {
+            OpKind::Router { .. } => {
                 return Err(format!(
-                    "`{}`: MoE layers are not run by the inference executor yet",
+                    "`{}`: a separate router op is not run by the executor (the experts read a router matmul's scores)",
                     op.name
                 ))
             }
@@ -195,6 +211,7 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
             _ => {}
         }
     }
+    check_experts(plan, opts)?;
     for kind in [PhaseKind::Prefill, PhaseKind::Decode] {
         if plan
             .programs
@@ -203,6 +220,36 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
         {
             return Err(format!("a program of the plan has no {kind:?} phase"));
         }
+    }
+    Ok(())
+}
+
+/// The MoE layouts the inference executor runs: experts split over `tp` or over
+/// `ep`, not both (an inference plan has no sequence parallelism, so each tensor
+/// rank would dispatch a slice of replicated tokens and the plan lists no gather of
+/// the experts' output), with synthetic weights.
+fn check_experts(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
+    let Some(op) = plan
+        .graph
+        .segments
+        .iter()
+        .flat_map(|s| &s.ops)
+        .find(|o| matches!(o.kind, OpKind::Experts(_)))
+    else {
+        return Ok(());
+    };
+    let s = &plan.strategy;
+    if s.tp > 1 && s.ep > 1 {
+        return Err(format!(
+            "`{}`: experts with tp={} and ep={} are not run by the inference executor (without sequence parallelism each tensor rank would route a slice of the same tokens); plan with ep=1 (experts split over tp) or tp=1",
+            op.name, s.tp, s.ep
+        ));
+    }
+    if opts.weights.is_some() {
+        return Err(format!(
+            "`{}`: MoE expert weights are not read from Hugging Face checkpoints yet; run without --weights (synthetic weights)",
+            op.name
+        ));
     }
     Ok(())
 }
@@ -253,6 +300,7 @@ pub fn infer_on(
             kv_bytes,
             weight_bytes,
             counts: r.comm.counts(),
+            routed_ep: r.routed_ep,
         })
     });
     if let Some(summary) = crate::comm::failure_summary(&results) {
@@ -317,6 +365,7 @@ pub fn infer_on(
         },
         kv_cache_bytes: outs.iter().map(|o| o.kv_bytes).fold(0.0, f64::max),
         weight_bytes: outs.iter().map(|o| o.weight_bytes).fold(0.0, f64::max),
+        routed_ep_bytes: outs.iter().map(|o| o.routed_ep).collect(),
         counts: outs.into_iter().map(|o| o.counts).collect(),
         requests,
     })
@@ -402,6 +451,8 @@ struct Batch {
     pos0: Vec<usize>,
     /// Token ids per row.
     tokens: Vec<u32>,
+    /// How the experts hold this pass's tokens to capacity.
+    routing: Routing,
 }
 
 impl Batch {
@@ -414,6 +465,120 @@ impl Batch {
         (0..self.rows())
             .map(|r| (self.pos0[r % b] + r / b) as u32)
             .collect()
+    }
+}
+
+/// One request's KV cache on a rank: per block layer of its stage, keys
+/// `[len, hkv, d]` and values `[len, hkv, dv]` of the rank's own KV heads.
+pub(crate) type RequestCache = BTreeMap<u64, (Vec<f32>, Vec<f32>)>;
+
+/// What prefilling one request leaves on a rank.
+struct Prefilled {
+    /// The last position's full-vocabulary logits (last stage only).
+    logits: Option<Vec<f32>>,
+    /// Its KV cache entries.
+    cache: RequestCache,
+}
+
+/// A replica's requests while generating: what the recording rank (the last
+/// stage's first tensor rank) reports, and the tokens fed to the next step.
+struct Progress {
+    /// Global request index per local slot.
+    ids: Vec<usize>,
+    outs: Vec<RequestOutput>,
+    first_at: Vec<f64>,
+    current: Vec<u32>,
+    /// A request that produced an end-of-sequence token keeps its place in the
+    /// batch (every rank runs the same steps, and the plan's bytes stay exact) but
+    /// records nothing more.
+    ended: Vec<bool>,
+    eos: Vec<u32>,
+    step_logits: bool,
+}
+
+impl Progress {
+    fn new(ids: &[usize], opts: &InferOptions) -> Progress {
+        let outs = ids
+            .iter()
+            .map(|&i| RequestOutput {
+                prompt_len: opts.requests[i].len(),
+                tokens: Vec::new(),
+                logits: Vec::new(),
+                first_logits: Vec::new(),
+                step_logits: Vec::new(),
+                ended_at_eos: false,
+                ttft_s: 0.0,
+                tpot_s: 0.0,
+            })
+            .collect();
+        Progress {
+            ids: ids.to_vec(),
+            outs,
+            first_at: vec![0.0; ids.len()],
+            current: vec![0; ids.len()],
+            ended: vec![false; ids.len()],
+            eos: opts.eos.clone(),
+            step_logits: opts.step_logits,
+        }
+    }
+
+    /// Samples slot `j`'s first token from its prefill logits (`now`: recorded at
+    /// this time since the start).
+    fn first_token(
+        &mut self,
+        j: usize,
+        rows: Vec<f32>,
+        sampling: &Sampling,
+        now: Option<Duration>,
+    ) {
+        let t = sample(&rows, sampling, self.ids[j] as u64, 0);
+        self.current[j] = t;
+        self.ended[j] = self.eos.contains(&t);
+        let Some(now) = now else {
+            return;
+        };
+        self.first_at[j] = now.as_secs_f64();
+        let o = &mut self.outs[j];
+        o.tokens.push(t);
+        o.ended_at_eos = self.ended[j];
+        o.ttft_s = self.first_at[j];
+        if self.step_logits {
+            o.step_logits.push(rows.clone());
+        }
+        o.first_logits = rows.clone();
+        o.logits = rows;
+    }
+
+    /// Samples every slot's token of decode step `step` from `all`
+    /// (`[slots, vocab]`).
+    fn next_tokens(
+        &mut self,
+        all: &[f32],
+        vocab: usize,
+        step: usize,
+        sampling: &Sampling,
+        now: Option<Duration>,
+    ) {
+        for j in 0..self.ids.len() {
+            let row = &all[j * vocab..(j + 1) * vocab];
+            let t = sample(row, sampling, self.ids[j] as u64, step as u64);
+            self.current[j] = t;
+            if self.ended[j] {
+                continue;
+            }
+            self.ended[j] = self.eos.contains(&t);
+            let Some(now) = now else {
+                continue;
+            };
+            let o = &mut self.outs[j];
+            o.tokens.push(t);
+            o.ended_at_eos = self.ended[j];
+            if self.step_logits {
+                o.step_logits.push(row.to_vec());
+            }
+            o.logits = row.to_vec();
+            o.tpot_s = (now.as_secs_f64() - self.first_at[j]) / step as f64;
+        }
     }
 }
 
@@ -434,7 +599,15 @@ struct InferRank<'a> {
     last_stage: u64,
     dp: usize,
     dp_index: usize,
+    /// Mesh axis of `dp` in the rank coordinates.
+    dp_axis: Option<usize>,
     tp: TpPos,
+    ep: TpPos,
+    /// The expert group, when the experts are split over ranks.
+    ep_group: Option<Group>,
+    /// Expert-parallel bytes of passes whose exchange follows the router: (sent,
+    /// the plan's figure for those passes).
+    routed_ep: (f64, f64),
     groups: BTreeMap<String, Group>,
     prefill: &'a Phase,
     decode: &'a Phase,
@@ -482,6 +655,16 @@ impl<'a> InferRank<'a> {
             .find(|t| t.name == "embed.tokens.w")
             .ok_or_else(|| fail("the plan's model has no token embedding"))?;
         let shape = fixed_shape(table)?;
+        let groups = build_groups(plan, rank)?;
+        let ep_group = groups.get("ep").filter(|g| g.size() > 1).cloned();
+        let ep = ep_group
+            .as_ref()
+            .and_then(|g| g.index_of(rank))
+            .map(|i| TpPos {
+                rank: i,
+                size: ep_group.as_ref().map_or(1, Group::size),
+            })
+            .unwrap_or(TpPos::ONE);
         let mut st = InferRank {
             be,
             plan,
@@ -494,11 +677,15 @@ impl<'a> InferRank<'a> {
             last_stage: size("pp") as u64 - 1,
             dp: size("dp"),
             dp_index: coord("dp"),
+            dp_axis: axis("dp"),
             tp: TpPos {
                 rank: coord("tp"),
                 size: size("tp"),
             },
-            groups: build_groups(plan, rank)?,
+            ep,
+            ep_group,
+            routed_ep: (0.0, 0.0),
+            groups,
             prefill: phase(PhaseKind::Prefill)?,
             decode: phase(PhaseKind::Decode)?,
             opts,
@@ -549,7 +736,15 @@ impl<'a> InferRank<'a> {
                             let kind = crate::init::init_kind(op, w, &shape);
                             let elems = shape.iter().product();
                             let full = init_full(self.opts.seed, &t.name, l, elems, kind);
-                            apply_spec(&spec, &full, &shape)
+                            if matches!(op.kind, OpKind::Experts(_)) {
+                                // Split by expert over `ep` or within each expert
+                                // over `tp`, as training slices them.
+                                local_weight(
+                                    self.graph, op, op.role, w, &full, &shape, self.tp, self.ep,
+                                )
+                            } else {
+                                apply_spec(&spec, &full, &shape)
+                            }
                         }
                     };
                     if let Some(bad) = local.iter().find(|x| !x.is_finite()) {
@@ -610,108 +805,251 @@ impl<'a> InferRank<'a> {
 
     /// Prefill every request of this replica, then decode them together.
     fn generate(&mut self, t0: Instant) -> Result<Vec<(usize, RequestOutput)>, RankError> {
-        let dp = self.dp.max(1);
-        let mine: Vec<usize> = (0..self.opts.requests.len())
-            .filter(|i| i % dp == self.dp_index)
-            .collect();
-        if mine.is_empty() {
+        let mine = self.served_by(self.dp_index);
+        let lockstep = self.expert_lockstep();
+        if mine.is_empty() && !lockstep {
             return Ok(Vec::new());
         }
-        let last = self.stage == self.last_stage;
-        let record = last && self.tp.rank == 0;
-        let max_new = self.opts.max_new_tokens;
-        let mut outs: Vec<RequestOutput> = mine
-            .iter()
-            .map(|&i| RequestOutput {
-                prompt_len: self.opts.requests[i].len(),
-                tokens: Vec::new(),
-                logits: Vec::new(),
-                first_logits: Vec::new(),
-                step_logits: Vec::new(),
-                ended_at_eos: false,
-                ttft_s: 0.0,
-                tpot_s: 0.0,
-            })
-            .collect();
-        let mut first_at = vec![0.0; mine.len()];
-        let mut current = vec![0u32; mine.len()];
-        // A request that produced an end-of-sequence token keeps its place in the
-        // batch (every rank runs the same steps, and the plan's bytes stay exact)
-        // but records nothing more.
-        let eos = &self.opts.eos;
-        let mut ended = vec![false; mine.len()];
-        let prefill = self.prefill;
-        for (j, &i) in mine.iter().enumerate() {
-            let prompt = &self.opts.requests[i];
-            let batch = Batch {
-                reqs: vec![j],
-                seq: prompt.len(),
-                pos0: vec![0],
-                tokens: prompt.clone(),
+        let record = self.stage == self.last_stage && self.tp.rank == 0;
+        let mut p = Progress::new(&mine, self.opts);
+        // An expert group runs its passes together: a replica out of requests still
+        // serves its experts to the others' tokens.
+        let passes = match &self.ep_group {
+            Some(g) if lockstep => g
+                .ranks
+                .iter()
+                .map(|&r| self.served_by(self.dp_of(r)).len())
+                .max()
+                .unwrap_or(0),
+            _ => mine.len(),
+        };
+        for j in 0..passes {
+            let Some(&i) = mine.get(j) else {
+                self.idle_pass(self.prefill)?;
+                continue;
             };
-            self.run_phase(prefill, &batch)?;
-            if last {
-                let rows = self.last_logits(&batch)?;
-                let t = sample(&rows, &self.opts.sampling, i as u64, 0);
-                current[j] = t;
-                ended[j] = eos.contains(&t);
-                if record {
-                    first_at[j] = t0.elapsed().as_secs_f64();
-                    let o = &mut outs[j];
-                    o.tokens.push(t);
-                    o.ended_at_eos = ended[j];
-                    o.ttft_s = first_at[j];
-                    if self.opts.step_logits {
-                        o.step_logits.push(rows.clone());
-                    }
-                    o.first_logits = rows.clone();
-                    o.logits = rows;
-                }
+            let done = self.prefill_request(j, i)?;
+            self.put_cache(j, done.cache);
+            if let Some(rows) = done.logits {
+                p.first_token(j, rows, &self.opts.sampling, record.then(|| t0.elapsed()));
             }
         }
-        let decode = self.decode;
-        for step in 1..max_new {
-            self.hand_tokens_back(&mut current)?;
-            let batch = Batch {
-                reqs: (0..mine.len()).collect(),
-                seq: 1,
-                pos0: mine
-                    .iter()
-                    .map(|&i| self.opts.requests[i].len() + step - 1)
-                    .collect(),
-                tokens: current.clone(),
-            };
-            self.run_phase(decode, &batch)?;
-            if last {
-                let all = self.last_logits(&batch)?;
-                let v = self.vocab;
-                for (j, &i) in mine.iter().enumerate() {
-                    let row = &all[j * v..(j + 1) * v];
-                    let t = sample(row, &self.opts.sampling, i as u64, step as u64);
-                    current[j] = t;
-                    if ended[j] {
-                        continue;
-                    }
-                    ended[j] = eos.contains(&t);
-                    if record {
-                        let o = &mut outs[j];
-                        o.tokens.push(t);
-                        o.ended_at_eos = ended[j];
-                        if self.opts.step_logits {
-                            o.step_logits.push(row.to_vec());
-                        }
-                        o.logits = row.to_vec();
-                        let now = t0.elapsed().as_secs_f64();
-                        o.tpot_s = (now - first_at[j]) / step as f64;
-                    }
-                }
+        for step in 1..self.opts.max_new_tokens {
+            if mine.is_empty() {
+                self.idle_pass(self.decode)?;
+                continue;
+            }
+            self.hand_tokens_back(&mut p.current)?;
+            if let Some(all) = self.decode_step(&mine, step, &p.current)? {
+                let now = record.then(|| t0.elapsed());
+                p.next_tokens(&all, self.vocab, step, &self.opts.sampling, now);
             }
         }
         Ok(if record {
-            mine.into_iter().zip(outs).collect()
+            mine.into_iter().zip(p.outs).collect()
         } else {
             Vec::new()
         })
+    }
+
+    /// Requests replica `dp_index` serves, in order (round robin over replicas).
+    fn served_by(&self, dp_index: usize) -> Vec<usize> {
+        let dp = self.dp.max(1);
+        (0..self.opts.requests.len())
+            .filter(|i| i % dp == dp_index)
+            .collect()
+    }
+
+    fn dp_of(&self, rank: usize) -> usize {
+        match (self.dp_axis, self.plan.ranks.get(rank)) {
+            (Some(a), Some(e)) => e.coords[a] as usize,
+            _ => 0,
+        }
+    }
+
+    /// Whether this rank's expert group spans replicas one of which has requests:
+    /// its members must then run every pass together.
+    fn expert_lockstep(&self) -> bool {
+        self.ep_group.as_ref().is_some_and(|g| {
+            g.ranks
+                .iter()
+                .any(|&r| !self.served_by(self.dp_of(r)).is_empty())
+        })
+    }
+
+    /// How the experts of prefill pass `j` (request `i`) hold tokens to capacity:
+    /// groups of one prompt, padded counts known to every member when each member
+    /// prefills a prompt of the same length in this pass.
+    fn prefill_routing(&self, j: usize, i: usize) -> Routing {
+        let len = self.opts.requests[i].len();
+        let dp = self.dp.max(1);
+        let even = self.ep_group.as_ref().is_none_or(|g| {
+            g.ranks.iter().all(|&r| {
+                let other = self.dp_of(r) + j * dp;
+                self.opts.requests.get(other).map(Vec::len) == Some(len)
+            })
+        });
+        let group = meshplan_ir::graph::capacity_group_tokens(
+            len as u64,
+            1,
+            self.tp.size as u64,
+            self.ep.size as u64,
+        );
+        Routing {
+            group_tokens: Some(group as usize),
+            even,
+        }
+    }
+
+    /// Whether the pass's expert exchange follows the router rather than the plan's
+    /// fixed sizes: expert parallelism without even capacity buffers.
+    fn routed(&self, routing: Routing) -> bool {
+        let padded = |o: &Op| matches!(&o.kind, OpKind::Experts(e) if e.capacity_factor.is_some());
+        let ops = || self.graph.segments.iter().flat_map(|s| &s.ops);
+        let even = routing.even && routing.group_tokens.is_some() && ops().any(padded);
+        self.ep.size > 1 && !even && ops().any(|o| matches!(o.kind, OpKind::Experts(_)))
+    }
+
+    /// Runs `phase` on `batch`, keeping apart the expert-parallel bytes that follow
+    /// the router, with the plan's figure for the pass.
+    fn run_counted(&mut self, phase: &Phase, batch: &Batch) -> Result<(), RankError> {
+        let routed = self.routed(batch.routing);
+        let before = self.ep_bytes_sent(routed);
+        self.run_phase(phase, batch)?;
+        if routed {
+            self.routed_ep.0 += self.ep_bytes_sent(true) - before;
+            self.routed_ep.1 += phase.bytes_sent().get(Axis::Ep);
+        }
+        Ok(())
+    }
+
+    fn ep_bytes_sent(&self, routed: bool) -> f64 {
+        if routed {
+            self.comm.counts().axis_bytes_sent(Axis::Ep.name())
+        } else {
+            0.0
+        }
+    }
+
+    /// Prefills request `i` into local slot `j`: its KV cache entries on this rank,
+    /// and on the last stage the full-vocabulary logits of its last position.
+    fn prefill_request(&mut self, j: usize, i: usize) -> Result<Prefilled, RankError> {
+        let prompt = &self.opts.requests[i];
+        let batch = Batch {
+            reqs: vec![j],
+            seq: prompt.len(),
+            pos0: vec![0],
+            tokens: prompt.clone(),
+            routing: self.prefill_routing(j, i),
+        };
+        self.run_counted(self.prefill, &batch)?;
+        let logits = if self.stage == self.last_stage {
+            Some(self.last_logits(&batch)?)
+        } else {
+            None
+        };
+        Ok(Prefilled {
+            logits,
+            cache: self.take_cache(j),
+        })
+    }
+
+    /// Decode step `step` of the requests `mine` (local slots `0..`), from their
+    /// caches, fed the tokens `current`: on the last stage the logits
+    /// `[requests, vocab]`.
+    fn decode_step(
+        &mut self,
+        mine: &[usize],
+        step: usize,
+        current: &[u32],
+    ) -> Result<Option<Vec<f32>>, RankError> {
+        let batch = Batch {
+            reqs: (0..mine.len()).collect(),
+            seq: 1,
+            pos0: mine
+                .iter()
+                .map(|&i| self.opts.requests[i].len() + step - 1)
+                .collect(),
+            tokens: current.to_vec(),
+            // One token per request: capacity groups of one token would pad every
+            // expert for every token, so decoding routes dropless
+            // (`ExpertsShape::dispatched_rows`).
+            routing: Routing {
+                group_tokens: None,
+                even: false,
+            },
+        };
+        self.run_counted(self.decode, &batch)?;
+        if self.stage == self.last_stage {
+            Ok(Some(self.last_logits(&batch)?))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// A pass of `phase` without tokens of this replica: only its experts run, on
+    /// what the rest of the expert group sends them.
+    fn idle_pass(&mut self, phase: &Phase) -> Result<(), RankError> {
+        let idle = Routing {
+            group_tokens: None,
+            even: false,
+        };
+        let before = self.ep_bytes_sent(true);
+        for ch in &phase.chunks {
+            let mut layer = ch.layer_start;
+            for instr in &ch.forward {
+                let Instr::Segment {
+                    kind, repeat, body, ..
+                } = instr
+                else {
+                    continue;
+                };
+                for _ in 0..*repeat {
+                    let l = if *kind == SegmentKind::Block {
+                        layer += 1;
+                        layer - 1
+                    } else {
+                        NO_LAYER
+                    };
+                    for name in body.iter().filter_map(|i| match i {
+                        Instr::Compute { name, .. } => Some(name),
+                        _ => None,
+                    }) {
+                        let op = self.find_op(name)?;
+                        if let OpKind::Experts(e) = &op.kind {
+                            self.experts(op, e, l, idle, true)?;
+                        }
+                    }
+                }
+            }
+        }
+        // The plan counts no pass for a replica without requests.
+        self.routed_ep.0 += self.ep_bytes_sent(true) - before;
+        Ok(())
+    }
+
+    /// Removes one local request's KV cache entries from this rank.
+    fn take_cache(&mut self, slot: usize) -> RequestCache {
+        let keys: Vec<(u64, usize)> = self.kv.keys().filter(|k| k.1 == slot).copied().collect();
+        keys.into_iter()
+            .filter_map(|k| self.kv.remove(&k).map(|v| (k.0, v)))
+            .collect()
+    }
+
+    /// Installs one local request's KV cache entries.
+    fn put_cache(&mut self, slot: usize, cache: RequestCache) {
+        for (layer, kv) in cache {
+            self.kv.insert((layer, slot), kv);
+        }
+    }
+
+    fn find_op(&self, name: &str) -> Result<&'a Op, RankError> {
+        self.graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find(|o| o.name == name)
+            .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
     }
 
     /// The last stage sends the tokens it sampled to the first, which embeds them.
@@ -856,13 +1194,7 @@ impl<'a> InferRank<'a> {
         for instr in body {
             match instr {
                 Instr::Compute { name, .. } => {
-                    let op = self
-                        .graph
-                        .segments
-                        .iter()
-                        .flat_map(|s| &s.ops)
-                        .find(|o| &o.name == name)
-                        .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))?;
+                    let op = self.find_op(name)?;
                     self.forward_op(op, batch, l)?;
                 }
                 Instr::Collective { tensor, .. } => self.collective(instr, tensor)?,
@@ -908,6 +1240,10 @@ impl<'a> InferRank<'a> {
                     return Ok(());
                 }
             }
+        }
+        // The experts op moves its tokens itself (counts follow the routing).
+        if *axis == Axis::Ep && tensor.contains(".experts.") {
+            return Ok(());
         }
         let g = self.group(group)?;
         let n = g.size();
@@ -1094,15 +1430,75 @@ impl<'a> InferRank<'a> {
             OpKind::Dropout => self.act(op, 0)?.clone(),
             // Generation samples from the logits; the loss is not computed.
             OpKind::CrossEntropy { .. } => return Ok(()),
-            OpKind::Experts(_) | OpKind::Router { .. } => {
+            OpKind::Experts(e) => self.experts(op, e, l, batch.routing, false)?,
+            OpKind::Router { .. } => {
                 return Err(fail(format!(
-                    "`{}`: MoE layers are not run by the inference executor yet",
+                    "`{}`: a separate router op is not run by the executor",
                     op.name
                 )))
             }
         };
         self.acts.insert(out, y);
         Ok(())
+    }
+
+    /// Routed experts on this pass's tokens (`idle`: none, the rank serving only
+    /// its experts to the rest of its expert group).
+    fn experts(
+        &mut self,
+        op: &Op,
+        e: &meshplan_ir::graph::ExpertsShape,
+        l: u64,
+        routing: Routing,
+        idle: bool,
+    ) -> Result<Vec<f32>, RankError> {
+        let name = |i: usize| self.graph.tensor(op.inputs[i]).name.as_str();
+        let act = |i: usize| {
+            self.acts.get(name(i)).map(Vec::as_slice).ok_or_else(|| {
+                fail(format!(
+                    "`{}` reads `{}` before it is produced",
+                    op.name,
+                    name(i)
+                ))
+            })
+        };
+        let weight = |i: usize| {
+            let key = (op.name.clone(), name(i).to_string(), l);
+            self.weights.get(&key).ok_or_else(|| {
+                fail(format!(
+                    "weight `{}` of `{}` (layer {l}) is not held by rank {}",
+                    name(i),
+                    op.name,
+                    self.rank
+                ))
+            })
+        };
+        let (x, logits) = if idle {
+            (&[][..], &[][..])
+        } else {
+            (act(0)?, act(1)?)
+        };
+        let inputs = crate::moe::Inputs {
+            x,
+            logits,
+            w_up: weight(2)?,
+            w_down: weight(3)?,
+        };
+        let place = crate::moe::Place {
+            tp: self.tp,
+            ep: self.ep,
+            group: self.ep_group.as_ref(),
+        };
+        let (out, _) = crate::moe::forward(
+            self.be,
+            &mut self.comm,
+            &place,
+            &op.name,
+            e,
+            &inputs,
+            routing,
+        )?;
+        Ok(out)
     }
 
     fn consumer_attention(&self, op: &Op) -> Result<&'a Op, RankError> {
@@ -1190,7 +1586,9 @@ impl<'a> InferRank<'a> {
 /// `None` otherwise. Per rank: its prefill phase once per request it served, its
 /// decode phase once per step after the first token; the last stage also sends the
 /// sampled tokens back to the first (4 bytes per request and step), which the plan
-/// does not list.
+/// does not list. Expert-parallel bytes that follow the router
+/// ([`InferReport::routed_ep_bytes`]) are left out, as training reports rather than
+/// compares those of dropless experts ([`routed_ep_summary`] says what they were).
 pub fn byte_mismatches(plan: &Plan, opts: &InferOptions, run: &InferReport) -> Option<Vec<String>> {
     let meshplan_ir::Workload::Inference { prompt_len, .. } = plan.workload else {
         return None;
@@ -1225,7 +1623,12 @@ pub fn byte_mismatches(plan: &Plan, opts: &InferOptions, run: &InferReport) -> O
             if ax == meshplan_ir::plan::Axis::Pp && pp > 1 && program.stage + 1 == pp as u64 {
                 want += steps * served as f64 * 4.0;
             }
-            let got = counts.axis_bytes_sent(ax.name());
+            let mut got = counts.axis_bytes_sent(ax.name());
+            if ax == meshplan_ir::plan::Axis::Ep {
+                let (sent, planned) = run.routed_ep_bytes.get(rank).copied().unwrap_or_default();
+                got -= sent;
+                want -= planned;
+            }
             if (got - want).abs() > 1e-6 * want.max(1.0) {
                 out.push(format!(
                     "rank {rank} {}: measured {got} bytes, plan {want}",
@@ -1235,4 +1638,20 @@ pub fn byte_mismatches(plan: &Plan, opts: &InferOptions, run: &InferReport) -> O
         }
     }
     Some(out)
+}
+
+/// One line on the expert-parallel bytes that followed the router (left out of
+/// [`byte_mismatches`]): the busiest rank's bytes beside the plan's figure for the
+/// same passes under balanced routing; `None` when there were none.
+pub fn routed_ep_summary(run: &InferReport) -> Option<String> {
+    let (rank, &(sent, planned)) = run
+        .routed_ep_bytes
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1 .0.total_cmp(&b.1 .0))?;
+    (sent > 0.0 || planned > 0.0).then(|| {
+        format!(
+            "expert-parallel bytes that follow the router (dropless routing, decode steps): rank {rank} sent {sent}, the plan's balanced routing {planned}; not compared"
+        )
+    })
 }

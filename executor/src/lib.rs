@@ -12,6 +12,8 @@
 //! - [`infer`]: the inference interpreter (prefill, decode, per-rank KV cache),
 //!   with [`sample`] (greedy, temperature and top-p) and `--check` against a
 //!   single-rank run.
+//! - `moe` (crate-private): routed experts' forward (routing, capacity, the
+//!   expert-parallel exchange), shared by the training and inference interpreters.
 //! - [`weights`]: Hugging Face safetensors checkpoints, each rank reading its shard
 //!   from a shared memory map; [`tokenize`]: `tokenizer.json` prompts.
 //! - [`mapped`]: read-only maps of input files, and a clear stop when one is
@@ -34,6 +36,7 @@ pub mod infer;
 pub mod init;
 pub mod launch;
 pub mod mapped;
+mod moe;
 pub mod sample;
 pub mod shard;
 pub mod tokenize;

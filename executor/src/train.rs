@@ -11,6 +11,7 @@
 use crate::backend::{Backend, CpuBackend};
 use crate::comm::{ByteCounts, CommError, Communicator, Group, RankError, ThreadComm};
 use crate::init::{init_full, init_kind};
+use crate::moe::Padding;
 use crate::shard::{local_heads, local_weight, TpPos};
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Pass, Plan, PlanKind, Program};
@@ -342,23 +343,7 @@ struct Store {
     acts: HashMap<(u64, String), Arc<Vec<f32>>>,
     grads: HashMap<(u64, String), Vec<f32>>,
     /// What each experts op keeps for its backward, by layer and op name.
-    experts: HashMap<(u64, String), ExpertsKept>,
-}
-
-/// An experts op's forward state: routing, the exchange's counts, and the local
-/// experts' inputs and intermediate activations.
-struct ExpertsKept {
-    probs: Vec<f32>,
-    idx: Vec<u32>,
-    wts: Vec<f32>,
-    perm: Vec<u32>,
-    local_rows: Vec<f32>,
-    local_counts: Vec<usize>,
-    ups: Vec<f32>,
-    acts: Vec<f32>,
-    y_disp: Vec<f32>,
-    route: Route,
-    padding: Option<Padding>,
+    experts: HashMap<(u64, String), crate::moe::ExpertsKept>,
 }
 
 struct RankState<'a> {
@@ -415,18 +400,7 @@ impl Store {
 
     /// Values held, for the memory report.
     fn held_floats(&self) -> usize {
-        let experts: usize = self
-            .experts
-            .values()
-            .map(|e| {
-                e.probs.len()
-                    + e.wts.len()
-                    + e.local_rows.len()
-                    + e.ups.len()
-                    + e.acts.len()
-                    + e.y_disp.len()
-            })
-            .sum();
+        let experts: usize = self.experts.values().map(|e| e.floats()).sum();
         self.acts.values().map(|v| v.len()).sum::<usize>() + experts
     }
 
@@ -2073,9 +2047,7 @@ impl<'a> RankState<'a> {
 }
 
 impl RankState<'_> {
-    /// Routed experts: top-k routing, tokens grouped by expert, sent to the ranks
-    /// holding their experts (All-to-All with the actual counts), each expert's gated
-    /// MLP, and the weighted combine back in token order.
+    /// Routed experts (`crate::moe::forward`), keeping what the backward needs.
     fn experts_forward(
         &mut self,
         op: &Op,
@@ -2095,84 +2067,57 @@ impl RankState<'_> {
         // tokens and router scores.
         let x = self.act_gathered(store, l, op.inputs[0])?;
         let logits = self.act_gathered(store, l, op.inputs[1])?;
-        let (h, f, ne, kk) = self.expert_dims(e);
-        let rows = x.len() / h;
-        let mut probs = vec![0.0; rows * ne];
-        let mut idx = vec![0u32; rows * kk];
-        let mut wts = vec![0.0; rows * kk];
-        self.be
-            .moe_route_fwd(&logits, rows, ne, kk, true, &mut probs, &mut idx, &mut wts)
-            .map_err(kerr(&op.name))?;
-        let mut disp = vec![0.0; rows * kk * h];
-        let mut counts = vec![0usize; ne];
-        let mut perm = vec![0u32; rows * kk];
-        self.be
-            .moe_dispatch_fwd(&x, &idx, rows, kk, ne, h, &mut disp, &mut counts, &mut perm)
-            .map_err(kerr(&op.name))?;
-        let padding = self.capacity_padding(e, &counts, &perm, kk, rows)?;
-        self.expert_slots.0 += perm.len() as u64;
-        if let Some(p) = &padding {
+        let group = self.opts.moe_group_tokens.unwrap_or_else(|| {
+            meshplan_ir::graph::capacity_group_tokens(
+                self.seq_len as u64,
+                self.cp.size as u64,
+                self.tp.size as u64,
+                self.ep.size as u64,
+            ) as usize
+        });
+        let ep_group = self.ep_group()?;
+        let place = crate::moe::Place {
+            tp: self.tp,
+            ep: self.ep,
+            group: ep_group.as_ref(),
+        };
+        let (ku, kd) = (self.wkey(op.inputs[2], l), self.wkey(op.inputs[3], l));
+        let missing = || fail(format!("{}: expert weights missing", op.name));
+        let inputs = crate::moe::Inputs {
+            x: &x,
+            logits: &logits,
+            w_up: self.weights.get(&ku).ok_or_else(missing)?,
+            w_down: self.weights.get(&kd).ok_or_else(missing)?,
+        };
+        let routing = crate::moe::Routing {
+            group_tokens: Some(group),
+            even: true,
+        };
+        let (out, kept) = crate::moe::forward(
+            self.be,
+            &mut self.comm,
+            &place,
+            &op.name,
+            e,
+            &inputs,
+            routing,
+        )?;
+        self.expert_slots.0 += kept.perm.len() as u64;
+        if let Some(p) = &kept.padding {
             self.expert_slots.1 += p.at.iter().filter(|&&a| a == Padding::DROPPED).count() as u64;
         }
-        let (local_rows, local_counts, route) = match &padding {
-            Some(p) => self.experts_exchange(&p.pad(&disp, h), &p.counts(), ne, h, true)?,
-            None => self.experts_exchange(&disp, &counts, ne, h, false)?,
-        };
-        let w_up = self.weight(op.inputs[2], l)?;
-        let w_down = self.weight(op.inputs[3], l)?;
-        let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
-        let up_w = if gated { 2 * f } else { f };
-        let total = local_rows.len() / h;
-        let mut y = vec![0.0; total * h];
-        let mut ups = vec![0.0; total * up_w];
-        let mut acts = vec![0.0; total * f];
-        let mut off = 0;
-        for (j, &n) in local_counts.iter().enumerate() {
-            if n == 0 {
-                continue;
-            }
-            let xr = &local_rows[off * h..(off + n) * h];
-            let up = &mut ups[off * up_w..(off + n) * up_w];
-            let wu = &w_up[j * h * up_w..(j + 1) * h * up_w];
-            linear_fwd(self.be, xr, wu, n, h, up_w, up).map_err(kerr(&op.name))?;
-            let act = &mut acts[off * f..(off + n) * f];
-            if gated {
-                self.be.swiglu_fwd(up, n, f, act).map_err(kerr(&op.name))?;
-            } else {
-                self.be.gelu_fwd(up, act).map_err(kerr(&op.name))?;
-            }
-            let wd = &w_down[j * f * h..(j + 1) * f * h];
-            let yr = &mut y[off * h..(off + n) * h];
-            linear_fwd(self.be, act, wd, n, f, h, yr).map_err(kerr(&op.name))?;
-            off += n;
-        }
-        let y_disp = self.experts_return(&y, &route, h)?;
-        let y_disp = match &padding {
-            Some(p) => p.unpad(&y_disp, h),
-            None => y_disp,
-        };
-        let mut out = vec![0.0; rows * h];
-        self.be
-            .moe_combine_fwd(&y_disp, &perm, &wts, rows, kk, h, &mut out)
-            .map_err(kerr(&op.name))?;
-        store.experts.insert(
-            (l, op.name.clone()),
-            ExpertsKept {
-                probs,
-                idx,
-                wts,
-                perm,
-                local_rows,
-                local_counts,
-                ups,
-                acts,
-                y_disp,
-                route,
-                padding,
-            },
-        );
+        store.experts.insert((l, op.name.clone()), kept);
         store.put((l, self.out_name(op)), out);
         Ok(())
+    }
+
+    /// The expert group, when the experts are split over ranks.
+    fn ep_group(&self) -> Result<Option<Group>, RankError> {
+        if self.ep.size > 1 {
+            self.group("ep").map(Some)
+        } else {
+            Ok(None)
+        }
     }
 
     fn experts_backward(
@@ -2183,8 +2128,8 @@ impl RankState<'_> {
         store: &mut Store,
         dy: &[f32],
     ) -> Result<(), RankError> {
-        let (h, f, ne, kk) = self.expert_dims(e);
-        let ExpertsKept {
+        let (h, f, ne, kk) = crate::moe::dims(e, self.tp, self.ep);
+        let crate::moe::ExpertsKept {
             probs,
             idx,
             wts,
@@ -2213,7 +2158,13 @@ impl RankState<'_> {
             Some(p) => p.pad(&d_y, h),
             None => d_y,
         };
-        let d_local = self.experts_resend(&d_y, &route, h)?;
+        let ep_group = self.ep_group()?;
+        let place = crate::moe::Place {
+            tp: self.tp,
+            ep: self.ep,
+            group: ep_group.as_ref(),
+        };
+        let d_local = crate::moe::resend(&mut self.comm, &place, &d_y, &route, h)?;
         let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
         let up_w = if gated { 2 * f } else { f };
         let (ku, kd) = (self.wkey(op.inputs[2], l), self.wkey(op.inputs[3], l));
@@ -2270,7 +2221,7 @@ impl RankState<'_> {
             .map_err(kerr(&op.name))?;
             off += n;
         }
-        let d_disp = self.experts_return(&d_rows, &route, h)?;
+        let d_disp = crate::moe::send_back(&mut self.comm, &place, &d_rows, &route, h)?;
         let d_disp = match &padding {
             Some(p) => p.unpad(&d_disp, h),
             None => d_disp,
@@ -2301,152 +2252,6 @@ impl RankState<'_> {
         Self::add_grad_vec(self.be, store, l, &x_key, dx);
         Self::add_grad_vec(self.be, store, l, &g_key, d_logits);
         Ok(())
-    }
-
-    /// Under an expert capacity, which dispatch slots each expert keeps (the first
-    /// `capacity` of every capacity group, in token order) and where they sit in
-    /// buffers padded to capacity; `None` when the experts route dropless.
-    fn capacity_padding(
-        &self,
-        e: &meshplan_ir::graph::ExpertsShape,
-        counts: &[usize],
-        perm: &[u32],
-        k: usize,
-        rows: usize,
-    ) -> Result<Option<Padding>, RankError> {
-        let group = self.opts.moe_group_tokens.unwrap_or_else(|| {
-            meshplan_ir::graph::capacity_group_tokens(
-                self.seq_len as u64,
-                self.cp.size as u64,
-                self.tp.size as u64,
-                self.ep.size as u64,
-            ) as usize
-        });
-        let Some(cap) = e.capacity(group as u64) else {
-            return Ok(None);
-        };
-        if group == 0 || !rows.is_multiple_of(group) {
-            return Err(fail(format!(
-                "experts: {rows} local tokens are not whole capacity groups of {group}"
-            )));
-        }
-        Ok(Some(Padding::new(
-            cap as usize,
-            group,
-            counts,
-            perm,
-            k,
-            rows,
-        )))
-    }
-
-    /// (hidden, this rank's expert MLP width, experts, top-k).
-    fn expert_dims(&self, e: &meshplan_ir::graph::ExpertsShape) -> (usize, usize, usize, usize) {
-        let tp_split = if self.ep.size == 1 { self.tp.size } else { 1 };
-        (
-            e.hidden as usize,
-            e.ffn as usize / tp_split,
-            e.experts as usize,
-            e.top_k as usize,
-        )
-    }
-
-    /// Sends rows grouped by global expert to the ranks holding those experts (their
-    /// per-expert counts first); returns the rows this rank's experts process
-    /// (expert-major), their counts, and the route back.
-    /// `uniform`: every rank sends every expert `counts` rows (padded capacity), so
-    /// the counts need no exchange.
-    fn experts_exchange(
-        &mut self,
-        disp: &[f32],
-        counts: &[usize],
-        ne: usize,
-        h: usize,
-        uniform: bool,
-    ) -> Result<(Vec<f32>, Vec<usize>, Route), RankError> {
-        let n = self.ep.size;
-        let el = ne / n;
-        if n == 1 {
-            let route = Route {
-                n: 1,
-                el,
-                send: vec![counts.to_vec()],
-                recv: vec![counts.to_vec()],
-            };
-            return Ok((disp.to_vec(), counts.to_vec(), route));
-        }
-        let g = self.group("ep")?;
-        let recv_counts: Vec<f32> = if uniform {
-            counts.iter().map(|&c| c as f32).collect()
-        } else {
-            let send_counts: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
-            let mut recv_counts = vec![0.0f32; el * n];
-            self.comm
-                .all_to_all(&g, "ep", &send_counts, &mut recv_counts)?;
-            recv_counts
-        };
-        let send: Vec<Vec<usize>> = (0..n)
-            .map(|d| counts[d * el..(d + 1) * el].to_vec())
-            .collect();
-        let recv: Vec<Vec<usize>> = (0..n)
-            .map(|s| {
-                recv_counts[s * el..(s + 1) * el]
-                    .iter()
-                    .map(|&c| c as usize)
-                    .collect()
-            })
-            .collect();
-        let route = Route { n, el, send, recv };
-        let src_major = self.a2a_rows(&g, disp, &route.send, &route.recv, h)?;
-        let local_counts: Vec<usize> = (0..el)
-            .map(|j| route.recv.iter().map(|r| r[j]).sum())
-            .collect();
-        Ok((route.to_expert_major(&src_major, h), local_counts, route))
-    }
-
-    /// Expert-major rows back to their sources, in each source's dispatch order.
-    fn experts_return(
-        &mut self,
-        rows: &[f32],
-        route: &Route,
-        h: usize,
-    ) -> Result<Vec<f32>, RankError> {
-        if route.n == 1 {
-            return Ok(rows.to_vec());
-        }
-        let g = self.group("ep")?;
-        let src_major = route.to_source_major(rows, h);
-        self.a2a_rows(&g, &src_major, &route.recv, &route.send, h)
-    }
-
-    /// Dispatch-ordered rows to the experts again (gradients in backward).
-    fn experts_resend(
-        &mut self,
-        rows: &[f32],
-        route: &Route,
-        h: usize,
-    ) -> Result<Vec<f32>, RankError> {
-        if route.n == 1 {
-            return Ok(rows.to_vec());
-        }
-        let g = self.group("ep")?;
-        let src_major = self.a2a_rows(&g, rows, &route.send, &route.recv, h)?;
-        Ok(route.to_expert_major(&src_major, h))
-    }
-
-    fn a2a_rows(
-        &mut self,
-        g: &Group,
-        rows: &[f32],
-        send: &[Vec<usize>],
-        recv: &[Vec<usize>],
-        h: usize,
-    ) -> Result<Vec<f32>, RankError> {
-        let sc: Vec<usize> = send.iter().map(|c| c.iter().sum::<usize>() * h).collect();
-        let rc: Vec<usize> = recv.iter().map(|c| c.iter().sum::<usize>() * h).collect();
-        let mut out = vec![0.0; rc.iter().sum()];
-        self.comm.all_to_all_v(g, "ep", rows, &sc, &mut out, &rc)?;
-        Ok(out)
     }
 
     /// The context-parallel ring: this rank's queries meet every rank's key/value
@@ -2959,138 +2764,6 @@ fn parse_bucket(text: &str) -> Result<(&str, Option<Range>), RankError> {
     Ok((set, Some(range)))
 }
 
-/// Token counts of an expert-parallel exchange: `send[d][j]` rows for destination
-/// `d`'s local expert `j`, `recv[s][j]` rows from source `s` for local expert `j`.
-/// Dispatch slots placed in buffers padded to expert capacity: every expert gets
-/// `per_expert` rows from every rank, kept tokens first, zeros after. A zero row
-/// through a bias-free expert MLP gives a zero row, so padding changes nothing but
-/// the bytes, which become the plan's exactly.
-struct Padding {
-    /// Per dispatch slot: its padded row, or [`Padding::DROPPED`] (over capacity:
-    /// the token skips this expert).
-    at: Vec<u32>,
-    per_expert: usize,
-    experts: usize,
-}
-
-impl Padding {
-    const DROPPED: u32 = u32::MAX;
-
-    /// Keeps the first `cap` slots of each expert in every group of `group`
-    /// consecutive tokens (slots are expert-major and in token order within an
-    /// expert, as dispatch leaves them).
-    fn new(
-        cap: usize,
-        group: usize,
-        counts: &[usize],
-        perm: &[u32],
-        k: usize,
-        rows: usize,
-    ) -> Self {
-        let per_expert = rows / group * cap;
-        let mut at = vec![Padding::DROPPED; perm.len()];
-        let mut s = 0;
-        for (x, &n) in counts.iter().enumerate() {
-            let mut used = vec![0usize; rows / group];
-            let mut kept = 0;
-            for slot in s..s + n {
-                let g = perm[slot] as usize / k / group;
-                if used[g] < cap {
-                    used[g] += 1;
-                    at[slot] = (x * per_expert + kept) as u32;
-                    kept += 1;
-                }
-            }
-            s += n;
-        }
-        Padding {
-            at,
-            per_expert,
-            experts: counts.len(),
-        }
-    }
-
-    fn counts(&self) -> Vec<usize> {
-        vec![self.per_expert; self.experts]
-    }
-
-    /// Slot-ordered rows into the padded buffer.
-    fn pad(&self, slots: &[f32], h: usize) -> Vec<f32> {
-        let mut out = vec![0.0; self.experts * self.per_expert * h];
-        for (s, &a) in self.at.iter().enumerate() {
-            if a != Self::DROPPED {
-                let a = a as usize;
-                out[a * h..(a + 1) * h].copy_from_slice(&slots[s * h..(s + 1) * h]);
-            }
-        }
-        out
-    }
-
-    /// The padded buffer back to slot order; dropped slots are zero.
-    fn unpad(&self, padded: &[f32], h: usize) -> Vec<f32> {
-        let mut out = vec![0.0; self.at.len() * h];
-        for (s, &a) in self.at.iter().enumerate() {
-            if a != Self::DROPPED {
-                let a = a as usize;
-                out[s * h..(s + 1) * h].copy_from_slice(&padded[a * h..(a + 1) * h]);
-            }
-        }
-        out
-    }
-}
-
-struct Route {
-    n: usize,
-    el: usize,
-    send: Vec<Vec<usize>>,
-    recv: Vec<Vec<usize>>,
-}
-
-impl Route {
-    /// Source-major rows (per source, its rows for local expert 0, 1, ...) to
-    /// expert-major (per local expert, its rows from source 0, 1, ...).
-    fn to_expert_major(&self, src_major: &[f32], h: usize) -> Vec<f32> {
-        let mut starts = Vec::new();
-        let mut off = 0;
-        for s in 0..self.n {
-            let mut row = Vec::new();
-            for j in 0..self.el {
-                row.push(off);
-                off += self.recv[s][j];
-            }
-            starts.push(row);
-        }
-        let mut out = Vec::with_capacity(src_major.len());
-        for j in 0..self.el {
-            for s in 0..self.n {
-                let a = starts[s][j];
-                out.extend_from_slice(&src_major[a * h..(a + self.recv[s][j]) * h]);
-            }
-        }
-        out
-    }
-
-    /// The inverse of [`Route::to_expert_major`].
-    fn to_source_major(&self, expert_major: &[f32], h: usize) -> Vec<f32> {
-        let mut starts = vec![vec![0usize; self.n]; self.el];
-        let mut off = 0;
-        for (j, row) in starts.iter_mut().enumerate() {
-            for (s, start) in row.iter_mut().enumerate() {
-                *start = off;
-                off += self.recv[s][j];
-            }
-        }
-        let mut out = Vec::with_capacity(expert_major.len());
-        for s in 0..self.n {
-            for (j, row) in starts.iter().enumerate() {
-                let a = row[s];
-                out.extend_from_slice(&expert_major[a * h..(a + self.recv[s][j]) * h]);
-            }
-        }
-        out
-    }
-}
-
 /// `y = x w`: `x [rows, k]`, `w [k, n]`, `y [rows, n]` overwritten.
 pub(crate) fn linear_fwd(
     be: &dyn Backend,
@@ -3601,22 +3274,5 @@ impl From<CommError> for ExecError {
         ExecError {
             message: e.to_string(),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::Padding;
-
-    #[test]
-    fn capacity_keeps_the_first_tokens_of_each_group_and_pads_every_expert() {
-        // Tokens 0, 1, 2 go to expert 0 and token 3 to expert 1 (k = 1); groups of
-        // two tokens, one slot per expert and group: token 1 is over capacity.
-        let p = Padding::new(1, 2, &[3, 1], &[0, 1, 2, 3], 1, 4);
-        assert_eq!(p.at, vec![0, Padding::DROPPED, 1, 2]);
-        assert_eq!(p.counts(), vec![2, 2]);
-        let padded = p.pad(&[1.0, 2.0, 3.0, 4.0], 1);
-        assert_eq!(padded, vec![1.0, 3.0, 4.0, 0.0]);
-        assert_eq!(p.unpad(&padded, 1), vec![1.0, 0.0, 3.0, 4.0]);
     }
 }

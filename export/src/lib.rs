@@ -6,6 +6,10 @@
 //! what the framework lacks and what approximating it would lose: an export that
 //! silently runs a different configuration than the one priced would make the
 //! prediction meaningless.
+//!
+//! A serving deployment (`meshplan deploy`: a plan with a `serving` section) exports
+//! to SGLang and vLLM as launch commands, one per server of each pool, each pool's
+//! through the same per-plan exporter as a plain plan (see `deploy`).
 
 use meshplan_ir::plan::{Plan, PlanKind};
 use meshplan_ir::spec::TransformerSpec;
@@ -13,6 +17,7 @@ use meshplan_ir::{DType, Workload};
 use std::fmt;
 
 mod deepspeed;
+mod deploy;
 mod megatron;
 mod sglang;
 mod torchtitan;
@@ -114,6 +119,9 @@ pub fn export(plan: &Plan, target: Target) -> Result<String, CannotExpress> {
         _ => {}
     }
     r.check()?;
+    if plan.serving.is_some() && !target.trains() {
+        return deploy::export(plan, target);
+    }
     match target {
         Target::Megatron => megatron::export(plan),
         Target::Torchtitan | Target::TorchtitanCli => torchtitan::export(plan, target),
@@ -256,6 +264,26 @@ impl ArgList {
         self.args.push((name.to_string(), Some(value.to_string())));
     }
 
+    /// The value of option `name`, if given.
+    fn value(&self, name: &str) -> Option<&str> {
+        self.args
+            .iter()
+            .find(|(n, _)| n == name)
+            .and_then(|(_, v)| v.as_deref())
+    }
+
+    /// The options as words of one command line, each shell-quoted where needed.
+    fn words(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (name, v) in &self.args {
+            out.push(name.clone());
+            if let Some(v) = v {
+                out.push(shell_word(v));
+            }
+        }
+        out
+    }
+
     fn render(&self) -> String {
         let mut s = String::new();
         for c in &self.comments {
@@ -273,6 +301,34 @@ impl ArgList {
         }
         s
     }
+}
+
+/// `w` as one shell word: as it is when it holds nothing the shell reads, else in
+/// single quotes.
+fn shell_word(w: &str) -> String {
+    let plain = !w.is_empty()
+        && w.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "_-./:=,@%+".contains(c));
+    if plain {
+        w.to_string()
+    } else {
+        format!("'{}'", w.replace('\'', r"'\''"))
+    }
+}
+
+/// One server launch the plan's strategy makes, as a serving exporter derives it:
+/// its options, and how many copies of it on how many GPUs and nodes each.
+struct Launch {
+    /// The server's options (and the plan's provenance comment).
+    args: ArgList,
+    /// Servers to start: copies of this one.
+    servers: u64,
+    /// GPUs of one server.
+    gpus: u64,
+    /// Nodes of one server.
+    nodes: u64,
+    /// The plan's data-parallel replicas one server holds.
+    replicas: u64,
 }
 
 /// The serving dtype name both SGLang and vLLM accept.

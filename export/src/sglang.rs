@@ -9,7 +9,7 @@
 //! data-parallel replicas (ep > tp) is therefore one wider server per `ep / tp`
 //! replicas, with attention data-parallel inside it.
 
-use crate::{serve_dtype, serve_shape, ArgList, Refusals, Target};
+use crate::{serve_dtype, serve_shape, ArgList, Launch, Refusals, Target};
 use meshplan_ir::plan::Plan;
 
 /// The environment variable the multi-node launch lines read the first node's
@@ -17,9 +17,45 @@ use meshplan_ir::plan::Plan;
 pub(crate) const DIST_INIT_ADDR_VAR: &str = "SGLANG_DIST_INIT_ADDR";
 
 pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
+    let (context, _) = serve_shape(plan);
+    let Launch {
+        mut args,
+        servers,
+        gpus,
+        nodes,
+        ..
+    } = launch(plan, context)?;
+    let c = &plan.strategy;
+    if servers > 1 {
+        args.comment(format!(
+            "run {servers} copies of this server ({} GPUs each, the plan's {} data-parallel replicas) behind sglang_router; --max-running-requests is one server's share",
+            gpus,
+            c.dp
+        ));
+    }
+    if nodes > 1 {
+        args.comment(format!(
+            "one server on {nodes} nodes: set {DIST_INIT_ADDR_VAR}=HOST:PORT (node 0's address and a free port, the same on every node) and run on node i (0..{}):",
+            nodes - 1
+        ));
+        for i in 0..nodes {
+            args.comment(format!(
+                "node {i}: python -m sglang.launch_server --model-path MODEL $(grep -v '^#' THIS_FILE) --node-rank {i} --dist-init-addr ${DIST_INIT_ADDR_VAR}"
+            ));
+        }
+    } else {
+        args.comment("python -m sglang.launch_server --model-path MODEL $(grep -v '^#' THIS_FILE)");
+    }
+    Ok(args.render())
+}
+
+/// The server the plan's strategy makes, with requests up to `context` tokens: its
+/// options, and how many copies of it on how many GPUs and nodes. A serving pool
+/// (`meshplan deploy`) goes through here with its own plan.
+pub(crate) fn launch(plan: &Plan, context: u64) -> Result<Launch, crate::CannotExpress> {
     let mut r = Refusals::new(Target::Sglang);
     let c = &plan.strategy;
-    let (context, concurrency) = serve_shape(plan);
+    let (_, concurrency) = serve_shape(plan);
     if c.cp > 1 {
         r.push(format!(
             "cp={}: SGLang's decode context parallelism (--dcp-size) splits the KV cache, not the prompt's sequence as the plan's ring does; re-plan with --config cp=1",
@@ -79,26 +115,6 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
     let nodes = gpus.div_ceil(plan.cluster.gpus_per_node);
 
     let mut a = ArgList::new(plan, Target::Sglang);
-    if servers > 1 {
-        a.comment(format!(
-            "run {servers} copies of this server ({} GPUs each, the plan's {} data-parallel replicas) behind sglang_router; --max-running-requests is one server's share",
-            width * c.pp,
-            c.dp
-        ));
-    }
-    if nodes > 1 {
-        a.comment(format!(
-            "one server on {nodes} nodes: set {DIST_INIT_ADDR_VAR}=HOST:PORT (node 0's address and a free port, the same on every node) and run on node i (0..{}):",
-            nodes - 1
-        ));
-        for i in 0..nodes {
-            a.comment(format!(
-                "node {i}: python -m sglang.launch_server --model-path MODEL $(grep -v '^#' THIS_FILE) --node-rank {i} --dist-init-addr ${DIST_INIT_ADDR_VAR}"
-            ));
-        }
-    } else {
-        a.comment("python -m sglang.launch_server --model-path MODEL $(grep -v '^#' THIS_FILE)");
-    }
     a.opt("--tp-size", width);
     if c.pp > 1 {
         a.opt("--pp-size", c.pp);
@@ -121,7 +137,13 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
     }
     a.opt("--context-length", context);
     a.opt("--max-running-requests", max_running);
-    Ok(a.render())
+    Ok(Launch {
+        args: a,
+        servers,
+        gpus,
+        nodes,
+        replicas: c.dp / servers,
+    })
 }
 
 fn gcd(a: u64, b: u64) -> u64 {

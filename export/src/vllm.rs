@@ -1,13 +1,28 @@
 //! `vllm serve` flags for an inference plan: tensor, pipeline and data degrees,
 //! expert parallelism, context length and concurrency.
 
-use crate::{serve_dtype, serve_shape, ArgList, Refusals, Target};
+use crate::{serve_dtype, serve_shape, ArgList, Launch, Refusals, Target};
 use meshplan_ir::plan::Plan;
 
 pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
+    let (context, _) = serve_shape(plan);
+    let mut a = launch(plan, context, plan.strategy.dp)?.args;
+    a.comment("vllm serve MODEL $(grep -v '^#' THIS_FILE)");
+    Ok(a.render())
+}
+
+/// The servers the plan's strategy makes, each running `replicas` of its
+/// data-parallel replicas (all of them for a plain export), with requests up to
+/// `context` tokens. A serving pool (`meshplan deploy`) goes through here with its
+/// own plan.
+pub(crate) fn launch(
+    plan: &Plan,
+    context: u64,
+    replicas: u64,
+) -> Result<Launch, crate::CannotExpress> {
     let mut r = Refusals::new(Target::Vllm);
     let c = &plan.strategy;
-    let (context, concurrency) = serve_shape(plan);
+    let (_, concurrency) = serve_shape(plan);
     if c.cp > 1 {
         r.push(format!(
             "cp={}: vLLM's decode context parallelism splits the KV cache, not the prompt's sequence as the plan's ring does; re-plan with --config cp=1",
@@ -20,15 +35,15 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
             c.tp, c.tp, c.tp
         ));
     }
-    // vLLM's expert group is every data and tensor rank together.
-    if c.ep > 1 && c.ep != c.dp * c.tp {
+    // vLLM's expert group is every data and tensor rank of a server together.
+    if c.ep > 1 && c.ep != replicas * c.tp {
         r.push(format!(
             "ep={}: vLLM's --enable-expert-parallel spreads experts over all data x tensor ranks ({} x {} = {}); re-plan with --config ep={} or ep=1",
             c.ep,
-            c.dp,
+            replicas,
             c.tp,
-            c.dp * c.tp,
-            c.dp * c.tp
+            replicas * c.tp,
+            replicas * c.tp
         ));
     }
     let dtype = serve_dtype(plan.model.dtype);
@@ -41,13 +56,12 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
     r.check()?;
 
     let mut a = ArgList::new(plan, Target::Vllm);
-    a.comment("vllm serve MODEL $(grep -v '^#' THIS_FILE)");
     a.opt("--tensor-parallel-size", c.tp);
     if c.pp > 1 {
         a.opt("--pipeline-parallel-size", c.pp);
     }
-    if c.dp > 1 {
-        a.opt("--data-parallel-size", c.dp);
+    if replicas > 1 {
+        a.opt("--data-parallel-size", replicas);
     }
     if c.ep > 1 {
         a.flag("--enable-expert-parallel");
@@ -58,5 +72,12 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
     a.opt("--max-model-len", context);
     // Each data-parallel engine schedules its own share of the requests.
     a.opt("--max-num-seqs", concurrency.div_ceil(c.dp));
-    Ok(a.render())
+    let gpus = replicas * c.tp * c.pp;
+    Ok(Launch {
+        args: a,
+        servers: c.dp / replicas,
+        gpus,
+        nodes: gpus.div_ceil(plan.cluster.gpus_per_node),
+        replicas,
+    })
 }

@@ -23,6 +23,7 @@ pub mod input;
 pub mod load;
 pub mod plan;
 pub mod plan_check;
+pub mod serving;
 pub mod spec;
 pub mod trace;
 pub mod yaml_depth;

@@ -95,6 +95,9 @@ pub struct Plan {
     /// The op graph the programs name (roles = the chosen tensor-parallel layout), so
     /// an executor needs nothing but this file.
     pub graph: Graph,
+    /// The serving deployment `deploy` chose (its pools, the KV move between them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving: Option<crate::serving::ServingInfo>,
 }
 
 /// What a plan runs.

@@ -398,6 +398,10 @@ pub struct Slo {
     /// Time per output token bound, milliseconds.
     #[serde(default)]
     pub tpot_ms: Option<f64>,
+    /// The percentile (0-100) of requests the bounds hold for, where the lengths are
+    /// a distribution (`serving.prompt`, `serving.output`); default 50.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub percentile: Option<f64>,
 }
 
 /// What the model is used for.
@@ -429,6 +433,10 @@ pub enum Workload {
         /// Optional latency bounds.
         #[serde(default)]
         slo: Option<Slo>,
+        /// What `deploy` searches: length distributions, a concurrency range or an
+        /// arrival rate, the objective.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        serving: Option<crate::serving::ServingSpec>,
     },
 }
 
@@ -711,14 +719,28 @@ impl Workload {
                 output_len,
                 concurrency,
                 slo,
+                serving,
             } => {
                 positive(file, "workload.prompt_len", *prompt_len)?;
+                if let Some(s) = serving {
+                    s.validate(file)?;
+                }
                 positive(file, "workload.output_len", *output_len)?;
                 positive(file, "workload.concurrency", *concurrency)?;
+                if let Some(p) = slo.as_ref().and_then(|s| s.percentile) {
+                    if !(p > 0.0 && p < 100.0) {
+                        return Err(IrError::invalid(
+                            file,
+                            "workload.slo.percentile",
+                            format!("must lie strictly between 0 and 100 (e.g. 90), got {p}"),
+                        ));
+                    }
+                }
                 if let Some(s) = slo {
                     for (name, v) in [
                         ("workload.slo.ttft_ms", s.ttft_ms),
                         ("workload.slo.tpot_ms", s.tpot_ms),
+                        ("workload.slo.percentile", s.percentile),
                     ] {
                         if let Some(v) = v {
                             if !(v.is_finite() && v > 0.0) {

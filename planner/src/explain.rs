@@ -649,12 +649,14 @@ fn what_ifs(plan: &Plan, inp: &Inputs, base: &Estimate, inference: bool) -> Vec<
             output_len,
             concurrency,
             slo,
+            serving,
         } => {
             let longer = Workload::Inference {
                 prompt_len: prompt_len * 2,
                 output_len: *output_len,
                 concurrency: *concurrency,
                 slo: slo.clone(),
+                serving: serving.clone(),
             };
             if let Ok(e) = price(&inp.pg, &inp.cluster, &longer, &c, None) {
                 out.push(alternative(

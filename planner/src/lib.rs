@@ -15,11 +15,14 @@
 //! - [`lower`]: the chosen plan as per-stage program templates and ranks (`plan.json`).
 //! - [`output`]: the best candidate as a plan file.
 //! - [`compare`]: the planner's best beside hand-given configurations.
+//! - [`deploy`]: serving deployments (aggregated or prefill/decode pools) within SLOs,
+//!   and their throughput-latency frontier.
 #![warn(missing_docs)]
 
 pub use meshplan_cost_model as cost_model;
 
 pub mod compare;
+pub mod deploy;
 pub mod explain;
 pub mod ilp;
 pub mod intra;

@@ -1659,6 +1659,7 @@ fn assemble(
         ranks: rank_table(cfg, input.cluster.gpus_per_node),
         search: input.search.clone(),
         graph: input.graph.clone(),
+        serving: None,
     })
 }
 

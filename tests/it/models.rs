@@ -405,6 +405,7 @@ fn shipped_workloads() {
             output_len,
             concurrency,
             slo,
+            ..
         }) => {
             assert_eq!((*prompt_len, *output_len, *concurrency), (2048, 256, 64));
             let slo = slo.as_ref().map(|s| (s.ttft_ms, s.tpot_ms));

@@ -18,6 +18,7 @@ pub mod axis;
 pub mod calibration;
 pub mod canvas;
 pub mod compare;
+pub mod frontier;
 pub mod gantt;
 pub mod memory;
 pub mod mesh;

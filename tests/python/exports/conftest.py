@@ -6,6 +6,8 @@ code (parsers, validators, mesh builders) at the pinned version; see run.sh.
 
 import json
 import os
+import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -15,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[3]
 BIN = Path(os.environ.get("MESHPLAN_BIN", ROOT / "target" / "release" / "meshplan"))
 
 INFERENCE_WORKLOAD = Path(__file__).resolve().parent / "inference-workload.yaml"
+DISAGGREGATED_WORKLOAD = Path(__file__).resolve().parent / "disaggregated-workload.yaml"
 
 # name: (model, cluster, plan flags). Training plans first, then serving plans.
 PLANS = {
@@ -72,6 +75,27 @@ PLANS = {
                                ["--workload", "@inference", "--config", "tp=8,dp=1,ep=8,dp_attention=false"]),
 }
 
+# Serving deployments (`meshplan deploy`, plans with a `serving` section): name:
+# (model, cluster, deploy flags). Their exports launch every server of each pool.
+DEPLOYS = {
+    # Llama 3 70B on one H200 node: aggregated wins (instances of tp=2 with chunked prefill)
+    "llama3-70b-deploy": ("models/llama3-70b-inference.yaml", "topologies/h200-node.yaml", []),
+    # the same searched as prefill and decode pools only
+    "llama3-70b-deploy-pd": ("models/llama3-70b-inference.yaml", "topologies/h200-node.yaml",
+                             ["--workload", "@disaggregated"]),
+    # pools of tp=4 servers over four nodes: several servers per pool and node
+    "llama3-70b-deploy-pd-4nodes": ("models/llama3-70b-inference.yaml", "topologies/h200-node.yaml",
+                                    ["--nodes", "4", "--config", "tp=4", "--workload", "@disaggregated"]),
+    # Mixtral's pools: DP-attention and experts inside the decode instances (SGLang)
+    "mixtral-deploy-pd": ("models/mixtral-8x7b.yaml", "topologies/h200-node.yaml",
+                          ["--workload", "@disaggregated"]),
+}
+
+
+def _flags(flags):
+    special = {"@inference": str(INFERENCE_WORKLOAD), "@disaggregated": str(DISAGGREGATED_WORKLOAD)}
+    return [special.get(f, f) for f in flags]
+
 
 def _run(args, **kw):
     return subprocess.run([str(BIN), *args], cwd=ROOT, capture_output=True, text=True, **kw)
@@ -89,11 +113,11 @@ class Exports:
     def plan(self, name):
         """The plan file's path and its JSON."""
         if name not in self.plans:
-            model, cluster, flags = PLANS[name]
-            flags = [str(INFERENCE_WORKLOAD) if f == "@inference" else f for f in flags]
+            command = "deploy" if name in DEPLOYS else "plan"
+            model, cluster, flags = DEPLOYS[name] if name in DEPLOYS else PLANS[name]
             path = self.tmp / f"{name}.json"
-            r = _run(["-q", "plan", model, cluster, *flags, "-o", str(path)])
-            assert r.returncode == 0, f"plan {name}: {r.stderr}"
+            r = _run(["-q", command, model, cluster, *_flags(flags), "-o", str(path)])
+            assert r.returncode == 0, f"{command} {name}: {r.stderr}"
             self.plans[name] = (path, json.loads(path.read_text()))
         return self.plans[name]
 
@@ -135,6 +159,38 @@ def arg_words(text):
             continue
         words.extend(line.split())
     return words
+
+
+def commands(text):
+    """The commands of a deployment's export: (comment above, environment, words),
+    split as the shell splits them."""
+    out = []
+    above = ""
+    for line in text.splitlines():
+        if line.startswith("# "):
+            above = line[2:]
+            continue
+        words = shlex.split(line)
+        env = {}
+        while words and re.fullmatch(r"[A-Z_]+=.*", words[0]):
+            k, v = words.pop(0).split("=", 1)
+            env[k] = v
+        out.append((above, env, words))
+    return out
+
+
+def pool_of(plan, role):
+    """The `serving` pool a server of `role` belongs to: prefill, or the pool that
+    decodes (the whole deployment when aggregated)."""
+    s = plan["serving"]
+    return s["prefill"] if role == "prefill" else s["decode"]
+
+
+def longest_request(plan):
+    """The longest request the deployment's workload allows (the plan's lengths are
+    the distributions' means; these plans have none)."""
+    w = plan["workload"]
+    return w["prompt_len"] + w["output_len"]
 
 
 def comments(text):

@@ -1,0 +1,506 @@
+//! Routed experts, shared by the training and inference interpreters: top-k routing,
+//! tokens grouped by expert, sent to the ranks holding their experts (All-to-All with
+//! the actual counts, or buffers padded to expert capacity), each expert's gated MLP,
+//! and the weighted combine back in token order.
+//!
+//! Both interpreters call [`forward`], so a token meets the same experts with the
+//! same arithmetic whichever runs it; training keeps the returned [`ExpertsKept`] for
+//! its backward ([`send_back`], [`resend`]).
+
+use crate::backend::Backend;
+use crate::comm::{Communicator, Group, RankError};
+use crate::shard::TpPos;
+use crate::train::{fail, kerr, linear_fwd};
+use meshplan_ir::graph::ExpertsShape;
+
+/// Where one rank runs an experts op: its positions on the tensor and expert axes,
+/// and its expert group (`None` when the experts are not split over ranks).
+pub(crate) struct Place<'g> {
+    pub tp: TpPos,
+    pub ep: TpPos,
+    pub group: Option<&'g Group>,
+}
+
+impl Place<'_> {
+    fn ep_group(&self) -> Result<&Group, RankError> {
+        self.group
+            .ok_or_else(|| fail("experts split over ep, but the plan's mesh has no `ep` group"))
+    }
+}
+
+/// How tokens are held to expert capacity in one pass.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Routing {
+    /// Tokens of a capacity group; `None` routes dropless whatever the model's
+    /// capacity factor (decoding: groups of one token would pad every expert).
+    pub group_tokens: Option<usize>,
+    /// Every member of the expert group pads the same number of rows, so the
+    /// padded counts need no exchange (false when members hold different numbers
+    /// of tokens).
+    pub even: bool,
+}
+
+/// The weights and inputs of one experts op on one rank.
+pub(crate) struct Inputs<'x> {
+    /// Tokens `[rows, hidden]`.
+    pub x: &'x [f32],
+    /// Router scores `[rows, experts]`.
+    pub logits: &'x [f32],
+    /// This rank's up projections `[local experts, hidden, up]`.
+    pub w_up: &'x [f32],
+    /// This rank's down projections `[local experts, ffn, hidden]`.
+    pub w_down: &'x [f32],
+}
+
+/// An experts op's forward state: routing, the exchange's counts, and the local
+/// experts' inputs and intermediate activations (what its backward reads).
+pub(crate) struct ExpertsKept {
+    pub probs: Vec<f32>,
+    pub idx: Vec<u32>,
+    pub wts: Vec<f32>,
+    pub perm: Vec<u32>,
+    pub local_rows: Vec<f32>,
+    pub local_counts: Vec<usize>,
+    pub ups: Vec<f32>,
+    pub acts: Vec<f32>,
+    pub y_disp: Vec<f32>,
+    pub route: Route,
+    pub padding: Option<Padding>,
+}
+
+impl ExpertsKept {
+    /// Values held, for the memory report.
+    pub fn floats(&self) -> usize {
+        self.probs.len()
+            + self.wts.len()
+            + self.local_rows.len()
+            + self.ups.len()
+            + self.acts.len()
+            + self.y_disp.len()
+    }
+}
+
+/// (hidden, this rank's expert MLP width, experts, top-k): experts split over
+/// `ep` hold whole MLPs, otherwise each MLP is split over `tp`.
+pub(crate) fn dims(e: &ExpertsShape, tp: TpPos, ep: TpPos) -> (usize, usize, usize, usize) {
+    let tp_split = if ep.size == 1 { tp.size } else { 1 };
+    (
+        e.hidden as usize,
+        e.ffn as usize / tp_split,
+        e.experts as usize,
+        e.top_k as usize,
+    )
+}
+
+/// Routes `rows` tokens and runs them through their experts: the op's output
+/// `[rows, hidden]` (partial over `tp` when the experts split over it) and what the
+/// backward needs. Zero rows is allowed: a rank with no tokens still serves its
+/// experts to the rest of its expert group.
+pub(crate) fn forward(
+    be: &dyn Backend,
+    comm: &mut dyn Communicator,
+    place: &Place<'_>,
+    name: &str,
+    e: &ExpertsShape,
+    inp: &Inputs<'_>,
+    routing: Routing,
+) -> Result<(Vec<f32>, ExpertsKept), RankError> {
+    let (h, f, ne, kk) = dims(e, place.tp, place.ep);
+    let rows = inp.x.len() / h;
+    let mut probs = vec![0.0; rows * ne];
+    let mut idx = vec![0u32; rows * kk];
+    let mut wts = vec![0.0; rows * kk];
+    let mut disp = vec![0.0; rows * kk * h];
+    let mut counts = vec![0usize; ne];
+    let mut perm = vec![0u32; rows * kk];
+    if rows > 0 {
+        be.moe_route_fwd(
+            inp.logits, rows, ne, kk, true, &mut probs, &mut idx, &mut wts,
+        )
+        .map_err(kerr(name))?;
+        be.moe_dispatch_fwd(
+            inp.x,
+            &idx,
+            rows,
+            kk,
+            ne,
+            h,
+            &mut disp,
+            &mut counts,
+            &mut perm,
+        )
+        .map_err(kerr(name))?;
+    }
+    let padding = match routing.group_tokens {
+        Some(group) if rows > 0 => capacity_padding(e, group, &counts, &perm, kk, rows)?,
+        _ => None,
+    };
+    let (local_rows, local_counts, route) = match &padding {
+        Some(p) => exchange(
+            comm,
+            place,
+            &p.pad(&disp, h),
+            &p.counts(),
+            ne,
+            h,
+            routing.even,
+        )?,
+        None => exchange(comm, place, &disp, &counts, ne, h, false)?,
+    };
+    let LocalOut { y, ups, acts } =
+        local_experts(be, name, e, f, (&local_rows, &local_counts), inp)?;
+    let y_disp = send_back(comm, place, &y, &route, h)?;
+    let y_disp = match &padding {
+        Some(p) => p.unpad(&y_disp, h),
+        None => y_disp,
+    };
+    let mut out = vec![0.0; rows * h];
+    if rows > 0 {
+        be.moe_combine_fwd(&y_disp, &perm, &wts, rows, kk, h, &mut out)
+            .map_err(kerr(name))?;
+    }
+    let kept = ExpertsKept {
+        probs,
+        idx,
+        wts,
+        perm,
+        local_rows,
+        local_counts,
+        ups,
+        acts,
+        y_disp,
+        route,
+        padding,
+    };
+    Ok((out, kept))
+}
+
+/// What the local experts computed, rows expert-major.
+struct LocalOut {
+    y: Vec<f32>,
+    ups: Vec<f32>,
+    acts: Vec<f32>,
+}
+
+/// Each local expert's MLP (`f` wide) on its rows (expert-major, `counts` per
+/// local expert).
+fn local_experts(
+    be: &dyn Backend,
+    name: &str,
+    e: &ExpertsShape,
+    f: usize,
+    (local_rows, local_counts): (&[f32], &[usize]),
+    inp: &Inputs<'_>,
+) -> Result<LocalOut, RankError> {
+    let h = e.hidden as usize;
+    let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
+    let up_w = if gated { 2 * f } else { f };
+    let total = local_rows.len() / h;
+    let mut y = vec![0.0; total * h];
+    let mut ups = vec![0.0; total * up_w];
+    let mut acts = vec![0.0; total * f];
+    let mut off = 0;
+    for (j, &n) in local_counts.iter().enumerate() {
+        if n == 0 {
+            continue;
+        }
+        let xr = &local_rows[off * h..(off + n) * h];
+        let up = &mut ups[off * up_w..(off + n) * up_w];
+        let wu = &inp.w_up[j * h * up_w..(j + 1) * h * up_w];
+        linear_fwd(be, xr, wu, n, h, up_w, up).map_err(kerr(name))?;
+        let act = &mut acts[off * f..(off + n) * f];
+        if gated {
+            be.swiglu_fwd(up, n, f, act).map_err(kerr(name))?;
+        } else {
+            be.gelu_fwd(up, act).map_err(kerr(name))?;
+        }
+        let wd = &inp.w_down[j * f * h..(j + 1) * f * h];
+        let yr = &mut y[off * h..(off + n) * h];
+        linear_fwd(be, act, wd, n, f, h, yr).map_err(kerr(name))?;
+        off += n;
+    }
+    Ok(LocalOut { y, ups, acts })
+}
+
+/// Under an expert capacity, which dispatch slots each expert keeps (the first
+/// `capacity` of every capacity group, in token order) and where they sit in
+/// buffers padded to capacity; `None` when the experts route dropless.
+pub(crate) fn capacity_padding(
+    e: &ExpertsShape,
+    group: usize,
+    counts: &[usize],
+    perm: &[u32],
+    k: usize,
+    rows: usize,
+) -> Result<Option<Padding>, RankError> {
+    let Some(cap) = e.capacity(group as u64) else {
+        return Ok(None);
+    };
+    if group == 0 || !rows.is_multiple_of(group) {
+        return Err(fail(format!(
+            "experts: {rows} local tokens are not whole capacity groups of {group}"
+        )));
+    }
+    Ok(Some(Padding::new(
+        cap as usize,
+        group,
+        counts,
+        perm,
+        k,
+        rows,
+    )))
+}
+
+/// Sends rows grouped by global expert to the ranks holding those experts (their
+/// per-expert counts first); returns the rows this rank's experts process
+/// (expert-major), their counts, and the route back.
+/// `even`: every rank sends every expert `counts` rows (padded capacity), so the
+/// counts need no exchange.
+pub(crate) fn exchange(
+    comm: &mut dyn Communicator,
+    place: &Place<'_>,
+    disp: &[f32],
+    counts: &[usize],
+    ne: usize,
+    h: usize,
+    even: bool,
+) -> Result<(Vec<f32>, Vec<usize>, Route), RankError> {
+    let n = place.ep.size;
+    let el = ne / n;
+    if n == 1 {
+        let route = Route {
+            n: 1,
+            el,
+            send: vec![counts.to_vec()],
+            recv: vec![counts.to_vec()],
+        };
+        return Ok((disp.to_vec(), counts.to_vec(), route));
+    }
+    let g = place.ep_group()?;
+    let recv_counts: Vec<f32> = if even {
+        counts.iter().map(|&c| c as f32).collect()
+    } else {
+        let send_counts: Vec<f32> = counts.iter().map(|&c| c as f32).collect();
+        let mut recv_counts = vec![0.0f32; el * n];
+        comm.all_to_all(g, "ep", &send_counts, &mut recv_counts)?;
+        recv_counts
+    };
+    let send: Vec<Vec<usize>> = (0..n)
+        .map(|d| counts[d * el..(d + 1) * el].to_vec())
+        .collect();
+    let recv: Vec<Vec<usize>> = (0..n)
+        .map(|s| {
+            recv_counts[s * el..(s + 1) * el]
+                .iter()
+                .map(|&c| c as usize)
+                .collect()
+        })
+        .collect();
+    let route = Route { n, el, send, recv };
+    let src_major = a2a_rows(comm, g, disp, &route.send, &route.recv, h)?;
+    let local_counts: Vec<usize> = (0..el)
+        .map(|j| route.recv.iter().map(|r| r[j]).sum())
+        .collect();
+    Ok((route.to_expert_major(&src_major, h), local_counts, route))
+}
+
+/// Expert-major rows back to their sources, in each source's dispatch order.
+pub(crate) fn send_back(
+    comm: &mut dyn Communicator,
+    place: &Place<'_>,
+    rows: &[f32],
+    route: &Route,
+    h: usize,
+) -> Result<Vec<f32>, RankError> {
+    if route.n == 1 {
+        return Ok(rows.to_vec());
+    }
+    let src_major = route.to_source_major(rows, h);
+    a2a_rows(
+        comm,
+        place.ep_group()?,
+        &src_major,
+        &route.recv,
+        &route.send,
+        h,
+    )
+}
+
+/// Dispatch-ordered rows to the experts again (gradients in backward).
+pub(crate) fn resend(
+    comm: &mut dyn Communicator,
+    place: &Place<'_>,
+    rows: &[f32],
+    route: &Route,
+    h: usize,
+) -> Result<Vec<f32>, RankError> {
+    if route.n == 1 {
+        return Ok(rows.to_vec());
+    }
+    let src_major = a2a_rows(comm, place.ep_group()?, rows, &route.send, &route.recv, h)?;
+    Ok(route.to_expert_major(&src_major, h))
+}
+
+fn a2a_rows(
+    comm: &mut dyn Communicator,
+    g: &Group,
+    rows: &[f32],
+    send: &[Vec<usize>],
+    recv: &[Vec<usize>],
+    h: usize,
+) -> Result<Vec<f32>, RankError> {
+    let sc: Vec<usize> = send.iter().map(|c| c.iter().sum::<usize>() * h).collect();
+    let rc: Vec<usize> = recv.iter().map(|c| c.iter().sum::<usize>() * h).collect();
+    let mut out = vec![0.0; rc.iter().sum()];
+    comm.all_to_all_v(g, "ep", rows, &sc, &mut out, &rc)?;
+    Ok(out)
+}
+
+/// Dispatch slots placed in buffers padded to expert capacity: every expert gets
+/// `per_expert` rows from every rank, kept tokens first, zeros after. A zero row
+/// through a bias-free expert MLP gives a zero row, so padding changes nothing but
+/// the bytes, which become the plan's exactly.
+pub(crate) struct Padding {
+    /// Per dispatch slot: its padded row, or [`Padding::DROPPED`] (over capacity:
+    /// the token skips this expert).
+    pub at: Vec<u32>,
+    per_expert: usize,
+    experts: usize,
+}
+
+impl Padding {
+    pub const DROPPED: u32 = u32::MAX;
+
+    /// Keeps the first `cap` slots of each expert in every group of `group`
+    /// consecutive tokens (slots are expert-major and in token order within an
+    /// expert, as dispatch leaves them).
+    fn new(
+        cap: usize,
+        group: usize,
+        counts: &[usize],
+        perm: &[u32],
+        k: usize,
+        rows: usize,
+    ) -> Self {
+        let per_expert = rows / group * cap;
+        let mut at = vec![Padding::DROPPED; perm.len()];
+        let mut s = 0;
+        for (x, &n) in counts.iter().enumerate() {
+            let mut used = vec![0usize; rows / group];
+            let mut kept = 0;
+            for slot in s..s + n {
+                let g = perm[slot] as usize / k / group;
+                if used[g] < cap {
+                    used[g] += 1;
+                    at[slot] = (x * per_expert + kept) as u32;
+                    kept += 1;
+                }
+            }
+            s += n;
+        }
+        Padding {
+            at,
+            per_expert,
+            experts: counts.len(),
+        }
+    }
+
+    fn counts(&self) -> Vec<usize> {
+        vec![self.per_expert; self.experts]
+    }
+
+    /// Slot-ordered rows into the padded buffer.
+    pub fn pad(&self, slots: &[f32], h: usize) -> Vec<f32> {
+        let mut out = vec![0.0; self.experts * self.per_expert * h];
+        for (s, &a) in self.at.iter().enumerate() {
+            if a != Self::DROPPED {
+                let a = a as usize;
+                out[a * h..(a + 1) * h].copy_from_slice(&slots[s * h..(s + 1) * h]);
+            }
+        }
+        out
+    }
+
+    /// The padded buffer back to slot order; dropped slots are zero.
+    pub fn unpad(&self, padded: &[f32], h: usize) -> Vec<f32> {
+        let mut out = vec![0.0; self.at.len() * h];
+        for (s, &a) in self.at.iter().enumerate() {
+            if a != Self::DROPPED {
+                let a = a as usize;
+                out[s * h..(s + 1) * h].copy_from_slice(&padded[a * h..(a + 1) * h]);
+            }
+        }
+        out
+    }
+}
+
+/// Token counts of an expert-parallel exchange: `send[d][j]` rows for destination
+/// `d`'s local expert `j`, `recv[s][j]` rows from source `s` for local expert `j`.
+pub(crate) struct Route {
+    n: usize,
+    el: usize,
+    send: Vec<Vec<usize>>,
+    recv: Vec<Vec<usize>>,
+}
+
+impl Route {
+    /// Source-major rows (per source, its rows for local expert 0, 1, ...) to
+    /// expert-major (per local expert, its rows from source 0, 1, ...).
+    fn to_expert_major(&self, src_major: &[f32], h: usize) -> Vec<f32> {
+        let mut starts = Vec::new();
+        let mut off = 0;
+        for s in 0..self.n {
+            let mut row = Vec::new();
+            for j in 0..self.el {
+                row.push(off);
+                off += self.recv[s][j];
+            }
+            starts.push(row);
+        }
+        let mut out = Vec::with_capacity(src_major.len());
+        for j in 0..self.el {
+            for s in 0..self.n {
+                let a = starts[s][j];
+                out.extend_from_slice(&src_major[a * h..(a + self.recv[s][j]) * h]);
+            }
+        }
+        out
+    }
+
+    /// The inverse of [`Route::to_expert_major`].
+    fn to_source_major(&self, expert_major: &[f32], h: usize) -> Vec<f32> {
+        let mut starts = vec![vec![0usize; self.n]; self.el];
+        let mut off = 0;
+        for (j, row) in starts.iter_mut().enumerate() {
+            for (s, start) in row.iter_mut().enumerate() {
+                *start = off;
+                off += self.recv[s][j];
+            }
+        }
+        let mut out = Vec::with_capacity(expert_major.len());
+        for s in 0..self.n {
+            for (j, row) in starts.iter().enumerate() {
+                let a = row[s];
+                out.extend_from_slice(&expert_major[a * h..(a + self.recv[s][j]) * h]);
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Padding;
+
+    #[test]
+    fn capacity_keeps_the_first_tokens_of_each_group_and_pads_every_expert() {
+        // Tokens 0, 1, 2 go to expert 0 and token 3 to expert 1 (k = 1); groups of
+        // two tokens, one slot per expert and group: token 1 is over capacity.
+        let p = Padding::new(1, 2, &[3, 1], &[0, 1, 2, 3], 1, 4);
+        assert_eq!(p.at, vec![0, Padding::DROPPED, 1, 2]);
+        assert_eq!(p.counts(), vec![2, 2]);
+        let padded = p.pad(&[1.0, 2.0, 3.0, 4.0], 1);
+        assert_eq!(padded, vec![1.0, 3.0, 4.0, 0.0]);
+        assert_eq!(p.unpad(&padded, 1), vec![1.0, 0.0, 3.0, 4.0]);
+    }
+}

@@ -1,0 +1,262 @@
+//! Inference of mixture-of-experts models end to end: tiny MoE plans (dropless, and
+//! with an expert capacity in prefill) planned and run through the command line
+//! with `--check` on every layout the inference executor takes (single rank, experts
+//! split over `tp`, data, pipeline and expert parallelism, and their mixes), each
+//! generating the single-rank run's tokens and sending the plan's bytes; an idle
+//! replica of an expert group still serves its experts; an unsupported layout
+//! exits 2 naming it.
+
+use crate::cli::meshplan;
+use meshplan_executor::infer::{byte_mismatches, infer, routed_ep_summary, InferOptions};
+use meshplan_ir::plan::Plan;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("meshplan-infer-moe-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// The CPU test mesh cut to `gpus` ranks, so a configuration names every degree.
+fn cluster(dir: &Path, gpus: u64) -> String {
+    let mesh = std::fs::read_to_string(format!("{ROOT}/topologies/cpu-test-mesh.yaml"))
+        .expect("cpu-test-mesh.yaml");
+    assert!(
+        mesh.contains("gpus_per_node: 8"),
+        "the mesh names its 8 ranks"
+    );
+    let text = mesh.replace("gpus_per_node: 8", &format!("gpus_per_node: {gpus}"));
+    let path = dir.join(format!("cluster-{gpus}.yaml"));
+    std::fs::write(&path, text).expect("cluster");
+    path.display().to_string()
+}
+
+/// Plans `models/MODEL.yaml` with `cfg` (every degree named) on `gpus` ranks for an
+/// inference workload of `concurrency` 12-token prompts and 6 new tokens: the
+/// plan's path, its strategy checked against `cfg`.
+fn plan(dir: &Path, model: &str, cfg: &str, gpus: u64, concurrency: u64) -> String {
+    let wl = dir.join(format!("workload-{concurrency}.yaml"));
+    std::fs::write(
+        &wl,
+        format!("kind: inference\nprompt_len: 12\noutput_len: 6\nconcurrency: {concurrency}\n"),
+    )
+    .expect("workload");
+    let out = dir.join(format!(
+        "{model}-{}-{concurrency}.json",
+        cfg.replace(',', "_")
+    ));
+    let (wl, out_s) = (wl.display().to_string(), out.display().to_string());
+    meshplan(&[
+        "plan",
+        &format!("models/{model}.yaml"),
+        &cluster(dir, gpus),
+        "--workload",
+        &wl,
+        "--config",
+        &format!("{cfg},dp_attention=false"),
+        "-o",
+        &out_s,
+    ])
+    .expect_code(0);
+    let p: Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("plan")).expect("plan json");
+    for kv in cfg.split(',') {
+        let (k, v) = kv.split_once('=').expect("key=value");
+        assert_eq!(
+            p["strategy"][k].as_u64(),
+            v.parse::<u64>().ok(),
+            "{model} {cfg}: the plan's {k}"
+        );
+    }
+    out_s
+}
+
+/// `run PLAN --check --json EXTRA`: exit 0, the check passed; the report.
+#[track_caller]
+fn run_checked(plan: &str, extra: &[&str]) -> Value {
+    let mut args = vec!["run", plan, "--check", "--json"];
+    args.extend_from_slice(extra);
+    let r = meshplan(&args);
+    r.expect_code(0);
+    let j = r.json();
+    assert_eq!(j["check"]["passed"], true, "{plan}: {}", j["check"]);
+    j
+}
+
+fn tokens(j: &Value) -> Vec<Vec<u64>> {
+    j["requests"]
+        .as_array()
+        .expect("requests")
+        .iter()
+        .map(|r| {
+            r["tokens"]
+                .as_array()
+                .expect("tokens")
+                .iter()
+                .map(|t| t.as_u64().expect("token"))
+                .collect()
+        })
+        .collect()
+}
+
+/// Every layout of `layouts` (configuration, ranks) runs the plan's own workload
+/// with `--check`: the single-rank run's tokens, and the plan's bytes on every rank
+/// and axis; all agree with the one-rank plan's tokens.
+fn check_layouts(tag: &str, model: &str, layouts: &[(&str, u64)]) {
+    let dir = temp_dir(tag);
+    let single = plan(&dir, model, "dp=1,tp=1,pp=1,ep=1", 1, 2);
+    let want = tokens(&run_checked(&single, &[]));
+    assert_eq!(want.len(), 2);
+    assert!(want.iter().all(|t| t.len() == 6), "{want:?}");
+    for &(cfg, gpus) in layouts {
+        let p = plan(&dir, model, cfg, gpus, 2);
+        let j = run_checked(&p, &[]);
+        assert_eq!(
+            j["bytes_match_plan"], true,
+            "{model} {cfg}: {}",
+            j["byte_mismatches"]
+        );
+        assert_eq!(tokens(&j), want, "{model} {cfg}: tokens");
+    }
+}
+
+#[test]
+fn moe_inference_splits_experts_over_tp_and_equals_single_rank() {
+    check_layouts(
+        "tp",
+        "tiny-moe",
+        &[("dp=1,tp=2,pp=1,ep=1", 2), ("dp=1,tp=2,pp=2,ep=1", 4)],
+    );
+}
+
+#[test]
+fn moe_inference_over_dp_and_pp_equals_single_rank() {
+    check_layouts(
+        "dp-pp",
+        "tiny-moe",
+        &[
+            ("dp=2,tp=1,pp=1,ep=1", 2),
+            ("dp=1,tp=1,pp=2,ep=1", 2),
+            ("dp=2,tp=2,pp=2,ep=1", 8),
+        ],
+    );
+}
+
+#[test]
+fn moe_inference_over_ep_equals_single_rank() {
+    check_layouts(
+        "ep",
+        "tiny-moe",
+        &[
+            ("dp=2,tp=1,pp=1,ep=2", 2),
+            ("dp=2,tp=1,pp=2,ep=2", 4),
+            ("dp=4,tp=1,pp=1,ep=4", 4),
+        ],
+    );
+}
+
+#[test]
+fn moe_inference_with_expert_capacity_equals_single_rank() {
+    // Prefill holds each expert to its capacity over the prompt (the same tokens
+    // dropped with one rank or many); decoding routes dropless, as the plan prices.
+    check_layouts(
+        "capacity",
+        "tiny-moe-capacity",
+        &[
+            ("dp=1,tp=2,pp=1,ep=1", 2),
+            ("dp=1,tp=1,pp=2,ep=1", 2),
+            ("dp=2,tp=1,pp=1,ep=2", 2),
+        ],
+    );
+}
+
+#[test]
+fn an_idle_replica_still_serves_its_experts() {
+    // One request on two replicas whose experts are split between them: the idle
+    // one runs every pass with no tokens of its own, or the other would wait on it.
+    let dir = temp_dir("idle");
+    for model in ["tiny-moe", "tiny-moe-capacity"] {
+        let single = plan(&dir, model, "dp=1,tp=1,pp=1,ep=1", 1, 1);
+        let p = plan(&dir, model, "dp=2,tp=1,pp=1,ep=2", 2, 1);
+        let j = run_checked(&p, &[]);
+        assert_eq!(j["bytes_match_plan"], true, "{}", j["byte_mismatches"]);
+        assert!(j["measured"]["comm_bytes_per_gpu"]["ep"].as_f64() > Some(0.0));
+        assert_eq!(tokens(&j), tokens(&run_checked(&single, &[])), "{model}");
+        // Three prompts of different lengths: one replica prefills two, the other
+        // one and then idles through a pass; capacity buffers of unequal prompts
+        // exchange their counts.
+        let prompts = [
+            "--prompt-ids",
+            "1,2,3",
+            "--prompt-ids",
+            "4,5,6,7,8",
+            "--prompt-ids",
+            "9,10",
+            "--max-new-tokens",
+            "4",
+        ];
+        let a = run_checked(&p, &prompts);
+        let b = run_checked(&single, &prompts);
+        assert_eq!(tokens(&a), tokens(&b), "{model}");
+        assert_eq!(tokens(&a).len(), 3);
+    }
+}
+
+#[test]
+fn moe_inference_refuses_experts_split_over_both_tp_and_ep() {
+    let dir = temp_dir("refuse");
+    let p = plan(&dir, "tiny-moe", "dp=1,tp=2,pp=1,ep=2", 2, 2);
+    meshplan(&["run", &p, "--check"])
+        .expect_code(2)
+        .stderr_has(&["block.moe.experts", "tp=2 and ep=2", "plan with ep=1"]);
+}
+
+#[test]
+fn capacity_prefill_bytes_are_compared_and_routed_ones_reported() {
+    // With an expert capacity, prefill pads every expert's buffer: those
+    // expert-parallel bytes are the plan's exactly and compared; decode steps route
+    // dropless, and their bytes are reported beside the plan's balanced figure.
+    let dir = temp_dir("bytes");
+    let path = plan(&dir, "tiny-moe-capacity", "dp=2,tp=1,pp=1,ep=2", 2, 2);
+    let capacity = load(&path);
+    let opts = InferOptions {
+        requests: (0..2)
+            .map(|i| (0..12).map(|t| ((i * 31 + t * 7) % 256) as u32).collect())
+            .collect(),
+        max_new_tokens: 6,
+        ..InferOptions::default()
+    };
+    let r = infer(&capacity, &opts).unwrap_or_else(|e| panic!("{e}"));
+    let bytes = byte_mismatches(&capacity, &opts, &r).expect("the plan's shapes");
+    assert!(bytes.is_empty(), "{}", bytes.join("\n"));
+    for (rank, c) in r.counts.iter().enumerate() {
+        let (routed, planned) = r.routed_ep_bytes[rank];
+        let total = c.axis_bytes_sent("ep");
+        assert!(
+            routed > 0.0 && planned > 0.0,
+            "rank {rank}: decode exchanges"
+        );
+        assert!(
+            total > routed,
+            "rank {rank}: prefill's padded bytes compared"
+        );
+    }
+    let line = routed_ep_summary(&r).expect("routed bytes");
+    assert!(line.contains("not compared"), "{line}");
+    // Dropless, every pass follows the router.
+    let path = plan(&dir, "tiny-moe", "dp=2,tp=1,pp=1,ep=2", 2, 2);
+    let dropless = load(&path);
+    let r = infer(&dropless, &opts).unwrap_or_else(|e| panic!("{e}"));
+    for (rank, c) in r.counts.iter().enumerate() {
+        assert_eq!(c.axis_bytes_sent("ep"), r.routed_ep_bytes[rank].0);
+    }
+}
+
+fn load(path: &str) -> Plan {
+    Plan::from_json(&std::fs::read_to_string(path).expect("plan")).unwrap_or_else(|e| panic!("{e}"))
+}
