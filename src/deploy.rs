@@ -6,7 +6,7 @@ use meshplan_cost_model::serving::{instance_cluster, ServeLoad, ServePoint};
 use meshplan_ir::plan::Plan;
 use meshplan_ir::serving::{KvTransfer, PoolInfo, ServingInfo, ServingMode};
 use meshplan_ir::{ParallelConfig, PartialConfig, Workload, WorkloadOverrides};
-use meshplan_planner::deploy::{deploy as search, remedy, short, DeployReport};
+use meshplan_planner::deploy::{deploy as search, remedy, short_pool, DeployReport, Fixed};
 use meshplan_planner::output::plan_for_config;
 use std::path::PathBuf;
 
@@ -18,6 +18,9 @@ pub(crate) struct DeployArgs {
     pub nodes: Option<u64>,
     pub calibration: Option<PathBuf>,
     pub config: Option<String>,
+    pub prefill_config: Option<String>,
+    pub decode_config: Option<String>,
+    pub dcp: Option<u64>,
     pub figures: Option<PathBuf>,
     pub png: bool,
     pub workload: WorkloadOverrides,
@@ -28,6 +31,7 @@ fn pool_json(p: &meshplan_cost_model::serving::Pool) -> serde_json::Value {
     serde_json::json!({
         "strategy": p.cfg.to_string(),
         "config": p.cfg,
+        "dcp": p.dcp,
         "instances": p.instances,
         "gpus_per_instance": p.gpus,
         "concurrency_per_instance": p.concurrency,
@@ -63,15 +67,15 @@ fn line(p: &ServePoint) -> String {
         Some(pre) => format!(
             "{}P [{}] : {}D [{}] x{} in flight",
             pre.instances,
-            short(&pre.cfg),
+            short_pool(pre),
             p.decode.instances,
-            short(&p.decode.cfg),
+            short_pool(&p.decode),
             p.decode.concurrency
         ),
         None => format!(
             "{} x [{}] x{} in flight, chunk {}",
             p.decode.instances,
-            short(&p.decode.cfg),
+            short_pool(&p.decode),
             p.decode.concurrency,
             p.decode.chunk
         ),
@@ -123,6 +127,7 @@ fn pool_info(p: &meshplan_cost_model::serving::Pool, predicted: serde_json::Valu
         instances: p.instances,
         gpus_per_instance: p.gpus,
         strategy: p.cfg,
+        dcp: p.dcp,
         concurrency: p.concurrency,
         chunked_prefill: p.chunk,
         predicted,
@@ -168,10 +173,16 @@ fn deployment_plan(
 fn miss_failure(
     inp: &crate::plan::Inputs,
     load: &ServeLoad,
-    fixed: &PartialConfig,
+    fixed: &Fixed,
     report: &DeployReport,
 ) -> Failure {
     let Some(c) = report.closest(load) else {
+        if report.instances > 0 {
+            return no_fit(format!(
+                "no deployment of `{}` on {} x {} GPUs could be formed from the {} instance configurations that fit (pools that fit neither the cluster together nor the --prefill-config / --decode-config / serving.mode asked for); loosen those keys or add GPUs",
+                inp.spec.name, inp.cluster.nodes, inp.cluster.gpus_per_node, report.instances
+            ));
+        }
         return no_fit(format!(
             "no serving instance of `{}` fits {} x {} GPUs ({} configurations tried): every one runs out of memory for one request; use more GPUs per node or more memory",
             inp.spec.name, inp.cluster.nodes, inp.cluster.gpus_per_node, report.instances_tried
@@ -236,11 +247,26 @@ pub(crate) fn deploy(a: &DeployArgs) -> Result<(), Failure> {
             ),
         });
     };
-    let fixed = match &a.config {
-        Some(c) => PartialConfig::parse(c, "--config")?,
-        None => PartialConfig::default(),
+    let keys = |text: &Option<String>, flag: &str| -> Result<PartialConfig, Failure> {
+        let p = match text {
+            Some(c) => PartialConfig::parse(c, flag)?,
+            None => PartialConfig::default(),
+        };
+        p.check_workload(true, flag)?;
+        Ok(p)
     };
-    fixed.check_workload(true, "--config")?;
+    let fixed = Fixed {
+        all: keys(&a.config, "--config")?,
+        prefill: keys(&a.prefill_config, "--prefill-config")?,
+        decode: keys(&a.decode_config, "--decode-config")?,
+        decode_dcp: a.dcp,
+    };
+    if a.dcp == Some(0) {
+        return Err(Failure {
+            code: 2,
+            message: "--dcp must be at least 1 (1: no decode context parallelism)".into(),
+        });
+    }
     let report = search(&inp.pg, &inp.cluster, &load, &fixed);
     let Some(b) = report.best else {
         return Err(miss_failure(&inp, &load, &fixed, &report));

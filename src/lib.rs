@@ -154,6 +154,16 @@ enum Command {
         /// Keys every instance keeps (e.g. `tp=8`); the rest are searched.
         #[arg(long)]
         config: Option<String>,
+        /// Keys the prefill pool's instances keep (disaggregated deployments).
+        #[arg(long, value_name = "CFG")]
+        prefill_config: Option<String>,
+        /// Keys the decode pool's instances keep (and an aggregated deployment's).
+        #[arg(long, value_name = "CFG")]
+        decode_config: Option<String>,
+        /// Decode context parallelism of the decode instances (default: searched
+        /// wherever tensor ranks hold copies of the KV cache, as MLA's latent).
+        #[arg(long, value_name = "N")]
+        dcp: Option<u64>,
         /// Also draw the frontier (frontier.svg) into this directory.
         #[arg(long)]
         figures: Option<PathBuf>,
@@ -607,6 +617,9 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
             nodes,
             calibration,
             config,
+            prefill_config,
+            decode_config,
+            dcp,
             figures,
             png,
             workload,
@@ -618,6 +631,9 @@ fn dispatch(cli: Cli) -> Result<(), Failure> {
             nodes,
             calibration,
             config,
+            prefill_config,
+            decode_config,
+            dcp,
             figures,
             png,
             workload: workload.overrides(),

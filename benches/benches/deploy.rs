@@ -57,14 +57,21 @@ fn bench(c: &mut Criterion) {
         let cluster = h200(nodes);
         let load =
             ServeLoad::from_workload(spec.workload.as_ref().expect("workload")).expect("inference");
-        let r = deploy(&pg, &cluster, &load, &PartialConfig::default());
+        let r = deploy(&pg, &cluster, &load, &PartialConfig::default().into());
         println!(
             "{name}: {} instances tried, {} deployments priced",
             r.instances_tried,
             r.points.len()
         );
         c.bench_function(&format!("deploy search {name}"), |b| {
-            b.iter(|| black_box(deploy(&pg, &cluster, &load, &PartialConfig::default())))
+            b.iter(|| {
+                black_box(deploy(
+                    &pg,
+                    &cluster,
+                    &load,
+                    &PartialConfig::default().into(),
+                ))
+            })
         });
     }
 }

@@ -239,6 +239,8 @@ fn gcd(a: u64, b: u64) -> u64 {
 pub struct InstanceCost {
     /// The instance's configuration.
     pub cfg: ParallelConfig,
+    /// Decode context parallelism (1: none).
+    pub dcp: u64,
     /// Its GPUs.
     pub gpus: u64,
     /// Prefill of the mean prompt, s (its service time as a prefill server).
@@ -271,11 +273,79 @@ pub fn batches(lo: u64, hi: u64) -> Vec<u64> {
     out
 }
 
+/// Copies of the KV cache an instance keeps over its tensor ranks: MLA's latent on
+/// every rank, or fewer KV heads than ranks. Decode context parallelism splits
+/// these copies' tokens instead (it divides this count).
+pub fn kv_replicas(pg: &PreparedGraph, cfg: &ParallelConfig) -> u64 {
+    if cfg.dp_attention {
+        return 1;
+    }
+    cfg.tp / cfg.tp.min(pg.kv_cache_heads.max(1))
+}
+
+/// What decode context parallelism (`dcp` ranks of a tensor group each holding
+/// 1/dcp of every request's cached tokens, SGLang's `--dcp-size`, vLLM's
+/// `--decode-context-parallel-size`) changes in a decode step of `batch` requests at
+/// context `ctx`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DcpStep {
+    /// KV read no longer done by each GPU, s: `(1 - 1/dcp) B ctx kv_bytes layers / HBM`.
+    pub saved_s: f64,
+    /// The two collectives per layer over the dcp group, s: an AllGather of the
+    /// queries of the group's heads (absorbed into the latent width) and a
+    /// ReduceScatter of the partial outputs with their log-sum-exp (fp32).
+    pub added_s: f64,
+    /// Bytes each GPU sends for them per step.
+    pub bytes: f64,
+}
+
+/// The [`DcpStep`] of `dcp` on instance `cfg` (inside one node).
+pub fn dcp_step(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    dcp: u64,
+    batch: f64,
+    ctx: f64,
+) -> DcpStep {
+    if dcp <= 1 {
+        return DcpStep {
+            saved_s: 0.0,
+            added_s: 0.0,
+            bytes: 0.0,
+        };
+    }
+    let inst = instance_cluster(cluster, cfg.world_size());
+    let hbm = Roofline::new(&inst, pg.dtype).hbm_bytes_per_s;
+    let comm = crate::CommModel::new(&inst);
+    let d = dcp as f64;
+    let layers = pg.layers as f64;
+    let kvb = pg.kv_bytes_per_token_layer;
+    let heads_local = pg.heads as f64 / cfg.tp as f64;
+    let q = batch * heads_local * d * kvb;
+    let o = batch * heads_local * d * (kvb + 4.0);
+    let group = crate::GroupShape {
+        size: dcp,
+        per_node: dcp,
+    };
+    use crate::collective::bytes_sent_per_rank;
+    use crate::Collective::{AllGather, ReduceScatter};
+    DcpStep {
+        saved_s: (1.0 - 1.0 / d) * batch * ctx * kvb * layers / hbm,
+        added_s: layers * (comm.time_s(AllGather, group, q) + comm.time_s(ReduceScatter, group, o)),
+        bytes: layers
+            * (bytes_sent_per_rank(AllGather, dcp, q) + bytes_sent_per_rank(ReduceScatter, dcp, o)),
+    }
+}
+
 /// Prices one instance; `None` when even one request does not fit its memory.
+/// `dcp` > 1 splits the cached tokens of each request over that many tensor ranks
+/// (it must divide [`kv_replicas`]).
 pub fn price_instance(
     pg: &PreparedGraph,
     cluster: &Cluster,
     cfg: &ParallelConfig,
+    dcp: u64,
     load: &ServeLoad,
 ) -> Result<Option<InstanceCost>, Unsupported> {
     let inst = instance_cluster(cluster, cfg.world_size());
@@ -292,7 +362,9 @@ pub fn price_instance(
     if !fits(&one) {
         return Ok(None);
     }
-    let kv_capacity = one.max_concurrency.unwrap_or(0);
+    // The cache, split dcp ways, holds dcp times the requests.
+    let kv_capacity = one.max_concurrency.unwrap_or(0).saturating_mul(dcp.max(1));
+    let ctx = load.prompt_mean + load.output_mean / 2.0;
     let (mean, _) = inference_timeline(pg, &inst, cfg, &at(load.prompt_mean, load.output_mean, 1))?;
     let roof = Roofline::new(&inst, pg.dtype);
     let hi = load.concurrency.1.min(kv_capacity);
@@ -302,12 +374,15 @@ pub fn price_instance(
         for b in batches(load.concurrency.0, hi) {
             let (e, _) =
                 inference_timeline(pg, &inst, cfg, &at(load.prompt_mean, load.output_mean, b))?;
-            decode.push((b, e.tpot_s.unwrap_or(f64::INFINITY)));
+            let d = dcp_step(pg, cluster, cfg, dcp, b as f64, ctx);
+            let step = e.tpot_s.unwrap_or(f64::INFINITY) - d.saved_s + d.added_s;
+            decode.push((b, step));
             last = e;
         }
     }
     Ok(Some(InstanceCost {
         cfg: *cfg,
+        dcp: dcp.max(1),
         gpus: cfg.world_size(),
         prefill_mean_s: mean.ttft_s.unwrap_or(0.0),
         prefill_at_s: one.ttft_s.unwrap_or(0.0),
@@ -323,6 +398,8 @@ pub fn price_instance(
 pub struct Pool {
     /// The instance configuration.
     pub cfg: ParallelConfig,
+    /// Decode context parallelism (1: none).
+    pub dcp: u64,
     /// GPUs per instance.
     pub gpus: u64,
     /// Instances.
@@ -463,6 +540,7 @@ pub fn aggregated(
         mode: ServingMode::Aggregated,
         decode: Pool {
             cfg: inst.cfg,
+            dcp: inst.dcp,
             gpus: inst.gpus,
             instances: replicas,
             concurrency: batch,
@@ -518,6 +596,7 @@ pub fn disaggregated(
         mode: ServingMode::Disaggregated,
         decode: Pool {
             cfg: dec.cfg,
+            dcp: dec.dcp,
             gpus: dec.gpus,
             instances: y,
             concurrency: batch,
@@ -525,6 +604,7 @@ pub fn disaggregated(
         },
         prefill: Some(Pool {
             cfg: pre.cfg,
+            dcp: 1,
             gpus: pre.gpus,
             instances: x,
             concurrency: 1,

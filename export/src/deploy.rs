@@ -452,6 +452,9 @@ fn sglang_server(out: &mut Script, p: &Pool, pl: &Placed, which: &str, transfer:
     if let Some(c) = chunk(p.role, p.info) {
         words.extend(["--chunked-prefill-size".into(), c.to_string()]);
     }
+    if p.info.dcp > 1 {
+        words.extend(["--dcp-size".into(), p.info.dcp.to_string()]);
+    }
     let mode = match p.role {
         Role::Aggregated => None,
         Role::Prefill => Some("prefill"),
@@ -529,6 +532,12 @@ fn vllm_server(out: &mut Script, p: &Pool, pl: &Placed, which: &str) {
             "--max-num-batched-tokens".into(),
             c.to_string(),
             "--enable-chunked-prefill".into(),
+        ]);
+    }
+    if p.info.dcp > 1 {
+        words.extend([
+            "--decode-context-parallel-size".into(),
+            p.info.dcp.to_string(),
         ]);
     }
     if p.role != Role::Aggregated {

@@ -149,6 +149,19 @@ fn parse_bool(source: &str, key: &str, v: &str) -> Result<bool, IrError> {
 }
 
 impl PartialConfig {
+    /// Whether `c` has every key this one names (the keys a serving instance sets:
+    /// degrees, DP-attention, attention kernel).
+    pub fn matches(&self, c: &ParallelConfig) -> bool {
+        let eq = |k: Option<u64>, v: u64| k.is_none_or(|k| k == v);
+        eq(self.dp, c.dp)
+            && eq(self.tp, c.tp)
+            && eq(self.pp, c.pp)
+            && eq(self.cp, c.cp)
+            && eq(self.ep, c.ep)
+            && self.dp_attention.is_none_or(|d| d == c.dp_attention)
+            && self.attn.is_none_or(|a| a == c.attn)
+    }
+
     /// Parses `key=value,key=value`. `source` names where the text came from in
     /// error messages (e.g. `--config`).
     pub fn parse(text: &str, source: &str) -> Result<PartialConfig, IrError> {

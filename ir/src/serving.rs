@@ -192,6 +192,10 @@ fn one() -> u64 {
     1
 }
 
+fn is_one(v: &u64) -> bool {
+    *v == 1
+}
+
 /// What the search maximises among deployments within the SLOs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -314,6 +318,10 @@ pub struct PoolInfo {
     pub gpus_per_instance: u64,
     /// The instance's configuration (`dp` counts DP-attention ranks inside it).
     pub strategy: ParallelConfig,
+    /// Decode context parallelism: tensor ranks that split each request's cached
+    /// tokens (SGLang `--dcp-size`, vLLM `--decode-context-parallel-size`); 1: none.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub dcp: u64,
     /// Requests in flight per instance.
     pub concurrency: u64,
     /// Tokens per prefill chunk (aggregated), or the whole prompt (prefill pool).

@@ -5,8 +5,8 @@
 //! SLOs.
 
 use crate::cost_model::serving::{
-    aggregated, disaggregated, frontier, kv_transfer, md1_max_load, price_instance, InstanceCost,
-    ServeLoad, ServePoint, RHO_MAX,
+    aggregated, disaggregated, frontier, kv_replicas, kv_transfer, md1_max_load, price_instance,
+    InstanceCost, ServeLoad, ServePoint, RHO_MAX,
 };
 use crate::cost_model::{Cluster, PreparedGraph};
 use crate::search::{divisors, inference_space};
@@ -99,6 +99,15 @@ pub fn short(c: &ParallelConfig) -> String {
     parts.join(",")
 }
 
+/// [`short`] with the pool's decode context parallelism.
+pub fn short_pool(p: &crate::cost_model::serving::Pool) -> String {
+    if p.dcp > 1 {
+        format!("{},dcp={}", short(&p.cfg), p.dcp)
+    } else {
+        short(&p.cfg)
+    }
+}
+
 /// Instance configurations of `gpus` GPUs: data parallelism inside an instance only
 /// where experts span its attention replicas or attention runs data-parallel (else
 /// it is just more instances).
@@ -115,33 +124,87 @@ pub fn instance_configs(
         .collect()
 }
 
+/// Keys fixed for every instance, and for each pool of a disaggregated deployment
+/// (the aggregated deployment's instances take `decode`'s too).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Fixed {
+    /// Every instance.
+    pub all: PartialConfig,
+    /// Prefill instances.
+    pub prefill: PartialConfig,
+    /// Decode (and aggregated) instances.
+    pub decode: PartialConfig,
+    /// Decode context parallelism of decode instances (`None`: searched).
+    pub decode_dcp: Option<u64>,
+}
+
+impl From<PartialConfig> for Fixed {
+    fn from(all: PartialConfig) -> Fixed {
+        Fixed {
+            all,
+            ..Fixed::default()
+        }
+    }
+}
+
 /// Searches every deployment of `load` on `cluster`.
 pub fn deploy(
     pg: &PreparedGraph,
     cluster: &Cluster,
     load: &ServeLoad,
-    fixed: &PartialConfig,
+    fixed: &Fixed,
 ) -> DeployReport {
     let t0 = Instant::now();
     let n = cluster.gpus();
     let mut tried = 0;
     let mut insts: Vec<InstanceCost> = Vec::new();
-    for g in divisors(n) {
-        for cfg in instance_configs(pg, cluster, g, fixed) {
+    // Instance sizes: those that tile the cluster or a node, and the powers of two
+    // that fit in a node (pools of different sizes may share the cluster unevenly).
+    let mut sizes = divisors(n);
+    let fit = cluster.gpus_per_node.min(n);
+    sizes.extend(
+        divisors(cluster.gpus_per_node)
+            .into_iter()
+            .filter(|&g| g <= n),
+    );
+    sizes.extend((0..63).map(|k| 1u64 << k).take_while(|&g| g <= fit));
+    sizes.sort_unstable();
+    sizes.dedup();
+    for g in sizes {
+        for cfg in instance_configs(pg, cluster, g, &fixed.all) {
             tried += 1;
-            if let Ok(Some(c)) = price_instance(pg, cluster, &cfg, load) {
+            if let Ok(Some(c)) = price_instance(pg, cluster, &cfg, 1, load) {
                 insts.push(c);
+            }
+            // Decode context parallelism where the cache is copied over tensor ranks.
+            let copies = kv_replicas(pg, &cfg);
+            for dcp in divisors(copies).into_iter().filter(|&d| d > 1) {
+                if fixed.decode_dcp.is_some_and(|f| f != dcp) {
+                    continue;
+                }
+                tried += 1;
+                if let Ok(Some(c)) = price_instance(pg, cluster, &cfg, dcp, load) {
+                    insts.push(c);
+                }
             }
         }
     }
     let mut points = Vec::new();
+    let decoders: Vec<&InstanceCost> = insts
+        .iter()
+        .filter(|i| fixed.decode.matches(&i.cfg) && fixed.decode_dcp.is_none_or(|d| d == i.dcp))
+        .collect();
     if load.mode != ModeChoice::Disaggregated {
-        for inst in &insts {
+        for inst in &decoders {
             aggregated_points(inst, n, load, &mut points);
         }
     }
     if load.mode != ModeChoice::Aggregated {
-        disaggregated_points(pg, cluster, &insts, load, &mut points);
+        let prefillers: Vec<&InstanceCost> = insts
+            .iter()
+            .filter(|i| i.dcp == 1 && fixed.prefill.matches(&i.cfg))
+            .collect();
+        disaggregated_points(pg, cluster, &prefillers, &decoders, load, &mut points);
     }
     let ttft_ok = |p: &ServePoint| load.ttft_max_s.is_none_or(|b| p.ttft_s <= b);
     let eligible: Vec<usize> = (0..points.len()).filter(|&i| ttft_ok(&points[i])).collect();
@@ -210,8 +273,8 @@ fn aggregated_points(inst: &InstanceCost, n: u64, load: &ServeLoad, out: &mut Ve
 
 /// Prefill instances worth pairing: the few fastest on the percentile prompt and the
 /// few with the most prompts per GPU-second.
-fn prefill_candidates(insts: &[InstanceCost]) -> Vec<&InstanceCost> {
-    let mut by_speed: Vec<&InstanceCost> = insts.iter().collect();
+fn prefill_candidates<'a>(insts: &[&'a InstanceCost]) -> Vec<&'a InstanceCost> {
+    let mut by_speed: Vec<&InstanceCost> = insts.to_vec();
     by_speed.sort_by(|a, b| a.prefill_at_s.total_cmp(&b.prefill_at_s));
     let mut by_rate = by_speed.clone();
     by_rate.sort_by(|a, b| {
@@ -233,14 +296,15 @@ fn prefill_candidates(insts: &[InstanceCost]) -> Vec<&InstanceCost> {
 fn disaggregated_points(
     pg: &PreparedGraph,
     cluster: &Cluster,
-    insts: &[InstanceCost],
+    prefillers: &[&InstanceCost],
+    decoders: &[&InstanceCost],
     load: &ServeLoad,
     out: &mut Vec<ServePoint>,
 ) {
     let n = cluster.gpus();
     let gpn = cluster.gpus_per_node;
-    for pre in prefill_candidates(insts) {
-        for dec in insts {
+    for pre in prefill_candidates(prefillers) {
+        for &dec in decoders {
             let used_min = pre.gpus + dec.gpus;
             if used_min > n {
                 continue;
@@ -336,7 +400,7 @@ pub fn remedy(
     pg: &PreparedGraph,
     cluster: &Cluster,
     load: &ServeLoad,
-    fixed: &PartialConfig,
+    fixed: &Fixed,
     report: &DeployReport,
 ) -> DeployRemedy {
     let pts = &report.points;

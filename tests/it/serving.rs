@@ -195,6 +195,7 @@ fn instance(prefill_s: f64, weight_s: f64, decode: Vec<(u64, f64)>) -> InstanceC
     let estimate = estimate_inference(&pg, &cl, &cfg("tp=8", 8), &load(2048, 256, 1)).unwrap();
     InstanceCost {
         cfg: cfg("tp=8", 8),
+        dcp: 1,
         gpus: 8,
         prefill_mean_s: prefill_s,
         prefill_at_s: prefill_s,
@@ -492,4 +493,99 @@ fn a_length_distribution_and_an_arrival_rate() {
     );
     assert!(v["best"]["gpus"].as_u64().unwrap() < 16);
     let _ = ServingMode::Aggregated;
+}
+
+// === Decode context parallelism (MLA) ===
+
+#[test]
+fn decode_context_parallelism_by_hand() {
+    use meshplan_cost_model::serving::{dcp_step, kv_replicas};
+    let ds = prepared("models/deepseek-v3.yaml");
+    let llama = prepared("models/llama3-70b-inference.yaml");
+    let h200 = load_cluster(&PathBuf::from(root("topologies/h200-node.yaml")), Some(2)).unwrap();
+    // MLA's latent is copied on each of the 8 tensor ranks; Llama's 8 KV heads are
+    // split over them; DP-attention keeps one copy per rank's own requests.
+    assert_eq!(kv_replicas(&ds, &cfg("tp=8", 8)), 8);
+    assert_eq!(kv_replicas(&ds, &cfg("tp=8,dp_attention=true", 8)), 1);
+    assert_eq!(kv_replicas(&llama, &cfg("tp=8", 8)), 1);
+    // dcp = 2 on tp = 8, B = 64 requests at a 2176-token context. Each GPU reads half
+    // of each cache: saved (1 - 1/2) x 64 x 2176 x 1152 bytes x 61 layers at 3.36 TB/s
+    // = 2.92 ms. Per layer it all-gathers the queries of its group's 2 x 128/8 heads
+    // in the latent width (64 x 32 x 1152 = 2,359,296 bytes, half sent) and
+    // reduce-scatters the partial outputs with an fp32 log-sum-exp (64 x 32 x 1156 =
+    // 2,367,488 bytes, half sent): 61 x (1,179,648 + 1,183,744) = 144,166,912 bytes.
+    let c = cfg("tp=8", 8);
+    let d = dcp_step(&ds, &h200, &c, 2, 64.0, 2176.0);
+    let saved = 0.5 * 64.0 * 2176.0 * 1152.0 * 61.0 / (4800e9 * 0.70);
+    close("saved", d.saved_s, saved, 1e-12);
+    assert_eq!(d.bytes, 144_166_912.0);
+    let comm = meshplan_cost_model::CommModel::new(&h200);
+    let group = meshplan_cost_model::GroupShape {
+        size: 2,
+        per_node: 2,
+    };
+    use meshplan_cost_model::Collective::{AllGather, ReduceScatter};
+    let per_layer =
+        comm.time_s(AllGather, group, 2_359_296.0) + comm.time_s(ReduceScatter, group, 2_367_488.0);
+    close("added", d.added_s, 61.0 * per_layer, 1e-12);
+    // At this context the split saves more than the collectives cost.
+    assert!(d.saved_s > d.added_s, "{d:?}");
+    assert_eq!(dcp_step(&ds, &h200, &c, 1, 64.0, 2176.0).bytes, 0.0);
+}
+
+#[test]
+fn long_contexts_on_deepseek_put_decode_context_parallelism_on_the_frontier() {
+    // 32k-token prompts on 2 H200 nodes: the latent cache of 8 copies per tensor
+    // group is what bounds the batch; splitting it (dcp) shows on the frontier.
+    let w = temp_file(
+        "deploy-dsv3-long.yaml",
+        "kind: inference\nprompt_len: 32768\noutput_len: 1024\nslo: {ttft_ms: 30000, tpot_ms: 200}\n",
+    );
+    let v = meshplan(&[
+        "deploy",
+        &root("models/deepseek-v3.yaml"),
+        &root("topologies/h200-node.yaml"),
+        "--nodes",
+        "2",
+        "--workload",
+        w.to_str().unwrap(),
+        "-o",
+        temp_file("deploy-dsv3-long.json", "").to_str().unwrap(),
+        "--json",
+    ])
+    .expect_code(0)
+    .json();
+    let f = v["frontier"].as_array().unwrap();
+    assert!(
+        f.iter().any(|p| p["decode"]["dcp"].as_u64().unwrap() > 1),
+        "{f:?}"
+    );
+    // Forced on, it is written to the plan and exported to both servers.
+    let out = temp_file("deploy-dsv3-dcp.json", "");
+    meshplan(&[
+        "deploy",
+        &root("models/deepseek-v3.yaml"),
+        &root("topologies/h200-node.yaml"),
+        "--nodes",
+        "2",
+        "--workload",
+        w.to_str().unwrap(),
+        "--dcp",
+        "4",
+        "--decode-config",
+        "dp_attention=false",
+        "-o",
+        out.to_str().unwrap(),
+    ])
+    .expect_code(0);
+    let plan: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(plan["serving"]["decode"]["dcp"], 4);
+    let sg = meshplan(&["export", out.to_str().unwrap(), "--to", "sglang"]);
+    assert!(sg.expect_code(0).stdout.contains("--dcp-size 4"));
+    let vl = meshplan(&["export", out.to_str().unwrap(), "--to", "vllm"]);
+    assert!(vl
+        .expect_code(0)
+        .stdout
+        .contains("--decode-context-parallel-size 4"));
 }

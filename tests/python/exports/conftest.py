@@ -89,6 +89,10 @@ DEPLOYS = {
     # Mixtral's pools: DP-attention and experts inside the decode instances (SGLang)
     "mixtral-deploy-pd": ("models/mixtral-8x7b.yaml", "topologies/h200-node.yaml",
                           ["--workload", "@disaggregated"]),
+    # DeepSeek-V3's latent cache split over 4 tensor ranks of each decode instance
+    "deepseek-v3-deploy-dcp": ("models/deepseek-v3.yaml", "topologies/h200-node.yaml",
+                               ["--nodes", "2", "--workload", "@inference", "--dcp", "4",
+                                "--decode-config", "dp_attention=false"]),
 }
 
 
@@ -226,7 +230,19 @@ def hf_config(plan, directory: Path):
         "bos_token_id": 1,
         "eos_token_id": 2,
     }
-    if t.get("moe"):
+    if t.get("mla"):
+        m, moe = t["mla"], t["moe"]
+        cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                   q_lora_rank=m["q_lora_rank"], kv_lora_rank=m["kv_lora_rank"],
+                   qk_rope_head_dim=m["qk_rope_head_dim"], v_head_dim=m["v_head_dim"],
+                   qk_nope_head_dim=t["head_dim"] - m["qk_rope_head_dim"],
+                   n_routed_experts=moe["experts"], num_experts_per_tok=moe["top_k"],
+                   moe_intermediate_size=moe["expert_ffn_hidden"],
+                   n_shared_experts=moe.get("shared_experts", 0),
+                   first_k_dense_replace=moe.get("first_dense_layers", 0),
+                   n_group=8, topk_group=4, routed_scaling_factor=2.5,
+                   norm_topk_prob=True, topk_method="noaux_tc", scoring_func="sigmoid")
+    elif t.get("moe"):
         cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
                    num_local_experts=t["moe"]["experts"],
                    num_experts_per_tok=t["moe"]["top_k"],

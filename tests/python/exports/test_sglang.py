@@ -145,6 +145,7 @@ def test_every_server_of_every_pool_resolves(exports, tmp_path):
             assert w["attn_tp_size"] == (1 if c.get("dp_attention") else c["tp"]), (name, words)
             assert w["moe_ep_size"] == c["ep"], (name, words)
             assert v.pp_size == c["pp"], (name, words)
+            assert v.dcp_size == pool.get("dcp", 1), (name, words)
             if c["ep"] <= c["tp"]:
                 assert v.tp_size == c["tp"], (name, words)
             # The deployment's knobs: the prefill chunk (none on decode servers) and
@@ -152,7 +153,9 @@ def test_every_server_of_every_pool_resolves(exports, tmp_path):
             chunk = pool["chunked_prefill"] if role == "prefill" or s["mode"] == "aggregated" else None
             assert given[0] == chunk, (name, words)
             if chunk is not None:
-                assert v.chunked_prefill_size == chunk, (name, words)
+                # SGLang splits a server's chunk over its data-parallel attention groups.
+                groups = v.attn_dp_size or 1
+                assert v.chunked_prefill_size == chunk // groups, (name, words)
             assert given[1] == v.max_running_requests, (name, words)
             if pool["gpus_per_instance"] == v.tp_size * v.pp_size or v.dp_size > 1:
                 assert v.max_running_requests == pool["concurrency"], (name, words)

@@ -106,6 +106,7 @@ def test_every_server_of_every_pool_configures(exports, tmp_path, monkeypatch):
             st = pool["strategy"]
             assert (p.tensor_parallel_size, p.pipeline_parallel_size) == (st["tp"], st["pp"]), (name, words)
             assert p.enable_expert_parallel == (st["ep"] > 1), (name, words)
+            assert p.decode_context_parallel_size == pool.get("dcp", 1), (name, words)
             # Requests in flight per engine: an instance's share, over its own
             # data-parallel ranks.
             assert c.scheduler_config.max_num_seqs * st["dp"] >= pool["concurrency"], (name, words)
