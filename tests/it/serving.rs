@@ -589,3 +589,23 @@ fn long_contexts_on_deepseek_put_decode_context_parallelism_on_the_frontier() {
         .stdout
         .contains("--decode-context-parallel-size 4"));
 }
+
+#[test]
+fn deepseek_v3_all_to_all_bytes_per_layer_by_hand() {
+    // The instance `deploy` picks for DeepSeek-V3 on H200s: tp=8 with DP-attention,
+    // two attention replicas, experts over all 16 GPUs. 64 requests decoding: 32
+    // per replica, 32 / 8 = 4 tokens per GPU under DP-attention. Each routes to
+    // K = 8 experts: dispatch and combine each send (ep-1)/ep x 4 x 8 x 7168 x 2
+    // bytes: 2 x 15/16 x 458,752 = 860,160 bytes per MoE layer, x 58 MoE layers
+    // (the first 3 of 61 are dense) = 49,889,280 bytes per decode step.
+    let ds = prepared("models/deepseek-v3.yaml");
+    let h200 = load_cluster(&PathBuf::from(root("topologies/h200-node.yaml")), Some(2)).unwrap();
+    let c = cfg("tp=8,dp=2,ep=16,dp_attention=true", 16);
+    let e = estimate_inference(&ds, &h200, &c, &load(2048, 256, 64)).unwrap();
+    let per_layer = 2.0 * 15.0 / 16.0 * 4.0 * 8.0 * 7168.0 * 2.0;
+    assert_eq!(per_layer, 860_160.0);
+    close("ep bytes per step", e.comm_bytes_per_gpu.ep, 58.0 * per_layer, 1e-12);
+    // Twice the requests, twice the bytes (proportional to tokens x K).
+    let e2 = estimate_inference(&ds, &h200, &c, &load(2048, 256, 128)).unwrap();
+    close("ep bytes x2", e2.comm_bytes_per_gpu.ep, 2.0 * 58.0 * per_layer, 1e-12);
+}
