@@ -1,4 +1,4 @@
-"""meshplan from Python: plan, estimate, compare, explain, inspect and export.
+"""meshplan from Python: plan, deploy, estimate, compare, explain, inspect and export.
 
 Each function runs the command line's own code in-process (the compiled
 ``meshplan._native`` module) with the arguments a user would type, and returns the
@@ -31,6 +31,7 @@ __all__ = [
     "BadInput",
     "Comparison",
     "ComparisonRow",
+    "Deployment",
     "Explanation",
     "Infeasible",
     "MeshplanError",
@@ -38,6 +39,7 @@ __all__ = [
     "Plan",
     "Prediction",
     "compare",
+    "deploy",
     "estimate",
     "explain",
     "export",
@@ -277,6 +279,63 @@ class Comparison:
 
 
 @dataclass(frozen=True)
+class Deployment:
+    """A serving deployment from ``meshplan deploy``: the best within the SLOs
+    (``best``, with ``mode`` aggregated or disaggregated), the best of each mode,
+    the ``verdict`` saying which wins and why, the throughput-latency ``frontier``
+    (dicts with the contract's keys: ``output_tokens_per_s_per_gpu``,
+    ``output_tokens_per_s_per_user``, ``ttft_s``, ``tpot_s``, ``decode``,
+    ``prefill``, ``kv_transfer``), and the plan file (``path``)."""
+
+    path: Path
+    mode: str
+    best: Dict[str, Any]
+    frontier: List[Dict[str, Any]]
+    verdict: Optional[str] = None
+    best_aggregated: Optional[Dict[str, Any]] = None
+    best_disaggregated: Optional[Dict[str, Any]] = None
+    search: Dict[str, Any] = field(default_factory=dict)
+    figure: Optional[Path] = None
+    raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def tokens_per_s_per_gpu(self) -> float:
+        """Output tokens per second per GPU of the best deployment."""
+        return self.best["output_tokens_per_s_per_gpu"]
+
+    def to_pandas(self):
+        """The frontier as a pandas DataFrame, one row per deployment (needs pandas)."""
+        try:
+            import pandas as pd
+        except ImportError as e:  # pragma: no cover - depends on the environment
+            raise ImportError("Deployment.to_pandas needs pandas: pip install 'meshplan[pandas]'") from e
+        records = []
+        for p in self.frontier:
+            rec = {k: v for k, v in p.items() if not isinstance(v, (dict, type(None)))}
+            rec["decode"] = p["decode"]["strategy"]
+            rec["prefill"] = (p.get("prefill") or {}).get("strategy")
+            records.append(rec)
+        return pd.DataFrame.from_records(records)
+
+    def _repr_svg_(self) -> str:
+        return self.figure.read_text() if self.figure is not None else ""
+
+    def _repr_html_(self) -> str:
+        b = self.best
+        rows = [
+            ("mode", _esc(self.mode)),
+            ("tokens/s per GPU", _fmt(b["output_tokens_per_s_per_gpu"])),
+            ("tokens/s per user", _fmt(b["output_tokens_per_s_per_user"])),
+            ("TTFT (s)", _fmt(b["ttft_s"])),
+            ("TPOT (s)", _fmt(b["tpot_s"])),
+            ("GPUs", _fmt(b["gpus"])),
+            ("verdict", _fmt(self.verdict or "")),
+            ("plan file", _esc(str(self.path))),
+        ]
+        return _table(rows)
+
+
+@dataclass(frozen=True)
 class Explanation:
     """``explain``: why the plan and not its neighbours (the keys of ``explain
     --json`` are in ``raw``; the common ones are attributes)."""
@@ -339,6 +398,48 @@ def plan(
         search=dict(d.get("search") or {}),
         layer_split=d.get("layer_split"),
         top=list(d.get("top") or []),
+        raw=d,
+    )
+
+
+def deploy(
+    model: Model,
+    cluster: Cluster,
+    *,
+    nodes: Optional[int] = None,
+    config: Optional[Config] = None,
+    prefill_config: Optional[Config] = None,
+    decode_config: Optional[Config] = None,
+    dcp: Optional[int] = None,
+    output: Optional[PathLike] = None,
+    calibration: Optional[PathLike] = None,
+    workload: Optional[Union[PathLike, Mapping[str, Any]]] = None,
+) -> Deployment:
+    """``meshplan deploy``: the best serving deployment of ``model`` on ``cluster``
+    within the workload's SLOs, and the frontier; writes the plan file (``output``,
+    a temporary file by default) and the frontier figure."""
+    with _Inputs() as tmp:
+        out = Path(output) if output is not None else tmp.keep("deploy.json")
+        figures = Path(tempfile.mkdtemp(prefix="meshplan-frontier-"))
+        args = ["deploy", tmp.model(model), tmp.cluster(cluster), "-o", out, "--figures", figures, "--json"]
+        args += _common(nodes, config, None, calibration, None, None, workload, tmp)
+        for flag, keys in (("--prefill-config", prefill_config), ("--decode-config", decode_config)):
+            if keys is not None:
+                args += [flag, _config_text(keys)]
+        if dcp is not None:
+            args += ["--dcp", str(dcp)]
+        d = _run(args)
+    svg = figures / "frontier.svg"
+    return Deployment(
+        path=out,
+        mode=d["mode"],
+        best=d["best"],
+        frontier=list(d.get("frontier") or []),
+        verdict=d.get("verdict"),
+        best_aggregated=d.get("best_aggregated"),
+        best_disaggregated=d.get("best_disaggregated"),
+        search=dict(d.get("search") or {}),
+        figure=svg if svg.exists() else None,
         raw=d,
     )
 

@@ -154,3 +154,26 @@ def test_notebook_style_session(tmp_path):
     assert "<svg" in ns["svg"]
     assert len(ns["df"]) == 2
     assert meshplan.version()
+
+
+def test_deploy_equals_the_cli(tmp_path):
+    llama = str(ROOT / "models" / "llama3-70b-inference.yaml")
+    h200 = str(ROOT / "topologies" / "h200-node.yaml")
+    d = meshplan.deploy(llama, h200)
+    want = json.loads(cli("deploy", llama, h200, "-o", tmp_path / "d.json", "--json").stdout)
+    assert d.mode == want["mode"]
+    assert d.best == want["best"]
+    assert d.frontier == want["frontier"]
+    assert d.verdict == want["verdict"] and " wins: " in d.verdict
+    assert d.tokens_per_s_per_gpu == want["best"]["output_tokens_per_s_per_gpu"]
+    assert json.loads(d.path.read_text())["serving"]["mode"] == d.mode
+    assert "<svg" in d._repr_svg_() and "tokens/s per GPU" in d._repr_html_()
+    frame = d.to_pandas()
+    assert len(frame) == len(d.frontier)
+    # A workload as a dict, pools fixed, and an SLO nothing meets raises Infeasible.
+    w = {"kind": "inference", "prompt_len": 2048, "output_len": 256,
+         "slo": {"ttft_ms": 2000, "tpot_ms": 50}, "serving": {"mode": "disaggregated"}}
+    p = meshplan.deploy(llama, h200, workload=w, decode_config={"tp": 4})
+    assert p.mode == "disaggregated" and p.best["decode"]["config"]["tp"] == 4
+    with pytest.raises(meshplan.Infeasible, match="closest misses"):
+        meshplan.deploy(llama, h200, workload={**w, "slo": {"tpot_ms": 1}})
