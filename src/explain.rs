@@ -28,6 +28,20 @@ pub(crate) fn explain(plan_path: &Path, top: usize, json: bool) -> Result<(), Fa
     if json {
         print_json(&serde_json::to_value(&x).unwrap_or_default());
     } else {
+        if let Some(s) = &plan.serving {
+            // `explain` re-prices the plan's own programs: the pool that decodes,
+            // without the prompts a deployment interleaves or hands over.
+            eprintln!(
+                "note: this plan is a deployment from `deploy` ({}); below is its decoding pool alone as `plan` prices it; the deployment itself: {:.1} tokens/s per GPU, TTFT {:.1} ms, TPOT {:.2} ms",
+                match s.mode {
+                    meshplan_ir::serving::ServingMode::Aggregated => "aggregated",
+                    meshplan_ir::serving::ServingMode::Disaggregated => "disaggregated",
+                },
+                s.predicted["output_tokens_per_s_per_gpu"].as_f64().unwrap_or(0.0),
+                s.predicted["ttft_s"].as_f64().unwrap_or(0.0) * 1e3,
+                s.predicted["tpot_s"].as_f64().unwrap_or(0.0) * 1e3,
+            );
+        }
         print_text(&x, top);
     }
     Ok(())

@@ -369,6 +369,10 @@ fn llama3_70b_on_one_h200_node() {
         serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(plan["serving"]["mode"], best["mode"]);
     assert!(plan["programs"].as_array().is_some_and(|p| !p.is_empty()));
+    // `explain` says what it re-prices: the decoding pool, not the deployment.
+    meshplan(&["explain", out.to_str().unwrap()])
+        .expect_code(0)
+        .stderr_has(&["a deployment from `deploy`", "the deployment itself: "]);
     let svg = std::fs::read_to_string(figs.join("frontier.svg")).unwrap();
     assert!(svg.contains("<svg") && svg.contains("tokens/s per GPU"));
 }
