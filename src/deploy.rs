@@ -54,7 +54,8 @@ pub(crate) fn point_json(p: &ServePoint) -> serde_json::Value {
         "decode": pool_json(&p.decode),
         "prefill": p.prefill.as_ref().map(pool_json),
         "kv_transfer": p.kv.map(|k| serde_json::json!({
-            "bytes_per_request": k.bytes,
+            "bytes_per_request": k.moved,
+            "cache_bytes_per_request": k.bytes,
             "bytes_per_gpu": k.bytes_per_gpu,
             "time_s": k.time_s,
             "link": if k.same_node { "nvlink" } else { "infiniband" },
@@ -161,7 +162,7 @@ fn deployment_plan(
             .map(|p| pool_info(p, predicted["prefill"].clone())),
         prefill_plan,
         kv_transfer: best.kv.map(|k| KvTransfer {
-            bytes_per_request: k.bytes,
+            bytes_per_request: k.moved,
             time_s: k.time_s,
             link: if k.same_node { "nvlink" } else { "infiniband" }.into(),
         }),

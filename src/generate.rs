@@ -4,6 +4,7 @@
 use crate::run::{bad, reference_plan, runtime, RunArgs};
 use crate::{print_json, Failure};
 use clap::Args;
+use meshplan_executor::disagg::{self, DisaggReport};
 use meshplan_executor::infer::{
     byte_mismatches, check_inference, infer, InferOptions, InferReport,
 };
@@ -166,15 +167,27 @@ pub(crate) fn run(a: &RunArgs<'_>, plan: &Plan, file: &str) -> Result<(), Failur
         Workload::Inference { output_len, .. } => *output_len as usize,
         Workload::Train { .. } => 1,
     };
+    // A disaggregated deployment runs both pools: the prefill pool's ranks, then
+    // the decode pool's (the plan's own).
+    let pools = disagg::pools(plan).map_err(|m| bad(format!("{file}: {m}")))?;
+    let pool_plans: Vec<&Plan> = match pools {
+        Some((prefill, decode)) => vec![prefill, decode],
+        None => vec![plan],
+    };
+    let ranks: usize = pool_plans.iter().map(|p| p.ranks.len()).sum();
     // Ranks are threads of this process, each holding its fp32 weights.
-    let s = &plan.strategy;
-    let replicas = (plan.ranks.len() as f64 / (s.tp * s.pp).max(1) as f64).max(1.0);
-    let host_bytes = 4.0 * plan.model.params * replicas;
+    let host_bytes: f64 = pool_plans
+        .iter()
+        .map(|p| {
+            let s = &p.strategy;
+            let replicas = (p.ranks.len() as f64 / (s.tp * s.pp).max(1) as f64).max(1.0);
+            4.0 * p.model.params * replicas
+        })
+        .sum();
     const HOST_BUDGET: f64 = 16.0 * (1u64 << 30) as f64;
-    if host_bytes > HOST_BUDGET || plan.ranks.len() > 256 {
+    if host_bytes > HOST_BUDGET || ranks > 256 {
         return Err(runtime(format!(
-            "{file}: the CPU backend runs every rank as a thread of this process; {} ranks holding {:.1} GiB of fp32 weights exceed its {:.0} GiB budget",
-            plan.ranks.len(),
+            "{file}: the CPU backend runs every rank as a thread of this process; {ranks} ranks holding {:.1} GiB of fp32 weights exceed its {:.0} GiB budget",
             host_bytes / (1u64 << 30) as f64,
             HOST_BUDGET / (1u64 << 30) as f64
         )));
@@ -192,41 +205,86 @@ pub(crate) fn run(a: &RunArgs<'_>, plan: &Plan, file: &str) -> Result<(), Failur
             _ => Vec::new(),
         },
         weights: checkpoint,
-        threads_per_rank: crate::run::threads_per_rank(a.threads, plan.ranks.len())?,
+        threads_per_rank: crate::run::threads_per_rank(a.threads, ranks)?,
         step_logits: flags.step_logits,
         ..InferOptions::default()
     };
+    if pools.is_some() {
+        return run_disaggregated(a, plan, file, &opts, tok.as_ref());
+    }
     meshplan_executor::infer::check_inputs(plan, &opts).map_err(|m| bad(format!("{file}: {m}")))?;
     let report = infer(plan, &opts).map_err(|e| runtime(e.message))?;
-    let check = if a.check {
-        let reference = reference_plan(plan).map_err(runtime)?;
-        let base = infer(
-            &reference,
-            &InferOptions {
-                threads_per_rank: crate::run::threads_per_rank(None, 1)?,
-                ..opts.clone()
-            },
-        )
-        .map_err(|e| runtime(format!("reference: {}", e.message)))?;
-        Some(check_inference(&report, &base))
-    } else {
-        None
+    let check = match a.check {
+        true => Some(check_inference(&report, &reference(plan, &opts)?)),
+        false => None,
     };
     let bytes = byte_mismatches(plan, &opts, &report);
-    print_report(
-        plan,
-        &report,
-        tok.as_ref(),
-        check.as_ref(),
-        bytes.as_deref(),
-        a.json,
-    );
-    if let Some(Err(why)) = &check {
+    let shown = Shown {
+        check: check.as_ref(),
+        bytes: bytes.as_deref(),
+        disagg: None,
+    };
+    print_report(plan, &report, tok.as_ref(), &shown, a.json);
+    verdict(a.check, &shown)
+}
+
+/// `run` on a disaggregated deployment: both pools as one world, the KV caches
+/// moving from the prefill ranks to the decode ranks.
+fn run_disaggregated(
+    a: &RunArgs<'_>,
+    plan: &Plan,
+    file: &str,
+    opts: &InferOptions,
+    tok: Option<&TextTokenizer>,
+) -> Result<(), Failure> {
+    disagg::check_disaggregated(plan, opts).map_err(|m| bad(format!("{file}: {m}")))?;
+    let run = disagg::infer_disaggregated(plan, opts).map_err(|e| runtime(e.message))?;
+    let check = match a.check {
+        true => Some(check_inference(&run.report, &reference(plan, opts)?)),
+        false => None,
+    };
+    let bytes = disagg::byte_mismatches(plan, opts, &run);
+    let shown = Shown {
+        check: check.as_ref(),
+        bytes: bytes.as_deref(),
+        disagg: Some(&run),
+    };
+    print_report(plan, &run.report, tok, &shown, a.json);
+    verdict(a.check, &shown)
+}
+
+/// The single-rank run of the same requests (`--check`).
+fn reference(plan: &Plan, opts: &InferOptions) -> Result<InferReport, Failure> {
+    let reference = reference_plan(plan).map_err(runtime)?;
+    infer(
+        &reference,
+        &InferOptions {
+            threads_per_rank: crate::run::threads_per_rank(None, 1)?,
+            ..opts.clone()
+        },
+    )
+    .map_err(|e| runtime(format!("reference: {}", e.message)))
+}
+
+/// What a run is reported with besides its own figures.
+struct Shown<'a> {
+    /// `--check`'s verdict against the single-rank run.
+    check: Option<&'a Result<(String, f64), String>>,
+    /// Differences from the plan's bytes (`None`: not compared).
+    bytes: Option<&'a [String]>,
+    /// The pools of a disaggregated run.
+    disagg: Option<&'a DisaggReport>,
+}
+
+/// Exit 1 when the run differs from the reference or, under `--check`, from the
+/// plan's bytes.
+fn verdict(check: bool, shown: &Shown<'_>) -> Result<(), Failure> {
+    if let Some(Err(why)) = shown.check {
         return Err(runtime(format!(
             "the run differs from the single-rank reference:\n{why}"
         )));
     }
-    if let (true, Some(b)) = (a.check, &bytes) {
+    if let (true, Some(b)) = (check, shown.bytes) {
         if !b.is_empty() {
             return Err(runtime(format!(
                 "measured communication differs from the plan:\n{}",
@@ -235,6 +293,34 @@ pub(crate) fn run(a: &RunArgs<'_>, plan: &Plan, file: &str) -> Result<(), Failur
         }
     }
     Ok(())
+}
+
+/// A disaggregated run's pools and KV move, as `--json` keys.
+fn disagg_json(plan: &Plan, d: &DisaggReport) -> serde_json::Value {
+    let serving = plan.serving.as_ref();
+    let prefill = serving.and_then(|s| s.prefill_plan.as_deref());
+    let pool = |p: Option<&Plan>, ranks: usize| {
+        serde_json::json!({
+            "ranks": ranks,
+            "strategy": p.map(|p| p.strategy.to_string()),
+        })
+    };
+    let np = d.prefill_ranks;
+    serde_json::json!({
+        "kv_transfer_bytes": d.kv_transfer_bytes(),
+        "kv_sent_bytes_per_rank": d.report.counts[..np]
+            .iter()
+            .map(|c| c.axis_bytes_sent(disagg::KV_AXIS))
+            .collect::<Vec<_>>(),
+        "kv_received_bytes_per_rank": &d.kv_received[np..],
+        "kv_transfer_bytes_per_request_planned": serving
+            .and_then(|s| s.kv_transfer.as_ref())
+            .map(|k| k.bytes_per_request),
+        "pools": {
+            "prefill": pool(prefill, d.prefill_ranks),
+            "decode": pool(Some(plan), d.report.counts.len() - d.prefill_ranks),
+        },
+    })
 }
 
 fn predicted(plan: &Plan, key: &str) -> f64 {
@@ -248,10 +334,10 @@ fn print_report(
     plan: &Plan,
     r: &InferReport,
     tok: Option<&TextTokenizer>,
-    check: Option<&Result<(String, f64), String>>,
-    bytes: Option<&[String]>,
+    shown: &Shown<'_>,
     json: bool,
 ) {
+    let (check, bytes) = (shown.check, shown.bytes);
     let text = |ids: &[u32]| tok.and_then(|t| t.decode(ids).ok());
     let comm: serde_json::Map<String, serde_json::Value> = {
         let mut m = serde_json::Map::new();
@@ -266,7 +352,7 @@ fn print_report(
     };
     if json {
         let first = r.requests.first();
-        print_json(&serde_json::json!({
+        let mut out = serde_json::json!({
             "tokens": first.map(|q| q.tokens.clone()).unwrap_or_default(),
             "text": first.and_then(|q| text(&q.tokens)),
             "logits": first.map(|q| q.logits.clone()).unwrap_or_default(),
@@ -303,16 +389,36 @@ fn print_report(
                 Ok((line, worst)) => serde_json::json!({"passed": true, "details": line, "max_abs_logit_diff": worst}),
                 Err(why) => serde_json::json!({"passed": false, "details": why}),
             }),
-        }));
+        });
+        if let (Some(d), Some(o)) = (shown.disagg, out.as_object_mut()) {
+            if let serde_json::Value::Object(extra) = disagg_json(plan, d) {
+                o.extend(extra);
+            }
+        }
+        print_json(&out);
         return;
     }
-    println!(
-        "{} on {} ranks ({}), {} requests",
-        plan.model.name,
-        plan.ranks.len(),
-        plan.strategy,
-        r.requests.len()
-    );
+    match shown
+        .disagg
+        .and_then(|d| Some((d, disagg::pools(plan).ok()??.0)))
+    {
+        Some((d, prefill)) => println!(
+            "{} on {} prefill ranks ({}) and {} decode ranks ({}), {} requests",
+            plan.model.name,
+            d.prefill_ranks,
+            prefill.strategy,
+            plan.ranks.len(),
+            plan.strategy,
+            r.requests.len()
+        ),
+        None => println!(
+            "{} on {} ranks ({}), {} requests",
+            plan.model.name,
+            plan.ranks.len(),
+            plan.strategy,
+            r.requests.len()
+        ),
+    }
     for (i, q) in r.requests.iter().enumerate() {
         let shown = match text(&q.tokens) {
             Some(t) => format!("{t:?}"),
@@ -346,6 +452,13 @@ fn print_report(
         r.weight_bytes / (1u64 << 20) as f64,
         r.kv_cache_bytes / (1u64 << 20) as f64
     );
+    if let Some(d) = shown.disagg {
+        println!(
+            "KV moved     {:.0} bytes from the prefill pool to the decode pool ({} requests)",
+            d.kv_transfer_bytes(),
+            r.requests.len()
+        );
+    }
     match bytes {
         Some([]) => println!("comm bytes   equal to the plan's on every rank and axis"),
         Some(b) => println!("comm bytes   differ from the plan:\n  {}", b.join("\n  ")),

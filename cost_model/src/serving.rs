@@ -155,8 +155,12 @@ pub fn kv_split(pg: &PreparedGraph, cfg: &ParallelConfig) -> f64 {
 pub struct KvMove {
     /// Bytes of the whole cache.
     pub bytes: f64,
-    /// Bytes the busiest GPU sends or receives: each prefill GPU sends its shard,
-    /// each decode GPU receives its own, all pairs at once.
+    /// Bytes sent over the link: the cache once per copy the decode instance keeps
+    /// of it (over tensor ranks).
+    pub moved: f64,
+    /// Bytes the busiest GPU sends or receives: each decode GPU receives its own
+    /// shard, each prefill GPU sends its shard once per decode copy its copies
+    /// serve, all pairs at once.
     pub bytes_per_gpu: f64,
     /// Seconds: one point-to-point transfer of `bytes_per_gpu` (alpha + bytes / beta).
     pub time_s: f64,
@@ -174,12 +178,18 @@ pub fn kv_transfer(
     same_node: bool,
 ) -> KvMove {
     let bytes = tokens * kv_bytes_per_token(pg);
-    let send = bytes / kv_split(pg, prefill);
+    // A head held by several decode ranks is sent to each; its prefill holders take
+    // turns, so a prefill GPU sends its shard ceil(decode copies / prefill copies)
+    // times.
+    let copies = |c: &ParallelConfig| kv_replicas(pg, c).max(1) as f64;
+    let sends = (copies(decode) / copies(prefill)).ceil().max(1.0);
+    let send = bytes / kv_split(pg, prefill) * sends;
     let recv = bytes / kv_split(pg, decode);
     let per_gpu = send.max(recv);
     let comm = crate::CommModel::new(cluster);
     KvMove {
         bytes,
+        moved: bytes * copies(decode),
         bytes_per_gpu: per_gpu,
         time_s: comm.p2p_time_s(same_node, per_gpu),
         same_node,

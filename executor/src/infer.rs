@@ -26,6 +26,9 @@
 //! and its single-rank reference keep the same tokens. An expert group spanning
 //! replicas runs every pass together: a replica without a request for a pass runs
 //! only its experts, on what the others send them.
+//!
+//! A disaggregated deployment runs its prefill pool's ranks and its decode pool's
+//! through these same passes, the caches moving between them (`disagg.rs`).
 
 use crate::backend::{Backend, CpuBackend};
 use crate::comm::{ByteCounts, Communicator, Group, RankError, ThreadComm};
@@ -136,13 +139,14 @@ pub struct InferReport {
 }
 
 /// What one rank hands back.
-struct RankOut {
-    outputs: Vec<(usize, RequestOutput)>,
-    elapsed: f64,
-    kv_bytes: f64,
-    weight_bytes: f64,
-    counts: ByteCounts,
-    routed_ep: (f64, f64),
+pub(crate) struct RankOut {
+    /// The requests this rank recorded (the last stage's first tensor rank).
+    pub(crate) outputs: Vec<(usize, RequestOutput)>,
+    pub(crate) elapsed: f64,
+    pub(crate) kv_bytes: f64,
+    pub(crate) weight_bytes: f64,
+    pub(crate) counts: ByteCounts,
+    pub(crate) routed_ep: (f64, f64),
 }
 
 /// Checks the requests against the plan's model before any rank starts: the
@@ -263,6 +267,22 @@ fn table_rows(graph: &Graph, name: &str) -> Option<usize> {
         .and_then(|t| fixed_shape(t).ok().and_then(|s| s.first().copied()))
 }
 
+/// A pool's groups with its ranks moved `base` up the world (a serving pool after
+/// the other pool's ranks).
+fn shifted(groups: BTreeMap<String, Group>, base: usize) -> BTreeMap<String, Group> {
+    if base == 0 {
+        return groups;
+    }
+    groups
+        .into_iter()
+        .map(|(name, g)| {
+            let ranks: Vec<usize> = g.ranks.iter().map(|r| r + base).collect();
+            let group = Group::new(format!("{name}:{ranks:?}"), ranks);
+            (name, group)
+        })
+        .collect()
+}
+
 /// Generates with the plan's inference programs on the CPU kernels.
 pub fn infer(plan: &Plan, opts: &InferOptions) -> Result<InferReport, ExecError> {
     infer_on(plan, opts, &CpuBackend)
@@ -282,48 +302,15 @@ pub fn infer_on(
     }
     let world = plan.ranks.len();
     let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
-        let mut r = InferRank::new(backend, plan, comm, opts)?;
+        let mut r = InferRank::new(backend, plan, comm, opts, 0)?;
         let everyone = Group::new("world", (0..world).collect());
         r.comm.barrier(&everyone)?;
         let t0 = Instant::now();
         let outputs = r.generate(t0)?;
-        let elapsed = t0.elapsed().as_secs_f64();
-        let kv_bytes = 4.0
-            * r.kv
-                .values()
-                .map(|(a, b)| (a.len() + b.len()) as f64)
-                .sum::<f64>();
-        let weight_bytes = 4.0 * r.weights.values().map(|w| w.len() as f64).sum::<f64>();
-        Ok(RankOut {
-            outputs,
-            elapsed,
-            kv_bytes,
-            weight_bytes,
-            counts: r.comm.counts(),
-            routed_ep: r.routed_ep,
-        })
+        Ok(r.finish(outputs, t0))
     });
-    if let Some(summary) = crate::comm::failure_summary(&results) {
-        return Err(ExecError { message: summary });
-    }
-    let mut outs = Vec::new();
-    for r in results {
-        match r {
-            Ok(o) => outs.push(o),
-            Err(e) => {
-                return Err(ExecError {
-                    message: format!("{e:?}"),
-                })
-            }
-        }
-    }
-    let mut requests: Vec<Option<RequestOutput>> = vec![None; opts.requests.len()];
-    for o in &outs {
-        for (i, r) in &o.outputs {
-            requests[*i] = Some(r.clone());
-        }
-    }
-    let requests: Vec<RequestOutput> = requests
+    let outs = rank_outs(results)?;
+    let requests = recorded(&outs, opts.requests.len())?
         .into_iter()
         .enumerate()
         .map(|(i, r)| {
@@ -332,6 +319,47 @@ pub fn infer_on(
             })
         })
         .collect::<Result<_, _>>()?;
+    summarize(requests, outs)
+}
+
+/// Every rank's result, or the world's failure in one message.
+pub(crate) fn rank_outs<T>(results: Vec<Result<T, RankError>>) -> Result<Vec<T>, ExecError> {
+    if let Some(summary) = crate::comm::failure_summary(&results) {
+        return Err(ExecError { message: summary });
+    }
+    results
+        .into_iter()
+        .map(|r| {
+            r.map_err(|e| ExecError {
+                message: format!("{e:?}"),
+            })
+        })
+        .collect()
+}
+
+/// Each request's output as the rank that recorded it handed it back.
+pub(crate) fn recorded(
+    outs: &[RankOut],
+    requests: usize,
+) -> Result<Vec<Option<RequestOutput>>, ExecError> {
+    let mut out: Vec<Option<RequestOutput>> = vec![None; requests];
+    for o in outs {
+        for (i, r) in &o.outputs {
+            let slot = out.get_mut(*i).ok_or_else(|| ExecError {
+                message: format!("a rank recorded request {i} of {requests}"),
+            })?;
+            *slot = Some(r.clone());
+        }
+    }
+    Ok(out)
+}
+
+/// The run's report from its requests and every rank's figures; non-finite logits
+/// fail it.
+pub(crate) fn summarize(
+    requests: Vec<RequestOutput>,
+    outs: Vec<RankOut>,
+) -> Result<InferReport, ExecError> {
     for (i, r) in requests.iter().enumerate() {
         if let Some(bad) = r
             .first_logits
@@ -473,21 +501,21 @@ impl Batch {
 pub(crate) type RequestCache = BTreeMap<u64, (Vec<f32>, Vec<f32>)>;
 
 /// What prefilling one request leaves on a rank.
-struct Prefilled {
+pub(crate) struct Prefilled {
     /// The last position's full-vocabulary logits (last stage only).
-    logits: Option<Vec<f32>>,
+    pub(crate) logits: Option<Vec<f32>>,
     /// Its KV cache entries.
-    cache: RequestCache,
+    pub(crate) cache: RequestCache,
 }
 
 /// A replica's requests while generating: what the recording rank (the last
 /// stage's first tensor rank) reports, and the tokens fed to the next step.
-struct Progress {
+pub(crate) struct Progress {
     /// Global request index per local slot.
     ids: Vec<usize>,
-    outs: Vec<RequestOutput>,
+    pub(crate) outs: Vec<RequestOutput>,
     first_at: Vec<f64>,
-    current: Vec<u32>,
+    pub(crate) current: Vec<u32>,
     /// A request that produced an end-of-sequence token keeps its place in the
     /// batch (every rank runs the same steps, and the plan's bytes stay exact) but
     /// records nothing more.
@@ -497,7 +525,7 @@ struct Progress {
 }
 
 impl Progress {
-    fn new(ids: &[usize], opts: &InferOptions) -> Progress {
+    pub(crate) fn new(ids: &[usize], opts: &InferOptions) -> Progress {
         let outs = ids
             .iter()
             .map(|&i| RequestOutput {
@@ -524,7 +552,7 @@ impl Progress {
 
     /// Samples slot `j`'s first token from its prefill logits (`now`: recorded at
     /// this time since the start).
-    fn first_token(
+    pub(crate) fn first_token(
         &mut self,
         j: usize,
         rows: Vec<f32>,
@@ -547,6 +575,16 @@ impl Progress {
         }
         o.first_logits = rows.clone();
         o.logits = rows;
+    }
+
+    /// Slot `j`'s first token `t`, sampled elsewhere (by the prefill pool): fed to
+    /// the first decode step; `now` starts the slot's time per output token.
+    pub(crate) fn handed_token(&mut self, j: usize, t: u32, now: Option<Duration>) {
+        self.current[j] = t;
+        self.ended[j] = self.eos.contains(&t);
+        if let Some(now) = now {
+            self.first_at[j] = now.as_secs_f64();
+        }
     }
 
     /// Samples every slot's token of decode step `step` from `all`
@@ -587,21 +625,25 @@ impl Progress {
 /// replicated for the embedding.
 type WKey = (String, String, u64);
 
-struct InferRank<'a> {
+pub(crate) struct InferRank<'a> {
     be: &'a dyn Backend,
     plan: &'a Plan,
     graph: &'a Graph,
+    /// The rank in the world (the communicator's).
     rank: usize,
-    comm: ThreadComm,
+    /// The world rank of the plan's rank 0: a serving pool's ranks follow the
+    /// other pool's.
+    base: usize,
+    pub(crate) comm: ThreadComm,
     coords: Vec<u64>,
     pp_axis: usize,
-    stage: u64,
-    last_stage: u64,
+    pub(crate) stage: u64,
+    pub(crate) last_stage: u64,
     dp: usize,
-    dp_index: usize,
+    pub(crate) dp_index: usize,
     /// Mesh axis of `dp` in the rank coordinates.
     dp_axis: Option<usize>,
-    tp: TpPos,
+    pub(crate) tp: TpPos,
     ep: TpPos,
     /// The expert group, when the experts are split over ranks.
     ep_group: Option<Group>,
@@ -623,16 +665,18 @@ struct InferRank<'a> {
 }
 
 impl<'a> InferRank<'a> {
-    fn new(
+    /// World rank `comm.rank()` as rank `comm.rank() - base` of `plan`.
+    pub(crate) fn new(
         be: &'a dyn Backend,
         plan: &'a Plan,
         comm: ThreadComm,
         opts: &'a InferOptions,
+        base: usize,
     ) -> Result<InferRank<'a>, RankError> {
         let rank = comm.rank();
-        let entry = plan
-            .ranks
-            .get(rank)
+        let entry = rank
+            .checked_sub(base)
+            .and_then(|local| plan.ranks.get(local))
             .ok_or_else(|| fail(format!("rank {rank} is not in the plan's rank table")))?;
         let program = plan
             .programs
@@ -655,7 +699,7 @@ impl<'a> InferRank<'a> {
             .find(|t| t.name == "embed.tokens.w")
             .ok_or_else(|| fail("the plan's model has no token embedding"))?;
         let shape = fixed_shape(table)?;
-        let groups = build_groups(plan, rank)?;
+        let groups = shifted(build_groups(plan, rank - base)?, base);
         let ep_group = groups.get("ep").filter(|g| g.size() > 1).cloned();
         let ep = ep_group
             .as_ref()
@@ -670,6 +714,7 @@ impl<'a> InferRank<'a> {
             plan,
             graph,
             rank,
+            base,
             comm,
             coords: entry.coords.clone(),
             pp_axis: axis("pp").ok_or_else(|| fail("the mesh has no pp axis"))?,
@@ -792,7 +837,7 @@ impl<'a> InferRank<'a> {
             .ranks
             .iter()
             .find(|r| r.coords == coords)
-            .map(|r| r.rank as usize)
+            .map(|r| self.base + r.rank as usize)
             .ok_or_else(|| fail(format!("no rank at {coords:?}")))
     }
 
@@ -806,16 +851,43 @@ impl<'a> InferRank<'a> {
     /// Prefill every request of this replica, then decode them together.
     fn generate(&mut self, t0: Instant) -> Result<Vec<(usize, RequestOutput)>, RankError> {
         let mine = self.served_by(self.dp_index);
-        let lockstep = self.expert_lockstep();
-        if mine.is_empty() && !lockstep {
+        if mine.is_empty() && !self.expert_lockstep() {
             return Ok(Vec::new());
         }
-        let record = self.stage == self.last_stage && self.tp.rank == 0;
+        let record = self.records();
         let mut p = Progress::new(&mine, self.opts);
-        // An expert group runs its passes together: a replica out of requests still
-        // serves its experts to the others' tokens.
+        self.prefill_passes(&mine, |r, j, _, done| {
+            r.put_cache(j, done.cache);
+            if let Some(rows) = done.logits {
+                let now = record.then(|| t0.elapsed());
+                p.first_token(j, rows, &r.opts.sampling, now);
+            }
+            Ok(())
+        })?;
+        self.decode_passes(&mine, &mut p, t0)?;
+        Ok(if record {
+            mine.into_iter().zip(p.outs).collect()
+        } else {
+            Vec::new()
+        })
+    }
+
+    /// Whether this rank records its replica's outputs: the last stage's first
+    /// tensor rank.
+    pub(crate) fn records(&self) -> bool {
+        self.stage == self.last_stage && self.tp.rank == 0
+    }
+
+    /// Prefills the requests `mine` (slot `j` request `mine[j]`) one at a time,
+    /// handing each to `done`. An expert group runs its passes together: a replica
+    /// out of requests still serves its experts to the others' tokens.
+    pub(crate) fn prefill_passes(
+        &mut self,
+        mine: &[usize],
+        mut done: impl FnMut(&mut Self, usize, usize, Prefilled) -> Result<(), RankError>,
+    ) -> Result<(), RankError> {
         let passes = match &self.ep_group {
-            Some(g) if lockstep => g
+            Some(g) if self.expert_lockstep() => g
                 .ranks
                 .iter()
                 .map(|&r| self.served_by(self.dp_of(r)).len())
@@ -828,32 +900,57 @@ impl<'a> InferRank<'a> {
                 self.idle_pass(self.prefill)?;
                 continue;
             };
-            let done = self.prefill_request(j, i)?;
-            self.put_cache(j, done.cache);
-            if let Some(rows) = done.logits {
-                p.first_token(j, rows, &self.opts.sampling, record.then(|| t0.elapsed()));
-            }
+            let out = self.prefill_request(j, i)?;
+            done(self, j, i, out)?;
         }
+        Ok(())
+    }
+
+    /// Decodes the requests `mine`, whose caches are in place and whose first tokens
+    /// `p` holds, until each has its tokens (a replica without requests whose expert
+    /// group has some serves its experts at every step).
+    pub(crate) fn decode_passes(
+        &mut self,
+        mine: &[usize],
+        p: &mut Progress,
+        t0: Instant,
+    ) -> Result<(), RankError> {
+        let record = self.records();
         for step in 1..self.opts.max_new_tokens {
             if mine.is_empty() {
                 self.idle_pass(self.decode)?;
                 continue;
             }
             self.hand_tokens_back(&mut p.current)?;
-            if let Some(all) = self.decode_step(&mine, step, &p.current)? {
+            if let Some(all) = self.decode_step(mine, step, &p.current)? {
                 let now = record.then(|| t0.elapsed());
                 p.next_tokens(&all, self.vocab, step, &self.opts.sampling, now);
             }
         }
-        Ok(if record {
-            mine.into_iter().zip(p.outs).collect()
-        } else {
-            Vec::new()
-        })
+        Ok(())
+    }
+
+    /// What this rank hands back once its work is done.
+    pub(crate) fn finish(&self, outputs: Vec<(usize, RequestOutput)>, t0: Instant) -> RankOut {
+        let elapsed = t0.elapsed().as_secs_f64();
+        let kv_bytes = 4.0
+            * self
+                .kv
+                .values()
+                .map(|(a, b)| (a.len() + b.len()) as f64)
+                .sum::<f64>();
+        RankOut {
+            outputs,
+            elapsed,
+            kv_bytes,
+            weight_bytes: 4.0 * self.weights.values().map(|w| w.len() as f64).sum::<f64>(),
+            counts: self.comm.counts(),
+            routed_ep: self.routed_ep,
+        }
     }
 
     /// Requests replica `dp_index` serves, in order (round robin over replicas).
-    fn served_by(&self, dp_index: usize) -> Vec<usize> {
+    pub(crate) fn served_by(&self, dp_index: usize) -> Vec<usize> {
         let dp = self.dp.max(1);
         (0..self.opts.requests.len())
             .filter(|i| i % dp == dp_index)
@@ -861,7 +958,10 @@ impl<'a> InferRank<'a> {
     }
 
     fn dp_of(&self, rank: usize) -> usize {
-        match (self.dp_axis, self.plan.ranks.get(rank)) {
+        let entry = rank
+            .checked_sub(self.base)
+            .and_then(|r| self.plan.ranks.get(r));
+        match (self.dp_axis, entry) {
             (Some(a), Some(e)) => e.coords[a] as usize,
             _ => 0,
         }
@@ -869,7 +969,7 @@ impl<'a> InferRank<'a> {
 
     /// Whether this rank's expert group spans replicas one of which has requests:
     /// its members must then run every pass together.
-    fn expert_lockstep(&self) -> bool {
+    pub(crate) fn expert_lockstep(&self) -> bool {
         self.ep_group.as_ref().is_some_and(|g| {
             g.ranks
                 .iter()
@@ -1037,7 +1137,7 @@ impl<'a> InferRank<'a> {
     }
 
     /// Installs one local request's KV cache entries.
-    fn put_cache(&mut self, slot: usize, cache: RequestCache) {
+    pub(crate) fn put_cache(&mut self, slot: usize, cache: RequestCache) {
         for (layer, kv) in cache {
             self.kv.insert((layer, slot), kv);
         }
@@ -1590,54 +1690,92 @@ impl<'a> InferRank<'a> {
 /// ([`InferReport::routed_ep_bytes`]) are left out, as training reports rather than
 /// compares those of dropless experts ([`routed_ep_summary`] says what they were).
 pub fn byte_mismatches(plan: &Plan, opts: &InferOptions, run: &InferReport) -> Option<Vec<String>> {
-    let meshplan_ir::Workload::Inference { prompt_len, .. } = plan.workload else {
-        return None;
+    let pool = PoolBytes {
+        plan,
+        counts: &run.counts,
+        routed_ep: &run.routed_ep_bytes,
+        prefill: true,
+        decode: true,
+        name: "",
+        base: 0,
     };
-    if opts.requests.iter().any(|r| r.len() as u64 != prompt_len) {
-        return None;
-    }
-    let axis = |name: &str| plan.mesh.axes.iter().position(|a| a == name);
-    let size = |name: &str| axis(name).map(|i| plan.mesh.shape[i] as usize).unwrap_or(1);
-    let (dp, pp) = (size("dp").max(1), size("pp"));
-    let mut out = Vec::new();
-    for (rank, counts) in run.counts.iter().enumerate() {
-        let entry = plan.ranks.get(rank)?;
-        let program = plan.programs.get(entry.program as usize)?;
-        let dp_index = axis("dp").map(|i| entry.coords[i] as usize).unwrap_or(0);
-        let served = (0..opts.requests.len())
-            .filter(|i| i % dp == dp_index)
-            .count();
-        let phase = |k: PhaseKind| program.phases.iter().find(|p| p.kind == k);
-        let (pre, dec) = (phase(PhaseKind::Prefill)?, phase(PhaseKind::Decode)?);
-        if served > 0 && dec.dims.batch as usize != served {
+    pool.mismatches(opts)
+}
+
+/// One pool's ranks of a run, for comparing their bytes with its plan's.
+pub(crate) struct PoolBytes<'a> {
+    pub(crate) plan: &'a Plan,
+    /// Per rank of the plan, what it sent.
+    pub(crate) counts: &'a [ByteCounts],
+    /// Per rank of the plan, [`InferReport::routed_ep_bytes`].
+    pub(crate) routed_ep: &'a [(f64, f64)],
+    /// Whether its ranks prefilled their requests.
+    pub(crate) prefill: bool,
+    /// Whether its ranks decoded them.
+    pub(crate) decode: bool,
+    /// The pool's name in messages (`"prefill pool "`, or empty).
+    pub(crate) name: &'a str,
+    /// World rank of the plan's rank 0.
+    pub(crate) base: usize,
+}
+
+impl PoolBytes<'_> {
+    /// Every rank's difference from the plan's bytes on each axis (see
+    /// [`byte_mismatches`]); `None` when the run does not have the plan's shapes.
+    pub(crate) fn mismatches(&self, opts: &InferOptions) -> Option<Vec<String>> {
+        let plan = self.plan;
+        let meshplan_ir::Workload::Inference { prompt_len, .. } = plan.workload else {
+            return None;
+        };
+        if opts.requests.iter().any(|r| r.len() as u64 != prompt_len) {
             return None;
         }
-        let steps = if served > 0 {
-            opts.max_new_tokens as f64 - 1.0
-        } else {
-            0.0
-        };
-        let (p, d) = (pre.bytes_sent(), dec.bytes_sent());
-        for ax in meshplan_ir::plan::Axis::ALL {
-            let mut want = served as f64 * p.get(ax) + steps * d.get(ax);
-            if ax == meshplan_ir::plan::Axis::Pp && pp > 1 && program.stage + 1 == pp as u64 {
-                want += steps * served as f64 * 4.0;
+        let axis = |name: &str| plan.mesh.axes.iter().position(|a| a == name);
+        let size = |name: &str| axis(name).map(|i| plan.mesh.shape[i] as usize).unwrap_or(1);
+        let (dp, pp) = (size("dp").max(1), size("pp"));
+        let mut out = Vec::new();
+        for (rank, counts) in self.counts.iter().enumerate() {
+            let entry = plan.ranks.get(rank)?;
+            let program = plan.programs.get(entry.program as usize)?;
+            let dp_index = axis("dp").map(|i| entry.coords[i] as usize).unwrap_or(0);
+            let served = (0..opts.requests.len())
+                .filter(|i| i % dp == dp_index)
+                .count();
+            let phase = |k: PhaseKind| program.phases.iter().find(|p| p.kind == k);
+            let (pre, dec) = (phase(PhaseKind::Prefill)?, phase(PhaseKind::Decode)?);
+            if self.decode && served > 0 && dec.dims.batch as usize != served {
+                return None;
             }
-            let mut got = counts.axis_bytes_sent(ax.name());
-            if ax == meshplan_ir::plan::Axis::Ep {
-                let (sent, planned) = run.routed_ep_bytes.get(rank).copied().unwrap_or_default();
-                got -= sent;
-                want -= planned;
-            }
-            if (got - want).abs() > 1e-6 * want.max(1.0) {
-                out.push(format!(
-                    "rank {rank} {}: measured {got} bytes, plan {want}",
-                    ax.name()
-                ));
+            let passes = if self.prefill { served as f64 } else { 0.0 };
+            let steps = if self.decode && served > 0 {
+                opts.max_new_tokens as f64 - 1.0
+            } else {
+                0.0
+            };
+            let (p, d) = (pre.bytes_sent(), dec.bytes_sent());
+            for ax in Axis::ALL {
+                let mut want = passes * p.get(ax) + steps * d.get(ax);
+                if ax == Axis::Pp && pp > 1 && program.stage + 1 == pp as u64 {
+                    want += steps * served as f64 * 4.0;
+                }
+                let mut got = counts.axis_bytes_sent(ax.name());
+                if ax == Axis::Ep {
+                    let (sent, planned) = self.routed_ep.get(rank).copied().unwrap_or_default();
+                    got -= sent;
+                    want -= planned;
+                }
+                if (got - want).abs() > 1e-6 * want.max(1.0) {
+                    out.push(format!(
+                        "{}rank {} {}: measured {got} bytes, plan {want}",
+                        self.name,
+                        self.base + rank,
+                        ax.name()
+                    ));
+                }
             }
         }
+        Some(out)
     }
-    Some(out)
 }
 
 /// One line on the expert-parallel bytes that followed the router (left out of

@@ -32,6 +32,7 @@ pub mod ckpt;
 pub mod comm;
 pub mod data;
 pub mod device;
+pub mod disagg;
 pub mod infer;
 pub mod init;
 pub mod launch;

@@ -21,14 +21,13 @@ impl TpPos {
 
 /// Heads a rank computes: query heads and key/value heads (kv heads are replicated
 /// when there are fewer than ranks), and the first kv head it holds.
+///
+/// The KV heads follow [`meshplan_ir::kv_move::kv_heads_held`], the rule the KV
+/// move between serving pools reads too.
 pub fn local_heads(heads: u64, kv_heads: u64, tp: TpPos) -> (usize, usize, usize) {
-    let (h, kv, t) = (heads as usize, kv_heads as usize, tp.size);
-    let hq = h / t;
-    if kv >= t {
-        (hq, kv / t, tp.rank * kv / t)
-    } else {
-        (hq, 1, tp.rank / (t / kv))
-    }
+    let (first, count) =
+        meshplan_ir::kv_move::kv_heads_held(kv_heads, tp.rank as u64, tp.size as u64);
+    (heads as usize / tp.size, count as usize, first as usize)
 }
 
 /// Column ranges `[start, end)` of a `[.., n]` weight (or `[n]` bias) that a rank

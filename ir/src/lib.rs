@@ -20,6 +20,7 @@ pub mod framework;
 pub mod graph;
 pub mod hf;
 pub mod input;
+pub mod kv_move;
 pub mod load;
 pub mod plan;
 pub mod plan_check;

@@ -333,7 +333,8 @@ pub struct PoolInfo {
 /// The KV cache's move from a prefill instance to a decode instance.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct KvTransfer {
-    /// Bytes of one request's cache (the mean prompt), all layers.
+    /// Bytes one request's move sends (the mean prompt's cache, all layers, once
+    /// per copy the decode instance keeps over its tensor ranks).
     pub bytes_per_request: f64,
     /// Seconds for that move, alpha-beta over the link it crosses.
     pub time_s: f64,

@@ -7,6 +7,7 @@ mod cost;
 mod cuda;
 mod deploy_export;
 mod device;
+mod disagg;
 mod draw;
 mod executor;
 mod explain;

@@ -115,6 +115,13 @@ fn kv_transfer_over_nvlink_and_infiniband() {
         false,
     );
     assert_eq!(m2.bytes_per_gpu, 143_917_056.0 / 2.0);
+    // The 4 decode copies per stage are served by the 8 prefill copies taking turns:
+    // each prefill GPU sends its stage's share once; 4 copies cross the link.
+    assert_eq!(m.moved, 4.0 * 143_917_056.0);
+    // Llama's 8 KV heads: prefill tp=1 sends each head once to decode tp=8 (no
+    // copies): the whole cache from the one prefill GPU.
+    let l1 = kv_transfer(&pg, &h200, &cfg("tp=1", 1), &d8, 2048.0, true);
+    assert_eq!((l1.bytes_per_gpu, l1.moved), (671_088_640.0, 671_088_640.0));
 }
 
 // === The decode step ===
@@ -256,6 +263,7 @@ fn disaggregated_pools_by_hand() {
     let dec = instance(0.200, 0.005, vec![(64, 0.025)]);
     let kv = KvMove {
         bytes: 1.0,
+        moved: 1.0,
         bytes_per_gpu: 1.0,
         time_s: 0.002,
         same_node: true,
@@ -608,8 +616,18 @@ fn deepseek_v3_all_to_all_bytes_per_layer_by_hand() {
     let e = estimate_inference(&ds, &h200, &c, &load(2048, 256, 64)).unwrap();
     let per_layer = 2.0 * 15.0 / 16.0 * 4.0 * 8.0 * 7168.0 * 2.0;
     assert_eq!(per_layer, 860_160.0);
-    close("ep bytes per step", e.comm_bytes_per_gpu.ep, 58.0 * per_layer, 1e-12);
+    close(
+        "ep bytes per step",
+        e.comm_bytes_per_gpu.ep,
+        58.0 * per_layer,
+        1e-12,
+    );
     // Twice the requests, twice the bytes (proportional to tokens x K).
     let e2 = estimate_inference(&ds, &h200, &c, &load(2048, 256, 128)).unwrap();
-    close("ep bytes x2", e2.comm_bytes_per_gpu.ep, 2.0 * 58.0 * per_layer, 1e-12);
+    close(
+        "ep bytes x2",
+        e2.comm_bytes_per_gpu.ep,
+        2.0 * 58.0 * per_layer,
+        1e-12,
+    );
 }

@@ -1,0 +1,478 @@
+//! Disaggregated serving on the CPU: a `deploy` plan whose prefill pool hands each
+//! request's KV cache to its decode pool, both pools ranks (threads) of one world.
+//!
+//! World ranks `0..P` are the prefill pool's plan (`serving.prefill_plan`, its ranks
+//! numbered from 0), `P..P+D` the decode pool's (the plan's own programs). Request
+//! `i` is prefilled by prefill replica `i % dp_prefill` and decoded by decode replica
+//! `i % dp_decode`.
+//!
+//! A prefill rank runs its stage's prefill program for each of its requests, as an
+//! ordinary run does; the last stage samples the first token. It then sends the
+//! request's KV cache along [`meshplan_ir::kv_move::kv_route`]: every (layer, KV
+//! head) piece its decode replica needs from this rank, one message each, on the
+//! `kv` label, in the route's order. The prefill replica's recording rank (last
+//! stage, first tensor rank) then sends the first token to each rank of the decode
+//! replica's last stage (one f32 each, on the `token` label): they hand it back to
+//! their first stage at the first decode step, as after an ordinary prefill.
+//!
+//! A decode rank receives, for each of its requests in order, the pieces its stage
+//! and tensor position hold (laid out as its own prefill would have left them) and,
+//! on the last stage, the first token; then it decodes its requests together with
+//! the decode program, exactly as an ordinary run decodes. Sends never wait
+//! (buffered), prefill ranks never receive from decode ranks, and both sides walk one
+//! list in one order, so messages between any two ranks match and nothing deadlocks.
+//!
+//! The report merges each request's first token (prefill pool) with the rest
+//! (decode pool). [`byte_mismatches`] compares every rank's bytes with the plan's:
+//! each pool's own collectives (prefill passes on prefill ranks, decode steps on
+//! decode ranks), the KV bytes [`meshplan_ir::kv_move::kv_transfer_bytes`] gives at
+//! the model's dtype (sent by each prefill rank, received by each decode rank), and
+//! the first tokens.
+
+use crate::backend::CpuBackend;
+use crate::comm::{Communicator, Group, RankError};
+use crate::infer::{
+    check_inputs, rank_outs, recorded, summarize, InferOptions, InferRank, InferReport, PoolBytes,
+    Progress, RequestCache, RequestOutput,
+};
+use crate::train::{fail, ExecError};
+use meshplan_ir::kv_move::{kv_route, kv_transfer_bytes, pool_pos, pool_rank, KvPiece, PoolPos};
+use meshplan_ir::plan::Plan;
+use meshplan_ir::serving::ServingMode;
+use std::time::Instant;
+
+/// The label KV caches are counted under.
+pub const KV_AXIS: &str = "kv";
+
+/// The label the first tokens are counted under.
+pub const TOKEN_AXIS: &str = "token";
+
+/// A disaggregated run.
+#[derive(Clone, Debug)]
+pub struct DisaggReport {
+    /// Each request's tokens (the first from the prefill pool, the rest from the
+    /// decode pool), and every world rank's figures: the prefill pool's ranks, then
+    /// the decode pool's.
+    pub report: InferReport,
+    /// Ranks of the prefill pool (world ranks `0..prefill_ranks`).
+    pub prefill_ranks: usize,
+    /// Per world rank, the KV bytes it received (fp32), decode ranks only.
+    pub kv_received: Vec<f64>,
+}
+
+impl DisaggReport {
+    /// KV bytes moved between the pools: all the prefill ranks sent on `kv`.
+    pub fn kv_transfer_bytes(&self) -> f64 {
+        self.report
+            .counts
+            .iter()
+            .map(|c| c.axis_bytes_sent(KV_AXIS))
+            .sum()
+    }
+}
+
+/// The pools of a disaggregated plan, `(prefill, decode)`: `None` when the plan is
+/// not one (no `serving` section, or an aggregated one); an error when it is but
+/// carries no prefill plan.
+pub fn pools(plan: &Plan) -> Result<Option<(&Plan, &Plan)>, String> {
+    let Some(s) = plan
+        .serving
+        .as_ref()
+        .filter(|s| s.mode == ServingMode::Disaggregated)
+    else {
+        return Ok(None);
+    };
+    let prefill = s.prefill_plan.as_deref().ok_or(
+        "the plan's serving section is disaggregated but carries no prefill_plan (the prefill pool's programs); write it again with `meshplan deploy`",
+    )?;
+    Ok(Some((prefill, plan)))
+}
+
+/// Checks a disaggregated run before any rank starts: both pools run these
+/// requests, and the prefill pool's caches map onto the decode pool's.
+pub fn check_disaggregated(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
+    let (prefill, decode) = pools(plan)?.ok_or("the plan is not a disaggregated deployment")?;
+    check_inputs(prefill, opts).map_err(|m| format!("the prefill pool: {m}"))?;
+    check_inputs(decode, opts).map_err(|m| format!("the decode pool: {m}"))?;
+    kv_route(prefill, decode)?;
+    Ok(())
+}
+
+/// What both pools' ranks share.
+struct Ctx<'a> {
+    prefill: &'a Plan,
+    decode: &'a Plan,
+    route: Vec<KvPiece>,
+    opts: &'a InferOptions,
+    /// World rank of the decode pool's rank 0.
+    base: usize,
+}
+
+impl Ctx<'_> {
+    fn dp(plan: &Plan) -> usize {
+        let i = plan.mesh.axes.iter().position(|a| a == "dp");
+        i.map_or(1, |i| plan.mesh.shape[i] as usize).max(1)
+    }
+
+    /// The world rank of `pos` in request `i`'s replica of the prefill or decode
+    /// pool.
+    fn world_rank(&self, decode: bool, i: usize, pos: PoolPos) -> Result<usize, RankError> {
+        let (plan, base) = if decode {
+            (self.decode, self.base)
+        } else {
+            (self.prefill, 0)
+        };
+        let replica = (i % Ctx::dp(plan)) as u64;
+        pool_rank(plan, replica, pos)
+            .map(|r| base + r)
+            .ok_or_else(|| {
+                fail(format!(
+                    "no rank at stage {} tp {} of replica {replica}",
+                    pos.stage, pos.tp
+                ))
+            })
+    }
+}
+
+/// Runs a disaggregated plan's two pools as one world of CPU threads.
+pub fn infer_disaggregated(plan: &Plan, opts: &InferOptions) -> Result<DisaggReport, ExecError> {
+    let err = |message: String| ExecError { message };
+    check_disaggregated(plan, opts).map_err(err)?;
+    let (prefill, decode) = pools(plan)
+        .map_err(err)?
+        .ok_or_else(|| err("the plan is not a disaggregated deployment".into()))?;
+    if let Some(ck) = &opts.weights {
+        for p in [prefill, decode] {
+            ck.check_config(&p.graph)
+                .and_then(|_| ck.validate(&p.graph))
+                .map_err(|e| err(e.message))?;
+        }
+    }
+    let (np, nd) = (prefill.ranks.len(), decode.ranks.len());
+    let ctx = Ctx {
+        prefill,
+        decode,
+        route: kv_route(prefill, decode).map_err(err)?,
+        opts,
+        base: np,
+    };
+    let results = crate::comm::run_ranks(np + nd, opts.timeout, opts.threads_per_rank, |comm| {
+        let is_prefill = comm.rank() < np;
+        let (pool, base) = if is_prefill {
+            (prefill, 0)
+        } else {
+            (decode, np)
+        };
+        let mut r = InferRank::new(&CpuBackend, pool, comm, opts, base)?;
+        r.comm.barrier(&Group::world(np + nd))?;
+        let t0 = Instant::now();
+        let (outputs, received) = if is_prefill {
+            (prefill_side(&mut r, &ctx, t0)?, 0.0)
+        } else {
+            decode_side(&mut r, &ctx, t0)?
+        };
+        Ok((r.finish(outputs, t0), received))
+    });
+    let (outs, kv_received): (Vec<_>, Vec<_>) = rank_outs(results)?.into_iter().unzip();
+    let n = opts.requests.len();
+    let first = recorded(&outs[..np], n)?;
+    let rest = recorded(&outs[np..], n)?;
+    let requests = first
+        .into_iter()
+        .zip(rest)
+        .enumerate()
+        .map(|(i, (a, b))| merged(i, a, b))
+        .collect::<Result<_, _>>()?;
+    Ok(DisaggReport {
+        report: summarize(requests, outs)?,
+        prefill_ranks: np,
+        kv_received,
+    })
+}
+
+/// Request `i`'s output: the prefill pool's first token, then the decode pool's.
+fn merged(
+    i: usize,
+    first: Option<RequestOutput>,
+    rest: Option<RequestOutput>,
+) -> Result<RequestOutput, ExecError> {
+    let missing = |pool: &str| ExecError {
+        message: format!("request {i} was not {pool} by any rank"),
+    };
+    let mut o = first.ok_or_else(|| missing("prefilled"))?;
+    let d = rest.ok_or_else(|| missing("decoded"))?;
+    o.tokens.extend(d.tokens);
+    o.step_logits.extend(d.step_logits);
+    if !d.logits.is_empty() {
+        o.logits = d.logits;
+    }
+    o.ended_at_eos |= d.ended_at_eos;
+    o.tpot_s = d.tpot_s;
+    Ok(o)
+}
+
+/// A prefill rank: prefill each request, sample its first token on the last stage,
+/// send its cache (and the token) to the decode replica.
+fn prefill_side(
+    r: &mut InferRank<'_>,
+    ctx: &Ctx<'_>,
+    t0: Instant,
+) -> Result<Vec<(usize, RequestOutput)>, RankError> {
+    let mine = r.served_by(r.dp_index);
+    if mine.is_empty() && !r.expert_lockstep() {
+        return Ok(Vec::new());
+    }
+    let record = r.records();
+    let mut p = Progress::new(&mine, ctx.opts);
+    r.prefill_passes(&mine, |r, j, i, done| {
+        if let Some(rows) = done.logits {
+            let now = record.then(|| t0.elapsed());
+            p.first_token(j, rows, &ctx.opts.sampling, now);
+        }
+        send_cache(r, ctx, i, &done.cache)?;
+        if record {
+            let last = ctx.decode.programs.iter().map(|p| p.stage).max();
+            let tp = ctx.decode.strategy.tp;
+            for t in 0..tp {
+                let pos = PoolPos {
+                    stage: last.unwrap_or(0),
+                    tp: t,
+                };
+                let to = ctx.world_rank(true, i, pos)?;
+                r.comm.send(to, TOKEN_AXIS, &[p.current[j] as f32])?;
+            }
+        }
+        Ok(())
+    })?;
+    Ok(if record {
+        mine.into_iter().zip(p.outs).collect()
+    } else {
+        Vec::new()
+    })
+}
+
+/// Sends this rank's pieces of request `i`'s cache to its decode replica.
+fn send_cache(
+    r: &mut InferRank<'_>,
+    ctx: &Ctx<'_>,
+    i: usize,
+    cache: &RequestCache,
+) -> Result<(), RankError> {
+    let me = PoolPos {
+        stage: r.stage,
+        tp: r.tp.rank as u64,
+    };
+    let len = ctx.opts.requests[i].len();
+    for piece in ctx.route.iter().filter(|p| p.from == me) {
+        let (k, v) = cache.get(&piece.layer).ok_or_else(|| {
+            fail(format!(
+                "request {i}: layer {} is not in this rank's KV cache",
+                piece.layer
+            ))
+        })?;
+        let buf = head_of(k, v, len, piece)?;
+        let to = ctx.world_rank(true, i, piece.to)?;
+        r.comm.send(to, KV_AXIS, &buf)?;
+    }
+    Ok(())
+}
+
+/// One head's keys then values out of a layer's cache (`[len, heads, d]`).
+fn head_of(k: &[f32], v: &[f32], len: usize, piece: &KvPiece) -> Result<Vec<f32>, RankError> {
+    let (d, dv) = (piece.qk_dim as usize, piece.v_dim as usize);
+    let heads = k.len() / (len * d).max(1);
+    let h = piece.from_index as usize;
+    if h >= heads || k.len() != len * heads * d || v.len() != len * heads * dv {
+        return Err(fail(format!(
+            "layer {}: a cache of {} keys and {} values does not hold head {h} of {len} positions",
+            piece.layer,
+            k.len(),
+            v.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(len * (d + dv));
+    for pos in 0..len {
+        out.extend_from_slice(&k[(pos * heads + h) * d..][..d]);
+    }
+    for pos in 0..len {
+        out.extend_from_slice(&v[(pos * heads + h) * dv..][..dv]);
+    }
+    Ok(out)
+}
+
+/// A decode rank: receive each request's cache (and, on the last stage, its first
+/// token), then decode them together. Also returns the KV bytes received.
+fn decode_side(
+    r: &mut InferRank<'_>,
+    ctx: &Ctx<'_>,
+    t0: Instant,
+) -> Result<(Vec<(usize, RequestOutput)>, f64), RankError> {
+    let mine = r.served_by(r.dp_index);
+    if mine.is_empty() && !r.expert_lockstep() {
+        return Ok((Vec::new(), 0.0));
+    }
+    let record = r.records();
+    let mut p = Progress::new(&mine, ctx.opts);
+    let mut received = 0.0;
+    for (j, &i) in mine.iter().enumerate() {
+        let (cache, bytes) = recv_cache(r, ctx, i)?;
+        received += bytes;
+        r.put_cache(j, cache);
+        if r.stage == r.last_stage {
+            let from = ctx.world_rank(false, i, recorder(ctx.prefill))?;
+            let mut t = [0.0f32];
+            r.comm.recv(from, TOKEN_AXIS, &mut t)?;
+            p.handed_token(j, t[0] as u32, record.then(|| t0.elapsed()));
+        }
+    }
+    r.decode_passes(&mine, &mut p, t0)?;
+    let outputs = if record {
+        mine.into_iter().zip(p.outs).collect()
+    } else {
+        Vec::new()
+    };
+    Ok((outputs, received))
+}
+
+/// The rank of a pool replica that samples and records: last stage, tensor rank 0.
+fn recorder(plan: &Plan) -> PoolPos {
+    PoolPos {
+        stage: plan.programs.iter().map(|p| p.stage).max().unwrap_or(0),
+        tp: 0,
+    }
+}
+
+/// Receives this rank's pieces of request `i`'s cache, laid out as a prefill on
+/// this rank would have left them; with the bytes received.
+fn recv_cache(
+    r: &mut InferRank<'_>,
+    ctx: &Ctx<'_>,
+    i: usize,
+) -> Result<(RequestCache, f64), RankError> {
+    let me = PoolPos {
+        stage: r.stage,
+        tp: r.tp.rank as u64,
+    };
+    let len = ctx.opts.requests[i].len();
+    let mut cache = RequestCache::new();
+    let mut bytes = 0.0;
+    for piece in ctx.route.iter().filter(|p| p.to == me) {
+        let (d, dv) = (piece.qk_dim as usize, piece.v_dim as usize);
+        let mut buf = vec![0.0f32; len * (d + dv)];
+        let from = ctx.world_rank(false, i, piece.from)?;
+        r.comm.recv(from, KV_AXIS, &mut buf)?;
+        bytes += 4.0 * buf.len() as f64;
+        let heads = piece.to_heads as usize;
+        let (k, v) = cache
+            .entry(piece.layer)
+            .or_insert_with(|| (vec![0.0; len * heads * d], vec![0.0; len * heads * dv]));
+        let h = piece.to_index as usize;
+        let (keys, values) = buf.split_at(len * d);
+        for pos in 0..len {
+            k[(pos * heads + h) * d..][..d].copy_from_slice(&keys[pos * d..][..d]);
+            v[(pos * heads + h) * dv..][..dv].copy_from_slice(&values[pos * dv..][..dv]);
+        }
+    }
+    Ok((cache, bytes))
+}
+
+/// Every rank's difference from the plan's bytes: each pool's own collectives, the
+/// KV bytes each prefill rank sends and each decode rank receives
+/// ([`kv_transfer_bytes`] at the model's dtype, per request at its prompt length),
+/// and the first tokens (4 bytes to each rank of the decode replica's last stage,
+/// from the prefill replica's recording rank). `None` when the run does not have
+/// the plan's shapes (prompts of the plan's `prompt_len`, each decode replica the
+/// plan's batch), as for an ordinary run.
+pub fn byte_mismatches(
+    plan: &Plan,
+    opts: &InferOptions,
+    run: &DisaggReport,
+) -> Option<Vec<String>> {
+    let (prefill, decode) = pools(plan).ok()??;
+    let mut out = pool_bytes(prefill, run, true).mismatches(opts)?;
+    out.extend(pool_bytes(decode, run, false).mismatches(opts)?);
+    out.extend(kv_mismatches(prefill, decode, opts, run).ok()?);
+    Some(out)
+}
+
+/// One pool's ranks of the run (`first`: the prefill pool).
+fn pool_bytes<'a>(plan: &'a Plan, run: &'a DisaggReport, first: bool) -> PoolBytes<'a> {
+    let np = run.prefill_ranks;
+    let r = &run.report;
+    let (counts, routed_ep) = if first {
+        (&r.counts[..np], &r.routed_ep_bytes[..np])
+    } else {
+        (&r.counts[np..], &r.routed_ep_bytes[np..])
+    };
+    PoolBytes {
+        plan,
+        counts,
+        routed_ep,
+        prefill: first,
+        decode: !first,
+        name: if first {
+            "prefill pool "
+        } else {
+            "decode pool "
+        },
+        base: if first { 0 } else { np },
+    }
+}
+
+/// The KV move's and the first tokens' differences from [`kv_transfer_bytes`].
+fn kv_mismatches(
+    prefill: &Plan,
+    decode: &Plan,
+    opts: &InferOptions,
+    run: &DisaggReport,
+) -> Result<Vec<String>, String> {
+    let elem = decode.model.dtype.size_bytes() as f64;
+    let (np, counts) = (run.prefill_ranks, &run.report.counts);
+    let (dp_p, dp_d) = (Ctx::dp(prefill), Ctx::dp(decode));
+    let (mut sent, mut received) = (vec![0.0; np], vec![0.0; decode.ranks.len()]);
+    let mut tokens = vec![0.0; np];
+    for (i, req) in opts.requests.iter().enumerate() {
+        let b = kv_transfer_bytes(prefill, decode, req.len() as u64, elem)?;
+        for (r, s) in sent.iter_mut().enumerate() {
+            let (replica, pos) = pool_pos(prefill, r).ok_or("a prefill rank has no program")?;
+            if replica as usize == i % dp_p {
+                *s += b.sent[r];
+                if pos == recorder(prefill) {
+                    tokens[r] += 4.0 * decode.strategy.tp as f64;
+                }
+            }
+        }
+        for (r, g) in received.iter_mut().enumerate() {
+            let (replica, _) = pool_pos(decode, r).ok_or("a decode rank has no program")?;
+            if replica as usize == i % dp_d {
+                *g += b.received[r];
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let mut compare = |what: &str, rank: usize, got: f64, want: f64| {
+        if (got - want).abs() > 1e-6 * want.max(1.0) {
+            out.push(format!(
+                "rank {rank} {what}: measured {got} bytes, plan {want}"
+            ));
+        }
+    };
+    for (rank, c) in counts.iter().enumerate() {
+        let (kv, tok) = match rank.checked_sub(np) {
+            None => (sent[rank], tokens[rank]),
+            Some(_) => (0.0, 0.0),
+        };
+        compare("kv sent", rank, c.axis_bytes_sent(KV_AXIS), kv);
+        compare(
+            "first tokens sent",
+            rank,
+            c.axis_bytes_sent(TOKEN_AXIS),
+            tok,
+        );
+        if let Some(d) = rank.checked_sub(np) {
+            let got = run.kv_received.get(rank).copied().unwrap_or(0.0);
+            compare("kv received", rank, got, received[d]);
+        }
+    }
+    Ok(out)
+}
