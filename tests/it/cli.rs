@@ -97,6 +97,30 @@ pub(crate) fn temp_file(name: &str, text: &str) -> PathBuf {
     path
 }
 
+/// A fresh temporary directory named for the test module (`prefix`) and `name`.
+pub(crate) fn temp_dir(prefix: &str, name: &str) -> PathBuf {
+    let dir =
+        std::env::temp_dir().join(format!("meshplan-{prefix}-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// The CPU test mesh cut to `gpus` ranks in `dir`, so a configuration names every
+/// degree; the cluster file's path.
+pub(crate) fn cut_mesh(dir: &std::path::Path, gpus: u64) -> String {
+    let mesh = std::fs::read_to_string(format!("{ROOT}/topologies/cpu-test-mesh.yaml"))
+        .expect("cpu-test-mesh.yaml");
+    assert!(
+        mesh.contains("gpus_per_node: 8"),
+        "the mesh names its 8 ranks"
+    );
+    let text = mesh.replace("gpus_per_node: 8", &format!("gpus_per_node: {gpus}"));
+    let path = dir.join(format!("cluster-{gpus}.yaml"));
+    std::fs::write(&path, text).expect("cluster");
+    path.display().to_string()
+}
+
 /// `meshplan plan MODEL` on the 8-thread CPU mesh under `cfg`, written to a temporary
 /// `name`; the plan's path.
 pub(crate) fn plan_file(name: &str, model: &str, cfg: &str) -> PathBuf {

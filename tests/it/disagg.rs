@@ -22,35 +22,21 @@ use meshplan_ir::plan::Plan;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
 
 /// Bytes of one request's whole cache (see the module doc).
 const CACHE: f64 = 8.0 * 2.0 * 2.0 * 2.0 * 16.0 * 4.0;
 
-fn temp_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("meshplan-disagg-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
-/// The CPU test mesh cut to `gpus` ranks.
-fn cluster(dir: &Path, gpus: u64) -> String {
-    let mesh = std::fs::read_to_string(format!("{ROOT}/topologies/cpu-test-mesh.yaml"))
-        .expect("cpu-test-mesh.yaml");
-    assert!(
-        mesh.contains("gpus_per_node: 8"),
-        "the mesh names its 8 ranks"
-    );
-    let text = mesh.replace("gpus_per_node: 8", &format!("gpus_per_node: {gpus}"));
-    let path = dir.join(format!("cluster-{gpus}.yaml"));
-    std::fs::write(&path, text).expect("cluster");
-    path.display().to_string()
-}
-
 /// `deploy models/MODEL.yaml` on `gpus` ranks, disaggregated, the pools' layouts
 /// forced, for 8-token prompts, 8 new tokens and 2 requests in flight per decode
 /// instance: the plan's path, its pools checked against the layouts.
+fn temp_dir(name: &str) -> PathBuf {
+    crate::cli::temp_dir("disagg", name)
+}
+
+fn cluster(dir: &Path, gpus: u64) -> String {
+    crate::cli::cut_mesh(dir, gpus)
+}
+
 fn deploy(dir: &Path, model: &str, gpus: u64, prefill: &str, decode: &str) -> String {
     let wl = dir.join("workload.yaml");
     std::fs::write(

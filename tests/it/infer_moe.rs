@@ -12,33 +12,18 @@ use meshplan_ir::plan::Plan;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-
-fn temp_dir(name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("meshplan-infer-moe-{}-{name}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
-}
-
-/// The CPU test mesh cut to `gpus` ranks, so a configuration names every degree.
-fn cluster(dir: &Path, gpus: u64) -> String {
-    let mesh = std::fs::read_to_string(format!("{ROOT}/topologies/cpu-test-mesh.yaml"))
-        .expect("cpu-test-mesh.yaml");
-    assert!(
-        mesh.contains("gpus_per_node: 8"),
-        "the mesh names its 8 ranks"
-    );
-    let text = mesh.replace("gpus_per_node: 8", &format!("gpus_per_node: {gpus}"));
-    let path = dir.join(format!("cluster-{gpus}.yaml"));
-    std::fs::write(&path, text).expect("cluster");
-    path.display().to_string()
-}
 
 /// Plans `models/MODEL.yaml` with `cfg` (every degree named) on `gpus` ranks for an
 /// inference workload of `concurrency` 12-token prompts and 6 new tokens: the
 /// plan's path, its strategy checked against `cfg`.
+fn temp_dir(name: &str) -> PathBuf {
+    crate::cli::temp_dir("infer-moe", name)
+}
+
+fn cluster(dir: &Path, gpus: u64) -> String {
+    crate::cli::cut_mesh(dir, gpus)
+}
+
 fn plan(dir: &Path, model: &str, cfg: &str, gpus: u64, concurrency: u64) -> String {
     let wl = dir.join(format!("workload-{concurrency}.yaml"));
     std::fs::write(
