@@ -99,8 +99,7 @@ pub(crate) fn temp_file(name: &str, text: &str) -> PathBuf {
 
 /// A fresh temporary directory named for the test module (`prefix`) and `name`.
 pub(crate) fn temp_dir(prefix: &str, name: &str) -> PathBuf {
-    let dir =
-        std::env::temp_dir().join(format!("meshplan-{prefix}-{}-{name}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("meshplan-{prefix}-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("temp dir");
     dir

@@ -22,7 +22,6 @@ use meshplan_ir::plan::Plan;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-
 /// Bytes of one request's whole cache (see the module doc).
 const CACHE: f64 = 8.0 * 2.0 * 2.0 * 2.0 * 16.0 * 4.0;
 

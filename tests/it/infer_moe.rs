@@ -12,7 +12,6 @@ use meshplan_ir::plan::Plan;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
-
 /// Plans `models/MODEL.yaml` with `cfg` (every degree named) on `gpus` ranks for an
 /// inference workload of `concurrency` 12-token prompts and 6 new tokens: the
 /// plan's path, its strategy checked against `cfg`.
