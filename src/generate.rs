@@ -459,6 +459,9 @@ fn print_report(
             r.requests.len()
         );
     }
+    if let Some(line) = meshplan_executor::infer::routed_ep_summary(r) {
+        println!("routed bytes {line}");
+    }
     match bytes {
         Some([]) => println!("comm bytes   equal to the plan's on every rank and axis"),
         Some(b) => println!("comm bytes   differ from the plan:\n  {}", b.join("\n  ")),

@@ -189,6 +189,17 @@ fn an_idle_replica_still_serves_its_experts() {
         assert_eq!(tokens(&a), tokens(&b), "{model}");
         assert_eq!(tokens(&a).len(), 3);
     }
+    // The human report names the expert-parallel bytes the router decided, which
+    // the byte check leaves out.
+    let p = plan(&dir, "tiny-moe", "dp=2,tp=1,pp=1,ep=2", 2, 2);
+    let r = meshplan(&["run", &p, "--check"]);
+    r.expect_code(0);
+    assert!(
+        r.stdout
+            .contains("routed bytes expert-parallel bytes that follow the router"),
+        "{}",
+        r.stdout
+    );
 }
 
 #[test]
