@@ -50,7 +50,7 @@ fn scratch() -> PathBuf {
     let dir = std::env::temp_dir().join(format!("meshplan-readme-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("scratch dir");
-    for d in ["models", "topologies"] {
+    for d in ["models", "topologies", "workloads"] {
         std::os::unix::fs::symlink(Path::new(ROOT).join(d), dir.join(d)).expect("symlink");
     }
     // The README's hand-written overlay, the first ```yaml block after its heading.
