@@ -45,16 +45,39 @@ pub fn tile_side(d: f64) -> f64 {
 /// - Wave quantisation: tiles run in waves of one tile per SM; a last partial wave
 ///   costs a whole one: `tiles / (ceil(tiles / sms) sms)` ("Wave quantization", same
 ///   guide). `sms = 0` leaves it out.
+/// - Split-K: a product with fewer output tiles than SMs splits its contraction over
+///   the idle SMs, as cuBLAS and CUTLASS do for skinny products (CUTLASS's split-K,
+///   and Stream-K, Osama et al. 2023), in slices of at least [`SPLIT_K_MIN`]:
+///   [`split_k`] times the tiles fill the waves.
 #[inline]
-pub fn quantisation(batch: f64, m: f64, n: f64, sms: f64) -> f64 {
+pub fn quantisation(batch: f64, m: f64, n: f64, k: f64, sms: f64) -> f64 {
     let (tm, tn) = (tile_side(m), tile_side(n));
     let (pm, pn) = ((m / tm).ceil(), (n / tn).ceil());
     let tile = m * n / (pm * tm * pn * tn);
     if sms <= 0.0 {
         return tile;
     }
-    let tiles = batch.max(1.0).ceil() * pm * pn;
+    let tiles = batch.max(1.0).ceil() * pm * pn * split_k(batch, m, n, k, sms);
     tile * tiles / ((tiles / sms).ceil() * sms)
+}
+
+/// Shortest contraction slice a split-K kernel gives one SM: below it the partial
+/// sums' write and reduction outweigh the slice (CUTLASS's split-K examples slice a
+/// 4096-long contraction at most 16 ways).
+pub const SPLIT_K_MIN: f64 = 256.0;
+
+/// Slices the contraction of a product with fewer output tiles than `sms` is split
+/// into (1 when the tiles fill the SMs or the contraction is short).
+#[inline]
+pub fn split_k(batch: f64, m: f64, n: f64, k: f64, sms: f64) -> f64 {
+    let tiles = batch.max(1.0).ceil() * (m / tile_side(m)).ceil() * (n / tile_side(n)).ceil();
+    if sms <= 0.0 || tiles >= sms {
+        return 1.0;
+    }
+    (sms / tiles)
+        .floor()
+        .min((k / SPLIT_K_MIN).floor())
+        .max(1.0)
 }
 
 /// How much slower a `[m,k] x [k,n]` product runs than the cube of the same FLOPs
@@ -241,10 +264,17 @@ impl Roofline {
         let q = if self.gemm_curve.is_some() {
             1.0
         } else {
-            quantisation(batch, m, n, self.sms)
+            quantisation(batch, m, n, k, self.sms)
         };
         let compute = flops / (self.gemm_rate(m, n, k) * q);
-        compute.max(bytes / self.hbm_bytes_per_s) + self.kernel_overhead_s
+        // Split-K writes each slice's fp32 partial sums and reads them back to reduce.
+        let splits = if self.gemm_curve.is_some() {
+            1.0
+        } else {
+            split_k(batch, m, n, k, self.sms)
+        };
+        let partials = (splits - 1.0) * batch.max(1.0) * m * n * 4.0 * 2.0;
+        compute.max((bytes + partials) / self.hbm_bytes_per_s) + self.kernel_overhead_s
     }
 
     /// Time of a memory-bound kernel moving `bytes`.
@@ -291,19 +321,37 @@ mod tests {
     fn tiles_and_waves_waste_what_they_pad() {
         // 8192 x 8192 on 128x128 tiles: 64 x 64 = 4096 tiles, no padding; on 108 SMs
         // 38 waves hold 4104 tiles: 4096 / 4104 = 0.99805.
-        let q = quantisation(1.0, 8192.0, 8192.0, 108.0);
+        let q = quantisation(1.0, 8192.0, 8192.0, 8192.0, 108.0);
         assert!((q - 4096.0 / 4104.0).abs() < 1e-12, "{q}");
         // 8320 = 65 x 128 (no padding) but 8321 needs 66 tiles: 8321 / 8448 along m.
-        assert!((quantisation(1.0, 8321.0, 128.0, 0.0) - 8321.0 / 8448.0).abs() < 1e-12);
+        assert!((quantisation(1.0, 8321.0, 128.0, 4096.0, 0.0) - 8321.0 / 8448.0).abs() < 1e-12);
         // A hidden size of 5120 split 8 ways (640 = 5 tiles) pads nothing;
         // 5000 / 8 = 625 pads to 640: 625 / 640 = 0.977.
-        assert!((quantisation(1.0, 4096.0, 625.0, 0.0) - 625.0 / 640.0).abs() < 1e-12);
+        assert!((quantisation(1.0, 4096.0, 625.0, 4096.0, 0.0) - 625.0 / 640.0).abs() < 1e-12);
         // Decode's few rows get a kernel of their own: no padding.
-        assert!((quantisation(1.0, 8.0, 4096.0, 0.0) - 1.0).abs() < 1e-12);
+        assert!((quantisation(1.0, 8.0, 4096.0, 4096.0, 0.0) - 1.0).abs() < 1e-12);
         // 200 columns: two 128-wide tiles, 200 / 256.
-        assert!((quantisation(1.0, 4096.0, 200.0, 0.0) - 200.0 / 256.0).abs() < 1e-12);
+        assert!((quantisation(1.0, 4096.0, 200.0, 4096.0, 0.0) - 200.0 / 256.0).abs() < 1e-12);
         // 132 tiles on 132 SMs: one full wave; 133 tiles: two waves, 133 / 264.
-        assert!((quantisation(1.0, 128.0 * 133.0, 128.0, 132.0) - 133.0 / 264.0).abs() < 1e-12);
+        assert!(
+            (quantisation(1.0, 128.0 * 133.0, 128.0, 4096.0, 132.0) - 133.0 / 264.0).abs() < 1e-12
+        );
+    }
+
+    #[test]
+    fn skinny_products_split_their_contraction_over_idle_sms() {
+        // Decode's 64 x 7168 output on 132 SMs: 1 x 56 tiles of 64 x 128; split 2 ways
+        // (132 / 56 = 2.36, and 8192 / 256 = 32 slices possible): 112 tiles in one
+        // wave of 132, 112 / 132 of it useful instead of 56 / 132.
+        assert_eq!(split_k(1.0, 64.0, 7168.0, 8192.0, 132.0), 2.0);
+        let q = quantisation(1.0, 64.0, 7168.0, 8192.0, 132.0);
+        assert!((q - 112.0 / 132.0).abs() < 1e-12, "{q}");
+        // A short contraction cannot be split (k = 256: one slice).
+        assert_eq!(split_k(1.0, 64.0, 1024.0, 256.0, 132.0), 1.0);
+        // Tiles that fill the SMs are not split.
+        assert_eq!(split_k(1.0, 4096.0, 8192.0, 8192.0, 132.0), 1.0);
+        // 8 x 1024 on 108 SMs: 8 tiles, 13 ways (108 / 8 = 13.5; 4096 / 256 = 16).
+        assert_eq!(split_k(1.0, 8.0, 1024.0, 4096.0, 108.0), 13.0);
     }
 
     #[test]
