@@ -263,8 +263,6 @@ pub struct InstanceCost {
     pub kv_capacity: u64,
     /// `(batch, decode step s)` for each batch that fits, increasing.
     pub decode: Vec<(u64, f64)>,
-    /// The estimate at the largest fitting batch (memory ledger, bytes).
-    pub estimate: Estimate,
 }
 
 /// Batches searched: powers of two in the range, and its ends.
@@ -379,7 +377,6 @@ pub fn price_instance(
     let roof = Roofline::new(&inst, pg.dtype);
     let hi = load.concurrency.1.min(kv_capacity);
     let mut decode = Vec::new();
-    let mut last = one.clone();
     if hi >= load.concurrency.0 {
         for b in batches(load.concurrency.0, hi) {
             let (e, _) =
@@ -387,7 +384,6 @@ pub fn price_instance(
             let d = dcp_step(pg, cluster, cfg, dcp, b as f64, ctx);
             let step = e.tpot_s.unwrap_or(f64::INFINITY) - d.saved_s + d.added_s;
             decode.push((b, step));
-            last = e;
         }
     }
     Ok(Some(InstanceCost {
@@ -399,7 +395,6 @@ pub fn price_instance(
         weight_read_s: one.memory_per_gpu_bytes.params / roof.hbm_bytes_per_s,
         kv_capacity,
         decode,
-        estimate: last,
     }))
 }
 

@@ -97,6 +97,36 @@ pub(crate) fn temp_file(name: &str, text: &str) -> PathBuf {
     path
 }
 
+/// `run PLAN --check --json EXTRA` on an inference plan: exit 0, the check passed;
+/// the report.
+#[track_caller]
+pub(crate) fn run_checked(plan: &str, extra: &[&str]) -> Value {
+    let mut args = vec!["run", plan, "--check", "--json"];
+    args.extend_from_slice(extra);
+    let r = meshplan(&args);
+    r.expect_code(0);
+    let j = r.json();
+    assert_eq!(j["check"]["passed"], true, "{plan}: {}", j["check"]);
+    j
+}
+
+/// Each request's generated tokens in a `run --json` report.
+pub(crate) fn tokens(j: &Value) -> Vec<Vec<u64>> {
+    j["requests"]
+        .as_array()
+        .expect("requests")
+        .iter()
+        .map(|r| {
+            r["tokens"]
+                .as_array()
+                .expect("tokens")
+                .iter()
+                .map(|t| t.as_u64().expect("token"))
+                .collect()
+        })
+        .collect()
+}
+
 /// A fresh temporary directory named for the test module (`prefix`) and `name`.
 pub(crate) fn temp_dir(prefix: &str, name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("meshplan-{prefix}-{}-{name}", std::process::id()));

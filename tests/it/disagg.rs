@@ -12,7 +12,7 @@
 //! 8 x 2 layers x 2 (keys, values) x 2 heads x 16 x 4 bytes = 4096 bytes; one head
 //! of both layers is 2048, both heads of one layer 2048.
 
-use crate::cli::meshplan;
+use crate::cli::{meshplan, run_checked, tokens};
 use meshplan_cost_model::serving::kv_transfer;
 use meshplan_cost_model::{parse_cluster_yaml, PreparedGraph};
 use meshplan_executor::disagg::{byte_mismatches, infer_disaggregated, pools};
@@ -71,32 +71,6 @@ fn deploy(dir: &Path, model: &str, gpus: u64, prefill: &str, decode: &str) -> St
         }
     }
     out_s
-}
-
-/// `run PLAN --check --json EXTRA`: exit 0, the check passed; the report.
-#[track_caller]
-fn run_checked(plan: &str, extra: &[&str]) -> Value {
-    let mut args = vec!["run", plan, "--check", "--json"];
-    args.extend_from_slice(extra);
-    let r = meshplan(&args);
-    r.expect_code(0);
-    let j = r.json();
-    assert_eq!(j["check"]["passed"], true, "{plan}: {}", j["check"]);
-    j
-}
-
-fn tokens(j: &Value) -> Vec<Vec<u64>> {
-    let reqs = j["requests"].as_array().expect("requests");
-    reqs.iter()
-        .map(|r| {
-            r["tokens"]
-                .as_array()
-                .expect("tokens")
-                .iter()
-                .map(|t| t.as_u64().expect("id"))
-                .collect()
-        })
-        .collect()
 }
 
 fn floats(v: &Value) -> Vec<f64> {

@@ -6,7 +6,7 @@
 //! replica of an expert group still serves its experts; an unsupported layout
 //! exits 2 naming it.
 
-use crate::cli::meshplan;
+use crate::cli::{meshplan, run_checked, tokens};
 use meshplan_executor::infer::{byte_mismatches, infer, routed_ep_summary, InferOptions};
 use meshplan_ir::plan::Plan;
 use serde_json::Value;
@@ -58,34 +58,6 @@ fn plan(dir: &Path, model: &str, cfg: &str, gpus: u64, concurrency: u64) -> Stri
         );
     }
     out_s
-}
-
-/// `run PLAN --check --json EXTRA`: exit 0, the check passed; the report.
-#[track_caller]
-fn run_checked(plan: &str, extra: &[&str]) -> Value {
-    let mut args = vec!["run", plan, "--check", "--json"];
-    args.extend_from_slice(extra);
-    let r = meshplan(&args);
-    r.expect_code(0);
-    let j = r.json();
-    assert_eq!(j["check"]["passed"], true, "{plan}: {}", j["check"]);
-    j
-}
-
-fn tokens(j: &Value) -> Vec<Vec<u64>> {
-    j["requests"]
-        .as_array()
-        .expect("requests")
-        .iter()
-        .map(|r| {
-            r["tokens"]
-                .as_array()
-                .expect("tokens")
-                .iter()
-                .map(|t| t.as_u64().expect("token"))
-                .collect()
-        })
-        .collect()
 }
 
 /// Every layout of `layouts` (configuration, ranks) runs the plan's own workload

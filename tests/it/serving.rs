@@ -197,9 +197,6 @@ fn dp_attention_gathers_and_scatters_tokens_around_each_mlp() {
 // === Queueing, continuous batching, pools ===
 
 fn instance(prefill_s: f64, weight_s: f64, decode: Vec<(u64, f64)>) -> InstanceCost {
-    let pg = prepared("models/llama3-70b-inference.yaml");
-    let cl = load_cluster(&PathBuf::from(root("topologies/h200-node.yaml")), None).unwrap();
-    let estimate = estimate_inference(&pg, &cl, &cfg("tp=8", 8), &load(2048, 256, 1)).unwrap();
     InstanceCost {
         cfg: cfg("tp=8", 8),
         dcp: 1,
@@ -209,7 +206,6 @@ fn instance(prefill_s: f64, weight_s: f64, decode: Vec<(u64, f64)>) -> InstanceC
         weight_read_s: weight_s,
         kv_capacity: 1000,
         decode,
-        estimate,
     }
 }
 
