@@ -887,6 +887,10 @@ fn estimate(
     let partial = PartialConfig::parse(config, "--config")?;
     let inference = matches!(spec.workload, Some(Workload::Inference { .. }));
     partial.check_workload(inference, "--config")?;
+    let partial = match &spec.workload {
+        Some(w) => framework_keys(&meshplan_ir::model_graph(&spec)?, &pg, w, &partial),
+        None => partial,
+    };
     let cfg = partial
         .resolve(cluster.gpus(), "--config")
         .map_err(|e| no_fit(e.to_string()))?;
@@ -902,6 +906,28 @@ fn estimate(
         return Err(no_fit(format!("{}: {reason}{hint}", cfg)));
     }
     Ok(())
+}
+
+/// `keys` with the training framework's attention kernel for the model where they
+/// leave the kernel open, as the search does.
+pub(crate) fn framework_keys(
+    graph: &meshplan_ir::Graph,
+    pg: &PreparedGraph,
+    workload: &Workload,
+    keys: &PartialConfig,
+) -> PartialConfig {
+    match workload {
+        Workload::Train {
+            global_batch,
+            framework,
+            ..
+        } => keys.or_attn(framework.default_attn(&meshplan_ir::framework::Needs::of(
+            graph,
+            pg.layers,
+            *global_batch,
+        ))),
+        Workload::Inference { .. } => *keys,
+    }
 }
 
 pub(crate) fn evaluate(
@@ -926,8 +952,8 @@ pub(crate) fn evaluate(
         ..
     } = workload
     {
-        let vocab = graph.vocab().unwrap_or(1);
-        let why = framework.cannot_run(cfg, pg.layers, vocab, *global_batch);
+        let needs = meshplan_ir::framework::Needs::of(&graph, pg.layers, *global_batch);
+        let why = framework.cannot_run(cfg, &needs);
         if !why.is_empty() {
             return Err(Failure {
                 code: 2,

@@ -158,11 +158,12 @@ fn fixed_keys_conflict(inp: &Inputs, fixed: &PartialConfig, text: &str) -> Optio
             framework,
             ..
         } => {
+            let needs = meshplan_ir::framework::Needs::of(&inp.graph, inp.pg.layers, *global_batch);
+            let fixed = &fixed.or_attn(framework.default_attn(&needs));
             let space = training_space(&inp.pg, &inp.cluster, fixed, *seq_len, *global_batch);
-            let vocab = inp.graph.vocab().unwrap_or(1);
             let refusals: Vec<Vec<String>> = space
                 .iter()
-                .map(|c| framework.cannot_run(c, inp.pg.layers, vocab, *global_batch))
+                .map(|c| framework.cannot_run(c, &needs))
                 .collect();
             if !space.is_empty() && refusals.iter().all(|r| !r.is_empty()) {
                 // What the framework lacks, from the configuration it misses least.
@@ -697,7 +698,7 @@ pub(crate) fn compare(a: &CompareArgs<'_>) -> Result<(), Failure> {
         .and_then(|r| r.top.into_iter().next());
         let r = match searched {
             Some(c) => Ok(c.estimate),
-            None => p
+            None => crate::framework_keys(&inp.graph, &inp.pg, &inp.workload, &p)
                 .resolve(inp.cluster.gpus(), &format!("--config {name}"))
                 .map_err(|e| e.to_string())
                 .and_then(|cfg| {

@@ -60,12 +60,20 @@ pub(crate) fn rope_of(c: &ir::graph::Constants) -> kernels::cpu::Rope {
 }
 
 /// Refuses a model whose math the executor does not implement, naming the field,
-/// rather than computing another model: the `config.json` fields recorded as
-/// unexecutable, and a sliding attention window shorter than the `tokens` one
+/// rather than computing another model: ALiBi attention, the `config.json` fields
+/// recorded as unexecutable, and a sliding attention window shorter than the `tokens` one
 /// sequence runs through the model (within the window every query sees its whole
 /// causal prefix, so the window changes nothing and the run is exact).
 pub fn check_executable(graph: &ir::Graph, tokens: usize) -> Result<(), String> {
     let c = &graph.constants;
+    let alibi = graph
+        .segments
+        .iter()
+        .flat_map(|s| &s.ops)
+        .any(|o| matches!(o.kind, ir::OpKind::Attention(a) if a.alibi));
+    if alibi {
+        return Err("the model's position is ALiBi (`position: alibi`, or a BLOOM config.json): the executor's attention kernels add no ALiBi biases, so it refuses rather than compute a different model; planning and estimates price it".into());
+    }
     if let Some(u) = c.unexecutable.first() {
         let more = match c.unexecutable.len() {
             1 => String::new(),

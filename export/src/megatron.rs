@@ -67,6 +67,11 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
         if t.mla.is_some() && c.cp > 1 {
             r.push("multi-latent attention with context parallelism is not a combination Megatron-LM runs");
         }
+        if t.position == PositionKind::Alibi
+            && plan.workload.framework() != meshplan_ir::Framework::MegatronDeepspeed
+        {
+            r.push("Megatron-LM has no ALiBi position embedding; Megatron-DeepSpeed has one: re-plan with --framework megatron-deepspeed");
+        }
     }
     r.check()?;
     let Some(t) = t else {
@@ -211,6 +216,12 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
         PositionKind::Learned => {
             a.opt("--position-embedding-type", "learned_absolute");
             a.opt("--max-position-embeddings", t.max_positions.max(seq));
+        }
+        // Only Megatron-DeepSpeed plans reach here with ALiBi (Megatron-Core has no
+        // ALiBi; the framework check refuses such a plan): its `PositionEmbeddingType`.
+        PositionKind::Alibi => {
+            a.opt("--position-embedding-type", "alibi");
+            a.opt("--max-position-embeddings", seq);
         }
     }
     if t.mlp == MlpKind::Swiglu {

@@ -262,6 +262,7 @@ impl Builder {
             qk_dim: t.head_dim,
             v_dim: t.head_dim,
             causal: true,
+            alibi: t.position == PositionKind::Alibi,
         };
         let core = self.attention_core(ops, &[qkv], shape);
         self.linear(
@@ -353,6 +354,7 @@ impl Builder {
             qk_dim,
             v_dim: m.v_head_dim,
             causal: true,
+            alibi: false,
         };
         let core = self.attention_core(ops, &[q, kv], shape);
         self.linear(

@@ -162,6 +162,15 @@ impl PartialConfig {
             && self.attn.is_none_or(|a| a == c.attn)
     }
 
+    /// These keys, with the attention kernel `attn` where they leave it open (the
+    /// kernel a framework has for the model, [`crate::Framework::default_attn`]).
+    pub fn or_attn(&self, attn: AttnImpl) -> PartialConfig {
+        PartialConfig {
+            attn: self.attn.or(Some(attn)),
+            ..*self
+        }
+    }
+
     /// Parses `key=value,key=value`. `source` names where the text came from in
     /// error messages (e.g. `--config`).
     pub fn parse(text: &str, source: &str) -> Result<PartialConfig, IrError> {

@@ -1055,6 +1055,7 @@ impl<'a> Checker<'a> {
                     qk_dim,
                     v_dim,
                     causal: op.causal.unwrap_or(true),
+                    alibi: false,
                 })
             }
             OpKindSpec::Add => {

@@ -3,7 +3,8 @@
 //! part the planner's search and every exporter must agree on. How fast each runs
 //! (attention kernels, overlap, gather granularity) belongs to the cost model.
 
-use crate::config::{ParallelConfig, Recompute, Schedule};
+use crate::config::{AttnImpl, ParallelConfig, Recompute, Schedule};
+use crate::graph::{Graph, OpKind};
 use std::fmt;
 use std::str::FromStr;
 
@@ -58,18 +59,69 @@ impl Framework {
         }
     }
 
-    /// Why this framework cannot run `cfg` on a model of `layers` blocks and a
-    /// vocabulary of `vocab` rows at `global_batch` sequences per step; empty when
-    /// it can. Layer splits are judged by [`Framework::split_ok`].
-    pub fn cannot_run(
-        self,
-        cfg: &ParallelConfig,
-        layers: u64,
-        vocab: u64,
-        global_batch: u64,
-    ) -> Vec<String> {
+    /// Why this framework has no flash (fused, tiled) attention kernel for the
+    /// model's attention; `None` when it has one. Every flash kernel a framework
+    /// runs (FlashAttention 2 and 3, cuDNN's fused attention through Transformer
+    /// Engine, meshplan's own) holds a head of at most 256 values in registers.
+    /// ALiBi's biases are free inside FlashAttention since 2.4 (`alibi_slopes`), but
+    /// the frameworks that run ALiBi models compute them on a materialised score
+    /// matrix.
+    pub fn flash_gap(self, needs: &Needs) -> Option<String> {
+        let name = self.name();
+        if needs.head_dim > 256 {
+            return Some(format!(
+                "{name}'s flash attention kernels take heads of at most 256 values, this model's are {}: attn=unfused",
+                needs.head_dim
+            ));
+        }
+        if !needs.alibi {
+            return None;
+        }
+        match self {
+            Framework::Meshplan | Framework::MegatronCore | Framework::Torchtitan => None,
+            Framework::MegatronDeepspeed => Some(format!(
+                "{name} adds ALiBi's biases in its fused softmax over the materialised scores (its flash path takes no slopes): attn=unfused"
+            )),
+            Framework::Deepspeed => Some(format!(
+                "{name} runs the Hugging Face model, whose ALiBi attention (BLOOM, MPT) materialises the scores: attn=unfused"
+            )),
+        }
+    }
+
+    /// The attention kernel the framework runs when a configuration does not name
+    /// one: flash where it has a flash kernel for the model.
+    pub fn default_attn(self, needs: &Needs) -> AttnImpl {
+        match self.flash_gap(needs) {
+            None => AttnImpl::Flash,
+            Some(_) => AttnImpl::Unfused,
+        }
+    }
+
+    /// Why this framework cannot run `cfg` on the model and batch `needs` describes;
+    /// empty when it can. Layer splits are judged by [`Framework::split_ok`].
+    pub fn cannot_run(self, cfg: &ParallelConfig, needs: &Needs) -> Vec<String> {
+        let Needs {
+            layers,
+            vocab,
+            global_batch,
+            ..
+        } = *needs;
         let mut why = Vec::new();
         let name = self.name();
+        if needs.alibi {
+            match self {
+                Framework::MegatronCore => why.push(format!(
+                    "{name} has no ALiBi position embedding (--position-embedding-type takes learned_absolute, rope or none); megatron-deepspeed has one"
+                )),
+                Framework::Torchtitan => why.push(format!(
+                    "{name}'s models place tokens with RoPE; ALiBi needs a model of your own (megatron-deepspeed and deepspeed run BLOOM)"
+                )),
+                _ => {}
+            }
+        }
+        if cfg.attn == AttnImpl::Flash {
+            why.extend(self.flash_gap(needs));
+        }
         // Every framework runs exactly the batch asked for. meshplan's executor
         // can round the micro-batch count up (computing sequences nobody asked
         // for); its search prefers exact batches and pads only where the fixed
@@ -218,6 +270,43 @@ impl Framework {
     }
 }
 
+/// What a framework must run besides the layout: the model's shape, its attention
+/// and the batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Needs {
+    /// Transformer blocks.
+    pub layers: u64,
+    /// Vocabulary rows (1 where the graph has none).
+    pub vocab: u64,
+    /// Sequences per optimizer step.
+    pub global_batch: u64,
+    /// Attention with ALiBi biases.
+    pub alibi: bool,
+    /// Query/key width of one head.
+    pub head_dim: u64,
+}
+
+impl Needs {
+    /// The needs of `graph`, split into `layers` blocks, at `global_batch`.
+    pub fn of(graph: &Graph, layers: u64, global_batch: u64) -> Needs {
+        let attention = graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find_map(|o| match o.kind {
+                OpKind::Attention(a) => Some(a),
+                _ => None,
+            });
+        Needs {
+            layers,
+            vocab: graph.vocab().unwrap_or(1),
+            global_batch,
+            alibi: attention.is_some_and(|a| a.alibi),
+            head_dim: attention.map_or(0, |a| a.qk_dim),
+        }
+    }
+}
+
 /// Whether `cfg` computes more sequences than `global_batch` (dp x mbs does not
 /// divide it, so the micro-batch count is rounded up).
 pub fn pads(cfg: &ParallelConfig, global_batch: u64) -> bool {
@@ -283,6 +372,52 @@ mod tests {
             .expect("a configuration")
     }
 
+    fn needs(layers: u64, vocab: u64, global_batch: u64) -> Needs {
+        Needs {
+            layers,
+            vocab,
+            global_batch,
+            alibi: false,
+            head_dim: 128,
+        }
+    }
+
+    #[test]
+    fn flash_kernels_by_head_width_and_alibi() {
+        let mut n = needs(70, 250880, 2048);
+        for f in Framework::ALL {
+            assert_eq!(f.default_attn(&n), AttnImpl::Flash, "{f}");
+        }
+        // BLOOM: ALiBi, heads of 128.
+        n.alibi = true;
+        let runs = |f: Framework, attn, n: &Needs| {
+            let mut c = cfg(8, 1, 1, 1);
+            c.attn = attn;
+            f.cannot_run(&c, n)
+        };
+        assert_eq!(Framework::Meshplan.default_attn(&n), AttnImpl::Flash);
+        for f in [Framework::MegatronDeepspeed, Framework::Deepspeed] {
+            assert_eq!(f.default_attn(&n), AttnImpl::Unfused, "{f}");
+            assert!(runs(f, AttnImpl::Unfused, &n).is_empty(), "{f}");
+            let why = runs(f, AttnImpl::Flash, &n);
+            assert!(why.len() == 1 && why[0].contains("ALiBi"), "{why:?}");
+        }
+        for f in [Framework::MegatronCore, Framework::Torchtitan] {
+            let why = runs(f, AttnImpl::Unfused, &n);
+            assert!(why.iter().any(|w| w.contains("ALiBi")), "{f}: {why:?}");
+        }
+        // Heads wider than 256: no framework has a flash kernel.
+        n.alibi = false;
+        n.head_dim = 320;
+        for f in Framework::ALL {
+            assert_eq!(f.default_attn(&n), AttnImpl::Unfused, "{f}");
+            assert!(
+                runs(f, AttnImpl::Flash, &n)[0].contains("at most 256"),
+                "{f}"
+            );
+        }
+    }
+
     #[test]
     fn no_framework_pads_the_batch() {
         assert!(pads(&cfg(480, 8, 1, 4), 1536) && !pads(&cfg(16, 1, 1, 4), 1536));
@@ -291,13 +426,13 @@ mod tests {
             .into_iter()
             .filter(|f| *f != Framework::Meshplan)
         {
-            let why = f.cannot_run(&cfg(480, 8, 1, 4), 96, 51200, 1536);
+            let why = f.cannot_run(&cfg(480, 8, 1, 4), &needs(96, 51200, 1536));
             assert!(
                 why.iter().any(|w| w.contains("= 1920 does not divide")),
                 "{f}: {why:?}"
             );
             assert!(f
-                .cannot_run(&cfg(16, 1, 1, 4), 96, 51200, 1536)
+                .cannot_run(&cfg(16, 1, 1, 4), &needs(96, 51200, 1536))
                 .iter()
                 .all(|w| !w.contains("batch")));
         }
@@ -306,8 +441,10 @@ mod tests {
     #[test]
     fn deepspeed_runs_data_parallel_plans_only() {
         let d = Framework::Deepspeed;
-        assert!(d.cannot_run(&cfg(8, 1, 1, 1), 32, 50304, 64).is_empty());
-        let why = d.cannot_run(&cfg(2, 2, 2, 1), 32, 50304, 64);
+        assert!(d
+            .cannot_run(&cfg(8, 1, 1, 1), &needs(32, 50304, 64))
+            .is_empty());
+        let why = d.cannot_run(&cfg(2, 2, 2, 1), &needs(32, 50304, 64));
         assert_eq!(why.len(), 2, "{why:?}");
         assert!(
             why[0].contains("tp=2") && why[1].contains("pp=2"),

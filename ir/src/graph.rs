@@ -182,6 +182,11 @@ pub struct AttentionShape {
     pub v_dim: u64,
     /// Causal mask (half the score matrix is skipped by a flash kernel).
     pub causal: bool,
+    /// ALiBi biases added to the scores ([`crate::PositionKind::Alibi`]): free inside
+    /// a kernel that has them, but not every framework's flash kernel does
+    /// ([`crate::Framework::flash_gap`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub alibi: bool,
 }
 
 /// Routed experts of a MoE layer, run as one grouped MLP.

@@ -11,6 +11,7 @@
 //! | `qwen2` | as Llama, with biases on the QKV projections |
 //! | `mixtral` | as Mistral, every layer MoE: `num_local_experts`, `num_experts_per_tok`, experts of `intermediate_size` |
 //! | `gpt2` | layernorm, gelu, biases everywhere, learned positions (`n_positions`), tied embeddings |
+//! | `bloom` | layernorm, gelu, biases everywhere, ALiBi positions, tied embeddings; `n_embed` or `hidden_size`, `n_layer`, `n_head` (or their long names) |
 //! | `deepseek_v3` | MLA (`q_lora_rank`, `kv_lora_rank`, `qk_*_head_dim`, `v_head_dim`) and MoE after `first_k_dense_replace` dense layers |
 //!
 //! Both the Transformers 4 and 5 spellings are read: `rope_theta` at the top level or
@@ -30,7 +31,11 @@
 //!
 //! Left out on purpose, as they do not change parameter counts of the shipped
 //! families: DeepSeek's multi-token-prediction module (`num_nextn_predict_layers`)
-//! and its router's score-correction bias (one value per expert per layer).
+//! and its router's score-correction bias (one value per expert per layer). BLOOM's
+//! LayerNorm after the word embeddings is left out too: 2 x hidden parameters
+//! (28,672 of BLOOM-176B's 176 billion) and one elementwise pass per step. BLOOM's
+//! ALiBi attention itself is priced (by each framework's attention kernel) and
+//! refused by `run`; so is `apply_residual_connection_post_layernorm: true`.
 
 use crate::dtype::DType;
 use crate::error::IrError;
@@ -47,6 +52,7 @@ pub const SUPPORTED_MODEL_TYPES: &[&str] = &[
     "mixtral",
     "qwen2",
     "gpt2",
+    "bloom",
     "deepseek_v3",
 ];
 
@@ -72,6 +78,7 @@ pub fn import_hf_config(text: &str, file: &str) -> Result<ModelSpec, IrError> {
         "llama" | "mistral" | "qwen2" => (llama_family(&cfg, model_type)?, LLAMA_KEYS),
         "mixtral" => (mixtral(&cfg)?, MIXTRAL_KEYS),
         "gpt2" => (gpt2(&cfg)?, GPT2_KEYS),
+        "bloom" => (bloom(&cfg)?, BLOOM_KEYS),
         "deepseek_v3" => (deepseek_v3(&cfg)?, DEEPSEEK_V3_KEYS),
         other => {
             return Err(cfg.err(
@@ -178,6 +185,47 @@ fn gpt2(cfg: &Config) -> Result<RawTransformer, IrError> {
         position: PositionKind::Learned,
         max_positions: Some(cfg.positive("n_positions")?),
         dropout: cfg.fraction_or("resid_pdrop", 0.1)? > 0.0,
+        rope_theta: None,
+        rope_scaling: None,
+        sliding_window: None,
+        norm_eps: cfg.norm_eps()?,
+        moe: None,
+        mla: None,
+    })
+}
+
+/// BLOOM: GPT-2's block with ALiBi instead of a position table. transformers'
+/// `BloomConfig` takes `n_embed` for `hidden_size` and maps `num_hidden_layers` and
+/// `num_attention_heads` onto `n_layer` and `n_head`; its GELU is the tanh
+/// approximation.
+fn bloom(cfg: &Config) -> Result<RawTransformer, IrError> {
+    let either = |short: &'static str, long: &'static str| {
+        if cfg.get(short).is_some() {
+            short
+        } else {
+            long
+        }
+    };
+    let dropout = cfg.fraction_or("hidden_dropout", 0.0)? > 0.0
+        || cfg.fraction_or("attention_dropout", 0.0)? > 0.0;
+    Ok(RawTransformer {
+        layers: cfg.positive(either("n_layer", "num_hidden_layers"))?,
+        hidden: cfg.positive(either("n_embed", "hidden_size"))?,
+        heads: cfg.positive(either("n_head", "num_attention_heads"))?,
+        kv_heads: None,
+        head_dim: None,
+        ffn_hidden: None,
+        mlp: MlpKind::Gelu,
+        norm: NormKind::Layernorm,
+        vocab: cfg.positive("vocab_size")?,
+        tie_embeddings: cfg.bool_or("tie_word_embeddings", true)?,
+        bias: true,
+        qkv_bias: false,
+        attn_out_bias: false,
+        mlp_bias: false,
+        position: PositionKind::Alibi,
+        max_positions: None,
+        dropout,
         rope_theta: None,
         rope_scaling: None,
         sliding_window: None,
@@ -342,6 +390,15 @@ const GPT2_KEYS: KeyMap = &[
     ("transformer.ffn_hidden", "n_inner"),
     ("transformer.vocab", "vocab_size"),
     ("transformer.max_positions", "n_positions"),
+    ("transformer.norm_eps", "layer_norm_epsilon"),
+];
+
+const BLOOM_KEYS: KeyMap = &[
+    ("transformer.layers", "n_layer"),
+    ("transformer.hidden", "n_embed"),
+    ("transformer.heads", "n_head"),
+    ("transformer.head_dim", "n_head"),
+    ("transformer.vocab", "vocab_size"),
     ("transformer.norm_eps", "layer_norm_epsilon"),
 ];
 
@@ -691,6 +748,14 @@ impl<'a> Config<'a> {
                     ),
                 );
             }
+        }
+        if model_type == "bloom"
+            && self.bool_or("apply_residual_connection_post_layernorm", false)?
+        {
+            refuse(
+                "apply_residual_connection_post_layernorm",
+                "true (the residual taken after the LayerNorm) is not implemented".into(),
+            );
         }
         if model_type == "gpt2" {
             let act = self.opt_str("activation_function")?.unwrap_or("gelu_new");
@@ -1043,6 +1108,60 @@ mod tests {
         assert!(t.tie_embeddings);
         assert!(t.dropout);
         assert_eq!(t.vocab, 50257);
+    }
+
+    /// bigscience/bloom's config.json, as published.
+    const BLOOM: &str = r#"{
+        "apply_residual_connection_post_layernorm": false, "attention_dropout": 0.0,
+        "architectures": ["BloomForCausalLM"], "attention_softmax_in_fp32": true,
+        "bias_dropout_fusion": true, "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_dropout": 0.0, "initializer_range": 0.02, "layer_norm_epsilon": 1e-05,
+        "masked_softmax_fusion": true, "model_type": "bloom", "n_embed": 14336,
+        "n_layer": 70, "num_attention_heads": 112, "pad_token_id": 3,
+        "pretraining_tp": 4, "slow_but_exact": false, "torch_dtype": "bfloat16",
+        "transformers_version": "4.21.0", "use_cache": true, "vocab_size": 250880
+    }"#;
+
+    #[test]
+    fn bloom_is_gpt2_with_alibi() {
+        let t = transformer(BLOOM);
+        assert_eq!(
+            (t.layers, t.hidden, t.heads, t.head_dim),
+            (70, 14336, 112, 128)
+        );
+        assert_eq!(t.ffn_hidden, 4 * 14336);
+        assert_eq!(t.position, PositionKind::Alibi);
+        assert_eq!(t.max_positions, 0);
+        assert!(t.bias && t.tie_embeddings && !t.dropout);
+        assert!(t.unexecutable.is_empty());
+        // Per layer 12h^2 + 13h (QKV, projection, two MLP matrices, their biases,
+        // two LayerNorms), 70 layers, the 250880 x 14336 table and the final
+        // LayerNorm: transformers' 176,247,271,424 less the 2h of the embedding
+        // LayerNorm the graph leaves out.
+        let spec = import(BLOOM).expect("bloom imports");
+        let graph = crate::model_graph(&spec).expect("a graph");
+        let h = 14336u64;
+        let want = 70 * (12 * h * h + 13 * h) + 250880 * h + 2 * h;
+        assert_eq!(want, 176_247_271_424 - 2 * h);
+        assert_eq!(graph.param_count(false), want as f64);
+        let alibi =
+            graph.segments.iter().flat_map(|s| &s.ops).any(
+                |o| matches!(o.kind, crate::OpKind::Attention(a) if a.alibi && a.qk_dim == 128),
+            );
+        assert!(alibi, "the attention carries ALiBi");
+        assert!(!graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .any(|o| o.kind == crate::OpKind::Rope));
+        let post = transformer(&BLOOM.replace(
+            r#""apply_residual_connection_post_layernorm": false"#,
+            r#""apply_residual_connection_post_layernorm": true"#,
+        ));
+        assert_eq!(
+            post.unexecutable[0].field,
+            "apply_residual_connection_post_layernorm"
+        );
     }
 
     #[test]

@@ -254,9 +254,10 @@ impl Plan {
                 // own older plans (a padded batch) still load.
                 let fw = self.workload.framework();
                 if fw != crate::Framework::Meshplan {
-                    let vocab = self.graph.vocab().unwrap_or(1);
+                    let needs =
+                        crate::framework::Needs::of(&self.graph, self.model.layers, *global_batch);
                     let c = &self.strategy;
-                    let why = fw.cannot_run(c, self.model.layers, vocab, *global_batch);
+                    let why = fw.cannot_run(c, &needs);
                     if let Some(w) = why.first() {
                         return Err(bad("workload.framework", w.clone()));
                     }

@@ -55,6 +55,10 @@ pub enum PositionKind {
     Rope,
     /// A learned `[max_positions, hidden]` table added to the token embedding (GPT-2/3).
     Learned,
+    /// Attention with linear biases (Press et al. 2022; BLOOM, MPT): each head adds
+    /// `-m_h * (i - j)` to the score of query `i` on key `j`, `m_h` a geometric
+    /// sequence of slopes; no parameters and nothing added to the embedding.
+    Alibi,
 }
 
 /// Rotary frequency scaling (Hugging Face's `rope_scaling` / `rope_parameters`):
@@ -588,7 +592,7 @@ impl RawTransformer {
                 ))
             }
             (PositionKind::Learned, Some(p)) => positive(file, &f("max_positions"), p)?,
-            (PositionKind::Rope, _) => 0,
+            (PositionKind::Rope | PositionKind::Alibi, _) => 0,
         };
         if let Some(m) = &self.moe {
             positive(file, &f("moe.experts"), m.experts)?;
@@ -647,6 +651,13 @@ impl RawTransformer {
             positive(file, &f("mla.v_head_dim"), m.v_head_dim)?;
             if let Some(q) = m.q_lora_rank {
                 positive(file, &f("mla.q_lora_rank"), q)?;
+            }
+            if self.position != PositionKind::Rope {
+                return Err(IrError::invalid(
+                    file,
+                    &f("position"),
+                    "latent attention (mla) carries positions in its decoupled RoPE part: write `position: rope` or drop `mla`",
+                ));
             }
         }
         for (name, v) in [("rope_theta", self.rope_theta), ("norm_eps", self.norm_eps)] {

@@ -459,12 +459,14 @@ pub fn explain(plan: &Plan, inp: &Inputs) -> Result<Explanation, String> {
     let mut cannot_run = Vec::new();
     let mut sensitivity: Vec<Sensitivity> = Vec::new();
     let framework = plan.workload.framework();
-    let vocab = plan.graph.vocab().unwrap_or(1);
     for (change, n) in neighbours(&c, inp.pg.layers, inp.pg.experts, inference) {
         // An alternative the plan's framework cannot run is no alternative for its user.
         let why = match &plan.workload {
             Workload::Train { global_batch, .. } => framework
-                .cannot_run(&n, inp.pg.layers, vocab, *global_batch)
+                .cannot_run(
+                    &n,
+                    &meshplan_ir::framework::Needs::of(&plan.graph, inp.pg.layers, *global_batch),
+                )
                 .into_iter()
                 .next(),
             Workload::Inference { .. } => None,

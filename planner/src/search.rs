@@ -893,16 +893,17 @@ pub fn search_train(
     progress: Option<&Progress>,
 ) -> Result<SearchReport, SearchError> {
     let start = Instant::now();
-    let mut space = training_space(pg, cluster, &opts.fixed, seq_len, global_batch);
-    let vocab = graph.vocab().unwrap_or(1);
     let fw = opts.framework;
+    let needs = meshplan_ir::framework::Needs::of(graph, pg.layers, global_batch);
+    let fixed = opts.fixed.or_attn(fw.default_attn(&needs));
+    let mut space = training_space(pg, cluster, &fixed, seq_len, global_batch);
     // How the framework runs each layout (gradient precision, blocking sends, ZeRO-3
     // granularity): every price below is the framework's.
     let mech = Mechanisms::of(fw);
     let before = space.len();
     let mut first_refusal = None;
     space.retain(|c| {
-        let why = fw.cannot_run(c, pg.layers, vocab, global_batch);
+        let why = fw.cannot_run(c, &needs);
         if first_refusal.is_none() {
             first_refusal = why.first().map(|w| format!("{c}: {w}"));
         }

@@ -348,3 +348,125 @@ fn megatron_core_with_fixed_tp_plans_at_a_split_it_takes() {
     );
     check_runnable(&out, "megatron-core");
 }
+
+/// bigscience/bloom's config.json, the keys that shape the model.
+const BLOOM: &str = r#"{"apply_residual_connection_post_layernorm": false, "attention_dropout": 0.0,
+    "hidden_dropout": 0.0, "layer_norm_epsilon": 1e-05, "model_type": "bloom", "n_embed": 14336,
+    "n_layer": 70, "num_attention_heads": 112, "torch_dtype": "bfloat16", "vocab_size": 250880}"#;
+
+#[test]
+fn alibi_runs_where_a_framework_has_it_with_the_kernel_it_has() {
+    let dir = temp_dir("framework-alibi");
+    let model = dir.join("bloom.json");
+    std::fs::write(&model, BLOOM).expect("write config");
+    let m = model.display().to_string();
+    let on = |framework: &str, cmd: &str, extra: &[&str]| {
+        let out = dir.join(format!("{framework}.json")).display().to_string();
+        let mut args = vec![
+            cmd,
+            &m,
+            "topologies/dgx-a100-80g.yaml",
+            "--nodes",
+            "48",
+            "--seq-len",
+            "2048",
+            "--global-batch",
+            "1536",
+            "--framework",
+            framework,
+        ];
+        if cmd == "plan" {
+            args.extend(["-o", &out, "--quiet"]);
+        }
+        args.extend(extra);
+        (meshplan(&args), std::path::PathBuf::from(out))
+    };
+    // Megatron-DeepSpeed runs ALiBi in its fused softmax over the materialised
+    // scores: the search keeps to that kernel, and the export asks for ALiBi.
+    let (run, plan) = on("megatron-deepspeed", "plan", &[]);
+    run.expect_code(0);
+    assert_eq!(strategy(&plan)["attn"], "unfused");
+    let p = plan.display().to_string();
+    let export = meshplan(&["export", &p]);
+    export.expect_code(0);
+    assert!(
+        export.stdout.contains("--position-embedding-type alibi"),
+        "{}",
+        export.stdout
+    );
+    // meshplan plans FlashAttention (slopes inside the kernel), faster than the
+    // materialised scores on the same layout.
+    let (run, plan) = on("meshplan", "plan", &[]);
+    run.expect_code(0);
+    assert_eq!(strategy(&plan)["attn"], "flash");
+    let layout = "dp=384,zero=3,mbs=4,recompute=full";
+    let step = |framework: &str, cfg: &str| {
+        let (run, _) = on(framework, "estimate", &["--config", cfg, "--json"]);
+        run.expect_code(0);
+        let v: serde_json::Value = serde_json::from_str(&run.stdout).expect("json");
+        (
+            v["step_time_s"].as_f64().expect("step time"),
+            v["config"].to_string(),
+        )
+    };
+    let (_, cfg) = step("deepspeed", layout);
+    assert!(
+        cfg.contains(r#""attn":"unfused""#),
+        "deepspeed's default kernel: {cfg}"
+    );
+    let (flash, cfg) = step("meshplan", layout);
+    assert!(
+        cfg.contains(r#""attn":"flash""#),
+        "meshplan's default kernel: {cfg}"
+    );
+    let (unfused, _) = step("meshplan", &format!("{layout},attn=unfused"));
+    assert!(flash < unfused, "flash {flash} s vs unfused {unfused} s");
+    // Asked for a kernel or a position the framework lacks: exit 2 naming both.
+    let (run, _) = on(
+        "deepspeed",
+        "estimate",
+        &["--config", &format!("{layout},attn=flash")],
+    );
+    run.expect_code(2);
+    assert!(
+        run.stderr.contains("--framework deepspeed") && run.stderr.contains("ALiBi"),
+        "{}",
+        run.stderr
+    );
+    for framework in ["megatron-core", "torchtitan"] {
+        let (run, _) = on(framework, "plan", &[]);
+        assert_ne!(run.code, 0);
+        assert!(run.stderr.contains("ALiBi"), "{framework}: {}", run.stderr);
+    }
+}
+
+#[test]
+fn the_executor_refuses_alibi_rather_than_run_another_model() {
+    let dir = temp_dir("framework-alibi-run");
+    let model = dir.join("bloom-tiny.json");
+    let tiny = BLOOM
+        .replace("14336", "64")
+        .replace("\"n_layer\": 70", "\"n_layer\": 2")
+        .replace("112", "4")
+        .replace("250880", "256")
+        .replace("bfloat16", "float32");
+    std::fs::write(&model, tiny).expect("write config");
+    let plan = dir.join("plan.json").display().to_string();
+    let m = model.display().to_string();
+    meshplan(&[
+        "plan",
+        &m,
+        "topologies/cpu-test-mesh.yaml",
+        "--seq-len",
+        "16",
+        "--global-batch",
+        "8",
+        "-o",
+        &plan,
+        "--quiet",
+    ])
+    .expect_code(0);
+    let run = meshplan(&["run", &plan, "--steps", "1"]);
+    run.expect_code(2);
+    assert!(run.stderr.contains("ALiBi"), "{}", run.stderr);
+}
