@@ -71,6 +71,11 @@ fn save_and_resume(m: &Model, save_cfg: &str, resume_cfg: &str) {
     assert_eq!(first.saved[0].path, dir.join(step_folder(3)));
     let resumed = run(&pr, &resuming(6, &dir));
     let whole = run(&pr, &opts(6));
+    let tag = crate::exec_golden::model_tag(&m.spec);
+    crate::exec_golden::check(
+        &format!("ckpt-{}-{tag}-{save_cfg}-to-{resume_cfg}", m.spec.name),
+        &resumed,
+    );
     assert_eq!(resumed.losses.len(), 3);
     if save_cfg == resume_cfg {
         assert!(

@@ -73,6 +73,13 @@ pub(crate) fn check_plan(m: &Model, cfg: &str, p: Plan) {
     let run = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
     let base =
         train(&reference, &opts.reference_of(&p)).unwrap_or_else(|e| panic!("reference: {e}"));
+    let name = format!(
+        "{}-{}-{cfg}",
+        m.spec.name,
+        crate::exec_golden::model_tag(&m.spec)
+    );
+    crate::exec_golden::check(&name, &run);
+    crate::exec_golden::check(&format!("{name}-reference"), &base);
     match check_against(&p, &run, &base, 1e-5) {
         Ok(lines) => eprintln!("{cfg}: {}", lines.last().cloned().unwrap_or_default()),
         Err(why) => panic!("{cfg} differs from the single-rank run:\n{why}"),
@@ -176,7 +183,7 @@ fn dense_dp2_gradient_buckets() {
             .filter(|i| matches!(i, meshplan_ir::plan::Instr::Collective { tensor, .. } if tensor.starts_with("grads:dense[")))
             .count();
         assert!(buckets > 5, "{cfg}: {buckets} buckets");
-        check_plan(&m, cfg, p);
+        check_plan(&m, &format!("{cfg},buckets=10000"), p);
     }
 }
 

@@ -730,9 +730,10 @@ fn max_diff(a: &[f32], b: &[f64]) -> (f64, f64) {
 
 /// Every configuration's greedy tokens equal the single-rank run's and the naive
 /// reference's; logits agree with both.
-fn check_all(dir: &Path, forward: &dyn Fn(&[u32]) -> Vec<f64>) {
+fn check_all(tag: &str, dir: &Path, forward: &dyn Fn(&[u32]) -> Vec<f64>) {
     let ck = Arc::new(Checkpoint::open(dir).unwrap_or_else(|e| panic!("{e}")));
     let single = run(&plan_of(dir, "dp=1", 1), &ck, Sampling::GREEDY, 3);
+    crate::exec_golden::check_infer(&format!("infer-{tag}-dp=1"), &single);
     let mut worst: f64 = 0.0;
     for (i, req) in single.requests.iter().enumerate() {
         let (tokens, logits) = reference_generate(forward, PROMPTS[i], 5);
@@ -760,6 +761,7 @@ fn check_all(dir: &Path, forward: &dyn Fn(&[u32]) -> Vec<f64>) {
         ("tp=2,pp=2,dp=2", 8, None),
     ] {
         let r = run(&plan_of(dir, cfg, gpus), &ck, Sampling::GREEDY, 3);
+        crate::exec_golden::check_infer(&format!("infer-{tag}-{cfg}"), &r);
         if let Some(share) = share {
             assert_eq!(
                 r.kv_cache_bytes * share,
@@ -796,7 +798,7 @@ fn check_llama(c: &LlamaCfg, tag: &str, seed: u64, store: Store, files: usize) -
     let mut t = llama_tensors(c, seed);
     round_to(store, &mut t);
     write_checkpoint(&dir, &llama_config(c), &t, store, files);
-    check_all(&dir, &|tokens| llama_forward(c, &t, tokens));
+    check_all(tag, &dir, &|tokens| llama_forward(c, &t, tokens));
     t
 }
 
@@ -853,7 +855,7 @@ fn gpt2_checkpoint_sharded_equals_single_rank_and_reference() {
     let dir = temp_dir("gpt2");
     let t = gpt2_tensors(13);
     write_checkpoint(&dir, &gpt2_config(), &t, Store::F32, 1);
-    check_all(&dir, &|tokens| gpt2_forward(&t, tokens));
+    check_all("gpt2", &dir, &|tokens| gpt2_forward(&t, tokens));
 }
 
 #[test]
@@ -1257,6 +1259,7 @@ fn fine_tuning_starts_from_the_checkpoint_weights_on_any_sharding() {
     };
     let single = train_plan_of(&dir, "dp=1", 1);
     let base = train(&single, &opts).unwrap_or_else(|e| panic!("{e}"));
+    crate::exec_golden::check("finetune-llama-dp=1", &base);
     // The first step's loss is the checkpoint's: the naive f64 forward's mean
     // cross-entropy over the same synthetic sequences, position by position.
     let mut total = 0.0;
@@ -1281,6 +1284,7 @@ fn fine_tuning_starts_from_the_checkpoint_weights_on_any_sharding() {
     for cfg in ["dp=2,tp=2", "tp=2,pp=2", "dp=2,pp=2,zero=2"] {
         let plan = train_plan_of(&dir, cfg, 4);
         let run = train(&plan, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        crate::exec_golden::check(&format!("finetune-llama-{cfg}"), &run);
         let base = train(&single, &opts.reference_of(&plan)).unwrap_or_else(|e| panic!("{e}"));
         if let Err(why) = check_against(&plan, &run, &base, 1e-5) {
             panic!("{cfg} differs from the single-rank fine-tuning:\n{why}");

@@ -9,6 +9,7 @@ mod deploy_export;
 mod device;
 mod disagg;
 mod draw;
+mod exec_golden;
 mod executor;
 mod explain;
 mod export;
