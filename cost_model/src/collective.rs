@@ -13,23 +13,10 @@ use crate::cluster::{Cluster, GroupShape, Link};
 use crate::overlay::{
     AlphaBeta, CollectiveFit, InterNodeFit, LinkOp, COLLECTIVE_SIZES_MAX, INTER_FITS_MAX,
 };
-use serde::{Deserialize, Serialize};
 
-/// The collectives the cost model prices.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Collective {
-    /// Sum over the group, result everywhere.
-    AllReduce,
-    /// Concatenate shards, result everywhere.
-    AllGather,
-    /// Sum, each rank keeps one shard.
-    ReduceScatter,
-    /// One rank's buffer to all.
-    Broadcast,
-    /// Every rank sends a distinct shard to every other.
-    AllToAll,
-}
+/// The collectives the cost model prices: the plan's own kinds, one enum for the
+/// plan, its prices and the overlays' measurements.
+pub type Collective = meshplan_ir::plan::CollectiveKind;
 
 /// Ring AllReduce: reduce-scatter then all-gather, `2(N-1)` steps of `M/N` bytes.
 ///

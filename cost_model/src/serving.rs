@@ -337,7 +337,7 @@ pub fn dcp_step(
         per_node: dcp,
     };
     use crate::collective::bytes_sent_per_rank;
-    use crate::Collective::{AllGather, ReduceScatter};
+    use meshplan_ir::plan::CollectiveKind::{AllGather, ReduceScatter};
     DcpStep {
         saved_s: (1.0 - 1.0 / d) * batch * ctx * kvb * layers / hbm,
         added_s: layers * (comm.time_s(AllGather, group, q) + comm.time_s(ReduceScatter, group, o)),

@@ -42,7 +42,7 @@ use crate::train::{
 };
 use crate::weights::{apply_spec, shard_spec, Checkpoint};
 use meshplan_ir::graph::OpKind;
-use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Phase, PhaseKind, Plan, PlanKind};
+use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Phase, PhaseKind, Plan, PlanKind, Target};
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole};
 use meshplan_kernels::cpu as k;
 use std::collections::{BTreeMap, HashMap};
@@ -1254,9 +1254,10 @@ impl<'a> InferRank<'a> {
                     self.comm.recv(peer, "pp", &mut buf)?;
                     self.hidden = buf;
                 }
-                Instr::Collective { tensor, .. } if tensor == "hidden_states" => {
-                    self.collective(instr, "hidden_states")?;
-                }
+                Instr::Collective {
+                    target: Target::HiddenStates,
+                    ..
+                } => self.collective(instr)?,
                 other => {
                     return Err(fail(format!(
                     "unexpected instruction outside a segment of an inference program: {other:?}"
@@ -1297,7 +1298,7 @@ impl<'a> InferRank<'a> {
                     let op = self.find_op(name)?;
                     self.forward_op(op, batch, l)?;
                 }
-                Instr::Collective { tensor, .. } => self.collective(instr, tensor)?,
+                Instr::Collective { .. } => self.collective(instr)?,
                 Instr::Recompute { body } => self.run_body(body, batch, l)?,
                 other => {
                     return Err(fail(format!(
@@ -1309,12 +1310,45 @@ impl<'a> InferRank<'a> {
         Ok(())
     }
 
-    fn collective(&mut self, instr: &Instr, tensor: &str) -> Result<(), RankError> {
+    fn collective(&mut self, instr: &Instr) -> Result<(), RankError> {
         let Instr::Collective {
-            kind, group, axis, ..
+            kind,
+            group,
+            axis,
+            target,
+            ..
         } = instr
         else {
             return Ok(());
+        };
+        let tensor = match target {
+            // Plans lowered before sampling was planned hold the training loss's
+            // statistics instead: nothing to reduce when generating.
+            Target::LossStat { .. } => return Ok(()),
+            // The experts op moves its tokens itself (counts follow the routing).
+            Target::Experts { .. } => return Ok(()),
+            Target::HiddenStates => {
+                let g = self.group(group)?;
+                let mut out = vec![0.0f32; self.hidden.len() * g.size()];
+                self.comm
+                    .all_gather(&g, axis.name(), &self.hidden, &mut out)?;
+                self.hidden = out;
+                return Ok(());
+            }
+            Target::Activation { tensor } => tensor.as_str(),
+            Target::ActivationGrad { .. }
+            | Target::HiddenStatesGrad
+            | Target::SegmentParams { .. }
+            | Target::SegmentGrads { .. }
+            | Target::SegmentSeqPartialGrads { .. }
+            | Target::TiedGrads
+            | Target::SeqPartialGrads
+            | Target::GradBucket { .. }
+            | Target::ParamBucket { .. } => {
+                return Err(fail(format!(
+                    "`{target}` is a training collective; inference plans do not hold it"
+                )))
+            }
         };
         // The head's logits: `last_logits` gathers the last positions, the rows this
         // collective's bytes count.
@@ -1328,32 +1362,9 @@ impl<'a> InferRank<'a> {
         if is_logits && *kind == CollectiveKind::AllGather {
             return Ok(());
         }
-        // Plans lowered before sampling was planned hold the training loss's
-        // statistics instead: nothing to reduce when generating.
-        for suffix in [".max", ".sum_exp", ".target"] {
-            if let Some(op_name) = tensor.strip_suffix(suffix) {
-                let is_loss =
-                    self.graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
-                        o.name == op_name && matches!(o.kind, OpKind::CrossEntropy { .. })
-                    });
-                if is_loss {
-                    return Ok(());
-                }
-            }
-        }
-        // The experts op moves its tokens itself (counts follow the routing).
-        if *axis == Axis::Ep && tensor.contains(".experts.") {
-            return Ok(());
-        }
         let g = self.group(group)?;
         let n = g.size();
         let ax = axis.name();
-        if tensor == "hidden_states" {
-            let mut out = vec![0.0f32; self.hidden.len() * n];
-            self.comm.all_gather(&g, ax, &self.hidden, &mut out)?;
-            self.hidden = out;
-            return Ok(());
-        }
         let buf = self
             .acts
             .get_mut(tensor)

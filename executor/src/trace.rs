@@ -81,13 +81,13 @@ impl Tracer {
             Instr::Collective {
                 kind,
                 axis,
-                tensor,
+                target,
                 bytes_sent,
                 ..
             } => (
                 format!("{kind:?} {}", axis.name()),
                 "comm",
-                serde_json::json!({"step": step, "layer": layer, "tensor": tensor, "axis": axis.name(), "bytes_sent": bytes_sent}),
+                serde_json::json!({"step": step, "layer": layer, "tensor": target.to_string(), "axis": axis.name(), "bytes_sent": bytes_sent}),
             ),
             Instr::Send {
                 peer_stage, bytes, ..

@@ -14,7 +14,9 @@ use crate::init::{init_full, init_kind};
 use crate::moe::Padding;
 use crate::shard::{local_heads, local_weight, TpPos};
 use meshplan_ir::graph::OpKind;
-use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Pass, Plan, PlanKind, Program};
+use meshplan_ir::plan::{
+    Axis, CollectiveKind, Instr, LossStat, Pass, Plan, PlanKind, Program, Target,
+};
 use meshplan_ir::{Graph, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
 use meshplan_kernels::cpu as k;
 use meshplan_kernels::cpu::Rope;
@@ -960,9 +962,9 @@ impl<'a> RankState<'a> {
                     kind,
                     group,
                     axis,
-                    tensor,
+                    target,
                     ..
-                } => self.collective(*kind, group, *axis, tensor, cur, store, false)?,
+                } => self.collective(*kind, group, *axis, target, cur, store, false)?,
                 Instr::Send {
                     peer_stage, bytes, ..
                 } => {
@@ -1025,10 +1027,10 @@ impl<'a> RankState<'a> {
                 Instr::Collective {
                     group,
                     axis,
-                    tensor,
+                    target,
                     ..
                 } => {
-                    if tensor == "grad:hidden_states" {
+                    if *target == Target::HiddenStatesGrad {
                         let g = self.group(group)?;
                         let mut out = vec![0.0f32; self.grad_hidden.len() * g.size()];
                         self.comm
@@ -1036,7 +1038,7 @@ impl<'a> RankState<'a> {
                         self.grad_hidden = out;
                     } else {
                         return Err(fail(format!(
-                            "unexpected collective on `{tensor}` outside a segment"
+                            "unexpected collective on `{target}` outside a segment"
                         )));
                     }
                 }
@@ -1089,9 +1091,9 @@ impl<'a> RankState<'a> {
                     kind,
                     group,
                     axis,
-                    tensor,
+                    target,
                     ..
-                } => self.collective(*kind, group, *axis, tensor, l, store, true)?,
+                } => self.collective(*kind, group, *axis, target, l, store, true)?,
                 other => {
                     return Err(fail(format!(
                         "unexpected instruction in a segment's backward: {other:?}"
@@ -1525,7 +1527,7 @@ impl<'a> RankState<'a> {
         kind: CollectiveKind,
         group: &str,
         axis: Axis,
-        tensor: &str,
+        target: &Target,
         l: u64,
         store: &mut Store,
         backward: bool,
@@ -1533,99 +1535,72 @@ impl<'a> RankState<'a> {
         let g = self.group(group)?;
         let n = g.size();
         let ax = axis.name();
-        // The experts op moves its tokens itself (counts depend on the routing).
-        if axis == Axis::Ep && tensor.contains(".experts.") {
-            return Ok(());
-        }
-        // Parameter sets (ZeRO-3 inside a segment).
-        if let Some(rest) = tensor.strip_prefix("params:") {
-            return self.zero3_gather(&g, ax, rest, l);
-        }
-        if let Some(rest) = tensor.strip_prefix("grads:") {
-            return self.zero3_scatter(&g, ax, rest, l);
-        }
-        if let Some(name) = tensor.strip_prefix("grad:") {
-            let key = (l, name.to_string());
-            let gkey = (l, format!("{name}@g"));
-            match kind {
-                CollectiveKind::AllReduce => {
-                    let pkey = (l, format!("{name}@p"));
-                    if let Some(mut partial) = store.grads.remove(&pkey) {
-                        self.comm.all_reduce(&g, ax, &mut partial)?;
-                        Self::add_grad_vec(self.be, store, l, name, partial);
-                    } else {
-                        let buf = store
-                            .grads
-                            .get_mut(&key)
-                            .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
-                        self.comm.all_reduce(&g, ax, buf)?;
-                    }
-                }
-                CollectiveKind::ReduceScatter => {
-                    let full = store
-                        .grads
-                        .remove(&(l, format!("{name}@p")))
-                        .or_else(|| store.grads.remove(&gkey))
-                        .or_else(|| store.grads.remove(&key))
-                        .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
-                    let mut out = vec![0.0; full.len() / n];
-                    self.comm.reduce_scatter(&g, ax, &full, &mut out)?;
-                    Self::add_grad_vec(self.be, store, l, name, out);
-                }
-                CollectiveKind::AllGather => {
-                    let local = store
-                        .grads
-                        .get(&key)
-                        .cloned()
-                        .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
-                    let mut out = vec![0.0; local.len() * n];
-                    self.comm.all_gather(&g, ax, &local, &mut out)?;
-                    store.grads.insert(key, out);
-                }
-                other => return Err(fail(format!("{other:?} on a gradient is not supported"))),
+        let tensor = match target {
+            // The experts op moves its tokens itself (counts depend on the routing).
+            Target::Experts { .. } => return Ok(()),
+            // Parameter sets (ZeRO-3 inside a segment).
+            Target::SegmentParams { segment, set } => {
+                return self.zero3_gather(&g, ax, segment, set.name(), l)
             }
-            return Ok(());
-        }
-        if tensor == "hidden_states" {
-            let mut out = vec![0.0f32; self.hidden.len() * n];
-            self.comm.all_gather(&g, ax, &self.hidden, &mut out)?;
-            self.hidden = out;
-            return Ok(());
-        }
-        // Loss statistics.
-        for (suffix, then) in [(".max", 1), (".sum_exp", 2), (".target", 3)] {
-            if let Some(op_name) = tensor.strip_suffix(suffix) {
-                if let Ok(op) = self.find_op(op_name) {
-                    if matches!(op.kind, OpKind::CrossEntropy { .. }) {
-                        if backward {
-                            return Ok(());
-                        }
-                        let buf = store
-                            .acts
-                            .get_mut(&(l, tensor.to_string()))
-                            .map(Arc::make_mut)
-                            .ok_or_else(|| fail(format!("`{tensor}` missing")))?;
-                        match suffix {
-                            ".max" => {
-                                // The plan reduces by sum: the shift of the log-sum-exp
-                                // becomes the mean of the local maxima, which is exact
-                                // for any common shift and safe at these magnitudes.
-                                self.comm.all_reduce(&g, ax, buf)?;
-                                let inv = 1.0 / n as f32;
-                                buf.iter_mut().for_each(|x| *x *= inv);
-                            }
-                            _ => self.comm.all_reduce(&g, ax, buf)?,
-                        }
-                        match then {
-                            1 => self.loss_after_max(op, l, store)?,
-                            3 => self.loss_finish(op, l, store)?,
-                            _ => {}
-                        }
-                        return Ok(());
-                    }
-                }
+            Target::SegmentGrads { segment, set } => {
+                return self.zero3_scatter(&g, ax, segment, set.name(), l)
             }
-        }
+            Target::SegmentSeqPartialGrads { segment } => {
+                let s = self.segment_index(segment)?;
+                return self.seq_partial_reduce(&g, ax, Some((s, l)));
+            }
+            Target::ActivationGrad { tensor: name } => {
+                return self.activation_grad_collective(kind, &g, ax, name, l, store)
+            }
+            Target::HiddenStates => {
+                let mut out = vec![0.0f32; self.hidden.len() * n];
+                self.comm.all_gather(&g, ax, &self.hidden, &mut out)?;
+                self.hidden = out;
+                return Ok(());
+            }
+            Target::LossStat { op, stat } => {
+                let op = self.find_op(op)?;
+                if !matches!(op.kind, OpKind::CrossEntropy { .. }) {
+                    return Err(fail(format!(
+                        "`{target}`: `{}` is not a cross-entropy op",
+                        op.name
+                    )));
+                }
+                if backward {
+                    return Ok(());
+                }
+                let key = (l, target.to_string());
+                let buf = store
+                    .acts
+                    .get_mut(&key)
+                    .map(Arc::make_mut)
+                    .ok_or_else(|| fail(format!("`{target}` missing")))?;
+                self.comm.all_reduce(&g, ax, buf)?;
+                match stat {
+                    LossStat::Max => {
+                        // The plan reduces by sum: the shift of the log-sum-exp
+                        // becomes the mean of the local maxima, which is exact for
+                        // any common shift and safe at these magnitudes.
+                        let inv = 1.0 / n as f32;
+                        buf.iter_mut().for_each(|x| *x *= inv);
+                        self.loss_after_max(op, l, store)?;
+                    }
+                    LossStat::SumExp => {}
+                    LossStat::Target => self.loss_finish(op, l, store)?,
+                }
+                return Ok(());
+            }
+            Target::Activation { tensor } => tensor,
+            Target::HiddenStatesGrad
+            | Target::TiedGrads
+            | Target::SeqPartialGrads
+            | Target::GradBucket { .. }
+            | Target::ParamBucket { .. } => {
+                return Err(fail(format!(
+                    "`{target}` is a step collective, not one inside a segment"
+                )))
+            }
+        };
         let key = (l, tensor.to_string());
         match kind {
             CollectiveKind::AllReduce => {
@@ -1661,17 +1636,75 @@ impl<'a> RankState<'a> {
         Ok(())
     }
 
-    fn zero3_gather(&mut self, g: &Group, ax: &str, what: &str, l: u64) -> Result<(), RankError> {
-        let (seg, set) = what
-            .rsplit_once('.')
-            .ok_or_else(|| fail(format!("bad parameter set `{what}`")))?;
+    /// A collective on the gradient of activation `name` (tensor parallelism's
+    /// backward): summed whole or scattered, or gathered.
+    fn activation_grad_collective(
+        &mut self,
+        kind: CollectiveKind,
+        g: &Group,
+        ax: &str,
+        name: &str,
+        l: u64,
+        store: &mut Store,
+    ) -> Result<(), RankError> {
+        let n = g.size();
+        let key = (l, name.to_string());
+        let gkey = (l, format!("{name}@g"));
+        match kind {
+            CollectiveKind::AllReduce => {
+                let pkey = (l, format!("{name}@p"));
+                if let Some(mut partial) = store.grads.remove(&pkey) {
+                    self.comm.all_reduce(g, ax, &mut partial)?;
+                    Self::add_grad_vec(self.be, store, l, name, partial);
+                } else {
+                    let buf = store
+                        .grads
+                        .get_mut(&key)
+                        .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
+                    self.comm.all_reduce(g, ax, buf)?;
+                }
+            }
+            CollectiveKind::ReduceScatter => {
+                let full = store
+                    .grads
+                    .remove(&(l, format!("{name}@p")))
+                    .or_else(|| store.grads.remove(&gkey))
+                    .or_else(|| store.grads.remove(&key))
+                    .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
+                let mut out = vec![0.0; full.len() / n];
+                self.comm.reduce_scatter(g, ax, &full, &mut out)?;
+                Self::add_grad_vec(self.be, store, l, name, out);
+            }
+            CollectiveKind::AllGather => {
+                let local = store
+                    .grads
+                    .get(&key)
+                    .cloned()
+                    .ok_or_else(|| fail(format!("no gradient of `{name}`")))?;
+                let mut out = vec![0.0; local.len() * n];
+                self.comm.all_gather(g, ax, &local, &mut out)?;
+                store.grads.insert(key, out);
+            }
+            other => return Err(fail(format!("{other:?} on a gradient is not supported"))),
+        }
+        Ok(())
+    }
+
+    fn zero3_gather(
+        &mut self,
+        g: &Group,
+        ax: &str,
+        seg: &str,
+        set: &str,
+        l: u64,
+    ) -> Result<(), RankError> {
         let s = self.segment_index(seg)?;
         let keys = self.set_keys(set, Some((s, l)));
         let flat = self.flat(&self.weights, &keys);
         let n = g.size();
         if !flat.len().is_multiple_of(n) {
             return Err(fail(format!(
-                "{} parameters of `{what}` do not split over {n} ranks",
+                "{} parameters of `{seg}.{set}` do not split over {n} ranks",
                 flat.len()
             )));
         }
@@ -1718,14 +1751,15 @@ impl<'a> RankState<'a> {
         Ok(())
     }
 
-    fn zero3_scatter(&mut self, g: &Group, ax: &str, what: &str, l: u64) -> Result<(), RankError> {
-        let Some((seg, set)) = what.rsplit_once('.') else {
-            return Err(fail(format!("bad gradient set `{what}`")));
-        };
+    fn zero3_scatter(
+        &mut self,
+        g: &Group,
+        ax: &str,
+        seg: &str,
+        set: &str,
+        l: u64,
+    ) -> Result<(), RankError> {
         let s = self.segment_index(seg)?;
-        if set == "seq_partial" {
-            return self.seq_partial_reduce(g, ax, Some((s, l)));
-        }
         let keys = self.set_keys(set, Some((s, l)));
         let flat = self.flat(&self.wgrads, &keys);
         let n = g.size();
@@ -1760,7 +1794,7 @@ impl<'a> RankState<'a> {
             for (s, l) in self.copies()? {
                 let seg = self.graph.segments[s].name.clone();
                 if !self.set_keys(set, Some((s, l))).is_empty() {
-                    self.zero3_gather(&g, "dp", &format!("{seg}.{set}"), l)?;
+                    self.zero3_gather(&g, "dp", &seg, set, l)?;
                 }
             }
         }
@@ -1775,24 +1809,24 @@ impl<'a> RankState<'a> {
                     kind,
                     group,
                     axis,
-                    tensor,
+                    target,
                     ..
                 } => {
                     let g = self.group(group)?;
                     let ax = axis.name();
                     let n = g.size();
                     let me = g.index_of(self.rank).unwrap_or(0);
-                    if tensor == "grads:tied" {
+                    if *target == Target::TiedGrads {
                         // The table embedding and head share, held by the first and
                         // the last stage: sum the two gradients.
                         let keys = self.tied_keys();
                         let mut flat = self.flat(&self.wgrads, &keys);
                         self.comm.all_reduce(&g, ax, &mut flat)?;
                         Self::unflat(&mut self.wgrads, &keys, &flat, (0, flat.len()));
-                    } else if tensor == "grads:seq_partial" {
+                    } else if *target == Target::SeqPartialGrads {
                         self.seq_partial_reduce(&g, ax, None)?;
-                    } else if let Some(rest) = tensor.strip_prefix("grads:") {
-                        let (set, range) = parse_bucket(rest)?;
+                    } else if let Target::GradBucket { set, range } = target {
+                        let (set, range) = (set.name(), bucket_range(*range));
                         let keys = self.set_keys(set, None);
                         let mut flat = self.flat(&self.wgrads, &keys);
                         let (a, b) = range.unwrap_or((0, flat.len()));
@@ -1823,8 +1857,8 @@ impl<'a> RankState<'a> {
                                 )))
                             }
                         }
-                    } else if let Some(rest) = tensor.strip_prefix("params:") {
-                        let (set, range) = parse_bucket(rest)?;
+                    } else if let Target::ParamBucket { set, range } = target {
+                        let (set, range) = (set.name(), bucket_range(*range));
                         let keys = self.set_keys(set, None);
                         let mut flat = self.flat(&self.weights, &keys);
                         let (a, b) = range.unwrap_or((0, flat.len()));
@@ -1838,10 +1872,10 @@ impl<'a> RankState<'a> {
                         flat[a..b].copy_from_slice(&out);
                         Self::unflat(&mut self.weights, &keys, &flat, (a, b));
                     } else {
-                        return Err(fail(format!("unexpected step collective on `{tensor}`")));
+                        return Err(fail(format!("unexpected step collective on `{target}`")));
                     }
                 }
-                Instr::Optimizer { params, .. } => self.optimizer(params)?,
+                Instr::Optimizer { params, .. } => self.optimizer(params.name())?,
                 other => return Err(fail(format!("unexpected step instruction {other:?}"))),
             }
             self.tracer.end_instr(t, instr, self.step_no, NO_LAYER);
@@ -2752,16 +2786,8 @@ type Range = (usize, usize);
 type Shard = (Range, Vec<f32>);
 
 /// `dense[0..4096]` -> (`dense`, Some((0, 4096))); `dense` -> (`dense`, None).
-fn parse_bucket(text: &str) -> Result<(&str, Option<Range>), RankError> {
-    let Some((set, rest)) = text.split_once('[') else {
-        return Ok((text, None));
-    };
-    let range = rest
-        .strip_suffix(']')
-        .and_then(|r| r.split_once(".."))
-        .and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?)))
-        .ok_or_else(|| fail(format!("bad bucket `{text}`")))?;
-    Ok((set, Some(range)))
+fn bucket_range(range: Option<(u64, u64)>) -> Option<Range> {
+    range.map(|(a, b)| (a as usize, b as usize))
 }
 
 /// `y = x w`: `x [rows, k]`, `w [k, n]`, `y [rows, n]` overwritten.

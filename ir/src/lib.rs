@@ -26,6 +26,7 @@ pub mod plan;
 pub mod plan_check;
 pub mod serving;
 pub mod spec;
+pub mod target;
 pub mod trace;
 pub mod yaml_depth;
 

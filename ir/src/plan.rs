@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 pub use crate::plan_check::PlanError;
+pub use crate::target::{Exchange, LossStat, ParamSet, Target};
 
 /// serde's message, cut to its first line and 200 characters: it may quote the
 /// file, and a wrong file given as a plan should not be echoed whole.
@@ -399,8 +400,9 @@ pub struct Task {
     pub mb: u64,
 }
 
-/// A collective's operation.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// A collective's operation (also what the cost model prices,
+/// `cost_model::collective::Collective`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum CollectiveKind {
     /// Sum, result everywhere.
@@ -480,8 +482,12 @@ pub enum Instr {
         axis: Axis,
         /// Ranks in the group.
         ranks: u64,
-        /// What it acts on (a graph tensor, its gradient, or a parameter set).
-        tensor: String,
+        /// What it acts on (a graph tensor, its gradient, a parameter set or bucket).
+        #[serde(
+            rename = "tensor",
+            deserialize_with = "crate::target::deserialize_target"
+        )]
+        target: Target,
         /// Full buffer in bytes (nccl-tests convention: the gathered buffer of an
         /// AllGather/ReduceScatter, one rank's send buffer of an All-to-All).
         payload_bytes: f64,
@@ -531,8 +537,8 @@ pub enum Instr {
     Optimizer {
         /// Algorithm (`adamw`).
         name: String,
-        /// Which parameters (`dense` or `experts`).
-        params: String,
+        /// Which parameters.
+        params: ParamSet,
         /// Elements updated by this rank.
         elements: f64,
     },

@@ -31,16 +31,17 @@
 //! simulated order (Megatron's 1F1B and interleaved 1F1B) including the reordering
 //! the simulation does when a partial group of micro-batches would deadlock.
 
-use meshplan_cost_model::collective::{bytes_sent_per_rank, Collective};
+use meshplan_cost_model::collective::bytes_sent_per_rank;
 use meshplan_cost_model::{
     inference_timeline, train_timeline_with, Cluster, Estimate, InferenceLoad, PreparedGraph,
     Timeline,
 };
 use meshplan_ir::graph::Segment;
 use meshplan_ir::plan::{
-    Axis, ChunkProgram, ChunkSegment, ClusterInfo, CollectiveKind, GroupSpec, Instr, LocalTensor,
-    MeshInfo, ModelInfo, Pass, Payload, Phase, PhaseDims, PhaseKind, Plan, PlanKind, Program,
-    RankEntry, SearchInfo, SegmentInfo, Task, PLAN_FORMAT,
+    Axis, ChunkProgram, ChunkSegment, ClusterInfo, CollectiveKind, Exchange, GroupSpec, Instr,
+    LocalTensor, LossStat, MeshInfo, ModelInfo, ParamSet, Pass, Payload, Phase, PhaseDims,
+    PhaseKind, Plan, PlanKind, Program, RankEntry, SearchInfo, SegmentInfo, Target, Task,
+    PLAN_FORMAT,
 };
 use meshplan_ir::{
     Dim, DimEnv, Graph, Op, OpKind, ParallelConfig, Recompute, Schedule, SegmentKind, TensorId,
@@ -163,22 +164,12 @@ struct SegmentLowered {
     seq_partial_params: f64,
 }
 
-fn coll_of(kind: CollectiveKind) -> Collective {
-    match kind {
-        CollectiveKind::AllReduce => Collective::AllReduce,
-        CollectiveKind::AllGather => Collective::AllGather,
-        CollectiveKind::ReduceScatter => Collective::ReduceScatter,
-        CollectiveKind::AllToAll => Collective::AllToAll,
-        CollectiveKind::Broadcast => Collective::Broadcast,
-    }
-}
-
 fn collective(
     kind: CollectiveKind,
     group: &str,
     axis: Axis,
     ranks: u64,
-    tensor: String,
+    target: Target,
     payload_bytes: f64,
 ) -> Instr {
     Instr::Collective {
@@ -186,9 +177,9 @@ fn collective(
         group: group.to_string(),
         axis,
         ranks,
-        tensor,
+        target,
         payload_bytes,
-        bytes_sent: bytes_sent_per_rank(coll_of(kind), ranks, payload_bytes),
+        bytes_sent: bytes_sent_per_rank(kind, ranks, payload_bytes),
     }
 }
 
@@ -395,16 +386,18 @@ impl Layout<'_> {
         }
     }
 
-    fn tp_coll(&self, kind: CollectiveKind, tensor: String, payload: f64) -> Option<Instr> {
-        (self.tp > 1).then(|| collective(kind, "tp", Axis::Tp, self.tp, tensor, payload))
+    fn tp_coll(&self, kind: CollectiveKind, target: Target, payload: f64) -> Option<Instr> {
+        (self.tp > 1).then(|| collective(kind, "tp", Axis::Tp, self.tp, target, payload))
     }
 
     /// Communication of a column-parallel op's input: (forward before the op,
     /// backward before, backward after).
     fn column(&self, x: TensorId, attn_part: bool, c: &mut OpComm) {
         let full = self.full_bytes(x);
-        let name = self.tensor_name(x);
-        let grad = format!("grad:{name}");
+        let name = Target::activation(self.tensor_name(x));
+        let grad = Target::ActivationGrad {
+            tensor: self.tensor_name(x),
+        };
         if self.dp_attention {
             // Attention runs data-parallel; the MLP half gathers the tokens first.
             if !attn_part {
@@ -428,7 +421,7 @@ impl Layout<'_> {
     /// Communication of a row-parallel op's (partial) output.
     fn row(&self, y: TensorId, attn_part: bool, c: &mut OpComm) {
         let full = self.full_bytes(y);
-        let name = self.tensor_name(y);
+        let name = Target::activation(self.tensor_name(y));
         if self.dp_attention {
             if !attn_part {
                 c.post
@@ -436,9 +429,12 @@ impl Layout<'_> {
             }
         } else if self.sp {
             c.post
-                .extend(self.tp_coll(CollectiveKind::ReduceScatter, name.clone(), full));
+                .extend(self.tp_coll(CollectiveKind::ReduceScatter, name, full));
+            let grad = Target::ActivationGrad {
+                tensor: self.tensor_name(y),
+            };
             c.bpre
-                .extend(self.tp_coll(CollectiveKind::AllGather, format!("grad:{name}"), full));
+                .extend(self.tp_coll(CollectiveKind::AllGather, grad, full));
         } else {
             c.post
                 .extend(self.tp_coll(CollectiveKind::AllReduce, name, full));
@@ -560,12 +556,12 @@ impl Layout<'_> {
                                 let name = self.tensor_name(logits);
                                 c.pre.extend(self.tp_coll(
                                     CollectiveKind::AllGather,
-                                    name.clone(),
+                                    Target::activation(name.clone()),
                                     full,
                                 ));
                                 c.bpost.extend(self.tp_coll(
                                     CollectiveKind::ReduceScatter,
-                                    format!("grad:{name}"),
+                                    Target::ActivationGrad { tensor: name },
                                     full,
                                 ));
                             }
@@ -585,7 +581,7 @@ impl Layout<'_> {
                         });
                         c.post.extend(self.tp_coll(
                             CollectiveKind::AllGather,
-                            self.tensor_name(logits),
+                            Target::activation(self.tensor_name(logits)),
                             last,
                         ));
                     }
@@ -594,10 +590,13 @@ impl Layout<'_> {
                     // Max, sum of exponentials and the target logit, one float per
                     // token each: the loss runs in three phases around these.
                     let tokens = self.env.batch * self.env.seq / self.cp as f64;
-                    for what in ["max", "sum_exp", "target"] {
+                    for stat in [LossStat::Max, LossStat::SumExp, LossStat::Target] {
                         c.post.extend(self.tp_coll(
                             CollectiveKind::AllReduce,
-                            format!("{}.{what}", op.name),
+                            Target::LossStat {
+                                op: op.name.clone(),
+                                stat,
+                            },
                             tokens * 4.0,
                         ));
                     }
@@ -613,20 +612,23 @@ impl Layout<'_> {
                     let group = (self.env.kv <= self.env.seq)
                         .then(|| self.env.seq / self.cp as f64 / tp_split);
                     let bytes = e.dispatched_rows(tokens, group) * e.hidden as f64 * bpe;
-                    let a2a = |what: &str| {
+                    let a2a = |exchange| {
                         collective(
                             CollectiveKind::AllToAll,
                             "ep",
                             Axis::Ep,
                             self.ep,
-                            format!("{}.{what}", op.name),
+                            Target::Experts {
+                                op: op.name.clone(),
+                                exchange,
+                            },
                             bytes,
                         )
                     };
-                    c.pre.push(a2a("dispatch"));
-                    c.post.push(a2a("combine"));
-                    c.bpre.push(a2a("grad:combine"));
-                    c.bpost.push(a2a("grad:dispatch"));
+                    c.pre.push(a2a(Exchange::Dispatch));
+                    c.post.push(a2a(Exchange::Combine));
+                    c.bpre.push(a2a(Exchange::GradCombine));
+                    c.bpost.push(a2a(Exchange::GradDispatch));
                 }
             }
             if matches!(op.kind, OpKind::Attention(_)) && self.cp > 1 && self.pg.heads > 0 {
@@ -706,34 +708,39 @@ impl Layout<'_> {
             let mut f_pre = Vec::new();
             let mut b_pre = Vec::new();
             let mut b_post = Vec::new();
-            for (params, group, n, what) in [
-                (dense, "dp", self.dense_dp, "dense"),
-                (experts, "edp", self.expert_dp, "experts"),
+            for (params, group, n, set) in [
+                (dense, "dp", self.dense_dp, ParamSet::Dense),
+                (experts, "edp", self.expert_dp, ParamSet::Experts),
             ] {
                 if n <= 1 || params <= 0.0 {
                     continue;
                 }
                 let g = params * bpe;
-                let name = format!("params:{}.{what}", seg.name);
+                let segment = seg.name.clone();
                 let gather = || {
                     collective(
                         CollectiveKind::AllGather,
                         group,
                         Axis::Dp,
                         n,
-                        name.clone(),
+                        Target::SegmentParams {
+                            segment: segment.clone(),
+                            set,
+                        },
                         g,
                     )
                 };
                 f_pre.push(gather());
                 b_pre.push(gather());
-                if seq_partial_here && what == "dense" {
+                if seq_partial_here && set == ParamSet::Dense {
                     b_post.push(collective(
                         CollectiveKind::AllReduce,
                         "tp",
                         Axis::Tp,
                         self.tp,
-                        format!("grads:{}.seq_partial", seg.name),
+                        Target::SegmentSeqPartialGrads {
+                            segment: segment.clone(),
+                        },
                         seq_partial * bpe,
                     ));
                 }
@@ -742,7 +749,7 @@ impl Layout<'_> {
                     group,
                     Axis::Dp,
                     n,
-                    format!("grads:{}.{what}", seg.name),
+                    Target::SegmentGrads { segment, set },
                     g,
                 ));
             }
@@ -1233,9 +1240,9 @@ fn build_phase(
                 }
             };
             let gather = |payload: Payload| {
-                let tensor = match payload {
-                    Payload::Activation => "hidden_states",
-                    Payload::Gradient => "grad:hidden_states",
+                let target = match payload {
+                    Payload::Activation => Target::HiddenStates,
+                    Payload::Gradient => Target::HiddenStatesGrad,
                 };
                 (spec.p2p_gather_tp && tp > 1).then(|| {
                     collective(
@@ -1243,7 +1250,7 @@ fn build_phase(
                         "tp",
                         Axis::Tp,
                         tp,
-                        tensor.to_string(),
+                        target,
                         spec.p2p_bytes * tp as f64,
                     )
                 })
@@ -1305,7 +1312,7 @@ fn build_phase(
                         "embed",
                         Axis::Pp,
                         2,
-                        "grads:tied".into(),
+                        Target::TiedGrads,
                         tied * layout.bpe,
                     ),
                 );
@@ -1319,7 +1326,7 @@ fn build_phase(
                         "tp",
                         Axis::Tp,
                         layout.tp,
-                        "grads:seq_partial".into(),
+                        Target::SeqPartialGrads,
                         seq_partial * layout.bpe,
                     ),
                 );
@@ -1337,13 +1344,13 @@ fn optimizer_step(layout: &Layout<'_>, dense: f64, experts: f64, bucket_params: 
     let zero = layout.zero;
     let bpe = layout.bpe;
     let groups = [
-        (dense, "dp", layout.dense_dp, "dense"),
-        (experts, "edp", layout.expert_dp, "experts"),
+        (dense, "dp", layout.dense_dp, ParamSet::Dense),
+        (experts, "edp", layout.expert_dp, ParamSet::Experts),
     ];
     let mut reduce = Vec::new();
     let mut gather = Vec::new();
     let mut update = Vec::new();
-    for (params, group, n, what) in groups {
+    for (params, group, n, set) in groups {
         if params <= 0.0 {
             continue;
         }
@@ -1355,11 +1362,7 @@ fn optimizer_step(layout: &Layout<'_>, dense: f64, experts: f64, bucket_params: 
             let mut start = 0u64;
             while start < total {
                 let end = (start + size).min(total);
-                let range = if start == 0 && end == total {
-                    String::new()
-                } else {
-                    format!("[{start}..{end}]")
-                };
+                let range = (start > 0 || end < total).then_some((start, end));
                 let g = (end - start) as f64 * bpe;
                 if zero == 0 {
                     reduce.push(collective(
@@ -1367,7 +1370,7 @@ fn optimizer_step(layout: &Layout<'_>, dense: f64, experts: f64, bucket_params: 
                         group,
                         Axis::Dp,
                         n,
-                        format!("grads:{what}{range}"),
+                        Target::GradBucket { set, range },
                         g,
                     ));
                 } else {
@@ -1376,7 +1379,7 @@ fn optimizer_step(layout: &Layout<'_>, dense: f64, experts: f64, bucket_params: 
                         group,
                         Axis::Dp,
                         n,
-                        format!("grads:{what}{range}"),
+                        Target::GradBucket { set, range },
                         g,
                     ));
                     gather.push(collective(
@@ -1384,7 +1387,7 @@ fn optimizer_step(layout: &Layout<'_>, dense: f64, experts: f64, bucket_params: 
                         group,
                         Axis::Dp,
                         n,
-                        format!("params:{what}{range}"),
+                        Target::ParamBucket { set, range },
                         g,
                     ));
                 }
@@ -1394,7 +1397,7 @@ fn optimizer_step(layout: &Layout<'_>, dense: f64, experts: f64, bucket_params: 
         let share = if zero >= 1 { n.max(1) as f64 } else { 1.0 };
         update.push(Instr::Optimizer {
             name: "adamw".into(),
-            params: what.into(),
+            params: set,
             elements: params / share,
         });
     }

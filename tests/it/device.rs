@@ -92,7 +92,18 @@ fn device_interpreter_reproduces_the_general_one_bit_for_bit() {
     let buckets = p.programs[0].phases[0]
         .step
         .iter()
-        .filter(|i| matches!(i, meshplan_ir::plan::Instr::Collective { tensor, .. } if tensor.starts_with("grads:dense[")))
+        .filter(|i| {
+            matches!(
+                i,
+                meshplan_ir::plan::Instr::Collective {
+                    target: meshplan_ir::plan::Target::GradBucket {
+                        set: meshplan_ir::plan::ParamSet::Dense,
+                        range: Some(_)
+                    },
+                    ..
+                }
+            )
+        })
         .count();
     assert!(buckets > 5, "{buckets} buckets");
     check(&gpt2, "dp=2 in 10k-parameter buckets", p);

@@ -180,7 +180,18 @@ fn dense_dp2_gradient_buckets() {
         let buckets = p.programs[0].phases[0]
             .step
             .iter()
-            .filter(|i| matches!(i, meshplan_ir::plan::Instr::Collective { tensor, .. } if tensor.starts_with("grads:dense[")))
+            .filter(|i| {
+                matches!(
+                    i,
+                    meshplan_ir::plan::Instr::Collective {
+                        target: meshplan_ir::plan::Target::GradBucket {
+                            set: meshplan_ir::plan::ParamSet::Dense,
+                            range: Some(_)
+                        },
+                        ..
+                    }
+                )
+            })
             .count();
         assert!(buckets > 5, "{cfg}: {buckets} buckets");
         check_plan(&m, &format!("{cfg},buckets=10000"), p);

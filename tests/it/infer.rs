@@ -1025,7 +1025,7 @@ fn the_plans_workload_sends_the_plans_bytes() {
                 meshplan_ir::plan::Instr::Segment { body, .. } => body.clone(),
                 other => vec![other.clone()],
             })
-            .filter(|i| matches!(i, meshplan_ir::plan::Instr::Collective { kind: meshplan_ir::plan::CollectiveKind::AllGather, tensor, .. } if tensor == "head.lm.out"))
+            .filter(|i| matches!(i, meshplan_ir::plan::Instr::Collective { kind: meshplan_ir::plan::CollectiveKind::AllGather, target: meshplan_ir::plan::Target::Activation { tensor }, .. } if tensor == "head.lm.out"))
             .count();
         assert_eq!(gathers, 1, "{cfg}: the decode head gathers the logits once");
         let opts = InferOptions {

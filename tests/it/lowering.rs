@@ -259,7 +259,15 @@ fn tiny_models_on_the_cpu_mesh_match_on_every_axis() {
             l.plan.programs[stage].phases[0]
                 .step
                 .iter()
-                .filter(|i| matches!(i, Instr::Collective { tensor, .. } if tensor == "grads:tied"))
+                .filter(|i| {
+                    matches!(
+                        i,
+                        Instr::Collective {
+                            target: meshplan_ir::plan::Target::TiedGrads,
+                            ..
+                        }
+                    )
+                })
                 .count()
         };
         let last = l.cfg.pp as usize - 1;
@@ -309,8 +317,9 @@ fn context_parallel_ring_bytes_per_layer() {
 }
 
 fn is_boundary_gather(i: &Instr) -> bool {
-    matches!(i, Instr::Collective { axis: Axis::Tp, kind: CollectiveKind::AllGather, tensor, .. }
-        if tensor == "hidden_states" || tensor == "grad:hidden_states")
+    use meshplan_ir::plan::Target;
+    matches!(i, Instr::Collective { axis: Axis::Tp, kind: CollectiveKind::AllGather, target, .. }
+        if matches!(target, Target::HiddenStates | Target::HiddenStatesGrad))
 }
 
 fn boundary_gather_bytes(l: &Lowered, stage: usize) -> f64 {
@@ -442,21 +451,22 @@ fn megatron_block_has_two_tp_all_reduces_in_forward() {
         })
         .expect("a block segment in the forward list");
     assert_eq!(block.1, 2, "the block appears once with its repeat count");
-    let tp_collectives: Vec<(CollectiveKind, &str)> = block
+    let tp_collectives: Vec<(CollectiveKind, &meshplan_ir::plan::Target)> = block
         .0
         .iter()
         .filter_map(|i| match i {
             Instr::Collective {
-                kind, axis, tensor, ..
-            } if *axis == Axis::Tp => Some((*kind, tensor.as_str())),
+                kind, axis, target, ..
+            } if *axis == Axis::Tp => Some((*kind, target)),
             _ => None,
         })
         .collect();
+    let act = meshplan_ir::plan::Target::activation;
     assert_eq!(
         tp_collectives,
         [
-            (CollectiveKind::AllReduce, "block.attn.proj.out"),
-            (CollectiveKind::AllReduce, "block.mlp.down.out"),
+            (CollectiveKind::AllReduce, &act("block.attn.proj.out")),
+            (CollectiveKind::AllReduce, &act("block.mlp.down.out")),
         ]
     );
     // Each is a `[1, 2048, 8192]` bf16 activation: 32 MiB, 2 (tp-1)/tp of it sent.

@@ -532,7 +532,7 @@ fn decode_context_parallelism_by_hand() {
         size: 2,
         per_node: 2,
     };
-    use meshplan_cost_model::Collective::{AllGather, ReduceScatter};
+    use meshplan_ir::plan::CollectiveKind::{AllGather, ReduceScatter};
     let per_layer =
         comm.time_s(AllGather, group, 2_359_296.0) + comm.time_s(ReduceScatter, group, 2_367_488.0);
     close("added", d.added_s, 61.0 * per_layer, 1e-12);

@@ -20,7 +20,7 @@ use crate::train::{
     segment_input, segment_output, ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER,
 };
 use meshplan_ir::graph::OpKind;
-use meshplan_ir::plan::{CollectiveKind, Instr, Pass, Plan, PlanKind, Program};
+use meshplan_ir::plan::{CollectiveKind, Instr, ParamSet, Pass, Plan, PlanKind, Program, Target};
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, Workload};
 use meshplan_kernels::cpu::{AttnDims, Transpose};
 use std::collections::{BTreeMap, HashMap};
@@ -1370,10 +1370,11 @@ impl<'a, D: Device> DevRank<'a, D> {
                     kind,
                     group,
                     axis,
-                    tensor,
+                    target,
                     ..
                 } => {
-                    let (set, (a, b)) = bucket_range(tensor, total)?;
+                    let tensor = target.to_string();
+                    let (set, (a, b)) = bucket_range(target, total)?;
                     let g = self.groups.get(group).cloned().ok_or_else(|| {
                         fail(format!("group `{group}` is not in the plan's mesh"))
                     })?;
@@ -1412,9 +1413,10 @@ impl<'a, D: Device> DevRank<'a, D> {
                         }
                     }
                 }
-                Instr::Optimizer { params, .. } if params == "dense" => {
-                    self.step_plan.push(StepItem::Optimizer)
-                }
+                Instr::Optimizer {
+                    params: ParamSet::Dense,
+                    ..
+                } => self.step_plan.push(StepItem::Optimizer),
                 other => return Err(fail(format!("unexpected step instruction {other:?}"))),
             }
         }
@@ -1766,28 +1768,29 @@ fn stat<D: Device>(t: &Task<D>, l: u64, name: String) -> Result<&D::F32, RankErr
         .ok_or_else(|| fail(format!("`{name}` (layer {l}) was not kept")))
 }
 
-/// `grads:dense[a..b]` as `("grads", (a, b))` (or `params:`), the whole set
-/// without a range, within `total`.
-fn bucket_range(tensor: &str, total: usize) -> Result<(&'static str, (usize, usize)), RankError> {
-    let bad = || fail(format!("the device interpreter does not reduce `{tensor}`"));
-    let (set, rest) = if let Some(rest) = tensor.strip_prefix("grads:dense") {
-        ("grads", rest)
-    } else if let Some(rest) = tensor.strip_prefix("params:dense") {
-        ("params", rest)
-    } else {
-        return Err(bad());
+/// A dense gradient bucket as `("grads", (a, b))` (a parameter bucket as
+/// `"params"`), the whole set without a range, within `total`.
+fn bucket_range(
+    target: &Target,
+    total: usize,
+) -> Result<(&'static str, (usize, usize)), RankError> {
+    let (kind, range) = match target {
+        Target::GradBucket {
+            set: ParamSet::Dense,
+            range,
+        } => ("grads", range),
+        Target::ParamBucket {
+            set: ParamSet::Dense,
+            range,
+        } => ("params", range),
+        _ => {
+            return Err(fail(format!(
+                "the device interpreter does not reduce `{target}`"
+            )))
+        }
     };
-    let (a, b) = if rest.is_empty() {
-        (0, total)
-    } else {
-        let (a, b) = rest
-            .strip_prefix('[')
-            .and_then(|r| r.strip_suffix(']'))
-            .and_then(|r| r.split_once(".."))
-            .ok_or_else(bad)?;
-        let parse = |x: &str| x.parse::<usize>().map_err(|_| bad());
-        (parse(a)?, parse(b)?)
-    };
+    let set = kind;
+    let (a, b) = range.map_or((0, total), |(a, b)| (a as usize, b as usize));
     if a > b || b > total {
         return Err(fail(format!(
             "bucket {a}..{b} does not fit {total} parameters"
