@@ -6,6 +6,7 @@ use meshplan_cost_model::estimate::gib;
 use meshplan_cost_model::{parse_cluster_yaml, PreparedGraph};
 use meshplan_executor::ckpt::{Checkpoint, SaveOptions};
 use meshplan_executor::data::{DataSource, Sampler, TokenFile};
+use meshplan_executor::engine::{Engine, EngineError};
 use meshplan_executor::train::{byte_mismatches, check_against, train, TrainOptions, TrainReport};
 use meshplan_ir::plan::{Plan, PlanKind};
 use meshplan_ir::{ParallelConfig, PartialConfig};
@@ -99,50 +100,18 @@ pub(crate) fn reference_plan(plan: &Plan) -> Result<Plan, String> {
     )
 }
 
-/// Where a training plan runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Engine {
-    /// The general interpreter on the CPU kernels, fp32.
-    Cpu,
-    /// The device interpreter on the CPU kernels with a GPU's bf16 rounding.
-    CpuBf16,
-    /// The device interpreter on the GPU.
-    Cuda,
-    /// The general interpreter with its kernels on the GPU, through host buffers
-    /// (plans the device interpreter does not take).
-    CudaStaged,
-}
-
-/// `--backend`, checked before the plan is read: `cuda` needs a build with the
-/// feature, a driver, NVRTC, cuBLASLt and a device, and says which is missing.
+/// The engine `--backend` names, as the binary's exit codes say: an unknown name
+/// is bad input (2), a missing GPU a runtime failure (1).
 fn engine(backend: &str) -> Result<Engine, Failure> {
-    match backend {
-        "cpu" => Ok(Engine::Cpu),
-        "cpu-bf16" => Ok(Engine::CpuBf16),
-        "cuda" => match meshplan_executor::kernels::cuda::probe() {
-            Ok(device) => {
-                tracing::info!("--backend cuda: {device}");
-                Ok(Engine::Cuda)
-            }
-            Err(why) => Err(runtime(format!("--backend cuda: {why}"))),
-        },
-        other => Err(bad(format!(
-            "--backend {other}: expected cpu, cpu-bf16 or cuda"
-        ))),
-    }
+    Engine::parse(backend).map_err(failure)
 }
 
-/// Trains on the chosen engine.
-fn train_on(plan: &Plan, opts: &TrainOptions, engine: Engine) -> Result<TrainReport, String> {
-    use meshplan_executor::device::train::train_device;
-    match engine {
-        Engine::Cpu => train(plan, opts).map_err(|e| e.message),
-        Engine::CpuBf16 => train_device(plan, opts, &|_| {
-            Ok(meshplan_executor::device::emulate::Bf16Host)
-        })
-        .map_err(|e| e.message),
-        Engine::Cuda => train_cuda(plan, opts),
-        Engine::CudaStaged => train_staged(plan, opts),
+fn failure(e: EngineError) -> Failure {
+    match e {
+        EngineError::UnknownBackend(_) => bad(e.to_string()),
+        EngineError::NoGpu(_) | EngineError::Unsupported(_) | EngineError::Failed(_) => {
+            runtime(e.to_string())
+        }
     }
 }
 
@@ -155,7 +124,7 @@ fn launched_cuda(
     a: &RunArgs<'_>,
     env: &meshplan_executor::launch::LaunchEnv,
 ) -> Result<(), Failure> {
-    engine(a.backend)?;
+    let engine = engine(a.backend)?;
     let file = a.plan.display().to_string();
     let (plan, bytes) = crate::export::read_plan_bytes(a.plan)?;
     if plan.kind != PlanKind::Train || plan.ranks.len() != env.world_size {
@@ -173,11 +142,6 @@ fn launched_cuda(
         )));
     }
     let (opts, start) = training_options(a, &plan)?;
-    meshplan_executor::device::train::supported(&plan).map_err(|why| {
-        runtime(format!(
-            "{file}: --backend cuda runs plans of data parallelism on one pipeline stage, and this one is not: {why}"
-        ))
-    })?;
     let cfg = meshplan_executor::launch::RendezvousConfig {
         master_addr: env.master_addr.clone(),
         master_port: env.master_port,
@@ -186,18 +150,15 @@ fn launched_cuda(
         plan_hash: meshplan_executor::launch::rendezvous::fnv1a64(&bytes),
         timeout: std::time::Duration::from_secs(120),
     };
-    let report = train_cuda_rank(&plan, &opts, env, &cfg).map_err(runtime)?;
+    let report = meshplan_executor::engine::train_launched_rank(&plan, &opts, env, &cfg)
+        .map_err(|e| runtime(format!("{file}: {e}")))?;
     if env.rank != 0 {
         return Ok(());
     }
     let bytes_off = byte_mismatches(&plan, &report, a.steps - start);
     let check = if a.check {
         Some(check_with_reference(
-            &plan,
-            &report,
-            &opts,
-            Engine::Cuda,
-            a.steps,
+            &plan, &report, &opts, engine, a.steps,
         )?)
     } else {
         None
@@ -213,122 +174,6 @@ fn launched_cuda(
         )));
     }
     Ok(())
-}
-
-#[cfg(feature = "cuda")]
-fn train_cuda_rank(
-    plan: &Plan,
-    opts: &TrainOptions,
-    env: &meshplan_executor::launch::LaunchEnv,
-    cfg: &meshplan_executor::launch::RendezvousConfig,
-) -> Result<TrainReport, String> {
-    use meshplan_executor::comm::nccl::NcclComm;
-    use meshplan_executor::device::cuda::CudaDevice;
-    let mut rv = meshplan_executor::launch::Rendezvous::connect(cfg).map_err(|e| e.to_string())?;
-    let comm = NcclComm::from_launch(env, &mut rv).map_err(|e| e.to_string())?;
-    let dev = CudaDevice::on(env.local_rank).map_err(|e| e.to_string())?;
-    let rep = meshplan_executor::device::train::train_device_rank(plan, opts, dev, Box::new(comm))
-        .map_err(|e| e.message)?;
-    // Every rank's loss parts and step times, exactly (f64 bits), to rank 0.
-    let mine: Vec<u8> = rep
-        .loss_parts
-        .iter()
-        .chain(&rep.step_s)
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
-    let all = rv.all_gather_bytes(&mine).map_err(|e| e.to_string())?;
-    let steps = rep.loss_parts.len();
-    let mut losses = vec![0.0; steps];
-    let mut step_s = vec![0.0f64; steps];
-    for blob in &all {
-        let vals: Vec<f64> = blob
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-            .collect();
-        if vals.len() != 2 * steps {
-            return Err(format!(
-                "a rank reported {} values, expected {}",
-                vals.len(),
-                2 * steps
-            ));
-        }
-        for s in 0..steps {
-            losses[s] += vals[s];
-            step_s[s] = step_s[s].max(vals[steps + s]);
-        }
-    }
-    let tokens_per_step = match plan.workload {
-        meshplan_ir::Workload::Train {
-            seq_len,
-            global_batch,
-            ..
-        } => seq_len * global_batch,
-        _ => 0,
-    };
-    Ok(TrainReport {
-        losses,
-        step_s,
-        tokens_per_step,
-        ranks: vec![rep],
-        saved: Vec::new(),
-        lr: f64::from(opts.lr),
-    })
-}
-
-#[cfg(not(feature = "cuda"))]
-fn train_cuda_rank(
-    _: &Plan,
-    _: &TrainOptions,
-    _: &meshplan_executor::launch::LaunchEnv,
-    _: &meshplan_executor::launch::RendezvousConfig,
-) -> Result<TrainReport, String> {
-    // `engine` refuses cuda in a build without the feature.
-    Err("this binary was built without the cuda feature".into())
-}
-
-/// The ranks as threads of this process: with as many GPUs as ranks, one GPU and one
-/// NCCL communicator each (`ncclCommInitAll`); otherwise rank `r` on GPU `r mod
-/// GPUs`, summing through the host with the in-process communicator.
-#[cfg(feature = "cuda")]
-fn train_cuda(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, String> {
-    use meshplan_executor::comm::nccl::{nccl_available, NcclComm};
-    use meshplan_executor::comm::Communicator;
-    use meshplan_executor::device::cuda::CudaDevice;
-    use meshplan_executor::device::train::{train_device, train_device_with};
-    let gpus = meshplan_executor::kernels::cuda::probe()
-        .map_err(|e| e.to_string())?
-        .device_count
-        .max(1);
-    let ranks = plan.ranks.len();
-    if ranks > 1 && ranks == gpus && nccl_available().is_ok() {
-        tracing::info!("{ranks} ranks on {gpus} GPUs, NCCL between them");
-        let devices: Vec<usize> = (0..gpus).collect();
-        let comms: Vec<Box<dyn Communicator>> = NcclComm::in_process(&devices)
-            .map_err(|e| e.to_string())?
-            .into_iter()
-            .map(|c| Box::new(c) as Box<dyn Communicator>)
-            .collect();
-        return train_device_with(plan, opts, &CudaDevice::on, comms).map_err(|e| e.message);
-    }
-    train_device(plan, opts, &|r| CudaDevice::on(r % gpus)).map_err(|e| e.message)
-}
-
-#[cfg(feature = "cuda")]
-fn train_staged(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, String> {
-    let backend = meshplan_executor::backend_cuda::CudaBackend::new().map_err(|e| e.to_string())?;
-    meshplan_executor::train::train_on(plan, opts, &backend).map_err(|e| e.message)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn train_staged(_: &Plan, _: &TrainOptions) -> Result<TrainReport, String> {
-    // `engine` refuses cuda in a build without the feature.
-    Err("this binary was built without the cuda feature".into())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn train_cuda(_: &Plan, _: &TrainOptions) -> Result<TrainReport, String> {
-    // `engine` refuses cuda in a build without the feature.
-    Err("this binary was built without the cuda feature".into())
 }
 
 /// `meshplan run`.
@@ -395,28 +240,19 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             .map_err(|m| bad(format!("{file}: {m}")))?;
     }
     let (opts, start) = training_options(a, &plan)?;
-    let engine = match (engine, meshplan_executor::device::train::supported(&plan)) {
-        (Engine::Cpu, _) | (_, Ok(())) => engine,
-        (Engine::Cuda, Err(why)) => {
-            tracing::warn!(
-                "{file}: the device interpreter does not take this plan ({why}); running the general interpreter on the GPU through host staging (two PCIe copies per kernel: correct, not fast)"
-            );
-            Engine::CudaStaged
-        }
-        (_, Err(why)) => {
-            return Err(runtime(format!(
-                "{file}: --backend {} runs plans of data parallelism on one pipeline stage (the device interpreter), and this one is not: {why}. Run it with --backend cpu",
-                a.backend
-            )))
-        }
-    };
+    let (engine, staged) = engine
+        .for_plan(&plan)
+        .map_err(|e| runtime(format!("{file}: {e}")))?;
+    if let Some(why) = staged {
+        tracing::warn!("{file}: {why}");
+    }
     // Ranks are threads of this process holding fp32 weights, gradients and Adam
     // state: refuse what cannot fit rather than exhausting the machine.
     let s = &plan.strategy;
     let replicas = (plan.ranks.len() as f64 / (s.tp * s.pp).max(1) as f64).max(1.0);
     let host_bytes = 16.0 * plan.model.params * replicas;
     const HOST_BUDGET: f64 = 16.0 * (1u64 << 30) as f64;
-    if engine != Engine::Cuda && (host_bytes > HOST_BUDGET || plan.ranks.len() > 256) {
+    if engine.on_host() && (host_bytes > HOST_BUDGET || plan.ranks.len() > 256) {
         return Err(runtime(format!(
             "{file}: the CPU backend runs every rank as a thread of this process; {} ranks holding {:.1} GiB of fp32 weights, gradients and Adam state exceed its {:.0} GiB budget (use a small model, e.g. models/tiny-gpt.yaml on topologies/cpu-test-mesh.yaml)",
             plan.ranks.len(),
@@ -441,12 +277,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         "training {steps} of {} on {} ranks ({})",
         plan.model.name,
         plan.ranks.len(),
-        match engine {
-            Engine::Cpu => "CPU threads, fp32",
-            Engine::CpuBf16 => "CPU threads, bf16 rounding",
-            Engine::Cuda => "threads on the GPUs, bf16 compute",
-            Engine::CudaStaged => "CPU threads, kernels on the GPU through host staging",
-        }
+        engine.describe()
     );
     let bar = crate::log::bar(a.steps - start, format!("training {}", plan.model.name));
     let shown = bar.clone();
@@ -456,7 +287,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         ))),
         ..opts
     };
-    let report = train_on(&plan, &opts, engine).map_err(runtime);
+    let report = engine.train(&plan, &opts).map_err(failure);
     bar.finish_and_clear();
     let report = report?;
     tracing::debug!("losses {:?}", report.losses);
@@ -597,7 +428,7 @@ fn check_with_reference(
     Ok(match engine {
         Engine::Cpu => check_against(plan, report, &base, 1e-5),
         // Mixed precision against the fp32 reference: bf16 tolerances.
-        Engine::CpuBf16 | Engine::Cuda | Engine::CudaStaged => {
+        Engine::CpuBf16 | Engine::Cuda(_) | Engine::CudaStaged(_) => {
             use meshplan_executor::device as dv;
             dv::check_mixed_precision(
                 plan,

@@ -33,6 +33,7 @@ pub mod comm;
 pub mod data;
 pub mod device;
 pub mod disagg;
+pub mod engine;
 pub mod infer;
 pub mod init;
 pub mod launch;

@@ -1,0 +1,295 @@
+//! Where a training plan runs, chosen once: the binary names a backend and gets an
+//! [`Engine`], and [`Engine::train`] wires the devices, the communicators (NCCL
+//! between GPUs, threads otherwise) and the interpreter. The GPU lives behind one
+//! type, [`Gpu`]: with the `cuda` feature it is the probed device count; without it
+//! it has no values, so an engine on the GPU cannot be built and every arm that
+//! would use one compiles without a stub.
+
+use crate::device::train::{supported, train_device};
+use crate::launch::{LaunchEnv, RendezvousConfig};
+use crate::train::{TrainOptions, TrainReport};
+use meshplan_ir::plan::Plan;
+
+/// Where a training plan runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// The general interpreter on the CPU kernels, fp32.
+    Cpu,
+    /// The device interpreter on the CPU kernels with a GPU's bf16 rounding.
+    CpuBf16,
+    /// The device interpreter on the GPUs.
+    Cuda(Gpu),
+    /// The general interpreter with its kernels on the GPU, through host buffers
+    /// (plans the device interpreter does not take).
+    CudaStaged(Gpu),
+}
+
+/// Why an engine cannot be had or cannot run a plan.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// The backend's name is not one of ours (bad input).
+    #[error("--backend {0}: expected cpu, cpu-bf16 or cuda")]
+    UnknownBackend(String),
+    /// No GPU, driver or library, or a build without the feature.
+    #[error("--backend cuda: {0}")]
+    NoGpu(String),
+    /// The engine does not run this plan.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The run failed.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl Engine {
+    /// The engine `--backend` names: `cuda` needs a build with the feature, a
+    /// driver, NVRTC, cuBLASLt and a device, and says which is missing.
+    pub fn parse(backend: &str) -> Result<Engine, EngineError> {
+        match backend {
+            "cpu" => Ok(Engine::Cpu),
+            "cpu-bf16" => Ok(Engine::CpuBf16),
+            "cuda" => Gpu::probe().map(Engine::Cuda),
+            other => Err(EngineError::UnknownBackend(other.to_string())),
+        }
+    }
+
+    /// The engine for `plan`: the device interpreter takes dense data-parallel plans
+    /// on one stage; on the GPU the others run staged through the host (the second
+    /// value says so), on `cpu-bf16` they are refused.
+    pub fn for_plan(self, plan: &Plan) -> Result<(Engine, Option<String>), EngineError> {
+        match (self, supported(plan)) {
+            (Engine::Cpu, _) | (_, Ok(())) => Ok((self, None)),
+            (Engine::Cuda(g) | Engine::CudaStaged(g), Err(why)) => Ok((
+                Engine::CudaStaged(g),
+                Some(format!(
+                    "the device interpreter does not take this plan ({why}); running the general interpreter on the GPU through host staging (two PCIe copies per kernel: correct, not fast)"
+                )),
+            )),
+            (Engine::CpuBf16, Err(why)) => Err(EngineError::Unsupported(format!(
+                "--backend cpu-bf16 runs plans of data parallelism on one pipeline stage (the device interpreter), and this one is not: {why}. Run it with --backend cpu"
+            ))),
+        }
+    }
+
+    /// Whether the ranks' state lives in this process's memory (every engine but
+    /// the device interpreter on the GPU).
+    pub fn on_host(self) -> bool {
+        !matches!(self, Engine::Cuda(_))
+    }
+
+    /// What the engine is, for logs.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Engine::Cpu => "CPU threads, fp32",
+            Engine::CpuBf16 => "CPU threads, bf16 rounding",
+            Engine::Cuda(_) => "threads on the GPUs, bf16 compute",
+            Engine::CudaStaged(_) => "CPU threads, kernels on the GPU through host staging",
+        }
+    }
+
+    /// Trains `plan`, every rank a thread of this process.
+    pub fn train(self, plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, EngineError> {
+        let failed = |e: crate::train::ExecError| EngineError::Failed(e.message);
+        match self {
+            Engine::Cpu => crate::train::train(plan, opts).map_err(failed),
+            Engine::CpuBf16 => {
+                train_device(plan, opts, &|_| Ok(crate::device::emulate::Bf16Host)).map_err(failed)
+            }
+            Engine::Cuda(g) => g.train(plan, opts),
+            Engine::CudaStaged(g) => g.train_staged(plan, opts),
+        }
+    }
+}
+
+/// Trains this process's rank of a launched plan (one process per GPU, NCCL
+/// between them, its id shared through the TCP rendezvous) and gathers every
+/// rank's loss parts and step times to all: the report's losses are the sums,
+/// its one rank this process's.
+pub fn train_launched_rank(
+    plan: &Plan,
+    opts: &TrainOptions,
+    env: &LaunchEnv,
+    cfg: &RendezvousConfig,
+) -> Result<TrainReport, EngineError> {
+    let gpu = Gpu::probe()?;
+    supported(plan).map_err(|why| {
+        EngineError::Unsupported(format!(
+            "--backend cuda runs plans of data parallelism on one pipeline stage, and this one is not: {why}"
+        ))
+    })?;
+    let mut rv =
+        crate::launch::Rendezvous::connect(cfg).map_err(|e| EngineError::Failed(e.to_string()))?;
+    let rep = gpu.train_rank(plan, opts, env, &mut rv)?;
+    // Every rank's loss parts and step times, exactly (f64 bits), to every rank.
+    let mine: Vec<u8> = rep
+        .loss_parts
+        .iter()
+        .chain(&rep.step_s)
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+    let all = rv
+        .all_gather_bytes(&mine)
+        .map_err(|e| EngineError::Failed(e.to_string()))?;
+    let steps = rep.loss_parts.len();
+    let mut losses = vec![0.0; steps];
+    let mut step_s = vec![0.0f64; steps];
+    for blob in &all {
+        let vals: Vec<f64> = blob
+            .chunks_exact(8)
+            .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+            .collect();
+        if vals.len() != 2 * steps {
+            return Err(EngineError::Failed(format!(
+                "a rank reported {} values, expected {}",
+                vals.len(),
+                2 * steps
+            )));
+        }
+        for s in 0..steps {
+            losses[s] += vals[s];
+            step_s[s] = step_s[s].max(vals[steps + s]);
+        }
+    }
+    let tokens_per_step = match plan.workload {
+        meshplan_ir::Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } => seq_len * global_batch,
+        _ => 0,
+    };
+    Ok(TrainReport {
+        losses,
+        step_s,
+        tokens_per_step,
+        ranks: vec![rep],
+        saved: Vec::new(),
+        lr: f64::from(opts.lr),
+    })
+}
+
+pub use gpu::Gpu;
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::EngineError;
+    use crate::comm::nccl::{nccl_available, NcclComm};
+    use crate::comm::Communicator;
+    use crate::device::cuda::CudaDevice;
+    use crate::device::train::{train_device, train_device_rank, train_device_with};
+    use crate::launch::{LaunchEnv, Rendezvous};
+    use crate::train::{RankReport, TrainOptions, TrainReport};
+    use meshplan_ir::plan::Plan;
+
+    /// The GPUs of this machine, probed.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Gpu {
+        devices: usize,
+    }
+
+    impl Gpu {
+        pub(super) fn probe() -> Result<Gpu, EngineError> {
+            let info = meshplan_kernels::cuda::probe()
+                .map_err(|why| EngineError::NoGpu(why.to_string()))?;
+            tracing::info!("--backend cuda: {info}");
+            Ok(Gpu {
+                devices: info.device_count.max(1),
+            })
+        }
+
+        /// The ranks as threads of this process: with as many GPUs as ranks, one
+        /// GPU and one NCCL communicator each (`ncclCommInitAll`); otherwise rank
+        /// `r` on GPU `r mod GPUs`, summing through the host with the in-process
+        /// communicator.
+        pub(super) fn train(
+            self,
+            plan: &Plan,
+            opts: &TrainOptions,
+        ) -> Result<TrainReport, EngineError> {
+            let failed = |e: crate::train::ExecError| EngineError::Failed(e.message);
+            let gpus = self.devices;
+            let ranks = plan.ranks.len();
+            if ranks > 1 && ranks == gpus && nccl_available().is_ok() {
+                tracing::info!("{ranks} ranks on {gpus} GPUs, NCCL between them");
+                let devices: Vec<usize> = (0..gpus).collect();
+                let comms: Vec<Box<dyn Communicator>> = NcclComm::in_process(&devices)
+                    .map_err(|e| EngineError::Failed(e.to_string()))?
+                    .into_iter()
+                    .map(|c| Box::new(c) as Box<dyn Communicator>)
+                    .collect();
+                return train_device_with(plan, opts, &CudaDevice::on, comms).map_err(failed);
+            }
+            train_device(plan, opts, &|r| CudaDevice::on(r % gpus)).map_err(failed)
+        }
+
+        pub(super) fn train_staged(
+            self,
+            plan: &Plan,
+            opts: &TrainOptions,
+        ) -> Result<TrainReport, EngineError> {
+            let backend = crate::backend_cuda::CudaBackend::new()
+                .map_err(|e| EngineError::Failed(e.to_string()))?;
+            crate::train::train_on(plan, opts, &backend).map_err(|e| EngineError::Failed(e.message))
+        }
+
+        pub(super) fn train_rank(
+            self,
+            plan: &Plan,
+            opts: &TrainOptions,
+            env: &LaunchEnv,
+            rv: &mut Rendezvous,
+        ) -> Result<RankReport, EngineError> {
+            let comm =
+                NcclComm::from_launch(env, rv).map_err(|e| EngineError::Failed(e.to_string()))?;
+            let dev =
+                CudaDevice::on(env.local_rank).map_err(|e| EngineError::Failed(e.to_string()))?;
+            train_device_rank(plan, opts, dev, Box::new(comm))
+                .map_err(|e| EngineError::Failed(e.message))
+        }
+    }
+}
+
+#[cfg(not(feature = "cuda"))]
+mod gpu {
+    use super::EngineError;
+    use crate::launch::{LaunchEnv, Rendezvous};
+    use crate::train::{RankReport, TrainOptions, TrainReport};
+    use meshplan_ir::plan::Plan;
+
+    /// No GPU in a build without the `cuda` feature: this type has no values, so
+    /// no engine on the GPU exists and its arms never run.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Gpu {}
+
+    impl Gpu {
+        pub(super) fn probe() -> Result<Gpu, EngineError> {
+            let why = meshplan_kernels::cuda::probe().err().map_or_else(
+                || "this build has no GPU support".to_string(),
+                |e| e.to_string(),
+            );
+            Err(EngineError::NoGpu(why))
+        }
+
+        pub(super) fn train(self, _: &Plan, _: &TrainOptions) -> Result<TrainReport, EngineError> {
+            match self {}
+        }
+
+        pub(super) fn train_staged(
+            self,
+            _: &Plan,
+            _: &TrainOptions,
+        ) -> Result<TrainReport, EngineError> {
+            match self {}
+        }
+
+        pub(super) fn train_rank(
+            self,
+            _: &Plan,
+            _: &TrainOptions,
+            _: &LaunchEnv,
+            _: &mut Rendezvous,
+        ) -> Result<RankReport, EngineError> {
+            match self {}
+        }
+    }
+}
