@@ -437,3 +437,61 @@ fn a_diverging_run_stops_naming_the_step_and_the_tensor() {
         err.message
     );
 }
+
+/// Every collective's target in `v` (a plan as JSON) rewritten to the string the
+/// plans before the typed protocol held; how many.
+fn to_legacy_targets(v: &mut serde_json::Value) -> usize {
+    match v {
+        serde_json::Value::Object(m) => {
+            let mut n = 0;
+            if m.get("op").and_then(|o| o.as_str()) == Some("collective") {
+                let t: meshplan_ir::plan::Target =
+                    serde_json::from_value(m["tensor"].clone()).expect("a typed target");
+                m.insert("tensor".into(), serde_json::Value::String(t.to_string()));
+                n += 1;
+            }
+            n + m.values_mut().map(to_legacy_targets).sum::<usize>()
+        }
+        serde_json::Value::Array(a) => a.iter_mut().map(to_legacy_targets).sum(),
+        _ => 0,
+    }
+}
+
+#[test]
+fn plans_written_before_the_typed_protocol_run_bit_for_bit() {
+    // Activation and gradient collectives (tp, sp), loss statistics (vocabulary
+    // parallel head), hidden states (pp), ZeRO-3 segment sets, buckets, tied
+    // gradients, expert exchanges.
+    for (m, cfg) in [
+        (model("tiny-gpt"), "dp=2,tp=2,sp=true,zero=1"),
+        (model("tiny-gpt"), "tp=2,pp=2,sp=true,mbs=1"),
+        (model("tiny-gpt"), "dp=2,zero=3"),
+        (model("tiny-moe"), "dp=2,ep=2"),
+    ] {
+        let p = plan(&m, cfg);
+        let mut v = serde_json::to_value(&p).expect("plan as JSON");
+        let rewritten = to_legacy_targets(&mut v);
+        assert!(rewritten > 0, "{cfg}: no collective");
+        let text = serde_json::to_string(&v).expect("serialises");
+        assert!(
+            !text.contains(r#""tensor":{"#),
+            "{cfg}: a typed target left"
+        );
+        let old = Plan::from_json(&text).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        assert_eq!(
+            old, p,
+            "{cfg}: the older strings read back as the same plan"
+        );
+        let opts = TrainOptions {
+            steps: 2,
+            ..TrainOptions::default()
+        };
+        let a = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        let b = train(&old, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        assert_eq!(
+            crate::exec_golden::fingerprint(&a),
+            crate::exec_golden::fingerprint(&b),
+            "{cfg}"
+        );
+    }
+}
