@@ -1,6 +1,8 @@
 //! Criterion benchmark of CPU training throughput of the executor: one AdamW step
 //! (forward, backward, gradient all-reduce, optimizer) of the whole global batch of
-//! `models/small-gpt.yaml` (6 layers, hidden 384, 8 sequences of 256 tokens) on
+//! `models/small-gpt.yaml` (Llama-style: 6 layers, hidden 384, 8 sequences of 256
+//! tokens) and of `models/small-gpt2.yaml` (the same shape with GPT-2's block:
+//! LayerNorm with biases, GELU, biased linears, learned positions, tied head) on
 //!
 //! - 1 thread: `dp=1,mbs=8`, one rank;
 //! - 2 threads as PyTorch uses them: `dp=1,mbs=8`, one rank whose kernels split
@@ -35,16 +37,17 @@ use std::time::Duration;
 static ALLOC: meshplan_executor::alloc::Allocator = meshplan_executor::alloc::ALLOCATOR;
 
 const ROOT: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
-const MODEL: &str = "small-gpt";
+/// The Llama-style and the GPT-2-style model.
+const MODELS: [&str; 2] = ["small-gpt", "small-gpt2"];
 
 /// Untimed steps at the start of every `train` call.
 const WARMUP_STEPS: u64 = 1;
 
-/// The training plan of `small-gpt` under `cfg` on a CPU mesh of exactly as many
+/// The training plan of `model` under `cfg` on a CPU mesh of exactly as many
 /// ranks as the configuration needs.
-fn plan(cfg: &str) -> Plan {
+fn plan(model: &str, cfg: &str) -> Plan {
     let spec = load_model(
-        Path::new(&format!("{ROOT}/models/{MODEL}.yaml")),
+        Path::new(&format!("{ROOT}/models/{model}.yaml")),
         &WorkloadOverrides::default(),
     )
     .expect("model loads");
@@ -82,7 +85,13 @@ fn median(xs: &mut [f64]) -> f64 {
 
 fn bench_train(c: &mut Criterion) {
     meshplan_executor::alloc::keep_freed_memory();
-    let mut group = c.benchmark_group("train_small_gpt");
+    for model in MODELS {
+        bench_model(c, model);
+    }
+}
+
+fn bench_model(c: &mut Criterion, model: &str) {
+    let mut group = c.benchmark_group(format!("train_{}", model.replace('-', "_")));
     // A step takes seconds: the minimum sample count, every sample one step (flat
     // sampling; linear sampling would run 1 + 2 + ... + 10 steps per sample set).
     group.sample_size(10);
@@ -91,7 +100,7 @@ fn bench_train(c: &mut Criterion) {
     group.measurement_time(Duration::from_secs(1));
     // (kernel threads per rank, configuration); ranks x kernel threads = threads.
     for (per_rank, cfg) in [(1, "dp=1,mbs=8"), (2, "dp=1,mbs=8"), (1, "dp=2,mbs=4")] {
-        let p = plan(cfg);
+        let p = plan(model, cfg);
         let threads = per_rank * p.ranks.len();
         let mut steps: Vec<f64> = Vec::new();
         let mut tokens_per_step = 0;
@@ -122,7 +131,7 @@ fn bench_train(c: &mut Criterion) {
         let min = steps[0]; // `median` sorted them
         let tps = |s: f64| tokens_per_step as f64 / s;
         eprintln!(
-            "meshplan small-gpt {threads} thread(s) ({cfg}, {per_rank} per rank): \
+            "meshplan {model} {threads} thread(s) ({cfg}, {per_rank} per rank): \
              {tokens_per_step} tokens/step, \
              median step {med:.3} s over {} steps, {:.1} tokens/s (fastest step {min:.3} s, \
              {:.1} tokens/s)",

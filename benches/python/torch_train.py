@@ -5,6 +5,9 @@ a Llama-style GPT of 6 layers, hidden 384, 6 heads (kv_heads = heads, so no
 key/value head repetition), SwiGLU FFN 1536, RMSNorm, RoPE (rotate-half,
 theta 10000), vocabulary 4096, untied head; one step = forward + backward +
 AdamW on 8 sequences of 256 tokens, the whole global batch, as the Rust bench.
+With --model small-gpt2, models/small-gpt2.yaml instead: the same shape with
+GPT-2's block (LayerNorm with biases, GELU with the tanh approximation, biased
+linears, a learned position table, the head tied to the embedding).
 
 For each thread count T in 1 and 2: torch.set_num_threads(T) (intra-op threads,
 the only parallelism the step has) with one inter-op thread, 2 warm-up steps,
@@ -16,6 +19,7 @@ benches/python/README.md):
 
     python benches/python/torch_train.py            # threads 1 and 2
     python benches/python/torch_train.py --threads 1 --steps 5
+    python benches/python/torch_train.py --model small-gpt2
 """
 
 import argparse
@@ -98,10 +102,52 @@ class SmallGPT(nn.Module):
         return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
 
 
-def bench(threads, warmup, steps):
+class Gpt2Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.head_dim = HIDDEN // HEADS
+        self.norm1 = nn.LayerNorm(HIDDEN, eps=EPS)
+        self.qkv = nn.Linear(HIDDEN, 3 * HIDDEN)  # fused Q|K|V, biased
+        self.proj = nn.Linear(HIDDEN, HIDDEN)
+        self.norm2 = nn.LayerNorm(HIDDEN, eps=EPS)
+        self.up = nn.Linear(HIDDEN, FFN)
+        self.down = nn.Linear(FFN, HIDDEN)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        qkv = self.qkv(self.norm1(x)).view(b, s, 3, HEADS, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, HIDDEN))
+        return x + self.down(F.gelu(self.up(self.norm2(x)), approximate="tanh"))
+
+
+class SmallGPT2(nn.Module):
+    """models/small-gpt2.yaml."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.positions = nn.Embedding(SEQ, HIDDEN)
+        self.blocks = nn.ModuleList(Gpt2Block() for _ in range(LAYERS))
+        self.norm = nn.LayerNorm(HIDDEN, eps=EPS)
+        self.register_buffer("pos", torch.arange(SEQ), persistent=False)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens) + self.positions(self.pos)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = F.linear(self.norm(x), self.embed.weight)  # tied head
+        return F.cross_entropy(logits.view(-1, VOCAB), targets.view(-1))
+
+
+MODELS = {"small-gpt": SmallGPT, "small-gpt2": SmallGPT2}
+
+
+def bench(threads, warmup, steps, model_name="small-gpt"):
     torch.set_num_threads(threads)
     torch.manual_seed(1234)
-    model = SmallGPT()
+    model = MODELS[model_name]()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
     inp, tgt = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -134,14 +180,15 @@ def main():
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--model", choices=sorted(MODELS), default="small-gpt")
     args = ap.parse_args()
     # Must be set before any inter-op work starts; only intra-op threads vary.
     torch.set_num_interop_threads(1)
-    results = [bench(t, args.warmup, args.steps) for t in args.threads]
+    results = [bench(t, args.warmup, args.steps, args.model) for t in args.threads]
     print(
         json.dumps(
             {
-                "model": "small-gpt",
+                "model": args.model,
                 "torch": torch.__version__,
                 "tokens_per_step": BATCH * SEQ,
                 "results": results,

@@ -42,6 +42,9 @@ const EXPECTED: &[(&str, u64, u64)] = &[
     ("tiny-llama-inference.yaml", TINY_GPT, TINY_GPT),
     // 4096*384 embedding + 6 * (2*384 + 384*1152 + 384*384 + 384*3072 + 1536*384) + 384 + 384*4096.
     ("small-gpt.yaml", 17_306_496, 17_306_496),
+    // 4096*384 embedding (tied head) + 256*384 positions + 6 * (2 LayerNorms of 2*384
+    // + 384*1152 + 1152 + 384*384 + 384 + 384*1536 + 1536 + 1536*384 + 384) + 2*384.
+    ("small-gpt2.yaml", 12_318_720, 12_318_720),
     ("tiny-moe.yaml", TINY_MOE_TOTAL, TINY_MOE_ACTIVE),
     ("tiny-moe-capacity.yaml", TINY_MOE_TOTAL, TINY_MOE_ACTIVE),
     ("hf/llama3-8b.json", LLAMA3_8B, LLAMA3_8B),

@@ -1,6 +1,6 @@
 //! Pointwise activations: GELU (tanh approximation), SwiGLU, residual add.
 
-use super::{check_len, invalid, par_rows, prod, KernelError};
+use super::{check_len, fast_tanh, invalid, par_rows, prod, KernelError};
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_C: f32 = 0.044_715;
@@ -11,7 +11,7 @@ pub fn gelu_fwd(x: &[f32], y: &mut [f32]) -> Result<(), KernelError> {
     check_len("y", y.len(), x.len())?;
     par_rows(y, 1, |i0, y| {
         for (o, &v) in y.iter_mut().zip(&x[i0..]) {
-            let t = (SQRT_2_OVER_PI * (v + GELU_C * v * v * v)).tanh();
+            let t = fast_tanh(SQRT_2_OVER_PI * (v + GELU_C * v * v * v));
             *o = 0.5 * v * (1.0 + t);
         }
     });
@@ -24,7 +24,7 @@ pub fn gelu_bwd(x: &[f32], dy: &[f32], dx: &mut [f32]) -> Result<(), KernelError
     check_len("dx", dx.len(), x.len())?;
     par_rows(dx, 1, |i0, dx| {
         for ((d, &v), &g) in dx.iter_mut().zip(&x[i0..]).zip(&dy[i0..]) {
-            let t = (SQRT_2_OVER_PI * (v + GELU_C * v * v * v)).tanh();
+            let t = fast_tanh(SQRT_2_OVER_PI * (v + GELU_C * v * v * v));
             let dt = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * v * v);
             *d += g * (0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * dt);
         }
@@ -134,6 +134,23 @@ pub fn add_bwd(d_out: &[f32], da: &mut [f32], db: &mut [f32]) -> Result<(), Kern
 mod tests {
     use super::*;
     use crate::cpu::testutil::{assert_grad_close, dot64, numeric_grad, Rng};
+
+    #[test]
+    fn fast_tanh_is_within_its_bound_and_saturates() {
+        use crate::cpu::fast_tanh;
+        let mut worst = 0.0f64;
+        for i in 0..=400_000 {
+            let u = -50.0 + 100.0 * i as f32 / 400_000.0;
+            worst = worst.max((fast_tanh(u) as f64 - (u as f64).tanh()).abs());
+        }
+        assert!(worst < 2.5e-7, "max absolute error {worst}");
+        assert_eq!(fast_tanh(0.0), 0.0);
+        assert_eq!(fast_tanh(60.0), 1.0);
+        assert_eq!(fast_tanh(-60.0), -1.0);
+        assert_eq!(fast_tanh(f32::INFINITY), 1.0);
+        assert_eq!(fast_tanh(f32::NEG_INFINITY), -1.0);
+        assert!(fast_tanh(f32::NAN).is_nan());
+    }
 
     #[test]
     fn gelu_known_values() {

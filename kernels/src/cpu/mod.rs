@@ -57,6 +57,16 @@ pub(crate) fn fast_exp(x: f32) -> f32 {
     }
 }
 
+/// `tanh(u)` from [`fast_exp`] as `1 - 2 / (1 + e^(2u))`, so that GELU's loops
+/// vectorise (libm's `tanhf` calls `expm1f` per element: 13% of a GPT-2-style
+/// training step). Within 2.5e-7 of the exact value everywhere (absolute: near 0
+/// the subtraction leaves an ulp of 1, not of `u`); `e^(2u)` saturates past
+/// `|u| = 44` to exactly 1 and -1; NaN stays NaN.
+#[inline(always)]
+pub(crate) fn fast_tanh(u: f32) -> f32 {
+    1.0 - 2.0 / (1.0 + fast_exp(2.0 * u))
+}
+
 pub mod activation;
 pub mod adamw;
 pub mod attention;
