@@ -132,6 +132,9 @@ class SmallGPT2(nn.Module):
         self.blocks = nn.ModuleList(Gpt2Block() for _ in range(LAYERS))
         self.norm = nn.LayerNorm(HIDDEN, eps=EPS)
         self.register_buffer("pos", torch.arange(SEQ), persistent=False)
+        # GPT-2's initialisation of the tables (the head reads the token table).
+        nn.init.normal_(self.embed.weight, std=0.02)
+        nn.init.normal_(self.positions.weight, std=0.01)
 
     def forward(self, tokens, targets):
         x = self.embed(tokens) + self.positions(self.pos)
