@@ -168,12 +168,35 @@ fn gpt2(cfg: &Config) -> Result<RawTransformer, IrError> {
             .ok_or_else(|| cfg.err("n_embd", format!("4 * n_embd({hidden}) overflows")))?,
     };
     Ok(RawTransformer {
-        layers: cfg.positive("n_layer")?,
+        ffn_hidden: Some(ffn_hidden),
+        position: PositionKind::Learned,
+        max_positions: Some(cfg.positive("n_positions")?),
+        dropout: cfg.fraction_or("resid_pdrop", 0.1)? > 0.0,
+        ..gpt2_block(
+            cfg,
+            cfg.positive("n_layer")?,
+            hidden,
+            cfg.positive("n_head")?,
+        )?
+    })
+}
+
+/// GPT-2's block (LayerNorm, GELU, biases everywhere, tied embeddings unless the
+/// config unties them) of `layers` x `hidden` with `heads`, a `4 x hidden` MLP,
+/// no dropout and no position table, for the families built on it to complete.
+fn gpt2_block(
+    cfg: &Config,
+    layers: u64,
+    hidden: u64,
+    heads: u64,
+) -> Result<RawTransformer, IrError> {
+    Ok(RawTransformer {
+        layers,
         hidden,
-        heads: cfg.positive("n_head")?,
+        heads,
         kv_heads: None,
         head_dim: None,
-        ffn_hidden: Some(ffn_hidden),
+        ffn_hidden: None,
         mlp: MlpKind::Gelu,
         norm: NormKind::Layernorm,
         vocab: cfg.positive("vocab_size")?,
@@ -183,8 +206,8 @@ fn gpt2(cfg: &Config) -> Result<RawTransformer, IrError> {
         attn_out_bias: false,
         mlp_bias: false,
         position: PositionKind::Learned,
-        max_positions: Some(cfg.positive("n_positions")?),
-        dropout: cfg.fraction_or("resid_pdrop", 0.1)? > 0.0,
+        max_positions: None,
+        dropout: false,
         rope_theta: None,
         rope_scaling: None,
         sliding_window: None,
@@ -209,29 +232,14 @@ fn bloom(cfg: &Config) -> Result<RawTransformer, IrError> {
     let dropout = cfg.fraction_or("hidden_dropout", 0.0)? > 0.0
         || cfg.fraction_or("attention_dropout", 0.0)? > 0.0;
     Ok(RawTransformer {
-        layers: cfg.positive(either("n_layer", "num_hidden_layers"))?,
-        hidden: cfg.positive(either("n_embed", "hidden_size"))?,
-        heads: cfg.positive(either("n_head", "num_attention_heads"))?,
-        kv_heads: None,
-        head_dim: None,
-        ffn_hidden: None,
-        mlp: MlpKind::Gelu,
-        norm: NormKind::Layernorm,
-        vocab: cfg.positive("vocab_size")?,
-        tie_embeddings: cfg.bool_or("tie_word_embeddings", true)?,
-        bias: true,
-        qkv_bias: false,
-        attn_out_bias: false,
-        mlp_bias: false,
         position: PositionKind::Alibi,
-        max_positions: None,
         dropout,
-        rope_theta: None,
-        rope_scaling: None,
-        sliding_window: None,
-        norm_eps: cfg.norm_eps()?,
-        moe: None,
-        mla: None,
+        ..gpt2_block(
+            cfg,
+            cfg.positive(either("n_layer", "num_hidden_layers"))?,
+            cfg.positive(either("n_embed", "hidden_size"))?,
+            cfg.positive(either("n_head", "num_attention_heads"))?,
+        )?
     })
 }
 

@@ -89,22 +89,7 @@ fn device_interpreter_reproduces_the_general_one_bit_for_bit() {
     check(&gpt2, "dp=2,zero=1 in 10k-parameter buckets", p);
     // Many buckets, each its own all-reduce over pieces of several weights.
     let p = plan_buckets(&gpt2, "dp=2", 10_000.0);
-    let buckets = p.programs[0].phases[0]
-        .step
-        .iter()
-        .filter(|i| {
-            matches!(
-                i,
-                meshplan_ir::plan::Instr::Collective {
-                    target: meshplan_ir::plan::Target::GradBucket {
-                        set: meshplan_ir::plan::ParamSet::Dense,
-                        range: Some(_)
-                    },
-                    ..
-                }
-            )
-        })
-        .count();
+    let buckets = crate::executor::dense_grad_buckets(&p);
     assert!(buckets > 5, "{buckets} buckets");
     check(&gpt2, "dp=2 in 10k-parameter buckets", p);
 }

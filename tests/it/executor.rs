@@ -170,6 +170,27 @@ fn dense_cp2_ring_attention() {
     check(&m, "cp=2,dp=2,recompute=full");
 }
 
+/// Dense gradient buckets (each its own collective) in the first stage's step.
+pub(crate) fn dense_grad_buckets(p: &Plan) -> usize {
+    use meshplan_ir::plan::{Instr, ParamSet, Target};
+    p.programs[0].phases[0]
+        .step
+        .iter()
+        .filter(|i| {
+            matches!(
+                i,
+                Instr::Collective {
+                    target: Target::GradBucket {
+                        set: ParamSet::Dense,
+                        range: Some(_)
+                    },
+                    ..
+                }
+            )
+        })
+        .count()
+}
+
 #[test]
 fn dense_dp2_gradient_buckets() {
     // 10,000-parameter buckets: tiny-gpt's ~120k parameters reduce in 13 buckets,
@@ -177,22 +198,7 @@ fn dense_dp2_gradient_buckets() {
     let m = model("tiny-gpt");
     for cfg in ["dp=2", "dp=2,zero=1", "dp=2,tp=2,zero=2"] {
         let p = plan_buckets(&m, cfg, 10_000.0);
-        let buckets = p.programs[0].phases[0]
-            .step
-            .iter()
-            .filter(|i| {
-                matches!(
-                    i,
-                    meshplan_ir::plan::Instr::Collective {
-                        target: meshplan_ir::plan::Target::GradBucket {
-                            set: meshplan_ir::plan::ParamSet::Dense,
-                            range: Some(_)
-                        },
-                        ..
-                    }
-                )
-            })
-            .count();
+        let buckets = dense_grad_buckets(&p);
         assert!(buckets > 5, "{cfg}: {buckets} buckets");
         check_plan(&m, &format!("{cfg},buckets=10000"), p);
     }
