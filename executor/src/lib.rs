@@ -60,6 +60,19 @@ pub(crate) fn rope_of(c: &ir::graph::Constants) -> kernels::cpu::Rope {
     }
 }
 
+/// A per-row statistic a forward kernel keeps for its backward: the interpreters
+/// key it by (layer, op, `Stat`), so a statistic saved under one name and read
+/// under another is a compile error, not a run-time "was not kept".
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub(crate) enum Stat {
+    /// LayerNorm's row means.
+    Mean,
+    /// A norm's reciprocal standard deviations.
+    Rstd,
+    /// Attention's log-sum-exps of the scores.
+    Lse,
+}
+
 /// Refuses a model whose math the executor does not implement, naming the field,
 /// rather than computing another model: ALiBi attention, the `config.json` fields
 /// recorded as unexecutable, and a sliding attention window shorter than the `tokens` one

@@ -13,6 +13,7 @@ use crate::comm::{ByteCounts, CommError, Communicator, Group, RankError, ThreadC
 use crate::init::{init_full, init_kind};
 use crate::moe::Padding;
 use crate::shard::{local_heads, local_weight, TpPos};
+use crate::Stat;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{
     Axis, CollectiveKind, Instr, LossStat, Pass, Plan, PlanKind, Program, Target,
@@ -344,6 +345,8 @@ struct Store {
     /// Shared so that reading an input does not copy it.
     acts: HashMap<(u64, String), Arc<Vec<f32>>>,
     grads: HashMap<(u64, String), Vec<f32>>,
+    /// Kernel statistics kept for the backward, by layer, op and kind.
+    stats: HashMap<(u64, String, Stat), Arc<Vec<f32>>>,
     /// What each experts op keeps for its backward, by layer and op name.
     experts: HashMap<(u64, String), crate::moe::ExpertsKept>,
 }
@@ -400,10 +403,23 @@ impl Store {
         self.acts.insert(key, Arc::new(v));
     }
 
+    fn put_stat(&mut self, l: u64, op: &str, which: Stat, v: Vec<f32>) {
+        self.stats.insert((l, op.to_string(), which), Arc::new(v));
+    }
+
+    /// A kernel statistic kept earlier in this task.
+    fn stat(&self, l: u64, op: &str, which: Stat) -> Result<Arc<Vec<f32>>, RankError> {
+        self.stats
+            .get(&(l, op.to_string(), which))
+            .cloned()
+            .ok_or_else(|| fail(format!("{which:?} of `{op}` (layer {l}) was not kept")))
+    }
+
     /// Values held, for the memory report.
     fn held_floats(&self) -> usize {
         let experts: usize = self.experts.values().map(|e| e.floats()).sum();
-        self.acts.values().map(|v| v.len()).sum::<usize>() + experts
+        let stats: usize = self.stats.values().map(|v| v.len()).sum();
+        self.acts.values().map(|v| v.len()).sum::<usize>() + stats + experts
     }
 
     /// A tensor or kernel statistic kept earlier in this task.
@@ -1270,12 +1286,12 @@ impl<'a> RankState<'a> {
                         let r = self.be.layernorm_fwd(
                             &x, &w, &b, rows, dim, eps, &mut y, &mut mean, &mut rstd,
                         );
-                        store.put((l, format!("{}#mean", op.name)), mean);
+                        store.put_stat(l, &op.name, Stat::Mean, mean);
                         r
                     }
                 }
                 .map_err(kerr(&op.name))?;
-                store.put((l, format!("{}#rstd", op.name)), rstd);
+                store.put_stat(l, &op.name, Stat::Rstd, rstd);
                 store.put((l, out), y);
             }
             OpKind::Matmul { .. } => {
@@ -1367,7 +1383,7 @@ impl<'a> RankState<'a> {
                         )
                         .map_err(kerr(&op.name))?;
                 }
-                store.put((l, format!("{}#lse", op.name)), lse);
+                store.put_stat(l, &op.name, Stat::Lse, lse);
                 let y = bshd_to_sbhd(&o, self.mbs, dims.sq, hq * dims.dv);
                 store.put((l, format!("{}#o", op.name)), o);
                 store.put((l, out), y);
@@ -2568,7 +2584,7 @@ impl RankState<'_> {
                 let w = self.weight(op.inputs[1], l)?.clone();
                 let dim = w.len();
                 let rows = x.len() / dim;
-                let rstd = store.kept(l, &format!("{}#rstd", op.name))?;
+                let rstd = store.stat(l, &op.name, Stat::Rstd)?;
                 let mut dx = vec![0.0; x.len()];
                 let wkey = self.wkey(op.inputs[1], l);
                 let mut dw = self
@@ -2582,7 +2598,7 @@ impl RankState<'_> {
                         .rmsnorm_bwd(&x, &w, &rstd, dy, rows, dim, &mut dx, &mut dw)
                         .map_err(kerr(&op.name))?,
                     NormKind::Layernorm => {
-                        let mean = store.kept(l, &format!("{}#mean", op.name))?;
+                        let mean = store.stat(l, &op.name, Stat::Mean)?;
                         let mut db = match op.inputs.get(2) {
                             Some(&b) => self
                                 .wgrads
@@ -2694,7 +2710,7 @@ impl RankState<'_> {
                 let (dims, hq, hkv) = self.attention_dims(op, rows)?;
                 let (q, kk, v) = split_qkv(&x, rows, hq, hkv, dims.d, dims.dv, self.mbs);
                 let o = store.kept(l, &format!("{}#o", op.name))?;
-                let lse = store.kept(l, &format!("{}#lse", op.name))?;
+                let lse = store.stat(l, &op.name, Stat::Lse)?;
                 let d_o = sbhd_to_bshd(dy, self.mbs, dims.sq, hq * dims.dv);
                 let mut dq = vec![0.0; q.len()];
                 let mut dk = vec![0.0; kk.len()];

@@ -19,6 +19,7 @@ use crate::train::{
     build_groups, fail, fixed_shape, fixed_shape_tail, segment_copies, segment_index,
     segment_input, segment_output, ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER,
 };
+use crate::Stat;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{CollectiveKind, Instr, ParamSet, Pass, Plan, PlanKind, Program, Target};
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, Workload};
@@ -302,7 +303,7 @@ struct Task<D: Device> {
     acts: HashMap<(u64, String), Arc<D::Act>>,
     /// Kernel statistics kept for the backward (norm means and scales, attention
     /// log-sum-exps).
-    stats: HashMap<(u64, String), D::F32>,
+    stats: HashMap<(u64, String, Stat), D::F32>,
     grads: HashMap<(u64, String), D::Act>,
     tokens: D::Ids,
     labels: D::Ids,
@@ -1053,10 +1054,10 @@ impl<'a, D: Device> DevRank<'a, D> {
                         };
                         dev.layernorm_fwd(&x, w, b, rows, dim, eps, &mut y, &mut mean, &mut rstd)
                             .map_err(&e)?;
-                        t.stats.insert((l, format!("{}#mean", op.name)), mean);
+                        t.stats.insert((l, op.name.clone(), Stat::Mean), mean);
                     }
                 }
-                t.stats.insert((l, format!("{}#rstd", op.name)), rstd);
+                t.stats.insert((l, op.name.clone(), Stat::Rstd), rstd);
                 y
             }
             OpKind::Matmul { .. } => {
@@ -1095,7 +1096,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let mut y = self.zeros(D::act_len(&o))?;
                 dev.transpose_bs(&o, dims.batch, dims.sq, dims.hq * dims.dv, true, &mut y)
                     .map_err(&e)?;
-                t.stats.insert((l, format!("{}#lse", op.name)), lse);
+                t.stats.insert((l, op.name.clone(), Stat::Lse), lse);
                 t.acts.insert((l, format!("{}#o", op.name)), Arc::new(o));
                 y
             }
@@ -1224,7 +1225,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .compute
                     .get(&wkey)
                     .ok_or_else(|| fail("norm weight missing"))?;
-                let rstd = stat(t, l, format!("{}#rstd", op.name))?;
+                let rstd = stat(t, l, &op.name, Stat::Rstd)?;
                 let mut dw = self
                     .wgrads
                     .remove(&wkey)
@@ -1234,7 +1235,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                         dev.rmsnorm_bwd(&x, w, rstd, &dy, rows, dim, &mut dx, &mut dw)
                     }
                     NormKind::Layernorm => {
-                        let mean = stat(t, l, format!("{}#mean", op.name))?;
+                        let mean = stat(t, l, &op.name, Stat::Mean)?;
                         // A bias-less norm's bias gradient goes to a scratch buffer.
                         let mut scratch = self.zeros_f32(dim)?;
                         let db = match &bkey {
@@ -1301,7 +1302,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .get(&(l, format!("{}#o", op.name)))
                     .cloned()
                     .ok_or_else(|| fail("attention output was not kept"))?;
-                let lse = stat(t, l, format!("{}#lse", op.name))?;
+                let lse = stat(t, l, &op.name, Stat::Lse)?;
                 let mut d_o = self.zeros(D::act_len(&dy))?;
                 dev.transpose_bs(&dy, dims.batch, dims.sq, dims.hq * dims.dv, false, &mut d_o)
                     .map_err(&e)?;
@@ -1762,10 +1763,15 @@ impl<'a, D: Device> DevRank<'a, D> {
 }
 
 /// A kernel statistic kept in the forward.
-fn stat<D: Device>(t: &Task<D>, l: u64, name: String) -> Result<&D::F32, RankError> {
+fn stat<'t, D: Device>(
+    t: &'t Task<D>,
+    l: u64,
+    op: &str,
+    which: Stat,
+) -> Result<&'t D::F32, RankError> {
     t.stats
-        .get(&(l, name.clone()))
-        .ok_or_else(|| fail(format!("`{name}` (layer {l}) was not kept")))
+        .get(&(l, op.to_string(), which))
+        .ok_or_else(|| fail(format!("{which:?} of `{op}` (layer {l}) was not kept")))
 }
 
 /// A dense gradient bucket as `("grads", (a, b))` (a parameter bucket as
