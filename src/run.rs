@@ -150,7 +150,8 @@ fn launched_cuda(
         plan_hash: meshplan_executor::launch::rendezvous::fnv1a64(&bytes),
         timeout: std::time::Duration::from_secs(120),
     };
-    let report = meshplan_executor::engine::train_launched_rank(&plan, &opts, env, &cfg)
+    let report = engine
+        .train_launched_rank(&plan, &opts, env, &cfg)
         .map_err(|e| runtime(format!("{file}: {e}")))?;
     if env.rank != 0 {
         return Ok(());

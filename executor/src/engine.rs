@@ -87,6 +87,28 @@ impl Engine {
         }
     }
 
+    /// Trains this process's rank of a launched plan (one process per GPU, NCCL
+    /// between them, its id shared through the TCP rendezvous) on the engine's GPU,
+    /// and gathers every rank's loss parts and step times to all: the report's
+    /// losses are the sums, its one rank this process's.
+    pub fn train_launched_rank(
+        self,
+        plan: &Plan,
+        opts: &TrainOptions,
+        env: &LaunchEnv,
+        cfg: &RendezvousConfig,
+    ) -> Result<TrainReport, EngineError> {
+        let gpu = match self {
+            Engine::Cuda(g) | Engine::CudaStaged(g) => g,
+            Engine::Cpu | Engine::CpuBf16 => {
+                return Err(EngineError::Unsupported(
+                    "a launch of one process per GPU trains on --backend cuda".into(),
+                ))
+            }
+        };
+        launched_rank(gpu, plan, opts, env, cfg)
+    }
+
     /// Trains `plan`, every rank a thread of this process.
     pub fn train(self, plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, EngineError> {
         let failed = |e: crate::train::ExecError| EngineError::Failed(e.message);
@@ -101,17 +123,13 @@ impl Engine {
     }
 }
 
-/// Trains this process's rank of a launched plan (one process per GPU, NCCL
-/// between them, its id shared through the TCP rendezvous) and gathers every
-/// rank's loss parts and step times to all: the report's losses are the sums,
-/// its one rank this process's.
-pub fn train_launched_rank(
+fn launched_rank(
+    gpu: Gpu,
     plan: &Plan,
     opts: &TrainOptions,
     env: &LaunchEnv,
     cfg: &RendezvousConfig,
 ) -> Result<TrainReport, EngineError> {
-    let gpu = Gpu::probe()?;
     supported(plan).map_err(|why| {
         EngineError::Unsupported(format!(
             "--backend cuda runs plans of data parallelism on one pipeline stage, and this one is not: {why}"

@@ -1375,7 +1375,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     ..
                 } => {
                     let tensor = target.to_string();
-                    let (set, (a, b)) = bucket_range(target, total)?;
+                    let (a, b) = bucket_range(target, total)?;
                     let g = self.groups.get(group).cloned().ok_or_else(|| {
                         fail(format!("group `{group}` is not in the plan's mesh"))
                     })?;
@@ -1393,17 +1393,17 @@ impl<'a, D: Device> DevRank<'a, D> {
                         len: b - a,
                         pieces: pieces_of(&sizes, a, b),
                     };
-                    match (set, kind) {
-                        ("grads", CollectiveKind::AllReduce) => {
+                    match (target, kind) {
+                        (Target::GradBucket { .. }, CollectiveKind::AllReduce) => {
                             self.step_plan.push(StepItem::Bucket(self.buckets.len()));
                             self.buckets.push(bucket);
                         }
-                        ("grads", CollectiveKind::ReduceScatter) => {
+                        (Target::GradBucket { .. }, CollectiveKind::ReduceScatter) => {
                             self.step_plan
                                 .push(StepItem::ReduceScatter(self.scatter.len()));
                             self.scatter.push(bucket);
                         }
-                        ("params", CollectiveKind::AllGather) => {
+                        (Target::ParamBucket { .. }, CollectiveKind::AllGather) => {
                             self.step_plan.push(StepItem::AllGather(self.gather.len()));
                             self.gather.push(bucket);
                         }
@@ -1774,35 +1774,31 @@ fn stat<'t, D: Device>(
         .ok_or_else(|| fail(format!("{which:?} of `{op}` (layer {l}) was not kept")))
 }
 
-/// A dense gradient bucket as `("grads", (a, b))` (a parameter bucket as
-/// `"params"`), the whole set without a range, within `total`.
-fn bucket_range(
-    target: &Target,
-    total: usize,
-) -> Result<(&'static str, (usize, usize)), RankError> {
-    let (kind, range) = match target {
+/// The flat range `a..b` of a dense gradient or parameter bucket (the whole set
+/// without a range), within `total`.
+fn bucket_range(target: &Target, total: usize) -> Result<(usize, usize), RankError> {
+    let range = match target {
         Target::GradBucket {
             set: ParamSet::Dense,
             range,
-        } => ("grads", range),
-        Target::ParamBucket {
+        }
+        | Target::ParamBucket {
             set: ParamSet::Dense,
             range,
-        } => ("params", range),
+        } => range,
         _ => {
             return Err(fail(format!(
                 "the device interpreter does not reduce `{target}`"
             )))
         }
     };
-    let set = kind;
     let (a, b) = range.map_or((0, total), |(a, b)| (a as usize, b as usize));
     if a > b || b > total {
         return Err(fail(format!(
             "bucket {a}..{b} does not fit {total} parameters"
         )));
     }
-    Ok((set, (a, b)))
+    Ok((a, b))
 }
 
 /// The pieces of the flat range `a..b` over weights laid out as `layout`: (weight,
