@@ -6,6 +6,9 @@
 #
 #   scripts/gpu-check.sh
 #
+# $OUT comes back as at most 8 files, so the log is written there as it grows and
+# everything else is packed into one gpu-check.tgz at the end.
+#
 # Steps, each PASS / FAIL / SKIP: nvidia-smi; the kernel tests with REQUIRE_GPU=1
 # (every CUDA kernel against its CPU reference); the CUDA device's tests (its
 # methods against the host device's); `run --backend cuda --check` (tiny-gpt over 8
@@ -19,9 +22,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 B=target/gpu-bundle
-OUTDIR=${OUT:-target/gpu-check}
+OUTDIR=target/gpu-check
+rm -rf "$OUTDIR"
 mkdir -p "$OUTDIR"
-LOG="$OUTDIR/gpu-check.log"
+LOG="${OUT:-$OUTDIR}/gpu-check.log"
 : >"$LOG"
 START=$SECONDS
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
@@ -121,6 +125,15 @@ run plan-tiny-tp 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-t
     --config dp=2,tp=2,pp=2,mbs=1 -o "$OUTDIR/tiny-tp2pp2.json" --quiet
 run run-check-staged 150 "$B/bin/meshplan" run "$OUTDIR/tiny-tp2pp2.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (staged, tp=2 pp=2)" PASS; else result "run --backend cuda --check (staged)" FAIL; fi
+# The other modes the device interpreter does not take yet: context parallelism (ring
+# attention), expert parallelism (All-to-All of tokens), ZeRO-3 (per-layer gathers).
+for spec in "tiny-gpt cp=2,dp=2 cp2" "tiny-moe dp=2,ep=2 ep2" "tiny-gpt dp=4,zero=3 zero3"; do
+    set -- $spec
+    run "plan-$3" 30 "$B/bin/meshplan" plan "models/$1.yaml" topologies/cpu-test-mesh.yaml \
+        --config "$2" -o "$OUTDIR/$3.json" --quiet
+    run "run-check-$3" 90 "$B/bin/meshplan" run "$OUTDIR/$3.json" --backend cuda --steps 5 --check
+    if [ "$rc" = 0 ]; then result "run --backend cuda --check (staged, $1 $2)" PASS; else result "run --backend cuda --check (staged, $1 $2)" FAIL; fi
+done
 
 # --- 2d. GPT-2 124M on one GPU (no dropout, as the PyTorch baseline): 32 sequences
 # of 1024 tokens per step, micro-batch 16, the same batch as torch_gpu.py's default.
@@ -173,4 +186,7 @@ fi
 say ""
 say "gpu-check summary (${SECONDS}s):"
 for s in "${summary[@]}"; do say "  $s"; done
+if [ -n "${OUT:-}" ]; then
+    tar -czf "$OUT/gpu-check.tgz" -C "$OUTDIR" . && say "packed $OUT/gpu-check.tgz"
+fi
 exit $failed
