@@ -119,7 +119,14 @@ run plan-tiny-zero1 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cp
 run run-check-zero1 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp8-zero1.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (ZeRO-1)" PASS; else result "run --backend cuda --check (ZeRO-1)" FAIL; fi
 
-# --- 2c'. a plan the device interpreter does not take (tp, pp): the general
+# Tensor parallelism on the device interpreter: split weights, activation sums on
+# device buffers, the vocabulary-parallel loss's three kernels.
+run plan-tiny-tp2 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
+    --config dp=4,tp=2,pp=1,cp=1,sp=false,zero=1 -o "$OUTDIR/tiny-dp4tp2.json" --quiet
+run run-check-tp2 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp4tp2.json" --backend cuda --steps 5 --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=4 tp=2 ZeRO-1)" PASS; else result "run --backend cuda --check (device, dp=4 tp=2 ZeRO-1)" FAIL; fi
+
+# --- 2c'. a plan the device interpreter does not take (pp with tp): the general
 # interpreter with its kernels on the GPU through host staging, --check as above
 run plan-tiny-tp 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
     --config dp=2,tp=2,pp=2,mbs=1 -o "$OUTDIR/tiny-tp2pp2.json" --quiet

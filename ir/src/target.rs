@@ -50,7 +50,7 @@ impl fmt::Display for ParamSet {
 }
 
 /// A statistic of a vocabulary-parallel cross-entropy, reduced over the tensor axis.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum LossStat {
     /// Each row's largest logit (the log-sum-exp's shift).

@@ -12,3 +12,8 @@ extern "C" __global__ void cast_bf16_to_f32(const bf16* x, i64 n, float* y) {
 extern "C" __global__ void add_f32_into_bf16(const float* x, i64 n, bf16* y) {
     GRID_STRIDE(i, n) { y[i] = f32_to_bf16(bf16_to_f32(y[i]) + x[i]); }
 }
+
+// x *= a.
+extern "C" __global__ void scale_f32(float* x, i64 n, float a) {
+    GRID_STRIDE(i, n) { x[i] *= a; }
+}

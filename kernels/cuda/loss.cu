@@ -68,3 +68,64 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS)
         dr[c] = f32_to_bf16(scale * g);
     });
 }
+
+// Vocabulary-parallel cross-entropy, one shard `logits [rows, v_local]` per rank:
+// the GPU twins of `ce_row_max`, `ce_row_sumexp` with `ce_target_logit`, and
+// `ce_loss` with `ce_bwd` (cpu/loss.rs), between which the program sums the rows'
+// statistics over the tensor ranks. One block per row.
+
+// max[r] = the row's largest logit of this shard.
+extern "C" __global__ void __launch_bounds__(CE_THREADS)
+    ce_row_max_bf16(const bf16* logits, int rows, int v_local, float* max) {
+    __shared__ float sm[WARP];
+    const int r = blockIdx.x;
+    float m = NEG_INF;
+    row_for_each(logits + (i64)r * v_local, v_local, [&](int, float v) { m = fmaxf(m, v); });
+    m = warp_max(m);
+    const int lane = threadIdx.x % WARP;
+    const int warp = threadIdx.x / WARP;
+    if (lane == 0) sm[warp] = m;
+    __syncthreads();
+    m = lane < (int)(blockDim.x / WARP) ? sm[lane] : NEG_INF;
+    m = warp_max(m);
+    if (threadIdx.x == 0) max[r] = m;
+}
+
+// sumexp[r] = sum over this shard of exp(logit - max[r]); target[r] = the logit of
+// the row's label when this shard (columns vocab_start..vocab_start + v_local)
+// holds it, else 0.
+extern "C" __global__ void __launch_bounds__(CE_THREADS)
+    ce_sumexp_target_bf16(const bf16* logits, const u32* labels, int rows, int v_local,
+                          int vocab_start, const float* max, float* sumexp, float* target) {
+    __shared__ float scratch[WARP];
+    const int r = blockIdx.x;
+    const bf16* lr = logits + (i64)r * v_local;
+    const float m = max[r];
+    float s = 0.0f;
+    row_for_each(lr, v_local, [&](int, float v) { s += __expf(v - m); });
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) {
+        const i64 c = (i64)labels[r] - vocab_start;
+        sumexp[r] = s;
+        target[r] = (c >= 0 && c < v_local) ? bf16_to_f32(lr[c]) : 0.0f;
+    }
+}
+
+// loss[r] = max[r] + ln(sumexp[r]) - target[r] from the sums over every shard, and
+// this shard's dlogits[r, c] = scale * (softmax - [c is the label]), written.
+extern "C" __global__ void __launch_bounds__(CE_THREADS)
+    ce_finish_bf16(const bf16* logits, const u32* labels, int rows, int v_local,
+                   int vocab_start, float scale, const float* max, const float* sumexp,
+                   const float* target, float* loss, bf16* dlogits) {
+    const int r = blockIdx.x;
+    const float m = max[r];
+    const float inv = 1.0f / sumexp[r];
+    if (threadIdx.x == 0) loss[r] = m + logf(sumexp[r]) - target[r];
+    const i64 label = (i64)labels[r] - vocab_start;
+    bf16* dr = dlogits + (i64)r * v_local;
+    row_for_each(logits + (i64)r * v_local, v_local, [&](int c, float v) {
+        float g = __expf(v - m) * inv;
+        if (c == label) g -= 1.0f;
+        dr[c] = f32_to_bf16(scale * g);
+    });
+}

@@ -409,7 +409,8 @@ fn ckpt_run_flags_save_resume_and_exit_codes() {
 
 /// The device interpreter writes and reads the general interpreter's checkpoints:
 /// 3 steps saved by one, resumed to 6 by the other (and by itself), equal bit for
-/// bit to 6 uninterrupted steps, with and without ZeRO.
+/// bit to 6 uninterrupted steps, with and without ZeRO, and with weights split over
+/// tensor ranks.
 #[test]
 fn ckpt_device_and_general_interpreters_resume_each_other() {
     use meshplan_executor::device::{train::train_device, HostDevice};
@@ -417,7 +418,7 @@ fn ckpt_device_and_general_interpreters_resume_each_other() {
     let device = |p: &Plan, o: &TrainOptions| {
         train_device(p, o, &|_| Ok(HostDevice)).unwrap_or_else(|e| panic!("{}: {e}", p.strategy))
     };
-    for cfg in ["dp=2", "dp=2,zero=1"] {
+    for cfg in ["dp=2", "dp=2,zero=1", "dp=2,tp=2,sp=false"] {
         let p = plan(&m, cfg);
         let whole = run(&p, &opts(6));
         type Trainer<'a> = &'a dyn Fn(&Plan, &TrainOptions) -> TrainReport;

@@ -1158,14 +1158,32 @@ fn run_backend_cpu_bf16_checks_mixed_precision_and_names_plans_it_does_not_run()
     fp32.expect_code(0);
     let (a, b) = (&v["loss"], &json_of(&fp32)["loss"]);
     assert_ne!(a, b, "bf16 rounding changed nothing");
+    let pp = plan_file(
+        "plan-run-bf16-pp.json",
+        "models/tiny-gpt.yaml",
+        "dp=2,tp=2,pp=2,cp=1,mbs=1",
+    );
+    meshplan(&["run", pp.to_str().expect("utf-8"), "--backend", "cpu-bf16"])
+        .expect_code(1)
+        .stderr_has(&["splits `pp` 2 ways", "Run it with --backend cpu"]);
+    // Tensor parallelism without sequence parallelism runs on it, within the check.
     let tp = plan_file(
         "plan-run-bf16-tp.json",
         "models/tiny-gpt.yaml",
-        "dp=4,tp=2,pp=1,cp=1",
+        "dp=4,tp=2,pp=1,cp=1,sp=false",
     );
-    meshplan(&["run", tp.to_str().expect("utf-8"), "--backend", "cpu-bf16"])
-        .expect_code(1)
-        .stderr_has(&["splits `tp` 2 ways", "Run it with --backend cpu"]);
+    let run = meshplan(&[
+        "run",
+        tp.to_str().expect("utf-8"),
+        "--backend",
+        "cpu-bf16",
+        "--check",
+        "--json",
+    ]);
+    run.expect_code(0);
+    let v = json_of(&run);
+    assert_eq!(v["check"]["passed"], true, "{v}");
+    assert_eq!(v["bytes_match_plan"], true, "{v}");
     meshplan(&["run", path, "--backend", "tpu"])
         .expect_code(2)
         .stderr_has(&["expected cpu, cpu-bf16 or cuda"]);

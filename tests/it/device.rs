@@ -94,12 +94,36 @@ fn device_interpreter_reproduces_the_general_one_bit_for_bit() {
     check(&gpt2, "dp=2 in 10k-parameter buckets", p);
 }
 
+/// Tensor parallelism on the device interpreter: split weights and heads, the
+/// program's sums of activations and input gradients, a vocabulary-parallel table
+/// and loss; every step's loss, every rank's weights and bytes as the general
+/// interpreter's.
+#[test]
+fn device_interpreter_runs_tensor_parallel_plans_bit_for_bit() {
+    let llama = model("tiny-gpt");
+    for cfg in [
+        "tp=2,sp=false",
+        "dp=2,tp=2,sp=false",
+        "tp=2,sp=false,mbs=1,recompute=full",
+        "dp=2,tp=2,sp=false,recompute=selective",
+        "dp=2,tp=2,sp=false,zero=1",
+    ] {
+        check(&llama, cfg, plan(&llama, cfg));
+    }
+    // Biases on every matmul (a row-parallel one added by the first tensor rank
+    // alone), LayerNorm, learned positions, the head tied to the token table.
+    let gpt2 = gpt2_like();
+    for cfg in ["tp=2,sp=false", "dp=2,tp=2,sp=false,mbs=1", "tp=4,sp=false"] {
+        check(&gpt2, cfg, plan(&gpt2, cfg));
+    }
+}
+
 #[test]
 fn device_interpreter_names_what_it_does_not_run() {
     let m = model("tiny-gpt");
     let opts = TrainOptions::default();
     for (cfg, why) in [
-        ("tp=2", "splits `tp` 2 ways"),
+        ("tp=2,sp=true", "sequence parallelism"),
         ("pp=2,mbs=1", "splits `pp` 2 ways"),
         ("cp=2", "splits `cp` 2 ways"),
         ("dp=2,zero=3", "ZeRO-3"),
@@ -171,9 +195,18 @@ fn mixed_precision_stays_within_the_check_tolerances_and_a_wrong_run_does_not() 
         (model("tiny-gpt"), "dp=1"),
         (model("tiny-gpt"), "dp=2,mbs=1"),
         (gpt2_like(), "dp=2"),
+        (model("tiny-gpt"), "dp=2,tp=2,sp=false"),
+        (gpt2_like(), "tp=2,sp=false"),
     ] {
         let p = plan(&m, cfg);
-        let reference = train(&p, &opts).expect("reference");
+        // A tensor-parallel run is compared with the single-rank run, sliced as
+        // each rank holds it.
+        let reference = if cfg.contains("tp=") {
+            train(&plan(&m, "dp=1,mbs=1"), &opts.reference_of(&p))
+        } else {
+            train(&p, &opts)
+        }
+        .expect("reference");
         let bf16 = train_device(&p, &opts, &|_| Ok(Bf16Host)).expect("bf16");
         let lines = check_mixed_precision(
             &p,

@@ -37,6 +37,7 @@ use std::ffi::c_void;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
+use meshplan_kernels::cuda::bf16;
 use meshplan_kernels::cuda::cudarc::driver::{
     CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
 };
@@ -400,26 +401,55 @@ impl NcclComm {
         buf: &mut CudaSlice<f32>,
         ready: &CudaEvent,
     ) -> Result<CudaEvent, CommError> {
+        let n = buf.len();
+        self.all_reduce_on_stream(group, axis, (n, F32, 4), ready, |s| ptr_mut(buf, s, 0))
+    }
+
+    /// [`NcclComm::all_reduce_device_start`] on a bf16 buffer (tensor parallelism's
+    /// activations), summed in bf16 as NCCL sums it; its bytes are the bf16 ones.
+    pub fn all_reduce_bf16_device_start(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        buf: &mut CudaSlice<bf16>,
+        ready: &CudaEvent,
+    ) -> Result<CudaEvent, CommError> {
+        let n = buf.len();
+        self.all_reduce_on_stream(group, axis, (n, BF16, 2), ready, |s| {
+            let (p, _g) = buf.device_ptr_mut(s);
+            p as *mut c_void
+        })
+    }
+
+    /// An in-place sum of `n` elements of `dtype` (`size` bytes each) at the pointer
+    /// `ptr` gives for the communication stream, after `ready`.
+    fn all_reduce_on_stream(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        (n, dtype, size): (usize, sys::ncclDataType_t, u64),
+        ready: &CudaEvent,
+        ptr: impl FnOnce(&CudaStream) -> *mut c_void,
+    ) -> Result<CudaEvent, CommError> {
         let kind = CommKind::AllReduce;
         let (_, comm) = self.group_comm(group, kind, axis)?;
-        let n = buf.len();
         let done = self.run(kind, |s| {
             s.stream
                 .wait(ready)
-                .map_err(|e| format!("waiting for the gradients: {e:?}"))?;
+                .map_err(|e| format!("waiting for the buffer's writer: {e:?}"))?;
             if n > 0 {
-                let p = ptr_mut(buf, &s.stream, 0);
-                // SAFETY: `buf` holds `n` floats; the caller keeps it alive and
-                // unwritten until the returned event has passed.
+                let p = ptr(&s.stream);
+                // SAFETY: `p` points at `n` elements of `dtype`; the caller keeps the
+                // buffer alive and unwritten until the returned event has passed.
                 nccl_call("ncclAllReduce", unsafe {
-                    result::all_reduce(p, p, n, F32, SUM, comm, s.raw_stream())
+                    result::all_reduce(p, p, n, dtype, SUM, comm, s.raw_stream())
                 })?;
             }
             s.stream
                 .record_event(None)
                 .map_err(|e| format!("recording the reduction's end: {e:?}"))
         })?;
-        let payload = bytes_of(n);
+        let payload = n as u64 * size;
         let (num, den) = ring_bytes(kind, group.size(), payload);
         self.counts.record(kind, axis, payload, num, den);
         Ok(done)
@@ -458,6 +488,7 @@ fn ptr_mut(d: &mut CudaSlice<f32>, s: &CudaStream, offset: usize) -> *mut c_void
 }
 
 const F32: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat32;
+const BF16: sys::ncclDataType_t = sys::ncclDataType_t::ncclBfloat16;
 const SUM: sys::ncclRedOp_t = sys::ncclRedOp_t::ncclSum;
 
 impl Communicator for NcclComm {

@@ -5,9 +5,8 @@
 //! it).
 //!
 //! Each method is the `Gpu` launch of the same kernel family, with the host
-//! device's fixed arguments made explicit: no vocabulary shard (`vocab_start` 0),
-//! no context-parallel offset (attention positions from 0), `beta` 0 for an
-//! activation GEMM and 1 for a weight gradient.
+//! device's fixed arguments made explicit: no context-parallel offset (attention
+//! positions from 0), `beta` 0 for an activation GEMM and 1 for a weight gradient.
 
 use super::{range_err, DResult, Device, DeviceError};
 use crate::comm::{CommError, Communicator, Group};
@@ -119,6 +118,9 @@ impl Device for CudaDevice {
     }
     fn f32_zero(&self, x: &mut CudaSlice<f32>) -> DResult<()> {
         self.gpu.stream().memset_zeros(x).map_err(driver)
+    }
+    fn f32_scale(&self, x: &mut CudaSlice<f32>, a: f32) -> DResult<()> {
+        Ok(self.gpu.scale_f32(x, a)?)
     }
     fn f32_copy(
         &self,
@@ -271,19 +273,23 @@ impl Device for CudaDevice {
         &self,
         ids: &CudaSlice<u32>,
         table: &CudaSlice<bf16>,
+        vocab_start: usize,
         dim: usize,
         out: &mut CudaSlice<bf16>,
     ) -> DResult<()> {
-        Ok(self.gpu.embedding_fwd(ids, table, 0, dim, out)?)
+        Ok(self.gpu.embedding_fwd(ids, table, vocab_start, dim, out)?)
     }
     fn embedding_bwd(
         &self,
         ids: &CudaSlice<u32>,
         d_out: &CudaSlice<bf16>,
+        vocab_start: usize,
         dim: usize,
         d_table: &mut CudaSlice<f32>,
     ) -> DResult<()> {
-        Ok(self.gpu.embedding_bwd(ids, d_out, 0, dim, d_table)?)
+        Ok(self
+            .gpu
+            .embedding_bwd(ids, d_out, vocab_start, dim, d_table)?)
     }
     fn layernorm_fwd(
         &self,
@@ -395,6 +401,61 @@ impl Device for CudaDevice {
             .gpu
             .ce_fused(logits, labels, rows, vocab, scale, loss, dlogits)?)
     }
+    fn ce_row_max(
+        &self,
+        logits: &CudaSlice<bf16>,
+        rows: usize,
+        v_local: usize,
+        max: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self.gpu.ce_row_max(logits, rows, v_local, max)?)
+    }
+    fn ce_sumexp_target(
+        &self,
+        logits: &CudaSlice<bf16>,
+        labels: &CudaSlice<u32>,
+        rows: usize,
+        v_local: usize,
+        vocab_start: usize,
+        max: &CudaSlice<f32>,
+        sumexp: &mut CudaSlice<f32>,
+        target: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self.gpu.ce_sumexp_target(
+            logits,
+            labels,
+            rows,
+            v_local,
+            vocab_start,
+            max,
+            sumexp,
+            target,
+        )?)
+    }
+    fn ce_finish(
+        &self,
+        logits: &CudaSlice<bf16>,
+        labels: &CudaSlice<u32>,
+        rows: usize,
+        v_local: usize,
+        vocab_start: usize,
+        scale: f32,
+        stats: [&CudaSlice<f32>; 3],
+        loss: &mut CudaSlice<f32>,
+        dlogits: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.ce_finish(
+            logits,
+            labels,
+            rows,
+            v_local,
+            vocab_start,
+            scale,
+            stats,
+            loss,
+            dlogits,
+        )?)
+    }
     fn adamw(
         &self,
         param: &mut CudaSlice<f32>,
@@ -448,6 +509,28 @@ impl Device for CudaDevice {
                 Ok(buf)
             }
         }
+    }
+    fn all_reduce_act(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        x: &mut CudaSlice<bf16>,
+    ) -> Result<(), CommError> {
+        let Some(nccl) = comm.as_nccl() else {
+            // The in-process communicator (ranks sharing the GPU) sums on the host.
+            return super::all_reduce_act_on_host(self, comm, group, axis, x);
+        };
+        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+        let ready = self.mark().map_err(internal)?;
+        let done = nccl.all_reduce_bf16_device_start(group, axis, x, &ready)?;
+        // The stream, not the host, waits for the sum.
+        self.gpu
+            .stream()
+            .wait(&done)
+            .map_err(|e| CommError::Internal {
+                detail: format!("waiting for an activation sum: {e:?}"),
+            })
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(self.gpu.synchronize()?)

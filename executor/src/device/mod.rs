@@ -94,6 +94,8 @@ pub trait Device: Send + Sync {
     fn to_act(&self, x: &Self::F32, y: &mut Self::Act) -> DResult<()>;
     /// Sets every element to zero.
     fn f32_zero(&self, x: &mut Self::F32) -> DResult<()>;
+    /// `x *= a`, element by element.
+    fn f32_scale(&self, x: &mut Self::F32, a: f32) -> DResult<()>;
     /// `dst[dst_off..dst_off + n] = src[src_off..src_off + n]`.
     fn f32_copy(
         &self,
@@ -217,19 +219,23 @@ pub trait Device: Send + Sync {
         d_v: &mut Self::Act,
     ) -> DResult<()>;
 
-    /// `out[t] = table[ids[t]]` (overwritten).
+    /// `out[t] = table[ids[t] - vocab_start]` (overwritten), zero for an id outside
+    /// the rows this table holds (a vocabulary-parallel shard starting at
+    /// `vocab_start`).
     fn embedding_fwd(
         &self,
         ids: &Self::Ids,
         table: &Self::Act,
+        vocab_start: usize,
         dim: usize,
         out: &mut Self::Act,
     ) -> DResult<()>;
-    /// `d_table[ids[t]] += d_out[t]`.
+    /// `d_table[ids[t] - vocab_start] += d_out[t]` for the ids the table holds.
     fn embedding_bwd(
         &self,
         ids: &Self::Ids,
         d_out: &Self::Act,
+        vocab_start: usize,
         dim: usize,
         d_table: &mut Self::F32,
     ) -> DResult<()>;
@@ -317,6 +323,46 @@ pub trait Device: Send + Sync {
         dlogits: &mut Self::Act,
     ) -> DResult<()>;
 
+    /// Vocabulary-parallel cross-entropy, first part: each row's largest logit of
+    /// this shard `logits [rows, v_local]` (`max` overwritten). The program sums the
+    /// shards' maxima before [`Device::ce_sumexp_target`].
+    fn ce_row_max(
+        &self,
+        logits: &Self::Act,
+        rows: usize,
+        v_local: usize,
+        max: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Second part, with the rows' common shift `max`: this shard's sum of
+    /// `exp(logit - max)` and its logit of each row's label (0 where another shard
+    /// holds the label; the shard's first column is `vocab_start`), both overwritten.
+    fn ce_sumexp_target(
+        &self,
+        logits: &Self::Act,
+        labels: &Self::Ids,
+        rows: usize,
+        v_local: usize,
+        vocab_start: usize,
+        max: &Self::F32,
+        sumexp: &mut Self::F32,
+        target: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Last part, from the sums over every shard: `loss[r] = max + ln(sumexp) -
+    /// target` and this shard's `dlogits = scale * (softmax - onehot)`, both
+    /// overwritten.
+    fn ce_finish(
+        &self,
+        logits: &Self::Act,
+        labels: &Self::Ids,
+        rows: usize,
+        v_local: usize,
+        vocab_start: usize,
+        scale: f32,
+        stats: [&Self::F32; 3],
+        loss: &mut Self::F32,
+        dlogits: &mut Self::Act,
+    ) -> DResult<()>;
+
     /// One AdamW step of `param` (fp32 master) in place, and its compute copy
     /// refreshed.
     fn adamw(
@@ -349,6 +395,18 @@ pub trait Device: Send + Sync {
         comm: &mut dyn Communicator,
         r: Self::Reduction,
     ) -> Result<Self::F32, CommError>;
+
+    /// Sums the activation (or activation gradient) `x` over `group` in place:
+    /// tensor parallelism's partial sums. The default goes through the host.
+    fn all_reduce_act(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        x: &mut Self::Act,
+    ) -> Result<(), CommError> {
+        all_reduce_act_on_host(self, comm, group, axis, x)
+    }
 
     /// `out` = this member's part of the sum of every member's `buf` over `group`
     /// (ZeRO's gradient shards). The default goes through the host.
@@ -394,6 +452,21 @@ pub trait Device: Send + Sync {
     fn seconds_between(&self, a: &Self::Mark, b: &Self::Mark) -> DResult<f64>;
     /// Bytes of device memory in use by this process's buffers, where known.
     fn memory_in_use(&self) -> Option<u64>;
+}
+
+/// [`Device::all_reduce_act`] through the host: download, sum, upload.
+pub(crate) fn all_reduce_act_on_host<D: Device + ?Sized>(
+    dev: &D,
+    comm: &mut dyn Communicator,
+    group: &Group,
+    axis: &str,
+    x: &mut D::Act,
+) -> Result<(), CommError> {
+    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+    let mut host = dev.act_download(x).map_err(internal)?;
+    comm.all_reduce(group, axis, &mut host)?;
+    let sum = dev.f32_upload(&host).map_err(internal)?;
+    dev.to_act(&sum, x).map_err(internal)
 }
 
 /// The CPU reference kernels in fp32 behind the [`Device`] trait: the device
@@ -468,6 +541,10 @@ impl<H: HostPrecision> Device for H {
     }
     fn f32_zero(&self, x: &mut Vec<f32>) -> DResult<()> {
         x.iter_mut().for_each(|v| *v = 0.0);
+        Ok(())
+    }
+    fn f32_scale(&self, x: &mut Vec<f32>, a: f32) -> DResult<()> {
+        x.iter_mut().for_each(|v| *v *= a);
         Ok(())
     }
     fn f32_copy(
@@ -659,19 +736,21 @@ impl<H: HostPrecision> Device for H {
         &self,
         ids: &Vec<u32>,
         table: &Vec<f32>,
+        vocab_start: usize,
         dim: usize,
         out: &mut Vec<f32>,
     ) -> DResult<()> {
-        Ok(k::embedding_fwd(ids, table, 0, dim, out)?)
+        Ok(k::embedding_fwd(ids, table, vocab_start, dim, out)?)
     }
     fn embedding_bwd(
         &self,
         ids: &Vec<u32>,
         d_out: &Vec<f32>,
+        vocab_start: usize,
         dim: usize,
         d_table: &mut Vec<f32>,
     ) -> DResult<()> {
-        Ok(k::embedding_bwd(ids, d_out, 0, dim, d_table)?)
+        Ok(k::embedding_bwd(ids, d_out, vocab_start, dim, d_table)?)
     }
     fn layernorm_fwd(
         &self,
@@ -791,6 +870,64 @@ impl<H: HostPrecision> Device for H {
         H::round(dlogits);
         Ok(())
     }
+    fn ce_row_max(
+        &self,
+        logits: &Vec<f32>,
+        rows: usize,
+        v_local: usize,
+        max: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::ce_row_max(logits, rows, v_local, max)?)
+    }
+    fn ce_sumexp_target(
+        &self,
+        logits: &Vec<f32>,
+        labels: &Vec<u32>,
+        rows: usize,
+        v_local: usize,
+        vocab_start: usize,
+        max: &Vec<f32>,
+        sumexp: &mut Vec<f32>,
+        target: &mut Vec<f32>,
+    ) -> DResult<()> {
+        k::ce_row_sumexp(logits, rows, v_local, max, sumexp)?;
+        Ok(k::ce_target_logit(
+            logits,
+            labels,
+            rows,
+            v_local,
+            vocab_start,
+            target,
+        )?)
+    }
+    fn ce_finish(
+        &self,
+        logits: &Vec<f32>,
+        labels: &Vec<u32>,
+        rows: usize,
+        v_local: usize,
+        vocab_start: usize,
+        scale: f32,
+        [max, sumexp, target]: [&Vec<f32>; 3],
+        loss: &mut Vec<f32>,
+        dlogits: &mut Vec<f32>,
+    ) -> DResult<()> {
+        k::ce_loss(max, sumexp, target, loss)?;
+        dlogits.iter_mut().for_each(|x| *x = 0.0);
+        k::ce_bwd(
+            logits,
+            rows,
+            v_local,
+            max,
+            sumexp,
+            labels,
+            vocab_start,
+            scale,
+            dlogits,
+        )?;
+        H::round(dlogits);
+        Ok(())
+    }
     fn adamw(
         &self,
         param: &mut Vec<f32>,
@@ -823,6 +960,18 @@ impl<H: HostPrecision> Device for H {
         r: Vec<f32>,
     ) -> Result<Vec<f32>, CommError> {
         Ok(r)
+    }
+    fn all_reduce_act(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        x: &mut Vec<f32>,
+    ) -> Result<(), CommError> {
+        comm.all_reduce(group, axis, x)?;
+        // The sum lands in a bf16 buffer on a GPU.
+        H::round(x);
+        Ok(())
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(())

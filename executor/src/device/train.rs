@@ -15,22 +15,26 @@
 use super::{qkv_width, DResult, Device, DeviceError};
 use crate::comm::{Communicator, Group, RankError};
 use crate::init::{init_full, init_kind};
+use crate::shard::{local_heads, local_weight, TpPos};
 use crate::train::{
     build_groups, fail, fixed_shape, fixed_shape_tail, segment_copies, segment_index,
     segment_input, segment_output, ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER,
 };
 use crate::Stat;
 use meshplan_ir::graph::OpKind;
-use meshplan_ir::plan::{CollectiveKind, Instr, ParamSet, Pass, Plan, PlanKind, Program, Target};
-use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, Workload};
+use meshplan_ir::plan::{
+    CollectiveKind, Instr, LossStat, ParamSet, Pass, Plan, PlanKind, Program, Target,
+};
+use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
 use meshplan_kernels::cpu::{AttnDims, Transpose};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
 /// Why the device interpreter does not take `plan`, or `Ok`.
-/// What it takes: a training plan on one pipeline stage with no tensor, context or
-/// expert split, ZeRO 0 to 2 (or one data rank), no routed experts, no dropout.
+/// What it takes: a training plan on one pipeline stage with no context or expert
+/// split, data and tensor parallelism (without sequence parallelism), ZeRO 0 to 2
+/// (or one data rank), no routed experts, no dropout.
 /// Checkpoints save and resume as on the general interpreter (the same files: either
 /// interpreter resumes the other's), and fine-tuning starts from a Hugging Face
 /// checkpoint.
@@ -39,12 +43,19 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
         return Err("not a training plan".into());
     }
     for (axis, size) in plan.mesh.axes.iter().zip(&plan.mesh.shape) {
-        if axis != "dp" && *size > 1 {
+        if axis != "dp" && axis != "tp" && *size > 1 {
             return Err(format!(
                 "the mesh splits `{axis}` {size} ways; the device interpreter runs data \
-                 parallelism only"
+                 and tensor parallelism"
             ));
         }
+    }
+    if plan.strategy.sp && mesh_size(plan, "tp") > 1 {
+        return Err(
+            "sequence parallelism: the device interpreter keeps whole sequences on each \
+             tensor rank"
+                .into(),
+        );
     }
     let dp = mesh_size(plan, "dp");
     if plan.strategy.zero >= 3 && dp > 1 {
@@ -291,6 +302,11 @@ pub fn train_device_rank<D: Device>(
     })
 }
 
+/// No split on an axis.
+fn tp1() -> TpPos {
+    TpPos::ONE
+}
+
 fn derr(what: &str) -> impl Fn(DeviceError) -> RankError + '_ {
     move |e| fail(format!("{what}: {e}"))
 }
@@ -305,6 +321,11 @@ struct Task<D: Device> {
     /// log-sum-exps).
     stats: HashMap<(u64, String, Stat), D::F32>,
     grads: HashMap<(u64, String), D::Act>,
+    /// Input gradients of ops split over the tensor axis, partial until the program
+    /// sums them over it.
+    partial: HashMap<(u64, String), D::Act>,
+    /// A vocabulary-parallel loss's statistics between its collectives.
+    loss_stats: HashMap<(u64, String, LossStat), D::F32>,
     tokens: D::Ids,
     labels: D::Ids,
     /// Each row's position in its sequence (rows are sequence-major).
@@ -329,6 +350,8 @@ struct DevRank<'a, D: Device> {
     groups: BTreeMap<String, Group>,
     dp_index: usize,
     dp_size: usize,
+    /// This rank's place on the tensor axis.
+    tp: TpPos,
     seq_len: usize,
     global_batch: usize,
     mbs: usize,
@@ -422,6 +445,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             .get(entry.program as usize)
             .ok_or_else(|| fail(format!("rank {rank}: program {} missing", entry.program)))?;
         let dp_axis = plan.mesh.axes.iter().position(|a| a == "dp");
+        let tp_axis = plan.mesh.axes.iter().position(|a| a == "tp");
         let mut r = DevRank {
             dev,
             graph: &plan.graph,
@@ -431,6 +455,10 @@ impl<'a, D: Device> DevRank<'a, D> {
             groups: build_groups(plan, rank)?,
             dp_index: dp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
             dp_size: mesh_size(plan, "dp"),
+            tp: TpPos {
+                rank: tp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
+                size: mesh_size(plan, "tp"),
+            },
             seq_len: seq_len as usize,
             global_batch: global_batch as usize,
             mbs: plan.strategy.mbs as usize,
@@ -492,31 +520,42 @@ impl<'a, D: Device> DevRank<'a, D> {
                     }
                     let shape = fixed_shape(t)?;
                     let n: usize = shape.iter().product();
-                    let full = match (&self.opts.resume, &self.opts.weights) {
-                        // Resuming: the saved weights and moments, whole.
+                    let tp = self.tp;
+                    let local =
+                        |full: &[f32]| local_weight(graph, op, op.role, w, full, &shape, tp, tp1());
+                    let mine = match (&self.opts.resume, &self.opts.weights) {
+                        // Resuming: this rank's slices of the saved weights and moments.
                         (Some(ck), _) => {
                             let key = (t.name.clone(), layer);
                             let read = |kind: &str| {
                                 ck.values(&crate::ckpt::tensor_name(kind, &key), &shape)
+                                    .map(|full| local(&full))
                                     .map_err(fail)
                             };
                             let (m, v) = (read("adam_m")?, read("adam_v")?);
                             self.resume_moments.insert(key.clone(), (m, v));
                             read("w")?
                         }
-                        // Fine-tuning: the checkpoint's whole tensor (nothing is split).
+                        // Fine-tuning: this rank's slice straight from the checkpoint.
                         (None, Some(hf)) => {
                             let l = (layer != NO_LAYER).then_some(layer);
-                            hf.local(graph, op, w, l, &crate::weights::ShardSpec::All)
+                            let spec =
+                                crate::weights::shard_spec(graph, op, op.role, w, &shape, tp);
+                            hf.local(graph, op, w, l, &spec)
                                 .map_err(|e| fail(e.message))?
                         }
-                        (None, None) => {
-                            init_full(self.opts.seed, &t.name, layer, n, init_kind(op, w, &shape))
-                        }
+                        (None, None) => local(&init_full(
+                            self.opts.seed,
+                            &t.name,
+                            layer,
+                            n,
+                            init_kind(op, w, &shape),
+                        )),
                     };
+                    let n = mine.len();
                     let dev = &self.dev;
                     let e = derr(&t.name);
-                    let master = dev.f32_upload(&full).map_err(&e)?;
+                    let master = dev.f32_upload(&mine).map_err(&e)?;
                     let mut compute = dev.act_zeros(n).map_err(&e)?;
                     dev.to_act(&master, &mut compute).map_err(&e)?;
                     self.wgrads
@@ -738,6 +777,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             acts: HashMap::new(),
             stats: HashMap::new(),
             grads: HashMap::new(),
+            partial: HashMap::new(),
+            loss_stats: HashMap::new(),
             tokens: self.dev.ids_upload(&tokens).map_err(&e)?,
             labels: self.dev.ids_upload(&labels).map_err(&e)?,
             positions: self.dev.ids_upload(&positions).map_err(&e)?,
@@ -786,6 +827,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                     self.forward_op(op, cur, t)?;
                     self.span(m0, name.clone(), "compute", self.op_args(cur))?;
                 }
+                Instr::Collective {
+                    kind,
+                    group,
+                    axis,
+                    target,
+                    ..
+                } => self.collective(*kind, group, axis.name(), target, cur, t, false)?,
                 other => {
                     return Err(fail(format!(
                         "the device interpreter does not run {other:?} in a forward list"
@@ -840,6 +888,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                             self.gradients_written(op, l)?;
                             self.span(m0, format!("{name} bwd"), "compute", self.op_args(l))?;
                         }
+                        Instr::Collective {
+                            kind,
+                            group,
+                            axis,
+                            target,
+                            ..
+                        } => self.collective(*kind, group, axis.name(), target, l, t, true)?,
                         other => {
                             return Err(fail(format!(
                                 "the device interpreter does not run {other:?} in a backward body"
@@ -949,17 +1004,192 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(())
     }
 
+    /// `partial[name] += g`: an input gradient the program has still to sum.
+    fn add_partial(
+        &self,
+        t: &mut Task<D>,
+        l: u64,
+        name: String,
+        g: D::Act,
+    ) -> Result<(), RankError> {
+        match t.partial.get_mut(&(l, name.clone())) {
+            Some(e) => self.dev.accumulate(e, &g).map_err(derr(&name)),
+            None => {
+                t.partial.insert((l, name), g);
+                Ok(())
+            }
+        }
+    }
+
+    /// A collective of a forward list or a segment's backward, on what it names:
+    /// tensor parallelism's sums of activations, of input gradients and of a
+    /// vocabulary-parallel loss's statistics.
+    #[allow(clippy::too_many_arguments)] // the instruction's fields plus where it runs
+    fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: &str,
+        axis: &str,
+        target: &Target,
+        l: u64,
+        t: &mut Task<D>,
+        backward: bool,
+    ) -> Result<(), RankError> {
+        let g = self
+            .groups
+            .get(group)
+            .cloned()
+            .ok_or_else(|| fail(format!("group `{group}` is not in the plan's mesh")))?;
+        let m0 = self.mark()?;
+        match (target, kind) {
+            (Target::Activation { tensor }, CollectiveKind::AllReduce) => {
+                let key = (l, tensor.clone());
+                let x = t
+                    .acts
+                    .remove(&key)
+                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
+                let mut x = Arc::try_unwrap(x)
+                    .map_err(|_| fail(format!("`{tensor}` is read elsewhere before its sum")))?;
+                self.dev
+                    .all_reduce_act(self.comm.as_mut(), &g, axis, &mut x)?;
+                t.acts.insert(key, Arc::new(x));
+            }
+            (Target::ActivationGrad { tensor }, CollectiveKind::AllReduce) => {
+                let key = (l, tensor.clone());
+                if let Some(mut p) = t.partial.remove(&key) {
+                    self.dev
+                        .all_reduce_act(self.comm.as_mut(), &g, axis, &mut p)?;
+                    self.add_grad(t, l, tensor.clone(), p)?;
+                } else {
+                    let x = t
+                        .grads
+                        .get_mut(&key)
+                        .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
+                    self.dev.all_reduce_act(self.comm.as_mut(), &g, axis, x)?;
+                }
+            }
+            // The statistics are summed in the forward; the backward reads them.
+            (Target::LossStat { .. }, CollectiveKind::AllReduce) if backward => return Ok(()),
+            (Target::LossStat { op, stat }, CollectiveKind::AllReduce) => {
+                self.loss_collective(op, *stat, &g, axis, l, t)?
+            }
+            _ => {
+                return Err(fail(format!(
+                    "{kind:?} of `{target}` is not a collective the device interpreter runs"
+                )))
+            }
+        }
+        let args = serde_json::json!({"step": self.step_no, "tensor": target.to_string()});
+        self.span(m0, format!("{kind:?} {axis}"), "comm", args)
+    }
+
+    /// Sums one statistic of a vocabulary-parallel loss over the tensor axis, then
+    /// takes the loss's next step: after the maxima (whose sum becomes their mean,
+    /// a common shift exact for any value) each rank's sum of exponentials and
+    /// target logit; after the target logits the loss and this rank's slice of the
+    /// logits' gradient.
+    fn loss_collective(
+        &mut self,
+        name: &str,
+        stat: LossStat,
+        g: &Group,
+        axis: &str,
+        l: u64,
+        t: &mut Task<D>,
+    ) -> Result<(), RankError> {
+        let op = self.find_op(name)?;
+        if !matches!(op.kind, OpKind::CrossEntropy { .. }) {
+            return Err(fail(format!("`{name}` is not a cross-entropy op")));
+        }
+        let key = (l, name.to_string(), stat);
+        let buf = t
+            .loss_stats
+            .remove(&key)
+            .ok_or_else(|| fail(format!("`{name}`: no {stat:?} to sum")))?;
+        let r = self
+            .dev
+            .all_reduce_start(self.comm.as_mut(), g, axis, buf)?;
+        let mut sum = self.dev.all_reduce_finish(self.comm.as_mut(), r)?;
+        let e = derr(name);
+        let logits = self.act(t, l, op.inputs[0])?;
+        let rows = self.seq_len * self.mbs;
+        let v_local = D::act_len(&logits) / rows.max(1);
+        let start = self.tp.rank * v_local;
+        match stat {
+            LossStat::Max => {
+                self.dev
+                    .f32_scale(&mut sum, 1.0 / g.size() as f32)
+                    .map_err(&e)?;
+                let mut se = self.zeros_f32(rows)?;
+                let mut target = self.zeros_f32(rows)?;
+                self.dev
+                    .ce_sumexp_target(
+                        &logits,
+                        &t.labels,
+                        rows,
+                        v_local,
+                        start,
+                        &sum,
+                        &mut se,
+                        &mut target,
+                    )
+                    .map_err(&e)?;
+                t.loss_stats.insert((l, name.into(), LossStat::SumExp), se);
+                t.loss_stats
+                    .insert((l, name.into(), LossStat::Target), target);
+                t.loss_stats.insert(key, sum);
+            }
+            LossStat::SumExp => {
+                t.loss_stats.insert(key, sum);
+            }
+            LossStat::Target => {
+                let get = |s: LossStat| {
+                    t.loss_stats
+                        .get(&(l, name.to_string(), s))
+                        .ok_or_else(|| fail(format!("`{name}`: no summed {s:?}")))
+                };
+                let mut loss = self.zeros_f32(rows)?;
+                let mut d = self.zeros(D::act_len(&logits))?;
+                self.dev
+                    .ce_finish(
+                        &logits,
+                        &t.labels,
+                        rows,
+                        v_local,
+                        start,
+                        self.loss_scale() as f32,
+                        [get(LossStat::Max)?, get(LossStat::SumExp)?, &sum],
+                        &mut loss,
+                        &mut d,
+                    )
+                    .map_err(&e)?;
+                if self.tp.rank == 0 {
+                    self.losses.push(loss);
+                }
+                t.acts.insert((l, format!("{name}#dlogits")), Arc::new(d));
+                t.loss_stats.retain(|k, _| k.0 != l || k.1 != name);
+            }
+        }
+        Ok(())
+    }
+
     fn attention_dims(&self, op: &Op, rows: usize) -> Result<(AttnDims, usize), RankError> {
         let OpKind::Attention(a) = &op.kind else {
             return Err(fail(format!("`{}` is not an attention op", op.name)));
         };
         let b = self.mbs.max(1);
+        let (hq, hkv) = if op.role == TpRole::Replicated {
+            (a.heads as usize, a.kv_heads as usize)
+        } else {
+            let (hq, hkv, _) = local_heads(a.heads, a.kv_heads, self.tp);
+            (hq, hkv)
+        };
         let dims = AttnDims {
             batch: b,
             sq: rows / b,
             sk: rows / b,
-            hq: a.heads as usize,
-            hkv: a.kv_heads as usize,
+            hq,
+            hkv,
             d: a.qk_dim as usize,
             dv: a.v_dim as usize,
         };
@@ -972,13 +1202,40 @@ impl<'a, D: Device> DevRank<'a, D> {
             .ok_or_else(|| fail("rope feeds no attention op"))
     }
 
-    /// `(k, n)` of a matmul op (`y [rows, n] = x [rows, k] w`).
-    fn matmul_dims(&self, op: &Op) -> Result<(usize, usize), RankError> {
+    /// `(k, n)` of a matmul op (`y [rows, n] = x [rows, k] w`) on this rank's
+    /// slice `w` of the weight: a row-parallel op splits `k`, the others `n`.
+    fn matmul_dims(&self, op: &Op, w: &D::Act) -> Result<(usize, usize), RankError> {
         let shape = fixed_shape(self.graph.tensor(op.inputs[1]))?;
-        Ok(if crate::shard::weight_transposed(op) {
+        let (kf, nf) = if crate::shard::weight_transposed(op) {
             (shape[1], shape[0])
         } else {
             (shape[0], shape[1])
+        };
+        Ok(match op.role {
+            TpRole::RowParallel => (kf / self.tp.size, nf),
+            _ => (kf, D::act_len(w) / kf.max(1)),
+        })
+    }
+
+    /// This rank's columns of a SwiGLU op's output.
+    fn swiglu_width(&self, op: &Op) -> Result<usize, RankError> {
+        let full = *fixed_shape_tail(self.graph.tensor(op.outputs[0]))
+            .last()
+            .unwrap_or(&1);
+        Ok(if op.role == TpRole::Replicated {
+            full
+        } else {
+            full / self.tp.size
+        })
+    }
+
+    /// The first vocabulary row of this rank's slice of an embedding table.
+    fn vocab_start(&self, op: &Op) -> Result<usize, RankError> {
+        Ok(if op.role == TpRole::VocabEmbedding {
+            let v = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
+            self.tp.rank * v / self.tp.size
+        } else {
+            0
         })
     }
 
@@ -1026,7 +1283,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                 } else {
                     &t.tokens
                 };
-                dev.embedding_fwd(ids, self.weight(op.inputs[1], l)?, dim, &mut y)
+                let start = self.vocab_start(op)?;
+                dev.embedding_fwd(ids, self.weight(op.inputs[1], l)?, start, dim, &mut y)
                     .map_err(&e)?;
                 y
             }
@@ -1062,9 +1320,9 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
             OpKind::Matmul { .. } => {
                 let x = self.act(t, l, op.inputs[0])?;
-                let (kk, n) = self.matmul_dims(op)?;
-                let rows = D::act_len(&x) / kk.max(1);
                 let w = self.weight(op.inputs[1], l)?;
+                let (kk, n) = self.matmul_dims(op, w)?;
+                let rows = D::act_len(&x) / kk.max(1);
                 let mut y = self.zeros(rows * n)?;
                 let tb = if crate::shard::weight_transposed(op) {
                     Transpose::Yes
@@ -1073,9 +1331,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                 };
                 dev.matmul(Transpose::No, tb, rows, kk, n, &x, w, &mut y)
                     .map_err(&e)?;
+                // A row-parallel bias is added once, before the partial sums meet.
                 if let Some(&bid) = op.inputs.get(2) {
-                    dev.bias_add(&mut y, self.weight(bid, l)?, rows, n)
-                        .map_err(&e)?;
+                    if op.role != TpRole::RowParallel || self.tp.rank == 0 {
+                        dev.bias_add(&mut y, self.weight(bid, l)?, rows, n)
+                            .map_err(&e)?;
+                    }
                 }
                 y
             }
@@ -1104,9 +1365,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let x = self.act(t, l, op.inputs[0])?;
                 match kind {
                     MlpKind::Swiglu => {
-                        let f = *fixed_shape_tail(self.graph.tensor(op.outputs[0]))
-                            .last()
-                            .unwrap_or(&1);
+                        let f = self.swiglu_width(op)?;
                         let rows = D::act_len(&x) / (2 * f);
                         let mut y = self.zeros(rows * f)?;
                         dev.swiglu_fwd(&x, rows, f, &mut y).map_err(&e)?;
@@ -1136,6 +1395,16 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let logits = self.act(t, l, op.inputs[0])?;
                 let rows = self.seq_len * self.mbs;
                 let vocab = D::act_len(&logits) / rows.max(1);
+                if op.role == TpRole::VocabLoss && self.tp.size > 1 {
+                    // Each rank holds a slice of the vocabulary: the program's
+                    // collectives on the loss's statistics finish it
+                    // (`loss_collective`).
+                    let mut max = self.zeros_f32(rows)?;
+                    dev.ce_row_max(&logits, rows, vocab, &mut max).map_err(&e)?;
+                    t.loss_stats
+                        .insert((l, op.name.clone(), LossStat::Max), max);
+                    return Ok(());
+                }
                 let scale = self.loss_scale();
                 let mut loss = self.zeros_f32(rows)?;
                 let mut dlogits = self.zeros(D::act_len(&logits))?;
@@ -1150,8 +1419,11 @@ impl<'a, D: Device> DevRank<'a, D> {
                 )
                 .map_err(&e)?;
                 // Read at the end of the step: a download here would stall the
-                // launches of the backward behind the forward's kernels.
-                self.losses.push(loss);
+                // launches of the backward behind the forward's kernels. Every
+                // tensor rank computes the same loss; the first reports it.
+                if self.tp.rank == 0 {
+                    self.losses.push(loss);
+                }
                 // The backward is done: the gradient waits for the backward pass.
                 t.acts
                     .insert((l, format!("{}#dlogits", op.name)), Arc::new(dlogits));
@@ -1208,11 +1480,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                 } else {
                     &t.tokens
                 };
+                let start = self.vocab_start(op)?;
                 let dt = self
                     .wgrads
                     .get_mut(&key)
                     .ok_or_else(|| fail("embedding gradient missing"))?;
-                dev.embedding_bwd(ids, &dy, dim, dt).map_err(&e)?;
+                dev.embedding_bwd(ids, &dy, start, dim, dt).map_err(&e)?;
             }
             OpKind::Norm(kind) => {
                 let x = self.act(t, l, op.inputs[0])?;
@@ -1254,13 +1527,13 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
             OpKind::Matmul { .. } => {
                 let x = self.act(t, l, op.inputs[0])?;
-                let (kk, n) = self.matmul_dims(op)?;
-                let rows = D::act_len(&x) / kk.max(1);
                 let wkey = self.wkey(op.inputs[1], l)?;
                 let w = self
                     .compute
                     .get(&wkey)
                     .ok_or_else(|| fail("weight missing"))?;
+                let (kk, n) = self.matmul_dims(op, w)?;
+                let rows = D::act_len(&x) / kk.max(1);
                 let mut dx = self.zeros(rows * kk)?;
                 let dw = self
                     .wgrads
@@ -1286,7 +1559,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                         .ok_or_else(|| fail("bias gradient missing"))?;
                     dev.bias_grad(&dy, rows, n, db).map_err(&e)?;
                 }
-                self.add_grad(t, l, in0, dx)?;
+                // A split op's input gradient is partial until the program sums it.
+                if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) && self.tp.size > 1
+                {
+                    self.add_partial(t, l, in0, dx)?;
+                } else {
+                    self.add_grad(t, l, in0, dx)?;
+                }
             }
             OpKind::Rope => {
                 let dx = self.rope(op, &dy, true, t)?;
@@ -1323,9 +1602,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let mut dx = self.zeros(D::act_len(&x))?;
                 match kind {
                     MlpKind::Swiglu => {
-                        let f = *fixed_shape_tail(self.graph.tensor(op.outputs[0]))
-                            .last()
-                            .unwrap_or(&1);
+                        let f = self.swiglu_width(op)?;
                         let rows = D::act_len(&x) / (2 * f);
                         dev.swiglu_bwd(&x, &dy, rows, f, &mut dx).map_err(&e)?;
                     }
@@ -1652,8 +1929,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
         }
         Ok(crate::ckpt::RankSnapshot {
-            tp: crate::shard::TpPos::ONE,
-            ep: crate::shard::TpPos::ONE,
+            tp: self.tp,
+            ep: TpPos::ONE,
             pieces,
         })
     }

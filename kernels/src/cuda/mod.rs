@@ -168,8 +168,18 @@ impl KernelModule {
                 "add_bf16",
                 "add_bwd_bf16",
             ],
-            KernelModule::Cast => &["cast_f32_to_bf16", "cast_bf16_to_f32", "add_f32_into_bf16"],
-            KernelModule::Loss => &["ce_fused_bf16"],
+            KernelModule::Cast => &[
+                "cast_f32_to_bf16",
+                "cast_bf16_to_f32",
+                "add_f32_into_bf16",
+                "scale_f32",
+            ],
+            KernelModule::Loss => &[
+                "ce_fused_bf16",
+                "ce_row_max_bf16",
+                "ce_sumexp_target_bf16",
+                "ce_finish_bf16",
+            ],
             KernelModule::Adamw => &["adamw_f32"],
             KernelModule::Attention => &[
                 "attention_fwd_bf16_128",

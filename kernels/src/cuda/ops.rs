@@ -587,6 +587,119 @@ impl Gpu {
         )
     }
 
+    /// [`crate::cpu::ce_row_max`] on a bf16 shard of the logits (`max` overwritten).
+    pub fn ce_row_max(
+        &self,
+        logits: &CudaSlice<bf16>,
+        rows: usize,
+        v_local: usize,
+        max: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let (r, v) = self.ce_shard(logits, rows, v_local)?;
+        check_len("max", max.len(), rows)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(M::Loss, "ce_row_max_bf16")?;
+        launch!(self, f, per_row(rows, CE_THREADS, 0), [logits, &r, &v, max])
+    }
+
+    /// [`crate::cpu::ce_row_sumexp`] and [`crate::cpu::ce_target_logit`] of one
+    /// shard in one pass (`sumexp`, `target` overwritten).
+    #[allow(clippy::too_many_arguments)]
+    pub fn ce_sumexp_target(
+        &self,
+        logits: &CudaSlice<bf16>,
+        labels: &CudaSlice<u32>,
+        rows: usize,
+        v_local: usize,
+        vocab_start: usize,
+        max: &CudaSlice<f32>,
+        sumexp: &mut CudaSlice<f32>,
+        target: &mut CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let (r, v) = self.ce_shard(logits, rows, v_local)?;
+        for (what, n) in [("labels", labels.len()), ("max", max.len())] {
+            check_len(what, n, rows)?;
+        }
+        check_len("sumexp", sumexp.len(), rows)?;
+        check_len("target", target.len(), rows)?;
+        let start = int("vocab_start", vocab_start)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(M::Loss, "ce_sumexp_target_bf16")?;
+        launch!(
+            self,
+            f,
+            per_row(rows, CE_THREADS, 0),
+            [logits, labels, &r, &v, &start, max, sumexp, target]
+        )
+    }
+
+    /// [`crate::cpu::ce_loss`] and [`crate::cpu::ce_bwd`] of one shard from the
+    /// statistics summed over every shard (`loss`, `dlogits` overwritten).
+    #[allow(clippy::too_many_arguments)]
+    pub fn ce_finish(
+        &self,
+        logits: &CudaSlice<bf16>,
+        labels: &CudaSlice<u32>,
+        rows: usize,
+        v_local: usize,
+        vocab_start: usize,
+        scale: f32,
+        [max, sumexp, target]: [&CudaSlice<f32>; 3],
+        loss: &mut CudaSlice<f32>,
+        dlogits: &mut CudaSlice<bf16>,
+    ) -> Result<(), GpuError> {
+        let (r, v) = self.ce_shard(logits, rows, v_local)?;
+        for (what, n) in [
+            ("labels", labels.len()),
+            ("max", max.len()),
+            ("sumexp", sumexp.len()),
+            ("target", target.len()),
+        ] {
+            check_len(what, n, rows)?;
+        }
+        check_len("loss", loss.len(), rows)?;
+        check_len("dlogits", dlogits.len(), logits.len())?;
+        let start = int("vocab_start", vocab_start)?;
+        if rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(M::Loss, "ce_finish_bf16")?;
+        launch!(
+            self,
+            f,
+            per_row(rows, CE_THREADS, 0),
+            [logits, labels, &r, &v, &start, &scale, max, sumexp, target, loss, dlogits]
+        )
+    }
+
+    /// Checks a shard `logits [rows, v_local]`; its sizes as the kernels take them.
+    fn ce_shard(
+        &self,
+        logits: &CudaSlice<bf16>,
+        rows: usize,
+        v_local: usize,
+    ) -> Result<(i32, i32), GpuError> {
+        if v_local == 0 {
+            return Err(invalid("v_local", "must be positive").into());
+        }
+        check_len("logits", logits.len(), prod("logits", &[rows, v_local])?)?;
+        Ok((int("rows", rows)?, int("v_local", v_local)?))
+    }
+
+    /// `x *= a`.
+    pub fn scale_f32(&self, x: &mut CudaSlice<f32>, a: f32) -> Result<(), GpuError> {
+        let n = long("x", x.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(M::Cast, "scale_f32")?;
+        launch!(self, f, self.elementwise(x.len()), [x, &n, &a])
+    }
+
     // === optimizer ===
 
     /// [`crate::cpu::adamw_step`] on fp32 `param`, `grad`, `m`, `v`, also writing

@@ -583,6 +583,124 @@ fn gpu_fused_cross_entropy_matches_cpu() {
     }
 }
 
+/// The vocabulary-parallel cross-entropy over two shards, each on its own buffers,
+/// with the statistics summed between the parts as the program sums them over the
+/// tensor ranks (the maxima's sum halved to their mean).
+#[test]
+fn gpu_sharded_cross_entropy_matches_cpu() {
+    let Some(gpu) = gpu_or_skip("gpu_sharded_cross_entropy_matches_cpu") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(109);
+    // 25_129 per shard (GPT-2's 50_257 padded to 50_258 over two): unaligned rows.
+    for (rows, v_local) in [(5, 25_129), (4, 16_000), (3, 7)] {
+        let shards: Vec<Vec<f32>> = (0..2)
+            .map(|_| {
+                round_bf16(
+                    &rng.vec(rows * v_local)
+                        .iter()
+                        .map(|v| 6.0 * v)
+                        .collect::<Vec<_>>(),
+                )
+            })
+            .collect();
+        let mut labels: Vec<u32> = (0..rows)
+            .map(|_| rng.below(2 * v_local as u64) as u32)
+            .collect();
+        labels[0] = 2 * v_local as u32 + 3; // no shard holds it
+        let scale = 1.0 / rows as f32;
+        let sum = |parts: &[Vec<f32>]| -> Vec<f32> {
+            (0..rows).map(|r| parts[0][r] + parts[1][r]).collect()
+        };
+        // The CPU's parts.
+        let maxes: Vec<Vec<f32>> = shards
+            .iter()
+            .map(|l| {
+                let mut m = vec![0.0; rows];
+                cpu::ce_row_max(l, rows, v_local, &mut m).unwrap();
+                m
+            })
+            .collect();
+        let max: Vec<f32> = sum(&maxes).iter().map(|m| m * 0.5).collect();
+        let (mut ses, mut tgs) = (Vec::new(), Vec::new());
+        for (i, l) in shards.iter().enumerate() {
+            let (mut se, mut tg) = (vec![0.0; rows], vec![0.0; rows]);
+            cpu::ce_row_sumexp(l, rows, v_local, &max, &mut se).unwrap();
+            cpu::ce_target_logit(l, &labels, rows, v_local, i * v_local, &mut tg).unwrap();
+            ses.push(se);
+            tgs.push(tg);
+        }
+        let (se, tg) = (sum(&ses), sum(&tgs));
+        let mut want_loss = vec![0.0; rows];
+        cpu::ce_loss(&max, &se, &tg, &mut want_loss).unwrap();
+        // The GPU's, shard by shard.
+        let g_labels = dev.u(&labels);
+        let mut g_max = Vec::new();
+        for l in &shards {
+            let mut m = dev.f(&vec![1.0; rows]);
+            gpu.ce_row_max(&dev.b(l), rows, v_local, &mut m).unwrap();
+            g_max.push(dev.gf(&m));
+        }
+        close("ce shard max", &g_max[0], &maxes[0], 0.0, 0.0);
+        close("ce shard max", &g_max[1], &maxes[1], 0.0, 0.0);
+        let mut g_mean = dev.f(&sum(&g_max));
+        gpu.scale_f32(&mut g_mean, 0.5).unwrap();
+        close("scale", &dev.gf(&g_mean), &max, 0.0, 0.0);
+        let (mut g_se, mut g_tg) = (Vec::new(), Vec::new());
+        for (i, l) in shards.iter().enumerate() {
+            let (mut a, mut b) = (dev.f(&vec![1.0; rows]), dev.f(&vec![1.0; rows]));
+            gpu.ce_sumexp_target(
+                &dev.b(l),
+                &g_labels,
+                rows,
+                v_local,
+                i * v_local,
+                &g_mean,
+                &mut a,
+                &mut b,
+            )
+            .unwrap();
+            g_se.push(dev.gf(&a));
+            g_tg.push(dev.gf(&b));
+        }
+        close("ce shard sumexp", &g_se[0], &ses[0], 1e-4, 1e-4);
+        close("ce shard target", &g_tg[1], &tgs[1], 0.0, 0.0);
+        let stats = [dev.f(&max), dev.f(&sum(&g_se)), dev.f(&sum(&g_tg))];
+        for (i, l) in shards.iter().enumerate() {
+            let mut want_d = vec![0.0; rows * v_local];
+            cpu::ce_bwd(
+                l,
+                rows,
+                v_local,
+                &max,
+                &se,
+                &labels,
+                i * v_local,
+                scale,
+                &mut want_d,
+            )
+            .unwrap();
+            let mut loss = dev.f(&vec![0.0; rows]);
+            let mut d = dev.b(&vec![1.0; rows * v_local]);
+            gpu.ce_finish(
+                &dev.b(l),
+                &g_labels,
+                rows,
+                v_local,
+                i * v_local,
+                scale,
+                [&stats[0], &stats[1], &stats[2]],
+                &mut loss,
+                &mut d,
+            )
+            .unwrap();
+            close("ce shard loss", &dev.gf(&loss), &want_loss, 1e-4, 1e-4);
+            close("ce shard dlogits", &dev.gb(&d), &want_d, 1e-6, BF16_RTOL);
+        }
+    }
+}
+
 #[test]
 fn gpu_adamw_matches_cpu_and_writes_the_bf16_copy() {
     let Some(gpu) = gpu_or_skip("gpu_adamw_matches_cpu") else {
