@@ -125,6 +125,10 @@ run plan-tiny-tp2 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-
     --config dp=4,tp=2,pp=1,cp=1,sp=false,zero=1 -o "$OUTDIR/tiny-dp4tp2.json" --quiet
 run run-check-tp2 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp4tp2.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=4 tp=2 ZeRO-1)" PASS; else result "run --backend cuda --check (device, dp=4 tp=2 ZeRO-1)" FAIL; fi
+run plan-tiny-sp 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
+    --config dp=4,tp=2,pp=1,cp=1,sp=true -o "$OUTDIR/tiny-dp4tp2sp.json" --quiet
+run run-check-sp 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp4tp2sp.json" --backend cuda --steps 5 --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=4 tp=2 sp)" PASS; else result "run --backend cuda --check (device, dp=4 tp=2 sp)" FAIL; fi
 
 # --- 2c'. a plan the device interpreter does not take (pp with tp): the general
 # interpreter with its kernels on the GPU through host staging, --check as above

@@ -94,10 +94,10 @@ fn device_interpreter_reproduces_the_general_one_bit_for_bit() {
     check(&gpt2, "dp=2 in 10k-parameter buckets", p);
 }
 
-/// Tensor parallelism on the device interpreter: split weights and heads, the
-/// program's sums of activations and input gradients, a vocabulary-parallel table
-/// and loss; every step's loss, every rank's weights and bytes as the general
-/// interpreter's.
+/// Tensor parallelism on the device interpreter, with and without sequence
+/// parallelism: split weights and heads, the program's sums, scatters and gathers
+/// of activations and input gradients, a vocabulary-parallel table and loss; every
+/// step's loss, every rank's weights and bytes as the general interpreter's.
 #[test]
 fn device_interpreter_runs_tensor_parallel_plans_bit_for_bit() {
     let llama = model("tiny-gpt");
@@ -107,13 +107,30 @@ fn device_interpreter_runs_tensor_parallel_plans_bit_for_bit() {
         "tp=2,sp=false,mbs=1,recompute=full",
         "dp=2,tp=2,sp=false,recompute=selective",
         "dp=2,tp=2,sp=false,zero=1",
+        // Sequence parallelism: norms and residuals on a block of rows, gathered
+        // for the split matmuls, scattered after them; the norms' gradients summed
+        // over the tensor axis in the step.
+        "tp=2,sp=true",
+        "dp=2,tp=2,sp=true,mbs=1",
+        "tp=2,sp=true,mbs=1,recompute=full",
+        "dp=2,tp=2,sp=true,zero=1",
+        "dp=2,tp=2,sp=true,zero=2,recompute=selective",
     ] {
-        check(&llama, cfg, plan(&llama, cfg));
+        let p = plan(&llama, cfg);
+        assert_eq!(p.strategy.sp, cfg.contains("sp=true"), "{cfg}");
+        check(&llama, cfg, p);
     }
     // Biases on every matmul (a row-parallel one added by the first tensor rank
     // alone), LayerNorm, learned positions, the head tied to the token table.
     let gpt2 = gpt2_like();
-    for cfg in ["tp=2,sp=false", "dp=2,tp=2,sp=false,mbs=1", "tp=4,sp=false"] {
+    for cfg in [
+        "tp=2,sp=false",
+        "dp=2,tp=2,sp=false,mbs=1",
+        "tp=4,sp=false",
+        // The replicated position table looks up this rank's block of rows.
+        "tp=2,sp=true",
+        "dp=2,tp=4,sp=true,mbs=1",
+    ] {
         check(&gpt2, cfg, plan(&gpt2, cfg));
     }
 }
@@ -123,7 +140,6 @@ fn device_interpreter_names_what_it_does_not_run() {
     let m = model("tiny-gpt");
     let opts = TrainOptions::default();
     for (cfg, why) in [
-        ("tp=2,sp=true", "sequence parallelism"),
         ("pp=2,mbs=1", "splits `pp` 2 ways"),
         ("cp=2", "splits `cp` 2 ways"),
         ("dp=2,zero=3", "ZeRO-3"),
@@ -197,6 +213,7 @@ fn mixed_precision_stays_within_the_check_tolerances_and_a_wrong_run_does_not() 
         (gpt2_like(), "dp=2"),
         (model("tiny-gpt"), "dp=2,tp=2,sp=false"),
         (gpt2_like(), "tp=2,sp=false"),
+        (model("tiny-gpt"), "dp=2,tp=2,sp=true"),
     ] {
         let p = plan(&m, cfg);
         // A tensor-parallel run is compared with the single-rank run, sliced as

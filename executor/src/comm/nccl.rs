@@ -402,55 +402,93 @@ impl NcclComm {
         ready: &CudaEvent,
     ) -> Result<CudaEvent, CommError> {
         let n = buf.len();
-        self.all_reduce_on_stream(group, axis, (n, F32, 4), ready, |s| ptr_mut(buf, s, 0))
-    }
-
-    /// [`NcclComm::all_reduce_device_start`] on a bf16 buffer (tensor parallelism's
-    /// activations), summed in bf16 as NCCL sums it; its bytes are the bf16 ones.
-    pub fn all_reduce_bf16_device_start(
-        &mut self,
-        group: &Group,
-        axis: &str,
-        buf: &mut CudaSlice<bf16>,
-        ready: &CudaEvent,
-    ) -> Result<CudaEvent, CommError> {
-        let n = buf.len();
-        self.all_reduce_on_stream(group, axis, (n, BF16, 2), ready, |s| {
-            let (p, _g) = buf.device_ptr_mut(s);
-            p as *mut c_void
+        let kind = CommKind::AllReduce;
+        self.device_collective(kind, group, axis, ready, (F32, 4), (n, n), |s| {
+            let p = ptr_mut(buf, s, 0);
+            (p as *const c_void, p)
         })
     }
 
-    /// An in-place sum of `n` elements of `dtype` (`size` bytes each) at the pointer
-    /// `ptr` gives for the communication stream, after `ready`.
-    fn all_reduce_on_stream(
+    /// A collective on bf16 device buffers (tensor and sequence parallelism's
+    /// activations and their gradients), on the communication stream once `ready`
+    /// has passed: an in-place all-reduce of `dst` (`src` `None`), a reduce-scatter
+    /// of `src` into `dst`, or an all-gather of `src` into `dst`. Summed in bf16 as
+    /// NCCL sums it; bytes counted at two per element. The returned event marks its
+    /// end; the buffers stay alive and unwritten until it has passed.
+    pub fn bf16_device_start(
         &mut self,
+        kind: CommKind,
         group: &Group,
         axis: &str,
-        (n, dtype, size): (usize, sys::ncclDataType_t, u64),
+        src: Option<&CudaSlice<bf16>>,
+        dst: &mut CudaSlice<bf16>,
         ready: &CudaEvent,
-        ptr: impl FnOnce(&CudaStream) -> *mut c_void,
     ) -> Result<CudaEvent, CommError> {
-        let kind = CommKind::AllReduce;
+        let sizes = (src.map_or(dst.len(), |s| s.len()), dst.len());
+        self.device_collective(kind, group, axis, ready, (BF16, 2), sizes, |s| {
+            let (pd, _g) = dst.device_ptr_mut(s);
+            let ps = match src {
+                Some(x) => x.device_ptr(s).0,
+                None => pd,
+            };
+            (ps as *const c_void, pd as *mut c_void)
+        })
+    }
+
+    /// One all-reduce, reduce-scatter or all-gather of `dtype` (`size` bytes an
+    /// element) from `n_in` to `n_out` elements at the pointers `ptrs` gives for the
+    /// communication stream, after `ready`.
+    #[allow(clippy::too_many_arguments)] // the collective's shape, its buffers, and when
+    fn device_collective(
+        &mut self,
+        kind: CommKind,
+        group: &Group,
+        axis: &str,
+        ready: &CudaEvent,
+        (dtype, size): (sys::ncclDataType_t, u64),
+        (n_in, n_out): (usize, usize),
+        ptrs: impl FnOnce(&CudaStream) -> (*const c_void, *mut c_void),
+    ) -> Result<CudaEvent, CommError> {
+        let members = group.size();
+        match kind {
+            CommKind::AllReduce if n_in == n_out => {}
+            CommKind::ReduceScatter => args::reduce_scatter(members, n_in, n_out)?,
+            CommKind::AllGather => args::all_gather(members, n_in, n_out)?,
+            _ => {
+                return Err(CommError::Internal {
+                    detail: format!("{kind} of {n_in} into {n_out} elements on device buffers"),
+                })
+            }
+        }
         let (_, comm) = self.group_comm(group, kind, axis)?;
         let done = self.run(kind, |s| {
             s.stream
                 .wait(ready)
                 .map_err(|e| format!("waiting for the buffer's writer: {e:?}"))?;
-            if n > 0 {
-                let p = ptr(&s.stream);
-                // SAFETY: `p` points at `n` elements of `dtype`; the caller keeps the
-                // buffer alive and unwritten until the returned event has passed.
-                nccl_call("ncclAllReduce", unsafe {
-                    result::all_reduce(p, p, n, dtype, SUM, comm, s.raw_stream())
-                })?;
+            if n_out > 0 {
+                let (ps, pd) = ptrs(&s.stream);
+                let raw = s.raw_stream();
+                // SAFETY: `ps` holds `n_in` and `pd` `n_out` elements of `dtype`, as
+                // the collective's shape was checked above; the caller keeps both
+                // alive and unwritten until the returned event has passed.
+                let r = unsafe {
+                    match kind {
+                        CommKind::ReduceScatter => {
+                            result::reduce_scatter(ps, pd, n_out, dtype, SUM, comm, raw)
+                        }
+                        CommKind::AllGather => result::all_gather(ps, pd, n_in, dtype, comm, raw),
+                        _ => result::all_reduce(ps, pd, n_out, dtype, SUM, comm, raw),
+                    }
+                };
+                nccl_call(&format!("nccl {kind}"), r)?;
             }
             s.stream
                 .record_event(None)
-                .map_err(|e| format!("recording the reduction's end: {e:?}"))
+                .map_err(|e| format!("recording the collective's end: {e:?}"))
         })?;
-        let payload = n as u64 * size;
-        let (num, den) = ring_bytes(kind, group.size(), payload);
+        // Counted as the host collectives count them: the larger side's bytes.
+        let payload = n_in.max(n_out) as u64 * size;
+        let (num, den) = ring_bytes(kind, members, payload);
         self.counts.record(kind, axis, payload, num, den);
         Ok(done)
     }

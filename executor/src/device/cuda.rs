@@ -9,7 +9,7 @@
 //! positions from 0), `beta` 0 for an activation GEMM and 1 for a weight gradient.
 
 use super::{range_err, DResult, Device, DeviceError};
-use crate::comm::{CommError, Communicator, Group};
+use crate::comm::{CommError, CommKind, Communicator, Group};
 use meshplan_kernels::cpu::{AttnDims, Rope, Transpose};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DriverError};
@@ -64,6 +64,31 @@ impl CudaDevice {
     /// The GPU the device launches on.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// A bf16 collective through NCCL on NCCL's stream, after the work launched so
+    /// far; this stream, not the host, waits for its end.
+    fn act_collective(
+        &self,
+        comm: &mut dyn Communicator,
+        kind: CommKind,
+        group: &Group,
+        axis: &str,
+        src: Option<&CudaSlice<bf16>>,
+        dst: &mut CudaSlice<bf16>,
+    ) -> Result<(), CommError> {
+        let nccl = comm.as_nccl().ok_or_else(|| CommError::Internal {
+            detail: "a device collective without NCCL".into(),
+        })?;
+        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+        let ready = self.mark().map_err(internal)?;
+        let done = nccl.bf16_device_start(kind, group, axis, src, dst, &ready)?;
+        self.gpu
+            .stream()
+            .wait(&done)
+            .map_err(|e| CommError::Internal {
+                detail: format!("waiting for a {kind} of activations: {e:?}"),
+            })
     }
 }
 
@@ -517,20 +542,53 @@ impl Device for CudaDevice {
         axis: &str,
         x: &mut CudaSlice<bf16>,
     ) -> Result<(), CommError> {
-        let Some(nccl) = comm.as_nccl() else {
+        if comm.as_nccl().is_none() {
             // The in-process communicator (ranks sharing the GPU) sums on the host.
             return super::all_reduce_act_on_host(self, comm, group, axis, x);
-        };
-        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-        let ready = self.mark().map_err(internal)?;
-        let done = nccl.all_reduce_bf16_device_start(group, axis, x, &ready)?;
-        // The stream, not the host, waits for the sum.
-        self.gpu
-            .stream()
-            .wait(&done)
-            .map_err(|e| CommError::Internal {
-                detail: format!("waiting for an activation sum: {e:?}"),
-            })
+        }
+        self.act_collective(comm, CommKind::AllReduce, group, axis, None, x)
+    }
+    fn reduce_scatter_act(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        full: &CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CommError> {
+        if comm.as_nccl().is_none() {
+            return super::act_collective_on_host(
+                self,
+                comm,
+                CommKind::ReduceScatter,
+                group,
+                axis,
+                full,
+                out,
+            );
+        }
+        self.act_collective(comm, CommKind::ReduceScatter, group, axis, Some(full), out)
+    }
+    fn all_gather_act(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        local: &CudaSlice<bf16>,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CommError> {
+        if comm.as_nccl().is_none() {
+            return super::act_collective_on_host(
+                self,
+                comm,
+                CommKind::AllGather,
+                group,
+                axis,
+                local,
+                out,
+            );
+        }
+        self.act_collective(comm, CommKind::AllGather, group, axis, Some(local), out)
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(self.gpu.synchronize()?)

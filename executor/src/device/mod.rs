@@ -20,7 +20,7 @@
 //! weights (tests in [`train`]). The CUDA device differs from it only in the
 //! kernels, each of which is tested against its CPU reference.
 
-use crate::comm::{CommError, Communicator, Group};
+use crate::comm::{CommError, CommKind, Communicator, Group};
 use meshplan_kernels::cpu::{self as k, AttnDims, KernelError, Rope, Transpose};
 
 #[cfg(feature = "cuda")]
@@ -408,6 +408,32 @@ pub trait Device: Send + Sync {
         all_reduce_act_on_host(self, comm, group, axis, x)
     }
 
+    /// `out` = this member's rows of the sum of every member's `full` (sequence
+    /// parallelism's activations and input gradients). The default goes through
+    /// the host.
+    fn reduce_scatter_act(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        full: &Self::Act,
+        out: &mut Self::Act,
+    ) -> Result<(), CommError> {
+        act_collective_on_host(self, comm, CommKind::ReduceScatter, group, axis, full, out)
+    }
+    /// `out` = every member's `local`, in group order (sequence parallelism's
+    /// gathered activations and gradients). The default goes through the host.
+    fn all_gather_act(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        local: &Self::Act,
+        out: &mut Self::Act,
+    ) -> Result<(), CommError> {
+        act_collective_on_host(self, comm, CommKind::AllGather, group, axis, local, out)
+    }
+
     /// `out` = this member's part of the sum of every member's `buf` over `group`
     /// (ZeRO's gradient shards). The default goes through the host.
     fn reduce_scatter(
@@ -467,6 +493,27 @@ pub(crate) fn all_reduce_act_on_host<D: Device + ?Sized>(
     comm.all_reduce(group, axis, &mut host)?;
     let sum = dev.f32_upload(&host).map_err(internal)?;
     dev.to_act(&sum, x).map_err(internal)
+}
+
+/// [`Device::reduce_scatter_act`] or [`Device::all_gather_act`] through the host.
+pub(crate) fn act_collective_on_host<D: Device + ?Sized>(
+    dev: &D,
+    comm: &mut dyn Communicator,
+    kind: CommKind,
+    group: &Group,
+    axis: &str,
+    src: &D::Act,
+    out: &mut D::Act,
+) -> Result<(), CommError> {
+    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+    let host = dev.act_download(src).map_err(internal)?;
+    let mut got = vec![0.0; D::act_len(out)];
+    match kind {
+        CommKind::ReduceScatter => comm.reduce_scatter(group, axis, &host, &mut got)?,
+        _ => comm.all_gather(group, axis, &host, &mut got)?,
+    }
+    let up = dev.f32_upload(&got).map_err(internal)?;
+    dev.to_act(&up, out).map_err(internal)
 }
 
 /// The CPU reference kernels in fp32 behind the [`Device`] trait: the device
@@ -972,6 +1019,28 @@ impl<H: HostPrecision> Device for H {
         // The sum lands in a bf16 buffer on a GPU.
         H::round(x);
         Ok(())
+    }
+    fn reduce_scatter_act(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        full: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), CommError> {
+        comm.reduce_scatter(group, axis, full, out)?;
+        H::round(out);
+        Ok(())
+    }
+    fn all_gather_act(
+        &self,
+        comm: &mut dyn Communicator,
+        group: &Group,
+        axis: &str,
+        local: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> Result<(), CommError> {
+        comm.all_gather(group, axis, local, out)
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(())

@@ -33,8 +33,8 @@ use std::time::Instant;
 
 /// Why the device interpreter does not take `plan`, or `Ok`.
 /// What it takes: a training plan on one pipeline stage with no context or expert
-/// split, data and tensor parallelism (without sequence parallelism), ZeRO 0 to 2
-/// (or one data rank), no routed experts, no dropout.
+/// split, data and tensor parallelism (with or without sequence parallelism), ZeRO 0
+/// to 2 (or one data rank), no routed experts, no dropout.
 /// Checkpoints save and resume as on the general interpreter (the same files: either
 /// interpreter resumes the other's), and fine-tuning starts from a Hugging Face
 /// checkpoint.
@@ -49,13 +49,6 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
                  and tensor parallelism"
             ));
         }
-    }
-    if plan.strategy.sp && mesh_size(plan, "tp") > 1 {
-        return Err(
-            "sequence parallelism: the device interpreter keeps whole sequences on each \
-             tensor rank"
-                .into(),
-        );
     }
     let dp = mesh_size(plan, "dp");
     if plan.strategy.zero >= 3 && dp > 1 {
@@ -326,10 +319,16 @@ struct Task<D: Device> {
     partial: HashMap<(u64, String), D::Act>,
     /// A vocabulary-parallel loss's statistics between its collectives.
     loss_stats: HashMap<(u64, String, LossStat), D::F32>,
+    /// Sequence parallelism: activations gathered over the tensor axis for the ops
+    /// that read whole sequences.
+    gathered: HashMap<(u64, String), Arc<D::Act>>,
     tokens: D::Ids,
     labels: D::Ids,
     /// Each row's position in its sequence (rows are sequence-major).
     positions: D::Ids,
+    /// Sequence parallelism: this tensor rank's block of rows of `tokens` and
+    /// `positions`, which a replicated table looks up.
+    block: Option<(D::Ids, D::Ids)>,
 }
 
 /// A span on the device timeline, resolved at the end of the step.
@@ -352,6 +351,8 @@ struct DevRank<'a, D: Device> {
     dp_size: usize,
     /// This rank's place on the tensor axis.
     tp: TpPos,
+    /// Sequence parallelism over the tensor axis.
+    sp: bool,
     seq_len: usize,
     global_batch: usize,
     mbs: usize,
@@ -411,6 +412,13 @@ enum StepItem {
     Optimizer,
     /// ZeRO: all-gather of parameter bucket `i`, the parts each rank updated.
     AllGather(usize),
+    /// Sequence parallelism: the sum over the tensor axis of the gradients of the
+    /// weights each tensor rank saw only its block of rows for (norms).
+    SeqPartial {
+        group: Group,
+        axis: String,
+        keys: Vec<Key>,
+    },
 }
 
 /// A gradient bucket: a range of the flat gradient (weights in key order).
@@ -459,6 +467,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 rank: tp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
                 size: mesh_size(plan, "tp"),
             },
+            sp: plan.strategy.sp,
             seq_len: seq_len as usize,
             global_batch: global_batch as usize,
             mbs: plan.strategy.mbs as usize,
@@ -607,7 +616,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                     let mut layer = ch.layer_end;
                     // In the step's last backward, each gradient is final once the
                     // last op writing it has run.
-                    if Some(ti) == last_b && phase.chunks.len() == 1 {
+                    // (Not under sequence parallelism: some gradients are partial
+                    // until the step list sums them over the tensor axis.)
+                    let partial = self
+                        .step_plan
+                        .iter()
+                        .any(|s| matches!(s, StepItem::SeqPartial { .. }));
+                    if Some(ti) == last_b && phase.chunks.len() == 1 && !partial {
                         self.remaining = Some(self.uses.clone());
                     }
                     self.run_backward(&ch.backward, &mut t, &mut layer)?;
@@ -624,6 +639,12 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         for i in 0..self.step_plan.len() {
             let m0 = self.mark()?;
+            if let StepItem::SeqPartial { .. } = &self.step_plan[i] {
+                self.seq_partial_reduce(i)?;
+                let args = serde_json::json!({"step": step, "tensor": "seq_partial_grads"});
+                self.span(m0, "AllReduce tp".to_string(), "comm", args)?;
+                continue;
+            }
             match self.step_plan[i] {
                 StepItem::Bucket(b) => {
                     if self.in_flight[b].is_none() {
@@ -651,6 +672,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     let name = format!("ReduceScatter {}", bk.axis);
                     self.span(m0, name, "comm", args)?;
                 }
+                StepItem::SeqPartial { .. } => {}
                 StepItem::AllGather(b) => {
                     self.all_gather(b)?;
                     let bk = &self.gather[b];
@@ -779,10 +801,25 @@ impl<'a, D: Device> DevRank<'a, D> {
             grads: HashMap::new(),
             partial: HashMap::new(),
             loss_stats: HashMap::new(),
+            gathered: HashMap::new(),
+            block: match self.sp_block(s * b) {
+                Some(r) => Some((
+                    self.dev.ids_upload(&tokens[r.clone()]).map_err(&e)?,
+                    self.dev.ids_upload(&positions[r]).map_err(&e)?,
+                )),
+                None => None,
+            },
             tokens: self.dev.ids_upload(&tokens).map_err(&e)?,
             labels: self.dev.ids_upload(&labels).map_err(&e)?,
             positions: self.dev.ids_upload(&positions).map_err(&e)?,
         })
+    }
+
+    /// Under sequence parallelism, this tensor rank's block of a micro-batch's
+    /// `rows` (sequence-major, so a block of sequence positions).
+    fn sp_block(&self, rows: usize) -> Option<std::ops::Range<usize>> {
+        let c = rows / self.tp.size;
+        (self.sp && self.tp.size > 1).then(|| self.tp.rank * c..(self.tp.rank + 1) * c)
     }
 
     fn run_forward(
@@ -821,10 +858,16 @@ impl<'a, D: Device> DevRank<'a, D> {
                     }
                 }
                 Instr::Recompute { body } => self.run_forward(body, t, layer, cur)?,
-                Instr::Compute { name, .. } => {
+                Instr::Compute { name, outputs, .. } => {
                     let m0 = self.mark()?;
                     let op = self.find_op(name)?;
-                    self.forward_op(op, cur, t)?;
+                    // The rows the plan gives the output (a replicated table under
+                    // sequence parallelism looks up this rank's block alone).
+                    let out_rows = outputs.first().map_or(0, |t| {
+                        let n = t.shape.len();
+                        t.shape[..n.saturating_sub(1)].iter().product::<u64>() as usize
+                    });
+                    self.forward_op(op, cur, t, out_rows)?;
                     self.span(m0, name.clone(), "compute", self.op_args(cur))?;
                 }
                 Instr::Collective {
@@ -1054,6 +1097,51 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .all_reduce_act(self.comm.as_mut(), &g, axis, &mut x)?;
                 t.acts.insert(key, Arc::new(x));
             }
+            (Target::Activation { tensor }, CollectiveKind::ReduceScatter) => {
+                let key = (l, tensor.clone());
+                let full = t
+                    .acts
+                    .get(&key)
+                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
+                let mut out = self.zeros(D::act_len(full) / g.size())?;
+                self.dev
+                    .reduce_scatter_act(self.comm.as_mut(), &g, axis, full, &mut out)?;
+                t.acts.insert(key, Arc::new(out));
+            }
+            (Target::Activation { tensor }, CollectiveKind::AllGather) => {
+                let key = (l, tensor.clone());
+                let local = t
+                    .acts
+                    .get(&key)
+                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
+                let mut out = self.zeros(D::act_len(local) * g.size())?;
+                self.dev
+                    .all_gather_act(self.comm.as_mut(), &g, axis, local, &mut out)?;
+                t.gathered.insert(key, Arc::new(out));
+            }
+            (Target::ActivationGrad { tensor }, CollectiveKind::ReduceScatter) => {
+                let key = (l, tensor.clone());
+                let full = t
+                    .partial
+                    .remove(&key)
+                    .or_else(|| t.grads.remove(&key))
+                    .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
+                let mut out = self.zeros(D::act_len(&full) / g.size())?;
+                self.dev
+                    .reduce_scatter_act(self.comm.as_mut(), &g, axis, &full, &mut out)?;
+                self.add_grad(t, l, tensor.clone(), out)?;
+            }
+            (Target::ActivationGrad { tensor }, CollectiveKind::AllGather) => {
+                let key = (l, tensor.clone());
+                let local = t
+                    .grads
+                    .remove(&key)
+                    .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
+                let mut out = self.zeros(D::act_len(&local) * g.size())?;
+                self.dev
+                    .all_gather_act(self.comm.as_mut(), &g, axis, &local, &mut out)?;
+                t.grads.insert(key, out);
+            }
             (Target::ActivationGrad { tensor }, CollectiveKind::AllReduce) => {
                 let key = (l, tensor.clone());
                 if let Some(mut p) = t.partial.remove(&key) {
@@ -1217,6 +1305,45 @@ impl<'a, D: Device> DevRank<'a, D> {
         })
     }
 
+    /// The ids an embedding op looks up for `rows` rows: token ids, or each token's
+    /// position for a learned position table; a block of them under sequence
+    /// parallelism.
+    fn lookup_ids<'t>(
+        &self,
+        op: &Op,
+        t: &'t Task<D>,
+        rows: usize,
+    ) -> Result<&'t D::Ids, RankError> {
+        let positions = op.name.ends_with("positions");
+        let all = self.seq_len * self.mbs;
+        if rows == all {
+            return Ok(if positions { &t.positions } else { &t.tokens });
+        }
+        match &t.block {
+            Some((tokens, pos)) if self.sp_block(all).is_some_and(|r| r.len() == rows) => {
+                Ok(if positions { pos } else { tokens })
+            }
+            _ => Err(fail(format!(
+                "`{}`: {rows} rows are neither the micro-batch nor this rank's block",
+                op.name
+            ))),
+        }
+    }
+
+    /// The activation a column-parallel op reads: gathered over the tensor axis
+    /// under sequence parallelism.
+    fn act_gathered(
+        &self,
+        t: &Task<D>,
+        l: u64,
+        id: meshplan_ir::TensorId,
+    ) -> Result<Arc<D::Act>, RankError> {
+        match t.gathered.get(&(l, self.name_of(id))) {
+            Some(x) => Ok(Arc::clone(x)),
+            None => self.act(t, l, id),
+        }
+    }
+
     /// This rank's columns of a SwiGLU op's output.
     fn swiglu_width(&self, op: &Op) -> Result<usize, RankError> {
         let full = *fixed_shape_tail(self.graph.tensor(op.outputs[0]))
@@ -1262,7 +1389,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(y)
     }
 
-    fn forward_op(&mut self, op: &Op, l: u64, t: &mut Task<D>) -> Result<(), RankError> {
+    fn forward_op(
+        &mut self,
+        op: &Op,
+        l: u64,
+        t: &mut Task<D>,
+        out_rows: usize,
+    ) -> Result<(), RankError> {
         let out = op
             .outputs
             .first()
@@ -1276,13 +1409,14 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
                     .last()
                     .unwrap_or(&1);
-                let rows = self.seq_len * self.mbs;
-                let mut y = self.zeros(rows * dim)?;
-                let ids = if op.name.ends_with("positions") {
-                    &t.positions
+                let all = self.seq_len * self.mbs;
+                let rows = if out_rows > 0 && out_rows < all && op.role != TpRole::VocabEmbedding {
+                    out_rows
                 } else {
-                    &t.tokens
+                    all
                 };
+                let mut y = self.zeros(rows * dim)?;
+                let ids = self.lookup_ids(op, t, rows)?;
                 let start = self.vocab_start(op)?;
                 dev.embedding_fwd(ids, self.weight(op.inputs[1], l)?, start, dim, &mut y)
                     .map_err(&e)?;
@@ -1319,7 +1453,11 @@ impl<'a, D: Device> DevRank<'a, D> {
                 y
             }
             OpKind::Matmul { .. } => {
-                let x = self.act(t, l, op.inputs[0])?;
+                let x = if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) {
+                    self.act_gathered(t, l, op.inputs[0])?
+                } else {
+                    self.act(t, l, op.inputs[0])?
+                };
                 let w = self.weight(op.inputs[1], l)?;
                 let (kk, n) = self.matmul_dims(op, w)?;
                 let rows = D::act_len(&x) / kk.max(1);
@@ -1475,11 +1613,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .last()
                     .unwrap_or(&1);
                 let key = self.wkey(op.inputs[1], l)?;
-                let ids = if op.name.ends_with("positions") {
-                    &t.positions
-                } else {
-                    &t.tokens
-                };
+                let ids = self.lookup_ids(op, t, D::act_len(&dy) / dim.max(1))?;
                 let start = self.vocab_start(op)?;
                 let dt = self
                     .wgrads
@@ -1526,7 +1660,11 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.add_grad(t, l, in0, dx)?;
             }
             OpKind::Matmul { .. } => {
-                let x = self.act(t, l, op.inputs[0])?;
+                let x = if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) {
+                    self.act_gathered(t, l, op.inputs[0])?
+                } else {
+                    self.act(t, l, op.inputs[0])?
+                };
                 let wkey = self.wkey(op.inputs[1], l)?;
                 let w = self
                     .compute
@@ -1644,6 +1782,37 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         for instr in &self.phase()?.step {
             match instr {
+                Instr::Collective {
+                    kind: CollectiveKind::AllReduce,
+                    group,
+                    axis,
+                    target: Target::SeqPartialGrads,
+                    ..
+                } => {
+                    let group = self.groups.get(group).cloned().ok_or_else(|| {
+                        fail(format!("group `{group}` is not in the plan's mesh"))
+                    })?;
+                    let partial: Vec<&str> = self
+                        .graph
+                        .segments
+                        .iter()
+                        .flat_map(|seg| {
+                            meshplan_ir::graph::tp_partial_weights(self.graph, seg, true, false)
+                        })
+                        .map(|w| self.graph.tensor(w).name.as_str())
+                        .collect();
+                    let keys = self
+                        .master
+                        .keys()
+                        .filter(|(name, _)| partial.contains(&name.as_str()))
+                        .cloned()
+                        .collect();
+                    self.step_plan.push(StepItem::SeqPartial {
+                        group,
+                        axis: axis.name().to_string(),
+                        keys,
+                    });
+                }
                 Instr::Collective {
                     kind,
                     group,
@@ -1872,6 +2041,41 @@ impl<'a, D: Device> DevRank<'a, D> {
                 .get_mut(key)
                 .ok_or_else(|| fail("weight missing"))?;
             self.dev.f32_copy(&all, *dst, w, *src, *len).map_err(&e)?;
+        }
+        Ok(())
+    }
+
+    /// Sums the gradients of step item `i`'s weights over its group, as one flat
+    /// vector (one collective, as the plan counts it).
+    fn seq_partial_reduce(&mut self, i: usize) -> Result<(), RankError> {
+        let StepItem::SeqPartial { group, axis, keys } = &self.step_plan[i] else {
+            return Err(fail("not a sequence-parallel sum"));
+        };
+        let e = derr("seq_partial_grads");
+        let lens: Vec<usize> = keys
+            .iter()
+            .map(|k| self.wgrads.get(k).map(D::f32_len))
+            .collect::<Option<_>>()
+            .ok_or_else(|| fail("a partial gradient is missing"))?;
+        let mut flat = self.zeros_f32(lens.iter().sum())?;
+        let mut at = 0;
+        for (k, &n) in keys.iter().zip(&lens) {
+            let g = self.wgrads.get(k).ok_or_else(|| fail("gradient missing"))?;
+            self.dev.f32_copy(g, 0, &mut flat, at, n).map_err(&e)?;
+            at += n;
+        }
+        let r = self
+            .dev
+            .all_reduce_start(self.comm.as_mut(), group, axis, flat)?;
+        let flat = self.dev.all_reduce_finish(self.comm.as_mut(), r)?;
+        let mut at = 0;
+        for (k, &n) in keys.iter().zip(&lens) {
+            let g = self
+                .wgrads
+                .get_mut(k)
+                .ok_or_else(|| fail("gradient missing"))?;
+            self.dev.f32_copy(&flat, at, g, 0, n).map_err(&e)?;
+            at += n;
         }
         Ok(())
     }
