@@ -13,7 +13,8 @@
 # (every CUDA kernel against its CPU reference); the CUDA device's tests (its
 # methods against the host device's); `run --backend cuda --check` (tiny-gpt over 8
 # data-parallel ranks sharing the GPU, against the fp32 CPU reference within bf16
-# tolerances; and a tp=2 pp=2 plan through the general interpreter's host-staged GPU
+# tolerances; ZeRO-1; tp=2 with and without sp; tp=2 pp=2, all on the device
+# interpreter; cp=2, ep=2 and ZeRO-3 through the general interpreter's host-staged GPU
 # kernels); GPT-2 124M training on the GPU (tokens/s, MFU); the NCCL communicator tests
 # (world size 1, and 2 when two GPUs are visible) with REQUIRE_GPU=1; `meshplan
 # calibrate` (overlay.yaml); benches/python/torch_gpu.py (PyTorch bf16 matmul on the
@@ -130,14 +131,14 @@ run plan-tiny-sp 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-t
 run run-check-sp 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp4tp2sp.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=4 tp=2 sp)" PASS; else result "run --backend cuda --check (device, dp=4 tp=2 sp)" FAIL; fi
 
-# --- 2c'. a plan the device interpreter does not take (pp with tp): the general
-# interpreter with its kernels on the GPU through host staging, --check as above
+# Pipeline parallelism with tensor parallelism on the device interpreter.
 run plan-tiny-tp 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
     --config dp=2,tp=2,pp=2,mbs=1 -o "$OUTDIR/tiny-tp2pp2.json" --quiet
-run run-check-staged 150 "$B/bin/meshplan" run "$OUTDIR/tiny-tp2pp2.json" --backend cuda --steps 5 --check
-if [ "$rc" = 0 ]; then result "run --backend cuda --check (staged, tp=2 pp=2)" PASS; else result "run --backend cuda --check (staged)" FAIL; fi
-# The other modes the device interpreter does not take yet: context parallelism (ring
-# attention), expert parallelism (All-to-All of tokens), ZeRO-3 (per-layer gathers).
+run run-check-pp 150 "$B/bin/meshplan" run "$OUTDIR/tiny-tp2pp2.json" --backend cuda --steps 5 --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=2 tp=2 pp=2)" PASS; else result "run --backend cuda --check (device, dp=2 tp=2 pp=2)" FAIL; fi
+# --- 2c'. the modes the device interpreter does not take yet: context parallelism
+# (ring attention), expert parallelism (All-to-All of tokens), ZeRO-3 (per-layer
+# gathers): the general interpreter with its kernels on the GPU through host staging.
 for spec in "tiny-gpt cp=2,dp=2 cp2" "tiny-moe dp=2,ep=2 ep2" "tiny-gpt dp=4,zero=3 zero3"; do
     set -- $spec
     run "plan-$3" 30 "$B/bin/meshplan" plan "models/$1.yaml" topologies/cpu-test-mesh.yaml \

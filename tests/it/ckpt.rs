@@ -418,7 +418,12 @@ fn ckpt_device_and_general_interpreters_resume_each_other() {
     let device = |p: &Plan, o: &TrainOptions| {
         train_device(p, o, &|_| Ok(HostDevice)).unwrap_or_else(|e| panic!("{}: {e}", p.strategy))
     };
-    for cfg in ["dp=2", "dp=2,zero=1", "dp=2,tp=2,sp=false"] {
+    for cfg in [
+        "dp=2",
+        "dp=2,zero=1",
+        "dp=2,tp=2,sp=false",
+        "tp=2,pp=2,mbs=1,sp=true",
+    ] {
         let p = plan(&m, cfg);
         let whole = run(&p, &opts(6));
         type Trainer<'a> = &'a dyn Fn(&Plan, &TrainOptions) -> TrainReport;

@@ -135,15 +135,49 @@ fn device_interpreter_runs_tensor_parallel_plans_bit_for_bit() {
     }
 }
 
+/// Pipeline parallelism on the device interpreter: stage boundaries sent and
+/// received as device buffers (whole, or scattered over the tensor ranks and
+/// gathered), 1F1B, GPipe and interleaved schedules, a tied table summed between
+/// the first and the last stage; bit for bit with the general interpreter.
+#[test]
+fn device_interpreter_runs_pipeline_parallel_plans_bit_for_bit() {
+    let llama = model("tiny-gpt");
+    for cfg in [
+        "pp=2,mbs=1",
+        "dp=2,pp=2,mbs=1",
+        "pp=2,mbs=1,schedule=gpipe",
+        "tp=2,pp=2,mbs=1,sp=false",
+        "dp=2,tp=2,pp=2,mbs=1,sp=true,zero=1",
+        "pp=2,mbs=1,recompute=full",
+    ] {
+        check(&llama, cfg, plan(&llama, cfg));
+    }
+    let four = crate::executor::four_layers();
+    check(&four, "pp=2,vpp=2,mbs=1", plan(&four, "pp=2,vpp=2,mbs=1"));
+    let gpt2 = gpt2_like();
+    for cfg in ["pp=2,mbs=1", "dp=2,tp=2,pp=2,mbs=1,sp=true"] {
+        let p = plan(&gpt2, cfg);
+        let tied = p.programs.iter().flat_map(|pr| &pr.phases).any(|ph| {
+            ph.step.iter().any(|i| {
+                matches!(
+                    i,
+                    meshplan_ir::plan::Instr::Collective {
+                        target: meshplan_ir::plan::Target::TiedGrads,
+                        ..
+                    }
+                )
+            })
+        });
+        assert!(tied, "{cfg}: the tied table is summed between stages");
+        check(&gpt2, cfg, p);
+    }
+}
+
 #[test]
 fn device_interpreter_names_what_it_does_not_run() {
     let m = model("tiny-gpt");
     let opts = TrainOptions::default();
-    for (cfg, why) in [
-        ("pp=2,mbs=1", "splits `pp` 2 ways"),
-        ("cp=2", "splits `cp` 2 ways"),
-        ("dp=2,zero=3", "ZeRO-3"),
-    ] {
+    for (cfg, why) in [("cp=2", "splits `cp` 2 ways"), ("dp=2,zero=3", "ZeRO-3")] {
         let p = plan(&m, cfg);
         let e = supported(&p).expect_err(cfg);
         assert!(e.contains(why), "{cfg}: {e}");
@@ -214,6 +248,7 @@ fn mixed_precision_stays_within_the_check_tolerances_and_a_wrong_run_does_not() 
         (model("tiny-gpt"), "dp=2,tp=2,sp=false"),
         (gpt2_like(), "tp=2,sp=false"),
         (model("tiny-gpt"), "dp=2,tp=2,sp=true"),
+        (model("tiny-gpt"), "dp=2,tp=2,pp=2,mbs=1,sp=true"),
     ] {
         let p = plan(&m, cfg);
         // A tensor-parallel run is compared with the single-rank run, sliced as

@@ -135,7 +135,7 @@ fn dense_pp2_1f1b() {
 }
 
 /// tiny-gpt with 4 layers, so two stages can hold two chunks each.
-fn four_layers() -> Model {
+pub(crate) fn four_layers() -> Model {
     let text = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");
     let text = text.replace("layers: 2", "layers: 4");
     let spec =

@@ -435,6 +435,63 @@ impl NcclComm {
         })
     }
 
+    /// Pipeline parallelism's point to point on bf16 device buffers: sends
+    /// `buf[off..off + n]` to `peer` (`CommKind::Send`) or receives `n` elements
+    /// into `buf` from it (`CommKind::Recv`), on the communication stream after
+    /// `ready`; the returned event marks its end. Bytes counted at two per element,
+    /// as the host p2p counts its own.
+    #[allow(clippy::too_many_arguments)] // the transfer, its buffer, and when
+    pub fn p2p_bf16_device_start(
+        &mut self,
+        kind: CommKind,
+        peer: usize,
+        axis: &str,
+        buf: &mut CudaSlice<bf16>,
+        (off, n): (usize, usize),
+        ready: &CudaEvent,
+    ) -> Result<CudaEvent, CommError> {
+        self.check_peer(kind, peer)?;
+        self.check_aborted(kind, axis, "p2p")?;
+        if off + n > buf.len() || (kind == CommKind::Recv && off != 0) {
+            return Err(CommError::Internal {
+                detail: format!("{kind} of {off}..{} in {} elements", off + n, buf.len()),
+            });
+        }
+        let comm = self.world_comm.0;
+        let done = self.run(kind, |s| {
+            s.stream
+                .wait(ready)
+                .map_err(|e| format!("waiting for the buffer's writer: {e:?}"))?;
+            if n > 0 {
+                let (p, _g) = buf.device_ptr_mut(&s.stream);
+                let p = (p + (off * 2) as u64) as *mut c_void;
+                let raw = s.raw_stream();
+                // SAFETY: `p` points at `n` bf16 elements inside `buf` (checked
+                // above); the caller keeps `buf` alive and unwritten until the
+                // returned event has passed.
+                let r = unsafe {
+                    if kind == CommKind::Send {
+                        result::send(p, n, BF16, peer as i32, comm, raw)
+                    } else {
+                        result::recv(p, n, BF16, peer as i32, comm, raw)
+                    }
+                };
+                nccl_call(&format!("nccl {kind}"), r)?;
+            }
+            s.stream
+                .record_event(None)
+                .map_err(|e| format!("recording the transfer's end: {e:?}"))
+        })?;
+        let b = n as u64 * 2;
+        let sent = if kind == CommKind::Send {
+            u128::from(b)
+        } else {
+            0
+        };
+        self.counts.record(kind, axis, b, sent, 1);
+        Ok(done)
+    }
+
     /// One all-reduce, reduce-scatter or all-gather of `dtype` (`size` bytes an
     /// element) from `n_in` to `n_out` elements at the pointers `ptrs` gives for the
     /// communication stream, after `ready`.

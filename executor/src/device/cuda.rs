@@ -548,6 +548,57 @@ impl Device for CudaDevice {
         }
         self.act_collective(comm, CommKind::AllReduce, group, axis, None, x)
     }
+    fn send_act(
+        &self,
+        comm: &mut dyn Communicator,
+        peer: usize,
+        axis: &str,
+        x: &CudaSlice<bf16>,
+        range: (usize, usize),
+    ) -> Result<(), CommError> {
+        let Some(nccl) = comm.as_nccl() else {
+            return super::send_act_on_host(self, comm, peer, axis, x, range);
+        };
+        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+        let ready = self.mark().map_err(internal)?;
+        // NCCL reads the buffer; its API takes a mutable pointer for both ways.
+        let mut x = self
+            .gpu
+            .stream()
+            .clone_dtod(x)
+            .map_err(|e| CommError::Internal {
+                detail: format!("staging a send on the device: {e:?}"),
+            })?;
+        let done = nccl.p2p_bf16_device_start(CommKind::Send, peer, axis, &mut x, range, &ready)?;
+        // The copy is freed on this stream after the send.
+        self.gpu
+            .stream()
+            .wait(&done)
+            .map_err(|e| CommError::Internal {
+                detail: format!("waiting for a send: {e:?}"),
+            })
+    }
+    fn recv_act(
+        &self,
+        comm: &mut dyn Communicator,
+        peer: usize,
+        axis: &str,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), CommError> {
+        let Some(nccl) = comm.as_nccl() else {
+            return super::recv_act_on_host(self, comm, peer, axis, out);
+        };
+        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+        let ready = self.mark().map_err(internal)?;
+        let n = out.len();
+        let done = nccl.p2p_bf16_device_start(CommKind::Recv, peer, axis, out, (0, n), &ready)?;
+        self.gpu
+            .stream()
+            .wait(&done)
+            .map_err(|e| CommError::Internal {
+                detail: format!("waiting for a receive: {e:?}"),
+            })
+    }
     fn reduce_scatter_act(
         &self,
         comm: &mut dyn Communicator,

@@ -408,6 +408,30 @@ pub trait Device: Send + Sync {
         all_reduce_act_on_host(self, comm, group, axis, x)
     }
 
+    /// Sends `x[off..off + n]` to rank `peer` (pipeline parallelism's boundary,
+    /// or this tensor rank's slice of it). The default goes through the host.
+    fn send_act(
+        &self,
+        comm: &mut dyn Communicator,
+        peer: usize,
+        axis: &str,
+        x: &Self::Act,
+        (off, n): (usize, usize),
+    ) -> Result<(), CommError> {
+        send_act_on_host(self, comm, peer, axis, x, (off, n))
+    }
+    /// Receives `out` (its length) from rank `peer`. The default goes through the
+    /// host.
+    fn recv_act(
+        &self,
+        comm: &mut dyn Communicator,
+        peer: usize,
+        axis: &str,
+        out: &mut Self::Act,
+    ) -> Result<(), CommError> {
+        recv_act_on_host(self, comm, peer, axis, out)
+    }
+
     /// `out` = this member's rows of the sum of every member's `full` (sequence
     /// parallelism's activations and input gradients). The default goes through
     /// the host.
@@ -493,6 +517,38 @@ pub(crate) fn all_reduce_act_on_host<D: Device + ?Sized>(
     comm.all_reduce(group, axis, &mut host)?;
     let sum = dev.f32_upload(&host).map_err(internal)?;
     dev.to_act(&sum, x).map_err(internal)
+}
+
+/// [`Device::send_act`] through the host.
+pub(crate) fn send_act_on_host<D: Device + ?Sized>(
+    dev: &D,
+    comm: &mut dyn Communicator,
+    peer: usize,
+    axis: &str,
+    x: &D::Act,
+    (off, n): (usize, usize),
+) -> Result<(), CommError> {
+    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+    let host = dev.act_download(x).map_err(internal)?;
+    let part = host.get(off..off + n).ok_or_else(|| CommError::Internal {
+        detail: format!("sending {off}..{} of {}", off + n, host.len()),
+    })?;
+    comm.send(peer, axis, part)
+}
+
+/// [`Device::recv_act`] through the host.
+pub(crate) fn recv_act_on_host<D: Device + ?Sized>(
+    dev: &D,
+    comm: &mut dyn Communicator,
+    peer: usize,
+    axis: &str,
+    out: &mut D::Act,
+) -> Result<(), CommError> {
+    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+    let mut host = vec![0.0; D::act_len(out)];
+    comm.recv(peer, axis, &mut host)?;
+    let up = dev.f32_upload(&host).map_err(internal)?;
+    dev.to_act(&up, out).map_err(internal)
 }
 
 /// [`Device::reduce_scatter_act`] or [`Device::all_gather_act`] through the host.
@@ -1019,6 +1075,28 @@ impl<H: HostPrecision> Device for H {
         // The sum lands in a bf16 buffer on a GPU.
         H::round(x);
         Ok(())
+    }
+    fn send_act(
+        &self,
+        comm: &mut dyn Communicator,
+        peer: usize,
+        axis: &str,
+        x: &Vec<f32>,
+        (off, n): (usize, usize),
+    ) -> Result<(), CommError> {
+        let part = x.get(off..off + n).ok_or_else(|| CommError::Internal {
+            detail: format!("sending {off}..{} of {}", off + n, x.len()),
+        })?;
+        comm.send(peer, axis, part)
+    }
+    fn recv_act(
+        &self,
+        comm: &mut dyn Communicator,
+        peer: usize,
+        axis: &str,
+        out: &mut Vec<f32>,
+    ) -> Result<(), CommError> {
+        comm.recv(peer, axis, out)
     }
     fn reduce_scatter_act(
         &self,

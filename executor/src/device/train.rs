@@ -32,9 +32,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// Why the device interpreter does not take `plan`, or `Ok`.
-/// What it takes: a training plan on one pipeline stage with no context or expert
-/// split, data and tensor parallelism (with or without sequence parallelism), ZeRO 0
-/// to 2 (or one data rank), no routed experts, no dropout.
+/// What it takes: a training plan with no context or expert split: data, tensor
+/// (with or without sequence parallelism) and pipeline parallelism (any schedule),
+/// ZeRO 0 to 2 (or one data rank), no routed experts, no dropout.
 /// Checkpoints save and resume as on the general interpreter (the same files: either
 /// interpreter resumes the other's), and fine-tuning starts from a Hugging Face
 /// checkpoint.
@@ -43,10 +43,10 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
         return Err("not a training plan".into());
     }
     for (axis, size) in plan.mesh.axes.iter().zip(&plan.mesh.shape) {
-        if axis != "dp" && axis != "tp" && *size > 1 {
+        if !["dp", "tp", "pp"].contains(&axis.as_str()) && *size > 1 {
             return Err(format!(
-                "the mesh splits `{axis}` {size} ways; the device interpreter runs data \
-                 and tensor parallelism"
+                "the mesh splits `{axis}` {size} ways; the device interpreter runs data, \
+                 tensor and pipeline parallelism"
             ));
         }
     }
@@ -341,6 +341,7 @@ struct Pending<M> {
 }
 
 struct DevRank<'a, D: Device> {
+    plan: &'a Plan,
     dev: D,
     graph: &'a Graph,
     rank: usize,
@@ -349,6 +350,8 @@ struct DevRank<'a, D: Device> {
     groups: BTreeMap<String, Group>,
     dp_index: usize,
     dp_size: usize,
+    /// This rank's coordinates on the mesh (a pipeline peer differs in `pp`).
+    coords: Vec<u64>,
     /// This rank's place on the tensor axis.
     tp: TpPos,
     /// Sequence parallelism over the tensor axis.
@@ -412,12 +415,15 @@ enum StepItem {
     Optimizer,
     /// ZeRO: all-gather of parameter bucket `i`, the parts each rank updated.
     AllGather(usize),
-    /// Sequence parallelism: the sum over the tensor axis of the gradients of the
-    /// weights each tensor rank saw only its block of rows for (norms).
-    SeqPartial {
+    /// A sum of some weights' gradients over a group, as one flat vector: under
+    /// sequence parallelism over the tensor axis for the weights each tensor rank
+    /// saw only its block of rows for (norms); with a tied table split over
+    /// pipeline stages, between the first and the last stage.
+    SumGrads {
         group: Group,
         axis: String,
         keys: Vec<Key>,
+        tensor: &'static str,
     },
 }
 
@@ -455,6 +461,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let dp_axis = plan.mesh.axes.iter().position(|a| a == "dp");
         let tp_axis = plan.mesh.axes.iter().position(|a| a == "tp");
         let mut r = DevRank {
+            plan,
             dev,
             graph: &plan.graph,
             rank,
@@ -468,6 +475,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 size: mesh_size(plan, "tp"),
             },
             sp: plan.strategy.sp,
+            coords: entry.coords.clone(),
             seq_len: seq_len as usize,
             global_batch: global_batch as usize,
             mbs: plan.strategy.mbs as usize,
@@ -621,7 +629,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     let partial = self
                         .step_plan
                         .iter()
-                        .any(|s| matches!(s, StepItem::SeqPartial { .. }));
+                        .any(|s| matches!(s, StepItem::SumGrads { .. }));
                     if Some(ti) == last_b && phase.chunks.len() == 1 && !partial {
                         self.remaining = Some(self.uses.clone());
                     }
@@ -639,10 +647,11 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         for i in 0..self.step_plan.len() {
             let m0 = self.mark()?;
-            if let StepItem::SeqPartial { .. } = &self.step_plan[i] {
-                self.seq_partial_reduce(i)?;
-                let args = serde_json::json!({"step": step, "tensor": "seq_partial_grads"});
-                self.span(m0, "AllReduce tp".to_string(), "comm", args)?;
+            if let StepItem::SumGrads { axis, tensor, .. } = &self.step_plan[i] {
+                let args = serde_json::json!({"step": step, "tensor": tensor});
+                let name = format!("AllReduce {axis}");
+                self.sum_grads(i)?;
+                self.span(m0, name, "comm", args)?;
                 continue;
             }
             match self.step_plan[i] {
@@ -672,7 +681,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     let name = format!("ReduceScatter {}", bk.axis);
                     self.span(m0, name, "comm", args)?;
                 }
-                StepItem::SeqPartial { .. } => {}
+                StepItem::SumGrads { .. } => {}
                 StepItem::AllGather(b) => {
                     self.all_gather(b)?;
                     let bk = &self.gather[b];
@@ -877,6 +886,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                     target,
                     ..
                 } => self.collective(*kind, group, axis.name(), target, cur, t, false)?,
+                Instr::Send {
+                    peer_stage, bytes, ..
+                } => self.send_boundary(*peer_stage, *bytes, false)?,
+                Instr::Recv {
+                    peer_stage, bytes, ..
+                } => self.recv_boundary(*peer_stage, *bytes, false)?,
                 other => {
                     return Err(fail(format!(
                         "the device interpreter does not run {other:?} in a forward list"
@@ -894,16 +909,40 @@ impl<'a, D: Device> DevRank<'a, D> {
         layer: &mut u64,
     ) -> Result<(), RankError> {
         for instr in instrs {
-            let Instr::Segment {
-                name,
-                kind,
-                repeat,
-                body,
-            } = instr
-            else {
-                return Err(fail(format!(
-                    "the device interpreter does not run {instr:?} in a backward list"
-                )));
+            let (name, kind, repeat, body) = match instr {
+                Instr::Segment {
+                    name,
+                    kind,
+                    repeat,
+                    body,
+                } => (name, kind, repeat, body),
+                Instr::Send {
+                    peer_stage, bytes, ..
+                } => {
+                    self.send_boundary(*peer_stage, *bytes, true)?;
+                    continue;
+                }
+                Instr::Recv {
+                    peer_stage, bytes, ..
+                } => {
+                    self.recv_boundary(*peer_stage, *bytes, true)?;
+                    continue;
+                }
+                Instr::Collective {
+                    kind: CollectiveKind::AllGather,
+                    group,
+                    axis,
+                    target: Target::HiddenStatesGrad,
+                    ..
+                } => {
+                    self.gather_boundary(group, axis.name(), true)?;
+                    continue;
+                }
+                other => {
+                    return Err(fail(format!(
+                        "the device interpreter does not run {other:?} in a backward list"
+                    )))
+                }
             };
             let s = segment_index(self.graph, name)?;
             for _ in 0..*repeat {
@@ -1047,6 +1086,100 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(())
     }
 
+    /// The rank of stage `stage` at this rank's other coordinates.
+    fn peer(&self, stage: u64) -> Result<usize, RankError> {
+        let pp = self
+            .plan
+            .mesh
+            .axes
+            .iter()
+            .position(|a| a == "pp")
+            .ok_or_else(|| fail("the mesh has no pp axis"))?;
+        let mut coords = self.coords.clone();
+        coords[pp] = stage;
+        self.plan
+            .ranks
+            .iter()
+            .find(|r| r.coords == coords)
+            .map(|r| r.rank as usize)
+            .ok_or_else(|| fail(format!("no rank at {coords:?}")))
+    }
+
+    /// Elements of a boundary of `bytes` in the plan's dtype.
+    fn boundary_len(&self, bytes: f64) -> usize {
+        (bytes / self.plan.model.dtype.size_bytes() as f64) as usize
+    }
+
+    /// Sends the stage boundary (the hidden states forward, their gradient
+    /// backward) to stage `stage`: whole, or this tensor rank's slice of it when
+    /// the plan scatters the boundary over the tensor axis (the receiver gathers).
+    fn send_boundary(&mut self, stage: u64, bytes: f64, grad: bool) -> Result<(), RankError> {
+        let peer = self.peer(stage)?;
+        let n = self.boundary_len(bytes);
+        let m0 = self.mark()?;
+        let x: &D::Act = if grad {
+            self.grad_hidden.as_ref()
+        } else {
+            self.hidden.as_deref()
+        }
+        .ok_or_else(|| fail("no boundary to send"))?;
+        let len = D::act_len(x);
+        let off = if n == len {
+            0
+        } else if n * self.tp.size == len {
+            self.tp.rank * n
+        } else {
+            return Err(fail(format!(
+                "a boundary of {len} values cannot be sent as {n} per rank over tp={}",
+                self.tp.size
+            )));
+        };
+        self.dev
+            .send_act(self.comm.as_mut(), peer, "pp", x, (off, n))?;
+        let args = serde_json::json!({"step": self.step_no, "peer": peer, "elements": n});
+        self.span(m0, "Send pp".to_string(), "comm", args)
+    }
+
+    /// Receives the stage boundary from stage `stage`.
+    fn recv_boundary(&mut self, stage: u64, bytes: f64, grad: bool) -> Result<(), RankError> {
+        let peer = self.peer(stage)?;
+        let n = self.boundary_len(bytes);
+        let m0 = self.mark()?;
+        let mut x = self.zeros(n)?;
+        self.dev.recv_act(self.comm.as_mut(), peer, "pp", &mut x)?;
+        if grad {
+            self.grad_hidden = Some(x);
+        } else {
+            self.hidden = Some(Arc::new(x));
+        }
+        let args = serde_json::json!({"step": self.step_no, "peer": peer, "elements": n});
+        self.span(m0, "Recv pp".to_string(), "comm", args)
+    }
+
+    /// Gathers a boundary received in tensor-rank slices.
+    fn gather_boundary(&mut self, group: &str, axis: &str, grad: bool) -> Result<(), RankError> {
+        let g = self
+            .groups
+            .get(group)
+            .cloned()
+            .ok_or_else(|| fail(format!("group `{group}` is not in the plan's mesh")))?;
+        let local: &D::Act = if grad {
+            self.grad_hidden.as_ref()
+        } else {
+            self.hidden.as_deref()
+        }
+        .ok_or_else(|| fail("no boundary to gather"))?;
+        let mut out = self.zeros(D::act_len(local) * g.size())?;
+        self.dev
+            .all_gather_act(self.comm.as_mut(), &g, axis, local, &mut out)?;
+        if grad {
+            self.grad_hidden = Some(out);
+        } else {
+            self.hidden = Some(Arc::new(out));
+        }
+        Ok(())
+    }
+
     /// `partial[name] += g`: an input gradient the program has still to sum.
     fn add_partial(
         &self,
@@ -1118,6 +1251,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.dev
                     .all_gather_act(self.comm.as_mut(), &g, axis, local, &mut out)?;
                 t.gathered.insert(key, Arc::new(out));
+            }
+            (Target::HiddenStates, CollectiveKind::AllGather) => {
+                self.gather_boundary(group, axis, false)?
             }
             (Target::ActivationGrad { tensor }, CollectiveKind::ReduceScatter) => {
                 let key = (l, tensor.clone());
@@ -1786,31 +1922,37 @@ impl<'a, D: Device> DevRank<'a, D> {
                     kind: CollectiveKind::AllReduce,
                     group,
                     axis,
-                    target: Target::SeqPartialGrads,
+                    target: target @ (Target::SeqPartialGrads | Target::TiedGrads),
                     ..
                 } => {
                     let group = self.groups.get(group).cloned().ok_or_else(|| {
                         fail(format!("group `{group}` is not in the plan's mesh"))
                     })?;
-                    let partial: Vec<&str> = self
-                        .graph
-                        .segments
-                        .iter()
-                        .flat_map(|seg| {
-                            meshplan_ir::graph::tp_partial_weights(self.graph, seg, true, false)
-                        })
-                        .map(|w| self.graph.tensor(w).name.as_str())
-                        .collect();
+                    let (names, tensor) = if *target == Target::TiedGrads {
+                        (self.tied_names(), "grads:tied")
+                    } else {
+                        let names = self
+                            .graph
+                            .segments
+                            .iter()
+                            .flat_map(|seg| {
+                                meshplan_ir::graph::tp_partial_weights(self.graph, seg, true, false)
+                            })
+                            .map(|w| self.graph.tensor(w).name.clone())
+                            .collect();
+                        (names, "seq_partial_grads")
+                    };
                     let keys = self
                         .master
                         .keys()
-                        .filter(|(name, _)| partial.contains(&name.as_str()))
+                        .filter(|(name, _)| names.contains(name))
                         .cloned()
                         .collect();
-                    self.step_plan.push(StepItem::SeqPartial {
+                    self.step_plan.push(StepItem::SumGrads {
                         group,
                         axis: axis.name().to_string(),
                         keys,
+                        tensor,
                     });
                 }
                 Instr::Collective {
@@ -2045,13 +2187,39 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(())
     }
 
+    /// The weights embedding and head share (a tied table).
+    fn tied_names(&self) -> Vec<String> {
+        let weights_of = |kind: SegmentKind| -> Vec<String> {
+            self.graph
+                .segments
+                .iter()
+                .filter(|s| s.kind == kind)
+                .flat_map(|s| &s.ops)
+                .flat_map(|o| o.inputs.iter().copied())
+                .filter(|&t| self.graph.tensor(t).kind == TensorKind::Weight)
+                .map(|t| self.graph.tensor(t).name.clone())
+                .collect()
+        };
+        let head = weights_of(SegmentKind::Head);
+        weights_of(SegmentKind::Embed)
+            .into_iter()
+            .filter(|w| head.contains(w))
+            .collect()
+    }
+
     /// Sums the gradients of step item `i`'s weights over its group, as one flat
     /// vector (one collective, as the plan counts it).
-    fn seq_partial_reduce(&mut self, i: usize) -> Result<(), RankError> {
-        let StepItem::SeqPartial { group, axis, keys } = &self.step_plan[i] else {
-            return Err(fail("not a sequence-parallel sum"));
+    fn sum_grads(&mut self, i: usize) -> Result<(), RankError> {
+        let StepItem::SumGrads {
+            group,
+            axis,
+            keys,
+            tensor,
+        } = &self.step_plan[i]
+        else {
+            return Err(fail("not a sum of gradients"));
         };
-        let e = derr("seq_partial_grads");
+        let e = derr(tensor);
         let lens: Vec<usize> = keys
             .iter()
             .map(|k| self.wgrads.get(k).map(D::f32_len))
