@@ -54,7 +54,7 @@ impl Engine {
     }
 
     /// The engine for `plan`: the device interpreter takes dense data-, tensor- and
-    /// pipeline-parallel plans; on the GPU the others run staged through the host (the second
+    /// pipeline-parallel plans, ZeRO 0 to 3; on the GPU the others run staged through the host (the second
     /// value says so), on `cpu-bf16` they are refused.
     pub fn for_plan(self, plan: &Plan) -> Result<(Engine, Option<String>), EngineError> {
         match (self, supported(plan)) {

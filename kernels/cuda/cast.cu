@@ -17,3 +17,8 @@ extern "C" __global__ void add_f32_into_bf16(const float* x, i64 n, bf16* y) {
 extern "C" __global__ void scale_f32(float* x, i64 n, float a) {
     GRID_STRIDE(i, n) { x[i] *= a; }
 }
+
+// acc += x.
+extern "C" __global__ void add_f32(const float* x, i64 n, float* acc) {
+    GRID_STRIDE(i, n) { acc[i] += x[i]; }
+}

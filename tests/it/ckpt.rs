@@ -409,8 +409,8 @@ fn ckpt_run_flags_save_resume_and_exit_codes() {
 
 /// The device interpreter writes and reads the general interpreter's checkpoints:
 /// 3 steps saved by one, resumed to 6 by the other (and by itself), equal bit for
-/// bit to 6 uninterrupted steps, with and without ZeRO, and with weights split over
-/// tensor ranks.
+/// bit to 6 uninterrupted steps, with and without ZeRO (ZeRO-3 too), and with
+/// weights split over tensor ranks and pipeline stages.
 #[test]
 fn ckpt_device_and_general_interpreters_resume_each_other() {
     use meshplan_executor::device::{train::train_device, HostDevice};
@@ -423,6 +423,7 @@ fn ckpt_device_and_general_interpreters_resume_each_other() {
         "dp=2,zero=1",
         "dp=2,tp=2,sp=false",
         "tp=2,pp=2,mbs=1,sp=true",
+        "dp=2,zero=3",
     ] {
         let p = plan(&m, cfg);
         let whole = run(&p, &opts(6));

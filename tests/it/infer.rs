@@ -1292,7 +1292,13 @@ fn fine_tuning_starts_from_the_checkpoint_weights_on_any_sharding() {
     }
     // The device interpreter starts from the same checkpoint weights: bit for bit.
     use meshplan_executor::device::{train::train_device, HostDevice};
-    for cfg in ["dp=1", "dp=2,zero=1", "tp=2,sp=false", "pp=2,mbs=1"] {
+    for cfg in [
+        "dp=1",
+        "dp=2,zero=1",
+        "tp=2,sp=false",
+        "pp=2,mbs=1",
+        "dp=2,zero=3",
+    ] {
         let gpus = if cfg == "dp=1" { 1 } else { 2 };
         let plan = train_plan_of(&dir, cfg, gpus);
         let general = train(&plan, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));

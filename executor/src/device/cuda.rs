@@ -147,6 +147,9 @@ impl Device for CudaDevice {
     fn f32_scale(&self, x: &mut CudaSlice<f32>, a: f32) -> DResult<()> {
         Ok(self.gpu.scale_f32(x, a)?)
     }
+    fn f32_accumulate(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> DResult<()> {
+        Ok(self.gpu.add_f32(x, acc)?)
+    }
     fn f32_copy(
         &self,
         src: &CudaSlice<f32>,

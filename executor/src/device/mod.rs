@@ -96,6 +96,8 @@ pub trait Device: Send + Sync {
     fn f32_zero(&self, x: &mut Self::F32) -> DResult<()>;
     /// `x *= a`, element by element.
     fn f32_scale(&self, x: &mut Self::F32, a: f32) -> DResult<()>;
+    /// `acc += x`, element by element.
+    fn f32_accumulate(&self, acc: &mut Self::F32, x: &Self::F32) -> DResult<()>;
     /// `dst[dst_off..dst_off + n] = src[src_off..src_off + n]`.
     fn f32_copy(
         &self,
@@ -648,6 +650,13 @@ impl<H: HostPrecision> Device for H {
     }
     fn f32_scale(&self, x: &mut Vec<f32>, a: f32) -> DResult<()> {
         x.iter_mut().for_each(|v| *v *= a);
+        Ok(())
+    }
+    fn f32_accumulate(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> DResult<()> {
+        if acc.len() != x.len() {
+            return Err(range_err("accumulate"));
+        }
+        acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
         Ok(())
     }
     fn f32_copy(

@@ -34,7 +34,7 @@ use std::time::Instant;
 /// Why the device interpreter does not take `plan`, or `Ok`.
 /// What it takes: a training plan with no context or expert split: data, tensor
 /// (with or without sequence parallelism) and pipeline parallelism (any schedule),
-/// ZeRO 0 to 2 (or one data rank), no routed experts, no dropout.
+/// ZeRO 0 to 3, no routed experts, no dropout.
 /// Checkpoints save and resume as on the general interpreter (the same files: either
 /// interpreter resumes the other's), and fine-tuning starts from a Hugging Face
 /// checkpoint.
@@ -49,13 +49,6 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
                  tensor and pipeline parallelism"
             ));
         }
-    }
-    let dp = mesh_size(plan, "dp");
-    if plan.strategy.zero >= 3 && dp > 1 {
-        return Err(format!(
-            "ZeRO-{} shards the weights themselves; the device interpreter keeps them whole",
-            plan.strategy.zero
-        ));
     }
     let graph = &plan.graph;
     for op in graph.segments.iter().flat_map(|s| &s.ops) {
@@ -304,6 +297,9 @@ fn derr(what: &str) -> impl Fn(DeviceError) -> RankError + '_ {
     move |e| fail(format!("{what}: {e}"))
 }
 
+/// Weights laid out one after another in a flat vector: (weight, length).
+type Layout = Vec<(Key, usize)>;
+
 /// Query, key and value of an attention op, `[b, s, h, d]` each.
 type Qkv<D> = (<D as Device>::Act, <D as Device>::Act, <D as Device>::Act);
 
@@ -356,6 +352,8 @@ struct DevRank<'a, D: Device> {
     tp: TpPos,
     /// Sequence parallelism over the tensor axis.
     sp: bool,
+    /// ZeRO-3 over more than one data rank: segments gather their weights.
+    zero3: bool,
     seq_len: usize,
     global_batch: usize,
     mbs: usize,
@@ -401,6 +399,10 @@ struct DevRank<'a, D: Device> {
     /// the AdamW moments of each part it updates.
     shards: Vec<(usize, D::F32)>,
     shard_adam: BTreeMap<usize, (D::F32, D::F32)>,
+    /// ZeRO-3: each segment copy's reduce-scattered gradient part this step, and
+    /// the AdamW moments of the part of its flat vector this rank updates.
+    z3_grads: BTreeMap<(usize, u64), D::F32>,
+    z3_adam: BTreeMap<(usize, u64), (D::F32, D::F32)>,
     /// Resuming: each weight's saved AdamW moments, whole, until the optimizer's
     /// first step takes its parts of them.
     resume_moments: BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
@@ -475,6 +477,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 size: mesh_size(plan, "tp"),
             },
             sp: plan.strategy.sp,
+            zero3: plan.strategy.zero >= 3 && mesh_size(plan, "dp") > 1,
             coords: entry.coords.clone(),
             seq_len: seq_len as usize,
             global_batch: global_batch as usize,
@@ -507,6 +510,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             gather: Vec::new(),
             shards: Vec::new(),
             shard_adam: BTreeMap::new(),
+            z3_grads: BTreeMap::new(),
+            z3_adam: BTreeMap::new(),
             resume_moments: BTreeMap::new(),
         };
         r.init_weights()?;
@@ -593,6 +598,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         for g in self.wgrads.values_mut() {
             self.dev.f32_zero(g).map_err(derr("zero gradients"))?;
         }
+        self.z3_grads.clear();
         let phase = self.phase()?;
         let last_b = phase.schedule.iter().rposition(|t| t.pass == Pass::B);
         for (ti, task) in phase.schedule.iter().enumerate() {
@@ -1251,6 +1257,27 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.dev
                     .all_gather_act(self.comm.as_mut(), &g, axis, local, &mut out)?;
                 t.gathered.insert(key, Arc::new(out));
+            }
+            (Target::SegmentParams { segment, set }, CollectiveKind::AllGather)
+                if *set == ParamSet::Dense =>
+            {
+                self.zero3_gather(&g, axis, segment, l)?
+            }
+            (Target::SegmentGrads { segment, set }, CollectiveKind::ReduceScatter)
+                if *set == ParamSet::Dense =>
+            {
+                self.zero3_scatter(&g, axis, segment, l)?
+            }
+            (Target::SegmentSeqPartialGrads { segment }, CollectiveKind::AllReduce) => {
+                let s = segment_index(self.graph, segment)?;
+                let names = self.seq_partial_names(Some(s));
+                let keys: Vec<Key> = self
+                    .master
+                    .keys()
+                    .filter(|(name, layer)| *layer == l && names.contains(name))
+                    .cloned()
+                    .collect();
+                self.sum_grads_of(&g, axis, &keys, "segment_seq_partial_grads")?
             }
             (Target::HiddenStates, CollectiveKind::AllGather) => {
                 self.gather_boundary(group, axis, false)?
@@ -1931,16 +1958,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     let (names, tensor) = if *target == Target::TiedGrads {
                         (self.tied_names(), "grads:tied")
                     } else {
-                        let names = self
-                            .graph
-                            .segments
-                            .iter()
-                            .flat_map(|seg| {
-                                meshplan_ir::graph::tp_partial_weights(self.graph, seg, true, false)
-                            })
-                            .map(|w| self.graph.tensor(w).name.clone())
-                            .collect();
-                        (names, "seq_partial_grads")
+                        (self.seq_partial_names(None), "seq_partial_grads")
                     };
                     let keys = self
                         .master
@@ -2187,6 +2205,194 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(())
     }
 
+    /// ZeRO-3: the weights of one segment copy (those whose first user is in that
+    /// segment; a tied table belongs to the embedding), as the flat vector the data
+    /// ranks shard: (weight, length) in key order.
+    fn copy_layout(&self, segment: usize, l: u64) -> Vec<(Key, usize)> {
+        let name = &self.graph.segments[segment].name;
+        let first_user = |w: &str| {
+            self.graph.segments.iter().find(|seg| {
+                seg.ops
+                    .iter()
+                    .any(|op| op.inputs.iter().any(|&t| self.graph.tensor(t).name == w))
+            })
+        };
+        self.master
+            .iter()
+            .filter(|((w, layer), _)| *layer == l && first_user(w).is_some_and(|s| s.name == *name))
+            .map(|(k, m)| (k.clone(), D::f32_len(m)))
+            .collect()
+    }
+
+    /// This rank's part `(start, len)` of a flat vector of `total` over `g`.
+    fn part_of(&self, g: &Group, total: usize) -> Result<(usize, usize), RankError> {
+        let n = g.size();
+        if !total.is_multiple_of(n) {
+            return Err(fail(format!(
+                "{total} parameters of a segment do not split over {n} ranks"
+            )));
+        }
+        let c = total / n;
+        Ok((self.index_in(g)? * c, c))
+    }
+
+    /// ZeRO-3's gather of one segment copy's weights before its forward or
+    /// backward: each rank's updated part of the fp32 masters, then the compute
+    /// copies refreshed.
+    fn zero3_gather(
+        &mut self,
+        g: &Group,
+        axis: &str,
+        segment: &str,
+        l: u64,
+    ) -> Result<(), RankError> {
+        let s = segment_index(self.graph, segment)?;
+        let layout = self.copy_layout(s, l);
+        let total: usize = layout.iter().map(|(_, n)| n).sum();
+        let (start, c) = self.part_of(g, total)?;
+        let e = derr(segment);
+        let mut mine = self.zeros_f32(c)?;
+        for (key, src, dst, len) in pieces_of(&layout, start, start + c) {
+            let w = self
+                .master
+                .get(&key)
+                .ok_or_else(|| fail("weight missing"))?;
+            self.dev.f32_copy(w, src, &mut mine, dst, len).map_err(&e)?;
+        }
+        let mut all = self.zeros_f32(total)?;
+        self.dev
+            .all_gather(self.comm.as_mut(), g, axis, &mine, &mut all)?;
+        for (key, src, dst, len) in pieces_of(&layout, 0, total) {
+            let w = self
+                .master
+                .get_mut(&key)
+                .ok_or_else(|| fail("weight missing"))?;
+            self.dev.f32_copy(&all, dst, w, src, len).map_err(&e)?;
+            let c = self
+                .compute
+                .get_mut(&key)
+                .ok_or_else(|| fail("compute copy missing"))?;
+            self.dev.to_act(w, c).map_err(&e)?;
+        }
+        Ok(())
+    }
+
+    /// ZeRO-3's reduce-scatter of one segment copy's gradients after its
+    /// backward: this rank keeps (adds up, over micro-batches) its part of the sum,
+    /// and the whole gradients start again from zero.
+    fn zero3_scatter(
+        &mut self,
+        g: &Group,
+        axis: &str,
+        segment: &str,
+        l: u64,
+    ) -> Result<(), RankError> {
+        let s = segment_index(self.graph, segment)?;
+        let layout = self.copy_layout(s, l);
+        let total: usize = layout.iter().map(|(_, n)| n).sum();
+        let (_, c) = self.part_of(g, total)?;
+        let e = derr(segment);
+        let mut flat = self.zeros_f32(total)?;
+        for (key, src, dst, len) in pieces_of(&layout, 0, total) {
+            let gr = self
+                .wgrads
+                .get_mut(&key)
+                .ok_or_else(|| fail("gradient missing"))?;
+            self.dev
+                .f32_copy(gr, src, &mut flat, dst, len)
+                .map_err(&e)?;
+            self.dev.f32_zero(gr).map_err(&e)?;
+        }
+        let mut out = self.zeros_f32(c)?;
+        self.dev
+            .reduce_scatter(self.comm.as_mut(), g, axis, &flat, &mut out)?;
+        let acc = match self.z3_grads.entry((s, l)) {
+            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(self.dev.f32_zeros(c).map_err(&e)?)
+            }
+        };
+        self.dev.f32_accumulate(acc, &out).map_err(&e)
+    }
+
+    /// ZeRO-3's AdamW: each segment copy's part of the fp32 masters this rank owns,
+    /// with moments of that part alone.
+    fn optimizer_zero3(&mut self) -> Result<(), RankError> {
+        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
+        let step = self.step_no + 1;
+        let g = self
+            .groups
+            .get("dp")
+            .cloned()
+            .ok_or_else(|| fail("no dp group"))?;
+        let e = derr("adamw");
+        for (s, l) in segment_copies(self.graph, self.phase()?)? {
+            let l = l.unwrap_or(NO_LAYER);
+            let layout = self.copy_layout(s, l);
+            let total: usize = layout.iter().map(|(_, n)| n).sum();
+            if total == 0 {
+                continue;
+            }
+            let (start, c) = self.part_of(&g, total)?;
+            let pieces = pieces_of(&layout, start, start + c);
+            let mut param = self.zeros_f32(c)?;
+            for (key, src, dst, len) in &pieces {
+                let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
+                self.dev
+                    .f32_copy(w, *src, &mut param, *dst, *len)
+                    .map_err(&e)?;
+            }
+            if !self.z3_adam.contains_key(&(s, l)) {
+                let state = self.initial_moments(&pieces, c)?;
+                self.z3_adam.insert((s, l), state);
+            }
+            let grad = match self.z3_grads.remove(&(s, l)) {
+                Some(gr) => gr,
+                None => self.zeros_f32(c)?,
+            };
+            let mut scratch = self.zeros(c)?;
+            let (m, v) = self
+                .z3_adam
+                .get_mut(&(s, l))
+                .ok_or_else(|| fail("no AdamW state"))?;
+            self.dev
+                .adamw(
+                    &mut param,
+                    &grad,
+                    m,
+                    v,
+                    &mut scratch,
+                    step,
+                    self.opts.lr,
+                    (b1, b2, eps, wd),
+                )
+                .map_err(&e)?;
+            for (key, src, dst, len) in &pieces {
+                let w = self
+                    .master
+                    .get_mut(key)
+                    .ok_or_else(|| fail("weight missing"))?;
+                self.dev.f32_copy(&param, *dst, w, *src, *len).map_err(&e)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The weights whose gradients sequence parallelism leaves partial over the
+    /// tensor axis (norms): of every segment, or of segment `only`.
+    fn seq_partial_names(&self, only: Option<usize>) -> Vec<String> {
+        self.graph
+            .segments
+            .iter()
+            .enumerate()
+            .filter(|(s, _)| only.is_none_or(|o| o == *s))
+            .flat_map(|(_, seg)| {
+                meshplan_ir::graph::tp_partial_weights(self.graph, seg, true, false)
+            })
+            .map(|w| self.graph.tensor(w).name.clone())
+            .collect()
+    }
+
     /// The weights embedding and head share (a tied table).
     fn tied_names(&self) -> Vec<String> {
         let weights_of = |kind: SegmentKind| -> Vec<String> {
@@ -2219,6 +2425,18 @@ impl<'a, D: Device> DevRank<'a, D> {
         else {
             return Err(fail("not a sum of gradients"));
         };
+        let (group, axis, keys) = (group.clone(), axis.clone(), keys.clone());
+        self.sum_grads_of(&group, &axis, &keys, tensor)
+    }
+
+    /// Sums the gradients of `keys` over `group` as one flat vector.
+    fn sum_grads_of(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        keys: &[Key],
+        tensor: &str,
+    ) -> Result<(), RankError> {
         let e = derr(tensor);
         let lens: Vec<usize> = keys
             .iter()
@@ -2279,14 +2497,29 @@ impl<'a, D: Device> DevRank<'a, D> {
                 v: self.dev.f32_download(v).map_err(&e)?,
             });
         }
-        // Under ZeRO each weight is read back once, however many parts it spans.
+        // Under ZeRO each weight is read back once, however many parts it spans: the
+        // parts of the flat vector (ZeRO 1 and 2), or of each segment copy's
+        // (ZeRO-3; where this rank's masters are the up-to-date ones).
+        let mut parts: Vec<(Layout, usize, &(D::F32, D::F32))> = self
+            .shard_adam
+            .iter()
+            .map(|(&start, mv)| (self.layout.clone(), start, mv))
+            .collect();
+        if let Some(g) = self.groups.get("dp").filter(|_| self.zero3) {
+            for (&(s, l), mv) in &self.z3_adam {
+                let layout = self.copy_layout(s, l);
+                let total = layout.iter().map(|(_, n)| n).sum();
+                let (start, _) = self.part_of(g, total)?;
+                parts.push((layout, start, mv));
+            }
+        }
         let mut masters: BTreeMap<Key, Vec<f32>> = BTreeMap::new();
-        for (&start, (m, v)) in &self.shard_adam {
+        for (layout, start, (m, v)) in parts {
             let (m, v) = (
                 self.dev.f32_download(m).map_err(&e)?,
                 self.dev.f32_download(v).map_err(&e)?,
             );
-            for (key, src, dst, len) in pieces_of(&self.layout, start, start + m.len()) {
+            for (key, src, dst, len) in pieces_of(&layout, start, start + m.len()) {
                 if !masters.contains_key(&key) {
                     masters.insert(key.clone(), download(&key)?);
                 }
@@ -2356,6 +2589,9 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     fn optimizer(&mut self) -> Result<(), RankError> {
+        if self.zero3 {
+            return self.optimizer_zero3();
+        }
         if !self.scatter.is_empty() {
             return self.optimizer_shards();
         }
@@ -2382,6 +2618,23 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     fn report(mut self, loss_parts: Vec<f64>, step_s: Vec<f64>) -> Result<RankReport, RankError> {
+        // The run's bytes, before ZeRO-3's last gather (which only the report
+        // needs: each rank holds the others' parts as of their previous gather).
+        let counts = self.comm.counts();
+        if self.zero3 {
+            let g = self
+                .groups
+                .get("dp")
+                .cloned()
+                .ok_or_else(|| fail("no dp group"))?;
+            for (s, l) in segment_copies(self.graph, self.phase()?)? {
+                let seg = self.graph.segments[s].name.clone();
+                let l = l.unwrap_or(NO_LAYER);
+                if !self.copy_layout(s, l).is_empty() {
+                    self.zero3_gather(&g, "dp", &seg, l)?;
+                }
+            }
+        }
         let mut weights = BTreeMap::new();
         for (key, w) in &self.master {
             weights.insert(key.clone(), self.dev.f32_download(w).map_err(derr(&key.0))?);
@@ -2391,6 +2644,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             .adam
             .values()
             .chain(self.shard_adam.values())
+            .chain(self.z3_adam.values())
             .map(|(m, v)| D::f32_len(m) + D::f32_len(v))
             .sum();
         // Master and gradient in fp32, the moments held (a part of them under ZeRO),
@@ -2400,7 +2654,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             rank: self.rank,
             loss_parts,
             weights,
-            counts: self.comm.counts(),
+            counts,
             step_s,
             state_bytes,
             peak_activation_bytes: self.peak_act_bytes,

@@ -173,6 +173,7 @@ impl KernelModule {
                 "cast_bf16_to_f32",
                 "add_f32_into_bf16",
                 "scale_f32",
+                "add_f32",
             ],
             KernelModule::Loss => &[
                 "ce_fused_bf16",

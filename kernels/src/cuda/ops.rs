@@ -690,6 +690,17 @@ impl Gpu {
         Ok((int("rows", rows)?, int("v_local", v_local)?))
     }
 
+    /// `acc += x`, fp32.
+    pub fn add_f32(&self, x: &CudaSlice<f32>, acc: &mut CudaSlice<f32>) -> Result<(), GpuError> {
+        check_len("x", x.len(), acc.len())?;
+        let n = long("acc", acc.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        let f = self.function(M::Cast, "add_f32")?;
+        launch!(self, f, self.elementwise(acc.len()), [x, &n, acc])
+    }
+
     /// `x *= a`.
     pub fn scale_f32(&self, x: &mut CudaSlice<f32>, a: f32) -> Result<(), GpuError> {
         let n = long("x", x.len())?;
