@@ -300,6 +300,9 @@ fn derr(what: &str) -> impl Fn(DeviceError) -> RankError + '_ {
 /// Weights laid out one after another in a flat vector: (weight, length).
 type Layout = Vec<(Key, usize)>;
 
+/// AdamW's first and second moments of some weights.
+type Moments<D> = (<D as Device>::F32, <D as Device>::F32);
+
 /// Query, key and value of an attention op, `[b, s, h, d]` each.
 type Qkv<D> = (<D as Device>::Act, <D as Device>::Act, <D as Device>::Act);
 
@@ -2500,7 +2503,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         // Under ZeRO each weight is read back once, however many parts it spans: the
         // parts of the flat vector (ZeRO 1 and 2), or of each segment copy's
         // (ZeRO-3; where this rank's masters are the up-to-date ones).
-        let mut parts: Vec<(Layout, usize, &(D::F32, D::F32))> = self
+        let mut parts: Vec<(Layout, usize, &Moments<D>)> = self
             .shard_adam
             .iter()
             .map(|(&start, mv)| (self.layout.clone(), start, mv))
