@@ -195,9 +195,11 @@ fn device_interpreter_runs_zero3_bit_for_bit() {
 
 #[test]
 fn device_interpreter_names_what_it_does_not_run() {
-    let m = model("tiny-gpt");
     let opts = TrainOptions::default();
-    for (cfg, why) in [("cp=2", "splits `cp` 2 ways")] {
+    for (m, cfg, why) in [
+        (model("tiny-gpt"), "cp=2", "splits `cp` 2 ways"),
+        (model("tiny-gpt"), "dp=2,cp=2", "splits `cp` 2 ways"),
+    ] {
         let p = plan(&m, cfg);
         let e = supported(&p).expect_err(cfg);
         assert!(e.contains(why), "{cfg}: {e}");
