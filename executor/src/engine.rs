@@ -53,8 +53,8 @@ impl Engine {
         }
     }
 
-    /// The engine for `plan`: the device interpreter takes dense data-, tensor- and
-    /// pipeline-parallel plans, ZeRO 0 to 3; on the GPU the others run staged through the host (the second
+    /// The engine for `plan`: the device interpreter takes dense plans (data,
+    /// tensor, sequence, pipeline and context parallelism, ZeRO 0 to 3); on the GPU the others run staged through the host (the second
     /// value says so), on `cpu-bf16` they are refused.
     pub fn for_plan(self, plan: &Plan) -> Result<(Engine, Option<String>), EngineError> {
         match (self, supported(plan)) {
@@ -66,7 +66,7 @@ impl Engine {
                 )),
             )),
             (Engine::CpuBf16, Err(why)) => Err(EngineError::Unsupported(format!(
-                "--backend cpu-bf16 runs plans of data, tensor and pipeline parallelism (the device interpreter), and this one is not: {why}. Run it with --backend cpu"
+                "--backend cpu-bf16 runs dense plans without dropout (the device interpreter), and this one is not: {why}. Run it with --backend cpu"
             ))),
         }
     }

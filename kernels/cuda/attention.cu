@@ -369,3 +369,38 @@ extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP) attention_bwd_bf1
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP) attention_bwd_bf16_256(ATT_BWD_ARGS) {
     attention_bwd_impl<64>(ATT_BWD_CALL);
 }
+
+// Ring attention's merge of one key/value block into the running result: the GPU
+// twin of `attention_merge` (cpu/attention.rs). One warp per (batch, head, query)
+// row: weights from the two log-sum-exps, the row's dv columns blended in fp32,
+// stored bf16. A block row that saw no key (-inf) changes nothing; a running row
+// that saw none takes the block's.
+extern "C" __global__ void attention_merge_bf16(bf16* o_acc, float* lse_acc,
+                                                const bf16* o_blk, const float* lse_blk,
+                                                int batch, int sq, int hq, int dv) {
+    const i64 rows = (i64)batch * hq * sq;
+    const i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) / WARP;
+    const int lane = threadIdx.x % WARP;
+    if (row >= rows) return;
+    // row = (b * hq + h) * sq + i
+    const i64 i = row % sq;
+    const i64 h = (row / sq) % hq;
+    const i64 b = row / ((i64)sq * hq);
+    const float la = lse_acc[row];
+    const float lb = lse_blk[row];
+    if (lb == NEG_INF) return;
+    bf16* oa = o_acc + ((b * sq + i) * hq + h) * dv;
+    const bf16* ob = o_blk + ((b * sq + i) * hq + h) * dv;
+    float lse = lb;
+    if (la == NEG_INF) {
+        for (int c = lane; c < dv; c += WARP) oa[c] = ob[c];
+    } else {
+        lse = fmaxf(la, lb) + log1pf(expf(-fabsf(la - lb)));
+        const float wa = expf(la - lse);
+        const float wb = expf(lb - lse);
+        for (int c = lane; c < dv; c += WARP) {
+            oa[c] = f32_to_bf16(wa * bf16_to_f32(oa[c]) + wb * bf16_to_f32(ob[c]));
+        }
+    }
+    if (lane == 0) lse_acc[row] = lse;
+}

@@ -424,6 +424,7 @@ fn ckpt_device_and_general_interpreters_resume_each_other() {
         "dp=2,tp=2,sp=false",
         "tp=2,pp=2,mbs=1,sp=true",
         "dp=2,zero=3",
+        "dp=2,cp=2",
     ] {
         let p = plan(&m, cfg);
         let whole = run(&p, &opts(6));

@@ -1158,19 +1158,19 @@ fn run_backend_cpu_bf16_checks_mixed_precision_and_names_plans_it_does_not_run()
     fp32.expect_code(0);
     let (a, b) = (&v["loss"], &json_of(&fp32)["loss"]);
     assert_ne!(a, b, "bf16 rounding changed nothing");
-    let cp = plan_file(
-        "plan-run-bf16-cp.json",
-        "models/tiny-gpt.yaml",
-        "dp=4,tp=1,pp=1,cp=2",
+    let moe = plan_file(
+        "plan-run-bf16-moe.json",
+        "models/tiny-moe.yaml",
+        "dp=8,tp=1,pp=1,cp=1",
     );
-    meshplan(&["run", cp.to_str().expect("utf-8"), "--backend", "cpu-bf16"])
+    meshplan(&["run", moe.to_str().expect("utf-8"), "--backend", "cpu-bf16"])
         .expect_code(1)
-        .stderr_has(&["splits `cp` 2 ways", "Run it with --backend cpu"]);
-    // Tensor and pipeline parallelism run on it, within the check.
+        .stderr_has(&["routed experts", "Run it with --backend cpu"]);
+    // Tensor, pipeline and context parallelism run on it, within the check.
     let tp = plan_file(
         "plan-run-bf16-tp.json",
         "models/tiny-gpt.yaml",
-        "dp=2,tp=2,pp=2,cp=1,mbs=1,sp=false",
+        "dp=1,tp=2,pp=2,cp=2,mbs=1,sp=false",
     );
     let run = meshplan(&[
         "run",

@@ -193,12 +193,39 @@ fn device_interpreter_runs_zero3_bit_for_bit() {
     check(&gpt2, "dp=2,zero=3", plan(&gpt2, "dp=2,zero=3"));
 }
 
+/// Context parallelism on the device interpreter: each rank's block of every
+/// sequence, ring attention passing key/value blocks as device buffers and merging
+/// by log-sum-exp, the blocks' gradients sent back to their owners; with data,
+/// tensor and pipeline parallelism and ZeRO too.
+#[test]
+fn device_interpreter_runs_context_parallel_plans_bit_for_bit() {
+    let llama = model("tiny-gpt");
+    for cfg in [
+        "cp=2",
+        "cp=4,mbs=1",
+        "dp=2,cp=2,recompute=full",
+        "tp=2,cp=2,sp=true",
+        "dp=2,cp=2,zero=3",
+        "cp=2,pp=2,mbs=1",
+    ] {
+        let p = plan(&llama, cfg);
+        assert!(p.strategy.cp > 1, "{cfg}");
+        check(&llama, cfg, p);
+    }
+    let gpt2 = gpt2_like();
+    check(
+        &gpt2,
+        "cp=2,tp=2,sp=false",
+        plan(&gpt2, "cp=2,tp=2,sp=false"),
+    );
+}
+
 #[test]
 fn device_interpreter_names_what_it_does_not_run() {
     let opts = TrainOptions::default();
     for (m, cfg, why) in [
-        (model("tiny-gpt"), "cp=2", "splits `cp` 2 ways"),
-        (model("tiny-gpt"), "dp=2,cp=2", "splits `cp` 2 ways"),
+        (model("tiny-moe"), "dp=2,ep=2", "routed experts"),
+        (model("tiny-moe-capacity"), "dp=2", "routed experts"),
     ] {
         let p = plan(&m, cfg);
         let e = supported(&p).expect_err(cfg);
@@ -272,6 +299,7 @@ fn mixed_precision_stays_within_the_check_tolerances_and_a_wrong_run_does_not() 
         (model("tiny-gpt"), "dp=2,tp=2,sp=true"),
         (model("tiny-gpt"), "dp=2,tp=2,pp=2,mbs=1,sp=true"),
         (model("tiny-gpt"), "dp=2,zero=3"),
+        (model("tiny-gpt"), "dp=2,cp=2"),
     ] {
         let p = plan(&m, cfg);
         // A tensor-parallel run is compared with the single-rank run, sliced as

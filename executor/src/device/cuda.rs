@@ -12,7 +12,7 @@ use super::{range_err, DResult, Device, DeviceError};
 use crate::comm::{CommError, CommKind, Communicator, Group};
 use meshplan_kernels::cpu::{AttnDims, Rope, Transpose};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
-use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DriverError};
+use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, DriverError};
 use meshplan_kernels::cuda::{bf16, Gpu, GpuError};
 
 impl From<GpuError> for DeviceError {
@@ -64,6 +64,26 @@ impl CudaDevice {
     /// The GPU the device launches on.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// `dst[dst_off..dst_off + n] = src[src_off..src_off + n]` on the stream.
+    fn copy_range<T: DeviceRepr>(
+        &self,
+        src: &CudaSlice<T>,
+        src_off: usize,
+        dst: &mut CudaSlice<T>,
+        dst_off: usize,
+        n: usize,
+    ) -> DResult<()> {
+        let s = range("copy source", src_off, n, src.len())?;
+        let d = range("copy destination", dst_off, n, dst.len())?;
+        if n == 0 {
+            return Ok(());
+        }
+        self.gpu
+            .stream()
+            .memcpy_dtod(&src.slice(s), &mut dst.slice_mut(d))
+            .map_err(driver)
     }
 
     /// A bf16 collective through NCCL on NCCL's stream, after the work launched so
@@ -158,15 +178,17 @@ impl Device for CudaDevice {
         dst_off: usize,
         n: usize,
     ) -> DResult<()> {
-        let s = range("f32_copy source", src_off, n, src.len())?;
-        let d = range("f32_copy destination", dst_off, n, dst.len())?;
-        if n == 0 {
-            return Ok(());
-        }
-        self.gpu
-            .stream()
-            .memcpy_dtod(&src.slice(s), &mut dst.slice_mut(d))
-            .map_err(driver)
+        self.copy_range(src, src_off, dst, dst_off, n)
+    }
+    fn act_copy(
+        &self,
+        src: &CudaSlice<bf16>,
+        src_off: usize,
+        dst: &mut CudaSlice<bf16>,
+        dst_off: usize,
+        n: usize,
+    ) -> DResult<()> {
+        self.copy_range(src, src_off, dst, dst_off, n)
     }
     fn accumulate(&self, acc: &mut CudaSlice<bf16>, x: &CudaSlice<bf16>) -> DResult<()> {
         Ok(self.gpu.accumulate(acc, x)?)
@@ -269,6 +291,7 @@ impl Device for CudaDevice {
         q: &CudaSlice<bf16>,
         k: &CudaSlice<bf16>,
         v: &CudaSlice<bf16>,
+        (q0, k0): (usize, usize),
         causal: bool,
         scale: f32,
         out: &mut CudaSlice<bf16>,
@@ -276,7 +299,7 @@ impl Device for CudaDevice {
     ) -> DResult<()> {
         Ok(self
             .gpu
-            .attention_fwd(dims, q, k, v, 0, 0, causal, scale, out, lse)?)
+            .attention_fwd(dims, q, k, v, q0, k0, causal, scale, out, lse)?)
     }
     fn attention_bwd(
         &self,
@@ -287,6 +310,7 @@ impl Device for CudaDevice {
         o: &CudaSlice<bf16>,
         lse: &CudaSlice<f32>,
         d_o: &CudaSlice<bf16>,
+        (q0, k0): (usize, usize),
         causal: bool,
         scale: f32,
         d_q: &mut CudaSlice<bf16>,
@@ -294,8 +318,20 @@ impl Device for CudaDevice {
         d_v: &mut CudaSlice<bf16>,
     ) -> DResult<()> {
         Ok(self.gpu.attention_bwd(
-            dims, q, k, v, o, lse, d_o, 0, 0, causal, scale, d_q, d_k, d_v,
+            dims, q, k, v, o, lse, d_o, q0, k0, causal, scale, d_q, d_k, d_v,
         )?)
+    }
+    fn attention_merge(
+        &self,
+        dims: &AttnDims,
+        o_acc: &mut CudaSlice<bf16>,
+        lse_acc: &mut CudaSlice<f32>,
+        o_blk: &CudaSlice<bf16>,
+        lse_blk: &CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self
+            .gpu
+            .attention_merge(dims, o_acc, lse_acc, o_blk, lse_blk)?)
     }
     fn embedding_fwd(
         &self,

@@ -107,6 +107,15 @@ pub trait Device: Send + Sync {
         dst_off: usize,
         n: usize,
     ) -> DResult<()>;
+    /// [`Device::f32_copy`] on activations.
+    fn act_copy(
+        &self,
+        src: &Self::Act,
+        src_off: usize,
+        dst: &mut Self::Act,
+        dst_off: usize,
+        n: usize,
+    ) -> DResult<()>;
     /// `acc += x`, elementwise.
     fn accumulate(&self, acc: &mut Self::Act, x: &Self::Act) -> DResult<()>;
 
@@ -199,6 +208,7 @@ pub trait Device: Send + Sync {
         q: &Self::Act,
         k: &Self::Act,
         v: &Self::Act,
+        pos0: (usize, usize),
         causal: bool,
         scale: f32,
         out: &mut Self::Act,
@@ -214,11 +224,22 @@ pub trait Device: Send + Sync {
         o: &Self::Act,
         lse: &Self::F32,
         d_o: &Self::Act,
+        pos0: (usize, usize),
         causal: bool,
         scale: f32,
         d_q: &mut Self::Act,
         d_k: &mut Self::Act,
         d_v: &mut Self::Act,
+    ) -> DResult<()>;
+    /// Ring attention: merges one key/value block's `(o_blk, lse_blk)` into the
+    /// running `(o_acc, lse_acc)` by their log-sum-exps.
+    fn attention_merge(
+        &self,
+        dims: &AttnDims,
+        o_acc: &mut Self::Act,
+        lse_acc: &mut Self::F32,
+        o_blk: &Self::Act,
+        lse_blk: &Self::F32,
     ) -> DResult<()>;
 
     /// `out[t] = table[ids[t] - vocab_start]` (overwritten), zero for an id outside
@@ -675,6 +696,16 @@ impl<H: HostPrecision> Device for H {
             .copy_from_slice(s);
         Ok(())
     }
+    fn act_copy(
+        &self,
+        src: &Vec<f32>,
+        src_off: usize,
+        dst: &mut Vec<f32>,
+        dst_off: usize,
+        n: usize,
+    ) -> DResult<()> {
+        self.f32_copy(src, src_off, dst, dst_off, n)
+    }
     fn accumulate(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> DResult<()> {
         k::check_len("x", x.len(), acc.len())?;
         k::accumulate(acc, x);
@@ -812,12 +843,13 @@ impl<H: HostPrecision> Device for H {
         q: &Vec<f32>,
         kk: &Vec<f32>,
         v: &Vec<f32>,
+        (q0, k0): (usize, usize),
         causal: bool,
         scale: f32,
         out: &mut Vec<f32>,
         lse: &mut Vec<f32>,
     ) -> DResult<()> {
-        k::attention_fwd(dims, q, kk, v, 0, 0, causal, scale, out, lse, None)?;
+        k::attention_fwd(dims, q, kk, v, q0, k0, causal, scale, out, lse, None)?;
         H::round(out);
         Ok(())
     }
@@ -830,6 +862,7 @@ impl<H: HostPrecision> Device for H {
         o: &Vec<f32>,
         lse: &Vec<f32>,
         d_o: &Vec<f32>,
+        (q0, k0): (usize, usize),
         causal: bool,
         scale: f32,
         d_q: &mut Vec<f32>,
@@ -837,11 +870,23 @@ impl<H: HostPrecision> Device for H {
         d_v: &mut Vec<f32>,
     ) -> DResult<()> {
         k::attention_bwd(
-            dims, q, kk, v, o, lse, d_o, 0, 0, causal, scale, d_q, d_k, d_v, None,
+            dims, q, kk, v, o, lse, d_o, q0, k0, causal, scale, d_q, d_k, d_v, None,
         )?;
         H::round(d_q);
         H::round(d_k);
         H::round(d_v);
+        Ok(())
+    }
+    fn attention_merge(
+        &self,
+        dims: &AttnDims,
+        o_acc: &mut Vec<f32>,
+        lse_acc: &mut Vec<f32>,
+        o_blk: &Vec<f32>,
+        lse_blk: &Vec<f32>,
+    ) -> DResult<()> {
+        k::attention_merge(dims, o_acc, lse_acc, o_blk, lse_blk)?;
+        H::round(o_acc);
         Ok(())
     }
     fn embedding_fwd(

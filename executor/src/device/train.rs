@@ -32,9 +32,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 /// Why the device interpreter does not take `plan`, or `Ok`.
-/// What it takes: a training plan with no context or expert split: data, tensor
-/// (with or without sequence parallelism) and pipeline parallelism (any schedule),
-/// ZeRO 0 to 3, no routed experts, no dropout.
+/// What it takes: a training plan with no expert split: data, tensor (with or
+/// without sequence parallelism), pipeline (any schedule) and context parallelism
+/// (ring attention), ZeRO 0 to 3, no routed experts, no dropout.
 /// Checkpoints save and resume as on the general interpreter (the same files: either
 /// interpreter resumes the other's), and fine-tuning starts from a Hugging Face
 /// checkpoint.
@@ -43,10 +43,10 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
         return Err("not a training plan".into());
     }
     for (axis, size) in plan.mesh.axes.iter().zip(&plan.mesh.shape) {
-        if !["dp", "tp", "pp"].contains(&axis.as_str()) && *size > 1 {
+        if !["dp", "tp", "pp", "cp"].contains(&axis.as_str()) && *size > 1 {
             return Err(format!(
                 "the mesh splits `{axis}` {size} ways; the device interpreter runs data, \
-                 tensor and pipeline parallelism"
+                 tensor, pipeline and context parallelism"
             ));
         }
     }
@@ -355,6 +355,8 @@ struct DevRank<'a, D: Device> {
     tp: TpPos,
     /// Sequence parallelism over the tensor axis.
     sp: bool,
+    /// This rank's place on the context axis (its block of every sequence).
+    cp: TpPos,
     /// ZeRO-3 over more than one data rank: segments gather their weights.
     zero3: bool,
     seq_len: usize,
@@ -480,7 +482,16 @@ impl<'a, D: Device> DevRank<'a, D> {
                 size: mesh_size(plan, "tp"),
             },
             sp: plan.strategy.sp,
-            zero3: plan.strategy.zero >= 3 && mesh_size(plan, "dp") > 1,
+            cp: TpPos {
+                rank: plan
+                    .mesh
+                    .axes
+                    .iter()
+                    .position(|a| a == "cp")
+                    .map_or(0, |i| entry.coords[i] as usize),
+                size: mesh_size(plan, "cp"),
+            },
+            zero3: false,
             coords: entry.coords.clone(),
             seq_len: seq_len as usize,
             global_batch: global_batch as usize,
@@ -517,6 +528,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             z3_adam: BTreeMap::new(),
             resume_moments: BTreeMap::new(),
         };
+        // ZeRO-3 shards over the data group (data and context ranks together).
+        r.zero3 = plan.strategy.zero >= 3 && r.groups.get("dp").is_some_and(|g| g.size() > 1);
         r.init_weights()?;
         r.count_uses()?;
         r.plan_step()?;
@@ -788,7 +801,9 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// sequence-major, from the run's data source.
     fn load_batch(&self, mb: u64) -> Result<Task<D>, RankError> {
         let per_dp = self.global_batch / self.dp_size.max(1);
-        let (s, b) = (self.seq_len, self.mbs);
+        let (s, b) = (self.seq_len / self.cp.size, self.mbs);
+        // This context rank's block of each sequence.
+        let s0 = self.cp.rank * s;
         let vocab = self.graph.vocab().unwrap_or(2);
         let mut tokens = vec![0u32; s * b];
         let mut labels = vec![0u32; s * b];
@@ -807,11 +822,11 @@ impl<'a, D: Device> DevRank<'a, D> {
                 )
                 .map_err(fail)?;
             for si in 0..s {
-                tokens[si * b + bi] = seq[si];
-                labels[si * b + bi] = seq[si + 1];
+                tokens[si * b + bi] = seq[s0 + si];
+                labels[si * b + bi] = seq[s0 + si + 1];
             }
         }
-        let positions: Vec<u32> = (0..s * b).map(|r| (r / b.max(1)) as u32).collect();
+        let positions: Vec<u32> = (0..s * b).map(|r| (s0 + r / b.max(1)) as u32).collect();
         let e = derr("batch");
         Ok(Task {
             acts: HashMap::new(),
@@ -831,6 +846,11 @@ impl<'a, D: Device> DevRank<'a, D> {
             labels: self.dev.ids_upload(&labels).map_err(&e)?,
             positions: self.dev.ids_upload(&positions).map_err(&e)?,
         })
+    }
+
+    /// Rows of a micro-batch on this rank: its context block of each sequence.
+    fn rows(&self) -> usize {
+        self.seq_len / self.cp.size * self.mbs
     }
 
     /// Under sequence parallelism, this tensor rank's block of a micro-batch's
@@ -898,6 +918,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                 Instr::Send {
                     peer_stage, bytes, ..
                 } => self.send_boundary(*peer_stage, *bytes, false)?,
+                // The attention op passes the blocks itself (`ring_forward`).
+                Instr::RingPass { .. } => {}
                 Instr::Recv {
                     peer_stage, bytes, ..
                 } => self.recv_boundary(*peer_stage, *bytes, false)?,
@@ -986,6 +1008,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                             target,
                             ..
                         } => self.collective(*kind, group, axis.name(), target, l, t, true)?,
+                        // The attention op passes the blocks itself (`ring_backward`).
+                        Instr::RingPass { .. } => {}
                         other => {
                             return Err(fail(format!(
                                 "the device interpreter does not run {other:?} in a backward body"
@@ -1093,6 +1117,153 @@ impl<'a, D: Device> DevRank<'a, D> {
         self.dev.accumulate(&mut c, g).map_err(derr(&name))?;
         t.grads.insert((l, name), c);
         Ok(())
+    }
+
+    /// The context group, this rank's index in it, and its ring neighbours.
+    fn ring(&self) -> Result<(Group, usize, usize, usize), RankError> {
+        let g = self
+            .groups
+            .get("cp")
+            .cloned()
+            .ok_or_else(|| fail("no cp group"))?;
+        let (n, me) = (g.size(), self.index_in(&g)?);
+        let (next, prev) = (g.ranks[(me + 1) % n], g.ranks[(me + n - 1) % n]);
+        Ok((g, me, next, prev))
+    }
+
+    /// `[k | v]`, the block a ring passes on.
+    fn kv_block(&self, k: &D::Act, v: &D::Act) -> Result<D::Act, RankError> {
+        let (kl, vl) = (D::act_len(k), D::act_len(v));
+        let e = derr("ring block");
+        let mut block = self.zeros(kl + vl)?;
+        self.dev.act_copy(k, 0, &mut block, 0, kl).map_err(&e)?;
+        self.dev.act_copy(v, 0, &mut block, kl, vl).map_err(&e)?;
+        Ok(block)
+    }
+
+    /// `block[at..at + n]` as a buffer of its own.
+    fn act_part(&self, block: &D::Act, at: usize, n: usize) -> Result<D::Act, RankError> {
+        let mut out = self.zeros(n)?;
+        self.dev
+            .act_copy(block, at, &mut out, 0, n)
+            .map_err(derr("ring block"))?;
+        Ok(out)
+    }
+
+    /// Ring attention's forward: this rank's queries against every context rank's
+    /// key/value block in turn (each passed on to the next rank), the partial
+    /// outputs merged by their log-sum-exps into `o` (zero on entry) and `lse`.
+    fn ring_forward(
+        &mut self,
+        dims: &AttnDims,
+        (q, k, v): (&D::Act, &D::Act, &D::Act),
+        causal: bool,
+        scale: f32,
+        o: &mut D::Act,
+        lse: &mut D::F32,
+    ) -> Result<(), RankError> {
+        let (g, me, next, prev) = self.ring()?;
+        let n = g.size();
+        let s_l = self.seq_len / n;
+        let e = derr("ring attention");
+        *lse = self
+            .dev
+            .f32_upload(&vec![f32::NEG_INFINITY; D::f32_len(lse)])
+            .map_err(&e)?;
+        let kl = D::act_len(k);
+        let mut block = self.kv_block(k, v)?;
+        let len = D::act_len(&block);
+        for t in 0..n {
+            let owner = (me + n - t) % n;
+            let (kb, vb) = (
+                self.act_part(&block, 0, kl)?,
+                self.act_part(&block, kl, len - kl)?,
+            );
+            let mut ob = self.zeros(D::act_len(o))?;
+            let mut lb = self.zeros_f32(D::f32_len(lse))?;
+            let pos = (me * s_l, owner * s_l);
+            self.dev
+                .attention_fwd(dims, q, &kb, &vb, pos, causal, scale, &mut ob, &mut lb)
+                .map_err(&e)?;
+            self.dev
+                .attention_merge(dims, o, lse, &ob, &lb)
+                .map_err(&e)?;
+            if t + 1 < n {
+                self.dev
+                    .send_act(self.comm.as_mut(), next, "cp", &block, (0, len))?;
+                self.dev
+                    .recv_act(self.comm.as_mut(), prev, "cp", &mut block)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ring attention's backward: the key/value blocks go round again; the gradient
+    /// computed for every other rank's block goes straight to its owner, which adds
+    /// them in rank order.
+    fn ring_backward(
+        &mut self,
+        dims: &AttnDims,
+        (q, k, v): (&D::Act, &D::Act, &D::Act),
+        (o, lse, d_o): (&D::Act, &D::F32, &D::Act),
+        causal: bool,
+        scale: f32,
+        (dq, dk, dv): (&mut D::Act, &mut D::Act, &mut D::Act),
+    ) -> Result<(), RankError> {
+        let (g, me, next, prev) = self.ring()?;
+        let n = g.size();
+        let s_l = self.seq_len / n;
+        let e = derr("ring attention");
+        let kl = D::act_len(k);
+        let mut block = self.kv_block(k, v)?;
+        let len = D::act_len(&block);
+        let mut grads: Vec<Option<D::Act>> = (0..n).map(|_| None).collect();
+        for t in 0..n {
+            let owner = (me + n - t) % n;
+            let (kb, vb) = (
+                self.act_part(&block, 0, kl)?,
+                self.act_part(&block, kl, len - kl)?,
+            );
+            let (mut gk, mut gv) = (self.zeros(kl)?, self.zeros(len - kl)?);
+            let pos = (me * s_l, owner * s_l);
+            self.dev
+                .attention_bwd(
+                    dims, q, &kb, &vb, o, lse, d_o, pos, causal, scale, dq, &mut gk, &mut gv,
+                )
+                .map_err(&e)?;
+            grads[owner] = Some(self.kv_block(&gk, &gv)?);
+            if t + 1 < n {
+                self.dev
+                    .send_act(self.comm.as_mut(), next, "cp", &block, (0, len))?;
+                self.dev
+                    .recv_act(self.comm.as_mut(), prev, "cp", &mut block)?;
+            }
+        }
+        let mut grads: Vec<D::Act> = grads
+            .into_iter()
+            .collect::<Option<_>>()
+            .ok_or_else(|| fail("a ring block was not visited"))?;
+        for (j, gj) in grads.iter().enumerate() {
+            if j != me {
+                self.dev
+                    .send_act(self.comm.as_mut(), g.ranks[j], "cp", gj, (0, len))?;
+            }
+        }
+        let mut total = grads.swap_remove(me);
+        let mut buf = self.zeros(len)?;
+        for j in 0..n {
+            if j != me {
+                self.dev
+                    .recv_act(self.comm.as_mut(), g.ranks[j], "cp", &mut buf)?;
+                self.dev.accumulate(&mut total, &buf).map_err(&e)?;
+            }
+        }
+        let (tk, tv) = (
+            self.act_part(&total, 0, kl)?,
+            self.act_part(&total, kl, len - kl)?,
+        );
+        self.dev.accumulate(dk, &tk).map_err(&e)?;
+        self.dev.accumulate(dv, &tv).map_err(&e)
     }
 
     /// The rank of stage `stage` at this rank's other coordinates.
@@ -1366,7 +1537,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mut sum = self.dev.all_reduce_finish(self.comm.as_mut(), r)?;
         let e = derr(name);
         let logits = self.act(t, l, op.inputs[0])?;
-        let rows = self.seq_len * self.mbs;
+        let rows = self.rows();
         let v_local = D::act_len(&logits) / rows.max(1);
         let start = self.tp.rank * v_local;
         match stat {
@@ -1481,7 +1652,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         rows: usize,
     ) -> Result<&'t D::Ids, RankError> {
         let positions = op.name.ends_with("positions");
-        let all = self.seq_len * self.mbs;
+        let all = self.rows();
         if rows == all {
             return Ok(if positions { &t.positions } else { &t.tokens });
         }
@@ -1575,7 +1746,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
                     .last()
                     .unwrap_or(&1);
-                let all = self.seq_len * self.mbs;
+                let all = self.rows();
                 let rows = if out_rows > 0 && out_rows < all && op.role != TpRole::VocabEmbedding {
                     out_rows
                 } else {
@@ -1656,10 +1827,26 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let mut o = self.zeros(rows * dims.hq * dims.dv)?;
                 let mut lse = self.zeros_f32(dims.batch * dims.hq * dims.sq)?;
                 let scale = 1.0 / (a.qk_dim as f32).sqrt();
-                dev.attention_fwd(&dims, &q, &kk, &v, a.causal, scale, &mut o, &mut lse)
-                    .map_err(&e)?;
+                if self.cp.size > 1 {
+                    self.ring_forward(&dims, (&q, &kk, &v), a.causal, scale, &mut o, &mut lse)?;
+                } else {
+                    self.dev
+                        .attention_fwd(
+                            &dims,
+                            &q,
+                            &kk,
+                            &v,
+                            (0, 0),
+                            a.causal,
+                            scale,
+                            &mut o,
+                            &mut lse,
+                        )
+                        .map_err(&e)?;
+                }
                 let mut y = self.zeros(D::act_len(&o))?;
-                dev.transpose_bs(&o, dims.batch, dims.sq, dims.hq * dims.dv, true, &mut y)
+                self.dev
+                    .transpose_bs(&o, dims.batch, dims.sq, dims.hq * dims.dv, true, &mut y)
                     .map_err(&e)?;
                 t.stats.insert((l, op.name.clone(), Stat::Lse), lse);
                 t.acts.insert((l, format!("{}#o", op.name)), Arc::new(o));
@@ -1697,7 +1884,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
             OpKind::CrossEntropy { .. } => {
                 let logits = self.act(t, l, op.inputs[0])?;
-                let rows = self.seq_len * self.mbs;
+                let rows = self.rows();
                 let vocab = D::act_len(&logits) / rows.max(1);
                 if op.role == TpRole::VocabLoss && self.tp.size > 1 {
                     // Each rank holds a slice of the vocabulary: the program's
@@ -1893,12 +2080,38 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let mut dk = self.zeros(D::act_len(&kk))?;
                 let mut dv = self.zeros(D::act_len(&v))?;
                 let scale = 1.0 / (a.qk_dim as f32).sqrt();
-                dev.attention_bwd(
-                    &dims, &q, &kk, &v, &o, lse, &d_o, a.causal, scale, &mut dq, &mut dk, &mut dv,
-                )
-                .map_err(&e)?;
+                if self.cp.size > 1 {
+                    self.ring_backward(
+                        &dims,
+                        (&q, &kk, &v),
+                        (&o, lse, &d_o),
+                        a.causal,
+                        scale,
+                        (&mut dq, &mut dk, &mut dv),
+                    )?;
+                } else {
+                    self.dev
+                        .attention_bwd(
+                            &dims,
+                            &q,
+                            &kk,
+                            &v,
+                            &o,
+                            lse,
+                            &d_o,
+                            (0, 0),
+                            a.causal,
+                            scale,
+                            &mut dq,
+                            &mut dk,
+                            &mut dv,
+                        )
+                        .map_err(&e)?;
+                }
                 let mut dx = self.zeros(D::act_len(&x))?;
-                dev.join_qkv(&dq, &dk, &dv, &dims, &mut dx).map_err(&e)?;
+                self.dev
+                    .join_qkv(&dq, &dk, &dv, &dims, &mut dx)
+                    .map_err(&e)?;
                 self.add_grad(t, l, in0, dx)?;
             }
             OpKind::Activation(kind) => {

@@ -116,10 +116,12 @@ impl AttnDims {
     fn v_len(&self) -> Result<usize, KernelError> {
         prod("v", &[self.batch, self.sk, self.hkv, self.dv])
     }
-    fn o_len(&self) -> Result<usize, KernelError> {
+    /// Elements of the output, `[batch, sq, hq, dv]`.
+    pub fn o_len(&self) -> Result<usize, KernelError> {
         prod("out", &[self.batch, self.sq, self.hq, self.dv])
     }
-    fn lse_len(&self) -> Result<usize, KernelError> {
+    /// Elements of the log-sum-exps, `[batch, hq, sq]`.
+    pub fn lse_len(&self) -> Result<usize, KernelError> {
         prod("lse", &[self.batch, self.hq, self.sq])
     }
 }

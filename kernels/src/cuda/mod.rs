@@ -188,6 +188,7 @@ impl KernelModule {
                 "attention_bwd_delta",
                 "attention_bwd_bf16_128",
                 "attention_bwd_bf16_256",
+                "attention_merge_bf16",
             ],
             KernelModule::Moe => &[
                 "moe_route_fwd_f32",

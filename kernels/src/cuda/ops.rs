@@ -38,6 +38,8 @@ pub(super) fn per_row(rows: usize, threads: u32, shared_bytes: u32) -> LaunchCon
 
 /// Threads per block of the row kernels (norms, embedding rows).
 pub(super) const ROW_THREADS: u32 = 256;
+/// Threads of a warp (`WARP` in the prelude).
+const WARP_SIZE: usize = 32;
 /// Threads per block of the elementwise (grid-stride) kernels.
 const ELEM_THREADS: u32 = 256;
 /// Threads per block of the fused cross-entropy (`CE_THREADS` in loss.cu).
@@ -584,6 +586,41 @@ impl Gpu {
             f,
             per_row(rows, CE_THREADS, 0),
             [logits, labels, &r, &v, &scale, loss, dlogits]
+        )
+    }
+
+    /// [`crate::cpu::attention_merge`] on bf16 outputs and fp32 log-sum-exps:
+    /// `(o_acc, lse_acc)` become the merge of themselves with `(o_blk, lse_blk)`.
+    pub fn attention_merge(
+        &self,
+        dims: &AttnDims,
+        o_acc: &mut CudaSlice<bf16>,
+        lse_acc: &mut CudaSlice<f32>,
+        o_blk: &CudaSlice<bf16>,
+        lse_blk: &CudaSlice<f32>,
+    ) -> Result<(), GpuError> {
+        let (ol, ll) = (dims.o_len()?, dims.lse_len()?);
+        check_len("o_acc", o_acc.len(), ol)?;
+        check_len("o_blk", o_blk.len(), ol)?;
+        check_len("lse_acc", lse_acc.len(), ll)?;
+        check_len("lse_blk", lse_blk.len(), ll)?;
+        if ll == 0 {
+            return Ok(());
+        }
+        let (b, sq) = (int("batch", dims.batch)?, int("sq", dims.sq)?);
+        let (hq, dv) = (int("hq", dims.hq)?, int("dv", dims.dv)?);
+        let threads = ELEM_THREADS as usize;
+        let cfg = LaunchConfig {
+            grid_dim: ((ll * WARP_SIZE).div_ceil(threads) as u32, 1, 1),
+            block_dim: (ELEM_THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let f = self.function(M::Attention, "attention_merge_bf16")?;
+        launch!(
+            self,
+            f,
+            cfg,
+            [o_acc, lse_acc, o_blk, lse_blk, &b, &sq, &hq, &dv]
         )
     }
 

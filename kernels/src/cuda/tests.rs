@@ -583,6 +583,45 @@ fn gpu_fused_cross_entropy_matches_cpu() {
     }
 }
 
+/// Ring attention's merge of a block into the running output, rows that saw no key
+/// on either side included.
+#[test]
+fn gpu_attention_merge_matches_cpu() {
+    let Some(gpu) = gpu_or_skip("gpu_attention_merge_matches_cpu") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(113);
+    let dims = AttnDims {
+        batch: 2,
+        sq: 5,
+        sk: 5,
+        hq: 3,
+        hkv: 1,
+        d: 8,
+        dv: 40,
+    };
+    let (ol, ll) = (2 * 5 * 3 * 40, 2 * 3 * 5);
+    let (oa, ob) = (round_bf16(&rng.vec(ol)), round_bf16(&rng.vec(ol)));
+    let mut la: Vec<f32> = rng.vec(ll).iter().map(|x| 3.0 * x).collect();
+    let mut lb: Vec<f32> = rng.vec(ll).iter().map(|x| 3.0 * x).collect();
+    (la[1], lb[2], la[4], lb[4]) = (
+        f32::NEG_INFINITY,
+        f32::NEG_INFINITY,
+        f32::NEG_INFINITY,
+        f32::NEG_INFINITY,
+    );
+    let (mut want_o, mut want_l) = (oa.clone(), la.clone());
+    cpu::attention_merge(&dims, &mut want_o, &mut want_l, &ob, &lb).unwrap();
+    let (mut go, mut gl) = (dev.b(&oa), dev.f(&la));
+    gpu.attention_merge(&dims, &mut go, &mut gl, &dev.b(&ob), &dev.f(&lb))
+        .unwrap();
+    close("merge out", &dev.gb(&go), &want_o, 1e-2, BF16_RTOL);
+    let got_l = dev.gf(&gl);
+    assert_eq!(got_l[4], f32::NEG_INFINITY, "a row no block saw stays -inf");
+    close("merge lse", &got_l, &want_l, 1e-5, 1e-5);
+}
+
 /// The vocabulary-parallel cross-entropy over two shards, each on its own buffers,
 /// with the statistics summed between the parts as the program sums them over the
 /// tensor ranks (the maxima's sum halved to their mean).
