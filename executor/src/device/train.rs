@@ -2534,14 +2534,11 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// ZeRO-3's AdamW: each segment copy's part of the fp32 masters this rank owns,
     /// with moments of that part alone.
     fn optimizer_zero3(&mut self) -> Result<(), RankError> {
-        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
-        let step = self.step_no + 1;
         let g = self
             .groups
             .get("dp")
             .cloned()
             .ok_or_else(|| fail("no dp group"))?;
-        let e = derr("adamw");
         for (s, l) in segment_copies(self.graph, self.phase()?)? {
             let l = l.unwrap_or(NO_LAYER);
             let layout = self.copy_layout(s, l);
@@ -2551,45 +2548,16 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
             let (start, c) = self.part_of(&g, total)?;
             let pieces = pieces_of(&layout, start, start + c);
-            let mut param = self.zeros_f32(c)?;
-            for (key, src, dst, len) in &pieces {
-                let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
-                self.dev
-                    .f32_copy(w, *src, &mut param, *dst, *len)
-                    .map_err(&e)?;
-            }
-            if !self.z3_adam.contains_key(&(s, l)) {
-                let state = self.initial_moments(&pieces, c)?;
-                self.z3_adam.insert((s, l), state);
-            }
+            let mut state = match self.z3_adam.remove(&(s, l)) {
+                Some(state) => state,
+                None => self.initial_moments(&pieces, c)?,
+            };
             let grad = match self.z3_grads.remove(&(s, l)) {
                 Some(gr) => gr,
                 None => self.zeros_f32(c)?,
             };
-            let mut scratch = self.zeros(c)?;
-            let (m, v) = self
-                .z3_adam
-                .get_mut(&(s, l))
-                .ok_or_else(|| fail("no AdamW state"))?;
-            self.dev
-                .adamw(
-                    &mut param,
-                    &grad,
-                    m,
-                    v,
-                    &mut scratch,
-                    step,
-                    self.opts.lr,
-                    (b1, b2, eps, wd),
-                )
-                .map_err(&e)?;
-            for (key, src, dst, len) in &pieces {
-                let w = self
-                    .master
-                    .get_mut(key)
-                    .ok_or_else(|| fail("weight missing"))?;
-                self.dev.f32_copy(&param, *dst, w, *src, *len).map_err(&e)?;
-            }
+            self.adamw_part(&pieces, c, &grad, &mut state)?;
+            self.z3_adam.insert((s, l), state);
         }
         Ok(())
     }
@@ -2759,47 +2727,57 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// ZeRO's AdamW: each reduced part of the flat gradient updates the same part of
     /// the fp32 masters, with moments of that part alone.
     fn optimizer_shards(&mut self) -> Result<(), RankError> {
-        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
-        let step = self.step_no + 1;
-        let e = derr("adamw");
         for (start, grad) in std::mem::take(&mut self.shards) {
             let c = D::f32_len(&grad);
             let pieces = pieces_of(&self.layout, start, start + c);
-            let mut param = self.zeros_f32(c)?;
-            for (key, src, dst, len) in &pieces {
-                let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
-                self.dev
-                    .f32_copy(w, *src, &mut param, *dst, *len)
-                    .map_err(&e)?;
-            }
-            if !self.shard_adam.contains_key(&start) {
-                let state = self.initial_moments(&pieces, c)?;
-                self.shard_adam.insert(start, state);
-            }
-            let mut scratch = self.zeros(c)?;
-            let (m, v) = self
-                .shard_adam
-                .get_mut(&start)
-                .ok_or_else(|| fail("no AdamW state"))?;
+            let mut state = match self.shard_adam.remove(&start) {
+                Some(state) => state,
+                None => self.initial_moments(&pieces, c)?,
+            };
+            self.adamw_part(&pieces, c, &grad, &mut state)?;
+            self.shard_adam.insert(start, state);
+        }
+        Ok(())
+    }
+
+    /// AdamW on the `c` values of the fp32 masters that `pieces` cover, with the
+    /// moments of that part alone (ZeRO's parts).
+    fn adamw_part(
+        &mut self,
+        pieces: &[(Key, usize, usize, usize)],
+        c: usize,
+        grad: &D::F32,
+        (m, v): &mut Moments<D>,
+    ) -> Result<(), RankError> {
+        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
+        let step = self.step_no + 1;
+        let e = derr("adamw");
+        let mut param = self.zeros_f32(c)?;
+        for (key, src, dst, len) in pieces {
+            let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
             self.dev
-                .adamw(
-                    &mut param,
-                    &grad,
-                    m,
-                    v,
-                    &mut scratch,
-                    step,
-                    self.opts.lr,
-                    (b1, b2, eps, wd),
-                )
+                .f32_copy(w, *src, &mut param, *dst, *len)
                 .map_err(&e)?;
-            for (key, src, dst, len) in &pieces {
-                let w = self
-                    .master
-                    .get_mut(key)
-                    .ok_or_else(|| fail("weight missing"))?;
-                self.dev.f32_copy(&param, *dst, w, *src, *len).map_err(&e)?;
-            }
+        }
+        let mut scratch = self.zeros(c)?;
+        self.dev
+            .adamw(
+                &mut param,
+                grad,
+                m,
+                v,
+                &mut scratch,
+                step,
+                self.opts.lr,
+                (b1, b2, eps, wd),
+            )
+            .map_err(&e)?;
+        for (key, src, dst, len) in pieces {
+            let w = self
+                .master
+                .get_mut(key)
+                .ok_or_else(|| fail("weight missing"))?;
+            self.dev.f32_copy(&param, *dst, w, *src, *len).map_err(&e)?;
         }
         Ok(())
     }
