@@ -1,0 +1,507 @@
+//! The device interpreter's collectives inside a task: tensor and sequence
+//! parallelism's sums, scatters and gathers of activations and input gradients, a
+//! vocabulary-parallel loss's statistics, ZeRO-3's segment gathers and scatters
+//! (in `step.rs`), pipeline stage boundaries and ring attention's passes.
+
+use super::*;
+
+impl<'a, D: Device> DevRank<'a, D> {
+    /// The context group, this rank's index in it, and its ring neighbours.
+    pub(super) fn ring(&self) -> Result<(Group, usize, usize, usize), RankError> {
+        let g = self
+            .groups
+            .get("cp")
+            .cloned()
+            .ok_or_else(|| fail("no cp group"))?;
+        let (n, me) = (g.size(), self.index_in(&g)?);
+        let (next, prev) = (g.ranks[(me + 1) % n], g.ranks[(me + n - 1) % n]);
+        Ok((g, me, next, prev))
+    }
+
+    /// `[k | v]`, the block a ring passes on.
+    pub(super) fn kv_block(&self, k: &D::Act, v: &D::Act) -> Result<D::Act, RankError> {
+        let (kl, vl) = (D::act_len(k), D::act_len(v));
+        let e = derr("ring block");
+        let mut block = self.zeros(kl + vl)?;
+        self.dev.act_copy(k, 0, &mut block, 0, kl).map_err(&e)?;
+        self.dev.act_copy(v, 0, &mut block, kl, vl).map_err(&e)?;
+        Ok(block)
+    }
+
+    /// `block[at..at + n]` as a buffer of its own.
+    pub(super) fn act_part(
+        &self,
+        block: &D::Act,
+        at: usize,
+        n: usize,
+    ) -> Result<D::Act, RankError> {
+        let mut out = self.zeros(n)?;
+        self.dev
+            .act_copy(block, at, &mut out, 0, n)
+            .map_err(derr("ring block"))?;
+        Ok(out)
+    }
+
+    /// Ring attention's forward: this rank's queries against every context rank's
+    /// key/value block in turn (each passed on to the next rank), the partial
+    /// outputs merged by their log-sum-exps into `o` (zero on entry) and `lse`.
+    pub(super) fn ring_forward(
+        &mut self,
+        dims: &AttnDims,
+        (q, k, v): (&D::Act, &D::Act, &D::Act),
+        causal: bool,
+        scale: f32,
+        o: &mut D::Act,
+        lse: &mut D::F32,
+    ) -> Result<(), RankError> {
+        let (g, me, next, prev) = self.ring()?;
+        let n = g.size();
+        let s_l = self.seq_len / n;
+        let e = derr("ring attention");
+        *lse = self
+            .dev
+            .f32_upload(&vec![f32::NEG_INFINITY; D::f32_len(lse)])
+            .map_err(&e)?;
+        let kl = D::act_len(k);
+        let mut block = self.kv_block(k, v)?;
+        let len = D::act_len(&block);
+        for t in 0..n {
+            let owner = (me + n - t) % n;
+            let (kb, vb) = (
+                self.act_part(&block, 0, kl)?,
+                self.act_part(&block, kl, len - kl)?,
+            );
+            let mut ob = self.zeros(D::act_len(o))?;
+            let mut lb = self.zeros_f32(D::f32_len(lse))?;
+            let pos = (me * s_l, owner * s_l);
+            self.dev
+                .attention_fwd(dims, q, &kb, &vb, pos, causal, scale, &mut ob, &mut lb)
+                .map_err(&e)?;
+            self.dev
+                .attention_merge(dims, o, lse, &ob, &lb)
+                .map_err(&e)?;
+            if t + 1 < n {
+                self.dev
+                    .send_act(self.comm.as_mut(), next, "cp", &block, (0, len))?;
+                self.dev
+                    .recv_act(self.comm.as_mut(), prev, "cp", &mut block)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ring attention's backward: the key/value blocks go round again; the gradient
+    /// computed for every other rank's block goes straight to its owner, which adds
+    /// them in rank order.
+    pub(super) fn ring_backward(
+        &mut self,
+        dims: &AttnDims,
+        (q, k, v): (&D::Act, &D::Act, &D::Act),
+        (o, lse, d_o): (&D::Act, &D::F32, &D::Act),
+        causal: bool,
+        scale: f32,
+        (dq, dk, dv): (&mut D::Act, &mut D::Act, &mut D::Act),
+    ) -> Result<(), RankError> {
+        let (g, me, next, prev) = self.ring()?;
+        let n = g.size();
+        let s_l = self.seq_len / n;
+        let e = derr("ring attention");
+        let kl = D::act_len(k);
+        let mut block = self.kv_block(k, v)?;
+        let len = D::act_len(&block);
+        let mut grads: Vec<Option<D::Act>> = (0..n).map(|_| None).collect();
+        for t in 0..n {
+            let owner = (me + n - t) % n;
+            let (kb, vb) = (
+                self.act_part(&block, 0, kl)?,
+                self.act_part(&block, kl, len - kl)?,
+            );
+            let (mut gk, mut gv) = (self.zeros(kl)?, self.zeros(len - kl)?);
+            let pos = (me * s_l, owner * s_l);
+            self.dev
+                .attention_bwd(
+                    dims, q, &kb, &vb, o, lse, d_o, pos, causal, scale, dq, &mut gk, &mut gv,
+                )
+                .map_err(&e)?;
+            grads[owner] = Some(self.kv_block(&gk, &gv)?);
+            if t + 1 < n {
+                self.dev
+                    .send_act(self.comm.as_mut(), next, "cp", &block, (0, len))?;
+                self.dev
+                    .recv_act(self.comm.as_mut(), prev, "cp", &mut block)?;
+            }
+        }
+        let mut grads: Vec<D::Act> = grads
+            .into_iter()
+            .collect::<Option<_>>()
+            .ok_or_else(|| fail("a ring block was not visited"))?;
+        for (j, gj) in grads.iter().enumerate() {
+            if j != me {
+                self.dev
+                    .send_act(self.comm.as_mut(), g.ranks[j], "cp", gj, (0, len))?;
+            }
+        }
+        let mut total = grads.swap_remove(me);
+        let mut buf = self.zeros(len)?;
+        for j in 0..n {
+            if j != me {
+                self.dev
+                    .recv_act(self.comm.as_mut(), g.ranks[j], "cp", &mut buf)?;
+                self.dev.accumulate(&mut total, &buf).map_err(&e)?;
+            }
+        }
+        let (tk, tv) = (
+            self.act_part(&total, 0, kl)?,
+            self.act_part(&total, kl, len - kl)?,
+        );
+        self.dev.accumulate(dk, &tk).map_err(&e)?;
+        self.dev.accumulate(dv, &tv).map_err(&e)
+    }
+
+    /// The rank of stage `stage` at this rank's other coordinates.
+    pub(super) fn peer(&self, stage: u64) -> Result<usize, RankError> {
+        let pp = self
+            .plan
+            .mesh
+            .axes
+            .iter()
+            .position(|a| a == "pp")
+            .ok_or_else(|| fail("the mesh has no pp axis"))?;
+        let mut coords = self.coords.clone();
+        coords[pp] = stage;
+        self.plan
+            .ranks
+            .iter()
+            .find(|r| r.coords == coords)
+            .map(|r| r.rank as usize)
+            .ok_or_else(|| fail(format!("no rank at {coords:?}")))
+    }
+
+    /// Elements of a boundary of `bytes` in the plan's dtype.
+    pub(super) fn boundary_len(&self, bytes: f64) -> usize {
+        (bytes / self.plan.model.dtype.size_bytes() as f64) as usize
+    }
+
+    /// Sends the stage boundary (the hidden states forward, their gradient
+    /// backward) to stage `stage`: whole, or this tensor rank's slice of it when
+    /// the plan scatters the boundary over the tensor axis (the receiver gathers).
+    pub(super) fn send_boundary(
+        &mut self,
+        stage: u64,
+        bytes: f64,
+        grad: bool,
+    ) -> Result<(), RankError> {
+        let peer = self.peer(stage)?;
+        let n = self.boundary_len(bytes);
+        let m0 = self.mark()?;
+        let x: &D::Act = if grad {
+            self.grad_hidden.as_ref()
+        } else {
+            self.hidden.as_deref()
+        }
+        .ok_or_else(|| fail("no boundary to send"))?;
+        let len = D::act_len(x);
+        let off = if n == len {
+            0
+        } else if n * self.tp.size == len {
+            self.tp.rank * n
+        } else {
+            return Err(fail(format!(
+                "a boundary of {len} values cannot be sent as {n} per rank over tp={}",
+                self.tp.size
+            )));
+        };
+        self.dev
+            .send_act(self.comm.as_mut(), peer, "pp", x, (off, n))?;
+        let args = serde_json::json!({"step": self.step_no, "peer": peer, "elements": n});
+        self.span(m0, "Send pp".to_string(), "comm", args)
+    }
+
+    /// Receives the stage boundary from stage `stage`.
+    pub(super) fn recv_boundary(
+        &mut self,
+        stage: u64,
+        bytes: f64,
+        grad: bool,
+    ) -> Result<(), RankError> {
+        let peer = self.peer(stage)?;
+        let n = self.boundary_len(bytes);
+        let m0 = self.mark()?;
+        let mut x = self.zeros(n)?;
+        self.dev.recv_act(self.comm.as_mut(), peer, "pp", &mut x)?;
+        if grad {
+            self.grad_hidden = Some(x);
+        } else {
+            self.hidden = Some(Arc::new(x));
+        }
+        let args = serde_json::json!({"step": self.step_no, "peer": peer, "elements": n});
+        self.span(m0, "Recv pp".to_string(), "comm", args)
+    }
+
+    /// Gathers a boundary received in tensor-rank slices.
+    pub(super) fn gather_boundary(
+        &mut self,
+        group: &str,
+        axis: &str,
+        grad: bool,
+    ) -> Result<(), RankError> {
+        let g = self
+            .groups
+            .get(group)
+            .cloned()
+            .ok_or_else(|| fail(format!("group `{group}` is not in the plan's mesh")))?;
+        let local: &D::Act = if grad {
+            self.grad_hidden.as_ref()
+        } else {
+            self.hidden.as_deref()
+        }
+        .ok_or_else(|| fail("no boundary to gather"))?;
+        let mut out = self.zeros(D::act_len(local) * g.size())?;
+        self.dev
+            .all_gather_act(self.comm.as_mut(), &g, axis, local, &mut out)?;
+        if grad {
+            self.grad_hidden = Some(out);
+        } else {
+            self.hidden = Some(Arc::new(out));
+        }
+        Ok(())
+    }
+
+    /// `partial[name] += g`: an input gradient the program has still to sum.
+    pub(super) fn add_partial(
+        &self,
+        t: &mut Task<D>,
+        l: u64,
+        name: String,
+        g: D::Act,
+    ) -> Result<(), RankError> {
+        match t.partial.get_mut(&(l, name.clone())) {
+            Some(e) => self.dev.accumulate(e, &g).map_err(derr(&name)),
+            None => {
+                t.partial.insert((l, name), g);
+                Ok(())
+            }
+        }
+    }
+
+    /// A collective of a forward list or a segment's backward, on what it names:
+    /// tensor parallelism's sums of activations, of input gradients and of a
+    /// vocabulary-parallel loss's statistics.
+    #[allow(clippy::too_many_arguments)] // the instruction's fields plus where it runs
+    pub(super) fn collective(
+        &mut self,
+        kind: CollectiveKind,
+        group: &str,
+        axis: &str,
+        target: &Target,
+        l: u64,
+        t: &mut Task<D>,
+        backward: bool,
+    ) -> Result<(), RankError> {
+        let g = self
+            .groups
+            .get(group)
+            .cloned()
+            .ok_or_else(|| fail(format!("group `{group}` is not in the plan's mesh")))?;
+        let m0 = self.mark()?;
+        match (target, kind) {
+            (Target::Activation { tensor }, CollectiveKind::AllReduce) => {
+                let key = (l, tensor.clone());
+                let x = t
+                    .acts
+                    .remove(&key)
+                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
+                let mut x = Arc::try_unwrap(x)
+                    .map_err(|_| fail(format!("`{tensor}` is read elsewhere before its sum")))?;
+                self.dev
+                    .all_reduce_act(self.comm.as_mut(), &g, axis, &mut x)?;
+                t.acts.insert(key, Arc::new(x));
+            }
+            (Target::Activation { tensor }, CollectiveKind::ReduceScatter) => {
+                let key = (l, tensor.clone());
+                let full = t
+                    .acts
+                    .get(&key)
+                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
+                let mut out = self.zeros(D::act_len(full) / g.size())?;
+                self.dev
+                    .reduce_scatter_act(self.comm.as_mut(), &g, axis, full, &mut out)?;
+                t.acts.insert(key, Arc::new(out));
+            }
+            (Target::Activation { tensor }, CollectiveKind::AllGather) => {
+                let key = (l, tensor.clone());
+                let local = t
+                    .acts
+                    .get(&key)
+                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
+                let mut out = self.zeros(D::act_len(local) * g.size())?;
+                self.dev
+                    .all_gather_act(self.comm.as_mut(), &g, axis, local, &mut out)?;
+                t.gathered.insert(key, Arc::new(out));
+            }
+            (Target::SegmentParams { segment, set }, CollectiveKind::AllGather)
+                if *set == ParamSet::Dense =>
+            {
+                self.zero3_gather(&g, axis, segment, l)?
+            }
+            (Target::SegmentGrads { segment, set }, CollectiveKind::ReduceScatter)
+                if *set == ParamSet::Dense =>
+            {
+                self.zero3_scatter(&g, axis, segment, l)?
+            }
+            (Target::SegmentSeqPartialGrads { segment }, CollectiveKind::AllReduce) => {
+                let s = segment_index(self.graph, segment)?;
+                let names = self.seq_partial_names(Some(s));
+                let keys: Vec<Key> = self
+                    .master
+                    .keys()
+                    .filter(|(name, layer)| *layer == l && names.contains(name))
+                    .cloned()
+                    .collect();
+                self.sum_grads_of(&g, axis, &keys, "segment_seq_partial_grads")?
+            }
+            (Target::HiddenStates, CollectiveKind::AllGather) => {
+                self.gather_boundary(group, axis, false)?
+            }
+            (Target::ActivationGrad { tensor }, CollectiveKind::ReduceScatter) => {
+                let key = (l, tensor.clone());
+                let full = t
+                    .partial
+                    .remove(&key)
+                    .or_else(|| t.grads.remove(&key))
+                    .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
+                let mut out = self.zeros(D::act_len(&full) / g.size())?;
+                self.dev
+                    .reduce_scatter_act(self.comm.as_mut(), &g, axis, &full, &mut out)?;
+                self.add_grad(t, l, tensor.clone(), out)?;
+            }
+            (Target::ActivationGrad { tensor }, CollectiveKind::AllGather) => {
+                let key = (l, tensor.clone());
+                let local = t
+                    .grads
+                    .remove(&key)
+                    .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
+                let mut out = self.zeros(D::act_len(&local) * g.size())?;
+                self.dev
+                    .all_gather_act(self.comm.as_mut(), &g, axis, &local, &mut out)?;
+                t.grads.insert(key, out);
+            }
+            (Target::ActivationGrad { tensor }, CollectiveKind::AllReduce) => {
+                let key = (l, tensor.clone());
+                if let Some(mut p) = t.partial.remove(&key) {
+                    self.dev
+                        .all_reduce_act(self.comm.as_mut(), &g, axis, &mut p)?;
+                    self.add_grad(t, l, tensor.clone(), p)?;
+                } else {
+                    let x = t
+                        .grads
+                        .get_mut(&key)
+                        .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
+                    self.dev.all_reduce_act(self.comm.as_mut(), &g, axis, x)?;
+                }
+            }
+            // The statistics are summed in the forward; the backward reads them.
+            (Target::LossStat { .. }, CollectiveKind::AllReduce) if backward => return Ok(()),
+            (Target::LossStat { op, stat }, CollectiveKind::AllReduce) => {
+                self.loss_collective(op, *stat, &g, axis, l, t)?
+            }
+            _ => {
+                return Err(fail(format!(
+                    "{kind:?} of `{target}` is not a collective the device interpreter runs"
+                )))
+            }
+        }
+        let args = serde_json::json!({"step": self.step_no, "tensor": target.to_string()});
+        self.span(m0, format!("{kind:?} {axis}"), "comm", args)
+    }
+
+    /// Sums one statistic of a vocabulary-parallel loss over the tensor axis, then
+    /// takes the loss's next step: after the maxima (whose sum becomes their mean,
+    /// a common shift exact for any value) each rank's sum of exponentials and
+    /// target logit; after the target logits the loss and this rank's slice of the
+    /// logits' gradient.
+    pub(super) fn loss_collective(
+        &mut self,
+        name: &str,
+        stat: LossStat,
+        g: &Group,
+        axis: &str,
+        l: u64,
+        t: &mut Task<D>,
+    ) -> Result<(), RankError> {
+        let op = self.find_op(name)?;
+        if !matches!(op.kind, OpKind::CrossEntropy { .. }) {
+            return Err(fail(format!("`{name}` is not a cross-entropy op")));
+        }
+        let key = (l, name.to_string(), stat);
+        let buf = t
+            .loss_stats
+            .remove(&key)
+            .ok_or_else(|| fail(format!("`{name}`: no {stat:?} to sum")))?;
+        let r = self
+            .dev
+            .all_reduce_start(self.comm.as_mut(), g, axis, buf)?;
+        let mut sum = self.dev.all_reduce_finish(self.comm.as_mut(), r)?;
+        let e = derr(name);
+        let logits = self.act(t, l, op.inputs[0])?;
+        let rows = self.rows();
+        let v_local = D::act_len(&logits) / rows.max(1);
+        let start = self.tp.rank * v_local;
+        match stat {
+            LossStat::Max => {
+                self.dev
+                    .f32_scale(&mut sum, 1.0 / g.size() as f32)
+                    .map_err(&e)?;
+                let mut se = self.zeros_f32(rows)?;
+                let mut target = self.zeros_f32(rows)?;
+                self.dev
+                    .ce_sumexp_target(
+                        &logits,
+                        &t.labels,
+                        rows,
+                        v_local,
+                        start,
+                        &sum,
+                        &mut se,
+                        &mut target,
+                    )
+                    .map_err(&e)?;
+                t.loss_stats.insert((l, name.into(), LossStat::SumExp), se);
+                t.loss_stats
+                    .insert((l, name.into(), LossStat::Target), target);
+                t.loss_stats.insert(key, sum);
+            }
+            LossStat::SumExp => {
+                t.loss_stats.insert(key, sum);
+            }
+            LossStat::Target => {
+                let get = |s: LossStat| {
+                    t.loss_stats
+                        .get(&(l, name.to_string(), s))
+                        .ok_or_else(|| fail(format!("`{name}`: no summed {s:?}")))
+                };
+                let mut loss = self.zeros_f32(rows)?;
+                let mut d = self.zeros(D::act_len(&logits))?;
+                self.dev
+                    .ce_finish(
+                        &logits,
+                        &t.labels,
+                        rows,
+                        v_local,
+                        start,
+                        self.loss_scale() as f32,
+                        [get(LossStat::Max)?, get(LossStat::SumExp)?, &sum],
+                        &mut loss,
+                        &mut d,
+                    )
+                    .map_err(&e)?;
+                if self.tp.rank == 0 {
+                    self.losses.push(loss);
+                }
+                t.acts.insert((l, format!("{name}#dlogits")), Arc::new(d));
+                t.loss_stats.retain(|k, _| k.0 != l || k.1 != name);
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,734 @@
+//! The device interpreter: a dense training plan's program run on a [`Device`] with
+//! every tensor resident there.
+//!
+//! It walks the same program as [`crate::train`] (schedule of forward and backward
+//! tasks, segments, recomputation, the step list's gradient buckets and AdamW) and
+//! gives each op the same meaning, so on [`super::HostDevice`] it reproduces the
+//! general interpreter's run. Which plans it takes is [`supported`]'s answer; the
+//! others run on the general interpreter.
+//!
+//! Precision on a GPU: activations, activation gradients and the weights' compute
+//! copies are bf16; weight gradients accumulate in fp32 (the GEMM writes them with
+//! fp32 accumulation and `beta = 1` across micro-batches), and AdamW updates fp32
+//! master weights and moments, refreshing the bf16 copy in the same kernel.
+
+use super::{qkv_width, DResult, Device, DeviceError};
+use crate::comm::{Communicator, Group, RankError};
+use crate::init::{init_full, init_kind};
+use crate::shard::{local_heads, local_weight, TpPos};
+use crate::train::{
+    build_groups, fail, fixed_shape, fixed_shape_tail, segment_copies, segment_index,
+    segment_input, segment_output, ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER,
+};
+use crate::Stat;
+use meshplan_ir::graph::OpKind;
+use meshplan_ir::plan::{
+    CollectiveKind, Instr, LossStat, ParamSet, Pass, Plan, PlanKind, Program, Target,
+};
+use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
+use meshplan_kernels::cpu::{AttnDims, Transpose};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+mod comm;
+mod ops;
+mod run;
+mod step;
+mod walk;
+
+pub use run::{train_device, train_device_rank, train_device_with};
+
+/// Why the device interpreter does not take `plan`, or `Ok`.
+/// What it takes: a training plan with no expert split: data, tensor (with or
+/// without sequence parallelism), pipeline (any schedule) and context parallelism
+/// (ring attention), ZeRO 0 to 3, no routed experts, no dropout.
+/// Checkpoints save and resume as on the general interpreter (the same files: either
+/// interpreter resumes the other's), and fine-tuning starts from a Hugging Face
+/// checkpoint.
+pub fn supported(plan: &Plan) -> Result<(), String> {
+    if plan.kind != PlanKind::Train || !matches!(plan.workload, Workload::Train { .. }) {
+        return Err("not a training plan".into());
+    }
+    for (axis, size) in plan.mesh.axes.iter().zip(&plan.mesh.shape) {
+        if !["dp", "tp", "pp", "cp"].contains(&axis.as_str()) && *size > 1 {
+            return Err(format!(
+                "the mesh splits `{axis}` {size} ways; the device interpreter runs data, \
+                 tensor, pipeline and context parallelism"
+            ));
+        }
+    }
+    let graph = &plan.graph;
+    for op in graph.segments.iter().flat_map(|s| &s.ops) {
+        match op.kind {
+            OpKind::Experts(_) | OpKind::Router { .. } => {
+                return Err(format!("`{}`: routed experts", op.name))
+            }
+            OpKind::Dropout if graph.constants.dropout_p > 0.0 => {
+                return Err(format!("`{}`: dropout with p > 0", op.name))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn mesh_size(plan: &Plan, axis: &str) -> usize {
+    plan.mesh
+        .axes
+        .iter()
+        .position(|a| a == axis)
+        .map(|i| plan.mesh.shape[i] as usize)
+        .unwrap_or(1)
+}
+
+/// No split on an axis.
+fn tp1() -> TpPos {
+    TpPos::ONE
+}
+
+fn derr(what: &str) -> impl Fn(DeviceError) -> RankError + '_ {
+    move |e| fail(format!("{what}: {e}"))
+}
+
+/// Weights laid out one after another in a flat vector: (weight, length).
+type Layout = Vec<(Key, usize)>;
+
+/// AdamW's first and second moments of some weights.
+type Moments<D> = (<D as Device>::F32, <D as Device>::F32);
+
+/// Query, key and value of an attention op, `[b, s, h, d]` each.
+type Qkv<D> = (<D as Device>::Act, <D as Device>::Act, <D as Device>::Act);
+
+/// One forward-backward task's tensors on the device.
+struct Task<D: Device> {
+    acts: HashMap<(u64, String), Arc<D::Act>>,
+    /// Kernel statistics kept for the backward (norm means and scales, attention
+    /// log-sum-exps).
+    stats: HashMap<(u64, String, Stat), D::F32>,
+    grads: HashMap<(u64, String), D::Act>,
+    /// Input gradients of ops split over the tensor axis, partial until the program
+    /// sums them over it.
+    partial: HashMap<(u64, String), D::Act>,
+    /// A vocabulary-parallel loss's statistics between its collectives.
+    loss_stats: HashMap<(u64, String, LossStat), D::F32>,
+    /// Sequence parallelism: activations gathered over the tensor axis for the ops
+    /// that read whole sequences.
+    gathered: HashMap<(u64, String), Arc<D::Act>>,
+    tokens: D::Ids,
+    labels: D::Ids,
+    /// Each row's position in its sequence (rows are sequence-major).
+    positions: D::Ids,
+    /// Sequence parallelism: this tensor rank's block of rows of `tokens` and
+    /// `positions`, which a replicated table looks up.
+    block: Option<(D::Ids, D::Ids)>,
+}
+
+/// A span on the device timeline, resolved at the end of the step.
+struct Pending<M> {
+    from: M,
+    to: M,
+    name: String,
+    cat: &'static str,
+    args: serde_json::Value,
+}
+
+struct DevRank<'a, D: Device> {
+    plan: &'a Plan,
+    dev: D,
+    graph: &'a Graph,
+    rank: usize,
+    comm: Box<dyn Communicator>,
+    program: &'a Program,
+    groups: BTreeMap<String, Group>,
+    dp_index: usize,
+    dp_size: usize,
+    /// This rank's coordinates on the mesh (a pipeline peer differs in `pp`).
+    coords: Vec<u64>,
+    /// This rank's place on the tensor axis.
+    tp: TpPos,
+    /// Sequence parallelism over the tensor axis.
+    sp: bool,
+    /// This rank's place on the context axis (its block of every sequence).
+    cp: TpPos,
+    /// ZeRO-3 over more than one data rank: segments gather their weights.
+    zero3: bool,
+    seq_len: usize,
+    global_batch: usize,
+    mbs: usize,
+    opts: TrainOptions,
+    /// fp32 master weights, their compute copies, gradients and AdamW moments.
+    master: BTreeMap<Key, D::F32>,
+    compute: BTreeMap<Key, D::Act>,
+    wgrads: BTreeMap<Key, D::F32>,
+    adam: BTreeMap<Key, (D::F32, D::F32)>,
+    tasks: BTreeMap<(u64, u64), Task<D>>,
+    hidden: Option<Arc<D::Act>>,
+    grad_hidden: Option<D::Act>,
+    loss_part: f64,
+    step_no: u64,
+    peak_act_bytes: f64,
+    t0: Instant,
+    pending: Vec<Pending<D::Mark>>,
+    spans: Vec<crate::trace::Span>,
+    /// The step list, checked once: gradient buckets and the optimizer.
+    step_plan: Vec<StepItem>,
+    buckets: Vec<Bucket>,
+    /// Reductions started early, per bucket.
+    in_flight: Vec<Option<D::Reduction>>,
+    /// The next bucket to start (buckets start in the step list's order on every
+    /// rank, as the communicator matches them).
+    next_bucket: usize,
+    /// Backward ops writing each weight's gradient in one backward task, and during
+    /// the step's last backward task how many are still to run.
+    uses: BTreeMap<Key, usize>,
+    remaining: Option<BTreeMap<Key, usize>>,
+    /// Weights in the order the backward's last write to their gradient comes.
+    final_order: Vec<Key>,
+    /// Per-row losses of this step's micro-batches, in order.
+    losses: Vec<D::F32>,
+    /// Most device memory in use seen after a forward task.
+    device_peak: Option<u64>,
+    /// The flat vector's layout: weights and their lengths, in order.
+    layout: Vec<(Key, usize)>,
+    /// ZeRO's gradient and parameter buckets.
+    scatter: Vec<Bucket>,
+    gather: Vec<Bucket>,
+    /// ZeRO: this rank's reduced gradient parts this step (flat start, values), and
+    /// the AdamW moments of each part it updates.
+    shards: Vec<(usize, D::F32)>,
+    shard_adam: BTreeMap<usize, (D::F32, D::F32)>,
+    /// ZeRO-3: each segment copy's reduce-scattered gradient part this step, and
+    /// the AdamW moments of the part of its flat vector this rank updates.
+    z3_grads: BTreeMap<(usize, u64), D::F32>,
+    z3_adam: BTreeMap<(usize, u64), (D::F32, D::F32)>,
+    /// Resuming: each weight's saved AdamW moments, whole, until the optimizer's
+    /// first step takes its parts of them.
+    resume_moments: BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
+}
+
+/// What the step list does, in order.
+enum StepItem {
+    /// All-reduce of bucket `i` over the data ranks.
+    Bucket(usize),
+    /// ZeRO: reduce-scatter of gradient bucket `i`, each rank keeping its part.
+    ReduceScatter(usize),
+    Optimizer,
+    /// ZeRO: all-gather of parameter bucket `i`, the parts each rank updated.
+    AllGather(usize),
+    /// A sum of some weights' gradients over a group, as one flat vector: under
+    /// sequence parallelism over the tensor axis for the weights each tensor rank
+    /// saw only its block of rows for (norms); with a tied table split over
+    /// pipeline stages, between the first and the last stage.
+    SumGrads {
+        group: Group,
+        axis: String,
+        keys: Vec<Key>,
+        tensor: &'static str,
+    },
+}
+
+/// A gradient bucket: a range of the flat gradient (weights in key order).
+struct Bucket {
+    group: Group,
+    axis: String,
+    tensor: String,
+    /// Where it starts in the flat vector, and its length.
+    start: usize,
+    len: usize,
+    /// (weight, offset in its gradient, offset in the bucket, values).
+    pieces: Vec<(Key, usize, usize, usize)>,
+}
+
+impl<'a, D: Device> DevRank<'a, D> {
+    fn new(
+        dev: D,
+        plan: &'a Plan,
+        comm: Box<dyn Communicator>,
+        opts: &TrainOptions,
+        seq_len: u64,
+        global_batch: u64,
+        t0: Instant,
+    ) -> Result<DevRank<'a, D>, RankError> {
+        let rank = comm.rank();
+        let entry = plan
+            .ranks
+            .get(rank)
+            .ok_or_else(|| fail(format!("rank {rank} is not in the plan's rank table")))?;
+        let program = plan
+            .programs
+            .get(entry.program as usize)
+            .ok_or_else(|| fail(format!("rank {rank}: program {} missing", entry.program)))?;
+        let dp_axis = plan.mesh.axes.iter().position(|a| a == "dp");
+        let tp_axis = plan.mesh.axes.iter().position(|a| a == "tp");
+        let mut r = DevRank {
+            plan,
+            dev,
+            graph: &plan.graph,
+            rank,
+            comm,
+            program,
+            groups: build_groups(plan, rank)?,
+            dp_index: dp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
+            dp_size: mesh_size(plan, "dp"),
+            tp: TpPos {
+                rank: tp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
+                size: mesh_size(plan, "tp"),
+            },
+            sp: plan.strategy.sp,
+            cp: TpPos {
+                rank: plan
+                    .mesh
+                    .axes
+                    .iter()
+                    .position(|a| a == "cp")
+                    .map_or(0, |i| entry.coords[i] as usize),
+                size: mesh_size(plan, "cp"),
+            },
+            zero3: false,
+            coords: entry.coords.clone(),
+            seq_len: seq_len as usize,
+            global_batch: global_batch as usize,
+            mbs: plan.strategy.mbs as usize,
+            opts: opts.clone(),
+            master: BTreeMap::new(),
+            compute: BTreeMap::new(),
+            wgrads: BTreeMap::new(),
+            adam: BTreeMap::new(),
+            tasks: BTreeMap::new(),
+            hidden: None,
+            grad_hidden: None,
+            loss_part: 0.0,
+            step_no: 0,
+            peak_act_bytes: 0.0,
+            t0,
+            pending: Vec::new(),
+            spans: Vec::new(),
+            step_plan: Vec::new(),
+            buckets: Vec::new(),
+            in_flight: Vec::new(),
+            next_bucket: 0,
+            uses: BTreeMap::new(),
+            remaining: None,
+            final_order: Vec::new(),
+            losses: Vec::new(),
+            device_peak: None,
+            layout: Vec::new(),
+            scatter: Vec::new(),
+            gather: Vec::new(),
+            shards: Vec::new(),
+            shard_adam: BTreeMap::new(),
+            z3_grads: BTreeMap::new(),
+            z3_adam: BTreeMap::new(),
+            resume_moments: BTreeMap::new(),
+        };
+        // ZeRO-3 shards over the data group (data and context ranks together).
+        r.zero3 = plan.strategy.zero >= 3 && r.groups.get("dp").is_some_and(|g| g.size() > 1);
+        r.init_weights()?;
+        r.count_uses()?;
+        r.plan_step()?;
+        Ok(r)
+    }
+
+    fn phase(&self) -> Result<&'a meshplan_ir::plan::Phase, RankError> {
+        self.program
+            .phases
+            .first()
+            .ok_or_else(|| fail("the program has no phase"))
+    }
+
+    /// The weights the general interpreter starts from, seeded or a checkpoint's
+    /// (whole: nothing is split), with zero gradients.
+    fn init_weights(&mut self) -> Result<(), RankError> {
+        let graph = self.graph;
+        for (s, layer) in segment_copies(graph, self.phase()?)? {
+            let layer = layer.unwrap_or(NO_LAYER);
+            for op in &graph.segments[s].ops {
+                for &w in &op.inputs {
+                    let t = graph.tensor(w);
+                    let key = (t.name.clone(), layer);
+                    if t.kind != TensorKind::Weight || self.master.contains_key(&key) {
+                        continue;
+                    }
+                    let shape = fixed_shape(t)?;
+                    let n: usize = shape.iter().product();
+                    let tp = self.tp;
+                    let local =
+                        |full: &[f32]| local_weight(graph, op, op.role, w, full, &shape, tp, tp1());
+                    let mine = match (&self.opts.resume, &self.opts.weights) {
+                        // Resuming: this rank's slices of the saved weights and moments.
+                        (Some(ck), _) => {
+                            let key = (t.name.clone(), layer);
+                            let read = |kind: &str| {
+                                ck.values(&crate::ckpt::tensor_name(kind, &key), &shape)
+                                    .map(|full| local(&full))
+                                    .map_err(fail)
+                            };
+                            let (m, v) = (read("adam_m")?, read("adam_v")?);
+                            self.resume_moments.insert(key.clone(), (m, v));
+                            read("w")?
+                        }
+                        // Fine-tuning: this rank's slice straight from the checkpoint.
+                        (None, Some(hf)) => {
+                            let l = (layer != NO_LAYER).then_some(layer);
+                            let spec =
+                                crate::weights::shard_spec(graph, op, op.role, w, &shape, tp);
+                            hf.local(graph, op, w, l, &spec)
+                                .map_err(|e| fail(e.message))?
+                        }
+                        (None, None) => local(&init_full(
+                            self.opts.seed,
+                            &t.name,
+                            layer,
+                            n,
+                            init_kind(op, w, &shape),
+                        )),
+                    };
+                    let n = mine.len();
+                    let dev = &self.dev;
+                    let e = derr(&t.name);
+                    let master = dev.f32_upload(&mine).map_err(&e)?;
+                    let mut compute = dev.act_zeros(n).map_err(&e)?;
+                    dev.to_act(&master, &mut compute).map_err(&e)?;
+                    self.wgrads
+                        .insert(key.clone(), dev.f32_zeros(n).map_err(&e)?);
+                    self.compute.insert(key.clone(), compute);
+                    self.master.insert(key, master);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One optimizer step: the schedule's tasks, then the step list.
+    fn step(&mut self, step: u64) -> Result<f64, RankError> {
+        self.step_no = step;
+        self.loss_part = 0.0;
+        let step_mark = (Instant::now(), self.dev.mark().map_err(derr("mark"))?);
+        for g in self.wgrads.values_mut() {
+            self.dev.f32_zero(g).map_err(derr("zero gradients"))?;
+        }
+        self.z3_grads.clear();
+        let phase = self.phase()?;
+        let last_b = phase.schedule.iter().rposition(|t| t.pass == Pass::B);
+        for (ti, task) in phase.schedule.iter().enumerate() {
+            let ch = phase
+                .chunks
+                .iter()
+                .find(|c| c.chunk == task.chunk)
+                .ok_or_else(|| fail(format!("schedule names chunk {}", task.chunk)))?;
+            let m0 = self.mark()?;
+            match task.pass {
+                Pass::F => {
+                    let mut t = self.load_batch(task.mb)?;
+                    self.hidden = None;
+                    let mut layer = ch.layer_start;
+                    self.run_forward(&ch.forward, &mut t, &mut layer, NO_LAYER)?;
+                    self.tasks.insert((task.chunk, task.mb), t);
+                    let held: f64 = self.tasks.values().map(|t| self.held_bytes(t)).sum();
+                    self.peak_act_bytes = self.peak_act_bytes.max(held);
+                    if let Some(used) = self.dev.memory_in_use() {
+                        self.device_peak = Some(self.device_peak.unwrap_or(0).max(used));
+                    }
+                }
+                Pass::B => {
+                    let mut t = self
+                        .tasks
+                        .remove(&(task.chunk, task.mb))
+                        .ok_or_else(|| fail("a backward before its forward"))?;
+                    self.grad_hidden = None;
+                    let mut layer = ch.layer_end;
+                    // In the step's last backward, each gradient is final once the
+                    // last op writing it has run.
+                    // (Not under sequence parallelism: some gradients are partial
+                    // until the step list sums them over the tensor axis.)
+                    let partial = self
+                        .step_plan
+                        .iter()
+                        .any(|s| matches!(s, StepItem::SumGrads { .. }));
+                    if Some(ti) == last_b && phase.chunks.len() == 1 && !partial {
+                        self.remaining = Some(self.uses.clone());
+                    }
+                    self.run_backward(&ch.backward, &mut t, &mut layer)?;
+                    self.remaining = None;
+                }
+            }
+            let pass = if task.pass == Pass::F { "fwd" } else { "bwd" };
+            self.span(
+                m0,
+                format!("{pass} mb{} c{}", task.mb, task.chunk),
+                "task",
+                serde_json::json!({"step": step, "mb": task.mb, "chunk": task.chunk}),
+            )?;
+        }
+        for i in 0..self.step_plan.len() {
+            let m0 = self.mark()?;
+            if let StepItem::SumGrads { axis, tensor, .. } = &self.step_plan[i] {
+                let args = serde_json::json!({"step": step, "tensor": tensor});
+                let name = format!("AllReduce {axis}");
+                self.sum_grads(i)?;
+                self.span(m0, name, "comm", args)?;
+                continue;
+            }
+            match self.step_plan[i] {
+                StepItem::Bucket(b) => {
+                    if self.in_flight[b].is_none() {
+                        self.start_bucket(b)?;
+                    }
+                    self.finish_bucket(b)?;
+                    let bk = &self.buckets[b];
+                    let args = serde_json::json!({"step": step, "tensor": bk.tensor});
+                    let name = format!("AllReduce {}", bk.axis);
+                    self.span(m0, name, "comm", args)?;
+                }
+                StepItem::Optimizer => {
+                    self.optimizer()?;
+                    self.span(
+                        m0,
+                        "optimizer",
+                        "optimizer",
+                        serde_json::json!({"step": step}),
+                    )?;
+                }
+                StepItem::ReduceScatter(b) => {
+                    self.reduce_scatter(b)?;
+                    let bk = &self.scatter[b];
+                    let args = serde_json::json!({"step": step, "tensor": bk.tensor});
+                    let name = format!("ReduceScatter {}", bk.axis);
+                    self.span(m0, name, "comm", args)?;
+                }
+                StepItem::SumGrads { .. } => {}
+                StepItem::AllGather(b) => {
+                    self.all_gather(b)?;
+                    let bk = &self.gather[b];
+                    let args = serde_json::json!({"step": step, "tensor": bk.tensor});
+                    let name = format!("AllGather {}", bk.axis);
+                    self.span(m0, name, "comm", args)?;
+                }
+            }
+        }
+        if !self.gather.is_empty() {
+            // The gathered masters hold every rank's update: refresh the compute copies.
+            for (key, w) in &self.master {
+                let c = self
+                    .compute
+                    .get_mut(key)
+                    .ok_or_else(|| fail("compute copy missing"))?;
+                self.dev.to_act(w, c).map_err(derr(&key.0))?;
+            }
+        }
+        self.next_bucket = 0;
+        let scale = self.loss_scale();
+        for loss in std::mem::take(&mut self.losses) {
+            let loss = self.dev.f32_download(&loss).map_err(derr("loss"))?;
+            self.loss_part += loss.iter().map(|&x| x as f64).sum::<f64>() * scale;
+        }
+        // A step ends when its work has, not when its launches have.
+        self.dev.synchronize().map_err(derr("synchronize"))?;
+        self.resolve_spans(step_mark)?;
+        // The loss is the one number that leaves the device each step: a NaN or an
+        // infinity in it (from non-finite weights, or an update that overflowed)
+        // stops the run rather than writing it into every later checkpoint.
+        if !self.loss_part.is_finite() {
+            return Err(fail(format!(
+                "step {step}: the loss is {}: stopping; non-finite weights (a learning rate too large, or non-finite --weights) or an overflow in the model's arithmetic",
+                self.loss_part
+            )));
+        }
+        Ok(self.loss_part)
+    }
+
+    fn mark(&self) -> Result<Option<D::Mark>, RankError> {
+        if self.opts.trace {
+            Ok(Some(self.dev.mark().map_err(derr("mark"))?))
+        } else {
+            Ok(None)
+        }
+    }
+
+    fn span(
+        &mut self,
+        from: Option<D::Mark>,
+        name: impl Into<String>,
+        cat: &'static str,
+        args: serde_json::Value,
+    ) -> Result<(), RankError> {
+        if let Some(from) = from {
+            let to = self.dev.mark().map_err(derr("mark"))?;
+            self.pending.push(Pending {
+                from,
+                to,
+                name: name.into(),
+                cat,
+                args,
+            });
+        }
+        Ok(())
+    }
+
+    /// Device times of this step's spans, placed on the run's clock by the step's
+    /// first mark.
+    fn resolve_spans(&mut self, (host0, mark0): (Instant, D::Mark)) -> Result<(), RankError> {
+        let base = host0.duration_since(self.t0).as_secs_f64();
+        for p in std::mem::take(&mut self.pending) {
+            let e = derr("timing");
+            let start = self.dev.seconds_between(&mark0, &p.from).map_err(&e)?;
+            let dur = self.dev.seconds_between(&p.from, &p.to).map_err(&e)?;
+            self.spans.push(crate::trace::Span {
+                name: p.name,
+                cat: p.cat,
+                start_s: base + start,
+                dur_s: dur,
+                args: p.args,
+            });
+        }
+        Ok(())
+    }
+
+    fn held_bytes(&self, t: &Task<D>) -> f64 {
+        let act: usize = t.acts.values().map(|a| D::act_len(a)).sum();
+        let stats: usize = t.stats.values().map(D::f32_len).sum();
+        (act * self.dev.act_bytes() + stats * 4) as f64
+    }
+
+    /// Each token's weight in the step's loss: the mean over the global batch.
+    fn loss_scale(&self) -> f64 {
+        1.0 / (self.global_batch * self.seq_len) as f64
+    }
+
+    fn op_args(&self, l: u64) -> serde_json::Value {
+        if l == NO_LAYER {
+            serde_json::json!({"step": self.step_no})
+        } else {
+            serde_json::json!({"step": self.step_no, "layer": l})
+        }
+    }
+
+    fn find_op(&self, name: &str) -> Result<&'a Op, RankError> {
+        self.graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find(|o| o.name == name)
+            .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
+    }
+
+    fn name_of(&self, id: meshplan_ir::TensorId) -> String {
+        self.graph.tensor(id).name.clone()
+    }
+
+    fn act(
+        &self,
+        t: &Task<D>,
+        l: u64,
+        id: meshplan_ir::TensorId,
+    ) -> Result<Arc<D::Act>, RankError> {
+        let name = self.name_of(id);
+        t.acts
+            .get(&(l, name.clone()))
+            .cloned()
+            .ok_or_else(|| fail(format!("tensor `{name}` (layer {l}) has not been produced")))
+    }
+
+    fn wkey(&self, id: meshplan_ir::TensorId, l: u64) -> Result<Key, RankError> {
+        let name = self.name_of(id);
+        [(name.clone(), l), (name.clone(), NO_LAYER)]
+            .into_iter()
+            .find(|k| self.master.contains_key(k))
+            .ok_or_else(|| fail(format!("weight `{name}` (layer {l}) is not held")))
+    }
+
+    fn weight(&self, id: meshplan_ir::TensorId, l: u64) -> Result<&D::Act, RankError> {
+        let key = self.wkey(id, l)?;
+        self.compute
+            .get(&key)
+            .ok_or_else(|| fail(format!("weight `{}` has no compute copy", key.0)))
+    }
+
+    fn zeros(&self, n: usize) -> Result<D::Act, RankError> {
+        self.dev.act_zeros(n).map_err(derr("alloc"))
+    }
+
+    fn zeros_f32(&self, n: usize) -> Result<D::F32, RankError> {
+        self.dev.f32_zeros(n).map_err(derr("alloc"))
+    }
+
+    /// `grads[name] += g`; the first contribution is moved in.
+    fn add_grad(&self, t: &mut Task<D>, l: u64, name: String, g: D::Act) -> Result<(), RankError> {
+        match t.grads.get_mut(&(l, name.clone())) {
+            Some(e) if D::act_len(e) == D::act_len(&g) => {
+                self.dev.accumulate(e, &g).map_err(derr(&name))
+            }
+            _ => {
+                t.grads.insert((l, name), g);
+                Ok(())
+            }
+        }
+    }
+
+    /// `grads[name] += g` for a gradient also used elsewhere.
+    fn add_grad_copy(
+        &self,
+        t: &mut Task<D>,
+        l: u64,
+        name: String,
+        g: &D::Act,
+    ) -> Result<(), RankError> {
+        if let Some(e) = t.grads.get_mut(&(l, name.clone())) {
+            if D::act_len(e) == D::act_len(g) {
+                return self.dev.accumulate(e, g).map_err(derr(&name));
+            }
+        }
+        let mut c = self.zeros(D::act_len(g))?;
+        self.dev.accumulate(&mut c, g).map_err(derr(&name))?;
+        t.grads.insert((l, name), c);
+        Ok(())
+    }
+
+    fn report(mut self, loss_parts: Vec<f64>, step_s: Vec<f64>) -> Result<RankReport, RankError> {
+        // The run's bytes, before ZeRO-3's last gather (which only the report
+        // needs: each rank holds the others' parts as of their previous gather).
+        let counts = self.comm.counts();
+        if self.zero3 {
+            let g = self
+                .groups
+                .get("dp")
+                .cloned()
+                .ok_or_else(|| fail("no dp group"))?;
+            for (s, l) in segment_copies(self.graph, self.phase()?)? {
+                let seg = self.graph.segments[s].name.clone();
+                let l = l.unwrap_or(NO_LAYER);
+                if !self.copy_layout(s, l).is_empty() {
+                    self.zero3_gather(&g, "dp", &seg, l)?;
+                }
+            }
+        }
+        let mut weights = BTreeMap::new();
+        for (key, w) in &self.master {
+            weights.insert(key.clone(), self.dev.f32_download(w).map_err(derr(&key.0))?);
+        }
+        let n: usize = self.master.values().map(D::f32_len).sum();
+        let moments: usize = self
+            .adam
+            .values()
+            .chain(self.shard_adam.values())
+            .chain(self.z3_adam.values())
+            .map(|(m, v)| D::f32_len(m) + D::f32_len(v))
+            .sum();
+        // Master and gradient in fp32, the moments held (a part of them under ZeRO),
+        // and the compute copy.
+        let state_bytes = ((n * 8 + moments * 4) + n * self.dev.act_bytes()) as f64;
+        Ok(RankReport {
+            rank: self.rank,
+            loss_parts,
+            weights,
+            counts,
+            step_s,
+            state_bytes,
+            peak_activation_bytes: self.peak_act_bytes,
+            expert_slots: (0, 0),
+            spans: std::mem::take(&mut self.spans),
+            device_memory_bytes: self.device_peak.map(|b| b as f64),
+        })
+    }
+}

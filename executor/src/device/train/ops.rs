@@ -1,0 +1,576 @@
+//! What each op means on the device, forward and backward: the kernels of
+//! [`super::super::Device`] on this rank's slices of weights, heads and rows.
+
+use super::*;
+
+impl<'a, D: Device> DevRank<'a, D> {
+    pub(super) fn attention_dims(
+        &self,
+        op: &Op,
+        rows: usize,
+    ) -> Result<(AttnDims, usize), RankError> {
+        let OpKind::Attention(a) = &op.kind else {
+            return Err(fail(format!("`{}` is not an attention op", op.name)));
+        };
+        let b = self.mbs.max(1);
+        let (hq, hkv) = if op.role == TpRole::Replicated {
+            (a.heads as usize, a.kv_heads as usize)
+        } else {
+            let (hq, hkv, _) = local_heads(a.heads, a.kv_heads, self.tp);
+            (hq, hkv)
+        };
+        let dims = AttnDims {
+            batch: b,
+            sq: rows / b,
+            sk: rows / b,
+            hq,
+            hkv,
+            d: a.qk_dim as usize,
+            dv: a.v_dim as usize,
+        };
+        Ok((dims, qkv_width(&dims)))
+    }
+
+    pub(super) fn consumer_attention(&self, op: &Op) -> Result<&'a Op, RankError> {
+        self.graph
+            .attention_fed_by(op)
+            .ok_or_else(|| fail("rope feeds no attention op"))
+    }
+
+    /// `(k, n)` of a matmul op (`y [rows, n] = x [rows, k] w`) on this rank's
+    /// slice `w` of the weight: a row-parallel op splits `k`, the others `n`.
+    pub(super) fn matmul_dims(&self, op: &Op, w: &D::Act) -> Result<(usize, usize), RankError> {
+        let shape = fixed_shape(self.graph.tensor(op.inputs[1]))?;
+        let (kf, nf) = if crate::shard::weight_transposed(op) {
+            (shape[1], shape[0])
+        } else {
+            (shape[0], shape[1])
+        };
+        Ok(match op.role {
+            TpRole::RowParallel => (kf / self.tp.size, nf),
+            _ => (kf, D::act_len(w) / kf.max(1)),
+        })
+    }
+
+    /// The ids an embedding op looks up for `rows` rows: token ids, or each token's
+    /// position for a learned position table; a block of them under sequence
+    /// parallelism.
+    pub(super) fn lookup_ids<'t>(
+        &self,
+        op: &Op,
+        t: &'t Task<D>,
+        rows: usize,
+    ) -> Result<&'t D::Ids, RankError> {
+        let positions = op.name.ends_with("positions");
+        let all = self.rows();
+        if rows == all {
+            return Ok(if positions { &t.positions } else { &t.tokens });
+        }
+        match &t.block {
+            Some((tokens, pos)) if self.sp_block(all).is_some_and(|r| r.len() == rows) => {
+                Ok(if positions { pos } else { tokens })
+            }
+            _ => Err(fail(format!(
+                "`{}`: {rows} rows are neither the micro-batch nor this rank's block",
+                op.name
+            ))),
+        }
+    }
+
+    /// The activation a column-parallel op reads: gathered over the tensor axis
+    /// under sequence parallelism.
+    pub(super) fn act_gathered(
+        &self,
+        t: &Task<D>,
+        l: u64,
+        id: meshplan_ir::TensorId,
+    ) -> Result<Arc<D::Act>, RankError> {
+        match t.gathered.get(&(l, self.name_of(id))) {
+            Some(x) => Ok(Arc::clone(x)),
+            None => self.act(t, l, id),
+        }
+    }
+
+    /// This rank's columns of a SwiGLU op's output.
+    pub(super) fn swiglu_width(&self, op: &Op) -> Result<usize, RankError> {
+        let full = *fixed_shape_tail(self.graph.tensor(op.outputs[0]))
+            .last()
+            .unwrap_or(&1);
+        Ok(if op.role == TpRole::Replicated {
+            full
+        } else {
+            full / self.tp.size
+        })
+    }
+
+    /// The first vocabulary row of this rank's slice of an embedding table.
+    pub(super) fn vocab_start(&self, op: &Op) -> Result<usize, RankError> {
+        Ok(if op.role == TpRole::VocabEmbedding {
+            let v = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
+            self.tp.rank * v / self.tp.size
+        } else {
+            0
+        })
+    }
+
+    pub(super) fn rope(
+        &self,
+        op: &Op,
+        x: &D::Act,
+        backward: bool,
+        t: &Task<D>,
+    ) -> Result<D::Act, RankError> {
+        let att = self.consumer_attention(op)?;
+        let rows = D::act_len(x) / self.attention_dims(att, 1)?.1;
+        let (dims, width) = self.attention_dims(att, rows)?;
+        let mut y = self.zeros(D::act_len(x))?;
+        let rope = crate::rope_of(&self.graph.constants);
+        self.dev
+            .rope_qkv(
+                x,
+                &t.positions,
+                rows,
+                dims.hq,
+                dims.hkv,
+                dims.d,
+                width,
+                rope,
+                backward,
+                &mut y,
+            )
+            .map_err(derr(&op.name))?;
+        Ok(y)
+    }
+
+    pub(super) fn forward_op(
+        &mut self,
+        op: &Op,
+        l: u64,
+        t: &mut Task<D>,
+        out_rows: usize,
+    ) -> Result<(), RankError> {
+        let out = op
+            .outputs
+            .first()
+            .map(|&o| self.name_of(o))
+            .unwrap_or_default();
+        let eps = self.graph.constants.norm_eps as f32;
+        let e = derr(&op.name);
+        let dev = &self.dev;
+        let y = match &op.kind {
+            OpKind::Embedding => {
+                let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
+                    .last()
+                    .unwrap_or(&1);
+                let all = self.rows();
+                let rows = if out_rows > 0 && out_rows < all && op.role != TpRole::VocabEmbedding {
+                    out_rows
+                } else {
+                    all
+                };
+                let mut y = self.zeros(rows * dim)?;
+                let ids = self.lookup_ids(op, t, rows)?;
+                let start = self.vocab_start(op)?;
+                dev.embedding_fwd(ids, self.weight(op.inputs[1], l)?, start, dim, &mut y)
+                    .map_err(&e)?;
+                y
+            }
+            OpKind::Norm(kind) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
+                let rows = D::act_len(&x) / dim;
+                let w = self.weight(op.inputs[1], l)?;
+                let mut y = self.zeros(D::act_len(&x))?;
+                let mut rstd = self.zeros_f32(rows)?;
+                match kind {
+                    NormKind::Rmsnorm => {
+                        dev.rmsnorm_fwd(&x, w, rows, dim, eps, &mut y, &mut rstd)
+                            .map_err(&e)?;
+                    }
+                    NormKind::Layernorm => {
+                        let mut mean = self.zeros_f32(rows)?;
+                        let zero;
+                        let b = match op.inputs.get(2) {
+                            Some(&bid) => self.weight(bid, l)?,
+                            None => {
+                                zero = self.zeros(dim)?;
+                                &zero
+                            }
+                        };
+                        dev.layernorm_fwd(&x, w, b, rows, dim, eps, &mut y, &mut mean, &mut rstd)
+                            .map_err(&e)?;
+                        t.stats.insert((l, op.name.clone(), Stat::Mean), mean);
+                    }
+                }
+                t.stats.insert((l, op.name.clone(), Stat::Rstd), rstd);
+                y
+            }
+            OpKind::Matmul { .. } => {
+                let x = if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) {
+                    self.act_gathered(t, l, op.inputs[0])?
+                } else {
+                    self.act(t, l, op.inputs[0])?
+                };
+                let w = self.weight(op.inputs[1], l)?;
+                let (kk, n) = self.matmul_dims(op, w)?;
+                let rows = D::act_len(&x) / kk.max(1);
+                let mut y = self.zeros(rows * n)?;
+                let tb = if crate::shard::weight_transposed(op) {
+                    Transpose::Yes
+                } else {
+                    Transpose::No
+                };
+                dev.matmul(Transpose::No, tb, rows, kk, n, &x, w, &mut y)
+                    .map_err(&e)?;
+                // A row-parallel bias is added once, before the partial sums meet.
+                if let Some(&bid) = op.inputs.get(2) {
+                    if op.role != TpRole::RowParallel || self.tp.rank == 0 {
+                        dev.bias_add(&mut y, self.weight(bid, l)?, rows, n)
+                            .map_err(&e)?;
+                    }
+                }
+                y
+            }
+            OpKind::Rope => {
+                let x = self.act(t, l, op.inputs[0])?;
+                self.rope(op, &x, false, t)?
+            }
+            OpKind::Attention(a) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let rows = D::act_len(&x) / self.attention_dims(op, 1)?.1;
+                let (dims, _) = self.attention_dims(op, rows)?;
+                let (q, kk, v) = self.split(&x, &dims)?;
+                let mut o = self.zeros(rows * dims.hq * dims.dv)?;
+                let mut lse = self.zeros_f32(dims.batch * dims.hq * dims.sq)?;
+                let scale = 1.0 / (a.qk_dim as f32).sqrt();
+                if self.cp.size > 1 {
+                    self.ring_forward(&dims, (&q, &kk, &v), a.causal, scale, &mut o, &mut lse)?;
+                } else {
+                    self.dev
+                        .attention_fwd(
+                            &dims,
+                            &q,
+                            &kk,
+                            &v,
+                            (0, 0),
+                            a.causal,
+                            scale,
+                            &mut o,
+                            &mut lse,
+                        )
+                        .map_err(&e)?;
+                }
+                let mut y = self.zeros(D::act_len(&o))?;
+                self.dev
+                    .transpose_bs(&o, dims.batch, dims.sq, dims.hq * dims.dv, true, &mut y)
+                    .map_err(&e)?;
+                t.stats.insert((l, op.name.clone(), Stat::Lse), lse);
+                t.acts.insert((l, format!("{}#o", op.name)), Arc::new(o));
+                y
+            }
+            OpKind::Activation(kind) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                match kind {
+                    MlpKind::Swiglu => {
+                        let f = self.swiglu_width(op)?;
+                        let rows = D::act_len(&x) / (2 * f);
+                        let mut y = self.zeros(rows * f)?;
+                        dev.swiglu_fwd(&x, rows, f, &mut y).map_err(&e)?;
+                        y
+                    }
+                    MlpKind::Gelu => {
+                        let mut y = self.zeros(D::act_len(&x))?;
+                        dev.gelu_fwd(&x, &mut y).map_err(&e)?;
+                        y
+                    }
+                }
+            }
+            OpKind::Add => {
+                let a = self.act(t, l, op.inputs[0])?;
+                let b = self.act(t, l, op.inputs[1])?;
+                let mut y = self.zeros(D::act_len(&a))?;
+                dev.add(&a, &b, &mut y).map_err(&e)?;
+                y
+            }
+            OpKind::Dropout => {
+                // p = 0 (`supported`): the identity, sharing the input's buffer.
+                let x = self.act(t, l, op.inputs[0])?;
+                t.acts.insert((l, out), x);
+                return Ok(());
+            }
+            OpKind::CrossEntropy { .. } => {
+                let logits = self.act(t, l, op.inputs[0])?;
+                let rows = self.rows();
+                let vocab = D::act_len(&logits) / rows.max(1);
+                if op.role == TpRole::VocabLoss && self.tp.size > 1 {
+                    // Each rank holds a slice of the vocabulary: the program's
+                    // collectives on the loss's statistics finish it
+                    // (`loss_collective`).
+                    let mut max = self.zeros_f32(rows)?;
+                    dev.ce_row_max(&logits, rows, vocab, &mut max).map_err(&e)?;
+                    t.loss_stats
+                        .insert((l, op.name.clone(), LossStat::Max), max);
+                    return Ok(());
+                }
+                let scale = self.loss_scale();
+                let mut loss = self.zeros_f32(rows)?;
+                let mut dlogits = self.zeros(D::act_len(&logits))?;
+                dev.cross_entropy(
+                    &logits,
+                    &t.labels,
+                    rows,
+                    vocab,
+                    scale as f32,
+                    &mut loss,
+                    &mut dlogits,
+                )
+                .map_err(&e)?;
+                // Read at the end of the step: a download here would stall the
+                // launches of the backward behind the forward's kernels. Every
+                // tensor rank computes the same loss; the first reports it.
+                if self.tp.rank == 0 {
+                    self.losses.push(loss);
+                }
+                // The backward is done: the gradient waits for the backward pass.
+                t.acts
+                    .insert((l, format!("{}#dlogits", op.name)), Arc::new(dlogits));
+                return Ok(());
+            }
+            OpKind::Experts(_) | OpKind::Router { .. } => {
+                return Err(fail(format!("`{}`: routed experts", op.name)))
+            }
+        };
+        t.acts.insert((l, out), Arc::new(y));
+        Ok(())
+    }
+
+    pub(super) fn split(&self, x: &D::Act, dims: &AttnDims) -> Result<Qkv<D>, RankError> {
+        let rows = dims.batch * dims.sq;
+        let mut q = self.zeros(rows * dims.hq * dims.d)?;
+        let mut kk = self.zeros(rows * dims.hkv * dims.d)?;
+        let mut v = self.zeros(rows * dims.hkv * dims.dv)?;
+        self.dev
+            .split_qkv(x, dims, &mut q, &mut kk, &mut v)
+            .map_err(derr("split_qkv"))?;
+        Ok((q, kk, v))
+    }
+
+    pub(super) fn backward_op(
+        &mut self,
+        op: &Op,
+        l: u64,
+        t: &mut Task<D>,
+    ) -> Result<(), RankError> {
+        let in0 = self.name_of(op.inputs[0]);
+        if let OpKind::CrossEntropy { .. } = op.kind {
+            let d = t
+                .acts
+                .remove(&(l, format!("{}#dlogits", op.name)))
+                .ok_or_else(|| fail("the loss gradient was not kept"))?;
+            let d = Arc::try_unwrap(d).map_err(|_| fail("the loss gradient is shared"))?;
+            return self.add_grad(t, l, in0, d);
+        }
+        let out = op
+            .outputs
+            .first()
+            .map(|&o| self.name_of(o))
+            .unwrap_or_default();
+        // Nothing downstream used this output.
+        let Some(dy) = t.grads.remove(&(l, out.clone())) else {
+            return Ok(());
+        };
+        let e = derr(&op.name);
+        let dev = &self.dev;
+        match &op.kind {
+            OpKind::Embedding => {
+                let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
+                    .last()
+                    .unwrap_or(&1);
+                let key = self.wkey(op.inputs[1], l)?;
+                let ids = self.lookup_ids(op, t, D::act_len(&dy) / dim.max(1))?;
+                let start = self.vocab_start(op)?;
+                let dt = self
+                    .wgrads
+                    .get_mut(&key)
+                    .ok_or_else(|| fail("embedding gradient missing"))?;
+                dev.embedding_bwd(ids, &dy, start, dim, dt).map_err(&e)?;
+            }
+            OpKind::Norm(kind) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
+                let rows = D::act_len(&x) / dim;
+                let mut dx = self.zeros(D::act_len(&x))?;
+                let wkey = self.wkey(op.inputs[1], l)?;
+                let bkey = op.inputs.get(2).map(|&b| self.wkey(b, l)).transpose()?;
+                let w = self
+                    .compute
+                    .get(&wkey)
+                    .ok_or_else(|| fail("norm weight missing"))?;
+                let rstd = stat(t, l, &op.name, Stat::Rstd)?;
+                let mut dw = self
+                    .wgrads
+                    .remove(&wkey)
+                    .ok_or_else(|| fail("norm gradient missing"))?;
+                let r = match kind {
+                    NormKind::Rmsnorm => {
+                        dev.rmsnorm_bwd(&x, w, rstd, &dy, rows, dim, &mut dx, &mut dw)
+                    }
+                    NormKind::Layernorm => {
+                        let mean = stat(t, l, &op.name, Stat::Mean)?;
+                        // A bias-less norm's bias gradient goes to a scratch buffer.
+                        let mut scratch = self.zeros_f32(dim)?;
+                        let db = match &bkey {
+                            Some(k) => self
+                                .wgrads
+                                .get_mut(k)
+                                .ok_or_else(|| fail("bias gradient missing"))?,
+                            None => &mut scratch,
+                        };
+                        dev.layernorm_bwd(&x, w, mean, rstd, &dy, rows, dim, &mut dx, &mut dw, db)
+                    }
+                };
+                self.wgrads.insert(wkey, dw);
+                r.map_err(&e)?;
+                self.add_grad(t, l, in0, dx)?;
+            }
+            OpKind::Matmul { .. } => {
+                let x = if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) {
+                    self.act_gathered(t, l, op.inputs[0])?
+                } else {
+                    self.act(t, l, op.inputs[0])?
+                };
+                let wkey = self.wkey(op.inputs[1], l)?;
+                let w = self
+                    .compute
+                    .get(&wkey)
+                    .ok_or_else(|| fail("weight missing"))?;
+                let (kk, n) = self.matmul_dims(op, w)?;
+                let rows = D::act_len(&x) / kk.max(1);
+                let mut dx = self.zeros(rows * kk)?;
+                let dw = self
+                    .wgrads
+                    .get_mut(&wkey)
+                    .ok_or_else(|| fail("gradient missing"))?;
+                if crate::shard::weight_transposed(op) {
+                    // `y = x wᵀ` with `w [n, k]`: `dx = dy w`, `dw += dyᵀ x`.
+                    dev.matmul(Transpose::No, Transpose::No, rows, n, kk, &dy, w, &mut dx)
+                        .map_err(&e)?;
+                    dev.matmul_acc(Transpose::Yes, Transpose::No, n, rows, kk, &dy, &x, dw)
+                        .map_err(&e)?;
+                } else {
+                    dev.matmul(Transpose::No, Transpose::Yes, rows, n, kk, &dy, w, &mut dx)
+                        .map_err(&e)?;
+                    dev.matmul_acc(Transpose::Yes, Transpose::No, kk, rows, n, &x, &dy, dw)
+                        .map_err(&e)?;
+                }
+                if let Some(&b) = op.inputs.get(2) {
+                    let bk = self.wkey(b, l)?;
+                    let db = self
+                        .wgrads
+                        .get_mut(&bk)
+                        .ok_or_else(|| fail("bias gradient missing"))?;
+                    dev.bias_grad(&dy, rows, n, db).map_err(&e)?;
+                }
+                // A split op's input gradient is partial until the program sums it.
+                if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) && self.tp.size > 1
+                {
+                    self.add_partial(t, l, in0, dx)?;
+                } else {
+                    self.add_grad(t, l, in0, dx)?;
+                }
+            }
+            OpKind::Rope => {
+                let dx = self.rope(op, &dy, true, t)?;
+                self.add_grad(t, l, in0, dx)?;
+            }
+            OpKind::Attention(a) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let rows = D::act_len(&x) / self.attention_dims(op, 1)?.1;
+                let (dims, _) = self.attention_dims(op, rows)?;
+                let (q, kk, v) = self.split(&x, &dims)?;
+                let o = t
+                    .acts
+                    .get(&(l, format!("{}#o", op.name)))
+                    .cloned()
+                    .ok_or_else(|| fail("attention output was not kept"))?;
+                let lse = stat(t, l, &op.name, Stat::Lse)?;
+                let mut d_o = self.zeros(D::act_len(&dy))?;
+                dev.transpose_bs(&dy, dims.batch, dims.sq, dims.hq * dims.dv, false, &mut d_o)
+                    .map_err(&e)?;
+                let mut dq = self.zeros(D::act_len(&q))?;
+                let mut dk = self.zeros(D::act_len(&kk))?;
+                let mut dv = self.zeros(D::act_len(&v))?;
+                let scale = 1.0 / (a.qk_dim as f32).sqrt();
+                if self.cp.size > 1 {
+                    self.ring_backward(
+                        &dims,
+                        (&q, &kk, &v),
+                        (&o, lse, &d_o),
+                        a.causal,
+                        scale,
+                        (&mut dq, &mut dk, &mut dv),
+                    )?;
+                } else {
+                    self.dev
+                        .attention_bwd(
+                            &dims,
+                            &q,
+                            &kk,
+                            &v,
+                            &o,
+                            lse,
+                            &d_o,
+                            (0, 0),
+                            a.causal,
+                            scale,
+                            &mut dq,
+                            &mut dk,
+                            &mut dv,
+                        )
+                        .map_err(&e)?;
+                }
+                let mut dx = self.zeros(D::act_len(&x))?;
+                self.dev
+                    .join_qkv(&dq, &dk, &dv, &dims, &mut dx)
+                    .map_err(&e)?;
+                self.add_grad(t, l, in0, dx)?;
+            }
+            OpKind::Activation(kind) => {
+                let x = self.act(t, l, op.inputs[0])?;
+                let mut dx = self.zeros(D::act_len(&x))?;
+                match kind {
+                    MlpKind::Swiglu => {
+                        let f = self.swiglu_width(op)?;
+                        let rows = D::act_len(&x) / (2 * f);
+                        dev.swiglu_bwd(&x, &dy, rows, f, &mut dx).map_err(&e)?;
+                    }
+                    MlpKind::Gelu => dev.gelu_bwd(&x, &dy, &mut dx).map_err(&e)?,
+                }
+                self.add_grad(t, l, in0, dx)?;
+            }
+            OpKind::Add => {
+                let in1 = self.name_of(op.inputs[1]);
+                self.add_grad_copy(t, l, in0, &dy)?;
+                self.add_grad(t, l, in1, dy)?;
+            }
+            OpKind::Dropout => self.add_grad(t, l, in0, dy)?,
+            OpKind::CrossEntropy { .. } => {}
+            OpKind::Experts(_) | OpKind::Router { .. } => {
+                return Err(fail(format!("`{}`: routed experts", op.name)))
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A kernel statistic kept in the forward.
+pub(super) fn stat<'t, D: Device>(
+    t: &'t Task<D>,
+    l: u64,
+    op: &str,
+    which: Stat,
+) -> Result<&'t D::F32, RankError> {
+    t.stats
+        .get(&(l, op.to_string(), which))
+        .ok_or_else(|| fail(format!("{which:?} of `{op}` (layer {l}) was not kept")))
+}

@@ -1,0 +1,218 @@
+//! A run of the device interpreter: every rank's setup, the ranks as threads or
+//! one process's rank, and the report they make together.
+
+use super::*;
+
+/// What every rank of a run shares: the workload's sizes, the clock, the step the
+/// run starts at (a resumed checkpoint's) and the checkpoint writer.
+struct Run<'a> {
+    plan: &'a Plan,
+    opts: &'a TrainOptions,
+    seq_len: u64,
+    global_batch: u64,
+    t0: Instant,
+    start: u64,
+    saver: Option<crate::ckpt::Saver>,
+}
+
+impl<'a> Run<'a> {
+    fn new(plan: &'a Plan, opts: &'a TrainOptions) -> Result<Run<'a>, ExecError> {
+        supported(plan).map_err(|m| ExecError {
+            message: format!("the device interpreter cannot run this plan: {m}"),
+        })?;
+        let Workload::Train {
+            seq_len,
+            global_batch,
+            ..
+        } = plan.workload
+        else {
+            unreachable!("checked by supported()")
+        };
+        let start = match &opts.resume {
+            Some(ck) => crate::train::check_resume(plan, opts, ck)?,
+            None => 0,
+        };
+        let saver = match &opts.save {
+            Some(s) => Some(
+                crate::ckpt::Saver::new(plan, opts, s).map_err(|message| ExecError { message })?,
+            ),
+            None => None,
+        };
+        Ok(Run {
+            plan,
+            opts,
+            seq_len,
+            global_batch,
+            t0: Instant::now(),
+            start,
+            saver,
+        })
+    }
+
+    /// The run of every rank's report: losses summed over ranks, step times of the
+    /// slowest, the checkpoints written (joined even when the run failed, so that
+    /// no write outlives the call).
+    fn finish(self, results: Vec<Result<RankReport, RankError>>) -> Result<TrainReport, ExecError> {
+        let saved = self.saver.map(crate::ckpt::Saver::finish);
+        if let Some(summary) = crate::comm::failure_summary(&results) {
+            return Err(ExecError { message: summary });
+        }
+        let saved = saved.transpose().map_err(|e| ExecError {
+            message: format!("checkpoint: {e}"),
+        })?;
+        let ranks: Vec<RankReport> =
+            results
+                .into_iter()
+                .collect::<Result<_, _>>()
+                .map_err(|e| ExecError {
+                    message: format!("{e:?}"),
+                })?;
+        let steps = self.opts.steps.saturating_sub(self.start) as usize;
+        Ok(TrainReport {
+            losses: (0..steps)
+                .map(|s| ranks.iter().map(|r| r.loss_parts[s]).sum())
+                .collect(),
+            step_s: (0..steps)
+                .map(|s| ranks.iter().map(|r| r.step_s[s]).fold(0.0, f64::max))
+                .collect(),
+            tokens_per_step: self.seq_len * self.global_batch,
+            ranks,
+            saved: saved.unwrap_or_default(),
+            lr: f64::from(self.opts.lr),
+        })
+    }
+
+    /// Trains one rank from the run's first step to `opts.steps`, saving where due.
+    fn rank<D: Device>(
+        &self,
+        dev: D,
+        comm: Box<dyn Communicator>,
+    ) -> Result<RankReport, RankError> {
+        let opts = self.opts;
+        let mut r = DevRank::new(
+            dev,
+            self.plan,
+            comm,
+            opts,
+            self.seq_len,
+            self.global_batch,
+            self.t0,
+        )?;
+        let mut loss_parts = Vec::new();
+        let mut step_s = Vec::new();
+        for step in self.start..opts.steps {
+            if opts.fail_at == Some((r.rank, step)) {
+                return Err(fail(format!("injected failure at step {step}")));
+            }
+            let t = Instant::now();
+            loss_parts.push(r.step(step)?);
+            step_s.push(t.elapsed().as_secs_f64());
+            if let (0, Some(hook)) = (r.rank, &opts.on_step) {
+                (hook.0)(step_s.len() as u64);
+            }
+            if let Some(sv) = self
+                .saver
+                .as_ref()
+                .filter(|sv| sv.due(step + 1, opts.steps))
+            {
+                sv.deposit(step + 1, r.snapshot()?).map_err(fail)?;
+            }
+        }
+        r.report(loss_parts, step_s)
+    }
+}
+
+/// Runs `plan`'s training programs for `opts.steps` steps, each rank on the device
+/// `make(rank)` gives, ranks as threads over the in-process communicator.
+pub fn train_device<D: Device>(
+    plan: &Plan,
+    opts: &TrainOptions,
+    make: &(dyn Fn(usize) -> DResult<D> + Sync),
+) -> Result<TrainReport, ExecError> {
+    let run = Run::new(plan, opts)?;
+    let results = crate::comm::run_ranks(
+        plan.ranks.len(),
+        opts.timeout,
+        opts.threads_per_rank,
+        |comm| {
+            let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
+            run.rank(dev, Box::new(comm))
+        },
+    );
+    run.finish(results)
+}
+
+/// [`train_device`] over given communicators, one per rank in rank order (one
+/// process driving several GPUs: `NcclComm::in_process`), each rank a thread.
+/// Unlike the in-process communicator these need not detect a rank that fails, so
+/// a failure may leave the others waiting (NCCL has no timeout).
+pub fn train_device_with<D: Device>(
+    plan: &Plan,
+    opts: &TrainOptions,
+    make: &(dyn Fn(usize) -> DResult<D> + Sync),
+    comms: Vec<Box<dyn Communicator>>,
+) -> Result<TrainReport, ExecError> {
+    if comms.len() != plan.ranks.len() || comms.iter().enumerate().any(|(r, c)| c.rank() != r) {
+        return Err(ExecError {
+            message: format!(
+                "{} communicators for a plan of {} ranks (one per rank, in rank order)",
+                comms.len(),
+                plan.ranks.len()
+            ),
+        });
+    }
+    let run = Run::new(plan, opts)?;
+    let results = std::thread::scope(|s| {
+        let run = &run;
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| {
+                s.spawn(move || {
+                    let rank = comm.rank();
+                    let dev = make(rank).map_err(|e| fail(format!("device: {e}")))?;
+                    run.rank(dev, comm)
+                        .map_err(|e| fail(format!("rank {rank}: {e:?}")))
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(fail("a rank's thread panicked")))
+            })
+            .collect::<Vec<_>>()
+    });
+    run.finish(results)
+}
+
+/// One rank of `plan` in this process, connected to the others by `comm` (one
+/// process per GPU, NCCL between them): its report alone. The caller gathers the
+/// ranks' losses. It may resume from a checkpoint; saving needs every rank's state
+/// in one process, so `opts.save` is refused.
+pub fn train_device_rank<D: Device>(
+    plan: &Plan,
+    opts: &TrainOptions,
+    dev: D,
+    comm: Box<dyn Communicator>,
+) -> Result<RankReport, ExecError> {
+    if opts.save.is_some() {
+        return Err(ExecError {
+            message: "a checkpoint is written by one process holding every rank; with one process per GPU, save from a single-process run".into(),
+        });
+    }
+    if comm.world() != plan.ranks.len() {
+        return Err(ExecError {
+            message: format!(
+                "the plan has {} ranks and this launch {}: start one process per rank",
+                plan.ranks.len(),
+                comm.world()
+            ),
+        });
+    }
+    let run = Run::new(plan, opts)?;
+    let rank = comm.rank();
+    run.rank(dev, comm).map_err(|e| ExecError {
+        message: format!("rank {rank}: {e:?}"),
+    })
+}

@@ -1,0 +1,749 @@
+//! The step list: gradient buckets (started early during the last backward),
+//! ZeRO 1-3's reduce-scatters, gathers and part updates, sums over tp and between
+//! stages, AdamW, and this rank's part of a checkpoint.
+
+use super::*;
+
+impl<'a, D: Device> DevRank<'a, D> {
+    /// Checks the step list once and lays out its buckets: each `grads:dense[a..b]`
+    /// is a range of the flat gradient. The weights lie in it in the order the
+    /// backward finishes their gradients (as DDP orders its buckets), so that the
+    /// first buckets fill first. The layout changes no value (each element is summed
+    /// and updated alone, with or without ZeRO) and no byte count (the ranges are
+    /// the plan's).
+    pub(super) fn plan_step(&mut self) -> Result<(), RankError> {
+        let total: usize = self.wgrads.values().map(D::f32_len).sum();
+        let mut sizes: Vec<(Key, usize)> = Vec::new();
+        for key in self.final_order.iter().chain(self.wgrads.keys()) {
+            if !sizes.iter().any(|(k, _)| k == key) {
+                let g = self
+                    .wgrads
+                    .get(key)
+                    .ok_or_else(|| fail("gradient missing"))?;
+                sizes.push((key.clone(), D::f32_len(g)));
+            }
+        }
+        for instr in &self.phase()?.step {
+            match instr {
+                Instr::Collective {
+                    kind: CollectiveKind::AllReduce,
+                    group,
+                    axis,
+                    target: target @ (Target::SeqPartialGrads | Target::TiedGrads),
+                    ..
+                } => {
+                    let group = self.groups.get(group).cloned().ok_or_else(|| {
+                        fail(format!("group `{group}` is not in the plan's mesh"))
+                    })?;
+                    let (names, tensor) = if *target == Target::TiedGrads {
+                        (self.tied_names(), "grads:tied")
+                    } else {
+                        (self.seq_partial_names(None), "seq_partial_grads")
+                    };
+                    let keys = self
+                        .master
+                        .keys()
+                        .filter(|(name, _)| names.contains(name))
+                        .cloned()
+                        .collect();
+                    self.step_plan.push(StepItem::SumGrads {
+                        group,
+                        axis: axis.name().to_string(),
+                        keys,
+                        tensor,
+                    });
+                }
+                Instr::Collective {
+                    kind,
+                    group,
+                    axis,
+                    target,
+                    ..
+                } => {
+                    let tensor = target.to_string();
+                    let (a, b) = bucket_range(target, total)?;
+                    let g = self.groups.get(group).cloned().ok_or_else(|| {
+                        fail(format!("group `{group}` is not in the plan's mesh"))
+                    })?;
+                    if (b - a) % g.size() != 0 {
+                        return Err(fail(format!(
+                            "bucket {a}..{b} of `{tensor}` does not split over {} ranks",
+                            g.size()
+                        )));
+                    }
+                    let bucket = Bucket {
+                        group: g,
+                        axis: axis.name().to_string(),
+                        tensor: tensor.clone(),
+                        start: a,
+                        len: b - a,
+                        pieces: pieces_of(&sizes, a, b),
+                    };
+                    match (target, kind) {
+                        (Target::GradBucket { .. }, CollectiveKind::AllReduce) => {
+                            self.step_plan.push(StepItem::Bucket(self.buckets.len()));
+                            self.buckets.push(bucket);
+                        }
+                        (Target::GradBucket { .. }, CollectiveKind::ReduceScatter) => {
+                            self.step_plan
+                                .push(StepItem::ReduceScatter(self.scatter.len()));
+                            self.scatter.push(bucket);
+                        }
+                        (Target::ParamBucket { .. }, CollectiveKind::AllGather) => {
+                            self.step_plan.push(StepItem::AllGather(self.gather.len()));
+                            self.gather.push(bucket);
+                        }
+                        _ => {
+                            return Err(fail(format!(
+                                "{kind:?} of `{tensor}` is not a step the device interpreter runs"
+                            )))
+                        }
+                    }
+                }
+                Instr::Optimizer {
+                    params: ParamSet::Dense,
+                    ..
+                } => self.step_plan.push(StepItem::Optimizer),
+                other => return Err(fail(format!("unexpected step instruction {other:?}"))),
+            }
+        }
+        self.in_flight = self.buckets.iter().map(|_| None).collect();
+        self.layout = sizes;
+        Ok(())
+    }
+
+    /// How many backward ops of one backward task write each weight's gradient.
+    pub(super) fn count_uses(&mut self) -> Result<(), RankError> {
+        let phase = self.phase()?;
+        let mut uses = BTreeMap::new();
+        let mut order: Vec<Key> = Vec::new();
+        for ch in &phase.chunks {
+            let mut layer = ch.layer_end;
+            for instr in &ch.backward {
+                let Instr::Segment {
+                    name,
+                    kind,
+                    repeat,
+                    body,
+                } = instr
+                else {
+                    continue;
+                };
+                segment_index(self.graph, name)?;
+                for _ in 0..*repeat {
+                    let l = if *kind == SegmentKind::Block {
+                        layer -= 1;
+                        layer
+                    } else {
+                        NO_LAYER
+                    };
+                    for instr in body {
+                        if let Instr::Compute { name, .. } = instr {
+                            for key in self.weight_keys(self.find_op(name)?, l)? {
+                                *uses.entry(key.clone()).or_insert(0) += 1;
+                                order.retain(|k| *k != key);
+                                order.push(key);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        self.uses = uses;
+        self.final_order = order;
+        Ok(())
+    }
+
+    pub(super) fn weight_keys(&self, op: &Op, l: u64) -> Result<Vec<Key>, RankError> {
+        op.inputs
+            .iter()
+            .filter(|&&id| self.graph.tensor(id).kind == TensorKind::Weight)
+            .map(|&id| self.wkey(id, l))
+            .collect()
+    }
+
+    /// After a backward op of the step's last backward task: its weights' gradients
+    /// may be final, and with them the next buckets.
+    pub(super) fn gradients_written(&mut self, op: &Op, l: u64) -> Result<(), RankError> {
+        let keys = self.weight_keys(op, l)?;
+        let Some(remaining) = self.remaining.as_mut() else {
+            return Ok(());
+        };
+        for key in keys {
+            if let Some(n) = remaining.get_mut(&key) {
+                *n = n.saturating_sub(1);
+            }
+        }
+        while let Some(b) = self.buckets.get(self.next_bucket) {
+            let remaining = self.remaining.as_ref().ok_or_else(|| fail("no counts"))?;
+            let ready = b
+                .pieces
+                .iter()
+                .all(|(key, ..)| remaining.get(key).is_none_or(|&n| n == 0));
+            if !ready {
+                break;
+            }
+            let m0 = self.mark()?;
+            let i = self.next_bucket;
+            self.start_bucket(i)?;
+            let bk = &self.buckets[i];
+            let args =
+                serde_json::json!({"step": self.step_no, "tensor": bk.tensor, "early": true});
+            let name = format!("AllReduce {} (start)", bk.axis);
+            self.span(m0, name, "comm", args)?;
+        }
+        Ok(())
+    }
+
+    /// Copies bucket `i`'s gradient pieces into one buffer and starts its sum.
+    pub(super) fn start_bucket(&mut self, i: usize) -> Result<(), RankError> {
+        let b = &self.buckets[i];
+        let e = derr("bucket");
+        let mut buf = self.zeros_f32(b.len)?;
+        for (key, src, dst, n) in &b.pieces {
+            let g = self
+                .wgrads
+                .get(key)
+                .ok_or_else(|| fail("gradient missing"))?;
+            self.dev.f32_copy(g, *src, &mut buf, *dst, *n).map_err(&e)?;
+        }
+        let r = self
+            .dev
+            .all_reduce_start(&mut *self.comm, &b.group, &b.axis, buf)?;
+        self.in_flight[i] = Some(r);
+        self.next_bucket = self.next_bucket.max(i + 1);
+        Ok(())
+    }
+
+    /// Waits for bucket `i`'s sum and copies it back into the gradients.
+    pub(super) fn finish_bucket(&mut self, i: usize) -> Result<(), RankError> {
+        let r = self.in_flight[i]
+            .take()
+            .ok_or_else(|| fail("a bucket finished before it started"))?;
+        let buf = self.dev.all_reduce_finish(&mut *self.comm, r)?;
+        let e = derr("bucket");
+        for (key, src, dst, n) in &self.buckets[i].pieces {
+            let g = self
+                .wgrads
+                .get_mut(key)
+                .ok_or_else(|| fail("gradient missing"))?;
+            self.dev.f32_copy(&buf, *dst, g, *src, *n).map_err(&e)?;
+        }
+        Ok(())
+    }
+
+    /// Gradient bucket `i` summed over the data ranks, this rank keeping its part.
+    pub(super) fn reduce_scatter(&mut self, i: usize) -> Result<(), RankError> {
+        let bk = &self.scatter[i];
+        let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
+        let c = bk.len / n;
+        let e = derr("reduce-scatter");
+        let mut buf = self.zeros_f32(bk.len)?;
+        for (key, src, dst, len) in &bk.pieces {
+            let g = self
+                .wgrads
+                .get(key)
+                .ok_or_else(|| fail("gradient missing"))?;
+            self.dev
+                .f32_copy(g, *src, &mut buf, *dst, *len)
+                .map_err(&e)?;
+        }
+        let mut part = self.zeros_f32(c)?;
+        self.dev
+            .reduce_scatter(&mut *self.comm, &bk.group, &bk.axis, &buf, &mut part)?;
+        self.shards.push((bk.start + me * c, part));
+        Ok(())
+    }
+
+    /// Parameter bucket `i` from the parts each data rank updated.
+    pub(super) fn all_gather(&mut self, i: usize) -> Result<(), RankError> {
+        let bk = &self.gather[i];
+        let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
+        let c = bk.len / n;
+        let e = derr("all-gather");
+        let mut local = self.zeros_f32(c)?;
+        let own = bk.start + me * c;
+        for (key, src, dst, len) in pieces_of(&self.layout, own, own + c) {
+            let w = self
+                .master
+                .get(&key)
+                .ok_or_else(|| fail("weight missing"))?;
+            self.dev
+                .f32_copy(w, src, &mut local, dst, len)
+                .map_err(&e)?;
+        }
+        let mut all = self.zeros_f32(bk.len)?;
+        self.dev
+            .all_gather(&mut *self.comm, &bk.group, &bk.axis, &local, &mut all)?;
+        for (key, src, dst, len) in &bk.pieces {
+            let w = self
+                .master
+                .get_mut(key)
+                .ok_or_else(|| fail("weight missing"))?;
+            self.dev.f32_copy(&all, *dst, w, *src, *len).map_err(&e)?;
+        }
+        Ok(())
+    }
+
+    /// ZeRO-3: the weights of one segment copy (those whose first user is in that
+    /// segment; a tied table belongs to the embedding), as the flat vector the data
+    /// ranks shard: (weight, length) in key order.
+    pub(super) fn copy_layout(&self, segment: usize, l: u64) -> Vec<(Key, usize)> {
+        let name = &self.graph.segments[segment].name;
+        let first_user = |w: &str| {
+            self.graph.segments.iter().find(|seg| {
+                seg.ops
+                    .iter()
+                    .any(|op| op.inputs.iter().any(|&t| self.graph.tensor(t).name == w))
+            })
+        };
+        self.master
+            .iter()
+            .filter(|((w, layer), _)| *layer == l && first_user(w).is_some_and(|s| s.name == *name))
+            .map(|(k, m)| (k.clone(), D::f32_len(m)))
+            .collect()
+    }
+
+    /// This rank's part `(start, len)` of a flat vector of `total` over `g`.
+    pub(super) fn part_of(&self, g: &Group, total: usize) -> Result<(usize, usize), RankError> {
+        let n = g.size();
+        if !total.is_multiple_of(n) {
+            return Err(fail(format!(
+                "{total} parameters of a segment do not split over {n} ranks"
+            )));
+        }
+        let c = total / n;
+        Ok((self.index_in(g)? * c, c))
+    }
+
+    /// ZeRO-3's gather of one segment copy's weights before its forward or
+    /// backward: each rank's updated part of the fp32 masters, then the compute
+    /// copies refreshed.
+    pub(super) fn zero3_gather(
+        &mut self,
+        g: &Group,
+        axis: &str,
+        segment: &str,
+        l: u64,
+    ) -> Result<(), RankError> {
+        let s = segment_index(self.graph, segment)?;
+        let layout = self.copy_layout(s, l);
+        let total: usize = layout.iter().map(|(_, n)| n).sum();
+        let (start, c) = self.part_of(g, total)?;
+        let e = derr(segment);
+        let mut mine = self.zeros_f32(c)?;
+        for (key, src, dst, len) in pieces_of(&layout, start, start + c) {
+            let w = self
+                .master
+                .get(&key)
+                .ok_or_else(|| fail("weight missing"))?;
+            self.dev.f32_copy(w, src, &mut mine, dst, len).map_err(&e)?;
+        }
+        let mut all = self.zeros_f32(total)?;
+        self.dev
+            .all_gather(self.comm.as_mut(), g, axis, &mine, &mut all)?;
+        for (key, src, dst, len) in pieces_of(&layout, 0, total) {
+            let w = self
+                .master
+                .get_mut(&key)
+                .ok_or_else(|| fail("weight missing"))?;
+            self.dev.f32_copy(&all, dst, w, src, len).map_err(&e)?;
+            let c = self
+                .compute
+                .get_mut(&key)
+                .ok_or_else(|| fail("compute copy missing"))?;
+            self.dev.to_act(w, c).map_err(&e)?;
+        }
+        Ok(())
+    }
+
+    /// ZeRO-3's reduce-scatter of one segment copy's gradients after its
+    /// backward: this rank keeps (adds up, over micro-batches) its part of the sum,
+    /// and the whole gradients start again from zero.
+    pub(super) fn zero3_scatter(
+        &mut self,
+        g: &Group,
+        axis: &str,
+        segment: &str,
+        l: u64,
+    ) -> Result<(), RankError> {
+        let s = segment_index(self.graph, segment)?;
+        let layout = self.copy_layout(s, l);
+        let total: usize = layout.iter().map(|(_, n)| n).sum();
+        let (_, c) = self.part_of(g, total)?;
+        let e = derr(segment);
+        let mut flat = self.zeros_f32(total)?;
+        for (key, src, dst, len) in pieces_of(&layout, 0, total) {
+            let gr = self
+                .wgrads
+                .get_mut(&key)
+                .ok_or_else(|| fail("gradient missing"))?;
+            self.dev
+                .f32_copy(gr, src, &mut flat, dst, len)
+                .map_err(&e)?;
+            self.dev.f32_zero(gr).map_err(&e)?;
+        }
+        let mut out = self.zeros_f32(c)?;
+        self.dev
+            .reduce_scatter(self.comm.as_mut(), g, axis, &flat, &mut out)?;
+        let acc = match self.z3_grads.entry((s, l)) {
+            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(self.dev.f32_zeros(c).map_err(&e)?)
+            }
+        };
+        self.dev.f32_accumulate(acc, &out).map_err(&e)
+    }
+
+    /// ZeRO-3's AdamW: each segment copy's part of the fp32 masters this rank owns,
+    /// with moments of that part alone.
+    pub(super) fn optimizer_zero3(&mut self) -> Result<(), RankError> {
+        let g = self
+            .groups
+            .get("dp")
+            .cloned()
+            .ok_or_else(|| fail("no dp group"))?;
+        for (s, l) in segment_copies(self.graph, self.phase()?)? {
+            let l = l.unwrap_or(NO_LAYER);
+            let layout = self.copy_layout(s, l);
+            let total: usize = layout.iter().map(|(_, n)| n).sum();
+            if total == 0 {
+                continue;
+            }
+            let (start, c) = self.part_of(&g, total)?;
+            let pieces = pieces_of(&layout, start, start + c);
+            let mut state = match self.z3_adam.remove(&(s, l)) {
+                Some(state) => state,
+                None => self.initial_moments(&pieces, c)?,
+            };
+            let grad = match self.z3_grads.remove(&(s, l)) {
+                Some(gr) => gr,
+                None => self.zeros_f32(c)?,
+            };
+            self.adamw_part(&pieces, c, &grad, &mut state)?;
+            self.z3_adam.insert((s, l), state);
+        }
+        Ok(())
+    }
+
+    /// The weights whose gradients sequence parallelism leaves partial over the
+    /// tensor axis (norms): of every segment, or of segment `only`.
+    pub(super) fn seq_partial_names(&self, only: Option<usize>) -> Vec<String> {
+        self.graph
+            .segments
+            .iter()
+            .enumerate()
+            .filter(|(s, _)| only.is_none_or(|o| o == *s))
+            .flat_map(|(_, seg)| {
+                meshplan_ir::graph::tp_partial_weights(self.graph, seg, true, false)
+            })
+            .map(|w| self.graph.tensor(w).name.clone())
+            .collect()
+    }
+
+    /// The weights embedding and head share (a tied table).
+    pub(super) fn tied_names(&self) -> Vec<String> {
+        let weights_of = |kind: SegmentKind| -> Vec<String> {
+            self.graph
+                .segments
+                .iter()
+                .filter(|s| s.kind == kind)
+                .flat_map(|s| &s.ops)
+                .flat_map(|o| o.inputs.iter().copied())
+                .filter(|&t| self.graph.tensor(t).kind == TensorKind::Weight)
+                .map(|t| self.graph.tensor(t).name.clone())
+                .collect()
+        };
+        let head = weights_of(SegmentKind::Head);
+        weights_of(SegmentKind::Embed)
+            .into_iter()
+            .filter(|w| head.contains(w))
+            .collect()
+    }
+
+    /// Sums the gradients of step item `i`'s weights over its group, as one flat
+    /// vector (one collective, as the plan counts it).
+    pub(super) fn sum_grads(&mut self, i: usize) -> Result<(), RankError> {
+        let StepItem::SumGrads {
+            group,
+            axis,
+            keys,
+            tensor,
+        } = &self.step_plan[i]
+        else {
+            return Err(fail("not a sum of gradients"));
+        };
+        let (group, axis, keys) = (group.clone(), axis.clone(), keys.clone());
+        self.sum_grads_of(&group, &axis, &keys, tensor)
+    }
+
+    /// Sums the gradients of `keys` over `group` as one flat vector.
+    pub(super) fn sum_grads_of(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        keys: &[Key],
+        tensor: &str,
+    ) -> Result<(), RankError> {
+        let e = derr(tensor);
+        let lens: Vec<usize> = keys
+            .iter()
+            .map(|k| self.wgrads.get(k).map(D::f32_len))
+            .collect::<Option<_>>()
+            .ok_or_else(|| fail("a partial gradient is missing"))?;
+        let mut flat = self.zeros_f32(lens.iter().sum())?;
+        let mut at = 0;
+        for (k, &n) in keys.iter().zip(&lens) {
+            let g = self.wgrads.get(k).ok_or_else(|| fail("gradient missing"))?;
+            self.dev.f32_copy(g, 0, &mut flat, at, n).map_err(&e)?;
+            at += n;
+        }
+        let r = self
+            .dev
+            .all_reduce_start(self.comm.as_mut(), group, axis, flat)?;
+        let flat = self.dev.all_reduce_finish(self.comm.as_mut(), r)?;
+        let mut at = 0;
+        for (k, &n) in keys.iter().zip(&lens) {
+            let g = self
+                .wgrads
+                .get_mut(k)
+                .ok_or_else(|| fail("gradient missing"))?;
+            self.dev.f32_copy(&flat, at, g, 0, n).map_err(&e)?;
+            at += n;
+        }
+        Ok(())
+    }
+
+    pub(super) fn index_in(&self, g: &Group) -> Result<usize, RankError> {
+        g.index_of(self.rank)
+            .ok_or_else(|| fail(format!("rank {} is not in group {}", self.rank, g.id)))
+    }
+
+    pub(super) fn initial_moments(
+        &self,
+        pieces: &[(Key, usize, usize, usize)],
+        n: usize,
+    ) -> Result<(D::F32, D::F32), RankError> {
+        initial_moments(&self.dev, &self.resume_moments, pieces, n)
+    }
+
+    /// This rank's part of a checkpoint: the weights whose moments it holds (whole
+    /// weights, or under ZeRO its parts of the flat vector), with those moments.
+    pub(super) fn snapshot(&self) -> Result<crate::ckpt::RankSnapshot, RankError> {
+        let e = derr("checkpoint");
+        let download = |key: &Key| -> Result<Vec<f32>, RankError> {
+            let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
+            self.dev.f32_download(w).map_err(&e)
+        };
+        let mut pieces = Vec::new();
+        for (key, (m, v)) in &self.adam {
+            pieces.push(crate::ckpt::Piece {
+                key: key.clone(),
+                start: 0,
+                w: download(key)?,
+                m: self.dev.f32_download(m).map_err(&e)?,
+                v: self.dev.f32_download(v).map_err(&e)?,
+            });
+        }
+        // Under ZeRO each weight is read back once, however many parts it spans: the
+        // parts of the flat vector (ZeRO 1 and 2), or of each segment copy's
+        // (ZeRO-3; where this rank's masters are the up-to-date ones).
+        let mut parts: Vec<(Layout, usize, &Moments<D>)> = self
+            .shard_adam
+            .iter()
+            .map(|(&start, mv)| (self.layout.clone(), start, mv))
+            .collect();
+        if let Some(g) = self.groups.get("dp").filter(|_| self.zero3) {
+            for (&(s, l), mv) in &self.z3_adam {
+                let layout = self.copy_layout(s, l);
+                let total = layout.iter().map(|(_, n)| n).sum();
+                let (start, _) = self.part_of(g, total)?;
+                parts.push((layout, start, mv));
+            }
+        }
+        let mut masters: BTreeMap<Key, Vec<f32>> = BTreeMap::new();
+        for (layout, start, (m, v)) in parts {
+            let (m, v) = (
+                self.dev.f32_download(m).map_err(&e)?,
+                self.dev.f32_download(v).map_err(&e)?,
+            );
+            for (key, src, dst, len) in pieces_of(&layout, start, start + m.len()) {
+                if !masters.contains_key(&key) {
+                    masters.insert(key.clone(), download(&key)?);
+                }
+                let w = masters.get(&key).ok_or_else(|| fail("weight missing"))?;
+                pieces.push(crate::ckpt::Piece {
+                    start: src,
+                    w: w[src..src + len].to_vec(),
+                    m: m[dst..dst + len].to_vec(),
+                    v: v[dst..dst + len].to_vec(),
+                    key,
+                });
+            }
+        }
+        Ok(crate::ckpt::RankSnapshot {
+            tp: self.tp,
+            ep: TpPos::ONE,
+            pieces,
+        })
+    }
+
+    /// ZeRO's AdamW: each reduced part of the flat gradient updates the same part of
+    /// the fp32 masters, with moments of that part alone.
+    pub(super) fn optimizer_shards(&mut self) -> Result<(), RankError> {
+        for (start, grad) in std::mem::take(&mut self.shards) {
+            let c = D::f32_len(&grad);
+            let pieces = pieces_of(&self.layout, start, start + c);
+            let mut state = match self.shard_adam.remove(&start) {
+                Some(state) => state,
+                None => self.initial_moments(&pieces, c)?,
+            };
+            self.adamw_part(&pieces, c, &grad, &mut state)?;
+            self.shard_adam.insert(start, state);
+        }
+        Ok(())
+    }
+
+    /// AdamW on the `c` values of the fp32 masters that `pieces` cover, with the
+    /// moments of that part alone (ZeRO's parts).
+    pub(super) fn adamw_part(
+        &mut self,
+        pieces: &[(Key, usize, usize, usize)],
+        c: usize,
+        grad: &D::F32,
+        (m, v): &mut Moments<D>,
+    ) -> Result<(), RankError> {
+        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
+        let step = self.step_no + 1;
+        let e = derr("adamw");
+        let mut param = self.zeros_f32(c)?;
+        for (key, src, dst, len) in pieces {
+            let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
+            self.dev
+                .f32_copy(w, *src, &mut param, *dst, *len)
+                .map_err(&e)?;
+        }
+        let mut scratch = self.zeros(c)?;
+        self.dev
+            .adamw(
+                &mut param,
+                grad,
+                m,
+                v,
+                &mut scratch,
+                step,
+                self.opts.lr,
+                (b1, b2, eps, wd),
+            )
+            .map_err(&e)?;
+        for (key, src, dst, len) in pieces {
+            let w = self
+                .master
+                .get_mut(key)
+                .ok_or_else(|| fail("weight missing"))?;
+            self.dev.f32_copy(&param, *dst, w, *src, *len).map_err(&e)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn optimizer(&mut self) -> Result<(), RankError> {
+        if self.zero3 {
+            return self.optimizer_zero3();
+        }
+        if !self.scatter.is_empty() {
+            return self.optimizer_shards();
+        }
+        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
+        let step = self.step_no + 1;
+        for (key, w) in self.master.iter_mut() {
+            let e = derr(&key.0);
+            let missing = || fail(format!("state of `{}` missing", key.0));
+            if !self.adam.contains_key(key) {
+                // Moments on first use: under ZeRO only the parts' moments exist.
+                let n = D::f32_len(w);
+                let whole = [(key.clone(), 0, 0, n)];
+                let state = initial_moments(&self.dev, &self.resume_moments, &whole, n)?;
+                self.adam.insert(key.clone(), state);
+            }
+            let g = self.wgrads.get(key).ok_or_else(missing)?;
+            let (m, v) = self.adam.get_mut(key).ok_or_else(missing)?;
+            let c = self.compute.get_mut(key).ok_or_else(missing)?;
+            self.dev
+                .adamw(w, g, m, v, c, step, self.opts.lr, (b1, b2, eps, wd))
+                .map_err(e)?;
+        }
+        Ok(())
+    }
+}
+
+/// The flat range `a..b` of a dense gradient or parameter bucket (the whole set
+/// without a range), within `total`.
+pub(super) fn bucket_range(target: &Target, total: usize) -> Result<(usize, usize), RankError> {
+    let range = match target {
+        Target::GradBucket {
+            set: ParamSet::Dense,
+            range,
+        }
+        | Target::ParamBucket {
+            set: ParamSet::Dense,
+            range,
+        } => range,
+        _ => {
+            return Err(fail(format!(
+                "the device interpreter does not reduce `{target}`"
+            )))
+        }
+    };
+    let (a, b) = range.map_or((0, total), |(a, b)| (a as usize, b as usize));
+    if a > b || b > total {
+        return Err(fail(format!(
+            "bucket {a}..{b} does not fit {total} parameters"
+        )));
+    }
+    Ok((a, b))
+}
+
+/// The pieces of the flat range `a..b` over weights laid out as `layout`: (weight,
+/// offset in it, offset in the range, values).
+pub(super) fn pieces_of(
+    layout: &[(Key, usize)],
+    a: usize,
+    b: usize,
+) -> Vec<(Key, usize, usize, usize)> {
+    let mut pieces = Vec::new();
+    let mut off = 0;
+    for (key, len) in layout {
+        let (x, y) = (off.max(a), (off + len).min(b));
+        if x < y {
+            pieces.push((key.clone(), x - off, x - a, y - x));
+        }
+        off += len;
+    }
+    pieces
+}
+
+/// AdamW moments of `n` values made of `pieces` (weight, offset in it, offset in the
+/// result, values): a resumed checkpoint's, or zeros.
+pub(super) fn initial_moments<D: Device>(
+    dev: &D,
+    saved: &BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
+    pieces: &[(Key, usize, usize, usize)],
+    n: usize,
+) -> Result<(D::F32, D::F32), RankError> {
+    let e = derr("AdamW state");
+    if saved.is_empty() {
+        return Ok((dev.f32_zeros(n).map_err(&e)?, dev.f32_zeros(n).map_err(&e)?));
+    }
+    let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
+    for (key, src, dst, len) in pieces {
+        let (sm, sv) = saved
+            .get(key)
+            .ok_or_else(|| fail(format!("the checkpoint has no AdamW state of `{}`", key.0)))?;
+        m[*dst..dst + len].copy_from_slice(&sm[*src..src + len]);
+        v[*dst..dst + len].copy_from_slice(&sv[*src..src + len]);
+    }
+    Ok((
+        dev.f32_upload(&m).map_err(&e)?,
+        dev.f32_upload(&v).map_err(&e)?,
+    ))
+}

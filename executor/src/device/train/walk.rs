@@ -1,0 +1,234 @@
+//! The walk over a task's instructions: micro-batch loading, segments and
+//! recomputation, stage boundaries, and the collectives between ops.
+
+use super::*;
+
+impl<'a, D: Device> DevRank<'a, D> {
+    /// Tokens, labels and positions of micro-batch `mb` of this data rank,
+    /// sequence-major, from the run's data source.
+    pub(super) fn load_batch(&self, mb: u64) -> Result<Task<D>, RankError> {
+        let per_dp = self.global_batch / self.dp_size.max(1);
+        let (s, b) = (self.seq_len / self.cp.size, self.mbs);
+        // This context rank's block of each sequence.
+        let s0 = self.cp.rank * s;
+        let vocab = self.graph.vocab().unwrap_or(2);
+        let mut tokens = vec![0u32; s * b];
+        let mut labels = vec![0u32; s * b];
+        for bi in 0..b {
+            let seq_index = (self.dp_index * per_dp + mb as usize * b + bi) as u64;
+            let seq = self
+                .opts
+                .data
+                .sequence(
+                    self.opts.seed,
+                    self.step_no,
+                    seq_index,
+                    self.seq_len,
+                    self.global_batch as u64,
+                    vocab,
+                )
+                .map_err(fail)?;
+            for si in 0..s {
+                tokens[si * b + bi] = seq[s0 + si];
+                labels[si * b + bi] = seq[s0 + si + 1];
+            }
+        }
+        let positions: Vec<u32> = (0..s * b).map(|r| (s0 + r / b.max(1)) as u32).collect();
+        let e = derr("batch");
+        Ok(Task {
+            acts: HashMap::new(),
+            stats: HashMap::new(),
+            grads: HashMap::new(),
+            partial: HashMap::new(),
+            loss_stats: HashMap::new(),
+            gathered: HashMap::new(),
+            block: match self.sp_block(s * b) {
+                Some(r) => Some((
+                    self.dev.ids_upload(&tokens[r.clone()]).map_err(&e)?,
+                    self.dev.ids_upload(&positions[r]).map_err(&e)?,
+                )),
+                None => None,
+            },
+            tokens: self.dev.ids_upload(&tokens).map_err(&e)?,
+            labels: self.dev.ids_upload(&labels).map_err(&e)?,
+            positions: self.dev.ids_upload(&positions).map_err(&e)?,
+        })
+    }
+
+    /// Rows of a micro-batch on this rank: its context block of each sequence.
+    pub(super) fn rows(&self) -> usize {
+        self.seq_len / self.cp.size * self.mbs
+    }
+
+    /// Under sequence parallelism, this tensor rank's block of a micro-batch's
+    /// `rows` (sequence-major, so a block of sequence positions).
+    pub(super) fn sp_block(&self, rows: usize) -> Option<std::ops::Range<usize>> {
+        let c = rows / self.tp.size;
+        (self.sp && self.tp.size > 1).then(|| self.tp.rank * c..(self.tp.rank + 1) * c)
+    }
+
+    pub(super) fn run_forward(
+        &mut self,
+        instrs: &[Instr],
+        t: &mut Task<D>,
+        layer: &mut u64,
+        cur: u64,
+    ) -> Result<(), RankError> {
+        for instr in instrs {
+            match instr {
+                Instr::Segment {
+                    name,
+                    kind,
+                    repeat,
+                    body,
+                } => {
+                    let s = segment_index(self.graph, name)?;
+                    for _ in 0..*repeat {
+                        let l = if *kind == SegmentKind::Block {
+                            *layer += 1;
+                            *layer - 1
+                        } else {
+                            NO_LAYER
+                        };
+                        if let (Some(input), Some(h)) = (segment_input(self.graph, s), &self.hidden)
+                        {
+                            t.acts.insert((l, input), Arc::clone(h));
+                        }
+                        self.run_forward(body, t, layer, l)?;
+                        if let Some(out) = segment_output(self.graph, s) {
+                            if let Some(v) = t.acts.get(&(l, out)) {
+                                self.hidden = Some(Arc::clone(v));
+                            }
+                        }
+                    }
+                }
+                Instr::Recompute { body } => self.run_forward(body, t, layer, cur)?,
+                Instr::Compute { name, outputs, .. } => {
+                    let m0 = self.mark()?;
+                    let op = self.find_op(name)?;
+                    // The rows the plan gives the output (a replicated table under
+                    // sequence parallelism looks up this rank's block alone).
+                    let out_rows = outputs.first().map_or(0, |t| {
+                        let n = t.shape.len();
+                        t.shape[..n.saturating_sub(1)].iter().product::<u64>() as usize
+                    });
+                    self.forward_op(op, cur, t, out_rows)?;
+                    self.span(m0, name.clone(), "compute", self.op_args(cur))?;
+                }
+                Instr::Collective {
+                    kind,
+                    group,
+                    axis,
+                    target,
+                    ..
+                } => self.collective(*kind, group, axis.name(), target, cur, t, false)?,
+                Instr::Send {
+                    peer_stage, bytes, ..
+                } => self.send_boundary(*peer_stage, *bytes, false)?,
+                // The attention op passes the blocks itself (`ring_forward`).
+                Instr::RingPass { .. } => {}
+                Instr::Recv {
+                    peer_stage, bytes, ..
+                } => self.recv_boundary(*peer_stage, *bytes, false)?,
+                other => {
+                    return Err(fail(format!(
+                        "the device interpreter does not run {other:?} in a forward list"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn run_backward(
+        &mut self,
+        instrs: &[Instr],
+        t: &mut Task<D>,
+        layer: &mut u64,
+    ) -> Result<(), RankError> {
+        for instr in instrs {
+            let (name, kind, repeat, body) = match instr {
+                Instr::Segment {
+                    name,
+                    kind,
+                    repeat,
+                    body,
+                } => (name, kind, repeat, body),
+                Instr::Send {
+                    peer_stage, bytes, ..
+                } => {
+                    self.send_boundary(*peer_stage, *bytes, true)?;
+                    continue;
+                }
+                Instr::Recv {
+                    peer_stage, bytes, ..
+                } => {
+                    self.recv_boundary(*peer_stage, *bytes, true)?;
+                    continue;
+                }
+                Instr::Collective {
+                    kind: CollectiveKind::AllGather,
+                    group,
+                    axis,
+                    target: Target::HiddenStatesGrad,
+                    ..
+                } => {
+                    self.gather_boundary(group, axis.name(), true)?;
+                    continue;
+                }
+                other => {
+                    return Err(fail(format!(
+                        "the device interpreter does not run {other:?} in a backward list"
+                    )))
+                }
+            };
+            let s = segment_index(self.graph, name)?;
+            for _ in 0..*repeat {
+                let l = if *kind == SegmentKind::Block {
+                    *layer -= 1;
+                    *layer
+                } else {
+                    NO_LAYER
+                };
+                if let (Some(out), Some(g)) =
+                    (segment_output(self.graph, s), self.grad_hidden.take())
+                {
+                    t.grads.insert((l, out), g);
+                }
+                for instr in body {
+                    match instr {
+                        Instr::Recompute { body } => {
+                            let mut dummy = l;
+                            self.run_forward(body, t, &mut dummy, l)?;
+                        }
+                        Instr::Compute { name, .. } => {
+                            let m0 = self.mark()?;
+                            let op = self.find_op(name)?;
+                            self.backward_op(op, l, t)?;
+                            self.gradients_written(op, l)?;
+                            self.span(m0, format!("{name} bwd"), "compute", self.op_args(l))?;
+                        }
+                        Instr::Collective {
+                            kind,
+                            group,
+                            axis,
+                            target,
+                            ..
+                        } => self.collective(*kind, group, axis.name(), target, l, t, true)?,
+                        // The attention op passes the blocks itself (`ring_backward`).
+                        Instr::RingPass { .. } => {}
+                        other => {
+                            return Err(fail(format!(
+                                "the device interpreter does not run {other:?} in a backward body"
+                            )))
+                        }
+                    }
+                }
+                if let Some(input) = segment_input(self.graph, s) {
+                    self.grad_hidden = t.grads.remove(&(l, input));
+                }
+            }
+        }
+        Ok(())
+    }
+}
