@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 
 use meshplan_kernels::cuda::bf16;
 use meshplan_kernels::cuda::cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop,
 };
 use meshplan_kernels::cuda::cudarc::nccl::{result, sys};
 
@@ -435,60 +435,82 @@ impl NcclComm {
         })
     }
 
-    /// Pipeline parallelism's point to point on bf16 device buffers: sends
-    /// `buf[off..off + n]` to `peer` (`CommKind::Send`) or receives `n` elements
-    /// into `buf` from it (`CommKind::Recv`), on the communication stream after
-    /// `ready`; the returned event marks its end. Bytes counted at two per element,
-    /// as the host p2p counts its own.
-    #[allow(clippy::too_many_arguments)] // the transfer, its buffer, and when
+    /// Point-to-point transfers of bf16 device buffers (pipeline boundaries, ring
+    /// attention's blocks) as one NCCL group on the communication stream, after
+    /// `ready`: a ring's send to the next rank and receive from the previous one
+    /// complete together instead of waiting on each other. The returned event
+    /// marks the group's end; the buffers stay alive and unwritten until it has
+    /// passed. Bytes counted at two per element, as the host p2p counts its own.
     pub fn p2p_bf16_device_start(
         &mut self,
-        kind: CommKind,
-        peer: usize,
         axis: &str,
-        buf: &mut CudaSlice<bf16>,
-        (off, n): (usize, usize),
+        transfers: &mut [P2p<'_>],
         ready: &CudaEvent,
     ) -> Result<CudaEvent, CommError> {
-        self.check_peer(kind, peer)?;
-        self.check_aborted(kind, axis, "p2p")?;
-        if off + n > buf.len() || (kind == CommKind::Recv && off != 0) {
-            return Err(CommError::Internal {
-                detail: format!("{kind} of {off}..{} in {} elements", off + n, buf.len()),
-            });
+        for t in transfers.iter() {
+            let (kind, peer) = match t {
+                P2p::Send(peer, buf, (off, n)) => {
+                    if off + n > buf.len() {
+                        return Err(CommError::Internal {
+                            detail: format!("sending {off}..{} of {}", off + n, buf.len()),
+                        });
+                    }
+                    (CommKind::Send, *peer)
+                }
+                P2p::Recv(peer, _) => (CommKind::Recv, *peer),
+            };
+            self.check_peer(kind, peer)?;
+            self.check_aborted(kind, axis, "p2p")?;
         }
         let comm = self.world_comm.0;
-        let done = self.run(kind, |s| {
+        let done = self.run(CommKind::Send, |s| {
             s.stream
                 .wait(ready)
-                .map_err(|e| format!("waiting for the buffer's writer: {e:?}"))?;
-            if n > 0 {
-                let (p, _g) = buf.device_ptr_mut(&s.stream);
-                let p = (p + (off * 2) as u64) as *mut c_void;
-                let raw = s.raw_stream();
-                // SAFETY: `p` points at `n` bf16 elements inside `buf` (checked
-                // above); the caller keeps `buf` alive and unwritten until the
-                // returned event has passed.
-                let r = unsafe {
-                    if kind == CommKind::Send {
-                        result::send(p, n, BF16, peer as i32, comm, raw)
-                    } else {
-                        result::recv(p, n, BF16, peer as i32, comm, raw)
+                .map_err(|e| format!("waiting for the buffers' writer: {e:?}"))?;
+            let raw = s.raw_stream();
+            // Held until the group is enqueued, which is when NCCL reads the
+            // pointers onto the stream.
+            let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
+            nccl_call("ncclGroupStart", result::group_start())?;
+            for t in transfers.iter_mut() {
+                let r = match t {
+                    P2p::Send(peer, buf, (off, n)) => {
+                        let (p, g) = buf.device_ptr(&s.stream);
+                        guards.push(g);
+                        let p = (p + (*off * 2) as u64) as *const c_void;
+                        // SAFETY: `p` points at `n` bf16 elements inside `buf`
+                        // (checked above), alive until the returned event.
+                        unsafe { result::send(p, *n, BF16, *peer as i32, comm, raw) }
+                    }
+                    P2p::Recv(peer, buf) => {
+                        let n = buf.len();
+                        let (p, g) = buf.device_ptr_mut(&s.stream);
+                        guards.push(g);
+                        // SAFETY: as for a send; `buf` is borrowed mutably.
+                        unsafe { result::recv(p as *mut c_void, n, BF16, *peer as i32, comm, raw) }
                     }
                 };
-                nccl_call(&format!("nccl {kind}"), r)?;
+                nccl_call("nccl p2p", r)?;
             }
+            nccl_call("ncclGroupEnd", result::group_end())?;
+            drop(guards);
             s.stream
                 .record_event(None)
-                .map_err(|e| format!("recording the transfer's end: {e:?}"))
+                .map_err(|e| format!("recording the transfers' end: {e:?}"))
         })?;
-        let b = n as u64 * 2;
-        let sent = if kind == CommKind::Send {
-            u128::from(b)
-        } else {
-            0
-        };
-        self.counts.record(kind, axis, b, sent, 1);
+        for t in transfers.iter() {
+            match t {
+                P2p::Send(_, _, (_, n)) => {
+                    let b = *n as u64 * 2;
+                    self.counts
+                        .record(CommKind::Send, axis, b, u128::from(b), 1);
+                }
+                P2p::Recv(_, buf) => {
+                    self.counts
+                        .record(CommKind::Recv, axis, buf.len() as u64 * 2, 0, 1);
+                }
+            }
+        }
         Ok(done)
     }
 
@@ -549,6 +571,14 @@ impl NcclComm {
         self.counts.record(kind, axis, payload, num, den);
         Ok(done)
     }
+}
+
+/// One point-to-point transfer of a bf16 device buffer, to or from a global rank.
+pub enum P2p<'b> {
+    /// `buf[off..off + n]` to the rank.
+    Send(usize, &'b CudaSlice<bf16>, (usize, usize)),
+    /// The whole of `buf` from the rank.
+    Recv(usize, &'b mut CudaSlice<bf16>),
 }
 
 fn id_from_bytes(b: &[u8]) -> Option<sys::ncclUniqueId> {

@@ -9,7 +9,7 @@
 //! positions from 0), `beta` 0 for an activation GEMM and 1 for a weight gradient.
 
 use super::{range_err, DResult, Device, DeviceError};
-use crate::comm::{CommError, CommKind, Communicator, Group};
+use crate::comm::{CommError, CommKind, Communicator, Group, P2p};
 use meshplan_kernels::cpu::{AttnDims, Rope, Transpose};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, DriverError};
@@ -64,6 +64,28 @@ impl CudaDevice {
     /// The GPU the device launches on.
     pub fn gpu(&self) -> &Gpu {
         &self.gpu
+    }
+
+    /// Point-to-point transfers through NCCL as one group on NCCL's stream, after
+    /// the work launched so far; this stream, not the host, waits for their end.
+    fn p2p(
+        &self,
+        comm: &mut dyn Communicator,
+        axis: &str,
+        transfers: &mut [P2p<'_>],
+    ) -> Result<(), CommError> {
+        let nccl = comm.as_nccl().ok_or_else(|| CommError::Internal {
+            detail: "device point to point without NCCL".into(),
+        })?;
+        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+        let ready = self.mark().map_err(internal)?;
+        let done = nccl.p2p_bf16_device_start(axis, transfers, &ready)?;
+        self.gpu
+            .stream()
+            .wait(&done)
+            .map_err(|e| CommError::Internal {
+                detail: format!("waiting for point-to-point transfers: {e:?}"),
+            })
     }
 
     /// `dst[dst_off..dst_off + n] = src[src_off..src_off + n]` on the stream.
@@ -595,27 +617,10 @@ impl Device for CudaDevice {
         x: &CudaSlice<bf16>,
         range: (usize, usize),
     ) -> Result<(), CommError> {
-        let Some(nccl) = comm.as_nccl() else {
+        if comm.as_nccl().is_none() {
             return super::send_act_on_host(self, comm, peer, axis, x, range);
-        };
-        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-        let ready = self.mark().map_err(internal)?;
-        // NCCL reads the buffer; its API takes a mutable pointer for both ways.
-        let mut x = self
-            .gpu
-            .stream()
-            .clone_dtod(x)
-            .map_err(|e| CommError::Internal {
-                detail: format!("staging a send on the device: {e:?}"),
-            })?;
-        let done = nccl.p2p_bf16_device_start(CommKind::Send, peer, axis, &mut x, range, &ready)?;
-        // The copy is freed on this stream after the send.
-        self.gpu
-            .stream()
-            .wait(&done)
-            .map_err(|e| CommError::Internal {
-                detail: format!("waiting for a send: {e:?}"),
-            })
+        }
+        self.p2p(comm, axis, &mut [P2p::Send(peer, x, range)])
     }
     fn recv_act(
         &self,
@@ -624,19 +629,28 @@ impl Device for CudaDevice {
         axis: &str,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), CommError> {
-        let Some(nccl) = comm.as_nccl() else {
+        if comm.as_nccl().is_none() {
             return super::recv_act_on_host(self, comm, peer, axis, out);
-        };
-        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-        let ready = self.mark().map_err(internal)?;
-        let n = out.len();
-        let done = nccl.p2p_bf16_device_start(CommKind::Recv, peer, axis, out, (0, n), &ready)?;
-        self.gpu
-            .stream()
-            .wait(&done)
-            .map_err(|e| CommError::Internal {
-                detail: format!("waiting for a receive: {e:?}"),
-            })
+        }
+        self.p2p(comm, axis, &mut [P2p::Recv(peer, out)])
+    }
+    fn exchange_act(
+        &self,
+        comm: &mut dyn Communicator,
+        axis: &str,
+        (to, send): (usize, &CudaSlice<bf16>),
+        (from, recv): (usize, &mut CudaSlice<bf16>),
+    ) -> Result<(), CommError> {
+        if comm.as_nccl().is_none() {
+            super::send_act_on_host(self, comm, to, axis, send, (0, send.len()))?;
+            return super::recv_act_on_host(self, comm, from, axis, recv);
+        }
+        let n = send.len();
+        self.p2p(
+            comm,
+            axis,
+            &mut [P2p::Send(to, send, (0, n)), P2p::Recv(from, recv)],
+        )
     }
     fn reduce_scatter_act(
         &self,

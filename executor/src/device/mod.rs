@@ -455,6 +455,20 @@ pub trait Device: Send + Sync {
         recv_act_on_host(self, comm, peer, axis, out)
     }
 
+    /// Sends `send` whole to rank `to` and receives `recv` from rank `from`, as one
+    /// exchange (a ring's step: on NCCL one group, so that neither waits on the
+    /// other). The default sends, then receives.
+    fn exchange_act(
+        &self,
+        comm: &mut dyn Communicator,
+        axis: &str,
+        (to, send): (usize, &Self::Act),
+        (from, recv): (usize, &mut Self::Act),
+    ) -> Result<(), CommError> {
+        self.send_act(comm, to, axis, send, (0, Self::act_len(send)))?;
+        self.recv_act(comm, from, axis, recv)
+    }
+
     /// `out` = this member's rows of the sum of every member's `full` (sequence
     /// parallelism's activations and input gradients). The default goes through
     /// the host.

@@ -81,18 +81,22 @@ impl<'a, D: Device> DevRank<'a, D> {
                 .attention_merge(dims, o, lse, &ob, &lb)
                 .map_err(&e)?;
             if t + 1 < n {
-                self.dev
-                    .send_act(self.comm.as_mut(), next, "cp", &block, (0, len))?;
-                self.dev
-                    .recv_act(self.comm.as_mut(), prev, "cp", &mut block)?;
+                let mut passed = self.zeros(len)?;
+                self.dev.exchange_act(
+                    self.comm.as_mut(),
+                    "cp",
+                    (next, &block),
+                    (prev, &mut passed),
+                )?;
+                block = passed;
             }
         }
         Ok(())
     }
 
     /// Ring attention's backward: the key/value blocks go round again; the gradient
-    /// computed for every other rank's block goes straight to its owner, which adds
-    /// them in rank order.
+    /// computed for every other rank's block goes straight to its owner (in
+    /// pairwise exchanges), which adds them in rank order.
     pub(super) fn ring_backward(
         &mut self,
         dims: &AttnDims,
@@ -125,30 +129,38 @@ impl<'a, D: Device> DevRank<'a, D> {
                 .map_err(&e)?;
             grads[owner] = Some(self.kv_block(&gk, &gv)?);
             if t + 1 < n {
-                self.dev
-                    .send_act(self.comm.as_mut(), next, "cp", &block, (0, len))?;
-                self.dev
-                    .recv_act(self.comm.as_mut(), prev, "cp", &mut block)?;
+                let mut passed = self.zeros(len)?;
+                self.dev.exchange_act(
+                    self.comm.as_mut(),
+                    "cp",
+                    (next, &block),
+                    (prev, &mut passed),
+                )?;
+                block = passed;
             }
         }
         let mut grads: Vec<D::Act> = grads
             .into_iter()
             .collect::<Option<_>>()
             .ok_or_else(|| fail("a ring block was not visited"))?;
-        for (j, gj) in grads.iter().enumerate() {
-            if j != me {
-                self.dev
-                    .send_act(self.comm.as_mut(), g.ranks[j], "cp", gj, (0, len))?;
-            }
+        // Round r sends rank me + r its block's gradient and receives its own
+        // from rank me - r: pairwise exchanges, none waiting on another.
+        let mut got: Vec<Option<D::Act>> = (0..n).map(|_| None).collect();
+        for r in 1..n {
+            let (to, from) = ((me + r) % n, (me + n - r) % n);
+            let mut buf = self.zeros(len)?;
+            self.dev.exchange_act(
+                self.comm.as_mut(),
+                "cp",
+                (g.ranks[to], &grads[to]),
+                (g.ranks[from], &mut buf),
+            )?;
+            got[from] = Some(buf);
         }
+        // Added in rank order, as the general interpreter adds them.
         let mut total = grads.swap_remove(me);
-        let mut buf = self.zeros(len)?;
-        for j in 0..n {
-            if j != me {
-                self.dev
-                    .recv_act(self.comm.as_mut(), g.ranks[j], "cp", &mut buf)?;
-                self.dev.accumulate(&mut total, &buf).map_err(&e)?;
-            }
+        for buf in got.iter().flatten() {
+            self.dev.accumulate(&mut total, buf).map_err(&e)?;
         }
         let (tk, tv) = (
             self.act_part(&total, 0, kl)?,
