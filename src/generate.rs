@@ -213,7 +213,7 @@ pub(crate) fn run(a: &RunArgs<'_>, plan: &Plan, file: &str) -> Result<(), Failur
         return run_disaggregated(a, plan, file, &opts, tok.as_ref());
     }
     meshplan_executor::infer::check_inputs(plan, &opts).map_err(|m| bad(format!("{file}: {m}")))?;
-    let report = infer(plan, &opts).map_err(|e| runtime(e.message))?;
+    let report = infer(plan, &opts).map_err(|e| runtime(e.to_string()))?;
     let check = match a.check {
         true => Some(check_inference(&report, &reference(plan, &opts)?)),
         false => None,
@@ -238,7 +238,7 @@ fn run_disaggregated(
     tok: Option<&TextTokenizer>,
 ) -> Result<(), Failure> {
     disagg::check_disaggregated(plan, opts).map_err(|m| bad(format!("{file}: {m}")))?;
-    let run = disagg::infer_disaggregated(plan, opts).map_err(|e| runtime(e.message))?;
+    let run = disagg::infer_disaggregated(plan, opts).map_err(|e| runtime(e.to_string()))?;
     let check = match a.check {
         true => Some(check_inference(&run.report, &reference(plan, opts)?)),
         false => None,
@@ -263,7 +263,7 @@ fn reference(plan: &Plan, opts: &InferOptions) -> Result<InferReport, Failure> {
             ..opts.clone()
         },
     )
-    .map_err(|e| runtime(format!("reference: {}", e.message)))
+    .map_err(|e| runtime(format!("reference: {e}")))
 }
 
 /// What a run is reported with besides its own figures.

@@ -109,9 +109,10 @@ fn engine(backend: &str) -> Result<Engine, Failure> {
 fn failure(e: EngineError) -> Failure {
     match e {
         EngineError::UnknownBackend(_) => bad(e.to_string()),
-        EngineError::NoGpu(_) | EngineError::Unsupported(_) | EngineError::Failed(_) => {
-            runtime(e.to_string())
-        }
+        EngineError::NoGpu(_)
+        | EngineError::Unsupported(_)
+        | EngineError::Run(_)
+        | EngineError::Failed(_) => runtime(e.to_string()),
     }
 }
 
@@ -422,8 +423,7 @@ fn check_with_reference(
         threads_per_rank: threads_per_rank(None, 1)?,
         ..opts.reference_of(plan)
     };
-    let base =
-        train(&reference, &ref_opts).map_err(|e| runtime(format!("reference: {}", e.message)));
+    let base = train(&reference, &ref_opts).map_err(|e| runtime(format!("reference: {e}")));
     bar.finish_and_clear();
     let base = base?;
     Ok(match engine {

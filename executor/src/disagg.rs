@@ -136,7 +136,7 @@ impl Ctx<'_> {
 
 /// Runs a disaggregated plan's two pools as one world of CPU threads.
 pub fn infer_disaggregated(plan: &Plan, opts: &InferOptions) -> Result<DisaggReport, ExecError> {
-    let err = |message: String| ExecError { message };
+    let err = ExecError::Plan;
     check_disaggregated(plan, opts).map_err(err)?;
     let (prefill, decode) = pools(plan)
         .map_err(err)?
@@ -196,9 +196,7 @@ fn merged(
     first: Option<RequestOutput>,
     rest: Option<RequestOutput>,
 ) -> Result<RequestOutput, ExecError> {
-    let missing = |pool: &str| ExecError {
-        message: format!("request {i} was not {pool} by any rank"),
-    };
+    let missing = |pool: &str| ExecError::Output(format!("request {i} was not {pool} by any rank"));
     let mut o = first.ok_or_else(|| missing("prefilled"))?;
     let d = rest.ok_or_else(|| missing("decoded"))?;
     o.tokens.extend(d.tokens);

@@ -36,7 +36,10 @@ pub enum EngineError {
     /// The engine does not run this plan.
     #[error("{0}")]
     Unsupported(String),
-    /// The run failed.
+    /// The run could not start or did not finish.
+    #[error("{0}")]
+    Run(#[from] crate::train::ExecError),
+    /// Setting up a launched rank (rendezvous, NCCL, its GPU) failed.
     #[error("{0}")]
     Failed(String),
 }
@@ -111,12 +114,11 @@ impl Engine {
 
     /// Trains `plan`, every rank a thread of this process.
     pub fn train(self, plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, EngineError> {
-        let failed = |e: crate::train::ExecError| EngineError::Failed(e.message);
         match self {
-            Engine::Cpu => crate::train::train(plan, opts).map_err(failed),
-            Engine::CpuBf16 => {
-                train_device(plan, opts, &|_| Ok(crate::device::emulate::Bf16Host)).map_err(failed)
-            }
+            Engine::Cpu => Ok(crate::train::train(plan, opts)?),
+            Engine::CpuBf16 => Ok(train_device(plan, opts, &|_| {
+                Ok(crate::device::emulate::Bf16Host)
+            })?),
             Engine::Cuda(g) => g.train(plan, opts),
             Engine::CudaStaged(g) => g.train_staged(plan, opts),
         }
@@ -224,7 +226,7 @@ mod gpu {
             plan: &Plan,
             opts: &TrainOptions,
         ) -> Result<TrainReport, EngineError> {
-            let failed = |e: crate::train::ExecError| EngineError::Failed(e.message);
+            let failed = EngineError::Run;
             let gpus = self.devices;
             let ranks = plan.ranks.len();
             if ranks > 1 && ranks == gpus && nccl_available().is_ok() {
@@ -247,7 +249,7 @@ mod gpu {
         ) -> Result<TrainReport, EngineError> {
             let backend = crate::backend_cuda::CudaBackend::new()
                 .map_err(|e| EngineError::Failed(e.to_string()))?;
-            crate::train::train_on(plan, opts, &backend).map_err(|e| EngineError::Failed(e.message))
+            Ok(crate::train::train_on(plan, opts, &backend)?)
         }
 
         pub(super) fn train_rank(
@@ -261,8 +263,7 @@ mod gpu {
                 NcclComm::from_launch(env, rv).map_err(|e| EngineError::Failed(e.to_string()))?;
             let dev =
                 CudaDevice::on(env.local_rank).map_err(|e| EngineError::Failed(e.to_string()))?;
-            train_device_rank(plan, opts, dev, Box::new(comm))
-                .map_err(|e| EngineError::Failed(e.message))
+            train_device_rank(plan, opts, dev, Box::new(comm)).map_err(EngineError::Run)
         }
     }
 }

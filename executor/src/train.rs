@@ -165,20 +165,38 @@ pub struct TrainReport {
     pub lr: f64,
 }
 
-/// Why a run failed.
-#[derive(Clone, Debug, PartialEq)]
-pub struct ExecError {
-    /// What went wrong, naming the rank and where others waited.
-    pub message: String,
+/// Why a run could not start, or did not finish. Each variant's message names what
+/// went wrong and what to do; a caller matches the variant to decide (the binary
+/// maps a refused plan and a bad checkpoint to the user's input).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ExecError {
+    /// The plan, or the options given with it, cannot run here.
+    #[error("{0}")]
+    Plan(String),
+    /// A checkpoint to resume or fine-tune from does not fit, or one being
+    /// written failed.
+    #[error("{0}")]
+    Checkpoint(String),
+    /// A rank failed: which, why, and where the others waited.
+    #[error("{0}")]
+    Rank(String),
+    /// The run finished but its result is unusable (a request no rank produced,
+    /// non-finite logits).
+    #[error("{0}")]
+    Output(String),
 }
 
-impl std::fmt::Display for ExecError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
+impl ExecError {
+    /// The message, as printed.
+    pub fn message(&self) -> &str {
+        match self {
+            ExecError::Plan(m)
+            | ExecError::Checkpoint(m)
+            | ExecError::Rank(m)
+            | ExecError::Output(m) => m,
+        }
     }
 }
-
-impl std::error::Error for ExecError {}
 
 pub(crate) fn fail(msg: impl Into<String>) -> RankError {
     RankError::Failed(msg.into())
@@ -200,9 +218,9 @@ pub fn train_on(
     backend: &dyn Backend,
 ) -> Result<TrainReport, ExecError> {
     if plan.kind != PlanKind::Train {
-        return Err(ExecError {
-            message: "this plan is an inference plan; training needs a train plan".into(),
-        });
+        return Err(ExecError::Plan(
+            "this plan is an inference plan; training needs a train plan".into(),
+        ));
     }
     let (seq_len, global_batch) = match &plan.workload {
         Workload::Train {
@@ -211,9 +229,9 @@ pub fn train_on(
             ..
         } => (*seq_len, *global_batch),
         Workload::Inference { .. } => {
-            return Err(ExecError {
-                message: "the plan's workload is not training".into(),
-            })
+            return Err(ExecError::Plan(
+                "the plan's workload is not training".into(),
+            ))
         }
     };
     let world = plan.ranks.len();
@@ -223,9 +241,7 @@ pub fn train_on(
         None => 0,
     };
     let saver = match &opts.save {
-        Some(s) => {
-            Some(crate::ckpt::Saver::new(plan, opts, s).map_err(|message| ExecError { message })?)
-        }
+        Some(s) => Some(crate::ckpt::Saver::new(plan, opts, s).map_err(ExecError::Checkpoint)?),
         None => None,
     };
     let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
@@ -266,20 +282,16 @@ pub fn train_on(
     // Joined even when the run failed, so that no write outlives the call.
     let saved = saver.map(crate::ckpt::Saver::finish);
     if let Some(summary) = crate::comm::failure_summary(&results) {
-        return Err(ExecError { message: summary });
+        return Err(ExecError::Rank(summary));
     }
-    let saved = saved.transpose().map_err(|e| ExecError {
-        message: format!("checkpoint: {e}"),
-    })?;
+    let saved = saved
+        .transpose()
+        .map_err(|e| ExecError::Checkpoint(format!("checkpoint: {e}")))?;
     let mut ranks = Vec::new();
     for r in results {
         match r {
             Ok(rep) => ranks.push(rep),
-            Err(e) => {
-                return Err(ExecError {
-                    message: format!("{e:?}"),
-                })
-            }
+            Err(e) => return Err(ExecError::Rank(format!("{e:?}"))),
         }
     }
     let steps = opts.steps.saturating_sub(start) as usize;
@@ -306,7 +318,7 @@ pub(crate) fn check_resume(
     opts: &TrainOptions,
     ck: &crate::ckpt::Checkpoint,
 ) -> Result<u64, ExecError> {
-    let err = |message: String| ExecError { message };
+    let err = ExecError::Checkpoint;
     ck.check_model(&plan.graph).map_err(err)?;
     let m = ck.manifest();
     if m.seed != opts.seed {
@@ -3313,8 +3325,6 @@ pub fn byte_mismatches(plan: &Plan, run: &TrainReport, steps: u64) -> Vec<String
 
 impl From<CommError> for ExecError {
     fn from(e: CommError) -> Self {
-        ExecError {
-            message: e.to_string(),
-        }
+        ExecError::Rank(e.to_string())
     }
 }

@@ -275,11 +275,11 @@ fn ckpt_damaged_or_foreign_checkpoints_are_clean_errors() {
     let moe = model("tiny-moe");
     let err = train(&plan(&moe, "dp=2"), &resuming(4, &dir)).expect_err("foreign");
     assert!(
-        err.message
+        err.message()
             .contains("manifest.json: field `model` is `tiny-gpt`")
-            && err.message.contains("`tiny-moe`"),
+            && err.message().contains("`tiny-moe`"),
         "{}",
-        err.message
+        err.message()
     );
     // Another seed would not continue the data.
     let err = train(
@@ -290,10 +290,14 @@ fn ckpt_damaged_or_foreign_checkpoints_are_clean_errors() {
         },
     )
     .expect_err("seed");
-    assert!(err.message.contains("seed"), "{}", err.message);
+    assert!(err.message().contains("seed"), "{}", err.message());
     // Nothing left to run.
     let err = train(&p, &resuming(2, &dir)).expect_err("done");
-    assert!(err.message.contains("has done 2 steps"), "{}", err.message);
+    assert!(
+        err.message().contains("has done 2 steps"),
+        "{}",
+        err.message()
+    );
 }
 
 #[test]

@@ -231,7 +231,7 @@ fn device_interpreter_names_what_it_does_not_run() {
         let e = supported(&p).expect_err(cfg);
         assert!(e.contains(why), "{cfg}: {e}");
         let run = train_device(&p, &opts, &|_| Ok(HostDevice)).expect_err(cfg);
-        assert!(run.message.contains(why), "{cfg}: {}", run.message);
+        assert!(run.message().contains(why), "{cfg}: {}", run.message());
     }
     let moe = model("tiny-moe");
     let e = supported(&plan(&moe, "dp=1")).expect_err("moe");
@@ -465,8 +465,9 @@ fn given_communicators_train_like_the_in_process_world() {
         meshplan_executor::device::train::train_device_with(&p, &opts, &|_| Ok(HostDevice), one)
             .expect_err("one communicator for two ranks");
     assert!(
-        e.message.contains("1 communicators for a plan of 2 ranks"),
+        e.message()
+            .contains("1 communicators for a plan of 2 ranks"),
         "{}",
-        e.message
+        e.message()
     );
 }

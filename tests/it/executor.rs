@@ -250,8 +250,8 @@ fn a_failing_rank_stops_every_rank_with_a_message() {
         t.elapsed() < Duration::from_secs(5),
         "stopped within seconds"
     );
-    assert!(err.message.contains("rank 5 failed"), "{}", err.message);
-    assert!(err.message.contains("waiting in"), "{}", err.message);
+    assert!(err.message().contains("rank 5 failed"), "{}", err.message());
+    assert!(err.message().contains("waiting in"), "{}", err.message());
 }
 
 #[test]
@@ -421,11 +421,11 @@ fn a_diverging_run_stops_naming_the_step_and_the_tensor() {
     };
     let err = train(&p, &opts).expect_err("a diverging run fails");
     assert!(
-        err.message.contains("stopping")
-            && err.message.contains("step ")
-            && (err.message.contains("holds") || err.message.contains("the loss is")),
+        err.message().contains("stopping")
+            && err.message().contains("step ")
+            && (err.message().contains("holds") || err.message().contains("the loss is")),
         "{}",
-        err.message
+        err.message()
     );
     // The device interpreter (the GPU's, here on host memory) stops on the loss,
     // the one number it brings back each step.
@@ -438,9 +438,9 @@ fn a_diverging_run_stops_naming_the_step_and_the_tensor() {
     };
     let err = train_device(&p, &opts, &|_| Ok(HostDevice)).expect_err("a diverging run fails");
     assert!(
-        err.message.contains("the loss is") && err.message.contains("stopping"),
+        err.message().contains("the loss is") && err.message().contains("stopping"),
         "{}",
-        err.message
+        err.message()
     );
 }
 

@@ -327,7 +327,7 @@ fn exercise(text: &str, run: bool) -> Result<bool, String> {
                     ..TrainOptions::default()
                 };
                 if let Err(e) = train(&plan, &opts) {
-                    no_rank_panic("train", &e.message)?;
+                    no_rank_panic("train", e.message())?;
                 }
             }
             meshplan_ir::plan::PlanKind::Inference => {
@@ -338,7 +338,7 @@ fn exercise(text: &str, run: bool) -> Result<bool, String> {
                 };
                 if check_inputs(&plan, &opts).is_ok() {
                     if let Err(e) = infer(&plan, &opts) {
-                        no_rank_panic("infer", &e.message)?;
+                        no_rank_panic("infer", e.message())?;
                     }
                 }
             }

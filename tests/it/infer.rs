@@ -1331,9 +1331,9 @@ fn a_checkpoint_holding_nan_is_refused_naming_the_tensor() {
     )
     .expect_err("NaN weights are refused");
     assert!(
-        err.message.contains("holds NaN") && err.message.contains("layer 2"),
+        err.message().contains("holds NaN") && err.message().contains("layer 2"),
         "{}",
-        err.message
+        err.message()
     );
 }
 

@@ -17,8 +17,8 @@ struct Run<'a> {
 
 impl<'a> Run<'a> {
     fn new(plan: &'a Plan, opts: &'a TrainOptions) -> Result<Run<'a>, ExecError> {
-        supported(plan).map_err(|m| ExecError {
-            message: format!("the device interpreter cannot run this plan: {m}"),
+        supported(plan).map_err(|m| {
+            ExecError::Plan(format!("the device interpreter cannot run this plan: {m}"))
         })?;
         let Workload::Train {
             seq_len,
@@ -33,9 +33,7 @@ impl<'a> Run<'a> {
             None => 0,
         };
         let saver = match &opts.save {
-            Some(s) => Some(
-                crate::ckpt::Saver::new(plan, opts, s).map_err(|message| ExecError { message })?,
-            ),
+            Some(s) => Some(crate::ckpt::Saver::new(plan, opts, s).map_err(ExecError::Checkpoint)?),
             None => None,
         };
         Ok(Run {
@@ -55,18 +53,15 @@ impl<'a> Run<'a> {
     fn finish(self, results: Vec<Result<RankReport, RankError>>) -> Result<TrainReport, ExecError> {
         let saved = self.saver.map(crate::ckpt::Saver::finish);
         if let Some(summary) = crate::comm::failure_summary(&results) {
-            return Err(ExecError { message: summary });
+            return Err(ExecError::Rank(summary));
         }
-        let saved = saved.transpose().map_err(|e| ExecError {
-            message: format!("checkpoint: {e}"),
-        })?;
-        let ranks: Vec<RankReport> =
-            results
-                .into_iter()
-                .collect::<Result<_, _>>()
-                .map_err(|e| ExecError {
-                    message: format!("{e:?}"),
-                })?;
+        let saved = saved
+            .transpose()
+            .map_err(|e| ExecError::Checkpoint(format!("checkpoint: {e}")))?;
+        let ranks: Vec<RankReport> = results
+            .into_iter()
+            .collect::<Result<_, _>>()
+            .map_err(|e| ExecError::Rank(format!("{e:?}")))?;
         let steps = self.opts.steps.saturating_sub(self.start) as usize;
         Ok(TrainReport {
             losses: (0..steps)
@@ -153,13 +148,11 @@ pub fn train_device_with<D: Device>(
     comms: Vec<Box<dyn Communicator>>,
 ) -> Result<TrainReport, ExecError> {
     if comms.len() != plan.ranks.len() || comms.iter().enumerate().any(|(r, c)| c.rank() != r) {
-        return Err(ExecError {
-            message: format!(
-                "{} communicators for a plan of {} ranks (one per rank, in rank order)",
-                comms.len(),
-                plan.ranks.len()
-            ),
-        });
+        return Err(ExecError::Plan(format!(
+            "{} communicators for a plan of {} ranks (one per rank, in rank order)",
+            comms.len(),
+            plan.ranks.len()
+        )));
     }
     let run = Run::new(plan, opts)?;
     let results = std::thread::scope(|s| {
@@ -197,22 +190,17 @@ pub fn train_device_rank<D: Device>(
     comm: Box<dyn Communicator>,
 ) -> Result<RankReport, ExecError> {
     if opts.save.is_some() {
-        return Err(ExecError {
-            message: "a checkpoint is written by one process holding every rank; with one process per GPU, save from a single-process run".into(),
-        });
+        return Err(ExecError::Plan("a checkpoint is written by one process holding every rank; with one process per GPU, save from a single-process run".into()));
     }
     if comm.world() != plan.ranks.len() {
-        return Err(ExecError {
-            message: format!(
-                "the plan has {} ranks and this launch {}: start one process per rank",
-                plan.ranks.len(),
-                comm.world()
-            ),
-        });
+        return Err(ExecError::Plan(format!(
+            "the plan has {} ranks and this launch {}: start one process per rank",
+            plan.ranks.len(),
+            comm.world()
+        )));
     }
     let run = Run::new(plan, opts)?;
     let rank = comm.rank();
-    run.rank(dev, comm).map_err(|e| ExecError {
-        message: format!("rank {rank}: {e:?}"),
-    })
+    run.rank(dev, comm)
+        .map_err(|e| ExecError::Rank(format!("rank {rank}: {e:?}")))
 }
