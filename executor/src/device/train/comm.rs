@@ -28,6 +28,19 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(block)
     }
 
+    /// One step of the ring: `block` to the next rank, the previous rank's in return.
+    fn pass_block(
+        &mut self,
+        next: usize,
+        prev: usize,
+        block: &D::Act,
+    ) -> Result<D::Act, RankError> {
+        let mut passed = self.zeros(D::act_len(block))?;
+        self.dev
+            .exchange_act(self.comm.as_mut(), "cp", (next, block), (prev, &mut passed))?;
+        Ok(passed)
+    }
+
     /// `block[at..at + n]` as a buffer of its own.
     pub(super) fn act_part(
         &self,
@@ -81,14 +94,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 .attention_merge(dims, o, lse, &ob, &lb)
                 .map_err(&e)?;
             if t + 1 < n {
-                let mut passed = self.zeros(len)?;
-                self.dev.exchange_act(
-                    self.comm.as_mut(),
-                    "cp",
-                    (next, &block),
-                    (prev, &mut passed),
-                )?;
-                block = passed;
+                block = self.pass_block(next, prev, &block)?;
             }
         }
         Ok(())
@@ -129,14 +135,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 .map_err(&e)?;
             grads[owner] = Some(self.kv_block(&gk, &gv)?);
             if t + 1 < n {
-                let mut passed = self.zeros(len)?;
-                self.dev.exchange_act(
-                    self.comm.as_mut(),
-                    "cp",
-                    (next, &block),
-                    (prev, &mut passed),
-                )?;
-                block = passed;
+                block = self.pass_block(next, prev, &block)?;
             }
         }
         let mut grads: Vec<D::Act> = grads

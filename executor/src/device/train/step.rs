@@ -304,8 +304,14 @@ impl<'a, D: Device> DevRank<'a, D> {
             .collect()
     }
 
-    /// This rank's part `(start, len)` of a flat vector of `total` over `g`.
-    pub(super) fn part_of(&self, g: &Group, total: usize) -> Result<(usize, usize), RankError> {
+    /// The length of the flat vector `layout` lays out, and this rank's part of it
+    /// over `g`: `(total, start, len)`.
+    pub(super) fn part_of(
+        &self,
+        g: &Group,
+        layout: &[(Key, usize)],
+    ) -> Result<(usize, usize, usize), RankError> {
+        let total: usize = layout.iter().map(|(_, n)| n).sum();
         let n = g.size();
         if !total.is_multiple_of(n) {
             return Err(fail(format!(
@@ -313,7 +319,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             )));
         }
         let c = total / n;
-        Ok((self.index_in(g)? * c, c))
+        Ok((total, self.index_in(g)? * c, c))
     }
 
     /// ZeRO-3's gather of one segment copy's weights before its forward or
@@ -328,8 +334,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     ) -> Result<(), RankError> {
         let s = segment_index(self.graph, segment)?;
         let layout = self.copy_layout(s, l);
-        let total: usize = layout.iter().map(|(_, n)| n).sum();
-        let (start, c) = self.part_of(g, total)?;
+        let (total, start, c) = self.part_of(g, &layout)?;
         let e = derr(segment);
         let mut mine = self.zeros_f32(c)?;
         for (key, src, dst, len) in pieces_of(&layout, start, start + c) {
@@ -369,8 +374,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     ) -> Result<(), RankError> {
         let s = segment_index(self.graph, segment)?;
         let layout = self.copy_layout(s, l);
-        let total: usize = layout.iter().map(|(_, n)| n).sum();
-        let (_, c) = self.part_of(g, total)?;
+        let (total, _, c) = self.part_of(g, &layout)?;
         let e = derr(segment);
         let mut flat = self.zeros_f32(total)?;
         for (key, src, dst, len) in pieces_of(&layout, 0, total) {
@@ -406,11 +410,10 @@ impl<'a, D: Device> DevRank<'a, D> {
         for (s, l) in segment_copies(self.graph, self.phase()?)? {
             let l = l.unwrap_or(NO_LAYER);
             let layout = self.copy_layout(s, l);
-            let total: usize = layout.iter().map(|(_, n)| n).sum();
+            let (total, start, c) = self.part_of(&g, &layout)?;
             if total == 0 {
                 continue;
             }
-            let (start, c) = self.part_of(&g, total)?;
             let pieces = pieces_of(&layout, start, start + c);
             let mut state = match self.z3_adam.remove(&(s, l)) {
                 Some(state) => state,
@@ -556,8 +559,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         if let Some(g) = self.groups.get("dp").filter(|_| self.zero3) {
             for (&(s, l), mv) in &self.z3_adam {
                 let layout = self.copy_layout(s, l);
-                let total = layout.iter().map(|(_, n)| n).sum();
-                let (start, _) = self.part_of(g, total)?;
+                let (_, start, _) = self.part_of(g, &layout)?;
                 parts.push((layout, start, mv));
             }
         }
