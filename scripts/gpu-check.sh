@@ -13,8 +13,8 @@
 # (every CUDA kernel against its CPU reference); the CUDA device's tests (its
 # methods against the host device's); `run --backend cuda --check` (tiny-gpt over 8
 # data-parallel ranks sharing the GPU, against the fp32 CPU reference within bf16
-# tolerances; ZeRO-1; tp=2 with and without sp; tp=2 pp=2; ZeRO-3; cp=2, all on the
-# device interpreter; ep=2 through the general interpreter's host-staged GPU
+# tolerances; ZeRO-1; tp=2 with and without sp; tp=2 pp=2; ZeRO-3; cp=2; dropout, all on
+# the device interpreter; ep=2 through the general interpreter's host-staged GPU
 # kernels); GPT-2 124M training on the GPU (tokens/s, MFU); the NCCL communicator tests
 # (world size 1, and 2 when two GPUs are visible) with REQUIRE_GPU=1; `meshplan
 # calibrate` (overlay.yaml); benches/python/torch_gpu.py (PyTorch bf16 matmul on the
@@ -146,6 +146,12 @@ run plan-cp2 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-
     --config dp=2,tp=2,pp=1,cp=2,sp=true -o "$OUTDIR/cp2.json" --quiet
 run run-check-cp2 120 "$B/bin/meshplan" run "$OUTDIR/cp2.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=2 tp=2 cp=2 sp)" PASS; else result "run --backend cuda --check (device, dp=2 tp=2 cp=2 sp)" FAIL; fi
+# Residual and attention dropout: the GPU draws the CPU reference's masks.
+sed 's/position: rope/position: rope\n  dropout: true/' models/tiny-gpt.yaml >"$OUTDIR/tiny-gpt-dropout.yaml"
+run plan-dropout 30 "$B/bin/meshplan" plan "$OUTDIR/tiny-gpt-dropout.yaml" topologies/cpu-test-mesh.yaml \
+    --config dp=4,tp=2,sp=true,pp=1,cp=1,mbs=2,zero=1 -o "$OUTDIR/dropout.json" --quiet
+run run-check-dropout 120 "$B/bin/meshplan" run "$OUTDIR/dropout.json" --backend cuda --steps 5 --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dropout, dp=4 tp=2 sp)" PASS; else result "run --backend cuda --check (device, dropout, dp=4 tp=2 sp)" FAIL; fi
 # --- 2c'. what the device interpreter does not take yet: routed experts (expert
 # parallelism's All-to-All of tokens): the general interpreter with its kernels on
 # the GPU through host staging.

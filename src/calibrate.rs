@@ -373,6 +373,7 @@ mod cuda {
                     0,
                     case.causal,
                     scale,
+                    None,
                     &mut o,
                     &mut lse,
                 )
@@ -391,6 +392,7 @@ mod cuda {
                     0,
                     case.causal,
                     scale,
+                    None,
                     &mut dq,
                     &mut dk,
                     &mut dv,

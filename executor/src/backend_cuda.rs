@@ -345,6 +345,7 @@ impl Backend for CudaBackend {
                 k_pos0,
                 causal,
                 scale,
+                None,
                 &mut od,
                 &mut ld,
             )?;
@@ -418,6 +419,7 @@ impl Backend for CudaBackend {
                 k_pos0,
                 causal,
                 scale,
+                None,
                 &mut dqd,
                 &mut dkd,
                 &mut dvd,

@@ -3,12 +3,7 @@
 //! the same tokens as the single-rank reference.
 
 /// SplitMix64: a counter-based generator, so element `i` of a tensor needs no state.
-pub fn splitmix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
+pub use meshplan_kernels::cpu::splitmix;
 
 /// FNV-1a of a name, to key a tensor's stream.
 pub fn name_hash(name: &str) -> u64 {
@@ -60,12 +55,13 @@ pub fn init_full(seed: u64, name: &str, layer: u64, elems: usize, kind: InitKind
 /// step, the dropout site and the entry's global coordinates, so it is the same on
 /// every rank that holds the entry and in every recomputation.
 pub fn dropout_keep(seed: u64, step: u64, site: u64, coords: [u64; 3], p: f64) -> bool {
-    let mut z = splitmix(seed ^ splitmix(step ^ splitmix(site)));
-    for c in coords {
-        z = splitmix(z ^ c);
+    meshplan_kernels::cpu::DropoutDraw {
+        seed,
+        step,
+        site,
+        p,
     }
-    // 53 random bits as a uniform draw in [0, 1).
-    ((z >> 11) as f64) * (1.0 / (1u64 << 53) as f64) >= p
+    .keep(coords)
 }
 
 /// How weight `w` of `op` starts: norm scales at one, other vectors (biases) at

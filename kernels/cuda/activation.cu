@@ -118,3 +118,20 @@ extern "C" __global__ void add_bwd_bf16(const bf16* d_out, i64 n, bf16* da, bf16
             bf16_add(db + i, g);
         });
 }
+
+// Dropout over sequence-major rows [rows, width]: y = x * mask, row r being sample
+// sample0 + r % mbs at position pos0 + r / mbs (cpu/dropout.rs `dropout_rows`).
+// The backward runs the same kernel on the output's gradient.
+extern "C" __global__ void dropout_bf16(const bf16* x, int rows, int width, DropoutArgs a,
+                                        bf16* y) {
+    const u64 base = dropout_base(a, a.site);
+    const i64 n = (i64)rows * width;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n;
+         i += (i64)gridDim.x * blockDim.x) {
+        const i64 r = i / width;
+        const u64 col = (u64)(i - r * width);
+        const u64 sample = a.sample0 + (u64)(r % a.mbs);
+        const u64 pos = a.pos0 + (u64)(r / a.mbs);
+        y[i] = f32_to_bf16(bf16_to_f32(x[i]) * dropout_factor(a, base, sample, pos, col));
+    }
+}

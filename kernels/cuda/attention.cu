@@ -1,5 +1,5 @@
 // Flash-style causal attention with GQA: the GPU twin of `cpu/attention.rs`
-// (same layouts, global positions and masking; no dropout).
+// (same layouts, global positions, masking and dropout mask).
 //
 // Layouts: q [batch, sq, hq, d], k [batch, sk, hkv, d], v [batch, sk, hkv, dv],
 // out [batch, sq, hq, dv] (bf16), lse [batch, hq, sq] (fp32, natural log-sum-exp of
@@ -24,6 +24,11 @@
 // columns) and are added to the bf16 gradients once at the end: no other block
 // touches those keys.
 //
+// Dropout (`drop.on`): the normaliser counts every entry and only P V sees the mask
+// Z, drawn per (global sample, global head, query position, key position) as in
+// cpu/dropout.rs; the backward recomputes Z: dV takes P Z, and dP is scaled by Z
+// before dS (D = rowsum(dO O) still holds).
+//
 // Shared memory is dynamic (sized from d, dv by the launcher); K and V rows are
 // padded to an odd stride so the lanes' column walks hit distinct banks.
 
@@ -39,7 +44,8 @@ template <int NU>
 __device__ __forceinline__ void attention_fwd_impl(const bf16* q, const bf16* k, const bf16* v,
                                                    int sq, int sk, int hq, int hkv, int d, int dv,
                                                    int q_pos0, int k_pos0, int causal,
-                                                   float scale, bf16* out, float* lse) {
+                                                   float scale, DropoutArgs drop, bf16* out,
+                                                   float* lse) {
     extern __shared__ float smem[];
     const int group = hq / hkv;
     const int g = blockIdx.y;
@@ -71,11 +77,14 @@ __device__ __forceinline__ void attention_fwd_impl(const bf16* q, const bf16* k,
     float m[ATT_RPW], l[ATT_RPW], acc[ATT_RPW][NU];
     int qpos[ATT_RPW];
     bool valid[ATT_RPW];
+    u64 dbase[ATT_RPW];  // each row's dropout hash state (its global head's site)
 #pragma unroll
     for (int rr = 0; rr < ATT_RPW; ++rr) {
         const int rho = rho0 + warp * ATT_RPW + rr;
         valid[rr] = rho < nrows;
         qpos[rr] = q_pos0 + (valid[rr] ? rho / group : 0);
+        const u64 head = drop.pos0 + (u64)(g * group + (valid[rr] ? rho % group : 0));
+        dbase[rr] = drop.on ? dropout_base(drop, drop.site ^ (head << 40)) : 0;
         m[rr] = NEG_INF;
         l[rr] = 0.0f;
 #pragma unroll
@@ -129,6 +138,9 @@ __device__ __forceinline__ void attention_fwd_impl(const bf16* q, const bf16* k,
             m[rr] = mnew;
 #pragma unroll
             for (int u = 0; u < NU; ++u) acc[rr][u] *= alpha;
+            if (drop.on && p != 0.0f) {
+                p *= dropout_factor(drop, dbase[rr], drop.sample0 + b, qpos[rr], kpos);
+            }
             Ps[(warp * ATT_RPW + rr) * ATT_BC + lane] = p;
         }
         __syncwarp();
@@ -175,8 +187,10 @@ __device__ __forceinline__ void attention_fwd_impl(const bf16* q, const bf16* k,
 // `_128`: dv <= 128; `_256`: dv <= 256.
 #define ATT_FWD_ARGS                                                                       \
     const bf16 *q, const bf16 *k, const bf16 *v, int sq, int sk, int hq, int hkv, int d, \
-        int dv, int q_pos0, int k_pos0, int causal, float scale, bf16 *out, float *lse
-#define ATT_FWD_CALL q, k, v, sq, sk, hq, hkv, d, dv, q_pos0, k_pos0, causal, scale, out, lse
+        int dv, int q_pos0, int k_pos0, int causal, float scale, DropoutArgs drop, bf16 *out, \
+        float *lse
+#define ATT_FWD_CALL \
+    q, k, v, sq, sk, hq, hkv, d, dv, q_pos0, k_pos0, causal, scale, drop, out, lse
 
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP) attention_fwd_bf16_128(ATT_FWD_ARGS) {
     attention_fwd_impl<4>(ATT_FWD_CALL);
@@ -213,8 +227,8 @@ __device__ __forceinline__ void attention_bwd_impl(const bf16* q, const bf16* k,
                                                    const float* lse, const float* delta,
                                                    const bf16* d_o, int sq, int sk, int hq,
                                                    int hkv, int d, int dv, int q_pos0, int k_pos0,
-                                                   int causal, float scale, float* dq_acc,
-                                                   bf16* dk, bf16* dvg) {
+                                                   int causal, float scale, DropoutArgs drop,
+                                                   float* dq_acc, bf16* dk, bf16* dvg) {
     extern __shared__ float smem[];
     const int group = hq / hkv;
     const int g = blockIdx.y;
@@ -306,8 +320,14 @@ __device__ __forceinline__ void attention_bwd_impl(const bf16* q, const bf16* k,
             float dp = 0.0f;
             for (int c = 0; c < dv; ++c) dp += gr[c] * Vs[lane * vst + c];
             const float p = vis ? exp2f(s * l2scale - L * LOG2E) : 0.0f;
-            const float ds = p * (dp - D);
-            Pr[warp * ATT_BC + lane] = p;
+            float z = 1.0f;
+            if (drop.on && p != 0.0f) {
+                const u64 head = drop.pos0 + (u64)h;
+                z = dropout_factor(drop, dropout_base(drop, drop.site ^ (head << 40)),
+                                   drop.sample0 + b, q_pos0 + i, kpos);
+            }
+            const float ds = p * (dp * z - D);
+            Pr[warp * ATT_BC + lane] = p * z;
             Sr[warp * ATT_BC + lane] = ds;
             __syncwarp();
             if (__any_sync(FULL_MASK, ds != 0.0f)) {
@@ -358,9 +378,11 @@ __device__ __forceinline__ void attention_bwd_impl(const bf16* q, const bf16* k,
 #define ATT_BWD_ARGS                                                                        \
     const bf16 *q, const bf16 *k, const bf16 *v, const float *lse, const float *delta,    \
         const bf16 *d_o, int sq, int sk, int hq, int hkv, int d, int dv, int q_pos0,      \
-        int k_pos0, int causal, float scale, float *dq_acc, bf16 *dk, bf16 *dvg
-#define ATT_BWD_CALL \
-    q, k, v, lse, delta, d_o, sq, sk, hq, hkv, d, dv, q_pos0, k_pos0, causal, scale, dq_acc, dk, dvg
+        int k_pos0, int causal, float scale, DropoutArgs drop, float *dq_acc, bf16 *dk,     \
+        bf16 *dvg
+#define ATT_BWD_CALL                                                                      \
+    q, k, v, lse, delta, d_o, sq, sk, hq, hkv, d, dv, q_pos0, k_pos0, causal, scale, drop, \
+        dq_acc, dk, dvg
 
 extern "C" __global__ void __launch_bounds__(ATT_WARPS * WARP) attention_bwd_bf16_128(ATT_BWD_ARGS) {
     attention_bwd_impl<32>(ATT_BWD_CALL);

@@ -237,3 +237,19 @@ extern "C" __global__ void moe_combine_bwd_bf16(const bf16* d_out, const bf16* y
     dot = block_sum(dot, scratch);
     if (threadIdx.x == 0) d_weights[a] += dot;
 }
+
+// out[r, :] = src[idx[r], :], or zeros where idx[r] is NO_ROW (0xffffffff) or past
+// the source's rows (cpu/moe.rs `gather_rows`); one block per output row.
+extern "C" __global__ void gather_rows_bf16(const bf16* src, int src_rows, const u32* idx,
+                                            int rows, int dim, bf16* out) {
+    const int r = blockIdx.x;
+    if (r >= rows) return;
+    const u32 i = idx[r];
+    bf16* o = out + (i64)r * dim;
+    if (i == 0xffffffffu || i >= (u32)src_rows) {
+        for (int c = threadIdx.x; c < dim; c += blockDim.x) o[c] = 0;
+        return;
+    }
+    const bf16* s = src + (i64)i * dim;
+    for (int c = threadIdx.x; c < dim; c += blockDim.x) o[c] = s[c];
+}

@@ -167,3 +167,39 @@ __device__ __forceinline__ void rope_cos_sin(double pos, int i, int head_dim, fl
     c = (float)cs;
     s = (float)sn;
 }
+
+// Dropout masks: the GPU twin of `cpu/dropout.rs` (the same SplitMix64 hash of the
+// seed, step, site and coordinates, and the same integer threshold), so an entry
+// survives on the GPU exactly when it does on the CPU. Passed by value to kernels;
+// the Rust twin is `DropoutArgs` in `cuda/ops.rs` (same field order and sizes).
+struct DropoutArgs {
+    u64 seed, step, site;
+    u64 thr;      // an entry survives when (hash >> 11) >= thr = ceil(p * 2^53)
+    u64 sample0;  // the first local sample's global index
+    u64 pos0;     // rows: the first row's position; attention: the first global head
+    float scale;  // a survivor's factor 1 / (1 - p)
+    int mbs;      // rows: samples per micro-batch (rows are sequence-major)
+    int on;       // 0: no dropout
+    int pad;
+};
+
+__device__ __forceinline__ u64 splitmix(u64 z) {
+    z += 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+// The hash state of a site before the coordinates are mixed in.
+__device__ __forceinline__ u64 dropout_base(const DropoutArgs& a, u64 site) {
+    return splitmix(a.seed ^ splitmix(a.step ^ splitmix(site)));
+}
+
+// The mask's factor at coordinates (c0, c1, c2): `scale` or 0.
+__device__ __forceinline__ float dropout_factor(const DropoutArgs& a, u64 base, u64 c0, u64 c1,
+                                                u64 c2) {
+    u64 z = splitmix(base ^ c0);
+    z = splitmix(z ^ c1);
+    z = splitmix(z ^ c2);
+    return (z >> 11) >= a.thr ? a.scale : 0.0f;
+}

@@ -28,6 +28,14 @@ fn gpt2_like() -> Model {
     )
 }
 
+/// tiny-gpt with residual and attention dropout.
+fn with_dropout() -> Model {
+    variant(
+        &[("position: rope", "position: rope\n  dropout: true")],
+        "dropout.yaml",
+    )
+}
+
 fn same(cfg: &str, p: &Plan, a: &TrainReport, b: &TrainReport) {
     assert_eq!(a.losses, b.losses, "{cfg}: losses");
     assert_eq!(a.ranks.len(), b.ranks.len(), "{cfg}: ranks");
@@ -236,12 +244,60 @@ fn device_interpreter_names_what_it_does_not_run() {
     let moe = model("tiny-moe");
     let e = supported(&plan(&moe, "dp=1")).expect_err("moe");
     assert!(e.contains("routed experts"), "{e}");
-    let dropout = variant(
-        &[("position: rope", "position: rope\n  dropout: true")],
-        "d.yaml",
+}
+
+#[test]
+fn device_interpreter_runs_dropout_bit_for_bit() {
+    // Residual and attention-probability dropout, drawn from global coordinates:
+    // every split of samples, heads, positions and stages, and recomputation,
+    // drops what the general interpreter drops.
+    let dropout = with_dropout();
+    assert!(dropout.graph.constants.dropout_p > 0.0);
+    for cfg in [
+        "dp=1",
+        "dp=2",
+        "tp=2,sp=false",
+        "tp=2,sp=true",
+        "cp=2",
+        "dp=2,tp=2,pp=2,mbs=1",
+        "tp=2,cp=2,recompute=full",
+        "dp=2,recompute=selective",
+        "dp=2,tp=2,sp=true,mbs=2",
+        "dp=2,zero=3",
+    ] {
+        check(&dropout, cfg, plan(&dropout, cfg));
+    }
+    let gpt2 = crate::matrix::variant(
+        "tiny-gpt",
+        &[
+            ("mlp: swiglu", "mlp: gelu"),
+            ("norm: rmsnorm", "norm: layernorm\n  bias: true"),
+            ("tie_embeddings: false", "tie_embeddings: true"),
+            (
+                "position: rope",
+                "position: learned\n  max_positions: 32\n  dropout: true",
+            ),
+            ("kv_heads: 2", "kv_heads: 4"),
+        ],
+        "gpt2-dropout.yaml",
     );
-    let e = supported(&plan(&dropout, "dp=1")).expect_err("dropout");
-    assert!(e.contains("dropout"), "{e}");
+    for cfg in ["dp=2,tp=2,sp=true,mbs=1", "pp=2,mbs=1"] {
+        check(&gpt2, cfg, plan(&gpt2, cfg));
+    }
+    // The masks are not the identity: the first loss moves off the same model's
+    // without dropout.
+    let opts = TrainOptions::default();
+    let on = train_device(&plan(&dropout, "dp=2"), &opts, &|_| Ok(HostDevice)).unwrap();
+    let off = train_device(&plan(&model("tiny-gpt"), "dp=2"), &opts, &|_| {
+        Ok(HostDevice)
+    })
+    .unwrap();
+    assert!(
+        (on.losses[0] - off.losses[0]).abs() > 1e-4 * off.losses[0],
+        "{} vs {}",
+        on.losses[0],
+        off.losses[0]
+    );
 }
 
 #[test]
@@ -300,6 +356,7 @@ fn mixed_precision_stays_within_the_check_tolerances_and_a_wrong_run_does_not() 
         (model("tiny-gpt"), "dp=2,tp=2,pp=2,mbs=1,sp=true"),
         (model("tiny-gpt"), "dp=2,zero=3"),
         (model("tiny-gpt"), "dp=2,cp=2"),
+        (with_dropout(), "dp=2,tp=2,sp=true"),
     ] {
         let p = plan(&m, cfg);
         // A tensor-parallel run is compared with the single-rank run, sliced as

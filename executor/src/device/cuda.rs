@@ -10,7 +10,7 @@
 
 use super::{range_err, DResult, Device, DeviceError};
 use crate::comm::{CommError, CommKind, Communicator, Group, P2p};
-use meshplan_kernels::cpu::{AttnDims, Rope, Transpose};
+use meshplan_kernels::cpu::{AttnDims, AttnDropout, Rope, RowDropout, Transpose};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, DriverError};
 use meshplan_kernels::cuda::{bf16, Gpu, GpuError};
@@ -316,12 +316,13 @@ impl Device for CudaDevice {
         (q0, k0): (usize, usize),
         causal: bool,
         scale: f32,
+        dropout: Option<&AttnDropout>,
         out: &mut CudaSlice<bf16>,
         lse: &mut CudaSlice<f32>,
     ) -> DResult<()> {
         Ok(self
             .gpu
-            .attention_fwd(dims, q, k, v, q0, k0, causal, scale, out, lse)?)
+            .attention_fwd(dims, q, k, v, q0, k0, causal, scale, dropout, out, lse)?)
     }
     fn attention_bwd(
         &self,
@@ -335,12 +336,13 @@ impl Device for CudaDevice {
         (q0, k0): (usize, usize),
         causal: bool,
         scale: f32,
+        dropout: Option<&AttnDropout>,
         d_q: &mut CudaSlice<bf16>,
         d_k: &mut CudaSlice<bf16>,
         d_v: &mut CudaSlice<bf16>,
     ) -> DResult<()> {
         Ok(self.gpu.attention_bwd(
-            dims, q, k, v, o, lse, d_o, q0, k0, causal, scale, d_q, d_k, d_v,
+            dims, q, k, v, o, lse, d_o, q0, k0, causal, scale, dropout, d_q, d_k, d_v,
         )?)
     }
     fn attention_merge(
@@ -464,6 +466,16 @@ impl Device for CudaDevice {
         dx: &mut CudaSlice<bf16>,
     ) -> DResult<()> {
         Ok(self.gpu.swiglu_bwd(x, dy, rows, f, dx)?)
+    }
+    fn dropout(
+        &self,
+        x: &CudaSlice<bf16>,
+        rows: usize,
+        width: usize,
+        d: &RowDropout,
+        y: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.dropout_rows(x, rows, width, d, y)?)
     }
     fn add(
         &self,

@@ -21,7 +21,9 @@
 //! kernels, each of which is tested against its CPU reference.
 
 use crate::comm::{CommError, CommKind, Communicator, Group};
-use meshplan_kernels::cpu::{self as k, AttnDims, KernelError, Rope, Transpose};
+use meshplan_kernels::cpu::{
+    self as k, AttnDims, AttnDropout, KernelError, Rope, RowDropout, Transpose,
+};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -211,6 +213,7 @@ pub trait Device: Send + Sync {
         pos0: (usize, usize),
         causal: bool,
         scale: f32,
+        dropout: Option<&AttnDropout>,
         out: &mut Self::Act,
         lse: &mut Self::F32,
     ) -> DResult<()>;
@@ -227,6 +230,7 @@ pub trait Device: Send + Sync {
         pos0: (usize, usize),
         causal: bool,
         scale: f32,
+        dropout: Option<&AttnDropout>,
         d_q: &mut Self::Act,
         d_k: &mut Self::Act,
         d_v: &mut Self::Act,
@@ -331,6 +335,16 @@ pub trait Device: Send + Sync {
     ) -> DResult<()>;
     /// `out = a + b` (overwritten).
     fn add(&self, a: &Self::Act, b: &Self::Act, out: &mut Self::Act) -> DResult<()>;
+    /// Dropout over `[rows, width]`: `y = x * mask`, the mask drawn from `d` (the
+    /// backward applies it to the output's gradient).
+    fn dropout(
+        &self,
+        x: &Self::Act,
+        rows: usize,
+        width: usize,
+        d: &RowDropout,
+        y: &mut Self::Act,
+    ) -> DResult<()>;
 
     /// Cross-entropy of `logits [rows, vocab]` against `labels`, forward and
     /// backward at once: `loss[r]` (overwritten) and `dlogits = scale * d loss[r] /
@@ -636,6 +650,24 @@ fn range_err(what: &str) -> DeviceError {
 }
 
 #[allow(clippy::too_many_arguments)]
+/// Runs a CPU attention kernel with `dropout`'s mask as the kernel's keep function
+/// (drop probability rounded to f32 as the kernel takes it).
+fn with_attn_dropout(
+    dropout: Option<&AttnDropout>,
+    run: impl FnOnce(Option<&k::Dropout<'_>>) -> Result<(), KernelError>,
+) -> Result<(), KernelError> {
+    match dropout {
+        None => run(None),
+        Some(a) => {
+            let keep = |b, h, i, j| a.keep(b, h, i, j);
+            run(Some(&k::Dropout {
+                p: a.draw.p as f32,
+                keep: &keep,
+            }))
+        }
+    }
+}
+
 impl<H: HostPrecision> Device for H {
     type Act = Vec<f32>;
     type F32 = Vec<f32>;
@@ -860,10 +892,13 @@ impl<H: HostPrecision> Device for H {
         (q0, k0): (usize, usize),
         causal: bool,
         scale: f32,
+        dropout: Option<&AttnDropout>,
         out: &mut Vec<f32>,
         lse: &mut Vec<f32>,
     ) -> DResult<()> {
-        k::attention_fwd(dims, q, kk, v, q0, k0, causal, scale, out, lse, None)?;
+        with_attn_dropout(dropout, |dr| {
+            k::attention_fwd(dims, q, kk, v, q0, k0, causal, scale, out, lse, dr)
+        })?;
         H::round(out);
         Ok(())
     }
@@ -879,13 +914,16 @@ impl<H: HostPrecision> Device for H {
         (q0, k0): (usize, usize),
         causal: bool,
         scale: f32,
+        dropout: Option<&AttnDropout>,
         d_q: &mut Vec<f32>,
         d_k: &mut Vec<f32>,
         d_v: &mut Vec<f32>,
     ) -> DResult<()> {
-        k::attention_bwd(
-            dims, q, kk, v, o, lse, d_o, q0, k0, causal, scale, d_q, d_k, d_v, None,
-        )?;
+        with_attn_dropout(dropout, |dr| {
+            k::attention_bwd(
+                dims, q, kk, v, o, lse, d_o, q0, k0, causal, scale, d_q, d_k, d_v, dr,
+            )
+        })?;
         H::round(d_q);
         H::round(d_k);
         H::round(d_v);
@@ -1010,6 +1048,18 @@ impl<H: HostPrecision> Device for H {
     ) -> DResult<()> {
         k::swiglu_bwd(x, dy, rows, f, dx)?;
         H::round(dx);
+        Ok(())
+    }
+    fn dropout(
+        &self,
+        x: &Vec<f32>,
+        rows: usize,
+        width: usize,
+        d: &RowDropout,
+        y: &mut Vec<f32>,
+    ) -> DResult<()> {
+        k::dropout_rows(x, rows, width, d, y)?;
+        H::round(y);
         Ok(())
     }
     fn add(&self, a: &Vec<f32>, b: &Vec<f32>, out: &mut Vec<f32>) -> DResult<()> {

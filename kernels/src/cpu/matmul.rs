@@ -15,6 +15,68 @@ pub enum Transpose {
     Yes,
 }
 
+/// One product of a grouped GEMM, placed in larger buffers:
+/// `c[c_off..][m, n] = op(a[a_off..]) op(b[b_off..])` with `op(a)` of shape
+/// `[m, k]` and `op(b)` of shape `[k, n]` (routed experts: each expert's rows of one
+/// buffer against its block of a stacked weight).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GemmAt {
+    /// Whether `a` is stored transposed.
+    pub ta: Transpose,
+    /// Whether `b` is stored transposed.
+    pub tb: Transpose,
+    /// Rows of the product.
+    pub m: usize,
+    /// The inner dimension.
+    pub k: usize,
+    /// Columns of the product.
+    pub n: usize,
+    /// Where `a` starts, in elements.
+    pub a_off: usize,
+    /// Where `b` starts, in elements.
+    pub b_off: usize,
+    /// Where `c` starts, in elements.
+    pub c_off: usize,
+}
+
+impl GemmAt {
+    /// The element ranges of `a`, `b` and `c` the product reads and writes.
+    pub fn spans(&self) -> Result<[std::ops::Range<usize>; 3], KernelError> {
+        let mk = super::prod("a", &[self.m, self.k])?;
+        let kn = super::prod("b", &[self.k, self.n])?;
+        let mn = super::prod("c", &[self.m, self.n])?;
+        Ok([
+            self.a_off..self.a_off + mk,
+            self.b_off..self.b_off + kn,
+            self.c_off..self.c_off + mn,
+        ])
+    }
+}
+
+/// [`matmul`] on the spans of `g`.
+pub fn matmul_at(
+    g: &GemmAt,
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+    c: &mut [f32],
+) -> Result<(), KernelError> {
+    let [ra, rb, rc] = g.spans()?;
+    for (name, r, len) in [
+        ("a", &ra, a.len()),
+        ("b", &rb, b.len()),
+        ("c", &rc, c.len()),
+    ] {
+        if r.end > len {
+            return Err(super::invalid(
+                name,
+                format!("span {}..{} past its {len} elements", r.start, r.end),
+            ));
+        }
+    }
+    matmul(g.ta, g.tb, g.m, g.k, g.n, &a[ra], &b[rb], beta, &mut c[rc])
+}
+
 /// `C = beta * C + op(A) op(B)` with `op(A)` of shape `[m, k]`, `op(B)` of
 /// shape `[k, n]` and `C` of shape `[m, n]`, all row-major.
 ///
@@ -175,6 +237,32 @@ fn gemm_unchecked(
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn matmul_at_multiplies_the_placed_blocks() {
+        // Two experts' rows of one buffer, each against its block of a stacked
+        // weight: rows [1, 2] and [3, 4] by 2 x 1 blocks [1, 1] and [2, 0].
+        let a = [1.0, 2.0, 3.0, 4.0];
+        let b = [1.0, 1.0, 2.0, 0.0];
+        let mut c = [0.0; 2];
+        let g = |i: usize| GemmAt {
+            ta: Transpose::No,
+            tb: Transpose::No,
+            m: 1,
+            k: 2,
+            n: 1,
+            a_off: 2 * i,
+            b_off: 2 * i,
+            c_off: i,
+        };
+        matmul_at(&g(0), &a, &b, 0.0, &mut c).unwrap();
+        matmul_at(&g(1), &a, &b, 0.0, &mut c).unwrap();
+        assert_eq!(c, [3.0, 6.0]);
+        matmul_at(&g(1), &a, &b, 1.0, &mut c).unwrap();
+        assert_eq!(c, [3.0, 12.0]);
+        let past = GemmAt { c_off: 2, ..g(1) };
+        assert!(matmul_at(&past, &a, &b, 0.0, &mut c).is_err());
+    }
     use super::*;
     use crate::cpu::testutil::{assert_close, Rng};
     use proptest::prelude::*;

@@ -19,8 +19,8 @@
 //!   depend on the number of threads.
 //!
 //! Families: [`matmul`](mod@matmul), [`embedding`](mod@embedding),
-//! [`norm`], [`rope`], [`activation`], [`attention`], [`loss`], [`adamw`],
-//! [`moe`].
+//! [`norm`], [`rope`], [`activation`], [`attention`], [`dropout`], [`loss`],
+//! [`adamw`], [`moe`].
 
 use std::error::Error;
 use std::fmt;
@@ -70,6 +70,7 @@ pub(crate) fn fast_tanh(u: f32) -> f32 {
 pub mod activation;
 pub mod adamw;
 pub mod attention;
+pub mod dropout;
 pub mod embedding;
 pub mod loss;
 pub mod matmul;
@@ -80,12 +81,13 @@ pub mod rope;
 pub use activation::{accumulate, add, add_bwd, gelu_bwd, gelu_fwd, swiglu_bwd, swiglu_fwd};
 pub use adamw::adamw_step;
 pub use attention::{attention_bwd, attention_fwd, attention_merge, AttnDims, Dropout, KEY_TILE};
+pub use dropout::{dropout_rows, splitmix, AttnDropout, DropoutDraw, RowDropout};
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use loss::{ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit};
-pub use matmul::{matmul, matmul_batched, Transpose};
+pub use matmul::{matmul, matmul_at, matmul_batched, GemmAt, Transpose};
 pub use moe::{
-    moe_combine_bwd, moe_combine_fwd, moe_dispatch_bwd, moe_dispatch_fwd, moe_route_bwd,
-    moe_route_fwd,
+    gather_rows, moe_combine_bwd, moe_combine_fwd, moe_dispatch_bwd, moe_dispatch_fwd,
+    moe_route_bwd, moe_route_fwd, MoeDims, NO_ROW,
 };
 pub use norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
 pub use rope::{rope_bwd, rope_fwd, Rope};

@@ -21,6 +21,53 @@
 
 use super::{check_len, invalid, prod, KernelError};
 
+/// Sizes of one routed-experts call: `tokens` rows of width `dim`, each routed to
+/// `k` of `experts` experts, weights renormalised over the chosen `k` or not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MoeDims {
+    /// Token rows.
+    pub tokens: usize,
+    /// Experts routed over.
+    pub experts: usize,
+    /// Experts per token.
+    pub k: usize,
+    /// Row width (hidden size).
+    pub dim: usize,
+    /// Whether the chosen experts' weights sum to one.
+    pub renormalize: bool,
+}
+
+/// Marks a row of [`gather_rows`]'s index list as zeros.
+pub const NO_ROW: u32 = u32::MAX;
+
+/// `out[r] = src[idx[r]]`, rows of width `dim`, zeros where `idx[r]` is
+/// [`NO_ROW`]: the row moves of expert parallelism (padding to capacity, and
+/// source-major to expert-major order and back).
+pub fn gather_rows(
+    src: &[f32],
+    idx: &[u32],
+    dim: usize,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("out", out.len(), prod("out", &[idx.len(), dim])?)?;
+    let rows = src.len() / dim.max(1);
+    for (r, &i) in idx.iter().enumerate() {
+        let o = &mut out[r * dim..(r + 1) * dim];
+        if i == NO_ROW {
+            o.fill(0.0);
+        } else if (i as usize) < rows {
+            let i = i as usize;
+            o.copy_from_slice(&src[i * dim..(i + 1) * dim]);
+        } else {
+            return Err(invalid(
+                "idx",
+                format!("row {i} of a source of {rows} rows"),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn check_route(tokens: usize, experts: usize, k: usize) -> Result<(usize, usize), KernelError> {
     if k == 0 || k > experts {
         return Err(invalid("k", format!("must be in 1..={experts}, got {k}")));
@@ -324,6 +371,16 @@ pub fn moe_combine_bwd(
 mod tests {
     use super::*;
     use crate::cpu::testutil::{assert_close, assert_grad_close, dot64, numeric_grad, Rng};
+
+    #[test]
+    fn gather_rows_moves_rows_and_zeroes_the_missing() {
+        let src = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let mut out = [9.0; 8];
+        gather_rows(&src, &[2, NO_ROW, 0, 2], 2, &mut out).unwrap();
+        assert_eq!(out, [5.0, 6.0, 0.0, 0.0, 1.0, 2.0, 5.0, 6.0]);
+        assert!(gather_rows(&src, &[3], 2, &mut out[..2]).is_err());
+        assert!(gather_rows(&src, &[0], 2, &mut out).is_err());
+    }
 
     fn route(
         logits: &[f32],

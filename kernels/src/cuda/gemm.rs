@@ -8,7 +8,7 @@
 //! stored row lengths.
 
 use super::gpu::{Gpu, GpuError};
-use crate::cpu::{check_len, invalid, prod, KernelError, Transpose};
+use crate::cpu::{check_len, invalid, prod, GemmAt, KernelError, Transpose};
 use cudarc::cublaslt::result::{self as lt, CublasError};
 use cudarc::cublaslt::sys;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, ValidAsZeroBits};
@@ -208,6 +208,68 @@ impl Gpu {
         check_len("a", a.len(), prod("a", &[batch, sa])?)?;
         check_len("b", b.len(), prod("b", &[batch, sb])?)?;
         check_len("c", c.len(), prod("c", &[batch, sc])?)?;
+        let g = GemmAt {
+            ta: trans_a,
+            tb: trans_b,
+            m,
+            k,
+            n,
+            a_off: 0,
+            b_off: 0,
+            c_off: 0,
+        };
+        self.gemm_core(batch, &g, a, b, beta, c)
+    }
+
+    /// [`crate::cpu::matmul_at`]: one product on spans of larger buffers (each
+    /// routed expert's rows against its block of a stacked weight), without a copy.
+    pub fn gemm_at<C: GemmOut>(
+        &self,
+        g: &GemmAt,
+        a: &CudaSlice<bf16>,
+        b: &CudaSlice<bf16>,
+        beta: f32,
+        c: &mut CudaSlice<C>,
+    ) -> Result<(), GpuError> {
+        let [ra, rb, rc] = g.spans()?;
+        for (name, r, len) in [
+            ("a", &ra, a.len()),
+            ("b", &rb, b.len()),
+            ("c", &rc, c.len()),
+        ] {
+            if r.end > len {
+                return Err(
+                    invalid(name, format!("span {}..{} past {len}", r.start, r.end)).into(),
+                );
+            }
+        }
+        self.gemm_core(1, g, a, b, beta, c)
+    }
+
+    /// The cuBLASLt call behind [`Gpu::gemm_batched`] and [`Gpu::gemm_at`]; the
+    /// callers checked the buffers cover `batch` products from the offsets on.
+    fn gemm_core<C: GemmOut>(
+        &self,
+        batch: usize,
+        g: &GemmAt,
+        a: &CudaSlice<bf16>,
+        b: &CudaSlice<bf16>,
+        beta: f32,
+        c: &mut CudaSlice<C>,
+    ) -> Result<(), GpuError> {
+        let GemmAt {
+            ta: trans_a,
+            tb: trans_b,
+            m,
+            k,
+            n,
+            ..
+        } = *g;
+        let (sa, sb, sc) = (
+            prod("a", &[m, k])?,
+            prod("b", &[k, n])?,
+            prod("c", &[m, n])?,
+        );
         let batch_i32 =
             i32::try_from(batch).map_err(|_| invalid("batch", "does not fit in i32"))?;
         for (name, len) in [("a", a.len()), ("b", b.len()), ("c", c.len())] {
@@ -290,6 +352,10 @@ impl Gpu {
         let (pa, _ra) = b.device_ptr(stream);
         let (pb, _rb) = a.device_ptr(stream);
         let (pc, _rc) = c.device_ptr_mut(stream);
+        // Byte offsets of the spans (within the allocations, as checked).
+        let pa = pa + (g.b_off * size_of::<bf16>()) as u64;
+        let pb = pb + (g.a_off * size_of::<bf16>()) as u64;
+        let pc = pc + (g.c_off * size_of::<C>()) as u64;
         let (pw, _rw) = blas.workspace.device_ptr(stream);
         let alpha = 1.0f32;
         // SAFETY: every pointer is a live device allocation of the length checked

@@ -167,6 +167,7 @@ impl KernelModule {
                 "swiglu_bwd_bf16",
                 "add_bf16",
                 "add_bwd_bf16",
+                "dropout_bf16",
             ],
             KernelModule::Cast => &[
                 "cast_f32_to_bf16",
@@ -200,6 +201,7 @@ impl KernelModule {
                 "moe_dispatch_bwd_bf16",
                 "moe_combine_fwd_bf16",
                 "moe_combine_bwd_bf16",
+                "gather_rows_bf16",
             ],
             KernelModule::Layout => &[
                 "split_qkv_bf16",

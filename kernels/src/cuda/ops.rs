@@ -13,8 +13,10 @@
 
 use super::gpu::{Gpu, GpuError};
 use super::KernelModule as M;
-use crate::cpu::{check_len, invalid, prod, AttnDims, KernelError, Rope};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use crate::cpu::{
+    check_len, invalid, prod, AttnDims, AttnDropout, DropoutDraw, KernelError, Rope, RowDropout,
+};
+use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
 
 /// `v` as a kernel's `int` argument.
@@ -52,6 +54,76 @@ const ATT_WARPS: usize = 4;
 const ATT_ROWS: usize = 16;
 /// Largest head dimension the attention kernels hold in registers.
 const ATT_HEAD_DIM_MAX: usize = 256;
+
+/// A dropout mask's parameters as the kernels take them by value: the twin of
+/// `struct DropoutArgs` in prelude.cuh (same fields, order and sizes: six 64-bit
+/// words, then four 32-bit ones).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct DropoutArgs {
+    seed: u64,
+    step: u64,
+    site: u64,
+    thr: u64,
+    sample0: u64,
+    pos0: u64,
+    scale: f32,
+    mbs: i32,
+    on: i32,
+    pad: i32,
+}
+
+// SAFETY: `DropoutArgs` is `repr(C)` plain data (integers and a float, no pointers
+// or padding the C side reads differently), laid out as the prelude's struct.
+#[allow(unsafe_code)]
+unsafe impl DeviceRepr for DropoutArgs {}
+
+impl DropoutArgs {
+    fn draw(d: &DropoutDraw, scale: f32) -> DropoutArgs {
+        DropoutArgs {
+            seed: d.seed,
+            step: d.step,
+            site: d.site,
+            thr: d.threshold(),
+            scale,
+            on: 1,
+            ..DropoutArgs::default()
+        }
+    }
+
+    fn rows(d: &RowDropout) -> Result<DropoutArgs, KernelError> {
+        check_p(d.draw.p)?;
+        Ok(DropoutArgs {
+            sample0: d.sample0,
+            pos0: d.pos0,
+            mbs: int("dropout.mbs", d.mbs.max(1))?,
+            ..DropoutArgs::draw(&d.draw, d.scale())
+        })
+    }
+
+    /// Attention's mask: the survivors' factor rounded as the CPU kernel does it
+    /// (in f32 from an f32 `p`); `pos0` carries the first global head.
+    fn attention(d: Option<&AttnDropout>) -> Result<DropoutArgs, KernelError> {
+        let Some(a) = d else {
+            return Ok(DropoutArgs::default());
+        };
+        check_p(a.draw.p)?;
+        let p = a.draw.p as f32;
+        Ok(DropoutArgs {
+            sample0: a.sample0,
+            pos0: a.head0,
+            ..DropoutArgs::draw(&a.draw, 1.0 / (1.0 - p))
+        })
+    }
+}
+
+fn check_p(p: f64) -> Result<(), KernelError> {
+    if (0.0..1.0).contains(&p) {
+        Ok(())
+    } else {
+        Err(invalid("dropout.p", format!("must be in [0, 1), got {p}")))
+    }
+}
 
 /// Launches `f` on the `Gpu`'s stream with the arguments in order.
 macro_rules! launch {
@@ -412,6 +484,28 @@ impl Gpu {
         }
         let f = self.function(M::Activation, "gelu_fwd_bf16")?;
         launch!(self, f, self.elementwise(x.len()), [x, &n, y])
+    }
+
+    /// [`crate::cpu::dropout_rows`]: `y = x * mask` over `[rows, width]`, the mask
+    /// drawn by the same hash as the CPU's.
+    pub fn dropout_rows(
+        &self,
+        x: &CudaSlice<bf16>,
+        rows: usize,
+        width: usize,
+        d: &RowDropout,
+        y: &mut CudaSlice<bf16>,
+    ) -> Result<(), GpuError> {
+        let n = prod("rows * width", &[rows, width])?;
+        check_len("x", x.len(), n)?;
+        check_len("y", y.len(), n)?;
+        let args = DropoutArgs::rows(d)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let (r, w) = (int("rows", rows)?, int("width", width)?);
+        let f = self.function(M::Activation, "dropout_bf16")?;
+        launch!(self, f, self.elementwise(n), [x, &r, &w, &args, y])
     }
 
     /// [`crate::cpu::gelu_bwd`]: `dx += dy * gelu'(x)`.
@@ -812,10 +906,12 @@ impl Gpu {
         k_pos0: usize,
         causal: bool,
         scale: f32,
+        dropout: Option<&AttnDropout>,
         out: &mut CudaSlice<bf16>,
         lse: &mut CudaSlice<f32>,
     ) -> Result<(), GpuError> {
         let a = AttnArgs::new(dims, q_pos0, k_pos0, causal)?;
+        let drop = DropoutArgs::attention(dropout)?;
         check_len("q", q.len(), a.q_len)?;
         check_len("k", k.len(), a.k_len)?;
         check_len("v", v.len(), a.v_len)?;
@@ -859,7 +955,10 @@ impl Gpu {
             self,
             f,
             cfg,
-            [q, k, v, &sq, &sk, &hq, &hkv, &d, &dv, &q_pos0, &k_pos0, &causal, &scale, out, lse]
+            [
+                q, k, v, &sq, &sk, &hq, &hkv, &d, &dv, &q_pos0, &k_pos0, &causal, &scale, &drop,
+                out, lse
+            ]
         )
     }
 
@@ -879,11 +978,13 @@ impl Gpu {
         k_pos0: usize,
         causal: bool,
         scale: f32,
+        dropout: Option<&AttnDropout>,
         d_q: &mut CudaSlice<bf16>,
         d_k: &mut CudaSlice<bf16>,
         d_v: &mut CudaSlice<bf16>,
     ) -> Result<(), GpuError> {
         let a = AttnArgs::new(dims, q_pos0, k_pos0, causal)?;
+        let drop = DropoutArgs::attention(dropout)?;
         check_len("q", q.len(), a.q_len)?;
         check_len("k", k.len(), a.k_len)?;
         check_len("v", v.len(), a.v_len)?;
@@ -960,6 +1061,7 @@ impl Gpu {
                 &k_pos0,
                 &causal,
                 &scale,
+                &drop,
                 &mut dq_acc,
                 d_k,
                 d_v
@@ -969,6 +1071,34 @@ impl Gpu {
     }
 
     // === mixture of experts ===
+
+    /// [`crate::cpu::gather_rows`]: `out[r] = src[idx[r]]`, zeros where `idx[r]`
+    /// is [`crate::cpu::NO_ROW`] (an index past `src` also gives zeros, unchecked
+    /// here).
+    pub fn gather_rows(
+        &self,
+        src: &CudaSlice<bf16>,
+        idx: &CudaSlice<u32>,
+        dim: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> Result<(), GpuError> {
+        check_len("out", out.len(), prod("out", &[idx.len(), dim])?)?;
+        if idx.is_empty() || dim == 0 {
+            return Ok(());
+        }
+        let (src_rows, rows, d) = (
+            int("src rows", src.len() / dim)?,
+            int("rows", idx.len())?,
+            int("dim", dim)?,
+        );
+        let f = self.function(M::Moe, "gather_rows_bf16")?;
+        launch!(
+            self,
+            f,
+            per_row(idx.len(), ROW_THREADS, 0),
+            [src, &src_rows, idx, &rows, &d, out]
+        )
+    }
 
     /// [`crate::cpu::moe_route_fwd`] on fp32 `logits [tokens, experts]`
     /// (experts at most 1024): `probs`, `expert_idx [tokens, k]`, `weights`.

@@ -13,7 +13,7 @@
 use super::*;
 use crate::cpu;
 use crate::cpu::testutil::Rng;
-use crate::cpu::{AttnDims, Transpose};
+use crate::cpu::{AttnDims, AttnDropout, DropoutDraw, RowDropout, Transpose};
 use cudarc::driver::CudaSlice;
 use half::bf16;
 
@@ -778,7 +778,24 @@ fn gpu_adamw_matches_cpu_and_writes_the_bf16_copy() {
 }
 
 fn attn_case(gpu: &Gpu, seed: u64, dims: AttnDims, q_pos0: usize, k_pos0: usize, causal: bool) {
+    attn_case_dropout(gpu, seed, dims, q_pos0, k_pos0, causal, None)
+}
+
+fn attn_case_dropout(
+    gpu: &Gpu,
+    seed: u64,
+    dims: AttnDims,
+    q_pos0: usize,
+    k_pos0: usize,
+    causal: bool,
+    dropout: Option<AttnDropout>,
+) {
     let dev = Dev { gpu };
+    let keep = |b, h, i, j| dropout.is_some_and(|a| a.keep(b, h, i, j));
+    let cpu_drop = dropout.map(|a| cpu::Dropout {
+        p: a.draw.p as f32,
+        keep: &keep,
+    });
     let mut rng = Rng::new(seed);
     let AttnDims {
         batch,
@@ -793,17 +810,39 @@ fn attn_case(gpu: &Gpu, seed: u64, dims: AttnDims, q_pos0: usize, k_pos0: usize,
     let k = round_bf16(&rng.vec(batch * sk * hkv * d));
     let v = round_bf16(&rng.vec(batch * sk * hkv * dv));
     let scale = 1.0 / (d as f32).sqrt();
-    let what = format!("attention {dims:?} q_pos0 {q_pos0} k_pos0 {k_pos0} causal {causal}");
+    let what = format!(
+        "attention {dims:?} q_pos0 {q_pos0} k_pos0 {k_pos0} causal {causal} dropout {dropout:?}"
+    );
     let (mut o, mut lse) = (vec![0.0; batch * sq * hq * dv], vec![0.0; batch * hq * sq]);
     cpu::attention_fwd(
-        &dims, &q, &k, &v, q_pos0, k_pos0, causal, scale, &mut o, &mut lse, None,
+        &dims,
+        &q,
+        &k,
+        &v,
+        q_pos0,
+        k_pos0,
+        causal,
+        scale,
+        &mut o,
+        &mut lse,
+        cpu_drop.as_ref(),
     )
     .unwrap();
     let (gq, gk, gv) = (dev.b(&q), dev.b(&k), dev.b(&v));
     let mut go = dev.b(&vec![1.0; o.len()]);
     let mut glse = dev.f(&vec![0.0; lse.len()]);
     gpu.attention_fwd(
-        &dims, &gq, &gk, &gv, q_pos0, k_pos0, causal, scale, &mut go, &mut glse,
+        &dims,
+        &gq,
+        &gk,
+        &gv,
+        q_pos0,
+        k_pos0,
+        causal,
+        scale,
+        dropout.as_ref(),
+        &mut go,
+        &mut glse,
     )
     .unwrap();
     let o_gpu = dev.gb(&go);
@@ -814,8 +853,21 @@ fn attn_case(gpu: &Gpu, seed: u64, dims: AttnDims, q_pos0: usize, k_pos0: usize,
     let d_o = round_bf16(&rng.vec(o.len()));
     let (mut dq, mut dk, mut dvv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
     cpu::attention_bwd(
-        &dims, &q, &k, &v, &o_gpu, &lse, &d_o, q_pos0, k_pos0, causal, scale, &mut dq, &mut dk,
-        &mut dvv, None,
+        &dims,
+        &q,
+        &k,
+        &v,
+        &o_gpu,
+        &lse,
+        &d_o,
+        q_pos0,
+        k_pos0,
+        causal,
+        scale,
+        &mut dq,
+        &mut dk,
+        &mut dvv,
+        cpu_drop.as_ref(),
     )
     .unwrap();
     let (mut gdq, mut gdk, mut gdv) = (
@@ -835,6 +887,7 @@ fn attn_case(gpu: &Gpu, seed: u64, dims: AttnDims, q_pos0: usize, k_pos0: usize,
         k_pos0,
         causal,
         scale,
+        dropout.as_ref(),
         &mut gdq,
         &mut gdk,
         &mut gdv,
@@ -891,6 +944,89 @@ fn gpu_attention_matches_cpu_causal_gqa_offsets_and_head_dims() {
     attn_case(&gpu, 206, dims(3, 1, 300, 8, 1, 64, 64), 299, 0, true);
     // Head dim 256 (the `_256` kernels, opting into more shared memory).
     attn_case(&gpu, 207, dims(1, 33, 33, 2, 1, 256, 256), 0, 0, true);
+}
+
+#[test]
+fn gpu_attention_dropout_draws_the_cpu_mask() {
+    let Some(gpu) = gpu_or_skip("gpu_attention_dropout_draws_the_cpu_mask") else {
+        return;
+    };
+    let drop = |p, head0, sample0| AttnDropout {
+        draw: DropoutDraw {
+            seed: 17,
+            step: 3,
+            site: 0xa77e_0000 ^ 5,
+            p,
+        },
+        head0,
+        sample0,
+    };
+    let dims = |batch, sq, sk, hq, hkv, d| AttnDims {
+        batch,
+        sq,
+        sk,
+        hq,
+        hkv,
+        d,
+        dv: d,
+    };
+    // GQA, a second tensor rank's heads and a later sample; a ring block with
+    // offset positions; a high drop rate.
+    let cases = [
+        (dims(2, 70, 70, 8, 2, 64), 0, 0, drop(0.1, 8, 4)),
+        (dims(1, 40, 30, 4, 1, 32), 45, 20, drop(0.1, 0, 0)),
+        (dims(1, 33, 33, 2, 2, 128), 0, 0, drop(0.5, 2, 1)),
+    ];
+    for (i, (dm, q0, k0, dr)) in cases.into_iter().enumerate() {
+        attn_case_dropout(&gpu, 301 + i as u64, dm, q0, k0, true, Some(dr));
+    }
+}
+
+#[test]
+fn gpu_dropout_rows_equal_the_cpu_bit_for_bit() {
+    let Some(gpu) = gpu_or_skip("gpu_dropout_rows_equal_the_cpu_bit_for_bit") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(401);
+    for (rows, width, p, mbs) in [(96, 200, 0.1, 2), (7, 33, 0.5, 1), (64, 1, 0.9, 4)] {
+        let d = RowDropout {
+            draw: DropoutDraw {
+                seed: 9,
+                step: 2,
+                site: 77,
+                p,
+            },
+            sample0: 6,
+            mbs,
+            pos0: 32,
+        };
+        let x = round_bf16(&rng.vec(rows * width));
+        let mut y = vec![0.0; x.len()];
+        cpu::dropout_rows(&x, rows, width, &d, &mut y).unwrap();
+        let mut gy = dev.b(&vec![1.0; x.len()]);
+        gpu.dropout_rows(&dev.b(&x), rows, width, &d, &mut gy)
+            .unwrap();
+        // A survivor is x * scale rounded to bf16 once on both sides.
+        assert_eq!(
+            dev.gb(&gy),
+            round_bf16(&y),
+            "rows {rows} width {width} p {p}"
+        );
+    }
+    let bad = RowDropout {
+        draw: DropoutDraw {
+            seed: 0,
+            step: 0,
+            site: 0,
+            p: 1.0,
+        },
+        sample0: 0,
+        mbs: 1,
+        pos0: 0,
+    };
+    let e = gpu.dropout_rows(&dev.b(&[1.0; 4]), 2, 2, &bad, &mut dev.b(&[0.0; 4]));
+    assert!(matches!(e, Err(GpuError::Args(_))), "{e:?}");
 }
 
 #[test]
@@ -1214,6 +1350,7 @@ fn gpu_rejects_bad_sizes_without_launching() {
         0,
         true,
         1.0,
+        None,
         &mut dev.b(&[0.0; 24]),
         &mut dev.f(&[0.0; 6]),
     );

@@ -62,8 +62,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         &mut self,
         dims: &AttnDims,
         (q, k, v): (&D::Act, &D::Act, &D::Act),
-        causal: bool,
-        scale: f32,
+        mask: &AttnMask,
         o: &mut D::Act,
         lse: &mut D::F32,
     ) -> Result<(), RankError> {
@@ -88,7 +87,18 @@ impl<'a, D: Device> DevRank<'a, D> {
             let mut lb = self.zeros_f32(D::f32_len(lse))?;
             let pos = (me * s_l, owner * s_l);
             self.dev
-                .attention_fwd(dims, q, &kb, &vb, pos, causal, scale, &mut ob, &mut lb)
+                .attention_fwd(
+                    dims,
+                    q,
+                    &kb,
+                    &vb,
+                    pos,
+                    mask.causal,
+                    mask.scale,
+                    mask.dropout.as_ref(),
+                    &mut ob,
+                    &mut lb,
+                )
                 .map_err(&e)?;
             self.dev
                 .attention_merge(dims, o, lse, &ob, &lb)
@@ -108,8 +118,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         dims: &AttnDims,
         (q, k, v): (&D::Act, &D::Act, &D::Act),
         (o, lse, d_o): (&D::Act, &D::F32, &D::Act),
-        causal: bool,
-        scale: f32,
+        mask: &AttnMask,
         (dq, dk, dv): (&mut D::Act, &mut D::Act, &mut D::Act),
     ) -> Result<(), RankError> {
         let (g, me, next, prev) = self.ring()?;
@@ -130,7 +139,20 @@ impl<'a, D: Device> DevRank<'a, D> {
             let pos = (me * s_l, owner * s_l);
             self.dev
                 .attention_bwd(
-                    dims, q, &kb, &vb, o, lse, d_o, pos, causal, scale, dq, &mut gk, &mut gv,
+                    dims,
+                    q,
+                    &kb,
+                    &vb,
+                    o,
+                    lse,
+                    d_o,
+                    pos,
+                    mask.causal,
+                    mask.scale,
+                    mask.dropout.as_ref(),
+                    dq,
+                    &mut gk,
+                    &mut gv,
                 )
                 .map_err(&e)?;
             grads[owner] = Some(self.kv_block(&gk, &gv)?);

@@ -26,7 +26,7 @@ use meshplan_ir::plan::{
     CollectiveKind, Instr, LossStat, ParamSet, Pass, Plan, PlanKind, Program, Target,
 };
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
-use meshplan_kernels::cpu::{AttnDims, Transpose};
+use meshplan_kernels::cpu::{AttnDims, AttnDropout, DropoutDraw, RowDropout, Transpose};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
@@ -42,7 +42,7 @@ pub use run::{train_device, train_device_rank, train_device_with};
 /// Why the device interpreter does not take `plan`, or `Ok`.
 /// What it takes: a training plan with no expert split: data, tensor (with or
 /// without sequence parallelism), pipeline (any schedule) and context parallelism
-/// (ring attention), ZeRO 0 to 3, no routed experts, no dropout.
+/// (ring attention), ZeRO 0 to 3, dropout, no routed experts.
 /// Checkpoints save and resume as on the general interpreter (the same files: either
 /// interpreter resumes the other's), and fine-tuning starts from a Hugging Face
 /// checkpoint.
@@ -63,9 +63,6 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
         match op.kind {
             OpKind::Experts(_) | OpKind::Router { .. } => {
                 return Err(format!("`{}`: routed experts", op.name))
-            }
-            OpKind::Dropout if graph.constants.dropout_p > 0.0 => {
-                return Err(format!("`{}`: dropout with p > 0", op.name))
             }
             _ => {}
         }
@@ -115,6 +112,8 @@ struct Task<D: Device> {
     /// Sequence parallelism: activations gathered over the tensor axis for the ops
     /// that read whole sequences.
     gathered: HashMap<(u64, String), Arc<D::Act>>,
+    /// The micro-batch (dropout masks are drawn by its samples).
+    mb: u64,
     tokens: D::Ids,
     labels: D::Ids,
     /// Each row's position in its sequence (rows are sequence-major).
@@ -122,6 +121,14 @@ struct Task<D: Device> {
     /// Sequence parallelism: this tensor rank's block of rows of `tokens` and
     /// `positions`, which a replicated table looks up.
     block: Option<(D::Ids, D::Ids)>,
+}
+
+/// How an attention op masks and scales its scores: causal or not, `1 / sqrt(d)`,
+/// and its probabilities' dropout.
+struct AttnMask {
+    causal: bool,
+    scale: f32,
+    dropout: Option<AttnDropout>,
 }
 
 /// A span on the device timeline, resolved at the end of the step.

@@ -31,6 +31,94 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok((dims, qkv_width(&dims)))
     }
 
+    /// The draw of dropout site `op` in layer `l` this step.
+    fn dropout_draw(&self, op: &Op, l: u64, salt: u64) -> DropoutDraw {
+        DropoutDraw {
+            seed: self.opts.seed,
+            step: self.step_no,
+            site: crate::init::name_hash(&op.name) ^ l ^ salt,
+            p: self.graph.constants.dropout_p,
+        }
+    }
+
+    /// The global index of micro-batch `mb`'s first sample on this rank.
+    fn sample0(&self, mb: u64) -> u64 {
+        let per_dp = self.global_batch / self.dp_size.max(1);
+        (self.dp_index * per_dp + mb as usize * self.mbs) as u64
+    }
+
+    /// A dropout op's mask over its `rows` rows: rows are sequence-major, offset by
+    /// the context block and, when sequence parallelism split them, the tensor
+    /// rank's block.
+    fn row_dropout(&self, op: &Op, l: u64, t: &Task<D>, rows: usize) -> RowDropout {
+        let b = self.mbs.max(1);
+        let s_cp = self.seq_len / self.cp.size.max(1);
+        let s_rows = (rows / b).max(1);
+        let sp_off = if s_rows < s_cp {
+            self.tp.rank * s_rows
+        } else {
+            0
+        };
+        RowDropout {
+            draw: self.dropout_draw(op, l, 0),
+            sample0: self.sample0(t.mb),
+            mbs: b,
+            pos0: (self.cp.rank * s_cp + sp_off) as u64,
+        }
+    }
+
+    /// Attention-probability dropout, when the graph has dropout layers and
+    /// `p > 0`: drawn per global sample and head, so every sharding draws the same.
+    pub(super) fn attention_dropout(&self, op: &Op, l: u64, t: &Task<D>) -> Option<AttnDropout> {
+        let has_dropout = self
+            .graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .any(|o| matches!(o.kind, OpKind::Dropout));
+        let OpKind::Attention(a) = &op.kind else {
+            return None;
+        };
+        if !has_dropout || self.graph.constants.dropout_p <= 0.0 {
+            return None;
+        }
+        let head0 = if op.role == TpRole::Replicated {
+            0
+        } else {
+            local_heads(a.heads, a.kv_heads, self.tp).0 * self.tp.rank
+        };
+        Some(AttnDropout {
+            draw: self.dropout_draw(op, l, 0xa77e_0000),
+            head0: head0 as u64,
+            sample0: self.sample0(t.mb),
+        })
+    }
+
+    /// Dropout's mask applied to `x` (the forward's input or the backward's
+    /// gradient): the identity, sharing the buffer, at `p = 0`.
+    fn apply_dropout(
+        &self,
+        op: &Op,
+        l: u64,
+        t: &Task<D>,
+        x: Arc<D::Act>,
+    ) -> Result<Arc<D::Act>, RankError> {
+        if self.graph.constants.dropout_p <= 0.0 {
+            return Ok(x);
+        }
+        let width = match self.graph.tensor(op.inputs[0]).shape.last() {
+            Some(meshplan_ir::Dim::Fixed(w)) => *w as usize,
+            _ => return Err(fail(format!("`{}`: input width is not fixed", op.name))),
+        };
+        let rows = D::act_len(&x) / width.max(1);
+        let d = self.row_dropout(op, l, t, rows);
+        let mut y = self.zeros(D::act_len(&x))?;
+        self.dev
+            .dropout(&x, rows, width, &d, &mut y)
+            .map_err(derr(&op.name))?;
+        Ok(Arc::new(y))
+    }
+
     pub(super) fn consumer_attention(&self, op: &Op) -> Result<&'a Op, RankError> {
         self.graph
             .attention_fed_by(op)
@@ -242,9 +330,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let (q, kk, v) = self.split(&x, &dims)?;
                 let mut o = self.zeros(rows * dims.hq * dims.dv)?;
                 let mut lse = self.zeros_f32(dims.batch * dims.hq * dims.sq)?;
-                let scale = 1.0 / (a.qk_dim as f32).sqrt();
+                let mask = AttnMask {
+                    causal: a.causal,
+                    scale: 1.0 / (a.qk_dim as f32).sqrt(),
+                    dropout: self.attention_dropout(op, l, t),
+                };
                 if self.cp.size > 1 {
-                    self.ring_forward(&dims, (&q, &kk, &v), a.causal, scale, &mut o, &mut lse)?;
+                    self.ring_forward(&dims, (&q, &kk, &v), &mask, &mut o, &mut lse)?;
                 } else {
                     self.dev
                         .attention_fwd(
@@ -253,8 +345,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                             &kk,
                             &v,
                             (0, 0),
-                            a.causal,
-                            scale,
+                            mask.causal,
+                            mask.scale,
+                            mask.dropout.as_ref(),
                             &mut o,
                             &mut lse,
                         )
@@ -293,9 +386,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                 y
             }
             OpKind::Dropout => {
-                // p = 0 (`supported`): the identity, sharing the input's buffer.
                 let x = self.act(t, l, op.inputs[0])?;
-                t.acts.insert((l, out), x);
+                let y = self.apply_dropout(op, l, t, x)?;
+                t.acts.insert((l, out), y);
                 return Ok(());
             }
             OpKind::CrossEntropy { .. } => {
@@ -500,14 +593,17 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let mut dq = self.zeros(D::act_len(&q))?;
                 let mut dk = self.zeros(D::act_len(&kk))?;
                 let mut dv = self.zeros(D::act_len(&v))?;
-                let scale = 1.0 / (a.qk_dim as f32).sqrt();
+                let mask = AttnMask {
+                    causal: a.causal,
+                    scale: 1.0 / (a.qk_dim as f32).sqrt(),
+                    dropout: self.attention_dropout(op, l, t),
+                };
                 if self.cp.size > 1 {
                     self.ring_backward(
                         &dims,
                         (&q, &kk, &v),
                         (&o, lse, &d_o),
-                        a.causal,
-                        scale,
+                        &mask,
                         (&mut dq, &mut dk, &mut dv),
                     )?;
                 } else {
@@ -521,8 +617,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                             lse,
                             &d_o,
                             (0, 0),
-                            a.causal,
-                            scale,
+                            mask.causal,
+                            mask.scale,
+                            mask.dropout.as_ref(),
                             &mut dq,
                             &mut dk,
                             &mut dv,
@@ -553,7 +650,11 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.add_grad_copy(t, l, in0, &dy)?;
                 self.add_grad(t, l, in1, dy)?;
             }
-            OpKind::Dropout => self.add_grad(t, l, in0, dy)?,
+            OpKind::Dropout => {
+                let dx = Arc::try_unwrap(self.apply_dropout(op, l, t, Arc::new(dy))?)
+                    .map_err(|_| fail("a dropout gradient is shared"))?;
+                self.add_grad(t, l, in0, dx)?
+            }
             OpKind::CrossEntropy { .. } => {}
             OpKind::Experts(_) | OpKind::Router { .. } => {
                 return Err(fail(format!("`{}`: routed experts", op.name)))

@@ -36,6 +36,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let positions: Vec<u32> = (0..s * b).map(|r| (s0 + r / b.max(1)) as u32).collect();
         let e = derr("batch");
         Ok(Task {
+            mb,
             acts: HashMap::new(),
             stats: HashMap::new(),
             grads: HashMap::new(),
