@@ -13,10 +13,10 @@
 # (every CUDA kernel against its CPU reference); the CUDA device's tests (its
 # methods against the host device's); `run --backend cuda --check` (tiny-gpt over 8
 # data-parallel ranks sharing the GPU, against the fp32 CPU reference within bf16
-# tolerances; ZeRO-1; tp=2 with and without sp; tp=2 pp=2; ZeRO-3; cp=2; dropout, all on
-# the device interpreter; ep=2 through the general interpreter's host-staged GPU
-# kernels); GPT-2 124M training on the GPU (tokens/s, MFU); the NCCL communicator tests
-# (world size 1, and 2 when two GPUs are visible) with REQUIRE_GPU=1; `meshplan
+# tolerances; ZeRO-1; tp=2 with and without sp; tp=2 pp=2; ZeRO-3; cp=2; dropout;
+# routed experts over ep=2, all on the device interpreter); GPT-2 124M training on
+# the GPU (tokens/s, MFU); the NCCL communicator tests (world size 1, and 2 when two
+# GPUs are visible) with REQUIRE_GPU=1; `meshplan
 # calibrate` (overlay.yaml); benches/python/torch_gpu.py (PyTorch bf16 matmul on the
 # calibrate shapes beside meshplan's cuBLASLt numbers, and GPT-2 124M training
 # tokens/s and MFU, eager and torch.compile). Exits non-zero if any step fails.
@@ -152,16 +152,11 @@ run plan-dropout 30 "$B/bin/meshplan" plan "$OUTDIR/tiny-gpt-dropout.yaml" topol
     --config dp=4,tp=2,sp=true,pp=1,cp=1,mbs=2,zero=1 -o "$OUTDIR/dropout.json" --quiet
 run run-check-dropout 120 "$B/bin/meshplan" run "$OUTDIR/dropout.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dropout, dp=4 tp=2 sp)" PASS; else result "run --backend cuda --check (device, dropout, dp=4 tp=2 sp)" FAIL; fi
-# --- 2c'. what the device interpreter does not take yet: routed experts (expert
-# parallelism's All-to-All of tokens): the general interpreter with its kernels on
-# the GPU through host staging.
-for spec in "tiny-moe dp=2,ep=2 ep2"; do
-    set -- $spec
-    run "plan-$3" 30 "$B/bin/meshplan" plan "models/$1.yaml" topologies/cpu-test-mesh.yaml \
-        --config "$2" -o "$OUTDIR/$3.json" --quiet
-    run "run-check-$3" 90 "$B/bin/meshplan" run "$OUTDIR/$3.json" --backend cuda --steps 5 --check
-    if [ "$rc" = 0 ]; then result "run --backend cuda --check (staged, $1 $2)" PASS; else result "run --backend cuda --check (staged, $1 $2)" FAIL; fi
-done
+# Routed experts split over ep: tokens exchanged by All-to-All on device buffers.
+run plan-ep2 30 "$B/bin/meshplan" plan models/tiny-moe.yaml topologies/cpu-test-mesh.yaml \
+    --config dp=4,ep=2,tp=2,pp=1,cp=1,sp=true -o "$OUTDIR/ep2.json" --quiet
+run run-check-ep2 120 "$B/bin/meshplan" run "$OUTDIR/ep2.json" --backend cuda --steps 5 --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, tiny-moe dp=4 ep=2 tp=2 sp)" PASS; else result "run --backend cuda --check (device, tiny-moe dp=4 ep=2 tp=2 sp)" FAIL; fi
 
 # --- 2d. GPT-2 124M on one GPU (no dropout, as the PyTorch baseline): 32 sequences
 # of 1024 tokens per step, micro-batch 16, the same batch as torch_gpu.py's default.

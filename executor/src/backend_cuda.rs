@@ -1,9 +1,9 @@
 //! [`CudaBackend`] (feature `cuda`): the [`Backend`] on one GPU.
 //!
 //! This is the general interpreter ([`crate::train`], [`crate::infer`]) on a GPU
-//! through host staging, for the plans the device interpreter ([`crate::device`])
-//! does not take (see [`crate::device::train::supported`]: tensor, pipeline, context
-//! or expert parallelism, ZeRO with data parallelism, dropout, checkpoints). Every
+//! through host staging, for what the device interpreter ([`crate::device`]) does
+//! not take (see [`crate::device::train::supported`]: ZeRO-3 over routed experts)
+//! and for inference plans. Every
 //! call uploads its operands from the caller's `f32` slices, casts them to bf16 on
 //! the device where the GPU kernel computes in bf16, runs the kernel of
 //! [`meshplan_kernels::cuda`] that is the twin of the CPU one, casts the results

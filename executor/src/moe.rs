@@ -12,6 +12,7 @@ use crate::comm::{Communicator, Group, RankError};
 use crate::shard::TpPos;
 use crate::train::{fail, kerr, linear_fwd};
 use meshplan_ir::graph::ExpertsShape;
+use meshplan_kernels::cpu::NO_ROW;
 
 /// Where one rank runs an experts op: its positions on the tensor and expert axes,
 /// and its expert group (`None` when the experts are not split over ranks).
@@ -139,7 +140,7 @@ pub(crate) fn forward(
         Some(p) => exchange(
             comm,
             place,
-            &p.pad(&disp, h),
+            &p.pad(&disp, h)?,
             &p.counts(),
             ne,
             h,
@@ -151,7 +152,7 @@ pub(crate) fn forward(
         local_experts(be, name, e, f, (&local_rows, &local_counts), inp)?;
     let y_disp = send_back(comm, place, &y, &route, h)?;
     let y_disp = match &padding {
-        Some(p) => p.unpad(&y_disp, h),
+        Some(p) => p.unpad(&y_disp, h)?,
         None => y_disp,
     };
     let mut out = vec![0.0; rows * h];
@@ -265,16 +266,35 @@ pub(crate) fn exchange(
     h: usize,
     even: bool,
 ) -> Result<(Vec<f32>, Vec<usize>, Route), RankError> {
+    let route = route_of(comm, place, counts, ne, even)?;
+    if route.is_local() {
+        return Ok((disp.to_vec(), counts.to_vec(), route));
+    }
+    let (sc, rc) = route.elements(h);
+    let src_major = a2a_rows(comm, place.ep_group()?, disp, &sc, &rc)?;
+    let local_counts = route.local_counts();
+    Ok((route.to_expert_major(&src_major, h)?, local_counts, route))
+}
+
+/// The exchange's counts: what this rank sends each member's experts (`counts`,
+/// per global expert) and what it receives from each (exchanged first, unless
+/// `even`: then every member sends every expert the same padded count).
+pub(crate) fn route_of(
+    comm: &mut dyn Communicator,
+    place: &Place<'_>,
+    counts: &[usize],
+    ne: usize,
+    even: bool,
+) -> Result<Route, RankError> {
     let n = place.ep.size;
     let el = ne / n;
     if n == 1 {
-        let route = Route {
+        return Ok(Route {
             n: 1,
             el,
             send: vec![counts.to_vec()],
             recv: vec![counts.to_vec()],
-        };
-        return Ok((disp.to_vec(), counts.to_vec(), route));
+        });
     }
     let g = place.ep_group()?;
     let recv_counts: Vec<f32> = if even {
@@ -296,12 +316,7 @@ pub(crate) fn exchange(
                 .collect()
         })
         .collect();
-    let route = Route { n, el, send, recv };
-    let src_major = a2a_rows(comm, g, disp, &route.send, &route.recv, h)?;
-    let local_counts: Vec<usize> = (0..el)
-        .map(|j| route.recv.iter().map(|r| r[j]).sum())
-        .collect();
-    Ok((route.to_expert_major(&src_major, h), local_counts, route))
+    Ok(Route { n, el, send, recv })
 }
 
 /// Expert-major rows back to their sources, in each source's dispatch order.
@@ -315,15 +330,9 @@ pub(crate) fn send_back(
     if route.n == 1 {
         return Ok(rows.to_vec());
     }
-    let src_major = route.to_source_major(rows, h);
-    a2a_rows(
-        comm,
-        place.ep_group()?,
-        &src_major,
-        &route.recv,
-        &route.send,
-        h,
-    )
+    let src_major = route.to_source_major(rows, h)?;
+    let (sc, rc) = route.elements(h);
+    a2a_rows(comm, place.ep_group()?, &src_major, &rc, &sc)
 }
 
 /// Dispatch-ordered rows to the experts again (gradients in backward).
@@ -337,22 +346,20 @@ pub(crate) fn resend(
     if route.n == 1 {
         return Ok(rows.to_vec());
     }
-    let src_major = a2a_rows(comm, place.ep_group()?, rows, &route.send, &route.recv, h)?;
-    Ok(route.to_expert_major(&src_major, h))
+    let (sc, rc) = route.elements(h);
+    let src_major = a2a_rows(comm, place.ep_group()?, rows, &sc, &rc)?;
+    route.to_expert_major(&src_major, h)
 }
 
 fn a2a_rows(
     comm: &mut dyn Communicator,
     g: &Group,
     rows: &[f32],
-    send: &[Vec<usize>],
-    recv: &[Vec<usize>],
-    h: usize,
+    sc: &[usize],
+    rc: &[usize],
 ) -> Result<Vec<f32>, RankError> {
-    let sc: Vec<usize> = send.iter().map(|c| c.iter().sum::<usize>() * h).collect();
-    let rc: Vec<usize> = recv.iter().map(|c| c.iter().sum::<usize>() * h).collect();
     let mut out = vec![0.0; rc.iter().sum()];
-    comm.all_to_all_v(g, "ep", rows, &sc, &mut out, &rc)?;
+    comm.all_to_all_v(g, "ep", rows, sc, &mut out, rc)?;
     Ok(out)
 }
 
@@ -369,7 +376,7 @@ pub(crate) struct Padding {
 }
 
 impl Padding {
-    pub const DROPPED: u32 = u32::MAX;
+    pub const DROPPED: u32 = NO_ROW;
 
     /// Keeps the first `cap` slots of each expert in every group of `group`
     /// consecutive tokens (slots are expert-major and in token order within an
@@ -405,32 +412,37 @@ impl Padding {
         }
     }
 
-    fn counts(&self) -> Vec<usize> {
+    pub fn counts(&self) -> Vec<usize> {
         vec![self.per_expert; self.experts]
     }
 
-    /// Slot-ordered rows into the padded buffer.
-    pub fn pad(&self, slots: &[f32], h: usize) -> Vec<f32> {
-        let mut out = vec![0.0; self.experts * self.per_expert * h];
+    /// Each padded row's slot, or `NO_ROW` (padding): [`Padding::pad`] as a
+    /// gather of rows.
+    pub fn pad_index(&self) -> Vec<u32> {
+        let mut idx = vec![NO_ROW; self.experts * self.per_expert];
         for (s, &a) in self.at.iter().enumerate() {
             if a != Self::DROPPED {
-                let a = a as usize;
-                out[a * h..(a + 1) * h].copy_from_slice(&slots[s * h..(s + 1) * h]);
+                idx[a as usize] = s as u32;
             }
         }
-        out
+        idx
+    }
+
+    /// Each slot's padded row, or `NO_ROW` (dropped): [`Padding::unpad`] as a
+    /// gather of rows.
+    pub fn unpad_index(&self) -> Vec<u32> {
+        // DROPPED is NO_ROW.
+        self.at.clone()
+    }
+
+    /// Slot-ordered rows into the padded buffer.
+    pub fn pad(&self, slots: &[f32], h: usize) -> Result<Vec<f32>, RankError> {
+        gather(slots, &self.pad_index(), h)
     }
 
     /// The padded buffer back to slot order; dropped slots are zero.
-    pub fn unpad(&self, padded: &[f32], h: usize) -> Vec<f32> {
-        let mut out = vec![0.0; self.at.len() * h];
-        for (s, &a) in self.at.iter().enumerate() {
-            if a != Self::DROPPED {
-                let a = a as usize;
-                out[s * h..(s + 1) * h].copy_from_slice(&padded[a * h..(a + 1) * h]);
-            }
-        }
-        out
+    pub fn unpad(&self, padded: &[f32], h: usize) -> Result<Vec<f32>, RankError> {
+        gather(padded, &self.unpad_index(), h)
     }
 }
 
@@ -444,53 +456,108 @@ pub(crate) struct Route {
 }
 
 impl Route {
-    /// Source-major rows (per source, its rows for local expert 0, 1, ...) to
-    /// expert-major (per local expert, its rows from source 0, 1, ...).
-    fn to_expert_major(&self, src_major: &[f32], h: usize) -> Vec<f32> {
-        let mut starts = Vec::new();
-        let mut off = 0;
-        for s in 0..self.n {
-            let mut row = Vec::new();
-            for j in 0..self.el {
-                row.push(off);
-                off += self.recv[s][j];
-            }
-            starts.push(row);
-        }
-        let mut out = Vec::with_capacity(src_major.len());
-        for j in 0..self.el {
-            for s in 0..self.n {
-                let a = starts[s][j];
-                out.extend_from_slice(&src_major[a * h..(a + self.recv[s][j]) * h]);
-            }
-        }
-        out
+    /// No exchange: this rank holds every expert.
+    pub fn is_local(&self) -> bool {
+        self.n == 1
     }
 
-    /// The inverse of [`Route::to_expert_major`].
-    fn to_source_major(&self, expert_major: &[f32], h: usize) -> Vec<f32> {
-        let mut starts = vec![vec![0usize; self.n]; self.el];
+    /// Rows each local expert processes (from every source).
+    pub fn local_counts(&self) -> Vec<usize> {
+        (0..self.el)
+            .map(|j| self.recv.iter().map(|r| r[j]).sum())
+            .collect()
+    }
+
+    /// Elements sent to each member, and received from each, rows of `h`.
+    pub fn elements(&self, h: usize) -> (Vec<usize>, Vec<usize>) {
+        let of = |c: &[Vec<usize>]| c.iter().map(|c| c.iter().sum::<usize>() * h).collect();
+        (of(&self.send), of(&self.recv))
+    }
+
+    /// For each expert-major row (per local expert, its rows from source 0, 1,
+    /// ...), its row in the source-major order the exchange delivers (per source,
+    /// its rows for local expert 0, 1, ...).
+    pub fn expert_major_index(&self) -> Vec<u32> {
+        let mut starts = vec![vec![0usize; self.el]; self.n];
         let mut off = 0;
-        for (j, row) in starts.iter_mut().enumerate() {
-            for (s, start) in row.iter_mut().enumerate() {
+        for (s, row) in starts.iter_mut().enumerate() {
+            for (j, start) in row.iter_mut().enumerate() {
                 *start = off;
                 off += self.recv[s][j];
             }
         }
-        let mut out = Vec::with_capacity(expert_major.len());
-        for s in 0..self.n {
-            for (j, row) in starts.iter().enumerate() {
-                let a = row[s];
-                out.extend_from_slice(&expert_major[a * h..(a + self.recv[s][j]) * h]);
+        let mut idx = Vec::with_capacity(off);
+        for j in 0..self.el {
+            for (s, row) in starts.iter().enumerate() {
+                idx.extend((row[j]..row[j] + self.recv[s][j]).map(|r| r as u32));
             }
         }
-        out
+        idx
     }
+
+    /// The inverse of [`Route::expert_major_index`]: for each source-major row,
+    /// its expert-major row.
+    pub fn source_major_index(&self) -> Vec<u32> {
+        let em = self.expert_major_index();
+        let mut idx = vec![0u32; em.len()];
+        for (e, &s) in em.iter().enumerate() {
+            idx[s as usize] = e as u32;
+        }
+        idx
+    }
+
+    /// Source-major rows to expert-major.
+    fn to_expert_major(&self, src_major: &[f32], h: usize) -> Result<Vec<f32>, RankError> {
+        gather(src_major, &self.expert_major_index(), h)
+    }
+
+    /// The inverse of [`Route::to_expert_major`].
+    fn to_source_major(&self, expert_major: &[f32], h: usize) -> Result<Vec<f32>, RankError> {
+        gather(expert_major, &self.source_major_index(), h)
+    }
+}
+
+/// Rows of `src` in the order of `idx` (zeros for `NO_ROW`).
+fn gather(src: &[f32], idx: &[u32], h: usize) -> Result<Vec<f32>, RankError> {
+    let mut out = vec![0.0; idx.len() * h];
+    meshplan_kernels::cpu::gather_rows(src, idx, h, &mut out).map_err(kerr("experts"))?;
+    Ok(out)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Padding;
+    use super::{Padding, Route};
+
+    #[test]
+    fn route_reorders_rows_between_source_and_expert_major() {
+        // Two sources, two local experts: source 0 sends 1 row for expert 0 and 2
+        // for expert 1, source 1 sends 2 and 0. Delivered source-major rows
+        // [s0e0, s0e1, s0e1, s1e0, s1e0] are expert-major [s0e0, s1e0, s1e0, s0e1,
+        // s0e1], i.e. rows 0, 3, 4, 1, 2.
+        let r = Route {
+            n: 2,
+            el: 2,
+            send: vec![vec![0, 0], vec![0, 0]],
+            recv: vec![vec![1, 2], vec![2, 0]],
+        };
+        assert_eq!(r.expert_major_index(), vec![0, 3, 4, 1, 2]);
+        assert_eq!(
+            r.source_major_index(),
+            vec![0, 3, 4, 1, 2]
+                .iter()
+                .enumerate()
+                .fold(vec![0u32; 5], |mut inv, (e, &s)| {
+                    inv[s as usize] = e as u32;
+                    inv
+                })
+        );
+        assert_eq!(r.local_counts(), vec![3, 2]);
+        let rows: Vec<f32> = (0..5).map(|x| x as f32).collect();
+        let em = r.to_expert_major(&rows, 1).unwrap();
+        assert_eq!(em, vec![0.0, 3.0, 4.0, 1.0, 2.0]);
+        assert_eq!(r.to_source_major(&em, 1).unwrap(), rows);
+        assert_eq!(r.elements(3), (vec![0, 0], vec![9, 6]));
+    }
 
     #[test]
     fn capacity_keeps_the_first_tokens_of_each_group_and_pads_every_expert() {
@@ -499,8 +566,8 @@ mod tests {
         let p = Padding::new(1, 2, &[3, 1], &[0, 1, 2, 3], 1, 4);
         assert_eq!(p.at, vec![0, Padding::DROPPED, 1, 2]);
         assert_eq!(p.counts(), vec![2, 2]);
-        let padded = p.pad(&[1.0, 2.0, 3.0, 4.0], 1);
+        let padded = p.pad(&[1.0, 2.0, 3.0, 4.0], 1).unwrap();
         assert_eq!(padded, vec![1.0, 3.0, 4.0, 0.0]);
-        assert_eq!(p.unpad(&padded, 1), vec![1.0, 0.0, 3.0, 4.0]);
+        assert_eq!(p.unpad(&padded, 1).unwrap(), vec![1.0, 0.0, 3.0, 4.0]);
     }
 }

@@ -2217,7 +2217,7 @@ impl RankState<'_> {
             .map_err(kerr(&op.name))?;
         // Gradients of the expert outputs travel to the experts as the tokens did.
         let d_y = match &padding {
-            Some(p) => p.pad(&d_y, h),
+            Some(p) => p.pad(&d_y, h)?,
             None => d_y,
         };
         let ep_group = self.ep_group()?;
@@ -2285,7 +2285,7 @@ impl RankState<'_> {
         }
         let d_disp = crate::moe::send_back(&mut self.comm, &place, &d_rows, &route, h)?;
         let d_disp = match &padding {
-            Some(p) => p.unpad(&d_disp, h),
+            Some(p) => p.unpad(&d_disp, h)?,
             None => d_disp,
         };
         let mut dx = vec![0.0; rows * h];

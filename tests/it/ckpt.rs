@@ -418,19 +418,21 @@ fn ckpt_run_flags_save_resume_and_exit_codes() {
 #[test]
 fn ckpt_device_and_general_interpreters_resume_each_other() {
     use meshplan_executor::device::{train::train_device, HostDevice};
-    let m = model("tiny-gpt");
+    let (gpt, moe) = (model("tiny-gpt"), model("tiny-moe"));
     let device = |p: &Plan, o: &TrainOptions| {
         train_device(p, o, &|_| Ok(HostDevice)).unwrap_or_else(|e| panic!("{}: {e}", p.strategy))
     };
-    for cfg in [
-        "dp=2",
-        "dp=2,zero=1",
-        "dp=2,tp=2,sp=false",
-        "tp=2,pp=2,mbs=1,sp=true",
-        "dp=2,zero=3",
-        "dp=2,cp=2",
+    for (m, cfg) in [
+        (&gpt, "dp=2"),
+        (&gpt, "dp=2,zero=1"),
+        (&gpt, "dp=2,tp=2,sp=false"),
+        (&gpt, "tp=2,pp=2,mbs=1,sp=true"),
+        (&gpt, "dp=2,zero=3"),
+        (&gpt, "dp=2,cp=2"),
+        // Routed experts split over ep, their moments in ZeRO parts of their own set.
+        (&moe, "dp=2,ep=2,zero=1"),
     ] {
-        let p = plan(&m, cfg);
+        let p = plan(m, cfg);
         let whole = run(&p, &opts(6));
         type Trainer<'a> = &'a dyn Fn(&Plan, &TrainOptions) -> TrainReport;
         let pairs: [(&str, Trainer, Trainer); 3] = [

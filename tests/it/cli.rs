@@ -1158,14 +1158,33 @@ fn run_backend_cpu_bf16_checks_mixed_precision_and_names_plans_it_does_not_run()
     fp32.expect_code(0);
     let (a, b) = (&v["loss"], &json_of(&fp32)["loss"]);
     assert_ne!(a, b, "bf16 rounding changed nothing");
+    // Routed experts over ep run on it too, within the check.
     let moe = plan_file(
-        "plan-run-bf16-moe.json",
+        "plan-run-bf16-moe-ep.json",
         "models/tiny-moe.yaml",
-        "dp=8,tp=1,pp=1,cp=1",
+        "dp=4,ep=2,tp=2,pp=1,cp=1,sp=true",
     );
-    meshplan(&["run", moe.to_str().expect("utf-8"), "--backend", "cpu-bf16"])
+    let run = meshplan(&[
+        "run",
+        moe.to_str().expect("utf-8"),
+        "--backend",
+        "cpu-bf16",
+        "--check",
+        "--steps",
+        "3",
+    ]);
+    run.expect_code(0);
+    let out = &run.stdout;
+    assert!(out.contains("check        passed"), "{out}");
+    // ZeRO-3 over the experts' set is the one plan it refuses, naming why.
+    let z3 = plan_file(
+        "plan-run-bf16-moe-z3.json",
+        "models/tiny-moe.yaml",
+        "dp=8,tp=1,pp=1,cp=1,zero=3",
+    );
+    meshplan(&["run", z3.to_str().expect("utf-8"), "--backend", "cpu-bf16"])
         .expect_code(1)
-        .stderr_has(&["routed experts", "Run it with --backend cpu"]);
+        .stderr_has(&["ZeRO-3 over routed experts", "Run it with --backend cpu"]);
     // Tensor, pipeline and context parallelism run on it, within the check.
     let tp = plan_file(
         "plan-run-bf16-tp.json",

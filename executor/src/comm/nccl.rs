@@ -435,6 +435,72 @@ impl NcclComm {
         })
     }
 
+    /// All-to-All with uneven splits of bf16 device buffers (expert parallelism's
+    /// token rows): `send_counts[j]` elements to member `j` from `send`, in group
+    /// order, `recv_counts[i]` from member `i` into `recv`; one NCCL group of
+    /// sends and receives on the communication stream after `ready`. Counted as
+    /// the host's `all_to_all_v` counts (what leaves for the other members), at
+    /// two bytes per element.
+    pub fn all_to_all_v_bf16_device_start(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        (send, send_counts): (&CudaSlice<bf16>, &[usize]),
+        (recv, recv_counts): (&mut CudaSlice<bf16>, &[usize]),
+        ready: &CudaEvent,
+    ) -> Result<CudaEvent, CommError> {
+        let kind = CommKind::AllToAllV;
+        let n = group.size();
+        args::all_to_all_v(n, (send.len(), send_counts), (recv.len(), recv_counts))?;
+        let (me, comm) = self.group_comm(group, kind, axis)?;
+        let done = self.run(kind, |s| {
+            s.stream
+                .wait(ready)
+                .map_err(|e| format!("waiting for the buffers' writer: {e:?}"))?;
+            let raw = s.raw_stream();
+            let (ps, _gs) = send.device_ptr(&s.stream);
+            let (pr, _gr) = recv.device_ptr_mut(&s.stream);
+            nccl_call("ncclGroupStart", result::group_start())?;
+            let (mut so, mut ro) = (0usize, 0usize);
+            let mut status = Ok(());
+            for (j, (&sc, &rc)) in send_counts.iter().zip(recv_counts).enumerate() {
+                if sc > 0 && status.is_ok() {
+                    let p = (ps + (so * 2) as u64) as *const c_void;
+                    // SAFETY: `so + sc <= send.len()` (the counts were checked
+                    // against the buffers); alive until the returned event.
+                    status = nccl_call("ncclSend", unsafe {
+                        result::send(p, sc, BF16, j as i32, comm, raw)
+                    });
+                }
+                if rc > 0 && status.is_ok() {
+                    let p = (pr + (ro * 2) as u64) as *mut c_void;
+                    // SAFETY: as for the send; `recv` is borrowed mutably.
+                    status = nccl_call("ncclRecv", unsafe {
+                        result::recv(p, rc, BF16, j as i32, comm, raw)
+                    });
+                }
+                so += sc;
+                ro += rc;
+            }
+            // Always close the group, even after a failed enqueue.
+            let end = nccl_call("ncclGroupEnd", result::group_end());
+            status?;
+            end?;
+            s.stream
+                .record_event(None)
+                .map_err(|e| format!("recording the exchange's end: {e:?}"))
+        })?;
+        let to_others: usize = send_counts
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != me)
+            .map(|(_, &c)| c)
+            .sum();
+        let (b, o) = (send.len() as u64 * 2, to_others as u64 * 2);
+        self.counts.record(kind, axis, b, u128::from(o), 1);
+        Ok(done)
+    }
+
     /// Point-to-point transfers of bf16 device buffers (pipeline boundaries, ring
     /// attention's blocks) as one NCCL group on the communication stream, after
     /// `ready`: a ring's send to the next rank and receive from the previous one

@@ -10,7 +10,7 @@
 
 use super::{range_err, DResult, Device, DeviceError};
 use crate::comm::{CommError, CommKind, Communicator, Group, P2p};
-use meshplan_kernels::cpu::{AttnDims, AttnDropout, Rope, RowDropout, Transpose};
+use meshplan_kernels::cpu::{AttnDims, AttnDropout, GemmAt, MoeDims, Rope, RowDropout, Transpose};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, DriverError};
 use meshplan_kernels::cuda::{bf16, Gpu, GpuError};
@@ -171,6 +171,9 @@ impl Device for CudaDevice {
     fn f32_download(&self, x: &CudaSlice<f32>) -> DResult<Vec<f32>> {
         Ok(self.gpu.download(x)?)
     }
+    fn ids_download(&self, x: &CudaSlice<u32>) -> DResult<Vec<u32>> {
+        Ok(self.gpu.download(x)?)
+    }
     fn act_download(&self, x: &CudaSlice<bf16>) -> DResult<Vec<f32>> {
         Ok(self.gpu.download(x)?.iter().map(|v| v.to_f32()).collect())
     }
@@ -178,6 +181,9 @@ impl Device for CudaDevice {
         x.len()
     }
     fn f32_len(x: &CudaSlice<f32>) -> usize {
+        x.len()
+    }
+    fn ids_len(x: &CudaSlice<u32>) -> usize {
         x.len()
     }
     fn to_act(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<bf16>) -> DResult<()> {
@@ -240,6 +246,24 @@ impl Device for CudaDevice {
         c: &mut CudaSlice<f32>,
     ) -> DResult<()> {
         Ok(self.gpu.gemm(ta, tb, m, k, n, a, b, 1.0, c)?)
+    }
+    fn matmul_at(
+        &self,
+        g: &GemmAt,
+        a: &CudaSlice<bf16>,
+        b: &CudaSlice<bf16>,
+        c: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.gemm_at(g, a, b, 0.0, c)?)
+    }
+    fn matmul_acc_at(
+        &self,
+        g: &GemmAt,
+        a: &CudaSlice<bf16>,
+        b: &CudaSlice<bf16>,
+        c: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self.gpu.gemm_at(g, a, b, 1.0, c)?)
     }
     fn bias_add(
         &self,
@@ -477,6 +501,121 @@ impl Device for CudaDevice {
     ) -> DResult<()> {
         Ok(self.gpu.dropout_rows(x, rows, width, d, y)?)
     }
+    fn moe_route(
+        &self,
+        m: &MoeDims,
+        logits: &CudaSlice<bf16>,
+        probs: &mut CudaSlice<f32>,
+        idx: &mut CudaSlice<u32>,
+        wts: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        // The routing kernel reads fp32 scores.
+        let mut l32 = self.gpu.zeros::<f32>(logits.len())?;
+        self.gpu.cast_bf16_to_f32(logits, &mut l32)?;
+        Ok(self.gpu.moe_route_fwd(
+            &l32,
+            m.tokens,
+            m.experts,
+            m.k,
+            m.renormalize,
+            probs,
+            idx,
+            wts,
+        )?)
+    }
+    fn moe_route_bwd(
+        &self,
+        m: &MoeDims,
+        (probs, idx, wts): (&CudaSlice<f32>, &CudaSlice<u32>, &CudaSlice<f32>),
+        d_wts: &CudaSlice<f32>,
+        d_logits: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        let mut d32 = self.gpu.zeros::<f32>(d_logits.len())?;
+        self.gpu.moe_route_bwd(
+            probs,
+            idx,
+            wts,
+            d_wts,
+            m.tokens,
+            m.experts,
+            m.k,
+            m.renormalize,
+            &mut d32,
+        )?;
+        Ok(self.gpu.add_f32_into_bf16(&d32, d_logits)?)
+    }
+    fn moe_dispatch(
+        &self,
+        m: &MoeDims,
+        x: &CudaSlice<bf16>,
+        idx: &CudaSlice<u32>,
+        out: &mut CudaSlice<bf16>,
+        perm: &mut CudaSlice<u32>,
+    ) -> DResult<Vec<usize>> {
+        let mut counts = self.gpu.zeros::<u32>(m.experts)?;
+        self.gpu.moe_dispatch_fwd(
+            x,
+            idx,
+            m.tokens,
+            m.k,
+            m.experts,
+            m.dim,
+            out,
+            &mut counts,
+            perm,
+        )?;
+        // The exchange's sizes: a few integers, the one download of the op.
+        Ok(self
+            .gpu
+            .download(&counts)?
+            .into_iter()
+            .map(|c| c as usize)
+            .collect())
+    }
+    fn moe_dispatch_bwd(
+        &self,
+        m: &MoeDims,
+        d_out: &CudaSlice<bf16>,
+        perm: &CudaSlice<u32>,
+        dx: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self
+            .gpu
+            .moe_dispatch_bwd(d_out, perm, m.tokens, m.k, m.dim, dx)?)
+    }
+    fn moe_combine(
+        &self,
+        m: &MoeDims,
+        y: &CudaSlice<bf16>,
+        perm: &CudaSlice<u32>,
+        wts: &CudaSlice<f32>,
+        out: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self
+            .gpu
+            .moe_combine_fwd(y, perm, wts, m.tokens, m.k, m.dim, out)?)
+    }
+    fn moe_combine_bwd(
+        &self,
+        m: &MoeDims,
+        (d_out, y): (&CudaSlice<bf16>, &CudaSlice<bf16>),
+        (perm, wts): (&CudaSlice<u32>, &CudaSlice<f32>),
+        d_y: &mut CudaSlice<bf16>,
+        d_wts: &mut CudaSlice<f32>,
+    ) -> DResult<()> {
+        Ok(self
+            .gpu
+            .moe_combine_bwd(d_out, y, perm, wts, m.tokens, m.k, m.dim, d_y, d_wts)?)
+    }
+    fn gather_rows(
+        &self,
+        src: &CudaSlice<bf16>,
+        idx: &CudaSlice<u32>,
+        dim: usize,
+        out: &mut CudaSlice<bf16>,
+    ) -> DResult<()> {
+        Ok(self.gpu.gather_rows(src, idx, dim, out)?)
+    }
     fn add(
         &self,
         a: &CudaSlice<bf16>,
@@ -663,6 +802,26 @@ impl Device for CudaDevice {
             axis,
             &mut [P2p::Send(to, send, (0, n)), P2p::Recv(from, recv)],
         )
+    }
+    fn all_to_all_v_act(
+        &self,
+        comm: &mut dyn Communicator,
+        (group, axis): (&Group, &str),
+        send: (&CudaSlice<bf16>, &[usize]),
+        recv: (&mut CudaSlice<bf16>, &[usize]),
+    ) -> Result<(), CommError> {
+        let Some(nccl) = comm.as_nccl() else {
+            return super::a2av_on_host(self, comm, (group, axis), send, recv);
+        };
+        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+        let ready = self.mark().map_err(internal)?;
+        let done = nccl.all_to_all_v_bf16_device_start(group, axis, send, recv, &ready)?;
+        self.gpu
+            .stream()
+            .wait(&done)
+            .map_err(|e| CommError::Internal {
+                detail: format!("waiting for the All-to-All: {e:?}"),
+            })
     }
     fn reduce_scatter_act(
         &self,

@@ -22,7 +22,7 @@
 
 use crate::comm::{CommError, CommKind, Communicator, Group};
 use meshplan_kernels::cpu::{
-    self as k, AttnDims, AttnDropout, KernelError, Rope, RowDropout, Transpose,
+    self as k, AttnDims, AttnDropout, GemmAt, KernelError, MoeDims, Rope, RowDropout, Transpose,
 };
 
 #[cfg(feature = "cuda")]
@@ -85,12 +85,16 @@ pub trait Device: Send + Sync {
     fn ids_upload(&self, host: &[u32]) -> DResult<Self::Ids>;
     /// The values of an fp32 buffer (waits for the work before it).
     fn f32_download(&self, x: &Self::F32) -> DResult<Vec<f32>>;
+    /// The values of an id buffer (waits for the work before it).
+    fn ids_download(&self, x: &Self::Ids) -> DResult<Vec<u32>>;
     /// The values of an activation buffer, widened to f32.
     fn act_download(&self, x: &Self::Act) -> DResult<Vec<f32>>;
     /// Elements of an activation buffer.
     fn act_len(x: &Self::Act) -> usize;
     /// Elements of an fp32 buffer.
     fn f32_len(x: &Self::F32) -> usize;
+    /// Elements of an id buffer.
+    fn ids_len(x: &Self::Ids) -> usize;
 
     /// `y = x` rounded to the compute precision (a weight's compute copy).
     fn to_act(&self, x: &Self::F32, y: &mut Self::Act) -> DResult<()>;
@@ -141,6 +145,17 @@ pub trait Device: Send + Sync {
         m: usize,
         k: usize,
         n: usize,
+        a: &Self::Act,
+        b: &Self::Act,
+        c: &mut Self::F32,
+    ) -> DResult<()>;
+    /// [`Device::matmul`] on spans of the buffers (`c`'s span overwritten).
+    fn matmul_at(&self, g: &GemmAt, a: &Self::Act, b: &Self::Act, c: &mut Self::Act)
+        -> DResult<()>;
+    /// [`Device::matmul_acc`] on spans of the buffers (`c`'s span added to).
+    fn matmul_acc_at(
+        &self,
+        g: &GemmAt,
         a: &Self::Act,
         b: &Self::Act,
         c: &mut Self::F32,
@@ -346,6 +361,72 @@ pub trait Device: Send + Sync {
         y: &mut Self::Act,
     ) -> DResult<()>;
 
+    /// Routing of `logits [tokens, experts]`: `probs` (softmax over every expert),
+    /// each token's `k` experts `idx` and their weights `wts`.
+    fn moe_route(
+        &self,
+        m: &MoeDims,
+        logits: &Self::Act,
+        probs: &mut Self::F32,
+        idx: &mut Self::Ids,
+        wts: &mut Self::F32,
+    ) -> DResult<()>;
+    /// Routing backward: `d_logits +=` from the weights' gradient `d_wts`.
+    fn moe_route_bwd(
+        &self,
+        m: &MoeDims,
+        route: (&Self::F32, &Self::Ids, &Self::F32),
+        d_wts: &Self::F32,
+        d_logits: &mut Self::Act,
+    ) -> DResult<()>;
+    /// Rows of `x` grouped by expert (stable): `out [tokens k, dim]`, `perm` (each
+    /// slot's assignment `t k + j`); returns each expert's count, on the host (the
+    /// exchange's sizes).
+    fn moe_dispatch(
+        &self,
+        m: &MoeDims,
+        x: &Self::Act,
+        idx: &Self::Ids,
+        out: &mut Self::Act,
+        perm: &mut Self::Ids,
+    ) -> DResult<Vec<usize>>;
+    /// Dispatch backward: `dx +=` each slot's gradient at its token.
+    fn moe_dispatch_bwd(
+        &self,
+        m: &MoeDims,
+        d_out: &Self::Act,
+        perm: &Self::Ids,
+        dx: &mut Self::Act,
+    ) -> DResult<()>;
+    /// `out [tokens, dim]` = each token's expert outputs `y` (slot order) weighted
+    /// by `wts`.
+    fn moe_combine(
+        &self,
+        m: &MoeDims,
+        y: &Self::Act,
+        perm: &Self::Ids,
+        wts: &Self::F32,
+        out: &mut Self::Act,
+    ) -> DResult<()>;
+    /// Combine backward: `d_y +=` and `d_wts +=`.
+    fn moe_combine_bwd(
+        &self,
+        m: &MoeDims,
+        d_out_y: (&Self::Act, &Self::Act),
+        perm_wts: (&Self::Ids, &Self::F32),
+        d_y: &mut Self::Act,
+        d_wts: &mut Self::F32,
+    ) -> DResult<()>;
+    /// `out[r] = src[idx[r]]` for rows of width `dim`, zeros where `idx[r]` is
+    /// `NO_ROW`.
+    fn gather_rows(
+        &self,
+        src: &Self::Act,
+        idx: &Self::Ids,
+        dim: usize,
+        out: &mut Self::Act,
+    ) -> DResult<()>;
+
     /// Cross-entropy of `logits [rows, vocab]` against `labels`, forward and
     /// backward at once: `loss[r]` (overwritten) and `dlogits = scale * d loss[r] /
     /// d logits` (overwritten).
@@ -483,6 +564,26 @@ pub trait Device: Send + Sync {
         self.recv_act(comm, from, axis, recv)
     }
 
+    /// All-to-All with uneven splits over `group`: `send_counts[j]` elements of
+    /// `send` to member `j`, `recv_counts[i]` from member `i` into `recv`, both in
+    /// group order (expert parallelism's token rows). The default goes through the
+    /// host.
+    fn all_to_all_v_act(
+        &self,
+        comm: &mut dyn Communicator,
+        (group, axis): (&Group, &str),
+        (send, send_counts): (&Self::Act, &[usize]),
+        (recv, recv_counts): (&mut Self::Act, &[usize]),
+    ) -> Result<(), CommError> {
+        a2av_on_host(
+            self,
+            comm,
+            (group, axis),
+            (send, send_counts),
+            (recv, recv_counts),
+        )
+    }
+
     /// `out` = this member's rows of the sum of every member's `full` (sequence
     /// parallelism's activations and input gradients). The default goes through
     /// the host.
@@ -585,6 +686,22 @@ pub(crate) fn send_act_on_host<D: Device + ?Sized>(
         detail: format!("sending {off}..{} of {}", off + n, host.len()),
     })?;
     comm.send(peer, axis, part)
+}
+
+/// [`Device::all_to_all_v_act`] through the host.
+pub(crate) fn a2av_on_host<D: Device + ?Sized>(
+    dev: &D,
+    comm: &mut dyn Communicator,
+    (group, axis): (&Group, &str),
+    (send, send_counts): (&D::Act, &[usize]),
+    (recv, recv_counts): (&mut D::Act, &[usize]),
+) -> Result<(), CommError> {
+    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+    let host = dev.act_download(send).map_err(internal)?;
+    let mut got = vec![0.0; D::act_len(recv)];
+    comm.all_to_all_v(group, axis, &host, send_counts, &mut got, recv_counts)?;
+    let up = dev.f32_upload(&got).map_err(internal)?;
+    dev.to_act(&up, recv).map_err(internal)
 }
 
 /// [`Device::recv_act`] through the host.
@@ -696,6 +813,9 @@ impl<H: HostPrecision> Device for H {
     fn f32_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
         Ok(x.clone())
     }
+    fn ids_download(&self, x: &Vec<u32>) -> DResult<Vec<u32>> {
+        Ok(x.clone())
+    }
     fn act_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
         Ok(x.clone())
     }
@@ -703,6 +823,9 @@ impl<H: HostPrecision> Device for H {
         x.len()
     }
     fn f32_len(x: &Vec<f32>) -> usize {
+        x.len()
+    }
+    fn ids_len(x: &Vec<u32>) -> usize {
         x.len()
     }
     fn to_act(&self, x: &Vec<f32>, y: &mut Vec<f32>) -> DResult<()> {
@@ -785,6 +908,20 @@ impl<H: HostPrecision> Device for H {
         c: &mut Vec<f32>,
     ) -> DResult<()> {
         Ok(k::matmul(ta, tb, m, kk, n, a, b, 1.0, c)?)
+    }
+    fn matmul_at(&self, g: &GemmAt, a: &Vec<f32>, b: &Vec<f32>, c: &mut Vec<f32>) -> DResult<()> {
+        k::matmul_at(g, a, b, 0.0, c)?;
+        H::round(&mut c[g.spans()?[2].clone()]);
+        Ok(())
+    }
+    fn matmul_acc_at(
+        &self,
+        g: &GemmAt,
+        a: &Vec<f32>,
+        b: &Vec<f32>,
+        c: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::matmul_at(g, a, b, 1.0, c)?)
     }
     fn bias_add(&self, y: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, n: usize) -> DResult<()> {
         k::check_len("bias", bias.len(), n)?;
@@ -1062,6 +1199,112 @@ impl<H: HostPrecision> Device for H {
         H::round(y);
         Ok(())
     }
+    fn moe_route(
+        &self,
+        m: &MoeDims,
+        logits: &Vec<f32>,
+        probs: &mut Vec<f32>,
+        idx: &mut Vec<u32>,
+        wts: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::moe_route_fwd(
+            logits,
+            m.tokens,
+            m.experts,
+            m.k,
+            m.renormalize,
+            probs,
+            idx,
+            wts,
+        )?)
+    }
+    fn moe_route_bwd(
+        &self,
+        m: &MoeDims,
+        (probs, idx, wts): (&Vec<f32>, &Vec<u32>, &Vec<f32>),
+        d_wts: &Vec<f32>,
+        d_logits: &mut Vec<f32>,
+    ) -> DResult<()> {
+        k::moe_route_bwd(
+            probs,
+            idx,
+            wts,
+            d_wts,
+            m.tokens,
+            m.experts,
+            m.k,
+            m.renormalize,
+            d_logits,
+        )?;
+        H::round(d_logits);
+        Ok(())
+    }
+    fn moe_dispatch(
+        &self,
+        m: &MoeDims,
+        x: &Vec<f32>,
+        idx: &Vec<u32>,
+        out: &mut Vec<f32>,
+        perm: &mut Vec<u32>,
+    ) -> DResult<Vec<usize>> {
+        let mut counts = vec![0usize; m.experts];
+        k::moe_dispatch_fwd(
+            x,
+            idx,
+            m.tokens,
+            m.k,
+            m.experts,
+            m.dim,
+            out,
+            &mut counts,
+            perm,
+        )?;
+        Ok(counts)
+    }
+    fn moe_dispatch_bwd(
+        &self,
+        m: &MoeDims,
+        d_out: &Vec<f32>,
+        perm: &Vec<u32>,
+        dx: &mut Vec<f32>,
+    ) -> DResult<()> {
+        k::moe_dispatch_bwd(d_out, perm, m.tokens, m.k, m.dim, dx)?;
+        H::round(dx);
+        Ok(())
+    }
+    fn moe_combine(
+        &self,
+        m: &MoeDims,
+        y: &Vec<f32>,
+        perm: &Vec<u32>,
+        wts: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> DResult<()> {
+        k::moe_combine_fwd(y, perm, wts, m.tokens, m.k, m.dim, out)?;
+        H::round(out);
+        Ok(())
+    }
+    fn moe_combine_bwd(
+        &self,
+        m: &MoeDims,
+        (d_out, y): (&Vec<f32>, &Vec<f32>),
+        (perm, wts): (&Vec<u32>, &Vec<f32>),
+        d_y: &mut Vec<f32>,
+        d_wts: &mut Vec<f32>,
+    ) -> DResult<()> {
+        k::moe_combine_bwd(d_out, y, perm, wts, m.tokens, m.k, m.dim, d_y, d_wts)?;
+        H::round(d_y);
+        Ok(())
+    }
+    fn gather_rows(
+        &self,
+        src: &Vec<f32>,
+        idx: &Vec<u32>,
+        dim: usize,
+        out: &mut Vec<f32>,
+    ) -> DResult<()> {
+        Ok(k::gather_rows(src, idx, dim, out)?)
+    }
     fn add(&self, a: &Vec<f32>, b: &Vec<f32>, out: &mut Vec<f32>) -> DResult<()> {
         k::add(a, b, out)?;
         H::round(out);
@@ -1237,6 +1480,15 @@ impl<H: HostPrecision> Device for H {
         out: &mut Vec<f32>,
     ) -> Result<(), CommError> {
         comm.all_gather(group, axis, local, out)
+    }
+    fn all_to_all_v_act(
+        &self,
+        comm: &mut dyn Communicator,
+        (group, axis): (&Group, &str),
+        (send, send_counts): (&Vec<f32>, &[usize]),
+        (recv, recv_counts): (&mut Vec<f32>, &[usize]),
+    ) -> Result<(), CommError> {
+        comm.all_to_all_v(group, axis, send, send_counts, recv, recv_counts)
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(())

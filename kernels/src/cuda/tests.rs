@@ -1383,3 +1383,76 @@ fn gpu_rejects_bad_sizes_without_launching() {
     let e = gpu.split_qkv(&dev.b(&[0.0; 56]), &dims, &mut q, &mut k, &mut v);
     assert!(matches!(e, Err(GpuError::Args(_))), "{e:?}");
 }
+
+#[test]
+fn gpu_gemm_at_and_gather_rows_match_cpu() {
+    let Some(gpu) = gpu_or_skip("gpu_gemm_at_and_gather_rows_match_cpu") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(501);
+    // Three experts' rows (5, 0 and 3 of them) against their blocks of a stacked
+    // [3, 16, 24] weight, forward and both backward products.
+    let (h, u, counts) = (16, 24, [5usize, 0, 3]);
+    let total: usize = counts.iter().sum();
+    let x = round_bf16(&rng.vec(total * h));
+    let w = round_bf16(&rng.vec(3 * h * u));
+    let dy = round_bf16(&rng.vec(total * u));
+    let (gx, gw, gdy) = (dev.b(&x), dev.b(&w), dev.b(&dy));
+    let mut y = vec![0.0; total * u];
+    let mut gy = dev.b(&vec![0.0; total * u]);
+    let mut dw = vec![0.5; 3 * h * u];
+    let mut gdw = dev.f(&dw);
+    let mut off = 0;
+    for (j, &n) in counts.iter().enumerate() {
+        let fwd = cpu::GemmAt {
+            ta: Transpose::No,
+            tb: Transpose::No,
+            m: n,
+            k: h,
+            n: u,
+            a_off: off * h,
+            b_off: j * h * u,
+            c_off: off * u,
+        };
+        cpu::matmul_at(&fwd, &x, &w, 0.0, &mut y).unwrap();
+        gpu.gemm_at(&fwd, &gx, &gw, 0.0, &mut gy).unwrap();
+        let wgrad = cpu::GemmAt {
+            ta: Transpose::Yes,
+            tb: Transpose::No,
+            m: h,
+            k: n,
+            n: u,
+            a_off: off * h,
+            b_off: off * u,
+            c_off: j * h * u,
+        };
+        cpu::matmul_at(&wgrad, &x, &dy, 1.0, &mut dw).unwrap();
+        gpu.gemm_at(&wgrad, &gx, &gdy, 1.0, &mut gdw).unwrap();
+        off += n;
+    }
+    close("gemm_at y", &dev.gb(&gy), &y, 1e-2, BF16_RTOL);
+    close("gemm_at dw", &dev.gf(&gdw), &dw, 1e-4, 1e-4);
+    // A span past the buffer is refused before launch.
+    let past = cpu::GemmAt {
+        ta: Transpose::No,
+        tb: Transpose::No,
+        m: 2,
+        k: h,
+        n: u,
+        a_off: (total - 1) * h,
+        b_off: 0,
+        c_off: 0,
+    };
+    assert!(matches!(
+        gpu.gemm_at(&past, &gx, &gw, 0.0, &mut gy),
+        Err(GpuError::Args(_))
+    ));
+    // Rows moved exactly, zeros for NO_ROW.
+    let idx = [7u32, cpu::NO_ROW, 0, 3, 3];
+    let mut out = vec![0.0; idx.len() * h];
+    cpu::gather_rows(&x, &idx, h, &mut out).unwrap();
+    let mut gout = dev.b(&vec![1.0; idx.len() * h]);
+    gpu.gather_rows(&gx, &dev.u(&idx), h, &mut gout).unwrap();
+    assert_eq!(dev.gb(&gout), out);
+}

@@ -338,6 +338,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             .ok_or_else(|| fail(format!("group `{group}` is not in the plan's mesh")))?;
         let m0 = self.mark()?;
         match (target, kind) {
+            // The experts op moves its tokens itself (counts depend on the routing).
+            (Target::Experts { .. }, _) => {}
             (Target::Activation { tensor }, CollectiveKind::AllReduce) => {
                 let key = (l, tensor.clone());
                 let x = t

@@ -32,6 +32,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 mod comm;
+mod experts;
 mod ops;
 mod run;
 mod step;
@@ -40,9 +41,10 @@ mod walk;
 pub use run::{train_device, train_device_rank, train_device_with};
 
 /// Why the device interpreter does not take `plan`, or `Ok`.
-/// What it takes: a training plan with no expert split: data, tensor (with or
-/// without sequence parallelism), pipeline (any schedule) and context parallelism
-/// (ring attention), ZeRO 0 to 3, dropout, no routed experts.
+/// What it takes: every training plan of the graphs meshplan builds: data, tensor
+/// (with or without sequence parallelism), pipeline (any schedule), context (ring
+/// attention) and expert parallelism, routed experts with or without a capacity,
+/// ZeRO 0 to 3, dropout.
 /// Checkpoints save and resume as on the general interpreter (the same files: either
 /// interpreter resumes the other's), and fine-tuning starts from a Hugging Face
 /// checkpoint.
@@ -51,21 +53,36 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
         return Err("not a training plan".into());
     }
     for (axis, size) in plan.mesh.axes.iter().zip(&plan.mesh.shape) {
-        if !["dp", "tp", "pp", "cp"].contains(&axis.as_str()) && *size > 1 {
+        if !["dp", "tp", "pp", "cp", "ep"].contains(&axis.as_str()) && *size > 1 {
             return Err(format!(
                 "the mesh splits `{axis}` {size} ways; the device interpreter runs data, \
-                 tensor, pipeline and context parallelism"
+                 tensor, pipeline, context and expert parallelism"
             ));
         }
     }
     let graph = &plan.graph;
-    for op in graph.segments.iter().flat_map(|s| &s.ops) {
-        match op.kind {
-            OpKind::Experts(_) | OpKind::Router { .. } => {
-                return Err(format!("`{}`: routed experts", op.name))
-            }
-            _ => {}
-        }
+    let experts = graph
+        .segments
+        .iter()
+        .flat_map(|s| &s.ops)
+        .any(|op| matches!(op.kind, OpKind::Experts(_)));
+    if experts && plan.strategy.zero >= 3 {
+        return Err(
+            "ZeRO-3 over routed experts (their parameter set's gathers); \
+                    ZeRO 0-2 run here"
+                .into(),
+        );
+    }
+    if let Some(op) = graph
+        .segments
+        .iter()
+        .flat_map(|s| &s.ops)
+        .find(|op| matches!(op.kind, OpKind::Router { .. }))
+    {
+        return Err(format!(
+            "`{}`: a separate router op (the experts op routes its tokens itself)",
+            op.name
+        ));
     }
     Ok(())
 }
@@ -77,11 +94,6 @@ fn mesh_size(plan: &Plan, axis: &str) -> usize {
         .position(|a| a == axis)
         .map(|i| plan.mesh.shape[i] as usize)
         .unwrap_or(1)
-}
-
-/// No split on an axis.
-fn tp1() -> TpPos {
-    TpPos::ONE
 }
 
 fn derr(what: &str) -> impl Fn(DeviceError) -> RankError + '_ {
@@ -114,6 +126,8 @@ struct Task<D: Device> {
     gathered: HashMap<(u64, String), Arc<D::Act>>,
     /// The micro-batch (dropout masks are drawn by its samples).
     mb: u64,
+    /// Routed experts' forward state, per (layer, op).
+    experts: HashMap<(u64, String), experts::Kept<D>>,
     tokens: D::Ids,
     labels: D::Ids,
     /// Each row's position in its sequence (rows are sequence-major).
@@ -158,6 +172,10 @@ struct DevRank<'a, D: Device> {
     sp: bool,
     /// This rank's place on the context axis (its block of every sequence).
     cp: TpPos,
+    /// This rank's place in its expert group.
+    ep: TpPos,
+    /// Dispatch slots routed, and dropped over an expert capacity.
+    expert_slots: (u64, u64),
     /// ZeRO-3 over more than one data rank: segments gather their weights.
     zero3: bool,
     seq_len: usize,
@@ -196,15 +214,15 @@ struct DevRank<'a, D: Device> {
     losses: Vec<D::F32>,
     /// Most device memory in use seen after a forward task.
     device_peak: Option<u64>,
-    /// The flat vector's layout: weights and their lengths, in order.
-    layout: Vec<(Key, usize)>,
+    /// Each parameter set's flat vector: weights and their lengths, in order.
+    layouts: BTreeMap<ParamSet, Layout>,
     /// ZeRO's gradient and parameter buckets.
     scatter: Vec<Bucket>,
     gather: Vec<Bucket>,
     /// ZeRO: this rank's reduced gradient parts this step (flat start, values), and
     /// the AdamW moments of each part it updates.
-    shards: Vec<(usize, D::F32)>,
-    shard_adam: BTreeMap<usize, (D::F32, D::F32)>,
+    shards: Vec<(ParamSet, usize, D::F32)>,
+    shard_adam: BTreeMap<(ParamSet, usize), (D::F32, D::F32)>,
     /// ZeRO-3: each segment copy's reduce-scattered gradient part this step, and
     /// the AdamW moments of the part of its flat vector this rank updates.
     z3_grads: BTreeMap<(usize, u64), D::F32>,
@@ -220,7 +238,8 @@ enum StepItem {
     Bucket(usize),
     /// ZeRO: reduce-scatter of gradient bucket `i`, each rank keeping its part.
     ReduceScatter(usize),
-    Optimizer,
+    /// AdamW on one parameter set.
+    Optimizer(ParamSet),
     /// ZeRO: all-gather of parameter bucket `i`, the parts each rank updated.
     AllGather(usize),
     /// A sum of some weights' gradients over a group, as one flat vector: under
@@ -235,8 +254,9 @@ enum StepItem {
     },
 }
 
-/// A gradient bucket: a range of the flat gradient (weights in key order).
+/// A gradient bucket: a range of a parameter set's flat gradient.
 struct Bucket {
+    set: ParamSet,
     group: Group,
     axis: String,
     tensor: String,
@@ -292,6 +312,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .map_or(0, |i| entry.coords[i] as usize),
                 size: mesh_size(plan, "cp"),
             },
+            ep: TpPos::ONE,
+            expert_slots: (0, 0),
             zero3: false,
             coords: entry.coords.clone(),
             seq_len: seq_len as usize,
@@ -320,7 +342,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             final_order: Vec::new(),
             losses: Vec::new(),
             device_peak: None,
-            layout: Vec::new(),
+            layouts: BTreeMap::new(),
             scatter: Vec::new(),
             gather: Vec::new(),
             shards: Vec::new(),
@@ -329,6 +351,16 @@ impl<'a, D: Device> DevRank<'a, D> {
             z3_adam: BTreeMap::new(),
             resume_moments: BTreeMap::new(),
         };
+        r.ep = r
+            .groups
+            .get("ep")
+            .and_then(|g| {
+                g.index_of(rank).map(|i| TpPos {
+                    rank: i,
+                    size: g.size(),
+                })
+            })
+            .unwrap_or(TpPos::ONE);
         // ZeRO-3 shards over the data group (data and context ranks together).
         r.zero3 = plan.strategy.zero >= 3 && r.groups.get("dp").is_some_and(|g| g.size() > 1);
         r.init_weights()?;
@@ -359,9 +391,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                     }
                     let shape = fixed_shape(t)?;
                     let n: usize = shape.iter().product();
-                    let tp = self.tp;
+                    let (tp, ep) = (self.tp, self.ep);
                     let local =
-                        |full: &[f32]| local_weight(graph, op, op.role, w, full, &shape, tp, tp1());
+                        |full: &[f32]| local_weight(graph, op, op.role, w, full, &shape, tp, ep);
                     let mine = match (&self.opts.resume, &self.opts.weights) {
                         // Resuming: this rank's slices of the saved weights and moments.
                         (Some(ck), _) => {
@@ -488,8 +520,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                     let name = format!("AllReduce {}", bk.axis);
                     self.span(m0, name, "comm", args)?;
                 }
-                StepItem::Optimizer => {
-                    self.optimizer()?;
+                StepItem::Optimizer(set) => {
+                    self.optimizer(set)?;
                     self.span(
                         m0,
                         "optimizer",
@@ -733,7 +765,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             step_s,
             state_bytes,
             peak_activation_bytes: self.peak_act_bytes,
-            expert_slots: (0, 0),
+            expert_slots: self.expert_slots,
             spans: std::mem::take(&mut self.spans),
             device_memory_bytes: self.device_peak.map(|b| b as f64),
         })

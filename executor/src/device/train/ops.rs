@@ -429,8 +429,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .insert((l, format!("{}#dlogits", op.name)), Arc::new(dlogits));
                 return Ok(());
             }
-            OpKind::Experts(_) | OpKind::Router { .. } => {
-                return Err(fail(format!("`{}`: routed experts", op.name)))
+            OpKind::Experts(e) => return self.experts_forward(op, e, l, t),
+            OpKind::Router { .. } => {
+                return Err(fail(format!("`{}`: a separate router op", op.name)))
             }
         };
         t.acts.insert((l, out), Arc::new(y));
@@ -565,7 +566,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                     dev.bias_grad(&dy, rows, n, db).map_err(&e)?;
                 }
                 // A split op's input gradient is partial until the program sums it.
-                if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) && self.tp.size > 1
+                if (matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead)
+                    || self.routes_split_experts(op))
+                    && self.tp.size > 1
                 {
                     self.add_partial(t, l, in0, dx)?;
                 } else {
@@ -656,8 +659,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.add_grad(t, l, in0, dx)?
             }
             OpKind::CrossEntropy { .. } => {}
-            OpKind::Experts(_) | OpKind::Router { .. } => {
-                return Err(fail(format!("`{}`: routed experts", op.name)))
+            OpKind::Experts(e) => self.experts_backward(op, e, l, t, dy)?,
+            OpKind::Router { .. } => {
+                return Err(fail(format!("`{}`: a separate router op", op.name)))
             }
         }
         Ok(())

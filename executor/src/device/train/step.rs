@@ -12,9 +12,9 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// and updated alone, with or without ZeRO) and no byte count (the ranges are
     /// the plan's).
     pub(super) fn plan_step(&mut self) -> Result<(), RankError> {
-        let total: usize = self.wgrads.values().map(D::f32_len).sum();
-        let mut sizes: Vec<(Key, usize)> = Vec::new();
+        let mut layouts: BTreeMap<ParamSet, Layout> = BTreeMap::new();
         for key in self.final_order.iter().chain(self.wgrads.keys()) {
+            let sizes = layouts.entry(self.set_of(key)).or_default();
             if !sizes.iter().any(|(k, _)| k == key) {
                 let g = self
                     .wgrads
@@ -23,6 +23,11 @@ impl<'a, D: Device> DevRank<'a, D> {
                 sizes.push((key.clone(), D::f32_len(g)));
             }
         }
+        let total_of = |set: ParamSet| -> usize {
+            layouts
+                .get(&set)
+                .map_or(0, |l| l.iter().map(|(_, n)| n).sum())
+        };
         for instr in &self.phase()?.step {
             match instr {
                 Instr::Collective {
@@ -61,7 +66,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                     ..
                 } => {
                     let tensor = target.to_string();
-                    let (a, b) = bucket_range(target, total)?;
+                    let (set, a, b) = bucket_range(target, &total_of)?;
+                    let sizes = layouts.get(&set).cloned().unwrap_or_default();
                     let g = self.groups.get(group).cloned().ok_or_else(|| {
                         fail(format!("group `{group}` is not in the plan's mesh"))
                     })?;
@@ -72,6 +78,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                         )));
                     }
                     let bucket = Bucket {
+                        set,
                         group: g,
                         axis: axis.name().to_string(),
                         tensor: tensor.clone(),
@@ -100,16 +107,34 @@ impl<'a, D: Device> DevRank<'a, D> {
                         }
                     }
                 }
-                Instr::Optimizer {
-                    params: ParamSet::Dense,
-                    ..
-                } => self.step_plan.push(StepItem::Optimizer),
+                Instr::Optimizer { params, .. } => {
+                    self.step_plan.push(StepItem::Optimizer(*params))
+                }
                 other => return Err(fail(format!("unexpected step instruction {other:?}"))),
             }
         }
         self.in_flight = self.buckets.iter().map(|_| None).collect();
-        self.layout = sizes;
+        self.layouts = layouts;
         Ok(())
+    }
+
+    /// The parameter set a weight belongs to: the routed experts' or the rest.
+    pub(super) fn set_of(&self, key: &Key) -> ParamSet {
+        let expert = self
+            .graph
+            .tensors
+            .iter()
+            .find(|t| t.name == key.0)
+            .is_some_and(|t| t.split == meshplan_ir::TpSplit::Experts);
+        if expert {
+            ParamSet::Experts
+        } else {
+            ParamSet::Dense
+        }
+    }
+
+    fn layout(&self, set: ParamSet) -> &[(Key, usize)] {
+        self.layouts.get(&set).map_or(&[], Vec::as_slice)
     }
 
     /// How many backward ops of one backward task write each weight's gradient.
@@ -251,7 +276,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mut part = self.zeros_f32(c)?;
         self.dev
             .reduce_scatter(&mut *self.comm, &bk.group, &bk.axis, &buf, &mut part)?;
-        self.shards.push((bk.start + me * c, part));
+        self.shards.push((bk.set, bk.start + me * c, part));
         Ok(())
     }
 
@@ -263,7 +288,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let e = derr("all-gather");
         let mut local = self.zeros_f32(c)?;
         let own = bk.start + me * c;
-        for (key, src, dst, len) in pieces_of(&self.layout, own, own + c) {
+        for (key, src, dst, len) in pieces_of(self.layout(bk.set), own, own + c) {
             let w = self
                 .master
                 .get(&key)
@@ -438,7 +463,11 @@ impl<'a, D: Device> DevRank<'a, D> {
             .enumerate()
             .filter(|(s, _)| only.is_none_or(|o| o == *s))
             .flat_map(|(_, seg)| {
-                meshplan_ir::graph::tp_partial_weights(self.graph, seg, true, false)
+                // Under sequence parallelism the norms saw a block of rows; with
+                // experts split over tp, the router's weights saw partial scores.
+                let sp = self.sp && self.tp.size > 1;
+                let expert_tp = self.ep.size <= 1 && self.tp.size > 1;
+                meshplan_ir::graph::tp_partial_weights(self.graph, seg, sp, expert_tp)
             })
             .map(|w| self.graph.tensor(w).name.clone())
             .collect()
@@ -554,7 +583,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mut parts: Vec<(Layout, usize, &Moments<D>)> = self
             .shard_adam
             .iter()
-            .map(|(&start, mv)| (self.layout.clone(), start, mv))
+            .map(|(&(set, start), mv)| (self.layout(set).to_vec(), start, mv))
             .collect();
         if let Some(g) = self.groups.get("dp").filter(|_| self.zero3) {
             for (&(s, l), mv) in &self.z3_adam {
@@ -585,23 +614,27 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         Ok(crate::ckpt::RankSnapshot {
             tp: self.tp,
-            ep: TpPos::ONE,
+            ep: self.ep,
             pieces,
         })
     }
 
     /// ZeRO's AdamW: each reduced part of the flat gradient updates the same part of
     /// the fp32 masters, with moments of that part alone.
-    pub(super) fn optimizer_shards(&mut self) -> Result<(), RankError> {
-        for (start, grad) in std::mem::take(&mut self.shards) {
+    pub(super) fn optimizer_shards(&mut self, set: ParamSet) -> Result<(), RankError> {
+        let (mine, rest) = std::mem::take(&mut self.shards)
+            .into_iter()
+            .partition(|(s, ..)| *s == set);
+        self.shards = rest;
+        for (_, start, grad) in mine {
             let c = D::f32_len(&grad);
-            let pieces = pieces_of(&self.layout, start, start + c);
-            let mut state = match self.shard_adam.remove(&start) {
+            let pieces = pieces_of(self.layout(set), start, start + c);
+            let mut state = match self.shard_adam.remove(&(set, start)) {
                 Some(state) => state,
                 None => self.initial_moments(&pieces, c)?,
             };
             self.adamw_part(&pieces, c, &grad, &mut state)?;
-            self.shard_adam.insert(start, state);
+            self.shard_adam.insert((set, start), state);
         }
         Ok(())
     }
@@ -648,16 +681,26 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(())
     }
 
-    pub(super) fn optimizer(&mut self) -> Result<(), RankError> {
+    pub(super) fn optimizer(&mut self, set: ParamSet) -> Result<(), RankError> {
         if self.zero3 {
             return self.optimizer_zero3();
         }
-        if !self.scatter.is_empty() {
-            return self.optimizer_shards();
+        if self.scatter.iter().any(|b| b.set == set) {
+            return self.optimizer_shards(set);
         }
         let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
         let step = self.step_no + 1;
-        for (key, w) in self.master.iter_mut() {
+        let keys: Vec<Key> = self
+            .master
+            .keys()
+            .filter(|k| self.set_of(k) == set)
+            .cloned()
+            .collect();
+        for key in &keys {
+            let w = self
+                .master
+                .get_mut(key)
+                .ok_or_else(|| fail("weight missing"))?;
             let e = derr(&key.0);
             let missing = || fail(format!("state of `{}` missing", key.0));
             if !self.adam.contains_key(key) {
@@ -678,31 +721,28 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 }
 
-/// The flat range `a..b` of a dense gradient or parameter bucket (the whole set
-/// without a range), within `total`.
-pub(super) fn bucket_range(target: &Target, total: usize) -> Result<(usize, usize), RankError> {
-    let range = match target {
-        Target::GradBucket {
-            set: ParamSet::Dense,
-            range,
-        }
-        | Target::ParamBucket {
-            set: ParamSet::Dense,
-            range,
-        } => range,
+/// The parameter set and flat range `a..b` of a gradient or parameter bucket (the
+/// whole set without a range), within the set's total.
+pub(super) fn bucket_range(
+    target: &Target,
+    total_of: &dyn Fn(ParamSet) -> usize,
+) -> Result<(ParamSet, usize, usize), RankError> {
+    let (set, range) = match target {
+        Target::GradBucket { set, range } | Target::ParamBucket { set, range } => (*set, range),
         _ => {
             return Err(fail(format!(
                 "the device interpreter does not reduce `{target}`"
             )))
         }
     };
+    let total = total_of(set);
     let (a, b) = range.map_or((0, total), |(a, b)| (a as usize, b as usize));
     if a > b || b > total {
         return Err(fail(format!(
-            "bucket {a}..{b} does not fit {total} parameters"
+            "bucket {a}..{b} of `{target}` is outside its {total} values"
         )));
     }
-    Ok((a, b))
+    Ok((set, a, b))
 }
 
 /// The pieces of the flat range `a..b` over weights laid out as `layout`: (weight,

@@ -37,6 +37,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let e = derr("batch");
         Ok(Task {
             mb,
+            experts: HashMap::new(),
             acts: HashMap::new(),
             stats: HashMap::new(),
             grads: HashMap::new(),
