@@ -232,8 +232,7 @@ enum Command {
         plan: PathBuf,
         /// cpu (ranks as threads, fp32), cpu-bf16 (the device interpreter with a
         /// GPU's bf16 rounding, on the CPU) or cuda (a build with `--features cuda`:
-        /// the device interpreter on GPU 0; every training plan but ZeRO-3 over
-        /// routed experts).
+        /// the device interpreter on GPU 0; training plans).
         #[arg(long, default_value = "cpu")]
         backend: String,
         /// Optimizer steps (training plans; default 5).

@@ -2,7 +2,7 @@
 //!
 //! This is the general interpreter ([`crate::train`], [`crate::infer`]) on a GPU
 //! through host staging, for what the device interpreter ([`crate::device`]) does
-//! not take (see [`crate::device::train::supported`]: ZeRO-3 over routed experts)
+//! not take (see [`crate::device::train::supported`]: a separate router op)
 //! and for inference plans. Every
 //! call uploads its operands from the caller's `f32` slices, casts them to bf16 on
 //! the device where the GPU kernel computes in bf16, runs the kernel of

@@ -431,6 +431,7 @@ fn ckpt_device_and_general_interpreters_resume_each_other() {
         (&gpt, "dp=2,cp=2"),
         // Routed experts split over ep, their moments in ZeRO parts of their own set.
         (&moe, "dp=2,ep=2,zero=1"),
+        (&moe, "dp=4,ep=2,zero=3,mbs=1"),
     ] {
         let p = plan(m, cfg);
         let whole = run(&p, &opts(6));

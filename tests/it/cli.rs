@@ -1176,15 +1176,20 @@ fn run_backend_cpu_bf16_checks_mixed_precision_and_names_plans_it_does_not_run()
     run.expect_code(0);
     let out = &run.stdout;
     assert!(out.contains("check        passed"), "{out}");
-    // ZeRO-3 over the experts' set is the one plan it refuses, naming why.
-    let z3 = plan_file(
-        "plan-run-bf16-moe-z3.json",
-        "models/tiny-moe.yaml",
-        "dp=8,tp=1,pp=1,cp=1,zero=3",
+    // An inference plan is not for it, and it says so.
+    let infer = plan_file(
+        "plan-run-bf16-infer.json",
+        "models/tiny-llama-inference.yaml",
+        "dp=8,tp=1,pp=1,cp=1",
     );
-    meshplan(&["run", z3.to_str().expect("utf-8"), "--backend", "cpu-bf16"])
-        .expect_code(1)
-        .stderr_has(&["ZeRO-3 over routed experts", "Run it with --backend cpu"]);
+    meshplan(&[
+        "run",
+        infer.to_str().expect("utf-8"),
+        "--backend",
+        "cpu-bf16",
+    ])
+    .expect_code(1)
+    .stderr_has(&["inference plans run on --backend cpu"]);
     // Tensor, pipeline and context parallelism run on it, within the check.
     let tp = plan_file(
         "plan-run-bf16-tp.json",

@@ -374,15 +374,11 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .all_gather_act(self.comm.as_mut(), &g, axis, local, &mut out)?;
                 t.gathered.insert(key, Arc::new(out));
             }
-            (Target::SegmentParams { segment, set }, CollectiveKind::AllGather)
-                if *set == ParamSet::Dense =>
-            {
-                self.zero3_gather(&g, axis, segment, l)?
+            (Target::SegmentParams { segment, set }, CollectiveKind::AllGather) => {
+                self.zero3_gather((&g, axis), segment, *set, l)?
             }
-            (Target::SegmentGrads { segment, set }, CollectiveKind::ReduceScatter)
-                if *set == ParamSet::Dense =>
-            {
-                self.zero3_scatter(&g, axis, segment, l)?
+            (Target::SegmentGrads { segment, set }, CollectiveKind::ReduceScatter) => {
+                self.zero3_scatter((&g, axis), segment, *set, l)?
             }
             (Target::SegmentSeqPartialGrads { segment }, CollectiveKind::AllReduce) => {
                 let s = segment_index(self.graph, segment)?;

@@ -61,18 +61,6 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
         }
     }
     let graph = &plan.graph;
-    let experts = graph
-        .segments
-        .iter()
-        .flat_map(|s| &s.ops)
-        .any(|op| matches!(op.kind, OpKind::Experts(_)));
-    if experts && plan.strategy.zero >= 3 {
-        return Err(
-            "ZeRO-3 over routed experts (their parameter set's gathers); \
-                    ZeRO 0-2 run here"
-                .into(),
-        );
-    }
     if let Some(op) = graph
         .segments
         .iter()
@@ -176,8 +164,6 @@ struct DevRank<'a, D: Device> {
     ep: TpPos,
     /// Dispatch slots routed, and dropped over an expert capacity.
     expert_slots: (u64, u64),
-    /// ZeRO-3 over more than one data rank: segments gather their weights.
-    zero3: bool,
     seq_len: usize,
     global_batch: usize,
     mbs: usize,
@@ -225,8 +211,8 @@ struct DevRank<'a, D: Device> {
     shard_adam: BTreeMap<(ParamSet, usize), (D::F32, D::F32)>,
     /// ZeRO-3: each segment copy's reduce-scattered gradient part this step, and
     /// the AdamW moments of the part of its flat vector this rank updates.
-    z3_grads: BTreeMap<(usize, u64), D::F32>,
-    z3_adam: BTreeMap<(usize, u64), (D::F32, D::F32)>,
+    z3_grads: BTreeMap<(ParamSet, usize, u64), D::F32>,
+    z3_adam: BTreeMap<(ParamSet, usize, u64), (D::F32, D::F32)>,
     /// Resuming: each weight's saved AdamW moments, whole, until the optimizer's
     /// first step takes its parts of them.
     resume_moments: BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
@@ -314,7 +300,6 @@ impl<'a, D: Device> DevRank<'a, D> {
             },
             ep: TpPos::ONE,
             expert_slots: (0, 0),
-            zero3: false,
             coords: entry.coords.clone(),
             seq_len: seq_len as usize,
             global_batch: global_batch as usize,
@@ -361,8 +346,6 @@ impl<'a, D: Device> DevRank<'a, D> {
                 })
             })
             .unwrap_or(TpPos::ONE);
-        // ZeRO-3 shards over the data group (data and context ranks together).
-        r.zero3 = plan.strategy.zero >= 3 && r.groups.get("dp").is_some_and(|g| g.size() > 1);
         r.init_weights()?;
         r.count_uses()?;
         r.plan_step()?;
@@ -728,17 +711,16 @@ impl<'a, D: Device> DevRank<'a, D> {
         // The run's bytes, before ZeRO-3's last gather (which only the report
         // needs: each rank holds the others' parts as of their previous gather).
         let counts = self.comm.counts();
-        if self.zero3 {
-            let g = self
-                .groups
-                .get("dp")
-                .cloned()
-                .ok_or_else(|| fail("no dp group"))?;
+        // Both sets, each over the group that shards it (the experts' over `edp`).
+        for set in [ParamSet::Dense, ParamSet::Experts] {
+            let Some(g) = self.zero3_group(set) else {
+                continue;
+            };
             for (s, l) in segment_copies(self.graph, self.phase()?)? {
                 let seg = self.graph.segments[s].name.clone();
                 let l = l.unwrap_or(NO_LAYER);
-                if !self.copy_layout(s, l).is_empty() {
-                    self.zero3_gather(&g, "dp", &seg, l)?;
+                if !self.copy_layout(s, l, set).is_empty() {
+                    self.zero3_gather((&g, "dp"), &seg, set, l)?;
                 }
             }
         }

@@ -118,6 +118,19 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(())
     }
 
+    /// The group ZeRO-3 shards `set` over (the experts' over `edp`), when the plan
+    /// is ZeRO-3 and that group has more than one member.
+    pub(super) fn zero3_group(&self, set: ParamSet) -> Option<Group> {
+        let name = match set {
+            ParamSet::Dense => "dp",
+            ParamSet::Experts => "edp",
+        };
+        self.groups
+            .get(name)
+            .filter(|g| self.plan.strategy.zero >= 3 && g.size() > 1)
+            .cloned()
+    }
+
     /// The parameter set a weight belongs to: the routed experts' or the rest.
     pub(super) fn set_of(&self, key: &Key) -> ParamSet {
         let expert = self
@@ -313,7 +326,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// ZeRO-3: the weights of one segment copy (those whose first user is in that
     /// segment; a tied table belongs to the embedding), as the flat vector the data
     /// ranks shard: (weight, length) in key order.
-    pub(super) fn copy_layout(&self, segment: usize, l: u64) -> Vec<(Key, usize)> {
+    pub(super) fn copy_layout(&self, segment: usize, l: u64, set: ParamSet) -> Vec<(Key, usize)> {
         let name = &self.graph.segments[segment].name;
         let first_user = |w: &str| {
             self.graph.segments.iter().find(|seg| {
@@ -324,6 +337,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         };
         self.master
             .iter()
+            .filter(|(k, _)| self.set_of(k) == set)
             .filter(|((w, layer), _)| *layer == l && first_user(w).is_some_and(|s| s.name == *name))
             .map(|(k, m)| (k.clone(), D::f32_len(m)))
             .collect()
@@ -352,13 +366,13 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// copies refreshed.
     pub(super) fn zero3_gather(
         &mut self,
-        g: &Group,
-        axis: &str,
+        (g, axis): (&Group, &str),
         segment: &str,
+        set: ParamSet,
         l: u64,
     ) -> Result<(), RankError> {
         let s = segment_index(self.graph, segment)?;
-        let layout = self.copy_layout(s, l);
+        let layout = self.copy_layout(s, l, set);
         let (total, start, c) = self.part_of(g, &layout)?;
         let e = derr(segment);
         let mut mine = self.zeros_f32(c)?;
@@ -392,13 +406,13 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// and the whole gradients start again from zero.
     pub(super) fn zero3_scatter(
         &mut self,
-        g: &Group,
-        axis: &str,
+        (g, axis): (&Group, &str),
         segment: &str,
+        set: ParamSet,
         l: u64,
     ) -> Result<(), RankError> {
         let s = segment_index(self.graph, segment)?;
-        let layout = self.copy_layout(s, l);
+        let layout = self.copy_layout(s, l, set);
         let (total, _, c) = self.part_of(g, &layout)?;
         let e = derr(segment);
         let mut flat = self.zeros_f32(total)?;
@@ -415,7 +429,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mut out = self.zeros_f32(c)?;
         self.dev
             .reduce_scatter(self.comm.as_mut(), g, axis, &flat, &mut out)?;
-        let acc = match self.z3_grads.entry((s, l)) {
+        let acc = match self.z3_grads.entry((set, s, l)) {
             std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::btree_map::Entry::Vacant(v) => {
                 v.insert(self.dev.f32_zeros(c).map_err(&e)?)
@@ -426,30 +440,25 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// ZeRO-3's AdamW: each segment copy's part of the fp32 masters this rank owns,
     /// with moments of that part alone.
-    pub(super) fn optimizer_zero3(&mut self) -> Result<(), RankError> {
-        let g = self
-            .groups
-            .get("dp")
-            .cloned()
-            .ok_or_else(|| fail("no dp group"))?;
+    pub(super) fn optimizer_zero3(&mut self, set: ParamSet, g: &Group) -> Result<(), RankError> {
         for (s, l) in segment_copies(self.graph, self.phase()?)? {
             let l = l.unwrap_or(NO_LAYER);
-            let layout = self.copy_layout(s, l);
-            let (total, start, c) = self.part_of(&g, &layout)?;
+            let layout = self.copy_layout(s, l, set);
+            let (total, start, c) = self.part_of(g, &layout)?;
             if total == 0 {
                 continue;
             }
             let pieces = pieces_of(&layout, start, start + c);
-            let mut state = match self.z3_adam.remove(&(s, l)) {
+            let mut state = match self.z3_adam.remove(&(set, s, l)) {
                 Some(state) => state,
                 None => self.initial_moments(&pieces, c)?,
             };
-            let grad = match self.z3_grads.remove(&(s, l)) {
+            let grad = match self.z3_grads.remove(&(set, s, l)) {
                 Some(gr) => gr,
                 None => self.zeros_f32(c)?,
             };
             self.adamw_part(&pieces, c, &grad, &mut state)?;
-            self.z3_adam.insert((s, l), state);
+            self.z3_adam.insert((set, s, l), state);
         }
         Ok(())
     }
@@ -585,12 +594,13 @@ impl<'a, D: Device> DevRank<'a, D> {
             .iter()
             .map(|(&(set, start), mv)| (self.layout(set).to_vec(), start, mv))
             .collect();
-        if let Some(g) = self.groups.get("dp").filter(|_| self.zero3) {
-            for (&(s, l), mv) in &self.z3_adam {
-                let layout = self.copy_layout(s, l);
-                let (_, start, _) = self.part_of(g, &layout)?;
-                parts.push((layout, start, mv));
-            }
+        for (&(set, s, l), mv) in &self.z3_adam {
+            let g = self
+                .zero3_group(set)
+                .ok_or_else(|| fail("no ZeRO-3 group"))?;
+            let layout = self.copy_layout(s, l, set);
+            let (_, start, _) = self.part_of(&g, &layout)?;
+            parts.push((layout, start, mv));
         }
         let mut masters: BTreeMap<Key, Vec<f32>> = BTreeMap::new();
         for (layout, start, (m, v)) in parts {
@@ -682,8 +692,8 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     pub(super) fn optimizer(&mut self, set: ParamSet) -> Result<(), RankError> {
-        if self.zero3 {
-            return self.optimizer_zero3();
+        if let Some(g) = self.zero3_group(set) {
+            return self.optimizer_zero3(set, &g);
         }
         if self.scatter.iter().any(|b| b.set == set) {
             return self.optimizer_shards(set);
