@@ -208,11 +208,11 @@ struct DevRank<'a, D: Device> {
     /// ZeRO: this rank's reduced gradient parts this step (flat start, values), and
     /// the AdamW moments of each part it updates.
     shards: Vec<(ParamSet, usize, D::F32)>,
-    shard_adam: BTreeMap<(ParamSet, usize), (D::F32, D::F32)>,
+    shard_adam: BTreeMap<(ParamSet, usize), Moments<D>>,
     /// ZeRO-3: each segment copy's reduce-scattered gradient part this step, and
     /// the AdamW moments of the part of its flat vector this rank updates.
     z3_grads: BTreeMap<(ParamSet, usize, u64), D::F32>,
-    z3_adam: BTreeMap<(ParamSet, usize, u64), (D::F32, D::F32)>,
+    z3_adam: BTreeMap<(ParamSet, usize, u64), Moments<D>>,
     /// Resuming: each weight's saved AdamW moments, whole, until the optimizer's
     /// first step takes its parts of them.
     resume_moments: BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
