@@ -56,9 +56,9 @@ impl Engine {
         }
     }
 
-    /// The engine for `plan`: the device interpreter takes dense plans (data,
-    /// tensor, sequence, pipeline and context parallelism, ZeRO 0 to 3); on the GPU the others run staged through the host (the second
-    /// value says so), on `cpu-bf16` they are refused.
+    /// The engine for `plan`: the device interpreter takes training plans
+    /// ([`supported`]); on the GPU the others run staged through the host (the
+    /// second value says so), on `cpu-bf16` they are refused.
     pub fn for_plan(self, plan: &Plan) -> Result<(Engine, Option<String>), EngineError> {
         match (self, supported(plan)) {
             (Engine::Cpu, _) | (_, Ok(())) => Ok((self, None)),
@@ -69,7 +69,7 @@ impl Engine {
                 )),
             )),
             (Engine::CpuBf16, Err(why)) => Err(EngineError::Unsupported(format!(
-                "--backend cpu-bf16 runs dense plans without dropout (the device interpreter), and this one is not: {why}. Run it with --backend cpu"
+                "--backend cpu-bf16 runs the plans the device interpreter takes, and this one is not: {why}. Run it with --backend cpu"
             ))),
         }
     }

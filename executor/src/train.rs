@@ -134,6 +134,9 @@ pub struct RankReport {
     pub counts: ByteCounts,
     /// Wall seconds of each step.
     pub step_s: Vec<f64>,
+    /// When this rank began its first step and ended each step, in seconds on the
+    /// run's clock (shared by the ranks of one process).
+    pub steps_at: (f64, Vec<f64>),
     /// Bytes of weights, their gradients and optimizer state held at the end.
     pub state_bytes: f64,
     /// Most bytes of activations (and kept kernel statistics) held at once.
@@ -153,7 +156,9 @@ pub struct RankReport {
 pub struct TrainReport {
     /// Mean loss over the global batch, per step.
     pub losses: Vec<f64>,
-    /// Wall seconds per step (slowest rank).
+    /// Wall seconds per step: from the end of the previous step on the slowest
+    /// rank (the first step: from the first rank's start) to this step's end on the
+    /// slowest rank, so that they add up to the wall-clock time of the steps.
     pub step_s: Vec<f64>,
     /// Tokens per step (whole cluster).
     pub tokens_per_step: u64,
@@ -248,6 +253,7 @@ pub fn train_on(
         let mut r = RankState::new(backend, plan, comm, opts, seq_len, global_batch, t0)?;
         let mut loss_parts = Vec::new();
         let mut step_s = Vec::new();
+        let mut steps_at = (t0.elapsed().as_secs_f64(), Vec::new());
         for step in start..opts.steps {
             if opts.fail_at == Some((r.rank, step)) {
                 return Err(fail(format!("injected failure at step {step}")));
@@ -255,6 +261,7 @@ pub fn train_on(
             let t = Instant::now();
             loss_parts.push(r.step(step)?);
             step_s.push(t.elapsed().as_secs_f64());
+            steps_at.1.push(t0.elapsed().as_secs_f64());
             if let (0, Some(hook)) = (r.rank, &opts.on_step) {
                 (hook.0)(step_s.len() as u64);
             }
@@ -272,6 +279,7 @@ pub fn train_on(
             weights: r.weights.clone(),
             counts,
             step_s,
+            steps_at,
             state_bytes: 4.0 * (bytes(&r.weights) + bytes(&r.wgrads) + adam) as f64,
             peak_activation_bytes: r.peak_act_bytes,
             expert_slots: r.expert_slots,
@@ -298,9 +306,7 @@ pub fn train_on(
     let losses = (0..steps)
         .map(|s| ranks.iter().map(|r| r.loss_parts[s]).sum())
         .collect();
-    let step_s = (0..steps)
-        .map(|s| ranks.iter().map(|r| r.step_s[s]).fold(0.0, f64::max))
-        .collect();
+    let step_s = run_step_times(&ranks, steps);
     Ok(TrainReport {
         losses,
         step_s,
@@ -309,6 +315,28 @@ pub fn train_on(
         saved: saved.unwrap_or_default(),
         lr: f64::from(opts.lr),
     })
+}
+
+/// Each step's wall time on the run's clock (see [`TrainReport::step_s`]): the
+/// gaps between the slowest rank's step ends, the first from the first rank's
+/// start. A rank's own step time would count its waits on the others at the start
+/// of a step again, and the slowest rank of each step is not the same rank.
+pub(crate) fn run_step_times(ranks: &[RankReport], steps: usize) -> Vec<f64> {
+    let mut prev = ranks
+        .iter()
+        .map(|r| r.steps_at.0)
+        .fold(f64::INFINITY, f64::min);
+    (0..steps)
+        .map(|s| {
+            let end = ranks
+                .iter()
+                .filter_map(|r| r.steps_at.1.get(s))
+                .fold(f64::NEG_INFINITY, |a, &b| a.max(b));
+            let dt = (end - prev).max(0.0);
+            prev = end;
+            dt
+        })
+        .collect()
 }
 
 /// The step a run resumed from `ck` starts at, once the checkpoint is known to fit
@@ -3326,5 +3354,43 @@ pub fn byte_mismatches(plan: &Plan, run: &TrainReport, steps: u64) -> Vec<String
 impl From<CommError> for ExecError {
     fn from(e: CommError) -> Self {
         ExecError::Rank(e.to_string())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{run_step_times, RankReport};
+
+    fn rank(start: f64, ends: &[f64]) -> RankReport {
+        RankReport {
+            rank: 0,
+            loss_parts: Vec::new(),
+            weights: Default::default(),
+            counts: Default::default(),
+            step_s: Vec::new(),
+            steps_at: (start, ends.to_vec()),
+            state_bytes: 0.0,
+            peak_activation_bytes: 0.0,
+            expert_slots: (0, 0),
+            spans: Vec::new(),
+            device_memory_bytes: None,
+        }
+    }
+
+    #[test]
+    fn step_times_add_up_to_the_wall_clock() {
+        // Rank 1 starts first (0.0) and is slowest at steps 0 and 2, rank 0 at
+        // step 1: steps end at 1.5, 2.2 and 3.1, so they take 1.5, 0.7 and 0.9 s,
+        // 3.1 s in all, the wall time from the first start to the last end. Each
+        // rank's own step times (0.9, 1.2, 0.8 and 1.5, 0.6, 1.0), maximised per
+        // step, would give 1.5 + 1.2 + 1.0 = 3.7 s: a rank that waited for the
+        // other at the end of one step starts the next late and is counted again.
+        let ranks = [rank(0.1, &[1.0, 2.2, 3.0]), rank(0.0, &[1.5, 2.1, 3.1])];
+        let s = run_step_times(&ranks, 3);
+        let want = [1.5, 0.7, 0.9];
+        for (a, b) in s.iter().zip(want) {
+            assert!((a - b).abs() < 1e-12, "{s:?}");
+        }
+        assert!((s.iter().sum::<f64>() - 3.1).abs() < 1e-12);
     }
 }

@@ -707,7 +707,11 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(())
     }
 
-    fn report(mut self, loss_parts: Vec<f64>, step_s: Vec<f64>) -> Result<RankReport, RankError> {
+    fn report(
+        mut self,
+        loss_parts: Vec<f64>,
+        (step_s, steps_at): (Vec<f64>, (f64, Vec<f64>)),
+    ) -> Result<RankReport, RankError> {
         // The run's bytes, before ZeRO-3's last gather (which only the report
         // needs: each rank holds the others' parts as of their previous gather).
         let counts = self.comm.counts();
@@ -745,6 +749,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             weights,
             counts,
             step_s,
+            steps_at,
             state_bytes,
             peak_activation_bytes: self.peak_act_bytes,
             expert_slots: self.expert_slots,

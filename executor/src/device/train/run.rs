@@ -67,9 +67,7 @@ impl<'a> Run<'a> {
             losses: (0..steps)
                 .map(|s| ranks.iter().map(|r| r.loss_parts[s]).sum())
                 .collect(),
-            step_s: (0..steps)
-                .map(|s| ranks.iter().map(|r| r.step_s[s]).fold(0.0, f64::max))
-                .collect(),
+            step_s: crate::train::run_step_times(&ranks, steps),
             tokens_per_step: self.seq_len * self.global_batch,
             ranks,
             saved: saved.unwrap_or_default(),
@@ -95,6 +93,7 @@ impl<'a> Run<'a> {
         )?;
         let mut loss_parts = Vec::new();
         let mut step_s = Vec::new();
+        let mut steps_at = (self.t0.elapsed().as_secs_f64(), Vec::new());
         for step in self.start..opts.steps {
             if opts.fail_at == Some((r.rank, step)) {
                 return Err(fail(format!("injected failure at step {step}")));
@@ -102,6 +101,7 @@ impl<'a> Run<'a> {
             let t = Instant::now();
             loss_parts.push(r.step(step)?);
             step_s.push(t.elapsed().as_secs_f64());
+            steps_at.1.push(self.t0.elapsed().as_secs_f64());
             if let (0, Some(hook)) = (r.rank, &opts.on_step) {
                 (hook.0)(step_s.len() as u64);
             }
@@ -113,7 +113,7 @@ impl<'a> Run<'a> {
                 sv.deposit(step + 1, r.snapshot()?).map_err(fail)?;
             }
         }
-        r.report(loss_parts, step_s)
+        r.report(loss_parts, (step_s, steps_at))
     }
 }
 
