@@ -10,6 +10,11 @@
 //! - 2 threads as ranks: `dp=2,mbs=4`, two single-threaded ranks on the in-process
 //!   communicator.
 //!
+//! Each case runs on both interpreters over the CPU kernels: the general one
+//! (`train`, what `run --backend cpu` uses) and the device interpreter on the
+//! fp32 host device (`train_device` over `HostDevice`, the interpreter a GPU runs),
+//! named `..._general` and `..._device`.
+//!
 //! The figure to compare with PyTorch eager (`benches/python/torch_train.py`, same
 //! model and thread counts, intra-op threads) is printed as
 //! `tokens/s = 8 * 256 / median step time` after each group.
@@ -17,7 +22,8 @@
 //! Run: `cargo bench -p meshplan-benches --bench train`.
 //!
 //! What is timed is the executor's own per-step wall clock (`TrainReport::step_s`,
-//! slowest rank), not the whole `train` call: weight initialisation and spawning the
+//! on the run's clock from one step's end on the slowest rank to the next's), not
+//! the whole `train` call: weight initialisation and spawning the
 //! rank threads happen once per call and are not part of a training step, and
 //! PyTorch's figure excludes model construction too. Each call runs one untimed
 //! warm-up step before the timed ones, so first-touch allocation of the Adam state
@@ -25,7 +31,9 @@
 
 use criterion::{criterion_group, criterion_main, Criterion, SamplingMode};
 use meshplan_cost_model::{load_cluster, prepare_model};
-use meshplan_executor::train::{train, TrainOptions};
+use meshplan_executor::device::train::train_device;
+use meshplan_executor::device::HostDevice;
+use meshplan_executor::train::{train, TrainOptions, TrainReport};
 use meshplan_ir::plan::Plan;
 use meshplan_ir::{load_model, model_graph, PartialConfig, WorkloadOverrides};
 use meshplan_planner::output::plan_for_config;
@@ -99,13 +107,21 @@ fn bench_model(c: &mut Criterion, model: &str) {
     group.warm_up_time(Duration::from_millis(1));
     group.measurement_time(Duration::from_secs(1));
     // (kernel threads per rank, configuration); ranks x kernel threads = threads.
-    for (per_rank, cfg) in [(1, "dp=1,mbs=8"), (2, "dp=1,mbs=8"), (1, "dp=2,mbs=4")] {
+    type Interpreter = fn(&Plan, &TrainOptions) -> TrainReport;
+    let general: Interpreter = |p, o| train(p, o).unwrap_or_else(|e| panic!("{e}"));
+    let device: Interpreter =
+        |p, o| train_device(p, o, &|_| Ok(HostDevice)).unwrap_or_else(|e| panic!("{e}"));
+    let cases = [(1, "dp=1,mbs=8"), (2, "dp=1,mbs=8"), (1, "dp=2,mbs=4")];
+    for ((per_rank, cfg), (which, run)) in cases
+        .into_iter()
+        .flat_map(|c| [(c, ("general", general)), (c, ("device", device))])
+    {
         let p = plan(model, cfg);
         let threads = per_rank * p.ranks.len();
         let mut steps: Vec<f64> = Vec::new();
         let mut tokens_per_step = 0;
         group.bench_function(
-            format!("{threads}_threads_{cfg}_{per_rank}_per_rank"),
+            format!("{threads}_threads_{cfg}_{per_rank}_per_rank_{which}"),
             |b| {
                 b.iter_custom(|iters| {
                     let opts = TrainOptions {
@@ -113,7 +129,7 @@ fn bench_model(c: &mut Criterion, model: &str) {
                         threads_per_rank: per_rank,
                         ..Default::default()
                     };
-                    let report = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+                    let report = run(&p, &opts);
                     tokens_per_step = report.tokens_per_step;
                     let timed = &report.step_s[WARMUP_STEPS as usize..];
                     steps.extend_from_slice(timed);
@@ -131,7 +147,7 @@ fn bench_model(c: &mut Criterion, model: &str) {
         let min = steps[0]; // `median` sorted them
         let tps = |s: f64| tokens_per_step as f64 / s;
         eprintln!(
-            "meshplan {model} {threads} thread(s) ({cfg}, {per_rank} per rank): \
+            "meshplan {model} {threads} thread(s) ({cfg}, {per_rank} per rank, {which}): \
              {tokens_per_step} tokens/step, \
              median step {med:.3} s over {} steps, {:.1} tokens/s (fastest step {min:.3} s, \
              {:.1} tokens/s)",

@@ -51,6 +51,24 @@ impl GemmAt {
             self.c_off..self.c_off + mn,
         ])
     }
+
+    /// [`GemmAt::spans`], checked to lie within buffers of `lens` elements
+    /// (`a`, `b`, `c`).
+    pub fn spans_within(
+        &self,
+        lens: [usize; 3],
+    ) -> Result<[std::ops::Range<usize>; 3], KernelError> {
+        let spans = self.spans()?;
+        for ((name, r), len) in ["a", "b", "c"].into_iter().zip(&spans).zip(lens) {
+            if r.end > len {
+                return Err(super::invalid(
+                    name,
+                    format!("span {}..{} past its {len} elements", r.start, r.end),
+                ));
+            }
+        }
+        Ok(spans)
+    }
 }
 
 /// [`matmul`] on the spans of `g`.
@@ -61,19 +79,7 @@ pub fn matmul_at(
     beta: f32,
     c: &mut [f32],
 ) -> Result<(), KernelError> {
-    let [ra, rb, rc] = g.spans()?;
-    for (name, r, len) in [
-        ("a", &ra, a.len()),
-        ("b", &rb, b.len()),
-        ("c", &rc, c.len()),
-    ] {
-        if r.end > len {
-            return Err(super::invalid(
-                name,
-                format!("span {}..{} past its {len} elements", r.start, r.end),
-            ));
-        }
-    }
+    let [ra, rb, rc] = g.spans_within([a.len(), b.len(), c.len()])?;
     matmul(g.ta, g.tb, g.m, g.k, g.n, &a[ra], &b[rb], beta, &mut c[rc])
 }
 

@@ -231,18 +231,7 @@ impl Gpu {
         beta: f32,
         c: &mut CudaSlice<C>,
     ) -> Result<(), GpuError> {
-        let [ra, rb, rc] = g.spans()?;
-        for (name, r, len) in [
-            ("a", &ra, a.len()),
-            ("b", &rb, b.len()),
-            ("c", &rc, c.len()),
-        ] {
-            if r.end > len {
-                return Err(
-                    invalid(name, format!("span {}..{} past {len}", r.start, r.end)).into(),
-                );
-            }
-        }
+        g.spans_within([a.len(), b.len(), c.len()])?;
         self.gemm_core(1, g, a, b, beta, c)
     }
 

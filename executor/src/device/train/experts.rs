@@ -233,15 +233,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mut ups = self.zeros(total * up_w)?;
         let mut acts = self.zeros(total * f)?;
         let mut y = self.zeros(total * h)?;
-        for (j, off, n) in spans(counts) {
-            let g = gemm(
-                Transpose::No,
-                Transpose::No,
-                (n, h, up_w),
-                (off * h, j * h * up_w, off * up_w),
-            );
-            self.dev.matmul_at(&g, rows, w_up, &mut ups).map_err(&err)?;
-        }
+        linear_spans(&self.dev, counts, (h, up_w), (rows, w_up), &mut ups).map_err(&err)?;
         // Row by row: one call over every expert's rows.
         if gated {
             self.dev
@@ -250,17 +242,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         } else {
             self.dev.gelu_fwd(&ups, &mut acts).map_err(&err)?;
         }
-        for (j, off, n) in spans(counts) {
-            let g = gemm(
-                Transpose::No,
-                Transpose::No,
-                (n, f, h),
-                (off * f, j * f * h, off * h),
-            );
-            self.dev
-                .matmul_at(&g, &acts, w_down, &mut y)
-                .map_err(&err)?;
-        }
+        linear_spans(&self.dev, counts, (f, h), (&acts, w_down), &mut y).map_err(&err)?;
         Ok((y, ups, acts))
     }
 
@@ -330,26 +312,15 @@ impl<'a, D: Device> DevRank<'a, D> {
         {
             let w_down = self.compute.get(&kd).ok_or_else(missing)?;
             let gd = self.wgrads.get_mut(&kd).ok_or_else(missing)?;
-            for (j, off, n) in spans(&local_counts) {
-                let g = gemm(
-                    Transpose::No,
-                    Transpose::Yes,
-                    (n, h, f),
-                    (off * h, j * f * h, off * f),
-                );
-                self.dev
-                    .matmul_at(&g, &d_local, w_down, &mut d_act)
-                    .map_err(&err)?;
-                let g = gemm(
-                    Transpose::Yes,
-                    Transpose::No,
-                    (f, n, h),
-                    (off * f, off * h, j * f * h),
-                );
-                self.dev
-                    .matmul_acc_at(&g, &acts, &d_local, gd)
-                    .map_err(&err)?;
-            }
+            let (x, dy) = (&acts, &d_local);
+            linear_spans_bwd(
+                &self.dev,
+                &local_counts,
+                (f, h),
+                (x, w_down, dy),
+                (&mut d_act, gd),
+            )
+            .map_err(&err)?;
         }
         let mut d_up = self.zeros(total * up_w)?;
         if gated {
@@ -363,26 +334,15 @@ impl<'a, D: Device> DevRank<'a, D> {
         {
             let w_up = self.compute.get(&ku).ok_or_else(missing)?;
             let gu = self.wgrads.get_mut(&ku).ok_or_else(missing)?;
-            for (j, off, n) in spans(&local_counts) {
-                let g = gemm(
-                    Transpose::No,
-                    Transpose::Yes,
-                    (n, up_w, h),
-                    (off * up_w, j * h * up_w, off * h),
-                );
-                self.dev
-                    .matmul_at(&g, &d_up, w_up, &mut d_rows)
-                    .map_err(&err)?;
-                let g = gemm(
-                    Transpose::Yes,
-                    Transpose::No,
-                    (h, n, up_w),
-                    (off * h, off * up_w, j * h * up_w),
-                );
-                self.dev
-                    .matmul_acc_at(&g, &local_rows, &d_up, gu)
-                    .map_err(&err)?;
-            }
+            let (x, dy) = (&local_rows, &d_up);
+            linear_spans_bwd(
+                &self.dev,
+                &local_counts,
+                (h, up_w),
+                (x, w_up, dy),
+                (&mut d_rows, gu),
+            )
+            .map_err(&err)?;
         }
         let d_disp = match &moves.order {
             Some((_, to_sm)) => {
@@ -462,21 +422,64 @@ fn spans(counts: &[usize]) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
         .map(|(j, (off, n))| (j, off, n))
 }
 
-/// One product `c = op(a) op(b)` of sizes `(m, k, n)` at element offsets `(a, b, c)`.
-fn gemm(
-    ta: Transpose,
-    tb: Transpose,
-    (m, k, n): (usize, usize, usize),
-    (a_off, b_off, c_off): (usize, usize, usize),
-) -> GemmAt {
-    GemmAt {
-        ta,
-        tb,
-        m,
-        k,
-        n,
-        a_off,
-        b_off,
-        c_off,
+/// Each local expert's rows through its block of a stacked weight: for expert `j`
+/// with `n` rows from row `off`, `y[off..][n, cols] = x[off..][n, k] w[j]` (`w` is
+/// `[experts, k, cols]`).
+fn linear_spans<D: Device>(
+    dev: &D,
+    counts: &[usize],
+    (k, cols): (usize, usize),
+    (x, w): (&D::Act, &D::Act),
+    y: &mut D::Act,
+) -> DResult<()> {
+    for (j, off, n) in spans(counts) {
+        let g = GemmAt {
+            ta: Transpose::No,
+            tb: Transpose::No,
+            m: n,
+            k,
+            n: cols,
+            a_off: off * k,
+            b_off: j * k * cols,
+            c_off: off * cols,
+        };
+        dev.matmul_at(&g, x, w, y)?;
     }
+    Ok(())
+}
+
+/// The backward of [`linear_spans`]: per expert, `dx = dy w[j]ᵀ` (written) and
+/// `dw[j] += xᵀ dy`.
+fn linear_spans_bwd<D: Device>(
+    dev: &D,
+    counts: &[usize],
+    (k, cols): (usize, usize),
+    (x, w, dy): (&D::Act, &D::Act, &D::Act),
+    (dx, dw): (&mut D::Act, &mut D::F32),
+) -> DResult<()> {
+    for (j, off, n) in spans(counts) {
+        let data = GemmAt {
+            ta: Transpose::No,
+            tb: Transpose::Yes,
+            m: n,
+            k: cols,
+            n: k,
+            a_off: off * cols,
+            b_off: j * k * cols,
+            c_off: off * k,
+        };
+        dev.matmul_at(&data, dy, w, dx)?;
+        let weight = GemmAt {
+            ta: Transpose::Yes,
+            tb: Transpose::No,
+            m: k,
+            k: n,
+            n: cols,
+            a_off: off * k,
+            b_off: off * cols,
+            c_off: j * k * cols,
+        };
+        dev.matmul_acc_at(&weight, x, dy, dw)?;
+    }
+    Ok(())
 }
