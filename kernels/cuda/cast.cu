@@ -22,3 +22,15 @@ extern "C" __global__ void scale_f32(float* x, i64 n, float a) {
 extern "C" __global__ void add_f32(const float* x, i64 n, float* acc) {
     GRID_STRIDE(i, n) { acc[i] += x[i]; }
 }
+
+// found = min(found, tag) when x holds a NaN or an infinity (exponent bits all
+// ones): run once per tensor of a set with its own tag, then one read of `found`
+// names the first tensor that went non-finite.
+extern "C" __global__ void non_finite_f32(const float* x, i64 n, u32 tag, u32* found) {
+    GRID_STRIDE(i, n) {
+        if ((__float_as_uint(x[i]) & 0x7f800000u) == 0x7f800000u) {
+            atomicMin(found, tag);
+            return;
+        }
+    }
+}

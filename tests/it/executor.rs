@@ -427,8 +427,7 @@ fn a_diverging_run_stops_naming_the_step_and_the_tensor() {
         "{}",
         err.message()
     );
-    // The device interpreter (the GPU's, here on host memory) stops on the loss,
-    // the one number it brings back each step.
+    // The device interpreter (the GPU's, here on host memory) stops as well.
     use meshplan_executor::device::{train::train_device, HostDevice};
     let p = plan(&model("tiny-gpt"), "dp=8");
     let opts = TrainOptions {
@@ -438,10 +437,39 @@ fn a_diverging_run_stops_naming_the_step_and_the_tensor() {
     };
     let err = train_device(&p, &opts, &|_| Ok(HostDevice)).expect_err("a diverging run fails");
     assert!(
-        err.message().contains("the loss is") && err.message().contains("stopping"),
+        err.message().contains("stopping")
+            && (err.message().contains("holds") || err.message().contains("the loss is")),
         "{}",
         err.message()
     );
+    // An infinite learning rate makes the first update infinite while step 0's
+    // loss is still finite: both interpreters stop at step 0 naming the same first
+    // weight, before the loss could show it.
+    let inf = TrainOptions {
+        lr: f32::INFINITY,
+        steps: 3,
+        ..TrainOptions::default()
+    };
+    let p = plan(&model("tiny-gpt"), "dp=2,tp=2,ep=1");
+    let general = train(&p, &inf).expect_err("diverges").message().to_string();
+    let device = train_device(&p, &inf, &|_| Ok(HostDevice))
+        .expect_err("diverges")
+        .message()
+        .to_string();
+    for m in [&general, &device] {
+        assert!(
+            m.contains("step 0: weight `")
+                && m.contains("holds")
+                && m.contains("a learning rate too large"),
+            "{m}"
+        );
+    }
+    let first = |m: &str| {
+        m.split("weight `")
+            .nth(1)
+            .map(|r| r.split('`').next().map(str::to_string))
+    };
+    assert_eq!(first(&general), first(&device), "{general}\n{device}");
 }
 
 /// Every collective's target in `v` (a plan as JSON) rewritten to the string the

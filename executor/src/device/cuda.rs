@@ -174,6 +174,9 @@ impl Device for CudaDevice {
     fn ids_download(&self, x: &CudaSlice<u32>) -> DResult<Vec<u32>> {
         Ok(self.gpu.download(x)?)
     }
+    fn first_non_finite(&self, xs: &[&CudaSlice<f32>]) -> DResult<Option<usize>> {
+        Ok(self.gpu.first_non_finite(xs)?)
+    }
     fn act_download(&self, x: &CudaSlice<bf16>) -> DResult<Vec<f32>> {
         Ok(self.gpu.download(x)?.iter().map(|v| v.to_f32()).collect())
     }

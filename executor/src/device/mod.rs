@@ -87,6 +87,9 @@ pub trait Device: Send + Sync {
     fn f32_download(&self, x: &Self::F32) -> DResult<Vec<f32>>;
     /// The values of an id buffer (waits for the work before it).
     fn ids_download(&self, x: &Self::Ids) -> DResult<Vec<u32>>;
+    /// The index of the first of `xs` holding a NaN or an infinity (waits for the
+    /// work before it).
+    fn first_non_finite(&self, xs: &[&Self::F32]) -> DResult<Option<usize>>;
     /// The values of an activation buffer, widened to f32.
     fn act_download(&self, x: &Self::Act) -> DResult<Vec<f32>>;
     /// Elements of an activation buffer.
@@ -815,6 +818,9 @@ impl<H: HostPrecision> Device for H {
     }
     fn ids_download(&self, x: &Vec<u32>) -> DResult<Vec<u32>> {
         Ok(x.clone())
+    }
+    fn first_non_finite(&self, xs: &[&Vec<f32>]) -> DResult<Option<usize>> {
+        Ok(xs.iter().position(|x| x.iter().any(|v| !v.is_finite())))
     }
     fn act_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
         Ok(x.clone())

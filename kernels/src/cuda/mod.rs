@@ -175,6 +175,7 @@ impl KernelModule {
                 "add_f32_into_bf16",
                 "scale_f32",
                 "add_f32",
+                "non_finite_f32",
             ],
             KernelModule::Loss => &[
                 "ce_fused_bf16",

@@ -842,6 +842,28 @@ impl Gpu {
         launch!(self, f, self.elementwise(x.len()), [x, &n, &a])
     }
 
+    /// The index of the first of `xs` holding a NaN or an infinity: one kernel per
+    /// tensor over the device's copies, one read of the result.
+    pub fn first_non_finite(&self, xs: &[&CudaSlice<f32>]) -> Result<Option<usize>, GpuError> {
+        let mut found = self.upload(&[u32::MAX])?;
+        let f = self.function(M::Cast, "non_finite_f32")?;
+        for (i, x) in xs.iter().enumerate() {
+            let n = long("x", x.len())?;
+            if n == 0 {
+                continue;
+            }
+            let tag = u32::try_from(i).map_err(|_| invalid("xs", "more than 2^32 tensors"))?;
+            launch!(
+                self,
+                f.clone(),
+                self.elementwise(x.len()),
+                [*x, &n, &tag, &mut found]
+            )?;
+        }
+        let first = self.download(&found)?[0];
+        Ok((first != u32::MAX).then_some(first as usize))
+    }
+
     // === optimizer ===
 
     /// [`crate::cpu::adamw_step`] on fp32 `param`, `grad`, `m`, `v`, also writing

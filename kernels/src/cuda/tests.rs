@@ -1456,3 +1456,18 @@ fn gpu_gemm_at_and_gather_rows_match_cpu() {
     gpu.gather_rows(&gx, &dev.u(&idx), h, &mut gout).unwrap();
     assert_eq!(dev.gb(&gout), out);
 }
+
+#[test]
+fn gpu_first_non_finite_names_the_first_tensor() {
+    let Some(gpu) = gpu_or_skip("gpu_first_non_finite_names_the_first_tensor") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let ok = dev.f(&vec![1.0; 5000]);
+    let mut bad = vec![0.5; 7000];
+    bad[6999] = f32::INFINITY;
+    let (b1, b2) = (dev.f(&bad), dev.f(&[f32::NAN]));
+    assert_eq!(gpu.first_non_finite(&[&ok, &ok]).unwrap(), None);
+    assert_eq!(gpu.first_non_finite(&[&ok, &b2, &b1]).unwrap(), Some(1));
+    assert_eq!(gpu.first_non_finite(&[&b1, &b2]).unwrap(), Some(0));
+}

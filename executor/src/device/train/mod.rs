@@ -548,12 +548,30 @@ impl<'a, D: Device> DevRank<'a, D> {
         // A step ends when its work has, not when its launches have.
         self.dev.synchronize().map_err(derr("synchronize"))?;
         self.resolve_spans(step_mark)?;
-        // The loss is the one number that leaves the device each step: a NaN or an
-        // infinity in it (from non-finite weights, or an update that overflowed)
-        // stops the run rather than writing it into every later checkpoint.
+        // A NaN or an infinity never recovers, and training on would write it into
+        // every checkpoint: stop, naming the step and the first weight it reached
+        // (one flag read back; the weight itself only when there is one).
+        let masters: Vec<(&Key, &D::F32)> = self.master.iter().collect();
+        let ws: Vec<&D::F32> = masters.iter().map(|(_, w)| *w).collect();
+        if let Some(i) = self.dev.first_non_finite(&ws).map_err(derr("check"))? {
+            let ((name, layer), w) = masters[i];
+            let x = self
+                .dev
+                .f32_download(w)
+                .map_err(derr(name))?
+                .into_iter()
+                .find(|v| !v.is_finite())
+                .unwrap_or(f32::NAN);
+            return Err(fail(format!(
+                "step {step}: weight `{name}`{} holds {x} after the update (loss {}): stopping; a learning rate too large, or non-finite --weights",
+                crate::train::layer_label(*layer),
+                self.loss_part
+            )));
+        }
+        // The loss: non-finite activations from finite weights.
         if !self.loss_part.is_finite() {
             return Err(fail(format!(
-                "step {step}: the loss is {}: stopping; non-finite weights (a learning rate too large, or non-finite --weights) or an overflow in the model's arithmetic",
+                "step {step}: the loss is {}: stopping; non-finite activations from finite weights (an overflow in the model's arithmetic)",
                 self.loss_part
             )));
         }
