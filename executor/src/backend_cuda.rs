@@ -37,7 +37,8 @@
 //!   could not report a driver failure.
 //! - [`Backend::attention_merge`]: no GPU twin (the ring merge).
 //! - [`Backend::attention_fwd`] and [`Backend::attention_bwd`] with `Some(dropout)`
-//!   (the GPU kernels have no dropout), or with a head dimension over 256 (the most
+//!   (a keep function this path cannot hand to the GPU kernels, which draw
+//!   `AttnDropout`'s mask themselves), or with a head dimension over 256 (the most
 //!   the GPU kernels hold in registers).
 //! - The cross-entropy pieces ([`Backend::ce_row_max`], [`Backend::ce_row_sumexp`],
 //!   [`Backend::ce_target_logit`], [`Backend::ce_loss`], [`Backend::ce_bwd`]): the GPU

@@ -2,8 +2,8 @@
 //!
 //! - [`backend`]: the `Backend` trait (the kernels an interpreter runs) and the CPU
 //!   implementation over `meshplan_kernels::cpu`; `backend_cuda` (feature `cuda`):
-//!   the same trait on a GPU through host staging, for the plans the device
-//!   interpreter does not take.
+//!   the same trait on a GPU through host staging, for what the device
+//!   interpreter does not take (inference plans).
 //! - [`comm`]: the `Communicator` trait and the in-process implementation (ranks as
 //!   threads) that counts bytes per collective kind and axis.
 //! - [`train`]: the training interpreter over the CPU kernels, `--check` against a
