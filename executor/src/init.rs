@@ -51,19 +51,6 @@ pub fn init_full(seed: u64, name: &str, layer: u64, elems: usize, kind: InitKind
     }
 }
 
-/// Whether a dropout entry survives: a counter-based draw from the run's seed, the
-/// step, the dropout site and the entry's global coordinates, so it is the same on
-/// every rank that holds the entry and in every recomputation.
-pub fn dropout_keep(seed: u64, step: u64, site: u64, coords: [u64; 3], p: f64) -> bool {
-    meshplan_kernels::cpu::DropoutDraw {
-        seed,
-        step,
-        site,
-        p,
-    }
-    .keep(coords)
-}
-
 /// How weight `w` of `op` starts: norm scales at one, other vectors (biases) at
 /// zero, matrices normal with standard deviation 0.02 (GPT-2's).
 pub fn init_kind(op: &meshplan_ir::Op, w: meshplan_ir::TensorId, shape: &[usize]) -> InitKind {

@@ -81,6 +81,32 @@ impl ExpertsKept {
     }
 }
 
+/// Experts split over both tp and ep need sequence parallelism: otherwise every
+/// tensor rank would hold, and route, the same tokens (the planner requires it,
+/// `check_train_shapes`).
+pub(crate) fn check_split(name: &str, tp: TpPos, ep: TpPos, sp: bool) -> Result<(), RankError> {
+    if tp.size > 1 && ep.size > 1 && !sp {
+        return Err(fail(format!(
+            "{name}: experts with tp={} and ep={} need sp=true",
+            tp.size, ep.size
+        )));
+    }
+    Ok(())
+}
+
+/// Tokens of one capacity group: the run's override, or a rank's slice of a
+/// sequence as the plan prices it.
+pub(crate) fn group_tokens(
+    over: Option<usize>,
+    seq_len: usize,
+    (cp, tp, ep): (usize, usize, usize),
+) -> usize {
+    over.unwrap_or_else(|| {
+        meshplan_ir::graph::capacity_group_tokens(seq_len as u64, cp as u64, tp as u64, ep as u64)
+            as usize
+    })
+}
+
 /// (hidden, this rank's expert MLP width, experts, top-k): experts split over
 /// `ep` hold whole MLPs, otherwise each MLP is split over `tp`.
 pub(crate) fn dims(e: &ExpertsShape, tp: TpPos, ep: TpPos) -> (usize, usize, usize, usize) {

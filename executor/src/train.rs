@@ -317,6 +317,19 @@ pub fn train_on(
     })
 }
 
+/// `rank`'s place in its group `name` (no split when the plan has no such group).
+pub(crate) fn place_in(groups: &BTreeMap<String, Group>, name: &str, rank: usize) -> TpPos {
+    groups
+        .get(name)
+        .and_then(|g| {
+            g.index_of(rank).map(|i| TpPos {
+                rank: i,
+                size: g.size(),
+            })
+        })
+        .unwrap_or(TpPos::ONE)
+}
+
 /// Each step's wall time on the run's clock (see [`TrainReport::step_s`]): the
 /// gaps between the slowest rank's step ends, the first from the first rank's
 /// start. A rank's own step time would count its waits on the others at the start
@@ -514,15 +527,7 @@ impl<'a> RankState<'a> {
             size: size_of("cp"),
         };
         let groups = build_groups(plan, rank)?;
-        let ep = groups
-            .get("ep")
-            .and_then(|g| {
-                g.index_of(rank).map(|i| TpPos {
-                    rank: i,
-                    size: g.size(),
-                })
-            })
-            .unwrap_or(TpPos::ONE);
+        let ep = place_in(&groups, "ep", rank);
         let graph = &plan.graph;
         let mut users = HashMap::new();
         for (s, seg) in graph.segments.iter().enumerate() {
@@ -870,25 +875,30 @@ impl<'a> RankState<'a> {
     /// survives, 0 where it drops; a pure function of the run's seed, the step, the op
     /// and layer, and the entry's global sample, position and column, so every
     /// sharding (and recomputation) draws the same mask.
-    fn dropout_mask(&self, op: &Op, l: u64, rows: usize, width: usize) -> Vec<f32> {
-        let p = self.graph.constants.dropout_p;
-        let inv = (1.0 / (1.0 - p)) as f32;
-        let site = crate::init::name_hash(&op.name) ^ l;
+    fn dropout_mask(
+        &self,
+        op: &Op,
+        l: u64,
+        rows: usize,
+        width: usize,
+    ) -> Result<Vec<f32>, RankError> {
+        let (sample0, pos0) = self.row_coords(0, rows);
+        let d = k::RowDropout {
+            draw: k::DropoutDraw {
+                seed: self.opts.seed,
+                step: self.step_no,
+                site: crate::init::name_hash(&op.name) ^ l,
+                p: self.graph.constants.dropout_p,
+            },
+            sample0,
+            mbs: self.mbs.max(1),
+            pos0,
+        };
+        // The mask is the kernel applied to ones: `1 / (1 - p)` or 0 per entry.
+        let ones = vec![1.0f32; rows * width];
         let mut mask = vec![0.0f32; rows * width];
-        for r in 0..rows {
-            let (sample, pos) = self.row_coords(r, rows);
-            for (j, m) in mask[r * width..(r + 1) * width].iter_mut().enumerate() {
-                let keep = crate::init::dropout_keep(
-                    self.opts.seed,
-                    self.step_no,
-                    site,
-                    [sample, pos, j as u64],
-                    p,
-                );
-                *m = if keep { inv } else { 0.0 };
-            }
-        }
-        mask
+        k::dropout_rows(&ones, rows, width, &d, &mut mask).map_err(kerr(&op.name))?;
+        Ok(mask)
     }
 
     /// Attention-probability dropout of a graph with dropout layers: `p` and the
@@ -919,23 +929,17 @@ impl<'a> RankState<'a> {
             local_heads(a.heads, a.kv_heads, self.tp).0 * self.tp.rank
         };
         let per_dp = self.global_batch / self.dp_size.max(1);
-        let sample0 = (self.dp_index * per_dp + self.cur_mb as usize * self.mbs) as u64;
-        let (seed, step) = (self.opts.seed, self.step_no);
-        let site = crate::init::name_hash(&op.name) ^ l ^ 0xa77e_0000;
-        Some((
-            p as f32,
-            Box::new(move |b, h, i, j| {
-                let head = (head0 + h) as u64;
-                let sample = sample0 + b as u64;
-                crate::init::dropout_keep(
-                    seed,
-                    step,
-                    site ^ (head << 40),
-                    [sample, i as u64, j as u64],
-                    p,
-                )
-            }),
-        ))
+        let a = k::AttnDropout {
+            draw: k::DropoutDraw {
+                seed: self.opts.seed,
+                step: self.step_no,
+                site: crate::init::name_hash(&op.name) ^ l ^ 0xa77e_0000,
+                p,
+            },
+            head0: head0 as u64,
+            sample0: (self.dp_index * per_dp + self.cur_mb as usize * self.mbs) as u64,
+        };
+        Some((p as f32, Box::new(move |b, h, i, j| a.keep(b, h, i, j))))
     }
 
     fn vocab(&self) -> u64 {
@@ -1461,7 +1465,7 @@ impl<'a> RankState<'a> {
                     Some(meshplan_ir::Dim::Fixed(w)) => *w as usize,
                     _ => return Err(fail(format!("{}: input width is not fixed", op.name))),
                 };
-                let mask = self.dropout_mask(op, l, x.len() / width.max(1), width);
+                let mask = self.dropout_mask(op, l, x.len() / width.max(1), width)?;
                 let y: Vec<f32> = x.iter().zip(&mask).map(|(a, m)| a * m).collect();
                 store.put((l, format!("{}#mask", op.name)), mask);
                 store.put((l, out), y);
@@ -2145,26 +2149,13 @@ impl RankState<'_> {
         l: u64,
         store: &mut Store,
     ) -> Result<(), RankError> {
-        if self.tp.size > 1 && self.ep.size > 1 && !self.plan.strategy.sp {
-            // Every tensor rank would hold, and route, the same tokens; the planner
-            // requires sequence parallelism here (`check_train_shapes`).
-            return Err(fail(format!(
-                "{}: experts with tp={} and ep={} need sp=true",
-                op.name, self.tp.size, self.ep.size
-            )));
-        }
+        crate::moe::check_split(&op.name, self.tp, self.ep, self.plan.strategy.sp)?;
         // Split over tp under sequence parallelism, the experts read the gathered
         // tokens and router scores.
         let x = self.act_gathered(store, l, op.inputs[0])?;
         let logits = self.act_gathered(store, l, op.inputs[1])?;
-        let group = self.opts.moe_group_tokens.unwrap_or_else(|| {
-            meshplan_ir::graph::capacity_group_tokens(
-                self.seq_len as u64,
-                self.cp.size as u64,
-                self.tp.size as u64,
-                self.ep.size as u64,
-            ) as usize
-        });
+        let sizes = (self.cp.size, self.tp.size, self.ep.size);
+        let group = crate::moe::group_tokens(self.opts.moe_group_tokens, self.seq_len, sizes);
         let ep_group = self.ep_group()?;
         let place = crate::moe::Place {
             tp: self.tp,

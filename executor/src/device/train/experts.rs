@@ -88,23 +88,12 @@ impl<'a, D: Device> DevRank<'a, D> {
         l: u64,
         t: &mut Task<D>,
     ) -> Result<(), RankError> {
-        if self.tp.size > 1 && self.ep.size > 1 && !self.sp {
-            return Err(fail(format!(
-                "{}: experts with tp={} and ep={} need sp=true",
-                op.name, self.tp.size, self.ep.size
-            )));
-        }
+        moe::check_split(&op.name, self.tp, self.ep, self.sp)?;
         let err = derr(&op.name);
         let x = self.act_gathered(t, l, op.inputs[0])?;
         let logits = self.act_gathered(t, l, op.inputs[1])?;
-        let group = self.opts.moe_group_tokens.unwrap_or_else(|| {
-            meshplan_ir::graph::capacity_group_tokens(
-                self.seq_len as u64,
-                self.cp.size as u64,
-                self.tp.size as u64,
-                self.ep.size as u64,
-            ) as usize
-        });
+        let sizes = (self.cp.size, self.tp.size, self.ep.size);
+        let group = moe::group_tokens(self.opts.moe_group_tokens, self.seq_len, sizes);
         let (h, f, ne, kk) = moe::dims(e, self.tp, self.ep);
         let rows = D::act_len(&x) / h;
         let m = MoeDims {

@@ -336,16 +336,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             z3_adam: BTreeMap::new(),
             resume_moments: BTreeMap::new(),
         };
-        r.ep = r
-            .groups
-            .get("ep")
-            .and_then(|g| {
-                g.index_of(rank).map(|i| TpPos {
-                    rank: i,
-                    size: g.size(),
-                })
-            })
-            .unwrap_or(TpPos::ONE);
+        r.ep = crate::train::place_in(&r.groups, "ep", rank);
         r.init_weights()?;
         r.count_uses()?;
         r.plan_step()?;

@@ -42,7 +42,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     /// The global index of micro-batch `mb`'s first sample on this rank.
-    fn sample0(&self, mb: u64) -> u64 {
+    pub(super) fn sample0(&self, mb: u64) -> u64 {
         let per_dp = self.global_batch / self.dp_size.max(1);
         (self.dp_index * per_dp + mb as usize * self.mbs) as u64
     }

@@ -236,15 +236,8 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Copies bucket `i`'s gradient pieces into one buffer and starts its sum.
     pub(super) fn start_bucket(&mut self, i: usize) -> Result<(), RankError> {
         let b = &self.buckets[i];
-        let e = derr("bucket");
         let mut buf = self.zeros_f32(b.len)?;
-        for (key, src, dst, n) in &b.pieces {
-            let g = self
-                .wgrads
-                .get(key)
-                .ok_or_else(|| fail("gradient missing"))?;
-            self.dev.f32_copy(g, *src, &mut buf, *dst, *n).map_err(&e)?;
-        }
+        pack(&self.dev, &self.wgrads, &b.pieces, &mut buf, "bucket")?;
         let r = self
             .dev
             .all_reduce_start(&mut *self.comm, &b.group, &b.axis, buf)?;
@@ -259,15 +252,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             .take()
             .ok_or_else(|| fail("a bucket finished before it started"))?;
         let buf = self.dev.all_reduce_finish(&mut *self.comm, r)?;
-        let e = derr("bucket");
-        for (key, src, dst, n) in &self.buckets[i].pieces {
-            let g = self
-                .wgrads
-                .get_mut(key)
-                .ok_or_else(|| fail("gradient missing"))?;
-            self.dev.f32_copy(&buf, *dst, g, *src, *n).map_err(&e)?;
-        }
-        Ok(())
+        let pieces = &self.buckets[i].pieces;
+        unpack(&self.dev, &buf, pieces, &mut self.wgrads, "bucket")
     }
 
     /// Gradient bucket `i` summed over the data ranks, this rank keeping its part.
@@ -275,17 +261,14 @@ impl<'a, D: Device> DevRank<'a, D> {
         let bk = &self.scatter[i];
         let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
         let c = bk.len / n;
-        let e = derr("reduce-scatter");
         let mut buf = self.zeros_f32(bk.len)?;
-        for (key, src, dst, len) in &bk.pieces {
-            let g = self
-                .wgrads
-                .get(key)
-                .ok_or_else(|| fail("gradient missing"))?;
-            self.dev
-                .f32_copy(g, *src, &mut buf, *dst, *len)
-                .map_err(&e)?;
-        }
+        pack(
+            &self.dev,
+            &self.wgrads,
+            &bk.pieces,
+            &mut buf,
+            "reduce-scatter",
+        )?;
         let mut part = self.zeros_f32(c)?;
         self.dev
             .reduce_scatter(&mut *self.comm, &bk.group, &bk.axis, &buf, &mut part)?;
@@ -298,29 +281,14 @@ impl<'a, D: Device> DevRank<'a, D> {
         let bk = &self.gather[i];
         let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
         let c = bk.len / n;
-        let e = derr("all-gather");
         let mut local = self.zeros_f32(c)?;
         let own = bk.start + me * c;
-        for (key, src, dst, len) in pieces_of(self.layout(bk.set), own, own + c) {
-            let w = self
-                .master
-                .get(&key)
-                .ok_or_else(|| fail("weight missing"))?;
-            self.dev
-                .f32_copy(w, src, &mut local, dst, len)
-                .map_err(&e)?;
-        }
+        let mine = pieces_of(self.layout(bk.set), own, own + c);
+        pack(&self.dev, &self.master, &mine, &mut local, "all-gather")?;
         let mut all = self.zeros_f32(bk.len)?;
         self.dev
             .all_gather(&mut *self.comm, &bk.group, &bk.axis, &local, &mut all)?;
-        for (key, src, dst, len) in &bk.pieces {
-            let w = self
-                .master
-                .get_mut(key)
-                .ok_or_else(|| fail("weight missing"))?;
-            self.dev.f32_copy(&all, *dst, w, *src, *len).map_err(&e)?;
-        }
-        Ok(())
+        unpack(&self.dev, &all, &bk.pieces, &mut self.master, "all-gather")
     }
 
     /// ZeRO-3: the weights of one segment copy (those whose first user is in that
@@ -374,27 +342,25 @@ impl<'a, D: Device> DevRank<'a, D> {
         let s = segment_index(self.graph, segment)?;
         let layout = self.copy_layout(s, l, set);
         let (total, start, c) = self.part_of(g, &layout)?;
-        let e = derr(segment);
         let mut mine = self.zeros_f32(c)?;
-        for (key, src, dst, len) in pieces_of(&layout, start, start + c) {
-            let w = self
-                .master
-                .get(&key)
-                .ok_or_else(|| fail("weight missing"))?;
-            self.dev.f32_copy(w, src, &mut mine, dst, len).map_err(&e)?;
-        }
+        let own = pieces_of(&layout, start, start + c);
+        pack(&self.dev, &self.master, &own, &mut mine, segment)?;
         let mut all = self.zeros_f32(total)?;
         self.dev
             .all_gather(self.comm.as_mut(), g, axis, &mine, &mut all)?;
-        for (key, src, dst, len) in pieces_of(&layout, 0, total) {
-            let w = self
-                .master
-                .get_mut(&key)
-                .ok_or_else(|| fail("weight missing"))?;
-            self.dev.f32_copy(&all, dst, w, src, len).map_err(&e)?;
+        unpack(
+            &self.dev,
+            &all,
+            &pieces_of(&layout, 0, total),
+            &mut self.master,
+            segment,
+        )?;
+        let e = derr(segment);
+        for (key, _) in &layout {
+            let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
             let c = self
                 .compute
-                .get_mut(&key)
+                .get_mut(key)
                 .ok_or_else(|| fail("compute copy missing"))?;
             self.dev.to_act(w, c).map_err(&e)?;
         }
@@ -416,14 +382,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         let (total, _, c) = self.part_of(g, &layout)?;
         let e = derr(segment);
         let mut flat = self.zeros_f32(total)?;
-        for (key, src, dst, len) in pieces_of(&layout, 0, total) {
+        let all = pieces_of(&layout, 0, total);
+        pack(&self.dev, &self.wgrads, &all, &mut flat, segment)?;
+        for (key, _) in &layout {
             let gr = self
                 .wgrads
-                .get_mut(&key)
+                .get_mut(key)
                 .ok_or_else(|| fail("gradient missing"))?;
-            self.dev
-                .f32_copy(gr, src, &mut flat, dst, len)
-                .map_err(&e)?;
             self.dev.f32_zero(gr).map_err(&e)?;
         }
         let mut out = self.zeros_f32(c)?;
@@ -526,33 +491,20 @@ impl<'a, D: Device> DevRank<'a, D> {
         keys: &[Key],
         tensor: &str,
     ) -> Result<(), RankError> {
-        let e = derr(tensor);
-        let lens: Vec<usize> = keys
+        let layout: Layout = keys
             .iter()
-            .map(|k| self.wgrads.get(k).map(D::f32_len))
+            .map(|k| self.wgrads.get(k).map(|g| (k.clone(), D::f32_len(g))))
             .collect::<Option<_>>()
             .ok_or_else(|| fail("a partial gradient is missing"))?;
-        let mut flat = self.zeros_f32(lens.iter().sum())?;
-        let mut at = 0;
-        for (k, &n) in keys.iter().zip(&lens) {
-            let g = self.wgrads.get(k).ok_or_else(|| fail("gradient missing"))?;
-            self.dev.f32_copy(g, 0, &mut flat, at, n).map_err(&e)?;
-            at += n;
-        }
+        let total = layout.iter().map(|(_, n)| n).sum();
+        let pieces = pieces_of(&layout, 0, total);
+        let mut flat = self.zeros_f32(total)?;
+        pack(&self.dev, &self.wgrads, &pieces, &mut flat, tensor)?;
         let r = self
             .dev
             .all_reduce_start(self.comm.as_mut(), group, axis, flat)?;
         let flat = self.dev.all_reduce_finish(self.comm.as_mut(), r)?;
-        let mut at = 0;
-        for (k, &n) in keys.iter().zip(&lens) {
-            let g = self
-                .wgrads
-                .get_mut(k)
-                .ok_or_else(|| fail("gradient missing"))?;
-            self.dev.f32_copy(&flat, at, g, 0, n).map_err(&e)?;
-            at += n;
-        }
-        Ok(())
+        unpack(&self.dev, &flat, &pieces, &mut self.wgrads, tensor)
     }
 
     pub(super) fn index_in(&self, g: &Group) -> Result<usize, RankError> {
@@ -662,12 +614,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let step = self.step_no + 1;
         let e = derr("adamw");
         let mut param = self.zeros_f32(c)?;
-        for (key, src, dst, len) in pieces {
-            let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
-            self.dev
-                .f32_copy(w, *src, &mut param, *dst, *len)
-                .map_err(&e)?;
-        }
+        pack(&self.dev, &self.master, pieces, &mut param, "adamw")?;
         let mut scratch = self.zeros(c)?;
         self.dev
             .adamw(
@@ -681,14 +628,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 (b1, b2, eps, wd),
             )
             .map_err(&e)?;
-        for (key, src, dst, len) in pieces {
-            let w = self
-                .master
-                .get_mut(key)
-                .ok_or_else(|| fail("weight missing"))?;
-            self.dev.f32_copy(&param, *dst, w, *src, *len).map_err(&e)?;
-        }
-        Ok(())
+        unpack(&self.dev, &param, pieces, &mut self.master, "adamw")
     }
 
     pub(super) fn optimizer(&mut self, set: ParamSet) -> Result<(), RankError> {
@@ -753,6 +693,44 @@ pub(super) fn bucket_range(
         )));
     }
     Ok((set, a, b))
+}
+
+/// A piece of a flat vector: (weight, offset in it, offset in the flat vector,
+/// values).
+type Piece = (Key, usize, usize, usize);
+
+/// Copies each piece of the weights in `from` to its place in `flat`.
+fn pack<D: Device>(
+    dev: &D,
+    from: &BTreeMap<Key, D::F32>,
+    pieces: &[Piece],
+    flat: &mut D::F32,
+    what: &str,
+) -> Result<(), RankError> {
+    for (key, src, dst, n) in pieces {
+        let x = from
+            .get(key)
+            .ok_or_else(|| fail(format!("{what}: `{}` is not held", key.0)))?;
+        dev.f32_copy(x, *src, flat, *dst, *n).map_err(derr(what))?;
+    }
+    Ok(())
+}
+
+/// The inverse of [`pack`]: each piece of `flat` back into its weight in `into`.
+fn unpack<D: Device>(
+    dev: &D,
+    flat: &D::F32,
+    pieces: &[Piece],
+    into: &mut BTreeMap<Key, D::F32>,
+    what: &str,
+) -> Result<(), RankError> {
+    for (key, src, dst, n) in pieces {
+        let x = into
+            .get_mut(key)
+            .ok_or_else(|| fail(format!("{what}: `{}` is not held", key.0)))?;
+        dev.f32_copy(flat, *dst, x, *src, *n).map_err(derr(what))?;
+    }
+    Ok(())
 }
 
 /// The pieces of the flat range `a..b` over weights laid out as `layout`: (weight,

@@ -7,15 +7,15 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Tokens, labels and positions of micro-batch `mb` of this data rank,
     /// sequence-major, from the run's data source.
     pub(super) fn load_batch(&self, mb: u64) -> Result<Task<D>, RankError> {
-        let per_dp = self.global_batch / self.dp_size.max(1);
         let (s, b) = (self.seq_len / self.cp.size, self.mbs);
+        let sample0 = self.sample0(mb);
         // This context rank's block of each sequence.
         let s0 = self.cp.rank * s;
         let vocab = self.graph.vocab().unwrap_or(2);
         let mut tokens = vec![0u32; s * b];
         let mut labels = vec![0u32; s * b];
         for bi in 0..b {
-            let seq_index = (self.dp_index * per_dp + mb as usize * b + bi) as u64;
+            let seq_index = sample0 + bi as u64;
             let seq = self
                 .opts
                 .data
