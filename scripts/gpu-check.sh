@@ -30,6 +30,8 @@ LOG="${OUT:-$OUTDIR}/gpu-check.log"
 : >"$LOG"
 START=$SECONDS
 BUDGET=${GPU_CHECK_BUDGET_S:-540}
+# Each small `run --check` gets at most this long: a hang must not eat the budget.
+STEP=${GPU_CHECK_STEP_S:-120}
 failed=0
 summary=()
 
@@ -65,35 +67,8 @@ if [ ! -x "$B/bin/meshplan" ]; then
     exit 1
 fi
 
-# --- libraries: cudarc loads libcuda.so.1, libnvrtc.so.13, libcublasLt.so.13 and
-# libnccl.so (or .so.13/.12/.../.1, never .so.2, which is what NCCL ships).
-LIBDIR=$(mktemp -d /tmp/meshplan-libs.XXXXXX)
-# One pass over the file system (pip wheels put these under site-packages/nvidia/).
-find / -xdev \( -path /proc -o -path /sys \) -prune -o \( -name 'libnvrtc.so*' -o \
-    -name 'libcublasLt.so*' -o -name 'libnccl.so*' -o -name 'libcuda.so*' \) -print \
-    2>/dev/null >"$OUTDIR/libraries.txt"
-paths=()
-# The CUDA 13 names first (the `cuda` feature), then whatever else there is.
-for pat in 'libnvrtc.so.13' 'libcublasLt.so.13' 'libnccl.so.2' 'libcuda.so.1' \
-    'libnvrtc.so.12' 'libcublasLt.so.12'; do
-    f=$(grep -m1 "/$pat\$" "$OUTDIR/libraries.txt" || true)
-    if [ -n "$f" ]; then
-        say "found $pat: $f"
-        d=$(dirname "$f")
-        case " ${paths[*]-} " in *" $d "*) ;; *) paths+=("$d") ;; esac
-    else
-        say "not found: $pat"
-    fi
-done
-nccl=$(grep -m1 '/libnccl.so.2$' "$OUTDIR/libraries.txt" || true)
-if [ -n "$nccl" ]; then
-    ln -sf "$nccl" "$LIBDIR/libnccl.so"
-    say "linked $LIBDIR/libnccl.so -> $nccl (cudarc does not look for libnccl.so.2)"
-fi
-LD=$LIBDIR
-for p in "${paths[@]-}"; do [ -n "$p" ] && LD="$LD:$p"; done
-export LD_LIBRARY_PATH="$LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-say "LD_LIBRARY_PATH=$LD_LIBRARY_PATH"
+# shellcheck source=scripts/gpu-libs.sh
+source scripts/gpu-libs.sh
 export REQUIRE_GPU=1 REQUIRE_NVRTC=1
 
 # --- 1. nvidia-smi
@@ -112,50 +87,50 @@ if [ "$rc" = 0 ]; then result device-tests PASS; else result device-tests FAIL; 
 # --- 2c. run --check on the GPU: the device interpreter against the fp32 CPU run
 run plan-tiny 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
     --config dp=8,tp=1,pp=1,cp=1,zero=0 -o "$OUTDIR/tiny-dp8.json" --quiet
-run run-check 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp8.json" --backend cuda --steps 5 --check \
+run run-check "$STEP" "$B/bin/meshplan" run "$OUTDIR/tiny-dp8.json" --backend cuda --steps 5 --check \
     --trace "$OUTDIR/tiny-dp8-trace.json"
 if [ "$rc" = 0 ]; then result "run --backend cuda --check" PASS; else result "run --backend cuda --check" FAIL; fi
 run plan-tiny-zero1 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
     --config dp=8,tp=1,pp=1,cp=1,zero=1 -o "$OUTDIR/tiny-dp8-zero1.json" --quiet
-run run-check-zero1 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp8-zero1.json" --backend cuda --steps 5 --check
+run run-check-zero1 "$STEP" "$B/bin/meshplan" run "$OUTDIR/tiny-dp8-zero1.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (ZeRO-1)" PASS; else result "run --backend cuda --check (ZeRO-1)" FAIL; fi
 
 # Tensor parallelism on the device interpreter: split weights, activation sums on
 # device buffers, the vocabulary-parallel loss's three kernels.
 run plan-tiny-tp2 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
     --config dp=4,tp=2,pp=1,cp=1,sp=false,zero=1 -o "$OUTDIR/tiny-dp4tp2.json" --quiet
-run run-check-tp2 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp4tp2.json" --backend cuda --steps 5 --check
+run run-check-tp2 "$STEP" "$B/bin/meshplan" run "$OUTDIR/tiny-dp4tp2.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=4 tp=2 ZeRO-1)" PASS; else result "run --backend cuda --check (device, dp=4 tp=2 ZeRO-1)" FAIL; fi
 run plan-tiny-sp 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
     --config dp=4,tp=2,pp=1,cp=1,sp=true -o "$OUTDIR/tiny-dp4tp2sp.json" --quiet
-run run-check-sp 120 "$B/bin/meshplan" run "$OUTDIR/tiny-dp4tp2sp.json" --backend cuda --steps 5 --check
+run run-check-sp "$STEP" "$B/bin/meshplan" run "$OUTDIR/tiny-dp4tp2sp.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=4 tp=2 sp)" PASS; else result "run --backend cuda --check (device, dp=4 tp=2 sp)" FAIL; fi
 
 # Pipeline parallelism with tensor parallelism on the device interpreter.
 run plan-tiny-tp 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
     --config dp=2,tp=2,pp=2,mbs=1 -o "$OUTDIR/tiny-tp2pp2.json" --quiet
-run run-check-pp 150 "$B/bin/meshplan" run "$OUTDIR/tiny-tp2pp2.json" --backend cuda --steps 5 --check
+run run-check-pp "$STEP" "$B/bin/meshplan" run "$OUTDIR/tiny-tp2pp2.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=2 tp=2 pp=2)" PASS; else result "run --backend cuda --check (device, dp=2 tp=2 pp=2)" FAIL; fi
 # ZeRO-3 (per-segment gathers and reduce-scatters) on the device interpreter.
 run plan-zero3 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
     --config dp=4,tp=2,pp=1,cp=1,zero=3 -o "$OUTDIR/zero3.json" --quiet
-run run-check-zero3 120 "$B/bin/meshplan" run "$OUTDIR/zero3.json" --backend cuda --steps 5 --check
+run run-check-zero3 "$STEP" "$B/bin/meshplan" run "$OUTDIR/zero3.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=4 tp=2 ZeRO-3)" PASS; else result "run --backend cuda --check (device, dp=4 tp=2 ZeRO-3)" FAIL; fi
 # Context parallelism (ring attention) on the device interpreter.
 run plan-cp2 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
     --config dp=2,tp=2,pp=1,cp=2,sp=true -o "$OUTDIR/cp2.json" --quiet
-run run-check-cp2 120 "$B/bin/meshplan" run "$OUTDIR/cp2.json" --backend cuda --steps 5 --check
+run run-check-cp2 "$STEP" "$B/bin/meshplan" run "$OUTDIR/cp2.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=2 tp=2 cp=2 sp)" PASS; else result "run --backend cuda --check (device, dp=2 tp=2 cp=2 sp)" FAIL; fi
 # Residual and attention dropout: the GPU draws the CPU reference's masks.
 sed 's/position: rope/position: rope\n  dropout: true/' models/tiny-gpt.yaml >"$OUTDIR/tiny-gpt-dropout.yaml"
 run plan-dropout 30 "$B/bin/meshplan" plan "$OUTDIR/tiny-gpt-dropout.yaml" topologies/cpu-test-mesh.yaml \
     --config dp=4,tp=2,sp=true,pp=1,cp=1,mbs=2,zero=1 -o "$OUTDIR/dropout.json" --quiet
-run run-check-dropout 120 "$B/bin/meshplan" run "$OUTDIR/dropout.json" --backend cuda --steps 5 --check
+run run-check-dropout "$STEP" "$B/bin/meshplan" run "$OUTDIR/dropout.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dropout, dp=4 tp=2 sp)" PASS; else result "run --backend cuda --check (device, dropout, dp=4 tp=2 sp)" FAIL; fi
 # Routed experts split over ep: tokens exchanged by All-to-All on device buffers.
 run plan-ep2 30 "$B/bin/meshplan" plan models/tiny-moe.yaml topologies/cpu-test-mesh.yaml \
     --config dp=4,ep=2,tp=2,pp=1,cp=1,sp=true -o "$OUTDIR/ep2.json" --quiet
-run run-check-ep2 120 "$B/bin/meshplan" run "$OUTDIR/ep2.json" --backend cuda --steps 5 --check
+run run-check-ep2 "$STEP" "$B/bin/meshplan" run "$OUTDIR/ep2.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, tiny-moe dp=4 ep=2 tp=2 sp)" PASS; else result "run --backend cuda --check (device, tiny-moe dp=4 ep=2 tp=2 sp)" FAIL; fi
 
 # --- 2d. GPT-2 124M on one GPU (no dropout, as the PyTorch baseline): 32 sequences

@@ -426,3 +426,432 @@ extern "C" __global__ void attention_merge_bf16(bf16* o_acc, float* lse_acc,
     }
     if (lane == 0) lse_acc[row] = lse;
 }
+
+// ---------------------------------------------------------------------------------
+// Tensor-core flash attention (FlashAttention-2 order) for the training shapes:
+// head dims d = dv in {32, 64, 128}. Same layouts, masking, dropout mask, lse and
+// accumulate rules as the kernels above, which serve every other shape. Products run
+// on `mma.sync.m16n8k16` (bf16 in, fp32 accumulate); P and dS are rounded to bf16
+// for their products, as FlashAttention does.
+//
+// Forward: a block is 4 warps x 16 query rows of one (batch, query head); keys come
+// FA_BC at a time through shared memory (K and V rows padded by 8 elements so the
+// fragment loads hit distinct banks). Q stays in registers as A fragments; S = Q K^T
+// and the online softmax (exp2 domain) live in the accumulator layout, which is
+// repacked in registers as the A operand of P V.
+//
+// Backward: a block owns FA_BC keys of one (batch, kv head) and walks every query
+// head of the group and every query tile that can see its keys: S^T = K Q^T and
+// dP^T = V dO^T per warp (16 keys each), dV += (P Z)^T dO and dK += dS^T Q in
+// registers, dS through shared memory for dQ = dS K, added to the fp32 accumulator
+// by atomics. dK and dV are added to the bf16 gradients once, at the end: no other
+// block touches those keys.
+
+#define FA_BR 64
+#define FA_BC 64
+#define FA_WARPS 4
+
+// c += a (16x16, row-major) * b (16x8, column-major), bf16 in, fp32 accumulate.
+// Fragments (g = lane / 4, t = lane % 4): a = {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
+// (g+8, 2t+8..)}, b = {(k 2t..2t+1, n g), (k 2t+8.., n g)}, c = {(g, 2t), (g, 2t+1),
+// (g+8, 2t), (g+8, 2t+1)}; the lower half of a register holds the lower index.
+__device__ __forceinline__ void mma_bf16_16816(float c[4], const u32 a[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+}
+
+// Two bf16 of a column: rows r and r + 1 of a row-major shared tile.
+__device__ __forceinline__ u32 col_pair(const bf16* t, int stride) {
+    return (u32)t[0] | ((u32)t[stride] << 16);
+}
+
+// An A fragment from a row-major shared tile: rows r0..r0+15, columns c0..c0+15.
+__device__ __forceinline__ void load_a(u32 a[4], const bf16* t, int stride, int r0, int c0) {
+    const int lane = threadIdx.x % WARP;
+    const bf16* p = t + (r0 + lane / 4) * stride + c0 + 2 * (lane % 4);
+    a[0] = *(const u32*)p;
+    a[1] = *(const u32*)(p + 8 * stride);
+    a[2] = *(const u32*)(p + 8);
+    a[3] = *(const u32*)(p + 8 * stride + 8);
+}
+
+// Rows [row0, row0 + FA_BC) of one head (row stride `rs` elements) into a shared
+// tile of stride D + 8, zeros past `rows`; 16 bytes at a time.
+template <int D>
+__device__ __forceinline__ void load_tile(bf16* t, const bf16* src, i64 rs, int row0, int rows) {
+    for (int idx = threadIdx.x; idx < FA_BC * D / 8; idx += blockDim.x) {
+        const int r = idx / (D / 8);
+        const int c = (idx % (D / 8)) * 8;
+        bf16x8 x = {{0u, 0u, 0u, 0u}};
+        if (row0 + r < rows) x = *(const bf16x8*)(src + (i64)(row0 + r) * rs + c);
+        *(bf16x8*)(t + r * (D + 8) + c) = x;
+    }
+}
+
+template <int D>
+__device__ __forceinline__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* v,
+                                               int sq, int sk, int hq, int hkv, int q_pos0,
+                                               int k_pos0, int causal, float scale,
+                                               DropoutArgs drop, bf16* out, float* lse) {
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    constexpr int S = D + 8;
+    bf16* Ks = (bf16*)fa_smem;  // [FA_BC][S]
+    bf16* Vs = Ks + FA_BC * S;  // [FA_BC][S]
+    const int h = blockIdx.y;
+    const int b = blockIdx.z;
+    const int g = h / (hq / hkv);
+    const int warp = threadIdx.x / WARP;
+    const int lane = threadIdx.x % WARP;
+    const int gr = lane / 4;
+    const int t2 = 2 * (lane % 4);
+    const int blk0 = blockIdx.x * FA_BR;
+    const int r0 = blk0 + warp * 16 + gr;  // this thread's two query rows: r0, r0 + 8
+    const int r1 = r0 + 8;
+    const i64 qrs = (i64)hq * D;
+    const i64 krs = (i64)hkv * D;
+    const bf16* qh = q + (i64)b * sq * qrs + (i64)h * D;
+    const bf16* kh = k + (i64)b * sk * krs + (i64)g * D;
+    const bf16* vh = v + (i64)b * sk * krs + (i64)g * D;
+
+    u32 qf[D / 16][4];
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+        const int c = kc * 16 + t2;
+        qf[kc][0] = r0 < sq ? *(const u32*)(qh + r0 * qrs + c) : 0u;
+        qf[kc][1] = r1 < sq ? *(const u32*)(qh + r1 * qrs + c) : 0u;
+        qf[kc][2] = r0 < sq ? *(const u32*)(qh + r0 * qrs + c + 8) : 0u;
+        qf[kc][3] = r1 < sq ? *(const u32*)(qh + r1 * qrs + c + 8) : 0u;
+    }
+    const int qp0 = q_pos0 + r0;
+    const int qp1 = q_pos0 + r1;
+    const u64 dbase = drop.on ? dropout_base(drop, drop.site ^ ((drop.pos0 + (u64)h) << 40)) : 0;
+    const float sl2 = scale * LOG2E;
+    float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+    float o[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+
+    // Keys any row of the block can see.
+    const int last = min(sq, blk0 + FA_BR) - 1;
+    int nk = sk;
+    if (causal) nk = max(0, min(sk, q_pos0 + last - k_pos0 + 1));
+
+    for (int j0 = 0; j0 < nk; j0 += FA_BC) {
+        __syncthreads();  // the previous tile is consumed
+        load_tile<D>(Ks, kh, krs, j0, nk);
+        load_tile<D>(Vs, vh, krs, j0, nk);
+        __syncthreads();
+
+        float s[FA_BC / 8][4];
+#pragma unroll
+        for (int nt = 0; nt < FA_BC / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) {
+#pragma unroll
+            for (int nt = 0; nt < FA_BC / 8; ++nt) {
+                const bf16* kr = Ks + (nt * 8 + gr) * S + kc * 16 + t2;
+                mma_bf16_16816(s[nt], qf[kc], *(const u32*)kr, *(const u32*)(kr + 8));
+            }
+        }
+        float mx0 = m0, mx1 = m1;
+#pragma unroll
+        for (int nt = 0; nt < FA_BC / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int key = j0 + nt * 8 + t2 + e;
+                const int kp = k_pos0 + key;
+                const bool ok = key < nk;
+                const bool v0 = ok && r0 < sq && (!causal || kp <= qp0);
+                const bool v1 = ok && r1 < sq && (!causal || kp <= qp1);
+                s[nt][e] = v0 ? s[nt][e] * sl2 : NEG_INF;
+                s[nt][2 + e] = v1 ? s[nt][2 + e] * sl2 : NEG_INF;
+                mx0 = fmaxf(mx0, s[nt][e]);
+                mx1 = fmaxf(mx1, s[nt][2 + e]);
+            }
+        }
+#pragma unroll
+        for (int off = 1; off < 4; off <<= 1) {
+            mx0 = fmaxf(mx0, __shfl_xor_sync(FULL_MASK, mx0, off));
+            mx1 = fmaxf(mx1, __shfl_xor_sync(FULL_MASK, mx1, off));
+        }
+        // A row that has seen no key keeps m = -inf and p = 0.
+        const float a0 = mx0 == NEG_INF ? 1.0f : exp2f(m0 - mx0);
+        const float a1 = mx1 == NEG_INF ? 1.0f : exp2f(m1 - mx1);
+        m0 = mx0;
+        m1 = mx1;
+        u32 pf[FA_BC / 16][4];
+        float rs0 = 0.0f, rs1 = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < FA_BC / 8; ++nt) {
+            float p[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float mm = e < 2 ? m0 : m1;
+                p[e] = s[nt][e] == NEG_INF ? 0.0f : exp2f(s[nt][e] - mm);
+            }
+            rs0 += p[0] + p[1];
+            rs1 += p[2] + p[3];
+            if (drop.on) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    if (p[e] != 0.0f) {
+                        const int kp = k_pos0 + j0 + nt * 8 + t2 + (e & 1);
+                        p[e] *= dropout_factor(drop, dbase, drop.sample0 + b, e < 2 ? qp0 : qp1, kp);
+                    }
+                }
+            }
+            pf[nt / 2][(nt % 2) * 2] = pack_bf16x2(p[0], p[1]);
+            pf[nt / 2][(nt % 2) * 2 + 1] = pack_bf16x2(p[2], p[3]);
+        }
+        l0 = l0 * a0 + rs0;
+        l1 = l1 * a1 + rs1;
+#pragma unroll
+        for (int nt = 0; nt < D / 8; ++nt) {
+            o[nt][0] *= a0;
+            o[nt][1] *= a0;
+            o[nt][2] *= a1;
+            o[nt][3] *= a1;
+        }
+#pragma unroll
+        for (int kc = 0; kc < FA_BC / 16; ++kc) {
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                const bf16* vr = Vs + (kc * 16 + t2) * S + nt * 8 + gr;
+                mma_bf16_16816(o[nt], pf[kc], col_pair(vr, S), col_pair(vr + 8 * S, S));
+            }
+        }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {
+        l0 += __shfl_xor_sync(FULL_MASK, l0, off);
+        l1 += __shfl_xor_sync(FULL_MASK, l1, off);
+    }
+    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f;
+    const float inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
+    bf16* oh = out + (i64)b * sq * qrs + (i64)h * D;
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+        const int c = nt * 8 + t2;
+        if (r0 < sq) *(u32*)(oh + r0 * qrs + c) = pack_bf16x2(o[nt][0] * inv0, o[nt][1] * inv0);
+        if (r1 < sq) *(u32*)(oh + r1 * qrs + c) = pack_bf16x2(o[nt][2] * inv1, o[nt][3] * inv1);
+    }
+    if (t2 == 0) {
+        float* lh = lse + ((i64)b * hq + h) * sq;
+        if (r0 < sq) lh[r0] = l0 > 0.0f ? (m0 + log2f(l0)) * LN2 : NEG_INF;
+        if (r1 < sq) lh[r1] = l1 > 0.0f ? (m1 + log2f(l1)) * LN2 : NEG_INF;
+    }
+}
+
+// grid (ceil(sq / FA_BR), hq, batch), block FA_WARPS * 32, dynamic shared memory
+// 2 * FA_BC * (d + 8) * 2 bytes.
+#define FLASH_FWD_ARGS                                                                    \
+    const bf16 *q, const bf16 *k, const bf16 *v, int sq, int sk, int hq, int hkv,       \
+        int q_pos0, int k_pos0, int causal, float scale, DropoutArgs drop, bf16 *out, \
+        float *lse
+#define FLASH_FWD_CALL q, k, v, sq, sk, hq, hkv, q_pos0, k_pos0, causal, scale, drop, out, lse
+
+extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_fwd_bf16_32(FLASH_FWD_ARGS) {
+    flash_fwd_impl<32>(FLASH_FWD_CALL);
+}
+extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_fwd_bf16_64(FLASH_FWD_ARGS) {
+    flash_fwd_impl<64>(FLASH_FWD_CALL);
+}
+extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_fwd_bf16_128(FLASH_FWD_ARGS) {
+    flash_fwd_impl<128>(FLASH_FWD_CALL);
+}
+
+template <int D>
+__device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, const bf16* v,
+                                               const float* lse, const float* delta,
+                                               const bf16* d_o, int sq, int sk, int hq,
+                                               int hkv, int q_pos0, int k_pos0, int causal,
+                                               float scale, DropoutArgs drop, float* dq_acc,
+                                               bf16* dk, bf16* dvg) {
+    extern __shared__ __align__(16) unsigned char fa_smem[];
+    constexpr int S = D + 8;
+    constexpr int SS = FA_BC + 8;
+    bf16* Ks = (bf16*)fa_smem;    // [FA_BC keys][S]
+    bf16* Vs = Ks + FA_BC * S;    // [FA_BC keys][S]
+    bf16* Qs = Vs + FA_BC * S;    // [FA_BR queries][S]
+    bf16* Gs = Qs + FA_BR * S;    // [FA_BR queries][S] (dO)
+    bf16* Ds = Gs + FA_BR * S;    // [FA_BR queries][SS] (dS, scaled)
+    float* Ls = (float*)(Ds + FA_BR * SS);  // [FA_BR] lse
+    float* Dl = Ls + FA_BR;                 // [FA_BR] delta
+    const int g = blockIdx.y;
+    const int b = blockIdx.z;
+    const int group = hq / hkv;
+    const int warp = threadIdx.x / WARP;
+    const int lane = threadIdx.x % WARP;
+    const int gr = lane / 4;
+    const int t2 = 2 * (lane % 4);
+    const int j0 = blockIdx.x * FA_BC;
+    const int kw = warp * 16;  // this warp's keys within the tile: rows kw + gr, + 8
+    const int key0 = j0 + kw + gr;
+    const i64 qrs = (i64)hq * D;
+    const i64 krs = (i64)hkv * D;
+    load_tile<D>(Ks, k + (i64)b * sk * krs + (i64)g * D, krs, j0, sk);
+    load_tile<D>(Vs, v + (i64)b * sk * krs + (i64)g * D, krs, j0, sk);
+
+    float ak[D / 8][4], av[D / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+        ak[nt][0] = ak[nt][1] = ak[nt][2] = ak[nt][3] = 0.0f;
+        av[nt][0] = av[nt][1] = av[nt][2] = av[nt][3] = 0.0f;
+    }
+    // The first query that can see the tile's first key.
+    const int i_start = causal ? min(sq, max(0, k_pos0 + j0 - q_pos0)) : 0;
+    const float sl2 = scale * LOG2E;
+
+    for (int h = g * group; h < (g + 1) * group; ++h) {
+        const u64 dbase =
+            drop.on ? dropout_base(drop, drop.site ^ ((drop.pos0 + (u64)h) << 40)) : 0;
+        const bf16* qh = q + (i64)b * sq * qrs + (i64)h * D;
+        const bf16* gh = d_o + (i64)b * sq * qrs + (i64)h * D;
+        const float* lh = lse + ((i64)b * hq + h) * sq;
+        const float* dh = delta + ((i64)b * hq + h) * sq;
+        for (int i0 = i_start; i0 < sq; i0 += FA_BR) {
+            __syncthreads();  // the previous tiles are consumed (K, V written, the first time)
+            load_tile<D>(Qs, qh, qrs, i0, sq);
+            load_tile<D>(Gs, gh, qrs, i0, sq);
+            for (int r = threadIdx.x; r < FA_BR; r += blockDim.x) {
+                Ls[r] = i0 + r < sq ? lh[i0 + r] : NEG_INF;
+                Dl[r] = i0 + r < sq ? dh[i0 + r] : 0.0f;
+            }
+            __syncthreads();
+
+            // S^T and dP^T for this warp's 16 keys against the tile's queries.
+            float st[FA_BR / 8][4], dpt[FA_BR / 8][4];
+#pragma unroll
+            for (int nt = 0; nt < FA_BR / 8; ++nt) {
+                st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.0f;
+                dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.0f;
+            }
+#pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc) {
+                u32 ka[4], va[4];
+                load_a(ka, Ks, S, kw, kc * 16);
+                load_a(va, Vs, S, kw, kc * 16);
+#pragma unroll
+                for (int nt = 0; nt < FA_BR / 8; ++nt) {
+                    const bf16* qr = Qs + (nt * 8 + gr) * S + kc * 16 + t2;
+                    mma_bf16_16816(st[nt], ka, *(const u32*)qr, *(const u32*)(qr + 8));
+                    const bf16* dr = Gs + (nt * 8 + gr) * S + kc * 16 + t2;
+                    mma_bf16_16816(dpt[nt], va, *(const u32*)dr, *(const u32*)(dr + 8));
+                }
+            }
+            // P Z into st, dS * scale into dpt (rows: keys; columns: queries).
+#pragma unroll
+            for (int nt = 0; nt < FA_BR / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int key = key0 + (e < 2 ? 0 : 8);
+                    const int qc = nt * 8 + t2 + (e & 1);
+                    const int qi = i0 + qc;
+                    const float L = Ls[qc];
+                    const bool vis = key < sk && qi < sq && L != NEG_INF &&
+                                     (!causal || k_pos0 + key <= q_pos0 + qi);
+                    const float p = vis ? exp2f(st[nt][e] * sl2 - L * LOG2E) : 0.0f;
+                    float z = 1.0f;
+                    if (drop.on && p != 0.0f) {
+                        z = dropout_factor(drop, dbase, drop.sample0 + b, q_pos0 + qi, k_pos0 + key);
+                    }
+                    const float ds = p * (dpt[nt][e] * z - Dl[qc]) * scale;
+                    st[nt][e] = p * z;
+                    dpt[nt][e] = ds;
+                    Ds[qc * SS + kw + gr + (e < 2 ? 0 : 8)] = f32_to_bf16(ds);
+                }
+            }
+            // dV += (P Z)^T dO and dK += dS^T Q: A from the accumulators, B columns of
+            // the shared tiles.
+#pragma unroll
+            for (int kc = 0; kc < FA_BR / 16; ++kc) {
+                const u32 pa[4] = {pack_bf16x2(st[2 * kc][0], st[2 * kc][1]),
+                                   pack_bf16x2(st[2 * kc][2], st[2 * kc][3]),
+                                   pack_bf16x2(st[2 * kc + 1][0], st[2 * kc + 1][1]),
+                                   pack_bf16x2(st[2 * kc + 1][2], st[2 * kc + 1][3])};
+                const u32 da[4] = {pack_bf16x2(dpt[2 * kc][0], dpt[2 * kc][1]),
+                                   pack_bf16x2(dpt[2 * kc][2], dpt[2 * kc][3]),
+                                   pack_bf16x2(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
+                                   pack_bf16x2(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
+#pragma unroll
+                for (int nt = 0; nt < D / 8; ++nt) {
+                    const bf16* gcol = Gs + (kc * 16 + t2) * S + nt * 8 + gr;
+                    mma_bf16_16816(av[nt], pa, col_pair(gcol, S), col_pair(gcol + 8 * S, S));
+                    const bf16* qcol = Qs + (kc * 16 + t2) * S + nt * 8 + gr;
+                    mma_bf16_16816(ak[nt], da, col_pair(qcol, S), col_pair(qcol + 8 * S, S));
+                }
+            }
+            __syncthreads();  // dS complete
+
+            // dQ (the warp's 16 queries) += dS K, column block by column block.
+            const int qw = warp * 16;
+            const int qi0 = i0 + qw + gr;
+#pragma unroll
+            for (int nt = 0; nt < D / 8; ++nt) {
+                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+                for (int kc = 0; kc < FA_BC / 16; ++kc) {
+                    u32 a[4];
+                    load_a(a, Ds, SS, qw, kc * 16);
+                    const bf16* kcol = Ks + (kc * 16 + t2) * S + nt * 8 + gr;
+                    mma_bf16_16816(c, a, col_pair(kcol, S), col_pair(kcol + 8 * S, S));
+                }
+                const int col = nt * 8 + t2;
+                if (qi0 < sq) {
+                    float* d0 = dq_acc + ((i64)b * sq + qi0) * qrs + (i64)h * D + col;
+                    atomicAdd(d0, c[0]);
+                    atomicAdd(d0 + 1, c[1]);
+                }
+                if (qi0 + 8 < sq) {
+                    float* d1 = dq_acc + ((i64)b * sq + qi0 + 8) * qrs + (i64)h * D + col;
+                    atomicAdd(d1, c[2]);
+                    atomicAdd(d1 + 1, c[3]);
+                }
+            }
+        }
+    }
+
+#pragma unroll
+    for (int nt = 0; nt < D / 8; ++nt) {
+        const int col = nt * 8 + t2;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int key = key0 + 8 * half;
+            if (key >= sk) continue;
+            bf16* dkr = dk + ((i64)b * sk + key) * krs + (i64)g * D + col;
+            bf16* dvr = dvg + ((i64)b * sk + key) * krs + (i64)g * D + col;
+            bf16_add(dkr, ak[nt][2 * half]);
+            bf16_add(dkr + 1, ak[nt][2 * half + 1]);
+            bf16_add(dvr, av[nt][2 * half]);
+            bf16_add(dvr + 1, av[nt][2 * half + 1]);
+        }
+    }
+}
+
+// grid (ceil(sk / FA_BC), hkv, batch), block FA_WARPS * 32, dynamic shared memory
+// (4 * 64 * (d + 8) + 64 * 72) * 2 + 2 * 64 * 4 bytes. dq_acc [batch, sq, hq, d] fp32
+// is added to (zero it first); dk, dv are added to.
+#define FLASH_BWD_ARGS                                                                     \
+    const bf16 *q, const bf16 *k, const bf16 *v, const float *lse, const float *delta,   \
+        const bf16 *d_o, int sq, int sk, int hq, int hkv, int q_pos0, int k_pos0,        \
+        int causal, float scale, DropoutArgs drop, float *dq_acc, bf16 *dk, bf16 *dvg
+#define FLASH_BWD_CALL                                                                     \
+    q, k, v, lse, delta, d_o, sq, sk, hq, hkv, q_pos0, k_pos0, causal, scale, drop, dq_acc, \
+        dk, dvg
+
+extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_bwd_bf16_32(FLASH_BWD_ARGS) {
+    flash_bwd_impl<32>(FLASH_BWD_CALL);
+}
+extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_bwd_bf16_64(FLASH_BWD_ARGS) {
+    flash_bwd_impl<64>(FLASH_BWD_CALL);
+}
+extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_bwd_bf16_128(FLASH_BWD_ARGS) {
+    flash_bwd_impl<128>(FLASH_BWD_CALL);
+}

@@ -136,6 +136,23 @@ __device__ __forceinline__ void row_for_each(const bf16* row, int dim, F f) {
     }
 }
 
+// As row_for_each, for a row that one warp walks alone (lanes striding over it).
+template <typename F>
+__device__ __forceinline__ void warp_row_for_each(const bf16* row, int dim, F f) {
+    const int lane = threadIdx.x % WARP;
+    if (aligned8(row, dim)) {
+        const bf16x8* v = (const bf16x8*)row;
+        for (int i = lane; i < dim / 8; i += WARP) {
+            float e[8];
+            unpack8(v[i], e);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) f(i * 8 + j, e[j]);
+        }
+    } else {
+        for (int c = lane; c < dim; c += WARP) f(c, bf16_to_f32(row[c]));
+    }
+}
+
 // `*p += x` on a bf16 in fp32, rounded once (no other thread writes *p).
 __device__ __forceinline__ void bf16_add(bf16* p, float x) {
     *p = f32_to_bf16(bf16_to_f32(*p) + x);

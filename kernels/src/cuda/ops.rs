@@ -38,7 +38,19 @@ pub(super) fn per_row(rows: usize, threads: u32, shared_bytes: u32) -> LaunchCon
     }
 }
 
-/// Threads per block of the row kernels (norms, embedding rows).
+/// Rows per block of the norm kernels, one warp each (`NORM_WARPS` in norm.cu).
+const NORM_WARPS: usize = 8;
+
+/// The norm forward kernels' launch: one warp per row.
+fn norm_rows(rows: usize) -> LaunchConfig {
+    per_row(
+        rows.div_ceil(NORM_WARPS),
+        (NORM_WARPS * WARP_SIZE) as u32,
+        0,
+    )
+}
+
+/// Threads per block of the row kernels (embedding rows, layout changes).
 pub(super) const ROW_THREADS: u32 = 256;
 /// Threads of a warp (`WARP` in the prelude).
 const WARP_SIZE: usize = 32;
@@ -52,6 +64,10 @@ const MOE_WARPS: usize = 4;
 const ATT_BC: usize = 32;
 const ATT_WARPS: usize = 4;
 const ATT_ROWS: usize = 16;
+/// The tensor-core attention kernels' tiles (`FA_*` in attention.cu): queries and
+/// keys per block, warps per block.
+const FA_TILE: usize = 64;
+const FA_WARPS: usize = 4;
 /// Largest head dimension the attention kernels hold in registers.
 const ATT_HEAD_DIM_MAX: usize = 256;
 
@@ -258,7 +274,7 @@ impl Gpu {
         launch!(
             self,
             f,
-            per_row(rows, ROW_THREADS, 0),
+            norm_rows(rows),
             [x, weight, bias, &r, &d, &eps, y, mean, rstd]
         )
     }
@@ -294,17 +310,17 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        let blocks = self.row_blocks(rows);
+        let blocks = self.row_blocks(rows.div_ceil(NORM_WARPS));
         let stride = int("dim", 2 * dim)?;
-        let mut partial = self.zeros::<f32>(prod("partial", &[blocks, 2, dim])?)?;
+        let mut partial = self.zeros::<f32>(prod("partial", &[blocks * NORM_WARPS, 2, dim])?)?;
         let f = self.function(M::Norm, "layernorm_bwd_bf16")?;
         launch!(
             self,
             f,
-            per_row(blocks, ROW_THREADS, 0),
+            per_row(blocks, (NORM_WARPS * WARP_SIZE) as u32, 0),
             [x, weight, mean, rstd, dy, &r, &d, dx, &mut partial]
         )?;
-        let nb = blocks as i32;
+        let nb = (blocks * NORM_WARPS) as i32;
         let cfg = self.elementwise(dim);
         let pw = partial.slice(..);
         let f = self.function(M::Norm, "colsum_add_f32")?;
@@ -338,12 +354,7 @@ impl Gpu {
             return Ok(());
         }
         let f = self.function(M::Norm, "rmsnorm_fwd_bf16")?;
-        launch!(
-            self,
-            f,
-            per_row(rows, ROW_THREADS, 0),
-            [x, weight, &r, &d, &eps, y, rstd]
-        )
+        launch!(self, f, norm_rows(rows), [x, weight, &r, &d, &eps, y, rstd])
     }
 
     /// [`crate::cpu::rmsnorm_bwd`]: `dx (bf16) +=`, `dweight (fp32) +=`.
@@ -369,16 +380,16 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        let blocks = self.row_blocks(rows);
-        let mut partial = self.zeros::<f32>(prod("partial", &[blocks, dim])?)?;
+        let blocks = self.row_blocks(rows.div_ceil(NORM_WARPS));
+        let mut partial = self.zeros::<f32>(prod("partial", &[blocks * NORM_WARPS, dim])?)?;
         let f = self.function(M::Norm, "rmsnorm_bwd_bf16")?;
         launch!(
             self,
             f,
-            per_row(blocks, ROW_THREADS, 0),
+            per_row(blocks, (NORM_WARPS * WARP_SIZE) as u32, 0),
             [x, weight, rstd, dy, &r, &d, dx, &mut partial]
         )?;
-        let nb = blocks as i32;
+        let nb = (blocks * NORM_WARPS) as i32;
         let f = self.function(M::Norm, "colsum_add_f32")?;
         launch!(
             self,
@@ -942,6 +953,44 @@ impl Gpu {
         if dims.batch == 0 || dims.sq == 0 {
             return Ok(());
         }
+        if let Some(fd) = flash_dim(dims) {
+            let name = match fd {
+                32 => "flash_fwd_bf16_32",
+                64 => "flash_fwd_bf16_64",
+                _ => "flash_fwd_bf16_128",
+            };
+            let f = self.function(M::Attention, name)?;
+            let shared = 2 * FA_TILE * (fd + 8) * 2;
+            self.allow_shared(&f, shared, "dims")?;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    int("sq", dims.sq.div_ceil(FA_TILE))? as u32,
+                    dims.hq as u32,
+                    dims.batch as u32,
+                ),
+                block_dim: ((FA_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: shared as u32,
+            };
+            let AttnArgs {
+                sq,
+                sk,
+                hq,
+                hkv,
+                q_pos0,
+                k_pos0,
+                causal,
+                ..
+            } = a;
+            return launch!(
+                self,
+                f,
+                cfg,
+                [
+                    q, k, v, &sq, &sk, &hq, &hkv, &q_pos0, &k_pos0, &causal, &scale, &drop, out,
+                    lse
+                ]
+            );
+        }
         let (d, dv) = (dims.d, dims.dv);
         let shared = (ATT_ROWS * d + ATT_BC * (d | 1) + ATT_BC * dv + ATT_ROWS * ATT_BC) * 4;
         let name = if dv <= 128 {
@@ -1034,6 +1083,60 @@ impl Gpu {
             },
             [o, d_o, &b, &sq, &hq, &dv, &mut delta]
         )?;
+        let mut dq_acc = self.zeros::<f32>(a.q_len)?;
+        if let Some(fd) = flash_dim(dims) {
+            let name = match fd {
+                32 => "flash_bwd_bf16_32",
+                64 => "flash_bwd_bf16_64",
+                _ => "flash_bwd_bf16_128",
+            };
+            let f = self.function(M::Attention, name)?;
+            let shared = (4 * FA_TILE * (fd + 8) + FA_TILE * (FA_TILE + 8)) * 2 + 2 * FA_TILE * 4;
+            self.allow_shared(&f, shared, "dims")?;
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    int("sk", dims.sk.div_ceil(FA_TILE))? as u32,
+                    dims.hkv as u32,
+                    dims.batch as u32,
+                ),
+                block_dim: ((FA_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: shared as u32,
+            };
+            let AttnArgs {
+                sk,
+                hkv,
+                q_pos0,
+                k_pos0,
+                causal,
+                ..
+            } = a;
+            launch!(
+                self,
+                f,
+                cfg,
+                [
+                    q,
+                    k,
+                    v,
+                    lse,
+                    &delta,
+                    d_o,
+                    &sq,
+                    &sk,
+                    &hq,
+                    &hkv,
+                    &q_pos0,
+                    &k_pos0,
+                    &causal,
+                    &scale,
+                    &drop,
+                    &mut dq_acc,
+                    d_k,
+                    d_v
+                ]
+            )?;
+            return self.add_f32_into_bf16(&dq_acc, d_q);
+        }
         let (d, dvu) = (dims.d, dims.dv);
         let shared = (ATT_BC * ((d | 1) + (dvu | 1)) + ATT_WARPS * (d + dvu + 2 * ATT_BC)) * 4;
         let name = if d.max(dvu) <= 128 {
@@ -1043,7 +1146,6 @@ impl Gpu {
         };
         let f = self.function(M::Attention, name)?;
         self.allow_shared(&f, shared, "dims")?;
-        let mut dq_acc = self.zeros::<f32>(a.q_len)?;
         let cfg = LaunchConfig {
             grid_dim: (
                 int("sk", dims.sk.div_ceil(ATT_BC))? as u32,
@@ -1429,6 +1531,13 @@ fn check_route(tokens: usize, experts: usize, k: usize) -> Result<(usize, usize)
         prod("logits", &[tokens, experts])?,
         prod("expert_idx", &[tokens, k])?,
     ))
+}
+
+/// The head dimension of the tensor-core kernel (`flash_*_bf16_{32,64,128}`) that
+/// serves these sizes, if one does: equal query/key and value widths of 32, 64 or
+/// 128. Every other shape runs on the scalar kernels.
+fn flash_dim(dims: &AttnDims) -> Option<usize> {
+    (dims.d == dims.dv && matches!(dims.d, 32 | 64 | 128)).then_some(dims.d)
 }
 
 /// An attention call's sizes, checked and converted to the kernels' ints.
