@@ -32,3 +32,15 @@ gzip -f "$OUTDIR/gpt2-trace.json"
     --config dp=4,tp=2,pp=1,cp=1,sp=true,mbs=2 -o /tmp/small-gpt2.json --quiet >/dev/null
 timeout 120 "$B/bin/meshplan" run /tmp/small-gpt2.json --backend cuda --steps 3 --check 2>&1 |
     tee "$OUTDIR/small-gpt2-check.txt"
+# Registers and spills of the attention kernels (ptxas on the cached PTX, whose last
+# line is the cache's marker).
+PTXAS=$(command -v ptxas || ls /usr/local/cuda*/bin/ptxas 2>/dev/null | head -n 1)
+if [ -n "$PTXAS" ]; then
+    for f in "${XDG_CACHE_HOME:-$HOME/.cache}"/meshplan/ptx/*; do
+        grep -q 'flash_fwd_bf16_64' "$f" 2>/dev/null || continue
+        head -n -1 "$f" >/tmp/attention.ptx
+        arch=$(grep -m1 '^.target' /tmp/attention.ptx | awk '{print $2}')
+        "$PTXAS" -arch="$arch" -v /tmp/attention.ptx -o /dev/null 2>&1 |
+            grep -E 'Compiling entry|spill|Used' | tee "$OUTDIR/attention-registers.txt"
+    done
+fi

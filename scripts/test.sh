@@ -5,6 +5,8 @@
 #  2. the GPU layer without a GPU: NVRTC, from PyPI's wheel installed once into a
 #     venv under target/, compiles every CUDA kernel for sm_80 and sm_90 with no
 #     warning and the PTX cache round-trips (REQUIRE_NVRTC=1: a skip is a failure);
+#     ptxas, from the nvcc wheel beside it, assembles every module (inline asm
+#     included) and finds no spill in the tensor-core attention (REQUIRE_PTXAS=1);
 #     the GPU kernel tests skip and say why (run with REQUIRE_GPU=1 on a GPU machine);
 #  3. `run --backend cuda` of a `--features cuda` binary exits 1 naming what is
 #     missing, without a panic;
@@ -21,6 +23,9 @@ cd "$(dirname "$0")/.."
 # NVRTC 13.0, matching the `cuda` feature (cudarc's cuda-13000): it ships
 # nvidia/cu13/lib/libnvrtc.so.13, which cudarc finds through LD_LIBRARY_PATH.
 NVRTC_WHEEL="nvidia-cuda-nvrtc==13.0.88"
+# ptxas of the same release (nvidia/cu13/bin/ptxas): assembles the PTX, inline asm
+# included, which NVRTC passes through unchecked.
+NVCC_WHEEL="nvidia-cuda-nvcc==13.0.88"
 NVRTC_DIR=target/nvrtc-venv
 
 # Each step's heading, with the seconds the previous one took.
@@ -47,14 +52,14 @@ step "the report page in headless Chromium (tests/python/report)"
 tests/python/report/run.sh
 
 step "NVRTC wheel ($NVRTC_WHEEL) in $NVRTC_DIR"
-stamp="$NVRTC_DIR/.installed-${NVRTC_WHEEL//[^A-Za-z0-9.]/_}"
+stamp="$NVRTC_DIR/.installed-${NVRTC_WHEEL//[^A-Za-z0-9.]/_}-${NVCC_WHEEL//[^A-Za-z0-9.]/_}"
 if [ ! -f "$stamp" ]; then
     rm -rf "$NVRTC_DIR"
     if python3 -m venv "$NVRTC_DIR" 2>/dev/null; then
-        "$NVRTC_DIR/bin/python" -m pip install --quiet --disable-pip-version-check "$NVRTC_WHEEL"
+        "$NVRTC_DIR/bin/python" -m pip install --quiet --disable-pip-version-check "$NVRTC_WHEEL" "$NVCC_WHEEL"
     else
         # No venv module (Debian without python3-venv): a plain target folder.
-        python3 -m pip install --quiet --disable-pip-version-check --target "$NVRTC_DIR" "$NVRTC_WHEEL"
+        python3 -m pip install --quiet --disable-pip-version-check --target "$NVRTC_DIR" "$NVRTC_WHEEL" "$NVCC_WHEEL"
     fi
     touch "$stamp"
 fi
@@ -66,9 +71,17 @@ fi
 NVRTC_LIB=$(cd "$(dirname "$nvrtc_so")" && pwd)
 export LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "libnvrtc: $NVRTC_LIB"
+PTXAS=$(find "$NVRTC_DIR" -name ptxas -type f -print -quit)
+if [ -z "$PTXAS" ]; then
+    echo "scripts/test.sh: $NVCC_WHEEL installed no ptxas under $NVRTC_DIR" >&2
+    exit 1
+fi
+chmod +x "$PTXAS"
+export PTXAS
+echo "ptxas: $PTXAS"
 
 step "CUDA kernels: NVRTC compile tests (GPU tests skip without a GPU)"
-REQUIRE_NVRTC=1 cargo test -p meshplan-kernels --release --features cuda
+REQUIRE_NVRTC=1 REQUIRE_PTXAS=1 cargo test -p meshplan-kernels --release --features cuda
 
 step "run --backend cuda with a --features cuda binary"
 # `--workspace` (the CPU suite's selection) reuses its test binary; only the binary

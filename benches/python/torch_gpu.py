@@ -110,6 +110,13 @@ class GPT2(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight
+        # GPT-2's initialisation (normal, std 0.02; zero biases), as meshplan's seeded
+        # weights: the loss starts near ln(vocab), not at PyTorch's default init's ~100.
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
 
     def forward(self, idx, targets):
         T = idx.shape[1]
@@ -214,9 +221,11 @@ def main():
         try:
             with open(args.meshplan_train) as f:
                 run = json.load(f)
-            # meshplan's model: vocabulary 50257 (PyTorch's pads to 50304).
+            # The same model (vocabulary padded to 50304, as gpu-check.sh runs it):
+            # the same FLOPs per token.
             tps = run["measured"]["tokens_per_s"]
-            tflops = tps * (6 * 124_439_808 + 12 * 12 * 768 * 1024) / 1e12
+            n_params = results.get("gpt2_eager", {}).get("params", 124_475_904)
+            tflops = tps * (6 * n_params + 12 * 12 * 768 * 1024) / 1e12
             mfu = tflops / peak if not math.isnan(peak) else float("nan")
             results["gpt2_meshplan"] = {"tokens_per_s": tps, "tflops": tflops, "mfu": mfu, "loss": run["loss"]}
             print(f"{'meshplan':>8}: {tps:>10.0f} tokens/s, {tflops:.1f} TFLOP/s, MFU {mfu:.1%} (run --backend cuda, median step)")

@@ -447,9 +447,10 @@ extern "C" __global__ void attention_merge_bf16(bf16* o_acc, float* lse_acc,
 // by atomics. dK and dV are added to the bf16 gradients once, at the end: no other
 // block touches those keys.
 
-#define FA_BR 64
-#define FA_BC 64
-#define FA_WARPS 4
+#define FA_BR 64        // queries per backward tile
+#define FA_BC 64        // keys per tile
+#define FA_WARPS 4      // backward block: 16 keys per warp
+#define FA_FWD_WARPS 8  // forward block: 16 queries per warp, 128 per block
 
 // c += a (16x16, row-major) * b (16x8, column-major), bf16 in, fp32 accumulate.
 // Fragments (g = lane / 4, t = lane % 4): a = {(g, 2t..2t+1), (g+8, 2t..), (g, 2t+8..),
@@ -467,31 +468,72 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
 }
 
-// Two bf16 of a column: rows r and r + 1 of a row-major shared tile.
-__device__ __forceinline__ u32 col_pair(const bf16* t, int stride) {
-    return (u32)t[0] | ((u32)t[stride] << 16);
+// The shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    u32 a;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+    return a;
+}
+
+// Four 8x8 bf16 matrices from shared memory, lane l giving the address of a row of
+// matrix l / 8; lane t receives row t / 4, columns 2 (t % 4) and + 1 of each
+// (`trans`: column t / 4, rows 2 (t % 4) and + 1).
+__device__ __forceinline__ void ldsm_x4(u32 r[4], const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
+}
+__device__ __forceinline__ void ldsm_x4_trans(u32 r[4], const bf16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_u32(p)));
 }
 
 // An A fragment from a row-major shared tile: rows r0..r0+15, columns c0..c0+15.
 __device__ __forceinline__ void load_a(u32 a[4], const bf16* t, int stride, int r0, int c0) {
     const int lane = threadIdx.x % WARP;
-    const bf16* p = t + (r0 + lane / 4) * stride + c0 + 2 * (lane % 4);
-    a[0] = *(const u32*)p;
-    a[1] = *(const u32*)(p + 8 * stride);
-    a[2] = *(const u32*)(p + 8);
-    a[3] = *(const u32*)(p + 8 * stride + 8);
+    ldsm_x4(a, t + (r0 + lane % 16) * stride + c0 + (lane / 16) * 8);
 }
 
-// Rows [row0, row0 + FA_BC) of one head (row stride `rs` elements) into a shared
-// tile of stride D + 8, zeros past `rows`; 16 bytes at a time.
+// B fragments of n-tiles n0 and n0 + 8 (b[0], b[1] and b[2], b[3]) over k0..k0+15,
+// where B[k][n] = t[n][k] (a tile whose rows are B's columns: K for Q K^T).
+__device__ __forceinline__ void load_b_rows_n(u32 b[4], const bf16* t, int stride, int n0,
+                                              int k0) {
+    const int lane = threadIdx.x % WARP;
+    ldsm_x4(b, t + (n0 + lane % 8 + (lane / 16) * 8) * stride + k0 + ((lane / 8) % 2) * 8);
+}
+
+// The same where B[k][n] = t[k][n] (a tile whose rows are B's rows: V for P V).
+__device__ __forceinline__ void load_b_rows_k(u32 b[4], const bf16* t, int stride, int k0,
+                                              int n0) {
+    const int lane = threadIdx.x % WARP;
+    ldsm_x4_trans(b, t + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * stride + n0 + (lane / 16) * 8);
+}
+
+// 16 bytes from global to shared memory without passing through registers
+// (`cp.async`), zeros when !pred; completes at cp_async_wait.
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(pred ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, bool pred) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(smem_u32(dst)), "l"(src),
+                 "r"(pred ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// Waits until at most one committed group is still in flight; until none is.
+__device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;"); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;"); }
+
+// Starts copying rows [row0, row0 + 64) of one head (row stride `rs` elements) into
+// a shared tile of stride D + 8, zeros past `rows`.
 template <int D>
 __device__ __forceinline__ void load_tile(bf16* t, const bf16* src, i64 rs, int row0, int rows) {
     for (int idx = threadIdx.x; idx < FA_BC * D / 8; idx += blockDim.x) {
         const int r = idx / (D / 8);
         const int c = (idx % (D / 8)) * 8;
-        bf16x8 x = {{0u, 0u, 0u, 0u}};
-        if (row0 + r < rows) x = *(const bf16x8*)(src + (i64)(row0 + r) * rs + c);
-        *(bf16x8*)(t + r * (D + 8) + c) = x;
+        const bool in = row0 + r < rows;
+        cp_async16(t + r * (D + 8) + c, src + (in ? (i64)(row0 + r) * rs + c : 0), in);
     }
 }
 
@@ -502,8 +544,8 @@ __device__ __forceinline__ void flash_fwd_impl(const bf16* q, const bf16* k, con
                                                DropoutArgs drop, bf16* out, float* lse) {
     extern __shared__ __align__(16) unsigned char fa_smem[];
     constexpr int S = D + 8;
-    bf16* Ks = (bf16*)fa_smem;  // [FA_BC][S]
-    bf16* Vs = Ks + FA_BC * S;  // [FA_BC][S]
+    constexpr int TILE = FA_BC * S;
+    bf16* KV = (bf16*)fa_smem;  // two buffers of [K tile][V tile], each [FA_BC][S]
     const int h = blockIdx.y;
     const int b = blockIdx.z;
     const int g = h / (hq / hkv);
@@ -511,7 +553,7 @@ __device__ __forceinline__ void flash_fwd_impl(const bf16* q, const bf16* k, con
     const int lane = threadIdx.x % WARP;
     const int gr = lane / 4;
     const int t2 = 2 * (lane % 4);
-    const int blk0 = blockIdx.x * FA_BR;
+    const int blk0 = blockIdx.x * (FA_FWD_WARPS * 16);
     const int r0 = blk0 + warp * 16 + gr;  // this thread's two query rows: r0, r0 + 8
     const int r1 = r0 + 8;
     const i64 qrs = (i64)hq * D;
@@ -538,16 +580,36 @@ __device__ __forceinline__ void flash_fwd_impl(const bf16* q, const bf16* k, con
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
 
-    // Keys any row of the block can see.
-    const int last = min(sq, blk0 + FA_BR) - 1;
+    // Keys any row of the block can see, and the last this warp's rows can.
+    const int last = min(sq, blk0 + FA_FWD_WARPS * 16) - 1;
     int nk = sk;
     if (causal) nk = max(0, min(sk, q_pos0 + last - k_pos0 + 1));
+    const int warp_last = q_pos0 + min(sq - 1, blk0 + warp * 16 + 15) - k_pos0;
 
-    for (int j0 = 0; j0 < nk; j0 += FA_BC) {
-        __syncthreads();  // the previous tile is consumed
-        load_tile<D>(Ks, kh, krs, j0, nk);
-        load_tile<D>(Vs, vh, krs, j0, nk);
-        __syncthreads();
+    // Tile t + 1 is copied while tile t is used.
+    const int tiles = (nk + FA_BC - 1) / FA_BC;
+    if (tiles > 0) {
+        load_tile<D>(KV, kh, krs, 0, nk);
+        load_tile<D>(KV + TILE, vh, krs, 0, nk);
+    }
+    cp_async_commit();
+    for (int t = 0; t < tiles; ++t) {
+        const int j0 = t * FA_BC;
+        if (t + 1 < tiles) {
+            bf16* nxt = KV + ((t + 1) % 2) * 2 * TILE;
+            load_tile<D>(nxt, kh, krs, j0 + FA_BC, nk);
+            load_tile<D>(nxt + TILE, vh, krs, j0 + FA_BC, nk);
+        }
+        cp_async_commit();
+        cp_async_wait1();
+        __syncthreads();  // tile t is in shared memory for every thread
+        const bf16* Ks = KV + (t % 2) * 2 * TILE;
+        const bf16* Vs = Ks + TILE;
+        // Under a causal mask a warp whose rows all precede the tile skips it.
+        if (causal && warp_last < j0) {
+            __syncthreads();
+            continue;
+        }
 
         float s[FA_BC / 8][4];
 #pragma unroll
@@ -555,9 +617,11 @@ __device__ __forceinline__ void flash_fwd_impl(const bf16* q, const bf16* k, con
 #pragma unroll
         for (int kc = 0; kc < D / 16; ++kc) {
 #pragma unroll
-            for (int nt = 0; nt < FA_BC / 8; ++nt) {
-                const bf16* kr = Ks + (nt * 8 + gr) * S + kc * 16 + t2;
-                mma_bf16_16816(s[nt], qf[kc], *(const u32*)kr, *(const u32*)(kr + 8));
+            for (int nt = 0; nt < FA_BC / 8; nt += 2) {
+                u32 kb[4];
+                load_b_rows_n(kb, Ks, S, nt * 8, kc * 16);
+                mma_bf16_16816(s[nt], qf[kc], kb[0], kb[1]);
+                mma_bf16_16816(s[nt + 1], qf[kc], kb[2], kb[3]);
             }
         }
         float mx0 = m0, mx1 = m1;
@@ -622,12 +686,16 @@ __device__ __forceinline__ void flash_fwd_impl(const bf16* q, const bf16* k, con
 #pragma unroll
         for (int kc = 0; kc < FA_BC / 16; ++kc) {
 #pragma unroll
-            for (int nt = 0; nt < D / 8; ++nt) {
-                const bf16* vr = Vs + (kc * 16 + t2) * S + nt * 8 + gr;
-                mma_bf16_16816(o[nt], pf[kc], col_pair(vr, S), col_pair(vr + 8 * S, S));
+            for (int nt = 0; nt < D / 8; nt += 2) {
+                u32 vb[4];
+                load_b_rows_k(vb, Vs, S, kc * 16, nt * 8);
+                mma_bf16_16816(o[nt], pf[kc], vb[0], vb[1]);
+                mma_bf16_16816(o[nt + 1], pf[kc], vb[2], vb[3]);
             }
         }
+        __syncthreads();  // tile t is consumed before its buffer is refilled
     }
+    cp_async_wait_all();  // no copy outlives the block
 #pragma unroll
     for (int off = 1; off < 4; off <<= 1) {
         l0 += __shfl_xor_sync(FULL_MASK, l0, off);
@@ -649,21 +717,21 @@ __device__ __forceinline__ void flash_fwd_impl(const bf16* q, const bf16* k, con
     }
 }
 
-// grid (ceil(sq / FA_BR), hq, batch), block FA_WARPS * 32, dynamic shared memory
-// 2 * FA_BC * (d + 8) * 2 bytes.
+// grid (ceil(sq / 128), hq, batch), block FA_FWD_WARPS * 32, dynamic shared memory
+// 4 * FA_BC * (d + 8) * 2 bytes (K and V tiles, double-buffered).
 #define FLASH_FWD_ARGS                                                                    \
     const bf16 *q, const bf16 *k, const bf16 *v, int sq, int sk, int hq, int hkv,       \
         int q_pos0, int k_pos0, int causal, float scale, DropoutArgs drop, bf16 *out, \
         float *lse
 #define FLASH_FWD_CALL q, k, v, sq, sk, hq, hkv, q_pos0, k_pos0, causal, scale, drop, out, lse
 
-extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_fwd_bf16_32(FLASH_FWD_ARGS) {
+extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * WARP) flash_fwd_bf16_32(FLASH_FWD_ARGS) {
     flash_fwd_impl<32>(FLASH_FWD_CALL);
 }
-extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_fwd_bf16_64(FLASH_FWD_ARGS) {
+extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * WARP, 2) flash_fwd_bf16_64(FLASH_FWD_ARGS) {
     flash_fwd_impl<64>(FLASH_FWD_CALL);
 }
-extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_fwd_bf16_128(FLASH_FWD_ARGS) {
+extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * WARP) flash_fwd_bf16_128(FLASH_FWD_ARGS) {
     flash_fwd_impl<128>(FLASH_FWD_CALL);
 }
 
@@ -677,13 +745,12 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
     extern __shared__ __align__(16) unsigned char fa_smem[];
     constexpr int S = D + 8;
     constexpr int SS = FA_BC + 8;
+    constexpr int TILE = FA_BC * S;
     bf16* Ks = (bf16*)fa_smem;    // [FA_BC keys][S]
-    bf16* Vs = Ks + FA_BC * S;    // [FA_BC keys][S]
-    bf16* Qs = Vs + FA_BC * S;    // [FA_BR queries][S]
-    bf16* Gs = Qs + FA_BR * S;    // [FA_BR queries][S] (dO)
-    bf16* Ds = Gs + FA_BR * S;    // [FA_BR queries][SS] (dS, scaled)
-    float* Ls = (float*)(Ds + FA_BR * SS);  // [FA_BR] lse
-    float* Dl = Ls + FA_BR;                 // [FA_BR] delta
+    bf16* Vs = Ks + TILE;         // [FA_BC keys][S]
+    bf16* QG = Vs + TILE;         // two buffers of [Q tile][dO tile], each [FA_BR][S]
+    bf16* Ds = QG + 4 * TILE;     // [FA_BR queries][SS] (dS, scaled)
+    float* LD = (float*)(Ds + FA_BR * SS);  // two buffers of [lse][delta], each [FA_BR]
     const int g = blockIdx.y;
     const int b = blockIdx.z;
     const int group = hq / hkv;
@@ -698,6 +765,7 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
     const i64 krs = (i64)hkv * D;
     load_tile<D>(Ks, k + (i64)b * sk * krs + (i64)g * D, krs, j0, sk);
     load_tile<D>(Vs, v + (i64)b * sk * krs + (i64)g * D, krs, j0, sk);
+    cp_async_commit();
 
     float ak[D / 8][4], av[D / 8][4];
 #pragma unroll
@@ -709,27 +777,49 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
     const int i_start = causal ? min(sq, max(0, k_pos0 + j0 - q_pos0)) : 0;
     const float sl2 = scale * LOG2E;
 
-    for (int h = g * group; h < (g + 1) * group; ++h) {
+    // Every (query head of the group, query tile) in turn; the next one's Q, dO, lse
+    // and delta are copied while this one is used.
+    const int qtiles = (sq - i_start + FA_BR - 1) / FA_BR;
+    const int steps = group * qtiles;
+    auto fetch = [&](int it) {
+        const int hh = g * group + it / qtiles;
+        const int ii = i_start + (it % qtiles) * FA_BR;
+        bf16* qg = QG + (it % 2) * 2 * TILE;
+        load_tile<D>(qg, q + (i64)b * sq * qrs + (i64)hh * D, qrs, ii, sq);
+        load_tile<D>(qg + TILE, d_o + (i64)b * sq * qrs + (i64)hh * D, qrs, ii, sq);
+        float* ld = LD + (it % 2) * 2 * FA_BR;
+        const i64 row = ((i64)b * hq + hh) * sq;
+        for (int r = threadIdx.x; r < FA_BR; r += blockDim.x) {
+            const bool in = ii + r < sq;
+            cp_async4(ld + r, lse + (in ? row + ii + r : 0), in);
+            cp_async4(ld + FA_BR + r, delta + (in ? row + ii + r : 0), in);
+        }
+    };
+    if (steps > 0) fetch(0);
+    cp_async_commit();
+    for (int it = 0; it < steps; ++it) {
+        const int h = g * group + it / qtiles;
+        const int i0 = i_start + (it % qtiles) * FA_BR;
         const u64 dbase =
             drop.on ? dropout_base(drop, drop.site ^ ((drop.pos0 + (u64)h) << 40)) : 0;
-        const bf16* qh = q + (i64)b * sq * qrs + (i64)h * D;
-        const bf16* gh = d_o + (i64)b * sq * qrs + (i64)h * D;
-        const float* lh = lse + ((i64)b * hq + h) * sq;
-        const float* dh = delta + ((i64)b * hq + h) * sq;
-        for (int i0 = i_start; i0 < sq; i0 += FA_BR) {
-            __syncthreads();  // the previous tiles are consumed (K, V written, the first time)
-            load_tile<D>(Qs, qh, qrs, i0, sq);
-            load_tile<D>(Gs, gh, qrs, i0, sq);
-            for (int r = threadIdx.x; r < FA_BR; r += blockDim.x) {
-                Ls[r] = i0 + r < sq ? lh[i0 + r] : NEG_INF;
-                Dl[r] = i0 + r < sq ? dh[i0 + r] : 0.0f;
-            }
-            __syncthreads();
+        if (it + 1 < steps) fetch(it + 1);
+        cp_async_commit();
+        cp_async_wait1();
+        __syncthreads();  // this step's tiles (and K, V the first time) are in place
+        {
+            const bf16* Qs = QG + (it % 2) * 2 * TILE;
+            const bf16* Gs = Qs + TILE;
+            const float* Ls = LD + (it % 2) * 2 * FA_BR;
+            const float* Dl = Ls + FA_BR;
 
-            // S^T and dP^T for this warp's 16 keys against the tile's queries.
-            float st[FA_BR / 8][4], dpt[FA_BR / 8][4];
+            // The tile's queries in two halves of FA_BR / 2 (fewer live registers).
+#pragma unroll 1
+            for (int half = 0; half < 2; ++half) {
+            const int hq0 = half * (FA_BR / 2);
+            // S^T and dP^T for this warp's 16 keys against the half's queries.
+            float st[FA_BR / 16][4], dpt[FA_BR / 16][4];
 #pragma unroll
-            for (int nt = 0; nt < FA_BR / 8; ++nt) {
+            for (int nt = 0; nt < FA_BR / 16; ++nt) {
                 st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.0f;
                 dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.0f;
             }
@@ -739,20 +829,23 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
                 load_a(ka, Ks, S, kw, kc * 16);
                 load_a(va, Vs, S, kw, kc * 16);
 #pragma unroll
-                for (int nt = 0; nt < FA_BR / 8; ++nt) {
-                    const bf16* qr = Qs + (nt * 8 + gr) * S + kc * 16 + t2;
-                    mma_bf16_16816(st[nt], ka, *(const u32*)qr, *(const u32*)(qr + 8));
-                    const bf16* dr = Gs + (nt * 8 + gr) * S + kc * 16 + t2;
-                    mma_bf16_16816(dpt[nt], va, *(const u32*)dr, *(const u32*)(dr + 8));
+                for (int nt = 0; nt < FA_BR / 16; nt += 2) {
+                    u32 qb[4], gb[4];
+                    load_b_rows_n(qb, Qs, S, hq0 + nt * 8, kc * 16);
+                    mma_bf16_16816(st[nt], ka, qb[0], qb[1]);
+                    mma_bf16_16816(st[nt + 1], ka, qb[2], qb[3]);
+                    load_b_rows_n(gb, Gs, S, hq0 + nt * 8, kc * 16);
+                    mma_bf16_16816(dpt[nt], va, gb[0], gb[1]);
+                    mma_bf16_16816(dpt[nt + 1], va, gb[2], gb[3]);
                 }
             }
             // P Z into st, dS * scale into dpt (rows: keys; columns: queries).
 #pragma unroll
-            for (int nt = 0; nt < FA_BR / 8; ++nt) {
+            for (int nt = 0; nt < FA_BR / 16; ++nt) {
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int key = key0 + (e < 2 ? 0 : 8);
-                    const int qc = nt * 8 + t2 + (e & 1);
+                    const int qc = hq0 + nt * 8 + t2 + (e & 1);
                     const int qi = i0 + qc;
                     const float L = Ls[qc];
                     const bool vis = key < sk && qi < sq && L != NEG_INF &&
@@ -771,7 +864,7 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
             // dV += (P Z)^T dO and dK += dS^T Q: A from the accumulators, B columns of
             // the shared tiles.
 #pragma unroll
-            for (int kc = 0; kc < FA_BR / 16; ++kc) {
+            for (int kc = 0; kc < FA_BR / 32; ++kc) {
                 const u32 pa[4] = {pack_bf16x2(st[2 * kc][0], st[2 * kc][1]),
                                    pack_bf16x2(st[2 * kc][2], st[2 * kc][3]),
                                    pack_bf16x2(st[2 * kc + 1][0], st[2 * kc + 1][1]),
@@ -781,42 +874,53 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
                                    pack_bf16x2(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
                                    pack_bf16x2(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
 #pragma unroll
-                for (int nt = 0; nt < D / 8; ++nt) {
-                    const bf16* gcol = Gs + (kc * 16 + t2) * S + nt * 8 + gr;
-                    mma_bf16_16816(av[nt], pa, col_pair(gcol, S), col_pair(gcol + 8 * S, S));
-                    const bf16* qcol = Qs + (kc * 16 + t2) * S + nt * 8 + gr;
-                    mma_bf16_16816(ak[nt], da, col_pair(qcol, S), col_pair(qcol + 8 * S, S));
+                for (int nt = 0; nt < D / 8; nt += 2) {
+                    u32 gb[4], qb[4];
+                    load_b_rows_k(gb, Gs, S, hq0 + kc * 16, nt * 8);
+                    mma_bf16_16816(av[nt], pa, gb[0], gb[1]);
+                    mma_bf16_16816(av[nt + 1], pa, gb[2], gb[3]);
+                    load_b_rows_k(qb, Qs, S, hq0 + kc * 16, nt * 8);
+                    mma_bf16_16816(ak[nt], da, qb[0], qb[1]);
+                    mma_bf16_16816(ak[nt + 1], da, qb[2], qb[3]);
                 }
+            }
             }
             __syncthreads();  // dS complete
 
             // dQ (the warp's 16 queries) += dS K, column block by column block.
             const int qw = warp * 16;
             const int qi0 = i0 + qw + gr;
+            u32 dsa[FA_BC / 16][4];
 #pragma unroll
-            for (int nt = 0; nt < D / 8; ++nt) {
-                float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (int kc = 0; kc < FA_BC / 16; ++kc) load_a(dsa[kc], Ds, SS, qw, kc * 16);
+#pragma unroll
+            for (int nt = 0; nt < D / 8; nt += 2) {
+                float c[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
 #pragma unroll
                 for (int kc = 0; kc < FA_BC / 16; ++kc) {
-                    u32 a[4];
-                    load_a(a, Ds, SS, qw, kc * 16);
-                    const bf16* kcol = Ks + (kc * 16 + t2) * S + nt * 8 + gr;
-                    mma_bf16_16816(c, a, col_pair(kcol, S), col_pair(kcol + 8 * S, S));
+                    u32 kb[4];
+                    load_b_rows_k(kb, Ks, S, kc * 16, nt * 8);
+                    mma_bf16_16816(c[0], dsa[kc], kb[0], kb[1]);
+                    mma_bf16_16816(c[1], dsa[kc], kb[2], kb[3]);
                 }
-                const int col = nt * 8 + t2;
-                if (qi0 < sq) {
-                    float* d0 = dq_acc + ((i64)b * sq + qi0) * qrs + (i64)h * D + col;
-                    atomicAdd(d0, c[0]);
-                    atomicAdd(d0 + 1, c[1]);
-                }
-                if (qi0 + 8 < sq) {
-                    float* d1 = dq_acc + ((i64)b * sq + qi0 + 8) * qrs + (i64)h * D + col;
-                    atomicAdd(d1, c[2]);
-                    atomicAdd(d1 + 1, c[3]);
+#pragma unroll
+                for (int u = 0; u < 2; ++u) {
+                    const int col = (nt + u) * 8 + t2;
+                    if (qi0 < sq) {
+                        float* d0 = dq_acc + ((i64)b * sq + qi0) * qrs + (i64)h * D + col;
+                        atomicAdd(d0, c[u][0]);
+                        atomicAdd(d0 + 1, c[u][1]);
+                    }
+                    if (qi0 + 8 < sq) {
+                        float* d1 = dq_acc + ((i64)b * sq + qi0 + 8) * qrs + (i64)h * D + col;
+                        atomicAdd(d1, c[u][2]);
+                        atomicAdd(d1 + 1, c[u][3]);
+                    }
                 }
             }
         }
     }
+    cp_async_wait_all();  // no copy outlives the block
 
 #pragma unroll
     for (int nt = 0; nt < D / 8; ++nt) {
@@ -836,7 +940,7 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
 }
 
 // grid (ceil(sk / FA_BC), hkv, batch), block FA_WARPS * 32, dynamic shared memory
-// (4 * 64 * (d + 8) + 64 * 72) * 2 + 2 * 64 * 4 bytes. dq_acc [batch, sq, hq, d] fp32
+// (6 * 64 * (d + 8) + 64 * 72) * 2 + 4 * 64 * 4 bytes. dq_acc [batch, sq, hq, d] fp32
 // is added to (zero it first); dk, dv are added to.
 #define FLASH_BWD_ARGS                                                                     \
     const bf16 *q, const bf16 *k, const bf16 *v, const float *lse, const float *delta,   \
@@ -846,10 +950,10 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
     q, k, v, lse, delta, d_o, sq, sk, hq, hkv, q_pos0, k_pos0, causal, scale, drop, dq_acc, \
         dk, dvg
 
-extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_bwd_bf16_32(FLASH_BWD_ARGS) {
+extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP, 3) flash_bwd_bf16_32(FLASH_BWD_ARGS) {
     flash_bwd_impl<32>(FLASH_BWD_CALL);
 }
-extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_bwd_bf16_64(FLASH_BWD_ARGS) {
+extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP, 3) flash_bwd_bf16_64(FLASH_BWD_ARGS) {
     flash_bwd_impl<64>(FLASH_BWD_CALL);
 }
 extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_bwd_bf16_128(FLASH_BWD_ARGS) {

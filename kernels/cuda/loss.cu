@@ -62,6 +62,22 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS)
     }
     const float inv = 1.0f / s;
     bf16* dr = dlogits + (i64)r * vocab;
+    if (aligned8(lr, vocab) && aligned8(dr, vocab)) {
+        // 16-byte stores: the gradient row is as wide as the logits'.
+        const bf16x8* v8 = (const bf16x8*)lr;
+        for (int i = threadIdx.x; i < vocab / 8; i += blockDim.x) {
+            float e[8];
+            unpack8(v8[i], e);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) {
+                float g = __expf(e[j] - m) * inv;
+                if (in_range && i * 8 + j == (int)label) g -= 1.0f;
+                e[j] = scale * g;
+            }
+            ((bf16x8*)dr)[i] = pack8(e);
+        }
+        return;
+    }
     row_for_each(lr, vocab, [&](int c, float v) {
         float g = __expf(v - m) * inv;
         if (in_range && c == (int)label) g -= 1.0f;

@@ -2,10 +2,10 @@
 // One warp per row (NORM_WARPS rows per block), so a row's sums are warp
 // reductions with no block barrier. Forward: statistics in fp32 (two passes for the
 // variance, as the CPU kernel), `mean`/`rstd` saved per row; grid
-// ceil(rows / NORM_WARPS). Backward: each warp walks rows w, w + W, ... (w its index
-// in the grid, W the grid's warps), writes `dx` and its own row of
-// parameter-gradient partials; `colsum_add_f32` then adds the partials into the
-// fp32 gradients in a fixed order (deterministic, no atomics).
+// ceil(rows / NORM_WARPS). Backward: `dx` one warp per row likewise; the parameter
+// gradients by `*_param_grads`, one thread per column summing a chunk of rows (so a
+// warp reads consecutive columns), then `colsum_add_f32` adds the chunks' partials
+// into the fp32 gradients in a fixed order (deterministic, no atomics).
 
 #define NORM_WARPS 8
 
@@ -32,43 +32,48 @@ extern "C" __global__ void layernorm_fwd_bf16(const bf16* x, const bf16* weight,
     });
 }
 
-// partial: [gridDim.x * NORM_WARPS, 2, dim] fp32 (dweight then dbias partials of
-// each warp), fully written here.
 extern "C" __global__ void layernorm_bwd_bf16(const bf16* x, const bf16* weight, const float* mean,
                                               const float* rstd, const bf16* dy, int rows, int dim,
-                                              bf16* dx, float* partial) {
-    const int w = blockIdx.x * NORM_WARPS + threadIdx.x / WARP;
-    const int nw = gridDim.x * NORM_WARPS;
-    float* pw = partial + (i64)w * 2 * dim;
-    float* pb = pw + dim;
-    for (int c = threadIdx.x % WARP; c < dim; c += WARP) {
-        pw[c] = 0.0f;
-        pb[c] = 0.0f;
-    }
-    __syncwarp();  // lanes accumulate into columns another lane zeroed
+                                              bf16* dx) {
+    const int r = blockIdx.x * NORM_WARPS + threadIdx.x / WARP;
+    if (r >= rows) return;  // whole warps leave together
+    const bf16* xr = x + (i64)r * dim;
+    const bf16* dyr = dy + (i64)r * dim;
+    const float mu = mean[r];
+    const float rs = rstd[r];
     const float inv = 1.0f / (float)dim;
-    for (int r = w; r < rows; r += nw) {
-        const bf16* xr = x + (i64)r * dim;
-        const bf16* dyr = dy + (i64)r * dim;
-        const float mu = mean[r];
-        const float rs = rstd[r];
-        float sg = 0.0f, sgx = 0.0f;
-        warp_row_for_each(dyr, dim, [&](int c, float g) {
-            const float xhat = (bf16_to_f32(xr[c]) - mu) * rs;
-            const float gw = g * bf16_to_f32(weight[c]);
-            sg += gw;
-            sgx += gw * xhat;
-        });
-        const float mg = warp_sum(sg) * inv;
-        const float mgx = warp_sum(sgx) * inv;
-        bf16* dxr = dx + (i64)r * dim;
-        warp_row_for_each(dyr, dim, [&](int c, float g) {
-            const float xhat = (bf16_to_f32(xr[c]) - mu) * rs;
-            bf16_add(dxr + c, rs * (g * bf16_to_f32(weight[c]) - mg - xhat * mgx));
-            pw[c] += g * xhat;
-            pb[c] += g;
-        });
+    float sg = 0.0f, sgx = 0.0f;
+    warp_rows3_for_each(xr, dyr, weight, dim, [&](int, float xv, float g, float wv) {
+        const float gw = g * wv;
+        sg += gw;
+        sgx += gw * (xv - mu) * rs;
+    });
+    const float mg = warp_sum(sg) * inv;
+    const float mgx = warp_sum(sgx) * inv;
+    warp_rows3_add(xr, dyr, weight, dx + (i64)r * dim, dim, [&](int, float xv, float g, float wv) {
+        return rs * (g * wv - mg - (xv - mu) * rs * mgx);
+    });
+}
+
+// The parameter gradients' partial sums over `chunk` rows: partial[y][0][c] =
+// sum dy * xhat, partial[y][1][c] = sum dy over rows [y * chunk, (y + 1) * chunk),
+// y = blockIdx.y; one thread per column, so a warp reads consecutive columns.
+extern "C" __global__ void layernorm_param_grads(const bf16* x, const float* mean,
+                                                 const float* rstd, const bf16* dy, int rows,
+                                                 int dim, int chunk, float* partial) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= dim) return;
+    const int r0 = blockIdx.y * chunk;
+    const int r1 = min(rows, r0 + chunk);
+    float aw = 0.0f, ab = 0.0f;
+    for (int r = r0; r < r1; ++r) {
+        const float g = bf16_to_f32(dy[(i64)r * dim + c]);
+        aw += g * (bf16_to_f32(x[(i64)r * dim + c]) - mean[r]) * rstd[r];
+        ab += g;
     }
+    float* p = partial + (i64)blockIdx.y * 2 * dim;
+    p[c] = aw;
+    p[dim + c] = ab;
 }
 
 extern "C" __global__ void rmsnorm_fwd_bf16(const bf16* x, const bf16* weight, int rows, int dim,
@@ -86,32 +91,35 @@ extern "C" __global__ void rmsnorm_fwd_bf16(const bf16* x, const bf16* weight, i
                  [&](int c, float v) { yr[c] = f32_to_bf16(v * rs * bf16_to_f32(weight[c])); });
 }
 
-// partial: [gridDim.x * NORM_WARPS, dim] fp32, fully written here.
 extern "C" __global__ void rmsnorm_bwd_bf16(const bf16* x, const bf16* weight, const float* rstd,
-                                            const bf16* dy, int rows, int dim, bf16* dx,
-                                            float* partial) {
-    const int w = blockIdx.x * NORM_WARPS + threadIdx.x / WARP;
-    const int nw = gridDim.x * NORM_WARPS;
-    float* pw = partial + (i64)w * dim;
-    for (int c = threadIdx.x % WARP; c < dim; c += WARP) pw[c] = 0.0f;
-    __syncwarp();  // lanes accumulate into columns another lane zeroed
+                                            const bf16* dy, int rows, int dim, bf16* dx) {
+    const int r = blockIdx.x * NORM_WARPS + threadIdx.x / WARP;
+    if (r >= rows) return;  // whole warps leave together
+    const bf16* xr = x + (i64)r * dim;
+    const bf16* dyr = dy + (i64)r * dim;
+    const float rs = rstd[r];
     const float inv = 1.0f / (float)dim;
-    for (int r = w; r < rows; r += nw) {
-        const bf16* xr = x + (i64)r * dim;
-        const bf16* dyr = dy + (i64)r * dim;
-        const float rs = rstd[r];
-        float sgx = 0.0f;
-        warp_row_for_each(dyr, dim, [&](int c, float g) {
-            sgx += g * bf16_to_f32(weight[c]) * bf16_to_f32(xr[c]) * rs;
-        });
-        const float mgx = warp_sum(sgx) * inv;
-        bf16* dxr = dx + (i64)r * dim;
-        warp_row_for_each(dyr, dim, [&](int c, float g) {
-            const float xv = bf16_to_f32(xr[c]);
-            bf16_add(dxr + c, rs * (g * bf16_to_f32(weight[c]) - xv * rs * mgx));
-            pw[c] += g * xv * rs;
-        });
+    float sgx = 0.0f;
+    warp_rows3_for_each(xr, dyr, weight, dim,
+                        [&](int, float xv, float g, float wv) { sgx += g * wv * xv * rs; });
+    const float mgx = warp_sum(sgx) * inv;
+    warp_rows3_add(xr, dyr, weight, dx + (i64)r * dim, dim, [&](int, float xv, float g, float wv) {
+        return rs * (g * wv - xv * rs * mgx);
+    });
+}
+
+// partial[y][c] = sum over rows [y * chunk, (y + 1) * chunk) of dy * x * rstd.
+extern "C" __global__ void rmsnorm_param_grads(const bf16* x, const float* rstd, const bf16* dy,
+                                               int rows, int dim, int chunk, float* partial) {
+    const int c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= dim) return;
+    const int r0 = blockIdx.y * chunk;
+    const int r1 = min(rows, r0 + chunk);
+    float aw = 0.0f;
+    for (int r = r0; r < r1; ++r) {
+        aw += bf16_to_f32(dy[(i64)r * dim + c]) * bf16_to_f32(x[(i64)r * dim + c]) * rstd[r];
     }
+    partial[(i64)blockIdx.y * dim + c] = aw;
 }
 
 // out[c] += sum over b < nblocks of partial[b * stride + c] (c < width), in order

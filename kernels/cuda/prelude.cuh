@@ -153,6 +153,52 @@ __device__ __forceinline__ void warp_row_for_each(const bf16* row, int dim, F f)
     }
 }
 
+// Walks three rows of `dim` bf16 together, one warp: f(c, a[c], b[c], w[c]) (16-byte
+// loads when all three allow them).
+template <typename F>
+__device__ __forceinline__ void warp_rows3_for_each(const bf16* a, const bf16* b, const bf16* w,
+                                                    int dim, F f) {
+    const int lane = threadIdx.x % WARP;
+    if (aligned8(a, dim) && aligned8(b, dim) && aligned8(w, dim)) {
+        for (int i = lane; i < dim / 8; i += WARP) {
+            float av[8], bv[8], wv[8];
+            unpack8(((const bf16x8*)a)[i], av);
+            unpack8(((const bf16x8*)b)[i], bv);
+            unpack8(((const bf16x8*)w)[i], wv);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) f(i * 8 + j, av[j], bv[j], wv[j]);
+        }
+    } else {
+        for (int c = lane; c < dim; c += WARP) {
+            f(c, bf16_to_f32(a[c]), bf16_to_f32(b[c]), bf16_to_f32(w[c]));
+        }
+    }
+}
+
+// out[c] += f(c, a[c], b[c], w[c]) in fp32, rounded once, one warp over the row.
+template <typename F>
+__device__ __forceinline__ void warp_rows3_add(const bf16* a, const bf16* b, const bf16* w,
+                                               bf16* out, int dim, F f) {
+    const int lane = threadIdx.x % WARP;
+    if (aligned8(a, dim) && aligned8(b, dim) && aligned8(w, dim) && aligned8(out, dim)) {
+        for (int i = lane; i < dim / 8; i += WARP) {
+            float av[8], bv[8], wv[8], ov[8];
+            unpack8(((const bf16x8*)a)[i], av);
+            unpack8(((const bf16x8*)b)[i], bv);
+            unpack8(((const bf16x8*)w)[i], wv);
+            unpack8(((const bf16x8*)out)[i], ov);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) ov[j] += f(i * 8 + j, av[j], bv[j], wv[j]);
+            ((bf16x8*)out)[i] = pack8(ov);
+        }
+    } else {
+        for (int c = lane; c < dim; c += WARP) {
+            out[c] = f32_to_bf16(bf16_to_f32(out[c]) +
+                                 f(c, bf16_to_f32(a[c]), bf16_to_f32(b[c]), bf16_to_f32(w[c])));
+        }
+    }
+}
+
 // `*p += x` on a bf16 in fp32, rounded once (no other thread writes *p).
 __device__ __forceinline__ void bf16_add(bf16* p, float x) {
     *p = f32_to_bf16(bf16_to_f32(*p) + x);

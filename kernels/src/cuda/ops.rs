@@ -50,6 +50,21 @@ fn norm_rows(rows: usize) -> LaunchConfig {
     )
 }
 
+/// The norms' parameter-gradient kernels: one thread per column over chunks of at
+/// least 64 rows (more when the grid's y extent would pass 65535). Returns the
+/// launch, the chunk's rows and the number of chunks.
+fn norm_param_chunks(rows: usize, dim: usize) -> Result<(LaunchConfig, i32, usize), KernelError> {
+    const THREADS: usize = 256;
+    let chunk = rows.div_ceil(65_535).max(64);
+    let chunks = rows.div_ceil(chunk);
+    let cfg = LaunchConfig {
+        grid_dim: (int("dim", dim.div_ceil(THREADS))? as u32, chunks as u32, 1),
+        block_dim: (THREADS as u32, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    Ok((cfg, int("chunk", chunk)?, chunks))
+}
+
 /// Threads per block of the row kernels (embedding rows, layout changes).
 pub(super) const ROW_THREADS: u32 = 256;
 /// Threads of a warp (`WARP` in the prelude).
@@ -65,9 +80,11 @@ const ATT_BC: usize = 32;
 const ATT_WARPS: usize = 4;
 const ATT_ROWS: usize = 16;
 /// The tensor-core attention kernels' tiles (`FA_*` in attention.cu): queries and
-/// keys per block, warps per block.
+/// keys per tile, warps of the backward's block.
 const FA_TILE: usize = 64;
 const FA_WARPS: usize = 4;
+/// Warps of the tensor-core forward's block (16 queries each).
+const FA_FWD_WARPS: usize = 8;
 /// Largest head dimension the attention kernels hold in registers.
 const ATT_HEAD_DIM_MAX: usize = 256;
 
@@ -172,11 +189,6 @@ impl Gpu {
             block_dim: (ELEM_THREADS, 1, 1),
             shared_mem_bytes: 0,
         }
-    }
-
-    /// Blocks of a row kernel that walks rows in a grid-stride loop.
-    fn row_blocks(&self, rows: usize) -> usize {
-        rows.clamp(1, 2 * self.info().sm_count.max(1) as usize)
     }
 
     // === embedding ===
@@ -310,17 +322,24 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        let blocks = self.row_blocks(rows.div_ceil(NORM_WARPS));
-        let stride = int("dim", 2 * dim)?;
-        let mut partial = self.zeros::<f32>(prod("partial", &[blocks * NORM_WARPS, 2, dim])?)?;
         let f = self.function(M::Norm, "layernorm_bwd_bf16")?;
         launch!(
             self,
             f,
-            per_row(blocks, (NORM_WARPS * WARP_SIZE) as u32, 0),
-            [x, weight, mean, rstd, dy, &r, &d, dx, &mut partial]
+            norm_rows(rows),
+            [x, weight, mean, rstd, dy, &r, &d, dx]
         )?;
-        let nb = (blocks * NORM_WARPS) as i32;
+        let (cfg, chunk, chunks) = norm_param_chunks(rows, dim)?;
+        let stride = int("dim", 2 * dim)?;
+        let mut partial = self.zeros::<f32>(prod("partial", &[chunks, 2, dim])?)?;
+        let f = self.function(M::Norm, "layernorm_param_grads")?;
+        launch!(
+            self,
+            f,
+            cfg,
+            [x, mean, rstd, dy, &r, &d, &chunk, &mut partial]
+        )?;
+        let nb = chunks as i32;
         let cfg = self.elementwise(dim);
         let pw = partial.slice(..);
         let f = self.function(M::Norm, "colsum_add_f32")?;
@@ -380,16 +399,13 @@ impl Gpu {
         if rows == 0 {
             return Ok(());
         }
-        let blocks = self.row_blocks(rows.div_ceil(NORM_WARPS));
-        let mut partial = self.zeros::<f32>(prod("partial", &[blocks * NORM_WARPS, dim])?)?;
         let f = self.function(M::Norm, "rmsnorm_bwd_bf16")?;
-        launch!(
-            self,
-            f,
-            per_row(blocks, (NORM_WARPS * WARP_SIZE) as u32, 0),
-            [x, weight, rstd, dy, &r, &d, dx, &mut partial]
-        )?;
-        let nb = (blocks * NORM_WARPS) as i32;
+        launch!(self, f, norm_rows(rows), [x, weight, rstd, dy, &r, &d, dx])?;
+        let (cfg, chunk, chunks) = norm_param_chunks(rows, dim)?;
+        let mut partial = self.zeros::<f32>(prod("partial", &[chunks, dim])?)?;
+        let f = self.function(M::Norm, "rmsnorm_param_grads")?;
+        launch!(self, f, cfg, [x, rstd, dy, &r, &d, &chunk, &mut partial])?;
+        let nb = chunks as i32;
         let f = self.function(M::Norm, "colsum_add_f32")?;
         launch!(
             self,
@@ -960,15 +976,15 @@ impl Gpu {
                 _ => "flash_fwd_bf16_128",
             };
             let f = self.function(M::Attention, name)?;
-            let shared = 2 * FA_TILE * (fd + 8) * 2;
+            let shared = 4 * FA_TILE * (fd + 8) * 2;
             self.allow_shared(&f, shared, "dims")?;
             let cfg = LaunchConfig {
                 grid_dim: (
-                    int("sq", dims.sq.div_ceil(FA_TILE))? as u32,
+                    int("sq", dims.sq.div_ceil(16 * FA_FWD_WARPS))? as u32,
                     dims.hq as u32,
                     dims.batch as u32,
                 ),
-                block_dim: ((FA_WARPS * 32) as u32, 1, 1),
+                block_dim: ((FA_FWD_WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: shared as u32,
             };
             let AttnArgs {
@@ -1091,7 +1107,7 @@ impl Gpu {
                 _ => "flash_bwd_bf16_128",
             };
             let f = self.function(M::Attention, name)?;
-            let shared = (4 * FA_TILE * (fd + 8) + FA_TILE * (FA_TILE + 8)) * 2 + 2 * FA_TILE * 4;
+            let shared = (6 * FA_TILE * (fd + 8) + FA_TILE * (FA_TILE + 8)) * 2 + 4 * FA_TILE * 4;
             self.allow_shared(&f, shared, "dims")?;
             let cfg = LaunchConfig {
                 grid_dim: (

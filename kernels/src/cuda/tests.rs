@@ -3,7 +3,10 @@
 //!
 //! - NVRTC compiles every module for sm_80 and sm_90 with no warning, each kernel
 //!   the wrappers load is in the PTX, and the PTX cache round-trips. Needs only
-//!   libnvrtc; `REQUIRE_NVRTC=1` turns a skip into a failure.
+//!   libnvrtc; `REQUIRE_NVRTC=1` turns a skip into a failure. With `$PTXAS` (the
+//!   assembler, e.g. from PyPI's nvidia-cuda-nvcc wheel), every module's PTX must
+//!   also assemble (inline `asm` included) and the tensor-core attention kernels
+//!   must not spill; `REQUIRE_PTXAS=1` turns that skip into a failure.
 //! - Every kernel on random inputs against its CPU reference in [`crate::cpu`]
 //!   (or, for the layout kernels, a host loop; bf16 tolerances where the GPU
 //!   computes in bf16), and the cuBLASLt GEMM
@@ -52,6 +55,74 @@ fn gpu_or_skip(test: &str) -> Option<Gpu> {
 }
 
 const TEST_ARCHS: [&str; 2] = ["sm_80", "sm_90"];
+
+/// ptxas from `$PTXAS`, or `None` after printing why not (a failure under
+/// `REQUIRE_PTXAS=1`). NVRTC writes inline `asm` into the PTX unchecked: only the
+/// assembler (or a driver loading the module on a GPU) finds an error in it.
+fn ptxas_or_skip(test: &str) -> Option<std::path::PathBuf> {
+    let found = std::env::var_os("PTXAS")
+        .map(std::path::PathBuf::from)
+        .filter(|p| p.is_file());
+    if found.is_none() {
+        assert!(
+            !required("REQUIRE_PTXAS"),
+            "{test}: REQUIRE_PTXAS=1 but $PTXAS names no file"
+        );
+        println!("{test}: skipped, no ptxas (set PTXAS to the assembler's path)");
+    }
+    found
+}
+
+#[test]
+fn ptxas_assembles_every_module_without_spills_in_the_attention_kernels() {
+    let test = "ptxas_assembles_every_module";
+    if !nvrtc_or_skip(test) {
+        return;
+    }
+    let Some(ptxas) = ptxas_or_skip(test) else {
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("meshplan-ptxas-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for arch in TEST_ARCHS {
+        for m in ALL_MODULES {
+            let c = compile(m, arch).unwrap_or_else(|e| panic!("{e}"));
+            let file = dir.join(format!("{}-{arch}.ptx", m.file()));
+            std::fs::write(&file, &c.ptx).unwrap();
+            let out = std::process::Command::new(&ptxas)
+                .args([&format!("-arch={arch}"), "-v", "-o", "/dev/null"])
+                .arg(&file)
+                .output()
+                .unwrap();
+            let log = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                out.status.success(),
+                "ptxas rejects {} for {arch}:\n{log}",
+                m.file()
+            );
+            // The tensor-core attention kernels are sized to their registers: a
+            // spill there is a performance bug (measured on an H200: none spill).
+            if m == KernelModule::Attention {
+                for entry in log.split("Compiling entry function").skip(1) {
+                    let name = entry.split('\'').nth(1).unwrap_or("?");
+                    if name.starts_with("flash_") {
+                        let regs = entry
+                            .lines()
+                            .find(|l| l.contains("Used"))
+                            .unwrap_or("")
+                            .trim();
+                        println!("{arch} {name}: {regs}");
+                        assert!(
+                            entry.contains(" 0 bytes spill stores"),
+                            "{name} for {arch} spills registers:\n{entry}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
 
 #[test]
 fn nvrtc_compiles_every_module_without_warnings() {
