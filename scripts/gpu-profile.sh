@@ -28,6 +28,15 @@ timeout 120 "$B/bin/meshplan" run /tmp/gpt2.json --backend cuda --steps "$STEPS"
     --trace "$OUTDIR/gpt2-trace.json" 2>&1 | tee "$OUTDIR/gpt2-run.txt"
 python3 scripts/trace_summary.py "$OUTDIR/gpt2-trace.json" | tee "$OUTDIR/gpt2-ops.txt"
 gzip -f "$OUTDIR/gpt2-trace.json"
+# The same run untraced (tracing costs a few ms a step), and with TORCH=1 PyTorch's
+# eager and compiled baselines beside it in the same window.
+timeout 120 "$B/bin/meshplan" run /tmp/gpt2.json --backend cuda --steps 6 --json 2>/dev/null \
+    >"$OUTDIR/gpt2-run.json"
+grep -m1 '"tokens_per_s"' "$OUTDIR/gpt2-run.json"
+if [ "${TORCH:-0}" = 1 ]; then
+    python3 benches/python/torch_gpu.py --meshplan-train "$OUTDIR/gpt2-run.json" \
+        --json "$OUTDIR/torch_gpu.json" 2>&1 | grep -v Warning | tee "$OUTDIR/torch.txt"
+fi
 "$B/bin/meshplan" plan models/small-gpt2.yaml topologies/cpu-test-mesh.yaml \
     --config dp=4,tp=2,pp=1,cp=1,sp=true,mbs=2 -o /tmp/small-gpt2.json --quiet >/dev/null
 timeout 120 "$B/bin/meshplan" run /tmp/small-gpt2.json --backend cuda --steps 3 --check 2>&1 |

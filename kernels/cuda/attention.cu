@@ -510,6 +510,17 @@ __device__ __forceinline__ void load_b_rows_k(u32 b[4], const bf16* t, int strid
     ldsm_x4_trans(b, t + (k0 + lane % 8 + ((lane / 8) % 2) * 8) * stride + n0 + (lane / 16) * 8);
 }
 
+// p[0] += a, p[1] += b (p 8-byte aligned): one vector reduction on sm_90, two
+// atomics before it.
+__device__ __forceinline__ void red_add2(float* p, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(a), "f"(b) : "memory");
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
 // 16 bytes from global to shared memory without passing through registers
 // (`cp.async`), zeros when !pred; completes at cp_async_wait.
 __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool pred) {
@@ -907,14 +918,12 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
                 for (int u = 0; u < 2; ++u) {
                     const int col = (nt + u) * 8 + t2;
                     if (qi0 < sq) {
-                        float* d0 = dq_acc + ((i64)b * sq + qi0) * qrs + (i64)h * D + col;
-                        atomicAdd(d0, c[u][0]);
-                        atomicAdd(d0 + 1, c[u][1]);
+                        red_add2(dq_acc + ((i64)b * sq + qi0) * qrs + (i64)h * D + col, c[u][0],
+                                 c[u][1]);
                     }
                     if (qi0 + 8 < sq) {
-                        float* d1 = dq_acc + ((i64)b * sq + qi0 + 8) * qrs + (i64)h * D + col;
-                        atomicAdd(d1, c[u][2]);
-                        atomicAdd(d1 + 1, c[u][3]);
+                        red_add2(dq_acc + ((i64)b * sq + qi0 + 8) * qrs + (i64)h * D + col,
+                                 c[u][2], c[u][3]);
                     }
                 }
             }

@@ -119,12 +119,27 @@ extern "C" __global__ void bias_add_bf16(const bf16* bias, int rows, int n, bf16
 // chunk blockIdx.y's column sums of dy [rows, n], rows in order. Threads of a block
 // take adjacent columns, so every row read is coalesced; `colsum_add_f32` (norm.cu)
 // then adds the chunks into the gradient in order, deterministically.
+// `vec`: a thread takes 8 adjacent columns (16-byte loads; n % 8 == 0).
 extern "C" __global__ void bias_grad_f32(const bf16* dy, int rows, int n, int rows_per_chunk,
-                                         float* partial) {
-    const i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (c >= n) return;
+                                         int vec, float* partial) {
     const int r0 = blockIdx.y * rows_per_chunk;
     const int r1 = min(rows, r0 + rows_per_chunk);
+    if (vec) {
+        const int c8 = blockIdx.x * blockDim.x + threadIdx.x;
+        if (c8 >= n / 8) return;
+        float a[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int r = r0; r < r1; ++r) {
+            float g[8];
+            unpack8(((const bf16x8*)(dy + (i64)r * n))[c8], g);
+#pragma unroll
+            for (int j = 0; j < 8; ++j) a[j] += g[j];
+        }
+#pragma unroll
+        for (int j = 0; j < 8; ++j) partial[(i64)blockIdx.y * n + c8 * 8 + j] = a[j];
+        return;
+    }
+    const i64 c = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= n) return;
     float s = 0.0f;
     for (int r = r0; r < r1; ++r) s += bf16_to_f32(dy[(i64)r * n + c]);
     partial[(i64)blockIdx.y * n + c] = s;

@@ -175,9 +175,10 @@ __device__ __forceinline__ void warp_rows3_for_each(const bf16* a, const bf16* b
     }
 }
 
-// out[c] += f(c, a[c], b[c], w[c]) in fp32, rounded once, one warp over the row.
-template <typename F>
-__device__ __forceinline__ void warp_rows3_add(const bf16* a, const bf16* b, const bf16* w,
+// out[c] = f(c, a[c], b[c], w[c]) (ADD: out[c] += it, in fp32, rounded once), one
+// warp over the row; 16-byte loads and stores when every row allows them.
+template <bool ADD, typename F>
+__device__ __forceinline__ void warp_rows3_out(const bf16* a, const bf16* b, const bf16* w,
                                                bf16* out, int dim, F f) {
     const int lane = threadIdx.x % WARP;
     if (aligned8(a, dim) && aligned8(b, dim) && aligned8(w, dim) && aligned8(out, dim)) {
@@ -186,15 +187,20 @@ __device__ __forceinline__ void warp_rows3_add(const bf16* a, const bf16* b, con
             unpack8(((const bf16x8*)a)[i], av);
             unpack8(((const bf16x8*)b)[i], bv);
             unpack8(((const bf16x8*)w)[i], wv);
-            unpack8(((const bf16x8*)out)[i], ov);
+            if (ADD) {
+                unpack8(((const bf16x8*)out)[i], ov);
+            }
 #pragma unroll
-            for (int j = 0; j < 8; ++j) ov[j] += f(i * 8 + j, av[j], bv[j], wv[j]);
+            for (int j = 0; j < 8; ++j) {
+                const float v = f(i * 8 + j, av[j], bv[j], wv[j]);
+                ov[j] = ADD ? ov[j] + v : v;
+            }
             ((bf16x8*)out)[i] = pack8(ov);
         }
     } else {
         for (int c = lane; c < dim; c += WARP) {
-            out[c] = f32_to_bf16(bf16_to_f32(out[c]) +
-                                 f(c, bf16_to_f32(a[c]), bf16_to_f32(b[c]), bf16_to_f32(w[c])));
+            const float v = f(c, bf16_to_f32(a[c]), bf16_to_f32(b[c]), bf16_to_f32(w[c]));
+            out[c] = f32_to_bf16(ADD ? bf16_to_f32(out[c]) + v : v);
         }
     }
 }

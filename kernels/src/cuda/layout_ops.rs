@@ -252,15 +252,23 @@ impl Gpu {
         let mut partial = self.zeros::<f32>(prod("partial", &[chunks, n])?)?;
         let (pc, nc) = (int("rows per chunk", per_chunk)?, int("chunks", chunks)?);
         let f = self.function(M::Layout, "bias_grad_f32")?;
+        // Eight columns per thread when rows stay 16-byte aligned.
+        let vec = n.is_multiple_of(8);
+        let threads = if vec { n / 8 } else { n };
+        let vec = i32::from(vec);
         launch!(
             self,
             f,
             LaunchConfig {
-                grid_dim: (n.div_ceil(COLSUM_THREADS as usize) as u32, chunks as u32, 1),
+                grid_dim: (
+                    threads.div_ceil(COLSUM_THREADS as usize) as u32,
+                    chunks as u32,
+                    1
+                ),
                 block_dim: (COLSUM_THREADS, 1, 1),
                 shared_mem_bytes: 0,
             },
-            [dy, &r, &c, &pc, &mut partial]
+            [dy, &r, &c, &pc, &vec, &mut partial]
         )?;
         let f = self.function(M::Norm, "colsum_add_f32")?;
         launch!(self, f, self.elementwise(n), [&partial, &nc, &c, &c, dbias])

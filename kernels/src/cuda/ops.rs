@@ -50,15 +50,20 @@ fn norm_rows(rows: usize) -> LaunchConfig {
     )
 }
 
-/// The norms' parameter-gradient kernels: one thread per column over chunks of at
-/// least 64 rows (more when the grid's y extent would pass 65535). Returns the
+/// The norms' parameter-gradient kernels: one thread per `cols_per_thread`
+/// columns over chunks of at least 64 rows (more when the grid's y extent would pass 65535). Returns the
 /// launch, the chunk's rows and the number of chunks.
-fn norm_param_chunks(rows: usize, dim: usize) -> Result<(LaunchConfig, i32, usize), KernelError> {
+fn norm_param_chunks(
+    rows: usize,
+    dim: usize,
+    cols_per_thread: usize,
+) -> Result<(LaunchConfig, i32, usize), KernelError> {
     const THREADS: usize = 256;
     let chunk = rows.div_ceil(65_535).max(64);
     let chunks = rows.div_ceil(chunk);
+    let blocks = dim.div_ceil(cols_per_thread).div_ceil(THREADS);
     let cfg = LaunchConfig {
-        grid_dim: (int("dim", dim.div_ceil(THREADS))? as u32, chunks as u32, 1),
+        grid_dim: (int("dim", blocks)? as u32, chunks as u32, 1),
         block_dim: (THREADS as u32, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -329,15 +334,19 @@ impl Gpu {
             norm_rows(rows),
             [x, weight, mean, rstd, dy, &r, &d, dx]
         )?;
-        let (cfg, chunk, chunks) = norm_param_chunks(rows, dim)?;
+        // Eight columns per thread when every row is 16-byte aligned (whole
+        // allocations are; rows of a multiple of 8 bf16 keep it).
+        let vec = dim.is_multiple_of(8);
+        let (cfg, chunk, chunks) = norm_param_chunks(rows, dim, if vec { 8 } else { 1 })?;
         let stride = int("dim", 2 * dim)?;
         let mut partial = self.zeros::<f32>(prod("partial", &[chunks, 2, dim])?)?;
         let f = self.function(M::Norm, "layernorm_param_grads")?;
+        let vec = i32::from(vec);
         launch!(
             self,
             f,
             cfg,
-            [x, mean, rstd, dy, &r, &d, &chunk, &mut partial]
+            [x, mean, rstd, dy, &r, &d, &chunk, &vec, &mut partial]
         )?;
         let nb = chunks as i32;
         let cfg = self.elementwise(dim);
@@ -401,7 +410,7 @@ impl Gpu {
         }
         let f = self.function(M::Norm, "rmsnorm_bwd_bf16")?;
         launch!(self, f, norm_rows(rows), [x, weight, rstd, dy, &r, &d, dx])?;
-        let (cfg, chunk, chunks) = norm_param_chunks(rows, dim)?;
+        let (cfg, chunk, chunks) = norm_param_chunks(rows, dim, 1)?;
         let mut partial = self.zeros::<f32>(prod("partial", &[chunks, dim])?)?;
         let f = self.function(M::Norm, "rmsnorm_param_grads")?;
         launch!(self, f, cfg, [x, rstd, dy, &r, &d, &chunk, &mut partial])?;

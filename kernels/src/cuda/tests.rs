@@ -1391,7 +1391,7 @@ fn gpu_layout_kernels_match_host() {
     assert_eq!(dev.gb(&fused), dev.gb(&plain), "rope_qkv vs rope_fwd");
 
     // Bias add and gradient; 300 rows make several row chunks.
-    for (rows, n) in [(37, 64), (300, 5), (1000, 129)] {
+    for (rows, n) in [(37, 64), (300, 5), (1000, 129), (600, 256)] {
         let y0 = round_bf16(&rng.vec(rows * n));
         let bias = round_bf16(&rng.vec(n));
         let want: Vec<f32> = y0
