@@ -7,7 +7,7 @@
 
 use crate::device::train::{supported, train_device};
 use crate::launch::{LaunchEnv, RendezvousConfig};
-use crate::train::{TrainOptions, TrainReport};
+use crate::train::{RankReport, TrainOptions, TrainReport};
 use meshplan_ir::plan::Plan;
 
 /// Where a training plan runs.
@@ -134,42 +134,31 @@ fn launched_rank(
 ) -> Result<TrainReport, EngineError> {
     supported(plan).map_err(|why| {
         EngineError::Unsupported(format!(
-            "--backend cuda runs plans of data parallelism on one pipeline stage, and this one is not: {why}"
+            "--backend cuda trains this plan only through its staged path, which a launch of one process per GPU does not take: {why}"
         ))
     })?;
     let mut rv =
         crate::launch::Rendezvous::connect(cfg).map_err(|e| EngineError::Failed(e.to_string()))?;
     let rep = gpu.train_rank(plan, opts, env, &mut rv)?;
-    // Every rank's loss parts and step times, exactly (f64 bits), to every rank.
-    let mine: Vec<u8> = rep
-        .loss_parts
+    // Every rank's loss parts, and its start and step ends on the Unix clock
+    // (the processes' own clocks differ), exactly (f64 bits), to every rank.
+    let steps = rep.loss_parts.len();
+    let mine: Vec<u8> = launch_values(&rep)
         .iter()
-        .chain(&rep.step_s)
         .flat_map(|x| x.to_le_bytes())
         .collect();
     let all = rv
         .all_gather_bytes(&mine)
         .map_err(|e| EngineError::Failed(e.to_string()))?;
-    let steps = rep.loss_parts.len();
-    let mut losses = vec![0.0; steps];
-    let mut step_s = vec![0.0f64; steps];
-    for blob in &all {
-        let vals: Vec<f64> = blob
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-            .collect();
-        if vals.len() != 2 * steps {
-            return Err(EngineError::Failed(format!(
-                "a rank reported {} values, expected {}",
-                vals.len(),
-                2 * steps
-            )));
-        }
-        for s in 0..steps {
-            losses[s] += vals[s];
-            step_s[s] = step_s[s].max(vals[steps + s]);
-        }
-    }
+    let ranks: Vec<Vec<f64>> = all
+        .iter()
+        .map(|blob| {
+            blob.chunks_exact(8)
+                .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                .collect()
+        })
+        .collect();
+    let (losses, step_s) = merge_launch_values(&ranks, steps).map_err(EngineError::Failed)?;
     let tokens_per_step = match plan.workload {
         meshplan_ir::Workload::Train {
             seq_len,
@@ -186,6 +175,40 @@ fn launched_rank(
         saved: Vec::new(),
         lr: f64::from(opts.lr),
     })
+}
+
+/// What a launched rank shares with the others: its loss parts, then its first
+/// step's start and each step's end in seconds since the Unix epoch.
+fn launch_values(rep: &RankReport) -> Vec<f64> {
+    let c0 = rep.clock0_unix_s;
+    rep.loss_parts
+        .iter()
+        .copied()
+        .chain(std::iter::once(c0 + rep.steps_at.0))
+        .chain(rep.steps_at.1.iter().map(|t| c0 + t))
+        .collect()
+}
+
+/// Every rank's [`launch_values`] into the run's losses (summed over ranks) and
+/// step times (the slowest rank's step ends on the shared clock, as
+/// [`crate::train::run_step_times`] reads one process's ranks).
+fn merge_launch_values(ranks: &[Vec<f64>], steps: usize) -> Result<(Vec<f64>, Vec<f64>), String> {
+    let mut losses = vec![0.0; steps];
+    let mut spans = Vec::new();
+    for vals in ranks {
+        if vals.len() != 2 * steps + 1 {
+            return Err(format!(
+                "a rank reported {} values, expected {}",
+                vals.len(),
+                2 * steps + 1
+            ));
+        }
+        for (l, v) in losses.iter_mut().zip(vals) {
+            *l += v;
+        }
+        spans.push((vals[steps], &vals[steps + 1..]));
+    }
+    Ok((losses, crate::train::step_times(&spans, steps)))
 }
 
 pub use gpu::Gpu;
@@ -310,5 +333,33 @@ mod gpu {
         ) -> Result<RankReport, EngineError> {
             match self {}
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge_launch_values;
+
+    /// Two processes whose clocks started half a second apart (hand-worked):
+    /// rank A starts at Unix 1000 and ends its steps at 1001 and 1002; rank B
+    /// starts at 1000.5 and ends at 1000.9 and 1002.3. The run's steps end when the
+    /// slower rank does: 1001 and 1002.3, so 1.0 s and 1.3 s, adding up to the
+    /// 2.3 s of wall clock (each rank's own slowest step, 1.0 and 1.4, would not).
+    #[test]
+    fn launched_step_times_line_up_the_processes_clocks() {
+        let a = [1.5, 2.5, 1000.0, 1001.0, 1002.0];
+        let b = [0.5, 0.25, 1000.5, 1000.9, 1002.3];
+        let (losses, steps) = merge_launch_values(&[a.to_vec(), b.to_vec()], 2).unwrap();
+        assert_eq!(losses, vec![2.0, 2.75]);
+        assert_eq!(steps.len(), 2);
+        assert!((steps[0] - 1.0).abs() < 1e-9, "{steps:?}");
+        assert!((steps[1] - 1.3).abs() < 1e-9, "{steps:?}");
+        assert!((steps.iter().sum::<f64>() - 2.3).abs() < 1e-9);
+    }
+
+    #[test]
+    fn a_rank_with_the_wrong_count_is_named() {
+        let e = merge_launch_values(&[vec![0.0; 5], vec![0.0; 4]], 2).unwrap_err();
+        assert_eq!(e, "a rank reported 4 values, expected 5");
     }
 }

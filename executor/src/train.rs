@@ -137,6 +137,10 @@ pub struct RankReport {
     /// When this rank began its first step and ended each step, in seconds on the
     /// run's clock (shared by the ranks of one process).
     pub steps_at: (f64, Vec<f64>),
+    /// The run clock's zero in seconds since the Unix epoch: lines up the clocks of
+    /// separate processes (one per GPU), exactly on one node, to the system clocks'
+    /// agreement across nodes.
+    pub clock0_unix_s: f64,
     /// Bytes of weights, their gradients and optimizer state held at the end.
     pub state_bytes: f64,
     /// Most bytes of activations (and kept kernel statistics) held at once.
@@ -280,6 +284,7 @@ pub fn train_on(
             counts,
             step_s,
             steps_at,
+            clock0_unix_s: clock0_unix_s(t0),
             state_bytes: 4.0 * (bytes(&r.weights) + bytes(&r.wgrads) + adam) as f64,
             peak_activation_bytes: r.peak_act_bytes,
             expert_slots: r.expert_slots,
@@ -335,21 +340,35 @@ pub(crate) fn place_in(groups: &BTreeMap<String, Group>, name: &str, rank: usize
 /// start. A rank's own step time would count its waits on the others at the start
 /// of a step again, and the slowest rank of each step is not the same rank.
 pub(crate) fn run_step_times(ranks: &[RankReport], steps: usize) -> Vec<f64> {
-    let mut prev = ranks
+    let spans: Vec<(f64, &[f64])> = ranks
         .iter()
-        .map(|r| r.steps_at.0)
-        .fold(f64::INFINITY, f64::min);
+        .map(|r| (r.steps_at.0, r.steps_at.1.as_slice()))
+        .collect();
+    step_times(&spans, steps)
+}
+
+/// [`run_step_times`] over each rank's `(start, step ends)` on one clock.
+pub(crate) fn step_times(spans: &[(f64, &[f64])], steps: usize) -> Vec<f64> {
+    let mut prev = spans.iter().map(|r| r.0).fold(f64::INFINITY, f64::min);
     (0..steps)
         .map(|s| {
-            let end = ranks
+            let end = spans
                 .iter()
-                .filter_map(|r| r.steps_at.1.get(s))
+                .filter_map(|r| r.1.get(s))
                 .fold(f64::NEG_INFINITY, |a, &b| a.max(b));
             let dt = (end - prev).max(0.0);
             prev = end;
             dt
         })
         .collect()
+}
+
+/// The Unix time at which the monotonic clock read `t0`.
+pub(crate) fn clock0_unix_s(t0: Instant) -> f64 {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    now - t0.elapsed().as_secs_f64()
 }
 
 /// The step a run resumed from `ck` starts at, once the checkpoint is known to fit
@@ -3360,6 +3379,7 @@ mod tests {
             counts: Default::default(),
             step_s: Vec::new(),
             steps_at: (start, ends.to_vec()),
+            clock0_unix_s: 0.0,
             state_bytes: 0.0,
             peak_activation_bytes: 0.0,
             expert_slots: (0, 0),

@@ -759,6 +759,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             counts,
             step_s,
             steps_at,
+            clock0_unix_s: crate::train::clock0_unix_s(self.t0),
             state_bytes,
             peak_activation_bytes: self.peak_act_bytes,
             expert_slots: self.expert_slots,
