@@ -468,6 +468,21 @@ __device__ __forceinline__ u32 pack_bf16x2(float lo, float hi) {
     return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
 }
 
+// c0 and c1 += a times the two n-tiles of one ldmatrix.x4 of B (b[0..1], b[2..3]).
+__device__ __forceinline__ void mma_pair(float c0[4], float c1[4], const u32 a[4],
+                                         const u32 b[4]) {
+    mma_bf16_16816(c0, a, b[0], b[1]);
+    mma_bf16_16816(c1, a, b[2], b[3]);
+}
+
+// Two adjacent accumulator tiles (columns 0-7, 8-15) as one A fragment, in bf16.
+__device__ __forceinline__ void acc_to_a(u32 a[4], const float c0[4], const float c1[4]) {
+    a[0] = pack_bf16x2(c0[0], c0[1]);
+    a[1] = pack_bf16x2(c0[2], c0[3]);
+    a[2] = pack_bf16x2(c1[0], c1[1]);
+    a[3] = pack_bf16x2(c1[2], c1[3]);
+}
+
 // The shared-memory address of a generic pointer into shared memory.
 __device__ __forceinline__ u32 smem_u32(const void* p) {
     u32 a;
@@ -631,8 +646,7 @@ __device__ __forceinline__ void flash_fwd_impl(const bf16* q, const bf16* k, con
             for (int nt = 0; nt < FA_BC / 8; nt += 2) {
                 u32 kb[4];
                 load_b_rows_n(kb, Ks, S, nt * 8, kc * 16);
-                mma_bf16_16816(s[nt], qf[kc], kb[0], kb[1]);
-                mma_bf16_16816(s[nt + 1], qf[kc], kb[2], kb[3]);
+                mma_pair(s[nt], s[nt + 1], qf[kc], kb);
             }
         }
         float mx0 = m0, mx1 = m1;
@@ -700,8 +714,7 @@ __device__ __forceinline__ void flash_fwd_impl(const bf16* q, const bf16* k, con
             for (int nt = 0; nt < D / 8; nt += 2) {
                 u32 vb[4];
                 load_b_rows_k(vb, Vs, S, kc * 16, nt * 8);
-                mma_bf16_16816(o[nt], pf[kc], vb[0], vb[1]);
-                mma_bf16_16816(o[nt + 1], pf[kc], vb[2], vb[3]);
+                mma_pair(o[nt], o[nt + 1], pf[kc], vb);
             }
         }
         __syncthreads();  // tile t is consumed before its buffer is refilled
@@ -728,21 +741,18 @@ __device__ __forceinline__ void flash_fwd_impl(const bf16* q, const bf16* k, con
     }
 }
 
-// grid (ceil(sq / 128), hq, batch), block FA_FWD_WARPS * 32, dynamic shared memory
+// The scalar kernels' arguments (d = dv = the kernel's head dim); grid
+// (ceil(sq / 128), hq, batch), block FA_FWD_WARPS * 32, dynamic shared memory
 // 4 * FA_BC * (d + 8) * 2 bytes (K and V tiles, double-buffered).
-#define FLASH_FWD_ARGS                                                                    \
-    const bf16 *q, const bf16 *k, const bf16 *v, int sq, int sk, int hq, int hkv,       \
-        int q_pos0, int k_pos0, int causal, float scale, DropoutArgs drop, bf16 *out, \
-        float *lse
 #define FLASH_FWD_CALL q, k, v, sq, sk, hq, hkv, q_pos0, k_pos0, causal, scale, drop, out, lse
 
-extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * WARP) flash_fwd_bf16_32(FLASH_FWD_ARGS) {
+extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * WARP) flash_fwd_bf16_32(ATT_FWD_ARGS) {
     flash_fwd_impl<32>(FLASH_FWD_CALL);
 }
-extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * WARP, 2) flash_fwd_bf16_64(FLASH_FWD_ARGS) {
+extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * WARP, 2) flash_fwd_bf16_64(ATT_FWD_ARGS) {
     flash_fwd_impl<64>(FLASH_FWD_CALL);
 }
-extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * WARP) flash_fwd_bf16_128(FLASH_FWD_ARGS) {
+extern "C" __global__ void __launch_bounds__(FA_FWD_WARPS * WARP) flash_fwd_bf16_128(ATT_FWD_ARGS) {
     flash_fwd_impl<128>(FLASH_FWD_CALL);
 }
 
@@ -826,75 +836,67 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
             // The tile's queries in two halves of FA_BR / 2 (fewer live registers).
 #pragma unroll 1
             for (int half = 0; half < 2; ++half) {
-            const int hq0 = half * (FA_BR / 2);
-            // S^T and dP^T for this warp's 16 keys against the half's queries.
-            float st[FA_BR / 16][4], dpt[FA_BR / 16][4];
+                const int hq0 = half * (FA_BR / 2);
+                // S^T and dP^T for this warp's 16 keys against the half's queries.
+                float st[FA_BR / 16][4], dpt[FA_BR / 16][4];
 #pragma unroll
-            for (int nt = 0; nt < FA_BR / 16; ++nt) {
-                st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.0f;
-                dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.0f;
-            }
-#pragma unroll
-            for (int kc = 0; kc < D / 16; ++kc) {
-                u32 ka[4], va[4];
-                load_a(ka, Ks, S, kw, kc * 16);
-                load_a(va, Vs, S, kw, kc * 16);
-#pragma unroll
-                for (int nt = 0; nt < FA_BR / 16; nt += 2) {
-                    u32 qb[4], gb[4];
-                    load_b_rows_n(qb, Qs, S, hq0 + nt * 8, kc * 16);
-                    mma_bf16_16816(st[nt], ka, qb[0], qb[1]);
-                    mma_bf16_16816(st[nt + 1], ka, qb[2], qb[3]);
-                    load_b_rows_n(gb, Gs, S, hq0 + nt * 8, kc * 16);
-                    mma_bf16_16816(dpt[nt], va, gb[0], gb[1]);
-                    mma_bf16_16816(dpt[nt + 1], va, gb[2], gb[3]);
+                for (int nt = 0; nt < FA_BR / 16; ++nt) {
+                    st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.0f;
+                    dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.0f;
                 }
-            }
-            // P Z into st, dS * scale into dpt (rows: keys; columns: queries).
 #pragma unroll
-            for (int nt = 0; nt < FA_BR / 16; ++nt) {
+                for (int kc = 0; kc < D / 16; ++kc) {
+                    u32 ka[4], va[4];
+                    load_a(ka, Ks, S, kw, kc * 16);
+                    load_a(va, Vs, S, kw, kc * 16);
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    const int key = key0 + (e < 2 ? 0 : 8);
-                    const int qc = hq0 + nt * 8 + t2 + (e & 1);
-                    const int qi = i0 + qc;
-                    const float L = Ls[qc];
-                    const bool vis = key < sk && qi < sq && L != NEG_INF &&
-                                     (!causal || k_pos0 + key <= q_pos0 + qi);
-                    const float p = vis ? exp2f(st[nt][e] * sl2 - L * LOG2E) : 0.0f;
-                    float z = 1.0f;
-                    if (drop.on && p != 0.0f) {
-                        z = dropout_factor(drop, dbase, drop.sample0 + b, q_pos0 + qi, k_pos0 + key);
+                    for (int nt = 0; nt < FA_BR / 16; nt += 2) {
+                        u32 qb[4], gb[4];
+                        load_b_rows_n(qb, Qs, S, hq0 + nt * 8, kc * 16);
+                        mma_pair(st[nt], st[nt + 1], ka, qb);
+                        load_b_rows_n(gb, Gs, S, hq0 + nt * 8, kc * 16);
+                        mma_pair(dpt[nt], dpt[nt + 1], va, gb);
                     }
-                    const float ds = p * (dpt[nt][e] * z - Dl[qc]) * scale;
-                    st[nt][e] = p * z;
-                    dpt[nt][e] = ds;
-                    Ds[qc * SS + kw + gr + (e < 2 ? 0 : 8)] = f32_to_bf16(ds);
                 }
-            }
-            // dV += (P Z)^T dO and dK += dS^T Q: A from the accumulators, B columns of
-            // the shared tiles.
+                // P Z into st, dS * scale into dpt (rows: keys; columns: queries).
 #pragma unroll
-            for (int kc = 0; kc < FA_BR / 32; ++kc) {
-                const u32 pa[4] = {pack_bf16x2(st[2 * kc][0], st[2 * kc][1]),
-                                   pack_bf16x2(st[2 * kc][2], st[2 * kc][3]),
-                                   pack_bf16x2(st[2 * kc + 1][0], st[2 * kc + 1][1]),
-                                   pack_bf16x2(st[2 * kc + 1][2], st[2 * kc + 1][3])};
-                const u32 da[4] = {pack_bf16x2(dpt[2 * kc][0], dpt[2 * kc][1]),
-                                   pack_bf16x2(dpt[2 * kc][2], dpt[2 * kc][3]),
-                                   pack_bf16x2(dpt[2 * kc + 1][0], dpt[2 * kc + 1][1]),
-                                   pack_bf16x2(dpt[2 * kc + 1][2], dpt[2 * kc + 1][3])};
+                for (int nt = 0; nt < FA_BR / 16; ++nt) {
 #pragma unroll
-                for (int nt = 0; nt < D / 8; nt += 2) {
-                    u32 gb[4], qb[4];
-                    load_b_rows_k(gb, Gs, S, hq0 + kc * 16, nt * 8);
-                    mma_bf16_16816(av[nt], pa, gb[0], gb[1]);
-                    mma_bf16_16816(av[nt + 1], pa, gb[2], gb[3]);
-                    load_b_rows_k(qb, Qs, S, hq0 + kc * 16, nt * 8);
-                    mma_bf16_16816(ak[nt], da, qb[0], qb[1]);
-                    mma_bf16_16816(ak[nt + 1], da, qb[2], qb[3]);
+                    for (int e = 0; e < 4; ++e) {
+                        const int key = key0 + (e < 2 ? 0 : 8);
+                        const int qc = hq0 + nt * 8 + t2 + (e & 1);
+                        const int qi = i0 + qc;
+                        const float L = Ls[qc];
+                        const bool vis = key < sk && qi < sq && L != NEG_INF &&
+                                         (!causal || k_pos0 + key <= q_pos0 + qi);
+                        const float p = vis ? exp2f(st[nt][e] * sl2 - L * LOG2E) : 0.0f;
+                        float z = 1.0f;
+                        if (drop.on && p != 0.0f) {
+                            z = dropout_factor(drop, dbase, drop.sample0 + b, q_pos0 + qi,
+                                               k_pos0 + key);
+                        }
+                        const float ds = p * (dpt[nt][e] * z - Dl[qc]) * scale;
+                        st[nt][e] = p * z;
+                        dpt[nt][e] = ds;
+                        Ds[qc * SS + kw + gr + (e < 2 ? 0 : 8)] = f32_to_bf16(ds);
+                    }
                 }
-            }
+                // dV += (P Z)^T dO and dK += dS^T Q: A from the accumulators, B columns of
+                // the shared tiles.
+#pragma unroll
+                for (int kc = 0; kc < FA_BR / 32; ++kc) {
+                    u32 pa[4], da[4];
+                    acc_to_a(pa, st[2 * kc], st[2 * kc + 1]);
+                    acc_to_a(da, dpt[2 * kc], dpt[2 * kc + 1]);
+#pragma unroll
+                    for (int nt = 0; nt < D / 8; nt += 2) {
+                        u32 gb[4], qb[4];
+                        load_b_rows_k(gb, Gs, S, hq0 + kc * 16, nt * 8);
+                        mma_pair(av[nt], av[nt + 1], pa, gb);
+                        load_b_rows_k(qb, Qs, S, hq0 + kc * 16, nt * 8);
+                        mma_pair(ak[nt], ak[nt + 1], da, qb);
+                    }
+                }
             }
             __syncthreads();  // dS complete
 
@@ -911,8 +913,7 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
                 for (int kc = 0; kc < FA_BC / 16; ++kc) {
                     u32 kb[4];
                     load_b_rows_k(kb, Ks, S, kc * 16, nt * 8);
-                    mma_bf16_16816(c[0], dsa[kc], kb[0], kb[1]);
-                    mma_bf16_16816(c[1], dsa[kc], kb[2], kb[3]);
+                    mma_pair(c[0], c[1], dsa[kc], kb);
                 }
 #pragma unroll
                 for (int u = 0; u < 2; ++u) {
@@ -948,23 +949,20 @@ __device__ __forceinline__ void flash_bwd_impl(const bf16* q, const bf16* k, con
     }
 }
 
-// grid (ceil(sk / FA_BC), hkv, batch), block FA_WARPS * 32, dynamic shared memory
+// The scalar kernels' arguments (d = dv = the kernel's head dim); grid
+// (ceil(sk / FA_BC), hkv, batch), block FA_WARPS * 32, dynamic shared memory
 // (6 * 64 * (d + 8) + 64 * 72) * 2 + 4 * 64 * 4 bytes. dq_acc [batch, sq, hq, d] fp32
 // is added to (zero it first); dk, dv are added to.
-#define FLASH_BWD_ARGS                                                                     \
-    const bf16 *q, const bf16 *k, const bf16 *v, const float *lse, const float *delta,   \
-        const bf16 *d_o, int sq, int sk, int hq, int hkv, int q_pos0, int k_pos0,        \
-        int causal, float scale, DropoutArgs drop, float *dq_acc, bf16 *dk, bf16 *dvg
 #define FLASH_BWD_CALL                                                                     \
     q, k, v, lse, delta, d_o, sq, sk, hq, hkv, q_pos0, k_pos0, causal, scale, drop, dq_acc, \
         dk, dvg
 
-extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP, 3) flash_bwd_bf16_32(FLASH_BWD_ARGS) {
+extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP, 3) flash_bwd_bf16_32(ATT_BWD_ARGS) {
     flash_bwd_impl<32>(FLASH_BWD_CALL);
 }
-extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP, 3) flash_bwd_bf16_64(FLASH_BWD_ARGS) {
+extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP, 3) flash_bwd_bf16_64(ATT_BWD_ARGS) {
     flash_bwd_impl<64>(FLASH_BWD_CALL);
 }
-extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_bwd_bf16_128(FLASH_BWD_ARGS) {
+extern "C" __global__ void __launch_bounds__(FA_WARPS * WARP) flash_bwd_bf16_128(ATT_BWD_ARGS) {
     flash_bwd_impl<128>(FLASH_BWD_CALL);
 }

@@ -978,61 +978,42 @@ impl Gpu {
         if dims.batch == 0 || dims.sq == 0 {
             return Ok(());
         }
-        if let Some(fd) = flash_dim(dims) {
+        // The tensor-core kernels where they serve the shape, else the scalar ones;
+        // both take the same arguments.
+        let (name, shared, cfg) = if let Some(fd) = flash_dim(dims) {
             let name = match fd {
                 32 => "flash_fwd_bf16_32",
                 64 => "flash_fwd_bf16_64",
                 _ => "flash_fwd_bf16_128",
             };
-            let f = self.function(M::Attention, name)?;
             let shared = 4 * FA_TILE * (fd + 8) * 2;
-            self.allow_shared(&f, shared, "dims")?;
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    int("sq", dims.sq.div_ceil(16 * FA_FWD_WARPS))? as u32,
-                    dims.hq as u32,
-                    dims.batch as u32,
-                ),
-                block_dim: ((FA_FWD_WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: shared as u32,
-            };
-            let AttnArgs {
-                sq,
-                sk,
-                hq,
-                hkv,
-                q_pos0,
-                k_pos0,
-                causal,
-                ..
-            } = a;
-            return launch!(
-                self,
-                f,
-                cfg,
-                [
-                    q, k, v, &sq, &sk, &hq, &hkv, &q_pos0, &k_pos0, &causal, &scale, &drop, out,
-                    lse
-                ]
+            let grid = (
+                int("sq", dims.sq.div_ceil(16 * FA_FWD_WARPS))? as u32,
+                dims.hq as u32,
+                dims.batch as u32,
             );
-        }
-        let (d, dv) = (dims.d, dims.dv);
-        let shared = (ATT_ROWS * d + ATT_BC * (d | 1) + ATT_BC * dv + ATT_ROWS * ATT_BC) * 4;
-        let name = if dv <= 128 {
-            "attention_fwd_bf16_128"
+            (name, shared, (grid, FA_FWD_WARPS))
         } else {
-            "attention_fwd_bf16_256"
-        };
-        let f = self.function(M::Attention, name)?;
-        self.allow_shared(&f, shared, "dims")?;
-        let rows = dims.sq * (dims.hq / dims.hkv);
-        let cfg = LaunchConfig {
-            grid_dim: (
+            let (d, dv) = (dims.d, dims.dv);
+            let shared = (ATT_ROWS * d + ATT_BC * (d | 1) + ATT_BC * dv + ATT_ROWS * ATT_BC) * 4;
+            let name = if dv <= 128 {
+                "attention_fwd_bf16_128"
+            } else {
+                "attention_fwd_bf16_256"
+            };
+            let rows = dims.sq * (dims.hq / dims.hkv);
+            let grid = (
                 int("sq * hq / hkv", rows.div_ceil(ATT_ROWS))? as u32,
                 dims.hkv as u32,
                 dims.batch as u32,
-            ),
-            block_dim: ((ATT_WARPS * 32) as u32, 1, 1),
+            );
+            (name, shared, (grid, ATT_WARPS))
+        };
+        let f = self.function(M::Attention, name)?;
+        self.allow_shared(&f, shared, "dims")?;
+        let cfg = LaunchConfig {
+            grid_dim: cfg.0,
+            block_dim: ((cfg.1 * 32) as u32, 1, 1),
             shared_mem_bytes: shared as u32,
         };
         let AttnArgs {
@@ -1109,75 +1090,35 @@ impl Gpu {
             [o, d_o, &b, &sq, &hq, &dv, &mut delta]
         )?;
         let mut dq_acc = self.zeros::<f32>(a.q_len)?;
-        if let Some(fd) = flash_dim(dims) {
+        // The tensor-core kernels where they serve the shape, else the scalar ones;
+        // both take the same arguments and the same grid of key tiles.
+        let (name, shared, tile, warps) = if let Some(fd) = flash_dim(dims) {
             let name = match fd {
                 32 => "flash_bwd_bf16_32",
                 64 => "flash_bwd_bf16_64",
                 _ => "flash_bwd_bf16_128",
             };
-            let f = self.function(M::Attention, name)?;
             let shared = (6 * FA_TILE * (fd + 8) + FA_TILE * (FA_TILE + 8)) * 2 + 4 * FA_TILE * 4;
-            self.allow_shared(&f, shared, "dims")?;
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    int("sk", dims.sk.div_ceil(FA_TILE))? as u32,
-                    dims.hkv as u32,
-                    dims.batch as u32,
-                ),
-                block_dim: ((FA_WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: shared as u32,
-            };
-            let AttnArgs {
-                sk,
-                hkv,
-                q_pos0,
-                k_pos0,
-                causal,
-                ..
-            } = a;
-            launch!(
-                self,
-                f,
-                cfg,
-                [
-                    q,
-                    k,
-                    v,
-                    lse,
-                    &delta,
-                    d_o,
-                    &sq,
-                    &sk,
-                    &hq,
-                    &hkv,
-                    &q_pos0,
-                    &k_pos0,
-                    &causal,
-                    &scale,
-                    &drop,
-                    &mut dq_acc,
-                    d_k,
-                    d_v
-                ]
-            )?;
-            return self.add_f32_into_bf16(&dq_acc, d_q);
-        }
-        let (d, dvu) = (dims.d, dims.dv);
-        let shared = (ATT_BC * ((d | 1) + (dvu | 1)) + ATT_WARPS * (d + dvu + 2 * ATT_BC)) * 4;
-        let name = if d.max(dvu) <= 128 {
-            "attention_bwd_bf16_128"
+            (name, shared, FA_TILE, FA_WARPS)
         } else {
-            "attention_bwd_bf16_256"
+            let (d, dvu) = (dims.d, dims.dv);
+            let shared = (ATT_BC * ((d | 1) + (dvu | 1)) + ATT_WARPS * (d + dvu + 2 * ATT_BC)) * 4;
+            let name = if d.max(dvu) <= 128 {
+                "attention_bwd_bf16_128"
+            } else {
+                "attention_bwd_bf16_256"
+            };
+            (name, shared, ATT_BC, ATT_WARPS)
         };
         let f = self.function(M::Attention, name)?;
         self.allow_shared(&f, shared, "dims")?;
         let cfg = LaunchConfig {
             grid_dim: (
-                int("sk", dims.sk.div_ceil(ATT_BC))? as u32,
+                int("sk", dims.sk.div_ceil(tile))? as u32,
                 dims.hkv as u32,
                 dims.batch as u32,
             ),
-            block_dim: ((ATT_WARPS * 32) as u32, 1, 1),
+            block_dim: ((warps * 32) as u32, 1, 1),
             shared_mem_bytes: shared as u32,
         };
         let AttnArgs {
