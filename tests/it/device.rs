@@ -50,6 +50,13 @@ fn same(cfg: &str, p: &Plan, a: &TrainReport, b: &TrainReport) {
             );
         }
         assert_eq!(x.counts, y.counts, "{cfg}: rank {} bytes", x.rank);
+        // The fp32 host device computes on the masters themselves: no compute copy
+        // beside them, so it holds what the general interpreter holds.
+        assert_eq!(
+            x.state_bytes, y.state_bytes,
+            "{cfg}: rank {} state bytes",
+            x.rank
+        );
     }
     let mut bytes = byte_mismatches(p, a, TrainOptions::default().steps);
     if p.strategy.ep > 1 && p.graph.dropless_experts() {

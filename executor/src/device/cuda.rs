@@ -702,11 +702,20 @@ impl Device for CudaDevice {
         grad: &CudaSlice<f32>,
         m: &mut CudaSlice<f32>,
         v: &mut CudaSlice<f32>,
-        compute: &mut CudaSlice<bf16>,
+        compute: Option<&mut CudaSlice<bf16>>,
         step: u64,
         lr: f32,
         (b1, b2, eps, wd): (f32, f32, f32, f32),
     ) -> DResult<()> {
+        // The fused kernel always writes a bf16 copy: a scratch one when unwanted.
+        let mut scratch;
+        let compute = match compute {
+            Some(c) => c,
+            None => {
+                scratch = self.gpu.zeros::<bf16>(param.len())?;
+                &mut scratch
+            }
+        };
         Ok(self
             .gpu
             .adamw_step(param, grad, m, v, compute, step, lr, b1, b2, eps, wd)?)
@@ -1067,7 +1076,7 @@ mod tests {
             &grad,
             &mut m1,
             &mut v1,
-            &mut compute,
+            Some(&mut compute),
             3,
             1e-2,
             (0.9, 0.95, 1e-8, 0.1),

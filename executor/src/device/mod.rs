@@ -74,6 +74,13 @@ pub trait Device: Send + Sync {
     fn name(&self) -> &'static str;
     /// Bytes per element of [`Device::Act`].
     fn act_bytes(&self) -> usize;
+    /// The fp32 master itself as the kernels' operand, where the device computes
+    /// in fp32 (`HostDevice`): no compute copy is kept beside it, 4 bytes a
+    /// parameter saved. `None` where compute copies differ (bf16).
+    fn master_as_act(w: &Self::F32) -> Option<&Self::Act> {
+        let _ = w;
+        None
+    }
 
     /// A zeroed activation buffer of `n` elements.
     fn act_zeros(&self, n: usize) -> DResult<Self::Act>;
@@ -492,7 +499,7 @@ pub trait Device: Send + Sync {
         grad: &Self::F32,
         m: &mut Self::F32,
         v: &mut Self::F32,
-        compute: &mut Self::Act,
+        compute: Option<&mut Self::Act>,
         step: u64,
         lr: f32,
         hyper: (f32, f32, f32, f32),
@@ -800,6 +807,10 @@ impl<H: HostPrecision> Device for H {
     }
     fn act_bytes(&self) -> usize {
         H::ACT_BYTES
+    }
+    fn master_as_act(w: &Vec<f32>) -> Option<&Vec<f32>> {
+        // An fp32 compute copy would equal its master.
+        (H::ACT_BYTES == 4).then_some(w)
     }
     fn act_zeros(&self, n: usize) -> DResult<Vec<f32>> {
         Ok(vec![0.0; n])
@@ -1404,14 +1415,16 @@ impl<H: HostPrecision> Device for H {
         grad: &Vec<f32>,
         m: &mut Vec<f32>,
         v: &mut Vec<f32>,
-        compute: &mut Vec<f32>,
+        compute: Option<&mut Vec<f32>>,
         step: u64,
         lr: f32,
         (b1, b2, eps, wd): (f32, f32, f32, f32),
     ) -> DResult<()> {
         k::adamw_step(param, grad, m, v, step, lr, b1, b2, eps, wd)?;
-        compute.copy_from_slice(param);
-        H::round(compute);
+        if let Some(compute) = compute {
+            compute.copy_from_slice(param);
+            H::round(compute);
+        }
         Ok(())
     }
     fn all_reduce_start(

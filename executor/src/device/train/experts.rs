@@ -299,7 +299,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let missing = || fail(format!("{}: expert weights or gradients missing", op.name));
         let mut d_act = self.zeros(total * f)?;
         {
-            let w_down = self.compute.get(&kd).ok_or_else(missing)?;
+            let w_down = operand::<D>(&self.master, &self.compute, &kd)?;
             let gd = self.wgrads.get_mut(&kd).ok_or_else(missing)?;
             let (x, dy) = (&acts, &d_local);
             linear_spans_bwd(
@@ -321,7 +321,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         let mut d_rows = self.zeros(total * h)?;
         {
-            let w_up = self.compute.get(&ku).ok_or_else(missing)?;
+            let w_up = operand::<D>(&self.master, &self.compute, &ku)?;
             let gu = self.wgrads.get_mut(&ku).ok_or_else(missing)?;
             let (x, dy) = (&local_rows, &d_up);
             linear_spans_bwd(

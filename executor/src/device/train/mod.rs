@@ -401,11 +401,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                     let dev = &self.dev;
                     let e = derr(&t.name);
                     let master = dev.f32_upload(&mine).map_err(&e)?;
-                    let mut compute = dev.act_zeros(n).map_err(&e)?;
-                    dev.to_act(&master, &mut compute).map_err(&e)?;
+                    if D::master_as_act(&master).is_none() {
+                        let mut compute = dev.act_zeros(n).map_err(&e)?;
+                        dev.to_act(&master, &mut compute).map_err(&e)?;
+                        self.compute.insert(key.clone(), compute);
+                    }
                     self.wgrads
                         .insert(key.clone(), dev.f32_zeros(n).map_err(&e)?);
-                    self.compute.insert(key.clone(), compute);
                     self.master.insert(key, master);
                 }
             }
@@ -523,6 +525,9 @@ impl<'a, D: Device> DevRank<'a, D> {
         if !self.gather.is_empty() {
             // The gathered masters hold every rank's update: refresh the compute copies.
             for (key, w) in &self.master {
+                if D::master_as_act(w).is_some() {
+                    continue;
+                }
                 let c = self
                     .compute
                     .get_mut(key)
@@ -671,9 +676,7 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     fn weight(&self, id: meshplan_ir::TensorId, l: u64) -> Result<&D::Act, RankError> {
         let key = self.wkey(id, l)?;
-        self.compute
-            .get(&key)
-            .ok_or_else(|| fail(format!("weight `{}` has no compute copy", key.0)))
+        operand::<D>(&self.master, &self.compute, &key)
     }
 
     fn zeros(&self, n: usize) -> Result<D::Act, RankError> {
@@ -750,8 +753,9 @@ impl<'a, D: Device> DevRank<'a, D> {
             .map(|(m, v)| D::f32_len(m) + D::f32_len(v))
             .sum();
         // Master and gradient in fp32, the moments held (a part of them under ZeRO),
-        // and the compute copy.
-        let state_bytes = ((n * 8 + moments * 4) + n * self.dev.act_bytes()) as f64;
+        // and the compute copies (none where the master serves).
+        let copies: usize = self.compute.values().map(D::act_len).sum();
+        let state_bytes = ((n * 8 + moments * 4) + copies * self.dev.act_bytes()) as f64;
         Ok(RankReport {
             rank: self.rank,
             loss_parts,
@@ -767,4 +771,20 @@ impl<'a, D: Device> DevRank<'a, D> {
             device_memory_bytes: self.device_peak.map(|b| b as f64),
         })
     }
+}
+
+/// The kernels' operand of weight `key`: its compute copy, or the master itself
+/// where the device computes on it ([`Device::master_as_act`]). Takes the two maps
+/// rather than the rank, so a caller may hold a gradient mutably meanwhile.
+pub(super) fn operand<'m, D: Device>(
+    master: &'m BTreeMap<Key, D::F32>,
+    compute: &'m BTreeMap<Key, D::Act>,
+    key: &Key,
+) -> Result<&'m D::Act, RankError> {
+    if let Some(w) = master.get(key).and_then(D::master_as_act) {
+        return Ok(w);
+    }
+    compute
+        .get(key)
+        .ok_or_else(|| fail(format!("weight `{}` has no compute copy", key.0)))
 }

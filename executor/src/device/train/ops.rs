@@ -496,10 +496,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let mut dx = self.zeros(D::act_len(&x))?;
                 let wkey = self.wkey(op.inputs[1], l)?;
                 let bkey = op.inputs.get(2).map(|&b| self.wkey(b, l)).transpose()?;
-                let w = self
-                    .compute
-                    .get(&wkey)
-                    .ok_or_else(|| fail("norm weight missing"))?;
+                let w = operand::<D>(&self.master, &self.compute, &wkey)?;
                 let rstd = stat(t, l, &op.name, Stat::Rstd)?;
                 let mut dw = self
                     .wgrads
@@ -534,10 +531,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     self.act(t, l, op.inputs[0])?
                 };
                 let wkey = self.wkey(op.inputs[1], l)?;
-                let w = self
-                    .compute
-                    .get(&wkey)
-                    .ok_or_else(|| fail("weight missing"))?;
+                let w = operand::<D>(&self.master, &self.compute, &wkey)?;
                 let (kk, n) = self.matmul_dims(op, w)?;
                 let rows = D::act_len(&x) / kk.max(1);
                 let mut dx = self.zeros(rows * kk)?;

@@ -358,6 +358,9 @@ impl<'a, D: Device> DevRank<'a, D> {
         let e = derr(segment);
         for (key, _) in &layout {
             let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
+            if D::master_as_act(w).is_some() {
+                continue;
+            }
             let c = self
                 .compute
                 .get_mut(key)
@@ -615,14 +618,14 @@ impl<'a, D: Device> DevRank<'a, D> {
         let e = derr("adamw");
         let mut param = self.zeros_f32(c)?;
         pack(&self.dev, &self.master, pieces, &mut param, "adamw")?;
-        let mut scratch = self.zeros(c)?;
+        // The compute copies are refreshed once the parts are gathered.
         self.dev
             .adamw(
                 &mut param,
                 grad,
                 m,
                 v,
-                &mut scratch,
+                None,
                 step,
                 self.opts.lr,
                 (b1, b2, eps, wd),
@@ -662,7 +665,10 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
             let g = self.wgrads.get(key).ok_or_else(missing)?;
             let (m, v) = self.adam.get_mut(key).ok_or_else(missing)?;
-            let c = self.compute.get_mut(key).ok_or_else(missing)?;
+            let c = match D::master_as_act(w) {
+                Some(_) => None,
+                None => Some(self.compute.get_mut(key).ok_or_else(missing)?),
+            };
             self.dev
                 .adamw(w, g, m, v, c, step, self.opts.lr, (b1, b2, eps, wd))
                 .map_err(e)?;
