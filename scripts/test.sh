@@ -71,11 +71,13 @@ fi
 NVRTC_LIB=$(cd "$(dirname "$nvrtc_so")" && pwd)
 export LD_LIBRARY_PATH="$NVRTC_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 echo "libnvrtc: $NVRTC_LIB"
-PTXAS=$(find "$NVRTC_DIR" -name ptxas -type f -print -quit)
-if [ -z "$PTXAS" ]; then
+ptxas=$(find "$NVRTC_DIR" -name ptxas -type f -print -quit)
+if [ -z "$ptxas" ]; then
     echo "scripts/test.sh: $NVCC_WHEEL installed no ptxas under $NVRTC_DIR" >&2
     exit 1
 fi
+# Absolute: cargo runs each test binary from its crate's folder.
+PTXAS="$(cd "$(dirname "$ptxas")" && pwd)/ptxas"
 chmod +x "$PTXAS"
 export PTXAS
 echo "ptxas: $PTXAS"
