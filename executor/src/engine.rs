@@ -115,7 +115,15 @@ impl Engine {
     /// Trains `plan`, every rank a thread of this process.
     pub fn train(self, plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, EngineError> {
         match self {
-            Engine::Cpu => Ok(crate::train::train(plan, opts)?),
+            // The device interpreter on the fp32 host device (bit for bit the
+            // general interpreter's results, tested); the general one keeps what
+            // it alone takes (a separate router op).
+            Engine::Cpu => match supported(plan) {
+                Ok(()) => Ok(train_device(plan, opts, &|_| {
+                    Ok(crate::device::HostDevice)
+                })?),
+                Err(_) => Ok(crate::train::train(plan, opts)?),
+            },
             Engine::CpuBf16 => Ok(train_device(plan, opts, &|_| {
                 Ok(crate::device::emulate::Bf16Host)
             })?),

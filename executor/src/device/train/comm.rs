@@ -246,8 +246,9 @@ impl<'a, D: Device> DevRank<'a, D> {
         };
         self.dev
             .send_act(self.comm.as_mut(), peer, "pp", x, (off, n))?;
-        let args = serde_json::json!({"step": self.step_no, "peer": peer, "elements": n});
-        self.span(m0, "Send pp".to_string(), "comm", args)
+        // Named as the general interpreter names them (`trace::Tracer`).
+        let args = serde_json::json!({"step": self.step_no, "bytes": bytes, "peer": peer});
+        self.span(m0, format!("send to stage {stage}"), "p2p", args)
     }
 
     /// Receives the stage boundary from stage `stage`.
@@ -267,8 +268,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         } else {
             self.hidden = Some(Arc::new(x));
         }
-        let args = serde_json::json!({"step": self.step_no, "peer": peer, "elements": n});
-        self.span(m0, "Recv pp".to_string(), "comm", args)
+        let args = serde_json::json!({"step": self.step_no, "bytes": bytes, "peer": peer});
+        self.span(m0, format!("recv from stage {stage}"), "p2p", args)
     }
 
     /// Gathers a boundary received in tensor-rank slices.
@@ -337,6 +338,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             .cloned()
             .ok_or_else(|| fail(format!("group `{group}` is not in the plan's mesh")))?;
         let m0 = self.mark()?;
+        let sent0 = self.comm.counts().axis_bytes_sent(axis);
         match (target, kind) {
             // The experts op moves its tokens itself (counts depend on the routing).
             (Target::Experts { .. }, _) => {}
@@ -442,7 +444,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                 )))
             }
         }
-        let args = serde_json::json!({"step": self.step_no, "tensor": target.to_string()});
+        // The bytes this rank sent in it, measured, under the general interpreter's key.
+        let sent = self.comm.counts().axis_bytes_sent(axis) - sent0;
+        let args = serde_json::json!({"step": self.step_no, "layer": l, "tensor": target.to_string(), "axis": axis, "bytes_sent": sent});
         self.span(m0, format!("{kind:?} {axis}"), "comm", args)
     }
 
