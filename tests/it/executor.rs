@@ -3,6 +3,8 @@
 //! predicts, and a failing rank stops the whole run with a message.
 
 use meshplan_cost_model::{load_cluster, prepare_model, Cluster, PreparedGraph};
+use meshplan_executor::device::train::train_device;
+use meshplan_executor::device::HostDevice;
 use meshplan_executor::train::{byte_mismatches, check_against, train, TrainOptions};
 use meshplan_ir::plan::Plan;
 use meshplan_ir::{load_model, model_graph, Graph, ModelSpec, PartialConfig, WorkloadOverrides};
@@ -70,7 +72,10 @@ pub(crate) fn check_plan(m: &Model, cfg: &str, p: Plan) {
     let opts = TrainOptions::default();
     let mbs = p.strategy.mbs;
     let reference = plan(m, &format!("dp=1,mbs={mbs}"));
-    let run = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+    // The run on the device interpreter (what `run --backend cpu` uses) against the
+    // goldens the general interpreter recorded, and against the general
+    // interpreter's single-rank reference.
+    let run = train_device(&p, &opts, &|_| Ok(HostDevice)).unwrap_or_else(|e| panic!("{cfg}: {e}"));
     let base =
         train(&reference, &opts.reference_of(&p)).unwrap_or_else(|e| panic!("reference: {e}"));
     let name = format!(
