@@ -3,9 +3,10 @@
 // reductions with no block barrier. Forward: statistics in fp32 (two passes for the
 // variance, as the CPU kernel), `mean`/`rstd` saved per row; grid
 // ceil(rows / NORM_WARPS). Backward: `dx` one warp per row likewise; the parameter
-// gradients by `*_param_grads`, one thread per column summing a chunk of rows (so a
-// warp reads consecutive columns), then `colsum_add_f32` adds the chunks' partials
-// into the fp32 gradients in a fixed order (deterministic, no atomics).
+// gradients by `*_param_grads`, a thread per column (LayerNorm's: per 8 columns when
+// rows allow 16-byte loads) summing a chunk of rows, so a warp reads consecutive
+// columns; then `colsum_add_f32` adds the chunks' partials into the fp32 gradients
+// in a fixed order (deterministic, no atomics).
 
 #define NORM_WARPS 8
 

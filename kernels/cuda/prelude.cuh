@@ -118,39 +118,36 @@ __device__ __forceinline__ void warp_softmax_merge(float& m, float& s) {
 #define GRID_STRIDE(i, n) \
     for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (i64)(n); i += (i64)gridDim.x * blockDim.x)
 
-// Calls `f(c, value)` for every element of a bf16 row of `dim` values, the block's
-// threads striding over it; 16-byte loads when the row allows them. A thread sees
-// the same columns for every row of the same length and alignment.
+// Calls `f(c, value)` for every element of a bf16 row of `dim` values, threads
+// `first`, `first + step`, ... taking its 8-value chunks (16-byte loads when the row
+// allows them) or its values. A thread sees the same columns for every row of the
+// same length and alignment.
 template <typename F>
-__device__ __forceinline__ void row_for_each(const bf16* row, int dim, F f) {
+__device__ __forceinline__ void row_for_each_strided(const bf16* row, int dim, int first,
+                                                     int step, F f) {
     if (aligned8(row, dim)) {
         const bf16x8* v = (const bf16x8*)row;
-        for (int i = threadIdx.x; i < dim / 8; i += blockDim.x) {
+        for (int i = first; i < dim / 8; i += step) {
             float e[8];
             unpack8(v[i], e);
 #pragma unroll
             for (int j = 0; j < 8; ++j) f(i * 8 + j, e[j]);
         }
     } else {
-        for (int c = threadIdx.x; c < dim; c += blockDim.x) f(c, bf16_to_f32(row[c]));
+        for (int c = first; c < dim; c += step) f(c, bf16_to_f32(row[c]));
     }
 }
 
-// As row_for_each, for a row that one warp walks alone (lanes striding over it).
+// The block's threads striding over a row.
+template <typename F>
+__device__ __forceinline__ void row_for_each(const bf16* row, int dim, F f) {
+    row_for_each_strided(row, dim, threadIdx.x, blockDim.x, f);
+}
+
+// One warp striding over a row alone.
 template <typename F>
 __device__ __forceinline__ void warp_row_for_each(const bf16* row, int dim, F f) {
-    const int lane = threadIdx.x % WARP;
-    if (aligned8(row, dim)) {
-        const bf16x8* v = (const bf16x8*)row;
-        for (int i = lane; i < dim / 8; i += WARP) {
-            float e[8];
-            unpack8(v[i], e);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) f(i * 8 + j, e[j]);
-        }
-    } else {
-        for (int c = lane; c < dim; c += WARP) f(c, bf16_to_f32(row[c]));
-    }
+    row_for_each_strided(row, dim, threadIdx.x % WARP, WARP, f);
 }
 
 // Walks three rows of `dim` bf16 together, one warp: f(c, a[c], b[c], w[c]) (16-byte

@@ -51,8 +51,8 @@ fn norm_rows(rows: usize) -> LaunchConfig {
 }
 
 /// The norms' parameter-gradient kernels: one thread per `cols_per_thread`
-/// columns over chunks of at least 64 rows (more when the grid's y extent would pass 65535). Returns the
-/// launch, the chunk's rows and the number of chunks.
+/// columns over chunks of at least 64 rows (more when the grid's y extent would
+/// pass 65535). Returns the launch, the chunk's rows and the number of chunks.
 fn norm_param_chunks(
     rows: usize,
     dim: usize,

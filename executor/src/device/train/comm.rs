@@ -338,7 +338,10 @@ impl<'a, D: Device> DevRank<'a, D> {
             .cloned()
             .ok_or_else(|| fail(format!("group `{group}` is not in the plan's mesh")))?;
         let m0 = self.mark()?;
-        let sent0 = self.comm.counts().axis_bytes_sent(axis);
+        // Read only when tracing: a count is a copy of the communicator's table.
+        let sent0 = m0
+            .is_some()
+            .then(|| self.comm.counts().axis_bytes_sent(axis));
         match (target, kind) {
             // The experts op moves its tokens itself (counts depend on the routing).
             (Target::Experts { .. }, _) => {}
@@ -445,7 +448,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
         }
         // The bytes this rank sent in it, measured, under the general interpreter's key.
-        let sent = self.comm.counts().axis_bytes_sent(axis) - sent0;
+        let sent = sent0.map(|s0| self.comm.counts().axis_bytes_sent(axis) - s0);
         let args = serde_json::json!({"step": self.step_no, "layer": l, "tensor": target.to_string(), "axis": axis, "bytes_sent": sent});
         self.span(m0, format!("{kind:?} {axis}"), "comm", args)
     }

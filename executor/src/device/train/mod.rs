@@ -524,16 +524,12 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         if !self.gather.is_empty() {
             // The gathered masters hold every rank's update: refresh the compute copies.
-            for (key, w) in &self.master {
-                if D::master_as_act(w).is_some() {
-                    continue;
-                }
-                let c = self
-                    .compute
-                    .get_mut(key)
-                    .ok_or_else(|| fail("compute copy missing"))?;
-                self.dev.to_act(w, c).map_err(derr(&key.0))?;
-            }
+            refresh_copies(
+                &self.dev,
+                &self.master,
+                &mut self.compute,
+                self.master.keys(),
+            )?;
         }
         self.next_bucket = 0;
         let scale = self.loss_scale();
@@ -787,4 +783,26 @@ pub(super) fn operand<'m, D: Device>(
     compute
         .get(key)
         .ok_or_else(|| fail(format!("weight `{}` has no compute copy", key.0)))
+}
+
+/// Writes the compute copy of each of `keys` from its master, after the masters
+/// changed outside AdamW (ZeRO's gathers); nothing where the master serves as its
+/// own ([`Device::master_as_act`]).
+pub(super) fn refresh_copies<'k, D: Device>(
+    dev: &D,
+    master: &BTreeMap<Key, D::F32>,
+    compute: &mut BTreeMap<Key, D::Act>,
+    keys: impl IntoIterator<Item = &'k Key>,
+) -> Result<(), RankError> {
+    for key in keys {
+        let w = master.get(key).ok_or_else(|| fail("weight missing"))?;
+        if D::master_as_act(w).is_some() {
+            continue;
+        }
+        let c = compute
+            .get_mut(key)
+            .ok_or_else(|| fail("compute copy missing"))?;
+        dev.to_act(w, c).map_err(derr(&key.0))?;
+    }
+    Ok(())
 }

@@ -355,19 +355,12 @@ impl<'a, D: Device> DevRank<'a, D> {
             &mut self.master,
             segment,
         )?;
-        let e = derr(segment);
-        for (key, _) in &layout {
-            let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
-            if D::master_as_act(w).is_some() {
-                continue;
-            }
-            let c = self
-                .compute
-                .get_mut(key)
-                .ok_or_else(|| fail("compute copy missing"))?;
-            self.dev.to_act(w, c).map_err(&e)?;
-        }
-        Ok(())
+        refresh_copies(
+            &self.dev,
+            &self.master,
+            &mut self.compute,
+            layout.iter().map(|(key, _)| key),
+        )
     }
 
     /// ZeRO-3's reduce-scatter of one segment copy's gradients after its
