@@ -81,7 +81,7 @@ run kernel-tests 150 "$B/tests/meshplan-kernels" cuda:: --test-threads=1
 if [ "$rc" = 0 ]; then result kernel-tests PASS; else result kernel-tests FAIL; fi
 
 # --- 2b. the CUDA device against the host device (executor/src/device/cuda.rs)
-run device-tests 120 "$B/tests/meshplan-executor" device:: backend_cuda:: --test-threads=1 --nocapture
+run device-tests 120 "$B/tests/meshplan-executor" device:: --test-threads=1 --nocapture
 if [ "$rc" = 0 ]; then result device-tests PASS; else result device-tests FAIL; fi
 
 # --- 2c. run --check on the GPU: the device interpreter against the fp32 CPU run

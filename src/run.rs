@@ -242,12 +242,9 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             .map_err(|m| bad(format!("{file}: {m}")))?;
     }
     let (opts, start) = training_options(a, &plan)?;
-    let (engine, staged) = engine
+    let engine = engine
         .for_plan(&plan)
         .map_err(|e| runtime(format!("{file}: {e}")))?;
-    if let Some(why) = staged {
-        tracing::warn!("{file}: {why}");
-    }
     // Ranks are threads of this process holding fp32 weights, gradients and Adam
     // state: refuse what cannot fit rather than exhausting the machine.
     let s = &plan.strategy;
@@ -429,7 +426,7 @@ fn check_with_reference(
     Ok(match engine {
         Engine::Cpu => check_against(plan, report, &base, 1e-5),
         // Mixed precision against the fp32 reference: bf16 tolerances.
-        Engine::CpuBf16 | Engine::Cuda(_) | Engine::CudaStaged(_) => {
+        Engine::CpuBf16 | Engine::Cuda(_) => {
             use meshplan_executor::device as dv;
             dv::check_mixed_precision(
                 plan,

@@ -29,7 +29,6 @@
 //! the model's dtype (sent by each prefill rank, received by each decode rank), and
 //! the first tokens.
 
-use crate::backend::CpuBackend;
 use crate::comm::{Communicator, Group, RankError};
 use crate::infer::{
     check_inputs, rank_outs, recorded, summarize, InferOptions, InferRank, InferReport, PoolBytes,
@@ -163,7 +162,7 @@ pub fn infer_disaggregated(plan: &Plan, opts: &InferOptions) -> Result<DisaggRep
         } else {
             (decode, np)
         };
-        let mut r = InferRank::new(&CpuBackend, pool, comm, opts, base)?;
+        let mut r = InferRank::new(pool, comm, opts, base)?;
         r.comm.barrier(&Group::world(np + nd))?;
         let t0 = Instant::now();
         let (outputs, received) = if is_prefill {

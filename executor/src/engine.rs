@@ -13,15 +13,12 @@ use meshplan_ir::plan::Plan;
 /// Where a training plan runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Engine {
-    /// The general interpreter on the CPU kernels, fp32.
+    /// The device interpreter on the CPU kernels, fp32 (the reference).
     Cpu,
     /// The device interpreter on the CPU kernels with a GPU's bf16 rounding.
     CpuBf16,
     /// The device interpreter on the GPUs.
     Cuda(Gpu),
-    /// The general interpreter with its kernels on the GPU, through host buffers
-    /// (plans the device interpreter does not take).
-    CudaStaged(Gpu),
 }
 
 /// Why an engine cannot be had or cannot run a plan.
@@ -56,22 +53,13 @@ impl Engine {
         }
     }
 
-    /// The engine for `plan`: the device interpreter takes training plans
-    /// ([`supported`]); on the GPU the others run staged through the host (the
-    /// second value says so), on `cpu-bf16` they are refused.
-    pub fn for_plan(self, plan: &Plan) -> Result<(Engine, Option<String>), EngineError> {
-        match (self, supported(plan)) {
-            (Engine::Cpu, _) | (_, Ok(())) => Ok((self, None)),
-            (Engine::Cuda(g) | Engine::CudaStaged(g), Err(why)) => Ok((
-                Engine::CudaStaged(g),
-                Some(format!(
-                    "the device interpreter does not take this plan ({why}); running the general interpreter on the GPU through host staging (two PCIe copies per kernel: correct, not fast)"
-                )),
-            )),
-            (Engine::CpuBf16, Err(why)) => Err(EngineError::Unsupported(format!(
-                "--backend cpu-bf16 runs the plans the device interpreter takes, and this one is not: {why}. Run it with --backend cpu"
-            ))),
-        }
+    /// This engine for `plan`, or why the interpreter does not take it (a
+    /// separate router op, a mesh axis it does not split).
+    pub fn for_plan(self, plan: &Plan) -> Result<Engine, EngineError> {
+        supported(plan).map_err(|why| {
+            EngineError::Unsupported(format!("the executor does not run this plan: {why}"))
+        })?;
+        Ok(self)
     }
 
     /// Whether the ranks' state lives in this process's memory (every engine but
@@ -86,7 +74,6 @@ impl Engine {
             Engine::Cpu => "CPU threads, fp32",
             Engine::CpuBf16 => "CPU threads, bf16 rounding",
             Engine::Cuda(_) => "threads on the GPUs, bf16 compute",
-            Engine::CudaStaged(_) => "CPU threads, kernels on the GPU through host staging",
         }
     }
 
@@ -102,7 +89,7 @@ impl Engine {
         cfg: &RendezvousConfig,
     ) -> Result<TrainReport, EngineError> {
         let gpu = match self {
-            Engine::Cuda(g) | Engine::CudaStaged(g) => g,
+            Engine::Cuda(g) => g,
             Engine::Cpu | Engine::CpuBf16 => {
                 return Err(EngineError::Unsupported(
                     "a launch of one process per GPU trains on --backend cuda".into(),
@@ -115,20 +102,11 @@ impl Engine {
     /// Trains `plan`, every rank a thread of this process.
     pub fn train(self, plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, EngineError> {
         match self {
-            // The device interpreter on the fp32 host device (bit for bit the
-            // general interpreter's results, tested); the general one keeps what
-            // it alone takes (a separate router op).
-            Engine::Cpu => match supported(plan) {
-                Ok(()) => Ok(train_device(plan, opts, &|_| {
-                    Ok(crate::device::HostDevice)
-                })?),
-                Err(_) => Ok(crate::train::train(plan, opts)?),
-            },
+            Engine::Cpu => Ok(crate::train::train(plan, opts)?),
             Engine::CpuBf16 => Ok(train_device(plan, opts, &|_| {
                 Ok(crate::device::emulate::Bf16Host)
             })?),
             Engine::Cuda(g) => g.train(plan, opts),
-            Engine::CudaStaged(g) => g.train_staged(plan, opts),
         }
     }
 }
@@ -140,11 +118,7 @@ fn launched_rank(
     env: &LaunchEnv,
     cfg: &RendezvousConfig,
 ) -> Result<TrainReport, EngineError> {
-    supported(plan).map_err(|why| {
-        EngineError::Unsupported(format!(
-            "--backend cuda trains this plan only through its staged path, which a launch of one process per GPU does not take: {why}"
-        ))
-    })?;
+    Engine::Cuda(gpu).for_plan(plan)?;
     let mut rv =
         crate::launch::Rendezvous::connect(cfg).map_err(|e| EngineError::Failed(e.to_string()))?;
     let rep = gpu.train_rank(plan, opts, env, &mut rv)?;
@@ -273,16 +247,6 @@ mod gpu {
             train_device(plan, opts, &|r| CudaDevice::on(r % gpus)).map_err(failed)
         }
 
-        pub(super) fn train_staged(
-            self,
-            plan: &Plan,
-            opts: &TrainOptions,
-        ) -> Result<TrainReport, EngineError> {
-            let backend = crate::backend_cuda::CudaBackend::new()
-                .map_err(|e| EngineError::Failed(e.to_string()))?;
-            Ok(crate::train::train_on(plan, opts, &backend)?)
-        }
-
         pub(super) fn train_rank(
             self,
             plan: &Plan,
@@ -321,14 +285,6 @@ mod gpu {
         }
 
         pub(super) fn train(self, _: &Plan, _: &TrainOptions) -> Result<TrainReport, EngineError> {
-            match self {}
-        }
-
-        pub(super) fn train_staged(
-            self,
-            _: &Plan,
-            _: &TrainOptions,
-        ) -> Result<TrainReport, EngineError> {
             match self {}
         }
 

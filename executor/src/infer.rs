@@ -30,14 +30,14 @@
 //! A disaggregated deployment runs its prefill pool's ranks and its decode pool's
 //! through these same passes, the caches moving between them (`disagg.rs`).
 
-use crate::backend::{Backend, CpuBackend};
 use crate::comm::{ByteCounts, Communicator, Group, RankError, ThreadComm};
+use crate::device::{derr, Device, HostDevice};
 use crate::init::init_full;
 use crate::moe::Routing;
 use crate::sample::{sample, Sampling};
 use crate::shard::{local_heads, local_weight, weight_transposed, TpPos};
 use crate::train::{
-    bshd_to_sbhd, build_groups, fail, fixed_shape, kerr, segment_input, segment_output, ExecError,
+    bshd_to_sbhd, build_groups, fail, fixed_shape, segment_input, segment_output, ExecError,
     NO_LAYER,
 };
 use crate::weights::{apply_spec, shard_spec, Checkpoint};
@@ -283,17 +283,9 @@ fn shifted(groups: BTreeMap<String, Group>, base: usize) -> BTreeMap<String, Gro
         .collect()
 }
 
-/// Generates with the plan's inference programs on the CPU kernels.
+/// Generates with the plan's inference programs on the CPU kernels
+/// ([`HostDevice`], fp32).
 pub fn infer(plan: &Plan, opts: &InferOptions) -> Result<InferReport, ExecError> {
-    infer_on(plan, opts, &CpuBackend)
-}
-
-/// Generates with the plan's inference programs on `backend`.
-pub fn infer_on(
-    plan: &Plan,
-    opts: &InferOptions,
-    backend: &dyn Backend,
-) -> Result<InferReport, ExecError> {
     check_inputs(plan, opts).map_err(ExecError::Plan)?;
     if let Some(ck) = &opts.weights {
         ck.check_config(&plan.graph)
@@ -302,7 +294,7 @@ pub fn infer_on(
     }
     let world = plan.ranks.len();
     let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
-        let mut r = InferRank::new(backend, plan, comm, opts, 0)?;
+        let mut r = InferRank::new(plan, comm, opts, 0)?;
         let everyone = Group::new("world", (0..world).collect());
         r.comm.barrier(&everyone)?;
         let t0 = Instant::now();
@@ -618,7 +610,7 @@ impl Progress {
 type WKey = (String, String, u64);
 
 pub(crate) struct InferRank<'a> {
-    be: &'a dyn Backend,
+    dev: HostDevice,
     plan: &'a Plan,
     graph: &'a Graph,
     /// The rank in the world (the communicator's).
@@ -659,7 +651,6 @@ pub(crate) struct InferRank<'a> {
 impl<'a> InferRank<'a> {
     /// World rank `comm.rank()` as rank `comm.rank() - base` of `plan`.
     pub(crate) fn new(
-        be: &'a dyn Backend,
         plan: &'a Plan,
         comm: ThreadComm,
         opts: &'a InferOptions,
@@ -702,7 +693,7 @@ impl<'a> InferRank<'a> {
             })
             .unwrap_or(TpPos::ONE);
         let mut st = InferRank {
-            be,
+            dev: HostDevice,
             plan,
             graph,
             rank,
@@ -1420,9 +1411,9 @@ impl<'a> InferRank<'a> {
                     0
                 };
                 let mut y = vec![0.0; ids.len() * dim];
-                self.be
+                self.dev
                     .embedding_fwd(&ids, table, vocab_start, dim, &mut y)
-                    .map_err(kerr(&op.name))?;
+                    .map_err(derr(&op.name))?;
                 y
             }
             OpKind::Norm(kind) => {
@@ -1433,7 +1424,7 @@ impl<'a> InferRank<'a> {
                 let mut y = vec![0.0; x.len()];
                 let mut rstd = vec![0.0; n];
                 match kind {
-                    NormKind::Rmsnorm => self.be.rmsnorm_fwd(x, w, n, dim, eps, &mut y, &mut rstd),
+                    NormKind::Rmsnorm => self.dev.rmsnorm_fwd(x, w, n, dim, eps, &mut y, &mut rstd),
                     NormKind::Layernorm => {
                         let zeros;
                         let b = match op.inputs.get(2) {
@@ -1444,11 +1435,11 @@ impl<'a> InferRank<'a> {
                             }
                         };
                         let mut mean = vec![0.0; n];
-                        self.be
+                        self.dev
                             .layernorm_fwd(x, w, b, n, dim, eps, &mut y, &mut mean, &mut rstd)
                     }
                 }
-                .map_err(kerr(&op.name))?;
+                .map_err(derr(&op.name))?;
                 y
             }
             OpKind::Matmul { .. } => {
@@ -1466,19 +1457,17 @@ impl<'a> InferRank<'a> {
                 } else {
                     k::Transpose::No
                 };
-                self.be
-                    .matmul(k::Transpose::No, tb, rows, kk, n, x, w, 0.0, &mut y)
-                    .map_err(kerr(&op.name))?;
+                self.dev
+                    .matmul(k::Transpose::No, tb, rows, kk, n, x, w, &mut y)
+                    .map_err(derr(&op.name))?;
                 // A row-parallel bias is added once, before the partial sums meet.
                 if op.inputs.get(2).is_some()
                     && (op.role != TpRole::RowParallel || self.tp.rank == 0)
                 {
                     let b = self.weight(op, 2, l)?;
-                    for r in 0..rows {
-                        for (c, bv) in b.iter().enumerate().take(n) {
-                            y[r * n + c] += bv;
-                        }
-                    }
+                    self.dev
+                        .bias_add(&mut y, b, rows, n)
+                        .map_err(derr(&op.name))?;
                 }
                 y
             }
@@ -1489,22 +1478,10 @@ impl<'a> InferRank<'a> {
                 let width = hq * d + hkv * d + hkv * dv;
                 let positions = batch.positions();
                 let rope = crate::rope_of(&self.graph.constants);
-                let mut y = x.clone();
-                for (start, heads) in [(0, hq), (hq * d, hkv)] {
-                    let mut part = vec![0.0; rows * heads * d];
-                    for r in 0..rows {
-                        part[r * heads * d..(r + 1) * heads * d]
-                            .copy_from_slice(&x[r * width + start..r * width + start + heads * d]);
-                    }
-                    let mut rotated = vec![0.0; part.len()];
-                    self.be
-                        .rope_fwd(&part, &positions, rows, heads, d, rope, &mut rotated)
-                        .map_err(kerr(&op.name))?;
-                    for r in 0..rows {
-                        y[r * width + start..r * width + start + heads * d]
-                            .copy_from_slice(&rotated[r * heads * d..(r + 1) * heads * d]);
-                    }
-                }
+                let mut y = Vec::new();
+                self.dev
+                    .rope_qkv(x, &positions, rows, hq, hkv, d, width, rope, false, &mut y)
+                    .map_err(derr(&op.name))?;
                 y
             }
             OpKind::Attention(a) => self.attention(op, a.causal, batch, l)?,
@@ -1512,21 +1489,21 @@ impl<'a> InferRank<'a> {
                 let x = self.act(op, 0)?;
                 let f = x.len() / (2 * rows.max(1));
                 let mut y = vec![0.0; rows * f];
-                self.be
+                self.dev
                     .swiglu_fwd(x, rows, f, &mut y)
-                    .map_err(kerr(&op.name))?;
+                    .map_err(derr(&op.name))?;
                 y
             }
             OpKind::Activation(MlpKind::Gelu) => {
                 let x = self.act(op, 0)?;
                 let mut y = vec![0.0; x.len()];
-                self.be.gelu_fwd(x, &mut y).map_err(kerr(&op.name))?;
+                self.dev.gelu_fwd(x, &mut y).map_err(derr(&op.name))?;
                 y
             }
             OpKind::Add => {
                 let (a, b) = (self.act(op, 0)?, self.act(op, 1)?);
                 let mut y = vec![0.0; a.len()];
-                self.be.add(a, b, &mut y).map_err(kerr(&op.name))?;
+                self.dev.add(a, b, &mut y).map_err(derr(&op.name))?;
                 y
             }
             // Dropout is the identity at inference.
@@ -1557,7 +1534,7 @@ impl<'a> InferRank<'a> {
     ) -> Result<Vec<f32>, RankError> {
         let name = |i: usize| self.graph.tensor(op.inputs[i]).name.as_str();
         let act = |i: usize| {
-            self.acts.get(name(i)).map(Vec::as_slice).ok_or_else(|| {
+            self.acts.get(name(i)).ok_or_else(|| {
                 fail(format!(
                     "`{}` reads `{}` before it is produced",
                     op.name,
@@ -1576,8 +1553,9 @@ impl<'a> InferRank<'a> {
                 ))
             })
         };
+        let empty = Vec::new();
         let (x, logits) = if idle {
-            (&[][..], &[][..])
+            (&empty, &empty)
         } else {
             (act(0)?, act(1)?)
         };
@@ -1592,8 +1570,8 @@ impl<'a> InferRank<'a> {
             ep: self.ep,
             group: self.ep_group.as_ref(),
         };
-        let (out, _) = crate::moe::forward(
-            self.be,
+        let out = crate::moe::forward(
+            &self.dev,
             &mut self.comm,
             &place,
             &op.name,
@@ -1657,22 +1635,21 @@ impl<'a> InferRank<'a> {
             };
             let mut o = vec![0.0; seq * hq * dv];
             let mut lse = vec![0.0; hq * seq];
-            self.be
+            self.dev
                 .attention_fwd(
                     &dims,
                     &q,
                     &cache.0,
                     &cache.1,
-                    batch.pos0[bi],
-                    0,
+                    (batch.pos0[bi], 0),
                     causal,
                     scale,
-                    &mut o,
-                    &mut lse,
                     // Inference runs in eval mode: no dropout.
                     None,
+                    &mut o,
+                    &mut lse,
                 )
-                .map_err(kerr(&op.name))?;
+                .map_err(derr(&op.name))?;
             // `o` is `[1, seq, hq dv]`: row `si` goes to sequence-major row `si b + bi`.
             let o = bshd_to_sbhd(&o, 1, seq, hq * dv);
             for si in 0..seq {

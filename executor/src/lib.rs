@@ -1,13 +1,12 @@
 //! Brief overview: the executor runs a plan's per-rank programs.
 //!
-//! - [`backend`]: the `Backend` trait (the kernels an interpreter runs) and the CPU
-//!   implementation over `meshplan_kernels::cpu`; `backend_cuda` (feature `cuda`):
-//!   the same trait on a GPU through host staging, for what the device
-//!   interpreter does not take (inference plans).
+//! - [`device`]: the one compute trait, `Device` (buffers where the kernels run:
+//!   `HostDevice` in fp32, `Bf16Host` with a GPU's rounding, `CudaDevice`), and the
+//!   training interpreter over it (`device::train`).
 //! - [`comm`]: the `Communicator` trait and the in-process implementation (ranks as
 //!   threads) that counts bytes per collective kind and axis.
-//! - [`train`]: the training interpreter over the CPU kernels, `--check` against a
-//!   single-rank run, and the byte comparison with the plan.
+//! - [`train`]: training options and reports, [`train::train`] on the CPU,
+//!   `--check` against a single-rank run, and the byte comparison with the plan.
 //! - [`ckpt`]: checkpoints of full tensors that any plan resumes from.
 //! - [`infer`]: the inference interpreter (prefill, decode, per-rank KV cache),
 //!   with [`sample`] (greedy, temperature and top-p) and `--check` against a
@@ -25,9 +24,6 @@
 //!   weights and data, identical whatever the sharding.
 
 pub mod alloc;
-pub mod backend;
-#[cfg(feature = "cuda")]
-pub mod backend_cuda;
 pub mod ckpt;
 pub mod comm;
 pub mod data;

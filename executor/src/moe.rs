@@ -3,16 +3,16 @@
 //! the actual counts, or buffers padded to expert capacity), each expert's gated MLP,
 //! and the weighted combine back in token order.
 //!
-//! Both interpreters call [`forward`], so a token meets the same experts with the
-//! same arithmetic whichever runs it; training keeps the returned [`ExpertsKept`] for
-//! its backward ([`send_back`], [`resend`]).
+//! The inference interpreter calls [`forward`] on host buffers; the device
+//! interpreter's experts (`device/train/experts.rs`) share its routing, capacity
+//! padding and exchange ([`exchange`], [`send_back`]).
 
-use crate::backend::Backend;
 use crate::comm::{Communicator, Group, RankError};
+use crate::device::{derr, Device, HostDevice};
 use crate::shard::TpPos;
-use crate::train::{fail, kerr, linear_fwd};
+use crate::train::fail;
 use meshplan_ir::graph::ExpertsShape;
-use meshplan_kernels::cpu::NO_ROW;
+use meshplan_kernels::cpu::{GemmAt, MoeDims, Transpose, NO_ROW};
 
 /// Where one rank runs an experts op: its positions on the tensor and expert axes,
 /// and its expert group (`None` when the experts are not split over ranks).
@@ -44,41 +44,13 @@ pub(crate) struct Routing {
 /// The weights and inputs of one experts op on one rank.
 pub(crate) struct Inputs<'x> {
     /// Tokens `[rows, hidden]`.
-    pub x: &'x [f32],
+    pub x: &'x Vec<f32>,
     /// Router scores `[rows, experts]`.
-    pub logits: &'x [f32],
+    pub logits: &'x Vec<f32>,
     /// This rank's up projections `[local experts, hidden, up]`.
-    pub w_up: &'x [f32],
+    pub w_up: &'x Vec<f32>,
     /// This rank's down projections `[local experts, ffn, hidden]`.
-    pub w_down: &'x [f32],
-}
-
-/// An experts op's forward state: routing, the exchange's counts, and the local
-/// experts' inputs and intermediate activations (what its backward reads).
-pub(crate) struct ExpertsKept {
-    pub probs: Vec<f32>,
-    pub idx: Vec<u32>,
-    pub wts: Vec<f32>,
-    pub perm: Vec<u32>,
-    pub local_rows: Vec<f32>,
-    pub local_counts: Vec<usize>,
-    pub ups: Vec<f32>,
-    pub acts: Vec<f32>,
-    pub y_disp: Vec<f32>,
-    pub route: Route,
-    pub padding: Option<Padding>,
-}
-
-impl ExpertsKept {
-    /// Values held, for the memory report.
-    pub fn floats(&self) -> usize {
-        self.probs.len()
-            + self.wts.len()
-            + self.local_rows.len()
-            + self.ups.len()
-            + self.acts.len()
-            + self.y_disp.len()
-    }
+    pub w_down: &'x Vec<f32>,
 }
 
 /// Experts split over both tp and ep need sequence parallelism: otherwise every
@@ -119,21 +91,33 @@ pub(crate) fn dims(e: &ExpertsShape, tp: TpPos, ep: TpPos) -> (usize, usize, usi
     )
 }
 
+/// The routing kernels' sizes for `rows` tokens of width `h` over `ne` experts,
+/// `kk` each, their weights renormalised.
+pub(crate) fn route_dims(rows: usize, h: usize, ne: usize, kk: usize) -> MoeDims {
+    MoeDims {
+        tokens: rows,
+        experts: ne,
+        k: kk,
+        dim: h,
+        renormalize: true,
+    }
+}
+
 /// Routes `rows` tokens and runs them through their experts: the op's output
-/// `[rows, hidden]` (partial over `tp` when the experts split over it) and what the
-/// backward needs. Zero rows is allowed: a rank with no tokens still serves its
+/// `[rows, hidden]` (partial over `tp` when the experts split over it). Zero rows is allowed: a rank with no tokens still serves its
 /// experts to the rest of its expert group.
 pub(crate) fn forward(
-    be: &dyn Backend,
+    dev: &HostDevice,
     comm: &mut dyn Communicator,
     place: &Place<'_>,
     name: &str,
     e: &ExpertsShape,
     inp: &Inputs<'_>,
     routing: Routing,
-) -> Result<(Vec<f32>, ExpertsKept), RankError> {
+) -> Result<Vec<f32>, RankError> {
     let (h, f, ne, kk) = dims(e, place.tp, place.ep);
     let rows = inp.x.len() / h;
+    let m = route_dims(rows, h, ne, kk);
     let mut probs = vec![0.0; rows * ne];
     let mut idx = vec![0u32; rows * kk];
     let mut wts = vec![0.0; rows * kk];
@@ -141,22 +125,11 @@ pub(crate) fn forward(
     let mut counts = vec![0usize; ne];
     let mut perm = vec![0u32; rows * kk];
     if rows > 0 {
-        be.moe_route_fwd(
-            inp.logits, rows, ne, kk, true, &mut probs, &mut idx, &mut wts,
-        )
-        .map_err(kerr(name))?;
-        be.moe_dispatch_fwd(
-            inp.x,
-            &idx,
-            rows,
-            kk,
-            ne,
-            h,
-            &mut disp,
-            &mut counts,
-            &mut perm,
-        )
-        .map_err(kerr(name))?;
+        dev.moe_route(&m, inp.logits, &mut probs, &mut idx, &mut wts)
+            .map_err(derr(name))?;
+        counts = dev
+            .moe_dispatch(&m, inp.x, &idx, &mut disp, &mut perm)
+            .map_err(derr(name))?;
     }
     let padding = match routing.group_tokens {
         Some(group) if rows > 0 => capacity_padding(e, group, &counts, &perm, kk, rows)?,
@@ -174,8 +147,7 @@ pub(crate) fn forward(
         )?,
         None => exchange(comm, place, &disp, &counts, ne, h, false)?,
     };
-    let LocalOut { y, ups, acts } =
-        local_experts(be, name, e, f, (&local_rows, &local_counts), inp)?;
+    let y = local_experts(dev, name, e, f, (&local_rows, &local_counts), inp)?;
     let y_disp = send_back(comm, place, &y, &route, h)?;
     let y_disp = match &padding {
         Some(p) => p.unpad(&y_disp, h)?,
@@ -183,70 +155,68 @@ pub(crate) fn forward(
     };
     let mut out = vec![0.0; rows * h];
     if rows > 0 {
-        be.moe_combine_fwd(&y_disp, &perm, &wts, rows, kk, h, &mut out)
-            .map_err(kerr(name))?;
+        dev.moe_combine(&m, &y_disp, &perm, &wts, &mut out)
+            .map_err(derr(name))?;
     }
-    let kept = ExpertsKept {
-        probs,
-        idx,
-        wts,
-        perm,
-        local_rows,
-        local_counts,
-        ups,
-        acts,
-        y_disp,
-        route,
-        padding,
-    };
-    Ok((out, kept))
-}
-
-/// What the local experts computed, rows expert-major.
-struct LocalOut {
-    y: Vec<f32>,
-    ups: Vec<f32>,
-    acts: Vec<f32>,
+    Ok(out)
 }
 
 /// Each local expert's MLP (`f` wide) on its rows (expert-major, `counts` per
 /// local expert).
 fn local_experts(
-    be: &dyn Backend,
+    dev: &HostDevice,
     name: &str,
     e: &ExpertsShape,
     f: usize,
-    (local_rows, local_counts): (&[f32], &[usize]),
+    (local_rows, local_counts): (&Vec<f32>, &[usize]),
     inp: &Inputs<'_>,
-) -> Result<LocalOut, RankError> {
+) -> Result<Vec<f32>, RankError> {
     let h = e.hidden as usize;
     let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
     let up_w = if gated { 2 * f } else { f };
     let total = local_rows.len() / h;
-    let mut y = vec![0.0; total * h];
+    // Each expert's GEMMs on its span of rows; the activation is row-wise, so one
+    // call over every expert's rows computes what one per expert would.
+    let spans = |k: usize, n: usize, w_each: usize| {
+        let mut off = 0;
+        local_counts
+            .iter()
+            .enumerate()
+            .filter(|&(_, &rows)| rows > 0)
+            .map(|(j, &rows)| {
+                let g = GemmAt {
+                    ta: Transpose::No,
+                    tb: Transpose::No,
+                    m: rows,
+                    k,
+                    n,
+                    a_off: off * k,
+                    b_off: j * w_each,
+                    c_off: off * n,
+                };
+                off += rows;
+                g
+            })
+            .collect::<Vec<_>>()
+    };
     let mut ups = vec![0.0; total * up_w];
-    let mut acts = vec![0.0; total * f];
-    let mut off = 0;
-    for (j, &n) in local_counts.iter().enumerate() {
-        if n == 0 {
-            continue;
-        }
-        let xr = &local_rows[off * h..(off + n) * h];
-        let up = &mut ups[off * up_w..(off + n) * up_w];
-        let wu = &inp.w_up[j * h * up_w..(j + 1) * h * up_w];
-        linear_fwd(be, xr, wu, n, h, up_w, up).map_err(kerr(name))?;
-        let act = &mut acts[off * f..(off + n) * f];
-        if gated {
-            be.swiglu_fwd(up, n, f, act).map_err(kerr(name))?;
-        } else {
-            be.gelu_fwd(up, act).map_err(kerr(name))?;
-        }
-        let wd = &inp.w_down[j * f * h..(j + 1) * f * h];
-        let yr = &mut y[off * h..(off + n) * h];
-        linear_fwd(be, act, wd, n, f, h, yr).map_err(kerr(name))?;
-        off += n;
+    for g in spans(h, up_w, h * up_w) {
+        dev.matmul_at(&g, local_rows, inp.w_up, &mut ups)
+            .map_err(derr(name))?;
     }
-    Ok(LocalOut { y, ups, acts })
+    let mut acts = vec![0.0; total * f];
+    if gated {
+        dev.swiglu_fwd(&ups, total, f, &mut acts)
+    } else {
+        dev.gelu_fwd(&ups, &mut acts)
+    }
+    .map_err(derr(name))?;
+    let mut y = vec![0.0; total * h];
+    for g in spans(f, h, f * h) {
+        dev.matmul_at(&g, &acts, inp.w_down, &mut y)
+            .map_err(derr(name))?;
+    }
+    Ok(y)
 }
 
 /// Under an expert capacity, which dispatch slots each expert keeps (the first
@@ -359,22 +329,6 @@ pub(crate) fn send_back(
     let src_major = route.to_source_major(rows, h)?;
     let (sc, rc) = route.elements(h);
     a2a_rows(comm, place.ep_group()?, &src_major, &rc, &sc)
-}
-
-/// Dispatch-ordered rows to the experts again (gradients in backward).
-pub(crate) fn resend(
-    comm: &mut dyn Communicator,
-    place: &Place<'_>,
-    rows: &[f32],
-    route: &Route,
-    h: usize,
-) -> Result<Vec<f32>, RankError> {
-    if route.n == 1 {
-        return Ok(rows.to_vec());
-    }
-    let (sc, rc) = route.elements(h);
-    let src_major = a2a_rows(comm, place.ep_group()?, rows, &sc, &rc)?;
-    route.to_expert_major(&src_major, h)
 }
 
 fn a2a_rows(
@@ -546,7 +500,8 @@ impl Route {
 /// Rows of `src` in the order of `idx` (zeros for `NO_ROW`).
 fn gather(src: &[f32], idx: &[u32], h: usize) -> Result<Vec<f32>, RankError> {
     let mut out = vec![0.0; idx.len() * h];
-    meshplan_kernels::cpu::gather_rows(src, idx, h, &mut out).map_err(kerr("experts"))?;
+    meshplan_kernels::cpu::gather_rows(src, idx, h, &mut out)
+        .map_err(|e| fail(format!("experts: {e}")))?;
     Ok(out)
 }
 

@@ -411,17 +411,13 @@ fn ckpt_run_flags_save_resume_and_exit_codes() {
     .stderr_has(&["field `model`", "tiny-moe"]);
 }
 
-/// The device interpreter writes and reads the general interpreter's checkpoints:
-/// 3 steps saved by one, resumed to 6 by the other (and by itself), equal bit for
-/// bit to 6 uninterrupted steps, with and without ZeRO (ZeRO-3 too), and with
-/// weights split over tensor ranks and pipeline stages.
+/// Checkpoints of the device interpreter: 3 steps saved, resumed to 6, equal bit
+/// for bit to 6 uninterrupted steps, which equal the general interpreter's (its
+/// goldens, `ckpt-whole-*`), with and without ZeRO (ZeRO-3 too), and with weights
+/// split over tensor ranks and pipeline stages.
 #[test]
-fn ckpt_device_and_general_interpreters_resume_each_other() {
-    use meshplan_executor::device::{train::train_device, HostDevice};
+fn ckpt_resumed_runs_equal_uninterrupted_ones_on_the_device_interpreter() {
     let (gpt, moe) = (model("tiny-gpt"), model("tiny-moe"));
-    let device = |p: &Plan, o: &TrainOptions| {
-        train_device(p, o, &|_| Ok(HostDevice)).unwrap_or_else(|e| panic!("{}: {e}", p.strategy))
-    };
     for (m, cfg) in [
         (&gpt, "dp=2"),
         (&gpt, "dp=2,zero=1"),
@@ -435,34 +431,27 @@ fn ckpt_device_and_general_interpreters_resume_each_other() {
     ] {
         let p = plan(m, cfg);
         let whole = run(&p, &opts(6));
-        type Trainer<'a> = &'a dyn Fn(&Plan, &TrainOptions) -> TrainReport;
-        let pairs: [(&str, Trainer, Trainer); 3] = [
-            ("device -> general", &device, &run),
-            ("general -> device", &run, &device),
-            ("device -> device", &device, &device),
-        ];
-        for (what, save, resume) in pairs {
-            let dir = temp_dir(&format!("device-{cfg}-{}", what.replace(' ', "")));
-            let first = save(&p, &saving(3, &dir, 3));
-            assert_eq!(first.saved.len(), 1, "{cfg} {what}");
-            assert!(
-                first.losses == whole.losses[..3],
-                "{cfg} {what}: first 3 steps"
-            );
-            let resumed = resume(&p, &resuming(6, &dir));
-            assert!(
-                resumed.losses == whole.losses[3..],
-                "{cfg} {what}: resumed {:?} vs uninterrupted {:?}",
-                resumed.losses,
-                &whole.losses[3..]
-            );
-            for (a, b) in resumed.ranks.iter().zip(&whole.ranks) {
-                assert!(
-                    a.weights == b.weights,
-                    "{cfg} {what}: rank {} weights",
-                    a.rank
-                );
-            }
+        crate::exec_golden::check(
+            &format!(
+                "ckpt-whole-{}-{}-{cfg}",
+                m.spec.name,
+                crate::exec_golden::model_tag(&m.spec)
+            ),
+            &whole,
+        );
+        let dir = temp_dir(&format!("device-{cfg}"));
+        let first = run(&p, &saving(3, &dir, 3));
+        assert_eq!(first.saved.len(), 1, "{cfg}");
+        assert!(first.losses == whole.losses[..3], "{cfg}: first 3 steps");
+        let resumed = run(&p, &resuming(6, &dir));
+        assert!(
+            resumed.losses == whole.losses[3..],
+            "{cfg}: resumed {:?} vs uninterrupted {:?}",
+            resumed.losses,
+            &whole.losses[3..]
+        );
+        for (a, b) in resumed.ranks.iter().zip(&whole.ranks) {
+            assert!(a.weights == b.weights, "{cfg}: rank {} weights", a.rank);
         }
     }
 }

@@ -227,3 +227,32 @@ fn capacity_prefill_bytes_are_compared_and_routed_ones_reported() {
 fn load(path: &str) -> Plan {
     Plan::from_json(&std::fs::read_to_string(path).expect("plan")).unwrap_or_else(|e| panic!("{e}"))
 }
+
+/// Routed experts at inference, bit for bit: every request's tokens and logits and
+/// every rank's bytes as the inference interpreter on the retired `Backend` trait
+/// recorded them (goldens `infer-moe-*`), replicated, split over tp and over ep,
+/// dropless and under a capacity.
+#[test]
+fn moe_inference_reproduces_its_goldens() {
+    let dir = temp_dir("goldens");
+    let opts = InferOptions {
+        requests: (0..2)
+            .map(|i| (0..12).map(|t| ((i * 31 + t * 7) % 256) as u32).collect())
+            .collect(),
+        max_new_tokens: 6,
+        step_logits: true,
+        ..InferOptions::default()
+    };
+    for (model, cfg, gpus) in [
+        ("tiny-moe", "dp=1,tp=1,pp=1,ep=1", 1),
+        ("tiny-moe", "dp=1,tp=2,pp=1,ep=1", 2),
+        ("tiny-moe", "dp=2,tp=1,pp=1,ep=2", 2),
+        ("tiny-moe", "dp=1,tp=1,pp=2,ep=1", 2),
+        ("tiny-moe-capacity", "dp=2,tp=1,pp=1,ep=2", 2),
+        ("tiny-moe-capacity", "dp=1,tp=2,pp=1,ep=1", 2),
+    ] {
+        let p = load(&plan(&dir, model, cfg, gpus, 2));
+        let r = infer(&p, &opts).unwrap_or_else(|e| panic!("{model} {cfg}: {e}"));
+        crate::exec_golden::check_infer(&format!("infer-{model}-{cfg}"), &r);
+    }
+}

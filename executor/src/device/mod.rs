@@ -1,24 +1,17 @@
 //! Device-resident execution: the [`Device`] trait is a backend whose buffers live
 //! where its kernels run (GPU memory for `cuda::CudaDevice` with the `cuda` feature,
-//! host vectors for [`HostDevice`]), and [`train`] is an interpreter of dense
-//! training plans over it that never moves an activation, weight or gradient to the
-//! host during a step (only the losses, once per step).
+//! host vectors for [`HostDevice`]), and [`train`] is the training interpreter over
+//! it, which never moves an activation, weight or gradient to the host during a
+//! step (only the losses, once per step). It runs every parallel mode (data, tensor,
+//! pipeline, context, expert, ZeRO 0 to 3), in the device's compute precision: bf16
+//! activations and weight copies for the kernels on a GPU, fp32 master weights,
+//! gradients and AdamW moments.
 //!
-//! The general interpreter ([`crate::train`]) works on host `Vec<f32>` and handles
-//! every plan (tensor, pipeline, context and expert parallelism, ZeRO-3); driving a
-//! GPU through it would copy every operand over PCIe twice per kernel. The device
-//! interpreter covers the plans that most single-node training runs are (one
-//! pipeline stage, no tensor, context or expert split, any data parallelism with
-//! ZeRO 0 to 2, gradient accumulation, recomputation) and
-//! keeps everything on the device, in the device's compute precision: bf16
-//! activations and weight copies for the kernels, fp32 master weights, gradients and
-//! AdamW moments.
-//!
-//! [`HostDevice`] runs the same interpreter on the CPU reference kernels in fp32. It
-//! is what proves the device interpreter's bookkeeping on a machine without a GPU:
-//! on the plans it supports, it reproduces the general interpreter's losses and
-//! weights (tests in [`train`]). The CUDA device differs from it only in the
-//! kernels, each of which is tested against its CPU reference.
+//! [`HostDevice`] runs the same interpreter on the CPU reference kernels in fp32:
+//! it is `run --backend cpu` and the single-rank reference of `--check`. It
+//! reproduces, bit for bit, the goldens the general interpreter (deleted since)
+//! recorded. The CUDA device differs from it only in the kernels, each of which is
+//! tested against its CPU reference.
 
 use crate::comm::{CommError, CommKind, Communicator, Group};
 use meshplan_kernels::cpu::{
@@ -41,6 +34,11 @@ impl std::fmt::Display for DeviceError {
 }
 
 impl std::error::Error for DeviceError {}
+
+/// A device error as a rank's failure, naming what failed.
+pub(crate) fn derr(what: &str) -> impl Fn(DeviceError) -> crate::comm::RankError + '_ {
+    move |e| crate::train::fail(format!("{what}: {e}"))
+}
 
 impl From<KernelError> for DeviceError {
     fn from(e: KernelError) -> Self {
@@ -1025,15 +1023,7 @@ impl<H: HostPrecision> Device for H {
         y: &mut Vec<f32>,
     ) -> DResult<()> {
         k::check_len("x", x.len(), rows * width)?;
-        *y = crate::train::rope_qkv_host(
-            &crate::backend::CpuBackend,
-            x,
-            positions,
-            rows,
-            (hq, hkv, d, width),
-            rope,
-            backward,
-        )?;
+        *y = crate::train::rope_qkv_host(x, positions, rows, (hq, hkv, d, width), rope, backward)?;
         H::round(y);
         Ok(())
     }
@@ -1337,8 +1327,7 @@ impl<H: HostPrecision> Device for H {
         loss: &mut Vec<f32>,
         dlogits: &mut Vec<f32>,
     ) -> DResult<()> {
-        // The general interpreter's sequence of kernels, so that both runs agree bit
-        // for bit.
+        // The sequence of kernels the goldens were recorded with (bit for bit).
         let mut max = vec![0.0; rows];
         k::ce_row_max(logits, rows, vocab, &mut max)?;
         let mut se = vec![0.0; rows];

@@ -178,7 +178,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             )?;
             got[from] = Some(buf);
         }
-        // Added in rank order, as the general interpreter adds them.
+        // Added in rank order, as the goldens were recorded.
         let mut total = grads.swap_remove(me);
         for buf in got.iter().flatten() {
             self.dev.accumulate(&mut total, buf).map_err(&e)?;
@@ -246,7 +246,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         };
         self.dev
             .send_act(self.comm.as_mut(), peer, "pp", x, (off, n))?;
-        // Named as the general interpreter names them (`trace::Tracer`).
+        // Named as `trace::Tracer` names them.
         let args = serde_json::json!({"step": self.step_no, "bytes": bytes, "peer": peer});
         self.span(m0, format!("send to stage {stage}"), "p2p", args)
     }
@@ -447,7 +447,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 )))
             }
         }
-        // The bytes this rank sent in it, measured, under the general interpreter's key.
+        // The bytes this rank sent in it, measured, under the trace's key.
         let sent = sent0.map(|s0| self.comm.counts().axis_bytes_sent(axis) - s0);
         let args = serde_json::json!({"step": self.step_no, "layer": l, "tensor": target.to_string(), "axis": axis, "bytes_sent": sent});
         self.span(m0, format!("{kind:?} {axis}"), "comm", args)

@@ -5,13 +5,13 @@
 //!
 //! The counts (and, under a capacity, the slot order) come to the host: they size
 //! the exchange. The rows stay on the device; the route and padding
-//! ([`crate::moe`], shared with the general interpreter) become index lists that
+//! ([`crate::moe`], shared with the inference interpreter) become index lists that
 //! [`Device::gather_rows`] applies.
 
 use super::*;
 use crate::moe::{self, Padding, Route};
 use meshplan_ir::graph::ExpertsShape;
-use meshplan_kernels::cpu::{GemmAt, MoeDims};
+use meshplan_kernels::cpu::GemmAt;
 
 /// An experts op's forward state, kept for its backward.
 pub(super) struct Kept<D: Device> {
@@ -96,13 +96,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let group = moe::group_tokens(self.opts.moe_group_tokens, self.seq_len, sizes);
         let (h, f, ne, kk) = moe::dims(e, self.tp, self.ep);
         let rows = D::act_len(&x) / h;
-        let m = MoeDims {
-            tokens: rows,
-            experts: ne,
-            k: kk,
-            dim: h,
-            renormalize: true,
-        };
+        let m = moe::route_dims(rows, h, ne, kk);
         let mut probs = self.zeros_f32(rows * ne)?;
         let mut idx = self.ids(rows * kk)?;
         let mut wts = self.zeros_f32(rows * kk)?;
@@ -266,13 +260,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         })?;
         let (h, f, ne, kk) = moe::dims(e, self.tp, self.ep);
         let rows = D::act_len(&dy) / h;
-        let m = MoeDims {
-            tokens: rows,
-            experts: ne,
-            k: kk,
-            dim: h,
-            renormalize: true,
-        };
+        let m = moe::route_dims(rows, h, ne, kk);
         let mut d_y = self.zeros(D::act_len(&y_disp))?;
         let mut d_w = self.zeros_f32(rows * kk)?;
         if rows > 0 {

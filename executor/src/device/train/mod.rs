@@ -1,18 +1,18 @@
 //! The device interpreter: a dense training plan's program run on a [`Device`] with
 //! every tensor resident there.
 //!
-//! It walks the same program as [`crate::train`] (schedule of forward and backward
-//! tasks, segments, recomputation, the step list's gradient buckets and AdamW) and
-//! gives each op the same meaning, so on [`super::HostDevice`] it reproduces the
-//! general interpreter's run. Which plans it takes is [`supported`]'s answer; the
-//! others run on the general interpreter.
+//! It walks a rank's program (schedule of forward and backward tasks, segments,
+//! recomputation, the step list's gradient buckets and AdamW). On
+//! [`super::HostDevice`] it is the fp32 reference, and it reproduces bit for bit the
+//! goldens of the general interpreter it replaced. Which plans it takes is
+//! [`supported`]'s answer.
 //!
 //! Precision on a GPU: activations, activation gradients and the weights' compute
 //! copies are bf16; weight gradients accumulate in fp32 (the GEMM writes them with
 //! fp32 accumulation and `beta = 1` across micro-batches), and AdamW updates fp32
 //! master weights and moments, refreshing the bf16 copy in the same kernel.
 
-use super::{qkv_width, DResult, Device, DeviceError};
+use super::{derr, qkv_width, DResult, Device};
 use crate::comm::{Communicator, Group, RankError};
 use crate::init::{init_full, init_kind};
 use crate::shard::{local_heads, local_weight, TpPos};
@@ -45,9 +45,8 @@ pub use run::{train_device, train_device_rank, train_device_with};
 /// (with or without sequence parallelism), pipeline (any schedule), context (ring
 /// attention) and expert parallelism, routed experts with or without a capacity,
 /// ZeRO 0 to 3, dropout.
-/// Checkpoints save and resume as on the general interpreter (the same files: either
-/// interpreter resumes the other's), and fine-tuning starts from a Hugging Face
-/// checkpoint.
+/// Checkpoints save and resume (any plan resumes any other's files), and
+/// fine-tuning starts from a Hugging Face checkpoint.
 pub fn supported(plan: &Plan) -> Result<(), String> {
     if plan.kind != PlanKind::Train || !matches!(plan.workload, Workload::Train { .. }) {
         return Err("not a training plan".into());
@@ -82,10 +81,6 @@ fn mesh_size(plan: &Plan, axis: &str) -> usize {
         .position(|a| a == axis)
         .map(|i| plan.mesh.shape[i] as usize)
         .unwrap_or(1)
-}
-
-fn derr(what: &str) -> impl Fn(DeviceError) -> RankError + '_ {
-    move |e| fail(format!("{what}: {e}"))
 }
 
 /// Weights laid out one after another in a flat vector: (weight, length).
@@ -350,7 +345,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             .ok_or_else(|| fail("the program has no phase"))
     }
 
-    /// The weights the general interpreter starts from, seeded or a checkpoint's
+    /// The weights a run starts from, seeded or a checkpoint's
     /// (whole: nothing is split), with zero gradients.
     fn init_weights(&mut self) -> Result<(), RankError> {
         let graph = self.graph;
