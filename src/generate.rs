@@ -147,7 +147,12 @@ fn requests(
 }
 
 /// `meshplan run PLAN` on an inference plan.
-pub(crate) fn run(a: &RunArgs<'_>, plan: &Plan, file: &str) -> Result<(), Failure> {
+pub(crate) fn run(
+    a: &RunArgs<'_>,
+    plan: &Plan,
+    file: &str,
+    engine: meshplan_executor::engine::Engine,
+) -> Result<(), Failure> {
     let flags = a.generate;
     let checkpoint = match a.weights {
         Some(dir) => {
@@ -185,7 +190,7 @@ pub(crate) fn run(a: &RunArgs<'_>, plan: &Plan, file: &str) -> Result<(), Failur
         })
         .sum();
     const HOST_BUDGET: f64 = 16.0 * (1u64 << 30) as f64;
-    if host_bytes > HOST_BUDGET || ranks > 256 {
+    if engine.on_host() && (host_bytes > HOST_BUDGET || ranks > 256) {
         return Err(runtime(format!(
             "{file}: the CPU backend runs every rank as a thread of this process; {ranks} ranks holding {:.1} GiB of fp32 weights exceed its {:.0} GiB budget",
             host_bytes / (1u64 << 30) as f64,
@@ -210,13 +215,29 @@ pub(crate) fn run(a: &RunArgs<'_>, plan: &Plan, file: &str) -> Result<(), Failur
         ..InferOptions::default()
     };
     if pools.is_some() {
+        if engine != meshplan_executor::engine::Engine::Cpu {
+            return Err(runtime(format!(
+                "{file}: a disaggregated deployment runs on --backend cpu; --backend {} runs the other inference plans",
+                a.backend
+            )));
+        }
         return run_disaggregated(a, plan, file, &opts, tok.as_ref());
     }
     meshplan_executor::infer::check_inputs(plan, &opts).map_err(|m| bad(format!("{file}: {m}")))?;
-    let report = infer(plan, &opts).map_err(|e| runtime(e.to_string()))?;
-    let check = match a.check {
-        true => Some(check_inference(&report, &reference(plan, &opts)?)),
-        false => None,
+    let report = engine
+        .infer(plan, &opts)
+        .map_err(|e| runtime(e.to_string()))?;
+    // The fp32 CPU run must match its reference to rounding; a bf16 one to the
+    // mixed-precision tolerance on the prompt's logits.
+    let check = match (a.check, engine) {
+        (false, _) => None,
+        (true, meshplan_executor::engine::Engine::Cpu) => {
+            Some(check_inference(&report, &reference(plan, &opts)?))
+        }
+        (true, _) => Some(meshplan_executor::infer::check_inference_mixed(
+            &report,
+            &reference(plan, &opts)?,
+        )),
     };
     let bytes = byte_mismatches(plan, &opts, &report);
     let shown = Shown {

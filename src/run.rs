@@ -224,13 +224,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
                 "{file}: --data and --trace are read for training plans; this is an inference plan (give prompts with --prompt-ids, --prompt or --prompt-file)"
             )));
         }
-        if engine != Engine::Cpu {
-            return Err(runtime(format!(
-                "{file}: inference plans run on --backend cpu; --backend {} trains",
-                a.backend
-            )));
-        }
-        return crate::generate::run(a, &plan, &file);
+        return crate::generate::run(a, &plan, &file, engine);
     }
     if a.generate.any_given() {
         return Err(bad(format!(

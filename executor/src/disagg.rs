@@ -162,7 +162,7 @@ pub fn infer_disaggregated(plan: &Plan, opts: &InferOptions) -> Result<DisaggRep
         } else {
             (decode, np)
         };
-        let mut r = InferRank::new(pool, comm, opts, base)?;
+        let mut r = InferRank::new(crate::device::HostDevice, pool, comm, opts, base)?;
         r.comm.barrier(&Group::world(np + nd))?;
         let t0 = Instant::now();
         let (outputs, received) = if is_prefill {

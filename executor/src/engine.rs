@@ -99,6 +99,22 @@ impl Engine {
         launched_rank(gpu, plan, opts, env, cfg)
     }
 
+    /// Generates with an inference plan, every rank a thread of this process (the
+    /// in-process communicator between them).
+    pub fn infer(
+        self,
+        plan: &Plan,
+        opts: &crate::infer::InferOptions,
+    ) -> Result<crate::infer::InferReport, EngineError> {
+        match self {
+            Engine::Cpu => Ok(crate::infer::infer(plan, opts)?),
+            Engine::CpuBf16 => Ok(crate::infer::infer_on(plan, opts, &|_| {
+                Ok(crate::device::emulate::Bf16Host)
+            })?),
+            Engine::Cuda(g) => g.infer(plan, opts),
+        }
+    }
+
     /// Trains `plan`, every rank a thread of this process.
     pub fn train(self, plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, EngineError> {
         match self {
@@ -247,6 +263,19 @@ mod gpu {
             train_device(plan, opts, &|r| CudaDevice::on(r % gpus)).map_err(failed)
         }
 
+        /// Inference with rank `r` on GPU `r mod GPUs`, the in-process
+        /// communicator between them.
+        pub(super) fn infer(
+            self,
+            plan: &Plan,
+            opts: &crate::infer::InferOptions,
+        ) -> Result<crate::infer::InferReport, EngineError> {
+            let gpus = self.devices;
+            Ok(crate::infer::infer_on(plan, opts, &|r| {
+                CudaDevice::on(r % gpus)
+            })?)
+        }
+
         pub(super) fn train_rank(
             self,
             plan: &Plan,
@@ -285,6 +314,14 @@ mod gpu {
         }
 
         pub(super) fn train(self, _: &Plan, _: &TrainOptions) -> Result<TrainReport, EngineError> {
+            match self {}
+        }
+
+        pub(super) fn infer(
+            self,
+            _: &Plan,
+            _: &crate::infer::InferOptions,
+        ) -> Result<crate::infer::InferReport, EngineError> {
             match self {}
         }
 

@@ -37,8 +37,7 @@ use crate::moe::Routing;
 use crate::sample::{sample, Sampling};
 use crate::shard::{local_heads, local_weight, weight_transposed, TpPos};
 use crate::train::{
-    bshd_to_sbhd, build_groups, fail, fixed_shape, segment_input, segment_output, ExecError,
-    NO_LAYER,
+    build_groups, fail, fixed_shape, segment_input, segment_output, ExecError, NO_LAYER,
 };
 use crate::weights::{apply_spec, shard_spec, Checkpoint};
 use meshplan_ir::graph::OpKind;
@@ -286,6 +285,18 @@ fn shifted(groups: BTreeMap<String, Group>, base: usize) -> BTreeMap<String, Gro
 /// Generates with the plan's inference programs on the CPU kernels
 /// ([`HostDevice`], fp32).
 pub fn infer(plan: &Plan, opts: &InferOptions) -> Result<InferReport, ExecError> {
+    infer_on(plan, opts, &|_| Ok(HostDevice))
+}
+
+/// Generates with the plan's inference programs, rank `r` on the device
+/// `make(r)` (ranks as threads, the in-process communicator): weights,
+/// activations and the KV cache in the device's buffers, the last position's
+/// logits sampled on the host.
+pub fn infer_on<D: Device>(
+    plan: &Plan,
+    opts: &InferOptions,
+    make: &(dyn Fn(usize) -> crate::device::DResult<D> + Sync),
+) -> Result<InferReport, ExecError> {
     check_inputs(plan, opts).map_err(ExecError::Plan)?;
     if let Some(ck) = &opts.weights {
         ck.check_config(&plan.graph)
@@ -294,7 +305,8 @@ pub fn infer(plan: &Plan, opts: &InferOptions) -> Result<InferReport, ExecError>
     }
     let world = plan.ranks.len();
     let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
-        let mut r = InferRank::new(plan, comm, opts, 0)?;
+        let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
+        let mut r = InferRank::new(dev, plan, comm, opts, 0)?;
         let everyone = Group::new("world", (0..world).collect());
         r.comm.barrier(&everyone)?;
         let t0 = Instant::now();
@@ -387,6 +399,73 @@ pub(crate) fn summarize(
 /// logit magnitude (at least 1): sharded sums round differently in fp32, by about
 /// 1e-6 of the magnitude at these sizes.
 pub const LOGIT_TOLERANCE: f64 = 1e-4;
+
+/// How far a bf16 run's first logits (the prompt's last position, computed from
+/// the same tokens) may lie from the fp32 reference's, relative to the largest
+/// reference logit: bf16 keeps 8 bits of mantissa (a relative step of 2^-8 =
+/// 3.9e-3 per rounding) and the error grows over the layers. Measured with
+/// `Bf16Host` on the Llama test checkpoint: 6.4e-3 on one rank, 8.8e-3 over tp=2;
+/// other weights give 1.5 (tests/it/infer.rs, `mixed_precision_inference_*`).
+pub const MIXED_LOGIT_TOLERANCE: f64 = 0.05;
+
+/// Compares a mixed-precision run with the fp32 single-rank reference: each
+/// request's first logits within [`MIXED_LOGIT_TOLERANCE`]. Later tokens may differ
+/// (a greedy choice between two near-equal logits can flip, and the runs then
+/// diverge): the summary says how many requests kept the reference's tokens.
+pub fn check_inference_mixed(
+    run: &InferReport,
+    reference: &InferReport,
+) -> Result<(String, f64), String> {
+    if run.requests.len() != reference.requests.len() {
+        return Err(format!(
+            "{} requests generated, the reference {}",
+            run.requests.len(),
+            reference.requests.len()
+        ));
+    }
+    let mut problems = Vec::new();
+    let mut worst_rel: f64 = 0.0;
+    for (i, (a, b)) in run.requests.iter().zip(&reference.requests).enumerate() {
+        let (x, y) = (&a.first_logits, &b.first_logits);
+        if x.len() != y.len() {
+            problems.push(format!(
+                "request {i}: first logits have {} values, the reference's {}",
+                x.len(),
+                y.len()
+            ));
+            continue;
+        }
+        let scale = y.iter().fold(1.0f64, |m, v| m.max(v.abs() as f64));
+        let d = x
+            .iter()
+            .zip(y)
+            .map(|(p, q)| (p - q).abs() as f64)
+            .fold(0.0, f64::max);
+        worst_rel = worst_rel.max(d / scale);
+        if d > MIXED_LOGIT_TOLERANCE * scale || !d.is_finite() {
+            problems.push(format!(
+                "request {i}: first logits differ by up to {d:.3e} ({:.3e} of the largest; tolerance {MIXED_LOGIT_TOLERANCE})",
+                d / scale
+            ));
+        }
+    }
+    let same = run
+        .requests
+        .iter()
+        .zip(&reference.requests)
+        .filter(|(a, b)| a.tokens == b.tokens)
+        .count();
+    let summary = format!(
+        "first logits within {worst_rel:.3e} of the largest reference logit (tolerance {MIXED_LOGIT_TOLERANCE}); {same} of {} requests generated the reference's tokens",
+        run.requests.len()
+    );
+    if problems.is_empty() {
+        Ok((summary, worst_rel))
+    } else {
+        problems.push(summary);
+        Err(problems.join("\n"))
+    }
+}
 
 /// Compares a run with its single-rank reference: every request's tokens must be
 /// equal, its first and last logits within [`LOGIT_TOLERANCE`]. Returns the summary
@@ -481,15 +560,16 @@ impl Batch {
 }
 
 /// One request's KV cache on a rank: per block layer of its stage, keys
-/// `[len, hkv, d]` and values `[len, hkv, dv]` of the rank's own KV heads.
-pub(crate) type RequestCache = BTreeMap<u64, (Vec<f32>, Vec<f32>)>;
+/// `[len, hkv, d]` and values `[len, hkv, dv]` of the rank's own KV heads, in the
+/// device's buffers (`A`, host vectors by default).
+pub(crate) type RequestCache<A = Vec<f32>> = BTreeMap<u64, (A, A)>;
 
 /// What prefilling one request leaves on a rank.
-pub(crate) struct Prefilled {
+pub(crate) struct Prefilled<A = Vec<f32>> {
     /// The last position's full-vocabulary logits (last stage only).
     pub(crate) logits: Option<Vec<f32>>,
     /// Its KV cache entries.
-    pub(crate) cache: RequestCache,
+    pub(crate) cache: RequestCache<A>,
 }
 
 /// A replica's requests while generating: what the recording rank (the last
@@ -609,8 +689,10 @@ impl Progress {
 /// replicated for the embedding.
 type WKey = (String, String, u64);
 
-pub(crate) struct InferRank<'a> {
-    dev: HostDevice,
+/// One rank of an inference run on device `D`: its weights, activations and KV
+/// cache live in the device's buffers; the sampled logits come to the host.
+pub(crate) struct InferRank<'a, D: Device = HostDevice> {
+    dev: D,
     plan: &'a Plan,
     graph: &'a Graph,
     /// The rank in the world (the communicator's).
@@ -638,24 +720,28 @@ pub(crate) struct InferRank<'a> {
     prefill: &'a Phase,
     decode: &'a Phase,
     opts: &'a InferOptions,
-    weights: HashMap<WKey, Vec<f32>>,
+    weights: HashMap<WKey, D::Act>,
+    /// The experts ops' weights, on the host: routed experts run on the host
+    /// kernels (`moe::forward`).
+    host_weights: HashMap<WKey, Vec<f32>>,
     /// (layer, local request) -> keys `[len, hkv, d]` and values `[len, hkv, dv]`.
-    kv: HashMap<(u64, usize), (Vec<f32>, Vec<f32>)>,
-    hidden: Vec<f32>,
+    kv: HashMap<(u64, usize), (D::Act, D::Act)>,
+    hidden: Option<D::Act>,
     hidden_width: usize,
     vocab: usize,
-    acts: HashMap<String, Vec<f32>>,
-    logits: Vec<f32>,
+    acts: HashMap<String, D::Act>,
+    logits: Option<D::Act>,
 }
 
-impl<'a> InferRank<'a> {
-    /// World rank `comm.rank()` as rank `comm.rank() - base` of `plan`.
+impl<'a, D: Device> InferRank<'a, D> {
+    /// World rank `comm.rank()` as rank `comm.rank() - base` of `plan`, on `dev`.
     pub(crate) fn new(
+        dev: D,
         plan: &'a Plan,
         comm: ThreadComm,
         opts: &'a InferOptions,
         base: usize,
-    ) -> Result<InferRank<'a>, RankError> {
+    ) -> Result<Self, RankError> {
         let rank = comm.rank();
         let entry = rank
             .checked_sub(base)
@@ -693,7 +779,7 @@ impl<'a> InferRank<'a> {
             })
             .unwrap_or(TpPos::ONE);
         let mut st = InferRank {
-            dev: HostDevice,
+            dev,
             plan,
             graph,
             rank,
@@ -718,12 +804,13 @@ impl<'a> InferRank<'a> {
             decode: phase(PhaseKind::Decode)?,
             opts,
             weights: HashMap::new(),
+            host_weights: HashMap::new(),
             kv: HashMap::new(),
-            hidden: Vec::new(),
+            hidden: None,
             hidden_width: shape.get(1).copied().unwrap_or(1),
             vocab: shape[0],
             acts: HashMap::new(),
-            logits: Vec::new(),
+            logits: None,
         };
         st.load_weights()?;
         Ok(st)
@@ -751,7 +838,7 @@ impl<'a> InferRank<'a> {
                     }
                     let l = layer.unwrap_or(NO_LAYER);
                     let key = (op.name.clone(), t.name.clone(), l);
-                    if self.weights.contains_key(&key) {
+                    if self.weights.contains_key(&key) || self.host_weights.contains_key(&key) {
                         continue;
                     }
                     let shape = fixed_shape(t)?;
@@ -784,14 +871,29 @@ impl<'a> InferRank<'a> {
                             t.name
                         )));
                     }
-                    self.weights.insert(key, local);
+                    if matches!(op.kind, OpKind::Experts(_)) {
+                        self.host_weights.insert(key, local);
+                    } else {
+                        let w = self.dev.act_from_host(local).map_err(derr("upload"))?;
+                        self.weights.insert(key, w);
+                    }
                 }
             }
         }
         Ok(())
     }
 
-    fn weight(&self, op: &Op, i: usize, l: u64) -> Result<&Vec<f32>, RankError> {
+    /// A compute buffer of `n` zeros.
+    fn zeros(&self, n: usize) -> Result<D::Act, RankError> {
+        self.dev.act_zeros(n).map_err(derr("allocation"))
+    }
+
+    /// An fp32 buffer of `n` zeros (kernel statistics).
+    fn zeros_f32(&self, n: usize) -> Result<D::F32, RankError> {
+        self.dev.f32_zeros(n).map_err(derr("allocation"))
+    }
+
+    fn weight(&self, op: &Op, i: usize, l: u64) -> Result<&D::Act, RankError> {
         let name = &self.graph.tensor(op.inputs[i]).name;
         self.weights
             .get(&(op.name.clone(), name.clone(), l))
@@ -803,7 +905,7 @@ impl<'a> InferRank<'a> {
             })
     }
 
-    fn act(&self, op: &Op, i: usize) -> Result<&Vec<f32>, RankError> {
+    fn act(&self, op: &Op, i: usize) -> Result<&D::Act, RankError> {
         let name = &self.graph.tensor(op.inputs[i]).name;
         self.acts.get(name).ok_or_else(|| {
             fail(format!(
@@ -867,7 +969,7 @@ impl<'a> InferRank<'a> {
     pub(crate) fn prefill_passes(
         &mut self,
         mine: &[usize],
-        mut done: impl FnMut(&mut Self, usize, usize, Prefilled) -> Result<(), RankError>,
+        mut done: impl FnMut(&mut Self, usize, usize, Prefilled<D::Act>) -> Result<(), RankError>,
     ) -> Result<(), RankError> {
         let passes = match &self.ep_group {
             Some(g) if self.expert_lockstep() => g
@@ -916,17 +1018,30 @@ impl<'a> InferRank<'a> {
     /// What this rank hands back once its work is done.
     pub(crate) fn finish(&self, outputs: Vec<(usize, RequestOutput)>, t0: Instant) -> RankOut {
         let elapsed = t0.elapsed().as_secs_f64();
-        let kv_bytes = 4.0
+        let act = self.dev.act_bytes() as f64;
+        let kv_bytes = act
             * self
                 .kv
                 .values()
-                .map(|(a, b)| (a.len() + b.len()) as f64)
+                .map(|(a, b)| (D::act_len(a) + D::act_len(b)) as f64)
                 .sum::<f64>();
+        let weight_bytes = act
+            * self
+                .weights
+                .values()
+                .map(|w| D::act_len(w) as f64)
+                .sum::<f64>()
+            + 4.0
+                * self
+                    .host_weights
+                    .values()
+                    .map(|w| w.len() as f64)
+                    .sum::<f64>();
         RankOut {
             outputs,
             elapsed,
             kv_bytes,
-            weight_bytes: 4.0 * self.weights.values().map(|w| w.len() as f64).sum::<f64>(),
+            weight_bytes,
             counts: self.comm.counts(),
             routed_ep: self.routed_ep,
         }
@@ -1016,7 +1131,7 @@ impl<'a> InferRank<'a> {
 
     /// Prefills request `i` into local slot `j`: its KV cache entries on this rank,
     /// and on the last stage the full-vocabulary logits of its last position.
-    fn prefill_request(&mut self, j: usize, i: usize) -> Result<Prefilled, RankError> {
+    fn prefill_request(&mut self, j: usize, i: usize) -> Result<Prefilled<D::Act>, RankError> {
         let prompt = &self.opts.requests[i];
         let batch = Batch {
             reqs: vec![j],
@@ -1112,7 +1227,7 @@ impl<'a> InferRank<'a> {
     }
 
     /// Removes one local request's KV cache entries from this rank.
-    fn take_cache(&mut self, slot: usize) -> RequestCache {
+    fn take_cache(&mut self, slot: usize) -> RequestCache<D::Act> {
         let keys: Vec<(u64, usize)> = self.kv.keys().filter(|k| k.1 == slot).copied().collect();
         keys.into_iter()
             .filter_map(|k| self.kv.remove(&k).map(|v| (k.0, v)))
@@ -1120,7 +1235,7 @@ impl<'a> InferRank<'a> {
     }
 
     /// Installs one local request's KV cache entries.
-    pub(crate) fn put_cache(&mut self, slot: usize, cache: RequestCache) {
+    pub(crate) fn put_cache(&mut self, slot: usize, cache: RequestCache<D::Act>) {
         for (layer, kv) in cache {
             self.kv.insert((layer, slot), kv);
         }
@@ -1159,9 +1274,24 @@ impl<'a> InferRank<'a> {
     fn last_logits(&mut self, batch: &Batch) -> Result<Vec<f32>, RankError> {
         let b = batch.reqs.len();
         let rows = batch.rows();
-        let v_local = self.logits.len() / rows.max(1);
+        let logits = self
+            .logits
+            .as_ref()
+            .ok_or_else(|| fail("the head produced no logits"))?;
+        let v_local = D::act_len(logits) / rows.max(1);
         let first = (batch.seq - 1) * b;
-        let local = &self.logits[first * v_local..rows * v_local];
+        // Only the last position's rows leave the device.
+        let err = derr("logits");
+        let local = if first == 0 {
+            self.dev.act_download(logits).map_err(&err)?
+        } else {
+            let n = (rows - first) * v_local;
+            let mut last = self.zeros(n)?;
+            self.dev
+                .act_copy(logits, first * v_local, &mut last, 0, n)
+                .map_err(&err)?;
+            self.dev.act_download(&last).map_err(&err)?
+        };
         if v_local == self.vocab {
             return Ok(local.to_vec());
         }
@@ -1174,7 +1304,7 @@ impl<'a> InferRank<'a> {
             )));
         }
         let mut gathered = vec![0.0f32; local.len() * g.size()];
-        self.comm.all_gather(&g, "tp", local, &mut gathered)?;
+        self.comm.all_gather(&g, "tp", &local, &mut gathered)?;
         let mut full = vec![0.0f32; b * self.vocab];
         for t in 0..g.size() {
             for r in 0..b {
@@ -1189,7 +1319,7 @@ impl<'a> InferRank<'a> {
     fn run_phase(&mut self, phase: &Phase, batch: &Batch) -> Result<(), RankError> {
         for ch in &phase.chunks {
             let mut layer = ch.layer_start;
-            self.hidden.clear();
+            self.hidden = None;
             self.run(&ch.forward, batch, &mut layer)?;
         }
         Ok(())
@@ -1213,29 +1343,36 @@ impl<'a> InferRank<'a> {
                             NO_LAYER
                         };
                         self.acts.clear();
-                        if let Some(input) = segment_input(self.graph, s) {
-                            self.acts.insert(input, std::mem::take(&mut self.hidden));
+                        if let (Some(input), Some(h)) =
+                            (segment_input(self.graph, s), self.hidden.take())
+                        {
+                            self.acts.insert(input, h);
                         }
                         self.run_body(body, batch, l)?;
                         match segment_output(self.graph, s) {
                             Some(out) => {
-                                self.hidden = self.acts.remove(&out).ok_or_else(|| {
+                                self.hidden = Some(self.acts.remove(&out).ok_or_else(|| {
                                     fail(format!("segment `{name}` did not produce `{out}`"))
-                                })?;
+                                })?);
                             }
-                            None => self.logits = self.head_logits(s)?,
+                            None => self.logits = Some(self.head_logits(s)?),
                         }
                     }
                 }
                 Instr::Send { peer_stage, .. } => {
                     let peer = self.peer(*peer_stage)?;
-                    self.comm.send(peer, "pp", &self.hidden)?;
+                    let h = self
+                        .hidden
+                        .as_ref()
+                        .ok_or_else(|| fail("no hidden states to send"))?;
+                    let n = D::act_len(h);
+                    self.dev.send_act(&mut self.comm, peer, "pp", h, (0, n))?;
                 }
                 Instr::Recv { peer_stage, .. } => {
                     let peer = self.peer(*peer_stage)?;
-                    let mut buf = vec![0.0f32; batch.rows() * self.hidden_width];
-                    self.comm.recv(peer, "pp", &mut buf)?;
-                    self.hidden = buf;
+                    let mut buf = self.zeros(batch.rows() * self.hidden_width)?;
+                    self.dev.recv_act(&mut self.comm, peer, "pp", &mut buf)?;
+                    self.hidden = Some(buf);
                 }
                 Instr::Collective {
                     target: Target::HiddenStates,
@@ -1253,7 +1390,7 @@ impl<'a> InferRank<'a> {
 
     /// The logits the head segment produced: the loss's input, or its last matmul's
     /// output.
-    fn head_logits(&mut self, s: usize) -> Result<Vec<f32>, RankError> {
+    fn head_logits(&mut self, s: usize) -> Result<D::Act, RankError> {
         let seg = &self.graph.segments[s];
         let name = seg
             .ops
@@ -1312,10 +1449,14 @@ impl<'a> InferRank<'a> {
             Target::Experts { .. } => return Ok(()),
             Target::HiddenStates => {
                 let g = self.group(group)?;
-                let mut out = vec![0.0f32; self.hidden.len() * g.size()];
-                self.comm
-                    .all_gather(&g, axis.name(), &self.hidden, &mut out)?;
-                self.hidden = out;
+                let h = self
+                    .hidden
+                    .as_ref()
+                    .ok_or_else(|| fail("no hidden states to gather"))?;
+                let mut out = self.zeros(D::act_len(h) * g.size())?;
+                self.dev
+                    .all_gather_act(&mut self.comm, &g, axis.name(), h, &mut out)?;
+                self.hidden = Some(out);
                 return Ok(());
             }
             Target::Activation { tensor } => tensor.as_str(),
@@ -1352,16 +1493,19 @@ impl<'a> InferRank<'a> {
             .acts
             .get_mut(tensor)
             .ok_or_else(|| fail(format!("no tensor `{tensor}` to communicate")))?;
+        let alloc = derr("allocation");
         match kind {
-            CollectiveKind::AllReduce => self.comm.all_reduce(&g, ax, buf)?,
+            CollectiveKind::AllReduce => self.dev.all_reduce_act(&mut self.comm, &g, ax, buf)?,
             CollectiveKind::AllGather => {
-                let mut out = vec![0.0f32; buf.len() * n];
-                self.comm.all_gather(&g, ax, buf, &mut out)?;
+                let mut out = self.dev.act_zeros(D::act_len(buf) * n).map_err(&alloc)?;
+                self.dev
+                    .all_gather_act(&mut self.comm, &g, ax, buf, &mut out)?;
                 self.acts.insert(format!("{tensor}@g"), out);
             }
             CollectiveKind::ReduceScatter => {
-                let mut out = vec![0.0f32; buf.len() / n];
-                self.comm.reduce_scatter(&g, ax, buf, &mut out)?;
+                let mut out = self.dev.act_zeros(D::act_len(buf) / n).map_err(&alloc)?;
+                self.dev
+                    .reduce_scatter_act(&mut self.comm, &g, ax, buf, &mut out)?;
                 *buf = out;
             }
             other => {
@@ -1394,6 +1538,7 @@ impl<'a> InferRank<'a> {
             .unwrap_or_default();
         let rows = batch.rows();
         let eps = self.graph.constants.norm_eps as f32;
+        let err = derr(&op.name);
         let y = match &op.kind {
             OpKind::Embedding => {
                 let table_name = &self.graph.tensor(op.inputs[1]).name;
@@ -1410,19 +1555,20 @@ impl<'a> InferRank<'a> {
                 } else {
                     0
                 };
-                let mut y = vec![0.0; ids.len() * dim];
+                let mut y = self.zeros(ids.len() * dim)?;
+                let ids = self.dev.ids_upload(&ids).map_err(&err)?;
                 self.dev
                     .embedding_fwd(&ids, table, vocab_start, dim, &mut y)
-                    .map_err(derr(&op.name))?;
+                    .map_err(&err)?;
                 y
             }
             OpKind::Norm(kind) => {
                 let x = self.act(op, 0)?;
                 let w = self.weight(op, 1, l)?;
-                let dim = w.len();
-                let n = x.len() / dim.max(1);
-                let mut y = vec![0.0; x.len()];
-                let mut rstd = vec![0.0; n];
+                let dim = D::act_len(w);
+                let n = D::act_len(x) / dim.max(1);
+                let mut y = self.zeros(D::act_len(x))?;
+                let mut rstd = self.zeros_f32(n)?;
                 match kind {
                     NormKind::Rmsnorm => self.dev.rmsnorm_fwd(x, w, n, dim, eps, &mut y, &mut rstd),
                     NormKind::Layernorm => {
@@ -1430,16 +1576,16 @@ impl<'a> InferRank<'a> {
                         let b = match op.inputs.get(2) {
                             Some(_) => self.weight(op, 2, l)?,
                             None => {
-                                zeros = vec![0.0; dim];
+                                zeros = self.zeros(dim)?;
                                 &zeros
                             }
                         };
-                        let mut mean = vec![0.0; n];
+                        let mut mean = self.zeros_f32(n)?;
                         self.dev
                             .layernorm_fwd(x, w, b, n, dim, eps, &mut y, &mut mean, &mut rstd)
                     }
                 }
-                .map_err(derr(&op.name))?;
+                .map_err(&err)?;
                 y
             }
             OpKind::Matmul { .. } => {
@@ -1449,9 +1595,9 @@ impl<'a> InferRank<'a> {
                     _ => self.act(op, 0)?,
                 };
                 let w = self.weight(op, 1, l)?;
-                let kk = x.len() / rows.max(1);
-                let n = w.len() / kk.max(1);
-                let mut y = vec![0.0; rows * n];
+                let kk = D::act_len(x) / rows.max(1);
+                let n = D::act_len(w) / kk.max(1);
+                let mut y = self.zeros(rows * n)?;
                 let tb = if weight_transposed(op) {
                     k::Transpose::Yes
                 } else {
@@ -1459,15 +1605,13 @@ impl<'a> InferRank<'a> {
                 };
                 self.dev
                     .matmul(k::Transpose::No, tb, rows, kk, n, x, w, &mut y)
-                    .map_err(derr(&op.name))?;
+                    .map_err(&err)?;
                 // A row-parallel bias is added once, before the partial sums meet.
                 if op.inputs.get(2).is_some()
                     && (op.role != TpRole::RowParallel || self.tp.rank == 0)
                 {
                     let b = self.weight(op, 2, l)?;
-                    self.dev
-                        .bias_add(&mut y, b, rows, n)
-                        .map_err(derr(&op.name))?;
+                    self.dev.bias_add(&mut y, b, rows, n).map_err(&err)?;
                 }
                 y
             }
@@ -1476,38 +1620,42 @@ impl<'a> InferRank<'a> {
                 let (hq, hkv, d, dv) = self.heads(att)?;
                 let x = self.act(op, 0)?;
                 let width = hq * d + hkv * d + hkv * dv;
-                let positions = batch.positions();
+                let positions = self.dev.ids_upload(&batch.positions()).map_err(&err)?;
                 let rope = crate::rope_of(&self.graph.constants);
-                let mut y = Vec::new();
+                let mut y = self.zeros(D::act_len(x))?;
                 self.dev
                     .rope_qkv(x, &positions, rows, hq, hkv, d, width, rope, false, &mut y)
-                    .map_err(derr(&op.name))?;
+                    .map_err(&err)?;
                 y
             }
             OpKind::Attention(a) => self.attention(op, a.causal, batch, l)?,
             OpKind::Activation(MlpKind::Swiglu) => {
                 let x = self.act(op, 0)?;
-                let f = x.len() / (2 * rows.max(1));
-                let mut y = vec![0.0; rows * f];
-                self.dev
-                    .swiglu_fwd(x, rows, f, &mut y)
-                    .map_err(derr(&op.name))?;
+                let f = D::act_len(x) / (2 * rows.max(1));
+                let mut y = self.zeros(rows * f)?;
+                self.dev.swiglu_fwd(x, rows, f, &mut y).map_err(&err)?;
                 y
             }
             OpKind::Activation(MlpKind::Gelu) => {
                 let x = self.act(op, 0)?;
-                let mut y = vec![0.0; x.len()];
-                self.dev.gelu_fwd(x, &mut y).map_err(derr(&op.name))?;
+                let mut y = self.zeros(D::act_len(x))?;
+                self.dev.gelu_fwd(x, &mut y).map_err(&err)?;
                 y
             }
             OpKind::Add => {
                 let (a, b) = (self.act(op, 0)?, self.act(op, 1)?);
-                let mut y = vec![0.0; a.len()];
-                self.dev.add(a, b, &mut y).map_err(derr(&op.name))?;
+                let mut y = self.zeros(D::act_len(a))?;
+                self.dev.add(a, b, &mut y).map_err(&err)?;
                 y
             }
             // Dropout is the identity at inference.
-            OpKind::Dropout => self.act(op, 0)?.clone(),
+            OpKind::Dropout => {
+                let x = self.act(op, 0)?;
+                let n = D::act_len(x);
+                let mut y = self.zeros(n)?;
+                self.dev.act_copy(x, 0, &mut y, 0, n).map_err(&err)?;
+                y
+            }
             // Generation samples from the logits; the loss is not computed.
             OpKind::CrossEntropy { .. } => return Ok(()),
             OpKind::Experts(e) => self.experts(op, e, l, batch.routing, false)?,
@@ -1523,7 +1671,9 @@ impl<'a> InferRank<'a> {
     }
 
     /// Routed experts on this pass's tokens (`idle`: none, the rank serving only
-    /// its experts to the rest of its expert group).
+    /// its experts to the rest of its expert group), on the host kernels: the
+    /// tokens and router scores come down from the device and the output goes
+    /// back.
     fn experts(
         &mut self,
         op: &Op,
@@ -1531,20 +1681,22 @@ impl<'a> InferRank<'a> {
         l: u64,
         routing: Routing,
         idle: bool,
-    ) -> Result<Vec<f32>, RankError> {
+    ) -> Result<D::Act, RankError> {
         let name = |i: usize| self.graph.tensor(op.inputs[i]).name.as_str();
-        let act = |i: usize| {
-            self.acts.get(name(i)).ok_or_else(|| {
+        let err = derr(&op.name);
+        let host = |i: usize| {
+            let a = self.acts.get(name(i)).ok_or_else(|| {
                 fail(format!(
                     "`{}` reads `{}` before it is produced",
                     op.name,
                     name(i)
                 ))
-            })
+            })?;
+            self.dev.act_download(a).map_err(&err)
         };
         let weight = |i: usize| {
             let key = (op.name.clone(), name(i).to_string(), l);
-            self.weights.get(&key).ok_or_else(|| {
+            self.host_weights.get(&key).ok_or_else(|| {
                 fail(format!(
                     "weight `{}` of `{}` (layer {l}) is not held by rank {}",
                     name(i),
@@ -1553,15 +1705,14 @@ impl<'a> InferRank<'a> {
                 ))
             })
         };
-        let empty = Vec::new();
         let (x, logits) = if idle {
-            (&empty, &empty)
+            (Vec::new(), Vec::new())
         } else {
-            (act(0)?, act(1)?)
+            (host(0)?, host(1)?)
         };
         let inputs = crate::moe::Inputs {
-            x,
-            logits,
+            x: &x,
+            logits: &logits,
             w_up: weight(2)?,
             w_down: weight(3)?,
         };
@@ -1571,7 +1722,7 @@ impl<'a> InferRank<'a> {
             group: self.ep_group.as_ref(),
         };
         let out = crate::moe::forward(
-            &self.dev,
+            &HostDevice,
             &mut self.comm,
             &place,
             &op.name,
@@ -1579,7 +1730,7 @@ impl<'a> InferRank<'a> {
             &inputs,
             routing,
         )?;
-        Ok(out)
+        self.dev.act_from_host(out).map_err(&err)
     }
 
     fn consumer_attention(&self, op: &Op) -> Result<&'a Op, RankError> {
@@ -1596,27 +1747,60 @@ impl<'a> InferRank<'a> {
         causal: bool,
         batch: &Batch,
         l: u64,
-    ) -> Result<Vec<f32>, RankError> {
+    ) -> Result<D::Act, RankError> {
         let (hq, hkv, d, dv) = self.heads(op)?;
-        let width = hq * d + hkv * d + hkv * dv;
         let b = batch.reqs.len();
         let seq = batch.seq;
         let scale = 1.0 / (d as f32).sqrt();
+        let err = derr(&op.name);
         let x = self
             .acts
             .get(&self.graph.tensor(op.inputs[0]).name)
             .ok_or_else(|| fail(format!("`{}` has no input", op.name)))?;
-        let mut y = vec![0.0f32; batch.rows() * hq * dv];
+        // `[s, b, q | k | v]` rows into `[b, s, heads, d]` blocks, one per request.
+        let all = k::AttnDims {
+            batch: b,
+            sq: seq,
+            sk: seq,
+            hq,
+            hkv,
+            d,
+            dv,
+        };
+        let (nq, nk, nv, no) = (seq * hq * d, seq * hkv * d, seq * hkv * dv, seq * hq * dv);
+        let (mut q, mut kn, mut vn) = (
+            self.zeros(b * nq)?,
+            self.zeros(b * nk)?,
+            self.zeros(b * nv)?,
+        );
+        self.dev
+            .split_qkv(x, &all, &mut q, &mut kn, &mut vn)
+            .map_err(&err)?;
+        let mut o_all = self.zeros(b * no)?;
         for (bi, &req) in batch.reqs.iter().enumerate() {
-            let mut q = Vec::with_capacity(seq * hq * d);
-            let cache = self.kv.entry((l, req)).or_default();
-            for si in 0..seq {
-                let row = &x[(si * b + bi) * width..(si * b + bi + 1) * width];
-                q.extend_from_slice(&row[..hq * d]);
-                cache.0.extend_from_slice(&row[hq * d..hq * d + hkv * d]);
-                cache.1.extend_from_slice(&row[hq * d + hkv * d..]);
-            }
-            let sk = cache.0.len() / (hkv * d).max(1);
+            // The cache grows by this pass's keys and values.
+            let (kc, vc) = match self.kv.remove(&(l, req)) {
+                Some((mut kc, mut vc)) => {
+                    self.dev
+                        .act_append(&mut kc, &kn, bi * nk, nk)
+                        .map_err(&err)?;
+                    self.dev
+                        .act_append(&mut vc, &vn, bi * nv, nv)
+                        .map_err(&err)?;
+                    (kc, vc)
+                }
+                None => {
+                    let (mut kc, mut vc) = (self.zeros(nk)?, self.zeros(nv)?);
+                    self.dev
+                        .act_copy(&kn, bi * nk, &mut kc, 0, nk)
+                        .map_err(&err)?;
+                    self.dev
+                        .act_copy(&vn, bi * nv, &mut vc, 0, nv)
+                        .map_err(&err)?;
+                    (kc, vc)
+                }
+            };
+            let sk = D::act_len(&kc) / (hkv * d).max(1);
             if sk != batch.pos0[bi] + seq {
                 return Err(fail(format!(
                     "`{}` layer {l}: the cache holds {sk} positions, expected {}",
@@ -1624,6 +1808,15 @@ impl<'a> InferRank<'a> {
                     batch.pos0[bi] + seq
                 )));
             }
+            let qb = if b == 1 {
+                None
+            } else {
+                let mut qb = self.zeros(nq)?;
+                self.dev
+                    .act_copy(&q, bi * nq, &mut qb, 0, nq)
+                    .map_err(&err)?;
+                Some(qb)
+            };
             let dims = k::AttnDims {
                 batch: 1,
                 sq: seq,
@@ -1633,14 +1826,14 @@ impl<'a> InferRank<'a> {
                 d,
                 dv,
             };
-            let mut o = vec![0.0; seq * hq * dv];
-            let mut lse = vec![0.0; hq * seq];
+            let mut o = self.zeros(no)?;
+            let mut lse = self.zeros_f32(hq * seq)?;
             self.dev
                 .attention_fwd(
                     &dims,
-                    &q,
-                    &cache.0,
-                    &cache.1,
+                    qb.as_ref().unwrap_or(&q),
+                    &kc,
+                    &vc,
                     (batch.pos0[bi], 0),
                     causal,
                     scale,
@@ -1649,14 +1842,17 @@ impl<'a> InferRank<'a> {
                     &mut o,
                     &mut lse,
                 )
-                .map_err(derr(&op.name))?;
-            // `o` is `[1, seq, hq dv]`: row `si` goes to sequence-major row `si b + bi`.
-            let o = bshd_to_sbhd(&o, 1, seq, hq * dv);
-            for si in 0..seq {
-                y[(si * b + bi) * hq * dv..(si * b + bi + 1) * hq * dv]
-                    .copy_from_slice(&o[si * hq * dv..(si + 1) * hq * dv]);
-            }
+                .map_err(&err)?;
+            self.dev
+                .act_copy(&o, 0, &mut o_all, bi * no, no)
+                .map_err(&err)?;
+            self.kv.insert((l, req), (kc, vc));
         }
+        // `[b, s, hq dv]` back to sequence-major rows.
+        let mut y = self.zeros(b * no)?;
+        self.dev
+            .transpose_bs(&o_all, b, seq, hq * dv, true, &mut y)
+            .map_err(&err)?;
         Ok(y)
     }
 }

@@ -1603,3 +1603,53 @@ fn cli_refuses_a_checkpoint_whose_rope_differs_from_the_plan() {
         .stderr_has(&[field, "plan this checkpoint's config.json"]);
     }
 }
+
+/// Inference on the bf16-emulating host device (what a GPU computes in bf16):
+/// every layout's prompt logits stay within the mixed-precision tolerance of the
+/// fp32 single-rank run, bf16 does move them, and damaged weights do not pass.
+#[test]
+fn mixed_precision_inference_stays_within_the_tolerance() {
+    use meshplan_executor::device::emulate::Bf16Host;
+    use meshplan_executor::infer::{check_inference_mixed, infer_on};
+    let dir = temp_dir("llama-bf16");
+    let t = llama_tensors(&LLAMA, 11);
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let opts = InferOptions {
+        requests: PROMPTS.iter().map(|p| p.to_vec()).collect(),
+        max_new_tokens: 5,
+        weights: Some(ck),
+        ..InferOptions::default()
+    };
+    let single = infer(&plan_of(&dir, "dp=1", 1), &opts).unwrap_or_else(|e| panic!("{e}"));
+    for (cfg, gpus) in [("dp=1", 1), ("tp=2", 2), ("pp=2", 2), ("tp=2,pp=2,dp=2", 8)] {
+        let p = plan_of(&dir, cfg, gpus);
+        let bf16 = infer_on(&p, &opts, &|_| Ok(Bf16Host)).unwrap_or_else(|e| panic!("{e}"));
+        let (line, rel) =
+            check_inference_mixed(&bf16, &single).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        eprintln!("{cfg}: {line}");
+        assert!(rel > 0.0, "{cfg}: bf16 rounding changed nothing");
+        // The host device in fp32 through the same entry point is the fp32 run.
+        let fp32 = infer_on(&p, &opts, &|_| Ok(meshplan_executor::device::HostDevice))
+            .unwrap_or_else(|e| panic!("{e}"));
+        check_inference(&fp32, &single).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+    }
+    // Other weights: the same prompts' logits are far outside the tolerance.
+    let other = temp_dir("llama-bf16-other");
+    write_checkpoint(
+        &other,
+        &llama_config(&LLAMA),
+        &llama_tensors(&LLAMA, 12),
+        Store::F32,
+        1,
+    );
+    let ck = Arc::new(Checkpoint::open(&other).unwrap_or_else(|e| panic!("{e}")));
+    let wrong = InferOptions {
+        weights: Some(ck),
+        ..opts.clone()
+    };
+    let bf16 = infer_on(&plan_of(&dir, "tp=2", 2), &wrong, &|_| Ok(Bf16Host))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let e = check_inference_mixed(&bf16, &single).expect_err("other weights pass");
+    eprintln!("other weights: {}", e.lines().last().unwrap_or_default());
+}

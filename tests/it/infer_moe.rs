@@ -254,5 +254,14 @@ fn moe_inference_reproduces_its_goldens() {
         let p = load(&plan(&dir, model, cfg, gpus, 2));
         let r = infer(&p, &opts).unwrap_or_else(|e| panic!("{model} {cfg}: {e}"));
         crate::exec_golden::check_infer(&format!("infer-{model}-{cfg}"), &r);
+        // With bf16 compute (the experts themselves on the host in fp32): within
+        // the mixed-precision tolerance of the fp32 run.
+        let bf16 = meshplan_executor::infer::infer_on(&p, &opts, &|_| {
+            Ok(meshplan_executor::device::emulate::Bf16Host)
+        })
+        .unwrap_or_else(|e| panic!("{model} {cfg}: {e}"));
+        let (line, _) = meshplan_executor::infer::check_inference_mixed(&bf16, &r)
+            .unwrap_or_else(|e| panic!("{model} {cfg} bf16: {e}"));
+        eprintln!("{model} {cfg} bf16: {line}");
     }
 }

@@ -132,6 +132,31 @@ pub trait Device: Send + Sync {
     ) -> DResult<()>;
     /// `acc += x`, elementwise.
     fn accumulate(&self, acc: &mut Self::Act, x: &Self::Act) -> DResult<()>;
+    /// `host` as a compute buffer (rounded to the compute precision). The default
+    /// uploads and converts; a host device keeps the vector itself.
+    fn act_from_host(&self, host: Vec<f32>) -> DResult<Self::Act> {
+        let f = self.f32_upload(&host)?;
+        let mut a = self.act_zeros(host.len())?;
+        self.to_act(&f, &mut a)?;
+        Ok(a)
+    }
+    /// `buf` grown by `src[src_off..src_off + n]` at its end (a KV cache taking a
+    /// pass's keys). The default copies into a new buffer; a host vector grows in
+    /// place.
+    fn act_append(
+        &self,
+        buf: &mut Self::Act,
+        src: &Self::Act,
+        src_off: usize,
+        n: usize,
+    ) -> DResult<()> {
+        let held = Self::act_len(buf);
+        let mut grown = self.act_zeros(held + n)?;
+        self.act_copy(buf, 0, &mut grown, 0, held)?;
+        self.act_copy(src, src_off, &mut grown, held, n)?;
+        *buf = grown;
+        Ok(())
+    }
 
     /// `c = op(a) op(b)` (`beta` 0) with `op(a) [m, k]`, `op(b) [k, n]`.
     fn matmul(
@@ -889,6 +914,23 @@ impl<H: HostPrecision> Device for H {
         n: usize,
     ) -> DResult<()> {
         self.f32_copy(src, src_off, dst, dst_off, n)
+    }
+    fn act_from_host(&self, mut host: Vec<f32>) -> DResult<Vec<f32>> {
+        H::round(&mut host);
+        Ok(host)
+    }
+    fn act_append(
+        &self,
+        buf: &mut Vec<f32>,
+        src: &Vec<f32>,
+        src_off: usize,
+        n: usize,
+    ) -> DResult<()> {
+        let s = src
+            .get(src_off..src_off + n)
+            .ok_or_else(|| range_err("act_append source"))?;
+        buf.extend_from_slice(s);
+        Ok(())
     }
     fn accumulate(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> DResult<()> {
         k::check_len("x", x.len(), acc.len())?;
