@@ -132,6 +132,13 @@ run plan-ep2 30 "$B/bin/meshplan" plan models/tiny-moe.yaml topologies/cpu-test-
     --config dp=4,ep=2,tp=2,pp=1,cp=1,sp=true -o "$OUTDIR/ep2.json" --quiet
 run run-check-ep2 "$STEP" "$B/bin/meshplan" run "$OUTDIR/ep2.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, tiny-moe dp=4 ep=2 tp=2 sp)" PASS; else result "run --backend cuda --check (device, tiny-moe dp=4 ep=2 tp=2 sp)" FAIL; fi
+# Inference on the GPU: weights, activations and KV cache on the device, tp=2 and
+# pp=2 as threads sharing it; the prompt's logits against the fp32 CPU run.
+run plan-infer 30 "$B/bin/meshplan" plan models/tiny-llama-inference.yaml topologies/cpu-test-mesh.yaml \
+    --config dp=2,tp=2,pp=2,cp=1 -o "$OUTDIR/infer.json" --quiet
+run run-check-infer "$STEP" "$B/bin/meshplan" run "$OUTDIR/infer.json" --backend cuda --check \
+    --prompt-ids 1,2,3,4,5,6 --max-new-tokens 8
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (inference, dp=2 tp=2 pp=2)" PASS; else result "run --backend cuda --check (inference, dp=2 tp=2 pp=2)" FAIL; fi
 
 # --- 2d. GPT-2 124M on one GPU (no dropout, as the PyTorch baseline): 32 sequences
 # of 1024 tokens per step, micro-batch 16, the same batch as torch_gpu.py's default;

@@ -469,7 +469,7 @@ fn print_report(
         predicted(plan, "output_tokens_per_s")
     );
     println!(
-        "memory       fullest rank: weights {:.3} MiB, KV cache {:.3} MiB (fp32)",
+        "memory       fullest rank: weights {:.3} MiB, KV cache {:.3} MiB",
         r.weight_bytes / (1u64 << 20) as f64,
         r.kv_cache_bytes / (1u64 << 20) as f64
     );

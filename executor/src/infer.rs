@@ -124,9 +124,11 @@ pub struct InferReport {
     pub ttft_s: f64,
     /// Mean time per output token over the requests that generated more than one.
     pub tpot_s: f64,
-    /// The fullest rank's KV cache at the end, bytes (fp32).
+    /// The fullest rank's KV cache at the end, bytes (in the device's compute
+    /// precision: fp32 on the CPU, bf16 on a GPU).
     pub kv_cache_bytes: f64,
-    /// The fullest rank's weights, bytes (fp32).
+    /// The fullest rank's weights, bytes (as the KV cache; routed experts' in
+    /// fp32 on the host).
     pub weight_bytes: f64,
     /// Bytes each rank sent, in rank order.
     pub counts: Vec<ByteCounts>,
@@ -408,6 +410,25 @@ pub const LOGIT_TOLERANCE: f64 = 1e-4;
 /// other weights give 1.5 (tests/it/infer.rs, `mixed_precision_inference_*`).
 pub const MIXED_LOGIT_TOLERANCE: f64 = 0.05;
 
+/// The largest difference between logits `x` and the reference's `y`, and the
+/// scale it is judged against (the largest reference logit, at least 1).
+fn logit_gap(x: &[f32], y: &[f32]) -> Result<(f64, f64), String> {
+    if x.len() != y.len() {
+        return Err(format!(
+            "have {} values, the reference's {}",
+            x.len(),
+            y.len()
+        ));
+    }
+    let scale = y.iter().fold(1.0f64, |m, v| m.max(v.abs() as f64));
+    let d = x
+        .iter()
+        .zip(y)
+        .map(|(p, q)| (p - q).abs() as f64)
+        .fold(0.0, f64::max);
+    Ok((d, scale))
+}
+
 /// Compares a mixed-precision run with the fp32 single-rank reference: each
 /// request's first logits within [`MIXED_LOGIT_TOLERANCE`]. Later tokens may differ
 /// (a greedy choice between two near-equal logits can flip, and the runs then
@@ -426,21 +447,13 @@ pub fn check_inference_mixed(
     let mut problems = Vec::new();
     let mut worst_rel: f64 = 0.0;
     for (i, (a, b)) in run.requests.iter().zip(&reference.requests).enumerate() {
-        let (x, y) = (&a.first_logits, &b.first_logits);
-        if x.len() != y.len() {
-            problems.push(format!(
-                "request {i}: first logits have {} values, the reference's {}",
-                x.len(),
-                y.len()
-            ));
-            continue;
-        }
-        let scale = y.iter().fold(1.0f64, |m, v| m.max(v.abs() as f64));
-        let d = x
-            .iter()
-            .zip(y)
-            .map(|(p, q)| (p - q).abs() as f64)
-            .fold(0.0, f64::max);
+        let (d, scale) = match logit_gap(&a.first_logits, &b.first_logits) {
+            Ok(gap) => gap,
+            Err(why) => {
+                problems.push(format!("request {i}: first logits {why}"));
+                continue;
+            }
+        };
         worst_rel = worst_rel.max(d / scale);
         if d > MIXED_LOGIT_TOLERANCE * scale || !d.is_finite() {
             problems.push(format!(
@@ -495,20 +508,13 @@ pub fn check_inference(
             (&a.first_logits, &b.first_logits, "first"),
             (&a.logits, &b.logits, "last"),
         ] {
-            if x.len() != y.len() {
-                problems.push(format!(
-                    "request {i}: {what} logits have {} values, the reference's {}",
-                    x.len(),
-                    y.len()
-                ));
-                continue;
-            }
-            let scale = y.iter().fold(1.0f64, |m, v| m.max(v.abs() as f64));
-            let d = x
-                .iter()
-                .zip(y)
-                .map(|(p, q)| (p - q).abs() as f64)
-                .fold(0.0, f64::max);
+            let (d, scale) = match logit_gap(x, y) {
+                Ok(gap) => gap,
+                Err(why) => {
+                    problems.push(format!("request {i}: {what} logits {why}"));
+                    continue;
+                }
+            };
             worst = worst.max(d);
             worst_rel = worst_rel.max(d / scale);
             if d > LOGIT_TOLERANCE * scale {
