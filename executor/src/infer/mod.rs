@@ -1,0 +1,610 @@
+//! The inference interpreter: every rank runs its stage's `prefill` and `decode`
+//! programs from `plan.json` on the CPU kernels, ranks as threads, with a KV cache
+//! per rank.
+//!
+//! Requests are spread over the data-parallel replicas (request `i` on replica
+//! `i % dp`). A replica prefills its requests one at a time (the plan's prefill phase
+//! is one request's prompt) and then decodes them together, one token per request
+//! per step (the plan's decode phase), requests of different prompt lengths side by
+//! side: everything but attention is row-wise, and attention runs per request
+//! against that request's cache, queries placed at the end of its keys.
+//!
+//! The cache holds, per block layer and request, the keys and values of the rank's
+//! own KV heads (`shard::local_heads`: split over `tp`, replicated when there are
+//! fewer KV heads than tensor ranks) for the layers of its pipeline stage.
+//!
+//! The last stage gathers the last position's logits over `tp` (the head is split by
+//! vocabulary: the plan's AllGather of the logits, priced by the cost model as
+//! `LayoutCtx::sampling`), samples, and sends the new tokens to the first stage (a
+//! few bytes per request the plan does not list).
+//!
+//! MoE layers run the training interpreter's experts (`moe::forward`): split over
+//! `tp` like a dense MLP (the plan all-reduces their output) or by expert over `ep`
+//! (All-to-All). Prefill holds each expert to its capacity over the prompt (a
+//! capacity group is one prompt, as one rank prefills it); decoding routes dropless,
+//! as the cost model prices it (`ExpertsShape::dispatched_rows`), so the sharded run
+//! and its single-rank reference keep the same tokens. An expert group spanning
+//! replicas runs every pass together: a replica without a request for a pass runs
+//! only its experts, on what the others send them.
+//!
+//! A disaggregated deployment runs its prefill pool's ranks and its decode pool's
+//! through these same passes, the caches moving between them (`disagg.rs`).
+
+use crate::comm::{ByteCounts, Communicator, Group, RankError, ThreadComm};
+use crate::device::{derr, Device, HostDevice};
+use crate::init::init_full;
+use crate::moe::Routing;
+use crate::sample::{sample, Sampling};
+use crate::shard::{local_heads, local_weight, weight_transposed, TpPos};
+use crate::train::{
+    build_groups, fail, fixed_shape, segment_input, segment_output, ExecError, NO_LAYER,
+};
+use crate::weights::{apply_spec, shard_spec, Checkpoint};
+use meshplan_ir::graph::OpKind;
+use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Phase, PhaseKind, Plan, PlanKind, Target};
+use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole};
+use meshplan_kernels::cpu as k;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+mod check;
+mod ops;
+mod rank;
+
+pub(crate) use check::PoolBytes;
+pub use check::{
+    byte_mismatches, check_inference, check_inference_mixed, routed_ep_summary, LOGIT_TOLERANCE,
+    MIXED_LOGIT_TOLERANCE,
+};
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct InferOptions {
+    /// Prompt token ids, one list per request.
+    pub requests: Vec<Vec<u32>>,
+    /// Tokens generated per request (the first comes from the prefill).
+    pub max_new_tokens: usize,
+    /// Greedy or sampled.
+    pub sampling: Sampling,
+    /// Seed of the synthetic weights when no checkpoint is given.
+    pub seed: u64,
+    /// A collective that waits longer than this fails the run.
+    pub timeout: Duration,
+    /// A Hugging Face checkpoint to read the weights from.
+    pub weights: Option<Arc<Checkpoint>>,
+    /// Kernel threads of each rank (its own pool; 1: the rank's thread alone).
+    pub threads_per_rank: usize,
+    /// End-of-sequence tokens: a request's generation ends with the first of them
+    /// (included), as transformers' `generate` does. Empty: every request generates
+    /// `max_new_tokens`.
+    pub eos: Vec<u32>,
+    /// Keep the logits of every step of every request, not only the last.
+    pub step_logits: bool,
+}
+
+impl Default for InferOptions {
+    fn default() -> Self {
+        InferOptions {
+            requests: vec![vec![1, 2, 3]],
+            max_new_tokens: 8,
+            sampling: Sampling::GREEDY,
+            seed: 1234,
+            timeout: Duration::from_secs(60),
+            weights: None,
+            threads_per_rank: 1,
+            eos: Vec::new(),
+            step_logits: false,
+        }
+    }
+}
+
+/// One request's result.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RequestOutput {
+    /// Prompt tokens.
+    pub prompt_len: usize,
+    /// Generated tokens (prompt excluded).
+    pub tokens: Vec<u32>,
+    /// The full-vocabulary fp32 logits the last token was chosen from.
+    pub logits: Vec<f32>,
+    /// The logits the first token was chosen from (the prefill's last position).
+    pub first_logits: Vec<f32>,
+    /// The logits of every generated token, in order (kept only with
+    /// [`InferOptions::step_logits`]).
+    pub step_logits: Vec<Vec<f32>>,
+    /// Whether generation ended at an end-of-sequence token (else at the length).
+    pub ended_at_eos: bool,
+    /// Seconds from the start of generation to the first token.
+    pub ttft_s: f64,
+    /// Mean seconds per token after the first (0 when one token was generated).
+    pub tpot_s: f64,
+}
+
+/// A whole run.
+#[derive(Clone, Debug)]
+pub struct InferReport {
+    /// Per request, in the order given.
+    pub requests: Vec<RequestOutput>,
+    /// Seconds from the start of generation until the last rank finished.
+    pub wall_s: f64,
+    /// Generated tokens of all requests per wall second.
+    pub output_tokens_per_s: f64,
+    /// Mean time to first token over the requests.
+    pub ttft_s: f64,
+    /// Mean time per output token over the requests that generated more than one.
+    pub tpot_s: f64,
+    /// The fullest rank's KV cache at the end, bytes (in the device's compute
+    /// precision: fp32 on the CPU, bf16 on a GPU).
+    pub kv_cache_bytes: f64,
+    /// The fullest rank's weights, bytes (as the KV cache; routed experts' in
+    /// fp32 on the host).
+    pub weight_bytes: f64,
+    /// Bytes each rank sent, in rank order.
+    pub counts: Vec<ByteCounts>,
+    /// Per rank, the expert-parallel bytes of passes whose exchange follows the
+    /// router (dropless routing, every decode step, expert groups whose members hold
+    /// different numbers of tokens): (sent, what the plan lists for those passes,
+    /// which assumes balanced routing). [`byte_mismatches`] leaves them out.
+    pub routed_ep_bytes: Vec<(f64, f64)>,
+}
+
+/// What one rank hands back.
+pub(crate) struct RankOut {
+    /// The requests this rank recorded (the last stage's first tensor rank).
+    pub(crate) outputs: Vec<(usize, RequestOutput)>,
+    pub(crate) elapsed: f64,
+    pub(crate) kv_bytes: f64,
+    pub(crate) weight_bytes: f64,
+    pub(crate) counts: ByteCounts,
+    pub(crate) routed_ep: (f64, f64),
+}
+
+/// Checks the requests against the plan's model before any rank starts: the
+/// message says which request or option is wrong.
+pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
+    if plan.kind != PlanKind::Inference {
+        return Err("this plan is a training plan; generation needs an inference plan".into());
+    }
+    if opts.requests.is_empty() {
+        return Err("no request: give prompt token ids or a prompt".into());
+    }
+    if opts.max_new_tokens == 0 {
+        return Err("--max-new-tokens must be at least 1".into());
+    }
+    opts.sampling.validate()?;
+    let graph = &plan.graph;
+    let vocab =
+        table_rows(graph, "embed.tokens.w").ok_or("the plan's model has no token embedding")?;
+    for (i, r) in opts.requests.iter().enumerate() {
+        if r.is_empty() {
+            return Err(format!("request {i} has an empty prompt"));
+        }
+        if let Some(&t) = r.iter().find(|&&t| t as usize >= vocab) {
+            return Err(format!(
+                "request {i}: token id {t} is outside the model's vocabulary of {vocab}"
+            ));
+        }
+        if let Some(max) = table_rows(graph, "embed.positions.w") {
+            let need = r.len() + opts.max_new_tokens;
+            if need > max {
+                return Err(format!(
+                    "request {i}: {} prompt tokens + {} new ones exceed the model's {max} learned positions",
+                    r.len(),
+                    opts.max_new_tokens
+                ));
+            }
+        }
+    }
+    // The last new token is sampled, never fed back through the model.
+    let longest = opts.requests.iter().map(Vec::len).max().unwrap_or(0) + opts.max_new_tokens - 1;
+    crate::check_executable(graph, longest)?;
+    let s = &plan.strategy;
+    if s.cp > 1 {
+        return Err("inference with cp > 1 (ring attention over the prompt) is not run by the CPU executor yet; plan with cp=1".into());
+    }
+    if s.dp_attention {
+        return Err(
+            "dp_attention plans are not run by the CPU executor yet; plan with dp_attention=false"
+                .into(),
+        );
+    }
+    for op in graph.segments.iter().flat_map(|s| &s.ops) {
+        match &op.kind {
+            OpKind::Router { .. } => {
+                return Err(format!(
+                    "`{}`: a separate router op is not run by the executor (the experts read a router matmul's scores)",
+                    op.name
+                ))
+            }
+            OpKind::Attention(_) if op.inputs.len() != 1 => {
+                return Err(format!(
+                    "`{}`: latent (MLA) attention is not run by the inference executor yet",
+                    op.name
+                ))
+            }
+            _ => {}
+        }
+    }
+    check_experts(plan, opts)?;
+    for kind in [PhaseKind::Prefill, PhaseKind::Decode] {
+        if plan
+            .programs
+            .iter()
+            .any(|p| !p.phases.iter().any(|ph| ph.kind == kind))
+        {
+            return Err(format!("a program of the plan has no {kind:?} phase"));
+        }
+    }
+    Ok(())
+}
+
+/// The MoE layouts the inference executor runs: experts split over `tp` or over
+/// `ep`, not both (an inference plan has no sequence parallelism, so each tensor
+/// rank would dispatch a slice of replicated tokens and the plan lists no gather of
+/// the experts' output), with synthetic weights.
+fn check_experts(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
+    let Some(op) = plan
+        .graph
+        .segments
+        .iter()
+        .flat_map(|s| &s.ops)
+        .find(|o| matches!(o.kind, OpKind::Experts(_)))
+    else {
+        return Ok(());
+    };
+    let s = &plan.strategy;
+    if s.tp > 1 && s.ep > 1 {
+        return Err(format!(
+            "`{}`: experts with tp={} and ep={} are not run by the inference executor (without sequence parallelism each tensor rank would route a slice of the same tokens); plan with ep=1 (experts split over tp) or tp=1",
+            op.name, s.tp, s.ep
+        ));
+    }
+    if opts.weights.is_some() {
+        return Err(format!(
+            "`{}`: MoE expert weights are not read from Hugging Face checkpoints yet; run without --weights (synthetic weights)",
+            op.name
+        ));
+    }
+    Ok(())
+}
+
+/// Rows of a weight table in the graph, if it has it.
+fn table_rows(graph: &Graph, name: &str) -> Option<usize> {
+    graph
+        .tensors
+        .iter()
+        .find(|t| t.name == name)
+        .and_then(|t| fixed_shape(t).ok().and_then(|s| s.first().copied()))
+}
+
+/// A pool's groups with its ranks moved `base` up the world (a serving pool after
+/// the other pool's ranks).
+fn shifted(groups: BTreeMap<String, Group>, base: usize) -> BTreeMap<String, Group> {
+    if base == 0 {
+        return groups;
+    }
+    groups
+        .into_iter()
+        .map(|(name, g)| {
+            let ranks: Vec<usize> = g.ranks.iter().map(|r| r + base).collect();
+            let group = Group::new(format!("{name}:{ranks:?}"), ranks);
+            (name, group)
+        })
+        .collect()
+}
+
+/// Generates with the plan's inference programs on the CPU kernels
+/// ([`HostDevice`], fp32).
+pub fn infer(plan: &Plan, opts: &InferOptions) -> Result<InferReport, ExecError> {
+    infer_on(plan, opts, &|_| Ok(HostDevice))
+}
+
+/// Generates with the plan's inference programs, rank `r` on the device
+/// `make(r)` (ranks as threads, the in-process communicator): weights,
+/// activations and the KV cache in the device's buffers, the last position's
+/// logits sampled on the host.
+pub fn infer_on<D: Device>(
+    plan: &Plan,
+    opts: &InferOptions,
+    make: &(dyn Fn(usize) -> crate::device::DResult<D> + Sync),
+) -> Result<InferReport, ExecError> {
+    check_inputs(plan, opts).map_err(ExecError::Plan)?;
+    if let Some(ck) = &opts.weights {
+        ck.check_config(&plan.graph)
+            .and_then(|_| ck.validate(&plan.graph))
+            .map_err(|e| ExecError::Checkpoint(e.message))?;
+    }
+    let world = plan.ranks.len();
+    let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
+        let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
+        let mut r = InferRank::new(dev, plan, comm, opts, 0)?;
+        let everyone = Group::new("world", (0..world).collect());
+        r.comm.barrier(&everyone)?;
+        let t0 = Instant::now();
+        let outputs = r.generate(t0)?;
+        Ok(r.finish(outputs, t0))
+    });
+    let outs = rank_outs(results)?;
+    let requests = recorded(&outs, opts.requests.len())?
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            r.ok_or_else(|| ExecError::Output(format!("request {i} was not generated by any rank")))
+        })
+        .collect::<Result<_, _>>()?;
+    summarize(requests, outs)
+}
+
+/// Every rank's result, or the world's failure in one message.
+pub(crate) fn rank_outs<T>(results: Vec<Result<T, RankError>>) -> Result<Vec<T>, ExecError> {
+    if let Some(summary) = crate::comm::failure_summary(&results) {
+        return Err(ExecError::Rank(summary));
+    }
+    results
+        .into_iter()
+        .map(|r| r.map_err(|e| ExecError::Rank(format!("{e:?}"))))
+        .collect()
+}
+
+/// Each request's output as the rank that recorded it handed it back.
+pub(crate) fn recorded(
+    outs: &[RankOut],
+    requests: usize,
+) -> Result<Vec<Option<RequestOutput>>, ExecError> {
+    let mut out: Vec<Option<RequestOutput>> = vec![None; requests];
+    for o in outs {
+        for (i, r) in &o.outputs {
+            let slot = out.get_mut(*i).ok_or_else(|| {
+                ExecError::Output(format!("a rank recorded request {i} of {requests}"))
+            })?;
+            *slot = Some(r.clone());
+        }
+    }
+    Ok(out)
+}
+
+/// The run's report from its requests and every rank's figures; non-finite logits
+/// fail it.
+pub(crate) fn summarize(
+    requests: Vec<RequestOutput>,
+    outs: Vec<RankOut>,
+) -> Result<InferReport, ExecError> {
+    for (i, r) in requests.iter().enumerate() {
+        if let Some(bad) = r
+            .first_logits
+            .iter()
+            .chain(&r.logits)
+            .find(|x| !x.is_finite())
+        {
+            return Err(ExecError::Output(format!(
+                "request {i}: the logits hold {bad}: the model's arithmetic overflowed, its tokens mean nothing"
+            )));
+        }
+    }
+    let wall_s = outs.iter().map(|o| o.elapsed).fold(0.0, f64::max);
+    let generated: usize = requests.iter().map(|r| r.tokens.len()).sum();
+    let n = requests.len() as f64;
+    let multi: Vec<f64> = requests
+        .iter()
+        .filter(|r| r.tokens.len() > 1)
+        .map(|r| r.tpot_s)
+        .collect();
+    Ok(InferReport {
+        wall_s,
+        output_tokens_per_s: generated as f64 / wall_s.max(1e-12),
+        ttft_s: requests.iter().map(|r| r.ttft_s).sum::<f64>() / n,
+        tpot_s: if multi.is_empty() {
+            0.0
+        } else {
+            multi.iter().sum::<f64>() / multi.len() as f64
+        },
+        kv_cache_bytes: outs.iter().map(|o| o.kv_bytes).fold(0.0, f64::max),
+        weight_bytes: outs.iter().map(|o| o.weight_bytes).fold(0.0, f64::max),
+        routed_ep_bytes: outs.iter().map(|o| o.routed_ep).collect(),
+        counts: outs.into_iter().map(|o| o.counts).collect(),
+        requests,
+    })
+}
+
+/// The rows one pass computes: `seq` query tokens of each request of `reqs`,
+/// sequence-major (`row = s * reqs.len() + b`).
+struct Batch {
+    /// Local request slots.
+    reqs: Vec<usize>,
+    /// Query tokens per request.
+    seq: usize,
+    /// Position of each request's first query token.
+    pos0: Vec<usize>,
+    /// Token ids per row.
+    tokens: Vec<u32>,
+    /// How the experts hold this pass's tokens to capacity.
+    routing: Routing,
+}
+
+impl Batch {
+    fn rows(&self) -> usize {
+        self.seq * self.reqs.len()
+    }
+
+    fn positions(&self) -> Vec<u32> {
+        let b = self.reqs.len();
+        (0..self.rows())
+            .map(|r| (self.pos0[r % b] + r / b) as u32)
+            .collect()
+    }
+}
+
+/// One request's KV cache on a rank: per block layer of its stage, keys
+/// `[len, hkv, d]` and values `[len, hkv, dv]` of the rank's own KV heads, in the
+/// device's buffers (`A`, host vectors by default).
+pub(crate) type RequestCache<A = Vec<f32>> = BTreeMap<u64, (A, A)>;
+
+/// What prefilling one request leaves on a rank.
+pub(crate) struct Prefilled<A = Vec<f32>> {
+    /// The last position's full-vocabulary logits (last stage only).
+    pub(crate) logits: Option<Vec<f32>>,
+    /// Its KV cache entries.
+    pub(crate) cache: RequestCache<A>,
+}
+
+/// A replica's requests while generating: what the recording rank (the last
+/// stage's first tensor rank) reports, and the tokens fed to the next step.
+pub(crate) struct Progress {
+    /// Global request index per local slot.
+    ids: Vec<usize>,
+    pub(crate) outs: Vec<RequestOutput>,
+    first_at: Vec<f64>,
+    pub(crate) current: Vec<u32>,
+    /// A request that produced an end-of-sequence token keeps its place in the
+    /// batch (every rank runs the same steps, and the plan's bytes stay exact) but
+    /// records nothing more.
+    ended: Vec<bool>,
+    eos: Vec<u32>,
+    step_logits: bool,
+}
+
+impl Progress {
+    pub(crate) fn new(ids: &[usize], opts: &InferOptions) -> Progress {
+        let outs = ids
+            .iter()
+            .map(|&i| RequestOutput {
+                prompt_len: opts.requests[i].len(),
+                tokens: Vec::new(),
+                logits: Vec::new(),
+                first_logits: Vec::new(),
+                step_logits: Vec::new(),
+                ended_at_eos: false,
+                ttft_s: 0.0,
+                tpot_s: 0.0,
+            })
+            .collect();
+        Progress {
+            ids: ids.to_vec(),
+            outs,
+            first_at: vec![0.0; ids.len()],
+            current: vec![0; ids.len()],
+            ended: vec![false; ids.len()],
+            eos: opts.eos.clone(),
+            step_logits: opts.step_logits,
+        }
+    }
+
+    /// Samples slot `j`'s first token from its prefill logits (`now`: recorded at
+    /// this time since the start).
+    pub(crate) fn first_token(
+        &mut self,
+        j: usize,
+        rows: Vec<f32>,
+        sampling: &Sampling,
+        now: Option<Duration>,
+    ) {
+        let t = sample(&rows, sampling, self.ids[j] as u64, 0);
+        self.current[j] = t;
+        self.ended[j] = self.eos.contains(&t);
+        let Some(now) = now else {
+            return;
+        };
+        self.first_at[j] = now.as_secs_f64();
+        let o = &mut self.outs[j];
+        o.tokens.push(t);
+        o.ended_at_eos = self.ended[j];
+        o.ttft_s = self.first_at[j];
+        if self.step_logits {
+            o.step_logits.push(rows.clone());
+        }
+        o.first_logits = rows.clone();
+        o.logits = rows;
+    }
+
+    /// Slot `j`'s first token `t`, sampled elsewhere (by the prefill pool): fed to
+    /// the first decode step; `now` starts the slot's time per output token.
+    pub(crate) fn handed_token(&mut self, j: usize, t: u32, now: Option<Duration>) {
+        self.current[j] = t;
+        self.ended[j] = self.eos.contains(&t);
+        if let Some(now) = now {
+            self.first_at[j] = now.as_secs_f64();
+        }
+    }
+
+    /// Samples every slot's token of decode step `step` from `all`
+    /// (`[slots, vocab]`).
+    fn next_tokens(
+        &mut self,
+        all: &[f32],
+        vocab: usize,
+        step: usize,
+        sampling: &Sampling,
+        now: Option<Duration>,
+    ) {
+        for j in 0..self.ids.len() {
+            let row = &all[j * vocab..(j + 1) * vocab];
+            let t = sample(row, sampling, self.ids[j] as u64, step as u64);
+            self.current[j] = t;
+            if self.ended[j] {
+                continue;
+            }
+            self.ended[j] = self.eos.contains(&t);
+            let Some(now) = now else {
+                continue;
+            };
+            let o = &mut self.outs[j];
+            o.tokens.push(t);
+            o.ended_at_eos = self.ended[j];
+            if self.step_logits {
+                o.step_logits.push(row.to_vec());
+            }
+            o.logits = row.to_vec();
+            o.tpot_s = (now.as_secs_f64() - self.first_at[j]) / step as f64;
+        }
+    }
+}
+
+/// Weight key: op, tensor and block layer (`NO_LAYER` outside blocks). Keyed by op
+/// because a tied table is sliced by vocabulary rows for the head but may be
+/// replicated for the embedding.
+type WKey = (String, String, u64);
+
+/// One rank of an inference run on device `D`: its weights, activations and KV
+/// cache live in the device's buffers; the sampled logits come to the host.
+pub(crate) struct InferRank<'a, D: Device = HostDevice> {
+    dev: D,
+    plan: &'a Plan,
+    graph: &'a Graph,
+    /// The rank in the world (the communicator's).
+    rank: usize,
+    /// The world rank of the plan's rank 0: a serving pool's ranks follow the
+    /// other pool's.
+    base: usize,
+    pub(crate) comm: ThreadComm,
+    coords: Vec<u64>,
+    pp_axis: usize,
+    pub(crate) stage: u64,
+    pub(crate) last_stage: u64,
+    dp: usize,
+    pub(crate) dp_index: usize,
+    /// Mesh axis of `dp` in the rank coordinates.
+    dp_axis: Option<usize>,
+    pub(crate) tp: TpPos,
+    ep: TpPos,
+    /// The expert group, when the experts are split over ranks.
+    ep_group: Option<Group>,
+    /// Expert-parallel bytes of passes whose exchange follows the router: (sent,
+    /// the plan's figure for those passes).
+    routed_ep: (f64, f64),
+    groups: BTreeMap<String, Group>,
+    prefill: &'a Phase,
+    decode: &'a Phase,
+    opts: &'a InferOptions,
+    weights: HashMap<WKey, D::Act>,
+    /// The experts ops' weights, on the host: routed experts run on the host
+    /// kernels (`moe::forward`).
+    host_weights: HashMap<WKey, Vec<f32>>,
+    /// (layer, local request) -> keys `[len, hkv, d]` and values `[len, hkv, dv]`.
+    kv: HashMap<(u64, usize), (D::Act, D::Act)>,
+    hidden: Option<D::Act>,
+    hidden_width: usize,
+    vocab: usize,
+    acts: HashMap<String, D::Act>,
+    logits: Option<D::Act>,
+}

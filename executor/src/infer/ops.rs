@@ -1,0 +1,556 @@
+//! What a pass computes on a rank: the program's instructions, each op's forward
+//! on the device, attention against the KV cache, the pass's collectives.
+
+use super::*;
+
+impl<'a, D: Device> InferRank<'a, D> {
+    pub(super) fn run_phase(&mut self, phase: &Phase, batch: &Batch) -> Result<(), RankError> {
+        for ch in &phase.chunks {
+            let mut layer = ch.layer_start;
+            self.hidden = None;
+            self.run(&ch.forward, batch, &mut layer)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn run(
+        &mut self,
+        instrs: &[Instr],
+        batch: &Batch,
+        layer: &mut u64,
+    ) -> Result<(), RankError> {
+        for instr in instrs {
+            match instr {
+                Instr::Segment {
+                    name,
+                    kind,
+                    repeat,
+                    body,
+                } => {
+                    let s = self.segment_index(name)?;
+                    for _ in 0..*repeat {
+                        let l = if *kind == SegmentKind::Block {
+                            *layer += 1;
+                            *layer - 1
+                        } else {
+                            NO_LAYER
+                        };
+                        self.acts.clear();
+                        if let (Some(input), Some(h)) =
+                            (segment_input(self.graph, s), self.hidden.take())
+                        {
+                            self.acts.insert(input, h);
+                        }
+                        self.run_body(body, batch, l)?;
+                        match segment_output(self.graph, s) {
+                            Some(out) => {
+                                self.hidden = Some(self.acts.remove(&out).ok_or_else(|| {
+                                    fail(format!("segment `{name}` did not produce `{out}`"))
+                                })?);
+                            }
+                            None => self.logits = Some(self.head_logits(s)?),
+                        }
+                    }
+                }
+                Instr::Send { peer_stage, .. } => {
+                    let peer = self.peer(*peer_stage)?;
+                    let h = self
+                        .hidden
+                        .as_ref()
+                        .ok_or_else(|| fail("no hidden states to send"))?;
+                    let n = D::act_len(h);
+                    self.dev.send_act(&mut self.comm, peer, "pp", h, (0, n))?;
+                }
+                Instr::Recv { peer_stage, .. } => {
+                    let peer = self.peer(*peer_stage)?;
+                    let mut buf = self.zeros(batch.rows() * self.hidden_width)?;
+                    self.dev.recv_act(&mut self.comm, peer, "pp", &mut buf)?;
+                    self.hidden = Some(buf);
+                }
+                Instr::Collective {
+                    target: Target::HiddenStates,
+                    ..
+                } => self.collective(instr)?,
+                other => {
+                    return Err(fail(format!(
+                    "unexpected instruction outside a segment of an inference program: {other:?}"
+                )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The logits the head segment produced: the loss's input, or its last matmul's
+    /// output.
+    pub(super) fn head_logits(&mut self, s: usize) -> Result<D::Act, RankError> {
+        let seg = &self.graph.segments[s];
+        let name = seg
+            .ops
+            .iter()
+            .find(|o| matches!(o.kind, OpKind::CrossEntropy { .. }))
+            .map(|o| o.inputs[0])
+            .or_else(|| {
+                seg.ops
+                    .iter()
+                    .rev()
+                    .find(|o| matches!(o.kind, OpKind::Matmul { .. }))
+                    .and_then(|o| o.outputs.first().copied())
+            })
+            .map(|t| self.graph.tensor(t).name.clone())
+            .ok_or_else(|| fail("the head segment produces no logits"))?;
+        self.acts
+            .remove(&name)
+            .ok_or_else(|| fail(format!("the head did not produce `{name}`")))
+    }
+
+    pub(super) fn run_body(
+        &mut self,
+        body: &[Instr],
+        batch: &Batch,
+        l: u64,
+    ) -> Result<(), RankError> {
+        for instr in body {
+            match instr {
+                Instr::Compute { name, .. } => {
+                    let op = self.find_op(name)?;
+                    self.forward_op(op, batch, l)?;
+                }
+                Instr::Collective { .. } => self.collective(instr)?,
+                Instr::Recompute { body } => self.run_body(body, batch, l)?,
+                other => {
+                    return Err(fail(format!(
+                        "unexpected instruction in an inference segment: {other:?}"
+                    )))
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub(super) fn collective(&mut self, instr: &Instr) -> Result<(), RankError> {
+        let Instr::Collective {
+            kind,
+            group,
+            axis,
+            target,
+            ..
+        } = instr
+        else {
+            return Ok(());
+        };
+        let tensor = match target {
+            // Plans lowered before sampling was planned hold the training loss's
+            // statistics instead: nothing to reduce when generating.
+            Target::LossStat { .. } => return Ok(()),
+            // The experts op moves its tokens itself (counts follow the routing).
+            Target::Experts { .. } => return Ok(()),
+            Target::HiddenStates => {
+                let g = self.group(group)?;
+                let h = self
+                    .hidden
+                    .as_ref()
+                    .ok_or_else(|| fail("no hidden states to gather"))?;
+                let mut out = self.zeros(D::act_len(h) * g.size())?;
+                self.dev
+                    .all_gather_act(&mut self.comm, &g, axis.name(), h, &mut out)?;
+                self.hidden = Some(out);
+                return Ok(());
+            }
+            Target::Activation { tensor } => tensor.as_str(),
+            Target::ActivationGrad { .. }
+            | Target::HiddenStatesGrad
+            | Target::SegmentParams { .. }
+            | Target::SegmentGrads { .. }
+            | Target::SegmentSeqPartialGrads { .. }
+            | Target::TiedGrads
+            | Target::SeqPartialGrads
+            | Target::GradBucket { .. }
+            | Target::ParamBucket { .. } => {
+                return Err(fail(format!(
+                    "`{target}` is a training collective; inference plans do not hold it"
+                )))
+            }
+        };
+        // The head's logits: `last_logits` gathers the last positions, the rows this
+        // collective's bytes count.
+        let is_logits = self.graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
+            matches!(o.kind, OpKind::CrossEntropy { .. })
+                && o.inputs
+                    .first()
+                    .map(|&t| self.graph.tensor(t).name.as_str())
+                    == Some(tensor)
+        });
+        if is_logits && *kind == CollectiveKind::AllGather {
+            return Ok(());
+        }
+        let g = self.group(group)?;
+        let n = g.size();
+        let ax = axis.name();
+        let buf = self
+            .acts
+            .get_mut(tensor)
+            .ok_or_else(|| fail(format!("no tensor `{tensor}` to communicate")))?;
+        let alloc = derr("allocation");
+        match kind {
+            CollectiveKind::AllReduce => self.dev.all_reduce_act(&mut self.comm, &g, ax, buf)?,
+            CollectiveKind::AllGather => {
+                let mut out = self.dev.act_zeros(D::act_len(buf) * n).map_err(&alloc)?;
+                self.dev
+                    .all_gather_act(&mut self.comm, &g, ax, buf, &mut out)?;
+                self.acts.insert(format!("{tensor}@g"), out);
+            }
+            CollectiveKind::ReduceScatter => {
+                let mut out = self.dev.act_zeros(D::act_len(buf) / n).map_err(&alloc)?;
+                self.dev
+                    .reduce_scatter_act(&mut self.comm, &g, ax, buf, &mut out)?;
+                *buf = out;
+            }
+            other => {
+                return Err(fail(format!(
+                    "{other:?} on `{tensor}` is not run by the inference executor"
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// Local (query heads, kv heads) of an attention op.
+    pub(super) fn heads(&self, att: &Op) -> Result<(usize, usize, usize, usize), RankError> {
+        let OpKind::Attention(a) = &att.kind else {
+            return Err(fail(format!("`{}` is not attention", att.name)));
+        };
+        let (hq, hkv, _) = if att.role == TpRole::Replicated {
+            (a.heads as usize, a.kv_heads as usize, 0)
+        } else {
+            local_heads(a.heads, a.kv_heads, self.tp)
+        };
+        Ok((hq, hkv, a.qk_dim as usize, a.v_dim as usize))
+    }
+
+    pub(super) fn forward_op(&mut self, op: &Op, batch: &Batch, l: u64) -> Result<(), RankError> {
+        let out = op
+            .outputs
+            .first()
+            .map(|&t| self.graph.tensor(t).name.clone())
+            .unwrap_or_default();
+        let rows = batch.rows();
+        let eps = self.graph.constants.norm_eps as f32;
+        let err = derr(&op.name);
+        let y = match &op.kind {
+            OpKind::Embedding => {
+                let table_name = &self.graph.tensor(op.inputs[1]).name;
+                let ids: Vec<u32> = if table_name == "embed.positions.w" {
+                    batch.positions()
+                } else {
+                    batch.tokens.clone()
+                };
+                let table = self.weight(op, 1, l)?;
+                let dim = self.hidden_width;
+                let vocab_start = if op.role == TpRole::VocabEmbedding {
+                    let full = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
+                    self.tp.rank * (full / self.tp.size.max(1))
+                } else {
+                    0
+                };
+                let mut y = self.zeros(ids.len() * dim)?;
+                let ids = self.dev.ids_upload(&ids).map_err(&err)?;
+                self.dev
+                    .embedding_fwd(&ids, table, vocab_start, dim, &mut y)
+                    .map_err(&err)?;
+                y
+            }
+            OpKind::Norm(kind) => {
+                let x = self.act(op, 0)?;
+                let w = self.weight(op, 1, l)?;
+                let dim = D::act_len(w);
+                let n = D::act_len(x) / dim.max(1);
+                let mut y = self.zeros(D::act_len(x))?;
+                let mut rstd = self.zeros_f32(n)?;
+                match kind {
+                    NormKind::Rmsnorm => self.dev.rmsnorm_fwd(x, w, n, dim, eps, &mut y, &mut rstd),
+                    NormKind::Layernorm => {
+                        let zeros;
+                        let b = match op.inputs.get(2) {
+                            Some(_) => self.weight(op, 2, l)?,
+                            None => {
+                                zeros = self.zeros(dim)?;
+                                &zeros
+                            }
+                        };
+                        let mut mean = self.zeros_f32(n)?;
+                        self.dev
+                            .layernorm_fwd(x, w, b, n, dim, eps, &mut y, &mut mean, &mut rstd)
+                    }
+                }
+                .map_err(&err)?;
+                y
+            }
+            OpKind::Matmul { .. } => {
+                let in_name = &self.graph.tensor(op.inputs[0]).name;
+                let x = match self.acts.get(&format!("{in_name}@g")) {
+                    Some(g) if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) => g,
+                    _ => self.act(op, 0)?,
+                };
+                let w = self.weight(op, 1, l)?;
+                let kk = D::act_len(x) / rows.max(1);
+                let n = D::act_len(w) / kk.max(1);
+                let mut y = self.zeros(rows * n)?;
+                let tb = if weight_transposed(op) {
+                    k::Transpose::Yes
+                } else {
+                    k::Transpose::No
+                };
+                self.dev
+                    .matmul(k::Transpose::No, tb, rows, kk, n, x, w, &mut y)
+                    .map_err(&err)?;
+                // A row-parallel bias is added once, before the partial sums meet.
+                if op.inputs.get(2).is_some()
+                    && (op.role != TpRole::RowParallel || self.tp.rank == 0)
+                {
+                    let b = self.weight(op, 2, l)?;
+                    self.dev.bias_add(&mut y, b, rows, n).map_err(&err)?;
+                }
+                y
+            }
+            OpKind::Rope => {
+                let att = self.consumer_attention(op)?;
+                let (hq, hkv, d, dv) = self.heads(att)?;
+                let x = self.act(op, 0)?;
+                let width = hq * d + hkv * d + hkv * dv;
+                let positions = self.dev.ids_upload(&batch.positions()).map_err(&err)?;
+                let rope = crate::rope_of(&self.graph.constants);
+                let mut y = self.zeros(D::act_len(x))?;
+                self.dev
+                    .rope_qkv(x, &positions, rows, hq, hkv, d, width, rope, false, &mut y)
+                    .map_err(&err)?;
+                y
+            }
+            OpKind::Attention(a) => self.attention(op, a.causal, batch, l)?,
+            OpKind::Activation(MlpKind::Swiglu) => {
+                let x = self.act(op, 0)?;
+                let f = D::act_len(x) / (2 * rows.max(1));
+                let mut y = self.zeros(rows * f)?;
+                self.dev.swiglu_fwd(x, rows, f, &mut y).map_err(&err)?;
+                y
+            }
+            OpKind::Activation(MlpKind::Gelu) => {
+                let x = self.act(op, 0)?;
+                let mut y = self.zeros(D::act_len(x))?;
+                self.dev.gelu_fwd(x, &mut y).map_err(&err)?;
+                y
+            }
+            OpKind::Add => {
+                let (a, b) = (self.act(op, 0)?, self.act(op, 1)?);
+                let mut y = self.zeros(D::act_len(a))?;
+                self.dev.add(a, b, &mut y).map_err(&err)?;
+                y
+            }
+            // Dropout is the identity at inference.
+            OpKind::Dropout => {
+                let x = self.act(op, 0)?;
+                let n = D::act_len(x);
+                let mut y = self.zeros(n)?;
+                self.dev.act_copy(x, 0, &mut y, 0, n).map_err(&err)?;
+                y
+            }
+            // Generation samples from the logits; the loss is not computed.
+            OpKind::CrossEntropy { .. } => return Ok(()),
+            OpKind::Experts(e) => self.experts(op, e, l, batch.routing, false)?,
+            OpKind::Router { .. } => {
+                return Err(fail(format!(
+                    "`{}`: a separate router op is not run by the executor",
+                    op.name
+                )))
+            }
+        };
+        self.acts.insert(out, y);
+        Ok(())
+    }
+
+    /// Routed experts on this pass's tokens (`idle`: none, the rank serving only
+    /// its experts to the rest of its expert group), on the host kernels: the
+    /// tokens and router scores come down from the device and the output goes
+    /// back.
+    pub(super) fn experts(
+        &mut self,
+        op: &Op,
+        e: &meshplan_ir::graph::ExpertsShape,
+        l: u64,
+        routing: Routing,
+        idle: bool,
+    ) -> Result<D::Act, RankError> {
+        let name = |i: usize| self.graph.tensor(op.inputs[i]).name.as_str();
+        let err = derr(&op.name);
+        let host = |i: usize| {
+            let a = self.acts.get(name(i)).ok_or_else(|| {
+                fail(format!(
+                    "`{}` reads `{}` before it is produced",
+                    op.name,
+                    name(i)
+                ))
+            })?;
+            self.dev.act_download(a).map_err(&err)
+        };
+        let weight = |i: usize| {
+            let key = (op.name.clone(), name(i).to_string(), l);
+            self.host_weights.get(&key).ok_or_else(|| {
+                fail(format!(
+                    "weight `{}` of `{}` (layer {l}) is not held by rank {}",
+                    name(i),
+                    op.name,
+                    self.rank
+                ))
+            })
+        };
+        let (x, logits) = if idle {
+            (Vec::new(), Vec::new())
+        } else {
+            (host(0)?, host(1)?)
+        };
+        let inputs = crate::moe::Inputs {
+            x: &x,
+            logits: &logits,
+            w_up: weight(2)?,
+            w_down: weight(3)?,
+        };
+        let place = crate::moe::Place {
+            tp: self.tp,
+            ep: self.ep,
+            group: self.ep_group.as_ref(),
+        };
+        let out = crate::moe::forward(
+            &HostDevice,
+            &mut self.comm,
+            &place,
+            &op.name,
+            e,
+            &inputs,
+            routing,
+        )?;
+        self.dev.act_from_host(out).map_err(&err)
+    }
+
+    pub(super) fn consumer_attention(&self, op: &Op) -> Result<&'a Op, RankError> {
+        self.graph
+            .attention_fed_by(op)
+            .ok_or_else(|| fail("rope feeds no attention op"))
+    }
+
+    /// Appends each request's new keys and values to its cache and attends its
+    /// queries (at positions `pos0..pos0 + seq`) to everything cached.
+    pub(super) fn attention(
+        &mut self,
+        op: &Op,
+        causal: bool,
+        batch: &Batch,
+        l: u64,
+    ) -> Result<D::Act, RankError> {
+        let (hq, hkv, d, dv) = self.heads(op)?;
+        let b = batch.reqs.len();
+        let seq = batch.seq;
+        let scale = 1.0 / (d as f32).sqrt();
+        let err = derr(&op.name);
+        let x = self
+            .acts
+            .get(&self.graph.tensor(op.inputs[0]).name)
+            .ok_or_else(|| fail(format!("`{}` has no input", op.name)))?;
+        // `[s, b, q | k | v]` rows into `[b, s, heads, d]` blocks, one per request.
+        let all = k::AttnDims {
+            batch: b,
+            sq: seq,
+            sk: seq,
+            hq,
+            hkv,
+            d,
+            dv,
+        };
+        let (nq, nk, nv, no) = (seq * hq * d, seq * hkv * d, seq * hkv * dv, seq * hq * dv);
+        let (mut q, mut kn, mut vn) = (
+            self.zeros(b * nq)?,
+            self.zeros(b * nk)?,
+            self.zeros(b * nv)?,
+        );
+        self.dev
+            .split_qkv(x, &all, &mut q, &mut kn, &mut vn)
+            .map_err(&err)?;
+        let mut o_all = self.zeros(b * no)?;
+        for (bi, &req) in batch.reqs.iter().enumerate() {
+            // The cache grows by this pass's keys and values.
+            let (kc, vc) = match self.kv.remove(&(l, req)) {
+                Some((mut kc, mut vc)) => {
+                    self.dev
+                        .act_append(&mut kc, &kn, bi * nk, nk)
+                        .map_err(&err)?;
+                    self.dev
+                        .act_append(&mut vc, &vn, bi * nv, nv)
+                        .map_err(&err)?;
+                    (kc, vc)
+                }
+                None => {
+                    let (mut kc, mut vc) = (self.zeros(nk)?, self.zeros(nv)?);
+                    self.dev
+                        .act_copy(&kn, bi * nk, &mut kc, 0, nk)
+                        .map_err(&err)?;
+                    self.dev
+                        .act_copy(&vn, bi * nv, &mut vc, 0, nv)
+                        .map_err(&err)?;
+                    (kc, vc)
+                }
+            };
+            let sk = D::act_len(&kc) / (hkv * d).max(1);
+            if sk != batch.pos0[bi] + seq {
+                return Err(fail(format!(
+                    "`{}` layer {l}: the cache holds {sk} positions, expected {}",
+                    op.name,
+                    batch.pos0[bi] + seq
+                )));
+            }
+            let qb = if b == 1 {
+                None
+            } else {
+                let mut qb = self.zeros(nq)?;
+                self.dev
+                    .act_copy(&q, bi * nq, &mut qb, 0, nq)
+                    .map_err(&err)?;
+                Some(qb)
+            };
+            let dims = k::AttnDims {
+                batch: 1,
+                sq: seq,
+                sk,
+                hq,
+                hkv,
+                d,
+                dv,
+            };
+            let mut o = self.zeros(no)?;
+            let mut lse = self.zeros_f32(hq * seq)?;
+            self.dev
+                .attention_fwd(
+                    &dims,
+                    qb.as_ref().unwrap_or(&q),
+                    &kc,
+                    &vc,
+                    (batch.pos0[bi], 0),
+                    causal,
+                    scale,
+                    // Inference runs in eval mode: no dropout.
+                    None,
+                    &mut o,
+                    &mut lse,
+                )
+                .map_err(&err)?;
+            self.dev
+                .act_copy(&o, 0, &mut o_all, bi * no, no)
+                .map_err(&err)?;
+            self.kv.insert((l, req), (kc, vc));
+        }
+        // `[b, s, hq dv]` back to sequence-major rows.
+        let mut y = self.zeros(b * no)?;
+        self.dev
+            .transpose_bs(&o_all, b, seq, hq * dv, true, &mut y)
+            .map_err(&err)?;
+        Ok(y)
+    }
+}

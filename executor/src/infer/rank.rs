@@ -1,0 +1,595 @@
+//! A rank of an inference run: its weights, the passes of prefill and decode, the
+//! KV cache, the sampled logits.
+
+use super::*;
+
+impl<'a, D: Device> InferRank<'a, D> {
+    /// World rank `comm.rank()` as rank `comm.rank() - base` of `plan`, on `dev`.
+    pub(crate) fn new(
+        dev: D,
+        plan: &'a Plan,
+        comm: ThreadComm,
+        opts: &'a InferOptions,
+        base: usize,
+    ) -> Result<Self, RankError> {
+        let rank = comm.rank();
+        let entry = rank
+            .checked_sub(base)
+            .and_then(|local| plan.ranks.get(local))
+            .ok_or_else(|| fail(format!("rank {rank} is not in the plan's rank table")))?;
+        let program = plan
+            .programs
+            .get(entry.program as usize)
+            .ok_or_else(|| fail(format!("rank {rank}: program {} missing", entry.program)))?;
+        let phase = |kind: PhaseKind| {
+            program
+                .phases
+                .iter()
+                .find(|p| p.kind == kind)
+                .ok_or_else(|| fail(format!("program {} has no {kind:?} phase", program.id)))
+        };
+        let axis = |name: &str| plan.mesh.axes.iter().position(|a| a == name);
+        let coord = |name: &str| axis(name).map(|i| entry.coords[i] as usize).unwrap_or(0);
+        let size = |name: &str| axis(name).map(|i| plan.mesh.shape[i] as usize).unwrap_or(1);
+        let graph = &plan.graph;
+        let table = graph
+            .tensors
+            .iter()
+            .find(|t| t.name == "embed.tokens.w")
+            .ok_or_else(|| fail("the plan's model has no token embedding"))?;
+        let shape = fixed_shape(table)?;
+        let groups = shifted(build_groups(plan, rank - base)?, base);
+        let ep_group = groups.get("ep").filter(|g| g.size() > 1).cloned();
+        let ep = ep_group
+            .as_ref()
+            .and_then(|g| g.index_of(rank))
+            .map(|i| TpPos {
+                rank: i,
+                size: ep_group.as_ref().map_or(1, Group::size),
+            })
+            .unwrap_or(TpPos::ONE);
+        let mut st = InferRank {
+            dev,
+            plan,
+            graph,
+            rank,
+            base,
+            comm,
+            coords: entry.coords.clone(),
+            pp_axis: axis("pp").ok_or_else(|| fail("the mesh has no pp axis"))?,
+            stage: program.stage,
+            last_stage: size("pp") as u64 - 1,
+            dp: size("dp"),
+            dp_index: coord("dp"),
+            dp_axis: axis("dp"),
+            tp: TpPos {
+                rank: coord("tp"),
+                size: size("tp"),
+            },
+            ep,
+            ep_group,
+            routed_ep: (0.0, 0.0),
+            groups,
+            prefill: phase(PhaseKind::Prefill)?,
+            decode: phase(PhaseKind::Decode)?,
+            opts,
+            weights: HashMap::new(),
+            host_weights: HashMap::new(),
+            kv: HashMap::new(),
+            hidden: None,
+            hidden_width: shape.get(1).copied().unwrap_or(1),
+            vocab: shape[0],
+            acts: HashMap::new(),
+            logits: None,
+        };
+        st.load_weights()?;
+        Ok(st)
+    }
+
+    /// (segment index, block layer) of every segment copy this stage runs.
+    pub(super) fn copies(&self) -> Result<Vec<(usize, Option<u64>)>, RankError> {
+        crate::train::segment_copies(self.graph, self.prefill)
+    }
+
+    pub(super) fn segment_index(&self, name: &str) -> Result<usize, RankError> {
+        crate::train::segment_index(self.graph, name)
+    }
+
+    /// This rank's shard of every weight its stage uses: read from the checkpoint,
+    /// or the deterministic initial values training starts from.
+    pub(super) fn load_weights(&mut self) -> Result<(), RankError> {
+        for (s, layer) in self.copies()? {
+            let seg = &self.graph.segments[s];
+            for op in &seg.ops {
+                for &w in &op.inputs {
+                    let t = self.graph.tensor(w);
+                    if t.kind != TensorKind::Weight {
+                        continue;
+                    }
+                    let l = layer.unwrap_or(NO_LAYER);
+                    let key = (op.name.clone(), t.name.clone(), l);
+                    if self.weights.contains_key(&key) || self.host_weights.contains_key(&key) {
+                        continue;
+                    }
+                    let shape = fixed_shape(t)?;
+                    let spec = shard_spec(self.graph, op, op.role, w, &shape, self.tp);
+                    let local = match &self.opts.weights {
+                        Some(ck) => ck
+                            .local(self.graph, op, w, layer, &spec)
+                            .map_err(|e| fail(e.message))?,
+                        None => {
+                            let kind = crate::init::init_kind(op, w, &shape);
+                            let elems = shape.iter().product();
+                            let full = init_full(self.opts.seed, &t.name, l, elems, kind);
+                            if matches!(op.kind, OpKind::Experts(_)) {
+                                // Split by expert over `ep` or within each expert
+                                // over `tp`, as training slices them.
+                                local_weight(
+                                    self.graph, op, op.role, w, &full, &shape, self.tp, self.ep,
+                                )
+                            } else {
+                                apply_spec(&spec, &full, &shape)
+                            }
+                        }
+                    };
+                    if let Some(bad) = local.iter().find(|x| !x.is_finite()) {
+                        // A checkpoint holding NaN or infinity generates garbage
+                        // without a word; refuse it naming the tensor.
+                        let layer = crate::train::layer_label(l);
+                        return Err(fail(format!(
+                            "weight `{}`{layer} holds {bad}: the weights are damaged or were saved from a diverged run",
+                            t.name
+                        )));
+                    }
+                    if matches!(op.kind, OpKind::Experts(_)) {
+                        self.host_weights.insert(key, local);
+                    } else {
+                        let w = self.dev.act_from_host(local).map_err(derr("upload"))?;
+                        self.weights.insert(key, w);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A compute buffer of `n` zeros.
+    pub(super) fn zeros(&self, n: usize) -> Result<D::Act, RankError> {
+        self.dev.act_zeros(n).map_err(derr("allocation"))
+    }
+
+    /// An fp32 buffer of `n` zeros (kernel statistics).
+    pub(super) fn zeros_f32(&self, n: usize) -> Result<D::F32, RankError> {
+        self.dev.f32_zeros(n).map_err(derr("allocation"))
+    }
+
+    pub(super) fn weight(&self, op: &Op, i: usize, l: u64) -> Result<&D::Act, RankError> {
+        let name = &self.graph.tensor(op.inputs[i]).name;
+        self.weights
+            .get(&(op.name.clone(), name.clone(), l))
+            .ok_or_else(|| {
+                fail(format!(
+                    "weight `{name}` of `{}` (layer {l}) is not held by rank {}",
+                    op.name, self.rank
+                ))
+            })
+    }
+
+    pub(super) fn act(&self, op: &Op, i: usize) -> Result<&D::Act, RankError> {
+        let name = &self.graph.tensor(op.inputs[i]).name;
+        self.acts.get(name).ok_or_else(|| {
+            fail(format!(
+                "`{}` reads `{name}` before it is produced",
+                op.name
+            ))
+        })
+    }
+
+    pub(super) fn peer(&self, stage: u64) -> Result<usize, RankError> {
+        let mut coords = self.coords.clone();
+        coords[self.pp_axis] = stage;
+        self.plan
+            .ranks
+            .iter()
+            .find(|r| r.coords == coords)
+            .map(|r| self.base + r.rank as usize)
+            .ok_or_else(|| fail(format!("no rank at {coords:?}")))
+    }
+
+    pub(super) fn group(&self, name: &str) -> Result<Group, RankError> {
+        self.groups
+            .get(name)
+            .cloned()
+            .ok_or_else(|| fail(format!("group `{name}` is not in the plan's mesh")))
+    }
+
+    /// Prefill every request of this replica, then decode them together.
+    pub(super) fn generate(
+        &mut self,
+        t0: Instant,
+    ) -> Result<Vec<(usize, RequestOutput)>, RankError> {
+        let mine = self.served_by(self.dp_index);
+        if mine.is_empty() && !self.expert_lockstep() {
+            return Ok(Vec::new());
+        }
+        let record = self.records();
+        let mut p = Progress::new(&mine, self.opts);
+        self.prefill_passes(&mine, |r, j, _, done| {
+            r.put_cache(j, done.cache);
+            if let Some(rows) = done.logits {
+                let now = record.then(|| t0.elapsed());
+                p.first_token(j, rows, &r.opts.sampling, now);
+            }
+            Ok(())
+        })?;
+        self.decode_passes(&mine, &mut p, t0)?;
+        Ok(if record {
+            mine.into_iter().zip(p.outs).collect()
+        } else {
+            Vec::new()
+        })
+    }
+
+    /// Whether this rank records its replica's outputs: the last stage's first
+    /// tensor rank.
+    pub(crate) fn records(&self) -> bool {
+        self.stage == self.last_stage && self.tp.rank == 0
+    }
+
+    /// Prefills the requests `mine` (slot `j` request `mine[j]`) one at a time,
+    /// handing each to `done`. An expert group runs its passes together: a replica
+    /// out of requests still serves its experts to the others' tokens.
+    pub(crate) fn prefill_passes(
+        &mut self,
+        mine: &[usize],
+        mut done: impl FnMut(&mut Self, usize, usize, Prefilled<D::Act>) -> Result<(), RankError>,
+    ) -> Result<(), RankError> {
+        let passes = match &self.ep_group {
+            Some(g) if self.expert_lockstep() => g
+                .ranks
+                .iter()
+                .map(|&r| self.served_by(self.dp_of(r)).len())
+                .max()
+                .unwrap_or(0),
+            _ => mine.len(),
+        };
+        for j in 0..passes {
+            let Some(&i) = mine.get(j) else {
+                self.idle_pass(self.prefill)?;
+                continue;
+            };
+            let out = self.prefill_request(j, i)?;
+            done(self, j, i, out)?;
+        }
+        Ok(())
+    }
+
+    /// Decodes the requests `mine`, whose caches are in place and whose first tokens
+    /// `p` holds, until each has its tokens (a replica without requests whose expert
+    /// group has some serves its experts at every step).
+    pub(crate) fn decode_passes(
+        &mut self,
+        mine: &[usize],
+        p: &mut Progress,
+        t0: Instant,
+    ) -> Result<(), RankError> {
+        let record = self.records();
+        for step in 1..self.opts.max_new_tokens {
+            if mine.is_empty() {
+                self.idle_pass(self.decode)?;
+                continue;
+            }
+            self.hand_tokens_back(&mut p.current)?;
+            if let Some(all) = self.decode_step(mine, step, &p.current)? {
+                let now = record.then(|| t0.elapsed());
+                p.next_tokens(&all, self.vocab, step, &self.opts.sampling, now);
+            }
+        }
+        Ok(())
+    }
+
+    /// What this rank hands back once its work is done.
+    pub(crate) fn finish(&self, outputs: Vec<(usize, RequestOutput)>, t0: Instant) -> RankOut {
+        let elapsed = t0.elapsed().as_secs_f64();
+        let act = self.dev.act_bytes() as f64;
+        let kv_bytes = act
+            * self
+                .kv
+                .values()
+                .map(|(a, b)| (D::act_len(a) + D::act_len(b)) as f64)
+                .sum::<f64>();
+        let weight_bytes = act
+            * self
+                .weights
+                .values()
+                .map(|w| D::act_len(w) as f64)
+                .sum::<f64>()
+            + 4.0
+                * self
+                    .host_weights
+                    .values()
+                    .map(|w| w.len() as f64)
+                    .sum::<f64>();
+        RankOut {
+            outputs,
+            elapsed,
+            kv_bytes,
+            weight_bytes,
+            counts: self.comm.counts(),
+            routed_ep: self.routed_ep,
+        }
+    }
+
+    /// Requests replica `dp_index` serves, in order (round robin over replicas).
+    pub(crate) fn served_by(&self, dp_index: usize) -> Vec<usize> {
+        let dp = self.dp.max(1);
+        (0..self.opts.requests.len())
+            .filter(|i| i % dp == dp_index)
+            .collect()
+    }
+
+    pub(super) fn dp_of(&self, rank: usize) -> usize {
+        let entry = rank
+            .checked_sub(self.base)
+            .and_then(|r| self.plan.ranks.get(r));
+        match (self.dp_axis, entry) {
+            (Some(a), Some(e)) => e.coords[a] as usize,
+            _ => 0,
+        }
+    }
+
+    /// Whether this rank's expert group spans replicas one of which has requests:
+    /// its members must then run every pass together.
+    pub(crate) fn expert_lockstep(&self) -> bool {
+        self.ep_group.as_ref().is_some_and(|g| {
+            g.ranks
+                .iter()
+                .any(|&r| !self.served_by(self.dp_of(r)).is_empty())
+        })
+    }
+
+    /// How the experts of prefill pass `j` (request `i`) hold tokens to capacity:
+    /// groups of one prompt, padded counts known to every member when each member
+    /// prefills a prompt of the same length in this pass.
+    pub(super) fn prefill_routing(&self, j: usize, i: usize) -> Routing {
+        let len = self.opts.requests[i].len();
+        let dp = self.dp.max(1);
+        let even = self.ep_group.as_ref().is_none_or(|g| {
+            g.ranks.iter().all(|&r| {
+                let other = self.dp_of(r) + j * dp;
+                self.opts.requests.get(other).map(Vec::len) == Some(len)
+            })
+        });
+        let group = meshplan_ir::graph::capacity_group_tokens(
+            len as u64,
+            1,
+            self.tp.size as u64,
+            self.ep.size as u64,
+        );
+        Routing {
+            group_tokens: Some(group as usize),
+            even,
+        }
+    }
+
+    /// Whether the pass's expert exchange follows the router rather than the plan's
+    /// fixed sizes: expert parallelism without even capacity buffers.
+    pub(super) fn routed(&self, routing: Routing) -> bool {
+        let padded = |o: &Op| matches!(&o.kind, OpKind::Experts(e) if e.capacity_factor.is_some());
+        let ops = || self.graph.segments.iter().flat_map(|s| &s.ops);
+        let even = routing.even && routing.group_tokens.is_some() && ops().any(padded);
+        self.ep.size > 1 && !even && ops().any(|o| matches!(o.kind, OpKind::Experts(_)))
+    }
+
+    /// Runs `phase` on `batch`, keeping apart the expert-parallel bytes that follow
+    /// the router, with the plan's figure for the pass.
+    pub(super) fn run_counted(&mut self, phase: &Phase, batch: &Batch) -> Result<(), RankError> {
+        let routed = self.routed(batch.routing);
+        let before = self.ep_bytes_sent(routed);
+        self.run_phase(phase, batch)?;
+        if routed {
+            self.routed_ep.0 += self.ep_bytes_sent(true) - before;
+            self.routed_ep.1 += phase.bytes_sent().get(Axis::Ep);
+        }
+        Ok(())
+    }
+
+    pub(super) fn ep_bytes_sent(&self, routed: bool) -> f64 {
+        if routed {
+            self.comm.counts().axis_bytes_sent(Axis::Ep.name())
+        } else {
+            0.0
+        }
+    }
+
+    /// Prefills request `i` into local slot `j`: its KV cache entries on this rank,
+    /// and on the last stage the full-vocabulary logits of its last position.
+    pub(super) fn prefill_request(
+        &mut self,
+        j: usize,
+        i: usize,
+    ) -> Result<Prefilled<D::Act>, RankError> {
+        let prompt = &self.opts.requests[i];
+        let batch = Batch {
+            reqs: vec![j],
+            seq: prompt.len(),
+            pos0: vec![0],
+            tokens: prompt.clone(),
+            routing: self.prefill_routing(j, i),
+        };
+        self.run_counted(self.prefill, &batch)?;
+        let logits = if self.stage == self.last_stage {
+            Some(self.last_logits(&batch)?)
+        } else {
+            None
+        };
+        Ok(Prefilled {
+            logits,
+            cache: self.take_cache(j),
+        })
+    }
+
+    /// Decode step `step` of the requests `mine` (local slots `0..`), from their
+    /// caches, fed the tokens `current`: on the last stage the logits
+    /// `[requests, vocab]`.
+    pub(super) fn decode_step(
+        &mut self,
+        mine: &[usize],
+        step: usize,
+        current: &[u32],
+    ) -> Result<Option<Vec<f32>>, RankError> {
+        let batch = Batch {
+            reqs: (0..mine.len()).collect(),
+            seq: 1,
+            pos0: mine
+                .iter()
+                .map(|&i| self.opts.requests[i].len() + step - 1)
+                .collect(),
+            tokens: current.to_vec(),
+            // One token per request: capacity groups of one token would pad every
+            // expert for every token, so decoding routes dropless
+            // (`ExpertsShape::dispatched_rows`).
+            routing: Routing {
+                group_tokens: None,
+                even: false,
+            },
+        };
+        self.run_counted(self.decode, &batch)?;
+        if self.stage == self.last_stage {
+            Ok(Some(self.last_logits(&batch)?))
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// A pass of `phase` without tokens of this replica: only its experts run, on
+    /// what the rest of the expert group sends them.
+    pub(super) fn idle_pass(&mut self, phase: &Phase) -> Result<(), RankError> {
+        let idle = Routing {
+            group_tokens: None,
+            even: false,
+        };
+        let before = self.ep_bytes_sent(true);
+        for ch in &phase.chunks {
+            let mut layer = ch.layer_start;
+            for instr in &ch.forward {
+                let Instr::Segment {
+                    kind, repeat, body, ..
+                } = instr
+                else {
+                    continue;
+                };
+                for _ in 0..*repeat {
+                    let l = if *kind == SegmentKind::Block {
+                        layer += 1;
+                        layer - 1
+                    } else {
+                        NO_LAYER
+                    };
+                    for name in body.iter().filter_map(|i| match i {
+                        Instr::Compute { name, .. } => Some(name),
+                        _ => None,
+                    }) {
+                        let op = self.find_op(name)?;
+                        if let OpKind::Experts(e) = &op.kind {
+                            self.experts(op, e, l, idle, true)?;
+                        }
+                    }
+                }
+            }
+        }
+        // The plan counts no pass for a replica without requests.
+        self.routed_ep.0 += self.ep_bytes_sent(true) - before;
+        Ok(())
+    }
+
+    /// Removes one local request's KV cache entries from this rank.
+    pub(super) fn take_cache(&mut self, slot: usize) -> RequestCache<D::Act> {
+        let keys: Vec<(u64, usize)> = self.kv.keys().filter(|k| k.1 == slot).copied().collect();
+        keys.into_iter()
+            .filter_map(|k| self.kv.remove(&k).map(|v| (k.0, v)))
+            .collect()
+    }
+
+    /// Installs one local request's KV cache entries.
+    pub(crate) fn put_cache(&mut self, slot: usize, cache: RequestCache<D::Act>) {
+        for (layer, kv) in cache {
+            self.kv.insert((layer, slot), kv);
+        }
+    }
+
+    pub(super) fn find_op(&self, name: &str) -> Result<&'a Op, RankError> {
+        self.graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find(|o| o.name == name)
+            .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
+    }
+
+    /// The last stage sends the tokens it sampled to the first, which embeds them.
+    pub(super) fn hand_tokens_back(&mut self, current: &mut [u32]) -> Result<(), RankError> {
+        if self.last_stage == 0 {
+            return Ok(());
+        }
+        if self.stage == self.last_stage {
+            let peer = self.peer(0)?;
+            let buf: Vec<f32> = current.iter().map(|&t| t as f32).collect();
+            self.comm.send(peer, "pp", &buf)?;
+        } else if self.stage == 0 {
+            let peer = self.peer(self.last_stage)?;
+            let mut buf = vec![0.0f32; current.len()];
+            self.comm.recv(peer, "pp", &mut buf)?;
+            for (c, b) in current.iter_mut().zip(&buf) {
+                *c = *b as u32;
+            }
+        }
+        Ok(())
+    }
+
+    /// The full-vocabulary logits of each request's last row, `[requests, vocab]`.
+    pub(super) fn last_logits(&mut self, batch: &Batch) -> Result<Vec<f32>, RankError> {
+        let b = batch.reqs.len();
+        let rows = batch.rows();
+        let logits = self
+            .logits
+            .as_ref()
+            .ok_or_else(|| fail("the head produced no logits"))?;
+        let v_local = D::act_len(logits) / rows.max(1);
+        let first = (batch.seq - 1) * b;
+        // Only the last position's rows leave the device.
+        let err = derr("logits");
+        let local = if first == 0 {
+            self.dev.act_download(logits).map_err(&err)?
+        } else {
+            let n = (rows - first) * v_local;
+            let mut last = self.zeros(n)?;
+            self.dev
+                .act_copy(logits, first * v_local, &mut last, 0, n)
+                .map_err(&err)?;
+            self.dev.act_download(&last).map_err(&err)?
+        };
+        if v_local == self.vocab {
+            return Ok(local.to_vec());
+        }
+        let g = self.group("tp")?;
+        if v_local * g.size() != self.vocab {
+            return Err(fail(format!(
+                "logits of {v_local} columns per rank do not make a vocabulary of {} over {} ranks",
+                self.vocab,
+                g.size()
+            )));
+        }
+        let mut gathered = vec![0.0f32; local.len() * g.size()];
+        self.comm.all_gather(&g, "tp", &local, &mut gathered)?;
+        let mut full = vec![0.0f32; b * self.vocab];
+        for t in 0..g.size() {
+            for r in 0..b {
+                let src = &gathered[(t * b + r) * v_local..(t * b + r + 1) * v_local];
+                full[r * self.vocab + t * v_local..r * self.vocab + (t + 1) * v_local]
+                    .copy_from_slice(src);
+            }
+        }
+        Ok(full)
+    }
+}
