@@ -5,7 +5,7 @@
 
 #![allow(clippy::too_many_arguments)] // flat kernel-launch style signatures
 
-use super::{check_len, invalid, prod, KernelError};
+use super::{check_len, invalid, par_map, par_rows, prod, KernelError};
 
 fn check_rows(
     rows: usize,
@@ -55,17 +55,28 @@ pub fn layernorm_fwd(
         &[("weight", weight.len()), ("bias", bias.len())],
     )?;
     let inv = 1.0 / dim as f32;
-    for r in 0..rows {
+    // Rows are independent: statistics, then outputs, each spread over the
+    // intra-op pool (the same arithmetic per row whatever the thread count).
+    let stats = par_map(rows, |r| {
         let xr = &x[r * dim..(r + 1) * dim];
         let mu = xr.iter().sum::<f32>() * inv;
         let var = xr.iter().map(|&v| (v - mu) * (v - mu)).sum::<f32>() * inv;
-        let rs = 1.0 / (var + eps).sqrt();
+        (mu, 1.0 / (var + eps).sqrt())
+    });
+    for (r, &(mu, rs)) in stats.iter().enumerate() {
         mean[r] = mu;
         rstd[r] = rs;
-        for (c, yo) in y[r * dim..(r + 1) * dim].iter_mut().enumerate() {
-            *yo = (xr[c] - mu) * rs * weight[c] + bias[c];
-        }
     }
+    par_rows(y, dim, |r0, y| {
+        for (i, yr) in y.chunks_exact_mut(dim).enumerate() {
+            let r = r0 + i;
+            let (mu, rs) = stats[r];
+            let xr = &x[r * dim..(r + 1) * dim];
+            for (c, yo) in yr.iter_mut().enumerate() {
+                *yo = (xr[c] - mu) * rs * weight[c] + bias[c];
+            }
+        }
+    });
     Ok(())
 }
 
@@ -99,26 +110,39 @@ pub fn layernorm_bwd(
         ],
     )?;
     let inv = 1.0 / dim as f32;
+    // The weight gradients sum over rows in row order, on this thread; the
+    // input gradients are per row and spread over the intra-op pool.
     for r in 0..rows {
         let xr = &x[r * dim..(r + 1) * dim];
         let dyr = &dy[r * dim..(r + 1) * dim];
         let (mu, rs) = (mean[r], rstd[r]);
-        let mut sum_g = 0.0f32;
-        let mut sum_gx = 0.0f32;
         for c in 0..dim {
             let xhat = (xr[c] - mu) * rs;
-            let g = dyr[c] * weight[c];
-            sum_g += g;
-            sum_gx += g * xhat;
             dweight[c] += dyr[c] * xhat;
             dbias[c] += dyr[c];
         }
-        let (mg, mgx) = (sum_g * inv, sum_gx * inv);
-        for (c, d) in dx[r * dim..(r + 1) * dim].iter_mut().enumerate() {
-            let xhat = (xr[c] - mu) * rs;
-            *d += rs * (dyr[c] * weight[c] - mg - xhat * mgx);
-        }
     }
+    par_rows(dx, dim, |r0, dx| {
+        for (i, dxr) in dx.chunks_exact_mut(dim).enumerate() {
+            let r = r0 + i;
+            let xr = &x[r * dim..(r + 1) * dim];
+            let dyr = &dy[r * dim..(r + 1) * dim];
+            let (mu, rs) = (mean[r], rstd[r]);
+            let mut sum_g = 0.0f32;
+            let mut sum_gx = 0.0f32;
+            for c in 0..dim {
+                let xhat = (xr[c] - mu) * rs;
+                let g = dyr[c] * weight[c];
+                sum_g += g;
+                sum_gx += g * xhat;
+            }
+            let (mg, mgx) = (sum_g * inv, sum_gx * inv);
+            for (c, d) in dxr.iter_mut().enumerate() {
+                let xhat = (xr[c] - mu) * rs;
+                *d += rs * (dyr[c] * weight[c] - mg - xhat * mgx);
+            }
+        }
+    });
     Ok(())
 }
 
@@ -142,15 +166,22 @@ pub fn rmsnorm_fwd(
         &[("weight", weight.len())],
     )?;
     let inv = 1.0 / dim as f32;
-    for r in 0..rows {
-        let xr = &x[r * dim..(r + 1) * dim];
-        let ms = xr.iter().map(|&v| v * v).sum::<f32>() * inv;
-        let rs = 1.0 / (ms + eps).sqrt();
-        rstd[r] = rs;
-        for (c, yo) in y[r * dim..(r + 1) * dim].iter_mut().enumerate() {
-            *yo = xr[c] * rs * weight[c];
+    par_rows(rstd, 1, |r0, rstd| {
+        for (i, rs) in rstd.iter_mut().enumerate() {
+            let xr = &x[(r0 + i) * dim..(r0 + i + 1) * dim];
+            let ms = xr.iter().map(|&v| v * v).sum::<f32>() * inv;
+            *rs = 1.0 / (ms + eps).sqrt();
         }
-    }
+    });
+    par_rows(y, dim, |r0, y| {
+        for (i, yr) in y.chunks_exact_mut(dim).enumerate() {
+            let r = r0 + i;
+            let (xr, rs) = (&x[r * dim..(r + 1) * dim], rstd[r]);
+            for (c, yo) in yr.iter_mut().enumerate() {
+                *yo = xr[c] * rs * weight[c];
+            }
+        }
+    });
     Ok(())
 }
 
@@ -176,21 +207,33 @@ pub fn rmsnorm_bwd(
         &[("weight", weight.len()), ("dweight", dweight.len())],
     )?;
     let inv = 1.0 / dim as f32;
+    // As in `layernorm_bwd`: weight gradients in row order here, input gradients
+    // per row over the intra-op pool.
     for r in 0..rows {
         let xr = &x[r * dim..(r + 1) * dim];
         let dyr = &dy[r * dim..(r + 1) * dim];
         let rs = rstd[r];
-        let mut sum_gx = 0.0f32;
         for c in 0..dim {
-            let xhat = xr[c] * rs;
-            sum_gx += dyr[c] * weight[c] * xhat;
-            dweight[c] += dyr[c] * xhat;
-        }
-        let mgx = sum_gx * inv;
-        for (c, d) in dx[r * dim..(r + 1) * dim].iter_mut().enumerate() {
-            *d += rs * (dyr[c] * weight[c] - xr[c] * rs * mgx);
+            dweight[c] += dyr[c] * (xr[c] * rs);
         }
     }
+    par_rows(dx, dim, |r0, dx| {
+        for (i, dxr) in dx.chunks_exact_mut(dim).enumerate() {
+            let r = r0 + i;
+            let xr = &x[r * dim..(r + 1) * dim];
+            let dyr = &dy[r * dim..(r + 1) * dim];
+            let rs = rstd[r];
+            let mut sum_gx = 0.0f32;
+            for c in 0..dim {
+                let xhat = xr[c] * rs;
+                sum_gx += dyr[c] * weight[c] * xhat;
+            }
+            let mgx = sum_gx * inv;
+            for (c, d) in dxr.iter_mut().enumerate() {
+                *d += rs * (dyr[c] * weight[c] - xr[c] * rs * mgx);
+            }
+        }
+    });
     Ok(())
 }
 
