@@ -290,6 +290,27 @@ pub(crate) fn check_resume(
     Ok(m.step)
 }
 
+/// The block layer a copy of a segment of `kind` runs as, counting `layer` on
+/// (forward order) for blocks; [`NO_LAYER`] outside them.
+pub(crate) fn next_layer(kind: SegmentKind, layer: &mut u64) -> u64 {
+    if kind == SegmentKind::Block {
+        *layer += 1;
+        *layer - 1
+    } else {
+        NO_LAYER
+    }
+}
+
+/// The op of the plan's graph named `name`.
+pub(crate) fn find_op<'g>(graph: &'g Graph, name: &str) -> Result<&'g Op, RankError> {
+    graph
+        .segments
+        .iter()
+        .flat_map(|s| &s.ops)
+        .find(|o| o.name == name)
+        .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
+}
+
 /// The full shape of a weight (its dims are fixed).
 pub(crate) fn fixed_shape(t: &meshplan_ir::Tensor) -> Result<Vec<usize>, RankError> {
     t.shape

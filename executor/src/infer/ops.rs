@@ -29,12 +29,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                 } => {
                     let s = self.segment_index(name)?;
                     for _ in 0..*repeat {
-                        let l = if *kind == SegmentKind::Block {
-                            *layer += 1;
-                            *layer - 1
-                        } else {
-                            NO_LAYER
-                        };
+                        let l = crate::train::next_layer(*kind, layer);
                         self.acts.clear();
                         if let (Some(input), Some(h)) =
                             (segment_input(self.graph, s), self.hidden.take())

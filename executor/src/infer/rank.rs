@@ -480,12 +480,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                     continue;
                 };
                 for _ in 0..*repeat {
-                    let l = if *kind == SegmentKind::Block {
-                        layer += 1;
-                        layer - 1
-                    } else {
-                        NO_LAYER
-                    };
+                    let l = crate::train::next_layer(*kind, &mut layer);
                     for name in body.iter().filter_map(|i| match i {
                         Instr::Compute { name, .. } => Some(name),
                         _ => None,
@@ -519,12 +514,7 @@ impl<'a, D: Device> InferRank<'a, D> {
     }
 
     pub(super) fn find_op(&self, name: &str) -> Result<&'a Op, RankError> {
-        self.graph
-            .segments
-            .iter()
-            .flat_map(|s| &s.ops)
-            .find(|o| o.name == name)
-            .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
+        crate::train::find_op(self.graph, name)
     }
 
     /// The last stage sends the tokens it sampled to the first, which embeds them.

@@ -632,12 +632,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     fn find_op(&self, name: &str) -> Result<&'a Op, RankError> {
-        self.graph
-            .segments
-            .iter()
-            .flat_map(|s| &s.ops)
-            .find(|o| o.name == name)
-            .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
+        crate::train::find_op(self.graph, name)
     }
 
     fn name_of(&self, id: meshplan_ir::TensorId) -> String {

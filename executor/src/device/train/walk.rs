@@ -86,12 +86,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 } => {
                     let s = segment_index(self.graph, name)?;
                     for _ in 0..*repeat {
-                        let l = if *kind == SegmentKind::Block {
-                            *layer += 1;
-                            *layer - 1
-                        } else {
-                            NO_LAYER
-                        };
+                        let l = crate::train::next_layer(*kind, layer);
                         if let (Some(input), Some(h)) = (segment_input(self.graph, s), &self.hidden)
                         {
                             t.acts.insert((l, input), Arc::clone(h));
