@@ -39,6 +39,7 @@ fn logit_gap(x: &[f32], y: &[f32]) -> Result<(f64, f64), String> {
 /// request's first logits within [`MIXED_LOGIT_TOLERANCE`]. Later tokens may differ
 /// (a greedy choice between two near-equal logits can flip, and the runs then
 /// diverge): the summary says how many requests kept the reference's tokens.
+/// Returns the summary and the largest absolute first-logit difference.
 pub fn check_inference_mixed(
     run: &InferReport,
     reference: &InferReport,
@@ -51,7 +52,7 @@ pub fn check_inference_mixed(
         ));
     }
     let mut problems = Vec::new();
-    let mut worst_rel: f64 = 0.0;
+    let (mut worst, mut worst_rel): (f64, f64) = (0.0, 0.0);
     for (i, (a, b)) in run.requests.iter().zip(&reference.requests).enumerate() {
         let (d, scale) = match logit_gap(&a.first_logits, &b.first_logits) {
             Ok(gap) => gap,
@@ -60,6 +61,7 @@ pub fn check_inference_mixed(
                 continue;
             }
         };
+        worst = worst.max(d);
         worst_rel = worst_rel.max(d / scale);
         if d > MIXED_LOGIT_TOLERANCE * scale || !d.is_finite() {
             problems.push(format!(
@@ -79,7 +81,7 @@ pub fn check_inference_mixed(
         run.requests.len()
     );
     if problems.is_empty() {
-        Ok((summary, worst_rel))
+        Ok((summary, worst))
     } else {
         problems.push(summary);
         Err(problems.join("\n"))
