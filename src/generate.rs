@@ -227,17 +227,17 @@ pub(crate) fn run(
     let report = engine
         .infer(plan, &opts)
         .map_err(|e| runtime(e.to_string()))?;
-    // The fp32 CPU run must match its reference to rounding; a bf16 one to the
-    // mixed-precision tolerance on the prompt's logits.
-    let check = match (a.check, engine) {
-        (false, _) => None,
-        (true, meshplan_executor::engine::Engine::Cpu) => {
-            Some(check_inference(&report, &reference(plan, &opts)?))
+    let check = match a.check {
+        false => None,
+        true => {
+            let base = reference(plan, &opts)?;
+            // The fp32 CPU run must match its reference to rounding; a bf16 one to
+            // the mixed-precision tolerance on the prompt's logits.
+            Some(match engine {
+                meshplan_executor::engine::Engine::Cpu => check_inference(&report, &base),
+                _ => meshplan_executor::infer::check_inference_mixed(&report, &base),
+            })
         }
-        (true, _) => Some(meshplan_executor::infer::check_inference_mixed(
-            &report,
-            &reference(plan, &opts)?,
-        )),
     };
     let bytes = byte_mismatches(plan, &opts, &report);
     let shown = Shown {

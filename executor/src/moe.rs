@@ -8,7 +8,7 @@
 //! padding and exchange ([`exchange`], [`send_back`]).
 
 use crate::comm::{Communicator, Group, RankError};
-use crate::device::{derr, Device, HostDevice};
+use crate::device::{derr, DResult, Device, HostDevice};
 use crate::shard::TpPos;
 use crate::train::fail;
 use meshplan_ir::graph::ExpertsShape;
@@ -104,8 +104,9 @@ pub(crate) fn route_dims(rows: usize, h: usize, ne: usize, kk: usize) -> MoeDims
 }
 
 /// Routes `rows` tokens and runs them through their experts: the op's output
-/// `[rows, hidden]` (partial over `tp` when the experts split over it). Zero rows is allowed: a rank with no tokens still serves its
-/// experts to the rest of its expert group.
+/// `[rows, hidden]` (partial over `tp` when the experts split over it). Zero rows
+/// is allowed: a rank with no tokens still serves its experts to the rest of its
+/// expert group.
 pub(crate) fn forward(
     dev: &HostDevice,
     comm: &mut dyn Communicator,
@@ -147,7 +148,15 @@ pub(crate) fn forward(
         )?,
         None => exchange(comm, place, &disp, &counts, ne, h, false)?,
     };
-    let y = local_experts(dev, name, e, f, (&local_rows, &local_counts), inp)?;
+    let (y, _, _) = local_mlp(
+        dev,
+        e,
+        f,
+        &local_rows,
+        &local_counts,
+        (inp.w_up, inp.w_down),
+    )
+    .map_err(derr(name))?;
     let y_disp = send_back(comm, place, &y, &route, h)?;
     let y_disp = match &padding {
         Some(p) => p.unpad(&y_disp, h)?,
@@ -162,61 +171,73 @@ pub(crate) fn forward(
 }
 
 /// Each local expert's MLP (`f` wide) on its rows (expert-major, `counts` per
-/// local expert).
-fn local_experts(
-    dev: &HostDevice,
-    name: &str,
+/// local expert), as spans of the stacked weights `[experts, h, up]` and
+/// `[experts, f, h]`: (outputs, up projections, activations). Both interpreters
+/// run it, on any device.
+pub(crate) fn local_mlp<D: Device>(
+    dev: &D,
     e: &ExpertsShape,
     f: usize,
-    (local_rows, local_counts): (&Vec<f32>, &[usize]),
-    inp: &Inputs<'_>,
-) -> Result<Vec<f32>, RankError> {
+    rows: &D::Act,
+    counts: &[usize],
+    (w_up, w_down): (&D::Act, &D::Act),
+) -> DResult<(D::Act, D::Act, D::Act)> {
     let h = e.hidden as usize;
     let gated = e.mlp == meshplan_ir::MlpKind::Swiglu;
     let up_w = if gated { 2 * f } else { f };
-    let total = local_rows.len() / h;
-    // Each expert's GEMMs on its span of rows; the activation is row-wise, so one
-    // call over every expert's rows computes what one per expert would.
-    let spans = |k: usize, n: usize, w_each: usize| {
-        let mut off = 0;
-        local_counts
-            .iter()
-            .enumerate()
-            .filter(|&(_, &rows)| rows > 0)
-            .map(|(j, &rows)| {
-                let g = GemmAt {
-                    ta: Transpose::No,
-                    tb: Transpose::No,
-                    m: rows,
-                    k,
-                    n,
-                    a_off: off * k,
-                    b_off: j * w_each,
-                    c_off: off * n,
-                };
-                off += rows;
-                g
-            })
-            .collect::<Vec<_>>()
-    };
-    let mut ups = vec![0.0; total * up_w];
-    for g in spans(h, up_w, h * up_w) {
-        dev.matmul_at(&g, local_rows, inp.w_up, &mut ups)
-            .map_err(derr(name))?;
-    }
-    let mut acts = vec![0.0; total * f];
+    let total: usize = counts.iter().sum();
+    let mut ups = dev.act_zeros(total * up_w)?;
+    let mut acts = dev.act_zeros(total * f)?;
+    let mut y = dev.act_zeros(total * h)?;
+    linear_spans(dev, counts, (h, up_w), (rows, w_up), &mut ups)?;
+    // Row by row: one call over every expert's rows.
     if gated {
-        dev.swiglu_fwd(&ups, total, f, &mut acts)
+        dev.swiglu_fwd(&ups, total, f, &mut acts)?;
     } else {
-        dev.gelu_fwd(&ups, &mut acts)
+        dev.gelu_fwd(&ups, &mut acts)?;
     }
-    .map_err(derr(name))?;
-    let mut y = vec![0.0; total * h];
-    for g in spans(f, h, f * h) {
-        dev.matmul_at(&g, &acts, inp.w_down, &mut y)
-            .map_err(derr(name))?;
+    linear_spans(dev, counts, (f, h), (&acts, w_down), &mut y)?;
+    Ok((y, ups, acts))
+}
+
+/// (local expert, first row, rows) of each expert with rows.
+pub(crate) fn spans(counts: &[usize]) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+    counts
+        .iter()
+        .scan(0, |off, &n| {
+            let at = *off;
+            *off += n;
+            Some((at, n))
+        })
+        .enumerate()
+        .filter(|(_, (_, n))| *n > 0)
+        .map(|(j, (off, n))| (j, off, n))
+}
+
+/// Each local expert's rows through its block of a stacked weight: for expert `j`
+/// with `n` rows from row `off`, `y[off..][n, cols] = x[off..][n, k] w[j]` (`w` is
+/// `[experts, k, cols]`).
+pub(crate) fn linear_spans<D: Device>(
+    dev: &D,
+    counts: &[usize],
+    (k, cols): (usize, usize),
+    (x, w): (&D::Act, &D::Act),
+    y: &mut D::Act,
+) -> DResult<()> {
+    for (j, off, n) in spans(counts) {
+        let g = GemmAt {
+            ta: Transpose::No,
+            tb: Transpose::No,
+            m: n,
+            k,
+            n: cols,
+            a_off: off * k,
+            b_off: j * k * cols,
+            c_off: off * cols,
+        };
+        dev.matmul_at(&g, x, w, y)?;
     }
-    Ok(y)
+    Ok(())
 }
 
 /// Under an expert capacity, which dispatch slots each expert keeps (the first

@@ -35,6 +35,33 @@ fn logit_gap(x: &[f32], y: &[f32]) -> Result<(f64, f64), String> {
     Ok((d, scale))
 }
 
+/// Both runs generated for the same number of requests.
+fn same_requests(run: &InferReport, reference: &InferReport) -> Result<(), String> {
+    if run.requests.len() != reference.requests.len() {
+        return Err(format!(
+            "{} requests generated, the reference {}",
+            run.requests.len(),
+            reference.requests.len()
+        ));
+    }
+    Ok(())
+}
+
+/// A check's result: the summary and the worst difference, or every problem
+/// found followed by the summary.
+fn verdict(
+    mut problems: Vec<String>,
+    summary: String,
+    worst: f64,
+) -> Result<(String, f64), String> {
+    if problems.is_empty() {
+        Ok((summary, worst))
+    } else {
+        problems.push(summary);
+        Err(problems.join("\n"))
+    }
+}
+
 /// Compares a mixed-precision run with the fp32 single-rank reference: each
 /// request's first logits within [`MIXED_LOGIT_TOLERANCE`]. Later tokens may differ
 /// (a greedy choice between two near-equal logits can flip, and the runs then
@@ -44,13 +71,7 @@ pub fn check_inference_mixed(
     run: &InferReport,
     reference: &InferReport,
 ) -> Result<(String, f64), String> {
-    if run.requests.len() != reference.requests.len() {
-        return Err(format!(
-            "{} requests generated, the reference {}",
-            run.requests.len(),
-            reference.requests.len()
-        ));
-    }
+    same_requests(run, reference)?;
     let mut problems = Vec::new();
     let (mut worst, mut worst_rel): (f64, f64) = (0.0, 0.0);
     for (i, (a, b)) in run.requests.iter().zip(&reference.requests).enumerate() {
@@ -80,12 +101,7 @@ pub fn check_inference_mixed(
         "first logits within {worst_rel:.3e} of the largest reference logit (tolerance {MIXED_LOGIT_TOLERANCE}); {same} of {} requests generated the reference's tokens",
         run.requests.len()
     );
-    if problems.is_empty() {
-        Ok((summary, worst))
-    } else {
-        problems.push(summary);
-        Err(problems.join("\n"))
-    }
+    verdict(problems, summary, worst)
 }
 
 /// Compares a run with its single-rank reference: every request's tokens must be
@@ -98,13 +114,7 @@ pub fn check_inference(
     let mut problems = Vec::new();
     let mut worst: f64 = 0.0;
     let mut worst_rel: f64 = 0.0;
-    if run.requests.len() != reference.requests.len() {
-        return Err(format!(
-            "{} requests generated, the reference {}",
-            run.requests.len(),
-            reference.requests.len()
-        ));
-    }
+    same_requests(run, reference)?;
     for (i, (a, b)) in run.requests.iter().zip(&reference.requests).enumerate() {
         if a.tokens != b.tokens {
             problems.push(format!(
@@ -137,12 +147,7 @@ pub fn check_inference(
         "tokens equal on {} requests; largest logit difference {worst:.3e} ({worst_rel:.3e} of the largest logit; tolerance {LOGIT_TOLERANCE:.0e})",
         run.requests.len()
     );
-    if problems.is_empty() {
-        Ok((summary, worst))
-    } else {
-        problems.push(summary);
-        Err(problems.join("\n"))
-    }
+    verdict(problems, summary, worst)
 }
 
 /// Bytes each rank sent against the plan's programs, when the run has the plan's

@@ -207,26 +207,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         rows: &D::Act,
         counts: &[usize],
     ) -> Result<Mlp<D>, RankError> {
-        let h = e.hidden as usize;
-        let gated = e.mlp == MlpKind::Swiglu;
-        let up_w = if gated { 2 * f } else { f };
-        let total: usize = counts.iter().sum();
-        let err = derr(&op.name);
-        let (w_up, w_down) = (self.weight(op.inputs[2], l)?, self.weight(op.inputs[3], l)?);
-        let mut ups = self.zeros(total * up_w)?;
-        let mut acts = self.zeros(total * f)?;
-        let mut y = self.zeros(total * h)?;
-        linear_spans(&self.dev, counts, (h, up_w), (rows, w_up), &mut ups).map_err(&err)?;
-        // Row by row: one call over every expert's rows.
-        if gated {
-            self.dev
-                .swiglu_fwd(&ups, total, f, &mut acts)
-                .map_err(&err)?;
-        } else {
-            self.dev.gelu_fwd(&ups, &mut acts).map_err(&err)?;
-        }
-        linear_spans(&self.dev, counts, (f, h), (&acts, w_down), &mut y).map_err(&err)?;
-        Ok((y, ups, acts))
+        let weights = (self.weight(op.inputs[2], l)?, self.weight(op.inputs[3], l)?);
+        moe::local_mlp(&self.dev, e, f, rows, counts, weights).map_err(derr(&op.name))
     }
 
     /// The experts op's backward: the combine's, the experts' (weight gradients
@@ -385,47 +367,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 }
 
-/// (local expert, first row, rows) of each expert with rows.
-fn spans(counts: &[usize]) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
-    counts
-        .iter()
-        .scan(0, |off, &n| {
-            let at = *off;
-            *off += n;
-            Some((at, n))
-        })
-        .enumerate()
-        .filter(|(_, (_, n))| *n > 0)
-        .map(|(j, (off, n))| (j, off, n))
-}
-
-/// Each local expert's rows through its block of a stacked weight: for expert `j`
-/// with `n` rows from row `off`, `y[off..][n, cols] = x[off..][n, k] w[j]` (`w` is
-/// `[experts, k, cols]`).
-fn linear_spans<D: Device>(
-    dev: &D,
-    counts: &[usize],
-    (k, cols): (usize, usize),
-    (x, w): (&D::Act, &D::Act),
-    y: &mut D::Act,
-) -> DResult<()> {
-    for (j, off, n) in spans(counts) {
-        let g = GemmAt {
-            ta: Transpose::No,
-            tb: Transpose::No,
-            m: n,
-            k,
-            n: cols,
-            a_off: off * k,
-            b_off: j * k * cols,
-            c_off: off * cols,
-        };
-        dev.matmul_at(&g, x, w, y)?;
-    }
-    Ok(())
-}
-
-/// The backward of [`linear_spans`]: per expert, `dx = dy w[j]ᵀ` (written) and
+/// The backward of [`moe::linear_spans`]: per expert, `dx = dy w[j]ᵀ` (written) and
 /// `dw[j] += xᵀ dy`.
 fn linear_spans_bwd<D: Device>(
     dev: &D,
@@ -434,7 +376,7 @@ fn linear_spans_bwd<D: Device>(
     (x, w, dy): (&D::Act, &D::Act, &D::Act),
     (dx, dw): (&mut D::Act, &mut D::F32),
 ) -> DResult<()> {
-    for (j, off, n) in spans(counts) {
+    for (j, off, n) in moe::spans(counts) {
         let data = GemmAt {
             ta: Transpose::No,
             tb: Transpose::Yes,
