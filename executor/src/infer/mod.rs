@@ -18,7 +18,7 @@
 //! `LayoutCtx::sampling`), samples, and sends the new tokens to the first stage (a
 //! few bytes per request the plan does not list).
 //!
-//! MoE layers run the training interpreter's experts (`moe::forward`): split over
+//! MoE layers run the training interpreter's experts (`moe::Exec::forward`): split over
 //! `tp` like a dense MLP (the plan all-reduces their output) or by expert over `ep`
 //! (All-to-All). Prefill holds each expert to its capacity over the prompt (a
 //! capacity group is one prompt, as one rank prefills it); decoding routes dropless,
@@ -597,9 +597,6 @@ pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     decode: &'a Phase,
     opts: &'a InferOptions,
     weights: HashMap<WKey, D::Act>,
-    /// The experts ops' weights, on the host: routed experts run on the host
-    /// kernels (`moe::forward`).
-    host_weights: HashMap<WKey, Vec<f32>>,
     /// (layer, local request) -> keys `[len, hkv, d]` and values `[len, hkv, dv]`.
     kv: HashMap<(u64, usize), (D::Act, D::Act)>,
     hidden: Option<D::Act>,

@@ -364,9 +364,7 @@ impl<'a, D: Device> InferRank<'a, D> {
     }
 
     /// Routed experts on this pass's tokens (`idle`: none, the rank serving only
-    /// its experts to the rest of its expert group), on the host kernels: the
-    /// tokens and router scores come down from the device and the output goes
-    /// back.
+    /// its experts to the rest of its expert group), on the device.
     pub(super) fn experts(
         &mut self,
         op: &Op,
@@ -376,20 +374,18 @@ impl<'a, D: Device> InferRank<'a, D> {
         idle: bool,
     ) -> Result<D::Act, RankError> {
         let name = |i: usize| self.graph.tensor(op.inputs[i]).name.as_str();
-        let err = derr(&op.name);
-        let host = |i: usize| {
-            let a = self.acts.get(name(i)).ok_or_else(|| {
+        let input = |i: usize| {
+            self.acts.get(name(i)).ok_or_else(|| {
                 fail(format!(
                     "`{}` reads `{}` before it is produced",
                     op.name,
                     name(i)
                 ))
-            })?;
-            self.dev.act_download(a).map_err(&err)
+            })
         };
         let weight = |i: usize| {
             let key = (op.name.clone(), name(i).to_string(), l);
-            self.host_weights.get(&key).ok_or_else(|| {
+            self.weights.get(&key).ok_or_else(|| {
                 fail(format!(
                     "weight `{}` of `{}` (layer {l}) is not held by rank {}",
                     name(i),
@@ -398,32 +394,24 @@ impl<'a, D: Device> InferRank<'a, D> {
                 ))
             })
         };
+        let none = self.zeros(0)?;
         let (x, logits) = if idle {
-            (Vec::new(), Vec::new())
+            (&none, &none)
         } else {
-            (host(0)?, host(1)?)
+            (input(0)?, input(1)?)
         };
-        let inputs = crate::moe::Inputs {
-            x: &x,
-            logits: &logits,
-            w_up: weight(2)?,
-            w_down: weight(3)?,
+        let mut exec = crate::moe::Exec {
+            dev: &self.dev,
+            comm: &mut self.comm,
+            place: crate::moe::Place {
+                tp: self.tp,
+                ep: self.ep,
+                group: self.ep_group.as_ref(),
+            },
+            name: &op.name,
         };
-        let place = crate::moe::Place {
-            tp: self.tp,
-            ep: self.ep,
-            group: self.ep_group.as_ref(),
-        };
-        let out = crate::moe::forward(
-            &HostDevice,
-            &mut self.comm,
-            &place,
-            &op.name,
-            e,
-            &inputs,
-            routing,
-        )?;
-        self.dev.act_from_host(out).map_err(&err)
+        let (out, _) = exec.forward(e, (x, logits), (weight(2)?, weight(3)?), routing)?;
+        Ok(out)
     }
 
     pub(super) fn consumer_attention(&self, op: &Op) -> Result<&'a Op, RankError> {

@@ -74,7 +74,6 @@ impl<'a, D: Device> InferRank<'a, D> {
             decode: phase(PhaseKind::Decode)?,
             opts,
             weights: HashMap::new(),
-            host_weights: HashMap::new(),
             kv: HashMap::new(),
             hidden: None,
             hidden_width: shape.get(1).copied().unwrap_or(1),
@@ -108,7 +107,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                     }
                     let l = layer.unwrap_or(NO_LAYER);
                     let key = (op.name.clone(), t.name.clone(), l);
-                    if self.weights.contains_key(&key) || self.host_weights.contains_key(&key) {
+                    if self.weights.contains_key(&key) {
                         continue;
                     }
                     let shape = fixed_shape(t)?;
@@ -141,12 +140,8 @@ impl<'a, D: Device> InferRank<'a, D> {
                             t.name
                         )));
                     }
-                    if matches!(op.kind, OpKind::Experts(_)) {
-                        self.host_weights.insert(key, local);
-                    } else {
-                        let w = self.dev.act_from_host(local).map_err(derr("upload"))?;
-                        self.weights.insert(key, w);
-                    }
+                    let w = self.dev.act_from_host(local).map_err(derr("upload"))?;
+                    self.weights.insert(key, w);
                 }
             }
         }
@@ -303,13 +298,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                 .weights
                 .values()
                 .map(|w| D::act_len(w) as f64)
-                .sum::<f64>()
-            + 4.0
-                * self
-                    .host_weights
-                    .values()
-                    .map(|w| w.len() as f64)
-                    .sum::<f64>();
+                .sum::<f64>();
         RankOut {
             outputs,
             elapsed,

@@ -110,7 +110,7 @@ struct Task<D: Device> {
     /// The micro-batch (dropout masks are drawn by its samples).
     mb: u64,
     /// Routed experts' forward state, per (layer, op).
-    experts: HashMap<(u64, String), experts::Kept<D>>,
+    experts: HashMap<(u64, String), crate::moe::Kept<D>>,
     tokens: D::Ids,
     labels: D::Ids,
     /// Each row's position in its sequence (rows are sequence-major).
