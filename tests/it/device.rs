@@ -204,6 +204,8 @@ fn device_interpreter_runs_zero3_bit_for_bit() {
         "dp=4,zero=3,mbs=1",
         "dp=2,zero=3,mbs=1,recompute=full",
         "dp=2,tp=2,sp=true,zero=3",
+        "dp=2,pp=2,zero=3,mbs=1",
+        "dp=2,tp=2,pp=2,sp=true,zero=3,mbs=1",
     ] {
         let p = plan(&llama, cfg);
         assert_eq!(p.strategy.zero, 3, "{cfg}");
