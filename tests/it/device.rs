@@ -219,6 +219,41 @@ fn device_interpreter_runs_zero3_bit_for_bit() {
 /// sequence, ring attention passing key/value blocks as device buffers and merging
 /// by log-sum-exp, the blocks' gradients sent back to their owners; with data,
 /// tensor and pipeline parallelism and ZeRO too.
+/// Between steps a ZeRO-3 rank holds its part of each segment copy's fp32 masters
+/// and of their moments, nothing whole: the whole weights live from a copy's gather
+/// to the end of its forward or backward, their gradients during the backward.
+#[test]
+fn zero3_ranks_hold_only_their_parts_between_steps() {
+    let opts = TrainOptions::default();
+    let state = |m: &Model, cfg: &str| {
+        let run = train_device(&plan(m, cfg), &opts, &|_| Ok(HostDevice)).expect(cfg);
+        let r = &run.ranks[0];
+        (
+            r.state_bytes,
+            r.weights.values().map(Vec::len).sum::<usize>(),
+        )
+    };
+    // tiny-gpt by hand: token table 256 x 64; a layer's two norms 2 x 64, q 64 x 64,
+    // k and v 2 x 64 x 32, output 64 x 64, up 64 x 256, down 128 x 64: 36,992;
+    // the final norm 64 and an untied head 64 x 256.
+    let llama = model("tiny-gpt");
+    let (whole, p) = state(&llama, "dp=2");
+    assert_eq!(p, 16_384 + 2 * 36_992 + 64 + 16_384);
+    // Replicated: fp32 master, gradient and two moments, 16 bytes a parameter.
+    assert_eq!(whole, 16.0 * p as f64);
+    // ZeRO-3 over 2: half of the masters and of the moments, 12 / 2 bytes.
+    let (z3, p3) = state(&llama, "dp=2,zero=3");
+    assert_eq!(p3, p, "the report gathers the weights whole");
+    assert_eq!(z3, 6.0 * p as f64);
+    // GPT-2's layout: the tied table is read by the embedding and by the head, so
+    // it stays whole with its gradient (8 bytes an element) besides its share of
+    // the parts. A layer: norms 4 x 64, qkv 64 x 192 + 192, output 64 x 64 + 64, up
+    // 64 x 128 + 128, down 128 x 64 + 64: 33,472; positions 32 x 64, final norm 128.
+    let (z3, p) = state(&gpt2_like(), "dp=2,zero=3");
+    assert_eq!(p, 16_384 + 2_048 + 2 * 33_472 + 128);
+    assert_eq!(z3, 6.0 * p as f64 + 8.0 * 16_384.0);
+}
+
 #[test]
 fn device_interpreter_runs_context_parallel_plans_bit_for_bit() {
     let llama = model("tiny-gpt");
@@ -412,6 +447,7 @@ fn mixed_precision_stays_within_the_check_tolerances_and_a_wrong_run_does_not() 
         (model("tiny-gpt"), "dp=2,tp=2,sp=true"),
         (model("tiny-gpt"), "dp=2,tp=2,pp=2,mbs=1,sp=true"),
         (model("tiny-gpt"), "dp=2,zero=3"),
+        (model("tiny-gpt"), "dp=2,tp=2,pp=2,sp=true,zero=3,mbs=1"),
         (model("tiny-gpt"), "dp=2,cp=2"),
         (with_dropout(), "dp=2,tp=2,sp=true"),
         (model("tiny-moe"), "dp=2,ep=2"),

@@ -461,6 +461,20 @@ fn a_diverging_run_stops_naming_the_step_and_the_tensor() {
             && m.contains("a learning rate too large"),
         "{m}"
     );
+    // ZeRO-3 holds no whole weight between steps: the check reads the parts, and
+    // names the weight whose part first went bad (the first copy's first weight).
+    let p = plan(&model("tiny-gpt"), "dp=2,zero=3");
+    let m = train_device(&p, &inf, &|_| Ok(HostDevice))
+        .expect_err("diverges")
+        .message()
+        .to_string();
+    eprintln!("{m}");
+    assert!(
+        m.contains("step 0: weight `")
+            && m.contains(" holds ")
+            && m.contains("a learning rate too large"),
+        "{m}"
+    );
 }
 
 /// Every collective's target in `v` (a plan as JSON) rewritten to the string the

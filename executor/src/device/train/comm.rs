@@ -380,10 +380,10 @@ impl<'a, D: Device> DevRank<'a, D> {
                 t.gathered.insert(key, Arc::new(out));
             }
             (Target::SegmentParams { segment, set }, CollectiveKind::AllGather) => {
-                self.zero3_gather((&g, axis), segment, *set, l)?
+                self.zero3_gather((&g, axis), (segment, *set, l), backward)?
             }
             (Target::SegmentGrads { segment, set }, CollectiveKind::ReduceScatter) => {
-                self.zero3_scatter((&g, axis), segment, *set, l)?
+                self.zero3_scatter((&g, axis), (segment, *set, l))?
             }
             (Target::SegmentSeqPartialGrads { segment }, CollectiveKind::AllReduce) => {
                 let s = segment_index(self.graph, segment)?;

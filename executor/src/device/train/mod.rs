@@ -27,7 +27,7 @@ use meshplan_ir::plan::{
 };
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
 use meshplan_kernels::cpu::{AttnDims, AttnDropout, DropoutDraw, RowDropout, Transpose};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -37,6 +37,7 @@ mod ops;
 mod run;
 mod step;
 mod walk;
+mod zero3;
 
 pub use run::{train_device, train_device_rank, train_device_with};
 
@@ -163,7 +164,10 @@ struct DevRank<'a, D: Device> {
     global_batch: usize,
     mbs: usize,
     opts: TrainOptions,
-    /// fp32 master weights, their compute copies, gradients and AdamW moments.
+    /// Every weight this rank holds, whole or (ZeRO-3) by part.
+    held: BTreeSet<Key>,
+    /// fp32 master weights, their compute copies, gradients and AdamW moments
+    /// (under ZeRO-3, of the segment copies in use).
     master: BTreeMap<Key, D::F32>,
     compute: BTreeMap<Key, D::Act>,
     wgrads: BTreeMap<Key, D::F32>,
@@ -204,10 +208,9 @@ struct DevRank<'a, D: Device> {
     /// the AdamW moments of each part it updates.
     shards: Vec<(ParamSet, usize, D::F32)>,
     shard_adam: BTreeMap<(ParamSet, usize), Moments<D>>,
-    /// ZeRO-3: each segment copy's reduce-scattered gradient part this step, and
-    /// the AdamW moments of the part of its flat vector this rank updates.
-    z3_grads: BTreeMap<(ParamSet, usize, u64), D::F32>,
-    z3_adam: BTreeMap<(ParamSet, usize, u64), Moments<D>>,
+    /// ZeRO-3: this rank's parts of each segment copy's masters, gradients and
+    /// moments.
+    z3: zero3::Zero3<D>,
     /// Resuming: each weight's saved AdamW moments, whole, until the optimizer's
     /// first step takes its parts of them.
     resume_moments: BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
@@ -300,6 +303,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             global_batch: global_batch as usize,
             mbs: plan.strategy.mbs as usize,
             opts: opts.clone(),
+            held: BTreeSet::new(),
             master: BTreeMap::new(),
             compute: BTreeMap::new(),
             wgrads: BTreeMap::new(),
@@ -327,14 +331,14 @@ impl<'a, D: Device> DevRank<'a, D> {
             gather: Vec::new(),
             shards: Vec::new(),
             shard_adam: BTreeMap::new(),
-            z3_grads: BTreeMap::new(),
-            z3_adam: BTreeMap::new(),
+            z3: zero3::Zero3::new(),
             resume_moments: BTreeMap::new(),
         };
         r.ep = crate::train::place_in(&r.groups, "ep", rank);
         r.init_weights()?;
         r.count_uses()?;
         r.plan_step()?;
+        r.zero3_shard()?;
         Ok(r)
     }
 
@@ -403,6 +407,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     }
                     self.wgrads
                         .insert(key.clone(), dev.f32_zeros(n).map_err(&e)?);
+                    self.held.insert(key.clone());
                     self.master.insert(key, master);
                 }
             }
@@ -418,7 +423,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         for g in self.wgrads.values_mut() {
             self.dev.f32_zero(g).map_err(derr("zero gradients"))?;
         }
-        self.z3_grads.clear();
+        self.z3.grads.clear();
         let phase = self.phase()?;
         let last_b = phase.schedule.iter().rposition(|t| t.pass == Pass::B);
         for (ti, task) in phase.schedule.iter().enumerate() {
@@ -540,18 +545,19 @@ impl<'a, D: Device> DevRank<'a, D> {
         // (one flag read back; the weight itself only when there is one).
         let masters: Vec<(&Key, &D::F32)> = self.master.iter().collect();
         let ws: Vec<&D::F32> = masters.iter().map(|(_, w)| *w).collect();
-        if let Some(i) = self.dev.first_non_finite(&ws).map_err(derr("check"))? {
-            let ((name, layer), w) = masters[i];
-            let x = self
-                .dev
-                .f32_download(w)
-                .map_err(derr(name))?
-                .into_iter()
-                .find(|v| !v.is_finite())
-                .unwrap_or(f32::NAN);
+        let bad = match self.dev.first_non_finite(&ws).map_err(derr("check"))? {
+            Some(i) => {
+                let (key, w) = masters[i];
+                let host = self.dev.f32_download(w).map_err(derr(&key.0))?;
+                let x = host.into_iter().find(|v| !v.is_finite());
+                Some((key.clone(), x.unwrap_or(f32::NAN)))
+            }
+            None => self.zero3_non_finite()?,
+        };
+        if let Some(((name, layer), x)) = bad {
             return Err(fail(format!(
                 "step {step}: weight `{name}`{} holds {x} after the update (loss {}): stopping; a learning rate too large, or non-finite --weights",
-                crate::train::layer_label(*layer),
+                crate::train::layer_label(layer),
                 self.loss_part
             )));
         }
@@ -656,7 +662,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let name = self.name_of(id);
         [(name.clone(), l), (name.clone(), NO_LAYER)]
             .into_iter()
-            .find(|k| self.master.contains_key(k))
+            .find(|k| self.held.contains(k))
             .ok_or_else(|| fail(format!("weight `{name}` (layer {l}) is not held")))
     }
 
@@ -713,35 +719,26 @@ impl<'a, D: Device> DevRank<'a, D> {
         // The run's bytes, before ZeRO-3's last gather (which only the report
         // needs: each rank holds the others' parts as of their previous gather).
         let counts = self.comm.counts();
-        // Both sets, each over the group that shards it (the experts' over `edp`).
-        for set in [ParamSet::Dense, ParamSet::Experts] {
-            let Some(g) = self.zero3_group(set) else {
-                continue;
-            };
-            for (s, l) in segment_copies(self.graph, self.phase()?)? {
-                let seg = self.graph.segments[s].name.clone();
-                let l = l.unwrap_or(NO_LAYER);
-                if !self.copy_layout(s, l, set).is_empty() {
-                    self.zero3_gather((&g, "dp"), &seg, set, l)?;
-                }
-            }
-        }
-        let mut weights = BTreeMap::new();
-        for (key, w) in &self.master {
-            weights.insert(key.clone(), self.dev.f32_download(w).map_err(derr(&key.0))?);
-        }
-        let n: usize = self.master.values().map(D::f32_len).sum();
+        // What the rank holds between steps: masters and gradients in fp32 (under
+        // ZeRO-3 its parts of the masters alone), the moments held (a part of them
+        // under ZeRO), and the compute copies (none where the master serves).
+        let masters: usize = self.master.values().map(D::f32_len).sum();
+        let grads: usize = self.wgrads.values().map(D::f32_len).sum();
         let moments: usize = self
             .adam
             .values()
             .chain(self.shard_adam.values())
-            .chain(self.z3_adam.values())
+            .chain(self.z3.adam.values())
             .map(|(m, v)| D::f32_len(m) + D::f32_len(v))
             .sum();
-        // Master and gradient in fp32, the moments held (a part of them under ZeRO),
-        // and the compute copies (none where the master serves).
         let copies: usize = self.compute.values().map(D::act_len).sum();
-        let state_bytes = ((n * 8 + moments * 4) + copies * self.dev.act_bytes()) as f64;
+        let fp32 = masters + grads + self.z3.part_elems() + moments;
+        let state_bytes = (fp32 * 4 + copies * self.dev.act_bytes()) as f64;
+        self.zero3_gather_all()?;
+        let mut weights = BTreeMap::new();
+        for (key, w) in &self.master {
+            weights.insert(key.clone(), self.dev.f32_download(w).map_err(derr(&key.0))?);
+        }
         Ok(RankReport {
             rank: self.rank,
             loss_parts,

@@ -118,19 +118,6 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(())
     }
 
-    /// The group ZeRO-3 shards `set` over (the experts' over `edp`), when the plan
-    /// is ZeRO-3 and that group has more than one member.
-    pub(super) fn zero3_group(&self, set: ParamSet) -> Option<Group> {
-        let name = match set {
-            ParamSet::Dense => "dp",
-            ParamSet::Experts => "edp",
-        };
-        self.groups
-            .get(name)
-            .filter(|g| self.plan.strategy.zero >= 3 && g.size() > 1)
-            .cloned()
-    }
-
     /// The parameter set a weight belongs to: the routed experts' or the rest.
     pub(super) fn set_of(&self, key: &Key) -> ParamSet {
         let expert = self
@@ -291,139 +278,6 @@ impl<'a, D: Device> DevRank<'a, D> {
         unpack(&self.dev, &all, &bk.pieces, &mut self.master, "all-gather")
     }
 
-    /// ZeRO-3: the weights of one segment copy (those whose first user is in that
-    /// segment; a tied table belongs to the embedding), as the flat vector the data
-    /// ranks shard: (weight, length) in key order.
-    pub(super) fn copy_layout(&self, segment: usize, l: u64, set: ParamSet) -> Vec<(Key, usize)> {
-        let name = &self.graph.segments[segment].name;
-        let first_user = |w: &str| {
-            self.graph.segments.iter().find(|seg| {
-                seg.ops
-                    .iter()
-                    .any(|op| op.inputs.iter().any(|&t| self.graph.tensor(t).name == w))
-            })
-        };
-        self.master
-            .iter()
-            .filter(|(k, _)| self.set_of(k) == set)
-            .filter(|((w, layer), _)| *layer == l && first_user(w).is_some_and(|s| s.name == *name))
-            .map(|(k, m)| (k.clone(), D::f32_len(m)))
-            .collect()
-    }
-
-    /// The length of the flat vector `layout` lays out, and this rank's part of it
-    /// over `g`: `(total, start, len)`.
-    pub(super) fn part_of(
-        &self,
-        g: &Group,
-        layout: &[(Key, usize)],
-    ) -> Result<(usize, usize, usize), RankError> {
-        let total: usize = layout.iter().map(|(_, n)| n).sum();
-        let n = g.size();
-        if !total.is_multiple_of(n) {
-            return Err(fail(format!(
-                "{total} parameters of a segment do not split over {n} ranks"
-            )));
-        }
-        let c = total / n;
-        Ok((total, self.index_in(g)? * c, c))
-    }
-
-    /// ZeRO-3's gather of one segment copy's weights before its forward or
-    /// backward: each rank's updated part of the fp32 masters, then the compute
-    /// copies refreshed.
-    pub(super) fn zero3_gather(
-        &mut self,
-        (g, axis): (&Group, &str),
-        segment: &str,
-        set: ParamSet,
-        l: u64,
-    ) -> Result<(), RankError> {
-        let s = segment_index(self.graph, segment)?;
-        let layout = self.copy_layout(s, l, set);
-        let (total, start, c) = self.part_of(g, &layout)?;
-        let mut mine = self.zeros_f32(c)?;
-        let own = pieces_of(&layout, start, start + c);
-        pack(&self.dev, &self.master, &own, &mut mine, segment)?;
-        let mut all = self.zeros_f32(total)?;
-        self.dev
-            .all_gather(self.comm.as_mut(), g, axis, &mine, &mut all)?;
-        unpack(
-            &self.dev,
-            &all,
-            &pieces_of(&layout, 0, total),
-            &mut self.master,
-            segment,
-        )?;
-        refresh_copies(
-            &self.dev,
-            &self.master,
-            &mut self.compute,
-            layout.iter().map(|(key, _)| key),
-        )
-    }
-
-    /// ZeRO-3's reduce-scatter of one segment copy's gradients after its
-    /// backward: this rank keeps (adds up, over micro-batches) its part of the sum,
-    /// and the whole gradients start again from zero.
-    pub(super) fn zero3_scatter(
-        &mut self,
-        (g, axis): (&Group, &str),
-        segment: &str,
-        set: ParamSet,
-        l: u64,
-    ) -> Result<(), RankError> {
-        let s = segment_index(self.graph, segment)?;
-        let layout = self.copy_layout(s, l, set);
-        let (total, _, c) = self.part_of(g, &layout)?;
-        let e = derr(segment);
-        let mut flat = self.zeros_f32(total)?;
-        let all = pieces_of(&layout, 0, total);
-        pack(&self.dev, &self.wgrads, &all, &mut flat, segment)?;
-        for (key, _) in &layout {
-            let gr = self
-                .wgrads
-                .get_mut(key)
-                .ok_or_else(|| fail("gradient missing"))?;
-            self.dev.f32_zero(gr).map_err(&e)?;
-        }
-        let mut out = self.zeros_f32(c)?;
-        self.dev
-            .reduce_scatter(self.comm.as_mut(), g, axis, &flat, &mut out)?;
-        let acc = match self.z3_grads.entry((set, s, l)) {
-            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
-            std::collections::btree_map::Entry::Vacant(v) => {
-                v.insert(self.dev.f32_zeros(c).map_err(&e)?)
-            }
-        };
-        self.dev.f32_accumulate(acc, &out).map_err(&e)
-    }
-
-    /// ZeRO-3's AdamW: each segment copy's part of the fp32 masters this rank owns,
-    /// with moments of that part alone.
-    pub(super) fn optimizer_zero3(&mut self, set: ParamSet, g: &Group) -> Result<(), RankError> {
-        for (s, l) in segment_copies(self.graph, self.phase()?)? {
-            let l = l.unwrap_or(NO_LAYER);
-            let layout = self.copy_layout(s, l, set);
-            let (total, start, c) = self.part_of(g, &layout)?;
-            if total == 0 {
-                continue;
-            }
-            let pieces = pieces_of(&layout, start, start + c);
-            let mut state = match self.z3_adam.remove(&(set, s, l)) {
-                Some(state) => state,
-                None => self.initial_moments(&pieces, c)?,
-            };
-            let grad = match self.z3_grads.remove(&(set, s, l)) {
-                Some(gr) => gr,
-                None => self.zeros_f32(c)?,
-            };
-            self.adamw_part(&pieces, c, &grad, &mut state)?;
-            self.z3_adam.insert((set, s, l), state);
-        }
-        Ok(())
-    }
-
     /// The weights whose gradients sequence parallelism leaves partial over the
     /// tensor axis (norms): of every segment, or of segment `only`.
     pub(super) fn seq_partial_names(&self, only: Option<usize>) -> Vec<String> {
@@ -535,35 +389,47 @@ impl<'a, D: Device> DevRank<'a, D> {
             });
         }
         // Under ZeRO each weight is read back once, however many parts it spans: the
-        // parts of the flat vector (ZeRO 1 and 2), or of each segment copy's
-        // (ZeRO-3; where this rank's masters are the up-to-date ones).
-        let mut parts: Vec<(Layout, usize, &Moments<D>)> = self
+        // parts of the flat vector (ZeRO 1 and 2), where this rank's masters are the
+        // up-to-date ones; under ZeRO-3 the parts it holds of each segment copy's.
+        type Part<'r, D> = (
+            Layout,
+            usize,
+            &'r Moments<D>,
+            Option<&'r <D as Device>::F32>,
+        );
+        let mut parts: Vec<Part<'_, D>> = self
             .shard_adam
             .iter()
-            .map(|(&(set, start), mv)| (self.layout(set).to_vec(), start, mv))
+            .map(|(&(set, start), mv)| (self.layout(set).to_vec(), start, mv, None))
             .collect();
-        for (&(set, s, l), mv) in &self.z3_adam {
-            let g = self
-                .zero3_group(set)
-                .ok_or_else(|| fail("no ZeRO-3 group"))?;
-            let layout = self.copy_layout(s, l, set);
-            let (_, start, _) = self.part_of(&g, &layout)?;
-            parts.push((layout, start, mv));
+        for (copy, mv) in &self.z3.adam {
+            let (layout, start, part) = self.zero3_part(*copy)?;
+            parts.push((layout.clone(), start, mv, Some(part)));
         }
         let mut masters: BTreeMap<Key, Vec<f32>> = BTreeMap::new();
-        for (layout, start, (m, v)) in parts {
+        for (layout, start, (m, v), part) in parts {
             let (m, v) = (
                 self.dev.f32_download(m).map_err(&e)?,
                 self.dev.f32_download(v).map_err(&e)?,
             );
+            let part = match part {
+                Some(p) => Some(self.dev.f32_download(p).map_err(&e)?),
+                None => None,
+            };
             for (key, src, dst, len) in pieces_of(&layout, start, start + m.len()) {
-                if !masters.contains_key(&key) {
-                    masters.insert(key.clone(), download(&key)?);
-                }
-                let w = masters.get(&key).ok_or_else(|| fail("weight missing"))?;
+                let w = match &part {
+                    Some(p) => p[dst..dst + len].to_vec(),
+                    None => {
+                        if !masters.contains_key(&key) {
+                            masters.insert(key.clone(), download(&key)?);
+                        }
+                        let w = masters.get(&key).ok_or_else(|| fail("weight missing"))?;
+                        w[src..src + len].to_vec()
+                    }
+                };
                 pieces.push(crate::ckpt::Piece {
                     start: src,
-                    w: w[src..src + len].to_vec(),
+                    w,
                     m: m[dst..dst + len].to_vec(),
                     v: v[dst..dst + len].to_vec(),
                     key,
@@ -628,8 +494,8 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     pub(super) fn optimizer(&mut self, set: ParamSet) -> Result<(), RankError> {
-        if let Some(g) = self.zero3_group(set) {
-            return self.optimizer_zero3(set, &g);
+        if self.zero3_group(set).is_some() {
+            return self.optimizer_zero3(set);
         }
         if self.scatter.iter().any(|b| b.set == set) {
             return self.optimizer_shards(set);
@@ -699,7 +565,7 @@ pub(super) fn bucket_range(
 type Piece = (Key, usize, usize, usize);
 
 /// Copies each piece of the weights in `from` to its place in `flat`.
-fn pack<D: Device>(
+pub(super) fn pack<D: Device>(
     dev: &D,
     from: &BTreeMap<Key, D::F32>,
     pieces: &[Piece],
@@ -716,7 +582,7 @@ fn pack<D: Device>(
 }
 
 /// The inverse of [`pack`]: each piece of `flat` back into its weight in `into`.
-fn unpack<D: Device>(
+pub(super) fn unpack<D: Device>(
     dev: &D,
     flat: &D::F32,
     pieces: &[Piece],

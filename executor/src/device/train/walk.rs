@@ -92,6 +92,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                             t.acts.insert((l, input), Arc::clone(h));
                         }
                         self.run_forward(body, t, layer, l)?;
+                        self.zero3_forward_done(s, l)?;
                         if let Some(out) = segment_output(self.graph, s) {
                             if let Some(v) = t.acts.get(&(l, out)) {
                                 self.hidden = Some(Arc::clone(v));

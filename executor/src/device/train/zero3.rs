@@ -1,0 +1,340 @@
+//! ZeRO-3 (FSDP): each segment copy's weights are one flat vector that the data
+//! ranks shard. Between its uses a rank holds only its part of the copy's fp32
+//! masters, and the AdamW moments of that part. The copy's forward and its backward
+//! each gather the whole weights first (and their compute copies are written from
+//! them); the forward lets them go when it ends, the backward after the
+//! reduce-scatter of its gradients, which exist only while it runs. Weights that
+//! more than one segment reads (a tied table) stay whole, as FSDP's root unit keeps
+//! its parameters.
+
+use super::step::{pack, pieces_of, unpack};
+use super::*;
+use std::collections::BTreeSet;
+
+/// One segment copy's weights of one parameter set: (set, segment, layer).
+pub(super) type CopyKey = (ParamSet, usize, u64);
+
+pub(super) struct Zero3<D: Device> {
+    /// Each copy's flat vector: (weight, length) in key order.
+    layouts: BTreeMap<CopyKey, Layout>,
+    /// This rank's part of each copy's fp32 masters: between the copy's uses, the
+    /// only values of those weights this rank holds.
+    parts: BTreeMap<CopyKey, D::F32>,
+    /// Each copy's reduce-scattered gradient part this step.
+    pub grads: BTreeMap<CopyKey, D::F32>,
+    /// The AdamW moments of each part.
+    pub adam: BTreeMap<CopyKey, Moments<D>>,
+    /// Weights read by more than one segment: held whole throughout.
+    shared: BTreeSet<Key>,
+}
+
+impl<D: Device> Zero3<D> {
+    pub fn new() -> Self {
+        Zero3 {
+            layouts: BTreeMap::new(),
+            parts: BTreeMap::new(),
+            grads: BTreeMap::new(),
+            adam: BTreeMap::new(),
+            shared: BTreeSet::new(),
+        }
+    }
+
+    /// Values held in parts of the masters.
+    pub fn part_elems(&self) -> usize {
+        self.parts.values().map(D::f32_len).sum()
+    }
+}
+
+impl<'a, D: Device> DevRank<'a, D> {
+    /// The group ZeRO-3 shards `set` over (the experts' over `edp`), when the plan
+    /// is ZeRO-3 and that group has more than one member.
+    pub(super) fn zero3_group(&self, set: ParamSet) -> Option<Group> {
+        let name = match set {
+            ParamSet::Dense => "dp",
+            ParamSet::Experts => "edp",
+        };
+        self.groups
+            .get(name)
+            .filter(|g| self.plan.strategy.zero >= 3 && g.size() > 1)
+            .cloned()
+    }
+
+    /// At the start of the run, with every weight whole: lays out each segment
+    /// copy, keeps this rank's part of its masters, and lets the whole weights go.
+    pub(super) fn zero3_shard(&mut self) -> Result<(), RankError> {
+        let copies = segment_copies(self.graph, self.phase()?)?;
+        for set in [ParamSet::Dense, ParamSet::Experts] {
+            let Some(g) = self.zero3_group(set) else {
+                continue;
+            };
+            for &(s, l) in &copies {
+                let l = l.unwrap_or(NO_LAYER);
+                let layout = self.copy_layout(s, l, set);
+                if layout.is_empty() {
+                    continue;
+                }
+                let (_, start, c) = self.part_of(&g, &layout)?;
+                let mut part = self.zeros_f32(c)?;
+                let own = pieces_of(&layout, start, start + c);
+                pack(&self.dev, &self.master, &own, &mut part, "ZeRO-3")?;
+                self.z3.parts.insert((set, s, l), part);
+                self.z3.layouts.insert((set, s, l), layout);
+            }
+        }
+        self.z3.shared = self.shared_weights();
+        let copies: Vec<CopyKey> = self.z3.layouts.keys().copied().collect();
+        for copy in copies {
+            self.zero3_release(copy, true)?;
+        }
+        Ok(())
+    }
+
+    /// Weights read by ops of more than one segment.
+    fn shared_weights(&self) -> BTreeSet<Key> {
+        let mut users: BTreeMap<&str, BTreeSet<usize>> = BTreeMap::new();
+        for (s, seg) in self.graph.segments.iter().enumerate() {
+            for op in &seg.ops {
+                for &w in &op.inputs {
+                    let t = self.graph.tensor(w);
+                    if t.kind == TensorKind::Weight {
+                        users.entry(t.name.as_str()).or_default().insert(s);
+                    }
+                }
+            }
+        }
+        self.held
+            .iter()
+            .filter(|(name, _)| users.get(name.as_str()).is_some_and(|s| s.len() > 1))
+            .cloned()
+            .collect()
+    }
+
+    /// ZeRO-3: the weights of one segment copy (those whose first user is in that
+    /// segment; a tied table belongs to the embedding), as the flat vector the data
+    /// ranks shard: (weight, length) in key order.
+    fn copy_layout(&self, segment: usize, l: u64, set: ParamSet) -> Layout {
+        let name = &self.graph.segments[segment].name;
+        let first_user = |w: &str| {
+            self.graph.segments.iter().find(|seg| {
+                seg.ops
+                    .iter()
+                    .any(|op| op.inputs.iter().any(|&t| self.graph.tensor(t).name == w))
+            })
+        };
+        self.master
+            .iter()
+            .filter(|(k, _)| self.set_of(k) == set)
+            .filter(|((w, layer), _)| *layer == l && first_user(w).is_some_and(|s| s.name == *name))
+            .map(|(k, m)| (k.clone(), D::f32_len(m)))
+            .collect()
+    }
+
+    /// The length of the flat vector `layout` lays out, and this rank's part of it
+    /// over `g`: `(total, start, len)`.
+    fn part_of(
+        &self,
+        g: &Group,
+        layout: &[(Key, usize)],
+    ) -> Result<(usize, usize, usize), RankError> {
+        let total: usize = layout.iter().map(|(_, n)| n).sum();
+        let n = g.size();
+        if !total.is_multiple_of(n) {
+            return Err(fail(format!(
+                "{total} parameters of a segment do not split over {n} ranks"
+            )));
+        }
+        let c = total / n;
+        Ok((total, self.index_in(g)? * c, c))
+    }
+
+    /// A copy's layout, where this rank's part starts in it, and the part.
+    pub(super) fn zero3_part(&self, copy: CopyKey) -> Result<(&Layout, usize, &D::F32), RankError> {
+        let missing = || fail("ZeRO-3: a segment copy is not laid out");
+        let layout = self.z3.layouts.get(&copy).ok_or_else(missing)?;
+        let part = self.z3.parts.get(&copy).ok_or_else(missing)?;
+        let g = self
+            .zero3_group(copy.0)
+            .ok_or_else(|| fail("no ZeRO-3 group"))?;
+        let (_, start, _) = self.part_of(&g, layout)?;
+        Ok((layout, start, part))
+    }
+
+    /// Lets a copy's whole weights go (and, after its backward, their gradients);
+    /// shared weights stay, their gradients zeroed.
+    fn zero3_release(&mut self, copy: CopyKey, grads: bool) -> Result<(), RankError> {
+        let Some(layout) = self.z3.layouts.get(&copy) else {
+            return Ok(());
+        };
+        for (key, _) in layout {
+            if self.z3.shared.contains(key) {
+                if let (true, Some(g)) = (grads, self.wgrads.get_mut(key)) {
+                    self.dev.f32_zero(g).map_err(derr(&key.0))?;
+                }
+                continue;
+            }
+            self.master.remove(key);
+            self.compute.remove(key);
+            if grads {
+                self.wgrads.remove(key);
+            }
+        }
+        Ok(())
+    }
+
+    /// After a segment copy's forward: its gathered weights go.
+    pub(super) fn zero3_forward_done(&mut self, s: usize, l: u64) -> Result<(), RankError> {
+        for set in [ParamSet::Dense, ParamSet::Experts] {
+            self.zero3_release((set, s, l), false)?;
+        }
+        Ok(())
+    }
+
+    /// ZeRO-3's gather of one segment copy's weights before its forward or
+    /// `backward`: every rank's part of the fp32 masters, then the compute copies
+    /// written; before the backward, zero gradients to accumulate into.
+    pub(super) fn zero3_gather(
+        &mut self,
+        (g, axis): (&Group, &str),
+        (segment, set, l): (&str, ParamSet, u64),
+        backward: bool,
+    ) -> Result<(), RankError> {
+        let copy = (set, segment_index(self.graph, segment)?, l);
+        let (layout, _, _) = self.zero3_part(copy)?;
+        let layout = layout.clone();
+        let total: usize = layout.iter().map(|(_, n)| n).sum();
+        let mut all = self.zeros_f32(total)?;
+        let part = self.z3.parts.get(&copy).ok_or_else(|| fail("no part"))?;
+        self.dev
+            .all_gather(self.comm.as_mut(), g, axis, part, &mut all)?;
+        let e = derr(segment);
+        for (key, n) in &layout {
+            if !self.master.contains_key(key) {
+                let master = self.dev.f32_zeros(*n).map_err(&e)?;
+                if D::master_as_act(&master).is_none() {
+                    let copy = self.dev.act_zeros(*n).map_err(&e)?;
+                    self.compute.insert(key.clone(), copy);
+                }
+                self.master.insert(key.clone(), master);
+            }
+            if backward && !self.wgrads.contains_key(key) {
+                let grad = self.dev.f32_zeros(*n).map_err(&e)?;
+                self.wgrads.insert(key.clone(), grad);
+            }
+        }
+        let all_pieces = pieces_of(&layout, 0, total);
+        unpack(&self.dev, &all, &all_pieces, &mut self.master, segment)?;
+        refresh_copies(
+            &self.dev,
+            &self.master,
+            &mut self.compute,
+            layout.iter().map(|(key, _)| key),
+        )
+    }
+
+    /// ZeRO-3's reduce-scatter of one segment copy's gradients after its
+    /// backward: this rank keeps (adds up, over micro-batches) its part of the sum,
+    /// and the copy's weights and gradients go.
+    pub(super) fn zero3_scatter(
+        &mut self,
+        (g, axis): (&Group, &str),
+        (segment, set, l): (&str, ParamSet, u64),
+    ) -> Result<(), RankError> {
+        let copy = (set, segment_index(self.graph, segment)?, l);
+        let (layout, _, _) = self.zero3_part(copy)?;
+        let layout = layout.clone();
+        let (total, _, c) = self.part_of(g, &layout)?;
+        let e = derr(segment);
+        let mut flat = self.zeros_f32(total)?;
+        let all = pieces_of(&layout, 0, total);
+        pack(&self.dev, &self.wgrads, &all, &mut flat, segment)?;
+        let mut out = self.zeros_f32(c)?;
+        self.dev
+            .reduce_scatter(self.comm.as_mut(), g, axis, &flat, &mut out)?;
+        let acc = match self.z3.grads.entry(copy) {
+            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::btree_map::Entry::Vacant(v) => {
+                v.insert(self.dev.f32_zeros(c).map_err(&e)?)
+            }
+        };
+        self.dev.f32_accumulate(acc, &out).map_err(&e)?;
+        self.zero3_release(copy, true)
+    }
+
+    /// ZeRO-3's AdamW: each segment copy's part of the fp32 masters this rank
+    /// holds, with moments of that part alone.
+    pub(super) fn optimizer_zero3(&mut self, set: ParamSet) -> Result<(), RankError> {
+        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
+        let step = self.step_no + 1;
+        let copies: Vec<CopyKey> = self
+            .z3
+            .layouts
+            .keys()
+            .filter(|c| c.0 == set)
+            .copied()
+            .collect();
+        for copy in copies {
+            let (layout, start, part) = self.zero3_part(copy)?;
+            let c = D::f32_len(part);
+            let pieces = pieces_of(layout, start, start + c);
+            let (mut m, mut v) = match self.z3.adam.remove(&copy) {
+                Some(state) => state,
+                None => self.initial_moments(&pieces, c)?,
+            };
+            let grad = match self.z3.grads.remove(&copy) {
+                Some(gr) => gr,
+                None => self.zeros_f32(c)?,
+            };
+            let part = self
+                .z3
+                .parts
+                .get_mut(&copy)
+                .ok_or_else(|| fail("no part"))?;
+            self.dev
+                .adamw(
+                    part,
+                    &grad,
+                    &mut m,
+                    &mut v,
+                    None,
+                    step,
+                    self.opts.lr,
+                    (b1, b2, eps, wd),
+                )
+                .map_err(derr("adamw"))?;
+            self.z3.adam.insert(copy, (m, v));
+        }
+        Ok(())
+    }
+
+    /// The first non-finite value in the parts of the masters this rank holds: the
+    /// weight it belongs to.
+    pub(super) fn zero3_non_finite(&self) -> Result<Option<(Key, f32)>, RankError> {
+        let parts: Vec<(&CopyKey, &D::F32)> = self.z3.parts.iter().collect();
+        let ws: Vec<&D::F32> = parts.iter().map(|(_, p)| *p).collect();
+        let e = derr("check");
+        let Some(i) = self.dev.first_non_finite(&ws).map_err(&e)? else {
+            return Ok(None);
+        };
+        let (layout, start, part) = self.zero3_part(*parts[i].0)?;
+        let host = self.dev.f32_download(part).map_err(&e)?;
+        let at = host.iter().position(|x| !x.is_finite()).unwrap_or(0);
+        let key = pieces_of(layout, start, start + host.len())
+            .into_iter()
+            .find(|(_, _, dst, n)| (*dst..dst + n).contains(&at))
+            .map_or_else(|| layout[0].0.clone(), |p| p.0);
+        Ok(Some((key, host.get(at).copied().unwrap_or(f32::NAN))))
+    }
+
+    /// Before the report: every copy's weights gathered whole.
+    pub(super) fn zero3_gather_all(&mut self) -> Result<(), RankError> {
+        let copies: Vec<CopyKey> = self.z3.layouts.keys().copied().collect();
+        for (set, s, l) in copies {
+            let g = self
+                .zero3_group(set)
+                .ok_or_else(|| fail("no ZeRO-3 group"))?;
+            let seg = self.graph.segments[s].name.clone();
+            self.zero3_gather((&g, "dp"), (&seg, set, l), false)?;
+        }
+        Ok(())
+    }
+}
