@@ -139,6 +139,23 @@ run plan-infer 30 "$B/bin/meshplan" plan models/tiny-llama-inference.yaml topolo
 run run-check-infer "$STEP" "$B/bin/meshplan" run "$OUTDIR/infer.json" --backend cuda --check \
     --prompt-ids 1,2,3,4,5,6 --max-new-tokens 8
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (inference, dp=2 tp=2 pp=2)" PASS; else result "run --backend cuda --check (inference, dp=2 tp=2 pp=2)" FAIL; fi
+# Disaggregated serving on the GPU: a prefill pool (tp=2) hands each request's KV
+# cache, as device buffers, to a decode pool (tp=1); routed experts at inference.
+sed 's/gpus_per_node: 8/gpus_per_node: 4/' topologies/cpu-test-mesh.yaml >"$OUTDIR/mesh-4.yaml"
+printf 'kind: inference\nprompt_len: 8\noutput_len: 8\nconcurrency: 2\nserving: {mode: disaggregated, concurrency: {min: 2, max: 2}}\n' \
+    >"$OUTDIR/disagg-workload.yaml"
+run deploy-disagg 30 "$B/bin/meshplan" deploy models/tiny-llama-inference.yaml "$OUTDIR/mesh-4.yaml" \
+    --workload "$OUTDIR/disagg-workload.yaml" --prefill-config tp=2 --decode-config tp=1 \
+    -o "$OUTDIR/disagg.json"
+run run-check-disagg "$STEP" "$B/bin/meshplan" run "$OUTDIR/disagg.json" --backend cuda --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (disaggregated, prefill tp=2, decode tp=1)" PASS; else result "run --backend cuda --check (disaggregated, prefill tp=2, decode tp=1)" FAIL; fi
+sed 's/gpus_per_node: 8/gpus_per_node: 2/' topologies/cpu-test-mesh.yaml >"$OUTDIR/mesh-2.yaml"
+printf 'kind: inference\nprompt_len: 8\noutput_len: 8\nconcurrency: 2\n' >"$OUTDIR/infer-workload.yaml"
+run plan-infer-moe 30 "$B/bin/meshplan" plan models/tiny-moe.yaml "$OUTDIR/mesh-2.yaml" \
+    --workload "$OUTDIR/infer-workload.yaml" --config dp=2,ep=2,tp=1,pp=1,dp_attention=false \
+    -o "$OUTDIR/infer-moe.json" --quiet
+run run-check-infer-moe "$STEP" "$B/bin/meshplan" run "$OUTDIR/infer-moe.json" --backend cuda --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (inference, tiny-moe dp=2 ep=2)" PASS; else result "run --backend cuda --check (inference, tiny-moe dp=2 ep=2)" FAIL; fi
 
 # --- 2d. GPT-2 124M on one GPU (no dropout, as the PyTorch baseline): 32 sequences
 # of 1024 tokens per step, micro-batch 16, the same batch as torch_gpu.py's default;

@@ -5,6 +5,7 @@ use crate::run::{bad, reference_plan, runtime, RunArgs};
 use crate::{print_json, Failure};
 use clap::Args;
 use meshplan_executor::disagg::{self, DisaggReport};
+use meshplan_executor::engine::Engine;
 use meshplan_executor::infer::{
     byte_mismatches, check_inference, infer, InferOptions, InferReport,
 };
@@ -215,30 +216,13 @@ pub(crate) fn run(
         ..InferOptions::default()
     };
     if pools.is_some() {
-        if engine != meshplan_executor::engine::Engine::Cpu {
-            return Err(runtime(format!(
-                "{file}: a disaggregated deployment runs on --backend cpu; --backend {} runs the other inference plans",
-                a.backend
-            )));
-        }
-        return run_disaggregated(a, plan, file, &opts, tok.as_ref());
+        return run_disaggregated(a, (engine, plan), file, &opts, tok.as_ref());
     }
     meshplan_executor::infer::check_inputs(plan, &opts).map_err(|m| bad(format!("{file}: {m}")))?;
     let report = engine
         .infer(plan, &opts)
         .map_err(|e| runtime(e.to_string()))?;
-    let check = match a.check {
-        false => None,
-        true => {
-            let base = reference(plan, &opts)?;
-            // The fp32 CPU run must match its reference to rounding; a bf16 one to
-            // the mixed-precision tolerance on the prompt's logits.
-            Some(match engine {
-                meshplan_executor::engine::Engine::Cpu => check_inference(&report, &base),
-                _ => meshplan_executor::infer::check_inference_mixed(&report, &base),
-            })
-        }
-    };
+    let check = checked(a.check, engine, plan, &opts, &report)?;
     let bytes = byte_mismatches(plan, &opts, &report);
     let shown = Shown {
         check: check.as_ref(),
@@ -253,17 +237,16 @@ pub(crate) fn run(
 /// moving from the prefill ranks to the decode ranks.
 fn run_disaggregated(
     a: &RunArgs<'_>,
-    plan: &Plan,
+    (engine, plan): (Engine, &Plan),
     file: &str,
     opts: &InferOptions,
     tok: Option<&TextTokenizer>,
 ) -> Result<(), Failure> {
     disagg::check_disaggregated(plan, opts).map_err(|m| bad(format!("{file}: {m}")))?;
-    let run = disagg::infer_disaggregated(plan, opts).map_err(|e| runtime(e.to_string()))?;
-    let check = match a.check {
-        true => Some(check_inference(&run.report, &reference(plan, opts)?)),
-        false => None,
-    };
+    let run = engine
+        .infer_disaggregated(plan, opts)
+        .map_err(|e| runtime(e.to_string()))?;
+    let check = checked(a.check, engine, plan, opts, &run.report)?;
     let bytes = disagg::byte_mismatches(plan, opts, &run);
     let shown = Shown {
         check: check.as_ref(),
@@ -272,6 +255,29 @@ fn run_disaggregated(
     };
     print_report(plan, &run.report, tok, &shown, a.json);
     verdict(a.check, &shown)
+}
+
+/// `--check`'s verdict: its line and the largest logit difference, or why it
+/// failed.
+type Verdict = Result<(String, f64), String>;
+
+/// `--check`'s verdict: the fp32 CPU run must match the single-rank run to
+/// rounding; a bf16 one to the mixed-precision tolerance on the prompt's logits.
+fn checked(
+    check: bool,
+    engine: Engine,
+    plan: &Plan,
+    opts: &InferOptions,
+    report: &InferReport,
+) -> Result<Option<Verdict>, Failure> {
+    if !check {
+        return Ok(None);
+    }
+    let base = reference(plan, opts)?;
+    Ok(Some(match engine {
+        Engine::Cpu => check_inference(report, &base),
+        _ => meshplan_executor::infer::check_inference_mixed(report, &base),
+    }))
 }
 
 /// The single-rank run of the same requests (`--check`).
@@ -290,7 +296,7 @@ fn reference(plan: &Plan, opts: &InferOptions) -> Result<InferReport, Failure> {
 /// What a run is reported with besides its own figures.
 struct Shown<'a> {
     /// `--check`'s verdict against the single-rank run.
-    check: Option<&'a Result<(String, f64), String>>,
+    check: Option<&'a Verdict>,
     /// Differences from the plan's bytes (`None`: not compared).
     bytes: Option<&'a [String]>,
     /// The pools of a disaggregated run.

@@ -1,5 +1,8 @@
-//! Disaggregated serving on the CPU: a `deploy` plan whose prefill pool hands each
-//! request's KV cache to its decode pool, both pools ranks (threads) of one world.
+//! Disaggregated serving: a `deploy` plan whose prefill pool hands each request's
+//! KV cache to its decode pool, both pools ranks (threads) of one world, on any
+//! [`Device`]: the caches stay in device buffers, each head's rows gathered into
+//! one message on the device and scattered into the decode rank's cache by one
+//! gather per layer.
 //!
 //! World ranks `0..P` are the prefill pool's plan (`serving.prefill_plan`, its ranks
 //! numbered from 0), `P..P+D` the decode pool's (the plan's own programs). Request
@@ -30,6 +33,7 @@
 //! the first tokens.
 
 use crate::comm::{Communicator, Group, RankError};
+use crate::device::{derr, Device, HostDevice};
 use crate::infer::{
     check_inputs, rank_outs, recorded, summarize, InferOptions, InferRank, InferReport, PoolBytes,
     Progress, RequestCache, RequestOutput,
@@ -133,8 +137,18 @@ impl Ctx<'_> {
     }
 }
 
-/// Runs a disaggregated plan's two pools as one world of CPU threads.
+/// Runs a disaggregated plan's two pools as one world of CPU threads, fp32.
 pub fn infer_disaggregated(plan: &Plan, opts: &InferOptions) -> Result<DisaggReport, ExecError> {
+    infer_disaggregated_on(plan, opts, &|_| Ok(HostDevice))
+}
+
+/// Runs a disaggregated plan's two pools as one world of threads, world rank `r`
+/// on the device `make(r)`.
+pub fn infer_disaggregated_on<D: Device>(
+    plan: &Plan,
+    opts: &InferOptions,
+    make: &(dyn Fn(usize) -> crate::device::DResult<D> + Sync),
+) -> Result<DisaggReport, ExecError> {
     let err = ExecError::Plan;
     check_disaggregated(plan, opts).map_err(err)?;
     let (prefill, decode) = pools(plan)
@@ -162,7 +176,8 @@ pub fn infer_disaggregated(plan: &Plan, opts: &InferOptions) -> Result<DisaggRep
         } else {
             (decode, np)
         };
-        let mut r = InferRank::new(crate::device::HostDevice, pool, comm, opts, base)?;
+        let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
+        let mut r = InferRank::new(dev, pool, comm, opts, base)?;
         r.comm.barrier(&Group::world(np + nd))?;
         let t0 = Instant::now();
         let (outputs, received) = if is_prefill {
@@ -210,8 +225,8 @@ fn merged(
 
 /// A prefill rank: prefill each request, sample its first token on the last stage,
 /// send its cache (and the token) to the decode replica.
-fn prefill_side(
-    r: &mut InferRank<'_>,
+fn prefill_side<D: Device>(
+    r: &mut InferRank<'_, D>,
     ctx: &Ctx<'_>,
     t0: Instant,
 ) -> Result<Vec<(usize, RequestOutput)>, RankError> {
@@ -248,18 +263,20 @@ fn prefill_side(
     })
 }
 
-/// Sends this rank's pieces of request `i`'s cache to its decode replica.
-fn send_cache(
-    r: &mut InferRank<'_>,
+/// Sends this rank's pieces of request `i`'s cache to its decode replica: one
+/// message a piece, the head's keys then its values.
+fn send_cache<D: Device>(
+    r: &mut InferRank<'_, D>,
     ctx: &Ctx<'_>,
     i: usize,
-    cache: &RequestCache,
+    cache: &RequestCache<D::Act>,
 ) -> Result<(), RankError> {
     let me = PoolPos {
         stage: r.stage,
         tp: r.tp.rank as u64,
     };
     let len = ctx.opts.requests[i].len();
+    let e = derr("KV cache");
     for piece in ctx.route.iter().filter(|p| p.from == me) {
         let (k, v) = cache.get(&piece.layer).ok_or_else(|| {
             fail(format!(
@@ -267,40 +284,37 @@ fn send_cache(
                 piece.layer
             ))
         })?;
-        let buf = head_of(k, v, len, piece)?;
+        let (d, dv) = (piece.qk_dim as usize, piece.v_dim as usize);
+        let (nk, nv) = (D::act_len(k), D::act_len(v));
+        let heads = nk / (len * d).max(1);
+        let h = piece.from_index as usize;
+        if h >= heads || nk != len * heads * d || nv != len * heads * dv {
+            return Err(fail(format!(
+                "layer {}: a cache of {nk} keys and {nv} values does not hold head {h} of {len} positions",
+                piece.layer
+            )));
+        }
+        // Rows of the cache `[len, heads, d]` are (position, head).
+        let rows: Vec<u32> = (0..len).map(|pos| (pos * heads + h) as u32).collect();
+        let rows = r.dev.ids_upload(&rows).map_err(&e)?;
+        let mut buf = r.dev.act_zeros(len * d).map_err(&e)?;
+        r.dev.gather_rows(k, &rows, d, &mut buf).map_err(&e)?;
+        let mut values = r.dev.act_zeros(len * dv).map_err(&e)?;
+        r.dev.gather_rows(v, &rows, dv, &mut values).map_err(&e)?;
+        r.dev
+            .act_append(&mut buf, &values, 0, len * dv)
+            .map_err(&e)?;
         let to = ctx.world_rank(true, i, piece.to)?;
-        r.comm.send(to, KV_AXIS, &buf)?;
+        r.dev
+            .send_act(&mut r.comm, to, KV_AXIS, &buf, (0, len * (d + dv)))?;
     }
     Ok(())
 }
 
-/// One head's keys then values out of a layer's cache (`[len, heads, d]`).
-fn head_of(k: &[f32], v: &[f32], len: usize, piece: &KvPiece) -> Result<Vec<f32>, RankError> {
-    let (d, dv) = (piece.qk_dim as usize, piece.v_dim as usize);
-    let heads = k.len() / (len * d).max(1);
-    let h = piece.from_index as usize;
-    if h >= heads || k.len() != len * heads * d || v.len() != len * heads * dv {
-        return Err(fail(format!(
-            "layer {}: a cache of {} keys and {} values does not hold head {h} of {len} positions",
-            piece.layer,
-            k.len(),
-            v.len()
-        )));
-    }
-    let mut out = Vec::with_capacity(len * (d + dv));
-    for pos in 0..len {
-        out.extend_from_slice(&k[(pos * heads + h) * d..][..d]);
-    }
-    for pos in 0..len {
-        out.extend_from_slice(&v[(pos * heads + h) * dv..][..dv]);
-    }
-    Ok(out)
-}
-
 /// A decode rank: receive each request's cache (and, on the last stage, its first
 /// token), then decode them together. Also returns the KV bytes received.
-fn decode_side(
-    r: &mut InferRank<'_>,
+fn decode_side<D: Device>(
+    r: &mut InferRank<'_, D>,
     ctx: &Ctx<'_>,
     t0: Instant,
 ) -> Result<(Vec<(usize, RequestOutput)>, f64), RankError> {
@@ -340,35 +354,59 @@ fn recorder(plan: &Plan) -> PoolPos {
 }
 
 /// Receives this rank's pieces of request `i`'s cache, laid out as a prefill on
-/// this rank would have left them; with the bytes received.
-fn recv_cache(
-    r: &mut InferRank<'_>,
+/// this rank would have left them; with the bytes received. Each layer's heads
+/// arrive as `[heads, len, d]` blocks and one gather per layer lays them out as
+/// the cache's `[len, heads, d]`.
+fn recv_cache<D: Device>(
+    r: &mut InferRank<'_, D>,
     ctx: &Ctx<'_>,
     i: usize,
-) -> Result<(RequestCache, f64), RankError> {
+) -> Result<(RequestCache<D::Act>, f64), RankError> {
     let me = PoolPos {
         stage: r.stage,
         tp: r.tp.rank as u64,
     };
     let len = ctx.opts.requests[i].len();
-    let mut cache = RequestCache::new();
+    let e = derr("KV cache");
+    let mut blocks: RequestCache<D::Act> = RequestCache::new();
+    let mut shapes = std::collections::BTreeMap::new();
     let mut bytes = 0.0;
     for piece in ctx.route.iter().filter(|p| p.to == me) {
         let (d, dv) = (piece.qk_dim as usize, piece.v_dim as usize);
-        let mut buf = vec![0.0f32; len * (d + dv)];
-        let from = ctx.world_rank(false, i, piece.from)?;
-        r.comm.recv(from, KV_AXIS, &mut buf)?;
-        bytes += 4.0 * buf.len() as f64;
         let heads = piece.to_heads as usize;
-        let (k, v) = cache
-            .entry(piece.layer)
-            .or_insert_with(|| (vec![0.0; len * heads * d], vec![0.0; len * heads * dv]));
         let h = piece.to_index as usize;
-        let (keys, values) = buf.split_at(len * d);
-        for pos in 0..len {
-            k[(pos * heads + h) * d..][..d].copy_from_slice(&keys[pos * d..][..d]);
-            v[(pos * heads + h) * dv..][..dv].copy_from_slice(&values[pos * dv..][..dv]);
-        }
+        let mut buf = r.dev.act_zeros(len * (d + dv)).map_err(&e)?;
+        let from = ctx.world_rank(false, i, piece.from)?;
+        r.dev.recv_act(&mut r.comm, from, KV_AXIS, &mut buf)?;
+        bytes += 4.0 * (len * (d + dv)) as f64;
+        let (k, v) = match blocks.entry(piece.layer) {
+            std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::btree_map::Entry::Vacant(slot) => {
+                shapes.insert(piece.layer, (heads, d, dv));
+                let k = r.dev.act_zeros(heads * len * d).map_err(&e)?;
+                slot.insert((k, r.dev.act_zeros(heads * len * dv).map_err(&e)?))
+            }
+        };
+        r.dev
+            .act_copy(&buf, 0, k, h * len * d, len * d)
+            .map_err(&e)?;
+        r.dev
+            .act_copy(&buf, len * d, v, h * len * dv, len * dv)
+            .map_err(&e)?;
+    }
+    let mut cache = RequestCache::new();
+    for (layer, (kb, vb)) in blocks {
+        let (heads, d, dv) = shapes[&layer];
+        // Cache row (position, head) is block row (head, position).
+        let rows: Vec<u32> = (0..len * heads)
+            .map(|row| ((row % heads) * len + row / heads) as u32)
+            .collect();
+        let rows = r.dev.ids_upload(&rows).map_err(&e)?;
+        let mut k = r.dev.act_zeros(len * heads * d).map_err(&e)?;
+        r.dev.gather_rows(&kb, &rows, d, &mut k).map_err(&e)?;
+        let mut v = r.dev.act_zeros(len * heads * dv).map_err(&e)?;
+        r.dev.gather_rows(&vb, &rows, dv, &mut v).map_err(&e)?;
+        cache.insert(layer, (k, v));
     }
     Ok((cache, bytes))
 }

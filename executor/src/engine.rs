@@ -115,6 +115,22 @@ impl Engine {
         }
     }
 
+    /// Runs a disaggregated deployment's two pools, every rank a thread of this
+    /// process.
+    pub fn infer_disaggregated(
+        self,
+        plan: &Plan,
+        opts: &crate::infer::InferOptions,
+    ) -> Result<crate::disagg::DisaggReport, EngineError> {
+        match self {
+            Engine::Cpu => Ok(crate::disagg::infer_disaggregated(plan, opts)?),
+            Engine::CpuBf16 => Ok(crate::disagg::infer_disaggregated_on(plan, opts, &|_| {
+                Ok(crate::device::emulate::Bf16Host)
+            })?),
+            Engine::Cuda(g) => g.infer_disaggregated(plan, opts),
+        }
+    }
+
     /// Trains `plan`, every rank a thread of this process.
     pub fn train(self, plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, EngineError> {
         match self {
@@ -276,6 +292,18 @@ mod gpu {
             })?)
         }
 
+        /// A disaggregated deployment with world rank `r` on GPU `r mod GPUs`.
+        pub(super) fn infer_disaggregated(
+            self,
+            plan: &Plan,
+            opts: &crate::infer::InferOptions,
+        ) -> Result<crate::disagg::DisaggReport, EngineError> {
+            let gpus = self.devices;
+            Ok(crate::disagg::infer_disaggregated_on(plan, opts, &|r| {
+                CudaDevice::on(r % gpus)
+            })?)
+        }
+
         pub(super) fn train_rank(
             self,
             plan: &Plan,
@@ -322,6 +350,14 @@ mod gpu {
             _: &Plan,
             _: &crate::infer::InferOptions,
         ) -> Result<crate::infer::InferReport, EngineError> {
+            match self {}
+        }
+
+        pub(super) fn infer_disaggregated(
+            self,
+            _: &Plan,
+            _: &crate::infer::InferOptions,
+        ) -> Result<crate::disagg::DisaggReport, EngineError> {
             match self {}
         }
 

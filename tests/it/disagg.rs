@@ -2,7 +2,8 @@
 //! pools have forced layouts (`--prefill-config`, `--decode-config`) run with
 //! `run --check`: the prefill ranks send each request's KV cache to the decode
 //! ranks, which decode the single-rank run's tokens, and every rank's bytes (each
-//! pool's collectives, the KV move, the first tokens) are the plan's. The KV bytes
+//! pool's collectives, the KV move, the first tokens) are the plan's; with
+//! `--backend cpu-bf16` too, within the mixed-precision tolerance. The KV bytes
 //! each rank moves are written out by hand for every layout; the per-GPU figure of
 //! the route agrees with the cost model's `kv_transfer`; a pool the executor cannot
 //! run, and a plan without its prefill pool, exit 2 naming them.
@@ -173,6 +174,26 @@ fn check_layout(
         "{tag}: {:?}",
         tokens(&j)
     );
+    // With a GPU's bf16 rounding the caches move between device buffers: the same
+    // bytes (the in-process communicator carries fp32), the prompts' logits within
+    // the mixed-precision tolerance of the single-rank fp32 run.
+    let b = run_checked(&path, &["--backend", "cpu-bf16"]);
+    assert_eq!(
+        b["bytes_match_plan"], true,
+        "{tag} bf16: {}",
+        b["byte_mismatches"]
+    );
+    for key in ["kv_sent_bytes_per_rank", "kv_received_bytes_per_rank"] {
+        assert_eq!(floats(&b[key]), floats(&j[key]), "{tag} bf16: {key}");
+    }
+    let gap = b["check"]["max_abs_logit_diff"]
+        .as_f64()
+        .expect("logit gap");
+    assert!(gap > 0.0, "{tag}: bf16 rounding moves the logits");
+    eprintln!("{tag} bf16: {}", b["check"]["details"]);
+    // Only the decode pool's steps read the moved caches: a head out of place would
+    // change the tokens. (bf16 may in general flip a near tie; these keep theirs.)
+    assert_eq!(tokens(&b), tokens(&j), "{tag} bf16: tokens");
     j
 }
 

@@ -568,7 +568,7 @@ type WKey = (String, String, u64);
 /// One rank of an inference run on device `D`: its weights, activations and KV
 /// cache live in the device's buffers; the sampled logits come to the host.
 pub(crate) struct InferRank<'a, D: Device = HostDevice> {
-    dev: D,
+    pub(crate) dev: D,
     plan: &'a Plan,
     graph: &'a Graph,
     /// The rank in the world (the communicator's).
