@@ -65,7 +65,7 @@ mod tests;
 pub use counts::{ByteCounts, KindCount};
 #[cfg(feature = "cuda")]
 pub use nccl::{nccl_available, BenchOp, NcclBench, NcclComm, NcclError, P2p};
-pub use run::{failure_summary, run_ranks, RankError};
+pub use run::{failure_summary, run_ranks, run_with, RankError};
 pub use thread::ThreadComm;
 
 use meshplan_ir::plan::CollectiveKind;

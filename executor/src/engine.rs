@@ -238,6 +238,17 @@ mod gpu {
     use crate::train::{RankReport, TrainOptions, TrainReport};
     use meshplan_ir::plan::Plan;
 
+    /// One NCCL communicator per GPU of this process, rank `r` on GPU `r`
+    /// (`ncclCommInitAll`).
+    fn nccl_comms(gpus: usize) -> Result<Vec<Box<dyn Communicator>>, EngineError> {
+        let devices: Vec<usize> = (0..gpus).collect();
+        Ok(NcclComm::in_process(&devices)
+            .map_err(|e| EngineError::Failed(e.to_string()))?
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Communicator>)
+            .collect())
+    }
+
     /// The GPUs of this machine, probed.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     pub struct Gpu {
@@ -268,28 +279,28 @@ mod gpu {
             let ranks = plan.ranks.len();
             if ranks > 1 && ranks == gpus && nccl_available().is_ok() {
                 tracing::info!("{ranks} ranks on {gpus} GPUs, NCCL between them");
-                let devices: Vec<usize> = (0..gpus).collect();
-                let comms: Vec<Box<dyn Communicator>> = NcclComm::in_process(&devices)
-                    .map_err(|e| EngineError::Failed(e.to_string()))?
-                    .into_iter()
-                    .map(|c| Box::new(c) as Box<dyn Communicator>)
-                    .collect();
+                let comms = nccl_comms(gpus)?;
                 return train_device_with(plan, opts, &CudaDevice::on, comms).map_err(failed);
             }
             train_device(plan, opts, &|r| CudaDevice::on(r % gpus)).map_err(failed)
         }
 
-        /// Inference with rank `r` on GPU `r mod GPUs`, the in-process
-        /// communicator between them.
+        /// Inference as training runs: with as many GPUs as ranks, one GPU and one
+        /// NCCL communicator each; otherwise rank `r` on GPU `r mod GPUs`, the
+        /// in-process communicator between them.
         pub(super) fn infer(
             self,
             plan: &Plan,
             opts: &crate::infer::InferOptions,
         ) -> Result<crate::infer::InferReport, EngineError> {
             let gpus = self.devices;
-            Ok(crate::infer::infer_on(plan, opts, &|r| {
-                CudaDevice::on(r % gpus)
-            })?)
+            let ranks = plan.ranks.len();
+            let comms = match ranks > 1 && ranks == gpus && nccl_available().is_ok() {
+                true => Some(nccl_comms(gpus)?),
+                false => None,
+            };
+            let make = |r| CudaDevice::on(r % gpus);
+            Ok(crate::infer::infer_on_with(plan, opts, &make, comms)?)
         }
 
         /// A disaggregated deployment with world rank `r` on GPU `r mod GPUs`.

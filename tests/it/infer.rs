@@ -1634,6 +1634,32 @@ fn mixed_precision_inference_stays_within_the_tolerance() {
             .unwrap_or_else(|e| panic!("{e}"));
         check_inference(&fp32, &single).unwrap_or_else(|e| panic!("{cfg}: {e}"));
     }
+    // Over given communicators (how one process drives several GPUs with NCCL),
+    // one per rank: the tokens and logits of the in-process world, the same bytes.
+    use meshplan_executor::comm::{Communicator, ThreadComm};
+    let p = plan_of(&dir, "tp=2,pp=2,dp=2", 8);
+    let comms = |n: usize| -> Vec<Box<dyn Communicator>> {
+        ThreadComm::create(n, opts.timeout)
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Communicator>)
+            .collect()
+    };
+    let host = |_| Ok(meshplan_executor::device::HostDevice);
+    let given = meshplan_executor::infer::infer_on_with(&p, &opts, &host, Some(comms(8)))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let world = infer_on(&p, &opts, &host).unwrap_or_else(|e| panic!("{e}"));
+    for (a, b) in given.requests.iter().zip(&world.requests) {
+        assert_eq!(a.tokens, b.tokens, "given communicators: tokens");
+        assert_eq!(a.logits, b.logits, "given communicators: logits");
+    }
+    assert_eq!(given.counts, world.counts, "given communicators: bytes");
+    let e = meshplan_executor::infer::infer_on_with(&p, &opts, &host, Some(comms(2)))
+        .expect_err("two communicators for eight ranks");
+    assert!(
+        e.to_string()
+            .contains("2 communicators for a plan of 8 ranks"),
+        "{e}"
+    );
     // Other weights: the same prompts' logits are far outside the tolerance.
     let other = temp_dir("llama-bf16-other");
     write_checkpoint(

@@ -1,7 +1,7 @@
 //! Running a world of ranks as threads, and reporting how it failed.
 
 use super::thread::Shared;
-use super::{rank_list, CommError, ThreadComm};
+use super::{rank_list, CommError, Communicator, ThreadComm};
 use std::any::Any;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -115,6 +115,42 @@ where
             })
             .collect()
     })
+}
+
+/// Runs `f` once per given communicator (one per rank of a world of `world`, in
+/// rank order: one process driving several GPUs, `NcclComm::in_process`), each on
+/// its own thread; each rank's result, index = rank. Unlike [`run_ranks`]'s
+/// communicators these need not detect a rank that fails, so a failure may leave
+/// the others waiting (NCCL has no timeout).
+pub fn run_with<T, F>(
+    world: usize,
+    comms: Vec<Box<dyn Communicator>>,
+    f: &F,
+) -> Result<Vec<Result<T, RankError>>, String>
+where
+    T: Send,
+    F: Fn(Box<dyn Communicator>) -> Result<T, RankError> + Sync,
+{
+    if comms.len() != world || comms.iter().enumerate().any(|(r, c)| c.rank() != r) {
+        return Err(format!(
+            "{} communicators for a plan of {world} ranks (one per rank, in rank order)",
+            comms.len()
+        ));
+    }
+    Ok(std::thread::scope(|s| {
+        let handles: Vec<_> = comms
+            .into_iter()
+            .map(|comm| s.spawn(move || f(comm)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|payload| {
+                    Err(RankError::Panicked(panic_message(payload.as_ref())))
+                })
+            })
+            .collect()
+    }))
 }
 
 fn run_one<T, F>(

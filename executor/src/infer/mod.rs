@@ -30,7 +30,7 @@
 //! A disaggregated deployment runs its prefill pool's ranks and its decode pool's
 //! through these same passes, the caches moving between them (`disagg.rs`).
 
-use crate::comm::{ByteCounts, Communicator, Group, RankError, ThreadComm};
+use crate::comm::{ByteCounts, Communicator, Group, RankError};
 use crate::device::{derr, Device, HostDevice};
 use crate::init::init_full;
 use crate::moe::Routing;
@@ -137,8 +137,7 @@ pub struct InferReport {
     /// The fullest rank's KV cache at the end, bytes (in the device's compute
     /// precision: fp32 on the CPU, bf16 on a GPU).
     pub kv_cache_bytes: f64,
-    /// The fullest rank's weights, bytes (as the KV cache; routed experts' in
-    /// fp32 on the host).
+    /// The fullest rank's weights, bytes (as the KV cache).
     pub weight_bytes: f64,
     /// Bytes each rank sent, in rank order.
     pub counts: Vec<ByteCounts>,
@@ -309,6 +308,18 @@ pub fn infer_on<D: Device>(
     opts: &InferOptions,
     make: &(dyn Fn(usize) -> crate::device::DResult<D> + Sync),
 ) -> Result<InferReport, ExecError> {
+    infer_on_with(plan, opts, make, None)
+}
+
+/// [`infer_on`] over given communicators, one per rank in rank order (one process
+/// driving several GPUs: `NcclComm::in_process`), each rank a thread; `None`: the
+/// in-process communicator.
+pub fn infer_on_with<D: Device>(
+    plan: &Plan,
+    opts: &InferOptions,
+    make: &(dyn Fn(usize) -> crate::device::DResult<D> + Sync),
+    comms: Option<Vec<Box<dyn Communicator>>>,
+) -> Result<InferReport, ExecError> {
     check_inputs(plan, opts).map_err(ExecError::Plan)?;
     if let Some(ck) = &opts.weights {
         ck.check_config(&plan.graph)
@@ -316,7 +327,7 @@ pub fn infer_on<D: Device>(
             .map_err(|e| ExecError::Checkpoint(e.message))?;
     }
     let world = plan.ranks.len();
-    let results = crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |comm| {
+    let rank = |comm: Box<dyn Communicator>| {
         let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
         let mut r = InferRank::new(dev, plan, comm, opts, 0)?;
         let everyone = Group::new("world", (0..world).collect());
@@ -324,7 +335,13 @@ pub fn infer_on<D: Device>(
         let t0 = Instant::now();
         let outputs = r.generate(t0)?;
         Ok(r.finish(outputs, t0))
-    });
+    };
+    let results = match comms {
+        Some(comms) => crate::comm::run_with(world, comms, &rank).map_err(ExecError::Plan)?,
+        None => crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |c| {
+            rank(Box::new(c))
+        }),
+    };
     let outs = rank_outs(results)?;
     let requests = recorded(&outs, opts.requests.len())?
         .into_iter()
@@ -576,7 +593,7 @@ pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     /// The world rank of the plan's rank 0: a serving pool's ranks follow the
     /// other pool's.
     base: usize,
-    pub(crate) comm: ThreadComm,
+    pub(crate) comm: Box<dyn Communicator>,
     coords: Vec<u64>,
     pp_axis: usize,
     pub(crate) stage: u64,

@@ -54,12 +54,14 @@ impl<'a, D: Device> InferRank<'a, D> {
                         .as_ref()
                         .ok_or_else(|| fail("no hidden states to send"))?;
                     let n = D::act_len(h);
-                    self.dev.send_act(&mut self.comm, peer, "pp", h, (0, n))?;
+                    self.dev
+                        .send_act(self.comm.as_mut(), peer, "pp", h, (0, n))?;
                 }
                 Instr::Recv { peer_stage, .. } => {
                     let peer = self.peer(*peer_stage)?;
                     let mut buf = self.zeros(batch.rows() * self.hidden_width)?;
-                    self.dev.recv_act(&mut self.comm, peer, "pp", &mut buf)?;
+                    self.dev
+                        .recv_act(self.comm.as_mut(), peer, "pp", &mut buf)?;
                     self.hidden = Some(buf);
                 }
                 Instr::Collective {
@@ -148,7 +150,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                     .ok_or_else(|| fail("no hidden states to gather"))?;
                 let mut out = self.zeros(D::act_len(h) * g.size())?;
                 self.dev
-                    .all_gather_act(&mut self.comm, &g, axis.name(), h, &mut out)?;
+                    .all_gather_act(self.comm.as_mut(), &g, axis.name(), h, &mut out)?;
                 self.hidden = Some(out);
                 return Ok(());
             }
@@ -188,17 +190,19 @@ impl<'a, D: Device> InferRank<'a, D> {
             .ok_or_else(|| fail(format!("no tensor `{tensor}` to communicate")))?;
         let alloc = derr("allocation");
         match kind {
-            CollectiveKind::AllReduce => self.dev.all_reduce_act(&mut self.comm, &g, ax, buf)?,
+            CollectiveKind::AllReduce => {
+                self.dev.all_reduce_act(self.comm.as_mut(), &g, ax, buf)?
+            }
             CollectiveKind::AllGather => {
                 let mut out = self.dev.act_zeros(D::act_len(buf) * n).map_err(&alloc)?;
                 self.dev
-                    .all_gather_act(&mut self.comm, &g, ax, buf, &mut out)?;
+                    .all_gather_act(self.comm.as_mut(), &g, ax, buf, &mut out)?;
                 self.acts.insert(format!("{tensor}@g"), out);
             }
             CollectiveKind::ReduceScatter => {
                 let mut out = self.dev.act_zeros(D::act_len(buf) / n).map_err(&alloc)?;
                 self.dev
-                    .reduce_scatter_act(&mut self.comm, &g, ax, buf, &mut out)?;
+                    .reduce_scatter_act(self.comm.as_mut(), &g, ax, buf, &mut out)?;
                 *buf = out;
             }
             other => {
@@ -402,7 +406,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         };
         let mut exec = crate::moe::Exec {
             dev: &self.dev,
-            comm: &mut self.comm,
+            comm: self.comm.as_mut(),
             place: crate::moe::Place {
                 tp: self.tp,
                 ep: self.ep,

@@ -8,7 +8,7 @@ impl<'a, D: Device> InferRank<'a, D> {
     pub(crate) fn new(
         dev: D,
         plan: &'a Plan,
-        comm: ThreadComm,
+        comm: Box<dyn Communicator>,
         opts: &'a InferOptions,
         base: usize,
     ) -> Result<Self, RankError> {

@@ -147,35 +147,12 @@ pub fn train_device_with<D: Device>(
     make: &(dyn Fn(usize) -> DResult<D> + Sync),
     comms: Vec<Box<dyn Communicator>>,
 ) -> Result<TrainReport, ExecError> {
-    if comms.len() != plan.ranks.len() || comms.iter().enumerate().any(|(r, c)| c.rank() != r) {
-        return Err(ExecError::Plan(format!(
-            "{} communicators for a plan of {} ranks (one per rank, in rank order)",
-            comms.len(),
-            plan.ranks.len()
-        )));
-    }
     let run = Run::new(plan, opts)?;
-    let results = std::thread::scope(|s| {
-        let run = &run;
-        let handles: Vec<_> = comms
-            .into_iter()
-            .map(|comm| {
-                s.spawn(move || {
-                    let rank = comm.rank();
-                    let dev = make(rank).map_err(|e| fail(format!("device: {e}")))?;
-                    run.rank(dev, comm)
-                        .map_err(|e| fail(format!("rank {rank}: {e:?}")))
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(fail("a rank's thread panicked")))
-            })
-            .collect::<Vec<_>>()
-    });
+    let results = crate::comm::run_with(plan.ranks.len(), comms, &|comm| {
+        let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
+        run.rank(dev, comm)
+    })
+    .map_err(ExecError::Plan)?;
     run.finish(results)
 }
 
