@@ -364,7 +364,7 @@ pub(crate) fn linear_spans<D: Device>(
             b_off: j * k * cols,
             c_off: off * cols,
         };
-        dev.matmul_at(&g, x, w, y)?;
+        dev.matmul(&g, x, w, y)?;
     }
     Ok(())
 }

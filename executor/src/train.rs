@@ -7,8 +7,6 @@ use crate::comm::{ByteCounts, CommError, Group, RankError};
 use crate::shard::{local_weight, TpPos};
 use meshplan_ir::plan::{Axis, Instr, Plan};
 use meshplan_ir::{Graph, Op, SegmentKind, TensorKind, Workload};
-use meshplan_kernels::cpu as k;
-use meshplan_kernels::cpu::Rope;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -361,114 +359,6 @@ pub(crate) fn segment_output(graph: &Graph, s: usize) -> Option<String> {
         .last()
         .and_then(|o| o.outputs.first())
         .map(|&t| graph.tensor(t).name.clone())
-}
-
-/// `[s, b, (hq d | hkv d | hkv dv)]` rows into `q [b, s, hq, d]`, `k`, `v`.
-pub(crate) fn split_qkv(
-    x: &[f32],
-    rows: usize,
-    hq: usize,
-    hkv: usize,
-    d: usize,
-    dv: usize,
-    b: usize,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let s = rows / b.max(1);
-    let width = hq * d + hkv * d + hkv * dv;
-    let mut q = vec![0.0; b * s * hq * d];
-    let mut kk = vec![0.0; b * s * hkv * d];
-    let mut v = vec![0.0; b * s * hkv * dv];
-    for si in 0..s {
-        for bi in 0..b {
-            let row = &x[(si * b + bi) * width..(si * b + bi + 1) * width];
-            let t = bi * s + si;
-            q[t * hq * d..(t + 1) * hq * d].copy_from_slice(&row[..hq * d]);
-            kk[t * hkv * d..(t + 1) * hkv * d].copy_from_slice(&row[hq * d..hq * d + hkv * d]);
-            v[t * hkv * dv..(t + 1) * hkv * dv].copy_from_slice(&row[hq * d + hkv * d..]);
-        }
-    }
-    (q, kk, v)
-}
-
-#[allow(clippy::too_many_arguments)] // the inverse of `split_qkv`, same shape arguments
-pub(crate) fn join_qkv(
-    dq: &[f32],
-    dk: &[f32],
-    dv: &[f32],
-    rows: usize,
-    hq: usize,
-    hkv: usize,
-    d: usize,
-    dvw: usize,
-    b: usize,
-) -> Vec<f32> {
-    let s = rows / b.max(1);
-    let width = hq * d + hkv * d + hkv * dvw;
-    let mut x = vec![0.0; rows * width];
-    for si in 0..s {
-        for bi in 0..b {
-            let t = bi * s + si;
-            let row = &mut x[(si * b + bi) * width..(si * b + bi + 1) * width];
-            row[..hq * d].copy_from_slice(&dq[t * hq * d..(t + 1) * hq * d]);
-            row[hq * d..hq * d + hkv * d].copy_from_slice(&dk[t * hkv * d..(t + 1) * hkv * d]);
-            row[hq * d + hkv * d..].copy_from_slice(&dv[t * hkv * dvw..(t + 1) * hkv * dvw]);
-        }
-    }
-    x
-}
-
-pub(crate) fn bshd_to_sbhd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> {
-    let mut y = vec![0.0; x.len()];
-    for bi in 0..b {
-        for si in 0..s {
-            y[(si * b + bi) * w..(si * b + bi + 1) * w]
-                .copy_from_slice(&x[(bi * s + si) * w..(bi * s + si + 1) * w]);
-        }
-    }
-    y
-}
-
-pub(crate) fn sbhd_to_bshd(x: &[f32], b: usize, s: usize, w: usize) -> Vec<f32> {
-    let mut y = vec![0.0; x.len()];
-    for bi in 0..b {
-        for si in 0..s {
-            y[(bi * s + si) * w..(bi * s + si + 1) * w]
-                .copy_from_slice(&x[(si * b + bi) * w..(si * b + bi + 1) * w]);
-        }
-    }
-    y
-}
-
-/// RoPE on the query and key heads of fused QKV rows `[rows, width]` (`shape`:
-/// query heads, key/value heads, head dim, row width), the value columns copied;
-/// with `backward`, the inverse rotation of a gradient.
-pub(crate) fn rope_qkv_host(
-    x: &[f32],
-    positions: &[u32],
-    rows: usize,
-    (hq, hkv, d, width): (usize, usize, usize, usize),
-    rope: Rope,
-    backward: bool,
-) -> Result<Vec<f32>, k::KernelError> {
-    let mut y = x.to_vec();
-    for (start, heads) in [(0, hq), (hq * d, hkv)] {
-        let mut part = vec![0.0; rows * heads * d];
-        for r in 0..rows {
-            part[r * heads * d..(r + 1) * heads * d]
-                .copy_from_slice(&x[r * width + start..r * width + start + heads * d]);
-        }
-        let mut out = vec![0.0; part.len()];
-        if backward {
-            k::rope_bwd(&part, positions, rows, heads, d, rope, &mut out)?;
-        } else {
-            k::rope_fwd(&part, positions, rows, heads, d, rope, &mut out)?;
-        }
-        for r in 0..rows {
-            y[r * width + start..r * width + start + heads * d]
-                .copy_from_slice(&out[r * heads * d..(r + 1) * heads * d]);
-        }
-    }
-    Ok(y)
 }
 
 /// Every copy of a segment a phase's chunks run, in order: (segment index, block

@@ -8,9 +8,13 @@
 //! device's fixed arguments made explicit: no context-parallel offset (attention
 //! positions from 0), `beta` 0 for an activation GEMM and 1 for a weight gradient.
 
-use super::{range_err, DResult, Device, DeviceError};
+use super::{
+    range_err, Attn, AttnBwd, AttnOut, DResult, Device, DeviceError, Norm, NormBwd, NormOut,
+    RopeQkv,
+};
 use crate::comm::{CommError, CommKind, Communicator, Group, P2p};
-use meshplan_kernels::cpu::{AttnDims, AttnDropout, GemmAt, MoeDims, Rope, RowDropout, Transpose};
+use meshplan_ir::NormKind;
+use meshplan_kernels::cpu::{AttnDims, GemmAt, MoeDims, RowDropout};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, DriverError};
 use meshplan_kernels::cuda::{bf16, Gpu, GpuError};
@@ -224,47 +228,15 @@ impl Device for CudaDevice {
     fn accumulate(&self, acc: &mut CudaSlice<bf16>, x: &CudaSlice<bf16>) -> DResult<()> {
         Ok(self.gpu.accumulate(acc, x)?)
     }
-    fn matmul(
-        &self,
-        ta: Transpose,
-        tb: Transpose,
-        m: usize,
-        k: usize,
-        n: usize,
-        a: &CudaSlice<bf16>,
-        b: &CudaSlice<bf16>,
-        c: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
-        Ok(self.gpu.gemm(ta, tb, m, k, n, a, b, 0.0, c)?)
+    fn matmul(&self, g: &GemmAt, a: &Self::Act, b: &Self::Act, c: &mut Self::Act) -> DResult<()> {
+        Ok(self.gpu.gemm_at(g, a, b, 0.0, c)?)
     }
     fn matmul_acc(
         &self,
-        ta: Transpose,
-        tb: Transpose,
-        m: usize,
-        k: usize,
-        n: usize,
-        a: &CudaSlice<bf16>,
-        b: &CudaSlice<bf16>,
-        c: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
-        Ok(self.gpu.gemm(ta, tb, m, k, n, a, b, 1.0, c)?)
-    }
-    fn matmul_at(
-        &self,
         g: &GemmAt,
-        a: &CudaSlice<bf16>,
-        b: &CudaSlice<bf16>,
-        c: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
-        Ok(self.gpu.gemm_at(g, a, b, 0.0, c)?)
-    }
-    fn matmul_acc_at(
-        &self,
-        g: &GemmAt,
-        a: &CudaSlice<bf16>,
-        b: &CudaSlice<bf16>,
-        c: &mut CudaSlice<f32>,
+        a: &Self::Act,
+        b: &Self::Act,
+        c: &mut Self::F32,
     ) -> DResult<()> {
         Ok(self.gpu.gemm_at(g, a, b, 1.0, c)?)
     }
@@ -317,59 +289,26 @@ impl Device for CudaDevice {
     ) -> DResult<()> {
         Ok(self.gpu.transpose_bs(x, b, s, w, to_sbhd, y)?)
     }
-    fn rope_qkv(
-        &self,
-        x: &CudaSlice<bf16>,
-        positions: &CudaSlice<u32>,
-        rows: usize,
-        hq: usize,
-        hkv: usize,
-        d: usize,
-        width: usize,
-        rope: Rope,
-        backward: bool,
-        y: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
+    fn rope_qkv(&self, r: &RopeQkv<'_, Self>, y: &mut CudaSlice<bf16>) -> DResult<()> {
+        let (hq, hkv, d, width) = r.shape;
+        let (x, pos, rows, rope, back) = (r.x, r.positions, r.rows, r.rope, r.backward);
         Ok(self
             .gpu
-            .rope_qkv(x, positions, rows, hq, hkv, d, width, rope, backward, y)?)
+            .rope_qkv(x, pos, rows, hq, hkv, d, width, rope, back, y)?)
     }
-    fn attention_fwd(
-        &self,
-        dims: &AttnDims,
-        q: &CudaSlice<bf16>,
-        k: &CudaSlice<bf16>,
-        v: &CudaSlice<bf16>,
-        (q0, k0): (usize, usize),
-        causal: bool,
-        scale: f32,
-        dropout: Option<&AttnDropout>,
-        out: &mut CudaSlice<bf16>,
-        lse: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
-        Ok(self
-            .gpu
-            .attention_fwd(dims, q, k, v, q0, k0, causal, scale, dropout, out, lse)?)
+    fn attention_fwd(&self, a: &Attn<'_, Self>, out: AttnOut<'_, Self>) -> DResult<()> {
+        let (q0, k0) = a.pos0;
+        let (q, k, v, causal, scale) = (a.q, a.k, a.v, a.causal, a.scale);
+        Ok(self.gpu.attention_fwd(
+            a.dims, q, k, v, q0, k0, causal, scale, a.dropout, out.o, out.lse,
+        )?)
     }
-    fn attention_bwd(
-        &self,
-        dims: &AttnDims,
-        q: &CudaSlice<bf16>,
-        k: &CudaSlice<bf16>,
-        v: &CudaSlice<bf16>,
-        o: &CudaSlice<bf16>,
-        lse: &CudaSlice<f32>,
-        d_o: &CudaSlice<bf16>,
-        (q0, k0): (usize, usize),
-        causal: bool,
-        scale: f32,
-        dropout: Option<&AttnDropout>,
-        d_q: &mut CudaSlice<bf16>,
-        d_k: &mut CudaSlice<bf16>,
-        d_v: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
+    fn attention_bwd(&self, a: &Attn<'_, Self>, b: AttnBwd<'_, Self>) -> DResult<()> {
+        let (q0, k0) = a.pos0;
+        let (q, k, v, causal, scale) = (a.q, a.k, a.v, a.causal, a.scale);
+        let (o, lse, d_o, d_q, d_k, d_v) = (b.o, b.lse, b.d_o, b.d_q, b.d_k, b.d_v);
         Ok(self.gpu.attention_bwd(
-            dims, q, k, v, o, lse, d_o, q0, k0, causal, scale, dropout, d_q, d_k, d_v,
+            a.dims, q, k, v, o, lse, d_o, q0, k0, causal, scale, a.dropout, d_q, d_k, d_v,
         )?)
     }
     fn attention_merge(
@@ -406,63 +345,22 @@ impl Device for CudaDevice {
             .gpu
             .embedding_bwd(ids, d_out, vocab_start, dim, d_table)?)
     }
-    fn layernorm_fwd(
-        &self,
-        x: &CudaSlice<bf16>,
-        w: &CudaSlice<bf16>,
-        b: &CudaSlice<bf16>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        y: &mut CudaSlice<bf16>,
-        mean: &mut CudaSlice<f32>,
-        rstd: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
-        Ok(self
-            .gpu
-            .layernorm_fwd(x, w, b, rows, dim, eps, y, mean, rstd)?)
+    fn norm_fwd(&self, n: &Norm<'_, Self>, out: NormOut<'_, Self>) -> DResult<()> {
+        let NormOut { y, mean, rstd } = out;
+        let (g, x, w) = (&self.gpu, n.x, n.w);
+        if n.kind == NormKind::Rmsnorm {
+            return Ok(g.rmsnorm_fwd(x, w, n.rows, n.dim, n.eps, y, rstd)?);
+        }
+        let (b, mean) = super::layernorm_parts(n.b, mean)?;
+        Ok(g.layernorm_fwd(x, w, b, n.rows, n.dim, n.eps, y, mean, rstd)?)
     }
-    fn layernorm_bwd(
-        &self,
-        x: &CudaSlice<bf16>,
-        w: &CudaSlice<bf16>,
-        mean: &CudaSlice<f32>,
-        rstd: &CudaSlice<f32>,
-        dy: &CudaSlice<bf16>,
-        rows: usize,
-        dim: usize,
-        dx: &mut CudaSlice<bf16>,
-        dw: &mut CudaSlice<f32>,
-        db: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
-        Ok(self
-            .gpu
-            .layernorm_bwd(x, w, mean, rstd, dy, rows, dim, dx, dw, db)?)
-    }
-    fn rmsnorm_fwd(
-        &self,
-        x: &CudaSlice<bf16>,
-        w: &CudaSlice<bf16>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        y: &mut CudaSlice<bf16>,
-        rstd: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
-        Ok(self.gpu.rmsnorm_fwd(x, w, rows, dim, eps, y, rstd)?)
-    }
-    fn rmsnorm_bwd(
-        &self,
-        x: &CudaSlice<bf16>,
-        w: &CudaSlice<bf16>,
-        rstd: &CudaSlice<f32>,
-        dy: &CudaSlice<bf16>,
-        rows: usize,
-        dim: usize,
-        dx: &mut CudaSlice<bf16>,
-        dw: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
-        Ok(self.gpu.rmsnorm_bwd(x, w, rstd, dy, rows, dim, dx, dw)?)
+    fn norm_bwd(&self, n: &Norm<'_, Self>, b: NormBwd<'_, Self>) -> DResult<()> {
+        let (g, x, w, rows, dim) = (&self.gpu, n.x, n.w, n.rows, n.dim);
+        if n.kind == NormKind::Rmsnorm {
+            return Ok(g.rmsnorm_bwd(x, w, b.rstd, b.dy, rows, dim, b.dx, b.dw)?);
+        }
+        let (mean, db) = super::layernorm_parts(b.mean, b.db)?;
+        Ok(g.layernorm_bwd(x, w, mean, b.rstd, b.dy, rows, dim, b.dx, b.dw, db)?)
     }
     fn gelu_fwd(&self, x: &CudaSlice<bf16>, y: &mut CudaSlice<bf16>) -> DResult<()> {
         Ok(self.gpu.gelu_fwd(x, y)?)
@@ -911,6 +809,7 @@ mod tests {
     use super::*;
     use crate::device::{qkv_width, HostDevice};
     use crate::init::splitmix;
+    use meshplan_kernels::cpu::Rope;
     use meshplan_kernels::cpu::Transpose::{No, Yes};
 
     /// `n` values in `[-scale, scale)` rounded to bf16, so that rounding an input
@@ -965,10 +864,12 @@ mod tests {
         for ta in [No, Yes] {
             for tb in [No, Yes] {
                 let mut c = dev.act_zeros(m * n).unwrap();
-                dev.matmul(ta, tb, m, k, n, &a, &b, &mut c).unwrap();
+                dev.matmul(&GemmAt::whole(ta, tb, m, k, n), &a, &b, &mut c)
+                    .unwrap();
                 act_out(format!("matmul {ta:?} {tb:?}"), &c, BF16);
                 let mut c = dev.f32_upload(&values(3, m * n, 1.0)).unwrap();
-                dev.matmul_acc(ta, tb, m, k, n, &a, &b, &mut c).unwrap();
+                dev.matmul_acc(&GemmAt::whole(ta, tb, m, k, n), &a, &b, &mut c)
+                    .unwrap();
                 f32_out.push((
                     format!("matmul_acc {ta:?} {tb:?}"),
                     dev.f32_download(&c).unwrap(),
@@ -1009,19 +910,15 @@ mod tests {
             .unwrap();
         for backward in [false, true] {
             let mut y = dev.act_zeros(rows * width).unwrap();
-            dev.rope_qkv(
-                &x,
-                &positions,
+            let r = RopeQkv {
+                x: &x,
+                positions: &positions,
                 rows,
-                dims.hq,
-                dims.hkv,
-                dims.d,
-                width,
-                Rope::plain(10_000.0),
+                shape: (dims.hq, dims.hkv, dims.d, width),
+                rope: Rope::plain(10_000.0),
                 backward,
-                &mut y,
-            )
-            .unwrap();
+            };
+            dev.rope_qkv(&r, &mut y).unwrap();
             act_out(format!("rope_qkv backward={backward}"), &y, BF16);
         }
 

@@ -14,8 +14,9 @@
 //! tested against its CPU reference.
 
 use crate::comm::{CommError, CommKind, Communicator, Group};
+use meshplan_ir::NormKind;
 use meshplan_kernels::cpu::{
-    self as k, AttnDims, AttnDropout, GemmAt, KernelError, MoeDims, Rope, RowDropout, Transpose,
+    self as k, AttnDims, AttnDropout, GemmAt, KernelError, MoeDims, Rope, RowDropout,
 };
 
 #[cfg(feature = "cuda")]
@@ -48,6 +49,124 @@ impl From<KernelError> for DeviceError {
 
 /// Result of a device operation.
 pub type DResult<T> = Result<T, DeviceError>;
+
+/// A norm over `rows` rows of `dim`: its kind, input, weight, LayerNorm's bias
+/// (zeros for a bias-free one) and epsilon.
+pub struct Norm<'a, D: Device + ?Sized> {
+    pub kind: NormKind,
+    pub x: &'a D::Act,
+    pub w: &'a D::Act,
+    pub b: Option<&'a D::Act>,
+    pub rows: usize,
+    pub dim: usize,
+    pub eps: f32,
+}
+
+/// A norm's forward outputs: `y`, LayerNorm's row means, the rows' reciprocal
+/// deviations.
+pub struct NormOut<'a, D: Device + ?Sized> {
+    pub y: &'a mut D::Act,
+    pub mean: Option<&'a mut D::F32>,
+    pub rstd: &'a mut D::F32,
+}
+
+/// A norm's backward: the forward's statistics and the output's gradient, and
+/// the gradients it adds into (LayerNorm's bias gradient too).
+pub struct NormBwd<'a, D: Device + ?Sized> {
+    pub mean: Option<&'a D::F32>,
+    pub rstd: &'a D::F32,
+    pub dy: &'a D::Act,
+    pub dx: &'a mut D::Act,
+    pub dw: &'a mut D::F32,
+    pub db: Option<&'a mut D::F32>,
+}
+
+/// The two operands only LayerNorm has (bias and means forward, means and bias
+/// gradient backward), or an error naming them.
+pub(crate) fn layernorm_parts<A, B>(a: Option<A>, b: Option<B>) -> DResult<(A, B)> {
+    a.zip(b).ok_or_else(|| {
+        DeviceError("LayerNorm needs its bias, its means and its bias gradient".into())
+    })
+}
+
+/// A norm's forward in new buffers: `y`, LayerNorm's means, the reciprocal
+/// deviations.
+type Normed<D> = (
+    <D as Device>::Act,
+    Option<<D as Device>::F32>,
+    <D as Device>::F32,
+);
+
+/// A norm's forward into new buffers; a bias-free LayerNorm adds zeros.
+pub(crate) fn norm_forward<D: Device>(dev: &D, n: &Norm<'_, D>) -> DResult<Normed<D>> {
+    let mut y = dev.act_zeros(D::act_len(n.x))?;
+    let mut rstd = dev.f32_zeros(n.rows)?;
+    let layer = n.kind == NormKind::Layernorm;
+    let mut mean = if layer {
+        Some(dev.f32_zeros(n.rows)?)
+    } else {
+        None
+    };
+    let zero = match (layer, n.b) {
+        (true, None) => Some(dev.act_zeros(n.dim)?),
+        _ => None,
+    };
+    let n = Norm {
+        b: n.b.or(zero.as_ref()),
+        ..*n
+    };
+    let out = NormOut {
+        y: &mut y,
+        mean: mean.as_mut(),
+        rstd: &mut rstd,
+    };
+    dev.norm_fwd(&n, out)?;
+    Ok((y, mean, rstd))
+}
+
+/// RoPE over fused QKV rows `x [rows, width]` at `positions`: `shape` is (query
+/// heads, key/value heads, head dim, row width); `backward` rotates a gradient
+/// back.
+pub struct RopeQkv<'a, D: Device + ?Sized> {
+    pub x: &'a D::Act,
+    pub positions: &'a D::Ids,
+    pub rows: usize,
+    pub shape: (usize, usize, usize, usize),
+    pub rope: Rope,
+    pub backward: bool,
+}
+
+/// One attention call: its sizes, its operands `[b, s, h, d]` (queries, keys and
+/// values), and how it masks and scales its scores: the first query and key
+/// positions of the blocks (ring attention, a KV cache), causal or not, `1 /
+/// sqrt(d)`, and the probabilities' dropout.
+pub struct Attn<'a, D: Device + ?Sized> {
+    pub dims: &'a AttnDims,
+    pub q: &'a D::Act,
+    pub k: &'a D::Act,
+    pub v: &'a D::Act,
+    pub pos0: (usize, usize),
+    pub causal: bool,
+    pub scale: f32,
+    pub dropout: Option<&'a AttnDropout>,
+}
+
+/// Attention's forward outputs: `o` `[b, s, hq, dv]` and the rows' log-sum-exps.
+pub struct AttnOut<'a, D: Device + ?Sized> {
+    pub o: &'a mut D::Act,
+    pub lse: &'a mut D::F32,
+}
+
+/// Attention's backward: the forward's output and log-sum-exps and the output's
+/// gradient, and the gradients it adds into.
+pub struct AttnBwd<'a, D: Device + ?Sized> {
+    pub o: &'a D::Act,
+    pub lse: &'a D::F32,
+    pub d_o: &'a D::Act,
+    pub d_q: &'a mut D::Act,
+    pub d_k: &'a mut D::Act,
+    pub d_v: &'a mut D::Act,
+}
 
 /// A device: buffers and the kernels over them. Launches may be asynchronous; a
 /// download waits for the work before it.
@@ -158,35 +277,12 @@ pub trait Device: Send + Sync {
         Ok(())
     }
 
-    /// `c = op(a) op(b)` (`beta` 0) with `op(a) [m, k]`, `op(b) [k, n]`.
-    fn matmul(
-        &self,
-        ta: Transpose,
-        tb: Transpose,
-        m: usize,
-        k: usize,
-        n: usize,
-        a: &Self::Act,
-        b: &Self::Act,
-        c: &mut Self::Act,
-    ) -> DResult<()>;
-    /// `c += op(a) op(b)` into an fp32 buffer (weight gradients).
+    /// `c = op(a) op(b)` with `op(a) [m, k]`, `op(b) [k, n]`, on the spans `g`
+    /// places (`c`'s span overwritten).
+    fn matmul(&self, g: &GemmAt, a: &Self::Act, b: &Self::Act, c: &mut Self::Act) -> DResult<()>;
+    /// `c += op(a) op(b)` into an fp32 buffer (weight gradients), on the spans
+    /// `g` places.
     fn matmul_acc(
-        &self,
-        ta: Transpose,
-        tb: Transpose,
-        m: usize,
-        k: usize,
-        n: usize,
-        a: &Self::Act,
-        b: &Self::Act,
-        c: &mut Self::F32,
-    ) -> DResult<()>;
-    /// [`Device::matmul`] on spans of the buffers (`c`'s span overwritten).
-    fn matmul_at(&self, g: &GemmAt, a: &Self::Act, b: &Self::Act, c: &mut Self::Act)
-        -> DResult<()>;
-    /// [`Device::matmul_acc`] on spans of the buffers (`c`'s span added to).
-    fn matmul_acc_at(
         &self,
         g: &GemmAt,
         a: &Self::Act,
@@ -236,53 +332,13 @@ pub trait Device: Send + Sync {
     /// RoPE on the query and key heads of fused QKV rows `[rows, width]` (the
     /// value columns copied), forward or, with `backward`, the inverse rotation of
     /// a gradient; `y` overwritten.
-    fn rope_qkv(
-        &self,
-        x: &Self::Act,
-        positions: &Self::Ids,
-        rows: usize,
-        hq: usize,
-        hkv: usize,
-        d: usize,
-        width: usize,
-        rope: Rope,
-        backward: bool,
-        y: &mut Self::Act,
-    ) -> DResult<()>;
+    fn rope_qkv(&self, r: &RopeQkv<'_, Self>, y: &mut Self::Act) -> DResult<()>;
 
-    /// Causal (or full) attention over `[b, s, h, d]` operands; `out` and `lse`
-    /// overwritten.
-    fn attention_fwd(
-        &self,
-        dims: &AttnDims,
-        q: &Self::Act,
-        k: &Self::Act,
-        v: &Self::Act,
-        pos0: (usize, usize),
-        causal: bool,
-        scale: f32,
-        dropout: Option<&AttnDropout>,
-        out: &mut Self::Act,
-        lse: &mut Self::F32,
-    ) -> DResult<()>;
+    /// Causal (or full) attention over `[b, s, h, d]` operands; `out.o` and
+    /// `out.lse` overwritten.
+    fn attention_fwd(&self, a: &Attn<'_, Self>, out: AttnOut<'_, Self>) -> DResult<()>;
     /// Attention backward; `d_q`, `d_k`, `d_v` zeroed by the caller, accumulated.
-    fn attention_bwd(
-        &self,
-        dims: &AttnDims,
-        q: &Self::Act,
-        k: &Self::Act,
-        v: &Self::Act,
-        o: &Self::Act,
-        lse: &Self::F32,
-        d_o: &Self::Act,
-        pos0: (usize, usize),
-        causal: bool,
-        scale: f32,
-        dropout: Option<&AttnDropout>,
-        d_q: &mut Self::Act,
-        d_k: &mut Self::Act,
-        d_v: &mut Self::Act,
-    ) -> DResult<()>;
+    fn attention_bwd(&self, a: &Attn<'_, Self>, b: AttnBwd<'_, Self>) -> DResult<()>;
     /// Ring attention: merges one key/value block's `(o_blk, lse_blk)` into the
     /// running `(o_acc, lse_acc)` by their log-sum-exps.
     fn attention_merge(
@@ -315,56 +371,11 @@ pub trait Device: Send + Sync {
         d_table: &mut Self::F32,
     ) -> DResult<()>;
 
-    /// LayerNorm forward (`y`, `mean`, `rstd` overwritten).
-    fn layernorm_fwd(
-        &self,
-        x: &Self::Act,
-        w: &Self::Act,
-        b: &Self::Act,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        y: &mut Self::Act,
-        mean: &mut Self::F32,
-        rstd: &mut Self::F32,
-    ) -> DResult<()>;
-    /// LayerNorm backward: accumulates `dx`, `dw`, `db`.
-    fn layernorm_bwd(
-        &self,
-        x: &Self::Act,
-        w: &Self::Act,
-        mean: &Self::F32,
-        rstd: &Self::F32,
-        dy: &Self::Act,
-        rows: usize,
-        dim: usize,
-        dx: &mut Self::Act,
-        dw: &mut Self::F32,
-        db: &mut Self::F32,
-    ) -> DResult<()>;
-    /// RMSNorm forward (`y`, `rstd` overwritten).
-    fn rmsnorm_fwd(
-        &self,
-        x: &Self::Act,
-        w: &Self::Act,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        y: &mut Self::Act,
-        rstd: &mut Self::F32,
-    ) -> DResult<()>;
-    /// RMSNorm backward: accumulates `dx`, `dw`.
-    fn rmsnorm_bwd(
-        &self,
-        x: &Self::Act,
-        w: &Self::Act,
-        rstd: &Self::F32,
-        dy: &Self::Act,
-        rows: usize,
-        dim: usize,
-        dx: &mut Self::Act,
-        dw: &mut Self::F32,
-    ) -> DResult<()>;
+    /// LayerNorm or RMSNorm forward: `y`, the means (LayerNorm) and the
+    /// reciprocal deviations overwritten.
+    fn norm_fwd(&self, n: &Norm<'_, Self>, out: NormOut<'_, Self>) -> DResult<()>;
+    /// The norm's backward: accumulates `dx`, `dw` (and LayerNorm's `db`).
+    fn norm_bwd(&self, n: &Norm<'_, Self>, g: NormBwd<'_, Self>) -> DResult<()>;
 
     /// GELU (tanh) forward, `y` overwritten.
     fn gelu_fwd(&self, x: &Self::Act, y: &mut Self::Act) -> DResult<()>;
@@ -938,46 +949,12 @@ impl<H: HostPrecision> Device for H {
         H::round(acc);
         Ok(())
     }
-    fn matmul(
-        &self,
-        ta: Transpose,
-        tb: Transpose,
-        m: usize,
-        kk: usize,
-        n: usize,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
-        c: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::matmul(ta, tb, m, kk, n, a, b, 0.0, c)?;
-        H::round(c);
-        Ok(())
-    }
-    fn matmul_acc(
-        &self,
-        ta: Transpose,
-        tb: Transpose,
-        m: usize,
-        kk: usize,
-        n: usize,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
-        c: &mut Vec<f32>,
-    ) -> DResult<()> {
-        Ok(k::matmul(ta, tb, m, kk, n, a, b, 1.0, c)?)
-    }
-    fn matmul_at(&self, g: &GemmAt, a: &Vec<f32>, b: &Vec<f32>, c: &mut Vec<f32>) -> DResult<()> {
+    fn matmul(&self, g: &GemmAt, a: &Vec<f32>, b: &Vec<f32>, c: &mut Vec<f32>) -> DResult<()> {
         k::matmul_at(g, a, b, 0.0, c)?;
         H::round(&mut c[g.spans()?[2].clone()]);
         Ok(())
     }
-    fn matmul_acc_at(
-        &self,
-        g: &GemmAt,
-        a: &Vec<f32>,
-        b: &Vec<f32>,
-        c: &mut Vec<f32>,
-    ) -> DResult<()> {
+    fn matmul_acc(&self, g: &GemmAt, a: &Vec<f32>, b: &Vec<f32>, c: &mut Vec<f32>) -> DResult<()> {
         Ok(k::matmul_at(g, a, b, 1.0, c)?)
     }
     fn bias_add(&self, y: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, n: usize) -> DResult<()> {
@@ -1009,13 +986,7 @@ impl<H: HostPrecision> Device for H {
         kk: &mut Vec<f32>,
         v: &mut Vec<f32>,
     ) -> DResult<()> {
-        let rows = dims.batch * dims.sq;
-        let width = qkv_width(dims);
-        k::check_len("x", x.len(), rows * width)?;
-        let (a, b, c) =
-            crate::train::split_qkv(x, rows, dims.hq, dims.hkv, dims.d, dims.dv, dims.batch);
-        (*q, *kk, *v) = (a, b, c);
-        Ok(())
+        Ok(k::split_qkv(x, dims, q, kk, v)?)
     }
     fn join_qkv(
         &self,
@@ -1025,14 +996,7 @@ impl<H: HostPrecision> Device for H {
         dims: &AttnDims,
         dx: &mut Vec<f32>,
     ) -> DResult<()> {
-        let rows = dims.batch * dims.sq;
-        k::check_len("dq", dq.len(), rows * dims.hq * dims.d)?;
-        k::check_len("dk", dk.len(), rows * dims.hkv * dims.d)?;
-        k::check_len("dv", dv.len(), rows * dims.hkv * dims.dv)?;
-        *dx = crate::train::join_qkv(
-            dq, dk, dv, rows, dims.hq, dims.hkv, dims.d, dims.dv, dims.batch,
-        );
-        Ok(())
+        Ok(k::join_qkv(dq, dk, dv, dims, dx)?)
     }
     fn transpose_bs(
         &self,
@@ -1043,71 +1007,32 @@ impl<H: HostPrecision> Device for H {
         to_sbhd: bool,
         y: &mut Vec<f32>,
     ) -> DResult<()> {
-        k::check_len("x", x.len(), b * s * w)?;
-        *y = if to_sbhd {
-            crate::train::bshd_to_sbhd(x, b, s, w)
-        } else {
-            crate::train::sbhd_to_bshd(x, b, s, w)
-        };
-        Ok(())
+        Ok(k::transpose_bs(x, (b, s, w), to_sbhd, y)?)
     }
-    fn rope_qkv(
-        &self,
-        x: &Vec<f32>,
-        positions: &Vec<u32>,
-        rows: usize,
-        hq: usize,
-        hkv: usize,
-        d: usize,
-        width: usize,
-        rope: Rope,
-        backward: bool,
-        y: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::check_len("x", x.len(), rows * width)?;
-        *y = crate::train::rope_qkv_host(x, positions, rows, (hq, hkv, d, width), rope, backward)?;
+    fn rope_qkv(&self, r: &RopeQkv<'_, Self>, y: &mut Vec<f32>) -> DResult<()> {
+        k::rope_qkv(r.x, r.positions, r.rows, r.shape, (r.rope, r.backward), y)?;
         H::round(y);
         Ok(())
     }
-    fn attention_fwd(
-        &self,
-        dims: &AttnDims,
-        q: &Vec<f32>,
-        kk: &Vec<f32>,
-        v: &Vec<f32>,
-        (q0, k0): (usize, usize),
-        causal: bool,
-        scale: f32,
-        dropout: Option<&AttnDropout>,
-        out: &mut Vec<f32>,
-        lse: &mut Vec<f32>,
-    ) -> DResult<()> {
-        with_attn_dropout(dropout, |dr| {
-            k::attention_fwd(dims, q, kk, v, q0, k0, causal, scale, out, lse, dr)
+    fn attention_fwd(&self, a: &Attn<'_, Self>, out: AttnOut<'_, Self>) -> DResult<()> {
+        let (q0, k0) = a.pos0;
+        with_attn_dropout(a.dropout, |dr| {
+            let (q, kk, v) = (a.q, a.k, a.v);
+            k::attention_fwd(
+                a.dims, q, kk, v, q0, k0, a.causal, a.scale, out.o, out.lse, dr,
+            )
         })?;
-        H::round(out);
+        H::round(out.o);
         Ok(())
     }
-    fn attention_bwd(
-        &self,
-        dims: &AttnDims,
-        q: &Vec<f32>,
-        kk: &Vec<f32>,
-        v: &Vec<f32>,
-        o: &Vec<f32>,
-        lse: &Vec<f32>,
-        d_o: &Vec<f32>,
-        (q0, k0): (usize, usize),
-        causal: bool,
-        scale: f32,
-        dropout: Option<&AttnDropout>,
-        d_q: &mut Vec<f32>,
-        d_k: &mut Vec<f32>,
-        d_v: &mut Vec<f32>,
-    ) -> DResult<()> {
-        with_attn_dropout(dropout, |dr| {
+    fn attention_bwd(&self, a: &Attn<'_, Self>, b: AttnBwd<'_, Self>) -> DResult<()> {
+        let (q0, k0) = a.pos0;
+        let (d_q, d_k, d_v) = (b.d_q, b.d_k, b.d_v);
+        with_attn_dropout(a.dropout, |dr| {
+            let (q, kk, v, o, lse, d_o) = (a.q, a.k, a.v, b.o, b.lse, b.d_o);
+            let (causal, scale) = (a.causal, a.scale);
             k::attention_bwd(
-                dims, q, kk, v, o, lse, d_o, q0, k0, causal, scale, d_q, d_k, d_v, dr,
+                a.dims, q, kk, v, o, lse, d_o, q0, k0, causal, scale, d_q, d_k, d_v, dr,
             )
         })?;
         H::round(d_q);
@@ -1147,66 +1072,26 @@ impl<H: HostPrecision> Device for H {
     ) -> DResult<()> {
         Ok(k::embedding_bwd(ids, d_out, vocab_start, dim, d_table)?)
     }
-    fn layernorm_fwd(
-        &self,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        b: &Vec<f32>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        y: &mut Vec<f32>,
-        mean: &mut Vec<f32>,
-        rstd: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::layernorm_fwd(x, w, b, rows, dim, eps, y, mean, rstd)?;
+    fn norm_fwd(&self, n: &Norm<'_, Self>, out: NormOut<'_, Self>) -> DResult<()> {
+        let NormOut { y, mean, rstd } = out;
+        if n.kind == NormKind::Rmsnorm {
+            k::rmsnorm_fwd(n.x, n.w, n.rows, n.dim, n.eps, y, rstd)?;
+        } else {
+            let (b, mean) = layernorm_parts(n.b, mean)?;
+            k::layernorm_fwd(n.x, n.w, b, n.rows, n.dim, n.eps, y, mean, rstd)?;
+        }
         H::round(y);
         Ok(())
     }
-    fn layernorm_bwd(
-        &self,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        mean: &Vec<f32>,
-        rstd: &Vec<f32>,
-        dy: &Vec<f32>,
-        rows: usize,
-        dim: usize,
-        dx: &mut Vec<f32>,
-        dw: &mut Vec<f32>,
-        db: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::layernorm_bwd(x, w, mean, rstd, dy, rows, dim, dx, dw, db)?;
-        H::round(dx);
-        Ok(())
-    }
-    fn rmsnorm_fwd(
-        &self,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        rows: usize,
-        dim: usize,
-        eps: f32,
-        y: &mut Vec<f32>,
-        rstd: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::rmsnorm_fwd(x, w, rows, dim, eps, y, rstd)?;
-        H::round(y);
-        Ok(())
-    }
-    fn rmsnorm_bwd(
-        &self,
-        x: &Vec<f32>,
-        w: &Vec<f32>,
-        rstd: &Vec<f32>,
-        dy: &Vec<f32>,
-        rows: usize,
-        dim: usize,
-        dx: &mut Vec<f32>,
-        dw: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::rmsnorm_bwd(x, w, rstd, dy, rows, dim, dx, dw)?;
-        H::round(dx);
+    fn norm_bwd(&self, n: &Norm<'_, Self>, g: NormBwd<'_, Self>) -> DResult<()> {
+        let (dx, dw) = (&mut *g.dx, g.dw);
+        if n.kind == NormKind::Rmsnorm {
+            k::rmsnorm_bwd(n.x, n.w, g.rstd, g.dy, n.rows, n.dim, dx, dw)?;
+        } else {
+            let (mean, db) = layernorm_parts(g.mean, g.db)?;
+            k::layernorm_bwd(n.x, n.w, mean, g.rstd, g.dy, n.rows, n.dim, dx, dw, db)?;
+        }
+        H::round(g.dx);
         Ok(())
     }
     fn gelu_fwd(&self, x: &Vec<f32>, y: &mut Vec<f32>) -> DResult<()> {

@@ -31,7 +31,7 @@
 //! through these same passes, the caches moving between them (`disagg.rs`).
 
 use crate::comm::{ByteCounts, Communicator, Group, RankError};
-use crate::device::{derr, Device, HostDevice};
+use crate::device::{derr, Attn, AttnOut, Device, HostDevice, Norm, RopeQkv};
 use crate::init::init_full;
 use crate::moe::Routing;
 use crate::sample::{sample, Sampling};
@@ -42,7 +42,7 @@ use crate::train::{
 use crate::weights::{apply_spec, shard_spec, Checkpoint};
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Phase, PhaseKind, Plan, PlanKind, Target};
-use meshplan_ir::{Graph, MlpKind, NormKind, Op, TensorKind, TpRole};
+use meshplan_ir::{Graph, MlpKind, Op, TensorKind, TpRole};
 use meshplan_kernels::cpu as k;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

@@ -264,25 +264,21 @@ impl<'a, D: Device> InferRank<'a, D> {
                 let w = self.weight(op, 1, l)?;
                 let dim = D::act_len(w);
                 let n = D::act_len(x) / dim.max(1);
-                let mut y = self.zeros(D::act_len(x))?;
-                let mut rstd = self.zeros_f32(n)?;
-                match kind {
-                    NormKind::Rmsnorm => self.dev.rmsnorm_fwd(x, w, n, dim, eps, &mut y, &mut rstd),
-                    NormKind::Layernorm => {
-                        let zeros;
-                        let b = match op.inputs.get(2) {
-                            Some(_) => self.weight(op, 2, l)?,
-                            None => {
-                                zeros = self.zeros(dim)?;
-                                &zeros
-                            }
-                        };
-                        let mut mean = self.zeros_f32(n)?;
-                        self.dev
-                            .layernorm_fwd(x, w, b, n, dim, eps, &mut y, &mut mean, &mut rstd)
-                    }
-                }
-                .map_err(&err)?;
+                let b = match op.inputs.get(2) {
+                    Some(_) => Some(self.weight(op, 2, l)?),
+                    None => None,
+                };
+                let (rows, kind) = (n, *kind);
+                let n = Norm {
+                    kind,
+                    x,
+                    w,
+                    b,
+                    rows,
+                    dim,
+                    eps,
+                };
+                let (y, _, _) = crate::device::norm_forward(&self.dev, &n).map_err(&err)?;
                 y
             }
             OpKind::Matmul { .. } => {
@@ -301,7 +297,12 @@ impl<'a, D: Device> InferRank<'a, D> {
                     k::Transpose::No
                 };
                 self.dev
-                    .matmul(k::Transpose::No, tb, rows, kk, n, x, w, &mut y)
+                    .matmul(
+                        &k::GemmAt::whole(k::Transpose::No, tb, rows, kk, n),
+                        x,
+                        w,
+                        &mut y,
+                    )
                     .map_err(&err)?;
                 // A row-parallel bias is added once, before the partial sums meet.
                 if op.inputs.get(2).is_some()
@@ -320,9 +321,17 @@ impl<'a, D: Device> InferRank<'a, D> {
                 let positions = self.dev.ids_upload(&batch.positions()).map_err(&err)?;
                 let rope = crate::rope_of(&self.graph.constants);
                 let mut y = self.zeros(D::act_len(x))?;
-                self.dev
-                    .rope_qkv(x, &positions, rows, hq, hkv, d, width, rope, false, &mut y)
-                    .map_err(&err)?;
+                let shape = (hq, hkv, d, width);
+                let (positions, backward) = (&positions, false);
+                let r = RopeQkv {
+                    x,
+                    positions,
+                    rows,
+                    shape,
+                    rope,
+                    backward,
+                };
+                self.dev.rope_qkv(&r, &mut y).map_err(&err)?;
                 y
             }
             OpKind::Attention(a) => self.attention(op, a.causal, batch, l)?,
@@ -513,21 +522,22 @@ impl<'a, D: Device> InferRank<'a, D> {
             };
             let mut o = self.zeros(no)?;
             let mut lse = self.zeros_f32(hq * seq)?;
-            self.dev
-                .attention_fwd(
-                    &dims,
-                    qb.as_ref().unwrap_or(&q),
-                    &kc,
-                    &vc,
-                    (batch.pos0[bi], 0),
-                    causal,
-                    scale,
-                    // Inference runs in eval mode: no dropout.
-                    None,
-                    &mut o,
-                    &mut lse,
-                )
-                .map_err(&err)?;
+            let a = Attn {
+                dims: &dims,
+                q: qb.as_ref().unwrap_or(&q),
+                k: &kc,
+                v: &vc,
+                pos0: (batch.pos0[bi], 0),
+                causal,
+                scale,
+                // Inference runs in eval mode: no dropout.
+                dropout: None,
+            };
+            let out = AttnOut {
+                o: &mut o,
+                lse: &mut lse,
+            };
+            self.dev.attention_fwd(&a, out).map_err(&err)?;
             self.dev
                 .act_copy(&o, 0, &mut o_all, bi * no, no)
                 .map_err(&err)?;

@@ -40,6 +40,21 @@ pub struct GemmAt {
 }
 
 impl GemmAt {
+    /// The whole product `c [m, n] = op(a) op(b)`, every buffer from its start.
+    pub fn whole(ta: Transpose, tb: Transpose, m: usize, k: usize, n: usize) -> GemmAt {
+        let (a_off, b_off, c_off) = (0, 0, 0);
+        GemmAt {
+            ta,
+            tb,
+            m,
+            k,
+            n,
+            a_off,
+            b_off,
+            c_off,
+        }
+    }
+
     /// The element ranges of `a`, `b` and `c` the product reads and writes.
     pub fn spans(&self) -> Result<[std::ops::Range<usize>; 3], KernelError> {
         let mk = super::prod("a", &[self.m, self.k])?;

@@ -19,8 +19,8 @@
 //!   depend on the number of threads.
 //!
 //! Families: [`matmul`](mod@matmul), [`embedding`](mod@embedding),
-//! [`norm`], [`rope`], [`activation`], [`attention`], [`dropout`], [`loss`],
-//! [`adamw`], [`moe`].
+//! [`norm`], [`rope`], [`activation`], [`attention`] (with the row
+//! [`layout`]s around it), [`dropout`], [`loss`], [`adamw`], [`moe`].
 
 use std::error::Error;
 use std::fmt;
@@ -72,6 +72,7 @@ pub mod adamw;
 pub mod attention;
 pub mod dropout;
 pub mod embedding;
+pub mod layout;
 pub mod loss;
 pub mod matmul;
 pub mod moe;
@@ -83,6 +84,7 @@ pub use adamw::adamw_step;
 pub use attention::{attention_bwd, attention_fwd, attention_merge, AttnDims, Dropout, KEY_TILE};
 pub use dropout::{dropout_rows, splitmix, AttnDropout, DropoutDraw, RowDropout};
 pub use embedding::{embedding_bwd, embedding_fwd};
+pub use layout::{join_qkv, split_qkv, transpose_bs};
 pub use loss::{ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit};
 pub use matmul::{matmul, matmul_at, matmul_batched, GemmAt, Transpose};
 pub use moe::{
@@ -90,7 +92,7 @@ pub use moe::{
     moe_route_bwd, moe_route_fwd, MoeDims, NO_ROW,
 };
 pub use norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
-pub use rope::{rope_bwd, rope_fwd, Rope};
+pub use rope::{rope_bwd, rope_fwd, rope_qkv, Rope};
 
 /// Why a kernel refused its arguments.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -161,10 +161,66 @@ pub fn rope_bwd(
     Ok(())
 }
 
+/// RoPE on the query and key heads of fused rows `x [rows, width]` (`hq` query
+/// heads and `hkv` key heads of `head_dim`, the value columns after them), the
+/// value columns copied, into `y` (overwritten); with `backward`, the inverse
+/// rotation of a gradient.
+pub fn rope_qkv(
+    x: &[f32],
+    positions: &[u32],
+    rows: usize,
+    (hq, hkv, head_dim, width): (usize, usize, usize, usize),
+    (rope, backward): (Rope, bool),
+    y: &mut [f32],
+) -> Result<(), KernelError> {
+    check_len("x", x.len(), rows * width)?;
+    check_len("y", y.len(), rows * width)?;
+    y.copy_from_slice(x);
+    for (start, heads) in [(0, hq), (hq * head_dim, hkv)] {
+        let n = heads * head_dim;
+        let mut part = vec![0.0; rows * n];
+        for (r, p) in part.chunks_exact_mut(n.max(1)).enumerate() {
+            p.copy_from_slice(&x[r * width + start..][..n]);
+        }
+        let mut out = vec![0.0; part.len()];
+        if backward {
+            rope_bwd(&part, positions, rows, heads, head_dim, rope, &mut out)?;
+        } else {
+            rope_fwd(&part, positions, rows, heads, head_dim, rope, &mut out)?;
+        }
+        for (r, o) in out.chunks_exact(n.max(1)).enumerate() {
+            y[r * width + start..][..n].copy_from_slice(o);
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cpu::testutil::{assert_grad_close, dot64, numeric_grad, Rng};
+
+    /// Fused rows of one query head, one key head (d = 2) and a value head: at
+    /// position 1 with base 1 the angle is 1 radian; `[1, 0]` turns to
+    /// `[cos 1, sin 1]`, `[0, 1]` to `[-sin 1, cos 1]`, the values stay; the backward
+    /// turns them back.
+    #[test]
+    fn rope_qkv_rotates_queries_and_keys_and_copies_values() {
+        let x = [1.0, 0.0, 0.0, 1.0, 7.0, 8.0];
+        let mut y = [0.0; 6];
+        let shape = (1, 1, 2, 6);
+        rope_qkv(&x, &[1], 1, shape, (Rope::plain(1.0), false), &mut y).unwrap();
+        let (c, s) = (1f32.cos(), 1f32.sin());
+        let want = [c, s, -s, c, 7.0, 8.0];
+        for (a, b) in y.iter().zip(want) {
+            assert!((a - b).abs() < 1e-6, "{y:?}");
+        }
+        let mut back = [0.0; 6];
+        rope_qkv(&y, &[1], 1, shape, (Rope::plain(1.0), true), &mut back).unwrap();
+        for (a, b) in back.iter().zip(x) {
+            assert!((a - b).abs() < 1e-6, "{back:?}");
+        }
+    }
 
     #[test]
     fn rotate_half_by_hand() {

@@ -86,20 +86,12 @@ impl<'a, D: Device> DevRank<'a, D> {
             let mut ob = self.zeros(D::act_len(o))?;
             let mut lb = self.zeros_f32(D::f32_len(lse))?;
             let pos = (me * s_l, owner * s_l);
-            self.dev
-                .attention_fwd(
-                    dims,
-                    q,
-                    &kb,
-                    &vb,
-                    pos,
-                    mask.causal,
-                    mask.scale,
-                    mask.dropout.as_ref(),
-                    &mut ob,
-                    &mut lb,
-                )
-                .map_err(&e)?;
+            let out = AttnOut {
+                o: &mut ob,
+                lse: &mut lb,
+            };
+            let a = mask.attn(dims, (q, &kb, &vb), pos);
+            self.dev.attention_fwd(&a, out).map_err(&e)?;
             self.dev
                 .attention_merge(dims, o, lse, &ob, &lb)
                 .map_err(&e)?;
@@ -137,24 +129,16 @@ impl<'a, D: Device> DevRank<'a, D> {
             );
             let (mut gk, mut gv) = (self.zeros(kl)?, self.zeros(len - kl)?);
             let pos = (me * s_l, owner * s_l);
-            self.dev
-                .attention_bwd(
-                    dims,
-                    q,
-                    &kb,
-                    &vb,
-                    o,
-                    lse,
-                    d_o,
-                    pos,
-                    mask.causal,
-                    mask.scale,
-                    mask.dropout.as_ref(),
-                    dq,
-                    &mut gk,
-                    &mut gv,
-                )
-                .map_err(&e)?;
+            let b = AttnBwd {
+                o,
+                lse,
+                d_o,
+                d_q: &mut *dq,
+                d_k: &mut gk,
+                d_v: &mut gv,
+            };
+            let a = mask.attn(dims, (q, &kb, &vb), pos);
+            self.dev.attention_bwd(&a, b).map_err(&e)?;
             grads[owner] = Some(self.kv_block(&gk, &gv)?);
             if t + 1 < n {
                 block = self.pass_block(next, prev, &block)?;

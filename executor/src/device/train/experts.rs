@@ -211,7 +211,7 @@ fn linear_spans_bwd<D: Device>(
             b_off: j * k * cols,
             c_off: off * k,
         };
-        dev.matmul_at(&data, dy, w, dx)?;
+        dev.matmul(&data, dy, w, dx)?;
         let weight = GemmAt {
             ta: Transpose::Yes,
             tb: Transpose::No,
@@ -222,7 +222,7 @@ fn linear_spans_bwd<D: Device>(
             b_off: off * cols,
             c_off: j * k * cols,
         };
-        dev.matmul_acc_at(&weight, x, dy, dw)?;
+        dev.matmul_acc(&weight, x, dy, dw)?;
     }
     Ok(())
 }

@@ -12,7 +12,7 @@
 //! fp32 accumulation and `beta = 1` across micro-batches), and AdamW updates fp32
 //! master weights and moments, refreshing the bf16 copy in the same kernel.
 
-use super::{derr, qkv_width, DResult, Device};
+use super::{derr, qkv_width, Attn, AttnBwd, AttnOut, DResult, Device};
 use crate::comm::{Communicator, Group, RankError};
 use crate::init::{init_full, init_kind};
 use crate::shard::{local_heads, local_weight, TpPos};
@@ -127,6 +127,28 @@ struct AttnMask {
     causal: bool,
     scale: f32,
     dropout: Option<AttnDropout>,
+}
+
+impl AttnMask {
+    /// One attention call over `(q, k, v)` under this mask, its blocks starting at
+    /// query and key positions `pos0`.
+    fn attn<'a, D: Device>(
+        &'a self,
+        dims: &'a AttnDims,
+        (q, k, v): (&'a D::Act, &'a D::Act, &'a D::Act),
+        pos0: (usize, usize),
+    ) -> Attn<'a, D> {
+        Attn {
+            dims,
+            q,
+            k,
+            v,
+            pos0,
+            causal: self.causal,
+            scale: self.scale,
+            dropout: self.dropout.as_ref(),
+        }
+    }
 }
 
 /// A span on the device timeline, resolved at the end of the step.

@@ -2,6 +2,9 @@
 //! [`super::super::Device`] on this rank's slices of weights, heads and rows.
 
 use super::*;
+use crate::device::{norm_forward, Norm, NormBwd, RopeQkv};
+use meshplan_kernels::cpu::GemmAt;
+use Transpose::{No, Yes};
 
 impl<'a, D: Device> DevRank<'a, D> {
     pub(super) fn attention_dims(
@@ -213,20 +216,15 @@ impl<'a, D: Device> DevRank<'a, D> {
         let (dims, width) = self.attention_dims(att, rows)?;
         let mut y = self.zeros(D::act_len(x))?;
         let rope = crate::rope_of(&self.graph.constants);
-        self.dev
-            .rope_qkv(
-                x,
-                &t.positions,
-                rows,
-                dims.hq,
-                dims.hkv,
-                dims.d,
-                width,
-                rope,
-                backward,
-                &mut y,
-            )
-            .map_err(derr(&op.name))?;
+        let r = RopeQkv {
+            x,
+            positions: &t.positions,
+            rows,
+            shape: (dims.hq, dims.hkv, dims.d, width),
+            rope,
+            backward,
+        };
+        self.dev.rope_qkv(&r, &mut y).map_err(derr(&op.name))?;
         Ok(y)
     }
 
@@ -268,27 +266,23 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
                 let rows = D::act_len(&x) / dim;
                 let w = self.weight(op.inputs[1], l)?;
-                let mut y = self.zeros(D::act_len(&x))?;
-                let mut rstd = self.zeros_f32(rows)?;
-                match kind {
-                    NormKind::Rmsnorm => {
-                        dev.rmsnorm_fwd(&x, w, rows, dim, eps, &mut y, &mut rstd)
-                            .map_err(&e)?;
-                    }
-                    NormKind::Layernorm => {
-                        let mut mean = self.zeros_f32(rows)?;
-                        let zero;
-                        let b = match op.inputs.get(2) {
-                            Some(&bid) => self.weight(bid, l)?,
-                            None => {
-                                zero = self.zeros(dim)?;
-                                &zero
-                            }
-                        };
-                        dev.layernorm_fwd(&x, w, b, rows, dim, eps, &mut y, &mut mean, &mut rstd)
-                            .map_err(&e)?;
-                        t.stats.insert((l, op.name.clone(), Stat::Mean), mean);
-                    }
+                let b = match op.inputs.get(2) {
+                    Some(&bid) => Some(self.weight(bid, l)?),
+                    None => None,
+                };
+                let (x, kind) = (&*x, *kind);
+                let n = Norm {
+                    kind,
+                    x,
+                    w,
+                    b,
+                    rows,
+                    dim,
+                    eps,
+                };
+                let (y, mean, rstd) = norm_forward(dev, &n).map_err(&e)?;
+                if let Some(mean) = mean {
+                    t.stats.insert((l, op.name.clone(), Stat::Mean), mean);
                 }
                 t.stats.insert((l, op.name.clone(), Stat::Rstd), rstd);
                 y
@@ -308,8 +302,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                 } else {
                     Transpose::No
                 };
-                dev.matmul(Transpose::No, tb, rows, kk, n, &x, w, &mut y)
-                    .map_err(&e)?;
+                dev.matmul(
+                    &GemmAt::whole(Transpose::No, tb, rows, kk, n),
+                    &x,
+                    w,
+                    &mut y,
+                )
+                .map_err(&e)?;
                 // A row-parallel bias is added once, before the partial sums meet.
                 if let Some(&bid) = op.inputs.get(2) {
                     if op.role != TpRole::RowParallel || self.tp.rank == 0 {
@@ -338,20 +337,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                 if self.cp.size > 1 {
                     self.ring_forward(&dims, (&q, &kk, &v), &mask, &mut o, &mut lse)?;
                 } else {
-                    self.dev
-                        .attention_fwd(
-                            &dims,
-                            &q,
-                            &kk,
-                            &v,
-                            (0, 0),
-                            mask.causal,
-                            mask.scale,
-                            mask.dropout.as_ref(),
-                            &mut o,
-                            &mut lse,
-                        )
-                        .map_err(&e)?;
+                    let a = mask.attn(&dims, (&q, &kk, &v), (0, 0));
+                    let out = AttnOut {
+                        o: &mut o,
+                        lse: &mut lse,
+                    };
+                    self.dev.attention_fwd(&a, out).map_err(&e)?;
                 }
                 let mut y = self.zeros(D::act_len(&o))?;
                 self.dev
@@ -502,24 +493,44 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .wgrads
                     .remove(&wkey)
                     .ok_or_else(|| fail("norm gradient missing"))?;
-                let r = match kind {
-                    NormKind::Rmsnorm => {
-                        dev.rmsnorm_bwd(&x, w, rstd, &dy, rows, dim, &mut dx, &mut dw)
-                    }
-                    NormKind::Layernorm => {
-                        let mean = stat(t, l, &op.name, Stat::Mean)?;
-                        // A bias-less norm's bias gradient goes to a scratch buffer.
-                        let mut scratch = self.zeros_f32(dim)?;
-                        let db = match &bkey {
-                            Some(k) => self
-                                .wgrads
-                                .get_mut(k)
-                                .ok_or_else(|| fail("bias gradient missing"))?,
-                            None => &mut scratch,
-                        };
-                        dev.layernorm_bwd(&x, w, mean, rstd, &dy, rows, dim, &mut dx, &mut dw, db)
-                    }
+                let layer = *kind == NormKind::Layernorm;
+                let mean = if layer {
+                    Some(stat(t, l, &op.name, Stat::Mean)?)
+                } else {
+                    None
                 };
+                // A bias-less norm's bias gradient goes to a scratch buffer.
+                let mut scratch = match (layer, &bkey) {
+                    (true, None) => Some(self.zeros_f32(dim)?),
+                    _ => None,
+                };
+                let db = match &bkey {
+                    Some(k) => Some(
+                        self.wgrads
+                            .get_mut(k)
+                            .ok_or_else(|| fail("bias gradient missing"))?,
+                    ),
+                    None => scratch.as_mut(),
+                };
+                let (x, kind, eps) = (&*x, *kind, self.graph.constants.norm_eps as f32);
+                let n = Norm {
+                    kind,
+                    x,
+                    w,
+                    b: None,
+                    rows,
+                    dim,
+                    eps,
+                };
+                let g = NormBwd {
+                    mean,
+                    rstd,
+                    dy: &dy,
+                    dx: &mut dx,
+                    dw: &mut dw,
+                    db,
+                };
+                let r = dev.norm_bwd(&n, g);
                 self.wgrads.insert(wkey, dw);
                 r.map_err(&e)?;
                 self.add_grad(t, l, in0, dx)?;
@@ -541,14 +552,14 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .ok_or_else(|| fail("gradient missing"))?;
                 if crate::shard::weight_transposed(op) {
                     // `y = x wᵀ` with `w [n, k]`: `dx = dy w`, `dw += dyᵀ x`.
-                    dev.matmul(Transpose::No, Transpose::No, rows, n, kk, &dy, w, &mut dx)
+                    dev.matmul(&GemmAt::whole(No, No, rows, n, kk), &dy, w, &mut dx)
                         .map_err(&e)?;
-                    dev.matmul_acc(Transpose::Yes, Transpose::No, n, rows, kk, &dy, &x, dw)
+                    dev.matmul_acc(&GemmAt::whole(Yes, No, n, rows, kk), &dy, &x, dw)
                         .map_err(&e)?;
                 } else {
-                    dev.matmul(Transpose::No, Transpose::Yes, rows, n, kk, &dy, w, &mut dx)
+                    dev.matmul(&GemmAt::whole(No, Yes, rows, n, kk), &dy, w, &mut dx)
                         .map_err(&e)?;
-                    dev.matmul_acc(Transpose::Yes, Transpose::No, kk, rows, n, &x, &dy, dw)
+                    dev.matmul_acc(&GemmAt::whole(Yes, No, kk, rows, n), &x, &dy, dw)
                         .map_err(&e)?;
                 }
                 if let Some(&b) = op.inputs.get(2) {
@@ -604,24 +615,16 @@ impl<'a, D: Device> DevRank<'a, D> {
                         (&mut dq, &mut dk, &mut dv),
                     )?;
                 } else {
-                    self.dev
-                        .attention_bwd(
-                            &dims,
-                            &q,
-                            &kk,
-                            &v,
-                            &o,
-                            lse,
-                            &d_o,
-                            (0, 0),
-                            mask.causal,
-                            mask.scale,
-                            mask.dropout.as_ref(),
-                            &mut dq,
-                            &mut dk,
-                            &mut dv,
-                        )
-                        .map_err(&e)?;
+                    let a = mask.attn(&dims, (&q, &kk, &v), (0, 0));
+                    let b = AttnBwd {
+                        o: &*o,
+                        lse,
+                        d_o: &d_o,
+                        d_q: &mut dq,
+                        d_k: &mut dk,
+                        d_v: &mut dv,
+                    };
+                    self.dev.attention_bwd(&a, b).map_err(&e)?;
                 }
                 let mut dx = self.zeros(D::act_len(&x))?;
                 self.dev
