@@ -9,8 +9,8 @@
 //! positions from 0), `beta` 0 for an activation GEMM and 1 for a weight gradient.
 
 use super::{
-    range_err, Attn, AttnBwd, AttnOut, DResult, Device, DeviceError, Norm, NormBwd, NormOut,
-    RopeQkv,
+    range_err, AdamW, Attn, AttnBwd, AttnOut, Ce, CeOut, DResult, Device, DeviceError, Norm,
+    NormBwd, NormOut, RopeQkv,
 };
 use crate::comm::{CommError, CommKind, Communicator, Group, P2p};
 use meshplan_ir::NormKind;
@@ -525,95 +525,49 @@ impl Device for CudaDevice {
     ) -> DResult<()> {
         Ok(self.gpu.add(a, b, out)?)
     }
-    fn cross_entropy(
-        &self,
-        logits: &CudaSlice<bf16>,
-        labels: &CudaSlice<u32>,
-        rows: usize,
-        vocab: usize,
-        scale: f32,
-        loss: &mut CudaSlice<f32>,
-        dlogits: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
+    fn cross_entropy(&self, c: &Ce<'_, Self>, out: CeOut<'_, Self>) -> DResult<()> {
+        let (logits, labels, rows, v) = (c.logits, c.labels, c.rows, c.v_local);
+        let (loss, dlogits) = (out.loss, out.dlogits);
         Ok(self
             .gpu
-            .ce_fused(logits, labels, rows, vocab, scale, loss, dlogits)?)
+            .ce_fused(logits, labels, rows, v, c.scale, loss, dlogits)?)
     }
-    fn ce_row_max(
-        &self,
-        logits: &CudaSlice<bf16>,
-        rows: usize,
-        v_local: usize,
-        max: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
-        Ok(self.gpu.ce_row_max(logits, rows, v_local, max)?)
+    fn ce_row_max(&self, c: &Ce<'_, Self>, max: &mut CudaSlice<f32>) -> DResult<()> {
+        Ok(self.gpu.ce_row_max(c.logits, c.rows, c.v_local, max)?)
     }
-    fn ce_sumexp_target(
-        &self,
-        logits: &CudaSlice<bf16>,
-        labels: &CudaSlice<u32>,
-        rows: usize,
-        v_local: usize,
-        vocab_start: usize,
-        max: &CudaSlice<f32>,
-        sumexp: &mut CudaSlice<f32>,
-        target: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
-        Ok(self.gpu.ce_sumexp_target(
-            logits,
-            labels,
-            rows,
-            v_local,
-            vocab_start,
-            max,
-            sumexp,
-            target,
-        )?)
+    fn ce_sums(&self, c: &Ce<'_, Self>, max: &Self::F32, out: [&mut Self::F32; 2]) -> DResult<()> {
+        let [se, target] = out;
+        let (logits, labels, rows, v, start) =
+            (c.logits, c.labels, c.rows, c.v_local, c.vocab_start);
+        Ok(self
+            .gpu
+            .ce_sumexp_target(logits, labels, rows, v, start, max, se, target)?)
     }
     fn ce_finish(
         &self,
-        logits: &CudaSlice<bf16>,
-        labels: &CudaSlice<u32>,
-        rows: usize,
-        v_local: usize,
-        vocab_start: usize,
-        scale: f32,
-        stats: [&CudaSlice<f32>; 3],
-        loss: &mut CudaSlice<f32>,
-        dlogits: &mut CudaSlice<bf16>,
+        c: &Ce<'_, Self>,
+        stats: [&Self::F32; 3],
+        out: CeOut<'_, Self>,
     ) -> DResult<()> {
+        let (logits, labels, rows, v, start) =
+            (c.logits, c.labels, c.rows, c.v_local, c.vocab_start);
+        let (loss, dlogits) = (out.loss, out.dlogits);
         Ok(self.gpu.ce_finish(
-            logits,
-            labels,
-            rows,
-            v_local,
-            vocab_start,
-            scale,
-            stats,
-            loss,
-            dlogits,
+            logits, labels, rows, v, start, c.scale, stats, loss, dlogits,
         )?)
     }
-    fn adamw(
-        &self,
-        param: &mut CudaSlice<f32>,
-        grad: &CudaSlice<f32>,
-        m: &mut CudaSlice<f32>,
-        v: &mut CudaSlice<f32>,
-        compute: Option<&mut CudaSlice<bf16>>,
-        step: u64,
-        lr: f32,
-        (b1, b2, eps, wd): (f32, f32, f32, f32),
-    ) -> DResult<()> {
+    fn adamw(&self, a: AdamW<'_, Self>) -> DResult<()> {
+        let (b1, b2, eps, wd) = a.hyper;
         // The fused kernel always writes a bf16 copy: a scratch one when unwanted.
         let mut scratch;
-        let compute = match compute {
+        let compute = match a.compute {
             Some(c) => c,
             None => {
-                scratch = self.gpu.zeros::<bf16>(param.len())?;
+                scratch = self.gpu.zeros::<bf16>(a.param.len())?;
                 &mut scratch
             }
         };
+        let (param, grad, m, v, step, lr) = (a.param, a.grad, a.m, a.v, a.step, a.lr);
         Ok(self
             .gpu
             .adamw_step(param, grad, m, v, compute, step, lr, b1, b2, eps, wd)?)
@@ -943,16 +897,19 @@ mod tests {
         let labels = dev.ids_upload(&ids(9, ce_rows, vocab as u64)).unwrap();
         let mut loss = dev.f32_upload(&vec![7.0; ce_rows]).unwrap();
         let mut dlogits = act(dev, &vec![1.0; ce_rows * vocab]);
-        dev.cross_entropy(
-            &logits,
-            &labels,
-            ce_rows,
-            vocab,
-            0.2,
-            &mut loss,
-            &mut dlogits,
-        )
-        .unwrap();
+        let c = Ce {
+            logits: &logits,
+            labels: &labels,
+            rows: ce_rows,
+            v_local: vocab,
+            vocab_start: 0,
+            scale: 0.2,
+        };
+        let ce_out = CeOut {
+            loss: &mut loss,
+            dlogits: &mut dlogits,
+        };
+        dev.cross_entropy(&c, ce_out).unwrap();
         f32_out.push((
             "ce loss".into(),
             dev.f32_download(&loss).unwrap(),
@@ -968,16 +925,16 @@ mod tests {
         let v0: Vec<f32> = values(13, np, 1e-4).iter().map(|x| x.abs()).collect();
         let mut v1 = dev.f32_upload(&v0).unwrap();
         let mut compute = dev.act_zeros(np).unwrap();
-        dev.adamw(
-            &mut param,
-            &grad,
-            &mut m1,
-            &mut v1,
-            Some(&mut compute),
-            3,
-            1e-2,
-            (0.9, 0.95, 1e-8, 0.1),
-        )
+        dev.adamw(AdamW {
+            param: &mut param,
+            grad: &grad,
+            m: &mut m1,
+            v: &mut v1,
+            compute: Some(&mut compute),
+            step: 3,
+            lr: 1e-2,
+            hyper: (0.9, 0.95, 1e-8, 0.1),
+        })
         .unwrap();
         act_out("adamw compute copy".into(), &compute, (1e-6, 1.0 / 128.0));
         for (name, buf) in [("adamw param", &param), ("adamw m", &m1), ("adamw v", &v1)] {

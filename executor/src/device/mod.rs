@@ -124,6 +124,38 @@ pub(crate) fn norm_forward<D: Device>(dev: &D, n: &Norm<'_, D>) -> DResult<Norme
     Ok((y, mean, rstd))
 }
 
+/// Cross-entropy's operands: `logits [rows, v_local]`, this shard of the
+/// vocabulary starting at column `vocab_start` (the whole of it: `v_local` the
+/// vocabulary, `vocab_start` 0), the rows' labels, and the gradient's `scale`.
+pub struct Ce<'a, D: Device + ?Sized> {
+    pub logits: &'a D::Act,
+    pub labels: &'a D::Ids,
+    pub rows: usize,
+    pub v_local: usize,
+    pub vocab_start: usize,
+    pub scale: f32,
+}
+
+/// Cross-entropy's outputs: each row's loss and the logits' gradient.
+pub struct CeOut<'a, D: Device + ?Sized> {
+    pub loss: &'a mut D::F32,
+    pub dlogits: &'a mut D::Act,
+}
+
+/// One AdamW step: the fp32 master, its gradient and moments, the compute copy
+/// to refresh (none where the master serves), the step (from 1), the learning
+/// rate and `(beta1, beta2, eps, weight decay)`.
+pub struct AdamW<'a, D: Device + ?Sized> {
+    pub param: &'a mut D::F32,
+    pub grad: &'a D::F32,
+    pub m: &'a mut D::F32,
+    pub v: &'a mut D::F32,
+    pub compute: Option<&'a mut D::Act>,
+    pub step: u64,
+    pub lr: f32,
+    pub hyper: (f32, f32, f32, f32),
+}
+
 /// RoPE over fused QKV rows `x [rows, width]` at `positions`: `shape` is (query
 /// heads, key/value heads, head dim, row width); `backward` rotates a gradient
 /// back.
@@ -471,73 +503,32 @@ pub trait Device: Send + Sync {
         out: &mut Self::Act,
     ) -> DResult<()>;
 
-    /// Cross-entropy of `logits [rows, vocab]` against `labels`, forward and
-    /// backward at once: `loss[r]` (overwritten) and `dlogits = scale * d loss[r] /
-    /// d logits` (overwritten).
-    fn cross_entropy(
-        &self,
-        logits: &Self::Act,
-        labels: &Self::Ids,
-        rows: usize,
-        vocab: usize,
-        scale: f32,
-        loss: &mut Self::F32,
-        dlogits: &mut Self::Act,
-    ) -> DResult<()>;
+    /// Cross-entropy of `c.logits` against `c.labels` (the whole vocabulary),
+    /// forward and backward at once: `loss[r]` and `dlogits = scale * d loss[r] /
+    /// d logits`, both overwritten.
+    fn cross_entropy(&self, c: &Ce<'_, Self>, out: CeOut<'_, Self>) -> DResult<()>;
 
     /// Vocabulary-parallel cross-entropy, first part: each row's largest logit of
-    /// this shard `logits [rows, v_local]` (`max` overwritten). The program sums the
-    /// shards' maxima before [`Device::ce_sumexp_target`].
-    fn ce_row_max(
-        &self,
-        logits: &Self::Act,
-        rows: usize,
-        v_local: usize,
-        max: &mut Self::F32,
-    ) -> DResult<()>;
+    /// this shard (`max` overwritten). The program sums the shards' maxima before
+    /// [`Device::ce_sums`].
+    fn ce_row_max(&self, c: &Ce<'_, Self>, max: &mut Self::F32) -> DResult<()>;
     /// Second part, with the rows' common shift `max`: this shard's sum of
     /// `exp(logit - max)` and its logit of each row's label (0 where another shard
-    /// holds the label; the shard's first column is `vocab_start`), both overwritten.
-    fn ce_sumexp_target(
-        &self,
-        logits: &Self::Act,
-        labels: &Self::Ids,
-        rows: usize,
-        v_local: usize,
-        vocab_start: usize,
-        max: &Self::F32,
-        sumexp: &mut Self::F32,
-        target: &mut Self::F32,
-    ) -> DResult<()>;
-    /// Last part, from the sums over every shard: `loss[r] = max + ln(sumexp) -
-    /// target` and this shard's `dlogits = scale * (softmax - onehot)`, both
-    /// overwritten.
+    /// holds the label), both overwritten.
+    fn ce_sums(&self, c: &Ce<'_, Self>, max: &Self::F32, out: [&mut Self::F32; 2]) -> DResult<()>;
+    /// Last part, from `[max, sumexp, target]` summed over every shard: `loss[r] =
+    /// max + ln(sumexp) - target` and this shard's `dlogits = scale * (softmax -
+    /// onehot)`, both overwritten.
     fn ce_finish(
         &self,
-        logits: &Self::Act,
-        labels: &Self::Ids,
-        rows: usize,
-        v_local: usize,
-        vocab_start: usize,
-        scale: f32,
+        c: &Ce<'_, Self>,
         stats: [&Self::F32; 3],
-        loss: &mut Self::F32,
-        dlogits: &mut Self::Act,
+        out: CeOut<'_, Self>,
     ) -> DResult<()>;
 
-    /// One AdamW step of `param` (fp32 master) in place, and its compute copy
+    /// One AdamW step of `a.param` (fp32 master) in place, and its compute copy
     /// refreshed.
-    fn adamw(
-        &self,
-        param: &mut Self::F32,
-        grad: &Self::F32,
-        m: &mut Self::F32,
-        v: &mut Self::F32,
-        compute: Option<&mut Self::Act>,
-        step: u64,
-        lr: f32,
-        hyper: (f32, f32, f32, f32),
-    ) -> DResult<()>;
+    fn adamw(&self, a: AdamW<'_, Self>) -> DResult<()>;
 
     /// Starts summing `buf` over `group` through `comm`, after the work launched so
     /// far; the interpreter issues a gradient bucket as soon as its gradients are
@@ -1244,101 +1235,60 @@ impl<H: HostPrecision> Device for H {
         H::round(out);
         Ok(())
     }
-    fn cross_entropy(
-        &self,
-        logits: &Vec<f32>,
-        labels: &Vec<u32>,
-        rows: usize,
-        vocab: usize,
-        scale: f32,
-        loss: &mut Vec<f32>,
-        dlogits: &mut Vec<f32>,
-    ) -> DResult<()> {
+    fn cross_entropy(&self, c: &Ce<'_, Self>, out: CeOut<'_, Self>) -> DResult<()> {
         // The sequence of kernels the goldens were recorded with (bit for bit).
-        let mut max = vec![0.0; rows];
-        k::ce_row_max(logits, rows, vocab, &mut max)?;
-        let mut se = vec![0.0; rows];
-        k::ce_row_sumexp(logits, rows, vocab, &max, &mut se)?;
-        let mut target = vec![0.0; rows];
-        k::ce_target_logit(logits, labels, rows, vocab, 0, &mut target)?;
-        k::ce_loss(&max, &se, &target, loss)?;
-        dlogits.iter_mut().for_each(|x| *x = 0.0);
-        k::ce_bwd(logits, rows, vocab, &max, &se, labels, 0, scale, dlogits)?;
-        H::round(dlogits);
-        Ok(())
+        let mut max = vec![0.0; c.rows];
+        let (mut se, mut target) = (max.clone(), max.clone());
+        self.ce_row_max(c, &mut max)?;
+        self.ce_sums(c, &max, [&mut se, &mut target])?;
+        self.ce_finish(c, [&max, &se, &target], out)
     }
-    fn ce_row_max(
-        &self,
-        logits: &Vec<f32>,
-        rows: usize,
-        v_local: usize,
-        max: &mut Vec<f32>,
-    ) -> DResult<()> {
-        Ok(k::ce_row_max(logits, rows, v_local, max)?)
+    fn ce_row_max(&self, c: &Ce<'_, Self>, max: &mut Vec<f32>) -> DResult<()> {
+        Ok(k::ce_row_max(c.logits, c.rows, c.v_local, max)?)
     }
-    fn ce_sumexp_target(
-        &self,
-        logits: &Vec<f32>,
-        labels: &Vec<u32>,
-        rows: usize,
-        v_local: usize,
-        vocab_start: usize,
-        max: &Vec<f32>,
-        sumexp: &mut Vec<f32>,
-        target: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::ce_row_sumexp(logits, rows, v_local, max, sumexp)?;
+    fn ce_sums(&self, c: &Ce<'_, Self>, max: &Vec<f32>, out: [&mut Vec<f32>; 2]) -> DResult<()> {
+        let [sumexp, target] = out;
+        let (logits, labels, rows, v) = (c.logits, c.labels, c.rows, c.v_local);
+        k::ce_row_sumexp(logits, rows, v, max, sumexp)?;
         Ok(k::ce_target_logit(
             logits,
             labels,
             rows,
-            v_local,
-            vocab_start,
+            v,
+            c.vocab_start,
             target,
         )?)
     }
     fn ce_finish(
         &self,
-        logits: &Vec<f32>,
-        labels: &Vec<u32>,
-        rows: usize,
-        v_local: usize,
-        vocab_start: usize,
-        scale: f32,
-        [max, sumexp, target]: [&Vec<f32>; 3],
-        loss: &mut Vec<f32>,
-        dlogits: &mut Vec<f32>,
+        c: &Ce<'_, Self>,
+        stats: [&Vec<f32>; 3],
+        out: CeOut<'_, Self>,
     ) -> DResult<()> {
-        k::ce_loss(max, sumexp, target, loss)?;
-        dlogits.iter_mut().for_each(|x| *x = 0.0);
+        let [max, sumexp, target] = stats;
+        k::ce_loss(max, sumexp, target, out.loss)?;
+        let (logits, labels, rows, v) = (c.logits, c.labels, c.rows, c.v_local);
+        out.dlogits.iter_mut().for_each(|x| *x = 0.0);
+        let d = &mut *out.dlogits;
         k::ce_bwd(
             logits,
             rows,
-            v_local,
+            v,
             max,
             sumexp,
             labels,
-            vocab_start,
-            scale,
-            dlogits,
+            c.vocab_start,
+            c.scale,
+            d,
         )?;
-        H::round(dlogits);
+        H::round(out.dlogits);
         Ok(())
     }
-    fn adamw(
-        &self,
-        param: &mut Vec<f32>,
-        grad: &Vec<f32>,
-        m: &mut Vec<f32>,
-        v: &mut Vec<f32>,
-        compute: Option<&mut Vec<f32>>,
-        step: u64,
-        lr: f32,
-        (b1, b2, eps, wd): (f32, f32, f32, f32),
-    ) -> DResult<()> {
-        k::adamw_step(param, grad, m, v, step, lr, b1, b2, eps, wd)?;
-        if let Some(compute) = compute {
-            compute.copy_from_slice(param);
+    fn adamw(&self, a: AdamW<'_, Self>) -> DResult<()> {
+        let (b1, b2, eps, wd) = a.hyper;
+        k::adamw_step(a.param, a.grad, a.m, a.v, a.step, a.lr, b1, b2, eps, wd)?;
+        if let Some(compute) = a.compute {
+            compute.copy_from_slice(a.param);
             H::round(compute);
         }
         Ok(())

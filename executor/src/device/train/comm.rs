@@ -1,9 +1,10 @@
 //! The device interpreter's collectives inside a task: tensor and sequence
 //! parallelism's sums, scatters and gathers of activations and input gradients, a
 //! vocabulary-parallel loss's statistics, ZeRO-3's segment gathers and scatters
-//! (in `step.rs`), pipeline stage boundaries and ring attention's passes.
+//! (in `zero3.rs`), pipeline stage boundaries and ring attention's passes.
 
 use super::*;
+use crate::device::CeOut;
 
 impl<'a, D: Device> DevRank<'a, D> {
     /// The context group, this rank's index in it, and its ring neighbours.
@@ -476,17 +477,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .map_err(&e)?;
                 let mut se = self.zeros_f32(rows)?;
                 let mut target = self.zeros_f32(rows)?;
+                let c = self.ce(&logits, &t.labels, start, 1.0);
                 self.dev
-                    .ce_sumexp_target(
-                        &logits,
-                        &t.labels,
-                        rows,
-                        v_local,
-                        start,
-                        &sum,
-                        &mut se,
-                        &mut target,
-                    )
+                    .ce_sums(&c, &sum, [&mut se, &mut target])
                     .map_err(&e)?;
                 t.loss_stats.insert((l, name.into(), LossStat::SumExp), se);
                 t.loss_stats
@@ -504,19 +497,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                 };
                 let mut loss = self.zeros_f32(rows)?;
                 let mut d = self.zeros(D::act_len(&logits))?;
-                self.dev
-                    .ce_finish(
-                        &logits,
-                        &t.labels,
-                        rows,
-                        v_local,
-                        start,
-                        self.loss_scale() as f32,
-                        [get(LossStat::Max)?, get(LossStat::SumExp)?, &sum],
-                        &mut loss,
-                        &mut d,
-                    )
-                    .map_err(&e)?;
+                let c = self.ce(&logits, &t.labels, start, self.loss_scale() as f32);
+                let stats = [get(LossStat::Max)?, get(LossStat::SumExp)?, &sum];
+                let out = CeOut {
+                    loss: &mut loss,
+                    dlogits: &mut d,
+                };
+                self.dev.ce_finish(&c, stats, out).map_err(&e)?;
                 if self.tp.rank == 0 {
                     self.losses.push(loss);
                 }

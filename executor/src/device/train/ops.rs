@@ -2,7 +2,7 @@
 //! [`super::super::Device`] on this rank's slices of weights, heads and rows.
 
 use super::*;
-use crate::device::{norm_forward, Norm, NormBwd, RopeQkv};
+use crate::device::{norm_forward, Ce, CeOut, Norm, NormBwd, RopeQkv};
 use meshplan_kernels::cpu::GemmAt;
 use Transpose::{No, Yes};
 
@@ -204,6 +204,27 @@ impl<'a, D: Device> DevRank<'a, D> {
         })
     }
 
+    /// Cross-entropy's operands over this rank's rows of `logits` (its shard of
+    /// the vocabulary from `vocab_start`).
+    pub(super) fn ce<'c>(
+        &self,
+        logits: &'c D::Act,
+        labels: &'c D::Ids,
+        vocab_start: usize,
+        scale: f32,
+    ) -> Ce<'c, D> {
+        let rows = self.rows();
+        let v_local = D::act_len(logits) / rows.max(1);
+        Ce {
+            logits,
+            labels,
+            rows,
+            v_local,
+            vocab_start,
+            scale,
+        }
+    }
+
     pub(super) fn rope(
         &self,
         op: &Op,
@@ -385,13 +406,13 @@ impl<'a, D: Device> DevRank<'a, D> {
             OpKind::CrossEntropy { .. } => {
                 let logits = self.act(t, l, op.inputs[0])?;
                 let rows = self.rows();
-                let vocab = D::act_len(&logits) / rows.max(1);
                 if op.role == TpRole::VocabLoss && self.tp.size > 1 {
                     // Each rank holds a slice of the vocabulary: the program's
                     // collectives on the loss's statistics finish it
                     // (`loss_collective`).
                     let mut max = self.zeros_f32(rows)?;
-                    dev.ce_row_max(&logits, rows, vocab, &mut max).map_err(&e)?;
+                    let c = self.ce(&logits, &t.labels, 0, 1.0);
+                    dev.ce_row_max(&c, &mut max).map_err(&e)?;
                     t.loss_stats
                         .insert((l, op.name.clone(), LossStat::Max), max);
                     return Ok(());
@@ -399,16 +420,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let scale = self.loss_scale();
                 let mut loss = self.zeros_f32(rows)?;
                 let mut dlogits = self.zeros(D::act_len(&logits))?;
-                dev.cross_entropy(
-                    &logits,
-                    &t.labels,
-                    rows,
-                    vocab,
-                    scale as f32,
-                    &mut loss,
-                    &mut dlogits,
-                )
-                .map_err(&e)?;
+                let c = self.ce(&logits, &t.labels, 0, scale as f32);
+                let out = CeOut {
+                    loss: &mut loss,
+                    dlogits: &mut dlogits,
+                };
+                dev.cross_entropy(&c, out).map_err(&e)?;
                 // Read at the end of the step: a download here would stall the
                 // launches of the backward behind the forward's kernels. Every
                 // tensor rank computes the same loss; the first reports it.

@@ -472,24 +472,19 @@ impl<'a, D: Device> DevRank<'a, D> {
         grad: &D::F32,
         (m, v): &mut Moments<D>,
     ) -> Result<(), RankError> {
-        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
         let step = self.step_no + 1;
         let e = derr("adamw");
         let mut param = self.zeros_f32(c)?;
         pack(&self.dev, &self.master, pieces, &mut param, "adamw")?;
         // The compute copies are refreshed once the parts are gathered.
-        self.dev
-            .adamw(
-                &mut param,
-                grad,
-                m,
-                v,
-                None,
-                step,
-                self.opts.lr,
-                (b1, b2, eps, wd),
-            )
-            .map_err(&e)?;
+        adamw(
+            &self.dev,
+            (&mut param, grad),
+            (m, v),
+            None,
+            (step, self.opts.lr),
+        )
+        .map_err(&e)?;
         unpack(&self.dev, &param, pieces, &mut self.master, "adamw")
     }
 
@@ -500,7 +495,6 @@ impl<'a, D: Device> DevRank<'a, D> {
         if self.scatter.iter().any(|b| b.set == set) {
             return self.optimizer_shards(set);
         }
-        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
         let step = self.step_no + 1;
         let keys: Vec<Key> = self
             .master
@@ -528,9 +522,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 Some(_) => None,
                 None => Some(self.compute.get_mut(key).ok_or_else(missing)?),
             };
-            self.dev
-                .adamw(w, g, m, v, c, step, self.opts.lr, (b1, b2, eps, wd))
-                .map_err(e)?;
+            adamw(&self.dev, (w, g), (m, v), c, (step, self.opts.lr)).map_err(e)?;
         }
         Ok(())
     }
@@ -596,6 +588,29 @@ pub(super) fn unpack<D: Device>(
         dev.f32_copy(flat, *dst, x, *src, *n).map_err(derr(what))?;
     }
     Ok(())
+}
+
+/// One AdamW step of `param` from `grad` with moments `(m, v)` (and the compute
+/// copy refreshed), with the run's constants ([`crate::ckpt::ADAMW`]) at `(step,
+/// lr)`.
+pub(super) fn adamw<D: Device>(
+    dev: &D,
+    (param, grad): (&mut D::F32, &D::F32),
+    (m, v): (&mut D::F32, &mut D::F32),
+    compute: Option<&mut D::Act>,
+    (step, lr): (u64, f32),
+) -> DResult<()> {
+    let hyper = crate::ckpt::ADAMW;
+    dev.adamw(crate::device::AdamW {
+        param,
+        grad,
+        m,
+        v,
+        compute,
+        step,
+        lr,
+        hyper,
+    })
 }
 
 /// The pieces of the flat range `a..b` over weights laid out as `layout`: (weight,

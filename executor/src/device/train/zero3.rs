@@ -7,7 +7,7 @@
 //! more than one segment reads (a tied table) stay whole, as FSDP's root unit keeps
 //! its parameters.
 
-use super::step::{pack, pieces_of, unpack};
+use super::step::{adamw, pack, pieces_of, unpack};
 use super::*;
 use std::collections::BTreeSet;
 
@@ -263,7 +263,6 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// ZeRO-3's AdamW: each segment copy's part of the fp32 masters this rank
     /// holds, with moments of that part alone.
     pub(super) fn optimizer_zero3(&mut self, set: ParamSet) -> Result<(), RankError> {
-        let (b1, b2, eps, wd) = crate::ckpt::ADAMW;
         let step = self.step_no + 1;
         let copies: Vec<CopyKey> = self
             .z3
@@ -289,17 +288,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                 .parts
                 .get_mut(&copy)
                 .ok_or_else(|| fail("no part"))?;
-            self.dev
-                .adamw(
-                    part,
-                    &grad,
-                    &mut m,
-                    &mut v,
-                    None,
-                    step,
-                    self.opts.lr,
-                    (b1, b2, eps, wd),
-                )
+            let lr = self.opts.lr;
+            adamw(&self.dev, (part, &grad), (&mut m, &mut v), None, (step, lr))
                 .map_err(derr("adamw"))?;
             self.z3.adam.insert(copy, (m, v));
         }
