@@ -114,12 +114,11 @@ impl CudaDevice {
 
     /// A bf16 collective through NCCL on NCCL's stream, after the work launched so
     /// far; this stream, not the host, waits for its end.
-    fn act_collective(
+    fn nccl_collective(
         &self,
         comm: &mut dyn Communicator,
         kind: CommKind,
-        group: &Group,
-        axis: &str,
+        (group, axis): (&Group, &str),
         src: Option<&CudaSlice<bf16>>,
         dst: &mut CudaSlice<bf16>,
     ) -> Result<(), CommError> {
@@ -622,7 +621,7 @@ impl Device for CudaDevice {
             // The in-process communicator (ranks sharing the GPU) sums on the host.
             return super::all_reduce_act_on_host(self, comm, group, axis, x);
         }
-        self.act_collective(comm, CommKind::AllReduce, group, axis, None, x)
+        self.nccl_collective(comm, CommKind::AllReduce, (group, axis), None, x)
     }
     fn send_act(
         &self,
@@ -687,47 +686,18 @@ impl Device for CudaDevice {
                 detail: format!("waiting for the All-to-All: {e:?}"),
             })
     }
-    fn reduce_scatter_act(
+    fn act_collective(
         &self,
         comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        full: &CudaSlice<bf16>,
+        kind: CommKind,
+        on: (&Group, &str),
+        src: &CudaSlice<bf16>,
         out: &mut CudaSlice<bf16>,
     ) -> Result<(), CommError> {
         if comm.as_nccl().is_none() {
-            return super::act_collective_on_host(
-                self,
-                comm,
-                CommKind::ReduceScatter,
-                group,
-                axis,
-                full,
-                out,
-            );
+            return super::act_collective_on_host(self, comm, kind, on, src, out);
         }
-        self.act_collective(comm, CommKind::ReduceScatter, group, axis, Some(full), out)
-    }
-    fn all_gather_act(
-        &self,
-        comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        local: &CudaSlice<bf16>,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), CommError> {
-        if comm.as_nccl().is_none() {
-            return super::act_collective_on_host(
-                self,
-                comm,
-                CommKind::AllGather,
-                group,
-                axis,
-                local,
-                out,
-            );
-        }
-        self.act_collective(comm, CommKind::AllGather, group, axis, Some(local), out)
+        self.nccl_collective(comm, kind, on, Some(src), out)
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(self.gpu.synchronize()?)

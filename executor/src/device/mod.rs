@@ -619,65 +619,37 @@ pub trait Device: Send + Sync {
         )
     }
 
-    /// `out` = this member's rows of the sum of every member's `full` (sequence
-    /// parallelism's activations and input gradients). The default goes through
-    /// the host.
-    fn reduce_scatter_act(
+    /// Sequence parallelism's collectives on activations (and input gradients)
+    /// over `on` (group, axis label): `ReduceScatter` (`out` = this member's rows of
+    /// the sum of every member's `src`) or `AllGather` (`out` = every member's
+    /// `src`, in group order). The default goes through the host.
+    fn act_collective(
         &self,
         comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        full: &Self::Act,
+        kind: CommKind,
+        on: (&Group, &str),
+        src: &Self::Act,
         out: &mut Self::Act,
     ) -> Result<(), CommError> {
-        act_collective_on_host(self, comm, CommKind::ReduceScatter, group, axis, full, out)
-    }
-    /// `out` = every member's `local`, in group order (sequence parallelism's
-    /// gathered activations and gradients). The default goes through the host.
-    fn all_gather_act(
-        &self,
-        comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        local: &Self::Act,
-        out: &mut Self::Act,
-    ) -> Result<(), CommError> {
-        act_collective_on_host(self, comm, CommKind::AllGather, group, axis, local, out)
+        act_collective_on_host(self, comm, kind, on, src, out)
     }
 
-    /// `out` = this member's part of the sum of every member's `buf` over `group`
-    /// (ZeRO's gradient shards). The default goes through the host.
-    fn reduce_scatter(
+    /// ZeRO's collectives on fp32 buffers over `on`: `ReduceScatter` (this
+    /// member's part of the sum of the gradient shards) or `AllGather` (every
+    /// member's updated parameters). The default goes through the host.
+    fn f32_collective(
         &self,
         comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        buf: &Self::F32,
+        kind: CommKind,
+        (group, axis): (&Group, &str),
+        src: &Self::F32,
         out: &mut Self::F32,
     ) -> Result<(), CommError> {
         let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-        let host = self.f32_download(buf).map_err(internal)?;
-        let mut part = vec![0.0; Self::f32_len(out)];
-        comm.reduce_scatter(group, axis, &host, &mut part)?;
-        *out = self.f32_upload(&part).map_err(internal)?;
-        Ok(())
-    }
-
-    /// `out` = every member's `local`, in group order (ZeRO's updated parameters).
-    /// The default goes through the host.
-    fn all_gather(
-        &self,
-        comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        local: &Self::F32,
-        out: &mut Self::F32,
-    ) -> Result<(), CommError> {
-        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-        let host = self.f32_download(local).map_err(internal)?;
-        let mut all = vec![0.0; Self::f32_len(out)];
-        comm.all_gather(group, axis, &host, &mut all)?;
-        *out = self.f32_upload(&all).map_err(internal)?;
+        let host = self.f32_download(src).map_err(internal)?;
+        let mut got = vec![0.0; Self::f32_len(out)];
+        host_collective(comm, kind, (group, axis), &host, &mut got)?;
+        *out = self.f32_upload(&got).map_err(internal)?;
         Ok(())
     }
 
@@ -754,25 +726,60 @@ pub(crate) fn recv_act_on_host<D: Device + ?Sized>(
     dev.to_act(&up, out).map_err(internal)
 }
 
-/// [`Device::reduce_scatter_act`] or [`Device::all_gather_act`] through the host.
+/// [`Device::act_collective`] into a new buffer: every member's `src` gathered,
+/// or this member's rows of their sum.
+pub(crate) fn act_collected<D: Device>(
+    dev: &D,
+    comm: &mut dyn Communicator,
+    kind: CommKind,
+    on: (&Group, &str),
+    src: &D::Act,
+) -> Result<D::Act, CommError> {
+    let n = on.0.size().max(1);
+    let len = match kind {
+        CommKind::AllGather => D::act_len(src) * n,
+        _ => D::act_len(src) / n,
+    };
+    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
+    let mut out = dev.act_zeros(len).map_err(internal)?;
+    dev.act_collective(comm, kind, on, src, &mut out)?;
+    Ok(out)
+}
+
+/// [`Device::act_collective`] through the host.
 pub(crate) fn act_collective_on_host<D: Device + ?Sized>(
     dev: &D,
     comm: &mut dyn Communicator,
     kind: CommKind,
-    group: &Group,
-    axis: &str,
+    on: (&Group, &str),
     src: &D::Act,
     out: &mut D::Act,
 ) -> Result<(), CommError> {
     let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
     let host = dev.act_download(src).map_err(internal)?;
     let mut got = vec![0.0; D::act_len(out)];
-    match kind {
-        CommKind::ReduceScatter => comm.reduce_scatter(group, axis, &host, &mut got)?,
-        _ => comm.all_gather(group, axis, &host, &mut got)?,
-    }
+    host_collective(comm, kind, on, &host, &mut got)?;
     let up = dev.f32_upload(&got).map_err(internal)?;
     dev.to_act(&up, out).map_err(internal)
+}
+
+/// A reduce-scatter or an all-gather of host slices (the collectives of
+/// [`Device::act_collective`] and [`Device::f32_collective`]).
+fn host_collective(
+    comm: &mut dyn Communicator,
+    kind: CommKind,
+    (group, axis): (&Group, &str),
+    src: &[f32],
+    out: &mut [f32],
+) -> Result<(), CommError> {
+    match kind {
+        CommKind::ReduceScatter => comm.reduce_scatter(group, axis, src, out),
+        CommKind::AllGather => comm.all_gather(group, axis, src, out),
+        other => Err(CommError::InvalidArgument {
+            kind: other,
+            detail: "a device collective is a reduce-scatter or an all-gather".into(),
+        }),
+    }
 }
 
 /// The CPU reference kernels in fp32 behind the [`Device`] trait: the device
@@ -1344,27 +1351,20 @@ impl<H: HostPrecision> Device for H {
     ) -> Result<(), CommError> {
         comm.recv(peer, axis, out)
     }
-    fn reduce_scatter_act(
+    fn act_collective(
         &self,
         comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        full: &Vec<f32>,
+        kind: CommKind,
+        on: (&Group, &str),
+        src: &Vec<f32>,
         out: &mut Vec<f32>,
     ) -> Result<(), CommError> {
-        comm.reduce_scatter(group, axis, full, out)?;
-        H::round(out);
+        host_collective(comm, kind, on, src, out)?;
+        // A reduce-scatter's sum lands in a bf16 buffer on a GPU.
+        if kind == CommKind::ReduceScatter {
+            H::round(out);
+        }
         Ok(())
-    }
-    fn all_gather_act(
-        &self,
-        comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        local: &Vec<f32>,
-        out: &mut Vec<f32>,
-    ) -> Result<(), CommError> {
-        comm.all_gather(group, axis, local, out)
     }
     fn all_to_all_v_act(
         &self,

@@ -30,8 +30,8 @@
 //! A disaggregated deployment runs its prefill pool's ranks and its decode pool's
 //! through these same passes, the caches moving between them (`disagg.rs`).
 
-use crate::comm::{ByteCounts, Communicator, Group, RankError};
-use crate::device::{derr, Attn, AttnOut, Device, HostDevice, Norm, RopeQkv};
+use crate::comm::{ByteCounts, CommKind, Communicator, Group, RankError};
+use crate::device::{act_collected, derr, Attn, AttnOut, Device, HostDevice, Norm, RopeQkv};
 use crate::init::init_full;
 use crate::moe::Routing;
 use crate::sample::{sample, Sampling};

@@ -148,9 +148,8 @@ impl<'a, D: Device> InferRank<'a, D> {
                     .hidden
                     .as_ref()
                     .ok_or_else(|| fail("no hidden states to gather"))?;
-                let mut out = self.zeros(D::act_len(h) * g.size())?;
-                self.dev
-                    .all_gather_act(self.comm.as_mut(), &g, axis.name(), h, &mut out)?;
+                let (dev, comm, on) = (&self.dev, self.comm.as_mut(), (&g, axis.name()));
+                let out = act_collected(dev, comm, CommKind::AllGather, on, h)?;
                 self.hidden = Some(out);
                 return Ok(());
             }
@@ -182,27 +181,23 @@ impl<'a, D: Device> InferRank<'a, D> {
             return Ok(());
         }
         let g = self.group(group)?;
-        let n = g.size();
         let ax = axis.name();
         let buf = self
             .acts
             .get_mut(tensor)
             .ok_or_else(|| fail(format!("no tensor `{tensor}` to communicate")))?;
-        let alloc = derr("allocation");
         match kind {
             CollectiveKind::AllReduce => {
                 self.dev.all_reduce_act(self.comm.as_mut(), &g, ax, buf)?
             }
             CollectiveKind::AllGather => {
-                let mut out = self.dev.act_zeros(D::act_len(buf) * n).map_err(&alloc)?;
-                self.dev
-                    .all_gather_act(self.comm.as_mut(), &g, ax, buf, &mut out)?;
+                let (dev, comm) = (&self.dev, self.comm.as_mut());
+                let out = act_collected(dev, comm, CommKind::AllGather, (&g, ax), buf)?;
                 self.acts.insert(format!("{tensor}@g"), out);
             }
             CollectiveKind::ReduceScatter => {
-                let mut out = self.dev.act_zeros(D::act_len(buf) / n).map_err(&alloc)?;
-                self.dev
-                    .reduce_scatter_act(self.comm.as_mut(), &g, ax, buf, &mut out)?;
+                let (dev, comm) = (&self.dev, self.comm.as_mut());
+                let out = act_collected(dev, comm, CommKind::ReduceScatter, (&g, ax), buf)?;
                 *buf = out;
             }
             other => {

@@ -3,8 +3,9 @@
 //! vocabulary-parallel loss's statistics, ZeRO-3's segment gathers and scatters
 //! (in `zero3.rs`), pipeline stage boundaries and ring attention's passes.
 
+use super::ops::AttnMask;
 use super::*;
-use crate::device::CeOut;
+use crate::device::{act_collected, CeOut};
 
 impl<'a, D: Device> DevRank<'a, D> {
     /// The context group, this rank's index in it, and its ring neighbours.
@@ -275,9 +276,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             self.hidden.as_deref()
         }
         .ok_or_else(|| fail("no boundary to gather"))?;
-        let mut out = self.zeros(D::act_len(local) * g.size())?;
-        self.dev
-            .all_gather_act(self.comm.as_mut(), &g, axis, local, &mut out)?;
+        let (dev, comm) = (&self.dev, self.comm.as_mut());
+        let out = act_collected(dev, comm, CommKind::AllGather, (&g, axis), local)?;
         if grad {
             self.grad_hidden = Some(out);
         } else {
@@ -348,9 +348,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .acts
                     .get(&key)
                     .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
-                let mut out = self.zeros(D::act_len(full) / g.size())?;
-                self.dev
-                    .reduce_scatter_act(self.comm.as_mut(), &g, axis, full, &mut out)?;
+                let (dev, comm) = (&self.dev, self.comm.as_mut());
+                let out = act_collected(dev, comm, CommKind::ReduceScatter, (&g, axis), full)?;
                 t.acts.insert(key, Arc::new(out));
             }
             (Target::Activation { tensor }, CollectiveKind::AllGather) => {
@@ -359,9 +358,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .acts
                     .get(&key)
                     .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
-                let mut out = self.zeros(D::act_len(local) * g.size())?;
-                self.dev
-                    .all_gather_act(self.comm.as_mut(), &g, axis, local, &mut out)?;
+                let (dev, comm) = (&self.dev, self.comm.as_mut());
+                let out = act_collected(dev, comm, CommKind::AllGather, (&g, axis), local)?;
                 t.gathered.insert(key, Arc::new(out));
             }
             (Target::SegmentParams { segment, set }, CollectiveKind::AllGather) => {
@@ -391,9 +389,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .remove(&key)
                     .or_else(|| t.grads.remove(&key))
                     .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
-                let mut out = self.zeros(D::act_len(&full) / g.size())?;
-                self.dev
-                    .reduce_scatter_act(self.comm.as_mut(), &g, axis, &full, &mut out)?;
+                let (dev, comm) = (&self.dev, self.comm.as_mut());
+                let out = act_collected(dev, comm, CommKind::ReduceScatter, (&g, axis), &full)?;
                 self.add_grad(t, l, tensor.clone(), out)?;
             }
             (Target::ActivationGrad { tensor }, CollectiveKind::AllGather) => {
@@ -402,9 +399,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .grads
                     .remove(&key)
                     .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
-                let mut out = self.zeros(D::act_len(&local) * g.size())?;
-                self.dev
-                    .all_gather_act(self.comm.as_mut(), &g, axis, &local, &mut out)?;
+                let (dev, comm) = (&self.dev, self.comm.as_mut());
+                let out = act_collected(dev, comm, CommKind::AllGather, (&g, axis), &local)?;
                 t.grads.insert(key, out);
             }
             (Target::ActivationGrad { tensor }, CollectiveKind::AllReduce) => {

@@ -13,7 +13,7 @@
 //! master weights and moments, refreshing the bf16 copy in the same kernel.
 
 use super::{derr, qkv_width, Attn, AttnBwd, AttnOut, DResult, Device};
-use crate::comm::{Communicator, Group, RankError};
+use crate::comm::{CommKind, Communicator, Group, RankError};
 use crate::init::{init_full, init_kind};
 use crate::shard::{local_heads, local_weight, TpPos};
 use crate::train::{
@@ -119,36 +119,6 @@ struct Task<D: Device> {
     /// Sequence parallelism: this tensor rank's block of rows of `tokens` and
     /// `positions`, which a replicated table looks up.
     block: Option<(D::Ids, D::Ids)>,
-}
-
-/// How an attention op masks and scales its scores: causal or not, `1 / sqrt(d)`,
-/// and its probabilities' dropout.
-struct AttnMask {
-    causal: bool,
-    scale: f32,
-    dropout: Option<AttnDropout>,
-}
-
-impl AttnMask {
-    /// One attention call over `(q, k, v)` under this mask, its blocks starting at
-    /// query and key positions `pos0`.
-    fn attn<'a, D: Device>(
-        &'a self,
-        dims: &'a AttnDims,
-        (q, k, v): (&'a D::Act, &'a D::Act, &'a D::Act),
-        pos0: (usize, usize),
-    ) -> Attn<'a, D> {
-        Attn {
-            dims,
-            q,
-            k,
-            v,
-            pos0,
-            causal: self.causal,
-            scale: self.scale,
-            dropout: self.dropout.as_ref(),
-        }
-    }
 }
 
 /// A span on the device timeline, resolved at the end of the step.

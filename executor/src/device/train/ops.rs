@@ -6,6 +6,36 @@ use crate::device::{norm_forward, Ce, CeOut, Norm, NormBwd, RopeQkv};
 use meshplan_kernels::cpu::GemmAt;
 use Transpose::{No, Yes};
 
+/// How an attention op masks and scales its scores: causal or not, `1 / sqrt(d)`,
+/// and its probabilities' dropout.
+pub(super) struct AttnMask {
+    pub causal: bool,
+    pub scale: f32,
+    pub dropout: Option<AttnDropout>,
+}
+
+impl AttnMask {
+    /// One attention call over `(q, k, v)` under this mask, its blocks starting at
+    /// query and key positions `pos0`.
+    pub(super) fn attn<'a, D: Device>(
+        &'a self,
+        dims: &'a AttnDims,
+        (q, k, v): (&'a D::Act, &'a D::Act, &'a D::Act),
+        pos0: (usize, usize),
+    ) -> Attn<'a, D> {
+        Attn {
+            dims,
+            q,
+            k,
+            v,
+            pos0,
+            causal: self.causal,
+            scale: self.scale,
+            dropout: self.dropout.as_ref(),
+        }
+    }
+}
+
 impl<'a, D: Device> DevRank<'a, D> {
     pub(super) fn attention_dims(
         &self,

@@ -257,8 +257,13 @@ impl<'a, D: Device> DevRank<'a, D> {
             "reduce-scatter",
         )?;
         let mut part = self.zeros_f32(c)?;
-        self.dev
-            .reduce_scatter(&mut *self.comm, &bk.group, &bk.axis, &buf, &mut part)?;
+        self.dev.f32_collective(
+            &mut *self.comm,
+            CommKind::ReduceScatter,
+            (&bk.group, &bk.axis),
+            &buf,
+            &mut part,
+        )?;
         self.shards.push((bk.set, bk.start + me * c, part));
         Ok(())
     }
@@ -273,8 +278,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mine = pieces_of(self.layout(bk.set), own, own + c);
         pack(&self.dev, &self.master, &mine, &mut local, "all-gather")?;
         let mut all = self.zeros_f32(bk.len)?;
-        self.dev
-            .all_gather(&mut *self.comm, &bk.group, &bk.axis, &local, &mut all)?;
+        self.dev.f32_collective(
+            &mut *self.comm,
+            CommKind::AllGather,
+            (&bk.group, &bk.axis),
+            &local,
+            &mut all,
+        )?;
         unpack(&self.dev, &all, &bk.pieces, &mut self.master, "all-gather")
     }
 

@@ -204,8 +204,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         let total: usize = layout.iter().map(|(_, n)| n).sum();
         let mut all = self.zeros_f32(total)?;
         let part = self.z3.parts.get(&copy).ok_or_else(|| fail("no part"))?;
-        self.dev
-            .all_gather(self.comm.as_mut(), g, axis, part, &mut all)?;
+        self.dev.f32_collective(
+            self.comm.as_mut(),
+            CommKind::AllGather,
+            (g, axis),
+            part,
+            &mut all,
+        )?;
         let e = derr(segment);
         for (key, n) in &layout {
             if !self.master.contains_key(key) {
@@ -248,8 +253,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         let all = pieces_of(&layout, 0, total);
         pack(&self.dev, &self.wgrads, &all, &mut flat, segment)?;
         let mut out = self.zeros_f32(c)?;
-        self.dev
-            .reduce_scatter(self.comm.as_mut(), g, axis, &flat, &mut out)?;
+        self.dev.f32_collective(
+            self.comm.as_mut(),
+            CommKind::ReduceScatter,
+            (g, axis),
+            &flat,
+            &mut out,
+        )?;
         let acc = match self.z3.grads.entry(copy) {
             std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::btree_map::Entry::Vacant(v) => {
