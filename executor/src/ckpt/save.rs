@@ -1,0 +1,234 @@
+//! Saving: the background writer that assembles every rank's parts into full
+//! tensors and writes a step folder.
+
+use super::*;
+
+/// What the writer needs of the run, owned so that it outlives the rank threads.
+pub(super) struct RunMeta {
+    pub(super) graph: Graph,
+    pub(super) sites: Vec<WeightSite>,
+    pub(super) model: String,
+    pub(super) strategy: String,
+    pub(super) workload: serde_json::Value,
+    pub(super) seed: u64,
+    pub(super) lr: f32,
+    pub(super) world: usize,
+    pub(super) data: serde_json::Value,
+}
+
+pub(super) type Writer = JoinHandle<Result<Vec<Saved>, String>>;
+
+/// Collects the ranks' snapshots at each save step and writes them in order on a
+/// writer thread, so ranks go on training while a checkpoint is written.
+pub(crate) struct Saver {
+    pub(super) opts: SaveOptions,
+    pub(super) meta: Arc<RunMeta>,
+    pub(super) pending: Mutex<BTreeMap<u64, Vec<RankSnapshot>>>,
+    pub(super) writer: Mutex<Option<Writer>>,
+}
+
+impl Saver {
+    /// Prepares the folder ([`SaveOptions::prepare`]) unless the caller did.
+    pub fn new(plan: &Plan, opts: &TrainOptions, save: &SaveOptions) -> Result<Saver, String> {
+        let workload = match &plan.workload {
+            Workload::Train {
+                seq_len,
+                global_batch,
+                ..
+            } => serde_json::json!({"seq_len": seq_len, "global_batch": global_batch}),
+            _ => serde_json::Value::Null,
+        };
+        let mut save = save.clone();
+        let start = opts.resume.as_ref().map_or(0, |c| c.step());
+        save.prepare(start, opts.steps)?;
+        Ok(Saver {
+            opts: save,
+            meta: Arc::new(RunMeta {
+                graph: plan.graph.clone(),
+                sites: model_weights(&plan.graph)?,
+                model: plan.model.name.clone(),
+                strategy: plan.strategy.to_string(),
+                workload,
+                seed: opts.seed,
+                lr: opts.lr,
+                world: plan.ranks.len(),
+                data: opts.data.describe(),
+            }),
+            pending: Mutex::new(BTreeMap::new()),
+            writer: Mutex::new(None),
+        })
+    }
+
+    pub fn due(&self, done: u64, total: u64) -> bool {
+        self.opts.due(done, total)
+    }
+
+    /// Hands over a rank's state after `step` steps; the last rank starts the write.
+    pub fn deposit(&self, step: u64, snap: RankSnapshot) -> Result<(), String> {
+        let mut pending = self
+            .pending
+            .lock()
+            .map_err(|_| "checkpoint state poisoned")?;
+        let all = pending.entry(step).or_default();
+        all.push(snap);
+        if all.len() < self.meta.world {
+            return Ok(());
+        }
+        let snaps = pending.remove(&step).unwrap_or_default();
+        drop(pending);
+        let mut writer = self
+            .writer
+            .lock()
+            .map_err(|_| "checkpoint writer poisoned")?;
+        let prev = writer.take();
+        let (meta, opts) = (self.meta.clone(), self.opts.clone());
+        *writer = Some(std::thread::spawn(move || {
+            // Saves publish in step order: `latest` never goes back. A failed save
+            // does not stop the later ones: each is a retry.
+            let mut done = match prev {
+                Some(p) => p.join().map_err(|_| "checkpoint writer panicked")??,
+                None => Vec::new(),
+            };
+            let t0 = Instant::now();
+            let saved = write_checkpoint(&meta, &opts, step, snaps).unwrap_or_else(|e| {
+                let latest = match read_latest(&opts.dir) {
+                    Ok(Some((name, _))) => format!("{}", opts.dir.join(name).display()),
+                    _ => "none".into(),
+                };
+                notify(
+                    &opts,
+                    &format!(
+                        "checkpoint: saving step {step} failed: {e}; training goes on, the next due save tries again, and the run will end with an error (last good checkpoint: {latest})"
+                    ),
+                );
+                Saved {
+                    step,
+                    path: opts.dir.join(step_folder(step)),
+                    bytes: 0,
+                    files: 0,
+                    seconds: t0.elapsed().as_secs_f64(),
+                    error: Some(e),
+                }
+            });
+            done.push(saved);
+            Ok(done)
+        }));
+        Ok(())
+    }
+
+    /// Waits for every write; the checkpoints written and the saves that failed,
+    /// in step order.
+    pub fn finish(self) -> Result<Vec<Saved>, String> {
+        let writer = self
+            .writer
+            .into_inner()
+            .map_err(|_| "checkpoint writer poisoned")?;
+        match writer {
+            Some(w) => w.join().map_err(|_| "checkpoint writer panicked")?,
+            None => Ok(Vec::new()),
+        }
+    }
+}
+
+pub(super) fn notify(opts: &SaveOptions, message: &str) {
+    match &opts.notify {
+        Some(n) => (n.0)(message),
+        None => eprintln!("{message}"),
+    }
+}
+
+/// A full tensor: name, shape, values.
+pub(super) type Full = (String, Vec<usize>, Vec<f32>);
+
+/// Full tensors from the ranks' pieces, in the order of `sites`: (name, shape,
+/// values), weights then Adam moments of each weight.
+pub(super) fn assemble(
+    graph: &Graph,
+    sites: &[WeightSite],
+    snaps: &[RankSnapshot],
+) -> Result<Vec<Full>, String> {
+    let by_key: HashMap<&Key, usize> = sites.iter().enumerate().map(|(i, s)| (&s.key, i)).collect();
+    let mut full: Vec<[Vec<f32>; 3]> = sites
+        .iter()
+        .map(|s| {
+            let n: usize = s.shape.iter().product();
+            [vec![0.0; n], vec![0.0; n], vec![0.0; n]]
+        })
+        .collect();
+    let mut covered: Vec<Vec<bool>> = sites
+        .iter()
+        .map(|s| vec![false; s.shape.iter().product()])
+        .collect();
+    let mut index_cache: HashMap<(usize, TpPos, TpPos), Vec<usize>> = HashMap::new();
+    for snap in snaps {
+        for p in &snap.pieces {
+            let &i = by_key
+                .get(&p.key)
+                .ok_or_else(|| format!("`{}` is not a weight of the model", p.key.0))?;
+            let site = &sites[i];
+            let idx = index_cache.entry((i, snap.tp, snap.ep)).or_insert_with(|| {
+                let all: Vec<usize> = (0..covered[i].len()).collect();
+                let op = site.op(graph);
+                local_weight(
+                    graph,
+                    op,
+                    op.role,
+                    site.id,
+                    &all,
+                    &site.shape,
+                    snap.tp,
+                    snap.ep,
+                )
+            });
+            let end = p.start + p.w.len();
+            if end > idx.len() || p.m.len() != p.w.len() || p.v.len() != p.w.len() {
+                return Err(format!(
+                    "`{}`: a piece {}..{end} outside the local size {}",
+                    tensor_name("w", &p.key),
+                    p.start,
+                    idx.len()
+                ));
+            }
+            for (j, &at) in idx[p.start..end].iter().enumerate() {
+                full[i][0][at] = p.w[j];
+                full[i][1][at] = p.m[j];
+                full[i][2][at] = p.v[j];
+                covered[i][at] = true;
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(3 * sites.len());
+    for ((site, [w, m, v]), cov) in sites.iter().zip(full).zip(&covered) {
+        if let Some(at) = cov.iter().position(|c| !c) {
+            return Err(format!(
+                "no rank owns element {at} of `{}`; the checkpoint would be incomplete",
+                tensor_name("w", &site.key)
+            ));
+        }
+        out.push((tensor_name("w", &site.key), site.shape.clone(), w));
+        out.push((tensor_name("adam_m", &site.key), site.shape.clone(), m));
+        out.push((tensor_name("adam_v", &site.key), site.shape.clone(), v));
+    }
+    Ok(out)
+}
+
+/// An f32 tensor as safetensors writes it.
+pub(super) struct F32View<'a> {
+    pub(super) shape: &'a [usize],
+    pub(super) values: &'a [f32],
+}
+
+impl View for F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+    fn shape(&self) -> &[usize] {
+        self.shape
+    }
+    fn data(&self) -> Cow<'_, [u8]> {
+        Cow::Owned(self.values.iter().flat_map(|x| x.to_le_bytes()).collect())
+    }
+    fn data_len(&self) -> usize {
+        4 * self.values.len()
+    }
+}

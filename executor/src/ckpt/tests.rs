@@ -1,0 +1,181 @@
+//! Checkpoint unit tests.
+
+use super::read::*;
+use super::*;
+
+#[test]
+fn due_every_k_and_at_the_end() {
+    let s = SaveOptions::new("x", 3);
+    let due: Vec<u64> = (1..=7).filter(|&d| s.due(d, 7)).collect();
+    assert_eq!(due, vec![3, 6, 7]);
+    let end = SaveOptions::new("x", 0);
+    assert_eq!((1..=7).filter(|&d| end.due(d, 7)).count(), 1);
+}
+
+#[test]
+fn first_due_is_the_first_step_due_after_the_start() {
+    for every in [0, 1, 2, 3, 5] {
+        let s = SaveOptions::new("x", every);
+        for total in 1..9 {
+            for start in 0..10 {
+                let want = (start + 1..=total).find(|&d| s.due(d, total));
+                assert_eq!(
+                    s.first_due(start, total),
+                    want,
+                    "every {every} start {start} total {total}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn checksums_are_fnv1a_and_sha256() {
+    assert_eq!(fnv1a64(b""), 0xcbf2_9ce4_8422_2325);
+    assert_eq!(fnv1a64(b"a"), 0xaf63_dc4c_8601_ec8c);
+    assert_eq!(
+        sha256_hex(b"abc"),
+        "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+    );
+}
+
+#[test]
+fn step_folder_names_parse_and_others_do_not() {
+    assert_eq!(parse_step_folder("step-00000006"), Some((6, false)));
+    assert_eq!(parse_step_folder("step-00000006.12-ab"), Some((6, true)));
+    assert_eq!(
+        parse_step_folder(&step_folder(123_456_789_012)),
+        Some((123_456_789_012, false))
+    );
+    for bad in [
+        "step-6",
+        "step-0000000x",
+        "step-00000006.",
+        "step-00000006./x",
+        ".tmp-step-00000006",
+        "../step-00000006",
+        "root:x:0:0",
+    ] {
+        assert_eq!(parse_step_folder(bad), None, "{bad}");
+    }
+}
+
+#[test]
+fn quote_keeps_one_shortened_line() {
+    assert_eq!(quote("step-1"), "step-1");
+    assert_eq!(quote("root:x:0:0\nsecret\n"), "root:x:0:0…");
+    assert_eq!(quote(&"a".repeat(200)).chars().count(), 81);
+    assert_eq!(quote("a\u{1b}b"), "a\\u{1b}b");
+}
+
+#[test]
+fn an_edited_manifest_names_the_field() {
+    let text = r#"{"step": 6, "seed": 1, "optimizer": {"lr": 0.001, "kind": "adamw"}}"#;
+    let value: serde_json::Value = serde_json::from_str(text).unwrap();
+    let mut sums = Sums {
+        format: SUMS_FORMAT.into(),
+        files: BTreeMap::from([(MANIFEST.to_string(), sha256_hex(text.as_bytes()))]),
+        manifest_fields: field_digests(&value),
+        sha256: String::new(),
+    };
+    sums.sha256 = sums.digest();
+    let m = Path::new("ck/manifest.json");
+    check_manifest_bytes(m, text.as_bytes(), &sums).unwrap();
+    let lr = text.replace("0.001", "0.1");
+    let e = check_manifest_bytes(m, lr.as_bytes(), &sums).unwrap_err();
+    assert!(e.contains("field `optimizer.lr` changed"), "{e}");
+    let two = text.replace("6", "0").replace("\"seed\": 1", "\"seed\": 2");
+    let e = check_manifest_bytes(m, two.as_bytes(), &sums).unwrap_err();
+    assert!(e.contains("fields `seed`, `step` changed"), "{e}");
+    let spaced = text.replace(", ", ",");
+    let e = check_manifest_bytes(m, spaced.as_bytes(), &sums).unwrap_err();
+    assert!(e.contains("every field reads the same"), "{e}");
+    let e = check_manifest_bytes(m, b"{", &sums).unwrap_err();
+    assert!(e.contains("not a checkpoint manifest"), "{e}");
+}
+
+mod round_trip {
+    use super::super::*;
+    use meshplan_ir::{load_model, model_graph, WorkloadOverrides};
+
+    fn graph(name: &str) -> Graph {
+        let path = format!("{}/../models/{name}.yaml", env!("CARGO_MANIFEST_DIR"));
+        let spec = load_model(Path::new(&path), &WorkloadOverrides::default())
+            .unwrap_or_else(|e| panic!("{e}"));
+        model_graph(&spec).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Every rank's slices of distinct values, each handed over as two pieces (as a
+    /// ZeRO partition boundary would cut them).
+    fn snapshots(graph: &Graph, sites: &[WeightSite], tp: usize, ep: usize) -> Vec<RankSnapshot> {
+        let mut out = Vec::new();
+        for e in 0..ep {
+            for t in 0..tp {
+                let (tp, ep) = (TpPos { rank: t, size: tp }, TpPos { rank: e, size: ep });
+                let mut pieces = Vec::new();
+                for s in sites {
+                    let n: usize = s.shape.iter().product();
+                    let full: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
+                    let op = s.op(graph);
+                    let local = local_weight(graph, op, op.role, s.id, &full, &s.shape, tp, ep);
+                    let half = local.len() / 2;
+                    for (a, b) in [(0, half), (half, local.len())] {
+                        let w = local[a..b].to_vec();
+                        pieces.push(Piece {
+                            key: s.key.clone(),
+                            start: a,
+                            m: w.iter().map(|x| 2.0 * x).collect(),
+                            v: w.iter().map(|x| 3.0 * x).collect(),
+                            w,
+                        });
+                    }
+                }
+                out.push(RankSnapshot { tp, ep, pieces });
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn assembling_inverts_local_weight_for_every_role() {
+        for (model, tp, ep) in [
+            ("tiny-gpt", 2, 1),
+            ("tiny-gpt", 4, 1),
+            ("tiny-moe", 2, 1),
+            ("tiny-moe", 4, 1),
+            ("tiny-moe", 1, 2),
+        ] {
+            let g = graph(model);
+            let sites = model_weights(&g).unwrap();
+            let roles: std::collections::HashSet<String> = sites
+                .iter()
+                .map(|s| format!("{:?}", s.op(&g).role))
+                .collect();
+            assert!(roles.len() >= 3, "{model}: roles {roles:?}");
+            let tensors = assemble(&g, &sites, &snapshots(&g, &sites, tp, ep)).unwrap();
+            assert_eq!(tensors.len(), 3 * sites.len());
+            for (name, shape, values) in &tensors {
+                let n: usize = shape.iter().product();
+                let scale = if name.starts_with("adam_m/") {
+                    2.0
+                } else if name.starts_with("adam_v/") {
+                    3.0
+                } else {
+                    1.0
+                };
+                let want: Vec<f32> = (0..n).map(|i| scale * (i as f32 + 0.5)).collect();
+                assert!(*values == want, "{model} tp={tp} ep={ep}: `{name}` differs");
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_is_an_incomplete_checkpoint() {
+        let g = graph("tiny-gpt");
+        let sites = model_weights(&g).unwrap();
+        let mut snaps = snapshots(&g, &sites, 2, 1);
+        snaps.pop();
+        let err = assemble(&g, &sites, &snaps).map(|_| ()).unwrap_err();
+        assert!(err.contains("no rank owns element"), "{err}");
+    }
+}
