@@ -402,8 +402,10 @@ impl<'a, D: Device> InferRank<'a, D> {
                 ))
             })
         };
-        let none = self.zeros(0)?;
+        // An idle rank routes no tokens: empty inputs, allocated only then.
+        let none;
         let (x, logits) = if idle {
+            none = self.zeros(0)?;
             (&none, &none)
         } else {
             (input(0)?, input(1)?)

@@ -147,6 +147,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok((total, self.index_in(g)? * c, c))
     }
 
+    /// A copy's layout (a gather's or scatter's; [`Self::zero3_part`] with the
+    /// part).
+    fn zero3_layout(&self, copy: CopyKey) -> Result<Layout, RankError> {
+        (self.z3.layouts.get(&copy).cloned())
+            .ok_or_else(|| fail("ZeRO-3: a segment copy is not laid out"))
+    }
+
     /// A copy's layout, where this rank's part starts in it, and the part.
     pub(super) fn zero3_part(&self, copy: CopyKey) -> Result<(&Layout, usize, &D::F32), RankError> {
         let missing = || fail("ZeRO-3: a segment copy is not laid out");
@@ -199,8 +206,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         backward: bool,
     ) -> Result<(), RankError> {
         let copy = (set, segment_index(self.graph, segment)?, l);
-        let (layout, _, _) = self.zero3_part(copy)?;
-        let layout = layout.clone();
+        let layout = self.zero3_layout(copy)?;
         let total: usize = layout.iter().map(|(_, n)| n).sum();
         let mut all = self.zeros_f32(total)?;
         let part = self.z3.parts.get(&copy).ok_or_else(|| fail("no part"))?;
@@ -245,8 +251,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         (segment, set, l): (&str, ParamSet, u64),
     ) -> Result<(), RankError> {
         let copy = (set, segment_index(self.graph, segment)?, l);
-        let (layout, _, _) = self.zero3_part(copy)?;
-        let layout = layout.clone();
+        let layout = self.zero3_layout(copy)?;
         let (total, _, c) = self.part_of(g, &layout)?;
         let e = derr(segment);
         let mut flat = self.zeros_f32(total)?;
