@@ -64,7 +64,7 @@ mod tests;
 
 pub use counts::{ByteCounts, KindCount};
 #[cfg(feature = "cuda")]
-pub use nccl::{nccl_available, BenchOp, NcclBench, NcclComm, NcclError, P2p};
+pub use nccl::{nccl_available, BenchOp, Elem, NcclBench, NcclComm, NcclError, P2p};
 pub use run::{failure_summary, run_ranks, run_with, RankError};
 pub use thread::ThreadComm;
 
@@ -345,13 +345,6 @@ pub(crate) fn rank_list(ranks: &[usize]) -> String {
 pub trait Communicator: Send {
     /// This rank's global rank.
     fn rank(&self) -> usize;
-
-    /// The NCCL communicator behind this one, for a device that runs collectives on
-    /// its own buffers and streams rather than through host slices.
-    #[cfg(feature = "cuda")]
-    fn as_nccl(&mut self) -> Option<&mut nccl::NcclComm> {
-        None
-    }
 
     /// Number of ranks in the world.
     fn world(&self) -> usize;

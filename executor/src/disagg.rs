@@ -33,7 +33,7 @@
 //! the first tokens.
 
 use crate::comm::{Communicator, Group, RankError};
-use crate::device::{derr, Device, HostDevice};
+use crate::device::{derr, Device, DeviceComm, HostDevice};
 use crate::infer::{
     check_inputs, rank_outs, recorded, summarize, InferOptions, InferRank, InferReport, PoolBytes,
     Progress, RequestCache, RequestOutput,
@@ -177,7 +177,7 @@ pub fn infer_disaggregated_on<D: Device>(
             (decode, np)
         };
         let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
-        let mut r = InferRank::new(dev, pool, Box::new(comm), opts, base)?;
+        let mut r = InferRank::new(dev, pool, D::host_comm(Box::new(comm)), opts, base)?;
         r.comm.barrier(&Group::world(np + nd))?;
         let t0 = Instant::now();
         let (outputs, received) = if is_prefill {
@@ -305,8 +305,8 @@ fn send_cache<D: Device>(
             .act_append(&mut buf, &values, 0, len * dv)
             .map_err(&e)?;
         let to = ctx.world_rank(true, i, piece.to)?;
-        r.dev
-            .send_act(r.comm.as_mut(), to, KV_AXIS, &buf, (0, len * (d + dv)))?;
+        r.comm
+            .send_act(&r.dev, (to, KV_AXIS), &buf, (0, len * (d + dv)))?;
     }
     Ok(())
 }
@@ -377,7 +377,7 @@ fn recv_cache<D: Device>(
         let h = piece.to_index as usize;
         let mut buf = r.dev.act_zeros(len * (d + dv)).map_err(&e)?;
         let from = ctx.world_rank(false, i, piece.from)?;
-        r.dev.recv_act(r.comm.as_mut(), from, KV_AXIS, &mut buf)?;
+        r.comm.recv_act(&r.dev, (from, KV_AXIS), &mut buf)?;
         bytes += 4.0 * (len * (d + dv)) as f64;
         let (k, v) = match blocks.entry(piece.layer) {
             std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),

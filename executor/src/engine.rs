@@ -231,8 +231,7 @@ pub use gpu::Gpu;
 mod gpu {
     use super::EngineError;
     use crate::comm::nccl::{nccl_available, NcclComm};
-    use crate::comm::Communicator;
-    use crate::device::cuda::CudaDevice;
+    use crate::device::cuda::{CudaComm, CudaDevice};
     use crate::device::train::{train_device, train_device_rank, train_device_with};
     use crate::launch::{LaunchEnv, Rendezvous};
     use crate::train::{RankReport, TrainOptions, TrainReport};
@@ -240,12 +239,13 @@ mod gpu {
 
     /// One NCCL communicator per GPU of this process, rank `r` on GPU `r`
     /// (`ncclCommInitAll`).
-    fn nccl_comms(gpus: usize) -> Result<Vec<Box<dyn Communicator>>, EngineError> {
+    #[allow(clippy::vec_box)] // boxed as a host device's trait-object communicators are
+    fn nccl_comms(gpus: usize) -> Result<Vec<Box<CudaComm>>, EngineError> {
         let devices: Vec<usize> = (0..gpus).collect();
         Ok(NcclComm::in_process(&devices)
             .map_err(|e| EngineError::Failed(e.to_string()))?
             .into_iter()
-            .map(|c| Box::new(c) as Box<dyn Communicator>)
+            .map(|c| Box::new(CudaComm::Nccl(c)))
             .collect())
     }
 
@@ -326,7 +326,8 @@ mod gpu {
                 NcclComm::from_launch(env, rv).map_err(|e| EngineError::Failed(e.to_string()))?;
             let dev =
                 CudaDevice::on(env.local_rank).map_err(|e| EngineError::Failed(e.to_string()))?;
-            train_device_rank(plan, opts, dev, Box::new(comm)).map_err(EngineError::Run)
+            train_device_rank(plan, opts, dev, Box::new(CudaComm::Nccl(comm)))
+                .map_err(EngineError::Run)
         }
     }
 }

@@ -13,7 +13,7 @@
 //! lists that [`Device::gather_rows`] applies.
 
 use crate::comm::{Communicator, Group, RankError};
-use crate::device::{derr, DResult, Device};
+use crate::device::{derr, DResult, Device, DeviceComm};
 use crate::shard::TpPos;
 use crate::train::fail;
 use meshplan_ir::graph::ExpertsShape;
@@ -126,7 +126,7 @@ pub(crate) struct Moves<D: Device> {
 /// One rank running one experts op: its device, its communicator, where it sits.
 pub(crate) struct Exec<'c, D: Device> {
     pub dev: &'c D,
-    pub comm: &'c mut dyn Communicator,
+    pub comm: &'c mut D::Comm,
     pub place: Place<'c>,
     /// The op, for errors.
     pub name: &'c str,
@@ -163,8 +163,8 @@ impl<D: Device> Exec<'_, D> {
         let (sc, rc) = if back { (rc, sc) } else { (sc, rc) };
         let g = self.place.ep_group()?;
         let mut out = self.zeros(rc.iter().sum())?;
-        self.dev
-            .all_to_all_v_act(self.comm, (g, "ep"), (rows, &sc), (&mut out, &rc))?;
+        self.comm
+            .all_to_all_v_act(self.dev, (g, "ep"), (rows, &sc), (&mut out, &rc))?;
         Ok(out)
     }
 
@@ -402,7 +402,7 @@ pub(crate) fn capacity_padding(
 /// per global expert) and what it receives from each (exchanged first, unless
 /// `even`: then every member sends every expert the same padded count).
 pub(crate) fn route_of(
-    comm: &mut dyn Communicator,
+    comm: &mut (impl Communicator + ?Sized),
     place: &Place<'_>,
     counts: &[usize],
     ne: usize,

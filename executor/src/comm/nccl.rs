@@ -39,7 +39,7 @@ use std::sync::{Arc, Mutex};
 
 use meshplan_kernels::cuda::bf16;
 use meshplan_kernels::cuda::cudarc::driver::{
-    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, SyncOnDrop,
+    CudaContext, CudaEvent, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, SyncOnDrop,
 };
 use meshplan_kernels::cuda::cudarc::nccl::{result, sys};
 
@@ -388,44 +388,25 @@ impl NcclComm {
 }
 
 impl NcclComm {
-    /// Starts summing the device buffer `buf` over `group` on the communication
-    /// stream, once `ready` (recorded on the stream that wrote `buf`) has passed, and
-    /// returns the event marking its end: the consumer's stream waits on that event,
-    /// and the host waits for neither. Bytes are counted as
-    /// [`Communicator::all_reduce`] counts them. `buf` must stay alive, and unwritten,
-    /// until the returned event has passed.
-    pub fn all_reduce_device_start(
-        &mut self,
-        group: &Group,
-        axis: &str,
-        buf: &mut CudaSlice<f32>,
-        ready: &CudaEvent,
-    ) -> Result<CudaEvent, CommError> {
-        let n = buf.len();
-        let kind = CommKind::AllReduce;
-        self.device_collective(kind, group, axis, ready, (F32, 4), (n, n), |s| {
-            let p = ptr_mut(buf, s, 0);
-            (p as *const c_void, p)
-        })
-    }
-
-    /// A collective on bf16 device buffers (tensor and sequence parallelism's
-    /// activations and their gradients), on the communication stream once `ready`
-    /// has passed: an in-place all-reduce of `dst` (`src` `None`), a reduce-scatter
-    /// of `src` into `dst`, or an all-gather of `src` into `dst`. Summed in bf16 as
-    /// NCCL sums it; bytes counted at two per element. The returned event marks its
-    /// end; the buffers stay alive and unwritten until it has passed.
-    pub fn bf16_device_start(
+    /// A collective on device buffers of `T`, on the communication stream once
+    /// `ready` (recorded on the stream that wrote the buffers) has passed: an
+    /// in-place all-reduce of `dst` (`src` `None`), a reduce-scatter of `src` into
+    /// `dst`, or an all-gather of `src` into `dst`. Summed in `T` as NCCL sums it;
+    /// bytes counted at [`Elem::BYTES`] an element, as the host collectives count
+    /// theirs. The returned event marks its end: the consumer's stream waits on it,
+    /// and the host waits for neither. The buffers stay alive, and unwritten, until
+    /// it has passed.
+    pub fn device_start<T: Elem>(
         &mut self,
         kind: CommKind,
-        group: &Group,
-        axis: &str,
-        src: Option<&CudaSlice<bf16>>,
-        dst: &mut CudaSlice<bf16>,
+        (group, axis): (&Group, &str),
+        src: Option<&CudaSlice<T>>,
+        dst: &mut CudaSlice<T>,
         ready: &CudaEvent,
     ) -> Result<CudaEvent, CommError> {
         let sizes = (src.map_or(dst.len(), |s| s.len()), dst.len());
-        self.device_collective(kind, group, axis, ready, (BF16, 2), sizes, |s| {
+        let dtype = (T::DTYPE, T::BYTES);
+        self.device_collective(kind, group, axis, ready, dtype, sizes, |s| {
             let (pd, _g) = dst.device_ptr_mut(s);
             let ps = match src {
                 Some(x) => x.device_ptr(s).0,
@@ -682,13 +663,27 @@ const F32: sys::ncclDataType_t = sys::ncclDataType_t::ncclFloat32;
 const BF16: sys::ncclDataType_t = sys::ncclDataType_t::ncclBfloat16;
 const SUM: sys::ncclRedOp_t = sys::ncclRedOp_t::ncclSum;
 
+/// An element type of NCCL's collectives on device buffers.
+pub trait Elem: DeviceRepr {
+    /// NCCL's name for it.
+    const DTYPE: sys::ncclDataType_t;
+    /// Bytes an element.
+    const BYTES: u64;
+}
+
+impl Elem for f32 {
+    const DTYPE: sys::ncclDataType_t = F32;
+    const BYTES: u64 = 4;
+}
+
+impl Elem for bf16 {
+    const DTYPE: sys::ncclDataType_t = BF16;
+    const BYTES: u64 = 2;
+}
+
 impl Communicator for NcclComm {
     fn rank(&self) -> usize {
         self.rank
-    }
-
-    fn as_nccl(&mut self) -> Option<&mut NcclComm> {
-        Some(self)
     }
 
     fn world(&self) -> usize {

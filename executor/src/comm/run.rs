@@ -122,14 +122,15 @@ where
 /// its own thread; each rank's result, index = rank. Unlike [`run_ranks`]'s
 /// communicators these need not detect a rank that fails, so a failure may leave
 /// the others waiting (NCCL has no timeout).
-pub fn run_with<T, F>(
+pub fn run_with<T, C, F>(
     world: usize,
-    comms: Vec<Box<dyn Communicator>>,
+    comms: Vec<Box<C>>,
     f: &F,
 ) -> Result<Vec<Result<T, RankError>>, String>
 where
     T: Send,
-    F: Fn(Box<dyn Communicator>) -> Result<T, RankError> + Sync,
+    C: Communicator + ?Sized,
+    F: Fn(Box<C>) -> Result<T, RankError> + Sync,
 {
     if comms.len() != world || comms.iter().enumerate().any(|(r, c)| c.rank() != r) {
         return Err(format!(

@@ -12,12 +12,15 @@ use super::{
     range_err, AdamW, Attn, AttnBwd, AttnOut, Ce, CeOut, DResult, Device, DeviceError, Norm,
     NormBwd, NormOut, RopeQkv,
 };
-use crate::comm::{CommError, CommKind, Communicator, Group, P2p};
+use crate::comm::Communicator;
 use meshplan_ir::NormKind;
 use meshplan_kernels::cpu::{AttnDims, GemmAt, MoeDims, RowDropout};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, DriverError};
 use meshplan_kernels::cuda::{bf16, Gpu, GpuError};
+
+mod comm;
+pub use comm::{CudaComm, Reduction};
 
 impl From<GpuError> for DeviceError {
     fn from(e: GpuError) -> Self {
@@ -27,21 +30,6 @@ impl From<GpuError> for DeviceError {
 
 fn driver(e: DriverError) -> DeviceError {
     GpuError::from(e).into()
-}
-
-/// A gradient bucket's sum: finished (through the host), or in flight on NCCL's
-/// stream until `done`.
-#[derive(Debug)]
-pub enum Reduction {
-    /// Summed already.
-    Done(CudaSlice<f32>),
-    /// Being summed by NCCL; `buf` is not to be touched before `done`.
-    InFlight {
-        /// The bucket.
-        buf: CudaSlice<f32>,
-        /// Recorded on NCCL's stream after the sum.
-        done: CudaEvent,
-    },
 }
 
 /// One GPU as a [`Device`].
@@ -70,28 +58,6 @@ impl CudaDevice {
         &self.gpu
     }
 
-    /// Point-to-point transfers through NCCL as one group on NCCL's stream, after
-    /// the work launched so far; this stream, not the host, waits for their end.
-    fn p2p(
-        &self,
-        comm: &mut dyn Communicator,
-        axis: &str,
-        transfers: &mut [P2p<'_>],
-    ) -> Result<(), CommError> {
-        let nccl = comm.as_nccl().ok_or_else(|| CommError::Internal {
-            detail: "device point to point without NCCL".into(),
-        })?;
-        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-        let ready = self.mark().map_err(internal)?;
-        let done = nccl.p2p_bf16_device_start(axis, transfers, &ready)?;
-        self.gpu
-            .stream()
-            .wait(&done)
-            .map_err(|e| CommError::Internal {
-                detail: format!("waiting for point-to-point transfers: {e:?}"),
-            })
-    }
-
     /// `dst[dst_off..dst_off + n] = src[src_off..src_off + n]` on the stream.
     fn copy_range<T: DeviceRepr>(
         &self,
@@ -111,30 +77,6 @@ impl CudaDevice {
             .memcpy_dtod(&src.slice(s), &mut dst.slice_mut(d))
             .map_err(driver)
     }
-
-    /// A bf16 collective through NCCL on NCCL's stream, after the work launched so
-    /// far; this stream, not the host, waits for its end.
-    fn nccl_collective(
-        &self,
-        comm: &mut dyn Communicator,
-        kind: CommKind,
-        (group, axis): (&Group, &str),
-        src: Option<&CudaSlice<bf16>>,
-        dst: &mut CudaSlice<bf16>,
-    ) -> Result<(), CommError> {
-        let nccl = comm.as_nccl().ok_or_else(|| CommError::Internal {
-            detail: "a device collective without NCCL".into(),
-        })?;
-        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-        let ready = self.mark().map_err(internal)?;
-        let done = nccl.bf16_device_start(kind, group, axis, src, dst, &ready)?;
-        self.gpu
-            .stream()
-            .wait(&done)
-            .map_err(|e| CommError::Internal {
-                detail: format!("waiting for a {kind} of activations: {e:?}"),
-            })
-    }
 }
 
 /// `off..off + n` when it lies within `len` elements.
@@ -152,6 +94,11 @@ impl Device for CudaDevice {
     type Ids = CudaSlice<u32>;
     type Mark = CudaEvent;
     type Reduction = Reduction;
+    type Comm = CudaComm;
+
+    fn host_comm(comm: Box<dyn Communicator>) -> Box<CudaComm> {
+        Box::new(CudaComm::Staged(comm))
+    }
 
     fn name(&self) -> &'static str {
         "cuda"
@@ -570,134 +517,6 @@ impl Device for CudaDevice {
         Ok(self
             .gpu
             .adamw_step(param, grad, m, v, compute, step, lr, b1, b2, eps, wd)?)
-    }
-    fn all_reduce_start(
-        &self,
-        comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        mut buf: CudaSlice<f32>,
-    ) -> Result<Reduction, CommError> {
-        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-        if let Some(nccl) = comm.as_nccl() {
-            // On NCCL's stream after the gradients' copy, while this stream goes on
-            // with the backward.
-            let ready = self.mark().map_err(internal)?;
-            let done = nccl.all_reduce_device_start(group, axis, &mut buf, &ready)?;
-            return Ok(Reduction::InFlight { buf, done });
-        }
-        // Through the host: the in-process communicator (ranks sharing the GPU).
-        let mut host = self.f32_download(&buf).map_err(internal)?;
-        comm.all_reduce(group, axis, &mut host)?;
-        Ok(Reduction::Done(self.f32_upload(&host).map_err(internal)?))
-    }
-    fn all_reduce_finish(
-        &self,
-        _: &mut dyn Communicator,
-        r: Reduction,
-    ) -> Result<CudaSlice<f32>, CommError> {
-        match r {
-            Reduction::Done(buf) => Ok(buf),
-            Reduction::InFlight { buf, done } => {
-                // The stream, not the host, waits for the sum.
-                self.gpu
-                    .stream()
-                    .wait(&done)
-                    .map_err(|e| CommError::Internal {
-                        detail: format!("waiting for a reduction: {e:?}"),
-                    })?;
-                Ok(buf)
-            }
-        }
-    }
-    fn all_reduce_act(
-        &self,
-        comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        x: &mut CudaSlice<bf16>,
-    ) -> Result<(), CommError> {
-        if comm.as_nccl().is_none() {
-            // The in-process communicator (ranks sharing the GPU) sums on the host.
-            return super::all_reduce_act_on_host(self, comm, group, axis, x);
-        }
-        self.nccl_collective(comm, CommKind::AllReduce, (group, axis), None, x)
-    }
-    fn send_act(
-        &self,
-        comm: &mut dyn Communicator,
-        peer: usize,
-        axis: &str,
-        x: &CudaSlice<bf16>,
-        range: (usize, usize),
-    ) -> Result<(), CommError> {
-        if comm.as_nccl().is_none() {
-            return super::send_act_on_host(self, comm, peer, axis, x, range);
-        }
-        self.p2p(comm, axis, &mut [P2p::Send(peer, x, range)])
-    }
-    fn recv_act(
-        &self,
-        comm: &mut dyn Communicator,
-        peer: usize,
-        axis: &str,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), CommError> {
-        if comm.as_nccl().is_none() {
-            return super::recv_act_on_host(self, comm, peer, axis, out);
-        }
-        self.p2p(comm, axis, &mut [P2p::Recv(peer, out)])
-    }
-    fn exchange_act(
-        &self,
-        comm: &mut dyn Communicator,
-        axis: &str,
-        (to, send): (usize, &CudaSlice<bf16>),
-        (from, recv): (usize, &mut CudaSlice<bf16>),
-    ) -> Result<(), CommError> {
-        if comm.as_nccl().is_none() {
-            super::send_act_on_host(self, comm, to, axis, send, (0, send.len()))?;
-            return super::recv_act_on_host(self, comm, from, axis, recv);
-        }
-        let n = send.len();
-        self.p2p(
-            comm,
-            axis,
-            &mut [P2p::Send(to, send, (0, n)), P2p::Recv(from, recv)],
-        )
-    }
-    fn all_to_all_v_act(
-        &self,
-        comm: &mut dyn Communicator,
-        (group, axis): (&Group, &str),
-        send: (&CudaSlice<bf16>, &[usize]),
-        recv: (&mut CudaSlice<bf16>, &[usize]),
-    ) -> Result<(), CommError> {
-        let Some(nccl) = comm.as_nccl() else {
-            return super::a2av_on_host(self, comm, (group, axis), send, recv);
-        };
-        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-        let ready = self.mark().map_err(internal)?;
-        let done = nccl.all_to_all_v_bf16_device_start(group, axis, send, recv, &ready)?;
-        self.gpu
-            .stream()
-            .wait(&done)
-            .map_err(|e| CommError::Internal {
-                detail: format!("waiting for the All-to-All: {e:?}"),
-            })
-    }
-    fn act_collective(
-        &self,
-        comm: &mut dyn Communicator,
-        kind: CommKind,
-        on: (&Group, &str),
-        src: &CudaSlice<bf16>,
-        out: &mut CudaSlice<bf16>,
-    ) -> Result<(), CommError> {
-        if comm.as_nccl().is_none() {
-            return super::act_collective_on_host(self, comm, kind, on, src, out);
-        }
-        self.nccl_collective(comm, kind, on, Some(src), out)
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(self.gpu.synchronize()?)

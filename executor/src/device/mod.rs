@@ -13,12 +13,15 @@
 //! recorded. The CUDA device differs from it only in the kernels, each of which is
 //! tested against its CPU reference.
 
-use crate::comm::{CommError, CommKind, Communicator, Group};
+use crate::comm::Communicator;
+pub(crate) use comm::act_collected;
+pub use comm::{CResult, DeviceComm, Kind, On};
 use meshplan_ir::NormKind;
 use meshplan_kernels::cpu::{
     self as k, AttnDims, AttnDropout, GemmAt, KernelError, MoeDims, Rope, RowDropout,
 };
 
+pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod emulate;
@@ -216,8 +219,15 @@ pub trait Device: Send + Sync {
     type Ids: Send + Sync;
     /// A point on the device's timeline (for traces).
     type Mark: Send;
-    /// A reduction in flight ([`Device::all_reduce_start`]).
+    /// A reduction in flight ([`DeviceComm::all_reduce_start`]).
     type Reduction: Send;
+    /// The communicator a rank of this device holds.
+    type Comm: DeviceComm<Self> + ?Sized;
+
+    /// A host communicator (the in-process one, or a launched process's) as this
+    /// device's: where the device has a collective engine of its own, its buffers
+    /// are staged through the host.
+    fn host_comm(comm: Box<dyn Communicator>) -> Box<Self::Comm>;
 
     /// Short name for reports (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
@@ -530,129 +540,6 @@ pub trait Device: Send + Sync {
     /// refreshed.
     fn adamw(&self, a: AdamW<'_, Self>) -> DResult<()>;
 
-    /// Starts summing `buf` over `group` through `comm`, after the work launched so
-    /// far; the interpreter issues a gradient bucket as soon as its gradients are
-    /// final, so that a device with a collective engine of its own overlaps it with
-    /// the rest of the backward.
-    fn all_reduce_start(
-        &self,
-        comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        buf: Self::F32,
-    ) -> Result<Self::Reduction, CommError>;
-    /// The summed buffer of a reduction [`Device::all_reduce_start`] began, ready for
-    /// the work launched after this call.
-    fn all_reduce_finish(
-        &self,
-        comm: &mut dyn Communicator,
-        r: Self::Reduction,
-    ) -> Result<Self::F32, CommError>;
-
-    /// Sums the activation (or activation gradient) `x` over `group` in place:
-    /// tensor parallelism's partial sums. The default goes through the host.
-    fn all_reduce_act(
-        &self,
-        comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        x: &mut Self::Act,
-    ) -> Result<(), CommError> {
-        all_reduce_act_on_host(self, comm, group, axis, x)
-    }
-
-    /// Sends `x[off..off + n]` to rank `peer` (pipeline parallelism's boundary,
-    /// or this tensor rank's slice of it). The default goes through the host.
-    fn send_act(
-        &self,
-        comm: &mut dyn Communicator,
-        peer: usize,
-        axis: &str,
-        x: &Self::Act,
-        (off, n): (usize, usize),
-    ) -> Result<(), CommError> {
-        send_act_on_host(self, comm, peer, axis, x, (off, n))
-    }
-    /// Receives `out` (its length) from rank `peer`. The default goes through the
-    /// host.
-    fn recv_act(
-        &self,
-        comm: &mut dyn Communicator,
-        peer: usize,
-        axis: &str,
-        out: &mut Self::Act,
-    ) -> Result<(), CommError> {
-        recv_act_on_host(self, comm, peer, axis, out)
-    }
-
-    /// Sends `send` whole to rank `to` and receives `recv` from rank `from`, as one
-    /// exchange (a ring's step: on NCCL one group, so that neither waits on the
-    /// other). The default sends, then receives.
-    fn exchange_act(
-        &self,
-        comm: &mut dyn Communicator,
-        axis: &str,
-        (to, send): (usize, &Self::Act),
-        (from, recv): (usize, &mut Self::Act),
-    ) -> Result<(), CommError> {
-        self.send_act(comm, to, axis, send, (0, Self::act_len(send)))?;
-        self.recv_act(comm, from, axis, recv)
-    }
-
-    /// All-to-All with uneven splits over `group`: `send_counts[j]` elements of
-    /// `send` to member `j`, `recv_counts[i]` from member `i` into `recv`, both in
-    /// group order (expert parallelism's token rows). The default goes through the
-    /// host.
-    fn all_to_all_v_act(
-        &self,
-        comm: &mut dyn Communicator,
-        (group, axis): (&Group, &str),
-        (send, send_counts): (&Self::Act, &[usize]),
-        (recv, recv_counts): (&mut Self::Act, &[usize]),
-    ) -> Result<(), CommError> {
-        a2av_on_host(
-            self,
-            comm,
-            (group, axis),
-            (send, send_counts),
-            (recv, recv_counts),
-        )
-    }
-
-    /// Sequence parallelism's collectives on activations (and input gradients)
-    /// over `on` (group, axis label): `ReduceScatter` (`out` = this member's rows of
-    /// the sum of every member's `src`) or `AllGather` (`out` = every member's
-    /// `src`, in group order). The default goes through the host.
-    fn act_collective(
-        &self,
-        comm: &mut dyn Communicator,
-        kind: CommKind,
-        on: (&Group, &str),
-        src: &Self::Act,
-        out: &mut Self::Act,
-    ) -> Result<(), CommError> {
-        act_collective_on_host(self, comm, kind, on, src, out)
-    }
-
-    /// ZeRO's collectives on fp32 buffers over `on`: `ReduceScatter` (this
-    /// member's part of the sum of the gradient shards) or `AllGather` (every
-    /// member's updated parameters). The default goes through the host.
-    fn f32_collective(
-        &self,
-        comm: &mut dyn Communicator,
-        kind: CommKind,
-        (group, axis): (&Group, &str),
-        src: &Self::F32,
-        out: &mut Self::F32,
-    ) -> Result<(), CommError> {
-        let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-        let host = self.f32_download(src).map_err(internal)?;
-        let mut got = vec![0.0; Self::f32_len(out)];
-        host_collective(comm, kind, (group, axis), &host, &mut got)?;
-        *out = self.f32_upload(&got).map_err(internal)?;
-        Ok(())
-    }
-
     /// Waits for everything launched so far.
     fn synchronize(&self) -> DResult<()>;
     /// Records a point on the device's timeline after the work launched so far.
@@ -661,125 +548,6 @@ pub trait Device: Send + Sync {
     fn seconds_between(&self, a: &Self::Mark, b: &Self::Mark) -> DResult<f64>;
     /// Bytes of device memory in use by this process's buffers, where known.
     fn memory_in_use(&self) -> Option<u64>;
-}
-
-/// [`Device::all_reduce_act`] through the host: download, sum, upload.
-pub(crate) fn all_reduce_act_on_host<D: Device + ?Sized>(
-    dev: &D,
-    comm: &mut dyn Communicator,
-    group: &Group,
-    axis: &str,
-    x: &mut D::Act,
-) -> Result<(), CommError> {
-    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-    let mut host = dev.act_download(x).map_err(internal)?;
-    comm.all_reduce(group, axis, &mut host)?;
-    let sum = dev.f32_upload(&host).map_err(internal)?;
-    dev.to_act(&sum, x).map_err(internal)
-}
-
-/// [`Device::send_act`] through the host.
-pub(crate) fn send_act_on_host<D: Device + ?Sized>(
-    dev: &D,
-    comm: &mut dyn Communicator,
-    peer: usize,
-    axis: &str,
-    x: &D::Act,
-    (off, n): (usize, usize),
-) -> Result<(), CommError> {
-    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-    let host = dev.act_download(x).map_err(internal)?;
-    let part = host.get(off..off + n).ok_or_else(|| CommError::Internal {
-        detail: format!("sending {off}..{} of {}", off + n, host.len()),
-    })?;
-    comm.send(peer, axis, part)
-}
-
-/// [`Device::all_to_all_v_act`] through the host.
-pub(crate) fn a2av_on_host<D: Device + ?Sized>(
-    dev: &D,
-    comm: &mut dyn Communicator,
-    (group, axis): (&Group, &str),
-    (send, send_counts): (&D::Act, &[usize]),
-    (recv, recv_counts): (&mut D::Act, &[usize]),
-) -> Result<(), CommError> {
-    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-    let host = dev.act_download(send).map_err(internal)?;
-    let mut got = vec![0.0; D::act_len(recv)];
-    comm.all_to_all_v(group, axis, &host, send_counts, &mut got, recv_counts)?;
-    let up = dev.f32_upload(&got).map_err(internal)?;
-    dev.to_act(&up, recv).map_err(internal)
-}
-
-/// [`Device::recv_act`] through the host.
-pub(crate) fn recv_act_on_host<D: Device + ?Sized>(
-    dev: &D,
-    comm: &mut dyn Communicator,
-    peer: usize,
-    axis: &str,
-    out: &mut D::Act,
-) -> Result<(), CommError> {
-    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-    let mut host = vec![0.0; D::act_len(out)];
-    comm.recv(peer, axis, &mut host)?;
-    let up = dev.f32_upload(&host).map_err(internal)?;
-    dev.to_act(&up, out).map_err(internal)
-}
-
-/// [`Device::act_collective`] into a new buffer: every member's `src` gathered,
-/// or this member's rows of their sum.
-pub(crate) fn act_collected<D: Device>(
-    dev: &D,
-    comm: &mut dyn Communicator,
-    kind: CommKind,
-    on: (&Group, &str),
-    src: &D::Act,
-) -> Result<D::Act, CommError> {
-    let n = on.0.size().max(1);
-    let len = match kind {
-        CommKind::AllGather => D::act_len(src) * n,
-        _ => D::act_len(src) / n,
-    };
-    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-    let mut out = dev.act_zeros(len).map_err(internal)?;
-    dev.act_collective(comm, kind, on, src, &mut out)?;
-    Ok(out)
-}
-
-/// [`Device::act_collective`] through the host.
-pub(crate) fn act_collective_on_host<D: Device + ?Sized>(
-    dev: &D,
-    comm: &mut dyn Communicator,
-    kind: CommKind,
-    on: (&Group, &str),
-    src: &D::Act,
-    out: &mut D::Act,
-) -> Result<(), CommError> {
-    let internal = |e: DeviceError| CommError::Internal { detail: e.0 };
-    let host = dev.act_download(src).map_err(internal)?;
-    let mut got = vec![0.0; D::act_len(out)];
-    host_collective(comm, kind, on, &host, &mut got)?;
-    let up = dev.f32_upload(&got).map_err(internal)?;
-    dev.to_act(&up, out).map_err(internal)
-}
-
-/// A reduce-scatter or an all-gather of host slices (the collectives of
-/// [`Device::act_collective`] and [`Device::f32_collective`]).
-fn host_collective(
-    comm: &mut dyn Communicator,
-    kind: CommKind,
-    (group, axis): (&Group, &str),
-    src: &[f32],
-    out: &mut [f32],
-) -> Result<(), CommError> {
-    match kind {
-        CommKind::ReduceScatter => comm.reduce_scatter(group, axis, src, out),
-        CommKind::AllGather => comm.all_gather(group, axis, src, out),
-        other => Err(CommError::InvalidArgument {
-            kind: other,
-            detail: "a device collective is a reduce-scatter or an all-gather".into(),
-        }),
-    }
 }
 
 /// The CPU reference kernels in fp32 behind the [`Device`] trait: the device
@@ -833,7 +601,11 @@ impl<H: HostPrecision> Device for H {
     type Ids = Vec<u32>;
     type Mark = std::time::Instant;
     type Reduction = Vec<f32>;
+    type Comm = dyn Communicator;
 
+    fn host_comm(comm: Box<dyn Communicator>) -> Box<dyn Communicator> {
+        comm
+    }
     fn name(&self) -> &'static str {
         H::NAME
     }
@@ -1299,81 +1071,6 @@ impl<H: HostPrecision> Device for H {
             H::round(compute);
         }
         Ok(())
-    }
-    fn all_reduce_start(
-        &self,
-        comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        mut buf: Vec<f32>,
-    ) -> Result<Vec<f32>, CommError> {
-        comm.all_reduce(group, axis, &mut buf)?;
-        Ok(buf)
-    }
-    fn all_reduce_finish(
-        &self,
-        _: &mut dyn Communicator,
-        r: Vec<f32>,
-    ) -> Result<Vec<f32>, CommError> {
-        Ok(r)
-    }
-    fn all_reduce_act(
-        &self,
-        comm: &mut dyn Communicator,
-        group: &Group,
-        axis: &str,
-        x: &mut Vec<f32>,
-    ) -> Result<(), CommError> {
-        comm.all_reduce(group, axis, x)?;
-        // The sum lands in a bf16 buffer on a GPU.
-        H::round(x);
-        Ok(())
-    }
-    fn send_act(
-        &self,
-        comm: &mut dyn Communicator,
-        peer: usize,
-        axis: &str,
-        x: &Vec<f32>,
-        (off, n): (usize, usize),
-    ) -> Result<(), CommError> {
-        let part = x.get(off..off + n).ok_or_else(|| CommError::Internal {
-            detail: format!("sending {off}..{} of {}", off + n, x.len()),
-        })?;
-        comm.send(peer, axis, part)
-    }
-    fn recv_act(
-        &self,
-        comm: &mut dyn Communicator,
-        peer: usize,
-        axis: &str,
-        out: &mut Vec<f32>,
-    ) -> Result<(), CommError> {
-        comm.recv(peer, axis, out)
-    }
-    fn act_collective(
-        &self,
-        comm: &mut dyn Communicator,
-        kind: CommKind,
-        on: (&Group, &str),
-        src: &Vec<f32>,
-        out: &mut Vec<f32>,
-    ) -> Result<(), CommError> {
-        host_collective(comm, kind, on, src, out)?;
-        // A reduce-scatter's sum lands in a bf16 buffer on a GPU.
-        if kind == CommKind::ReduceScatter {
-            H::round(out);
-        }
-        Ok(())
-    }
-    fn all_to_all_v_act(
-        &self,
-        comm: &mut dyn Communicator,
-        (group, axis): (&Group, &str),
-        (send, send_counts): (&Vec<f32>, &[usize]),
-        (recv, recv_counts): (&mut Vec<f32>, &[usize]),
-    ) -> Result<(), CommError> {
-        comm.all_to_all_v(group, axis, send, send_counts, recv, recv_counts)
     }
     fn synchronize(&self) -> DResult<()> {
         Ok(())

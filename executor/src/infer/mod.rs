@@ -318,7 +318,7 @@ pub fn infer_on_with<D: Device>(
     plan: &Plan,
     opts: &InferOptions,
     make: &(dyn Fn(usize) -> crate::device::DResult<D> + Sync),
-    comms: Option<Vec<Box<dyn Communicator>>>,
+    comms: Option<Vec<Box<D::Comm>>>,
 ) -> Result<InferReport, ExecError> {
     check_inputs(plan, opts).map_err(ExecError::Plan)?;
     if let Some(ck) = &opts.weights {
@@ -327,7 +327,7 @@ pub fn infer_on_with<D: Device>(
             .map_err(|e| ExecError::Checkpoint(e.message))?;
     }
     let world = plan.ranks.len();
-    let rank = |comm: Box<dyn Communicator>| {
+    let rank = |comm: Box<D::Comm>| {
         let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
         let mut r = InferRank::new(dev, plan, comm, opts, 0)?;
         let everyone = Group::new("world", (0..world).collect());
@@ -339,7 +339,7 @@ pub fn infer_on_with<D: Device>(
     let results = match comms {
         Some(comms) => crate::comm::run_with(world, comms, &rank).map_err(ExecError::Plan)?,
         None => crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |c| {
-            rank(Box::new(c))
+            rank(D::host_comm(Box::new(c)))
         }),
     };
     let outs = rank_outs(results)?;
@@ -593,7 +593,7 @@ pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     /// The world rank of the plan's rank 0: a serving pool's ranks follow the
     /// other pool's.
     base: usize,
-    pub(crate) comm: Box<dyn Communicator>,
+    pub(crate) comm: Box<D::Comm>,
     coords: Vec<u64>,
     pp_axis: usize,
     pub(crate) stage: u64,

@@ -2,6 +2,7 @@
 //! on the device, attention against the KV cache, the pass's collectives.
 
 use super::*;
+use crate::device::DeviceComm;
 
 impl<'a, D: Device> InferRank<'a, D> {
     pub(super) fn run_phase(&mut self, phase: &Phase, batch: &Batch) -> Result<(), RankError> {
@@ -54,14 +55,12 @@ impl<'a, D: Device> InferRank<'a, D> {
                         .as_ref()
                         .ok_or_else(|| fail("no hidden states to send"))?;
                     let n = D::act_len(h);
-                    self.dev
-                        .send_act(self.comm.as_mut(), peer, "pp", h, (0, n))?;
+                    self.comm.send_act(&self.dev, (peer, "pp"), h, (0, n))?;
                 }
                 Instr::Recv { peer_stage, .. } => {
                     let peer = self.peer(*peer_stage)?;
                     let mut buf = self.zeros(batch.rows() * self.hidden_width)?;
-                    self.dev
-                        .recv_act(self.comm.as_mut(), peer, "pp", &mut buf)?;
+                    self.comm.recv_act(&self.dev, (peer, "pp"), &mut buf)?;
                     self.hidden = Some(buf);
                 }
                 Instr::Collective {
@@ -149,7 +148,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                     .as_ref()
                     .ok_or_else(|| fail("no hidden states to gather"))?;
                 let (dev, comm, on) = (&self.dev, self.comm.as_mut(), (&g, axis.name()));
-                let out = act_collected(dev, comm, CommKind::AllGather, on, h)?;
+                let out = act_collected(dev, comm, (CommKind::AllGather, on), h)?;
                 self.hidden = Some(out);
                 return Ok(());
             }
@@ -187,17 +186,15 @@ impl<'a, D: Device> InferRank<'a, D> {
             .get_mut(tensor)
             .ok_or_else(|| fail(format!("no tensor `{tensor}` to communicate")))?;
         match kind {
-            CollectiveKind::AllReduce => {
-                self.dev.all_reduce_act(self.comm.as_mut(), &g, ax, buf)?
-            }
+            CollectiveKind::AllReduce => self.comm.all_reduce_act(&self.dev, (&g, ax), buf)?,
             CollectiveKind::AllGather => {
                 let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, CommKind::AllGather, (&g, ax), buf)?;
+                let out = act_collected(dev, comm, (CommKind::AllGather, (&g, ax)), buf)?;
                 self.acts.insert(format!("{tensor}@g"), out);
             }
             CollectiveKind::ReduceScatter => {
                 let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, CommKind::ReduceScatter, (&g, ax), buf)?;
+                let out = act_collected(dev, comm, (CommKind::ReduceScatter, (&g, ax)), buf)?;
                 *buf = out;
             }
             other => {

@@ -8,7 +8,7 @@ impl<'a, D: Device> InferRank<'a, D> {
     pub(crate) fn new(
         dev: D,
         plan: &'a Plan,
-        comm: Box<dyn Communicator>,
+        comm: Box<D::Comm>,
         opts: &'a InferOptions,
         base: usize,
     ) -> Result<Self, RankError> {

@@ -5,7 +5,7 @@
 
 use super::ops::AttnMask;
 use super::*;
-use crate::device::{act_collected, CeOut};
+use crate::device::{act_collected, CeOut, DeviceComm};
 
 impl<'a, D: Device> DevRank<'a, D> {
     /// The context group, this rank's index in it, and its ring neighbours.
@@ -38,8 +38,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         block: &D::Act,
     ) -> Result<D::Act, RankError> {
         let mut passed = self.zeros(D::act_len(block))?;
-        self.dev
-            .exchange_act(self.comm.as_mut(), "cp", (next, block), (prev, &mut passed))?;
+        self.comm
+            .exchange_act(&self.dev, "cp", (next, block), (prev, &mut passed))?;
         Ok(passed)
     }
 
@@ -156,8 +156,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         for r in 1..n {
             let (to, from) = ((me + r) % n, (me + n - r) % n);
             let mut buf = self.zeros(len)?;
-            self.dev.exchange_act(
-                self.comm.as_mut(),
+            self.comm.exchange_act(
+                &self.dev,
                 "cp",
                 (g.ranks[to], &grads[to]),
                 (g.ranks[from], &mut buf),
@@ -230,8 +230,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.tp.size
             )));
         };
-        self.dev
-            .send_act(self.comm.as_mut(), peer, "pp", x, (off, n))?;
+        self.comm.send_act(&self.dev, (peer, "pp"), x, (off, n))?;
         // Named as `trace::Tracer` names them.
         let args = serde_json::json!({"step": self.step_no, "bytes": bytes, "peer": peer});
         self.span(m0, format!("send to stage {stage}"), "p2p", args)
@@ -248,7 +247,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let n = self.boundary_len(bytes);
         let m0 = self.mark()?;
         let mut x = self.zeros(n)?;
-        self.dev.recv_act(self.comm.as_mut(), peer, "pp", &mut x)?;
+        self.comm.recv_act(&self.dev, (peer, "pp"), &mut x)?;
         if grad {
             self.grad_hidden = Some(x);
         } else {
@@ -277,7 +276,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         .ok_or_else(|| fail("no boundary to gather"))?;
         let (dev, comm) = (&self.dev, self.comm.as_mut());
-        let out = act_collected(dev, comm, CommKind::AllGather, (&g, axis), local)?;
+        let out = act_collected(dev, comm, (CommKind::AllGather, (&g, axis)), local)?;
         if grad {
             self.grad_hidden = Some(out);
         } else {
@@ -338,8 +337,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
                 let mut x = Arc::try_unwrap(x)
                     .map_err(|_| fail(format!("`{tensor}` is read elsewhere before its sum")))?;
-                self.dev
-                    .all_reduce_act(self.comm.as_mut(), &g, axis, &mut x)?;
+                self.comm.all_reduce_act(&self.dev, (&g, axis), &mut x)?;
                 t.acts.insert(key, Arc::new(x));
             }
             (Target::Activation { tensor }, CollectiveKind::ReduceScatter) => {
@@ -349,7 +347,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .get(&key)
                     .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
                 let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, CommKind::ReduceScatter, (&g, axis), full)?;
+                let out = act_collected(dev, comm, (CommKind::ReduceScatter, (&g, axis)), full)?;
                 t.acts.insert(key, Arc::new(out));
             }
             (Target::Activation { tensor }, CollectiveKind::AllGather) => {
@@ -359,7 +357,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .get(&key)
                     .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
                 let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, CommKind::AllGather, (&g, axis), local)?;
+                let out = act_collected(dev, comm, (CommKind::AllGather, (&g, axis)), local)?;
                 t.gathered.insert(key, Arc::new(out));
             }
             (Target::SegmentParams { segment, set }, CollectiveKind::AllGather) => {
@@ -390,7 +388,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .or_else(|| t.grads.remove(&key))
                     .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
                 let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, CommKind::ReduceScatter, (&g, axis), &full)?;
+                let out = act_collected(dev, comm, (CommKind::ReduceScatter, (&g, axis)), &full)?;
                 self.add_grad(t, l, tensor.clone(), out)?;
             }
             (Target::ActivationGrad { tensor }, CollectiveKind::AllGather) => {
@@ -400,21 +398,20 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .remove(&key)
                     .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
                 let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, CommKind::AllGather, (&g, axis), &local)?;
+                let out = act_collected(dev, comm, (CommKind::AllGather, (&g, axis)), &local)?;
                 t.grads.insert(key, out);
             }
             (Target::ActivationGrad { tensor }, CollectiveKind::AllReduce) => {
                 let key = (l, tensor.clone());
                 if let Some(mut p) = t.partial.remove(&key) {
-                    self.dev
-                        .all_reduce_act(self.comm.as_mut(), &g, axis, &mut p)?;
+                    self.comm.all_reduce_act(&self.dev, (&g, axis), &mut p)?;
                     self.add_grad(t, l, tensor.clone(), p)?;
                 } else {
                     let x = t
                         .grads
                         .get_mut(&key)
                         .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
-                    self.dev.all_reduce_act(self.comm.as_mut(), &g, axis, x)?;
+                    self.comm.all_reduce_act(&self.dev, (&g, axis), x)?;
                 }
             }
             // The statistics are summed in the forward; the backward reads them.
@@ -457,10 +454,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             .loss_stats
             .remove(&key)
             .ok_or_else(|| fail(format!("`{name}`: no {stat:?} to sum")))?;
-        let r = self
-            .dev
-            .all_reduce_start(self.comm.as_mut(), g, axis, buf)?;
-        let mut sum = self.dev.all_reduce_finish(self.comm.as_mut(), r)?;
+        let r = self.comm.all_reduce_start(&self.dev, (g, axis), buf)?;
+        let mut sum = self.comm.all_reduce_finish(&self.dev, r)?;
         let e = derr(name);
         let logits = self.act(t, l, op.inputs[0])?;
         let rows = self.rows();

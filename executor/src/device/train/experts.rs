@@ -174,7 +174,7 @@ impl<'a, D: Device> DevRank<'a, D> {
 /// A rank running experts op `name` on its device and communicator.
 fn exec<'s, D: Device>(
     dev: &'s D,
-    comm: &'s mut Box<dyn Communicator>,
+    comm: &'s mut Box<D::Comm>,
     groups: &'s BTreeMap<String, Group>,
     (tp, ep): (TpPos, TpPos),
     name: &'s str,

@@ -12,7 +12,7 @@
 //! fp32 accumulation and `beta = 1` across micro-batches), and AdamW updates fp32
 //! master weights and moments, refreshing the bf16 copy in the same kernel.
 
-use super::{derr, qkv_width, Attn, AttnBwd, AttnOut, DResult, Device};
+use super::{derr, qkv_width, Attn, AttnBwd, AttnOut, DResult, Device, DeviceComm};
 use crate::comm::{CommKind, Communicator, Group, RankError};
 use crate::init::{init_full, init_kind};
 use crate::shard::{local_heads, local_weight, TpPos};
@@ -135,7 +135,7 @@ struct DevRank<'a, D: Device> {
     dev: D,
     graph: &'a Graph,
     rank: usize,
-    comm: Box<dyn Communicator>,
+    comm: Box<D::Comm>,
     program: &'a Program,
     groups: BTreeMap<String, Group>,
     dp_index: usize,
@@ -247,7 +247,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     fn new(
         dev: D,
         plan: &'a Plan,
-        comm: Box<dyn Communicator>,
+        comm: Box<D::Comm>,
         opts: &TrainOptions,
         seq_len: u64,
         global_batch: u64,

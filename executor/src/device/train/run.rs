@@ -76,11 +76,7 @@ impl<'a> Run<'a> {
     }
 
     /// Trains one rank from the run's first step to `opts.steps`, saving where due.
-    fn rank<D: Device>(
-        &self,
-        dev: D,
-        comm: Box<dyn Communicator>,
-    ) -> Result<RankReport, RankError> {
+    fn rank<D: Device>(&self, dev: D, comm: Box<D::Comm>) -> Result<RankReport, RankError> {
         let opts = self.opts;
         let mut r = DevRank::new(
             dev,
@@ -131,7 +127,7 @@ pub fn train_device<D: Device>(
         opts.threads_per_rank,
         |comm| {
             let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
-            run.rank(dev, Box::new(comm))
+            run.rank(dev, D::host_comm(Box::new(comm)))
         },
     );
     run.finish(results)
@@ -145,7 +141,7 @@ pub fn train_device_with<D: Device>(
     plan: &Plan,
     opts: &TrainOptions,
     make: &(dyn Fn(usize) -> DResult<D> + Sync),
-    comms: Vec<Box<dyn Communicator>>,
+    comms: Vec<Box<D::Comm>>,
 ) -> Result<TrainReport, ExecError> {
     let run = Run::new(plan, opts)?;
     let results = crate::comm::run_with(plan.ranks.len(), comms, &|comm| {
@@ -164,7 +160,7 @@ pub fn train_device_rank<D: Device>(
     plan: &Plan,
     opts: &TrainOptions,
     dev: D,
-    comm: Box<dyn Communicator>,
+    comm: Box<D::Comm>,
 ) -> Result<RankReport, ExecError> {
     if opts.save.is_some() {
         return Err(ExecError::Plan("a checkpoint is written by one process holding every rank; with one process per GPU, save from a single-process run".into()));

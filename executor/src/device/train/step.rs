@@ -226,8 +226,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mut buf = self.zeros_f32(b.len)?;
         pack(&self.dev, &self.wgrads, &b.pieces, &mut buf, "bucket")?;
         let r = self
-            .dev
-            .all_reduce_start(&mut *self.comm, &b.group, &b.axis, buf)?;
+            .comm
+            .all_reduce_start(&self.dev, (&b.group, &b.axis), buf)?;
         self.in_flight[i] = Some(r);
         self.next_bucket = self.next_bucket.max(i + 1);
         Ok(())
@@ -238,7 +238,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let r = self.in_flight[i]
             .take()
             .ok_or_else(|| fail("a bucket finished before it started"))?;
-        let buf = self.dev.all_reduce_finish(&mut *self.comm, r)?;
+        let buf = self.comm.all_reduce_finish(&self.dev, r)?;
         let pieces = &self.buckets[i].pieces;
         unpack(&self.dev, &buf, pieces, &mut self.wgrads, "bucket")
     }
@@ -257,10 +257,9 @@ impl<'a, D: Device> DevRank<'a, D> {
             "reduce-scatter",
         )?;
         let mut part = self.zeros_f32(c)?;
-        self.dev.f32_collective(
-            &mut *self.comm,
-            CommKind::ReduceScatter,
-            (&bk.group, &bk.axis),
+        self.comm.f32_collective(
+            &self.dev,
+            (CommKind::ReduceScatter, (&bk.group, &bk.axis)),
             &buf,
             &mut part,
         )?;
@@ -278,10 +277,9 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mine = pieces_of(self.layout(bk.set), own, own + c);
         pack(&self.dev, &self.master, &mine, &mut local, "all-gather")?;
         let mut all = self.zeros_f32(bk.len)?;
-        self.dev.f32_collective(
-            &mut *self.comm,
-            CommKind::AllGather,
-            (&bk.group, &bk.axis),
+        self.comm.f32_collective(
+            &self.dev,
+            (CommKind::AllGather, (&bk.group, &bk.axis)),
             &local,
             &mut all,
         )?;
@@ -360,10 +358,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         let pieces = pieces_of(&layout, 0, total);
         let mut flat = self.zeros_f32(total)?;
         pack(&self.dev, &self.wgrads, &pieces, &mut flat, tensor)?;
-        let r = self
-            .dev
-            .all_reduce_start(self.comm.as_mut(), group, axis, flat)?;
-        let flat = self.dev.all_reduce_finish(self.comm.as_mut(), r)?;
+        let r = self.comm.all_reduce_start(&self.dev, (group, axis), flat)?;
+        let flat = self.comm.all_reduce_finish(&self.dev, r)?;
         unpack(&self.dev, &flat, &pieces, &mut self.wgrads, tensor)
     }
 

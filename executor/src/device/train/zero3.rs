@@ -210,13 +210,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         let total: usize = layout.iter().map(|(_, n)| n).sum();
         let mut all = self.zeros_f32(total)?;
         let part = self.z3.parts.get(&copy).ok_or_else(|| fail("no part"))?;
-        self.dev.f32_collective(
-            self.comm.as_mut(),
-            CommKind::AllGather,
-            (g, axis),
-            part,
-            &mut all,
-        )?;
+        self.comm
+            .f32_collective(&self.dev, (CommKind::AllGather, (g, axis)), part, &mut all)?;
         let e = derr(segment);
         for (key, n) in &layout {
             if !self.master.contains_key(key) {
@@ -258,10 +253,9 @@ impl<'a, D: Device> DevRank<'a, D> {
         let all = pieces_of(&layout, 0, total);
         pack(&self.dev, &self.wgrads, &all, &mut flat, segment)?;
         let mut out = self.zeros_f32(c)?;
-        self.dev.f32_collective(
-            self.comm.as_mut(),
-            CommKind::ReduceScatter,
-            (g, axis),
+        self.comm.f32_collective(
+            &self.dev,
+            (CommKind::ReduceScatter, (g, axis)),
             &flat,
             &mut out,
         )?;

@@ -1,0 +1,205 @@
+//! Moving a device's buffers between ranks. [`DeviceComm`] is the communicator
+//! trait on a device's own buffers: each [`Device`] names the communicator its
+//! ranks hold ([`Device::Comm`]). The host devices' is any host communicator (the
+//! in-process one, or a launched process's), which works on their vectors
+//! directly; the CUDA device's is `cuda::CudaComm`, NCCL on GPU memory (or a host
+//! communicator through which ranks sharing one GPU stage their buffers).
+
+use super::{Device, HostPrecision};
+use crate::comm::{CommError, CommKind, Communicator, Group};
+
+/// Result of a communication.
+pub type CResult<T> = Result<T, CommError>;
+
+/// Where a collective runs: its group, and the axis label its bytes count under.
+pub type On<'a> = (&'a Group, &'a str);
+
+/// Collectives and point-to-point transfers on the buffers of device `D`, with the
+/// byte counts of the host [`Communicator`] the trait extends.
+pub trait DeviceComm<D: Device + ?Sized>: Communicator {
+    /// Starts summing `buf` over `on`, after the work launched so far; the
+    /// interpreter issues a gradient bucket as soon as its gradients are final, so
+    /// that a device with a collective engine of its own overlaps it with the rest
+    /// of the backward.
+    fn all_reduce_start(&mut self, dev: &D, on: On<'_>, buf: D::F32) -> CResult<D::Reduction>;
+    /// The summed buffer of a reduction [`DeviceComm::all_reduce_start`] began,
+    /// ready for the work launched after this call.
+    fn all_reduce_finish(&mut self, dev: &D, r: D::Reduction) -> CResult<D::F32>;
+
+    /// Sums the activation (or activation gradient) `x` over `on` in place: tensor
+    /// parallelism's partial sums.
+    fn all_reduce_act(&mut self, dev: &D, on: On<'_>, x: &mut D::Act) -> CResult<()>;
+
+    /// Sends `x[off..off + n]` to rank `peer` (pipeline parallelism's boundary, or
+    /// this tensor rank's slice of it), counted under `axis`.
+    fn send_act(
+        &mut self,
+        dev: &D,
+        to: (usize, &str),
+        x: &D::Act,
+        n: (usize, usize),
+    ) -> CResult<()>;
+    /// Receives `out` (its length) from rank `peer`, counted under `axis`.
+    fn recv_act(&mut self, dev: &D, from: (usize, &str), out: &mut D::Act) -> CResult<()>;
+
+    /// Sends `send` whole to rank `to` and receives `recv` from rank `from`, as one
+    /// exchange (a ring's step: on NCCL one group, so that neither waits on the
+    /// other). The default sends, then receives.
+    fn exchange_act(
+        &mut self,
+        dev: &D,
+        axis: &str,
+        (to, send): (usize, &D::Act),
+        (from, recv): (usize, &mut D::Act),
+    ) -> CResult<()> {
+        self.send_act(dev, (to, axis), send, (0, D::act_len(send)))?;
+        self.recv_act(dev, (from, axis), recv)
+    }
+
+    /// All-to-All with uneven splits over `on`: `send.1[j]` elements of `send.0` to
+    /// member `j`, `recv.1[i]` from member `i` into `recv.0`, both in group order
+    /// (expert parallelism's token rows).
+    fn all_to_all_v_act(
+        &mut self,
+        dev: &D,
+        on: On<'_>,
+        send: (&D::Act, &[usize]),
+        recv: (&mut D::Act, &[usize]),
+    ) -> CResult<()>;
+
+    /// Sequence parallelism's collectives on activations (and input gradients) over
+    /// `on`: `ReduceScatter` (`out` = this member's rows of the sum of every
+    /// member's `src`) or `AllGather` (`out` = every member's `src`, in group order).
+    fn act_collective(
+        &mut self,
+        dev: &D,
+        kind: Kind<'_>,
+        src: &D::Act,
+        out: &mut D::Act,
+    ) -> CResult<()>;
+
+    /// ZeRO's collectives on fp32 buffers over `on`: `ReduceScatter` (this member's
+    /// part of the sum of the gradient shards) or `AllGather` (every member's
+    /// updated parameters).
+    fn f32_collective(
+        &mut self,
+        dev: &D,
+        kind: Kind<'_>,
+        src: &D::F32,
+        out: &mut D::F32,
+    ) -> CResult<()>;
+}
+
+/// A reduce-scatter or an all-gather, and where it runs.
+pub type Kind<'a> = (CommKind, On<'a>);
+
+/// [`DeviceComm::act_collective`] into a new buffer: every member's `src`
+/// gathered, or this member's rows of their sum.
+pub(crate) fn act_collected<D: Device>(
+    dev: &D,
+    comm: &mut D::Comm,
+    (kind, on): Kind<'_>,
+    src: &D::Act,
+) -> CResult<D::Act> {
+    let n = on.0.size().max(1);
+    let len = match kind {
+        CommKind::AllGather => D::act_len(src) * n,
+        _ => D::act_len(src) / n,
+    };
+    let mut out = dev.act_zeros(len).map_err(internal)?;
+    comm.act_collective(dev, (kind, on), src, &mut out)?;
+    Ok(out)
+}
+
+/// A device failure inside a communication.
+pub(crate) fn internal(e: super::DeviceError) -> CommError {
+    CommError::Internal { detail: e.0 }
+}
+
+/// A reduce-scatter or an all-gather of host slices (the collectives of
+/// [`DeviceComm::act_collective`] and [`DeviceComm::f32_collective`]).
+pub(crate) fn host_collective(
+    comm: &mut (impl Communicator + ?Sized),
+    (kind, (group, axis)): Kind<'_>,
+    src: &[f32],
+    out: &mut [f32],
+) -> CResult<()> {
+    match kind {
+        CommKind::ReduceScatter => comm.reduce_scatter(group, axis, src, out),
+        CommKind::AllGather => comm.all_gather(group, axis, src, out),
+        other => Err(CommError::InvalidArgument {
+            kind: other,
+            detail: "a device collective is a reduce-scatter or an all-gather".into(),
+        }),
+    }
+}
+
+/// A host device's buffers are host vectors: any host communicator moves them as
+/// they are, rounding a sum to bf16 where a GPU would store it in bf16.
+impl<H: HostPrecision> DeviceComm<H> for dyn Communicator {
+    fn all_reduce_start(
+        &mut self,
+        _: &H,
+        (g, axis): On<'_>,
+        mut buf: Vec<f32>,
+    ) -> CResult<Vec<f32>> {
+        self.all_reduce(g, axis, &mut buf)?;
+        Ok(buf)
+    }
+    fn all_reduce_finish(&mut self, _: &H, r: Vec<f32>) -> CResult<Vec<f32>> {
+        Ok(r)
+    }
+    fn all_reduce_act(&mut self, _: &H, (g, axis): On<'_>, x: &mut Vec<f32>) -> CResult<()> {
+        self.all_reduce(g, axis, x)?;
+        // The sum lands in a bf16 buffer on a GPU.
+        H::round(x);
+        Ok(())
+    }
+    fn send_act(
+        &mut self,
+        _: &H,
+        to: (usize, &str),
+        x: &Vec<f32>,
+        n: (usize, usize),
+    ) -> CResult<()> {
+        let part = x.get(n.0..n.0 + n.1).ok_or_else(|| CommError::Internal {
+            detail: format!("sending {}..{} of {}", n.0, n.0 + n.1, x.len()),
+        })?;
+        self.send(to.0, to.1, part)
+    }
+    fn recv_act(&mut self, _: &H, from: (usize, &str), out: &mut Vec<f32>) -> CResult<()> {
+        self.recv(from.0, from.1, out)
+    }
+    fn all_to_all_v_act(
+        &mut self,
+        _: &H,
+        (group, axis): On<'_>,
+        (send, send_counts): (&Vec<f32>, &[usize]),
+        (recv, recv_counts): (&mut Vec<f32>, &[usize]),
+    ) -> CResult<()> {
+        self.all_to_all_v(group, axis, send, send_counts, recv, recv_counts)
+    }
+    fn act_collective(
+        &mut self,
+        _: &H,
+        kind: Kind<'_>,
+        src: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> CResult<()> {
+        host_collective(self, kind, src, out)?;
+        // A reduce-scatter's sum lands in a bf16 buffer on a GPU.
+        if kind.0 == CommKind::ReduceScatter {
+            H::round(out);
+        }
+        Ok(())
+    }
+    fn f32_collective(
+        &mut self,
+        _: &H,
+        kind: Kind<'_>,
+        src: &Vec<f32>,
+        out: &mut Vec<f32>,
+    ) -> CResult<()> {
+        host_collective(self, kind, src, out)
+    }
+}
