@@ -302,7 +302,7 @@ fn send_cache<D: Device>(
         let mut values = r.dev.act_zeros(len * dv).map_err(&e)?;
         r.dev.gather_rows(v, &rows, dv, &mut values).map_err(&e)?;
         r.dev
-            .act_append(&mut buf, &values, 0, len * dv)
+            .act_append(&mut buf, &values, (0, len * dv))
             .map_err(&e)?;
         let to = ctx.world_rank(true, i, piece.to)?;
         r.comm
@@ -388,10 +388,10 @@ fn recv_cache<D: Device>(
             }
         };
         r.dev
-            .act_copy(&buf, 0, k, h * len * d, len * d)
+            .act_copy((&buf, 0), (k, h * len * d), len * d)
             .map_err(&e)?;
         r.dev
-            .act_copy(&buf, len * d, v, h * len * dv, len * dv)
+            .act_copy((&buf, len * d), (v, h * len * dv), len * dv)
             .map_err(&e)?;
     }
     let mut cache = RequestCache::new();

@@ -13,7 +13,7 @@
 //! lists that [`Device::gather_rows`] applies.
 
 use crate::comm::{Communicator, Group, RankError};
-use crate::device::{derr, DResult, Device, DeviceComm};
+use crate::device::{derr, DResult, Device, DeviceComm, Routed};
 use crate::shard::TpPos;
 use crate::train::fail;
 use meshplan_ir::graph::ExpertsShape;
@@ -98,10 +98,7 @@ pub(crate) fn route_dims(rows: usize, h: usize, ne: usize, kk: usize) -> MoeDims
 
 /// An experts op's forward state, kept for its backward.
 pub(crate) struct Kept<D: Device> {
-    pub probs: D::F32,
-    pub idx: D::Ids,
-    pub wts: D::F32,
-    pub perm: D::Ids,
+    pub routed: Routed<D>,
     /// The rows this rank's experts processed (expert-major), their counts.
     pub local_rows: D::Act,
     pub local_counts: Vec<usize>,
@@ -229,24 +226,24 @@ impl<D: Device> Exec<'_, D> {
         let rows = D::act_len(x) / h;
         let m = route_dims(rows, h, ne, kk);
         let f32s = |n| self.dev.f32_zeros(n).map_err(&err);
-        let (mut probs, mut wts) = (f32s(rows * ne)?, f32s(rows * kk)?);
-        let mut idx = self.ids_of(&vec![0; rows * kk])?;
-        let mut perm = self.ids_of(&vec![0; rows * kk])?;
+        let mut r = Routed {
+            m,
+            probs: f32s(rows * ne)?,
+            idx: self.ids_of(&vec![0; rows * kk])?,
+            wts: f32s(rows * kk)?,
+            perm: self.ids_of(&vec![0; rows * kk])?,
+            counts: vec![0; ne],
+        };
         let mut disp = self.zeros(rows * kk * h)?;
-        let mut counts = vec![0usize; ne];
         if rows > 0 {
-            self.dev
-                .moe_route(&m, logits, &mut probs, &mut idx, &mut wts)
-                .map_err(&err)?;
-            counts = self
-                .dev
-                .moe_dispatch(&m, x, &idx, &mut disp, &mut perm)
-                .map_err(&err)?;
+            self.dev.moe_route(logits, &mut r).map_err(&err)?;
+            self.dev.moe_dispatch(&mut r, x, &mut disp).map_err(&err)?;
         }
+        let counts = r.counts.clone();
         // Capacity: which slots each expert keeps depends on their token order.
         let padding = match routing.group_tokens {
             Some(group) if rows > 0 && e.capacity(group as u64).is_some() => {
-                let perm_host = self.dev.ids_download(&perm).map_err(&err)?;
+                let perm_host = self.dev.ids_download(&r.perm).map_err(&err)?;
                 capacity_padding(e, group, &counts, &perm_host, kk, rows)?
             }
             _ => None,
@@ -274,18 +271,13 @@ impl<D: Device> Exec<'_, D> {
         let y_disp = self.bring_back(y, &route, &moves, h)?;
         let mut out = self.zeros(rows * h)?;
         if rows > 0 {
-            self.dev
-                .moe_combine(&m, &y_disp, &perm, &wts, &mut out)
-                .map_err(&err)?;
+            self.dev.moe_combine(&r, &y_disp, &mut out).map_err(&err)?;
         }
         let dropped = padding.map_or(0, |p| {
             p.at.iter().filter(|&&a| a == Padding::DROPPED).count()
         });
         let kept = Kept {
-            probs,
-            idx,
-            wts,
-            perm,
+            routed: r,
             local_rows,
             local_counts,
             ups,
@@ -321,7 +313,7 @@ pub(crate) fn local_mlp<D: Device>(
     linear_spans(dev, counts, (h, up_w), (rows, w_up), &mut ups)?;
     // Row by row: one call over every expert's rows.
     if gated {
-        dev.swiglu_fwd(&ups, total, f, &mut acts)?;
+        dev.swiglu_fwd(&ups, f, &mut acts)?;
     } else {
         dev.gelu_fwd(&ups, &mut acts)?;
     }
@@ -364,7 +356,7 @@ pub(crate) fn linear_spans<D: Device>(
             b_off: j * k * cols,
             c_off: off * cols,
         };
-        dev.matmul(&g, x, w, y)?;
+        dev.matmul(g, x, w, y)?;
     }
     Ok(())
 }

@@ -9,18 +9,24 @@
 //! positions from 0), `beta` 0 for an activation GEMM and 1 for a weight gradient.
 
 use super::{
-    range_err, AdamW, Attn, AttnBwd, AttnOut, Ce, CeOut, DResult, Device, DeviceError, Norm,
-    NormBwd, NormOut, RopeQkv,
+    range_err, rows_of, AdamW, Attn, AttnBwd, AttnOut, Ce, CeOut, CombineBwd, DResult, Device,
+    DeviceError, Embed, Merge, Norm, NormBwd, NormOut, RopeQkv, Routed,
 };
 use crate::comm::Communicator;
 use meshplan_ir::NormKind;
-use meshplan_kernels::cpu::{AttnDims, GemmAt, MoeDims, RowDropout};
+use meshplan_kernels::cpu::{AttnDims, GemmAt, RowDropout};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, DriverError};
 use meshplan_kernels::cuda::{bf16, Gpu, GpuError};
 
 mod comm;
 pub use comm::{CudaComm, Reduction};
+
+/// The device's buffers (activations, fp32, ids), named short for the kernels'
+/// one-line signatures.
+type A = CudaSlice<bf16>;
+type F = CudaSlice<f32>;
+type I = CudaSlice<u32>;
 
 impl From<GpuError> for DeviceError {
     fn from(e: GpuError) -> Self {
@@ -151,89 +157,37 @@ impl Device for CudaDevice {
     fn f32_accumulate(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> DResult<()> {
         Ok(self.gpu.add_f32(x, acc)?)
     }
-    fn f32_copy(
-        &self,
-        src: &CudaSlice<f32>,
-        src_off: usize,
-        dst: &mut CudaSlice<f32>,
-        dst_off: usize,
-        n: usize,
-    ) -> DResult<()> {
-        self.copy_range(src, src_off, dst, dst_off, n)
+    fn f32_copy(&self, x: (&F, usize), y: (&mut F, usize), n: usize) -> DResult<()> {
+        self.copy_range(x.0, x.1, y.0, y.1, n)
     }
-    fn act_copy(
-        &self,
-        src: &CudaSlice<bf16>,
-        src_off: usize,
-        dst: &mut CudaSlice<bf16>,
-        dst_off: usize,
-        n: usize,
-    ) -> DResult<()> {
-        self.copy_range(src, src_off, dst, dst_off, n)
+    fn act_copy(&self, x: (&A, usize), y: (&mut A, usize), n: usize) -> DResult<()> {
+        self.copy_range(x.0, x.1, y.0, y.1, n)
     }
     fn accumulate(&self, acc: &mut CudaSlice<bf16>, x: &CudaSlice<bf16>) -> DResult<()> {
         Ok(self.gpu.accumulate(acc, x)?)
     }
-    fn matmul(&self, g: &GemmAt, a: &Self::Act, b: &Self::Act, c: &mut Self::Act) -> DResult<()> {
-        Ok(self.gpu.gemm_at(g, a, b, 0.0, c)?)
+    fn matmul(&self, g: GemmAt, a: &A, b: &A, c: &mut A) -> DResult<()> {
+        Ok(self.gpu.gemm_at(&g, a, b, 0.0, c)?)
     }
-    fn matmul_acc(
-        &self,
-        g: &GemmAt,
-        a: &Self::Act,
-        b: &Self::Act,
-        c: &mut Self::F32,
-    ) -> DResult<()> {
-        Ok(self.gpu.gemm_at(g, a, b, 1.0, c)?)
+    fn matmul_acc(&self, g: GemmAt, a: &A, b: &A, c: &mut F) -> DResult<()> {
+        Ok(self.gpu.gemm_at(&g, a, b, 1.0, c)?)
     }
-    fn bias_add(
-        &self,
-        y: &mut CudaSlice<bf16>,
-        bias: &CudaSlice<bf16>,
-        rows: usize,
-        n: usize,
-    ) -> DResult<()> {
+    fn bias_add(&self, y: &mut A, bias: &A) -> DResult<()> {
+        let (rows, n) = (rows_of("y", y.len(), bias.len())?, bias.len());
         Ok(self.gpu.bias_add(y, bias, rows, n)?)
     }
-    fn bias_grad(
-        &self,
-        dy: &CudaSlice<bf16>,
-        rows: usize,
-        n: usize,
-        dbias: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
+    fn bias_grad(&self, dy: &A, dbias: &mut F) -> DResult<()> {
+        let (rows, n) = (rows_of("dy", dy.len(), dbias.len())?, dbias.len());
         Ok(self.gpu.bias_grad(dy, rows, n, dbias)?)
     }
-    fn split_qkv(
-        &self,
-        x: &CudaSlice<bf16>,
-        dims: &AttnDims,
-        q: &mut CudaSlice<bf16>,
-        k: &mut CudaSlice<bf16>,
-        v: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
+    fn split_qkv(&self, x: &A, dims: &AttnDims, [q, k, v]: [&mut A; 3]) -> DResult<()> {
         Ok(self.gpu.split_qkv(x, dims, q, k, v)?)
     }
-    fn join_qkv(
-        &self,
-        dq: &CudaSlice<bf16>,
-        dk: &CudaSlice<bf16>,
-        dv: &CudaSlice<bf16>,
-        dims: &AttnDims,
-        dx: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
+    fn join_qkv(&self, [dq, dk, dv]: [&A; 3], dims: &AttnDims, dx: &mut A) -> DResult<()> {
         Ok(self.gpu.join_qkv(dq, dk, dv, dims, dx)?)
     }
-    fn transpose_bs(
-        &self,
-        x: &CudaSlice<bf16>,
-        b: usize,
-        s: usize,
-        w: usize,
-        to_sbhd: bool,
-        y: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
-        Ok(self.gpu.transpose_bs(x, b, s, w, to_sbhd, y)?)
+    fn swap_axes(&self, x: &A, [p, q, w]: [usize; 3], y: &mut A) -> DResult<()> {
+        Ok(self.gpu.transpose_bs(x, p, q, w, true, y)?)
     }
     fn rope_qkv(&self, r: &RopeQkv<'_, Self>, y: &mut CudaSlice<bf16>) -> DResult<()> {
         let (hq, hkv, d, width) = r.shape;
@@ -257,39 +211,19 @@ impl Device for CudaDevice {
             a.dims, q, k, v, o, lse, d_o, q0, k0, causal, scale, a.dropout, d_q, d_k, d_v,
         )?)
     }
-    fn attention_merge(
-        &self,
-        dims: &AttnDims,
-        o_acc: &mut CudaSlice<bf16>,
-        lse_acc: &mut CudaSlice<f32>,
-        o_blk: &CudaSlice<bf16>,
-        lse_blk: &CudaSlice<f32>,
-    ) -> DResult<()> {
+    fn attention_merge(&self, dims: &AttnDims, m: Merge<'_, Self>) -> DResult<()> {
+        let (o_acc, lse_acc, o_blk, lse_blk) = (m.o_acc, m.lse_acc, m.o_blk, m.lse_blk);
         Ok(self
             .gpu
             .attention_merge(dims, o_acc, lse_acc, o_blk, lse_blk)?)
     }
-    fn embedding_fwd(
-        &self,
-        ids: &CudaSlice<u32>,
-        table: &CudaSlice<bf16>,
-        vocab_start: usize,
-        dim: usize,
-        out: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
-        Ok(self.gpu.embedding_fwd(ids, table, vocab_start, dim, out)?)
+    fn embedding_fwd(&self, e: &Embed<'_, Self>, w: &A, y: &mut A) -> DResult<()> {
+        Ok(self.gpu.embedding_fwd(e.ids, w, e.vocab_start, e.dim, y)?)
     }
-    fn embedding_bwd(
-        &self,
-        ids: &CudaSlice<u32>,
-        d_out: &CudaSlice<bf16>,
-        vocab_start: usize,
-        dim: usize,
-        d_table: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
+    fn embedding_bwd(&self, e: &Embed<'_, Self>, dy: &A, dw: &mut F) -> DResult<()> {
         Ok(self
             .gpu
-            .embedding_bwd(ids, d_out, vocab_start, dim, d_table)?)
+            .embedding_bwd(e.ids, dy, e.vocab_start, e.dim, dw)?)
     }
     fn norm_fwd(&self, n: &Norm<'_, Self>, out: NormOut<'_, Self>) -> DResult<()> {
         let NormOut { y, mean, rstd } = out;
@@ -311,157 +245,84 @@ impl Device for CudaDevice {
     fn gelu_fwd(&self, x: &CudaSlice<bf16>, y: &mut CudaSlice<bf16>) -> DResult<()> {
         Ok(self.gpu.gelu_fwd(x, y)?)
     }
-    fn gelu_bwd(
-        &self,
-        x: &CudaSlice<bf16>,
-        dy: &CudaSlice<bf16>,
-        dx: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
+    fn gelu_bwd(&self, x: &A, dy: &A, dx: &mut A) -> DResult<()> {
         Ok(self.gpu.gelu_bwd(x, dy, dx)?)
     }
-    fn swiglu_fwd(
-        &self,
-        x: &CudaSlice<bf16>,
-        rows: usize,
-        f: usize,
-        y: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
-        Ok(self.gpu.swiglu_fwd(x, rows, f, y)?)
+    fn swiglu_fwd(&self, x: &A, f: usize, y: &mut A) -> DResult<()> {
+        Ok(self
+            .gpu
+            .swiglu_fwd(x, rows_of("x", x.len(), 2 * f)?, f, y)?)
     }
-    fn swiglu_bwd(
-        &self,
-        x: &CudaSlice<bf16>,
-        dy: &CudaSlice<bf16>,
-        rows: usize,
-        f: usize,
-        dx: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
-        Ok(self.gpu.swiglu_bwd(x, dy, rows, f, dx)?)
+    fn swiglu_bwd(&self, x: &A, g: &A, f: usize, dx: &mut A) -> DResult<()> {
+        Ok(self
+            .gpu
+            .swiglu_bwd(x, g, rows_of("x", x.len(), 2 * f)?, f, dx)?)
     }
-    fn dropout(
-        &self,
-        x: &CudaSlice<bf16>,
-        rows: usize,
-        width: usize,
-        d: &RowDropout,
-        y: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
-        Ok(self.gpu.dropout_rows(x, rows, width, d, y)?)
+    fn dropout(&self, x: &A, w: usize, d: &RowDropout, y: &mut A) -> DResult<()> {
+        Ok(self
+            .gpu
+            .dropout_rows(x, rows_of("x", x.len(), w)?, w, d, y)?)
     }
-    fn moe_route(
-        &self,
-        m: &MoeDims,
-        logits: &CudaSlice<bf16>,
-        probs: &mut CudaSlice<f32>,
-        idx: &mut CudaSlice<u32>,
-        wts: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
+    fn moe_route(&self, logits: &A, r: &mut Routed<Self>) -> DResult<()> {
         // The routing kernel reads fp32 scores.
         let mut l32 = self.gpu.zeros::<f32>(logits.len())?;
         self.gpu.cast_bf16_to_f32(logits, &mut l32)?;
-        Ok(self.gpu.moe_route_fwd(
-            &l32,
-            m.tokens,
-            m.experts,
-            m.k,
-            m.renormalize,
-            probs,
-            idx,
-            wts,
-        )?)
+        let m = r.m;
+        let (tokens, experts, k, renorm) = (m.tokens, m.experts, m.k, m.renormalize);
+        let (probs, idx, wts) = (&mut r.probs, &mut r.idx, &mut r.wts);
+        Ok(self
+            .gpu
+            .moe_route_fwd(&l32, tokens, experts, k, renorm, probs, idx, wts)?)
     }
-    fn moe_route_bwd(
-        &self,
-        m: &MoeDims,
-        (probs, idx, wts): (&CudaSlice<f32>, &CudaSlice<u32>, &CudaSlice<f32>),
-        d_wts: &CudaSlice<f32>,
-        d_logits: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
-        let mut d32 = self.gpu.zeros::<f32>(d_logits.len())?;
-        self.gpu.moe_route_bwd(
-            probs,
-            idx,
-            wts,
-            d_wts,
-            m.tokens,
-            m.experts,
-            m.k,
-            m.renormalize,
-            &mut d32,
-        )?;
-        Ok(self.gpu.add_f32_into_bf16(&d32, d_logits)?)
+    fn moe_route_bwd(&self, r: &Routed<Self>, dw: &F, dx: &mut A) -> DResult<()> {
+        let mut d32 = self.gpu.zeros::<f32>(dx.len())?;
+        let m = r.m;
+        let (tokens, experts, k, renorm) = (m.tokens, m.experts, m.k, m.renormalize);
+        let (probs, idx, wts) = (&r.probs, &r.idx, &r.wts);
+        (self.gpu).moe_route_bwd(probs, idx, wts, dw, tokens, experts, k, renorm, &mut d32)?;
+        Ok(self.gpu.add_f32_into_bf16(&d32, dx)?)
     }
-    fn moe_dispatch(
-        &self,
-        m: &MoeDims,
-        x: &CudaSlice<bf16>,
-        idx: &CudaSlice<u32>,
-        out: &mut CudaSlice<bf16>,
-        perm: &mut CudaSlice<u32>,
-    ) -> DResult<Vec<usize>> {
+    fn moe_dispatch(&self, r: &mut Routed<Self>, x: &A, y: &mut A) -> DResult<()> {
+        let m = r.m;
         let mut counts = self.gpu.zeros::<u32>(m.experts)?;
-        self.gpu.moe_dispatch_fwd(
+        let (idx, perm) = (&r.idx, &mut r.perm);
+        (self.gpu).moe_dispatch_fwd(
             x,
             idx,
             m.tokens,
             m.k,
             m.experts,
             m.dim,
-            out,
+            y,
             &mut counts,
             perm,
         )?;
         // The exchange's sizes: a few integers, the one download of the op.
+        let counts = self.gpu.download(&counts)?;
+        r.counts = counts.into_iter().map(|c| c as usize).collect();
+        Ok(())
+    }
+    fn moe_dispatch_bwd(&self, r: &Routed<Self>, dy: &A, dx: &mut A) -> DResult<()> {
+        let m = r.m;
         Ok(self
             .gpu
-            .download(&counts)?
-            .into_iter()
-            .map(|c| c as usize)
-            .collect())
+            .moe_dispatch_bwd(dy, &r.perm, m.tokens, m.k, m.dim, dx)?)
     }
-    fn moe_dispatch_bwd(
-        &self,
-        m: &MoeDims,
-        d_out: &CudaSlice<bf16>,
-        perm: &CudaSlice<u32>,
-        dx: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
+    fn moe_combine(&self, r: &Routed<Self>, y: &A, out: &mut A) -> DResult<()> {
+        let m = r.m;
         Ok(self
             .gpu
-            .moe_dispatch_bwd(d_out, perm, m.tokens, m.k, m.dim, dx)?)
+            .moe_combine_fwd(y, &r.perm, &r.wts, m.tokens, m.k, m.dim, out)?)
     }
-    fn moe_combine(
-        &self,
-        m: &MoeDims,
-        y: &CudaSlice<bf16>,
-        perm: &CudaSlice<u32>,
-        wts: &CudaSlice<f32>,
-        out: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
+    fn moe_combine_bwd(&self, r: &Routed<Self>, g: CombineBwd<'_, Self>) -> DResult<()> {
+        let (m, perm, wts) = (r.m, &r.perm, &r.wts);
+        let (dy, y, d_y, d_wts) = (g.dy, g.y, g.d_y, g.d_wts);
         Ok(self
             .gpu
-            .moe_combine_fwd(y, perm, wts, m.tokens, m.k, m.dim, out)?)
+            .moe_combine_bwd(dy, y, perm, wts, m.tokens, m.k, m.dim, d_y, d_wts)?)
     }
-    fn moe_combine_bwd(
-        &self,
-        m: &MoeDims,
-        (d_out, y): (&CudaSlice<bf16>, &CudaSlice<bf16>),
-        (perm, wts): (&CudaSlice<u32>, &CudaSlice<f32>),
-        d_y: &mut CudaSlice<bf16>,
-        d_wts: &mut CudaSlice<f32>,
-    ) -> DResult<()> {
-        Ok(self
-            .gpu
-            .moe_combine_bwd(d_out, y, perm, wts, m.tokens, m.k, m.dim, d_y, d_wts)?)
-    }
-    fn gather_rows(
-        &self,
-        src: &CudaSlice<bf16>,
-        idx: &CudaSlice<u32>,
-        dim: usize,
-        out: &mut CudaSlice<bf16>,
-    ) -> DResult<()> {
-        Ok(self.gpu.gather_rows(src, idx, dim, out)?)
+    fn gather_rows(&self, x: &A, i: &I, w: usize, y: &mut A) -> DResult<()> {
+        Ok(self.gpu.gather_rows(x, i, w, y)?)
     }
     fn add(
         &self,
@@ -489,18 +350,13 @@ impl Device for CudaDevice {
             .gpu
             .ce_sumexp_target(logits, labels, rows, v, start, max, se, target)?)
     }
-    fn ce_finish(
-        &self,
-        c: &Ce<'_, Self>,
-        stats: [&Self::F32; 3],
-        out: CeOut<'_, Self>,
-    ) -> DResult<()> {
+    fn ce_finish(&self, c: &Ce<'_, Self>, s: [&F; 3], out: CeOut<'_, Self>) -> DResult<()> {
         let (logits, labels, rows, v, start) =
             (c.logits, c.labels, c.rows, c.v_local, c.vocab_start);
         let (loss, dlogits) = (out.loss, out.dlogits);
-        Ok(self.gpu.ce_finish(
-            logits, labels, rows, v, start, c.scale, stats, loss, dlogits,
-        )?)
+        Ok(self
+            .gpu
+            .ce_finish(logits, labels, rows, v, start, c.scale, s, loss, dlogits)?)
     }
     fn adamw(&self, a: AdamW<'_, Self>) -> DResult<()> {
         let (b1, b2, eps, wd) = a.hyper;
@@ -607,11 +463,11 @@ mod tests {
         for ta in [No, Yes] {
             for tb in [No, Yes] {
                 let mut c = dev.act_zeros(m * n).unwrap();
-                dev.matmul(&GemmAt::whole(ta, tb, m, k, n), &a, &b, &mut c)
+                dev.matmul(GemmAt::whole(ta, tb, m, k, n), &a, &b, &mut c)
                     .unwrap();
                 act_out(format!("matmul {ta:?} {tb:?}"), &c, BF16);
                 let mut c = dev.f32_upload(&values(3, m * n, 1.0)).unwrap();
-                dev.matmul_acc(&GemmAt::whole(ta, tb, m, k, n), &a, &b, &mut c)
+                dev.matmul_acc(GemmAt::whole(ta, tb, m, k, n), &a, &b, &mut c)
                     .unwrap();
                 f32_out.push((
                     format!("matmul_acc {ta:?} {tb:?}"),
@@ -637,15 +493,15 @@ mod tests {
         let mut q = dev.act_zeros(rows * dims.hq * dims.d).unwrap();
         let mut kk = dev.act_zeros(rows * dims.hkv * dims.d).unwrap();
         let mut v = dev.act_zeros(rows * dims.hkv * dims.dv).unwrap();
-        dev.split_qkv(&x, &dims, &mut q, &mut kk, &mut v).unwrap();
+        dev.split_qkv(&x, &dims, [&mut q, &mut kk, &mut v]).unwrap();
         act_out("split_qkv q".into(), &q, EXACT);
         act_out("split_qkv k".into(), &kk, EXACT);
         act_out("split_qkv v".into(), &v, EXACT);
         let mut joined = dev.act_zeros(rows * width).unwrap();
-        dev.join_qkv(&q, &kk, &v, &dims, &mut joined).unwrap();
+        dev.join_qkv([&q, &kk, &v], &dims, &mut joined).unwrap();
         act_out("join_qkv".into(), &joined, EXACT);
         let mut t = dev.act_zeros(rows * width).unwrap();
-        dev.transpose_bs(&x, dims.batch, dims.sq, width, true, &mut t)
+        dev.swap_axes(&x, [dims.batch, dims.sq, width], &mut t)
             .unwrap();
         act_out("transpose_bs".into(), &t, EXACT);
         let positions = dev
@@ -667,11 +523,11 @@ mod tests {
 
         // Bias, accumulate.
         let mut y = act(dev, &values(5, rows * width, 1.0));
-        dev.bias_add(&mut y, &act(dev, &values(6, width, 1.0)), rows, width)
+        dev.bias_add(&mut y, &act(dev, &values(6, width, 1.0)))
             .unwrap();
         act_out("bias_add".into(), &y, BF16);
         let mut db = dev.f32_upload(&values(7, width, 1.0)).unwrap();
-        dev.bias_grad(&x, rows, width, &mut db).unwrap();
+        dev.bias_grad(&x, &mut db).unwrap();
         f32_out.push((
             "bias_grad".into(),
             dev.f32_download(&db).unwrap(),
@@ -733,10 +589,10 @@ mod tests {
         // A sub-range copy between fp32 buffers.
         let src = dev.f32_upload(&values(14, 20, 1.0)).unwrap();
         let mut dst = dev.f32_zeros(16).unwrap();
-        dev.f32_copy(&src, 5, &mut dst, 3, 10).unwrap();
+        dev.f32_copy((&src, 5), (&mut dst, 3), 10).unwrap();
         f32_out.push(("f32_copy".into(), dev.f32_download(&dst).unwrap(), EXACT));
-        assert!(dev.f32_copy(&src, 15, &mut dst, 0, 10).is_err());
-        assert!(dev.f32_copy(&src, 0, &mut dst, 7, 10).is_err());
+        assert!(dev.f32_copy((&src, 15), (&mut dst, 0), 10).is_err());
+        assert!(dev.f32_copy((&src, 0), (&mut dst, 7), 10).is_err());
 
         out.extend(f32_out);
         out

@@ -14,13 +14,16 @@
 //! tested against its CPU reference.
 
 use crate::comm::Communicator;
+pub use args::{
+    AdamW, Attn, AttnBwd, AttnOut, Ce, CeOut, CombineBwd, Embed, Merge, Norm, NormBwd, NormOut,
+    RopeQkv, Routed,
+};
 pub(crate) use comm::act_collected;
 pub use comm::{CResult, DeviceComm, Kind, On};
 use meshplan_ir::NormKind;
-use meshplan_kernels::cpu::{
-    self as k, AttnDims, AttnDropout, GemmAt, KernelError, MoeDims, Rope, RowDropout,
-};
+use meshplan_kernels::cpu::{self as k, AttnDims, AttnDropout, GemmAt, KernelError, RowDropout};
 
+mod args;
 pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -52,37 +55,6 @@ impl From<KernelError> for DeviceError {
 
 /// Result of a device operation.
 pub type DResult<T> = Result<T, DeviceError>;
-
-/// A norm over `rows` rows of `dim`: its kind, input, weight, LayerNorm's bias
-/// (zeros for a bias-free one) and epsilon.
-pub struct Norm<'a, D: Device + ?Sized> {
-    pub kind: NormKind,
-    pub x: &'a D::Act,
-    pub w: &'a D::Act,
-    pub b: Option<&'a D::Act>,
-    pub rows: usize,
-    pub dim: usize,
-    pub eps: f32,
-}
-
-/// A norm's forward outputs: `y`, LayerNorm's row means, the rows' reciprocal
-/// deviations.
-pub struct NormOut<'a, D: Device + ?Sized> {
-    pub y: &'a mut D::Act,
-    pub mean: Option<&'a mut D::F32>,
-    pub rstd: &'a mut D::F32,
-}
-
-/// A norm's backward: the forward's statistics and the output's gradient, and
-/// the gradients it adds into (LayerNorm's bias gradient too).
-pub struct NormBwd<'a, D: Device + ?Sized> {
-    pub mean: Option<&'a D::F32>,
-    pub rstd: &'a D::F32,
-    pub dy: &'a D::Act,
-    pub dx: &'a mut D::Act,
-    pub dw: &'a mut D::F32,
-    pub db: Option<&'a mut D::F32>,
-}
 
 /// The two operands only LayerNorm has (bias and means forward, means and bias
 /// gradient backward), or an error naming them.
@@ -125,82 +97,6 @@ pub(crate) fn norm_forward<D: Device>(dev: &D, n: &Norm<'_, D>) -> DResult<Norme
     };
     dev.norm_fwd(&n, out)?;
     Ok((y, mean, rstd))
-}
-
-/// Cross-entropy's operands: `logits [rows, v_local]`, this shard of the
-/// vocabulary starting at column `vocab_start` (the whole of it: `v_local` the
-/// vocabulary, `vocab_start` 0), the rows' labels, and the gradient's `scale`.
-pub struct Ce<'a, D: Device + ?Sized> {
-    pub logits: &'a D::Act,
-    pub labels: &'a D::Ids,
-    pub rows: usize,
-    pub v_local: usize,
-    pub vocab_start: usize,
-    pub scale: f32,
-}
-
-/// Cross-entropy's outputs: each row's loss and the logits' gradient.
-pub struct CeOut<'a, D: Device + ?Sized> {
-    pub loss: &'a mut D::F32,
-    pub dlogits: &'a mut D::Act,
-}
-
-/// One AdamW step: the fp32 master, its gradient and moments, the compute copy
-/// to refresh (none where the master serves), the step (from 1), the learning
-/// rate and `(beta1, beta2, eps, weight decay)`.
-pub struct AdamW<'a, D: Device + ?Sized> {
-    pub param: &'a mut D::F32,
-    pub grad: &'a D::F32,
-    pub m: &'a mut D::F32,
-    pub v: &'a mut D::F32,
-    pub compute: Option<&'a mut D::Act>,
-    pub step: u64,
-    pub lr: f32,
-    pub hyper: (f32, f32, f32, f32),
-}
-
-/// RoPE over fused QKV rows `x [rows, width]` at `positions`: `shape` is (query
-/// heads, key/value heads, head dim, row width); `backward` rotates a gradient
-/// back.
-pub struct RopeQkv<'a, D: Device + ?Sized> {
-    pub x: &'a D::Act,
-    pub positions: &'a D::Ids,
-    pub rows: usize,
-    pub shape: (usize, usize, usize, usize),
-    pub rope: Rope,
-    pub backward: bool,
-}
-
-/// One attention call: its sizes, its operands `[b, s, h, d]` (queries, keys and
-/// values), and how it masks and scales its scores: the first query and key
-/// positions of the blocks (ring attention, a KV cache), causal or not, `1 /
-/// sqrt(d)`, and the probabilities' dropout.
-pub struct Attn<'a, D: Device + ?Sized> {
-    pub dims: &'a AttnDims,
-    pub q: &'a D::Act,
-    pub k: &'a D::Act,
-    pub v: &'a D::Act,
-    pub pos0: (usize, usize),
-    pub causal: bool,
-    pub scale: f32,
-    pub dropout: Option<&'a AttnDropout>,
-}
-
-/// Attention's forward outputs: `o` `[b, s, hq, dv]` and the rows' log-sum-exps.
-pub struct AttnOut<'a, D: Device + ?Sized> {
-    pub o: &'a mut D::Act,
-    pub lse: &'a mut D::F32,
-}
-
-/// Attention's backward: the forward's output and log-sum-exps and the output's
-/// gradient, and the gradients it adds into.
-pub struct AttnBwd<'a, D: Device + ?Sized> {
-    pub o: &'a D::Act,
-    pub lse: &'a D::F32,
-    pub d_o: &'a D::Act,
-    pub d_q: &'a mut D::Act,
-    pub d_k: &'a mut D::Act,
-    pub d_v: &'a mut D::Act,
 }
 
 /// A device: buffers and the kernels over them. Launches may be asynchronous; a
@@ -273,24 +169,13 @@ pub trait Device: Send + Sync {
     fn f32_scale(&self, x: &mut Self::F32, a: f32) -> DResult<()>;
     /// `acc += x`, element by element.
     fn f32_accumulate(&self, acc: &mut Self::F32, x: &Self::F32) -> DResult<()>;
-    /// `dst[dst_off..dst_off + n] = src[src_off..src_off + n]`.
-    fn f32_copy(
-        &self,
-        src: &Self::F32,
-        src_off: usize,
-        dst: &mut Self::F32,
-        dst_off: usize,
-        n: usize,
-    ) -> DResult<()>;
+    /// `y.0[y.1..y.1 + n] = x.0[x.1..x.1 + n]`: `n` elements from buffer `x.0` at
+    /// offset `x.1` to buffer `y.0` at offset `y.1`.
+    fn f32_copy(&self, x: (&Self::F32, usize), y: (&mut Self::F32, usize), n: usize)
+        -> DResult<()>;
     /// [`Device::f32_copy`] on activations.
-    fn act_copy(
-        &self,
-        src: &Self::Act,
-        src_off: usize,
-        dst: &mut Self::Act,
-        dst_off: usize,
-        n: usize,
-    ) -> DResult<()>;
+    fn act_copy(&self, x: (&Self::Act, usize), y: (&mut Self::Act, usize), n: usize)
+        -> DResult<()>;
     /// `acc += x`, elementwise.
     fn accumulate(&self, acc: &mut Self::Act, x: &Self::Act) -> DResult<()>;
     /// `host` as a compute buffer (rounded to the compute precision). The default
@@ -301,76 +186,38 @@ pub trait Device: Send + Sync {
         self.to_act(&f, &mut a)?;
         Ok(a)
     }
-    /// `buf` grown by `src[src_off..src_off + n]` at its end (a KV cache taking a
-    /// pass's keys). The default copies into a new buffer; a host vector grows in
-    /// place.
-    fn act_append(
-        &self,
-        buf: &mut Self::Act,
-        src: &Self::Act,
-        src_off: usize,
-        n: usize,
-    ) -> DResult<()> {
-        let held = Self::act_len(buf);
+    /// `buf` grown by `x[off..off + n]` at its end (a KV cache taking a pass's
+    /// keys). The default copies into a new buffer; a host vector grows in place.
+    fn act_append(&self, buf: &mut Self::Act, x: &Self::Act, at: (usize, usize)) -> DResult<()> {
+        let (held, (off, n)) = (Self::act_len(buf), at);
         let mut grown = self.act_zeros(held + n)?;
-        self.act_copy(buf, 0, &mut grown, 0, held)?;
-        self.act_copy(src, src_off, &mut grown, held, n)?;
+        self.act_copy((buf, 0), (&mut grown, 0), held)?;
+        self.act_copy((x, off), (&mut grown, held), n)?;
         *buf = grown;
         Ok(())
     }
 
     /// `c = op(a) op(b)` with `op(a) [m, k]`, `op(b) [k, n]`, on the spans `g`
     /// places (`c`'s span overwritten).
-    fn matmul(&self, g: &GemmAt, a: &Self::Act, b: &Self::Act, c: &mut Self::Act) -> DResult<()>;
+    fn matmul(&self, g: GemmAt, a: &Self::Act, b: &Self::Act, c: &mut Self::Act) -> DResult<()>;
     /// `c += op(a) op(b)` into an fp32 buffer (weight gradients), on the spans
     /// `g` places.
-    fn matmul_acc(
-        &self,
-        g: &GemmAt,
-        a: &Self::Act,
-        b: &Self::Act,
-        c: &mut Self::F32,
-    ) -> DResult<()>;
-    /// `y[r, c] += bias[c]` over `rows` rows of width `n`.
-    fn bias_add(&self, y: &mut Self::Act, bias: &Self::Act, rows: usize, n: usize) -> DResult<()>;
-    /// `dbias[c] += sum_r dy[r, c]`, rows in order.
-    fn bias_grad(
-        &self,
-        dy: &Self::Act,
-        rows: usize,
-        n: usize,
-        dbias: &mut Self::F32,
-    ) -> DResult<()>;
+    fn matmul_acc(&self, g: GemmAt, a: &Self::Act, b: &Self::Act, c: &mut Self::F32)
+        -> DResult<()>;
+    /// `y[r, c] += bias[c]` over the rows of `y`, as wide as `bias`.
+    fn bias_add(&self, y: &mut Self::Act, bias: &Self::Act) -> DResult<()>;
+    /// `dbias[c] += sum_r dy[r, c]` over the rows of `dy`, as wide as `dbias`, in
+    /// order.
+    fn bias_grad(&self, dy: &Self::Act, dbias: &mut Self::F32) -> DResult<()>;
 
     /// Fused QKV rows `[s, b, (hq d | hkv d | hkv dv)]` into `q [b, s, hq, d]`,
     /// `k [b, s, hkv, d]`, `v [b, s, hkv, dv]` (overwritten).
-    fn split_qkv(
-        &self,
-        x: &Self::Act,
-        dims: &AttnDims,
-        q: &mut Self::Act,
-        k: &mut Self::Act,
-        v: &mut Self::Act,
-    ) -> DResult<()>;
+    fn split_qkv(&self, x: &Self::Act, dims: &AttnDims, qkv: [&mut Self::Act; 3]) -> DResult<()>;
     /// The inverse of [`Device::split_qkv`] (`dx` overwritten).
-    fn join_qkv(
-        &self,
-        dq: &Self::Act,
-        dk: &Self::Act,
-        dv: &Self::Act,
-        dims: &AttnDims,
-        dx: &mut Self::Act,
-    ) -> DResult<()>;
-    /// `[b, s, w]` into `[s, b, w]` (`to_sbhd`) or back (overwritten).
-    fn transpose_bs(
-        &self,
-        x: &Self::Act,
-        b: usize,
-        s: usize,
-        w: usize,
-        to_sbhd: bool,
-        y: &mut Self::Act,
-    ) -> DResult<()>;
+    fn join_qkv(&self, dqkv: [&Self::Act; 3], dims: &AttnDims, dx: &mut Self::Act) -> DResult<()>;
+    /// `x [p, q, w]` into `y [q, p, w]` (overwritten): `[b, s, w]` to `[s, b, w]`,
+    /// or back with `[s, b, w]`.
+    fn swap_axes(&self, x: &Self::Act, pqw: [usize; 3], y: &mut Self::Act) -> DResult<()>;
     /// RoPE on the query and key heads of fused QKV rows `[rows, width]` (the
     /// value columns copied), forward or, with `backward`, the inverse rotation of
     /// a gradient; `y` overwritten.
@@ -383,35 +230,15 @@ pub trait Device: Send + Sync {
     fn attention_bwd(&self, a: &Attn<'_, Self>, b: AttnBwd<'_, Self>) -> DResult<()>;
     /// Ring attention: merges one key/value block's `(o_blk, lse_blk)` into the
     /// running `(o_acc, lse_acc)` by their log-sum-exps.
-    fn attention_merge(
-        &self,
-        dims: &AttnDims,
-        o_acc: &mut Self::Act,
-        lse_acc: &mut Self::F32,
-        o_blk: &Self::Act,
-        lse_blk: &Self::F32,
-    ) -> DResult<()>;
+    fn attention_merge(&self, dims: &AttnDims, m: Merge<'_, Self>) -> DResult<()>;
 
-    /// `out[t] = table[ids[t] - vocab_start]` (overwritten), zero for an id outside
-    /// the rows this table holds (a vocabulary-parallel shard starting at
+    /// `y[t] = w[ids[t] - vocab_start]` (overwritten), zero for an id outside the
+    /// rows the table `w` holds (a vocabulary-parallel shard starting at
     /// `vocab_start`).
-    fn embedding_fwd(
-        &self,
-        ids: &Self::Ids,
-        table: &Self::Act,
-        vocab_start: usize,
-        dim: usize,
-        out: &mut Self::Act,
-    ) -> DResult<()>;
-    /// `d_table[ids[t] - vocab_start] += d_out[t]` for the ids the table holds.
-    fn embedding_bwd(
-        &self,
-        ids: &Self::Ids,
-        d_out: &Self::Act,
-        vocab_start: usize,
-        dim: usize,
-        d_table: &mut Self::F32,
-    ) -> DResult<()>;
+    fn embedding_fwd(&self, e: &Embed<'_, Self>, w: &Self::Act, y: &mut Self::Act) -> DResult<()>;
+    /// `dw[ids[t] - vocab_start] += dy[t]` for the ids the table holds.
+    fn embedding_bwd(&self, e: &Embed<'_, Self>, dy: &Self::Act, dw: &mut Self::F32)
+        -> DResult<()>;
 
     /// LayerNorm or RMSNorm forward: `y`, the means (LayerNorm) and the
     /// reciprocal deviations overwritten.
@@ -423,95 +250,39 @@ pub trait Device: Send + Sync {
     fn gelu_fwd(&self, x: &Self::Act, y: &mut Self::Act) -> DResult<()>;
     /// GELU backward, accumulates `dx`.
     fn gelu_bwd(&self, x: &Self::Act, dy: &Self::Act, dx: &mut Self::Act) -> DResult<()>;
-    /// SwiGLU forward over `[rows, 2f]` (`[gate | up]`), `y [rows, f]` overwritten.
-    fn swiglu_fwd(&self, x: &Self::Act, rows: usize, f: usize, y: &mut Self::Act) -> DResult<()>;
-    /// SwiGLU backward, accumulates `dx [rows, 2f]`.
-    fn swiglu_bwd(
-        &self,
-        x: &Self::Act,
-        dy: &Self::Act,
-        rows: usize,
-        f: usize,
-        dx: &mut Self::Act,
-    ) -> DResult<()>;
+    /// SwiGLU forward over the rows `[2f]` (`[gate | up]`) of `x`, `y [rows, f]`
+    /// overwritten.
+    fn swiglu_fwd(&self, x: &Self::Act, f: usize, y: &mut Self::Act) -> DResult<()>;
+    /// SwiGLU backward from the output's gradient `g`, accumulates `dx [rows, 2f]`.
+    fn swiglu_bwd(&self, x: &Self::Act, g: &Self::Act, f: usize, dx: &mut Self::Act)
+        -> DResult<()>;
     /// `out = a + b` (overwritten).
     fn add(&self, a: &Self::Act, b: &Self::Act, out: &mut Self::Act) -> DResult<()>;
-    /// Dropout over `[rows, width]`: `y = x * mask`, the mask drawn from `d` (the
-    /// backward applies it to the output's gradient).
-    fn dropout(
-        &self,
-        x: &Self::Act,
-        rows: usize,
-        width: usize,
-        d: &RowDropout,
-        y: &mut Self::Act,
-    ) -> DResult<()>;
+    /// Dropout over the rows of width `w` of `x`: `y = x * mask`, the mask drawn
+    /// from `d` (the backward applies it to the output's gradient).
+    fn dropout(&self, x: &Self::Act, w: usize, d: &RowDropout, y: &mut Self::Act) -> DResult<()>;
 
-    /// Routing of `logits [tokens, experts]`: `probs` (softmax over every expert),
-    /// each token's `k` experts `idx` and their weights `wts`.
-    fn moe_route(
-        &self,
-        m: &MoeDims,
-        logits: &Self::Act,
-        probs: &mut Self::F32,
-        idx: &mut Self::Ids,
-        wts: &mut Self::F32,
-    ) -> DResult<()>;
-    /// Routing backward: `d_logits +=` from the weights' gradient `d_wts`.
-    fn moe_route_bwd(
-        &self,
-        m: &MoeDims,
-        route: (&Self::F32, &Self::Ids, &Self::F32),
-        d_wts: &Self::F32,
-        d_logits: &mut Self::Act,
-    ) -> DResult<()>;
-    /// Rows of `x` grouped by expert (stable): `out [tokens k, dim]`, `perm` (each
-    /// slot's assignment `t k + j`); returns each expert's count, on the host (the
-    /// exchange's sizes).
-    fn moe_dispatch(
-        &self,
-        m: &MoeDims,
-        x: &Self::Act,
-        idx: &Self::Ids,
-        out: &mut Self::Act,
-        perm: &mut Self::Ids,
-    ) -> DResult<Vec<usize>>;
-    /// Dispatch backward: `dx +=` each slot's gradient at its token.
-    fn moe_dispatch_bwd(
-        &self,
-        m: &MoeDims,
-        d_out: &Self::Act,
-        perm: &Self::Ids,
-        dx: &mut Self::Act,
-    ) -> DResult<()>;
+    /// Routing of `logits [tokens, experts]`: `r.probs` (softmax over every
+    /// expert), each token's `k` experts `r.idx` and their weights `r.wts`.
+    fn moe_route(&self, logits: &Self::Act, r: &mut Routed<Self>) -> DResult<()>;
+    /// Routing backward: the logits' gradient `dx +=` from the weights' gradient
+    /// `dw`.
+    fn moe_route_bwd(&self, r: &Routed<Self>, dw: &Self::F32, dx: &mut Self::Act) -> DResult<()>;
+    /// Rows of `x` grouped by expert (stable): `y [tokens k, dim]`, `r.perm` (each
+    /// slot's assignment `t k + j`) and each expert's count `r.counts`, on the
+    /// host (the exchange's sizes).
+    fn moe_dispatch(&self, r: &mut Routed<Self>, x: &Self::Act, y: &mut Self::Act) -> DResult<()>;
+    /// Dispatch backward: `dx +=` each slot's gradient `dy` at its token.
+    fn moe_dispatch_bwd(&self, r: &Routed<Self>, dy: &Self::Act, dx: &mut Self::Act)
+        -> DResult<()>;
     /// `out [tokens, dim]` = each token's expert outputs `y` (slot order) weighted
-    /// by `wts`.
-    fn moe_combine(
-        &self,
-        m: &MoeDims,
-        y: &Self::Act,
-        perm: &Self::Ids,
-        wts: &Self::F32,
-        out: &mut Self::Act,
-    ) -> DResult<()>;
-    /// Combine backward: `d_y +=` and `d_wts +=`.
-    fn moe_combine_bwd(
-        &self,
-        m: &MoeDims,
-        d_out_y: (&Self::Act, &Self::Act),
-        perm_wts: (&Self::Ids, &Self::F32),
-        d_y: &mut Self::Act,
-        d_wts: &mut Self::F32,
-    ) -> DResult<()>;
-    /// `out[r] = src[idx[r]]` for rows of width `dim`, zeros where `idx[r]` is
-    /// `NO_ROW`.
-    fn gather_rows(
-        &self,
-        src: &Self::Act,
-        idx: &Self::Ids,
-        dim: usize,
-        out: &mut Self::Act,
-    ) -> DResult<()>;
+    /// by `r.wts`.
+    fn moe_combine(&self, r: &Routed<Self>, y: &Self::Act, out: &mut Self::Act) -> DResult<()>;
+    /// Combine backward: `g.d_y +=` and `g.d_wts +=`.
+    fn moe_combine_bwd(&self, r: &Routed<Self>, g: CombineBwd<'_, Self>) -> DResult<()>;
+    /// `y[r] = x[i[r]]` for rows of width `w`, zeros where `i[r]` is `NO_ROW`.
+    fn gather_rows(&self, x: &Self::Act, i: &Self::Ids, w: usize, y: &mut Self::Act)
+        -> DResult<()>;
 
     /// Cross-entropy of `c.logits` against `c.labels` (the whole vocabulary),
     /// forward and backward at once: `loss[r]` and `dlogits = scale * d loss[r] /
@@ -529,12 +300,7 @@ pub trait Device: Send + Sync {
     /// Last part, from `[max, sumexp, target]` summed over every shard: `loss[r] =
     /// max + ln(sumexp) - target` and this shard's `dlogits = scale * (softmax -
     /// onehot)`, both overwritten.
-    fn ce_finish(
-        &self,
-        c: &Ce<'_, Self>,
-        stats: [&Self::F32; 3],
-        out: CeOut<'_, Self>,
-    ) -> DResult<()>;
+    fn ce_finish(&self, c: &Ce<'_, Self>, s: [&Self::F32; 3], out: CeOut<'_, Self>) -> DResult<()>;
 
     /// One AdamW step of `a.param` (fp32 master) in place, and its compute copy
     /// refreshed.
@@ -570,6 +336,19 @@ impl HostPrecision for HostDevice {
     const NAME: &'static str = "cpu";
     const ACT_BYTES: usize = 4;
     fn round(_: &mut [f32]) {}
+}
+
+/// The rows of a buffer of `len` elements in rows of `width`, or an error naming
+/// it where `len` is not a whole number of rows.
+pub(crate) fn rows_of(what: &str, len: usize, width: usize) -> DResult<usize> {
+    match (len, width) {
+        (0, _) => Ok(0),
+        (_, 0) => Err(DeviceError(format!("{what}: {len} values in rows of 0"))),
+        _ if len.is_multiple_of(width) => Ok(len / width),
+        _ => Err(DeviceError(format!(
+            "{what}: {len} values are not whole rows of {width}"
+        ))),
+    }
 }
 
 fn range_err(what: &str) -> DeviceError {
@@ -670,45 +449,26 @@ impl<H: HostPrecision> Device for H {
         acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
         Ok(())
     }
-    fn f32_copy(
-        &self,
-        src: &Vec<f32>,
-        src_off: usize,
-        dst: &mut Vec<f32>,
-        dst_off: usize,
-        n: usize,
-    ) -> DResult<()> {
-        let s = src
-            .get(src_off..src_off + n)
+    fn f32_copy(&self, x: (&Vec<f32>, usize), y: (&mut Vec<f32>, usize), n: usize) -> DResult<()> {
+        let s = (x.0)
+            .get(x.1..x.1 + n)
             .ok_or_else(|| range_err("f32_copy source"))?;
-        dst.get_mut(dst_off..dst_off + n)
+        (y.0)
+            .get_mut(y.1..y.1 + n)
             .ok_or_else(|| range_err("f32_copy destination"))?
             .copy_from_slice(s);
         Ok(())
     }
-    fn act_copy(
-        &self,
-        src: &Vec<f32>,
-        src_off: usize,
-        dst: &mut Vec<f32>,
-        dst_off: usize,
-        n: usize,
-    ) -> DResult<()> {
-        self.f32_copy(src, src_off, dst, dst_off, n)
+    fn act_copy(&self, x: (&Vec<f32>, usize), y: (&mut Vec<f32>, usize), n: usize) -> DResult<()> {
+        self.f32_copy(x, y, n)
     }
     fn act_from_host(&self, mut host: Vec<f32>) -> DResult<Vec<f32>> {
         H::round(&mut host);
         Ok(host)
     }
-    fn act_append(
-        &self,
-        buf: &mut Vec<f32>,
-        src: &Vec<f32>,
-        src_off: usize,
-        n: usize,
-    ) -> DResult<()> {
-        let s = src
-            .get(src_off..src_off + n)
+    fn act_append(&self, buf: &mut Self::Act, x: &Self::Act, at: (usize, usize)) -> DResult<()> {
+        let s = x
+            .get(at.0..at.0 + at.1)
             .ok_or_else(|| range_err("act_append source"))?;
         buf.extend_from_slice(s);
         Ok(())
@@ -719,65 +479,45 @@ impl<H: HostPrecision> Device for H {
         H::round(acc);
         Ok(())
     }
-    fn matmul(&self, g: &GemmAt, a: &Vec<f32>, b: &Vec<f32>, c: &mut Vec<f32>) -> DResult<()> {
-        k::matmul_at(g, a, b, 0.0, c)?;
+    fn matmul(&self, g: GemmAt, a: &Self::Act, b: &Self::Act, c: &mut Self::Act) -> DResult<()> {
+        k::matmul_at(&g, a, b, 0.0, c)?;
         H::round(&mut c[g.spans()?[2].clone()]);
         Ok(())
     }
-    fn matmul_acc(&self, g: &GemmAt, a: &Vec<f32>, b: &Vec<f32>, c: &mut Vec<f32>) -> DResult<()> {
-        Ok(k::matmul_at(g, a, b, 1.0, c)?)
+    fn matmul_acc(&self, g: GemmAt, a: &Vec<f32>, b: &Vec<f32>, c: &mut Vec<f32>) -> DResult<()> {
+        Ok(k::matmul_at(&g, a, b, 1.0, c)?)
     }
-    fn bias_add(&self, y: &mut Vec<f32>, bias: &Vec<f32>, rows: usize, n: usize) -> DResult<()> {
-        k::check_len("bias", bias.len(), n)?;
-        k::check_len("y", y.len(), rows * n)?;
-        for r in 0..rows {
-            for c in 0..n {
-                y[r * n + c] += bias[c];
-            }
+    fn bias_add(&self, y: &mut Self::Act, bias: &Self::Act) -> DResult<()> {
+        let n = bias.len();
+        if rows_of("y", y.len(), n)? == 0 {
+            return Ok(());
+        }
+        for row in y.chunks_exact_mut(n) {
+            row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
         }
         H::round(y);
         Ok(())
     }
-    fn bias_grad(&self, dy: &Vec<f32>, rows: usize, n: usize, db: &mut Vec<f32>) -> DResult<()> {
-        k::check_len("dbias", db.len(), n)?;
-        k::check_len("dy", dy.len(), rows * n)?;
-        for r in 0..rows {
-            for c in 0..n {
-                db[c] += dy[r * n + c];
-            }
+    fn bias_grad(&self, dy: &Self::Act, db: &mut Self::F32) -> DResult<()> {
+        let n = db.len();
+        if rows_of("dy", dy.len(), n)? == 0 {
+            return Ok(());
+        }
+        for row in dy.chunks_exact(n) {
+            db.iter_mut().zip(row).for_each(|(d, g)| *d += g);
         }
         Ok(())
     }
-    fn split_qkv(
-        &self,
-        x: &Vec<f32>,
-        dims: &AttnDims,
-        q: &mut Vec<f32>,
-        kk: &mut Vec<f32>,
-        v: &mut Vec<f32>,
-    ) -> DResult<()> {
+    fn split_qkv(&self, x: &Vec<f32>, dims: &AttnDims, qkv: [&mut Vec<f32>; 3]) -> DResult<()> {
+        let [q, kk, v] = qkv;
         Ok(k::split_qkv(x, dims, q, kk, v)?)
     }
-    fn join_qkv(
-        &self,
-        dq: &Vec<f32>,
-        dk: &Vec<f32>,
-        dv: &Vec<f32>,
-        dims: &AttnDims,
-        dx: &mut Vec<f32>,
-    ) -> DResult<()> {
+    fn join_qkv(&self, dqkv: [&Vec<f32>; 3], dims: &AttnDims, dx: &mut Vec<f32>) -> DResult<()> {
+        let [dq, dk, dv] = dqkv;
         Ok(k::join_qkv(dq, dk, dv, dims, dx)?)
     }
-    fn transpose_bs(
-        &self,
-        x: &Vec<f32>,
-        b: usize,
-        s: usize,
-        w: usize,
-        to_sbhd: bool,
-        y: &mut Vec<f32>,
-    ) -> DResult<()> {
-        Ok(k::transpose_bs(x, (b, s, w), to_sbhd, y)?)
+    fn swap_axes(&self, x: &Self::Act, [p, q, w]: [usize; 3], y: &mut Self::Act) -> DResult<()> {
+        Ok(k::transpose_bs(x, (p, q, w), true, y)?)
     }
     fn rope_qkv(&self, r: &RopeQkv<'_, Self>, y: &mut Vec<f32>) -> DResult<()> {
         k::rope_qkv(r.x, r.positions, r.rows, r.shape, (r.rope, r.backward), y)?;
@@ -810,37 +550,16 @@ impl<H: HostPrecision> Device for H {
         H::round(d_v);
         Ok(())
     }
-    fn attention_merge(
-        &self,
-        dims: &AttnDims,
-        o_acc: &mut Vec<f32>,
-        lse_acc: &mut Vec<f32>,
-        o_blk: &Vec<f32>,
-        lse_blk: &Vec<f32>,
-    ) -> DResult<()> {
-        k::attention_merge(dims, o_acc, lse_acc, o_blk, lse_blk)?;
-        H::round(o_acc);
+    fn attention_merge(&self, dims: &AttnDims, m: Merge<'_, Self>) -> DResult<()> {
+        k::attention_merge(dims, m.o_acc, m.lse_acc, m.o_blk, m.lse_blk)?;
+        H::round(m.o_acc);
         Ok(())
     }
-    fn embedding_fwd(
-        &self,
-        ids: &Vec<u32>,
-        table: &Vec<f32>,
-        vocab_start: usize,
-        dim: usize,
-        out: &mut Vec<f32>,
-    ) -> DResult<()> {
-        Ok(k::embedding_fwd(ids, table, vocab_start, dim, out)?)
+    fn embedding_fwd(&self, e: &Embed<'_, Self>, w: &Self::Act, y: &mut Self::Act) -> DResult<()> {
+        Ok(k::embedding_fwd(e.ids, w, e.vocab_start, e.dim, y)?)
     }
-    fn embedding_bwd(
-        &self,
-        ids: &Vec<u32>,
-        d_out: &Vec<f32>,
-        vocab_start: usize,
-        dim: usize,
-        d_table: &mut Vec<f32>,
-    ) -> DResult<()> {
-        Ok(k::embedding_bwd(ids, d_out, vocab_start, dim, d_table)?)
+    fn embedding_bwd(&self, e: &Embed<'_, Self>, dy: &Vec<f32>, dw: &mut Vec<f32>) -> DResult<()> {
+        Ok(k::embedding_bwd(e.ids, dy, e.vocab_start, e.dim, dw)?)
     }
     fn norm_fwd(&self, n: &Norm<'_, Self>, out: NormOut<'_, Self>) -> DResult<()> {
         let NormOut { y, mean, rstd } = out;
@@ -874,140 +593,63 @@ impl<H: HostPrecision> Device for H {
         H::round(dx);
         Ok(())
     }
-    fn swiglu_fwd(&self, x: &Vec<f32>, rows: usize, f: usize, y: &mut Vec<f32>) -> DResult<()> {
-        k::swiglu_fwd(x, rows, f, y)?;
+    fn swiglu_fwd(&self, x: &Self::Act, f: usize, y: &mut Self::Act) -> DResult<()> {
+        k::swiglu_fwd(x, rows_of("x", x.len(), 2 * f)?, f, y)?;
         H::round(y);
         Ok(())
     }
-    fn swiglu_bwd(
-        &self,
-        x: &Vec<f32>,
-        dy: &Vec<f32>,
-        rows: usize,
-        f: usize,
-        dx: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::swiglu_bwd(x, dy, rows, f, dx)?;
+    fn swiglu_bwd(&self, x: &Vec<f32>, g: &Vec<f32>, f: usize, dx: &mut Vec<f32>) -> DResult<()> {
+        k::swiglu_bwd(x, g, rows_of("x", x.len(), 2 * f)?, f, dx)?;
         H::round(dx);
         Ok(())
     }
-    fn dropout(
-        &self,
-        x: &Vec<f32>,
-        rows: usize,
-        width: usize,
-        d: &RowDropout,
-        y: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::dropout_rows(x, rows, width, d, y)?;
+    fn dropout(&self, x: &Self::Act, w: usize, d: &RowDropout, y: &mut Self::Act) -> DResult<()> {
+        k::dropout_rows(x, rows_of("x", x.len(), w)?, w, d, y)?;
         H::round(y);
         Ok(())
     }
-    fn moe_route(
-        &self,
-        m: &MoeDims,
-        logits: &Vec<f32>,
-        probs: &mut Vec<f32>,
-        idx: &mut Vec<u32>,
-        wts: &mut Vec<f32>,
-    ) -> DResult<()> {
+    fn moe_route(&self, logits: &Self::Act, r: &mut Routed<Self>) -> DResult<()> {
+        let m = r.m;
+        let (probs, idx, wts) = (&mut r.probs, &mut r.idx, &mut r.wts);
+        let (tokens, experts, kk, renorm) = (m.tokens, m.experts, m.k, m.renormalize);
         Ok(k::moe_route_fwd(
-            logits,
-            m.tokens,
-            m.experts,
-            m.k,
-            m.renormalize,
-            probs,
-            idx,
-            wts,
+            logits, tokens, experts, kk, renorm, probs, idx, wts,
         )?)
     }
-    fn moe_route_bwd(
-        &self,
-        m: &MoeDims,
-        (probs, idx, wts): (&Vec<f32>, &Vec<u32>, &Vec<f32>),
-        d_wts: &Vec<f32>,
-        d_logits: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::moe_route_bwd(
-            probs,
-            idx,
-            wts,
-            d_wts,
-            m.tokens,
-            m.experts,
-            m.k,
-            m.renormalize,
-            d_logits,
-        )?;
-        H::round(d_logits);
-        Ok(())
-    }
-    fn moe_dispatch(
-        &self,
-        m: &MoeDims,
-        x: &Vec<f32>,
-        idx: &Vec<u32>,
-        out: &mut Vec<f32>,
-        perm: &mut Vec<u32>,
-    ) -> DResult<Vec<usize>> {
-        let mut counts = vec![0usize; m.experts];
-        k::moe_dispatch_fwd(
-            x,
-            idx,
-            m.tokens,
-            m.k,
-            m.experts,
-            m.dim,
-            out,
-            &mut counts,
-            perm,
-        )?;
-        Ok(counts)
-    }
-    fn moe_dispatch_bwd(
-        &self,
-        m: &MoeDims,
-        d_out: &Vec<f32>,
-        perm: &Vec<u32>,
-        dx: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::moe_dispatch_bwd(d_out, perm, m.tokens, m.k, m.dim, dx)?;
+    fn moe_route_bwd(&self, r: &Routed<Self>, dw: &Self::F32, dx: &mut Self::Act) -> DResult<()> {
+        let m = r.m;
+        let (tokens, experts, kk, renorm) = (m.tokens, m.experts, m.k, m.renormalize);
+        let (probs, idx, wts) = (&r.probs, &r.idx, &r.wts);
+        k::moe_route_bwd(probs, idx, wts, dw, tokens, experts, kk, renorm, dx)?;
         H::round(dx);
         Ok(())
     }
-    fn moe_combine(
-        &self,
-        m: &MoeDims,
-        y: &Vec<f32>,
-        perm: &Vec<u32>,
-        wts: &Vec<f32>,
-        out: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::moe_combine_fwd(y, perm, wts, m.tokens, m.k, m.dim, out)?;
+    fn moe_dispatch(&self, r: &mut Routed<Self>, x: &Self::Act, y: &mut Self::Act) -> DResult<()> {
+        let m = r.m;
+        r.counts = vec![0usize; m.experts];
+        let (idx, perm, counts) = (&r.idx, &mut r.perm, &mut r.counts);
+        k::moe_dispatch_fwd(x, idx, m.tokens, m.k, m.experts, m.dim, y, counts, perm)?;
+        Ok(())
+    }
+    fn moe_dispatch_bwd(&self, r: &Routed<Self>, dy: &Vec<f32>, dx: &mut Vec<f32>) -> DResult<()> {
+        k::moe_dispatch_bwd(dy, &r.perm, r.m.tokens, r.m.k, r.m.dim, dx)?;
+        H::round(dx);
+        Ok(())
+    }
+    fn moe_combine(&self, r: &Routed<Self>, y: &Self::Act, out: &mut Self::Act) -> DResult<()> {
+        let m = r.m;
+        k::moe_combine_fwd(y, &r.perm, &r.wts, m.tokens, m.k, m.dim, out)?;
         H::round(out);
         Ok(())
     }
-    fn moe_combine_bwd(
-        &self,
-        m: &MoeDims,
-        (d_out, y): (&Vec<f32>, &Vec<f32>),
-        (perm, wts): (&Vec<u32>, &Vec<f32>),
-        d_y: &mut Vec<f32>,
-        d_wts: &mut Vec<f32>,
-    ) -> DResult<()> {
-        k::moe_combine_bwd(d_out, y, perm, wts, m.tokens, m.k, m.dim, d_y, d_wts)?;
-        H::round(d_y);
+    fn moe_combine_bwd(&self, r: &Routed<Self>, g: CombineBwd<'_, Self>) -> DResult<()> {
+        let (m, perm, wts) = (r.m, &r.perm, &r.wts);
+        k::moe_combine_bwd(g.dy, g.y, perm, wts, m.tokens, m.k, m.dim, g.d_y, g.d_wts)?;
+        H::round(g.d_y);
         Ok(())
     }
-    fn gather_rows(
-        &self,
-        src: &Vec<f32>,
-        idx: &Vec<u32>,
-        dim: usize,
-        out: &mut Vec<f32>,
-    ) -> DResult<()> {
-        Ok(k::gather_rows(src, idx, dim, out)?)
+    fn gather_rows(&self, x: &Vec<f32>, i: &Vec<u32>, w: usize, y: &mut Vec<f32>) -> DResult<()> {
+        Ok(k::gather_rows(x, i, w, y)?)
     }
     fn add(&self, a: &Vec<f32>, b: &Vec<f32>, out: &mut Vec<f32>) -> DResult<()> {
         k::add(a, b, out)?;
@@ -1038,13 +680,8 @@ impl<H: HostPrecision> Device for H {
             target,
         )?)
     }
-    fn ce_finish(
-        &self,
-        c: &Ce<'_, Self>,
-        stats: [&Vec<f32>; 3],
-        out: CeOut<'_, Self>,
-    ) -> DResult<()> {
-        let [max, sumexp, target] = stats;
+    fn ce_finish(&self, c: &Ce<'_, Self>, s: [&Self::F32; 3], out: CeOut<'_, Self>) -> DResult<()> {
+        let [max, sumexp, target] = s;
         k::ce_loss(max, sumexp, target, out.loss)?;
         let (logits, labels, rows, v) = (c.logits, c.labels, c.rows, c.v_local);
         out.dlogits.iter_mut().for_each(|x| *x = 0.0);
@@ -1186,4 +823,48 @@ pub fn check_mixed_precision(
         return Err(lines.join("\n"));
     }
     Ok(lines)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_of_counts_whole_rows_and_names_a_ragged_buffer() {
+        assert_eq!(rows_of("y", 12, 4), Ok(3));
+        assert_eq!(rows_of("y", 0, 0), Ok(0));
+        let e = rows_of("dy", 10, 4).unwrap_err();
+        assert_eq!(e.0, "dy: 10 values are not whole rows of 4");
+        assert!(rows_of("x", 3, 0).is_err());
+    }
+
+    /// `[b=2, s=3, w=1]` (hand-worked): sample 0 holds 0 1 2, sample 1 holds 3 4 5;
+    /// by position they read 0 3 | 1 4 | 2 5, and `[s, b, w]` swaps them back.
+    #[test]
+    fn swap_axes_is_its_own_inverse_with_the_axes_named_the_other_way() {
+        let x: Vec<f32> = (0..6).map(|i| i as f32).collect();
+        let mut t = vec![0.0; 6];
+        HostDevice.swap_axes(&x, [2, 3, 1], &mut t).unwrap();
+        assert_eq!(t, vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
+        let mut back = vec![0.0; 6];
+        HostDevice.swap_axes(&t, [3, 2, 1], &mut back).unwrap();
+        assert_eq!(back, x);
+    }
+
+    /// Two rows of width 3 plus bias `[1, 2, 3]`, and the bias gradient of rows
+    /// `[1, 1, 1]` and `[2, 0, -1]`: `[3, 1, 0]`.
+    #[test]
+    fn bias_kernels_take_the_width_from_the_bias() {
+        let mut y = vec![0.0, 0.0, 0.0, 10.0, 10.0, 10.0];
+        HostDevice.bias_add(&mut y, &vec![1.0, 2.0, 3.0]).unwrap();
+        assert_eq!(y, vec![1.0, 2.0, 3.0, 11.0, 12.0, 13.0]);
+        let mut db = vec![0.0; 3];
+        HostDevice
+            .bias_grad(&vec![1.0, 1.0, 1.0, 2.0, 0.0, -1.0], &mut db)
+            .unwrap();
+        assert_eq!(db, vec![3.0, 1.0, 0.0]);
+        assert!(HostDevice
+            .bias_add(&mut vec![0.0; 5], &vec![1.0; 3])
+            .is_err());
+    }
 }

@@ -2,7 +2,7 @@
 //! on the device, attention against the KV cache, the pass's collectives.
 
 use super::*;
-use crate::device::DeviceComm;
+use crate::device::{DeviceComm, Embed};
 
 impl<'a, D: Device> InferRank<'a, D> {
     pub(super) fn run_phase(&mut self, phase: &Phase, batch: &Batch) -> Result<(), RankError> {
@@ -247,7 +247,15 @@ impl<'a, D: Device> InferRank<'a, D> {
                 let mut y = self.zeros(ids.len() * dim)?;
                 let ids = self.dev.ids_upload(&ids).map_err(&err)?;
                 self.dev
-                    .embedding_fwd(&ids, table, vocab_start, dim, &mut y)
+                    .embedding_fwd(
+                        &Embed {
+                            ids: &ids,
+                            vocab_start,
+                            dim,
+                        },
+                        table,
+                        &mut y,
+                    )
                     .map_err(&err)?;
                 y
             }
@@ -290,7 +298,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                 };
                 self.dev
                     .matmul(
-                        &k::GemmAt::whole(k::Transpose::No, tb, rows, kk, n),
+                        k::GemmAt::whole(k::Transpose::No, tb, rows, kk, n),
                         x,
                         w,
                         &mut y,
@@ -301,7 +309,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                     && (op.role != TpRole::RowParallel || self.tp.rank == 0)
                 {
                     let b = self.weight(op, 2, l)?;
-                    self.dev.bias_add(&mut y, b, rows, n).map_err(&err)?;
+                    self.dev.bias_add(&mut y, b).map_err(&err)?;
                 }
                 y
             }
@@ -331,7 +339,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                 let x = self.act(op, 0)?;
                 let f = D::act_len(x) / (2 * rows.max(1));
                 let mut y = self.zeros(rows * f)?;
-                self.dev.swiglu_fwd(x, rows, f, &mut y).map_err(&err)?;
+                self.dev.swiglu_fwd(x, f, &mut y).map_err(&err)?;
                 y
             }
             OpKind::Activation(MlpKind::Gelu) => {
@@ -351,7 +359,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                 let x = self.act(op, 0)?;
                 let n = D::act_len(x);
                 let mut y = self.zeros(n)?;
-                self.dev.act_copy(x, 0, &mut y, 0, n).map_err(&err)?;
+                self.dev.act_copy((x, 0), (&mut y, 0), n).map_err(&err)?;
                 y
             }
             // Generation samples from the logits; the loss is not computed.
@@ -462,7 +470,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             self.zeros(b * nv)?,
         );
         self.dev
-            .split_qkv(x, &all, &mut q, &mut kn, &mut vn)
+            .split_qkv(x, &all, [&mut q, &mut kn, &mut vn])
             .map_err(&err)?;
         let mut o_all = self.zeros(b * no)?;
         for (bi, &req) in batch.reqs.iter().enumerate() {
@@ -470,20 +478,20 @@ impl<'a, D: Device> InferRank<'a, D> {
             let (kc, vc) = match self.kv.remove(&(l, req)) {
                 Some((mut kc, mut vc)) => {
                     self.dev
-                        .act_append(&mut kc, &kn, bi * nk, nk)
+                        .act_append(&mut kc, &kn, (bi * nk, nk))
                         .map_err(&err)?;
                     self.dev
-                        .act_append(&mut vc, &vn, bi * nv, nv)
+                        .act_append(&mut vc, &vn, (bi * nv, nv))
                         .map_err(&err)?;
                     (kc, vc)
                 }
                 None => {
                     let (mut kc, mut vc) = (self.zeros(nk)?, self.zeros(nv)?);
                     self.dev
-                        .act_copy(&kn, bi * nk, &mut kc, 0, nk)
+                        .act_copy((&kn, bi * nk), (&mut kc, 0), nk)
                         .map_err(&err)?;
                     self.dev
-                        .act_copy(&vn, bi * nv, &mut vc, 0, nv)
+                        .act_copy((&vn, bi * nv), (&mut vc, 0), nv)
                         .map_err(&err)?;
                     (kc, vc)
                 }
@@ -501,7 +509,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             } else {
                 let mut qb = self.zeros(nq)?;
                 self.dev
-                    .act_copy(&q, bi * nq, &mut qb, 0, nq)
+                    .act_copy((&q, bi * nq), (&mut qb, 0), nq)
                     .map_err(&err)?;
                 Some(qb)
             };
@@ -533,14 +541,14 @@ impl<'a, D: Device> InferRank<'a, D> {
             };
             self.dev.attention_fwd(&a, out).map_err(&err)?;
             self.dev
-                .act_copy(&o, 0, &mut o_all, bi * no, no)
+                .act_copy((&o, 0), (&mut o_all, bi * no), no)
                 .map_err(&err)?;
             self.kv.insert((l, req), (kc, vc));
         }
         // `[b, s, hq dv]` back to sequence-major rows.
         let mut y = self.zeros(b * no)?;
         self.dev
-            .transpose_bs(&o_all, b, seq, hq * dv, true, &mut y)
+            .swap_axes(&o_all, [b, seq, hq * dv], &mut y)
             .map_err(&err)?;
         Ok(y)
     }

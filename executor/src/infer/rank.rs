@@ -544,7 +544,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             let n = (rows - first) * v_local;
             let mut last = self.zeros(n)?;
             self.dev
-                .act_copy(logits, first * v_local, &mut last, 0, n)
+                .act_copy((logits, first * v_local), (&mut last, 0), n)
                 .map_err(&err)?;
             self.dev.act_download(&last).map_err(&err)?
         };

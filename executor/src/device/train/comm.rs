@@ -5,7 +5,7 @@
 
 use super::ops::AttnMask;
 use super::*;
-use crate::device::{act_collected, CeOut, DeviceComm};
+use crate::device::{act_collected, CeOut, DeviceComm, Merge};
 
 impl<'a, D: Device> DevRank<'a, D> {
     /// The context group, this rank's index in it, and its ring neighbours.
@@ -25,8 +25,10 @@ impl<'a, D: Device> DevRank<'a, D> {
         let (kl, vl) = (D::act_len(k), D::act_len(v));
         let e = derr("ring block");
         let mut block = self.zeros(kl + vl)?;
-        self.dev.act_copy(k, 0, &mut block, 0, kl).map_err(&e)?;
-        self.dev.act_copy(v, 0, &mut block, kl, vl).map_err(&e)?;
+        self.dev.act_copy((k, 0), (&mut block, 0), kl).map_err(&e)?;
+        self.dev
+            .act_copy((v, 0), (&mut block, kl), vl)
+            .map_err(&e)?;
         Ok(block)
     }
 
@@ -52,7 +54,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     ) -> Result<D::Act, RankError> {
         let mut out = self.zeros(n)?;
         self.dev
-            .act_copy(block, at, &mut out, 0, n)
+            .act_copy((block, at), (&mut out, 0), n)
             .map_err(derr("ring block"))?;
         Ok(out)
     }
@@ -95,7 +97,15 @@ impl<'a, D: Device> DevRank<'a, D> {
             let a = mask.attn(dims, (q, &kb, &vb), pos);
             self.dev.attention_fwd(&a, out).map_err(&e)?;
             self.dev
-                .attention_merge(dims, o, lse, &ob, &lb)
+                .attention_merge(
+                    dims,
+                    Merge {
+                        o_acc: o,
+                        lse_acc: lse,
+                        o_blk: &ob,
+                        lse_blk: &lb,
+                    },
+                )
                 .map_err(&e)?;
             if t + 1 < n {
                 block = self.pass_block(next, prev, &block)?;

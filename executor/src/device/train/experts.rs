@@ -4,6 +4,7 @@
 //! the gradients moving between ranks as the tokens did.
 
 use super::*;
+use crate::device::CombineBwd;
 use crate::moe::{self, Routing};
 use meshplan_ir::graph::ExpertsShape;
 use meshplan_kernels::cpu::GemmAt;
@@ -70,12 +71,19 @@ impl<'a, D: Device> DevRank<'a, D> {
         })?;
         let (h, f, ne, kk) = moe::dims(e, self.tp, self.ep);
         let rows = D::act_len(&dy) / h;
-        let m = moe::route_dims(rows, h, ne, kk);
         let mut d_y = self.zeros(D::act_len(&k.y_disp))?;
         let mut d_w = self.zeros_f32(rows * kk)?;
         if rows > 0 {
             self.dev
-                .moe_combine_bwd(&m, (&dy, &k.y_disp), (&k.perm, &k.wts), &mut d_y, &mut d_w)
+                .moe_combine_bwd(
+                    &k.routed,
+                    CombineBwd {
+                        dy: &dy,
+                        y: &k.y_disp,
+                        d_y: &mut d_y,
+                        d_wts: &mut d_w,
+                    },
+                )
                 .map_err(&err)?;
         }
         // The outputs' gradients travel to the experts as the tokens did.
@@ -104,7 +112,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mut d_up = self.zeros(total * up_w)?;
         if gated {
             self.dev
-                .swiglu_bwd(&k.ups, &d_act, total, f, &mut d_up)
+                .swiglu_bwd(&k.ups, &d_act, f, &mut d_up)
                 .map_err(&err)?;
         } else {
             self.dev.gelu_bwd(&k.ups, &d_act, &mut d_up).map_err(&err)?;
@@ -130,10 +138,10 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mut d_logits = self.zeros(rows * ne)?;
         if rows > 0 {
             self.dev
-                .moe_dispatch_bwd(&m, &d_disp, &k.perm, &mut dx)
+                .moe_dispatch_bwd(&k.routed, &d_disp, &mut dx)
                 .map_err(&err)?;
             self.dev
-                .moe_route_bwd(&m, (&k.probs, &k.idx, &k.wts), &d_w, &mut d_logits)
+                .moe_route_bwd(&k.routed, &d_w, &mut d_logits)
                 .map_err(&err)?;
         }
         let x_name = self.name_of(op.inputs[0]);
@@ -211,7 +219,7 @@ fn linear_spans_bwd<D: Device>(
             b_off: j * k * cols,
             c_off: off * k,
         };
-        dev.matmul(&data, dy, w, dx)?;
+        dev.matmul(data, dy, w, dx)?;
         let weight = GemmAt {
             ta: Transpose::Yes,
             tb: Transpose::No,
@@ -222,7 +230,7 @@ fn linear_spans_bwd<D: Device>(
             b_off: off * cols,
             c_off: j * k * cols,
         };
-        dev.matmul_acc(&weight, x, dy, dw)?;
+        dev.matmul_acc(weight, x, dy, dw)?;
     }
     Ok(())
 }

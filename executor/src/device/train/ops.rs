@@ -2,7 +2,7 @@
 //! [`super::super::Device`] on this rank's slices of weights, heads and rows.
 
 use super::*;
-use crate::device::{norm_forward, Ce, CeOut, Norm, NormBwd, RopeQkv};
+use crate::device::{norm_forward, Ce, CeOut, Embed, Norm, NormBwd, RopeQkv};
 use meshplan_kernels::cpu::GemmAt;
 use Transpose::{No, Yes};
 
@@ -147,7 +147,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let d = self.row_dropout(op, l, t, rows);
         let mut y = self.zeros(D::act_len(&x))?;
         self.dev
-            .dropout(&x, rows, width, &d, &mut y)
+            .dropout(&x, width, &d, &mut y)
             .map_err(derr(&op.name))?;
         Ok(Arc::new(y))
     }
@@ -308,8 +308,16 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let mut y = self.zeros(rows * dim)?;
                 let ids = self.lookup_ids(op, t, rows)?;
                 let start = self.vocab_start(op)?;
-                dev.embedding_fwd(ids, self.weight(op.inputs[1], l)?, start, dim, &mut y)
-                    .map_err(&e)?;
+                dev.embedding_fwd(
+                    &Embed {
+                        ids,
+                        vocab_start: start,
+                        dim,
+                    },
+                    self.weight(op.inputs[1], l)?,
+                    &mut y,
+                )
+                .map_err(&e)?;
                 y
             }
             OpKind::Norm(kind) => {
@@ -353,18 +361,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                 } else {
                     Transpose::No
                 };
-                dev.matmul(
-                    &GemmAt::whole(Transpose::No, tb, rows, kk, n),
-                    &x,
-                    w,
-                    &mut y,
-                )
-                .map_err(&e)?;
+                dev.matmul(GemmAt::whole(Transpose::No, tb, rows, kk, n), &x, w, &mut y)
+                    .map_err(&e)?;
                 // A row-parallel bias is added once, before the partial sums meet.
                 if let Some(&bid) = op.inputs.get(2) {
                     if op.role != TpRole::RowParallel || self.tp.rank == 0 {
-                        dev.bias_add(&mut y, self.weight(bid, l)?, rows, n)
-                            .map_err(&e)?;
+                        dev.bias_add(&mut y, self.weight(bid, l)?).map_err(&e)?;
                     }
                 }
                 y
@@ -397,7 +399,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 }
                 let mut y = self.zeros(D::act_len(&o))?;
                 self.dev
-                    .transpose_bs(&o, dims.batch, dims.sq, dims.hq * dims.dv, true, &mut y)
+                    .swap_axes(&o, [dims.batch, dims.sq, dims.hq * dims.dv], &mut y)
                     .map_err(&e)?;
                 t.stats.insert((l, op.name.clone(), Stat::Lse), lse);
                 t.acts.insert((l, format!("{}#o", op.name)), Arc::new(o));
@@ -410,7 +412,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                         let f = self.swiglu_width(op)?;
                         let rows = D::act_len(&x) / (2 * f);
                         let mut y = self.zeros(rows * f)?;
-                        dev.swiglu_fwd(&x, rows, f, &mut y).map_err(&e)?;
+                        dev.swiglu_fwd(&x, f, &mut y).map_err(&e)?;
                         y
                     }
                     MlpKind::Gelu => {
@@ -482,7 +484,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mut kk = self.zeros(rows * dims.hkv * dims.d)?;
         let mut v = self.zeros(rows * dims.hkv * dims.dv)?;
         self.dev
-            .split_qkv(x, dims, &mut q, &mut kk, &mut v)
+            .split_qkv(x, dims, [&mut q, &mut kk, &mut v])
             .map_err(derr("split_qkv"))?;
         Ok((q, kk, v))
     }
@@ -525,7 +527,16 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .wgrads
                     .get_mut(&key)
                     .ok_or_else(|| fail("embedding gradient missing"))?;
-                dev.embedding_bwd(ids, &dy, start, dim, dt).map_err(&e)?;
+                dev.embedding_bwd(
+                    &Embed {
+                        ids,
+                        vocab_start: start,
+                        dim,
+                    },
+                    &dy,
+                    dt,
+                )
+                .map_err(&e)?;
             }
             OpKind::Norm(kind) => {
                 let x = self.act(t, l, op.inputs[0])?;
@@ -599,14 +610,14 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .ok_or_else(|| fail("gradient missing"))?;
                 if crate::shard::weight_transposed(op) {
                     // `y = x wᵀ` with `w [n, k]`: `dx = dy w`, `dw += dyᵀ x`.
-                    dev.matmul(&GemmAt::whole(No, No, rows, n, kk), &dy, w, &mut dx)
+                    dev.matmul(GemmAt::whole(No, No, rows, n, kk), &dy, w, &mut dx)
                         .map_err(&e)?;
-                    dev.matmul_acc(&GemmAt::whole(Yes, No, n, rows, kk), &dy, &x, dw)
+                    dev.matmul_acc(GemmAt::whole(Yes, No, n, rows, kk), &dy, &x, dw)
                         .map_err(&e)?;
                 } else {
-                    dev.matmul(&GemmAt::whole(No, Yes, rows, n, kk), &dy, w, &mut dx)
+                    dev.matmul(GemmAt::whole(No, Yes, rows, n, kk), &dy, w, &mut dx)
                         .map_err(&e)?;
-                    dev.matmul_acc(&GemmAt::whole(Yes, No, kk, rows, n), &x, &dy, dw)
+                    dev.matmul_acc(GemmAt::whole(Yes, No, kk, rows, n), &x, &dy, dw)
                         .map_err(&e)?;
                 }
                 if let Some(&b) = op.inputs.get(2) {
@@ -615,7 +626,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                         .wgrads
                         .get_mut(&bk)
                         .ok_or_else(|| fail("bias gradient missing"))?;
-                    dev.bias_grad(&dy, rows, n, db).map_err(&e)?;
+                    dev.bias_grad(&dy, db).map_err(&e)?;
                 }
                 // A split op's input gradient is partial until the program sums it.
                 if (matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead)
@@ -643,7 +654,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .ok_or_else(|| fail("attention output was not kept"))?;
                 let lse = stat(t, l, &op.name, Stat::Lse)?;
                 let mut d_o = self.zeros(D::act_len(&dy))?;
-                dev.transpose_bs(&dy, dims.batch, dims.sq, dims.hq * dims.dv, false, &mut d_o)
+                dev.swap_axes(&dy, [dims.sq, dims.batch, dims.hq * dims.dv], &mut d_o)
                     .map_err(&e)?;
                 let mut dq = self.zeros(D::act_len(&q))?;
                 let mut dk = self.zeros(D::act_len(&kk))?;
@@ -675,7 +686,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 }
                 let mut dx = self.zeros(D::act_len(&x))?;
                 self.dev
-                    .join_qkv(&dq, &dk, &dv, &dims, &mut dx)
+                    .join_qkv([&dq, &dk, &dv], &dims, &mut dx)
                     .map_err(&e)?;
                 self.add_grad(t, l, in0, dx)?;
             }
@@ -685,8 +696,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 match kind {
                     MlpKind::Swiglu => {
                         let f = self.swiglu_width(op)?;
-                        let rows = D::act_len(&x) / (2 * f);
-                        dev.swiglu_bwd(&x, &dy, rows, f, &mut dx).map_err(&e)?;
+                        dev.swiglu_bwd(&x, &dy, f, &mut dx).map_err(&e)?;
                     }
                     MlpKind::Gelu => dev.gelu_bwd(&x, &dy, &mut dx).map_err(&e)?,
                 }

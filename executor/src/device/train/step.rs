@@ -574,7 +574,8 @@ pub(super) fn pack<D: Device>(
         let x = from
             .get(key)
             .ok_or_else(|| fail(format!("{what}: `{}` is not held", key.0)))?;
-        dev.f32_copy(x, *src, flat, *dst, *n).map_err(derr(what))?;
+        dev.f32_copy((x, *src), (flat, *dst), *n)
+            .map_err(derr(what))?;
     }
     Ok(())
 }
@@ -591,7 +592,8 @@ pub(super) fn unpack<D: Device>(
         let x = into
             .get_mut(key)
             .ok_or_else(|| fail(format!("{what}: `{}` is not held", key.0)))?;
-        dev.f32_copy(flat, *dst, x, *src, *n).map_err(derr(what))?;
+        dev.f32_copy((flat, *dst), (x, *src), *n)
+            .map_err(derr(what))?;
     }
     Ok(())
 }
