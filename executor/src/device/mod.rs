@@ -28,6 +28,7 @@ pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod emulate;
+pub use emulate::{check_mixed_precision, MIXED_LOSS_TOLERANCE, MIXED_UPDATE_TOLERANCE};
 pub mod train;
 
 /// Why a device operation failed.
@@ -726,103 +727,6 @@ impl<H: HostPrecision> Device for H {
 /// Width of a fused QKV row.
 pub fn qkv_width(dims: &AttnDims) -> usize {
     dims.hq * dims.d + dims.hkv * dims.d + dims.hkv * dims.dv
-}
-
-/// Largest relative difference of a step's loss allowed between a mixed-precision
-/// run and its fp32 reference. [`emulate::Bf16Host`] measures at most 7.7e-5 on the
-/// test models over 5 steps (tests in `tests/it/device.rs`); the headroom is for
-/// GPU kernels that also sum in another order than the CPU's.
-pub const MIXED_LOSS_TOLERANCE: f64 = 1e-3;
-
-/// Largest distance allowed between a mixed-precision run's weights and its fp32
-/// reference's, relative to how far the reference moved them from their start
-/// (`‖w_run − w_ref‖ / ‖w_ref − w_0‖` over all weights): AdamW turns any rounding of
-/// a small gradient into a full-size step, so a per-element bound would measure the
-/// optimizer, not the run. [`emulate::Bf16Host`] measures 0.04–0.05 on the test
-/// models; a 1.5× learning rate measures 0.56.
-pub const MIXED_UPDATE_TOLERANCE: f64 = 0.2;
-
-/// Compares a run in mixed precision with its fp32 reference (each rank's weights
-/// against the same slice of the reference's):
-/// per-step losses (relative) and the weights' distance relative to the reference's
-/// updates ([`MIXED_UPDATE_TOLERANCE`]). `Ok` holds the report lines; `Err` them with
-/// the failure.
-pub fn check_mixed_precision(
-    plan: &meshplan_ir::plan::Plan,
-    run: &crate::train::TrainReport,
-    reference: &crate::train::TrainReport,
-    seed: u64,
-    loss_tolerance: f64,
-    update_tolerance: f64,
-) -> Result<Vec<String>, String> {
-    let mut lines = Vec::new();
-    let mut worst_loss: f64 = 0.0;
-    for (i, (a, b)) in run.losses.iter().zip(&reference.losses).enumerate() {
-        let rel = (a - b).abs() / b.abs().max(1e-12);
-        worst_loss = worst_loss.max(rel);
-        lines.push(format!(
-            "step {i}: loss {a:.6} vs reference {b:.6} (rel {rel:.2e})"
-        ));
-    }
-    let refw = &reference
-        .ranks
-        .first()
-        .ok_or("the reference has no rank")?
-        .weights;
-    let graph = &plan.graph;
-    let (mut diff2, mut moved2) = (0.0f64, 0.0f64);
-    let mut worst = (0.0f64, String::new());
-    for rep in &run.ranks {
-        for ((name, layer), w) in &rep.weights {
-            let full = refw
-                .get(&(name.clone(), *layer))
-                .ok_or_else(|| format!("the reference lacks `{name}` layer {layer}"))?;
-            // A sharded rank holds a slice: compare it with the same slice.
-            let want = &crate::train::rank_slice(plan, rep.rank, name, full)?;
-            if want.len() != w.len() {
-                return Err(format!(
-                    "rank {}: `{name}` has {} values, the reference's slice {}",
-                    rep.rank,
-                    w.len(),
-                    want.len()
-                ));
-            }
-            let (op, id, shape) = crate::train::weight_site(graph, name)?;
-            let start = crate::init::init_full(
-                seed,
-                name,
-                *layer,
-                full.len(),
-                crate::init::init_kind(op, id, &shape),
-            );
-            let w0 = crate::train::rank_slice(plan, rep.rank, name, &start)?;
-            let d: f64 = w
-                .iter()
-                .zip(want)
-                .map(|(a, b)| ((a - b) as f64).powi(2))
-                .sum();
-            let m: f64 = want
-                .iter()
-                .zip(&w0)
-                .map(|(a, b)| ((a - b) as f64).powi(2))
-                .sum();
-            diff2 += d;
-            moved2 += m;
-            let rel = d.sqrt() / m.sqrt().max(1e-30);
-            if rel > worst.0 {
-                worst = (rel, format!("rank {} `{name}` layer {layer}", rep.rank));
-            }
-        }
-    }
-    let update = diff2.sqrt() / moved2.sqrt().max(1e-30);
-    lines.push(format!(
-        "worst relative loss difference {worst_loss:.2e} (tolerance {loss_tolerance:.0e}); weights {update:.3} of the reference's update away (tolerance {update_tolerance}), farthest {} at {:.3}",
-        worst.1, worst.0
-    ));
-    if worst_loss > loss_tolerance || update > update_tolerance || !update.is_finite() {
-        return Err(lines.join("\n"));
-    }
-    Ok(lines)
 }
 
 #[cfg(test)]

@@ -1,0 +1,146 @@
+//! Timing NCCL collectives on device buffers (`meshplan calibrate`).
+
+use super::*;
+
+/// A collective for [`NcclBench`] (nccl-tests style timing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BenchOp {
+    /// `ncclAllReduce` (sum) of the whole buffer.
+    AllReduce,
+    /// `ncclAllGather` into the whole buffer.
+    AllGather,
+    /// `ncclReduceScatter` of the whole buffer.
+    ReduceScatter,
+    /// `ncclBroadcast` of the whole buffer from rank 0.
+    Broadcast,
+    /// Grouped send/recv of `1/n` of the buffer to every member.
+    AllToAll,
+    /// Rank 0 sends the whole buffer to rank 1 (two ranks).
+    SendRecv,
+}
+
+/// Times NCCL collectives on device buffers, all GPUs of the process driven from one
+/// thread in NCCL groups (the way nccl-tests' `-g` mode does).
+pub struct NcclBench {
+    comms: Vec<NcclComm>,
+}
+
+impl NcclBench {
+    /// Communicators over `devices` (rank = index).
+    pub fn new(devices: &[usize]) -> Result<NcclBench, NcclError> {
+        Ok(NcclBench {
+            comms: NcclComm::in_process(devices)?,
+        })
+    }
+
+    /// Median seconds of `op` on a buffer of `bytes` bytes (fp32 elements, rounded
+    /// down to a multiple of the rank count) after `warmup` untimed runs.
+    pub fn time(
+        &self,
+        op: BenchOp,
+        bytes: u64,
+        warmup: u32,
+        repeats: u32,
+    ) -> Result<f64, NcclError> {
+        let n = self.comms.len();
+        if op == BenchOp::SendRecv && n != 2 {
+            return Err(err(format!("send/recv is timed between 2 GPUs, not {n}")));
+        }
+        let elems = ((bytes / 4) as usize / n).max(1) * n;
+        let mut bufs = Vec::with_capacity(n);
+        for c in &self.comms {
+            c.bind().map_err(err)?;
+            let a: CudaSlice<f32> = c
+                .stream
+                .alloc_zeros(elems)
+                .map_err(|e| err(format!("{e:?}")))?;
+            let b: CudaSlice<f32> = c
+                .stream
+                .alloc_zeros(elems)
+                .map_err(|e| err(format!("{e:?}")))?;
+            bufs.push((a, b));
+        }
+        let part = elems / n;
+        let mut once = || -> Result<(), String> {
+            nccl_call("ncclGroupStart", result::group_start())?;
+            let mut status = Ok(());
+            for (r, (c, (a, b))) in self.comms.iter().zip(bufs.iter_mut()).enumerate() {
+                if status.is_err() {
+                    break;
+                }
+                let (st, comm) = (c.raw_stream(), c.world_comm.0);
+                let (pa, pb) = (ptr(a, &c.stream, 0), ptr_mut(b, &c.stream, 0));
+                // SAFETY: both buffers hold `elems` floats and outlive the synchronisation.
+                status = unsafe {
+                    match op {
+                        BenchOp::AllReduce => nccl_call(
+                            "ncclAllReduce",
+                            result::all_reduce(pa, pb, elems, F32, SUM, comm, st),
+                        ),
+                        BenchOp::AllGather => nccl_call(
+                            "ncclAllGather",
+                            result::all_gather(pa, pb, part, F32, comm, st),
+                        ),
+                        BenchOp::ReduceScatter => nccl_call(
+                            "ncclReduceScatter",
+                            result::reduce_scatter(pa, pb, part, F32, SUM, comm, st),
+                        ),
+                        BenchOp::Broadcast => nccl_call(
+                            "ncclBroadcast",
+                            result::broadcast(pa, pb, elems, F32, 0, comm, st),
+                        ),
+                        BenchOp::AllToAll => (0..n).try_for_each(|j| {
+                            let off = (j * part * 4) as u64;
+                            nccl_call(
+                                "ncclSend",
+                                result::send(
+                                    (pa as u64 + off) as *const c_void,
+                                    part,
+                                    F32,
+                                    j as i32,
+                                    comm,
+                                    st,
+                                ),
+                            )?;
+                            nccl_call(
+                                "ncclRecv",
+                                result::recv(
+                                    (pb as u64 + off) as *mut c_void,
+                                    part,
+                                    F32,
+                                    j as i32,
+                                    comm,
+                                    st,
+                                ),
+                            )
+                        }),
+                        BenchOp::SendRecv if r == 0 => {
+                            nccl_call("ncclSend", result::send(pa, elems, F32, 1, comm, st))
+                        }
+                        BenchOp::SendRecv => {
+                            nccl_call("ncclRecv", result::recv(pb, elems, F32, 0, comm, st))
+                        }
+                    }
+                };
+            }
+            let end = nccl_call("ncclGroupEnd", result::group_end());
+            status?;
+            end?;
+            for c in &self.comms {
+                c.sync()?;
+            }
+            Ok(())
+        };
+        for _ in 0..warmup {
+            once().map_err(err)?;
+        }
+        let mut times = Vec::with_capacity(repeats.max(1) as usize);
+        for _ in 0..repeats.max(1) {
+            let t = std::time::Instant::now();
+            once().map_err(err)?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        times.sort_by(f64::total_cmp);
+        Ok(times[times.len() / 2])
+    }
+}

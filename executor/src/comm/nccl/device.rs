@@ -1,0 +1,264 @@
+//! NCCL on device buffers: collectives, All-to-All(v) and point-to-point transfers
+//! of GPU memory on the communication stream, joined to the caller's stream by
+//! events, counted as the host collectives count theirs.
+
+use super::*;
+
+/// An element type of NCCL's collectives on device buffers.
+pub trait Elem: DeviceRepr {
+    /// NCCL's name for it.
+    const DTYPE: sys::ncclDataType_t;
+    /// Bytes an element.
+    const BYTES: u64;
+}
+
+impl Elem for f32 {
+    const DTYPE: sys::ncclDataType_t = F32;
+    const BYTES: u64 = 4;
+}
+
+impl Elem for bf16 {
+    const DTYPE: sys::ncclDataType_t = BF16;
+    const BYTES: u64 = 2;
+}
+
+impl NcclComm {
+    /// A collective on device buffers of `T`, on the communication stream once
+    /// `ready` (recorded on the stream that wrote the buffers) has passed: an
+    /// in-place all-reduce of `dst` (`src` `None`), a reduce-scatter of `src` into
+    /// `dst`, or an all-gather of `src` into `dst`. Summed in `T` as NCCL sums it;
+    /// bytes counted at [`Elem::BYTES`] an element, as the host collectives count
+    /// theirs. The returned event marks its end: the consumer's stream waits on it,
+    /// and the host waits for neither. The buffers stay alive, and unwritten, until
+    /// it has passed.
+    pub fn device_start<T: Elem>(
+        &mut self,
+        kind: CommKind,
+        (group, axis): (&Group, &str),
+        src: Option<&CudaSlice<T>>,
+        dst: &mut CudaSlice<T>,
+        ready: &CudaEvent,
+    ) -> Result<CudaEvent, CommError> {
+        let sizes = (src.map_or(dst.len(), |s| s.len()), dst.len());
+        let dtype = (T::DTYPE, T::BYTES);
+        self.device_collective(kind, group, axis, ready, dtype, sizes, |s| {
+            let (pd, _g) = dst.device_ptr_mut(s);
+            let ps = match src {
+                Some(x) => x.device_ptr(s).0,
+                None => pd,
+            };
+            (ps as *const c_void, pd as *mut c_void)
+        })
+    }
+
+    /// All-to-All with uneven splits of bf16 device buffers (expert parallelism's
+    /// token rows): `send_counts[j]` elements to member `j` from `send`, in group
+    /// order, `recv_counts[i]` from member `i` into `recv`; one NCCL group of
+    /// sends and receives on the communication stream after `ready`. Counted as
+    /// the host's `all_to_all_v` counts (what leaves for the other members), at
+    /// two bytes per element.
+    pub fn all_to_all_v_bf16_device_start(
+        &mut self,
+        group: &Group,
+        axis: &str,
+        (send, send_counts): (&CudaSlice<bf16>, &[usize]),
+        (recv, recv_counts): (&mut CudaSlice<bf16>, &[usize]),
+        ready: &CudaEvent,
+    ) -> Result<CudaEvent, CommError> {
+        let kind = CommKind::AllToAllV;
+        let n = group.size();
+        args::all_to_all_v(n, (send.len(), send_counts), (recv.len(), recv_counts))?;
+        let (me, comm) = self.group_comm(group, kind, axis)?;
+        let done = self.run(kind, |s| {
+            s.stream
+                .wait(ready)
+                .map_err(|e| format!("waiting for the buffers' writer: {e:?}"))?;
+            let raw = s.raw_stream();
+            let (ps, _gs) = send.device_ptr(&s.stream);
+            let (pr, _gr) = recv.device_ptr_mut(&s.stream);
+            nccl_call("ncclGroupStart", result::group_start())?;
+            let (mut so, mut ro) = (0usize, 0usize);
+            let mut status = Ok(());
+            for (j, (&sc, &rc)) in send_counts.iter().zip(recv_counts).enumerate() {
+                if sc > 0 && status.is_ok() {
+                    let p = (ps + (so * 2) as u64) as *const c_void;
+                    // SAFETY: `so + sc <= send.len()` (the counts were checked
+                    // against the buffers); alive until the returned event.
+                    status = nccl_call("ncclSend", unsafe {
+                        result::send(p, sc, BF16, j as i32, comm, raw)
+                    });
+                }
+                if rc > 0 && status.is_ok() {
+                    let p = (pr + (ro * 2) as u64) as *mut c_void;
+                    // SAFETY: as for the send; `recv` is borrowed mutably.
+                    status = nccl_call("ncclRecv", unsafe {
+                        result::recv(p, rc, BF16, j as i32, comm, raw)
+                    });
+                }
+                so += sc;
+                ro += rc;
+            }
+            // Always close the group, even after a failed enqueue.
+            let end = nccl_call("ncclGroupEnd", result::group_end());
+            status?;
+            end?;
+            s.stream
+                .record_event(None)
+                .map_err(|e| format!("recording the exchange's end: {e:?}"))
+        })?;
+        let to_others: usize = send_counts
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != me)
+            .map(|(_, &c)| c)
+            .sum();
+        let (b, o) = (send.len() as u64 * 2, to_others as u64 * 2);
+        self.counts.record(kind, axis, b, u128::from(o), 1);
+        Ok(done)
+    }
+
+    /// Point-to-point transfers of bf16 device buffers (pipeline boundaries, ring
+    /// attention's blocks) as one NCCL group on the communication stream, after
+    /// `ready`: a ring's send to the next rank and receive from the previous one
+    /// complete together instead of waiting on each other. The returned event
+    /// marks the group's end; the buffers stay alive and unwritten until it has
+    /// passed. Bytes counted at two per element, as the host p2p counts its own.
+    pub fn p2p_bf16_device_start(
+        &mut self,
+        axis: &str,
+        transfers: &mut [P2p<'_>],
+        ready: &CudaEvent,
+    ) -> Result<CudaEvent, CommError> {
+        for t in transfers.iter() {
+            let (kind, peer) = match t {
+                P2p::Send(peer, buf, (off, n)) => {
+                    if off + n > buf.len() {
+                        return Err(CommError::Internal {
+                            detail: format!("sending {off}..{} of {}", off + n, buf.len()),
+                        });
+                    }
+                    (CommKind::Send, *peer)
+                }
+                P2p::Recv(peer, _) => (CommKind::Recv, *peer),
+            };
+            self.check_peer(kind, peer)?;
+            self.check_aborted(kind, axis, "p2p")?;
+        }
+        let comm = self.world_comm.0;
+        let done = self.run(CommKind::Send, |s| {
+            s.stream
+                .wait(ready)
+                .map_err(|e| format!("waiting for the buffers' writer: {e:?}"))?;
+            let raw = s.raw_stream();
+            // Held until the group is enqueued, which is when NCCL reads the
+            // pointers onto the stream.
+            let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
+            nccl_call("ncclGroupStart", result::group_start())?;
+            for t in transfers.iter_mut() {
+                let r = match t {
+                    P2p::Send(peer, buf, (off, n)) => {
+                        let (p, g) = buf.device_ptr(&s.stream);
+                        guards.push(g);
+                        let p = (p + (*off * 2) as u64) as *const c_void;
+                        // SAFETY: `p` points at `n` bf16 elements inside `buf`
+                        // (checked above), alive until the returned event.
+                        unsafe { result::send(p, *n, BF16, *peer as i32, comm, raw) }
+                    }
+                    P2p::Recv(peer, buf) => {
+                        let n = buf.len();
+                        let (p, g) = buf.device_ptr_mut(&s.stream);
+                        guards.push(g);
+                        // SAFETY: as for a send; `buf` is borrowed mutably.
+                        unsafe { result::recv(p as *mut c_void, n, BF16, *peer as i32, comm, raw) }
+                    }
+                };
+                nccl_call("nccl p2p", r)?;
+            }
+            nccl_call("ncclGroupEnd", result::group_end())?;
+            drop(guards);
+            s.stream
+                .record_event(None)
+                .map_err(|e| format!("recording the transfers' end: {e:?}"))
+        })?;
+        for t in transfers.iter() {
+            match t {
+                P2p::Send(_, _, (_, n)) => {
+                    let b = *n as u64 * 2;
+                    self.counts
+                        .record(CommKind::Send, axis, b, u128::from(b), 1);
+                }
+                P2p::Recv(_, buf) => {
+                    self.counts
+                        .record(CommKind::Recv, axis, buf.len() as u64 * 2, 0, 1);
+                }
+            }
+        }
+        Ok(done)
+    }
+
+    /// One all-reduce, reduce-scatter or all-gather of `dtype` (`size` bytes an
+    /// element) from `n_in` to `n_out` elements at the pointers `ptrs` gives for the
+    /// communication stream, after `ready`.
+    #[allow(clippy::too_many_arguments)] // the collective's shape, its buffers, and when
+    fn device_collective(
+        &mut self,
+        kind: CommKind,
+        group: &Group,
+        axis: &str,
+        ready: &CudaEvent,
+        (dtype, size): (sys::ncclDataType_t, u64),
+        (n_in, n_out): (usize, usize),
+        ptrs: impl FnOnce(&CudaStream) -> (*const c_void, *mut c_void),
+    ) -> Result<CudaEvent, CommError> {
+        let members = group.size();
+        match kind {
+            CommKind::AllReduce if n_in == n_out => {}
+            CommKind::ReduceScatter => args::reduce_scatter(members, n_in, n_out)?,
+            CommKind::AllGather => args::all_gather(members, n_in, n_out)?,
+            _ => {
+                return Err(CommError::Internal {
+                    detail: format!("{kind} of {n_in} into {n_out} elements on device buffers"),
+                })
+            }
+        }
+        let (_, comm) = self.group_comm(group, kind, axis)?;
+        let done = self.run(kind, |s| {
+            s.stream
+                .wait(ready)
+                .map_err(|e| format!("waiting for the buffer's writer: {e:?}"))?;
+            if n_out > 0 {
+                let (ps, pd) = ptrs(&s.stream);
+                let raw = s.raw_stream();
+                // SAFETY: `ps` holds `n_in` and `pd` `n_out` elements of `dtype`, as
+                // the collective's shape was checked above; the caller keeps both
+                // alive and unwritten until the returned event has passed.
+                let r = unsafe {
+                    match kind {
+                        CommKind::ReduceScatter => {
+                            result::reduce_scatter(ps, pd, n_out, dtype, SUM, comm, raw)
+                        }
+                        CommKind::AllGather => result::all_gather(ps, pd, n_in, dtype, comm, raw),
+                        _ => result::all_reduce(ps, pd, n_out, dtype, SUM, comm, raw),
+                    }
+                };
+                nccl_call(&format!("nccl {kind}"), r)?;
+            }
+            s.stream
+                .record_event(None)
+                .map_err(|e| format!("recording the collective's end: {e:?}"))
+        })?;
+        // Counted as the host collectives count them: the larger side's bytes.
+        let payload = n_in.max(n_out) as u64 * size;
+        let (num, den) = ring_bytes(kind, members, payload);
+        self.counts.record(kind, axis, payload, num, den);
+        Ok(done)
+    }
+}
+
+/// One point-to-point transfer of a bf16 device buffer, to or from a global rank.
+pub enum P2p<'b> {
+    /// `buf[off..off + n]` to the rank.
+    Send(usize, &'b CudaSlice<bf16>, (usize, usize)),
+    /// The whole of `buf` from the rank.
+    Recv(usize, &'b mut CudaSlice<bf16>),
+}
