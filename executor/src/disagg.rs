@@ -230,7 +230,7 @@ fn prefill_side<D: Device>(
     ctx: &Ctx<'_>,
     t0: Instant,
 ) -> Result<Vec<(usize, RequestOutput)>, RankError> {
-    let mine = r.served_by(r.dp_index);
+    let mine = r.served_by(r.at.dp_index);
     if mine.is_empty() && !r.expert_lockstep() {
         return Ok(Vec::new());
     }
@@ -272,7 +272,7 @@ fn send_cache<D: Device>(
     cache: &RequestCache<D::Act>,
 ) -> Result<(), RankError> {
     let me = PoolPos {
-        stage: r.stage,
+        stage: r.at.stage,
         tp: r.tp.rank as u64,
     };
     let len = ctx.opts.requests[i].len();
@@ -318,7 +318,7 @@ fn decode_side<D: Device>(
     ctx: &Ctx<'_>,
     t0: Instant,
 ) -> Result<(Vec<(usize, RequestOutput)>, f64), RankError> {
-    let mine = r.served_by(r.dp_index);
+    let mine = r.served_by(r.at.dp_index);
     if mine.is_empty() && !r.expert_lockstep() {
         return Ok((Vec::new(), 0.0));
     }
@@ -329,7 +329,7 @@ fn decode_side<D: Device>(
         let (cache, bytes) = recv_cache(r, ctx, i)?;
         received += bytes;
         r.put_cache(j, cache);
-        if r.stage == r.last_stage {
+        if r.at.stage == r.at.last_stage {
             let from = ctx.world_rank(false, i, recorder(ctx.prefill))?;
             let mut t = [0.0f32];
             r.comm.recv(from, TOKEN_AXIS, &mut t)?;
@@ -363,7 +363,7 @@ fn recv_cache<D: Device>(
     i: usize,
 ) -> Result<(RequestCache<D::Act>, f64), RankError> {
     let me = PoolPos {
-        stage: r.stage,
+        stage: r.at.stage,
         tp: r.tp.rank as u64,
     };
     let len = ctx.opts.requests[i].len();

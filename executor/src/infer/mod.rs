@@ -584,6 +584,20 @@ type WKey = (String, String, u64);
 
 /// One rank of an inference run on device `D`: its weights, activations and KV
 /// cache live in the device's buffers; the sampled logits come to the host.
+/// Where an inference rank sits on the mesh: its coordinates, its pipeline
+/// stage, its data index, and its groups.
+pub(crate) struct StagePos {
+    coords: Vec<u64>,
+    pp_axis: usize,
+    pub(crate) stage: u64,
+    pub(crate) last_stage: u64,
+    dp: usize,
+    pub(crate) dp_index: usize,
+    /// Mesh axis of `dp` in the rank coordinates.
+    dp_axis: Option<usize>,
+    groups: BTreeMap<String, Group>,
+}
+
 pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     pub(crate) dev: D,
     plan: &'a Plan,
@@ -594,14 +608,8 @@ pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     /// other pool's.
     base: usize,
     pub(crate) comm: Box<D::Comm>,
-    coords: Vec<u64>,
-    pp_axis: usize,
-    pub(crate) stage: u64,
-    pub(crate) last_stage: u64,
-    dp: usize,
-    pub(crate) dp_index: usize,
-    /// Mesh axis of `dp` in the rank coordinates.
-    dp_axis: Option<usize>,
+    /// Where this rank sits: its stage and data index.
+    pub(crate) at: StagePos,
     pub(crate) tp: TpPos,
     ep: TpPos,
     /// The expert group, when the experts are split over ranks.
@@ -609,7 +617,6 @@ pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     /// Expert-parallel bytes of passes whose exchange follows the router: (sent,
     /// the plan's figure for those passes).
     routed_ep: (f64, f64),
-    groups: BTreeMap<String, Group>,
     prefill: &'a Phase,
     decode: &'a Phase,
     opts: &'a InferOptions,

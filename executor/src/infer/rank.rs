@@ -55,13 +55,16 @@ impl<'a, D: Device> InferRank<'a, D> {
             rank,
             base,
             comm,
-            coords: entry.coords.clone(),
-            pp_axis: axis("pp").ok_or_else(|| fail("the mesh has no pp axis"))?,
-            stage: program.stage,
-            last_stage: size("pp") as u64 - 1,
-            dp: size("dp"),
-            dp_index: coord("dp"),
-            dp_axis: axis("dp"),
+            at: StagePos {
+                coords: entry.coords.clone(),
+                pp_axis: axis("pp").ok_or_else(|| fail("the mesh has no pp axis"))?,
+                stage: program.stage,
+                last_stage: size("pp") as u64 - 1,
+                dp: size("dp"),
+                dp_index: coord("dp"),
+                dp_axis: axis("dp"),
+                groups,
+            },
             tp: TpPos {
                 rank: coord("tp"),
                 size: size("tp"),
@@ -69,7 +72,6 @@ impl<'a, D: Device> InferRank<'a, D> {
             ep,
             ep_group,
             routed_ep: (0.0, 0.0),
-            groups,
             prefill: phase(PhaseKind::Prefill)?,
             decode: phase(PhaseKind::Decode)?,
             opts,
@@ -181,8 +183,8 @@ impl<'a, D: Device> InferRank<'a, D> {
     }
 
     pub(super) fn peer(&self, stage: u64) -> Result<usize, RankError> {
-        let mut coords = self.coords.clone();
-        coords[self.pp_axis] = stage;
+        let mut coords = self.at.coords.clone();
+        coords[self.at.pp_axis] = stage;
         self.plan
             .ranks
             .iter()
@@ -192,7 +194,8 @@ impl<'a, D: Device> InferRank<'a, D> {
     }
 
     pub(super) fn group(&self, name: &str) -> Result<Group, RankError> {
-        self.groups
+        self.at
+            .groups
             .get(name)
             .cloned()
             .ok_or_else(|| fail(format!("group `{name}` is not in the plan's mesh")))
@@ -203,7 +206,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         &mut self,
         t0: Instant,
     ) -> Result<Vec<(usize, RequestOutput)>, RankError> {
-        let mine = self.served_by(self.dp_index);
+        let mine = self.served_by(self.at.dp_index);
         if mine.is_empty() && !self.expert_lockstep() {
             return Ok(Vec::new());
         }
@@ -228,7 +231,7 @@ impl<'a, D: Device> InferRank<'a, D> {
     /// Whether this rank records its replica's outputs: the last stage's first
     /// tensor rank.
     pub(crate) fn records(&self) -> bool {
-        self.stage == self.last_stage && self.tp.rank == 0
+        self.at.stage == self.at.last_stage && self.tp.rank == 0
     }
 
     /// Prefills the requests `mine` (slot `j` request `mine[j]`) one at a time,
@@ -311,7 +314,7 @@ impl<'a, D: Device> InferRank<'a, D> {
 
     /// Requests replica `dp_index` serves, in order (round robin over replicas).
     pub(crate) fn served_by(&self, dp_index: usize) -> Vec<usize> {
-        let dp = self.dp.max(1);
+        let dp = self.at.dp.max(1);
         (0..self.opts.requests.len())
             .filter(|i| i % dp == dp_index)
             .collect()
@@ -321,7 +324,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         let entry = rank
             .checked_sub(self.base)
             .and_then(|r| self.plan.ranks.get(r));
-        match (self.dp_axis, entry) {
+        match (self.at.dp_axis, entry) {
             (Some(a), Some(e)) => e.coords[a] as usize,
             _ => 0,
         }
@@ -342,7 +345,7 @@ impl<'a, D: Device> InferRank<'a, D> {
     /// prefills a prompt of the same length in this pass.
     pub(super) fn prefill_routing(&self, j: usize, i: usize) -> Routing {
         let len = self.opts.requests[i].len();
-        let dp = self.dp.max(1);
+        let dp = self.at.dp.max(1);
         let even = self.ep_group.as_ref().is_none_or(|g| {
             g.ranks.iter().all(|&r| {
                 let other = self.dp_of(r) + j * dp;
@@ -407,7 +410,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             routing: self.prefill_routing(j, i),
         };
         self.run_counted(self.prefill, &batch)?;
-        let logits = if self.stage == self.last_stage {
+        let logits = if self.at.stage == self.at.last_stage {
             Some(self.last_logits(&batch)?)
         } else {
             None
@@ -444,7 +447,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             },
         };
         self.run_counted(self.decode, &batch)?;
-        if self.stage == self.last_stage {
+        if self.at.stage == self.at.last_stage {
             Ok(Some(self.last_logits(&batch)?))
         } else {
             Ok(None)
@@ -508,15 +511,15 @@ impl<'a, D: Device> InferRank<'a, D> {
 
     /// The last stage sends the tokens it sampled to the first, which embeds them.
     pub(super) fn hand_tokens_back(&mut self, current: &mut [u32]) -> Result<(), RankError> {
-        if self.last_stage == 0 {
+        if self.at.last_stage == 0 {
             return Ok(());
         }
-        if self.stage == self.last_stage {
+        if self.at.stage == self.at.last_stage {
             let peer = self.peer(0)?;
             let buf: Vec<f32> = current.iter().map(|&t| t as f32).collect();
             self.comm.send(peer, "pp", &buf)?;
-        } else if self.stage == 0 {
-            let peer = self.peer(self.last_stage)?;
+        } else if self.at.stage == 0 {
+            let peer = self.peer(self.at.last_stage)?;
             let mut buf = vec![0.0f32; current.len()];
             self.comm.recv(peer, "pp", &mut buf)?;
             for (c, b) in current.iter_mut().zip(&buf) {

@@ -11,6 +11,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// The context group, this rank's index in it, and its ring neighbours.
     pub(super) fn ring(&self) -> Result<(Group, usize, usize, usize), RankError> {
         let g = self
+            .mesh
             .groups
             .get("cp")
             .cloned()
@@ -72,7 +73,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     ) -> Result<(), RankError> {
         let (g, me, next, prev) = self.ring()?;
         let n = g.size();
-        let s_l = self.seq_len / n;
+        let s_l = self.sizes.seq_len / n;
         let e = derr("ring attention");
         *lse = self
             .dev
@@ -127,7 +128,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     ) -> Result<(), RankError> {
         let (g, me, next, prev) = self.ring()?;
         let n = g.size();
-        let s_l = self.seq_len / n;
+        let s_l = self.sizes.seq_len / n;
         let e = derr("ring attention");
         let kl = D::act_len(k);
         let mut block = self.kv_block(k, v)?;
@@ -196,7 +197,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             .iter()
             .position(|a| a == "pp")
             .ok_or_else(|| fail("the mesh has no pp axis"))?;
-        let mut coords = self.coords.clone();
+        let mut coords = self.mesh.coords.clone();
         coords[pp] = stage;
         self.plan
             .ranks
@@ -242,7 +243,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         };
         self.comm.send_act(&self.dev, (peer, "pp"), x, (off, n))?;
         // Named as `trace::Tracer` names them.
-        let args = serde_json::json!({"step": self.step_no, "bytes": bytes, "peer": peer});
+        let args = serde_json::json!({"step": self.meter.step_no, "bytes": bytes, "peer": peer});
         self.span(m0, format!("send to stage {stage}"), "p2p", args)
     }
 
@@ -263,7 +264,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         } else {
             self.hidden = Some(Arc::new(x));
         }
-        let args = serde_json::json!({"step": self.step_no, "bytes": bytes, "peer": peer});
+        let args = serde_json::json!({"step": self.meter.step_no, "bytes": bytes, "peer": peer});
         self.span(m0, format!("recv from stage {stage}"), "p2p", args)
     }
 
@@ -275,6 +276,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         grad: bool,
     ) -> Result<(), RankError> {
         let g = self
+            .mesh
             .groups
             .get(group)
             .cloned()
@@ -327,6 +329,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         backward: bool,
     ) -> Result<(), RankError> {
         let g = self
+            .mesh
             .groups
             .get(group)
             .cloned()
@@ -380,6 +383,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let s = segment_index(self.graph, segment)?;
                 let names = self.seq_partial_names(Some(s));
                 let keys: Vec<Key> = self
+                    .weights
                     .master
                     .keys()
                     .filter(|(name, layer)| *layer == l && names.contains(name))
@@ -437,7 +441,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         // The bytes this rank sent in it, measured, under the trace's key.
         let sent = sent0.map(|s0| self.comm.counts().axis_bytes_sent(axis) - s0);
-        let args = serde_json::json!({"step": self.step_no, "layer": l, "tensor": target.to_string(), "axis": axis, "bytes_sent": sent});
+        let args = serde_json::json!({"step": self.meter.step_no, "layer": l, "tensor": target.to_string(), "axis": axis, "bytes_sent": sent});
         self.span(m0, format!("{kind:?} {axis}"), "comm", args)
     }
 
@@ -506,7 +510,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 };
                 self.dev.ce_finish(&c, stats, out).map_err(&e)?;
                 if self.tp.rank == 0 {
-                    self.losses.push(loss);
+                    self.meter.losses.push(loss);
                 }
                 t.acts.insert((l, format!("{name}#dlogits")), Arc::new(d));
                 t.loss_stats.retain(|k, _| k.0 != l || k.1 != name);

@@ -17,22 +17,22 @@ impl<'a, D: Device> DevRank<'a, D> {
         l: u64,
         t: &mut Task<D>,
     ) -> Result<(), RankError> {
-        moe::check_split(&op.name, self.tp, self.ep, self.sp)?;
+        moe::check_split(&op.name, self.tp, self.ep, self.mesh.sp)?;
         let x = self.act_gathered(t, l, op.inputs[0])?;
         let logits = self.act_gathered(t, l, op.inputs[1])?;
         let sizes = (self.cp.size, self.tp.size, self.ep.size);
-        let group = moe::group_tokens(self.opts.moe_group_tokens, self.seq_len, sizes);
+        let group = moe::group_tokens(self.opts.moe_group_tokens, self.sizes.seq_len, sizes);
         let (ku, kd) = (self.wkey(op.inputs[2], l)?, self.wkey(op.inputs[3], l)?);
         let mut exec = exec(
             &self.dev,
             &mut self.comm,
-            &self.groups,
+            &self.mesh.groups,
             (self.tp, self.ep),
             &op.name,
         );
         let weights = (
-            operand::<D>(&self.master, &self.compute, &ku)?,
-            operand::<D>(&self.master, &self.compute, &kd)?,
+            operand::<D>(&self.weights.master, &self.weights.compute, &ku)?,
+            operand::<D>(&self.weights.master, &self.weights.compute, &kd)?,
         );
         // Every member of the expert group pads the same capacity buffers.
         let routing = Routing {
@@ -40,8 +40,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             even: true,
         };
         let (out, kept) = exec.forward(e, (&x, &logits), weights, routing)?;
-        self.expert_slots.0 += kept.slots.0;
-        self.expert_slots.1 += kept.slots.1;
+        self.meter.expert_slots.0 += kept.slots.0;
+        self.meter.expert_slots.1 += kept.slots.1;
         let out_name = op
             .outputs
             .first()
@@ -87,7 +87,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 .map_err(&err)?;
         }
         // The outputs' gradients travel to the experts as the tokens did.
-        let (tp_ep, groups) = ((self.tp, self.ep), &self.groups);
+        let (tp_ep, groups) = ((self.tp, self.ep), &self.mesh.groups);
         let d_local = exec(&self.dev, &mut self.comm, groups, tp_ep, &op.name)
             .send_to_experts(d_y, &k.route, &k.moves, h)?;
         let gated = e.mlp == MlpKind::Swiglu;
@@ -97,8 +97,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         let missing = || fail(format!("{}: expert weights or gradients missing", op.name));
         let mut d_act = self.zeros(total * f)?;
         {
-            let w_down = operand::<D>(&self.master, &self.compute, &kd)?;
-            let gd = self.wgrads.get_mut(&kd).ok_or_else(missing)?;
+            let w_down = operand::<D>(&self.weights.master, &self.weights.compute, &kd)?;
+            let gd = self.weights.wgrads.get_mut(&kd).ok_or_else(missing)?;
             let (x, dy) = (&k.acts, &d_local);
             linear_spans_bwd(
                 &self.dev,
@@ -119,8 +119,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         let mut d_rows = self.zeros(total * h)?;
         {
-            let w_up = operand::<D>(&self.master, &self.compute, &ku)?;
-            let gu = self.wgrads.get_mut(&ku).ok_or_else(missing)?;
+            let w_up = operand::<D>(&self.weights.master, &self.weights.compute, &ku)?;
+            let gu = self.weights.wgrads.get_mut(&ku).ok_or_else(missing)?;
             let (x, dy) = (&k.local_rows, &d_up);
             linear_spans_bwd(
                 &self.dev,
@@ -131,7 +131,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             )
             .map_err(&err)?;
         }
-        let (tp_ep, groups) = ((self.tp, self.ep), &self.groups);
+        let (tp_ep, groups) = ((self.tp, self.ep), &self.mesh.groups);
         let d_disp = exec(&self.dev, &mut self.comm, groups, tp_ep, &op.name)
             .bring_back(d_rows, &k.route, &k.moves, h)?;
         let mut dx = self.zeros(rows * h)?;
@@ -151,7 +151,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         // plan reduce-scatters them before the router's backward).
         if self.ep.size == 1 && self.tp.size > 1 {
             self.add_partial(t, l, x_name, dx)?;
-            if self.sp {
+            if self.mesh.sp {
                 self.add_partial(t, l, g_name, d_logits)?;
             } else {
                 self.add_grad(t, l, g_name, d_logits)?;
@@ -168,7 +168,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     pub(super) fn routes_split_experts(&self, op: &Op) -> bool {
         self.ep.size <= 1
             && self.tp.size > 1
-            && !self.sp
+            && !self.mesh.sp
             && op.outputs.first().is_some_and(|out| {
                 self.graph
                     .segments

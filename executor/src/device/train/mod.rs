@@ -130,32 +130,8 @@ struct Pending<M> {
     args: serde_json::Value,
 }
 
-struct DevRank<'a, D: Device> {
-    plan: &'a Plan,
-    dev: D,
-    graph: &'a Graph,
-    rank: usize,
-    comm: Box<D::Comm>,
-    program: &'a Program,
-    groups: BTreeMap<String, Group>,
-    dp_index: usize,
-    dp_size: usize,
-    /// This rank's coordinates on the mesh (a pipeline peer differs in `pp`).
-    coords: Vec<u64>,
-    /// This rank's place on the tensor axis.
-    tp: TpPos,
-    /// Sequence parallelism over the tensor axis.
-    sp: bool,
-    /// This rank's place on the context axis (its block of every sequence).
-    cp: TpPos,
-    /// This rank's place in its expert group.
-    ep: TpPos,
-    /// Dispatch slots routed, and dropped over an expert capacity.
-    expert_slots: (u64, u64),
-    seq_len: usize,
-    global_batch: usize,
-    mbs: usize,
-    opts: TrainOptions,
+/// The weights a rank holds, by (name, layer).
+struct Weights<D: Device> {
     /// Every weight this rank holds, whole or (ZeRO-3) by part.
     held: BTreeSet<Key>,
     /// fp32 master weights, their compute copies, gradients and AdamW moments
@@ -164,16 +140,30 @@ struct DevRank<'a, D: Device> {
     compute: BTreeMap<Key, D::Act>,
     wgrads: BTreeMap<Key, D::F32>,
     adam: BTreeMap<Key, (D::F32, D::F32)>,
-    tasks: BTreeMap<(u64, u64), Task<D>>,
-    hidden: Option<Arc<D::Act>>,
-    grad_hidden: Option<D::Act>,
-    loss_part: f64,
-    step_no: u64,
-    peak_act_bytes: f64,
-    t0: Instant,
-    pending: Vec<Pending<D::Mark>>,
-    spans: Vec<crate::trace::Span>,
-    /// The step list, checked once: gradient buckets and the optimizer.
+}
+
+/// Where a rank sits on the mesh, beyond its tensor, context and expert places.
+struct MeshPos {
+    groups: BTreeMap<String, Group>,
+    dp_index: usize,
+    dp_size: usize,
+    /// This rank's coordinates on the mesh (a pipeline peer differs in `pp`).
+    coords: Vec<u64>,
+    /// Sequence parallelism over the tensor axis.
+    sp: bool,
+}
+
+/// The workload's sizes: tokens a sequence, sequences a step, a micro-batch.
+struct Sizes {
+    seq_len: usize,
+    global_batch: usize,
+    mbs: usize,
+}
+
+/// The step list, checked once, and the gradient buckets' progress through a
+/// step.
+struct GradSync<D: Device> {
+    /// What the step list does, in order: gradient buckets and the optimizer.
     step_plan: Vec<StepItem>,
     buckets: Vec<Bucket>,
     /// Reductions started early, per bucket.
@@ -187,10 +177,10 @@ struct DevRank<'a, D: Device> {
     remaining: Option<BTreeMap<Key, usize>>,
     /// Weights in the order the backward's last write to their gradient comes.
     final_order: Vec<Key>,
-    /// Per-row losses of this step's micro-batches, in order.
-    losses: Vec<D::F32>,
-    /// Most device memory in use seen after a forward task.
-    device_peak: Option<u64>,
+}
+
+/// Each parameter set's flat vector, and what ZeRO keeps of it.
+struct ZeroState<D: Device> {
     /// Each parameter set's flat vector: weights and their lengths, in order.
     layouts: BTreeMap<ParamSet, Layout>,
     /// ZeRO's gradient and parameter buckets.
@@ -206,6 +196,53 @@ struct DevRank<'a, D: Device> {
     /// Resuming: each weight's saved AdamW moments, whole, until the optimizer's
     /// first step takes its parts of them.
     resume_moments: BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
+}
+
+/// What a rank measures and records: this step's number and losses, the clock,
+/// the trace, memory peaks and expert slots.
+struct Meter<D: Device> {
+    loss_part: f64,
+    step_no: u64,
+    peak_act_bytes: f64,
+    t0: Instant,
+    pending: Vec<Pending<D::Mark>>,
+    spans: Vec<crate::trace::Span>,
+    /// Per-row losses of this step's micro-batches, in order.
+    losses: Vec<D::F32>,
+    /// Most device memory in use seen after a forward task.
+    device_peak: Option<u64>,
+    /// Dispatch slots routed, and dropped over an expert capacity.
+    expert_slots: (u64, u64),
+}
+
+struct DevRank<'a, D: Device> {
+    plan: &'a Plan,
+    dev: D,
+    graph: &'a Graph,
+    rank: usize,
+    comm: Box<D::Comm>,
+    program: &'a Program,
+    /// This rank's groups and coordinates.
+    mesh: MeshPos,
+    /// This rank's place on the tensor axis.
+    tp: TpPos,
+    /// This rank's place on the context axis (its block of every sequence).
+    cp: TpPos,
+    /// This rank's place in its expert group.
+    ep: TpPos,
+    sizes: Sizes,
+    opts: TrainOptions,
+    /// The weights this rank holds, their gradients and moments.
+    weights: Weights<D>,
+    tasks: BTreeMap<(u64, u64), Task<D>>,
+    hidden: Option<Arc<D::Act>>,
+    grad_hidden: Option<D::Act>,
+    /// What the run measures and records.
+    meter: Meter<D>,
+    /// The step list and the gradient buckets' progress.
+    sync: GradSync<D>,
+    /// The parameter sets' flat layouts and ZeRO's parts.
+    zero: ZeroState<D>,
 }
 
 /// What the step list does, in order.
@@ -271,14 +308,17 @@ impl<'a, D: Device> DevRank<'a, D> {
             rank,
             comm,
             program,
-            groups: build_groups(plan, rank)?,
-            dp_index: dp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
-            dp_size: mesh_size(plan, "dp"),
+            mesh: MeshPos {
+                groups: build_groups(plan, rank)?,
+                dp_index: dp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
+                dp_size: mesh_size(plan, "dp"),
+                coords: entry.coords.clone(),
+                sp: plan.strategy.sp,
+            },
             tp: TpPos {
                 rank: tp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
                 size: mesh_size(plan, "tp"),
             },
-            sp: plan.strategy.sp,
             cp: TpPos {
                 rank: plan
                     .mesh
@@ -289,44 +329,53 @@ impl<'a, D: Device> DevRank<'a, D> {
                 size: mesh_size(plan, "cp"),
             },
             ep: TpPos::ONE,
-            expert_slots: (0, 0),
-            coords: entry.coords.clone(),
-            seq_len: seq_len as usize,
-            global_batch: global_batch as usize,
-            mbs: plan.strategy.mbs as usize,
+            sizes: Sizes {
+                seq_len: seq_len as usize,
+                global_batch: global_batch as usize,
+                mbs: plan.strategy.mbs as usize,
+            },
             opts: opts.clone(),
-            held: BTreeSet::new(),
-            master: BTreeMap::new(),
-            compute: BTreeMap::new(),
-            wgrads: BTreeMap::new(),
-            adam: BTreeMap::new(),
+            weights: Weights {
+                held: BTreeSet::new(),
+                master: BTreeMap::new(),
+                compute: BTreeMap::new(),
+                wgrads: BTreeMap::new(),
+                adam: BTreeMap::new(),
+            },
             tasks: BTreeMap::new(),
             hidden: None,
             grad_hidden: None,
-            loss_part: 0.0,
-            step_no: 0,
-            peak_act_bytes: 0.0,
-            t0,
-            pending: Vec::new(),
-            spans: Vec::new(),
-            step_plan: Vec::new(),
-            buckets: Vec::new(),
-            in_flight: Vec::new(),
-            next_bucket: 0,
-            uses: BTreeMap::new(),
-            remaining: None,
-            final_order: Vec::new(),
-            losses: Vec::new(),
-            device_peak: None,
-            layouts: BTreeMap::new(),
-            scatter: Vec::new(),
-            gather: Vec::new(),
-            shards: Vec::new(),
-            shard_adam: BTreeMap::new(),
-            z3: zero3::Zero3::new(),
-            resume_moments: BTreeMap::new(),
+            meter: Meter {
+                loss_part: 0.0,
+                step_no: 0,
+                peak_act_bytes: 0.0,
+                t0,
+                pending: Vec::new(),
+                spans: Vec::new(),
+                losses: Vec::new(),
+                device_peak: None,
+                expert_slots: (0, 0),
+            },
+            sync: GradSync {
+                step_plan: Vec::new(),
+                buckets: Vec::new(),
+                in_flight: Vec::new(),
+                next_bucket: 0,
+                uses: BTreeMap::new(),
+                remaining: None,
+                final_order: Vec::new(),
+            },
+            zero: ZeroState {
+                layouts: BTreeMap::new(),
+                scatter: Vec::new(),
+                gather: Vec::new(),
+                shards: Vec::new(),
+                shard_adam: BTreeMap::new(),
+                z3: zero3::Zero3::new(),
+                resume_moments: BTreeMap::new(),
+            },
         };
-        r.ep = crate::train::place_in(&r.groups, "ep", rank);
+        r.ep = crate::train::place_in(&r.mesh.groups, "ep", rank);
         r.init_weights()?;
         r.count_uses()?;
         r.plan_step()?;
@@ -351,7 +400,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 for &w in &op.inputs {
                     let t = graph.tensor(w);
                     let key = (t.name.clone(), layer);
-                    if t.kind != TensorKind::Weight || self.master.contains_key(&key) {
+                    if t.kind != TensorKind::Weight || self.weights.master.contains_key(&key) {
                         continue;
                     }
                     let shape = fixed_shape(t)?;
@@ -369,7 +418,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                                     .map_err(fail)
                             };
                             let (m, v) = (read("adam_m")?, read("adam_v")?);
-                            self.resume_moments.insert(key.clone(), (m, v));
+                            self.zero.resume_moments.insert(key.clone(), (m, v));
                             read("w")?
                         }
                         // Fine-tuning: this rank's slice straight from the checkpoint.
@@ -395,12 +444,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                     if D::master_as_act(&master).is_none() {
                         let mut compute = dev.act_zeros(n).map_err(&e)?;
                         dev.to_act(&master, &mut compute).map_err(&e)?;
-                        self.compute.insert(key.clone(), compute);
+                        self.weights.compute.insert(key.clone(), compute);
                     }
-                    self.wgrads
+                    self.weights
+                        .wgrads
                         .insert(key.clone(), dev.f32_zeros(n).map_err(&e)?);
-                    self.held.insert(key.clone());
-                    self.master.insert(key, master);
+                    self.weights.held.insert(key.clone());
+                    self.weights.master.insert(key, master);
                 }
             }
         }
@@ -409,13 +459,13 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// One optimizer step: the schedule's tasks, then the step list.
     fn step(&mut self, step: u64) -> Result<f64, RankError> {
-        self.step_no = step;
-        self.loss_part = 0.0;
+        self.meter.step_no = step;
+        self.meter.loss_part = 0.0;
         let step_mark = (Instant::now(), self.dev.mark().map_err(derr("mark"))?);
-        for g in self.wgrads.values_mut() {
+        for g in self.weights.wgrads.values_mut() {
             self.dev.f32_zero(g).map_err(derr("zero gradients"))?;
         }
-        self.z3.grads.clear();
+        self.zero.z3.grads.clear();
         let phase = self.phase()?;
         let last_b = phase.schedule.iter().rposition(|t| t.pass == Pass::B);
         for (ti, task) in phase.schedule.iter().enumerate() {
@@ -433,9 +483,10 @@ impl<'a, D: Device> DevRank<'a, D> {
                     self.run_forward(&ch.forward, &mut t, &mut layer, NO_LAYER)?;
                     self.tasks.insert((task.chunk, task.mb), t);
                     let held: f64 = self.tasks.values().map(|t| self.held_bytes(t)).sum();
-                    self.peak_act_bytes = self.peak_act_bytes.max(held);
+                    self.meter.peak_act_bytes = self.meter.peak_act_bytes.max(held);
                     if let Some(used) = self.dev.memory_in_use() {
-                        self.device_peak = Some(self.device_peak.unwrap_or(0).max(used));
+                        self.meter.device_peak =
+                            Some(self.meter.device_peak.unwrap_or(0).max(used));
                     }
                 }
                 Pass::B => {
@@ -450,14 +501,15 @@ impl<'a, D: Device> DevRank<'a, D> {
                     // (Not under sequence parallelism: some gradients are partial
                     // until the step list sums them over the tensor axis.)
                     let partial = self
+                        .sync
                         .step_plan
                         .iter()
                         .any(|s| matches!(s, StepItem::SumGrads { .. }));
                     if Some(ti) == last_b && phase.chunks.len() == 1 && !partial {
-                        self.remaining = Some(self.uses.clone());
+                        self.sync.remaining = Some(self.sync.uses.clone());
                     }
                     self.run_backward(&ch.backward, &mut t, &mut layer)?;
-                    self.remaining = None;
+                    self.sync.remaining = None;
                 }
             }
             let pass = if task.pass == Pass::F { "fwd" } else { "bwd" };
@@ -468,22 +520,22 @@ impl<'a, D: Device> DevRank<'a, D> {
                 serde_json::json!({"step": step, "mb": task.mb, "chunk": task.chunk}),
             )?;
         }
-        for i in 0..self.step_plan.len() {
+        for i in 0..self.sync.step_plan.len() {
             let m0 = self.mark()?;
-            if let StepItem::SumGrads { axis, tensor, .. } = &self.step_plan[i] {
+            if let StepItem::SumGrads { axis, tensor, .. } = &self.sync.step_plan[i] {
                 let args = serde_json::json!({"step": step, "tensor": tensor});
                 let name = format!("AllReduce {axis}");
                 self.sum_grads(i)?;
                 self.span(m0, name, "comm", args)?;
                 continue;
             }
-            match self.step_plan[i] {
+            match self.sync.step_plan[i] {
                 StepItem::Bucket(b) => {
-                    if self.in_flight[b].is_none() {
+                    if self.sync.in_flight[b].is_none() {
                         self.start_bucket(b)?;
                     }
                     self.finish_bucket(b)?;
-                    let bk = &self.buckets[b];
+                    let bk = &self.sync.buckets[b];
                     let args = serde_json::json!({"step": step, "tensor": bk.tensor});
                     let name = format!("AllReduce {}", bk.axis);
                     self.span(m0, name, "comm", args)?;
@@ -499,7 +551,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 }
                 StepItem::ReduceScatter(b) => {
                     self.reduce_scatter(b)?;
-                    let bk = &self.scatter[b];
+                    let bk = &self.zero.scatter[b];
                     let args = serde_json::json!({"step": step, "tensor": bk.tensor});
                     let name = format!("ReduceScatter {}", bk.axis);
                     self.span(m0, name, "comm", args)?;
@@ -507,27 +559,27 @@ impl<'a, D: Device> DevRank<'a, D> {
                 StepItem::SumGrads { .. } => {}
                 StepItem::AllGather(b) => {
                     self.all_gather(b)?;
-                    let bk = &self.gather[b];
+                    let bk = &self.zero.gather[b];
                     let args = serde_json::json!({"step": step, "tensor": bk.tensor});
                     let name = format!("AllGather {}", bk.axis);
                     self.span(m0, name, "comm", args)?;
                 }
             }
         }
-        if !self.gather.is_empty() {
+        if !self.zero.gather.is_empty() {
             // The gathered masters hold every rank's update: refresh the compute copies.
             refresh_copies(
                 &self.dev,
-                &self.master,
-                &mut self.compute,
-                self.master.keys(),
+                &self.weights.master,
+                &mut self.weights.compute,
+                self.weights.master.keys(),
             )?;
         }
-        self.next_bucket = 0;
+        self.sync.next_bucket = 0;
         let scale = self.loss_scale();
-        for loss in std::mem::take(&mut self.losses) {
+        for loss in std::mem::take(&mut self.meter.losses) {
             let loss = self.dev.f32_download(&loss).map_err(derr("loss"))?;
-            self.loss_part += loss.iter().map(|&x| x as f64).sum::<f64>() * scale;
+            self.meter.loss_part += loss.iter().map(|&x| x as f64).sum::<f64>() * scale;
         }
         // A step ends when its work has, not when its launches have.
         self.dev.synchronize().map_err(derr("synchronize"))?;
@@ -535,7 +587,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         // A NaN or an infinity never recovers, and training on would write it into
         // every checkpoint: stop, naming the step and the first weight it reached
         // (one flag read back; the weight itself only when there is one).
-        let masters: Vec<(&Key, &D::F32)> = self.master.iter().collect();
+        let masters: Vec<(&Key, &D::F32)> = self.weights.master.iter().collect();
         let ws: Vec<&D::F32> = masters.iter().map(|(_, w)| *w).collect();
         let bad = match self.dev.first_non_finite(&ws).map_err(derr("check"))? {
             Some(i) => {
@@ -550,17 +602,17 @@ impl<'a, D: Device> DevRank<'a, D> {
             return Err(fail(format!(
                 "step {step}: weight `{name}`{} holds {x} after the update (loss {}): stopping; a learning rate too large, or non-finite --weights",
                 crate::train::layer_label(layer),
-                self.loss_part
+                self.meter.loss_part
             )));
         }
         // The loss: non-finite activations from finite weights.
-        if !self.loss_part.is_finite() {
+        if !self.meter.loss_part.is_finite() {
             return Err(fail(format!(
                 "step {step}: the loss is {}: stopping; non-finite activations from finite weights (an overflow in the model's arithmetic)",
-                self.loss_part
+                self.meter.loss_part
             )));
         }
-        Ok(self.loss_part)
+        Ok(self.meter.loss_part)
     }
 
     fn mark(&self) -> Result<Option<D::Mark>, RankError> {
@@ -580,7 +632,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     ) -> Result<(), RankError> {
         if let Some(from) = from {
             let to = self.dev.mark().map_err(derr("mark"))?;
-            self.pending.push(Pending {
+            self.meter.pending.push(Pending {
                 from,
                 to,
                 name: name.into(),
@@ -594,12 +646,12 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Device times of this step's spans, placed on the run's clock by the step's
     /// first mark.
     fn resolve_spans(&mut self, (host0, mark0): (Instant, D::Mark)) -> Result<(), RankError> {
-        let base = host0.duration_since(self.t0).as_secs_f64();
-        for p in std::mem::take(&mut self.pending) {
+        let base = host0.duration_since(self.meter.t0).as_secs_f64();
+        for p in std::mem::take(&mut self.meter.pending) {
             let e = derr("timing");
             let start = self.dev.seconds_between(&mark0, &p.from).map_err(&e)?;
             let dur = self.dev.seconds_between(&p.from, &p.to).map_err(&e)?;
-            self.spans.push(crate::trace::Span {
+            self.meter.spans.push(crate::trace::Span {
                 name: p.name,
                 cat: p.cat,
                 start_s: base + start,
@@ -618,14 +670,14 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// Each token's weight in the step's loss: the mean over the global batch.
     fn loss_scale(&self) -> f64 {
-        1.0 / (self.global_batch * self.seq_len) as f64
+        1.0 / (self.sizes.global_batch * self.sizes.seq_len) as f64
     }
 
     fn op_args(&self, l: u64) -> serde_json::Value {
         if l == NO_LAYER {
-            serde_json::json!({"step": self.step_no})
+            serde_json::json!({"step": self.meter.step_no})
         } else {
-            serde_json::json!({"step": self.step_no, "layer": l})
+            serde_json::json!({"step": self.meter.step_no, "layer": l})
         }
     }
 
@@ -654,13 +706,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         let name = self.name_of(id);
         [(name.clone(), l), (name.clone(), NO_LAYER)]
             .into_iter()
-            .find(|k| self.held.contains(k))
+            .find(|k| self.weights.held.contains(k))
             .ok_or_else(|| fail(format!("weight `{name}` (layer {l}) is not held")))
     }
 
     fn weight(&self, id: meshplan_ir::TensorId, l: u64) -> Result<&D::Act, RankError> {
         let key = self.wkey(id, l)?;
-        operand::<D>(&self.master, &self.compute, &key)
+        operand::<D>(&self.weights.master, &self.weights.compute, &key)
     }
 
     fn zeros(&self, n: usize) -> Result<D::Act, RankError> {
@@ -714,21 +766,22 @@ impl<'a, D: Device> DevRank<'a, D> {
         // What the rank holds between steps: masters and gradients in fp32 (under
         // ZeRO-3 its parts of the masters alone), the moments held (a part of them
         // under ZeRO), and the compute copies (none where the master serves).
-        let masters: usize = self.master.values().map(D::f32_len).sum();
-        let grads: usize = self.wgrads.values().map(D::f32_len).sum();
+        let masters: usize = self.weights.master.values().map(D::f32_len).sum();
+        let grads: usize = self.weights.wgrads.values().map(D::f32_len).sum();
         let moments: usize = self
+            .weights
             .adam
             .values()
-            .chain(self.shard_adam.values())
-            .chain(self.z3.adam.values())
+            .chain(self.zero.shard_adam.values())
+            .chain(self.zero.z3.adam.values())
             .map(|(m, v)| D::f32_len(m) + D::f32_len(v))
             .sum();
-        let copies: usize = self.compute.values().map(D::act_len).sum();
-        let fp32 = masters + grads + self.z3.part_elems() + moments;
+        let copies: usize = self.weights.compute.values().map(D::act_len).sum();
+        let fp32 = masters + grads + self.zero.z3.part_elems() + moments;
         let state_bytes = (fp32 * 4 + copies * self.dev.act_bytes()) as f64;
         self.zero3_gather_all()?;
         let mut weights = BTreeMap::new();
-        for (key, w) in &self.master {
+        for (key, w) in &self.weights.master {
             weights.insert(key.clone(), self.dev.f32_download(w).map_err(derr(&key.0))?);
         }
         Ok(RankReport {
@@ -738,12 +791,12 @@ impl<'a, D: Device> DevRank<'a, D> {
             counts,
             step_s,
             steps_at,
-            clock0_unix_s: crate::train::clock0_unix_s(self.t0),
+            clock0_unix_s: crate::train::clock0_unix_s(self.meter.t0),
             state_bytes,
-            peak_activation_bytes: self.peak_act_bytes,
-            expert_slots: self.expert_slots,
-            spans: std::mem::take(&mut self.spans),
-            device_memory_bytes: self.device_peak.map(|b| b as f64),
+            peak_activation_bytes: self.meter.peak_act_bytes,
+            expert_slots: self.meter.expert_slots,
+            spans: std::mem::take(&mut self.meter.spans),
+            device_memory_bytes: self.meter.device_peak.map(|b| b as f64),
         })
     }
 }

@@ -45,7 +45,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let OpKind::Attention(a) = &op.kind else {
             return Err(fail(format!("`{}` is not an attention op", op.name)));
         };
-        let b = self.mbs.max(1);
+        let b = self.sizes.mbs.max(1);
         let (hq, hkv) = if op.role == TpRole::Replicated {
             (a.heads as usize, a.kv_heads as usize)
         } else {
@@ -68,7 +68,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     fn dropout_draw(&self, op: &Op, l: u64, salt: u64) -> DropoutDraw {
         DropoutDraw {
             seed: self.opts.seed,
-            step: self.step_no,
+            step: self.meter.step_no,
             site: crate::init::name_hash(&op.name) ^ l ^ salt,
             p: self.graph.constants.dropout_p,
         }
@@ -76,16 +76,16 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// The global index of micro-batch `mb`'s first sample on this rank.
     pub(super) fn sample0(&self, mb: u64) -> u64 {
-        let per_dp = self.global_batch / self.dp_size.max(1);
-        (self.dp_index * per_dp + mb as usize * self.mbs) as u64
+        let per_dp = self.sizes.global_batch / self.mesh.dp_size.max(1);
+        (self.mesh.dp_index * per_dp + mb as usize * self.sizes.mbs) as u64
     }
 
     /// A dropout op's mask over its `rows` rows: rows are sequence-major, offset by
     /// the context block and, when sequence parallelism split them, the tensor
     /// rank's block.
     fn row_dropout(&self, op: &Op, l: u64, t: &Task<D>, rows: usize) -> RowDropout {
-        let b = self.mbs.max(1);
-        let s_cp = self.seq_len / self.cp.size.max(1);
+        let b = self.sizes.mbs.max(1);
+        let s_cp = self.sizes.seq_len / self.cp.size.max(1);
         let s_rows = (rows / b).max(1);
         let sp_off = if s_rows < s_cp {
             self.tp.rank * s_rows
@@ -462,7 +462,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 // launches of the backward behind the forward's kernels. Every
                 // tensor rank computes the same loss; the first reports it.
                 if self.tp.rank == 0 {
-                    self.losses.push(loss);
+                    self.meter.losses.push(loss);
                 }
                 // The backward is done: the gradient waits for the backward pass.
                 t.acts
@@ -524,6 +524,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let ids = self.lookup_ids(op, t, D::act_len(&dy) / dim.max(1))?;
                 let start = self.vocab_start(op)?;
                 let dt = self
+                    .weights
                     .wgrads
                     .get_mut(&key)
                     .ok_or_else(|| fail("embedding gradient missing"))?;
@@ -545,9 +546,10 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let mut dx = self.zeros(D::act_len(&x))?;
                 let wkey = self.wkey(op.inputs[1], l)?;
                 let bkey = op.inputs.get(2).map(|&b| self.wkey(b, l)).transpose()?;
-                let w = operand::<D>(&self.master, &self.compute, &wkey)?;
+                let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
                 let rstd = stat(t, l, &op.name, Stat::Rstd)?;
                 let mut dw = self
+                    .weights
                     .wgrads
                     .remove(&wkey)
                     .ok_or_else(|| fail("norm gradient missing"))?;
@@ -564,7 +566,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                 };
                 let db = match &bkey {
                     Some(k) => Some(
-                        self.wgrads
+                        self.weights
+                            .wgrads
                             .get_mut(k)
                             .ok_or_else(|| fail("bias gradient missing"))?,
                     ),
@@ -589,7 +592,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     db,
                 };
                 let r = dev.norm_bwd(&n, g);
-                self.wgrads.insert(wkey, dw);
+                self.weights.wgrads.insert(wkey, dw);
                 r.map_err(&e)?;
                 self.add_grad(t, l, in0, dx)?;
             }
@@ -600,11 +603,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                     self.act(t, l, op.inputs[0])?
                 };
                 let wkey = self.wkey(op.inputs[1], l)?;
-                let w = operand::<D>(&self.master, &self.compute, &wkey)?;
+                let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
                 let (kk, n) = self.matmul_dims(op, w)?;
                 let rows = D::act_len(&x) / kk.max(1);
                 let mut dx = self.zeros(rows * kk)?;
                 let dw = self
+                    .weights
                     .wgrads
                     .get_mut(&wkey)
                     .ok_or_else(|| fail("gradient missing"))?;
@@ -623,6 +627,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 if let Some(&b) = op.inputs.get(2) {
                     let bk = self.wkey(b, l)?;
                     let db = self
+                        .weights
                         .wgrads
                         .get_mut(&bk)
                         .ok_or_else(|| fail("bias gradient missing"))?;

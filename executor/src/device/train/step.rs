@@ -13,10 +13,16 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// the plan's).
     pub(super) fn plan_step(&mut self) -> Result<(), RankError> {
         let mut layouts: BTreeMap<ParamSet, Layout> = BTreeMap::new();
-        for key in self.final_order.iter().chain(self.wgrads.keys()) {
+        for key in self
+            .sync
+            .final_order
+            .iter()
+            .chain(self.weights.wgrads.keys())
+        {
             let sizes = layouts.entry(self.set_of(key)).or_default();
             if !sizes.iter().any(|(k, _)| k == key) {
                 let g = self
+                    .weights
                     .wgrads
                     .get(key)
                     .ok_or_else(|| fail("gradient missing"))?;
@@ -37,7 +43,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     target: target @ (Target::SeqPartialGrads | Target::TiedGrads),
                     ..
                 } => {
-                    let group = self.groups.get(group).cloned().ok_or_else(|| {
+                    let group = self.mesh.groups.get(group).cloned().ok_or_else(|| {
                         fail(format!("group `{group}` is not in the plan's mesh"))
                     })?;
                     let (names, tensor) = if *target == Target::TiedGrads {
@@ -46,12 +52,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                         (self.seq_partial_names(None), "seq_partial_grads")
                     };
                     let keys = self
+                        .weights
                         .master
                         .keys()
                         .filter(|(name, _)| names.contains(name))
                         .cloned()
                         .collect();
-                    self.step_plan.push(StepItem::SumGrads {
+                    self.sync.step_plan.push(StepItem::SumGrads {
                         group,
                         axis: axis.name().to_string(),
                         keys,
@@ -68,7 +75,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     let tensor = target.to_string();
                     let (set, a, b) = bucket_range(target, &total_of)?;
                     let sizes = layouts.get(&set).cloned().unwrap_or_default();
-                    let g = self.groups.get(group).cloned().ok_or_else(|| {
+                    let g = self.mesh.groups.get(group).cloned().ok_or_else(|| {
                         fail(format!("group `{group}` is not in the plan's mesh"))
                     })?;
                     if (b - a) % g.size() != 0 {
@@ -88,17 +95,22 @@ impl<'a, D: Device> DevRank<'a, D> {
                     };
                     match (target, kind) {
                         (Target::GradBucket { .. }, CollectiveKind::AllReduce) => {
-                            self.step_plan.push(StepItem::Bucket(self.buckets.len()));
-                            self.buckets.push(bucket);
+                            self.sync
+                                .step_plan
+                                .push(StepItem::Bucket(self.sync.buckets.len()));
+                            self.sync.buckets.push(bucket);
                         }
                         (Target::GradBucket { .. }, CollectiveKind::ReduceScatter) => {
-                            self.step_plan
-                                .push(StepItem::ReduceScatter(self.scatter.len()));
-                            self.scatter.push(bucket);
+                            self.sync
+                                .step_plan
+                                .push(StepItem::ReduceScatter(self.zero.scatter.len()));
+                            self.zero.scatter.push(bucket);
                         }
                         (Target::ParamBucket { .. }, CollectiveKind::AllGather) => {
-                            self.step_plan.push(StepItem::AllGather(self.gather.len()));
-                            self.gather.push(bucket);
+                            self.sync
+                                .step_plan
+                                .push(StepItem::AllGather(self.zero.gather.len()));
+                            self.zero.gather.push(bucket);
                         }
                         _ => {
                             return Err(fail(format!(
@@ -108,13 +120,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                     }
                 }
                 Instr::Optimizer { params, .. } => {
-                    self.step_plan.push(StepItem::Optimizer(*params))
+                    self.sync.step_plan.push(StepItem::Optimizer(*params))
                 }
                 other => return Err(fail(format!("unexpected step instruction {other:?}"))),
             }
         }
-        self.in_flight = self.buckets.iter().map(|_| None).collect();
-        self.layouts = layouts;
+        self.sync.in_flight = self.sync.buckets.iter().map(|_| None).collect();
+        self.zero.layouts = layouts;
         Ok(())
     }
 
@@ -134,7 +146,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     fn layout(&self, set: ParamSet) -> &[(Key, usize)] {
-        self.layouts.get(&set).map_or(&[], Vec::as_slice)
+        self.zero.layouts.get(&set).map_or(&[], Vec::as_slice)
     }
 
     /// How many backward ops of one backward task write each weight's gradient.
@@ -174,8 +186,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                 }
             }
         }
-        self.uses = uses;
-        self.final_order = order;
+        self.sync.uses = uses;
+        self.sync.final_order = order;
         Ok(())
     }
 
@@ -191,7 +203,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// may be final, and with them the next buckets.
     pub(super) fn gradients_written(&mut self, op: &Op, l: u64) -> Result<(), RankError> {
         let keys = self.weight_keys(op, l)?;
-        let Some(remaining) = self.remaining.as_mut() else {
+        let Some(remaining) = self.sync.remaining.as_mut() else {
             return Ok(());
         };
         for key in keys {
@@ -199,8 +211,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                 *n = n.saturating_sub(1);
             }
         }
-        while let Some(b) = self.buckets.get(self.next_bucket) {
-            let remaining = self.remaining.as_ref().ok_or_else(|| fail("no counts"))?;
+        while let Some(b) = self.sync.buckets.get(self.sync.next_bucket) {
+            let remaining = self
+                .sync
+                .remaining
+                .as_ref()
+                .ok_or_else(|| fail("no counts"))?;
             let ready = b
                 .pieces
                 .iter()
@@ -209,11 +225,11 @@ impl<'a, D: Device> DevRank<'a, D> {
                 break;
             }
             let m0 = self.mark()?;
-            let i = self.next_bucket;
+            let i = self.sync.next_bucket;
             self.start_bucket(i)?;
-            let bk = &self.buckets[i];
+            let bk = &self.sync.buckets[i];
             let args =
-                serde_json::json!({"step": self.step_no, "tensor": bk.tensor, "early": true});
+                serde_json::json!({"step": self.meter.step_no, "tensor": bk.tensor, "early": true});
             let name = format!("AllReduce {} (start)", bk.axis);
             self.span(m0, name, "comm", args)?;
         }
@@ -222,36 +238,42 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// Copies bucket `i`'s gradient pieces into one buffer and starts its sum.
     pub(super) fn start_bucket(&mut self, i: usize) -> Result<(), RankError> {
-        let b = &self.buckets[i];
+        let b = &self.sync.buckets[i];
         let mut buf = self.zeros_f32(b.len)?;
-        pack(&self.dev, &self.wgrads, &b.pieces, &mut buf, "bucket")?;
+        pack(
+            &self.dev,
+            &self.weights.wgrads,
+            &b.pieces,
+            &mut buf,
+            "bucket",
+        )?;
         let r = self
             .comm
             .all_reduce_start(&self.dev, (&b.group, &b.axis), buf)?;
-        self.in_flight[i] = Some(r);
-        self.next_bucket = self.next_bucket.max(i + 1);
+        self.sync.in_flight[i] = Some(r);
+        self.sync.next_bucket = self.sync.next_bucket.max(i + 1);
         Ok(())
     }
 
     /// Waits for bucket `i`'s sum and copies it back into the gradients.
     pub(super) fn finish_bucket(&mut self, i: usize) -> Result<(), RankError> {
-        let r = self.in_flight[i]
+        let r = self.sync.in_flight[i]
             .take()
             .ok_or_else(|| fail("a bucket finished before it started"))?;
         let buf = self.comm.all_reduce_finish(&self.dev, r)?;
-        let pieces = &self.buckets[i].pieces;
-        unpack(&self.dev, &buf, pieces, &mut self.wgrads, "bucket")
+        let pieces = &self.sync.buckets[i].pieces;
+        unpack(&self.dev, &buf, pieces, &mut self.weights.wgrads, "bucket")
     }
 
     /// Gradient bucket `i` summed over the data ranks, this rank keeping its part.
     pub(super) fn reduce_scatter(&mut self, i: usize) -> Result<(), RankError> {
-        let bk = &self.scatter[i];
+        let bk = &self.zero.scatter[i];
         let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
         let c = bk.len / n;
         let mut buf = self.zeros_f32(bk.len)?;
         pack(
             &self.dev,
-            &self.wgrads,
+            &self.weights.wgrads,
             &bk.pieces,
             &mut buf,
             "reduce-scatter",
@@ -263,19 +285,25 @@ impl<'a, D: Device> DevRank<'a, D> {
             &buf,
             &mut part,
         )?;
-        self.shards.push((bk.set, bk.start + me * c, part));
+        self.zero.shards.push((bk.set, bk.start + me * c, part));
         Ok(())
     }
 
     /// Parameter bucket `i` from the parts each data rank updated.
     pub(super) fn all_gather(&mut self, i: usize) -> Result<(), RankError> {
-        let bk = &self.gather[i];
+        let bk = &self.zero.gather[i];
         let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
         let c = bk.len / n;
         let mut local = self.zeros_f32(c)?;
         let own = bk.start + me * c;
         let mine = pieces_of(self.layout(bk.set), own, own + c);
-        pack(&self.dev, &self.master, &mine, &mut local, "all-gather")?;
+        pack(
+            &self.dev,
+            &self.weights.master,
+            &mine,
+            &mut local,
+            "all-gather",
+        )?;
         let mut all = self.zeros_f32(bk.len)?;
         self.comm.f32_collective(
             &self.dev,
@@ -283,7 +311,13 @@ impl<'a, D: Device> DevRank<'a, D> {
             &local,
             &mut all,
         )?;
-        unpack(&self.dev, &all, &bk.pieces, &mut self.master, "all-gather")
+        unpack(
+            &self.dev,
+            &all,
+            &bk.pieces,
+            &mut self.weights.master,
+            "all-gather",
+        )
     }
 
     /// The weights whose gradients sequence parallelism leaves partial over the
@@ -297,7 +331,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             .flat_map(|(_, seg)| {
                 // Under sequence parallelism the norms saw a block of rows; with
                 // experts split over tp, the router's weights saw partial scores.
-                let sp = self.sp && self.tp.size > 1;
+                let sp = self.mesh.sp && self.tp.size > 1;
                 let expert_tp = self.ep.size <= 1 && self.tp.size > 1;
                 meshplan_ir::graph::tp_partial_weights(self.graph, seg, sp, expert_tp)
             })
@@ -333,7 +367,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             axis,
             keys,
             tensor,
-        } = &self.step_plan[i]
+        } = &self.sync.step_plan[i]
         else {
             return Err(fail("not a sum of gradients"));
         };
@@ -351,16 +385,21 @@ impl<'a, D: Device> DevRank<'a, D> {
     ) -> Result<(), RankError> {
         let layout: Layout = keys
             .iter()
-            .map(|k| self.wgrads.get(k).map(|g| (k.clone(), D::f32_len(g))))
+            .map(|k| {
+                self.weights
+                    .wgrads
+                    .get(k)
+                    .map(|g| (k.clone(), D::f32_len(g)))
+            })
             .collect::<Option<_>>()
             .ok_or_else(|| fail("a partial gradient is missing"))?;
         let total = layout.iter().map(|(_, n)| n).sum();
         let pieces = pieces_of(&layout, 0, total);
         let mut flat = self.zeros_f32(total)?;
-        pack(&self.dev, &self.wgrads, &pieces, &mut flat, tensor)?;
+        pack(&self.dev, &self.weights.wgrads, &pieces, &mut flat, tensor)?;
         let r = self.comm.all_reduce_start(&self.dev, (group, axis), flat)?;
         let flat = self.comm.all_reduce_finish(&self.dev, r)?;
-        unpack(&self.dev, &flat, &pieces, &mut self.wgrads, tensor)
+        unpack(&self.dev, &flat, &pieces, &mut self.weights.wgrads, tensor)
     }
 
     pub(super) fn index_in(&self, g: &Group) -> Result<usize, RankError> {
@@ -373,7 +412,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         pieces: &[(Key, usize, usize, usize)],
         n: usize,
     ) -> Result<(D::F32, D::F32), RankError> {
-        initial_moments(&self.dev, &self.resume_moments, pieces, n)
+        initial_moments(&self.dev, &self.zero.resume_moments, pieces, n)
     }
 
     /// This rank's part of a checkpoint: the weights whose moments it holds (whole
@@ -381,11 +420,15 @@ impl<'a, D: Device> DevRank<'a, D> {
     pub(super) fn snapshot(&self) -> Result<crate::ckpt::RankSnapshot, RankError> {
         let e = derr("checkpoint");
         let download = |key: &Key| -> Result<Vec<f32>, RankError> {
-            let w = self.master.get(key).ok_or_else(|| fail("weight missing"))?;
+            let w = self
+                .weights
+                .master
+                .get(key)
+                .ok_or_else(|| fail("weight missing"))?;
             self.dev.f32_download(w).map_err(&e)
         };
         let mut pieces = Vec::new();
-        for (key, (m, v)) in &self.adam {
+        for (key, (m, v)) in &self.weights.adam {
             pieces.push(crate::ckpt::Piece {
                 key: key.clone(),
                 start: 0,
@@ -404,11 +447,12 @@ impl<'a, D: Device> DevRank<'a, D> {
             Option<&'r <D as Device>::F32>,
         );
         let mut parts: Vec<Part<'_, D>> = self
+            .zero
             .shard_adam
             .iter()
             .map(|(&(set, start), mv)| (self.layout(set).to_vec(), start, mv, None))
             .collect();
-        for (copy, mv) in &self.z3.adam {
+        for (copy, mv) in &self.zero.z3.adam {
             let (layout, start, part) = self.zero3_part(*copy)?;
             parts.push((layout.clone(), start, mv, Some(part)));
         }
@@ -452,19 +496,19 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// ZeRO's AdamW: each reduced part of the flat gradient updates the same part of
     /// the fp32 masters, with moments of that part alone.
     pub(super) fn optimizer_shards(&mut self, set: ParamSet) -> Result<(), RankError> {
-        let (mine, rest) = std::mem::take(&mut self.shards)
+        let (mine, rest) = std::mem::take(&mut self.zero.shards)
             .into_iter()
             .partition(|(s, ..)| *s == set);
-        self.shards = rest;
+        self.zero.shards = rest;
         for (_, start, grad) in mine {
             let c = D::f32_len(&grad);
             let pieces = pieces_of(self.layout(set), start, start + c);
-            let mut state = match self.shard_adam.remove(&(set, start)) {
+            let mut state = match self.zero.shard_adam.remove(&(set, start)) {
                 Some(state) => state,
                 None => self.initial_moments(&pieces, c)?,
             };
             self.adamw_part(&pieces, c, &grad, &mut state)?;
-            self.shard_adam.insert((set, start), state);
+            self.zero.shard_adam.insert((set, start), state);
         }
         Ok(())
     }
@@ -478,10 +522,10 @@ impl<'a, D: Device> DevRank<'a, D> {
         grad: &D::F32,
         (m, v): &mut Moments<D>,
     ) -> Result<(), RankError> {
-        let step = self.step_no + 1;
+        let step = self.meter.step_no + 1;
         let e = derr("adamw");
         let mut param = self.zeros_f32(c)?;
-        pack(&self.dev, &self.master, pieces, &mut param, "adamw")?;
+        pack(&self.dev, &self.weights.master, pieces, &mut param, "adamw")?;
         // The compute copies are refreshed once the parts are gathered.
         adamw(
             &self.dev,
@@ -491,18 +535,19 @@ impl<'a, D: Device> DevRank<'a, D> {
             (step, self.opts.lr),
         )
         .map_err(&e)?;
-        unpack(&self.dev, &param, pieces, &mut self.master, "adamw")
+        unpack(&self.dev, &param, pieces, &mut self.weights.master, "adamw")
     }
 
     pub(super) fn optimizer(&mut self, set: ParamSet) -> Result<(), RankError> {
         if self.zero3_group(set).is_some() {
             return self.optimizer_zero3(set);
         }
-        if self.scatter.iter().any(|b| b.set == set) {
+        if self.zero.scatter.iter().any(|b| b.set == set) {
             return self.optimizer_shards(set);
         }
-        let step = self.step_no + 1;
+        let step = self.meter.step_no + 1;
         let keys: Vec<Key> = self
+            .weights
             .master
             .keys()
             .filter(|k| self.set_of(k) == set)
@@ -510,23 +555,24 @@ impl<'a, D: Device> DevRank<'a, D> {
             .collect();
         for key in &keys {
             let w = self
+                .weights
                 .master
                 .get_mut(key)
                 .ok_or_else(|| fail("weight missing"))?;
             let e = derr(&key.0);
             let missing = || fail(format!("state of `{}` missing", key.0));
-            if !self.adam.contains_key(key) {
+            if !self.weights.adam.contains_key(key) {
                 // Moments on first use: under ZeRO only the parts' moments exist.
                 let n = D::f32_len(w);
                 let whole = [(key.clone(), 0, 0, n)];
-                let state = initial_moments(&self.dev, &self.resume_moments, &whole, n)?;
-                self.adam.insert(key.clone(), state);
+                let state = initial_moments(&self.dev, &self.zero.resume_moments, &whole, n)?;
+                self.weights.adam.insert(key.clone(), state);
             }
-            let g = self.wgrads.get(key).ok_or_else(missing)?;
-            let (m, v) = self.adam.get_mut(key).ok_or_else(missing)?;
+            let g = self.weights.wgrads.get(key).ok_or_else(missing)?;
+            let (m, v) = self.weights.adam.get_mut(key).ok_or_else(missing)?;
             let c = match D::master_as_act(w) {
                 Some(_) => None,
-                None => Some(self.compute.get_mut(key).ok_or_else(missing)?),
+                None => Some(self.weights.compute.get_mut(key).ok_or_else(missing)?),
             };
             adamw(&self.dev, (w, g), (m, v), c, (step, self.opts.lr)).map_err(e)?;
         }

@@ -7,7 +7,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Tokens, labels and positions of micro-batch `mb` of this data rank,
     /// sequence-major, from the run's data source.
     pub(super) fn load_batch(&self, mb: u64) -> Result<Task<D>, RankError> {
-        let (s, b) = (self.seq_len / self.cp.size, self.mbs);
+        let (s, b) = (self.sizes.seq_len / self.cp.size, self.sizes.mbs);
         let sample0 = self.sample0(mb);
         // This context rank's block of each sequence.
         let s0 = self.cp.rank * s;
@@ -21,10 +21,10 @@ impl<'a, D: Device> DevRank<'a, D> {
                 .data
                 .sequence(
                     self.opts.seed,
-                    self.step_no,
+                    self.meter.step_no,
                     seq_index,
-                    self.seq_len,
-                    self.global_batch as u64,
+                    self.sizes.seq_len,
+                    self.sizes.global_batch as u64,
                     vocab,
                 )
                 .map_err(fail)?;
@@ -59,14 +59,14 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// Rows of a micro-batch on this rank: its context block of each sequence.
     pub(super) fn rows(&self) -> usize {
-        self.seq_len / self.cp.size * self.mbs
+        self.sizes.seq_len / self.cp.size * self.sizes.mbs
     }
 
     /// Under sequence parallelism, this tensor rank's block of a micro-batch's
     /// `rows` (sequence-major, so a block of sequence positions).
     pub(super) fn sp_block(&self, rows: usize) -> Option<std::ops::Range<usize>> {
         let c = rows / self.tp.size;
-        (self.sp && self.tp.size > 1).then(|| self.tp.rank * c..(self.tp.rank + 1) * c)
+        (self.mesh.sp && self.tp.size > 1).then(|| self.tp.rank * c..(self.tp.rank + 1) * c)
     }
 
     pub(super) fn run_forward(

@@ -53,7 +53,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             ParamSet::Dense => "dp",
             ParamSet::Experts => "edp",
         };
-        self.groups
+        self.mesh
+            .groups
             .get(name)
             .filter(|g| self.plan.strategy.zero >= 3 && g.size() > 1)
             .cloned()
@@ -76,13 +77,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let (_, start, c) = self.part_of(&g, &layout)?;
                 let mut part = self.zeros_f32(c)?;
                 let own = pieces_of(&layout, start, start + c);
-                pack(&self.dev, &self.master, &own, &mut part, "ZeRO-3")?;
-                self.z3.parts.insert((set, s, l), part);
-                self.z3.layouts.insert((set, s, l), layout);
+                pack(&self.dev, &self.weights.master, &own, &mut part, "ZeRO-3")?;
+                self.zero.z3.parts.insert((set, s, l), part);
+                self.zero.z3.layouts.insert((set, s, l), layout);
             }
         }
-        self.z3.shared = self.shared_weights();
-        let copies: Vec<CopyKey> = self.z3.layouts.keys().copied().collect();
+        self.zero.z3.shared = self.shared_weights();
+        let copies: Vec<CopyKey> = self.zero.z3.layouts.keys().copied().collect();
         for copy in copies {
             self.zero3_release(copy, true)?;
         }
@@ -102,7 +103,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                 }
             }
         }
-        self.held
+        self.weights
+            .held
             .iter()
             .filter(|(name, _)| users.get(name.as_str()).is_some_and(|s| s.len() > 1))
             .cloned()
@@ -121,7 +123,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .any(|op| op.inputs.iter().any(|&t| self.graph.tensor(t).name == w))
             })
         };
-        self.master
+        self.weights
+            .master
             .iter()
             .filter(|(k, _)| self.set_of(k) == set)
             .filter(|((w, layer), _)| *layer == l && first_user(w).is_some_and(|s| s.name == *name))
@@ -150,15 +153,15 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// A copy's layout (a gather's or scatter's; [`Self::zero3_part`] with the
     /// part).
     fn zero3_layout(&self, copy: CopyKey) -> Result<Layout, RankError> {
-        (self.z3.layouts.get(&copy).cloned())
+        (self.zero.z3.layouts.get(&copy).cloned())
             .ok_or_else(|| fail("ZeRO-3: a segment copy is not laid out"))
     }
 
     /// A copy's layout, where this rank's part starts in it, and the part.
     pub(super) fn zero3_part(&self, copy: CopyKey) -> Result<(&Layout, usize, &D::F32), RankError> {
         let missing = || fail("ZeRO-3: a segment copy is not laid out");
-        let layout = self.z3.layouts.get(&copy).ok_or_else(missing)?;
-        let part = self.z3.parts.get(&copy).ok_or_else(missing)?;
+        let layout = self.zero.z3.layouts.get(&copy).ok_or_else(missing)?;
+        let part = self.zero.z3.parts.get(&copy).ok_or_else(missing)?;
         let g = self
             .zero3_group(copy.0)
             .ok_or_else(|| fail("no ZeRO-3 group"))?;
@@ -169,20 +172,20 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Lets a copy's whole weights go (and, after its backward, their gradients);
     /// shared weights stay, their gradients zeroed.
     fn zero3_release(&mut self, copy: CopyKey, grads: bool) -> Result<(), RankError> {
-        let Some(layout) = self.z3.layouts.get(&copy) else {
+        let Some(layout) = self.zero.z3.layouts.get(&copy) else {
             return Ok(());
         };
         for (key, _) in layout {
-            if self.z3.shared.contains(key) {
-                if let (true, Some(g)) = (grads, self.wgrads.get_mut(key)) {
+            if self.zero.z3.shared.contains(key) {
+                if let (true, Some(g)) = (grads, self.weights.wgrads.get_mut(key)) {
                     self.dev.f32_zero(g).map_err(derr(&key.0))?;
                 }
                 continue;
             }
-            self.master.remove(key);
-            self.compute.remove(key);
+            self.weights.master.remove(key);
+            self.weights.compute.remove(key);
             if grads {
-                self.wgrads.remove(key);
+                self.weights.wgrads.remove(key);
             }
         }
         Ok(())
@@ -209,30 +212,41 @@ impl<'a, D: Device> DevRank<'a, D> {
         let layout = self.zero3_layout(copy)?;
         let total: usize = layout.iter().map(|(_, n)| n).sum();
         let mut all = self.zeros_f32(total)?;
-        let part = self.z3.parts.get(&copy).ok_or_else(|| fail("no part"))?;
+        let part = self
+            .zero
+            .z3
+            .parts
+            .get(&copy)
+            .ok_or_else(|| fail("no part"))?;
         self.comm
             .f32_collective(&self.dev, (CommKind::AllGather, (g, axis)), part, &mut all)?;
         let e = derr(segment);
         for (key, n) in &layout {
-            if !self.master.contains_key(key) {
+            if !self.weights.master.contains_key(key) {
                 let master = self.dev.f32_zeros(*n).map_err(&e)?;
                 if D::master_as_act(&master).is_none() {
                     let copy = self.dev.act_zeros(*n).map_err(&e)?;
-                    self.compute.insert(key.clone(), copy);
+                    self.weights.compute.insert(key.clone(), copy);
                 }
-                self.master.insert(key.clone(), master);
+                self.weights.master.insert(key.clone(), master);
             }
-            if backward && !self.wgrads.contains_key(key) {
+            if backward && !self.weights.wgrads.contains_key(key) {
                 let grad = self.dev.f32_zeros(*n).map_err(&e)?;
-                self.wgrads.insert(key.clone(), grad);
+                self.weights.wgrads.insert(key.clone(), grad);
             }
         }
         let all_pieces = pieces_of(&layout, 0, total);
-        unpack(&self.dev, &all, &all_pieces, &mut self.master, segment)?;
+        unpack(
+            &self.dev,
+            &all,
+            &all_pieces,
+            &mut self.weights.master,
+            segment,
+        )?;
         refresh_copies(
             &self.dev,
-            &self.master,
-            &mut self.compute,
+            &self.weights.master,
+            &mut self.weights.compute,
             layout.iter().map(|(key, _)| key),
         )
     }
@@ -251,7 +265,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let e = derr(segment);
         let mut flat = self.zeros_f32(total)?;
         let all = pieces_of(&layout, 0, total);
-        pack(&self.dev, &self.wgrads, &all, &mut flat, segment)?;
+        pack(&self.dev, &self.weights.wgrads, &all, &mut flat, segment)?;
         let mut out = self.zeros_f32(c)?;
         self.comm.f32_collective(
             &self.dev,
@@ -259,7 +273,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             &flat,
             &mut out,
         )?;
-        let acc = match self.z3.grads.entry(copy) {
+        let acc = match self.zero.z3.grads.entry(copy) {
             std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::btree_map::Entry::Vacant(v) => {
                 v.insert(self.dev.f32_zeros(c).map_err(&e)?)
@@ -272,8 +286,9 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// ZeRO-3's AdamW: each segment copy's part of the fp32 masters this rank
     /// holds, with moments of that part alone.
     pub(super) fn optimizer_zero3(&mut self, set: ParamSet) -> Result<(), RankError> {
-        let step = self.step_no + 1;
+        let step = self.meter.step_no + 1;
         let copies: Vec<CopyKey> = self
+            .zero
             .z3
             .layouts
             .keys()
@@ -284,15 +299,16 @@ impl<'a, D: Device> DevRank<'a, D> {
             let (layout, start, part) = self.zero3_part(copy)?;
             let c = D::f32_len(part);
             let pieces = pieces_of(layout, start, start + c);
-            let (mut m, mut v) = match self.z3.adam.remove(&copy) {
+            let (mut m, mut v) = match self.zero.z3.adam.remove(&copy) {
                 Some(state) => state,
                 None => self.initial_moments(&pieces, c)?,
             };
-            let grad = match self.z3.grads.remove(&copy) {
+            let grad = match self.zero.z3.grads.remove(&copy) {
                 Some(gr) => gr,
                 None => self.zeros_f32(c)?,
             };
             let part = self
+                .zero
                 .z3
                 .parts
                 .get_mut(&copy)
@@ -300,7 +316,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             let lr = self.opts.lr;
             adamw(&self.dev, (part, &grad), (&mut m, &mut v), None, (step, lr))
                 .map_err(derr("adamw"))?;
-            self.z3.adam.insert(copy, (m, v));
+            self.zero.z3.adam.insert(copy, (m, v));
         }
         Ok(())
     }
@@ -308,7 +324,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// The first non-finite value in the parts of the masters this rank holds: the
     /// weight it belongs to.
     pub(super) fn zero3_non_finite(&self) -> Result<Option<(Key, f32)>, RankError> {
-        let parts: Vec<(&CopyKey, &D::F32)> = self.z3.parts.iter().collect();
+        let parts: Vec<(&CopyKey, &D::F32)> = self.zero.z3.parts.iter().collect();
         let ws: Vec<&D::F32> = parts.iter().map(|(_, p)| *p).collect();
         let e = derr("check");
         let Some(i) = self.dev.first_non_finite(&ws).map_err(&e)? else {
@@ -326,7 +342,7 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// Before the report: every copy's weights gathered whole.
     pub(super) fn zero3_gather_all(&mut self) -> Result<(), RankError> {
-        let copies: Vec<CopyKey> = self.z3.layouts.keys().copied().collect();
+        let copies: Vec<CopyKey> = self.zero.z3.layouts.keys().copied().collect();
         for (set, s, l) in copies {
             let g = self
                 .zero3_group(set)
