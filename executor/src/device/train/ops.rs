@@ -1,10 +1,19 @@
 //! What each op means on the device, forward and backward: the kernels of
 //! [`super::super::Device`] on this rank's slices of weights, heads and rows.
+//! [`DevRank::forward_op`] and [`DevRank::backward_op`] dispatch on the op's kind;
+//! each family lives in its own file (`embedding`, `norm`, `linear`, `attention`,
+//! `loss`, and the experts in `super::experts`), the elementwise ops here.
 
 use super::*;
 use crate::device::{norm_forward, Ce, CeOut, Embed, Norm, NormBwd, RopeQkv};
 use meshplan_kernels::cpu::GemmAt;
 use Transpose::{No, Yes};
+
+mod attention;
+mod embedding;
+mod linear;
+mod loss;
+mod norm;
 
 /// How an attention op masks and scales its scores: causal or not, `1 / sqrt(d)`,
 /// and its probabilities' dropout.
@@ -291,120 +300,17 @@ impl<'a, D: Device> DevRank<'a, D> {
             .first()
             .map(|&o| self.name_of(o))
             .unwrap_or_default();
-        let eps = self.graph.constants.norm_eps as f32;
         let e = derr(&op.name);
         let dev = &self.dev;
         let y = match &op.kind {
-            OpKind::Embedding => {
-                let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
-                    .last()
-                    .unwrap_or(&1);
-                let all = self.rows();
-                let rows = if out_rows > 0 && out_rows < all && op.role != TpRole::VocabEmbedding {
-                    out_rows
-                } else {
-                    all
-                };
-                let mut y = self.zeros(rows * dim)?;
-                let ids = self.lookup_ids(op, t, rows)?;
-                let start = self.vocab_start(op)?;
-                dev.embedding_fwd(
-                    &Embed {
-                        ids,
-                        vocab_start: start,
-                        dim,
-                    },
-                    self.weight(op.inputs[1], l)?,
-                    &mut y,
-                )
-                .map_err(&e)?;
-                y
-            }
-            OpKind::Norm(kind) => {
-                let x = self.act(t, l, op.inputs[0])?;
-                let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
-                let rows = D::act_len(&x) / dim;
-                let w = self.weight(op.inputs[1], l)?;
-                let b = match op.inputs.get(2) {
-                    Some(&bid) => Some(self.weight(bid, l)?),
-                    None => None,
-                };
-                let (x, kind) = (&*x, *kind);
-                let n = Norm {
-                    kind,
-                    x,
-                    w,
-                    b,
-                    rows,
-                    dim,
-                    eps,
-                };
-                let (y, mean, rstd) = norm_forward(dev, &n).map_err(&e)?;
-                if let Some(mean) = mean {
-                    t.stats.insert((l, op.name.clone(), Stat::Mean), mean);
-                }
-                t.stats.insert((l, op.name.clone(), Stat::Rstd), rstd);
-                y
-            }
-            OpKind::Matmul { .. } => {
-                let x = if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) {
-                    self.act_gathered(t, l, op.inputs[0])?
-                } else {
-                    self.act(t, l, op.inputs[0])?
-                };
-                let w = self.weight(op.inputs[1], l)?;
-                let (kk, n) = self.matmul_dims(op, w)?;
-                let rows = D::act_len(&x) / kk.max(1);
-                let mut y = self.zeros(rows * n)?;
-                let tb = if crate::shard::weight_transposed(op) {
-                    Transpose::Yes
-                } else {
-                    Transpose::No
-                };
-                dev.matmul(GemmAt::whole(Transpose::No, tb, rows, kk, n), &x, w, &mut y)
-                    .map_err(&e)?;
-                // A row-parallel bias is added once, before the partial sums meet.
-                if let Some(&bid) = op.inputs.get(2) {
-                    if op.role != TpRole::RowParallel || self.tp.rank == 0 {
-                        dev.bias_add(&mut y, self.weight(bid, l)?).map_err(&e)?;
-                    }
-                }
-                y
-            }
+            OpKind::Embedding => self.embedding_forward(op, l, t, out_rows)?,
+            OpKind::Norm(kind) => self.norm_forward_op(op, kind, l, t)?,
+            OpKind::Matmul { .. } => self.linear_forward(op, l, t)?,
             OpKind::Rope => {
                 let x = self.act(t, l, op.inputs[0])?;
                 self.rope(op, &x, false, t)?
             }
-            OpKind::Attention(a) => {
-                let x = self.act(t, l, op.inputs[0])?;
-                let rows = D::act_len(&x) / self.attention_dims(op, 1)?.1;
-                let (dims, _) = self.attention_dims(op, rows)?;
-                let (q, kk, v) = self.split(&x, &dims)?;
-                let mut o = self.zeros(rows * dims.hq * dims.dv)?;
-                let mut lse = self.zeros_f32(dims.batch * dims.hq * dims.sq)?;
-                let mask = AttnMask {
-                    causal: a.causal,
-                    scale: 1.0 / (a.qk_dim as f32).sqrt(),
-                    dropout: self.attention_dropout(op, l, t),
-                };
-                if self.cp.size > 1 {
-                    self.ring_forward(&dims, (&q, &kk, &v), &mask, &mut o, &mut lse)?;
-                } else {
-                    let a = mask.attn(&dims, (&q, &kk, &v), (0, 0));
-                    let out = AttnOut {
-                        o: &mut o,
-                        lse: &mut lse,
-                    };
-                    self.dev.attention_fwd(&a, out).map_err(&e)?;
-                }
-                let mut y = self.zeros(D::act_len(&o))?;
-                self.dev
-                    .swap_axes(&o, [dims.batch, dims.sq, dims.hq * dims.dv], &mut y)
-                    .map_err(&e)?;
-                t.stats.insert((l, op.name.clone(), Stat::Lse), lse);
-                t.acts.insert((l, format!("{}#o", op.name)), Arc::new(o));
-                y
-            }
+            OpKind::Attention(a) => self.attention_forward(op, a, l, t)?,
             OpKind::Activation(kind) => {
                 let x = self.act(t, l, op.inputs[0])?;
                 match kind {
@@ -435,40 +341,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 t.acts.insert((l, out), y);
                 return Ok(());
             }
-            OpKind::CrossEntropy { .. } => {
-                let logits = self.act(t, l, op.inputs[0])?;
-                let rows = self.rows();
-                if op.role == TpRole::VocabLoss && self.tp.size > 1 {
-                    // Each rank holds a slice of the vocabulary: the program's
-                    // collectives on the loss's statistics finish it
-                    // (`loss_collective`).
-                    let mut max = self.zeros_f32(rows)?;
-                    let c = self.ce(&logits, &t.labels, 0, 1.0);
-                    dev.ce_row_max(&c, &mut max).map_err(&e)?;
-                    t.loss_stats
-                        .insert((l, op.name.clone(), LossStat::Max), max);
-                    return Ok(());
-                }
-                let scale = self.loss_scale();
-                let mut loss = self.zeros_f32(rows)?;
-                let mut dlogits = self.zeros(D::act_len(&logits))?;
-                let c = self.ce(&logits, &t.labels, 0, scale as f32);
-                let out = CeOut {
-                    loss: &mut loss,
-                    dlogits: &mut dlogits,
-                };
-                dev.cross_entropy(&c, out).map_err(&e)?;
-                // Read at the end of the step: a download here would stall the
-                // launches of the backward behind the forward's kernels. Every
-                // tensor rank computes the same loss; the first reports it.
-                if self.tp.rank == 0 {
-                    self.meter.losses.push(loss);
-                }
-                // The backward is done: the gradient waits for the backward pass.
-                t.acts
-                    .insert((l, format!("{}#dlogits", op.name)), Arc::new(dlogits));
-                return Ok(());
-            }
+            OpKind::CrossEntropy { .. } => return self.loss_forward(op, l, t),
             OpKind::Experts(e) => return self.experts_forward(op, e, l, t),
             OpKind::Router { .. } => {
                 return Err(fail(format!("`{}`: a separate router op", op.name)))
@@ -516,185 +389,14 @@ impl<'a, D: Device> DevRank<'a, D> {
         let e = derr(&op.name);
         let dev = &self.dev;
         match &op.kind {
-            OpKind::Embedding => {
-                let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
-                    .last()
-                    .unwrap_or(&1);
-                let key = self.wkey(op.inputs[1], l)?;
-                let ids = self.lookup_ids(op, t, D::act_len(&dy) / dim.max(1))?;
-                let start = self.vocab_start(op)?;
-                let dt = self
-                    .weights
-                    .wgrads
-                    .get_mut(&key)
-                    .ok_or_else(|| fail("embedding gradient missing"))?;
-                dev.embedding_bwd(
-                    &Embed {
-                        ids,
-                        vocab_start: start,
-                        dim,
-                    },
-                    &dy,
-                    dt,
-                )
-                .map_err(&e)?;
-            }
-            OpKind::Norm(kind) => {
-                let x = self.act(t, l, op.inputs[0])?;
-                let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
-                let rows = D::act_len(&x) / dim;
-                let mut dx = self.zeros(D::act_len(&x))?;
-                let wkey = self.wkey(op.inputs[1], l)?;
-                let bkey = op.inputs.get(2).map(|&b| self.wkey(b, l)).transpose()?;
-                let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
-                let rstd = stat(t, l, &op.name, Stat::Rstd)?;
-                let mut dw = self
-                    .weights
-                    .wgrads
-                    .remove(&wkey)
-                    .ok_or_else(|| fail("norm gradient missing"))?;
-                let layer = *kind == NormKind::Layernorm;
-                let mean = if layer {
-                    Some(stat(t, l, &op.name, Stat::Mean)?)
-                } else {
-                    None
-                };
-                // A bias-less norm's bias gradient goes to a scratch buffer.
-                let mut scratch = match (layer, &bkey) {
-                    (true, None) => Some(self.zeros_f32(dim)?),
-                    _ => None,
-                };
-                let db = match &bkey {
-                    Some(k) => Some(
-                        self.weights
-                            .wgrads
-                            .get_mut(k)
-                            .ok_or_else(|| fail("bias gradient missing"))?,
-                    ),
-                    None => scratch.as_mut(),
-                };
-                let (x, kind, eps) = (&*x, *kind, self.graph.constants.norm_eps as f32);
-                let n = Norm {
-                    kind,
-                    x,
-                    w,
-                    b: None,
-                    rows,
-                    dim,
-                    eps,
-                };
-                let g = NormBwd {
-                    mean,
-                    rstd,
-                    dy: &dy,
-                    dx: &mut dx,
-                    dw: &mut dw,
-                    db,
-                };
-                let r = dev.norm_bwd(&n, g);
-                self.weights.wgrads.insert(wkey, dw);
-                r.map_err(&e)?;
-                self.add_grad(t, l, in0, dx)?;
-            }
-            OpKind::Matmul { .. } => {
-                let x = if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) {
-                    self.act_gathered(t, l, op.inputs[0])?
-                } else {
-                    self.act(t, l, op.inputs[0])?
-                };
-                let wkey = self.wkey(op.inputs[1], l)?;
-                let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
-                let (kk, n) = self.matmul_dims(op, w)?;
-                let rows = D::act_len(&x) / kk.max(1);
-                let mut dx = self.zeros(rows * kk)?;
-                let dw = self
-                    .weights
-                    .wgrads
-                    .get_mut(&wkey)
-                    .ok_or_else(|| fail("gradient missing"))?;
-                if crate::shard::weight_transposed(op) {
-                    // `y = x wᵀ` with `w [n, k]`: `dx = dy w`, `dw += dyᵀ x`.
-                    dev.matmul(GemmAt::whole(No, No, rows, n, kk), &dy, w, &mut dx)
-                        .map_err(&e)?;
-                    dev.matmul_acc(GemmAt::whole(Yes, No, n, rows, kk), &dy, &x, dw)
-                        .map_err(&e)?;
-                } else {
-                    dev.matmul(GemmAt::whole(No, Yes, rows, n, kk), &dy, w, &mut dx)
-                        .map_err(&e)?;
-                    dev.matmul_acc(GemmAt::whole(Yes, No, kk, rows, n), &x, &dy, dw)
-                        .map_err(&e)?;
-                }
-                if let Some(&b) = op.inputs.get(2) {
-                    let bk = self.wkey(b, l)?;
-                    let db = self
-                        .weights
-                        .wgrads
-                        .get_mut(&bk)
-                        .ok_or_else(|| fail("bias gradient missing"))?;
-                    dev.bias_grad(&dy, db).map_err(&e)?;
-                }
-                // A split op's input gradient is partial until the program sums it.
-                if (matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead)
-                    || self.routes_split_experts(op))
-                    && self.tp.size > 1
-                {
-                    self.add_partial(t, l, in0, dx)?;
-                } else {
-                    self.add_grad(t, l, in0, dx)?;
-                }
-            }
+            OpKind::Embedding => self.embedding_backward(op, l, t, dy)?,
+            OpKind::Norm(kind) => self.norm_backward(op, kind, l, t, dy)?,
+            OpKind::Matmul { .. } => self.linear_backward(op, l, t, dy)?,
             OpKind::Rope => {
                 let dx = self.rope(op, &dy, true, t)?;
                 self.add_grad(t, l, in0, dx)?;
             }
-            OpKind::Attention(a) => {
-                let x = self.act(t, l, op.inputs[0])?;
-                let rows = D::act_len(&x) / self.attention_dims(op, 1)?.1;
-                let (dims, _) = self.attention_dims(op, rows)?;
-                let (q, kk, v) = self.split(&x, &dims)?;
-                let o = t
-                    .acts
-                    .get(&(l, format!("{}#o", op.name)))
-                    .cloned()
-                    .ok_or_else(|| fail("attention output was not kept"))?;
-                let lse = stat(t, l, &op.name, Stat::Lse)?;
-                let mut d_o = self.zeros(D::act_len(&dy))?;
-                dev.swap_axes(&dy, [dims.sq, dims.batch, dims.hq * dims.dv], &mut d_o)
-                    .map_err(&e)?;
-                let mut dq = self.zeros(D::act_len(&q))?;
-                let mut dk = self.zeros(D::act_len(&kk))?;
-                let mut dv = self.zeros(D::act_len(&v))?;
-                let mask = AttnMask {
-                    causal: a.causal,
-                    scale: 1.0 / (a.qk_dim as f32).sqrt(),
-                    dropout: self.attention_dropout(op, l, t),
-                };
-                if self.cp.size > 1 {
-                    self.ring_backward(
-                        &dims,
-                        (&q, &kk, &v),
-                        (&o, lse, &d_o),
-                        &mask,
-                        (&mut dq, &mut dk, &mut dv),
-                    )?;
-                } else {
-                    let a = mask.attn(&dims, (&q, &kk, &v), (0, 0));
-                    let b = AttnBwd {
-                        o: &*o,
-                        lse,
-                        d_o: &d_o,
-                        d_q: &mut dq,
-                        d_k: &mut dk,
-                        d_v: &mut dv,
-                    };
-                    self.dev.attention_bwd(&a, b).map_err(&e)?;
-                }
-                let mut dx = self.zeros(D::act_len(&x))?;
-                self.dev
-                    .join_qkv([&dq, &dk, &dv], &dims, &mut dx)
-                    .map_err(&e)?;
-                self.add_grad(t, l, in0, dx)?;
-            }
+            OpKind::Attention(a) => self.attention_backward(op, a, l, t, dy)?,
             OpKind::Activation(kind) => {
                 let x = self.act(t, l, op.inputs[0])?;
                 let mut dx = self.zeros(D::act_len(&x))?;

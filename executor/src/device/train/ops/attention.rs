@@ -1,0 +1,107 @@
+//! Attention: forward and backward over this rank's heads, the ring over the
+//! context axis where there is one.
+
+use super::*;
+use meshplan_ir::graph::AttentionShape;
+
+impl<D: Device> DevRank<'_, D> {
+    pub(super) fn attention_forward(
+        &mut self,
+        op: &Op,
+        a: &AttentionShape,
+        l: u64,
+        t: &mut Task<D>,
+    ) -> Result<D::Act, RankError> {
+        let e = derr(&op.name);
+
+        let x = self.act(t, l, op.inputs[0])?;
+        let rows = D::act_len(&x) / self.attention_dims(op, 1)?.1;
+        let (dims, _) = self.attention_dims(op, rows)?;
+        let (q, kk, v) = self.split(&x, &dims)?;
+        let mut o = self.zeros(rows * dims.hq * dims.dv)?;
+        let mut lse = self.zeros_f32(dims.batch * dims.hq * dims.sq)?;
+        let mask = AttnMask {
+            causal: a.causal,
+            scale: 1.0 / (a.qk_dim as f32).sqrt(),
+            dropout: self.attention_dropout(op, l, t),
+        };
+        if self.cp.size > 1 {
+            self.ring_forward(&dims, (&q, &kk, &v), &mask, &mut o, &mut lse)?;
+        } else {
+            let a = mask.attn(&dims, (&q, &kk, &v), (0, 0));
+            let out = AttnOut {
+                o: &mut o,
+                lse: &mut lse,
+            };
+            self.dev.attention_fwd(&a, out).map_err(&e)?;
+        }
+        let mut y = self.zeros(D::act_len(&o))?;
+        self.dev
+            .swap_axes(&o, [dims.batch, dims.sq, dims.hq * dims.dv], &mut y)
+            .map_err(&e)?;
+        t.stats.insert((l, op.name.clone(), Stat::Lse), lse);
+        t.acts.insert((l, format!("{}#o", op.name)), Arc::new(o));
+        Ok(y)
+    }
+
+    pub(super) fn attention_backward(
+        &mut self,
+        op: &Op,
+        a: &AttentionShape,
+        l: u64,
+        t: &mut Task<D>,
+        dy: D::Act,
+    ) -> Result<(), RankError> {
+        let in0 = self.name_of(op.inputs[0]);
+        let e = derr(&op.name);
+        let dev = &self.dev;
+
+        let x = self.act(t, l, op.inputs[0])?;
+        let rows = D::act_len(&x) / self.attention_dims(op, 1)?.1;
+        let (dims, _) = self.attention_dims(op, rows)?;
+        let (q, kk, v) = self.split(&x, &dims)?;
+        let o = t
+            .acts
+            .get(&(l, format!("{}#o", op.name)))
+            .cloned()
+            .ok_or_else(|| fail("attention output was not kept"))?;
+        let lse = stat(t, l, &op.name, Stat::Lse)?;
+        let mut d_o = self.zeros(D::act_len(&dy))?;
+        dev.swap_axes(&dy, [dims.sq, dims.batch, dims.hq * dims.dv], &mut d_o)
+            .map_err(&e)?;
+        let mut dq = self.zeros(D::act_len(&q))?;
+        let mut dk = self.zeros(D::act_len(&kk))?;
+        let mut dv = self.zeros(D::act_len(&v))?;
+        let mask = AttnMask {
+            causal: a.causal,
+            scale: 1.0 / (a.qk_dim as f32).sqrt(),
+            dropout: self.attention_dropout(op, l, t),
+        };
+        if self.cp.size > 1 {
+            self.ring_backward(
+                &dims,
+                (&q, &kk, &v),
+                (&o, lse, &d_o),
+                &mask,
+                (&mut dq, &mut dk, &mut dv),
+            )?;
+        } else {
+            let a = mask.attn(&dims, (&q, &kk, &v), (0, 0));
+            let b = AttnBwd {
+                o: &*o,
+                lse,
+                d_o: &d_o,
+                d_q: &mut dq,
+                d_k: &mut dk,
+                d_v: &mut dv,
+            };
+            self.dev.attention_bwd(&a, b).map_err(&e)?;
+        }
+        let mut dx = self.zeros(D::act_len(&x))?;
+        self.dev
+            .join_qkv([&dq, &dk, &dv], &dims, &mut dx)
+            .map_err(&e)?;
+        self.add_grad(t, l, in0, dx)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,75 @@
+//! Embedding lookups: forward from the rows' ids, backward into the table's
+//! gradient.
+
+use super::*;
+
+impl<D: Device> DevRank<'_, D> {
+    pub(super) fn embedding_forward(
+        &mut self,
+        op: &Op,
+        l: u64,
+        t: &mut Task<D>,
+        out_rows: usize,
+    ) -> Result<D::Act, RankError> {
+        let e = derr(&op.name);
+        let dev = &self.dev;
+
+        let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
+            .last()
+            .unwrap_or(&1);
+        let all = self.rows();
+        let rows = if out_rows > 0 && out_rows < all && op.role != TpRole::VocabEmbedding {
+            out_rows
+        } else {
+            all
+        };
+        let mut y = self.zeros(rows * dim)?;
+        let ids = self.lookup_ids(op, t, rows)?;
+        let start = self.vocab_start(op)?;
+        dev.embedding_fwd(
+            &Embed {
+                ids,
+                vocab_start: start,
+                dim,
+            },
+            self.weight(op.inputs[1], l)?,
+            &mut y,
+        )
+        .map_err(&e)?;
+        Ok(y)
+    }
+
+    pub(super) fn embedding_backward(
+        &mut self,
+        op: &Op,
+        l: u64,
+        t: &mut Task<D>,
+        dy: D::Act,
+    ) -> Result<(), RankError> {
+        let e = derr(&op.name);
+        let dev = &self.dev;
+
+        let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
+            .last()
+            .unwrap_or(&1);
+        let key = self.wkey(op.inputs[1], l)?;
+        let ids = self.lookup_ids(op, t, D::act_len(&dy) / dim.max(1))?;
+        let start = self.vocab_start(op)?;
+        let dt = self
+            .weights
+            .wgrads
+            .get_mut(&key)
+            .ok_or_else(|| fail("embedding gradient missing"))?;
+        dev.embedding_bwd(
+            &Embed {
+                ids,
+                vocab_start: start,
+                dim,
+            },
+            &dy,
+            dt,
+        )
+        .map_err(&e)?;
+        Ok(())
+    }
+}

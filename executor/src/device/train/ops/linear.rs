@@ -1,0 +1,99 @@
+//! Linear layers (`Matmul` ops): `y = x w` (or `x wᵀ`) plus a bias, the input's
+//! gradient (partial where the op is split) and the weight's.
+
+use super::*;
+
+impl<D: Device> DevRank<'_, D> {
+    pub(super) fn linear_forward(
+        &mut self,
+        op: &Op,
+        l: u64,
+        t: &mut Task<D>,
+    ) -> Result<D::Act, RankError> {
+        let e = derr(&op.name);
+        let dev = &self.dev;
+
+        let x = if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) {
+            self.act_gathered(t, l, op.inputs[0])?
+        } else {
+            self.act(t, l, op.inputs[0])?
+        };
+        let w = self.weight(op.inputs[1], l)?;
+        let (kk, n) = self.matmul_dims(op, w)?;
+        let rows = D::act_len(&x) / kk.max(1);
+        let mut y = self.zeros(rows * n)?;
+        let tb = if crate::shard::weight_transposed(op) {
+            Transpose::Yes
+        } else {
+            Transpose::No
+        };
+        dev.matmul(GemmAt::whole(Transpose::No, tb, rows, kk, n), &x, w, &mut y)
+            .map_err(&e)?;
+        // A row-parallel bias is added once, before the partial sums meet.
+        if let Some(&bid) = op.inputs.get(2) {
+            if op.role != TpRole::RowParallel || self.tp.rank == 0 {
+                dev.bias_add(&mut y, self.weight(bid, l)?).map_err(&e)?;
+            }
+        }
+        Ok(y)
+    }
+
+    pub(super) fn linear_backward(
+        &mut self,
+        op: &Op,
+        l: u64,
+        t: &mut Task<D>,
+        dy: D::Act,
+    ) -> Result<(), RankError> {
+        let in0 = self.name_of(op.inputs[0]);
+        let e = derr(&op.name);
+        let dev = &self.dev;
+
+        let x = if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) {
+            self.act_gathered(t, l, op.inputs[0])?
+        } else {
+            self.act(t, l, op.inputs[0])?
+        };
+        let wkey = self.wkey(op.inputs[1], l)?;
+        let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
+        let (kk, n) = self.matmul_dims(op, w)?;
+        let rows = D::act_len(&x) / kk.max(1);
+        let mut dx = self.zeros(rows * kk)?;
+        let dw = self
+            .weights
+            .wgrads
+            .get_mut(&wkey)
+            .ok_or_else(|| fail("gradient missing"))?;
+        if crate::shard::weight_transposed(op) {
+            // `y = x wᵀ` with `w [n, k]`: `dx = dy w`, `dw += dyᵀ x`.
+            dev.matmul(GemmAt::whole(No, No, rows, n, kk), &dy, w, &mut dx)
+                .map_err(&e)?;
+            dev.matmul_acc(GemmAt::whole(Yes, No, n, rows, kk), &dy, &x, dw)
+                .map_err(&e)?;
+        } else {
+            dev.matmul(GemmAt::whole(No, Yes, rows, n, kk), &dy, w, &mut dx)
+                .map_err(&e)?;
+            dev.matmul_acc(GemmAt::whole(Yes, No, kk, rows, n), &x, &dy, dw)
+                .map_err(&e)?;
+        }
+        if let Some(&b) = op.inputs.get(2) {
+            let bk = self.wkey(b, l)?;
+            let db = self
+                .weights
+                .wgrads
+                .get_mut(&bk)
+                .ok_or_else(|| fail("bias gradient missing"))?;
+            dev.bias_grad(&dy, db).map_err(&e)?;
+        }
+        // A split op's input gradient is partial until the program sums it.
+        if (matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead)
+            || self.routes_split_experts(op))
+            && self.tp.size > 1
+        {
+            self.add_partial(t, l, in0, dx)?;
+        } else {
+            self.add_grad(t, l, in0, dx)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,112 @@
+//! LayerNorm and RMSNorm: forward keeping their statistics, backward from them.
+
+use super::*;
+
+impl<D: Device> DevRank<'_, D> {
+    pub(super) fn norm_forward_op(
+        &mut self,
+        op: &Op,
+        kind: &NormKind,
+        l: u64,
+        t: &mut Task<D>,
+    ) -> Result<D::Act, RankError> {
+        let eps = self.graph.constants.norm_eps as f32;
+        let e = derr(&op.name);
+        let dev = &self.dev;
+
+        let x = self.act(t, l, op.inputs[0])?;
+        let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
+        let rows = D::act_len(&x) / dim;
+        let w = self.weight(op.inputs[1], l)?;
+        let b = match op.inputs.get(2) {
+            Some(&bid) => Some(self.weight(bid, l)?),
+            None => None,
+        };
+        let (x, kind) = (&*x, *kind);
+        let n = Norm {
+            kind,
+            x,
+            w,
+            b,
+            rows,
+            dim,
+            eps,
+        };
+        let (y, mean, rstd) = norm_forward(dev, &n).map_err(&e)?;
+        if let Some(mean) = mean {
+            t.stats.insert((l, op.name.clone(), Stat::Mean), mean);
+        }
+        t.stats.insert((l, op.name.clone(), Stat::Rstd), rstd);
+        Ok(y)
+    }
+
+    pub(super) fn norm_backward(
+        &mut self,
+        op: &Op,
+        kind: &NormKind,
+        l: u64,
+        t: &mut Task<D>,
+        dy: D::Act,
+    ) -> Result<(), RankError> {
+        let in0 = self.name_of(op.inputs[0]);
+        let e = derr(&op.name);
+        let dev = &self.dev;
+
+        let x = self.act(t, l, op.inputs[0])?;
+        let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
+        let rows = D::act_len(&x) / dim;
+        let mut dx = self.zeros(D::act_len(&x))?;
+        let wkey = self.wkey(op.inputs[1], l)?;
+        let bkey = op.inputs.get(2).map(|&b| self.wkey(b, l)).transpose()?;
+        let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
+        let rstd = stat(t, l, &op.name, Stat::Rstd)?;
+        let mut dw = self
+            .weights
+            .wgrads
+            .remove(&wkey)
+            .ok_or_else(|| fail("norm gradient missing"))?;
+        let layer = *kind == NormKind::Layernorm;
+        let mean = if layer {
+            Some(stat(t, l, &op.name, Stat::Mean)?)
+        } else {
+            None
+        };
+        // A bias-less norm's bias gradient goes to a scratch buffer.
+        let mut scratch = match (layer, &bkey) {
+            (true, None) => Some(self.zeros_f32(dim)?),
+            _ => None,
+        };
+        let db = match &bkey {
+            Some(k) => Some(
+                self.weights
+                    .wgrads
+                    .get_mut(k)
+                    .ok_or_else(|| fail("bias gradient missing"))?,
+            ),
+            None => scratch.as_mut(),
+        };
+        let (x, kind, eps) = (&*x, *kind, self.graph.constants.norm_eps as f32);
+        let n = Norm {
+            kind,
+            x,
+            w,
+            b: None,
+            rows,
+            dim,
+            eps,
+        };
+        let g = NormBwd {
+            mean,
+            rstd,
+            dy: &dy,
+            dx: &mut dx,
+            dw: &mut dw,
+            db,
+        };
+        let r = dev.norm_bwd(&n, g);
+        self.weights.wgrads.insert(wkey, dw);
+        r.map_err(&e)?;
+        self.add_grad(t, l, in0, dx)?;
+        Ok(())
+    }
+}
