@@ -35,9 +35,12 @@ mod comm;
 mod experts;
 mod ops;
 mod run;
+mod state;
 mod step;
 mod walk;
 mod zero3;
+
+use state::*;
 
 pub use run::{train_device, train_device_rank, train_device_with};
 
@@ -130,91 +133,6 @@ struct Pending<M> {
     args: serde_json::Value,
 }
 
-/// The weights a rank holds, by (name, layer).
-struct Weights<D: Device> {
-    /// Every weight this rank holds, whole or (ZeRO-3) by part.
-    held: BTreeSet<Key>,
-    /// fp32 master weights, their compute copies, gradients and AdamW moments
-    /// (under ZeRO-3, of the segment copies in use).
-    master: BTreeMap<Key, D::F32>,
-    compute: BTreeMap<Key, D::Act>,
-    wgrads: BTreeMap<Key, D::F32>,
-    adam: BTreeMap<Key, (D::F32, D::F32)>,
-}
-
-/// Where a rank sits on the mesh, beyond its tensor, context and expert places.
-struct MeshPos {
-    groups: BTreeMap<String, Group>,
-    dp_index: usize,
-    dp_size: usize,
-    /// This rank's coordinates on the mesh (a pipeline peer differs in `pp`).
-    coords: Vec<u64>,
-    /// Sequence parallelism over the tensor axis.
-    sp: bool,
-}
-
-/// The workload's sizes: tokens a sequence, sequences a step, a micro-batch.
-struct Sizes {
-    seq_len: usize,
-    global_batch: usize,
-    mbs: usize,
-}
-
-/// The step list, checked once, and the gradient buckets' progress through a
-/// step.
-struct GradSync<D: Device> {
-    /// What the step list does, in order: gradient buckets and the optimizer.
-    step_plan: Vec<StepItem>,
-    buckets: Vec<Bucket>,
-    /// Reductions started early, per bucket.
-    in_flight: Vec<Option<D::Reduction>>,
-    /// The next bucket to start (buckets start in the step list's order on every
-    /// rank, as the communicator matches them).
-    next_bucket: usize,
-    /// Backward ops writing each weight's gradient in one backward task, and during
-    /// the step's last backward task how many are still to run.
-    uses: BTreeMap<Key, usize>,
-    remaining: Option<BTreeMap<Key, usize>>,
-    /// Weights in the order the backward's last write to their gradient comes.
-    final_order: Vec<Key>,
-}
-
-/// Each parameter set's flat vector, and what ZeRO keeps of it.
-struct ZeroState<D: Device> {
-    /// Each parameter set's flat vector: weights and their lengths, in order.
-    layouts: BTreeMap<ParamSet, Layout>,
-    /// ZeRO's gradient and parameter buckets.
-    scatter: Vec<Bucket>,
-    gather: Vec<Bucket>,
-    /// ZeRO: this rank's reduced gradient parts this step (flat start, values), and
-    /// the AdamW moments of each part it updates.
-    shards: Vec<(ParamSet, usize, D::F32)>,
-    shard_adam: BTreeMap<(ParamSet, usize), Moments<D>>,
-    /// ZeRO-3: this rank's parts of each segment copy's masters, gradients and
-    /// moments.
-    z3: zero3::Zero3<D>,
-    /// Resuming: each weight's saved AdamW moments, whole, until the optimizer's
-    /// first step takes its parts of them.
-    resume_moments: BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
-}
-
-/// What a rank measures and records: this step's number and losses, the clock,
-/// the trace, memory peaks and expert slots.
-struct Meter<D: Device> {
-    loss_part: f64,
-    step_no: u64,
-    peak_act_bytes: f64,
-    t0: Instant,
-    pending: Vec<Pending<D::Mark>>,
-    spans: Vec<crate::trace::Span>,
-    /// Per-row losses of this step's micro-batches, in order.
-    losses: Vec<D::F32>,
-    /// Most device memory in use seen after a forward task.
-    device_peak: Option<u64>,
-    /// Dispatch slots routed, and dropped over an expert capacity.
-    expert_slots: (u64, u64),
-}
-
 struct DevRank<'a, D: Device> {
     plan: &'a Plan,
     dev: D,
@@ -243,41 +161,6 @@ struct DevRank<'a, D: Device> {
     sync: GradSync<D>,
     /// The parameter sets' flat layouts and ZeRO's parts.
     zero: ZeroState<D>,
-}
-
-/// What the step list does, in order.
-enum StepItem {
-    /// All-reduce of bucket `i` over the data ranks.
-    Bucket(usize),
-    /// ZeRO: reduce-scatter of gradient bucket `i`, each rank keeping its part.
-    ReduceScatter(usize),
-    /// AdamW on one parameter set.
-    Optimizer(ParamSet),
-    /// ZeRO: all-gather of parameter bucket `i`, the parts each rank updated.
-    AllGather(usize),
-    /// A sum of some weights' gradients over a group, as one flat vector: under
-    /// sequence parallelism over the tensor axis for the weights each tensor rank
-    /// saw only its block of rows for (norms); with a tied table split over
-    /// pipeline stages, between the first and the last stage.
-    SumGrads {
-        group: Group,
-        axis: String,
-        keys: Vec<Key>,
-        tensor: &'static str,
-    },
-}
-
-/// A gradient bucket: a range of a parameter set's flat gradient.
-struct Bucket {
-    set: ParamSet,
-    group: Group,
-    axis: String,
-    tensor: String,
-    /// Where it starts in the flat vector, and its length.
-    start: usize,
-    len: usize,
-    /// (weight, offset in its gradient, offset in the bucket, values).
-    pieces: Vec<(Key, usize, usize, usize)>,
 }
 
 impl<'a, D: Device> DevRank<'a, D> {

@@ -1,0 +1,125 @@
+//! A training rank's state by concern: the weights it holds, where it sits on the
+//! mesh, the workload's sizes, the step list and its buckets, ZeRO's parts, and
+//! what it measures.
+
+use super::*;
+
+/// The weights a rank holds, by (name, layer).
+pub(super) struct Weights<D: Device> {
+    /// Every weight this rank holds, whole or (ZeRO-3) by part.
+    pub(super) held: BTreeSet<Key>,
+    /// fp32 master weights, their compute copies, gradients and AdamW moments
+    /// (under ZeRO-3, of the segment copies in use).
+    pub(super) master: BTreeMap<Key, D::F32>,
+    pub(super) compute: BTreeMap<Key, D::Act>,
+    pub(super) wgrads: BTreeMap<Key, D::F32>,
+    pub(super) adam: BTreeMap<Key, (D::F32, D::F32)>,
+}
+
+/// Where a rank sits on the mesh, beyond its tensor, context and expert places.
+pub(super) struct MeshPos {
+    pub(super) groups: BTreeMap<String, Group>,
+    pub(super) dp_index: usize,
+    pub(super) dp_size: usize,
+    /// This rank's coordinates on the mesh (a pipeline peer differs in `pp`).
+    pub(super) coords: Vec<u64>,
+    /// Sequence parallelism over the tensor axis.
+    pub(super) sp: bool,
+}
+
+/// The workload's sizes: tokens a sequence, sequences a step, a micro-batch.
+pub(super) struct Sizes {
+    pub(super) seq_len: usize,
+    pub(super) global_batch: usize,
+    pub(super) mbs: usize,
+}
+
+/// The step list, checked once, and the gradient buckets' progress through a
+/// step.
+pub(super) struct GradSync<D: Device> {
+    /// What the step list does, in order: gradient buckets and the optimizer.
+    pub(super) step_plan: Vec<StepItem>,
+    pub(super) buckets: Vec<Bucket>,
+    /// Reductions started early, per bucket.
+    pub(super) in_flight: Vec<Option<D::Reduction>>,
+    /// The next bucket to start (buckets start in the step list's order on every
+    /// rank, as the communicator matches them).
+    pub(super) next_bucket: usize,
+    /// Backward ops writing each weight's gradient in one backward task, and during
+    /// the step's last backward task how many are still to run.
+    pub(super) uses: BTreeMap<Key, usize>,
+    pub(super) remaining: Option<BTreeMap<Key, usize>>,
+    /// Weights in the order the backward's last write to their gradient comes.
+    pub(super) final_order: Vec<Key>,
+}
+
+/// Each parameter set's flat vector, and what ZeRO keeps of it.
+pub(super) struct ZeroState<D: Device> {
+    /// Each parameter set's flat vector: weights and their lengths, in order.
+    pub(super) layouts: BTreeMap<ParamSet, Layout>,
+    /// ZeRO's gradient and parameter buckets.
+    pub(super) scatter: Vec<Bucket>,
+    pub(super) gather: Vec<Bucket>,
+    /// ZeRO: this rank's reduced gradient parts this step (flat start, values), and
+    /// the AdamW moments of each part it updates.
+    pub(super) shards: Vec<(ParamSet, usize, D::F32)>,
+    pub(super) shard_adam: BTreeMap<(ParamSet, usize), Moments<D>>,
+    /// ZeRO-3: this rank's parts of each segment copy's masters, gradients and
+    /// moments.
+    pub(super) z3: zero3::Zero3<D>,
+    /// Resuming: each weight's saved AdamW moments, whole, until the optimizer's
+    /// first step takes its parts of them.
+    pub(super) resume_moments: BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
+}
+
+/// What a rank measures and records: this step's number and losses, the clock,
+/// the trace, memory peaks and expert slots.
+pub(super) struct Meter<D: Device> {
+    pub(super) loss_part: f64,
+    pub(super) step_no: u64,
+    pub(super) peak_act_bytes: f64,
+    pub(super) t0: Instant,
+    pub(super) pending: Vec<Pending<D::Mark>>,
+    pub(super) spans: Vec<crate::trace::Span>,
+    /// Per-row losses of this step's micro-batches, in order.
+    pub(super) losses: Vec<D::F32>,
+    /// Most device memory in use seen after a forward task.
+    pub(super) device_peak: Option<u64>,
+    /// Dispatch slots routed, and dropped over an expert capacity.
+    pub(super) expert_slots: (u64, u64),
+}
+
+/// What the step list does, in order.
+pub(super) enum StepItem {
+    /// All-reduce of bucket `i` over the data ranks.
+    Bucket(usize),
+    /// ZeRO: reduce-scatter of gradient bucket `i`, each rank keeping its part.
+    ReduceScatter(usize),
+    /// AdamW on one parameter set.
+    Optimizer(ParamSet),
+    /// ZeRO: all-gather of parameter bucket `i`, the parts each rank updated.
+    AllGather(usize),
+    /// A sum of some weights' gradients over a group, as one flat vector: under
+    /// sequence parallelism over the tensor axis for the weights each tensor rank
+    /// saw only its block of rows for (norms); with a tied table split over
+    /// pipeline stages, between the first and the last stage.
+    SumGrads {
+        group: Group,
+        axis: String,
+        keys: Vec<Key>,
+        tensor: &'static str,
+    },
+}
+
+/// A gradient bucket: a range of a parameter set's flat gradient.
+pub(super) struct Bucket {
+    pub(super) set: ParamSet,
+    pub(super) group: Group,
+    pub(super) axis: String,
+    pub(super) tensor: String,
+    /// Where it starts in the flat vector, and its length.
+    pub(super) start: usize,
+    pub(super) len: usize,
+    /// (weight, offset in its gradient, offset in the bucket, values).
+    pub(super) pieces: Vec<(Key, usize, usize, usize)>,
+}
