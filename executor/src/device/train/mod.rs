@@ -42,6 +42,9 @@ mod zero3;
 
 use state::*;
 
+/// A rank's result.
+type Res<T = ()> = Result<T, RankError>;
+
 pub use run::{train_device, train_device_rank, train_device_with};
 
 /// Why the device interpreter does not take `plan`, or `Ok`.

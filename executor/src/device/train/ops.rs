@@ -264,13 +264,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
     }
 
-    pub(super) fn rope(
-        &self,
-        op: &Op,
-        x: &D::Act,
-        backward: bool,
-        t: &Task<D>,
-    ) -> Result<D::Act, RankError> {
+    pub(super) fn rope(&self, op: &Op, x: &D::Act, backward: bool, t: &Task<D>) -> Res<D::Act> {
         let att = self.consumer_attention(op)?;
         let rows = D::act_len(x) / self.attention_dims(att, 1)?.1;
         let (dims, width) = self.attention_dims(att, rows)?;
@@ -288,13 +282,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(y)
     }
 
-    pub(super) fn forward_op(
-        &mut self,
-        op: &Op,
-        l: u64,
-        t: &mut Task<D>,
-        out_rows: usize,
-    ) -> Result<(), RankError> {
+    pub(super) fn forward_op(&mut self, op: &Op, l: u64, t: &mut Task<D>, out_rows: usize) -> Res {
         let out = op
             .outputs
             .first()
@@ -303,14 +291,14 @@ impl<'a, D: Device> DevRank<'a, D> {
         let e = derr(&op.name);
         let dev = &self.dev;
         let y = match &op.kind {
-            OpKind::Embedding => self.embedding_forward(op, l, t, out_rows)?,
-            OpKind::Norm(kind) => self.norm_forward_op(op, kind, l, t)?,
-            OpKind::Matmul { .. } => self.linear_forward(op, l, t)?,
+            OpKind::Embedding => self.embedding_fwd(op, l, t, out_rows)?,
+            OpKind::Norm(kind) => self.norm_fwd(op, kind, l, t)?,
+            OpKind::Matmul { .. } => self.linear_fwd(op, l, t)?,
             OpKind::Rope => {
                 let x = self.act(t, l, op.inputs[0])?;
                 self.rope(op, &x, false, t)?
             }
-            OpKind::Attention(a) => self.attention_forward(op, a, l, t)?,
+            OpKind::Attention(a) => self.attention_fwd(op, a, l, t)?,
             OpKind::Activation(kind) => {
                 let x = self.act(t, l, op.inputs[0])?;
                 match kind {
@@ -341,7 +329,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 t.acts.insert((l, out), y);
                 return Ok(());
             }
-            OpKind::CrossEntropy { .. } => return self.loss_forward(op, l, t),
+            OpKind::CrossEntropy { .. } => return self.loss_fwd(op, l, t),
             OpKind::Experts(e) => return self.experts_forward(op, e, l, t),
             OpKind::Router { .. } => {
                 return Err(fail(format!("`{}`: a separate router op", op.name)))
@@ -362,12 +350,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok((q, kk, v))
     }
 
-    pub(super) fn backward_op(
-        &mut self,
-        op: &Op,
-        l: u64,
-        t: &mut Task<D>,
-    ) -> Result<(), RankError> {
+    pub(super) fn backward_op(&mut self, op: &Op, l: u64, t: &mut Task<D>) -> Res {
         let in0 = self.name_of(op.inputs[0]);
         if let OpKind::CrossEntropy { .. } = op.kind {
             let d = t
@@ -389,14 +372,14 @@ impl<'a, D: Device> DevRank<'a, D> {
         let e = derr(&op.name);
         let dev = &self.dev;
         match &op.kind {
-            OpKind::Embedding => self.embedding_backward(op, l, t, dy)?,
-            OpKind::Norm(kind) => self.norm_backward(op, kind, l, t, dy)?,
-            OpKind::Matmul { .. } => self.linear_backward(op, l, t, dy)?,
+            OpKind::Embedding => self.embedding_bwd(op, l, t, dy)?,
+            OpKind::Norm(kind) => self.norm_bwd(op, kind, l, t, dy)?,
+            OpKind::Matmul { .. } => self.linear_bwd(op, l, t, dy)?,
             OpKind::Rope => {
                 let dx = self.rope(op, &dy, true, t)?;
                 self.add_grad(t, l, in0, dx)?;
             }
-            OpKind::Attention(a) => self.attention_backward(op, a, l, t, dy)?,
+            OpKind::Attention(a) => self.attention_bwd(op, a, l, t, dy)?,
             OpKind::Activation(kind) => {
                 let x = self.act(t, l, op.inputs[0])?;
                 let mut dx = self.zeros(D::act_len(&x))?;

@@ -5,13 +5,13 @@ use super::*;
 use meshplan_ir::graph::AttentionShape;
 
 impl<D: Device> DevRank<'_, D> {
-    pub(super) fn attention_forward(
+    pub(super) fn attention_fwd(
         &mut self,
         op: &Op,
         a: &AttentionShape,
         l: u64,
         t: &mut Task<D>,
-    ) -> Result<D::Act, RankError> {
+    ) -> Res<D::Act> {
         let e = derr(&op.name);
 
         let x = self.act(t, l, op.inputs[0])?;
@@ -44,18 +44,17 @@ impl<D: Device> DevRank<'_, D> {
         Ok(y)
     }
 
-    pub(super) fn attention_backward(
+    pub(super) fn attention_bwd(
         &mut self,
         op: &Op,
         a: &AttentionShape,
         l: u64,
         t: &mut Task<D>,
         dy: D::Act,
-    ) -> Result<(), RankError> {
+    ) -> Res {
         let in0 = self.name_of(op.inputs[0]);
         let e = derr(&op.name);
         let dev = &self.dev;
-
         let x = self.act(t, l, op.inputs[0])?;
         let rows = D::act_len(&x) / self.attention_dims(op, 1)?.1;
         let (dims, _) = self.attention_dims(op, rows)?;

@@ -4,16 +4,15 @@
 use super::*;
 
 impl<D: Device> DevRank<'_, D> {
-    pub(super) fn embedding_forward(
+    pub(super) fn embedding_fwd(
         &mut self,
         op: &Op,
         l: u64,
         t: &mut Task<D>,
         out_rows: usize,
-    ) -> Result<D::Act, RankError> {
+    ) -> Res<D::Act> {
         let e = derr(&op.name);
         let dev = &self.dev;
-
         let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
             .last()
             .unwrap_or(&1);
@@ -39,16 +38,9 @@ impl<D: Device> DevRank<'_, D> {
         Ok(y)
     }
 
-    pub(super) fn embedding_backward(
-        &mut self,
-        op: &Op,
-        l: u64,
-        t: &mut Task<D>,
-        dy: D::Act,
-    ) -> Result<(), RankError> {
+    pub(super) fn embedding_bwd(&mut self, op: &Op, l: u64, t: &mut Task<D>, dy: D::Act) -> Res {
         let e = derr(&op.name);
         let dev = &self.dev;
-
         let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
             .last()
             .unwrap_or(&1);

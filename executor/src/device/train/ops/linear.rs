@@ -4,20 +4,20 @@
 use super::*;
 
 impl<D: Device> DevRank<'_, D> {
-    pub(super) fn linear_forward(
-        &mut self,
-        op: &Op,
-        l: u64,
-        t: &mut Task<D>,
-    ) -> Result<D::Act, RankError> {
+    /// A linear op's input: a column-parallel op (or the vocabulary head) reads it
+    /// gathered over the tensor axis under sequence parallelism.
+    fn linear_input(&self, op: &Op, l: u64, t: &Task<D>) -> Res<Arc<D::Act>> {
+        if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) {
+            self.act_gathered(t, l, op.inputs[0])
+        } else {
+            self.act(t, l, op.inputs[0])
+        }
+    }
+
+    pub(super) fn linear_fwd(&mut self, op: &Op, l: u64, t: &mut Task<D>) -> Res<D::Act> {
         let e = derr(&op.name);
         let dev = &self.dev;
-
-        let x = if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) {
-            self.act_gathered(t, l, op.inputs[0])?
-        } else {
-            self.act(t, l, op.inputs[0])?
-        };
+        let x = self.linear_input(op, l, t)?;
         let w = self.weight(op.inputs[1], l)?;
         let (kk, n) = self.matmul_dims(op, w)?;
         let rows = D::act_len(&x) / kk.max(1);
@@ -38,22 +38,11 @@ impl<D: Device> DevRank<'_, D> {
         Ok(y)
     }
 
-    pub(super) fn linear_backward(
-        &mut self,
-        op: &Op,
-        l: u64,
-        t: &mut Task<D>,
-        dy: D::Act,
-    ) -> Result<(), RankError> {
+    pub(super) fn linear_bwd(&mut self, op: &Op, l: u64, t: &mut Task<D>, dy: D::Act) -> Res {
         let in0 = self.name_of(op.inputs[0]);
         let e = derr(&op.name);
         let dev = &self.dev;
-
-        let x = if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) {
-            self.act_gathered(t, l, op.inputs[0])?
-        } else {
-            self.act(t, l, op.inputs[0])?
-        };
+        let x = self.linear_input(op, l, t)?;
         let wkey = self.wkey(op.inputs[1], l)?;
         let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
         let (kk, n) = self.matmul_dims(op, w)?;

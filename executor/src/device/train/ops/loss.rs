@@ -4,15 +4,9 @@
 use super::*;
 
 impl<D: Device> DevRank<'_, D> {
-    pub(super) fn loss_forward(
-        &mut self,
-        op: &Op,
-        l: u64,
-        t: &mut Task<D>,
-    ) -> Result<(), RankError> {
+    pub(super) fn loss_fwd(&mut self, op: &Op, l: u64, t: &mut Task<D>) -> Res {
         let e = derr(&op.name);
         let dev = &self.dev;
-
         let logits = self.act(t, l, op.inputs[0])?;
         let rows = self.rows();
         if op.role == TpRole::VocabLoss && self.tp.size > 1 {

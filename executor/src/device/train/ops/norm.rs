@@ -3,17 +3,16 @@
 use super::*;
 
 impl<D: Device> DevRank<'_, D> {
-    pub(super) fn norm_forward_op(
+    pub(super) fn norm_fwd(
         &mut self,
         op: &Op,
         kind: &NormKind,
         l: u64,
         t: &mut Task<D>,
-    ) -> Result<D::Act, RankError> {
+    ) -> Res<D::Act> {
         let eps = self.graph.constants.norm_eps as f32;
         let e = derr(&op.name);
         let dev = &self.dev;
-
         let x = self.act(t, l, op.inputs[0])?;
         let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
         let rows = D::act_len(&x) / dim;
@@ -40,18 +39,17 @@ impl<D: Device> DevRank<'_, D> {
         Ok(y)
     }
 
-    pub(super) fn norm_backward(
+    pub(super) fn norm_bwd(
         &mut self,
         op: &Op,
         kind: &NormKind,
         l: u64,
         t: &mut Task<D>,
         dy: D::Act,
-    ) -> Result<(), RankError> {
+    ) -> Res {
         let in0 = self.name_of(op.inputs[0]);
         let e = derr(&op.name);
         let dev = &self.dev;
-
         let x = self.act(t, l, op.inputs[0])?;
         let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
         let rows = D::act_len(&x) / dim;
