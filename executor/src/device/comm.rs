@@ -67,27 +67,16 @@ pub trait DeviceComm<D: Device + ?Sized>: Communicator {
         recv: (&mut D::Act, &[usize]),
     ) -> CResult<()>;
 
-    /// Sequence parallelism's collectives on activations (and input gradients) over
-    /// `on`: `ReduceScatter` (`out` = this member's rows of the sum of every
-    /// member's `src`) or `AllGather` (`out` = every member's `src`, in group order).
-    fn act_collective(
-        &mut self,
-        dev: &D,
-        kind: Kind<'_>,
-        src: &D::Act,
-        out: &mut D::Act,
-    ) -> CResult<()>;
+    /// Sequence parallelism's collectives on activations (and input gradients),
+    /// `k` = (kind, where): `ReduceScatter` (`y` = this member's rows of the sum of
+    /// every member's `x`) or `AllGather` (`y` = every member's `x`, in group
+    /// order).
+    fn act_collective(&mut self, dev: &D, k: Kind<'_>, x: &D::Act, y: &mut D::Act) -> CResult<()>;
 
-    /// ZeRO's collectives on fp32 buffers over `on`: `ReduceScatter` (this member's
-    /// part of the sum of the gradient shards) or `AllGather` (every member's
-    /// updated parameters).
-    fn f32_collective(
-        &mut self,
-        dev: &D,
-        kind: Kind<'_>,
-        src: &D::F32,
-        out: &mut D::F32,
-    ) -> CResult<()>;
+    /// ZeRO's collectives on fp32 buffers, `k` = (kind, where): `ReduceScatter`
+    /// (this member's part of the sum of the gradient shards) or `AllGather` (every
+    /// member's updated parameters).
+    fn f32_collective(&mut self, dev: &D, k: Kind<'_>, x: &D::F32, y: &mut D::F32) -> CResult<()>;
 }
 
 /// A reduce-scatter or an all-gather, and where it runs.
@@ -134,6 +123,9 @@ pub(crate) fn host_collective(
     }
 }
 
+/// A host device's buffer.
+type V = Vec<f32>;
+
 /// A host device's buffers are host vectors: any host communicator moves them as
 /// they are, rounding a sum to bf16 where a GPU would store it in bf16.
 impl<H: HostPrecision> DeviceComm<H> for dyn Communicator {
@@ -179,27 +171,15 @@ impl<H: HostPrecision> DeviceComm<H> for dyn Communicator {
     ) -> CResult<()> {
         self.all_to_all_v(group, axis, send, send_counts, recv, recv_counts)
     }
-    fn act_collective(
-        &mut self,
-        _: &H,
-        kind: Kind<'_>,
-        src: &Vec<f32>,
-        out: &mut Vec<f32>,
-    ) -> CResult<()> {
-        host_collective(self, kind, src, out)?;
+    fn act_collective(&mut self, _: &H, k: Kind<'_>, x: &V, y: &mut V) -> CResult<()> {
+        host_collective(self, k, x, y)?;
         // A reduce-scatter's sum lands in a bf16 buffer on a GPU.
-        if kind.0 == CommKind::ReduceScatter {
-            H::round(out);
+        if k.0 == CommKind::ReduceScatter {
+            H::round(y);
         }
         Ok(())
     }
-    fn f32_collective(
-        &mut self,
-        _: &H,
-        kind: Kind<'_>,
-        src: &Vec<f32>,
-        out: &mut Vec<f32>,
-    ) -> CResult<()> {
-        host_collective(self, kind, src, out)
+    fn f32_collective(&mut self, _: &H, k: Kind<'_>, x: &V, y: &mut V) -> CResult<()> {
+        host_collective(self, k, x, y)
     }
 }

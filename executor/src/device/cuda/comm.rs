@@ -3,7 +3,7 @@
 //! host communicator through which the buffers are staged (download, move,
 //! upload).
 
-use super::CudaDevice;
+use super::{CudaDevice, A, F};
 use crate::comm::{ByteCounts, CommError, CommKind, Communicator, Group, NcclComm, P2p};
 use crate::device::comm::{host_collective, internal, CResult, DeviceComm, Kind, On};
 use crate::device::Device;
@@ -254,38 +254,26 @@ impl DeviceComm<CudaDevice> for CudaComm {
         let up = dev.f32_upload(&got).map_err(internal)?;
         dev.to_act(&up, recv.0).map_err(internal)
     }
-    fn act_collective(
-        &mut self,
-        dev: &CudaDevice,
-        kind: Kind<'_>,
-        src: &CudaSlice<bf16>,
-        out: &mut CudaSlice<bf16>,
-    ) -> CResult<()> {
+    fn act_collective(&mut self, dev: &CudaDevice, k: Kind<'_>, x: &A, y: &mut A) -> CResult<()> {
         let host = match self {
-            CudaComm::Nccl(nccl) => return collective(dev, nccl, kind, Some(src), out),
+            CudaComm::Nccl(nccl) => return collective(dev, nccl, k, Some(x), y),
             CudaComm::Staged(host) => host,
         };
-        let h = dev.act_download(src).map_err(internal)?;
-        let mut got = vec![0.0; out.len()];
-        host_collective(host.as_mut(), kind, &h, &mut got)?;
+        let h = dev.act_download(x).map_err(internal)?;
+        let mut got = vec![0.0; y.len()];
+        host_collective(host.as_mut(), k, &h, &mut got)?;
         let up = dev.f32_upload(&got).map_err(internal)?;
-        dev.to_act(&up, out).map_err(internal)
+        dev.to_act(&up, y).map_err(internal)
     }
-    fn f32_collective(
-        &mut self,
-        dev: &CudaDevice,
-        kind: Kind<'_>,
-        src: &CudaSlice<f32>,
-        out: &mut CudaSlice<f32>,
-    ) -> CResult<()> {
+    fn f32_collective(&mut self, dev: &CudaDevice, k: Kind<'_>, x: &F, y: &mut F) -> CResult<()> {
         let host = match self {
-            CudaComm::Nccl(nccl) => return collective(dev, nccl, kind, Some(src), out),
+            CudaComm::Nccl(nccl) => return collective(dev, nccl, k, Some(x), y),
             CudaComm::Staged(host) => host,
         };
-        let h = dev.f32_download(src).map_err(internal)?;
-        let mut got = vec![0.0; out.len()];
-        host_collective(host.as_mut(), kind, &h, &mut got)?;
-        *out = dev.f32_upload(&got).map_err(internal)?;
+        let h = dev.f32_download(x).map_err(internal)?;
+        let mut got = vec![0.0; y.len()];
+        host_collective(host.as_mut(), k, &h, &mut got)?;
+        *y = dev.f32_upload(&got).map_err(internal)?;
         Ok(())
     }
 }
