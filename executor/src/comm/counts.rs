@@ -102,6 +102,19 @@ impl ByteCounts {
             .add(payload_bytes, sent_num, sent_den);
     }
 
+    /// Adds one completed collective over `members` of `payload_bytes`, sent as
+    /// the cost model's ring counts it ([`ring_bytes`]).
+    pub(crate) fn record_ring(
+        &mut self,
+        kind: CommKind,
+        axis: &str,
+        members: usize,
+        payload_bytes: u64,
+    ) {
+        let (num, den) = ring_bytes(kind, members, payload_bytes);
+        self.record(kind, axis, payload_bytes, num, den);
+    }
+
     /// The count of one (kind, axis), if any call was made.
     pub fn get(&self, kind: CommKind, axis: &str) -> Option<&KindCount> {
         self.entries.get(&(kind, axis.to_string()))

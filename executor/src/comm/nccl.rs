@@ -44,7 +44,6 @@ use meshplan_kernels::cuda::cudarc::driver::{
 use meshplan_kernels::cuda::cudarc::nccl::{result, sys};
 
 use super::args;
-use super::counts::ring_bytes;
 use super::{ByteCounts, CommError, CommKind, Communicator, Group};
 use crate::launch::{LaunchEnv, Rendezvous};
 
@@ -443,9 +442,8 @@ impl Communicator for NcclComm {
             })?;
             s.fetch(&d, buf)
         })?;
-        let payload = bytes_of(buf.len());
-        let (num, den) = ring_bytes(kind, group.size(), payload);
-        self.counts.record(kind, axis, payload, num, den);
+        self.counts
+            .record_ring(kind, axis, group.size(), bytes_of(buf.len()));
         Ok(())
     }
 
@@ -470,9 +468,7 @@ impl Communicator for NcclComm {
             })?;
             s.fetch(&dst, out)
         })?;
-        let payload = bytes_of(out.len());
-        let (num, den) = ring_bytes(kind, n, payload);
-        self.counts.record(kind, axis, payload, num, den);
+        self.counts.record_ring(kind, axis, n, bytes_of(out.len()));
         Ok(())
     }
 
@@ -497,9 +493,8 @@ impl Communicator for NcclComm {
             })?;
             s.fetch(&dst, out)
         })?;
-        let payload = bytes_of(input.len());
-        let (num, den) = ring_bytes(kind, n, payload);
-        self.counts.record(kind, axis, payload, num, den);
+        self.counts
+            .record_ring(kind, axis, n, bytes_of(input.len()));
         Ok(())
     }
 
@@ -531,9 +526,7 @@ impl Communicator for NcclComm {
             })?;
             s.fetch(&d, buf)
         })?;
-        let payload = bytes_of(buf.len());
-        let (num, den) = ring_bytes(kind, n, payload);
-        self.counts.record(kind, axis, payload, num, den);
+        self.counts.record_ring(kind, axis, n, bytes_of(buf.len()));
         Ok(())
     }
 
@@ -553,9 +546,7 @@ impl Communicator for NcclComm {
         self.run(kind, |s| {
             grouped_exchange(s, comm, (send, &counts), (recv, &counts))
         })?;
-        let payload = bytes_of(send.len());
-        let (num, den) = ring_bytes(kind, n, payload);
-        self.counts.record(kind, axis, payload, num, den);
+        self.counts.record_ring(kind, axis, n, bytes_of(send.len()));
         Ok(())
     }
 

@@ -9,7 +9,6 @@
 //! pipeline stages exchange activations in either order without deadlock.
 
 use super::args;
-use super::counts::ring_bytes;
 use super::{ByteCounts, CommError, CommKind, Communicator, Failure, Group, WaitPoint};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -80,6 +79,16 @@ struct Contribution {
     data: Vec<f32>,
     send_counts: Vec<usize>,
     recv_counts: Vec<usize>,
+}
+
+impl Contribution {
+    /// A member's buffer, with no All-to-All-v counts.
+    fn of(data: &[f32]) -> Contribution {
+        Contribution {
+            data: data.to_vec(),
+            ..Contribution::default()
+        }
+    }
 }
 
 struct Slot {
@@ -345,16 +354,11 @@ impl ThreadComm {
         buf: &mut [f32],
     ) -> Result<(), CommError> {
         let (me, wait) = self.enter(group, CommKind::AllReduce, axis)?;
-        let mine = Contribution {
-            data: buf.to_vec(),
-            ..Contribution::default()
-        };
+        let mine = Contribution::of(buf);
         let inputs = self.exchange(me, &wait, buf.len(), 0, mine)?;
         sum_into(buf, &inputs, 0, &wait)?;
-        let payload = bytes_of(buf.len());
-        let (num, den) = ring_bytes(CommKind::AllReduce, group.size(), payload);
         self.counts
-            .record(CommKind::AllReduce, axis, payload, num, den);
+            .record_ring(CommKind::AllReduce, axis, group.size(), bytes_of(buf.len()));
         Ok(())
     }
 
@@ -368,20 +372,15 @@ impl ThreadComm {
         let n = group.size();
         args::all_gather(n, local.len(), out.len())?;
         let (me, wait) = self.enter(group, CommKind::AllGather, axis)?;
-        let mine = Contribution {
-            data: local.to_vec(),
-            ..Contribution::default()
-        };
+        let mine = Contribution::of(local);
         let inputs = self.exchange(me, &wait, local.len(), 0, mine)?;
         if !local.is_empty() {
             for (dst, c) in out.chunks_mut(local.len()).zip(&inputs) {
                 dst.copy_from_slice(part(c, 0, dst.len(), &wait)?);
             }
         }
-        let payload = bytes_of(out.len());
-        let (num, den) = ring_bytes(CommKind::AllGather, n, payload);
         self.counts
-            .record(CommKind::AllGather, axis, payload, num, den);
+            .record_ring(CommKind::AllGather, axis, n, bytes_of(out.len()));
         Ok(())
     }
 
@@ -395,16 +394,11 @@ impl ThreadComm {
         let n = group.size();
         args::reduce_scatter(n, input.len(), out.len())?;
         let (me, wait) = self.enter(group, CommKind::ReduceScatter, axis)?;
-        let mine = Contribution {
-            data: input.to_vec(),
-            ..Contribution::default()
-        };
+        let mine = Contribution::of(input);
         let inputs = self.exchange(me, &wait, input.len(), 0, mine)?;
         sum_into(out, &inputs, me * out.len(), &wait)?;
-        let payload = bytes_of(input.len());
-        let (num, den) = ring_bytes(CommKind::ReduceScatter, n, payload);
         self.counts
-            .record(CommKind::ReduceScatter, axis, payload, num, den);
+            .record_ring(CommKind::ReduceScatter, axis, n, bytes_of(input.len()));
         Ok(())
     }
 
@@ -419,15 +413,7 @@ impl ThreadComm {
         args::broadcast(n, root_index)?;
         let (me, wait) = self.enter(group, CommKind::Broadcast, axis)?;
         // Only the root's data is read, so the others contribute nothing.
-        let data = if me == root_index {
-            buf.to_vec()
-        } else {
-            Vec::new()
-        };
-        let mine = Contribution {
-            data,
-            ..Contribution::default()
-        };
+        let mine = Contribution::of(if me == root_index { buf } else { &[] });
         let inputs = self.exchange(me, &wait, buf.len(), root_index, mine)?;
         if me != root_index {
             let root = inputs.get(root_index).ok_or_else(|| CommError::Internal {
@@ -435,10 +421,8 @@ impl ThreadComm {
             })?;
             buf.copy_from_slice(part(root, 0, buf.len(), &wait)?);
         }
-        let payload = bytes_of(buf.len());
-        let (num, den) = ring_bytes(CommKind::Broadcast, n, payload);
         self.counts
-            .record(CommKind::Broadcast, axis, payload, num, den);
+            .record_ring(CommKind::Broadcast, axis, n, bytes_of(buf.len()));
         Ok(())
     }
 
@@ -452,10 +436,7 @@ impl ThreadComm {
         let n = group.size();
         args::all_to_all(n, send.len(), recv.len())?;
         let (me, wait) = self.enter(group, CommKind::AllToAll, axis)?;
-        let mine = Contribution {
-            data: send.to_vec(),
-            ..Contribution::default()
-        };
+        let mine = Contribution::of(send);
         let inputs = self.exchange(me, &wait, send.len(), 0, mine)?;
         let p = send.len() / n;
         if p > 0 {
@@ -463,10 +444,8 @@ impl ThreadComm {
                 dst.copy_from_slice(part(c, me * p, p, &wait)?);
             }
         }
-        let payload = bytes_of(send.len());
-        let (num, den) = ring_bytes(CommKind::AllToAll, n, payload);
         self.counts
-            .record(CommKind::AllToAll, axis, payload, num, den);
+            .record_ring(CommKind::AllToAll, axis, n, bytes_of(send.len()));
         Ok(())
     }
 

@@ -248,9 +248,8 @@ impl NcclComm {
                 .map_err(|e| format!("recording the collective's end: {e:?}"))
         })?;
         // Counted as the host collectives count them: the larger side's bytes.
-        let payload = n_in.max(n_out) as u64 * size;
-        let (num, den) = ring_bytes(kind, members, payload);
-        self.counts.record(kind, axis, payload, num, den);
+        self.counts
+            .record_ring(kind, axis, members, n_in.max(n_out) as u64 * size);
         Ok(done)
     }
 }
