@@ -6,6 +6,7 @@
 use super::ops::AttnMask;
 use super::*;
 use crate::device::{act_collected, CeOut, DeviceComm, Merge};
+use CollectiveKind::{AllGather as AG, ReduceScatter as RS};
 
 impl<'a, D: Device> DevRank<'a, D> {
     /// The context group, this rank's index in it, and its ring neighbours.
@@ -353,25 +354,25 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.comm.all_reduce_act(&self.dev, (&g, axis), &mut x)?;
                 t.acts.insert(key, Arc::new(x));
             }
-            (Target::Activation { tensor }, CollectiveKind::ReduceScatter) => {
+            (Target::Activation { tensor }, k @ (RS | AG)) => {
                 let key = (l, tensor.clone());
-                let full = t
+                let x = t
                     .acts
                     .get(&key)
                     .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
+                let kind = if k == RS {
+                    CommKind::ReduceScatter
+                } else {
+                    CommKind::AllGather
+                };
                 let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, (CommKind::ReduceScatter, (&g, axis)), full)?;
-                t.acts.insert(key, Arc::new(out));
-            }
-            (Target::Activation { tensor }, CollectiveKind::AllGather) => {
-                let key = (l, tensor.clone());
-                let local = t
-                    .acts
-                    .get(&key)
-                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
-                let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, (CommKind::AllGather, (&g, axis)), local)?;
-                t.gathered.insert(key, Arc::new(out));
+                let out = Arc::new(act_collected(dev, comm, (kind, (&g, axis)), x)?);
+                // A reduce-scatter's rows replace the tensor; a gathered copy sits
+                // beside it, for the column-parallel op that reads it.
+                match k {
+                    RS => t.acts.insert(key, out),
+                    _ => t.gathered.insert(key, out),
+                };
             }
             (Target::SegmentParams { segment, set }, CollectiveKind::AllGather) => {
                 self.zero3_gather((&g, axis), (segment, *set, l), backward)?
