@@ -115,6 +115,25 @@ impl ByteCounts {
         self.record(kind, axis, payload_bytes, num, den);
     }
 
+    /// Adds one All-to-All(v) of `elems` elements of `size` bytes in which member
+    /// `me` sent `send_counts[j]` elements to member `j`: what it sent itself
+    /// leaves no wire, so the bytes sent are the others' shares.
+    pub(crate) fn record_a2av(
+        &mut self,
+        axis: &str,
+        elems: usize,
+        (me, send_counts): (usize, &[usize]),
+        size: u64,
+    ) {
+        let to_others: usize = (send_counts.iter().enumerate())
+            .filter(|&(j, _)| j != me)
+            .map(|(_, &c)| c)
+            .sum();
+        let payload = elems as u64 * size;
+        let sent = u128::from(to_others as u64 * size);
+        self.record(CommKind::AllToAllV, axis, payload, sent, 1);
+    }
+
     /// The count of one (kind, axis), if any call was made.
     pub fn get(&self, kind: CommKind, axis: &str) -> Option<&KindCount> {
         self.entries.get(&(kind, axis.to_string()))

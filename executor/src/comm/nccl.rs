@@ -566,19 +566,8 @@ impl Communicator for NcclComm {
         self.run(kind, |s| {
             grouped_exchange(s, comm, (send, send_counts), (recv, recv_counts))
         })?;
-        let to_others: usize = send_counts
-            .iter()
-            .enumerate()
-            .filter(|&(j, _)| j != me)
-            .map(|(_, &c)| c)
-            .sum();
-        self.counts.record(
-            kind,
-            axis,
-            bytes_of(send.len()),
-            u128::from(bytes_of(to_others)),
-            1,
-        );
+        self.counts
+            .record_a2av(axis, send.len(), (me, send_counts), 4);
         Ok(())
     }
 

@@ -481,19 +481,8 @@ impl ThreadComm {
             dst.copy_from_slice(src);
             at += count;
         }
-        let to_others: usize = send_counts
-            .iter()
-            .enumerate()
-            .filter(|&(j, _)| j != me)
-            .map(|(_, &c)| c)
-            .sum();
-        self.counts.record(
-            CommKind::AllToAllV,
-            axis,
-            bytes_of(send.len()),
-            u128::from(bytes_of(to_others)),
-            1,
-        );
+        self.counts
+            .record_a2av(axis, send.len(), (me, send_counts), 4);
         Ok(())
     }
 

@@ -106,14 +106,8 @@ impl NcclComm {
                 .record_event(None)
                 .map_err(|e| format!("recording the exchange's end: {e:?}"))
         })?;
-        let to_others: usize = send_counts
-            .iter()
-            .enumerate()
-            .filter(|&(j, _)| j != me)
-            .map(|(_, &c)| c)
-            .sum();
-        let (b, o) = (send.len() as u64 * 2, to_others as u64 * 2);
-        self.counts.record(kind, axis, b, u128::from(o), 1);
+        self.counts
+            .record_a2av(axis, send.len(), (me, send_counts), 2);
         Ok(done)
     }
 
