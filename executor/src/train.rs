@@ -483,6 +483,79 @@ pub fn tensor_distance(local: &[f32], want: &[f32]) -> (f64, f64, usize) {
     ((sum2 / local.len().max(1) as f64).sqrt(), worst, at)
 }
 
+/// Each step's loss against the reference's, as report lines, and the worst
+/// relative difference: NaN when any is NaN, so that it is never within a
+/// tolerance.
+pub(crate) fn loss_lines(run: &TrainReport, reference: &TrainReport) -> (Vec<String>, f64) {
+    let mut lines = Vec::new();
+    let mut worst: f64 = 0.0;
+    for (i, (a, b)) in run.losses.iter().zip(&reference.losses).enumerate() {
+        let rel = (a - b).abs() / b.abs().max(1e-12);
+        worst = if rel.is_nan() || worst.is_nan() {
+            f64::NAN
+        } else {
+            worst.max(rel)
+        };
+        lines.push(format!(
+            "step {i}: loss {a:.6} vs reference {b:.6} (rel {rel:.2e})"
+        ));
+    }
+    (lines, worst)
+}
+
+/// One weight a rank of a run holds, beside the same slice of its single-rank
+/// reference's.
+pub(crate) struct WeightSlice<'r> {
+    pub rank: usize,
+    pub name: &'r str,
+    pub layer: u64,
+    pub local: &'r [f32],
+    pub want: Vec<f32>,
+    /// The reference's whole weight.
+    pub full: &'r [f32],
+}
+
+/// Calls `f` on every weight every rank of `run` holds, with the reference's
+/// slice of it (a sharded rank holds a slice: it is compared with the same one).
+pub(crate) fn each_weight_slice<'r>(
+    plan: &Plan,
+    run: &'r TrainReport,
+    reference: &'r TrainReport,
+    mut f: impl FnMut(WeightSlice<'r>) -> Result<(), String>,
+) -> Result<(), String> {
+    let refw = &reference
+        .ranks
+        .first()
+        .ok_or("the reference has no rank")?
+        .weights;
+    for rep in &run.ranks {
+        for ((name, layer), local) in &rep.weights {
+            let full = refw
+                .get(&(name.clone(), *layer))
+                .ok_or_else(|| format!("the reference lacks `{name}` layer {layer}"))?;
+            let want = rank_slice(plan, rep.rank, name, full)?;
+            if want.len() != local.len() {
+                return Err(format!(
+                    "rank {}: `{name}` has {} values, the reference's slice {}",
+                    rep.rank,
+                    local.len(),
+                    want.len()
+                ));
+            }
+            let (rank, layer) = (rep.rank, *layer);
+            f(WeightSlice {
+                rank,
+                name,
+                layer,
+                local,
+                want,
+                full,
+            })?;
+        }
+    }
+    Ok(())
+}
+
 /// Compares a run with its single-rank reference: per-step losses (relative) and
 /// every rank's final weights against the reference's sliced the same way
 /// ([`PARAM_TOLERANCE`]).
@@ -492,55 +565,26 @@ pub fn check_against(
     reference: &TrainReport,
     tolerance: f64,
 ) -> Result<Vec<String>, String> {
-    let mut lines = Vec::new();
-    let mut worst_loss: f64 = 0.0;
-    for (i, (a, b)) in run.losses.iter().zip(&reference.losses).enumerate() {
-        let rel = (a - b).abs() / b.abs().max(1e-12);
-        worst_loss = if rel.is_nan() {
-            f64::NAN
-        } else {
-            worst_loss.max(rel)
-        };
-        lines.push(format!(
-            "step {i}: loss {a:.6} vs reference {b:.6} (rel {rel:.2e})"
-        ));
-    }
-    let refw = &reference
-        .ranks
-        .first()
-        .ok_or("the reference has no rank")?
-        .weights;
+    let (mut lines, worst_loss) = loss_lines(run, reference);
     // The farthest one element can move: the scale the distances are measured in.
     let reach = run.lr.abs() * run.losses.len().max(1) as f64;
     let mut worst = (0.0f64, String::new());
-    for rep in &run.ranks {
-        for ((name, layer), local) in &rep.weights {
-            let full = refw
-                .get(&(name.clone(), *layer))
-                .ok_or_else(|| format!("reference lacks `{name}` layer {layer}"))?;
-            let want = rank_slice(plan, rep.rank, name, full)?;
-            if want.len() != local.len() {
-                return Err(format!(
-                    "rank {}: `{name}` has {} values, reference slice {}",
-                    rep.rank,
-                    local.len(),
-                    want.len()
-                ));
-            }
-            let (rms, max, at) = tensor_distance(local, &want);
-            let rel = rms / reach.max(f64::MIN_POSITIVE);
-            if rel > worst.0 || rel.is_nan() {
-                let layer = layer_label(*layer);
-                worst = (
-                    rel,
-                    format!(
-                        "rank {} `{name}`{layer} (rms {rms:.2e}; largest {max:.2e} at [{at}]: {} vs {})",
-                        rep.rank, local[at], want[at]
-                    ),
-                );
-            }
+    each_weight_slice(plan, run, reference, |w| {
+        let (local, want) = (w.local, &w.want);
+        let (rms, max, at) = tensor_distance(local, want);
+        let rel = rms / reach.max(f64::MIN_POSITIVE);
+        if rel > worst.0 || rel.is_nan() {
+            let (rank, name, layer) = (w.rank, w.name, layer_label(w.layer));
+            worst = (
+                rel,
+                format!(
+                    "rank {rank} `{name}`{layer} (rms {rms:.2e}; largest {max:.2e} at [{at}]: {} vs {})",
+                    local[at], want[at]
+                ),
+            );
         }
-    }
+        Ok(())
+    })?;
     lines.push(format!(
         "worst relative loss difference {worst_loss:.2e} (tolerance {tolerance:.0e}); weights at most {:.2e} of lr x steps away (tolerance {PARAM_TOLERANCE:.0e}), at {}",
         worst.0, worst.1
@@ -648,7 +692,32 @@ impl From<CommError> for ExecError {
 
 #[cfg(test)]
 mod tests {
-    use super::{run_step_times, RankReport};
+    use super::{loss_lines, run_step_times, RankReport, TrainReport};
+
+    fn report(losses: &[f64]) -> TrainReport {
+        TrainReport {
+            losses: losses.to_vec(),
+            step_s: Vec::new(),
+            tokens_per_step: 0,
+            ranks: Vec::new(),
+            saved: Vec::new(),
+            lr: 0.0,
+        }
+    }
+
+    /// Losses 2.0 and 1.1 against 2.0 and 1.0 (hand-worked): relative differences
+    /// 0 and 0.1. A NaN at any step, earlier or later than a finite one, leaves the
+    /// worst NaN, which no tolerance admits.
+    #[test]
+    fn the_worst_loss_difference_keeps_a_nan_from_any_step() {
+        let (lines, worst) = loss_lines(&report(&[2.0, 1.1]), &report(&[2.0, 1.0]));
+        assert_eq!(lines.len(), 2);
+        assert!((worst - 0.1).abs() < 1e-12, "{worst}");
+        let (_, worst) = loss_lines(&report(&[f64::NAN, 1.1]), &report(&[2.0, 1.0]));
+        assert!(worst.is_nan());
+        let (_, worst) = loss_lines(&report(&[2.0, f64::NAN]), &report(&[2.0, 1.0]));
+        assert!(worst.is_nan());
+    }
 
     fn rank(start: f64, ends: &[f64]) -> RankReport {
         RankReport {

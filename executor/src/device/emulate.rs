@@ -50,71 +50,41 @@ pub fn check_mixed_precision(
     loss_tolerance: f64,
     update_tolerance: f64,
 ) -> Result<Vec<String>, String> {
-    let mut lines = Vec::new();
-    let mut worst_loss: f64 = 0.0;
-    for (i, (a, b)) in run.losses.iter().zip(&reference.losses).enumerate() {
-        let rel = (a - b).abs() / b.abs().max(1e-12);
-        worst_loss = worst_loss.max(rel);
-        lines.push(format!(
-            "step {i}: loss {a:.6} vs reference {b:.6} (rel {rel:.2e})"
-        ));
-    }
-    let refw = &reference
-        .ranks
-        .first()
-        .ok_or("the reference has no rank")?
-        .weights;
+    let (mut lines, worst_loss) = crate::train::loss_lines(run, reference);
     let graph = &plan.graph;
     let (mut diff2, mut moved2) = (0.0f64, 0.0f64);
     let mut worst = (0.0f64, String::new());
-    for rep in &run.ranks {
-        for ((name, layer), w) in &rep.weights {
-            let full = refw
-                .get(&(name.clone(), *layer))
-                .ok_or_else(|| format!("the reference lacks `{name}` layer {layer}"))?;
-            // A sharded rank holds a slice: compare it with the same slice.
-            let want = &crate::train::rank_slice(plan, rep.rank, name, full)?;
-            if want.len() != w.len() {
-                return Err(format!(
-                    "rank {}: `{name}` has {} values, the reference's slice {}",
-                    rep.rank,
-                    w.len(),
-                    want.len()
-                ));
-            }
-            let (op, id, shape) = crate::train::weight_site(graph, name)?;
-            let start = crate::init::init_full(
-                seed,
-                name,
-                *layer,
-                full.len(),
-                crate::init::init_kind(op, id, &shape),
-            );
-            let w0 = crate::train::rank_slice(plan, rep.rank, name, &start)?;
-            let d: f64 = w
-                .iter()
-                .zip(want)
-                .map(|(a, b)| ((a - b) as f64).powi(2))
-                .sum();
-            let m: f64 = want
-                .iter()
-                .zip(&w0)
-                .map(|(a, b)| ((a - b) as f64).powi(2))
-                .sum();
-            diff2 += d;
-            moved2 += m;
-            let rel = d.sqrt() / m.sqrt().max(1e-30);
-            if rel > worst.0 {
-                worst = (rel, format!("rank {} `{name}` layer {layer}", rep.rank));
-            }
+    crate::train::each_weight_slice(plan, run, reference, |w| {
+        let (name, layer) = (w.name, w.layer);
+        let (op, id, shape) = crate::train::weight_site(graph, name)?;
+        let kind = crate::init::init_kind(op, id, &shape);
+        let start = crate::init::init_full(seed, name, layer, w.full.len(), kind);
+        let w0 = crate::train::rank_slice(plan, w.rank, name, &start)?;
+        let d: f64 = (w.local.iter().zip(&w.want))
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum();
+        let m: f64 = (w.want.iter().zip(&w0))
+            .map(|(a, b)| ((a - b) as f64).powi(2))
+            .sum();
+        diff2 += d;
+        moved2 += m;
+        let rel = d.sqrt() / m.sqrt().max(1e-30);
+        if rel > worst.0 {
+            worst = (rel, format!("rank {} `{name}` layer {layer}", w.rank));
         }
-    }
+        Ok(())
+    })?;
     let update = diff2.sqrt() / moved2.sqrt().max(1e-30);
     lines.push(format!(
         "worst relative loss difference {worst_loss:.2e} (tolerance {loss_tolerance:.0e}); weights {update:.3} of the reference's update away (tolerance {update_tolerance}), farthest {} at {:.3}",
         worst.1, worst.0
     ));
-    if worst_loss > loss_tolerance || update > update_tolerance || !update.is_finite() {
+    // A NaN loss or weight fails too: it is never within a tolerance.
+    if worst_loss.is_nan()
+        || worst_loss > loss_tolerance
+        || update > update_tolerance
+        || !update.is_finite()
+    {
         return Err(lines.join("\n"));
     }
     Ok(lines)
