@@ -28,6 +28,7 @@ pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod emulate;
+pub(crate) mod forward;
 pub use emulate::{check_mixed_precision, MIXED_LOSS_TOLERANCE, MIXED_UPDATE_TOLERANCE};
 pub mod train;
 
@@ -63,41 +64,6 @@ pub(crate) fn layernorm_parts<A, B>(a: Option<A>, b: Option<B>) -> DResult<(A, B
     a.zip(b).ok_or_else(|| {
         DeviceError("LayerNorm needs its bias, its means and its bias gradient".into())
     })
-}
-
-/// A norm's forward in new buffers: `y`, LayerNorm's means, the reciprocal
-/// deviations.
-type Normed<D> = (
-    <D as Device>::Act,
-    Option<<D as Device>::F32>,
-    <D as Device>::F32,
-);
-
-/// A norm's forward into new buffers; a bias-free LayerNorm adds zeros.
-pub(crate) fn norm_forward<D: Device>(dev: &D, n: &Norm<'_, D>) -> DResult<Normed<D>> {
-    let mut y = dev.act_zeros(D::act_len(n.x))?;
-    let mut rstd = dev.f32_zeros(n.rows)?;
-    let layer = n.kind == NormKind::Layernorm;
-    let mut mean = if layer {
-        Some(dev.f32_zeros(n.rows)?)
-    } else {
-        None
-    };
-    let zero = match (layer, n.b) {
-        (true, None) => Some(dev.act_zeros(n.dim)?),
-        _ => None,
-    };
-    let n = Norm {
-        b: n.b.or(zero.as_ref()),
-        ..*n
-    };
-    let out = NormOut {
-        y: &mut y,
-        mean: mean.as_mut(),
-        rstd: &mut rstd,
-    };
-    dev.norm_fwd(&n, out)?;
-    Ok((y, mean, rstd))
 }
 
 /// A device: buffers and the kernels over them. Launches may be asynchronous; a

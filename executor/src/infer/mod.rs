@@ -31,18 +31,18 @@
 //! through these same passes, the caches moving between them (`disagg.rs`).
 
 use crate::comm::{ByteCounts, CommKind, Communicator, Group, RankError};
-use crate::device::{act_collected, derr, Attn, AttnOut, Device, HostDevice, Norm, RopeQkv};
+use crate::device::{act_collected, derr, AttnOut, Device, HostDevice};
 use crate::init::init_full;
 use crate::moe::Routing;
 use crate::sample::{sample, Sampling};
-use crate::shard::{local_heads, local_weight, weight_transposed, TpPos};
+use crate::shard::{local_weight, TpPos};
 use crate::train::{
     build_groups, fail, fixed_shape, segment_input, segment_output, ExecError, NO_LAYER,
 };
 use crate::weights::{apply_spec, shard_spec, Checkpoint};
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Phase, PhaseKind, Plan, PlanKind, Target};
-use meshplan_ir::{Graph, MlpKind, Op, TensorKind, TpRole};
+use meshplan_ir::{Graph, Op, TensorKind, TpRole};
 use meshplan_kernels::cpu as k;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

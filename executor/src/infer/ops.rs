@@ -2,7 +2,8 @@
 //! on the device, attention against the KV cache, the pass's collectives.
 
 use super::*;
-use crate::device::{DeviceComm, Embed};
+use crate::device::forward::{AttnMask, Site};
+use crate::device::DeviceComm;
 
 impl<'a, D: Device> InferRank<'a, D> {
     pub(super) fn run_phase(&mut self, phase: &Phase, batch: &Batch) -> Result<(), RankError> {
@@ -206,17 +207,18 @@ impl<'a, D: Device> InferRank<'a, D> {
         Ok(())
     }
 
-    /// Local (query heads, kv heads) of an attention op.
-    pub(super) fn heads(&self, att: &Op) -> Result<(usize, usize, usize, usize), RankError> {
-        let OpKind::Attention(a) = &att.kind else {
-            return Err(fail(format!("`{}` is not attention", att.name)));
-        };
-        let (hq, hkv, _) = if att.role == TpRole::Replicated {
-            (a.heads as usize, a.kv_heads as usize, 0)
-        } else {
-            local_heads(a.heads, a.kv_heads, self.tp)
-        };
-        Ok((hq, hkv, a.qk_dim as usize, a.v_dim as usize))
+    /// This rank's place to run an op: its device, graph and tensor-parallel slot.
+    fn site(&self) -> Site<'_, D> {
+        Site {
+            dev: &self.dev,
+            graph: self.graph,
+            tp: self.tp,
+        }
+    }
+
+    /// The weight in input `i` of `op`, if the op has one there.
+    fn weight_at(&self, op: &Op, i: usize, l: u64) -> Result<Option<&D::Act>, RankError> {
+        op.inputs.get(i).map(|_| self.weight(op, i, l)).transpose()
     }
 
     pub(super) fn forward_op(&mut self, op: &Op, batch: &Batch, l: u64) -> Result<(), RankError> {
@@ -225,61 +227,21 @@ impl<'a, D: Device> InferRank<'a, D> {
             .first()
             .map(|&t| self.graph.tensor(t).name.clone())
             .unwrap_or_default();
-        let rows = batch.rows();
-        let eps = self.graph.constants.norm_eps as f32;
-        let err = derr(&op.name);
+        let site = self.site();
         let y = match &op.kind {
             OpKind::Embedding => {
-                let table_name = &self.graph.tensor(op.inputs[1]).name;
-                let ids: Vec<u32> = if table_name == "embed.positions.w" {
+                let table = &self.graph.tensor(op.inputs[1]).name;
+                let ids = if table == "embed.positions.w" {
                     batch.positions()
                 } else {
                     batch.tokens.clone()
                 };
-                let table = self.weight(op, 1, l)?;
-                let dim = self.hidden_width;
-                let vocab_start = if op.role == TpRole::VocabEmbedding {
-                    let full = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
-                    self.tp.rank * (full / self.tp.size.max(1))
-                } else {
-                    0
-                };
-                let mut y = self.zeros(ids.len() * dim)?;
-                let ids = self.dev.ids_upload(&ids).map_err(&err)?;
-                self.dev
-                    .embedding_fwd(
-                        &Embed {
-                            ids: &ids,
-                            vocab_start,
-                            dim,
-                        },
-                        table,
-                        &mut y,
-                    )
-                    .map_err(&err)?;
-                y
+                let dev_ids = self.dev.ids_upload(&ids).map_err(derr(&op.name))?;
+                site.embedding(op, &dev_ids, self.weight(op, 1, l)?, ids.len())?
             }
             OpKind::Norm(kind) => {
-                let x = self.act(op, 0)?;
-                let w = self.weight(op, 1, l)?;
-                let dim = D::act_len(w);
-                let n = D::act_len(x) / dim.max(1);
-                let b = match op.inputs.get(2) {
-                    Some(_) => Some(self.weight(op, 2, l)?),
-                    None => None,
-                };
-                let (rows, kind) = (n, *kind);
-                let n = Norm {
-                    kind,
-                    x,
-                    w,
-                    b,
-                    rows,
-                    dim,
-                    eps,
-                };
-                let (y, _, _) = crate::device::norm_forward(&self.dev, &n).map_err(&err)?;
-                y
+                let (x, w) = (self.act(op, 0)?, self.weight(op, 1, l)?);
+                site.norm(op, *kind, x, w, self.weight_at(op, 2, l)?)?.0
             }
             OpKind::Matmul { .. } => {
                 let in_name = &self.graph.tensor(op.inputs[0]).name;
@@ -287,79 +249,26 @@ impl<'a, D: Device> InferRank<'a, D> {
                     Some(g) if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) => g,
                     _ => self.act(op, 0)?,
                 };
-                let w = self.weight(op, 1, l)?;
-                let kk = D::act_len(x) / rows.max(1);
-                let n = D::act_len(w) / kk.max(1);
-                let mut y = self.zeros(rows * n)?;
-                let tb = if weight_transposed(op) {
-                    k::Transpose::Yes
-                } else {
-                    k::Transpose::No
-                };
-                self.dev
-                    .matmul(
-                        k::GemmAt::whole(k::Transpose::No, tb, rows, kk, n),
-                        x,
-                        w,
-                        &mut y,
-                    )
-                    .map_err(&err)?;
-                // A row-parallel bias is added once, before the partial sums meet.
-                if op.inputs.get(2).is_some()
-                    && (op.role != TpRole::RowParallel || self.tp.rank == 0)
-                {
-                    let b = self.weight(op, 2, l)?;
-                    self.dev.bias_add(&mut y, b).map_err(&err)?;
-                }
-                y
+                site.linear(op, x, self.weight(op, 1, l)?, self.weight_at(op, 2, l)?)?
             }
             OpKind::Rope => {
-                let att = self.consumer_attention(op)?;
-                let (hq, hkv, d, dv) = self.heads(att)?;
-                let x = self.act(op, 0)?;
-                let width = hq * d + hkv * d + hkv * dv;
-                let positions = self.dev.ids_upload(&batch.positions()).map_err(&err)?;
-                let rope = crate::rope_of(&self.graph.constants);
-                let mut y = self.zeros(D::act_len(x))?;
-                let shape = (hq, hkv, d, width);
-                let (positions, backward) = (&positions, false);
-                let r = RopeQkv {
-                    x,
-                    positions,
-                    rows,
-                    shape,
-                    rope,
-                    backward,
-                };
-                self.dev.rope_qkv(&r, &mut y).map_err(&err)?;
-                y
+                let positions = self
+                    .dev
+                    .ids_upload(&batch.positions())
+                    .map_err(derr(&op.name))?;
+                site.rope(op, self.act(op, 0)?, &positions, false)?
             }
             OpKind::Attention(a) => self.attention(op, a.causal, batch, l)?,
-            OpKind::Activation(MlpKind::Swiglu) => {
-                let x = self.act(op, 0)?;
-                let f = D::act_len(x) / (2 * rows.max(1));
-                let mut y = self.zeros(rows * f)?;
-                self.dev.swiglu_fwd(x, f, &mut y).map_err(&err)?;
-                y
-            }
-            OpKind::Activation(MlpKind::Gelu) => {
-                let x = self.act(op, 0)?;
-                let mut y = self.zeros(D::act_len(x))?;
-                self.dev.gelu_fwd(x, &mut y).map_err(&err)?;
-                y
-            }
-            OpKind::Add => {
-                let (a, b) = (self.act(op, 0)?, self.act(op, 1)?);
-                let mut y = self.zeros(D::act_len(a))?;
-                self.dev.add(a, b, &mut y).map_err(&err)?;
-                y
-            }
+            OpKind::Activation(kind) => site.activation(op, *kind, self.act(op, 0)?)?,
+            OpKind::Add => site.add(op, self.act(op, 0)?, self.act(op, 1)?)?,
             // Dropout is the identity at inference.
             OpKind::Dropout => {
                 let x = self.act(op, 0)?;
                 let n = D::act_len(x);
                 let mut y = self.zeros(n)?;
-                self.dev.act_copy((x, 0), (&mut y, 0), n).map_err(&err)?;
+                self.dev
+                    .act_copy((x, 0), (&mut y, 0), n)
+                    .map_err(derr(&op.name))?;
                 y
             }
             // Generation samples from the logits; the loss is not computed.
@@ -429,12 +338,6 @@ impl<'a, D: Device> InferRank<'a, D> {
         Ok(out)
     }
 
-    pub(super) fn consumer_attention(&self, op: &Op) -> Result<&'a Op, RankError> {
-        self.graph
-            .attention_fed_by(op)
-            .ok_or_else(|| fail("rope feeds no attention op"))
-    }
-
     /// Appends each request's new keys and values to its cache and attends its
     /// queries (at positions `pos0..pos0 + seq`) to everything cached.
     pub(super) fn attention(
@@ -444,10 +347,15 @@ impl<'a, D: Device> InferRank<'a, D> {
         batch: &Batch,
         l: u64,
     ) -> Result<D::Act, RankError> {
-        let (hq, hkv, d, dv) = self.heads(op)?;
+        let (hq, hkv, d, dv) = self.site().heads(op)?;
         let b = batch.reqs.len();
         let seq = batch.seq;
-        let scale = 1.0 / (d as f32).sqrt();
+        // Inference runs in eval mode: no dropout.
+        let mask = AttnMask {
+            causal,
+            scale: 1.0 / (d as f32).sqrt(),
+            dropout: None,
+        };
         let err = derr(&op.name);
         let x = self
             .acts
@@ -524,17 +432,8 @@ impl<'a, D: Device> InferRank<'a, D> {
             };
             let mut o = self.zeros(no)?;
             let mut lse = self.zeros_f32(hq * seq)?;
-            let a = Attn {
-                dims: &dims,
-                q: qb.as_ref().unwrap_or(&q),
-                k: &kc,
-                v: &vc,
-                pos0: (batch.pos0[bi], 0),
-                causal,
-                scale,
-                // Inference runs in eval mode: no dropout.
-                dropout: None,
-            };
+            let qkv = (qb.as_ref().unwrap_or(&q), &kc, &vc);
+            let a = mask.attn::<D>(&dims, qkv, (batch.pos0[bi], 0));
             let out = AttnOut {
                 o: &mut o,
                 lse: &mut lse,

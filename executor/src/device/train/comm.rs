@@ -3,8 +3,8 @@
 //! vocabulary-parallel loss's statistics, ZeRO-3's segment gathers and scatters
 //! (in `zero3.rs`), pipeline stage boundaries and ring attention's passes.
 
-use super::ops::AttnMask;
 use super::*;
+use crate::device::forward::AttnMask;
 use crate::device::{act_collected, CeOut, DeviceComm, Merge};
 use CollectiveKind::{AllGather as AG, ReduceScatter as RS};
 

@@ -12,13 +12,13 @@
 //! fp32 accumulation and `beta = 1` across micro-batches), and AdamW updates fp32
 //! master weights and moments, refreshing the bf16 copy in the same kernel.
 
-use super::{derr, qkv_width, Attn, AttnBwd, AttnOut, DResult, Device, DeviceComm};
+use super::{derr, AttnBwd, AttnOut, DResult, Device, DeviceComm};
 use crate::comm::{CommKind, Communicator, Group, RankError};
 use crate::init::{init_full, init_kind};
 use crate::shard::{local_heads, local_weight, TpPos};
 use crate::train::{
-    build_groups, fail, fixed_shape, fixed_shape_tail, segment_copies, segment_index,
-    segment_input, segment_output, ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER,
+    build_groups, fail, fixed_shape, segment_copies, segment_index, segment_input, segment_output,
+    ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER,
 };
 use crate::Stat;
 use meshplan_ir::graph::OpKind;

@@ -5,7 +5,8 @@
 //! `loss`, and the experts in `super::experts`), the elementwise ops here.
 
 use super::*;
-use crate::device::{norm_forward, Ce, CeOut, Embed, Norm, NormBwd, RopeQkv};
+use crate::device::forward::{AttnMask, Site};
+use crate::device::{Ce, CeOut, Embed, Norm, NormBwd};
 use meshplan_kernels::cpu::GemmAt;
 use Transpose::{No, Yes};
 
@@ -15,62 +16,20 @@ mod linear;
 mod loss;
 mod norm;
 
-/// How an attention op masks and scales its scores: causal or not, `1 / sqrt(d)`,
-/// and its probabilities' dropout.
-pub(super) struct AttnMask {
-    pub causal: bool,
-    pub scale: f32,
-    pub dropout: Option<AttnDropout>,
-}
-
-impl AttnMask {
-    /// One attention call over `(q, k, v)` under this mask, its blocks starting at
-    /// query and key positions `pos0`.
-    pub(super) fn attn<'a, D: Device>(
-        &'a self,
-        dims: &'a AttnDims,
-        (q, k, v): (&'a D::Act, &'a D::Act, &'a D::Act),
-        pos0: (usize, usize),
-    ) -> Attn<'a, D> {
-        Attn {
-            dims,
-            q,
-            k,
-            v,
-            pos0,
-            causal: self.causal,
-            scale: self.scale,
-            dropout: self.dropout.as_ref(),
+impl<'a, D: Device> DevRank<'a, D> {
+    /// This rank's place to run an op: its device, graph and tensor-parallel slot.
+    pub(super) fn site(&self) -> Site<'_, D> {
+        Site {
+            dev: &self.dev,
+            graph: self.graph,
+            tp: self.tp,
         }
     }
-}
 
-impl<'a, D: Device> DevRank<'a, D> {
-    pub(super) fn attention_dims(
-        &self,
-        op: &Op,
-        rows: usize,
-    ) -> Result<(AttnDims, usize), RankError> {
-        let OpKind::Attention(a) = &op.kind else {
-            return Err(fail(format!("`{}` is not an attention op", op.name)));
-        };
-        let b = self.sizes.mbs.max(1);
-        let (hq, hkv) = if op.role == TpRole::Replicated {
-            (a.heads as usize, a.kv_heads as usize)
-        } else {
-            let (hq, hkv, _) = local_heads(a.heads, a.kv_heads, self.tp);
-            (hq, hkv)
-        };
-        let dims = AttnDims {
-            batch: b,
-            sq: rows / b,
-            sk: rows / b,
-            hq,
-            hkv,
-            d: a.qk_dim as usize,
-            dv: a.v_dim as usize,
-        };
-        Ok((dims, qkv_width(&dims)))
+    /// An attention op's sizes over `rows` rows of the micro-batch, and the width
+    /// of its fused `q | k | v` input.
+    pub(super) fn attention_dims(&self, op: &Op, rows: usize) -> Res<(AttnDims, usize)> {
+        self.site().attention_dims(op, self.sizes.mbs, rows)
     }
 
     /// The draw of dropout site `op` in layer `l` this step.
@@ -161,27 +120,6 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(Arc::new(y))
     }
 
-    pub(super) fn consumer_attention(&self, op: &Op) -> Result<&'a Op, RankError> {
-        self.graph
-            .attention_fed_by(op)
-            .ok_or_else(|| fail("rope feeds no attention op"))
-    }
-
-    /// `(k, n)` of a matmul op (`y [rows, n] = x [rows, k] w`) on this rank's
-    /// slice `w` of the weight: a row-parallel op splits `k`, the others `n`.
-    pub(super) fn matmul_dims(&self, op: &Op, w: &D::Act) -> Result<(usize, usize), RankError> {
-        let shape = fixed_shape(self.graph.tensor(op.inputs[1]))?;
-        let (kf, nf) = if crate::shard::weight_transposed(op) {
-            (shape[1], shape[0])
-        } else {
-            (shape[0], shape[1])
-        };
-        Ok(match op.role {
-            TpRole::RowParallel => (kf / self.tp.size, nf),
-            _ => (kf, D::act_len(w) / kf.max(1)),
-        })
-    }
-
     /// The ids an embedding op looks up for `rows` rows: token ids, or each token's
     /// position for a learned position table; a block of them under sequence
     /// parallelism.
@@ -221,28 +159,6 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
     }
 
-    /// This rank's columns of a SwiGLU op's output.
-    pub(super) fn swiglu_width(&self, op: &Op) -> Result<usize, RankError> {
-        let full = *fixed_shape_tail(self.graph.tensor(op.outputs[0]))
-            .last()
-            .unwrap_or(&1);
-        Ok(if op.role == TpRole::Replicated {
-            full
-        } else {
-            full / self.tp.size
-        })
-    }
-
-    /// The first vocabulary row of this rank's slice of an embedding table.
-    pub(super) fn vocab_start(&self, op: &Op) -> Result<usize, RankError> {
-        Ok(if op.role == TpRole::VocabEmbedding {
-            let v = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
-            self.tp.rank * v / self.tp.size
-        } else {
-            0
-        })
-    }
-
     /// Cross-entropy's operands over this rank's rows of `logits` (its shard of
     /// the vocabulary from `vocab_start`).
     pub(super) fn ce<'c>(
@@ -264,64 +180,29 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
     }
 
-    pub(super) fn rope(&self, op: &Op, x: &D::Act, backward: bool, t: &Task<D>) -> Res<D::Act> {
-        let att = self.consumer_attention(op)?;
-        let rows = D::act_len(x) / self.attention_dims(att, 1)?.1;
-        let (dims, width) = self.attention_dims(att, rows)?;
-        let mut y = self.zeros(D::act_len(x))?;
-        let rope = crate::rope_of(&self.graph.constants);
-        let r = RopeQkv {
-            x,
-            positions: &t.positions,
-            rows,
-            shape: (dims.hq, dims.hkv, dims.d, width),
-            rope,
-            backward,
-        };
-        self.dev.rope_qkv(&r, &mut y).map_err(derr(&op.name))?;
-        Ok(y)
-    }
-
     pub(super) fn forward_op(&mut self, op: &Op, l: u64, t: &mut Task<D>, out_rows: usize) -> Res {
         let out = op
             .outputs
             .first()
             .map(|&o| self.name_of(o))
             .unwrap_or_default();
-        let e = derr(&op.name);
-        let dev = &self.dev;
         let y = match &op.kind {
             OpKind::Embedding => self.embedding_fwd(op, l, t, out_rows)?,
             OpKind::Norm(kind) => self.norm_fwd(op, kind, l, t)?,
             OpKind::Matmul { .. } => self.linear_fwd(op, l, t)?,
             OpKind::Rope => {
                 let x = self.act(t, l, op.inputs[0])?;
-                self.rope(op, &x, false, t)?
+                self.site().rope(op, &x, &t.positions, false)?
             }
             OpKind::Attention(a) => self.attention_fwd(op, a, l, t)?,
             OpKind::Activation(kind) => {
                 let x = self.act(t, l, op.inputs[0])?;
-                match kind {
-                    MlpKind::Swiglu => {
-                        let f = self.swiglu_width(op)?;
-                        let rows = D::act_len(&x) / (2 * f);
-                        let mut y = self.zeros(rows * f)?;
-                        dev.swiglu_fwd(&x, f, &mut y).map_err(&e)?;
-                        y
-                    }
-                    MlpKind::Gelu => {
-                        let mut y = self.zeros(D::act_len(&x))?;
-                        dev.gelu_fwd(&x, &mut y).map_err(&e)?;
-                        y
-                    }
-                }
+                self.site().activation(op, *kind, &x)?
             }
             OpKind::Add => {
                 let a = self.act(t, l, op.inputs[0])?;
                 let b = self.act(t, l, op.inputs[1])?;
-                let mut y = self.zeros(D::act_len(&a))?;
-                dev.add(&a, &b, &mut y).map_err(&e)?;
-                y
+                self.site().add(op, &a, &b)?
             }
             OpKind::Dropout => {
                 let x = self.act(t, l, op.inputs[0])?;
@@ -376,7 +257,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             OpKind::Norm(kind) => self.norm_bwd(op, kind, l, t, dy)?,
             OpKind::Matmul { .. } => self.linear_bwd(op, l, t, dy)?,
             OpKind::Rope => {
-                let dx = self.rope(op, &dy, true, t)?;
+                let dx = self.site().rope(op, &dy, &t.positions, true)?;
                 self.add_grad(t, l, in0, dx)?;
             }
             OpKind::Attention(a) => self.attention_bwd(op, a, l, t, dy)?,
@@ -385,7 +266,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let mut dx = self.zeros(D::act_len(&x))?;
                 match kind {
                     MlpKind::Swiglu => {
-                        let f = self.swiglu_width(op)?;
+                        let f = self.site().swiglu_width(op)?;
                         dev.swiglu_bwd(&x, &dy, f, &mut dx).map_err(&e)?;
                     }
                     MlpKind::Gelu => dev.gelu_bwd(&x, &dy, &mut dx).map_err(&e)?,

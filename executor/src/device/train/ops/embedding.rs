@@ -11,31 +11,15 @@ impl<D: Device> DevRank<'_, D> {
         t: &mut Task<D>,
         out_rows: usize,
     ) -> Res<D::Act> {
-        let e = derr(&op.name);
-        let dev = &self.dev;
-        let dim = *fixed_shape(self.graph.tensor(op.inputs[1]))?
-            .last()
-            .unwrap_or(&1);
         let all = self.rows();
         let rows = if out_rows > 0 && out_rows < all && op.role != TpRole::VocabEmbedding {
             out_rows
         } else {
             all
         };
-        let mut y = self.zeros(rows * dim)?;
         let ids = self.lookup_ids(op, t, rows)?;
-        let start = self.vocab_start(op)?;
-        dev.embedding_fwd(
-            &Embed {
-                ids,
-                vocab_start: start,
-                dim,
-            },
-            self.weight(op.inputs[1], l)?,
-            &mut y,
-        )
-        .map_err(&e)?;
-        Ok(y)
+        self.site()
+            .embedding(op, ids, self.weight(op.inputs[1], l)?, rows)
     }
 
     pub(super) fn embedding_bwd(&mut self, op: &Op, l: u64, t: &mut Task<D>, dy: D::Act) -> Res {
@@ -46,7 +30,7 @@ impl<D: Device> DevRank<'_, D> {
             .unwrap_or(&1);
         let key = self.wkey(op.inputs[1], l)?;
         let ids = self.lookup_ids(op, t, D::act_len(&dy) / dim.max(1))?;
-        let start = self.vocab_start(op)?;
+        let start = self.site().vocab_start(op)?;
         let dt = self
             .weights
             .wgrads

@@ -15,27 +15,13 @@ impl<D: Device> DevRank<'_, D> {
     }
 
     pub(super) fn linear_fwd(&mut self, op: &Op, l: u64, t: &mut Task<D>) -> Res<D::Act> {
-        let e = derr(&op.name);
-        let dev = &self.dev;
         let x = self.linear_input(op, l, t)?;
         let w = self.weight(op.inputs[1], l)?;
-        let (kk, n) = self.matmul_dims(op, w)?;
-        let rows = D::act_len(&x) / kk.max(1);
-        let mut y = self.zeros(rows * n)?;
-        let tb = if crate::shard::weight_transposed(op) {
-            Transpose::Yes
-        } else {
-            Transpose::No
+        let b = match op.inputs.get(2) {
+            Some(&bid) => Some(self.weight(bid, l)?),
+            None => None,
         };
-        dev.matmul(GemmAt::whole(Transpose::No, tb, rows, kk, n), &x, w, &mut y)
-            .map_err(&e)?;
-        // A row-parallel bias is added once, before the partial sums meet.
-        if let Some(&bid) = op.inputs.get(2) {
-            if op.role != TpRole::RowParallel || self.tp.rank == 0 {
-                dev.bias_add(&mut y, self.weight(bid, l)?).map_err(&e)?;
-            }
-        }
-        Ok(y)
+        self.site().linear(op, &x, w, b)
     }
 
     pub(super) fn linear_bwd(&mut self, op: &Op, l: u64, t: &mut Task<D>, dy: D::Act) -> Res {
@@ -45,7 +31,7 @@ impl<D: Device> DevRank<'_, D> {
         let x = self.linear_input(op, l, t)?;
         let wkey = self.wkey(op.inputs[1], l)?;
         let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
-        let (kk, n) = self.matmul_dims(op, w)?;
+        let (kk, n) = self.site().matmul_dims(op, w)?;
         let rows = D::act_len(&x) / kk.max(1);
         let mut dx = self.zeros(rows * kk)?;
         let dw = self

@@ -10,28 +10,13 @@ impl<D: Device> DevRank<'_, D> {
         l: u64,
         t: &mut Task<D>,
     ) -> Res<D::Act> {
-        let eps = self.graph.constants.norm_eps as f32;
-        let e = derr(&op.name);
-        let dev = &self.dev;
         let x = self.act(t, l, op.inputs[0])?;
-        let dim = fixed_shape(self.graph.tensor(op.inputs[1]))?[0];
-        let rows = D::act_len(&x) / dim;
         let w = self.weight(op.inputs[1], l)?;
         let b = match op.inputs.get(2) {
             Some(&bid) => Some(self.weight(bid, l)?),
             None => None,
         };
-        let (x, kind) = (&*x, *kind);
-        let n = Norm {
-            kind,
-            x,
-            w,
-            b,
-            rows,
-            dim,
-            eps,
-        };
-        let (y, mean, rstd) = norm_forward(dev, &n).map_err(&e)?;
+        let (y, mean, rstd) = self.site().norm(op, *kind, &x, w, b)?;
         if let Some(mean) = mean {
             t.stats.insert((l, op.name.clone(), Stat::Mean), mean);
         }
