@@ -5,7 +5,7 @@
 
 use super::*;
 use crate::device::forward::AttnMask;
-use crate::device::{act_collected, CeOut, DeviceComm, Merge};
+use crate::device::{act_collected, CeOut, DeviceComm, Merge, On};
 use CollectiveKind::{AllGather as AG, ReduceScatter as RS};
 
 impl<'a, D: Device> DevRank<'a, D> {
@@ -276,12 +276,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         axis: &str,
         grad: bool,
     ) -> Result<(), RankError> {
-        let g = self
-            .mesh
-            .groups
-            .get(group)
-            .cloned()
-            .ok_or_else(|| fail(format!("group `{group}` is not in the plan's mesh")))?;
+        let g = self.group(group)?;
         let local: &D::Act = if grad {
             self.grad_hidden.as_ref()
         } else {
@@ -329,12 +324,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         t: &mut Task<D>,
         backward: bool,
     ) -> Result<(), RankError> {
-        let g = self
-            .mesh
-            .groups
-            .get(group)
-            .cloned()
-            .ok_or_else(|| fail(format!("group `{group}` is not in the plan's mesh")))?;
+        let g = self.group(group)?;
         let m0 = self.mark()?;
         // Read only when tracing: a count is a copy of the communicator's table.
         let sent0 = m0
@@ -343,36 +333,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         match (target, kind) {
             // The experts op moves its tokens itself (counts depend on the routing).
             (Target::Experts { .. }, _) => {}
-            (Target::Activation { tensor }, CollectiveKind::AllReduce) => {
-                let key = (l, tensor.clone());
-                let x = t
-                    .acts
-                    .remove(&key)
-                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
-                let mut x = Arc::try_unwrap(x)
-                    .map_err(|_| fail(format!("`{tensor}` is read elsewhere before its sum")))?;
-                self.comm.all_reduce_act(&self.dev, (&g, axis), &mut x)?;
-                t.acts.insert(key, Arc::new(x));
-            }
-            (Target::Activation { tensor }, k @ (RS | AG)) => {
-                let key = (l, tensor.clone());
-                let x = t
-                    .acts
-                    .get(&key)
-                    .ok_or_else(|| fail(format!("no tensor `{tensor}`")))?;
-                let kind = if k == RS {
-                    CommKind::ReduceScatter
-                } else {
-                    CommKind::AllGather
-                };
-                let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = Arc::new(act_collected(dev, comm, (kind, (&g, axis)), x)?);
-                // A reduce-scatter's rows replace the tensor; a gathered copy sits
-                // beside it, for the column-parallel op that reads it.
-                match k {
-                    RS => t.acts.insert(key, out),
-                    _ => t.gathered.insert(key, out),
-                };
+            (Target::Activation { tensor }, k @ (CollectiveKind::AllReduce | RS | AG)) => {
+                self.activation_collective(k, (&g, axis), tensor, l, t)?
             }
             (Target::SegmentParams { segment, set }, CollectiveKind::AllGather) => {
                 self.zero3_gather((&g, axis), (segment, *set, l), backward)?
@@ -395,39 +357,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             (Target::HiddenStates, CollectiveKind::AllGather) => {
                 self.gather_boundary(group, axis, false)?
             }
-            (Target::ActivationGrad { tensor }, CollectiveKind::ReduceScatter) => {
-                let key = (l, tensor.clone());
-                let full = t
-                    .partial
-                    .remove(&key)
-                    .or_else(|| t.grads.remove(&key))
-                    .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
-                let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, (CommKind::ReduceScatter, (&g, axis)), &full)?;
-                self.add_grad(t, l, tensor.clone(), out)?;
-            }
-            (Target::ActivationGrad { tensor }, CollectiveKind::AllGather) => {
-                let key = (l, tensor.clone());
-                let local = t
-                    .grads
-                    .remove(&key)
-                    .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
-                let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, (CommKind::AllGather, (&g, axis)), &local)?;
-                t.grads.insert(key, out);
-            }
-            (Target::ActivationGrad { tensor }, CollectiveKind::AllReduce) => {
-                let key = (l, tensor.clone());
-                if let Some(mut p) = t.partial.remove(&key) {
-                    self.comm.all_reduce_act(&self.dev, (&g, axis), &mut p)?;
-                    self.add_grad(t, l, tensor.clone(), p)?;
-                } else {
-                    let x = t
-                        .grads
-                        .get_mut(&key)
-                        .ok_or_else(|| fail(format!("no gradient of `{tensor}`")))?;
-                    self.comm.all_reduce_act(&self.dev, (&g, axis), x)?;
-                }
+            (Target::ActivationGrad { tensor }, k @ (CollectiveKind::AllReduce | RS | AG)) => {
+                self.grad_collective(k, (&g, axis), tensor, l, t)?
             }
             // The statistics are summed in the forward; the backward reads them.
             (Target::LossStat { .. }, CollectiveKind::AllReduce) if backward => return Ok(()),
@@ -444,6 +375,82 @@ impl<'a, D: Device> DevRank<'a, D> {
         let sent = sent0.map(|s0| self.comm.counts().axis_bytes_sent(axis) - s0);
         let args = serde_json::json!({"step": self.meter.step_no, "layer": l, "tensor": target.to_string(), "axis": axis, "bytes_sent": sent});
         self.span(m0, format!("{kind:?} {axis}"), "comm", args)
+    }
+
+    /// A collective on activation `tensor` of layer `l`: summed in place, or
+    /// reduce-scattered (its rows replace it) or gathered (the copy sits beside it,
+    /// for the column-parallel op that reads it).
+    fn activation_collective(
+        &mut self,
+        kind: CollectiveKind,
+        on: On,
+        tensor: &str,
+        l: u64,
+        t: &mut Task<D>,
+    ) -> Res {
+        let key = (l, tensor.to_string());
+        let missing = || fail(format!("no tensor `{tensor}`"));
+        if kind == CollectiveKind::AllReduce {
+            let x = t.acts.remove(&key).ok_or_else(missing)?;
+            let mut x = Arc::try_unwrap(x)
+                .map_err(|_| fail(format!("`{tensor}` is read elsewhere before its sum")))?;
+            self.comm.all_reduce_act(&self.dev, on, &mut x)?;
+            t.acts.insert(key, Arc::new(x));
+            return Ok(());
+        }
+        let x = t.acts.get(&key).ok_or_else(missing)?;
+        let ck = if kind == RS {
+            CommKind::ReduceScatter
+        } else {
+            CommKind::AllGather
+        };
+        let (dev, comm) = (&self.dev, self.comm.as_mut());
+        let out = Arc::new(act_collected(dev, comm, (ck, on), x)?);
+        match kind {
+            RS => t.acts.insert(key, out),
+            _ => t.gathered.insert(key, out),
+        };
+        Ok(())
+    }
+
+    /// A collective on the gradient of activation `tensor` of layer `l`: its
+    /// partial sums reduced (all of it, or this rank's rows) into it, or its rows
+    /// gathered.
+    fn grad_collective(
+        &mut self,
+        kind: CollectiveKind,
+        on: On,
+        tensor: &str,
+        l: u64,
+        t: &mut Task<D>,
+    ) -> Res {
+        let key = (l, tensor.to_string());
+        let missing = || fail(format!("no gradient of `{tensor}`"));
+        let (dev, comm) = (&self.dev, self.comm.as_mut());
+        match kind {
+            RS => {
+                let full = t.partial.remove(&key).or_else(|| t.grads.remove(&key));
+                let full = full.ok_or_else(missing)?;
+                let out = act_collected(dev, comm, (CommKind::ReduceScatter, on), &full)?;
+                self.add_grad(t, l, key.1, out)?;
+            }
+            AG => {
+                let local = t.grads.remove(&key).ok_or_else(missing)?;
+                let out = act_collected(dev, comm, (CommKind::AllGather, on), &local)?;
+                t.grads.insert(key, out);
+            }
+            _ => match t.partial.remove(&key) {
+                Some(mut p) => {
+                    comm.all_reduce_act(dev, on, &mut p)?;
+                    self.add_grad(t, l, key.1, p)?;
+                }
+                None => {
+                    let x = t.grads.get_mut(&key).ok_or_else(missing)?;
+                    comm.all_reduce_act(dev, on, x)?;
+                }
+            },
+        }
+        Ok(())
     }
 
     /// Sums one statistic of a vocabulary-parallel loss over the tensor axis, then

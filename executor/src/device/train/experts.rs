@@ -69,7 +69,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 op.name
             ))
         })?;
-        let (h, f, ne, kk) = moe::dims(e, self.tp, self.ep);
+        let (h, _, ne, kk) = moe::dims(e, self.tp, self.ep);
         let rows = D::act_len(&dy) / h;
         let mut d_y = self.zeros(D::act_len(&k.y_disp))?;
         let mut d_w = self.zeros_f32(rows * kk)?;
@@ -90,6 +90,51 @@ impl<'a, D: Device> DevRank<'a, D> {
         let (tp_ep, groups) = ((self.tp, self.ep), &self.mesh.groups);
         let d_local = exec(&self.dev, &mut self.comm, groups, tp_ep, &op.name)
             .send_to_experts(d_y, &k.route, &k.moves, h)?;
+        let d_rows = self.expert_mlps_bwd(op, e, l, &k, d_local)?;
+        let (tp_ep, groups) = ((self.tp, self.ep), &self.mesh.groups);
+        let d_disp = exec(&self.dev, &mut self.comm, groups, tp_ep, &op.name)
+            .bring_back(d_rows, &k.route, &k.moves, h)?;
+        let mut dx = self.zeros(rows * h)?;
+        let mut d_logits = self.zeros(rows * ne)?;
+        if rows > 0 {
+            self.dev
+                .moe_dispatch_bwd(&k.routed, &d_disp, &mut dx)
+                .map_err(&err)?;
+            self.dev
+                .moe_route_bwd(&k.routed, &d_w, &mut d_logits)
+                .map_err(&err)?;
+        }
+        let x_name = self.name_of(op.inputs[0]);
+        let g_name = self.name_of(op.inputs[1]);
+        // Split over tp, each rank's experts give a partial input gradient (and,
+        // under sequence parallelism, partial router scores for every token: the
+        // plan reduce-scatters them before the router's backward).
+        if self.ep.size == 1 && self.tp.size > 1 {
+            self.add_partial(t, l, x_name, dx)?;
+            if self.mesh.sp {
+                self.add_partial(t, l, g_name, d_logits)?;
+            } else {
+                self.add_grad(t, l, g_name, d_logits)?;
+            }
+        } else {
+            self.add_grad(t, l, x_name, dx)?;
+            self.add_grad(t, l, g_name, d_logits)?;
+        }
+        Ok(())
+    }
+
+    /// The backward of this rank's experts' MLPs over the rows they processed:
+    /// their weights' gradients accumulated, and the rows' gradient returned.
+    fn expert_mlps_bwd(
+        &mut self,
+        op: &Op,
+        e: &ExpertsShape,
+        l: u64,
+        k: &moe::Kept<D>,
+        d_local: D::Act,
+    ) -> Res<D::Act> {
+        let err = derr(&op.name);
+        let (h, f, _, _) = moe::dims(e, self.tp, self.ep);
         let gated = e.mlp == MlpKind::Swiglu;
         let up_w = if gated { 2 * f } else { f };
         let total: usize = k.local_counts.iter().sum();
@@ -131,36 +176,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             )
             .map_err(&err)?;
         }
-        let (tp_ep, groups) = ((self.tp, self.ep), &self.mesh.groups);
-        let d_disp = exec(&self.dev, &mut self.comm, groups, tp_ep, &op.name)
-            .bring_back(d_rows, &k.route, &k.moves, h)?;
-        let mut dx = self.zeros(rows * h)?;
-        let mut d_logits = self.zeros(rows * ne)?;
-        if rows > 0 {
-            self.dev
-                .moe_dispatch_bwd(&k.routed, &d_disp, &mut dx)
-                .map_err(&err)?;
-            self.dev
-                .moe_route_bwd(&k.routed, &d_w, &mut d_logits)
-                .map_err(&err)?;
-        }
-        let x_name = self.name_of(op.inputs[0]);
-        let g_name = self.name_of(op.inputs[1]);
-        // Split over tp, each rank's experts give a partial input gradient (and,
-        // under sequence parallelism, partial router scores for every token: the
-        // plan reduce-scatters them before the router's backward).
-        if self.ep.size == 1 && self.tp.size > 1 {
-            self.add_partial(t, l, x_name, dx)?;
-            if self.mesh.sp {
-                self.add_partial(t, l, g_name, d_logits)?;
-            } else {
-                self.add_grad(t, l, g_name, d_logits)?;
-            }
-        } else {
-            self.add_grad(t, l, x_name, dx)?;
-            self.add_grad(t, l, g_name, d_logits)?;
-        }
-        Ok(())
+        Ok(d_rows)
     }
 
     /// Whether `op` is a router whose experts split over tp without sequence

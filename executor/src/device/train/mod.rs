@@ -23,7 +23,8 @@ use crate::train::{
 use crate::Stat;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{
-    CollectiveKind, Instr, LossStat, ParamSet, Pass, Plan, PlanKind, Program, Target,
+    CollectiveKind, Instr, LossStat, ParamSet, Pass, Phase, Plan, PlanKind, Program, Target,
+    Task as ScheduleTask,
 };
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
 use meshplan_kernels::cpu::{AttnDims, AttnDropout, DropoutDraw, RowDropout, Transpose};
@@ -185,8 +186,10 @@ impl<'a, D: Device> DevRank<'a, D> {
             .programs
             .get(entry.program as usize)
             .ok_or_else(|| fail(format!("rank {rank}: program {} missing", entry.program)))?;
-        let dp_axis = plan.mesh.axes.iter().position(|a| a == "dp");
-        let tp_axis = plan.mesh.axes.iter().position(|a| a == "tp");
+        let coord = |axis: &str| {
+            let i = plan.mesh.axes.iter().position(|a| a == axis);
+            i.map_or(0, |i| entry.coords[i] as usize)
+        };
         let mut r = DevRank {
             plan,
             dev,
@@ -196,22 +199,17 @@ impl<'a, D: Device> DevRank<'a, D> {
             program,
             mesh: MeshPos {
                 groups: build_groups(plan, rank)?,
-                dp_index: dp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
+                dp_index: coord("dp"),
                 dp_size: mesh_size(plan, "dp"),
                 coords: entry.coords.clone(),
                 sp: plan.strategy.sp,
             },
             tp: TpPos {
-                rank: tp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
+                rank: coord("tp"),
                 size: mesh_size(plan, "tp"),
             },
             cp: TpPos {
-                rank: plan
-                    .mesh
-                    .axes
-                    .iter()
-                    .position(|a| a == "cp")
-                    .map_or(0, |i| entry.coords[i] as usize),
+                rank: coord("cp"),
                 size: mesh_size(plan, "cp"),
             },
             ep: TpPos::ONE,
@@ -221,45 +219,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                 mbs: plan.strategy.mbs as usize,
             },
             opts: opts.clone(),
-            weights: Weights {
-                held: BTreeSet::new(),
-                master: BTreeMap::new(),
-                compute: BTreeMap::new(),
-                wgrads: BTreeMap::new(),
-                adam: BTreeMap::new(),
-            },
+            weights: Weights::none(),
             tasks: BTreeMap::new(),
             hidden: None,
             grad_hidden: None,
-            meter: Meter {
-                loss_part: 0.0,
-                step_no: 0,
-                peak_act_bytes: 0.0,
-                t0,
-                pending: Vec::new(),
-                spans: Vec::new(),
-                losses: Vec::new(),
-                device_peak: None,
-                expert_slots: (0, 0),
-            },
-            sync: GradSync {
-                step_plan: Vec::new(),
-                buckets: Vec::new(),
-                in_flight: Vec::new(),
-                next_bucket: 0,
-                uses: BTreeMap::new(),
-                remaining: None,
-                final_order: Vec::new(),
-            },
-            zero: ZeroState {
-                layouts: BTreeMap::new(),
-                scatter: Vec::new(),
-                gather: Vec::new(),
-                shards: Vec::new(),
-                shard_adam: BTreeMap::new(),
-                z3: zero3::Zero3::new(),
-                resume_moments: BTreeMap::new(),
-            },
+            meter: Meter::started(t0),
+            sync: GradSync::unplanned(),
+            zero: ZeroState::unplanned(),
         };
         r.ep = crate::train::place_in(&r.mesh.groups, "ep", rank);
         r.init_weights()?;
@@ -355,49 +321,10 @@ impl<'a, D: Device> DevRank<'a, D> {
         let phase = self.phase()?;
         let last_b = phase.schedule.iter().rposition(|t| t.pass == Pass::B);
         for (ti, task) in phase.schedule.iter().enumerate() {
-            let ch = phase
-                .chunks
-                .iter()
-                .find(|c| c.chunk == task.chunk)
-                .ok_or_else(|| fail(format!("schedule names chunk {}", task.chunk)))?;
             let m0 = self.mark()?;
-            match task.pass {
-                Pass::F => {
-                    let mut t = self.load_batch(task.mb)?;
-                    self.hidden = None;
-                    let mut layer = ch.layer_start;
-                    self.run_forward(&ch.forward, &mut t, &mut layer, NO_LAYER)?;
-                    self.tasks.insert((task.chunk, task.mb), t);
-                    let held: f64 = self.tasks.values().map(|t| self.held_bytes(t)).sum();
-                    self.meter.peak_act_bytes = self.meter.peak_act_bytes.max(held);
-                    if let Some(used) = self.dev.memory_in_use() {
-                        self.meter.device_peak =
-                            Some(self.meter.device_peak.unwrap_or(0).max(used));
-                    }
-                }
-                Pass::B => {
-                    let mut t = self
-                        .tasks
-                        .remove(&(task.chunk, task.mb))
-                        .ok_or_else(|| fail("a backward before its forward"))?;
-                    self.grad_hidden = None;
-                    let mut layer = ch.layer_end;
-                    // In the step's last backward, each gradient is final once the
-                    // last op writing it has run.
-                    // (Not under sequence parallelism: some gradients are partial
-                    // until the step list sums them over the tensor axis.)
-                    let partial = self
-                        .sync
-                        .step_plan
-                        .iter()
-                        .any(|s| matches!(s, StepItem::SumGrads { .. }));
-                    if Some(ti) == last_b && phase.chunks.len() == 1 && !partial {
-                        self.sync.remaining = Some(self.sync.uses.clone());
-                    }
-                    self.run_backward(&ch.backward, &mut t, &mut layer)?;
-                    self.sync.remaining = None;
-                }
-            }
+            // In the step's last backward, each gradient is final once the last op
+            // writing it has run.
+            self.run_task(phase, task, Some(ti) == last_b)?;
             let pass = if task.pass == Pass::F { "fwd" } else { "bwd" };
             self.span(
                 m0,
@@ -407,50 +334,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             )?;
         }
         for i in 0..self.sync.step_plan.len() {
-            let m0 = self.mark()?;
-            if let StepItem::SumGrads { axis, tensor, .. } = &self.sync.step_plan[i] {
-                let args = serde_json::json!({"step": step, "tensor": tensor});
-                let name = format!("AllReduce {axis}");
-                self.sum_grads(i)?;
-                self.span(m0, name, "comm", args)?;
-                continue;
-            }
-            match self.sync.step_plan[i] {
-                StepItem::Bucket(b) => {
-                    if self.sync.in_flight[b].is_none() {
-                        self.start_bucket(b)?;
-                    }
-                    self.finish_bucket(b)?;
-                    let bk = &self.sync.buckets[b];
-                    let args = serde_json::json!({"step": step, "tensor": bk.tensor});
-                    let name = format!("AllReduce {}", bk.axis);
-                    self.span(m0, name, "comm", args)?;
-                }
-                StepItem::Optimizer(set) => {
-                    self.optimizer(set)?;
-                    self.span(
-                        m0,
-                        "optimizer",
-                        "optimizer",
-                        serde_json::json!({"step": step}),
-                    )?;
-                }
-                StepItem::ReduceScatter(b) => {
-                    self.reduce_scatter(b)?;
-                    let bk = &self.zero.scatter[b];
-                    let args = serde_json::json!({"step": step, "tensor": bk.tensor});
-                    let name = format!("ReduceScatter {}", bk.axis);
-                    self.span(m0, name, "comm", args)?;
-                }
-                StepItem::SumGrads { .. } => {}
-                StepItem::AllGather(b) => {
-                    self.all_gather(b)?;
-                    let bk = &self.zero.gather[b];
-                    let args = serde_json::json!({"step": step, "tensor": bk.tensor});
-                    let name = format!("AllGather {}", bk.axis);
-                    self.span(m0, name, "comm", args)?;
-                }
-            }
+            self.run_step_item(i, step)?;
         }
         if !self.zero.gather.is_empty() {
             // The gathered masters hold every rank's update: refresh the compute copies.
@@ -470,9 +354,111 @@ impl<'a, D: Device> DevRank<'a, D> {
         // A step ends when its work has, not when its launches have.
         self.dev.synchronize().map_err(derr("synchronize"))?;
         self.resolve_spans(step_mark)?;
-        // A NaN or an infinity never recovers, and training on would write it into
-        // every checkpoint: stop, naming the step and the first weight it reached
-        // (one flag read back; the weight itself only when there is one).
+        self.check_finite(step)?;
+        Ok(self.meter.loss_part)
+    }
+
+    /// One task of the schedule: a micro-batch's forward or backward over a chunk.
+    fn run_task(&mut self, phase: &Phase, task: &ScheduleTask, last_backward: bool) -> Res {
+        let ch = phase
+            .chunks
+            .iter()
+            .find(|c| c.chunk == task.chunk)
+            .ok_or_else(|| fail(format!("schedule names chunk {}", task.chunk)))?;
+        match task.pass {
+            Pass::F => {
+                let mut t = self.load_batch(task.mb)?;
+                self.hidden = None;
+                let mut layer = ch.layer_start;
+                self.run_forward(&ch.forward, &mut t, &mut layer, NO_LAYER)?;
+                self.tasks.insert((task.chunk, task.mb), t);
+                let held: f64 = self.tasks.values().map(|t| self.held_bytes(t)).sum();
+                self.meter.peak_act_bytes = self.meter.peak_act_bytes.max(held);
+                if let Some(used) = self.dev.memory_in_use() {
+                    self.meter.device_peak = Some(self.meter.device_peak.unwrap_or(0).max(used));
+                }
+            }
+            Pass::B => {
+                let mut t = self
+                    .tasks
+                    .remove(&(task.chunk, task.mb))
+                    .ok_or_else(|| fail("a backward before its forward"))?;
+                self.grad_hidden = None;
+                let mut layer = ch.layer_end;
+                // Not under sequence parallelism: some gradients are partial until
+                // the step list sums them over the tensor axis.
+                let partial = self
+                    .sync
+                    .step_plan
+                    .iter()
+                    .any(|s| matches!(s, StepItem::SumGrads { .. }));
+                if last_backward && phase.chunks.len() == 1 && !partial {
+                    self.sync.remaining = Some(self.sync.uses.clone());
+                }
+                self.run_backward(&ch.backward, &mut t, &mut layer)?;
+                self.sync.remaining = None;
+            }
+        }
+        Ok(())
+    }
+
+    /// Item `i` of the step list, traced as a span.
+    fn run_step_item(&mut self, i: usize, step: u64) -> Res {
+        let m0 = self.mark()?;
+        let (name, cat, tensor) = match &self.sync.step_plan[i] {
+            StepItem::SumGrads { axis, tensor, .. } => {
+                let name = format!("AllReduce {axis}");
+                let tensor = tensor.to_string();
+                self.sum_grads(i)?;
+                (name, "comm", Some(tensor))
+            }
+            &StepItem::Bucket(b) => {
+                if self.sync.in_flight[b].is_none() {
+                    self.start_bucket(b)?;
+                }
+                self.finish_bucket(b)?;
+                let bk = &self.sync.buckets[b];
+                (
+                    format!("AllReduce {}", bk.axis),
+                    "comm",
+                    Some(bk.tensor.clone()),
+                )
+            }
+            &StepItem::Optimizer(set) => {
+                self.optimizer(set)?;
+                ("optimizer".to_string(), "optimizer", None)
+            }
+            &StepItem::ReduceScatter(b) => {
+                self.reduce_scatter(b)?;
+                let bk = &self.zero.scatter[b];
+                (
+                    format!("ReduceScatter {}", bk.axis),
+                    "comm",
+                    Some(bk.tensor.clone()),
+                )
+            }
+            &StepItem::AllGather(b) => {
+                self.all_gather(b)?;
+                let bk = &self.zero.gather[b];
+                (
+                    format!("AllGather {}", bk.axis),
+                    "comm",
+                    Some(bk.tensor.clone()),
+                )
+            }
+        };
+        let args = match tensor {
+            Some(tensor) => serde_json::json!({"step": step, "tensor": tensor}),
+            None => serde_json::json!({"step": step}),
+        };
+        self.span(m0, name, cat, args)
+    }
+
+    /// A NaN or an infinity never recovers, and training on would write it into
+    /// every checkpoint: stop, naming the step and the first weight it reached
+    /// (one flag read back; the weight itself only when there is one), or the
+    /// loss: non-finite activations from finite weights.
+    fn check_finite(&mut self, step: u64) -> Res {
         let masters: Vec<(&Key, &D::F32)> = self.weights.master.iter().collect();
         let ws: Vec<&D::F32> = masters.iter().map(|(_, w)| *w).collect();
         let bad = match self.dev.first_non_finite(&ws).map_err(derr("check"))? {
@@ -491,14 +477,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.meter.loss_part
             )));
         }
-        // The loss: non-finite activations from finite weights.
         if !self.meter.loss_part.is_finite() {
             return Err(fail(format!(
                 "step {step}: the loss is {}: stopping; non-finite activations from finite weights (an overflow in the model's arithmetic)",
                 self.meter.loss_part
             )));
         }
-        Ok(self.meter.loss_part)
+        Ok(())
     }
 
     fn mark(&self) -> Result<Option<D::Mark>, RankError> {
@@ -569,6 +554,12 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     fn find_op(&self, name: &str) -> Result<&'a Op, RankError> {
         crate::train::find_op(self.graph, name)
+    }
+
+    /// The plan's group `name`, this rank among its members.
+    fn group(&self, name: &str) -> Res<Group> {
+        let g = self.mesh.groups.get(name).cloned();
+        g.ok_or_else(|| fail(format!("group `{name}` is not in the plan's mesh")))
     }
 
     fn name_of(&self, id: meshplan_ir::TensorId) -> String {

@@ -89,6 +89,65 @@ pub(super) struct Meter<D: Device> {
     pub(super) expert_slots: (u64, u64),
 }
 
+impl<D: Device> Weights<D> {
+    pub(super) fn none() -> Self {
+        Weights {
+            held: BTreeSet::new(),
+            master: BTreeMap::new(),
+            compute: BTreeMap::new(),
+            wgrads: BTreeMap::new(),
+            adam: BTreeMap::new(),
+        }
+    }
+}
+
+impl<D: Device> GradSync<D> {
+    /// Before the step list is read.
+    pub(super) fn unplanned() -> Self {
+        GradSync {
+            step_plan: Vec::new(),
+            buckets: Vec::new(),
+            in_flight: Vec::new(),
+            next_bucket: 0,
+            uses: BTreeMap::new(),
+            remaining: None,
+            final_order: Vec::new(),
+        }
+    }
+}
+
+impl<D: Device> ZeroState<D> {
+    /// Before the parameter sets are laid out.
+    pub(super) fn unplanned() -> Self {
+        ZeroState {
+            layouts: BTreeMap::new(),
+            scatter: Vec::new(),
+            gather: Vec::new(),
+            shards: Vec::new(),
+            shard_adam: BTreeMap::new(),
+            z3: zero3::Zero3::new(),
+            resume_moments: BTreeMap::new(),
+        }
+    }
+}
+
+impl<D: Device> Meter<D> {
+    /// Nothing measured yet; the run's clock started at `t0`.
+    pub(super) fn started(t0: Instant) -> Self {
+        Meter {
+            loss_part: 0.0,
+            step_no: 0,
+            peak_act_bytes: 0.0,
+            t0,
+            pending: Vec::new(),
+            spans: Vec::new(),
+            losses: Vec::new(),
+            device_peak: None,
+            expert_slots: (0, 0),
+        }
+    }
+}
+
 /// What the step list does, in order.
 pub(super) enum StepItem {
     /// All-reduce of bucket `i` over the data ranks.

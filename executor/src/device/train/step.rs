@@ -12,28 +12,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// and updated alone, with or without ZeRO) and no byte count (the ranges are
     /// the plan's).
     pub(super) fn plan_step(&mut self) -> Result<(), RankError> {
-        let mut layouts: BTreeMap<ParamSet, Layout> = BTreeMap::new();
-        for key in self
-            .sync
-            .final_order
-            .iter()
-            .chain(self.weights.wgrads.keys())
-        {
-            let sizes = layouts.entry(self.set_of(key)).or_default();
-            if !sizes.iter().any(|(k, _)| k == key) {
-                let g = self
-                    .weights
-                    .wgrads
-                    .get(key)
-                    .ok_or_else(|| fail("gradient missing"))?;
-                sizes.push((key.clone(), D::f32_len(g)));
-            }
-        }
-        let total_of = |set: ParamSet| -> usize {
-            layouts
-                .get(&set)
-                .map_or(0, |l| l.iter().map(|(_, n)| n).sum())
-        };
+        let layouts = self.flat_layouts()?;
         for instr in &self.phase()?.step {
             match instr {
                 Instr::Collective {
@@ -43,25 +22,17 @@ impl<'a, D: Device> DevRank<'a, D> {
                     target: target @ (Target::SeqPartialGrads | Target::TiedGrads),
                     ..
                 } => {
-                    let group = self.mesh.groups.get(group).cloned().ok_or_else(|| {
-                        fail(format!("group `{group}` is not in the plan's mesh"))
-                    })?;
                     let (names, tensor) = if *target == Target::TiedGrads {
                         (self.tied_names(), "grads:tied")
                     } else {
                         (self.seq_partial_names(None), "seq_partial_grads")
                     };
-                    let keys = self
-                        .weights
-                        .master
-                        .keys()
-                        .filter(|(name, _)| names.contains(name))
-                        .cloned()
-                        .collect();
+                    let keys = self.weights.master.keys();
+                    let keys = keys.filter(|(name, _)| names.contains(name)).cloned();
                     self.sync.step_plan.push(StepItem::SumGrads {
-                        group,
+                        group: self.group(group)?,
                         axis: axis.name().to_string(),
-                        keys,
+                        keys: keys.collect(),
                         tensor,
                     });
                 }
@@ -72,52 +43,28 @@ impl<'a, D: Device> DevRank<'a, D> {
                     target,
                     ..
                 } => {
-                    let tensor = target.to_string();
-                    let (set, a, b) = bucket_range(target, &total_of)?;
-                    let sizes = layouts.get(&set).cloned().unwrap_or_default();
-                    let g = self.mesh.groups.get(group).cloned().ok_or_else(|| {
-                        fail(format!("group `{group}` is not in the plan's mesh"))
-                    })?;
-                    if (b - a) % g.size() != 0 {
-                        return Err(fail(format!(
-                            "bucket {a}..{b} of `{tensor}` does not split over {} ranks",
-                            g.size()
-                        )));
-                    }
-                    let bucket = Bucket {
-                        set,
-                        group: g,
-                        axis: axis.name().to_string(),
-                        tensor: tensor.clone(),
-                        start: a,
-                        len: b - a,
-                        pieces: pieces_of(&sizes, a, b),
-                    };
-                    match (target, kind) {
+                    let bucket =
+                        self.bucket(target, (self.group(group)?, axis.name()), &layouts)?;
+                    let (sync, zero) = (&mut self.sync, &mut self.zero);
+                    let (item, list) = match (target, kind) {
                         (Target::GradBucket { .. }, CollectiveKind::AllReduce) => {
-                            self.sync
-                                .step_plan
-                                .push(StepItem::Bucket(self.sync.buckets.len()));
-                            self.sync.buckets.push(bucket);
+                            (StepItem::Bucket(sync.buckets.len()), &mut sync.buckets)
                         }
-                        (Target::GradBucket { .. }, CollectiveKind::ReduceScatter) => {
-                            self.sync
-                                .step_plan
-                                .push(StepItem::ReduceScatter(self.zero.scatter.len()));
-                            self.zero.scatter.push(bucket);
-                        }
+                        (Target::GradBucket { .. }, CollectiveKind::ReduceScatter) => (
+                            StepItem::ReduceScatter(zero.scatter.len()),
+                            &mut zero.scatter,
+                        ),
                         (Target::ParamBucket { .. }, CollectiveKind::AllGather) => {
-                            self.sync
-                                .step_plan
-                                .push(StepItem::AllGather(self.zero.gather.len()));
-                            self.zero.gather.push(bucket);
+                            (StepItem::AllGather(zero.gather.len()), &mut zero.gather)
                         }
                         _ => {
                             return Err(fail(format!(
-                                "{kind:?} of `{tensor}` is not a step the device interpreter runs"
+                                "{kind:?} of `{target}` is not a step the device interpreter runs"
                             )))
                         }
-                    }
+                    };
+                    list.push(bucket);
+                    sync.step_plan.push(item);
                 }
                 Instr::Optimizer { params, .. } => {
                     self.sync.step_plan.push(StepItem::Optimizer(*params))
@@ -128,6 +75,54 @@ impl<'a, D: Device> DevRank<'a, D> {
         self.sync.in_flight = self.sync.buckets.iter().map(|_| None).collect();
         self.zero.layouts = layouts;
         Ok(())
+    }
+
+    /// Each parameter set's flat vector: its weights in the order the backward
+    /// finishes their gradients, then the rest.
+    fn flat_layouts(&self) -> Res<BTreeMap<ParamSet, Layout>> {
+        let mut layouts: BTreeMap<ParamSet, Layout> = BTreeMap::new();
+        let wgrads = &self.weights.wgrads;
+        for key in self.sync.final_order.iter().chain(wgrads.keys()) {
+            let sizes = layouts.entry(self.set_of(key)).or_default();
+            if !sizes.iter().any(|(k, _)| k == key) {
+                let g = wgrads.get(key).ok_or_else(|| fail("gradient missing"))?;
+                sizes.push((key.clone(), D::f32_len(g)));
+            }
+        }
+        Ok(layouts)
+    }
+
+    /// The bucket a step-list collective on `target` moves over `(group, axis)`:
+    /// its range of the flat vector, which must split evenly over the group.
+    fn bucket(
+        &self,
+        target: &Target,
+        (group, axis): (Group, &str),
+        layouts: &BTreeMap<ParamSet, Layout>,
+    ) -> Res<Bucket> {
+        let total_of = |set: ParamSet| -> usize {
+            layouts
+                .get(&set)
+                .map_or(0, |l| l.iter().map(|(_, n)| n).sum())
+        };
+        let tensor = target.to_string();
+        let (set, a, b) = bucket_range(target, &total_of)?;
+        if (b - a) % group.size() != 0 {
+            return Err(fail(format!(
+                "bucket {a}..{b} of `{tensor}` does not split over {} ranks",
+                group.size()
+            )));
+        }
+        let sizes = layouts.get(&set).cloned().unwrap_or_default();
+        Ok(Bucket {
+            set,
+            group,
+            axis: axis.to_string(),
+            tensor,
+            start: a,
+            len: b - a,
+            pieces: pieces_of(&sizes, a, b),
+        })
     }
 
     /// The parameter set a weight belongs to: the routed experts' or the rest.
