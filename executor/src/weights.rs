@@ -420,7 +420,7 @@ impl Checkpoint {
                         continue;
                     }
                     for &l in &layers {
-                        self.parts(graph, op, w, l)?;
+                        self.parts(graph, w, l)?;
                     }
                 }
             }
@@ -446,13 +446,12 @@ impl Checkpoint {
     pub fn local(
         &self,
         graph: &Graph,
-        op: &Op,
         w: TensorId,
         layer: Option<u64>,
         spec: &ShardSpec,
     ) -> Result<Vec<f32>, WeightsError> {
         let shape = weight_shape(graph, w)?;
-        let parts = self.parts(graph, op, w, layer)?;
+        let parts = self.parts(graph, w, layer)?;
         let rows = if shape.len() == 2 { shape[0] } else { 1 };
         let cols = *shape.last().unwrap_or(&1);
         // Column -> (part, column inside it).

@@ -582,6 +582,57 @@ fn switched_anyway(opts: &SaveOptions, step: u64, name: &str, e: String) -> Resu
     Ok(())
 }
 
+/// The tensors (in model order) split into files of at most `file_bytes` each
+/// (a larger tensor alone in its file), as indices.
+fn file_groups(tensors: &[Full], file_bytes: usize) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut size = 0usize;
+    for (i, (_, _, v)) in tensors.iter().enumerate() {
+        let b = 4 * v.len();
+        match groups.last_mut() {
+            Some(g) if size + b <= file_bytes => g.push(i),
+            _ => {
+                groups.push(vec![i]);
+                size = 0;
+            }
+        }
+        size += b;
+    }
+    groups
+}
+
+/// The manifest of step `step`'s folder: the run it continues, its files and
+/// where each tensor lies.
+fn manifest_of(
+    meta: &RunMeta,
+    step: u64,
+    files: Vec<FileEntry>,
+    entries: BTreeMap<String, TensorEntry>,
+) -> Manifest {
+    let (b1, b2, eps, wd) = ADAMW;
+    Manifest {
+        format: FORMAT.into(),
+        version: VERSION,
+        model: meta.model.clone(),
+        step,
+        seed: meta.seed,
+        optimizer: serde_json::json!({
+            "kind": "adamw", "lr": decimal(meta.lr), "beta1": decimal(b1),
+            "beta2": decimal(b2), "eps": decimal(eps), "weight_decay": decimal(wd),
+        }),
+        data: {
+            let mut d = meta.data.clone();
+            d["seed"] = serde_json::json!(meta.seed);
+            d["next_step"] = serde_json::json!(step);
+            d
+        },
+        workload: meta.workload.clone(),
+        strategy: meta.strategy.clone(),
+        files,
+        tensors: entries,
+    }
+}
+
 /// Writes a complete step folder at `tmp` (files, manifest, checksums, each
 /// synced, then the folder): its safetensors bytes and file count.
 fn write_folder(
@@ -591,20 +642,7 @@ fn write_folder(
     tensors: &[Full],
     tmp: &Path,
 ) -> Result<(u64, usize), String> {
-    // Files of bounded size, tensors in model order.
-    let mut groups: Vec<Vec<usize>> = Vec::new();
-    let mut size = 0usize;
-    for (i, (_, _, v)) in tensors.iter().enumerate() {
-        let b = 4 * v.len();
-        match groups.last_mut() {
-            Some(g) if size + b <= opts.file_bytes => g.push(i),
-            _ => {
-                groups.push(vec![i]);
-                size = 0;
-            }
-        }
-        size += b;
-    }
+    let groups = file_groups(tensors, opts.file_bytes);
     mkdir(tmp)?;
     let n = groups.len();
     let mut files = Vec::new();
@@ -653,28 +691,7 @@ fn write_folder(
             "injected failure while saving step {step}, after all {n} files, before the manifest"
         ));
     }
-    let (b1, b2, eps, wd) = ADAMW;
-    let manifest = Manifest {
-        format: FORMAT.into(),
-        version: VERSION,
-        model: meta.model.clone(),
-        step,
-        seed: meta.seed,
-        optimizer: serde_json::json!({
-            "kind": "adamw", "lr": decimal(meta.lr), "beta1": decimal(b1),
-            "beta2": decimal(b2), "eps": decimal(eps), "weight_decay": decimal(wd),
-        }),
-        data: {
-            let mut d = meta.data.clone();
-            d["seed"] = serde_json::json!(meta.seed);
-            d["next_step"] = serde_json::json!(step);
-            d
-        },
-        workload: meta.workload.clone(),
-        strategy: meta.strategy.clone(),
-        files,
-        tensors: entries,
-    };
+    let manifest = manifest_of(meta, step, files, entries);
     let text = serde_json::to_string_pretty(&manifest).map_err(|e| e.to_string())?;
     // The field digests are of the text as a reader parses it, so that reading and
     // writing agree however serde_json orders or prints numbers.

@@ -31,59 +31,9 @@ impl Checkpoint {
     /// edited field is named), every data file against both. Every error names the
     /// file and what is wrong, quoting at most a line of any file.
     pub fn open(path: &Path) -> Result<Checkpoint, String> {
-        let dir = if exists(&path.join(MANIFEST)) {
-            path.to_path_buf()
-        } else {
-            match read_latest(path)? {
-                Some((name, _)) => path.join(name),
-                None if path.is_dir() => {
-                    return Err(format!(
-                        "{}: no checkpoint here (neither manifest.json nor latest)",
-                        path.display()
-                    ))
-                }
-                None => return Err(format!("{}: no such checkpoint folder", path.display())),
-            }
-        };
-        let mpath = dir.join(MANIFEST);
-        let text =
-            read_bounded(&mpath, TEXT_LIMIT).map_err(|e| format!("{}: {e}", mpath.display()))?;
-        let spath = dir.join(SUMS);
-        let sums = if exists(&spath) {
-            let s = read_sums(&spath)?;
-            check_manifest_bytes(&mpath, &text, &s)?;
-            Some(s)
-        } else {
-            None
-        };
-        let manifest: Manifest = serde_json::from_slice(&text)
-            .map_err(|e| format!("{}: not a checkpoint manifest: {e}", mpath.display()))?;
-        if manifest.format != FORMAT || !(1..=VERSION).contains(&manifest.version) {
-            return Err(format!(
-                "{}: format {} version {}, expected {FORMAT} version 1 to {VERSION}",
-                mpath.display(),
-                quote(&manifest.format),
-                manifest.version
-            ));
-        }
-        if manifest.version >= 2 && sums.is_none() {
-            return Err(format!(
-                "{}: missing; a version {} checkpoint lists the SHA-256 of its files there (the step folder is incomplete or was copied in part): copy the whole folder, or resume from another checkpoint",
-                spath.display(),
-                manifest.version
-            ));
-        }
-        if let Some(s) = &sums {
-            let named = |n: &String| n == MANIFEST || manifest.files.iter().any(|f| f.name == *n);
-            if let Some(extra) = s.files.keys().find(|n| !named(n)) {
-                return Err(format!(
-                    "{}: lists `{}`, which {} does not name; restore the step folder from a copy",
-                    spath.display(),
-                    quote(extra),
-                    mpath.display()
-                ));
-            }
-        }
+        let dir = step_folder(path)?;
+        let (manifest, sums) = read_manifest(&dir)?;
+        let (mpath, spath) = (dir.join(MANIFEST), dir.join(SUMS));
         let mut files = Vec::new();
         let mut tensors = HashMap::new();
         for (fi, entry) in manifest.files.iter().enumerate() {
@@ -106,21 +56,7 @@ impl Checkpoint {
                 ));
             }
             check_file_sum(&fpath, &map, entry, sums.as_ref(), &spath)?;
-            let (header, meta) = SafeTensors::read_metadata(&map)
-                .map_err(|e| format!("{}: not a safetensors file: {e}", fpath.display()))?;
-            for (name, info) in meta.tensors() {
-                if info.dtype != Dtype::F32 {
-                    return Err(format!(
-                        "{}: `{}` is {:?}, expected F32",
-                        fpath.display(),
-                        quote(&name),
-                        info.dtype
-                    ));
-                }
-                let (a, b) = info.data_offsets;
-                let base = 8 + header;
-                tensors.insert(name, (fi, (base + a, base + b), info.shape.clone()));
-            }
+            locate_tensors(&fpath, &map, fi, &mut tensors)?;
             files.push(map);
         }
         for (name, t) in &manifest.tensors {
@@ -234,6 +170,92 @@ impl Checkpoint {
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect())
     }
+}
+
+/// The step folder `path` names: itself when it holds a manifest, else the one
+/// its `latest` file points to.
+fn step_folder(path: &Path) -> Result<PathBuf, String> {
+    if exists(&path.join(MANIFEST)) {
+        return Ok(path.to_path_buf());
+    }
+    match read_latest(path)? {
+        Some((name, _)) => Ok(path.join(name)),
+        None if path.is_dir() => Err(format!(
+            "{}: no checkpoint here (neither manifest.json nor latest)",
+            path.display()
+        )),
+        None => Err(format!("{}: no such checkpoint folder", path.display())),
+    }
+}
+
+/// A step folder's manifest and checksums, checked against each other: the
+/// format and version, the sums a version 2 folder must have, no file the
+/// manifest does not name.
+fn read_manifest(dir: &Path) -> Result<(Manifest, Option<Sums>), String> {
+    let mpath = dir.join(MANIFEST);
+    let text = read_bounded(&mpath, TEXT_LIMIT).map_err(|e| format!("{}: {e}", mpath.display()))?;
+    let spath = dir.join(SUMS);
+    let sums = if exists(&spath) {
+        let s = read_sums(&spath)?;
+        check_manifest_bytes(&mpath, &text, &s)?;
+        Some(s)
+    } else {
+        None
+    };
+    let manifest: Manifest = serde_json::from_slice(&text)
+        .map_err(|e| format!("{}: not a checkpoint manifest: {e}", mpath.display()))?;
+    if manifest.format != FORMAT || !(1..=VERSION).contains(&manifest.version) {
+        return Err(format!(
+            "{}: format {} version {}, expected {FORMAT} version 1 to {VERSION}",
+            mpath.display(),
+            quote(&manifest.format),
+            manifest.version
+        ));
+    }
+    if manifest.version >= 2 && sums.is_none() {
+        return Err(format!(
+            "{}: missing; a version {} checkpoint lists the SHA-256 of its files there (the step folder is incomplete or was copied in part): copy the whole folder, or resume from another checkpoint",
+            spath.display(),
+            manifest.version
+        ));
+    }
+    if let Some(s) = &sums {
+        let named = |n: &String| n == MANIFEST || manifest.files.iter().any(|f| f.name == *n);
+        if let Some(extra) = s.files.keys().find(|n| !named(n)) {
+            return Err(format!(
+                "{}: lists `{}`, which {} does not name; restore the step folder from a copy",
+                spath.display(),
+                quote(extra),
+                mpath.display()
+            ));
+        }
+    }
+    Ok((manifest, sums))
+}
+
+/// Where each tensor of file `fi` (mapped as `map`) lies; every one must be F32.
+fn locate_tensors(
+    fpath: &Path,
+    map: &[u8],
+    fi: usize,
+    tensors: &mut HashMap<String, Located>,
+) -> Result<(), String> {
+    let (header, meta) = SafeTensors::read_metadata(map)
+        .map_err(|e| format!("{}: not a safetensors file: {e}", fpath.display()))?;
+    for (name, info) in meta.tensors() {
+        if info.dtype != Dtype::F32 {
+            return Err(format!(
+                "{}: `{}` is {:?}, expected F32",
+                fpath.display(),
+                quote(&name),
+                info.dtype
+            ));
+        }
+        let (a, b) = info.data_offsets;
+        let base = 8 + header;
+        tensors.insert(name, (fi, (base + a, base + b), info.shape.clone()));
+    }
+    Ok(())
 }
 
 pub(super) fn read_sums(path: &Path) -> Result<Sums, String> {

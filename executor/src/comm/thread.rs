@@ -261,41 +261,7 @@ impl ThreadComm {
         let key = ((wait.group.clone(), wait.ranks.clone()), wait.seq);
         let deadline = self.deadline();
         let mut st = self.shared.lock()?;
-        if let Some(f) = &st.failure {
-            return Err(aborted(f, wait));
-        }
-        let slot = st.slots.entry(key.clone()).or_insert_with(|| Slot {
-            sig: sig.clone(),
-            first_rank: self.rank,
-            inputs: vec![None; n],
-            arrived: 0,
-            departed: 0,
-            error: None,
-        });
-        if slot.sig != sig {
-            return Err(CommError::Mismatch {
-                waiting_in: wait.clone(),
-                detail: format!(
-                    "rank {} called {sig} but rank {} called {}",
-                    self.rank, slot.first_rank, slot.sig
-                ),
-            });
-        }
-        match slot.inputs.get_mut(me) {
-            Some(entry @ None) => *entry = Some(Arc::new(contribution)),
-            _ => {
-                return Err(CommError::Internal {
-                    detail: format!("rank {} entered {wait} twice", self.rank),
-                })
-            }
-        }
-        slot.arrived += 1;
-        if slot.arrived == n {
-            if sig.kind == CommKind::AllToAllV {
-                slot.error = check_counts(&slot.inputs, &wait.ranks).err();
-            }
-            self.shared.wake.notify_all();
-        }
+        self.arrive(&mut st, &key, (me, wait), sig, contribution)?;
         loop {
             let Some(slot) = st.slots.get_mut(&key) else {
                 return Err(CommError::Internal {
@@ -345,6 +311,56 @@ impl ThreadComm {
                 return Err(timeout(wait, missing, self.timeout));
             }
         }
+    }
+
+    /// Rank `me` leaves its contribution in the slot of `wait`'s rendezvous (the
+    /// first to arrive opens it); the last to arrive checks All-to-All(v)'s counts
+    /// and wakes the others.
+    fn arrive(
+        &self,
+        st: &mut State,
+        key: &(GroupKey, u64),
+        (me, wait): (usize, &WaitPoint),
+        sig: Signature,
+        contribution: Contribution,
+    ) -> Result<(), CommError> {
+        let n = wait.ranks.len();
+        if let Some(f) = &st.failure {
+            return Err(aborted(f, wait));
+        }
+        let slot = st.slots.entry(key.clone()).or_insert_with(|| Slot {
+            sig: sig.clone(),
+            first_rank: self.rank,
+            inputs: vec![None; n],
+            arrived: 0,
+            departed: 0,
+            error: None,
+        });
+        if slot.sig != sig {
+            return Err(CommError::Mismatch {
+                waiting_in: wait.clone(),
+                detail: format!(
+                    "rank {} called {sig} but rank {} called {}",
+                    self.rank, slot.first_rank, slot.sig
+                ),
+            });
+        }
+        match slot.inputs.get_mut(me) {
+            Some(entry @ None) => *entry = Some(Arc::new(contribution)),
+            _ => {
+                return Err(CommError::Internal {
+                    detail: format!("rank {} entered {wait} twice", self.rank),
+                })
+            }
+        }
+        slot.arrived += 1;
+        if slot.arrived == n {
+            if sig.kind == CommKind::AllToAllV {
+                slot.error = check_counts(&slot.inputs, &wait.ranks).err();
+            }
+            self.shared.wake.notify_all();
+        }
+        Ok(())
     }
 
     fn all_reduce_inner(

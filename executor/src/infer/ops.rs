@@ -347,9 +347,9 @@ impl<'a, D: Device> InferRank<'a, D> {
         batch: &Batch,
         l: u64,
     ) -> Result<D::Act, RankError> {
-        let (hq, hkv, d, dv) = self.site().heads(op)?;
-        let b = batch.reqs.len();
-        let seq = batch.seq;
+        let (b, seq) = (batch.reqs.len(), batch.seq);
+        let (all, _) = self.site().attention_dims(op, b, b * seq)?;
+        let (hq, hkv, d, dv) = (all.hq, all.hkv, all.d, all.dv);
         // Inference runs in eval mode: no dropout.
         let mask = AttnMask {
             causal,
@@ -357,53 +357,18 @@ impl<'a, D: Device> InferRank<'a, D> {
             dropout: None,
         };
         let err = derr(&op.name);
-        let x = self
-            .acts
-            .get(&self.graph.tensor(op.inputs[0]).name)
-            .ok_or_else(|| fail(format!("`{}` has no input", op.name)))?;
+        let x = self.act(op, 0)?;
         // `[s, b, q | k | v]` rows into `[b, s, heads, d]` blocks, one per request.
-        let all = k::AttnDims {
-            batch: b,
-            sq: seq,
-            sk: seq,
-            hq,
-            hkv,
-            d,
-            dv,
-        };
         let (nq, nk, nv, no) = (seq * hq * d, seq * hkv * d, seq * hkv * dv, seq * hq * dv);
-        let (mut q, mut kn, mut vn) = (
-            self.zeros(b * nq)?,
-            self.zeros(b * nk)?,
-            self.zeros(b * nv)?,
-        );
+        let mut q = self.zeros(b * nq)?;
+        let mut kv = (self.zeros(b * nk)?, self.zeros(b * nv)?);
         self.dev
-            .split_qkv(x, &all, [&mut q, &mut kn, &mut vn])
+            .split_qkv(x, &all, [&mut q, &mut kv.0, &mut kv.1])
             .map_err(&err)?;
         let mut o_all = self.zeros(b * no)?;
         for (bi, &req) in batch.reqs.iter().enumerate() {
-            // The cache grows by this pass's keys and values.
-            let (kc, vc) = match self.kv.remove(&(l, req)) {
-                Some((mut kc, mut vc)) => {
-                    self.dev
-                        .act_append(&mut kc, &kn, (bi * nk, nk))
-                        .map_err(&err)?;
-                    self.dev
-                        .act_append(&mut vc, &vn, (bi * nv, nv))
-                        .map_err(&err)?;
-                    (kc, vc)
-                }
-                None => {
-                    let (mut kc, mut vc) = (self.zeros(nk)?, self.zeros(nv)?);
-                    self.dev
-                        .act_copy((&kn, bi * nk), (&mut kc, 0), nk)
-                        .map_err(&err)?;
-                    self.dev
-                        .act_copy((&vn, bi * nv), (&mut vc, 0), nv)
-                        .map_err(&err)?;
-                    (kc, vc)
-                }
-            };
+            let (kc, vc) =
+                self.grown_cache((l, req), (&kv.0, &kv.1), (bi * nk, nk), (bi * nv, nv))?;
             let sk = D::act_len(&kc) / (hkv * d).max(1);
             if sk != batch.pos0[bi] + seq {
                 return Err(fail(format!(
@@ -423,12 +388,8 @@ impl<'a, D: Device> InferRank<'a, D> {
             };
             let dims = k::AttnDims {
                 batch: 1,
-                sq: seq,
                 sk,
-                hq,
-                hkv,
-                d,
-                dv,
+                ..all
             };
             let mut o = self.zeros(no)?;
             let mut lse = self.zeros_f32(hq * seq)?;
@@ -450,5 +411,34 @@ impl<'a, D: Device> InferRank<'a, D> {
             .swap_axes(&o_all, [b, seq, hq * dv], &mut y)
             .map_err(&err)?;
         Ok(y)
+    }
+
+    /// Request `req`'s cache of layer `l`, taken out and grown by this pass's keys
+    /// and values (the `(offset, length)` blocks of `k` and `v`), or started by them.
+    fn grown_cache(
+        &mut self,
+        (l, req): (u64, usize),
+        (k, v): (&D::Act, &D::Act),
+        kb: (usize, usize),
+        vb: (usize, usize),
+    ) -> Result<(D::Act, D::Act), RankError> {
+        let err = derr("the KV cache");
+        match self.kv.remove(&(l, req)) {
+            Some((mut kc, mut vc)) => {
+                self.dev.act_append(&mut kc, k, kb).map_err(&err)?;
+                self.dev.act_append(&mut vc, v, vb).map_err(&err)?;
+                Ok((kc, vc))
+            }
+            None => {
+                let (mut kc, mut vc) = (self.zeros(kb.1)?, self.zeros(vb.1)?);
+                self.dev
+                    .act_copy((k, kb.0), (&mut kc, 0), kb.1)
+                    .map_err(&err)?;
+                self.dev
+                    .act_copy((v, vb.0), (&mut vc, 0), vb.1)
+                    .map_err(&err)?;
+                Ok((kc, vc))
+            }
+        }
     }
 }

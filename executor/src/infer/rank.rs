@@ -116,7 +116,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                     let spec = shard_spec(self.graph, op, op.role, w, &shape, self.tp);
                     let local = match &self.opts.weights {
                         Some(ck) => ck
-                            .local(self.graph, op, w, layer, &spec)
+                            .local(self.graph, w, layer, &spec)
                             .map_err(|e| fail(e.message))?,
                         None => {
                             let kind = crate::init::init_kind(op, w, &shape);

@@ -93,112 +93,10 @@ impl LaunchEnv {
         if !torch && !slurm {
             return Ok(None);
         }
-        // The first of `names` that is set (Slurm's only inside a step).
-        let pick = |names: &[&'static str]| -> Option<(&'static str, String)> {
-            names
-                .iter()
-                .filter(|n| slurm || !n.starts_with("SLURM_"))
-                .find_map(|&n| var(n).map(|v| (n, v)))
-        };
-        let (world_var, world) = match pick(&["WORLD_SIZE", "SLURM_NTASKS"]) {
-            Some((n, v)) => (n, count(n, &v)?),
-            None => {
-                return Err(err(
-                    "WORLD_SIZE",
-                    "is not set, but RANK is; set WORLD_SIZE to the number of processes of the run (torchrun and `meshplan launch` set both)",
-                ))
-            }
-        };
-        if world == 0 {
-            return Err(err(world_var, "is 0; a run has at least one process"));
-        }
-        let (rank_var, rank) = match pick(&["RANK", "SLURM_PROCID"]) {
-            Some((n, v)) => (n, count(n, &v)?),
-            None => {
-                return Err(err(
-                    "RANK",
-                    format!(
-                        "is not set, but {world_var}={world} is; set RANK to this process's global rank (0..{})",
-                        world - 1
-                    ),
-                ))
-            }
-        };
-        if rank >= world {
-            return Err(err(
-                rank_var,
-                format!(
-                    "{rank_var}={rank} is not below {world_var}={world}: ranks count from 0, so set {rank_var} to 0..{} or {world_var} to the number of processes",
-                    world - 1
-                ),
-            ));
-        }
-        let (local_rank_var, local_rank) = match pick(&["LOCAL_RANK", "SLURM_LOCALID"]) {
-            Some((n, v)) => (n, count(n, &v)?),
-            None if world == 1 => ("default", 0),
-            None => {
-                return Err(err(
-                    "LOCAL_RANK",
-                    "is not set; set it to this process's GPU index on its node (torchrun and `meshplan launch` set it)",
-                ))
-            }
-        };
-        let local_world = match var("LOCAL_WORLD_SIZE") {
-            Some(v) => Some(("LOCAL_WORLD_SIZE", count("LOCAL_WORLD_SIZE", &v)?)),
-            None if slurm => slurm_tasks_on_node(&var)?,
-            None => None,
-        };
-        if let Some((n, lw)) = local_world {
-            if lw == 0 {
-                return Err(err(n, "is 0; a node runs at least one process"));
-            }
-            if local_rank >= lw {
-                return Err(err(
-                    local_rank_var,
-                    format!(
-                        "{local_rank_var}={local_rank} is not below {n}={lw}: local ranks count from 0 on each node"
-                    ),
-                ));
-            }
-            if lw > world {
-                return Err(err(
-                    n,
-                    format!("{n}={lw} exceeds {world_var}={world}: a node cannot run more processes than the run has"),
-                ));
-            }
-        }
-        let (addr_var, master_addr) = match var("MASTER_ADDR") {
-            Some(a) => ("MASTER_ADDR", a),
-            None => match slurm_first_host(slurm, &var)? {
-                Some(found) => found,
-                None if world == 1 => ("default", "127.0.0.1".to_string()),
-                None => {
-                    return Err(err(
-                        "MASTER_ADDR",
-                        "is not set; set it to the host name or address of rank 0's node (torchrun --master-addr, meshplan launch --master-addr)",
-                    ))
-                }
-            },
-        };
-        let (port_var, master_port) = match var("MASTER_PORT") {
-            Some(p) => ("MASTER_PORT", port("MASTER_PORT", &p)?),
-            None if slurm => match var("SLURM_JOB_ID").and_then(|j| j.parse::<u64>().ok()) {
-                Some(job) => (
-                    "SLURM_JOB_ID",
-                    SLURM_PORT_BASE + (job % u64::from(SLURM_PORT_SPAN)) as u16,
-                ),
-                None => ("default", DEFAULT_MASTER_PORT),
-            },
-            None if world == 1 => ("default", DEFAULT_MASTER_PORT),
-            None => {
-                return Err(err(
-                    "MASTER_PORT",
-                    format!(
-                        "is not set; set it to a free TCP port on rank 0's node, the same on every rank (torchrun's default is {DEFAULT_MASTER_PORT})"
-                    ),
-                ))
-            }
-        };
+        let v = Vars { var: &var, slurm };
+        let ((world_var, world), (rank_var, rank)) = v.world_and_rank()?;
+        let ((local_rank_var, local_rank), local_world) = v.local((world_var, world))?;
+        let ((addr_var, master_addr), (port_var, master_port)) = v.master(world)?;
         Ok(Some(LaunchEnv {
             rank,
             world_size: world,
@@ -222,6 +120,142 @@ impl LaunchEnv {
             "rank {} of {}={} ({}={})",
             self.rank, self.sources.world_size, self.world_size, self.sources.rank, self.rank
         )
+    }
+}
+
+/// The environment as [`LaunchEnv::from_vars`] reads it: trimmed, empty as unset,
+/// and whether Slurm's variables count (only inside a Slurm step).
+struct Vars<'v> {
+    var: &'v dyn Fn(&str) -> Option<String>,
+    slurm: bool,
+}
+
+type Found<T> = (&'static str, T);
+
+impl Vars<'_> {
+    /// The first of `names` that is set, and its value.
+    fn pick(&self, names: &[&'static str]) -> Option<Found<String>> {
+        names
+            .iter()
+            .filter(|n| self.slurm || !n.starts_with("SLURM_"))
+            .find_map(|&n| (self.var)(n).map(|v| (n, v)))
+    }
+
+    /// The world size and this process's rank, each with the variable it came from.
+    fn world_and_rank(&self) -> Result<(Found<usize>, Found<usize>), LaunchEnvError> {
+        let (world_var, world) = match self.pick(&["WORLD_SIZE", "SLURM_NTASKS"]) {
+            Some((n, v)) => (n, count(n, &v)?),
+            None => {
+                return Err(err(
+                    "WORLD_SIZE",
+                    "is not set, but RANK is; set WORLD_SIZE to the number of processes of the run (torchrun and `meshplan launch` set both)",
+                ))
+            }
+        };
+        if world == 0 {
+            return Err(err(world_var, "is 0; a run has at least one process"));
+        }
+        let (rank_var, rank) = match self.pick(&["RANK", "SLURM_PROCID"]) {
+            Some((n, v)) => (n, count(n, &v)?),
+            None => {
+                return Err(err(
+                    "RANK",
+                    format!(
+                        "is not set, but {world_var}={world} is; set RANK to this process's global rank (0..{})",
+                        world - 1
+                    ),
+                ))
+            }
+        };
+        if rank >= world {
+            return Err(err(
+                rank_var,
+                format!(
+                    "{rank_var}={rank} is not below {world_var}={world}: ranks count from 0, so set {rank_var} to 0..{} or {world_var} to the number of processes",
+                    world - 1
+                ),
+            ));
+        }
+        Ok(((world_var, world), (rank_var, rank)))
+    }
+
+    /// The local rank and, when given, the processes on this node.
+    fn local(
+        &self,
+        (world_var, world): Found<usize>,
+    ) -> Result<(Found<usize>, Option<Found<usize>>), LaunchEnvError> {
+        let (local_rank_var, local_rank) = match self.pick(&["LOCAL_RANK", "SLURM_LOCALID"]) {
+            Some((n, v)) => (n, count(n, &v)?),
+            None if world == 1 => ("default", 0),
+            None => {
+                return Err(err(
+                    "LOCAL_RANK",
+                    "is not set; set it to this process's GPU index on its node (torchrun and `meshplan launch` set it)",
+                ))
+            }
+        };
+        let local_world = match (self.var)("LOCAL_WORLD_SIZE") {
+            Some(v) => Some(("LOCAL_WORLD_SIZE", count("LOCAL_WORLD_SIZE", &v)?)),
+            None if self.slurm => slurm_tasks_on_node(self.var)?,
+            None => None,
+        };
+        if let Some((n, lw)) = local_world {
+            if lw == 0 {
+                return Err(err(n, "is 0; a node runs at least one process"));
+            }
+            if local_rank >= lw {
+                return Err(err(
+                    local_rank_var,
+                    format!(
+                        "{local_rank_var}={local_rank} is not below {n}={lw}: local ranks count from 0 on each node"
+                    ),
+                ));
+            }
+            if lw > world {
+                return Err(err(
+                    n,
+                    format!("{n}={lw} exceeds {world_var}={world}: a node cannot run more processes than the run has"),
+                ));
+            }
+        }
+        Ok(((local_rank_var, local_rank), local_world))
+    }
+
+    /// Rank 0's address and port.
+    fn master(&self, world: usize) -> Result<(Found<String>, Found<u16>), LaunchEnvError> {
+        let (addr_var, master_addr) = match (self.var)("MASTER_ADDR") {
+            Some(a) => ("MASTER_ADDR", a),
+            None => match slurm_first_host(self.slurm, self.var)? {
+                Some(found) => found,
+                None if world == 1 => ("default", "127.0.0.1".to_string()),
+                None => {
+                    return Err(err(
+                        "MASTER_ADDR",
+                        "is not set; set it to the host name or address of rank 0's node (torchrun --master-addr, meshplan launch --master-addr)",
+                    ))
+                }
+            },
+        };
+        let (port_var, master_port) = match (self.var)("MASTER_PORT") {
+            Some(p) => ("MASTER_PORT", port("MASTER_PORT", &p)?),
+            None if self.slurm => match (self.var)("SLURM_JOB_ID").and_then(|j| j.parse::<u64>().ok()) {
+                Some(job) => (
+                    "SLURM_JOB_ID",
+                    SLURM_PORT_BASE + (job % u64::from(SLURM_PORT_SPAN)) as u16,
+                ),
+                None => ("default", DEFAULT_MASTER_PORT),
+            },
+            None if world == 1 => ("default", DEFAULT_MASTER_PORT),
+            None => {
+                return Err(err(
+                    "MASTER_PORT",
+                    format!(
+                        "is not set; set it to a free TCP port on rank 0's node, the same on every rank (torchrun's default is {DEFAULT_MASTER_PORT})"
+                    ),
+                ))
+            }
+        };
+        Ok(((addr_var, master_addr), (port_var, master_port)))
     }
 }
 

@@ -295,6 +295,63 @@ impl Rendezvous {
     }
 }
 
+/// Rank 0 collects operation `seq`'s blob from every other rank (its own is
+/// `mine`), in rank order; the first rank that leaves, calls another operation
+/// or does not arrive by `deadline` fails it.
+fn collect(
+    events: &mpsc::Receiver<Event>,
+    world: usize,
+    (op, seq): (Op, u64),
+    mine: &[u8],
+    (deadline, timeout): (Instant, Duration),
+) -> Result<Vec<Vec<u8>>, RendezvousError> {
+    let mut blobs: Vec<Option<Vec<u8>>> = vec![None; world];
+    blobs[0] = Some(mine.to_vec());
+    let mut waiting: BTreeSet<usize> = (1..world).collect();
+    while !waiting.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let Ok(ev) = events.recv_timeout(left) else {
+            let missing: Vec<usize> = waiting.iter().copied().collect();
+            let message = format!(
+                "timed out after {:.1} s in {} #{seq}: {} did not arrive",
+                timeout.as_secs_f64(),
+                op.name(),
+                ranks_text(&missing)
+            );
+            return Err(RendezvousError::Timeout { message, missing });
+        };
+        let (r, f) = match ev {
+            Event::Closed(r, why) => {
+                let message = format!("rank {r} {why} during {} #{seq} (did it exit?)", op.name());
+                return Err(RendezvousError::Io { message });
+            }
+            Event::Frame(r, f) => (r, f),
+        };
+        let parsed = (f.kind == Kind::Data)
+            .then(|| parse_data(&f.payload))
+            .flatten();
+        let message = match parsed {
+            Some((s, o, b)) if s == seq && o == op && waiting.contains(&r) => {
+                blobs[r] = Some(b.to_vec());
+                waiting.remove(&r);
+                continue;
+            }
+            Some((s, o, _)) => format!(
+                "rank {r} called {} #{s} while rank 0 called {} #{seq}: every rank must make the same calls in the same order",
+                o.name(),
+                op.name()
+            ),
+            None => format!(
+                "rank {r} sent an unexpected {:?} frame during {} #{seq}",
+                f.kind,
+                op.name()
+            ),
+        };
+        return Err(RendezvousError::Mismatch { message });
+    }
+    Ok(blobs.into_iter().map(Option::unwrap_or_default).collect())
+}
+
 impl Rendezvous {
     fn single(cfg: &RendezvousConfig) -> Rendezvous {
         Rendezvous {
@@ -380,80 +437,31 @@ impl Rendezvous {
         match &mut self.role {
             Role::Single => Ok(encode_list(&[blob.to_vec()])),
             Role::Host { peers, events } => {
-                let world = peers.len() + 1;
-                let mut blobs: Vec<Option<Vec<u8>>> = vec![None; world];
-                blobs[0] = Some(blob.to_vec());
-                let mut waiting: BTreeSet<usize> = (1..world).collect();
-                let fail = |peers: &mut Vec<TcpStream>, e: RendezvousError| {
-                    let bad = e.is_bad_input();
-                    for p in peers.iter_mut() {
-                        let _ = write_frame(p, Kind::Abort, &abort_payload(e.message(), bad));
-                    }
-                    Err(e)
-                };
-                while !waiting.is_empty() {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    let ev = match events.recv_timeout(left) {
-                        Ok(ev) => ev,
-                        Err(_) => {
-                            let missing: Vec<usize> = waiting.iter().copied().collect();
+                let timeout = self.timeout;
+                let gathered = collect(events, peers.len() + 1, (op, seq), blob, (deadline, timeout))
+                    .and_then(|all| {
+                        let encoded = encode_list(&all);
+                        let payload = data_payload(seq, op, &encoded);
+                        if payload.len() > BLOB_BYTES_MAX + 64 {
                             let message = format!(
-                                "timed out after {:.1} s in {} #{seq}: {} did not arrive",
-                                self.timeout.as_secs_f64(),
+                                "{} #{seq}: the gathered blobs ({} bytes) exceed the limit of {BLOB_BYTES_MAX}",
                                 op.name(),
-                                ranks_text(&missing)
+                                encoded.len()
                             );
-                            return fail(peers, RendezvousError::Timeout { message, missing });
+                            return Err(RendezvousError::Mismatch { message });
                         }
-                    };
-                    match ev {
-                        Event::Closed(r, why) => {
-                            let message = format!(
-                                "rank {r} {why} during {} #{seq} (did it exit?)",
-                                op.name()
-                            );
-                            return fail(peers, RendezvousError::Io { message });
+                        Ok((encoded, payload))
+                    });
+                let (encoded, payload) = match gathered {
+                    Ok(g) => g,
+                    Err(e) => {
+                        let bad = e.is_bad_input();
+                        for p in peers.iter_mut() {
+                            let _ = write_frame(p, Kind::Abort, &abort_payload(e.message(), bad));
                         }
-                        Event::Frame(r, f) => {
-                            let parsed = (f.kind == Kind::Data)
-                                .then(|| parse_data(&f.payload))
-                                .flatten();
-                            match parsed {
-                                Some((s, o, b)) if s == seq && o == op && waiting.contains(&r) => {
-                                    blobs[r] = Some(b.to_vec());
-                                    waiting.remove(&r);
-                                }
-                                Some((s, o, _)) => {
-                                    let message = format!(
-                                        "rank {r} called {} #{s} while rank 0 called {} #{seq}: every rank must make the same calls in the same order",
-                                        o.name(),
-                                        op.name()
-                                    );
-                                    return fail(peers, RendezvousError::Mismatch { message });
-                                }
-                                None => {
-                                    let message = format!(
-                                        "rank {r} sent an unexpected {:?} frame during {} #{seq}",
-                                        f.kind,
-                                        op.name()
-                                    );
-                                    return fail(peers, RendezvousError::Mismatch { message });
-                                }
-                            }
-                        }
+                        return Err(e);
                     }
-                }
-                let all: Vec<Vec<u8>> = blobs.into_iter().map(Option::unwrap_or_default).collect();
-                let encoded = encode_list(&all);
-                let payload = data_payload(seq, op, &encoded);
-                if payload.len() > BLOB_BYTES_MAX + 64 {
-                    let message = format!(
-                        "{} #{seq}: the gathered blobs ({} bytes) exceed the limit of {BLOB_BYTES_MAX}",
-                        op.name(),
-                        encoded.len()
-                    );
-                    return fail(peers, RendezvousError::Mismatch { message });
-                }
+                };
                 for (i, p) in peers.iter_mut().enumerate() {
                     write_frame(p, Kind::Data, &payload).map_err(|e| RendezvousError::Io {
                         message: format!(

@@ -145,22 +145,7 @@ fn pump(from: impl Read, prefix: String, to_stderr: bool) {
 /// Inconsistent options, or a rank that cannot be started (the ones already started
 /// are stopped first).
 pub fn launch(o: &LaunchOptions) -> Result<LaunchOutcome, String> {
-    if o.nproc_per_node == 0 || o.nproc_per_node > NPROC_PER_NODE_MAX {
-        return Err(format!(
-            "--nproc-per-node {} must be in 1..={NPROC_PER_NODE_MAX}",
-            o.nproc_per_node
-        ));
-    }
-    if o.nnodes == 0 {
-        return Err("--nnodes must be at least 1".into());
-    }
-    if o.node_rank >= o.nnodes {
-        return Err(format!(
-            "--node-rank {} is not below --nnodes {}: nodes count from 0",
-            o.node_rank, o.nnodes
-        ));
-    }
-    let world = o.nnodes * o.nproc_per_node;
+    check_options(o)?;
     let (tx, rx) = mpsc::channel::<Event>();
     #[cfg(unix)]
     let signals = {
@@ -178,13 +163,75 @@ pub fn launch(o: &LaunchOptions) -> Result<LaunchOutcome, String> {
         });
         handle
     };
-    let mut pids: Vec<u32> = Vec::with_capacity(o.nproc_per_node);
-    let mut stdins: Vec<ChildStdin> = Vec::with_capacity(o.nproc_per_node);
-    let mut pumps = Vec::with_capacity(2 * o.nproc_per_node);
-    let mut waiters: Vec<thread::JoinHandle<()>> = Vec::with_capacity(o.nproc_per_node);
-    let me = std::process::id().to_string();
+    let mut ranks = Children::default();
     for local in 0..o.nproc_per_node {
+        if let Err(e) = ranks.spawn(o, local, &tx) {
+            ranks.kill();
+            return Err(e);
+        }
+    }
+    drop(tx);
+    let (first_failure, signal) = supervise(o, &ranks.pids, &rx);
+    for w in ranks.waiters {
+        let _ = w.join();
+    }
+    for p in ranks.pumps {
+        let _ = p.join();
+    }
+    drop(ranks.stdins);
+    #[cfg(unix)]
+    signals.close();
+    let exit_code = match (first_failure, signal) {
+        (Some((_, c)), _) => c,
+        (None, Some(s)) => 128 + s,
+        (None, None) => 0,
+    };
+    Ok(LaunchOutcome {
+        exit_code,
+        first_failure,
+        signal,
+    })
+}
+
+fn check_options(o: &LaunchOptions) -> Result<(), String> {
+    if o.nproc_per_node == 0 || o.nproc_per_node > NPROC_PER_NODE_MAX {
+        return Err(format!(
+            "--nproc-per-node {} must be in 1..={NPROC_PER_NODE_MAX}",
+            o.nproc_per_node
+        ));
+    }
+    if o.nnodes == 0 {
+        return Err("--nnodes must be at least 1".into());
+    }
+    if o.node_rank >= o.nnodes {
+        return Err(format!(
+            "--node-rank {} is not below --nnodes {}: nodes count from 0",
+            o.node_rank, o.nnodes
+        ));
+    }
+    Ok(())
+}
+
+/// This node's ranks as child processes: their pids, the stdin pipes that tell
+/// them the launcher lives, the threads prefixing their output and reaping them.
+#[derive(Default)]
+struct Children {
+    pids: Vec<u32>,
+    stdins: Vec<ChildStdin>,
+    pumps: Vec<thread::JoinHandle<()>>,
+    waiters: Vec<thread::JoinHandle<()>>,
+}
+
+impl Children {
+    /// Starts local rank `local` with torchrun's variables; its exit is sent to `tx`.
+    fn spawn(
+        &mut self,
+        o: &LaunchOptions,
+        local: usize,
+        tx: &mpsc::Sender<Event>,
+    ) -> Result<(), String> {
         let rank = o.node_rank * o.nproc_per_node + local;
+        let world = o.nnodes * o.nproc_per_node;
         let mut cmd = Command::new(&o.program);
         if let Some(t) = &o.job_token {
             // Through the environment, as torchrun passes its variables: a command
@@ -200,46 +247,54 @@ pub fn launch(o: &LaunchOptions) -> Result<LaunchOutcome, String> {
             .env("GROUP_RANK", o.node_rank.to_string())
             .env("MASTER_ADDR", &o.master_addr)
             .env("MASTER_PORT", o.master_port.to_string())
-            .env(LAUNCHER_PID_VAR, &me)
+            .env(LAUNCHER_PID_VAR, std::process::id().to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn();
-        let mut child = match spawned {
-            Ok(c) => c,
-            Err(e) => {
-                for &p in &pids {
-                    signal_pid(p, SIGKILL);
-                }
-                drop(stdins);
-                for w in waiters {
-                    let _ = w.join();
-                }
-                return Err(format!(
-                    "cannot start rank {rank} ({}): {e}",
-                    o.program.display()
-                ));
-            }
-        };
-        pids.push(child.id());
+        let mut child = spawned
+            .map_err(|e| format!("cannot start rank {rank} ({}): {e}", o.program.display()))?;
+        self.pids.push(child.id());
         if let Some(s) = child.stdin.take() {
-            stdins.push(s);
+            self.stdins.push(s);
         }
         let prefix = format!("[rank {rank}] ");
         if let Some(out) = child.stdout.take() {
             let p = prefix.clone();
-            pumps.push(thread::spawn(move || pump(out, p, false)));
+            self.pumps.push(thread::spawn(move || pump(out, p, false)));
         }
         if let Some(err) = child.stderr.take() {
-            pumps.push(thread::spawn(move || pump(err, prefix, true)));
+            self.pumps
+                .push(thread::spawn(move || pump(err, prefix, true)));
         }
         let tx = tx.clone();
-        waiters.push(thread::spawn(move || {
+        self.waiters.push(thread::spawn(move || {
             let status = child.wait();
             let _ = tx.send(Event::Exited(local, status));
         }));
+        Ok(())
     }
-    drop(tx);
+
+    /// Kills the ranks started so far (one failed to start) and reaps them.
+    fn kill(self) {
+        for &p in &self.pids {
+            signal_pid(p, SIGKILL);
+        }
+        drop(self.stdins);
+        for w in self.waiters {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Waits for every rank to exit: the first failure stops the others (SIGTERM,
+/// then SIGKILL after the grace period), a signal is forwarded to them (a second
+/// one kills). Returns the first failure (global rank, exit code) and the signal.
+fn supervise(
+    o: &LaunchOptions,
+    pids: &[u32],
+    rx: &mpsc::Receiver<Event>,
+) -> (Option<(usize, i32)>, Option<i32>) {
     let mut running = vec![true; o.nproc_per_node];
     let mut first_failure: Option<(usize, i32)> = None;
     let mut signal: Option<i32> = None;
@@ -283,25 +338,7 @@ pub fn launch(o: &LaunchOptions) -> Result<LaunchOutcome, String> {
             Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
     }
-    for w in waiters {
-        let _ = w.join();
-    }
-    for p in pumps {
-        let _ = p.join();
-    }
-    drop(stdins);
-    #[cfg(unix)]
-    signals.close();
-    let exit_code = match (first_failure, signal) {
-        (Some((_, c)), _) => c,
-        (None, Some(s)) => 128 + s,
-        (None, None) => 0,
-    };
-    Ok(LaunchOutcome {
-        exit_code,
-        first_failure,
-        signal,
-    })
+    (first_failure, signal)
 }
 
 /// In a rank started by `meshplan launch` (`MESHPLAN_LAUNCHER_PID` set), watches

@@ -5,12 +5,11 @@
 use super::*;
 
 impl Checkpoint {
-    /// The checkpoint tensors that make up graph weight `w` of `op` at block `layer`,
+    /// The checkpoint tensors that make up graph weight `w` at block `layer`,
     /// each checked against the shape the graph needs.
     pub(super) fn parts(
         &self,
         graph: &Graph,
-        op: &Op,
         w: TensorId,
         layer: Option<u64>,
     ) -> Result<Vec<Part>, WeightsError> {
@@ -28,117 +27,16 @@ impl Checkpoint {
             }
         };
         let one_d = shape.len() == 1;
-        // Column widths of the fused blocks, from the graph's own shapes.
-        let qkv_widths = || -> Option<Vec<usize>> {
-            graph
-                .segments
-                .iter()
-                .flat_map(|s| &s.ops)
-                .find_map(|o| match &o.kind {
-                    OpKind::Attention(a) => Some(vec![
-                        (a.heads * a.qk_dim) as usize,
-                        (a.kv_heads * a.qk_dim) as usize,
-                        (a.kv_heads * a.v_dim) as usize,
-                    ]),
-                    _ => None,
-                })
+        let block = Block {
+            graph,
+            name: &t.name,
+            l: layer.unwrap_or(0),
+            one_d,
+            cols,
         };
-        let l = layer.unwrap_or(0);
-        let suffix = if one_d && t.name.ends_with(".b") {
-            "bias"
-        } else {
-            "weight"
-        };
-        let (names, transpose, widths): (Vec<String>, bool, Vec<usize>) = match self.family {
-            Family::Llama => {
-                let p = format!("model.layers.{l}.");
-                match t.name.as_str() {
-                    "embed.tokens.w" if op.name == "head.lm" => {
-                        // Tied: the head reads the embedding table itself.
-                        (vec!["model.embed_tokens.weight".into()], false, vec![cols])
-                    }
-                    "embed.tokens.w" => {
-                        (vec!["model.embed_tokens.weight".into()], false, vec![cols])
-                    }
-                    "block.norm1.w" => (
-                        vec![format!("{p}input_layernorm.weight")],
-                        false,
-                        vec![cols],
-                    ),
-                    "block.norm2.w" => (
-                        vec![format!("{p}post_attention_layernorm.weight")],
-                        false,
-                        vec![cols],
-                    ),
-                    "block.attn.qkv.w" | "block.attn.qkv.b" => (
-                        ["q", "k", "v"]
-                            .iter()
-                            .map(|x| format!("{p}self_attn.{x}_proj.{suffix}"))
-                            .collect(),
-                        !one_d,
-                        qkv_widths().unwrap_or_else(|| vec![cols]),
-                    ),
-                    "block.attn.proj.w" | "block.attn.proj.b" => (
-                        vec![format!("{p}self_attn.o_proj.{suffix}")],
-                        !one_d,
-                        vec![cols],
-                    ),
-                    "block.mlp.up.w" | "block.mlp.up.b" => {
-                        let gated = graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
-                            matches!(o.kind, OpKind::Activation(meshplan_ir::MlpKind::Swiglu))
-                        });
-                        if gated {
-                            (
-                                vec![
-                                    format!("{p}mlp.gate_proj.{suffix}"),
-                                    format!("{p}mlp.up_proj.{suffix}"),
-                                ],
-                                !one_d,
-                                vec![cols / 2, cols / 2],
-                            )
-                        } else {
-                            (vec![format!("{p}mlp.up_proj.{suffix}")], !one_d, vec![cols])
-                        }
-                    }
-                    "block.mlp.down.w" | "block.mlp.down.b" => (
-                        vec![format!("{p}mlp.down_proj.{suffix}")],
-                        !one_d,
-                        vec![cols],
-                    ),
-                    "head.norm.w" => (vec!["model.norm.weight".into()], false, vec![cols]),
-                    "head.lm.w" => (vec!["lm_head.weight".into()], true, vec![cols]),
-                    other => {
-                        return Err(werr(format!(
-                            "the plan's weight `{other}` has no Llama-family checkpoint name"
-                        )))
-                    }
-                }
-            }
-            Family::Gpt2 => {
-                let p = format!("h.{l}.");
-                let (base, transpose) = match t.name.as_str() {
-                    "embed.tokens.w" => ("wte".to_string(), false),
-                    "embed.positions.w" => ("wpe".to_string(), false),
-                    "block.norm1.w" | "block.norm1.b" => (format!("{p}ln_1"), false),
-                    "block.norm2.w" | "block.norm2.b" => (format!("{p}ln_2"), false),
-                    "block.attn.qkv.w" | "block.attn.qkv.b" => (format!("{p}attn.c_attn"), false),
-                    "block.attn.proj.w" | "block.attn.proj.b" => (format!("{p}attn.c_proj"), false),
-                    "block.mlp.up.w" | "block.mlp.up.b" => (format!("{p}mlp.c_fc"), false),
-                    "block.mlp.down.w" | "block.mlp.down.b" => (format!("{p}mlp.c_proj"), false),
-                    "head.norm.w" | "head.norm.b" => ("ln_f".to_string(), false),
-                    "head.lm.w" => ("lm_head".to_string(), true),
-                    other => {
-                        return Err(werr(format!(
-                            "the plan's weight `{other}` has no GPT-2 checkpoint name"
-                        )))
-                    }
-                };
-                (
-                    vec![format!("{base}.{suffix}")],
-                    transpose && !one_d,
-                    vec![cols],
-                )
-            }
+        let (names, transpose, widths) = match self.family {
+            Family::Llama => block.llama()?,
+            Family::Gpt2 => block.gpt2()?,
         };
         let total: usize = widths.iter().sum();
         if total != cols {
@@ -147,42 +45,49 @@ impl Checkpoint {
                 t.name
             )));
         }
-        let mut parts = Vec::new();
-        for (name, &c) in names.iter().zip(&widths) {
-            let found = self.resolve(name).ok_or_else(|| {
-                werr(format!(
-                    "{}: tensor `{name}` is missing (needed for the plan's `{}`{}, shape {:?}); is this the checkpoint the plan was made for?",
-                    self.dir.display(),
-                    t.name,
-                    layer.map(|l| format!(" of layer {l}")).unwrap_or_default(),
-                    expected_shape(one_d, transpose, rows, c),
-                ))
-            })?;
-            let e = &self.index[&found];
-            let want = expected_shape(one_d, transpose, rows, c);
-            if e.shape != want {
-                return Err(werr(format!(
-                    "{}: tensor `{found}` has shape {:?}, the plan's model needs {want:?} (for `{}`{})",
-                    self.dir.display(),
-                    e.shape,
-                    t.name,
-                    layer.map(|l| format!(" of layer {l}")).unwrap_or_default(),
-                )));
-            }
-            if !matches!(e.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
-                return Err(werr(format!(
-                    "{}: tensor `{found}` is {:?}; --weights reads f32, f16 and bf16",
-                    self.dir.display(),
-                    e.dtype
-                )));
-            }
-            parts.push(Part {
-                name: found,
-                transpose,
-                cols: c,
-            });
+        let at = (t.name.as_str(), layer);
+        let parts = names.iter().zip(&widths);
+        parts
+            .map(|(name, &c)| self.part(name, at, (one_d, transpose, rows, c)))
+            .collect()
+    }
+
+    /// The checkpoint tensor `name` for the plan's weight `at` (name, layer), a
+    /// block of `c` columns: found, of the expected shape and a dtype read.
+    fn part(
+        &self,
+        name: &str,
+        (weight, layer): (&str, Option<u64>),
+        (one_d, transpose, rows, c): (bool, bool, usize, usize),
+    ) -> Result<Part, WeightsError> {
+        let of_layer = layer.map(|l| format!(" of layer {l}")).unwrap_or_default();
+        let want = expected_shape(one_d, transpose, rows, c);
+        let found = self.resolve(name).ok_or_else(|| {
+            werr(format!(
+                "{}: tensor `{name}` is missing (needed for the plan's `{weight}`{of_layer}, shape {want:?}); is this the checkpoint the plan was made for?",
+                self.dir.display(),
+            ))
+        })?;
+        let e = &self.index[&found];
+        if e.shape != want {
+            return Err(werr(format!(
+                "{}: tensor `{found}` has shape {:?}, the plan's model needs {want:?} (for `{weight}`{of_layer})",
+                self.dir.display(),
+                e.shape,
+            )));
         }
-        Ok(parts)
+        if !matches!(e.dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+            return Err(werr(format!(
+                "{}: tensor `{found}` is {:?}; --weights reads f32, f16 and bf16",
+                self.dir.display(),
+                e.dtype
+            )));
+        }
+        Ok(Part {
+            name: found,
+            transpose,
+            cols: c,
+        })
     }
 
     /// A checkpoint name as stored: with or without the model's prefix.
@@ -268,4 +173,123 @@ pub(super) fn arch_of(graph: &Graph) -> Result<Arch, WeightsError> {
         vocab: table[0] as u64,
         tied: find("head.lm.w").is_none(),
     })
+}
+
+/// One weight of the plan as a checkpoint family names it: the plan's name, the
+/// layer, whether it is a vector (a norm's or a bias), its columns.
+struct Block<'g> {
+    graph: &'g Graph,
+    name: &'g str,
+    l: u64,
+    one_d: bool,
+    cols: usize,
+}
+
+/// The checkpoint tensors holding a weight, side by side: their names, whether
+/// they are stored transposed, and each one's columns.
+type Named = (Vec<String>, bool, Vec<usize>);
+
+impl Block<'_> {
+    fn suffix(&self) -> &'static str {
+        if self.one_d && self.name.ends_with(".b") {
+            "bias"
+        } else {
+            "weight"
+        }
+    }
+
+    /// Column widths of the fused `q | k | v` blocks, from the graph's own shapes.
+    fn qkv_widths(&self) -> Option<Vec<usize>> {
+        self.graph
+            .segments
+            .iter()
+            .flat_map(|s| &s.ops)
+            .find_map(|o| match &o.kind {
+                OpKind::Attention(a) => Some(vec![
+                    (a.heads * a.qk_dim) as usize,
+                    (a.kv_heads * a.qk_dim) as usize,
+                    (a.kv_heads * a.v_dim) as usize,
+                ]),
+                _ => None,
+            })
+    }
+
+    /// Hugging Face's Llama names (`model.layers.{l}.…`): Linear weights stored
+    /// `[out, in]`, q, k, v and SwiGLU's gate and up as separate tensors.
+    fn llama(&self) -> Result<Named, WeightsError> {
+        let (p, suffix, one_d, cols) = (
+            format!("model.layers.{}.", self.l),
+            self.suffix(),
+            self.one_d,
+            self.cols,
+        );
+        let one = |name: String, transpose: bool| (vec![name], transpose, vec![cols]);
+        Ok(match self.name {
+            // Tied or not, the head reads the embedding table itself.
+            "embed.tokens.w" => one("model.embed_tokens.weight".into(), false),
+            "block.norm1.w" => one(format!("{p}input_layernorm.weight"), false),
+            "block.norm2.w" => one(format!("{p}post_attention_layernorm.weight"), false),
+            "block.attn.qkv.w" | "block.attn.qkv.b" => (
+                ["q", "k", "v"]
+                    .iter()
+                    .map(|x| format!("{p}self_attn.{x}_proj.{suffix}"))
+                    .collect(),
+                !one_d,
+                self.qkv_widths().unwrap_or_else(|| vec![cols]),
+            ),
+            "block.attn.proj.w" | "block.attn.proj.b" => {
+                one(format!("{p}self_attn.o_proj.{suffix}"), !one_d)
+            }
+            "block.mlp.up.w" | "block.mlp.up.b" => {
+                let gated =
+                    self.graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
+                        matches!(o.kind, OpKind::Activation(meshplan_ir::MlpKind::Swiglu))
+                    });
+                if gated {
+                    let names = ["gate", "up"].map(|x| format!("{p}mlp.{x}_proj.{suffix}"));
+                    (names.to_vec(), !one_d, vec![cols / 2, cols / 2])
+                } else {
+                    one(format!("{p}mlp.up_proj.{suffix}"), !one_d)
+                }
+            }
+            "block.mlp.down.w" | "block.mlp.down.b" => {
+                one(format!("{p}mlp.down_proj.{suffix}"), !one_d)
+            }
+            "head.norm.w" => one("model.norm.weight".into(), false),
+            "head.lm.w" => one("lm_head.weight".into(), true),
+            other => {
+                return Err(werr(format!(
+                    "the plan's weight `{other}` has no Llama-family checkpoint name"
+                )))
+            }
+        })
+    }
+
+    /// GPT-2's names (`h.{l}.…`): Conv1D weights stored `[in, out]`, as the plan
+    /// holds them, q, k and v fused in `c_attn`.
+    fn gpt2(&self) -> Result<Named, WeightsError> {
+        let p = format!("h.{}.", self.l);
+        let (base, transpose) = match self.name {
+            "embed.tokens.w" => ("wte".to_string(), false),
+            "embed.positions.w" => ("wpe".to_string(), false),
+            "block.norm1.w" | "block.norm1.b" => (format!("{p}ln_1"), false),
+            "block.norm2.w" | "block.norm2.b" => (format!("{p}ln_2"), false),
+            "block.attn.qkv.w" | "block.attn.qkv.b" => (format!("{p}attn.c_attn"), false),
+            "block.attn.proj.w" | "block.attn.proj.b" => (format!("{p}attn.c_proj"), false),
+            "block.mlp.up.w" | "block.mlp.up.b" => (format!("{p}mlp.c_fc"), false),
+            "block.mlp.down.w" | "block.mlp.down.b" => (format!("{p}mlp.c_proj"), false),
+            "head.norm.w" | "head.norm.b" => ("ln_f".to_string(), false),
+            "head.lm.w" => ("lm_head".to_string(), true),
+            other => {
+                return Err(werr(format!(
+                    "the plan's weight `{other}` has no GPT-2 checkpoint name"
+                )))
+            }
+        };
+        Ok((
+            vec![format!("{base}.{}", self.suffix())],
+            transpose && !self.one_d,
+            vec![self.cols],
+        ))
+    }
 }

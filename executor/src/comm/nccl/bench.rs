@@ -60,7 +60,6 @@ impl NcclBench {
                 .map_err(|e| err(format!("{e:?}")))?;
             bufs.push((a, b));
         }
-        let part = elems / n;
         let mut once = || -> Result<(), String> {
             nccl_call("ncclGroupStart", result::group_start())?;
             let mut status = Ok(());
@@ -71,57 +70,7 @@ impl NcclBench {
                 let (st, comm) = (c.raw_stream(), c.world_comm.0);
                 let (pa, pb) = (ptr(a, &c.stream, 0), ptr_mut(b, &c.stream, 0));
                 // SAFETY: both buffers hold `elems` floats and outlive the synchronisation.
-                status = unsafe {
-                    match op {
-                        BenchOp::AllReduce => nccl_call(
-                            "ncclAllReduce",
-                            result::all_reduce(pa, pb, elems, F32, SUM, comm, st),
-                        ),
-                        BenchOp::AllGather => nccl_call(
-                            "ncclAllGather",
-                            result::all_gather(pa, pb, part, F32, comm, st),
-                        ),
-                        BenchOp::ReduceScatter => nccl_call(
-                            "ncclReduceScatter",
-                            result::reduce_scatter(pa, pb, part, F32, SUM, comm, st),
-                        ),
-                        BenchOp::Broadcast => nccl_call(
-                            "ncclBroadcast",
-                            result::broadcast(pa, pb, elems, F32, 0, comm, st),
-                        ),
-                        BenchOp::AllToAll => (0..n).try_for_each(|j| {
-                            let off = (j * part * 4) as u64;
-                            nccl_call(
-                                "ncclSend",
-                                result::send(
-                                    (pa as u64 + off) as *const c_void,
-                                    part,
-                                    F32,
-                                    j as i32,
-                                    comm,
-                                    st,
-                                ),
-                            )?;
-                            nccl_call(
-                                "ncclRecv",
-                                result::recv(
-                                    (pb as u64 + off) as *mut c_void,
-                                    part,
-                                    F32,
-                                    j as i32,
-                                    comm,
-                                    st,
-                                ),
-                            )
-                        }),
-                        BenchOp::SendRecv if r == 0 => {
-                            nccl_call("ncclSend", result::send(pa, elems, F32, 1, comm, st))
-                        }
-                        BenchOp::SendRecv => {
-                            nccl_call("ncclRecv", result::recv(pb, elems, F32, 0, comm, st))
-                        }
-                    }
-                };
+                status = unsafe { launch(op, (pa, pb), (elems, n), r, (comm, st)) };
             }
             let end = nccl_call("ncclGroupEnd", result::group_end());
             status?;
@@ -142,5 +91,68 @@ impl NcclBench {
         }
         times.sort_by(f64::total_cmp);
         Ok(times[times.len() / 2])
+    }
+}
+
+/// Rank `r`'s part of one `op` (of `n` ranks) over `elems` floats from `pa` into
+/// `pb`, enqueued on `st` inside the caller's NCCL group.
+///
+/// # Safety
+/// `pa` and `pb` hold `elems` floats on the stream's device and outlive the
+/// group's synchronisation.
+unsafe fn launch(
+    op: BenchOp,
+    (pa, pb): (*const c_void, *mut c_void),
+    (elems, n): (usize, usize),
+    r: usize,
+    (comm, st): (sys::ncclComm_t, sys::cudaStream_t),
+) -> Result<(), String> {
+    let part = elems / n;
+    match op {
+        BenchOp::AllReduce => nccl_call(
+            "ncclAllReduce",
+            result::all_reduce(pa, pb, elems, F32, SUM, comm, st),
+        ),
+        BenchOp::AllGather => nccl_call(
+            "ncclAllGather",
+            result::all_gather(pa, pb, part, F32, comm, st),
+        ),
+        BenchOp::ReduceScatter => nccl_call(
+            "ncclReduceScatter",
+            result::reduce_scatter(pa, pb, part, F32, SUM, comm, st),
+        ),
+        BenchOp::Broadcast => nccl_call(
+            "ncclBroadcast",
+            result::broadcast(pa, pb, elems, F32, 0, comm, st),
+        ),
+        BenchOp::AllToAll => (0..n).try_for_each(|j| {
+            let off = (j * part * 4) as u64;
+            nccl_call(
+                "ncclSend",
+                result::send(
+                    (pa as u64 + off) as *const c_void,
+                    part,
+                    F32,
+                    j as i32,
+                    comm,
+                    st,
+                ),
+            )?;
+            nccl_call(
+                "ncclRecv",
+                result::recv(
+                    (pb as u64 + off) as *mut c_void,
+                    part,
+                    F32,
+                    j as i32,
+                    comm,
+                    st,
+                ),
+            )
+        }),
+        BenchOp::SendRecv if r == 0 => {
+            nccl_call("ncclSend", result::send(pa, elems, F32, 1, comm, st))
+        }
+        BenchOp::SendRecv => nccl_call("ncclRecv", result::recv(pb, elems, F32, 0, comm, st)),
     }
 }

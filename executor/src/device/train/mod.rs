@@ -278,8 +278,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                             let l = (layer != NO_LAYER).then_some(layer);
                             let spec =
                                 crate::weights::shard_spec(graph, op, op.role, w, &shape, tp);
-                            hf.local(graph, op, w, l, &spec)
-                                .map_err(|e| fail(e.message))?
+                            hf.local(graph, w, l, &spec).map_err(|e| fail(e.message))?
                         }
                         (None, None) => local(&init_full(
                             self.opts.seed,

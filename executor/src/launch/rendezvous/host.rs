@@ -241,139 +241,20 @@ impl Rendezvous {
         listener
             .set_nonblocking(true)
             .map_err(|e| io("cannot poll the listener", e))?;
-        let secret = Arc::new(secret.clone());
-        let deadline = Instant::now() + cfg.timeout;
-        let mut joined: Vec<Option<TcpStream>> = (1..cfg.world_size).map(|_| None).collect();
-        let mut count = 0usize;
-        let mut refused = Refusals::default();
-        let (tx, handshakes) = mpsc::channel::<Handshake>();
-        let pending = Arc::new(AtomicUsize::new(0));
-        while count + 1 < cfg.world_size {
-            // Every waiting connection gets its own handshake thread, so a silent one
-            // holds up no one but itself, and only for HELLO_TIMEOUT.
-            loop {
-                match listener.accept() {
-                    Ok((stream, peer)) => {
-                        if pending.load(Ordering::SeqCst) >= PENDING_MAX {
-                            refused.note(
-                                &endpoint,
-                                &peer.to_string(),
-                                &format!("closed at once: {PENDING_MAX} connections already wait for their hello"),
-                            );
-                            continue;
-                        }
-                        pending.fetch_add(1, Ordering::SeqCst);
-                        let (secret, pending_c, tx, endpoint_c) = (
-                            Arc::clone(&secret),
-                            Arc::clone(&pending),
-                            tx.clone(),
-                            endpoint.clone(),
-                        );
-                        let by = deadline.min(Instant::now() + HELLO_TIMEOUT);
-                        let spawned = thread::Builder::new()
-                            .name("rendezvous-handshake".into())
-                            .stack_size(HANDSHAKE_STACK_BYTES)
-                            .spawn(move || {
-                                let mut stream = stream;
-                                let event = match handshake(&mut stream, &secret, by) {
-                                    Ok(transcript) => Handshake::Proven {
-                                        stream,
-                                        peer,
-                                        transcript,
-                                    },
-                                    Err(why) => {
-                                        let text = format!(
-                                            "rank 0 at {endpoint_c} refused this connection: {why}"
-                                        );
-                                        let _ =
-                                            write_frame(&mut stream, Kind::Refuse, text.as_bytes());
-                                        Handshake::Refused { peer, why }
-                                    }
-                                };
-                                pending_c.fetch_sub(1, Ordering::SeqCst);
-                                let _ = tx.send(event);
-                            });
-                        if let Err(e) = spawned {
-                            pending.fetch_sub(1, Ordering::SeqCst);
-                            refused.note(
-                                &endpoint,
-                                &peer.to_string(),
-                                &format!("no thread for its handshake: {e}"),
-                            );
-                        }
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                    // Out of file descriptors under a flood, or a connection reset
-                    // before it was accepted: the strangers' problem, not the job's.
-                    Err(e) => {
-                        refused.note(&endpoint, "a connection", &format!("accept failed: {e}"));
-                        break;
-                    }
-                }
+        let mut lobby = Lobby::open(cfg, secret);
+        while lobby.count + 1 < cfg.world_size {
+            lobby.accept_waiting(&listener);
+            if let Ok(event) = lobby.handshakes.recv_timeout(ACCEPT_POLL) {
+                lobby.admit(event, cfg)?;
             }
-            match handshakes.recv_timeout(ACCEPT_POLL) {
-                Ok(Handshake::Refused { peer, why }) => {
-                    refused.note(&endpoint, &peer.to_string(), &why);
-                }
-                Ok(Handshake::Proven {
-                    mut stream,
-                    peer,
-                    transcript,
-                }) => match check_hello(&transcript, cfg, &joined) {
-                    Ok(r) => {
-                        let _ = stream.set_write_timeout(Some(cfg.timeout));
-                        let admit = transcript.tag(&secret, ADMIT_LABEL);
-                        match write_frame(&mut stream, Kind::Admit, &admit) {
-                            Ok(()) => {
-                                joined[r - 1] = Some(stream);
-                                count += 1;
-                            }
-                            Err(e) => refused.note(
-                                &endpoint,
-                                &peer.to_string(),
-                                &format!("RANK={r} proved itself, but its admission could not be sent: {e}"),
-                            ),
-                        }
-                    }
-                    Err(msg) => {
-                        let _ = write_frame(&mut stream, Kind::Refuse, msg.as_bytes());
-                        // Only a process of this job can hold a private token, and a
-                        // job with a misconfigured rank cannot succeed: fail it now.
-                        if secret.is_private() {
-                            abort_all(&mut joined, &msg, true);
-                            return Err(RendezvousError::Refused { message: msg });
-                        }
-                        refused.note(&endpoint, &peer.to_string(), &msg);
-                    }
-                },
-                Err(_) => {}
-            }
-            if Instant::now() >= deadline {
-                let missing: Vec<usize> = joined
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, s)| s.is_none())
-                    .map(|(i, _)| i + 1)
-                    .collect();
-                let msg = format!(
-                    "timed out after {:.1} s waiting at {endpoint} for {} of WORLD_SIZE={} to connect; start every rank with the same MASTER_ADDR and MASTER_PORT, or check that the missing ones started{}",
-                    cfg.timeout.as_secs_f64(),
-                    ranks_text(&missing),
-                    cfg.world_size,
-                    refused.summary()
-                );
-                abort_all(&mut joined, &msg, false);
-                return Err(RendezvousError::Timeout {
-                    message: msg,
-                    missing,
-                });
+            if Instant::now() >= lobby.deadline {
+                return Err(lobby.timed_out(cfg));
             }
         }
         // Everyone is here: welcome them and start a reader per peer.
         let (tx, events) = mpsc::channel();
         let mut peers = Vec::with_capacity(cfg.world_size - 1);
-        for (i, s) in joined.into_iter().enumerate() {
+        for (i, s) in lobby.joined.into_iter().enumerate() {
             let Some(mut s) = s else {
                 unreachable!("every rank joined")
             };
@@ -381,39 +262,8 @@ impl Rendezvous {
             let _ = s.set_write_timeout(Some(cfg.timeout));
             write_frame(&mut s, Kind::Welcome, &[])
                 .map_err(|e| io(&format!("cannot welcome rank {rank}"), e))?;
-            let mut reader = s.try_clone().map_err(|e| io("cannot clone a socket", e))?;
-            let tx = tx.clone();
-            thread::Builder::new()
-                .name(format!("rendezvous-rank-{rank}"))
-                .spawn(move || {
-                    let _ = reader.set_read_timeout(None);
-                    loop {
-                        match read_frame(&mut reader, None, FRAME_BYTES_MAX) {
-                            Ok(f) => {
-                                if tx.send(Event::Frame(rank, f)).is_err() {
-                                    return;
-                                }
-                            }
-                            Err(ReadFail::Timeout) => {}
-                            Err(ReadFail::Closed) => {
-                                let _ =
-                                    tx.send(Event::Closed(rank, "closed its connection".into()));
-                                return;
-                            }
-                            Err(ReadFail::Version(v)) => {
-                                let _ = tx.send(Event::Closed(
-                                    rank,
-                                    format!("switched to protocol version {v}"),
-                                ));
-                                return;
-                            }
-                            Err(ReadFail::Bad(why)) | Err(ReadFail::Io(why)) => {
-                                let _ = tx.send(Event::Closed(rank, why));
-                                return;
-                            }
-                        }
-                    }
-                })
+            let reader = s.try_clone().map_err(|e| io("cannot clone a socket", e))?;
+            read_peer(rank, reader, tx.clone())
                 .map_err(|e| io("cannot start a reader thread", e))?;
             peers.push(s);
         }
@@ -424,9 +274,203 @@ impl Rendezvous {
             endpoint,
             seq: 0,
             role: Role::Host { peers, events },
-            refused,
+            refused: lobby.refused,
         })
     }
+}
+
+/// Rank 0 waiting for the others: the connections that proved themselves, by
+/// rank, and what it refused; each waiting connection has a handshake thread of
+/// its own, so a silent one holds up no one but itself, and only for
+/// [`HELLO_TIMEOUT`].
+struct Lobby {
+    endpoint: String,
+    secret: Arc<JobSecret>,
+    deadline: Instant,
+    /// Ranks 1.. that joined.
+    joined: Vec<Option<TcpStream>>,
+    count: usize,
+    refused: Refusals,
+    tx: mpsc::Sender<Handshake>,
+    handshakes: mpsc::Receiver<Handshake>,
+    /// Handshake threads running.
+    pending: Arc<AtomicUsize>,
+}
+
+impl Lobby {
+    fn open(cfg: &RendezvousConfig, secret: &JobSecret) -> Lobby {
+        let (tx, handshakes) = mpsc::channel::<Handshake>();
+        Lobby {
+            endpoint: cfg.endpoint(),
+            secret: Arc::new(secret.clone()),
+            deadline: Instant::now() + cfg.timeout,
+            joined: (1..cfg.world_size).map(|_| None).collect(),
+            count: 0,
+            refused: Refusals::default(),
+            tx,
+            handshakes,
+            pending: Arc::new(AtomicUsize::new(0)),
+        }
+    }
+
+    /// Starts a handshake for every connection waiting on the listener.
+    fn accept_waiting(&mut self, listener: &TcpListener) {
+        loop {
+            match listener.accept() {
+                Ok((stream, peer)) => self.start_handshake(stream, peer),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                // Out of file descriptors under a flood, or a connection reset
+                // before it was accepted: the strangers' problem, not the job's.
+                Err(e) => {
+                    let why = format!("accept failed: {e}");
+                    self.refused.note(&self.endpoint, "a connection", &why);
+                    break;
+                }
+            }
+        }
+    }
+
+    fn start_handshake(&mut self, stream: TcpStream, peer: SocketAddr) {
+        let endpoint = &self.endpoint;
+        if self.pending.load(Ordering::SeqCst) >= PENDING_MAX {
+            let why =
+                format!("closed at once: {PENDING_MAX} connections already wait for their hello");
+            self.refused.note(endpoint, &peer.to_string(), &why);
+            return;
+        }
+        self.pending.fetch_add(1, Ordering::SeqCst);
+        let (secret, pending, tx, endpoint_c) = (
+            Arc::clone(&self.secret),
+            Arc::clone(&self.pending),
+            self.tx.clone(),
+            endpoint.clone(),
+        );
+        let by = self.deadline.min(Instant::now() + HELLO_TIMEOUT);
+        let spawned = thread::Builder::new()
+            .name("rendezvous-handshake".into())
+            .stack_size(HANDSHAKE_STACK_BYTES)
+            .spawn(move || {
+                let mut stream = stream;
+                let event = match handshake(&mut stream, &secret, by) {
+                    Ok(transcript) => Handshake::Proven {
+                        stream,
+                        peer,
+                        transcript,
+                    },
+                    Err(why) => {
+                        let text = format!("rank 0 at {endpoint_c} refused this connection: {why}");
+                        let _ = write_frame(&mut stream, Kind::Refuse, text.as_bytes());
+                        Handshake::Refused { peer, why }
+                    }
+                };
+                pending.fetch_sub(1, Ordering::SeqCst);
+                let _ = tx.send(event);
+            });
+        if let Err(e) = spawned {
+            self.pending.fetch_sub(1, Ordering::SeqCst);
+            let why = format!("no thread for its handshake: {e}");
+            self.refused.note(endpoint, &peer.to_string(), &why);
+        }
+    }
+
+    /// One handshake's outcome: a proven rank admitted, or refused (and, with a
+    /// private token, the job failed: only a process of this job can hold it, and a
+    /// job with a misconfigured rank cannot succeed).
+    fn admit(&mut self, event: Handshake, cfg: &RendezvousConfig) -> Result<(), RendezvousError> {
+        let endpoint = &self.endpoint;
+        let Handshake::Proven {
+            mut stream,
+            peer,
+            transcript,
+        } = event
+        else {
+            if let Handshake::Refused { peer, why } = event {
+                self.refused.note(endpoint, &peer.to_string(), &why);
+            }
+            return Ok(());
+        };
+        match check_hello(&transcript, cfg, &self.joined) {
+            Ok(r) => {
+                let _ = stream.set_write_timeout(Some(cfg.timeout));
+                let admit = transcript.tag(&self.secret, ADMIT_LABEL);
+                match write_frame(&mut stream, Kind::Admit, &admit) {
+                    Ok(()) => {
+                        self.joined[r - 1] = Some(stream);
+                        self.count += 1;
+                    }
+                    Err(e) => {
+                        let why = format!(
+                            "RANK={r} proved itself, but its admission could not be sent: {e}"
+                        );
+                        self.refused.note(endpoint, &peer.to_string(), &why)
+                    }
+                }
+            }
+            Err(msg) => {
+                let _ = write_frame(&mut stream, Kind::Refuse, msg.as_bytes());
+                if self.secret.is_private() {
+                    abort_all(&mut self.joined, &msg, true);
+                    return Err(RendezvousError::Refused { message: msg });
+                }
+                self.refused.note(endpoint, &peer.to_string(), &msg);
+            }
+        }
+        Ok(())
+    }
+
+    /// The deadline passed: the ranks that joined are told, and the error names
+    /// the missing ones.
+    fn timed_out(mut self, cfg: &RendezvousConfig) -> RendezvousError {
+        let missing: Vec<usize> = self
+            .joined
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.is_none())
+            .map(|(i, _)| i + 1)
+            .collect();
+        let msg = format!(
+            "timed out after {:.1} s waiting at {} for {} of WORLD_SIZE={} to connect; start every rank with the same MASTER_ADDR and MASTER_PORT, or check that the missing ones started{}",
+            cfg.timeout.as_secs_f64(),
+            self.endpoint,
+            ranks_text(&missing),
+            cfg.world_size,
+            self.refused.summary()
+        );
+        abort_all(&mut self.joined, &msg, false);
+        RendezvousError::Timeout {
+            message: msg,
+            missing,
+        }
+    }
+}
+
+/// A thread reading rank `rank`'s frames into `tx` until its connection ends.
+fn read_peer(rank: usize, mut reader: TcpStream, tx: mpsc::Sender<Event>) -> std::io::Result<()> {
+    let closed = move |tx: &mpsc::Sender<Event>, why: String| {
+        let _ = tx.send(Event::Closed(rank, why));
+    };
+    thread::Builder::new()
+        .name(format!("rendezvous-rank-{rank}"))
+        .spawn(move || {
+            let _ = reader.set_read_timeout(None);
+            loop {
+                match read_frame(&mut reader, None, FRAME_BYTES_MAX) {
+                    Ok(f) => {
+                        if tx.send(Event::Frame(rank, f)).is_err() {
+                            return;
+                        }
+                    }
+                    Err(ReadFail::Timeout) => {}
+                    Err(ReadFail::Closed) => return closed(&tx, "closed its connection".into()),
+                    Err(ReadFail::Version(v)) => {
+                        return closed(&tx, format!("switched to protocol version {v}"))
+                    }
+                    Err(ReadFail::Bad(why)) | Err(ReadFail::Io(why)) => return closed(&tx, why),
+                }
+            }
+        })
+        .map(|_| ())
 }
 
 /// Checks a proven `hello` against rank 0's own configuration: its rank, if
