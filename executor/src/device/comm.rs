@@ -123,6 +123,19 @@ pub(crate) fn host_collective(
     }
 }
 
+/// Sends `x[off..off + len]` to `to`, or fails naming a range `x` does not hold.
+pub(crate) fn send_part(
+    comm: &mut (impl Communicator + ?Sized),
+    to: (usize, &str),
+    x: &[f32],
+    (off, len): (usize, usize),
+) -> CResult<()> {
+    let part = x.get(off..off + len).ok_or_else(|| CommError::Internal {
+        detail: format!("sending {off}..{} of {}", off + len, x.len()),
+    })?;
+    comm.send(to.0, to.1, part)
+}
+
 /// A host device's buffer.
 type V = Vec<f32>;
 
@@ -154,10 +167,7 @@ impl<H: HostPrecision> DeviceComm<H> for dyn Communicator {
         x: &Vec<f32>,
         n: (usize, usize),
     ) -> CResult<()> {
-        let part = x.get(n.0..n.0 + n.1).ok_or_else(|| CommError::Internal {
-            detail: format!("sending {}..{} of {}", n.0, n.0 + n.1, x.len()),
-        })?;
-        self.send(to.0, to.1, part)
+        send_part(self, to, x, n)
     }
     fn recv_act(&mut self, _: &H, from: (usize, &str), out: &mut Vec<f32>) -> CResult<()> {
         self.recv(from.0, from.1, out)

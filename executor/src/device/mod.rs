@@ -593,7 +593,8 @@ impl<H: HostPrecision> Device for H {
     }
     fn moe_dispatch(&self, r: &mut Routed<Self>, x: &Self::Act, y: &mut Self::Act) -> DResult<()> {
         let m = r.m;
-        r.counts = vec![0usize; m.experts];
+        r.counts.clear();
+        r.counts.resize(m.experts, 0);
         let (idx, perm, counts) = (&r.idx, &mut r.perm, &mut r.counts);
         k::moe_dispatch_fwd(x, idx, m.tokens, m.k, m.experts, m.dim, y, counts, perm)?;
         Ok(())

@@ -5,7 +5,7 @@
 
 use super::{CudaDevice, A, F};
 use crate::comm::{ByteCounts, CommError, CommKind, Communicator, Group, NcclComm, P2p};
-use crate::device::comm::{host_collective, internal, CResult, DeviceComm, Kind, On};
+use crate::device::comm::{host_collective, internal, send_part, CResult, DeviceComm, Kind, On};
 use crate::device::Device;
 use meshplan_kernels::cuda::bf16;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice};
@@ -179,8 +179,7 @@ impl DeviceComm<CudaDevice> for CudaComm {
         };
         let mut h = dev.act_download(x).map_err(internal)?;
         host.all_reduce(on.0, on.1, &mut h)?;
-        let sum = dev.f32_upload(&h).map_err(internal)?;
-        dev.to_act(&sum, x).map_err(internal)
+        upload_act(dev, &h, x)
     }
     fn send_act(
         &mut self,
@@ -194,10 +193,7 @@ impl DeviceComm<CudaDevice> for CudaComm {
             CudaComm::Staged(host) => host,
         };
         let h = dev.act_download(x).map_err(internal)?;
-        let part = h.get(n.0..n.0 + n.1).ok_or_else(|| CommError::Internal {
-            detail: format!("sending {}..{} of {}", n.0, n.0 + n.1, h.len()),
-        })?;
-        host.send(to.0, to.1, part)
+        send_part(host.as_mut(), to, &h, n)
     }
     fn recv_act(
         &mut self,
@@ -211,8 +207,7 @@ impl DeviceComm<CudaDevice> for CudaComm {
         };
         let mut h = vec![0.0; out.len()];
         host.recv(from.0, from.1, &mut h)?;
-        let up = dev.f32_upload(&h).map_err(internal)?;
-        dev.to_act(&up, out).map_err(internal)
+        upload_act(dev, &h, out)
     }
     fn exchange_act(
         &mut self,
@@ -251,8 +246,7 @@ impl DeviceComm<CudaDevice> for CudaComm {
         let h = dev.act_download(send.0).map_err(internal)?;
         let mut got = vec![0.0; recv.0.len()];
         host.all_to_all_v(group, axis, &h, send.1, &mut got, recv.1)?;
-        let up = dev.f32_upload(&got).map_err(internal)?;
-        dev.to_act(&up, recv.0).map_err(internal)
+        upload_act(dev, &got, recv.0)
     }
     fn act_collective(&mut self, dev: &CudaDevice, k: Kind<'_>, x: &A, y: &mut A) -> CResult<()> {
         let host = match self {
@@ -262,8 +256,7 @@ impl DeviceComm<CudaDevice> for CudaComm {
         let h = dev.act_download(x).map_err(internal)?;
         let mut got = vec![0.0; y.len()];
         host_collective(host.as_mut(), k, &h, &mut got)?;
-        let up = dev.f32_upload(&got).map_err(internal)?;
-        dev.to_act(&up, y).map_err(internal)
+        upload_act(dev, &got, y)
     }
     fn f32_collective(&mut self, dev: &CudaDevice, k: Kind<'_>, x: &F, y: &mut F) -> CResult<()> {
         let host = match self {
@@ -276,4 +269,10 @@ impl DeviceComm<CudaDevice> for CudaComm {
         *y = dev.f32_upload(&got).map_err(internal)?;
         Ok(())
     }
+}
+
+/// A host vector into a bf16 device buffer (the staged communicator's result).
+fn upload_act(dev: &CudaDevice, h: &[f32], out: &mut A) -> CResult<()> {
+    let up = dev.f32_upload(h).map_err(internal)?;
+    dev.to_act(&up, out).map_err(internal)
 }

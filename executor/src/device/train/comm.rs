@@ -243,7 +243,6 @@ impl<'a, D: Device> DevRank<'a, D> {
             )));
         };
         self.comm.send_act(&self.dev, (peer, "pp"), x, (off, n))?;
-        // Named as `trace::Tracer` names them.
         let args = serde_json::json!({"step": self.meter.step_no, "bytes": bytes, "peer": peer});
         self.span(m0, format!("send to stage {stage}"), "p2p", args)
     }

@@ -26,10 +26,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
     }
 
-    /// An attention op's sizes over `rows` rows of the micro-batch, and the width
-    /// of its fused `q | k | v` input.
-    pub(super) fn attention_dims(&self, op: &Op, rows: usize) -> Res<(AttnDims, usize)> {
-        self.site().attention_dims(op, self.sizes.mbs, rows)
+    /// An attention op's sizes over its input `x`, the micro-batch's rows of
+    /// fused `q | k | v`.
+    pub(super) fn attention_dims_of(&self, op: &Op, x: &D::Act) -> Res<AttnDims> {
+        let site = self.site();
+        let width = site.attention_dims(op, 1, 1)?.1;
+        let rows = D::act_len(x) / width.max(1);
+        Ok(site.attention_dims(op, self.sizes.mbs, rows)?.0)
     }
 
     /// The draw of dropout site `op` in layer `l` this step.

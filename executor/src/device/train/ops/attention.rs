@@ -15,10 +15,9 @@ impl<D: Device> DevRank<'_, D> {
         let e = derr(&op.name);
 
         let x = self.act(t, l, op.inputs[0])?;
-        let rows = D::act_len(&x) / self.attention_dims(op, 1)?.1;
-        let (dims, _) = self.attention_dims(op, rows)?;
+        let dims = self.attention_dims_of(op, &x)?;
         let (q, kk, v) = self.split(&x, &dims)?;
-        let mut o = self.zeros(rows * dims.hq * dims.dv)?;
+        let mut o = self.zeros(dims.batch * dims.sq * dims.hq * dims.dv)?;
         let mut lse = self.zeros_f32(dims.batch * dims.hq * dims.sq)?;
         let mask = AttnMask {
             causal: a.causal,
@@ -56,8 +55,7 @@ impl<D: Device> DevRank<'_, D> {
         let e = derr(&op.name);
         let dev = &self.dev;
         let x = self.act(t, l, op.inputs[0])?;
-        let rows = D::act_len(&x) / self.attention_dims(op, 1)?.1;
-        let (dims, _) = self.attention_dims(op, rows)?;
+        let dims = self.attention_dims_of(op, &x)?;
         let (q, kk, v) = self.split(&x, &dims)?;
         let o = t
             .acts
