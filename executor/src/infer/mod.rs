@@ -627,5 +627,8 @@ pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     hidden_width: usize,
     vocab: usize,
     acts: HashMap<String, D::Act>,
+    /// Activations gathered over the tensor axis, beside `acts`, for the
+    /// column-parallel ops that read them whole.
+    gathered: HashMap<String, D::Act>,
     logits: Option<D::Act>,
 }

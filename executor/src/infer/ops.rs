@@ -33,6 +33,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                     for _ in 0..*repeat {
                         let l = crate::train::next_layer(*kind, layer);
                         self.acts.clear();
+                        self.gathered.clear();
                         if let (Some(input), Some(h)) =
                             (segment_input(self.graph, s), self.hidden.take())
                         {
@@ -191,7 +192,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             CollectiveKind::AllGather => {
                 let (dev, comm) = (&self.dev, self.comm.as_mut());
                 let out = act_collected(dev, comm, (CommKind::AllGather, (&g, ax)), buf)?;
-                self.acts.insert(format!("{tensor}@g"), out);
+                self.gathered.insert(tensor.to_string(), out);
             }
             CollectiveKind::ReduceScatter => {
                 let (dev, comm) = (&self.dev, self.comm.as_mut());
@@ -245,7 +246,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             }
             OpKind::Matmul { .. } => {
                 let in_name = &self.graph.tensor(op.inputs[0]).name;
-                let x = match self.acts.get(&format!("{in_name}@g")) {
+                let x = match self.gathered.get(in_name) {
                     Some(g) if matches!(op.role, TpRole::ColumnParallel | TpRole::VocabHead) => g,
                     _ => self.act(op, 0)?,
                 };

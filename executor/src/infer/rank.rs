@@ -81,6 +81,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             hidden_width: shape.get(1).copied().unwrap_or(1),
             vocab: shape[0],
             acts: HashMap::new(),
+            gathered: HashMap::new(),
             logits: None,
         };
         st.load_weights()?;

@@ -519,7 +519,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                 if self.tp.rank == 0 {
                     self.meter.losses.push(loss);
                 }
-                t.acts.insert((l, format!("{name}#dlogits")), Arc::new(d));
+                t.saved
+                    .insert((l, name.to_string(), Saved::LogitsGrad), Arc::new(d));
                 t.loss_stats.retain(|k, _| k.0 != l || k.1 != name);
             }
         }

@@ -106,6 +106,8 @@ struct Task<D: Device> {
     /// Kernel statistics kept for the backward (norm means and scales, attention
     /// log-sum-exps).
     stats: HashMap<(u64, String, Stat), D::F32>,
+    /// Other buffers an op keeps for its backward, by (layer, op, what).
+    saved: HashMap<(u64, String, Saved), Arc<D::Act>>,
     grads: HashMap<(u64, String), D::Act>,
     /// Input gradients of ops split over the tensor axis, partial until the program
     /// sums them over it.
@@ -533,7 +535,12 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     fn held_bytes(&self, t: &Task<D>) -> f64 {
-        let act: usize = t.acts.values().map(|a| D::act_len(a)).sum();
+        let act: usize = t
+            .acts
+            .values()
+            .chain(t.saved.values())
+            .map(|a| D::act_len(a))
+            .sum();
         let stats: usize = t.stats.values().map(D::f32_len).sum();
         (act * self.dev.act_bytes() + stats * 4) as f64
     }

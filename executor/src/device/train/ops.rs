@@ -238,8 +238,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         let in0 = self.name_of(op.inputs[0]);
         if let OpKind::CrossEntropy { .. } = op.kind {
             let d = t
-                .acts
-                .remove(&(l, format!("{}#dlogits", op.name)))
+                .saved
+                .remove(&(l, op.name.clone(), Saved::LogitsGrad))
                 .ok_or_else(|| fail("the loss gradient was not kept"))?;
             let d = Arc::try_unwrap(d).map_err(|_| fail("the loss gradient is shared"))?;
             return self.add_grad(t, l, in0, d);

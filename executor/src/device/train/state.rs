@@ -148,6 +148,18 @@ impl<D: Device> Meter<D> {
     }
 }
 
+/// A buffer an op keeps for its backward beside its inputs and outputs: key
+/// (layer, op, `Saved`), so one saved under one name and read under another is a
+/// compile error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(super) enum Saved {
+    /// Attention's output in its kernel's `[b, s, h dv]` layout, which the
+    /// backward reads with the log-sum-exps.
+    AttnOut,
+    /// The loss's gradient of its logits, computed in the forward.
+    LogitsGrad,
+}
+
 /// What the step list does, in order.
 pub(super) enum StepItem {
     /// All-reduce of bucket `i` over the data ranks.

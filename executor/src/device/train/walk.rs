@@ -40,6 +40,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             experts: HashMap::new(),
             acts: HashMap::new(),
             stats: HashMap::new(),
+            saved: HashMap::new(),
             grads: HashMap::new(),
             partial: HashMap::new(),
             loss_stats: HashMap::new(),

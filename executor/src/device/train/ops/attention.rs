@@ -39,7 +39,8 @@ impl<D: Device> DevRank<'_, D> {
             .swap_axes(&o, [dims.batch, dims.sq, dims.hq * dims.dv], &mut y)
             .map_err(&e)?;
         t.stats.insert((l, op.name.clone(), Stat::Lse), lse);
-        t.acts.insert((l, format!("{}#o", op.name)), Arc::new(o));
+        t.saved
+            .insert((l, op.name.clone(), Saved::AttnOut), Arc::new(o));
         Ok(y)
     }
 
@@ -58,8 +59,8 @@ impl<D: Device> DevRank<'_, D> {
         let dims = self.attention_dims_of(op, &x)?;
         let (q, kk, v) = self.split(&x, &dims)?;
         let o = t
-            .acts
-            .get(&(l, format!("{}#o", op.name)))
+            .saved
+            .get(&(l, op.name.clone(), Saved::AttnOut))
             .cloned()
             .ok_or_else(|| fail("attention output was not kept"))?;
         let lse = stat(t, l, &op.name, Stat::Lse)?;

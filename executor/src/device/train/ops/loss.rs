@@ -36,8 +36,8 @@ impl<D: Device> DevRank<'_, D> {
             self.meter.losses.push(loss);
         }
         // The backward is done: the gradient waits for the backward pass.
-        t.acts
-            .insert((l, format!("{}#dlogits", op.name)), Arc::new(dlogits));
+        t.saved
+            .insert((l, op.name.clone(), Saved::LogitsGrad), Arc::new(dlogits));
         Ok(())
     }
 }
