@@ -363,10 +363,10 @@ impl<H: HostPrecision> Device for H {
         (H::ACT_BYTES == 4).then_some(w)
     }
     fn act_zeros(&self, n: usize) -> DResult<Vec<f32>> {
-        Ok(vec![0.0; n])
+        Ok(k::zeros(n))
     }
     fn f32_zeros(&self, n: usize) -> DResult<Vec<f32>> {
-        Ok(vec![0.0; n])
+        Ok(k::zeros(n))
     }
     fn f32_upload(&self, host: &[f32]) -> DResult<Vec<f32>> {
         Ok(host.to_vec())

@@ -172,6 +172,23 @@ pub(crate) fn par_rows<T: Send>(
         .for_each(|(i, c)| f(i * per, c));
 }
 
+/// Buffers at least this long are zeroed over the pool: below it a thread's
+/// `memset` is quicker than handing out the work.
+const PAR_ZEROS_MIN: usize = 1 << 16;
+
+/// `n` zeros. A long buffer is written over the pool of [`intra_op_threads`]:
+/// every op's output starts as one, and on one thread their `memset`s are a few
+/// percent of a training step that the other threads wait through.
+pub fn zeros(n: usize) -> Vec<f32> {
+    if intra_op_threads() <= 1 || n < PAR_ZEROS_MIN {
+        return vec![0.0; n];
+    }
+    use rayon::prelude::*;
+    let mut v = Vec::with_capacity(n);
+    v.par_extend(rayon::iter::repeat_n(0.0f32, n));
+    v
+}
+
 /// `(0..n).map(f)` collected in order, the items computed in parallel over the
 /// pool of [`intra_op_threads`] when there is one.
 pub(crate) fn par_map<T: Send>(n: usize, f: impl Fn(usize) -> T + Sync + Send) -> Vec<T> {
@@ -441,6 +458,29 @@ mod threads_tests {
         .unwrap();
         out.extend([o, lse, dq, dk, dv]);
         out
+    }
+
+    #[test]
+    fn zeros_are_zeros_on_a_pool_over_reused_memory() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for n in [
+            0,
+            7,
+            PAR_ZEROS_MIN - 1,
+            PAR_ZEROS_MIN,
+            3 * PAR_ZEROS_MIN + 5,
+        ] {
+            // Freed ones first, so an allocator handing the same memory back
+            // would show through a buffer not written.
+            drop(vec![1.0f32; n]);
+            let z = pool.install(|| zeros(n));
+            assert_eq!(z.len(), n);
+            assert!(z.iter().all(|&x| x.to_bits() == 0), "n = {n}");
+        }
+        assert_eq!(zeros(5), vec![0.0; 5]);
     }
 
     #[test]

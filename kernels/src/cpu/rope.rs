@@ -74,6 +74,61 @@ fn check(
     check_len("out", out_len, n)
 }
 
+/// The `(cos, sin)` of every pair's rotation by `sign * angle` at each distinct
+/// position: the rotations depend only on the position, and a batch repeats its
+/// positions in every sequence.
+struct Angles {
+    distinct: Vec<u32>,
+    half: usize,
+    table: Vec<(f32, f32)>,
+}
+
+impl Angles {
+    fn new(positions: &[u32], head_dim: usize, rope: Rope, sign: f64) -> Angles {
+        let half = head_dim / 2;
+        // The frequencies depend only on the pair index: computed once per call.
+        let freqs: Vec<f64> = (0..half).map(|i| rope.freq(i, head_dim)).collect();
+        let mut distinct = positions.to_vec();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let mut table = vec![(0.0f32, 0.0f32); distinct.len() * half];
+        for (row, &pos) in table.chunks_exact_mut(half.max(1)).zip(&distinct) {
+            for (c, &freq) in row.iter_mut().zip(&freqs) {
+                let ang = pos as f64 * freq * sign;
+                *c = (ang.cos() as f32, ang.sin() as f32);
+            }
+        }
+        Angles {
+            distinct,
+            half,
+            table,
+        }
+    }
+
+    fn at(&self, pos: u32) -> &[(f32, f32)] {
+        let at = self.distinct.binary_search(&pos).unwrap_or(0);
+        &self.table[at * self.half..(at + 1) * self.half]
+    }
+}
+
+/// Rotates the head vector `x` by the pairs' `(cos, sin)` and adds
+/// (`accumulate`) or writes the result into `out`.
+fn rotate_head(x: &[f32], cs: &[(f32, f32)], accumulate: bool, out: &mut [f32]) {
+    let half = cs.len();
+    for (i, &(cos, sin)) in cs.iter().enumerate() {
+        let (x1, x2) = (x[i], x[i + half]);
+        let y1 = x1 * cos - x2 * sin;
+        let y2 = x2 * cos + x1 * sin;
+        if accumulate {
+            out[i] += y1;
+            out[i + half] += y2;
+        } else {
+            out[i] = y1;
+            out[i + half] = y2;
+        }
+    }
+}
+
 /// Rotates every `[head_dim]` vector of `x` by `sign * angle` and adds
 /// (`accumulate`) or writes the result into `out`.
 fn rotate(
@@ -86,45 +141,18 @@ fn rotate(
     accumulate: bool,
     out: &mut [f32],
 ) {
-    let half = head_dim / 2;
     let tok_len = heads * head_dim;
-    // The frequencies depend only on the pair index: computed once per call.
-    let freqs: Vec<f64> = (0..half).map(|i| rope.freq(i, head_dim)).collect();
-    // The rotations depend only on the position, and a batch repeats its
-    // positions in every sequence: one (cos, sin) row per distinct position.
-    let mut distinct = positions.to_vec();
-    distinct.sort_unstable();
-    distinct.dedup();
-    let mut table = vec![(0.0f32, 0.0f32); distinct.len() * half];
-    for (row, &pos) in table.chunks_exact_mut(half.max(1)).zip(&distinct) {
-        for (c, &freq) in row.iter_mut().zip(&freqs) {
-            let ang = pos as f64 * freq * sign;
-            *c = (ang.cos() as f32, ang.sin() as f32);
-        }
-    }
+    let angles = Angles::new(positions, head_dim, rope, sign);
     par_rows(out, tok_len, |t0, out| {
         for (t, &pos) in positions[t0..t0 + out.len() / tok_len.max(1)]
             .iter()
             .enumerate()
         {
-            let at = distinct.binary_search(&pos).unwrap_or(0);
-            let cs = &table[at * half..(at + 1) * half];
+            let cs = angles.at(pos);
             for h in 0..heads {
                 let base = t * tok_len + h * head_dim;
                 let xv = &x[t0 * tok_len + base..][..head_dim];
-                let ov = &mut out[base..base + head_dim];
-                for (i, &(cos, sin)) in cs.iter().enumerate() {
-                    let (x1, x2) = (xv[i], xv[i + half]);
-                    let y1 = x1 * cos - x2 * sin;
-                    let y2 = x2 * cos + x1 * sin;
-                    if accumulate {
-                        ov[i] += y1;
-                        ov[i + half] += y2;
-                    } else {
-                        ov[i] = y1;
-                        ov[i + half] = y2;
-                    }
-                }
+                rotate_head(xv, cs, accumulate, &mut out[base..base + head_dim]);
             }
         }
     });
@@ -175,23 +203,30 @@ pub fn rope_qkv(
 ) -> Result<(), KernelError> {
     check_len("x", x.len(), rows * width)?;
     check_len("y", y.len(), rows * width)?;
-    y.copy_from_slice(x);
-    for (start, heads) in [(0, hq), (hq * head_dim, hkv)] {
-        let n = heads * head_dim;
-        let mut part = vec![0.0; rows * n];
-        for (r, p) in part.chunks_exact_mut(n.max(1)).enumerate() {
-            p.copy_from_slice(&x[r * width + start..][..n]);
-        }
-        let mut out = vec![0.0; part.len()];
-        if backward {
-            rope_bwd(&part, positions, rows, heads, head_dim, rope, &mut out)?;
-        } else {
-            rope_fwd(&part, positions, rows, heads, head_dim, rope, &mut out)?;
-        }
-        for (r, o) in out.chunks_exact(n.max(1)).enumerate() {
-            y[r * width + start..][..n].copy_from_slice(o);
-        }
+    let rot = (hq + hkv) * head_dim;
+    if rot > width {
+        return Err(invalid(
+            "width",
+            format!("{width} columns hold no {hq} + {hkv} heads of {head_dim}"),
+        ));
     }
+    check(rows * rot, rows * rot, positions, rows, hq + hkv, head_dim)?;
+    // The backward is the inverse rotation added onto zeros, as `rope_bwd` adds it.
+    let angles = Angles::new(positions, head_dim, rope, if backward { -1.0 } else { 1.0 });
+    par_rows(y, width, |r0, out| {
+        for (t, yrow) in out.chunks_exact_mut(width.max(1)).enumerate() {
+            let xrow = &x[(r0 + t) * width..][..width];
+            yrow[rot..].copy_from_slice(&xrow[rot..]);
+            if backward {
+                yrow[..rot].fill(0.0);
+            }
+            let cs = angles.at(positions[r0 + t]);
+            for h in 0..hq + hkv {
+                let head = h * head_dim..(h + 1) * head_dim;
+                rotate_head(&xrow[head.clone()], cs, backward, &mut yrow[head]);
+            }
+        }
+    });
     Ok(())
 }
 
@@ -220,6 +255,65 @@ mod tests {
         for (a, b) in back.iter().zip(x) {
             assert!((a - b).abs() < 1e-6, "{back:?}");
         }
+    }
+
+    /// The fused kernel is the per-block kernels on the query and key columns, bit
+    /// for bit (the backward added onto zeros, negative zeros included), on any
+    /// thread count: GQA heads, repeated positions, rows split over a pool.
+    #[test]
+    fn rope_qkv_equals_the_blockwise_kernels_bit_for_bit() {
+        let mut rng = Rng::new(5);
+        let (rows, hq, hkv, d, dv) = (12, 4, 2, 8, 6);
+        let width = (hq + hkv) * d + hkv * dv;
+        let mut x = rng.vec(rows * width);
+        // Zeros rotated by a negative cosine (row 2 sits at position 3) give -0.0
+        // forward, +0.0 added backward.
+        x[2 * width..2 * width + d].fill(0.0);
+        let positions: Vec<u32> = (0..rows as u32).map(|r| 3 * (r / 2)).collect();
+        let rope = Rope::plain(10000.0);
+        for backward in [false, true] {
+            let mut want = x.clone();
+            for (start, heads) in [(0, hq), (hq * d, hkv)] {
+                let n = heads * d;
+                let part: Vec<f32> = (0..rows)
+                    .flat_map(|r| x[r * width + start..][..n].to_vec())
+                    .collect();
+                let mut out = vec![0.0; part.len()];
+                let f = if backward { rope_bwd } else { rope_fwd };
+                f(&part, &positions, rows, heads, d, rope, &mut out).unwrap();
+                for (r, o) in out.chunks_exact(n).enumerate() {
+                    want[r * width + start..][..n].copy_from_slice(o);
+                }
+            }
+            let negative_zero = want.iter().any(|v| v.to_bits() == (-0.0f32).to_bits());
+            assert_eq!(negative_zero, !backward, "the case is in the data");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            for threads in [1, 2, 3] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let mut y = vec![f32::NAN; x.len()];
+                let shape = (hq, hkv, d, width);
+                pool.install(|| rope_qkv(&x, &positions, rows, shape, (rope, backward), &mut y))
+                    .unwrap();
+                assert_eq!(
+                    bits(&y),
+                    bits(&want),
+                    "backward {backward}, {threads} threads"
+                );
+            }
+        }
+        let mut y = vec![0.0; x.len()];
+        let e = rope_qkv(
+            &x,
+            &positions,
+            rows,
+            (hq, hkv + 9, d, width),
+            (rope, false),
+            &mut y,
+        );
+        assert!(e.is_err(), "heads wider than the rows");
     }
 
     #[test]
