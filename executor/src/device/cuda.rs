@@ -449,61 +449,71 @@ mod tests {
 
     fn run<D: Device>(dev: &D) -> Vec<Out> {
         let mut out: Vec<Out> = Vec::new();
-        let mut act_out = |name: String, x: &D::Act, tol| {
-            out.push((name, dev.act_download(x).unwrap(), tol));
-        };
+        for cases in [
+            gemm_cases,
+            layout_cases,
+            bias_cases,
+            cross_entropy_cases,
+            adamw_cases,
+            copies_cases,
+        ] {
+            cases(dev, &mut out);
+        }
+        out
+    }
 
-        // Every transpose pair, bf16 activations out and fp32 gradients added into.
+    fn act_out<D: Device>(dev: &D, out: &mut Vec<Out>, name: String, x: &D::Act, tol: (f32, f32)) {
+        out.push((name, dev.act_download(x).unwrap(), tol));
+    }
+
+    fn f32_out<D: Device>(dev: &D, out: &mut Vec<Out>, name: String, x: &D::F32, tol: (f32, f32)) {
+        out.push((name, dev.f32_download(x).unwrap(), tol));
+    }
+
+    /// Every transpose pair, bf16 activations out and fp32 gradients added into.
+    fn gemm_cases<D: Device>(dev: &D, out: &mut Vec<Out>) {
         let (m, k, n) = (13, 70, 9);
         let (a, b) = (
             act(dev, &values(1, m * k, 1.0)),
             act(dev, &values(2, k * n, 1.0)),
         );
-        let mut f32_out = Vec::new();
         for ta in [No, Yes] {
             for tb in [No, Yes] {
                 let mut c = dev.act_zeros(m * n).unwrap();
                 dev.matmul(GemmAt::whole(ta, tb, m, k, n), &a, &b, &mut c)
                     .unwrap();
-                act_out(format!("matmul {ta:?} {tb:?}"), &c, BF16);
+                act_out(dev, out, format!("matmul {ta:?} {tb:?}"), &c, BF16);
                 let mut c = dev.f32_upload(&values(3, m * n, 1.0)).unwrap();
                 dev.matmul_acc(GemmAt::whole(ta, tb, m, k, n), &a, &b, &mut c)
                     .unwrap();
-                f32_out.push((
+                f32_out(
+                    dev,
+                    out,
                     format!("matmul_acc {ta:?} {tb:?}"),
-                    dev.f32_download(&c).unwrap(),
+                    &c,
                     (1e-3, 1e-4),
-                ));
+                );
             }
         }
+    }
 
-        // Fused QKV rows [s, b, width] split and joined back, RoPE on them both ways.
-        let dims = AttnDims {
-            batch: 2,
-            sq: 3,
-            sk: 3,
-            hq: 4,
-            hkv: 2,
-            d: 8,
-            dv: 6,
-        };
-        let rows = dims.batch * dims.sq;
-        let width = qkv_width(&dims);
-        let x = act(dev, &values(4, rows * width, 1.0));
+    /// Fused QKV rows [s, b, width] split and joined back, RoPE on them both ways.
+    fn layout_cases<D: Device>(dev: &D, out: &mut Vec<Out>) {
+        let (dims, rows, width, x) = fused_rows(dev);
         let mut q = dev.act_zeros(rows * dims.hq * dims.d).unwrap();
         let mut kk = dev.act_zeros(rows * dims.hkv * dims.d).unwrap();
         let mut v = dev.act_zeros(rows * dims.hkv * dims.dv).unwrap();
         dev.split_qkv(&x, &dims, [&mut q, &mut kk, &mut v]).unwrap();
-        act_out("split_qkv q".into(), &q, EXACT);
-        act_out("split_qkv k".into(), &kk, EXACT);
-        act_out("split_qkv v".into(), &v, EXACT);
+        act_out(dev, out, "split_qkv q".into(), &q, EXACT);
+        act_out(dev, out, "split_qkv k".into(), &kk, EXACT);
+        act_out(dev, out, "split_qkv v".into(), &v, EXACT);
         let mut joined = dev.act_zeros(rows * width).unwrap();
         dev.join_qkv([&q, &kk, &v], &dims, &mut joined).unwrap();
-        act_out("join_qkv".into(), &joined, EXACT);
+        act_out(dev, out, "join_qkv".into(), &joined, EXACT);
         let mut t = dev.act_zeros(rows * width).unwrap();
         dev.swap_axes(&x, [dims.batch, dims.sq, width], &mut t)
             .unwrap();
-        act_out("transpose_bs".into(), &t, EXACT);
+        act_out(dev, out, "transpose_bs".into(), &t, EXACT);
         let positions = dev
             .ids_upload(&(0..rows as u32).map(|r| 37 * r + 5).collect::<Vec<_>>())
             .unwrap();
@@ -518,25 +528,43 @@ mod tests {
                 backward,
             };
             dev.rope_qkv(&r, &mut y).unwrap();
-            act_out(format!("rope_qkv backward={backward}"), &y, BF16);
+            act_out(dev, out, format!("rope_qkv backward={backward}"), &y, BF16);
         }
+    }
 
-        // Bias, accumulate.
+    /// The fused QKV rows the layout and bias cases read: their sizes, row count,
+    /// width and values.
+    fn fused_rows<D: Device>(dev: &D) -> (AttnDims, usize, usize, D::Act) {
+        let dims = AttnDims {
+            batch: 2,
+            sq: 3,
+            sk: 3,
+            hq: 4,
+            hkv: 2,
+            d: 8,
+            dv: 6,
+        };
+        let rows = dims.batch * dims.sq;
+        let width = qkv_width(&dims);
+        (dims, rows, width, act(dev, &values(4, rows * width, 1.0)))
+    }
+
+    /// Bias, accumulate.
+    fn bias_cases<D: Device>(dev: &D, out: &mut Vec<Out>) {
+        let (_, rows, width, x) = fused_rows(dev);
         let mut y = act(dev, &values(5, rows * width, 1.0));
         dev.bias_add(&mut y, &act(dev, &values(6, width, 1.0)))
             .unwrap();
-        act_out("bias_add".into(), &y, BF16);
+        act_out(dev, out, "bias_add".into(), &y, BF16);
         let mut db = dev.f32_upload(&values(7, width, 1.0)).unwrap();
         dev.bias_grad(&x, &mut db).unwrap();
-        f32_out.push((
-            "bias_grad".into(),
-            dev.f32_download(&db).unwrap(),
-            (1e-5, 1e-5),
-        ));
+        f32_out(dev, out, "bias_grad".into(), &db, (1e-5, 1e-5));
         dev.accumulate(&mut y, &x).unwrap();
-        act_out("accumulate".into(), &y, BF16);
+        act_out(dev, out, "accumulate".into(), &y, BF16);
+    }
 
-        // Cross-entropy: loss written, dlogits written (not added to the ones).
+    /// Cross-entropy: loss written, dlogits written (not added to the ones).
+    fn cross_entropy_cases<D: Device>(dev: &D, out: &mut Vec<Out>) {
         let (ce_rows, vocab) = (5, 37);
         let logits = act(dev, &values(8, ce_rows * vocab, 3.0));
         let labels = dev.ids_upload(&ids(9, ce_rows, vocab as u64)).unwrap();
@@ -555,14 +583,12 @@ mod tests {
             dlogits: &mut dlogits,
         };
         dev.cross_entropy(&c, ce_out).unwrap();
-        f32_out.push((
-            "ce loss".into(),
-            dev.f32_download(&loss).unwrap(),
-            (1e-4, 1e-4),
-        ));
-        act_out("ce dlogits".into(), &dlogits, (1e-4, 1.0 / 128.0));
+        f32_out(dev, out, "ce loss".into(), &loss, (1e-4, 1e-4));
+        act_out(dev, out, "ce dlogits".into(), &dlogits, (1e-4, 1.0 / 128.0));
+    }
 
-        // AdamW: the fp32 master, moments and the refreshed compute copy.
+    /// AdamW: the fp32 master, moments and the refreshed compute copy.
+    fn adamw_cases<D: Device>(dev: &D, out: &mut Vec<Out>) {
         let np = 103;
         let mut param = dev.f32_upload(&values(10, np, 1.0)).unwrap();
         let grad = dev.f32_upload(&values(11, np, 0.1)).unwrap();
@@ -581,21 +607,26 @@ mod tests {
             hyper: (0.9, 0.95, 1e-8, 0.1),
         })
         .unwrap();
-        act_out("adamw compute copy".into(), &compute, (1e-6, 1.0 / 128.0));
+        act_out(
+            dev,
+            out,
+            "adamw compute copy".into(),
+            &compute,
+            (1e-6, 1.0 / 128.0),
+        );
         for (name, buf) in [("adamw param", &param), ("adamw m", &m1), ("adamw v", &v1)] {
-            f32_out.push((name.into(), dev.f32_download(buf).unwrap(), FP32));
+            f32_out(dev, out, name.into(), buf, FP32);
         }
+    }
 
-        // A sub-range copy between fp32 buffers.
+    /// A sub-range copy between fp32 buffers.
+    fn copies_cases<D: Device>(dev: &D, out: &mut Vec<Out>) {
         let src = dev.f32_upload(&values(14, 20, 1.0)).unwrap();
         let mut dst = dev.f32_zeros(16).unwrap();
         dev.f32_copy((&src, 5), (&mut dst, 3), 10).unwrap();
-        f32_out.push(("f32_copy".into(), dev.f32_download(&dst).unwrap(), EXACT));
+        f32_out(dev, out, "f32_copy".into(), &dst, EXACT);
         assert!(dev.f32_copy((&src, 15), (&mut dst, 0), 10).is_err());
         assert!(dev.f32_copy((&src, 0), (&mut dst, 7), 10).is_err());
-
-        out.extend(f32_out);
-        out
     }
 
     #[test]
