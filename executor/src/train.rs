@@ -200,6 +200,15 @@ pub fn train(plan: &Plan, opts: &TrainOptions) -> Result<TrainReport, ExecError>
     crate::device::train::train_device(plan, opts, &|_| Ok(crate::device::HostDevice))
 }
 
+/// The plan's group `name`.
+pub(crate) fn group_named(
+    groups: &BTreeMap<String, Group>,
+    name: &str,
+) -> Result<Group, RankError> {
+    let g = groups.get(name).cloned();
+    g.ok_or_else(|| fail(format!("group `{name}` is not in the plan's mesh")))
+}
+
 /// `rank`'s place in its group `name` (no split when the plan has no such group).
 pub(crate) fn place_in(groups: &BTreeMap<String, Group>, name: &str, rank: usize) -> TpPos {
     groups

@@ -105,6 +105,26 @@ impl<D: Device> Site<'_, D> {
         Ok((dims, qkv_width(&dims)))
     }
 
+    /// An attention op's sizes over its fused `q | k | v` input `x`, rows of
+    /// `batch` sequences, and the input's width.
+    pub(crate) fn attention_dims_of(
+        &self,
+        att: &Op,
+        batch: usize,
+        x: &D::Act,
+    ) -> Res<(AttnDims, usize)> {
+        let (dims, width) = self.attention_dims(att, batch, 0)?;
+        let s = D::act_len(x) / width.max(1) / dims.batch;
+        Ok((
+            AttnDims {
+                sq: s,
+                sk: s,
+                ..dims
+            },
+            width,
+        ))
+    }
+
     /// `(k, n)` of a matmul op (`y [rows, n] = x [rows, k] w`) on this rank's
     /// slice `w` of the weight: a row-parallel op splits `k`, the others `n`.
     pub(crate) fn matmul_dims(&self, op: &Op, w: &D::Act) -> Res<(usize, usize)> {
@@ -154,15 +174,12 @@ impl<D: Device> Site<'_, D> {
             .last()
             .unwrap_or(&1);
         let mut y = self.zeros(op, rows * dim)?;
-        let (vocab_start, e) = (
-            self.vocab_start(op)?,
-            Embed {
-                ids,
-                vocab_start: 0,
-                dim,
-            },
-        );
-        let e = Embed { vocab_start, ..e };
+        let vocab_start = self.vocab_start(op)?;
+        let e = Embed {
+            ids,
+            vocab_start,
+            dim,
+        };
         self.dev
             .embedding_fwd(&e, table, &mut y)
             .map_err(derr(&op.name))?;
@@ -256,8 +273,8 @@ impl<D: Device> Site<'_, D> {
             .graph
             .attention_fed_by(op)
             .ok_or_else(|| fail(format!("`{}` feeds no attention op", op.name)))?;
-        let (dims, width) = self.attention_dims(att, 1, 1)?;
-        let rows = D::act_len(x) / width.max(1);
+        let (dims, width) = self.attention_dims_of(att, 1, x)?;
+        let rows = dims.sq;
         let mut y = self.zeros(op, D::act_len(x))?;
         let rope = crate::rope_of(&self.graph.constants);
         let shape = (dims.hq, dims.hkv, dims.d, width);

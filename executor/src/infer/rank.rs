@@ -195,11 +195,7 @@ impl<'a, D: Device> InferRank<'a, D> {
     }
 
     pub(super) fn group(&self, name: &str) -> Result<Group, RankError> {
-        self.at
-            .groups
-            .get(name)
-            .cloned()
-            .ok_or_else(|| fail(format!("group `{name}` is not in the plan's mesh")))
+        crate::train::group_named(&self.at.groups, name)
     }
 
     /// Prefill every request of this replica, then decode them together.

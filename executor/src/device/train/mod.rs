@@ -564,8 +564,7 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// The plan's group `name`, this rank among its members.
     fn group(&self, name: &str) -> Res<Group> {
-        let g = self.mesh.groups.get(name).cloned();
-        g.ok_or_else(|| fail(format!("group `{name}` is not in the plan's mesh")))
+        crate::train::group_named(&self.mesh.groups, name)
     }
 
     fn name_of(&self, id: meshplan_ir::TensorId) -> String {
@@ -596,6 +595,11 @@ impl<'a, D: Device> DevRank<'a, D> {
     fn weight(&self, id: meshplan_ir::TensorId, l: u64) -> Result<&D::Act, RankError> {
         let key = self.wkey(id, l)?;
         operand::<D>(&self.weights.master, &self.weights.compute, &key)
+    }
+
+    /// The bias of a norm or linear op (its third input), if it has one.
+    fn bias(&self, op: &Op, l: u64) -> Res<Option<&D::Act>> {
+        op.inputs.get(2).map(|&b| self.weight(b, l)).transpose()
     }
 
     fn zeros(&self, n: usize) -> Result<D::Act, RankError> {

@@ -29,10 +29,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// An attention op's sizes over its input `x`, the micro-batch's rows of
     /// fused `q | k | v`.
     pub(super) fn attention_dims_of(&self, op: &Op, x: &D::Act) -> Res<AttnDims> {
-        let site = self.site();
-        let width = site.attention_dims(op, 1, 1)?.1;
-        let rows = D::act_len(x) / width.max(1);
-        Ok(site.attention_dims(op, self.sizes.mbs, rows)?.0)
+        Ok(self.site().attention_dims_of(op, self.sizes.mbs, x)?.0)
     }
 
     /// The draw of dropout site `op` in layer `l` this step.

@@ -113,7 +113,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 group.size()
             )));
         }
-        let sizes = layouts.get(&set).cloned().unwrap_or_default();
+        let sizes = layouts.get(&set).map_or(&[][..], |l| l.as_slice());
         Ok(Bucket {
             set,
             group,
@@ -121,7 +121,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             tensor,
             start: a,
             len: b - a,
-            pieces: pieces_of(&sizes, a, b),
+            pieces: pieces_of(sizes, a, b),
         })
     }
 

@@ -241,8 +241,8 @@ impl Rendezvous {
         listener
             .set_nonblocking(true)
             .map_err(|e| io("cannot poll the listener", e))?;
-        let mut lobby = Lobby::open(cfg, secret);
-        while lobby.count + 1 < cfg.world_size {
+        let mut lobby = Lobby::open(cfg, endpoint.clone(), secret);
+        while !lobby.everyone_joined() {
             lobby.accept_waiting(&listener);
             if let Ok(event) = lobby.handshakes.recv_timeout(ACCEPT_POLL) {
                 lobby.admit(event, cfg)?;
@@ -289,7 +289,6 @@ struct Lobby {
     deadline: Instant,
     /// Ranks 1.. that joined.
     joined: Vec<Option<TcpStream>>,
-    count: usize,
     refused: Refusals,
     tx: mpsc::Sender<Handshake>,
     handshakes: mpsc::Receiver<Handshake>,
@@ -298,19 +297,22 @@ struct Lobby {
 }
 
 impl Lobby {
-    fn open(cfg: &RendezvousConfig, secret: &JobSecret) -> Lobby {
+    fn open(cfg: &RendezvousConfig, endpoint: String, secret: &JobSecret) -> Lobby {
         let (tx, handshakes) = mpsc::channel::<Handshake>();
         Lobby {
-            endpoint: cfg.endpoint(),
+            endpoint,
             secret: Arc::new(secret.clone()),
             deadline: Instant::now() + cfg.timeout,
             joined: (1..cfg.world_size).map(|_| None).collect(),
-            count: 0,
             refused: Refusals::default(),
             tx,
             handshakes,
             pending: Arc::new(AtomicUsize::new(0)),
         }
+    }
+
+    fn everyone_joined(&self) -> bool {
+        self.joined.iter().all(Option::is_some)
     }
 
     /// Starts a handshake for every connection waiting on the listener.
@@ -379,26 +381,23 @@ impl Lobby {
     /// job with a misconfigured rank cannot succeed).
     fn admit(&mut self, event: Handshake, cfg: &RendezvousConfig) -> Result<(), RendezvousError> {
         let endpoint = &self.endpoint;
-        let Handshake::Proven {
-            mut stream,
-            peer,
-            transcript,
-        } = event
-        else {
-            if let Handshake::Refused { peer, why } = event {
+        let (mut stream, peer, transcript) = match event {
+            Handshake::Proven {
+                stream,
+                peer,
+                transcript,
+            } => (stream, peer, transcript),
+            Handshake::Refused { peer, why } => {
                 self.refused.note(endpoint, &peer.to_string(), &why);
+                return Ok(());
             }
-            return Ok(());
         };
         match check_hello(&transcript, cfg, &self.joined) {
             Ok(r) => {
                 let _ = stream.set_write_timeout(Some(cfg.timeout));
                 let admit = transcript.tag(&self.secret, ADMIT_LABEL);
                 match write_frame(&mut stream, Kind::Admit, &admit) {
-                    Ok(()) => {
-                        self.joined[r - 1] = Some(stream);
-                        self.count += 1;
-                    }
+                    Ok(()) => self.joined[r - 1] = Some(stream),
                     Err(e) => {
                         let why = format!(
                             "RANK={r} proved itself, but its admission could not be sent: {e}"

@@ -17,10 +17,7 @@ impl<D: Device> DevRank<'_, D> {
     pub(super) fn linear_fwd(&mut self, op: &Op, l: u64, t: &mut Task<D>) -> Res<D::Act> {
         let x = self.linear_input(op, l, t)?;
         let w = self.weight(op.inputs[1], l)?;
-        let b = match op.inputs.get(2) {
-            Some(&bid) => Some(self.weight(bid, l)?),
-            None => None,
-        };
+        let b = self.bias(op, l)?;
         self.site().linear(op, &x, w, b)
     }
 

@@ -12,10 +12,7 @@ impl<D: Device> DevRank<'_, D> {
     ) -> Res<D::Act> {
         let x = self.act(t, l, op.inputs[0])?;
         let w = self.weight(op.inputs[1], l)?;
-        let b = match op.inputs.get(2) {
-            Some(&bid) => Some(self.weight(bid, l)?),
-            None => None,
-        };
+        let b = self.bias(op, l)?;
         let (y, mean, rstd) = self.site().norm(op, *kind, &x, w, b)?;
         if let Some(mean) = mean {
             t.stats.insert((l, op.name.clone(), Stat::Mean), mean);
