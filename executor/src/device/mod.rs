@@ -29,6 +29,7 @@ pub mod comm;
 pub mod cuda;
 pub mod emulate;
 pub(crate) mod forward;
+pub(crate) mod walk;
 pub use emulate::{check_mixed_precision, MIXED_LOSS_TOLERANCE, MIXED_UPDATE_TOLERANCE};
 pub mod train;
 

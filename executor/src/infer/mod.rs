@@ -31,6 +31,7 @@
 //! through these same passes, the caches moving between them (`disagg.rs`).
 
 use crate::comm::{ByteCounts, CommKind, Communicator, Group, RankError};
+use crate::device::walk::{self, Coll, Forward};
 use crate::device::{act_collected, derr, AttnOut, Device, HostDevice};
 use crate::init::init_full;
 use crate::moe::Routing;
@@ -41,7 +42,9 @@ use crate::train::{
 };
 use crate::weights::{apply_spec, shard_spec, Checkpoint};
 use meshplan_ir::graph::OpKind;
-use meshplan_ir::plan::{Axis, CollectiveKind, Instr, Phase, PhaseKind, Plan, PlanKind, Target};
+use meshplan_ir::plan::{
+    Axis, CollectiveKind, LocalTensor, Phase, PhaseKind, Plan, PlanKind, Target,
+};
 use meshplan_ir::{Graph, Op, TensorKind, TpRole};
 use meshplan_kernels::cpu as k;
 use std::collections::{BTreeMap, HashMap};

@@ -10,71 +10,8 @@ impl<'a, D: Device> InferRank<'a, D> {
         for ch in &phase.chunks {
             let mut layer = ch.layer_start;
             self.hidden = None;
-            self.run(&ch.forward, batch, &mut layer)?;
-        }
-        Ok(())
-    }
-
-    pub(super) fn run(
-        &mut self,
-        instrs: &[Instr],
-        batch: &Batch,
-        layer: &mut u64,
-    ) -> Result<(), RankError> {
-        for instr in instrs {
-            match instr {
-                Instr::Segment {
-                    name,
-                    kind,
-                    repeat,
-                    body,
-                } => {
-                    let s = self.segment_index(name)?;
-                    for _ in 0..*repeat {
-                        let l = crate::train::next_layer(*kind, layer);
-                        self.acts.clear();
-                        self.gathered.clear();
-                        if let (Some(input), Some(h)) =
-                            (segment_input(self.graph, s), self.hidden.take())
-                        {
-                            self.acts.insert(input, h);
-                        }
-                        self.run_body(body, batch, l)?;
-                        match segment_output(self.graph, s) {
-                            Some(out) => {
-                                self.hidden = Some(self.acts.remove(&out).ok_or_else(|| {
-                                    fail(format!("segment `{name}` did not produce `{out}`"))
-                                })?);
-                            }
-                            None => self.logits = Some(self.head_logits(s)?),
-                        }
-                    }
-                }
-                Instr::Send { peer_stage, .. } => {
-                    let peer = self.peer(*peer_stage)?;
-                    let h = self
-                        .hidden
-                        .as_ref()
-                        .ok_or_else(|| fail("no hidden states to send"))?;
-                    let n = D::act_len(h);
-                    self.comm.send_act(&self.dev, (peer, "pp"), h, (0, n))?;
-                }
-                Instr::Recv { peer_stage, .. } => {
-                    let peer = self.peer(*peer_stage)?;
-                    let mut buf = self.zeros(batch.rows() * self.hidden_width)?;
-                    self.comm.recv_act(&self.dev, (peer, "pp"), &mut buf)?;
-                    self.hidden = Some(buf);
-                }
-                Instr::Collective {
-                    target: Target::HiddenStates,
-                    ..
-                } => self.collective(instr)?,
-                other => {
-                    return Err(fail(format!(
-                    "unexpected instruction outside a segment of an inference program: {other:?}"
-                )))
-                }
-            }
+            let pass = &mut Pass { r: self, batch };
+            walk::forward(pass, &ch.forward, &mut layer, NO_LAYER)?;
         }
         Ok(())
     }
@@ -102,41 +39,13 @@ impl<'a, D: Device> InferRank<'a, D> {
             .ok_or_else(|| fail(format!("the head did not produce `{name}`")))
     }
 
-    pub(super) fn run_body(
-        &mut self,
-        body: &[Instr],
-        batch: &Batch,
-        l: u64,
-    ) -> Result<(), RankError> {
-        for instr in body {
-            match instr {
-                Instr::Compute { name, .. } => {
-                    let op = self.find_op(name)?;
-                    self.forward_op(op, batch, l)?;
-                }
-                Instr::Collective { .. } => self.collective(instr)?,
-                Instr::Recompute { body } => self.run_body(body, batch, l)?,
-                other => {
-                    return Err(fail(format!(
-                        "unexpected instruction in an inference segment: {other:?}"
-                    )))
-                }
-            }
-        }
-        Ok(())
-    }
-
-    pub(super) fn collective(&mut self, instr: &Instr) -> Result<(), RankError> {
-        let Instr::Collective {
+    pub(super) fn collective(&mut self, c: Coll<'_>) -> Result<(), RankError> {
+        let Coll {
             kind,
             group,
             axis,
             target,
-            ..
-        } = instr
-        else {
-            return Ok(());
-        };
+        } = c;
         let tensor = match target {
             // Plans lowered before sampling was planned hold the training loss's
             // statistics instead: nothing to reduce when generating.
@@ -149,7 +58,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                     .hidden
                     .as_ref()
                     .ok_or_else(|| fail("no hidden states to gather"))?;
-                let (dev, comm, on) = (&self.dev, self.comm.as_mut(), (&g, axis.name()));
+                let (dev, comm, on) = (&self.dev, self.comm.as_mut(), (&g, axis));
                 let out = act_collected(dev, comm, (CommKind::AllGather, on), h)?;
                 self.hidden = Some(out);
                 return Ok(());
@@ -178,11 +87,11 @@ impl<'a, D: Device> InferRank<'a, D> {
                     .map(|&t| self.graph.tensor(t).name.as_str())
                     == Some(tensor)
         });
-        if is_logits && *kind == CollectiveKind::AllGather {
+        if is_logits && kind == CollectiveKind::AllGather {
             return Ok(());
         }
         let g = self.group(group)?;
-        let ax = axis.name();
+        let ax = axis;
         let buf = self
             .acts
             .get_mut(tensor)
@@ -441,5 +350,78 @@ impl<'a, D: Device> InferRank<'a, D> {
                 Ok((kc, vc))
             }
         }
+    }
+}
+
+/// A rank's pass over one batch.
+struct Pass<'r, 'a, 'b, D: Device> {
+    r: &'r mut InferRank<'a, D>,
+    batch: &'b Batch,
+}
+
+impl<D: Device> Forward for Pass<'_, '_, '_, D> {
+    fn graph(&self) -> &Graph {
+        self.r.graph
+    }
+
+    fn enter(&mut self, s: usize, _: u64) -> Result<(), RankError> {
+        let r = &mut *self.r;
+        r.acts.clear();
+        r.gathered.clear();
+        if let (Some(input), Some(h)) = (segment_input(r.graph, s), r.hidden.take()) {
+            r.acts.insert(input, h);
+        }
+        Ok(())
+    }
+
+    fn leave(&mut self, s: usize, _: u64) -> Result<(), RankError> {
+        let r = &mut *self.r;
+        match segment_output(r.graph, s) {
+            Some(out) => {
+                let h = r.acts.remove(&out).ok_or_else(|| {
+                    let name = &r.graph.segments[s].name;
+                    fail(format!("segment `{name}` did not produce `{out}`"))
+                })?;
+                r.hidden = Some(h);
+            }
+            None => r.logits = Some(r.head_logits(s)?),
+        }
+        Ok(())
+    }
+
+    fn compute(&mut self, name: &str, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
+        let op = self.r.find_op(name)?;
+        self.r.forward_op(op, self.batch, l)
+    }
+
+    fn collective(&mut self, c: Coll<'_>, _: u64) -> Result<(), RankError> {
+        self.r.collective(c)
+    }
+
+    fn send(&mut self, stage: u64, _: f64) -> Result<(), RankError> {
+        let r = &mut *self.r;
+        let peer = r.peer(stage)?;
+        let h = r
+            .hidden
+            .as_ref()
+            .ok_or_else(|| fail("no hidden states to send"))?;
+        let n = D::act_len(h);
+        r.comm.send_act(&r.dev, (peer, "pp"), h, (0, n))?;
+        Ok(())
+    }
+
+    fn recv(&mut self, stage: u64, _: f64) -> Result<(), RankError> {
+        let r = &mut *self.r;
+        let peer = r.peer(stage)?;
+        let mut buf = r.zeros(self.batch.rows() * r.hidden_width)?;
+        r.comm.recv_act(&r.dev, (peer, "pp"), &mut buf)?;
+        r.hidden = Some(buf);
+        Ok(())
+    }
+
+    fn ring_pass(&mut self) -> Result<(), RankError> {
+        Err(fail(
+            "ring attention (context parallelism) is a training layout; inference plans do not hold it",
+        ))
     }
 }

@@ -93,10 +93,6 @@ impl<'a, D: Device> InferRank<'a, D> {
         crate::train::segment_copies(self.graph, self.prefill)
     }
 
-    pub(super) fn segment_index(&self, name: &str) -> Result<usize, RankError> {
-        crate::train::segment_index(self.graph, name)
-    }
-
     /// This rank's shard of every weight its stage uses: read from the checkpoint,
     /// or the deterministic initial values training starts from.
     pub(super) fn load_weights(&mut self) -> Result<(), RankError> {
@@ -454,33 +450,10 @@ impl<'a, D: Device> InferRank<'a, D> {
     /// A pass of `phase` without tokens of this replica: only its experts run, on
     /// what the rest of the expert group sends them.
     pub(super) fn idle_pass(&mut self, phase: &Phase) -> Result<(), RankError> {
-        let idle = Routing {
-            group_tokens: None,
-            even: false,
-        };
         let before = self.ep_bytes_sent(true);
         for ch in &phase.chunks {
             let mut layer = ch.layer_start;
-            for instr in &ch.forward {
-                let Instr::Segment {
-                    kind, repeat, body, ..
-                } = instr
-                else {
-                    continue;
-                };
-                for _ in 0..*repeat {
-                    let l = crate::train::next_layer(*kind, &mut layer);
-                    for name in body.iter().filter_map(|i| match i {
-                        Instr::Compute { name, .. } => Some(name),
-                        _ => None,
-                    }) {
-                        let op = self.find_op(name)?;
-                        if let OpKind::Experts(e) = &op.kind {
-                            self.experts(op, e, l, idle, true)?;
-                        }
-                    }
-                }
-            }
+            walk::forward(&mut Idle(self), &ch.forward, &mut layer, NO_LAYER)?;
         }
         // The plan counts no pass for a replica without requests.
         self.routed_ep.0 += self.ep_bytes_sent(true) - before;
@@ -570,5 +543,54 @@ impl<'a, D: Device> InferRank<'a, D> {
             }
         }
         Ok(full)
+    }
+}
+
+/// An expert rank's turn in a pass it holds no requests of: only its experts
+/// run, on no tokens of its own, serving what the rest of its group routes to
+/// them.
+struct Idle<'r, 'a, D: Device>(&'r mut InferRank<'a, D>);
+
+impl<D: Device> Forward for Idle<'_, '_, D> {
+    fn graph(&self) -> &Graph {
+        self.0.graph
+    }
+
+    fn enter(&mut self, _: usize, _: u64) -> Result<(), RankError> {
+        Ok(())
+    }
+
+    fn leave(&mut self, _: usize, _: u64) -> Result<(), RankError> {
+        Ok(())
+    }
+
+    fn compute(&mut self, name: &str, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
+        let op = self.0.find_op(name)?;
+        if let OpKind::Experts(e) = &op.kind {
+            let idle = Routing {
+                group_tokens: None,
+                even: false,
+            };
+            self.0.experts(op, e, l, idle, true)?;
+        }
+        Ok(())
+    }
+
+    // The collectives, boundaries and ring passes are those of the ranks holding
+    // requests; this one is not among them.
+    fn collective(&mut self, _: Coll<'_>, _: u64) -> Result<(), RankError> {
+        Ok(())
+    }
+
+    fn send(&mut self, _: u64, _: f64) -> Result<(), RankError> {
+        Ok(())
+    }
+
+    fn recv(&mut self, _: u64, _: f64) -> Result<(), RankError> {
+        Ok(())
+    }
+
+    fn ring_pass(&mut self) -> Result<(), RankError> {
+        Ok(())
     }
 }

@@ -5,6 +5,7 @@
 
 use super::*;
 use crate::device::forward::AttnMask;
+use crate::device::walk::Coll;
 use crate::device::{act_collected, CeOut, DeviceComm, Merge, On};
 use CollectiveKind::{AllGather as AG, ReduceScatter as RS};
 
@@ -312,17 +313,19 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// A collective of a forward list or a segment's backward, on what it names:
     /// tensor parallelism's sums of activations, of input gradients and of a
     /// vocabulary-parallel loss's statistics.
-    #[allow(clippy::too_many_arguments)] // the instruction's fields plus where it runs
     pub(super) fn collective(
         &mut self,
-        kind: CollectiveKind,
-        group: &str,
-        axis: &str,
-        target: &Target,
+        c: Coll<'_>,
         l: u64,
         t: &mut Task<D>,
         backward: bool,
     ) -> Result<(), RankError> {
+        let Coll {
+            kind,
+            group,
+            axis,
+            target,
+        } = c;
         let g = self.group(group)?;
         let m0 = self.mark()?;
         // Read only when tracing: a count is a copy of the communicator's table.

@@ -2,6 +2,8 @@
 //! recomputation, stage boundaries, and the collectives between ops.
 
 use super::*;
+use crate::device::walk::{Coll, Forward};
+use meshplan_ir::plan::LocalTensor;
 
 impl<'a, D: Device> DevRank<'a, D> {
     /// Tokens, labels and positions of micro-batch `mb` of this data rank,
@@ -70,6 +72,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         (self.mesh.sp && self.tp.size > 1).then(|| self.tp.rank * c..(self.tp.rank + 1) * c)
     }
 
+    /// Runs a forward list on micro-batch `t`, the ops outside any block segment
+    /// as layer `cur`.
     pub(super) fn run_forward(
         &mut self,
         instrs: &[Instr],
@@ -77,66 +81,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         layer: &mut u64,
         cur: u64,
     ) -> Result<(), RankError> {
-        for instr in instrs {
-            match instr {
-                Instr::Segment {
-                    name,
-                    kind,
-                    repeat,
-                    body,
-                } => {
-                    let s = segment_index(self.graph, name)?;
-                    for _ in 0..*repeat {
-                        let l = crate::train::next_layer(*kind, layer);
-                        if let (Some(input), Some(h)) = (segment_input(self.graph, s), &self.hidden)
-                        {
-                            t.acts.insert((l, input), Arc::clone(h));
-                        }
-                        self.run_forward(body, t, layer, l)?;
-                        self.zero3_forward_done(s, l)?;
-                        if let Some(out) = segment_output(self.graph, s) {
-                            if let Some(v) = t.acts.get(&(l, out)) {
-                                self.hidden = Some(Arc::clone(v));
-                            }
-                        }
-                    }
-                }
-                Instr::Recompute { body } => self.run_forward(body, t, layer, cur)?,
-                Instr::Compute { name, outputs, .. } => {
-                    let m0 = self.mark()?;
-                    let op = self.find_op(name)?;
-                    // The rows the plan gives the output (a replicated table under
-                    // sequence parallelism looks up this rank's block alone).
-                    let out_rows = outputs.first().map_or(0, |t| {
-                        let n = t.shape.len();
-                        t.shape[..n.saturating_sub(1)].iter().product::<u64>() as usize
-                    });
-                    self.forward_op(op, cur, t, out_rows)?;
-                    self.span(m0, name.clone(), "compute", self.op_args(cur))?;
-                }
-                Instr::Collective {
-                    kind,
-                    group,
-                    axis,
-                    target,
-                    ..
-                } => self.collective(*kind, group, axis.name(), target, cur, t, false)?,
-                Instr::Send {
-                    peer_stage, bytes, ..
-                } => self.send_boundary(*peer_stage, *bytes, false)?,
-                // The attention op passes the blocks itself (`ring_forward`).
-                Instr::RingPass { .. } => {}
-                Instr::Recv {
-                    peer_stage, bytes, ..
-                } => self.recv_boundary(*peer_stage, *bytes, false)?,
-                other => {
-                    return Err(fail(format!(
-                        "the device interpreter does not run {other:?} in a forward list"
-                    )))
-                }
-            }
-        }
-        Ok(())
+        crate::device::walk::forward(&mut Fwd { r: self, t }, instrs, layer, cur)
     }
 
     pub(super) fn run_backward(
@@ -213,7 +158,15 @@ impl<'a, D: Device> DevRank<'a, D> {
                             axis,
                             target,
                             ..
-                        } => self.collective(*kind, group, axis.name(), target, l, t, true)?,
+                        } => {
+                            let c = Coll {
+                                kind: *kind,
+                                group,
+                                axis: axis.name(),
+                                target,
+                            };
+                            self.collective(c, l, t, true)?
+                        }
                         // The attention op passes the blocks itself (`ring_backward`).
                         Instr::RingPass { .. } => {}
                         other => {
@@ -228,6 +181,66 @@ impl<'a, D: Device> DevRank<'a, D> {
                 }
             }
         }
+        Ok(())
+    }
+}
+
+/// A rank's forward over one micro-batch.
+struct Fwd<'r, 'a, D: Device> {
+    r: &'r mut DevRank<'a, D>,
+    t: &'r mut Task<D>,
+}
+
+impl<D: Device> Forward for Fwd<'_, '_, D> {
+    fn graph(&self) -> &Graph {
+        self.r.graph
+    }
+
+    fn enter(&mut self, s: usize, l: u64) -> Res {
+        if let (Some(input), Some(h)) = (segment_input(self.r.graph, s), &self.r.hidden) {
+            self.t.acts.insert((l, input), Arc::clone(h));
+        }
+        Ok(())
+    }
+
+    fn leave(&mut self, s: usize, l: u64) -> Res {
+        self.r.zero3_forward_done(s, l)?;
+        if let Some(out) = segment_output(self.r.graph, s) {
+            if let Some(v) = self.t.acts.get(&(l, out)) {
+                self.r.hidden = Some(Arc::clone(v));
+            }
+        }
+        Ok(())
+    }
+
+    fn compute(&mut self, name: &str, outputs: &[LocalTensor], l: u64) -> Res {
+        let r = &mut *self.r;
+        let m0 = r.mark()?;
+        let op = r.find_op(name)?;
+        // The rows the plan gives the output (a replicated table under sequence
+        // parallelism looks up this rank's block alone).
+        let out_rows = outputs.first().map_or(0, |t| {
+            let n = t.shape.len();
+            t.shape[..n.saturating_sub(1)].iter().product::<u64>() as usize
+        });
+        r.forward_op(op, l, self.t, out_rows)?;
+        r.span(m0, name, "compute", r.op_args(l))
+    }
+
+    fn collective(&mut self, c: Coll<'_>, l: u64) -> Res {
+        self.r.collective(c, l, self.t, false)
+    }
+
+    fn send(&mut self, stage: u64, bytes: f64) -> Res {
+        self.r.send_boundary(stage, bytes, false)
+    }
+
+    fn recv(&mut self, stage: u64, bytes: f64) -> Res {
+        self.r.recv_boundary(stage, bytes, false)
+    }
+
+    // The attention op passes the blocks itself (`ring_forward`).
+    fn ring_pass(&mut self) -> Res {
         Ok(())
     }
 }
