@@ -308,6 +308,36 @@ pub(crate) fn next_layer(kind: SegmentKind, layer: &mut u64) -> u64 {
     }
 }
 
+/// The block layer a copy of a segment of `kind` runs as in a backward list,
+/// counting `layer` down (the copies run last first); [`NO_LAYER`] outside
+/// the blocks.
+pub(crate) fn prev_layer(kind: SegmentKind, layer: &mut u64) -> u64 {
+    if kind == SegmentKind::Block {
+        *layer -= 1;
+        *layer
+    } else {
+        NO_LAYER
+    }
+}
+
+/// The plan's rank at `coords` but on pipeline stage `stage`: a stage
+/// boundary's peer.
+pub(crate) fn peer_on_stage(plan: &Plan, coords: &[u64], stage: u64) -> Result<usize, RankError> {
+    let pp = plan
+        .mesh
+        .axes
+        .iter()
+        .position(|a| a == "pp")
+        .ok_or_else(|| fail("the mesh has no pp axis"))?;
+    let mut coords = coords.to_vec();
+    coords[pp] = stage;
+    plan.ranks
+        .iter()
+        .find(|r| r.coords == coords)
+        .map(|r| r.rank as usize)
+        .ok_or_else(|| fail(format!("no rank at {coords:?}")))
+}
+
 /// The op of the plan's graph named `name`.
 pub(crate) fn find_op<'g>(graph: &'g Graph, name: &str) -> Result<&'g Op, RankError> {
     graph
@@ -386,12 +416,8 @@ pub(crate) fn segment_copies(
             {
                 let s = segment_index(graph, name)?;
                 for _ in 0..*repeat {
-                    if *kind == SegmentKind::Block {
-                        out.push((s, Some(layer)));
-                        layer += 1;
-                    } else {
-                        out.push((s, None));
-                    }
+                    let l = next_layer(*kind, &mut layer);
+                    out.push((s, (l != NO_LAYER).then_some(l)));
                 }
             }
         }

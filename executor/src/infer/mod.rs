@@ -585,13 +585,10 @@ impl Progress {
 /// replicated for the embedding.
 type WKey = (String, String, u64);
 
-/// One rank of an inference run on device `D`: its weights, activations and KV
-/// cache live in the device's buffers; the sampled logits come to the host.
 /// Where an inference rank sits on the mesh: its coordinates, its pipeline
 /// stage, its data index, and its groups.
 pub(crate) struct StagePos {
     coords: Vec<u64>,
-    pp_axis: usize,
     pub(crate) stage: u64,
     pub(crate) last_stage: u64,
     dp: usize,
@@ -601,6 +598,8 @@ pub(crate) struct StagePos {
     groups: BTreeMap<String, Group>,
 }
 
+/// One rank of an inference run on device `D`: its weights, activations and KV
+/// cache live in the device's buffers; the sampled logits come to the host.
 pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     pub(crate) dev: D,
     plan: &'a Plan,

@@ -57,7 +57,6 @@ impl<'a, D: Device> InferRank<'a, D> {
             comm,
             at: StagePos {
                 coords: entry.coords.clone(),
-                pp_axis: axis("pp").ok_or_else(|| fail("the mesh has no pp axis"))?,
                 stage: program.stage,
                 last_stage: size("pp") as u64 - 1,
                 dp: size("dp"),
@@ -180,14 +179,7 @@ impl<'a, D: Device> InferRank<'a, D> {
     }
 
     pub(super) fn peer(&self, stage: u64) -> Result<usize, RankError> {
-        let mut coords = self.at.coords.clone();
-        coords[self.at.pp_axis] = stage;
-        self.plan
-            .ranks
-            .iter()
-            .find(|r| r.coords == coords)
-            .map(|r| self.base + r.rank as usize)
-            .ok_or_else(|| fail(format!("no rank at {coords:?}")))
+        Ok(self.base + crate::train::peer_on_stage(self.plan, &self.at.coords, stage)?)
     }
 
     pub(super) fn group(&self, name: &str) -> Result<Group, RankError> {

@@ -192,21 +192,7 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// The rank of stage `stage` at this rank's other coordinates.
     pub(super) fn peer(&self, stage: u64) -> Result<usize, RankError> {
-        let pp = self
-            .plan
-            .mesh
-            .axes
-            .iter()
-            .position(|a| a == "pp")
-            .ok_or_else(|| fail("the mesh has no pp axis"))?;
-        let mut coords = self.mesh.coords.clone();
-        coords[pp] = stage;
-        self.plan
-            .ranks
-            .iter()
-            .find(|r| r.coords == coords)
-            .map(|r| r.rank as usize)
-            .ok_or_else(|| fail(format!("no rank at {coords:?}")))
+        crate::train::peer_on_stage(self.plan, &self.mesh.coords, stage)
     }
 
     /// Elements of a boundary of `bytes` in the plan's dtype.

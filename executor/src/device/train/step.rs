@@ -163,12 +163,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 };
                 segment_index(self.graph, name)?;
                 for _ in 0..*repeat {
-                    let l = if *kind == SegmentKind::Block {
-                        layer -= 1;
-                        layer
-                    } else {
-                        NO_LAYER
-                    };
+                    let l = crate::train::prev_layer(*kind, &mut layer);
                     for instr in body {
                         if let Instr::Compute { name, .. } = instr {
                             for key in self.weight_keys(self.find_op(name)?, l)? {

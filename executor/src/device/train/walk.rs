@@ -128,12 +128,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             };
             let s = segment_index(self.graph, name)?;
             for _ in 0..*repeat {
-                let l = if *kind == SegmentKind::Block {
-                    *layer -= 1;
-                    *layer
-                } else {
-                    NO_LAYER
-                };
+                let l = crate::train::prev_layer(*kind, layer);
                 if let (Some(out), Some(g)) =
                     (segment_output(self.graph, s), self.grad_hidden.take())
                 {
