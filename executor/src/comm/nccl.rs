@@ -102,12 +102,6 @@ pub fn nccl_available() -> Result<meshplan_kernels::cuda::DeviceInfo, NcclError>
     Ok(info)
 }
 
-/// The NCCL version (`22703` for 2.27.3), after [`nccl_available`].
-pub fn nccl_version() -> Result<i32, NcclError> {
-    nccl_available()?;
-    result::get_nccl_version().map_err(|e| err(format!("ncclGetVersion: {e:?}")))
-}
-
 /// An NCCL communicator handle, destroyed on drop (unless aborted).
 struct RawComm(sys::ncclComm_t);
 

@@ -10,7 +10,14 @@ impl<'a, D: Device> InferRank<'a, D> {
         for ch in &phase.chunks {
             let mut layer = ch.layer_start;
             self.hidden = None;
-            let pass = &mut Pass { r: self, batch };
+            let pass = &mut Pass {
+                r: self,
+                batch,
+                ids: PassIds {
+                    tokens: None,
+                    positions: None,
+                },
+            };
             walk::forward(pass, &ch.forward, &mut layer, NO_LAYER)?;
         }
         Ok(())
@@ -131,7 +138,12 @@ impl<'a, D: Device> InferRank<'a, D> {
         op.inputs.get(i).map(|_| self.weight(op, i, l)).transpose()
     }
 
-    pub(super) fn forward_op(&mut self, op: &Op, batch: &Batch, l: u64) -> Result<(), RankError> {
+    fn forward_op(
+        &mut self,
+        op: &Op,
+        (batch, ids): (&Batch, &mut PassIds<D>),
+        l: u64,
+    ) -> Result<(), RankError> {
         let out = op
             .outputs
             .first()
@@ -140,14 +152,9 @@ impl<'a, D: Device> InferRank<'a, D> {
         let site = self.site();
         let y = match &op.kind {
             OpKind::Embedding => {
-                let table = &self.graph.tensor(op.inputs[1]).name;
-                let ids = if table == "embed.positions.w" {
-                    batch.positions()
-                } else {
-                    batch.tokens.clone()
-                };
-                let dev_ids = self.dev.ids_upload(&ids).map_err(derr(&op.name))?;
-                site.embedding(op, &dev_ids, self.weight(op, 1, l)?, ids.len())?
+                let learned_positions = self.graph.tensor(op.inputs[1]).name == "embed.positions.w";
+                let ids = ids.get(&self.dev, batch, learned_positions)?;
+                site.embedding(op, ids, self.weight(op, 1, l)?, batch.rows())?
             }
             OpKind::Norm(kind) => {
                 let (x, w) = (self.act(op, 0)?, self.weight(op, 1, l)?);
@@ -162,11 +169,8 @@ impl<'a, D: Device> InferRank<'a, D> {
                 site.linear(op, x, self.weight(op, 1, l)?, self.weight_at(op, 2, l)?)?
             }
             OpKind::Rope => {
-                let positions = self
-                    .dev
-                    .ids_upload(&batch.positions())
-                    .map_err(derr(&op.name))?;
-                site.rope(op, self.act(op, 0)?, &positions, false)?
+                let positions = ids.get(&self.dev, batch, true)?;
+                site.rope(op, self.act(op, 0)?, positions, false)?
             }
             OpKind::Attention(a) => self.attention(op, a.causal, batch, l)?,
             OpKind::Activation(kind) => site.activation(op, *kind, self.act(op, 0)?)?,
@@ -357,6 +361,34 @@ impl<'a, D: Device> InferRank<'a, D> {
 struct Pass<'r, 'a, 'b, D: Device> {
     r: &'r mut InferRank<'a, D>,
     batch: &'b Batch,
+    ids: PassIds<D>,
+}
+
+/// A pass's token ids and positions on the device, uploaded at their first use
+/// and read by every op of the pass that needs them.
+struct PassIds<D: Device> {
+    tokens: Option<D::Ids>,
+    positions: Option<D::Ids>,
+}
+
+impl<D: Device> PassIds<D> {
+    fn get(&mut self, dev: &D, batch: &Batch, positions: bool) -> Result<&D::Ids, RankError> {
+        let slot = if positions {
+            &mut self.positions
+        } else {
+            &mut self.tokens
+        };
+        if slot.is_none() {
+            let host = if positions {
+                batch.positions()
+            } else {
+                batch.tokens.clone()
+            };
+            *slot = Some(dev.ids_upload(&host).map_err(derr("the pass's ids"))?);
+        }
+        slot.as_ref()
+            .ok_or_else(|| fail("the pass's ids were not uploaded"))
+    }
 }
 
 impl<D: Device> Forward for Pass<'_, '_, '_, D> {
@@ -391,7 +423,7 @@ impl<D: Device> Forward for Pass<'_, '_, '_, D> {
 
     fn compute(&mut self, name: &str, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
         let op = self.r.find_op(name)?;
-        self.r.forward_op(op, self.batch, l)
+        self.r.forward_op(op, (self.batch, &mut self.ids), l)
     }
 
     fn collective(&mut self, c: Coll<'_>, _: u64) -> Result<(), RankError> {
