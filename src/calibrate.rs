@@ -199,7 +199,7 @@ mod cuda {
         Measurements, NodeLayout, SizeSample,
     };
     use meshplan_cost_model::overlay::LinkOp;
-    use meshplan_executor::comm::{nccl_available, BenchOp, NcclBench};
+    use meshplan_executor::comm::{nccl_available, NcclBench};
     use meshplan_executor::kernels::cpu::{AttnDims, Transpose};
     use meshplan_executor::kernels::cuda::cudarc::driver::sys::CUevent_flags;
     use meshplan_executor::kernels::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
@@ -239,17 +239,6 @@ mod cuda {
         }
         ts.sort_by(f64::total_cmp);
         Ok(ts[ts.len() / 2])
-    }
-
-    fn bench_op(op: LinkOp) -> BenchOp {
-        match op {
-            LinkOp::AllReduce => BenchOp::AllReduce,
-            LinkOp::AllGather => BenchOp::AllGather,
-            LinkOp::ReduceScatter => BenchOp::ReduceScatter,
-            LinkOp::Broadcast => BenchOp::Broadcast,
-            LinkOp::AllToAll => BenchOp::AllToAll,
-            LinkOp::SendRecv => BenchOp::SendRecv,
-        }
     }
 
     /// `plan` with fewer repeats under `MESHPLAN_CALIBRATE_QUICK=1`
@@ -441,7 +430,7 @@ mod cuda {
                     .1;
                 for &bytes in &sweep.bytes {
                     let t = bench
-                        .time(bench_op(sweep.op), bytes, w, r)
+                        .time(sweep.op, bytes, w, r)
                         .map_err(|x| x.to_string())?;
                     m.collectives.push(CollectiveSample {
                         op: sweep.op,

@@ -59,6 +59,7 @@
 //! fix, as cluster errors do.
 
 use crate::cluster::Cluster;
+pub use meshplan_ir::plan::LinkOp;
 use meshplan_ir::{DType, IrError};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -246,69 +247,6 @@ impl RawOverlay {
 }
 
 // === validated, SI units ===
-
-/// The operations an overlay measures inside a node.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum LinkOp {
-    /// [`crate::Collective::AllReduce`].
-    AllReduce,
-    /// [`crate::Collective::AllGather`].
-    AllGather,
-    /// [`crate::Collective::ReduceScatter`].
-    ReduceScatter,
-    /// [`crate::Collective::Broadcast`].
-    Broadcast,
-    /// [`crate::Collective::AllToAll`].
-    AllToAll,
-    /// Point to point between two GPUs of a node (pipeline sends, ring attention).
-    SendRecv,
-}
-
-impl LinkOp {
-    /// Every kind, in table order.
-    pub const ALL: [LinkOp; 6] = [
-        LinkOp::AllReduce,
-        LinkOp::AllGather,
-        LinkOp::ReduceScatter,
-        LinkOp::Broadcast,
-        LinkOp::AllToAll,
-        LinkOp::SendRecv,
-    ];
-
-    /// The spelling in overlay files.
-    pub fn name(self) -> &'static str {
-        match self {
-            LinkOp::AllReduce => "all_reduce",
-            LinkOp::AllGather => "all_gather",
-            LinkOp::ReduceScatter => "reduce_scatter",
-            LinkOp::Broadcast => "broadcast",
-            LinkOp::AllToAll => "all_to_all",
-            LinkOp::SendRecv => "send_recv",
-        }
-    }
-
-    /// Parses the overlay spelling.
-    pub fn parse(s: &str) -> Option<LinkOp> {
-        LinkOp::ALL.into_iter().find(|k| k.name() == s)
-    }
-
-    /// Index in [`LinkOp::ALL`].
-    pub fn index(self) -> usize {
-        self as usize
-    }
-
-    /// The collective of a [`crate::Collective`].
-    pub fn of(kind: crate::Collective) -> LinkOp {
-        match kind {
-            crate::Collective::AllReduce => LinkOp::AllReduce,
-            crate::Collective::AllGather => LinkOp::AllGather,
-            crate::Collective::ReduceScatter => LinkOp::ReduceScatter,
-            crate::Collective::Broadcast => LinkOp::Broadcast,
-            crate::Collective::AllToAll => LinkOp::AllToAll,
-        }
-    }
-}
 
 /// A measured GEMM point, SI.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]

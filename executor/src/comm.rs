@@ -64,7 +64,7 @@ mod tests;
 
 pub use counts::{ByteCounts, KindCount};
 #[cfg(feature = "cuda")]
-pub use nccl::{nccl_available, BenchOp, Elem, NcclBench, NcclComm, NcclError, P2p};
+pub use nccl::{nccl_available, Elem, NcclBench, NcclComm, NcclError, P2p};
 pub use run::{failure_summary, run_ranks, run_with, RankError};
 pub use thread::ThreadComm;
 

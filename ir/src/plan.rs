@@ -417,6 +417,71 @@ pub enum CollectiveKind {
     Broadcast,
 }
 
+/// An operation timed on the links between GPUs: a [`CollectiveKind`], or a
+/// point-to-point transfer. A calibration overlay keys its measurements by it, and
+/// the NCCL timing of `meshplan calibrate` takes it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LinkOp {
+    /// [`CollectiveKind::AllReduce`].
+    AllReduce,
+    /// [`CollectiveKind::AllGather`].
+    AllGather,
+    /// [`CollectiveKind::ReduceScatter`].
+    ReduceScatter,
+    /// [`CollectiveKind::Broadcast`].
+    Broadcast,
+    /// [`CollectiveKind::AllToAll`].
+    AllToAll,
+    /// Point to point between two GPUs of a node (pipeline sends, ring attention).
+    SendRecv,
+}
+
+impl LinkOp {
+    /// Every kind, in table order.
+    pub const ALL: [LinkOp; 6] = [
+        LinkOp::AllReduce,
+        LinkOp::AllGather,
+        LinkOp::ReduceScatter,
+        LinkOp::Broadcast,
+        LinkOp::AllToAll,
+        LinkOp::SendRecv,
+    ];
+
+    /// The spelling in overlay files.
+    pub fn name(self) -> &'static str {
+        match self {
+            LinkOp::AllReduce => "all_reduce",
+            LinkOp::AllGather => "all_gather",
+            LinkOp::ReduceScatter => "reduce_scatter",
+            LinkOp::Broadcast => "broadcast",
+            LinkOp::AllToAll => "all_to_all",
+            LinkOp::SendRecv => "send_recv",
+        }
+    }
+
+    /// Parses the overlay spelling.
+    pub fn parse(s: &str) -> Option<LinkOp> {
+        LinkOp::ALL.into_iter().find(|k| k.name() == s)
+    }
+
+    /// Index in [`LinkOp::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The link operation of a collective.
+    pub fn of(kind: CollectiveKind) -> LinkOp {
+        match kind {
+            CollectiveKind::AllReduce => LinkOp::AllReduce,
+            CollectiveKind::AllGather => LinkOp::AllGather,
+            CollectiveKind::ReduceScatter => LinkOp::ReduceScatter,
+            CollectiveKind::Broadcast => LinkOp::Broadcast,
+            CollectiveKind::AllToAll => LinkOp::AllToAll,
+        }
+    }
+}
+
 /// What a point-to-point transfer carries.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]

@@ -739,5 +739,5 @@ mod device;
 #[cfg(test)]
 mod tests;
 
-pub use bench::{BenchOp, NcclBench};
+pub use bench::NcclBench;
 pub use device::{Elem, P2p};

@@ -1,23 +1,7 @@
 //! Timing NCCL collectives on device buffers (`meshplan calibrate`).
 
 use super::*;
-
-/// A collective for [`NcclBench`] (nccl-tests style timing).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum BenchOp {
-    /// `ncclAllReduce` (sum) of the whole buffer.
-    AllReduce,
-    /// `ncclAllGather` into the whole buffer.
-    AllGather,
-    /// `ncclReduceScatter` of the whole buffer.
-    ReduceScatter,
-    /// `ncclBroadcast` of the whole buffer from rank 0.
-    Broadcast,
-    /// Grouped send/recv of `1/n` of the buffer to every member.
-    AllToAll,
-    /// Rank 0 sends the whole buffer to rank 1 (two ranks).
-    SendRecv,
-}
+use meshplan_ir::plan::LinkOp;
 
 /// Times NCCL collectives on device buffers, all GPUs of the process driven from one
 /// thread in NCCL groups (the way nccl-tests' `-g` mode does).
@@ -37,13 +21,13 @@ impl NcclBench {
     /// down to a multiple of the rank count) after `warmup` untimed runs.
     pub fn time(
         &self,
-        op: BenchOp,
+        op: LinkOp,
         bytes: u64,
         warmup: u32,
         repeats: u32,
     ) -> Result<f64, NcclError> {
         let n = self.comms.len();
-        if op == BenchOp::SendRecv && n != 2 {
+        if op == LinkOp::SendRecv && n != 2 {
             return Err(err(format!("send/recv is timed between 2 GPUs, not {n}")));
         }
         let elems = ((bytes / 4) as usize / n).max(1) * n;
@@ -101,7 +85,7 @@ impl NcclBench {
 /// `pa` and `pb` hold `elems` floats on the stream's device and outlive the
 /// group's synchronisation.
 unsafe fn launch(
-    op: BenchOp,
+    op: LinkOp,
     (pa, pb): (*const c_void, *mut c_void),
     (elems, n): (usize, usize),
     r: usize,
@@ -109,23 +93,23 @@ unsafe fn launch(
 ) -> Result<(), String> {
     let part = elems / n;
     match op {
-        BenchOp::AllReduce => nccl_call(
+        LinkOp::AllReduce => nccl_call(
             "ncclAllReduce",
             result::all_reduce(pa, pb, elems, F32, SUM, comm, st),
         ),
-        BenchOp::AllGather => nccl_call(
+        LinkOp::AllGather => nccl_call(
             "ncclAllGather",
             result::all_gather(pa, pb, part, F32, comm, st),
         ),
-        BenchOp::ReduceScatter => nccl_call(
+        LinkOp::ReduceScatter => nccl_call(
             "ncclReduceScatter",
             result::reduce_scatter(pa, pb, part, F32, SUM, comm, st),
         ),
-        BenchOp::Broadcast => nccl_call(
+        LinkOp::Broadcast => nccl_call(
             "ncclBroadcast",
             result::broadcast(pa, pb, elems, F32, 0, comm, st),
         ),
-        BenchOp::AllToAll => (0..n).try_for_each(|j| {
+        LinkOp::AllToAll => (0..n).try_for_each(|j| {
             let off = (j * part * 4) as u64;
             nccl_call(
                 "ncclSend",
@@ -150,9 +134,9 @@ unsafe fn launch(
                 ),
             )
         }),
-        BenchOp::SendRecv if r == 0 => {
+        LinkOp::SendRecv if r == 0 => {
             nccl_call("ncclSend", result::send(pa, elems, F32, 1, comm, st))
         }
-        BenchOp::SendRecv => nccl_call("ncclRecv", result::recv(pb, elems, F32, 0, comm, st)),
+        LinkOp::SendRecv => nccl_call("ncclRecv", result::recv(pb, elems, F32, 0, comm, st)),
     }
 }
