@@ -135,6 +135,38 @@ pub fn shard_spec(
     }
 }
 
+/// This rank's slice of weight `w` (an input of `op`, in block layer `layer` or
+/// [`crate::train::NO_LAYER`]) as a run starts: read from the Hugging Face
+/// checkpoint `hf`, or the seeded initial values, sliced over the tensor and
+/// expert axes as training and inference both hold it.
+pub(crate) fn starting_slice(
+    graph: &Graph,
+    (op, w): (&Op, TensorId),
+    layer: u64,
+    (tp, ep): (TpPos, TpPos),
+    seed: u64,
+    hf: Option<&Checkpoint>,
+) -> Result<Vec<f32>, crate::comm::RankError> {
+    let t = graph.tensor(w);
+    let shape = crate::train::fixed_shape(t)?;
+    match hf {
+        Some(ck) => {
+            let spec = shard_spec(graph, op, op.role, w, &shape, tp);
+            let l = (layer != crate::train::NO_LAYER).then_some(layer);
+            ck.local(graph, w, l, &spec)
+                .map_err(|e| crate::train::fail(e.message))
+        }
+        None => {
+            let kind = crate::init::init_kind(op, w, &shape);
+            let n = shape.iter().product();
+            let full = crate::init::init_full(seed, &t.name, layer, n, kind);
+            Ok(crate::shard::local_weight(
+                graph, op, op.role, w, &full, &shape, tp, ep,
+            ))
+        }
+    }
+}
+
 /// Applies a spec to a full row-major weight.
 pub fn apply_spec(spec: &ShardSpec, full: &[f32], shape: &[usize]) -> Vec<f32> {
     let n = if shape.len() >= 2 {

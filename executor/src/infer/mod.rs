@@ -33,14 +33,13 @@
 use crate::comm::{ByteCounts, CommKind, Communicator, Group, RankError};
 use crate::device::walk::{self, Coll, Forward};
 use crate::device::{act_collected, derr, AttnOut, Device, HostDevice};
-use crate::init::init_full;
 use crate::moe::Routing;
 use crate::sample::{sample, Sampling};
-use crate::shard::{local_weight, TpPos};
+use crate::shard::TpPos;
 use crate::train::{
     build_groups, fail, fixed_shape, segment_input, segment_output, ExecError, NO_LAYER,
 };
-use crate::weights::{apply_spec, shard_spec, Checkpoint};
+use crate::weights::Checkpoint;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{
     Axis, CollectiveKind, LocalTensor, Phase, PhaseKind, Plan, PlanKind, Target,

@@ -108,27 +108,14 @@ impl<'a, D: Device> InferRank<'a, D> {
                     if self.weights.contains_key(&key) {
                         continue;
                     }
-                    let shape = fixed_shape(t)?;
-                    let spec = shard_spec(self.graph, op, op.role, w, &shape, self.tp);
-                    let local = match &self.opts.weights {
-                        Some(ck) => ck
-                            .local(self.graph, w, layer, &spec)
-                            .map_err(|e| fail(e.message))?,
-                        None => {
-                            let kind = crate::init::init_kind(op, w, &shape);
-                            let elems = shape.iter().product();
-                            let full = init_full(self.opts.seed, &t.name, l, elems, kind);
-                            if matches!(op.kind, OpKind::Experts(_)) {
-                                // Split by expert over `ep` or within each expert
-                                // over `tp`, as training slices them.
-                                local_weight(
-                                    self.graph, op, op.role, w, &full, &shape, self.tp, self.ep,
-                                )
-                            } else {
-                                apply_spec(&spec, &full, &shape)
-                            }
-                        }
-                    };
+                    let local = crate::weights::starting_slice(
+                        self.graph,
+                        (op, w),
+                        l,
+                        (self.tp, self.ep),
+                        self.opts.seed,
+                        self.opts.weights.as_deref(),
+                    )?;
                     if let Some(bad) = local.iter().find(|x| !x.is_finite()) {
                         // A checkpoint holding NaN or infinity generates garbage
                         // without a word; refuse it naming the tensor.

@@ -14,7 +14,6 @@
 
 use super::{derr, AttnBwd, AttnOut, DResult, Device, DeviceComm};
 use crate::comm::{CommKind, Communicator, Group, RankError};
-use crate::init::{init_full, init_kind};
 use crate::shard::{local_heads, local_weight, TpPos};
 use crate::train::{
     build_groups, fail, fixed_shape, segment_copies, segment_index, segment_input, segment_output,
@@ -258,7 +257,6 @@ impl<'a, D: Device> DevRank<'a, D> {
                         continue;
                     }
                     let shape = fixed_shape(t)?;
-                    let n: usize = shape.iter().product();
                     let (tp, ep) = (self.tp, self.ep);
                     let local =
                         |full: &[f32]| local_weight(graph, op, op.role, w, full, &shape, tp, ep);
@@ -275,20 +273,15 @@ impl<'a, D: Device> DevRank<'a, D> {
                             self.zero.resume_moments.insert(key.clone(), (m, v));
                             read("w")?
                         }
-                        // Fine-tuning: this rank's slice straight from the checkpoint.
-                        (None, Some(hf)) => {
-                            let l = (layer != NO_LAYER).then_some(layer);
-                            let spec =
-                                crate::weights::shard_spec(graph, op, op.role, w, &shape, tp);
-                            hf.local(graph, w, l, &spec).map_err(|e| fail(e.message))?
-                        }
-                        (None, None) => local(&init_full(
-                            self.opts.seed,
-                            &t.name,
+                        // Fine-tuning from a checkpoint, or the seeded start.
+                        (None, hf) => crate::weights::starting_slice(
+                            graph,
+                            (op, w),
                             layer,
-                            n,
-                            init_kind(op, w, &shape),
-                        )),
+                            (tp, ep),
+                            self.opts.seed,
+                            hf.as_deref(),
+                        )?,
                     };
                     let n = mine.len();
                     let dev = &self.dev;
