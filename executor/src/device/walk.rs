@@ -21,6 +21,27 @@ pub(crate) struct Coll<'i> {
     pub target: &'i Target,
 }
 
+impl<'i> Coll<'i> {
+    /// The operands of `instr` if it is a collective.
+    pub(crate) fn of(instr: &'i Instr) -> Option<Coll<'i>> {
+        match instr {
+            Instr::Collective {
+                kind,
+                group,
+                axis,
+                target,
+                ..
+            } => Some(Coll {
+                kind: *kind,
+                group,
+                axis: axis.name(),
+                target,
+            }),
+            _ => None,
+        }
+    }
+}
+
 /// What a rank does at each instruction of a forward list.
 pub(crate) trait Forward {
     fn graph(&self) -> &Graph;
@@ -66,20 +87,10 @@ pub(crate) fn forward<W: Forward + ?Sized>(
             }
             Instr::Recompute { body } => forward(w, body, layer, cur)?,
             Instr::Compute { name, outputs, .. } => w.compute(name, outputs, cur)?,
-            Instr::Collective {
-                kind,
-                group,
-                axis,
-                target,
-                ..
-            } => {
-                let c = Coll {
-                    kind: *kind,
-                    group,
-                    axis: axis.name(),
-                    target,
-                };
-                w.collective(c, cur)?
+            Instr::Collective { .. } => {
+                if let Some(c) = Coll::of(instr) {
+                    w.collective(c, cur)?
+                }
             }
             Instr::Send {
                 peer_stage, bytes, ..

@@ -147,20 +147,10 @@ impl<'a, D: Device> DevRank<'a, D> {
                             self.gradients_written(op, l)?;
                             self.span(m0, format!("{name} bwd"), "compute", self.op_args(l))?;
                         }
-                        Instr::Collective {
-                            kind,
-                            group,
-                            axis,
-                            target,
-                            ..
-                        } => {
-                            let c = Coll {
-                                kind: *kind,
-                                group,
-                                axis: axis.name(),
-                                target,
-                            };
-                            self.collective(c, l, t, true)?
+                        Instr::Collective { .. } => {
+                            if let Some(c) = Coll::of(instr) {
+                                self.collective(c, l, t, true)?
+                            }
                         }
                         // The attention op passes the blocks itself (`ring_backward`).
                         Instr::RingPass { .. } => {}
