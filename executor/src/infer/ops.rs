@@ -47,25 +47,20 @@ impl<'a, D: Device> InferRank<'a, D> {
     }
 
     pub(super) fn collective(&mut self, c: Coll<'_>) -> Result<(), RankError> {
-        let Coll {
-            kind,
-            group,
-            axis,
-            target,
-        } = c;
-        let tensor = match target {
+        let g = self.group(c.group)?;
+        let on = (&g, c.axis);
+        let tensor = match c.target {
             // Plans lowered before sampling was planned hold the training loss's
             // statistics instead: nothing to reduce when generating.
             Target::LossStat { .. } => return Ok(()),
             // The experts op moves its tokens itself (counts follow the routing).
             Target::Experts { .. } => return Ok(()),
             Target::HiddenStates => {
-                let g = self.group(group)?;
                 let h = self
                     .hidden
                     .as_ref()
                     .ok_or_else(|| fail("no hidden states to gather"))?;
-                let (dev, comm, on) = (&self.dev, self.comm.as_mut(), (&g, axis));
+                let (dev, comm) = (&self.dev, self.comm.as_mut());
                 let out = act_collected(dev, comm, (CommKind::AllGather, on), h)?;
                 self.hidden = Some(out);
                 return Ok(());
@@ -81,7 +76,8 @@ impl<'a, D: Device> InferRank<'a, D> {
             | Target::GradBucket { .. }
             | Target::ParamBucket { .. } => {
                 return Err(fail(format!(
-                    "`{target}` is a training collective; inference plans do not hold it"
+                    "`{}` is a training collective; inference plans do not hold it",
+                    c.target
                 )))
             }
         };
@@ -94,26 +90,22 @@ impl<'a, D: Device> InferRank<'a, D> {
                     .map(|&t| self.graph.tensor(t).name.as_str())
                     == Some(tensor)
         });
-        if is_logits && kind == CollectiveKind::AllGather {
+        if is_logits && c.kind == CollectiveKind::AllGather {
             return Ok(());
         }
-        let g = self.group(group)?;
-        let ax = axis;
         let buf = self
             .acts
             .get_mut(tensor)
             .ok_or_else(|| fail(format!("no tensor `{tensor}` to communicate")))?;
-        match kind {
-            CollectiveKind::AllReduce => self.comm.all_reduce_act(&self.dev, (&g, ax), buf)?,
+        let (dev, comm) = (&self.dev, self.comm.as_mut());
+        match c.kind {
+            CollectiveKind::AllReduce => comm.all_reduce_act(dev, on, buf)?,
             CollectiveKind::AllGather => {
-                let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, (CommKind::AllGather, (&g, ax)), buf)?;
+                let out = act_collected(dev, comm, (CommKind::AllGather, on), buf)?;
                 self.gathered.insert(tensor.to_string(), out);
             }
             CollectiveKind::ReduceScatter => {
-                let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, (CommKind::ReduceScatter, (&g, ax)), buf)?;
-                *buf = out;
+                *buf = act_collected(dev, comm, (CommKind::ReduceScatter, on), buf)?;
             }
             other => {
                 return Err(fail(format!(
