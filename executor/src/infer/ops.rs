@@ -47,8 +47,6 @@ impl<'a, D: Device> InferRank<'a, D> {
     }
 
     pub(super) fn collective(&mut self, c: Coll<'_>) -> Result<(), RankError> {
-        let g = self.group(c.group)?;
-        let on = (&g, c.axis);
         let tensor = match c.target {
             // Plans lowered before sampling was planned hold the training loss's
             // statistics instead: nothing to reduce when generating.
@@ -56,6 +54,8 @@ impl<'a, D: Device> InferRank<'a, D> {
             // The experts op moves its tokens itself (counts follow the routing).
             Target::Experts { .. } => return Ok(()),
             Target::HiddenStates => {
+                let g = self.group(c.group)?;
+                let on = (&g, c.axis);
                 let h = self
                     .hidden
                     .as_ref()
@@ -93,6 +93,8 @@ impl<'a, D: Device> InferRank<'a, D> {
         if is_logits && c.kind == CollectiveKind::AllGather {
             return Ok(());
         }
+        let g = self.group(c.group)?;
+        let on = (&g, c.axis);
         let buf = self
             .acts
             .get_mut(tensor)
