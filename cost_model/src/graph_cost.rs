@@ -333,15 +333,10 @@ impl PreparedGraph {
             segments[i].params_shared = shared;
         }
         let segments_tied = segments.iter().any(|s| s.params_shared > 0.0);
-        if let Some(t) = graph
-            .segments
-            .iter()
-            .flat_map(|s| &s.ops)
-            .find_map(|op| match &op.kind {
-                OpKind::Attention(a) => Some(*a),
-                _ => None,
-            })
-        {
+        if let Some(t) = graph.ops().find_map(|op| match &op.kind {
+            OpKind::Attention(a) => Some(*a),
+            _ => None,
+        }) {
             kv_bytes =
                 2.0 * (t.kv_heads * t.qk_dim.max(t.v_dim)) as f64 * dtype.size_bytes() as f64;
         }

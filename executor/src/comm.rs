@@ -68,7 +68,6 @@ pub use nccl::{nccl_available, Elem, NcclBench, NcclComm, NcclError, P2p};
 pub use run::{failure_summary, run_ranks, run_with, RankError};
 pub use thread::ThreadComm;
 
-use meshplan_ir::plan::CollectiveKind;
 use std::fmt;
 use std::time::Duration;
 
@@ -144,20 +143,6 @@ impl CommKind {
             CommKind::Send => "send",
             CommKind::Recv => "recv",
             CommKind::Barrier => "barrier",
-        }
-    }
-
-    /// The plan's collective this kind carries out, for comparing measured counts
-    /// with a plan's `collective` instructions (`AllToAllV` is the plan's
-    /// `AllToAll` with uneven splits); `None` for point-to-point and barriers.
-    pub fn plan_kind(self) -> Option<CollectiveKind> {
-        match self {
-            CommKind::AllReduce => Some(CollectiveKind::AllReduce),
-            CommKind::AllGather => Some(CollectiveKind::AllGather),
-            CommKind::ReduceScatter => Some(CollectiveKind::ReduceScatter),
-            CommKind::Broadcast => Some(CollectiveKind::Broadcast),
-            CommKind::AllToAll | CommKind::AllToAllV => Some(CollectiveKind::AllToAll),
-            CommKind::Send | CommKind::Recv | CommKind::Barrier => None,
         }
     }
 }

@@ -35,8 +35,8 @@
 use crate::comm::{Communicator, Group, RankError};
 use crate::device::{derr, Device, DeviceComm, HostDevice};
 use crate::infer::{
-    check_inputs, rank_outs, recorded, summarize, InferOptions, InferRank, InferReport, PoolBytes,
-    Progress, RequestCache, RequestOutput,
+    check_inputs, check_weights, rank_outs, recorded, summarize, InferOptions, InferRank,
+    InferReport, PoolBytes, RequestCache, RequestOutput,
 };
 use crate::train::{fail, ExecError};
 use meshplan_ir::kv_move::{kv_route, kv_transfer_bytes, pool_pos, pool_rank, KvPiece, PoolPos};
@@ -94,11 +94,19 @@ pub fn pools(plan: &Plan) -> Result<Option<(&Plan, &Plan)>, String> {
 /// Checks a disaggregated run before any rank starts: both pools run these
 /// requests, and the prefill pool's caches map onto the decode pool's.
 pub fn check_disaggregated(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
+    checked(plan, opts).map(|_| ())
+}
+
+/// The plan's prefill and decode pools, checked against `opts`, and the route of
+/// the KV cache between them.
+fn checked<'p>(
+    plan: &'p Plan,
+    opts: &InferOptions,
+) -> Result<(&'p Plan, &'p Plan, Vec<KvPiece>), String> {
     let (prefill, decode) = pools(plan)?.ok_or("the plan is not a disaggregated deployment")?;
     check_inputs(prefill, opts).map_err(|m| format!("the prefill pool: {m}"))?;
     check_inputs(decode, opts).map_err(|m| format!("the decode pool: {m}"))?;
-    kv_route(prefill, decode)?;
-    Ok(())
+    Ok((prefill, decode, kv_route(prefill, decode)?))
 }
 
 /// What both pools' ranks share.
@@ -113,8 +121,7 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn dp(plan: &Plan) -> usize {
-        let i = plan.mesh.axes.iter().position(|a| a == "dp");
-        i.map_or(1, |i| plan.mesh.shape[i] as usize).max(1)
+        crate::train::mesh_place(plan, &[], "dp").size.max(1)
     }
 
     /// The world rank of `pos` in request `i`'s replica of the prefill or decode
@@ -149,23 +156,15 @@ pub fn infer_disaggregated_on<D: Device>(
     opts: &InferOptions,
     make: &(dyn Fn(usize) -> crate::device::DResult<D> + Sync),
 ) -> Result<DisaggReport, ExecError> {
-    let err = ExecError::Plan;
-    check_disaggregated(plan, opts).map_err(err)?;
-    let (prefill, decode) = pools(plan)
-        .map_err(err)?
-        .ok_or_else(|| err("the plan is not a disaggregated deployment".into()))?;
-    if let Some(ck) = &opts.weights {
-        for p in [prefill, decode] {
-            ck.check_config(&p.graph)
-                .and_then(|_| ck.validate(&p.graph))
-                .map_err(|e| err(e.message))?;
-        }
+    let (prefill, decode, route) = checked(plan, opts).map_err(ExecError::Plan)?;
+    for pool in [prefill, decode] {
+        check_weights(pool, opts)?;
     }
     let (np, nd) = (prefill.ranks.len(), decode.ranks.len());
     let ctx = Ctx {
         prefill,
         decode,
-        route: kv_route(prefill, decode).map_err(err)?,
+        route,
         opts,
         base: np,
     };
@@ -230,37 +229,29 @@ fn prefill_side<D: Device>(
     ctx: &Ctx<'_>,
     t0: Instant,
 ) -> Result<Vec<(usize, RequestOutput)>, RankError> {
-    let mine = r.served_by(r.at.dp_index);
-    if mine.is_empty() && !r.expert_lockstep() {
-        return Ok(Vec::new());
-    }
     let record = r.records();
-    let mut p = Progress::new(&mine, ctx.opts);
-    r.prefill_passes(&mine, |r, j, i, done| {
-        if let Some(rows) = done.logits {
-            let now = record.then(|| t0.elapsed());
-            p.first_token(j, rows, &ctx.opts.sampling, now);
-        }
-        send_cache(r, ctx, i, &done.cache)?;
-        if record {
-            let last = ctx.decode.programs.iter().map(|p| p.stage).max();
-            let tp = ctx.decode.strategy.tp;
-            for t in 0..tp {
-                let pos = PoolPos {
-                    stage: last.unwrap_or(0),
-                    tp: t,
-                };
-                let to = ctx.world_rank(true, i, pos)?;
-                r.comm.send(to, TOKEN_AXIS, &[p.current[j] as f32])?;
+    let served = r.serve(|r, mine, p| {
+        r.prefill_passes(mine, |r, j, i, done| {
+            if let Some(rows) = done.logits {
+                let now = record.then(|| t0.elapsed());
+                p.first_token(j, rows, &ctx.opts.sampling, now);
             }
-        }
-        Ok(())
+            send_cache(r, ctx, i, &done.cache)?;
+            if record {
+                let last = ctx.decode.programs.iter().map(|p| p.stage).max();
+                for t in 0..ctx.decode.strategy.tp {
+                    let pos = PoolPos {
+                        stage: last.unwrap_or(0),
+                        tp: t,
+                    };
+                    let to = ctx.world_rank(true, i, pos)?;
+                    r.comm.send(to, TOKEN_AXIS, &[p.current[j] as f32])?;
+                }
+            }
+            Ok(())
+        })
     })?;
-    Ok(if record {
-        mine.into_iter().zip(p.outs).collect()
-    } else {
-        Vec::new()
-    })
+    Ok(served.0)
 }
 
 /// Sends this rank's pieces of request `i`'s cache to its decode replica: one
@@ -318,31 +309,23 @@ fn decode_side<D: Device>(
     ctx: &Ctx<'_>,
     t0: Instant,
 ) -> Result<(Vec<(usize, RequestOutput)>, f64), RankError> {
-    let mine = r.served_by(r.at.dp_index);
-    if mine.is_empty() && !r.expert_lockstep() {
-        return Ok((Vec::new(), 0.0));
-    }
     let record = r.records();
-    let mut p = Progress::new(&mine, ctx.opts);
-    let mut received = 0.0;
-    for (j, &i) in mine.iter().enumerate() {
-        let (cache, bytes) = recv_cache(r, ctx, i)?;
-        received += bytes;
-        r.put_cache(j, cache);
-        if r.at.stage == r.at.last_stage {
-            let from = ctx.world_rank(false, i, recorder(ctx.prefill))?;
-            let mut t = [0.0f32];
-            r.comm.recv(from, TOKEN_AXIS, &mut t)?;
-            p.handed_token(j, t[0] as u32, record.then(|| t0.elapsed()));
+    r.serve(|r, mine, p| {
+        let mut received = 0.0;
+        for (j, &i) in mine.iter().enumerate() {
+            let (cache, bytes) = recv_cache(r, ctx, i)?;
+            received += bytes;
+            r.put_cache(j, cache);
+            if r.at.stage == r.at.last_stage {
+                let from = ctx.world_rank(false, i, recorder(ctx.prefill))?;
+                let mut t = [0.0f32];
+                r.comm.recv(from, TOKEN_AXIS, &mut t)?;
+                p.handed_token(j, t[0] as u32, record.then(|| t0.elapsed()));
+            }
         }
-    }
-    r.decode_passes(&mine, &mut p, t0)?;
-    let outputs = if record {
-        mine.into_iter().zip(p.outs).collect()
-    } else {
-        Vec::new()
-    };
-    Ok((outputs, received))
+        r.decode_passes(mine, p, t0)?;
+        Ok(received)
+    })
 }
 
 /// The rank of a pool replica that samples and records: last stage, tensor rank 0.

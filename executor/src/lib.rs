@@ -77,9 +77,7 @@ pub(crate) enum Stat {
 pub fn check_executable(graph: &ir::Graph, tokens: usize) -> Result<(), String> {
     let c = &graph.constants;
     let alibi = graph
-        .segments
-        .iter()
-        .flat_map(|s| &s.ops)
+        .ops()
         .any(|o| matches!(o.kind, ir::OpKind::Attention(a) if a.alibi));
     if alibi {
         return Err("the model's position is ALiBi (`position: alibi`, or a BLOOM config.json): the executor's attention kernels add no ALiBi biases, so it refuses rather than compute a different model; planning and estimates price it".into());

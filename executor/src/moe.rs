@@ -84,18 +84,6 @@ pub(crate) fn dims(e: &ExpertsShape, tp: TpPos, ep: TpPos) -> (usize, usize, usi
     )
 }
 
-/// The routing kernels' sizes for `rows` tokens of width `h` over `ne` experts,
-/// `kk` each, their weights renormalised.
-pub(crate) fn route_dims(rows: usize, h: usize, ne: usize, kk: usize) -> MoeDims {
-    MoeDims {
-        tokens: rows,
-        experts: ne,
-        k: kk,
-        dim: h,
-        renormalize: true,
-    }
-}
-
 /// An experts op's forward state, kept for its backward.
 pub(crate) struct Kept<D: Device> {
     pub routed: Routed<D>,
@@ -224,7 +212,14 @@ impl<D: Device> Exec<'_, D> {
         let err = derr(self.name);
         let (h, f, ne, kk) = dims(e, self.place.tp, self.place.ep);
         let rows = D::act_len(x) / h;
-        let m = route_dims(rows, h, ne, kk);
+        // The routing kernels renormalise each token's top-k weights.
+        let m = MoeDims {
+            tokens: rows,
+            experts: ne,
+            k: kk,
+            dim: h,
+            renormalize: true,
+        };
         let f32s = |n| self.dev.f32_zeros(n).map_err(&err);
         let mut r = Routed {
             m,
@@ -240,11 +235,17 @@ impl<D: Device> Exec<'_, D> {
             self.dev.moe_dispatch(&mut r, x, &mut disp).map_err(&err)?;
         }
         let counts = r.counts.clone();
-        // Capacity: which slots each expert keeps depends on their token order.
-        let padding = match routing.group_tokens {
-            Some(group) if rows > 0 && e.capacity(group as u64).is_some() => {
-                let perm_host = self.dev.ids_download(&r.perm).map_err(&err)?;
-                capacity_padding(e, group, &counts, &perm_host, kk, rows)?
+        // Under an expert capacity, each expert keeps the first `cap` slots of
+        // every capacity group in token order, and the buffers are padded to it.
+        let padding = match routing.group_tokens.map(|g| (g, e.capacity(g as u64))) {
+            Some((group, Some(cap))) if rows > 0 => {
+                if group == 0 || !rows.is_multiple_of(group) {
+                    return Err(fail(format!(
+                        "experts: {rows} local tokens are not whole capacity groups of {group}"
+                    )));
+                }
+                let perm = self.dev.ids_download(&r.perm).map_err(&err)?;
+                Some(Padding::new(cap as usize, group, &counts, &perm, kk, rows))
             }
             _ => None,
         };
@@ -359,35 +360,6 @@ pub(crate) fn linear_spans<D: Device>(
         dev.matmul(g, x, w, y)?;
     }
     Ok(())
-}
-
-/// Under an expert capacity, which dispatch slots each expert keeps (the first
-/// `capacity` of every capacity group, in token order) and where they sit in
-/// buffers padded to capacity; `None` when the experts route dropless.
-pub(crate) fn capacity_padding(
-    e: &ExpertsShape,
-    group: usize,
-    counts: &[usize],
-    perm: &[u32],
-    k: usize,
-    rows: usize,
-) -> Result<Option<Padding>, RankError> {
-    let Some(cap) = e.capacity(group as u64) else {
-        return Ok(None);
-    };
-    if group == 0 || !rows.is_multiple_of(group) {
-        return Err(fail(format!(
-            "experts: {rows} local tokens are not whole capacity groups of {group}"
-        )));
-    }
-    Ok(Some(Padding::new(
-        cap as usize,
-        group,
-        counts,
-        perm,
-        k,
-        rows,
-    )))
 }
 
 /// The exchange's counts: what this rank sends each member's experts (`counts`,

@@ -91,7 +91,7 @@ fn swiglu_up(graph: &Graph, op: &Op) -> bool {
     let Some(out) = op.outputs.first() else {
         return false;
     };
-    graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
+    graph.ops().any(|o| {
         o.inputs.first() == Some(out) && matches!(o.kind, OpKind::Activation(MlpKind::Swiglu))
     })
 }
@@ -110,10 +110,48 @@ pub fn weight_transposed(op: &Op) -> bool {
     matches!((w.chars().next(), out.trim().chars().last()), (Some(a), Some(b)) if a == b)
 }
 
-/// The rows (first-dim ranges) a rank holds of a weight split along its first dim.
-fn row_range(rows: usize, tp: TpPos) -> (usize, usize) {
-    let c = rows / tp.size;
-    (tp.rank * c, (tp.rank + 1) * c)
+/// What a rank holds of a `[rows, cols]` weight (a 1-D weight is one row).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShardSpec {
+    /// Everything.
+    All,
+    /// These column ranges of every row, in order.
+    Cols(Vec<(usize, usize)>),
+    /// These rows, whole.
+    Rows(usize, usize),
+}
+
+/// The part of dense weight `w` (full shape `shape`) that `op` under `role` needs
+/// on tensor rank `tp`, as index ranges: what [`local_weight`] copies out of the
+/// full tensor, and a Hugging Face checkpoint reads of its files.
+pub fn shard_spec(
+    graph: &Graph,
+    op: &Op,
+    role: TpRole,
+    w: TensorId,
+    shape: &[usize],
+    tp: TpPos,
+) -> ShardSpec {
+    if tp.size <= 1 {
+        return ShardSpec::All;
+    }
+    let is_bias = shape.len() == 1 && op.inputs.get(2) == Some(&w);
+    let rows_of = |rows: usize| {
+        let c = rows / tp.size;
+        ShardSpec::Rows(tp.rank * c, (tp.rank + 1) * c)
+    };
+    match role {
+        // A head reading a table tied to the embedding (`bsh,vh->bsv`) splits the
+        // table's vocabulary rows, as the embedding does.
+        TpRole::VocabHead if shape.len() == 2 && weight_transposed(op) => rows_of(shape[0]),
+        TpRole::ColumnParallel | TpRole::VocabHead => {
+            let n = *shape.last().unwrap_or(&1);
+            ShardSpec::Cols(column_ranges(graph, op, n, tp))
+        }
+        TpRole::RowParallel if !is_bias => rows_of(shape[0]),
+        TpRole::VocabEmbedding => rows_of(shape[0]),
+        _ => ShardSpec::All,
+    }
 }
 
 /// The local part of weight `w` (its full values row-major with `shape`) used by
@@ -134,44 +172,22 @@ pub fn local_weight<T: Copy>(
     if role == TpRole::Experts {
         return expert_slice(full, shape, tp, ep);
     }
-    if tp.size <= 1 {
-        return full.to_vec();
-    }
-    let is_bias = shape.len() == 1 && op.inputs.get(2) == Some(&w);
-    match role {
-        // A head reading a table tied to the embedding (`bsh,vh->bsv`) splits the
-        // table's vocabulary rows, as the embedding does.
-        TpRole::VocabHead if weight_transposed(op) => {
-            let rows = shape[0];
-            let n = full.len() / rows.max(1);
-            let (a, b) = row_range(rows, tp);
+    match shard_spec(graph, op, role, w, shape, tp) {
+        ShardSpec::All => full.to_vec(),
+        ShardSpec::Rows(a, b) => {
+            let n = full.len() / shape.first().copied().unwrap_or(1).max(1);
             full[a * n..b * n].to_vec()
         }
-        TpRole::ColumnParallel | TpRole::VocabHead => {
+        ShardSpec::Cols(ranges) => {
             let n = *shape.last().unwrap_or(&1);
-            let rows = full.len() / n.max(1);
-            let ranges = column_ranges(graph, op, n, tp);
             let mut out = Vec::new();
-            for r in 0..rows {
+            for row in full.chunks(n.max(1)) {
                 for &(a, b) in &ranges {
-                    out.extend_from_slice(&full[r * n + a..r * n + b]);
+                    out.extend_from_slice(&row[a..b]);
                 }
             }
             out
         }
-        TpRole::RowParallel if !is_bias => {
-            let rows = shape[0];
-            let n = full.len() / rows.max(1);
-            let (a, b) = row_range(rows, tp);
-            full[a * n..b * n].to_vec()
-        }
-        TpRole::VocabEmbedding => {
-            let rows = shape[0];
-            let n = full.len() / rows.max(1);
-            let (a, b) = row_range(rows, tp);
-            full[a * n..b * n].to_vec()
-        }
-        _ => full.to_vec(),
     }
 }
 
@@ -215,6 +231,64 @@ fn expert_slice<T: Copy>(full: &[T], shape: &[usize], tp: TpPos, ep: TpPos) -> V
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    const LLAMA: &str = "name: t\ntransformer: {layers: 1, hidden: 16, heads: 4, kv_heads: 2, ffn_hidden: 32, mlp: swiglu, norm: rmsnorm, vocab: 32, tie_embeddings: false, position: rope}\ndtype: f32\nworkload: {kind: inference, prompt_len: 4, output_len: 4}\n";
+
+    fn graph(yaml: &str) -> Graph {
+        let spec = meshplan_ir::load::parse_model_yaml(yaml, "test.yaml").unwrap();
+        meshplan_ir::model_graph(&spec).unwrap()
+    }
+
+    fn op<'g>(g: &'g Graph, name: &str) -> &'g Op {
+        let mut ops = g.ops();
+        ops.find(|o| o.name == name).unwrap()
+    }
+
+    /// Rank 1 of 2's slice of input `i` of op `name` (full values `0, 1, 2, ...`).
+    fn slice_on_rank_1(g: &Graph, name: &str, i: usize, shape: &[usize]) -> Vec<usize> {
+        let o = op(g, name);
+        let full: Vec<usize> = (0..shape.iter().product()).collect();
+        let tp = TpPos { rank: 1, size: 2 };
+        local_weight(g, o, o.role, o.inputs[i], &full, shape, tp, TpPos::ONE)
+    }
+
+    /// Hidden 16, 4 query heads and 2 kv heads of width 4, vocabulary 32, on rank 1
+    /// of 2 (hand-worked): the fused `q | k | v` projection `[16, 32]` keeps of each
+    /// row query columns 8..16 (heads 2, 3), key columns 20..24 and value columns
+    /// 28..32 (kv head 1); the output projection `[16, 16]` keeps rows 8..16; the
+    /// embedding `[32, 16]` vocabulary rows 16..32; the final norm's weight stays
+    /// whole.
+    #[test]
+    fn tensor_rank_slices_by_role() {
+        let g = graph(LLAMA);
+        let qkv = slice_on_rank_1(&g, "block.attn.qkv", 1, &[16, 32]);
+        let row: Vec<usize> = (8..16).chain(20..24).chain(28..32).collect();
+        let want: Vec<usize> = (0..16)
+            .flat_map(|r| row.iter().map(move |c| r * 32 + c))
+            .collect();
+        assert_eq!(qkv, want);
+        let proj = slice_on_rank_1(&g, "block.attn.proj", 1, &[16, 16]);
+        assert_eq!(proj, (128..256).collect::<Vec<_>>());
+        let embed = slice_on_rank_1(&g, "embed.tokens", 0, &[32, 16]);
+        assert_eq!(embed, (256..512).collect::<Vec<_>>());
+        let norm = slice_on_rank_1(&g, "head.norm", 1, &[16]);
+        assert_eq!(norm, (0..16).collect::<Vec<_>>());
+    }
+
+    /// A head tied to the embedding (`[vocab, hidden]`, read transposed) holds the
+    /// vocabulary rows the embedding holds: 16..32 of 32 on rank 1 of 2.
+    #[test]
+    fn tied_head_reads_vocabulary_rows() {
+        let g = graph(&LLAMA.replace("tie_embeddings: false", "tie_embeddings: true"));
+        let head = op(&g, "head.lm");
+        assert!(weight_transposed(head));
+        let tp = TpPos { rank: 1, size: 2 };
+        let spec = shard_spec(&g, head, TpRole::VocabHead, head.inputs[1], &[32, 16], tp);
+        assert_eq!(spec, ShardSpec::Rows(16, 32));
+        let rows = slice_on_rank_1(&g, "head.lm", 1, &[32, 16]);
+        assert_eq!(rows, (256..512).collect::<Vec<_>>());
+        assert!(!weight_transposed(op(&g, "block.attn.qkv")));
+    }
 
     #[test]
     fn kv_heads_split_or_replicated() {

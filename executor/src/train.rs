@@ -115,8 +115,6 @@ pub struct RankReport {
     pub weights: BTreeMap<Key, Vec<f32>>,
     /// Bytes it sent, per collective kind and axis, over the training steps.
     pub counts: ByteCounts,
-    /// Wall seconds of each step.
-    pub step_s: Vec<f64>,
     /// When this rank began its first step and ended each step, in seconds on the
     /// run's clock (shared by the ranks of one process).
     pub steps_at: (f64, Vec<f64>),
@@ -207,6 +205,17 @@ pub(crate) fn group_named(
 ) -> Result<Group, RankError> {
     let g = groups.get(name).cloned();
     g.ok_or_else(|| fail(format!("group `{name}` is not in the plan's mesh")))
+}
+
+/// The place on the plan's mesh axis `axis` of the rank at mesh coordinates
+/// `coords` (none: coordinate 0): its coordinate and the axis size, [`TpPos::ONE`]
+/// where the mesh has no such axis.
+pub(crate) fn mesh_place(plan: &Plan, coords: &[u64], axis: &str) -> TpPos {
+    let i = plan.mesh.axes.iter().position(|a| a == axis);
+    i.map_or(TpPos::ONE, |i| TpPos {
+        rank: coords.get(i).map_or(0, |&c| c as usize),
+        size: plan.mesh.shape[i] as usize,
+    })
 }
 
 /// `rank`'s place in its group `name` (no split when the plan has no such group).
@@ -341,9 +350,7 @@ pub(crate) fn peer_on_stage(plan: &Plan, coords: &[u64], stage: u64) -> Result<u
 /// The op of the plan's graph named `name`.
 pub(crate) fn find_op<'g>(graph: &'g Graph, name: &str) -> Result<&'g Op, RankError> {
     graph
-        .segments
-        .iter()
-        .flat_map(|s| &s.ops)
+        .ops()
         .find(|o| o.name == name)
         .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
 }
@@ -359,15 +366,15 @@ pub(crate) fn fixed_shape(t: &meshplan_ir::Tensor) -> Result<Vec<usize>, RankErr
         .collect()
 }
 
-/// The fixed trailing dims of an activation.
-pub(crate) fn fixed_shape_tail(t: &meshplan_ir::Tensor) -> Vec<usize> {
-    t.shape
-        .iter()
-        .filter_map(|d| match d {
-            meshplan_ir::Dim::Fixed(n) => Some(*n as usize),
-            _ => None,
-        })
-        .collect()
+/// The last dim (the row width) of a tensor, which must be fixed.
+pub(crate) fn fixed_width(t: &meshplan_ir::Tensor) -> Result<usize, RankError> {
+    match t.shape.last() {
+        Some(meshplan_ir::Dim::Fixed(w)) => Ok(*w as usize),
+        _ => Err(fail(format!(
+            "`{}`: the width (last dim) is not fixed",
+            t.name
+        ))),
+    }
 }
 
 /// A segment's input activation (what the previous segment produced).
@@ -434,8 +441,14 @@ pub(crate) fn segment_index(graph: &Graph, name: &str) -> Result<usize, RankErro
         .ok_or_else(|| fail(format!("segment `{name}` is not in the plan's graph")))
 }
 
-/// The communication groups of `rank`, by name (see the plan format's rule).
-pub(crate) fn build_groups(plan: &Plan, rank: usize) -> Result<BTreeMap<String, Group>, RankError> {
+/// The communication groups of the plan's `rank`, by name (see the plan format's
+/// rule), their members numbered from world rank `first` (a serving pool placed
+/// after the other pool's ranks; 0 otherwise).
+pub(crate) fn build_groups(
+    plan: &Plan,
+    rank: usize,
+    first: usize,
+) -> Result<BTreeMap<String, Group>, RankError> {
     let axes = &plan.mesh.axes;
     let shape = &plan.mesh.shape;
     let me = plan
@@ -467,7 +480,7 @@ pub(crate) fn build_groups(plan: &Plan, rank: usize) -> Result<BTreeMap<String, 
             let y = flat_of(&r.coords);
             let d = (y / stride) % size;
             if y == base + d * stride {
-                members.push((d, r.rank as usize));
+                members.push((d, first + r.rank as usize));
             }
         }
         members.sort();
@@ -639,9 +652,7 @@ pub(crate) fn weight_site<'g>(
     name: &str,
 ) -> Result<(&'g Op, meshplan_ir::TensorId, Vec<usize>), String> {
     let (op, id) = graph
-        .segments
-        .iter()
-        .flat_map(|s| &s.ops)
+        .ops()
         .find_map(|o| {
             o.inputs
                 .iter()
@@ -671,7 +682,7 @@ pub(crate) fn rank_slice(
         size: tp_axis.map(|i| plan.mesh.shape[i] as usize).unwrap_or(1),
     };
     let (op, id, shape) = weight_site(graph, name)?;
-    let ep = build_groups(plan, rank)
+    let ep = build_groups(plan, rank, 0)
         .ok()
         .and_then(|gs| gs.get("ep").cloned())
         .and_then(|g| {
@@ -760,7 +771,6 @@ mod tests {
             loss_parts: Vec::new(),
             weights: Default::default(),
             counts: Default::default(),
-            step_s: Vec::new(),
             steps_at: (start, ends.to_vec()),
             clock0_unix_s: 0.0,
             state_bytes: 0.0,

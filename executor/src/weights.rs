@@ -12,11 +12,11 @@
 //! QKV projection is `q | k | v`, a SwiGLU up projection is `gate | up`. Rotary
 //! embedding needs no permutation: the kernel uses Hugging Face's rotate-half pairs.
 
-use crate::shard::{column_ranges, weight_transposed, TpPos};
+use crate::shard::{shard_spec, ShardSpec, TpPos};
 use memmap2::Mmap;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::spec::TransformerSpec;
-use meshplan_ir::{Dim, Graph, Op, SegmentKind, TensorId, TensorKind, TpRole};
+use meshplan_ir::{Dim, Graph, Op, SegmentKind, TensorId, TensorKind};
 use safetensors::tensor::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -94,47 +94,6 @@ struct Part {
     cols: usize,
 }
 
-/// What a rank holds of a `[rows, cols]` weight (a 1-D weight is one row).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ShardSpec {
-    /// Everything.
-    All,
-    /// These column ranges of every row, in order.
-    Cols(Vec<(usize, usize)>),
-    /// These rows, whole.
-    Rows(usize, usize),
-}
-
-/// The part of weight `w` (full shape `shape`) that `op` under `role` needs on tensor
-/// rank `tp`: [`crate::shard::local_weight`] as index ranges.
-pub fn shard_spec(
-    graph: &Graph,
-    op: &Op,
-    role: TpRole,
-    w: TensorId,
-    shape: &[usize],
-    tp: TpPos,
-) -> ShardSpec {
-    if tp.size <= 1 {
-        return ShardSpec::All;
-    }
-    let is_bias = shape.len() == 1 && op.inputs.get(2) == Some(&w);
-    let rows_of = |rows: usize| {
-        let c = rows / tp.size;
-        ShardSpec::Rows(tp.rank * c, (tp.rank + 1) * c)
-    };
-    match role {
-        TpRole::VocabHead if shape.len() == 2 && weight_transposed(op) => rows_of(shape[0]),
-        TpRole::ColumnParallel | TpRole::VocabHead => {
-            let n = *shape.last().unwrap_or(&1);
-            ShardSpec::Cols(column_ranges(graph, op, n, tp))
-        }
-        TpRole::RowParallel if !is_bias => rows_of(shape[0]),
-        TpRole::VocabEmbedding => rows_of(shape[0]),
-        _ => ShardSpec::All,
-    }
-}
-
 /// This rank's slice of weight `w` (an input of `op`, in block layer `layer` or
 /// [`crate::train::NO_LAYER`]) as a run starts: read from the Hugging Face
 /// checkpoint `hf`, or the seeded initial values, sliced over the tensor and
@@ -163,29 +122,6 @@ pub(crate) fn starting_slice(
             Ok(crate::shard::local_weight(
                 graph, op, op.role, w, &full, &shape, tp, ep,
             ))
-        }
-    }
-}
-
-/// Applies a spec to a full row-major weight.
-pub fn apply_spec(spec: &ShardSpec, full: &[f32], shape: &[usize]) -> Vec<f32> {
-    let n = if shape.len() >= 2 {
-        *shape.last().unwrap_or(&1)
-    } else {
-        full.len()
-    };
-    match spec {
-        ShardSpec::All => full.to_vec(),
-        ShardSpec::Rows(a, b) => full[a * n..b * n].to_vec(),
-        ShardSpec::Cols(ranges) => {
-            let rows = full.len() / n.max(1);
-            let mut out = Vec::new();
-            for r in 0..rows {
-                for &(a, b) in ranges {
-                    out.extend_from_slice(&full[r * n + a..r * n + b]);
-                }
-            }
-            out
         }
     }
 }
@@ -288,31 +224,6 @@ impl Checkpoint {
             files,
             index,
         })
-    }
-
-    /// The naming scheme.
-    pub fn family(&self) -> Family {
-        self.family
-    }
-
-    /// The directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// The text of `config.json`.
-    pub fn config_text(&self) -> &str {
-        &self.config_text
-    }
-
-    /// Tensors in the checkpoint.
-    pub fn len(&self) -> usize {
-        self.index.len()
-    }
-
-    /// Whether it holds no tensor.
-    pub fn is_empty(&self) -> bool {
-        self.index.is_empty()
     }
 
     /// Checks `config.json` describes the plan's model: each architecture field the
@@ -531,76 +442,3 @@ impl Checkpoint {
 
 mod names;
 use names::{arch_of, arch_of_spec};
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::shard::local_weight;
-
-    fn graph(yaml: &str) -> Graph {
-        let spec = meshplan_ir::load::parse_model_yaml(yaml, "test.yaml").unwrap();
-        meshplan_ir::model_graph(&spec).unwrap()
-    }
-
-    const LLAMA: &str = "name: t\ntransformer: {layers: 1, hidden: 16, heads: 4, kv_heads: 2, ffn_hidden: 32, mlp: swiglu, norm: rmsnorm, vocab: 32, tie_embeddings: false, position: rope}\ndtype: f32\nworkload: {kind: inference, prompt_len: 4, output_len: 4}\n";
-
-    #[test]
-    fn shard_spec_is_local_weight_as_ranges() {
-        let tied = LLAMA.replace("tie_embeddings: false", "tie_embeddings: true");
-        for g in [graph(LLAMA), graph(&tied)] {
-            check_spec(&g);
-        }
-    }
-
-    fn check_spec(g: &Graph) {
-        for (role_of, tp) in [(None, 2), (None, 4), (Some(TpRole::Replicated), 2)] {
-            for rank in 0..tp {
-                let pos = TpPos { rank, size: tp };
-                for op in g.segments.iter().flat_map(|s| &s.ops) {
-                    let role = role_of.unwrap_or(op.role);
-                    for &w in &op.inputs {
-                        if g.tensor(w).kind != TensorKind::Weight {
-                            continue;
-                        }
-                        let shape = weight_shape(g, w).unwrap();
-                        let n: usize = shape.iter().product();
-                        let full: Vec<f32> = (0..n).map(|i| i as f32).collect();
-                        let want = local_weight(g, op, role, w, &full, &shape, pos, TpPos::ONE);
-                        let got =
-                            apply_spec(&shard_spec(g, op, role, w, &shape, pos), &full, &shape);
-                        assert_eq!(got, want, "{} of {} on {pos:?}", g.tensor(w).name, op.name);
-                    }
-                }
-            }
-        }
-    }
-
-    #[test]
-    fn tied_head_reads_vocabulary_rows() {
-        let g = graph(&LLAMA.replace("tie_embeddings: false", "tie_embeddings: true"));
-        let head = g
-            .segments
-            .iter()
-            .flat_map(|s| &s.ops)
-            .find(|o| o.name == "head.lm")
-            .unwrap();
-        assert!(weight_transposed(head));
-        let w = head.inputs[1];
-        let spec = shard_spec(
-            &g,
-            head,
-            TpRole::VocabHead,
-            w,
-            &[32, 16],
-            TpPos { rank: 1, size: 2 },
-        );
-        assert_eq!(spec, ShardSpec::Rows(16, 32));
-        let qkv = g
-            .segments
-            .iter()
-            .flat_map(|s| &s.ops)
-            .find(|o| o.name == "block.attn.qkv")
-            .unwrap();
-        assert!(!weight_transposed(qkv));
-    }
-}

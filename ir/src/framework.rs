@@ -289,14 +289,10 @@ pub struct Needs {
 impl Needs {
     /// The needs of `graph`, split into `layers` blocks, at `global_batch`.
     pub fn of(graph: &Graph, layers: u64, global_batch: u64) -> Needs {
-        let attention = graph
-            .segments
-            .iter()
-            .flat_map(|s| &s.ops)
-            .find_map(|o| match o.kind {
-                OpKind::Attention(a) => Some(a),
-                _ => None,
-            });
+        let attention = graph.ops().find_map(|o| match o.kind {
+            OpKind::Attention(a) => Some(a),
+            _ => None,
+        });
         Needs {
             layers,
             vocab: graph.vocab().unwrap_or(1),

@@ -408,9 +408,14 @@ impl Default for Constants {
 }
 
 impl Graph {
+    /// Every op, segment by segment in order.
+    pub fn ops(&self) -> impl Iterator<Item = &Op> {
+        self.segments.iter().flat_map(|s| &s.ops)
+    }
+
     /// The vocabulary: the cross-entropy's width, or the embedding table's rows.
     pub fn vocab(&self) -> Option<u64> {
-        let ops = || self.segments.iter().flat_map(|s| &s.ops);
+        let ops = || self.ops();
         ops()
             .find_map(|o| match o.kind {
                 OpKind::CrossEntropy { vocab } => Some(vocab),
@@ -430,9 +435,7 @@ impl Graph {
     /// Whether some MoE layer routes dropless (no expert capacity): its
     /// expert-parallel traffic follows the router's choices, not a fixed size.
     pub fn dropless_experts(&self) -> bool {
-        self.segments
-            .iter()
-            .flat_map(|s| &s.ops)
+        self.ops()
             .any(|o| matches!(&o.kind, OpKind::Experts(e) if e.capacity_factor.is_none()))
     }
 
@@ -440,9 +443,7 @@ impl Graph {
     /// rotary op's consumer, whose heads say how the rotated columns are laid out).
     pub fn attention_fed_by(&self, op: &Op) -> Option<&Op> {
         let out = op.outputs.first()?;
-        self.segments
-            .iter()
-            .flat_map(|s| &s.ops)
+        self.ops()
             .find(|o| o.inputs.first() == Some(out) && matches!(o.kind, OpKind::Attention(_)))
     }
 

@@ -1152,16 +1152,11 @@ mod tests {
         let want = 70 * (12 * h * h + 13 * h) + 250880 * h + 2 * h;
         assert_eq!(want, 176_247_271_424 - 2 * h);
         assert_eq!(graph.param_count(false), want as f64);
-        let alibi =
-            graph.segments.iter().flat_map(|s| &s.ops).any(
-                |o| matches!(o.kind, crate::OpKind::Attention(a) if a.alibi && a.qk_dim == 128),
-            );
+        let alibi = graph
+            .ops()
+            .any(|o| matches!(o.kind, crate::OpKind::Attention(a) if a.alibi && a.qk_dim == 128));
         assert!(alibi, "the attention carries ALiBi");
-        assert!(!graph
-            .segments
-            .iter()
-            .flat_map(|s| &s.ops)
-            .any(|o| o.kind == crate::OpKind::Rope));
+        assert!(!graph.ops().any(|o| o.kind == crate::OpKind::Rope));
         let post = transformer(&BLOOM.replace(
             r#""apply_residual_connection_post_layernorm": false"#,
             r#""apply_residual_connection_post_layernorm": true"#,

@@ -935,12 +935,7 @@ impl<'a> Ctx<'a> {
             plan,
             shape,
             segments: g.segments.iter().map(|s| (s.name.as_str(), s)).collect(),
-            ops: g
-                .segments
-                .iter()
-                .flat_map(|s| &s.ops)
-                .map(|o| (o.name.as_str(), o))
-                .collect(),
+            ops: g.ops().map(|o| (o.name.as_str(), o)).collect(),
             groups: plan
                 .mesh
                 .groups

@@ -211,7 +211,7 @@ fn weight_dims(graph: &Graph) -> Vec<Option<usize>> {
             }
         }
     };
-    for op in graph.segments.iter().flat_map(|s| &s.ops) {
+    for op in graph.ops() {
         match (&op.kind, op.role) {
             (OpKind::Matmul { einsum }, role) => {
                 let Some((lhs, out)) = einsum.split_once("->") else {
@@ -1676,7 +1676,7 @@ pub fn standard_placements(graph: &Graph, cfg: &ParallelConfig) -> Vec<(String, 
     let dims = weight_dims(graph);
     let sp = cfg.sp && cfg.tp > 1;
     let mut partial = vec![false; graph.tensors.len()];
-    for op in graph.segments.iter().flat_map(|s| &s.ops) {
+    for op in graph.ops() {
         if matches!(op.role, TpRole::RowParallel | TpRole::VocabEmbedding) && !sp {
             if let Some(p) = op
                 .outputs

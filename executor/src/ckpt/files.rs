@@ -252,13 +252,7 @@ pub(super) fn read_latest(dir: &Path) -> Result<Option<(String, u64)>, String> {
 /// folders `latest` does not name. The lock is what makes this safe: no live run
 /// writes here.
 pub(super) fn sweep(dir: &Path, latest: Option<&str>) -> Result<(), String> {
-    let mut names: Vec<String> = fs::read_dir(dir)
-        .map_err(io(dir, "list"))?
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
-        .collect();
-    names.sort();
-    for name in names {
+    for name in list_names(dir)? {
         let resave = matches!(parse_step_folder(&name), Some((_, true)));
         if name.starts_with(".tmp-") || (resave && Some(name.as_str()) != latest) {
             let path = dir.join(&name);
@@ -268,6 +262,17 @@ pub(super) fn sweep(dir: &Path, latest: Option<&str>) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The names in `dir` that are UTF-8, sorted.
+pub(super) fn list_names(dir: &Path) -> Result<Vec<String>, String> {
+    let mut names: Vec<String> = fs::read_dir(dir)
+        .map_err(io(dir, "list"))?
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    names.sort();
+    Ok(names)
 }
 
 /// Points `DIR/latest` at `name` atomically: a reader sees the old name or the new.

@@ -322,21 +322,11 @@ pub fn tensor_name(kind: &str, key: &Key) -> String {
 }
 
 /// FNV-1a 64 of a file's bytes, the checksum of version 1 manifests.
-pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
+pub use crate::init::fnv1a64;
 
 /// SHA-256 of `bytes`, 64 lowercase hex digits.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
+    crate::launch::auth::hex(&Sha256::digest(bytes))
 }
 
 /// `manifest.json`.
@@ -720,13 +710,7 @@ fn take_canonical_name(dir: &Path, name: &str, second: &str, id: &str) -> Result
     let run = || -> Result<(), String> {
         rename(&fin, &old)?;
         mkdir(&link)?;
-        let mut files: Vec<String> = fs::read_dir(&new)
-            .map_err(io(&new, "list"))?
-            .flatten()
-            .filter_map(|e| e.file_name().into_string().ok())
-            .collect();
-        files.sort();
-        for f in &files {
+        for f in &list_names(&new)? {
             link_or_copy(&new.join(f), &link.join(f))?;
         }
         sync_dir(&link)?;
@@ -754,10 +738,8 @@ fn tidy(
     keep_last: Option<u64>,
     id: &str,
 ) -> Result<(), String> {
-    let mut folders: Vec<(u64, bool, String)> = fs::read_dir(dir)
-        .map_err(io(dir, "list"))?
-        .flatten()
-        .filter_map(|e| e.file_name().into_string().ok())
+    let mut folders: Vec<(u64, bool, String)> = list_names(dir)?
+        .into_iter()
         .filter_map(|n| parse_step_folder(&n).map(|(s, second)| (s, second, n)))
         .filter(|(_, _, n)| n != published)
         .collect();

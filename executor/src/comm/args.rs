@@ -36,23 +36,22 @@ pub(crate) fn check_members(group: &Group, world: usize, kind: CommKind) -> Resu
     Ok(())
 }
 
-/// AllGather: `out` holds `n` members' `local`.
-pub(crate) fn all_gather(n: usize, local: usize, out: usize) -> Result<(), CommError> {
-    if out != n * local {
+/// AllGather (`out` holds `n` members' `input`) or ReduceScatter (`input` holds `n`
+/// members' worth of `out`).
+pub(crate) fn gather_scatter(
+    kind: CommKind,
+    n: usize,
+    input: usize,
+    out: usize,
+) -> Result<(), CommError> {
+    let (which, whole, part) = match kind {
+        CommKind::AllGather => ("output", out, input),
+        _ => ("input", input, out),
+    };
+    if whole != n * part {
         return Err(invalid(
-            CommKind::AllGather,
-            format!("output holds {out} elements, expected {n} members x {local}"),
-        ));
-    }
-    Ok(())
-}
-
-/// ReduceScatter: `input` holds `n` members' worth of `out`.
-pub(crate) fn reduce_scatter(n: usize, input: usize, out: usize) -> Result<(), CommError> {
-    if input != n * out {
-        return Err(invalid(
-            CommKind::ReduceScatter,
-            format!("input holds {input} elements, expected {n} members x {out}"),
+            kind,
+            format!("{which} holds {whole} elements, expected {n} members x {part}"),
         ));
     }
     Ok(())

@@ -1,7 +1,6 @@
 //! Per-rank byte accounting (conventions in the parent module's doc).
 
 use super::CommKind;
-use meshplan_ir::plan::AxisBytes;
 use std::collections::BTreeMap;
 
 /// Calls and bytes of one (kind, axis).
@@ -30,16 +29,6 @@ impl KindCount {
             .sum()
     }
 
-    /// Bytes sent as an exact reduced fraction `(numerator, denominator)`; `None`
-    /// only if the common denominator overflows `u128`.
-    pub fn bytes_sent_exact(&self) -> Option<(u128, u128)> {
-        let mut acc: (u128, u128) = (0, 1);
-        for (&den, &num) in &self.sent {
-            acc = add_fraction(acc, (num, u128::from(den)))?;
-        }
-        Some(acc)
-    }
-
     fn add(&mut self, payload_bytes: u64, sent_num: u128, sent_den: u64) {
         self.calls += 1;
         self.payload_bytes += payload_bytes;
@@ -47,31 +36,6 @@ impl KindCount {
             *self.sent.entry(sent_den.max(1)).or_insert(0) += sent_num;
         }
     }
-
-    fn merge(&mut self, other: &KindCount) {
-        self.calls += other.calls;
-        self.payload_bytes += other.payload_bytes;
-        for (&den, &num) in &other.sent {
-            *self.sent.entry(den).or_insert(0) += num;
-        }
-    }
-}
-
-fn gcd(mut a: u128, mut b: u128) -> u128 {
-    while b != 0 {
-        (a, b) = (b, a % b);
-    }
-    a
-}
-
-fn add_fraction(a: (u128, u128), b: (u128, u128)) -> Option<(u128, u128)> {
-    let g = gcd(a.1, b.1).max(1);
-    let den = (a.1 / g).checked_mul(b.1)?;
-    let num =
-        a.0.checked_mul(b.1 / g)?
-            .checked_add(b.0.checked_mul(a.1 / g)?)?;
-    let r = gcd(num, den).max(1);
-    Some((num / r, den / r))
 }
 
 /// Per (kind, axis label): calls and bytes this rank sent.
@@ -115,6 +79,13 @@ impl ByteCounts {
         self.record(kind, axis, payload_bytes, num, den);
     }
 
+    /// Adds one point-to-point transfer of `bytes`: a send sends them all, a
+    /// receive nothing.
+    pub(crate) fn record_p2p(&mut self, kind: CommKind, axis: &str, bytes: u64) {
+        let sent = if kind == CommKind::Send { bytes } else { 0 };
+        self.record(kind, axis, bytes, u128::from(sent), 1);
+    }
+
     /// Adds one All-to-All(v) of `elems` elements of `size` bytes in which member
     /// `me` sent `send_counts[j]` elements to member `j`: what it sent itself
     /// leaves no wire, so the bytes sent are the others' shares.
@@ -132,21 +103,6 @@ impl ByteCounts {
         let payload = elems as u64 * size;
         let sent = u128::from(to_others as u64 * size);
         self.record(CommKind::AllToAllV, axis, payload, sent, 1);
-    }
-
-    /// The count of one (kind, axis), if any call was made.
-    pub fn get(&self, kind: CommKind, axis: &str) -> Option<&KindCount> {
-        self.entries.get(&(kind, axis.to_string()))
-    }
-
-    /// Calls of one (kind, axis).
-    pub fn calls(&self, kind: CommKind, axis: &str) -> u64 {
-        self.get(kind, axis).map_or(0, |c| c.calls)
-    }
-
-    /// Bytes sent by one (kind, axis).
-    pub fn bytes_sent(&self, kind: CommKind, axis: &str) -> f64 {
-        self.get(kind, axis).map_or(0.0, KindCount::bytes_sent)
     }
 
     /// Every (kind, axis, count), ordered by kind then axis.
@@ -173,43 +129,11 @@ impl ByteCounts {
             .map(|(_, c)| c.bytes_sent())
             .sum()
     }
+}
 
-    /// Bytes sent on one axis label as an exact reduced fraction (`None` on
-    /// overflow).
-    pub fn axis_bytes_sent_exact(&self, axis: &str) -> Option<(u128, u128)> {
-        let mut acc = (0, 1);
-        for ((_, a), count) in &self.entries {
-            if a == axis {
-                acc = add_fraction(acc, count.bytes_sent_exact()?)?;
-            }
-        }
-        Some(acc)
-    }
-
-    /// Bytes per axis in the plan's `comm_bytes_per_gpu` shape; an error names a
-    /// label that is not one of `dp`, `tp`, `pp`, `cp`, `ep`.
-    pub fn to_axis_bytes(&self) -> Result<AxisBytes, String> {
-        let mut out = AxisBytes::default();
-        for (axis, bytes) in self.per_axis() {
-            let slot = match axis.as_str() {
-                "dp" => &mut out.dp,
-                "tp" => &mut out.tp,
-                "pp" => &mut out.pp,
-                "cp" => &mut out.cp,
-                "ep" => &mut out.ep,
-                other => return Err(format!("bytes counted on unknown axis label `{other}`")),
-            };
-            *slot += bytes;
-        }
-        Ok(out)
-    }
-
-    /// Adds another rank's (or phase's) counts to these.
-    pub fn merge(&mut self, other: &ByteCounts) {
-        for (key, count) in &other.entries {
-            self.entries.entry(key.clone()).or_default().merge(count);
-        }
-    }
+/// Bytes of `elements` `f32`s.
+pub(crate) fn bytes_of(elements: usize) -> u64 {
+    (elements as u64) * 4
 }
 
 /// Bytes one member sends in a collective of `n` members over a full buffer of
@@ -228,5 +152,103 @@ pub(crate) fn ring_bytes(kind: CommKind, n: usize, payload: u64) -> (u128, u64) 
         CommKind::AllGather | CommKind::ReduceScatter | CommKind::AllToAll => (share, n),
         CommKind::Broadcast => (b, 1),
         CommKind::AllToAllV | CommKind::Send | CommKind::Recv | CommKind::Barrier => (0, 1),
+    }
+}
+
+/// Exact sums, lookups and merging, which only the tests use.
+#[cfg(test)]
+mod test_only {
+    use super::{ByteCounts, CommKind, KindCount};
+    use meshplan_ir::plan::AxisBytes;
+
+    impl KindCount {
+        /// Bytes sent as an exact reduced fraction `(numerator, denominator)`; `None`
+        /// only if the common denominator overflows `u128`.
+        pub fn bytes_sent_exact(&self) -> Option<(u128, u128)> {
+            let mut acc: (u128, u128) = (0, 1);
+            for (&den, &num) in &self.sent {
+                acc = add_fraction(acc, (num, u128::from(den)))?;
+            }
+            Some(acc)
+        }
+
+        fn merge(&mut self, other: &KindCount) {
+            self.calls += other.calls;
+            self.payload_bytes += other.payload_bytes;
+            for (&den, &num) in &other.sent {
+                *self.sent.entry(den).or_insert(0) += num;
+            }
+        }
+    }
+
+    fn gcd(mut a: u128, mut b: u128) -> u128 {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    }
+
+    fn add_fraction(a: (u128, u128), b: (u128, u128)) -> Option<(u128, u128)> {
+        let g = gcd(a.1, b.1).max(1);
+        let den = (a.1 / g).checked_mul(b.1)?;
+        let num =
+            a.0.checked_mul(b.1 / g)?
+                .checked_add(b.0.checked_mul(a.1 / g)?)?;
+        let r = gcd(num, den).max(1);
+        Some((num / r, den / r))
+    }
+
+    impl ByteCounts {
+        /// The count of one (kind, axis), if any call was made.
+        pub fn get(&self, kind: CommKind, axis: &str) -> Option<&KindCount> {
+            self.entries.get(&(kind, axis.to_string()))
+        }
+
+        /// Calls of one (kind, axis).
+        pub fn calls(&self, kind: CommKind, axis: &str) -> u64 {
+            self.get(kind, axis).map_or(0, |c| c.calls)
+        }
+
+        /// Bytes sent by one (kind, axis).
+        pub fn bytes_sent(&self, kind: CommKind, axis: &str) -> f64 {
+            self.get(kind, axis).map_or(0.0, KindCount::bytes_sent)
+        }
+
+        /// Bytes sent on one axis label as an exact reduced fraction (`None` on
+        /// overflow).
+        pub fn axis_bytes_sent_exact(&self, axis: &str) -> Option<(u128, u128)> {
+            let mut acc = (0, 1);
+            for ((_, a), count) in &self.entries {
+                if a == axis {
+                    acc = add_fraction(acc, count.bytes_sent_exact()?)?;
+                }
+            }
+            Some(acc)
+        }
+
+        /// Bytes per axis in the plan's `comm_bytes_per_gpu` shape; an error names a
+        /// label that is not one of `dp`, `tp`, `pp`, `cp`, `ep`.
+        pub fn to_axis_bytes(&self) -> Result<AxisBytes, String> {
+            let mut out = AxisBytes::default();
+            for (axis, bytes) in self.per_axis() {
+                let slot = match axis.as_str() {
+                    "dp" => &mut out.dp,
+                    "tp" => &mut out.tp,
+                    "pp" => &mut out.pp,
+                    "cp" => &mut out.cp,
+                    "ep" => &mut out.ep,
+                    other => return Err(format!("bytes counted on unknown axis label `{other}`")),
+                };
+                *slot += bytes;
+            }
+            Ok(out)
+        }
+
+        /// Adds another rank's (or phase's) counts to these.
+        pub fn merge(&mut self, other: &ByteCounts) {
+            for (key, count) in &other.entries {
+                self.entries.entry(key.clone()).or_default().merge(count);
+            }
+        }
     }
 }

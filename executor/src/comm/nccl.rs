@@ -44,6 +44,7 @@ use meshplan_kernels::cuda::cudarc::driver::{
 use meshplan_kernels::cuda::cudarc::nccl::{result, sys};
 
 use super::args;
+use super::counts::bytes_of;
 use super::{ByteCounts, CommError, CommKind, Communicator, Group};
 use crate::launch::{LaunchEnv, Rendezvous};
 
@@ -397,10 +398,6 @@ fn init_rank(n: usize, id: sys::ncclUniqueId, rank: usize) -> Result<sys::ncclCo
     Ok(unsafe { c.assume_init() })
 }
 
-fn bytes_of(elements: usize) -> u64 {
-    (elements as u64) * 4
-}
-
 fn ptr(d: &CudaSlice<f32>, s: &CudaStream, offset: usize) -> *const c_void {
     let (p, _g) = d.device_ptr(s);
     (p + (offset * 4) as u64) as *const c_void
@@ -450,7 +447,7 @@ impl Communicator for NcclComm {
     ) -> Result<(), CommError> {
         let kind = CommKind::AllGather;
         let n = group.size();
-        args::all_gather(n, local.len(), out.len())?;
+        args::gather_scatter(kind, n, local.len(), out.len())?;
         let (_, comm) = self.group_comm(group, kind, axis)?;
         self.run(kind, |s| {
             let src = s.stage(local.len(), Some(local))?;
@@ -475,7 +472,7 @@ impl Communicator for NcclComm {
     ) -> Result<(), CommError> {
         let kind = CommKind::ReduceScatter;
         let n = group.size();
-        args::reduce_scatter(n, input.len(), out.len())?;
+        args::gather_scatter(kind, n, input.len(), out.len())?;
         let (_, comm) = self.group_comm(group, kind, axis)?;
         self.run(kind, |s| {
             let src = s.stage(input.len(), Some(input))?;
@@ -587,8 +584,7 @@ impl Communicator for NcclComm {
                 s.sync()
             })?;
         }
-        let b = bytes_of(buf.len());
-        self.counts.record(kind, axis, b, u128::from(b), 1);
+        self.counts.record_p2p(kind, axis, bytes_of(buf.len()));
         Ok(())
     }
 
@@ -614,7 +610,7 @@ impl Communicator for NcclComm {
                 s.fetch(&d, buf)
             })?;
         }
-        self.counts.record(kind, axis, bytes_of(buf.len()), 0, 1);
+        self.counts.record_p2p(kind, axis, bytes_of(buf.len()));
         Ok(())
     }
 

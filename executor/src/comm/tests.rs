@@ -2,9 +2,26 @@
 //! formulas, determinism, and failures that must end every rank quickly.
 
 use super::*;
+use meshplan_ir::plan::CollectiveKind;
 use std::time::Instant;
 
 const LONG: Duration = Duration::from_secs(30);
+
+impl CommKind {
+    /// The plan's collective this kind carries out, for comparing measured counts
+    /// with a plan's `collective` instructions (`AllToAllV` is the plan's
+    /// `AllToAll` with uneven splits); `None` for point-to-point and barriers.
+    fn plan_kind(self) -> Option<CollectiveKind> {
+        match self {
+            CommKind::AllReduce => Some(CollectiveKind::AllReduce),
+            CommKind::AllGather => Some(CollectiveKind::AllGather),
+            CommKind::ReduceScatter => Some(CollectiveKind::ReduceScatter),
+            CommKind::Broadcast => Some(CollectiveKind::Broadcast),
+            CommKind::AllToAll | CommKind::AllToAllV => Some(CollectiveKind::AllToAll),
+            CommKind::Send | CommKind::Recv | CommKind::Barrier => None,
+        }
+    }
+}
 
 /// Input of member `member` for test `salt`: non-integers of mixed sign, so a
 /// different summation order would change the bits.
@@ -690,13 +707,19 @@ fn invalid_arguments_are_errors_not_panics() {
     let mut comms = ThreadComm::create(2, LONG);
     let c = &mut comms[0];
     let e = c.all_gather(&Group::world(2), "dp", &[0.0; 2], &mut [0.0; 3]);
-    assert!(matches!(
-        e,
-        Err(CommError::InvalidArgument {
-            kind: CommKind::AllGather,
-            ..
-        })
-    ));
+    assert_eq!(
+        e.map_err(|e| e.to_string()),
+        Err("invalid all_gather arguments: output holds 3 elements, expected 2 members x 2".into())
+    );
+    let mut comms = ThreadComm::create(2, LONG);
+    let e = comms[0].reduce_scatter(&Group::world(2), "dp", &[0.0; 3], &mut [0.0; 2]);
+    assert_eq!(
+        e.map_err(|e| e.to_string()),
+        Err(
+            "invalid reduce_scatter arguments: input holds 3 elements, expected 2 members x 2"
+                .into()
+        )
+    );
     let mut comms = ThreadComm::create(2, LONG);
     let e = comms[0].send(5, "pp", &[0.0]);
     assert!(matches!(
@@ -771,7 +794,7 @@ fn counts_merge_and_plan_kinds() {
     assert!(bad.to_axis_bytes().is_err());
     assert_eq!(
         CommKind::AllToAllV.plan_kind(),
-        Some(meshplan_ir::plan::CollectiveKind::AllToAll)
+        Some(CollectiveKind::AllToAll)
     );
     assert_eq!(CommKind::Recv.plan_kind(), None);
 }

@@ -9,6 +9,7 @@
 //! pipeline stages exchange activations in either order without deadlock.
 
 use super::args;
+use super::counts::bytes_of;
 use super::{ByteCounts, CommError, CommKind, Communicator, Failure, Group, WaitPoint};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
@@ -144,11 +145,6 @@ impl Shared {
         self.wake.notify_all();
     }
 
-    pub(crate) fn failure(&self) -> Option<Failure> {
-        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
-        st.failure.clone()
-    }
-
     /// Waits on the condition until `deadline` (forever when `None`); `false` once
     /// the deadline has passed.
     fn wait<'a>(
@@ -195,11 +191,6 @@ impl ThreadComm {
             .collect()
     }
 
-    /// The world's first failure, if any.
-    pub fn failure(&self) -> Option<Failure> {
-        self.shared.failure()
-    }
-
     pub(crate) fn shared(&self) -> Arc<Shared> {
         Arc::clone(&self.shared)
     }
@@ -208,8 +199,13 @@ impl ThreadComm {
         Instant::now().checked_add(self.timeout)
     }
 
-    /// Aborts the world on any error: the peers cannot finish without this rank.
-    fn check<T>(&self, r: Result<T, CommError>) -> Result<T, CommError> {
+    /// Runs `f`, aborting the world on any error: the peers cannot finish without
+    /// this rank.
+    fn checked<T>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        let r = f(self);
         if let Err(e) = &r {
             self.shared.abort(self.rank, e.to_string());
         }
@@ -230,14 +226,7 @@ impl ThreadComm {
             args::check_members(group, self.shared.world, kind)?;
         }
         let seq = self.seqs.entry(key).or_insert(0);
-        let wait = WaitPoint {
-            kind,
-            axis: axis.to_string(),
-            group: group.id.clone(),
-            ranks: group.ranks.clone(),
-            seq: *seq,
-        };
-        *seq += 1;
+        let wait = next_wait(seq, kind, axis, &group.id, group.ranks.clone());
         Ok((me, wait))
     }
 
@@ -363,236 +352,6 @@ impl ThreadComm {
         Ok(())
     }
 
-    fn all_reduce_inner(
-        &mut self,
-        group: &Group,
-        axis: &str,
-        buf: &mut [f32],
-    ) -> Result<(), CommError> {
-        let (me, wait) = self.enter(group, CommKind::AllReduce, axis)?;
-        let mine = Contribution::of(buf);
-        let inputs = self.exchange(me, &wait, buf.len(), 0, mine)?;
-        sum_into(buf, &inputs, 0, &wait)?;
-        self.counts
-            .record_ring(CommKind::AllReduce, axis, group.size(), bytes_of(buf.len()));
-        Ok(())
-    }
-
-    fn all_gather_inner(
-        &mut self,
-        group: &Group,
-        axis: &str,
-        local: &[f32],
-        out: &mut [f32],
-    ) -> Result<(), CommError> {
-        let n = group.size();
-        args::all_gather(n, local.len(), out.len())?;
-        let (me, wait) = self.enter(group, CommKind::AllGather, axis)?;
-        let mine = Contribution::of(local);
-        let inputs = self.exchange(me, &wait, local.len(), 0, mine)?;
-        if !local.is_empty() {
-            for (dst, c) in out.chunks_mut(local.len()).zip(&inputs) {
-                dst.copy_from_slice(part(c, 0, dst.len(), &wait)?);
-            }
-        }
-        self.counts
-            .record_ring(CommKind::AllGather, axis, n, bytes_of(out.len()));
-        Ok(())
-    }
-
-    fn reduce_scatter_inner(
-        &mut self,
-        group: &Group,
-        axis: &str,
-        input: &[f32],
-        out: &mut [f32],
-    ) -> Result<(), CommError> {
-        let n = group.size();
-        args::reduce_scatter(n, input.len(), out.len())?;
-        let (me, wait) = self.enter(group, CommKind::ReduceScatter, axis)?;
-        let mine = Contribution::of(input);
-        let inputs = self.exchange(me, &wait, input.len(), 0, mine)?;
-        sum_into(out, &inputs, me * out.len(), &wait)?;
-        self.counts
-            .record_ring(CommKind::ReduceScatter, axis, n, bytes_of(input.len()));
-        Ok(())
-    }
-
-    fn broadcast_inner(
-        &mut self,
-        group: &Group,
-        axis: &str,
-        buf: &mut [f32],
-        root_index: usize,
-    ) -> Result<(), CommError> {
-        let n = group.size();
-        args::broadcast(n, root_index)?;
-        let (me, wait) = self.enter(group, CommKind::Broadcast, axis)?;
-        // Only the root's data is read, so the others contribute nothing.
-        let mine = Contribution::of(if me == root_index { buf } else { &[] });
-        let inputs = self.exchange(me, &wait, buf.len(), root_index, mine)?;
-        if me != root_index {
-            let root = inputs.get(root_index).ok_or_else(|| CommError::Internal {
-                detail: format!("{wait} has no root input"),
-            })?;
-            buf.copy_from_slice(part(root, 0, buf.len(), &wait)?);
-        }
-        self.counts
-            .record_ring(CommKind::Broadcast, axis, n, bytes_of(buf.len()));
-        Ok(())
-    }
-
-    fn all_to_all_inner(
-        &mut self,
-        group: &Group,
-        axis: &str,
-        send: &[f32],
-        recv: &mut [f32],
-    ) -> Result<(), CommError> {
-        let n = group.size();
-        args::all_to_all(n, send.len(), recv.len())?;
-        let (me, wait) = self.enter(group, CommKind::AllToAll, axis)?;
-        let mine = Contribution::of(send);
-        let inputs = self.exchange(me, &wait, send.len(), 0, mine)?;
-        let p = send.len() / n;
-        if p > 0 {
-            for (dst, c) in recv.chunks_mut(p).zip(&inputs) {
-                dst.copy_from_slice(part(c, me * p, p, &wait)?);
-            }
-        }
-        self.counts
-            .record_ring(CommKind::AllToAll, axis, n, bytes_of(send.len()));
-        Ok(())
-    }
-
-    fn all_to_all_v_inner(
-        &mut self,
-        group: &Group,
-        axis: &str,
-        send: (&[f32], &[usize]),
-        recv: (&mut [f32], &[usize]),
-    ) -> Result<(), CommError> {
-        let n = group.size();
-        let (send, send_counts) = send;
-        let (recv, recv_counts) = recv;
-        args::all_to_all_v(n, (send.len(), send_counts), (recv.len(), recv_counts))?;
-        let (me, wait) = self.enter(group, CommKind::AllToAllV, axis)?;
-        let mine = Contribution {
-            data: send.to_vec(),
-            send_counts: send_counts.to_vec(),
-            recv_counts: recv_counts.to_vec(),
-        };
-        // Sizes legitimately differ between members; the counts are checked against
-        // each other once everyone has arrived.
-        let inputs = self.exchange(me, &wait, 0, 0, mine)?;
-        let mut at = 0;
-        for (c, &count) in inputs.iter().zip(recv_counts) {
-            let offset: usize = c.send_counts.iter().take(me).sum();
-            let src = part(c, offset, count, &wait)?;
-            let dst = recv
-                .get_mut(at..at + count)
-                .ok_or_else(|| CommError::Internal {
-                    detail: format!("{wait}: receive window out of range"),
-                })?;
-            dst.copy_from_slice(src);
-            at += count;
-        }
-        self.counts
-            .record_a2av(axis, send.len(), (me, send_counts), 4);
-        Ok(())
-    }
-
-    fn send_inner(&mut self, peer: usize, axis: &str, buf: &[f32]) -> Result<(), CommError> {
-        self.check_peer(CommKind::Send, peer)?;
-        let seq = self.send_seq.entry(peer).or_insert(0);
-        let wait = WaitPoint {
-            kind: CommKind::Send,
-            axis: axis.to_string(),
-            group: "p2p".into(),
-            ranks: vec![self.rank, peer],
-            seq: *seq,
-        };
-        *seq += 1;
-        let mut st = self.shared.lock()?;
-        if let Some(f) = &st.failure {
-            return Err(aborted(f, &wait));
-        }
-        st.mail
-            .entry((self.rank, peer))
-            .or_default()
-            .push_back(Message {
-                axis: axis.to_string(),
-                data: buf.to_vec(),
-            });
-        drop(st);
-        self.shared.wake.notify_all();
-        let b = bytes_of(buf.len());
-        self.counts
-            .record(CommKind::Send, axis, b, u128::from(b), 1);
-        Ok(())
-    }
-
-    fn recv_inner(&mut self, peer: usize, axis: &str, buf: &mut [f32]) -> Result<(), CommError> {
-        self.check_peer(CommKind::Recv, peer)?;
-        let seq = self.recv_seq.entry(peer).or_insert(0);
-        let wait = WaitPoint {
-            kind: CommKind::Recv,
-            axis: axis.to_string(),
-            group: "p2p".into(),
-            ranks: vec![peer, self.rank],
-            seq: *seq,
-        };
-        *seq += 1;
-        let deadline = self.deadline();
-        let mut st = self.shared.lock()?;
-        let msg = loop {
-            if let Some(f) = &st.failure {
-                return Err(aborted(f, &wait));
-            }
-            if let Some(m) = st
-                .mail
-                .get_mut(&(peer, self.rank))
-                .and_then(VecDeque::pop_front)
-            {
-                break m;
-            }
-            if st.finished.get(peer).copied().unwrap_or(false) {
-                return Err(CommError::Unmatched {
-                    waiting_in: wait,
-                    finished: vec![peer],
-                });
-            }
-            let (guard, in_time) = self.shared.wait(st, deadline)?;
-            st = guard;
-            if !in_time {
-                return Err(timeout(&wait, vec![peer], self.timeout));
-            }
-        };
-        drop(st);
-        if msg.data.len() != buf.len() || msg.axis != axis {
-            return Err(CommError::Mismatch {
-                detail: format!(
-                    "rank {peer} sent {} elements on {} but rank {} receives {} on {axis}",
-                    msg.data.len(),
-                    msg.axis,
-                    self.rank,
-                    buf.len()
-                ),
-                waiting_in: wait,
-            });
-        }
-        buf.copy_from_slice(&msg.data);
-        self.counts
-            .record(CommKind::Recv, axis, bytes_of(buf.len()), 0, 1);
-        Ok(())
-    }
-
-    fn barrier_inner(&mut self, group: &Group) -> Result<(), CommError> {
-        let (me, wait) = self.enter(group, CommKind::Barrier, &group.id)?;
-        self.exchange(me, &wait, 0, 0, Contribution::default())?;
-        Ok(())
-    }
-
     fn check_peer(&self, kind: CommKind, peer: usize) -> Result<(), CommError> {
         if peer >= self.shared.world {
             return Err(CommError::InvalidArgument {
@@ -604,8 +363,23 @@ impl ThreadComm {
     }
 }
 
-fn bytes_of(elements: usize) -> u64 {
-    (elements as u64) * 4
+/// The wait point of an operation numbered `*seq`, which moves on to the next.
+fn next_wait(
+    seq: &mut u64,
+    kind: CommKind,
+    axis: &str,
+    group: &str,
+    ranks: Vec<usize>,
+) -> WaitPoint {
+    let wait = WaitPoint {
+        kind,
+        axis: axis.to_string(),
+        group: group.to_string(),
+        ranks,
+        seq: *seq,
+    };
+    *seq += 1;
+    wait
 }
 
 fn timeout(wait: &WaitPoint, missing: Vec<usize>, timeout: Duration) -> CommError {
@@ -685,8 +459,15 @@ impl Communicator for ThreadComm {
     }
 
     fn all_reduce(&mut self, group: &Group, axis: &str, buf: &mut [f32]) -> Result<(), CommError> {
-        let r = self.all_reduce_inner(group, axis, buf);
-        self.check(r)
+        self.checked(|s| {
+            let (me, wait) = s.enter(group, CommKind::AllReduce, axis)?;
+            let mine = Contribution::of(buf);
+            let inputs = s.exchange(me, &wait, buf.len(), 0, mine)?;
+            sum_into(buf, &inputs, 0, &wait)?;
+            s.counts
+                .record_ring(CommKind::AllReduce, axis, group.size(), bytes_of(buf.len()));
+            Ok(())
+        })
     }
 
     fn all_gather(
@@ -696,8 +477,21 @@ impl Communicator for ThreadComm {
         local: &[f32],
         out: &mut [f32],
     ) -> Result<(), CommError> {
-        let r = self.all_gather_inner(group, axis, local, out);
-        self.check(r)
+        self.checked(|s| {
+            let n = group.size();
+            args::gather_scatter(CommKind::AllGather, n, local.len(), out.len())?;
+            let (me, wait) = s.enter(group, CommKind::AllGather, axis)?;
+            let mine = Contribution::of(local);
+            let inputs = s.exchange(me, &wait, local.len(), 0, mine)?;
+            if !local.is_empty() {
+                for (dst, c) in out.chunks_mut(local.len()).zip(&inputs) {
+                    dst.copy_from_slice(part(c, 0, dst.len(), &wait)?);
+                }
+            }
+            s.counts
+                .record_ring(CommKind::AllGather, axis, n, bytes_of(out.len()));
+            Ok(())
+        })
     }
 
     fn reduce_scatter(
@@ -707,8 +501,17 @@ impl Communicator for ThreadComm {
         input: &[f32],
         out: &mut [f32],
     ) -> Result<(), CommError> {
-        let r = self.reduce_scatter_inner(group, axis, input, out);
-        self.check(r)
+        self.checked(|s| {
+            let n = group.size();
+            args::gather_scatter(CommKind::ReduceScatter, n, input.len(), out.len())?;
+            let (me, wait) = s.enter(group, CommKind::ReduceScatter, axis)?;
+            let mine = Contribution::of(input);
+            let inputs = s.exchange(me, &wait, input.len(), 0, mine)?;
+            sum_into(out, &inputs, me * out.len(), &wait)?;
+            s.counts
+                .record_ring(CommKind::ReduceScatter, axis, n, bytes_of(input.len()));
+            Ok(())
+        })
     }
 
     fn broadcast(
@@ -718,8 +521,23 @@ impl Communicator for ThreadComm {
         buf: &mut [f32],
         root_index: usize,
     ) -> Result<(), CommError> {
-        let r = self.broadcast_inner(group, axis, buf, root_index);
-        self.check(r)
+        self.checked(|s| {
+            let n = group.size();
+            args::broadcast(n, root_index)?;
+            let (me, wait) = s.enter(group, CommKind::Broadcast, axis)?;
+            // Only the root's data is read, so the others contribute nothing.
+            let mine = Contribution::of(if me == root_index { buf } else { &[] });
+            let inputs = s.exchange(me, &wait, buf.len(), root_index, mine)?;
+            if me != root_index {
+                let root = inputs.get(root_index).ok_or_else(|| CommError::Internal {
+                    detail: format!("{wait} has no root input"),
+                })?;
+                buf.copy_from_slice(part(root, 0, buf.len(), &wait)?);
+            }
+            s.counts
+                .record_ring(CommKind::Broadcast, axis, n, bytes_of(buf.len()));
+            Ok(())
+        })
     }
 
     fn all_to_all(
@@ -729,8 +547,22 @@ impl Communicator for ThreadComm {
         send: &[f32],
         recv: &mut [f32],
     ) -> Result<(), CommError> {
-        let r = self.all_to_all_inner(group, axis, send, recv);
-        self.check(r)
+        self.checked(|s| {
+            let n = group.size();
+            args::all_to_all(n, send.len(), recv.len())?;
+            let (me, wait) = s.enter(group, CommKind::AllToAll, axis)?;
+            let mine = Contribution::of(send);
+            let inputs = s.exchange(me, &wait, send.len(), 0, mine)?;
+            let p = send.len() / n;
+            if p > 0 {
+                for (dst, c) in recv.chunks_mut(p).zip(&inputs) {
+                    dst.copy_from_slice(part(c, me * p, p, &wait)?);
+                }
+            }
+            s.counts
+                .record_ring(CommKind::AllToAll, axis, n, bytes_of(send.len()));
+            Ok(())
+        })
     }
 
     fn all_to_all_v(
@@ -742,23 +574,115 @@ impl Communicator for ThreadComm {
         recv: &mut [f32],
         recv_counts: &[usize],
     ) -> Result<(), CommError> {
-        let r = self.all_to_all_v_inner(group, axis, (send, send_counts), (recv, recv_counts));
-        self.check(r)
+        self.checked(|s| {
+            let n = group.size();
+            args::all_to_all_v(n, (send.len(), send_counts), (recv.len(), recv_counts))?;
+            let (me, wait) = s.enter(group, CommKind::AllToAllV, axis)?;
+            let mine = Contribution {
+                data: send.to_vec(),
+                send_counts: send_counts.to_vec(),
+                recv_counts: recv_counts.to_vec(),
+            };
+            // Sizes legitimately differ between members; the counts are checked against
+            // each other once everyone has arrived.
+            let inputs = s.exchange(me, &wait, 0, 0, mine)?;
+            let mut at = 0;
+            for (c, &count) in inputs.iter().zip(recv_counts) {
+                let offset: usize = c.send_counts.iter().take(me).sum();
+                let src = part(c, offset, count, &wait)?;
+                let dst = recv
+                    .get_mut(at..at + count)
+                    .ok_or_else(|| CommError::Internal {
+                        detail: format!("{wait}: receive window out of range"),
+                    })?;
+                dst.copy_from_slice(src);
+                at += count;
+            }
+            s.counts.record_a2av(axis, send.len(), (me, send_counts), 4);
+            Ok(())
+        })
     }
 
     fn send(&mut self, peer: usize, axis: &str, buf: &[f32]) -> Result<(), CommError> {
-        let r = self.send_inner(peer, axis, buf);
-        self.check(r)
+        self.checked(|s| {
+            s.check_peer(CommKind::Send, peer)?;
+            let seq = s.send_seq.entry(peer).or_insert(0);
+            let wait = next_wait(seq, CommKind::Send, axis, "p2p", vec![s.rank, peer]);
+            let mut st = s.shared.lock()?;
+            if let Some(f) = &st.failure {
+                return Err(aborted(f, &wait));
+            }
+            st.mail
+                .entry((s.rank, peer))
+                .or_default()
+                .push_back(Message {
+                    axis: axis.to_string(),
+                    data: buf.to_vec(),
+                });
+            drop(st);
+            s.shared.wake.notify_all();
+            s.counts
+                .record_p2p(CommKind::Send, axis, bytes_of(buf.len()));
+            Ok(())
+        })
     }
 
     fn recv(&mut self, peer: usize, axis: &str, buf: &mut [f32]) -> Result<(), CommError> {
-        let r = self.recv_inner(peer, axis, buf);
-        self.check(r)
+        self.checked(|s| {
+            s.check_peer(CommKind::Recv, peer)?;
+            let seq = s.recv_seq.entry(peer).or_insert(0);
+            let wait = next_wait(seq, CommKind::Recv, axis, "p2p", vec![peer, s.rank]);
+            let deadline = s.deadline();
+            let mut st = s.shared.lock()?;
+            let msg = loop {
+                if let Some(f) = &st.failure {
+                    return Err(aborted(f, &wait));
+                }
+                if let Some(m) = st
+                    .mail
+                    .get_mut(&(peer, s.rank))
+                    .and_then(VecDeque::pop_front)
+                {
+                    break m;
+                }
+                if st.finished.get(peer).copied().unwrap_or(false) {
+                    return Err(CommError::Unmatched {
+                        waiting_in: wait,
+                        finished: vec![peer],
+                    });
+                }
+                let (guard, in_time) = s.shared.wait(st, deadline)?;
+                st = guard;
+                if !in_time {
+                    return Err(timeout(&wait, vec![peer], s.timeout));
+                }
+            };
+            drop(st);
+            if msg.data.len() != buf.len() || msg.axis != axis {
+                return Err(CommError::Mismatch {
+                    detail: format!(
+                        "rank {peer} sent {} elements on {} but rank {} receives {} on {axis}",
+                        msg.data.len(),
+                        msg.axis,
+                        s.rank,
+                        buf.len()
+                    ),
+                    waiting_in: wait,
+                });
+            }
+            buf.copy_from_slice(&msg.data);
+            s.counts
+                .record_p2p(CommKind::Recv, axis, bytes_of(buf.len()));
+            Ok(())
+        })
     }
 
     fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
-        let r = self.barrier_inner(group);
-        self.check(r)
+        self.checked(|s| {
+            let (me, wait) = s.enter(group, CommKind::Barrier, &group.id)?;
+            s.exchange(me, &wait, 0, 0, Contribution::default())?;
+            Ok(())
+        })
     }
 
     fn counts(&self) -> ByteCounts {
@@ -767,5 +691,14 @@ impl Communicator for ThreadComm {
 
     fn abort(&self, reason: String) {
         self.shared.abort(self.rank, reason);
+    }
+}
+
+#[cfg(test)]
+impl ThreadComm {
+    /// The world's first failure, if any.
+    pub fn failure(&self) -> Option<Failure> {
+        let st = self.shared.state.lock();
+        st.unwrap_or_else(PoisonError::into_inner).failure.clone()
     }
 }

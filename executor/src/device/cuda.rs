@@ -45,14 +45,9 @@ pub struct CudaDevice {
 }
 
 impl CudaDevice {
-    /// Opens the GPU and compiles (or reads from the PTX cache) every kernel module
-    /// now, so that a missing driver, a compile error or a PTX the driver refuses
-    /// is reported here rather than in the middle of the first step.
-    pub fn new() -> Result<CudaDevice, DeviceError> {
-        CudaDevice::on(0)
-    }
-
-    /// [`CudaDevice::new`] on device `ordinal`.
+    /// Opens GPU `ordinal` and compiles (or reads from the PTX cache) every kernel
+    /// module now, so that a missing driver, a compile error or a PTX the driver
+    /// refuses is reported here rather than in the middle of the first step.
     pub fn on(ordinal: usize) -> Result<CudaDevice, DeviceError> {
         let gpu = Gpu::on(ordinal)?;
         gpu.load_all()?;
@@ -106,9 +101,6 @@ impl Device for CudaDevice {
         Box::new(CudaComm::Staged(comm))
     }
 
-    fn name(&self) -> &'static str {
-        "cuda"
-    }
     fn act_bytes(&self) -> usize {
         2
     }
@@ -633,7 +625,7 @@ mod tests {
     fn cuda_device_matches_the_host_device() {
         // First, so that the sizes and the expected errors are checked everywhere.
         let want = run(&HostDevice);
-        let dev = match CudaDevice::new() {
+        let dev = match CudaDevice::on(0) {
             Ok(dev) => dev,
             Err(e) => {
                 assert!(

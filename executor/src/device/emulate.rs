@@ -14,7 +14,6 @@ use super::HostPrecision;
 pub struct Bf16Host;
 
 impl HostPrecision for Bf16Host {
-    const NAME: &'static str = "cpu-bf16";
     const ACT_BYTES: usize = 2;
     fn round(x: &mut [f32]) {
         for v in x {

@@ -8,7 +8,7 @@
 use super::{derr, qkv_width, Attn, Device, Embed, Norm, NormOut, RopeQkv};
 use crate::comm::RankError;
 use crate::shard::{local_heads, weight_transposed, TpPos};
-use crate::train::{fail, fixed_shape, fixed_shape_tail};
+use crate::train::{fail, fixed_shape, fixed_width};
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, TpRole};
 use meshplan_kernels::cpu::{AttnDims, AttnDropout, GemmAt, Transpose};
@@ -67,9 +67,16 @@ impl<D: Device> Site<'_, D> {
         self.dev.act_zeros(n).map_err(derr(&op.name))
     }
 
-    /// `(query heads, kv heads, qk dim, v dim)` this rank computes of attention
-    /// op `att`: all of them when it is replicated, its share otherwise.
-    pub(crate) fn heads(&self, att: &Op) -> Res<(usize, usize, usize, usize)> {
+    /// An attention op's sizes over `rows` sequence-major rows of `batch`
+    /// sequences, with the heads this rank computes (all of them when the op is
+    /// replicated, its share otherwise), and the width of its fused `q | k | v`
+    /// input.
+    pub(crate) fn attention_dims(
+        &self,
+        att: &Op,
+        batch: usize,
+        rows: usize,
+    ) -> Res<(AttnDims, usize)> {
         let OpKind::Attention(a) = &att.kind else {
             return Err(fail(format!("`{}` is not an attention op", att.name)));
         };
@@ -79,28 +86,15 @@ impl<D: Device> Site<'_, D> {
             let (hq, hkv, _) = local_heads(a.heads, a.kv_heads, self.tp);
             (hq, hkv)
         };
-        Ok((hq, hkv, a.qk_dim as usize, a.v_dim as usize))
-    }
-
-    /// An attention op's sizes over `rows` sequence-major rows of `batch`
-    /// sequences, and the width of its fused `q | k | v` input.
-    pub(crate) fn attention_dims(
-        &self,
-        att: &Op,
-        batch: usize,
-        rows: usize,
-    ) -> Res<(AttnDims, usize)> {
-        let (hq, hkv, d, dv) = self.heads(att)?;
         let b = batch.max(1);
-        let (sq, sk) = (rows / b, rows / b);
         let dims = AttnDims {
             batch: b,
-            sq,
-            sk,
+            sq: rows / b,
+            sk: rows / b,
             hq,
             hkv,
-            d,
-            dv,
+            d: a.qk_dim as usize,
+            dv: a.v_dim as usize,
         };
         Ok((dims, qkv_width(&dims)))
     }
@@ -113,16 +107,8 @@ impl<D: Device> Site<'_, D> {
         batch: usize,
         x: &D::Act,
     ) -> Res<(AttnDims, usize)> {
-        let (dims, width) = self.attention_dims(att, batch, 0)?;
-        let s = D::act_len(x) / width.max(1) / dims.batch;
-        Ok((
-            AttnDims {
-                sq: s,
-                sk: s,
-                ..dims
-            },
-            width,
-        ))
+        let (_, width) = self.attention_dims(att, batch, 0)?;
+        self.attention_dims(att, batch, D::act_len(x) / width.max(1))
     }
 
     /// `(k, n)` of a matmul op (`y [rows, n] = x [rows, k] w`) on this rank's
@@ -152,9 +138,7 @@ impl<D: Device> Site<'_, D> {
 
     /// This rank's columns of a SwiGLU op's output.
     pub(crate) fn swiglu_width(&self, op: &Op) -> Res<usize> {
-        let full = *fixed_shape_tail(self.graph.tensor(op.outputs[0]))
-            .last()
-            .unwrap_or(&1);
+        let full = fixed_width(self.graph.tensor(op.outputs[0]))?;
         Ok(if op.role == TpRole::Replicated {
             full
         } else {

@@ -93,8 +93,6 @@ pub trait Device: Send + Sync {
     /// are staged through the host.
     fn host_comm(comm: Box<dyn Communicator>) -> Box<Self::Comm>;
 
-    /// Short name for reports (`cpu`, `cuda`).
-    fn name(&self) -> &'static str;
     /// Bytes per element of [`Device::Act`].
     fn act_bytes(&self) -> usize;
     /// The fp32 master itself as the kernels' operand, where the device computes
@@ -292,8 +290,6 @@ pub struct HostDevice;
 /// What distinguishes the host devices, which share one implementation of
 /// [`Device`] over the CPU kernels: how they store what a GPU stores in bf16.
 pub trait HostPrecision: Copy + Send + Sync + 'static {
-    /// [`Device::name`].
-    const NAME: &'static str;
     /// [`Device::act_bytes`].
     const ACT_BYTES: usize;
     /// Applied to each buffer a GPU kernel would store in bf16, after the kernel.
@@ -301,7 +297,6 @@ pub trait HostPrecision: Copy + Send + Sync + 'static {
 }
 
 impl HostPrecision for HostDevice {
-    const NAME: &'static str = "cpu";
     const ACT_BYTES: usize = 4;
     fn round(_: &mut [f32]) {}
 }
@@ -352,9 +347,6 @@ impl<H: HostPrecision> Device for H {
 
     fn host_comm(comm: Box<dyn Communicator>) -> Box<dyn Communicator> {
         comm
-    }
-    fn name(&self) -> &'static str {
-        H::NAME
     }
     fn act_bytes(&self) -> usize {
         H::ACT_BYTES

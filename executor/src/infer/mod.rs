@@ -37,7 +37,7 @@ use crate::moe::Routing;
 use crate::sample::{sample, Sampling};
 use crate::shard::TpPos;
 use crate::train::{
-    build_groups, fail, fixed_shape, segment_input, segment_output, ExecError, NO_LAYER,
+    build_groups, fail, fixed_shape, mesh_place, segment_input, segment_output, ExecError, NO_LAYER,
 };
 use crate::weights::Checkpoint;
 use meshplan_ir::graph::OpKind;
@@ -210,7 +210,7 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
                 .into(),
         );
     }
-    for op in graph.segments.iter().flat_map(|s| &s.ops) {
+    for op in graph.ops() {
         match &op.kind {
             OpKind::Router { .. } => {
                 return Err(format!(
@@ -247,9 +247,7 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
 fn check_experts(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     let Some(op) = plan
         .graph
-        .segments
-        .iter()
-        .flat_map(|s| &s.ops)
+        .ops()
         .find(|o| matches!(o.kind, OpKind::Experts(_)))
     else {
         return Ok(());
@@ -279,20 +277,14 @@ fn table_rows(graph: &Graph, name: &str) -> Option<usize> {
         .and_then(|t| fixed_shape(t).ok().and_then(|s| s.first().copied()))
 }
 
-/// A pool's groups with its ranks moved `base` up the world (a serving pool after
-/// the other pool's ranks).
-fn shifted(groups: BTreeMap<String, Group>, base: usize) -> BTreeMap<String, Group> {
-    if base == 0 {
-        return groups;
-    }
-    groups
-        .into_iter()
-        .map(|(name, g)| {
-            let ranks: Vec<usize> = g.ranks.iter().map(|r| r + base).collect();
-            let group = Group::new(format!("{name}:{ranks:?}"), ranks);
-            (name, group)
-        })
-        .collect()
+/// Checks that the Hugging Face weights to load, if any, are `plan`'s model's.
+pub(crate) fn check_weights(plan: &Plan, opts: &InferOptions) -> Result<(), ExecError> {
+    let Some(ck) = &opts.weights else {
+        return Ok(());
+    };
+    ck.check_config(&plan.graph)
+        .and_then(|_| ck.validate(&plan.graph))
+        .map_err(|e| ExecError::Checkpoint(e.message))
 }
 
 /// Generates with the plan's inference programs on the CPU kernels
@@ -323,11 +315,7 @@ pub fn infer_on_with<D: Device>(
     comms: Option<Vec<Box<D::Comm>>>,
 ) -> Result<InferReport, ExecError> {
     check_inputs(plan, opts).map_err(ExecError::Plan)?;
-    if let Some(ck) = &opts.weights {
-        ck.check_config(&plan.graph)
-            .and_then(|_| ck.validate(&plan.graph))
-            .map_err(|e| ExecError::Checkpoint(e.message))?;
-    }
+    check_weights(plan, opts)?;
     let world = plan.ranks.len();
     let rank = |comm: Box<D::Comm>| {
         let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
@@ -592,8 +580,6 @@ pub(crate) struct StagePos {
     pub(crate) last_stage: u64,
     dp: usize,
     pub(crate) dp_index: usize,
-    /// Mesh axis of `dp` in the rank coordinates.
-    dp_axis: Option<usize>,
     groups: BTreeMap<String, Group>,
 }
 

@@ -83,7 +83,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         };
         // The head's logits: `last_logits` gathers the last positions, the rows this
         // collective's bytes count.
-        let is_logits = self.graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
+        let is_logits = self.graph.ops().any(|o| {
             matches!(o.kind, OpKind::CrossEntropy { .. })
                 && o.inputs
                     .first()

@@ -28,9 +28,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                 .find(|p| p.kind == kind)
                 .ok_or_else(|| fail(format!("program {} has no {kind:?} phase", program.id)))
         };
-        let axis = |name: &str| plan.mesh.axes.iter().position(|a| a == name);
-        let coord = |name: &str| axis(name).map(|i| entry.coords[i] as usize).unwrap_or(0);
-        let size = |name: &str| axis(name).map(|i| plan.mesh.shape[i] as usize).unwrap_or(1);
+        let place = |axis: &str| mesh_place(plan, &entry.coords, axis);
         let graph = &plan.graph;
         let table = graph
             .tensors
@@ -38,16 +36,9 @@ impl<'a, D: Device> InferRank<'a, D> {
             .find(|t| t.name == "embed.tokens.w")
             .ok_or_else(|| fail("the plan's model has no token embedding"))?;
         let shape = fixed_shape(table)?;
-        let groups = shifted(build_groups(plan, rank - base)?, base);
+        let groups = build_groups(plan, rank - base, base)?;
         let ep_group = groups.get("ep").filter(|g| g.size() > 1).cloned();
-        let ep = ep_group
-            .as_ref()
-            .and_then(|g| g.index_of(rank))
-            .map(|i| TpPos {
-                rank: i,
-                size: ep_group.as_ref().map_or(1, Group::size),
-            })
-            .unwrap_or(TpPos::ONE);
+        let ep = crate::train::place_in(&groups, "ep", rank);
         let mut st = InferRank {
             dev,
             plan,
@@ -58,16 +49,12 @@ impl<'a, D: Device> InferRank<'a, D> {
             at: StagePos {
                 coords: entry.coords.clone(),
                 stage: program.stage,
-                last_stage: size("pp") as u64 - 1,
-                dp: size("dp"),
-                dp_index: coord("dp"),
-                dp_axis: axis("dp"),
+                last_stage: place("pp").size as u64 - 1,
+                dp: place("dp").size,
+                dp_index: place("dp").rank,
                 groups,
             },
-            tp: TpPos {
-                rank: coord("tp"),
-                size: size("tp"),
-            },
+            tp: place("tp"),
             ep,
             ep_group,
             routed_ep: (0.0, 0.0),
@@ -173,31 +160,45 @@ impl<'a, D: Device> InferRank<'a, D> {
         crate::train::group_named(&self.at.groups, name)
     }
 
+    /// Runs `body` over this replica's requests and their progress, unless the
+    /// replica has none and no expert group needs its passes; then the requests'
+    /// outputs where this rank records them, and what `body` returned.
+    pub(crate) fn serve<T: Default>(
+        &mut self,
+        body: impl FnOnce(&mut Self, &[usize], &mut Progress) -> Result<T, RankError>,
+    ) -> Result<(Vec<(usize, RequestOutput)>, T), RankError> {
+        let mine = self.served_by(self.at.dp_index);
+        if mine.is_empty() && !self.expert_lockstep() {
+            return Ok((Vec::new(), T::default()));
+        }
+        let mut p = Progress::new(&mine, self.opts);
+        let t = body(self, &mine, &mut p)?;
+        let outs = if self.records() {
+            mine.into_iter().zip(p.outs).collect()
+        } else {
+            Vec::new()
+        };
+        Ok((outs, t))
+    }
+
     /// Prefill every request of this replica, then decode them together.
     pub(super) fn generate(
         &mut self,
         t0: Instant,
     ) -> Result<Vec<(usize, RequestOutput)>, RankError> {
-        let mine = self.served_by(self.at.dp_index);
-        if mine.is_empty() && !self.expert_lockstep() {
-            return Ok(Vec::new());
-        }
         let record = self.records();
-        let mut p = Progress::new(&mine, self.opts);
-        self.prefill_passes(&mine, |r, j, _, done| {
-            r.put_cache(j, done.cache);
-            if let Some(rows) = done.logits {
-                let now = record.then(|| t0.elapsed());
-                p.first_token(j, rows, &r.opts.sampling, now);
-            }
-            Ok(())
+        let served = self.serve(|r, mine, p| {
+            r.prefill_passes(mine, |r, j, _, done| {
+                r.put_cache(j, done.cache);
+                if let Some(rows) = done.logits {
+                    let now = record.then(|| t0.elapsed());
+                    p.first_token(j, rows, &r.opts.sampling, now);
+                }
+                Ok(())
+            })?;
+            r.decode_passes(mine, p, t0)
         })?;
-        self.decode_passes(&mine, &mut p, t0)?;
-        Ok(if record {
-            mine.into_iter().zip(p.outs).collect()
-        } else {
-            Vec::new()
-        })
+        Ok(served.0)
     }
 
     /// Whether this rank records its replica's outputs: the last stage's first
@@ -296,10 +297,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         let entry = rank
             .checked_sub(self.base)
             .and_then(|r| self.plan.ranks.get(r));
-        match (self.at.dp_axis, entry) {
-            (Some(a), Some(e)) => e.coords[a] as usize,
-            _ => 0,
-        }
+        entry.map_or(0, |e| mesh_place(self.plan, &e.coords, "dp").rank)
     }
 
     /// Whether this rank's expert group spans replicas one of which has requests:
@@ -340,7 +338,7 @@ impl<'a, D: Device> InferRank<'a, D> {
     /// fixed sizes: expert parallelism without even capacity buffers.
     pub(super) fn routed(&self, routing: Routing) -> bool {
         let padded = |o: &Op| matches!(&o.kind, OpKind::Experts(e) if e.capacity_factor.is_some());
-        let ops = || self.graph.segments.iter().flat_map(|s| &s.ops);
+        let ops = || self.graph.ops();
         let even = routing.even && routing.group_tokens.is_some() && ops().any(padded);
         self.ep.size > 1 && !even && ops().any(|o| matches!(o.kind, OpKind::Experts(_)))
     }

@@ -17,7 +17,7 @@
 //! job id (sent in clear so that two jobs on one port are told apart) a hash of the
 //! key, and the handshake exchanges only HMAC-SHA256 tags over fresh nonces.
 
-use super::env::LaunchEnvError;
+use super::env::{err, trimmed, LaunchEnvError};
 use hmac::{Hmac, KeyInit, Mac};
 use sha2::{Digest, Sha256};
 use std::fmt;
@@ -74,12 +74,12 @@ impl JobSecret {
     pub fn from_token(token: &str) -> Result<JobSecret, LaunchEnvError> {
         let n = token.chars().count();
         if !(TOKEN_CHARS_MIN..=TOKEN_CHARS_MAX).contains(&n) {
-            return Err(LaunchEnvError {
-                variable: TOKEN_VAR.into(),
-                message: format!(
+            return Err(err(
+                TOKEN_VAR,
+                format!(
                     "has {n} characters; give every rank of the job the same token of {TOKEN_CHARS_MIN} to {TOKEN_CHARS_MAX} characters, e.g. `export {TOKEN_VAR}=$(openssl rand -hex 32)`"
                 ),
-            });
+            ));
         }
         Ok(JobSecret::derive(
             b"token\0",
@@ -109,10 +109,10 @@ impl JobSecret {
     pub fn from_env() -> Result<JobSecret, LaunchEnvError> {
         // A token that is not text must not pass for no token at all.
         if std::env::var_os(TOKEN_VAR).is_some_and(|v| v.to_str().is_none()) {
-            return Err(LaunchEnvError {
-                variable: TOKEN_VAR.into(),
-                message: "is not UTF-8 text; give every rank the same token of letters and digits, e.g. `export MESHPLAN_JOB_TOKEN=$(openssl rand -hex 32)`".into(),
-            });
+            return Err(err(
+                TOKEN_VAR,
+                "is not UTF-8 text; give every rank the same token of letters and digits, e.g. `export MESHPLAN_JOB_TOKEN=$(openssl rand -hex 32)`",
+            ));
         }
         JobSecret::from_vars(&|k| std::env::var(k).ok())
     }
@@ -122,11 +122,7 @@ impl JobSecret {
     /// # Errors
     /// A `MESHPLAN_JOB_TOKEN` of the wrong length.
     pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<JobSecret, LaunchEnvError> {
-        let var = |k: &str| {
-            get(k)
-                .map(|v| v.trim().to_string())
-                .filter(|v| !v.is_empty())
-        };
+        let var = trimmed(get);
         if let Some(t) = var(TOKEN_VAR) {
             return JobSecret::from_token(&t);
         }
@@ -139,15 +135,12 @@ impl JobSecret {
     /// Domain-separated so that a token, a Slurm job id and the open key never give
     /// the same key, and the job id reveals nothing usable about the key.
     fn derive(kind: &[u8], material: &[u8], source: SecretSource) -> JobSecret {
-        let mut h = Sha256::new();
-        h.update(b"meshplan rendezvous key v2\0");
-        h.update(kind);
-        h.update(material);
-        let key: [u8; 32] = h.finalize().into();
-        let mut h = Sha256::new();
-        h.update(b"meshplan job id v2\0");
-        h.update(key);
-        let digest: [u8; 32] = h.finalize().into();
+        let sha = |parts: &[&[u8]]| {
+            let h = parts.iter().fold(Sha256::new(), |h, p| h.chain_update(p));
+            h.finalize()
+        };
+        let key: [u8; 32] = sha(&[b"meshplan rendezvous key v2\0", kind, material]).into();
+        let digest = sha(&[b"meshplan job id v2\0", &key]);
         let mut job_id = [0u8; JOB_ID_BYTES];
         job_id.copy_from_slice(&digest[..JOB_ID_BYTES]);
         JobSecret {
@@ -162,9 +155,7 @@ impl JobSecret {
     /// # Errors
     /// The operating system's random source failed.
     pub fn generate_token() -> Result<String, String> {
-        let mut b = [0u8; 32];
-        getrandom::fill(&mut b).map_err(|e| format!("no random bytes for {TOKEN_VAR}: {e}"))?;
-        Ok(hex(&b))
+        random32(TOKEN_VAR).map(|b| hex(&b))
     }
 
     /// The job id, sent in clear in every `hello`.
@@ -227,8 +218,13 @@ impl JobSecret {
 
 /// Fresh random bytes for a handshake nonce.
 pub(crate) fn nonce() -> Result<[u8; NONCE_BYTES], String> {
-    let mut b = [0u8; NONCE_BYTES];
-    getrandom::fill(&mut b).map_err(|e| format!("no random bytes for a rendezvous nonce: {e}"))?;
+    random32("a rendezvous nonce")
+}
+
+/// 32 fresh random bytes for `what`.
+fn random32(what: &str) -> Result<[u8; 32], String> {
+    let mut b = [0u8; 32];
+    getrandom::fill(&mut b).map_err(|e| format!("no random bytes for {what}: {e}"))?;
     Ok(b)
 }
 
@@ -277,6 +273,17 @@ mod tests {
                 .unwrap()
                 .job_id(),
             t.job_id()
+        );
+    }
+
+    #[test]
+    fn job_ids_are_pinned() {
+        // SHA-256 of the documented inputs: a change here splits old and new ranks.
+        let t = JobSecret::from_token("0123456789abcdef0123").unwrap();
+        assert_eq!(t.job_id_hex(), "6bb15eb4095165599a685d984c221732");
+        assert_eq!(
+            JobSecret::open().job_id_hex(),
+            "ac5985288b8030713c723cd97bf9f302"
         );
     }
 

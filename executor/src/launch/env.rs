@@ -9,7 +9,6 @@
 //! the allocation, not the process reading them.
 
 use super::nodelist::first_host;
-use std::fmt;
 
 /// torchrun's default rendezvous port.
 pub const DEFAULT_MASTER_PORT: u16 = 29_500;
@@ -21,21 +20,14 @@ pub const SLURM_PORT_BASE: u16 = 10_000;
 pub const SLURM_PORT_SPAN: u16 = 20_000;
 
 /// A launch variable that is missing, malformed or inconsistent with another.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{variable}: {message}")]
 pub struct LaunchEnvError {
     /// The variable to fix (as the process saw it).
     pub variable: String,
     /// What is wrong and how to fix it.
     pub message: String,
 }
-
-impl fmt::Display for LaunchEnvError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.variable, self.message)
-    }
-}
-
-impl std::error::Error for LaunchEnvError {}
 
 /// The variable each value of a [`LaunchEnv`] came from (or `default`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -82,11 +74,7 @@ impl LaunchEnv {
     pub fn from_vars(
         get: &dyn Fn(&str) -> Option<String>,
     ) -> Result<Option<LaunchEnv>, LaunchEnvError> {
-        let var = |k: &str| {
-            get(k)
-                .map(|v| v.trim().to_string())
-                .filter(|v| !v.is_empty())
-        };
+        let var = trimmed(get);
         let torch = var("RANK").is_some() || var("WORLD_SIZE").is_some();
         let slurm = var("SLURM_PROCID").is_some()
             && (var("SLURM_STEP_ID").is_some() || var("SLURM_STEPID").is_some());
@@ -194,10 +182,9 @@ impl Vars<'_> {
                 ))
             }
         };
-        let local_world = match (self.var)("LOCAL_WORLD_SIZE") {
-            Some(v) => Some(("LOCAL_WORLD_SIZE", count("LOCAL_WORLD_SIZE", &v)?)),
-            None if self.slurm => slurm_tasks_on_node(self.var)?,
-            None => None,
+        let local_world = match self.pick(&["LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE"]) {
+            Some((n, v)) => Some((n, count(n, &v)?)),
+            None => self.slurm_tasks_on_node()?,
         };
         if let Some((n, lw)) = local_world {
             if lw == 0 {
@@ -225,7 +212,7 @@ impl Vars<'_> {
     fn master(&self, world: usize) -> Result<(Found<String>, Found<u16>), LaunchEnvError> {
         let (addr_var, master_addr) = match (self.var)("MASTER_ADDR") {
             Some(a) => ("MASTER_ADDR", a),
-            None => match slurm_first_host(self.slurm, self.var)? {
+            None => match self.slurm_first_host()? {
                 Some(found) => found,
                 None if world == 1 => ("default", "127.0.0.1".to_string()),
                 None => {
@@ -257,9 +244,64 @@ impl Vars<'_> {
         };
         Ok(((addr_var, master_addr), (port_var, master_port)))
     }
+
+    /// Tasks on this node under Slurm (after `SLURM_NTASKS_PER_NODE`): this node's
+    /// entry of `SLURM_STEP_TASKS_PER_NODE` / `SLURM_TASKS_PER_NODE` (`2(x3),1`).
+    fn slurm_tasks_on_node(&self) -> Result<Option<Found<usize>>, LaunchEnvError> {
+        let Some((name, v)) = self.pick(&["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"])
+        else {
+            return Ok(None);
+        };
+        let per_node = tasks_per_node(&v).map_err(|m| err(name, m))?;
+        let node = match self.pick(&["SLURM_NODEID"]) {
+            Some((n, v)) => count(n, &v)?,
+            // Without the node index only a uniform list says how many run here.
+            None if per_node.windows(2).all(|w| w[0] == w[1]) => 0,
+            None => return Ok(None),
+        };
+        match per_node.get(node) {
+            Some(&t) => Ok(Some((name, t))),
+            None => Err(err(
+                name,
+                format!(
+                    "{name}={v} lists {} nodes, but SLURM_NODEID={node}",
+                    per_node.len()
+                ),
+            )),
+        }
+    }
+
+    /// Rank 0's host under Slurm: the first of the step's (else the job's) node list.
+    fn slurm_first_host(&self) -> Result<Option<Found<String>>, LaunchEnvError> {
+        let names = [
+            "SLURM_STEP_NODELIST",
+            "SLURM_JOB_NODELIST",
+            "SLURM_NODELIST",
+        ];
+        let Some((name, list)) = self.pick(&names) else {
+            return Ok(None);
+        };
+        first_host(&list).map(|h| Some((name, h))).map_err(|m| {
+            err(
+                name,
+                format!("{m}; set MASTER_ADDR to rank 0's host instead"),
+            )
+        })
+    }
 }
 
-fn err(variable: &str, message: impl Into<String>) -> LaunchEnvError {
+/// `get` with values trimmed and an empty value taken as unset.
+pub(super) fn trimmed<'g>(
+    get: &'g dyn Fn(&str) -> Option<String>,
+) -> impl Fn(&str) -> Option<String> + 'g {
+    move |k| {
+        get(k)
+            .map(|v| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+    }
+}
+
+pub(super) fn err(variable: &str, message: impl Into<String>) -> LaunchEnvError {
     LaunchEnvError {
         variable: variable.to_string(),
         message: message.into(),
@@ -285,40 +327,6 @@ fn port(name: &str, v: &str) -> Result<u16, LaunchEnvError> {
     }
 }
 
-/// Tasks on this node under Slurm: `SLURM_NTASKS_PER_NODE` if set, else this node's
-/// entry of `SLURM_STEP_TASKS_PER_NODE` / `SLURM_TASKS_PER_NODE` (`2(x3),1`).
-fn slurm_tasks_on_node(
-    var: &dyn Fn(&str) -> Option<String>,
-) -> Result<Option<(&'static str, usize)>, LaunchEnvError> {
-    if let Some(v) = var("SLURM_NTASKS_PER_NODE") {
-        return Ok(Some((
-            "SLURM_NTASKS_PER_NODE",
-            count("SLURM_NTASKS_PER_NODE", &v)?,
-        )));
-    }
-    for name in ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"] {
-        let Some(v) = var(name) else { continue };
-        let per_node = tasks_per_node(&v).map_err(|m| err(name, m))?;
-        let node = match var("SLURM_NODEID") {
-            Some(n) => count("SLURM_NODEID", &n)?,
-            // Without the node index only a uniform list says how many run here.
-            None if per_node.windows(2).all(|w| w[0] == w[1]) => 0,
-            None => return Ok(None),
-        };
-        return match per_node.get(node) {
-            Some(&t) => Ok(Some((name, t))),
-            None => Err(err(
-                name,
-                format!(
-                    "{name}={v} lists {} nodes, but SLURM_NODEID={node}",
-                    per_node.len()
-                ),
-            )),
-        };
-    }
-    Ok(None)
-}
-
 /// Slurm's tasks-per-node format: `4`, `2(x3),1` -> `[2, 2, 2, 1]`.
 pub fn tasks_per_node(v: &str) -> Result<Vec<usize>, String> {
     let mut out = Vec::new();
@@ -338,31 +346,6 @@ pub fn tasks_per_node(v: &str) -> Result<Vec<usize>, String> {
         out.extend(std::iter::repeat_n(n, times));
     }
     Ok(out)
-}
-
-/// Rank 0's host under Slurm: the first of the step's (else the job's) node list.
-fn slurm_first_host(
-    slurm: bool,
-    var: &dyn Fn(&str) -> Option<String>,
-) -> Result<Option<(&'static str, String)>, LaunchEnvError> {
-    if !slurm {
-        return Ok(None);
-    }
-    for name in [
-        "SLURM_STEP_NODELIST",
-        "SLURM_JOB_NODELIST",
-        "SLURM_NODELIST",
-    ] {
-        if let Some(list) = var(name) {
-            return first_host(&list).map(|h| Some((name, h))).map_err(|m| {
-                err(
-                    name,
-                    format!("{m}; set MASTER_ADDR to rank 0's host instead"),
-                )
-            });
-        }
-    }
-    Ok(None)
 }
 
 #[cfg(test)]

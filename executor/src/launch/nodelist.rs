@@ -1,7 +1,8 @@
 //! Slurm host lists (`node[01-04,07]`, `a,b`, `gpu-[3-5]`, `rack[1-2]-n[1-2]`): the
 //! first host is rank 0's, where the rendezvous listens.
 
-/// Most hosts [`expand_nodelist`] produces.
+/// Most hosts of a Slurm job: the longest tasks-per-node list
+/// [`super::env::tasks_per_node`] expands.
 pub const NODELIST_HOSTS_MAX: usize = 65_536;
 
 /// Splits at commas outside brackets.
@@ -86,41 +87,6 @@ fn pieces(item: &str) -> Result<Vec<Piece<'_>>, String> {
     Ok(out)
 }
 
-/// Every host of a Slurm host list, in order.
-///
-/// # Errors
-/// Unbalanced or nested brackets, a range that is not `a` or `a-b` in digits, a
-/// backwards range, an empty name, or more than [`NODELIST_HOSTS_MAX`] hosts.
-pub fn expand_nodelist(list: &str) -> Result<Vec<String>, String> {
-    let mut hosts = Vec::new();
-    for item in top_level_items(list.trim())? {
-        let mut partial = vec![String::new()];
-        for p in pieces(item.trim())? {
-            match p {
-                Piece::Text(t) => partial.iter_mut().for_each(|h| h.push_str(t)),
-                Piece::Ranges(ranges) => {
-                    let mut next = Vec::new();
-                    for h in &partial {
-                        for &(lo, hi, width) in &ranges {
-                            for v in lo..=hi {
-                                next.push(format!("{h}{v:0width$}"));
-                                if next.len() + hosts.len() > NODELIST_HOSTS_MAX {
-                                    return Err(format!(
-                                        "`{list}`: more than {NODELIST_HOSTS_MAX} hosts"
-                                    ));
-                                }
-                            }
-                        }
-                    }
-                    partial = next;
-                }
-            }
-        }
-        hosts.extend(partial);
-    }
-    Ok(hosts)
-}
-
 /// The first host of a Slurm host list (without expanding the rest).
 pub fn first_host(list: &str) -> Result<String, String> {
     let items = top_level_items(list.trim())?;
@@ -144,6 +110,41 @@ pub fn first_host(list: &str) -> Result<String, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Every host of a Slurm host list, in order.
+    ///
+    /// # Errors
+    /// Unbalanced or nested brackets, a range that is not `a` or `a-b` in digits, a
+    /// backwards range, an empty name, or more than [`NODELIST_HOSTS_MAX`] hosts.
+    fn expand_nodelist(list: &str) -> Result<Vec<String>, String> {
+        let mut hosts = Vec::new();
+        for item in top_level_items(list.trim())? {
+            let mut partial = vec![String::new()];
+            for p in pieces(item.trim())? {
+                match p {
+                    Piece::Text(t) => partial.iter_mut().for_each(|h| h.push_str(t)),
+                    Piece::Ranges(ranges) => {
+                        let mut next = Vec::new();
+                        for h in &partial {
+                            for &(lo, hi, width) in &ranges {
+                                for v in lo..=hi {
+                                    next.push(format!("{h}{v:0width$}"));
+                                    if next.len() + hosts.len() > NODELIST_HOSTS_MAX {
+                                        return Err(format!(
+                                            "`{list}`: more than {NODELIST_HOSTS_MAX} hosts"
+                                        ));
+                                    }
+                                }
+                            }
+                        }
+                        partial = next;
+                    }
+                }
+            }
+            hosts.extend(partial);
+        }
+        Ok(hosts)
+    }
 
     #[test]
     fn first_hosts() {

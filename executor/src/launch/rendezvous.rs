@@ -106,15 +106,17 @@ const ADMIT_LABEL: &[u8] = b"MPRV2 admit";
 const HEADER_BYTES: usize = 4 + 2 + 1 + 4;
 
 /// Why a rendezvous failed.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RendezvousError {
     /// The ranks were launched inconsistently (world size, plan hash, protocol
     /// version, rank out of range or taken): bad input.
+    #[error("{message}")]
     Refused {
         /// Names both values.
         message: String,
     },
     /// Ranks did not arrive in time.
+    #[error("{message}")]
     Timeout {
         /// What was waited for, for how long, and who did not arrive.
         message: String,
@@ -122,6 +124,7 @@ pub enum RendezvousError {
         missing: Vec<usize>,
     },
     /// Rank 0 gave up and said why (relayed to every rank).
+    #[error("rank 0 aborted: {message}")]
     Aborted {
         /// Rank 0's message.
         message: String,
@@ -129,11 +132,13 @@ pub enum RendezvousError {
         bad_input: bool,
     },
     /// Ranks called different operations, or a peer broke the protocol.
+    #[error("{message}")]
     Mismatch {
         /// What differs.
         message: String,
     },
     /// The network failed.
+    #[error("{message}")]
     Io {
         /// What failed.
         message: String,
@@ -164,17 +169,6 @@ impl RendezvousError {
         }
     }
 }
-
-impl fmt::Display for RendezvousError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            RendezvousError::Aborted { message, .. } => write!(f, "rank 0 aborted: {message}"),
-            other => f.write_str(other.message()),
-        }
-    }
-}
-
-impl std::error::Error for RendezvousError {}
 
 /// Who this rank is and where rank 0 listens.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -353,16 +347,21 @@ fn collect(
 }
 
 impl Rendezvous {
-    fn single(cfg: &RendezvousConfig) -> Rendezvous {
+    /// A rendezvous of `cfg`'s rank and world size, before its first operation.
+    fn new(cfg: &RendezvousConfig, role: Role, refused: Refusals) -> Rendezvous {
         Rendezvous {
-            rank: 0,
-            world_size: 1,
+            rank: cfg.rank,
+            world_size: cfg.world_size,
             timeout: cfg.timeout,
             endpoint: cfg.endpoint(),
             seq: 0,
-            role: Role::Single,
-            refused: Refusals::default(),
+            role,
+            refused,
         }
+    }
+
+    fn single(cfg: &RendezvousConfig) -> Rendezvous {
+        Rendezvous::new(cfg, Role::Single, Refusals::default())
     }
 
     /// How many connections rank 0 refused during the rendezvous (0 on other ranks).
@@ -394,15 +393,8 @@ impl Rendezvous {
         match &mut self.role {
             Role::Single => Ok(blob.to_vec()),
             Role::Host { peers, .. } => {
-                let payload = data_payload(seq, Op::Broadcast, blob);
-                for (i, p) in peers.iter_mut().enumerate() {
-                    write_frame(p, Kind::Data, &payload).map_err(|e| RendezvousError::Io {
-                        message: format!(
-                            "rank 0 cannot send broadcast #{seq} to rank {}: {e}",
-                            i + 1
-                        ),
-                    })?;
-                }
+                let what = format!("{} #{seq}", Op::Broadcast.name());
+                send_all(peers, &data_payload(seq, Op::Broadcast, blob), &what)?;
                 Ok(blob.to_vec())
             }
             Role::Member { .. } => {
@@ -452,25 +444,9 @@ impl Rendezvous {
                         }
                         Ok((encoded, payload))
                     });
-                let (encoded, payload) = match gathered {
-                    Ok(g) => g,
-                    Err(e) => {
-                        let bad = e.is_bad_input();
-                        for p in peers.iter_mut() {
-                            let _ = write_frame(p, Kind::Abort, &abort_payload(e.message(), bad));
-                        }
-                        return Err(e);
-                    }
-                };
-                for (i, p) in peers.iter_mut().enumerate() {
-                    write_frame(p, Kind::Data, &payload).map_err(|e| RendezvousError::Io {
-                        message: format!(
-                            "rank 0 cannot send {} #{seq} to rank {}: {e}",
-                            op.name(),
-                            i + 1
-                        ),
-                    })?;
-                }
+                let (encoded, payload) = gathered
+                    .inspect_err(|e| abort_all(peers.iter_mut(), e.message(), e.is_bad_input()))?;
+                send_all(peers, &payload, &format!("{} #{seq}", op.name()))?;
                 Ok(encoded)
             }
             Role::Member { stream } => {
@@ -580,6 +556,16 @@ impl Drop for Rendezvous {
     }
 }
 
+/// Rank 0 sends `payload` to every peer (index `rank - 1`) as the result of `what`.
+fn send_all(peers: &mut [TcpStream], payload: &[u8], what: &str) -> Result<(), RendezvousError> {
+    for (i, p) in peers.iter_mut().enumerate() {
+        write_frame(p, Kind::Data, payload).map_err(|e| RendezvousError::Io {
+            message: format!("rank 0 cannot send {what} to rank {}: {e}", i + 1),
+        })?;
+    }
+    Ok(())
+}
+
 fn check_config(cfg: &RendezvousConfig) -> Result<(), RendezvousError> {
     if cfg.world_size == 0 || cfg.world_size > WORLD_MAX {
         return Err(RendezvousError::Refused {
@@ -610,11 +596,4 @@ fn check_blob(blob: &[u8]) -> Result<(), RendezvousError> {
 }
 
 /// FNV-1a 64 of `bytes` (the plan hash ranks compare).
-pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
+pub use crate::init::fnv1a64;

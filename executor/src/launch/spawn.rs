@@ -72,23 +72,12 @@ enum Event {
 }
 
 fn code_of(status: &std::io::Result<ExitStatus>) -> i32 {
-    match status {
-        Ok(s) => match s.code() {
-            Some(c) => c,
-            None => {
-                #[cfg(unix)]
-                {
-                    use std::os::unix::process::ExitStatusExt;
-                    128 + s.signal().unwrap_or(0)
-                }
-                #[cfg(not(unix))]
-                {
-                    1
-                }
-            }
-        },
-        Err(_) => 1,
-    }
+    let Ok(s) = status else { return 1 };
+    #[cfg(unix)]
+    let killed = 128 + std::os::unix::process::ExitStatusExt::signal(s).unwrap_or(0);
+    #[cfg(not(unix))]
+    let killed = 1;
+    s.code().unwrap_or(killed)
 }
 
 /// Sends `sig` to process `pid` (a child not yet reaped).

@@ -17,6 +17,11 @@ fn secret() -> JobSecret {
     JobSecret::from_token(TOKEN).expect("a valid token")
 }
 
+/// The secret of this process's environment, as `Rendezvous::connect` uses.
+fn env_secret() -> JobSecret {
+    JobSecret::from_env().expect("a valid MESHPLAN_JOB_TOKEN, or none")
+}
+
 fn listener() -> (TcpListener, u16) {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind loopback");
     let port = l.local_addr().expect("addr").port();
@@ -120,7 +125,7 @@ fn a_missing_rank_times_out_naming_it_on_every_rank() {
         })
         .collect();
     let t0 = Instant::now();
-    let host = Rendezvous::host(l, &cfg(port, 0, 4, 1500)).map(|_| ());
+    let host = Rendezvous::host_with(l, &cfg(port, 0, 4, 1500), &env_secret()).map(|_| ());
     let e = host.expect_err("rank 0 times out");
     assert!(t0.elapsed() < Duration::from_secs(5));
     match &e {
@@ -296,7 +301,7 @@ fn strangers_on_the_port_are_ignored() {
         let mut r = Rendezvous::connect(&cfg(port, 1, 2, 5000)).expect("member");
         r.broadcast(&[]).expect("broadcast")
     });
-    let mut r = Rendezvous::host(l, &cfg(port, 0, 2, 5000)).expect("host");
+    let mut r = Rendezvous::host_with(l, &cfg(port, 0, 2, 5000), &env_secret()).expect("host");
     r.broadcast(b"id").expect("broadcast");
     assert_eq!(member.join().expect("member"), b"id");
     stranger.join().expect("stranger");

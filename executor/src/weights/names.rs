@@ -148,9 +148,7 @@ pub(super) fn arch_of(graph: &Graph) -> Result<Arch, WeightsError> {
     let table =
         find("embed.tokens.w").ok_or_else(|| werr("the plan's model has no token embedding"))?;
     let (heads, kv_heads, head_dim) = graph
-        .segments
-        .iter()
-        .flat_map(|s| &s.ops)
+        .ops()
         .find_map(|o| match &o.kind {
             OpKind::Attention(a) => Some((a.heads, a.kv_heads, a.qk_dim)),
             _ => None,
@@ -200,18 +198,14 @@ impl Block<'_> {
 
     /// Column widths of the fused `q | k | v` blocks, from the graph's own shapes.
     fn qkv_widths(&self) -> Option<Vec<usize>> {
-        self.graph
-            .segments
-            .iter()
-            .flat_map(|s| &s.ops)
-            .find_map(|o| match &o.kind {
-                OpKind::Attention(a) => Some(vec![
-                    (a.heads * a.qk_dim) as usize,
-                    (a.kv_heads * a.qk_dim) as usize,
-                    (a.kv_heads * a.v_dim) as usize,
-                ]),
-                _ => None,
-            })
+        self.graph.ops().find_map(|o| match &o.kind {
+            OpKind::Attention(a) => Some(vec![
+                (a.heads * a.qk_dim) as usize,
+                (a.kv_heads * a.qk_dim) as usize,
+                (a.kv_heads * a.v_dim) as usize,
+            ]),
+            _ => None,
+        })
     }
 
     /// Hugging Face's Llama names (`model.layers.{l}.…`): Linear weights stored
@@ -241,10 +235,10 @@ impl Block<'_> {
                 one(format!("{p}self_attn.o_proj.{suffix}"), !one_d)
             }
             "block.mlp.up.w" | "block.mlp.up.b" => {
-                let gated =
-                    self.graph.segments.iter().flat_map(|s| &s.ops).any(|o| {
-                        matches!(o.kind, OpKind::Activation(meshplan_ir::MlpKind::Swiglu))
-                    });
+                let gated = self
+                    .graph
+                    .ops()
+                    .any(|o| matches!(o.kind, OpKind::Activation(meshplan_ir::MlpKind::Swiglu)));
                 if gated {
                     let names = ["gate", "up"].map(|x| format!("{p}mlp.{x}_proj.{suffix}"));
                     (names.to_vec(), !one_d, vec![cols / 2, cols / 2])

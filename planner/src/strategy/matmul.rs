@@ -46,9 +46,7 @@ fn feeds_loss(ctx: &Ctx) -> bool {
         return false;
     };
     ctx.graph
-        .segments
-        .iter()
-        .flat_map(|s| &s.ops)
+        .ops()
         .any(|o| matches!(o.kind, OpKind::CrossEntropy { .. }) && o.inputs.first() == Some(&out))
 }
 

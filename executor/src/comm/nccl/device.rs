@@ -177,13 +177,11 @@ impl NcclComm {
         for t in transfers.iter() {
             match t {
                 P2p::Send(_, _, (_, n)) => {
-                    let b = *n as u64 * 2;
-                    self.counts
-                        .record(CommKind::Send, axis, b, u128::from(b), 1);
+                    self.counts.record_p2p(CommKind::Send, axis, *n as u64 * 2)
                 }
                 P2p::Recv(_, buf) => {
                     self.counts
-                        .record(CommKind::Recv, axis, buf.len() as u64 * 2, 0, 1);
+                        .record_p2p(CommKind::Recv, axis, buf.len() as u64 * 2)
                 }
             }
         }
@@ -207,8 +205,9 @@ impl NcclComm {
         let members = group.size();
         match kind {
             CommKind::AllReduce if n_in == n_out => {}
-            CommKind::ReduceScatter => args::reduce_scatter(members, n_in, n_out)?,
-            CommKind::AllGather => args::all_gather(members, n_in, n_out)?,
+            CommKind::ReduceScatter | CommKind::AllGather => {
+                args::gather_scatter(kind, members, n_in, n_out)?
+            }
             _ => {
                 return Err(CommError::Internal {
                     detail: format!("{kind} of {n_in} into {n_out} elements on device buffers"),

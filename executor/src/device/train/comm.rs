@@ -62,6 +62,15 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(out)
     }
 
+    /// A ring block's keys (its first `kl` elements) and values (the rest).
+    fn kv_halves(&self, block: &D::Act, kl: usize) -> Result<(D::Act, D::Act), RankError> {
+        let len = D::act_len(block);
+        Ok((
+            self.act_part(block, 0, kl)?,
+            self.act_part(block, kl, len - kl)?,
+        ))
+    }
+
     /// Ring attention's forward: this rank's queries against every context rank's
     /// key/value block in turn (each passed on to the next rank), the partial
     /// outputs merged by their log-sum-exps into `o` (zero on entry) and `lse`.
@@ -83,13 +92,9 @@ impl<'a, D: Device> DevRank<'a, D> {
             .map_err(&e)?;
         let kl = D::act_len(k);
         let mut block = self.kv_block(k, v)?;
-        let len = D::act_len(&block);
         for t in 0..n {
             let owner = (me + n - t) % n;
-            let (kb, vb) = (
-                self.act_part(&block, 0, kl)?,
-                self.act_part(&block, kl, len - kl)?,
-            );
+            let (kb, vb) = self.kv_halves(&block, kl)?;
             let mut ob = self.zeros(D::act_len(o))?;
             let mut lb = self.zeros_f32(D::f32_len(lse))?;
             let pos = (me * s_l, owner * s_l);
@@ -138,10 +143,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mut grads: Vec<Option<D::Act>> = (0..n).map(|_| None).collect();
         for t in 0..n {
             let owner = (me + n - t) % n;
-            let (kb, vb) = (
-                self.act_part(&block, 0, kl)?,
-                self.act_part(&block, kl, len - kl)?,
-            );
+            let (kb, vb) = self.kv_halves(&block, kl)?;
             let (mut gk, mut gv) = (self.zeros(kl)?, self.zeros(len - kl)?);
             let pos = (me * s_l, owner * s_l);
             let b = AttnBwd {
@@ -182,10 +184,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         for buf in got.iter().flatten() {
             self.dev.accumulate(&mut total, buf).map_err(&e)?;
         }
-        let (tk, tv) = (
-            self.act_part(&total, 0, kl)?,
-            self.act_part(&total, kl, len - kl)?,
-        );
+        let (tk, tv) = self.kv_halves(&total, kl)?;
         self.dev.accumulate(dk, &tk).map_err(&e)?;
         self.dev.accumulate(dv, &tv).map_err(&e)
     }

@@ -139,21 +139,14 @@ impl<'a, D: Device> DevRank<'a, D> {
         let up_w = if gated { 2 * f } else { f };
         let total: usize = k.local_counts.iter().sum();
         let (ku, kd) = (self.wkey(op.inputs[2], l)?, self.wkey(op.inputs[3], l)?);
-        let missing = || fail(format!("{}: expert weights or gradients missing", op.name));
         let mut d_act = self.zeros(total * f)?;
-        {
-            let w_down = operand::<D>(&self.weights.master, &self.weights.compute, &kd)?;
-            let gd = self.weights.wgrads.get_mut(&kd).ok_or_else(missing)?;
-            let (x, dy) = (&k.acts, &d_local);
-            linear_spans_bwd(
-                &self.dev,
-                &k.local_counts,
-                (f, h),
-                (x, w_down, dy),
-                (&mut d_act, gd),
-            )
-            .map_err(&err)?;
-        }
+        self.spans_bwd(
+            op,
+            (&kd, (f, h)),
+            &k.local_counts,
+            (&k.acts, &d_local),
+            &mut d_act,
+        )?;
         let mut d_up = self.zeros(total * up_w)?;
         if gated {
             self.dev
@@ -163,20 +156,25 @@ impl<'a, D: Device> DevRank<'a, D> {
             self.dev.gelu_bwd(&k.ups, &d_act, &mut d_up).map_err(&err)?;
         }
         let mut d_rows = self.zeros(total * h)?;
-        {
-            let w_up = operand::<D>(&self.weights.master, &self.weights.compute, &ku)?;
-            let gu = self.weights.wgrads.get_mut(&ku).ok_or_else(missing)?;
-            let (x, dy) = (&k.local_rows, &d_up);
-            linear_spans_bwd(
-                &self.dev,
-                &k.local_counts,
-                (h, up_w),
-                (x, w_up, dy),
-                (&mut d_rows, gu),
-            )
-            .map_err(&err)?;
-        }
+        let up = (&ku, (h, up_w));
+        self.spans_bwd(op, up, &k.local_counts, (&k.local_rows, &d_up), &mut d_rows)?;
         Ok(d_rows)
+    }
+
+    /// [`linear_spans_bwd`] over stacked expert weight `key` (each expert's
+    /// `dims`), its gradient accumulated.
+    fn spans_bwd(
+        &mut self,
+        op: &Op,
+        (key, dims): (&Key, (usize, usize)),
+        counts: &[usize],
+        (x, dy): (&D::Act, &D::Act),
+        dx: &mut D::Act,
+    ) -> Res {
+        let missing = || fail(format!("{}: expert weights or gradients missing", op.name));
+        let w = operand::<D>(&self.weights.master, &self.weights.compute, key)?;
+        let g = self.weights.wgrads.get_mut(key).ok_or_else(missing)?;
+        linear_spans_bwd(&self.dev, counts, dims, (x, w, dy), (dx, g)).map_err(derr(&op.name))
     }
 
     /// Whether `op` is a router whose experts split over tp without sequence
@@ -187,9 +185,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             && !self.mesh.sp
             && op.outputs.first().is_some_and(|out| {
                 self.graph
-                    .segments
-                    .iter()
-                    .flat_map(|s| &s.ops)
+                    .ops()
                     .any(|o| matches!(o.kind, OpKind::Experts(_)) && o.inputs.get(1) == Some(out))
             })
     }

@@ -68,9 +68,7 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
     }
     let graph = &plan.graph;
     if let Some(op) = graph
-        .segments
-        .iter()
-        .flat_map(|s| &s.ops)
+        .ops()
         .find(|op| matches!(op.kind, OpKind::Router { .. }))
     {
         return Err(format!(
@@ -81,13 +79,18 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
     Ok(())
 }
 
-fn mesh_size(plan: &Plan, axis: &str) -> usize {
-    plan.mesh
-        .axes
-        .iter()
-        .position(|a| a == axis)
-        .map(|i| plan.mesh.shape[i] as usize)
-        .unwrap_or(1)
+/// The segments (by index) whose ops read each weight.
+fn weight_users(graph: &Graph) -> BTreeMap<&str, BTreeSet<usize>> {
+    let mut users: BTreeMap<&str, BTreeSet<usize>> = BTreeMap::new();
+    for (s, seg) in graph.segments.iter().enumerate() {
+        for t in seg.ops.iter().flat_map(|op| &op.inputs) {
+            let t = graph.tensor(*t);
+            if t.kind == TensorKind::Weight {
+                users.entry(t.name.as_str()).or_default().insert(s);
+            }
+        }
+    }
+    users
 }
 
 /// Weights laid out one after another in a flat vector: (weight, length).
@@ -187,10 +190,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             .programs
             .get(entry.program as usize)
             .ok_or_else(|| fail(format!("rank {rank}: program {} missing", entry.program)))?;
-        let coord = |axis: &str| {
-            let i = plan.mesh.axes.iter().position(|a| a == axis);
-            i.map_or(0, |i| entry.coords[i] as usize)
-        };
+        let place = |axis: &str| crate::train::mesh_place(plan, &entry.coords, axis);
         let mut r = DevRank {
             plan,
             dev,
@@ -199,20 +199,14 @@ impl<'a, D: Device> DevRank<'a, D> {
             comm,
             program,
             mesh: MeshPos {
-                groups: build_groups(plan, rank)?,
-                dp_index: coord("dp"),
-                dp_size: mesh_size(plan, "dp"),
+                groups: build_groups(plan, rank, 0)?,
+                dp_index: place("dp").rank,
+                dp_size: place("dp").size,
                 coords: entry.coords.clone(),
                 sp: plan.strategy.sp,
             },
-            tp: TpPos {
-                rank: coord("tp"),
-                size: mesh_size(plan, "tp"),
-            },
-            cp: TpPos {
-                rank: coord("cp"),
-                size: mesh_size(plan, "cp"),
-            },
+            tp: place("tp"),
+            cp: place("cp"),
             ep: TpPos::ONE,
             sizes: Sizes {
                 seq_len: seq_len as usize,
@@ -399,12 +393,20 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Item `i` of the step list, traced as a span.
     fn run_step_item(&mut self, i: usize, step: u64) -> Res {
         let m0 = self.mark()?;
+        let comm = |kind: &str, axis: &str, tensor: &str| {
+            (format!("{kind} {axis}"), "comm", Some(tensor.to_string()))
+        };
         let (name, cat, tensor) = match &self.sync.step_plan[i] {
-            StepItem::SumGrads { axis, tensor, .. } => {
-                let name = format!("AllReduce {axis}");
-                let tensor = tensor.to_string();
-                self.sum_grads(i)?;
-                (name, "comm", Some(tensor))
+            StepItem::SumGrads {
+                group,
+                axis,
+                keys,
+                tensor,
+            } => {
+                let (group, axis, keys, tensor) =
+                    (group.clone(), axis.clone(), keys.clone(), *tensor);
+                self.sum_grads_of(&group, &axis, &keys, tensor)?;
+                comm("AllReduce", &axis, tensor)
             }
             &StepItem::Bucket(b) => {
                 if self.sync.in_flight[b].is_none() {
@@ -412,11 +414,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 }
                 self.finish_bucket(b)?;
                 let bk = &self.sync.buckets[b];
-                (
-                    format!("AllReduce {}", bk.axis),
-                    "comm",
-                    Some(bk.tensor.clone()),
-                )
+                comm("AllReduce", &bk.axis, &bk.tensor)
             }
             &StepItem::Optimizer(set) => {
                 self.optimizer(set)?;
@@ -425,20 +423,12 @@ impl<'a, D: Device> DevRank<'a, D> {
             &StepItem::ReduceScatter(b) => {
                 self.reduce_scatter(b)?;
                 let bk = &self.zero.scatter[b];
-                (
-                    format!("ReduceScatter {}", bk.axis),
-                    "comm",
-                    Some(bk.tensor.clone()),
-                )
+                comm("ReduceScatter", &bk.axis, &bk.tensor)
             }
             &StepItem::AllGather(b) => {
                 self.all_gather(b)?;
                 let bk = &self.zero.gather[b];
-                (
-                    format!("AllGather {}", bk.axis),
-                    "comm",
-                    Some(bk.tensor.clone()),
-                )
+                comm("AllGather", &bk.axis, &bk.tensor)
             }
         };
         let args = match tensor {
@@ -638,7 +628,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     fn report(
         mut self,
         loss_parts: Vec<f64>,
-        (step_s, steps_at): (Vec<f64>, (f64, Vec<f64>)),
+        steps_at: (f64, Vec<f64>),
     ) -> Result<RankReport, RankError> {
         // The run's bytes, before ZeRO-3's last gather (which only the report
         // needs: each rank holds the others' parts as of their previous gather).
@@ -669,7 +659,6 @@ impl<'a, D: Device> DevRank<'a, D> {
             loss_parts,
             weights,
             counts,
-            step_s,
             steps_at,
             clock0_unix_s: crate::train::clock0_unix_s(self.meter.t0),
             state_bytes,

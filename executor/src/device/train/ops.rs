@@ -26,12 +26,6 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
     }
 
-    /// An attention op's sizes over its input `x`, the micro-batch's rows of
-    /// fused `q | k | v`.
-    pub(super) fn attention_dims_of(&self, op: &Op, x: &D::Act) -> Res<AttnDims> {
-        Ok(self.site().attention_dims_of(op, self.sizes.mbs, x)?.0)
-    }
-
     /// The draw of dropout site `op` in layer `l` this step.
     fn dropout_draw(&self, op: &Op, l: u64, salt: u64) -> DropoutDraw {
         DropoutDraw {
@@ -71,12 +65,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Attention-probability dropout, when the graph has dropout layers and
     /// `p > 0`: drawn per global sample and head, so every sharding draws the same.
     pub(super) fn attention_dropout(&self, op: &Op, l: u64, t: &Task<D>) -> Option<AttnDropout> {
-        let has_dropout = self
-            .graph
-            .segments
-            .iter()
-            .flat_map(|s| &s.ops)
-            .any(|o| matches!(o.kind, OpKind::Dropout));
+        let has_dropout = self.graph.ops().any(|o| matches!(o.kind, OpKind::Dropout));
         let OpKind::Attention(a) = &op.kind else {
             return None;
         };
@@ -107,10 +96,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         if self.graph.constants.dropout_p <= 0.0 {
             return Ok(x);
         }
-        let width = match self.graph.tensor(op.inputs[0]).shape.last() {
-            Some(meshplan_ir::Dim::Fixed(w)) => *w as usize,
-            _ => return Err(fail(format!("`{}`: input width is not fixed", op.name))),
-        };
+        let width = crate::train::fixed_width(self.graph.tensor(op.inputs[0]))?;
         let rows = D::act_len(&x) / width.max(1);
         let d = self.row_dropout(op, l, t, rows);
         let mut y = self.zeros(D::act_len(&x))?;
@@ -218,17 +204,6 @@ impl<'a, D: Device> DevRank<'a, D> {
         };
         t.acts.insert((l, out), Arc::new(y));
         Ok(())
-    }
-
-    pub(super) fn split(&self, x: &D::Act, dims: &AttnDims) -> Result<Qkv<D>, RankError> {
-        let rows = dims.batch * dims.sq;
-        let mut q = self.zeros(rows * dims.hq * dims.d)?;
-        let mut kk = self.zeros(rows * dims.hkv * dims.d)?;
-        let mut v = self.zeros(rows * dims.hkv * dims.dv)?;
-        self.dev
-            .split_qkv(x, dims, [&mut q, &mut kk, &mut v])
-            .map_err(derr("split_qkv"))?;
-        Ok((q, kk, v))
     }
 
     pub(super) fn backward_op(&mut self, op: &Op, l: u64, t: &mut Task<D>) -> Res {

@@ -88,18 +88,15 @@ impl<'a> Run<'a> {
             self.t0,
         )?;
         let mut loss_parts = Vec::new();
-        let mut step_s = Vec::new();
         let mut steps_at = (self.t0.elapsed().as_secs_f64(), Vec::new());
         for step in self.start..opts.steps {
             if opts.fail_at == Some((r.rank, step)) {
                 return Err(fail(format!("injected failure at step {step}")));
             }
-            let t = Instant::now();
             loss_parts.push(r.step(step)?);
-            step_s.push(t.elapsed().as_secs_f64());
             steps_at.1.push(self.t0.elapsed().as_secs_f64());
             if let (0, Some(hook)) = (r.rank, &opts.on_step) {
-                (hook.0)(step_s.len() as u64);
+                (hook.0)(steps_at.1.len() as u64);
             }
             if let Some(sv) = self
                 .saver
@@ -109,7 +106,7 @@ impl<'a> Run<'a> {
                 sv.deposit(step + 1, r.snapshot()?).map_err(fail)?;
             }
         }
-        r.report(loss_parts, (step_s, steps_at))
+        r.report(loss_parts, steps_at)
     }
 }
 

@@ -331,38 +331,14 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// The weights embedding and head share (a tied table).
     pub(super) fn tied_names(&self) -> Vec<String> {
-        let weights_of = |kind: SegmentKind| -> Vec<String> {
-            self.graph
-                .segments
-                .iter()
-                .filter(|s| s.kind == kind)
-                .flat_map(|s| &s.ops)
-                .flat_map(|o| o.inputs.iter().copied())
-                .filter(|&t| self.graph.tensor(t).kind == TensorKind::Weight)
-                .map(|t| self.graph.tensor(t).name.clone())
-                .collect()
+        let read_by = |segs: &BTreeSet<usize>, kind| {
+            segs.iter().any(|&s| self.graph.segments[s].kind == kind)
         };
-        let head = weights_of(SegmentKind::Head);
-        weights_of(SegmentKind::Embed)
+        weight_users(self.graph)
             .into_iter()
-            .filter(|w| head.contains(w))
+            .filter(|(_, s)| read_by(s, SegmentKind::Embed) && read_by(s, SegmentKind::Head))
+            .map(|(w, _)| w.to_string())
             .collect()
-    }
-
-    /// Sums the gradients of step item `i`'s weights over its group, as one flat
-    /// vector (one collective, as the plan counts it).
-    pub(super) fn sum_grads(&mut self, i: usize) -> Result<(), RankError> {
-        let StepItem::SumGrads {
-            group,
-            axis,
-            keys,
-            tensor,
-        } = &self.sync.step_plan[i]
-        else {
-            return Err(fail("not a sum of gradients"));
-        };
-        let (group, axis, keys) = (group.clone(), axis.clone(), keys.clone());
-        self.sum_grads_of(&group, &axis, &keys, tensor)
     }
 
     /// Sums the gradients of `keys` over `group` as one flat vector.

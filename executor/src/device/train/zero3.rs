@@ -92,17 +92,7 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// Weights read by ops of more than one segment.
     fn shared_weights(&self) -> BTreeSet<Key> {
-        let mut users: BTreeMap<&str, BTreeSet<usize>> = BTreeMap::new();
-        for (s, seg) in self.graph.segments.iter().enumerate() {
-            for op in &seg.ops {
-                for &w in &op.inputs {
-                    let t = self.graph.tensor(w);
-                    if t.kind == TensorKind::Weight {
-                        users.entry(t.name.as_str()).or_default().insert(s);
-                    }
-                }
-            }
-        }
+        let users = weight_users(self.graph);
         self.weights
             .held
             .iter()
@@ -115,19 +105,13 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// segment; a tied table belongs to the embedding), as the flat vector the data
     /// ranks shard: (weight, length) in key order.
     fn copy_layout(&self, segment: usize, l: u64, set: ParamSet) -> Layout {
-        let name = &self.graph.segments[segment].name;
-        let first_user = |w: &str| {
-            self.graph.segments.iter().find(|seg| {
-                seg.ops
-                    .iter()
-                    .any(|op| op.inputs.iter().any(|&t| self.graph.tensor(t).name == w))
-            })
-        };
+        let users = weight_users(self.graph);
+        let first_user = |w: &str| users.get(w).and_then(|s| s.first().copied());
         self.weights
             .master
             .iter()
             .filter(|(k, _)| self.set_of(k) == set)
-            .filter(|((w, layer), _)| *layer == l && first_user(w).is_some_and(|s| s.name == *name))
+            .filter(|((w, layer), _)| *layer == l && first_user(w) == Some(segment))
             .map(|(k, m)| (k.clone(), D::f32_len(m)))
             .collect()
     }

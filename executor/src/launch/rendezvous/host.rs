@@ -200,20 +200,8 @@ pub(super) fn listen_addr(cfg: &RendezvousConfig) -> Result<SocketAddr, Rendezvo
 }
 
 impl Rendezvous {
-    /// Rank 0 on a listener the caller bound (tests bind port 0), with the job
-    /// secret of this process's environment.
-    pub fn host(
-        listener: TcpListener,
-        cfg: &RendezvousConfig,
-    ) -> Result<Rendezvous, RendezvousError> {
-        check_config(cfg)?;
-        if cfg.world_size == 1 {
-            return Ok(Rendezvous::single(cfg));
-        }
-        Rendezvous::host_with(listener, cfg, &env_secret()?)
-    }
-
-    /// [`Rendezvous::host`] with the given job secret.
+    /// Rank 0 on a listener the caller bound (tests bind port 0), with the given
+    /// job secret.
     pub fn host_with(
         listener: TcpListener,
         cfg: &RendezvousConfig,
@@ -267,15 +255,11 @@ impl Rendezvous {
                 .map_err(|e| io("cannot start a reader thread", e))?;
             peers.push(s);
         }
-        Ok(Rendezvous {
-            rank: 0,
-            world_size: cfg.world_size,
-            timeout: cfg.timeout,
-            endpoint,
-            seq: 0,
-            role: Role::Host { peers, events },
-            refused: lobby.refused,
-        })
+        Ok(Rendezvous::new(
+            cfg,
+            Role::Host { peers, events },
+            lobby.refused,
+        ))
     }
 }
 
@@ -409,7 +393,7 @@ impl Lobby {
             Err(msg) => {
                 let _ = write_frame(&mut stream, Kind::Refuse, msg.as_bytes());
                 if self.secret.is_private() {
-                    abort_all(&mut self.joined, &msg, true);
+                    abort_all(self.joined.iter_mut().flatten(), &msg, true);
                     return Err(RendezvousError::Refused { message: msg });
                 }
                 self.refused.note(endpoint, &peer.to_string(), &msg);
@@ -436,7 +420,7 @@ impl Lobby {
             cfg.world_size,
             self.refused.summary()
         );
-        abort_all(&mut self.joined, &msg, false);
+        abort_all(self.joined.iter_mut().flatten(), &msg, false);
         RendezvousError::Timeout {
             message: msg,
             missing,
@@ -507,9 +491,13 @@ pub(super) fn check_hello(
     Ok(rank)
 }
 
-/// Relays a refusal or a timeout of the connect phase to the ranks already joined.
-pub(super) fn abort_all(joined: &mut [Option<TcpStream>], msg: &str, bad_input: bool) {
-    for s in joined.iter_mut().flatten() {
+/// Relays rank 0's failure (a refusal, a timeout) to `peers`, as far as they listen.
+pub(super) fn abort_all<'a>(
+    peers: impl IntoIterator<Item = &'a mut TcpStream>,
+    msg: &str,
+    bad_input: bool,
+) {
+    for s in peers {
         let _ = write_frame(s, Kind::Abort, &abort_payload(msg, bad_input));
     }
 }

@@ -27,15 +27,7 @@ impl Rendezvous {
                 message: format!("rank {} cannot greet rank 0 at {endpoint}: {e}", cfg.rank),
             }
         })?;
-        let mut r = Rendezvous {
-            rank: cfg.rank,
-            world_size: cfg.world_size,
-            timeout: cfg.timeout,
-            endpoint,
-            seq: 0,
-            role: Role::Member { stream },
-            refused: Refusals::default(),
-        };
+        let mut r = Rendezvous::new(cfg, Role::Member { stream }, Refusals::default());
         let f = r.member_read(deadline + RELAY_GRACE, "its admission")?;
         match f.kind {
             Kind::Admit if transcript.verify(secret, ADMIT_LABEL, &f.payload) => {}

@@ -4,7 +4,36 @@
 use super::*;
 use meshplan_ir::graph::AttentionShape;
 
+/// An attention op's input, its sizes, `q`, `k` and `v` apart, and the mask.
+type AttnInputs<D> = (Arc<<D as Device>::Act>, AttnDims, Qkv<D>, AttnMask);
+
 impl<D: Device> DevRank<'_, D> {
+    /// What attention's forward and backward start from: the op's input (fused
+    /// `q | k | v`), its sizes, `q`, `k` and `v` apart, and the mask.
+    fn attention_inputs(
+        &self,
+        op: &Op,
+        a: &AttentionShape,
+        l: u64,
+        t: &Task<D>,
+    ) -> Res<AttnInputs<D>> {
+        let x = self.act(t, l, op.inputs[0])?;
+        let (dims, _) = self.site().attention_dims_of(op, self.sizes.mbs, &x)?;
+        let rows = dims.batch * dims.sq;
+        let mut q = self.zeros(rows * dims.hq * dims.d)?;
+        let mut k = self.zeros(rows * dims.hkv * dims.d)?;
+        let mut v = self.zeros(rows * dims.hkv * dims.dv)?;
+        self.dev
+            .split_qkv(&x, &dims, [&mut q, &mut k, &mut v])
+            .map_err(derr(&op.name))?;
+        let mask = AttnMask {
+            causal: a.causal,
+            scale: 1.0 / (a.qk_dim as f32).sqrt(),
+            dropout: self.attention_dropout(op, l, t),
+        };
+        Ok((x, dims, (q, k, v), mask))
+    }
+
     pub(super) fn attention_fwd(
         &mut self,
         op: &Op,
@@ -13,17 +42,9 @@ impl<D: Device> DevRank<'_, D> {
         t: &mut Task<D>,
     ) -> Res<D::Act> {
         let e = derr(&op.name);
-
-        let x = self.act(t, l, op.inputs[0])?;
-        let dims = self.attention_dims_of(op, &x)?;
-        let (q, kk, v) = self.split(&x, &dims)?;
+        let (_, dims, (q, kk, v), mask) = self.attention_inputs(op, a, l, t)?;
         let mut o = self.zeros(dims.batch * dims.sq * dims.hq * dims.dv)?;
         let mut lse = self.zeros_f32(dims.batch * dims.hq * dims.sq)?;
-        let mask = AttnMask {
-            causal: a.causal,
-            scale: 1.0 / (a.qk_dim as f32).sqrt(),
-            dropout: self.attention_dropout(op, l, t),
-        };
         if self.cp.size > 1 {
             self.ring_forward(&dims, (&q, &kk, &v), &mask, &mut o, &mut lse)?;
         } else {
@@ -55,9 +76,7 @@ impl<D: Device> DevRank<'_, D> {
         let in0 = self.name_of(op.inputs[0]);
         let e = derr(&op.name);
         let dev = &self.dev;
-        let x = self.act(t, l, op.inputs[0])?;
-        let dims = self.attention_dims_of(op, &x)?;
-        let (q, kk, v) = self.split(&x, &dims)?;
+        let (x, dims, (q, kk, v), mask) = self.attention_inputs(op, a, l, t)?;
         let o = t
             .saved
             .get(&(l, op.name.clone(), Saved::AttnOut))
@@ -70,11 +89,6 @@ impl<D: Device> DevRank<'_, D> {
         let mut dq = self.zeros(D::act_len(&q))?;
         let mut dk = self.zeros(D::act_len(&kk))?;
         let mut dv = self.zeros(D::act_len(&v))?;
-        let mask = AttnMask {
-            causal: a.causal,
-            scale: 1.0 / (a.qk_dim as f32).sqrt(),
-            dropout: self.attention_dropout(op, l, t),
-        };
         if self.cp.size > 1 {
             self.ring_backward(
                 &dims,
