@@ -46,6 +46,14 @@ pub(crate) struct Routing {
     pub even: bool,
 }
 
+impl Routing {
+    /// No capacity: every token reaches every expert it chose.
+    pub(crate) const DROPLESS: Routing = Routing {
+        group_tokens: None,
+        even: false,
+    };
+}
+
 /// Experts split over both tp and ep need sequence parallelism: otherwise every
 /// tensor rank would hold, and route, the same tokens (the planner requires it,
 /// `check_train_shapes`).
@@ -117,7 +125,23 @@ pub(crate) struct Exec<'c, D: Device> {
     pub name: &'c str,
 }
 
-impl<D: Device> Exec<'_, D> {
+impl<'c, D: Device> Exec<'c, D> {
+    /// Experts op `name` on `dev` and `comm`, at `(tp, ep)` in expert group `group`.
+    pub(crate) fn new(
+        (dev, comm): (&'c D, &'c mut D::Comm),
+        (tp, ep): (TpPos, TpPos),
+        group: Option<&'c Group>,
+        name: &'c str,
+    ) -> Self {
+        let place = Place { tp, ep, group };
+        Exec {
+            dev,
+            comm,
+            place,
+            name,
+        }
+    }
+
     fn zeros(&self, n: usize) -> Result<D::Act, RankError> {
         self.dev.act_zeros(n).map_err(derr(self.name))
     }

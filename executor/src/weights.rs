@@ -16,7 +16,7 @@ use crate::shard::{shard_spec, ShardSpec, TpPos};
 use memmap2::Mmap;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::spec::TransformerSpec;
-use meshplan_ir::{Dim, Graph, Op, SegmentKind, TensorId, TensorKind};
+use meshplan_ir::{Graph, Op, SegmentKind, TensorId, TensorKind};
 use safetensors::tensor::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -128,14 +128,7 @@ pub(crate) fn starting_slice(
 
 /// The fixed shape of a weight tensor.
 fn weight_shape(graph: &Graph, id: TensorId) -> Result<Vec<usize>, WeightsError> {
-    let t = graph.tensor(id);
-    t.shape
-        .iter()
-        .map(|d| match d {
-            Dim::Fixed(n) => Ok(*n as usize),
-            other => Err(werr(format!("`{}` has a symbolic dim {other:?}", t.name))),
-        })
-        .collect()
+    crate::train::fixed_shape(graph.tensor(id)).map_err(|e| werr(e.to_string()))
 }
 
 impl Checkpoint {
@@ -416,24 +409,15 @@ impl Checkpoint {
             };
             self.elem(e, i)
         };
+        let (rows, ranges) = match spec {
+            ShardSpec::Rows(a, b) => (*a..*b, vec![(0, cols)]),
+            ShardSpec::Cols(ranges) => (0..rows, ranges.clone()),
+            ShardSpec::All => (0..rows, vec![(0, cols)]),
+        };
         let mut out = Vec::new();
-        match spec {
-            ShardSpec::All => {
-                for r in 0..rows {
-                    out.extend((0..cols).map(|c| read(r, c)));
-                }
-            }
-            ShardSpec::Rows(a, b) => {
-                for r in *a..*b {
-                    out.extend((0..cols).map(|c| read(r, c)));
-                }
-            }
-            ShardSpec::Cols(ranges) => {
-                for r in 0..rows {
-                    for &(a, b) in ranges {
-                        out.extend((a..b).map(|c| read(r, c)));
-                    }
-                }
+        for r in rows {
+            for &(a, b) in &ranges {
+                out.extend((a..b).map(|c| read(r, c)));
             }
         }
         Ok(out)

@@ -232,16 +232,8 @@ impl<'a, D: Device> InferRank<'a, D> {
         } else {
             (input(0)?, input(1)?)
         };
-        let mut exec = crate::moe::Exec {
-            dev: &self.dev,
-            comm: self.comm.as_mut(),
-            place: crate::moe::Place {
-                tp: self.tp,
-                ep: self.ep,
-                group: self.ep_group.as_ref(),
-            },
-            name: &op.name,
-        };
+        let (on, group) = ((&self.dev, self.comm.as_mut()), self.ep_group.as_ref());
+        let mut exec = crate::moe::Exec::new(on, (self.tp, self.ep), group, &op.name);
         let (out, _) = exec.forward(e, (x, logits), (weight(2)?, weight(3)?), routing)?;
         Ok(out)
     }

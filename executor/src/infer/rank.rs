@@ -74,15 +74,10 @@ impl<'a, D: Device> InferRank<'a, D> {
         Ok(st)
     }
 
-    /// (segment index, block layer) of every segment copy this stage runs.
-    pub(super) fn copies(&self) -> Result<Vec<(usize, Option<u64>)>, RankError> {
-        crate::train::segment_copies(self.graph, self.prefill)
-    }
-
     /// This rank's shard of every weight its stage uses: read from the checkpoint,
     /// or the deterministic initial values training starts from.
     pub(super) fn load_weights(&mut self) -> Result<(), RankError> {
-        for (s, layer) in self.copies()? {
+        for (s, layer) in crate::train::segment_copies(self.graph, self.prefill)? {
             let seg = &self.graph.segments[s];
             for op in &seg.ops {
                 for &w in &op.inputs {
@@ -347,21 +342,18 @@ impl<'a, D: Device> InferRank<'a, D> {
     /// the router, with the plan's figure for the pass.
     pub(super) fn run_counted(&mut self, phase: &Phase, batch: &Batch) -> Result<(), RankError> {
         let routed = self.routed(batch.routing);
-        let before = self.ep_bytes_sent(routed);
+        let before = self.ep_sent();
         self.run_phase(phase, batch)?;
         if routed {
-            self.routed_ep.0 += self.ep_bytes_sent(true) - before;
+            self.routed_ep.0 += self.ep_sent() - before;
             self.routed_ep.1 += phase.bytes_sent().get(Axis::Ep);
         }
         Ok(())
     }
 
-    pub(super) fn ep_bytes_sent(&self, routed: bool) -> f64 {
-        if routed {
-            self.comm.counts().axis_bytes_sent(Axis::Ep.name())
-        } else {
-            0.0
-        }
+    /// Bytes this rank has sent over the expert axis.
+    pub(super) fn ep_sent(&self) -> f64 {
+        self.comm.counts().axis_bytes_sent(Axis::Ep.name())
     }
 
     /// Prefills request `i` into local slot `j`: its KV cache entries on this rank,
@@ -411,10 +403,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             // One token per request: capacity groups of one token would pad every
             // expert for every token, so decoding routes dropless
             // (`ExpertsShape::dispatched_rows`).
-            routing: Routing {
-                group_tokens: None,
-                even: false,
-            },
+            routing: Routing::DROPLESS,
         };
         self.run_counted(self.decode, &batch)?;
         if self.at.stage == self.at.last_stage {
@@ -427,13 +416,13 @@ impl<'a, D: Device> InferRank<'a, D> {
     /// A pass of `phase` without tokens of this replica: only its experts run, on
     /// what the rest of the expert group sends them.
     pub(super) fn idle_pass(&mut self, phase: &Phase) -> Result<(), RankError> {
-        let before = self.ep_bytes_sent(true);
+        let before = self.ep_sent();
         for ch in &phase.chunks {
             let mut layer = ch.layer_start;
             walk::forward(&mut Idle(self), &ch.forward, &mut layer, NO_LAYER)?;
         }
         // The plan counts no pass for a replica without requests.
-        self.routed_ep.0 += self.ep_bytes_sent(true) - before;
+        self.routed_ep.0 += self.ep_sent() - before;
         Ok(())
     }
 
@@ -544,11 +533,7 @@ impl<D: Device> Forward for Idle<'_, '_, D> {
     fn compute(&mut self, name: &str, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
         let op = self.0.find_op(name)?;
         if let OpKind::Experts(e) = &op.kind {
-            let idle = Routing {
-                group_tokens: None,
-                even: false,
-            };
-            self.0.experts(op, e, l, idle, true)?;
+            self.0.experts(op, e, l, Routing::DROPLESS, true)?;
         }
         Ok(())
     }

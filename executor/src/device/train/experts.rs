@@ -23,13 +23,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         let sizes = (self.cp.size, self.tp.size, self.ep.size);
         let group = moe::group_tokens(self.opts.moe_group_tokens, self.sizes.seq_len, sizes);
         let (ku, kd) = (self.wkey(op.inputs[2], l)?, self.wkey(op.inputs[3], l)?);
-        let mut exec = exec(
-            &self.dev,
-            &mut self.comm,
-            &self.mesh.groups,
-            (self.tp, self.ep),
-            &op.name,
-        );
+        let (on, ep_group) = ((&self.dev, self.comm.as_mut()), self.mesh.groups.get("ep"));
+        let mut exec = moe::Exec::new(on, (self.tp, self.ep), ep_group, &op.name);
         let weights = (
             operand::<D>(&self.weights.master, &self.weights.compute, &ku)?,
             operand::<D>(&self.weights.master, &self.weights.compute, &kd)?,
@@ -87,12 +82,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                 .map_err(&err)?;
         }
         // The outputs' gradients travel to the experts as the tokens did.
-        let (tp_ep, groups) = ((self.tp, self.ep), &self.mesh.groups);
-        let d_local = exec(&self.dev, &mut self.comm, groups, tp_ep, &op.name)
+        let (on, group) = ((&self.dev, self.comm.as_mut()), self.mesh.groups.get("ep"));
+        let d_local = moe::Exec::new(on, (self.tp, self.ep), group, &op.name)
             .send_to_experts(d_y, &k.route, &k.moves, h)?;
         let d_rows = self.expert_mlps_bwd(op, e, l, &k, d_local)?;
-        let (tp_ep, groups) = ((self.tp, self.ep), &self.mesh.groups);
-        let d_disp = exec(&self.dev, &mut self.comm, groups, tp_ep, &op.name)
+        let (on, group) = ((&self.dev, self.comm.as_mut()), self.mesh.groups.get("ep"));
+        let d_disp = moe::Exec::new(on, (self.tp, self.ep), group, &op.name)
             .bring_back(d_rows, &k.route, &k.moves, h)?;
         let mut dx = self.zeros(rows * h)?;
         let mut d_logits = self.zeros(rows * ne)?;
@@ -188,26 +183,6 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .ops()
                     .any(|o| matches!(o.kind, OpKind::Experts(_)) && o.inputs.get(1) == Some(out))
             })
-    }
-}
-
-/// A rank running experts op `name` on its device and communicator.
-fn exec<'s, D: Device>(
-    dev: &'s D,
-    comm: &'s mut Box<D::Comm>,
-    groups: &'s BTreeMap<String, Group>,
-    (tp, ep): (TpPos, TpPos),
-    name: &'s str,
-) -> moe::Exec<'s, D> {
-    moe::Exec {
-        dev,
-        comm: comm.as_mut(),
-        place: moe::Place {
-            tp,
-            ep,
-            group: groups.get("ep"),
-        },
-        name,
     }
 }
 
