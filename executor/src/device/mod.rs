@@ -14,57 +14,174 @@
 //! tested against its CPU reference.
 
 use crate::comm::Communicator;
-pub use args::{
-    AdamW, Attn, AttnBwd, AttnOut, Ce, CeOut, CombineBwd, Embed, Merge, Norm, NormBwd, NormOut,
-    RopeQkv, Routed,
-};
 pub(crate) use comm::act_collected;
 pub use comm::{CResult, DeviceComm, Kind, On};
 use meshplan_ir::NormKind;
-use meshplan_kernels::cpu::{self as k, AttnDims, AttnDropout, GemmAt, KernelError, RowDropout};
+use meshplan_kernels::cpu::{
+    self as k, AttnDims, AttnDropout, GemmAt, KernelError, MoeDims, Rope, RowDropout,
+};
 
-mod args;
 pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 pub mod emulate;
+mod error;
 pub(crate) mod forward;
 pub(crate) mod walk;
 pub use emulate::{check_mixed_precision, MIXED_LOSS_TOLERANCE, MIXED_UPDATE_TOLERANCE};
+pub(crate) use error::{derr, layernorm_parts};
+pub use error::{DResult, DeviceError};
 pub mod train;
 
-/// Why a device operation failed.
-#[derive(Clone, Debug, PartialEq)]
-pub struct DeviceError(pub String);
+// The operands of the kernels that take more than a few, in structs generic over
+// the device's buffers, so that each kernel's signature is one line in the trait
+// and in each implementation.
 
-impl std::fmt::Display for DeviceError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
+/// A norm over `rows` rows of `dim`: its kind, input, weight, LayerNorm's bias
+/// (zeros for a bias-free one) and epsilon.
+pub struct Norm<'a, D: Device + ?Sized> {
+    pub kind: NormKind,
+    pub x: &'a D::Act,
+    pub w: &'a D::Act,
+    pub b: Option<&'a D::Act>,
+    pub rows: usize,
+    pub dim: usize,
+    pub eps: f32,
 }
 
-impl std::error::Error for DeviceError {}
-
-/// A device error as a rank's failure, naming what failed.
-pub(crate) fn derr(what: &str) -> impl Fn(DeviceError) -> crate::comm::RankError + '_ {
-    move |e| crate::train::fail(format!("{what}: {e}"))
+/// A norm's forward outputs: `y`, LayerNorm's row means, the rows' reciprocal
+/// deviations.
+pub struct NormOut<'a, D: Device + ?Sized> {
+    pub y: &'a mut D::Act,
+    pub mean: Option<&'a mut D::F32>,
+    pub rstd: &'a mut D::F32,
 }
 
-impl From<KernelError> for DeviceError {
-    fn from(e: KernelError) -> Self {
-        DeviceError(e.to_string())
-    }
+/// A norm's backward: the forward's statistics and the output's gradient, and
+/// the gradients it adds into (LayerNorm's bias gradient too).
+pub struct NormBwd<'a, D: Device + ?Sized> {
+    pub mean: Option<&'a D::F32>,
+    pub rstd: &'a D::F32,
+    pub dy: &'a D::Act,
+    pub dx: &'a mut D::Act,
+    pub dw: &'a mut D::F32,
+    pub db: Option<&'a mut D::F32>,
 }
 
-/// Result of a device operation.
-pub type DResult<T> = Result<T, DeviceError>;
+/// Cross-entropy's operands: `logits [rows, v_local]`, this shard of the
+/// vocabulary starting at column `vocab_start` (the whole of it: `v_local` the
+/// vocabulary, `vocab_start` 0), the rows' labels, and the gradient's `scale`.
+pub struct Ce<'a, D: Device + ?Sized> {
+    pub logits: &'a D::Act,
+    pub labels: &'a D::Ids,
+    pub rows: usize,
+    pub v_local: usize,
+    pub vocab_start: usize,
+    pub scale: f32,
+}
 
-/// The two operands only LayerNorm has (bias and means forward, means and bias
-/// gradient backward), or an error naming them.
-pub(crate) fn layernorm_parts<A, B>(a: Option<A>, b: Option<B>) -> DResult<(A, B)> {
-    a.zip(b).ok_or_else(|| {
-        DeviceError("LayerNorm needs its bias, its means and its bias gradient".into())
-    })
+/// Cross-entropy's outputs: each row's loss and the logits' gradient.
+pub struct CeOut<'a, D: Device + ?Sized> {
+    pub loss: &'a mut D::F32,
+    pub dlogits: &'a mut D::Act,
+}
+
+/// One AdamW step: the fp32 master, its gradient and moments, the compute copy
+/// to refresh (none where the master serves), the step (from 1), the learning
+/// rate and `(beta1, beta2, eps, weight decay)`.
+pub struct AdamW<'a, D: Device + ?Sized> {
+    pub param: &'a mut D::F32,
+    pub grad: &'a D::F32,
+    pub m: &'a mut D::F32,
+    pub v: &'a mut D::F32,
+    pub compute: Option<&'a mut D::Act>,
+    pub step: u64,
+    pub lr: f32,
+    pub hyper: (f32, f32, f32, f32),
+}
+
+/// RoPE over fused QKV rows `x [rows, width]` at `positions`: `shape` is (query
+/// heads, key/value heads, head dim, row width); `backward` rotates a gradient
+/// back.
+pub struct RopeQkv<'a, D: Device + ?Sized> {
+    pub x: &'a D::Act,
+    pub positions: &'a D::Ids,
+    pub rows: usize,
+    pub shape: (usize, usize, usize, usize),
+    pub rope: Rope,
+    pub backward: bool,
+}
+
+/// One attention call: its sizes, its operands `[b, s, h, d]` (queries, keys and
+/// values), and how it masks and scales its scores: the first query and key
+/// positions of the blocks (ring attention, a KV cache), causal or not, `1 /
+/// sqrt(d)`, and the probabilities' dropout.
+pub struct Attn<'a, D: Device + ?Sized> {
+    pub dims: &'a AttnDims,
+    pub q: &'a D::Act,
+    pub k: &'a D::Act,
+    pub v: &'a D::Act,
+    pub pos0: (usize, usize),
+    pub causal: bool,
+    pub scale: f32,
+    pub dropout: Option<&'a AttnDropout>,
+}
+
+/// Attention's forward outputs: `o` `[b, s, hq, dv]` and the rows' log-sum-exps.
+pub struct AttnOut<'a, D: Device + ?Sized> {
+    pub o: &'a mut D::Act,
+    pub lse: &'a mut D::F32,
+}
+
+/// Attention's backward: the forward's output and log-sum-exps and the output's
+/// gradient, and the gradients it adds into.
+pub struct AttnBwd<'a, D: Device + ?Sized> {
+    pub o: &'a D::Act,
+    pub lse: &'a D::F32,
+    pub d_o: &'a D::Act,
+    pub d_q: &'a mut D::Act,
+    pub d_k: &'a mut D::Act,
+    pub d_v: &'a mut D::Act,
+}
+
+/// Ring attention's merge of one key/value block's output and log-sum-exps into
+/// the running ones.
+pub struct Merge<'a, D: Device + ?Sized> {
+    pub o_acc: &'a mut D::Act,
+    pub lse_acc: &'a mut D::F32,
+    pub o_blk: &'a D::Act,
+    pub lse_blk: &'a D::F32,
+}
+
+/// An embedding lookup: the token ids, the first vocabulary row the table holds
+/// (a vocabulary-parallel shard's), and the row width.
+pub struct Embed<'a, D: Device + ?Sized> {
+    pub ids: &'a D::Ids,
+    pub vocab_start: usize,
+    pub dim: usize,
+}
+
+/// A routing of tokens to experts on the device: its sizes, the softmax over every
+/// expert `probs [tokens, experts]`, each token's `k` experts `idx` and their
+/// weights `wts` (written by `moe_route`), and each dispatch slot's assignment
+/// `perm` (`t k + j`) and each expert's count, on the host (written by
+/// `moe_dispatch`).
+pub struct Routed<D: Device + ?Sized> {
+    pub m: MoeDims,
+    pub probs: D::F32,
+    pub idx: D::Ids,
+    pub wts: D::F32,
+    pub perm: D::Ids,
+    pub counts: Vec<usize>,
+}
+
+/// The combine's backward: the output's gradient and the experts' outputs (slot
+/// order), and the gradients it adds into.
+pub struct CombineBwd<'a, D: Device + ?Sized> {
+    pub dy: &'a D::Act,
+    pub y: &'a D::Act,
+    pub d_y: &'a mut D::Act,
+    pub d_wts: &'a mut D::F32,
 }
 
 /// A device: buffers and the kernels over them. Launches may be asynchronous; a
@@ -690,45 +807,4 @@ pub fn qkv_width(dims: &AttnDims) -> usize {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn rows_of_counts_whole_rows_and_names_a_ragged_buffer() {
-        assert_eq!(rows_of("y", 12, 4), Ok(3));
-        assert_eq!(rows_of("y", 0, 0), Ok(0));
-        let e = rows_of("dy", 10, 4).unwrap_err();
-        assert_eq!(e.0, "dy: 10 values are not whole rows of 4");
-        assert!(rows_of("x", 3, 0).is_err());
-    }
-
-    /// `[b=2, s=3, w=1]` (hand-worked): sample 0 holds 0 1 2, sample 1 holds 3 4 5;
-    /// by position they read 0 3 | 1 4 | 2 5, and `[s, b, w]` swaps them back.
-    #[test]
-    fn swap_axes_is_its_own_inverse_with_the_axes_named_the_other_way() {
-        let x: Vec<f32> = (0..6).map(|i| i as f32).collect();
-        let mut t = vec![0.0; 6];
-        HostDevice.swap_axes(&x, [2, 3, 1], &mut t).unwrap();
-        assert_eq!(t, vec![0.0, 3.0, 1.0, 4.0, 2.0, 5.0]);
-        let mut back = vec![0.0; 6];
-        HostDevice.swap_axes(&t, [3, 2, 1], &mut back).unwrap();
-        assert_eq!(back, x);
-    }
-
-    /// Two rows of width 3 plus bias `[1, 2, 3]`, and the bias gradient of rows
-    /// `[1, 1, 1]` and `[2, 0, -1]`: `[3, 1, 0]`.
-    #[test]
-    fn bias_kernels_take_the_width_from_the_bias() {
-        let mut y = vec![0.0, 0.0, 0.0, 10.0, 10.0, 10.0];
-        HostDevice.bias_add(&mut y, &vec![1.0, 2.0, 3.0]).unwrap();
-        assert_eq!(y, vec![1.0, 2.0, 3.0, 11.0, 12.0, 13.0]);
-        let mut db = vec![0.0; 3];
-        HostDevice
-            .bias_grad(&vec![1.0, 1.0, 1.0, 2.0, 0.0, -1.0], &mut db)
-            .unwrap();
-        assert_eq!(db, vec![3.0, 1.0, 0.0]);
-        assert!(HostDevice
-            .bias_add(&mut vec![0.0; 5], &vec![1.0; 3])
-            .is_err());
-    }
-}
+mod tests;
