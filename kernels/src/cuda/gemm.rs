@@ -273,7 +273,9 @@ impl Gpu {
             // An empty inner product: C = beta * C. cuBLASLt's k = 0 is not relied
             // on; the two values a caller uses are handled here.
             return if beta == 0.0 {
-                Ok(self.stream.memset_zeros(c)?)
+                // Only the products' span of C, as the CPU's `matmul_at` writes.
+                let span = g.c_off..g.c_off + batch * sc;
+                Ok(self.stream.memset_zeros(&mut c.slice_mut(span))?)
             } else if beta == 1.0 {
                 Ok(())
             } else {

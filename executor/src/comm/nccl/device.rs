@@ -8,18 +8,14 @@ use super::*;
 pub trait Elem: DeviceRepr {
     /// NCCL's name for it.
     const DTYPE: sys::ncclDataType_t;
-    /// Bytes an element.
-    const BYTES: u64;
 }
 
 impl Elem for f32 {
     const DTYPE: sys::ncclDataType_t = F32;
-    const BYTES: u64 = 4;
 }
 
 impl Elem for bf16 {
     const DTYPE: sys::ncclDataType_t = BF16;
-    const BYTES: u64 = 2;
 }
 
 impl NcclComm {
@@ -27,8 +23,7 @@ impl NcclComm {
     /// `ready` (recorded on the stream that wrote the buffers) has passed: an
     /// in-place all-reduce of `dst` (`src` `None`), a reduce-scatter of `src` into
     /// `dst`, or an all-gather of `src` into `dst`. Summed in `T` as NCCL sums it;
-    /// bytes counted at [`Elem::BYTES`] an element, as the host collectives count
-    /// theirs. The returned event marks its end: the consumer's stream waits on it,
+    /// bytes counted at 4 an element, as the host collectives count theirs. The returned event marks its end: the consumer's stream waits on it,
     /// and the host waits for neither. The buffers stay alive, and unwritten, until
     /// it has passed.
     pub fn device_start<T: Elem>(
@@ -40,8 +35,7 @@ impl NcclComm {
         ready: &CudaEvent,
     ) -> Result<CudaEvent, CommError> {
         let sizes = (src.map_or(dst.len(), |s| s.len()), dst.len());
-        let dtype = (T::DTYPE, T::BYTES);
-        self.device_collective(kind, group, axis, ready, dtype, sizes, |s| {
+        self.device_collective(kind, group, axis, ready, T::DTYPE, sizes, |s| {
             let (pd, _g) = dst.device_ptr_mut(s);
             let ps = match src {
                 Some(x) => x.device_ptr(s).0,
@@ -56,7 +50,7 @@ impl NcclComm {
     /// order, `recv_counts[i]` from member `i` into `recv`; one NCCL group of
     /// sends and receives on the communication stream after `ready`. Counted as
     /// the host's `all_to_all_v` counts (what leaves for the other members), at
-    /// two bytes per element.
+    /// four bytes an element as the host counts.
     pub fn all_to_all_v_bf16_device_start(
         &mut self,
         group: &Group,
@@ -107,7 +101,7 @@ impl NcclComm {
                 .map_err(|e| format!("recording the exchange's end: {e:?}"))
         })?;
         self.counts
-            .record_a2av(axis, send.len(), (me, send_counts), 2);
+            .record_a2av(axis, send.len(), (me, send_counts), 4);
         Ok(done)
     }
 
@@ -148,6 +142,7 @@ impl NcclComm {
             // pointers onto the stream.
             let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
             nccl_call("ncclGroupStart", result::group_start())?;
+            let mut failed = Ok(());
             for t in transfers.iter_mut() {
                 let r = match t {
                     P2p::Send(peer, buf, (off, n)) => {
@@ -166,10 +161,15 @@ impl NcclComm {
                         unsafe { result::recv(p as *mut c_void, n, BF16, *peer as i32, comm, raw) }
                     }
                 };
-                nccl_call("nccl p2p", r)?;
+                // The group is ended even when a call fails, as NCCL requires.
+                if let Err(e) = nccl_call("nccl p2p", r) {
+                    failed = Err(e);
+                    break;
+                }
             }
-            nccl_call("ncclGroupEnd", result::group_end())?;
+            let ended = nccl_call("ncclGroupEnd", result::group_end());
             drop(guards);
+            failed.and(ended)?;
             s.stream
                 .record_event(None)
                 .map_err(|e| format!("recording the transfers' end: {e:?}"))
@@ -177,19 +177,18 @@ impl NcclComm {
         for t in transfers.iter() {
             match t {
                 P2p::Send(_, _, (_, n)) => {
-                    self.counts.record_p2p(CommKind::Send, axis, *n as u64 * 2)
+                    self.counts.record_p2p(CommKind::Send, axis, bytes_of(*n))
                 }
                 P2p::Recv(_, buf) => {
                     self.counts
-                        .record_p2p(CommKind::Recv, axis, buf.len() as u64 * 2)
+                        .record_p2p(CommKind::Recv, axis, bytes_of(buf.len()))
                 }
             }
         }
         Ok(done)
     }
 
-    /// One all-reduce, reduce-scatter or all-gather of `dtype` (`size` bytes an
-    /// element) from `n_in` to `n_out` elements at the pointers `ptrs` gives for the
+    /// One all-reduce, reduce-scatter or all-gather of `dtype` from `n_in` to `n_out` elements at the pointers `ptrs` gives for the
     /// communication stream, after `ready`.
     #[allow(clippy::too_many_arguments)] // the collective's shape, its buffers, and when
     fn device_collective(
@@ -198,7 +197,7 @@ impl NcclComm {
         group: &Group,
         axis: &str,
         ready: &CudaEvent,
-        (dtype, size): (sys::ncclDataType_t, u64),
+        dtype: sys::ncclDataType_t,
         (n_in, n_out): (usize, usize),
         ptrs: impl FnOnce(&CudaStream) -> (*const c_void, *mut c_void),
     ) -> Result<CudaEvent, CommError> {
@@ -242,7 +241,7 @@ impl NcclComm {
         })?;
         // Counted as the host collectives count them: the larger side's bytes.
         self.counts
-            .record_ring(kind, axis, members, n_in.max(n_out) as u64 * size);
+            .record_ring(kind, axis, members, bytes_of(n_in.max(n_out)));
         Ok(done)
     }
 }
