@@ -24,7 +24,9 @@
 //! Each rank counts, per (collective kind, axis label), its calls and the bytes it
 //! sent, by the planner's cost model (`meshplan_cost_model::collective::
 //! bytes_sent_per_rank`), so measured bytes can be compared with predicted ones.
-//! With `n` members and `B` the full buffer in bytes (4 per `f32`):
+//! With `n` members and `B` the full buffer in bytes (4 an element, whatever
+//! precision moved: fp32 on the host, bf16 activations through NCCL; a run's
+//! report restates them at the plan's element sizes, `ByteCounts::at_element_size_but`):
 //!
 //! | kind | `B` | bytes sent |
 //! |---|---|---|
@@ -62,6 +64,7 @@ mod thread;
 #[cfg(test)]
 mod tests;
 
+pub(crate) use counts::bytes_of;
 pub use counts::{ByteCounts, KindCount};
 #[cfg(feature = "cuda")]
 pub use nccl::{nccl_available, Elem, NcclBench, NcclComm, NcclError, P2p};

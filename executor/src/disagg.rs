@@ -361,7 +361,7 @@ fn recv_cache<D: Device>(
         let mut buf = r.dev.act_zeros(len * (d + dv)).map_err(&e)?;
         let from = ctx.world_rank(false, i, piece.from)?;
         r.comm.recv_act(&r.dev, (from, KV_AXIS), &mut buf)?;
-        bytes += 4.0 * (len * (d + dv)) as f64;
+        bytes += ctx.decode.model.dtype.size_bytes() as f64 * (len * (d + dv)) as f64;
         let (k, v) = match blocks.entry(piece.layer) {
             std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::btree_map::Entry::Vacant(slot) => {
@@ -445,6 +445,8 @@ fn kv_mismatches(
     run: &DisaggReport,
 ) -> Result<Vec<String>, String> {
     let elem = decode.model.dtype.size_bytes() as f64;
+    // A first token travels as one element of the prefill pool's counts.
+    let token = prefill.model.dtype.size_bytes() as f64;
     let (np, counts) = (run.prefill_ranks, &run.report.counts);
     let (dp_p, dp_d) = (Ctx::dp(prefill), Ctx::dp(decode));
     let (mut sent, mut received) = (vec![0.0; np], vec![0.0; decode.ranks.len()]);
@@ -456,7 +458,7 @@ fn kv_mismatches(
             if replica as usize == i % dp_p {
                 *s += b.sent[r];
                 if pos == recorder(prefill) {
-                    tokens[r] += 4.0 * decode.strategy.tp as f64;
+                    tokens[r] += token * decode.strategy.tp as f64;
                 }
             }
         }

@@ -1219,6 +1219,56 @@ fn run_backend_cpu_bf16_checks_mixed_precision_and_names_plans_it_does_not_run()
         .stderr_has(&["expected cpu, cpu-bf16 or cuda"]);
 }
 
+/// `models/NAME.yaml` in bf16, written to `dir`: its path.
+fn bf16_model(dir: &std::path::Path, name: &str) -> String {
+    let text = std::fs::read_to_string(format!("{ROOT}/models/{name}.yaml")).expect("model");
+    assert!(text.contains("\ndtype: f32\n"), "{name} is an fp32 model");
+    let path = dir.join(format!("{name}-bf16.yaml"));
+    std::fs::write(&path, text.replace("\ndtype: f32\n", "\ndtype: bf16\n")).expect("write");
+    path.display().to_string()
+}
+
+/// A bf16 model's plan prices its traffic in bf16 (and a vocabulary-parallel
+/// loss's statistics and the sampled logits in fp32), while the CPU engines move
+/// every value as fp32: `run --check` compares them element for element, so it
+/// passes on a bf16 model as on an fp32 one, on every engine, and the measured
+/// bytes are half the fp32 model's where the plan's are. (It failed before, every
+/// axis measuring twice the plan.)
+#[test]
+fn run_check_compares_a_bf16_models_bytes_element_for_element() {
+    let dir = temp_dir("cli", "bf16-bytes");
+    let gpt = bf16_model(&dir, "tiny-gpt");
+    let measured = |v: &Value, axis: &str| number(&v["measured"]["comm_bytes_per_gpu"], axis);
+    for cfg in ["dp=2,tp=2,pp=2,cp=1,zero=1", "dp=2,tp=1,pp=2,cp=2,zero=3"] {
+        let name = format!("bf16-{}.json", cfg.replace([',', '='], "_"));
+        let f32_name = format!("f32-{name}");
+        let bf16 = plan_file(&name, &gpt, cfg);
+        let fp32 = plan_file(&f32_name, "models/tiny-gpt.yaml", cfg);
+        let fp32_run = json_of(&meshplan(&["run", fp32.to_str().expect("utf-8"), "--json"]));
+        for backend in ["cpu", "cpu-bf16"] {
+            let path = bf16.to_str().expect("utf-8");
+            let run = meshplan(&["run", path, "--check", "--json", "--backend", backend]);
+            run.expect_code(0);
+            let v = json_of(&run);
+            assert_eq!(v["bytes_match_plan"], true, "{cfg} {backend}: {v}");
+            for axis in ["dp", "pp"] {
+                let (b, f) = (measured(&v, axis), measured(&fp32_run, axis));
+                assert!(
+                    b > 0.0 && b * 2.0 == f,
+                    "{cfg} {backend} {axis}: {b} vs fp32 {f}"
+                );
+            }
+        }
+    }
+    let infer = bf16_model(&dir, "tiny-llama-inference");
+    for cfg in ["dp=2,tp=2,pp=2,cp=1", "dp=1,tp=4,pp=2,cp=1"] {
+        let name = format!("bf16-infer-{}.json", cfg.replace([',', '='], "_"));
+        let plan = plan_file(&name, &infer, cfg);
+        let j = run_checked(plan.to_str().expect("utf-8"), &["--max-new-tokens", "3"]);
+        assert_eq!(j["bytes_match_plan"], true, "{cfg}: {j}");
+    }
+}
+
 // Issue 15 (items 6 and 7): command-line papercuts.
 
 #[test]

@@ -44,11 +44,15 @@ fn deploy(dir: &Path, model: &str, gpus: u64, prefill: &str, decode: &str) -> St
         "kind: inference\nprompt_len: 8\noutput_len: 8\nconcurrency: 2\nserving: {mode: disaggregated, concurrency: {min: 2, max: 2}}\n",
     )
     .expect("workload");
+    let (file, model) = match model.rsplit_once('/') {
+        Some((_, name)) => (model.to_string(), name.trim_end_matches(".yaml")),
+        None => (format!("models/{model}.yaml"), model),
+    };
     let out = dir.join(format!("{model}-{prefill}-{decode}.json").replace(',', "_"));
     let out_s = out.display().to_string();
     meshplan(&[
         "deploy",
-        &format!("models/{model}.yaml"),
+        &file,
         &cluster(dir, gpus),
         "--workload",
         &wl.display().to_string(),
@@ -292,6 +296,36 @@ fn prompts_of_other_lengths_move_their_own_caches() {
         requests(&load(&path)) as f64 * CACHE
     );
     assert!(r.stdout.contains(&line), "{line}\n{}", r.stdout);
+}
+
+/// A bf16 model's pools move their caches in bf16 as the plan prices them: on
+/// both CPU engines (which move fp32) the bytes equal the plan's element for
+/// element, half the fp32 model's cache (hand-worked, see the module doc).
+#[test]
+fn a_bf16_models_caches_compare_with_the_plan_element_for_element() {
+    let dir = temp_dir("bf16");
+    let model = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../models/tiny-llama-inference.yaml"
+    );
+    let text = std::fs::read_to_string(model).expect("model");
+    let model = dir.join("tiny-llama-bf16.yaml");
+    std::fs::write(&model, text.replace("\ndtype: f32\n", "\ndtype: bf16\n")).expect("write");
+    let path = deploy(&dir, &model.display().to_string(), 4, "tp=2", "tp=1");
+    let n = requests(&load(&path)) as f64;
+    for backend in ["cpu", "cpu-bf16"] {
+        let j = run_checked(&path, &["--backend", backend]);
+        assert_eq!(
+            j["bytes_match_plan"], true,
+            "{backend}: {}",
+            j["byte_mismatches"]
+        );
+        assert_eq!(
+            j["kv_transfer_bytes"].as_f64(),
+            Some(n * CACHE / 2.0),
+            "{backend}"
+        );
+    }
 }
 
 /// The requests of a plan's own workload.

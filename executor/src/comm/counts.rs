@@ -105,6 +105,53 @@ impl ByteCounts {
         self.record(CommKind::AllToAllV, axis, payload, sent, 1);
     }
 
+    /// These counts with every element at `elem_bytes` bytes instead of the 4 of
+    /// the `f32` the communicators count in: bytes in the unit of a plan whose
+    /// model is in another dtype, so that a run compares with it element for
+    /// element whatever precision moved (the CPU's fp32, a GPU's bf16 activations).
+    fn at_element_size(mut self, elem_bytes: u64) -> ByteCounts {
+        if elem_bytes == 4 {
+            return self;
+        }
+        for c in self.entries.values_mut() {
+            c.payload_bytes = c.payload_bytes / 4 * elem_bytes;
+            let sent = std::mem::take(&mut c.sent).into_iter();
+            c.sent = sent
+                .map(|(den, num)| (den * 4, num * u128::from(elem_bytes)))
+                .collect();
+        }
+        self
+    }
+
+    /// [`Self::at_element_size`] for all but `fixed`, a part of these counts
+    /// (recorded twice) that the plan prices at 4 bytes an element whatever the
+    /// model's dtype: a vocabulary-parallel loss's fp32 statistics.
+    pub fn at_element_size_but(self, elem_bytes: u64, fixed: &ByteCounts) -> ByteCounts {
+        if elem_bytes == 4 {
+            return self;
+        }
+        let mut rest = self;
+        for (key, f) in &fixed.entries {
+            if let Some(c) = rest.entries.get_mut(key) {
+                c.payload_bytes = c.payload_bytes.saturating_sub(f.payload_bytes);
+                for (den, num) in &f.sent {
+                    if let Some(n) = c.sent.get_mut(den) {
+                        *n = n.saturating_sub(*num);
+                    }
+                }
+            }
+        }
+        let mut out = rest.at_element_size(elem_bytes);
+        for (key, f) in &fixed.entries {
+            let c = out.entries.entry(key.clone()).or_default();
+            c.payload_bytes += f.payload_bytes;
+            for (&den, &num) in &f.sent {
+                *c.sent.entry(den).or_insert(0) += num;
+            }
+        }
+        out
+    }
+
     /// Every (kind, axis, count), ordered by kind then axis.
     pub fn iter(&self) -> impl Iterator<Item = (CommKind, &str, &KindCount)> {
         self.entries

@@ -798,3 +798,27 @@ fn counts_merge_and_plan_kinds() {
     );
     assert_eq!(CommKind::Recv.plan_kind(), None);
 }
+
+/// An All-Reduce of 8 fp32 elements over 4 members on `tp` (`B` = 32 bytes, sent
+/// `2 * 3/4 * 32` = 48) and one of 2 elements the plan prices in fp32 (`B` = 8,
+/// sent 12), restated for a bf16 plan (hand-worked): the first at 2 bytes an
+/// element, 24, the fixed one as it was, 12; 36 in all. At fp32 nothing changes.
+#[test]
+fn counts_restate_at_the_plans_element_size_but_what_it_prices_in_fp32() {
+    let mut all = ByteCounts::new();
+    all.record_ring(CommKind::AllReduce, "tp", 4, bytes_of(8));
+    all.record_ring(CommKind::AllReduce, "tp", 4, bytes_of(2));
+    all.record_p2p(CommKind::Send, "pp", bytes_of(5));
+    let mut fixed = ByteCounts::new();
+    fixed.record_ring(CommKind::AllReduce, "tp", 4, bytes_of(2));
+    assert_eq!(all.axis_bytes_sent("tp"), 60.0);
+    let bf16 = all.clone().at_element_size_but(2, &fixed);
+    assert_eq!(bf16.axis_bytes_sent_exact("tp"), Some((36, 1)));
+    assert_eq!(bf16.axis_bytes_sent("pp"), 10.0);
+    assert_eq!(bf16.calls(CommKind::AllReduce, "tp"), 2);
+    assert_eq!(
+        bf16.get(CommKind::AllReduce, "tp").map(|c| c.payload_bytes),
+        Some(8 * 2 + 2 * 4)
+    );
+    assert_eq!(all.clone().at_element_size_but(4, &fixed), all);
+}

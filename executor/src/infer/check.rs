@@ -224,7 +224,7 @@ impl PoolBytes<'_> {
             for ax in Axis::ALL {
                 let mut want = passes * p.get(ax) + steps * d.get(ax);
                 if ax == Axis::Pp && pp > 1 && program.stage + 1 == pp as u64 {
-                    want += steps * served as f64 * 4.0;
+                    want += steps * served as f64 * plan.model.dtype.size_bytes() as f64;
                 }
                 let mut got = counts.axis_bytes_sent(ax.name());
                 if ax == Axis::Ep {

@@ -604,6 +604,9 @@ pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     /// Expert-parallel bytes of passes whose exchange follows the router: (sent,
     /// the plan's figure for those passes).
     routed_ep: (f64, f64),
+    /// What of the communicator's counts the plan prices in fp32 whatever the
+    /// model's dtype: the sampled positions' logits.
+    f32_priced: ByteCounts,
     prefill: &'a Phase,
     decode: &'a Phase,
     opts: &'a InferOptions,

@@ -58,6 +58,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             ep,
             ep_group,
             routed_ep: (0.0, 0.0),
+            f32_priced: ByteCounts::new(),
             prefill: phase(PhaseKind::Prefill)?,
             decode: phase(PhaseKind::Decode)?,
             opts,
@@ -275,7 +276,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             elapsed,
             kv_bytes,
             weight_bytes,
-            counts: self.comm.counts(),
+            counts: self.counts(),
             routed_ep: self.routed_ep,
         }
     }
@@ -351,9 +352,17 @@ impl<'a, D: Device> InferRank<'a, D> {
         Ok(())
     }
 
+    /// What this rank has sent, at the plan's element size.
+    fn counts(&self) -> ByteCounts {
+        let elem = self.plan.model.dtype.size_bytes();
+        self.comm
+            .counts()
+            .at_element_size_but(elem, &self.f32_priced)
+    }
+
     /// Bytes this rank has sent over the expert axis.
     pub(super) fn ep_sent(&self) -> f64 {
-        self.comm.counts().axis_bytes_sent(Axis::Ep.name())
+        self.counts().axis_bytes_sent(Axis::Ep.name())
     }
 
     /// Prefills request `i` into local slot `j`: its KV cache entries on this rank,
@@ -500,6 +509,8 @@ impl<'a, D: Device> InferRank<'a, D> {
         }
         let mut gathered = vec![0.0f32; local.len() * g.size()];
         self.comm.all_gather(&g, "tp", &local, &mut gathered)?;
+        let bytes = crate::comm::bytes_of(gathered.len());
+        (self.f32_priced).record_ring(CommKind::AllGather, "tp", g.size(), bytes);
         let mut full = vec![0.0f32; b * self.vocab];
         for t in 0..g.size() {
             for r in 0..b {

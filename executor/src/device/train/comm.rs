@@ -465,6 +465,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             .ok_or_else(|| fail(format!("`{name}`: no {stat:?} to sum")))?;
         let r = self.comm.all_reduce_start(&self.dev, (g, axis), buf)?;
         let mut sum = self.comm.all_reduce_finish(&self.dev, r)?;
+        let bytes = crate::comm::bytes_of(D::f32_len(&sum));
+        (self.meter.f32_priced).record_ring(CommKind::AllReduce, axis, g.size(), bytes);
         let e = derr(name);
         let logits = self.act(t, l, op.inputs[0])?;
         let rows = self.rows();

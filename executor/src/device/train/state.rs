@@ -87,6 +87,9 @@ pub(super) struct Meter<D: Device> {
     pub(super) device_peak: Option<u64>,
     /// Dispatch slots routed, and dropped over an expert capacity.
     pub(super) expert_slots: (u64, u64),
+    /// What of the communicator's counts the plan prices in fp32 whatever the
+    /// model's dtype: the loss statistics.
+    pub(super) f32_priced: crate::comm::ByteCounts,
 }
 
 impl<D: Device> Weights<D> {
@@ -144,6 +147,7 @@ impl<D: Device> Meter<D> {
             losses: Vec::new(),
             device_peak: None,
             expert_slots: (0, 0),
+            f32_priced: crate::comm::ByteCounts::new(),
         }
     }
 }
