@@ -29,6 +29,25 @@ impl KindCount {
             .sum()
     }
 
+    fn merge(&mut self, other: &KindCount) {
+        self.calls += other.calls;
+        self.payload_bytes += other.payload_bytes;
+        for (&den, &num) in &other.sent {
+            *self.sent.entry(den).or_insert(0) += num;
+        }
+    }
+
+    /// Takes `part`, counted into these before, back out: [`Self::merge`]'s inverse.
+    fn take_out(&mut self, part: &KindCount) {
+        self.calls = self.calls.saturating_sub(part.calls);
+        self.payload_bytes = self.payload_bytes.saturating_sub(part.payload_bytes);
+        for (den, num) in &part.sent {
+            if let Some(n) = self.sent.get_mut(den) {
+                *n = n.saturating_sub(*num);
+            }
+        }
+    }
+
     fn add(&mut self, payload_bytes: u64, sent_num: u128, sent_den: u64) {
         self.calls += 1;
         self.payload_bytes += payload_bytes;
@@ -133,23 +152,19 @@ impl ByteCounts {
         let mut rest = self;
         for (key, f) in &fixed.entries {
             if let Some(c) = rest.entries.get_mut(key) {
-                c.payload_bytes = c.payload_bytes.saturating_sub(f.payload_bytes);
-                for (den, num) in &f.sent {
-                    if let Some(n) = c.sent.get_mut(den) {
-                        *n = n.saturating_sub(*num);
-                    }
-                }
+                c.take_out(f);
             }
         }
         let mut out = rest.at_element_size(elem_bytes);
-        for (key, f) in &fixed.entries {
-            let c = out.entries.entry(key.clone()).or_default();
-            c.payload_bytes += f.payload_bytes;
-            for (&den, &num) in &f.sent {
-                *c.sent.entry(den).or_insert(0) += num;
-            }
-        }
+        out.merge(fixed);
         out
+    }
+
+    /// Adds another rank's (or phase's) counts to these.
+    pub fn merge(&mut self, other: &ByteCounts) {
+        for (key, count) in &other.entries {
+            self.entries.entry(key.clone()).or_default().merge(count);
+        }
     }
 
     /// Every (kind, axis, count), ordered by kind then axis.
@@ -202,7 +217,7 @@ pub(crate) fn ring_bytes(kind: CommKind, n: usize, payload: u64) -> (u128, u64) 
     }
 }
 
-/// Exact sums, lookups and merging, which only the tests use.
+/// Exact sums and lookups, which only the tests use.
 #[cfg(test)]
 mod test_only {
     use super::{ByteCounts, CommKind, KindCount};
@@ -217,14 +232,6 @@ mod test_only {
                 acc = add_fraction(acc, (num, u128::from(den)))?;
             }
             Some(acc)
-        }
-
-        fn merge(&mut self, other: &KindCount) {
-            self.calls += other.calls;
-            self.payload_bytes += other.payload_bytes;
-            for (&den, &num) in &other.sent {
-                *self.sent.entry(den).or_insert(0) += num;
-            }
         }
     }
 
@@ -289,13 +296,6 @@ mod test_only {
                 *slot += bytes;
             }
             Ok(out)
-        }
-
-        /// Adds another rank's (or phase's) counts to these.
-        pub fn merge(&mut self, other: &ByteCounts) {
-            for (key, count) in &other.entries {
-                self.entries.entry(key.clone()).or_default().merge(count);
-            }
         }
     }
 }

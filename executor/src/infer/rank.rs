@@ -343,7 +343,7 @@ impl<'a, D: Device> InferRank<'a, D> {
     /// the router, with the plan's figure for the pass.
     pub(super) fn run_counted(&mut self, phase: &Phase, batch: &Batch) -> Result<(), RankError> {
         let routed = self.routed(batch.routing);
-        let before = self.ep_sent();
+        let before = if routed { self.ep_sent() } else { 0.0 };
         self.run_phase(phase, batch)?;
         if routed {
             self.routed_ep.0 += self.ep_sent() - before;
