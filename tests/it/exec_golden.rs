@@ -4,9 +4,23 @@
 //! axis, and its expert routing. A new interpreter must reproduce them exactly; the
 //! files are written by the interpreter that was current when they were recorded
 //! (`UPDATE_GOLDEN=1` rewrites them, which a change of results must justify).
+//!
+//! A GEMM's sums round differently with the vector width of its kernels, so the
+//! fingerprints hold bitwise only among CPUs that take the same GEMM kernels
+//! ([`gemm_isa`]). `exec/NAME.txt` is the base set, recorded with the AVX2/FMA
+//! kernels; `exec/ISA/NAME.txt` holds a run's fingerprint under other kernels
+//! where it differs from the base (about a third of the runs under AVX-512; the
+//! rest do not change). Recording results that changed therefore takes two runs
+//! on an AVX-512 CPU, the base first:
+//!
+//! ```sh
+//! UPDATE_GOLDEN=1 cargo test --release -p meshplan-tests --no-default-features --test it
+//! UPDATE_GOLDEN=1 cargo test --release -p meshplan-tests --test it
+//! ```
 
 use meshplan_executor::comm::ByteCounts;
 use meshplan_executor::infer::InferReport;
+use meshplan_executor::kernels::cpu::gemm_isa;
 use meshplan_executor::train::TrainReport;
 use sha2::{Digest, Sha256};
 use std::fmt::Write;
@@ -135,5 +149,63 @@ fn compare(name: &str, text: &str) {
             _ => '_',
         })
         .collect();
-    crate::draw::golden(&format!("exec/{safe}.txt"), text);
+    let base = format!("exec/{safe}.txt");
+    let isa = gemm_isa();
+    if isa == BASE_ISA {
+        return crate::draw::golden(&base, text);
+    }
+    let own = format!("exec/{isa}/{safe}.txt");
+    let own_path = golden_path(&own);
+    if std::env::var_os("UPDATE_GOLDEN").is_some() {
+        let recorded = std::fs::read_to_string(golden_path(&base)).unwrap_or_else(|e| {
+            panic!(
+                "{base}: {e}; record the base set first, with the {BASE_ISA} GEMM kernels: \
+                 UPDATE_GOLDEN=1 cargo test --release -p meshplan-tests --no-default-features --test it"
+            )
+        });
+        if recorded == text {
+            if own_path.exists() {
+                std::fs::remove_file(&own_path).expect("remove a golden equal to the base");
+            }
+        } else {
+            crate::draw::golden(&own, text);
+        }
+        return;
+    }
+    crate::draw::golden(if own_path.exists() { &own } else { &base }, text);
+}
+
+/// The GEMM kernels the base set of fingerprints was recorded with.
+const BASE_ISA: &str = "fma";
+
+fn golden_path(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/data/golden")).join(name)
+}
+
+/// Each fingerprint recorded under other GEMM kernels than the base's differs from
+/// the base fingerprint of its run, which exists: an override equal to its base, or
+/// one whose base was renamed or deleted, is a stale file.
+#[test]
+fn every_per_kernel_fingerprint_differs_from_an_existing_base() {
+    let root = golden_path("exec");
+    let mut seen = 0;
+    for dir in std::fs::read_dir(&root).expect("exec goldens") {
+        let dir = dir.expect("entry").path();
+        if !dir.is_dir() {
+            continue;
+        }
+        for file in std::fs::read_dir(&dir).expect("a kernel's goldens") {
+            let file = file.expect("entry").path();
+            let name = file.file_name().expect("name");
+            let base = std::fs::read_to_string(root.join(name))
+                .unwrap_or_else(|e| panic!("{}: no base fingerprint: {e}", file.display()));
+            let own = std::fs::read_to_string(&file).expect("read");
+            assert_ne!(own, base, "{} equals its base: delete it", file.display());
+            seen += 1;
+        }
+    }
+    assert!(
+        seen > 0,
+        "the AVX-512 fingerprints are recorded under exec/avx512f"
+    );
 }

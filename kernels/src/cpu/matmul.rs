@@ -15,6 +15,38 @@ pub enum Transpose {
     Yes,
 }
 
+/// The kernels `gemm` runs f32 products with on this CPU, named after its own
+/// dispatch (which it does not expose): `avx512f` (with the `x86-v4` feature on a
+/// CPU that has AVX-512F), `fma` (AVX2 and FMA), `neon` or `scalar`. Results are
+/// bitwise the same among CPUs that take the same kernels and round differently
+/// between them, since the vector width changes how a product's sums are split.
+pub fn gemm_isa() -> &'static str {
+    #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
+    {
+        #[cfg(feature = "x86-v4")]
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            return "avx512f";
+        }
+        if std::arch::is_x86_feature_detected!("fma") {
+            "fma"
+        } else {
+            "scalar"
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            "neon"
+        } else {
+            "scalar"
+        }
+    }
+    #[cfg(not(any(target_arch = "x86", target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        "scalar"
+    }
+}
+
 /// One product of a grouped GEMM, placed in larger buffers:
 /// `c[c_off..][m, n] = op(a[a_off..]) op(b[b_off..])` with `op(a)` of shape
 /// `[m, k]` and `op(b)` of shape `[k, n]` (routed experts: each expert's rows of one
