@@ -401,6 +401,27 @@ pub trait Communicator: Send {
     /// match).
     fn recv(&mut self, peer: usize, axis: &str, buf: &mut [f32]) -> Result<(), CommError>;
 
+    /// Sends each `sends[i].1` to global rank `sends[i].0` and receives the next
+    /// message from each `recvs[j].0` into `recvs[j].1`, as one exchange: a
+    /// communicator whose sends wait for their receives (as NCCL's may) posts them
+    /// all before waiting on any, so that two ranks that each send to the other
+    /// before they receive do not deadlock. The default sends, then receives, which
+    /// suits sends that only queue.
+    fn p2p_group(
+        &mut self,
+        axis: &str,
+        sends: &[(usize, &[f32])],
+        recvs: &mut [(usize, &mut [f32])],
+    ) -> Result<(), CommError> {
+        for (to, x) in sends {
+            self.send(*to, axis, x)?;
+        }
+        for (from, x) in recvs {
+            self.recv(*from, axis, x)?;
+        }
+        Ok(())
+    }
+
     /// Returns once every member has entered the barrier.
     fn barrier(&mut self, group: &Group) -> Result<(), CommError>;
 

@@ -34,6 +34,22 @@ pub enum Schedule {
     Interleaved,
 }
 
+impl Schedule {
+    /// The forwards pipeline stage `stage` runs before its steady state, where it
+    /// alternates one forward and one backward, of `total` forwards in all
+    /// (micro-batches x chunks): Megatron-LM's warm-up, `pp - stage - 1` stages
+    /// later, or `2 (pp - stage - 1) + (vpp - 1) pp` interleaved. GPipe runs every
+    /// forward first.
+    pub fn warmup_forwards(self, pp: usize, vpp: usize, stage: usize, total: usize) -> usize {
+        let later = pp.saturating_sub(stage + 1);
+        match self {
+            Schedule::Gpipe => total,
+            _ if vpp <= 1 => later.min(total),
+            _ => (later * 2 + (vpp - 1) * pp).min(total),
+        }
+    }
+}
+
 /// Attention kernel: a flash kernel (no score matrix in memory, causal half skipped)
 /// or the unfused batched-GEMM + softmax form (score matrix materialised).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -433,5 +449,26 @@ impl fmt::Display for ParallelConfig {
             write!(f, ",attn=unfused")?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Schedule;
+
+    /// Megatron-LM's warm-up counts, by hand: 1F1B over pp=4 with 8 micro-batches
+    /// runs 3, 2, 1, 0 forwards first; interleaved over pp=4, vpp=2 with 4
+    /// micro-batches (8 forwards) runs 2*3+4 = 10 capped at 8, 2*2+4 = 8, 2+4 = 6
+    /// and 4; GPipe all of them.
+    #[test]
+    fn warmup_forwards_are_megatrons() {
+        let one = Schedule::OneFOneB;
+        let counts: Vec<usize> = (0..4).map(|s| one.warmup_forwards(4, 1, s, 8)).collect();
+        assert_eq!(counts, [3, 2, 1, 0]);
+        assert_eq!(one.warmup_forwards(4, 1, 0, 2), 2);
+        let il = Schedule::Interleaved;
+        let counts: Vec<usize> = (0..4).map(|s| il.warmup_forwards(4, 2, s, 8)).collect();
+        assert_eq!(counts, [8, 8, 6, 4]);
+        assert_eq!(Schedule::Gpipe.warmup_forwards(4, 1, 3, 8), 8);
     }
 }

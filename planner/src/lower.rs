@@ -831,11 +831,7 @@ fn initial_order(
                 }
                 g += 1;
             }
-            let warmup = if vpp == 1 {
-                (pp - stage - 1).min(total)
-            } else {
-                ((pp - stage - 1) * 2 + (vpp - 1) * pp).min(total)
-            };
+            let warmup = schedule.warmup_forwards(pp, vpp, stage, total);
             order.extend_from_slice(&fwd[..warmup]);
             for k in 0..total - warmup {
                 order.push(fwd[warmup + k]);

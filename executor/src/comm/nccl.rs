@@ -614,6 +614,83 @@ impl Communicator for NcclComm {
         Ok(())
     }
 
+    fn p2p_group(
+        &mut self,
+        axis: &str,
+        sends: &[(usize, &[f32])],
+        recvs: &mut [(usize, &mut [f32])],
+    ) -> Result<(), CommError> {
+        for &(to, _) in sends {
+            self.check_peer(CommKind::Send, to)?;
+        }
+        for (from, _) in recvs.iter() {
+            self.check_peer(CommKind::Recv, *from)?;
+        }
+        self.check_aborted(CommKind::Send, axis, "p2p")?;
+        let comm = self.world_comm.0;
+        self.run(CommKind::Send, |s| {
+            let src = sends
+                .iter()
+                .map(|(_, x)| s.stage(x.len(), Some(x)))
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut dst = recvs
+                .iter()
+                .map(|(_, x)| s.stage(x.len(), None))
+                .collect::<Result<Vec<_>, _>>()?;
+            // One group: sends and receives that wait on each other across two
+            // ranks all complete.
+            nccl_call("ncclGroupStart", result::group_start())?;
+            let mut status = Ok(());
+            for ((to, x), d) in sends.iter().zip(&src) {
+                // SAFETY: `d` holds `x.len()` floats and lives past the sync.
+                status = status.and_then(|()| {
+                    nccl_call("ncclSend", unsafe {
+                        result::send(
+                            ptr(d, &s.stream, 0),
+                            x.len(),
+                            F32,
+                            *to as i32,
+                            comm,
+                            s.raw_stream(),
+                        )
+                    })
+                });
+            }
+            for ((from, x), d) in recvs.iter().zip(dst.iter_mut()) {
+                // SAFETY: as for a send.
+                status = status.and_then(|()| {
+                    nccl_call("ncclRecv", unsafe {
+                        result::recv(
+                            ptr_mut(d, &s.stream, 0),
+                            x.len(),
+                            F32,
+                            *from as i32,
+                            comm,
+                            s.raw_stream(),
+                        )
+                    })
+                });
+            }
+            // Always close the group, even after a failed enqueue.
+            let end = nccl_call("ncclGroupEnd", result::group_end());
+            status?;
+            end?;
+            for ((_, x), d) in recvs.iter_mut().zip(&dst) {
+                s.fetch(d, x)?;
+            }
+            Ok(())
+        })?;
+        for (_, x) in sends {
+            self.counts
+                .record_p2p(CommKind::Send, axis, bytes_of(x.len()));
+        }
+        for (_, x) in recvs.iter() {
+            self.counts
+                .record_p2p(CommKind::Recv, axis, bytes_of(x.len()));
+        }
+        Ok(())
+    }
+
     fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
         let kind = CommKind::Barrier;
         let (_, comm) = self.group_comm(group, kind, &group.id)?;

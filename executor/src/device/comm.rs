@@ -42,19 +42,19 @@ pub trait DeviceComm<D: Device + ?Sized>: Communicator {
     /// Receives `out` (its length) from rank `peer`, counted under `axis`.
     fn recv_act(&mut self, dev: &D, from: (usize, &str), out: &mut D::Act) -> CResult<()>;
 
-    /// Sends `send` whole to rank `to` and receives `recv` from rank `from`, as one
-    /// exchange (a ring's step: on NCCL one group, so that neither waits on the
-    /// other). The default sends, then receives.
+    /// Sends each `(to, x, (off, n))` of `sends` (`x[off..off + n]` to rank `to`)
+    /// and receives each `(from, out)` of `recvs` (`out`'s length from rank
+    /// `from`), as one exchange: a ring's step, or a pipeline schedule's exchange
+    /// point. On NCCL one group, so that two ranks that each send to the other
+    /// before they receive do not wait on each other (see
+    /// [`Communicator::p2p_group`]).
     fn exchange_act(
         &mut self,
         dev: &D,
         axis: &str,
-        (to, send): (usize, &D::Act),
-        (from, recv): (usize, &mut D::Act),
-    ) -> CResult<()> {
-        self.send_act(dev, (to, axis), send, (0, D::act_len(send)))?;
-        self.recv_act(dev, (from, axis), recv)
-    }
+        sends: &[Sent<'_, D>],
+        recvs: &mut [Recvd<'_, D>],
+    ) -> CResult<()>;
 
     /// All-to-All with uneven splits over `on`: `send.1[j]` elements of `send.0` to
     /// member `j`, `recv.1[i]` from member `i` into `recv.0`, both in group order
@@ -78,6 +78,12 @@ pub trait DeviceComm<D: Device + ?Sized>: Communicator {
     /// member's updated parameters).
     fn f32_collective(&mut self, dev: &D, k: Kind<'_>, x: &D::F32, y: &mut D::F32) -> CResult<()>;
 }
+
+/// A part of a buffer sent in an exchange: to whom, the buffer, `(offset, length)`.
+pub type Sent<'a, D> = (usize, &'a <D as Device>::Act, (usize, usize));
+
+/// A buffer received in an exchange, and from whom.
+pub type Recvd<'a, D> = (usize, &'a mut <D as Device>::Act);
 
 /// A reduce-scatter or an all-gather, and where it runs.
 pub type Kind<'a> = (CommKind, On<'a>);
@@ -128,12 +134,16 @@ pub(crate) fn send_part(
     comm: &mut (impl Communicator + ?Sized),
     to: (usize, &str),
     x: &[f32],
-    (off, len): (usize, usize),
+    part: (usize, usize),
 ) -> CResult<()> {
-    let part = x.get(off..off + len).ok_or_else(|| CommError::Internal {
+    comm.send(to.0, to.1, part_of(x, part)?)
+}
+
+/// `x[off..off + len]`, or an error naming a range `x` does not hold.
+pub(crate) fn part_of(x: &[f32], (off, len): (usize, usize)) -> CResult<&[f32]> {
+    x.get(off..off + len).ok_or_else(|| CommError::Internal {
         detail: format!("sending {off}..{} of {}", off + len, x.len()),
-    })?;
-    comm.send(to.0, to.1, part)
+    })
 }
 
 /// A host device's buffer.
@@ -171,6 +181,23 @@ impl<H: HostPrecision> DeviceComm<H> for dyn Communicator {
     }
     fn recv_act(&mut self, _: &H, from: (usize, &str), out: &mut Vec<f32>) -> CResult<()> {
         self.recv(from.0, from.1, out)
+    }
+    fn exchange_act(
+        &mut self,
+        _: &H,
+        axis: &str,
+        sends: &[Sent<'_, H>],
+        recvs: &mut [Recvd<'_, H>],
+    ) -> CResult<()> {
+        let parts = sends
+            .iter()
+            .map(|&(to, x, part)| Ok((to, part_of(x, part)?)))
+            .collect::<CResult<Vec<_>>>()?;
+        let mut into: Vec<(usize, &mut [f32])> = recvs
+            .iter_mut()
+            .map(|(from, x)| (*from, x.as_mut_slice()))
+            .collect();
+        self.p2p_group(axis, &parts, &mut into)
     }
     fn all_to_all_v_act(
         &mut self,

@@ -105,12 +105,13 @@ impl NcclComm {
         Ok(done)
     }
 
-    /// Point-to-point transfers of bf16 device buffers (pipeline boundaries, ring
-    /// attention's blocks) as one NCCL group on the communication stream, after
-    /// `ready`: a ring's send to the next rank and receive from the previous one
-    /// complete together instead of waiting on each other. The returned event
-    /// marks the group's end; the buffers stay alive and unwritten until it has
-    /// passed. Bytes counted at two per element, as the host p2p counts its own.
+    /// Point-to-point transfers of bf16 device buffers (a pipeline schedule's
+    /// exchange point, ring attention's blocks) as one NCCL group on the
+    /// communication stream, after `ready`: sends and receives that wait on each
+    /// other across ranks complete together. The returned event marks the group's
+    /// end; the buffers stay alive and unwritten until it has passed. Bytes counted
+    /// at four per element, as every communicator counts (a run's report restates
+    /// them at the plan's dtype).
     pub fn p2p_bf16_device_start(
         &mut self,
         axis: &str,

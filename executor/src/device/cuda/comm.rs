@@ -5,7 +5,9 @@
 
 use super::{CudaDevice, A, F};
 use crate::comm::{ByteCounts, CommError, CommKind, Communicator, Group, NcclComm, P2p};
-use crate::device::comm::{host_collective, internal, send_part, CResult, DeviceComm, Kind, On};
+use crate::device::comm::{
+    host_collective, internal, part_of, send_part, CResult, DeviceComm, Kind, On, Recvd, Sent,
+};
 use crate::device::Device;
 use meshplan_kernels::cuda::bf16;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice};
@@ -89,6 +91,14 @@ impl Communicator for CudaComm {
     }
     fn recv(&mut self, peer: usize, axis: &str, buf: &mut [f32]) -> CResult<()> {
         self.host_mut().recv(peer, axis, buf)
+    }
+    fn p2p_group(
+        &mut self,
+        axis: &str,
+        sends: &[(usize, &[f32])],
+        recvs: &mut [(usize, &mut [f32])],
+    ) -> CResult<()> {
+        self.host_mut().p2p_group(axis, sends, recvs)
     }
     fn barrier(&mut self, group: &Group) -> CResult<()> {
         self.host_mut().barrier(group)
@@ -213,20 +223,34 @@ impl DeviceComm<CudaDevice> for CudaComm {
         &mut self,
         dev: &CudaDevice,
         axis: &str,
-        (to, send): (usize, &CudaSlice<bf16>),
-        (from, recv): (usize, &mut CudaSlice<bf16>),
+        sends: &[Sent<'_, CudaDevice>],
+        recvs: &mut [Recvd<'_, CudaDevice>],
     ) -> CResult<()> {
         if let CudaComm::Nccl(nccl) = self {
-            let n = send.len();
-            return p2p(
-                dev,
-                nccl,
-                axis,
-                &mut [P2p::Send(to, send, (0, n)), P2p::Recv(from, recv)],
-            );
+            let mut ops: Vec<P2p<'_>> = sends
+                .iter()
+                .map(|&(to, x, part)| P2p::Send(to, x, part))
+                .collect();
+            ops.extend(recvs.iter_mut().map(|(from, x)| P2p::Recv(*from, x)));
+            return p2p(dev, nccl, axis, &mut ops);
         }
-        self.send_act(dev, (to, axis), send, (0, send.len()))?;
-        self.recv_act(dev, (from, axis), recv)
+        let mut down = Vec::with_capacity(sends.len());
+        for &(to, x, part) in sends {
+            let h = dev.act_download(x).map_err(internal)?;
+            down.push((to, part_of(&h, part)?.to_vec()));
+        }
+        let parts: Vec<(usize, &[f32])> = down.iter().map(|(to, h)| (*to, h.as_slice())).collect();
+        let mut got: Vec<Vec<f32>> = recvs.iter().map(|(_, x)| vec![0.0; x.len()]).collect();
+        let mut into: Vec<(usize, &mut [f32])> = recvs
+            .iter()
+            .zip(got.iter_mut())
+            .map(|((from, _), g)| (*from, g.as_mut_slice()))
+            .collect();
+        self.host_mut().p2p_group(axis, &parts, &mut into)?;
+        for ((_, x), g) in recvs.iter_mut().zip(&got) {
+            upload_act(dev, g, x)?;
+        }
+        Ok(())
     }
     fn all_to_all_v_act(
         &mut self,

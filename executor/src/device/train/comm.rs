@@ -4,6 +4,7 @@
 //! (in `zero3.rs`), pipeline stage boundaries and ring attention's passes.
 
 use super::*;
+use crate::device::comm::{Recvd, Sent};
 use crate::device::forward::AttnMask;
 use crate::device::walk::Coll;
 use crate::device::{act_collected, CeOut, DeviceComm, Merge, On};
@@ -43,8 +44,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         block: &D::Act,
     ) -> Result<D::Act, RankError> {
         let mut passed = self.zeros(D::act_len(block))?;
-        self.comm
-            .exchange_act(&self.dev, "cp", (next, block), (prev, &mut passed))?;
+        let whole = (0, D::act_len(block));
+        self.comm.exchange_act(
+            &self.dev,
+            "cp",
+            &[(next, block, whole)],
+            &mut [(prev, &mut passed)],
+        )?;
         Ok(passed)
     }
 
@@ -174,8 +180,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             self.comm.exchange_act(
                 &self.dev,
                 "cp",
-                (g.ranks[to], &grads[to]),
-                (g.ranks[from], &mut buf),
+                &[(g.ranks[to], &grads[to], (0, len))],
+                &mut [(g.ranks[from], &mut buf)],
             )?;
             got[from] = Some(buf);
         }
@@ -199,9 +205,10 @@ impl<'a, D: Device> DevRank<'a, D> {
         (bytes / self.plan.model.dtype.size_bytes() as f64) as usize
     }
 
-    /// Sends the stage boundary (the hidden states forward, their gradient
-    /// backward) to stage `stage`: whole, or this tensor rank's slice of it when
-    /// the plan scatters the boundary over the tensor axis (the receiver gathers).
+    /// Holds the stage boundary (the hidden states forward, their gradient
+    /// backward) for stage `stage` until the schedule's next exchange point
+    /// ([`Boundaries`]): whole, or this tensor rank's slice of it when the plan
+    /// scatters the boundary over the tensor axis (the receiver gathers).
     pub(super) fn send_boundary(
         &mut self,
         stage: u64,
@@ -210,14 +217,13 @@ impl<'a, D: Device> DevRank<'a, D> {
     ) -> Result<(), RankError> {
         let peer = self.peer(stage)?;
         let n = self.boundary_len(bytes);
-        let m0 = self.mark()?;
-        let x: &D::Act = if grad {
-            self.grad_hidden.as_ref()
+        let x = if grad {
+            self.grad_hidden.take().map(Arc::new)
         } else {
-            self.hidden.as_deref()
+            self.hidden.clone()
         }
         .ok_or_else(|| fail("no boundary to send"))?;
-        let len = D::act_len(x);
+        let len = D::act_len(&x);
         let off = if n == len {
             0
         } else if n * self.tp.size == len {
@@ -228,30 +234,86 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.tp.size
             )));
         };
-        self.comm.send_act(&self.dev, (peer, "pp"), x, (off, n))?;
-        let args = serde_json::json!({"step": self.meter.step_no, "bytes": bytes, "peer": peer});
-        self.span(m0, format!("send to stage {stage}"), "p2p", args)
+        self.boundaries.held.push(HeldSend {
+            stage,
+            peer,
+            x,
+            part: (off, n),
+        });
+        Ok(())
     }
 
-    /// Receives the stage boundary from stage `stage`.
+    /// Takes the stage boundary from stage `stage`, received at the exchange point
+    /// before this task.
     pub(super) fn recv_boundary(
         &mut self,
         stage: u64,
         bytes: f64,
         grad: bool,
     ) -> Result<(), RankError> {
-        let peer = self.peer(stage)?;
         let n = self.boundary_len(bytes);
-        let m0 = self.mark()?;
-        let mut x = self.zeros(n)?;
-        self.comm.recv_act(&self.dev, (peer, "pp"), &mut x)?;
+        let x = self.boundaries.posted.pop_front().ok_or_else(|| {
+            fail(format!(
+                "a receive from stage {stage} that no exchange point posted"
+            ))
+        })?;
+        if D::act_len(&x) != n {
+            return Err(fail(format!(
+                "the boundary received from stage {stage} holds {} values, the task takes {n}",
+                D::act_len(&x)
+            )));
+        }
         if grad {
             self.grad_hidden = Some(x);
         } else {
             self.hidden = Some(Arc::new(x));
         }
-        let args = serde_json::json!({"step": self.meter.step_no, "bytes": bytes, "peer": peer});
-        self.span(m0, format!("recv from stage {stage}"), "p2p", args)
+        Ok(())
+    }
+
+    /// An exchange point of the schedule: the boundaries held since the last one
+    /// go out, and the boundaries that `next` (tasks of the phase's schedule) open
+    /// with come in, as one exchange.
+    pub(super) fn exchange_boundaries(
+        &mut self,
+        phase: &Phase,
+        next: Option<&std::ops::Range<usize>>,
+    ) -> Result<(), RankError> {
+        let mut recvs = Vec::new();
+        for ti in next.cloned().unwrap_or_default() {
+            if let Some(Instr::Recv {
+                peer_stage, bytes, ..
+            }) = task_list(phase, &phase.schedule[ti])?.first()
+            {
+                let n = self.boundary_len(*bytes);
+                recvs.push((*peer_stage, self.peer(*peer_stage)?, self.zeros(n)?));
+            }
+        }
+        let held = std::mem::take(&mut self.boundaries.held);
+        if held.is_empty() && recvs.is_empty() {
+            return Ok(());
+        }
+        let m0 = self.mark()?;
+        let sends: Vec<Sent<'_, D>> = held.iter().map(|h| (h.peer, &*h.x, h.part)).collect();
+        let mut into: Vec<Recvd<'_, D>> = recvs.iter_mut().map(|r| (r.1, &mut r.2)).collect();
+        self.comm.exchange_act(&self.dev, "pp", &sends, &mut into)?;
+        let mut name: Vec<String> = held
+            .iter()
+            .map(|h| format!("send to stage {}", h.stage))
+            .collect();
+        name.extend(recvs.iter().map(|r| format!("recv from stage {}", r.0)));
+        let sent: usize = held.iter().map(|h| h.part.1).sum();
+        let got: usize = recvs.iter().map(|r| D::act_len(&r.2)).sum();
+        let elem = self.plan.model.dtype.size_bytes() as usize;
+        let args = serde_json::json!({
+            "step": self.meter.step_no,
+            "bytes": (sent + got) * elem,
+            "peers": held.iter().map(|h| h.peer).chain(recvs.iter().map(|r| r.1)).collect::<Vec<_>>(),
+        });
+        self.boundaries
+            .posted
+            .extend(recvs.into_iter().map(|r| r.2));
+        self.span(m0, name.join(", "), "p2p", args)
     }
 
     /// Gathers a boundary received in tensor-rank slices.

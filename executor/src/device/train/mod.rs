@@ -22,8 +22,8 @@ use crate::train::{
 use crate::Stat;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{
-    CollectiveKind, Instr, LossStat, ParamSet, Pass, Phase, Plan, PlanKind, Program, Target,
-    Task as ScheduleTask,
+    ChunkProgram, CollectiveKind, Instr, LossStat, ParamSet, Pass, Phase, Plan, PlanKind, Program,
+    Target, Task as ScheduleTask,
 };
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
 use meshplan_kernels::cpu::{AttnDims, AttnDropout, DropoutDraw, RowDropout, Transpose};
@@ -141,6 +141,31 @@ struct Pending<M> {
     args: serde_json::Value,
 }
 
+/// Pipeline stage boundaries between the schedule's exchange points. A rank sends
+/// and receives boundaries only there, as one exchange each (one NCCL group): the
+/// sends of the tasks since the last point and the receives the tasks up to the
+/// next one open with, posted before they run. The points are Megatron-LM's: after
+/// each task in the warm-up and the cool-down, after each forward-backward pair in
+/// the steady state (its `send_forward_recv_backward` and the like). On NCCL a send
+/// may wait until its receive is posted, so two neighbouring stages that each sent
+/// on its own before receiving would wait on each other; over these points every
+/// schedule the planner writes completes (tests/it/device.rs runs them over sends
+/// that wait so).
+pub(super) struct Boundaries<D: Device> {
+    held: Vec<HeldSend<D>>,
+    /// Received at the last exchange point, in the order the tasks take them.
+    posted: std::collections::VecDeque<D::Act>,
+}
+
+/// A boundary held for the next exchange point.
+pub(super) struct HeldSend<D: Device> {
+    stage: u64,
+    peer: usize,
+    x: Arc<D::Act>,
+    /// `(offset, length)` of the part sent.
+    part: (usize, usize),
+}
+
 struct DevRank<'a, D: Device> {
     plan: &'a Plan,
     dev: D,
@@ -163,6 +188,7 @@ struct DevRank<'a, D: Device> {
     tasks: BTreeMap<(u64, u64), Task<D>>,
     hidden: Option<Arc<D::Act>>,
     grad_hidden: Option<D::Act>,
+    boundaries: Boundaries<D>,
     /// What the run measures and records.
     meter: Meter<D>,
     /// The step list and the gradient buckets' progress.
@@ -218,6 +244,10 @@ impl<'a, D: Device> DevRank<'a, D> {
             tasks: BTreeMap::new(),
             hidden: None,
             grad_hidden: None,
+            boundaries: Boundaries {
+                held: Vec::new(),
+                posted: Default::default(),
+            },
             meter: Meter::started(t0),
             sync: GradSync::unplanned(),
             zero: ZeroState::unplanned(),
@@ -308,18 +338,24 @@ impl<'a, D: Device> DevRank<'a, D> {
         self.zero.z3.grads.clear();
         let phase = self.phase()?;
         let last_b = phase.schedule.iter().rposition(|t| t.pass == Pass::B);
-        for (ti, task) in phase.schedule.iter().enumerate() {
-            let m0 = self.mark()?;
-            // In the step's last backward, each gradient is final once the last op
-            // writing it has run.
-            self.run_task(phase, task, Some(ti) == last_b)?;
-            let pass = if task.pass == Pass::F { "fwd" } else { "bwd" };
-            self.span(
-                m0,
-                format!("{pass} mb{} c{}", task.mb, task.chunk),
-                "task",
-                serde_json::json!({"step": step, "mb": task.mb, "chunk": task.chunk}),
-            )?;
+        let points = self.exchange_points(phase);
+        self.exchange_boundaries(phase, points.first())?;
+        for (k, between) in points.iter().enumerate() {
+            for ti in between.clone() {
+                let task = &phase.schedule[ti];
+                let m0 = self.mark()?;
+                // In the step's last backward, each gradient is final once the last
+                // op writing it has run.
+                self.run_task(phase, task, Some(ti) == last_b)?;
+                let pass = if task.pass == Pass::F { "fwd" } else { "bwd" };
+                self.span(
+                    m0,
+                    format!("{pass} mb{} c{}", task.mb, task.chunk),
+                    "task",
+                    serde_json::json!({"step": step, "mb": task.mb, "chunk": task.chunk}),
+                )?;
+            }
+            self.exchange_boundaries(phase, points.get(k + 1))?;
         }
         for i in 0..self.sync.step_plan.len() {
             self.run_step_item(i, step)?;
@@ -346,13 +382,34 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(self.meter.loss_part)
     }
 
+    /// The schedule's tasks between two exchange points ([`Boundaries`]): one task
+    /// in the warm-up and the cool-down, a forward and the backward after it in the
+    /// steady state.
+    fn exchange_points(&self, phase: &Phase) -> Vec<std::ops::Range<usize>> {
+        let s = &self.plan.strategy;
+        let stage = crate::train::mesh_place(self.plan, &self.mesh.coords, "pp").rank;
+        let tasks = &phase.schedule;
+        let total = tasks.iter().filter(|t| t.pass == Pass::F).count();
+        let warmup = s
+            .schedule
+            .warmup_forwards(s.pp as usize, s.vpp.max(1) as usize, stage, total);
+        let (mut out, mut i, mut forwards) = (Vec::new(), 0, 0);
+        while i < tasks.len() {
+            let forward = tasks[i].pass == Pass::F;
+            let pair = forward
+                && forwards >= warmup
+                && tasks.get(i + 1).is_some_and(|t| t.pass == Pass::B);
+            forwards += usize::from(forward);
+            let n = 1 + usize::from(pair);
+            out.push(i..i + n);
+            i += n;
+        }
+        out
+    }
+
     /// One task of the schedule: a micro-batch's forward or backward over a chunk.
     fn run_task(&mut self, phase: &Phase, task: &ScheduleTask, last_backward: bool) -> Res {
-        let ch = phase
-            .chunks
-            .iter()
-            .find(|c| c.chunk == task.chunk)
-            .ok_or_else(|| fail(format!("schedule names chunk {}", task.chunk)))?;
+        let ch = task_chunk(phase, task)?;
         match task.pass {
             Pass::F => {
                 let mut t = self.load_batch(task.mb)?;
@@ -707,4 +764,22 @@ pub(super) fn refresh_copies<'k, D: Device>(
         dev.to_act(w, c).map_err(derr(&key.0))?;
     }
     Ok(())
+}
+
+/// The chunk a task of the schedule runs.
+fn task_chunk<'p>(phase: &'p Phase, task: &ScheduleTask) -> Result<&'p ChunkProgram, RankError> {
+    phase
+        .chunks
+        .iter()
+        .find(|c| c.chunk == task.chunk)
+        .ok_or_else(|| fail(format!("schedule names chunk {}", task.chunk)))
+}
+
+/// The instruction list a task runs: its chunk's forward or backward.
+fn task_list<'p>(phase: &'p Phase, task: &ScheduleTask) -> Result<&'p [Instr], RankError> {
+    let ch = task_chunk(phase, task)?;
+    Ok(match task.pass {
+        Pass::F => &ch.forward,
+        Pass::B => &ch.backward,
+    })
 }
