@@ -23,9 +23,10 @@ impl NcclComm {
     /// `ready` (recorded on the stream that wrote the buffers) has passed: an
     /// in-place all-reduce of `dst` (`src` `None`), a reduce-scatter of `src` into
     /// `dst`, or an all-gather of `src` into `dst`. Summed in `T` as NCCL sums it;
-    /// bytes counted at 4 an element, as the host collectives count theirs. The returned event marks its end: the consumer's stream waits on it,
-    /// and the host waits for neither. The buffers stay alive, and unwritten, until
-    /// it has passed.
+    /// bytes counted at 4 an element, as the host collectives count theirs. The
+    /// returned event marks its end: the consumer's stream waits on it, and the
+    /// host waits for neither. The buffers stay alive, and unwritten, until it has
+    /// passed.
     pub fn device_start<T: Elem>(
         &mut self,
         kind: CommKind,
@@ -34,15 +35,59 @@ impl NcclComm {
         dst: &mut CudaSlice<T>,
         ready: &CudaEvent,
     ) -> Result<CudaEvent, CommError> {
-        let sizes = (src.map_or(dst.len(), |s| s.len()), dst.len());
-        self.device_collective(kind, group, axis, ready, T::DTYPE, sizes, |s| {
-            let (pd, _g) = dst.device_ptr_mut(s);
-            let ps = match src {
-                Some(x) => x.device_ptr(s).0,
-                None => pd,
-            };
-            (ps as *const c_void, pd as *mut c_void)
-        })
+        let (n_in, n_out) = (src.map_or(dst.len(), |s| s.len()), dst.len());
+        let members = group.size();
+        match kind {
+            CommKind::AllReduce if n_in == n_out => {}
+            CommKind::ReduceScatter | CommKind::AllGather => {
+                args::gather_scatter(kind, members, n_in, n_out)?
+            }
+            _ => {
+                return Err(CommError::Internal {
+                    detail: format!("{kind} of {n_in} into {n_out} elements on device buffers"),
+                })
+            }
+        }
+        let (_, comm) = self.group_comm(group, kind, axis)?;
+        let done = self.run(kind, |s| {
+            s.stream
+                .wait(ready)
+                .map_err(|e| format!("waiting for the buffer's writer: {e:?}"))?;
+            if n_out > 0 {
+                // The guards record the buffers' use on this stream when they drop,
+                // so they are held until the collective is enqueued after them.
+                let (pd, _gd) = dst.device_ptr_mut(&s.stream);
+                let (ps, _gs) = match src {
+                    Some(x) => {
+                        let (p, g) = x.device_ptr(&s.stream);
+                        (p, Some(g))
+                    }
+                    None => (pd, None),
+                };
+                let (ps, pd) = (ps as *const c_void, pd as *mut c_void);
+                let (raw, dtype) = (s.raw_stream(), T::DTYPE);
+                // SAFETY: `ps` holds `n_in` and `pd` `n_out` elements of `T`, as the
+                // collective's shape was checked above; the caller keeps both alive
+                // and unwritten until the returned event has passed.
+                let r = unsafe {
+                    match kind {
+                        CommKind::ReduceScatter => {
+                            result::reduce_scatter(ps, pd, n_out, dtype, SUM, comm, raw)
+                        }
+                        CommKind::AllGather => result::all_gather(ps, pd, n_in, dtype, comm, raw),
+                        _ => result::all_reduce(ps, pd, n_out, dtype, SUM, comm, raw),
+                    }
+                };
+                nccl_call(&format!("nccl {kind}"), r)?;
+            }
+            s.stream
+                .record_event(None)
+                .map_err(|e| format!("recording the collective's end: {e:?}"))
+        })?;
+        // Counted as the host collectives count them: the larger side's bytes.
+        self.counts
+            .record_ring(kind, axis, members, bytes_of(n_in.max(n_out)));
+        Ok(done)
     }
 
     /// All-to-All with uneven splits of bf16 device buffers (expert parallelism's
@@ -186,63 +231,6 @@ impl NcclComm {
                 }
             }
         }
-        Ok(done)
-    }
-
-    /// One all-reduce, reduce-scatter or all-gather of `dtype` from `n_in` to `n_out` elements at the pointers `ptrs` gives for the
-    /// communication stream, after `ready`.
-    #[allow(clippy::too_many_arguments)] // the collective's shape, its buffers, and when
-    fn device_collective(
-        &mut self,
-        kind: CommKind,
-        group: &Group,
-        axis: &str,
-        ready: &CudaEvent,
-        dtype: sys::ncclDataType_t,
-        (n_in, n_out): (usize, usize),
-        ptrs: impl FnOnce(&CudaStream) -> (*const c_void, *mut c_void),
-    ) -> Result<CudaEvent, CommError> {
-        let members = group.size();
-        match kind {
-            CommKind::AllReduce if n_in == n_out => {}
-            CommKind::ReduceScatter | CommKind::AllGather => {
-                args::gather_scatter(kind, members, n_in, n_out)?
-            }
-            _ => {
-                return Err(CommError::Internal {
-                    detail: format!("{kind} of {n_in} into {n_out} elements on device buffers"),
-                })
-            }
-        }
-        let (_, comm) = self.group_comm(group, kind, axis)?;
-        let done = self.run(kind, |s| {
-            s.stream
-                .wait(ready)
-                .map_err(|e| format!("waiting for the buffer's writer: {e:?}"))?;
-            if n_out > 0 {
-                let (ps, pd) = ptrs(&s.stream);
-                let raw = s.raw_stream();
-                // SAFETY: `ps` holds `n_in` and `pd` `n_out` elements of `dtype`, as
-                // the collective's shape was checked above; the caller keeps both
-                // alive and unwritten until the returned event has passed.
-                let r = unsafe {
-                    match kind {
-                        CommKind::ReduceScatter => {
-                            result::reduce_scatter(ps, pd, n_out, dtype, SUM, comm, raw)
-                        }
-                        CommKind::AllGather => result::all_gather(ps, pd, n_in, dtype, comm, raw),
-                        _ => result::all_reduce(ps, pd, n_out, dtype, SUM, comm, raw),
-                    }
-                };
-                nccl_call(&format!("nccl {kind}"), r)?;
-            }
-            s.stream
-                .record_event(None)
-                .map_err(|e| format!("recording the collective's end: {e:?}"))
-        })?;
-        // Counted as the host collectives count them: the larger side's bytes.
-        self.counts
-            .record_ring(kind, axis, members, bytes_of(n_in.max(n_out)));
         Ok(done)
     }
 }
