@@ -563,55 +563,11 @@ impl Communicator for NcclComm {
     }
 
     fn send(&mut self, peer: usize, axis: &str, buf: &[f32]) -> Result<(), CommError> {
-        let kind = CommKind::Send;
-        self.check_peer(kind, peer)?;
-        self.check_aborted(kind, axis, "p2p")?;
-        let comm = self.world_comm.0;
-        if !buf.is_empty() {
-            self.run(kind, |s| {
-                let d = s.stage(buf.len(), Some(buf))?;
-                // SAFETY: `d` holds `buf.len()` floats and lives past the sync.
-                nccl_call("ncclSend", unsafe {
-                    result::send(
-                        ptr(&d, &s.stream, 0),
-                        buf.len(),
-                        F32,
-                        peer as i32,
-                        comm,
-                        s.raw_stream(),
-                    )
-                })?;
-                s.sync()
-            })?;
-        }
-        self.counts.record_p2p(kind, axis, bytes_of(buf.len()));
-        Ok(())
+        self.p2p_group(axis, &[(peer, buf)], &mut [])
     }
 
     fn recv(&mut self, peer: usize, axis: &str, buf: &mut [f32]) -> Result<(), CommError> {
-        let kind = CommKind::Recv;
-        self.check_peer(kind, peer)?;
-        self.check_aborted(kind, axis, "p2p")?;
-        let comm = self.world_comm.0;
-        if !buf.is_empty() {
-            self.run(kind, |s| {
-                let mut d = s.stage(buf.len(), None)?;
-                // SAFETY: as for send.
-                nccl_call("ncclRecv", unsafe {
-                    result::recv(
-                        ptr_mut(&mut d, &s.stream, 0),
-                        buf.len(),
-                        F32,
-                        peer as i32,
-                        comm,
-                        s.raw_stream(),
-                    )
-                })?;
-                s.fetch(&d, buf)
-            })?;
-        }
-        self.counts.record_p2p(kind, axis, bytes_of(buf.len()));
-        Ok(())
+        self.p2p_group(axis, &[], &mut [(peer, buf)])
     }
 
     fn p2p_group(
@@ -626,9 +582,14 @@ impl Communicator for NcclComm {
         for (from, _) in recvs.iter() {
             self.check_peer(CommKind::Recv, *from)?;
         }
-        self.check_aborted(CommKind::Send, axis, "p2p")?;
+        let kind = if sends.is_empty() {
+            CommKind::Recv
+        } else {
+            CommKind::Send
+        };
+        self.check_aborted(kind, axis, "p2p")?;
         let comm = self.world_comm.0;
-        self.run(CommKind::Send, |s| {
+        self.run(kind, |s| {
             let src = sends
                 .iter()
                 .map(|(_, x)| s.stage(x.len(), Some(x)))
@@ -642,6 +603,9 @@ impl Communicator for NcclComm {
             nccl_call("ncclGroupStart", result::group_start())?;
             let mut status = Ok(());
             for ((to, x), d) in sends.iter().zip(&src) {
+                if x.is_empty() {
+                    continue;
+                }
                 // SAFETY: `d` holds `x.len()` floats and lives past the sync.
                 status = status.and_then(|()| {
                     nccl_call("ncclSend", unsafe {
@@ -657,6 +621,9 @@ impl Communicator for NcclComm {
                 });
             }
             for ((from, x), d) in recvs.iter().zip(dst.iter_mut()) {
+                if x.is_empty() {
+                    continue;
+                }
                 // SAFETY: as for a send.
                 status = status.and_then(|()| {
                     nccl_call("ncclRecv", unsafe {
@@ -675,6 +642,7 @@ impl Communicator for NcclComm {
             let end = nccl_call("ncclGroupEnd", result::group_end());
             status?;
             end?;
+            s.sync()?;
             for ((_, x), d) in recvs.iter_mut().zip(&dst) {
                 s.fetch(d, x)?;
             }
