@@ -128,7 +128,8 @@ pub(crate) fn model_tag(spec: &meshplan_ir::ModelSpec) -> String {
 }
 
 /// Compares the fingerprint of `run` with the golden `exec/NAME.txt` (`name`
-/// made file-safe), or records it under `UPDATE_GOLDEN=1`.
+/// made file-safe; `exec/ISA/NAME.txt` where this CPU's GEMM kernels recorded
+/// one of their own), or records it under `UPDATE_GOLDEN=1`.
 #[track_caller]
 pub(crate) fn check(name: &str, run: &TrainReport) {
     compare(name, &fingerprint(run));
