@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The project's tests, on a fresh machine with only Rust (cargo), gcc and Python 3:
 #
-#  1. the CPU suite: `cargo test --workspace --release` (also runnable alone);
+#  1. the CPU suite: `cargo test --workspace --release` (also runnable alone), then
+#     the quick executor goldens again under the AVX2/FMA GEMM kernels (the base set,
+#     where the suite took this CPU's AVX-512 ones);
 #  2. the GPU layer without a GPU: NVRTC, from PyPI's wheel installed once into a
 #     venv under target/, compiles every CUDA kernel for sm_80 and sm_90 with no
 #     warning and the PTX cache round-trips (REQUIRE_NVRTC=1: a skip is a failure);
@@ -37,6 +39,12 @@ step() {
 
 step "CPU suite"
 cargo test --workspace --release
+
+# The suite above checks the executor goldens of the GEMM kernels this CPU takes
+# (AVX-512 where it has them: tests/data/golden/exec/avx512f/); these check the base
+# set, recorded with the AVX2/FMA kernels, on the quick half of the golden tests.
+step "executor goldens under the AVX2/FMA GEMM kernels (--no-default-features)"
+cargo test --release -p meshplan-tests --no-default-features --test it -- device:: executor:: infer:: infer_moe::
 
 step "Hugging Face fidelity: meshplan run against transformers' generate (tests/python/hf)"
 cargo build --release
