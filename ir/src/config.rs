@@ -37,9 +37,9 @@ pub enum Schedule {
 impl Schedule {
     /// The forwards pipeline stage `stage` runs before its steady state, where it
     /// alternates one forward and one backward, of `total` forwards in all
-    /// (micro-batches x chunks): Megatron-LM's warm-up, `pp - stage - 1` stages
-    /// later, or `2 (pp - stage - 1) + (vpp - 1) pp` interleaved. GPipe runs every
-    /// forward first.
+    /// (micro-batches x chunks). Megatron-LM's warm-up: one forward for each later
+    /// stage (`pp - stage - 1`), or `2 (pp - stage - 1) + (vpp - 1) pp` interleaved;
+    /// GPipe runs every forward first.
     pub fn warmup_forwards(self, pp: usize, vpp: usize, stage: usize, total: usize) -> usize {
         let later = pp.saturating_sub(stage + 1);
         match self {

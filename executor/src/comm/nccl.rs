@@ -589,65 +589,70 @@ impl Communicator for NcclComm {
         };
         self.check_aborted(kind, axis, "p2p")?;
         let comm = self.world_comm.0;
-        self.run(kind, |s| {
-            let src = sends
-                .iter()
-                .map(|(_, x)| s.stage(x.len(), Some(x)))
-                .collect::<Result<Vec<_>, _>>()?;
-            let mut dst = recvs
-                .iter()
-                .map(|(_, x)| s.stage(x.len(), None))
-                .collect::<Result<Vec<_>, _>>()?;
-            // One group: sends and receives that wait on each other across two
-            // ranks all complete.
-            nccl_call("ncclGroupStart", result::group_start())?;
-            let mut status = Ok(());
-            for ((to, x), d) in sends.iter().zip(&src) {
-                if x.is_empty() {
-                    continue;
+        let empty =
+            sends.iter().all(|(_, x)| x.is_empty()) && recvs.iter().all(|(_, x)| x.is_empty());
+        // Nothing to move: no staging and no sync, only the counts.
+        if !empty {
+            self.run(kind, |s| {
+                let src = sends
+                    .iter()
+                    .map(|(_, x)| s.stage(x.len(), Some(x)))
+                    .collect::<Result<Vec<_>, _>>()?;
+                let mut dst = recvs
+                    .iter()
+                    .map(|(_, x)| s.stage(x.len(), None))
+                    .collect::<Result<Vec<_>, _>>()?;
+                // One group: sends and receives that wait on each other across two
+                // ranks all complete.
+                nccl_call("ncclGroupStart", result::group_start())?;
+                let mut status = Ok(());
+                for ((to, x), d) in sends.iter().zip(&src) {
+                    if x.is_empty() {
+                        continue;
+                    }
+                    // SAFETY: `d` holds `x.len()` floats and lives past the sync.
+                    status = status.and_then(|()| {
+                        nccl_call("ncclSend", unsafe {
+                            result::send(
+                                ptr(d, &s.stream, 0),
+                                x.len(),
+                                F32,
+                                *to as i32,
+                                comm,
+                                s.raw_stream(),
+                            )
+                        })
+                    });
                 }
-                // SAFETY: `d` holds `x.len()` floats and lives past the sync.
-                status = status.and_then(|()| {
-                    nccl_call("ncclSend", unsafe {
-                        result::send(
-                            ptr(d, &s.stream, 0),
-                            x.len(),
-                            F32,
-                            *to as i32,
-                            comm,
-                            s.raw_stream(),
-                        )
-                    })
-                });
-            }
-            for ((from, x), d) in recvs.iter().zip(dst.iter_mut()) {
-                if x.is_empty() {
-                    continue;
+                for ((from, x), d) in recvs.iter().zip(dst.iter_mut()) {
+                    if x.is_empty() {
+                        continue;
+                    }
+                    // SAFETY: as for a send.
+                    status = status.and_then(|()| {
+                        nccl_call("ncclRecv", unsafe {
+                            result::recv(
+                                ptr_mut(d, &s.stream, 0),
+                                x.len(),
+                                F32,
+                                *from as i32,
+                                comm,
+                                s.raw_stream(),
+                            )
+                        })
+                    });
                 }
-                // SAFETY: as for a send.
-                status = status.and_then(|()| {
-                    nccl_call("ncclRecv", unsafe {
-                        result::recv(
-                            ptr_mut(d, &s.stream, 0),
-                            x.len(),
-                            F32,
-                            *from as i32,
-                            comm,
-                            s.raw_stream(),
-                        )
-                    })
-                });
-            }
-            // Always close the group, even after a failed enqueue.
-            let end = nccl_call("ncclGroupEnd", result::group_end());
-            status?;
-            end?;
-            s.sync()?;
-            for ((_, x), d) in recvs.iter_mut().zip(&dst) {
-                s.fetch(d, x)?;
-            }
-            Ok(())
-        })?;
+                // Always close the group, even after a failed enqueue.
+                let end = nccl_call("ncclGroupEnd", result::group_end());
+                status?;
+                end?;
+                s.sync()?;
+                for ((_, x), d) in recvs.iter_mut().zip(&dst) {
+                    s.fetch(d, x)?;
+                }
+                Ok(())
+            })?;
+        }
         for (_, x) in sends {
             self.counts
                 .record_p2p(CommKind::Send, axis, bytes_of(x.len()));

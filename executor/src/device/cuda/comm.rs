@@ -234,12 +234,14 @@ impl DeviceComm<CudaDevice> for CudaComm {
             ops.extend(recvs.iter_mut().map(|(from, x)| P2p::Recv(*from, x)));
             return p2p(dev, nccl, axis, &mut ops);
         }
-        let mut down = Vec::with_capacity(sends.len());
-        for &(to, x, part) in sends {
-            let h = dev.act_download(x).map_err(internal)?;
-            down.push((to, part_of(&h, part)?.to_vec()));
-        }
-        let parts: Vec<(usize, &[f32])> = down.iter().map(|(to, h)| (*to, h.as_slice())).collect();
+        let down = sends
+            .iter()
+            .map(|&(to, x, part)| Ok((to, dev.act_download(x).map_err(internal)?, part)))
+            .collect::<CResult<Vec<_>>>()?;
+        let parts = down
+            .iter()
+            .map(|(to, h, part)| Ok((*to, part_of(h, *part)?)))
+            .collect::<CResult<Vec<_>>>()?;
         let mut got: Vec<Vec<f32>> = recvs.iter().map(|(_, x)| vec![0.0; x.len()]).collect();
         let mut into: Vec<(usize, &mut [f32])> = recvs
             .iter()
