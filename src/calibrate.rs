@@ -5,7 +5,7 @@
 use crate::run::{bad, runtime};
 use crate::Failure;
 use meshplan_cost_model::calibrate::MeasurementPlan;
-use meshplan_executor::launch::LaunchEnv;
+use meshplan_launch::LaunchEnv;
 use std::path::Path;
 
 /// GPUs per node the dry run describes (the real run uses the GPUs it finds).
@@ -88,8 +88,8 @@ const RENDEZVOUS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3
 #[cfg(feature = "cuda")]
 fn measure_launched(output: &Path, env: &LaunchEnv, nodes: Option<u64>) -> Result<(), Failure> {
     use meshplan_cost_model::calibrate::NodeLayout;
-    use meshplan_executor::launch::rendezvous::fnv1a64;
-    use meshplan_executor::launch::{hostname, Rendezvous, RendezvousConfig, RendezvousError};
+    use meshplan_launch::rendezvous::fnv1a64;
+    use meshplan_launch::{hostname, Rendezvous, RendezvousConfig, RendezvousError};
     let rdv = |e: RendezvousError| Failure {
         code: if e.is_bad_input() { 2 } else { 1 },
         message: format!("calibrate: rendezvous: {e}"),
@@ -207,8 +207,8 @@ mod cuda {
         group_end, group_start, Comm, Id, ReduceOp,
     };
     use meshplan_executor::kernels::cuda::{bf16, Gpu};
-    use meshplan_executor::launch::{LaunchEnv, Rendezvous};
     use meshplan_ir::DType;
+    use meshplan_launch::{LaunchEnv, Rendezvous};
     use std::ffi::c_char;
     use std::sync::Arc;
 

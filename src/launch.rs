@@ -4,10 +4,10 @@
 
 use crate::run::{bad, runtime};
 use crate::Failure;
-use meshplan_executor::launch::auth::TOKEN_VAR;
-use meshplan_executor::launch::env::DEFAULT_MASTER_PORT;
-use meshplan_executor::launch::rendezvous::fnv1a64;
-use meshplan_executor::launch::{
+use meshplan_launch::auth::TOKEN_VAR;
+use meshplan_launch::env::DEFAULT_MASTER_PORT;
+use meshplan_launch::rendezvous::fnv1a64;
+use meshplan_launch::{
     hostname, launch as start, JobSecret, LaunchEnv, LaunchOptions, Rendezvous, RendezvousConfig,
     RendezvousError, SecretSource,
 };
@@ -174,7 +174,7 @@ pub(crate) fn rendezvous_check(a: &CheckArgs) -> Result<(), Failure> {
             local_world_size: Some(1),
             master_addr: "127.0.0.1".into(),
             master_port: DEFAULT_MASTER_PORT,
-            sources: meshplan_executor::launch::env::Sources {
+            sources: meshplan_launch::env::Sources {
                 rank: "default",
                 world_size: "default",
                 local_rank: "default",

@@ -467,7 +467,7 @@ pub fn cli_main() -> ExitCode {
     let cli = Cli::parse();
     log::init(cli.quiet, cli.verbose);
     // A rank started by `meshplan launch` stops when its launcher dies.
-    meshplan_executor::launch::watch_launcher(|| {
+    meshplan_launch::watch_launcher(|| {
         // The launcher held our stderr too: a failed write must not stop the exit.
         use std::io::Write;
         let _ = writeln!(

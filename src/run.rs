@@ -121,10 +121,7 @@ fn failure(e: EngineError) -> Failure {
 /// processes, the NCCL id shared through the TCP rendezvous; rank 0 gathers the
 /// losses and reports (and with `--check` compares its weights, which data
 /// parallelism keeps equal on every rank, with the CPU reference).
-fn launched_cuda(
-    a: &RunArgs<'_>,
-    env: &meshplan_executor::launch::LaunchEnv,
-) -> Result<(), Failure> {
+fn launched_cuda(a: &RunArgs<'_>, env: &meshplan_launch::LaunchEnv) -> Result<(), Failure> {
     let engine = engine(a.backend)?;
     let file = a.plan.display().to_string();
     let (plan, bytes) = crate::export::read_plan_bytes(a.plan)?;
@@ -143,12 +140,12 @@ fn launched_cuda(
         )));
     }
     let (opts, start) = training_options(a, &plan)?;
-    let cfg = meshplan_executor::launch::RendezvousConfig {
+    let cfg = meshplan_launch::RendezvousConfig {
         master_addr: env.master_addr.clone(),
         master_port: env.master_port,
         rank: env.rank,
         world_size: env.world_size,
-        plan_hash: meshplan_executor::launch::rendezvous::fnv1a64(&bytes),
+        plan_hash: meshplan_launch::rendezvous::fnv1a64(&bytes),
         timeout: std::time::Duration::from_secs(120),
     };
     let report = engine
@@ -185,7 +182,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "{flag} is not supported yet by `run` (it arrives with real weights, data and traces); run without it"
         )));
     }
-    let launched = meshplan_executor::launch::LaunchEnv::from_env()
+    let launched = meshplan_launch::LaunchEnv::from_env()
         .map_err(|e| bad(format!("launch variables: {e}")))?;
     if let Some(env) = launched.as_ref().filter(|e| e.world_size > 1) {
         if a.backend == "cuda" {

@@ -6,9 +6,9 @@
 //! would use one compiles without a stub.
 
 use crate::device::train::{supported, train_device};
-use crate::launch::{LaunchEnv, RendezvousConfig};
 use crate::train::{RankReport, TrainOptions, TrainReport};
 use meshplan_ir::plan::Plan;
+use meshplan_launch::{LaunchEnv, RendezvousConfig};
 
 /// Where a training plan runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,8 +151,8 @@ fn launched_rank(
     cfg: &RendezvousConfig,
 ) -> Result<TrainReport, EngineError> {
     Engine::Cuda(gpu).for_plan(plan)?;
-    let mut rv =
-        crate::launch::Rendezvous::connect(cfg).map_err(|e| EngineError::Failed(e.to_string()))?;
+    let mut rv = meshplan_launch::Rendezvous::connect(cfg)
+        .map_err(|e| EngineError::Failed(e.to_string()))?;
     let rep = gpu.train_rank(plan, opts, env, &mut rv)?;
     // Every rank's loss parts, and its start and step ends on the Unix clock
     // (the processes' own clocks differ), exactly (f64 bits), to every rank.
@@ -233,9 +233,9 @@ mod gpu {
     use crate::comm::nccl::{nccl_available, NcclComm};
     use crate::device::cuda::{CudaComm, CudaDevice};
     use crate::device::train::{train_device, train_device_rank, train_device_with};
-    use crate::launch::{LaunchEnv, Rendezvous};
     use crate::train::{RankReport, TrainOptions, TrainReport};
     use meshplan_ir::plan::Plan;
+    use meshplan_launch::{LaunchEnv, Rendezvous};
 
     /// One NCCL communicator per GPU of this process, rank `r` on GPU `r`
     /// (`ncclCommInitAll`).
@@ -335,9 +335,9 @@ mod gpu {
 #[cfg(not(feature = "cuda"))]
 mod gpu {
     use super::EngineError;
-    use crate::launch::{LaunchEnv, Rendezvous};
     use crate::train::{RankReport, TrainOptions, TrainReport};
     use meshplan_ir::plan::Plan;
+    use meshplan_launch::{LaunchEnv, Rendezvous};
 
     /// No GPU in a build without the `cuda` feature: this type has no values, so
     /// no engine on the GPU exists and its arms never run.

@@ -5,16 +5,7 @@
 /// SplitMix64: a counter-based generator, so element `i` of a tensor needs no state.
 pub use meshplan_kernels::cpu::splitmix;
 
-/// FNV-1a 64 of `bytes` (also the rendezvous plan hash and the checksum of version 1
-/// checkpoint manifests, re-exported there).
-pub fn fnv1a64(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
+pub use meshplan_launch::fnv1a64;
 
 /// FNV-1a of a name, to key a tensor's stream.
 pub fn name_hash(name: &str) -> u64 {

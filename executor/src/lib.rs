@@ -18,8 +18,9 @@
 //! - [`mapped`]: read-only maps of input files, and a clear stop when one is
 //!   truncated under a run.
 //! - [`alloc`]: the allocator a process running ranks should use.
-//! - [`launch`]: processes as ranks: torchrun/Slurm variables, the TCP rendezvous
-//!   (NCCL's unique id), and the `meshplan launch` supervisor.
+//! - Processes as ranks (torchrun/Slurm variables, the TCP rendezvous that shares
+//!   NCCL's unique id, the `meshplan launch` supervisor) are the `meshplan-launch`
+//!   crate below this one; `engine` wires it to NCCL.
 //! - [`shard`], [`init`]: which slice of each weight a rank holds; deterministic
 //!   weights and data, identical whatever the sharding.
 
@@ -32,7 +33,6 @@ pub mod disagg;
 pub mod engine;
 pub mod infer;
 pub mod init;
-pub mod launch;
 pub mod mapped;
 mod moe;
 pub mod sample;

@@ -40,7 +40,16 @@ fn dependency_arrows_point_one_way() {
             &["meshplan-ir", "meshplan-cost-model", "good_lp"],
         ),
         ("kernels", &["cudarc"]),
-        ("executor", &["meshplan-ir", "meshplan-kernels", "cudarc"]),
+        (
+            "executor",
+            &[
+                "meshplan-ir",
+                "meshplan-kernels",
+                "meshplan-launch",
+                "cudarc",
+            ],
+        ),
+        ("launch", &[]),
         ("viz", &["meshplan-ir", "meshplan-cost-model"]),
         ("export", &["meshplan-ir"]),
     ];

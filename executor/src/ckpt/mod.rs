@@ -326,7 +326,7 @@ pub use crate::init::fnv1a64;
 
 /// SHA-256 of `bytes`, 64 lowercase hex digits.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    crate::launch::auth::hex(&Sha256::digest(bytes))
+    meshplan_launch::auth::hex(&Sha256::digest(bytes))
 }
 
 /// `manifest.json`.

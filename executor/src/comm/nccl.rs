@@ -46,7 +46,7 @@ use meshplan_kernels::cuda::cudarc::nccl::{result, sys};
 use super::args;
 use super::counts::bytes_of;
 use super::{ByteCounts, CommError, CommKind, Communicator, Group};
-use crate::launch::{LaunchEnv, Rendezvous};
+use meshplan_launch::{LaunchEnv, Rendezvous};
 
 /// Why an NCCL communicator could not be created.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -595,5 +595,13 @@ fn check_blob(blob: &[u8]) -> Result<(), RendezvousError> {
     Ok(())
 }
 
-/// FNV-1a 64 of `bytes` (the plan hash ranks compare).
-pub use crate::init::fnv1a64;
+/// FNV-1a 64 of `bytes`: the plan hash ranks compare (and, in the executor, the
+/// checksum of version 1 checkpoint manifests and the key of a tensor's stream).
+pub fn fnv1a64(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}

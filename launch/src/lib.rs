@@ -5,9 +5,13 @@
 //! that they belong to one job, and the `meshplan launch` supervisor
 //! ([`spawn::launch`]) that starts a node's ranks.
 //!
-//! The CPU backend runs every rank as a thread of one process
-//! ([`crate::comm::ThreadComm`]); processes matter for the CUDA backend, one per GPU,
-//! with NCCL between them.
+//! The CPU backend runs every rank as a thread of one process (the executor's
+//! `ThreadComm`); processes matter for the CUDA backend, one per GPU, with NCCL
+//! between them.
+//!
+//! A crate of its own below the executor: none of it knows plans, devices or
+//! communicators, and `meshplan calibrate` and `meshplan launch` use it without
+//! running a plan.
 
 pub mod auth;
 pub mod env;
@@ -20,7 +24,7 @@ mod tests;
 
 pub use auth::{JobSecret, SecretSource};
 pub use env::{LaunchEnv, LaunchEnvError};
-pub use rendezvous::{Rendezvous, RendezvousConfig, RendezvousError};
+pub use rendezvous::{fnv1a64, Rendezvous, RendezvousConfig, RendezvousError};
 pub use spawn::{launch, watch_launcher, LaunchOptions, LaunchOutcome};
 
 /// This machine's host name (for the rank -> node map); `localhost` if unknown.
