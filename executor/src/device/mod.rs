@@ -735,12 +735,19 @@ impl<H: HostPrecision> Device for H {
         Ok(())
     }
     fn cross_entropy(&self, c: &Ce<'_, Self>, out: CeOut<'_, Self>) -> DResult<()> {
-        // The sequence of kernels the goldens were recorded with (bit for bit).
-        let mut max = vec![0.0; c.rows];
-        let (mut se, mut target) = (max.clone(), max.clone());
-        self.ce_row_max(c, &mut max)?;
-        self.ce_sums(c, &max, [&mut se, &mut target])?;
-        self.ce_finish(c, [&max, &se, &target], out)
+        // Bit for bit the three parts below (the goldens' sequence), in one pass.
+        k::cross_entropy(
+            c.logits,
+            c.labels,
+            c.rows,
+            c.v_local,
+            c.vocab_start,
+            c.scale,
+            out.loss,
+            out.dlogits,
+        )?;
+        H::round(out.dlogits);
+        Ok(())
     }
     fn ce_row_max(&self, c: &Ce<'_, Self>, max: &mut Vec<f32>) -> DResult<()> {
         Ok(k::ce_row_max(c.logits, c.rows, c.v_local, max)?)

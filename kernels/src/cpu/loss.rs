@@ -33,9 +33,7 @@ pub fn ce_row_max(
     par_rows(max, 1, |r0, max| {
         for (i, mx) in max.iter_mut().enumerate() {
             let r = r0 + i;
-            *mx = logits[r * v_local..(r + 1) * v_local]
-                .iter()
-                .fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            *mx = lane_max(&logits[r * v_local..(r + 1) * v_local]);
         }
     });
     Ok(())
@@ -150,6 +148,97 @@ pub fn ce_bwd(
     Ok(())
 }
 
+/// The whole cross-entropy of one shard holding every column (no vocabulary
+/// split), forward and backward in one pass over each row: `loss [rows]` and
+/// `dlogits = scale * (softmax - onehot)`, both overwritten. Bit for bit what
+/// [`ce_row_max`], [`ce_row_sumexp`], [`ce_target_logit`], [`ce_loss`] and
+/// [`ce_bwd`] into zeros give (the same sums in the same order), with each
+/// `exp` computed once instead of twice and the row maxima taken over lanes
+/// (a maximum does not depend on the order).
+pub fn cross_entropy(
+    logits: &[f32],
+    labels: &[u32],
+    rows: usize,
+    v_local: usize,
+    vocab_start: usize,
+    scale: f32,
+    loss: &mut [f32],
+    dlogits: &mut [f32],
+) -> Result<(), KernelError> {
+    check_logits(logits, rows, v_local)?;
+    check_len("labels", labels.len(), rows)?;
+    check_len("loss", loss.len(), rows)?;
+    check_len("dlogits", dlogits.len(), logits.len())?;
+    if v_local == 0 {
+        // Every row's sum is empty: `ce_loss` of a zero sum.
+        return ce_loss(
+            &vec![f32::NEG_INFINITY; rows],
+            &vec![0.0; rows],
+            &vec![0.0; rows],
+            loss,
+        );
+    }
+    let row = |r: usize, l: &mut f32, dr: &mut [f32]| {
+        let x = &logits[r * v_local..(r + 1) * v_local];
+        let m = lane_max(x);
+        // The sum in `ce_row_sumexp`'s order, its additions overlapping the
+        // next `exp`s (no exp is -0, so the sum's first term is exact either way).
+        let mut sumexp = 0.0f32;
+        for (d, &xi) in dr.iter_mut().zip(x) {
+            *d = (xi - m).exp();
+            sumexp += *d;
+        }
+        let inv = 1.0 / sumexp;
+        // `0.0 +`: `ce_bwd` adds into zeros, which turns a -0 into +0.
+        for d in dr.iter_mut() {
+            *d = 0.0 + scale * (*d * inv);
+        }
+        let target = match local(labels[r], vocab_start, v_local) {
+            Some(c) => {
+                dr[c] -= scale;
+                x[c]
+            }
+            None => 0.0,
+        };
+        *l = m + sumexp.ln() - target;
+    };
+    if super::intra_op_threads() <= 1 || rows < 2 {
+        for (r, (l, dr)) in loss
+            .iter_mut()
+            .zip(dlogits.chunks_exact_mut(v_local))
+            .enumerate()
+        {
+            row(r, l, dr);
+        }
+        return Ok(());
+    }
+    use rayon::prelude::*;
+    loss.par_iter_mut()
+        .zip(dlogits.par_chunks_exact_mut(v_local))
+        .enumerate()
+        .for_each(|(r, (l, dr))| row(r, l, dr));
+    Ok(())
+}
+
+/// Lanes of [`lane_max`]: one AVX-512 register of `f32`.
+const LANES: usize = 16;
+
+/// The largest of `xs` (`-inf` when empty), as `f32::max` folded in order gives
+/// it, but over [`LANES`] independent lanes that the compiler vectorises.
+fn lane_max(xs: &[f32]) -> f32 {
+    let mut m = [f32::NEG_INFINITY; LANES];
+    let mut chunks = xs.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (mi, &x) in m.iter_mut().zip(c) {
+            *mi = mi.max(x);
+        }
+    }
+    for (mi, &x) in m.iter_mut().zip(chunks.remainder()) {
+        *mi = mi.max(x);
+    }
+    m.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,6 +260,59 @@ mod tests {
         ce_target_logit(logits, labels, rows, v, 0, &mut t).unwrap();
         ce_loss(&m, &s, &t, &mut loss).unwrap();
         (loss, m, s)
+    }
+
+    /// The fused whole cross-entropy against the five kernels it replaces, bit
+    /// for bit: on one thread and on a pool of two, with labels inside and
+    /// outside the shard, ties, a `-0.0` scale product and large logits.
+    #[test]
+    fn fused_cross_entropy_equals_the_composed_kernels_bit_for_bit() {
+        let mut rng = Rng::new(43);
+        for (rows, v, start) in [(1, 1, 0), (5, 17, 0), (33, 40, 3), (64, 300, 0)] {
+            let mut logits: Vec<f32> = rng.vec(rows * v).iter().map(|x| 30.0 * x).collect();
+            logits[0] = 0.0;
+            if v > 2 {
+                logits[1] = logits[2]; // a tie for the maximum somewhere
+            }
+            let labels: Vec<u32> = (0..rows)
+                .map(|_| rng.below((v + 2 * start) as u64) as u32)
+                .collect();
+            for scale in [1.0 / rows as f32, 0.5, -0.25] {
+                let composed = || {
+                    let (mut m, mut se, mut t) =
+                        (vec![0.0; rows], vec![0.0; rows], vec![0.0; rows]);
+                    let mut loss = vec![0.0; rows];
+                    let mut d = vec![0.0; rows * v];
+                    ce_row_max(&logits, rows, v, &mut m).unwrap();
+                    ce_row_sumexp(&logits, rows, v, &m, &mut se).unwrap();
+                    ce_target_logit(&logits, &labels, rows, v, start, &mut t).unwrap();
+                    ce_loss(&m, &se, &t, &mut loss).unwrap();
+                    ce_bwd(&logits, rows, v, &m, &se, &labels, start, scale, &mut d).unwrap();
+                    (loss, d)
+                };
+                let fused = || {
+                    let mut loss = vec![7.0; rows];
+                    let mut d = vec![7.0; rows * v];
+                    cross_entropy(&logits, &labels, rows, v, start, scale, &mut loss, &mut d)
+                        .unwrap();
+                    (loss, d)
+                };
+                let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                let (want_loss, want_d) = composed();
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(2)
+                    .build()
+                    .unwrap();
+                for (loss, d) in [fused(), pool.install(fused)] {
+                    assert_eq!(
+                        bits(&loss),
+                        bits(&want_loss),
+                        "loss, {rows}x{v} scale {scale}"
+                    );
+                    assert_eq!(bits(&d), bits(&want_d), "dlogits, {rows}x{v} scale {scale}");
+                }
+            }
+        }
     }
 
     #[test]

@@ -85,7 +85,7 @@ pub use attention::{attention_bwd, attention_fwd, attention_merge, AttnDims, Dro
 pub use dropout::{dropout_rows, splitmix, AttnDropout, DropoutDraw, RowDropout};
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use layout::{join_qkv, split_qkv, transpose_bs};
-pub use loss::{ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit};
+pub use loss::{ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit, cross_entropy};
 pub use matmul::{gemm_isa, matmul, matmul_at, matmul_batched, GemmAt, Transpose};
 pub use moe::{
     gather_rows, moe_combine_bwd, moe_combine_fwd, moe_dispatch_bwd, moe_dispatch_fwd,
