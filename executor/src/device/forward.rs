@@ -229,14 +229,13 @@ impl<D: Device> Site<'_, D> {
         let e = derr(&op.name);
         let (kk, n) = self.matmul_dims(op, w)?;
         let rows = D::act_len(x) / kk.max(1);
-        let mut y = self.zeros(op, rows * n)?;
         let tb = if weight_transposed(op) {
             Transpose::Yes
         } else {
             Transpose::No
         };
         let at = GemmAt::whole(Transpose::No, tb, rows, kk, n);
-        self.dev.matmul(at, x, w, &mut y).map_err(&e)?;
+        let mut y = self.dev.matmul_new(at, x, w).map_err(&e)?;
         if let Some(b) = b.filter(|_| op.role != TpRole::RowParallel || self.tp.rank == 0) {
             self.dev.bias_add(&mut y, b).map_err(&e)?;
         }

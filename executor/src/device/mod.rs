@@ -283,6 +283,24 @@ pub trait Device: Send + Sync {
     /// `c = op(a) op(b)` with `op(a) [m, k]`, `op(b) [k, n]`, on the spans `g`
     /// places (`c`'s span overwritten).
     fn matmul(&self, g: GemmAt, a: &Self::Act, b: &Self::Act, c: &mut Self::Act) -> DResult<()>;
+    /// `op(a) op(b)` into a new `[m, n]` buffer (`g.c_off` is 0): [`Device::matmul`]
+    /// into zeros, which a device may skip writing since the product overwrites them.
+    fn matmul_new(&self, g: GemmAt, a: &Self::Act, b: &Self::Act) -> DResult<Self::Act> {
+        let mut c = self.act_zeros(g.m * g.n)?;
+        self.matmul(g, a, b, &mut c)?;
+        Ok(c)
+    }
+    /// Runs `a` and `b`, independent kernel calls on disjoint buffers: in order,
+    /// or side by side where the device splits its threads between them (the
+    /// host devices; a GPU's stream orders them anyway). Results do not depend on
+    /// which.
+    fn side_by_side<A: Send, B: Send>(
+        &self,
+        a: impl FnOnce() -> A + Send,
+        b: impl FnOnce() -> B + Send,
+    ) -> (A, B) {
+        (a(), b())
+    }
     /// `c += op(a) op(b)` into an fp32 buffer (weight gradients), on the spans
     /// `g` places.
     fn matmul_acc(&self, g: GemmAt, a: &Self::Act, b: &Self::Act, c: &mut Self::F32)
@@ -560,6 +578,18 @@ impl<H: HostPrecision> Device for H {
         k::matmul_at(&g, a, b, 0.0, c)?;
         H::round(&mut c[g.spans()?[2].clone()]);
         Ok(())
+    }
+    fn side_by_side<A: Send, B: Send>(
+        &self,
+        a: impl FnOnce() -> A + Send,
+        b: impl FnOnce() -> B + Send,
+    ) -> (A, B) {
+        k::side_by_side(a, b)
+    }
+    fn matmul_new(&self, g: GemmAt, a: &Self::Act, b: &Self::Act) -> DResult<Self::Act> {
+        let mut c = k::matmul_new(&g, a, b)?;
+        H::round(&mut c);
+        Ok(c)
     }
     fn matmul_acc(&self, g: GemmAt, a: &Vec<f32>, b: &Vec<f32>, c: &mut Vec<f32>) -> DResult<()> {
         Ok(k::matmul_at(&g, a, b, 1.0, c)?)

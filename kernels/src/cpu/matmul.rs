@@ -221,6 +221,41 @@ pub fn matmul_batched(
     Ok(())
 }
 
+/// `op(a) op(b)` into a new `[m, n]` buffer: [`matmul_at`] with `beta = 0` on the
+/// spans of `g` for `a` and `b` (`g.c_off` is 0), without zeroing the buffer
+/// first, since the product overwrites every element (an op's output or input
+/// gradient; zero-filling them was several percent of a CPU training step).
+pub fn matmul_new(g: &GemmAt, a: &[f32], b: &[f32]) -> Result<Vec<f32>, KernelError> {
+    if g.c_off != 0 {
+        return Err(invalid("c", "a new product starts at 0"));
+    }
+    let mn = prod("c", &[g.m, g.n])?;
+    let [ra, rb, _] = g.spans_within([a.len(), b.len(), mn])?;
+    let (a, b) = (&a[ra], &b[rb]);
+    for (name, len) in [("a", a.len()), ("b", b.len()), ("c", mn)] {
+        if len > isize::MAX as usize / 4 {
+            return Err(invalid(name, "too large for gemm strides"));
+        }
+    }
+    if mn == 0 || g.k == 0 {
+        // An empty product, or empty inner products: zeros.
+        return Ok(vec![0.0; mn]);
+    }
+    let mut c: Vec<f32> = Vec::with_capacity(mn);
+    let threads = super::intra_op_threads();
+    let (m, k, n) = (g.m, g.k, g.n);
+    // SAFETY: the spans of `a` and `b` hold m*k and k*n elements (checked above),
+    // `c` has room for m*n; with `read_dst` false gemm writes each of the m*n
+    // elements once and reads none of them (the NaN test below), so every
+    // element is initialised when the length is set.
+    #[allow(unsafe_code)]
+    unsafe {
+        gemm_raw(threads, g.ta, g.tb, (m, k, n), a, b, 0.0, c.as_mut_ptr());
+        c.set_len(mn);
+    }
+    Ok(c)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn gemm_unchecked(
     threads: usize,
@@ -245,6 +280,40 @@ fn gemm_unchecked(
         }
         return;
     }
+    // SAFETY: `c` holds m*n elements (checked by the callers) and is a unique
+    // borrow, so the destination aliases neither input.
+    #[allow(unsafe_code)]
+    unsafe {
+        gemm_raw(
+            threads,
+            trans_a,
+            trans_b,
+            (m, k, n),
+            a,
+            b,
+            beta,
+            c.as_mut_ptr(),
+        );
+    }
+}
+
+/// gemm's product into `c` (`beta = 0`: `c` is neither read nor needs to be
+/// initialised). `m`, `n`, `k` are positive.
+///
+/// # Safety
+/// `a` and `b` hold `m*k` and `k*n` elements; `c` points to `m*n` writable
+/// elements that alias neither.
+#[allow(clippy::too_many_arguments, unsafe_code)]
+unsafe fn gemm_raw(
+    threads: usize,
+    trans_a: Transpose,
+    trans_b: Transpose,
+    (m, k, n): (usize, usize, usize),
+    a: &[f32],
+    b: &[f32],
+    beta: f32,
+    c: *mut f32,
+) {
     // (row stride, column stride) of op(X) in the stored row-major buffer.
     let (a_rs, a_cs) = match trans_a {
         Transpose::No => (k as isize, 1),
@@ -254,17 +323,15 @@ fn gemm_unchecked(
         Transpose::No => (n as isize, 1),
         Transpose::Yes => (1, k as isize),
     };
-    // SAFETY: the lengths of `a`, `b`, `c` were checked against m*k, k*n and
-    // m*n, and the strides above address exactly those row-major (or
-    // transposed) layouts, so every element gemm touches is in bounds; `c` is
-    // a unique borrow, so the destination aliases neither input.
-    #[allow(unsafe_code)]
+    // SAFETY: the lengths of `a`, `b`, `c` are m*k, k*n and m*n (the
+    // contract), and the strides above address exactly those row-major (or
+    // transposed) layouts, so every element gemm touches is in bounds.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            c.as_mut_ptr(),
+            c,
             1,
             n as isize,
             beta != 0.0,
@@ -290,6 +357,49 @@ fn gemm_unchecked(
 
 #[cfg(test)]
 mod tests {
+
+    /// A new product equals the product into zeros bit for bit (every
+    /// transpose, operands at offsets, on one thread and on two), and an empty
+    /// one is zeros.
+    #[test]
+    fn matmul_new_equals_the_product_into_zeros() {
+        let mut rng = Rng::new(7);
+        let (a, b) = (rng.vec(40 * 33 + 5), rng.vec(33 * 29 + 3));
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(2)
+            .build()
+            .unwrap();
+        for ta in [Transpose::No, Transpose::Yes] {
+            for tb in [Transpose::No, Transpose::Yes] {
+                for (m, k, n) in [(40, 33, 29), (1, 1, 1), (7, 0, 3), (0, 4, 5)] {
+                    let g = GemmAt {
+                        a_off: 5,
+                        b_off: 3,
+                        ..GemmAt::whole(ta, tb, m, k, n)
+                    };
+                    let mut want = vec![0.0; m * n];
+                    matmul_at(&GemmAt { c_off: 0, ..g }, &a, &b, 0.0, &mut want).unwrap();
+                    for got in [
+                        matmul_new(&g, &a, &b).unwrap(),
+                        pool.install(|| matmul_new(&g, &a, &b).unwrap()),
+                    ] {
+                        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                        assert_eq!(bits(&got), bits(&want), "{ta:?} {tb:?} {m}x{k}x{n}");
+                    }
+                }
+            }
+        }
+        let placed = GemmAt {
+            c_off: 1,
+            ..GemmAt::whole(Transpose::No, Transpose::No, 1, 1, 1)
+        };
+        assert!(matmul_new(&placed, &a, &b).is_err());
+        let past = GemmAt {
+            a_off: a.len(),
+            ..GemmAt::whole(Transpose::No, Transpose::No, 1, 1, 1)
+        };
+        assert!(matmul_new(&past, &a, &b).is_err());
+    }
 
     #[test]
     fn matmul_at_multiplies_the_placed_blocks() {

@@ -16,7 +16,8 @@
 //!   the activations, RoPE, cross-entropy, AdamW) split their work over that
 //!   pool's threads ([`intra_op_threads`]). The split is over independent rows,
 //!   heads or output tiles, never inside a reduction, so the result does not
-//!   depend on the number of threads.
+//!   depend on the number of threads; [`side_by_side`] runs two independent
+//!   kernels on halves of the pool.
 //!
 //! Families: [`matmul`](mod@matmul), [`embedding`](mod@embedding),
 //! [`norm`], [`rope`], [`activation`], [`attention`] (with the row
@@ -86,7 +87,7 @@ pub use dropout::{dropout_rows, splitmix, AttnDropout, DropoutDraw, RowDropout};
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use layout::{join_qkv, split_qkv, transpose_bs};
 pub use loss::{ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit, cross_entropy};
-pub use matmul::{gemm_isa, matmul, matmul_at, matmul_batched, GemmAt, Transpose};
+pub use matmul::{gemm_isa, matmul, matmul_at, matmul_batched, matmul_new, GemmAt, Transpose};
 pub use moe::{
     gather_rows, moe_combine_bwd, moe_combine_fwd, moe_dispatch_bwd, moe_dispatch_fwd,
     moe_route_bwd, moe_route_fwd, MoeDims, NO_ROW,
@@ -140,11 +141,51 @@ impl Error for KernelError {}
 /// on any other thread. A rank thread outside a pool must not borrow the global
 /// pool, which the other ranks of the process share.
 pub fn intra_op_threads() -> usize {
+    if let Some(n) = SHARE.with(|s| s.get()) {
+        return n;
+    }
     if rayon::current_thread_index().is_some() {
         rayon::current_num_threads()
     } else {
         1
     }
+}
+
+thread_local! {
+    /// This thread's share of the pool while it runs one side of [`side_by_side`].
+    static SHARE: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `a` and `b`, independent kernels writing disjoint buffers, side by side
+/// on halves of the pool of [`intra_op_threads`] (in sequence without one).
+/// Two products that each run on half the threads scale better than one after
+/// the other on all of them (a GEMM gains about 1.8x from a second thread,
+/// two GEMMs side by side nearly 2x), and no result depends on the split.
+pub fn side_by_side<A: Send, B: Send>(
+    a: impl FnOnce() -> A + Send,
+    b: impl FnOnce() -> B + Send,
+) -> (A, B) {
+    let threads = intra_op_threads();
+    if threads < 2 {
+        return (a(), b());
+    }
+    rayon::join(
+        || on_share(threads / 2, a),
+        || on_share(threads - threads / 2, b),
+    )
+}
+
+/// `f()` with [`intra_op_threads`] reading `share` on this thread.
+fn on_share<R>(share: usize, f: impl FnOnce() -> R) -> R {
+    /// Puts the thread's previous share back, also when `f` panics.
+    struct Restore(Option<usize>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            SHARE.with(|s| s.set(self.0));
+        }
+    }
+    let _restore = Restore(SHARE.with(|s| s.replace(Some(share))));
+    f()
 }
 
 /// Work items per thread: enough pieces that an unlucky split does not leave a
@@ -500,6 +541,26 @@ mod threads_tests {
                 let same = a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
                 assert!(same, "output {i} differs on {threads} threads");
             }
+        }
+    }
+
+    #[test]
+    fn side_by_side_splits_the_pool_and_gives_it_back() {
+        let shares = || side_by_side(intra_op_threads, intra_op_threads);
+        assert_eq!(shares(), (1, 1), "no pool: in order, one thread each");
+        for (threads, want) in [(2, (1, 1)), (3, (1, 2)), (4, (2, 2))] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                assert_eq!(shares(), want, "{threads} threads");
+                // A side that panics still hands its share back.
+                let hurt = std::panic::catch_unwind(|| side_by_side(|| panic!("a side"), || 1));
+                assert!(hurt.is_err());
+                assert_eq!(intra_op_threads(), threads, "after a panic");
+                assert_eq!(shares(), want, "{threads} threads, again");
+            });
         }
     }
 }

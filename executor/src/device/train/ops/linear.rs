@@ -30,24 +30,26 @@ impl<D: Device> DevRank<'_, D> {
         let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
         let (kk, n) = self.site().matmul_dims(op, w)?;
         let rows = D::act_len(&x) / kk.max(1);
-        let mut dx = self.zeros(rows * kk)?;
         let dw = self
             .weights
             .wgrads
             .get_mut(&wkey)
             .ok_or_else(|| fail("gradient missing"))?;
-        if crate::shard::weight_transposed(op) {
+        // The two products are independent: side by side on a host's threads.
+        let (dx, acc) = if crate::shard::weight_transposed(op) {
             // `y = x wᵀ` with `w [n, k]`: `dx = dy w`, `dw += dyᵀ x`.
-            dev.matmul(GemmAt::whole(No, No, rows, n, kk), &dy, w, &mut dx)
-                .map_err(&e)?;
-            dev.matmul_acc(GemmAt::whole(Yes, No, n, rows, kk), &dy, &x, dw)
-                .map_err(&e)?;
+            dev.side_by_side(
+                || dev.matmul_new(GemmAt::whole(No, No, rows, n, kk), &dy, w),
+                || dev.matmul_acc(GemmAt::whole(Yes, No, n, rows, kk), &dy, &x, dw),
+            )
         } else {
-            dev.matmul(GemmAt::whole(No, Yes, rows, n, kk), &dy, w, &mut dx)
-                .map_err(&e)?;
-            dev.matmul_acc(GemmAt::whole(Yes, No, kk, rows, n), &x, &dy, dw)
-                .map_err(&e)?;
-        }
+            dev.side_by_side(
+                || dev.matmul_new(GemmAt::whole(No, Yes, rows, n, kk), &dy, w),
+                || dev.matmul_acc(GemmAt::whole(Yes, No, kk, rows, n), &x, &dy, dw),
+            )
+        };
+        let dx = dx.map_err(&e)?;
+        acc.map_err(&e)?;
         if let Some(&b) = op.inputs.get(2) {
             let bk = self.wkey(b, l)?;
             let db = self
