@@ -23,7 +23,7 @@
 #![allow(clippy::too_many_arguments)] // mirrors the CUDA kernel signature
 
 use super::matmul::{matmul_on, Transpose};
-use super::{check_len, fast_exp, invalid, par_map, prod, KernelError};
+use super::{check_len, fast_exp, invalid, par_map, par_rows, prod, KernelError};
 
 /// Number of keys processed per tile of the online softmax.
 pub const KEY_TILE: usize = 64;
@@ -370,19 +370,33 @@ pub fn attention_fwd(
         }
         Ok((og, lg))
     };
-    for (bg, res) in par_map(batch * hkv, task).into_iter().enumerate() {
-        let (og, lg) = res?;
+    let parts = par_map(batch * hkv, task)
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    for (bg, (_, lg)) in parts.iter().enumerate() {
         let (b, g) = (bg / hkv, bg % hkv);
         // The group's query heads are adjacent, so its lse rows are one run.
-        lse[(b * hq + g * group) * sq..][..group * sq].copy_from_slice(&lg);
-        for hi in 0..group {
-            let h = g * group + hi;
-            for i in 0..sq {
-                out[((b * sq + i) * hq + h) * dv..][..dv]
-                    .copy_from_slice(&og[(hi * sq + i) * dv..][..dv]);
+        lse[(b * hq + g * group) * sq..][..group * sq].copy_from_slice(lg);
+    }
+    // Each batch row of `out` from its tasks, the rows over the pool.
+    let row = sq * hq * dv;
+    if row == 0 {
+        return Ok(());
+    }
+    par_rows(out, row, |b0, rows| {
+        for (bi, ob) in rows.chunks_exact_mut(row).enumerate() {
+            for g in 0..hkv {
+                let og = &parts[(b0 + bi) * hkv + g].0;
+                for hi in 0..group {
+                    let h = g * group + hi;
+                    for i in 0..sq {
+                        ob[(i * hq + h) * dv..][..dv]
+                            .copy_from_slice(&og[(hi * sq + i) * dv..][..dv]);
+                    }
+                }
             }
         }
-    }
+    });
     Ok(())
 }
 
@@ -683,16 +697,33 @@ pub fn attention_bwd(
         }
         Ok((dqg, dkb, dvb))
     };
-    for (bg, res) in par_map(batch * hkv, task).into_iter().enumerate() {
-        let (dqg, dkb, dvb) = res?;
-        let (b, g) = (bg / hkv, bg % hkv);
-        for hi in 0..group {
-            let h = g * group + hi;
-            scatter_add(d_q, sq, hq, d, (b, h, 0), sq, &dqg[hi * sq * d..]);
+    let parts = par_map(batch * hkv, task)
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()?;
+    // Each batch row of the gradients from its tasks (task `b * hkv + g`), the
+    // rows over the pool: one addition per element, so the split changes nothing.
+    type Add<'a> = &'a (dyn Fn(&mut [f32], usize) + Sync);
+    let by_batch = |dst: &mut [f32], row: usize, add: Add<'_>| {
+        if row > 0 {
+            par_rows(dst, row, |b0, rows| {
+                for (bi, db) in rows.chunks_exact_mut(row).enumerate() {
+                    (0..hkv).for_each(|g| add(db, (b0 + bi) * hkv + g));
+                }
+            });
         }
-        scatter_add(d_k, sk, hkv, d, (b, g, 0), nk_all, &dkb);
-        scatter_add(d_v, sk, hkv, dv, (b, g, 0), nk_all, &dvb);
-    }
+    };
+    by_batch(d_q, sq * hq * d, &|db, t| {
+        for hi in 0..group {
+            let (h, src) = ((t % hkv) * group + hi, &parts[t].0[hi * sq * d..]);
+            scatter_add(db, sq, hq, d, (0, h, 0), sq, src);
+        }
+    });
+    by_batch(d_k, sk * hkv * d, &|db, t| {
+        scatter_add(db, sk, hkv, d, (0, t % hkv, 0), nk_all, &parts[t].1);
+    });
+    by_batch(d_v, sk * hkv * dv, &|db, t| {
+        scatter_add(db, sk, hkv, dv, (0, t % hkv, 0), nk_all, &parts[t].2);
+    });
     Ok(())
 }
 
