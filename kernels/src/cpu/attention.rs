@@ -23,7 +23,7 @@
 #![allow(clippy::too_many_arguments)] // mirrors the CUDA kernel signature
 
 use super::matmul::{matmul_on, Transpose};
-use super::{check_len, fast_exp, invalid, par_map, par_rows, prod, KernelError};
+use super::{check_len, fast_exp, invalid, par_map, par_rows, prod, KernelError, LANES};
 
 /// Number of keys processed per tile of the online softmax.
 pub const KEY_TILE: usize = 64;
@@ -185,10 +185,6 @@ fn scatter_add(
         }
     }
 }
-
-/// Lanes of the fixed-order reductions below (enough for one AVX-512
-/// register; the order, hence the result, does not depend on the target).
-const LANES: usize = 16;
 
 /// Multiplies `xs` by `scale` and returns the maximum of the products.
 fn scale_and_max(xs: &mut [f32], scale: f32) -> f32 {

@@ -14,7 +14,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use super::{check_len, par_rows, prod, KernelError};
+use super::{check_len, par_rows, prod, KernelError, LANES};
 
 fn check_logits(logits: &[f32], rows: usize, v_local: usize) -> Result<(), KernelError> {
     check_len("logits", logits.len(), prod("logits", &[rows, v_local])?)
@@ -219,9 +219,6 @@ pub fn cross_entropy(
         .for_each(|(r, (l, dr))| row(r, l, dr));
     Ok(())
 }
-
-/// Lanes of [`lane_max`]: one AVX-512 register of `f32`.
-const LANES: usize = 16;
 
 /// The largest of `xs` (`-inf` when empty), as `f32::max` folded in order gives
 /// it, but over [`LANES`] independent lanes that the compiler vectorises.

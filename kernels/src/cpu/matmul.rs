@@ -256,6 +256,42 @@ pub fn matmul_new(g: &GemmAt, a: &[f32], b: &[f32]) -> Result<Vec<f32>, KernelEr
     Ok(c)
 }
 
+/// A linear's bias: `y[r, c] += bias[c]` over the rows of `y` (as wide as
+/// `bias`), the rows over the pool of [`intra_op_threads`](super::intra_op_threads).
+pub fn bias_add(y: &mut [f32], bias: &[f32]) -> Result<(), KernelError> {
+    let n = bias.len();
+    if y.is_empty() {
+        return Ok(());
+    }
+    if n == 0 || !y.len().is_multiple_of(n) {
+        return Err(invalid("y", format!("{} values in rows of {n}", y.len())));
+    }
+    super::par_rows(y, n, |_, rows| {
+        for row in rows.chunks_exact_mut(n) {
+            row.iter_mut().zip(bias).for_each(|(v, b)| *v += b);
+        }
+    });
+    Ok(())
+}
+
+/// Its gradient: `dbias[c] += sum_r dy[r, c]` over the rows of `dy` (as wide as
+/// `dbias`), each column's sum in row order; the columns over the pool.
+pub fn bias_grad(dy: &[f32], dbias: &mut [f32]) -> Result<(), KernelError> {
+    let n = dbias.len();
+    if dy.is_empty() {
+        return Ok(());
+    }
+    if n == 0 || !dy.len().is_multiple_of(n) {
+        return Err(invalid("dy", format!("{} values in rows of {n}", dy.len())));
+    }
+    super::par_rows(dbias, 1, |c0, db| {
+        for row in dy.chunks_exact(n) {
+            db.iter_mut().zip(&row[c0..]).for_each(|(d, g)| *d += g);
+        }
+    });
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 fn gemm_unchecked(
     threads: usize,
@@ -357,6 +393,39 @@ unsafe fn gemm_raw(
 
 #[cfg(test)]
 mod tests {
+
+    /// The bias and its gradient by hand, the same on one thread and on three
+    /// (each column's sum in row order), and ragged rows refused.
+    #[test]
+    fn bias_add_and_grad_by_hand_and_on_any_thread_count() {
+        let mut y = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        bias_add(&mut y, &[10.0, 20.0, 30.0]).unwrap();
+        assert_eq!(y, [11.0, 22.0, 33.0, 14.0, 25.0, 36.0]);
+        let mut db = [1.0, 1.0, 1.0];
+        bias_grad(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0], &mut db).unwrap();
+        assert_eq!(db, [6.0, 8.0, 10.0]);
+        assert!(bias_add(&mut [1.0; 5], &[1.0, 2.0]).is_err());
+        assert!(bias_grad(&[1.0; 5], &mut [0.0; 2]).is_err());
+        let mut rng = Rng::new(11);
+        let (dy, b) = (rng.vec(64 * 37), rng.vec(37));
+        let run = || {
+            let (mut y, mut db) = (dy.clone(), b.clone());
+            bias_add(&mut y, &b).unwrap();
+            bias_grad(&dy, &mut db).unwrap();
+            (y, db)
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let ((y1, d1), (y3, d3)) = (run(), pool.install(run));
+        assert_eq!((bits(&y1), bits(&d1)), (bits(&y3), bits(&d3)));
+        let want: Vec<f32> = (0..37)
+            .map(|c| (0..64).fold(b[c], |s, r| s + dy[r * 37 + c]))
+            .collect();
+        assert_eq!(bits(&d1), bits(&want), "each column summed in row order");
+    }
 
     /// A new product equals the product into zeros bit for bit (every
     /// transpose, operands at offsets, on one thread and on two), and an empty

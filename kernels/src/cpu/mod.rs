@@ -87,7 +87,9 @@ pub use dropout::{dropout_rows, splitmix, AttnDropout, DropoutDraw, RowDropout};
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use layout::{join_qkv, split_qkv, transpose_bs};
 pub use loss::{ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit, cross_entropy};
-pub use matmul::{gemm_isa, matmul, matmul_at, matmul_batched, matmul_new, GemmAt, Transpose};
+pub use matmul::{
+    bias_add, bias_grad, gemm_isa, matmul, matmul_at, matmul_batched, matmul_new, GemmAt, Transpose,
+};
 pub use moe::{
     gather_rows, moe_combine_bwd, moe_combine_fwd, moe_dispatch_bwd, moe_dispatch_fwd,
     moe_route_bwd, moe_route_fwd, MoeDims, NO_ROW,
@@ -187,6 +189,11 @@ fn on_share<R>(share: usize, f: impl FnOnce() -> R) -> R {
     let _restore = Restore(SHARE.with(|s| s.replace(Some(share))));
     f()
 }
+
+/// Lanes of the kernels' fixed-order reductions (a maximum, attention's sums):
+/// one AVX-512 register of `f32`; the order, hence the result, does not depend
+/// on the target.
+pub(crate) const LANES: usize = 16;
 
 /// Work items per thread: enough pieces that an unlucky split does not leave a
 /// thread idle for long, few enough that scheduling costs nothing.
