@@ -30,17 +30,22 @@ pub trait DeviceComm<D: Device + ?Sized>: Communicator {
     /// parallelism's partial sums.
     fn all_reduce_act(&mut self, dev: &D, on: On<'_>, x: &mut D::Act) -> CResult<()>;
 
-    /// Sends `x[off..off + n]` to rank `peer` (pipeline parallelism's boundary, or
-    /// this tensor rank's slice of it), counted under `axis`.
+    /// Sends `x[off..off + n]` to rank `peer` (an inference pipeline's boundary, a
+    /// KV cache), counted under `axis`: an exchange of one send.
     fn send_act(
         &mut self,
         dev: &D,
         to: (usize, &str),
         x: &D::Act,
         n: (usize, usize),
-    ) -> CResult<()>;
-    /// Receives `out` (its length) from rank `peer`, counted under `axis`.
-    fn recv_act(&mut self, dev: &D, from: (usize, &str), out: &mut D::Act) -> CResult<()>;
+    ) -> CResult<()> {
+        self.exchange_act(dev, to.1, &[(to.0, x, n)], &mut [])
+    }
+    /// Receives `out` (its length) from rank `peer`, counted under `axis`: an
+    /// exchange of one receive.
+    fn recv_act(&mut self, dev: &D, from: (usize, &str), out: &mut D::Act) -> CResult<()> {
+        self.exchange_act(dev, from.1, &[], &mut [(from.0, out)])
+    }
 
     /// Sends each `(to, x, (off, n))` of `sends` (`x[off..off + n]` to rank `to`)
     /// and receives each `(from, out)` of `recvs` (`out`'s length from rank
@@ -129,16 +134,6 @@ pub(crate) fn host_collective(
     }
 }
 
-/// Sends `x[off..off + len]` to `to`, or fails naming a range `x` does not hold.
-pub(crate) fn send_part(
-    comm: &mut (impl Communicator + ?Sized),
-    to: (usize, &str),
-    x: &[f32],
-    part: (usize, usize),
-) -> CResult<()> {
-    comm.send(to.0, to.1, part_of(x, part)?)
-}
-
 /// `x[off..off + len]`, or an error naming a range `x` does not hold.
 pub(crate) fn part_of(x: &[f32], (off, len): (usize, usize)) -> CResult<&[f32]> {
     x.get(off..off + len).ok_or_else(|| CommError::Internal {
@@ -169,18 +164,6 @@ impl<H: HostPrecision> DeviceComm<H> for dyn Communicator {
         // The sum lands in a bf16 buffer on a GPU.
         H::round(x);
         Ok(())
-    }
-    fn send_act(
-        &mut self,
-        _: &H,
-        to: (usize, &str),
-        x: &Vec<f32>,
-        n: (usize, usize),
-    ) -> CResult<()> {
-        send_part(self, to, x, n)
-    }
-    fn recv_act(&mut self, _: &H, from: (usize, &str), out: &mut Vec<f32>) -> CResult<()> {
-        self.recv(from.0, from.1, out)
     }
     fn exchange_act(
         &mut self,

@@ -6,7 +6,7 @@
 use super::{CudaDevice, A, F};
 use crate::comm::{ByteCounts, CommError, CommKind, Communicator, Group, NcclComm, P2p};
 use crate::device::comm::{
-    host_collective, internal, part_of, send_part, CResult, DeviceComm, Kind, On, Recvd, Sent,
+    host_collective, internal, part_of, CResult, DeviceComm, Kind, On, Recvd, Sent,
 };
 use crate::device::Device;
 use meshplan_kernels::cuda::bf16;
@@ -190,34 +190,6 @@ impl DeviceComm<CudaDevice> for CudaComm {
         let mut h = dev.act_download(x).map_err(internal)?;
         host.all_reduce(on.0, on.1, &mut h)?;
         upload_act(dev, &h, x)
-    }
-    fn send_act(
-        &mut self,
-        dev: &CudaDevice,
-        to: (usize, &str),
-        x: &CudaSlice<bf16>,
-        n: (usize, usize),
-    ) -> CResult<()> {
-        let host = match self {
-            CudaComm::Nccl(nccl) => return p2p(dev, nccl, to.1, &mut [P2p::Send(to.0, x, n)]),
-            CudaComm::Staged(host) => host,
-        };
-        let h = dev.act_download(x).map_err(internal)?;
-        send_part(host.as_mut(), to, &h, n)
-    }
-    fn recv_act(
-        &mut self,
-        dev: &CudaDevice,
-        from: (usize, &str),
-        out: &mut CudaSlice<bf16>,
-    ) -> CResult<()> {
-        let host = match self {
-            CudaComm::Nccl(nccl) => return p2p(dev, nccl, from.1, &mut [P2p::Recv(from.0, out)]),
-            CudaComm::Staged(host) => host,
-        };
-        let mut h = vec![0.0; out.len()];
-        host.recv(from.0, from.1, &mut h)?;
-        upload_act(dev, &h, out)
     }
     fn exchange_act(
         &mut self,
