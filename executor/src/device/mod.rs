@@ -509,7 +509,9 @@ impl<H: HostPrecision> Device for H {
         Ok(x.clone())
     }
     fn first_non_finite(&self, xs: &[&Vec<f32>]) -> DResult<Option<usize>> {
-        Ok(xs.iter().position(|x| x.iter().any(|v| !v.is_finite())))
+        // Chunks without an early exit inside: the test of 16 values vectorises.
+        let finite = |c: &[f32]| c.iter().fold(true, |ok, v| ok & v.is_finite());
+        Ok(xs.iter().position(|x| !x.chunks(16).all(finite)))
     }
     fn act_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
         Ok(x.clone())

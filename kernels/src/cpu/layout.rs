@@ -1,8 +1,11 @@
 //! Row layouts around the attention kernels: sequence-major fused QKV rows split
 //! into batch-major per-head operands and joined back, and rows swapped between
 //! batch-major and sequence-major order. Copies only: every value lands unchanged.
+//! The output rows are spread over the pool: each row is one copy, so the split
+//! changes nothing, while on one thread of two the copies are a serial stretch
+//! of every attention op as long as its operands.
 
-use super::{check_len, AttnDims, KernelError};
+use super::{check_len, par_rows, AttnDims, KernelError};
 
 /// Where the query, key and value columns start in a fused row of `hq d + hkv d
 /// + hkv dv`, how wide each is, and the row's width.
@@ -23,18 +26,22 @@ pub fn split_qkv(
 ) -> Result<(), KernelError> {
     let ((start, width, row), b, s) = (qkv_columns(dims), dims.batch, dims.sq);
     check_len("x", x.len(), s * b * row)?;
-    let mut outs = [q, k, v];
-    for (i, out) in outs.iter_mut().enumerate() {
+    let outs = [q, k, v];
+    for (i, out) in outs.iter().enumerate() {
         check_len(["q", "k", "v"][i], out.len(), b * s * width[i])?;
     }
-    for si in 0..s {
-        for bi in 0..b {
-            let src = &x[(si * b + bi) * row..][..row];
-            let t = bi * s + si;
-            for (i, out) in outs.iter_mut().enumerate() {
-                out[t * width[i]..][..width[i]].copy_from_slice(&src[start[i]..][..width[i]]);
-            }
+    for (i, out) in outs.into_iter().enumerate() {
+        let (start, width) = (start[i], width[i]);
+        if width == 0 {
+            continue;
         }
+        // Output row `t = bi s + si` is the fused row `si b + bi`'s columns.
+        par_rows(out, width, |t0, rows| {
+            for (t, dst) in (t0..).zip(rows.chunks_exact_mut(width)) {
+                let (bi, si) = (t / s, t % s);
+                dst.copy_from_slice(&x[(si * b + bi) * row + start..][..width]);
+            }
+        });
     }
     Ok(())
 }
@@ -54,15 +61,17 @@ pub fn join_qkv(
     for (i, x) in ins.iter().enumerate() {
         check_len(["dq", "dk", "dv"][i], x.len(), b * s * width[i])?;
     }
-    for si in 0..s {
-        for bi in 0..b {
-            let dst = &mut dx[(si * b + bi) * row..][..row];
-            let t = bi * s + si;
+    if row == 0 {
+        return Ok(());
+    }
+    par_rows(dx, row, |r0, rows| {
+        for (r, dst) in (r0..).zip(rows.chunks_exact_mut(row)) {
+            let t = (r % b) * s + r / b;
             for (i, x) in ins.iter().enumerate() {
                 dst[start[i]..][..width[i]].copy_from_slice(&x[t * width[i]..][..width[i]]);
             }
         }
-    }
+    });
     Ok(())
 }
 
@@ -76,13 +85,18 @@ pub fn transpose_bs(
 ) -> Result<(), KernelError> {
     check_len("x", x.len(), b * s * w)?;
     check_len("y", y.len(), b * s * w)?;
-    for bi in 0..b {
-        for si in 0..s {
-            let (bs, sb) = ((bi * s + si) * w, (si * b + bi) * w);
-            let (from, to) = if to_sbhd { (bs, sb) } else { (sb, bs) };
-            y[to..][..w].copy_from_slice(&x[from..][..w]);
-        }
+    if w == 0 {
+        return Ok(());
     }
+    // Output row `r` of `[s, b]` order is input row `(r % b) s + r / b` of
+    // `[b, s]` order, and the other way round.
+    let (outer, inner) = if to_sbhd { (b, s) } else { (s, b) };
+    par_rows(y, w, |r0, rows| {
+        for (r, dst) in (r0..).zip(rows.chunks_exact_mut(w)) {
+            let from = (r % outer) * inner + r / outer;
+            dst.copy_from_slice(&x[from * w..][..w]);
+        }
+    });
     Ok(())
 }
 
@@ -123,5 +137,61 @@ mod tests {
         transpose_bs(&sb, (2, 2, 2), false, &mut bs).unwrap();
         assert_eq!(bs, q);
         assert!(split_qkv(&x[1..], &dims, &mut q, &mut k, &mut v).is_err());
+    }
+
+    /// On pools of 1 to 3 threads, over sizes whose rows do not split evenly,
+    /// every copy lands where an index-by-index reading of the layouts says.
+    #[test]
+    fn copies_over_a_pool_land_where_the_layouts_say() {
+        let dims = AttnDims {
+            batch: 3,
+            sq: 7,
+            sk: 7,
+            hq: 4,
+            hkv: 2,
+            d: 3,
+            dv: 5,
+        };
+        let (b, s) = (dims.batch, dims.sq);
+        let widths = [4 * 3, 2 * 3, 2 * 5];
+        let row: usize = widths.iter().sum();
+        let x: Vec<f32> = (0..s * b * row).map(|i| i as f32).collect();
+        // Fused row (si, bi) holds q | k | v; operand row (bi, si) holds one part.
+        let part = |i: usize| -> Vec<f32> {
+            let start: usize = widths[..i].iter().sum();
+            (0..b * s)
+                .flat_map(|t| {
+                    let fused = (t % s) * b + t / s;
+                    x[fused * row + start..][..widths[i]].to_vec()
+                })
+                .collect()
+        };
+        let want = [part(0), part(1), part(2)];
+        for threads in 1..=3 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let mut qkv = widths.map(|w| vec![f32::NAN; b * s * w]);
+                let [q, k, v] = &mut qkv;
+                split_qkv(&x, &dims, q, k, v).unwrap();
+                assert_eq!(qkv, want, "{threads} threads");
+                let mut back = vec![f32::NAN; x.len()];
+                join_qkv(&qkv[0], &qkv[1], &qkv[2], &dims, &mut back).unwrap();
+                assert_eq!(back, x, "{threads} threads");
+                // [b, s, w] -> [s, b, w] is the fused order of q's rows.
+                let w = widths[0];
+                let mut sb = vec![f32::NAN; b * s * w];
+                transpose_bs(&qkv[0], (b, s, w), true, &mut sb).unwrap();
+                let by_hand: Vec<f32> = (0..s * b)
+                    .flat_map(|r| x[r * row..][..w].to_vec())
+                    .collect();
+                assert_eq!(sb, by_hand, "{threads} threads");
+                let mut bs = vec![f32::NAN; sb.len()];
+                transpose_bs(&sb, (b, s, w), false, &mut bs).unwrap();
+                assert_eq!(bs, qkv[0], "{threads} threads");
+            });
+        }
     }
 }

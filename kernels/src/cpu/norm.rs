@@ -5,7 +5,16 @@
 
 #![allow(clippy::too_many_arguments)] // flat kernel-launch style signatures
 
-use super::{check_len, invalid, par_map, par_rows, prod, KernelError};
+use super::{bias_grad, check_len, invalid, par_map, par_rows, prod, KernelError};
+
+/// A weight gradient `dw[c] += sum_r f(r, c)` with each column's sum in row
+/// order, the columns spread over the pool: `add_row(r, c0, part)` adds row
+/// `r`'s terms into `part`, the columns from `c0` on.
+fn weight_grad(dw: &mut [f32], rows: usize, add_row: impl Fn(usize, usize, &mut [f32]) + Sync) {
+    par_rows(dw, 1, |c0, part| {
+        (0..rows).for_each(|r| add_row(r, c0, part))
+    });
+}
 
 fn check_rows(
     rows: usize,
@@ -110,18 +119,16 @@ pub fn layernorm_bwd(
         ],
     )?;
     let inv = 1.0 / dim as f32;
-    // The weight gradients sum over rows in row order, on this thread; the
-    // input gradients are per row and spread over the intra-op pool.
-    for r in 0..rows {
-        let xr = &x[r * dim..(r + 1) * dim];
-        let dyr = &dy[r * dim..(r + 1) * dim];
+    // Each weight gradient sums over rows in row order, the columns spread over
+    // the intra-op pool; the input gradients are per row, the rows spread.
+    bias_grad(dy, dbias)?;
+    weight_grad(dweight, rows, |r, c0, dw| {
         let (mu, rs) = (mean[r], rstd[r]);
-        for c in 0..dim {
-            let xhat = (xr[c] - mu) * rs;
-            dweight[c] += dyr[c] * xhat;
-            dbias[c] += dyr[c];
+        let (xr, dyr) = (&x[r * dim + c0..], &dy[r * dim + c0..]);
+        for ((d, &xc), &g) in dw.iter_mut().zip(xr).zip(dyr) {
+            *d += g * ((xc - mu) * rs);
         }
-    }
+    });
     par_rows(dx, dim, |r0, dx| {
         for (i, dxr) in dx.chunks_exact_mut(dim).enumerate() {
             let r = r0 + i;
@@ -207,16 +214,15 @@ pub fn rmsnorm_bwd(
         &[("weight", weight.len()), ("dweight", dweight.len())],
     )?;
     let inv = 1.0 / dim as f32;
-    // As in `layernorm_bwd`: weight gradients in row order here, input gradients
-    // per row over the intra-op pool.
-    for r in 0..rows {
-        let xr = &x[r * dim..(r + 1) * dim];
-        let dyr = &dy[r * dim..(r + 1) * dim];
+    // As in `layernorm_bwd`: the weight gradient's columns and the input
+    // gradient's rows over the intra-op pool.
+    weight_grad(dweight, rows, |r, c0, dw| {
         let rs = rstd[r];
-        for c in 0..dim {
-            dweight[c] += dyr[c] * (xr[c] * rs);
+        let (xr, dyr) = (&x[r * dim + c0..], &dy[r * dim + c0..]);
+        for ((d, &xc), &g) in dw.iter_mut().zip(xr).zip(dyr) {
+            *d += g * (xc * rs);
         }
-    }
+    });
     par_rows(dx, dim, |r0, dx| {
         for (i, dxr) in dx.chunks_exact_mut(dim).enumerate() {
             let r = r0 + i;
@@ -354,6 +360,49 @@ mod tests {
         let nw = numeric_grad(&w, h, |w| dot64(&dy, &fwd(&x, w).0));
         assert_grad_close("rms dx", &dx, &nx, 1e-2, 2e-3);
         assert_grad_close("rms dw", &dw, &nw, 1e-2, 2e-3);
+    }
+
+    /// The weight gradients over a pool of 1 to 3 threads equal each column's
+    /// sum taken in row order on one thread, bit for bit, and the input
+    /// gradients do not depend on the pool.
+    #[test]
+    fn weight_gradients_over_a_pool_are_row_order_sums() {
+        let (rows, dim) = (37, 29);
+        let mut rng = Rng::new(13);
+        let (x, dy, w) = (rng.vec(rows * dim), rng.vec(rows * dim), rng.vec(dim));
+        let (mean, rstd) = (rng.vec(rows), rng.vec(rows));
+        let start = rng.vec(dim);
+        let (mut lw, mut lb, mut rw) = (start.clone(), start.clone(), start.clone());
+        for r in 0..rows {
+            for c in 0..dim {
+                let (xc, g) = (x[r * dim + c], dy[r * dim + c]);
+                lw[c] += g * ((xc - mean[r]) * rstd[r]);
+                lb[c] += g;
+                rw[c] += g * (xc * rstd[r]);
+            }
+        }
+        let mut dx1 = None;
+        for threads in 1..=3 {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            let (mut dw, mut db, mut dwr) = (start.clone(), start.clone(), start.clone());
+            let (mut dx, mut dxr) = (vec![0.0; rows * dim], vec![0.0; rows * dim]);
+            pool.install(|| {
+                layernorm_bwd(
+                    &x, &w, &mean, &rstd, &dy, rows, dim, &mut dx, &mut dw, &mut db,
+                )
+                .unwrap();
+                rmsnorm_bwd(&x, &w, &rstd, &dy, rows, dim, &mut dxr, &mut dwr).unwrap();
+            });
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&dw), bits(&lw), "{threads} threads");
+            assert_eq!(bits(&db), bits(&lb), "{threads} threads");
+            assert_eq!(bits(&dwr), bits(&rw), "{threads} threads");
+            let dxs = (bits(&dx), bits(&dxr));
+            assert_eq!(dx1.get_or_insert_with(|| dxs.clone()), &dxs);
+        }
     }
 
     #[test]
