@@ -509,9 +509,7 @@ impl<H: HostPrecision> Device for H {
         Ok(x.clone())
     }
     fn first_non_finite(&self, xs: &[&Vec<f32>]) -> DResult<Option<usize>> {
-        // Chunks without an early exit inside: the test of 16 values vectorises.
-        let finite = |c: &[f32]| c.iter().fold(true, |ok, v| ok & v.is_finite());
-        Ok(xs.iter().position(|x| !x.chunks(16).all(finite)))
+        Ok(xs.iter().position(|x| !k::all_finite(x)))
     }
     fn act_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
         Ok(x.clone())
@@ -532,18 +530,18 @@ impl<H: HostPrecision> Device for H {
         Ok(())
     }
     fn f32_zero(&self, x: &mut Vec<f32>) -> DResult<()> {
-        x.iter_mut().for_each(|v| *v = 0.0);
+        k::fill(x, 0.0);
         Ok(())
     }
     fn f32_scale(&self, x: &mut Vec<f32>, a: f32) -> DResult<()> {
-        x.iter_mut().for_each(|v| *v *= a);
+        k::scale(x, a);
         Ok(())
     }
     fn f32_accumulate(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> DResult<()> {
         if acc.len() != x.len() {
             return Err(range_err("accumulate"));
         }
-        acc.iter_mut().zip(x).for_each(|(a, b)| *a += b);
+        k::accumulate(acc, x);
         Ok(())
     }
     fn f32_copy(&self, x: (&Vec<f32>, usize), y: (&mut Vec<f32>, usize), n: usize) -> DResult<()> {

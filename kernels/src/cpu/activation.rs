@@ -1,6 +1,10 @@
-//! Pointwise activations: GELU (tanh approximation), SwiGLU, residual add.
+//! Pointwise activations: GELU (tanh approximation), SwiGLU, residual add; and
+//! the pointwise passes over a rank's gradients (fill, scale, accumulate, the
+//! finiteness test), over the pool like the rest.
 
-use super::{check_len, fast_tanh, invalid, par_rows, prod, KernelError};
+use super::{
+    check_len, fast_tanh, intra_op_threads, invalid, par_rows, prod, KernelError, PAR_ZEROS_MIN,
+};
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
 const GELU_C: f32 = 0.044_715;
@@ -121,6 +125,28 @@ pub fn accumulate(acc: &mut [f32], x: &[f32]) {
     });
 }
 
+/// Every element of `x` set to `v` (a step's gradients zeroed).
+pub fn fill(x: &mut [f32], v: f32) {
+    par_rows(x, 1, |_, x| x.fill(v));
+}
+
+/// `x *= a`, element by element.
+pub fn scale(x: &mut [f32], a: f32) {
+    par_rows(x, 1, |_, x| x.iter_mut().for_each(|v| *v *= a));
+}
+
+/// Whether every element of `x` is finite. Over the pool, 16 values at a time
+/// without an early exit inside, so the test vectorises.
+pub fn all_finite(x: &[f32]) -> bool {
+    let finite = |c: &[f32]| c.iter().fold(true, |ok, v| ok & v.is_finite());
+    let ok = |x: &[f32]| x.chunks(16).all(finite);
+    if intra_op_threads() <= 1 || x.len() < PAR_ZEROS_MIN {
+        return ok(x);
+    }
+    use rayon::prelude::*;
+    x.par_chunks(x.len().div_ceil(intra_op_threads())).all(ok)
+}
+
 /// Backward of [`add`]: `da += d_out`, `db += d_out`.
 pub fn add_bwd(d_out: &[f32], da: &mut [f32], db: &mut [f32]) -> Result<(), KernelError> {
     check_len("da", da.len(), d_out.len())?;
@@ -133,6 +159,39 @@ pub fn add_bwd(d_out: &[f32], da: &mut [f32], db: &mut [f32]) -> Result<(), Kern
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Fill, scale and the finiteness test over pools of 1 and 2 threads, on
+    /// buffers below and above the length that splits them: every element
+    /// reached, and one non-finite value anywhere found.
+    #[test]
+    fn gradient_passes_reach_every_element_on_a_pool() {
+        for threads in [1, 2] {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            for n in [0, 5, PAR_ZEROS_MIN + 17] {
+                pool.install(|| {
+                    let mut x: Vec<f32> = (0..n).map(|i| i as f32).collect();
+                    scale(&mut x, 0.5);
+                    assert!(x.iter().enumerate().all(|(i, &v)| v == i as f32 * 0.5));
+                    assert!(all_finite(&x));
+                    for at in [0, n / 2, n.saturating_sub(1)]
+                        .into_iter()
+                        .filter(|_| n > 0)
+                    {
+                        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+                            let keep = std::mem::replace(&mut x[at], bad);
+                            assert!(!all_finite(&x), "n {n} at {at} {bad}");
+                            x[at] = keep;
+                        }
+                    }
+                    fill(&mut x, 0.0);
+                    assert!(x.iter().all(|&v| v.to_bits() == 0));
+                });
+            }
+        }
+    }
     use crate::cpu::testutil::{assert_grad_close, dot64, numeric_grad, Rng};
 
     #[test]

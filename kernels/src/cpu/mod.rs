@@ -80,7 +80,9 @@ pub mod moe;
 pub mod norm;
 pub mod rope;
 
-pub use activation::{accumulate, add, add_bwd, gelu_bwd, gelu_fwd, swiglu_bwd, swiglu_fwd};
+pub use activation::{
+    accumulate, add, add_bwd, all_finite, fill, gelu_bwd, gelu_fwd, scale, swiglu_bwd, swiglu_fwd,
+};
 pub use adamw::adamw_step;
 pub use attention::{attention_bwd, attention_fwd, attention_merge, AttnDims, Dropout, KEY_TILE};
 pub use dropout::{dropout_rows, splitmix, AttnDropout, DropoutDraw, RowDropout};
@@ -220,9 +222,9 @@ pub(crate) fn par_rows<T: Send>(
         .for_each(|(i, c)| f(i * per, c));
 }
 
-/// Buffers at least this long are zeroed over the pool: below it a thread's
-/// `memset` is quicker than handing out the work.
-const PAR_ZEROS_MIN: usize = 1 << 16;
+/// Buffers at least this long are zeroed (or tested) over the pool: below it a
+/// thread's `memset` is quicker than handing out the work.
+pub(crate) const PAR_ZEROS_MIN: usize = 1 << 16;
 
 /// `n` zeros. A long buffer is written over the pool of [`intra_op_threads`]:
 /// every op's output starts as one, and on one thread their `memset`s are a few
