@@ -786,7 +786,7 @@ impl<H: HostPrecision> Device for H {
         let [max, sumexp, target] = s;
         k::ce_loss(max, sumexp, target, out.loss)?;
         let (logits, labels, rows, v) = (c.logits, c.labels, c.rows, c.v_local);
-        out.dlogits.iter_mut().for_each(|x| *x = 0.0);
+        k::fill(out.dlogits, 0.0);
         let d = &mut *out.dlogits;
         k::ce_bwd(
             logits,
