@@ -174,13 +174,19 @@ pub(crate) fn matmul_on(
     check_len("a", a.len(), prod("a", &[m, k])?)?;
     check_len("b", b.len(), prod("b", &[k, n])?)?;
     check_len("c", c.len(), prod("c", &[m, n])?)?;
-    // gemm takes isize strides; keep every offset it may form representable.
-    for (name, len) in [("a", a.len()), ("b", b.len()), ("c", c.len())] {
+    fits_gemm_strides([a.len(), b.len(), c.len()])?;
+    gemm_unchecked(threads, trans_a, trans_b, m, k, n, a, b, beta, c);
+    Ok(())
+}
+
+/// gemm takes isize strides: checks that every offset it may form into buffers
+/// of these lengths (`a`, `b`, `c`) is representable.
+fn fits_gemm_strides(lens: [usize; 3]) -> Result<(), KernelError> {
+    for (name, len) in ["a", "b", "c"].into_iter().zip(lens) {
         if len > isize::MAX as usize / 4 {
             return Err(invalid(name, "too large for gemm strides"));
         }
     }
-    gemm_unchecked(threads, trans_a, trans_b, m, k, n, a, b, beta, c);
     Ok(())
 }
 
@@ -232,11 +238,7 @@ pub fn matmul_new(g: &GemmAt, a: &[f32], b: &[f32]) -> Result<Vec<f32>, KernelEr
     let mn = prod("c", &[g.m, g.n])?;
     let [ra, rb, _] = g.spans_within([a.len(), b.len(), mn])?;
     let (a, b) = (&a[ra], &b[rb]);
-    for (name, len) in [("a", a.len()), ("b", b.len()), ("c", mn)] {
-        if len > isize::MAX as usize / 4 {
-            return Err(invalid(name, "too large for gemm strides"));
-        }
-    }
+    fits_gemm_strides([a.len(), b.len(), mn])?;
     if mn == 0 || g.k == 0 {
         // An empty product, or empty inner products: zeros.
         return Ok(vec![0.0; mn]);
