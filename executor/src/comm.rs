@@ -64,7 +64,7 @@ mod thread;
 #[cfg(test)]
 mod tests;
 
-pub(crate) use counts::bytes_of;
+pub(crate) use counts::{byte_gap, bytes_of};
 pub use counts::{ByteCounts, KindCount};
 #[cfg(feature = "cuda")]
 pub use nccl::{nccl_available, Elem, NcclBench, NcclComm, NcclError, P2p};

@@ -471,11 +471,11 @@ fn kv_mismatches(
     }
     let mut out = Vec::new();
     let mut compare = |what: &str, rank: usize, got: f64, want: f64| {
-        if (got - want).abs() > 1e-6 * want.max(1.0) {
-            out.push(format!(
-                "rank {rank} {what}: measured {got} bytes, plan {want}"
-            ));
-        }
+        out.extend(crate::comm::byte_gap(
+            format!("rank {rank} {what}"),
+            got,
+            want,
+        ));
     };
     for (rank, c) in counts.iter().enumerate() {
         let (kv, tok) = match rank.checked_sub(np) {

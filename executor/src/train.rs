@@ -645,6 +645,15 @@ pub fn check_against(
     Ok(lines)
 }
 
+/// The name of `op`'s first output, the key its activation and gradient are held
+/// under (empty for an op with no output).
+pub(crate) fn output_name(graph: &Graph, op: &Op) -> String {
+    op.outputs
+        .first()
+        .map(|&o| graph.tensor(o).name.clone())
+        .unwrap_or_default()
+}
+
 /// The first op reading weight `name` (whose role decides how it is sliced and
 /// initialised), the weight's tensor and its full shape.
 pub(crate) fn weight_site<'g>(
@@ -676,22 +685,9 @@ pub(crate) fn rank_slice(
         .ranks
         .get(rank)
         .ok_or_else(|| format!("rank {rank} is not in the plan"))?;
-    let tp_axis = plan.mesh.axes.iter().position(|a| a == "tp");
-    let tp = TpPos {
-        rank: tp_axis.map(|i| entry.coords[i] as usize).unwrap_or(0),
-        size: tp_axis.map(|i| plan.mesh.shape[i] as usize).unwrap_or(1),
-    };
+    let tp = mesh_place(plan, &entry.coords, "tp");
     let (op, id, shape) = weight_site(graph, name)?;
-    let ep = build_groups(plan, rank, 0)
-        .ok()
-        .and_then(|gs| gs.get("ep").cloned())
-        .and_then(|g| {
-            g.index_of(rank).map(|i| TpPos {
-                rank: i,
-                size: g.size(),
-            })
-        })
-        .unwrap_or(TpPos::ONE);
+    let ep = build_groups(plan, rank, 0).map_or(TpPos::ONE, |gs| place_in(&gs, "ep", rank));
     Ok(local_weight(graph, op, op.role, id, full, &shape, tp, ep))
 }
 
@@ -705,26 +701,11 @@ pub fn byte_mismatches(plan: &Plan, run: &TrainReport, steps: u64) -> Vec<String
             out.push(format!("rank {}: no program", rep.rank));
             continue;
         };
-        let predicted = program.phases.iter().map(|p| p.bytes_sent()).fold(
-            meshplan_ir::plan::AxisBytes::default(),
-            |a, b| meshplan_ir::plan::AxisBytes {
-                dp: a.dp + b.dp,
-                tp: a.tp + b.tp,
-                pp: a.pp + b.pp,
-                cp: a.cp + b.cp,
-                ep: a.ep + b.ep,
-            },
-        );
         for axis in Axis::ALL {
-            let want = predicted.get(axis) * steps as f64;
+            let want = (program.phases.iter()).fold(0.0, |a, p| a + p.bytes_sent().get(axis));
             let got = rep.counts.axis_bytes_sent(axis.name());
-            if (got - want).abs() > 1e-6 * want.max(1.0) {
-                out.push(format!(
-                    "rank {} {}: measured {got} bytes, plan {want}",
-                    rep.rank,
-                    axis.name()
-                ));
-            }
+            let label = format!("rank {} {}", rep.rank, axis.name());
+            out.extend(crate::comm::byte_gap(label, got, want * steps as f64));
         }
     }
     out

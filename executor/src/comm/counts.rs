@@ -193,6 +193,13 @@ impl ByteCounts {
     }
 }
 
+/// `label: measured GOT bytes, plan WANT` where the two differ beyond rounding (a
+/// relative 1e-6, absolute below one byte).
+pub(crate) fn byte_gap(label: impl std::fmt::Display, got: f64, want: f64) -> Option<String> {
+    ((got - want).abs() > 1e-6 * want.max(1.0))
+        .then(|| format!("{label}: measured {got} bytes, plan {want}"))
+}
+
 /// Bytes of `elements` `f32`s.
 pub(crate) fn bytes_of(elements: usize) -> u64 {
     (elements as u64) * 4

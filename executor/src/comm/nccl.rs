@@ -226,11 +226,6 @@ impl NcclComm {
             .collect())
     }
 
-    /// The device this rank uses.
-    pub fn device(&self) -> usize {
-        self.ctx.ordinal()
-    }
-
     fn check_aborted(&self, kind: CommKind, axis: &str, group: &str) -> Result<(), CommError> {
         let a = self.aborted.lock().map_err(|_| CommError::Internal {
             detail: "abort flag poisoned".into(),

@@ -232,14 +232,8 @@ impl PoolBytes<'_> {
                     got -= sent;
                     want -= planned;
                 }
-                if (got - want).abs() > 1e-6 * want.max(1.0) {
-                    out.push(format!(
-                        "{}rank {} {}: measured {got} bytes, plan {want}",
-                        self.name,
-                        self.base + rank,
-                        ax.name()
-                    ));
-                }
+                let label = format!("{}rank {} {}", self.name, self.base + rank, ax.name());
+                out.extend(crate::comm::byte_gap(label, got, want));
             }
         }
         Some(out)

@@ -138,11 +138,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         (batch, ids): (&Batch, &mut PassIds<D>),
         l: u64,
     ) -> Result<(), RankError> {
-        let out = op
-            .outputs
-            .first()
-            .map(|&t| self.graph.tensor(t).name.clone())
-            .unwrap_or_default();
+        let out = crate::train::output_name(self.graph, op);
         let site = self.site();
         let y = match &op.kind {
             OpKind::Embedding => {

@@ -37,11 +37,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let (out, kept) = exec.forward(e, (&x, &logits), weights, routing)?;
         self.meter.expert_slots.0 += kept.slots.0;
         self.meter.expert_slots.1 += kept.slots.1;
-        let out_name = op
-            .outputs
-            .first()
-            .map(|&o| self.name_of(o))
-            .unwrap_or_default();
+        let out_name = crate::train::output_name(self.graph, op);
         t.acts.insert((l, out_name), Arc::new(out));
         t.experts.insert((l, op.name.clone()), kept);
         Ok(())

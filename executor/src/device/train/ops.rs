@@ -7,6 +7,7 @@
 use super::*;
 use crate::device::forward::{AttnMask, Site};
 use crate::device::{Ce, CeOut, Embed, Norm, NormBwd};
+use crate::train::output_name;
 use meshplan_kernels::cpu::GemmAt;
 use Transpose::{No, Yes};
 
@@ -167,11 +168,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     pub(super) fn forward_op(&mut self, op: &Op, l: u64, t: &mut Task<D>, out_rows: usize) -> Res {
-        let out = op
-            .outputs
-            .first()
-            .map(|&o| self.name_of(o))
-            .unwrap_or_default();
+        let out = output_name(self.graph, op);
         let y = match &op.kind {
             OpKind::Embedding => self.embedding_fwd(op, l, t, out_rows)?,
             OpKind::Norm(kind) => self.norm_fwd(op, kind, l, t)?,
@@ -216,11 +213,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             let d = Arc::try_unwrap(d).map_err(|_| fail("the loss gradient is shared"))?;
             return self.add_grad(t, l, in0, d);
         }
-        let out = op
-            .outputs
-            .first()
-            .map(|&o| self.name_of(o))
-            .unwrap_or_default();
+        let out = output_name(self.graph, op);
         // Nothing downstream used this output.
         let Some(dy) = t.grads.remove(&(l, out.clone())) else {
             return Ok(());
