@@ -89,6 +89,17 @@ fn range(what: &str, off: usize, n: usize, len: usize) -> DResult<std::ops::Rang
 }
 
 #[allow(clippy::too_many_arguments)]
+/// The CUDA kernels take `q`, `k` and `v` apart ([`Device::READS_FUSED_QKV`] is
+/// false, so the interpreter splits them first).
+fn apart(a: &Attn<'_, CudaDevice>) -> DResult<()> {
+    if a.fused {
+        return Err(DeviceError(
+            "the CUDA attention kernels take q, k and v apart, not fused rows".into(),
+        ));
+    }
+    Ok(())
+}
+
 impl Device for CudaDevice {
     type Act = CudaSlice<bf16>;
     type F32 = CudaSlice<f32>;
@@ -189,6 +200,7 @@ impl Device for CudaDevice {
             .rope_qkv(x, pos, rows, hq, hkv, d, width, rope, back, y)?)
     }
     fn attention_fwd(&self, a: &Attn<'_, Self>, out: AttnOut<'_, Self>) -> DResult<()> {
+        apart(a)?;
         let (q0, k0) = a.pos0;
         let (q, k, v, causal, scale) = (a.q, a.k, a.v, a.causal, a.scale);
         Ok(self.gpu.attention_fwd(
@@ -196,6 +208,7 @@ impl Device for CudaDevice {
         )?)
     }
     fn attention_bwd(&self, a: &Attn<'_, Self>, b: AttnBwd<'_, Self>) -> DResult<()> {
+        apart(a)?;
         let (q0, k0) = a.pos0;
         let (q, k, v, causal, scale) = (a.q, a.k, a.v, a.causal, a.scale);
         let (o, lse, d_o, d_q, d_k, d_v) = (b.o, b.lse, b.d_o, b.d_q, b.d_k, b.d_v);

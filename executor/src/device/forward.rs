@@ -58,6 +58,7 @@ impl AttnMask {
             causal: self.causal,
             scale: self.scale,
             dropout: self.dropout.as_ref(),
+            fused: false,
         }
     }
 }

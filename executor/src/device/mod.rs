@@ -125,6 +125,9 @@ pub struct Attn<'a, D: Device + ?Sized> {
     pub causal: bool,
     pub scale: f32,
     pub dropout: Option<&'a AttnDropout>,
+    /// `q`, `k` and `v` are one buffer, the fused rows `[s, batch, hq d | hkv d |
+    /// hkv dv]` (only where [`Device::READS_FUSED_QKV`]).
+    pub fused: bool,
 }
 
 /// Attention's forward outputs: `o` `[b, s, hq, dv]` and the rows' log-sum-exps.
@@ -209,6 +212,12 @@ pub trait Device: Send + Sync {
     /// device's: where the device has a collective engine of its own, its buffers
     /// are staged through the host.
     fn host_comm(comm: Box<dyn Communicator>) -> Box<Self::Comm>;
+
+    /// Whether [`Device::attention_fwd`] and [`Device::attention_bwd`] take
+    /// [`Attn::fused`] operands: the `q | k | v` rows as the projection wrote them,
+    /// read in place, so no split copies are made. The host kernels do; the CUDA
+    /// ones take `q`, `k` and `v` apart.
+    const READS_FUSED_QKV: bool = false;
 
     /// Bytes per element of [`Device::Act`].
     fn act_bytes(&self) -> usize;
@@ -472,7 +481,17 @@ fn with_attn_dropout(
     }
 }
 
+/// Where a host attention call reads its operands.
+fn qkv_of<'a, H: HostPrecision>(a: &Attn<'a, H>) -> k::Qkv<'a> {
+    if a.fused {
+        k::Qkv::Fused(a.q)
+    } else {
+        k::Qkv::Apart(a.q, a.k, a.v)
+    }
+}
+
 impl<H: HostPrecision> Device for H {
+    const READS_FUSED_QKV: bool = true;
     type Act = Vec<f32>;
     type F32 = Vec<f32>;
     type Ids = Vec<u32>;
@@ -619,25 +638,20 @@ impl<H: HostPrecision> Device for H {
         Ok(())
     }
     fn attention_fwd(&self, a: &Attn<'_, Self>, out: AttnOut<'_, Self>) -> DResult<()> {
-        let (q0, k0) = a.pos0;
         with_attn_dropout(a.dropout, |dr| {
-            let (q, kk, v) = (a.q, a.k, a.v);
-            k::attention_fwd(
-                a.dims, q, kk, v, q0, k0, a.causal, a.scale, out.o, out.lse, dr,
-            )
+            let (causal, scale) = (a.causal, a.scale);
+            k::attention_fwd_qkv(a.dims, qkv_of(a), a.pos0, causal, scale, out.o, out.lse, dr)
         })?;
         H::round(out.o);
         Ok(())
     }
     fn attention_bwd(&self, a: &Attn<'_, Self>, b: AttnBwd<'_, Self>) -> DResult<()> {
-        let (q0, k0) = a.pos0;
         let (d_q, d_k, d_v) = (b.d_q, b.d_k, b.d_v);
         with_attn_dropout(a.dropout, |dr| {
-            let (q, kk, v, o, lse, d_o) = (a.q, a.k, a.v, b.o, b.lse, b.d_o);
+            let ins = (&b.o[..], &b.lse[..], &b.d_o[..]);
+            let grads = (&mut d_q[..], &mut d_k[..], &mut d_v[..]);
             let (causal, scale) = (a.causal, a.scale);
-            k::attention_bwd(
-                a.dims, q, kk, v, o, lse, d_o, q0, k0, causal, scale, d_q, d_k, d_v, dr,
-            )
+            k::attention_bwd_qkv(a.dims, qkv_of(a), ins, a.pos0, causal, scale, grads, dr)
         })?;
         H::round(d_q);
         H::round(d_k);

@@ -74,6 +74,90 @@ impl Dropout<'_> {
 /// `dQ [group, sq, d]`, and the kv head's `dK [nk, d]` and `dV [nk, dv]`.
 type GroupGrads = (Vec<f32>, Vec<f32>, Vec<f32>);
 
+/// Where attention reads its queries, keys and values.
+#[derive(Debug, Clone, Copy)]
+pub enum Qkv<'a> {
+    /// Three tensors in the module's layouts: `q [batch, sq, hq, d]`,
+    /// `k [batch, sk, hkv, d]` and `v [batch, sk, hkv, dv]`.
+    Apart(&'a [f32], &'a [f32], &'a [f32]),
+    /// The fused rows a `q | k | v` projection writes, sequence-major:
+    /// `x [s, batch, hq d | hkv d | hkv dv]` (`sq == sk == s`), read in place.
+    Fused(&'a [f32]),
+}
+
+/// Where row `j` of head `h` of batch row `b` of an operand starts.
+#[derive(Debug, Clone, Copy)]
+struct Rows {
+    offset: usize,
+    batch: usize,
+    seq: usize,
+    head: usize,
+}
+
+impl Rows {
+    /// `[batch, s, heads, width]`.
+    fn dense(s: usize, heads: usize, width: usize) -> Rows {
+        Rows {
+            offset: 0,
+            batch: s * heads * width,
+            seq: heads * width,
+            head: width,
+        }
+    }
+
+    fn at(&self, b: usize, j: usize, h: usize) -> usize {
+        self.offset + b * self.batch + j * self.seq + h * self.head
+    }
+}
+
+impl<'a> Qkv<'a> {
+    /// The three operands with their row layouts, their lengths checked.
+    fn operands(&self, dims: &AttnDims) -> Result<[(&'a [f32], Rows); 3], KernelError> {
+        let AttnDims {
+            batch,
+            sq,
+            sk,
+            hq,
+            hkv,
+            d,
+            dv,
+        } = *dims;
+        match *self {
+            Qkv::Apart(q, k, v) => {
+                check_len("q", q.len(), dims.q_len()?)?;
+                check_len("k", k.len(), dims.k_len()?)?;
+                check_len("v", v.len(), dims.v_len()?)?;
+                Ok([
+                    (q, Rows::dense(sq, hq, d)),
+                    (k, Rows::dense(sk, hkv, d)),
+                    (v, Rows::dense(sk, hkv, dv)),
+                ])
+            }
+            Qkv::Fused(x) => {
+                if sq != sk {
+                    return Err(invalid(
+                        "dims.sk",
+                        format!("fused q | k | v rows need sk == sq ({sq}), got {sk}"),
+                    ));
+                }
+                let row = hq * d + hkv * d + hkv * dv;
+                check_len("x", x.len(), prod("x", &[sq, batch, row])?)?;
+                let at = |offset, head| Rows {
+                    offset,
+                    batch: row,
+                    seq: batch * row,
+                    head,
+                };
+                Ok([
+                    (x, at(0, d)),
+                    (x, at(hq * d, d)),
+                    (x, at(hq * d + hkv * d, dv)),
+                ])
+            }
+        }
+    }
+}
+
 /// Sizes of one attention call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AttnDims {
@@ -141,12 +225,11 @@ fn visible_keys(sk: usize, qpos: usize, k_pos0: usize, causal: bool) -> usize {
 /// `[Q_TILE, KEY_TILE]` product.
 const Q_TILE: usize = 64;
 
-/// Copies rows `j0..j0 + n` of head `h` of batch `b` of a `[batch, s, heads,
-/// width]` tensor into the contiguous `[n, width]` prefix of `dst`.
+/// Copies rows `j0..j0 + n` of head `h` of batch `b` of `x` (laid out as
+/// `rows` says) into the contiguous `[n, width]` prefix of `dst`.
 fn gather(
     x: &[f32],
-    s: usize,
-    heads: usize,
+    rows: &Rows,
     width: usize,
     at: (usize, usize, usize),
     n: usize,
@@ -157,7 +240,7 @@ fn gather(
         return;
     }
     for (j, row) in (j0..j0 + n).zip(dst[..n * width].chunks_exact_mut(width)) {
-        row.copy_from_slice(&x[((b * s + j) * heads + h) * width..][..width]);
+        row.copy_from_slice(&x[rows.at(b, j, h)..][..width]);
     }
 }
 
@@ -241,11 +324,35 @@ pub fn attention_fwd(
     lse: &mut [f32],
     dropout: Option<&Dropout<'_>>,
 ) -> Result<(), KernelError> {
+    let qkv = Qkv::Apart(q, k, v);
+    attention_fwd_qkv(
+        dims,
+        qkv,
+        (q_pos0, k_pos0),
+        causal,
+        scale,
+        out,
+        lse,
+        dropout,
+    )
+}
+
+/// [`attention_fwd`] with the operands where [`Qkv`] says: read in place from
+/// fused rows, the results are bit for bit those of the split tensors (only
+/// where each row is copied from changes).
+pub fn attention_fwd_qkv(
+    dims: &AttnDims,
+    qkv: Qkv<'_>,
+    (q_pos0, k_pos0): (usize, usize),
+    causal: bool,
+    scale: f32,
+    out: &mut [f32],
+    lse: &mut [f32],
+    dropout: Option<&Dropout<'_>>,
+) -> Result<(), KernelError> {
     let group = dims.group()?;
     let inv_keep = dropout.map(Dropout::check).transpose()?;
-    check_len("q", q.len(), dims.q_len()?)?;
-    check_len("k", k.len(), dims.k_len()?)?;
-    check_len("v", v.len(), dims.v_len()?)?;
+    let [(q, qr), (k, kr), (v, vr)] = qkv.operands(dims)?;
     check_len("out", out.len(), dims.o_len()?)?;
     check_len("lse", lse.len(), dims.lse_len()?)?;
     let AttnDims {
@@ -280,8 +387,8 @@ pub fn attention_fwd(
         // This task's outputs: `[group, sq, dv]` and `[group, sq]`.
         let mut og = vec![0.0f32; group * sq * dv];
         let mut lg = vec![0.0f32; group * sq];
-        gather(k, sk, hkv, d, (b, g, 0), nk_all, &mut kb);
-        gather(v, sk, hkv, dv, (b, g, 0), nk_all, &mut vb);
+        gather(k, &kr, d, (b, g, 0), nk_all, &mut kb);
+        gather(v, &vr, dv, (b, g, 0), nk_all, &mut vb);
         for hi in 0..group {
             let h = g * group + hi;
             for i0 in (0..sq).step_by(Q_TILE) {
@@ -290,7 +397,7 @@ pub fn attention_fwd(
                     *n = visible_keys(sk, q_pos0 + i0 + r, k_pos0, causal);
                 }
                 let nk = nvis[..mt].iter().copied().max().unwrap_or(0);
-                gather(q, sq, hq, d, (b, h, i0), mt, &mut qb);
+                gather(q, &qr, d, (b, h, i0), mt, &mut qb);
                 mrow[..mt].fill(f32::NEG_INFINITY);
                 lrow[..mt].fill(0.0);
                 acc[..mt * dv].fill(0.0);
@@ -480,12 +587,37 @@ pub fn attention_bwd(
     d_v: &mut [f32],
     dropout: Option<&Dropout<'_>>,
 ) -> Result<(), KernelError> {
+    let (qkv, pos0) = (Qkv::Apart(q, k, v), (q_pos0, k_pos0));
+    let grads = (d_q, d_k, d_v);
+    attention_bwd_qkv(
+        dims,
+        qkv,
+        (o, lse, d_o),
+        pos0,
+        causal,
+        scale,
+        grads,
+        dropout,
+    )
+}
+
+/// [`attention_bwd`] with the operands where [`Qkv`] says (bit for bit the
+/// same gradients, as for [`attention_fwd_qkv`]); the gradients are written
+/// apart, in the module's layouts, whatever the operands' layout.
+pub fn attention_bwd_qkv(
+    dims: &AttnDims,
+    qkv: Qkv<'_>,
+    (o, lse, d_o): (&[f32], &[f32], &[f32]),
+    (q_pos0, k_pos0): (usize, usize),
+    causal: bool,
+    scale: f32,
+    (d_q, d_k, d_v): (&mut [f32], &mut [f32], &mut [f32]),
+    dropout: Option<&Dropout<'_>>,
+) -> Result<(), KernelError> {
     let group = dims.group()?;
     let inv_keep = dropout.map(Dropout::check).transpose()?;
+    let [(q, qr), (k, kr), (v, vr)] = qkv.operands(dims)?;
     let (ql, kl, vl, ol) = (dims.q_len()?, dims.k_len()?, dims.v_len()?, dims.o_len()?);
-    check_len("q", q.len(), ql)?;
-    check_len("k", k.len(), kl)?;
-    check_len("v", v.len(), vl)?;
     check_len("o", o.len(), ol)?;
     check_len("lse", lse.len(), dims.lse_len()?)?;
     check_len("d_o", d_o.len(), ol)?;
@@ -540,8 +672,8 @@ pub fn attention_bwd(
         let mut lrow = [0.0f32; Q_TILE];
         let mut drow = [0.0f32; Q_TILE];
         let mut nvis = [0usize; Q_TILE];
-        gather(k, sk, hkv, d, (b, g, 0), nk_all, &mut kb);
-        gather(v, sk, hkv, dv, (b, g, 0), nk_all, &mut vb);
+        gather(k, &kr, d, (b, g, 0), nk_all, &mut kb);
+        gather(v, &vr, dv, (b, g, 0), nk_all, &mut vb);
         for hi in 0..group {
             let h = g * group + hi;
             for i0 in (0..sq).step_by(Q_TILE) {
@@ -561,8 +693,8 @@ pub fn attention_bwd(
                 if nk == 0 {
                     continue;
                 }
-                gather(q, sq, hq, d, (b, h, i0), mt, &mut qb);
-                gather(d_o, sq, hq, dv, (b, h, i0), mt, &mut dob);
+                gather(q, &qr, d, (b, h, i0), mt, &mut qb);
+                gather(d_o, &Rows::dense(sq, hq, dv), dv, (b, h, i0), mt, &mut dob);
                 for (r, dr) in drow[..mt].iter_mut().enumerate() {
                     let row = ((b * sq + i0 + r) * hq + h) * dv;
                     *dr = o[row..row + dv]
@@ -761,6 +893,109 @@ mod tests {
         )
         .unwrap();
         (o, l)
+    }
+
+    #[test]
+    fn fused_rows_give_the_split_tensors_results_bit_for_bit() {
+        let keep = |b: usize, h: usize, i: usize, j: usize| {
+            !(b * 31 + h * 17 + i * 7 + j * 3).is_multiple_of(5)
+        };
+        let drop = Dropout {
+            p: 0.2,
+            keep: &keep,
+        };
+        let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        // (batch, s, hq, hkv, d, dv): ragged sizes, GQA, and a sequence over
+        // more than one query and key tile.
+        for (n, &(batch, s, hq, hkv, d, dv)) in [
+            (3, 7, 4, 2, 3, 5),
+            (2, 130, 2, 1, 8, 8),
+            (1, 65, 3, 3, 4, 2),
+        ]
+        .iter()
+        .enumerate()
+        {
+            let dims = dims(batch, s, s, hq, hkv, d, dv);
+            let row = hq * d + hkv * d + hkv * dv;
+            let mut rng = Rng::new(40 + n as u64);
+            let x = rng.vec(s * batch * row);
+            let d_o = rng.vec(dims.o_len().unwrap());
+            let (mut q, mut k, mut v) = (
+                vec![0.0; dims.q_len().unwrap()],
+                vec![0.0; dims.k_len().unwrap()],
+                vec![0.0; dims.v_len().unwrap()],
+            );
+            crate::cpu::split_qkv(&x, &dims, &mut q, &mut k, &mut v).unwrap();
+            for (causal, dropout, threads) in [
+                (true, None, 1),
+                (false, None, 2),
+                (true, Some(&drop), 2),
+                (false, Some(&drop), 3),
+            ] {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let run = |qkv: Qkv<'_>| {
+                    pool.install(|| {
+                        let mut o = vec![f32::NAN; dims.o_len().unwrap()];
+                        let mut l = vec![f32::NAN; dims.lse_len().unwrap()];
+                        let (pos, sc) = ((2, 2), 0.4);
+                        attention_fwd_qkv(&dims, qkv, pos, causal, sc, &mut o, &mut l, dropout)
+                            .unwrap();
+                        let mut g = [q.len(), k.len(), v.len()].map(|n| vec![0.0; n]);
+                        let [gq, gk, gv] = &mut g;
+                        let (ins, grads) = (
+                            (&o[..], &l[..], &d_o[..]),
+                            (&mut gq[..], &mut gk[..], &mut gv[..]),
+                        );
+                        attention_bwd_qkv(&dims, qkv, ins, pos, causal, sc, grads, dropout)
+                            .unwrap();
+                        (o, l, g)
+                    })
+                };
+                let apart = run(Qkv::Apart(&q, &k, &v));
+                let fused = run(Qkv::Fused(&x));
+                let what = format!(
+                    "case {n}, causal {causal}, dropout {}, {threads} threads",
+                    dropout.is_some()
+                );
+                assert_eq!(bits(&apart.0), bits(&fused.0), "out, {what}");
+                assert_eq!(bits(&apart.1), bits(&fused.1), "lse, {what}");
+                for i in 0..3 {
+                    assert_eq!(bits(&apart.2[i]), bits(&fused.2[i]), "gradient {i}, {what}");
+                }
+                let finite = |x: &[f32]| x.iter().all(|v| v.is_finite());
+                assert!(
+                    finite(&apart.0) && apart.2.iter().all(|g| finite(g)),
+                    "{what}"
+                );
+                assert!(apart.2[1].iter().any(|&g| g != 0.0), "{what}");
+            }
+        }
+        // Fused rows are one sequence: queries and keys of different lengths refuse.
+        let dm = dims(1, 2, 3, 1, 1, 1, 1);
+        let (mut o, mut l) = (vec![0.0; 2], vec![0.0; 2]);
+        let e = attention_fwd_qkv(
+            &dm,
+            Qkv::Fused(&[0.0; 9]),
+            (0, 0),
+            true,
+            1.0,
+            &mut o,
+            &mut l,
+            None,
+        );
+        assert!(
+            matches!(
+                e,
+                Err(KernelError::Invalid {
+                    name: "dims.sk",
+                    ..
+                })
+            ),
+            "{e:?}"
+        );
     }
 
     /// Full score matrix and softmax in f64: the definition the tiled kernel

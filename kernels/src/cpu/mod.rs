@@ -84,7 +84,10 @@ pub use activation::{
     accumulate, add, add_bwd, all_finite, fill, gelu_bwd, gelu_fwd, scale, swiglu_bwd, swiglu_fwd,
 };
 pub use adamw::adamw_step;
-pub use attention::{attention_bwd, attention_fwd, attention_merge, AttnDims, Dropout, KEY_TILE};
+pub use attention::{
+    attention_bwd, attention_bwd_qkv, attention_fwd, attention_fwd_qkv, attention_merge, AttnDims,
+    Dropout, Qkv, KEY_TILE,
+};
 pub use dropout::{dropout_rows, splitmix, AttnDropout, DropoutDraw, RowDropout};
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use layout::{join_qkv, split_qkv, transpose_bs};

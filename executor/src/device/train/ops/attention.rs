@@ -2,14 +2,17 @@
 //! context axis where there is one.
 
 use super::*;
+use crate::device::Attn;
 use meshplan_ir::graph::AttentionShape;
 
-/// An attention op's input, its sizes, `q`, `k` and `v` apart, and the mask.
-type AttnInputs<D> = (Arc<<D as Device>::Act>, AttnDims, Qkv<D>, AttnMask);
+/// An attention op's input (fused `q | k | v`), its sizes, `q`, `k` and `v`
+/// apart (`None` where the kernels read them in place), and the mask.
+type AttnInputs<D> = (Arc<<D as Device>::Act>, AttnDims, Option<Qkv<D>>, AttnMask);
 
 impl<D: Device> DevRank<'_, D> {
-    /// What attention's forward and backward start from: the op's input (fused
-    /// `q | k | v`), its sizes, `q`, `k` and `v` apart, and the mask.
+    /// What attention's forward and backward start from. The split copies are
+    /// made only for a ring (its blocks travel apart) or a device whose kernels
+    /// take `q`, `k` and `v` apart.
     fn attention_inputs(
         &self,
         op: &Op,
@@ -19,19 +22,24 @@ impl<D: Device> DevRank<'_, D> {
     ) -> Res<AttnInputs<D>> {
         let x = self.act(t, l, op.inputs[0])?;
         let (dims, _) = self.site().attention_dims_of(op, self.sizes.mbs, &x)?;
-        let rows = dims.batch * dims.sq;
-        let mut q = self.zeros(rows * dims.hq * dims.d)?;
-        let mut k = self.zeros(rows * dims.hkv * dims.d)?;
-        let mut v = self.zeros(rows * dims.hkv * dims.dv)?;
-        self.dev
-            .split_qkv(&x, &dims, [&mut q, &mut k, &mut v])
-            .map_err(derr(&op.name))?;
+        let qkv = if D::READS_FUSED_QKV && self.cp.size == 1 {
+            None
+        } else {
+            let rows = dims.batch * dims.sq;
+            let mut q = self.zeros(rows * dims.hq * dims.d)?;
+            let mut k = self.zeros(rows * dims.hkv * dims.d)?;
+            let mut v = self.zeros(rows * dims.hkv * dims.dv)?;
+            self.dev
+                .split_qkv(&x, &dims, [&mut q, &mut k, &mut v])
+                .map_err(derr(&op.name))?;
+            Some((q, k, v))
+        };
         let mask = AttnMask {
             causal: a.causal,
             scale: 1.0 / (a.qk_dim as f32).sqrt(),
             dropout: self.attention_dropout(op, l, t),
         };
-        Ok((x, dims, (q, k, v), mask))
+        Ok((x, dims, qkv, mask))
     }
 
     pub(super) fn attention_fwd(
@@ -42,13 +50,13 @@ impl<D: Device> DevRank<'_, D> {
         t: &mut Task<D>,
     ) -> Res<D::Act> {
         let e = derr(&op.name);
-        let (_, dims, (q, kk, v), mask) = self.attention_inputs(op, a, l, t)?;
+        let (x, dims, qkv, mask) = self.attention_inputs(op, a, l, t)?;
         let mut o = self.zeros(dims.batch * dims.sq * dims.hq * dims.dv)?;
         let mut lse = self.zeros_f32(dims.batch * dims.hq * dims.sq)?;
-        if self.cp.size > 1 {
-            self.ring_forward(&dims, (&q, &kk, &v), &mask, &mut o, &mut lse)?;
+        if let (true, Some((q, kk, v))) = (self.cp.size > 1, &qkv) {
+            self.ring_forward(&dims, (q, kk, v), &mask, &mut o, &mut lse)?;
         } else {
-            let a = mask.attn(&dims, (&q, &kk, &v), (0, 0));
+            let a = attn_on(&mask, &dims, &*x, &qkv);
             let out = AttnOut {
                 o: &mut o,
                 lse: &mut lse,
@@ -76,7 +84,7 @@ impl<D: Device> DevRank<'_, D> {
         let in0 = self.name_of(op.inputs[0]);
         let e = derr(&op.name);
         let dev = &self.dev;
-        let (x, dims, (q, kk, v), mask) = self.attention_inputs(op, a, l, t)?;
+        let (x, dims, qkv, mask) = self.attention_inputs(op, a, l, t)?;
         let o = t
             .saved
             .get(&(l, op.name.clone(), Saved::AttnOut))
@@ -86,19 +94,20 @@ impl<D: Device> DevRank<'_, D> {
         let mut d_o = self.zeros(D::act_len(&dy))?;
         dev.swap_axes(&dy, [dims.sq, dims.batch, dims.hq * dims.dv], &mut d_o)
             .map_err(&e)?;
-        let mut dq = self.zeros(D::act_len(&q))?;
-        let mut dk = self.zeros(D::act_len(&kk))?;
-        let mut dv = self.zeros(D::act_len(&v))?;
-        if self.cp.size > 1 {
+        let rows = dims.batch * dims.sq;
+        let mut dq = self.zeros(rows * dims.hq * dims.d)?;
+        let mut dk = self.zeros(rows * dims.hkv * dims.d)?;
+        let mut dv = self.zeros(rows * dims.hkv * dims.dv)?;
+        if let (true, Some((q, kk, v))) = (self.cp.size > 1, &qkv) {
             self.ring_backward(
                 &dims,
-                (&q, &kk, &v),
+                (q, kk, v),
                 (&o, lse, &d_o),
                 &mask,
                 (&mut dq, &mut dk, &mut dv),
             )?;
         } else {
-            let a = mask.attn(&dims, (&q, &kk, &v), (0, 0));
+            let a = attn_on(&mask, &dims, &*x, &qkv);
             let b = AttnBwd {
                 o: &*o,
                 lse,
@@ -115,5 +124,22 @@ impl<D: Device> DevRank<'_, D> {
             .map_err(&e)?;
         self.add_grad(t, l, in0, dx)?;
         Ok(())
+    }
+}
+
+/// One attention call over the whole sequence: on `q`, `k` and `v` apart where
+/// they were split, else in place on the fused rows `x`.
+fn attn_on<'a, D: Device>(
+    mask: &'a AttnMask,
+    dims: &'a AttnDims,
+    x: &'a D::Act,
+    qkv: &'a Option<Qkv<D>>,
+) -> Attn<'a, D> {
+    match qkv {
+        Some((q, k, v)) => mask.attn(dims, (q, k, v), (0, 0)),
+        None => Attn {
+            fused: true,
+            ..mask.attn(dims, (x, x, x), (0, 0))
+        },
     }
 }
