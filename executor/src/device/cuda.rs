@@ -9,8 +9,8 @@
 //! positions from 0), `beta` 0 for an activation GEMM and 1 for a weight gradient.
 
 use super::{
-    range_err, rows_of, AdamW, Attn, AttnBwd, AttnOut, Ce, CeOut, CombineBwd, DResult, Device,
-    DeviceError, Embed, Merge, Norm, NormBwd, NormOut, RopeQkv, Routed,
+    range_err, rows_of, AdamW, Attn, AttnBwd, AttnGrads, AttnOut, Ce, CeOut, CombineBwd, DResult,
+    Device, DeviceError, Embed, Merge, Norm, NormBwd, NormOut, RopeQkv, Routed,
 };
 use crate::comm::Communicator;
 use meshplan_ir::NormKind;
@@ -93,11 +93,13 @@ fn range(what: &str, off: usize, n: usize, len: usize) -> DResult<std::ops::Rang
 /// false, so the interpreter splits them first).
 fn apart(a: &Attn<'_, CudaDevice>) -> DResult<()> {
     if a.fused {
-        return Err(DeviceError(
-            "the CUDA attention kernels take q, k and v apart, not fused rows".into(),
-        ));
+        return Err(fused_refused());
     }
     Ok(())
+}
+
+fn fused_refused() -> DeviceError {
+    DeviceError("the CUDA attention kernels take q, k and v apart, not fused rows".into())
 }
 
 impl Device for CudaDevice {
@@ -211,7 +213,10 @@ impl Device for CudaDevice {
         apart(a)?;
         let (q0, k0) = a.pos0;
         let (q, k, v, causal, scale) = (a.q, a.k, a.v, a.causal, a.scale);
-        let (o, lse, d_o, d_q, d_k, d_v) = (b.o, b.lse, b.d_o, b.d_q, b.d_k, b.d_v);
+        let AttnGrads::Apart(d_q, d_k, d_v) = b.grads else {
+            return Err(fused_refused());
+        };
+        let (o, lse, d_o) = (b.o, b.lse, b.d_o);
         Ok(self.gpu.attention_bwd(
             a.dims, q, k, v, o, lse, d_o, q0, k0, causal, scale, a.dropout, d_q, d_k, d_v,
         )?)

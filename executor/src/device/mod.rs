@@ -142,9 +142,16 @@ pub struct AttnBwd<'a, D: Device + ?Sized> {
     pub o: &'a D::Act,
     pub lse: &'a D::F32,
     pub d_o: &'a D::Act,
-    pub d_q: &'a mut D::Act,
-    pub d_k: &'a mut D::Act,
-    pub d_v: &'a mut D::Act,
+    pub grads: AttnGrads<'a, D>,
+}
+
+/// Where attention's backward adds the gradients of `q`, `k` and `v`.
+pub enum AttnGrads<'a, D: Device + ?Sized> {
+    /// Three buffers in the layouts of [`Attn`]'s `q`, `k` and `v` apart.
+    Apart(&'a mut D::Act, &'a mut D::Act, &'a mut D::Act),
+    /// One buffer of fused rows, laid out as [`Attn::fused`] operands are (only
+    /// where [`Device::READS_FUSED_QKV`]).
+    Fused(&'a mut D::Act),
 }
 
 /// Ring attention's merge of one key/value block's output and log-sum-exps into
@@ -646,16 +653,25 @@ impl<H: HostPrecision> Device for H {
         Ok(())
     }
     fn attention_bwd(&self, a: &Attn<'_, Self>, b: AttnBwd<'_, Self>) -> DResult<()> {
-        let (d_q, d_k, d_v) = (b.d_q, b.d_k, b.d_v);
-        with_attn_dropout(a.dropout, |dr| {
-            let ins = (&b.o[..], &b.lse[..], &b.d_o[..]);
-            let grads = (&mut d_q[..], &mut d_k[..], &mut d_v[..]);
-            let (causal, scale) = (a.causal, a.scale);
-            k::attention_bwd_qkv(a.dims, qkv_of(a), ins, a.pos0, causal, scale, grads, dr)
-        })?;
-        H::round(d_q);
-        H::round(d_k);
-        H::round(d_v);
+        let ins = (&b.o[..], &b.lse[..], &b.d_o[..]);
+        let run = |grads: k::QkvGrads<'_>| {
+            with_attn_dropout(a.dropout, |dr| {
+                let (causal, scale) = (a.causal, a.scale);
+                k::attention_bwd_qkv(a.dims, qkv_of(a), ins, a.pos0, causal, scale, grads, dr)
+            })
+        };
+        match b.grads {
+            AttnGrads::Apart(d_q, d_k, d_v) => {
+                run(k::QkvGrads::Apart(d_q, d_k, d_v))?;
+                H::round(d_q);
+                H::round(d_k);
+                H::round(d_v);
+            }
+            AttnGrads::Fused(dx) => {
+                run(k::QkvGrads::Fused(dx))?;
+                H::round(dx);
+            }
+        }
         Ok(())
     }
     fn attention_merge(&self, dims: &AttnDims, m: Merge<'_, Self>) -> DResult<()> {

@@ -85,6 +85,15 @@ pub enum Qkv<'a> {
     Fused(&'a [f32]),
 }
 
+/// Where attention's backward adds the gradients of `q`, `k` and `v`.
+#[derive(Debug)]
+pub enum QkvGrads<'a> {
+    /// Three tensors in the layouts of [`Qkv::Apart`].
+    Apart(&'a mut [f32], &'a mut [f32], &'a mut [f32]),
+    /// One buffer of fused rows laid out as [`Qkv::Fused`]'s.
+    Fused(&'a mut [f32]),
+}
+
 /// Where row `j` of head `h` of batch row `b` of an operand starts.
 #[derive(Debug, Clone, Copy)]
 struct Rows {
@@ -588,7 +597,7 @@ pub fn attention_bwd(
     dropout: Option<&Dropout<'_>>,
 ) -> Result<(), KernelError> {
     let (qkv, pos0) = (Qkv::Apart(q, k, v), (q_pos0, k_pos0));
-    let grads = (d_q, d_k, d_v);
+    let grads = QkvGrads::Apart(d_q, d_k, d_v);
     attention_bwd_qkv(
         dims,
         qkv,
@@ -601,9 +610,9 @@ pub fn attention_bwd(
     )
 }
 
-/// [`attention_bwd`] with the operands where [`Qkv`] says (bit for bit the
-/// same gradients, as for [`attention_fwd_qkv`]); the gradients are written
-/// apart, in the module's layouts, whatever the operands' layout.
+/// [`attention_bwd`] with the operands where [`Qkv`] says and the gradients
+/// added where [`QkvGrads`] says: bit for bit the same gradients (as for
+/// [`attention_fwd_qkv`], only where rows are copied from and to changes).
 pub fn attention_bwd_qkv(
     dims: &AttnDims,
     qkv: Qkv<'_>,
@@ -611,19 +620,26 @@ pub fn attention_bwd_qkv(
     (q_pos0, k_pos0): (usize, usize),
     causal: bool,
     scale: f32,
-    (d_q, d_k, d_v): (&mut [f32], &mut [f32], &mut [f32]),
+    mut grads: QkvGrads<'_>,
     dropout: Option<&Dropout<'_>>,
 ) -> Result<(), KernelError> {
     let group = dims.group()?;
     let inv_keep = dropout.map(Dropout::check).transpose()?;
     let [(q, qr), (k, kr), (v, vr)] = qkv.operands(dims)?;
-    let (ql, kl, vl, ol) = (dims.q_len()?, dims.k_len()?, dims.v_len()?, dims.o_len()?);
+    let ol = dims.o_len()?;
     check_len("o", o.len(), ol)?;
     check_len("lse", lse.len(), dims.lse_len()?)?;
     check_len("d_o", d_o.len(), ol)?;
-    check_len("d_q", d_q.len(), ql)?;
-    check_len("d_k", d_k.len(), kl)?;
-    check_len("d_v", d_v.len(), vl)?;
+    match &grads {
+        QkvGrads::Apart(d_q, d_k, d_v) => {
+            check_len("d_q", d_q.len(), dims.q_len()?)?;
+            check_len("d_k", d_k.len(), dims.k_len()?)?;
+            check_len("d_v", d_v.len(), dims.v_len()?)?;
+        }
+        QkvGrads::Fused(dx) => {
+            Qkv::Fused(&dx[..]).operands(dims)?;
+        }
+    }
     let AttnDims {
         batch,
         sq,
@@ -840,6 +856,13 @@ pub fn attention_bwd_qkv(
             });
         }
     };
+    let (d_q, d_k, d_v) = match &mut grads {
+        QkvGrads::Apart(d_q, d_k, d_v) => (&mut **d_q, &mut **d_k, &mut **d_v),
+        QkvGrads::Fused(dx) => {
+            fused_grads(dims, nk_all, &parts, dx);
+            return Ok(());
+        }
+    };
     by_batch(d_q, sq * hq * d, &|db, t| {
         for hi in 0..group {
             let (h, src) = ((t % hkv) * group + hi, &parts[t].0[hi * sq * d..]);
@@ -853,6 +876,49 @@ pub fn attention_bwd_qkv(
         scatter_add(db, sk, hkv, dv, (0, t % hkv, 0), nk_all, &parts[t].2);
     });
     Ok(())
+}
+
+/// Adds the backward tasks' gradients (task `b * hkv + g`, as
+/// [`attention_bwd_qkv`] makes them) into fused rows `dx [s, batch, hq d |
+/// hkv d | hkv dv]`, the rows over the pool: one addition per element, as
+/// [`scatter_add`] makes into split tensors.
+fn fused_grads(dims: &AttnDims, nk_all: usize, parts: &[GroupGrads], dx: &mut [f32]) {
+    let AttnDims {
+        batch,
+        sq,
+        hq,
+        hkv,
+        d,
+        dv,
+        ..
+    } = *dims;
+    let (group, row) = (hq / hkv, hq * d + hkv * d + hkv * dv);
+    let add = |dst: &mut [f32], src: &[f32]| {
+        for (x, &y) in dst.iter_mut().zip(src) {
+            *x += y;
+        }
+    };
+    if row == 0 {
+        return;
+    }
+    par_rows(dx, row, |t0, rows| {
+        for (t, xr) in (t0..).zip(rows.chunks_exact_mut(row)) {
+            let (j, b) = (t / batch, t % batch);
+            let (q, rest) = xr.split_at_mut(hq * d);
+            let (k, v) = rest.split_at_mut(hkv * d);
+            for g in 0..hkv {
+                let (dq, dk, dv_) = &parts[b * hkv + g];
+                for hi in 0..group {
+                    let h = g * group + hi;
+                    add(&mut q[h * d..][..d], &dq[(hi * sq + j) * d..][..d]);
+                }
+                if j < nk_all {
+                    add(&mut k[g * d..][..d], &dk[j * d..][..d]);
+                    add(&mut v[g * dv..][..dv], &dv_[j * dv..][..dv]);
+                }
+            }
+        }
+    });
 }
 
 #[cfg(test)]
@@ -896,7 +962,7 @@ mod tests {
     }
 
     #[test]
-    fn fused_rows_give_the_split_tensors_results_bit_for_bit() {
+    fn fused_rows_in_and_out_give_the_split_tensors_results_bit_for_bit() {
         let keep = |b: usize, h: usize, i: usize, j: usize| {
             !(b * 31 + h * 17 + i * 7 + j * 3).is_multiple_of(5)
         };
@@ -936,7 +1002,7 @@ mod tests {
                     .num_threads(threads)
                     .build()
                     .unwrap();
-                let run = |qkv: Qkv<'_>| {
+                let run = |qkv: Qkv<'_>, into_rows: bool| {
                     pool.install(|| {
                         let mut o = vec![f32::NAN; dims.o_len().unwrap()];
                         let mut l = vec![f32::NAN; dims.lse_len().unwrap()];
@@ -944,18 +1010,26 @@ mod tests {
                         attention_fwd_qkv(&dims, qkv, pos, causal, sc, &mut o, &mut l, dropout)
                             .unwrap();
                         let mut g = [q.len(), k.len(), v.len()].map(|n| vec![0.0; n]);
-                        let [gq, gk, gv] = &mut g;
-                        let (ins, grads) = (
-                            (&o[..], &l[..], &d_o[..]),
-                            (&mut gq[..], &mut gk[..], &mut gv[..]),
-                        );
+                        let ins = (&o[..], &l[..], &d_o[..]);
+                        let mut dx = vec![0.0; x.len()];
+                        let grads = if into_rows {
+                            QkvGrads::Fused(&mut dx)
+                        } else {
+                            let [gq, gk, gv] = &mut g;
+                            QkvGrads::Apart(gq, gk, gv)
+                        };
                         attention_bwd_qkv(&dims, qkv, ins, pos, causal, sc, grads, dropout)
                             .unwrap();
+                        if into_rows {
+                            let [gq, gk, gv] = &mut g;
+                            crate::cpu::split_qkv(&dx, &dims, gq, gk, gv).unwrap();
+                        }
                         (o, l, g)
                     })
                 };
-                let apart = run(Qkv::Apart(&q, &k, &v));
-                let fused = run(Qkv::Fused(&x));
+                let apart = run(Qkv::Apart(&q, &k, &v), false);
+                let fused = run(Qkv::Fused(&x), false);
+                let joined = run(Qkv::Fused(&x), true);
                 let what = format!(
                     "case {n}, causal {causal}, dropout {}, {threads} threads",
                     dropout.is_some()
@@ -964,6 +1038,8 @@ mod tests {
                 assert_eq!(bits(&apart.1), bits(&fused.1), "lse, {what}");
                 for i in 0..3 {
                     assert_eq!(bits(&apart.2[i]), bits(&fused.2[i]), "gradient {i}, {what}");
+                    let w = format!("gradient {i} into fused rows, {what}");
+                    assert_eq!(bits(&apart.2[i]), bits(&joined.2[i]), "{w}");
                 }
                 let finite = |x: &[f32]| x.iter().all(|v| v.is_finite());
                 assert!(

@@ -86,7 +86,7 @@ pub use activation::{
 pub use adamw::adamw_step;
 pub use attention::{
     attention_bwd, attention_bwd_qkv, attention_fwd, attention_fwd_qkv, attention_merge, AttnDims,
-    Dropout, Qkv, KEY_TILE,
+    Dropout, Qkv, QkvGrads, KEY_TILE,
 };
 pub use dropout::{dropout_rows, splitmix, AttnDropout, DropoutDraw, RowDropout};
 pub use embedding::{embedding_bwd, embedding_fwd};

@@ -7,7 +7,7 @@ use super::*;
 use crate::device::comm::{Recvd, Sent};
 use crate::device::forward::AttnMask;
 use crate::device::walk::Coll;
-use crate::device::{act_collected, CeOut, DeviceComm, Merge, On};
+use crate::device::{act_collected, AttnGrads, CeOut, DeviceComm, Merge, On};
 use CollectiveKind::{AllGather as AG, ReduceScatter as RS};
 
 impl<'a, D: Device> DevRank<'a, D> {
@@ -156,9 +156,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 o,
                 lse,
                 d_o,
-                d_q: &mut *dq,
-                d_k: &mut gk,
-                d_v: &mut gv,
+                grads: AttnGrads::Apart(&mut *dq, &mut gk, &mut gv),
             };
             let a = mask.attn(dims, (q, &kb, &vb), pos);
             self.dev.attention_bwd(&a, b).map_err(&e)?;
