@@ -122,15 +122,7 @@ impl Rows {
 impl<'a> Qkv<'a> {
     /// The three operands with their row layouts, their lengths checked.
     fn operands(&self, dims: &AttnDims) -> Result<[(&'a [f32], Rows); 3], KernelError> {
-        let AttnDims {
-            batch,
-            sq,
-            sk,
-            hq,
-            hkv,
-            d,
-            dv,
-        } = *dims;
+        let (sq, sk, hq, hkv, d, dv) = (dims.sq, dims.sk, dims.hq, dims.hkv, dims.d, dims.dv);
         match *self {
             Qkv::Apart(q, k, v) => {
                 check_len("q", q.len(), dims.q_len()?)?;
@@ -150,11 +142,11 @@ impl<'a> Qkv<'a> {
                     ));
                 }
                 let row = hq * d + hkv * d + hkv * dv;
-                check_len("x", x.len(), prod("x", &[sq, batch, row])?)?;
+                check_len("x", x.len(), prod("x", &[sq, dims.batch, row])?)?;
                 let at = |offset, head| Rows {
                     offset,
                     batch: row,
-                    seq: batch * row,
+                    seq: dims.batch * row,
                     head,
                 };
                 Ok([
