@@ -701,8 +701,9 @@ pub fn byte_mismatches(plan: &Plan, run: &TrainReport, steps: u64) -> Vec<String
             out.push(format!("rank {}: no program", rep.rank));
             continue;
         };
+        let sent: Vec<_> = program.phases.iter().map(|p| p.bytes_sent()).collect();
         for axis in Axis::ALL {
-            let want = (program.phases.iter()).fold(0.0, |a, p| a + p.bytes_sent().get(axis));
+            let want = sent.iter().fold(0.0, |a, b| a + b.get(axis));
             let got = rep.counts.axis_bytes_sent(axis.name());
             let label = format!("rank {} {}", rep.rank, axis.name());
             out.extend(crate::comm::byte_gap(label, got, want * steps as f64));

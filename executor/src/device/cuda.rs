@@ -88,7 +88,6 @@ fn range(what: &str, off: usize, n: usize, len: usize) -> DResult<std::ops::Rang
     }
 }
 
-#[allow(clippy::too_many_arguments)]
 /// The CUDA kernels take `q`, `k` and `v` apart ([`Device::READS_FUSED_QKV`] is
 /// false, so the interpreter splits them first).
 fn apart(a: &Attn<'_, CudaDevice>) -> DResult<()> {
@@ -102,6 +101,7 @@ fn fused_refused() -> DeviceError {
     DeviceError("the CUDA attention kernels take q, k and v apart, not fused rows".into())
 }
 
+#[allow(clippy::too_many_arguments)]
 impl Device for CudaDevice {
     type Act = CudaSlice<bf16>;
     type F32 = CudaSlice<f32>;

@@ -159,6 +159,7 @@ pub fn add_bwd(d_out: &[f32], da: &mut [f32], db: &mut [f32]) -> Result<(), Kern
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cpu::testutil::{assert_grad_close, dot64, numeric_grad, Rng};
 
     /// Fill, scale and the finiteness test over pools of 1 and 2 threads, on
     /// buffers below and above the length that splits them: every element
@@ -192,7 +193,6 @@ mod tests {
             }
         }
     }
-    use crate::cpu::testutil::{assert_grad_close, dot64, numeric_grad, Rng};
 
     #[test]
     fn fast_tanh_is_within_its_bound_and_saturates() {

@@ -94,36 +94,32 @@ impl<D: Device> DevRank<'_, D> {
         let mut d_o = self.zeros(D::act_len(&dy))?;
         dev.swap_axes(&dy, [dims.sq, dims.batch, dims.hq * dims.dv], &mut d_o)
             .map_err(&e)?;
+        let bwd = |grads| AttnBwd {
+            o: &*o,
+            lse,
+            d_o: &d_o,
+            grads,
+        };
         let mut dx = self.zeros(D::act_len(&x))?;
         let Some((q, kk, v)) = &qkv else {
             // Fused operands: the gradients go straight into the fused rows.
             let a = attn_on(&mask, &dims, &*x, &qkv);
-            let grads = AttnGrads::Fused(&mut dx);
-            let b = AttnBwd {
-                o: &*o,
-                lse,
-                d_o: &d_o,
-                grads,
-            };
-            self.dev.attention_bwd(&a, b).map_err(&e)?;
+            self.dev
+                .attention_bwd(&a, bwd(AttnGrads::Fused(&mut dx)))
+                .map_err(&e)?;
             return self.add_grad(t, l, in0, dx);
         };
         let rows = dims.batch * dims.sq;
         let mut dq = self.zeros(rows * dims.hq * dims.d)?;
         let mut dk = self.zeros(rows * dims.hkv * dims.d)?;
         let mut dv = self.zeros(rows * dims.hkv * dims.dv)?;
-        let grads = (&mut dq, &mut dk, &mut dv);
         if self.cp.size > 1 {
+            let grads = (&mut dq, &mut dk, &mut dv);
             self.ring_backward(&dims, (q, kk, v), (&o, lse, &d_o), &mask, grads)?;
         } else {
-            let a = attn_on(&mask, &dims, &*x, &qkv);
-            let b = AttnBwd {
-                o: &*o,
-                lse,
-                d_o: &d_o,
-                grads: AttnGrads::Apart(grads.0, grads.1, grads.2),
-            };
-            self.dev.attention_bwd(&a, b).map_err(&e)?;
+            let a = mask.attn(&dims, (q, kk, v), (0, 0));
+            let grads = AttnGrads::Apart(&mut dq, &mut dk, &mut dv);
+            self.dev.attention_bwd(&a, bwd(grads)).map_err(&e)?;
         }
         self.dev
             .join_qkv([&dq, &dk, &dv], &dims, &mut dx)
