@@ -50,9 +50,11 @@
 //! [`CommError::Aborted`], naming where that rank was waiting. Any error a
 //! [`ThreadComm`] operation returns aborts the world too, because the peers cannot
 //! complete the operation without this rank. A wait longer than the timeout returns
-//! [`CommError::Timeout`] naming the ranks that did not arrive. [`run_ranks`] turns
-//! a rank's error or panic into an abort, and [`failure_summary`] says in one line
-//! who failed first and where the others were waiting.
+//! [`CommError::Timeout`] naming the ranks that did not arrive. [`run_ranks`] and
+//! [`run_with`] turn a rank's error or panic into an abort (`run_with` through every
+//! rank's [`AbortHandle`], for communicators such as NCCL's that neither time out
+//! nor see a peer fail), and [`failure_summary`] says in one line who failed first
+//! and where the others were waiting.
 
 mod args;
 mod counts;
@@ -430,5 +432,37 @@ pub trait Communicator: Send {
 
     /// Marks the world failed with this rank as the first failure (unless another
     /// failure came first) and wakes every blocked rank.
-    fn abort(&self, reason: String);
+    fn abort(&self, reason: String) {
+        self.abort_handle().abort(self.rank(), reason);
+    }
+
+    /// What aborts this communicator from another thread, also while its owner
+    /// is blocked in a call on it. [`run_with`] hands one rank's failure to the
+    /// others through these: communicators that cannot see a peer fail (NCCL
+    /// has no timeout) would otherwise wait for it forever.
+    fn abort_handle(&self) -> AbortHandle;
+}
+
+/// Aborts one communicator from any thread ([`Communicator::abort_handle`]).
+#[derive(Clone)]
+pub struct AbortHandle(std::sync::Arc<dyn Fn(usize, String) + Send + Sync>);
+
+impl AbortHandle {
+    /// A handle that runs `f(first_rank, reason)`.
+    pub fn new(f: impl Fn(usize, String) + Send + Sync + 'static) -> AbortHandle {
+        AbortHandle(std::sync::Arc::new(f))
+    }
+
+    /// Marks the world failed with `first_rank`'s `reason` (unless another
+    /// failure came first): every blocked or later call on the communicator
+    /// returns [`CommError::Aborted`].
+    pub fn abort(&self, first_rank: usize, reason: String) {
+        (self.0)(first_rank, reason)
+    }
+}
+
+impl fmt::Debug for AbortHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AbortHandle")
+    }
 }

@@ -5,7 +5,7 @@
 //! alone (tested against their CPU references in `meshplan_kernels::cuda`).
 
 use crate::executor::{model, plan, plan_buckets, Model};
-use meshplan_executor::comm::{ByteCounts, Communicator, Group, ThreadComm};
+use meshplan_executor::comm::{AbortHandle, ByteCounts, Communicator, Group, ThreadComm};
 use meshplan_executor::device::train::{supported, train_device};
 use meshplan_executor::device::HostDevice;
 use meshplan_executor::train::{byte_mismatches, train, TrainOptions, TrainReport};
@@ -711,9 +711,12 @@ impl Communicator for Rendezvous {
     fn counts(&self) -> ByteCounts {
         self.data.counts()
     }
-    fn abort(&self, reason: String) {
-        self.data.abort(reason.clone());
-        self.acks.abort(reason)
+    fn abort_handle(&self) -> AbortHandle {
+        let (data, acks) = (self.data.abort_handle(), self.acks.abort_handle());
+        AbortHandle::new(move |rank, reason| {
+            data.abort(rank, reason.clone());
+            acks.abort(rank, reason)
+        })
     }
 }
 

@@ -35,7 +35,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use meshplan_kernels::cuda::bf16;
 use meshplan_kernels::cuda::cudarc::driver::{
@@ -45,7 +45,7 @@ use meshplan_kernels::cuda::cudarc::nccl::{result, sys};
 
 use super::args;
 use super::counts::bytes_of;
-use super::{ByteCounts, CommError, CommKind, Communicator, Group};
+use super::{AbortHandle, ByteCounts, CommError, CommKind, Communicator, Group};
 use meshplan_launch::{LaunchEnv, Rendezvous};
 
 /// Why an NCCL communicator could not be created.
@@ -104,6 +104,7 @@ pub fn nccl_available() -> Result<meshplan_kernels::cuda::DeviceInfo, NcclError>
 }
 
 /// An NCCL communicator handle, destroyed on drop (unless aborted).
+#[derive(Clone, Copy)]
 struct RawComm(sys::ncclComm_t);
 
 // SAFETY: an NCCL communicator may be used from any thread, one at a time; the
@@ -120,7 +121,16 @@ pub struct NcclComm {
     stream: Arc<CudaStream>,
     ctx: Arc<CudaContext>,
     counts: ByteCounts,
-    aborted: Mutex<Option<String>>,
+    abort: Arc<Mutex<Aborting>>,
+}
+
+/// What an [`AbortHandle`] on another thread shares with its communicator, under
+/// one lock: the world's first failure, and the handles aborting frees (none once
+/// the communicator has destroyed them, so neither frees what the other did).
+#[derive(Default)]
+struct Aborting {
+    failure: Option<(usize, String)>,
+    comms: Vec<RawComm>,
 }
 
 impl fmt::Debug for NcclComm {
@@ -165,7 +175,10 @@ impl NcclComm {
             stream,
             ctx,
             counts: ByteCounts::new(),
-            aborted: Mutex::new(None),
+            abort: Arc::new(Mutex::new(Aborting {
+                failure: None,
+                comms: vec![RawComm(comm)],
+            })),
         }
     }
 
@@ -227,23 +240,24 @@ impl NcclComm {
     }
 
     fn check_aborted(&self, kind: CommKind, axis: &str, group: &str) -> Result<(), CommError> {
-        let a = self.aborted.lock().map_err(|_| CommError::Internal {
-            detail: "abort flag poisoned".into(),
-        })?;
-        match &*a {
-            None => Ok(()),
-            Some(reason) => Err(CommError::Aborted {
-                first_rank: self.rank,
-                reason: reason.clone(),
-                waiting_in: super::WaitPoint {
-                    kind,
-                    axis: axis.to_string(),
-                    group: group.to_string(),
-                    ranks: Vec::new(),
-                    seq: 0,
-                },
-            }),
-        }
+        self.aborted(kind, axis, group).map_or(Ok(()), Err)
+    }
+
+    /// [`CommError::Aborted`] once this communicator has been aborted.
+    fn aborted(&self, kind: CommKind, axis: &str, group: &str) -> Option<CommError> {
+        let a = self.abort.lock().unwrap_or_else(PoisonError::into_inner);
+        let (first_rank, reason) = a.failure.clone()?;
+        Some(CommError::Aborted {
+            first_rank,
+            reason,
+            waiting_in: super::WaitPoint {
+                kind,
+                axis: axis.to_string(),
+                group: group.to_string(),
+                ranks: Vec::new(),
+                seq: 0,
+            },
+        })
     }
 
     /// This rank's index in `group` and the group's communicator (created on first
@@ -272,6 +286,8 @@ impl NcclComm {
                 ),
             })?;
         self.subs.insert(group.ranks.clone(), RawComm(c));
+        let mut a = self.abort.lock().unwrap_or_else(PoisonError::into_inner);
+        a.comms.push(RawComm(c));
         Ok((me, c))
     }
 
@@ -363,16 +379,20 @@ impl NcclComm {
     }
 
     /// Runs `f` (which enqueues NCCL work) with the device bound, mapping failures.
+    /// An operation that another rank's failure aborted while this rank waited
+    /// in it fails as [`CommError::Aborted`], naming that rank.
     fn run<T>(
         &self,
         kind: CommKind,
+        axis: &str,
         f: impl FnOnce(&Self) -> Result<T, String>,
     ) -> Result<T, CommError> {
-        self.bind()
-            .and_then(|()| f(self))
-            .map_err(|detail| CommError::Internal {
-                detail: format!("NCCL {kind} on rank {}: {detail}", self.rank),
-            })
+        self.bind().and_then(|()| f(self)).map_err(|detail| {
+            self.aborted(kind, axis, axis)
+                .unwrap_or_else(|| CommError::Internal {
+                    detail: format!("NCCL {kind} on rank {}: {detail}", self.rank),
+                })
+        })
     }
 }
 
@@ -419,7 +439,7 @@ impl Communicator for NcclComm {
     fn all_reduce(&mut self, group: &Group, axis: &str, buf: &mut [f32]) -> Result<(), CommError> {
         let kind = CommKind::AllReduce;
         let (_, comm) = self.group_comm(group, kind, axis)?;
-        self.run(kind, |s| {
+        self.run(kind, axis, |s| {
             let mut d = s.stage(buf.len(), Some(buf))?;
             let p = ptr_mut(&mut d, &s.stream, 0);
             // SAFETY: `d` holds `buf.len()` floats (at least one) and lives past the sync.
@@ -444,7 +464,7 @@ impl Communicator for NcclComm {
         let n = group.size();
         args::gather_scatter(kind, n, local.len(), out.len())?;
         let (_, comm) = self.group_comm(group, kind, axis)?;
-        self.run(kind, |s| {
+        self.run(kind, axis, |s| {
             let src = s.stage(local.len(), Some(local))?;
             let mut dst = s.stage(out.len(), None)?;
             let (ps, pd) = (ptr(&src, &s.stream, 0), ptr_mut(&mut dst, &s.stream, 0));
@@ -469,7 +489,7 @@ impl Communicator for NcclComm {
         let n = group.size();
         args::gather_scatter(kind, n, input.len(), out.len())?;
         let (_, comm) = self.group_comm(group, kind, axis)?;
-        self.run(kind, |s| {
+        self.run(kind, axis, |s| {
             let src = s.stage(input.len(), Some(input))?;
             let mut dst = s.stage(out.len(), None)?;
             let (ps, pd) = (ptr(&src, &s.stream, 0), ptr_mut(&mut dst, &s.stream, 0));
@@ -495,7 +515,7 @@ impl Communicator for NcclComm {
         let n = group.size();
         args::broadcast(n, root_index)?;
         let (_, comm) = self.group_comm(group, kind, axis)?;
-        self.run(kind, |s| {
+        self.run(kind, axis, |s| {
             let mut d = s.stage(buf.len(), Some(buf))?;
             let p = ptr_mut(&mut d, &s.stream, 0);
             // SAFETY: in place, `buf.len()` floats.
@@ -529,7 +549,7 @@ impl Communicator for NcclComm {
         let (_, comm) = self.group_comm(group, kind, axis)?;
         let p = send.len() / n;
         let counts = vec![p; n];
-        self.run(kind, |s| {
+        self.run(kind, axis, |s| {
             grouped_exchange(s, comm, (send, &counts), (recv, &counts))
         })?;
         self.counts.record_ring(kind, axis, n, bytes_of(send.len()));
@@ -549,7 +569,7 @@ impl Communicator for NcclComm {
         let n = group.size();
         args::all_to_all_v(n, (send.len(), send_counts), (recv.len(), recv_counts))?;
         let (me, comm) = self.group_comm(group, kind, axis)?;
-        self.run(kind, |s| {
+        self.run(kind, axis, |s| {
             grouped_exchange(s, comm, (send, send_counts), (recv, recv_counts))
         })?;
         self.counts
@@ -588,7 +608,7 @@ impl Communicator for NcclComm {
             sends.iter().all(|(_, x)| x.is_empty()) && recvs.iter().all(|(_, x)| x.is_empty());
         // Nothing to move: no staging and no sync, only the counts.
         if !empty {
-            self.run(kind, |s| {
+            self.run(kind, axis, |s| {
                 let src = sends
                     .iter()
                     .map(|(_, x)| s.stage(x.len(), Some(x)))
@@ -662,7 +682,7 @@ impl Communicator for NcclComm {
     fn barrier(&mut self, group: &Group) -> Result<(), CommError> {
         let kind = CommKind::Barrier;
         let (_, comm) = self.group_comm(group, kind, &group.id)?;
-        self.run(kind, |s| {
+        self.run(kind, &group.id, |s| {
             let mut d = s.stage(1, None)?;
             let p = ptr_mut(&mut d, &s.stream, 0);
             // SAFETY: one float.
@@ -677,19 +697,27 @@ impl Communicator for NcclComm {
         self.counts.clone()
     }
 
-    fn abort(&self, reason: String) {
-        if let Ok(mut a) = self.aborted.lock() {
-            if a.is_some() {
+    fn abort_handle(&self) -> AbortHandle {
+        let (abort, ctx) = (Arc::clone(&self.abort), Arc::clone(&self.ctx));
+        AbortHandle::new(move |first_rank, reason| {
+            let mut a = abort.lock().unwrap_or_else(PoisonError::into_inner);
+            if a.failure.is_some() {
                 return;
             }
-            *a = Some(reason);
-        }
-        // Peers blocked in a collective with this rank get an error instead of a hang.
-        let _ = self.bind();
-        for c in std::iter::once(&self.world_comm).chain(self.subs.values()) {
-            // SAFETY: the handle is live; Drop skips destroying aborted communicators.
-            let _ = unsafe { result::comm_abort(c.0) };
-        }
+            a.failure = Some((first_rank, reason));
+            // Peers blocked in a collective with this rank get an error instead of
+            // a hang: NCCL's kernels watch the abort flag, so a stream waiting on
+            // one completes (the watchdog of PyTorch's NCCL process group aborts
+            // communicators in use on other threads the same way). A call still
+            // being enqueued on the owner's thread can race with the free: the
+            // owner checks the flag before each call, not during one.
+            let _ = ctx.bind_to_thread();
+            for c in a.comms.drain(..) {
+                // SAFETY: live (Drop takes the handles under this lock before it
+                // destroys them) and aborted once (drained).
+                let _ = unsafe { result::comm_abort(c.0) };
+            }
+        })
     }
 }
 
@@ -762,12 +790,16 @@ fn grouped_exchange(
 
 impl Drop for NcclComm {
     fn drop(&mut self) {
-        let aborted = self.aborted.lock().map(|a| a.is_some()).unwrap_or(true);
-        if aborted {
+        let _ = self.bind();
+        // Not under the lock: an abort on another thread must be able to end a
+        // wait here for a peer that failed.
+        let _ = self.stream.synchronize();
+        // Held to the end: an abort that comes now waits, then finds nothing to free.
+        let mut a = self.abort.lock().unwrap_or_else(PoisonError::into_inner);
+        if a.failure.is_some() {
             return;
         }
-        let _ = self.bind();
-        let _ = self.stream.synchronize();
+        a.comms.clear();
         for c in self.subs.values().chain(std::iter::once(&self.world_comm)) {
             // SAFETY: each handle is live and destroyed once.
             let _ = unsafe { result::comm_destroy(c.0) };

@@ -1,7 +1,7 @@
 //! Running a world of ranks as threads, and reporting how it failed.
 
 use super::thread::Shared;
-use super::{rank_list, CommError, Communicator, ThreadComm};
+use super::{rank_list, AbortHandle, CommError, Communicator, ThreadComm};
 use std::any::Any;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -119,9 +119,11 @@ where
 
 /// Runs `f` once per given communicator (one per rank of a world of `world`, in
 /// rank order: one process driving several GPUs, `NcclComm::in_process`), each on
-/// its own thread; each rank's result, index = rank. Unlike [`run_ranks`]'s
-/// communicators these need not detect a rank that fails, so a failure may leave
-/// the others waiting (NCCL has no timeout).
+/// its own thread; each rank's result, index = rank.
+///
+/// A rank whose `f` returns an error or panics aborts every communicator of the
+/// world through its [`AbortHandle`]: these communicators (NCCL's) neither time
+/// out nor see a peer fail, so the others would otherwise wait for it forever.
 pub fn run_with<T, C, F>(
     world: usize,
     comms: Vec<Box<C>>,
@@ -138,16 +140,28 @@ where
             comms.len()
         ));
     }
+    let handles: Vec<AbortHandle> = comms.iter().map(|c| c.abort_handle()).collect();
+    let abort_all = |rank: usize, reason: String| {
+        for h in &handles {
+            h.abort(rank, reason.clone());
+        }
+    };
+    let abort_all = &abort_all;
     Ok(std::thread::scope(|s| {
-        let handles: Vec<_> = comms
+        let spawned: Vec<_> = comms
             .into_iter()
-            .map(|comm| s.spawn(move || f(comm)))
+            .enumerate()
+            .map(|(rank, comm)| (rank, s.spawn(move || guarded(rank, abort_all, || f(comm)))))
             .collect();
-        handles
+        spawned
             .into_iter()
-            .map(|h| {
+            .map(|(rank, h)| {
                 h.join().unwrap_or_else(|payload| {
-                    Err(RankError::Panicked(panic_message(payload.as_ref())))
+                    // `guarded` catches panics; this is only a panic in the
+                    // catching itself.
+                    let msg = panic_message(payload.as_ref());
+                    abort_all(rank, format!("panicked: {msg}"));
+                    Err(RankError::Panicked(msg))
                 })
             })
             .collect()
@@ -179,20 +193,24 @@ where
         // A panic inside the pool resumes here, where it is caught below.
         pool.install(|| f(comm))
     };
-    let out = match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => {
-            // A no-op when this rank only reports an abort that came first.
-            shared.abort(rank, e.to_string());
-            Err(e)
-        }
-        Err(payload) => {
-            let msg = panic_message(payload.as_ref());
-            shared.abort(rank, format!("panicked: {msg}"));
-            Err(RankError::Panicked(msg))
-        }
-    };
+    let out = guarded(rank, |r, reason| shared.abort(r, reason), body);
     shared.finish(rank);
+    out
+}
+
+/// `body()`, a panic caught as [`RankError::Panicked`]; a failure goes to
+/// `abort(rank, reason)` (a no-op where it only reports an abort that came
+/// first: the first failure stays the one every rank reports).
+fn guarded<T>(
+    rank: usize,
+    abort: impl Fn(usize, String),
+    body: impl FnOnce() -> Result<T, RankError>,
+) -> Result<T, RankError> {
+    let out = catch_unwind(AssertUnwindSafe(body))
+        .unwrap_or_else(|payload| Err(RankError::Panicked(panic_message(payload.as_ref()))));
+    if let Err(e) = &out {
+        abort(rank, e.to_string());
+    }
     out
 }
 

@@ -553,6 +553,82 @@ fn a_panicking_rank_stops_everyone() {
 }
 
 #[test]
+fn run_with_hands_a_failure_to_communicators_that_cannot_see_it() {
+    // `run_with` does not tell these communicators when a rank ends (as with
+    // NCCL's), so without its abort handles the others would wait out `LONG`.
+    for panics in [false, true] {
+        let start = Instant::now();
+        let comms: Vec<Box<dyn Communicator>> = ThreadComm::create(3, LONG)
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Communicator>)
+            .collect();
+        let results = run_with(3, comms, &|mut c: Box<dyn Communicator>| {
+            let world = Group::world(3);
+            c.all_reduce(&world, "dp", &mut [1.0; 4])?;
+            if c.rank() == 2 {
+                if panics {
+                    panic!("device out of memory");
+                }
+                return Err(RankError::Failed("device out of memory".into()));
+            }
+            c.all_reduce(&world, "dp", &mut [1.0; 4])?;
+            Ok(c.rank())
+        })
+        .expect("one communicator per rank");
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "took {:?}",
+            start.elapsed()
+        );
+        let (reason, why) = if panics {
+            (
+                "panicked: device out of memory",
+                RankError::Panicked("device out of memory".into()),
+            )
+        } else {
+            (
+                "device out of memory",
+                RankError::Failed("device out of memory".into()),
+            )
+        };
+        assert_eq!(results[2], Err(why));
+        for r in &results[..2] {
+            match r {
+                Err(RankError::Comm(CommError::Aborted {
+                    first_rank,
+                    reason: got,
+                    waiting_in,
+                })) => {
+                    assert_eq!((*first_rank, got.as_str()), (2, reason));
+                    assert_eq!((waiting_in.kind, waiting_in.seq), (CommKind::AllReduce, 1));
+                }
+                other => panic!("expected an abort, got {other:?}"),
+            }
+        }
+        assert_eq!(
+            failure_summary(&results),
+            Some(format!(
+                "rank 2 failed: {reason}; ranks 0,1 were waiting in all_reduce on dp (group world, seq 1)"
+            ))
+        );
+    }
+}
+
+#[test]
+fn run_with_refuses_communicators_out_of_rank_order() {
+    let mut comms: Vec<Box<dyn Communicator>> = ThreadComm::create(2, LONG)
+        .into_iter()
+        .map(|c| Box::new(c) as Box<dyn Communicator>)
+        .collect();
+    comms.swap(0, 1);
+    let e = run_with(2, comms, &|c: Box<dyn Communicator>| Ok(c.rank()));
+    assert_eq!(
+        e.err().as_deref(),
+        Some("2 communicators for a plan of 2 ranks (one per rank, in rank order)")
+    );
+}
+
+#[test]
 fn a_blocked_receive_is_aborted_too() {
     // Rank 0 waits for a message rank 1 never sends; rank 1 fails instead.
     let start = Instant::now();

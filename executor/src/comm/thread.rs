@@ -10,7 +10,9 @@
 
 use super::args;
 use super::counts::bytes_of;
-use super::{ByteCounts, CommError, CommKind, Communicator, Failure, Group, WaitPoint};
+use super::{
+    AbortHandle, ByteCounts, CommError, CommKind, Communicator, Failure, Group, WaitPoint,
+};
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
@@ -689,8 +691,9 @@ impl Communicator for ThreadComm {
         self.counts.clone()
     }
 
-    fn abort(&self, reason: String) {
-        self.shared.abort(self.rank, reason);
+    fn abort_handle(&self) -> AbortHandle {
+        let shared = Arc::clone(&self.shared);
+        AbortHandle::new(move |rank, reason| shared.abort(rank, reason))
     }
 }
 

@@ -49,7 +49,7 @@ impl NcclComm {
             }
         }
         let (_, comm) = self.group_comm(group, kind, axis)?;
-        let done = self.run(kind, |s| {
+        let done = self.run(kind, axis, |s| {
             s.stream
                 .wait(ready)
                 .map_err(|e| format!("waiting for the buffer's writer: {e:?}"))?;
@@ -108,7 +108,7 @@ impl NcclComm {
         let n = group.size();
         args::all_to_all_v(n, (send.len(), send_counts), (recv.len(), recv_counts))?;
         let (me, comm) = self.group_comm(group, kind, axis)?;
-        let done = self.run(kind, |s| {
+        let done = self.run(kind, axis, |s| {
             s.stream
                 .wait(ready)
                 .map_err(|e| format!("waiting for the buffers' writer: {e:?}"))?;
@@ -179,7 +179,7 @@ impl NcclComm {
             self.check_aborted(kind, axis, "p2p")?;
         }
         let comm = self.world_comm.0;
-        let done = self.run(CommKind::Send, |s| {
+        let done = self.run(CommKind::Send, axis, |s| {
             s.stream
                 .wait(ready)
                 .map_err(|e| format!("waiting for the buffers' writer: {e:?}"))?;

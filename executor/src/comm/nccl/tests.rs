@@ -163,6 +163,64 @@ fn nccl_world_2_matches_thread_comm() {
 }
 
 #[test]
+fn an_aborted_nccl_communicator_fails_every_later_call_naming_the_first_failure() {
+    let test = "an_aborted_nccl_communicator_fails_every_later_call_naming_the_first_failure";
+    if skip(test, 1) {
+        return;
+    }
+    let mut c = NcclComm::in_process(&[0])
+        .unwrap_or_else(|e| panic!("{test}: {e}"))
+        .remove(0);
+    let world = Group::world(1);
+    c.all_reduce(&world, "dp", &mut [1.0; 4])
+        .expect("before the abort");
+    c.abort_handle().abort(3, "disk full".into());
+    match c.all_reduce(&world, "dp", &mut [1.0; 4]) {
+        Err(CommError::Aborted {
+            first_rank, reason, ..
+        }) => assert_eq!((first_rank, reason.as_str()), (3, "disk full")),
+        other => panic!("{test}: expected an abort, got {other:?}"),
+    }
+    // Dropped without destroying what the abort freed.
+}
+
+#[test]
+fn nccl_world_2_stops_when_a_rank_fails() {
+    let test = "nccl_world_2_stops_when_a_rank_fails";
+    if skip(test, 2) {
+        return;
+    }
+    let comms = NcclComm::in_process(&[0, 1]).unwrap_or_else(|e| panic!("{test}: {e}"));
+    let comms: Vec<Box<NcclComm>> = comms.into_iter().map(Box::new).collect();
+    let (tx, rx) = std::sync::mpsc::channel();
+    // On a thread of its own, so that a hang fails the test instead of stalling it.
+    std::thread::spawn(move || {
+        let results = crate::comm::run_with(2, comms, &|mut c: Box<NcclComm>| {
+            let world = Group::world(2);
+            c.all_reduce(&world, "dp", &mut [1.0; 4])?;
+            if c.rank() == 1 {
+                return Err(crate::comm::RankError::Failed(
+                    "device out of memory".into(),
+                ));
+            }
+            c.all_reduce(&world, "dp", &mut [1.0; 4])?;
+            Ok(())
+        });
+        let _ = tx.send(results);
+    });
+    let results = rx
+        .recv_timeout(Duration::from_secs(60))
+        .unwrap_or_else(|_| panic!("{test}: rank 0 still waits for rank 1 after 60 s"))
+        .expect("one communicator per rank");
+    match &results[0] {
+        Err(crate::comm::RankError::Comm(CommError::Aborted {
+            first_rank, reason, ..
+        })) => assert_eq!((*first_rank, reason.as_str()), (1, "device out of memory")),
+        other => panic!("{test}: expected an abort, got {other:?}"),
+    }
+}
+
+#[test]
 fn nccl_missing_message_names_the_symlink_fix() {
     let m = nccl_missing_message();
     assert!(m.contains("libnccl.so.2"), "{m}");

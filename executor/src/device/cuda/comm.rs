@@ -4,7 +4,9 @@
 //! upload).
 
 use super::{CudaDevice, A, F};
-use crate::comm::{ByteCounts, CommError, CommKind, Communicator, Group, NcclComm, P2p};
+use crate::comm::{
+    AbortHandle, ByteCounts, CommError, CommKind, Communicator, Group, NcclComm, P2p,
+};
 use crate::device::comm::{
     host_collective, internal, part_of, CResult, DeviceComm, Kind, On, Recvd, Sent,
 };
@@ -106,8 +108,8 @@ impl Communicator for CudaComm {
     fn counts(&self) -> ByteCounts {
         self.host().counts()
     }
-    fn abort(&self, reason: String) {
-        self.host().abort(reason)
+    fn abort_handle(&self) -> AbortHandle {
+        self.host().abort_handle()
     }
 }
 

@@ -132,8 +132,8 @@ pub fn train_device<D: Device>(
 
 /// [`train_device`] over given communicators, one per rank in rank order (one
 /// process driving several GPUs: `NcclComm::in_process`), each rank a thread.
-/// Unlike the in-process communicator these need not detect a rank that fails, so
-/// a failure may leave the others waiting (NCCL has no timeout).
+/// A rank that fails aborts the others' communicators (`comm::run_with`), so they
+/// stop with its reason instead of waiting for it (NCCL has no timeout).
 pub fn train_device_with<D: Device>(
     plan: &Plan,
     opts: &TrainOptions,
