@@ -166,7 +166,14 @@ fn launched_cuda(a: &RunArgs<'_>, env: &meshplan_launch::LaunchEnv) -> Result<()
         // Rank 0's timeline (every rank of data parallelism runs the same program).
         write_trace(path, &plan, &report)?;
     }
-    print_report(&plan, &report, &bytes_off, check.as_ref(), a.json, start);
+    print_report(
+        &plan,
+        &report,
+        &bytes_off,
+        check.as_ref(),
+        (a.json, opts.threads_per_rank),
+        start,
+    );
     if let Some(Err(why)) = &check {
         return Err(runtime(format!(
             "the run differs from the single-rank reference:\n{why}"
@@ -292,7 +299,14 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     } else {
         None
     };
-    print_report(&plan, &report, &bytes, check.as_ref(), a.json, start);
+    print_report(
+        &plan,
+        &report,
+        &bytes,
+        check.as_ref(),
+        (a.json, opts.threads_per_rank),
+        start,
+    );
     if let Some(Err(why)) = &check {
         return Err(runtime(format!(
             "the run differs from the single-rank reference:\n{why}"
@@ -518,12 +532,35 @@ fn prepare_save(opts: &mut TrainOptions, start: u64, steps: u64) -> Result<(), F
     }
 }
 
+/// The report's MFU line, and where the measured figure passes 100% a second
+/// saying why: the machine that ran the plan is faster than the plan's device
+/// (a CPU core against `cpu-test-mesh`'s conservative peak, or several of them
+/// where each rank ran on several threads), not a utilisation above one.
+fn mfu_lines(measured: f64, predicted: f64, gpu: &str, threads: usize) -> Vec<String> {
+    let mut lines = vec![format!(
+        "mfu          measured {:.2}%, predicted {:.2}% (model FLOPs over the peak of the plan's {gpu})",
+        100.0 * measured,
+        100.0 * predicted,
+    )];
+    if measured > 1.0 {
+        let per_rank = if threads > 1 {
+            format!(", and each rank ran on {threads} threads where the plan counts one {gpu}")
+        } else {
+            String::new()
+        };
+        lines.push(format!(
+            "             above 100%: this machine outruns the peak the plan's cluster gives a {gpu}{per_rank}; the figure compares with that cluster, not with this machine"
+        ));
+    }
+    lines
+}
+
 fn print_report(
     plan: &Plan,
     r: &TrainReport,
     bytes: &[String],
     check: Option<&Result<Vec<String>, String>>,
-    json: bool,
+    (json, threads): (bool, usize),
     start: u64,
 ) {
     let predicted_step = plan
@@ -631,12 +668,9 @@ fn print_report(
         "step time    measured {median:.4} s (median), predicted {predicted_step:.4} s for the plan's cluster ({})",
         plan.cluster.gpu
     );
-    println!(
-        "mfu          measured {:.2}%, predicted {:.2}% (model FLOPs over the peak of the plan's {})",
-        100.0 * measured_mfu,
-        100.0 * predicted_mfu,
-        plan.cluster.gpu
-    );
+    for line in mfu_lines(measured_mfu, predicted_mfu, &plan.cluster.gpu, threads) {
+        println!("{line}");
+    }
     println!(
         "memory       measured {:.4} GiB (states {:.4} + activations {:.4}, fullest rank), predicted {:.4} GiB per GPU",
         gib(measured_mem),
@@ -694,5 +728,34 @@ fn print_report(
         ),
         Some(Err(_)) => println!("check        FAILED (details on stderr)"),
         None => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mfu_lines;
+
+    #[test]
+    fn an_mfu_over_100_percent_says_the_machine_outruns_the_plans_device() {
+        // 0.5 TFLOP/s of model FLOPs against the 0.1 TFLOP/s peak of one cpu-thread
+        // per rank, each rank on 2 threads: measured 5.0 of the plan's peak.
+        let lines = mfu_lines(5.0, 0.5689, "cpu-thread", 2);
+        assert_eq!(
+            lines,
+            [
+                "mfu          measured 500.00%, predicted 56.89% (model FLOPs over the peak of the plan's cpu-thread)",
+                "             above 100%: this machine outruns the peak the plan's cluster gives a cpu-thread, and each rank ran on 2 threads where the plan counts one cpu-thread; the figure compares with that cluster, not with this machine",
+            ]
+        );
+        assert_eq!(mfu_lines(1.12, 0.57, "cpu-thread", 1)[1], "             above 100%: this machine outruns the peak the plan's cluster gives a cpu-thread; the figure compares with that cluster, not with this machine");
+    }
+
+    #[test]
+    fn an_mfu_at_or_below_100_percent_is_one_line() {
+        assert_eq!(
+            mfu_lines(0.4123, 0.45, "H100-SXM", 1),
+            ["mfu          measured 41.23%, predicted 45.00% (model FLOPs over the peak of the plan's H100-SXM)"]
+        );
+        assert_eq!(mfu_lines(1.0, 0.45, "H100-SXM", 4).len(), 1);
     }
 }
