@@ -272,6 +272,19 @@ pub trait Device: Send + Sync {
     /// offset `x.1` to buffer `y.0` at offset `y.1`.
     fn f32_copy(&self, x: (&Self::F32, usize), y: (&mut Self::F32, usize), n: usize)
         -> DResult<()>;
+    /// A new buffer holding the runs `(x, offset, n)` of `parts` one after
+    /// another (a gradient bucket, a ZeRO part). The default zeroes the buffer
+    /// and copies each run in; a host device builds its vector without the
+    /// zeroing, which a data-parallel step would otherwise pay for every bucket.
+    fn f32_concat(&self, parts: &[(&Self::F32, usize, usize)]) -> DResult<Self::F32> {
+        let mut y = self.f32_zeros(parts.iter().map(|p| p.2).sum())?;
+        let mut at = 0;
+        for &(x, off, n) in parts {
+            self.f32_copy((x, off), (&mut y, at), n)?;
+            at += n;
+        }
+        Ok(y)
+    }
     /// [`Device::f32_copy`] on activations.
     fn act_copy(&self, x: (&Self::Act, usize), y: (&mut Self::Act, usize), n: usize)
         -> DResult<()>;
@@ -579,6 +592,14 @@ impl<H: HostPrecision> Device for H {
             .ok_or_else(|| range_err("f32_copy destination"))?
             .copy_from_slice(s);
         Ok(())
+    }
+    fn f32_concat(&self, parts: &[(&Vec<f32>, usize, usize)]) -> DResult<Vec<f32>> {
+        let mut y = Vec::with_capacity(parts.iter().map(|p| p.2).sum());
+        for &(x, off, n) in parts {
+            let run = x.get(off..off + n);
+            y.extend_from_slice(run.ok_or_else(|| range_err("f32_concat source"))?);
+        }
+        Ok(y)
     }
     fn act_copy(&self, x: (&Vec<f32>, usize), y: (&mut Vec<f32>, usize), n: usize) -> DResult<()> {
         self.f32_copy(x, y, n)

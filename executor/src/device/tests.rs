@@ -40,3 +40,13 @@ fn bias_kernels_take_the_width_from_the_bias() {
         .bias_add(&mut vec![0.0; 5], &vec![1.0; 3])
         .is_err());
 }
+
+#[test]
+fn f32_concat_lays_the_runs_end_to_end_and_names_a_run_out_of_range() {
+    let (x, y) = (vec![1.0, 2.0, 3.0, 4.0], vec![5.0, 6.0]);
+    let got = HostDevice.f32_concat(&[(&x, 1, 2), (&y, 0, 2), (&x, 0, 0), (&x, 3, 1)]);
+    assert_eq!(got.unwrap(), [2.0, 3.0, 5.0, 6.0, 4.0]);
+    assert_eq!(HostDevice.f32_concat(&[]).unwrap(), Vec::<f32>::new());
+    let e = HostDevice.f32_concat(&[(&y, 1, 2)]).unwrap_err();
+    assert!(e.0.contains("f32_concat source"), "{e:?}");
+}

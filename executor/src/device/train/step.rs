@@ -229,12 +229,10 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Copies bucket `i`'s gradient pieces into one buffer and starts its sum.
     pub(super) fn start_bucket(&mut self, i: usize) -> Result<(), RankError> {
         let b = &self.sync.buckets[i];
-        let mut buf = self.zeros_f32(b.len)?;
-        pack(
+        let buf = packed(
             &self.dev,
             &self.weights.wgrads,
-            &b.pieces,
-            &mut buf,
+            (&b.pieces, b.len),
             "bucket",
         )?;
         let r = self
@@ -260,12 +258,10 @@ impl<'a, D: Device> DevRank<'a, D> {
         let bk = &self.zero.scatter[i];
         let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
         let c = bk.len / n;
-        let mut buf = self.zeros_f32(bk.len)?;
-        pack(
+        let buf = packed(
             &self.dev,
             &self.weights.wgrads,
-            &bk.pieces,
-            &mut buf,
+            (&bk.pieces, bk.len),
             "reduce-scatter",
         )?;
         let mut part = self.zeros_f32(c)?;
@@ -284,16 +280,9 @@ impl<'a, D: Device> DevRank<'a, D> {
         let bk = &self.zero.gather[i];
         let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
         let c = bk.len / n;
-        let mut local = self.zeros_f32(c)?;
         let own = bk.start + me * c;
         let mine = pieces_of(self.layout(bk.set), own, own + c);
-        pack(
-            &self.dev,
-            &self.weights.master,
-            &mine,
-            &mut local,
-            "all-gather",
-        )?;
+        let local = packed(&self.dev, &self.weights.master, (&mine, c), "all-gather")?;
         let mut all = self.zeros_f32(bk.len)?;
         self.comm.f32_collective(
             &self.dev,
@@ -361,8 +350,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             .ok_or_else(|| fail("a partial gradient is missing"))?;
         let total = layout.iter().map(|(_, n)| n).sum();
         let pieces = pieces_of(&layout, 0, total);
-        let mut flat = self.zeros_f32(total)?;
-        pack(&self.dev, &self.weights.wgrads, &pieces, &mut flat, tensor)?;
+        let flat = packed(&self.dev, &self.weights.wgrads, (&pieces, total), tensor)?;
         let r = self.comm.all_reduce_start(&self.dev, (group, axis), flat)?;
         let flat = self.comm.all_reduce_finish(&self.dev, r)?;
         unpack(&self.dev, &flat, &pieces, &mut self.weights.wgrads, tensor)
@@ -490,8 +478,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     ) -> Result<(), RankError> {
         let step = self.meter.step_no + 1;
         let e = derr("adamw");
-        let mut param = self.zeros_f32(c)?;
-        pack(&self.dev, &self.weights.master, pieces, &mut param, "adamw")?;
+        let mut param = packed(&self.dev, &self.weights.master, (pieces, c), "adamw")?;
         // The compute copies are refreshed once the parts are gathered.
         adamw(
             &self.dev,
@@ -574,25 +561,39 @@ pub(super) fn bucket_range(
 /// values).
 type Piece = (Key, usize, usize, usize);
 
-/// Copies each piece of the weights in `from` to its place in `flat`.
-pub(super) fn pack<D: Device>(
+/// The pieces of the weights in `from` one after another, as one new buffer of
+/// `len` values (`pieces` as [`pieces_of`] cuts a flat range of that length:
+/// consecutive from offset 0, covering it).
+pub(super) fn packed<D: Device>(
     dev: &D,
     from: &BTreeMap<Key, D::F32>,
-    pieces: &[Piece],
-    flat: &mut D::F32,
+    (pieces, len): (&[Piece], usize),
     what: &str,
-) -> Result<(), RankError> {
+) -> Result<D::F32, RankError> {
+    let mut at = 0;
+    let mut parts = Vec::with_capacity(pieces.len());
     for (key, src, dst, n) in pieces {
         let x = from
             .get(key)
             .ok_or_else(|| fail(format!("{what}: `{}` is not held", key.0)))?;
-        dev.f32_copy((x, *src), (flat, *dst), *n)
-            .map_err(derr(what))?;
+        if *dst != at {
+            return Err(fail(format!(
+                "{what}: `{}` is not where its run starts",
+                key.0
+            )));
+        }
+        parts.push((x, *src, *n));
+        at += n;
     }
-    Ok(())
+    if at != len {
+        return Err(fail(format!(
+            "{what}: the pieces hold {at} of {len} values"
+        )));
+    }
+    dev.f32_concat(&parts).map_err(derr(what))
 }
 
-/// The inverse of [`pack`]: each piece of `flat` back into its weight in `into`.
+/// The inverse of [`packed`]: each piece of `flat` back into its weight in `into`.
 pub(super) fn unpack<D: Device>(
     dev: &D,
     flat: &D::F32,

@@ -7,7 +7,7 @@
 //! more than one segment reads (a tied table) stay whole, as FSDP's root unit keeps
 //! its parameters.
 
-use super::step::{adamw, pack, pieces_of, unpack};
+use super::step::{adamw, packed, pieces_of, unpack};
 use super::*;
 use std::collections::BTreeSet;
 
@@ -75,9 +75,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                     continue;
                 }
                 let (_, start, c) = self.part_of(&g, &layout)?;
-                let mut part = self.zeros_f32(c)?;
                 let own = pieces_of(&layout, start, start + c);
-                pack(&self.dev, &self.weights.master, &own, &mut part, "ZeRO-3")?;
+                let part = packed(&self.dev, &self.weights.master, (&own, c), "ZeRO-3")?;
                 self.zero.z3.parts.insert((set, s, l), part);
                 self.zero.z3.layouts.insert((set, s, l), layout);
             }
@@ -247,9 +246,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         let layout = self.zero3_layout(copy)?;
         let (total, _, c) = self.part_of(g, &layout)?;
         let e = derr(segment);
-        let mut flat = self.zeros_f32(total)?;
         let all = pieces_of(&layout, 0, total);
-        pack(&self.dev, &self.weights.wgrads, &all, &mut flat, segment)?;
+        let flat = packed(&self.dev, &self.weights.wgrads, (&all, total), segment)?;
         let mut out = self.zeros_f32(c)?;
         self.comm.f32_collective(
             &self.dev,
