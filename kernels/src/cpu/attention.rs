@@ -22,6 +22,7 @@
 
 #![allow(clippy::too_many_arguments)] // mirrors the CUDA kernel signature
 
+use super::layout::qkv_columns;
 use super::matmul::{matmul_on, Transpose};
 use super::{check_len, fast_exp, invalid, par_map, par_rows, prod, KernelError, LANES};
 
@@ -141,7 +142,7 @@ impl<'a> Qkv<'a> {
                         format!("fused q | k | v rows need sk == sq ({sq}), got {sk}"),
                     ));
                 }
-                let row = hq * d + hkv * d + hkv * dv;
+                let (start, _, row) = qkv_columns(dims);
                 check_len("x", x.len(), prod("x", &[sq, dims.batch, row])?)?;
                 let at = |offset, head| Rows {
                     offset,
@@ -150,9 +151,9 @@ impl<'a> Qkv<'a> {
                     head,
                 };
                 Ok([
-                    (x, at(0, d)),
-                    (x, at(hq * d, d)),
-                    (x, at(hq * d + hkv * d, dv)),
+                    (x, at(start[0], d)),
+                    (x, at(start[1], d)),
+                    (x, at(start[2], dv)),
                 ])
             }
         }
@@ -618,6 +619,8 @@ pub fn attention_bwd_qkv(
     let group = dims.group()?;
     let inv_keep = dropout.map(Dropout::check).transpose()?;
     let [(q, qr), (k, kr), (v, vr)] = qkv.operands(dims)?;
+    // `o` and `d_o` are `[batch, sq, hq, dv]`.
+    let o_rows = Rows::dense(dims.sq, dims.hq, dims.dv);
     let ol = dims.o_len()?;
     check_len("o", o.len(), ol)?;
     check_len("lse", lse.len(), dims.lse_len()?)?;
@@ -702,9 +705,9 @@ pub fn attention_bwd_qkv(
                     continue;
                 }
                 gather(q, &qr, d, (b, h, i0), mt, &mut qb);
-                gather(d_o, &Rows::dense(sq, hq, dv), dv, (b, h, i0), mt, &mut dob);
+                gather(d_o, &o_rows, dv, (b, h, i0), mt, &mut dob);
                 for (r, dr) in drow[..mt].iter_mut().enumerate() {
-                    let row = ((b * sq + i0 + r) * hq + h) * dv;
+                    let row = o_rows.at(b, i0 + r, h);
                     *dr = o[row..row + dv]
                         .iter()
                         .zip(&d_o[row..row + dv])
@@ -884,7 +887,7 @@ fn fused_grads(dims: &AttnDims, nk_all: usize, parts: &[GroupGrads], dx: &mut [f
         dv,
         ..
     } = *dims;
-    let (group, row) = (hq / hkv, hq * d + hkv * d + hkv * dv);
+    let (group, (start, _, row)) = (hq / hkv, qkv_columns(dims));
     let add = |dst: &mut [f32], src: &[f32]| {
         for (x, &y) in dst.iter_mut().zip(src) {
             *x += y;
@@ -896,8 +899,8 @@ fn fused_grads(dims: &AttnDims, nk_all: usize, parts: &[GroupGrads], dx: &mut [f
     par_rows(dx, row, |t0, rows| {
         for (t, xr) in (t0..).zip(rows.chunks_exact_mut(row)) {
             let (j, b) = (t / batch, t % batch);
-            let (q, rest) = xr.split_at_mut(hq * d);
-            let (k, v) = rest.split_at_mut(hkv * d);
+            let (q, rest) = xr.split_at_mut(start[1]);
+            let (k, v) = rest.split_at_mut(start[2] - start[1]);
             for g in 0..hkv {
                 let (dq, dk, dv_) = &parts[b * hkv + g];
                 for hi in 0..group {

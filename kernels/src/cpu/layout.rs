@@ -9,7 +9,7 @@ use super::{check_len, par_rows, AttnDims, KernelError};
 
 /// Where the query, key and value columns start in a fused row of `hq d + hkv d
 /// + hkv dv`, how wide each is, and the row's width.
-fn qkv_columns(dims: &AttnDims) -> ([usize; 3], [usize; 3], usize) {
+pub(super) fn qkv_columns(dims: &AttnDims) -> ([usize; 3], [usize; 3], usize) {
     let (q, k, v) = (dims.hq * dims.d, dims.hkv * dims.d, dims.hkv * dims.dv);
     ([0, q, q + k], [q, k, v], q + k + v)
 }

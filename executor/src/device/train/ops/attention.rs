@@ -109,10 +109,9 @@ impl<D: Device> DevRank<'_, D> {
                 .map_err(&e)?;
             return self.add_grad(t, l, in0, dx);
         };
-        let rows = dims.batch * dims.sq;
-        let mut dq = self.zeros(rows * dims.hq * dims.d)?;
-        let mut dk = self.zeros(rows * dims.hkv * dims.d)?;
-        let mut dv = self.zeros(rows * dims.hkv * dims.dv)?;
+        let mut dq = self.zeros(D::act_len(q))?;
+        let mut dk = self.zeros(D::act_len(kk))?;
+        let mut dv = self.zeros(D::act_len(v))?;
         if self.cp.size > 1 {
             let grads = (&mut dq, &mut dk, &mut dv);
             self.ring_backward(&dims, (q, kk, v), (&o, lse, &d_o), &mask, grads)?;
