@@ -209,9 +209,12 @@ pub struct Failure {
 }
 
 /// Why a communication operation failed.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CommError {
     /// The world was aborted by another rank (or by this one earlier).
+    #[error(
+        "aborted: rank {first_rank} failed ({reason}) while this rank was waiting in {waiting_in}"
+    )]
     Aborted {
         /// The rank that failed first.
         first_rank: usize,
@@ -221,6 +224,7 @@ pub enum CommError {
         waiting_in: WaitPoint,
     },
     /// Members did not all arrive within the timeout.
+    #[error("{}", timed_out(kind, axis, group, *seq, missing, timeout))]
     Timeout {
         /// The operation.
         kind: CommKind,
@@ -237,6 +241,7 @@ pub enum CommError {
     },
     /// Members called different operations (kind, axis, size or root) at the same
     /// sequence number, or a message does not fit the receive.
+    #[error("mismatched {waiting_in}: {detail}")]
     Mismatch {
         /// The operation this rank called.
         waiting_in: WaitPoint,
@@ -244,6 +249,7 @@ pub enum CommError {
         detail: String,
     },
     /// A member finished its work without joining an operation this rank waits in.
+    #[error("{} finished without joining {waiting_in}", rank_list(finished))]
     Unmatched {
         /// The operation this rank was waiting in.
         waiting_in: WaitPoint,
@@ -251,6 +257,7 @@ pub enum CommError {
         finished: Vec<usize>,
     },
     /// Arguments this rank passed are inconsistent (sizes, group membership, peer).
+    #[error("invalid {kind} arguments: {detail}")]
     InvalidArgument {
         /// The operation.
         kind: CommKind,
@@ -259,71 +266,40 @@ pub enum CommError {
     },
     /// The communicator's shared state is unusable (a thread panicked while holding
     /// it).
+    #[error("communicator failure: {detail}")]
     Internal {
         /// What happened.
         detail: String,
     },
 }
 
-impl fmt::Display for CommError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            CommError::Aborted {
-                first_rank,
-                reason,
-                waiting_in,
-            } => write!(
-                f,
-                "aborted: rank {first_rank} failed ({reason}) while this rank was waiting in \
-                 {waiting_in}"
-            ),
-            CommError::Timeout {
-                kind,
-                axis,
-                group,
-                seq,
-                missing,
-                timeout,
-            } => {
-                write!(
-                    f,
-                    "timed out after {:.3} s in {kind} on {axis} (",
-                    timeout.as_secs_f64()
-                )?;
-                if group != axis && !matches!(kind, CommKind::Send | CommKind::Recv) {
-                    write!(f, "group {group}, ")?;
-                }
-                write!(f, "seq {seq}): {} did not arrive", rank_list(missing))
-            }
-            CommError::Mismatch { waiting_in, detail } => {
-                write!(f, "mismatched {waiting_in}: {detail}")
-            }
-            CommError::Unmatched {
-                waiting_in,
-                finished,
-            } => write!(
-                f,
-                "{} finished without joining {waiting_in}",
-                rank_list(finished)
-            ),
-            CommError::InvalidArgument { kind, detail } => {
-                write!(f, "invalid {kind} arguments: {detail}")
-            }
-            CommError::Internal { detail } => write!(f, "communicator failure: {detail}"),
-        }
-    }
+/// [`CommError::Timeout`]'s message: the group only where it is not the axis's
+/// own and the operation is a collective.
+fn timed_out(
+    kind: &CommKind,
+    axis: &str,
+    group: &str,
+    seq: u64,
+    missing: &[usize],
+    timeout: &Duration,
+) -> String {
+    let group = if group != axis && !matches!(kind, CommKind::Send | CommKind::Recv) {
+        format!("group {group}, ")
+    } else {
+        String::new()
+    };
+    format!(
+        "timed out after {:.3} s in {kind} on {axis} ({group}seq {seq}): {} did not arrive",
+        timeout.as_secs_f64(),
+        rank_list(missing)
+    )
 }
-
-impl std::error::Error for CommError {}
 
 /// `rank 3` or `ranks 0,1,2`.
 pub(crate) fn rank_list(ranks: &[usize]) -> String {
     let list: Vec<String> = ranks.iter().map(usize::to_string).collect();
-    if ranks.len() == 1 {
-        format!("rank {}", list.join(","))
-    } else {
-        format!("ranks {}", list.join(","))
-    }
+    let s = if ranks.len() == 1 { "" } else { "s" };
+    format!("rank{s} {}", list.join(","))
 }
 
 /// Collective and point-to-point communication of one rank.

@@ -20,16 +20,11 @@ const HEADER_BYTES: usize = 256 * 4;
 const LLMC_MAGIC: i32 = 20240520;
 
 /// Why a token file cannot be used; the message names the file and the fix.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{message}")]
 pub struct DataError {
     /// Human-readable reason.
     pub message: String,
-}
-
-impl std::fmt::Display for DataError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
 }
 
 /// A memory-mapped `u16` token file.

@@ -175,7 +175,7 @@ pub fn infer_disaggregated_on<D: Device>(
         } else {
             (decode, np)
         };
-        let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
+        let dev = make(comm.rank()).map_err(crate::device::derr("device"))?;
         let mut r = InferRank::new(dev, pool, D::host_comm(Box::new(comm)), opts, base)?;
         r.comm.barrier(&Group::world(np + nd))?;
         let t0 = Instant::now();

@@ -22,19 +22,12 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// Why a checkpoint cannot serve a plan: names the file, tensor or field and the fix.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{message}")]
 pub struct WeightsError {
     /// The message.
     pub message: String,
 }
-
-impl std::fmt::Display for WeightsError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
-    }
-}
-
-impl std::error::Error for WeightsError {}
 
 fn werr(message: impl Into<String>) -> WeightsError {
     WeightsError {

@@ -3,38 +3,22 @@
 use super::thread::Shared;
 use super::{rank_list, AbortHandle, CommError, Communicator, ThreadComm};
 use std::any::Any;
-use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 
 /// Why one rank of [`run_ranks`] failed.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum RankError {
     /// A communication operation failed (including being aborted by another rank).
-    Comm(CommError),
+    #[error(transparent)]
+    Comm(#[from] CommError),
     /// The rank's own work failed.
+    #[error("{0}")]
     Failed(String),
     /// The rank panicked; the panic's message.
+    #[error("panicked: {0}")]
     Panicked(String),
-}
-
-impl fmt::Display for RankError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            RankError::Comm(e) => write!(f, "{e}"),
-            RankError::Failed(m) => f.write_str(m),
-            RankError::Panicked(m) => write!(f, "panicked: {m}"),
-        }
-    }
-}
-
-impl std::error::Error for RankError {}
-
-impl From<CommError> for RankError {
-    fn from(e: CommError) -> RankError {
-        RankError::Comm(e)
-    }
 }
 
 impl From<String> for RankError {

@@ -416,7 +416,7 @@ mod tests {
     //! failure.
 
     use super::*;
-    use crate::device::{qkv_width, HostDevice};
+    use crate::device::HostDevice;
     use crate::init::splitmix;
     use meshplan_kernels::cpu::Rope;
     use meshplan_kernels::cpu::Transpose::{No, Yes};
@@ -555,7 +555,7 @@ mod tests {
             dv: 6,
         };
         let rows = dims.batch * dims.sq;
-        let width = qkv_width(&dims);
+        let width = dims.qkv_width();
         (dims, rows, width, act(dev, &values(4, rows * width, 1.0)))
     }
 

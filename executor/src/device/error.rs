@@ -3,16 +3,9 @@
 use meshplan_kernels::cpu::KernelError;
 
 /// Why a device operation failed.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{0}")]
 pub struct DeviceError(pub String);
-
-impl std::fmt::Display for DeviceError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for DeviceError {}
 
 /// A device error as a rank's failure, naming what failed.
 pub(crate) fn derr(what: &str) -> impl Fn(DeviceError) -> crate::comm::RankError + '_ {

@@ -5,7 +5,7 @@
 //! (a micro-batch's task, or a pass and its KV cache) and in what they keep for
 //! a backward.
 
-use super::{derr, qkv_width, Attn, Device, Embed, Norm, NormOut, RopeQkv};
+use super::{derr, Attn, Device, Embed, Norm, NormOut, RopeQkv};
 use crate::comm::RankError;
 use crate::shard::{local_heads, weight_transposed, TpPos};
 use crate::train::{fail, fixed_shape, fixed_width};
@@ -97,7 +97,7 @@ impl<D: Device> Site<'_, D> {
             d: a.qk_dim as usize,
             dv: a.v_dim as usize,
         };
-        Ok((dims, qkv_width(&dims)))
+        Ok((dims, dims.qkv_width()))
     }
 
     /// An attention op's sizes over its fused `q | k | v` input `x`, rows of

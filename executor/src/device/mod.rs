@@ -482,7 +482,6 @@ fn range_err(what: &str) -> DeviceError {
     DeviceError(format!("{what}: range out of bounds"))
 }
 
-#[allow(clippy::too_many_arguments)]
 /// Runs a CPU attention kernel with `dropout`'s mask as the kernel's keep function
 /// (drop probability rounded to f32 as the kernel takes it).
 fn with_attn_dropout(
@@ -874,11 +873,6 @@ impl<H: HostPrecision> Device for H {
     fn memory_in_use(&self) -> Option<u64> {
         None
     }
-}
-
-/// Width of a fused QKV row.
-pub fn qkv_width(dims: &AttnDims) -> usize {
-    dims.hq * dims.d + dims.hkv * dims.d + dims.hkv * dims.dv
 }
 
 #[cfg(test)]

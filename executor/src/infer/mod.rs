@@ -318,10 +318,9 @@ pub fn infer_on_with<D: Device>(
     check_weights(plan, opts)?;
     let world = plan.ranks.len();
     let rank = |comm: Box<D::Comm>| {
-        let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
+        let dev = make(comm.rank()).map_err(crate::device::derr("device"))?;
         let mut r = InferRank::new(dev, plan, comm, opts, 0)?;
-        let everyone = Group::new("world", (0..world).collect());
-        r.comm.barrier(&everyone)?;
+        r.comm.barrier(&Group::world(world))?;
         let t0 = Instant::now();
         let outputs = r.generate(t0)?;
         Ok(r.finish(outputs, t0))

@@ -404,7 +404,7 @@ impl<D: Device> Forward for Pass<'_, '_, '_, D> {
     }
 
     fn compute(&mut self, name: &str, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
-        let op = self.r.find_op(name)?;
+        let op = crate::train::find_op(self.r.graph, name)?;
         self.r.forward_op(op, (self.batch, &mut self.ids), l)
     }
 

@@ -450,10 +450,6 @@ impl<'a, D: Device> InferRank<'a, D> {
         }
     }
 
-    pub(super) fn find_op(&self, name: &str) -> Result<&'a Op, RankError> {
-        crate::train::find_op(self.graph, name)
-    }
-
     /// The last stage sends the tokens it sampled to the first, which embeds them.
     pub(super) fn hand_tokens_back(&mut self, current: &mut [u32]) -> Result<(), RankError> {
         if self.at.last_stage == 0 {
@@ -542,7 +538,7 @@ impl<D: Device> Forward for Idle<'_, '_, D> {
     }
 
     fn compute(&mut self, name: &str, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
-        let op = self.0.find_op(name)?;
+        let op = crate::train::find_op(self.0.graph, name)?;
         if let OpKind::Experts(e) = &op.kind {
             self.0.experts(op, e, l, Routing::DROPLESS, true)?;
         }

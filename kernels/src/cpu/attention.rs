@@ -202,6 +202,10 @@ impl AttnDims {
     fn v_len(&self) -> Result<usize, KernelError> {
         prod("v", &[self.batch, self.sk, self.hkv, self.dv])
     }
+    /// Width of a fused `q | k | v` row: `hq d + hkv d + hkv dv`.
+    pub fn qkv_width(&self) -> usize {
+        super::layout::qkv_columns(self).2
+    }
     /// Elements of the output, `[batch, sq, hq, dv]`.
     pub fn o_len(&self) -> Result<usize, KernelError> {
         prod("out", &[self.batch, self.sq, self.hq, self.dv])

@@ -16,8 +16,8 @@ use super::{derr, AttnBwd, AttnOut, DResult, Device, DeviceComm};
 use crate::comm::{CommKind, Communicator, Group, RankError};
 use crate::shard::{local_heads, local_weight, TpPos};
 use crate::train::{
-    build_groups, fail, fixed_shape, segment_copies, segment_index, segment_input, segment_output,
-    ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER,
+    build_groups, fail, find_op, fixed_shape, segment_copies, segment_index, segment_input,
+    segment_output, ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER,
 };
 use crate::Stat;
 use meshplan_ir::graph::OpKind;
@@ -596,10 +596,6 @@ impl<'a, D: Device> DevRank<'a, D> {
         } else {
             serde_json::json!({"step": self.meter.step_no, "layer": l})
         }
-    }
-
-    fn find_op(&self, name: &str) -> Result<&'a Op, RankError> {
-        crate::train::find_op(self.graph, name)
     }
 
     /// The plan's group `name`, this rank among its members.

@@ -117,17 +117,7 @@ pub fn train_device<D: Device>(
     opts: &TrainOptions,
     make: &(dyn Fn(usize) -> DResult<D> + Sync),
 ) -> Result<TrainReport, ExecError> {
-    let run = Run::new(plan, opts)?;
-    let results = crate::comm::run_ranks(
-        plan.ranks.len(),
-        opts.timeout,
-        opts.threads_per_rank,
-        |comm| {
-            let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
-            run.rank(dev, D::host_comm(Box::new(comm)))
-        },
-    );
-    run.finish(results)
+    train_world(plan, opts, make, None)
 }
 
 /// [`train_device`] over given communicators, one per rank in rank order (one
@@ -140,12 +130,27 @@ pub fn train_device_with<D: Device>(
     make: &(dyn Fn(usize) -> DResult<D> + Sync),
     comms: Vec<Box<D::Comm>>,
 ) -> Result<TrainReport, ExecError> {
+    train_world(plan, opts, make, Some(comms))
+}
+
+/// The ranks of `plan` as threads, over `comms` or (`None`) the in-process
+/// communicator.
+fn train_world<D: Device>(
+    plan: &Plan,
+    opts: &TrainOptions,
+    make: &(dyn Fn(usize) -> DResult<D> + Sync),
+    comms: Option<Vec<Box<D::Comm>>>,
+) -> Result<TrainReport, ExecError> {
     let run = Run::new(plan, opts)?;
-    let results = crate::comm::run_with(plan.ranks.len(), comms, &|comm| {
-        let dev = make(comm.rank()).map_err(|e| fail(format!("device: {e}")))?;
-        run.rank(dev, comm)
-    })
-    .map_err(ExecError::Plan)?;
+    let (world, rank) = (plan.ranks.len(), |comm: Box<D::Comm>| {
+        run.rank(make(comm.rank()).map_err(derr("device"))?, comm)
+    });
+    let results = match comms {
+        Some(comms) => crate::comm::run_with(world, comms, &rank).map_err(ExecError::Plan)?,
+        None => crate::comm::run_ranks(world, opts.timeout, opts.threads_per_rank, |c| {
+            rank(D::host_comm(Box::new(c)))
+        }),
+    };
     run.finish(results)
 }
 

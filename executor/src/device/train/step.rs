@@ -166,7 +166,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     let l = crate::train::prev_layer(*kind, &mut layer);
                     for instr in body {
                         if let Instr::Compute { name, .. } = instr {
-                            for key in self.weight_keys(self.find_op(name)?, l)? {
+                            for key in self.weight_keys(find_op(self.graph, name)?, l)? {
                                 *uses.entry(key.clone()).or_insert(0) += 1;
                                 order.retain(|k| *k != key);
                                 order.push(key);
@@ -361,14 +361,6 @@ impl<'a, D: Device> DevRank<'a, D> {
             .ok_or_else(|| fail(format!("rank {} is not in group {}", self.rank, g.id)))
     }
 
-    pub(super) fn initial_moments(
-        &self,
-        pieces: &[(Key, usize, usize, usize)],
-        n: usize,
-    ) -> Result<(D::F32, D::F32), RankError> {
-        initial_moments(&self.dev, &self.zero.resume_moments, pieces, n)
-    }
-
     /// This rank's part of a checkpoint: the weights whose moments it holds (whole
     /// weights, or under ZeRO its parts of the flat vector), with those moments.
     pub(super) fn snapshot(&self) -> Result<crate::ckpt::RankSnapshot, RankError> {
@@ -459,7 +451,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             let pieces = pieces_of(self.layout(set), start, start + c);
             let mut state = match self.zero.shard_adam.remove(&(set, start)) {
                 Some(state) => state,
-                None => self.initial_moments(&pieces, c)?,
+                None => initial_moments(&self.dev, &self.zero.resume_moments, &pieces, c)?,
             };
             self.adamw_part(&pieces, c, &grad, &mut state)?;
             self.zero.shard_adam.insert((set, start), state);

@@ -142,7 +142,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                         }
                         Instr::Compute { name, .. } => {
                             let m0 = self.mark()?;
-                            let op = self.find_op(name)?;
+                            let op = find_op(self.graph, name)?;
                             self.backward_op(op, l, t)?;
                             self.gradients_written(op, l)?;
                             self.span(m0, format!("{name} bwd"), "compute", self.op_args(l))?;
@@ -201,7 +201,7 @@ impl<D: Device> Forward for Fwd<'_, '_, D> {
     fn compute(&mut self, name: &str, outputs: &[LocalTensor], l: u64) -> Res {
         let r = &mut *self.r;
         let m0 = r.mark()?;
-        let op = r.find_op(name)?;
+        let op = find_op(r.graph, name)?;
         // The rows the plan gives the output (a replicated table under sequence
         // parallelism looks up this rank's block alone).
         let out_rows = outputs.first().map_or(0, |t| {

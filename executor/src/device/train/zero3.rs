@@ -7,7 +7,7 @@
 //! more than one segment reads (a tied table) stay whole, as FSDP's root unit keeps
 //! its parameters.
 
-use super::step::{adamw, packed, pieces_of, unpack};
+use super::step::{adamw, initial_moments, packed, pieces_of, unpack};
 use super::*;
 use std::collections::BTreeSet;
 
@@ -283,7 +283,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             let pieces = pieces_of(layout, start, start + c);
             let (mut m, mut v) = match self.zero.z3.adam.remove(&copy) {
                 Some(state) => state,
-                None => self.initial_moments(&pieces, c)?,
+                None => initial_moments(&self.dev, &self.zero.resume_moments, &pieces, c)?,
             };
             let grad = match self.zero.z3.grads.remove(&copy) {
                 Some(gr) => gr,
