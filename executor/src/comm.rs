@@ -56,7 +56,7 @@
 //! nor see a peer fail), and [`failure_summary`] says in one line who failed first
 //! and where the others were waiting.
 
-mod args;
+pub(crate) mod args;
 mod counts;
 #[cfg(feature = "cuda")]
 pub mod nccl;
@@ -337,6 +337,24 @@ pub trait Communicator: Send {
         input: &[f32],
         out: &mut [f32],
     ) -> Result<(), CommError>;
+
+    /// A reduce-scatter (this member's part of the sum of every member's `src`) or an
+    /// all-gather (every member's `src`, in group order) into a new vector: the
+    /// collectives whose result the interpreter keeps. The in-process communicator
+    /// builds it from the members' inputs without zero-filling it first.
+    fn collect(
+        &mut self,
+        kind: CommKind,
+        (group, axis): (&Group, &str),
+        src: &[f32],
+    ) -> Result<Vec<f32>, CommError> {
+        let mut out = vec![0.0; args::collected_len(kind, group.size(), src.len())?];
+        match kind {
+            CommKind::ReduceScatter => self.reduce_scatter(group, axis, src, &mut out)?,
+            _ => self.all_gather(group, axis, src, &mut out)?,
+        }
+        Ok(out)
+    }
 
     /// Every member's `buf` becomes the `buf` of member `root_index` (a position in
     /// the group, not a global rank).

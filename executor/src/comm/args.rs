@@ -57,6 +57,20 @@ pub(crate) fn gather_scatter(
     Ok(())
 }
 
+/// Elements of a reduce-scatter's or an all-gather's result from `input` elements
+/// on each of `n` members; a reduce-scatter whose input is not `n` whole parts is
+/// refused by [`gather_scatter`].
+pub(crate) fn collected_len(kind: CommKind, n: usize, input: usize) -> Result<usize, CommError> {
+    match kind {
+        CommKind::AllGather => Ok(input * n),
+        CommKind::ReduceScatter => Ok(input / n.max(1)),
+        other => Err(invalid(
+            other,
+            "a collective into a new buffer is a reduce-scatter or an all-gather".into(),
+        )),
+    }
+}
+
 /// Broadcast: the root is a member.
 pub(crate) fn broadcast(n: usize, root_index: usize) -> Result<(), CommError> {
     if root_index >= n {

@@ -898,3 +898,59 @@ fn counts_restate_at_the_plans_element_size_but_what_it_prices_in_fp32() {
     );
     assert_eq!(all.clone().at_element_size_but(4, &fixed), all);
 }
+
+/// `collect` gives the in-place collectives' bits and byte counts without a
+/// zero-filled output, and refuses what they refuse.
+#[test]
+fn collect_equals_the_in_place_collectives() {
+    let (world, len) = (3, 12);
+    let run = |into_new: bool| {
+        all_ok(run_ranks(world, LONG, 1, |mut c| {
+            let (g, me) = (Group::world(world), c.rank());
+            let src = data(me, len, 5);
+            let (rs, ag) = if into_new {
+                let rs = c.collect(CommKind::ReduceScatter, (&g, "dp"), &src)?;
+                (rs, c.collect(CommKind::AllGather, (&g, "tp"), &src)?)
+            } else {
+                let (mut rs, mut ag) = (vec![0.0; len / world], vec![0.0; len * world]);
+                c.reduce_scatter(&g, "dp", &src, &mut rs)?;
+                c.all_gather(&g, "tp", &src, &mut ag)?;
+                (rs, ag)
+            };
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<u32>>();
+            Ok((bits(&rs), bits(&ag), c.counts()))
+        }))
+    };
+    let (new, in_place) = (run(true), run(false));
+    assert_eq!(new, in_place);
+    let parts: Vec<Vec<f32>> = (0..world).map(|m| data(m, len, 5)).collect();
+    let sum = serial_sum(&parts);
+    for (me, (rs, ag, _)) in new.iter().enumerate() {
+        let want: Vec<u32> = sum[me * 4..me * 4 + 4]
+            .iter()
+            .map(|x| x.to_bits())
+            .collect();
+        assert_eq!(*rs, want, "rank {me}'s part of the sum");
+        assert_eq!(ag.len(), len * world);
+    }
+    let refused = run_ranks(world, LONG, 1, |mut c| {
+        let g = Group::world(world);
+        let ragged = c.collect(CommKind::ReduceScatter, (&g, "dp"), &[1.0; 10]);
+        let wrong = c.collect(CommKind::AllReduce, (&g, "dp"), &[1.0; 3]);
+        Ok((
+            ragged.unwrap_err().to_string(),
+            wrong.unwrap_err().to_string(),
+        ))
+    });
+    for r in refused {
+        let (ragged, wrong) = r.expect("each rank reports its own refusal");
+        assert_eq!(
+            ragged,
+            "invalid reduce_scatter arguments: input holds 10 elements, expected 3 members x 3"
+        );
+        assert!(
+            wrong.contains("a reduce-scatter or an all-gather"),
+            "{wrong}"
+        );
+    }
+}

@@ -354,6 +354,29 @@ impl ThreadComm {
         Ok(())
     }
 
+    /// A reduce-scatter or an all-gather of `src` into a result of `out_len`
+    /// elements: the arguments checked, the members' inputs exchanged, the bytes
+    /// counted; `take` makes the result from every member's input (this member's
+    /// index second).
+    fn gather_scatter<T>(
+        &mut self,
+        kind: CommKind,
+        (group, axis): (&Group, &str),
+        (src, out_len): (&[f32], usize),
+        take: impl FnOnce(&[Arc<Contribution>], usize, &WaitPoint) -> Result<T, CommError>,
+    ) -> Result<T, CommError> {
+        self.checked(|s| {
+            let n = group.size();
+            args::gather_scatter(kind, n, src.len(), out_len)?;
+            let (me, wait) = s.enter(group, kind, axis)?;
+            let inputs = s.exchange(me, &wait, src.len(), 0, Contribution::of(src))?;
+            let out = take(&inputs, me, &wait)?;
+            let whole = src.len().max(out_len);
+            s.counts.record_ring(kind, axis, n, bytes_of(whole));
+            Ok(out)
+        })
+    }
+
     fn check_peer(&self, kind: CommKind, peer: usize) -> Result<(), CommError> {
         if peer >= self.shared.world {
             return Err(CommError::InvalidArgument {
@@ -421,8 +444,32 @@ fn sum_into(
     let Some((first, rest)) = inputs.split_first() else {
         return Ok(());
     };
+    out.copy_from_slice(part(first, offset, out.len(), wait)?);
+    add_rest(out, rest, offset, wait)
+}
+
+/// [`sum_into`] into a new vector of `len` elements.
+fn summed(
+    inputs: &[Arc<Contribution>],
+    (offset, len): (usize, usize),
+    wait: &WaitPoint,
+) -> Result<Vec<f32>, CommError> {
+    let Some((first, rest)) = inputs.split_first() else {
+        return Ok(Vec::new());
+    };
+    let mut out = part(first, offset, len, wait)?.to_vec();
+    add_rest(&mut out, rest, offset, wait)?;
+    Ok(out)
+}
+
+/// Adds each of `rest`'s `out.len()` elements from `offset` to `out`, in order.
+fn add_rest(
+    out: &mut [f32],
+    rest: &[Arc<Contribution>],
+    offset: usize,
+    wait: &WaitPoint,
+) -> Result<(), CommError> {
     let len = out.len();
-    out.copy_from_slice(part(first, offset, len, wait)?);
     for c in rest {
         for (o, x) in out.iter_mut().zip(part(c, offset, len, wait)?) {
             *o += *x;
@@ -479,21 +526,20 @@ impl Communicator for ThreadComm {
         local: &[f32],
         out: &mut [f32],
     ) -> Result<(), CommError> {
-        self.checked(|s| {
-            let n = group.size();
-            args::gather_scatter(CommKind::AllGather, n, local.len(), out.len())?;
-            let (me, wait) = s.enter(group, CommKind::AllGather, axis)?;
-            let mine = Contribution::of(local);
-            let inputs = s.exchange(me, &wait, local.len(), 0, mine)?;
-            if !local.is_empty() {
-                for (dst, c) in out.chunks_mut(local.len()).zip(&inputs) {
-                    dst.copy_from_slice(part(c, 0, dst.len(), &wait)?);
+        let on = (group, axis);
+        self.gather_scatter(
+            CommKind::AllGather,
+            on,
+            (local, out.len()),
+            |inputs, _, wait| {
+                if !local.is_empty() {
+                    for (dst, c) in out.chunks_mut(local.len()).zip(inputs) {
+                        dst.copy_from_slice(part(c, 0, dst.len(), wait)?);
+                    }
                 }
-            }
-            s.counts
-                .record_ring(CommKind::AllGather, axis, n, bytes_of(out.len()));
-            Ok(())
-        })
+                Ok(())
+            },
+        )
     }
 
     fn reduce_scatter(
@@ -503,16 +549,31 @@ impl Communicator for ThreadComm {
         input: &[f32],
         out: &mut [f32],
     ) -> Result<(), CommError> {
-        self.checked(|s| {
-            let n = group.size();
-            args::gather_scatter(CommKind::ReduceScatter, n, input.len(), out.len())?;
-            let (me, wait) = s.enter(group, CommKind::ReduceScatter, axis)?;
-            let mine = Contribution::of(input);
-            let inputs = s.exchange(me, &wait, input.len(), 0, mine)?;
-            sum_into(out, &inputs, me * out.len(), &wait)?;
-            s.counts
-                .record_ring(CommKind::ReduceScatter, axis, n, bytes_of(input.len()));
-            Ok(())
+        let kind = CommKind::ReduceScatter;
+        self.gather_scatter(
+            kind,
+            (group, axis),
+            (input, out.len()),
+            |inputs, me, wait| sum_into(out, inputs, me * out.len(), wait),
+        )
+    }
+
+    fn collect(
+        &mut self,
+        kind: CommKind,
+        on: (&Group, &str),
+        src: &[f32],
+    ) -> Result<Vec<f32>, CommError> {
+        let len = args::collected_len(kind, on.0.size(), src.len())?;
+        self.gather_scatter(kind, on, (src, len), |inputs, me, wait| {
+            if kind == CommKind::ReduceScatter {
+                return summed(inputs, (me * len, len), wait);
+            }
+            let mut out = Vec::with_capacity(len);
+            for c in inputs {
+                out.extend_from_slice(part(c, 0, src.len(), wait)?);
+            }
+            Ok(out)
         })
     }
 

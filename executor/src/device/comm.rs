@@ -73,15 +73,15 @@ pub trait DeviceComm<D: Device + ?Sized>: Communicator {
     ) -> CResult<()>;
 
     /// Sequence parallelism's collectives on activations (and input gradients),
-    /// `k` = (kind, where): `ReduceScatter` (`y` = this member's rows of the sum of
-    /// every member's `x`) or `AllGather` (`y` = every member's `x`, in group
-    /// order).
-    fn act_collective(&mut self, dev: &D, k: Kind<'_>, x: &D::Act, y: &mut D::Act) -> CResult<()>;
+    /// `k` = (kind, where), into a new buffer: `ReduceScatter` (this member's rows
+    /// of the sum of every member's `x`) or `AllGather` (every member's `x`, in
+    /// group order).
+    fn act_collective(&mut self, dev: &D, k: Kind<'_>, x: &D::Act) -> CResult<D::Act>;
 
-    /// ZeRO's collectives on fp32 buffers, `k` = (kind, where): `ReduceScatter`
-    /// (this member's part of the sum of the gradient shards) or `AllGather` (every
-    /// member's updated parameters).
-    fn f32_collective(&mut self, dev: &D, k: Kind<'_>, x: &D::F32, y: &mut D::F32) -> CResult<()>;
+    /// ZeRO's collectives on fp32 buffers, `k` = (kind, where), into a new buffer:
+    /// `ReduceScatter` (this member's part of the sum of the gradient shards) or
+    /// `AllGather` (every member's updated parameters).
+    fn f32_collective(&mut self, dev: &D, k: Kind<'_>, x: &D::F32) -> CResult<D::F32>;
 }
 
 /// A part of a buffer sent in an exchange: to whom, the buffer, `(offset, length)`.
@@ -92,47 +92,6 @@ pub type Recvd<'a, D> = (usize, &'a mut <D as Device>::Act);
 
 /// A reduce-scatter or an all-gather, and where it runs.
 pub type Kind<'a> = (CommKind, On<'a>);
-
-/// [`DeviceComm::act_collective`] into a new buffer: every member's `src`
-/// gathered, or this member's rows of their sum.
-pub(crate) fn act_collected<D: Device>(
-    dev: &D,
-    comm: &mut D::Comm,
-    (kind, on): Kind<'_>,
-    src: &D::Act,
-) -> CResult<D::Act> {
-    let n = on.0.size().max(1);
-    let len = match kind {
-        CommKind::AllGather => D::act_len(src) * n,
-        _ => D::act_len(src) / n,
-    };
-    let mut out = dev.act_zeros(len).map_err(internal)?;
-    comm.act_collective(dev, (kind, on), src, &mut out)?;
-    Ok(out)
-}
-
-/// A device failure inside a communication.
-pub(crate) fn internal(e: super::DeviceError) -> CommError {
-    CommError::Internal { detail: e.0 }
-}
-
-/// A reduce-scatter or an all-gather of host slices (the collectives of
-/// [`DeviceComm::act_collective`] and [`DeviceComm::f32_collective`]).
-pub(crate) fn host_collective(
-    comm: &mut (impl Communicator + ?Sized),
-    (kind, (group, axis)): Kind<'_>,
-    src: &[f32],
-    out: &mut [f32],
-) -> CResult<()> {
-    match kind {
-        CommKind::ReduceScatter => comm.reduce_scatter(group, axis, src, out),
-        CommKind::AllGather => comm.all_gather(group, axis, src, out),
-        other => Err(CommError::InvalidArgument {
-            kind: other,
-            detail: "a device collective is a reduce-scatter or an all-gather".into(),
-        }),
-    }
-}
 
 /// `x[off..off + len]`, or an error naming a range `x` does not hold.
 pub(crate) fn part_of(x: &[f32], (off, len): (usize, usize)) -> CResult<&[f32]> {
@@ -191,15 +150,15 @@ impl<H: HostPrecision> DeviceComm<H> for dyn Communicator {
     ) -> CResult<()> {
         self.all_to_all_v(group, axis, send, send_counts, recv, recv_counts)
     }
-    fn act_collective(&mut self, _: &H, k: Kind<'_>, x: &V, y: &mut V) -> CResult<()> {
-        host_collective(self, k, x, y)?;
+    fn act_collective(&mut self, _: &H, (kind, on): Kind<'_>, x: &V) -> CResult<V> {
+        let mut y = self.collect(kind, on, x)?;
         // A reduce-scatter's sum lands in a bf16 buffer on a GPU.
-        if k.0 == CommKind::ReduceScatter {
-            H::round(y);
+        if kind == CommKind::ReduceScatter {
+            H::round(&mut y);
         }
-        Ok(())
+        Ok(y)
     }
-    fn f32_collective(&mut self, _: &H, k: Kind<'_>, x: &V, y: &mut V) -> CResult<()> {
-        host_collective(self, k, x, y)
+    fn f32_collective(&mut self, _: &H, (kind, on): Kind<'_>, x: &V) -> CResult<V> {
+        self.collect(kind, on, x)
     }
 }

@@ -14,7 +14,6 @@
 //! tested against its CPU reference.
 
 use crate::comm::Communicator;
-pub(crate) use comm::act_collected;
 pub use comm::{CResult, DeviceComm, Kind, On};
 use meshplan_ir::NormKind;
 use meshplan_kernels::cpu::{

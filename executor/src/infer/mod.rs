@@ -32,7 +32,7 @@
 
 use crate::comm::{ByteCounts, CommKind, Communicator, Group, RankError};
 use crate::device::walk::{self, Coll, Forward};
-use crate::device::{act_collected, derr, AttnOut, Device, HostDevice};
+use crate::device::{derr, AttnOut, Device, HostDevice};
 use crate::moe::Routing;
 use crate::sample::{sample, Sampling};
 use crate::shard::TpPos;

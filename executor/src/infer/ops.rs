@@ -61,7 +61,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                     .as_ref()
                     .ok_or_else(|| fail("no hidden states to gather"))?;
                 let (dev, comm) = (&self.dev, self.comm.as_mut());
-                let out = act_collected(dev, comm, (CommKind::AllGather, on), h)?;
+                let out = comm.act_collective(dev, (CommKind::AllGather, on), h)?;
                 self.hidden = Some(out);
                 return Ok(());
             }
@@ -103,11 +103,11 @@ impl<'a, D: Device> InferRank<'a, D> {
         match c.kind {
             CollectiveKind::AllReduce => comm.all_reduce_act(dev, on, buf)?,
             CollectiveKind::AllGather => {
-                let out = act_collected(dev, comm, (CommKind::AllGather, on), buf)?;
+                let out = comm.act_collective(dev, (CommKind::AllGather, on), buf)?;
                 self.gathered.insert(tensor.to_string(), out);
             }
             CollectiveKind::ReduceScatter => {
-                *buf = act_collected(dev, comm, (CommKind::ReduceScatter, on), buf)?;
+                *buf = comm.act_collective(dev, (CommKind::ReduceScatter, on), buf)?;
             }
             other => {
                 return Err(fail(format!(

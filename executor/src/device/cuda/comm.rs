@@ -7,9 +7,7 @@ use super::{CudaDevice, A, F};
 use crate::comm::{
     AbortHandle, ByteCounts, CommError, CommKind, Communicator, Group, NcclComm, P2p,
 };
-use crate::device::comm::{
-    host_collective, internal, part_of, CResult, DeviceComm, Kind, On, Recvd, Sent,
-};
+use crate::device::comm::{part_of, CResult, DeviceComm, Kind, On, Recvd, Sent};
 use crate::device::Device;
 use meshplan_kernels::cuda::bf16;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice};
@@ -111,6 +109,11 @@ impl Communicator for CudaComm {
     fn abort_handle(&self) -> AbortHandle {
         self.host().abort_handle()
     }
+}
+
+/// A device failure inside a communication.
+fn internal(e: crate::device::DeviceError) -> CommError {
+    CommError::Internal { detail: e.0 }
 }
 
 /// Makes the compute stream wait for `done`, an event NCCL's stream records.
@@ -248,26 +251,30 @@ impl DeviceComm<CudaDevice> for CudaComm {
         host.all_to_all_v(group, axis, &h, send.1, &mut got, recv.1)?;
         upload_act(dev, &got, recv.0)
     }
-    fn act_collective(&mut self, dev: &CudaDevice, k: Kind<'_>, x: &A, y: &mut A) -> CResult<()> {
+    fn act_collective(&mut self, dev: &CudaDevice, k: Kind<'_>, x: &A) -> CResult<A> {
+        let len = crate::comm::args::collected_len(k.0, k.1 .0.size(), x.len())?;
+        let mut y = dev.act_zeros(len).map_err(internal)?;
         let host = match self {
-            CudaComm::Nccl(nccl) => return collective(dev, nccl, k, Some(x), y),
+            CudaComm::Nccl(nccl) => return collective(dev, nccl, k, Some(x), &mut y).map(|_| y),
             CudaComm::Staged(host) => host,
         };
         let h = dev.act_download(x).map_err(internal)?;
-        let mut got = vec![0.0; y.len()];
-        host_collective(host.as_mut(), k, &h, &mut got)?;
-        upload_act(dev, &got, y)
+        let got = host.collect(k.0, k.1, &h)?;
+        upload_act(dev, &got, &mut y)?;
+        Ok(y)
     }
-    fn f32_collective(&mut self, dev: &CudaDevice, k: Kind<'_>, x: &F, y: &mut F) -> CResult<()> {
+    fn f32_collective(&mut self, dev: &CudaDevice, k: Kind<'_>, x: &F) -> CResult<F> {
         let host = match self {
-            CudaComm::Nccl(nccl) => return collective(dev, nccl, k, Some(x), y),
+            CudaComm::Nccl(nccl) => {
+                let len = crate::comm::args::collected_len(k.0, k.1 .0.size(), x.len())?;
+                let mut y = dev.f32_zeros(len).map_err(internal)?;
+                return collective(dev, nccl, k, Some(x), &mut y).map(|_| y);
+            }
             CudaComm::Staged(host) => host,
         };
         let h = dev.f32_download(x).map_err(internal)?;
-        let mut got = vec![0.0; y.len()];
-        host_collective(host.as_mut(), k, &h, &mut got)?;
-        *y = dev.f32_upload(&got).map_err(internal)?;
-        Ok(())
+        let got = host.collect(k.0, k.1, &h)?;
+        dev.f32_upload(&got).map_err(internal)
     }
 }
 

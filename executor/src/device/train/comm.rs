@@ -7,7 +7,7 @@ use super::*;
 use crate::device::comm::{Recvd, Sent};
 use crate::device::forward::AttnMask;
 use crate::device::walk::Coll;
-use crate::device::{act_collected, AttnGrads, CeOut, DeviceComm, Merge, On};
+use crate::device::{AttnGrads, CeOut, DeviceComm, Merge, On};
 use CollectiveKind::{AllGather as AG, ReduceScatter as RS};
 
 impl<'a, D: Device> DevRank<'a, D> {
@@ -329,7 +329,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         .ok_or_else(|| fail("no boundary to gather"))?;
         let (dev, comm) = (&self.dev, self.comm.as_mut());
-        let out = act_collected(dev, comm, (CommKind::AllGather, (&g, axis)), local)?;
+        let out = comm.act_collective(dev, (CommKind::AllGather, (&g, axis)), local)?;
         if grad {
             self.grad_hidden = Some(out);
         } else {
@@ -452,7 +452,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             CommKind::AllGather
         };
         let (dev, comm) = (&self.dev, self.comm.as_mut());
-        let out = Arc::new(act_collected(dev, comm, (ck, on), x)?);
+        let out = Arc::new(comm.act_collective(dev, (ck, on), x)?);
         match kind {
             RS => t.acts.insert(key, out),
             _ => t.gathered.insert(key, out),
@@ -478,12 +478,12 @@ impl<'a, D: Device> DevRank<'a, D> {
             RS => {
                 let full = t.partial.remove(&key).or_else(|| t.grads.remove(&key));
                 let full = full.ok_or_else(missing)?;
-                let out = act_collected(dev, comm, (CommKind::ReduceScatter, on), &full)?;
+                let out = comm.act_collective(dev, (CommKind::ReduceScatter, on), &full)?;
                 self.add_grad(t, l, key.1, out)?;
             }
             AG => {
                 let local = t.grads.remove(&key).ok_or_else(missing)?;
-                let out = act_collected(dev, comm, (CommKind::AllGather, on), &local)?;
+                let out = comm.act_collective(dev, (CommKind::AllGather, on), &local)?;
                 t.grads.insert(key, out);
             }
             _ => match t.partial.remove(&key) {

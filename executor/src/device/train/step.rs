@@ -264,12 +264,10 @@ impl<'a, D: Device> DevRank<'a, D> {
             (&bk.pieces, bk.len),
             "reduce-scatter",
         )?;
-        let mut part = self.zeros_f32(c)?;
-        self.comm.f32_collective(
+        let part = self.comm.f32_collective(
             &self.dev,
             (CommKind::ReduceScatter, (&bk.group, &bk.axis)),
             &buf,
-            &mut part,
         )?;
         self.zero.shards.push((bk.set, bk.start + me * c, part));
         Ok(())
@@ -283,12 +281,10 @@ impl<'a, D: Device> DevRank<'a, D> {
         let own = bk.start + me * c;
         let mine = pieces_of(self.layout(bk.set), own, own + c);
         let local = packed(&self.dev, &self.weights.master, (&mine, c), "all-gather")?;
-        let mut all = self.zeros_f32(bk.len)?;
-        self.comm.f32_collective(
+        let all = self.comm.f32_collective(
             &self.dev,
             (CommKind::AllGather, (&bk.group, &bk.axis)),
             &local,
-            &mut all,
         )?;
         unpack(
             &self.dev,

@@ -194,15 +194,15 @@ impl<'a, D: Device> DevRank<'a, D> {
         let copy = (set, segment_index(self.graph, segment)?, l);
         let layout = self.zero3_layout(copy)?;
         let total: usize = layout.iter().map(|(_, n)| n).sum();
-        let mut all = self.zeros_f32(total)?;
         let part = self
             .zero
             .z3
             .parts
             .get(&copy)
             .ok_or_else(|| fail("no part"))?;
-        self.comm
-            .f32_collective(&self.dev, (CommKind::AllGather, (g, axis)), part, &mut all)?;
+        let all = self
+            .comm
+            .f32_collective(&self.dev, (CommKind::AllGather, (g, axis)), part)?;
         let e = derr(segment);
         for (key, n) in &layout {
             if !self.weights.master.contains_key(key) {
@@ -248,13 +248,9 @@ impl<'a, D: Device> DevRank<'a, D> {
         let e = derr(segment);
         let all = pieces_of(&layout, 0, total);
         let flat = packed(&self.dev, &self.weights.wgrads, (&all, total), segment)?;
-        let mut out = self.zeros_f32(c)?;
-        self.comm.f32_collective(
-            &self.dev,
-            (CommKind::ReduceScatter, (g, axis)),
-            &flat,
-            &mut out,
-        )?;
+        let out =
+            self.comm
+                .f32_collective(&self.dev, (CommKind::ReduceScatter, (g, axis)), &flat)?;
         let acc = match self.zero.z3.grads.entry(copy) {
             std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::btree_map::Entry::Vacant(v) => {
