@@ -371,6 +371,8 @@ impl ThreadComm {
             let (me, wait) = s.enter(group, kind, axis)?;
             let inputs = s.exchange(me, &wait, src.len(), 0, Contribution::of(src))?;
             let out = take(&inputs, me, &wait)?;
+            // Counted on the whole buffer: an all-gather's output, a
+            // reduce-scatter's input.
             let whole = src.len().max(out_len);
             s.counts.record_ring(kind, axis, n, bytes_of(whole));
             Ok(out)
