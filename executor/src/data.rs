@@ -143,11 +143,7 @@ impl Sampler {
         global_batch: u64,
         seed: u64,
     ) -> Result<Self, String> {
-        let windows = if tokens > seq_len && seq_len > 0 {
-            ((tokens - 1) / seq_len) as u64
-        } else {
-            0
-        };
+        let windows = tokens.saturating_sub(1).checked_div(seq_len).unwrap_or(0) as u64;
         if windows < global_batch {
             return Err(format!(
                 "{tokens} tokens hold {windows} sequences of {} tokens, but one step needs global_batch({global_batch}) distinct ones; use more data or a smaller batch",

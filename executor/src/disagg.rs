@@ -32,7 +32,7 @@
 //! the model's dtype (sent by each prefill rank, received by each decode rank), and
 //! the first tokens.
 
-use crate::comm::{Communicator, Group, RankError};
+use crate::comm::{byte_gap, Communicator, Group, RankError};
 use crate::device::{derr, Device, DeviceComm, HostDevice};
 use crate::infer::{
     check_inputs, check_weights, rank_outs, recorded, summarize, InferOptions, InferRank,
@@ -238,11 +238,10 @@ fn prefill_side<D: Device>(
             }
             send_cache(r, ctx, i, &done.cache)?;
             if record {
-                let last = ctx.decode.programs.iter().map(|p| p.stage).max();
-                for t in 0..ctx.decode.strategy.tp {
+                for tp in 0..ctx.decode.strategy.tp {
                     let pos = PoolPos {
-                        stage: last.unwrap_or(0),
-                        tp: t,
+                        tp,
+                        ..recorder(ctx.decode)
                     };
                     let to = ctx.world_rank(true, i, pos)?;
                     r.comm.send(to, TOKEN_AXIS, &[p.current[j] as f32])?;
@@ -417,23 +416,19 @@ pub fn byte_mismatches(
 fn pool_bytes<'a>(plan: &'a Plan, run: &'a DisaggReport, first: bool) -> PoolBytes<'a> {
     let np = run.prefill_ranks;
     let r = &run.report;
-    let (counts, routed_ep) = if first {
-        (&r.counts[..np], &r.routed_ep_bytes[..np])
+    let (name, ranks) = if first {
+        ("prefill pool ", 0..np)
     } else {
-        (&r.counts[np..], &r.routed_ep_bytes[np..])
+        ("decode pool ", np..r.counts.len())
     };
     PoolBytes {
         plan,
-        counts,
-        routed_ep,
+        counts: &r.counts[ranks.clone()],
+        routed_ep: &r.routed_ep_bytes[ranks.clone()],
         prefill: first,
         decode: !first,
-        name: if first {
-            "prefill pool "
-        } else {
-            "decode pool "
-        },
-        base: if first { 0 } else { np },
+        name,
+        base: ranks.start,
     }
 }
 
@@ -471,11 +466,7 @@ fn kv_mismatches(
     }
     let mut out = Vec::new();
     let mut compare = |what: &str, rank: usize, got: f64, want: f64| {
-        out.extend(crate::comm::byte_gap(
-            format!("rank {rank} {what}"),
-            got,
-            want,
-        ));
+        out.extend(byte_gap(format!("rank {rank} {what}"), got, want));
     };
     for (rank, c) in counts.iter().enumerate() {
         let (kv, tok) = match rank.checked_sub(np) {

@@ -50,12 +50,10 @@ pub fn column_ranges(graph: &Graph, op: &Op, n: usize, tp: TpPos) -> Vec<(usize,
     }
     // A gated MLP's up projection is [gate | up]: split each half.
     if swiglu_up(graph, op) {
-        let f = n / 2;
-        let c = f / tp.size;
-        return vec![
-            (tp.rank * c, (tp.rank + 1) * c),
-            (f + tp.rank * c, f + (tp.rank + 1) * c),
-        ];
+        let (f, c) = (n / 2, n / 2 / tp.size);
+        return [0, f]
+            .map(|h| (h + tp.rank * c, h + (tp.rank + 1) * c))
+            .to_vec();
     }
     let c = n / tp.size;
     vec![(tp.rank * c, (tp.rank + 1) * c)]
@@ -63,23 +61,17 @@ pub fn column_ranges(graph: &Graph, op: &Op, n: usize, tp: TpPos) -> Vec<(usize,
 
 /// (heads, kv heads, head dim) if `op` produces the input of a rope or attention op.
 fn qkv_shape(graph: &Graph, op: &Op) -> Option<(u64, u64, usize)> {
-    let out = *op.outputs.first()?;
-    let mut cur = out;
+    let mut cur = *op.outputs.first()?;
     // Follow through a rope op to the attention core.
     for _ in 0..2 {
-        for seg in &graph.segments {
-            for o in &seg.ops {
-                if o.inputs.first() == Some(&cur) {
-                    match &o.kind {
-                        OpKind::Attention(a) => {
-                            return Some((a.heads, a.kv_heads, a.qk_dim as usize))
-                        }
-                        OpKind::Rope => {
-                            cur = *o.outputs.first()?;
-                        }
-                        _ => {}
-                    }
-                }
+        for o in graph.ops() {
+            if o.inputs.first() != Some(&cur) {
+                continue;
+            }
+            match &o.kind {
+                OpKind::Attention(a) => return Some((a.heads, a.kv_heads, a.qk_dim as usize)),
+                OpKind::Rope => cur = *o.outputs.first()?,
+                _ => {}
             }
         }
     }
@@ -213,11 +205,8 @@ fn expert_slice<T: Copy>(full: &[T], shape: &[usize], tp: TpPos, ep: TpPos) -> V
             // Up `[h, 2f]` as [gate | up]: this rank's columns of each half.
             let f = c / 2;
             let w = f / tp.size;
-            for row in 0..r {
-                out.extend_from_slice(&m[row * c + tp.rank * w..row * c + (tp.rank + 1) * w]);
-                out.extend_from_slice(
-                    &m[row * c + f + tp.rank * w..row * c + f + (tp.rank + 1) * w],
-                );
+            for start in (0..r).flat_map(|row| [row * c, row * c + f]) {
+                out.extend_from_slice(&m[start + tp.rank * w..start + (tp.rank + 1) * w]);
             }
         } else {
             // Down `[f, h]`: this rank's rows.

@@ -669,7 +669,7 @@ pub(crate) fn weight_site<'g>(
                 .map(|&t| (o, t))
         })
         .ok_or_else(|| format!("`{name}` used by no op"))?;
-    let shape = fixed_shape(graph.tensor(id)).map_err(|e| format!("{e:?}"))?;
+    let shape = fixed_shape(graph.tensor(id)).map_err(|e| e.to_string())?;
     Ok((op, id, shape))
 }
 

@@ -15,8 +15,7 @@
 use crate::shard::{shard_spec, ShardSpec, TpPos};
 use memmap2::Mmap;
 use meshplan_ir::graph::OpKind;
-use meshplan_ir::spec::TransformerSpec;
-use meshplan_ir::{Graph, Op, SegmentKind, TensorId, TensorKind};
+use meshplan_ir::{Graph, Op, SegmentKind, TensorId};
 use safetensors::tensor::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -222,25 +221,20 @@ impl Checkpoint {
             return Err(werr(format!("{file}: not a transformer config")));
         };
         let got = arch_of(graph)?;
-        let want = arch_of_spec(t);
         let gpt2 = self.family == Family::Gpt2;
         let key = |llama: &'static str, gpt: &'static str| if gpt2 { gpt } else { llama };
         let fields: [(&str, u64, u64); 7] = [
-            (key("num_hidden_layers", "n_layer"), want.layers, got.layers),
-            (key("hidden_size", "n_embd"), want.hidden, got.hidden),
-            (key("num_attention_heads", "n_head"), want.heads, got.heads),
+            (key("num_hidden_layers", "n_layer"), t.layers, got.layers),
+            (key("hidden_size", "n_embd"), t.hidden, got.hidden),
+            (key("num_attention_heads", "n_head"), t.heads, got.heads),
             (
                 key("num_key_value_heads", "n_head"),
-                want.kv_heads,
+                t.kv_heads,
                 got.kv_heads,
             ),
-            (
-                key("head_dim", "n_embd / n_head"),
-                want.head_dim,
-                got.head_dim,
-            ),
-            (key("intermediate_size", "n_inner"), want.ffn, got.ffn),
-            ("vocab_size", want.vocab, got.vocab),
+            (key("head_dim", "n_embd / n_head"), t.head_dim, got.head_dim),
+            (key("intermediate_size", "n_inner"), t.ffn_hidden, got.ffn),
+            ("vocab_size", t.vocab, got.vocab),
         ];
         for (field, w, g) in fields {
             if w != g {
@@ -249,10 +243,10 @@ impl Checkpoint {
                 )));
             }
         }
-        if want.tied != got.tied {
+        if t.tie_embeddings != got.tied {
             return Err(werr(format!(
                 "{file}: field `tie_word_embeddings` is {} but the plan's model has {} embeddings",
-                want.tied,
+                t.tie_embeddings,
                 if got.tied { "tied" } else { "untied" }
             )));
         }
@@ -333,26 +327,9 @@ impl Checkpoint {
     /// Checks every weight of the graph is in the checkpoint with the shape the plan's
     /// model needs, for every layer.
     pub fn validate(&self, graph: &Graph) -> Result<(), WeightsError> {
-        let mut layer0 = 0u64;
-        for seg in &graph.segments {
-            let layers: Vec<Option<u64>> = if seg.kind == SegmentKind::Block {
-                (layer0..layer0 + seg.repeat).map(Some).collect()
-            } else {
-                vec![None]
-            };
-            if seg.kind == SegmentKind::Block {
-                layer0 += seg.repeat;
-            }
-            for op in &seg.ops {
-                for &w in &op.inputs {
-                    if graph.tensor(w).kind != TensorKind::Weight {
-                        continue;
-                    }
-                    for &l in &layers {
-                        self.parts(graph, w, l)?;
-                    }
-                }
-            }
+        for s in crate::ckpt::model_weights(graph).map_err(werr)? {
+            let l = (s.key.1 != crate::train::NO_LAYER).then_some(s.key.1);
+            self.parts(graph, s.id, l)?;
         }
         Ok(())
     }
@@ -418,4 +395,4 @@ impl Checkpoint {
 }
 
 mod names;
-use names::{arch_of, arch_of_spec};
+use names::arch_of;

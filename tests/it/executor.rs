@@ -257,6 +257,41 @@ fn a_failing_rank_stops_every_rank_with_a_message() {
     assert!(err.message().contains("waiting in"), "{}", err.message());
 }
 
+/// One rank a process (`train_device_rank`, what a launched GPU rank runs): the
+/// failing rank's error names it and says why, in words, not as a debug dump.
+#[test]
+fn a_launched_rank_reports_its_failure_in_words() {
+    use meshplan_executor::comm::{Communicator, ThreadComm};
+    use meshplan_executor::device::train::train_device_rank;
+    use meshplan_executor::device::HostDevice;
+    let p = plan(&model("tiny-gpt"), "dp=2");
+    let opts = TrainOptions {
+        fail_at: Some((1, 1)),
+        // Nothing tells rank 0 here (a launcher stops the other processes): it
+        // waits for rank 1 until this timeout.
+        timeout: Duration::from_secs(2),
+        ..TrainOptions::default()
+    };
+    let results: Vec<_> = std::thread::scope(|s| {
+        let ranks: Vec<_> = ThreadComm::create(2, opts.timeout)
+            .into_iter()
+            .map(|c| {
+                let (p, opts) = (&p, &opts);
+                s.spawn(move || {
+                    let comm: Box<dyn Communicator> = Box::new(c);
+                    train_device_rank(p, opts, HostDevice, comm)
+                })
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .map(|h| h.join().expect("no panic"))
+            .collect()
+    });
+    let failed = results[1].as_ref().expect_err("rank 1 fails at step 1");
+    assert_eq!(failed.message(), "rank 1: injected failure at step 1");
+}
+
 #[test]
 fn tied_embeddings_and_dropout_train_like_one_rank() {
     let text = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");

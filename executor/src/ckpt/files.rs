@@ -167,22 +167,17 @@ impl DirLock {
                     path.display()
                 )
             })?;
-        match file.try_lock() {
-            Ok(()) => {}
-            Err(fs::TryLockError::WouldBlock) => {
-                return Err(format!(
-                    "{}: another run is saving checkpoints into this folder (it holds {}); wait for it to end, or give another --save folder",
-                    dir.display(),
-                    path.display()
-                ))
-            }
-            Err(fs::TryLockError::Error(e)) => {
-                return Err(format!(
-                    "{}: cannot lock: {e}; save into a folder on a filesystem with file locks",
-                    path.display()
-                ))
-            }
-        }
+        file.try_lock().map_err(|e| match e {
+            fs::TryLockError::WouldBlock => format!(
+                "{}: another run is saving checkpoints into this folder (it holds {}); wait for it to end, or give another --save folder",
+                dir.display(),
+                path.display()
+            ),
+            fs::TryLockError::Error(e) => format!(
+                "{}: cannot lock: {e}; save into a folder on a filesystem with file locks",
+                path.display()
+            ),
+        })?;
         Ok(DirLock {
             _file: file,
             id: run_id(),

@@ -68,7 +68,7 @@
 //! indices with `local_weight`; every element must be covered, or the save fails.
 
 use crate::shard::{local_weight, TpPos};
-use crate::train::{fixed_shape, Key, TrainOptions};
+use crate::train::{fixed_shape, Key, TrainOptions, NO_LAYER};
 use memmap2::Mmap;
 use meshplan_ir::input::{read_bounded, TEXT_LIMIT};
 use meshplan_ir::plan::Plan;
@@ -110,8 +110,6 @@ const LATEST_LIMIT: u64 = 1 << 20;
 pub const CRASH_AT_VAR: &str = "MESHPLAN_CRASH_AT";
 /// Environment variable of the failure hook (testing only; module doc).
 pub const FAIL_AT_VAR: &str = "MESHPLAN_FAIL_AT";
-
-const NO_LAYER: u64 = u64::MAX;
 
 /// Reports a failed save when it happens (the CLI logs it; by default stderr).
 #[derive(Clone)]
@@ -297,7 +295,7 @@ pub(crate) fn model_weights(graph: &Graph) -> Result<Vec<WeightSite>, String> {
                     if !seen.insert(key.clone()) {
                         continue;
                     }
-                    let shape = fixed_shape(t).map_err(|e| format!("{e:?}"))?;
+                    let shape = fixed_shape(t).map_err(|e| e.to_string())?;
                     out.push(WeightSite {
                         key,
                         id: w,

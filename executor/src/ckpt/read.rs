@@ -60,18 +60,17 @@ impl Checkpoint {
             files.push(map);
         }
         for (name, t) in &manifest.tensors {
-            match tensors.get(name) {
-                Some((fi, _, shape)) if manifest.files[*fi].name == t.file && *shape == t.shape => {
-                }
-                _ => {
-                    return Err(format!(
-                        "{}: `{}` (shape {:?}) is not in {}",
-                        mpath.display(),
-                        quote(name),
-                        t.shape,
-                        quote(&t.file)
-                    ))
-                }
+            let found = tensors
+                .get(name)
+                .map(|(fi, _, s)| (&manifest.files[*fi].name, s));
+            if found != Some((&t.file, &t.shape)) {
+                return Err(format!(
+                    "{}: `{}` (shape {:?}) is not in {}",
+                    mpath.display(),
+                    quote(name),
+                    t.shape,
+                    quote(&t.file)
+                ));
             }
         }
         Ok(Checkpoint {
@@ -137,9 +136,7 @@ impl Checkpoint {
                 want.insert(name);
             }
         }
-        let mut extra: Vec<&String> = self.tensors.keys().filter(|n| !want.contains(*n)).collect();
-        extra.sort();
-        if let Some(name) = extra.first() {
+        if let Some(name) = self.tensors.keys().filter(|n| !want.contains(*n)).min() {
             return Err(format!(
                 "{}: `{name}` is not a tensor of model `{}` (the checkpoint is of model `{}`)",
                 self.dir.display(),
@@ -303,12 +300,10 @@ pub(super) fn check_manifest_bytes(mpath: &Path, bytes: &[u8], sums: &Sums) -> R
         )
     })?;
     let now = field_digests(&value);
-    let mut keys: Vec<&String> = now.keys().chain(sums.manifest_fields.keys()).collect();
-    keys.sort();
-    keys.dedup();
+    let keys: std::collections::BTreeSet<&String> =
+        now.keys().chain(sums.manifest_fields.keys()).collect();
     let changed: Vec<&String> = keys
-        .iter()
-        .copied()
+        .into_iter()
         .filter(|k| now.get(*k) != sums.manifest_fields.get(*k))
         .collect();
     // The most precise names: `optimizer.lr` rather than `optimizer` as well.

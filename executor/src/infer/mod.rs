@@ -349,7 +349,7 @@ pub(crate) fn rank_outs<T>(results: Vec<Result<T, RankError>>) -> Result<Vec<T>,
     }
     results
         .into_iter()
-        .map(|r| r.map_err(|e| ExecError::Rank(format!("{e:?}"))))
+        .map(|r| r.map_err(|e| ExecError::Rank(e.to_string())))
         .collect()
 }
 

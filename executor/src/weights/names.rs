@@ -61,7 +61,11 @@ impl Checkpoint {
         (one_d, transpose, rows, c): (bool, bool, usize, usize),
     ) -> Result<Part, WeightsError> {
         let of_layer = layer.map(|l| format!(" of layer {l}")).unwrap_or_default();
-        let want = expected_shape(one_d, transpose, rows, c);
+        let want = match (one_d, transpose) {
+            (true, _) => vec![c],
+            (false, true) => vec![c, rows],
+            (false, false) => vec![rows, c],
+        };
         let found = self.resolve(name).ok_or_else(|| {
             werr(format!(
                 "{}: tensor `{name}` is missing (needed for the plan's `{weight}`{of_layer}, shape {want:?}); is this the checkpoint the plan was made for?",
@@ -101,16 +105,6 @@ impl Checkpoint {
     }
 }
 
-pub(super) fn expected_shape(one_d: bool, transpose: bool, rows: usize, cols: usize) -> Vec<usize> {
-    if one_d {
-        vec![cols]
-    } else if transpose {
-        vec![cols, rows]
-    } else {
-        vec![rows, cols]
-    }
-}
-
 /// The architecture sizes a checkpoint must agree on.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct Arch {
@@ -122,19 +116,6 @@ pub(super) struct Arch {
     pub(super) ffn: u64,
     pub(super) vocab: u64,
     pub(super) tied: bool,
-}
-
-pub(super) fn arch_of_spec(t: &TransformerSpec) -> Arch {
-    Arch {
-        layers: t.layers,
-        hidden: t.hidden,
-        heads: t.heads,
-        kv_heads: t.kv_heads,
-        head_dim: t.head_dim,
-        ffn: t.ffn_hidden,
-        vocab: t.vocab,
-        tied: t.tie_embeddings,
-    }
 }
 
 pub(super) fn arch_of(graph: &Graph) -> Result<Arch, WeightsError> {

@@ -61,7 +61,7 @@ impl<'a> Run<'a> {
         let ranks: Vec<RankReport> = results
             .into_iter()
             .collect::<Result<_, _>>()
-            .map_err(|e| ExecError::Rank(format!("{e:?}")))?;
+            .map_err(|e| ExecError::Rank(e.to_string()))?;
         let steps = self.opts.steps.saturating_sub(self.start) as usize;
         Ok(TrainReport {
             losses: (0..steps)
@@ -177,5 +177,5 @@ pub fn train_device_rank<D: Device>(
     let run = Run::new(plan, opts)?;
     let rank = comm.rank();
     run.rank(dev, comm)
-        .map_err(|e| ExecError::Rank(format!("rank {rank}: {e:?}")))
+        .map_err(|e| ExecError::Rank(format!("rank {rank}: {e}")))
 }
