@@ -96,7 +96,45 @@ impl Engine {
                 ))
             }
         };
-        launched_rank(gpu, plan, opts, env, cfg)
+        self.for_plan(plan)?;
+        let mut rv = meshplan_launch::Rendezvous::connect(cfg)
+            .map_err(|e| EngineError::Failed(e.to_string()))?;
+        let rep = gpu.train_rank(plan, opts, env, &mut rv)?;
+        // Every rank's loss parts, and its start and step ends on the Unix clock
+        // (the processes' own clocks differ), exactly (f64 bits), to every rank.
+        let steps = rep.loss_parts.len();
+        let mine: Vec<u8> = launch_values(&rep)
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        let all = rv
+            .all_gather_bytes(&mine)
+            .map_err(|e| EngineError::Failed(e.to_string()))?;
+        let ranks: Vec<Vec<f64>> = all
+            .iter()
+            .map(|blob| {
+                blob.chunks_exact(8)
+                    .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
+                    .collect()
+            })
+            .collect();
+        let (losses, step_s) = merge_launch_values(&ranks, steps).map_err(EngineError::Failed)?;
+        let tokens_per_step = match plan.workload {
+            meshplan_ir::Workload::Train {
+                seq_len,
+                global_batch,
+                ..
+            } => seq_len * global_batch,
+            _ => 0,
+        };
+        Ok(TrainReport {
+            losses,
+            step_s,
+            tokens_per_step,
+            ranks: vec![rep],
+            saved: Vec::new(),
+            lr: f64::from(opts.lr),
+        })
     }
 
     /// Generates with an inference plan, every rank a thread of this process (the
@@ -141,54 +179,6 @@ impl Engine {
             Engine::Cuda(g) => g.train(plan, opts),
         }
     }
-}
-
-fn launched_rank(
-    gpu: Gpu,
-    plan: &Plan,
-    opts: &TrainOptions,
-    env: &LaunchEnv,
-    cfg: &RendezvousConfig,
-) -> Result<TrainReport, EngineError> {
-    Engine::Cuda(gpu).for_plan(plan)?;
-    let mut rv = meshplan_launch::Rendezvous::connect(cfg)
-        .map_err(|e| EngineError::Failed(e.to_string()))?;
-    let rep = gpu.train_rank(plan, opts, env, &mut rv)?;
-    // Every rank's loss parts, and its start and step ends on the Unix clock
-    // (the processes' own clocks differ), exactly (f64 bits), to every rank.
-    let steps = rep.loss_parts.len();
-    let mine: Vec<u8> = launch_values(&rep)
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
-    let all = rv
-        .all_gather_bytes(&mine)
-        .map_err(|e| EngineError::Failed(e.to_string()))?;
-    let ranks: Vec<Vec<f64>> = all
-        .iter()
-        .map(|blob| {
-            blob.chunks_exact(8)
-                .map(|c| f64::from_le_bytes(c.try_into().unwrap_or([0; 8])))
-                .collect()
-        })
-        .collect();
-    let (losses, step_s) = merge_launch_values(&ranks, steps).map_err(EngineError::Failed)?;
-    let tokens_per_step = match plan.workload {
-        meshplan_ir::Workload::Train {
-            seq_len,
-            global_batch,
-            ..
-        } => seq_len * global_batch,
-        _ => 0,
-    };
-    Ok(TrainReport {
-        losses,
-        step_s,
-        tokens_per_step,
-        ranks: vec![rep],
-        saved: Vec::new(),
-        lr: f64::from(opts.lr),
-    })
 }
 
 /// What a launched rank shares with the others: its loss parts, then its first

@@ -276,13 +276,11 @@ pub(crate) fn check_resume(
 ) -> Result<u64, ExecError> {
     let err = ExecError::Checkpoint;
     ck.check_model(&plan.graph).map_err(err)?;
-    let m = ck.manifest();
+    let (m, dir) = (ck.manifest(), ck.dir().display());
     if m.seed != opts.seed {
         return Err(err(format!(
-            "{}: saved with seed {}, this run uses {} (the data would not continue)",
-            ck.dir().display(),
-            m.seed,
-            opts.seed
+            "{dir}: saved with seed {}, this run uses {} (the data would not continue)",
+            m.seed, opts.seed
         )));
     }
     // The data continue only on the same tokens (a moved file is fine).
@@ -290,16 +288,13 @@ pub(crate) fn check_resume(
     let same = |k: &str| m.data.get(k).unwrap_or(&serde_json::Value::Null) == &now[k];
     if !same("source") || !same("tokens") {
         return Err(err(format!(
-            "{}: saved while training on {}, this run reads {} (the data would not continue); give the same --data",
-            ck.dir().display(),
-            m.data,
-            now
+            "{dir}: saved while training on {}, this run reads {now} (the data would not continue); give the same --data",
+            m.data
         )));
     }
     if m.step >= opts.steps {
         return Err(err(format!(
-            "{}: the checkpoint has done {} steps; ask for more than that in all",
-            ck.dir().display(),
+            "{dir}: the checkpoint has done {} steps; ask for more than that in all",
             m.step
         )));
     }

@@ -189,15 +189,10 @@ impl<D: Device> Site<'_, D> {
         let dev = self.dev;
         let mut y = self.zeros(op, D::act_len(x))?;
         let mut rstd = dev.f32_zeros(rows).map_err(&e)?;
-        let mut mean = if layer {
-            Some(dev.f32_zeros(rows).map_err(&e)?)
-        } else {
-            None
-        };
-        let zero = match (layer, b) {
-            (true, None) => Some(self.zeros(op, dim)?),
-            _ => None,
-        };
+        let mut mean = layer.then(|| dev.f32_zeros(rows)).transpose().map_err(&e)?;
+        let zero = (layer && b.is_none())
+            .then(|| self.zeros(op, dim))
+            .transpose()?;
         let b = b.or(zero.as_ref());
         let n = Norm {
             kind,

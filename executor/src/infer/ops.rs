@@ -288,7 +288,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                 ..all
             };
             let mut o = self.zeros(no)?;
-            let mut lse = self.zeros_f32(hq * seq)?;
+            let mut lse = self.dev.f32_zeros(hq * seq).map_err(derr("allocation"))?;
             let qkv = (qb.as_ref().unwrap_or(&q), &kc, &vc);
             let a = mask.attn::<D>(&dims, qkv, (batch.pos0[bi], 0));
             let out = AttnOut {
@@ -319,23 +319,13 @@ impl<'a, D: Device> InferRank<'a, D> {
         vb: (usize, usize),
     ) -> Result<(D::Act, D::Act), RankError> {
         let err = derr("the KV cache");
-        match self.kv.remove(&(l, req)) {
-            Some((mut kc, mut vc)) => {
-                self.dev.act_append(&mut kc, k, kb).map_err(&err)?;
-                self.dev.act_append(&mut vc, v, vb).map_err(&err)?;
-                Ok((kc, vc))
-            }
-            None => {
-                let (mut kc, mut vc) = (self.zeros(kb.1)?, self.zeros(vb.1)?);
-                self.dev
-                    .act_copy((k, kb.0), (&mut kc, 0), kb.1)
-                    .map_err(&err)?;
-                self.dev
-                    .act_copy((v, vb.0), (&mut vc, 0), vb.1)
-                    .map_err(&err)?;
-                Ok((kc, vc))
-            }
-        }
+        let (mut kc, mut vc) = match self.kv.remove(&(l, req)) {
+            Some(cache) => cache,
+            None => (self.zeros(0)?, self.zeros(0)?),
+        };
+        self.dev.act_append(&mut kc, k, kb).map_err(&err)?;
+        self.dev.act_append(&mut vc, v, vb).map_err(&err)?;
+        Ok((kc, vc))
     }
 }
 

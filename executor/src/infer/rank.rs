@@ -121,11 +121,6 @@ impl<'a, D: Device> InferRank<'a, D> {
         self.dev.act_zeros(n).map_err(derr("allocation"))
     }
 
-    /// An fp32 buffer of `n` zeros (kernel statistics).
-    pub(super) fn zeros_f32(&self, n: usize) -> Result<D::F32, RankError> {
-        self.dev.f32_zeros(n).map_err(derr("allocation"))
-    }
-
     pub(super) fn weight(&self, op: &Op, i: usize, l: u64) -> Result<&D::Act, RankError> {
         let name = &self.graph.tensor(op.inputs[i]).name;
         self.weights
@@ -381,13 +376,9 @@ impl<'a, D: Device> InferRank<'a, D> {
             routing: self.prefill_routing(j, i),
         };
         self.run_counted(self.prefill, &batch)?;
-        let logits = if self.at.stage == self.at.last_stage {
-            Some(self.last_logits(&batch)?)
-        } else {
-            None
-        };
+        let last = self.at.stage == self.at.last_stage;
         Ok(Prefilled {
-            logits,
+            logits: last.then(|| self.last_logits(&batch)).transpose()?,
             cache: self.take_cache(j),
         })
     }
@@ -415,11 +406,8 @@ impl<'a, D: Device> InferRank<'a, D> {
             routing: Routing::DROPLESS,
         };
         self.run_counted(self.decode, &batch)?;
-        if self.at.stage == self.at.last_stage {
-            Ok(Some(self.last_logits(&batch)?))
-        } else {
-            Ok(None)
-        }
+        let last = self.at.stage == self.at.last_stage;
+        last.then(|| self.last_logits(&batch)).transpose()
     }
 
     /// A pass of `phase` without tokens of this replica: only its experts run, on

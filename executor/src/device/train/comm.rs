@@ -13,12 +13,7 @@ use CollectiveKind::{AllGather as AG, ReduceScatter as RS};
 impl<'a, D: Device> DevRank<'a, D> {
     /// The context group, this rank's index in it, and its ring neighbours.
     pub(super) fn ring(&self) -> Result<(Group, usize, usize, usize), RankError> {
-        let g = self
-            .mesh
-            .groups
-            .get("cp")
-            .cloned()
-            .ok_or_else(|| fail("no cp group"))?;
+        let g = self.group("cp")?;
         let (n, me) = (g.size(), self.index_in(&g)?);
         let (next, prev) = (g.ranks[(me + 1) % n], g.ranks[(me + n - 1) % n]);
         Ok((g, me, next, prev))

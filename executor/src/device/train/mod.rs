@@ -287,7 +287,6 @@ impl<'a, D: Device> DevRank<'a, D> {
                     let mine = match (&self.opts.resume, &self.opts.weights) {
                         // Resuming: this rank's slices of the saved weights and moments.
                         (Some(ck), _) => {
-                            let key = (t.name.clone(), layer);
                             let read = |kind: &str| {
                                 ck.values(&crate::ckpt::tensor_name(kind, &key), &shape)
                                     .map(|full| local(&full))
@@ -500,11 +499,10 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// (one flag read back; the weight itself only when there is one), or the
     /// loss: non-finite activations from finite weights.
     fn check_finite(&mut self, step: u64) -> Res {
-        let masters: Vec<(&Key, &D::F32)> = self.weights.master.iter().collect();
-        let ws: Vec<&D::F32> = masters.iter().map(|(_, w)| *w).collect();
+        let (keys, ws): (Vec<&Key>, Vec<&D::F32>) = self.weights.master.iter().unzip();
         let bad = match self.dev.first_non_finite(&ws).map_err(derr("check"))? {
             Some(i) => {
-                let (key, w) = masters[i];
+                let (key, w) = (keys[i], ws[i]);
                 let host = self.dev.f32_download(w).map_err(derr(&key.0))?;
                 let x = host.into_iter().find(|v| !v.is_finite());
                 Some((key.clone(), x.unwrap_or(f32::NAN)))
@@ -528,11 +526,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     fn mark(&self) -> Result<Option<D::Mark>, RankError> {
-        if self.opts.trace {
-            Ok(Some(self.dev.mark().map_err(derr("mark"))?))
-        } else {
-            Ok(None)
-        }
+        (self.opts.trace.then(|| self.dev.mark()).transpose()).map_err(derr("mark"))
     }
 
     fn span(

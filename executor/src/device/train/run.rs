@@ -28,14 +28,12 @@ impl<'a> Run<'a> {
         else {
             unreachable!("checked by supported()")
         };
-        let start = match &opts.resume {
-            Some(ck) => crate::train::check_resume(plan, opts, ck)?,
-            None => 0,
-        };
-        let saver = match &opts.save {
-            Some(s) => Some(crate::ckpt::Saver::new(plan, opts, s).map_err(ExecError::Checkpoint)?),
-            None => None,
-        };
+        let start = (opts.resume.as_ref())
+            .map_or(Ok(0), |ck| crate::train::check_resume(plan, opts, ck))?;
+        let saver = (opts.save.as_ref())
+            .map(|s| crate::ckpt::Saver::new(plan, opts, s))
+            .transpose()
+            .map_err(ExecError::Checkpoint)?;
         Ok(Run {
             plan,
             opts,
@@ -52,16 +50,10 @@ impl<'a> Run<'a> {
     /// no write outlives the call).
     fn finish(self, results: Vec<Result<RankReport, RankError>>) -> Result<TrainReport, ExecError> {
         let saved = self.saver.map(crate::ckpt::Saver::finish);
-        if let Some(summary) = crate::comm::failure_summary(&results) {
-            return Err(ExecError::Rank(summary));
-        }
+        let ranks = crate::infer::rank_outs(results)?;
         let saved = saved
             .transpose()
             .map_err(|e| ExecError::Checkpoint(format!("checkpoint: {e}")))?;
-        let ranks: Vec<RankReport> = results
-            .into_iter()
-            .collect::<Result<_, _>>()
-            .map_err(|e| ExecError::Rank(e.to_string()))?;
         let steps = self.opts.steps.saturating_sub(self.start) as usize;
         Ok(TrainReport {
             losses: (0..steps)

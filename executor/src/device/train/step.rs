@@ -459,7 +459,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// moments of that part alone (ZeRO's parts).
     pub(super) fn adamw_part(
         &mut self,
-        pieces: &[(Key, usize, usize, usize)],
+        pieces: &[Piece],
         c: usize,
         grad: &D::F32,
         (m, v): &mut Moments<D>,
@@ -547,7 +547,7 @@ pub(super) fn bucket_range(
 
 /// A piece of a flat vector: (weight, offset in it, offset in the flat vector,
 /// values).
-type Piece = (Key, usize, usize, usize);
+pub(super) type Piece = (Key, usize, usize, usize);
 
 /// The pieces of the weights in `from` one after another, as one new buffer of
 /// `len` values (`pieces` as [`pieces_of`] cuts a flat range of that length:
@@ -624,11 +624,7 @@ pub(super) fn adamw<D: Device>(
 
 /// The pieces of the flat range `a..b` over weights laid out as `layout`: (weight,
 /// offset in it, offset in the range, values).
-pub(super) fn pieces_of(
-    layout: &[(Key, usize)],
-    a: usize,
-    b: usize,
-) -> Vec<(Key, usize, usize, usize)> {
+pub(super) fn pieces_of(layout: &[(Key, usize)], a: usize, b: usize) -> Vec<Piece> {
     let mut pieces = Vec::new();
     let mut off = 0;
     for (key, len) in layout {
@@ -646,7 +642,7 @@ pub(super) fn pieces_of(
 pub(super) fn initial_moments<D: Device>(
     dev: &D,
     saved: &BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
-    pieces: &[(Key, usize, usize, usize)],
+    pieces: &[Piece],
     n: usize,
 ) -> Result<(D::F32, D::F32), RankError> {
     let e = derr("AdamW state");

@@ -91,40 +91,34 @@ impl<'a, D: Device> DevRank<'a, D> {
         layer: &mut u64,
     ) -> Result<(), RankError> {
         for instr in instrs {
-            let (name, kind, repeat, body) = match instr {
-                Instr::Segment {
-                    name,
-                    kind,
-                    repeat,
-                    body,
-                } => (name, kind, repeat, body),
-                Instr::Send {
-                    peer_stage, bytes, ..
-                } => {
-                    self.send_boundary(*peer_stage, *bytes, true)?;
-                    continue;
+            let Instr::Segment {
+                name,
+                kind,
+                repeat,
+                body,
+            } = instr
+            else {
+                match instr {
+                    Instr::Send {
+                        peer_stage, bytes, ..
+                    } => self.send_boundary(*peer_stage, *bytes, true)?,
+                    Instr::Recv {
+                        peer_stage, bytes, ..
+                    } => self.recv_boundary(*peer_stage, *bytes, true)?,
+                    Instr::Collective {
+                        kind: CollectiveKind::AllGather,
+                        group,
+                        axis,
+                        target: Target::HiddenStatesGrad,
+                        ..
+                    } => self.gather_boundary(group, axis.name(), true)?,
+                    other => {
+                        return Err(fail(format!(
+                            "the device interpreter does not run {other:?} in a backward list"
+                        )))
+                    }
                 }
-                Instr::Recv {
-                    peer_stage, bytes, ..
-                } => {
-                    self.recv_boundary(*peer_stage, *bytes, true)?;
-                    continue;
-                }
-                Instr::Collective {
-                    kind: CollectiveKind::AllGather,
-                    group,
-                    axis,
-                    target: Target::HiddenStatesGrad,
-                    ..
-                } => {
-                    self.gather_boundary(group, axis.name(), true)?;
-                    continue;
-                }
-                other => {
-                    return Err(fail(format!(
-                        "the device interpreter does not run {other:?} in a backward list"
-                    )))
-                }
+                continue;
             };
             let s = segment_index(self.graph, name)?;
             for _ in 0..*repeat {

@@ -277,14 +277,11 @@ impl<'a, D: Device> DevRank<'a, D> {
             let (layout, start, part) = self.zero3_part(copy)?;
             let c = D::f32_len(part);
             let pieces = pieces_of(layout, start, start + c);
-            let (mut m, mut v) = match self.zero.z3.adam.remove(&copy) {
-                Some(state) => state,
-                None => initial_moments(&self.dev, &self.zero.resume_moments, &pieces, c)?,
-            };
-            let grad = match self.zero.z3.grads.remove(&copy) {
-                Some(gr) => gr,
-                None => self.zeros_f32(c)?,
-            };
+            let (mut m, mut v) = (self.zero.z3.adam.remove(&copy)).map_or_else(
+                || initial_moments(&self.dev, &self.zero.resume_moments, &pieces, c),
+                Ok,
+            )?;
+            let grad = (self.zero.z3.grads.remove(&copy)).map_or_else(|| self.zeros_f32(c), Ok)?;
             let part = self
                 .zero
                 .z3
@@ -302,13 +299,12 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// The first non-finite value in the parts of the masters this rank holds: the
     /// weight it belongs to.
     pub(super) fn zero3_non_finite(&self) -> Result<Option<(Key, f32)>, RankError> {
-        let parts: Vec<(&CopyKey, &D::F32)> = self.zero.z3.parts.iter().collect();
-        let ws: Vec<&D::F32> = parts.iter().map(|(_, p)| *p).collect();
+        let (copies, ws): (Vec<&CopyKey>, Vec<&D::F32>) = self.zero.z3.parts.iter().unzip();
         let e = derr("check");
         let Some(i) = self.dev.first_non_finite(&ws).map_err(&e)? else {
             return Ok(None);
         };
-        let (layout, start, part) = self.zero3_part(*parts[i].0)?;
+        let (layout, start, part) = self.zero3_part(*copies[i])?;
         let host = self.dev.f32_download(part).map_err(&e)?;
         let at = host.iter().position(|x| !x.is_finite()).unwrap_or(0);
         let key = pieces_of(layout, start, start + host.len())

@@ -123,8 +123,7 @@ impl<D: Device> DevRank<'_, D> {
         self.dev
             .join_qkv([&dq, &dk, &dv], &dims, &mut dx)
             .map_err(&e)?;
-        self.add_grad(t, l, in0, dx)?;
-        Ok(())
+        self.add_grad(t, l, in0, dx)
     }
 }
 

@@ -45,7 +45,6 @@ impl<D: Device> DevRank<'_, D> {
             &dy,
             dt,
         )
-        .map_err(&e)?;
-        Ok(())
+        .map_err(&e)
     }
 }

@@ -46,16 +46,13 @@ impl<D: Device> DevRank<'_, D> {
             .remove(&wkey)
             .ok_or_else(|| fail("norm gradient missing"))?;
         let layer = *kind == NormKind::Layernorm;
-        let mean = if layer {
-            Some(stat(t, l, &op.name, Stat::Mean)?)
-        } else {
-            None
-        };
+        let mean = layer
+            .then(|| stat(t, l, &op.name, Stat::Mean))
+            .transpose()?;
         // A bias-less norm's bias gradient goes to a scratch buffer.
-        let mut scratch = match (layer, &bkey) {
-            (true, None) => Some(self.zeros_f32(dim)?),
-            _ => None,
-        };
+        let mut scratch = (layer && bkey.is_none())
+            .then(|| self.zeros_f32(dim))
+            .transpose()?;
         let db = match &bkey {
             Some(k) => Some(
                 self.weights
@@ -86,7 +83,6 @@ impl<D: Device> DevRank<'_, D> {
         let r = dev.norm_bwd(&n, g);
         self.weights.wgrads.insert(wkey, dw);
         r.map_err(&e)?;
-        self.add_grad(t, l, in0, dx)?;
-        Ok(())
+        self.add_grad(t, l, in0, dx)
     }
 }
