@@ -6,7 +6,7 @@
 use crate::comm::{ByteCounts, CommError, Group, RankError};
 use crate::shard::{local_weight, TpPos};
 use meshplan_ir::plan::{Axis, Instr, Plan};
-use meshplan_ir::{Graph, Op, SegmentKind, TensorKind, Workload};
+use meshplan_ir::{Graph, Op, OpKind, SegmentKind, TensorKind, Workload};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -370,6 +370,45 @@ pub(crate) fn fixed_width(t: &meshplan_ir::Tensor) -> Result<usize, RankError> {
             t.name
         ))),
     }
+}
+
+/// What both interpreters need of a plan's graph, checked before any rank starts
+/// (a hand-written graph may lack it): the first segment starts from token ids
+/// (they are all the interpreter feeds), a norm has a one-dim scale weight, an
+/// experts op its four operands.
+pub(crate) fn runnable(graph: &Graph) -> Result<(), String> {
+    if let Some(x) = segment_input(graph, 0) {
+        return Err(format!(
+            "`{x}` enters the model's graph from outside it, but the executor feeds \
+             token ids only: it runs models that begin with an embedding of token ids \
+             (a `transformer:` model or a Hugging Face config.json); this one can be \
+             planned, estimated and compared, not run"
+        ));
+    }
+    for op in graph.ops() {
+        let scale = op.inputs.get(1).map(|&t| graph.tensor(t));
+        match op.kind {
+            OpKind::Norm(_)
+                if !scale.is_some_and(|w| w.kind == TensorKind::Weight && w.shape.len() == 1) =>
+            {
+                return Err(format!(
+                    "norm `{}` has no one-dim scale weight as its second input; the \
+                     executor's norms take a scale (and optionally a shift)",
+                    op.name
+                ))
+            }
+            OpKind::Experts(_) if op.inputs.len() < 4 => {
+                return Err(format!(
+                    "experts op `{}` has {} inputs; it takes x, the router's logits, \
+                     w_up and w_down",
+                    op.name,
+                    op.inputs.len()
+                ))
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// A segment's input activation (what the previous segment produced).

@@ -746,7 +746,7 @@ fn arity(kind: &OpKind) -> (usize, usize) {
         OpKind::Norm(_) | OpKind::Rope | OpKind::Activation(_) | OpKind::Attention(_) => (1, 1),
         OpKind::Dropout => (1, 2),
         OpKind::Router { .. } => (1, 1),
-        OpKind::Experts(_) => (2, 1),
+        OpKind::Experts(_) => (4, 1),
     }
 }
 

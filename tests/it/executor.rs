@@ -257,6 +257,50 @@ fn a_failing_rank_stops_every_rank_with_a_message() {
     assert!(err.message().contains("waiting in"), "{}", err.message());
 }
 
+/// Graphs the interpreter cannot feed or whose ops lack operands it reads (an
+/// explicit graph that starts from an activation, a weightless norm, an experts
+/// op short of its weights: all pass the plan's checks) are refused with a
+/// message before any rank starts, not by a rank's index panic.
+#[test]
+fn graphs_the_executor_cannot_run_are_refused_before_any_rank_starts() {
+    let refused = |p: &Plan| match train(p, &TrainOptions::default()) {
+        Err(e) => e.message().to_string(),
+        Ok(_) => panic!("trained"),
+    };
+    let mlp = refused(&plan(&model("examples/mlp-graph"), "dp=2"));
+    assert!(
+        mlp.contains("`x` enters the model's graph from outside it")
+            && mlp.contains("planned, estimated and compared, not run"),
+        "{mlp}"
+    );
+    let mut p = plan(&model("tiny-gpt"), "tp=2");
+    let norm = (p.graph.segments.iter_mut().flat_map(|s| s.ops.iter_mut()))
+        .find(|o| matches!(o.kind, meshplan_ir::OpKind::Norm(_)))
+        .expect("a norm");
+    let name = norm.name.clone();
+    norm.inputs.truncate(1);
+    let msg = refused(&p);
+    assert!(
+        msg.contains(&format!("norm `{name}` has no one-dim scale weight")),
+        "{msg}"
+    );
+    let mut p = plan(&model("tiny-moe"), "dp=2,ep=2");
+    let experts = p.graph.segments.iter_mut().flat_map(|s| s.ops.iter_mut());
+    let experts = experts
+        .filter(|o| matches!(o.kind, meshplan_ir::OpKind::Experts(_)))
+        .map(|o| {
+            o.inputs.truncate(2);
+            o.name.clone()
+        })
+        .last()
+        .expect("an experts op");
+    let msg = refused(&p);
+    assert!(
+        msg.contains(&format!("experts op `{experts}` has 2 inputs")),
+        "{msg}"
+    );
+}
+
 /// One rank a process (`train_device_rank`, what a launched GPU rank runs): the
 /// failing rank's error names it and says why, in words, not as a debug dump.
 #[test]

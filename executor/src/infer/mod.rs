@@ -175,6 +175,7 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     }
     opts.sampling.validate()?;
     let graph = &plan.graph;
+    crate::train::runnable(graph)?;
     let vocab =
         table_rows(graph, "embed.tokens.w").ok_or("the plan's model has no token embedding")?;
     for (i, r) in opts.requests.iter().enumerate() {

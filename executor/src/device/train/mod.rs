@@ -67,6 +67,7 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
         }
     }
     let graph = &plan.graph;
+    crate::train::runnable(graph)?;
     if let Some(op) = graph
         .ops()
         .find(|op| matches!(op.kind, OpKind::Router { .. }))
