@@ -610,6 +610,20 @@ pub enum Instr {
 }
 
 impl Instr {
+    /// The instruction's `op`, as plan.json spells it (for messages).
+    pub fn op_name(&self) -> &'static str {
+        match self {
+            Instr::Segment { .. } => "segment",
+            Instr::Recompute { .. } => "recompute",
+            Instr::Compute { .. } => "compute",
+            Instr::Collective { .. } => "collective",
+            Instr::RingPass { .. } => "ring_pass",
+            Instr::Send { .. } => "send",
+            Instr::Recv { .. } => "recv",
+            Instr::Optimizer { .. } => "optimizer",
+        }
+    }
+
     /// Adds the bytes this instruction sends, `times` over, to `acc`.
     fn add_bytes(&self, times: f64, acc: &mut AxisBytes) {
         match self {

@@ -114,7 +114,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                     } => self.gather_boundary(group, axis.name(), true)?,
                     other => {
                         return Err(fail(format!(
-                            "the device interpreter does not run {other:?} in a backward list"
+                            "the device interpreter does not run `{}` in a backward list",
+                            other.op_name()
                         )))
                     }
                 }
@@ -150,7 +151,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                         Instr::RingPass { .. } => {}
                         other => {
                             return Err(fail(format!(
-                                "the device interpreter does not run {other:?} in a backward body"
+                                "the device interpreter does not run `{}` in a backward body",
+                                other.op_name()
                             )))
                         }
                     }
