@@ -319,9 +319,17 @@ impl<'a, D: Device> InferRank<'a, D> {
         vb: (usize, usize),
     ) -> Result<(D::Act, D::Act), RankError> {
         let err = derr("the KV cache");
-        let (mut kc, mut vc) = match self.kv.remove(&(l, req)) {
-            Some(cache) => cache,
-            None => (self.zeros(0)?, self.zeros(0)?),
+        // A new cache is allocated at the first part's size: a device allocation
+        // of zero bytes is not one every driver takes.
+        let Some((mut kc, mut vc)) = self.kv.remove(&(l, req)) else {
+            let (mut kc, mut vc) = (self.zeros(kb.1)?, self.zeros(vb.1)?);
+            self.dev
+                .act_copy((k, kb.0), (&mut kc, 0), kb.1)
+                .map_err(&err)?;
+            self.dev
+                .act_copy((v, vb.0), (&mut vc, 0), vb.1)
+                .map_err(&err)?;
+            return Ok((kc, vc));
         };
         self.dev.act_append(&mut kc, k, kb).map_err(&err)?;
         self.dev.act_append(&mut vc, v, vb).map_err(&err)?;

@@ -69,10 +69,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                 Instr::Optimizer { params, .. } => {
                     self.sync.step_plan.push(StepItem::Optimizer(*params))
                 }
-                other => return Err(fail(format!(
+                other => {
+                    return Err(fail(format!(
                     "a step list holds a `{}` instruction; it holds collectives and the optimizer",
                     other.op_name()
-                ))),
+                )))
+                }
             }
         }
         self.sync.in_flight = self.sync.buckets.iter().map(|_| None).collect();
