@@ -35,10 +35,10 @@
 use crate::comm::{byte_gap, Communicator, Group, RankError};
 use crate::device::{derr, Device, DeviceComm, HostDevice};
 use crate::infer::{
-    check_inputs, check_weights, rank_outs, recorded, summarize, InferOptions, InferRank,
-    InferReport, PoolBytes, RequestCache, RequestOutput,
+    check_inputs, check_weights, recorded, summarize, InferOptions, InferRank, InferReport,
+    PoolBytes, RequestCache, RequestOutput,
 };
-use crate::train::{fail, ExecError};
+use crate::train::{fail, rank_outs, ExecError};
 use meshplan_ir::kv_move::{kv_route, kv_transfer_bytes, pool_pos, pool_rank, KvPiece, PoolPos};
 use meshplan_ir::plan::Plan;
 use meshplan_ir::serving::ServingMode;

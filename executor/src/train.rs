@@ -188,6 +188,17 @@ impl ExecError {
     }
 }
 
+/// Every rank's result, or the world's failure in one message.
+pub(crate) fn rank_outs<T>(results: Vec<Result<T, RankError>>) -> Result<Vec<T>, ExecError> {
+    if let Some(summary) = crate::comm::failure_summary(&results) {
+        return Err(ExecError::Rank(summary));
+    }
+    results
+        .into_iter()
+        .map(|r| r.map_err(|e| ExecError::Rank(e.to_string())))
+        .collect()
+}
+
 pub(crate) fn fail(msg: impl Into<String>) -> RankError {
     RankError::Failed(msg.into())
 }
@@ -413,7 +424,7 @@ pub(crate) fn runnable(graph: &Graph) -> Result<(), String> {
 
 /// A segment's input activation (what the previous segment produced).
 pub(crate) fn segment_input(graph: &Graph, s: usize) -> Option<String> {
-    let seg = &graph.segments[s];
+    let seg = graph.segments.get(s)?;
     let produced: Vec<_> = seg
         .ops
         .iter()

@@ -37,7 +37,8 @@ use crate::moe::Routing;
 use crate::sample::{sample, Sampling};
 use crate::shard::TpPos;
 use crate::train::{
-    build_groups, fail, fixed_shape, mesh_place, segment_input, segment_output, ExecError, NO_LAYER,
+    build_groups, fail, fixed_shape, mesh_place, rank_outs, segment_input, segment_output,
+    ExecError, NO_LAYER,
 };
 use crate::weights::Checkpoint;
 use meshplan_ir::graph::OpKind;
@@ -341,17 +342,6 @@ pub fn infer_on_with<D: Device>(
         })
         .collect::<Result<_, _>>()?;
     summarize(requests, outs)
-}
-
-/// Every rank's result, or the world's failure in one message.
-pub(crate) fn rank_outs<T>(results: Vec<Result<T, RankError>>) -> Result<Vec<T>, ExecError> {
-    if let Some(summary) = crate::comm::failure_summary(&results) {
-        return Err(ExecError::Rank(summary));
-    }
-    results
-        .into_iter()
-        .map(|r| r.map_err(|e| ExecError::Rank(e.to_string())))
-        .collect()
 }
 
 /// Each request's output as the rank that recorded it handed it back.

@@ -28,8 +28,10 @@ impl<'a> Run<'a> {
         else {
             unreachable!("checked by supported()")
         };
-        let start = (opts.resume.as_ref())
-            .map_or(Ok(0), |ck| crate::train::check_resume(plan, opts, ck))?;
+        let start = match &opts.resume {
+            Some(ck) => crate::train::check_resume(plan, opts, ck)?,
+            None => 0,
+        };
         let saver = (opts.save.as_ref())
             .map(|s| crate::ckpt::Saver::new(plan, opts, s))
             .transpose()
@@ -50,7 +52,7 @@ impl<'a> Run<'a> {
     /// no write outlives the call).
     fn finish(self, results: Vec<Result<RankReport, RankError>>) -> Result<TrainReport, ExecError> {
         let saved = self.saver.map(crate::ckpt::Saver::finish);
-        let ranks = crate::infer::rank_outs(results)?;
+        let ranks = crate::train::rank_outs(results)?;
         let saved = saved
             .transpose()
             .map_err(|e| ExecError::Checkpoint(format!("checkpoint: {e}")))?;

@@ -277,11 +277,14 @@ impl<'a, D: Device> DevRank<'a, D> {
             let (layout, start, part) = self.zero3_part(copy)?;
             let c = D::f32_len(part);
             let pieces = pieces_of(layout, start, start + c);
-            let (mut m, mut v) = (self.zero.z3.adam.remove(&copy)).map_or_else(
-                || initial_moments(&self.dev, &self.zero.resume_moments, &pieces, c),
-                Ok,
-            )?;
-            let grad = (self.zero.z3.grads.remove(&copy)).map_or_else(|| self.zeros_f32(c), Ok)?;
+            let (mut m, mut v) = match self.zero.z3.adam.remove(&copy) {
+                Some(state) => state,
+                None => initial_moments(&self.dev, &self.zero.resume_moments, &pieces, c)?,
+            };
+            let grad = match self.zero.z3.grads.remove(&copy) {
+                Some(gr) => gr,
+                None => self.zeros_f32(c)?,
+            };
             let part = self
                 .zero
                 .z3
