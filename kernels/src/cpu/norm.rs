@@ -16,6 +16,42 @@ fn weight_grad(dw: &mut [f32], rows: usize, add_row: impl Fn(usize, usize, &mut 
     });
 }
 
+/// Rows whose statistics the forwards compute together. Each row's sum still
+/// adds its terms left to right, bit for bit a plain loop's; but one row's sum
+/// is a chain of dependent additions, each waiting out the one before it, while
+/// eight rows' independent chains interleaved keep the adders busy. Measured
+/// (`benches/benches/kernels.rs`, 2048 rows of 384, one thread): LayerNorm's
+/// forward 1.5x, RMSNorm's 1.3x. The backwards keep one row at a time: their
+/// two sums per row, blocked so, became vectors filled lane by lane, slower
+/// than the plain loop.
+const ROWS: usize = 8;
+
+/// [`ROWS`] sums over the columns `0..dim`, each from `init` with the terms
+/// added in column order: `out[k] = init + term(k, 0) + term(k, 1) + ...`.
+#[inline(always)]
+fn sums(init: f32, dim: usize, term: impl Fn(usize, usize) -> f32) -> [f32; ROWS] {
+    let mut s = [init; ROWS];
+    for c in 0..dim {
+        for (k, sk) in s.iter_mut().enumerate() {
+            *sk += term(k, c);
+        }
+    }
+    s
+}
+
+/// `f` on the rows in blocks of [`ROWS`] (a short last block repeats its last
+/// row; the repeats' results are dropped), the blocks over the intra-op pool;
+/// one result per row, in row order.
+fn per_row<T: Send>(rows: usize, f: impl Fn([usize; ROWS]) -> [T; ROWS] + Sync + Send) -> Vec<T> {
+    let block = |b: usize| std::array::from_fn(|k| (b * ROWS + k).min(rows - 1));
+    let mut out: Vec<T> = par_map(rows.div_ceil(ROWS), |b| f(block(b)))
+        .into_iter()
+        .flatten()
+        .collect();
+    out.truncate(rows);
+    out
+}
+
 fn check_rows(
     rows: usize,
     dim: usize,
@@ -66,11 +102,12 @@ pub fn layernorm_fwd(
     let inv = 1.0 / dim as f32;
     // Rows are independent: statistics, then outputs, each spread over the
     // intra-op pool (the same arithmetic per row whatever the thread count).
-    let stats = par_map(rows, |r| {
-        let xr = &x[r * dim..(r + 1) * dim];
-        let mu = xr.iter().sum::<f32>() * inv;
-        let var = xr.iter().map(|&v| (v - mu) * (v - mu)).sum::<f32>() * inv;
-        (mu, 1.0 / (var + eps).sqrt())
+    // `-0.0` is where `Iterator::sum` starts.
+    let stats = per_row(rows, |idx| {
+        let xs = idx.map(|r| &x[r * dim..][..dim]);
+        let mu = sums(-0.0, dim, |k, c| xs[k][c]).map(|s| s * inv);
+        let var = sums(-0.0, dim, |k, c| (xs[k][c] - mu[k]) * (xs[k][c] - mu[k]));
+        std::array::from_fn(|k| (mu[k], 1.0 / (var[k] * inv + eps).sqrt()))
     });
     for (r, &(mu, rs)) in stats.iter().enumerate() {
         mean[r] = mu;
@@ -173,13 +210,11 @@ pub fn rmsnorm_fwd(
         &[("weight", weight.len())],
     )?;
     let inv = 1.0 / dim as f32;
-    par_rows(rstd, 1, |r0, rstd| {
-        for (i, rs) in rstd.iter_mut().enumerate() {
-            let xr = &x[(r0 + i) * dim..(r0 + i + 1) * dim];
-            let ms = xr.iter().map(|&v| v * v).sum::<f32>() * inv;
-            *rs = 1.0 / (ms + eps).sqrt();
-        }
+    let rs = per_row(rows, |idx| {
+        let xs = idx.map(|r| &x[r * dim..][..dim]);
+        sums(-0.0, dim, |k, c| xs[k][c] * xs[k][c]).map(|ms| 1.0 / (ms * inv + eps).sqrt())
     });
+    rstd.copy_from_slice(&rs);
     par_rows(y, dim, |r0, y| {
         for (i, yr) in y.chunks_exact_mut(dim).enumerate() {
             let r = r0 + i;
@@ -360,6 +395,52 @@ mod tests {
         let nw = numeric_grad(&w, h, |w| dot64(&dy, &fwd(&x, w).0));
         assert_grad_close("rms dx", &dx, &nx, 1e-2, 2e-3);
         assert_grad_close("rms dw", &dw, &nw, 1e-2, 2e-3);
+    }
+
+    /// The forwards' per-row statistics, whose rows run eight at a time, and
+    /// their outputs equal one row's plain loop bit for bit, with a short last
+    /// block and on a pool of 1 to 3 threads.
+    #[test]
+    fn rows_in_blocks_give_a_plain_loops_bits() {
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut rng = Rng::new(29);
+        for (rows, dim) in [(1, 5), (8, 16), (37, 29)] {
+            let n = rows * dim;
+            let (x, w, b) = (rng.vec(n), rng.vec(dim), rng.vec(dim));
+            let inv = 1.0 / dim as f32;
+            let (mut mean, mut rstd, mut y) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; n]);
+            let (mut rms, mut yr) = (vec![0.0; rows], vec![0.0; n]);
+            for r in 0..rows {
+                let xr = &x[r * dim..(r + 1) * dim];
+                let mu = xr.iter().sum::<f32>() * inv;
+                let var = xr.iter().map(|&v| (v - mu) * (v - mu)).sum::<f32>() * inv;
+                (mean[r], rstd[r]) = (mu, 1.0 / (var + 1e-5).sqrt());
+                let ms = xr.iter().map(|&v| v * v).sum::<f32>() * inv;
+                rms[r] = 1.0 / (ms + 1e-5).sqrt();
+                for c in 0..dim {
+                    y[r * dim + c] = (xr[c] - mu) * rstd[r] * w[c] + b[c];
+                    yr[r * dim + c] = xr[c] * rms[r] * w[c];
+                }
+            }
+            for threads in 1..=3 {
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(threads)
+                    .build()
+                    .unwrap();
+                let (mut m2, mut r2, mut y2) = (vec![0.0; rows], vec![0.0; rows], vec![0.0; n]);
+                let (mut rms2, mut yr2) = (vec![0.0; rows], vec![0.0; n]);
+                pool.install(|| {
+                    layernorm_fwd(&x, &w, &b, rows, dim, 1e-5, &mut y2, &mut m2, &mut r2).unwrap();
+                    rmsnorm_fwd(&x, &w, rows, dim, 1e-5, &mut yr2, &mut rms2).unwrap();
+                });
+                let at = format!("{rows}x{dim}, {threads} threads");
+                assert_eq!(bits(&m2), bits(&mean), "mean {at}");
+                assert_eq!(bits(&r2), bits(&rstd), "rstd {at}");
+                assert_eq!(bits(&y2), bits(&y), "layernorm y {at}");
+                assert_eq!(bits(&rms2), bits(&rms), "rms rstd {at}");
+                assert_eq!(bits(&yr2), bits(&yr), "rmsnorm y {at}");
+            }
+        }
     }
 
     /// The weight gradients over a pool of 1 to 3 threads equal each column's

@@ -1,0 +1,84 @@
+//! Criterion benchmark of the CPU kernels whose speed is not the matrix
+//! products': LayerNorm and RMSNorm, forward and backward, at small-gpt's shape
+//! (8 sequences of 256 tokens, hidden 384; a training step calls each 13
+//! times), on the calling thread (outside a pool a kernel runs on one).
+//!
+//! Run: `cargo bench -p meshplan-benches --bench kernels`.
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use meshplan_kernels::cpu::norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
+use std::hint::black_box;
+
+const ROWS: usize = 8 * 256;
+const DIM: usize = 384;
+
+/// Values in [-1, 1) from a fixed linear congruential sequence.
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+fn bench(c: &mut Criterion) {
+    let n = ROWS * DIM;
+    let (x, dy, w, b) = (values(n, 1), values(n, 2), values(DIM, 3), values(DIM, 4));
+    let (mut y, mut dx) = (vec![0.0; n], vec![0.0; n]);
+    let (mut mean, mut rstd) = (vec![0.0; ROWS], vec![0.0; ROWS]);
+    let (mut dw, mut db) = (vec![0.0; DIM], vec![0.0; DIM]);
+    let mut g = c.benchmark_group("norms 2048x384, 1 thread");
+    g.bench_function("layernorm_fwd", |bn| {
+        bn.iter(|| {
+            layernorm_fwd(
+                black_box(&x),
+                &w,
+                &b,
+                ROWS,
+                DIM,
+                1e-5,
+                &mut y,
+                &mut mean,
+                &mut rstd,
+            )
+            .expect("the shapes agree")
+        })
+    });
+    g.bench_function("layernorm_bwd", |bn| {
+        bn.iter(|| {
+            layernorm_bwd(
+                black_box(&x),
+                &w,
+                &mean,
+                &rstd,
+                &dy,
+                ROWS,
+                DIM,
+                &mut dx,
+                &mut dw,
+                &mut db,
+            )
+            .expect("the shapes agree")
+        })
+    });
+    g.bench_function("rmsnorm_fwd", |bn| {
+        bn.iter(|| {
+            rmsnorm_fwd(black_box(&x), &w, ROWS, DIM, 1e-5, &mut y, &mut rstd)
+                .expect("the shapes agree")
+        })
+    });
+    g.bench_function("rmsnorm_bwd", |bn| {
+        bn.iter(|| {
+            rmsnorm_bwd(black_box(&x), &w, &rstd, &dy, ROWS, DIM, &mut dx, &mut dw)
+                .expect("the shapes agree")
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
