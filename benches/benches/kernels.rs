@@ -1,11 +1,13 @@
 //! Criterion benchmark of the CPU kernels whose speed is not the matrix
-//! products': LayerNorm and RMSNorm, forward and backward, at small-gpt's shape
-//! (8 sequences of 256 tokens, hidden 384; a training step calls each 13
-//! times), on the calling thread (outside a pool a kernel runs on one).
+//! products': LayerNorm and RMSNorm (a training step calls each 13 times) and
+//! causal attention (6 times), forward and backward, at small-gpt's shape (8
+//! sequences of 256 tokens, hidden 384, 6 heads of 64), on the calling thread
+//! (outside a pool a kernel runs on one).
 //!
 //! Run: `cargo bench -p meshplan-benches --bench kernels`.
 
 use criterion::{criterion_group, criterion_main, Criterion};
+use meshplan_kernels::cpu::attention::{attention_bwd, attention_fwd, AttnDims};
 use meshplan_kernels::cpu::norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
 use std::hint::black_box;
 
@@ -75,6 +77,62 @@ fn bench(c: &mut Criterion) {
         bn.iter(|| {
             rmsnorm_bwd(black_box(&x), &w, &rstd, &dy, ROWS, DIM, &mut dx, &mut dw)
                 .expect("the shapes agree")
+        })
+    });
+    g.finish();
+
+    let dims = AttnDims {
+        batch: 8,
+        sq: 256,
+        sk: 256,
+        hq: 6,
+        hkv: 6,
+        d: 64,
+        dv: 64,
+    };
+    let (q, k, v) = (values(n, 5), values(n, 6), values(n, 7));
+    let mut lse = vec![0.0; 8 * 6 * 256];
+    let scale = 1.0 / 8.0;
+    let (mut dq, mut dk, mut dv) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
+    let mut g = c.benchmark_group("causal attention 8x256, 6 heads of 64, 1 thread");
+    g.bench_function("attention_fwd", |bn| {
+        bn.iter(|| {
+            attention_fwd(
+                &dims,
+                black_box(&q),
+                &k,
+                &v,
+                0,
+                0,
+                true,
+                scale,
+                &mut y,
+                &mut lse,
+                None,
+            )
+            .expect("the shapes agree")
+        })
+    });
+    g.bench_function("attention_bwd", |bn| {
+        bn.iter(|| {
+            attention_bwd(
+                &dims,
+                black_box(&q),
+                &k,
+                &v,
+                &y,
+                &lse,
+                &dy,
+                0,
+                0,
+                true,
+                scale,
+                &mut dq,
+                &mut dk,
+                &mut dv,
+                None,
+            )
+            .expect("the shapes agree")
         })
     });
     g.finish();
