@@ -24,7 +24,7 @@
 
 use super::layout::qkv_columns;
 use super::matmul::{matmul_on, Transpose};
-use super::{check_len, fast_exp, invalid, par_map, par_rows, prod, KernelError, LANES};
+use super::{check_len, fast_exp, invalid, lanes_max, par_map, par_rows, prod, KernelError, LANES};
 
 /// Number of keys processed per tile of the online softmax.
 pub const KEY_TILE: usize = 64;
@@ -289,7 +289,7 @@ fn scale_and_max(xs: &mut [f32], scale: f32) -> f32 {
         *x *= scale;
         *mi = mi.max(*x);
     }
-    m.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+    lanes_max(m)
 }
 
 /// Replaces each `x` with `exp(x - shift)` and returns their sum.

@@ -14,7 +14,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use super::{check_len, par_rows, prod, KernelError, LANES};
+use super::{check_len, lanes_max, par_rows, prod, KernelError, LANES};
 
 fn check_logits(logits: &[f32], rows: usize, v_local: usize) -> Result<(), KernelError> {
     check_len("logits", logits.len(), prod("logits", &[rows, v_local])?)
@@ -233,7 +233,7 @@ fn lane_max(xs: &[f32]) -> f32 {
     for (mi, &x) in m.iter_mut().zip(chunks.remainder()) {
         *mi = mi.max(x);
     }
-    m.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b))
+    lanes_max(m)
 }
 
 #[cfg(test)]

@@ -200,6 +200,22 @@ fn on_share<R>(share: usize, f: impl FnOnce() -> R) -> R {
 /// on the target.
 pub(crate) const LANES: usize = 16;
 
+/// The largest of the lanes, halving them pairwise: a maximum is exact, so any
+/// order gives the same value, and halves vectorise where a left-to-right fold
+/// is a chain of sixteen dependent steps (most of a 64-key attention tile's
+/// `scale_and_max`). Lanes are never NaN (they start at `-inf` and `max`
+/// ignores a NaN).
+pub(crate) fn lanes_max(mut m: [f32; LANES]) -> f32 {
+    let mut w = LANES;
+    while w > 1 {
+        w /= 2;
+        for i in 0..w {
+            m[i] = m[i].max(m[i + w]);
+        }
+    }
+    m[0]
+}
+
 /// Work items per thread: enough pieces that an unlucky split does not leave a
 /// thread idle for long, few enough that scheduling costs nothing.
 const PIECES_PER_THREAD: usize = 4;
