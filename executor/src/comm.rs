@@ -340,18 +340,20 @@ pub trait Communicator: Send {
 
     /// A reduce-scatter (this member's part of the sum of every member's `src`) or an
     /// all-gather (every member's `src`, in group order) into a new vector: the
-    /// collectives whose result the interpreter keeps. The in-process communicator
-    /// builds it from the members' inputs without zero-filling it first.
+    /// collectives whose result the interpreter keeps. `src` is given up to the
+    /// call: the in-process communicator hands it to the peers as it is, where the
+    /// in-place calls copy their input first, and builds the result from the
+    /// members' inputs without zero-filling it.
     fn collect(
         &mut self,
         kind: CommKind,
         (group, axis): (&Group, &str),
-        src: &[f32],
+        src: Vec<f32>,
     ) -> Result<Vec<f32>, CommError> {
         let mut out = vec![0.0; args::collected_len(kind, group.size(), src.len())?];
         match kind {
-            CommKind::ReduceScatter => self.reduce_scatter(group, axis, src, &mut out)?,
-            _ => self.all_gather(group, axis, src, &mut out)?,
+            CommKind::ReduceScatter => self.reduce_scatter(group, axis, &src, &mut out)?,
+            _ => self.all_gather(group, axis, &src, &mut out)?,
         }
         Ok(out)
     }

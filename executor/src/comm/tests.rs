@@ -909,8 +909,8 @@ fn collect_equals_the_in_place_collectives() {
             let (g, me) = (Group::world(world), c.rank());
             let src = data(me, len, 5);
             let (rs, ag) = if into_new {
-                let rs = c.collect(CommKind::ReduceScatter, (&g, "dp"), &src)?;
-                (rs, c.collect(CommKind::AllGather, (&g, "tp"), &src)?)
+                let rs = c.collect(CommKind::ReduceScatter, (&g, "dp"), src.clone())?;
+                (rs, c.collect(CommKind::AllGather, (&g, "tp"), src)?)
             } else {
                 let (mut rs, mut ag) = (vec![0.0; len / world], vec![0.0; len * world]);
                 c.reduce_scatter(&g, "dp", &src, &mut rs)?;
@@ -935,8 +935,8 @@ fn collect_equals_the_in_place_collectives() {
     }
     let refused = run_ranks(world, LONG, 1, |mut c| {
         let g = Group::world(world);
-        let ragged = c.collect(CommKind::ReduceScatter, (&g, "dp"), &[1.0; 10]);
-        let wrong = c.collect(CommKind::AllReduce, (&g, "dp"), &[1.0; 3]);
+        let ragged = c.collect(CommKind::ReduceScatter, (&g, "dp"), vec![1.0; 10]);
+        let wrong = c.collect(CommKind::AllReduce, (&g, "dp"), vec![1.0; 3]);
         Ok((
             ragged.unwrap_err().to_string(),
             wrong.unwrap_err().to_string(),

@@ -1,10 +1,11 @@
 //! [`ThreadComm`]: every rank a thread of one process, meeting in a shared
 //! rendezvous table.
 //!
-//! Each collective is a slot keyed by (group, sequence number). A member copies its
-//! input into the slot and waits until every member has; each then reads what it
-//! needs from the shared inputs outside the lock, so large copies and sums of one
-//! group do not hold up the others. The last member to leave removes the slot.
+//! Each collective is a slot keyed by (group, sequence number). A member leaves its
+//! input in the slot (a copy; `collect`'s buffer itself, which the caller gave up)
+//! and waits until every member has; each then reads what it needs from the shared
+//! inputs outside the lock, so large copies and sums of one group do not hold up
+//! the others. The last member to leave removes the slot.
 //! Sends are buffered (a send never waits for its receive), which is what lets
 //! pipeline stages exchange activations in either order without deadlock.
 
@@ -362,18 +363,18 @@ impl ThreadComm {
         &mut self,
         kind: CommKind,
         (group, axis): (&Group, &str),
-        (src, out_len): (&[f32], usize),
+        (src, out_len): (Contribution, usize),
         take: impl FnOnce(&[Arc<Contribution>], usize, &WaitPoint) -> Result<T, CommError>,
     ) -> Result<T, CommError> {
         self.checked(|s| {
-            let n = group.size();
-            args::gather_scatter(kind, n, src.len(), out_len)?;
+            let (n, len) = (group.size(), src.data.len());
+            args::gather_scatter(kind, n, len, out_len)?;
             let (me, wait) = s.enter(group, kind, axis)?;
-            let inputs = s.exchange(me, &wait, src.len(), 0, Contribution::of(src))?;
+            let inputs = s.exchange(me, &wait, len, 0, src)?;
             let out = take(&inputs, me, &wait)?;
             // Counted on the whole buffer: an all-gather's output, a
             // reduce-scatter's input.
-            let whole = src.len().max(out_len);
+            let whole = len.max(out_len);
             s.counts.record_ring(kind, axis, n, bytes_of(whole));
             Ok(out)
         })
@@ -532,7 +533,7 @@ impl Communicator for ThreadComm {
         self.gather_scatter(
             CommKind::AllGather,
             on,
-            (local, out.len()),
+            (Contribution::of(local), out.len()),
             |inputs, _, wait| {
                 if !local.is_empty() {
                     for (dst, c) in out.chunks_mut(local.len()).zip(inputs) {
@@ -555,7 +556,7 @@ impl Communicator for ThreadComm {
         self.gather_scatter(
             kind,
             (group, axis),
-            (input, out.len()),
+            (Contribution::of(input), out.len()),
             |inputs, me, wait| sum_into(out, inputs, me * out.len(), wait),
         )
     }
@@ -564,16 +565,23 @@ impl Communicator for ThreadComm {
         &mut self,
         kind: CommKind,
         on: (&Group, &str),
-        src: &[f32],
+        src: Vec<f32>,
     ) -> Result<Vec<f32>, CommError> {
-        let len = args::collected_len(kind, on.0.size(), src.len())?;
-        self.gather_scatter(kind, on, (src, len), |inputs, me, wait| {
+        let (n_src, len) = (
+            src.len(),
+            args::collected_len(kind, on.0.size(), src.len())?,
+        );
+        let mine = Contribution {
+            data: src,
+            ..Contribution::default()
+        };
+        self.gather_scatter(kind, on, (mine, len), |inputs, me, wait| {
             if kind == CommKind::ReduceScatter {
                 return summed(inputs, (me * len, len), wait);
             }
             let mut out = Vec::with_capacity(len);
             for c in inputs {
-                out.extend_from_slice(part(c, 0, src.len(), wait)?);
+                out.extend_from_slice(part(c, 0, n_src, wait)?);
             }
             Ok(out)
         })

@@ -82,6 +82,13 @@ pub trait DeviceComm<D: Device + ?Sized>: Communicator {
     /// `ReduceScatter` (this member's part of the sum of the gradient shards) or
     /// `AllGather` (every member's updated parameters).
     fn f32_collective(&mut self, dev: &D, k: Kind<'_>, x: &D::F32) -> CResult<D::F32>;
+
+    /// [`f32_collective`](Self::f32_collective) of a buffer the caller gives up (a
+    /// gradient bucket, a part packed for the gather): the in-process communicator
+    /// then hands it to its peers as it is instead of copying it.
+    fn f32_collective_owned(&mut self, dev: &D, k: Kind<'_>, x: D::F32) -> CResult<D::F32> {
+        self.f32_collective(dev, k, &x)
+    }
 }
 
 /// A part of a buffer sent in an exchange: to whom, the buffer, `(offset, length)`.
@@ -151,7 +158,7 @@ impl<H: HostPrecision> DeviceComm<H> for dyn Communicator {
         self.all_to_all_v(group, axis, send, send_counts, recv, recv_counts)
     }
     fn act_collective(&mut self, _: &H, (kind, on): Kind<'_>, x: &V) -> CResult<V> {
-        let mut y = self.collect(kind, on, x)?;
+        let mut y = self.collect(kind, on, x.clone())?;
         // A reduce-scatter's sum lands in a bf16 buffer on a GPU.
         if kind == CommKind::ReduceScatter {
             H::round(&mut y);
@@ -159,6 +166,9 @@ impl<H: HostPrecision> DeviceComm<H> for dyn Communicator {
         Ok(y)
     }
     fn f32_collective(&mut self, _: &H, (kind, on): Kind<'_>, x: &V) -> CResult<V> {
+        self.collect(kind, on, x.clone())
+    }
+    fn f32_collective_owned(&mut self, _: &H, (kind, on): Kind<'_>, x: V) -> CResult<V> {
         self.collect(kind, on, x)
     }
 }

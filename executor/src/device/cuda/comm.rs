@@ -259,7 +259,7 @@ impl DeviceComm<CudaDevice> for CudaComm {
             CudaComm::Staged(host) => host,
         };
         let h = dev.act_download(x).map_err(internal)?;
-        let got = host.collect(k.0, k.1, &h)?;
+        let got = host.collect(k.0, k.1, h)?;
         upload_act(dev, &got, &mut y)?;
         Ok(y)
     }
@@ -273,7 +273,7 @@ impl DeviceComm<CudaDevice> for CudaComm {
             CudaComm::Staged(host) => host,
         };
         let h = dev.f32_download(x).map_err(internal)?;
-        let got = host.collect(k.0, k.1, &h)?;
+        let got = host.collect(k.0, k.1, h)?;
         dev.f32_upload(&got).map_err(internal)
     }
 }

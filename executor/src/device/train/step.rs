@@ -269,10 +269,10 @@ impl<'a, D: Device> DevRank<'a, D> {
             (&bk.pieces, bk.len),
             "reduce-scatter",
         )?;
-        let part = self.comm.f32_collective(
+        let part = self.comm.f32_collective_owned(
             &self.dev,
             (CommKind::ReduceScatter, (&bk.group, &bk.axis)),
-            &buf,
+            buf,
         )?;
         self.zero.shards.push((bk.set, bk.start + me * c, part));
         Ok(())
@@ -286,10 +286,10 @@ impl<'a, D: Device> DevRank<'a, D> {
         let own = bk.start + me * c;
         let mine = pieces_of(self.layout(bk.set), own, own + c);
         let local = packed(&self.dev, &self.weights.master, (&mine, c), "all-gather")?;
-        let all = self.comm.f32_collective(
+        let all = self.comm.f32_collective_owned(
             &self.dev,
             (CommKind::AllGather, (&bk.group, &bk.axis)),
-            &local,
+            local,
         )?;
         unpack(
             &self.dev,

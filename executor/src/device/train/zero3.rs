@@ -248,9 +248,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         let e = derr(segment);
         let all = pieces_of(&layout, 0, total);
         let flat = packed(&self.dev, &self.weights.wgrads, (&all, total), segment)?;
-        let out =
-            self.comm
-                .f32_collective(&self.dev, (CommKind::ReduceScatter, (g, axis)), &flat)?;
+        let on = (CommKind::ReduceScatter, (g, axis));
+        let out = self.comm.f32_collective_owned(&self.dev, on, flat)?;
         let acc = match self.zero.z3.grads.entry(copy) {
             std::collections::btree_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::btree_map::Entry::Vacant(v) => {
