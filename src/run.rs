@@ -106,13 +106,25 @@ fn engine(backend: &str) -> Result<Engine, Failure> {
     Engine::parse(backend).map_err(failure)
 }
 
+/// An engine's error as the binary's exit codes say: a backend name it does not
+/// know and a plan it does not run (the plan file is the input to change, as for
+/// the graphs `check_executable` refuses) are bad input (2); a missing GPU or a
+/// run that fails, a runtime failure (1).
 fn failure(e: EngineError) -> Failure {
     match e {
-        EngineError::UnknownBackend(_) => bad(e.to_string()),
-        EngineError::NoGpu(_)
-        | EngineError::Unsupported(_)
-        | EngineError::Run(_)
-        | EngineError::Failed(_) => runtime(e.to_string()),
+        EngineError::UnknownBackend(_) | EngineError::Unsupported(_) => bad(e.to_string()),
+        EngineError::NoGpu(_) | EngineError::Run(_) | EngineError::Failed(_) => {
+            runtime(e.to_string())
+        }
+    }
+}
+
+/// [`failure`] with the plan file named.
+fn failure_in(file: &str) -> impl Fn(EngineError) -> Failure + '_ {
+    move |e| {
+        let mut f = failure(e);
+        f.message = format!("{file}: {}", f.message);
+        f
     }
 }
 
@@ -150,7 +162,7 @@ fn launched_cuda(a: &RunArgs<'_>, env: &meshplan_launch::LaunchEnv) -> Result<()
     };
     let report = engine
         .train_launched_rank(&plan, &opts, env, &cfg)
-        .map_err(|e| runtime(format!("{file}: {e}")))?;
+        .map_err(failure_in(&file))?;
     if env.rank != 0 {
         return Ok(());
     }
@@ -240,9 +252,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             .map_err(|m| bad(format!("{file}: {m}")))?;
     }
     let (opts, start) = training_options(a, &plan)?;
-    let engine = engine
-        .for_plan(&plan)
-        .map_err(|e| runtime(format!("{file}: {e}")))?;
+    let engine = engine.for_plan(&plan).map_err(failure_in(&file))?;
     // Ranks are threads of this process holding fp32 weights, gradients and Adam
     // state: refuse what cannot fit rather than exhausting the machine.
     let s = &plan.strategy;

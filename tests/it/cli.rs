@@ -865,6 +865,22 @@ fn run_threads_split_kernels_without_changing_the_losses() {
         .stderr_has(&["--threads must be at least 1"]);
 }
 
+/// A plan the executor does not run (here a graph that starts from an activation,
+/// not token ids) is the input to change: exit 2 with the file and the reason, as
+/// for inference plans and the models `check_executable` refuses, not 1.
+#[test]
+fn run_refuses_a_plan_it_cannot_run_as_bad_input() {
+    let out = plan_file(
+        "plan-run-mlp.json",
+        "models/examples/mlp-graph.yaml",
+        "dp=2",
+    );
+    let path = out.to_str().expect("utf-8 path");
+    meshplan(&["run", path, "--steps", "1"])
+        .expect_code(2)
+        .stderr_has(&[path, "enters the model's graph from outside it", "not run"]);
+}
+
 #[test]
 fn run_check_expert_parallel_with_capacity_matches_the_plan_byte_for_byte() {
     let out = plan_file(

@@ -73,7 +73,9 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
         .find(|op| matches!(op.kind, OpKind::Router { .. }))
     {
         return Err(format!(
-            "`{}`: a separate router op (the experts op routes its tokens itself)",
+            "`{}` is a separate router op, which the training interpreter does not \
+             run: give the router's logits to the experts op, which routes its tokens \
+             itself (as the `transformer:` models and Hugging Face configs do)",
             op.name
         ));
     }
