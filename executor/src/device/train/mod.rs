@@ -362,6 +362,9 @@ impl<'a, D: Device> DevRank<'a, D> {
         for i in 0..self.sync.step_plan.len() {
             self.run_step_item(i, step)?;
         }
+        // A part no all-gather sent (its buckets cut the vector elsewhere) is in
+        // the masters already.
+        self.zero.updated.clear();
         if !self.zero.gather.is_empty() {
             // The gathered masters hold every rank's update: refresh the compute copies.
             refresh_copies(

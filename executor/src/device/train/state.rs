@@ -64,6 +64,9 @@ pub(super) struct ZeroState<D: Device> {
     /// the AdamW moments of each part it updates.
     pub(super) shards: Vec<(ParamSet, usize, D::F32)>,
     pub(super) shard_adam: BTreeMap<(ParamSet, usize), Moments<D>>,
+    /// ZeRO: the parts AdamW updated this step (flat start, values), packed as the
+    /// all-gather sends them, until it does.
+    pub(super) updated: Vec<(ParamSet, usize, D::F32)>,
     /// ZeRO-3: this rank's parts of each segment copy's masters, gradients and
     /// moments.
     pub(super) z3: zero3::Zero3<D>,
@@ -128,6 +131,7 @@ impl<D: Device> ZeroState<D> {
             gather: Vec::new(),
             shards: Vec::new(),
             shard_adam: BTreeMap::new(),
+            updated: Vec::new(),
             z3: zero3::Zero3::new(),
             resume_moments: BTreeMap::new(),
         }

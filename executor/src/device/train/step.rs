@@ -284,17 +284,36 @@ impl<'a, D: Device> DevRank<'a, D> {
         let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
         let c = bk.len / n;
         let own = bk.start + me * c;
-        let mine = pieces_of(self.layout(bk.set), own, own + c);
-        let local = packed(&self.dev, &self.weights.master, (&mine, c), "all-gather")?;
+        // AdamW's packed output is this rank's part as it is in the masters: sent
+        // as it is, where packing it again would copy the same values.
+        let done = (self.zero.updated.iter())
+            .position(|(s, at, x)| (*s, *at, D::f32_len(x)) == (bk.set, own, c));
+        let local = match done {
+            Some(i) => self.zero.updated.swap_remove(i).2,
+            None => {
+                let mine = pieces_of(self.layout(bk.set), own, own + c);
+                packed(&self.dev, &self.weights.master, (&mine, c), "all-gather")?
+            }
+        };
         let all = self.comm.f32_collective_owned(
             &self.dev,
             (CommKind::AllGather, (&bk.group, &bk.axis)),
             local,
         )?;
+        // The other ranks' parts only: this rank's holds the masters' own values.
+        let (layout, end) = (self.layout(bk.set), bk.start + bk.len);
+        let others: Vec<Piece> = [(bk.start, own), (own + c, end)]
+            .into_iter()
+            .flat_map(|(a, b)| {
+                let at = a - bk.start;
+                let p = pieces_of(layout, a, b).into_iter();
+                p.map(move |(key, src, dst, n)| (key, src, dst + at, n))
+            })
+            .collect();
         unpack(
             &self.dev,
             &all,
-            &bk.pieces,
+            &others,
             &mut self.weights.master,
             "all-gather",
         )
@@ -454,21 +473,22 @@ impl<'a, D: Device> DevRank<'a, D> {
                 Some(state) => state,
                 None => initial_moments(&self.dev, &self.zero.resume_moments, &pieces, c)?,
             };
-            self.adamw_part(&pieces, c, &grad, &mut state)?;
+            let part = self.adamw_part(&pieces, c, &grad, &mut state)?;
             self.zero.shard_adam.insert((set, start), state);
+            self.zero.updated.push((set, start, part));
         }
         Ok(())
     }
 
     /// AdamW on the `c` values of the fp32 masters that `pieces` cover, with the
-    /// moments of that part alone (ZeRO's parts).
+    /// moments of that part alone (ZeRO's parts); returns the updated part, packed.
     pub(super) fn adamw_part(
         &mut self,
         pieces: &[Piece],
         c: usize,
         grad: &D::F32,
         (m, v): &mut Moments<D>,
-    ) -> Result<(), RankError> {
+    ) -> Result<D::F32, RankError> {
         let step = self.meter.step_no + 1;
         let e = derr("adamw");
         let mut param = packed(&self.dev, &self.weights.master, (pieces, c), "adamw")?;
@@ -481,7 +501,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             (step, self.opts.lr),
         )
         .map_err(&e)?;
-        unpack(&self.dev, &param, pieces, &mut self.weights.master, "adamw")
+        unpack(&self.dev, &param, pieces, &mut self.weights.master, "adamw")?;
+        Ok(param)
     }
 
     pub(super) fn optimizer(&mut self, set: ParamSet) -> Result<(), RankError> {
