@@ -7,7 +7,9 @@
 //! Run: `cargo bench -p meshplan-benches --bench kernels`.
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use meshplan_kernels::cpu::attention::{attention_bwd, attention_fwd, AttnDims};
+use meshplan_kernels::cpu::attention::{
+    attention_bwd, attention_bwd_qkv, attention_fwd, attention_fwd_qkv, AttnDims, Qkv, QkvGrads,
+};
 use meshplan_kernels::cpu::norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
 use std::hint::black_box;
 
@@ -140,6 +142,25 @@ fn bench(c: &mut Criterion) {
                 None,
             )
             .expect("the shapes agree")
+        })
+    });
+    // GPT-2's attention reads its operands in place from the fused `q | k | v`
+    // projection's rows and adds its gradients into fused rows.
+    let x3 = values(3 * n, 8);
+    let mut dx3 = vec![0.0; 3 * n];
+    g.bench_function("attention_fwd_fused", |bn| {
+        bn.iter(|| {
+            let qkv = Qkv::Fused(black_box(&x3));
+            attention_fwd_qkv(&dims, qkv, (0, 0), true, scale, &mut y, &mut lse, None)
+                .expect("the shapes agree")
+        })
+    });
+    g.bench_function("attention_bwd_fused", |bn| {
+        bn.iter(|| {
+            let (qkv, grads) = (Qkv::Fused(black_box(&x3)), QkvGrads::Fused(&mut dx3));
+            let ins = (&y[..], &lse[..], &dy[..]);
+            attention_bwd_qkv(&dims, qkv, ins, (0, 0), true, scale, grads, None)
+                .expect("the shapes agree")
         })
     });
     g.finish();
