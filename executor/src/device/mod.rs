@@ -125,11 +125,13 @@ pub struct Attn<'a, D: Device + ?Sized> {
     pub scale: f32,
     pub dropout: Option<&'a AttnDropout>,
     /// `q`, `k` and `v` are one buffer, the fused rows `[s, batch, hq d | hkv d |
-    /// hkv dv]` (only where [`Device::READS_FUSED_QKV`]).
+    /// hkv dv]` (only where [`Device::READS_FUSED_QKV`]); the output and its
+    /// gradient are then sequence-major too, `[s, b, hq, dv]`.
     pub fused: bool,
 }
 
-/// Attention's forward outputs: `o` `[b, s, hq, dv]` and the rows' log-sum-exps.
+/// Attention's forward outputs: `o` `[b, s, hq, dv]` (`[s, b, hq, dv]` beside
+/// [`Attn::fused`] operands) and the rows' log-sum-exps.
 pub struct AttnOut<'a, D: Device + ?Sized> {
     pub o: &'a mut D::Act,
     pub lse: &'a mut D::F32,

@@ -83,6 +83,8 @@ pub enum Qkv<'a> {
     Apart(&'a [f32], &'a [f32], &'a [f32]),
     /// The fused rows a `q | k | v` projection writes, sequence-major:
     /// `x [s, batch, hq d | hkv d | hkv dv]` (`sq == sk == s`), read in place.
+    /// The output `o` and its gradient are then sequence-major too, `[s, batch,
+    /// hq, dv]`: the rows the output projection reads, with no copy between.
     Fused(&'a [f32]),
 }
 
@@ -121,6 +123,21 @@ impl Rows {
 }
 
 impl<'a> Qkv<'a> {
+    /// Where the output's (and its gradient's) rows are: `[batch, sq, hq, dv]`
+    /// beside split operands, `[sq, batch, hq, dv]` beside fused rows.
+    fn out_rows(&self, dims: &AttnDims) -> Rows {
+        let (batch, sq, hq, dv) = (dims.batch, dims.sq, dims.hq, dims.dv);
+        match self {
+            Qkv::Apart(..) => Rows::dense(sq, hq, dv),
+            Qkv::Fused(_) => Rows {
+                offset: 0,
+                batch: hq * dv,
+                seq: batch * hq * dv,
+                head: dv,
+            },
+        }
+    }
+
     /// The three operands with their row layouts, their lengths checked.
     fn operands(&self, dims: &AttnDims) -> Result<[(&'a [f32], Rows); 3], KernelError> {
         let (sq, sk, hq, hkv, d, dv) = (dims.sq, dims.sk, dims.hq, dims.hkv, dims.d, dims.dv);
@@ -359,6 +376,7 @@ pub fn attention_fwd_qkv(
     let group = dims.group()?;
     let inv_keep = dropout.map(Dropout::check).transpose()?;
     let [(q, qr), (k, kr), (v, vr)] = qkv.operands(dims)?;
+    let o_rows = qkv.out_rows(dims);
     check_len("out", out.len(), dims.o_len()?)?;
     check_len("lse", lse.len(), dims.lse_len()?)?;
     let AttnDims {
@@ -487,20 +505,24 @@ pub fn attention_fwd_qkv(
         // The group's query heads are adjacent, so its lse rows are one run.
         lse[(b * hq + g * group) * sq..][..group * sq].copy_from_slice(lg);
     }
-    // Each batch row of `out` from its tasks, the rows over the pool.
-    let row = sq * hq * dv;
-    if row == 0 {
+    // `out` from the tasks' rows, its outer rows (batch rows, or positions for
+    // sequence-major rows) over the pool.
+    let by_batch = matches!(qkv, Qkv::Apart(..));
+    let inner = if by_batch { sq } else { batch };
+    let chunk = inner * hq * dv;
+    if chunk == 0 {
         return Ok(());
     }
-    par_rows(out, row, |b0, rows| {
-        for (bi, ob) in rows.chunks_exact_mut(row).enumerate() {
-            for g in 0..hkv {
-                let og = &parts[(b0 + bi) * hkv + g].0;
-                for hi in 0..group {
-                    let h = g * group + hi;
-                    for i in 0..sq {
-                        ob[(i * hq + h) * dv..][..dv]
-                            .copy_from_slice(&og[(hi * sq + i) * dv..][..dv]);
+    par_rows(out, chunk, |o0, rows| {
+        for (oi, ob) in rows.chunks_exact_mut(chunk).enumerate() {
+            let base = (o0 + oi) * chunk;
+            for j in 0..inner {
+                let (b, i) = if by_batch { (o0 + oi, j) } else { (j, o0 + oi) };
+                for g in 0..hkv {
+                    let og = &parts[b * hkv + g].0;
+                    for hi in 0..group {
+                        let at = o_rows.at(b, i, g * group + hi) - base;
+                        ob[at..][..dv].copy_from_slice(&og[(hi * sq + i) * dv..][..dv]);
                     }
                 }
             }
@@ -623,8 +645,7 @@ pub fn attention_bwd_qkv(
     let group = dims.group()?;
     let inv_keep = dropout.map(Dropout::check).transpose()?;
     let [(q, qr), (k, kr), (v, vr)] = qkv.operands(dims)?;
-    // `o` and `d_o` are `[batch, sq, hq, dv]`.
-    let o_rows = Rows::dense(dims.sq, dims.hq, dims.dv);
+    let o_rows = qkv.out_rows(dims);
     let ol = dims.o_len()?;
     check_len("o", o.len(), ol)?;
     check_len("lse", lse.len(), dims.lse_len()?)?;
@@ -985,6 +1006,14 @@ mod tests {
             let mut rng = Rng::new(40 + n as u64);
             let x = rng.vec(s * batch * row);
             let d_o = rng.vec(dims.o_len().unwrap());
+            // Beside fused rows the output and its gradient are sequence-major.
+            let seq_major = |x: &[f32], to: bool| {
+                let mut y = vec![0.0; x.len()];
+                let (p, q) = if to { (batch, s) } else { (s, batch) };
+                crate::cpu::transpose_bs(x, (p, q, hq * dv), true, &mut y).unwrap();
+                y
+            };
+            let d_o_rows = seq_major(&d_o, true);
             let (mut q, mut k, mut v) = (
                 vec![0.0; dims.q_len().unwrap()],
                 vec![0.0; dims.k_len().unwrap()],
@@ -1009,6 +1038,8 @@ mod tests {
                         attention_fwd_qkv(&dims, qkv, pos, causal, sc, &mut o, &mut l, dropout)
                             .unwrap();
                         let mut g = [q.len(), k.len(), v.len()].map(|n| vec![0.0; n]);
+                        let fused = matches!(qkv, Qkv::Fused(_));
+                        let d_o = if fused { &d_o_rows } else { &d_o };
                         let ins = (&o[..], &l[..], &d_o[..]);
                         let mut dx = vec![0.0; x.len()];
                         let grads = if into_rows {
@@ -1023,7 +1054,7 @@ mod tests {
                             let [gq, gk, gv] = &mut g;
                             crate::cpu::split_qkv(&dx, &dims, gq, gk, gv).unwrap();
                         }
-                        (o, l, g)
+                        (if fused { seq_major(&o, false) } else { o }, l, g)
                     })
                 };
                 let apart = run(Qkv::Apart(&q, &k, &v), false);

@@ -27,7 +27,7 @@ use meshplan_ir::plan::{
 };
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
 use meshplan_kernels::cpu::{AttnDims, AttnDropout, DropoutDraw, RowDropout, Transpose};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -575,10 +575,10 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     fn held_bytes(&self, t: &Task<D>) -> f64 {
-        let act: usize = t
-            .acts
-            .values()
-            .chain(t.saved.values())
+        // A buffer both an output and kept for a backward counts once.
+        let mut seen = HashSet::new();
+        let act: usize = (t.acts.values().chain(t.saved.values()))
+            .filter(|a| seen.insert(Arc::as_ptr(a)))
             .map(|a| D::act_len(a))
             .sum();
         let stats: usize = t.stats.values().map(D::f32_len).sum();

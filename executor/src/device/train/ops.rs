@@ -177,7 +177,11 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let x = self.act(t, l, op.inputs[0])?;
                 self.site().rope(op, &x, &t.positions, false)?
             }
-            OpKind::Attention(a) => self.attention_fwd(op, a, l, t)?,
+            OpKind::Attention(a) => {
+                let y = self.attention_fwd(op, a, l, t)?;
+                t.acts.insert((l, out), y);
+                return Ok(());
+            }
             OpKind::Activation(kind) => {
                 let x = self.act(t, l, op.inputs[0])?;
                 self.site().activation(op, *kind, &x)?

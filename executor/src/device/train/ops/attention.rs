@@ -48,7 +48,7 @@ impl<D: Device> DevRank<'_, D> {
         a: &AttentionShape,
         l: u64,
         t: &mut Task<D>,
-    ) -> Res<D::Act> {
+    ) -> Res<Arc<D::Act>> {
         let e = derr(&op.name);
         let (x, dims, qkv, mask) = self.attention_inputs(op, a, l, t)?;
         let mut o = self.zeros(dims.batch * dims.sq * dims.hq * dims.dv)?;
@@ -63,14 +63,21 @@ impl<D: Device> DevRank<'_, D> {
             };
             self.dev.attention_fwd(&a, out).map_err(&e)?;
         }
+        t.stats.insert((l, op.name.clone(), Stat::Lse), lse);
+        let kept = (l, op.name.clone(), Saved::AttnOut);
+        if qkv.is_none() {
+            // Beside fused rows the kernel wrote `o` sequence-major: the op's output
+            // as it is, kept for the backward in the same buffer.
+            let o = Arc::new(o);
+            t.saved.insert(kept, o.clone());
+            return Ok(o);
+        }
         let mut y = self.zeros(D::act_len(&o))?;
         self.dev
             .swap_axes(&o, [dims.batch, dims.sq, dims.hq * dims.dv], &mut y)
             .map_err(&e)?;
-        t.stats.insert((l, op.name.clone(), Stat::Lse), lse);
-        t.saved
-            .insert((l, op.name.clone(), Saved::AttnOut), Arc::new(o));
-        Ok(y)
+        t.saved.insert(kept, Arc::new(o));
+        Ok(Arc::new(y))
     }
 
     pub(super) fn attention_bwd(
@@ -91,9 +98,16 @@ impl<D: Device> DevRank<'_, D> {
             .cloned()
             .ok_or_else(|| fail("attention output was not kept"))?;
         let lse = stat(t, l, &op.name, Stat::Lse)?;
-        let mut d_o = self.zeros(D::act_len(&dy))?;
-        dev.swap_axes(&dy, [dims.sq, dims.batch, dims.hq * dims.dv], &mut d_o)
-            .map_err(&e)?;
+        // `o`'s gradient in `o`'s layout: sequence-major beside fused rows, as the
+        // op's output gradient is.
+        let d_o = if qkv.is_none() {
+            dy
+        } else {
+            let mut d_o = self.zeros(D::act_len(&dy))?;
+            dev.swap_axes(&dy, [dims.sq, dims.batch, dims.hq * dims.dv], &mut d_o)
+                .map_err(&e)?;
+            d_o
+        };
         let bwd = |grads| AttnBwd {
             o: &*o,
             lse,
