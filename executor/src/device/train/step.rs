@@ -301,15 +301,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             local,
         )?;
         // The other ranks' parts only: this rank's holds the masters' own values.
-        let (layout, end) = (self.layout(bk.set), bk.start + bk.len);
-        let others: Vec<Piece> = [(bk.start, own), (own + c, end)]
-            .into_iter()
-            .flat_map(|(a, b)| {
-                let at = a - bk.start;
-                let p = pieces_of(layout, a, b).into_iter();
-                p.map(move |(key, src, dst, n)| (key, src, dst + at, n))
-            })
-            .collect();
+        let mine = own - bk.start;
+        let others = pieces_outside(&bk.pieces, (mine, mine + c));
         unpack(
             &self.dev,
             &all,
@@ -663,6 +656,20 @@ pub(super) fn pieces_of(layout: &[(Key, usize)], a: usize, b: usize) -> Vec<Piec
     pieces
 }
 
+/// The parts of `pieces` (offsets in a flat range) that lie outside its values
+/// `lo..hi`.
+pub(super) fn pieces_outside(pieces: &[Piece], (lo, hi): (usize, usize)) -> Vec<Piece> {
+    let mut out = Vec::new();
+    for (key, src, dst, n) in pieces {
+        for (a, b) in [(*dst, (dst + n).min(lo)), ((*dst).max(hi), dst + n)] {
+            if a < b {
+                out.push((key.clone(), src + (a - dst), a, b - a));
+            }
+        }
+    }
+    out
+}
+
 /// AdamW moments of `n` values made of `pieces` (weight, offset in it, offset in the
 /// result, values): a resumed checkpoint's, or zeros.
 pub(super) fn initial_moments<D: Device>(
@@ -687,4 +694,36 @@ pub(super) fn initial_moments<D: Device>(
         dev.f32_upload(&m).map_err(&e)?,
         dev.f32_upload(&v).map_err(&e)?,
     ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A bucket's pieces outside a part of it are the layout's pieces of the
+    /// ranges before and after that part, at their offsets in the bucket.
+    #[test]
+    fn pieces_outside_a_part_are_the_ranges_around_it() {
+        let layout: Layout = [("a", 5), ("b", 3), ("c", 8), ("d", 1)]
+            .map(|(k, n)| ((k.to_string(), 0), n))
+            .to_vec();
+        for (start, len, n) in [(0, 17, 1), (2, 12, 2), (4, 12, 4), (1, 16, 2)] {
+            let pieces = pieces_of(&layout, start, start + len);
+            let c = len / n;
+            for me in 0..n {
+                let own = start + me * c;
+                let want: Vec<Piece> = [(start, own), (own + c, start + len)]
+                    .into_iter()
+                    .flat_map(|(a, b)| {
+                        let p = pieces_of(&layout, a, b).into_iter();
+                        p.map(move |(key, src, dst, m)| (key, src, dst + a - start, m))
+                    })
+                    .collect();
+                let got = pieces_outside(&pieces, (own - start, own - start + c));
+                assert_eq!(got, want, "bucket {start}+{len}, part {me} of {n}");
+                let covered: usize = got.iter().map(|p| p.3).sum();
+                assert_eq!(covered, len - c, "bucket {start}+{len}, part {me} of {n}");
+            }
+        }
+    }
 }
