@@ -157,9 +157,10 @@ pub(crate) fn run(
     let flags = a.generate;
     let checkpoint = match a.weights {
         Some(dir) => {
-            let ck = Checkpoint::open(dir).map_err(|e| bad(e.message))?;
-            ck.check_config(&plan.graph).map_err(|e| bad(e.message))?;
-            ck.validate(&plan.graph).map_err(|e| bad(e.message))?;
+            let ck = Checkpoint::open(dir).map_err(|e| bad(e.to_string()))?;
+            ck.check_config(&plan.graph)
+                .map_err(|e| bad(e.to_string()))?;
+            ck.validate(&plan.graph).map_err(|e| bad(e.to_string()))?;
             Some(Arc::new(ck))
         }
         None => None,
@@ -207,7 +208,7 @@ pub(crate) fn run(
             seed: flags.seed,
         },
         eos: match &checkpoint {
-            Some(ck) if !flags.ignore_eos => ck.eos_tokens().map_err(|e| bad(e.message))?,
+            Some(ck) if !flags.ignore_eos => ck.eos_tokens().map_err(|e| bad(e.to_string()))?,
             _ => Vec::new(),
         },
         weights: checkpoint,

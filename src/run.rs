@@ -376,10 +376,11 @@ fn training_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64),
                     "--weights and --resume both give the weights; use one (a --save checkpoint already holds them)".into(),
                 ));
             }
-            let ck =
-                meshplan_executor::weights::Checkpoint::open(dir).map_err(|e| bad(e.message))?;
-            ck.check_config(&plan.graph).map_err(|e| bad(e.message))?;
-            ck.validate(&plan.graph).map_err(|e| bad(e.message))?;
+            let ck = meshplan_executor::weights::Checkpoint::open(dir)
+                .map_err(|e| bad(e.to_string()))?;
+            ck.check_config(&plan.graph)
+                .map_err(|e| bad(e.to_string()))?;
+            ck.validate(&plan.graph).map_err(|e| bad(e.to_string()))?;
             Some(std::sync::Arc::new(ck))
         }
         None => None,
@@ -391,7 +392,7 @@ fn training_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64),
         None => DataSource::Synthetic,
         Some(path) => {
             let vocab = plan.graph.vocab().unwrap_or(u64::MAX);
-            let file = TokenFile::open(path, vocab).map_err(|e| bad(e.message))?;
+            let file = TokenFile::open(path, vocab).map_err(|e| bad(e.to_string()))?;
             let (seq, gb) = match plan.workload {
                 meshplan_ir::Workload::Train {
                     seq_len,

@@ -11,6 +11,7 @@
 //! take disjoint ranges of sample indices, never see the same window.
 
 use crate::init::splitmix;
+use crate::train::ExecError;
 use memmap2::Mmap;
 use std::path::{Path, PathBuf};
 
@@ -18,14 +19,6 @@ use std::path::{Path, PathBuf};
 /// and token count.
 const HEADER_BYTES: usize = 256 * 4;
 const LLMC_MAGIC: i32 = 20240520;
-
-/// Why a token file cannot be used; the message names the file and the fix.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-#[error("{message}")]
-pub struct DataError {
-    /// Human-readable reason.
-    pub message: String,
-}
 
 /// A memory-mapped `u16` token file.
 pub struct TokenFile {
@@ -48,11 +41,9 @@ impl std::fmt::Debug for TokenFile {
 impl TokenFile {
     /// Opens and validates `path`: llm.c header or none, whole `u16` tokens, every
     /// id below `vocab`.
-    pub fn open(path: &Path, vocab: u64) -> Result<Self, DataError> {
+    pub fn open(path: &Path, vocab: u64) -> Result<Self, ExecError> {
         let shown = path.display();
-        let err = |m: String| DataError {
-            message: format!("{shown}: {m}"),
-        };
+        let err = |m: String| ExecError::Data(format!("{shown}: {m}"));
         let map =
             crate::mapped::map_readonly(path).map_err(|e| err(format!("cannot read: {e}")))?;
         let word = |i: usize| -> Option<i32> {
@@ -326,15 +317,15 @@ mod tests {
         short.truncate(bytes.len() - 2);
         let e = TokenFile::open(&write("short.bin", &short), 50).unwrap_err();
         assert!(
-            e.message.contains("short.bin") && e.message.contains("header says 100"),
+            e.to_string().contains("short.bin") && e.to_string().contains("header says 100"),
             "{e}"
         );
         let e = TokenFile::open(&write("odd.bin", &[1, 2, 3]), 50).unwrap_err();
-        assert!(e.message.contains("whole number"), "{e}");
+        assert!(e.to_string().contains("whole number"), "{e}");
         let e = TokenFile::open(&write("big.bin", &u16s(&[1, 2, 60])), 50).unwrap_err();
-        assert!(e.message.contains("token 60 at position 2"), "{e}");
+        assert!(e.to_string().contains("token 60 at position 2"), "{e}");
         let e = TokenFile::open(Path::new("/nonexistent/t.bin"), 50).unwrap_err();
-        assert!(e.message.contains("/nonexistent/t.bin"), "{e}");
+        assert!(e.to_string().contains("/nonexistent/t.bin"), "{e}");
     }
 
     #[test]

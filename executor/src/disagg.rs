@@ -234,7 +234,7 @@ fn prefill_side<D: Device>(
         r.prefill_passes(mine, |r, j, i, done| {
             if let Some(rows) = done.logits {
                 let now = record.then(|| t0.elapsed());
-                p.first_token(j, rows, &ctx.opts.sampling, now);
+                p.take_token((j, 0), &rows, &ctx.opts.sampling, now);
             }
             send_cache(r, ctx, i, &done.cache)?;
             if record {

@@ -222,22 +222,10 @@ mod gpu {
     use super::EngineError;
     use crate::comm::nccl::{nccl_available, NcclComm};
     use crate::device::cuda::{CudaComm, CudaDevice};
-    use crate::device::train::{train_device, train_device_rank, train_device_with};
+    use crate::device::train::{train_device_rank, train_device_with};
     use crate::train::{RankReport, TrainOptions, TrainReport};
     use meshplan_ir::plan::Plan;
     use meshplan_launch::{LaunchEnv, Rendezvous};
-
-    /// One NCCL communicator per GPU of this process, rank `r` on GPU `r`
-    /// (`ncclCommInitAll`).
-    #[allow(clippy::vec_box)] // boxed as a host device's trait-object communicators are
-    fn nccl_comms(gpus: usize) -> Result<Vec<Box<CudaComm>>, EngineError> {
-        let devices: Vec<usize> = (0..gpus).collect();
-        Ok(NcclComm::in_process(&devices)
-            .map_err(|e| EngineError::Failed(e.to_string()))?
-            .into_iter()
-            .map(|c| Box::new(CudaComm::Nccl(c)))
-            .collect())
-    }
 
     /// The GPUs of this machine, probed.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -255,42 +243,53 @@ mod gpu {
             })
         }
 
-        /// The ranks as threads of this process: with as many GPUs as ranks, one
-        /// GPU and one NCCL communicator each (`ncclCommInitAll`); otherwise rank
-        /// `r` on GPU `r mod GPUs`, summing through the host with the in-process
+        /// With as many GPUs as ranks (and NCCL), one NCCL communicator per GPU,
+        /// rank `r` on GPU `r` (`ncclCommInitAll`); otherwise none: rank `r` runs on
+        /// GPU `r mod GPUs`, summing through the host with the in-process
         /// communicator.
+        #[allow(clippy::vec_box)] // boxed as a host device's trait-object communicators are
+        fn comms(self, plan: &Plan) -> Result<Option<Vec<Box<CudaComm>>>, EngineError> {
+            let (gpus, ranks) = (self.devices, plan.ranks.len());
+            if ranks < 2 || ranks != gpus || nccl_available().is_err() {
+                return Ok(None);
+            }
+            tracing::info!("{ranks} ranks on {gpus} GPUs, NCCL between them");
+            let devices: Vec<usize> = (0..gpus).collect();
+            let comms =
+                NcclComm::in_process(&devices).map_err(|e| EngineError::Failed(e.to_string()))?;
+            Ok(Some(
+                comms
+                    .into_iter()
+                    .map(|c| Box::new(CudaComm::Nccl(c)))
+                    .collect(),
+            ))
+        }
+
+        /// The ranks as threads of this process, over [`Gpu::comms`].
         pub(super) fn train(
             self,
             plan: &Plan,
             opts: &TrainOptions,
         ) -> Result<TrainReport, EngineError> {
-            let failed = EngineError::Run;
             let gpus = self.devices;
-            let ranks = plan.ranks.len();
-            if ranks > 1 && ranks == gpus && nccl_available().is_ok() {
-                tracing::info!("{ranks} ranks on {gpus} GPUs, NCCL between them");
-                let comms = nccl_comms(gpus)?;
-                return train_device_with(plan, opts, &CudaDevice::on, comms).map_err(failed);
-            }
-            train_device(plan, opts, &|r| CudaDevice::on(r % gpus)).map_err(failed)
+            let make = |r| CudaDevice::on(r % gpus);
+            Ok(train_device_with(plan, opts, &make, self.comms(plan)?)?)
         }
 
-        /// Inference as training runs: with as many GPUs as ranks, one GPU and one
-        /// NCCL communicator each; otherwise rank `r` on GPU `r mod GPUs`, the
-        /// in-process communicator between them.
+        /// Inference as training runs, over [`Gpu::comms`].
         pub(super) fn infer(
             self,
             plan: &Plan,
             opts: &crate::infer::InferOptions,
         ) -> Result<crate::infer::InferReport, EngineError> {
             let gpus = self.devices;
-            let ranks = plan.ranks.len();
-            let comms = match ranks > 1 && ranks == gpus && nccl_available().is_ok() {
-                true => Some(nccl_comms(gpus)?),
-                false => None,
-            };
             let make = |r| CudaDevice::on(r % gpus);
-            Ok(crate::infer::infer_on_with(plan, opts, &make, comms)?)
+            Ok(crate::infer::infer_on_with(
+                plan,
+                opts,
+                &make,
+                self.comms(plan)?,
+            )?)
         }
 
         /// A disaggregated deployment with world rank `r` on GPU `r mod GPUs`.

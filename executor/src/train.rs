@@ -3,7 +3,7 @@
 //! single-rank run, the byte comparison with the plan, and the helpers both the
 //! training and inference interpreters read the plan's graph with.
 
-use crate::comm::{ByteCounts, CommError, Group, RankError};
+use crate::comm::{ByteCounts, Group, RankError};
 use crate::shard::{local_weight, TpPos};
 use meshplan_ir::plan::{Axis, Instr, Plan};
 use meshplan_ir::{Graph, Op, OpKind, SegmentKind, TensorKind, Workload};
@@ -167,6 +167,10 @@ pub enum ExecError {
     /// written failed.
     #[error("{0}")]
     Checkpoint(String),
+    /// A token file to train on cannot be used: the message names the file and
+    /// the fix.
+    #[error("{0}")]
+    Data(String),
     /// A rank failed: which, why, and where the others waited.
     #[error("{0}")]
     Rank(String),
@@ -182,6 +186,7 @@ impl ExecError {
         match self {
             ExecError::Plan(m)
             | ExecError::Checkpoint(m)
+            | ExecError::Data(m)
             | ExecError::Rank(m)
             | ExecError::Output(m) => m,
         }
@@ -755,12 +760,6 @@ pub fn byte_mismatches(plan: &Plan, run: &TrainReport, steps: u64) -> Vec<String
         }
     }
     out
-}
-
-impl From<CommError> for ExecError {
-    fn from(e: CommError) -> Self {
-        ExecError::Rank(e.to_string())
-    }
 }
 
 #[cfg(test)]

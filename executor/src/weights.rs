@@ -13,6 +13,7 @@
 //! embedding needs no permutation: the kernel uses Hugging Face's rotate-half pairs.
 
 use crate::shard::{shard_spec, ShardSpec, TpPos};
+use crate::train::ExecError;
 use memmap2::Mmap;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::{Graph, Op, SegmentKind, TensorId};
@@ -20,18 +21,10 @@ use safetensors::tensor::{Dtype, SafeTensors};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-/// Why a checkpoint cannot serve a plan: names the file, tensor or field and the fix.
-#[derive(Clone, Debug, PartialEq, thiserror::Error)]
-#[error("{message}")]
-pub struct WeightsError {
-    /// The message.
-    pub message: String,
-}
-
-fn werr(message: impl Into<String>) -> WeightsError {
-    WeightsError {
-        message: message.into(),
-    }
+/// Why a checkpoint cannot serve a plan ([`ExecError::Checkpoint`]): names the
+/// file, tensor or field and the fix.
+fn werr(message: impl Into<String>) -> ExecError {
+    ExecError::Checkpoint(message.into())
 }
 
 /// Tensor naming scheme of a checkpoint.
@@ -105,7 +98,7 @@ pub(crate) fn starting_slice(
             let spec = shard_spec(graph, op, op.role, w, &shape, tp);
             let l = (layer != crate::train::NO_LAYER).then_some(layer);
             ck.local(graph, w, l, &spec)
-                .map_err(|e| crate::train::fail(e.message))
+                .map_err(|e| crate::train::fail(e.to_string()))
         }
         None => {
             let kind = crate::init::init_kind(op, w, &shape);
@@ -119,14 +112,14 @@ pub(crate) fn starting_slice(
 }
 
 /// The fixed shape of a weight tensor.
-fn weight_shape(graph: &Graph, id: TensorId) -> Result<Vec<usize>, WeightsError> {
+fn weight_shape(graph: &Graph, id: TensorId) -> Result<Vec<usize>, ExecError> {
     crate::train::fixed_shape(graph.tensor(id)).map_err(|e| werr(e.to_string()))
 }
 
 impl Checkpoint {
     /// Opens `dir`: reads `config.json`, maps every `*.safetensors` file and indexes
     /// its tensors.
-    pub fn open(dir: &Path) -> Result<Checkpoint, WeightsError> {
+    pub fn open(dir: &Path) -> Result<Checkpoint, ExecError> {
         let shown = dir.display();
         let config_path = dir.join("config.json");
         let config_text = meshplan_ir::input::read_text_bounded(
@@ -213,7 +206,7 @@ impl Checkpoint {
 
     /// Checks `config.json` describes the plan's model: each architecture field the
     /// graph fixes, named by its `config.json` key.
-    pub fn check_config(&self, graph: &Graph) -> Result<(), WeightsError> {
+    pub fn check_config(&self, graph: &Graph) -> Result<(), ExecError> {
         let file = self.dir.join("config.json").display().to_string();
         let spec = meshplan_ir::hf::import_hf_config(&self.config_text, &file)
             .map_err(|e| werr(e.to_string()))?;
@@ -294,7 +287,7 @@ impl Checkpoint {
     /// The end-of-sequence tokens `generate` stops at: `eos_token_id` of
     /// `generation_config.json` when the checkpoint has one (transformers reads it
     /// first), else of `config.json`; an id or a list of ids, none when absent.
-    pub fn eos_tokens(&self) -> Result<Vec<u32>, WeightsError> {
+    pub fn eos_tokens(&self) -> Result<Vec<u32>, ExecError> {
         let gen_path = self.dir.join("generation_config.json");
         let (path, text) = if gen_path.is_file() {
             let text =
@@ -326,7 +319,7 @@ impl Checkpoint {
 
     /// Checks every weight of the graph is in the checkpoint with the shape the plan's
     /// model needs, for every layer.
-    pub fn validate(&self, graph: &Graph) -> Result<(), WeightsError> {
+    pub fn validate(&self, graph: &Graph) -> Result<(), ExecError> {
         for s in crate::ckpt::model_weights(graph).map_err(werr)? {
             let l = (s.key.1 != crate::train::NO_LAYER).then_some(s.key.1);
             self.parts(graph, s.id, l)?;
@@ -355,7 +348,7 @@ impl Checkpoint {
         w: TensorId,
         layer: Option<u64>,
         spec: &ShardSpec,
-    ) -> Result<Vec<f32>, WeightsError> {
+    ) -> Result<Vec<f32>, ExecError> {
         let shape = weight_shape(graph, w)?;
         let parts = self.parts(graph, w, layer)?;
         let rows = if shape.len() == 2 { shape[0] } else { 1 };

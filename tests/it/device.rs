@@ -605,18 +605,26 @@ fn given_communicators_train_like_the_in_process_world() {
         .into_iter()
         .map(|c| Box::new(c) as Box<dyn Communicator>)
         .collect();
-    let with =
-        meshplan_executor::device::train::train_device_with(&p, &opts, &|_| Ok(HostDevice), comms)
-            .expect("run");
+    let with = meshplan_executor::device::train::train_device_with(
+        &p,
+        &opts,
+        &|_| Ok(HostDevice),
+        Some(comms),
+    )
+    .expect("run");
     let world = train_device(&p, &opts, &|_| Ok(HostDevice)).expect("run");
     same("given communicators", &with, &world);
     let one: Vec<Box<dyn Communicator>> = ThreadComm::create(1, opts.timeout)
         .into_iter()
         .map(|c| Box::new(c) as Box<dyn Communicator>)
         .collect();
-    let e =
-        meshplan_executor::device::train::train_device_with(&p, &opts, &|_| Ok(HostDevice), one)
-            .expect_err("one communicator for two ranks");
+    let e = meshplan_executor::device::train::train_device_with(
+        &p,
+        &opts,
+        &|_| Ok(HostDevice),
+        Some(one),
+    )
+    .expect_err("one communicator for two ranks");
     assert!(
         e.message()
             .contains("1 communicators for a plan of 2 ranks"),
@@ -758,7 +766,7 @@ fn pipeline_schedules_complete_when_sends_wait_for_their_receives() {
             &p,
             &opts,
             &|_| Ok(HostDevice),
-            Rendezvous::world(p.ranks.len(), opts.timeout),
+            Some(Rendezvous::world(p.ranks.len(), opts.timeout)),
         )
         .unwrap_or_else(|e| panic!("{cfg}: over sends that wait for their receives: {e}"));
         same(cfg, &run, &queued);

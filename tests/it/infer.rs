@@ -945,7 +945,7 @@ fn checkpoint_errors_name_the_tensor_or_field() {
     write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
     let plan = plan_of(&dir, "dp=1", 1);
     let ck = Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}"));
-    let e = ck.validate(&plan.graph).unwrap_err().message;
+    let e = ck.validate(&plan.graph).unwrap_err().to_string();
     assert!(
         e.contains("model.layers.1.self_attn.k_proj.weight") && e.contains("[16, 32]"),
         "{e}"
@@ -958,7 +958,7 @@ fn checkpoint_errors_name_the_tensor_or_field() {
         .unwrap()
         .validate(&plan.graph)
         .unwrap_err()
-        .message;
+        .to_string();
     assert!(
         e.contains("model.norm.weight") && e.contains("missing"),
         "{e}"
@@ -980,7 +980,7 @@ fn checkpoint_errors_name_the_tensor_or_field() {
         .unwrap()
         .check_config(&plan.graph)
         .unwrap_err()
-        .message;
+        .to_string();
     assert!(e.contains("`hidden_size`") && e.contains("64"), "{e}");
 }
 

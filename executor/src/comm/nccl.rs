@@ -297,21 +297,22 @@ impl NcclComm {
                 .memcpy_htod(&bytes, &mut dev)
                 .map_err(|e| format!("{e:?}"))?;
             let (p, _g) = dev.device_ptr(&self.stream);
-            nccl_call("ncclGroupStart", result::group_start())?;
-            for &peer in &group.ranks[1..] {
-                // SAFETY: `dev` holds 128 bytes and outlives the synchronisation below.
-                nccl_call("ncclSend", unsafe {
-                    result::send(
-                        p as *const c_void,
-                        128,
-                        sys::ncclDataType_t::ncclUint8,
-                        peer as i32,
-                        self.world_comm.0,
-                        self.raw_stream(),
-                    )
-                })?;
-            }
-            nccl_call("ncclGroupEnd", result::group_end())?;
+            in_group(|| {
+                for &peer in &group.ranks[1..] {
+                    // SAFETY: `dev` holds 128 bytes and outlives the synchronisation below.
+                    nccl_call("ncclSend", unsafe {
+                        result::send(
+                            p as *const c_void,
+                            128,
+                            sys::ncclDataType_t::ncclUint8,
+                            peer as i32,
+                            self.world_comm.0,
+                            self.raw_stream(),
+                        )
+                    })?;
+                }
+                Ok(())
+            })?;
             self.sync()?;
             return init_rank(group.size(), id, me);
         }
@@ -406,6 +407,48 @@ fn init_rank(n: usize, id: sys::ncclUniqueId, rank: usize) -> Result<sys::ncclCo
     })?;
     // SAFETY: initialised above.
     Ok(unsafe { c.assume_init() })
+}
+
+/// Runs `f`'s NCCL calls as one group, which is closed even after a failed enqueue,
+/// as NCCL requires; the first error wins.
+fn in_group(f: impl FnOnce() -> Result<(), String>) -> Result<(), String> {
+    nccl_call("ncclGroupStart", result::group_start())?;
+    let status = f();
+    status.and(nccl_call("ncclGroupEnd", result::group_end()))
+}
+
+/// Inside a group: `send_counts[j]` consecutive elements from `ps` to member `j`,
+/// `recv_counts[j]` from it into `pr`, elements of `dtype` and `size` bytes.
+///
+/// # Safety
+/// The runs lie inside the buffers at `ps` and `pr`, which stay alive and
+/// untouched until the stream has passed the group.
+unsafe fn exchange_runs(
+    (ps, send_counts): (u64, &[usize]),
+    (pr, recv_counts): (u64, &[usize]),
+    (dtype, size): (sys::ncclDataType_t, usize),
+    (comm, raw): (sys::ncclComm_t, sys::cudaStream_t),
+) -> Result<(), String> {
+    let (mut so, mut ro) = (0, 0);
+    for (j, (&sc, &rc)) in send_counts.iter().zip(recv_counts).enumerate() {
+        if sc > 0 {
+            let p = (ps + (so * size) as u64) as *const c_void;
+            // SAFETY: inside the send buffer, by the caller's contract.
+            nccl_call("ncclSend", unsafe {
+                result::send(p, sc, dtype, j as i32, comm, raw)
+            })?;
+        }
+        if rc > 0 {
+            let p = (pr + (ro * size) as u64) as *mut c_void;
+            // SAFETY: inside the receive buffer, by the caller's contract.
+            nccl_call("ncclRecv", unsafe {
+                result::recv(p, rc, dtype, j as i32, comm, raw)
+            })?;
+        }
+        so += sc;
+        ro += rc;
+    }
+    Ok(())
 }
 
 fn ptr(d: &CudaSlice<f32>, s: &CudaStream, offset: usize) -> *const c_void {

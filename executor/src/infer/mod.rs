@@ -103,7 +103,7 @@ impl Default for InferOptions {
 }
 
 /// One request's result.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RequestOutput {
     /// Prompt tokens.
     pub prompt_len: usize,
@@ -284,9 +284,8 @@ pub(crate) fn check_weights(plan: &Plan, opts: &InferOptions) -> Result<(), Exec
     let Some(ck) = &opts.weights else {
         return Ok(());
     };
-    ck.check_config(&plan.graph)
-        .and_then(|_| ck.validate(&plan.graph))
-        .map_err(|e| ExecError::Checkpoint(e.message))
+    ck.check_config(&plan.graph)?;
+    ck.validate(&plan.graph)
 }
 
 /// Generates with the plan's inference programs on the CPU kernels
@@ -467,13 +466,7 @@ impl Progress {
             .iter()
             .map(|&i| RequestOutput {
                 prompt_len: opts.requests[i].len(),
-                tokens: Vec::new(),
-                logits: Vec::new(),
-                first_logits: Vec::new(),
-                step_logits: Vec::new(),
-                ended_at_eos: false,
-                ttft_s: 0.0,
-                tpot_s: 0.0,
+                ..RequestOutput::default()
             })
             .collect();
         Progress {
@@ -487,31 +480,39 @@ impl Progress {
         }
     }
 
-    /// Samples slot `j`'s first token from its prefill logits (`now`: recorded at
-    /// this time since the start).
-    pub(crate) fn first_token(
+    /// Samples slot `j`'s token of step `step` from `row`, its logits (step 0: the
+    /// first token, from the prefill's); `now`, the time since the start, records
+    /// it. An ended slot still feeds its token to the next step.
+    pub(crate) fn take_token(
         &mut self,
-        j: usize,
-        rows: Vec<f32>,
+        (j, step): (usize, usize),
+        row: &[f32],
         sampling: &Sampling,
         now: Option<Duration>,
     ) {
-        let t = sample(&rows, sampling, self.ids[j] as u64, 0);
+        let t = sample(row, sampling, self.ids[j] as u64, step as u64);
         self.current[j] = t;
+        if self.ended[j] {
+            return;
+        }
         self.ended[j] = self.eos.contains(&t);
-        let Some(now) = now else {
+        let Some(now) = now.map(|n| n.as_secs_f64()) else {
             return;
         };
-        self.first_at[j] = now.as_secs_f64();
         let o = &mut self.outs[j];
         o.tokens.push(t);
         o.ended_at_eos = self.ended[j];
-        o.ttft_s = self.first_at[j];
         if self.step_logits {
-            o.step_logits.push(rows.clone());
+            o.step_logits.push(row.to_vec());
         }
-        o.first_logits = rows.clone();
-        o.logits = rows;
+        o.logits = row.to_vec();
+        if step == 0 {
+            self.first_at[j] = now;
+            o.ttft_s = now;
+            o.first_logits = row.to_vec();
+        } else {
+            o.tpot_s = (now - self.first_at[j]) / step as f64;
+        }
     }
 
     /// Slot `j`'s first token `t`, sampled elsewhere (by the prefill pool): fed to
@@ -521,38 +522,6 @@ impl Progress {
         self.ended[j] = self.eos.contains(&t);
         if let Some(now) = now {
             self.first_at[j] = now.as_secs_f64();
-        }
-    }
-
-    /// Samples every slot's token of decode step `step` from `all`
-    /// (`[slots, vocab]`).
-    fn next_tokens(
-        &mut self,
-        all: &[f32],
-        vocab: usize,
-        step: usize,
-        sampling: &Sampling,
-        now: Option<Duration>,
-    ) {
-        for j in 0..self.ids.len() {
-            let row = &all[j * vocab..(j + 1) * vocab];
-            let t = sample(row, sampling, self.ids[j] as u64, step as u64);
-            self.current[j] = t;
-            if self.ended[j] {
-                continue;
-            }
-            self.ended[j] = self.eos.contains(&t);
-            let Some(now) = now else {
-                continue;
-            };
-            let o = &mut self.outs[j];
-            o.tokens.push(t);
-            o.ended_at_eos = self.ended[j];
-            if self.step_logits {
-                o.step_logits.push(row.to_vec());
-            }
-            o.logits = row.to_vec();
-            o.tpot_s = (now.as_secs_f64() - self.first_at[j]) / step as f64;
         }
     }
 }

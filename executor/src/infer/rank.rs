@@ -183,7 +183,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                 r.put_cache(j, done.cache);
                 if let Some(rows) = done.logits {
                     let now = record.then(|| t0.elapsed());
-                    p.first_token(j, rows, &r.opts.sampling, now);
+                    p.take_token((j, 0), &rows, &r.opts.sampling, now);
                 }
                 Ok(())
             })?;
@@ -244,7 +244,9 @@ impl<'a, D: Device> InferRank<'a, D> {
             self.hand_tokens_back(&mut p.current)?;
             if let Some(all) = self.decode_step(mine, step, &p.current)? {
                 let now = record.then(|| t0.elapsed());
-                p.next_tokens(&all, self.vocab, step, &self.opts.sampling, now);
+                for (j, row) in all.chunks_exact(self.vocab).enumerate() {
+                    p.take_token((j, step), row, &self.opts.sampling, now);
+                }
             }
         }
         Ok(())

@@ -12,7 +12,7 @@ impl Checkpoint {
         graph: &Graph,
         w: TensorId,
         layer: Option<u64>,
-    ) -> Result<Vec<Part>, WeightsError> {
+    ) -> Result<Vec<Part>, ExecError> {
         let t = graph.tensor(w);
         let shape = weight_shape(graph, w)?;
         let (rows, cols) = match shape.as_slice() {
@@ -59,7 +59,7 @@ impl Checkpoint {
         name: &str,
         (weight, layer): (&str, Option<u64>),
         (one_d, transpose, rows, c): (bool, bool, usize, usize),
-    ) -> Result<Part, WeightsError> {
+    ) -> Result<Part, ExecError> {
         let of_layer = layer.map(|l| format!(" of layer {l}")).unwrap_or_default();
         let want = match (one_d, transpose) {
             (true, _) => vec![c],
@@ -118,7 +118,7 @@ pub(super) struct Arch {
     pub(super) tied: bool,
 }
 
-pub(super) fn arch_of(graph: &Graph) -> Result<Arch, WeightsError> {
+pub(super) fn arch_of(graph: &Graph) -> Result<Arch, ExecError> {
     let find = |name: &str| -> Option<Vec<usize>> {
         graph
             .tensors
@@ -191,7 +191,7 @@ impl Block<'_> {
 
     /// Hugging Face's Llama names (`model.layers.{l}.…`): Linear weights stored
     /// `[out, in]`, q, k, v and SwiGLU's gate and up as separate tensors.
-    fn llama(&self) -> Result<Named, WeightsError> {
+    fn llama(&self) -> Result<Named, ExecError> {
         let (p, suffix, one_d, cols) = (
             format!("model.layers.{}.", self.l),
             self.suffix(),
@@ -242,7 +242,7 @@ impl Block<'_> {
 
     /// GPT-2's names (`h.{l}.…`): Conv1D weights stored `[in, out]`, as the plan
     /// holds them, q, k and v fused in `c_attn`.
-    fn gpt2(&self) -> Result<Named, WeightsError> {
+    fn gpt2(&self) -> Result<Named, ExecError> {
         let p = format!("h.{}.", self.l);
         let (base, transpose) = match self.name {
             "embed.tokens.w" => ("wte".to_string(), false),

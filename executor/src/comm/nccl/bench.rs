@@ -45,20 +45,16 @@ impl NcclBench {
             bufs.push((a, b));
         }
         let mut once = || -> Result<(), String> {
-            nccl_call("ncclGroupStart", result::group_start())?;
-            let mut status = Ok(());
-            for (r, (c, (a, b))) in self.comms.iter().zip(bufs.iter_mut()).enumerate() {
-                if status.is_err() {
-                    break;
+            in_group(|| {
+                for (r, (c, (a, b))) in self.comms.iter().zip(bufs.iter_mut()).enumerate() {
+                    let (st, comm) = (c.raw_stream(), c.world_comm.0);
+                    let (pa, pb) = (ptr(a, &c.stream, 0), ptr_mut(b, &c.stream, 0));
+                    // SAFETY: both buffers hold `elems` floats and outlive the
+                    // synchronisation.
+                    unsafe { launch(op, (pa, pb), (elems, n), r, (comm, st)) }?;
                 }
-                let (st, comm) = (c.raw_stream(), c.world_comm.0);
-                let (pa, pb) = (ptr(a, &c.stream, 0), ptr_mut(b, &c.stream, 0));
-                // SAFETY: both buffers hold `elems` floats and outlive the synchronisation.
-                status = unsafe { launch(op, (pa, pb), (elems, n), r, (comm, st)) };
-            }
-            let end = nccl_call("ncclGroupEnd", result::group_end());
-            status?;
-            end?;
+                Ok(())
+            })?;
             for c in &self.comms {
                 c.sync()?;
             }
@@ -109,31 +105,12 @@ unsafe fn launch(
             "ncclBroadcast",
             result::broadcast(pa, pb, elems, F32, 0, comm, st),
         ),
-        LinkOp::AllToAll => (0..n).try_for_each(|j| {
-            let off = (j * part * 4) as u64;
-            nccl_call(
-                "ncclSend",
-                result::send(
-                    (pa as u64 + off) as *const c_void,
-                    part,
-                    F32,
-                    j as i32,
-                    comm,
-                    st,
-                ),
-            )?;
-            nccl_call(
-                "ncclRecv",
-                result::recv(
-                    (pb as u64 + off) as *mut c_void,
-                    part,
-                    F32,
-                    j as i32,
-                    comm,
-                    st,
-                ),
-            )
-        }),
+        LinkOp::AllToAll => {
+            let runs = vec![part; n];
+            let (ps, pr) = ((pa as u64, &runs[..]), (pb as u64, &runs[..]));
+            // SAFETY: `n` runs of `part` floats fill both buffers (the caller's contract).
+            unsafe { exchange_runs(ps, pr, (F32, 4), (comm, st)) }
+        }
         LinkOp::SendRecv if r == 0 => {
             nccl_call("ncclSend", result::send(pa, elems, F32, 1, comm, st))
         }

@@ -115,32 +115,11 @@ impl NcclComm {
             let raw = s.raw_stream();
             let (ps, _gs) = send.device_ptr(&s.stream);
             let (pr, _gr) = recv.device_ptr_mut(&s.stream);
-            nccl_call("ncclGroupStart", result::group_start())?;
-            let (mut so, mut ro) = (0usize, 0usize);
-            let mut status = Ok(());
-            for (j, (&sc, &rc)) in send_counts.iter().zip(recv_counts).enumerate() {
-                if sc > 0 && status.is_ok() {
-                    let p = (ps + (so * 2) as u64) as *const c_void;
-                    // SAFETY: `so + sc <= send.len()` (the counts were checked
-                    // against the buffers); alive until the returned event.
-                    status = nccl_call("ncclSend", unsafe {
-                        result::send(p, sc, BF16, j as i32, comm, raw)
-                    });
-                }
-                if rc > 0 && status.is_ok() {
-                    let p = (pr + (ro * 2) as u64) as *mut c_void;
-                    // SAFETY: as for the send; `recv` is borrowed mutably.
-                    status = nccl_call("ncclRecv", unsafe {
-                        result::recv(p, rc, BF16, j as i32, comm, raw)
-                    });
-                }
-                so += sc;
-                ro += rc;
-            }
-            // Always close the group, even after a failed enqueue.
-            let end = nccl_call("ncclGroupEnd", result::group_end());
-            status?;
-            end?;
+            // SAFETY: the counts were checked against the buffers; both stay alive
+            // until the returned event (`recv` borrowed mutably).
+            in_group(|| unsafe {
+                exchange_runs((ps, send_counts), (pr, recv_counts), (BF16, 2), (comm, raw))
+            })?;
             s.stream
                 .record_event(None)
                 .map_err(|e| format!("recording the exchange's end: {e:?}"))
@@ -187,35 +166,32 @@ impl NcclComm {
             // Held until the group is enqueued, which is when NCCL reads the
             // pointers onto the stream.
             let mut guards: Vec<SyncOnDrop<'_>> = Vec::new();
-            nccl_call("ncclGroupStart", result::group_start())?;
-            let mut failed = Ok(());
-            for t in transfers.iter_mut() {
-                let r = match t {
-                    P2p::Send(peer, buf, (off, n)) => {
-                        let (p, g) = buf.device_ptr(&s.stream);
-                        guards.push(g);
-                        let p = (p + (*off * 2) as u64) as *const c_void;
-                        // SAFETY: `p` points at `n` bf16 elements inside `buf`
-                        // (checked above), alive until the returned event.
-                        unsafe { result::send(p, *n, BF16, *peer as i32, comm, raw) }
-                    }
-                    P2p::Recv(peer, buf) => {
-                        let n = buf.len();
-                        let (p, g) = buf.device_ptr_mut(&s.stream);
-                        guards.push(g);
-                        // SAFETY: as for a send; `buf` is borrowed mutably.
-                        unsafe { result::recv(p as *mut c_void, n, BF16, *peer as i32, comm, raw) }
-                    }
-                };
-                // The group is ended even when a call fails, as NCCL requires.
-                if let Err(e) = nccl_call("nccl p2p", r) {
-                    failed = Err(e);
-                    break;
+            let status = in_group(|| {
+                for t in transfers.iter_mut() {
+                    let r = match t {
+                        P2p::Send(peer, buf, (off, n)) => {
+                            let (p, g) = buf.device_ptr(&s.stream);
+                            guards.push(g);
+                            let p = (p + (*off * 2) as u64) as *const c_void;
+                            // SAFETY: `p` points at `n` bf16 elements inside `buf`
+                            // (checked above), alive until the returned event.
+                            unsafe { result::send(p, *n, BF16, *peer as i32, comm, raw) }
+                        }
+                        P2p::Recv(peer, buf) => {
+                            let n = buf.len();
+                            let (p, g) = buf.device_ptr_mut(&s.stream);
+                            guards.push(g);
+                            let p = p as *mut c_void;
+                            // SAFETY: as for a send; `buf` is borrowed mutably.
+                            unsafe { result::recv(p, n, BF16, *peer as i32, comm, raw) }
+                        }
+                    };
+                    nccl_call("nccl p2p", r)?;
                 }
-            }
-            let ended = nccl_call("ncclGroupEnd", result::group_end());
+                Ok(())
+            });
             drop(guards);
-            failed.and(ended)?;
+            status?;
             s.stream
                 .record_event(None)
                 .map_err(|e| format!("recording the transfers' end: {e:?}"))

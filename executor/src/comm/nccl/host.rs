@@ -195,48 +195,29 @@ impl Communicator for NcclComm {
                     .collect::<Result<Vec<_>, _>>()?;
                 // One group: sends and receives that wait on each other across two
                 // ranks all complete.
-                nccl_call("ncclGroupStart", result::group_start())?;
-                let mut status = Ok(());
-                for ((to, x), d) in sends.iter().zip(&src) {
-                    if x.is_empty() {
-                        continue;
-                    }
-                    // SAFETY: `d` holds `x.len()` floats and lives past the sync.
-                    status = status.and_then(|()| {
+                in_group(|| {
+                    for ((to, x), d) in sends.iter().zip(&src) {
+                        if x.is_empty() {
+                            continue;
+                        }
+                        let p = ptr(d, &s.stream, 0);
+                        // SAFETY: `d` holds `x.len()` floats and lives past the sync.
                         nccl_call("ncclSend", unsafe {
-                            result::send(
-                                ptr(d, &s.stream, 0),
-                                x.len(),
-                                F32,
-                                *to as i32,
-                                comm,
-                                s.raw_stream(),
-                            )
-                        })
-                    });
-                }
-                for ((from, x), d) in recvs.iter().zip(dst.iter_mut()) {
-                    if x.is_empty() {
-                        continue;
+                            result::send(p, x.len(), F32, *to as i32, comm, s.raw_stream())
+                        })?;
                     }
-                    // SAFETY: as for a send.
-                    status = status.and_then(|()| {
+                    for ((from, x), d) in recvs.iter().zip(dst.iter_mut()) {
+                        if x.is_empty() {
+                            continue;
+                        }
+                        let p = ptr_mut(d, &s.stream, 0);
+                        // SAFETY: as for a send.
                         nccl_call("ncclRecv", unsafe {
-                            result::recv(
-                                ptr_mut(d, &s.stream, 0),
-                                x.len(),
-                                F32,
-                                *from as i32,
-                                comm,
-                                s.raw_stream(),
-                            )
-                        })
-                    });
-                }
-                // Always close the group, even after a failed enqueue.
-                let end = nccl_call("ncclGroupEnd", result::group_end());
-                status?;
-                end?;
+                            result::recv(p, x.len(), F32, *from as i32, comm, s.raw_stream())
+                        })?;
+                    }
+                    Ok(())
+                })?;
                 s.sync()?;
                 for ((_, x), d) in recvs.iter_mut().zip(&dst) {
                     s.fetch(d, x)?;
@@ -324,42 +305,12 @@ fn grouped_exchange(
     let (recv, recv_counts) = recv;
     let src = s.stage(send.len(), Some(send))?;
     let mut dst = s.stage(recv.len(), None)?;
-    nccl_call("ncclGroupStart", result::group_start())?;
-    let (mut so, mut ro) = (0, 0);
-    let mut status = Ok(());
-    for (j, (&sc, &rc)) in send_counts.iter().zip(recv_counts).enumerate() {
-        if sc > 0 && status.is_ok() {
-            // SAFETY: offsets stay within the staged buffers (counts checked by the caller).
-            status = nccl_call("ncclSend", unsafe {
-                result::send(
-                    ptr(&src, &s.stream, so),
-                    sc,
-                    F32,
-                    j as i32,
-                    comm,
-                    s.raw_stream(),
-                )
-            });
-        }
-        if rc > 0 && status.is_ok() {
-            // SAFETY: as above.
-            status = nccl_call("ncclRecv", unsafe {
-                result::recv(
-                    ptr_mut(&mut dst, &s.stream, ro),
-                    rc,
-                    F32,
-                    j as i32,
-                    comm,
-                    s.raw_stream(),
-                )
-            });
-        }
-        so += sc;
-        ro += rc;
+    {
+        let ((ps, _gs), (pr, _gr)) = (src.device_ptr(&s.stream), dst.device_ptr_mut(&s.stream));
+        let on = (comm, s.raw_stream());
+        // SAFETY: the counts were checked against the buffers by the caller; both
+        // are staged copies alive until the fetch below, which synchronises.
+        in_group(|| unsafe { exchange_runs((ps, send_counts), (pr, recv_counts), (F32, 4), on) })?;
     }
-    // Always close the group, even after a failed enqueue.
-    let end = nccl_call("ncclGroupEnd", result::group_end());
-    status?;
-    end?;
     s.fetch(&dst, recv)
 }

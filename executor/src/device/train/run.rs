@@ -111,25 +111,14 @@ pub fn train_device<D: Device>(
     opts: &TrainOptions,
     make: &(dyn Fn(usize) -> DResult<D> + Sync),
 ) -> Result<TrainReport, ExecError> {
-    train_world(plan, opts, make, None)
+    train_device_with(plan, opts, make, None)
 }
 
-/// [`train_device`] over given communicators, one per rank in rank order (one
-/// process driving several GPUs: `NcclComm::in_process`), each rank a thread.
+/// [`train_device`] over given communicators (`Some`), one per rank in rank order
+/// (one process driving several GPUs: `NcclComm::in_process`), each rank a thread.
 /// A rank that fails aborts the others' communicators (`comm::run_with`), so they
 /// stop with its reason instead of waiting for it (NCCL has no timeout).
 pub fn train_device_with<D: Device>(
-    plan: &Plan,
-    opts: &TrainOptions,
-    make: &(dyn Fn(usize) -> DResult<D> + Sync),
-    comms: Vec<Box<D::Comm>>,
-) -> Result<TrainReport, ExecError> {
-    train_world(plan, opts, make, Some(comms))
-}
-
-/// The ranks of `plan` as threads, over `comms` or (`None`) the in-process
-/// communicator.
-fn train_world<D: Device>(
     plan: &Plan,
     opts: &TrainOptions,
     make: &(dyn Fn(usize) -> DResult<D> + Sync),
