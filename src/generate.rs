@@ -1,7 +1,7 @@
 //! `run` on an inference plan: prompts in, tokens out, TTFT / TPOT / tokens per
 //! second measured beside the plan's prediction, and `--check` against one rank.
 
-use crate::run::{bad, reference_plan, runtime, RunArgs};
+use crate::run::{bad, failure, reference_plan, runtime, RunArgs};
 use crate::{print_json, Failure};
 use clap::Args;
 use meshplan_executor::disagg::{self, DisaggReport};
@@ -220,9 +220,7 @@ pub(crate) fn run(
         return run_disaggregated(a, (engine, plan), file, &opts, tok.as_ref());
     }
     meshplan_executor::infer::check_inputs(plan, &opts).map_err(|m| bad(format!("{file}: {m}")))?;
-    let report = engine
-        .infer(plan, &opts)
-        .map_err(|e| runtime(e.to_string()))?;
+    let report = engine.infer(plan, &opts).map_err(failure)?;
     let check = checked(a.check, engine, plan, &opts, &report)?;
     let bytes = byte_mismatches(plan, &opts, &report);
     let shown = Shown {
@@ -244,9 +242,7 @@ fn run_disaggregated(
     tok: Option<&TextTokenizer>,
 ) -> Result<(), Failure> {
     disagg::check_disaggregated(plan, opts).map_err(|m| bad(format!("{file}: {m}")))?;
-    let run = engine
-        .infer_disaggregated(plan, opts)
-        .map_err(|e| runtime(e.to_string()))?;
+    let run = engine.infer_disaggregated(plan, opts).map_err(failure)?;
     let check = checked(a.check, engine, plan, opts, &run.report)?;
     let bytes = disagg::byte_mismatches(plan, opts, &run);
     let shown = Shown {

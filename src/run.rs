@@ -7,7 +7,9 @@ use meshplan_cost_model::{parse_cluster_yaml, PreparedGraph};
 use meshplan_executor::ckpt::{Checkpoint, SaveOptions};
 use meshplan_executor::data::{DataSource, Sampler, TokenFile};
 use meshplan_executor::engine::{Engine, EngineError};
-use meshplan_executor::train::{byte_mismatches, check_against, train, TrainOptions, TrainReport};
+use meshplan_executor::train::{
+    byte_mismatches, check_against, train, ExecError, TrainOptions, TrainReport,
+};
 use meshplan_ir::plan::{Plan, PlanKind};
 use meshplan_ir::{ParallelConfig, PartialConfig};
 use meshplan_planner::output::plan_for_config;
@@ -107,12 +109,16 @@ fn engine(backend: &str) -> Result<Engine, Failure> {
 }
 
 /// An engine's error as the binary's exit codes say: a backend name it does not
-/// know and a plan it does not run (the plan file is the input to change, as for
-/// the graphs `check_executable` refuses) are bad input (2); a missing GPU or a
-/// run that fails, a runtime failure (1).
-fn failure(e: EngineError) -> Failure {
+/// know, a plan it does not run and a plan or token file the run refuses (the file
+/// is the input to change, as for the graphs `check_executable` refuses) are bad
+/// input (2); a missing GPU, a rank that fails or a checkpoint write that does, a
+/// runtime failure (1). Checkpoints to resume or fine-tune from are checked before
+/// the run, as bad input.
+pub(crate) fn failure(e: EngineError) -> Failure {
     match e {
-        EngineError::UnknownBackend(_) | EngineError::Unsupported(_) => bad(e.to_string()),
+        EngineError::UnknownBackend(_)
+        | EngineError::Unsupported(_)
+        | EngineError::Run(ExecError::Plan(_) | ExecError::Data(_)) => bad(e.to_string()),
         EngineError::NoGpu(_) | EngineError::Run(_) | EngineError::Failed(_) => {
             runtime(e.to_string())
         }
@@ -744,7 +750,22 @@ fn print_report(
 
 #[cfg(test)]
 mod tests {
-    use super::mfu_lines;
+    use super::{failure, mfu_lines};
+    use meshplan_executor::engine::EngineError;
+    use meshplan_executor::train::ExecError;
+
+    #[test]
+    fn a_plan_or_token_file_the_run_refuses_is_bad_input_and_a_failed_rank_is_not() {
+        let code = |e| failure(e).code;
+        let run = EngineError::Run;
+        assert_eq!(code(run(ExecError::Plan("p".into()))), 2);
+        assert_eq!(code(run(ExecError::Data("d".into()))), 2);
+        assert_eq!(code(EngineError::Unsupported("u".into())), 2);
+        assert_eq!(code(run(ExecError::Rank("r".into()))), 1);
+        assert_eq!(code(run(ExecError::Checkpoint("c".into()))), 1);
+        assert_eq!(code(run(ExecError::Output("o".into()))), 1);
+        assert_eq!(code(EngineError::Failed("f".into())), 1);
+    }
 
     #[test]
     fn an_mfu_over_100_percent_says_the_machine_outruns_the_plans_device() {

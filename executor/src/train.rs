@@ -157,7 +157,8 @@ pub struct TrainReport {
 
 /// Why a run could not start, or did not finish. Each variant's message names what
 /// went wrong and what to do; a caller matches the variant to decide (the binary
-/// maps a refused plan and a bad checkpoint to the user's input).
+/// maps a refused plan or token file to the user's input, exit code 2, and the
+/// rest to a runtime failure, 1).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ExecError {
     /// The plan, or the options given with it, cannot run here.

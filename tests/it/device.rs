@@ -598,33 +598,21 @@ fn mixed_precision_check_slices_sharded_weights() {
 #[test]
 fn given_communicators_train_like_the_in_process_world() {
     use meshplan_executor::comm::{Communicator, ThreadComm};
+    use meshplan_executor::device::train::train_device_with;
     let m = model("tiny-gpt");
     let p = plan(&m, "dp=2,mbs=1");
     let opts = TrainOptions::default();
-    let comms: Vec<Box<dyn Communicator>> = ThreadComm::create(2, opts.timeout)
-        .into_iter()
-        .map(|c| Box::new(c) as Box<dyn Communicator>)
-        .collect();
-    let with = meshplan_executor::device::train::train_device_with(
-        &p,
-        &opts,
-        &|_| Ok(HostDevice),
-        Some(comms),
-    )
-    .expect("run");
+    let over = |n: usize| {
+        let comms: Vec<Box<dyn Communicator>> = ThreadComm::create(n, opts.timeout)
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Communicator>)
+            .collect();
+        train_device_with(&p, &opts, &|_| Ok(HostDevice), Some(comms))
+    };
+    let with = over(2).expect("run");
     let world = train_device(&p, &opts, &|_| Ok(HostDevice)).expect("run");
     same("given communicators", &with, &world);
-    let one: Vec<Box<dyn Communicator>> = ThreadComm::create(1, opts.timeout)
-        .into_iter()
-        .map(|c| Box::new(c) as Box<dyn Communicator>)
-        .collect();
-    let e = meshplan_executor::device::train::train_device_with(
-        &p,
-        &opts,
-        &|_| Ok(HostDevice),
-        Some(one),
-    )
-    .expect_err("one communicator for two ranks");
+    let e = over(1).expect_err("one communicator for two ranks");
     assert!(
         e.message()
             .contains("1 communicators for a plan of 2 ranks"),
