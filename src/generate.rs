@@ -12,11 +12,9 @@ use meshplan_executor::infer::{
 use meshplan_executor::init::synthetic_sequence;
 use meshplan_executor::sample::Sampling;
 use meshplan_executor::tokenize::TextTokenizer;
-use meshplan_executor::weights::Checkpoint;
 use meshplan_ir::plan::Plan;
 use meshplan_ir::Workload;
 use std::path::PathBuf;
-use std::sync::Arc;
 
 /// Prompts and sampling of `run` on an inference plan.
 #[derive(Args, Clone, Debug, Default)]
@@ -156,13 +154,7 @@ pub(crate) fn run(
 ) -> Result<(), Failure> {
     let flags = a.generate;
     let checkpoint = match a.weights {
-        Some(dir) => {
-            let ck = Checkpoint::open(dir).map_err(|e| bad(e.to_string()))?;
-            ck.check_config(&plan.graph)
-                .map_err(|e| bad(e.to_string()))?;
-            ck.validate(&plan.graph).map_err(|e| bad(e.to_string()))?;
-            Some(Arc::new(ck))
-        }
+        Some(dir) => Some(crate::run::hf_weights(dir, plan)?),
         None => None,
     };
     let tok = match a.weights {

@@ -372,6 +372,20 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     Ok(())
 }
 
+/// The Hugging Face checkpoint `--weights` names, checked against the plan's model
+/// (`config.json`'s fields, every weight's shape) before a run reads it; bad input
+/// exits 2.
+pub(crate) fn hf_weights(
+    dir: &Path,
+    plan: &Plan,
+) -> Result<std::sync::Arc<meshplan_executor::weights::Checkpoint>, Failure> {
+    let ck = meshplan_executor::weights::Checkpoint::open(dir).map_err(|e| bad(e.to_string()))?;
+    ck.check_config(&plan.graph)
+        .and_then(|()| ck.validate(&plan.graph))
+        .map_err(|e| bad(e.to_string()))?;
+    Ok(std::sync::Arc::new(ck))
+}
+
 /// The training options the flags give (fine-tuning weights, data, checkpoints,
 /// trace, threads) and the step the run starts at; bad input exits 2.
 fn training_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64), Failure> {
@@ -382,12 +396,7 @@ fn training_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64),
                     "--weights and --resume both give the weights; use one (a --save checkpoint already holds them)".into(),
                 ));
             }
-            let ck = meshplan_executor::weights::Checkpoint::open(dir)
-                .map_err(|e| bad(e.to_string()))?;
-            ck.check_config(&plan.graph)
-                .map_err(|e| bad(e.to_string()))?;
-            ck.validate(&plan.graph).map_err(|e| bad(e.to_string()))?;
-            Some(std::sync::Arc::new(ck))
+            Some(hf_weights(dir, plan)?)
         }
         None => None,
     };
