@@ -931,6 +931,14 @@ fn check_fails_on_different_tokens_or_logits() {
     assert!(check_inference(&r, &base)
         .unwrap_err()
         .contains("last logits differ"));
+    // A NaN is no difference under `>`: the same tokens with a NaN logit still fail.
+    let mut r = base.clone();
+    r.requests[0].first_logits[1] = f32::NAN;
+    let e = check_inference(&r, &base).unwrap_err();
+    assert!(
+        e.contains("request 0: first logits differ by up to NaN"),
+        "{e}"
+    );
 }
 
 #[test]
@@ -1678,4 +1686,12 @@ fn mixed_precision_inference_stays_within_the_tolerance() {
         .unwrap_or_else(|e| panic!("{e}"));
     let e = check_inference_mixed(&bf16, &single).expect_err("other weights pass");
     eprintln!("other weights: {}", e.lines().last().unwrap_or_default());
+    // A NaN among the first logits fails, though every other value is the reference's.
+    let mut nan = single.clone();
+    nan.requests[1].first_logits[0] = f32::NAN;
+    let e = check_inference_mixed(&nan, &single).expect_err("a NaN logit passes");
+    assert!(
+        e.contains("request 1: first logits differ by up to NaN"),
+        "{e}"
+    );
 }

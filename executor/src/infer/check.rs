@@ -27,11 +27,12 @@ fn logit_gap(x: &[f32], y: &[f32]) -> Result<(f64, f64), String> {
         ));
     }
     let scale = y.iter().fold(1.0f64, |m, v| m.max(v.abs() as f64));
+    // `f64::max` passes over a NaN: a NaN anywhere makes the gap NaN.
     let d = x
         .iter()
         .zip(y)
         .map(|(p, q)| (p - q).abs() as f64)
-        .fold(0.0, f64::max);
+        .fold(0.0, |m, v| if v > m || v.is_nan() { v } else { m });
     Ok((d, scale))
 }
 
@@ -135,7 +136,7 @@ pub fn check_inference(
             };
             worst = worst.max(d);
             worst_rel = worst_rel.max(d / scale);
-            if d > LOGIT_TOLERANCE * scale {
+            if d > LOGIT_TOLERANCE * scale || !d.is_finite() {
                 problems.push(format!(
                     "request {i}: {what} logits differ by up to {d:.3e} (tolerance {:.1e})",
                     LOGIT_TOLERANCE * scale
