@@ -117,6 +117,12 @@ fn requests(
                 )?,
             });
         }
+        // Else the plan's synthetic prompts would run in their place, unsaid.
+        if out.is_empty() {
+            return Err(bad(format!(
+                "{file}: no request (every line is blank); give one prompt per line"
+            )));
+        }
     }
     if out.is_empty() {
         if let Workload::Inference {
@@ -190,6 +196,11 @@ pub(crate) fn run(
             host_bytes / (1u64 << 30) as f64,
             HOST_BUDGET / (1u64 << 30) as f64
         )));
+    }
+    if flags.step_logits && !a.json {
+        return Err(bad(
+            "--step-logits adds every step's logits to the --json output; give --json too".into(),
+        ));
     }
     let opts = InferOptions {
         requests,

@@ -480,7 +480,8 @@ pub fn cli_main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(f) => {
             eprintln!("error: {}", f.message);
-            ExitCode::from(f.code)
+            // A failure never exits 0, whatever code it carries.
+            ExitCode::from(f.code.max(1))
         }
     }
 }

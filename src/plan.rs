@@ -492,7 +492,7 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
         if meshplan_ir::framework::pads(&best.cfg, *global_batch) {
             let per_step = best.cfg.dp * best.cfg.mbs;
             tracing::warn!(
-                "dp({}) x mbs({}) = {per_step} does not divide the global batch ({global_batch}): the plan computes {} sequences per step, and no framework but meshplan's executor runs it",
+                "dp({}) x mbs({}) = {per_step} does not divide the global batch ({global_batch}): the plan computes {} sequences per step, which no framework runs, meshplan's executor included: it can be estimated and compared, not run",
                 best.cfg.dp,
                 best.cfg.mbs,
                 global_batch.div_ceil(per_step) * per_step

@@ -118,6 +118,7 @@ pub(crate) fn failure(e: EngineError) -> Failure {
     match e {
         EngineError::UnknownBackend(_)
         | EngineError::Unsupported(_)
+        | EngineError::Launch(_)
         | EngineError::Run(ExecError::Plan(_) | ExecError::Data(_)) => bad(e.to_string()),
         EngineError::NoGpu(_) | EngineError::Run(_) | EngineError::Failed(_) => {
             runtime(e.to_string())
@@ -172,32 +173,11 @@ fn launched_cuda(a: &RunArgs<'_>, env: &meshplan_launch::LaunchEnv) -> Result<()
     if env.rank != 0 {
         return Ok(());
     }
-    let bytes_off = byte_mismatches(&plan, &report, a.steps - start);
-    let check = if a.check {
-        Some(check_with_reference(
-            &plan, &report, &opts, engine, a.steps,
-        )?)
-    } else {
-        None
-    };
     if let Some(path) = a.trace {
         // Rank 0's timeline (every rank of data parallelism runs the same program).
         write_trace(path, &plan, &report)?;
     }
-    print_report(
-        &plan,
-        &report,
-        &bytes_off,
-        check.as_ref(),
-        (a.json, opts.threads_per_rank),
-        start,
-    );
-    if let Some(Err(why)) = &check {
-        return Err(runtime(format!(
-            "the run differs from the single-rank reference:\n{why}"
-        )));
-    }
-    Ok(())
+    conclude(a, &plan, &report, &opts, engine, start)
 }
 
 /// `meshplan run`.
@@ -253,10 +233,6 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "{file}: prompts and sampling flags are for inference plans; this is a training plan"
         )));
     }
-    if let meshplan_ir::Workload::Train { seq_len, .. } = &plan.workload {
-        meshplan_executor::check_executable(&plan.graph, *seq_len as usize)
-            .map_err(|m| bad(format!("{file}: {m}")))?;
-    }
     let (opts, start) = training_options(a, &plan)?;
     let engine = engine.for_plan(&plan).map_err(failure_in(&file))?;
     // Ranks are threads of this process holding fp32 weights, gradients and Adam
@@ -307,17 +283,30 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
     if let Some(path) = a.trace {
         write_trace(path, &plan, &report)?;
     }
-    let bytes = byte_mismatches(&plan, &report, a.steps - start);
+    conclude(a, &plan, &report, &opts, engine, start)
+}
+
+/// Prints a training run's report beside the plan's figures, and fails the run
+/// (exit 1) where the single-rank reference (`--check`) or the plan's bytes
+/// (`--check`, every axis but dropless experts') disagree with it, or a checkpoint
+/// save failed. A launched run's report holds its process's rank only.
+fn conclude(
+    a: &RunArgs<'_>,
+    plan: &Plan,
+    report: &TrainReport,
+    opts: &TrainOptions,
+    engine: Engine,
+    start: u64,
+) -> Result<(), Failure> {
+    let bytes = byte_mismatches(plan, report, a.steps - start);
     let check = if a.check {
-        Some(check_with_reference(
-            &plan, &report, &opts, engine, a.steps,
-        )?)
+        Some(check_with_reference(plan, report, opts, engine, a.steps)?)
     } else {
         None
     };
     print_report(
-        &plan,
-        &report,
+        plan,
+        report,
         &bytes,
         check.as_ref(),
         (a.json, opts.threads_per_rank),
@@ -431,6 +420,11 @@ fn training_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64),
         threads_per_rank: threads_per_rank(a.threads, plan.ranks.len())?,
         ..opts
     };
+    // A checkpoint that does not continue on this run's data is the input to change.
+    if let Some(ck) = &opts.resume {
+        meshplan_executor::train::check_resume(plan, &opts, ck)
+            .map_err(|e| bad(format!("--resume: {}", e.message())))?;
+    }
     Ok((opts, start))
 }
 
@@ -463,7 +457,7 @@ fn check_with_reference(
                 plan,
                 report,
                 &base,
-                opts.seed,
+                opts,
                 dv::MIXED_LOSS_TOLERANCE,
                 dv::MIXED_UPDATE_TOLERANCE,
             )
@@ -721,9 +715,14 @@ fn print_report(
             100.0 * dropped as f64 / slots as f64
         );
     }
+    // A launched run's report holds its own process's rank.
+    let ranks = match r.ranks.as_slice() {
+        [one] if plan.ranks.len() > 1 => format!("rank {}", one.rank),
+        _ => "every rank".into(),
+    };
     if bytes.is_empty() {
-        println!("comm bytes   equal to the plan's on every rank and axis");
-    } else if bytes.iter().all(|m| m.contains(" ep: ")) {
+        println!("comm bytes   equal to the plan's on {ranks} and axis");
+    } else if plan.graph.dropless_experts() && bytes.iter().all(|m| m.contains(" ep: ")) {
         println!(
             "comm bytes   equal to the plan's on every axis but ep (routed tokens; see stderr)"
         );
@@ -774,6 +773,16 @@ mod tests {
         assert_eq!(code(run(ExecError::Checkpoint("c".into()))), 1);
         assert_eq!(code(run(ExecError::Output("o".into()))), 1);
         assert_eq!(code(EngineError::Failed("f".into())), 1);
+        // A launched rank's rendezvous: ranks launched inconsistently are the input.
+        use meshplan_launch::RendezvousError as R;
+        let refused = R::Refused {
+            message: "give every rank the same plan file".into(),
+        };
+        assert_eq!(code(refused.into()), 2);
+        let io = R::Io {
+            message: "connection reset".into(),
+        };
+        assert_eq!(code(io.into()), 1);
     }
 
     #[test]

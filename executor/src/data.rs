@@ -27,6 +27,8 @@ pub struct TokenFile {
     /// Byte offset of the first token (0, or llm.c's header).
     start: usize,
     tokens: usize,
+    /// SHA-256 of the tokens, computed the first time a checkpoint asks.
+    digest: std::sync::OnceLock<String>,
 }
 
 impl std::fmt::Debug for TokenFile {
@@ -79,6 +81,7 @@ impl TokenFile {
             map,
             start,
             tokens,
+            digest: std::sync::OnceLock::new(),
         };
         if let Some((i, t)) = (0..tf.tokens)
             .map(|i| (i, tf.token(i)))
@@ -104,6 +107,13 @@ impl TokenFile {
     /// The file's path.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The SHA-256 of the tokens (not of a header), in hex: what tells two files of
+    /// the same length apart.
+    pub fn sha256(&self) -> &str {
+        self.digest
+            .get_or_init(|| crate::ckpt::sha256_hex(&self.map[self.start..]))
     }
 
     /// Token `i`.
@@ -198,7 +208,7 @@ pub enum DataSource {
 
 impl DataSource {
     /// What a checkpoint records of the data, to continue only on the same tokens:
-    /// the source and, for a file, its path and token count.
+    /// the source and, for a file, its path, token count and the tokens' SHA-256.
     pub fn describe(&self) -> serde_json::Value {
         match self {
             DataSource::Synthetic => serde_json::json!({"source": "synthetic"}),
@@ -206,6 +216,7 @@ impl DataSource {
                 "source": "file",
                 "path": file.path().display().to_string(),
                 "tokens": file.len(),
+                "sha256": file.sha256(),
             }),
         }
     }

@@ -39,6 +39,19 @@ pub enum EngineError {
     /// Setting up a launched rank (rendezvous, NCCL, its GPU) failed.
     #[error("{0}")]
     Failed(String),
+    /// The launched ranks disagree on their input (world size, plan, job secret, a
+    /// rank taken twice): bad input, as `rendezvous-check` says.
+    #[error("{0}")]
+    Launch(String),
+}
+
+impl From<meshplan_launch::rendezvous::RendezvousError> for EngineError {
+    fn from(e: meshplan_launch::rendezvous::RendezvousError) -> Self {
+        match e.is_bad_input() {
+            true => EngineError::Launch(e.to_string()),
+            false => EngineError::Failed(e.to_string()),
+        }
+    }
 }
 
 impl Engine {
@@ -97,8 +110,7 @@ impl Engine {
             }
         };
         self.for_plan(plan)?;
-        let mut rv = meshplan_launch::Rendezvous::connect(cfg)
-            .map_err(|e| EngineError::Failed(e.to_string()))?;
+        let mut rv = meshplan_launch::Rendezvous::connect(cfg)?;
         let rep = gpu.train_rank(plan, opts, env, &mut rv)?;
         // Every rank's loss parts, and its start and step ends on the Unix clock
         // (the processes' own clocks differ), exactly (f64 bits), to every rank.
@@ -107,9 +119,7 @@ impl Engine {
             .iter()
             .flat_map(|x| x.to_le_bytes())
             .collect();
-        let all = rv
-            .all_gather_bytes(&mine)
-            .map_err(|e| EngineError::Failed(e.to_string()))?;
+        let all = rv.all_gather_bytes(&mine)?;
         let ranks: Vec<Vec<f64>> = all
             .iter()
             .map(|blob| {

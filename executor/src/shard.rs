@@ -146,6 +146,71 @@ pub fn shard_spec(
     }
 }
 
+/// Whether every weight's split over `tp` tensor ranks (and a routed experts op's
+/// over `ep`) covers the whole tensor. The rules above take floor shares, so a
+/// vocabulary or a width that the axis does not divide would lose its last rows or
+/// columns without a word: a smaller model than the plan's. Such a plan is refused
+/// before any rank starts, naming the weight.
+pub(crate) fn check_split(graph: &Graph, tp: usize, ep: usize) -> Result<(), String> {
+    let uneven = |w: &str, op: &str, n: String, by: &str| {
+        Err(format!(
+            "`{w}` of `{op}`: {n} does not split evenly over {by}, and the executor would drop \
+             the rest; plan with a degree that divides it (or pad the model's size to a \
+             multiple of it, as GPT-3 pads its vocabulary to 51200)"
+        ))
+    };
+    for op in graph.ops() {
+        for &w in &op.inputs {
+            let t = graph.tensor(w);
+            let Ok(shape) = crate::train::fixed_shape(t) else {
+                continue;
+            };
+            if t.kind != meshplan_ir::TensorKind::Weight {
+                continue;
+            }
+            if op.role == TpRole::Experts {
+                let &[e, r, c] = shape.as_slice() else {
+                    continue;
+                };
+                let by_tp = if c > r { c / 2 } else { r };
+                if ep > 1 && e % ep != 0 {
+                    return uneven(&t.name, &op.name, e.to_string(), &format!("ep={ep}"));
+                }
+                if ep <= 1 && tp > 1 && (by_tp % tp != 0 || (c > r && c % 2 != 0)) {
+                    return uneven(&t.name, &op.name, by_tp.to_string(), &format!("tp={tp}"));
+                }
+                continue;
+            }
+            let (rows, cols) = (shape[0], *shape.last().unwrap_or(&1));
+            let spec = |rank| shard_spec(graph, op, op.role, w, &shape, TpPos { rank, size: tp });
+            let (n, mut held) = match spec(0) {
+                ShardSpec::All => continue,
+                ShardSpec::Rows(..) => (rows, vec![false; rows]),
+                ShardSpec::Cols(_) => (cols, vec![false; cols]),
+            };
+            for rank in 0..tp {
+                let ranges = match spec(rank) {
+                    ShardSpec::Rows(a, b) => vec![(a, b)],
+                    ShardSpec::Cols(c) => c,
+                    ShardSpec::All => vec![(0, n)],
+                };
+                for (a, b) in ranges {
+                    held[a.min(n)..b.min(n)].fill(true);
+                }
+            }
+            if held.contains(&false) {
+                let n = if swiglu_up(graph, op) {
+                    format!("each of its gate and up halves, {},", n / 2)
+                } else {
+                    n.to_string()
+                };
+                return uneven(&t.name, &op.name, n, &format!("tp={tp}"));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The local part of weight `w` (its full values row-major with `shape`) used by
 /// `op` under `role`. Generic over the element so that slicing element indices
 /// gives where each local value sits in the full tensor (checkpoints assemble full

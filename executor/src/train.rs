@@ -286,7 +286,7 @@ pub(crate) fn clock0_unix_s(t0: Instant) -> f64 {
 
 /// The step a run resumed from `ck` starts at, once the checkpoint is known to fit
 /// the plan's model and the run's data.
-pub(crate) fn check_resume(
+pub fn check_resume(
     plan: &Plan,
     opts: &TrainOptions,
     ck: &crate::ckpt::Checkpoint,
@@ -300,14 +300,33 @@ pub(crate) fn check_resume(
             m.seed, opts.seed
         )));
     }
-    // The data continue only on the same tokens (a moved file is fine).
+    // The data continue only on the same tokens (a moved file is fine; checkpoints
+    // from before the tokens' SHA-256 was recorded are matched by their count).
     let now = opts.data.describe();
     let same = |k: &str| m.data.get(k).unwrap_or(&serde_json::Value::Null) == &now[k];
-    if !same("source") || !same("tokens") {
+    let digest = m.data.get("sha256").is_none() || same("sha256");
+    if !same("source") || !same("tokens") || !digest {
         return Err(err(format!(
             "{dir}: saved while training on {}, this run reads {now} (the data would not continue); give the same --data",
             m.data
         )));
+    }
+    // A token file's windows follow from the sequence length and the batch: other
+    // values would revisit windows of the epoch and skip others.
+    if let Workload::Train {
+        seq_len,
+        global_batch,
+        ..
+    } = plan.workload
+    {
+        let was = |k: &str| m.workload.get(k).and_then(serde_json::Value::as_u64);
+        let saved = (was("seq_len"), was("global_batch"));
+        if now["source"] == "file" && saved != (Some(seq_len), Some(global_batch)) {
+            return Err(err(format!(
+                "{dir}: saved training on the token file with workload {}, this plan has seq_len {seq_len} and global_batch {global_batch}, which read the file's windows in another order (the data would not continue); plan the saved seq_len and global_batch",
+                m.workload
+            )));
+        }
     }
     if m.step >= opts.steps {
         return Err(err(format!(
@@ -392,8 +411,12 @@ pub(crate) fn fixed_width(t: &meshplan_ir::Tensor) -> Result<usize, RankError> {
 /// What both interpreters need of a plan's graph, checked before any rank starts
 /// (a hand-written graph may lack it): the first segment starts from token ids
 /// (they are all the interpreter feeds), a norm has a one-dim scale weight, an
-/// experts op its four operands.
-pub(crate) fn runnable(graph: &Graph) -> Result<(), String> {
+/// experts op its four operands, and the tensor and expert axes split every
+/// weight whole ([`crate::shard::check_split`]).
+pub(crate) fn runnable(plan: &Plan) -> Result<(), String> {
+    let graph = &plan.graph;
+    let size = |axis: &str| mesh_place(plan, &[], axis).size;
+    crate::shard::check_split(graph, size("tp"), size("ep"))?;
     if let Some(x) = segment_input(graph, 0) {
         return Err(format!(
             "`{x}` enters the model's graph from outside it, but the executor feeds \
@@ -610,8 +633,6 @@ pub(crate) struct WeightSlice<'r> {
     pub layer: u64,
     pub local: &'r [f32],
     pub want: Vec<f32>,
-    /// The reference's whole weight.
-    pub full: &'r [f32],
 }
 
 /// Calls `f` on every weight every rank of `run` holds, with the reference's
@@ -648,7 +669,6 @@ pub(crate) fn each_weight_slice<'r>(
                 layer,
                 local,
                 want,
-                full,
             })?;
         }
     }

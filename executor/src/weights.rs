@@ -16,9 +16,9 @@ use crate::shard::{shard_spec, ShardSpec, TpPos};
 use crate::train::ExecError;
 use memmap2::Mmap;
 use meshplan_ir::graph::OpKind;
-use meshplan_ir::{Graph, Op, SegmentKind, TensorId};
+use meshplan_ir::{Graph, Op, SegmentKind, TensorId, TensorKind};
 use safetensors::tensor::{Dtype, SafeTensors};
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 /// Why a checkpoint cannot serve a plan ([`ExecError::Checkpoint`]): names the
@@ -235,6 +235,39 @@ impl Checkpoint {
                     "{file}: field `{field}` gives {w} but the plan's model has {g}; plan this checkpoint's model (meshplan plan {file} CLUSTER --workload FILE) or pass the matching --weights"
                 )));
             }
+        }
+        // What the model computes beyond its sizes: the graph `plan` builds from this
+        // config.json must hold the plan's weights (biases, a gated MLP, learned
+        // positions, LayerNorm's shift) and its activations, norms and rotations. A
+        // checkpoint weight the plan lacks would otherwise be left unread without a
+        // word, and a plan weight it lacks would be missing.
+        let parts = |g: &Graph| -> BTreeSet<String> {
+            let ops = g.ops().filter_map(|o| match &o.kind {
+                OpKind::Activation(k) => Some(format!("a {k:?} activation")),
+                OpKind::Norm(k) => Some(format!("a {k:?} norm")),
+                OpKind::Rope => Some("rotary positions".into()),
+                _ => None,
+            });
+            (g.tensors.iter())
+                .filter(|t| t.kind == TensorKind::Weight)
+                .map(|t| format!("weight `{}`", t.name))
+                .chain(ops)
+                .collect()
+        };
+        let theirs = parts(&meshplan_ir::model_graph(&spec).map_err(|e| werr(e.to_string()))?);
+        let ours = parts(graph);
+        let differ = |a: &BTreeSet<String>, b: &BTreeSet<String>| a.difference(b).next().cloned();
+        if let Some(x) = differ(&theirs, &ours) {
+            return Err(werr(format!(
+                "{file}: the checkpoint's model has {x}, which the plan's model lacks (see its \
+                 bias, activation and position fields); plan this checkpoint's config.json instead"
+            )));
+        }
+        if let Some(x) = differ(&ours, &theirs) {
+            return Err(werr(format!(
+                "{file}: the plan's model has {x}, which this checkpoint's model lacks (see its \
+                 bias, activation and position fields); plan this checkpoint's config.json instead"
+            )));
         }
         if t.tie_embeddings != got.tied {
             return Err(werr(format!(

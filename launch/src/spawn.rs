@@ -198,7 +198,17 @@ fn check_options(o: &LaunchOptions) -> Result<(), String> {
             o.node_rank, o.nnodes
         ));
     }
-    Ok(())
+    // Rank numbers are node_rank * nproc_per_node + local: a world past the
+    // rendezvous's limit (or past usize, where they would wrap) pairs wrong ranks.
+    match o.nnodes.checked_mul(o.nproc_per_node) {
+        Some(w) if w <= crate::rendezvous::WORLD_MAX => Ok(()),
+        _ => Err(format!(
+            "--nnodes {} x --nproc-per-node {} is over the {} ranks a rendezvous takes",
+            o.nnodes,
+            o.nproc_per_node,
+            crate::rendezvous::WORLD_MAX
+        )),
+    }
 }
 
 /// This node's ranks as child processes: their pids, the stdin pipes that tell

@@ -411,6 +411,109 @@ fn ckpt_run_flags_save_resume_and_exit_codes() {
     .stderr_has(&["field `model`", "tiny-moe"]);
 }
 
+/// The update a mixed-precision run is judged against starts where the run did: after
+/// a resume, the checkpoint's weights. Measured from the seeded start instead, the
+/// yardstick grew with the steps before the checkpoint (about 12 times after 30), and a
+/// 1.5x learning rate read 0.04 of the update, inside the 0.2 tolerance.
+#[test]
+fn ckpt_a_resumed_mixed_precision_check_measures_the_update_from_the_checkpoint() {
+    use meshplan_executor::device::emulate::Bf16Host;
+    use meshplan_executor::device::train::train_device;
+    use meshplan_executor::device::{
+        check_mixed_precision, MIXED_LOSS_TOLERANCE, MIXED_UPDATE_TOLERANCE,
+    };
+    let p = plan(&model("tiny-gpt"), "dp=2,mbs=1");
+    let dir = temp_dir("bf16-resume");
+    run(&p, &saving(30, &dir, 30));
+    let opts = resuming(32, &dir);
+    let reference = run(&p, &opts);
+    let check = |lr: f32| {
+        let o = TrainOptions { lr, ..opts.clone() };
+        let bf16 = train_device(&p, &o, &|_| Ok(Bf16Host)).expect("bf16");
+        let lines = check_mixed_precision(
+            &p,
+            &bf16,
+            &reference,
+            &opts,
+            MIXED_LOSS_TOLERANCE,
+            MIXED_UPDATE_TOLERANCE,
+        );
+        let text = lines.clone().unwrap_or_else(|e| vec![e]).join("\n");
+        let at = text.find("weights ").expect("the update line") + "weights ".len();
+        let share: String = (text[at..].chars())
+            .take_while(|c| *c == '.' || c.is_ascii_digit())
+            .collect();
+        (lines.is_ok(), share.parse::<f64>().expect("a number"))
+    };
+    let (ok, share) = check(opts.lr);
+    assert!(ok && share < MIXED_UPDATE_TOLERANCE, "{share}");
+    let (ok, share) = check(opts.lr * 1.5);
+    assert!(!ok && share > MIXED_UPDATE_TOLERANCE, "1.5x lr: {share}");
+}
+
+/// A run resumed on a token file continues only on the same tokens in the same
+/// order: another file of the same length (it resumed before, silently training on
+/// other data), no file, or a plan whose sequence length or batch reads the windows
+/// in another order are bad input, exit 2, before anything runs.
+#[test]
+fn ckpt_resume_continues_only_on_the_same_tokens_in_the_same_order() {
+    let dir = temp_dir("data-resume");
+    let tokens = |seed: u32| -> PathBuf {
+        let path = dir.join(format!("tokens-{seed}.bin"));
+        let bytes: Vec<u8> = (0..2000u32)
+            .map(|i| ((i * 7 + seed * 13 + i * i * seed) % 256) as u16)
+            .flat_map(u16::to_le_bytes)
+            .collect();
+        std::fs::write(&path, bytes).expect("tokens");
+        path
+    };
+    let (a, b) = (tokens(1), tokens(2));
+    let (a, b) = (a.to_str().expect("utf-8"), b.to_str().expect("utf-8"));
+    let out = plan_file("plan-data-resume.json", "models/tiny-gpt.yaml", "dp=2");
+    let plan = out.to_str().expect("utf-8 path");
+    let saved = dir.join("ck");
+    let ck = saved.to_str().expect("utf-8");
+    meshplan(&["run", plan, "--steps", "2", "--data", a, "--save", ck]).expect_code(0);
+    let resume = |plan: &str, data: Option<&str>| {
+        let mut args = vec!["run", plan, "--steps", "3", "--resume", ck];
+        args.extend(data.map(|d| ["--data", d]).into_iter().flatten());
+        meshplan(&args)
+    };
+    resume(plan, Some(b)).expect_code(2).stderr_has(&[
+        "--resume",
+        "the data would not continue",
+        "give the same --data",
+    ]);
+    resume(plan, None)
+        .expect_code(2)
+        .stderr_has(&["--resume", "\"source\":\"synthetic\""]);
+    let model = std::fs::read_to_string(format!("{}/models/tiny-gpt.yaml", crate::bin::ROOT))
+        .expect("model");
+    let bigger = dir.join("tiny-gpt-16.yaml");
+    std::fs::write(
+        &bigger,
+        model.replace("global_batch: 8", "global_batch: 16"),
+    )
+    .expect("w");
+    let other = dir.join("plan-16.json");
+    let other = other.to_str().expect("utf-8");
+    meshplan(&[
+        "plan",
+        bigger.to_str().expect("utf-8"),
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "dp=2",
+        "--quiet",
+        "-o",
+        other,
+    ])
+    .expect_code(0);
+    resume(other, Some(a))
+        .expect_code(2)
+        .stderr_has(&["global_batch 16", "plan the saved seq_len and global_batch"]);
+    resume(plan, Some(a)).expect_code(0);
+}
+
 /// Checkpoints of the device interpreter: 3 steps saved, resumed to 6, equal bit
 /// for bit to 6 uninterrupted steps, which equal the general interpreter's (its
 /// goldens, `ckpt-whole-*`), with and without ZeRO (ZeRO-3 too), and with weights
@@ -1036,6 +1139,14 @@ fn r16_an_edited_manifest_is_refused_naming_the_field() {
     let e = open_err(&copy);
     assert!(e.contains("manifest.sha256: damaged"), "{e}");
     std::fs::remove_file(copy.join("manifest.sha256")).expect("rm");
+    let e = open_err(&copy);
+    assert!(e.contains("manifest.sha256: missing"), "{e}");
+    // Saying version 1 skips nothing: only version 2 gives its files SHA-256 sums.
+    let mpath = copy.join("manifest.json");
+    let mut m: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&mpath).expect("m")).expect("json");
+    m["version"] = 1.into();
+    std::fs::write(&mpath, serde_json::to_string_pretty(&m).expect("text")).expect("w");
     let e = open_err(&copy);
     assert!(e.contains("manifest.sha256: missing"), "{e}");
 }

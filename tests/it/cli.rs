@@ -882,6 +882,56 @@ fn run_refuses_a_plan_it_cannot_run_as_bad_input() {
 }
 
 #[test]
+fn run_refuses_a_padded_batch_and_weights_a_degree_does_not_split_whole() {
+    // Each ran before, wrongly: the padded batch's ranks read overlapping samples and
+    // scaled the loss by the unpadded batch (1.2x the loss at batch 10, mbs 4); a
+    // vocabulary of 251 over tp=2 lost token 250's embedding row and logit.
+    let dir = temp_dir("cli", "uneven");
+    let tiny = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");
+    let variant = |name: &str, from: &str, to: &str| {
+        assert!(tiny.contains(from), "tiny-gpt has `{from}`");
+        let path = dir.join(name);
+        std::fs::write(&path, tiny.replace(from, to)).expect("model");
+        path.display().to_string()
+    };
+    let cases = [
+        (
+            variant("batch10.yaml", "global_batch: 8", "global_batch: 10"),
+            "dp=2,mbs=4",
+            "does not divide the global batch (10)",
+        ),
+        (
+            variant("vocab251.yaml", "vocab: 256", "vocab: 251"),
+            "dp=2,tp=2",
+            "`embed.tokens.w` of `embed.tokens`: 251 does not split evenly over tp=2",
+        ),
+        (
+            variant("ffn129.yaml", "ffn_hidden: 128", "ffn_hidden: 129"),
+            "dp=2,tp=2",
+            "`block.mlp.up.w` of `block.mlp.up`: each of its gate and up halves, 129, does not split evenly over tp=2",
+        ),
+    ];
+    for (model, cfg, why) in cases {
+        let plan = dir.join("plan.json");
+        let path = plan.to_str().expect("utf-8 path");
+        meshplan(&[
+            "plan",
+            &model,
+            "topologies/cpu-test-mesh.yaml",
+            "--config",
+            cfg,
+            "--quiet",
+            "-o",
+            path,
+        ])
+        .expect_code(0);
+        meshplan(&["run", path, "--steps", "1"])
+            .expect_code(2)
+            .stderr_has(&[path, why]);
+    }
+}
+
+#[test]
 fn run_check_expert_parallel_with_capacity_matches_the_plan_byte_for_byte() {
     let out = plan_file(
         "plan-run-moe.json",

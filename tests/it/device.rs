@@ -468,7 +468,7 @@ fn mixed_precision_stays_within_the_check_tolerances_and_a_wrong_run_does_not() 
             &p,
             &bf16,
             &reference,
-            opts.seed,
+            &opts,
             MIXED_LOSS_TOLERANCE,
             MIXED_UPDATE_TOLERANCE,
         )
@@ -489,7 +489,7 @@ fn mixed_precision_stays_within_the_check_tolerances_and_a_wrong_run_does_not() 
             &p,
             &off,
             &reference,
-            opts.seed,
+            &opts,
             MIXED_LOSS_TOLERANCE,
             MIXED_UPDATE_TOLERANCE,
         )
@@ -566,7 +566,7 @@ fn mixed_precision_check_slices_sharded_weights() {
         &p,
         &run,
         &reference,
-        opts.seed,
+        &opts,
         MIXED_LOSS_TOLERANCE,
         MIXED_UPDATE_TOLERANCE,
     )
@@ -586,7 +586,7 @@ fn mixed_precision_check_slices_sharded_weights() {
         &p,
         &wrong,
         &reference,
-        opts.seed,
+        &opts,
         MIXED_LOSS_TOLERANCE,
         MIXED_UPDATE_TOLERANCE,
     )

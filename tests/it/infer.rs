@@ -990,6 +990,44 @@ fn checkpoint_errors_name_the_tensor_or_field() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("`hidden_size`") && e.contains("64"), "{e}");
+    // Same sizes, another computation: biases the plan's model lacks were left
+    // unread (the tokens of a Qwen2 checkpoint under a Llama plan came out as if its
+    // biases were zero), and a plan's bias the checkpoint lacks is refused as well.
+    for (name, c, has) in [
+        (
+            "qwen2",
+            LlamaCfg {
+                qkv_bias: true,
+                ..LLAMA
+            },
+            "the checkpoint's model has weight `block.attn.qkv.b`",
+        ),
+        (
+            "llama-bias",
+            LlamaCfg {
+                attn_bias: true,
+                ..LLAMA
+            },
+            "the checkpoint's model has weight `block.attn.proj.b`",
+        ),
+    ] {
+        let d = temp_dir(name);
+        write_checkpoint(&d, &llama_config(&c), &llama_tensors(&c, 1), Store::F32, 1);
+        let e = Checkpoint::open(&d)
+            .unwrap()
+            .check_config(&plan.graph)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(has) && e.contains("config.json"), "{name}: {e}");
+        let biased = plan_of(&d, "dp=1", 1);
+        let e = Checkpoint::open(&dir)
+            .unwrap()
+            .check_config(&biased.graph)
+            .unwrap_err()
+            .to_string();
+        let first = has.replace("the checkpoint's", "the plan's");
+        assert!(e.contains(&first), "{name}: {e}");
+    }
 }
 
 #[test]
@@ -1184,6 +1222,17 @@ fn cli_bad_inference_input_exits_2() {
     meshplan(&["run", &plan, "--prompt-ids", "1", "--top-p", "0"])
         .expect_code(2)
         .stderr_has(&["--top-p"]);
+    // A prompt file with no prompt ran the plan's synthetic prompts in their place.
+    let blank = dir.join("blank.txt");
+    std::fs::write(&blank, "\n  \n").expect("prompt file");
+    let blank = blank.display().to_string();
+    meshplan(&["run", &plan, "--prompt-file", &blank])
+        .expect_code(2)
+        .stderr_has(&[&blank, "no request (every line is blank)"]);
+    // --step-logits lives in the JSON report; without --json it was dropped.
+    meshplan(&["run", &plan, "--prompt-ids", "1", "--step-logits"])
+        .expect_code(2)
+        .stderr_has(&["--step-logits", "--json"]);
     // Plans the executor cannot run yet say so and how to plan instead.
     let dpa = cli_plan_named(&dir, "tp=2,pp=2,dp_attention=true", "dpa.json");
     meshplan(&["run", &dpa, "--prompt-ids", "1"])

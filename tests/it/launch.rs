@@ -261,6 +261,23 @@ fn launch_checks_its_flags() {
             ],
             "--nproc-per-node 0",
         ),
+        // 2 x (2^63 + 1) wrapped to a world of 2, whose two ranks then met.
+        (
+            vec![
+                "launch",
+                "--nproc-per-node",
+                "2",
+                "--nnodes",
+                "9223372036854775809",
+                "--node-rank",
+                "9223372036854775808",
+                "--master-addr",
+                "127.0.0.1",
+                "--",
+                "rendezvous-check",
+            ],
+            "is over the 65536 ranks a rendezvous takes",
+        ),
         (
             vec![
                 "launch",

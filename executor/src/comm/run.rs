@@ -84,7 +84,7 @@ where
                 RankError::Failed(reason)
             }));
         }
-        handles
+        let mut results: Vec<Result<T, RankError>> = handles
             .into_iter()
             .enumerate()
             .map(|(rank, h)| match h {
@@ -97,7 +97,15 @@ where
                 }),
                 Err(e) => Err(e),
             })
-            .collect()
+            .collect();
+        // Every rank returned, yet a message was left unread: the programs did not
+        // match, which the run must not report as a success.
+        if results.iter().all(Result::is_ok) {
+            if let Some((to, why)) = shared.unreceived() {
+                results[to] = Err(RankError::Failed(why));
+            }
+        }
+        results
     })
 }
 

@@ -218,6 +218,41 @@ fn collectives_match_serial_reference_on_groups_of_1_to_4() {
 }
 
 #[test]
+fn a_message_never_received_fails_the_run_though_every_rank_returned() {
+    // Sends are buffered: rank 0's second send waits for nobody, and rank 1 returns
+    // after one receive.
+    let results = run_ranks(2, LONG, 1, |mut c| {
+        let mut buf = [0.0f32; 3];
+        match c.rank() {
+            0 => {
+                c.send(1, "pp", &[1.0, 2.0, 3.0])?;
+                c.send(1, "pp", &[4.0, 5.0])?;
+            }
+            _ => c.recv(0, "pp", &mut buf)?,
+        }
+        Ok(())
+    });
+    assert!(results[0].is_ok());
+    let e = results[1].as_ref().expect_err("an unread message passes");
+    assert!(
+        e.to_string().contains(
+            "rank 0 sent rank 1 1 message(s) it never received (the first on `pp`, 2 values)"
+        ),
+        "{e}"
+    );
+    // Every message received: nothing to say.
+    let results = run_ranks(2, LONG, 1, |mut c| {
+        let mut buf = [0.0f32; 2];
+        match c.rank() {
+            0 => c.send(1, "pp", &[1.0, 2.0])?,
+            _ => c.recv(0, "pp", &mut buf)?,
+        }
+        Ok(())
+    });
+    assert!(results.iter().all(Result::is_ok));
+}
+
+#[test]
 fn group_order_is_the_order_of_ranks_not_rank_numbers() {
     // Members listed in reverse, inside a larger world whose other ranks idle.
     let group = Group::new("rev", vec![3, 1, 0]);

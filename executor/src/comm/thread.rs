@@ -138,6 +138,25 @@ impl Shared {
         self.wake.notify_all();
     }
 
+    /// The first message a rank sent that its peer never received, said as such:
+    /// sends are buffered, so a run whose every rank returned can still have left
+    /// one (a program that sends where its peer's does not receive).
+    pub(crate) fn unreceived(&self) -> Option<(usize, String)> {
+        let st = self.state.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut left: Vec<_> = st.mail.iter().filter(|(_, q)| !q.is_empty()).collect();
+        left.sort_by_key(|(k, _)| **k);
+        let (&(from, to), q) = left.first()?;
+        Some((
+            to,
+            format!(
+                "rank {from} sent rank {to} {} message(s) it never received (the first on `{}`, {} values)",
+                q.len(),
+                q[0].axis,
+                q[0].data.len()
+            ),
+        ))
+    }
+
     /// Marks `rank`'s work as ended and wakes everyone.
     pub(crate) fn finish(&self, rank: usize) {
         let mut st = self.state.lock().unwrap_or_else(PoisonError::into_inner);

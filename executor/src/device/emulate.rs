@@ -36,6 +36,32 @@ pub const MIXED_LOSS_TOLERANCE: f64 = 1e-3;
 /// models; a 1.5× learning rate measures 0.56.
 pub const MIXED_UPDATE_TOLERANCE: f64 = 0.2;
 
+/// The whole value weight `name` (block layer `layer`) starts from under `opts`, as
+/// the training interpreter reads it: the resumed checkpoint's, a Hugging Face
+/// checkpoint's, or the seeded initialisation. The yardstick of a run's updates is
+/// the distance from there, not from a seeded start the run never had.
+fn starting_full(
+    graph: &meshplan_ir::Graph,
+    name: &str,
+    layer: u64,
+    opts: &crate::train::TrainOptions,
+) -> Result<Vec<f32>, String> {
+    let (op, id, shape) = crate::train::weight_site(graph, name)?;
+    if let Some(ck) = &opts.resume {
+        return ck.values(
+            &crate::ckpt::tensor_name("w", &(name.into(), layer)),
+            &shape,
+        );
+    }
+    if let Some(hf) = &opts.weights {
+        let l = (layer != crate::train::NO_LAYER).then_some(layer);
+        return (hf.local(graph, id, l, &crate::shard::ShardSpec::All)).map_err(|e| e.to_string());
+    }
+    let kind = crate::init::init_kind(op, id, &shape);
+    let n = shape.iter().product();
+    Ok(crate::init::init_full(opts.seed, name, layer, n, kind))
+}
+
 /// Compares a run in mixed precision with its fp32 reference (each rank's weights
 /// against the same slice of the reference's):
 /// per-step losses (relative) and the weights' distance relative to the reference's
@@ -45,7 +71,7 @@ pub fn check_mixed_precision(
     plan: &meshplan_ir::plan::Plan,
     run: &crate::train::TrainReport,
     reference: &crate::train::TrainReport,
-    seed: u64,
+    start: &crate::train::TrainOptions,
     loss_tolerance: f64,
     update_tolerance: f64,
 ) -> Result<Vec<String>, String> {
@@ -55,10 +81,8 @@ pub fn check_mixed_precision(
     let mut worst = (0.0f64, String::new());
     crate::train::each_weight_slice(plan, run, reference, |w| {
         let (name, layer) = (w.name, w.layer);
-        let (op, id, shape) = crate::train::weight_site(graph, name)?;
-        let kind = crate::init::init_kind(op, id, &shape);
-        let start = crate::init::init_full(seed, name, layer, w.full.len(), kind);
-        let w0 = crate::train::rank_slice(plan, w.rank, name, &start)?;
+        let w0 = starting_full(graph, name, layer, start)?;
+        let w0 = crate::train::rank_slice(plan, w.rank, name, &w0)?;
         let d: f64 = (w.local.iter().zip(&w.want))
             .map(|(a, b)| ((a - b) as f64).powi(2))
             .sum();

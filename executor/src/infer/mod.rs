@@ -176,7 +176,7 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     }
     opts.sampling.validate()?;
     let graph = &plan.graph;
-    crate::train::runnable(graph)?;
+    crate::train::runnable(plan)?;
     let vocab =
         table_rows(graph, "embed.tokens.w").ok_or("the plan's model has no token embedding")?;
     for (i, r) in opts.requests.iter().enumerate() {
@@ -189,7 +189,7 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
             ));
         }
         if let Some(max) = table_rows(graph, "embed.positions.w") {
-            let need = r.len() + opts.max_new_tokens;
+            let need = r.len().saturating_add(opts.max_new_tokens);
             if need > max {
                 return Err(format!(
                     "request {i}: {} prompt tokens + {} new ones exceed the model's {max} learned positions",
@@ -200,7 +200,8 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
         }
     }
     // The last new token is sampled, never fed back through the model.
-    let longest = opts.requests.iter().map(Vec::len).max().unwrap_or(0) + opts.max_new_tokens - 1;
+    let longest = (opts.requests.iter().map(Vec::len).max().unwrap_or(0))
+        .saturating_add(opts.max_new_tokens - 1);
     crate::check_executable(graph, longest)?;
     let s = &plan.strategy;
     if s.cp > 1 {

@@ -55,8 +55,26 @@ pub use run::{train_device, train_device_rank, train_device_with};
 /// Checkpoints save and resume (any plan resumes any other's files), and
 /// fine-tuning starts from a Hugging Face checkpoint.
 pub fn supported(plan: &Plan) -> Result<(), String> {
-    if plan.kind != PlanKind::Train || !matches!(plan.workload, Workload::Train { .. }) {
+    let Workload::Train {
+        global_batch,
+        seq_len,
+        ..
+    } = plan.workload
+    else {
         return Err("not a training plan".into());
+    };
+    if plan.kind != PlanKind::Train {
+        return Err("not a training plan".into());
+    }
+    let s = &plan.strategy;
+    if meshplan_ir::framework::pads(s, global_batch) {
+        // Its ranks' micro-batches would overlap and run past the step's samples.
+        return Err(format!(
+            "dp({}) x mbs({}) does not divide the global batch ({global_batch}): the plan \
+             pads the batch, which the executor does not run (no framework does); plan with \
+             an mbs and dp whose product divides {global_batch}",
+            s.dp, s.mbs
+        ));
     }
     for (axis, size) in plan.mesh.axes.iter().zip(&plan.mesh.shape) {
         if !["dp", "tp", "pp", "cp", "ep"].contains(&axis.as_str()) && *size > 1 {
@@ -67,7 +85,8 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
         }
     }
     let graph = &plan.graph;
-    crate::train::runnable(graph)?;
+    crate::train::runnable(plan)?;
+    crate::check_executable(graph, seq_len as usize)?;
     if let Some(op) = graph
         .ops()
         .find(|op| matches!(op.kind, OpKind::Router { .. }))
@@ -646,13 +665,12 @@ impl<'a, D: Device> DevRank<'a, D> {
         self.dev.f32_zeros(n).map_err(derr("alloc"))
     }
 
-    /// `grads[name] += g`; the first contribution is moved in.
+    /// `grads[name] += g`; the first contribution is moved in. Contributions of
+    /// other lengths are an error (the device's), never a replacement.
     fn add_grad(&self, t: &mut Task<D>, l: u64, name: String, g: D::Act) -> Result<(), RankError> {
         match t.grads.get_mut(&(l, name.clone())) {
-            Some(e) if D::act_len(e) == D::act_len(&g) => {
-                self.dev.accumulate(e, &g).map_err(derr(&name))
-            }
-            _ => {
+            Some(e) => self.dev.accumulate(e, &g).map_err(derr(&name)),
+            None => {
                 t.grads.insert((l, name), g);
                 Ok(())
             }
@@ -668,9 +686,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         g: &D::Act,
     ) -> Result<(), RankError> {
         if let Some(e) = t.grads.get_mut(&(l, name.clone())) {
-            if D::act_len(e) == D::act_len(g) {
-                return self.dev.accumulate(e, g).map_err(derr(&name));
-            }
+            return self.dev.accumulate(e, g).map_err(derr(&name));
         }
         let mut c = self.zeros(D::act_len(g))?;
         self.dev.accumulate(&mut c, g).map_err(derr(&name))?;

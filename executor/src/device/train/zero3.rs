@@ -280,10 +280,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                 Some(state) => state,
                 None => initial_moments(&self.dev, &self.zero.resume_moments, &pieces, c)?,
             };
-            let grad = match self.zero.z3.grads.remove(&copy) {
-                Some(gr) => gr,
-                None => self.zeros_f32(c)?,
-            };
+            // A copy whose gradients the program never reduce-scattered would still
+            // move on its moments: a plan that lost the collective, refused.
+            let grad = self.zero.z3.grads.remove(&copy).ok_or_else(|| {
+                fail(format!(
+                    "ZeRO-3: no reduced gradient of segment copy {copy:?} this step (the plan's backward has no reduce-scatter of it)"
+                ))
+            })?;
             let part = self
                 .zero
                 .z3
