@@ -84,6 +84,7 @@ pub(crate) fn launch(a: LaunchArgs) -> Result<(), Failure> {
         grace: Duration::from_secs_f64(a.grace_s),
         job_token,
     };
+    meshplan_launch::check_options(&opts).map_err(bad)?;
     tracing::info!(
         "launching ranks {}..{} of {} (MASTER_ADDR={} MASTER_PORT={})",
         a.node_rank * a.nproc_per_node,
@@ -92,7 +93,9 @@ pub(crate) fn launch(a: LaunchArgs) -> Result<(), Failure> {
         opts.master_addr,
         opts.master_port
     );
-    let outcome = start(&opts).map_err(bad)?;
+    // The flags were checked above: what fails now (a rank that cannot start, the
+    // signals) is the machine's.
+    let outcome = start(&opts).map_err(runtime)?;
     match (outcome.first_failure, outcome.signal) {
         (Some((rank, code)), _) => Err(Failure {
             code: clamp_code(code),

@@ -416,6 +416,15 @@ impl Checkpoint {
                 out.extend((a..b).map(|c| read(r, c)));
             }
         }
+        // NaN or infinity would generate (or train on) garbage without a word.
+        if let Some(bad) = out.iter().find(|x| !x.is_finite()) {
+            let names: Vec<&str> = parts.iter().map(|p| p.name.as_str()).collect();
+            return Err(werr(format!(
+                "{}: `{}` holds {bad}: the weights are damaged or were saved from a diverged run; use an intact checkpoint",
+                self.dir.display(),
+                names.join("`, `")
+            )));
+        }
         Ok(out)
     }
 }

@@ -122,10 +122,10 @@ impl Framework {
         if cfg.attn == AttnImpl::Flash {
             why.extend(self.flash_gap(needs));
         }
-        // Every framework runs exactly the batch asked for. meshplan's executor
-        // can round the micro-batch count up (computing sequences nobody asked
-        // for); its search prefers exact batches and pads only where the fixed
-        // keys leave nothing else (`pads`).
+        // Every framework runs exactly the batch asked for, meshplan's executor
+        // too (it refuses a padded plan). meshplan's search prefers exact batches
+        // and pads only where the fixed keys leave nothing else (`pads`): such a
+        // plan is estimated and compared, with a warning, and not run.
         let per_step = cfg.dp.saturating_mul(cfg.mbs).max(1);
         if self != Framework::Meshplan && pads(cfg, global_batch) {
             why.push(format!(
@@ -140,7 +140,22 @@ impl Framework {
             ("ep", cfg.ep),
         ];
         match self {
-            Framework::Meshplan => {}
+            Framework::Meshplan => {
+                // The executor holds each tensor rank's whole share of every split
+                // width; a remainder has no rank (`shard::check_split`).
+                if cfg.tp > 1 && needs.vocab > 1 && !needs.vocab.is_multiple_of(cfg.tp) {
+                    why.push(format!(
+                        "{name}'s executor splits the vocabulary ({vocab}) over tp whole: tp={} does not divide it; pad the vocabulary to a multiple of tp (GPT-3 pads 50257 to 51200) or use a tp that divides it",
+                        cfg.tp
+                    ));
+                }
+                if cfg.tp > 1 && needs.tp_widths > 0 && !needs.tp_widths.is_multiple_of(cfg.tp) {
+                    why.push(format!(
+                        "{name}'s executor splits the layers' widths over tp whole: tp={} does not divide every one (their greatest common divisor is {})",
+                        cfg.tp, needs.tp_widths
+                    ));
+                }
+            }
             Framework::Deepspeed => {
                 for (k, d) in deg {
                     if d > 1 {
@@ -284,6 +299,10 @@ pub struct Needs {
     pub alibi: bool,
     /// Query/key width of one head.
     pub head_dim: u64,
+    /// The greatest common divisor of the layers' widths that tensor parallelism
+    /// splits by rows (the MLP's hidden width, the attention output's input, an
+    /// expert's hidden width); 0 where the graph has none.
+    pub tp_widths: u64,
 }
 
 impl Needs {
@@ -299,8 +318,40 @@ impl Needs {
             global_batch,
             alibi: attention.is_some_and(|a| a.alibi),
             head_dim: attention.map_or(0, |a| a.qk_dim),
+            tp_widths: tp_widths(graph),
         }
     }
+}
+
+/// [`Needs::tp_widths`] of `graph`: the rows of row-parallel weights, and of each
+/// expert's MLP its hidden width (the rows of `[e, f, h]`, half the columns of
+/// `[e, h, 2f]`).
+fn tp_widths(graph: &Graph) -> u64 {
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    let fixed = |d: &crate::graph::Dim| match d {
+        crate::graph::Dim::Fixed(n) => Some(*n),
+        _ => None,
+    };
+    let mut g = 0;
+    for op in graph.ops() {
+        let Some(w) = op.inputs.get(1).map(|&t| graph.tensor(t)) else {
+            continue;
+        };
+        let dims: Vec<u64> = w.shape.iter().filter_map(fixed).collect();
+        let width = match (op.role, dims.as_slice()) {
+            (crate::graph::TpRole::RowParallel, [rows, _]) => *rows,
+            (crate::graph::TpRole::Experts, [_, r, c]) if r > c => *r,
+            (crate::graph::TpRole::Experts, [_, _, c]) => c / 2,
+            _ => continue,
+        };
+        g = gcd(g, width);
+    }
+    g
 }
 
 /// Whether `cfg` computes more sequences than `global_batch` (dp x mbs does not
@@ -375,6 +426,7 @@ mod tests {
             global_batch,
             alibi: false,
             head_dim: 128,
+            tp_widths: 4096,
         }
     }
 
@@ -432,6 +484,48 @@ mod tests {
                 .iter()
                 .all(|w| !w.contains("batch")));
         }
+    }
+
+    #[test]
+    fn meshplan_splits_the_vocabulary_and_widths_over_tp_whole() {
+        let m = Framework::Meshplan;
+        // GPT-2's 50257 tokens: no tp > 1; GPT-3's 51200: tp=8.
+        let why = m.cannot_run(&cfg(4, 2, 1, 1), &needs(12, 50257, 64));
+        assert!(
+            why.len() == 1 && why[0].contains("vocabulary (50257)") && why[0].contains("tp=2"),
+            "{why:?}"
+        );
+        assert!(m
+            .cannot_run(&cfg(1, 8, 1, 1), &needs(96, 51200, 64))
+            .is_empty());
+        assert!(m
+            .cannot_run(&cfg(8, 1, 1, 1), &needs(12, 50257, 64))
+            .is_empty());
+        // An MLP 129 wide (gcd of the widths 129): no tp=2.
+        let odd = Needs {
+            tp_widths: 129,
+            ..needs(12, 256, 64)
+        };
+        let why = m.cannot_run(&cfg(4, 2, 1, 1), &odd);
+        assert!(
+            why.len() == 1 && why[0].contains("divisor is 129"),
+            "{why:?}"
+        );
+        // Not a rule of the other frameworks (Megatron-Core has its own, padding).
+        let why = Framework::MegatronCore.cannot_run(&cfg(4, 2, 1, 1), &needs(12, 50257, 64));
+        assert!(why.iter().all(|w| !w.contains("executor")), "{why:?}");
+        // The widths of a graph: the MLP's hidden width and the attention output.
+        let spec = crate::load::parse_model_yaml(
+            &std::fs::read_to_string(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../models/tiny-gpt.yaml"
+            ))
+            .expect("model"),
+            "tiny-gpt.yaml",
+        )
+        .expect("spec");
+        let graph = crate::model_graph(&spec).expect("graph");
+        assert_eq!(tp_widths(&graph), 64, "gcd(ffn 128, heads x head_dim 64)");
     }
 
     #[test]

@@ -25,7 +25,7 @@ mod tests;
 pub use auth::{JobSecret, SecretSource};
 pub use env::{LaunchEnv, LaunchEnvError};
 pub use rendezvous::{fnv1a64, Rendezvous, RendezvousConfig, RendezvousError};
-pub use spawn::{launch, watch_launcher, LaunchOptions, LaunchOutcome};
+pub use spawn::{check_options, launch, watch_launcher, LaunchOptions, LaunchOutcome};
 
 /// This machine's host name (for the rank -> node map); `localhost` if unknown.
 pub fn hostname() -> String {

@@ -182,7 +182,9 @@ pub fn launch(o: &LaunchOptions) -> Result<LaunchOutcome, String> {
     })
 }
 
-fn check_options(o: &LaunchOptions) -> Result<(), String> {
+/// Whether `o` names a launch that can start: the flags' own error otherwise (bad
+/// input, where [`launch`]'s later errors are the machine's).
+pub fn check_options(o: &LaunchOptions) -> Result<(), String> {
     if o.nproc_per_node == 0 || o.nproc_per_node > NPROC_PER_NODE_MAX {
         return Err(format!(
             "--nproc-per-node {} must be in 1..={NPROC_PER_NODE_MAX}",

@@ -894,41 +894,65 @@ fn run_refuses_a_padded_batch_and_weights_a_degree_does_not_split_whole() {
         std::fs::write(&path, tiny.replace(from, to)).expect("model");
         path.display().to_string()
     };
+    // The planner writes none of these for meshplan's executor (it warns about the
+    // padded batch, and refuses the splits); a plan for torchtitan, whose DTensors
+    // split unevenly, reaches the executor, which refuses it rather than run it.
     let cases = [
         (
             variant("batch10.yaml", "global_batch: 8", "global_batch: 10"),
             "dp=2,mbs=4",
+            "meshplan",
             "does not divide the global batch (10)",
         ),
         (
             variant("vocab251.yaml", "vocab: 256", "vocab: 251"),
             "dp=2,tp=2",
+            "torchtitan",
             "`embed.tokens.w` of `embed.tokens`: 251 does not split evenly over tp=2",
         ),
         (
             variant("ffn129.yaml", "ffn_hidden: 128", "ffn_hidden: 129"),
             "dp=2,tp=2",
+            "torchtitan",
             "`block.mlp.up.w` of `block.mlp.up`: each of its gate and up halves, 129, does not split evenly over tp=2",
         ),
     ];
-    for (model, cfg, why) in cases {
-        let plan = dir.join("plan.json");
-        let path = plan.to_str().expect("utf-8 path");
+    let plan = dir.join("plan.json");
+    let path = plan.to_str().expect("utf-8 path");
+    let planned = |model: &str, cfg: &str, framework: &str| {
         meshplan(&[
             "plan",
-            &model,
+            model,
             "topologies/cpu-test-mesh.yaml",
             "--config",
             cfg,
+            "--framework",
+            framework,
             "--quiet",
             "-o",
             path,
         ])
-        .expect_code(0);
+    };
+    for (model, cfg, framework, why) in cases {
+        planned(&model, cfg, framework).expect_code(0);
         meshplan(&["run", path, "--steps", "1"])
             .expect_code(2)
             .stderr_has(&[path, why]);
     }
+    planned(
+        &dir.join("vocab251.yaml").display().to_string(),
+        "dp=2,tp=2",
+        "meshplan",
+    )
+    .expect_code(2)
+    .stderr_has(&["meshplan's executor splits the vocabulary (251) over tp whole"]);
+    planned(
+        &dir.join("ffn129.yaml").display().to_string(),
+        "dp=2,tp=2",
+        "meshplan",
+    )
+    .expect_code(2)
+    .stderr_has(&["meshplan's executor splits the layers' widths over tp whole"]);
 }
 
 #[test]

@@ -1383,9 +1383,27 @@ fn a_checkpoint_holding_nan_is_refused_naming_the_tensor() {
     )
     .expect_err("NaN weights are refused");
     assert!(
-        err.message().contains("holds NaN") && err.message().contains("layer 2"),
+        err.message().contains(&format!("`{name}` holds NaN")),
         "{}",
         err.message()
+    );
+    // Fine-tuning from it is refused the same way, before a step runs.
+    use meshplan_executor::train::{train, TrainOptions};
+    let run = train(
+        &train_plan_of(&dir, "dp=2", 2),
+        &TrainOptions {
+            weights: Some(
+                Checkpoint::open(&dir)
+                    .map(Arc::new)
+                    .unwrap_or_else(|e| panic!("{e}")),
+            ),
+            ..TrainOptions::default()
+        },
+    );
+    let err = run.expect_err("fine-tuning from NaN weights");
+    assert!(
+        err.to_string().contains(&format!("`{name}` holds NaN")),
+        "{err}"
     );
 }
 

@@ -99,15 +99,6 @@ impl<'a, D: Device> InferRank<'a, D> {
                         self.opts.seed,
                         self.opts.weights.as_deref(),
                     )?;
-                    if let Some(bad) = local.iter().find(|x| !x.is_finite()) {
-                        // A checkpoint holding NaN or infinity generates garbage
-                        // without a word; refuse it naming the tensor.
-                        let layer = crate::train::layer_label(l);
-                        return Err(fail(format!(
-                            "weight `{}`{layer} holds {bad}: the weights are damaged or were saved from a diverged run",
-                            t.name
-                        )));
-                    }
                     let w = self.dev.act_from_host(local).map_err(derr("upload"))?;
                     self.weights.insert(key, w);
                 }
