@@ -218,6 +218,21 @@ fn collectives_match_serial_reference_on_groups_of_1_to_4() {
 }
 
 #[test]
+fn a_small_collective_missing_beside_gigabytes_is_a_byte_gap() {
+    // A vocabulary-parallel loss's statistics (2 x 8 rows x 4 bytes = 64 bytes)
+    // missing from 4 GiB of tensor-parallel traffic: 1.5e-8 of it.
+    let want = 4.0 * (1u64 << 30) as f64;
+    let gap = crate::comm::byte_gap("rank 0 tp", want - 64.0, want);
+    assert_eq!(
+        gap.as_deref(),
+        Some("rank 0 tp: measured 4294967232 bytes, plan 4294967296")
+    );
+    // f64 rounding of sums, 1e-13 of the total, is no gap; half a byte is one.
+    assert_eq!(crate::comm::byte_gap("r", want * (1.0 + 1e-13), want), None);
+    assert!(crate::comm::byte_gap("r", 0.5, 1.0).is_some());
+}
+
+#[test]
 fn a_message_never_received_fails_the_run_though_every_rank_returned() {
     // Sends are buffered: rank 0's second send waits for nobody, and rank 1 returns
     // after one receive.
