@@ -939,20 +939,15 @@ fn run_refuses_a_padded_batch_and_weights_a_degree_does_not_split_whole() {
             .expect_code(2)
             .stderr_has(&[path, why]);
     }
-    planned(
-        &dir.join("vocab251.yaml").display().to_string(),
-        "dp=2,tp=2",
-        "meshplan",
-    )
-    .expect_code(2)
-    .stderr_has(&["meshplan's executor splits the vocabulary (251) over tp whole"]);
-    planned(
-        &dir.join("ffn129.yaml").display().to_string(),
-        "dp=2,tp=2",
-        "meshplan",
-    )
-    .expect_code(2)
-    .stderr_has(&["meshplan's executor splits the layers' widths over tp whole"]);
+    for (model, why) in [
+        ("vocab251.yaml", "splits the vocabulary (251) over tp whole"),
+        ("ffn129.yaml", "splits the layers' widths over tp whole"),
+    ] {
+        let model = dir.join(model).display().to_string();
+        planned(&model, "dp=2,tp=2", "meshplan")
+            .expect_code(2)
+            .stderr_has(&["meshplan's executor", why]);
+    }
 }
 
 #[test]
