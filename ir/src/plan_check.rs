@@ -14,7 +14,8 @@
 use crate::config::Schedule;
 use crate::graph::{einsum_output_shape, Dim, Graph, Op, OpKind, Segment};
 use crate::plan::{
-    GroupSpec, Instr, MeshInfo, Pass, Phase, PhaseKind, Plan, PlanKind, Program, PLAN_FORMAT,
+    CollectiveKind, GroupSpec, Instr, MeshInfo, Pass, Phase, PhaseKind, Plan, PlanKind, Program,
+    PLAN_FORMAT,
 };
 use crate::spec::{RawTransformer, TransformerSpec, Workload, DIM_MAX};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -579,6 +580,34 @@ impl Plan {
             }
         }
         Ok(())
+    }
+
+    /// A collective on an activation agrees with the tensor's placement on the axis
+    /// (the producer's partial sum `P`, or the rows `S(d)` a reduce-scatter leaves):
+    /// a partial sum is never gathered, and rows are never all-reduced. Otherwise a
+    /// run would compute another model with the plan's byte counts (an all-gather and
+    /// an all-reduce of two ranks send the same bytes).
+    fn activation_kind(&self, at: &str, kind: CollectiveKind, axis: &str, tensor: &str) -> Check {
+        let Some(i) = PLACEMENT_AXES.iter().position(|a| *a == axis) else {
+            return Ok(());
+        };
+        let Some(p) = self.placements.get(tensor).and_then(|p| p.get(i)) else {
+            return Ok(());
+        };
+        let fits = match p.as_str() {
+            "P" => kind != CollectiveKind::AllGather,
+            "R" => true,
+            _ => kind != CollectiveKind::AllReduce,
+        };
+        if fits {
+            return Ok(());
+        }
+        Err(bad(
+            at,
+            format!(
+                "{kind:?} of `{tensor}` over {axis}, which the plan places `{p}` there (placements.{tensor}): a partial sum is summed, never gathered, and rows are gathered, never all-reduced; re-plan rather than edit"
+            ),
+        ))
     }
 
     fn check_placements(&self) -> Check {
@@ -1281,11 +1310,13 @@ impl<'a> Ctx<'a> {
                 Ok(())
             }
             Instr::Collective {
+                kind,
                 group,
+                axis,
                 ranks,
+                target,
                 payload_bytes,
                 bytes_sent,
-                ..
             } => {
                 let g = self.group(&f("group"), group)?;
                 same(
@@ -1294,6 +1325,10 @@ impl<'a> Ctx<'a> {
                     g.size,
                     &format!("the size of group `{group}`"),
                 )?;
+                if let crate::target::Target::Activation { tensor } = target {
+                    self.plan
+                        .activation_kind(&f("kind"), *kind, axis.name(), tensor)?;
+                }
                 amount(f("payload_bytes"), *payload_bytes)?;
                 amount(f("bytes_sent"), *bytes_sent)
             }

@@ -950,6 +950,33 @@ fn run_refuses_a_padded_batch_and_weights_a_degree_does_not_split_whole() {
     }
 }
 
+/// A plan's collective on an activation must fit how its producer leaves it: the
+/// embedding's all-reduce over tp=2 edited to an all-gather sends the same bytes and
+/// ran to the end with another loss (5.5649 for 5.5663) and "bytes equal".
+#[test]
+fn an_edited_collective_kind_is_refused_naming_it() {
+    let out = plan_file(
+        "plan-edit-kind.json",
+        "models/tiny-gpt.yaml",
+        "dp=2,tp=2,sp=false",
+    );
+    let mut plan: Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("plan")).expect("JSON");
+    // The embedding segment's body: its lookup, then the sum of the vocabulary shards.
+    let embed = &mut plan["programs"][0]["phases"][0]["chunks"][0]["forward"][0]["body"][1];
+    assert_eq!(embed["tensor"]["activation"]["tensor"], "embed.tokens.out");
+    assert_eq!(embed["kind"], "all_reduce");
+    embed["kind"] = "all_gather".into();
+    let edited = temp_file("plan-edit-kind-edited.json", &plan.to_string());
+    let path = edited.to_str().expect("utf-8 path");
+    meshplan(&["run", path, "--steps", "1"])
+        .expect_code(2)
+        .stderr_has(&[
+            "AllGather of `embed.tokens.out` over tp",
+            "places `P` there (placements.embed.tokens.out)",
+        ]);
+}
+
 #[test]
 fn run_check_expert_parallel_with_capacity_matches_the_plan_byte_for_byte() {
     let out = plan_file(
