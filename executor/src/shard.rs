@@ -181,7 +181,9 @@ pub(crate) fn check_split(graph: &Graph, tp: usize, ep: usize) -> Result<(), Str
                 }
                 continue;
             }
-            let (rows, cols) = (shape[0], *shape.last().unwrap_or(&1));
+            let (Some(&rows), Some(&cols)) = (shape.first(), shape.last()) else {
+                continue;
+            };
             let spec = |rank| shard_spec(graph, op, op.role, w, &shape, TpPos { rank, size: tp });
             let (n, mut held) = match spec(0) {
                 ShardSpec::All => continue,

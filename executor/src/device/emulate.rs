@@ -53,13 +53,11 @@ fn starting_full(
             &shape,
         );
     }
-    if let Some(hf) = &opts.weights {
-        let l = (layer != crate::train::NO_LAYER).then_some(layer);
-        return (hf.local(graph, id, l, &crate::shard::ShardSpec::All)).map_err(|e| e.to_string());
-    }
-    let kind = crate::init::init_kind(op, id, &shape);
-    let n = shape.iter().product();
-    Ok(crate::init::init_full(opts.seed, name, layer, n, kind))
+    // A fine-tuned or seeded start, as one rank without tensor or expert axes reads it.
+    let one = crate::shard::TpPos::ONE;
+    let hf = opts.weights.as_deref();
+    crate::weights::starting_slice(graph, (op, id), layer, (one, one), opts.seed, hf)
+        .map_err(|e| e.to_string())
 }
 
 /// Compares a run in mixed precision with its fp32 reference (each rank's weights

@@ -55,17 +55,18 @@ pub use run::{train_device, train_device_rank, train_device_with};
 /// Checkpoints save and resume (any plan resumes any other's files), and
 /// fine-tuning starts from a Hugging Face checkpoint.
 pub fn supported(plan: &Plan) -> Result<(), String> {
-    let Workload::Train {
-        global_batch,
-        seq_len,
-        ..
-    } = plan.workload
+    let (
+        PlanKind::Train,
+        Workload::Train {
+            global_batch,
+            seq_len,
+            ..
+        },
+    ) = (plan.kind, &plan.workload)
     else {
         return Err("not a training plan".into());
     };
-    if plan.kind != PlanKind::Train {
-        return Err("not a training plan".into());
-    }
+    let (global_batch, seq_len) = (*global_batch, *seq_len);
     let s = &plan.strategy;
     if meshplan_ir::framework::pads(s, global_batch) {
         // Its ranks' micro-batches would overlap and run past the step's samples.
