@@ -49,8 +49,10 @@
 //! reason; from then on every blocked or new operation returns
 //! [`CommError::Aborted`], naming where that rank was waiting. Any error a
 //! [`ThreadComm`] operation returns aborts the world too, because the peers cannot
-//! complete the operation without this rank. A wait longer than the timeout returns
-//! [`CommError::Timeout`] naming the ranks that did not arrive. [`run_ranks`] and
+//! complete the operation without this rank. A [`ThreadComm`] world whose every
+//! running rank waits for another returns [`CommError::Deadlock`] at once, naming
+//! each wait; a wait longer than a given timeout returns [`CommError::Timeout`]
+//! naming the ranks that did not arrive. [`run_ranks`] and
 //! [`run_with`] turn a rank's error or panic into an abort (`run_with` through every
 //! rank's [`AbortHandle`], for communicators such as NCCL's that neither time out
 //! nor see a peer fail), and [`failure_summary`] says in one line who failed first
@@ -239,6 +241,14 @@ pub enum CommError {
         /// How long this rank waited.
         timeout: Duration,
     },
+    /// Every rank not finished waits, each where only another waiting rank could
+    /// wake it: the ranks' programs do not match (the in-process world finds this
+    /// at once; its waits have no time limit otherwise).
+    #[error("{}", deadlocked(waits))]
+    Deadlock {
+        /// Each waiting rank and where it waits, in rank order.
+        waits: Vec<(usize, WaitPoint)>,
+    },
     /// Members called different operations (kind, axis, size or root) at the same
     /// sequence number, or a message does not fit the receive.
     #[error("mismatched {waiting_in}: {detail}")]
@@ -292,6 +302,18 @@ fn timed_out(
         "timed out after {:.3} s in {kind} on {axis} ({group}seq {seq}): {} did not arrive",
         timeout.as_secs_f64(),
         rank_list(missing)
+    )
+}
+
+/// [`CommError::Deadlock`]'s message.
+fn deadlocked(waits: &[(usize, WaitPoint)]) -> String {
+    let each: Vec<String> = waits
+        .iter()
+        .map(|(r, w)| format!("rank {r} in {w}"))
+        .collect();
+    format!(
+        "deadlock: every rank still running waits for another ({})",
+        each.join(", ")
     )
 }
 

@@ -92,6 +92,30 @@ pub fn meshplan(args: &[&str]) -> Run {
     )
 }
 
+/// Runs `meshplan ARGS`, killing it (and failing the test) after `limit`: for
+/// runs that must end by themselves (a FIFO given as input refused, not waited
+/// on; a deadlock found, not slept in), so that a regression fails, not hangs.
+/// Its output must fit the pipes (64 KiB), which a message does.
+#[track_caller]
+pub fn within(limit: std::time::Duration, args: &[&str]) -> Run {
+    let mut child = command()
+        .args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("spawn meshplan");
+    let start = std::time::Instant::now();
+    while child.try_wait().expect("wait").is_none() {
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("meshplan {} still running after {limit:?}", args.join(" "));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    finish(args, &child.wait_with_output().expect("output"))
+}
+
 /// The [`Run`] of a finished `meshplan ARGS`; fails the test on a panic or signal.
 #[track_caller]
 pub fn finish(args: &[&str], out: &std::process::Output) -> Run {

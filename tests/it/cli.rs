@@ -977,6 +977,47 @@ fn an_edited_collective_kind_is_refused_naming_it() {
         ]);
 }
 
+/// Two stages' schedules, each a valid order on its own, that wait for each
+/// other: stage 0 waits for microbatch 0's gradient before it sends microbatch
+/// 1, which stage 1 waits for before it sends that gradient. The run stops at
+/// once naming both waits, where it used to sleep until a timeout.
+#[test]
+fn crossed_pipeline_schedules_fail_at_once_as_a_deadlock_naming_both_waits() {
+    let out = plan_file(
+        "plan-edit-schedule.json",
+        "models/tiny-gpt.yaml",
+        "dp=4,pp=2,mbs=1,vpp=1,schedule=1f1b",
+    );
+    let mut plan: Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("plan")).expect("JSON");
+    let pass = |p: &str, mb: u64| serde_json::json!({"pass": p, "chunk": 0, "mb": mb});
+    for (stage, order) in [
+        (0, [("F", 0), ("B", 0), ("F", 1), ("B", 1)]),
+        (1, [("F", 0), ("F", 1), ("B", 0), ("B", 1)]),
+    ] {
+        let program = &mut plan["programs"][stage];
+        assert_eq!(program["stage"], stage);
+        let schedule = &mut program["phases"][0]["schedule"];
+        assert_eq!(schedule.as_array().map(Vec::len), Some(4), "{schedule}");
+        *schedule = order.iter().map(|&(p, mb)| pass(p, mb)).collect();
+    }
+    let edited = temp_file("plan-edit-schedule-edited.json", &plan.to_string());
+    let path = edited.to_str().expect("utf-8 path");
+    // Killed, and failed, if it sleeps instead.
+    let run = crate::bin::within(
+        std::time::Duration::from_secs(120),
+        &["run", path, "--steps", "1"],
+    );
+    run.expect_code(1);
+    for needle in [
+        "error: deadlock: every rank still running waits for another (rank 0 in recv on pp from rank 4 (seq 0), ",
+        ", rank 4 in recv on pp from rank 0 (seq 1), ",
+        ", rank 7 in recv on pp from rank 3 (seq 1))\n",
+    ] {
+        assert!(run.stderr.contains(needle), "{}", run.stderr);
+    }
+}
+
 #[test]
 fn run_check_expert_parallel_with_capacity_matches_the_plan_byte_for_byte() {
     let out = plan_file(

@@ -634,7 +634,7 @@ struct Rendezvous {
 type CResult = Result<(), meshplan_executor::comm::CommError>;
 
 impl Rendezvous {
-    fn world(n: usize, timeout: std::time::Duration) -> Vec<Box<dyn Communicator>> {
+    fn world(n: usize, timeout: Option<std::time::Duration>) -> Vec<Box<dyn Communicator>> {
         let acks = ThreadComm::create(n, timeout);
         ThreadComm::create(n, timeout)
             .into_iter()
@@ -743,7 +743,7 @@ fn pipeline_schedules_complete_when_sends_wait_for_their_receives() {
         (&eight, "pp=4,vpp=2,mbs=2"),
     ];
     let opts = TrainOptions {
-        timeout: std::time::Duration::from_secs(30),
+        timeout: Some(std::time::Duration::from_secs(30)),
         ..TrainOptions::default()
     };
     for (m, cfg) in cases {

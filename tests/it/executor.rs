@@ -244,7 +244,7 @@ fn a_failing_rank_stops_every_rank_with_a_message() {
     let p = plan(&m, "dp=2,tp=2,pp=2,mbs=1");
     let opts = TrainOptions {
         fail_at: Some((5, 1)),
-        timeout: Duration::from_secs(20),
+        timeout: Some(Duration::from_secs(20)),
         ..TrainOptions::default()
     };
     let t = Instant::now();
@@ -313,7 +313,7 @@ fn a_launched_rank_reports_its_failure_in_words() {
         fail_at: Some((1, 1)),
         // Nothing tells rank 0 here (a launcher stops the other processes): it
         // waits for rank 1 until this timeout.
-        timeout: Duration::from_secs(2),
+        timeout: Some(Duration::from_secs(2)),
         ..TrainOptions::default()
     };
     let results: Vec<_> = std::thread::scope(|s| {

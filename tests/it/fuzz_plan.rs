@@ -323,7 +323,7 @@ fn exercise(text: &str, run: bool) -> Result<bool, String> {
             meshplan_ir::plan::PlanKind::Train => {
                 let opts = TrainOptions {
                     steps: 1,
-                    timeout: Duration::from_secs(2),
+                    timeout: Some(Duration::from_secs(2)),
                     ..TrainOptions::default()
                 };
                 if let Err(e) = train(&plan, &opts) {
@@ -333,7 +333,7 @@ fn exercise(text: &str, run: bool) -> Result<bool, String> {
             meshplan_ir::plan::PlanKind::Inference => {
                 let opts = InferOptions {
                     max_new_tokens: 2,
-                    timeout: Duration::from_secs(2),
+                    timeout: Some(Duration::from_secs(2)),
                     ..InferOptions::default()
                 };
                 if check_inputs(&plan, &opts).is_ok() {

@@ -2,32 +2,10 @@
 //! place of inputs, a cluster file naming a file outside its folder, a device as
 //! the output path, a token file truncated under a running job.
 
-use crate::bin::{command, finish, meshplan, temp_dir, Run};
+use crate::bin::{command, meshplan, temp_dir, within};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
-
-/// Runs `meshplan ARGS`, killing it (and failing the test) after `limit`: a FIFO
-/// given as input must be refused, not waited on.
-#[track_caller]
-fn within(limit: Duration, args: &[&str]) -> Run {
-    let mut child = command()
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn meshplan");
-    let start = Instant::now();
-    while child.try_wait().expect("wait").is_none() {
-        if start.elapsed() > limit {
-            let _ = child.kill();
-            panic!("meshplan {} still running after {limit:?}", args.join(" "));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    finish(args, &child.wait_with_output().expect("output"))
-}
 
 fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")

@@ -58,7 +58,7 @@ fn panic_message(payload: &(dyn Any + Send)) -> String {
 /// report.
 pub fn run_ranks<T, F>(
     world: usize,
-    timeout: Duration,
+    timeout: Option<Duration>,
     threads_per_rank: usize,
     f: F,
 ) -> Vec<Result<T, RankError>>
@@ -186,6 +186,8 @@ where
         pool.install(|| f(comm))
     };
     let out = guarded(rank, |r, reason| shared.abort(r, reason), body);
+    // After the abort: a peer waiting for this rank must see its reason, not
+    // only that it finished.
     shared.finish(rank);
     out
 }
@@ -212,7 +214,8 @@ fn guarded<T>(
 ///
 /// The first failure is the one every aborted rank reports; when no rank was
 /// aborted, it is the lowest failed rank. Other ranks that failed on their own are
-/// listed after the waiting ones.
+/// listed after the waiting ones. A deadlock is said as itself, each rank's wait
+/// once.
 pub fn failure_summary<T>(results: &[Result<T, RankError>]) -> Option<String> {
     let errors: Vec<(usize, &RankError)> = results
         .iter()
@@ -229,6 +232,15 @@ pub fn failure_summary<T>(results: &[Result<T, RankError>]) -> Option<String> {
         Some(f) => f,
         None => errors.first().map(|(r, e)| (*r, e.to_string()))?,
     };
+    // A deadlock is no one rank's failure, and its message already says where
+    // every rank waits.
+    let deadlock = errors.iter().find_map(|(r, e)| match e {
+        RankError::Comm(d @ CommError::Deadlock { .. }) if *r == first => Some(d.to_string()),
+        _ => None,
+    });
+    if deadlock.is_some() {
+        return deadlock;
+    }
     let mut parts = vec![format!("rank {first} failed: {reason}")];
     // Waiting ranks grouped by where they waited, in order of their lowest rank.
     let mut waits: Vec<(String, Vec<usize>)> = Vec::new();

@@ -5,7 +5,7 @@ use super::*;
 use meshplan_ir::plan::CollectiveKind;
 use std::time::Instant;
 
-const LONG: Duration = Duration::from_secs(30);
+const LONG: Option<Duration> = Some(Duration::from_secs(30));
 
 impl CommKind {
     /// The plan's collective this kind carries out, for comparing measured counts
@@ -702,7 +702,7 @@ fn a_timeout_names_the_ranks_that_did_not_arrive() {
     let start = Instant::now();
     let group = Group::new("dp", vec![0, 1, 2]);
     let results: Vec<Result<(), RankError>> =
-        run_ranks(3, Duration::from_millis(200), 1, |mut c| {
+        run_ranks(3, Some(Duration::from_millis(200)), 1, |mut c| {
             if c.rank() == 2 {
                 // Late, but not finished: only the timeout can end the wait.
                 std::thread::sleep(Duration::from_millis(800));
@@ -751,6 +751,101 @@ fn a_timeout_names_the_ranks_that_did_not_arrive() {
     let summary = failure_summary(&results).unwrap_or_default();
     assert!(summary.contains("timed out"), "{summary}");
     assert!(summary.contains("rank 2 did not arrive"), "{summary}");
+}
+
+#[test]
+fn ranks_that_wait_for_each_other_fail_at_once_naming_every_wait() {
+    // The limit only keeps a regression from hanging the suite.
+    let limit = Some(Duration::from_secs(20));
+    let start = Instant::now();
+    let results = run_ranks(2, limit, 1, |mut c| {
+        let peer = 1 - c.rank();
+        c.recv(peer, "pp", &mut [0.0; 2])?;
+        c.send(peer, "pp", &[0.0; 2])?;
+        Ok(())
+    });
+    assert!(start.elapsed() < Duration::from_secs(2), "{results:?}");
+    assert_eq!(
+        failure_summary(&results).as_deref(),
+        Some(
+            "deadlock: every rank still running waits for another (rank 0 in recv on pp \
+             from rank 1 (seq 0), rank 1 in recv on pp from rank 0 (seq 0))"
+        ),
+    );
+    // Collectives entered in crossed order, while a third rank computes: no one
+    // is stuck for good until it has finished, and then both are.
+    let busy = Duration::from_millis(300);
+    let start = Instant::now();
+    let (tp, dp) = (Group::new("tp", vec![0, 1]), Group::new("dp", vec![0, 1]));
+    let results = run_ranks(3, limit, 1, |mut c| {
+        match c.rank() {
+            0 => {
+                c.all_reduce(&tp, "tp", &mut [1.0])?;
+                c.all_reduce(&dp, "dp", &mut [1.0])?;
+            }
+            1 => {
+                c.all_reduce(&dp, "dp", &mut [1.0])?;
+                c.all_reduce(&tp, "tp", &mut [1.0])?;
+            }
+            _ => std::thread::sleep(busy),
+        }
+        Ok(())
+    });
+    let took = start.elapsed();
+    assert!(took >= busy && took < Duration::from_secs(2), "{took:?}");
+    assert!(results[2].is_ok());
+    let summary = failure_summary(&results).unwrap_or_default();
+    assert!(
+        summary
+            .contains("(rank 0 in all_reduce on tp (seq 0), rank 1 in all_reduce on dp (seq 0))"),
+        "{summary}"
+    );
+    assert!(
+        results[..2].iter().any(
+            |r| matches!(r, Err(RankError::Comm(CommError::Deadlock { waits })) if waits.len() == 2)
+        ),
+        "{results:?}"
+    );
+}
+
+#[test]
+fn a_wait_without_a_limit_outlasts_a_peer_that_computes() {
+    let group = Group::new("dp", vec![0, 1]);
+    let results = all_ok(run_ranks(2, None, 1, |mut c| {
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let mut x = [c.rank() as f32 + 1.0];
+        c.all_reduce(&group, "dp", &mut x)?;
+        if c.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(500));
+            c.send(0, "pp", &x)?;
+        } else {
+            c.recv(1, "pp", &mut x)?;
+        }
+        Ok(x[0])
+    }));
+    assert_eq!(results, vec![3.0, 3.0]);
+    // A message, or a completed rendezvous, lets its waiter go on: a rank that
+    // sleeps right after its peer's wake-up, before the peer ran again, is not a
+    // deadlock. Ping-pong makes that the common case.
+    let results = all_ok(run_ranks(2, None, 1, |mut c| {
+        let (me, peer) = (c.rank(), 1 - c.rank());
+        let mut x = [0.0f32];
+        for _ in 0..300 {
+            if me == 0 {
+                x[0] += 1.0;
+                c.send(peer, "pp", &x)?;
+                c.recv(peer, "pp", &mut x)?;
+            } else {
+                c.recv(peer, "pp", &mut x)?;
+                c.send(peer, "pp", &x)?;
+            }
+            c.all_reduce(&group, "dp", &mut [1.0])?;
+        }
+        Ok(x[0])
+    }));
+    assert_eq!(results, vec![300.0, 300.0]);
 }
 
 #[test]

@@ -8,6 +8,15 @@
 //! the others. The last member to leave removes the slot.
 //! Sends are buffered (a send never waits for its receive), which is what lets
 //! pipeline stages exchange activations in either order without deadlock.
+//!
+//! A wait has no time limit unless one is given: a peer may compute for minutes
+//! before it arrives (a pipeline stage's microbatch of a large model on one core).
+//! What ends a wait that can never end is the deadlock check: a rank about to
+//! sleep marks where it waits, every change to the shared state (an arrival that
+//! completes a rendezvous, a message, a finished rank, a failure) clears the
+//! marks, and a rank that finds every unfinished rank marked knows that each
+//! looked at the state since its last change and found nothing to do, so that no
+//! one can move again. It fails the run at once, naming where each rank waits.
 
 use super::args;
 use super::counts::bytes_of;
@@ -23,7 +32,7 @@ type GroupKey = (String, Vec<usize>);
 /// In-process communicator: one per rank, each moved into its rank's thread.
 pub struct ThreadComm {
     rank: usize,
-    timeout: Duration,
+    timeout: Option<Duration>,
     shared: Arc<Shared>,
     /// Next sequence number per group; presence also means the group was validated.
     seqs: HashMap<GroupKey, u64>,
@@ -46,8 +55,32 @@ struct State {
     slots: HashMap<(GroupKey, u64), Slot>,
     mail: HashMap<(usize, usize), VecDeque<Message>>,
     /// Ranks whose work has ended (set by the runner), so waiting for them fails
-    /// at once instead of at the timeout.
+    /// at once.
     finished: Vec<bool>,
+    /// Per rank, where it sleeps, once it has found nothing to do in the state as
+    /// it is; cleared by every change that could wake a rank ([`State::moved`]).
+    stuck: Vec<Option<WaitPoint>>,
+}
+
+impl State {
+    /// The state changed in a way that may let a sleeping rank go on: every rank
+    /// must look again before it counts as stuck.
+    fn moved(&mut self) {
+        self.stuck.iter_mut().for_each(|s| *s = None);
+    }
+
+    /// Every rank's wait, if every rank not finished sleeps where nothing can wake it.
+    fn deadlock(&self) -> Option<Vec<(usize, WaitPoint)>> {
+        let mut waits = Vec::new();
+        for (rank, (stuck, &finished)) in self.stuck.iter().zip(&self.finished).enumerate() {
+            match stuck {
+                Some(w) => waits.push((rank, w.clone())),
+                None if finished => {}
+                None => return None,
+            }
+        }
+        Some(waits)
+    }
 }
 
 struct Message {
@@ -134,6 +167,7 @@ impl Shared {
                 reason,
             });
         }
+        st.moved();
         drop(st);
         self.wake.notify_all();
     }
@@ -163,17 +197,26 @@ impl Shared {
         if let Some(f) = st.finished.get_mut(rank) {
             *f = true;
         }
+        st.moved();
         drop(st);
         self.wake.notify_all();
     }
 
-    /// Waits on the condition until `deadline` (forever when `None`); `false` once
-    /// the deadline has passed.
+    /// `rank` sleeps in `wait` until the state changes or `deadline` (never when
+    /// `None`); `false` once the deadline has passed. Fails instead where every
+    /// rank not finished sleeps too ([`CommError::Deadlock`]).
     fn wait<'a>(
         &self,
-        st: MutexGuard<'a, State>,
+        mut st: MutexGuard<'a, State>,
+        (rank, wait): (usize, &WaitPoint),
         deadline: Option<Instant>,
     ) -> Result<(MutexGuard<'a, State>, bool), CommError> {
+        if let Some(s) = st.stuck.get_mut(rank) {
+            *s = Some(wait.clone());
+        }
+        if let Some(waits) = st.deadlock() {
+            return Err(CommError::Deadlock { waits });
+        }
         match deadline {
             None => Ok((self.wake.wait(st).map_err(poisoned)?, true)),
             Some(d) => {
@@ -190,12 +233,14 @@ impl Shared {
 
 impl ThreadComm {
     /// Communicators for a world of `world` ranks, index = rank. A wait longer than
-    /// `timeout` fails with [`CommError::Timeout`].
-    pub fn create(world: usize, timeout: Duration) -> Vec<ThreadComm> {
+    /// `timeout` fails with [`CommError::Timeout`]; without one, only a deadlock
+    /// ends a wait early.
+    pub fn create(world: usize, timeout: Option<Duration>) -> Vec<ThreadComm> {
         let shared = Arc::new(Shared {
             world,
             state: Mutex::new(State {
                 finished: vec![false; world],
+                stuck: vec![None; world],
                 ..State::default()
             }),
             wake: Condvar::new(),
@@ -218,7 +263,7 @@ impl ThreadComm {
     }
 
     fn deadline(&self) -> Option<Instant> {
-        Instant::now().checked_add(self.timeout)
+        Instant::now().checked_add(self.timeout?)
     }
 
     /// Runs `f`, aborting the world on any error: the peers cannot finish without
@@ -316,7 +361,7 @@ impl ThreadComm {
                     finished,
                 });
             }
-            let (guard, in_time) = self.shared.wait(st, deadline)?;
+            let (guard, in_time) = self.shared.wait(st, (self.rank, wait), deadline)?;
             st = guard;
             if !in_time {
                 return Err(timeout(wait, missing, self.timeout));
@@ -369,6 +414,7 @@ impl ThreadComm {
             if sig.kind == CommKind::AllToAllV {
                 slot.error = check_counts(&slot.inputs, &wait.ranks).err();
             }
+            st.moved();
             self.shared.wake.notify_all();
         }
         Ok(())
@@ -429,14 +475,15 @@ fn next_wait(
     wait
 }
 
-fn timeout(wait: &WaitPoint, missing: Vec<usize>, timeout: Duration) -> CommError {
+fn timeout(wait: &WaitPoint, missing: Vec<usize>, timeout: Option<Duration>) -> CommError {
     CommError::Timeout {
         kind: wait.kind,
         axis: wait.axis.clone(),
         group: wait.group.clone(),
         seq: wait.seq,
         missing,
-        timeout,
+        // Only a wait with a deadline times out.
+        timeout: timeout.unwrap_or_default(),
     }
 }
 
@@ -711,6 +758,7 @@ impl Communicator for ThreadComm {
                     axis: axis.to_string(),
                     data: buf.to_vec(),
                 });
+            st.moved();
             drop(st);
             s.shared.wake.notify_all();
             s.counts
@@ -743,7 +791,7 @@ impl Communicator for ThreadComm {
                         finished: vec![peer],
                     });
                 }
-                let (guard, in_time) = s.shared.wait(st, deadline)?;
+                let (guard, in_time) = s.shared.wait(st, (s.rank, &wait), deadline)?;
                 st = guard;
                 if !in_time {
                     return Err(timeout(&wait, vec![peer], s.timeout));

@@ -72,8 +72,10 @@ pub struct InferOptions {
     pub sampling: Sampling,
     /// Seed of the synthetic weights when no checkpoint is given.
     pub seed: u64,
-    /// A collective that waits longer than this fails the run.
-    pub timeout: Duration,
+    /// A wait in the in-process world longer than this fails the run; `None`:
+    /// no limit, since a rank may compute for minutes between two collectives
+    /// (a deadlock fails at once either way).
+    pub timeout: Option<Duration>,
     /// A Hugging Face checkpoint to read the weights from.
     pub weights: Option<Arc<Checkpoint>>,
     /// Kernel threads of each rank (its own pool; 1: the rank's thread alone).
@@ -93,7 +95,7 @@ impl Default for InferOptions {
             max_new_tokens: 8,
             sampling: Sampling::GREEDY,
             seed: 1234,
-            timeout: Duration::from_secs(60),
+            timeout: None,
             weights: None,
             threads_per_rank: 1,
             eos: Vec::new(),

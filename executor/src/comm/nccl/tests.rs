@@ -144,7 +144,7 @@ fn check_world(test: &str, n: usize) {
             .collect(),
     );
     let reference = run_world(
-        ThreadComm::create(n, Duration::from_secs(30))
+        ThreadComm::create(n, Some(Duration::from_secs(30)))
             .into_iter()
             .map(|c| Box::new(c) as Box<dyn Communicator>)
             .collect(),
