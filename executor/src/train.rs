@@ -170,8 +170,8 @@ pub enum ExecError {
     /// written failed.
     #[error("{0}")]
     Checkpoint(String),
-    /// A token file to train on cannot be used: the message names the file and
-    /// the fix.
+    /// A file the run reads (a token file to train on, a checkpoint's tensors)
+    /// cannot be used: the message names the file and the fix.
     #[error("{0}")]
     Data(String),
     /// A rank failed: which, why, and where the others waited.
@@ -199,7 +199,12 @@ impl ExecError {
 /// Every rank's result, or the world's failure in one message.
 pub(crate) fn rank_outs<T>(results: Vec<Result<T, RankError>>) -> Result<Vec<T>, ExecError> {
     if let Some(summary) = crate::comm::failure_summary(&results) {
-        return Err(ExecError::Rank(summary));
+        // Bad input whichever rank failed first: the run cannot succeed on it.
+        let input = results.iter().find_map(|r| match r {
+            Err(RankError::Input(m)) => Some(m.clone()),
+            _ => None,
+        });
+        return Err(input.map_or(ExecError::Rank(summary), ExecError::Data));
     }
     results
         .into_iter()

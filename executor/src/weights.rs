@@ -98,7 +98,7 @@ pub(crate) fn starting_slice(
             let spec = shard_spec(graph, op, op.role, w, &shape, tp);
             let l = (layer != crate::train::NO_LAYER).then_some(layer);
             ck.local(graph, w, l, &spec)
-                .map_err(|e| crate::train::fail(e.to_string()))
+                .map_err(|e| crate::comm::RankError::Input(e.to_string()))
         }
         None => {
             let kind = crate::init::init_kind(op, w, &shape);

@@ -12,6 +12,7 @@ use meshplan_executor::infer::{
     byte_mismatches, check_inference, infer, InferOptions, InferReport,
 };
 use meshplan_executor::sample::Sampling;
+use meshplan_executor::train::ExecError;
 use meshplan_executor::weights::Checkpoint;
 use meshplan_ir::plan::Plan;
 use meshplan_ir::{load_model, model_graph, PartialConfig, WorkloadOverrides};
@@ -1382,10 +1383,10 @@ fn a_checkpoint_holding_nan_is_refused_naming_the_tensor() {
         },
     )
     .expect_err("NaN weights are refused");
+    // Bad input (the binary exits 2), whichever rank read the tensor first.
     assert!(
-        err.message().contains(&format!("`{name}` holds NaN")),
-        "{}",
-        err.message()
+        matches!(&err, ExecError::Data(m) if m.contains(&format!("`{name}` holds NaN"))),
+        "{err:?}"
     );
     // Fine-tuning from it is refused the same way, before a step runs.
     use meshplan_executor::train::{train, TrainOptions};
@@ -1402,9 +1403,13 @@ fn a_checkpoint_holding_nan_is_refused_naming_the_tensor() {
     );
     let err = run.expect_err("fine-tuning from NaN weights");
     assert!(
-        err.to_string().contains(&format!("`{name}` holds NaN")),
-        "{err}"
+        matches!(&err, ExecError::Data(m) if m.contains(&format!("`{name}` holds NaN"))),
+        "{err:?}"
     );
+    let (plan, dir_s) = (cli_plan(&dir, "tp=2"), dir.display().to_string());
+    meshplan(&["run", &plan, "--weights", &dir_s, "--max-new-tokens", "2"])
+        .expect_code(2)
+        .stderr_has(&[&format!("`{name}` holds NaN"), "use an intact checkpoint"]);
 }
 
 /// Plans `dir`'s config.json with `cfg` through the command line into `dir/NAME`:

@@ -19,6 +19,10 @@ pub enum RankError {
     /// The rank panicked; the panic's message.
     #[error("panicked: {0}")]
     Panicked(String),
+    /// A file the rank reads holds what no run can use (a checkpoint tensor
+    /// holding NaN): the user's input, not the run, is at fault.
+    #[error("{0}")]
+    Input(String),
 }
 
 impl From<String> for RankError {
