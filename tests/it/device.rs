@@ -115,6 +115,43 @@ fn device_interpreter_reproduces_the_general_ones_goldens_bit_for_bit() {
     check(&gpt2, "dp=2 in 10k-parameter buckets", p);
 }
 
+/// Full recomputation keeps a block's input until its backward, not what the
+/// block computes from it. tiny-gpt at one micro-batch of 8 x 32 = 256 rows, per
+/// layer, in floats a row: outputs 64 (norm1) + 128 (q|k|v) + 128 (RoPE) + 64
+/// (attention) + 64 (projection) + 64 (residual) + 64 (norm2) + 256 (gate|up) +
+/// 128 (SwiGLU) + 64 (down) = 1024, the block's own output staying as the next
+/// layer's input; statistics 1 + 1 (the RMSNorms' scales) + 4 (a log-sum-exp a
+/// head) = 6. Two layers: 2 x 256 x 1030 x 4 bytes fewer, the same losses.
+#[test]
+fn full_recomputation_holds_a_blocks_input_and_not_its_outputs() {
+    let m = model("tiny-gpt");
+    let opts = TrainOptions {
+        steps: 2,
+        ..TrainOptions::default()
+    };
+    let held = |cfg: &str| {
+        let run = train(&plan(&m, cfg), &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        (run.ranks[0].peak_activation_bytes, run.losses)
+    };
+    let (kept, losses) = held("dp=1,mbs=8,recompute=none");
+    let (recomputed, same) = held("dp=1,mbs=8,recompute=full");
+    assert_eq!(losses, same);
+    assert_eq!(
+        kept - recomputed,
+        (2 * 256 * 1030 * 4) as f64,
+        "{kept} {recomputed}"
+    );
+    // With flash attention a selective body has only the attention's
+    // statistics to let go: its output is the projection's input.
+    let (selective, same) = held("dp=1,mbs=8,recompute=selective");
+    assert_eq!(losses, same);
+    assert_eq!(
+        kept - selective,
+        (2 * 256 * 4 * 4) as f64,
+        "{kept} {selective}"
+    );
+}
+
 /// Tensor parallelism on the device interpreter, with and without sequence
 /// parallelism: split weights and heads, the program's sums, scatters and gathers
 /// of activations and input gradients, a vocabulary-parallel table and loss; every

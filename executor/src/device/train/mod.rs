@@ -440,7 +440,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let mut t = self.load_batch(task.mb)?;
                 self.hidden = None;
                 let mut layer = ch.layer_start;
-                self.run_forward(&ch.forward, &mut t, &mut layer, NO_LAYER)?;
+                let recomputed = walk::recomputed(self.graph, &ch.backward)?;
+                self.run_forward(&ch.forward, &mut t, (&mut layer, NO_LAYER), &recomputed)?;
                 self.tasks.insert((task.chunk, task.mb), t);
                 let held: f64 = self.tasks.values().map(|t| self.held_bytes(t)).sum();
                 self.meter.peak_act_bytes = self.meter.peak_act_bytes.max(held);

@@ -73,15 +73,21 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     /// Runs a forward list on micro-batch `t`, the ops outside any block segment
-    /// as layer `cur`.
+    /// as layer `cur`; a segment's layer leaves behind none of what its backward
+    /// recomputes (`recomputed`, by segment).
     pub(super) fn run_forward(
         &mut self,
         instrs: &[Instr],
         t: &mut Task<D>,
-        layer: &mut u64,
-        cur: u64,
+        (layer, cur): (&mut u64, u64),
+        recomputed: &HashMap<usize, Recomputed>,
     ) -> Result<(), RankError> {
-        crate::device::walk::forward(&mut Fwd { r: self, t }, instrs, layer, cur)
+        let mut w = Fwd {
+            r: self,
+            t,
+            recomputed,
+        };
+        crate::device::walk::forward(&mut w, instrs, layer, cur)
     }
 
     pub(super) fn run_backward(
@@ -133,7 +139,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     match instr {
                         Instr::Recompute { body } => {
                             let mut dummy = l;
-                            self.run_forward(body, t, &mut dummy, l)?;
+                            self.run_forward(body, t, (&mut dummy, l), &HashMap::new())?;
                         }
                         Instr::Compute { name, .. } => {
                             let m0 = self.mark()?;
@@ -166,10 +172,63 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 }
 
+/// What a block's backward recomputes before it reads it: the ops of its
+/// `recompute` body (whose kept state their own backward reads) and those of
+/// their outputs that no backward before the recomputation reads.
+#[derive(Default)]
+pub(super) struct Recomputed {
+    ops: HashSet<String>,
+    tensors: HashSet<String>,
+}
+
+/// The segments of a chunk's `backward` list that recompute (part of) their
+/// forward, by segment index. Under full recomputation the body comes first and
+/// every output goes; a selective body stands after the ops whose backward reads
+/// its output (the attention's, the projection's input), which stays.
+pub(super) fn recomputed(
+    graph: &Graph,
+    backward: &[Instr],
+) -> Result<HashMap<usize, Recomputed>, RankError> {
+    let mut out: HashMap<usize, Recomputed> = HashMap::new();
+    for instr in backward {
+        let Instr::Segment { name, body, .. } = instr else {
+            continue;
+        };
+        if !body.iter().any(|i| matches!(i, Instr::Recompute { .. })) {
+            continue;
+        }
+        let mut read_before = HashSet::new();
+        for i in body {
+            match i {
+                Instr::Compute { name, .. } => {
+                    let op = find_op(graph, name)?;
+                    let names = op.inputs.iter().chain(&op.outputs);
+                    read_before.extend(names.map(|&x| graph.tensor(x).name.clone()));
+                }
+                Instr::Recompute { body } => {
+                    let r = out.entry(segment_index(graph, name)?).or_default();
+                    for i in body {
+                        if let Instr::Compute { name, .. } = i {
+                            let op = find_op(graph, name)?;
+                            r.ops.insert(op.name.clone());
+                            let outputs = op.outputs.iter().map(|&o| &graph.tensor(o).name);
+                            r.tensors
+                                .extend(outputs.filter(|n| !read_before.contains(*n)).cloned());
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// A rank's forward over one micro-batch.
 struct Fwd<'r, 'a, D: Device> {
     r: &'r mut DevRank<'a, D>,
     t: &'r mut Task<D>,
+    recomputed: &'r HashMap<usize, Recomputed>,
 }
 
 impl<D: Device> Forward for Fwd<'_, '_, D> {
@@ -190,6 +249,18 @@ impl<D: Device> Forward for Fwd<'_, '_, D> {
             if let Some(v) = self.t.acts.get(&(l, out)) {
                 self.r.hidden = Some(Arc::clone(v));
             }
+        }
+        // What recomputation is for: the layer keeps its input (and what the
+        // backward does not recompute) until its backward, not every output.
+        if let Some(rc) = self.recomputed.get(&s) {
+            let t = &mut *self.t;
+            let (ops, tensors) = (&rc.ops, &rc.tensors);
+            t.acts.retain(|(k, n), _| *k != l || !tensors.contains(n));
+            t.gathered
+                .retain(|(k, n), _| *k != l || !tensors.contains(n));
+            t.saved.retain(|(k, op, _), _| *k != l || !ops.contains(op));
+            t.stats.retain(|(k, op, _), _| *k != l || !ops.contains(op));
+            t.experts.retain(|(k, op), _| *k != l || !ops.contains(op));
         }
         Ok(())
     }
