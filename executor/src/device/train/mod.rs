@@ -442,12 +442,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let mut layer = ch.layer_start;
                 let recomputed = walk::recomputed(self.graph, &ch.backward)?;
                 self.run_forward(&ch.forward, &mut t, (&mut layer, NO_LAYER), &recomputed)?;
+                self.note_peak(&t);
                 self.tasks.insert((task.chunk, task.mb), t);
-                let held: f64 = self.tasks.values().map(|t| self.held_bytes(t)).sum();
-                self.meter.peak_act_bytes = self.meter.peak_act_bytes.max(held);
-                if let Some(used) = self.dev.memory_in_use() {
-                    self.meter.device_peak = Some(self.meter.device_peak.unwrap_or(0).max(used));
-                }
             }
             Pass::B => {
                 let mut t = self
@@ -593,6 +589,18 @@ impl<'a, D: Device> DevRank<'a, D> {
             });
         }
         Ok(())
+    }
+
+    /// Samples what the rank holds with `current`, the task it runs, beside
+    /// those waiting for their backward: after each forward task, and after each
+    /// recomputation, when a layer's activations are held again.
+    fn note_peak(&mut self, current: &Task<D>) {
+        let waiting: f64 = self.tasks.values().map(|t| self.held_bytes(t)).sum();
+        let held = waiting + self.held_bytes(current);
+        self.meter.peak_act_bytes = self.meter.peak_act_bytes.max(held);
+        if let Some(used) = self.dev.memory_in_use() {
+            self.meter.device_peak = Some(self.meter.device_peak.unwrap_or(0).max(used));
+        }
     }
 
     fn held_bytes(&self, t: &Task<D>) -> f64 {

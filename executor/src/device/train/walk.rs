@@ -128,6 +128,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 continue;
             };
             let s = segment_index(self.graph, name)?;
+            let held = Recomputed::whole(self.graph, s);
             for _ in 0..*repeat {
                 let l = crate::train::prev_layer(*kind, layer);
                 if let (Some(out), Some(g)) =
@@ -140,6 +141,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                         Instr::Recompute { body } => {
                             let mut dummy = l;
                             self.run_forward(body, t, (&mut dummy, l), &HashMap::new())?;
+                            // A recomputed layer beside everything else held.
+                            self.note_peak(t);
                         }
                         Instr::Compute { name, .. } => {
                             let m0 = self.mark()?;
@@ -166,6 +169,8 @@ impl<'a, D: Device> DevRank<'a, D> {
                 if let Some(input) = segment_input(self.graph, s) {
                     self.grad_hidden = t.grads.remove(&(l, input));
                 }
+                // No backward after this one reads this layer's activations.
+                t.let_go(l, &held);
             }
         }
         Ok(())
@@ -179,6 +184,40 @@ impl<'a, D: Device> DevRank<'a, D> {
 pub(super) struct Recomputed {
     ops: HashSet<String>,
     tensors: HashSet<String>,
+}
+
+impl Recomputed {
+    /// Everything a layer of segment `s` holds: its ops, their outputs and the
+    /// segment's input.
+    fn whole(graph: &Graph, s: usize) -> Recomputed {
+        let ops = graph.segments.get(s).map_or(&[][..], |g| &g.ops[..]);
+        let outputs = ops.iter().flat_map(|o| &o.outputs);
+        let mut tensors: HashSet<String> = outputs.map(|&t| graph.tensor(t).name.clone()).collect();
+        tensors.extend(segment_input(graph, s));
+        Recomputed {
+            ops: ops.iter().map(|o| o.name.clone()).collect(),
+            tensors,
+        }
+    }
+}
+
+impl<D: Device> Task<D> {
+    /// Lets go of what `held`'s ops of layer `l` keep: their outputs (and the
+    /// gathered copies of them), their kept buffers and statistics, their
+    /// routing state.
+    fn let_go(&mut self, l: u64, held: &Recomputed) {
+        let (ops, tensors) = (&held.ops, &held.tensors);
+        self.acts
+            .retain(|(k, n), _| *k != l || !tensors.contains(n));
+        self.gathered
+            .retain(|(k, n), _| *k != l || !tensors.contains(n));
+        self.saved
+            .retain(|(k, op, _), _| *k != l || !ops.contains(op));
+        self.stats
+            .retain(|(k, op, _), _| *k != l || !ops.contains(op));
+        self.experts
+            .retain(|(k, op), _| *k != l || !ops.contains(op));
+    }
 }
 
 /// The segments of a chunk's `backward` list that recompute (part of) their
@@ -253,14 +292,7 @@ impl<D: Device> Forward for Fwd<'_, '_, D> {
         // What recomputation is for: the layer keeps its input (and what the
         // backward does not recompute) until its backward, not every output.
         if let Some(rc) = self.recomputed.get(&s) {
-            let t = &mut *self.t;
-            let (ops, tensors) = (&rc.ops, &rc.tensors);
-            t.acts.retain(|(k, n), _| *k != l || !tensors.contains(n));
-            t.gathered
-                .retain(|(k, n), _| *k != l || !tensors.contains(n));
-            t.saved.retain(|(k, op, _), _| *k != l || !ops.contains(op));
-            t.stats.retain(|(k, op, _), _| *k != l || !ops.contains(op));
-            t.experts.retain(|(k, op), _| *k != l || !ops.contains(op));
+            self.t.let_go(l, rc);
         }
         Ok(())
     }
