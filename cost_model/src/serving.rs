@@ -226,20 +226,12 @@ pub fn instance_cluster(cluster: &Cluster, gpus: u64) -> Cluster {
     let gpn = if gpus <= cluster.gpus_per_node {
         gpus
     } else {
-        gcd(gpus, cluster.gpus_per_node)
+        meshplan_ir::config::gcd(gpus, cluster.gpus_per_node)
     };
     Cluster {
         nodes: gpus / gpn,
         gpus_per_node: gpn,
         ..cluster.clone()
-    }
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
     }
 }
 

@@ -75,7 +75,7 @@ pub(crate) fn launch(plan: &Plan, context: u64) -> Result<Launch, crate::CannotE
             c.dp,
             c.tp,
             c.tp,
-            gcd(c.tp, c.ep)
+            meshplan_ir::config::gcd(c.tp, c.ep)
         ));
         None
     };
@@ -144,12 +144,4 @@ pub(crate) fn launch(plan: &Plan, context: u64) -> Result<Launch, crate::CannotE
         nodes,
         replicas: c.dp / servers,
     })
-}
-
-fn gcd(a: u64, b: u64) -> u64 {
-    if b == 0 {
-        a
-    } else {
-        gcd(b, a % b)
-    }
 }

@@ -452,6 +452,15 @@ impl fmt::Display for ParallelConfig {
     }
 }
 
+/// The greatest common divisor of two degrees or widths; `gcd(0, n) = n`, so it
+/// folds from 0 over a list.
+pub fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
 #[cfg(test)]
 mod tests {
     use super::Schedule;
@@ -470,5 +479,15 @@ mod tests {
         let counts: Vec<usize> = (0..4).map(|s| il.warmup_forwards(4, 2, s, 8)).collect();
         assert_eq!(counts, [8, 8, 6, 4]);
         assert_eq!(Schedule::Gpipe.warmup_forwards(4, 1, 3, 8), 8);
+    }
+
+    #[test]
+    fn gcd_of_degrees_and_widths() {
+        assert_eq!(super::gcd(12, 18), 6);
+        assert_eq!(super::gcd(18, 12), 6);
+        // Folding from 0 starts at the first value.
+        assert_eq!(super::gcd(0, 129), 129);
+        assert_eq!(super::gcd(8, 0), 8);
+        assert_eq!(super::gcd(50257, 8), 1);
     }
 }

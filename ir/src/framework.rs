@@ -327,12 +327,6 @@ impl Needs {
 /// expert's MLP its hidden width (the rows of `[e, f, h]`, half the columns of
 /// `[e, h, 2f]`).
 fn tp_widths(graph: &Graph) -> u64 {
-    let gcd = |mut a: u64, mut b: u64| {
-        while b != 0 {
-            (a, b) = (b, a % b);
-        }
-        a
-    };
     let fixed = |d: &crate::graph::Dim| match d {
         crate::graph::Dim::Fixed(n) => Some(*n),
         _ => None,
@@ -349,7 +343,7 @@ fn tp_widths(graph: &Graph) -> u64 {
             (crate::graph::TpRole::Experts, [_, _, c]) => c / 2,
             _ => continue,
         };
-        g = gcd(g, width);
+        g = crate::config::gcd(g, width);
     }
     g
 }
