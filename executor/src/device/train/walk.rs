@@ -80,7 +80,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         instrs: &[Instr],
         t: &mut Task<D>,
         (layer, cur): (&mut u64, u64),
-        recomputed: &HashMap<usize, Recomputed>,
+        recomputed: &HashMap<usize, Held>,
     ) -> Result<(), RankError> {
         let mut w = Fwd {
             r: self,
@@ -128,7 +128,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 continue;
             };
             let s = segment_index(self.graph, name)?;
-            let held = Recomputed::whole(self.graph, s);
+            let held = Held::whole(self.graph, s);
             for _ in 0..*repeat {
                 let l = crate::train::prev_layer(*kind, layer);
                 if let (Some(out), Some(g)) =
@@ -177,24 +177,25 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 }
 
-/// What a block's backward recomputes before it reads it: the ops of its
-/// `recompute` body (whose kept state their own backward reads) and those of
-/// their outputs that no backward before the recomputation reads.
+/// What a layer of a segment may let go of: ops (their kept buffers,
+/// statistics and routing state) and tensors (their values and gathered
+/// copies). Either all the layer holds ([`Held::whole`], once its backward is
+/// done) or what its backward recomputes before reading it ([`recomputed`]).
 #[derive(Default)]
-pub(super) struct Recomputed {
+pub(super) struct Held {
     ops: HashSet<String>,
     tensors: HashSet<String>,
 }
 
-impl Recomputed {
+impl Held {
     /// Everything a layer of segment `s` holds: its ops, their outputs and the
     /// segment's input.
-    fn whole(graph: &Graph, s: usize) -> Recomputed {
+    fn whole(graph: &Graph, s: usize) -> Held {
         let ops = graph.segments.get(s).map_or(&[][..], |g| &g.ops[..]);
         let outputs = ops.iter().flat_map(|o| &o.outputs);
         let mut tensors: HashSet<String> = outputs.map(|&t| graph.tensor(t).name.clone()).collect();
         tensors.extend(segment_input(graph, s));
-        Recomputed {
+        Held {
             ops: ops.iter().map(|o| o.name.clone()).collect(),
             tensors,
         }
@@ -205,7 +206,7 @@ impl<D: Device> Task<D> {
     /// Lets go of what `held`'s ops of layer `l` keep: their outputs (and the
     /// gathered copies of them), their kept buffers and statistics, their
     /// routing state.
-    fn let_go(&mut self, l: u64, held: &Recomputed) {
+    fn let_go(&mut self, l: u64, held: &Held) {
         let (ops, tensors) = (&held.ops, &held.tensors);
         self.acts
             .retain(|(k, n), _| *k != l || !tensors.contains(n));
@@ -227,8 +228,8 @@ impl<D: Device> Task<D> {
 pub(super) fn recomputed(
     graph: &Graph,
     backward: &[Instr],
-) -> Result<HashMap<usize, Recomputed>, RankError> {
-    let mut out: HashMap<usize, Recomputed> = HashMap::new();
+) -> Result<HashMap<usize, Held>, RankError> {
+    let mut out: HashMap<usize, Held> = HashMap::new();
     for instr in backward {
         let Instr::Segment { name, body, .. } = instr else {
             continue;
@@ -267,7 +268,7 @@ pub(super) fn recomputed(
 struct Fwd<'r, 'a, D: Device> {
     r: &'r mut DevRank<'a, D>,
     t: &'r mut Task<D>,
-    recomputed: &'r HashMap<usize, Recomputed>,
+    recomputed: &'r HashMap<usize, Held>,
 }
 
 impl<D: Device> Forward for Fwd<'_, '_, D> {
