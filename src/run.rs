@@ -588,11 +588,20 @@ fn print_report(
         .get("step_time_s")
         .and_then(|v| v.as_f64())
         .unwrap_or(f64::NAN);
-    let predicted_mem = plan
-        .predicted
-        .pointer("/memory_per_gpu_bytes/total")
-        .and_then(|v| v.as_f64())
-        .unwrap_or(f64::NAN);
+    let predicted_part = |key: &str| {
+        plan.predicted
+            .pointer(&format!("/memory_per_gpu_bytes/{key}"))
+            .and_then(|v| v.as_f64())
+            .unwrap_or(f64::NAN)
+    };
+    let predicted_mem = predicted_part("total");
+    // The measured figures count what the run allocates for the model: the
+    // prediction's runtime workspace (CUDA context, library workspaces, bucket
+    // buffers) is shown apart, so the two sides compare part by part.
+    let predicted_states =
+        predicted_part("params") + predicted_part("grads") + predicted_part("optimizer");
+    let predicted_acts = predicted_part("activations");
+    let predicted_workspace = predicted_part("workspace");
     let median = {
         let mut s = r.step_s.clone();
         s.sort_by(f64::total_cmp);
@@ -692,11 +701,14 @@ fn print_report(
         println!("{line}");
     }
     println!(
-        "memory       measured {:.4} GiB (states {:.4} + activations {:.4}, fullest rank), predicted {:.4} GiB per GPU",
+        "memory       measured {:.4} GiB (states {:.4} + activations {:.4}, fullest rank), predicted {:.4} GiB per GPU (states {:.4} + activations {:.4} + runtime workspace {:.4})",
         gib(measured_mem),
         gib(measured_states),
         gib(measured_acts),
-        gib(predicted_mem)
+        gib(predicted_mem),
+        gib(predicted_states),
+        gib(predicted_acts),
+        gib(predicted_workspace)
     );
     if let Some(used) = r
         .ranks

@@ -865,6 +865,44 @@ fn run_threads_split_kernels_without_changing_the_losses() {
         .stderr_has(&["--threads must be at least 1"]);
 }
 
+/// The measured memory counts what the run allocates for the model; the plan's
+/// total also holds the runtime's workspace (a CUDA context and library buffers,
+/// about a GiB, where the measured side on the CPU is a few MiB). The report sets
+/// each predicted part beside its measured one, so that a reader compares states
+/// with states and activations with activations.
+#[test]
+fn run_report_sets_each_predicted_memory_part_beside_the_measured_one() {
+    let out = plan_file("plan-run-memory.json", "models/tiny-gpt.yaml", "dp=2,tp=2");
+    let path = out.to_str().expect("utf-8 path");
+    let plan: Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("plan")).expect("plan json");
+    let ledger = &plan["predicted"]["memory_per_gpu_bytes"];
+    let gib = |key: &str| number(ledger, key) / (1u64 << 30) as f64;
+    let run = meshplan(&["run", path, "--steps", "1"]);
+    run.expect_code(0);
+    let line = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("memory "))
+        .unwrap_or_else(|| panic!("no memory line in:\n{}", run.stdout));
+    let (measured, predicted) = line.split_once("predicted ").expect("both sides");
+    let near = |shown: f64, want: f64| (shown - want).abs() <= 5e-5;
+    let states = gib("params") + gib("grads") + gib("optimizer");
+    for (prefix, want) in [
+        ("", gib("total")),
+        ("states ", states),
+        ("activations ", gib("activations")),
+        ("runtime workspace ", gib("workspace")),
+    ] {
+        let shown = number_after(predicted, prefix);
+        assert!(near(shown, want), "{prefix}{shown} against {want}: {line}");
+    }
+    assert!(gib("workspace") > 0.5, "{line}");
+    let total = number_after(measured, "measured ");
+    let parts = number_after(measured, "states ") + number_after(measured, "activations ");
+    assert!(total > 0.0 && (total - parts).abs() <= 2e-4, "{line}");
+}
+
 /// A plan the executor does not run (here a graph that starts from an activation,
 /// not token ids) is the input to change: exit 2 with the file and the reason, as
 /// for inference plans and the models `check_executable` refuses, not 1.
