@@ -30,22 +30,49 @@ pub enum InitKind {
 
 /// The full (unsharded) values of weight `name` of layer `layer`.
 pub fn init_full(seed: u64, name: &str, layer: u64, elems: usize, kind: InitKind) -> Vec<f32> {
-    match kind {
-        InitKind::Ones => vec![1.0; elems],
-        InitKind::Zeros => vec![0.0; elems],
-        InitKind::Normal(std) => {
-            let base = splitmix(seed ^ name_hash(name)) ^ splitmix(layer.wrapping_add(0x5151));
-            (0..elems)
-                .map(|i| {
-                    // Box-Muller on two independent uniforms per element.
-                    let k = base.wrapping_add((i as u64).wrapping_mul(2));
-                    let (u1, u2) = (uniform(k), uniform(k ^ 0xa5a5_a5a5_a5a5_a5a5));
-                    let r = (-2.0 * u1.ln()).sqrt();
-                    (r * (2.0 * std::f64::consts::PI * u2).cos()) as f32 * std
-                })
-                .collect()
-        }
-    }
+    init_held(seed, name, layer, std::slice::from_ref(&(0..elems)), kind)
+}
+
+/// The values at `runs` (ranges of element indices of the full tensor, in order)
+/// of weight `name` of layer `layer`: a rank draws only the elements it holds, and
+/// its kernel threads draw them together, each element a pure function of its
+/// index, so any split gives the same bits.
+pub fn init_held(
+    seed: u64,
+    name: &str,
+    layer: u64,
+    runs: &[std::ops::Range<usize>],
+    kind: InitKind,
+) -> Vec<f32> {
+    use rayon::prelude::*;
+    let len = runs.iter().map(|r| r.len()).sum();
+    let std = match kind {
+        InitKind::Ones => return vec![1.0; len],
+        InitKind::Zeros => return vec![0.0; len],
+        InitKind::Normal(std) => std,
+    };
+    let base = splitmix(seed ^ name_hash(name)) ^ splitmix(layer.wrapping_add(0x5151));
+    let normal = |i: usize| {
+        // Box-Muller on two independent uniforms per element.
+        let k = base.wrapping_add((i as u64).wrapping_mul(2));
+        let (u1, u2) = (uniform(k), uniform(k ^ 0xa5a5_a5a5_a5a5_a5a5));
+        let r = (-2.0 * u1.ln()).sqrt();
+        (r * (2.0 * std::f64::consts::PI * u2).cos()) as f32 * std
+    };
+    // Pieces small enough to share out however the runs fall (one whole tensor,
+    // or a column block of every row).
+    const PIECE: usize = 1 << 14;
+    let pieces: Vec<std::ops::Range<usize>> = runs
+        .iter()
+        .flat_map(|r| {
+            r.clone()
+                .step_by(PIECE)
+                .map(move |a| a..(a + PIECE).min(r.end))
+        })
+        .collect();
+    let mut out = Vec::with_capacity(len);
+    out.par_extend(pieces.into_par_iter().flat_map_iter(|r| r.map(normal)));
+    out
 }
 
 /// How weight `w` of `op` starts: norm scales at one, other vectors (biases) at
@@ -100,6 +127,20 @@ mod tests {
         let var: f32 = a.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / a.len() as f32;
         assert!(mean.abs() < 0.003, "{mean}");
         assert!((var.sqrt() - 0.02).abs() < 0.002, "{}", var.sqrt());
+    }
+
+    /// Drawing only some runs (across the pieces the threads share out, and in the
+    /// runs' order, not the tensor's) gives the same bits as slicing the whole.
+    #[test]
+    fn held_runs_draw_the_whole_tensors_values() {
+        let full = init_full(7, "embed.tokens.w", 0, 50_000, InitKind::Normal(0.02));
+        let runs = [40_000..40_003, 5..20_000, 0..0, 49_999..50_000];
+        let want: Vec<f32> = runs.iter().flat_map(|r| full[r.clone()].to_vec()).collect();
+        let got = init_held(7, "embed.tokens.w", 0, &runs, InitKind::Normal(0.02));
+        assert_eq!(got.len(), 3 + 19_995 + 1);
+        assert_eq!(got, want);
+        let ones = init_held(7, "norm.w", 0, &runs, InitKind::Ones);
+        assert_eq!(ones, vec![1.0; got.len()]);
     }
 
     #[test]

@@ -228,24 +228,41 @@ pub fn local_weight<T: Copy>(
     tp: TpPos,
     ep: TpPos,
 ) -> Vec<T> {
+    let runs = held_runs(graph, (op, role, w), shape, tp, ep);
+    let mut out = Vec::with_capacity(runs.iter().map(|r| r.len()).sum());
+    for r in runs {
+        out.extend_from_slice(&full[r]);
+    }
+    out
+}
+
+/// Where [`local_weight`]'s values sit in the full tensor: runs of consecutive
+/// elements (row-major with `shape`), in the order the rank holds them. Seeded
+/// weights draw only these elements, so a rank of `tp` draws its share and not the
+/// whole tensor.
+#[allow(clippy::single_range_in_vec_init)] // lists of runs, some of one run
+pub fn held_runs(
+    graph: &Graph,
+    (op, role, w): (&Op, TpRole, TensorId),
+    shape: &[usize],
+    tp: TpPos,
+    ep: TpPos,
+) -> Vec<std::ops::Range<usize>> {
+    let len: usize = shape.iter().product();
     if role == TpRole::Experts {
-        return expert_slice(full, shape, tp, ep);
+        return expert_runs(len, shape, tp, ep);
     }
     match shard_spec(graph, op, role, w, shape, tp) {
-        ShardSpec::All => full.to_vec(),
+        ShardSpec::All => vec![0..len],
         ShardSpec::Rows(a, b) => {
-            let n = full.len() / shape.first().copied().unwrap_or(1).max(1);
-            full[a * n..b * n].to_vec()
+            let n = len / shape.first().copied().unwrap_or(1).max(1);
+            vec![a * n..b * n]
         }
         ShardSpec::Cols(ranges) => {
-            let n = *shape.last().unwrap_or(&1);
-            let mut out = Vec::new();
-            for row in full.chunks(n.max(1)) {
-                for &(a, b) in &ranges {
-                    out.extend_from_slice(&row[a..b]);
-                }
-            }
-            out
+            let n = shape.last().copied().unwrap_or(1).max(1);
+            (0..len / n)
+                .flat_map(|row| ranges.iter().map(move |&(a, b)| row * n + a..row * n + b))
+                .collect()
         }
     }
 }
@@ -253,32 +270,32 @@ pub fn local_weight<T: Copy>(
 /// Expert weights: `[experts, h, up]` and `[experts, f, h]` split by expert over
 /// the expert axis when ep > 1; otherwise each expert's MLP is split over the tensor
 /// axis like a dense one (gate and up halves by column, down by row).
-fn expert_slice<T: Copy>(full: &[T], shape: &[usize], tp: TpPos, ep: TpPos) -> Vec<T> {
-    if shape.len() != 3 {
-        return full.to_vec();
-    }
-    let (e, r, c) = (shape[0], shape[1], shape[2]);
+#[allow(clippy::single_range_in_vec_init)] // as in held_runs
+fn expert_runs(len: usize, shape: &[usize], tp: TpPos, ep: TpPos) -> Vec<std::ops::Range<usize>> {
+    let &[e, r, c] = shape else {
+        return vec![0..len];
+    };
     if ep.size > 1 {
         let per = e / ep.size;
-        return full[ep.rank * per * r * c..(ep.rank + 1) * per * r * c].to_vec();
+        return vec![ep.rank * per * r * c..(ep.rank + 1) * per * r * c];
     }
     if tp.size <= 1 {
-        return full.to_vec();
+        return vec![0..len];
     }
-    let mut out = Vec::with_capacity(full.len() / tp.size);
+    let mut out = Vec::new();
     for x in 0..e {
-        let m = &full[x * r * c..(x + 1) * r * c];
+        let m = x * r * c;
         if c > r {
             // Up `[h, 2f]` as [gate | up]: this rank's columns of each half.
             let f = c / 2;
             let w = f / tp.size;
-            for start in (0..r).flat_map(|row| [row * c, row * c + f]) {
-                out.extend_from_slice(&m[start + tp.rank * w..start + (tp.rank + 1) * w]);
+            for start in (0..r).flat_map(|row| [m + row * c, m + row * c + f]) {
+                out.push(start + tp.rank * w..start + (tp.rank + 1) * w);
             }
         } else {
             // Down `[f, h]`: this rank's rows.
             let rows = r / tp.size;
-            out.extend_from_slice(&m[tp.rank * rows * c..(tp.rank + 1) * rows * c]);
+            out.push(m + tp.rank * rows * c..m + (tp.rank + 1) * rows * c);
         }
     }
     out

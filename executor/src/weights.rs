@@ -102,11 +102,8 @@ pub(crate) fn starting_slice(
         }
         None => {
             let kind = crate::init::init_kind(op, w, &shape);
-            let n = shape.iter().product();
-            let full = crate::init::init_full(seed, &t.name, layer, n, kind);
-            Ok(crate::shard::local_weight(
-                graph, op, op.role, w, &full, &shape, tp, ep,
-            ))
+            let runs = crate::shard::held_runs(graph, (op, op.role, w), &shape, tp, ep);
+            Ok(crate::init::init_held(seed, &t.name, layer, &runs, kind))
         }
     }
 }
