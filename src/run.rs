@@ -418,6 +418,8 @@ fn training_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64),
         trace: a.trace.is_some(),
         weights: hf,
         threads_per_rank: threads_per_rank(a.threads, plan.ranks.len())?,
+        // Only a comparison with the reference reads them.
+        final_weights: a.check,
         ..opts
     };
     // A checkpoint that does not continue on this run's data is the input to change.

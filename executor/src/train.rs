@@ -48,6 +48,12 @@ pub struct TrainOptions {
     /// Kernel threads of each rank (its own pool; 1: the rank's thread alone).
     /// The results do not depend on it.
     pub threads_per_rank: usize,
+    /// Hand every rank's final weights back in [`RankReport::weights`] (what a
+    /// comparison with the reference reads). A run that only reports leaves them
+    /// where they are: a copy of every data-parallel replica's weights on the host
+    /// (downloaded from each GPU, and gathered first under ZeRO-3) can outweigh
+    /// the whole run.
+    pub final_weights: bool,
 }
 
 /// A callback after each training step, with the number of steps done so far.
@@ -75,6 +81,7 @@ impl TrainOptions {
             // The reference resumes from the same checkpoint but writes none.
             save: None,
             on_step: None,
+            final_weights: true,
             ..self.clone()
         }
     }
@@ -96,6 +103,7 @@ impl Default for TrainOptions {
             on_step: None,
             weights: None,
             threads_per_rank: 1,
+            final_weights: true,
         }
     }
 }
@@ -113,7 +121,8 @@ pub struct RankReport {
     pub rank: usize,
     /// Its share of each step's loss (non-zero on loss-owning ranks only).
     pub loss_parts: Vec<f64>,
-    /// Its local weights after the last step.
+    /// Its local weights after the last step (none unless
+    /// [`TrainOptions::final_weights`]).
     pub weights: BTreeMap<Key, Vec<f32>>,
     /// Bytes it sent, per collective kind and axis, over the training steps.
     pub counts: ByteCounts,

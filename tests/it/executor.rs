@@ -441,6 +441,30 @@ fn the_step_hook_hears_every_step_once_from_rank_0() {
     assert_eq!(*seen.lock().unwrap(), vec![1, 2, 3]);
 }
 
+/// A run that only reports hands no weights back (on a GPU each rank would
+/// download all it holds, and ZeRO-3 gather it first, for nothing), and trains the
+/// same: the same losses and bytes as one that hands them back for a comparison.
+#[test]
+fn a_run_keeps_its_final_weights_only_when_asked() {
+    let p = plan(&model("tiny-gpt"), "dp=2,tp=2,zero=3");
+    let run = |final_weights| {
+        let opts = TrainOptions {
+            steps: 2,
+            final_weights,
+            ..TrainOptions::default()
+        };
+        train(&p, &opts).unwrap()
+    };
+    let (kept, left) = (run(true), run(false));
+    assert_eq!(kept.losses, left.losses);
+    for (a, b) in kept.ranks.iter().zip(&left.ranks) {
+        assert!(!a.weights.is_empty(), "rank {}", a.rank);
+        assert!(b.weights.is_empty(), "rank {}", b.rank);
+        assert_eq!(a.counts, b.counts, "rank {} bytes", a.rank);
+        assert_eq!(a.state_bytes, b.state_bytes, "rank {}", a.rank);
+    }
+}
+
 #[test]
 fn kernel_threads_per_rank_do_not_change_a_single_bit() {
     // Each rank's kernels split rows, heads and output tiles over a pool of their

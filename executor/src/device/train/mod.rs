@@ -729,10 +729,12 @@ impl<'a, D: Device> DevRank<'a, D> {
         let copies: usize = self.weights.compute.values().map(D::act_len).sum();
         let fp32 = masters + grads + self.zero.z3.part_elems() + moments;
         let state_bytes = (fp32 * 4 + copies * self.dev.act_bytes()) as f64;
-        self.zero3_gather_all()?;
         let mut weights = BTreeMap::new();
-        for (key, w) in &self.weights.master {
-            weights.insert(key.clone(), self.dev.f32_download(w).map_err(derr(&key.0))?);
+        if self.opts.final_weights {
+            self.zero3_gather_all()?;
+            for (key, w) in &self.weights.master {
+                weights.insert(key.clone(), self.dev.f32_download(w).map_err(derr(&key.0))?);
+            }
         }
         Ok(RankReport {
             rank: self.rank,
