@@ -60,18 +60,25 @@ pub fn init_held(
         (r * (2.0 * std::f64::consts::PI * u2).cos()) as f32 * std
     };
     // Pieces small enough to share out however the runs fall (one whole tensor,
-    // or a column block of every row).
+    // or a column block of every row), each written in place: the output is the
+    // only copy.
     const PIECE: usize = 1 << 14;
-    let pieces: Vec<std::ops::Range<usize>> = runs
-        .iter()
-        .flat_map(|r| {
-            r.clone()
-                .step_by(PIECE)
-                .map(move |a| a..(a + PIECE).min(r.end))
-        })
-        .collect();
-    let mut out = Vec::with_capacity(len);
-    out.par_extend(pieces.into_par_iter().flat_map_iter(|r| r.map(normal)));
+    let mut out = vec![0.0f32; len];
+    let mut pieces = Vec::new();
+    let mut rest = out.as_mut_slice();
+    for r in runs {
+        for a in r.clone().step_by(PIECE) {
+            let b = (a + PIECE).min(r.end);
+            let (dst, tail) = rest.split_at_mut(b - a);
+            pieces.push((dst, a..b));
+            rest = tail;
+        }
+    }
+    pieces.into_par_iter().for_each(|(dst, r)| {
+        for (d, i) in dst.iter_mut().zip(r) {
+            *d = normal(i);
+        }
+    });
     out
 }
 
