@@ -64,10 +64,13 @@
 //! Ranks are threads of one process, so at a save step each rank hands over the
 //! values it owns (its slices; under ZeRO only its optimizer partition, the part its
 //! own AdamW step just wrote) and the last rank to arrive starts a writer thread.
-//! Where a local value sits in the full tensor is found by slicing the element
-//! indices with `local_weight`; every element must be covered, or the save fails.
+//! Where a local value sits in the full tensor is found by [`held_runs`], the runs
+//! of the full tensor that `local_weight` copies, in order; every element must be
+//! covered, or the save fails.
 
-use crate::shard::{local_weight, TpPos};
+use crate::shard::TpPos;
+#[cfg(doc)]
+use crate::shard::{held_runs, local_weight};
 use crate::train::{fixed_shape, Key, TrainOptions, NO_LAYER};
 use memmap2::Mmap;
 use meshplan_ir::input::{read_bounded, TEXT_LIMIT};

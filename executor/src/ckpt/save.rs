@@ -2,6 +2,8 @@
 //! tensors and writes a step folder.
 
 use super::*;
+use crate::shard::held_runs;
+use std::ops::Range;
 
 /// What the writer needs of the run, owned so that it outlives the rank threads.
 pub(super) struct RunMeta {
@@ -159,41 +161,43 @@ pub(super) fn assemble(
         .iter()
         .map(|s| vec![false; s.shape.iter().product()])
         .collect();
-    let mut index_cache: HashMap<(usize, TpPos, TpPos), Vec<usize>> = HashMap::new();
+    let mut runs_cache: HashMap<(usize, TpPos, TpPos), Vec<Range<usize>>> = HashMap::new();
     for snap in snaps {
         for p in &snap.pieces {
             let &i = by_key
                 .get(&p.key)
                 .ok_or_else(|| format!("`{}` is not a weight of the model", p.key.0))?;
             let site = &sites[i];
-            let idx = index_cache.entry((i, snap.tp, snap.ep)).or_insert_with(|| {
-                let all: Vec<usize> = (0..covered[i].len()).collect();
+            let runs = runs_cache.entry((i, snap.tp, snap.ep)).or_insert_with(|| {
                 let op = site.op(graph);
-                local_weight(
-                    graph,
-                    op,
-                    op.role,
-                    site.id,
-                    &all,
-                    &site.shape,
-                    snap.tp,
-                    snap.ep,
-                )
+                held_runs(graph, (op, op.role, site.id), &site.shape, snap.tp, snap.ep)
             });
+            let held: usize = runs.iter().map(|r| r.len()).sum();
             let end = p.start + p.w.len();
-            if end > idx.len() || p.m.len() != p.w.len() || p.v.len() != p.w.len() {
+            if end > held || p.m.len() != p.w.len() || p.v.len() != p.w.len() {
                 return Err(format!(
-                    "`{}`: a piece {}..{end} outside the local size {}",
+                    "`{}`: a piece {}..{end} outside the local size {held}",
                     tensor_name("w", &p.key),
                     p.start,
-                    idx.len()
                 ));
             }
-            for (j, &at) in idx[p.start..end].iter().enumerate() {
-                full[i][0][at] = p.w[j];
-                full[i][1][at] = p.m[j];
-                full[i][2][at] = p.v[j];
-                covered[i][at] = true;
+            // The piece's local elements, run by run, to their places in the full
+            // tensors.
+            let mut local = 0;
+            for r in runs.iter() {
+                let (a, b) = (local.max(p.start), (local + r.len()).min(end));
+                if a < b {
+                    let at = r.start + (a - local)..r.start + (b - local);
+                    let from = a - p.start..b - p.start;
+                    for (dst, src) in full[i].iter_mut().zip([&p.w, &p.m, &p.v]) {
+                        dst[at.clone()].copy_from_slice(&src[from.clone()]);
+                    }
+                    covered[i][at].fill(true);
+                }
+                local += r.len();
+                if local >= end {
+                    break;
+                }
             }
         }
     }
@@ -226,6 +230,10 @@ impl View for F32View<'_> {
         self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
+        // safetensors is little-endian, as the targets meshplan builds for.
+        #[cfg(target_endian = "little")]
+        return Cow::Borrowed(bytemuck::cast_slice(self.values));
+        #[cfg(not(target_endian = "little"))]
         Cow::Owned(self.values.iter().flat_map(|x| x.to_le_bytes()).collect())
     }
     fn data_len(&self) -> usize {

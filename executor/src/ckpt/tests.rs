@@ -96,6 +96,7 @@ fn an_edited_manifest_names_the_field() {
 
 mod round_trip {
     use super::super::*;
+    use crate::shard::local_weight;
     use meshplan_ir::{load_model, model_graph, WorkloadOverrides};
 
     fn graph(name: &str) -> Graph {
