@@ -149,6 +149,22 @@ impl Checkpoint {
 
     /// A full tensor's values.
     pub fn values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, String> {
+        self.held(
+            name,
+            shape,
+            std::slice::from_ref(&(0..shape.iter().product())),
+        )
+    }
+
+    /// The values at `runs` (element ranges of the full tensor, as
+    /// [`crate::shard::held_runs`] gives a rank's part): a rank reads its part of
+    /// the file, not the whole tensor.
+    pub fn held(
+        &self,
+        name: &str,
+        shape: &[usize],
+        runs: &[std::ops::Range<usize>],
+    ) -> Result<Vec<f32>, String> {
         let (fi, (a, b), have) = self
             .tensors
             .get(name)
@@ -161,11 +177,24 @@ impl Checkpoint {
         }
         let bytes = self.files[*fi]
             .get(*a..*b)
-            .ok_or_else(|| format!("{}: `{name}` lies outside its file", self.dir.display()))?;
-        Ok(bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect())
+            .filter(|t| t.len() == 4 * shape.iter().product::<usize>())
+            .ok_or_else(|| {
+                format!(
+                    "{}: `{name}` lies outside its file or does not hold its shape",
+                    self.dir.display()
+                )
+            })?;
+        let mut out = Vec::with_capacity(runs.iter().map(|r| r.len()).sum());
+        for r in runs {
+            let part = bytes
+                .get(4 * r.start..4 * r.end)
+                .ok_or_else(|| format!("{}: `{name}` has no elements {r:?}", self.dir.display()))?;
+            out.extend(
+                part.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+        }
+        Ok(out)
     }
 }
 

@@ -14,7 +14,7 @@
 
 use super::{derr, AttnBwd, AttnOut, DResult, Device, DeviceComm};
 use crate::comm::{CommKind, Communicator, Group, RankError};
-use crate::shard::{local_heads, local_weight, TpPos};
+use crate::shard::{held_runs, local_heads, TpPos};
 use crate::train::{
     build_groups, fail, find_op, fixed_shape, segment_copies, segment_index, segment_input,
     segment_output, ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER,
@@ -305,18 +305,21 @@ impl<'a, D: Device> DevRank<'a, D> {
                     }
                     let shape = fixed_shape(t)?;
                     let (tp, ep) = (self.tp, self.ep);
-                    let local =
-                        |full: &[f32]| local_weight(graph, op, op.role, w, full, &shape, tp, ep);
                     let mine = match (&self.opts.resume, &self.opts.weights) {
                         // Resuming: this rank's slices of the saved weights and moments.
                         (Some(ck), _) => {
+                            let runs = held_runs(graph, (op, op.role, w), &shape, tp, ep);
                             let read = |kind: &str| {
-                                ck.values(&crate::ckpt::tensor_name(kind, &key), &shape)
-                                    .map(|full| local(&full))
+                                ck.held(&crate::ckpt::tensor_name(kind, &key), &shape, &runs)
                                     .map_err(fail)
                             };
                             let (m, v) = (read("adam_m")?, read("adam_v")?);
-                            self.zero.resume_moments.insert(key.clone(), (m, v));
+                            if let StartMoments::Zeros = self.zero.start_moments {
+                                self.zero.start_moments = StartMoments::Saved(BTreeMap::new());
+                            }
+                            if let StartMoments::Saved(saved) = &mut self.zero.start_moments {
+                                saved.insert(key.clone(), (m, v));
+                            }
                             read("w")?
                         }
                         // Fine-tuning from a checkpoint, or the seeded start.
@@ -381,6 +384,10 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         for i in 0..self.sync.step_plan.len() {
             self.run_step_item(i, step)?;
+        }
+        // Every AdamW state exists now: a resumed run lets the saved moments go.
+        if let StartMoments::Saved(_) = self.zero.start_moments {
+            self.zero.start_moments = StartMoments::Taken;
         }
         // A part no all-gather sent (its buckets cut the vector elsewhere) is in
         // the masters already.

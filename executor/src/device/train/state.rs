@@ -70,9 +70,19 @@ pub(super) struct ZeroState<D: Device> {
     /// ZeRO-3: this rank's parts of each segment copy's masters, gradients and
     /// moments.
     pub(super) z3: zero3::Zero3<D>,
-    /// Resuming: each weight's saved AdamW moments, whole, until the optimizer's
-    /// first step takes its parts of them.
-    pub(super) resume_moments: BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
+    /// Where AdamW's moments start.
+    pub(super) start_moments: StartMoments,
+}
+
+/// Where AdamW's moments start.
+pub(super) enum StartMoments {
+    /// At zero: a run from the start.
+    Zeros,
+    /// Resuming: this rank's part of each weight's saved moments, until the first
+    /// step has built every state from them.
+    Saved(BTreeMap<Key, (Vec<f32>, Vec<f32>)>),
+    /// Resumed, after the first step: the saved moments are let go.
+    Taken,
 }
 
 /// What a rank measures and records: this step's number and losses, the clock,
@@ -133,7 +143,7 @@ impl<D: Device> ZeroState<D> {
             shard_adam: BTreeMap::new(),
             updated: Vec::new(),
             z3: zero3::Zero3::new(),
-            resume_moments: BTreeMap::new(),
+            start_moments: StartMoments::Zeros,
         }
     }
 }

@@ -464,7 +464,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             let pieces = pieces_of(self.layout(set), start, start + c);
             let mut state = match self.zero.shard_adam.remove(&(set, start)) {
                 Some(state) => state,
-                None => initial_moments(&self.dev, &self.zero.resume_moments, &pieces, c)?,
+                None => initial_moments(&self.dev, &self.zero.start_moments, &pieces, c)?,
             };
             let part = self.adamw_part(&pieces, c, &grad, &mut state)?;
             self.zero.shard_adam.insert((set, start), state);
@@ -525,7 +525,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 // Moments on first use: under ZeRO only the parts' moments exist.
                 let n = D::f32_len(w);
                 let whole = [(key.clone(), 0, 0, n)];
-                let state = initial_moments(&self.dev, &self.zero.resume_moments, &whole, n)?;
+                let state = initial_moments(&self.dev, &self.zero.start_moments, &whole, n)?;
                 self.weights.adam.insert(key.clone(), state);
             }
             let g = self.weights.wgrads.get(key).ok_or_else(missing)?;
@@ -674,14 +674,23 @@ pub(super) fn pieces_outside(pieces: &[Piece], (lo, hi): (usize, usize)) -> Vec<
 /// result, values): a resumed checkpoint's, or zeros.
 pub(super) fn initial_moments<D: Device>(
     dev: &D,
-    saved: &BTreeMap<Key, (Vec<f32>, Vec<f32>)>,
+    start: &StartMoments,
     pieces: &[Piece],
     n: usize,
 ) -> Result<(D::F32, D::F32), RankError> {
     let e = derr("AdamW state");
-    if saved.is_empty() {
-        return Ok((dev.f32_zeros(n).map_err(&e)?, dev.f32_zeros(n).map_err(&e)?));
-    }
+    let saved = match start {
+        StartMoments::Zeros => {
+            return Ok((dev.f32_zeros(n).map_err(&e)?, dev.f32_zeros(n).map_err(&e)?))
+        }
+        StartMoments::Saved(saved) => saved,
+        StartMoments::Taken => {
+            let of = pieces.first().map_or("?", |p| p.0 .0.as_str());
+            return Err(fail(format!(
+                "the AdamW state of `{of}` first used after the resumed run's first step, when the saved moments are let go"
+            )));
+        }
+    };
     let (mut m, mut v) = (vec![0.0; n], vec![0.0; n]);
     for (key, src, dst, len) in pieces {
         let (sm, sv) = saved

@@ -278,7 +278,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             let pieces = pieces_of(layout, start, start + c);
             let (mut m, mut v) = match self.zero.z3.adam.remove(&copy) {
                 Some(state) => state,
-                None => initial_moments(&self.dev, &self.zero.resume_moments, &pieces, c)?,
+                None => initial_moments(&self.dev, &self.zero.start_moments, &pieces, c)?,
             };
             // A copy whose gradients the program never reduce-scattered would still
             // move on its moments: a plan that lost the collective, refused.
