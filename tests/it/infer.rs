@@ -859,6 +859,49 @@ fn gpt2_checkpoint_sharded_equals_single_rank_and_reference() {
     check_all("gpt2", &dir, &|tokens| gpt2_forward(&t, tokens));
 }
 
+/// Every token but the last new one takes a position (the last is sampled, never
+/// fed back): a prompt of 60 on GPT-2's 64 positions may ask for 5 new tokens, the
+/// last fed at position 63, and its logits are the reference's there; 6 are refused,
+/// naming what fits.
+#[test]
+fn gpt2_generates_up_to_its_last_learned_position_and_no_further() {
+    let dir = temp_dir("gpt2-positions");
+    let t = gpt2_tensors(13);
+    write_checkpoint(&dir, &gpt2_config(), &t, Store::F32, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let plan = plan_of(&dir, "dp=1", 1);
+    let prompt: Vec<u32> = (0..60).map(|i| (i * 7 % 64) as u32).collect();
+    let ask = |n: usize| {
+        infer(
+            &plan,
+            &InferOptions {
+                requests: vec![prompt.clone()],
+                max_new_tokens: n,
+                weights: Some(ck.clone()),
+                ..InferOptions::default()
+            },
+        )
+    };
+    let r = ask(5).unwrap_or_else(|e| panic!("{e}"));
+    let (tokens, logits) = reference_generate(&|x| gpt2_forward(&t, x), &prompt, 5);
+    assert_eq!(r.requests[0].tokens, tokens);
+    let (d, scale) = max_diff(&r.requests[0].logits, &logits);
+    assert!(
+        d <= TOL * scale,
+        "logits differ from the reference by {d:e}"
+    );
+    let e = ask(6)
+        .expect_err("65 positions on a table of 64")
+        .to_string();
+    for want in [
+        "65 positions",
+        "64 learned positions",
+        "at most 5 new tokens",
+    ] {
+        assert!(e.contains(want), "`{want}` not in: {e}");
+    }
+}
+
 #[test]
 fn gpt2_f16_checkpoint_saved_by_the_lm_head_model() {
     // `GPT2LMHeadModel.save_pretrained` names tensors `transformer.*` and leaves the

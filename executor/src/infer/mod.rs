@@ -191,12 +191,14 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
             ));
         }
         if let Some(max) = table_rows(graph, "embed.positions.w") {
-            let need = r.len().saturating_add(opts.max_new_tokens);
+            // The last new token is sampled, never fed back: it takes no position.
+            let need = (r.len() + opts.max_new_tokens).saturating_sub(1);
             if need > max {
                 return Err(format!(
-                    "request {i}: {} prompt tokens + {} new ones exceed the model's {max} learned positions",
+                    "request {i}: {} prompt tokens and {} new ({need} positions: every token but the last new one) exceed the model's {max} learned positions; shorten the prompt or ask for at most {} new tokens",
                     r.len(),
-                    opts.max_new_tokens
+                    opts.max_new_tokens,
+                    (max + 1).saturating_sub(r.len())
                 ));
             }
         }
