@@ -474,10 +474,25 @@ fn print_report(
         r.output_tokens_per_s,
         predicted(plan, "output_tokens_per_s")
     );
+    // Measured in the engine's compute precision (fp32 on the CPU), predicted in
+    // the plan's; the prediction's runtime workspace (CUDA context, library
+    // buffers) is shown apart, as the run allocates none of it on the CPU.
+    let mib = |b: f64| b / (1u64 << 20) as f64;
+    let part = |key: &str| {
+        plan.predicted
+            .pointer(&format!("/memory_per_gpu_bytes/{key}"))
+            .and_then(|v| v.as_f64())
+            .unwrap_or(f64::NAN)
+    };
     println!(
-        "memory       fullest rank: weights {:.3} MiB, KV cache {:.3} MiB",
-        r.weight_bytes / (1u64 << 20) as f64,
-        r.kv_cache_bytes / (1u64 << 20) as f64
+        "memory       fullest rank: weights {:.3} MiB, KV cache {:.3} MiB (at the engine's compute precision); predicted per GPU: weights {:.3} MiB, KV cache {:.3} MiB ({}), activations {:.3} MiB, runtime workspace {:.3} MiB",
+        mib(r.weight_bytes),
+        mib(r.kv_cache_bytes),
+        mib(part("params")),
+        mib(part("kv_cache")),
+        plan.model.dtype,
+        mib(part("activations")),
+        mib(part("workspace"))
     );
     if let Some(d) = shown.disagg {
         println!(

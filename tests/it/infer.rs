@@ -1156,6 +1156,74 @@ fn tokenizer_json(vocab: usize) -> String {
     )
 }
 
+/// The memory line sets the plan's weights and KV cache (in its dtype), its
+/// activations and its runtime workspace beside the measured weights and KV cache.
+#[test]
+fn cli_inference_memory_line_sets_the_plans_parts_beside_the_measured_ones() {
+    let dir = temp_dir("memory-line");
+    let plan = dir.join("plan.json");
+    let plan_s = plan.display().to_string();
+    meshplan(&[
+        "plan",
+        &format!("{ROOT}/models/tiny-llama-inference.yaml"),
+        &format!("{ROOT}/topologies/cpu-test-mesh.yaml"),
+        "--config",
+        "tp=2,pp=2",
+        "-o",
+        &plan_s,
+    ])
+    .expect_code(0);
+    let p: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&plan).expect("plan")).expect("json");
+    let ledger = &p["predicted"]["memory_per_gpu_bytes"];
+    let mib = |key: &str| ledger[key].as_f64().expect(key) / (1u64 << 20) as f64;
+    let text = meshplan(&["run", &plan_s]);
+    text.expect_code(0);
+    let line = text
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("memory "))
+        .unwrap_or_else(|| panic!("no memory line:\n{}", text.stdout));
+    let (measured, predicted) = line.split_once("predicted per GPU:").expect("two sides");
+    let v = meshplan(&["run", &plan_s, "--json"]).json();
+    let number = |s: &str, prefix: &str| -> f64 {
+        let at = s
+            .find(prefix)
+            .unwrap_or_else(|| panic!("no `{prefix}` in {line}"));
+        let rest = &s[at + prefix.len()..];
+        rest[..rest.find(' ').unwrap_or(rest.len())]
+            .parse()
+            .unwrap_or_else(|e| panic!("`{prefix}` ({e}): {line}"))
+    };
+    let near = |shown: f64, want: f64| (shown - want).abs() <= 5e-4 * want.max(1.0);
+    for (side, prefix, want) in [
+        (
+            measured,
+            "weights ",
+            v["measured"]["weight_bytes"].as_f64().expect("weights") / (1u64 << 20) as f64,
+        ),
+        (
+            measured,
+            "KV cache ",
+            v["measured"]["kv_cache_bytes"].as_f64().expect("kv") / (1u64 << 20) as f64,
+        ),
+        (predicted, "weights ", mib("params")),
+        (predicted, "KV cache ", mib("kv_cache")),
+        (predicted, "activations ", mib("activations")),
+        (predicted, "runtime workspace ", mib("workspace")),
+    ] {
+        let shown = number(side, prefix);
+        assert!(near(shown, want), "{prefix}{shown} against {want}: {line}");
+    }
+    assert!(
+        predicted.contains(&format!(
+            "({})",
+            p["model"]["dtype"].as_str().expect("dtype")
+        )),
+        "{line}"
+    );
+}
+
 #[test]
 fn cli_runs_a_checkpoint_with_ids_text_and_check() {
     let dir = temp_dir("cli");
