@@ -859,6 +859,40 @@ fn gpt2_checkpoint_sharded_equals_single_rank_and_reference() {
     check_all("gpt2", &dir, &|tokens| gpt2_forward(&t, tokens));
 }
 
+/// A tied table is read by two ops, the token embedding and the head, as the same
+/// slice on one rank: it is held once (GPT-2 used to hold its 50257 x 768 table
+/// twice), so the weights a rank holds are the model's parameters, each once.
+#[test]
+fn a_tied_table_read_by_two_ops_is_held_once() {
+    let dir = temp_dir("gpt2-tied-once");
+    let t = gpt2_tensors(13);
+    write_checkpoint(&dir, &gpt2_config(), &t, Store::F32, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let plan = plan_of(&dir, "dp=1", 1);
+    // 2 x (64 x 32) tables, 2 blocks of 12704 (norms, biased qkv, projections,
+    // MLP), the final norm: 29568, hand-counted, and the planner's count.
+    let params = 2 * 64 * 32 + 2 * 12704 + 64;
+    assert_eq!(plan.model.params, params as f64);
+    let r = run(&plan, &ck, Sampling::GREEDY, 1);
+    assert_eq!(r.weight_bytes, 4.0 * params as f64);
+    let tied = plan
+        .graph
+        .tensors
+        .iter()
+        .find(|x| x.name == "embed.tokens.w")
+        .expect("table");
+    let readers = plan
+        .graph
+        .ops()
+        .filter(|o| {
+            o.inputs
+                .iter()
+                .any(|&i| plan.graph.tensor(i).name == tied.name)
+        })
+        .count();
+    assert_eq!(readers, 2, "the embedding and the head read the table");
+}
+
 /// Every token but the last new one takes a position (the last is sampled, never
 /// fed back): a prompt of 60 on GPT-2's 64 positions may ask for 5 new tokens, the
 /// last fed at position 63, and its logits are the reference's there; 6 are refused,

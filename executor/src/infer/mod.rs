@@ -574,7 +574,8 @@ pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     prefill: &'a Phase,
     decode: &'a Phase,
     opts: &'a InferOptions,
-    weights: HashMap<WKey, D::Act>,
+    /// Shared where ops read the same slice ([`InferRank::load_weights`]).
+    weights: HashMap<WKey, Arc<D::Act>>,
     /// (layer, local request) -> keys `[len, hkv, d]` and values `[len, hkv, dv]`.
     kv: HashMap<(u64, usize), (D::Act, D::Act)>,
     hidden: Option<D::Act>,

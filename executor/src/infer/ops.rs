@@ -211,7 +211,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         };
         let weight = |i: usize| {
             let key = (op.name.clone(), name(i).to_string(), l);
-            self.weights.get(&key).ok_or_else(|| {
+            self.weights.get(&key).map(|w| w.as_ref()).ok_or_else(|| {
                 fail(format!(
                     "weight `{}` of `{}` (layer {l}) is not held by rank {}",
                     name(i),

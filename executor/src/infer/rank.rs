@@ -2,6 +2,8 @@
 //! KV cache, the sampled logits.
 
 use super::*;
+use crate::shard::held_runs;
+use std::collections::HashSet;
 
 impl<'a, D: Device> InferRank<'a, D> {
     /// World rank `comm.rank()` as rank `comm.rank() - base` of `plan`, on `dev`.
@@ -78,6 +80,10 @@ impl<'a, D: Device> InferRank<'a, D> {
     /// This rank's shard of every weight its stage uses: read from the checkpoint,
     /// or the deterministic initial values training starts from.
     pub(super) fn load_weights(&mut self) -> Result<(), RankError> {
+        // A weight two ops read as the same slice (a tied embedding and head) is
+        // held once.
+        type Slice = (String, u64, Vec<std::ops::Range<usize>>);
+        let mut held: HashMap<Slice, Arc<D::Act>> = HashMap::new();
         for (s, layer) in crate::train::segment_copies(self.graph, self.prefill)? {
             let seg = &self.graph.segments[s];
             for op in &seg.ops {
@@ -91,6 +97,13 @@ impl<'a, D: Device> InferRank<'a, D> {
                     if self.weights.contains_key(&key) {
                         continue;
                     }
+                    let shape = crate::train::fixed_shape(t)?;
+                    let runs = held_runs(self.graph, (op, op.role, w), &shape, self.tp, self.ep);
+                    let slice = (t.name.clone(), l, runs);
+                    if let Some(same) = held.get(&slice) {
+                        self.weights.insert(key, Arc::clone(same));
+                        continue;
+                    }
                     let local = crate::weights::starting_slice(
                         self.graph,
                         (op, w),
@@ -99,7 +112,8 @@ impl<'a, D: Device> InferRank<'a, D> {
                         self.opts.seed,
                         self.opts.weights.as_deref(),
                     )?;
-                    let w = self.dev.act_from_host(local).map_err(derr("upload"))?;
+                    let w = Arc::new(self.dev.act_from_host(local).map_err(derr("upload"))?);
+                    held.insert(slice, Arc::clone(&w));
                     self.weights.insert(key, w);
                 }
             }
@@ -116,6 +130,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         let name = &self.graph.tensor(op.inputs[i]).name;
         self.weights
             .get(&(op.name.clone(), name.clone(), l))
+            .map(|w| w.as_ref())
             .ok_or_else(|| {
                 fail(format!(
                     "weight `{name}` of `{}` (layer {l}) is not held by rank {}",
@@ -253,10 +268,13 @@ impl<'a, D: Device> InferRank<'a, D> {
                 .values()
                 .map(|(a, b)| (D::act_len(a) + D::act_len(b)) as f64)
                 .sum::<f64>();
+        // Each buffer once, however many ops read it.
+        let mut seen = HashSet::new();
         let weight_bytes = act
             * self
                 .weights
                 .values()
+                .filter(|w| seen.insert(Arc::as_ptr(w)))
                 .map(|w| D::act_len(w) as f64)
                 .sum::<f64>();
         RankOut {
