@@ -41,6 +41,20 @@ impl Run {
         })
     }
 
+    /// The first line of stdout starting with `prefix`.
+    #[track_caller]
+    pub(crate) fn stdout_line(&self, prefix: &str) -> &str {
+        self.stdout
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| {
+                panic!(
+                    "meshplan {}: no `{prefix}` line in:\n{}",
+                    self.args, self.stdout
+                )
+            })
+    }
+
     #[track_caller]
     pub(crate) fn stderr_has(&self, needles: &[&str]) -> &Self {
         for n in needles {
@@ -879,12 +893,7 @@ fn run_report_sets_each_predicted_memory_part_beside_the_measured_one() {
     let ledger = &plan["predicted"]["memory_per_gpu_bytes"];
     let gib = |key: &str| number(ledger, key) / (1u64 << 30) as f64;
     let run = meshplan(&["run", path, "--steps", "1"]);
-    run.expect_code(0);
-    let line = run
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("memory "))
-        .unwrap_or_else(|| panic!("no memory line in:\n{}", run.stdout));
+    let line = run.expect_code(0).stdout_line("memory ");
     let (measured, predicted) = line.split_once("predicted ").expect("both sides");
     let near = |shown: f64, want: f64| (shown - want).abs() <= 5e-5;
     let states = gib("params") + gib("grads") + gib("optimizer");

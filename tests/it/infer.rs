@@ -859,16 +859,23 @@ fn gpt2_checkpoint_sharded_equals_single_rank_and_reference() {
     check_all("gpt2", &dir, &|tokens| gpt2_forward(&t, tokens));
 }
 
+/// The test GPT-2 (seed 13) as an f32 checkpoint in `tag`'s folder, opened, and a
+/// one-rank plan of it.
+fn gpt2_on_one_rank(tag: &str) -> (Tensors, Arc<Checkpoint>, Plan) {
+    let dir = temp_dir(tag);
+    let t = gpt2_tensors(13);
+    write_checkpoint(&dir, &gpt2_config(), &t, Store::F32, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let plan = plan_of(&dir, "dp=1", 1);
+    (t, ck, plan)
+}
+
 /// A tied table is read by two ops, the token embedding and the head, as the same
 /// slice on one rank: it is held once (GPT-2 used to hold its 50257 x 768 table
 /// twice), so the weights a rank holds are the model's parameters, each once.
 #[test]
 fn a_tied_table_read_by_two_ops_is_held_once() {
-    let dir = temp_dir("gpt2-tied-once");
-    let t = gpt2_tensors(13);
-    write_checkpoint(&dir, &gpt2_config(), &t, Store::F32, 1);
-    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
-    let plan = plan_of(&dir, "dp=1", 1);
+    let (_, ck, plan) = gpt2_on_one_rank("gpt2-tied-once");
     // 2 x (64 x 32) tables, 2 blocks of 12704 (norms, biased qkv, projections,
     // MLP), the final norm: 29568, hand-counted, and the planner's count.
     let params = 2 * 64 * 32 + 2 * 12704 + 64;
@@ -899,11 +906,7 @@ fn a_tied_table_read_by_two_ops_is_held_once() {
 /// naming what fits.
 #[test]
 fn gpt2_generates_up_to_its_last_learned_position_and_no_further() {
-    let dir = temp_dir("gpt2-positions");
-    let t = gpt2_tensors(13);
-    write_checkpoint(&dir, &gpt2_config(), &t, Store::F32, 1);
-    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
-    let plan = plan_of(&dir, "dp=1", 1);
+    let (t, ck, plan) = gpt2_on_one_rank("gpt2-positions");
     let prompt: Vec<u32> = (0..60).map(|i| (i * 7 % 64) as u32).collect();
     let ask = |n: usize| {
         infer(
@@ -1212,12 +1215,7 @@ fn cli_inference_memory_line_sets_the_plans_parts_beside_the_measured_ones() {
     let ledger = &p["predicted"]["memory_per_gpu_bytes"];
     let mib = |key: &str| ledger[key].as_f64().expect(key) / (1u64 << 20) as f64;
     let text = meshplan(&["run", &plan_s]);
-    text.expect_code(0);
-    let line = text
-        .stdout
-        .lines()
-        .find(|l| l.starts_with("memory "))
-        .unwrap_or_else(|| panic!("no memory line:\n{}", text.stdout));
+    let line = text.expect_code(0).stdout_line("memory ");
     let (measured, predicted) = line.split_once("predicted per GPU:").expect("two sides");
     let v = meshplan(&["run", &plan_s, "--json"]).json();
     let number = |s: &str, prefix: &str| -> f64 {
