@@ -63,6 +63,12 @@ struct WorkloadFlags {
     /// megatron-deepspeed, meshplan): only what it can run is searched.
     #[arg(long, value_name = "NAME")]
     framework: Option<meshplan_ir::Framework>,
+    /// Pads the vocabulary to a multiple of N rows, as Megatron-LM's flag of this
+    /// name does, so that tensor parallelism can split the embedding, the head
+    /// and the loss (128 pads GPT-2's 50257 tokens to 50304); the padded rows
+    /// are never a token.
+    #[arg(long, value_name = "N")]
+    make_vocab_size_divisible_by: Option<u64>,
 }
 
 impl WorkloadFlags {
@@ -72,6 +78,7 @@ impl WorkloadFlags {
             global_batch: self.global_batch,
             workload_file: self.workload.clone(),
             framework: self.framework,
+            make_vocab_size_divisible_by: self.make_vocab_size_divisible_by,
         }
     }
 }

@@ -668,7 +668,7 @@ pub(crate) fn each_weight_slice<'r>(
         for ((name, layer), local) in &rep.weights {
             let full = refw
                 .get(&(name.clone(), *layer))
-                .ok_or_else(|| format!("the reference lacks `{name}` layer {layer}"))?;
+                .ok_or_else(|| format!("the reference lacks `{name}`{}", layer_label(*layer)))?;
             let want = rank_slice(plan, rep.rank, name, full)?;
             if want.len() != local.len() {
                 return Err(format!(

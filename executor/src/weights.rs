@@ -383,6 +383,12 @@ impl Checkpoint {
         let parts = self.parts(graph, w, layer)?;
         let rows = if shape.len() == 2 { shape[0] } else { 1 };
         let cols = *shape.last().unwrap_or(&1);
+        // Padded vocabulary rows or columns past the checkpoint's read as zeros.
+        let held = names::stored(graph, w, &shape);
+        let (held_rows, held_cols) = (
+            if held.len() == 2 { held[0] } else { 1 },
+            held[held.len() - 1],
+        );
         // Column -> (part, column inside it).
         let mut starts = Vec::new();
         let mut acc = 0;
@@ -392,11 +398,14 @@ impl Checkpoint {
         }
         let entries: Vec<&Entry> = parts.iter().map(|p| &self.index[&p.name]).collect();
         let read = |r: usize, c: usize| -> f32 {
+            if r >= held_rows || c >= held_cols {
+                return 0.0;
+            }
             let pi = starts.partition_point(|&s| s <= c) - 1;
             let (p, e) = (&parts[pi], entries[pi]);
             let cc = c - starts[pi];
             let i = if p.transpose {
-                cc * rows + r
+                cc * held_rows + r
             } else {
                 r * p.cols + cc
             };

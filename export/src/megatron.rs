@@ -42,17 +42,22 @@ pub(crate) fn export(plan: &Plan) -> Result<String, crate::CannotExpress> {
         r.push(why);
     }
     let vocab_divisor = t.and_then(|t| {
-        // Megatron pads the vocabulary to a multiple of divisor x tp; pick the largest
-        // divisor (default 128) that leaves this model's vocabulary unpadded.
+        // Megatron pads the vocabulary to a multiple of divisor x tp; pick the
+        // divisor (the largest from the default 128, then the model's own over tp)
+        // that gives the plan's rows: the vocabulary, padded as the model says.
+        let rows = t.padded_vocab();
+        let own = (t.make_vocab_size_divisible_by.is_multiple_of(c.tp))
+            .then(|| t.make_vocab_size_divisible_by / c.tp);
         let d = [128u64, 64, 32, 16, 8, 4, 2, 1]
             .into_iter()
-            .find(|d| t.vocab.is_multiple_of(d * c.tp));
+            .chain(own)
+            .find(|d| t.vocab.next_multiple_of(d * c.tp) == rows);
         if d.is_none() {
             r.push(format!(
-                "Megatron-LM pads the vocabulary to a multiple of the tensor-parallel size {}; {} would become {} rows, which the plan did not price",
+                "Megatron-LM pads the vocabulary to a multiple of the tensor-parallel size {}; {} would become {} rows, which the plan did not price (it has {rows}); plan with --make-vocab-size-divisible-by 128",
                 c.tp,
                 t.vocab,
-                t.vocab.div_ceil(c.tp) * c.tp
+                t.vocab.next_multiple_of(c.tp)
             ));
         }
         d

@@ -474,7 +474,10 @@ pub fn build_transformer(name: &str, t: &TransformerSpec, dtype: DType) -> Graph
         TensorKind::Index,
         TpSplit::Replicated,
     );
-    let wte = b.weight("embed.tokens.w".into(), &[t.vocab, h], TpSplit::Sharded);
+    // Padded rows (`make_vocab_size_divisible_by`) are never looked up, and the
+    // loss and sampling skip their logits: only the widths change.
+    let rows = t.padded_vocab();
+    let wte = b.weight("embed.tokens.w".into(), &[rows, h], TpSplit::Sharded);
     let tok = b.act("embed.tokens.out".into(), h, TpSplit::Replicated);
     ops.push(Op {
         name: "embed.tokens".into(),
@@ -537,11 +540,11 @@ pub fn build_transformer(name: &str, t: &TransformerSpec, dtype: DType) -> Graph
     let w_head = if t.tie_embeddings {
         wte
     } else {
-        b.weight("head.lm.w".into(), &[h, t.vocab], TpSplit::Sharded)
+        b.weight("head.lm.w".into(), &[h, rows], TpSplit::Sharded)
     };
     let logits = b.tensor(
         "head.lm.out".into(),
-        act_shape(t.vocab),
+        act_shape(rows),
         DType::F32,
         TensorKind::Activation,
         TpSplit::Sharded,

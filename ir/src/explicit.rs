@@ -42,7 +42,7 @@
 //! | `dropout` | x | y[, mask] of the shape of x | |
 //! | `router` | logits `[.., experts]` | any | `experts`, `top_k` |
 //! | `experts` | x `[.., hidden]`, router logits, w_up, w_down | y (shape of x), any | `experts`, `top_k`, `ffn`, `mlp` (gelu) |
-//! | `cross_entropy` | logits `[.., vocab]`, labels (index) | loss | `vocab` |
+//! | `cross_entropy` | logits `[.., vocab]` (wider: padding the loss skips), labels (index) | loss | `vocab` |
 //!
 //! Sizes are positive and at most [`DIM_MAX`], as in the architecture form. Every
 //! tensor is produced by at most one op, and only by an op listed before its
@@ -1149,11 +1149,13 @@ impl<'a> Checker<'a> {
                 self.arity(i, op, io, (2, 2), (1, 1), "logits and labels in, loss out")?;
                 let vocab = self.positive(i, "vocab", op.vocab, kind)?;
                 let w = self.last_fixed(inf(0), inputs[0], "the vocabulary")?;
-                if w != vocab {
+                // Wider logits are padding (`make_vocab_size_divisible_by`): the
+                // loss skips the columns past `vocab`.
+                if w < vocab {
                     return Err(self.err(
                         inf(0),
                         format!(
-                            "`{}` has {w} logits per token but vocab is {vocab}",
+                            "`{}` has {w} logits per token but vocab is {vocab}: the logits need a column for every token",
                             self.tensors[inputs[0]].name
                         ),
                     ));
@@ -1664,7 +1666,7 @@ graph:
         );
         bad(
             "vocab: 100, inputs",
-            "vocab: 99, inputs",
+            "vocab: 101, inputs",
             "graph.ops[12].inputs[0]",
         );
         bad("vocab: 100, inputs", "inputs", "graph.ops[12].vocab");

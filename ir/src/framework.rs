@@ -145,8 +145,15 @@ impl Framework {
                 // width; a remainder has no rank (`shard::check_split`).
                 if cfg.tp > 1 && needs.vocab > 1 && !needs.vocab.is_multiple_of(cfg.tp) {
                     why.push(format!(
-                        "{name}'s executor splits the vocabulary ({vocab}) over tp whole: tp={} does not divide it; pad the vocabulary to a multiple of tp (GPT-3 pads 50257 to 51200) or use a tp that divides it",
+                        "{name}'s executor splits the vocabulary ({vocab}) over tp whole: tp={} does not divide it; pad it as Megatron-LM does (plan with --make-vocab-size-divisible-by 128, or set the model's `transformer.make_vocab_size_divisible_by`: 128 pads 50257 tokens to 50304 rows) or use a tp that divides it",
                         cfg.tp
+                    ));
+                }
+                // A rank whose slice is all padding has no softmax to take.
+                if cfg.tp > 1 && needs.vocab_padding > 0 && vocab / cfg.tp <= needs.vocab_padding {
+                    why.push(format!(
+                        "{name}'s executor needs a token in every tensor rank's slice of the vocabulary: {vocab} rows over tp={} leave the last {} rows of padding only; use a smaller make_vocab_size_divisible_by",
+                        cfg.tp, needs.vocab_padding
                     ));
                 }
                 if cfg.tp > 1 && needs.tp_widths > 0 && !needs.tp_widths.is_multiple_of(cfg.tp) {
@@ -185,7 +192,7 @@ impl Framework {
                 }
                 if !vocab.is_multiple_of(cfg.tp) {
                     why.push(format!(
-                        "{name} pads the vocabulary ({vocab}) to a multiple of tp({})",
+                        "{name} pads the vocabulary ({vocab}) to a multiple of tp({}); plan the padded model with --make-vocab-size-divisible-by 128",
                         cfg.tp
                     ));
                 }
@@ -225,7 +232,7 @@ impl Framework {
                 }
                 if !vocab.is_multiple_of(cfg.tp) {
                     why.push(format!(
-                        "{name} pads the vocabulary ({vocab}) to a multiple of tp({})",
+                        "{name} pads the vocabulary ({vocab}) to a multiple of tp({}); plan the padded model with --make-vocab-size-divisible-by 128",
                         cfg.tp
                     ));
                 }
@@ -291,8 +298,10 @@ impl Framework {
 pub struct Needs {
     /// Transformer blocks.
     pub layers: u64,
-    /// Vocabulary rows (1 where the graph has none).
+    /// Vocabulary rows (1 where the graph has none), padding included.
     pub vocab: u64,
+    /// Of those, the padded rows (`make_vocab_size_divisible_by`), no token.
+    pub vocab_padding: u64,
     /// Sequences per optimizer step.
     pub global_batch: u64,
     /// Attention with ALiBi biases.
@@ -314,7 +323,11 @@ impl Needs {
         });
         Needs {
             layers,
-            vocab: graph.vocab().unwrap_or(1),
+            vocab: graph.vocab_rows().or(graph.vocab()).unwrap_or(1),
+            vocab_padding: graph
+                .vocab_rows()
+                .zip(graph.vocab())
+                .map_or(0, |(rows, tokens)| rows.saturating_sub(tokens)),
             global_batch,
             alibi: attention.is_some_and(|a| a.alibi),
             head_dim: attention.map_or(0, |a| a.qk_dim),
@@ -417,6 +430,7 @@ mod tests {
         Needs {
             layers,
             vocab,
+            vocab_padding: 0,
             global_batch,
             alibi: false,
             head_dim: 128,
@@ -478,6 +492,78 @@ mod tests {
                 .iter()
                 .all(|w| !w.contains("batch")));
         }
+    }
+
+    #[test]
+    fn a_padded_vocabulary_widens_the_table_and_logits_and_lets_tp_split_them() {
+        let gpt2 = |pad: &str| {
+            let text = std::fs::read_to_string(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../models/gpt2-124m.yaml"
+            ))
+            .expect("the GPT-2 model file")
+            .replace("  vocab: 50257\n", &format!("  vocab: 50257\n{pad}"));
+            let spec = crate::parse_model_yaml(&text, "gpt2.yaml").expect("a model");
+            crate::model_graph(&spec).expect("a graph")
+        };
+        let rows = |g: &Graph, name: &str| {
+            let t = g.tensors.iter().find(|t| t.name == name).expect(name);
+            t.shape.clone()
+        };
+        let plain = gpt2("");
+        let padded = gpt2("  make_vocab_size_divisible_by: 128\n");
+        // 50257 rounded up to a multiple of 128 = 393 x 128.
+        use crate::graph::Dim;
+        assert_eq!(padded.vocab_rows(), Some(50304));
+        assert_eq!(padded.vocab(), Some(50257));
+        assert_eq!(
+            (plain.vocab_rows(), plain.vocab()),
+            (Some(50257), Some(50257))
+        );
+        assert_eq!(
+            rows(&padded, "embed.tokens.w"),
+            [Dim::Fixed(50304), Dim::Fixed(768)]
+        );
+        assert_eq!(
+            rows(&padded, "head.lm.out").last(),
+            Some(&Dim::Fixed(50304))
+        );
+        let m = Framework::Meshplan;
+        for tp in [2, 4, 8] {
+            let why = m.cannot_run(&cfg(1, tp, 1, 1), &Needs::of(&plain, 12, 512));
+            assert!(
+                why.iter()
+                    .any(|w| w.contains("make_vocab_size_divisible_by")),
+                "{why:?}"
+            );
+            let why = m.cannot_run(&cfg(1, tp, 1, 1), &Needs::of(&padded, 12, 512));
+            assert!(why.is_empty(), "tp={tp}: {why:?}");
+        }
+        // 64 rows over tp=4, 16 a rank: 48 tokens leave the last rank padding only,
+        // 49 give it one token.
+        let padded_to_64 = |tokens: u64| Needs {
+            vocab_padding: 64 - tokens,
+            ..needs(2, 64, 8)
+        };
+        let why = m.cannot_run(&cfg(1, 4, 1, 1), &padded_to_64(48));
+        assert!(why.len() == 1 && why[0].contains("padding only"), "{why:?}");
+        assert!(m.cannot_run(&cfg(1, 4, 1, 1), &padded_to_64(49)).is_empty());
+        assert_eq!(Needs::of(&padded, 12, 512).vocab_padding, 47);
+        let bad = |vocab: u64, by: u64| {
+            let text = format!(
+                "name: m\ntransformer: {{layers: 1, hidden: 8, heads: 2, vocab: {vocab}, make_vocab_size_divisible_by: {by}}}\n"
+            );
+            let e = crate::parse_model_yaml(&text, "m.yaml").map(|_| ());
+            e.unwrap_err().to_string()
+        };
+        let zero = bad(10, 0);
+        assert!(
+            zero.contains("transformer.make_vocab_size_divisible_by"),
+            "{zero}"
+        );
+        // 2^24 - 1 tokens rounded up to a multiple of 11 pass 2^24 rows.
+        let past = bad(crate::spec::DIM_MAX - 1, 11);
+        assert!(past.contains("past the supported maximum"), "{past}");
     }
 
     #[test]

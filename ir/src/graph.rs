@@ -413,22 +413,28 @@ impl Graph {
         self.segments.iter().flat_map(|s| &s.ops)
     }
 
-    /// The vocabulary: the cross-entropy's width, or the embedding table's rows.
+    /// The vocabulary, the tokens there are: the cross-entropy's classes, or the
+    /// embedding table's rows.
     pub fn vocab(&self) -> Option<u64> {
-        let ops = || self.ops();
-        ops()
+        self.ops()
             .find_map(|o| match o.kind {
                 OpKind::CrossEntropy { vocab } => Some(vocab),
                 _ => None,
             })
-            .or_else(|| {
-                ops().find(|o| o.kind == OpKind::Embedding).and_then(|o| {
-                    let t = self.tensors.get(o.inputs.get(1)?.0 as usize)?;
-                    match t.shape.first()? {
-                        Dim::Fixed(v) => Some(*v),
-                        _ => None,
-                    }
-                })
+            .or_else(|| self.vocab_rows())
+    }
+
+    /// The token embedding table's rows: [`Graph::vocab`] and any padding
+    /// (`make_vocab_size_divisible_by`), what tensor parallelism splits.
+    pub fn vocab_rows(&self) -> Option<u64> {
+        self.ops()
+            .find(|o| o.kind == OpKind::Embedding)
+            .and_then(|o| {
+                let t = self.tensors.get(o.inputs.get(1)?.0 as usize)?;
+                match t.shape.first()? {
+                    Dim::Fixed(v) => Some(*v),
+                    _ => None,
+                }
             })
     }
 

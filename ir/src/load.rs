@@ -18,6 +18,10 @@ pub struct WorkloadOverrides {
     pub workload_file: Option<PathBuf>,
     /// `--framework`: the framework that will run a training workload.
     pub framework: Option<crate::Framework>,
+    /// `--make-vocab-size-divisible-by`: pads a transformer's vocabulary rows to a
+    /// multiple of this (`transformer.make_vocab_size_divisible_by`), for a
+    /// `config.json` model too.
+    pub make_vocab_size_divisible_by: Option<u64>,
 }
 
 /// A text input file of at most [`crate::input::TEXT_LIMIT`] bytes, without the
@@ -59,6 +63,22 @@ fn apply_overrides(
     ov: &WorkloadOverrides,
     file: &str,
 ) -> Result<(), IrError> {
+    if let Some(d) = ov.make_vocab_size_divisible_by {
+        let field = "--make-vocab-size-divisible-by";
+        match &mut spec.arch {
+            crate::Architecture::Transformer(t) => {
+                t.make_vocab_size_divisible_by =
+                    crate::spec::vocab_divisor("command line", field, t.vocab, d)?;
+            }
+            crate::Architecture::Graph(_) => {
+                return Err(IrError::invalid(
+                    file,
+                    "graph",
+                    format!("{field} pads a `transformer:` model's vocabulary; an explicit graph gives its tensors' shapes itself"),
+                ))
+            }
+        }
+    }
     if let Some(wf) = &ov.workload_file {
         let wfile = wf.display().to_string();
         let text = read_text(wf)?;

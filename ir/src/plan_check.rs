@@ -735,6 +735,7 @@ fn check_transformer(t: &TransformerSpec) -> Check {
         mlp: t.mlp,
         norm: t.norm,
         vocab: t.vocab,
+        make_vocab_size_divisible_by: Some(t.make_vocab_size_divisible_by),
         tie_embeddings: t.tie_embeddings,
         bias: t.bias,
         qkv_bias: t.qkv_bias,

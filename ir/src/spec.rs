@@ -259,6 +259,12 @@ pub struct RawTransformer {
     pub norm: NormKind,
     /// Vocabulary size.
     pub vocab: u64,
+    /// Pads the embedding table, the LM head and the logits to a multiple of this
+    /// many rows (Megatron-LM's `--make-vocab-size-divisible-by`, whose default is
+    /// 128), so that tensor parallelism can split them; the padded rows are never
+    /// a token, and the loss and sampling never see them. Absent: no padding.
+    #[serde(default)]
+    pub make_vocab_size_divisible_by: Option<u64>,
     /// Whether the LM head shares the embedding matrix.
     #[serde(default)]
     pub tie_embeddings: bool,
@@ -334,8 +340,13 @@ pub struct TransformerSpec {
     pub mlp: MlpKind,
     /// Normalisation.
     pub norm: NormKind,
-    /// Vocabulary size.
+    /// Vocabulary size: the tokens, what the loss and sampling range over.
     pub vocab: u64,
+    /// The embedding table, the head and the logits have
+    /// [`TransformerSpec::padded_vocab`] rows, `vocab` rounded up to a multiple of
+    /// this (1: unpadded).
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub make_vocab_size_divisible_by: u64,
     /// LM head shares the embedding.
     pub tie_embeddings: bool,
     /// Biases on every linear layer (GPT style); a layernorm always has its shift.
@@ -373,7 +384,18 @@ pub struct TransformerSpec {
     pub mla: Option<MlaSpec>,
 }
 
+fn is_one(x: &u64) -> bool {
+    *x == 1
+}
+
 impl TransformerSpec {
+    /// Rows of the embedding table and the head, columns of the logits: `vocab`
+    /// rounded up to a multiple of `make_vocab_size_divisible_by`.
+    pub fn padded_vocab(&self) -> u64 {
+        self.vocab
+            .next_multiple_of(self.make_vocab_size_divisible_by)
+    }
+
     /// Number of layers with a MoE feed-forward.
     pub fn moe_layers(&self) -> u64 {
         self.moe
@@ -528,6 +550,20 @@ impl ModelSpec {
 /// and must not overflow `u64`.
 pub const DIM_MAX: u64 = 1 << 24;
 
+/// `d`, a multiple to pad `vocab` tokens to (`make_vocab_size_divisible_by`), if it
+/// is positive and the padded rows stay within [`DIM_MAX`].
+pub(crate) fn vocab_divisor(file: &str, field: &str, vocab: u64, d: u64) -> Result<u64, IrError> {
+    let d = positive(file, field, d)?;
+    if vocab.next_multiple_of(d) > DIM_MAX {
+        return Err(IrError::invalid(
+            file,
+            field,
+            format!("pads the vocabulary ({vocab}) past the supported maximum {DIM_MAX}; use a smaller multiple such as 128"),
+        ));
+    }
+    Ok(d)
+}
+
 fn positive(file: &str, field: &str, v: u64) -> Result<u64, IrError> {
     if v == 0 {
         return Err(IrError::invalid(
@@ -554,6 +590,10 @@ impl RawTransformer {
         let hidden = positive(file, &f("hidden"), self.hidden)?;
         let heads = positive(file, &f("heads"), self.heads)?;
         let vocab = positive(file, &f("vocab"), self.vocab)?;
+        let divisor = match self.make_vocab_size_divisible_by {
+            None => 1,
+            Some(d) => vocab_divisor(file, &f("make_vocab_size_divisible_by"), vocab, d)?,
+        };
         let kv_heads = positive(file, &f("kv_heads"), self.kv_heads.unwrap_or(heads))?;
         if heads % kv_heads != 0 {
             return Err(IrError::invalid(
@@ -686,6 +726,7 @@ impl RawTransformer {
             mlp: self.mlp,
             norm: self.norm,
             vocab,
+            make_vocab_size_divisible_by: divisor,
             tie_embeddings: self.tie_embeddings,
             bias: self.bias,
             qkv_bias: self.qkv_bias,

@@ -997,6 +997,93 @@ fn run_refuses_a_padded_batch_and_weights_a_degree_does_not_split_whole() {
     }
 }
 
+/// The fix the refusal above names: the same 251 tokens padded on the command line
+/// (`--make-vocab-size-divisible-by 4`: 252 rows, 126 a tensor rank) plan at tp=2
+/// and train equal to the single rank (`--check`). GPT-2 padded by 128 exports to
+/// Megatron-LM as its 50257 tokens and the divisor that makes the same 50304 rows at
+/// tp=2 (64 x 2). A multiple of 0, or one for an explicit graph, is refused.
+#[test]
+fn a_vocabulary_padded_on_the_command_line_splits_over_tp_and_exports_to_megatron() {
+    let dir = temp_dir("cli", "padded");
+    let tiny = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");
+    let model = dir.join("vocab251.yaml");
+    std::fs::write(&model, tiny.replace("vocab: 256", "vocab: 251")).expect("model");
+    let plan = dir.join("plan.json");
+    let (model, path) = (
+        model.to_str().expect("utf-8"),
+        plan.to_str().expect("utf-8"),
+    );
+    let planned = |m: &str, cluster: &str, extra: &[&str]| {
+        let mut args = vec!["plan", m, cluster, "--quiet", "-o", path];
+        args.extend(extra);
+        meshplan(&args)
+    };
+    let mesh = "topologies/cpu-test-mesh.yaml";
+    planned(model, mesh, &["--config", "dp=2,tp=2"])
+        .expect_code(2)
+        .stderr_has(&["--make-vocab-size-divisible-by 128"]);
+    let pad = [
+        "--config",
+        "dp=2,tp=2",
+        "--make-vocab-size-divisible-by",
+        "4",
+    ];
+    planned(model, mesh, &pad).expect_code(0);
+    let run = meshplan(&["run", path, "--steps", "2", "--check"]);
+    run.expect_code(0);
+    assert!(
+        run.stdout_line("check").contains("passed"),
+        "{}",
+        run.stdout
+    );
+    // In bf16 too; the weight farthest from the reference is the table, named
+    // without a layer (it read `layer 18446744073709551615`, the no-layer mark).
+    let bf16 = meshplan(&[
+        "run",
+        path,
+        "--steps",
+        "3",
+        "--check",
+        "--backend",
+        "cpu-bf16",
+    ]);
+    bf16.expect_code(0);
+    let check = bf16.stdout_line("check");
+    assert!(
+        check.contains("passed") && check.contains("`embed.tokens.w` at"),
+        "{check}"
+    );
+    let gpt2 = [
+        "--config",
+        "dp=4,tp=2",
+        "--make-vocab-size-divisible-by",
+        "128",
+    ];
+    planned("models/gpt2-124m.yaml", "topologies/dgx-h100.yaml", &gpt2).expect_code(0);
+    let args = meshplan(&["export", path, "--to", "megatron"]);
+    args.expect_code(0);
+    for line in ["--vocab-size 50257", "--make-vocab-size-divisible-by 64"] {
+        assert!(
+            args.stdout.lines().any(|l| l == line),
+            "{line}:\n{}",
+            args.stdout
+        );
+    }
+    planned(model, mesh, &["--make-vocab-size-divisible-by", "0"])
+        .expect_code(2)
+        .stderr_has(&[
+            "--make-vocab-size-divisible-by",
+            "must be a positive integer",
+        ]);
+    planned(
+        "models/examples/mlp-graph.yaml",
+        mesh,
+        &["--make-vocab-size-divisible-by", "8"],
+    )
+    .expect_code(2)
+    .stderr_has(&["mlp-graph.yaml", "an explicit graph"]);
+}
+
 /// A plan's collective on an activation must fit how its producer leaves it: the
 /// embedding's all-reduce over tp=2 edited to an all-gather sends the same bytes and
 /// ran to the end with another loss (5.5649 for 5.5663) and "bytes equal".

@@ -29,6 +29,54 @@ pub(crate) fn model(name: &str) -> Model {
     Model { spec, graph, pg }
 }
 
+/// A model from YAML text.
+pub(crate) fn model_of(text: &str) -> Model {
+    let spec = meshplan_ir::parse_model_yaml(text, "test.yaml").unwrap_or_else(|e| panic!("{e}"));
+    let graph = model_graph(&spec).unwrap_or_else(|e| panic!("{e}"));
+    let pg = prepare_model(&spec).unwrap_or_else(|e| panic!("{e}"));
+    Model { spec, graph, pg }
+}
+
+/// A vocabulary padded for tensor parallelism (`make_vocab_size_divisible_by`:
+/// 250 tokens in 256 rows) trains as the unpadded model: the padded logits drop
+/// out of the softmax, so every loss is the unpadded model's (whose first 250
+/// table rows are drawn alike: the table is tied and row-major), on one rank and
+/// vocabulary-parallel, where the last tensor rank holds the 6 padded rows; each
+/// run equals its single-rank reference and moves the plan's bytes.
+#[test]
+fn a_padded_vocabulary_trains_as_the_unpadded_model_on_every_tensor_split() {
+    let tiny = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml"))
+        .expect("tiny-gpt")
+        .replace("kv_heads: 2", "kv_heads: 4")
+        .replace("tie_embeddings: false", "tie_embeddings: true");
+    let unpadded = model_of(&tiny.replace("vocab: 256", "vocab: 250"));
+    let padded = model_of(&tiny.replace(
+        "vocab: 256",
+        "vocab: 250\n  make_vocab_size_divisible_by: 64",
+    ));
+    assert_eq!(padded.graph.vocab_rows(), Some(256));
+    let opts = TrainOptions::default();
+    let base = train(&plan(&unpadded, "dp=1"), &opts).unwrap_or_else(|e| panic!("{e}"));
+    for cfg in ["dp=1", "tp=2", "tp=4", "dp=2,tp=2,sp=true", "tp=2,pp=2"] {
+        let p = plan(&padded, cfg);
+        let run = train(&p, &opts).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        for (step, (a, b)) in run.losses.iter().zip(&base.losses).enumerate() {
+            assert!(
+                (a - b).abs() <= 1e-6 * b.abs(),
+                "{cfg} step {step}: loss {a} padded, {b} unpadded"
+            );
+        }
+        let mbs = p.strategy.mbs;
+        let reference = plan(&padded, &format!("dp=1,mbs={mbs}"));
+        let one = train(&reference, &opts.reference_of(&p)).unwrap_or_else(|e| panic!("{e}"));
+        if let Err(why) = check_against(&p, &run, &one, 1e-5) {
+            panic!("{cfg} differs from the single-rank run:\n{why}");
+        }
+        let bytes = byte_mismatches(&p, &run, opts.steps);
+        assert!(bytes.is_empty(), "{cfg}: {bytes:?}");
+    }
+}
+
 /// The CPU test mesh with `gpus` ranks on its one node.
 pub(crate) fn mesh(gpus: u64) -> Cluster {
     let mut c = load_cluster(

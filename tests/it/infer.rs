@@ -859,6 +859,37 @@ fn gpt2_checkpoint_sharded_equals_single_rank_and_reference() {
     check_all("gpt2", &dir, &|tokens| gpt2_forward(&t, tokens));
 }
 
+/// GPT-2 with its vocabulary padded for tensor parallelism
+/// (`--make-vocab-size-divisible-by 48`: the test model's 64 tokens in 96 rows, 48
+/// a tensor rank): the checkpoint's 64 rows fill the padded table, and every plan,
+/// vocabulary-parallel ones included, generates the unpadded single rank's tokens
+/// with its logits, the 64 a token has (the padded columns left out).
+#[test]
+fn a_padded_gpt2_generates_the_unpadded_models_tokens_on_every_split() {
+    let dir = temp_dir("gpt2-padded");
+    let t = gpt2_tensors(13);
+    write_checkpoint(&dir, &gpt2_config(), &t, Store::F32, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let single = run(&plan_of(&dir, "dp=1", 1), &ck, Sampling::GREEDY, 3);
+    let workload = dir.join("workload.yaml");
+    for (cfg, gpus) in [("dp=1", 1), ("tp=2", 2), ("tp=2,pp=2", 4)] {
+        let padded = WorkloadOverrides {
+            workload_file: Some(workload.clone()),
+            make_vocab_size_divisible_by: Some(48),
+            ..WorkloadOverrides::default()
+        };
+        let p = plan_with(&dir, padded, cfg, gpus);
+        assert_eq!(p.graph.vocab_rows(), Some(96), "{cfg}");
+        let r = run(&p, &ck, Sampling::GREEDY, 3);
+        for q in &r.requests {
+            assert_eq!((q.logits.len(), q.first_logits.len()), (64, 64), "{cfg}");
+        }
+        let (line, diff) = check_inference(&r, &single).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        eprintln!("{cfg}: {line}");
+        assert!(diff <= TOL, "{cfg}: {diff}");
+    }
+}
+
 /// The test GPT-2 (seed 13) as an f32 checkpoint in `tag`'s folder, opened, and a
 /// one-rank plan of it.
 fn gpt2_on_one_rank(tag: &str) -> (Tensors, Arc<Checkpoint>, Plan) {

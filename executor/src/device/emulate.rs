@@ -91,7 +91,8 @@ pub fn check_mixed_precision(
         moved2 += m;
         let rel = d.sqrt() / m.sqrt().max(1e-30);
         if rel > worst.0 {
-            worst = (rel, format!("rank {} `{name}` layer {layer}", w.rank));
+            let at = crate::train::layer_label(layer);
+            worst = (rel, format!("rank {} `{name}`{at}", w.rank));
         }
         Ok(())
     })?;

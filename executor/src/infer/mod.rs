@@ -179,8 +179,10 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     opts.sampling.validate()?;
     let graph = &plan.graph;
     crate::train::runnable(plan)?;
-    let vocab =
-        table_rows(graph, "embed.tokens.w").ok_or("the plan's model has no token embedding")?;
+    // The tokens, not the table's rows: padded rows are no token.
+    let vocab = graph
+        .vocab()
+        .ok_or("the plan's model has no token embedding")? as usize;
     for (i, r) in opts.requests.iter().enumerate() {
         if r.is_empty() {
             return Err(format!("request {i} has an empty prompt"));
@@ -580,7 +582,10 @@ pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     kv: HashMap<(u64, usize), (D::Act, D::Act)>,
     hidden: Option<D::Act>,
     hidden_width: usize,
+    /// The logits' columns, padding (`make_vocab_size_divisible_by`) included.
     vocab: usize,
+    /// The tokens there are: the columns sampling and the report see.
+    tokens: usize,
     acts: HashMap<String, D::Act>,
     /// Activations gathered over the tensor axis, beside `acts`, for the
     /// column-parallel ops that read them whole.

@@ -69,6 +69,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             hidden: None,
             hidden_width: shape.get(1).copied().unwrap_or(1),
             vocab: shape[0],
+            tokens: graph.vocab().map_or(shape[0], |v| v as usize),
             acts: HashMap::new(),
             gathered: HashMap::new(),
             logits: None,
@@ -250,7 +251,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             self.hand_tokens_back(&mut p.current)?;
             if let Some(all) = self.decode_step(mine, step, &p.current)? {
                 let now = record.then(|| t0.elapsed());
-                for (j, row) in all.chunks_exact(self.vocab).enumerate() {
+                for (j, row) in all.chunks_exact(self.tokens).enumerate() {
                     p.take_token((j, step), row, &self.opts.sampling, now);
                 }
             }
@@ -469,8 +470,18 @@ impl<'a, D: Device> InferRank<'a, D> {
         Ok(())
     }
 
-    /// The full-vocabulary logits of each request's last row, `[requests, vocab]`.
+    /// The full-vocabulary logits of each request's last row, `[requests, tokens]`:
+    /// the padded columns (`make_vocab_size_divisible_by`) left out.
     pub(super) fn last_logits(&mut self, batch: &Batch) -> Result<Vec<f32>, RankError> {
+        let full = self.padded_last_logits(batch)?;
+        if self.tokens == self.vocab {
+            return Ok(full);
+        }
+        let rows = full.chunks_exact(self.vocab);
+        Ok(rows.flat_map(|r| &r[..self.tokens]).copied().collect())
+    }
+
+    fn padded_last_logits(&mut self, batch: &Batch) -> Result<Vec<f32>, RankError> {
         let b = batch.reqs.len();
         let rows = batch.rows();
         let logits = self

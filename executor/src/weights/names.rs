@@ -15,7 +15,7 @@ impl Checkpoint {
     ) -> Result<Vec<Part>, ExecError> {
         let t = graph.tensor(w);
         let shape = weight_shape(graph, w)?;
-        let (rows, cols) = match shape.as_slice() {
+        let (rows, cols) = match stored(graph, w, &shape).as_slice() {
             [n] => (1, *n),
             [r, c] => (*r, *c),
             _ => {
@@ -105,6 +105,27 @@ impl Checkpoint {
     }
 }
 
+/// The part of graph weight `w` (of `shape`) a checkpoint holds: all of it but
+/// the padded vocabulary rows of the token table and columns of the head
+/// (`make_vocab_size_divisible_by`), which no checkpoint has and which start at
+/// zero.
+pub(super) fn stored(graph: &Graph, w: TensorId, shape: &[usize]) -> Vec<usize> {
+    let mut s = shape.to_vec();
+    let Some(tokens) = graph.vocab() else {
+        return s;
+    };
+    let name = graph.tensor(w).name.as_str();
+    let padded = match (name, s.as_mut_slice()) {
+        ("embed.tokens.w", [rows, _]) => Some(rows),
+        ("head.lm.w", [_, cols]) => Some(cols),
+        _ => None,
+    };
+    if let Some(n) = padded {
+        *n = (*n).min(tokens as usize);
+    }
+    s
+}
+
 /// The architecture sizes a checkpoint must agree on.
 #[derive(Debug, PartialEq, Eq)]
 pub(super) struct Arch {
@@ -149,7 +170,7 @@ pub(super) fn arch_of(graph: &Graph) -> Result<Arch, ExecError> {
         ffn: find("block.mlp.down.w")
             .and_then(|s| s.first().copied())
             .unwrap_or(0) as u64,
-        vocab: table[0] as u64,
+        vocab: graph.vocab().unwrap_or(table[0] as u64),
         tied: find("head.lm.w").is_none(),
     })
 }

@@ -148,6 +148,8 @@ class Case:
     # eos: pick eos_token_id(s) from the case's own greedy output (see eos_from_step).
     eos_step: int | None = None
     eos_list: bool = False
+    # More `meshplan plan` flags (e.g. --make-vocab-size-divisible-by).
+    plan_flags: tuple = ()
     eos_in: str = "config"  # "config" or "generation_config"
     new_tokens: int = NEW_TOKENS
     # The weights of another case (same seed): for spellings of one model.
@@ -316,7 +318,9 @@ def meshplan(*args, timeout=120) -> Proc:
     return Proc(argv, r.returncode, r.stdout, r.stderr)
 
 
-def plan(ckpt: Path, plan_cfg: str, work: Path, prompts=PROMPTS, new_tokens=NEW_TOKENS) -> tuple[Path, Proc]:
+def plan(
+    ckpt: Path, plan_cfg: str, work: Path, prompts=PROMPTS, new_tokens=NEW_TOKENS, flags=()
+) -> tuple[Path, Proc]:
     work.mkdir(parents=True, exist_ok=True)
     wl = work / "workload.yaml"
     wl.write_text(
@@ -332,6 +336,7 @@ def plan(ckpt: Path, plan_cfg: str, work: Path, prompts=PROMPTS, new_tokens=NEW_
         wl,
         "--config",
         plan_cfg,
+        *flags,
         "-o",
         out,
     )
@@ -417,7 +422,7 @@ def eos_from(free: Generation, case: Case):
 
 def check_exact(case: Case, plan_name: str, built, work: Path) -> None:
     cfg = ALL_PLANS[plan_name]
-    plan_file, p = plan(built.dir, cfg, work, new_tokens=case.new_tokens)
+    plan_file, p = plan(built.dir, cfg, work, new_tokens=case.new_tokens, flags=case.plan_flags)
     assert p.rc == 0, f"{case.id}: meshplan plan {cfg}: {p.describe()}"
     problems = compare_steps(plan_file, built.dir, built.ref, case.new_tokens)
     if problems and case.contrast is not None:

@@ -11,6 +11,7 @@
 | gpt2-n-inner | n_inner: 80 | exact |
 | gpt2-ln-eps | layer_norm_epsilon: 0.5 | exact |
 | gpt2-last-position | 24 new tokens after a 9-token prompt: every position of n_positions 32 fed (the last new token is not) | exact |
+| gpt2-padded-vocab | vocab_size: 125, planned with --make-vocab-size-divisible-by 48 (144 rows, 36 a rank at tp=4: the last holds 17 tokens and 19 padded rows) | exact |
 | gpt2-eos-outside-vocab | GPT2Config's default eos_token_id 50256, outside a vocabulary of 128 (never generated) | exact |
 | gpt2-relu, gpt2-quick_gelu | other activation_function values | refused, naming activation_function |
 """
@@ -61,6 +62,13 @@ CASES = [
         contrast=reload_with(layer_norm_epsilon=1e-5),
     ),
     Case("gpt2-last-position", "gpt2", {}, new_tokens=24, seed_of="gpt2-act"),
+    Case(
+        "gpt2-padded-vocab",
+        "gpt2",
+        {"vocab_size": 125},
+        plans=MORE_PLANS,
+        plan_flags=("--make-vocab-size-divisible-by", "48"),
+    ),
     Case("gpt2-eos-outside-vocab", "gpt2", {"eos_token_id": 50256, "bos_token_id": 50256}),
     Case("gpt2-relu", "gpt2", {"activation_function": "relu"}, expect=Refuse("activation_function")),
     Case(

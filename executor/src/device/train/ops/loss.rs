@@ -6,8 +6,8 @@ use super::*;
 impl<D: Device> DevRank<'_, D> {
     pub(super) fn loss_fwd(&mut self, op: &Op, l: u64, t: &mut Task<D>) -> Res {
         let e = derr(&op.name);
+        let logits = self.masked_logits(op, l, t)?;
         let dev = &self.dev;
-        let logits = self.act(t, l, op.inputs[0])?;
         let rows = self.rows();
         if op.role == TpRole::VocabLoss && self.tp.size > 1 {
             // Each rank holds a slice of the vocabulary: the program's
@@ -39,5 +39,54 @@ impl<D: Device> DevRank<'_, D> {
         t.saved
             .insert((l, op.name.clone(), Saved::LogitsGrad), Arc::new(dlogits));
         Ok(())
+    }
+
+    /// The loss's logits with the padded vocabulary's columns
+    /// (`make_vocab_size_divisible_by`) at -inf, in place: they are no token, so
+    /// they drop out of the softmax (`exp(-inf) = 0`) and get a zero gradient,
+    /// and the loss is the unpadded model's.
+    fn masked_logits(&mut self, op: &Op, l: u64, t: &mut Task<D>) -> Res<Arc<D::Act>> {
+        let logits = self.act(t, l, op.inputs[0])?;
+        let OpKind::CrossEntropy { vocab } = op.kind else {
+            return Ok(logits);
+        };
+        let v_local = D::act_len(&logits) / self.rows().max(1);
+        let sharded = op.role == TpRole::VocabLoss && self.tp.size > 1;
+        let start = if sharded { self.tp.rank * v_local } else { 0 };
+        let real = (vocab as usize).saturating_sub(start).min(v_local);
+        if real == v_local {
+            return Ok(logits);
+        }
+        if real == 0 {
+            // The statistics' sums would hold -inf - -inf.
+            return Err(fail(format!(
+                "`{}`: tensor rank {} holds only padded vocabulary columns ({start}..{}, the tokens end at {vocab}); use a smaller make_vocab_size_divisible_by or tp",
+                op.name,
+                self.tp.rank,
+                start + v_local
+            )));
+        }
+        let e = derr(&op.name);
+        let mut mask = vec![0.0f32; v_local];
+        mask[real..].fill(f32::NEG_INFINITY);
+        let mask = self.dev.act_from_host(mask).map_err(&e)?;
+        let key = (l, self.name_of(op.inputs[0]));
+        drop(logits);
+        let held = t.acts.remove(&key).ok_or_else(|| fail("the logits went"))?;
+        let mut y = match Arc::try_unwrap(held) {
+            Ok(y) => y,
+            Err(shared) => {
+                let n = D::act_len(&shared);
+                let mut y = self.zeros(n)?;
+                self.dev
+                    .act_copy((&shared, 0), (&mut y, 0), n)
+                    .map_err(&e)?;
+                y
+            }
+        };
+        self.dev.bias_add(&mut y, &mask).map_err(&e)?;
+        let y = Arc::new(y);
+        t.acts.insert(key, Arc::clone(&y));
+        Ok(y)
     }
 }
