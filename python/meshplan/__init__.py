@@ -381,13 +381,14 @@ def plan(
     seq_len: Optional[int] = None,
     global_batch: Optional[int] = None,
     workload: Optional[Union[PathLike, Mapping[str, Any]]] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> Plan:
     """``meshplan plan``: searches the best layout of ``model`` on ``cluster`` and
     writes the plan file (``output``, a temporary file by default)."""
     with _Inputs() as tmp:
         out = Path(output) if output is not None else tmp.keep("plan.json")
         args = ["plan", tmp.model(model), tmp.cluster(cluster), "-o", out, "--json"]
-        args += _common(nodes, config, framework, calibration, seq_len, global_batch, workload, tmp)
+        args += _common(nodes, config, framework, calibration, seq_len, global_batch, workload, tmp, make_vocab_size_divisible_by)
         if top is not None:
             args += ["--top", str(top)]
         d = _run(args)
@@ -414,6 +415,7 @@ def deploy(
     output: Optional[PathLike] = None,
     calibration: Optional[PathLike] = None,
     workload: Optional[Union[PathLike, Mapping[str, Any]]] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> Deployment:
     """``meshplan deploy``: the best serving deployment of ``model`` on ``cluster``
     within the workload's SLOs, and the frontier; writes the plan file (``output``,
@@ -422,7 +424,7 @@ def deploy(
         out = Path(output) if output is not None else tmp.keep("deploy.json")
         figures = Path(tempfile.mkdtemp(prefix="meshplan-frontier-"))
         args = ["deploy", tmp.model(model), tmp.cluster(cluster), "-o", out, "--figures", figures, "--json"]
-        args += _common(nodes, config, None, calibration, None, None, workload, tmp)
+        args += _common(nodes, config, None, calibration, None, None, workload, tmp, make_vocab_size_divisible_by)
         for flag, keys in (("--prefill-config", prefill_config), ("--decode-config", decode_config)):
             if keys is not None:
                 args += [flag, _config_text(keys)]
@@ -455,11 +457,12 @@ def estimate(
     seq_len: Optional[int] = None,
     global_batch: Optional[int] = None,
     workload: Optional[Union[PathLike, Mapping[str, Any]]] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> Prediction:
     """``meshplan estimate``: one hand-given configuration, priced without a search."""
     with _Inputs() as tmp:
         args = ["estimate", tmp.model(model), tmp.cluster(cluster), "--json"]
-        args += _common(nodes, config, framework, calibration, seq_len, global_batch, workload, tmp)
+        args += _common(nodes, config, framework, calibration, seq_len, global_batch, workload, tmp, make_vocab_size_divisible_by)
         return Prediction.from_json(_run(args))
 
 
@@ -474,6 +477,7 @@ def compare(
     seq_len: Optional[int] = None,
     global_batch: Optional[int] = None,
     workload: Optional[Union[PathLike, Mapping[str, Any]]] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
     figures: Optional[PathLike] = None,
 ) -> Comparison:
     """``meshplan compare``: the planner's best beside each configuration (a list,
@@ -488,7 +492,7 @@ def compare(
         else:
             for c in configs:
                 args += ["--config", _config_text(c)]
-        args += _common(nodes, None, framework, calibration, seq_len, global_batch, workload, tmp)
+        args += _common(nodes, None, framework, calibration, seq_len, global_batch, workload, tmp, make_vocab_size_divisible_by)
         d = _run(args)
     rows = [
         ComparisonRow(
@@ -518,11 +522,12 @@ def inspect(
     seq_len: Optional[int] = None,
     global_batch: Optional[int] = None,
     workload: Optional[Union[PathLike, Mapping[str, Any]]] = None,
+    make_vocab_size_divisible_by: Optional[int] = None,
 ) -> ModelInfo:
     """``meshplan inspect``: parameters, FLOPs per token, memory of one replica."""
     with _Inputs() as tmp:
         args = ["inspect", tmp.model(model), "--json"]
-        args += _common(None, None, None, None, seq_len, global_batch, workload, tmp)
+        args += _common(None, None, None, None, seq_len, global_batch, workload, tmp, make_vocab_size_divisible_by)
         d = _run(args)
     return ModelInfo(
         name=d["name"],
@@ -566,8 +571,11 @@ def _config_text(c: Config) -> str:
     return ",".join(parts)
 
 
-def _common(nodes, config, framework, calibration, seq_len, global_batch, workload, tmp) -> List[str]:
+def _common(nodes, config, framework, calibration, seq_len, global_batch, workload, tmp, vocab_multiple=None) -> List[str]:
     args: List[str] = []
+    if vocab_multiple is not None:
+        # Megatron-LM's padding of the vocabulary, so that tp can split it.
+        args += ["--make-vocab-size-divisible-by", str(vocab_multiple)]
     if nodes is not None:
         args += ["--nodes", str(nodes)]
     if config is not None:

@@ -120,6 +120,22 @@ def test_inputs_as_dicts_and_hf_config():
     assert m.name == "dict-model" and m.dtype == "f32"
 
 
+def test_a_padded_vocabulary_lets_tp_split_gpt2_from_its_config_json():
+    gpt2 = str(ROOT / "models" / "hf" / "gpt2.json")
+    h100 = str(ROOT / "topologies" / "dgx-h100.yaml")
+    batch = dict(seq_len=1024, global_batch=512, config={"tp": 2})
+    with pytest.raises(meshplan.BadInput) as e:
+        meshplan.plan(gpt2, h100, **batch)
+    assert "--make-vocab-size-divisible-by 128" in e.value.message
+    p = meshplan.plan(gpt2, h100, make_vocab_size_divisible_by=128, **batch)
+    assert p.strategy["tp"] == 2
+    assert json.loads(p.path.read_text())["model"]["transformer"]["make_vocab_size_divisible_by"] == 128
+    # The padded rows (50304 of 50257 tokens) are priced: more parameters.
+    padded = meshplan.inspect(gpt2, make_vocab_size_divisible_by=128, seq_len=1024, global_batch=512)
+    plain = meshplan.inspect(gpt2, seq_len=1024, global_batch=512)
+    assert padded.params_total - plain.params_total == 47 * 768
+
+
 def test_errors_carry_the_clis_message_and_class(tmp_path):
     missing = tmp_path / "nope.yaml"
     with pytest.raises(meshplan.BadInput) as e:
