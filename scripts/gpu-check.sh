@@ -13,7 +13,7 @@
 # (every CUDA kernel against its CPU reference); the CUDA device's tests (its
 # methods against the host device's); `run --backend cuda --check` (tiny-gpt over 8
 # data-parallel ranks sharing the GPU, against the fp32 CPU reference within bf16
-# tolerances; ZeRO-1; tp=2 with and without sp; tp=2 pp=2; ZeRO-3; cp=2; dropout;
+# tolerances; ZeRO-1; tp=2 with and without sp; a padded vocabulary at tp=2; tp=2 pp=2; ZeRO-3; cp=2; dropout;
 # routed experts over ep=2, all on the device interpreter); GPT-2 124M training on
 # the GPU (tokens/s, MFU); the NCCL communicator tests (world size 1, and 2 when two
 # GPUs are visible) with REQUIRE_GPU=1; `meshplan
@@ -105,6 +105,13 @@ run plan-tiny-sp 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-t
     --config dp=4,tp=2,pp=1,cp=1,sp=true -o "$OUTDIR/tiny-dp4tp2sp.json" --quiet
 run run-check-sp "$STEP" "$B/bin/meshplan" run "$OUTDIR/tiny-dp4tp2sp.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=4 tp=2 sp)" PASS; else result "run --backend cuda --check (device, dp=4 tp=2 sp)" FAIL; fi
+# A padded vocabulary (251 tokens in 252 rows): the loss's -inf bias on the
+# padded column of the second tensor rank, in bf16 on the device.
+sed 's/vocab: 256/vocab: 251/' models/tiny-gpt.yaml > "$OUTDIR/tiny-vocab251.yaml"
+run plan-tiny-padded 30 "$B/bin/meshplan" plan "$OUTDIR/tiny-vocab251.yaml" topologies/cpu-test-mesh.yaml \
+    --config dp=4,tp=2,pp=1,cp=1,sp=false --make-vocab-size-divisible-by 4 -o "$OUTDIR/tiny-padded.json" --quiet
+run run-check-padded "$STEP" "$B/bin/meshplan" run "$OUTDIR/tiny-padded.json" --backend cuda --steps 5 --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, padded vocabulary, dp=4 tp=2)" PASS; else result "run --backend cuda --check (device, padded vocabulary, dp=4 tp=2)" FAIL; fi
 
 # Pipeline parallelism with tensor parallelism on the device interpreter.
 run plan-tiny-tp 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
