@@ -131,16 +131,8 @@ fn requests(
             ..
         } = &plan.workload
         {
-            let vocab = plan
-                .graph
-                .tensors
-                .iter()
-                .find(|t| t.name == "embed.tokens.w")
-                .and_then(|t| match t.shape.first() {
-                    Some(meshplan_ir::Dim::Fixed(v)) => Some(*v),
-                    _ => None,
-                })
-                .unwrap_or(2);
+            // The tokens, not the table's rows: a padded row is no token.
+            let vocab = plan.graph.vocab().unwrap_or(2);
             for i in 0..*concurrency {
                 let mut s = synthetic_sequence(7, 0, i, *prompt_len as usize, vocab);
                 s.truncate(*prompt_len as usize);

@@ -156,7 +156,8 @@ pub(crate) fn check_split(graph: &Graph, tp: usize, ep: usize) -> Result<(), Str
         Err(format!(
             "`{w}` of `{op}`: {n} does not split evenly over {by}, and the executor would drop \
              the rest; plan with a degree that divides it (or pad the model's size to a \
-             multiple of it, as GPT-3 pads its vocabulary to 51200)"
+             multiple of it; the vocabulary with --make-vocab-size-divisible-by 128, as \
+             Megatron-LM does)"
         ))
     };
     for op in graph.ops() {

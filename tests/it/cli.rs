@@ -999,7 +999,8 @@ fn run_refuses_a_padded_batch_and_weights_a_degree_does_not_split_whole() {
 
 /// The fix the refusal above names: the same 251 tokens padded on the command line
 /// (`--make-vocab-size-divisible-by 4`: 252 rows, 126 a tensor rank) plan at tp=2
-/// and train equal to the single rank (`--check`). GPT-2 padded by 128 exports to
+/// and train equal to the single rank (`--check`), in fp32 and bf16; a padded
+/// serving model runs its own workload at tp=2. GPT-2 padded by 128 exports to
 /// Megatron-LM as its 50257 tokens and the divisor that makes the same 50304 rows at
 /// tp=2 (64 x 2). A multiple of 0, or one for an explicit graph, is refused.
 #[test]
@@ -1052,6 +1053,22 @@ fn a_vocabulary_padded_on_the_command_line_splits_over_tp_and_exports_to_megatro
     assert!(
         check.contains("passed") && check.contains("`embed.tokens.w` at"),
         "{check}"
+    );
+    // An inference plan's own workload draws its prompts from the tokens, not the
+    // rows (it drew 255 of 250 tokens in 256 rows, and refused its own prompt).
+    let serving = dir.join("serve250.yaml");
+    let llama = std::fs::read_to_string(format!("{ROOT}/models/tiny-llama-inference.yaml"));
+    let llama = llama.expect("model").replace("vocab: 256", "vocab: 250");
+    std::fs::write(&serving, llama).expect("model");
+    let two = cut_mesh(&dir, 2);
+    let serve = ["--config", "tp=2", "--make-vocab-size-divisible-by", "64"];
+    planned(serving.to_str().expect("utf-8"), &two, &serve).expect_code(0);
+    let run = meshplan(&["run", path, "--check"]);
+    run.expect_code(0);
+    assert!(
+        run.stdout_line("check").contains("passed"),
+        "{}",
+        run.stdout
     );
     let gpt2 = [
         "--config",
