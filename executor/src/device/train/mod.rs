@@ -280,6 +280,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         r.count_uses()?;
         r.plan_step()?;
         r.zero3_shard()?;
+        r.first_moments()?;
         Ok(r)
     }
 
