@@ -496,13 +496,14 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(param)
     }
 
-    /// AdamW's moments of every weight the whole-tensor optimizer updates and of
-    /// every part ZeRO's reduce-scatters leave this rank (ZeRO-3 makes its own on
-    /// first use), made before the first step. Made on first use, they took the
-    /// memory the first backward had freed, and the second step's forward faulted
-    /// in new pages for its activations: GPT-2 124M's second step took 5.2 s where
-    /// the later ones take 3.3 s.
+    /// AdamW's moments of every weight the whole-tensor optimizer updates, of
+    /// every part ZeRO-1/2's reduce-scatters leave this rank and of every segment
+    /// copy's ZeRO-3 part, made before the first step. Made on first use, they took
+    /// the memory the first backward had freed, and the second step's forward
+    /// faulted in new pages for its activations: GPT-2 124M's second step took
+    /// 5.2 s where the later ones take 3.3 s.
     pub(super) fn first_moments(&mut self) -> Result<(), RankError> {
+        self.zero3_moments()?;
         for i in 0..self.zero.scatter.len() {
             let bk = &self.zero.scatter[i];
             let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);

@@ -260,6 +260,20 @@ impl<'a, D: Device> DevRank<'a, D> {
         self.zero3_release(copy, true)
     }
 
+    /// The AdamW moments of each segment copy's part this rank holds
+    /// ([`DevRank::first_moments`]).
+    pub(super) fn zero3_moments(&mut self) -> Result<(), RankError> {
+        let copies: Vec<CopyKey> = self.zero.z3.layouts.keys().copied().collect();
+        for copy in copies {
+            let (layout, start, part) = self.zero3_part(copy)?;
+            let c = D::f32_len(part);
+            let pieces = pieces_of(layout, start, start + c);
+            let state = initial_moments(&self.dev, &self.zero.start_moments, &pieces, c)?;
+            self.zero.z3.adam.insert(copy, state);
+        }
+        Ok(())
+    }
+
     /// ZeRO-3's AdamW: each segment copy's part of the fp32 masters this rank
     /// holds, with moments of that part alone.
     pub(super) fn optimizer_zero3(&mut self, set: ParamSet) -> Result<(), RankError> {
@@ -273,13 +287,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             .copied()
             .collect();
         for copy in copies {
-            let (layout, start, part) = self.zero3_part(copy)?;
-            let c = D::f32_len(part);
-            let pieces = pieces_of(layout, start, start + c);
-            let (mut m, mut v) = match self.zero.z3.adam.remove(&copy) {
-                Some(state) => state,
-                None => initial_moments(&self.dev, &self.zero.start_moments, &pieces, c)?,
-            };
+            let (mut m, mut v) = (self.zero.z3.adam.remove(&copy))
+                .ok_or_else(|| fail(format!("ZeRO-3: no AdamW state of segment copy {copy:?}")))?;
             // A copy whose gradients the program never reduce-scattered would still
             // move on its moments: a plan that lost the collective, refused.
             let grad = self.zero.z3.grads.remove(&copy).ok_or_else(|| {
