@@ -386,10 +386,6 @@ impl<'a, D: Device> DevRank<'a, D> {
         for i in 0..self.sync.step_plan.len() {
             self.run_step_item(i, step)?;
         }
-        // Every AdamW state exists now: a resumed run lets the saved moments go.
-        if let StartMoments::Saved(_) = self.zero.start_moments {
-            self.zero.start_moments = StartMoments::Taken;
-        }
         // A part no all-gather sent (its buckets cut the vector elsewhere) is in
         // the masters already.
         self.zero.updated.clear();

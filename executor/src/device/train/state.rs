@@ -78,10 +78,10 @@ pub(super) struct ZeroState<D: Device> {
 pub(super) enum StartMoments {
     /// At zero: a run from the start.
     Zeros,
-    /// Resuming: this rank's part of each weight's saved moments, until the first
-    /// step has built every state from them.
+    /// Resuming: this rank's part of each weight's saved moments, until
+    /// `first_moments` has built every state from them.
     Saved(BTreeMap<Key, (Vec<f32>, Vec<f32>)>),
-    /// Resumed, after the first step: the saved moments are let go.
+    /// Every state is built: the saved moments are let go.
     Taken,
 }
 

@@ -527,6 +527,9 @@ impl<'a, D: Device> DevRank<'a, D> {
             let state = initial_moments(&self.dev, &self.zero.start_moments, &part, n)?;
             self.weights.adam.insert(key, state);
         }
+        // Every state exists: a resumed run lets the saved moments go before its
+        // first step, not after it.
+        self.zero.start_moments = StartMoments::Taken;
         Ok(())
     }
 
@@ -712,7 +715,7 @@ pub(super) fn initial_moments<D: Device>(
         StartMoments::Taken => {
             let of = pieces.first().map_or("?", |p| p.0 .0.as_str());
             return Err(fail(format!(
-                "the AdamW state of `{of}` first used after the resumed run's first step, when the saved moments are let go"
+                "the AdamW state of `{of}` made after `first_moments`, when the saved moments are let go"
             )));
         }
     };
