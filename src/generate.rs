@@ -1,7 +1,7 @@
 //! `run` on an inference plan: prompts in, tokens out, TTFT / TPOT / tokens per
 //! second measured beside the plan's prediction, and `--check` against one rank.
 
-use crate::run::{bad, failure, reference_plan, runtime, RunArgs};
+use crate::run::{bad, failure, predicted, predicted_memory, reference_plan, runtime, RunArgs};
 use crate::{print_json, Failure};
 use clap::Args;
 use meshplan_executor::disagg::{self, DisaggReport};
@@ -342,13 +342,6 @@ fn disagg_json(plan: &Plan, d: &DisaggReport) -> serde_json::Value {
     })
 }
 
-fn predicted(plan: &Plan, key: &str) -> f64 {
-    plan.predicted
-        .get(key)
-        .and_then(|v| v.as_f64())
-        .unwrap_or(f64::NAN)
-}
-
 fn print_report(
     plan: &Plan,
     r: &InferReport,
@@ -470,12 +463,7 @@ fn print_report(
     // the plan's; the prediction's runtime workspace (CUDA context, library
     // buffers) is shown apart, as the run allocates none of it on the CPU.
     let mib = |b: f64| b / (1u64 << 20) as f64;
-    let part = |key: &str| {
-        plan.predicted
-            .pointer(&format!("/memory_per_gpu_bytes/{key}"))
-            .and_then(|v| v.as_f64())
-            .unwrap_or(f64::NAN)
-    };
+    let part = |key: &str| predicted_memory(plan, key);
     println!(
         "memory       fullest rank: weights {:.3} MiB, KV cache {:.3} MiB (at the engine's compute precision); predicted per GPU: weights {:.3} MiB, KV cache {:.3} MiB ({}), activations {:.3} MiB, runtime workspace {:.3} MiB",
         mib(r.weight_bytes),

@@ -577,6 +577,23 @@ fn mfu_lines(measured: f64, predicted: f64, gpu: &str, threads: usize) -> Vec<St
     lines
 }
 
+/// The plan's predicted `key` (NaN where the plan has none).
+pub(crate) fn predicted(plan: &Plan, key: &str) -> f64 {
+    plan.predicted
+        .get(key)
+        .and_then(|v| v.as_f64())
+        .unwrap_or(f64::NAN)
+}
+
+/// The plan's predicted bytes per GPU of memory `part` (`params`, `kv_cache`,
+/// `workspace`, `total`, ...; NaN where the plan has none).
+pub(crate) fn predicted_memory(plan: &Plan, part: &str) -> f64 {
+    plan.predicted
+        .pointer(&format!("/memory_per_gpu_bytes/{part}"))
+        .and_then(|v| v.as_f64())
+        .unwrap_or(f64::NAN)
+}
+
 fn print_report(
     plan: &Plan,
     r: &TrainReport,
@@ -585,17 +602,8 @@ fn print_report(
     (json, threads): (bool, usize),
     start: u64,
 ) {
-    let predicted_step = plan
-        .predicted
-        .get("step_time_s")
-        .and_then(|v| v.as_f64())
-        .unwrap_or(f64::NAN);
-    let predicted_part = |key: &str| {
-        plan.predicted
-            .pointer(&format!("/memory_per_gpu_bytes/{key}"))
-            .and_then(|v| v.as_f64())
-            .unwrap_or(f64::NAN)
-    };
+    let predicted_step = predicted(plan, "step_time_s");
+    let predicted_part = |part: &str| predicted_memory(plan, part);
     let predicted_mem = predicted_part("total");
     // The measured figures count what the run allocates for the model: the
     // prediction's runtime workspace (CUDA context, library workspaces, bucket

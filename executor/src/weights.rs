@@ -385,10 +385,8 @@ impl Checkpoint {
         let cols = *shape.last().unwrap_or(&1);
         // Padded vocabulary rows or columns past the checkpoint's read as zeros.
         let held = names::stored(graph, w, &shape);
-        let (held_rows, held_cols) = (
-            if held.len() == 2 { held[0] } else { 1 },
-            held[held.len() - 1],
-        );
+        let held_rows = if held.len() == 2 { held[0] } else { 1 };
+        let held_cols = *held.last().unwrap_or(&1);
         // Column -> (part, column inside it).
         let mut starts = Vec::new();
         let mut acc = 0;
