@@ -793,3 +793,176 @@ fn pipeline_schedules_complete_when_sends_wait_for_their_receives() {
         same(cfg, &run, &queued);
     }
 }
+
+/// What crosses between the host and the device in a run of the host device: the
+/// uploads and downloads a GPU run would make, counted by [`Crossing`].
+mod crossings {
+    use meshplan_executor::device::train::train_device;
+    use meshplan_executor::device::{Crossing, HostPrecision};
+    use meshplan_executor::train::TrainOptions;
+    use meshplan_ir::plan::Plan;
+    use std::collections::BTreeMap;
+    use std::sync::{Mutex, PoisonError};
+
+    static LEDGER: Mutex<BTreeMap<Crossing, (u64, u64)>> = Mutex::new(BTreeMap::new());
+    /// One audited run at a time: the ledger is the process's.
+    static ONE_RUN: Mutex<()> = Mutex::new(());
+
+    /// The fp32 host device, counting each crossing's calls and elements.
+    #[derive(Clone, Copy, Default)]
+    struct Audited;
+
+    impl HostPrecision for Audited {
+        const ACT_BYTES: usize = 4;
+        fn round(_: &mut [f32]) {}
+        fn crossed(what: Crossing, elems: usize) {
+            let mut l = LEDGER.lock().unwrap_or_else(PoisonError::into_inner);
+            let e = l.entry(what).or_default();
+            *e = (e.0 + 1, e.1 + elems as u64);
+        }
+    }
+
+    fn audit(p: &Plan, steps: u64) -> BTreeMap<Crossing, (u64, u64)> {
+        LEDGER
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
+        let opts = TrainOptions {
+            steps,
+            ..TrainOptions::default()
+        };
+        train_device(p, &opts, &|_| Ok(Audited)).expect("run");
+        std::mem::take(&mut *LEDGER.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Calls and elements of each crossing in one step after the first (the
+    /// difference between a run of 3 steps and one of 1, halved).
+    pub(super) fn per_step(p: &Plan) -> BTreeMap<Crossing, (u64, u64)> {
+        let _one = ONE_RUN.lock().unwrap_or_else(PoisonError::into_inner);
+        let (one, three) = (audit(p, 1), audit(p, 3));
+        let mut out = BTreeMap::new();
+        for (what, (calls, elems)) in three {
+            let (c1, e1) = one.get(&what).copied().unwrap_or_default();
+            let d = ((calls - c1) / 2, (elems - e1) / 2);
+            if d != (0, 0) {
+                out.insert(what, d);
+            }
+        }
+        out
+    }
+}
+
+/// A step of the device interpreter keeps its work on the device: on every mode,
+/// what a step after the first moves between the host and the device (counted on
+/// the host device, where a GPU run would cross the bus) is its batch's tokens and
+/// labels going up, each token's loss coming back once, and one finiteness flag a
+/// rank; routed experts add their routing's round trip (the counts, which size the
+/// All-to-All-v, and the indices made from them). No weight, activation, gradient
+/// or constant goes through the host.
+#[test]
+fn a_step_moves_only_its_batch_its_losses_and_a_flag_across_the_bus() {
+    use meshplan_executor::device::Crossing::{self, *};
+    use meshplan_ir::Workload;
+    let batch_only =
+        |p: &Plan, cfg: &str, got: &std::collections::BTreeMap<Crossing, (u64, u64)>| {
+            let s = &p.strategy;
+            let Workload::Train {
+                seq_len,
+                global_batch,
+                ..
+            } = p.workload
+            else {
+                unreachable!()
+            };
+            let world = p.ranks.len() as u64;
+            // Each rank's micro-batches: its context block of `mbs` sequences, tokens
+            // and labels, and this tensor rank's block of the tokens under sequence
+            // parallelism.
+            let rows = seq_len / s.cp * s.mbs;
+            let block = if s.sp && s.tp > 1 { rows / s.tp } else { 0 };
+            let batch = world * global_batch / (s.dp * s.mbs) * (2 * rows + block);
+            let tokens = seq_len * global_batch;
+            assert_eq!(got.get(&IdsUp).map(|c| c.1), Some(batch), "{cfg}: {got:?}");
+            assert_eq!(
+                got.get(&F32Down).map(|c| c.1),
+                Some(tokens),
+                "{cfg}: {got:?}"
+            );
+            assert_eq!(got.get(&Flag), Some(&(world, world)), "{cfg}: {got:?}");
+            assert_eq!(got.len(), 3, "{cfg}: {got:?}");
+        };
+    let llama = model("tiny-gpt");
+    for cfg in [
+        "dp=2",
+        "tp=2,sp=true",
+        "dp=2,tp=2,sp=false,recompute=selective",
+        "pp=2,mbs=1",
+        "pp=2,mbs=1,schedule=gpipe",
+        "cp=2",
+        "tp=2,cp=2,sp=true",
+        "dp=2,zero=3",
+        "dp=2,tp=2,pp=2,sp=true,zero=3,mbs=1",
+        "dp=2,cp=2,recompute=full",
+    ] {
+        let p = plan(&llama, cfg);
+        batch_only(&p, cfg, &crossings::per_step(&p));
+    }
+    let four = crate::executor::four_layers();
+    let p = plan(&four, "pp=2,vpp=2,mbs=1");
+    batch_only(&p, "pp=2,vpp=2", &crossings::per_step(&p));
+    // GPT-2's layout: learned positions looked up by each rank's block, biases, a
+    // tied table summed between stages; and a padded vocabulary masked in the loss.
+    let gpt2 = gpt2_like();
+    for cfg in ["tp=2,sp=true", "dp=2,tp=2,pp=2,mbs=1,sp=true"] {
+        let p = plan(&gpt2, cfg);
+        batch_only(&p, cfg, &crossings::per_step(&p));
+    }
+    let padded = variant(
+        &[
+            (
+                "vocab: 256",
+                "vocab: 250\n  make_vocab_size_divisible_by: 64",
+            ),
+            ("tie_embeddings: false", "tie_embeddings: true"),
+            ("kv_heads: 2", "kv_heads: 4"),
+        ],
+        "padded.yaml",
+    );
+    for cfg in ["dp=1", "tp=2,sp=true"] {
+        let p = plan(&padded, cfg);
+        batch_only(&p, cfg, &crossings::per_step(&p));
+    }
+    let p = plan(&with_dropout(), "dp=2");
+    batch_only(&p, "dropout", &crossings::per_step(&p));
+    // Routed experts: the counts come to the host once per layer and micro-batch,
+    // the exchange's indices go up; under a capacity, the routing's order comes
+    // back to place the padding. Nothing else.
+    for (m, cfg, back) in [
+        ("tiny-moe", "dp=2,ep=2", false),
+        ("tiny-moe", "tp=2,ep=2,sp=true", false),
+        ("tiny-moe-capacity", "dp=2,ep=2", true),
+    ] {
+        let p = plan(&model(m), cfg);
+        let got = crossings::per_step(&p);
+        let expected: Vec<Crossing> = if back {
+            vec![IdsUp, F32Down, IdsDown, Flag, ExpertCounts]
+        } else {
+            vec![IdsUp, F32Down, Flag, ExpertCounts]
+        };
+        assert_eq!(
+            got.keys().copied().collect::<Vec<_>>(),
+            expected,
+            "{m} {cfg}"
+        );
+        let layers: u64 = (p.graph.segments.iter())
+            .map(|s| {
+                let ops = s.ops.iter();
+                let experts = ops.filter(|o| matches!(o.kind, meshplan_ir::OpKind::Experts(_)));
+                experts.count() as u64 * s.repeat
+            })
+            .sum();
+        let world = p.ranks.len() as u64;
+        let mbs = world * 8 / (p.strategy.dp * p.strategy.mbs);
+        assert_eq!(got[&ExpertCounts].0, layers * mbs, "{m} {cfg}: {got:?}");
+    }
+}

@@ -2,7 +2,10 @@
 //! where its kernels run (GPU memory for `cuda::CudaDevice` with the `cuda` feature,
 //! host vectors for [`HostDevice`]), and [`train`] is the training interpreter over
 //! it, which never moves an activation, weight or gradient to the host during a
-//! step (only the losses, once per step). It runs every parallel mode (data, tensor,
+//! step: a step uploads its batch's tokens and labels and reads back each token's
+//! loss and one finiteness flag (routed experts add their counts and the indices
+//! made from them); [`Crossing`] names each, and a test holds every mode to that
+//! list on the host device. It runs every parallel mode (data, tensor,
 //! pipeline, context, expert, ZeRO 0 to 3), in the device's compute precision: bf16
 //! activations and weight copies for the kernels on a GPU, fp32 master weights,
 //! gradients and AdamW moments.
@@ -459,6 +462,35 @@ pub trait HostPrecision: Copy + Send + Sync + 'static {
     const ACT_BYTES: usize;
     /// Applied to each buffer a GPU kernel would store in bf16, after the kernel.
     fn round(x: &mut [f32]);
+    /// Told of each buffer that would cross between the host and a GPU's memory
+    /// (`elems` elements): where a GPU run would wait on the bus. The host devices
+    /// ignore it; an audit counts what a step moves.
+    fn crossed(what: Crossing, elems: usize) {
+        let _ = (what, elems);
+    }
+}
+
+/// A buffer crossing between the host and the device's memory, as a GPU run
+/// makes it ([`HostPrecision::crossed`]): an upload, a download, or what a
+/// kernel hands the host (the finiteness check's flag, the experts' counts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Crossing {
+    /// fp32 values to the device ([`Device::f32_upload`]).
+    F32Up,
+    /// Values to the device as a compute buffer ([`Device::act_from_host`]).
+    ActUp,
+    /// Token ids, labels, positions or indices to the device.
+    IdsUp,
+    /// fp32 values to the host ([`Device::f32_download`]).
+    F32Down,
+    /// A compute buffer to the host ([`Device::act_download`]).
+    ActDown,
+    /// Ids to the host ([`Device::ids_download`]).
+    IdsDown,
+    /// [`Device::first_non_finite`]'s answer.
+    Flag,
+    /// Each expert's count, which [`Device::moe_dispatch`] leaves on the host.
+    ExpertCounts,
 }
 
 impl HostPrecision for HostDevice {
@@ -536,21 +568,27 @@ impl<H: HostPrecision> Device for H {
         Ok(k::zeros(n))
     }
     fn f32_upload(&self, host: &[f32]) -> DResult<Vec<f32>> {
+        H::crossed(Crossing::F32Up, host.len());
         Ok(host.to_vec())
     }
     fn ids_upload(&self, host: &[u32]) -> DResult<Vec<u32>> {
+        H::crossed(Crossing::IdsUp, host.len());
         Ok(host.to_vec())
     }
     fn f32_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
+        H::crossed(Crossing::F32Down, x.len());
         Ok(x.clone())
     }
     fn ids_download(&self, x: &Vec<u32>) -> DResult<Vec<u32>> {
+        H::crossed(Crossing::IdsDown, x.len());
         Ok(x.clone())
     }
     fn first_non_finite(&self, xs: &[&Vec<f32>]) -> DResult<Option<usize>> {
+        H::crossed(Crossing::Flag, 1);
         Ok(xs.iter().position(|x| !k::all_finite(x)))
     }
     fn act_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
+        H::crossed(Crossing::ActDown, x.len());
         Ok(x.clone())
     }
     fn act_len(x: &Vec<f32>) -> usize {
@@ -605,6 +643,7 @@ impl<H: HostPrecision> Device for H {
         self.f32_copy(x, y, n)
     }
     fn act_from_host(&self, mut host: Vec<f32>) -> DResult<Vec<f32>> {
+        H::crossed(Crossing::ActUp, host.len());
         H::round(&mut host);
         Ok(host)
     }
@@ -775,6 +814,7 @@ impl<H: HostPrecision> Device for H {
         r.counts.resize(m.experts, 0);
         let (idx, perm, counts) = (&r.idx, &mut r.perm, &mut r.counts);
         k::moe_dispatch_fwd(x, idx, m.tokens, m.k, m.experts, m.dim, y, counts, perm)?;
+        H::crossed(Crossing::ExpertCounts, m.experts);
         Ok(())
     }
     fn moe_dispatch_bwd(&self, r: &Routed<Self>, dy: &Vec<f32>, dx: &mut Vec<f32>) -> DResult<()> {

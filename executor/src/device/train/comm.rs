@@ -87,35 +87,32 @@ impl<'a, D: Device> DevRank<'a, D> {
         let n = g.size();
         let s_l = self.sizes.seq_len / n;
         let e = derr("ring attention");
-        *lse = self
-            .dev
-            .f32_upload(&vec![f32::NEG_INFINITY; D::f32_len(lse)])
-            .map_err(&e)?;
         let kl = D::act_len(k);
         let mut block = self.kv_block(k, v)?;
         for t in 0..n {
             let owner = (me + n - t) % n;
             let (kb, vb) = self.kv_halves(&block, kl)?;
-            let mut ob = self.zeros(D::act_len(o))?;
-            let mut lb = self.zeros_f32(D::f32_len(lse))?;
-            let pos = (me * s_l, owner * s_l);
-            let out = AttnOut {
-                o: &mut ob,
-                lse: &mut lb,
-            };
-            let a = mask.attn(dims, (q, &kb, &vb), pos);
-            self.dev.attention_fwd(&a, out).map_err(&e)?;
-            self.dev
-                .attention_merge(
-                    dims,
-                    Merge {
-                        o_acc: o,
-                        lse_acc: lse,
-                        o_blk: &ob,
-                        lse_blk: &lb,
-                    },
-                )
-                .map_err(&e)?;
+            let a = mask.attn(dims, (q, &kb, &vb), (me * s_l, owner * s_l));
+            if t == 0 {
+                // The own block first, straight into `o` and `lse`: merged into
+                // an empty accumulator (`lse = -inf`) it would come out as itself.
+                self.dev.attention_fwd(&a, AttnOut { o, lse }).map_err(&e)?;
+            } else {
+                let mut ob = self.zeros(D::act_len(o))?;
+                let mut lb = self.zeros_f32(D::f32_len(lse))?;
+                let out = AttnOut {
+                    o: &mut ob,
+                    lse: &mut lb,
+                };
+                self.dev.attention_fwd(&a, out).map_err(&e)?;
+                let m = Merge {
+                    o_acc: o,
+                    lse_acc: lse,
+                    o_blk: &ob,
+                    lse_blk: &lb,
+                };
+                self.dev.attention_merge(dims, m).map_err(&e)?;
+            }
             if t + 1 < n {
                 block = self.pass_block(next, prev, &block)?;
             }
@@ -534,7 +531,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .map_err(&e)?;
                 let mut se = self.zeros_f32(rows)?;
                 let mut target = self.zeros_f32(rows)?;
-                let c = self.ce(&logits, &t.labels, start, 1.0);
+                let c = self.ce(&logits, &t.batch.labels, start, 1.0);
                 self.dev
                     .ce_sums(&c, &sum, [&mut se, &mut target])
                     .map_err(&e)?;
@@ -554,7 +551,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 };
                 let mut loss = self.zeros_f32(rows)?;
                 let mut d = self.zeros(D::act_len(&logits))?;
-                let c = self.ce(&logits, &t.labels, start, self.loss_scale() as f32);
+                let c = self.ce(&logits, &t.batch.labels, start, self.loss_scale() as f32);
                 let stats = [get(LossStat::Max)?, get(LossStat::SumExp)?, &sum];
                 let out = CeOut {
                     loss: &mut loss,

@@ -146,13 +146,30 @@ struct Task<D: Device> {
     mb: u64,
     /// Routed experts' forward state, per (layer, op).
     experts: HashMap<(u64, String), crate::moe::Kept<D>>,
+    /// Its ids, shared by the chunks of an interleaved schedule on this rank.
+    batch: Arc<Batch<D>>,
+}
+
+/// A micro-batch's ids on the device.
+struct Batch<D: Device> {
     tokens: D::Ids,
     labels: D::Ids,
     /// Each row's position in its sequence (rows are sequence-major).
-    positions: D::Ids,
+    positions: Arc<D::Ids>,
     /// Sequence parallelism: this tensor rank's block of rows of `tokens` and
     /// `positions`, which a replicated table looks up.
-    block: Option<(D::Ids, D::Ids)>,
+    block: Option<(D::Ids, Arc<D::Ids>)>,
+}
+
+/// What every micro-batch of a rank reads alike, made on the device once so
+/// that a step uploads nothing but its batch's tokens and labels.
+struct Fixed<D: Device> {
+    /// Each row's position ([`Batch::positions`]).
+    positions: Option<Arc<D::Ids>>,
+    /// Under sequence parallelism, this tensor rank's block of them.
+    block_positions: Option<Arc<D::Ids>>,
+    /// The padded vocabulary's columns at -inf, the rest 0 (`masked_logits`).
+    vocab_mask: Option<D::Act>,
 }
 
 /// A span on the device timeline, resolved at the end of the step.
@@ -218,6 +235,7 @@ struct DevRank<'a, D: Device> {
     sync: GradSync<D>,
     /// The parameter sets' flat layouts and ZeRO's parts.
     zero: ZeroState<D>,
+    fixed: Fixed<D>,
 }
 
 impl<'a, D: Device> DevRank<'a, D> {
@@ -274,8 +292,14 @@ impl<'a, D: Device> DevRank<'a, D> {
             meter: Meter::started(t0),
             sync: GradSync::unplanned(),
             zero: ZeroState::unplanned(),
+            fixed: Fixed {
+                positions: None,
+                block_positions: None,
+                vocab_mask: None,
+            },
         };
         r.ep = crate::train::place_in(&r.mesh.groups, "ep", rank);
+        r.upload_positions()?;
         r.init_weights()?;
         r.count_uses()?;
         r.plan_step()?;
@@ -526,15 +550,19 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// (one flag read back; the weight itself only when there is one), or the
     /// loss: non-finite activations from finite weights.
     fn check_finite(&mut self, step: u64) -> Res {
-        let (keys, ws): (Vec<&Key>, Vec<&D::F32>) = self.weights.master.iter().unzip();
+        let (keys, mut ws): (Vec<&Key>, Vec<&D::F32>) = self.weights.master.iter().unzip();
+        // ZeRO-3's parts in the same call: one flag read back a step.
+        let (copies, parts): (Vec<_>, Vec<&D::F32>) = self.zero3_parts().unzip();
+        ws.extend(parts);
         let bad = match self.dev.first_non_finite(&ws).map_err(derr("check"))? {
-            Some(i) => {
+            Some(i) if i < keys.len() => {
                 let (key, w) = (keys[i], ws[i]);
                 let host = self.dev.f32_download(w).map_err(derr(&key.0))?;
                 let x = host.into_iter().find(|v| !v.is_finite());
                 Some((key.clone(), x.unwrap_or(f32::NAN)))
             }
-            None => self.zero3_non_finite()?,
+            Some(i) => Some(self.zero3_non_finite(copies[i - keys.len()])?),
+            None => None,
         };
         if let Some(((name, layer), x)) = bad {
             return Err(fail(format!(

@@ -119,11 +119,15 @@ impl<'a, D: Device> DevRank<'a, D> {
         let positions = op.name.ends_with("positions");
         let all = self.rows();
         if rows == all {
-            return Ok(if positions { &t.positions } else { &t.tokens });
+            return Ok(if positions {
+                &*t.batch.positions
+            } else {
+                &t.batch.tokens
+            });
         }
-        match &t.block {
+        match &t.batch.block {
             Some((tokens, pos)) if self.sp_block(all).is_some_and(|r| r.len() == rows) => {
-                Ok(if positions { pos } else { tokens })
+                Ok(if positions { &**pos } else { tokens })
             }
             _ => Err(fail(format!(
                 "`{}`: {rows} rows are neither the micro-batch nor this rank's block",
@@ -175,7 +179,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             OpKind::Matmul { .. } => self.linear_fwd(op, l, t)?,
             OpKind::Rope => {
                 let x = self.act(t, l, op.inputs[0])?;
-                self.site().rope(op, &x, &t.positions, false)?
+                self.site().rope(op, &x, &t.batch.positions, false)?
             }
             OpKind::Attention(a) => {
                 let y = self.attention_fwd(op, a, l, t)?;
@@ -229,7 +233,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             OpKind::Norm(kind) => self.norm_bwd(op, kind, l, t, dy)?,
             OpKind::Matmul { .. } => self.linear_bwd(op, l, t, dy)?,
             OpKind::Rope => {
-                let dx = self.site().rope(op, &dy, &t.positions, true)?;
+                let dx = self.site().rope(op, &dy, &t.batch.positions, true)?;
                 self.add_grad(t, l, in0, dx)?;
             }
             OpKind::Attention(a) => self.attention_bwd(op, a, l, t, dy)?,

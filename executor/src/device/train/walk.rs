@@ -6,9 +6,30 @@ use crate::device::walk::{Coll, Forward};
 use meshplan_ir::plan::LocalTensor;
 
 impl<'a, D: Device> DevRank<'a, D> {
-    /// Tokens, labels and positions of micro-batch `mb` of this data rank,
-    /// sequence-major, from the run's data source.
+    /// A task over micro-batch `mb` of this data rank: its tokens, labels and
+    /// positions, sequence-major, from the run's data source, or those of
+    /// another chunk's task on the same micro-batch (interleaved schedules).
     pub(super) fn load_batch(&self, mb: u64) -> Result<Task<D>, RankError> {
+        let live = self.tasks.iter().find(|((_, m), _)| *m == mb);
+        let batch = match live {
+            Some((_, t)) => Arc::clone(&t.batch),
+            None => Arc::new(self.upload_batch(mb)?),
+        };
+        Ok(Task {
+            mb,
+            experts: HashMap::new(),
+            acts: HashMap::new(),
+            stats: HashMap::new(),
+            saved: HashMap::new(),
+            grads: HashMap::new(),
+            partial: HashMap::new(),
+            loss_stats: HashMap::new(),
+            gathered: HashMap::new(),
+            batch,
+        })
+    }
+
+    fn upload_batch(&self, mb: u64) -> Result<Batch<D>, RankError> {
         let (s, b) = (self.sizes.seq_len / self.cp.size, self.sizes.mbs);
         let sample0 = self.sample0(mb);
         // This context rank's block of each sequence.
@@ -35,29 +56,35 @@ impl<'a, D: Device> DevRank<'a, D> {
                 labels[si * b + bi] = seq[s0 + si + 1];
             }
         }
-        let positions: Vec<u32> = (0..s * b).map(|r| (s0 + r / b.max(1)) as u32).collect();
         let e = derr("batch");
-        Ok(Task {
-            mb,
-            experts: HashMap::new(),
-            acts: HashMap::new(),
-            stats: HashMap::new(),
-            saved: HashMap::new(),
-            grads: HashMap::new(),
-            partial: HashMap::new(),
-            loss_stats: HashMap::new(),
-            gathered: HashMap::new(),
-            block: match self.sp_block(s * b) {
-                Some(r) => Some((
-                    self.dev.ids_upload(&tokens[r.clone()]).map_err(&e)?,
-                    self.dev.ids_upload(&positions[r]).map_err(&e)?,
-                )),
-                None => None,
+        let positions =
+            (self.fixed.positions.clone()).ok_or_else(|| fail("the positions were not made"))?;
+        Ok(Batch {
+            block: match (self.sp_block(s * b), self.fixed.block_positions.clone()) {
+                (Some(r), Some(pos)) => Some((self.dev.ids_upload(&tokens[r]).map_err(&e)?, pos)),
+                _ => None,
             },
             tokens: self.dev.ids_upload(&tokens).map_err(&e)?,
             labels: self.dev.ids_upload(&labels).map_err(&e)?,
-            positions: self.dev.ids_upload(&positions).map_err(&e)?,
+            positions,
         })
+    }
+
+    /// Each row's position in its sequence, sequence-major over this context
+    /// rank's block (and this tensor rank's block of them under sequence
+    /// parallelism): the same for every micro-batch, so uploaded once.
+    pub(super) fn upload_positions(&mut self) -> Result<(), RankError> {
+        let (s, b) = (self.sizes.seq_len / self.cp.size, self.sizes.mbs);
+        let s0 = self.cp.rank * s;
+        let positions: Vec<u32> = (0..s * b).map(|r| (s0 + r / b.max(1)) as u32).collect();
+        let e = derr("positions");
+        if let Some(r) = self.sp_block(s * b) {
+            let block = self.dev.ids_upload(&positions[r]).map_err(&e)?;
+            self.fixed.block_positions = Some(Arc::new(block));
+        }
+        let all = self.dev.ids_upload(&positions).map_err(&e)?;
+        self.fixed.positions = Some(Arc::new(all));
+        Ok(())
     }
 
     /// Rows of a micro-batch on this rank: its context block of each sequence.

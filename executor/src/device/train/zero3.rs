@@ -310,22 +310,23 @@ impl<'a, D: Device> DevRank<'a, D> {
         Ok(())
     }
 
-    /// The first non-finite value in the parts of the masters this rank holds: the
-    /// weight it belongs to.
-    pub(super) fn zero3_non_finite(&self) -> Result<Option<(Key, f32)>, RankError> {
-        let (copies, ws): (Vec<&CopyKey>, Vec<&D::F32>) = self.zero.z3.parts.iter().unzip();
+    /// This rank's parts of the segment copies' masters, each with its copy.
+    pub(super) fn zero3_parts(&self) -> impl Iterator<Item = (CopyKey, &D::F32)> {
+        self.zero.z3.parts.iter().map(|(c, p)| (*c, p))
+    }
+
+    /// The first non-finite value in this rank's part of segment copy `copy`'s
+    /// masters (which holds one): the weight it belongs to.
+    pub(super) fn zero3_non_finite(&self, copy: CopyKey) -> Result<(Key, f32), RankError> {
         let e = derr("check");
-        let Some(i) = self.dev.first_non_finite(&ws).map_err(&e)? else {
-            return Ok(None);
-        };
-        let (layout, start, part) = self.zero3_part(*copies[i])?;
+        let (layout, start, part) = self.zero3_part(copy)?;
         let host = self.dev.f32_download(part).map_err(&e)?;
         let at = host.iter().position(|x| !x.is_finite()).unwrap_or(0);
         let key = pieces_of(layout, start, start + host.len())
             .into_iter()
             .find(|(_, _, dst, n)| (*dst..dst + n).contains(&at))
             .map_or_else(|| layout[0].0.clone(), |p| p.0);
-        Ok(Some((key, host.get(at).copied().unwrap_or(f32::NAN))))
+        Ok((key, host.get(at).copied().unwrap_or(f32::NAN)))
     }
 
     /// Before the report: every copy's weights gathered whole.

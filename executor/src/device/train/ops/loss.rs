@@ -14,7 +14,7 @@ impl<D: Device> DevRank<'_, D> {
             // collectives on the loss's statistics finish it
             // (`loss_collective`).
             let mut max = self.zeros_f32(rows)?;
-            let c = self.ce(&logits, &t.labels, 0, 1.0);
+            let c = self.ce(&logits, &t.batch.labels, 0, 1.0);
             dev.ce_row_max(&c, &mut max).map_err(&e)?;
             t.loss_stats
                 .insert((l, op.name.clone(), LossStat::Max), max);
@@ -23,7 +23,7 @@ impl<D: Device> DevRank<'_, D> {
         let scale = self.loss_scale();
         let mut loss = self.zeros_f32(rows)?;
         let mut dlogits = self.zeros(D::act_len(&logits))?;
-        let c = self.ce(&logits, &t.labels, 0, scale as f32);
+        let c = self.ce(&logits, &t.batch.labels, 0, scale as f32);
         let out = CeOut {
             loss: &mut loss,
             dlogits: &mut dlogits,
@@ -67,9 +67,11 @@ impl<D: Device> DevRank<'_, D> {
             )));
         }
         let e = derr(&op.name);
-        let mut mask = vec![0.0f32; v_local];
-        mask[real..].fill(f32::NEG_INFINITY);
-        let mask = self.dev.act_from_host(mask).map_err(&e)?;
+        if (self.fixed.vocab_mask.as_ref()).is_none_or(|m| D::act_len(m) != v_local) {
+            let mut mask = vec![0.0f32; v_local];
+            mask[real..].fill(f32::NEG_INFINITY);
+            self.fixed.vocab_mask = Some(self.dev.act_from_host(mask).map_err(&e)?);
+        }
         let key = (l, self.name_of(op.inputs[0]));
         drop(logits);
         let held = t.acts.remove(&key).ok_or_else(|| fail("the logits went"))?;
@@ -84,7 +86,8 @@ impl<D: Device> DevRank<'_, D> {
                 y
             }
         };
-        self.dev.bias_add(&mut y, &mask).map_err(&e)?;
+        let mask = (self.fixed.vocab_mask.as_ref()).ok_or_else(|| fail("no vocabulary mask"))?;
+        self.dev.bias_add(&mut y, mask).map_err(&e)?;
         let y = Arc::new(y);
         t.acts.insert(key, Arc::clone(&y));
         Ok(y)
