@@ -796,7 +796,7 @@ fn pipeline_schedules_complete_when_sends_wait_for_their_receives() {
 
 /// What crosses between the host and the device in a run of the host device: the
 /// uploads and downloads a GPU run would make, counted by [`Crossing`].
-mod crossings {
+pub(crate) mod crossings {
     use meshplan_executor::device::train::train_device;
     use meshplan_executor::device::{Crossing, HostPrecision};
     use meshplan_executor::train::TrainOptions;
@@ -804,13 +804,16 @@ mod crossings {
     use std::collections::BTreeMap;
     use std::sync::{Mutex, PoisonError};
 
-    static LEDGER: Mutex<BTreeMap<Crossing, (u64, u64)>> = Mutex::new(BTreeMap::new());
+    /// Calls and elements of each crossing.
+    pub(crate) type Ledger = BTreeMap<Crossing, (u64, u64)>;
+
+    static LEDGER: Mutex<Ledger> = Mutex::new(BTreeMap::new());
     /// One audited run at a time: the ledger is the process's.
     static ONE_RUN: Mutex<()> = Mutex::new(());
 
     /// The fp32 host device, counting each crossing's calls and elements.
     #[derive(Clone, Copy, Default)]
-    struct Audited;
+    pub(crate) struct Audited;
 
     impl HostPrecision for Audited {
         const ACT_BYTES: usize = 4;
@@ -822,33 +825,48 @@ mod crossings {
         }
     }
 
-    fn audit(p: &Plan, steps: u64) -> BTreeMap<Crossing, (u64, u64)> {
-        LEDGER
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clear();
-        let opts = TrainOptions {
-            steps,
-            ..TrainOptions::default()
-        };
-        train_device(p, &opts, &|_| Ok(Audited)).expect("run");
-        std::mem::take(&mut *LEDGER.lock().unwrap_or_else(PoisonError::into_inner))
+    /// The crossings of each of `runs` (which run on [`Audited`]), one run at a
+    /// time.
+    pub(crate) fn counted<const N: usize>(runs: [&dyn Fn(); N]) -> [Ledger; N] {
+        let _one = ONE_RUN.lock().unwrap_or_else(PoisonError::into_inner);
+        runs.map(|run| {
+            LEDGER
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clear();
+            run();
+            std::mem::take(&mut *LEDGER.lock().unwrap_or_else(PoisonError::into_inner))
+        })
     }
 
-    /// Calls and elements of each crossing in one step after the first (the
-    /// difference between a run of 3 steps and one of 1, halved).
-    pub(super) fn per_step(p: &Plan) -> BTreeMap<Crossing, (u64, u64)> {
-        let _one = ONE_RUN.lock().unwrap_or_else(PoisonError::into_inner);
-        let (one, three) = (audit(p, 1), audit(p, 3));
+    /// Per unit of what `more` does beyond `base` (`units` of it): each
+    /// crossing's calls and elements, those that differ.
+    pub(crate) fn per_unit(base: &Ledger, more: Ledger, units: u64) -> Ledger {
         let mut out = BTreeMap::new();
-        for (what, (calls, elems)) in three {
-            let (c1, e1) = one.get(&what).copied().unwrap_or_default();
-            let d = ((calls - c1) / 2, (elems - e1) / 2);
+        for (what, (calls, elems)) in more {
+            let (c1, e1) = base.get(&what).copied().unwrap_or_default();
+            let d = ((calls - c1) / units, (elems - e1) / units);
             if d != (0, 0) {
                 out.insert(what, d);
             }
         }
         out
+    }
+
+    /// Calls and elements of each crossing in one step after the first (the
+    /// difference between a run of 3 steps and one of 1, halved).
+    pub(crate) fn per_step(p: &Plan) -> Ledger {
+        let run = |steps| {
+            move || {
+                let opts = TrainOptions {
+                    steps,
+                    ..TrainOptions::default()
+                };
+                train_device(p, &opts, &|_| Ok(Audited)).expect("run");
+            }
+        };
+        let [one, three] = counted([&run(1), &run(3)]);
+        per_unit(&one, three, 2)
     }
 }
 

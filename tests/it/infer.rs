@@ -1941,3 +1941,60 @@ fn mixed_precision_inference_stays_within_the_tolerance() {
         "{e}"
     );
 }
+
+/// Inference keeps its work on the device: what crosses between the host and
+/// the device (counted on the host device, where a GPU run would cross the bus)
+/// is the weights once, then per generated token only the pass's ids going up
+/// (tokens to the first stage, positions to every stage) and each request's last
+/// row of logits coming back, each vocabulary column once over the tensor ranks,
+/// prefill included: never the prompt's other rows, an activation or the KV cache.
+#[test]
+fn a_generated_token_moves_its_ids_and_its_last_logits_only() {
+    use crate::device::crossings::{counted, per_unit, Audited};
+    use meshplan_executor::device::Crossing::{ActDown, ActUp, IdsUp};
+    use meshplan_executor::infer::infer_on;
+    let dir = temp_dir("llama-crossings");
+    let t = llama_tensors(&LLAMA, 11);
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let requests = PROMPTS.len() as u64;
+    for (cfg, gpus) in [("dp=1", 1), ("tp=2", 2), ("pp=2", 2), ("tp=2,pp=2,dp=2", 8)] {
+        let p = plan_of(&dir, cfg, gpus);
+        let vocab = p.graph.vocab().expect("vocab");
+        let (tp, pp) = (p.strategy.tp, p.strategy.pp);
+        let run = |n| {
+            let opts = InferOptions {
+                requests: PROMPTS.iter().map(|p| p.to_vec()).collect(),
+                max_new_tokens: n,
+                weights: Some(Arc::clone(&ck)),
+                ..InferOptions::default()
+            };
+            let p = &p;
+            move || {
+                infer_on(p, &opts, &|_| Ok(Audited)).unwrap_or_else(|e| panic!("{e}"));
+            }
+        };
+        let [three, seven] = counted([&run(3), &run(7)]);
+        let token = per_unit(&three, seven, 4);
+        let ids = requests * tp * (pp + 1);
+        let logits = requests * vocab;
+        assert_eq!(
+            token.get(&IdsUp).map(|c| c.1),
+            Some(ids),
+            "{cfg}: {token:?}"
+        );
+        assert_eq!(
+            token.get(&ActDown).map(|c| c.1),
+            Some(logits),
+            "{cfg}: {token:?}"
+        );
+        assert_eq!(token.len(), 2, "{cfg}: {token:?}");
+        // The prefill too reads back the last rows only; the weights go up once.
+        assert_eq!(three.get(&ActDown).map(|c| c.1), Some(3 * logits), "{cfg}");
+        assert_eq!(
+            three.keys().copied().collect::<Vec<_>>(),
+            [ActUp, IdsUp, ActDown],
+            "{cfg}"
+        );
+    }
+}
