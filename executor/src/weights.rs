@@ -233,39 +233,7 @@ impl Checkpoint {
                 )));
             }
         }
-        // What the model computes beyond its sizes: the graph `plan` builds from this
-        // config.json must hold the plan's weights (biases, a gated MLP, learned
-        // positions, LayerNorm's shift) and its activations, norms and rotations. A
-        // checkpoint weight the plan lacks would otherwise be left unread without a
-        // word, and a plan weight it lacks would be missing.
-        let parts = |g: &Graph| -> BTreeSet<String> {
-            let ops = g.ops().filter_map(|o| match &o.kind {
-                OpKind::Activation(k) => Some(format!("a {k:?} activation")),
-                OpKind::Norm(k) => Some(format!("a {k:?} norm")),
-                OpKind::Rope => Some("rotary positions".into()),
-                _ => None,
-            });
-            (g.tensors.iter())
-                .filter(|t| t.kind == TensorKind::Weight)
-                .map(|t| format!("weight `{}`", t.name))
-                .chain(ops)
-                .collect()
-        };
-        let theirs = parts(&meshplan_ir::model_graph(&spec).map_err(|e| werr(e.to_string()))?);
-        let ours = parts(graph);
-        let differ = |a: &BTreeSet<String>, b: &BTreeSet<String>| a.difference(b).next().cloned();
-        if let Some(x) = differ(&theirs, &ours) {
-            return Err(werr(format!(
-                "{file}: the checkpoint's model has {x}, which the plan's model lacks (see its \
-                 bias, activation and position fields); plan this checkpoint's config.json instead"
-            )));
-        }
-        if let Some(x) = differ(&ours, &theirs) {
-            return Err(werr(format!(
-                "{file}: the plan's model has {x}, which this checkpoint's model lacks (see its \
-                 bias, activation and position fields); plan this checkpoint's config.json instead"
-            )));
-        }
+        same_parts(&file, &spec, graph)?;
         if t.tie_embeddings != got.tied {
             return Err(werr(format!(
                 "{file}: field `tie_word_embeddings` is {} but the plan's model has {} embeddings",
@@ -273,38 +241,7 @@ impl Checkpoint {
                 if got.tied { "tied" } else { "untied" }
             )));
         }
-        // The numbers the math reads beyond the shapes: a plan made from another file
-        // would otherwise run this checkpoint with its own.
-        let c = &graph.constants;
-        let replan = "plan this checkpoint's config.json instead";
-        if t.position == meshplan_ir::PositionKind::Rope && c.rope_theta != t.rope_theta {
-            return Err(werr(format!(
-                "{file}: field `rope_theta` is {} but the plan's model has {}; {replan}",
-                t.rope_theta, c.rope_theta
-            )));
-        }
-        if c.rope_scaling != t.rope_scaling {
-            return Err(werr(format!(
-                "{file}: field `rope_scaling` gives {} but the plan's model has {}; {replan}",
-                t.rope_scaling, c.rope_scaling
-            )));
-        }
-        if c.norm_eps != t.norm_eps {
-            return Err(werr(format!(
-                "{file}: field `{}` is {} but the plan's model has {}; {replan}",
-                key("rms_norm_eps", "layer_norm_epsilon"),
-                t.norm_eps,
-                c.norm_eps
-            )));
-        }
-        if c.sliding_window != t.sliding_window {
-            let show = |w: Option<u64>| w.map_or("none".to_string(), |w| w.to_string());
-            return Err(werr(format!(
-                "{file}: field `sliding_window` is {} but the plan's model has {}; {replan}",
-                show(t.sliding_window),
-                show(c.sliding_window)
-            )));
-        }
+        same_constants(&file, t, graph, key("rms_norm_eps", "layer_norm_epsilon"))?;
         if let Some(u) = t.unexecutable.first() {
             return Err(werr(format!(
                 "{file}: field `{}`: {}. The executor refuses it rather than compute a different model",
@@ -431,6 +368,83 @@ impl Checkpoint {
         }
         Ok(out)
     }
+}
+
+/// What the model computes beyond its sizes: the graph `plan` builds from the
+/// checkpoint's `config.json` (`spec`) must hold the plan's weights (biases, a gated
+/// MLP, learned positions, LayerNorm's shift) and its activations, norms and
+/// rotations. A checkpoint weight the plan lacks would otherwise be left unread
+/// without a word, and a plan weight it lacks would be missing.
+fn same_parts(file: &str, spec: &meshplan_ir::ModelSpec, graph: &Graph) -> Result<(), ExecError> {
+    let parts = |g: &Graph| -> BTreeSet<String> {
+        let ops = g.ops().filter_map(|o| match &o.kind {
+            OpKind::Activation(k) => Some(format!("a {k:?} activation")),
+            OpKind::Norm(k) => Some(format!("a {k:?} norm")),
+            OpKind::Rope => Some("rotary positions".into()),
+            _ => None,
+        });
+        (g.tensors.iter())
+            .filter(|t| t.kind == TensorKind::Weight)
+            .map(|t| format!("weight `{}`", t.name))
+            .chain(ops)
+            .collect()
+    };
+    let theirs = parts(&meshplan_ir::model_graph(spec).map_err(|e| werr(e.to_string()))?);
+    let ours = parts(graph);
+    let differ = |a: &BTreeSet<String>, b: &BTreeSet<String>| a.difference(b).next().cloned();
+    if let Some(x) = differ(&theirs, &ours) {
+        return Err(werr(format!(
+            "{file}: the checkpoint's model has {x}, which the plan's model lacks (see its \
+                 bias, activation and position fields); plan this checkpoint's config.json instead"
+        )));
+    }
+    if let Some(x) = differ(&ours, &theirs) {
+        return Err(werr(format!(
+            "{file}: the plan's model has {x}, which this checkpoint's model lacks (see its \
+                 bias, activation and position fields); plan this checkpoint's config.json instead"
+        )));
+    }
+    Ok(())
+}
+
+/// The numbers the math reads beyond the shapes (`config.json`'s `t`): a plan made
+/// from another file would otherwise run this checkpoint with its own. `eps_key`
+/// names the norm's epsilon in the family's `config.json`.
+fn same_constants(
+    file: &str,
+    t: &meshplan_ir::TransformerSpec,
+    graph: &Graph,
+    eps_key: &str,
+) -> Result<(), ExecError> {
+    let c = &graph.constants;
+    let replan = "plan this checkpoint's config.json instead";
+    if t.position == meshplan_ir::PositionKind::Rope && c.rope_theta != t.rope_theta {
+        return Err(werr(format!(
+            "{file}: field `rope_theta` is {} but the plan's model has {}; {replan}",
+            t.rope_theta, c.rope_theta
+        )));
+    }
+    if c.rope_scaling != t.rope_scaling {
+        return Err(werr(format!(
+            "{file}: field `rope_scaling` gives {} but the plan's model has {}; {replan}",
+            t.rope_scaling, c.rope_scaling
+        )));
+    }
+    if c.norm_eps != t.norm_eps {
+        return Err(werr(format!(
+            "{file}: field `{}` is {} but the plan's model has {}; {replan}",
+            eps_key, t.norm_eps, c.norm_eps
+        )));
+    }
+    if c.sliding_window != t.sliding_window {
+        let show = |w: Option<u64>| w.map_or("none".to_string(), |w| w.to_string());
+        return Err(werr(format!(
+            "{file}: field `sliding_window` is {} but the plan's model has {}; {replan}",
+            show(t.sliding_window),
+            show(c.sliding_window)
+        )));
+    }
+    Ok(())
 }
 
 mod names;

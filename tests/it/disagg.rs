@@ -429,3 +429,63 @@ fn unsupported_pools_are_refused() {
         .expect_code(2)
         .stderr_has(&["disaggregated", "no prefill_plan"]);
 }
+
+/// A disaggregated deployment moves each request's KV cache between device
+/// buffers: what crosses between host and device (counted on the host device) is
+/// the weights, each pass's ids and each token's last row of logits, as in one
+/// pool; never a cache (its bytes would read back as activations).
+#[test]
+fn the_kv_cache_moves_between_device_buffers() {
+    use crate::device::crossings::{counted, per_unit, Audited};
+    use meshplan_executor::device::Crossing::{ActDown, ActUp, IdsUp};
+    use meshplan_executor::disagg::infer_disaggregated_on;
+    let dir = temp_dir("crossings");
+    let plan = load(&deploy(
+        &dir,
+        "tiny-llama-inference",
+        4,
+        "tp=2",
+        "tp=1,pp=2",
+    ));
+    let n = requests(&plan);
+    let vocab = plan.graph.vocab().expect("vocab");
+    let run = |new| {
+        let opts = InferOptions {
+            requests: (0..n)
+                .map(|i| {
+                    (0..8)
+                        .map(|j| ((7 * i + 3 * j + 1) as u64 % vocab) as u32)
+                        .collect()
+                })
+                .collect(),
+            max_new_tokens: new,
+            ..InferOptions::default()
+        };
+        let plan = &plan;
+        move || {
+            infer_disaggregated_on(plan, &opts, &|_| Ok(Audited)).unwrap_or_else(|e| panic!("{e}"));
+        }
+    };
+    let [three, seven] = counted([&run(3), &run(7)]);
+    let token = per_unit(&three, seven, 4);
+    // Decode pp=2: tokens to the first stage, positions to both.
+    let n = n as u64;
+    assert_eq!(token.get(&IdsUp).map(|c| c.1), Some(3 * n), "{token:?}");
+    assert_eq!(
+        token.get(&ActDown).map(|c| c.1),
+        Some(n * vocab),
+        "{token:?}"
+    );
+    assert_eq!(token.len(), 2, "{token:?}");
+    // The first token's logits come from the prefill pool, the others from the
+    // decode pool: 3 rows a request in all, and no cache.
+    assert_eq!(
+        three.get(&ActDown).map(|c| c.1),
+        Some(3 * n * vocab),
+        "{three:?}"
+    );
+    assert_eq!(
+        three.keys().copied().collect::<Vec<_>>(),
+        [ActUp, IdsUp, ActDown]
+    );
+}

@@ -667,6 +667,16 @@ fn reference_generate(
 
 const WORKLOAD: &str = "kind: inference\nprompt_len: 6\noutput_len: 5\nconcurrency: 2\n";
 
+/// A Llama checkpoint of [`LLAMA`]'s sizes drawn from `seed`, stored in fp32, in a
+/// fresh folder `name`, opened.
+fn llama_checkpoint(name: &str, seed: u64) -> (PathBuf, Arc<Checkpoint>) {
+    let dir = temp_dir(name);
+    let t = llama_tensors(&LLAMA, seed);
+    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    (dir, ck)
+}
+
 /// A plan of `cfg` for the checkpoint's config.json on a CPU mesh of exactly the
 /// ranks the configuration names.
 fn plan_of(dir: &Path, cfg: &str, gpus: u64) -> Plan {
@@ -1865,10 +1875,7 @@ fn cli_refuses_a_checkpoint_whose_rope_differs_from_the_plan() {
 fn mixed_precision_inference_stays_within_the_tolerance() {
     use meshplan_executor::device::emulate::Bf16Host;
     use meshplan_executor::infer::{check_inference_mixed, infer_on};
-    let dir = temp_dir("llama-bf16");
-    let t = llama_tensors(&LLAMA, 11);
-    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
-    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let (dir, ck) = llama_checkpoint("llama-bf16", 11);
     let opts = InferOptions {
         requests: PROMPTS.iter().map(|p| p.to_vec()).collect(),
         max_new_tokens: 5,
@@ -1953,10 +1960,7 @@ fn a_generated_token_moves_its_ids_and_its_last_logits_only() {
     use crate::device::crossings::{counted, per_unit, Audited};
     use meshplan_executor::device::Crossing::{ActDown, ActUp, IdsUp};
     use meshplan_executor::infer::infer_on;
-    let dir = temp_dir("llama-crossings");
-    let t = llama_tensors(&LLAMA, 11);
-    write_checkpoint(&dir, &llama_config(&LLAMA), &t, Store::F32, 1);
-    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    let (dir, ck) = llama_checkpoint("llama-crossings", 11);
     let requests = PROMPTS.len() as u64;
     for (cfg, gpus) in [("dp=1", 1), ("tp=2", 2), ("pp=2", 2), ("tp=2,pp=2,dp=2", 8)] {
         let p = plan_of(&dir, cfg, gpus);
