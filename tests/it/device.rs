@@ -825,48 +825,50 @@ pub(crate) mod crossings {
         }
     }
 
-    /// The crossings of each of `runs` (which run on [`Audited`]), one run at a
-    /// time.
-    pub(crate) fn counted<const N: usize>(runs: [&dyn Fn(); N]) -> [Ledger; N] {
+    /// What `run(a)` moves (on [`Audited`]), and what each unit of `run(b)` beyond
+    /// it adds, one audited run at a time. Every unit after the `a`-th must add the
+    /// same: a difference that the units do not divide fails.
+    fn beyond(run: &dyn Fn(u64), (a, b): (u64, u64)) -> (Ledger, Ledger) {
         let _one = ONE_RUN.lock().unwrap_or_else(PoisonError::into_inner);
-        runs.map(|run| {
-            LEDGER
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clear();
-            run();
-            std::mem::take(&mut *LEDGER.lock().unwrap_or_else(PoisonError::into_inner))
-        })
-    }
-
-    /// Per unit of what `more` does beyond `base` (`units` of it): each
-    /// crossing's calls and elements, those that differ.
-    pub(crate) fn per_unit(base: &Ledger, more: Ledger, units: u64) -> Ledger {
-        let mut out = BTreeMap::new();
+        let ledger = || LEDGER.lock().unwrap_or_else(PoisonError::into_inner);
+        let [base, more] = [a, b].map(|n| {
+            ledger().clear();
+            run(n);
+            std::mem::take(&mut *ledger())
+        });
+        let units = b - a;
+        let mut per = BTreeMap::new();
         for (what, (calls, elems)) in more {
-            let (c1, e1) = base.get(&what).copied().unwrap_or_default();
-            let d = ((calls - c1) / units, (elems - e1) / units);
+            let (c0, e0) = base.get(&what).copied().unwrap_or_default();
+            let d = (calls - c0, elems - e0);
+            assert!(
+                d.0 % units == 0 && d.1 % units == 0,
+                "{what:?}: {d:?} over {units} units"
+            );
             if d != (0, 0) {
-                out.insert(what, d);
+                per.insert(what, (d.0 / units, d.1 / units));
             }
         }
-        out
+        (base, per)
     }
 
-    /// Calls and elements of each crossing in one step after the first (the
-    /// difference between a run of 3 steps and one of 1, halved).
+    /// What a generation of 3 new tokens per request moves, and what each token
+    /// after them adds (from one of 7): `generate(n)` generates `n`.
+    pub(crate) fn per_token(generate: &dyn Fn(u64)) -> (Ledger, Ledger) {
+        beyond(generate, (3, 7))
+    }
+
+    /// Calls and elements of each crossing in one step after the first (from
+    /// runs of 1 and 3 steps).
     pub(crate) fn per_step(p: &Plan) -> Ledger {
         let run = |steps| {
-            move || {
-                let opts = TrainOptions {
-                    steps,
-                    ..TrainOptions::default()
-                };
-                train_device(p, &opts, &|_| Ok(Audited)).expect("run");
-            }
+            let opts = TrainOptions {
+                steps,
+                ..TrainOptions::default()
+            };
+            train_device(p, &opts, &|_| Ok(Audited)).expect("run");
         };
-        let [one, three] = counted([&run(1), &run(3)]);
-        per_unit(&one, three, 2)
+        beyond(&run, (1, 3)).1
     }
 }
 

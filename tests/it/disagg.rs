@@ -436,7 +436,7 @@ fn unsupported_pools_are_refused() {
 /// pool; never a cache (its bytes would read back as activations).
 #[test]
 fn the_kv_cache_moves_between_device_buffers() {
-    use crate::device::crossings::{counted, per_unit, Audited};
+    use crate::device::crossings::{per_token, Audited};
     use meshplan_executor::device::Crossing::{ActDown, ActUp, IdsUp};
     use meshplan_executor::disagg::infer_disaggregated_on;
     let dir = temp_dir("crossings");
@@ -449,7 +449,7 @@ fn the_kv_cache_moves_between_device_buffers() {
     ));
     let n = requests(&plan);
     let vocab = plan.graph.vocab().expect("vocab");
-    let run = |new| {
+    let (three, token) = per_token(&|new| {
         let opts = InferOptions {
             requests: (0..n)
                 .map(|i| {
@@ -458,16 +458,11 @@ fn the_kv_cache_moves_between_device_buffers() {
                         .collect()
                 })
                 .collect(),
-            max_new_tokens: new,
+            max_new_tokens: new as usize,
             ..InferOptions::default()
         };
-        let plan = &plan;
-        move || {
-            infer_disaggregated_on(plan, &opts, &|_| Ok(Audited)).unwrap_or_else(|e| panic!("{e}"));
-        }
-    };
-    let [three, seven] = counted([&run(3), &run(7)]);
-    let token = per_unit(&three, seven, 4);
+        infer_disaggregated_on(&plan, &opts, &|_| Ok(Audited)).unwrap_or_else(|e| panic!("{e}"));
+    });
     // Decode pp=2: tokens to the first stage, positions to both.
     let n = n as u64;
     assert_eq!(token.get(&IdsUp).map(|c| c.1), Some(3 * n), "{token:?}");

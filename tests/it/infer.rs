@@ -1957,7 +1957,7 @@ fn mixed_precision_inference_stays_within_the_tolerance() {
 /// prefill included: never the prompt's other rows, an activation or the KV cache.
 #[test]
 fn a_generated_token_moves_its_ids_and_its_last_logits_only() {
-    use crate::device::crossings::{counted, per_unit, Audited};
+    use crate::device::crossings::{per_token, Audited};
     use meshplan_executor::device::Crossing::{ActDown, ActUp, IdsUp};
     use meshplan_executor::infer::infer_on;
     let (dir, ck) = llama_checkpoint("llama-crossings", 11);
@@ -1966,20 +1966,15 @@ fn a_generated_token_moves_its_ids_and_its_last_logits_only() {
         let p = plan_of(&dir, cfg, gpus);
         let vocab = p.graph.vocab().expect("vocab");
         let (tp, pp) = (p.strategy.tp, p.strategy.pp);
-        let run = |n| {
+        let (three, token) = per_token(&|n| {
             let opts = InferOptions {
                 requests: PROMPTS.iter().map(|p| p.to_vec()).collect(),
-                max_new_tokens: n,
+                max_new_tokens: n as usize,
                 weights: Some(Arc::clone(&ck)),
                 ..InferOptions::default()
             };
-            let p = &p;
-            move || {
-                infer_on(p, &opts, &|_| Ok(Audited)).unwrap_or_else(|e| panic!("{e}"));
-            }
-        };
-        let [three, seven] = counted([&run(3), &run(7)]);
-        let token = per_unit(&three, seven, 4);
+            infer_on(&p, &opts, &|_| Ok(Audited)).unwrap_or_else(|e| panic!("{e}"));
+        });
         let ids = requests * tp * (pp + 1);
         let logits = requests * vocab;
         assert_eq!(
