@@ -172,15 +172,6 @@ struct Fixed<D: Device> {
     vocab_mask: Option<D::Act>,
 }
 
-/// A span on the device timeline, resolved at the end of the step.
-struct Pending<M> {
-    from: M,
-    to: M,
-    name: String,
-    cat: &'static str,
-    args: serde_json::Value,
-}
-
 /// Pipeline stage boundaries between the schedule's exchange points. A rank sends
 /// and receives boundaries only there, as one exchange each (one NCCL group): the
 /// sends of the tasks since the last point and the receives the tasks up to the
@@ -578,72 +569,6 @@ impl<'a, D: Device> DevRank<'a, D> {
             )));
         }
         Ok(())
-    }
-
-    fn mark(&self) -> Result<Option<D::Mark>, RankError> {
-        (self.opts.trace.then(|| self.dev.mark()).transpose()).map_err(derr("mark"))
-    }
-
-    fn span(
-        &mut self,
-        from: Option<D::Mark>,
-        name: impl Into<String>,
-        cat: &'static str,
-        args: serde_json::Value,
-    ) -> Result<(), RankError> {
-        if let Some(from) = from {
-            let to = self.dev.mark().map_err(derr("mark"))?;
-            self.meter.pending.push(Pending {
-                from,
-                to,
-                name: name.into(),
-                cat,
-                args,
-            });
-        }
-        Ok(())
-    }
-
-    /// Device times of this step's spans, placed on the run's clock by the step's
-    /// first mark.
-    fn resolve_spans(&mut self, (host0, mark0): (Instant, D::Mark)) -> Result<(), RankError> {
-        let base = host0.duration_since(self.meter.t0).as_secs_f64();
-        for p in std::mem::take(&mut self.meter.pending) {
-            let e = derr("timing");
-            let start = self.dev.seconds_between(&mark0, &p.from).map_err(&e)?;
-            let dur = self.dev.seconds_between(&p.from, &p.to).map_err(&e)?;
-            self.meter.spans.push(crate::trace::Span {
-                name: p.name,
-                cat: p.cat,
-                start_s: base + start,
-                dur_s: dur,
-                args: p.args,
-            });
-        }
-        Ok(())
-    }
-
-    /// Samples what the rank holds with `current`, the task it runs, beside
-    /// those waiting for their backward: after each forward task, and after each
-    /// recomputation, when a layer's activations are held again.
-    fn note_peak(&mut self, current: &Task<D>) {
-        let waiting: f64 = self.tasks.values().map(|t| self.held_bytes(t)).sum();
-        let held = waiting + self.held_bytes(current);
-        self.meter.peak_act_bytes = self.meter.peak_act_bytes.max(held);
-        if let Some(used) = self.dev.memory_in_use() {
-            self.meter.device_peak = Some(self.meter.device_peak.unwrap_or(0).max(used));
-        }
-    }
-
-    fn held_bytes(&self, t: &Task<D>) -> f64 {
-        // A buffer both an output and kept for a backward counts once.
-        let mut seen = HashSet::new();
-        let act: usize = (t.acts.values().chain(t.saved.values()))
-            .filter(|a| seen.insert(Arc::as_ptr(a)))
-            .map(|a| D::act_len(a))
-            .sum();
-        let stats: usize = t.stats.values().map(D::f32_len).sum();
-        (act * self.dev.act_bytes() + stats * 4) as f64
     }
 
     /// Each token's weight in the step's loss: the mean over the global batch.
