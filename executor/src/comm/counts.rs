@@ -142,7 +142,7 @@ impl ByteCounts {
         self
     }
 
-    /// [`Self::at_element_size`] for all but `fixed`, a part of these counts
+    /// `at_element_size` for all but `fixed`, a part of these counts
     /// (recorded twice) that the plan prices at 4 bytes an element whatever the
     /// model's dtype: a vocabulary-parallel loss's fp32 statistics.
     pub fn at_element_size_but(self, elem_bytes: u64, fixed: &ByteCounts) -> ByteCounts {

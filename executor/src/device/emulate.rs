@@ -1,3 +1,8 @@
+//! The host devices: the CPU reference kernels behind [`super::Device`] (one
+//! implementation, in `mod.rs`, for every [`HostPrecision`]), in fp32
+//! ([`HostDevice`]) or as a GPU rounds them ([`Bf16Host`]), and the buffers a GPU
+//! run would move over the bus, which they report ([`Crossing`]).
+//!
 //! [`Bf16Host`]: the host device with a GPU's rounding. Every activation, activation
 //! gradient and weight compute copy is rounded to bf16 where the CUDA kernels store
 //! bf16, and everything the CUDA kernels keep in fp32 (weight gradients, master
@@ -6,10 +11,56 @@
 //! run by what mixed precision costs: the yardstick for the tolerances of
 //! [`check_mixed_precision`], measured here rather than guessed.
 
-use super::HostPrecision;
+/// The CPU reference kernels in fp32 behind the [`super::Device`] trait: the device
+/// interpreter on a machine without a GPU, and the proof of its bookkeeping.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HostDevice;
+
+/// What distinguishes the host devices, which share one implementation of
+/// [`super::Device`] over the CPU kernels: how they store what a GPU stores in bf16.
+pub trait HostPrecision: Copy + Send + Sync + 'static {
+    /// [`super::Device::act_bytes`].
+    const ACT_BYTES: usize;
+    /// Applied to each buffer a GPU kernel would store in bf16, after the kernel.
+    fn round(x: &mut [f32]);
+    /// Told of each buffer that would cross between the host and a GPU's memory
+    /// (`elems` elements): where a GPU run would wait on the bus. The host devices
+    /// ignore it; an audit counts what a step moves.
+    fn crossed(what: Crossing, elems: usize) {
+        let _ = (what, elems);
+    }
+}
+
+/// A buffer crossing between the host and the device's memory, as a GPU run
+/// makes it ([`HostPrecision::crossed`]): an upload, a download, or what a
+/// kernel hands the host (the finiteness check's flag, the experts' counts).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Crossing {
+    /// fp32 values to the device ([`super::Device::f32_upload`]).
+    F32Up,
+    /// Values to the device as a compute buffer ([`super::Device::act_from_host`]).
+    ActUp,
+    /// Token ids, labels, positions or indices to the device.
+    IdsUp,
+    /// fp32 values to the host ([`super::Device::f32_download`]).
+    F32Down,
+    /// A compute buffer to the host ([`super::Device::act_download`]).
+    ActDown,
+    /// Ids to the host ([`super::Device::ids_download`]).
+    IdsDown,
+    /// [`super::Device::first_non_finite`]'s answer.
+    Flag,
+    /// Each expert's count, which [`super::Device::moe_dispatch`] leaves on the host.
+    ExpertCounts,
+}
+
+impl HostPrecision for HostDevice {
+    const ACT_BYTES: usize = 4;
+    fn round(_: &mut [f32]) {}
+}
 
 /// The host device rounding what a GPU stores in bf16 (its [`super::Device`]
-/// implementation is [`super::HostDevice`]'s, with [`HostPrecision::round`]).
+/// implementation is [`HostDevice`]'s, with [`HostPrecision::round`]).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Bf16Host;
 

@@ -30,7 +30,10 @@ pub mod emulate;
 mod error;
 pub(crate) mod forward;
 pub(crate) mod walk;
-pub use emulate::{check_mixed_precision, MIXED_LOSS_TOLERANCE, MIXED_UPDATE_TOLERANCE};
+pub use emulate::{
+    check_mixed_precision, Crossing, HostDevice, HostPrecision, MIXED_LOSS_TOLERANCE,
+    MIXED_UPDATE_TOLERANCE,
+};
 pub(crate) use error::{derr, layernorm_parts};
 pub use error::{DResult, DeviceError};
 pub mod train;
@@ -448,54 +451,6 @@ pub trait Device: Send + Sync {
     fn seconds_between(&self, a: &Self::Mark, b: &Self::Mark) -> DResult<f64>;
     /// Bytes of device memory in use by this process's buffers, where known.
     fn memory_in_use(&self) -> Option<u64>;
-}
-
-/// The CPU reference kernels in fp32 behind the [`Device`] trait: the device
-/// interpreter on a machine without a GPU, and the proof of its bookkeeping.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct HostDevice;
-
-/// What distinguishes the host devices, which share one implementation of
-/// [`Device`] over the CPU kernels: how they store what a GPU stores in bf16.
-pub trait HostPrecision: Copy + Send + Sync + 'static {
-    /// [`Device::act_bytes`].
-    const ACT_BYTES: usize;
-    /// Applied to each buffer a GPU kernel would store in bf16, after the kernel.
-    fn round(x: &mut [f32]);
-    /// Told of each buffer that would cross between the host and a GPU's memory
-    /// (`elems` elements): where a GPU run would wait on the bus. The host devices
-    /// ignore it; an audit counts what a step moves.
-    fn crossed(what: Crossing, elems: usize) {
-        let _ = (what, elems);
-    }
-}
-
-/// A buffer crossing between the host and the device's memory, as a GPU run
-/// makes it ([`HostPrecision::crossed`]): an upload, a download, or what a
-/// kernel hands the host (the finiteness check's flag, the experts' counts).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Crossing {
-    /// fp32 values to the device ([`Device::f32_upload`]).
-    F32Up,
-    /// Values to the device as a compute buffer ([`Device::act_from_host`]).
-    ActUp,
-    /// Token ids, labels, positions or indices to the device.
-    IdsUp,
-    /// fp32 values to the host ([`Device::f32_download`]).
-    F32Down,
-    /// A compute buffer to the host ([`Device::act_download`]).
-    ActDown,
-    /// Ids to the host ([`Device::ids_download`]).
-    IdsDown,
-    /// [`Device::first_non_finite`]'s answer.
-    Flag,
-    /// Each expert's count, which [`Device::moe_dispatch`] leaves on the host.
-    ExpertCounts,
-}
-
-impl HostPrecision for HostDevice {
-    const ACT_BYTES: usize = 4;
-    fn round(_: &mut [f32]) {}
 }
 
 /// The rows of a buffer of `len` elements in rows of `width`, or an error naming
