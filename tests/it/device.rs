@@ -875,10 +875,10 @@ pub(crate) mod crossings {
 /// A step of the device interpreter keeps its work on the device: on every mode,
 /// what a step after the first moves between the host and the device (counted on
 /// the host device, where a GPU run would cross the bus) is its batch's tokens and
-/// labels going up, each token's loss coming back once, and one finiteness flag a
-/// rank; routed experts add their routing's round trip (the counts, which size the
-/// All-to-All-v, and the indices made from them). No weight, activation, gradient
-/// or constant goes through the host.
+/// labels going up, each token's loss coming back once (in one read back a rank),
+/// and one finiteness flag a rank; routed experts add their routing's round trip
+/// (the counts, which size the All-to-All-v, and the indices made from them). No
+/// weight, activation, gradient or constant goes through the host.
 #[test]
 fn a_step_moves_only_its_batch_its_losses_and_a_flag_across_the_bus() {
     use meshplan_executor::device::Crossing::{self, *};
@@ -908,6 +908,8 @@ fn a_step_moves_only_its_batch_its_losses_and_a_flag_across_the_bus() {
                 Some(tokens),
                 "{cfg}: {got:?}"
             );
+            // In one read back a rank, whatever its micro-batches.
+            assert!(got[&F32Down].0 <= world, "{cfg}: {got:?}");
             assert_eq!(got.get(&Flag), Some(&(world, world)), "{cfg}: {got:?}");
             assert_eq!(got.len(), 3, "{cfg}: {got:?}");
         };

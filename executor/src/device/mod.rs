@@ -3,12 +3,12 @@
 //! host vectors for [`HostDevice`]), and [`train`] is the training interpreter over
 //! it, which never moves an activation, weight or gradient to the host during a
 //! step: a step uploads its batch's tokens and labels and reads back each token's
-//! loss and one finiteness flag (routed experts add their counts and the indices
-//! made from them); [`Crossing`] names each, and a test holds every mode to that
-//! list on the host device. It runs every parallel mode (data, tensor,
-//! pipeline, context, expert, ZeRO 0 to 3), in the device's compute precision: bf16
-//! activations and weight copies for the kernels on a GPU, fp32 master weights,
-//! gradients and AdamW moments.
+//! loss (in one read back a rank) and one finiteness flag (routed experts add
+//! their counts and the indices made from them); [`Crossing`] names each, and a
+//! test holds every mode to that list on the host device. It runs every parallel
+//! mode (data, tensor, pipeline, context, expert, ZeRO 0 to 3), in the device's
+//! compute precision: bf16 activations and weight copies for the kernels on a
+//! GPU, fp32 master weights, gradients and AdamW moments.
 //!
 //! [`HostDevice`] runs the same interpreter on the CPU reference kernels in fp32:
 //! it is `run --backend cpu` and the single-rank reference of `--check`. It

@@ -415,9 +415,21 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         self.sync.next_bucket = 0;
         let scale = self.loss_scale();
-        for loss in std::mem::take(&mut self.meter.losses) {
-            let loss = self.dev.f32_download(&loss).map_err(derr("loss"))?;
-            self.meter.loss_part += loss.iter().map(|&x| x as f64).sum::<f64>() * scale;
+        // Every micro-batch's token losses in one read back (one wait for the
+        // device a step), each micro-batch summed apart as before.
+        let losses = std::mem::take(&mut self.meter.losses);
+        if !losses.is_empty() {
+            let runs: Vec<_> = losses.iter().map(|l| (l, 0, D::f32_len(l))).collect();
+            let e = derr("loss");
+            let all = self.dev.f32_concat(&runs).map_err(&e)?;
+            let all = self.dev.f32_download(&all).map_err(&e)?;
+            let mut at = 0;
+            for l in &losses {
+                let n = D::f32_len(l);
+                let mb = all[at..at + n].iter().map(|&x| x as f64).sum::<f64>();
+                self.meter.loss_part += mb * scale;
+                at += n;
+            }
         }
         // A step ends when its work has, not when its launches have.
         self.dev.synchronize().map_err(derr("synchronize"))?;
