@@ -282,7 +282,7 @@ impl<D: Device> DevRank<'_, D> {
         }
     }
 
-    pub(super) fn held_bytes(&self, t: &Task<D>) -> f64 {
+    fn held_bytes(&self, t: &Task<D>) -> f64 {
         // A buffer both an output and kept for a backward counts once.
         let mut seen = HashSet::new();
         let act: usize = (t.acts.values().chain(t.saved.values()))
