@@ -261,8 +261,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Gradient bucket `i` summed over the data ranks, this rank keeping its part.
     pub(super) fn reduce_scatter(&mut self, i: usize) -> Result<(), RankError> {
         let bk = &self.zero.scatter[i];
-        let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
-        let c = bk.len / n;
+        let (own, _) = self.own_part(bk)?;
         let buf = packed(
             &self.dev,
             &self.weights.wgrads,
@@ -274,16 +273,14 @@ impl<'a, D: Device> DevRank<'a, D> {
             (CommKind::ReduceScatter, (&bk.group, &bk.axis)),
             buf,
         )?;
-        self.zero.shards.push((bk.set, bk.start + me * c, part));
+        self.zero.shards.push((bk.set, own, part));
         Ok(())
     }
 
     /// Parameter bucket `i` from the parts each data rank updated.
     pub(super) fn all_gather(&mut self, i: usize) -> Result<(), RankError> {
         let bk = &self.zero.gather[i];
-        let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
-        let c = bk.len / n;
-        let own = bk.start + me * c;
+        let (own, c) = self.own_part(bk)?;
         // AdamW's packed output is this rank's part as it is in the masters: sent
         // as it is, where packing it again would copy the same values.
         let done = (self.zero.updated.iter())
@@ -367,6 +364,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         let r = self.comm.all_reduce_start(&self.dev, (group, axis), flat)?;
         let flat = self.comm.all_reduce_finish(&self.dev, r)?;
         unpack(&self.dev, &flat, &pieces, &mut self.weights.wgrads, tensor)
+    }
+
+    /// Where this rank's part of ZeRO bucket `bk` starts in its set's flat vector,
+    /// and its length: the group's equal parts, in group order.
+    fn own_part(&self, bk: &Bucket) -> Result<(usize, usize), RankError> {
+        let c = bk.len / bk.group.size();
+        Ok((bk.start + self.index_in(&bk.group)? * c, c))
     }
 
     pub(super) fn index_in(&self, g: &Group) -> Result<usize, RankError> {
@@ -505,10 +509,8 @@ impl<'a, D: Device> DevRank<'a, D> {
     pub(super) fn first_moments(&mut self) -> Result<(), RankError> {
         self.zero3_moments()?;
         for i in 0..self.zero.scatter.len() {
-            let bk = &self.zero.scatter[i];
-            let (n, me) = (bk.group.size(), self.index_in(&bk.group)?);
-            let (set, c) = (bk.set, bk.len / n);
-            let start = bk.start + me * c;
+            let set = self.zero.scatter[i].set;
+            let (start, c) = self.own_part(&self.zero.scatter[i])?;
             let pieces = pieces_of(self.layout(set), start, start + c);
             let state = initial_moments(&self.dev, &self.zero.start_moments, &pieces, c)?;
             self.zero.shard_adam.insert((set, start), state);
