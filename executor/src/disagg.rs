@@ -232,9 +232,10 @@ fn prefill_side<D: Device>(
     let record = r.records();
     let served = r.serve(|r, mine, p| {
         r.prefill_passes(mine, |r, j, i, done| {
-            if let Some(rows) = done.logits {
+            if let Some(l) = done.logits {
                 let now = record.then(|| t0.elapsed());
-                p.take_token((j, 0), &rows, &ctx.opts.sampling, now);
+                (p.take_tokens(&r.dev, (j, 0), &l, &ctx.opts.sampling, now))
+                    .map_err(derr("sampling"))?;
             }
             send_cache(r, ctx, i, &done.cache)?;
             if record {

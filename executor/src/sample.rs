@@ -3,6 +3,7 @@
 //! single-rank reference draw the same token from the same logits.
 
 use crate::init::splitmix;
+use meshplan_kernels::cpu::{argmax_parts, Picks};
 
 /// How tokens are chosen.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -47,15 +48,17 @@ impl Sampling {
     }
 }
 
-/// The index of the largest logit (the first of equal ones).
+/// The index of the largest logit (the first of equal ones): the device's greedy
+/// pick of one row.
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in logits.iter().enumerate() {
-        if x > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
+    let n = logits.len();
+    let row = Picks {
+        parts: 1,
+        rows: 1,
+        cols: n,
+        limit: n,
+    };
+    argmax_parts(logits, row).map_or(0, |t| t[0])
 }
 
 /// A uniform in [0, 1) keyed by the seed, the request and the step.

@@ -145,3 +145,44 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS)
         dr[c] = f32_to_bf16(scale * g);
     });
 }
+
+// Greedy decoding: tokens[r] = the global column of row r's largest logit, the first
+// of equal ones, over columns 0..limit of a row split into shards of `cols` laid out
+// [parts, rows, cols] (cpu/loss.rs `argmax_parts`). A NaN never wins, and a row whose
+// first logit is NaN picks 0, as the CPU's left-to-right scan does. One block per row.
+extern "C" __global__ void __launch_bounds__(CE_THREADS)
+    argmax_parts_f32(const float* x, int rows, int cols, int limit, u32* tokens) {
+    __shared__ float sv[CE_THREADS];
+    __shared__ int si[CE_THREADS];
+    const int r = blockIdx.x;
+    const int t = threadIdx.x;
+    float bv = NEG_INF;
+    int bi = limit;
+    for (int g = t; g < limit; g += blockDim.x) {
+        const float v = x[((i64)(g / cols) * rows + r) * cols + g % cols];
+        // Columns rise within a thread: a tie keeps the earlier one, except the
+        // sentinel's.
+        if (v > bv || (v == bv && bi == limit)) {
+            bv = v;
+            bi = g;
+        }
+    }
+    sv[t] = bv;
+    si[t] = bi;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) {
+            const float v = sv[t + s];
+            const int i = si[t + s];
+            if (v > sv[t] || (v == sv[t] && i < si[t])) {
+                sv[t] = v;
+                si[t] = i;
+            }
+        }
+        __syncthreads();
+    }
+    if (t == 0) {
+        const float first = x[(i64)r * cols];
+        tokens[r] = (si[0] >= limit || first != first) ? 0u : (u32)si[0];
+    }
+}

@@ -432,12 +432,12 @@ fn unsupported_pools_are_refused() {
 
 /// A disaggregated deployment moves each request's KV cache between device
 /// buffers: what crosses between host and device (counted on the host device) is
-/// the weights, each pass's ids and each token's last row of logits, as in one
-/// pool; never a cache (its bytes would read back as activations).
+/// the weights, each pass's ids and greedy tokens, and the logits the report keeps,
+/// as in one pool; never a cache (its bytes would read back as activations).
 #[test]
 fn the_kv_cache_moves_between_device_buffers() {
     use crate::device::crossings::{per_token, Audited};
-    use meshplan_executor::device::Crossing::{ActDown, ActUp, IdsUp};
+    use meshplan_executor::device::Crossing::{ActUp, F32Down, IdsDown, IdsUp};
     use meshplan_executor::disagg::infer_disaggregated_on;
     let dir = temp_dir("crossings");
     let plan = load(&deploy(
@@ -466,21 +466,18 @@ fn the_kv_cache_moves_between_device_buffers() {
     // Decode pp=2: tokens to the first stage, positions to both.
     let n = n as u64;
     assert_eq!(token.get(&IdsUp).map(|c| c.1), Some(3 * n), "{token:?}");
-    assert_eq!(
-        token.get(&ActDown).map(|c| c.1),
-        Some(n * vocab),
-        "{token:?}"
-    );
+    // Decode tp=1: each request's token comes back from the one last-stage rank.
+    assert_eq!(token.get(&IdsDown).map(|c| c.1), Some(n), "{token:?}");
     assert_eq!(token.len(), 2, "{token:?}");
-    // The first token's logits come from the prefill pool, the others from the
-    // decode pool: 3 rows a request in all, and no cache.
+    // The first token's logits come from the prefill pool, the last one's from the
+    // decode pool: 2 rows a request in all, and no cache.
     assert_eq!(
-        three.get(&ActDown).map(|c| c.1),
-        Some(3 * n * vocab),
+        three.get(&F32Down).map(|c| c.1),
+        Some(2 * n * vocab),
         "{three:?}"
     );
     assert_eq!(
         three.keys().copied().collect::<Vec<_>>(),
-        [ActUp, IdsUp, ActDown]
+        [ActUp, IdsUp, F32Down, IdsDown]
     );
 }

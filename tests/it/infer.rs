@@ -1789,6 +1789,12 @@ fn cli_generation_stops_at_the_checkpoints_eos() {
     r.expect_code(0);
     assert_eq!(tokens(&r), want[..=k].to_vec(), "stops after the EOS token");
     assert_eq!(r.json()["requests"][0]["finish_reason"], "eos");
+    // The logits reported are those the end-of-sequence token was picked from.
+    let logits: Vec<f32> = serde_json::from_value(r.json()["logits"].clone()).expect("logits");
+    let mut seq = PROMPTS[0].to_vec();
+    seq.extend_from_slice(&want[..k]);
+    let (d, scale) = max_diff(&logits, &llama_forward(&LLAMA, &t, &seq));
+    assert!(d <= TOL * scale, "the EOS token's logits: {d:e}");
     let r = cli_plan_and_run(
         &dir,
         "pp=2",
@@ -1951,49 +1957,76 @@ fn mixed_precision_inference_stays_within_the_tolerance() {
 
 /// Inference keeps its work on the device: what crosses between the host and
 /// the device (counted on the host device, where a GPU run would cross the bus)
-/// is the weights once, then per generated token only the pass's ids going up
-/// (tokens to the first stage, positions to every stage) and each request's last
-/// row of logits coming back, each vocabulary column once over the tensor ranks,
-/// prefill included: never the prompt's other rows, an activation or the KV cache.
+/// is the weights once, then per generated token only the pass's ids: tokens to
+/// the first stage and positions to every stage going up, and, decoding greedily,
+/// each request's token coming back from each last-stage tensor rank, picked on
+/// the device. The logits come back only where the report keeps them (each
+/// request's first and last token's, on the one rank that records): never the
+/// prompt's other rows, an activation or the KV cache. Sampling with a temperature
+/// reads each request's last row of logits back on every last-stage tensor rank.
 #[test]
-fn a_generated_token_moves_its_ids_and_its_last_logits_only() {
+fn a_greedy_token_moves_its_ids_only_and_a_sampled_one_its_logits() {
     use crate::device::crossings::{per_token, Audited};
-    use meshplan_executor::device::Crossing::{ActDown, ActUp, IdsUp};
+    use meshplan_executor::device::Crossing::{ActUp, F32Down, IdsDown, IdsUp};
     use meshplan_executor::infer::infer_on;
+    use meshplan_executor::sample::Sampling;
     let (dir, ck) = llama_checkpoint("llama-crossings", 11);
     let requests = PROMPTS.len() as u64;
+    let sampled = Sampling {
+        temperature: 0.8,
+        top_p: 0.9,
+        seed: 3,
+    };
     for (cfg, gpus) in [("dp=1", 1), ("tp=2", 2), ("pp=2", 2), ("tp=2,pp=2,dp=2", 8)] {
         let p = plan_of(&dir, cfg, gpus);
         let vocab = p.graph.vocab().expect("vocab");
         let (tp, pp) = (p.strategy.tp, p.strategy.pp);
-        let (three, token) = per_token(&|n| {
-            let opts = InferOptions {
-                requests: PROMPTS.iter().map(|p| p.to_vec()).collect(),
-                max_new_tokens: n as usize,
-                weights: Some(Arc::clone(&ck)),
-                ..InferOptions::default()
-            };
-            infer_on(&p, &opts, &|_| Ok(Audited)).unwrap_or_else(|e| panic!("{e}"));
-        });
+        let ledgers = |sampling: Sampling| {
+            per_token(&|n| {
+                let opts = InferOptions {
+                    requests: PROMPTS.iter().map(|p| p.to_vec()).collect(),
+                    max_new_tokens: n as usize,
+                    weights: Some(Arc::clone(&ck)),
+                    sampling,
+                    ..InferOptions::default()
+                };
+                infer_on(&p, &opts, &|_| Ok(Audited)).unwrap_or_else(|e| panic!("{e}"));
+            })
+        };
         let ids = requests * tp * (pp + 1);
-        let logits = requests * vocab;
+        let (three, token) = ledgers(Sampling::GREEDY);
         assert_eq!(
             token.get(&IdsUp).map(|c| c.1),
             Some(ids),
             "{cfg}: {token:?}"
         );
         assert_eq!(
-            token.get(&ActDown).map(|c| c.1),
-            Some(logits),
+            token.get(&IdsDown).map(|c| c.1),
+            Some(requests * tp),
             "{cfg}: {token:?}"
         );
         assert_eq!(token.len(), 2, "{cfg}: {token:?}");
-        // The prefill too reads back the last rows only; the weights go up once.
-        assert_eq!(three.get(&ActDown).map(|c| c.1), Some(3 * logits), "{cfg}");
+        // Each request's first and last logits, read back by the recording rank.
+        assert_eq!(
+            three.get(&F32Down).map(|c| c.1),
+            Some(2 * requests * vocab),
+            "{cfg}"
+        );
         assert_eq!(
             three.keys().copied().collect::<Vec<_>>(),
-            [ActUp, IdsUp, ActDown],
+            [ActUp, IdsUp, F32Down, IdsDown],
             "{cfg}"
+        );
+        let (_, token) = ledgers(sampled);
+        assert_eq!(
+            token.get(&F32Down).map(|c| c.1),
+            Some(requests * tp * vocab),
+            "{cfg}: {token:?}"
+        );
+        assert_eq!(
+            token.keys().copied().collect::<Vec<_>>(),
+            [IdsUp, F32Down],
+            "{cfg}: {token:?}"
         );
     }
 }

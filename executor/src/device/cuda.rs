@@ -14,7 +14,7 @@ use super::{
 };
 use crate::comm::Communicator;
 use meshplan_ir::NormKind;
-use meshplan_kernels::cpu::{AttnDims, GemmAt, RowDropout};
+use meshplan_kernels::cpu::{AttnDims, GemmAt, Picks, RowDropout};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice, DeviceRepr, DriverError};
 use meshplan_kernels::cuda::{bf16, Gpu, GpuError};
@@ -367,6 +367,16 @@ impl Device for CudaDevice {
         Ok(self
             .gpu
             .ce_finish(logits, labels, rows, v, start, c.scale, s, loss, dlogits)?)
+    }
+    fn act_to_f32(&self, x: &A) -> DResult<F> {
+        let mut y = self.gpu.zeros::<f32>(x.len())?;
+        self.gpu.cast_bf16_to_f32(x, &mut y)?;
+        Ok(y)
+    }
+    fn argmax(&self, x: &F, d: Picks) -> DResult<Vec<u32>> {
+        let mut tokens = self.gpu.zeros::<u32>(d.rows)?;
+        self.gpu.argmax_parts(x, d, &mut tokens)?;
+        Ok(self.gpu.download(&tokens)?)
     }
     fn adamw(&self, a: AdamW<'_, Self>) -> DResult<()> {
         let (b1, b2, eps, wd) = a.hyper;

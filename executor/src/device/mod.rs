@@ -20,7 +20,7 @@ use crate::comm::Communicator;
 pub use comm::{CResult, DeviceComm, Kind, On};
 use meshplan_ir::NormKind;
 use meshplan_kernels::cpu::{
-    self as k, AttnDims, AttnDropout, GemmAt, KernelError, MoeDims, Rope, RowDropout,
+    self as k, AttnDims, AttnDropout, GemmAt, KernelError, MoeDims, Picks, Rope, RowDropout,
 };
 
 pub mod comm;
@@ -439,6 +439,12 @@ pub trait Device: Send + Sync {
     /// onehot)`, both overwritten.
     fn ce_finish(&self, c: &Ce<'_, Self>, s: [&Self::F32; 3], out: CeOut<'_, Self>) -> DResult<()>;
 
+    /// `x` in fp32 (exact) in a new buffer: logits before their gather and pick.
+    fn act_to_f32(&self, x: &Self::Act) -> DResult<Self::F32>;
+    /// Greedy decoding's token of each row of logits gathered `[parts, rows, cols]`
+    /// (`kernels::cpu::argmax_parts`): only the tokens leave the device.
+    fn argmax(&self, x: &Self::F32, d: Picks) -> DResult<Vec<u32>>;
+
     /// One AdamW step of `a.param` (fp32 master) in place, and its compute copy
     /// refreshed.
     fn adamw(&self, a: AdamW<'_, Self>) -> DResult<()>;
@@ -847,6 +853,13 @@ impl<H: HostPrecision> Device for H {
         )?;
         H::round(out.dlogits);
         Ok(())
+    }
+    fn act_to_f32(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
+        Ok(x.clone())
+    }
+    fn argmax(&self, x: &Vec<f32>, d: Picks) -> DResult<Vec<u32>> {
+        H::crossed(Crossing::IdsDown, d.rows);
+        Ok(k::argmax_parts(x, d)?)
     }
     fn adamw(&self, a: AdamW<'_, Self>) -> DResult<()> {
         let (b1, b2, eps, wd) = a.hyper;

@@ -13,10 +13,12 @@
 //! own KV heads (`shard::local_heads`: split over `tp`, replicated when there are
 //! fewer KV heads than tensor ranks) for the layers of its pipeline stage.
 //!
-//! The last stage gathers the last position's logits over `tp` (the head is split by
-//! vocabulary: the plan's AllGather of the logits, priced by the cost model as
-//! `LayoutCtx::sampling`), samples, and sends the new tokens to the first stage (a
-//! few bytes per request the plan does not list).
+//! The last stage gathers the last position's logits over `tp` in fp32 on the device
+//! (the head is split by vocabulary: the plan's AllGather of the logits, priced by
+//! the cost model as `LayoutCtx::sampling`), picks the tokens there when decoding
+//! greedily (only the tokens come back, and the logits the report keeps), and sends
+//! the new tokens to the first stage (a few bytes per request the plan does not
+//! list). A temperature samples on the host, from the downloaded logits.
 //!
 //! MoE layers run the training interpreter's experts (`moe::Exec::forward`): split over
 //! `tp` like a dense MLP (the plan all-reduces their output) or by expert over `ep`
@@ -32,7 +34,7 @@
 
 use crate::comm::{ByteCounts, CommKind, Communicator, Group, RankError};
 use crate::device::walk::{self, Coll, Forward};
-use crate::device::{derr, AttnOut, Device, HostDevice};
+use crate::device::{derr, AttnOut, DResult, Device, HostDevice};
 use crate::moe::Routing;
 use crate::sample::{sample, Sampling};
 use crate::shard::TpPos;
@@ -444,11 +446,40 @@ impl Batch {
 pub(crate) type RequestCache<A = Vec<f32>> = BTreeMap<u64, (A, A)>;
 
 /// What prefilling one request leaves on a rank.
-pub(crate) struct Prefilled<A = Vec<f32>> {
+pub(crate) struct Prefilled<A = Vec<f32>, F = Vec<f32>> {
     /// The last position's full-vocabulary logits (last stage only).
-    pub(crate) logits: Option<Vec<f32>>,
+    pub(crate) logits: Option<Last<F>>,
     /// Its KV cache entries.
     pub(crate) cache: RequestCache<A>,
+}
+
+/// A pass's last logits on the last stage: each request's last row, fp32, on the
+/// device, its shards gathered over the tensor ranks as `picks` lays them out.
+pub(crate) struct Last<F> {
+    pub(crate) buf: F,
+    pub(crate) picks: k::Picks,
+}
+
+impl<F> Last<F> {
+    /// The logits on the host, `[rows, limit]`: each row's shards side by side, the
+    /// padded columns left out.
+    fn rows<D: Device<F32 = F>>(&self, dev: &D) -> DResult<Vec<f32>> {
+        let x = dev.f32_download(&self.buf)?;
+        let k::Picks {
+            parts,
+            rows,
+            cols,
+            limit,
+        } = self.picks;
+        let mut out = Vec::with_capacity(rows * limit);
+        for r in 0..rows {
+            for p in 0..parts {
+                out.extend_from_slice(&x[(p * rows + r) * cols..(p * rows + r + 1) * cols]);
+            }
+            out.truncate((r + 1) * limit);
+        }
+        Ok(out)
+    }
 }
 
 /// A replica's requests while generating: what the recording rank (the last
@@ -465,6 +496,8 @@ pub(crate) struct Progress {
     ended: Vec<bool>,
     eos: Vec<u32>,
     step_logits: bool,
+    /// The last step there is: the report keeps its logits.
+    last_step: usize,
 }
 
 impl Progress {
@@ -484,20 +517,62 @@ impl Progress {
             ended: vec![false; ids.len()],
             eos: opts.eos.clone(),
             step_logits: opts.step_logits,
+            last_step: opts.max_new_tokens.saturating_sub(1),
         }
     }
 
-    /// Samples slot `j`'s token of step `step` from `row`, its logits (step 0: the
-    /// first token, from the prefill's); `now`, the time since the start, records
-    /// it. An ended slot still feeds its token to the next step.
-    pub(crate) fn take_token(
+    /// Chooses the tokens of slots `j0..` at step `step` from the pass's last logits
+    /// `l` (step 0: the first token, from the prefill's): greedily on the device,
+    /// which hands back only the tokens, or with a temperature on the host. The
+    /// recording rank (`now`, the time since the start, records the tokens) also
+    /// downloads the logits when the report keeps a row of them: every first
+    /// token's, a slot's last token's (at the last step or an end of sequence)
+    /// and, with `step_logits`, every token's.
+    pub(crate) fn take_tokens<D: Device>(
         &mut self,
-        (j, step): (usize, usize),
-        row: &[f32],
+        dev: &D,
+        (j0, step): (usize, usize),
+        l: &Last<D::F32>,
         sampling: &Sampling,
         now: Option<Duration>,
+    ) -> DResult<()> {
+        let width = l.picks.limit;
+        let mut rows = None;
+        let picked = if sampling.is_greedy() {
+            dev.argmax(&l.buf, l.picks)?
+        } else {
+            let host: &[f32] = rows.insert(l.rows(dev)?);
+            let draw = |(i, row)| sample(row, sampling, self.ids[j0 + i] as u64, step as u64);
+            host.chunks_exact(width).enumerate().map(draw).collect()
+        };
+        let kept = |(i, &t): (usize, &u32)| {
+            let j = j0 + i;
+            !self.ended[j]
+                && (step == 0
+                    || step == self.last_step
+                    || self.step_logits
+                    || self.eos.contains(&t))
+        };
+        if now.is_some() && rows.is_none() && picked.iter().enumerate().any(kept) {
+            rows = Some(l.rows(dev)?);
+        }
+        for (i, &t) in picked.iter().enumerate() {
+            let row = rows.as_deref().map(|r| &r[i * width..(i + 1) * width]);
+            self.take_token((j0 + i, step), t, row, now);
+        }
+        Ok(())
+    }
+
+    /// Slot `j`'s token `t` of step `step`, chosen from `row` where the logits were
+    /// downloaded; `now`, the time since the start, records it. An ended slot still
+    /// feeds its token to the next step.
+    fn take_token(
+        &mut self,
+        (j, step): (usize, usize),
+        t: u32,
+        row: Option<&[f32]>,
+        now: Option<Duration>,
     ) {
-        let t = sample(row, sampling, self.ids[j] as u64, step as u64);
         self.current[j] = t;
         if self.ended[j] {
             return;
@@ -509,14 +584,18 @@ impl Progress {
         let o = &mut self.outs[j];
         o.tokens.push(t);
         o.ended_at_eos = self.ended[j];
-        if self.step_logits {
-            o.step_logits.push(row.to_vec());
+        if let Some(row) = row {
+            if self.step_logits {
+                o.step_logits.push(row.to_vec());
+            }
+            o.logits = row.to_vec();
+            if step == 0 {
+                o.first_logits = row.to_vec();
+            }
         }
-        o.logits = row.to_vec();
         if step == 0 {
             self.first_at[j] = now;
             o.ttft_s = now;
-            o.first_logits = row.to_vec();
         } else {
             o.tpot_s = (now - self.first_at[j]) / step as f64;
         }
@@ -550,7 +629,8 @@ pub(crate) struct StagePos {
 }
 
 /// One rank of an inference run on device `D`: its weights, activations and KV
-/// cache live in the device's buffers; the sampled logits come to the host.
+/// cache live in the device's buffers; greedy decoding's tokens, and the logits the
+/// report keeps, come to the host.
 pub(crate) struct InferRank<'a, D: Device = HostDevice> {
     pub(crate) dev: D,
     plan: &'a Plan,

@@ -1,7 +1,8 @@
 //! A rank of an inference run: its weights, the passes of prefill and decode, the
-//! KV cache, the sampled logits.
+//! KV cache, the last logits gathered on the device.
 
 use super::*;
+use crate::device::DeviceComm;
 use crate::shard::held_runs;
 use std::collections::HashSet;
 
@@ -188,9 +189,10 @@ impl<'a, D: Device> InferRank<'a, D> {
         let served = self.serve(|r, mine, p| {
             r.prefill_passes(mine, |r, j, _, done| {
                 r.put_cache(j, done.cache);
-                if let Some(rows) = done.logits {
+                if let Some(l) = done.logits {
                     let now = record.then(|| t0.elapsed());
-                    p.take_token((j, 0), &rows, &r.opts.sampling, now);
+                    (p.take_tokens(&r.dev, (j, 0), &l, &r.opts.sampling, now))
+                        .map_err(derr("sampling"))?;
                 }
                 Ok(())
             })?;
@@ -211,7 +213,12 @@ impl<'a, D: Device> InferRank<'a, D> {
     pub(crate) fn prefill_passes(
         &mut self,
         mine: &[usize],
-        mut done: impl FnMut(&mut Self, usize, usize, Prefilled<D::Act>) -> Result<(), RankError>,
+        mut done: impl FnMut(
+            &mut Self,
+            usize,
+            usize,
+            Prefilled<D::Act, D::F32>,
+        ) -> Result<(), RankError>,
     ) -> Result<(), RankError> {
         let passes = match &self.ep_group {
             Some(g) if self.expert_lockstep() => g
@@ -249,11 +256,10 @@ impl<'a, D: Device> InferRank<'a, D> {
                 continue;
             }
             self.hand_tokens_back(&mut p.current)?;
-            if let Some(all) = self.decode_step(mine, step, &p.current)? {
+            if let Some(l) = self.decode_step(mine, step, &p.current)? {
                 let now = record.then(|| t0.elapsed());
-                for (j, row) in all.chunks_exact(self.tokens).enumerate() {
-                    p.take_token((j, step), row, &self.opts.sampling, now);
-                }
+                (p.take_tokens(&self.dev, (0, step), &l, &self.opts.sampling, now))
+                    .map_err(derr("sampling"))?;
             }
         }
         Ok(())
@@ -378,7 +384,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         &mut self,
         j: usize,
         i: usize,
-    ) -> Result<Prefilled<D::Act>, RankError> {
+    ) -> Result<Prefilled<D::Act, D::F32>, RankError> {
         let prompt = &self.opts.requests[i];
         let batch = Batch {
             reqs: vec![j],
@@ -396,14 +402,13 @@ impl<'a, D: Device> InferRank<'a, D> {
     }
 
     /// Decode step `step` of the requests `mine` (local slots `0..`), from their
-    /// caches, fed the tokens `current`: on the last stage the logits
-    /// `[requests, vocab]`.
+    /// caches, fed the tokens `current`: on the last stage each request's logits.
     pub(super) fn decode_step(
         &mut self,
         mine: &[usize],
         step: usize,
         current: &[u32],
-    ) -> Result<Option<Vec<f32>>, RankError> {
+    ) -> Result<Option<Last<D::F32>>, RankError> {
         let batch = Batch {
             reqs: (0..mine.len()).collect(),
             seq: 1,
@@ -470,18 +475,9 @@ impl<'a, D: Device> InferRank<'a, D> {
         Ok(())
     }
 
-    /// The full-vocabulary logits of each request's last row, `[requests, tokens]`:
-    /// the padded columns (`make_vocab_size_divisible_by`) left out.
-    pub(super) fn last_logits(&mut self, batch: &Batch) -> Result<Vec<f32>, RankError> {
-        let full = self.padded_last_logits(batch)?;
-        if self.tokens == self.vocab {
-            return Ok(full);
-        }
-        let rows = full.chunks_exact(self.vocab);
-        Ok(rows.flat_map(|r| &r[..self.tokens]).copied().collect())
-    }
-
-    fn padded_last_logits(&mut self, batch: &Batch) -> Result<Vec<f32>, RankError> {
+    /// Each request's last row of logits, in fp32 on the device, gathered over the
+    /// tensor ranks (the plan's AllGather, which the cost model prices in fp32).
+    pub(super) fn last_logits(&mut self, batch: &Batch) -> Result<Last<D::F32>, RankError> {
         let b = batch.reqs.len();
         let rows = batch.rows();
         let logits = self
@@ -490,42 +486,42 @@ impl<'a, D: Device> InferRank<'a, D> {
             .ok_or_else(|| fail("the head produced no logits"))?;
         let v_local = D::act_len(logits) / rows.max(1);
         let first = (batch.seq - 1) * b;
-        // Only the last position's rows leave the device.
         let err = derr("logits");
         let local = if first == 0 {
-            self.dev.act_download(logits).map_err(&err)?
+            self.dev.act_to_f32(logits).map_err(&err)?
         } else {
             let n = (rows - first) * v_local;
             let mut last = self.zeros(n)?;
             self.dev
                 .act_copy((logits, first * v_local), (&mut last, 0), n)
                 .map_err(&err)?;
-            self.dev.act_download(&last).map_err(&err)?
+            self.dev.act_to_f32(&last).map_err(&err)?
         };
-        if v_local == self.vocab {
-            return Ok(local.to_vec());
-        }
-        let g = self.group("tp")?;
-        if v_local * g.size() != self.vocab {
-            return Err(fail(format!(
-                "logits of {v_local} columns per rank do not make a vocabulary of {} over {} ranks",
-                self.vocab,
-                g.size()
-            )));
-        }
-        let mut gathered = vec![0.0f32; local.len() * g.size()];
-        self.comm.all_gather(&g, "tp", &local, &mut gathered)?;
-        let bytes = crate::comm::bytes_of(gathered.len());
-        (self.f32_priced).record_ring(CommKind::AllGather, "tp", g.size(), bytes);
-        let mut full = vec![0.0f32; b * self.vocab];
-        for t in 0..g.size() {
-            for r in 0..b {
-                let src = &gathered[(t * b + r) * v_local..(t * b + r + 1) * v_local];
-                full[r * self.vocab + t * v_local..r * self.vocab + (t + 1) * v_local]
-                    .copy_from_slice(src);
+        let parts = self.vocab / v_local.max(1);
+        let buf = if parts == 1 && v_local == self.vocab {
+            local
+        } else {
+            let g = self.group("tp")?;
+            if v_local * g.size() != self.vocab {
+                return Err(fail(format!(
+                    "logits of {v_local} columns per rank do not make a vocabulary of {} over {} ranks",
+                    self.vocab,
+                    g.size()
+                )));
             }
-        }
-        Ok(full)
+            let on = (CommKind::AllGather, (&g, "tp"));
+            let gathered = self.comm.f32_collective_owned(&self.dev, on, local)?;
+            let bytes = crate::comm::bytes_of(D::f32_len(&gathered));
+            (self.f32_priced).record_ring(CommKind::AllGather, "tp", g.size(), bytes);
+            gathered
+        };
+        let picks = k::Picks {
+            parts,
+            rows: b,
+            cols: v_local,
+            limit: self.tokens,
+        };
+        Ok(Last { buf, picks })
     }
 }
 

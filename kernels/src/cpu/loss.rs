@@ -236,6 +236,52 @@ fn lane_max(xs: &[f32]) -> f32 {
     lanes_max(m)
 }
 
+/// Sizes of [`argmax_parts`]: `rows` rows of logits split by columns into `parts`
+/// shards of `cols` each, laid out `[parts, rows, cols]` (a tensor group's shards
+/// gathered in group order), of which the first `limit` global columns count (the
+/// rest pad the vocabulary).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Picks {
+    /// Shards of a row.
+    pub parts: usize,
+    /// Rows.
+    pub rows: usize,
+    /// Columns of a shard.
+    pub cols: usize,
+    /// Global columns that count, `1..=parts * cols`.
+    pub limit: usize,
+}
+
+/// Whether `len` values hold `d`'s shards and its limit is among their columns.
+pub fn check_picks(len: usize, d: Picks) -> Result<(), KernelError> {
+    check_len("x", len, prod("x", &[d.parts, d.rows, d.cols])?)?;
+    if d.limit == 0 || d.limit > d.parts * d.cols {
+        return Err(KernelError::Invalid {
+            name: "limit",
+            reason: format!("{} columns of {} x {}", d.limit, d.parts, d.cols),
+        });
+    }
+    Ok(())
+}
+
+/// Greedy decoding's pick of each row: the global column of its largest logit,
+/// the first of equal ones, as a left-to-right scan finds it (a NaN never wins;
+/// a row whose first logit is NaN picks 0).
+pub fn argmax_parts(x: &[f32], d: Picks) -> Result<Vec<u32>, KernelError> {
+    check_picks(x.len(), d)?;
+    let pick = |r: usize| {
+        let at = |g: usize| x[((g / d.cols) * d.rows + r) * d.cols + g % d.cols];
+        let mut best = 0;
+        for g in 1..d.limit {
+            if at(g) > at(best) {
+                best = g;
+            }
+        }
+        best as u32
+    };
+    Ok((0..d.rows).map(pick).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -436,5 +482,49 @@ mod tests {
         let mut m = [0.0; 2];
         assert!(ce_row_max(&[0.0; 5], 2, 3, &mut m).is_err());
         assert!(ce_loss(&[0.0], &[1.0, 1.0], &[0.0], &mut [0.0]).is_err());
+    }
+
+    #[test]
+    fn argmax_reads_a_row_across_its_shards() {
+        // Two rows of 6 columns in 2 shards of 3, the last column padding:
+        // row 0 = [1, 5, 2 | 5, 0, 9], row 1 = [NaN, 7, 1 | 2, 3, -1].
+        let x = [
+            1.0,
+            5.0,
+            2.0, // shard 0, row 0
+            f32::NAN,
+            7.0,
+            1.0, // shard 0, row 1
+            5.0,
+            0.0,
+            9.0, // shard 1, row 0
+            2.0,
+            3.0,
+            -1.0, // shard 1, row 1
+        ];
+        let d = Picks {
+            parts: 2,
+            rows: 2,
+            cols: 3,
+            limit: 5,
+        };
+        // Row 0: 9 is padding; the first 5 (column 1) wins the tie with column 3.
+        // Row 1: no logit compares greater than a NaN first one: 0.
+        assert_eq!(argmax_parts(&x, d).unwrap(), [1, 0]);
+        assert_eq!(argmax_parts(&x, Picks { limit: 6, ..d }).unwrap(), [5, 0]);
+        // A NaN past the first never wins.
+        let y = [0.0, f32::NAN, -1.0, 0.5];
+        let one = Picks {
+            parts: 1,
+            rows: 1,
+            cols: 4,
+            limit: 4,
+        };
+        assert_eq!(argmax_parts(&y, one).unwrap(), [3]);
+        let all_low = [f32::NEG_INFINITY; 4];
+        assert_eq!(argmax_parts(&all_low, one).unwrap(), [0]);
+        assert!(argmax_parts(&y, Picks { limit: 0, ..one }).is_err());
+        assert!(argmax_parts(&y, Picks { limit: 5, ..one }).is_err());
+        assert!(argmax_parts(&y[..3], one).is_err());
     }
 }

@@ -91,7 +91,10 @@ pub use attention::{
 pub use dropout::{dropout_rows, splitmix, AttnDropout, DropoutDraw, RowDropout};
 pub use embedding::{embedding_bwd, embedding_fwd};
 pub use layout::{join_qkv, split_qkv, transpose_bs};
-pub use loss::{ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit, cross_entropy};
+pub use loss::{
+    argmax_parts, ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit, check_picks,
+    cross_entropy, Picks,
+};
 pub use matmul::{
     bias_add, bias_grad, gemm_isa, matmul, matmul_at, matmul_batched, matmul_new, GemmAt, Transpose,
 };

@@ -14,7 +14,8 @@
 use super::gpu::{Gpu, GpuError};
 use super::KernelModule as M;
 use crate::cpu::{
-    check_len, invalid, prod, AttnDims, AttnDropout, DropoutDraw, KernelError, Rope, RowDropout,
+    check_len, check_picks, invalid, prod, AttnDims, AttnDropout, DropoutDraw, KernelError, Picks,
+    Rope, RowDropout,
 };
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -752,6 +753,26 @@ impl Gpu {
             cfg,
             [o_acc, lse_acc, o_blk, lse_blk, &b, &sq, &hq, &dv]
         )
+    }
+
+    /// [`crate::cpu::argmax_parts`]: greedy decoding's pick of each row of fp32
+    /// logits gathered `[parts, rows, cols]` (`tokens` overwritten).
+    pub fn argmax_parts(
+        &self,
+        x: &CudaSlice<f32>,
+        d: Picks,
+        tokens: &mut CudaSlice<u32>,
+    ) -> Result<(), GpuError> {
+        check_picks(x.len(), d)?;
+        check_len("tokens", tokens.len(), d.rows)?;
+        let (rows, cols) = (int("rows", d.rows)?, int("cols", d.cols)?);
+        let limit = int("limit", d.limit)?;
+        if d.rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(M::Loss, "argmax_parts_f32")?;
+        let cfg = per_row(d.rows, CE_THREADS, 0);
+        launch!(self, f, cfg, [x, &rows, &cols, &limit, tokens])
     }
 
     /// [`crate::cpu::ce_row_max`] on a bf16 shard of the logits (`max` overwritten).

@@ -835,6 +835,44 @@ fn gpu_sharded_cross_entropy_matches_cpu() {
 }
 
 #[test]
+fn gpu_argmax_picks_what_the_cpu_picks() {
+    let Some(gpu) = gpu_or_skip("gpu_argmax_picks_what_the_cpu_picks") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(107);
+    // GPT-2's vocabulary over 4 shards padded to 50,304; Llama 3's over 1; ties from
+    // a coarse grid; a NaN first logit; a row of -inf.
+    for (parts, rows, cols, limit) in [
+        (4, 5, 12_576, 50_257),
+        (1, 3, 128_256, 128_256),
+        (2, 4, 3, 5),
+    ] {
+        let mut x: Vec<f32> = rng
+            .vec(parts * rows * cols)
+            .iter()
+            .map(|v| (4.0 * v).round())
+            .collect();
+        x[cols] = f32::NAN; // row 1's first logit (shard 0)
+        if rows > 2 {
+            for p in 0..parts {
+                x[(p * rows + 2) * cols..(p * rows + 3) * cols].fill(f32::NEG_INFINITY);
+            }
+        }
+        x[(parts * rows - 1) * cols + 1] = f32::NAN; // a NaN past the first
+        let d = cpu::Picks {
+            parts,
+            rows,
+            cols,
+            limit,
+        };
+        let mut t = dev.u(&vec![u32::MAX; rows]);
+        gpu.argmax_parts(&dev.f(&x), d, &mut t).unwrap();
+        assert_eq!(dev.gu(&t), cpu::argmax_parts(&x, d).unwrap(), "{d:?}");
+    }
+}
+
+#[test]
 fn gpu_adamw_matches_cpu_and_writes_the_bf16_copy() {
     let Some(gpu) = gpu_or_skip("gpu_adamw_matches_cpu") else {
         return;
