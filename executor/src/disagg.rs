@@ -121,7 +121,7 @@ struct Ctx<'a> {
 
 impl Ctx<'_> {
     fn dp(plan: &Plan) -> usize {
-        crate::train::mesh_place(plan, &[], "dp").size.max(1)
+        crate::program::mesh_place(plan, &[], "dp").size.max(1)
     }
 
     /// The world rank of `pos` in request `i`'s replica of the prefill or decode

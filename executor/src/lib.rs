@@ -35,6 +35,7 @@ pub mod infer;
 pub mod init;
 pub mod mapped;
 mod moe;
+mod program;
 pub mod sample;
 pub mod shard;
 pub mod tokenize;

@@ -163,7 +163,7 @@ pub(crate) fn check_split(graph: &Graph, tp: usize, ep: usize) -> Result<(), Str
     for op in graph.ops() {
         for &w in &op.inputs {
             let t = graph.tensor(w);
-            let Ok(shape) = crate::train::fixed_shape(t) else {
+            let Ok(shape) = crate::program::fixed_shape(t) else {
                 continue;
             };
             if t.kind != meshplan_ir::TensorKind::Weight {

@@ -92,7 +92,7 @@ pub(crate) fn starting_slice(
     hf: Option<&Checkpoint>,
 ) -> Result<Vec<f32>, crate::comm::RankError> {
     let t = graph.tensor(w);
-    let shape = crate::train::fixed_shape(t)?;
+    let shape = crate::program::fixed_shape(t)?;
     match hf {
         Some(ck) => {
             let spec = shard_spec(graph, op, op.role, w, &shape, tp);
@@ -110,7 +110,7 @@ pub(crate) fn starting_slice(
 
 /// The fixed shape of a weight tensor.
 fn weight_shape(graph: &Graph, id: TensorId) -> Result<Vec<usize>, ExecError> {
-    crate::train::fixed_shape(graph.tensor(id)).map_err(|e| werr(e.to_string()))
+    crate::program::fixed_shape(graph.tensor(id)).map_err(|e| werr(e.to_string()))
 }
 
 impl Checkpoint {

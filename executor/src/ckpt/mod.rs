@@ -68,10 +68,11 @@
 //! of the full tensor that `local_weight` copies, in order; every element must be
 //! covered, or the save fails.
 
+use crate::program::fixed_shape;
 use crate::shard::TpPos;
 #[cfg(doc)]
 use crate::shard::{held_runs, local_weight};
-use crate::train::{fixed_shape, Key, TrainOptions, NO_LAYER};
+use crate::train::{Key, TrainOptions, NO_LAYER};
 use memmap2::Mmap;
 use meshplan_ir::input::{read_bounded, TEXT_LIMIT};
 use meshplan_ir::plan::Plan;

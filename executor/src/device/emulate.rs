@@ -97,7 +97,7 @@ fn starting_full(
     layer: u64,
     opts: &crate::train::TrainOptions,
 ) -> Result<Vec<f32>, String> {
-    let (op, id, shape) = crate::train::weight_site(graph, name)?;
+    let (op, id, shape) = crate::program::weight_site(graph, name)?;
     if let Some(ck) = &opts.resume {
         return ck.values(
             &crate::ckpt::tensor_name("w", &(name.into(), layer)),
@@ -131,7 +131,7 @@ pub fn check_mixed_precision(
     crate::train::each_weight_slice(plan, run, reference, |w| {
         let (name, layer) = (w.name, w.layer);
         let w0 = starting_full(graph, name, layer, start)?;
-        let w0 = crate::train::rank_slice(plan, w.rank, name, &w0)?;
+        let w0 = crate::program::rank_slice(plan, w.rank, name, &w0)?;
         let d: f64 = (w.local.iter().zip(&w.want))
             .map(|(a, b)| ((a - b) as f64).powi(2))
             .sum();
@@ -142,7 +142,7 @@ pub fn check_mixed_precision(
         moved2 += m;
         let rel = d.sqrt() / m.sqrt().max(1e-30);
         if rel > worst.0 {
-            let at = crate::train::layer_label(layer);
+            let at = crate::program::layer_label(layer);
             worst = (rel, format!("rank {} `{name}`{at}", w.rank));
         }
         Ok(())

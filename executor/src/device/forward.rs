@@ -7,8 +7,9 @@
 
 use super::{derr, Attn, Device, Embed, Norm, NormOut, RopeQkv};
 use crate::comm::RankError;
+use crate::program::{fixed_shape, fixed_width};
 use crate::shard::{local_heads, weight_transposed, TpPos};
-use crate::train::{fail, fixed_shape, fixed_width};
+use crate::train::fail;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::{Graph, MlpKind, NormKind, Op, TpRole};
 use meshplan_kernels::cpu::{AttnDims, AttnDropout, GemmAt, Transpose};

@@ -8,7 +8,8 @@ use meshplan_ir::plan::{CollectiveKind, Instr, LocalTensor, Target};
 use meshplan_ir::Graph;
 
 use crate::comm::RankError;
-use crate::train::{fail, next_layer, segment_index};
+use crate::program::{next_layer, segment_index};
+use crate::train::fail;
 
 /// A collective instruction's operands.
 #[derive(Clone, Copy)]

@@ -200,13 +200,13 @@ impl PoolBytes<'_> {
         if opts.requests.iter().any(|r| r.len() as u64 != prompt_len) {
             return None;
         }
-        let size = |axis: &str| crate::train::mesh_place(plan, &[], axis).size;
+        let size = |axis: &str| crate::program::mesh_place(plan, &[], axis).size;
         let (dp, pp) = (size("dp").max(1), size("pp"));
         let mut out = Vec::new();
         for (rank, counts) in self.counts.iter().enumerate() {
             let entry = plan.ranks.get(rank)?;
             let program = plan.programs.get(entry.program as usize)?;
-            let dp_index = crate::train::mesh_place(plan, &entry.coords, "dp").rank;
+            let dp_index = crate::program::mesh_place(plan, &entry.coords, "dp").rank;
             let served = (0..opts.requests.len())
                 .filter(|i| i % dp == dp_index)
                 .count();

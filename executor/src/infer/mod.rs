@@ -36,12 +36,10 @@ use crate::comm::{ByteCounts, CommKind, Communicator, Group, RankError};
 use crate::device::walk::{self, Coll, Forward};
 use crate::device::{derr, AttnOut, DResult, Device, HostDevice};
 use crate::moe::Routing;
+use crate::program::{build_groups, fixed_shape, mesh_place, segment_input, segment_output};
 use crate::sample::{sample, Sampling};
 use crate::shard::TpPos;
-use crate::train::{
-    build_groups, fail, fixed_shape, mesh_place, rank_outs, segment_input, segment_output,
-    ExecError, NO_LAYER,
-};
+use crate::train::{fail, rank_outs, ExecError, NO_LAYER};
 use crate::weights::Checkpoint;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{
@@ -180,7 +178,7 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     }
     opts.sampling.validate()?;
     let graph = &plan.graph;
-    crate::train::runnable(plan)?;
+    crate::program::runnable(plan)?;
     // The tokens, not the table's rows: padded rows are no token.
     let vocab = graph
         .vocab()

@@ -138,7 +138,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         (batch, ids): (&Batch, &mut PassIds<D>),
         l: u64,
     ) -> Result<(), RankError> {
-        let out = crate::train::output_name(self.graph, op);
+        let out = crate::program::output_name(self.graph, op);
         let site = self.site();
         let y = match &op.kind {
             OpKind::Embedding => {
@@ -402,7 +402,7 @@ impl<D: Device> Forward for Pass<'_, '_, '_, D> {
     }
 
     fn compute(&mut self, name: &str, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
-        let op = crate::train::find_op(self.r.graph, name)?;
+        let op = crate::program::find_op(self.r.graph, name)?;
         self.r.forward_op(op, (self.batch, &mut self.ids), l)
     }
 

@@ -41,7 +41,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         let shape = fixed_shape(table)?;
         let groups = build_groups(plan, rank - base, base)?;
         let ep_group = groups.get("ep").filter(|g| g.size() > 1).cloned();
-        let ep = crate::train::place_in(&groups, "ep", rank);
+        let ep = crate::program::place_in(&groups, "ep", rank);
         let mut st = InferRank {
             dev,
             plan,
@@ -86,7 +86,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         // held once.
         type Slice = (String, u64, Vec<std::ops::Range<usize>>);
         let mut held: HashMap<Slice, Arc<D::Act>> = HashMap::new();
-        for (s, layer) in crate::train::segment_copies(self.graph, self.prefill)? {
+        for (s, layer) in crate::program::segment_copies(self.graph, self.prefill)? {
             let seg = &self.graph.segments[s];
             for op in &seg.ops {
                 for &w in &op.inputs {
@@ -99,7 +99,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                     if self.weights.contains_key(&key) {
                         continue;
                     }
-                    let shape = crate::train::fixed_shape(t)?;
+                    let shape = crate::program::fixed_shape(t)?;
                     let runs = held_runs(self.graph, (op, op.role, w), &shape, self.tp, self.ep);
                     let slice = (t.name.clone(), l, runs);
                     if let Some(same) = held.get(&slice) {
@@ -152,11 +152,11 @@ impl<'a, D: Device> InferRank<'a, D> {
     }
 
     pub(super) fn peer(&self, stage: u64) -> Result<usize, RankError> {
-        Ok(self.base + crate::train::peer_on_stage(self.plan, &self.at.coords, stage)?)
+        Ok(self.base + crate::program::peer_on_stage(self.plan, &self.at.coords, stage)?)
     }
 
     pub(super) fn group(&self, name: &str) -> Result<Group, RankError> {
-        crate::train::group_named(&self.at.groups, name)
+        crate::program::group_named(&self.at.groups, name)
     }
 
     /// Runs `body` over this replica's requests and their progress, unless the
@@ -544,7 +544,7 @@ impl<D: Device> Forward for Idle<'_, '_, D> {
     }
 
     fn compute(&mut self, name: &str, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
-        let op = crate::train::find_op(self.0.graph, name)?;
+        let op = crate::program::find_op(self.0.graph, name)?;
         if let OpKind::Experts(e) = &op.kind {
             self.0.experts(op, e, l, Routing::DROPLESS, true)?;
         }

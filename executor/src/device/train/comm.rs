@@ -187,7 +187,7 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// The rank of stage `stage` at this rank's other coordinates.
     pub(super) fn peer(&self, stage: u64) -> Result<usize, RankError> {
-        crate::train::peer_on_stage(self.plan, &self.mesh.coords, stage)
+        crate::program::peer_on_stage(self.plan, &self.mesh.coords, stage)
     }
 
     /// Elements of a boundary of `bytes` in the plan's dtype.

@@ -37,7 +37,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let (out, kept) = exec.forward(e, (&x, &logits), weights, routing)?;
         self.meter.expert_slots.0 += kept.slots.0;
         self.meter.expert_slots.1 += kept.slots.1;
-        let out_name = crate::train::output_name(self.graph, op);
+        let out_name = crate::program::output_name(self.graph, op);
         t.acts.insert((l, out_name), Arc::new(out));
         t.experts.insert((l, op.name.clone()), kept);
         Ok(())

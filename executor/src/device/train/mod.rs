@@ -14,11 +14,12 @@
 
 use super::{derr, AttnBwd, AttnOut, DResult, Device, DeviceComm};
 use crate::comm::{CommKind, Communicator, Group, RankError};
-use crate::shard::{held_runs, local_heads, TpPos};
-use crate::train::{
-    build_groups, fail, find_op, fixed_shape, segment_copies, segment_index, segment_input,
-    segment_output, ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER,
+use crate::program::{
+    build_groups, find_op, fixed_shape, segment_copies, segment_index, segment_input,
+    segment_output,
 };
+use crate::shard::{held_runs, local_heads, TpPos};
+use crate::train::{fail, ExecError, Key, RankReport, TrainOptions, TrainReport, NO_LAYER};
 use crate::Stat;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{
@@ -86,7 +87,7 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
         }
     }
     let graph = &plan.graph;
-    crate::train::runnable(plan)?;
+    crate::program::runnable(plan)?;
     crate::check_executable(graph, seq_len as usize)?;
     if let Some(op) = graph
         .ops()
@@ -248,7 +249,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             .programs
             .get(entry.program as usize)
             .ok_or_else(|| fail(format!("rank {rank}: program {} missing", entry.program)))?;
-        let place = |axis: &str| crate::train::mesh_place(plan, &entry.coords, axis);
+        let place = |axis: &str| crate::program::mesh_place(plan, &entry.coords, axis);
         let mut r = DevRank {
             plan,
             dev,
@@ -289,7 +290,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 vocab_mask: None,
             },
         };
-        r.ep = crate::train::place_in(&r.mesh.groups, "ep", rank);
+        r.ep = crate::program::place_in(&r.mesh.groups, "ep", rank);
         r.upload_positions()?;
         r.init_weights()?;
         r.count_uses()?;
@@ -443,7 +444,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// steady state.
     fn exchange_points(&self, phase: &Phase) -> Vec<std::ops::Range<usize>> {
         let s = &self.plan.strategy;
-        let stage = crate::train::mesh_place(self.plan, &self.mesh.coords, "pp").rank;
+        let stage = crate::program::mesh_place(self.plan, &self.mesh.coords, "pp").rank;
         let tasks = &phase.schedule;
         let total = tasks.iter().filter(|t| t.pass == Pass::F).count();
         let warmup = s
@@ -570,7 +571,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         if let Some(((name, layer), x)) = bad {
             return Err(fail(format!(
                 "step {step}: weight `{name}`{} holds {x} after the update (loss {}): stopping; a learning rate too large, or non-finite --weights",
-                crate::train::layer_label(layer),
+                crate::program::layer_label(layer),
                 self.meter.loss_part
             )));
         }
@@ -598,7 +599,7 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// The plan's group `name`, this rank among its members.
     fn group(&self, name: &str) -> Res<Group> {
-        crate::train::group_named(&self.mesh.groups, name)
+        crate::program::group_named(&self.mesh.groups, name)
     }
 
     fn name_of(&self, id: meshplan_ir::TensorId) -> String {

@@ -7,7 +7,7 @@
 use super::*;
 use crate::device::forward::{AttnMask, Site};
 use crate::device::{Ce, CeOut, Embed, Norm, NormBwd};
-use crate::train::output_name;
+use crate::program::output_name;
 use meshplan_kernels::cpu::GemmAt;
 use Transpose::{No, Yes};
 
@@ -97,7 +97,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         if self.graph.constants.dropout_p <= 0.0 {
             return Ok(x);
         }
-        let width = crate::train::fixed_width(self.graph.tensor(op.inputs[0]))?;
+        let width = crate::program::fixed_width(self.graph.tensor(op.inputs[0]))?;
         let rows = D::act_len(&x) / width.max(1);
         let d = self.row_dropout(op, l, t, rows);
         let mut y = self.zeros(D::act_len(&x))?;

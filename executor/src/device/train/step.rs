@@ -168,7 +168,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 };
                 segment_index(self.graph, name)?;
                 for _ in 0..*repeat {
-                    let l = crate::train::prev_layer(*kind, &mut layer);
+                    let l = crate::program::prev_layer(*kind, &mut layer);
                     for instr in body {
                         if let Instr::Compute { name, .. } = instr {
                             for key in self.weight_keys(find_op(self.graph, name)?, l)? {

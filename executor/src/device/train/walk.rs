@@ -157,7 +157,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             let s = segment_index(self.graph, name)?;
             let held = Held::whole(self.graph, s);
             for _ in 0..*repeat {
-                let l = crate::train::prev_layer(*kind, layer);
+                let l = crate::program::prev_layer(*kind, layer);
                 if let (Some(out), Some(g)) =
                     (segment_output(self.graph, s), self.grad_hidden.take())
                 {
