@@ -139,7 +139,8 @@ fn failure_in(file: &str) -> impl Fn(EngineError) -> Failure + '_ {
 /// Slurm): this process trains its rank on GPU `LOCAL_RANK`, NCCL between the
 /// processes, the NCCL id shared through the TCP rendezvous; rank 0 gathers the
 /// losses and reports (and with `--check` compares its weights, which data
-/// parallelism keeps equal on every rank, with the CPU reference).
+/// parallelism keeps equal on every rank, with the CPU reference), and writes the
+/// checkpoints of `--save` from every rank's state.
 fn launched_cuda(a: &RunArgs<'_>, env: &meshplan_launch::LaunchEnv) -> Result<(), Failure> {
     let engine = engine(a.backend)?;
     let file = a.plan.display().to_string();
@@ -153,12 +154,8 @@ fn launched_cuda(a: &RunArgs<'_>, env: &meshplan_launch::LaunchEnv) -> Result<()
             if plan.kind == PlanKind::Train { "" } else { " and is an inference plan" }
         )));
     }
-    if a.save.is_some() {
-        return Err(bad(format!(
-            "{file}: --save writes one checkpoint from every rank's state, which one process per GPU does not hold; save from a single-process run (`meshplan run PLAN --backend cuda --save DIR`) and resume here with --resume"
-        )));
-    }
-    let (opts, start) = training_options(a, &plan)?;
+    // Every rank's state goes to rank 0 at a save; rank 0 alone takes the folder.
+    let (opts, start) = training_options(a, &plan, env.rank == 0)?;
     let cfg = meshplan_launch::RendezvousConfig {
         master_addr: env.master_addr.clone(),
         master_port: env.master_port,
@@ -233,7 +230,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "{file}: prompts and sampling flags are for inference plans; this is a training plan"
         )));
     }
-    let (opts, start) = training_options(a, &plan)?;
+    let (opts, start) = training_options(a, &plan, true)?;
     let engine = engine.for_plan(&plan).map_err(failure_in(&file))?;
     // Ranks are threads of this process holding fp32 weights, gradients and Adam
     // state: refuse what cannot fit rather than exhausting the machine.
@@ -377,7 +374,11 @@ pub(crate) fn hf_weights(
 
 /// The training options the flags give (fine-tuning weights, data, checkpoints,
 /// trace, threads) and the step the run starts at; bad input exits 2.
-fn training_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64), Failure> {
+fn training_options(
+    a: &RunArgs<'_>,
+    plan: &Plan,
+    writes: bool,
+) -> Result<(TrainOptions, u64), Failure> {
     let hf = match a.weights {
         Some(dir) => {
             if a.resume.is_some() {
@@ -412,7 +413,7 @@ fn training_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64),
             }
         }
     };
-    let (opts, start) = checkpoint_options(a, plan)?;
+    let (opts, start) = checkpoint_options(a, plan, writes)?;
     let opts = TrainOptions {
         data,
         trace: a.trace.is_some(),
@@ -487,8 +488,14 @@ fn write_trace(path: &Path, plan: &Plan, report: &TrainReport) -> Result<(), Fai
 /// Training options of `--save`, `--save-every`, `--keep-last` and `--resume`, and
 /// the step the run starts at. A checkpoint that cannot be read or does not fit the
 /// plan's model, and a `--save` folder another run holds or whose `latest` this run
-/// would move back, are bad input.
-fn checkpoint_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64), Failure> {
+/// would move back, are bad input. `writes`: whether this process writes the
+/// checkpoints (a launched rank other than 0 only says when they are due, and
+/// leaves the folder to rank 0).
+fn checkpoint_options(
+    a: &RunArgs<'_>,
+    plan: &Plan,
+    writes: bool,
+) -> Result<(TrainOptions, u64), Failure> {
     let mut opts = TrainOptions {
         steps: a.steps,
         ..TrainOptions::default()
@@ -511,13 +518,17 @@ fn checkpoint_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64
             )));
             // Locked before the resumed checkpoint is read, so that no other run
             // moves `latest` in between.
-            save.lock().map_err(|e| bad(format!("--save: {e}")))?;
+            if writes {
+                save.lock().map_err(|e| bad(format!("--save: {e}")))?;
+            }
             opts.save = Some(save);
         }
         (None, None, None) => {}
     }
     let Some(dir) = a.resume else {
-        prepare_save(&mut opts, 0, a.steps)?;
+        if writes {
+            prepare_save(&mut opts, 0, a.steps)?;
+        }
         return Ok((opts, 0));
     };
     let ck = Checkpoint::open(dir).map_err(|e| bad(format!("--resume: {e}")))?;
@@ -539,7 +550,9 @@ fn checkpoint_options(a: &RunArgs<'_>, plan: &Plan) -> Result<(TrainOptions, u64
     }
     let start = m.step;
     opts.resume = Some(std::sync::Arc::new(ck));
-    prepare_save(&mut opts, start, a.steps)?;
+    if writes {
+        prepare_save(&mut opts, start, a.steps)?;
+    }
     Ok((opts, start))
 }
 

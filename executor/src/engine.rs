@@ -93,7 +93,8 @@ impl Engine {
     /// Trains this process's rank of a launched plan (one process per GPU, NCCL
     /// between them, its id shared through the TCP rendezvous) on the engine's GPU,
     /// and gathers every rank's loss parts and step times to all: the report's
-    /// losses are the sums, its one rank this process's.
+    /// losses are the sums, its one rank this process's, and on rank 0 the
+    /// checkpoints written (`opts.save`: every rank's state goes to rank 0).
     pub fn train_launched_rank(
         self,
         plan: &Plan,
@@ -111,7 +112,7 @@ impl Engine {
         };
         self.for_plan(plan)?;
         let mut rv = meshplan_launch::Rendezvous::connect(cfg)?;
-        let rep = gpu.train_rank(plan, opts, env, &mut rv)?;
+        let (rep, saved) = gpu.train_rank(plan, opts, env, &mut rv)?;
         // Every rank's loss parts, and its start and step ends on the Unix clock
         // (the processes' own clocks differ), exactly (f64 bits), to every rank.
         let steps = rep.loss_parts.len();
@@ -142,7 +143,7 @@ impl Engine {
             step_s,
             tokens_per_step,
             ranks: vec![rep],
-            saved: Vec::new(),
+            saved,
             lr: f64::from(opts.lr),
         })
     }
@@ -230,6 +231,7 @@ pub use gpu::Gpu;
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::EngineError;
+    use crate::ckpt::Saved;
     use crate::comm::nccl::{nccl_available, NcclComm};
     use crate::device::cuda::{CudaComm, CudaDevice};
     use crate::device::train::{train_device_rank, train_device_with};
@@ -320,7 +322,7 @@ mod gpu {
             opts: &TrainOptions,
             env: &LaunchEnv,
             rv: &mut Rendezvous,
-        ) -> Result<RankReport, EngineError> {
+        ) -> Result<(RankReport, Vec<Saved>), EngineError> {
             let comm =
                 NcclComm::from_launch(env, rv).map_err(|e| EngineError::Failed(e.to_string()))?;
             let dev =
@@ -334,6 +336,7 @@ mod gpu {
 #[cfg(not(feature = "cuda"))]
 mod gpu {
     use super::EngineError;
+    use crate::ckpt::Saved;
     use crate::train::{RankReport, TrainOptions, TrainReport};
     use meshplan_ir::plan::Plan;
     use meshplan_launch::{LaunchEnv, Rendezvous};
@@ -378,7 +381,7 @@ mod gpu {
             _: &TrainOptions,
             _: &LaunchEnv,
             _: &mut Rendezvous,
-        ) -> Result<RankReport, EngineError> {
+        ) -> Result<(RankReport, Vec<Saved>), EngineError> {
             match self {}
         }
     }

@@ -1300,3 +1300,63 @@ fn r16_strace_kill_at_the_second_rename_of_a_re_save() {
     }
     r.resumes_bit_for_bit(&dir, "strace kill at the second rename");
 }
+
+/// One process a rank (`train_device_rank`, what `meshplan launch` runs on GPUs,
+/// here ranks as threads over the in-process communicator): at each save every
+/// rank's state goes to rank 0, which alone takes the folder and writes, and the
+/// checkpoint is the one a single process writes, byte for byte. ZeRO-3's parts,
+/// tensor and pipeline slices and replicas all reach it.
+#[test]
+fn ckpt_launched_ranks_save_what_one_process_saves() {
+    use meshplan_executor::comm::{Communicator, ThreadComm};
+    use meshplan_executor::device::train::train_device_rank;
+    use meshplan_executor::device::HostDevice;
+    let m = model("tiny-gpt");
+    for cfg in ["dp=2,tp=2,pp=2,sp=true,mbs=1", "dp=2,tp=2,zero=3"] {
+        let p = plan(&m, cfg);
+        let one = temp_dir(&format!("one-{cfg}"));
+        let whole = run(&p, &saving(4, &one, 2));
+        let apart = temp_dir(&format!("apart-{cfg}"));
+        let o = saving(4, &apart, 2);
+        let results: Vec<_> = std::thread::scope(|s| {
+            let ranks: Vec<_> = ThreadComm::create(p.ranks.len(), None)
+                .into_iter()
+                .map(|c| {
+                    let (p, o) = (&p, &o);
+                    s.spawn(move || {
+                        let comm: Box<dyn Communicator> = Box::new(c);
+                        train_device_rank(p, o, HostDevice, comm)
+                    })
+                })
+                .collect();
+            ranks
+                .into_iter()
+                .map(|h| h.join().expect("no panic"))
+                .collect()
+        });
+        let mut saved = Vec::new();
+        for (rank, r) in results.into_iter().enumerate() {
+            let (report, s) = r.unwrap_or_else(|e| panic!("{cfg}: rank {rank}: {e}"));
+            assert_eq!(
+                report.weights, whole.ranks[rank].weights,
+                "{cfg}: rank {rank}"
+            );
+            assert!(rank == 0 || s.is_empty(), "{cfg}: rank {rank} wrote");
+            saved.extend(s);
+        }
+        assert_eq!(
+            saved
+                .iter()
+                .map(|s| (s.step, s.error.clone()))
+                .collect::<Vec<_>>(),
+            [(2, None), (4, None)],
+            "{cfg}"
+        );
+        for step in [2, 4] {
+            let (a, b) = (one.join(step_folder(step)), apart.join(step_folder(step)));
+            assert!(state_bytes(&a) == state_bytes(&b), "{cfg}: step {step}");
+        }
+        let ck = Checkpoint::open(&apart).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        assert_eq!(ck.step(), 4, "{cfg}");
+    }
+}

@@ -434,12 +434,14 @@ mod read;
 mod save;
 #[cfg(test)]
 mod tests;
+mod wire;
 
 pub use files::parse_step_folder;
 use files::*;
 pub use read::Checkpoint;
 pub(crate) use save::Saver;
 use save::*;
+pub(crate) use wire::{recv_snapshot, send_snapshot};
 
 fn io<'a>(path: &'a Path, what: &'a str) -> impl Fn(std::io::Error) -> String + 'a {
     move |e| format!("{}: {what}: {e}", path.display())

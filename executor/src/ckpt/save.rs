@@ -61,10 +61,6 @@ impl Saver {
         })
     }
 
-    pub fn due(&self, done: u64, total: u64) -> bool {
-        self.opts.due(done, total)
-    }
-
     /// Hands over a rank's state after `step` steps; the last rank starts the write.
     pub fn deposit(&self, step: u64, snap: RankSnapshot) -> Result<(), String> {
         let mut pending = self

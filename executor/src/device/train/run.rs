@@ -13,10 +13,15 @@ struct Run<'a> {
     t0: Instant,
     start: u64,
     saver: Option<crate::ckpt::Saver>,
+    /// Each rank a process of its own: the ranks' snapshots go to rank 0, whose
+    /// writer alone takes the folder.
+    launched: bool,
 }
 
 impl<'a> Run<'a> {
-    fn new(plan: &'a Plan, opts: &'a TrainOptions) -> Result<Run<'a>, ExecError> {
+    /// The run; `writes`: whether this process writes the checkpoints `opts.save`
+    /// asks for.
+    fn new(plan: &'a Plan, opts: &'a TrainOptions, writes: bool) -> Result<Run<'a>, ExecError> {
         supported(plan).map_err(|m| {
             ExecError::Plan(format!("the device interpreter cannot run this plan: {m}"))
         })?;
@@ -32,7 +37,7 @@ impl<'a> Run<'a> {
             Some(ck) => crate::train::check_resume(plan, opts, ck)?,
             None => 0,
         };
-        let saver = (opts.save.as_ref())
+        let saver = (opts.save.as_ref().filter(|_| writes))
             .map(|s| crate::ckpt::Saver::new(plan, opts, s))
             .transpose()
             .map_err(ExecError::Checkpoint)?;
@@ -44,6 +49,7 @@ impl<'a> Run<'a> {
             t0: Instant::now(),
             start,
             saver,
+            launched: false,
         })
     }
 
@@ -92,15 +98,34 @@ impl<'a> Run<'a> {
             if let (0, Some(hook)) = (r.rank, &opts.on_step) {
                 (hook.0)(steps_at.1.len() as u64);
             }
-            if let Some(sv) = self
-                .saver
-                .as_ref()
-                .filter(|sv| sv.due(step + 1, opts.steps))
-            {
-                sv.deposit(step + 1, r.snapshot()?).map_err(fail)?;
+            if (opts.save.as_ref()).is_some_and(|s| s.due(step + 1, opts.steps)) {
+                self.save(&mut r, step + 1)?;
             }
         }
         r.report(loss_parts, steps_at)
+    }
+}
+
+impl Run<'_> {
+    /// Hands rank `r`'s state after `done` steps to the writer: in this process,
+    /// or, each rank a process, over the communicator to rank 0, which receives
+    /// every other rank's in rank order.
+    fn save<D: Device>(&self, r: &mut DevRank<'_, D>, done: u64) -> Result<(), RankError> {
+        let snap = r.snapshot()?;
+        let Some(sv) = &self.saver else {
+            if self.launched {
+                crate::ckpt::send_snapshot(&mut *r.comm, 0, &snap)?;
+            }
+            return Ok(());
+        };
+        sv.deposit(done, snap).map_err(fail)?;
+        if self.launched {
+            for from in 1..self.plan.ranks.len() {
+                let snap = crate::ckpt::recv_snapshot(&mut *r.comm, from)?;
+                sv.deposit(done, snap).map_err(fail)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -124,7 +149,7 @@ pub fn train_device_with<D: Device>(
     make: &(dyn Fn(usize) -> DResult<D> + Sync),
     comms: Option<Vec<Box<D::Comm>>>,
 ) -> Result<TrainReport, ExecError> {
-    let run = Run::new(plan, opts)?;
+    let run = Run::new(plan, opts, true)?;
     let (world, rank) = (plan.ranks.len(), |comm: Box<D::Comm>| {
         run.rank(make(comm.rank()).map_err(derr("device"))?, comm)
     });
@@ -138,18 +163,17 @@ pub fn train_device_with<D: Device>(
 }
 
 /// One rank of `plan` in this process, connected to the others by `comm` (one
-/// process per GPU, NCCL between them): its report alone. The caller gathers the
-/// ranks' losses. It may resume from a checkpoint; saving needs every rank's state
-/// in one process, so `opts.save` is refused.
+/// process per GPU, NCCL between them): its report alone, and, on rank 0, the
+/// checkpoints written. The caller gathers the ranks' losses. It may resume from a
+/// checkpoint; with `opts.save`, every rank's state goes to rank 0 at each save,
+/// and rank 0 alone prepares the folder and writes (the other ranks' options need
+/// only say when).
 pub fn train_device_rank<D: Device>(
     plan: &Plan,
     opts: &TrainOptions,
     dev: D,
     comm: Box<D::Comm>,
-) -> Result<RankReport, ExecError> {
-    if opts.save.is_some() {
-        return Err(ExecError::Plan("a checkpoint is written by one process holding every rank; with one process per GPU, save from a single-process run".into()));
-    }
+) -> Result<(RankReport, Vec<crate::ckpt::Saved>), ExecError> {
     if comm.world() != plan.ranks.len() {
         return Err(ExecError::Plan(format!(
             "the plan has {} ranks and this launch {}: start one process per rank",
@@ -157,8 +181,12 @@ pub fn train_device_rank<D: Device>(
             comm.world()
         )));
     }
-    let run = Run::new(plan, opts)?;
     let rank = comm.rank();
-    run.rank(dev, comm)
-        .map_err(|e| ExecError::Rank(format!("rank {rank}: {e}")))
+    let mut run = Run::new(plan, opts, rank == 0)?;
+    run.launched = true;
+    let report = run.rank(dev, comm);
+    let saved = run.saver.map(crate::ckpt::Saver::finish).transpose();
+    let report = report.map_err(|e| ExecError::Rank(format!("rank {rank}: {e}")))?;
+    let saved = saved.map_err(|e| ExecError::Checkpoint(format!("checkpoint: {e}")))?;
+    Ok((report, saved.unwrap_or_default()))
 }
