@@ -138,8 +138,8 @@ fn failure_in(file: &str) -> impl Fn(EngineError) -> Failure + '_ {
 /// `run --backend cuda` in one process per GPU (`meshplan launch`, torchrun or
 /// Slurm): this process trains its rank on GPU `LOCAL_RANK`, NCCL between the
 /// processes, the NCCL id shared through the TCP rendezvous; rank 0 gathers the
-/// losses and reports (and with `--check` compares its weights, which data
-/// parallelism keeps equal on every rank, with the CPU reference), and writes the
+/// losses and reports (with `--check`, every rank's final weights and bytes come
+/// to it and it compares them all with the CPU reference), and writes the
 /// checkpoints of `--save` from every rank's state.
 fn launched_cuda(a: &RunArgs<'_>, env: &meshplan_launch::LaunchEnv) -> Result<(), Failure> {
     let engine = engine(a.backend)?;

@@ -64,6 +64,7 @@ mod counts;
 pub mod nccl;
 mod run;
 mod thread;
+pub(crate) mod wire;
 
 #[cfg(test)]
 mod tests;
@@ -115,7 +116,9 @@ impl Group {
 }
 
 /// The kind of a communication operation, as errors and byte counts name it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize,
+)]
 pub enum CommKind {
     /// Sum, result everywhere.
     AllReduce,

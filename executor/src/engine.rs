@@ -93,7 +93,8 @@ impl Engine {
     /// Trains this process's rank of a launched plan (one process per GPU, NCCL
     /// between them, its id shared through the TCP rendezvous) on the engine's GPU,
     /// and gathers every rank's loss parts and step times to all: the report's
-    /// losses are the sums, its one rank this process's, and on rank 0 the
+    /// losses are the sums, its ranks this process's (on rank 0 of a run keeping
+    /// its final weights, every rank's, for `--check`), and on rank 0 the
     /// checkpoints written (`opts.save`: every rank's state goes to rank 0).
     pub fn train_launched_rank(
         self,
@@ -112,11 +113,14 @@ impl Engine {
         };
         self.for_plan(plan)?;
         let mut rv = meshplan_launch::Rendezvous::connect(cfg)?;
-        let (rep, saved) = gpu.train_rank(plan, opts, env, &mut rv)?;
+        let (reps, saved) = gpu.train_rank(plan, opts, env, &mut rv)?;
+        let rep = reps
+            .first()
+            .ok_or_else(|| EngineError::Failed("no report".into()))?;
         // Every rank's loss parts, and its start and step ends on the Unix clock
         // (the processes' own clocks differ), exactly (f64 bits), to every rank.
         let steps = rep.loss_parts.len();
-        let mine: Vec<u8> = launch_values(&rep)
+        let mine: Vec<u8> = launch_values(rep)
             .iter()
             .flat_map(|x| x.to_le_bytes())
             .collect();
@@ -142,7 +146,7 @@ impl Engine {
             losses,
             step_s,
             tokens_per_step,
-            ranks: vec![rep],
+            ranks: reps,
             saved,
             lr: f64::from(opts.lr),
         })
@@ -322,7 +326,7 @@ mod gpu {
             opts: &TrainOptions,
             env: &LaunchEnv,
             rv: &mut Rendezvous,
-        ) -> Result<(RankReport, Vec<Saved>), EngineError> {
+        ) -> Result<(Vec<RankReport>, Vec<Saved>), EngineError> {
             let comm =
                 NcclComm::from_launch(env, rv).map_err(|e| EngineError::Failed(e.to_string()))?;
             let dev =
@@ -381,7 +385,7 @@ mod gpu {
             _: &TrainOptions,
             _: &LaunchEnv,
             _: &mut Rendezvous,
-        ) -> Result<(RankReport, Vec<Saved>), EngineError> {
+        ) -> Result<(Vec<RankReport>, Vec<Saved>), EngineError> {
             match self {}
         }
     }

@@ -1305,9 +1305,10 @@ fn r16_strace_kill_at_the_second_rename_of_a_re_save() {
 /// here ranks as threads over the in-process communicator): at each save every
 /// rank's state goes to rank 0, which alone takes the folder and writes, and the
 /// checkpoint is the one a single process writes, byte for byte. ZeRO-3's parts,
-/// tensor and pipeline slices and replicas all reach it.
+/// tensor and pipeline slices and replicas all reach it. At the end rank 0 holds
+/// every rank's report, as `--check` needs.
 #[test]
-fn ckpt_launched_ranks_save_what_one_process_saves() {
+fn ckpt_launched_ranks_save_and_report_what_one_process_does() {
     use meshplan_executor::comm::{Communicator, ThreadComm};
     use meshplan_executor::device::train::train_device_rank;
     use meshplan_executor::device::HostDevice;
@@ -1335,14 +1336,34 @@ fn ckpt_launched_ranks_save_what_one_process_saves() {
                 .collect()
         });
         let mut saved = Vec::new();
+        let mut at_zero = Vec::new();
         for (rank, r) in results.into_iter().enumerate() {
-            let (report, s) = r.unwrap_or_else(|e| panic!("{cfg}: rank {rank}: {e}"));
-            assert_eq!(
-                report.weights, whole.ranks[rank].weights,
+            let (reports, s) = r.unwrap_or_else(|e| panic!("{cfg}: rank {rank}: {e}"));
+            assert!(
+                reports[0].weights == whole.ranks[rank].weights,
                 "{cfg}: rank {rank}"
             );
-            assert!(rank == 0 || s.is_empty(), "{cfg}: rank {rank} wrote");
+            assert!(
+                rank == 0 || (s.is_empty() && reports.len() == 1),
+                "{cfg}: rank {rank}"
+            );
             saved.extend(s);
+            if rank == 0 {
+                at_zero = reports;
+            }
+        }
+        // With the final weights asked for (`--check`), rank 0 holds every rank's
+        // report: its weights, and its bytes, which leave out what the saves moved.
+        assert_eq!(at_zero.len(), whole.ranks.len(), "{cfg}");
+        for (a, b) in at_zero.iter().zip(&whole.ranks) {
+            assert_eq!(a.rank, b.rank, "{cfg}");
+            assert!(a.weights == b.weights, "{cfg}: rank {}'s weights", a.rank);
+            assert_eq!(a.counts, b.counts, "{cfg}: rank {}'s bytes", a.rank);
+            assert_eq!(
+                a.loss_parts, b.loss_parts,
+                "{cfg}: rank {}'s losses",
+                a.rank
+            );
         }
         assert_eq!(
             saved

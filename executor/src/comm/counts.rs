@@ -1,6 +1,7 @@
 //! Per-rank byte accounting (conventions in the parent module's doc).
 
 use super::CommKind;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
 /// Calls and bytes of one (kind, axis).
@@ -9,7 +10,7 @@ use std::collections::BTreeMap;
 /// for group sizes that do not divide `B`, and summing rounded floats would drift
 /// from the planner's figures over a long run. Each group size keeps the integer
 /// numerator of its sum over that size as the denominator.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KindCount {
     /// Operations completed.
     pub calls: u64,
@@ -83,6 +84,34 @@ impl ByteCounts {
             .entry((kind, axis.to_string()))
             .or_default()
             .add(payload_bytes, sent_num, sent_den);
+    }
+
+    /// These counts without `part`, which was counted into them (or, a copy of
+    /// them taken earlier: what was counted since).
+    pub(crate) fn without(&self, part: &ByteCounts) -> ByteCounts {
+        let mut out = self.clone();
+        for (key, c) in &part.entries {
+            if let Some(o) = out.entries.get_mut(key) {
+                o.take_out(c);
+            }
+        }
+        out.entries.retain(|_, c| c.calls > 0);
+        out
+    }
+
+    /// Every (kind, axis label, count), to rebuild these counts in another process
+    /// ([`ByteCounts::from_entries`]).
+    pub(crate) fn entries(&self) -> Vec<(CommKind, String, KindCount)> {
+        (self.entries.iter())
+            .map(|((k, a), c)| (*k, a.clone(), c.clone()))
+            .collect()
+    }
+
+    /// The counts [`ByteCounts::entries`] listed.
+    pub(crate) fn from_entries(entries: Vec<(CommKind, String, KindCount)>) -> ByteCounts {
+        ByteCounts {
+            entries: entries.into_iter().map(|(k, a, c)| ((k, a), c)).collect(),
+        }
     }
 
     /// Adds one completed collective over `members` of `payload_bytes`, sent as

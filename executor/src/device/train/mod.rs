@@ -675,14 +675,15 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     fn report(
-        mut self,
+        &mut self,
         loss_parts: Vec<f64>,
         steps_at: (f64, Vec<f64>),
     ) -> Result<RankReport, RankError> {
         // The run's bytes, before ZeRO-3's last gather (which only the report
         // needs: each rank holds the others' parts as of their previous gather).
         let elem = self.plan.model.dtype.size_bytes();
-        let counts = (self.comm.counts()).at_element_size_but(elem, &self.meter.f32_priced);
+        let counts = (self.comm.counts().without(&self.meter.saves))
+            .at_element_size_but(elem, &self.meter.f32_priced);
         // What the rank holds between steps: masters and gradients in fp32 (under
         // ZeRO-3 its parts of the masters alone), the moments held (a part of them
         // under ZeRO), and the compute copies (none where the master serves).

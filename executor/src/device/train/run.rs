@@ -2,6 +2,7 @@
 //! one process's rank, and the report they make together.
 
 use super::*;
+use crate::comm::wire::{recv_bytes, recv_values, send_bytes, send_values};
 
 /// What every rank of a run shares: the workload's sizes, the clock, the step the
 /// run starts at (a resumed checkpoint's) and the checkpoint writer.
@@ -75,8 +76,14 @@ impl<'a> Run<'a> {
         })
     }
 
-    /// Trains one rank from the run's first step to `opts.steps`, saving where due.
-    fn rank<D: Device>(&self, dev: D, comm: Box<D::Comm>) -> Result<RankReport, RankError> {
+    /// Trains one rank from the run's first step to `opts.steps`, saving where due:
+    /// its report and, each rank a process, on rank 0 with the final weights asked
+    /// for (`--check`), every other rank's in rank order.
+    fn rank<D: Device>(
+        &self,
+        dev: D,
+        comm: Box<D::Comm>,
+    ) -> Result<(RankReport, Vec<RankReport>), RankError> {
         let opts = self.opts;
         let mut r = DevRank::new(
             dev,
@@ -102,7 +109,18 @@ impl<'a> Run<'a> {
                 self.save(&mut r, step + 1)?;
             }
         }
-        r.report(loss_parts, steps_at)
+        let report = r.report(loss_parts, steps_at)?;
+        if !(self.launched && opts.final_weights) {
+            return Ok((report, Vec::new()));
+        }
+        if r.rank != 0 {
+            send_report(&mut *r.comm, &report)?;
+            return Ok((report, Vec::new()));
+        }
+        let others = (1..self.plan.ranks.len())
+            .map(|from| recv_report(&mut *r.comm, from))
+            .collect::<Result<_, _>>()?;
+        Ok((report, others))
     }
 }
 
@@ -112,19 +130,20 @@ impl Run<'_> {
     /// every other rank's in rank order.
     fn save<D: Device>(&self, r: &mut DevRank<'_, D>, done: u64) -> Result<(), RankError> {
         let snap = r.snapshot()?;
-        let Some(sv) = &self.saver else {
-            if self.launched {
-                crate::ckpt::send_snapshot(&mut *r.comm, 0, &snap)?;
-            }
-            return Ok(());
-        };
-        sv.deposit(done, snap).map_err(fail)?;
-        if self.launched {
-            for from in 1..self.plan.ranks.len() {
-                let snap = crate::ckpt::recv_snapshot(&mut *r.comm, from)?;
+        let before = r.comm.counts();
+        match &self.saver {
+            None if self.launched => crate::ckpt::send_snapshot(&mut *r.comm, 0, &snap)?,
+            None => {}
+            Some(sv) => {
                 sv.deposit(done, snap).map_err(fail)?;
+                for from in (1..self.plan.ranks.len()).filter(|_| self.launched) {
+                    let snap = crate::ckpt::recv_snapshot(&mut *r.comm, from)?;
+                    sv.deposit(done, snap).map_err(fail)?;
+                }
             }
         }
+        let moved = r.comm.counts().without(&before);
+        r.meter.saves.merge(&moved);
         Ok(())
     }
 }
@@ -151,7 +170,8 @@ pub fn train_device_with<D: Device>(
 ) -> Result<TrainReport, ExecError> {
     let run = Run::new(plan, opts, true)?;
     let (world, rank) = (plan.ranks.len(), |comm: Box<D::Comm>| {
-        run.rank(make(comm.rank()).map_err(derr("device"))?, comm)
+        let dev = make(comm.rank()).map_err(derr("device"))?;
+        run.rank(dev, comm).map(|(mine, _)| mine)
     });
     let results = match comms {
         Some(comms) => crate::comm::run_with(world, comms, &rank).map_err(ExecError::Plan)?,
@@ -163,17 +183,19 @@ pub fn train_device_with<D: Device>(
 }
 
 /// One rank of `plan` in this process, connected to the others by `comm` (one
-/// process per GPU, NCCL between them): its report alone, and, on rank 0, the
-/// checkpoints written. The caller gathers the ranks' losses. It may resume from a
-/// checkpoint; with `opts.save`, every rank's state goes to rank 0 at each save,
-/// and rank 0 alone prepares the folder and writes (the other ranks' options need
-/// only say when).
+/// process per GPU, NCCL between them): its report and, on rank 0 of a run that
+/// keeps its final weights (`--check`), every other rank's after it, so that rank
+/// 0 compares every rank's slices and bytes with the reference; and, on rank 0,
+/// the checkpoints written. The caller gathers the ranks' losses. It may resume
+/// from a checkpoint; with `opts.save`, every rank's state goes to rank 0 at each
+/// save, and rank 0 alone prepares the folder and writes (the other ranks'
+/// options need only say when).
 pub fn train_device_rank<D: Device>(
     plan: &Plan,
     opts: &TrainOptions,
     dev: D,
     comm: Box<D::Comm>,
-) -> Result<(RankReport, Vec<crate::ckpt::Saved>), ExecError> {
+) -> Result<(Vec<RankReport>, Vec<crate::ckpt::Saved>), ExecError> {
     if comm.world() != plan.ranks.len() {
         return Err(ExecError::Plan(format!(
             "the plan has {} ranks and this launch {}: start one process per rank",
@@ -184,9 +206,81 @@ pub fn train_device_rank<D: Device>(
     let rank = comm.rank();
     let mut run = Run::new(plan, opts, rank == 0)?;
     run.launched = true;
-    let report = run.rank(dev, comm);
+    let reports = run.rank(dev, comm);
     let saved = run.saver.map(crate::ckpt::Saver::finish).transpose();
-    let report = report.map_err(|e| ExecError::Rank(format!("rank {rank}: {e}")))?;
+    let (mine, others) = reports.map_err(|e| ExecError::Rank(format!("rank {rank}: {e}")))?;
     let saved = saved.map_err(|e| ExecError::Checkpoint(format!("checkpoint: {e}")))?;
-    Ok((report, saved.unwrap_or_default()))
+    let reports = std::iter::once(mine).chain(others).collect();
+    Ok((reports, saved.unwrap_or_default()))
+}
+
+/// Where a launched rank's report counts its bytes: not an axis of the plan's mesh
+/// (and sent after the report's counts were taken).
+const REPORT_AXIS: &str = "report";
+
+/// A rank's report as it travels to rank 0 (the timeline's spans stay behind),
+/// its weights' keys and lengths standing for the values that follow.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Sent {
+    rank: usize,
+    loss_parts: Vec<f64>,
+    steps_at: (f64, Vec<f64>),
+    clock0_unix_s: f64,
+    state_bytes: f64,
+    peak_activation_bytes: f64,
+    expert_slots: (u64, u64),
+    device_memory_bytes: Option<f64>,
+    counts: Vec<(crate::comm::CommKind, String, crate::comm::KindCount)>,
+    weights: Vec<(String, u64, usize)>,
+}
+
+/// Sends `r` to rank 0.
+fn send_report<C: Communicator + ?Sized>(comm: &mut C, r: &RankReport) -> Result<(), RankError> {
+    let sent = Sent {
+        rank: r.rank,
+        loss_parts: r.loss_parts.clone(),
+        steps_at: r.steps_at.clone(),
+        clock0_unix_s: r.clock0_unix_s,
+        state_bytes: r.state_bytes,
+        peak_activation_bytes: r.peak_activation_bytes,
+        expert_slots: r.expert_slots,
+        device_memory_bytes: r.device_memory_bytes,
+        counts: r.counts.entries(),
+        weights: (r.weights.iter())
+            .map(|((name, layer), w)| (name.clone(), *layer, w.len()))
+            .collect(),
+    };
+    let bytes = serde_json::to_vec(&sent).map_err(|e| fail(format!("report: {e}")))?;
+    send_bytes(comm, (0, REPORT_AXIS), &bytes)?;
+    for w in r.weights.values() {
+        send_values(comm, (0, REPORT_AXIS), w)?;
+    }
+    Ok(())
+}
+
+/// The report rank `from` sends with [`send_report`].
+fn recv_report<C: Communicator + ?Sized>(
+    comm: &mut C,
+    from: usize,
+) -> Result<RankReport, RankError> {
+    let bytes = recv_bytes(comm, (from, REPORT_AXIS))?;
+    let s: Sent =
+        serde_json::from_slice(&bytes).map_err(|e| fail(format!("rank {from}'s report: {e}")))?;
+    let mut weights = BTreeMap::new();
+    for (name, layer, n) in s.weights {
+        weights.insert((name, layer), recv_values(comm, (from, REPORT_AXIS), n)?);
+    }
+    Ok(RankReport {
+        rank: s.rank,
+        loss_parts: s.loss_parts,
+        weights,
+        counts: crate::comm::ByteCounts::from_entries(s.counts),
+        steps_at: s.steps_at,
+        clock0_unix_s: s.clock0_unix_s,
+        state_bytes: s.state_bytes,
+        peak_activation_bytes: s.peak_activation_bytes,
+        expert_slots: s.expert_slots,
+        spans: Vec::new(),
+        device_memory_bytes: s.device_memory_bytes,
+    })
 }

@@ -103,6 +103,9 @@ pub(super) struct Meter<D: Device> {
     /// What of the communicator's counts the plan prices in fp32 whatever the
     /// model's dtype: the loss statistics.
     pub(super) f32_priced: crate::comm::ByteCounts,
+    /// What of them the saves moved (a launched run's snapshots to rank 0), which
+    /// are not the training's bytes.
+    pub(super) saves: crate::comm::ByteCounts,
 }
 
 impl<D: Device> Weights<D> {
@@ -162,6 +165,7 @@ impl<D: Device> Meter<D> {
             device_peak: None,
             expert_slots: (0, 0),
             f32_priced: crate::comm::ByteCounts::new(),
+            saves: crate::comm::ByteCounts::new(),
         }
     }
 }
