@@ -1309,9 +1309,6 @@ fn r16_strace_kill_at_the_second_rename_of_a_re_save() {
 /// every rank's report, as `--check` needs.
 #[test]
 fn ckpt_launched_ranks_save_and_report_what_one_process_does() {
-    use meshplan_executor::comm::{Communicator, ThreadComm};
-    use meshplan_executor::device::train::train_device_rank;
-    use meshplan_executor::device::HostDevice;
     let m = model("tiny-gpt");
     for cfg in ["dp=2,tp=2,pp=2,sp=true,mbs=1", "dp=2,tp=2,zero=3"] {
         let p = plan(&m, cfg);
@@ -1319,22 +1316,7 @@ fn ckpt_launched_ranks_save_and_report_what_one_process_does() {
         let whole = run(&p, &saving(4, &one, 2));
         let apart = temp_dir(&format!("apart-{cfg}"));
         let o = saving(4, &apart, 2);
-        let results: Vec<_> = std::thread::scope(|s| {
-            let ranks: Vec<_> = ThreadComm::create(p.ranks.len(), None)
-                .into_iter()
-                .map(|c| {
-                    let (p, o) = (&p, &o);
-                    s.spawn(move || {
-                        let comm: Box<dyn Communicator> = Box::new(c);
-                        train_device_rank(p, o, HostDevice, comm)
-                    })
-                })
-                .collect();
-            ranks
-                .into_iter()
-                .map(|h| h.join().expect("no panic"))
-                .collect()
-        });
+        let results = crate::executor::launched_ranks(&p, &o);
         let mut saved = Vec::new();
         let mut at_zero = Vec::new();
         for (rank, r) in results.into_iter().enumerate() {

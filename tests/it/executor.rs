@@ -349,26 +349,20 @@ fn graphs_the_executor_cannot_run_are_refused_before_any_rank_starts() {
     );
 }
 
-/// One rank a process (`train_device_rank`, what a launched GPU rank runs): the
-/// failing rank's error names it and says why, in words, not as a debug dump.
-#[test]
-fn a_launched_rank_reports_its_failure_in_words() {
+/// Each rank of `p` as a process of its own would run it (`train_device_rank`,
+/// what a launched GPU rank runs), here as threads over the in-process
+/// communicator: each rank's result, in rank order.
+pub(crate) fn launched_ranks(
+    p: &Plan,
+    opts: &TrainOptions,
+) -> Vec<Result<LaunchedRank, meshplan_executor::train::ExecError>> {
     use meshplan_executor::comm::{Communicator, ThreadComm};
     use meshplan_executor::device::train::train_device_rank;
     use meshplan_executor::device::HostDevice;
-    let p = plan(&model("tiny-gpt"), "dp=2");
-    let opts = TrainOptions {
-        fail_at: Some((1, 1)),
-        // Nothing tells rank 0 here (a launcher stops the other processes): it
-        // waits for rank 1 until this timeout.
-        timeout: Some(Duration::from_secs(2)),
-        ..TrainOptions::default()
-    };
-    let results: Vec<_> = std::thread::scope(|s| {
-        let ranks: Vec<_> = ThreadComm::create(2, opts.timeout)
+    std::thread::scope(|s| {
+        let ranks: Vec<_> = ThreadComm::create(p.ranks.len(), opts.timeout)
             .into_iter()
             .map(|c| {
-                let (p, opts) = (&p, &opts);
                 s.spawn(move || {
                     let comm: Box<dyn Communicator> = Box::new(c);
                     train_device_rank(p, opts, HostDevice, comm)
@@ -379,7 +373,29 @@ fn a_launched_rank_reports_its_failure_in_words() {
             .into_iter()
             .map(|h| h.join().expect("no panic"))
             .collect()
-    });
+    })
+}
+
+/// What a launched rank returns: its report (on rank 0 with the final weights,
+/// every rank's) and the checkpoints it wrote.
+pub(crate) type LaunchedRank = (
+    Vec<meshplan_executor::train::RankReport>,
+    Vec<meshplan_executor::ckpt::Saved>,
+);
+
+/// One rank a process: the failing rank's error names it and says why, in words,
+/// not as a debug dump.
+#[test]
+fn a_launched_rank_reports_its_failure_in_words() {
+    let p = plan(&model("tiny-gpt"), "dp=2");
+    let opts = TrainOptions {
+        fail_at: Some((1, 1)),
+        // Nothing tells rank 0 here (a launcher stops the other processes): it
+        // waits for rank 1 until this timeout.
+        timeout: Some(Duration::from_secs(2)),
+        ..TrainOptions::default()
+    };
+    let results = launched_ranks(&p, &opts);
     let failed = results[1].as_ref().expect_err("rank 1 fails at step 1");
     assert_eq!(failed.message(), "rank 1: injected failure at step 1");
 }
