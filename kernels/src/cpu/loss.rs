@@ -270,11 +270,16 @@ pub fn check_picks(len: usize, d: Picks) -> Result<(), KernelError> {
 pub fn argmax_parts(x: &[f32], d: Picks) -> Result<Vec<u32>, KernelError> {
     check_picks(x.len(), d)?;
     let pick = |r: usize| {
-        let at = |g: usize| x[((g / d.cols) * d.rows + r) * d.cols + g % d.cols];
-        let mut best = 0;
-        for g in 1..d.limit {
-            if at(g) > at(best) {
-                best = g;
+        // Global columns in order: shard by shard, each shard's row in place.
+        let row = |p: usize| &x[(p * d.rows + r) * d.cols..][..d.cols];
+        let mut cols = (0..d.parts).flat_map(row).take(d.limit).enumerate();
+        let Some((_, &first)) = cols.next() else {
+            return 0;
+        };
+        let (mut best, mut top) = (0, first);
+        for (g, &v) in cols {
+            if v > top {
+                (best, top) = (g, v);
             }
         }
         best as u32
