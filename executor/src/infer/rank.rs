@@ -498,7 +498,7 @@ impl<'a, D: Device> InferRank<'a, D> {
             self.dev.act_to_f32(&last).map_err(&err)?
         };
         let parts = self.vocab / v_local.max(1);
-        let buf = if parts == 1 && v_local == self.vocab {
+        let buf = if v_local == self.vocab {
             local
         } else {
             let g = self.group("tp")?;

@@ -20,9 +20,14 @@ struct Run<'a> {
 }
 
 impl<'a> Run<'a> {
-    /// The run; `writes`: whether this process writes the checkpoints `opts.save`
-    /// asks for.
-    fn new(plan: &'a Plan, opts: &'a TrainOptions, writes: bool) -> Result<Run<'a>, ExecError> {
+    /// The run of every rank in this process (`launched_as: None`), or of rank `r`
+    /// alone (`Some(r)`, each rank a process), where only rank 0 writes the
+    /// checkpoints `opts.save` asks for.
+    fn new(
+        plan: &'a Plan,
+        opts: &'a TrainOptions,
+        launched_as: Option<usize>,
+    ) -> Result<Run<'a>, ExecError> {
         supported(plan).map_err(|m| {
             ExecError::Plan(format!("the device interpreter cannot run this plan: {m}"))
         })?;
@@ -38,6 +43,7 @@ impl<'a> Run<'a> {
             Some(ck) => crate::train::check_resume(plan, opts, ck)?,
             None => 0,
         };
+        let writes = launched_as.is_none_or(|r| r == 0);
         let saver = (opts.save.as_ref().filter(|_| writes))
             .map(|s| crate::ckpt::Saver::new(plan, opts, s))
             .transpose()
@@ -50,7 +56,7 @@ impl<'a> Run<'a> {
             t0: Instant::now(),
             start,
             saver,
-            launched: false,
+            launched: launched_as.is_some(),
         })
     }
 
@@ -136,9 +142,11 @@ impl Run<'_> {
             None => {}
             Some(sv) => {
                 sv.deposit(done, snap).map_err(fail)?;
-                for from in (1..self.plan.ranks.len()).filter(|_| self.launched) {
-                    let snap = crate::ckpt::recv_snapshot(&mut *r.comm, from)?;
-                    sv.deposit(done, snap).map_err(fail)?;
+                if self.launched {
+                    for from in 1..self.plan.ranks.len() {
+                        let snap = crate::ckpt::recv_snapshot(&mut *r.comm, from)?;
+                        sv.deposit(done, snap).map_err(fail)?;
+                    }
                 }
             }
         }
@@ -168,7 +176,7 @@ pub fn train_device_with<D: Device>(
     make: &(dyn Fn(usize) -> DResult<D> + Sync),
     comms: Option<Vec<Box<D::Comm>>>,
 ) -> Result<TrainReport, ExecError> {
-    let run = Run::new(plan, opts, true)?;
+    let run = Run::new(plan, opts, None)?;
     let (world, rank) = (plan.ranks.len(), |comm: Box<D::Comm>| {
         let dev = make(comm.rank()).map_err(derr("device"))?;
         run.rank(dev, comm).map(|(mine, _)| mine)
@@ -204,8 +212,7 @@ pub fn train_device_rank<D: Device>(
         )));
     }
     let rank = comm.rank();
-    let mut run = Run::new(plan, opts, rank == 0)?;
-    run.launched = true;
+    let run = Run::new(plan, opts, Some(rank))?;
     let reports = run.rank(dev, comm);
     let saved = run.saver.map(crate::ckpt::Saver::finish).transpose();
     let (mine, others) = reports.map_err(|e| ExecError::Rank(format!("rank {rank}: {e}")))?;
