@@ -439,9 +439,10 @@ mod wire;
 pub use files::parse_step_folder;
 use files::*;
 pub use read::Checkpoint;
+pub(crate) use save::Offered;
 pub(crate) use save::Saver;
 use save::*;
-pub(crate) use wire::{recv_snapshot, send_snapshot};
+pub(crate) use wire::{offer, recv_offer, send_pieces, take_offer};
 
 fn io<'a>(path: &'a Path, what: &'a str) -> impl Fn(std::io::Error) -> String + 'a {
     move |e| format!("{}: {what}: {e}", path.display())

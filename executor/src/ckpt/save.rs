@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::shard::held_runs;
+use std::collections::HashSet;
 use std::ops::Range;
 
 /// What the writer needs of the run, owned so that it outlives the rank threads.
@@ -25,9 +26,44 @@ pub(super) type Writer = JoinHandle<Result<Vec<Saved>, String>>;
 pub(crate) struct Saver {
     pub(super) opts: SaveOptions,
     pub(super) meta: Arc<RunMeta>,
-    pub(super) pending: Mutex<BTreeMap<u64, Vec<RankSnapshot>>>,
+    pub(super) pending: Mutex<BTreeMap<u64, Pending>>,
     pub(super) writer: Mutex<Option<Writer>>,
 }
+
+/// A save step's snapshots so far.
+#[derive(Default)]
+pub(super) struct Pending {
+    snaps: Vec<RankSnapshot>,
+    /// The full-tensor elements of each piece kept, by weight: a data-parallel
+    /// replica's piece of the same elements (or a tensor rank's of a weight every
+    /// tensor rank holds whole) is not kept again, so the writer holds each value
+    /// once however many ranks hold it.
+    held: HashSet<(usize, Vec<Range<usize>>)>,
+}
+
+impl Pending {
+    /// [`Saver::wanted`] for this step.
+    pub(super) fn wanted(
+        &mut self,
+        graph: &Graph,
+        sites: &[WeightSite],
+        (tp, ep): (TpPos, TpPos),
+        pieces: &[Offered],
+    ) -> Result<Vec<bool>, String> {
+        let mut runs_cache: HashMap<usize, Vec<Range<usize>>> = HashMap::new();
+        let mut wanted = Vec::with_capacity(pieces.len());
+        for (key, start, len) in pieces {
+            let i = site_index(sites, key)?;
+            let runs = (runs_cache.entry(i)).or_insert_with(|| site_runs(graph, &sites[i], tp, ep));
+            let global = piece_runs(runs, *start, start + len).map(|(at, _)| at);
+            wanted.push(self.held.insert((i, global.collect())));
+        }
+        Ok(wanted)
+    }
+}
+
+/// A piece as a rank offers it: its weight, first local element and length.
+pub(crate) type Offered = (Key, usize, usize);
 
 impl Saver {
     /// Prepares the folder ([`SaveOptions::prepare`]) unless the caller did.
@@ -61,18 +97,37 @@ impl Saver {
         })
     }
 
-    /// Hands over a rank's state after `step` steps; the last rank starts the write.
-    pub fn deposit(&self, step: u64, snap: RankSnapshot) -> Result<(), String> {
+    /// Which of the pieces a rank at places `(tp, ep)` offers for `step` are not
+    /// copies of one kept so far (the same elements of the same weight); those are
+    /// counted as kept. A piece overlapping a kept one in part is kept too: the
+    /// writer places both, and replicas hold the same values.
+    pub(crate) fn wanted(
+        &self,
+        step: u64,
+        (tp, ep): (TpPos, TpPos),
+        pieces: &[Offered],
+    ) -> Result<Vec<bool>, String> {
         let mut pending = self
             .pending
             .lock()
             .map_err(|_| "checkpoint state poisoned")?;
-        let all = pending.entry(step).or_default();
+        let at = pending.entry(step).or_default();
+        at.wanted(&self.meta.graph, &self.meta.sites, (tp, ep), pieces)
+    }
+
+    /// Hands over a rank's state after `step` steps: the pieces [`Saver::wanted`]
+    /// chose of those it offered. The last rank starts the write.
+    pub(crate) fn deposit(&self, step: u64, snap: RankSnapshot) -> Result<(), String> {
+        let mut pending = self
+            .pending
+            .lock()
+            .map_err(|_| "checkpoint state poisoned")?;
+        let all = &mut pending.entry(step).or_default().snaps;
         all.push(snap);
         if all.len() < self.meta.world {
             return Ok(());
         }
-        let snaps = pending.remove(&step).unwrap_or_default();
+        let snaps = pending.remove(&step).unwrap_or_default().snaps;
         drop(pending);
         let mut writer = self
             .writer
@@ -145,7 +200,6 @@ pub(super) fn assemble(
     sites: &[WeightSite],
     snaps: &[RankSnapshot],
 ) -> Result<Vec<Full>, String> {
-    let by_key: HashMap<&Key, usize> = sites.iter().enumerate().map(|(i, s)| (&s.key, i)).collect();
     let mut full: Vec<[Vec<f32>; 3]> = sites
         .iter()
         .map(|s| {
@@ -160,14 +214,9 @@ pub(super) fn assemble(
     let mut runs_cache: HashMap<(usize, TpPos, TpPos), Vec<Range<usize>>> = HashMap::new();
     for snap in snaps {
         for p in &snap.pieces {
-            let &i = by_key
-                .get(&p.key)
-                .ok_or_else(|| format!("`{}` is not a weight of the model", p.key.0))?;
-            let site = &sites[i];
-            let runs = runs_cache.entry((i, snap.tp, snap.ep)).or_insert_with(|| {
-                let op = site.op(graph);
-                held_runs(graph, (op, op.role, site.id), &site.shape, snap.tp, snap.ep)
-            });
+            let i = site_index(sites, &p.key)?;
+            let runs = (runs_cache.entry((i, snap.tp, snap.ep)))
+                .or_insert_with(|| site_runs(graph, &sites[i], snap.tp, snap.ep));
             let held: usize = runs.iter().map(|r| r.len()).sum();
             let end = p.start + p.w.len();
             if end > held || p.m.len() != p.w.len() || p.v.len() != p.w.len() {
@@ -177,23 +226,11 @@ pub(super) fn assemble(
                     p.start,
                 ));
             }
-            // The piece's local elements, run by run, to their places in the full
-            // tensors.
-            let mut local = 0;
-            for r in runs.iter() {
-                let (a, b) = (local.max(p.start), (local + r.len()).min(end));
-                if a < b {
-                    let at = r.start + (a - local)..r.start + (b - local);
-                    let from = a - p.start..b - p.start;
-                    for (dst, src) in full[i].iter_mut().zip([&p.w, &p.m, &p.v]) {
-                        dst[at.clone()].copy_from_slice(&src[from.clone()]);
-                    }
-                    covered[i][at].fill(true);
+            for (at, from) in piece_runs(runs, p.start, end) {
+                for (dst, src) in full[i].iter_mut().zip([&p.w, &p.m, &p.v]) {
+                    dst[at.clone()].copy_from_slice(&src[from.clone()]);
                 }
-                local += r.len();
-                if local >= end {
-                    break;
-                }
+                covered[i][at].fill(true);
             }
         }
     }
@@ -210,6 +247,43 @@ pub(super) fn assemble(
         out.push((tensor_name("adam_v", &site.key), site.shape.clone(), v));
     }
     Ok(out)
+}
+
+/// The index of weight `key` among `sites`.
+fn site_index(sites: &[WeightSite], key: &Key) -> Result<usize, String> {
+    (sites.iter().position(|s| &s.key == key))
+        .ok_or_else(|| format!("`{}` is not a weight of the model", key.0))
+}
+
+/// The runs of the full tensor a rank at places `(tp, ep)` holds of `site`.
+fn site_runs(graph: &Graph, site: &WeightSite, tp: TpPos, ep: TpPos) -> Vec<Range<usize>> {
+    let op = site.op(graph);
+    held_runs(graph, (op, op.role, site.id), &site.shape, tp, ep)
+}
+
+/// The local elements `start..end` of a rank holding the full tensor's `runs` (in
+/// order), run by run: (where in the full tensor, where in the piece).
+fn piece_runs(
+    runs: &[Range<usize>],
+    start: usize,
+    end: usize,
+) -> impl Iterator<Item = (Range<usize>, Range<usize>)> + '_ {
+    let locals = runs.iter().scan(0, |local, r| {
+        let first = *local;
+        *local += r.len();
+        Some((first, r))
+    });
+    locals
+        .take_while(move |&(first, _)| first < end)
+        .filter_map(move |(first, r)| {
+            let (a, b) = (first.max(start), (first + r.len()).min(end));
+            (a < b).then(|| {
+                (
+                    r.start + (a - first)..r.start + (b - first),
+                    a - start..b - start,
+                )
+            })
+        })
 }
 
 /// An f32 tensor as safetensors writes it.

@@ -179,4 +179,80 @@ mod round_trip {
         let err = assemble(&g, &sites, &snaps).map(|_| ()).unwrap_err();
         assert!(err.contains("no rank owns element"), "{err}");
     }
+
+    /// Launched ranks (threads here) offer their snapshots to rank 0, which takes
+    /// only the pieces it has no copy of: of 2 data-parallel replicas of tp=2, rank
+    /// 0 receives the values of tensor rank 1's shards, once, and nothing of the
+    /// weights every rank holds whole; the tensors still assemble whole.
+    #[test]
+    fn replicas_send_the_writer_each_value_once() {
+        use crate::comm::{CommKind, Communicator, ThreadComm};
+        let g = graph("tiny-gpt");
+        let sites = model_weights(&g).unwrap();
+        let every: Vec<RankSnapshot> = (0..2).flat_map(|_| snapshots(&g, &sites, 2, 1)).collect();
+        let (g, sites, every) = (&g, &sites, &every);
+        let offered = |s: &RankSnapshot| -> Vec<Offered> {
+            (s.pieces.iter())
+                .map(|p| (p.key.clone(), p.start, p.w.len()))
+                .collect()
+        };
+        let copy = |s: &RankSnapshot| RankSnapshot {
+            tp: s.tp,
+            ep: s.ep,
+            pieces: (s.pieces.iter())
+                .map(|p| Piece {
+                    key: p.key.clone(),
+                    start: p.start,
+                    w: p.w.clone(),
+                    m: p.m.clone(),
+                    v: p.v.clone(),
+                })
+                .collect(),
+        };
+        let (kept, received) = std::thread::scope(|s| {
+            let ranks: Vec<_> = ThreadComm::create(4, None)
+                .into_iter()
+                .enumerate()
+                .map(|(rank, mut comm)| {
+                    s.spawn(move || {
+                        let mine = &every[rank];
+                        if rank != 0 {
+                            let wanted = offer(&mut comm, 0, (mine.tp, mine.ep), &offered(mine));
+                            let mut sent = copy(mine);
+                            let mut wanted = wanted.unwrap().into_iter();
+                            sent.pieces.retain(|_| wanted.next().unwrap());
+                            send_pieces(&mut comm, 0, &sent).unwrap();
+                            return None;
+                        }
+                        let mut pending = Pending::default();
+                        let own = pending.wanted(g, sites, (mine.tp, mine.ep), &offered(mine));
+                        assert!(own.unwrap().iter().all(|&w| w));
+                        let mut kept = vec![copy(mine)];
+                        for from in 1..4 {
+                            let offer = recv_offer(&mut comm, from).unwrap();
+                            let wanted = pending.wanted(g, sites, offer.place, &offer.pieces);
+                            kept.push(
+                                take_offer(&mut comm, from, offer, &wanted.unwrap()).unwrap(),
+                            );
+                        }
+                        let counts = comm.counts();
+                        let recv = counts.get(CommKind::Recv, "ckpt");
+                        Some((kept, recv.map_or(0, |c| c.payload_bytes)))
+                    })
+                })
+                .collect();
+            let out: Vec<_> = ranks.into_iter().map(|h| h.join().unwrap()).collect();
+            out.into_iter().flatten().next().unwrap()
+        });
+        let model: usize = sites
+            .iter()
+            .map(|s| s.shape.iter().product::<usize>())
+            .sum();
+        let own: usize = every[0].pieces.iter().map(|p| p.w.len()).sum();
+        // Weight, first and second moment, 4 bytes each, of what rank 0 lacks.
+        assert_eq!(received, 12 * (model - own) as u64);
+        assert!(kept[2].pieces.is_empty() && kept[3].pieces.is_empty());
+        let all = assemble(g, sites, every).unwrap();
+        assert!(assemble(g, sites, &kept).unwrap() == all);
+    }
 }

@@ -36,6 +36,7 @@ mod comm;
 mod experts;
 mod ops;
 mod run;
+mod snapshot;
 mod state;
 mod step;
 mod walk;

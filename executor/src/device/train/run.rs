@@ -133,18 +133,30 @@ impl<'a> Run<'a> {
 impl Run<'_> {
     /// Hands rank `r`'s state after `done` steps to the writer: in this process,
     /// or, each rank a process, over the communicator to rank 0, which receives
-    /// every other rank's in rank order.
+    /// from every other rank in rank order the pieces it holds no copy of yet.
     fn save<D: Device>(&self, r: &mut DevRank<'_, D>, done: u64) -> Result<(), RankError> {
-        let snap = r.snapshot()?;
+        let (place, offered) = ((r.tp, r.ep), r.offer()?);
         let before = r.comm.counts();
         match &self.saver {
-            None if self.launched => crate::ckpt::send_snapshot(&mut *r.comm, 0, &snap)?,
+            None if self.launched => {
+                let wanted = crate::ckpt::offer(&mut *r.comm, 0, place, &offered)?;
+                let snap = r.snapshot(&wanted)?;
+                crate::ckpt::send_pieces(&mut *r.comm, 0, &snap)?;
+            }
             None => {}
             Some(sv) => {
-                sv.deposit(done, snap).map_err(fail)?;
+                let wanted = sv.wanted(done, place, &offered).map_err(fail)?;
+                sv.deposit(done, r.snapshot(&wanted)?).map_err(fail)?;
                 if self.launched {
                     for from in 1..self.plan.ranks.len() {
-                        let snap = crate::ckpt::recv_snapshot(&mut *r.comm, from)?;
+                        let offer = crate::ckpt::recv_offer(&mut *r.comm, from)?;
+                        let wanted = sv.wanted(done, offer.place, &offer.pieces);
+                        let snap = crate::ckpt::take_offer(
+                            &mut *r.comm,
+                            from,
+                            offer,
+                            &wanted.map_err(fail)?,
+                        )?;
                         sv.deposit(done, snap).map_err(fail)?;
                     }
                 }

@@ -1,6 +1,6 @@
 //! The step list: gradient buckets (started early during the last backward),
 //! ZeRO 1-3's reduce-scatters, gathers and part updates, sums over tp and between
-//! stages, AdamW, and this rank's part of a checkpoint.
+//! stages, and AdamW.
 
 use super::*;
 
@@ -145,7 +145,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
     }
 
-    fn layout(&self, set: ParamSet) -> &[(Key, usize)] {
+    pub(super) fn layout(&self, set: ParamSet) -> &[(Key, usize)] {
         self.zero.layouts.get(&set).map_or(&[], Vec::as_slice)
     }
 
@@ -376,84 +376,6 @@ impl<'a, D: Device> DevRank<'a, D> {
     pub(super) fn index_in(&self, g: &Group) -> Result<usize, RankError> {
         g.index_of(self.rank)
             .ok_or_else(|| fail(format!("rank {} is not in group {}", self.rank, g.id)))
-    }
-
-    /// This rank's part of a checkpoint: the weights whose moments it holds (whole
-    /// weights, or under ZeRO its parts of the flat vector), with those moments.
-    pub(super) fn snapshot(&self) -> Result<crate::ckpt::RankSnapshot, RankError> {
-        let e = derr("checkpoint");
-        let download = |key: &Key| -> Result<Vec<f32>, RankError> {
-            let w = self
-                .weights
-                .master
-                .get(key)
-                .ok_or_else(|| fail("weight missing"))?;
-            self.dev.f32_download(w).map_err(&e)
-        };
-        let mut pieces = Vec::new();
-        for (key, (m, v)) in &self.weights.adam {
-            pieces.push(crate::ckpt::Piece {
-                key: key.clone(),
-                start: 0,
-                w: download(key)?,
-                m: self.dev.f32_download(m).map_err(&e)?,
-                v: self.dev.f32_download(v).map_err(&e)?,
-            });
-        }
-        // Under ZeRO each weight is read back once, however many parts it spans: the
-        // parts of the flat vector (ZeRO 1 and 2), where this rank's masters are the
-        // up-to-date ones; under ZeRO-3 the parts it holds of each segment copy's.
-        type Part<'r, D> = (
-            Layout,
-            usize,
-            &'r Moments<D>,
-            Option<&'r <D as Device>::F32>,
-        );
-        let mut parts: Vec<Part<'_, D>> = self
-            .zero
-            .shard_adam
-            .iter()
-            .map(|(&(set, start), mv)| (self.layout(set).to_vec(), start, mv, None))
-            .collect();
-        for (copy, mv) in &self.zero.z3.adam {
-            let (layout, start, part) = self.zero3_part(*copy)?;
-            parts.push((layout.clone(), start, mv, Some(part)));
-        }
-        let mut masters: BTreeMap<Key, Vec<f32>> = BTreeMap::new();
-        for (layout, start, (m, v), part) in parts {
-            let (m, v) = (
-                self.dev.f32_download(m).map_err(&e)?,
-                self.dev.f32_download(v).map_err(&e)?,
-            );
-            let part = match part {
-                Some(p) => Some(self.dev.f32_download(p).map_err(&e)?),
-                None => None,
-            };
-            for (key, src, dst, len) in pieces_of(&layout, start, start + m.len()) {
-                let w = match &part {
-                    Some(p) => p[dst..dst + len].to_vec(),
-                    None => {
-                        if !masters.contains_key(&key) {
-                            masters.insert(key.clone(), download(&key)?);
-                        }
-                        let w = masters.get(&key).ok_or_else(|| fail("weight missing"))?;
-                        w[src..src + len].to_vec()
-                    }
-                };
-                pieces.push(crate::ckpt::Piece {
-                    start: src,
-                    w,
-                    m: m[dst..dst + len].to_vec(),
-                    v: v[dst..dst + len].to_vec(),
-                    key,
-                });
-            }
-        }
-        Ok(crate::ckpt::RankSnapshot {
-            tp: self.tp,
-            ep: self.ep,
-            pieces,
-        })
     }
 
     /// ZeRO's AdamW: each reduced part of the flat gradient updates the same part of
