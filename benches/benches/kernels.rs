@@ -2,7 +2,8 @@
 //! products': LayerNorm and RMSNorm (a training step calls each 13 times) and
 //! causal attention (6 times), forward and backward, at small-gpt's shape (8
 //! sequences of 256 tokens, hidden 384, 6 heads of 64), on the calling thread
-//! (outside a pool a kernel runs on one).
+//! (outside a pool a kernel runs on one); and picking a generated token, greedy
+//! or sampled, from a real vocabulary.
 //!
 //! Run: `cargo bench -p meshplan-benches --bench kernels`.
 
@@ -161,6 +162,40 @@ fn bench(c: &mut Criterion) {
             let ins = (&y[..], &lse[..], &dy[..]);
             attention_bwd_qkv(&dims, qkv, ins, (0, 0), true, scale, grads, None)
                 .expect("the shapes agree")
+        })
+    });
+    g.finish();
+    bench_pick(c);
+}
+
+/// Picking the next token of 4 requests from Llama 3's vocabulary (128,256), the
+/// logits uniform in [-5, 5): greedily, and drawn at temperature 0.8 within a
+/// nucleus of 0.9.
+fn bench_pick(c: &mut Criterion) {
+    use meshplan_kernels::cpu::{argmax_parts, sample_parts, Nucleus, Picks};
+    let (rows, vocab) = (4, 128_256);
+    let x: Vec<f32> = values(rows * vocab, 5).iter().map(|v| 5.0 * v).collect();
+    let d = Picks {
+        parts: 1,
+        rows,
+        cols: vocab,
+        limit: vocab,
+    };
+    let mut g = c.benchmark_group("next token of 4 rows of 128256 logits, 1 thread");
+    g.bench_function("argmax_parts", |bn| {
+        bn.iter(|| argmax_parts(black_box(&x), d).expect("the shapes agree"))
+    });
+    let mut step = 0;
+    g.bench_function("sample_parts", |bn| {
+        bn.iter(|| {
+            step += 1;
+            let s = Nucleus {
+                temperature: 0.8,
+                top_p: 0.9,
+                seed: 1,
+                step,
+            };
+            sample_parts(black_box(&x), d, s, &[0, 1, 2, 3]).expect("the shapes agree")
         })
     });
     g.finish();

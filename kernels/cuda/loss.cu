@@ -186,3 +186,152 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS)
         tokens[r] = (si[0] >= limit || first != first) ? 0u : (u32)si[0];
     }
 }
+
+// Temperature and nucleus sampling of each row of fp32 logits gathered
+// [parts, rows, cols] (cpu/loss.rs `sample_parts`) on the same integer weights,
+// round(exp((x - max) / t) * 2^40), whose sums are exact in any order, so that it
+// draws the CPU's token. One block per row. Instead of sorting, a radix select on
+// the weights' bits finds the nucleus's last weight and then the drawn token's.
+
+// The largest digit of a 48-bit weight: 2^40 (the row's largest logit) has bit 40.
+#define SAMPLE_TOP_SHIFT 40
+
+__device__ __forceinline__ float logit_at(const float* x, int rows, int cols, int r, int g) {
+    return x[((i64)(g / cols) * rows + r) * cols + g % cols];
+}
+
+__device__ __forceinline__ u64 sample_weight(float v, float m, double t) {
+    if (v != v) return 0ull;
+    return (u64)round(exp(((double)v - (double)m) / t) * 1099511627776.0);
+}
+
+// The block's sum of each thread's `v` (blockDim.x a power of two), for every thread.
+__device__ u64 block_sum_u64(u64 v, u64* sh) {
+    const int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) sh[t] += sh[t + s];
+        __syncthreads();
+    }
+    const u64 out = sh[0];
+    __syncthreads();
+    return out;
+}
+
+// The largest weight w of row r with S(>= w) >= need (S(>= w): the sum of the
+// weights at least w; need at most the row's total) into sel[0], and S(> w) into
+// sel[1]: digit by digit from the top, the largest digit whose weights, with all
+// heavier ones, still reach `need`.
+__device__ void select_weight(const float* x, int rows, int cols, int limit, int r, float m,
+                              double t, u64 need, u64* hist, u64* sel) {
+    u64 prefix = 0, above = 0;
+    for (int shift = SAMPLE_TOP_SHIFT; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += blockDim.x) hist[i] = 0;
+        __syncthreads();
+        for (int g = threadIdx.x; g < limit; g += blockDim.x) {
+            const u64 q = sample_weight(logit_at(x, rows, cols, r, g), m, t);
+            if ((q >> (shift + 8)) == prefix) atomicAdd(&hist[(q >> shift) & 255], q);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int d = 255;
+            u64 acc = above;
+            for (; d > 0; --d) {
+                if (acc + hist[d] >= need) break;
+                acc += hist[d];
+            }
+            sel[0] = (prefix << 8) | (u64)d;
+            sel[1] = acc;
+        }
+        __syncthreads();
+        prefix = sel[0];
+        above = sel[1];
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(CE_THREADS)
+    sample_parts_f32(const float* x, int rows, int cols, int limit, const u32* requests,
+                     float temperature, float top_p, u64 seed, u64 step, u32* tokens) {
+    __shared__ u64 sh[CE_THREADS];
+    __shared__ float sm[CE_THREADS];
+    __shared__ u64 hist[256];
+    __shared__ u64 sel[2];
+    const int r = blockIdx.x;
+    const int t = threadIdx.x;
+    float m = NEG_INF;
+    for (int g = t; g < limit; g += blockDim.x) m = fmaxf(m, logit_at(x, rows, cols, r, g));
+    sm[t] = m;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+        if (t < s) sm[t] = fmaxf(sm[t], sm[t + s]);
+        __syncthreads();
+    }
+    m = sm[0];
+    if (!isfinite(m)) {
+        // The first column holding the infinite largest logit; 0 for a row of NaNs.
+        u64 first = (u64)limit;
+        for (int g = t; g < limit; g += blockDim.x) {
+            if (logit_at(x, rows, cols, r, g) == m) {
+                first = (u64)g;
+                break;
+            }
+        }
+        sh[t] = first;
+        __syncthreads();
+        for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+            if (t < s && sh[t + s] < sh[t]) sh[t] = sh[t + s];
+            __syncthreads();
+        }
+        if (t == 0) tokens[r] = sh[0] >= (u64)limit ? 0u : (u32)sh[0];
+        return;
+    }
+    const double tt = (double)temperature;
+    u64 z = 0;
+    for (int g = t; g < limit; g += blockDim.x) z += sample_weight(logit_at(x, rows, cols, r, g), m, tt);
+    z = block_sum_u64(z, sh);
+    u64 need = (u64)ceil((double)top_p * (double)z);
+    need = need < 1 ? 1 : (need > z ? z : need);
+    // The nucleus: every weight above w1, then the first k columns of weight w1.
+    select_weight(x, rows, cols, limit, r, m, tt, need, hist, sel);
+    const u64 w1 = sel[0], above1 = sel[1];
+    const u64 k = (need - above1 + w1 - 1) / w1;
+    const u64 mass = above1 + k * w1;
+    const u64 key = splitmix(seed ^ splitmix((u64)requests[r] * 0x9e3779b9ull + step));
+    const double u = (double)(key >> 11) / 9007199254740992.0;
+    u64 at = (u64)(u * (double)mass);
+    if (at >= mass) at = mass - 1;
+    // The token: the first whose running weight exceeds `at`, the j-th column of
+    // weight w2 (w2 >= w1, and j < k where w2 == w1).
+    select_weight(x, rows, cols, limit, r, m, tt, at + 1, hist, sel);
+    const u64 w2 = sel[0], above2 = sel[1];
+    const u64 j = (at - above2) / w2;
+    const int chunk = (limit + blockDim.x - 1) / blockDim.x;
+    const int a = min(t * chunk, limit);
+    const int b = min(a + chunk, limit);
+    u64 c = 0;
+    for (int g = a; g < b; ++g) c += sample_weight(logit_at(x, rows, cols, r, g), m, tt) == w2;
+    sh[t] = c;
+    __syncthreads();
+    if (t == 0) {
+        u64 acc = 0;
+        for (int i = 0; i < blockDim.x; ++i) {
+            const u64 ci = sh[i];
+            sh[i] = acc;
+            acc += ci;
+        }
+    }
+    __syncthreads();
+    u64 n = sh[t];
+    if (j >= n && j < n + c) {
+        for (int g = a; g < b; ++g) {
+            if (sample_weight(logit_at(x, rows, cols, r, g), m, tt) != w2) continue;
+            if (n == j) {
+                tokens[r] = (u32)g;
+                break;
+            }
+            ++n;
+        }
+    }
+}

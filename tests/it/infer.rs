@@ -1958,14 +1958,14 @@ fn mixed_precision_inference_stays_within_the_tolerance() {
 /// Inference keeps its work on the device: what crosses between the host and
 /// the device (counted on the host device, where a GPU run would cross the bus)
 /// is the weights once, then per generated token only the pass's ids: tokens to
-/// the first stage and positions to every stage going up, and, decoding greedily,
-/// each request's token coming back from each last-stage tensor rank, picked on
-/// the device. The logits come back only where the report keeps them (each
-/// request's first and last token's, on the one rank that records): never the
-/// prompt's other rows, an activation or the KV cache. Sampling with a temperature
-/// reads each request's last row of logits back on every last-stage tensor rank.
+/// the first stage and positions to every stage going up, and each request's
+/// token coming back from each last-stage tensor rank, picked on the device. The
+/// logits come back only where the report keeps them (each request's first and
+/// last token's, on the one rank that records): never the prompt's other rows, an
+/// activation or the KV cache. Sampling with a temperature draws on the device
+/// too: only the requests' indices go up besides.
 #[test]
-fn a_greedy_token_moves_its_ids_only_and_a_sampled_one_its_logits() {
+fn a_generated_token_moves_its_ids_only_greedy_or_sampled() {
     use crate::device::crossings::{per_token, Audited};
     use meshplan_executor::device::Crossing::{ActUp, F32Down, IdsDown, IdsUp};
     use meshplan_executor::infer::infer_on;
@@ -2017,16 +2017,22 @@ fn a_greedy_token_moves_its_ids_only_and_a_sampled_one_its_logits() {
             [ActUp, IdsUp, F32Down, IdsDown],
             "{cfg}"
         );
-        let (_, token) = ledgers(sampled);
+        let (three, token) = ledgers(sampled);
         assert_eq!(
-            token.get(&F32Down).map(|c| c.1),
-            Some(requests * tp * vocab),
+            token.get(&IdsUp).map(|c| c.1),
+            Some(ids + requests * tp),
             "{cfg}: {token:?}"
         );
         assert_eq!(
-            token.keys().copied().collect::<Vec<_>>(),
-            [IdsUp, F32Down],
+            token.get(&IdsDown).map(|c| c.1),
+            Some(requests * tp),
             "{cfg}: {token:?}"
+        );
+        assert_eq!(token.len(), 2, "{cfg}: {token:?}");
+        assert_eq!(
+            three.get(&F32Down).map(|c| c.1),
+            Some(2 * requests * vocab),
+            "{cfg}"
         );
     }
 }

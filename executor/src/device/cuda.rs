@@ -10,7 +10,7 @@
 
 use super::{
     range_err, rows_of, AdamW, Attn, AttnBwd, AttnGrads, AttnOut, Ce, CeOut, CombineBwd, DResult,
-    Device, DeviceError, Embed, Merge, Norm, NormBwd, NormOut, RopeQkv, Routed,
+    Device, DeviceError, Draw, Embed, Merge, Norm, NormBwd, NormOut, RopeQkv, Routed,
 };
 use crate::comm::Communicator;
 use meshplan_ir::NormKind;
@@ -373,9 +373,15 @@ impl Device for CudaDevice {
         self.gpu.cast_bf16_to_f32(x, &mut y)?;
         Ok(y)
     }
-    fn argmax(&self, x: &F, d: Picks) -> DResult<Vec<u32>> {
+    fn pick(&self, x: &F, d: Picks, draw: Option<Draw<'_>>) -> DResult<Vec<u32>> {
         let mut tokens = self.gpu.zeros::<u32>(d.rows)?;
-        self.gpu.argmax_parts(x, d, &mut tokens)?;
+        match draw {
+            None => self.gpu.argmax_parts(x, d, &mut tokens)?,
+            Some((s, requests)) => {
+                let requests = self.gpu.upload(requests)?;
+                self.gpu.sample_parts(x, d, s, &requests, &mut tokens)?;
+            }
+        }
         Ok(self.gpu.download(&tokens)?)
     }
     fn adamw(&self, a: AdamW<'_, Self>) -> DResult<()> {

@@ -20,7 +20,8 @@ use crate::comm::Communicator;
 pub use comm::{CResult, DeviceComm, Kind, On};
 use meshplan_ir::NormKind;
 use meshplan_kernels::cpu::{
-    self as k, AttnDims, AttnDropout, GemmAt, KernelError, MoeDims, Picks, Rope, RowDropout,
+    self as k, AttnDims, AttnDropout, GemmAt, KernelError, MoeDims, Nucleus, Picks, Rope,
+    RowDropout,
 };
 
 pub mod comm;
@@ -200,6 +201,9 @@ pub struct CombineBwd<'a, D: Device + ?Sized> {
     pub d_y: &'a mut D::Act,
     pub d_wts: &'a mut D::F32,
 }
+
+/// A draw of tokens: the sampling, and each row's request index.
+pub type Draw<'a> = (Nucleus, &'a [u32]);
 
 /// A device: buffers and the kernels over them. Launches may be asynchronous; a
 /// download waits for the work before it.
@@ -441,9 +445,11 @@ pub trait Device: Send + Sync {
 
     /// `x` in fp32 (exact) in a new buffer: logits before their gather and pick.
     fn act_to_f32(&self, x: &Self::Act) -> DResult<Self::F32>;
-    /// Greedy decoding's token of each row of logits gathered `[parts, rows, cols]`
-    /// (`kernels::cpu::argmax_parts`): only the tokens leave the device.
-    fn argmax(&self, x: &Self::F32, d: Picks) -> DResult<Vec<u32>>;
+    /// The token of each row of logits gathered `[parts, rows, cols]`: greedy
+    /// (`kernels::cpu::argmax_parts`), or drawn for each row's request with a
+    /// temperature and nucleus (`kernels::cpu::sample_parts`; the request indices go
+    /// up). Only the tokens leave the device.
+    fn pick(&self, x: &Self::F32, d: Picks, draw: Option<Draw<'_>>) -> DResult<Vec<u32>>;
 
     /// One AdamW step of `a.param` (fp32 master) in place, and its compute copy
     /// refreshed.
@@ -857,9 +863,16 @@ impl<H: HostPrecision> Device for H {
     fn act_to_f32(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
         Ok(x.clone())
     }
-    fn argmax(&self, x: &Vec<f32>, d: Picks) -> DResult<Vec<u32>> {
+    fn pick(&self, x: &Vec<f32>, d: Picks, draw: Option<Draw<'_>>) -> DResult<Vec<u32>> {
+        let tokens = match draw {
+            None => k::argmax_parts(x, d)?,
+            Some((s, requests)) => {
+                H::crossed(Crossing::IdsUp, requests.len());
+                k::sample_parts(x, d, s, requests)?
+            }
+        };
         H::crossed(Crossing::IdsDown, d.rows);
-        Ok(k::argmax_parts(x, d)?)
+        Ok(tokens)
     }
     fn adamw(&self, a: AdamW<'_, Self>) -> DResult<()> {
         let (b1, b2, eps, wd) = a.hyper;

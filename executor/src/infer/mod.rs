@@ -37,7 +37,7 @@ use crate::device::walk::{self, Coll, Forward};
 use crate::device::{derr, AttnOut, DResult, Device, HostDevice};
 use crate::moe::Routing;
 use crate::program::{build_groups, fixed_shape, mesh_place, segment_input, segment_output};
-use crate::sample::{sample, Sampling};
+use crate::sample::Sampling;
 use crate::shard::TpPos;
 use crate::train::{fail, rank_outs, ExecError, NO_LAYER};
 use crate::weights::Checkpoint;
@@ -520,8 +520,8 @@ impl Progress {
     }
 
     /// Chooses the tokens of slots `j0..` at step `step` from the pass's last logits
-    /// `l` (step 0: the first token, from the prefill's): greedily on the device,
-    /// which hands back only the tokens, or with a temperature on the host. The
+    /// `l` (step 0: the first token, from the prefill's) on the device, greedily or
+    /// drawn, which hands back only the tokens. The
     /// recording rank (`now`, the time since the start, records the tokens) also
     /// downloads the logits when the report keeps a row of them: every first
     /// token's, a slot's last token's (at the last step or an end of sequence)
@@ -535,14 +535,11 @@ impl Progress {
         now: Option<Duration>,
     ) -> DResult<()> {
         let width = l.picks.limit;
-        let mut rows = None;
-        let picked = if sampling.is_greedy() {
-            dev.argmax(&l.buf, l.picks)?
-        } else {
-            let host: &[f32] = rows.insert(l.rows(dev)?);
-            let draw = |(i, row)| sample(row, sampling, self.ids[j0 + i] as u64, step as u64);
-            host.chunks_exact(width).enumerate().map(draw).collect()
-        };
+        let requests: Vec<u32> = (self.ids[j0..j0 + l.picks.rows].iter())
+            .map(|&i| i as u32)
+            .collect();
+        let draw = sampling.nucleus(step as u64).map(|s| (s, &requests[..]));
+        let picked = dev.pick(&l.buf, l.picks, draw)?;
         let kept = |(i, &t): (usize, &u32)| {
             let j = j0 + i;
             !self.ended[j]
@@ -551,9 +548,8 @@ impl Progress {
                     || self.step_logits
                     || self.eos.contains(&t))
         };
-        if now.is_some() && rows.is_none() && picked.iter().enumerate().any(kept) {
-            rows = Some(l.rows(dev)?);
-        }
+        let keeps = now.is_some() && picked.iter().enumerate().any(kept);
+        let rows = keeps.then(|| l.rows(dev)).transpose()?;
         for (i, &t) in picked.iter().enumerate() {
             let row = rows.as_deref().map(|r| &r[i * width..(i + 1) * width]);
             self.take_token((j0 + i, step), t, row, now);

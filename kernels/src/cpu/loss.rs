@@ -14,7 +14,7 @@
 
 #![allow(clippy::too_many_arguments)]
 
-use super::{check_len, lanes_max, par_rows, prod, KernelError, LANES};
+use super::{check_len, lanes_max, par_rows, prod, splitmix, KernelError, LANES};
 
 fn check_logits(logits: &[f32], rows: usize, v_local: usize) -> Result<(), KernelError> {
     check_len("logits", logits.len(), prod("logits", &[rows, v_local])?)
@@ -287,6 +287,110 @@ pub fn argmax_parts(x: &[f32], d: Picks) -> Result<Vec<u32>, KernelError> {
     Ok((0..d.rows).map(pick).collect())
 }
 
+/// Temperature and nucleus (top-p) sampling: the softmax temperature (> 0), the
+/// nucleus mass in (0, 1], and the generator's seed and the generation step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Nucleus {
+    /// Softmax temperature, > 0.
+    pub temperature: f32,
+    /// Nucleus mass, in (0, 1].
+    pub top_p: f32,
+    /// Seed of the draws.
+    pub seed: u64,
+    /// Generation step (0: the first token).
+    pub step: u64,
+}
+
+/// A token's weight in [`sample_parts`] is `exp((x - max) / T)` in units of
+/// `2^-40`: integers, so that sums are exact in any order, on any device.
+pub const WEIGHT_ONE: f64 = (1u64 << 40) as f64;
+
+/// The uniform in [0, 1) that `request` draws at `step` (SplitMix64 of the three).
+pub fn sample_uniform(seed: u64, request: u64, step: u64) -> f64 {
+    let k = splitmix(seed ^ splitmix(request.wrapping_mul(0x9e37_79b9).wrapping_add(step)));
+    (k >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// A logit's weight: `round(exp((x - max) / t) * 2^40)`, 0 for a NaN.
+fn weight(x: f32, max: f32, t: f64) -> u64 {
+    if x.is_nan() {
+        return 0;
+    }
+    (((f64::from(x) - f64::from(max)) / t).exp() * WEIGHT_ONE).round() as u64
+}
+
+/// The largest of the weights `q` with `S(>= w) >= need` (`S(>= w)`: the sum of
+/// the weights at least `w`; `need` at most their total), and `S(> w)`: a radix
+/// select from the top digit of 8 bits down (the largest weight, 2^40, has bit
+/// 40), keeping the largest digit whose weights, with every heavier one, still
+/// reach `need`. The CUDA kernel selects alike.
+fn select_weight(q: &[u64], need: u64) -> (u64, u64) {
+    let (mut prefix, mut above) = (0u64, 0u64);
+    for shift in (0..=40).rev().step_by(8) {
+        let mut hist = [0u64; 256];
+        for &w in q {
+            if w >> (shift + 8) == prefix {
+                hist[((w >> shift) & 255) as usize] += w;
+            }
+        }
+        let mut d = 255;
+        while d > 0 && above + hist[d] < need {
+            above += hist[d];
+            d -= 1;
+        }
+        prefix = (prefix << 8) | d as u64;
+    }
+    (prefix, above)
+}
+
+/// Samples each row of logits laid out as for [`argmax_parts`], row `r` drawing
+/// for request `requests[r]`. Every token weighs [`weight`] (integers, so every
+/// device sums them alike); in order of decreasing weight, equal ones by column,
+/// the nucleus is the shortest prefix whose weight reaches `ceil(top_p * Z)` of
+/// the row's total `Z`, and the token is the first whose running weight exceeds
+/// `floor(u * mass)` of the nucleus's `mass`, `u` the request's
+/// [`sample_uniform`]. Both are found without sorting ([`select_weight`]). A row whose largest logit (NaNs aside) is infinite picks the
+/// first column holding it, and a row of NaNs column 0.
+pub fn sample_parts(
+    x: &[f32],
+    d: Picks,
+    s: Nucleus,
+    requests: &[u32],
+) -> Result<Vec<u32>, KernelError> {
+    check_picks(x.len(), d)?;
+    check_len("requests", requests.len(), d.rows)?;
+    if !(s.temperature > 0.0 && s.temperature.is_finite() && s.top_p > 0.0 && s.top_p <= 1.0) {
+        return Err(KernelError::Invalid {
+            name: "nucleus",
+            reason: format!("temperature {} and top_p {}", s.temperature, s.top_p),
+        });
+    }
+    let t = f64::from(s.temperature);
+    let pick = |r: usize| {
+        let part = |p: usize| &x[(p * d.rows + r) * d.cols..][..d.cols];
+        let row: Vec<f32> = (0..d.parts).flat_map(part).take(d.limit).copied().collect();
+        let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        if !max.is_finite() {
+            return row.iter().position(|&v| v == max).unwrap_or(0) as u32;
+        }
+        let q: Vec<u64> = row.iter().map(|&v| weight(v, max, t)).collect();
+        let z: u64 = q.iter().sum();
+        let need = ((f64::from(s.top_p) * z as f64).ceil() as u64).clamp(1, z);
+        // The nucleus: every weight above w1, then the first k columns of weight w1.
+        let (w1, above1) = select_weight(&q, need);
+        let mass = above1 + (need - above1).div_ceil(w1) * w1;
+        let u = sample_uniform(s.seed, u64::from(requests[r]), s.step);
+        let at = ((u * mass as f64) as u64).min(mass - 1);
+        // The token: the first whose running weight exceeds `at`, the j-th column of
+        // weight w2 (w2 >= w1, and within the nucleus where w2 == w1).
+        let (w2, above2) = select_weight(&q, at + 1);
+        let j = ((at - above2) / w2) as usize;
+        let token = q.iter().enumerate().filter(|&(_, &w)| w == w2).nth(j);
+        token.map_or(0, |(g, _)| g as u32)
+    };
+    Ok((0..d.rows).map(pick).collect())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -531,5 +635,188 @@ mod tests {
         assert!(argmax_parts(&y, Picks { limit: 0, ..one }).is_err());
         assert!(argmax_parts(&y, Picks { limit: 5, ..one }).is_err());
         assert!(argmax_parts(&y[..3], one).is_err());
+    }
+
+    /// Draws of `n` requests (0..n) at `step` from one row.
+    fn draws(row: &[f32], top_p: f32, seed: u64, step: u64, n: u32) -> Vec<u32> {
+        let d = Picks {
+            parts: 1,
+            rows: 1,
+            cols: row.len(),
+            limit: row.len(),
+        };
+        let s = Nucleus {
+            temperature: 1.0,
+            top_p,
+            seed,
+            step,
+        };
+        (0..n)
+            .map(|r| sample_parts(row, d, s, &[r]).unwrap()[0])
+            .collect()
+    }
+
+    #[test]
+    fn equal_logits_split_the_draw_by_the_nucleus() {
+        // Four equal logits weigh 2^40 each (exp(0) = 1). top_p 1: Z = 2^42, the
+        // nucleus is all four, and the token is floor(u * 4). top_p 0.5: need = 2^41,
+        // the nucleus is columns 0 and 1 (equal weights by column), token floor(u * 2).
+        let n = 64;
+        let u: Vec<f64> = (0..n).map(|r| sample_uniform(7, r as u64, 3)).collect();
+        let want = |k: f64| u.iter().map(|u| (u * k) as u32).collect::<Vec<_>>();
+        assert_eq!(draws(&[0.0; 4], 1.0, 7, 3, n), want(4.0));
+        assert_eq!(draws(&[0.0; 4], 0.5, 7, 3, n), want(2.0));
+        // Shards of 2 and a padding column: three equal columns count, floor(u * 3).
+        let x = [0.0, 0.0, 0.0, 9.0];
+        let d = Picks {
+            parts: 2,
+            rows: 1,
+            cols: 2,
+            limit: 3,
+        };
+        let s = Nucleus {
+            temperature: 0.7,
+            top_p: 1.0,
+            seed: 7,
+            step: 3,
+        };
+        let three: Vec<u32> = (0..n)
+            .map(|r| sample_parts(&x, d, s, &[r]).unwrap()[0])
+            .collect();
+        assert_eq!(three, want(3.0));
+        assert!(three.contains(&2) && !three.contains(&3));
+    }
+
+    #[test]
+    fn the_nucleus_keeps_the_heaviest_and_never_a_nan() {
+        // Weights 2^40 and 2^40 e^-10: top_p 0.5 needs less than column 1 holds.
+        assert!(draws(&[0.0, 10.0], 0.5, 1, 0, 50).iter().all(|&t| t == 1));
+        assert!(draws(&[f32::NAN, 0.0, f32::NAN], 1.0, 1, 0, 50)
+            .iter()
+            .all(|&t| t == 1));
+        // No finite largest logit: its first column, or 0 for a row of NaNs.
+        assert_eq!(
+            draws(&[1.0, f32::INFINITY, f32::INFINITY], 1.0, 1, 0, 1),
+            [1]
+        );
+        assert_eq!(draws(&[f32::NEG_INFINITY; 3], 1.0, 1, 0, 1), [0]);
+        assert_eq!(draws(&[f32::NAN; 3], 1.0, 1, 0, 1), [0]);
+        let one = Picks {
+            parts: 1,
+            rows: 1,
+            cols: 2,
+            limit: 2,
+        };
+        let s = Nucleus {
+            temperature: 1.0,
+            top_p: 1.0,
+            seed: 0,
+            step: 0,
+        };
+        for bad in [
+            Nucleus {
+                temperature: 0.0,
+                ..s
+            },
+            Nucleus { top_p: 0.0, ..s },
+            Nucleus { top_p: 1.5, ..s },
+        ] {
+            assert!(
+                sample_parts(&[0.0, 1.0], one, bad, &[0]).is_err(),
+                "{bad:?}"
+            );
+        }
+        assert!(sample_parts(&[0.0, 1.0], one, s, &[]).is_err());
+    }
+
+    #[test]
+    fn frequencies_follow_the_softmax_within_the_nucleus() {
+        // p = softmax([0, ln 2, ln 3]) = [1/6, 2/6, 3/6].
+        let row = [0.0, 2f32.ln(), 3f32.ln()];
+        let n = 30_000u64;
+        let count = |top_p: f32, seed: u64| {
+            let mut c = [0usize; 3];
+            for step in 0..n {
+                c[draws(&row, top_p, seed, step, 1)[0] as usize] += 1;
+            }
+            c.map(|k| k as f64 / n as f64)
+        };
+        let within = |got: f64, want: f64| {
+            // Five standard deviations of a binomial proportion.
+            let sd = (want * (1.0 - want) / n as f64).sqrt();
+            assert!((got - want).abs() < 5.0 * sd, "{got} vs {want}");
+        };
+        for (got, want) in count(1.0, 5).iter().zip([1.0 / 6.0, 2.0 / 6.0, 3.0 / 6.0]) {
+            within(*got, want);
+        }
+        // top_p 0.75 keeps 3/6 + 2/6: renormalised, 2/5 and 3/5, never column 0.
+        let c = count(0.75, 5);
+        assert_eq!(c[0], 0.0);
+        within(c[2], 0.6);
+        // The same seed draws the same tokens; another does not.
+        assert_eq!(draws(&row, 1.0, 1, 4, 64), draws(&row, 1.0, 1, 4, 64));
+        assert_ne!(draws(&row, 1.0, 1, 4, 64), draws(&row, 1.0, 2, 4, 64));
+    }
+
+    #[test]
+    fn selecting_draws_what_sorting_draws() {
+        // The definition, walked in sorted order, on rows of ties (a coarse grid)
+        // and of distinct values, over temperatures, nuclei and steps.
+        fn sorted_walk(row: &[f32], s: Nucleus, request: u32) -> u32 {
+            let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let q: Vec<u64> = row
+                .iter()
+                .map(|&v| weight(v, max, f64::from(s.temperature)))
+                .collect();
+            let mut order: Vec<usize> = (0..q.len()).collect();
+            order.sort_by(|&a, &b| q[b].cmp(&q[a]).then(a.cmp(&b)));
+            let z: u64 = q.iter().sum();
+            let need = ((f64::from(s.top_p) * z as f64).ceil() as u64).clamp(1, z);
+            let (mut mass, mut kept) = (0, 0);
+            while mass < need {
+                mass += q[order[kept]];
+                kept += 1;
+            }
+            let u = sample_uniform(s.seed, u64::from(request), s.step);
+            let at = ((u * mass as f64) as u64).min(mass - 1);
+            let mut acc = 0;
+            let g = order[..kept].iter().find(|&&g| {
+                acc += q[g];
+                acc > at
+            });
+            *g.unwrap() as u32
+        }
+        let mut rng = Rng::new(41);
+        for (cols, grid) in [(7, 1.0), (300, 2.0), (5000, 0.0), (64, 0.0)] {
+            let row: Vec<f32> = rng
+                .vec(cols)
+                .iter()
+                .map(|&v| {
+                    if grid > 0.0 {
+                        (grid * 3.0 * v).round()
+                    } else {
+                        6.0 * v
+                    }
+                })
+                .collect();
+            let d = Picks {
+                parts: 1,
+                rows: 1,
+                cols,
+                limit: cols,
+            };
+            for (temperature, top_p) in [(1.0, 1.0), (0.5, 0.9), (2.0, 0.3), (0.05, 0.99)] {
+                for step in 0..40 {
+                    let s = Nucleus {
+                        temperature,
+                        top_p,
+                        seed: 3,
+                        step,
+                    };
+                    let got = sample_parts(&row, d, s, &[step as u32]).unwrap()[0];
+                    assert_eq!(got, sorted_walk(&row, s, step as u32), "{cols} {s:?}");
+                }
+            }
+        }
     }
 }

@@ -93,7 +93,7 @@ pub use embedding::{embedding_bwd, embedding_fwd};
 pub use layout::{join_qkv, split_qkv, transpose_bs};
 pub use loss::{
     argmax_parts, ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit, check_picks,
-    cross_entropy, Picks,
+    cross_entropy, sample_parts, sample_uniform, Nucleus, Picks, WEIGHT_ONE,
 };
 pub use matmul::{
     bias_add, bias_grad, gemm_isa, matmul, matmul_at, matmul_batched, matmul_new, GemmAt, Transpose,

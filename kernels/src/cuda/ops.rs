@@ -14,8 +14,8 @@
 use super::gpu::{Gpu, GpuError};
 use super::KernelModule as M;
 use crate::cpu::{
-    check_len, check_picks, invalid, prod, AttnDims, AttnDropout, DropoutDraw, KernelError, Picks,
-    Rope, RowDropout,
+    check_len, check_picks, invalid, prod, AttnDims, AttnDropout, DropoutDraw, KernelError,
+    Nucleus, Picks, Rope, RowDropout,
 };
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -773,6 +773,35 @@ impl Gpu {
         let f = self.function(M::Loss, "argmax_parts_f32")?;
         let cfg = per_row(d.rows, CE_THREADS, 0);
         launch!(self, f, cfg, [x, &rows, &cols, &limit, tokens])
+    }
+
+    /// [`crate::cpu::sample_parts`]: each row of fp32 logits gathered `[parts,
+    /// rows, cols]` draws a token for its request (`tokens` overwritten).
+    pub fn sample_parts(
+        &self,
+        x: &CudaSlice<f32>,
+        d: Picks,
+        s: Nucleus,
+        requests: &CudaSlice<u32>,
+        tokens: &mut CudaSlice<u32>,
+    ) -> Result<(), GpuError> {
+        check_picks(x.len(), d)?;
+        check_len("requests", requests.len(), d.rows)?;
+        check_len("tokens", tokens.len(), d.rows)?;
+        let (rows, cols) = (int("rows", d.rows)?, int("cols", d.cols)?);
+        let limit = int("limit", d.limit)?;
+        if d.rows == 0 {
+            return Ok(());
+        }
+        let f = self.function(M::Loss, "sample_parts_f32")?;
+        let cfg = per_row(d.rows, CE_THREADS, 0);
+        let (t, p, seed, step) = (s.temperature, s.top_p, s.seed, s.step);
+        launch!(
+            self,
+            f,
+            cfg,
+            [x, &rows, &cols, &limit, requests, &t, &p, &seed, &step, tokens]
+        )
     }
 
     /// [`crate::cpu::ce_row_max`] on a bf16 shard of the logits (`max` overwritten).

@@ -873,6 +873,56 @@ fn gpu_argmax_picks_what_the_cpu_picks() {
 }
 
 #[test]
+fn gpu_sampling_draws_what_the_cpu_draws() {
+    let Some(gpu) = gpu_or_skip("gpu_sampling_draws_what_the_cpu_draws") else {
+        return;
+    };
+    let dev = Dev { gpu: &gpu };
+    let mut rng = Rng::new(109);
+    // GPT-2's vocabulary over 4 shards padded to 50,304; Llama 3's over 1; a few
+    // columns. Ties from a coarse grid (equal weights go by column); rows with a
+    // NaN, a row of -inf and one with +inf.
+    for (parts, rows, cols, limit) in [
+        (4, 6, 12_576, 50_257),
+        (1, 4, 128_256, 128_256),
+        (2, 5, 3, 5),
+    ] {
+        let mut x: Vec<f32> = rng
+            .vec(parts * rows * cols)
+            .iter()
+            .map(|v| (8.0 * v).round())
+            .collect();
+        x[cols] = f32::NAN;
+        for p in 0..parts {
+            x[(p * rows + 2) * cols..(p * rows + 3) * cols].fill(f32::NEG_INFINITY);
+        }
+        x[3 * cols + 1] = f32::INFINITY;
+        let d = cpu::Picks {
+            parts,
+            rows,
+            cols,
+            limit,
+        };
+        let requests: Vec<u32> = (0..rows as u32).map(|r| 3 * r + 1).collect();
+        for (temperature, top_p) in [(1.0, 1.0), (0.7, 0.9), (1.5, 0.5), (0.2, 0.99)] {
+            for step in 0..4 {
+                let s = cpu::Nucleus {
+                    temperature,
+                    top_p,
+                    seed: 17,
+                    step,
+                };
+                let mut t = dev.u(&vec![u32::MAX; rows]);
+                gpu.sample_parts(&dev.f(&x), d, s, &dev.u(&requests), &mut t)
+                    .unwrap();
+                let want = cpu::sample_parts(&x, d, s, &requests).unwrap();
+                assert_eq!(dev.gu(&t), want, "{d:?} {s:?}");
+            }
+        }
+    }
+}
+
+#[test]
 fn gpu_adamw_matches_cpu_and_writes_the_bf16_copy() {
     let Some(gpu) = gpu_or_skip("gpu_adamw_matches_cpu") else {
         return;
