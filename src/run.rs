@@ -155,7 +155,16 @@ fn launched_cuda(a: &RunArgs<'_>, env: &meshplan_launch::LaunchEnv) -> Result<()
         )));
     }
     // Every rank's state goes to rank 0 at a save; rank 0 alone takes the folder.
-    let (opts, start) = training_options(a, &plan, env.rank == 0)?;
+    // The processes of a node verify a resumed checkpoint's files between them.
+    let share = match env.local_world_size {
+        Some(n) if env.local_rank < n => (env.local_rank, n),
+        _ => (0, 1),
+    };
+    let role = CkptRole {
+        writes: env.rank == 0,
+        verifies: share,
+    };
+    let (opts, start) = training_options(a, &plan, role)?;
     let cfg = meshplan_launch::RendezvousConfig {
         master_addr: env.master_addr.clone(),
         master_port: env.master_port,
@@ -230,7 +239,7 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
             "{file}: prompts and sampling flags are for inference plans; this is a training plan"
         )));
     }
-    let (opts, start) = training_options(a, &plan, true)?;
+    let (opts, start) = training_options(a, &plan, CkptRole::ALONE)?;
     let engine = engine.for_plan(&plan).map_err(failure_in(&file))?;
     // Ranks are threads of this process holding fp32 weights, gradients and Adam
     // state: refuse what cannot fit rather than exhausting the machine.
@@ -377,7 +386,7 @@ pub(crate) fn hf_weights(
 fn training_options(
     a: &RunArgs<'_>,
     plan: &Plan,
-    writes: bool,
+    role: CkptRole,
 ) -> Result<(TrainOptions, u64), Failure> {
     let hf = match a.weights {
         Some(dir) => {
@@ -413,7 +422,7 @@ fn training_options(
             }
         }
     };
-    let (opts, start) = checkpoint_options(a, plan, writes)?;
+    let (opts, start) = checkpoint_options(a, plan, role)?;
     let opts = TrainOptions {
         data,
         trace: a.trace.is_some(),
@@ -485,17 +494,35 @@ fn write_trace(path: &Path, plan: &Plan, report: &TrainReport) -> Result<(), Fai
     Ok(())
 }
 
+/// What one process does with checkpoints.
+#[derive(Clone, Copy)]
+struct CkptRole {
+    /// Whether it writes them: a launched rank other than 0 only says when they
+    /// are due, and leaves the folder to rank 0.
+    writes: bool,
+    /// Its share `(i, n)` of a resumed checkpoint's data files to verify
+    /// (`Checkpoint::open_shared`).
+    verifies: (usize, usize),
+}
+
+impl CkptRole {
+    /// Every rank in this process.
+    const ALONE: CkptRole = CkptRole {
+        writes: true,
+        verifies: (0, 1),
+    };
+}
+
 /// Training options of `--save`, `--save-every`, `--keep-last` and `--resume`, and
 /// the step the run starts at. A checkpoint that cannot be read or does not fit the
 /// plan's model, and a `--save` folder another run holds or whose `latest` this run
-/// would move back, are bad input. `writes`: whether this process writes the
-/// checkpoints (a launched rank other than 0 only says when they are due, and
-/// leaves the folder to rank 0).
+/// would move back, are bad input.
 fn checkpoint_options(
     a: &RunArgs<'_>,
     plan: &Plan,
-    writes: bool,
+    role: CkptRole,
 ) -> Result<(TrainOptions, u64), Failure> {
+    let writes = role.writes;
     let mut opts = TrainOptions {
         steps: a.steps,
         ..TrainOptions::default()
@@ -531,7 +558,8 @@ fn checkpoint_options(
         }
         return Ok((opts, 0));
     };
-    let ck = Checkpoint::open(dir).map_err(|e| bad(format!("--resume: {e}")))?;
+    let ck =
+        Checkpoint::open_shared(dir, role.verifies).map_err(|e| bad(format!("--resume: {e}")))?;
     ck.check_model(&plan.graph)
         .map_err(|e| bad(format!("--resume: {e}")))?;
     let m = ck.manifest();

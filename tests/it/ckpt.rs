@@ -233,6 +233,45 @@ fn open_err(dir: &Path) -> String {
     Checkpoint::open(dir).map(|_| ()).expect_err("damaged")
 }
 
+/// The processes of one node resuming from the same folder verify its files
+/// between them: each checks the checksums of its share, and a damaged file fails
+/// the one process whose share it is (and a plain open).
+#[test]
+fn ckpt_the_processes_of_a_node_verify_a_checkpoint_between_them() {
+    let p = plan(&model("tiny-gpt"), "dp=2");
+    let dir = temp_dir("shared-verify");
+    let mut o = saving(2, &dir, 0);
+    o.save.as_mut().expect("save").file_bytes = 64 << 10;
+    run(&p, &o);
+    let step = dir.join(step_folder(2));
+    let files = Checkpoint::open(&step)
+        .expect("opens")
+        .manifest()
+        .files
+        .clone();
+    assert!(files.len() >= 4, "{} files", files.len());
+    let damaged = copy_step(&step, "shared-verify-damaged");
+    let name = &files[4 % files.len()].name;
+    let mut bytes = std::fs::read(damaged.join(name)).expect("file");
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(damaged.join(name), &bytes).expect("write");
+    let n = 3;
+    let owner = (4 % files.len()) % n;
+    for i in 0..n {
+        let opened = Checkpoint::open_shared(&damaged, (i, n));
+        if i == owner {
+            let e = opened
+                .map(|_| ())
+                .expect_err("its share holds the damaged file");
+            assert!(e.contains(name.as_str()) && e.contains("checksum"), "{e}");
+        } else {
+            opened.unwrap_or_else(|e| panic!("share {i}: {e}"));
+        }
+    }
+    assert!(open_err(&damaged).contains("checksum"));
+}
+
 #[test]
 fn ckpt_damaged_or_foreign_checkpoints_are_clean_errors() {
     let m = model("tiny-gpt");
