@@ -146,6 +146,12 @@ run plan-infer 30 "$B/bin/meshplan" plan models/tiny-llama-inference.yaml topolo
 run run-check-infer "$STEP" "$B/bin/meshplan" run "$OUTDIR/infer.json" --backend cuda --check \
     --prompt-ids 1,2,3,4,5,6 --max-new-tokens 8
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (inference, dp=2 tp=2 pp=2)" PASS; else result "run --backend cuda --check (inference, dp=2 tp=2 pp=2)" FAIL; fi
+# Sampling on the GPU: each token drawn on the device (sample_parts_f32; the kernel
+# test above holds it to the CPU's draws on the same logits). bf16 logits may draw
+# other tokens than the fp32 CPU run, so this runs without --check.
+run run-sampled-infer "$STEP" "$B/bin/meshplan" run "$OUTDIR/infer.json" --backend cuda \
+    --prompt-ids 1,2,3,4,5,6 --max-new-tokens 8 --temperature 0.8 --top-p 0.9 --seed 3
+if [ "$rc" = 0 ]; then result "run --backend cuda (inference, sampled, dp=2 tp=2 pp=2)" PASS; else result "run --backend cuda (inference, sampled, dp=2 tp=2 pp=2)" FAIL; fi
 # Disaggregated serving on the GPU: a prefill pool (tp=2) hands each request's KV
 # cache, as device buffers, to a decode pool (tp=1); routed experts at inference.
 sed 's/gpus_per_node: 8/gpus_per_node: 4/' topologies/cpu-test-mesh.yaml >"$OUTDIR/mesh-4.yaml"
