@@ -180,7 +180,7 @@ fn launched_cuda(a: &RunArgs<'_>, env: &meshplan_launch::LaunchEnv) -> Result<()
         return Ok(());
     }
     if let Some(path) = a.trace {
-        // Rank 0's timeline (every rank of data parallelism runs the same program).
+        // Every rank's timeline: each sent rank 0 its spans, on rank 0's clock.
         write_trace(path, &plan, &report)?;
     }
     conclude(a, &plan, &report, &opts, engine, start)

@@ -11,7 +11,7 @@ use meshplan_ir::trace::Trace;
 pub struct Span {
     /// What ran, e.g. `fwd mb3 c0`, `block.attn.qkv`, `AllReduce tp`.
     pub name: String,
-    /// `task`, `compute`, `comm`, `p2p` or `optimizer`.
+    /// One of [`CATEGORIES`].
     pub cat: &'static str,
     /// Seconds since the run's start.
     pub start_s: f64,
@@ -20,6 +20,9 @@ pub struct Span {
     /// Details: step, layer, bytes, axis.
     pub args: serde_json::Value,
 }
+
+/// Every span category: a span read back from another process takes its own.
+pub const CATEGORIES: [&str; 5] = ["task", "compute", "comm", "p2p", "optimizer"];
 
 /// The measured spans of every rank (`spans[i]` of `ranks[i]`) as a Chrome trace:
 /// a process per pipeline stage, a thread per rank.

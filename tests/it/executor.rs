@@ -400,6 +400,40 @@ fn a_launched_rank_reports_its_failure_in_words() {
     assert_eq!(failed.message(), "rank 1: injected failure at step 1");
 }
 
+/// One rank a process, traced: rank 0 receives every rank's timeline, the spans
+/// (names and categories, in order) one process records of the same plan.
+#[test]
+fn a_launched_trace_holds_every_rank() {
+    let p = plan(&model("tiny-gpt"), "dp=2,tp=2,pp=2,mbs=1");
+    // Without `--check`: the trace alone brings the reports.
+    let opts = TrainOptions {
+        steps: 2,
+        trace: true,
+        final_weights: false,
+        ..TrainOptions::default()
+    };
+    let whole = train(&p, &opts).expect("one process");
+    let mut results = launched_ranks(&p, &opts);
+    let (reports, _) = results.remove(0).expect("rank 0");
+    assert_eq!(reports.len(), p.ranks.len());
+    let shape = |r: &meshplan_executor::train::RankReport| {
+        (r.spans.iter())
+            .map(|s| (s.name.clone(), s.cat))
+            .collect::<Vec<_>>()
+    };
+    for (a, b) in reports.iter().zip(&whole.ranks) {
+        assert_eq!(a.rank, b.rank);
+        assert!(
+            a.spans.len() > 10,
+            "rank {}: {} spans",
+            a.rank,
+            a.spans.len()
+        );
+        assert_eq!(shape(a), shape(b), "rank {}", a.rank);
+        assert_eq!(a.clock0_unix_s, reports[0].clock0_unix_s);
+    }
+}
+
 #[test]
 fn tied_embeddings_and_dropout_train_like_one_rank() {
     let text = std::fs::read_to_string(format!("{ROOT}/models/tiny-gpt.yaml")).expect("model");

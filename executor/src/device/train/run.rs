@@ -84,7 +84,7 @@ impl<'a> Run<'a> {
 
     /// Trains one rank from the run's first step to `opts.steps`, saving where due:
     /// its report and, each rank a process, on rank 0 with the final weights asked
-    /// for (`--check`), every other rank's in rank order.
+    /// for (`--check`) or a trace, every other rank's in rank order.
     fn rank<D: Device>(
         &self,
         dev: D,
@@ -116,15 +116,16 @@ impl<'a> Run<'a> {
             }
         }
         let report = r.report(loss_parts, steps_at)?;
-        if !(self.launched && opts.final_weights) {
+        if !(self.launched && (opts.final_weights || opts.trace)) {
             return Ok((report, Vec::new()));
         }
         if r.rank != 0 {
             send_report(&mut *r.comm, &report)?;
             return Ok((report, Vec::new()));
         }
+        let clock0 = report.clock0_unix_s;
         let others = (1..self.plan.ranks.len())
-            .map(|from| recv_report(&mut *r.comm, from))
+            .map(|from| recv_report(&mut *r.comm, from, clock0))
             .collect::<Result<_, _>>()?;
         Ok((report, others))
     }
@@ -237,8 +238,8 @@ pub fn train_device_rank<D: Device>(
 /// (and sent after the report's counts were taken).
 const REPORT_AXIS: &str = "report";
 
-/// A rank's report as it travels to rank 0 (the timeline's spans stay behind),
-/// its weights' keys and lengths standing for the values that follow.
+/// A rank's report as it travels to rank 0, its weights' keys and lengths
+/// standing for the values that follow.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Sent {
     rank: usize,
@@ -251,6 +252,8 @@ struct Sent {
     device_memory_bytes: Option<f64>,
     counts: Vec<(crate::comm::CommKind, String, crate::comm::KindCount)>,
     weights: Vec<(String, u64, usize)>,
+    /// The timeline: name, category, start and duration, details.
+    spans: Vec<(String, String, f64, f64, serde_json::Value)>,
 }
 
 /// Sends `r` to rank 0.
@@ -268,6 +271,17 @@ fn send_report<C: Communicator + ?Sized>(comm: &mut C, r: &RankReport) -> Result
         weights: (r.weights.iter())
             .map(|((name, layer), w)| (name.clone(), *layer, w.len()))
             .collect(),
+        spans: (r.spans.iter())
+            .map(|s| {
+                (
+                    s.name.clone(),
+                    s.cat.into(),
+                    s.start_s,
+                    s.dur_s,
+                    s.args.clone(),
+                )
+            })
+            .collect(),
     };
     let bytes = serde_json::to_vec(&sent).map_err(|e| fail(format!("report: {e}")))?;
     send_bytes(comm, (0, REPORT_AXIS), &bytes)?;
@@ -277,14 +291,33 @@ fn send_report<C: Communicator + ?Sized>(comm: &mut C, r: &RankReport) -> Result
     Ok(())
 }
 
-/// The report rank `from` sends with [`send_report`].
+/// The report rank `from` sends with [`send_report`], its times moved to the
+/// clock whose zero is `clock0` seconds since the Unix epoch (the receiver's), so
+/// that every rank's timeline lines up in one trace.
 fn recv_report<C: Communicator + ?Sized>(
     comm: &mut C,
     from: usize,
+    clock0: f64,
 ) -> Result<RankReport, RankError> {
     let bytes = recv_bytes(comm, (from, REPORT_AXIS))?;
-    let s: Sent =
+    let mut s: Sent =
         serde_json::from_slice(&bytes).map_err(|e| fail(format!("rank {from}'s report: {e}")))?;
+    let shift = s.clock0_unix_s - clock0;
+    s.steps_at.0 += shift;
+    s.steps_at.1.iter_mut().for_each(|t| *t += shift);
+    let spans = (s.spans.into_iter())
+        .map(|(name, cat, start_s, dur_s, args)| {
+            let known = crate::trace::CATEGORIES.iter().find(|c| **c == cat);
+            let unknown = || fail(format!("rank {from}'s report: span category `{cat}`"));
+            Ok(crate::trace::Span {
+                name,
+                cat: known.ok_or_else(unknown)?,
+                start_s: start_s + shift,
+                dur_s,
+                args,
+            })
+        })
+        .collect::<Result<Vec<_>, RankError>>()?;
     let mut weights = BTreeMap::new();
     for (name, layer, n) in s.weights {
         weights.insert((name, layer), recv_values(comm, (from, REPORT_AXIS), n)?);
@@ -295,11 +328,59 @@ fn recv_report<C: Communicator + ?Sized>(
         weights,
         counts: crate::comm::ByteCounts::from_entries(s.counts),
         steps_at: s.steps_at,
-        clock0_unix_s: s.clock0_unix_s,
+        clock0_unix_s: clock0,
         state_bytes: s.state_bytes,
         peak_activation_bytes: s.peak_activation_bytes,
         expert_slots: s.expert_slots,
-        spans: Vec::new(),
+        spans,
         device_memory_bytes: s.device_memory_bytes,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::ThreadComm;
+    use crate::trace::Span;
+
+    /// A report sent by a process whose clock started 0.5 s before the
+    /// receiver's arrives on the receiver's clock: every time 0.5 s less.
+    #[test]
+    fn a_received_report_moves_to_the_receivers_clock() {
+        let sent = RankReport {
+            rank: 1,
+            loss_parts: vec![2.5],
+            weights: BTreeMap::from([(("w".to_string(), 0), vec![1.0, 2.0])]),
+            counts: crate::comm::ByteCounts::new(),
+            steps_at: (0.25, vec![1.0, 2.0]),
+            clock0_unix_s: 100.0,
+            state_bytes: 8.0,
+            peak_activation_bytes: 0.0,
+            expert_slots: (0, 0),
+            spans: vec![Span {
+                name: "fwd mb0 c0".into(),
+                cat: "task",
+                start_s: 0.75,
+                dur_s: 0.125,
+                args: serde_json::json!({"step": 0}),
+            }],
+            device_memory_bytes: None,
+        };
+        let mut comms = ThreadComm::create(2, None);
+        let (mut zero, mut one) = (comms.remove(0), comms.remove(0));
+        let got = std::thread::scope(|s| {
+            s.spawn(|| send_report(&mut one, &sent).expect("sent"));
+            recv_report(&mut zero, 1, 100.5).expect("received")
+        });
+        assert_eq!(got.steps_at, (-0.25, vec![0.5, 1.5]));
+        assert_eq!(got.clock0_unix_s, 100.5);
+        assert_eq!(got.spans[0].start_s, 0.25);
+        assert_eq!(got.spans[0].dur_s, 0.125);
+        assert_eq!(
+            (got.spans[0].cat, got.spans[0].args["step"].as_u64()),
+            ("task", Some(0))
+        );
+        assert_eq!(got.weights, sent.weights);
+        assert_eq!(got.loss_parts, sent.loss_parts);
+    }
 }
