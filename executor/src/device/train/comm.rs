@@ -253,12 +253,17 @@ impl<'a, D: Device> DevRank<'a, D> {
                 D::act_len(&x)
             )));
         }
+        self.set_boundary(grad, x);
+        Ok(())
+    }
+
+    /// The boundary a task opens with: the hidden state, or its gradient.
+    fn set_boundary(&mut self, grad: bool, x: D::Act) {
         if grad {
             self.grad_hidden = Some(x);
         } else {
             self.hidden = Some(Arc::new(x));
         }
-        Ok(())
     }
 
     /// An exchange point of the schedule: the boundaries held since the last one
@@ -322,11 +327,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         .ok_or_else(|| fail("no boundary to gather"))?;
         let (dev, comm) = (&self.dev, self.comm.as_mut());
         let out = comm.act_collective(dev, (CommKind::AllGather, (&g, axis)), local)?;
-        if grad {
-            self.grad_hidden = Some(out);
-        } else {
-            self.hidden = Some(Arc::new(out));
-        }
+        self.set_boundary(grad, out);
         Ok(())
     }
 
