@@ -50,10 +50,11 @@ impl Pending {
         (tp, ep): (TpPos, TpPos),
         pieces: &[Offered],
     ) -> Result<Vec<bool>, String> {
+        let index = site_indices(sites);
         let mut runs_cache: HashMap<usize, Vec<Range<usize>>> = HashMap::new();
         let mut wanted = Vec::with_capacity(pieces.len());
         for (key, start, len) in pieces {
-            let i = site_index(sites, key)?;
+            let i = site_index(&index, key)?;
             let runs = (runs_cache.entry(i)).or_insert_with(|| site_runs(graph, &sites[i], tp, ep));
             let global = piece_runs(runs, *start, start + len).map(|(at, _)| at);
             wanted.push(self.held.insert((i, global.collect())));
@@ -211,10 +212,11 @@ pub(super) fn assemble(
         .iter()
         .map(|s| vec![false; s.shape.iter().product()])
         .collect();
+    let index = site_indices(sites);
     let mut runs_cache: HashMap<(usize, TpPos, TpPos), Vec<Range<usize>>> = HashMap::new();
     for snap in snaps {
         for p in &snap.pieces {
-            let i = site_index(sites, &p.key)?;
+            let i = site_index(&index, &p.key)?;
             let runs = (runs_cache.entry((i, snap.tp, snap.ep)))
                 .or_insert_with(|| site_runs(graph, &sites[i], snap.tp, snap.ep));
             let held: usize = runs.iter().map(|r| r.len()).sum();
@@ -249,10 +251,14 @@ pub(super) fn assemble(
     Ok(out)
 }
 
-/// The index of weight `key` among `sites`.
-fn site_index(sites: &[WeightSite], key: &Key) -> Result<usize, String> {
-    (sites.iter().position(|s| &s.key == key))
-        .ok_or_else(|| format!("`{}` is not a weight of the model", key.0))
+/// Each weight's index among `sites`, by key.
+fn site_indices(sites: &[WeightSite]) -> HashMap<&Key, usize> {
+    sites.iter().enumerate().map(|(i, s)| (&s.key, i)).collect()
+}
+
+/// The index of weight `key` in `index` ([`site_indices`]).
+fn site_index(index: &HashMap<&Key, usize>, key: &Key) -> Result<usize, String> {
+    (index.get(key).copied()).ok_or_else(|| format!("`{}` is not a weight of the model", key.0))
 }
 
 /// The runs of the full tensor a rank at places `(tp, ep)` holds of `site`.

@@ -535,10 +535,13 @@ impl Progress {
         now: Option<Duration>,
     ) -> DResult<()> {
         let width = l.picks.limit;
-        let requests: Vec<u32> = (self.ids[j0..j0 + l.picks.rows].iter())
-            .map(|&i| i as u32)
-            .collect();
-        let draw = sampling.nucleus(step as u64).map(|s| (s, &requests[..]));
+        // Greedy decoding needs no request indices.
+        let nucleus = sampling.nucleus(step as u64);
+        let requests: Vec<u32> = nucleus.map_or_else(Vec::new, |_| {
+            let slots = &self.ids[j0..j0 + l.picks.rows];
+            slots.iter().map(|&i| i as u32).collect()
+        });
+        let draw = nucleus.map(|s| (s, &requests[..]));
         let picked = dev.pick(&l.buf, l.picks, draw)?;
         let kept = |(i, &t): (usize, &u32)| {
             let j = j0 + i;

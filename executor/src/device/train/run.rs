@@ -139,12 +139,12 @@ impl Run<'_> {
         let (place, offered) = ((r.tp, r.ep), r.offer()?);
         let before = r.comm.counts();
         match &self.saver {
-            None if self.launched => {
+            // A launched rank other than 0: rank 0 writes.
+            None => {
                 let wanted = crate::ckpt::offer(&mut *r.comm, 0, place, &offered)?;
                 let snap = r.snapshot(&wanted)?;
                 crate::ckpt::send_pieces(&mut *r.comm, 0, &snap)?;
             }
-            None => {}
             Some(sv) => {
                 let wanted = sv.wanted(done, place, &offered).map_err(fail)?;
                 sv.deposit(done, r.snapshot(&wanted)?).map_err(fail)?;

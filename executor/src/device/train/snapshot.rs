@@ -14,7 +14,7 @@ type Source = Option<(usize, usize)>;
 /// A flat range of weights with its moments: its layout, its first element, its
 /// moments and, under ZeRO-3, the parameters it holds (otherwise the masters).
 type Part<'r, D> = (
-    Layout,
+    &'r [(Key, usize)],
     usize,
     &'r Moments<D>,
     Option<&'r <D as Device>::F32>,
@@ -24,7 +24,8 @@ impl<D: Device> DevRank<'_, D> {
     /// The pieces this rank holds at a save: the weights whose moments it holds
     /// (whole weights, or under ZeRO its parts of the flat vector).
     pub(super) fn offer(&self) -> Result<Vec<Offered>, RankError> {
-        Ok(self.sources()?.into_iter().map(|(o, _)| o).collect())
+        let parts = self.parts()?;
+        Ok(self.sources(&parts).into_iter().map(|(o, _)| o).collect())
     }
 
     /// The pieces of [`DevRank::offer`] that `wanted` marks, read back with their
@@ -38,7 +39,7 @@ impl<D: Device> DevRank<'_, D> {
         let mut read: HashMap<usize, [Vec<f32>; 3]> = HashMap::new();
         let mut masters: HashMap<Key, Vec<f32>> = HashMap::new();
         let mut pieces = Vec::new();
-        let sources = self.sources()?.into_iter().zip(wanted);
+        let sources = self.sources(&parts).into_iter().zip(wanted);
         for ((key, start, len), from) in sources.filter(|(_, w)| **w).map(|(s, _)| s) {
             let Some((i, dst)) = from else {
                 let (m, v) = self.weights.adam.get(&key).ok_or_else(missing)?;
@@ -88,28 +89,29 @@ impl<D: Device> DevRank<'_, D> {
         })
     }
 
-    /// Every piece [`DevRank::offer`] offers, with where its values are.
-    fn sources(&self) -> Result<Vec<(Offered, Source)>, RankError> {
+    /// Every piece [`DevRank::offer`] offers, with where its values are among
+    /// the whole weights and `parts`.
+    fn sources(&self, parts: &[Part<'_, D>]) -> Vec<(Offered, Source)> {
         let mut out: Vec<(Offered, Source)> = (self.weights.adam.iter())
             .map(|(key, (m, _))| ((key.clone(), 0, D::f32_len(m)), None))
             .collect();
-        for (i, (layout, start, (m, _), _)) in self.parts()?.iter().enumerate() {
+        for (i, (layout, start, (m, _), _)) in parts.iter().enumerate() {
             for (key, src, dst, len) in pieces_of(layout, *start, start + D::f32_len(m)) {
                 out.push(((key, src, len), Some((i, dst))));
             }
         }
-        Ok(out)
+        out
     }
 
     /// ZeRO's flat parts: of the flat vector (ZeRO 1 and 2), where this rank's
     /// masters are the up-to-date ones, and under ZeRO-3 of each segment copy's.
     fn parts(&self) -> Result<Vec<Part<'_, D>>, RankError> {
         let mut parts: Vec<Part<'_, D>> = (self.zero.shard_adam.iter())
-            .map(|(&(set, start), mv)| (self.layout(set).to_vec(), start, mv, None))
+            .map(|(&(set, start), mv)| (self.layout(set), start, mv, None))
             .collect();
         for (copy, mv) in &self.zero.z3.adam {
             let (layout, start, part) = self.zero3_part(*copy)?;
-            parts.push((layout.clone(), start, mv, Some(part)));
+            parts.push((layout.as_slice(), start, mv, Some(part)));
         }
         Ok(parts)
     }
