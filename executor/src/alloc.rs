@@ -31,6 +31,89 @@ pub fn keep_freed_memory() {
     };
 }
 
+/// Heap accounting for tests: the bytes the process has allocated and not freed,
+/// and their peak, counted for every allocation of the test binary.
+#[cfg(test)]
+pub(crate) mod heap {
+    use std::alloc::{GlobalAlloc, Layout, System};
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+    static LIVE: AtomicUsize = AtomicUsize::new(0);
+    static PEAK: AtomicUsize = AtomicUsize::new(0);
+
+    /// The system allocator, counted.
+    struct Counting;
+
+    fn grew(n: usize) {
+        let live = LIVE.fetch_add(n, Relaxed) + n;
+        PEAK.fetch_max(live, Relaxed);
+    }
+
+    #[allow(unsafe_code)]
+    // SAFETY: forwards every call to the system allocator unchanged.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, l: Layout) -> *mut u8 {
+            grew(l.size());
+            // SAFETY: the caller's contract, passed on.
+            unsafe { System.alloc(l) }
+        }
+        unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
+            grew(l.size());
+            // SAFETY: as above.
+            unsafe { System.alloc_zeroed(l) }
+        }
+        unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
+            LIVE.fetch_sub(l.size(), Relaxed);
+            // SAFETY: as above.
+            unsafe { System.dealloc(p, l) }
+        }
+        unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
+            grew(new);
+            LIVE.fetch_sub(l.size(), Relaxed);
+            // SAFETY: as above.
+            unsafe { System.realloc(p, l, new) }
+        }
+    }
+
+    #[global_allocator]
+    static COUNTING: Counting = Counting;
+
+    /// Bytes allocated and not freed; the peak is reset to them.
+    pub(crate) fn reset_peak() -> usize {
+        let live = LIVE.load(Relaxed);
+        PEAK.store(live, Relaxed);
+        live
+    }
+
+    /// The most bytes held at once since [`reset_peak`].
+    pub(crate) fn peak() -> usize {
+        PEAK.load(Relaxed)
+    }
+
+    /// Whether this process should measure: counts are the whole process's, so
+    /// test `name` (its full path) reruns alone in a child process of the test
+    /// binary, which measures; the parent returns false once the child passed.
+    pub(crate) fn measure_alone(name: &str) -> bool {
+        const CHILD: &str = "MESHPLAN_HEAP_TEST_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            return true;
+        }
+        let exe = std::env::current_exe().expect("the test binary's path");
+        let out = std::process::Command::new(exe)
+            .args([name, "--exact", "--test-threads=1", "--nocapture"])
+            .env(CHILD, "1")
+            .output()
+            .expect("the test binary runs");
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && text.contains("1 passed"),
+            "{name} alone: {text}"
+        );
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -61,12 +61,16 @@
 //!
 //! # Assembling full tensors
 //!
-//! Ranks are threads of one process, so at a save step each rank hands over the
-//! values it owns (its slices; under ZeRO only its optimizer partition, the part its
-//! own AdamW step just wrote) and the last rank to arrive starts a writer thread.
-//! Where a local value sits in the full tensor is found by [`held_runs`], the runs
-//! of the full tensor that `local_weight` copies, in order; every element must be
-//! covered, or the save fails.
+//! At a save step each rank offers the pieces it owns (its slices; under ZeRO only
+//! its optimizer partition, the part its own AdamW step just wrote), and reads back
+//! only those the writer holds no copy of yet. Ranks that are threads of one
+//! process hand them over directly; launched ranks send them to rank 0, one rank
+//! after another. Each snapshot is placed into the step's full tensors as it
+//! arrives and freed, so the writer holds the model's state about once; the last
+//! rank to arrive starts a writer thread. Where a local value sits in the full
+//! tensor is found by [`held_runs`], the runs of the full tensor that
+//! `local_weight` copies, in order; every element must be covered, or the save
+//! fails.
 
 use crate::program::fixed_shape;
 use crate::shard::TpPos;
@@ -482,7 +486,7 @@ fn write_checkpoint(
     meta: &RunMeta,
     opts: &SaveOptions,
     step: u64,
-    snaps: Vec<RankSnapshot>,
+    assembly: Assembly,
 ) -> Result<Saved, String> {
     let t0 = Instant::now();
     let id = opts
@@ -490,8 +494,7 @@ fn write_checkpoint(
         .as_ref()
         .map(|l| l.id.clone())
         .ok_or_else(|| format!("{}: saving into a folder not locked", opts.dir.display()))?;
-    let tensors = assemble(&meta.graph, &meta.sites, &snaps)?;
-    drop(snaps);
+    let tensors = assembly.finish(&meta.sites)?;
     let dir = &opts.dir;
     let name = step_folder(step);
     let tmp = dir.join(format!(".tmp-{name}-{id}"));

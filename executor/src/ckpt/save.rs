@@ -30,10 +30,15 @@ pub(crate) struct Saver {
     pub(super) writer: Mutex<Option<Writer>>,
 }
 
-/// A save step's snapshots so far.
+/// A save step's state so far.
 #[derive(Default)]
 pub(super) struct Pending {
-    snaps: Vec<RankSnapshot>,
+    /// The full tensors, filled as the ranks deposit.
+    assembly: Option<Arc<Assembly>>,
+    /// Ranks whose snapshot is placed.
+    deposits: usize,
+    /// The first piece that could not be placed: the save fails with it.
+    error: Option<String>,
     /// The full-tensor elements of each piece kept, by weight: a data-parallel
     /// replica's piece of the same elements (or a tensor rank's of a weight every
     /// tensor rank holds whole) is not kept again, so the writer holds each value
@@ -108,28 +113,41 @@ impl Saver {
         (tp, ep): (TpPos, TpPos),
         pieces: &[Offered],
     ) -> Result<Vec<bool>, String> {
-        let mut pending = self
-            .pending
-            .lock()
-            .map_err(|_| "checkpoint state poisoned")?;
+        let mut pending = self.pending()?;
         let at = pending.entry(step).or_default();
         at.wanted(&self.meta.graph, &self.meta.sites, (tp, ep), pieces)
     }
 
     /// Hands over a rank's state after `step` steps: the pieces [`Saver::wanted`]
-    /// chose of those it offered. The last rank starts the write.
+    /// chose of those it offered, placed into the step's full tensors and freed
+    /// piece by piece. The last rank starts the write.
     pub(crate) fn deposit(&self, step: u64, snap: RankSnapshot) -> Result<(), String> {
-        let mut pending = self
-            .pending
-            .lock()
-            .map_err(|_| "checkpoint state poisoned")?;
-        let all = &mut pending.entry(step).or_default().snaps;
-        all.push(snap);
-        if all.len() < self.meta.world {
+        let sites = &self.meta.sites;
+        let assembly = Arc::clone(
+            (self.pending()?.entry(step).or_default().assembly)
+                .get_or_insert_with(|| Arc::new(Assembly::new(sites))),
+        );
+        // Outside the step's lock: ranks depositing together place side by side,
+        // each weight under its own lock.
+        let placed = assembly.place(&self.meta.graph, sites, snap);
+        drop(assembly);
+        let mut pending = self.pending()?;
+        let at = pending.entry(step).or_default();
+        at.deposits += 1;
+        if let Err(e) = placed {
+            at.error.get_or_insert(e);
+        }
+        if at.deposits < self.meta.world {
             return Ok(());
         }
-        let snaps = pending.remove(&step).unwrap_or_default().snaps;
+        let done = pending.remove(&step).unwrap_or_default();
         drop(pending);
+        // Every depositor dropped its handle before it counted itself.
+        let assembly = match (done.error, done.assembly.map(Arc::try_unwrap)) {
+            (Some(e), _) => Err(e),
+            (None, Some(Ok(a))) => Ok(a),
+            (None, _) => Err("the checkpoint's tensors are still being filled".into()),
+        };
         let mut writer = self
             .writer
             .lock()
@@ -144,7 +162,8 @@ impl Saver {
                 None => Vec::new(),
             };
             let t0 = Instant::now();
-            let saved = write_checkpoint(&meta, &opts, step, snaps).unwrap_or_else(|e| {
+            let written = assembly.and_then(|a| write_checkpoint(&meta, &opts, step, a));
+            let saved = written.unwrap_or_else(|e| {
                 let latest = match read_latest(&opts.dir) {
                     Ok(Some((name, _))) => format!("{}", opts.dir.join(name).display()),
                     _ => "none".into(),
@@ -168,6 +187,10 @@ impl Saver {
             Ok(done)
         }));
         Ok(())
+    }
+
+    fn pending(&self) -> Result<std::sync::MutexGuard<'_, BTreeMap<u64, Pending>>, String> {
+        (self.pending.lock()).map_err(|_| "checkpoint state poisoned".into())
     }
 
     /// Waits for every write; the checkpoints written and the saves that failed,
@@ -194,30 +217,46 @@ pub(super) fn notify(opts: &SaveOptions, message: &str) {
 /// A full tensor: name, shape, values.
 pub(super) type Full = (String, Vec<usize>, Vec<f32>);
 
-/// Full tensors from the ranks' pieces, in the order of `sites`: (name, shape,
-/// values), weights then Adam moments of each weight.
-pub(super) fn assemble(
-    graph: &Graph,
-    sites: &[WeightSite],
-    snaps: &[RankSnapshot],
-) -> Result<Vec<Full>, String> {
-    let mut full: Vec<[Vec<f32>; 3]> = sites
-        .iter()
-        .map(|s| {
+/// Every weight's values and moments, filled as the ranks' snapshots arrive and
+/// each snapshot freed once placed: the writer holds the model's state once.
+/// (Keeping the snapshots until the last arrived, then assembling, held it twice.)
+pub(super) struct Assembly {
+    sites: Vec<Mutex<Filling>>,
+}
+
+/// One weight's full tensors (values, first and second moments) and the runs of
+/// elements placed so far.
+struct Filling {
+    full: [Vec<f32>; 3],
+    placed: Vec<Range<usize>>,
+}
+
+impl Assembly {
+    pub(super) fn new(sites: &[WeightSite]) -> Assembly {
+        let filling = |s: &WeightSite| {
             let n: usize = s.shape.iter().product();
-            [vec![0.0; n], vec![0.0; n], vec![0.0; n]]
-        })
-        .collect();
-    let mut covered: Vec<Vec<bool>> = sites
-        .iter()
-        .map(|s| vec![false; s.shape.iter().product()])
-        .collect();
-    let index = site_indices(sites);
-    let mut runs_cache: HashMap<(usize, TpPos, TpPos), Vec<Range<usize>>> = HashMap::new();
-    for snap in snaps {
-        for p in &snap.pieces {
+            Mutex::new(Filling {
+                full: [vec![0.0; n], vec![0.0; n], vec![0.0; n]],
+                placed: Vec::new(),
+            })
+        };
+        Assembly {
+            sites: sites.iter().map(filling).collect(),
+        }
+    }
+
+    /// Places a rank's pieces, each freed once copied.
+    pub(super) fn place(
+        &self,
+        graph: &Graph,
+        sites: &[WeightSite],
+        snap: RankSnapshot,
+    ) -> Result<(), String> {
+        let index = site_indices(sites);
+        let mut runs_cache: HashMap<usize, Vec<Range<usize>>> = HashMap::new();
+        for p in snap.pieces {
             let i = site_index(&index, &p.key)?;
-            let runs = (runs_cache.entry((i, snap.tp, snap.ep)))
+            let runs = (runs_cache.entry(i))
                 .or_insert_with(|| site_runs(graph, &sites[i], snap.tp, snap.ep));
             let held: usize = runs.iter().map(|r| r.len()).sum();
             let end = p.start + p.w.len();
@@ -228,27 +267,48 @@ pub(super) fn assemble(
                     p.start,
                 ));
             }
+            let mut f = (self.sites[i].lock()).map_err(|_| "checkpoint tensors poisoned")?;
             for (at, from) in piece_runs(runs, p.start, end) {
-                for (dst, src) in full[i].iter_mut().zip([&p.w, &p.m, &p.v]) {
+                for (dst, src) in f.full.iter_mut().zip([&p.w, &p.m, &p.v]) {
                     dst[at.clone()].copy_from_slice(&src[from.clone()]);
                 }
-                covered[i][at].fill(true);
+                f.placed.push(at);
             }
         }
+        Ok(())
     }
-    let mut out = Vec::with_capacity(3 * sites.len());
-    for ((site, [w, m, v]), cov) in sites.iter().zip(full).zip(&covered) {
-        if let Some(at) = cov.iter().position(|c| !c) {
-            return Err(format!(
-                "no rank owns element {at} of `{}`; the checkpoint would be incomplete",
-                tensor_name("w", &site.key)
-            ));
+
+    /// The full tensors in the order of `sites`, (name, shape, values): weights
+    /// then Adam moments of each weight; an error where an element was never
+    /// placed.
+    pub(super) fn finish(self, sites: &[WeightSite]) -> Result<Vec<Full>, String> {
+        let mut out = Vec::with_capacity(3 * sites.len());
+        for (site, filling) in sites.iter().zip(self.sites) {
+            let f = filling
+                .into_inner()
+                .map_err(|_| "checkpoint tensors poisoned")?;
+            let (n, mut placed) = (f.full[0].len(), f.placed);
+            placed.sort_unstable_by_key(|r| r.start);
+            let mut covered = 0;
+            for r in &placed {
+                if r.start > covered {
+                    break;
+                }
+                covered = covered.max(r.end);
+            }
+            if covered < n {
+                return Err(format!(
+                    "no rank owns element {covered} of `{}`; the checkpoint would be incomplete",
+                    tensor_name("w", &site.key)
+                ));
+            }
+            let [w, m, v] = f.full;
+            out.push((tensor_name("w", &site.key), site.shape.clone(), w));
+            out.push((tensor_name("adam_m", &site.key), site.shape.clone(), m));
+            out.push((tensor_name("adam_v", &site.key), site.shape.clone(), v));
         }
-        out.push((tensor_name("w", &site.key), site.shape.clone(), w));
-        out.push((tensor_name("adam_m", &site.key), site.shape.clone(), m));
-        out.push((tensor_name("adam_v", &site.key), site.shape.clone(), v));
+        Ok(out)
     }
-    Ok(out)
 }
 
 /// Each weight's index among `sites`, by key.

@@ -109,32 +109,61 @@ mod round_trip {
     /// Every rank's slices of distinct values, each handed over as two pieces (as a
     /// ZeRO partition boundary would cut them).
     fn snapshots(graph: &Graph, sites: &[WeightSite], tp: usize, ep: usize) -> Vec<RankSnapshot> {
-        let mut out = Vec::new();
-        for e in 0..ep {
-            for t in 0..tp {
-                let (tp, ep) = (TpPos { rank: t, size: tp }, TpPos { rank: e, size: ep });
-                let mut pieces = Vec::new();
-                for s in sites {
-                    let n: usize = s.shape.iter().product();
-                    let full: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
-                    let op = s.op(graph);
-                    let local = local_weight(graph, op, op.role, s.id, &full, &s.shape, tp, ep);
-                    let half = local.len() / 2;
-                    for (a, b) in [(0, half), (half, local.len())] {
-                        let w = local[a..b].to_vec();
-                        pieces.push(Piece {
-                            key: s.key.clone(),
-                            start: a,
-                            m: w.iter().map(|x| 2.0 * x).collect(),
-                            v: w.iter().map(|x| 3.0 * x).collect(),
-                            w,
-                        });
-                    }
-                }
-                out.push(RankSnapshot { tp, ep, pieces });
+        let places = (0..ep).flat_map(|e| (0..tp).map(move |t| (t, e)));
+        let place = |(t, e)| (TpPos { rank: t, size: tp }, TpPos { rank: e, size: ep });
+        places.map(|at| snapshot(graph, sites, place(at))).collect()
+    }
+
+    /// The snapshot of the rank at places `(tp, ep)` ([`snapshots`]).
+    fn snapshot(graph: &Graph, sites: &[WeightSite], (tp, ep): (TpPos, TpPos)) -> RankSnapshot {
+        let mut pieces = Vec::new();
+        for s in sites {
+            let n: usize = s.shape.iter().product();
+            let full: Vec<f32> = (0..n).map(|i| i as f32 + 0.5).collect();
+            let op = s.op(graph);
+            let local = local_weight(graph, op, op.role, s.id, &full, &s.shape, tp, ep);
+            let half = local.len() / 2;
+            for (a, b) in [(0, half), (half, local.len())] {
+                let w = local[a..b].to_vec();
+                pieces.push(Piece {
+                    key: s.key.clone(),
+                    start: a,
+                    m: w.iter().map(|x| 2.0 * x).collect(),
+                    v: w.iter().map(|x| 3.0 * x).collect(),
+                    w,
+                });
             }
         }
-        out
+        RankSnapshot { tp, ep, pieces }
+    }
+
+    fn copy(s: &RankSnapshot) -> RankSnapshot {
+        RankSnapshot {
+            tp: s.tp,
+            ep: s.ep,
+            pieces: (s.pieces.iter())
+                .map(|p| Piece {
+                    key: p.key.clone(),
+                    start: p.start,
+                    w: p.w.clone(),
+                    m: p.m.clone(),
+                    v: p.v.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// The full tensors of `snaps`, placed one after another as a save does.
+    fn assemble(
+        graph: &Graph,
+        sites: &[WeightSite],
+        snaps: &[RankSnapshot],
+    ) -> Result<Vec<Full>, String> {
+        let assembly = Assembly::new(sites);
+        for snap in snaps {
+            assembly.place(graph, sites, copy(snap))?;
+        }
+        assembly.finish(sites)
     }
 
     #[test]
@@ -170,6 +199,74 @@ mod round_trip {
         }
     }
 
+    /// A save holds the model's state about once: each rank's snapshot is placed
+    /// into the full tensors as it arrives and freed. Four tensor ranks of tiny-gpt
+    /// deposit one after another, as rank 0 receives them under a launch, each
+    /// snapshot made just before its deposit; the heap's peak from the first
+    /// deposit to the written folder is the full tensors, one snapshot and one
+    /// file's bytes. Keeping the snapshots until the last one arrived would add
+    /// the model's state again.
+    #[test]
+    fn a_save_holds_the_model_state_once() {
+        let name = "ckpt::tests::round_trip::a_save_holds_the_model_state_once";
+        if !crate::alloc::heap::measure_alone(name) {
+            return;
+        }
+        let g = graph("tiny-gpt");
+        let sites = model_weights(&g).unwrap();
+        let dir = std::env::temp_dir().join(format!("meshplan-heap-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let mut opts = SaveOptions::new(&dir, 1);
+        opts.prepare(0, 1).unwrap();
+        // Files of 64 KiB: one file's bytes, serialized before written, stay small.
+        opts.file_bytes = 64 << 10;
+        let tp = 4;
+        let saver = Saver {
+            opts,
+            meta: Arc::new(RunMeta {
+                graph: g.clone(),
+                sites: sites.clone(),
+                model: "tiny-gpt".into(),
+                strategy: format!("tp={tp}"),
+                workload: serde_json::Value::Null,
+                seed: 1,
+                lr: 1e-3,
+                world: tp,
+                data: serde_json::json!({"kind": "synthetic"}),
+            }),
+            pending: Mutex::new(BTreeMap::new()),
+            writer: Mutex::new(None),
+        };
+        let values = |s: &RankSnapshot| s.pieces.iter().map(|p| p.w.len()).sum::<usize>();
+        let model: usize = (sites.iter())
+            .map(|s| s.shape.iter().product::<usize>())
+            .sum();
+        let (mut largest, mut tensor) = (0, 0);
+        let start = crate::alloc::heap::reset_peak();
+        for rank in 0..tp {
+            let place = (TpPos { rank, size: tp }, TpPos { rank: 0, size: 1 });
+            let snap = snapshot(&g, &sites, place);
+            largest = largest.max(values(&snap));
+            saver.deposit(1, snap).unwrap();
+        }
+        let saved = saver.finish().unwrap();
+        let peak = crate::alloc::heap::peak() - start;
+        assert_eq!(saved.len(), 1);
+        assert!(saved[0].error.is_none(), "{:?}", saved[0].error);
+        for s in &sites {
+            tensor = tensor.max(s.shape.iter().product::<usize>());
+        }
+        let _ = fs::remove_dir_all(&dir);
+        // 12 bytes a value (weight, two moments): the full tensors, the largest
+        // snapshot, and one file (at most 64 KiB, or a tensor of its own).
+        let bound = 12 * (model + largest) + (64 << 10).max(4 * tensor);
+        let slack = bound / 10;
+        eprintln!(
+            "model {model} values, largest snapshot {largest}: peak {peak} bytes, bound {bound} + {slack}"
+        );
+        assert!(peak <= bound + slack, "peak {peak} > {bound} + {slack}");
+    }
+
     #[test]
     fn a_missing_rank_is_an_incomplete_checkpoint() {
         let g = graph("tiny-gpt");
@@ -195,19 +292,6 @@ mod round_trip {
             (s.pieces.iter())
                 .map(|p| (p.key.clone(), p.start, p.w.len()))
                 .collect()
-        };
-        let copy = |s: &RankSnapshot| RankSnapshot {
-            tp: s.tp,
-            ep: s.ep,
-            pieces: (s.pieces.iter())
-                .map(|p| Piece {
-                    key: p.key.clone(),
-                    start: p.start,
-                    w: p.w.clone(),
-                    m: p.m.clone(),
-                    v: p.v.clone(),
-                })
-                .collect(),
         };
         let (kept, received) = std::thread::scope(|s| {
             let ranks: Vec<_> = ThreadComm::create(4, None)
