@@ -17,7 +17,7 @@ use crate::device::{derr, DResult, Device, DeviceComm, Routed};
 use crate::shard::TpPos;
 use crate::train::fail;
 use meshplan_ir::graph::ExpertsShape;
-use meshplan_kernels::cpu::{GemmAt, MoeDims, Transpose, NO_ROW};
+use meshplan_kernels::cpu::{Capacity, GemmAt, MoeDims, Transpose};
 
 /// Where one rank runs an experts op: its positions on the tensor and expert axes,
 /// and its expert group (`None` when the experts are not split over ranks).
@@ -244,42 +244,46 @@ impl<'c, D: Device> Exec<'c, D> {
             dim: h,
             renormalize: true,
         };
-        let f32s = |n| self.dev.f32_zeros(n).map_err(&err);
-        let mut r = Routed {
-            m,
-            probs: f32s(rows * ne)?,
-            idx: self.ids_of(&vec![0; rows * kk])?,
-            wts: f32s(rows * kk)?,
-            perm: self.ids_of(&vec![0; rows * kk])?,
-            counts: vec![0; ne],
-        };
-        let mut disp = self.zeros(rows * kk * h)?;
-        if rows > 0 {
-            self.dev.moe_route(logits, &mut r).map_err(&err)?;
-            self.dev.moe_dispatch(&mut r, x, &mut disp).map_err(&err)?;
-        }
-        let counts = r.counts.clone();
         // Under an expert capacity, each expert keeps the first `cap` slots of
         // every capacity group in token order, and the buffers are padded to it.
-        let padding = match routing.group_tokens.map(|g| (g, e.capacity(g as u64))) {
+        let capacity = match routing.group_tokens.map(|g| (g, e.capacity(g as u64))) {
             Some((group, Some(cap))) if rows > 0 => {
                 if group == 0 || !rows.is_multiple_of(group) {
                     return Err(fail(format!(
                         "experts: {rows} local tokens are not whole capacity groups of {group}"
                     )));
                 }
-                let perm = self.dev.ids_download(&r.perm).map_err(&err)?;
-                Some(Padding::new(cap as usize, group, &counts, &perm, kk, rows))
+                Some(Capacity {
+                    group,
+                    cap: cap as usize,
+                })
             }
             _ => None,
         };
-        let pad = match &padding {
-            Some(p) => Some((self.ids_of(&p.pad_index())?, self.ids_of(&p.unpad_index())?)),
-            None => None,
+        let f32s = |n| self.dev.f32_zeros(n).map_err(&err);
+        let mut r = Routed {
+            m,
+            capacity,
+            probs: f32s(rows * ne)?,
+            idx: self.ids_of(&vec![0; rows * kk])?,
+            wts: f32s(rows * kk)?,
+            perm: self.ids_of(&vec![0; rows * kk])?,
+            counts: vec![0; ne],
+            padded: None,
+            kept: Vec::new(),
         };
-        let (send_counts, even) = match &padding {
-            Some(p) => (p.counts(), routing.even),
-            None => (counts, false),
+        let mut disp = self.zeros(rows * kk * h)?;
+        if rows > 0 {
+            self.dev.moe_route(logits, &mut r).map_err(&err)?;
+            self.dev.moe_dispatch(&mut r, x, &mut disp).map_err(&err)?;
+        }
+        let pad = r.padded.take().map(|[pad, at]| (pad, at));
+        let (send_counts, even, dropped) = match capacity {
+            Some(c) => {
+                let dropped = rows * kk - r.kept.iter().sum::<usize>();
+                (vec![c.per_expert(rows); ne], routing.even, dropped)
+            }
+            None => (r.counts.clone(), false, 0),
         };
         let route = route_of(self.comm, &self.place, &send_counts, ne, even)?;
         let order = if route.is_local() {
@@ -298,9 +302,6 @@ impl<'c, D: Device> Exec<'c, D> {
         if rows > 0 {
             self.dev.moe_combine(&r, &y_disp, &mut out).map_err(&err)?;
         }
-        let dropped = padding.map_or(0, |p| {
-            p.at.iter().filter(|&&a| a == Padding::DROPPED).count()
-        });
         let kept = Kept {
             routed: r,
             local_rows,
@@ -429,79 +430,6 @@ pub(crate) fn route_of(
     Ok(Route { n, el, send, recv })
 }
 
-/// Dispatch slots placed in buffers padded to expert capacity: every expert gets
-/// `per_expert` rows from every rank, kept tokens first, zeros after. A zero row
-/// through a bias-free expert MLP gives a zero row, so padding changes nothing but
-/// the bytes, which become the plan's exactly.
-pub(crate) struct Padding {
-    /// Per dispatch slot: its padded row, or [`Padding::DROPPED`] (over capacity:
-    /// the token skips this expert).
-    pub at: Vec<u32>,
-    per_expert: usize,
-    experts: usize,
-}
-
-impl Padding {
-    pub const DROPPED: u32 = NO_ROW;
-
-    /// Keeps the first `cap` slots of each expert in every group of `group`
-    /// consecutive tokens (slots are expert-major and in token order within an
-    /// expert, as dispatch leaves them).
-    fn new(
-        cap: usize,
-        group: usize,
-        counts: &[usize],
-        perm: &[u32],
-        k: usize,
-        rows: usize,
-    ) -> Self {
-        let per_expert = rows / group * cap;
-        let mut at = vec![Padding::DROPPED; perm.len()];
-        let mut s = 0;
-        for (x, &n) in counts.iter().enumerate() {
-            let mut used = vec![0usize; rows / group];
-            let mut kept = 0;
-            for slot in s..s + n {
-                let g = perm[slot] as usize / k / group;
-                if used[g] < cap {
-                    used[g] += 1;
-                    at[slot] = (x * per_expert + kept) as u32;
-                    kept += 1;
-                }
-            }
-            s += n;
-        }
-        Padding {
-            at,
-            per_expert,
-            experts: counts.len(),
-        }
-    }
-
-    pub fn counts(&self) -> Vec<usize> {
-        vec![self.per_expert; self.experts]
-    }
-
-    /// Each padded row's slot, or `NO_ROW` (padding): slot-ordered rows into the
-    /// padded buffer, as a gather of rows.
-    pub fn pad_index(&self) -> Vec<u32> {
-        let mut idx = vec![NO_ROW; self.experts * self.per_expert];
-        for (s, &a) in self.at.iter().enumerate() {
-            if a != Self::DROPPED {
-                idx[a as usize] = s as u32;
-            }
-        }
-        idx
-    }
-
-    /// Each slot's padded row, or `NO_ROW` (dropped): the padded buffer back to
-    /// slot order, as a gather of rows.
-    pub fn unpad_index(&self) -> Vec<u32> {
-        // DROPPED is NO_ROW.
-        self.at.clone()
-    }
-}
-
 /// Token counts of an expert-parallel exchange: `send[d][j]` rows for destination
 /// `d`'s local expert `j`, `recv[s][j]` rows from source `s` for local expert `j`.
 pub(crate) struct Route {
@@ -565,7 +493,7 @@ impl Route {
 
 #[cfg(test)]
 mod tests {
-    use super::{Padding, Route};
+    use super::Route;
 
     fn gather(src: &[f32], idx: &[u32], h: usize) -> Vec<f32> {
         let mut out = vec![0.0; idx.len() * h];
@@ -595,20 +523,5 @@ mod tests {
         assert_eq!(em, vec![0.0, 3.0, 4.0, 1.0, 2.0]);
         assert_eq!(gather(&em, &r.source_major_index(), 1), rows);
         assert_eq!(r.elements(3), (vec![0, 0], vec![9, 6]));
-    }
-
-    #[test]
-    fn capacity_keeps_the_first_tokens_of_each_group_and_pads_every_expert() {
-        // Tokens 0, 1, 2 go to expert 0 and token 3 to expert 1 (k = 1); groups of
-        // two tokens, one slot per expert and group: token 1 is over capacity.
-        let p = Padding::new(1, 2, &[3, 1], &[0, 1, 2, 3], 1, 4);
-        assert_eq!(p.at, vec![0, Padding::DROPPED, 1, 2]);
-        assert_eq!(p.counts(), vec![2, 2]);
-        let padded = gather(&[1.0, 2.0, 3.0, 4.0], &p.pad_index(), 1);
-        assert_eq!(padded, vec![1.0, 3.0, 4.0, 0.0]);
-        assert_eq!(
-            gather(&padded, &p.unpad_index(), 1),
-            vec![1.0, 0.0, 3.0, 4.0]
-        );
     }
 }

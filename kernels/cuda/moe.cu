@@ -157,6 +157,67 @@ extern "C" __global__ void moe_perm(const u32* expert_idx, const u32* counts, in
     }
 }
 
+// Expert capacity (cpu::moe_capacity), one block per expert e = blockIdx.x: of e's
+// slots perm[start_e .. start_e + counts[e]) (token order), the first `cap` of each
+// group of `group` tokens keep padded row e * per_expert + (kept slots of e before
+// them). at[s] is that row or NO_ROW; pad[row] = s, and the rows past e's kept ones
+// NO_ROW; kept[e] their count.
+extern "C" __global__ void moe_capacity(const u32* perm, const u32* counts, int k, int group,
+                                        int cap, int per_expert, u32* at, u32* pad, u32* kept) {
+    __shared__ int scratch[WARP];
+    __shared__ int warp_base[WARP];
+    const u32 e = blockIdx.x;
+    const int lane = threadIdx.x % WARP;
+    const int warp = threadIdx.x / WARP;
+    const int nwarps = blockDim.x / WARP;
+    int st = 0;
+    for (int i = threadIdx.x; i < (int)e; i += blockDim.x) st += (int)counts[i];
+    const int start = block_sum_int(st, scratch);
+    const int n = (int)counts[e];
+    const u32 per_group = (u32)k * (u32)group;
+    int base = 0;
+    for (int i0 = 0; i0 < n; i0 += blockDim.x) {
+        const bool live = i0 + (int)threadIdx.x < n;
+        const int s = start + i0 + threadIdx.x;
+        bool keep = false;
+        if (live) {
+            // Groups never decrease along an expert's slots: the first slot of this
+            // one by bisection.
+            const u32 g = perm[s] / per_group;
+            int lo = start, hi = s;
+            while (lo < hi) {
+                const int mid = lo + (hi - lo) / 2;
+                if (perm[mid] / per_group < g) {
+                    lo = mid + 1;
+                } else {
+                    hi = mid;
+                }
+            }
+            keep = s - lo < cap;
+        }
+        const u32 ballot = __ballot_sync(FULL_MASK, keep);
+        const int rank = __popc(ballot & ((1u << lane) - 1u));
+        __syncthreads();  // warp_base of the previous chunk fully read
+        if (lane == 0) warp_base[warp] = __popc(ballot);
+        __syncthreads();
+        int before = 0;
+        int total = 0;
+        for (int w = 0; w < nwarps; ++w) {
+            before += w < warp ? warp_base[w] : 0;
+            total += warp_base[w];
+        }
+        if (live) {
+            const u32 row = e * (u32)per_expert + (u32)(base + before + rank);
+            at[s] = keep ? row : NO_ROW;
+            if (keep) pad[row] = (u32)s;
+        }
+        base += total;
+    }
+    for (int r = base + threadIdx.x; r < per_expert; r += blockDim.x)
+        pad[(i64)e * per_expert + r] = NO_ROW;
+    if (threadIdx.x == 0) kept[e] = (u32)base;
+}
+
 // out[s, :] = x[perm[s] / k, :], one block per slot.
 extern "C" __global__ void moe_gather_bf16(const bf16* x, const u32* perm, int n, int k, int dim,
                                            int tokens, bf16* out) {
@@ -246,7 +307,7 @@ extern "C" __global__ void gather_rows_bf16(const bf16* src, int src_rows, const
     if (r >= rows) return;
     const u32 i = idx[r];
     bf16* o = out + (i64)r * dim;
-    if (i == 0xffffffffu || i >= (u32)src_rows) {
+    if (i == NO_ROW || i >= (u32)src_rows) {
         for (int c = threadIdx.x; c < dim; c += blockDim.x) o[c] = 0;
         return;
     }

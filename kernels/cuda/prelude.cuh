@@ -19,6 +19,8 @@ typedef long long i64;
 
 #define WARP 32
 #define FULL_MASK 0xffffffffu
+// An index naming no row (cpu::NO_ROW).
+#define NO_ROW 0xffffffffu
 // -inf without <math.h>.
 #define NEG_INF __int_as_float(0xff800000)
 

@@ -956,24 +956,19 @@ fn a_step_moves_only_its_batch_its_losses_and_a_flag_across_the_bus() {
     }
     let p = plan(&with_dropout(), "dp=2");
     batch_only(&p, "dropout", &crossings::per_step(&p));
-    // Routed experts: the counts come to the host once per layer and micro-batch,
-    // the exchange's indices go up; under a capacity, the routing's order comes
-    // back to place the padding. Nothing else.
-    for (m, cfg, back) in [
+    // Routed experts: the counts (under a capacity, with each expert's kept
+    // slots) come to the host once per layer and micro-batch, the exchange's
+    // indices go up; the padding is placed on the device. Nothing else.
+    for (m, cfg, kept) in [
         ("tiny-moe", "dp=2,ep=2", false),
         ("tiny-moe", "tp=2,ep=2,sp=true", false),
         ("tiny-moe-capacity", "dp=2,ep=2", true),
     ] {
         let p = plan(&model(m), cfg);
         let got = crossings::per_step(&p);
-        let expected: Vec<Crossing> = if back {
-            vec![IdsUp, F32Down, IdsDown, Flag, ExpertCounts]
-        } else {
-            vec![IdsUp, F32Down, Flag, ExpertCounts]
-        };
         assert_eq!(
             got.keys().copied().collect::<Vec<_>>(),
-            expected,
+            vec![IdsUp, F32Down, Flag, ExpertCounts],
             "{m} {cfg}"
         );
         let layers: u64 = (p.graph.segments.iter())
@@ -986,5 +981,13 @@ fn a_step_moves_only_its_batch_its_losses_and_a_flag_across_the_bus() {
         let world = p.ranks.len() as u64;
         let mbs = world * 8 / (p.strategy.dp * p.strategy.mbs);
         assert_eq!(got[&ExpertCounts].0, layers * mbs, "{m} {cfg}: {got:?}");
+        let experts = (p.graph.ops())
+            .find_map(|o| match &o.kind {
+                meshplan_ir::OpKind::Experts(e) => Some(e.experts),
+                _ => None,
+            })
+            .unwrap();
+        let values = layers * mbs * experts * if kept { 2 } else { 1 };
+        assert_eq!(got[&ExpertCounts].1, values, "{m} {cfg}: {got:?}");
     }
 }

@@ -307,9 +307,18 @@ impl Device for CudaDevice {
             &mut counts,
             perm,
         )?;
-        // The exchange's sizes: a few integers, the one download of the op.
-        let counts = self.gpu.download(&counts)?;
-        r.counts = counts.into_iter().map(|c| c as usize).collect();
+        let host = |c: Vec<u32>| c.into_iter().map(|c| c as usize).collect();
+        if let Some(c) = r.capacity {
+            let mut at = self.gpu.zeros::<u32>(m.tokens * m.k)?;
+            let mut pad = self.gpu.zeros::<u32>(m.experts * c.per_expert(m.tokens))?;
+            let mut kept = self.gpu.zeros::<u32>(m.experts)?;
+            let on = (&r.perm, &counts);
+            (self.gpu).moe_capacity(on, m.k, c, (&mut at, &mut pad), &mut kept)?;
+            r.kept = host(self.gpu.download(&kept)?);
+            r.padded = Some([pad, at]);
+        }
+        // The exchange's sizes: a few integers, the op's only downloads.
+        r.counts = host(self.gpu.download(&counts)?);
         Ok(())
     }
     fn moe_dispatch_bwd(&self, r: &Routed<Self>, dy: &A, dx: &mut A) -> DResult<()> {

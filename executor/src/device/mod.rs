@@ -20,7 +20,7 @@ use crate::comm::Communicator;
 pub use comm::{CResult, DeviceComm, Kind, On};
 use meshplan_ir::NormKind;
 use meshplan_kernels::cpu::{
-    self as k, AttnDims, AttnDropout, GemmAt, KernelError, MoeDims, Nucleus, Picks, Rope,
+    self as k, AttnDims, AttnDropout, Capacity, GemmAt, KernelError, MoeDims, Nucleus, Picks, Rope,
     RowDropout,
 };
 
@@ -179,18 +179,23 @@ pub struct Embed<'a, D: Device + ?Sized> {
     pub dim: usize,
 }
 
-/// A routing of tokens to experts on the device: its sizes, the softmax over every
-/// expert `probs [tokens, experts]`, each token's `k` experts `idx` and their
-/// weights `wts` (written by `moe_route`), and each dispatch slot's assignment
-/// `perm` (`t k + j`) and each expert's count, on the host (written by
-/// `moe_dispatch`).
+/// A routing of tokens to experts on the device: its sizes and expert capacity,
+/// the softmax over every expert `probs [tokens, experts]`, each token's `k`
+/// experts `idx` and their weights `wts` (written by `moe_route`), each dispatch
+/// slot's assignment `perm` (`t k + j`) and each expert's count, on the host
+/// (written by `moe_dispatch`). Under a capacity, `moe_dispatch` also writes the
+/// padding (`padded`: `pad` and `at` of `kernels::cpu::moe_capacity`) and each
+/// expert's kept slots, on the host with the counts.
 pub struct Routed<D: Device + ?Sized> {
     pub m: MoeDims,
+    pub capacity: Option<Capacity>,
     pub probs: D::F32,
     pub idx: D::Ids,
     pub wts: D::F32,
     pub perm: D::Ids,
     pub counts: Vec<usize>,
+    pub padded: Option<[D::Ids; 2]>,
+    pub kept: Vec<usize>,
 }
 
 /// The combine's backward: the output's gradient and the experts' outputs (slot
@@ -411,7 +416,7 @@ pub trait Device: Send + Sync {
     fn moe_route_bwd(&self, r: &Routed<Self>, dw: &Self::F32, dx: &mut Self::Act) -> DResult<()>;
     /// Rows of `x` grouped by expert (stable): `y [tokens k, dim]`, `r.perm` (each
     /// slot's assignment `t k + j`) and each expert's count `r.counts`, on the
-    /// host (the exchange's sizes).
+    /// host (the exchange's sizes); under `r.capacity`, `r.padded` and `r.kept`.
     fn moe_dispatch(&self, r: &mut Routed<Self>, x: &Self::Act, y: &mut Self::Act) -> DResult<()>;
     /// Dispatch backward: `dx +=` each slot's gradient `dy` at its token.
     fn moe_dispatch_bwd(&self, r: &Routed<Self>, dy: &Self::Act, dx: &mut Self::Act)
@@ -781,7 +786,18 @@ impl<H: HostPrecision> Device for H {
         r.counts.resize(m.experts, 0);
         let (idx, perm, counts) = (&r.idx, &mut r.perm, &mut r.counts);
         k::moe_dispatch_fwd(x, idx, m.tokens, m.k, m.experts, m.dim, y, counts, perm)?;
-        H::crossed(Crossing::ExpertCounts, m.experts);
+        let Some(c) = r.capacity else {
+            H::crossed(Crossing::ExpertCounts, m.experts);
+            return Ok(());
+        };
+        let (mut at, mut pad) = (
+            vec![0; perm.len()],
+            vec![0; m.experts * c.per_expert(m.tokens)],
+        );
+        r.kept.resize(m.experts, 0);
+        k::moe_capacity(perm, counts, m.k, c, (&mut at, &mut pad), &mut r.kept)?;
+        r.padded = Some([pad, at]);
+        H::crossed(Crossing::ExpertCounts, 2 * m.experts);
         Ok(())
     }
     fn moe_dispatch_bwd(&self, r: &Routed<Self>, dy: &Vec<f32>, dx: &mut Vec<f32>) -> DResult<()> {

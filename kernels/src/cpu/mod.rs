@@ -99,8 +99,8 @@ pub use matmul::{
     bias_add, bias_grad, gemm_isa, matmul, matmul_at, matmul_batched, matmul_new, GemmAt, Transpose,
 };
 pub use moe::{
-    gather_rows, moe_combine_bwd, moe_combine_fwd, moe_dispatch_bwd, moe_dispatch_fwd,
-    moe_route_bwd, moe_route_fwd, MoeDims, NO_ROW,
+    gather_rows, moe_capacity, moe_combine_bwd, moe_combine_fwd, moe_dispatch_bwd,
+    moe_dispatch_fwd, moe_route_bwd, moe_route_fwd, Capacity, MoeDims, NO_ROW,
 };
 pub use norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
 pub use rope::{rope_bwd, rope_fwd, rope_qkv, Rope};

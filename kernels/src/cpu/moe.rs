@@ -271,6 +271,86 @@ pub fn moe_dispatch_fwd(
     Ok(())
 }
 
+/// Expert capacity: every group of `group` consecutive tokens sends each expert
+/// at most `cap` of its slots (GShard, Switch).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Capacity {
+    /// Tokens of a capacity group (a divisor of the tokens).
+    pub group: usize,
+    /// Slots an expert keeps of each group.
+    pub cap: usize,
+}
+
+impl Capacity {
+    /// Rows each expert is padded to, of `tokens` tokens: `cap` for each group.
+    pub fn per_expert(&self, tokens: usize) -> usize {
+        tokens / self.group.max(1) * self.cap
+    }
+}
+
+/// Holds the dispatch slots (`perm`, `counts` as [`moe_dispatch_fwd`] left them:
+/// expert-major, in token order within an expert) to capacity `c`: each expert
+/// keeps the first `c.cap` of its slots from every token group and is padded to
+/// `per_expert = c.per_expert(tokens)` rows, kept slots first, in order. Writes
+/// `at[s]` (slot `s`'s padded row `e * per_expert + i`, or [`NO_ROW`] where the
+/// token skips the expert), `pad[r]` (the slot in padded row `r`, or [`NO_ROW`]
+/// for padding) and `kept[e]`. Both are row indices for [`gather_rows`]: `pad`
+/// pads slot-ordered rows, `at` brings them back.
+pub fn moe_capacity(
+    perm: &[u32],
+    counts: &[usize],
+    k: usize,
+    c: Capacity,
+    (at, pad): (&mut [u32], &mut [u32]),
+    kept: &mut [usize],
+) -> Result<(), KernelError> {
+    if k == 0 || c.group == 0 {
+        return Err(invalid("k, group", "must be positive"));
+    }
+    let tokens = perm.len() / k;
+    check_perm(perm, prod("perm", &[tokens, k])?)?;
+    if !tokens.is_multiple_of(c.group) {
+        return Err(invalid(
+            "group",
+            format!("{tokens} tokens are not whole groups of {}", c.group),
+        ));
+    }
+    if counts.iter().sum::<usize>() != perm.len() {
+        return Err(invalid("counts", "do not add up to the slots"));
+    }
+    let per_expert = c.per_expert(tokens);
+    check_len("at", at.len(), perm.len())?;
+    check_len("pad", pad.len(), prod("pad", &[counts.len(), per_expert])?)?;
+    check_len("kept", kept.len(), counts.len())?;
+    if pad.len() > NO_ROW as usize {
+        return Err(invalid("pad", "more padded rows than u32 indexes"));
+    }
+    pad.fill(NO_ROW);
+    let mut s = 0;
+    for (e, (&n, kept)) in counts.iter().zip(kept.iter_mut()).enumerate() {
+        *kept = 0;
+        let mut group = usize::MAX;
+        let mut in_group = 0;
+        for slot in s..s + n {
+            let g = perm[slot] as usize / k / c.group;
+            (group, in_group) = if g == group {
+                (g, in_group + 1)
+            } else {
+                (g, 0)
+            };
+            at[slot] = NO_ROW;
+            if in_group < c.cap {
+                let row = e * per_expert + *kept;
+                at[slot] = row as u32;
+                pad[row] = slot as u32;
+                *kept += 1;
+            }
+        }
+        s += n;
+    }
+    Ok(())
+}
+
 /// Dispatch backward: `dx[perm[s] / k] += d_out[s]` for every slot, in slot
 /// order.
 pub fn moe_dispatch_bwd(
@@ -380,6 +460,47 @@ mod tests {
         assert_eq!(out, [5.0, 6.0, 0.0, 0.0, 1.0, 2.0, 5.0, 6.0]);
         assert!(gather_rows(&src, &[3], 2, &mut out[..2]).is_err());
         assert!(gather_rows(&src, &[0], 2, &mut out).is_err());
+    }
+
+    #[test]
+    fn capacity_keeps_the_first_slots_of_each_group_and_pads_every_expert() {
+        // Tokens 0, 1, 2 go to expert 0 and token 3 to expert 1 (k = 1); groups of
+        // two tokens, one slot per expert and group: token 1 is over capacity.
+        // Each expert is padded to 2 rows (2 groups x 1).
+        let c = Capacity { group: 2, cap: 1 };
+        let (mut at, mut pad, mut kept) = (vec![0; 4], vec![0; 4], vec![0; 2]);
+        let perm = [0, 1, 2, 3];
+        moe_capacity(&perm, &[3, 1], 1, c, (&mut at, &mut pad), &mut kept).unwrap();
+        assert_eq!(at, [0, NO_ROW, 1, 2]);
+        assert_eq!(pad, [0, 2, 3, NO_ROW]);
+        assert_eq!(kept, [2, 1]);
+        let mut padded = vec![0.0; 4];
+        gather_rows(&[1.0, 2.0, 3.0, 4.0], &pad, 1, &mut padded).unwrap();
+        assert_eq!(padded, [1.0, 3.0, 4.0, 0.0]);
+        let mut back = vec![0.0; 4];
+        gather_rows(&padded, &at, 1, &mut back).unwrap();
+        assert_eq!(back, [1.0, 0.0, 3.0, 4.0]);
+        // k = 2 (assignment t k + j): four tokens in groups of two, one slot per
+        // expert and group, so 2 rows per expert. Expert 0 holds assignments 0, 2,
+        // 4, 6 (tokens 0 to 3), expert 1 assignments 1, 3, 5 (tokens 0, 1, 2),
+        // expert 2 assignment 7 (token 3).
+        let c = Capacity { group: 2, cap: 1 };
+        let perm = [0, 2, 4, 6, 1, 3, 5, 7];
+        let (mut at, mut pad, mut kept) = (vec![0; 8], vec![0; 6], vec![0; 3]);
+        moe_capacity(&perm, &[4, 3, 1], 2, c, (&mut at, &mut pad), &mut kept).unwrap();
+        // Expert 0 keeps token 0 (group 0) and token 2 (group 1); expert 1 keeps
+        // token 0 and token 2; expert 2 keeps token 3.
+        assert_eq!(at, [0, NO_ROW, 1, NO_ROW, 2, NO_ROW, 3, 4]);
+        assert_eq!(pad, [0, 2, 4, 6, 7, NO_ROW]);
+        assert_eq!(kept, [2, 2, 1]);
+        let bad = |perm: &[u32], counts: &[usize], c| {
+            let (mut at, mut pad, mut kept) = (vec![0; perm.len()], vec![0; 8], vec![0; 2]);
+            moe_capacity(perm, counts, 1, c, (&mut at, &mut pad), &mut kept).is_err()
+        };
+        assert!(bad(&[0, 1, 2], &[2, 1], Capacity { group: 2, cap: 1 }));
+        assert!(bad(&[0, 1, 2, 3], &[2, 1], Capacity { group: 2, cap: 2 }));
+        assert!(bad(&[0, 1, 2, 3], &[2, 2], Capacity { group: 0, cap: 2 }));
+        assert!(!bad(&[0, 1, 2, 3], &[2, 2], Capacity { group: 2, cap: 2 }));
     }
 
     fn route(

@@ -14,8 +14,8 @@
 use super::gpu::{Gpu, GpuError};
 use super::KernelModule as M;
 use crate::cpu::{
-    check_len, check_picks, invalid, prod, AttnDims, AttnDropout, DropoutDraw, KernelError,
-    Nucleus, Picks, Rope, RowDropout,
+    check_len, check_picks, invalid, prod, AttnDims, AttnDropout, Capacity, DropoutDraw,
+    KernelError, Nucleus, Picks, Rope, RowDropout, NO_ROW,
 };
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -1370,6 +1370,50 @@ impl Gpu {
             f,
             per_row(n, 128, 0),
             [x, &*perm, &ni, &kk, &dm, &t, out]
+        )
+    }
+
+    /// [`crate::cpu::moe_capacity`] on a dispatch's `perm [tokens k]` and its
+    /// `counts [experts]` left on the device: `at [tokens k]`, `pad [experts *
+    /// per_expert]` and `kept [experts]`, all overwritten.
+    pub fn moe_capacity(
+        &self,
+        (perm, counts): (&CudaSlice<u32>, &CudaSlice<u32>),
+        k: usize,
+        c: Capacity,
+        (at, pad): (&mut CudaSlice<u32>, &mut CudaSlice<u32>),
+        kept: &mut CudaSlice<u32>,
+    ) -> Result<(), GpuError> {
+        if k == 0 || c.group == 0 {
+            return Err(invalid("k, group", "must be positive").into());
+        }
+        let (n, experts) = (perm.len(), counts.len());
+        let tokens = n / k;
+        if tokens * k != n || !tokens.is_multiple_of(c.group) {
+            let whole = format!(
+                "{n} slots are not whole groups of {} tokens of {k}",
+                c.group
+            );
+            return Err(invalid("group", whole).into());
+        }
+        let per_expert = c.per_expert(tokens);
+        check_len("at", at.len(), n)?;
+        check_len("pad", pad.len(), prod("pad", &[experts, per_expert])?)?;
+        check_len("kept", kept.len(), experts)?;
+        if pad.len() >= NO_ROW as usize {
+            return Err(invalid("pad", "more padded rows than u32 indexes").into());
+        }
+        let (kk, group, cap) = (int("k", k)?, int("group", c.group)?, int("cap", c.cap)?);
+        let (pe, _) = (int("per_expert", per_expert)?, int("tokens * k", n)?);
+        if experts == 0 {
+            return Ok(());
+        }
+        let f = self.function(M::Moe, "moe_capacity")?;
+        launch!(
+            self,
+            f,
+            per_row(experts, 256, 0),
+            [perm, counts, &kk, &group, &cap, &pe, at, pad, kept]
         )
     }
 

@@ -1215,6 +1215,16 @@ fn gpu_dropout_rows_equal_the_cpu_bit_for_bit() {
     assert!(matches!(e, Err(GpuError::Args(_))), "{e:?}");
 }
 
+/// Capacities over `tokens` tokens: groups of every divisor up to 8 and the
+/// whole, one slot to more than a group holds (nothing dropped).
+fn capacities(tokens: usize) -> Vec<cpu::Capacity> {
+    let groups = (1..=8)
+        .chain([tokens])
+        .filter(|&g| g > 0 && tokens.is_multiple_of(g));
+    let each = |group| [1, 2, 3 * group].map(|cap| cpu::Capacity { group, cap });
+    groups.flat_map(each).collect()
+}
+
 #[test]
 fn gpu_moe_matches_cpu() {
     let Some(gpu) = gpu_or_skip("gpu_moe_matches_cpu") else {
@@ -1226,6 +1236,8 @@ fn gpu_moe_matches_cpu() {
         (37, 8, 2, true, 64),
         (50, 40, 3, false, 7),
         (9, 4, 1, true, 16),
+        // Experts of more slots than a block has threads.
+        (600, 2, 2, true, 8),
     ] {
         let logits: Vec<f32> = rng.vec(tokens * experts).iter().map(|v| 3.0 * v).collect();
         let (mut p, mut idx, mut w) = (
@@ -1308,6 +1320,23 @@ fn gpu_moe_matches_cpu() {
         let counts32: Vec<u32> = counts.iter().map(|&c| c as u32).collect();
         assert_eq!(dev.gu(&gcounts), counts32, "dispatch counts");
         assert_eq!(dev.gb(&gout), out, "dispatch rows");
+        for c in capacities(tokens) {
+            let per_expert = c.per_expert(tokens);
+            let (mut at, mut pad, mut kept) =
+                (vec![0; n], vec![0; experts * per_expert], vec![0; experts]);
+            cpu::moe_capacity(&perm, &counts, k, c, (&mut at, &mut pad), &mut kept).unwrap();
+            let (mut gat, mut gpad, mut gkept) = (
+                dev.u(&vec![7; n]),
+                dev.u(&vec![7; experts * per_expert]),
+                dev.u(&vec![7; experts]),
+            );
+            let on = (&gperm, &gcounts);
+            (gpu.moe_capacity(on, k, c, (&mut gat, &mut gpad), &mut gkept)).unwrap();
+            assert_eq!(dev.gu(&gat), at, "capacity {c:?}: at");
+            assert_eq!(dev.gu(&gpad), pad, "capacity {c:?}: pad");
+            let kept32: Vec<u32> = kept.iter().map(|&c| c as u32).collect();
+            assert_eq!(dev.gu(&gkept), kept32, "capacity {c:?}: kept");
+        }
 
         let d_out = round_bf16(&rng.vec(n * dim));
         let dx0 = round_bf16(&rng.vec(tokens * dim));
