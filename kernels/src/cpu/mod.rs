@@ -80,30 +80,19 @@ pub mod moe;
 pub mod norm;
 pub mod rope;
 
-pub use activation::{
-    accumulate, add, add_bwd, all_finite, fill, gelu_bwd, gelu_fwd, scale, swiglu_bwd, swiglu_fwd,
-};
-pub use adamw::adamw_step;
-pub use attention::{
-    attention_bwd, attention_bwd_qkv, attention_fwd, attention_fwd_qkv, attention_merge, AttnDims,
-    Dropout, Qkv, QkvGrads, KEY_TILE,
-};
-pub use dropout::{dropout_rows, splitmix, AttnDropout, DropoutDraw, RowDropout};
-pub use embedding::{embedding_bwd, embedding_fwd};
-pub use layout::{join_qkv, split_qkv, transpose_bs};
-pub use loss::{
-    argmax_parts, ce_bwd, ce_loss, ce_row_max, ce_row_sumexp, ce_target_logit, check_picks,
-    cross_entropy, sample_parts, sample_uniform, Nucleus, Picks, WEIGHT_ONE,
-};
-pub use matmul::{
-    bias_add, bias_grad, gemm_isa, matmul, matmul_at, matmul_batched, matmul_new, GemmAt, Transpose,
-};
-pub use moe::{
-    gather_rows, moe_capacity, moe_combine_bwd, moe_combine_fwd, moe_dispatch_bwd,
-    moe_dispatch_fwd, moe_route_bwd, moe_route_fwd, Capacity, MoeDims, NO_ROW,
-};
-pub use norm::{layernorm_bwd, layernorm_fwd, rmsnorm_bwd, rmsnorm_fwd};
-pub use rope::{rope_bwd, rope_fwd, rope_qkv, Rope};
+// Every family's public kernels and types, so that a new kernel is written in its
+// family's file alone.
+pub use activation::*;
+pub use adamw::*;
+pub use attention::*;
+pub use dropout::*;
+pub use embedding::*;
+pub use layout::*;
+pub use loss::*;
+pub use matmul::*;
+pub use moe::*;
+pub use norm::*;
+pub use rope::*;
 
 /// Why a kernel refused its arguments.
 #[derive(Debug, Clone, PartialEq, Eq)]
