@@ -7,6 +7,7 @@
 
 use super::{Device, HostPrecision};
 use crate::comm::{CommError, CommKind, Communicator, Group};
+use crate::device::Buffers;
 
 /// Result of a communication.
 pub type CResult<T> = Result<T, CommError>;
@@ -92,10 +93,10 @@ pub trait DeviceComm<D: Device + ?Sized>: Communicator {
 }
 
 /// A part of a buffer sent in an exchange: to whom, the buffer, `(offset, length)`.
-pub type Sent<'a, D> = (usize, &'a <D as Device>::Act, (usize, usize));
+pub type Sent<'a, D> = (usize, &'a <D as Buffers>::Act, (usize, usize));
 
 /// A buffer received in an exchange, and from whom.
-pub type Recvd<'a, D> = (usize, &'a mut <D as Device>::Act);
+pub type Recvd<'a, D> = (usize, &'a mut <D as Buffers>::Act);
 
 /// A reduce-scatter or an all-gather, and where it runs.
 pub type Kind<'a> = (CommKind, On<'a>);

@@ -13,6 +13,7 @@ use super::{
     Device, DeviceError, Draw, Embed, Merge, Norm, NormBwd, NormOut, RopeQkv, Routed,
 };
 use crate::comm::Communicator;
+use crate::device::Buffers;
 use meshplan_ir::NormKind;
 use meshplan_kernels::cpu::{AttnDims, GemmAt, Picks, RowDropout};
 use meshplan_kernels::cuda::cudarc::driver::sys::CUevent_flags;
@@ -101,18 +102,11 @@ fn fused_refused() -> DeviceError {
     DeviceError("the CUDA attention kernels take q, k and v apart, not fused rows".into())
 }
 
-#[allow(clippy::too_many_arguments)]
-impl Device for CudaDevice {
+impl Buffers for CudaDevice {
     type Act = CudaSlice<bf16>;
     type F32 = CudaSlice<f32>;
     type Ids = CudaSlice<u32>;
     type Mark = CudaEvent;
-    type Reduction = Reduction;
-    type Comm = CudaComm;
-
-    fn host_comm(comm: Box<dyn Communicator>) -> Box<CudaComm> {
-        Box::new(CudaComm::Staged(comm))
-    }
 
     fn act_bytes(&self) -> usize {
         2
@@ -135,9 +129,6 @@ impl Device for CudaDevice {
     fn ids_download(&self, x: &CudaSlice<u32>) -> DResult<Vec<u32>> {
         Ok(self.gpu.download(x)?)
     }
-    fn first_non_finite(&self, xs: &[&CudaSlice<f32>]) -> DResult<Option<usize>> {
-        Ok(self.gpu.first_non_finite(xs)?)
-    }
     fn act_download(&self, x: &CudaSlice<bf16>) -> DResult<Vec<f32>> {
         Ok(self.gpu.download(x)?.iter().map(|v| v.to_f32()).collect())
     }
@@ -153,6 +144,45 @@ impl Device for CudaDevice {
     fn to_act(&self, x: &CudaSlice<f32>, y: &mut CudaSlice<bf16>) -> DResult<()> {
         Ok(self.gpu.cast_f32_to_bf16(x, y)?)
     }
+    fn f32_copy(&self, x: (&F, usize), y: (&mut F, usize), n: usize) -> DResult<()> {
+        self.copy_range(x.0, x.1, y.0, y.1, n)
+    }
+    fn act_copy(&self, x: (&A, usize), y: (&mut A, usize), n: usize) -> DResult<()> {
+        self.copy_range(x.0, x.1, y.0, y.1, n)
+    }
+    fn synchronize(&self) -> DResult<()> {
+        Ok(self.gpu.synchronize()?)
+    }
+    fn mark(&self) -> DResult<CudaEvent> {
+        // cudarc's default event has timing disabled, and `elapsed_ms` refuses it.
+        self.gpu
+            .stream()
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(driver)
+    }
+    fn seconds_between(&self, a: &CudaEvent, b: &CudaEvent) -> DResult<f64> {
+        let ms = a.elapsed_ms(b).map_err(driver)?;
+        Ok(f64::from(ms) / 1e3)
+    }
+    /// Device-wide (`total - free` of cuMemGetInfo): this process's buffers and
+    /// cached pool, its context, and any other process on the same GPU.
+    fn memory_in_use(&self) -> Option<u64> {
+        let (free, total) = self.gpu.context().mem_get_info().ok()?;
+        Some(total.saturating_sub(free) as u64)
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+impl Device for CudaDevice {
+    type Reduction = Reduction;
+    type Comm = CudaComm;
+
+    fn host_comm(comm: Box<dyn Communicator>) -> Box<CudaComm> {
+        Box::new(CudaComm::Staged(comm))
+    }
+    fn first_non_finite(&self, xs: &[&CudaSlice<f32>]) -> DResult<Option<usize>> {
+        Ok(self.gpu.first_non_finite(xs)?)
+    }
     fn f32_zero(&self, x: &mut CudaSlice<f32>) -> DResult<()> {
         self.gpu.stream().memset_zeros(x).map_err(driver)
     }
@@ -161,12 +191,6 @@ impl Device for CudaDevice {
     }
     fn f32_accumulate(&self, acc: &mut CudaSlice<f32>, x: &CudaSlice<f32>) -> DResult<()> {
         Ok(self.gpu.add_f32(x, acc)?)
-    }
-    fn f32_copy(&self, x: (&F, usize), y: (&mut F, usize), n: usize) -> DResult<()> {
-        self.copy_range(x.0, x.1, y.0, y.1, n)
-    }
-    fn act_copy(&self, x: (&A, usize), y: (&mut A, usize), n: usize) -> DResult<()> {
-        self.copy_range(x.0, x.1, y.0, y.1, n)
     }
     fn accumulate(&self, acc: &mut CudaSlice<bf16>, x: &CudaSlice<bf16>) -> DResult<()> {
         Ok(self.gpu.accumulate(acc, x)?)
@@ -409,26 +433,6 @@ impl Device for CudaDevice {
             .gpu
             .adamw_step(param, grad, m, v, compute, step, lr, b1, b2, eps, wd)?)
     }
-    fn synchronize(&self) -> DResult<()> {
-        Ok(self.gpu.synchronize()?)
-    }
-    fn mark(&self) -> DResult<CudaEvent> {
-        // cudarc's default event has timing disabled, and `elapsed_ms` refuses it.
-        self.gpu
-            .stream()
-            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-            .map_err(driver)
-    }
-    fn seconds_between(&self, a: &CudaEvent, b: &CudaEvent) -> DResult<f64> {
-        let ms = a.elapsed_ms(b).map_err(driver)?;
-        Ok(f64::from(ms) / 1e3)
-    }
-    /// Device-wide (`total - free` of cuMemGetInfo): this process's buffers and
-    /// cached pool, its context, and any other process on the same GPU.
-    fn memory_in_use(&self) -> Option<u64> {
-        let (free, total) = self.gpu.context().mem_get_info().ok()?;
-        Some(total.saturating_sub(free) as u64)
-    }
 }
 
 #[cfg(test)]
@@ -464,7 +468,7 @@ mod tests {
     }
 
     /// An activation buffer holding `x`: the trait has no bf16 upload, so through
-    /// an fp32 buffer and [`Device::to_act`].
+    /// an fp32 buffer and [`Buffers::to_act`].
     fn act<D: Device>(dev: &D, x: &[f32]) -> D::Act {
         let f = dev.f32_upload(x).unwrap();
         let mut a = dev.act_zeros(x.len()).unwrap();

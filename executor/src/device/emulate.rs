@@ -19,7 +19,7 @@ pub struct HostDevice;
 /// What distinguishes the host devices, which share one implementation of
 /// [`super::Device`] over the CPU kernels: how they store what a GPU stores in bf16.
 pub trait HostPrecision: Copy + Send + Sync + 'static {
-    /// [`super::Device::act_bytes`].
+    /// [`super::Buffers::act_bytes`].
     const ACT_BYTES: usize;
     /// Applied to each buffer a GPU kernel would store in bf16, after the kernel.
     fn round(x: &mut [f32]);
@@ -36,17 +36,17 @@ pub trait HostPrecision: Copy + Send + Sync + 'static {
 /// kernel hands the host (the finiteness check's flag, the experts' counts).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Crossing {
-    /// fp32 values to the device ([`super::Device::f32_upload`]).
+    /// fp32 values to the device ([`super::Buffers::f32_upload`]).
     F32Up,
-    /// Values to the device as a compute buffer ([`super::Device::act_from_host`]).
+    /// Values to the device as a compute buffer ([`super::Buffers::act_from_host`]).
     ActUp,
     /// Token ids, labels, positions or indices to the device.
     IdsUp,
-    /// fp32 values to the host ([`super::Device::f32_download`]).
+    /// fp32 values to the host ([`super::Buffers::f32_download`]).
     F32Down,
-    /// A compute buffer to the host ([`super::Device::act_download`]).
+    /// A compute buffer to the host ([`super::Buffers::act_download`]).
     ActDown,
-    /// Ids to the host ([`super::Device::ids_download`]).
+    /// Ids to the host ([`super::Buffers::ids_download`]).
     IdsDown,
     /// [`super::Device::first_non_finite`]'s answer.
     Flag,

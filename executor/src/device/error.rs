@@ -28,3 +28,8 @@ pub(crate) fn layernorm_parts<A, B>(a: Option<A>, b: Option<B>) -> DResult<(A, B
         DeviceError("LayerNorm needs its bias, its means and its bias gradient".into())
     })
 }
+
+/// A copy or sum whose range falls outside its buffers.
+pub(crate) fn range_err(what: &str) -> DeviceError {
+    DeviceError(format!("{what}: range out of bounds"))
+}

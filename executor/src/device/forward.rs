@@ -7,6 +7,7 @@
 
 use super::{derr, Attn, Device, Embed, Norm, NormOut, RopeQkv};
 use crate::comm::RankError;
+use crate::device::Buffers;
 use crate::program::{fixed_shape, fixed_width};
 use crate::shard::{local_heads, weight_transposed, TpPos};
 use crate::train::fail;
@@ -19,9 +20,9 @@ type Res<T> = Result<T, RankError>;
 /// A norm's output and the statistics its backward reads: `(y, mean, rstd)`,
 /// the mean only for LayerNorm.
 pub(crate) type Normed<D> = (
-    <D as Device>::Act,
-    Option<<D as Device>::F32>,
-    <D as Device>::F32,
+    <D as Buffers>::Act,
+    Option<<D as Buffers>::F32>,
+    <D as Buffers>::F32,
 );
 
 /// Where an op runs: the device, the graph (shapes and constants) and this

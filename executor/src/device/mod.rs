@@ -17,6 +17,7 @@
 //! tested against its CPU reference.
 
 use crate::comm::Communicator;
+pub use buffers::Buffers;
 pub use comm::{CResult, DeviceComm, Kind, On};
 use meshplan_ir::NormKind;
 use meshplan_kernels::cpu::{
@@ -24,6 +25,7 @@ use meshplan_kernels::cpu::{
     RowDropout,
 };
 
+pub mod buffers;
 pub mod comm;
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -35,7 +37,7 @@ pub use emulate::{
     check_mixed_precision, Crossing, HostDevice, HostPrecision, MIXED_LOSS_TOLERANCE,
     MIXED_UPDATE_TOLERANCE,
 };
-pub(crate) use error::{derr, layernorm_parts};
+pub(crate) use error::{derr, layernorm_parts, range_err};
 pub use error::{DResult, DeviceError};
 pub mod train;
 
@@ -210,22 +212,13 @@ pub struct CombineBwd<'a, D: Device + ?Sized> {
 /// A draw of tokens: the sampling, and each row's request index.
 pub type Draw<'a> = (Nucleus, &'a [u32]);
 
-/// A device: buffers and the kernels over them. Launches may be asynchronous; a
-/// download waits for the work before it.
+/// A device: its [`Buffers`] and the kernels over them, launched in order (maybe
+/// asynchronously).
 ///
 /// Overwrite/accumulate rules follow the CPU kernels of the same name
 /// (`meshplan_kernels::cpu`), except where a method says otherwise.
 #[allow(clippy::too_many_arguments)] // the kernels' own argument lists
-pub trait Device: Send + Sync {
-    /// Activations and compute copies of weights (bf16 on a GPU).
-    type Act: Send + Sync;
-    /// fp32 buffers: master weights, their gradients, AdamW moments, kernel
-    /// statistics, losses.
-    type F32: Send + Sync;
-    /// Token ids, labels, positions.
-    type Ids: Send + Sync;
-    /// A point on the device's timeline (for traces).
-    type Mark: Send;
+pub trait Device: Buffers {
     /// A reduction in flight ([`DeviceComm::all_reduce_start`]).
     type Reduction: Send;
     /// The communicator a rank of this device holds.
@@ -241,89 +234,17 @@ pub trait Device: Send + Sync {
     /// read in place, so no split copies are made. The host kernels do; the CUDA
     /// ones take `q`, `k` and `v` apart.
     const READS_FUSED_QKV: bool = false;
-
-    /// Bytes per element of [`Device::Act`].
-    fn act_bytes(&self) -> usize;
-    /// The fp32 master itself as the kernels' operand, where the device computes
-    /// in fp32 (`HostDevice`): no compute copy is kept beside it, 4 bytes a
-    /// parameter saved. `None` where compute copies differ (bf16).
-    fn master_as_act(w: &Self::F32) -> Option<&Self::Act> {
-        let _ = w;
-        None
-    }
-
-    /// A zeroed activation buffer of `n` elements.
-    fn act_zeros(&self, n: usize) -> DResult<Self::Act>;
-    /// A zeroed fp32 buffer.
-    fn f32_zeros(&self, n: usize) -> DResult<Self::F32>;
-    /// An fp32 buffer holding `host`.
-    fn f32_upload(&self, host: &[f32]) -> DResult<Self::F32>;
-    /// An id buffer holding `host`.
-    fn ids_upload(&self, host: &[u32]) -> DResult<Self::Ids>;
-    /// The values of an fp32 buffer (waits for the work before it).
-    fn f32_download(&self, x: &Self::F32) -> DResult<Vec<f32>>;
-    /// The values of an id buffer (waits for the work before it).
-    fn ids_download(&self, x: &Self::Ids) -> DResult<Vec<u32>>;
     /// The index of the first of `xs` holding a NaN or an infinity (waits for the
     /// work before it).
     fn first_non_finite(&self, xs: &[&Self::F32]) -> DResult<Option<usize>>;
-    /// The values of an activation buffer, widened to f32.
-    fn act_download(&self, x: &Self::Act) -> DResult<Vec<f32>>;
-    /// Elements of an activation buffer.
-    fn act_len(x: &Self::Act) -> usize;
-    /// Elements of an fp32 buffer.
-    fn f32_len(x: &Self::F32) -> usize;
-    /// Elements of an id buffer.
-    fn ids_len(x: &Self::Ids) -> usize;
-
-    /// `y = x` rounded to the compute precision (a weight's compute copy).
-    fn to_act(&self, x: &Self::F32, y: &mut Self::Act) -> DResult<()>;
     /// Sets every element to zero.
     fn f32_zero(&self, x: &mut Self::F32) -> DResult<()>;
     /// `x *= a`, element by element.
     fn f32_scale(&self, x: &mut Self::F32, a: f32) -> DResult<()>;
     /// `acc += x`, element by element.
     fn f32_accumulate(&self, acc: &mut Self::F32, x: &Self::F32) -> DResult<()>;
-    /// `y.0[y.1..y.1 + n] = x.0[x.1..x.1 + n]`: `n` elements from buffer `x.0` at
-    /// offset `x.1` to buffer `y.0` at offset `y.1`.
-    fn f32_copy(&self, x: (&Self::F32, usize), y: (&mut Self::F32, usize), n: usize)
-        -> DResult<()>;
-    /// A new buffer holding the runs `(x, offset, n)` of `parts` one after
-    /// another (a gradient bucket, a ZeRO part). The default zeroes the buffer
-    /// and copies each run in; a host device builds its vector without the
-    /// zeroing, which a data-parallel step would otherwise pay for every bucket.
-    fn f32_concat(&self, parts: &[(&Self::F32, usize, usize)]) -> DResult<Self::F32> {
-        let mut y = self.f32_zeros(parts.iter().map(|p| p.2).sum())?;
-        let mut at = 0;
-        for &(x, off, n) in parts {
-            self.f32_copy((x, off), (&mut y, at), n)?;
-            at += n;
-        }
-        Ok(y)
-    }
-    /// [`Device::f32_copy`] on activations.
-    fn act_copy(&self, x: (&Self::Act, usize), y: (&mut Self::Act, usize), n: usize)
-        -> DResult<()>;
     /// `acc += x`, elementwise.
     fn accumulate(&self, acc: &mut Self::Act, x: &Self::Act) -> DResult<()>;
-    /// `host` as a compute buffer (rounded to the compute precision). The default
-    /// uploads and converts; a host device keeps the vector itself.
-    fn act_from_host(&self, host: Vec<f32>) -> DResult<Self::Act> {
-        let f = self.f32_upload(&host)?;
-        let mut a = self.act_zeros(host.len())?;
-        self.to_act(&f, &mut a)?;
-        Ok(a)
-    }
-    /// `buf` grown by `x[off..off + n]` at its end (a KV cache taking a pass's
-    /// keys). The default copies into a new buffer; a host vector grows in place.
-    fn act_append(&self, buf: &mut Self::Act, x: &Self::Act, at: (usize, usize)) -> DResult<()> {
-        let (held, (off, n)) = (Self::act_len(buf), at);
-        let mut grown = self.act_zeros(held + n)?;
-        self.act_copy((buf, 0), (&mut grown, 0), held)?;
-        self.act_copy((x, off), (&mut grown, held), n)?;
-        *buf = grown;
-        Ok(())
-    }
 
     /// `c = op(a) op(b)` with `op(a) [m, k]`, `op(b) [k, n]`, on the spans `g`
     /// places (`c`'s span overwritten).
@@ -459,15 +380,6 @@ pub trait Device: Send + Sync {
     /// One AdamW step of `a.param` (fp32 master) in place, and its compute copy
     /// refreshed.
     fn adamw(&self, a: AdamW<'_, Self>) -> DResult<()>;
-
-    /// Waits for everything launched so far.
-    fn synchronize(&self) -> DResult<()>;
-    /// Records a point on the device's timeline after the work launched so far.
-    fn mark(&self) -> DResult<Self::Mark>;
-    /// Seconds from `a` to `b` (after [`Device::synchronize`]).
-    fn seconds_between(&self, a: &Self::Mark, b: &Self::Mark) -> DResult<f64>;
-    /// Bytes of device memory in use by this process's buffers, where known.
-    fn memory_in_use(&self) -> Option<u64>;
 }
 
 /// The rows of a buffer of `len` elements in rows of `width`, or an error naming
@@ -481,10 +393,6 @@ pub(crate) fn rows_of(what: &str, len: usize, width: usize) -> DResult<usize> {
             "{what}: {len} values are not whole rows of {width}"
         ))),
     }
-}
-
-fn range_err(what: &str) -> DeviceError {
-    DeviceError(format!("{what}: range out of bounds"))
 }
 
 /// Runs a CPU attention kernel with `dropout`'s mask as the kernel's keep function
@@ -516,67 +424,15 @@ fn qkv_of<'a, H: HostPrecision>(a: &Attn<'a, H>) -> k::Qkv<'a> {
 
 impl<H: HostPrecision> Device for H {
     const READS_FUSED_QKV: bool = true;
-    type Act = Vec<f32>;
-    type F32 = Vec<f32>;
-    type Ids = Vec<u32>;
-    type Mark = std::time::Instant;
     type Reduction = Vec<f32>;
     type Comm = dyn Communicator;
 
     fn host_comm(comm: Box<dyn Communicator>) -> Box<dyn Communicator> {
         comm
     }
-    fn act_bytes(&self) -> usize {
-        H::ACT_BYTES
-    }
-    fn master_as_act(w: &Vec<f32>) -> Option<&Vec<f32>> {
-        // An fp32 compute copy would equal its master.
-        (H::ACT_BYTES == 4).then_some(w)
-    }
-    fn act_zeros(&self, n: usize) -> DResult<Vec<f32>> {
-        Ok(k::zeros(n))
-    }
-    fn f32_zeros(&self, n: usize) -> DResult<Vec<f32>> {
-        Ok(k::zeros(n))
-    }
-    fn f32_upload(&self, host: &[f32]) -> DResult<Vec<f32>> {
-        H::crossed(Crossing::F32Up, host.len());
-        Ok(host.to_vec())
-    }
-    fn ids_upload(&self, host: &[u32]) -> DResult<Vec<u32>> {
-        H::crossed(Crossing::IdsUp, host.len());
-        Ok(host.to_vec())
-    }
-    fn f32_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
-        H::crossed(Crossing::F32Down, x.len());
-        Ok(x.clone())
-    }
-    fn ids_download(&self, x: &Vec<u32>) -> DResult<Vec<u32>> {
-        H::crossed(Crossing::IdsDown, x.len());
-        Ok(x.clone())
-    }
     fn first_non_finite(&self, xs: &[&Vec<f32>]) -> DResult<Option<usize>> {
         H::crossed(Crossing::Flag, 1);
         Ok(xs.iter().position(|x| !k::all_finite(x)))
-    }
-    fn act_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
-        H::crossed(Crossing::ActDown, x.len());
-        Ok(x.clone())
-    }
-    fn act_len(x: &Vec<f32>) -> usize {
-        x.len()
-    }
-    fn f32_len(x: &Vec<f32>) -> usize {
-        x.len()
-    }
-    fn ids_len(x: &Vec<u32>) -> usize {
-        x.len()
-    }
-    fn to_act(&self, x: &Vec<f32>, y: &mut Vec<f32>) -> DResult<()> {
-        k::check_len("y", y.len(), x.len())?;
-        y.copy_from_slice(x);
-        H::round(y);
-        Ok(())
     }
     fn f32_zero(&self, x: &mut Vec<f32>) -> DResult<()> {
         k::fill(x, 0.0);
@@ -591,39 +447,6 @@ impl<H: HostPrecision> Device for H {
             return Err(range_err("accumulate"));
         }
         k::accumulate(acc, x);
-        Ok(())
-    }
-    fn f32_copy(&self, x: (&Vec<f32>, usize), y: (&mut Vec<f32>, usize), n: usize) -> DResult<()> {
-        let s = (x.0)
-            .get(x.1..x.1 + n)
-            .ok_or_else(|| range_err("f32_copy source"))?;
-        (y.0)
-            .get_mut(y.1..y.1 + n)
-            .ok_or_else(|| range_err("f32_copy destination"))?
-            .copy_from_slice(s);
-        Ok(())
-    }
-    fn f32_concat(&self, parts: &[(&Vec<f32>, usize, usize)]) -> DResult<Vec<f32>> {
-        let mut y = Vec::with_capacity(parts.iter().map(|p| p.2).sum());
-        for &(x, off, n) in parts {
-            let run = x.get(off..off + n);
-            y.extend_from_slice(run.ok_or_else(|| range_err("f32_concat source"))?);
-        }
-        Ok(y)
-    }
-    fn act_copy(&self, x: (&Vec<f32>, usize), y: (&mut Vec<f32>, usize), n: usize) -> DResult<()> {
-        self.f32_copy(x, y, n)
-    }
-    fn act_from_host(&self, mut host: Vec<f32>) -> DResult<Vec<f32>> {
-        H::crossed(Crossing::ActUp, host.len());
-        H::round(&mut host);
-        Ok(host)
-    }
-    fn act_append(&self, buf: &mut Self::Act, x: &Self::Act, at: (usize, usize)) -> DResult<()> {
-        let s = x
-            .get(at.0..at.0 + at.1)
-            .ok_or_else(|| range_err("act_append source"))?;
-        buf.extend_from_slice(s);
         Ok(())
     }
     fn accumulate(&self, acc: &mut Vec<f32>, x: &Vec<f32>) -> DResult<()> {
@@ -898,18 +721,6 @@ impl<H: HostPrecision> Device for H {
             H::round(compute);
         }
         Ok(())
-    }
-    fn synchronize(&self) -> DResult<()> {
-        Ok(())
-    }
-    fn mark(&self) -> DResult<std::time::Instant> {
-        Ok(std::time::Instant::now())
-    }
-    fn seconds_between(&self, a: &std::time::Instant, b: &std::time::Instant) -> DResult<f64> {
-        Ok(b.saturating_duration_since(*a).as_secs_f64())
-    }
-    fn memory_in_use(&self) -> Option<u64> {
-        None
     }
 }
 

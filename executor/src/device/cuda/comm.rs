@@ -8,7 +8,7 @@ use crate::comm::{
     AbortHandle, ByteCounts, CommError, CommKind, Communicator, Group, NcclComm, P2p,
 };
 use crate::device::comm::{part_of, CResult, DeviceComm, Kind, On, Recvd, Sent};
-use crate::device::Device;
+use crate::device::Buffers;
 use meshplan_kernels::cuda::bf16;
 use meshplan_kernels::cuda::cudarc::driver::{CudaEvent, CudaSlice};
 

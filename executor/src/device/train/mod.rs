@@ -14,6 +14,7 @@
 
 use super::{derr, AttnBwd, AttnOut, DResult, Device, DeviceComm};
 use crate::comm::{CommKind, Communicator, Group, RankError};
+use crate::device::Buffers;
 use crate::program::{
     build_groups, find_op, fixed_shape, segment_copies, segment_index, segment_input,
     segment_output,
@@ -122,10 +123,14 @@ fn weight_users(graph: &Graph) -> BTreeMap<&str, BTreeSet<usize>> {
 type Layout = Vec<(Key, usize)>;
 
 /// AdamW's first and second moments of some weights.
-type Moments<D> = (<D as Device>::F32, <D as Device>::F32);
+type Moments<D> = (<D as Buffers>::F32, <D as Buffers>::F32);
 
 /// Query, key and value of an attention op, `[b, s, h, d]` each.
-type Qkv<D> = (<D as Device>::Act, <D as Device>::Act, <D as Device>::Act);
+type Qkv<D> = (
+    <D as Buffers>::Act,
+    <D as Buffers>::Act,
+    <D as Buffers>::Act,
+);
 
 /// One forward-backward task's tensors on the device.
 struct Task<D: Device> {
@@ -725,7 +730,7 @@ impl<'a, D: Device> DevRank<'a, D> {
 }
 
 /// The kernels' operand of weight `key`: its compute copy, or the master itself
-/// where the device computes on it ([`Device::master_as_act`]). Takes the two maps
+/// where the device computes on it ([`Buffers::master_as_act`]). Takes the two maps
 /// rather than the rank, so a caller may hold a gradient mutably meanwhile.
 pub(super) fn operand<'m, D: Device>(
     master: &'m BTreeMap<Key, D::F32>,
@@ -742,7 +747,7 @@ pub(super) fn operand<'m, D: Device>(
 
 /// Writes the compute copy of each of `keys` from its master, after the masters
 /// changed outside AdamW (ZeRO's gathers); nothing where the master serves as its
-/// own ([`Device::master_as_act`]).
+/// own ([`Buffers::master_as_act`]).
 pub(super) fn refresh_copies<'k, D: Device>(
     dev: &D,
     master: &BTreeMap<Key, D::F32>,

@@ -5,6 +5,7 @@
 use super::step::pieces_of;
 use super::*;
 use crate::ckpt::{Offered, Piece, RankSnapshot};
+use crate::device::Buffers;
 use std::collections::hash_map::Entry;
 
 /// Where an offered piece's values are: a whole weight with its moments, or
@@ -17,7 +18,7 @@ type Part<'r, D> = (
     &'r [(Key, usize)],
     usize,
     &'r Moments<D>,
-    Option<&'r <D as Device>::F32>,
+    Option<&'r <D as Buffers>::F32>,
 );
 
 impl<D: Device> DevRank<'_, D> {

@@ -2,12 +2,13 @@
 //! context axis where there is one.
 
 use super::*;
+use crate::device::Buffers;
 use crate::device::{Attn, AttnGrads};
 use meshplan_ir::graph::AttentionShape;
 
 /// An attention op's input (fused `q | k | v`), its sizes, `q`, `k` and `v`
 /// apart (`None` where the kernels read them in place), and the mask.
-type AttnInputs<D> = (Arc<<D as Device>::Act>, AttnDims, Option<Qkv<D>>, AttnMask);
+type AttnInputs<D> = (Arc<<D as Buffers>::Act>, AttnDims, Option<Qkv<D>>, AttnMask);
 
 impl<D: Device> DevRank<'_, D> {
     /// What attention's forward and backward start from. The split copies are
