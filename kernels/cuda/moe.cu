@@ -125,6 +125,35 @@ extern "C" __global__ void moe_count(const u32* expert_idx, int n, int experts, 
     if (threadIdx.x == 0) counts[e] = (u32)c;
 }
 
+// Where expert e's slots start: counts[0] + ... + counts[e - 1], in every thread.
+__device__ __forceinline__ int expert_start(const u32* counts, u32 e, int* scratch) {
+    int st = 0;
+    for (int i = threadIdx.x; i < (int)e; i += blockDim.x) st += (int)counts[i];
+    return block_sum_int(st, scratch);
+}
+
+// Of the block's threads for which `mine` holds: how many come before this one (in
+// thread order), and how many there are. Every thread of the block calls it;
+// `warp_base` holds 32 ints.
+struct BlockRank {
+    int before;
+    int total;
+};
+__device__ __forceinline__ BlockRank block_rank(bool mine, int* warp_base) {
+    const int lane = threadIdx.x % WARP;
+    const int warp = threadIdx.x / WARP;
+    const u32 ballot = __ballot_sync(FULL_MASK, mine);
+    __syncthreads();  // warp_base of the previous call fully read
+    if (lane == 0) warp_base[warp] = __popc(ballot);
+    __syncthreads();
+    BlockRank r = {__popc(ballot & ((1u << lane) - 1u)), 0};
+    for (int w = 0; w < (int)(blockDim.x / WARP); ++w) {
+        r.before += w < warp ? warp_base[w] : 0;
+        r.total += warp_base[w];
+    }
+    return r;
+}
+
 // perm[start_e + rank] = a for the assignments of expert e = blockIdx.x in order of a,
 // start_e = counts[0] + ... + counts[e - 1].
 extern "C" __global__ void moe_perm(const u32* expert_idx, const u32* counts, int n, int experts,
@@ -132,28 +161,13 @@ extern "C" __global__ void moe_perm(const u32* expert_idx, const u32* counts, in
     __shared__ int scratch[WARP];
     __shared__ int warp_base[WARP];
     const u32 e = blockIdx.x;
-    const int lane = threadIdx.x % WARP;
-    const int warp = threadIdx.x / WARP;
-    const int nwarps = blockDim.x / WARP;
-    int st = 0;
-    for (int i = threadIdx.x; i < (int)e; i += blockDim.x) st += (int)counts[i];
-    int base = block_sum_int(st, scratch);
+    int base = expert_start(counts, e, scratch);
     for (int a0 = 0; a0 < n; a0 += blockDim.x) {
         const int a = a0 + threadIdx.x;
         const bool mine = a < n && expert_idx[a] == e;
-        const u32 ballot = __ballot_sync(FULL_MASK, mine);
-        const int rank = __popc(ballot & ((1u << lane) - 1u));
-        __syncthreads();  // warp_base of the previous chunk fully read
-        if (lane == 0) warp_base[warp] = __popc(ballot);
-        __syncthreads();
-        int before = 0;
-        int total = 0;
-        for (int w = 0; w < nwarps; ++w) {
-            before += w < warp ? warp_base[w] : 0;
-            total += warp_base[w];
-        }
-        if (mine) perm[base + before + rank] = (u32)a;
-        base += total;
+        const BlockRank r = block_rank(mine, warp_base);
+        if (mine) perm[base + r.before] = (u32)a;
+        base += r.total;
     }
 }
 
@@ -167,12 +181,7 @@ extern "C" __global__ void moe_capacity(const u32* perm, const u32* counts, int 
     __shared__ int scratch[WARP];
     __shared__ int warp_base[WARP];
     const u32 e = blockIdx.x;
-    const int lane = threadIdx.x % WARP;
-    const int warp = threadIdx.x / WARP;
-    const int nwarps = blockDim.x / WARP;
-    int st = 0;
-    for (int i = threadIdx.x; i < (int)e; i += blockDim.x) st += (int)counts[i];
-    const int start = block_sum_int(st, scratch);
+    const int start = expert_start(counts, e, scratch);
     const int n = (int)counts[e];
     const u32 per_group = (u32)k * (u32)group;
     int base = 0;
@@ -195,23 +204,13 @@ extern "C" __global__ void moe_capacity(const u32* perm, const u32* counts, int 
             }
             keep = s - lo < cap;
         }
-        const u32 ballot = __ballot_sync(FULL_MASK, keep);
-        const int rank = __popc(ballot & ((1u << lane) - 1u));
-        __syncthreads();  // warp_base of the previous chunk fully read
-        if (lane == 0) warp_base[warp] = __popc(ballot);
-        __syncthreads();
-        int before = 0;
-        int total = 0;
-        for (int w = 0; w < nwarps; ++w) {
-            before += w < warp ? warp_base[w] : 0;
-            total += warp_base[w];
-        }
+        const BlockRank r = block_rank(keep, warp_base);
         if (live) {
-            const u32 row = e * (u32)per_expert + (u32)(base + before + rank);
+            const u32 row = e * (u32)per_expert + (u32)(base + r.before);
             at[s] = keep ? row : NO_ROW;
             if (keep) pad[row] = (u32)s;
         }
-        base += total;
+        base += r.total;
     }
     for (int r = base + threadIdx.x; r < per_expert; r += blockDim.x)
         pad[(i64)e * per_expert + r] = NO_ROW;
