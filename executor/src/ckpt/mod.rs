@@ -237,7 +237,8 @@ pub struct Saved {
     pub bytes: u64,
     /// Safetensors files.
     pub files: usize,
-    /// Seconds to assemble, write and publish it.
+    /// Seconds from the first rank handing its state over to the folder
+    /// published: placing every rank's pieces, writing and publishing.
     pub seconds: f64,
     /// Why the save failed (reported when it happened); `latest` still names the
     /// checkpoint it named before.
@@ -479,16 +480,16 @@ pub fn step_folder(step: u64) -> String {
     format!("step-{step:08}")
 }
 
-/// Writes and publishes the checkpoint of `step` (module doc, "Saving safely").
+/// Writes and publishes the checkpoint of `step`, whose save began at `t0` (module
+/// doc, "Saving safely").
 /// An error leaves `latest` naming a complete folder (the previous one, or this
 /// one when only the tidy-up failed, which is reported through `notify`).
 fn write_checkpoint(
     meta: &RunMeta,
     opts: &SaveOptions,
-    step: u64,
+    (step, t0): (u64, Instant),
     assembly: Assembly,
 ) -> Result<Saved, String> {
-    let t0 = Instant::now();
     let id = opts
         .lock
         .as_ref()

@@ -37,6 +37,8 @@ pub(super) struct Pending {
     assembly: Option<Arc<Assembly>>,
     /// Ranks whose snapshot is placed.
     deposits: usize,
+    /// When the first rank handed its state over: a save is timed from then.
+    since: Option<Instant>,
     /// The first piece that could not be placed: the save fails with it.
     error: Option<String>,
     /// The full-tensor elements of each piece kept, by weight: a data-parallel
@@ -123,10 +125,12 @@ impl Saver {
     /// piece by piece. The last rank starts the write.
     pub(crate) fn deposit(&self, step: u64, snap: RankSnapshot) -> Result<(), String> {
         let sites = &self.meta.sites;
-        let assembly = Arc::clone(
-            (self.pending()?.entry(step).or_default().assembly)
-                .get_or_insert_with(|| Arc::new(Assembly::new(sites))),
-        );
+        let assembly = {
+            let mut pending = self.pending()?;
+            let at = pending.entry(step).or_default();
+            at.since.get_or_insert_with(Instant::now);
+            Arc::clone((at.assembly).get_or_insert_with(|| Arc::new(Assembly::new(sites))))
+        };
         // Outside the step's lock: ranks depositing together place side by side,
         // each weight under its own lock.
         let placed = assembly.place(&self.meta.graph, sites, snap);
@@ -142,6 +146,7 @@ impl Saver {
         }
         let done = pending.remove(&step).unwrap_or_default();
         drop(pending);
+        let t0 = done.since.unwrap_or_else(Instant::now);
         // Every depositor dropped its handle before it counted itself.
         let assembly = match (done.error, done.assembly.map(Arc::try_unwrap)) {
             (Some(e), _) => Err(e),
@@ -161,8 +166,7 @@ impl Saver {
                 Some(p) => p.join().map_err(|_| "checkpoint writer panicked")??,
                 None => Vec::new(),
             };
-            let t0 = Instant::now();
-            let written = assembly.and_then(|a| write_checkpoint(&meta, &opts, step, a));
+            let written = assembly.and_then(|a| write_checkpoint(&meta, &opts, (step, t0), a));
             let saved = written.unwrap_or_else(|e| {
                 let latest = match read_latest(&opts.dir) {
                     Ok(Some((name, _))) => format!("{}", opts.dir.join(name).display()),

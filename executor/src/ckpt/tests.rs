@@ -199,6 +199,50 @@ mod round_trip {
         }
     }
 
+    /// A writer for a world of `world` ranks of graph `g` saving every step into
+    /// a fresh `dir`, in files of at most 64 KiB.
+    fn saver(g: &Graph, dir: &Path, world: usize) -> Saver {
+        let _ = fs::remove_dir_all(dir);
+        let mut opts = SaveOptions::new(dir, 1);
+        opts.prepare(0, 1).unwrap();
+        // Files of 64 KiB: one file's bytes, serialized before written, stay small.
+        opts.file_bytes = 64 << 10;
+        Saver {
+            opts,
+            meta: Arc::new(RunMeta {
+                graph: g.clone(),
+                sites: model_weights(g).unwrap(),
+                model: "tiny-gpt".into(),
+                strategy: format!("tp={world}"),
+                workload: serde_json::Value::Null,
+                seed: 1,
+                lr: 1e-3,
+                world,
+                data: serde_json::json!({"kind": "synthetic"}),
+            }),
+            pending: Mutex::new(BTreeMap::new()),
+            writer: Mutex::new(None),
+        }
+    }
+
+    /// A save is timed from the first rank's hand-over, not from the writer's
+    /// start: the ranks' placing (here, waits between the two deposits) counts.
+    #[test]
+    fn a_save_is_timed_from_the_first_hand_over() {
+        let g = graph("tiny-gpt");
+        let sites = model_weights(&g).unwrap();
+        let dir = std::env::temp_dir().join(format!("meshplan-timed-{}", std::process::id()));
+        let saver = saver(&g, &dir, 2);
+        for snap in snapshots(&g, &sites, 2, 1) {
+            saver.deposit(1, snap).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(200));
+        }
+        let saved = saver.finish().unwrap();
+        let _ = fs::remove_dir_all(&dir);
+        assert!(saved[0].error.is_none(), "{:?}", saved[0].error);
+        assert!(saved[0].seconds >= 0.2, "{} s", saved[0].seconds);
+    }
+
     /// A save holds the model's state about once: each rank's snapshot is placed
     /// into the full tensors as it arrives and freed. Four tensor ranks of tiny-gpt
     /// deposit one after another, as rank 0 receives them under a launch, each
@@ -215,28 +259,8 @@ mod round_trip {
         let g = graph("tiny-gpt");
         let sites = model_weights(&g).unwrap();
         let dir = std::env::temp_dir().join(format!("meshplan-heap-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        let mut opts = SaveOptions::new(&dir, 1);
-        opts.prepare(0, 1).unwrap();
-        // Files of 64 KiB: one file's bytes, serialized before written, stay small.
-        opts.file_bytes = 64 << 10;
         let tp = 4;
-        let saver = Saver {
-            opts,
-            meta: Arc::new(RunMeta {
-                graph: g.clone(),
-                sites: sites.clone(),
-                model: "tiny-gpt".into(),
-                strategy: format!("tp={tp}"),
-                workload: serde_json::Value::Null,
-                seed: 1,
-                lr: 1e-3,
-                world: tp,
-                data: serde_json::json!({"kind": "synthetic"}),
-            }),
-            pending: Mutex::new(BTreeMap::new()),
-            writer: Mutex::new(None),
-        };
+        let saver = saver(&g, &dir, tp);
         let values = |s: &RankSnapshot| s.pieces.iter().map(|p| p.w.len()).sum::<usize>();
         let model: usize = (sites.iter())
             .map(|s| s.shape.iter().product::<usize>())
