@@ -146,6 +146,11 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS)
     });
 }
 
+// Column g of row r of logits gathered [parts, rows, cols] (g a global column).
+__device__ __forceinline__ float logit_at(const float* x, int rows, int cols, int r, int g) {
+    return x[((i64)(g / cols) * rows + r) * cols + g % cols];
+}
+
 // Greedy decoding: tokens[r] = the global column of row r's largest logit, the first
 // of equal ones, over columns 0..limit of a row split into shards of `cols` laid out
 // [parts, rows, cols] (cpu/loss.rs `argmax_parts`). A NaN never wins, and a row whose
@@ -159,7 +164,7 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS)
     float bv = NEG_INF;
     int bi = limit;
     for (int g = t; g < limit; g += blockDim.x) {
-        const float v = x[((i64)(g / cols) * rows + r) * cols + g % cols];
+        const float v = logit_at(x, rows, cols, r, g);
         // Columns rise within a thread: a tie keeps the earlier one, except the
         // sentinel's.
         if (v > bv || (v == bv && bi == limit)) {
@@ -182,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS)
         __syncthreads();
     }
     if (t == 0) {
-        const float first = x[(i64)r * cols];
+        const float first = logit_at(x, rows, cols, r, 0);
         tokens[r] = (si[0] >= limit || first != first) ? 0u : (u32)si[0];
     }
 }
@@ -195,10 +200,6 @@ extern "C" __global__ void __launch_bounds__(CE_THREADS)
 
 // The largest digit of a 48-bit weight: 2^40 (the row's largest logit) has bit 40.
 #define SAMPLE_TOP_SHIFT 40
-
-__device__ __forceinline__ float logit_at(const float* x, int rows, int cols, int r, int g) {
-    return x[((i64)(g / cols) * rows + r) * cols + g % cols];
-}
 
 __device__ __forceinline__ u64 sample_weight(float v, float m, double t) {
     if (v != v) return 0ull;

@@ -252,6 +252,15 @@ pub struct Picks {
     pub limit: usize,
 }
 
+impl Picks {
+    /// Row `r`'s global columns that count, in order: shard by shard, each
+    /// shard's row in place.
+    fn row(self, x: &[f32], r: usize) -> impl Iterator<Item = &f32> {
+        let part = move |p: usize| &x[(p * self.rows + r) * self.cols..][..self.cols];
+        (0..self.parts).flat_map(part).take(self.limit)
+    }
+}
+
 /// Whether `len` values hold `d`'s shards and its limit is among their columns.
 pub fn check_picks(len: usize, d: Picks) -> Result<(), KernelError> {
     check_len("x", len, prod("x", &[d.parts, d.rows, d.cols])?)?;
@@ -270,9 +279,7 @@ pub fn check_picks(len: usize, d: Picks) -> Result<(), KernelError> {
 pub fn argmax_parts(x: &[f32], d: Picks) -> Result<Vec<u32>, KernelError> {
     check_picks(x.len(), d)?;
     let pick = |r: usize| {
-        // Global columns in order: shard by shard, each shard's row in place.
-        let row = |p: usize| &x[(p * d.rows + r) * d.cols..][..d.cols];
-        let mut cols = (0..d.parts).flat_map(row).take(d.limit).enumerate();
+        let mut cols = d.row(x, r).enumerate();
         let Some((_, &first)) = cols.next() else {
             return 0;
         };
@@ -299,6 +306,18 @@ pub struct Nucleus {
     pub seed: u64,
     /// Generation step (0: the first token).
     pub step: u64,
+}
+
+/// Whether `s` is a draw [`sample_parts`] can make, on any device: a finite
+/// positive temperature and a nucleus in (0, 1].
+pub fn check_nucleus(s: Nucleus) -> Result<(), KernelError> {
+    if s.temperature > 0.0 && s.temperature.is_finite() && s.top_p > 0.0 && s.top_p <= 1.0 {
+        return Ok(());
+    }
+    Err(KernelError::Invalid {
+        name: "nucleus",
+        reason: format!("temperature {} and top_p {}", s.temperature, s.top_p),
+    })
 }
 
 /// A token's weight in [`sample_parts`] is `exp((x - max) / T)` in units of
@@ -349,8 +368,9 @@ fn select_weight(q: &[u64], need: u64) -> (u64, u64) {
 /// the nucleus is the shortest prefix whose weight reaches `ceil(top_p * Z)` of
 /// the row's total `Z`, and the token is the first whose running weight exceeds
 /// `floor(u * mass)` of the nucleus's `mass`, `u` the request's
-/// [`sample_uniform`]. Both are found without sorting ([`select_weight`]). A row whose largest logit (NaNs aside) is infinite picks the
-/// first column holding it, and a row of NaNs column 0.
+/// [`sample_uniform`]. Both are found without sorting ([`select_weight`]). A row
+/// whose largest logit (NaNs aside) is infinite picks the first column holding
+/// it, and a row of NaNs column 0.
 pub fn sample_parts(
     x: &[f32],
     d: Picks,
@@ -358,17 +378,11 @@ pub fn sample_parts(
     requests: &[u32],
 ) -> Result<Vec<u32>, KernelError> {
     check_picks(x.len(), d)?;
+    check_nucleus(s)?;
     check_len("requests", requests.len(), d.rows)?;
-    if !(s.temperature > 0.0 && s.temperature.is_finite() && s.top_p > 0.0 && s.top_p <= 1.0) {
-        return Err(KernelError::Invalid {
-            name: "nucleus",
-            reason: format!("temperature {} and top_p {}", s.temperature, s.top_p),
-        });
-    }
     let t = f64::from(s.temperature);
     let pick = |r: usize| {
-        let part = |p: usize| &x[(p * d.rows + r) * d.cols..][..d.cols];
-        let row: Vec<f32> = (0..d.parts).flat_map(part).take(d.limit).copied().collect();
+        let row: Vec<f32> = d.row(x, r).copied().collect();
         let max = row.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         if !max.is_finite() {
             return row.iter().position(|&v| v == max).unwrap_or(0) as u32;

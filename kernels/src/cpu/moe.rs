@@ -288,6 +288,36 @@ impl Capacity {
     }
 }
 
+/// [`moe_capacity`]'s sizes, checked wherever it runs: `slots` dispatch slots
+/// of `k` a token over `experts` experts, held to `c`, into `at`, `pad` and
+/// `kept` of lengths `sizes`. The rows each expert is padded to.
+pub fn check_capacity(
+    (slots, experts): (usize, usize),
+    k: usize,
+    c: Capacity,
+    (at, pad, kept): (usize, usize, usize),
+) -> Result<usize, KernelError> {
+    if k == 0 || c.group == 0 {
+        return Err(invalid("k, group", "must be positive"));
+    }
+    let tokens = slots / k;
+    check_len("perm", slots, prod("perm", &[tokens, k])?)?;
+    if !tokens.is_multiple_of(c.group) {
+        return Err(invalid(
+            "group",
+            format!("{tokens} tokens are not whole groups of {}", c.group),
+        ));
+    }
+    let per_expert = c.per_expert(tokens);
+    check_len("at", at, slots)?;
+    check_len("pad", pad, prod("pad", &[experts, per_expert])?)?;
+    check_len("kept", kept, experts)?;
+    if pad > NO_ROW as usize {
+        return Err(invalid("pad", "more padded rows than u32 indexes"));
+    }
+    Ok(per_expert)
+}
+
 /// Holds the dispatch slots (`perm`, `counts` as [`moe_dispatch_fwd`] left them:
 /// expert-major, in token order within an expert) to capacity `c`: each expert
 /// keeps the first `c.cap` of its slots from every token group and is padded to
@@ -304,26 +334,11 @@ pub fn moe_capacity(
     (at, pad): (&mut [u32], &mut [u32]),
     kept: &mut [usize],
 ) -> Result<(), KernelError> {
-    if k == 0 || c.group == 0 {
-        return Err(invalid("k, group", "must be positive"));
-    }
-    let tokens = perm.len() / k;
-    check_perm(perm, prod("perm", &[tokens, k])?)?;
-    if !tokens.is_multiple_of(c.group) {
-        return Err(invalid(
-            "group",
-            format!("{tokens} tokens are not whole groups of {}", c.group),
-        ));
-    }
+    let sizes = (at.len(), pad.len(), kept.len());
+    let per_expert = check_capacity((perm.len(), counts.len()), k, c, sizes)?;
+    check_perm(perm, perm.len())?;
     if counts.iter().sum::<usize>() != perm.len() {
         return Err(invalid("counts", "do not add up to the slots"));
-    }
-    let per_expert = c.per_expert(tokens);
-    check_len("at", at.len(), perm.len())?;
-    check_len("pad", pad.len(), prod("pad", &[counts.len(), per_expert])?)?;
-    check_len("kept", kept.len(), counts.len())?;
-    if pad.len() > NO_ROW as usize {
-        return Err(invalid("pad", "more padded rows than u32 indexes"));
     }
     pad.fill(NO_ROW);
     let mut s = 0;

@@ -14,8 +14,8 @@
 use super::gpu::{Gpu, GpuError};
 use super::KernelModule as M;
 use crate::cpu::{
-    check_len, check_picks, invalid, prod, AttnDims, AttnDropout, Capacity, DropoutDraw,
-    KernelError, Nucleus, Picks, Rope, RowDropout, NO_ROW,
+    check_capacity, check_len, check_nucleus, check_picks, invalid, prod, AttnDims, AttnDropout,
+    Capacity, DropoutDraw, KernelError, Nucleus, Picks, Rope, RowDropout,
 };
 use cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
@@ -786,6 +786,7 @@ impl Gpu {
         tokens: &mut CudaSlice<u32>,
     ) -> Result<(), GpuError> {
         check_picks(x.len(), d)?;
+        check_nucleus(s)?;
         check_len("requests", requests.len(), d.rows)?;
         check_len("tokens", tokens.len(), d.rows)?;
         let (rows, cols) = (int("rows", d.rows)?, int("cols", d.cols)?);
@@ -1384,25 +1385,9 @@ impl Gpu {
         (at, pad): (&mut CudaSlice<u32>, &mut CudaSlice<u32>),
         kept: &mut CudaSlice<u32>,
     ) -> Result<(), GpuError> {
-        if k == 0 || c.group == 0 {
-            return Err(invalid("k, group", "must be positive").into());
-        }
         let (n, experts) = (perm.len(), counts.len());
-        let tokens = n / k;
-        if tokens * k != n || !tokens.is_multiple_of(c.group) {
-            let whole = format!(
-                "{n} slots are not whole groups of {} tokens of {k}",
-                c.group
-            );
-            return Err(invalid("group", whole).into());
-        }
-        let per_expert = c.per_expert(tokens);
-        check_len("at", at.len(), n)?;
-        check_len("pad", pad.len(), prod("pad", &[experts, per_expert])?)?;
-        check_len("kept", kept.len(), experts)?;
-        if pad.len() >= NO_ROW as usize {
-            return Err(invalid("pad", "more padded rows than u32 indexes").into());
-        }
+        let sizes = (at.len(), pad.len(), kept.len());
+        let per_expert = check_capacity((n, experts), k, c, sizes)?;
         let (kk, group, cap) = (int("k", k)?, int("group", c.group)?, int("cap", c.cap)?);
         let (pe, _) = (int("per_expert", per_expert)?, int("tokens * k", n)?);
         if experts == 0 {
