@@ -981,13 +981,32 @@ fn a_step_moves_only_its_batch_its_losses_and_a_flag_across_the_bus() {
         let world = p.ranks.len() as u64;
         let mbs = world * 8 / (p.strategy.dp * p.strategy.mbs);
         assert_eq!(got[&ExpertCounts].0, layers * mbs, "{m} {cfg}: {got:?}");
-        let experts = (p.graph.ops())
+        let e = (p.graph.ops())
             .find_map(|o| match &o.kind {
-                meshplan_ir::OpKind::Experts(e) => Some(e.experts),
+                meshplan_ir::OpKind::Experts(e) => Some(*e),
                 _ => None,
             })
             .unwrap();
-        let values = layers * mbs * experts * if kept { 2 } else { 1 };
+        let values = layers * mbs * e.experts * if kept { 2 } else { 1 };
         assert_eq!(got[&ExpertCounts].1, values, "{m} {cfg}: {got:?}");
+        // Up: each micro-batch's tokens and labels (and its sequence-parallel
+        // block), and per layer the exchange's two reorders; the routing's own
+        // buffers are made on the device.
+        let s = &p.strategy;
+        let sp = u64::from(s.sp && s.tp > 1);
+        let order = if s.ep > 1 { 2 * layers * mbs } else { 0 };
+        assert_eq!(got[&IdsUp].0, mbs * (2 + sp) + order, "{m} {cfg}: {got:?}");
+        if !kept {
+            // Dropless, every slot is exchanged: each reorder holds a rank's
+            // tokens times top-k.
+            let Workload::Train { seq_len, .. } = p.workload else {
+                unreachable!()
+            };
+            let rows = seq_len / s.cp * s.mbs;
+            let batch = mbs * (2 * rows + sp * rows / s.tp);
+            let local = if sp == 1 { rows / s.tp } else { rows };
+            let reorders = 2 * layers * mbs * local * e.top_k;
+            assert_eq!(got[&IdsUp].1, batch + reorders, "{m} {cfg}: {got:?}");
+        }
     }
 }

@@ -39,6 +39,8 @@ pub trait Buffers: Send + Sync {
     fn f32_upload(&self, host: &[f32]) -> DResult<Self::F32>;
     /// An id buffer holding `host`.
     fn ids_upload(&self, host: &[u32]) -> DResult<Self::Ids>;
+    /// A zeroed id buffer, made where it lives: a kernel's output needs no upload.
+    fn ids_zeros(&self, n: usize) -> DResult<Self::Ids>;
     /// The values of an fp32 buffer (waits for the work before it).
     fn f32_download(&self, x: &Self::F32) -> DResult<Vec<f32>>;
     /// The values of an id buffer (waits for the work before it).
@@ -128,6 +130,9 @@ impl<H: HostPrecision> Buffers for H {
     fn ids_upload(&self, host: &[u32]) -> DResult<Vec<u32>> {
         H::crossed(Crossing::IdsUp, host.len());
         Ok(host.to_vec())
+    }
+    fn ids_zeros(&self, n: usize) -> DResult<Vec<u32>> {
+        Ok(vec![0; n])
     }
     fn f32_download(&self, x: &Vec<f32>) -> DResult<Vec<f32>> {
         H::crossed(Crossing::F32Down, x.len());

@@ -123,6 +123,9 @@ impl Buffers for CudaDevice {
     fn ids_upload(&self, host: &[u32]) -> DResult<CudaSlice<u32>> {
         Ok(self.gpu.upload(host)?)
     }
+    fn ids_zeros(&self, n: usize) -> DResult<CudaSlice<u32>> {
+        Ok(self.gpu.zeros(n)?)
+    }
     fn f32_download(&self, x: &CudaSlice<f32>) -> DResult<Vec<f32>> {
         Ok(self.gpu.download(x)?)
     }
