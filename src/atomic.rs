@@ -39,7 +39,7 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8], what: &str) -> Result<
 }
 
 /// The regular file `path` names, following symlinks; refuses anything else.
-fn destination(path: &Path, what: &str) -> Result<PathBuf, Failure> {
+pub(crate) fn destination(path: &Path, what: &str) -> Result<PathBuf, Failure> {
     let refuse = |why: String| Failure {
         code: 2,
         message: format!(

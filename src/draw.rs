@@ -28,7 +28,9 @@ pub(crate) fn check_dir(flag: &str, dir: &Path) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Rejects a trace path that is a directory or whose parent does not exist.
+/// Rejects an output path (`flag`'s) that is a directory, a device or another
+/// file that is not regular, or whose parent does not exist: before the work whose
+/// result it would hold, not after.
 pub(crate) fn check_file(flag: &str, file: &Path) -> Result<(), Failure> {
     if file.is_dir() {
         return Err(bad(format!(
@@ -42,7 +44,7 @@ pub(crate) fn check_file(flag: &str, file: &Path) -> Result<(), Failure> {
             file.display(),
             p.display()
         ))),
-        _ => Ok(()),
+        _ => crate::atomic::destination(file, flag.trim_start_matches('-')).map(|_| ()),
     }
 }
 

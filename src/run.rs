@@ -402,6 +402,10 @@ fn training_options(
     if a.steps == 0 {
         return Err(bad("--steps must be at least 1".into()));
     }
+    // Written when training ends: a path that cannot hold it is refused now.
+    if let Some(t) = a.trace {
+        crate::draw::check_file("--trace", t)?;
+    }
     let data = match a.data {
         None => DataSource::Synthetic,
         Some(path) => {

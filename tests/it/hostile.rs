@@ -171,6 +171,52 @@ fn outputs_replace_only_regular_files_and_write_through_symlinks() {
     std::fs::remove_dir_all(&dir).expect("clean");
 }
 
+/// A trace is written when training ends; a path that cannot hold it (a device,
+/// a folder, a missing folder) is refused before the first step, not after the
+/// last.
+#[cfg(unix)]
+#[test]
+fn a_run_refuses_a_trace_path_it_cannot_write_before_it_trains() {
+    let dir = temp_dir("hostile-trace");
+    let plan = dir.join("plan.json");
+    meshplan(&[
+        "plan",
+        "models/tiny-gpt.yaml",
+        "topologies/cpu-test-mesh.yaml",
+        "--config",
+        "dp=2",
+        "-o",
+        s(&plan),
+        "--quiet",
+    ])
+    .expect_code(0);
+    let missing = dir.join("missing").join("trace.json");
+    for (path, says) in [
+        (Path::new("/dev/null"), "character device"),
+        (dir.as_path(), "is a directory"),
+        (missing.as_path(), "does not exist"),
+    ] {
+        let run = meshplan(&["run", s(&plan), "--steps", "1", "--trace", s(path)]);
+        run.expect_code(2);
+        assert!(
+            run.stderr.contains(says),
+            "{}: {}",
+            path.display(),
+            run.stderr
+        );
+        assert!(
+            !run.stderr.contains("training 1 step"),
+            "{}: refused only after training: {}",
+            path.display(),
+            run.stderr
+        );
+    }
+    let trace = dir.join("trace.json");
+    meshplan(&["run", s(&plan), "--steps", "1", "--trace", s(&trace)]).expect_code(0);
+    assert!(std::fs::metadata(&trace).expect("the trace").len() > 0);
+    std::fs::remove_dir_all(&dir).expect("clean");
+}
+
 #[cfg(unix)]
 #[test]
 fn a_token_file_truncated_under_a_run_stops_it_with_a_message() {
