@@ -12,6 +12,7 @@ use meshplan_executor::infer::{
 use meshplan_executor::init::synthetic_sequence;
 use meshplan_executor::sample::Sampling;
 use meshplan_executor::tokenize::TextTokenizer;
+use meshplan_executor::train::StepHook;
 use meshplan_ir::plan::Plan;
 use meshplan_ir::Workload;
 use std::path::PathBuf;
@@ -215,7 +216,9 @@ pub(crate) fn run(
         return run_disaggregated(a, (engine, plan), file, &opts, tok.as_ref());
     }
     meshplan_executor::infer::check_inputs(plan, &opts).map_err(|m| bad(format!("{file}: {m}")))?;
-    let report = engine.infer(plan, &opts).map_err(failure)?;
+    let ranks = plan.ranks.len();
+    let report =
+        shown_progress((plan, ranks, engine), &opts, |o| engine.infer(plan, o)).map_err(failure)?;
     let check = checked(a.check, engine, plan, &opts, &report)?;
     let bytes = byte_mismatches(plan, &opts, &report);
     let shown = Shown {
@@ -237,7 +240,12 @@ fn run_disaggregated(
     tok: Option<&TextTokenizer>,
 ) -> Result<(), Failure> {
     disagg::check_disaggregated(plan, opts).map_err(|m| bad(format!("{file}: {m}")))?;
-    let run = engine.infer_disaggregated(plan, opts).map_err(failure)?;
+    let ranks = (disagg::pools(plan).ok().flatten())
+        .map_or(plan.ranks.len(), |(p, d)| p.ranks.len() + d.ranks.len());
+    let run = shown_progress((plan, ranks, engine), opts, |o| {
+        engine.infer_disaggregated(plan, o)
+    })
+    .map_err(failure)?;
     let check = checked(a.check, engine, plan, opts, &run.report)?;
     let bytes = disagg::byte_mismatches(plan, opts, &run);
     let shown = Shown {
@@ -247,6 +255,36 @@ fn run_disaggregated(
     };
     print_report(plan, &run.report, tok, &shown, a.json);
     verdict(a.check, &shown)
+}
+
+/// Runs `generate` with `opts` and a progress bar of the tokens generated, after
+/// saying what it generates. The reference of `--check` runs without them.
+fn shown_progress<T>(
+    (plan, ranks, engine): (&Plan, usize, Engine),
+    opts: &InferOptions,
+    generate: impl FnOnce(&InferOptions) -> T,
+) -> T {
+    let n = opts.requests.len();
+    tracing::info!(
+        "generating up to {} tokens for each of {n} request{} of {} on {ranks} ranks ({})",
+        opts.max_new_tokens,
+        if n == 1 { "" } else { "s" },
+        plan.model.name,
+        engine.describe()
+    );
+    let bar = crate::log::bar(
+        opts.max_new_tokens as u64,
+        format!("generating {}", plan.model.name),
+    );
+    let shown = bar.clone();
+    let hook = StepHook(std::sync::Arc::new(move |n| shown.set_position(n)));
+    let opts = InferOptions {
+        on_token: Some(hook),
+        ..opts.clone()
+    };
+    let out = generate(&opts);
+    bar.finish_and_clear();
+    out
 }
 
 /// `--check`'s verdict: its line and the largest logit difference, or why it

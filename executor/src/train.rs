@@ -55,7 +55,9 @@ pub struct TrainOptions {
     pub final_weights: bool,
 }
 
-/// A callback after each training step, with the number of steps done so far.
+/// A callback with the work done so far: the training steps done
+/// ([`TrainOptions::on_step`]), or the tokens generated
+/// ([`crate::infer::InferOptions::on_token`]).
 #[derive(Clone)]
 pub struct StepHook(pub Arc<dyn Fn(u64) + Send + Sync>);
 

@@ -1002,6 +1002,29 @@ fn gpt2_f16_checkpoint_saved_by_the_lm_head_model() {
     }
 }
 
+/// A generation tells its progress once per token, in order, from one rank
+/// whatever the split: 1 once the prompts are prefilled, then after each decode
+/// step (what `run`'s progress bar shows).
+#[test]
+fn a_generation_tells_its_progress_once_per_token() {
+    use meshplan_executor::train::StepHook;
+    use std::sync::Mutex;
+    let (dir, ck) = llama_checkpoint("progress", 12);
+    for (cfg, gpus) in [("dp=1", 1), ("tp=2,pp=2,dp=2", 8)] {
+        let told = Arc::new(Mutex::new(Vec::new()));
+        let sink = Arc::clone(&told);
+        let opts = InferOptions {
+            requests: PROMPTS.iter().map(|p| p.to_vec()).collect(),
+            max_new_tokens: 5,
+            weights: Some(Arc::clone(&ck)),
+            on_token: Some(StepHook(Arc::new(move |n| sink.lock().unwrap().push(n)))),
+            ..InferOptions::default()
+        };
+        infer(&plan_of(&dir, cfg, gpus), &opts).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(*told.lock().unwrap(), [1, 2, 3, 4, 5], "{cfg}");
+    }
+}
+
 #[test]
 fn sampling_is_seeded_and_equal_across_shardings() {
     let dir = temp_dir("sampling");

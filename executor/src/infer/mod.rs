@@ -39,7 +39,7 @@ use crate::moe::Routing;
 use crate::program::{build_groups, fixed_shape, mesh_place, segment_input, segment_output};
 use crate::sample::Sampling;
 use crate::shard::TpPos;
-use crate::train::{fail, rank_outs, ExecError, NO_LAYER};
+use crate::train::{fail, rank_outs, ExecError, StepHook, NO_LAYER};
 use crate::weights::Checkpoint;
 use meshplan_ir::graph::OpKind;
 use meshplan_ir::plan::{
@@ -86,6 +86,9 @@ pub struct InferOptions {
     pub eos: Vec<u32>,
     /// Keep the logits of every step of every request, not only the last.
     pub step_logits: bool,
+    /// Told the tokens each request of the first replica holds so far: 1 once
+    /// they are prefilled, then after each decode step (for a progress bar).
+    pub on_token: Option<StepHook>,
 }
 
 impl Default for InferOptions {
@@ -100,6 +103,7 @@ impl Default for InferOptions {
             threads_per_rank: 1,
             eos: Vec::new(),
             step_logits: false,
+            on_token: None,
         }
     }
 }

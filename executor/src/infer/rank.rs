@@ -250,6 +250,10 @@ impl<'a, D: Device> InferRank<'a, D> {
         t0: Instant,
     ) -> Result<(), RankError> {
         let record = self.records();
+        // One rank tells: the first replica's recording rank.
+        let hook = (self.opts.on_token.as_ref()).filter(|_| record && self.at.dp_index == 0);
+        let tell = |tokens: usize| hook.map(|h| (h.0)(tokens as u64));
+        tell(1);
         for step in 1..self.opts.max_new_tokens {
             if mine.is_empty() {
                 self.idle_pass(self.decode)?;
@@ -261,6 +265,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                 (p.take_tokens(&self.dev, (0, step), &l, &self.opts.sampling, now))
                     .map_err(derr("sampling"))?;
             }
+            tell(step + 1);
         }
         Ok(())
     }
