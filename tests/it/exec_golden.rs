@@ -135,21 +135,38 @@ pub(crate) fn check(name: &str, run: &TrainReport) {
     compare(name, &fingerprint(run));
 }
 
+/// [`check`] where a golden of `name` is recorded (base or this CPU's own);
+/// false, and nothing compared, where none is.
+#[track_caller]
+pub(crate) fn check_where_recorded(name: &str, run: &TrainReport) -> bool {
+    let safe = file_safe(name);
+    let own = golden_path(&format!("exec/{}/{safe}.txt", gemm_isa()));
+    if !golden_path(&format!("exec/{safe}.txt")).exists() && !own.exists() {
+        return false;
+    }
+    check(name, run);
+    true
+}
+
 /// [`check`] for an inference run.
 #[track_caller]
 pub(crate) fn check_infer(name: &str, run: &InferReport) {
     compare(name, &infer_fingerprint(run));
 }
 
-#[track_caller]
-fn compare(name: &str, text: &str) {
-    let safe: String = name
-        .chars()
+/// `name` as a file name.
+fn file_safe(name: &str) -> String {
+    name.chars()
         .map(|c| match c {
             'a'..='z' | 'A'..='Z' | '0'..='9' | '.' | '=' | '-' => c,
             _ => '_',
         })
-        .collect();
+        .collect()
+}
+
+#[track_caller]
+fn compare(name: &str, text: &str) {
+    let safe = file_safe(name);
     let base = format!("exec/{safe}.txt");
     let isa = gemm_isa();
     if isa == BASE_ISA {
