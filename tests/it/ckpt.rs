@@ -453,7 +453,7 @@ fn ckpt_run_flags_save_resume_and_exit_codes() {
 /// The update a mixed-precision run is judged against starts where the run did: after
 /// a resume, the checkpoint's weights. Measured from the seeded start instead, the
 /// yardstick grew with the steps before the checkpoint (about 12 times after 30), and a
-/// 1.5x learning rate read 0.04 of the update, inside the 0.2 tolerance.
+/// 1.5x learning rate read 0.04 of the update, well inside the tolerance.
 #[test]
 fn ckpt_a_resumed_mixed_precision_check_measures_the_update_from_the_checkpoint() {
     use meshplan_executor::device::emulate::Bf16Host;

@@ -11,6 +11,11 @@
 //! run a longer matrix (522 configurations at 4, about 6 minutes on 2 cores), whose
 //! configurations without a recorded golden are compared with their single-rank
 //! run alone. At the default strength every configuration must have its golden.
+//!
+//! The same covering runs again on the bf16-emulating host device, each
+//! configuration within the mixed-precision tolerances of its fp32 single-rank
+//! reference and a 1.5x learning rate outside them: what `run --check` on a GPU
+//! requires of a correct run, and refuses of a wrong one.
 
 use crate::executor::{check_plan_with, mesh, Model};
 use meshplan_cost_model::estimate::{check_train_shapes, estimate_train};
@@ -160,16 +165,28 @@ fn covering_selects_every_pair_and_no_more_than_needed() {
 // harness trains them on two cores at once.
 #[test]
 fn every_mode_combination_the_planner_emits_trains_like_one_rank_half_1() {
-    mode_matrix(0, 2);
+    mode_matrix(0, 2, false);
 }
 
 #[test]
 fn every_mode_combination_the_planner_emits_trains_like_one_rank_half_2() {
-    mode_matrix(1, 2);
+    mode_matrix(1, 2, false);
 }
 
-/// Trains configurations `part`, `part + parts`, ... of the covering.
-fn mode_matrix(part: usize, parts: usize) {
+#[test]
+fn every_mode_combination_the_planner_emits_trains_within_the_bf16_tolerances_half_1() {
+    mode_matrix(0, 2, true);
+}
+
+#[test]
+fn every_mode_combination_the_planner_emits_trains_within_the_bf16_tolerances_half_2() {
+    mode_matrix(1, 2, true);
+}
+
+/// Trains configurations `part`, `part + parts`, ... of the covering, in fp32
+/// against the single-rank run, or (`bf16`) on the bf16-emulating device within
+/// the mixed-precision tolerances.
+fn mode_matrix(part: usize, parts: usize, bf16: bool) {
     let strength: usize = std::env::var("MESHPLAN_MATRIX_STRENGTH")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -262,7 +279,11 @@ fn mode_matrix(part: usize, parts: usize) {
         let name = format!("{} {c}", models[*mi].0);
         let plan = p.clone();
         if let Err(e) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            check_plan_with(m, &name, plan, strength <= 3)
+            if bf16 {
+                check_bf16(m, &name, &plan);
+            } else {
+                check_plan_with(m, &name, plan, strength <= 3);
+            }
         })) {
             let msg = e
                 .downcast_ref::<String>()
@@ -277,9 +298,58 @@ fn mode_matrix(part: usize, parts: usize) {
     }
     assert!(
         failures.is_empty(),
-        "{} of {} configurations differ from the single-rank run:\n{}",
+        "{} of {} configurations differ from the single-rank run{}:\n{}",
         failures.len(),
         mine.len(),
+        if bf16 {
+            " beyond bf16's tolerances"
+        } else {
+            ""
+        },
         failures.join("\n")
     );
+}
+
+/// Trains `p` on the bf16-emulating host device and requires it within the
+/// mixed-precision tolerances of its fp32 reference, the single-rank run sliced
+/// as each rank holds its weights (as `run --check` compares).
+#[track_caller]
+fn check_bf16(m: &Model, cfg: &str, p: &meshplan_ir::plan::Plan) {
+    use meshplan_executor::device::emulate::Bf16Host;
+    use meshplan_executor::device::train::train_device;
+    use meshplan_executor::device::{
+        check_mixed_precision, MIXED_LOSS_TOLERANCE, MIXED_UPDATE_TOLERANCE,
+    };
+    use meshplan_executor::train::{train, TrainOptions};
+    let opts = TrainOptions::default();
+    let one = crate::executor::plan(m, &format!("dp=1,mbs={}", p.strategy.mbs));
+    let reference =
+        train(&one, &opts.reference_of(p)).unwrap_or_else(|e| panic!("{cfg}: reference: {e}"));
+    let run = train_device(p, &opts, &|_| Ok(Bf16Host)).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+    let lines = check_mixed_precision(
+        p,
+        &run,
+        &reference,
+        &opts,
+        MIXED_LOSS_TOLERANCE,
+        MIXED_UPDATE_TOLERANCE,
+    )
+    .unwrap_or_else(|e| panic!("{cfg}: bf16 outside the tolerances: {e}"));
+    eprintln!("{cfg}: {}", lines.last().cloned().unwrap_or_default());
+    // Not a check that cannot fail: a 1.5x learning rate is refused.
+    let wrong = TrainOptions {
+        lr: opts.lr * 1.5,
+        ..opts.clone()
+    };
+    let off = train_device(p, &wrong, &|_| Ok(Bf16Host)).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+    let e = check_mixed_precision(
+        p,
+        &off,
+        &reference,
+        &opts,
+        MIXED_LOSS_TOLERANCE,
+        MIXED_UPDATE_TOLERANCE,
+    )
+    .expect_err("a 1.5x learning rate passes the check");
+    eprintln!("{cfg}, 1.5x lr: {}", e.lines().last().unwrap_or_default());
 }

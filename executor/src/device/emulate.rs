@@ -74,8 +74,10 @@ impl HostPrecision for Bf16Host {
 }
 
 /// Largest relative difference of a step's loss allowed between a mixed-precision
-/// run and its fp32 reference. [`Bf16Host`] measures at most 7.7e-5 on the
-/// test models over 5 steps (tests in `tests/it/device.rs`); the headroom is for
+/// run and its fp32 reference. Over the bf16 mode matrix (141 configurations of
+/// dense, tied + dropout and routed-expert models, `tests/it/matrix.rs` with
+/// `MESHPLAN_MATRIX_PRECISION=bf16`, 5 steps), [`Bf16Host`] measures at most
+/// 2.4e-4 on the dense models and 6.7e-4 with routed experts; the headroom is for
 /// GPU kernels that also sum in another order than the CPU's.
 pub const MIXED_LOSS_TOLERANCE: f64 = 1e-3;
 
@@ -83,9 +85,14 @@ pub const MIXED_LOSS_TOLERANCE: f64 = 1e-3;
 /// reference's, relative to how far the reference moved them from their start
 /// (`‖w_run − w_ref‖ / ‖w_ref − w_0‖` over all weights): AdamW turns any rounding of
 /// a small gradient into a full-size step, so a per-element bound would measure the
-/// optimizer, not the run. [`Bf16Host`] measures 0.04–0.05 on the test
-/// models; a 1.5× learning rate measures 0.56.
-pub const MIXED_UPDATE_TOLERANCE: f64 = 0.2;
+/// optimizer, not the run. Over the bf16 mode matrix [`Bf16Host`] measures
+/// 0.05–0.06 on the dense models, 0.11–0.18 with dropless routed experts and
+/// 0.13–0.25 under an expert capacity: rounding flips some routing decisions, and
+/// a token sent to another expert, or dropped, is a discrete change that the
+/// weights carry on. A 1.5× learning rate measures 0.63–0.72 on the same
+/// configurations. The bound sits between the two, near their geometric mean
+/// (0.39), leaving each side a margin of about 1.6×.
+pub const MIXED_UPDATE_TOLERANCE: f64 = 0.4;
 
 /// The whole value weight `name` (block layer `layer`) starts from under `opts`, as
 /// the training interpreter reads it: the resumed checkpoint's, a Hugging Face
