@@ -314,7 +314,7 @@ fn mode_matrix(part: usize, parts: usize, bf16: bool) {
 /// mixed-precision tolerances of its fp32 reference, the single-rank run sliced
 /// as each rank holds its weights (as `run --check` compares).
 #[track_caller]
-fn check_bf16(m: &Model, cfg: &str, p: &meshplan_ir::plan::Plan) {
+pub(crate) fn check_bf16(m: &Model, cfg: &str, p: &meshplan_ir::plan::Plan) {
     use meshplan_executor::device::emulate::Bf16Host;
     use meshplan_executor::device::train::train_device;
     use meshplan_executor::device::{
@@ -336,7 +336,12 @@ fn check_bf16(m: &Model, cfg: &str, p: &meshplan_ir::plan::Plan) {
     )
     .unwrap_or_else(|e| panic!("{cfg}: bf16 outside the tolerances: {e}"));
     eprintln!("{cfg}: {}", lines.last().cloned().unwrap_or_default());
-    // Not a check that cannot fail: a 1.5x learning rate is refused.
+    // Not a check that cannot fail: bf16 does move the run, and a 1.5x learning
+    // rate is refused.
+    assert_ne!(
+        run.losses, reference.losses,
+        "{cfg}: bf16 rounding changed nothing"
+    );
     let wrong = TrainOptions {
         lr: opts.lr * 1.5,
         ..opts.clone()
