@@ -233,13 +233,14 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Execute a plan (ranks as CPU threads) and report measured beside predicted.
+    /// Execute a plan (ranks as threads on the CPU or a GPU) and report measured beside predicted.
     Run {
         /// A plan written by `meshplan plan`.
         plan: PathBuf,
         /// cpu (ranks as threads, fp32), cpu-bf16 (the device interpreter with a
         /// GPU's bf16 rounding, on the CPU) or cuda (a build with `--features cuda`:
-        /// the device interpreter on GPU 0; training plans).
+        /// the device interpreter on GPU 0, every rank a thread; under `launch`, one
+        /// training rank per process and GPU).
         #[arg(long, default_value = "cpu")]
         backend: String,
         /// Optimizer steps (training plans; default 5).
