@@ -12,7 +12,6 @@ use meshplan_executor::infer::{
 use meshplan_executor::init::synthetic_sequence;
 use meshplan_executor::sample::Sampling;
 use meshplan_executor::tokenize::TextTokenizer;
-use meshplan_executor::train::StepHook;
 use meshplan_ir::plan::Plan;
 use meshplan_ir::Workload;
 use std::path::PathBuf;
@@ -213,10 +212,9 @@ pub(crate) fn run(
         ..InferOptions::default()
     };
     if pools.is_some() {
-        return run_disaggregated(a, (engine, plan), file, &opts, tok.as_ref());
+        return run_disaggregated(a, (engine, plan, ranks), file, &opts, tok.as_ref());
     }
     meshplan_executor::infer::check_inputs(plan, &opts).map_err(|m| bad(format!("{file}: {m}")))?;
-    let ranks = plan.ranks.len();
     let report =
         shown_progress((plan, ranks, engine), &opts, |o| engine.infer(plan, o)).map_err(failure)?;
     let check = checked(a.check, engine, plan, &opts, &report)?;
@@ -230,18 +228,16 @@ pub(crate) fn run(
     verdict(a.check, &shown)
 }
 
-/// `run` on a disaggregated deployment: both pools as one world, the KV caches
-/// moving from the prefill ranks to the decode ranks.
+/// `run` on a disaggregated deployment: both pools as one world (`ranks` in
+/// all), the KV caches moving from the prefill ranks to the decode ranks.
 fn run_disaggregated(
     a: &RunArgs<'_>,
-    (engine, plan): (Engine, &Plan),
+    (engine, plan, ranks): (Engine, &Plan, usize),
     file: &str,
     opts: &InferOptions,
     tok: Option<&TextTokenizer>,
 ) -> Result<(), Failure> {
     disagg::check_disaggregated(plan, opts).map_err(|m| bad(format!("{file}: {m}")))?;
-    let ranks = (disagg::pools(plan).ok().flatten())
-        .map_or(plan.ranks.len(), |(p, d)| p.ranks.len() + d.ranks.len());
     let run = shown_progress((plan, ranks, engine), opts, |o| {
         engine.infer_disaggregated(plan, o)
     })
@@ -272,12 +268,10 @@ fn shown_progress<T>(
         plan.model.name,
         engine.describe()
     );
-    let bar = crate::log::bar(
+    let (bar, hook) = crate::log::bar_with_hook(
         opts.max_new_tokens as u64,
         format!("generating {}", plan.model.name),
     );
-    let shown = bar.clone();
-    let hook = StepHook(std::sync::Arc::new(move |n| shown.set_position(n)));
     let opts = InferOptions {
         on_token: Some(hook),
         ..opts.clone()

@@ -48,6 +48,21 @@ pub(crate) fn spinner(message: String) -> indicatif::ProgressBar {
     bar
 }
 
+/// [`bar`], and the hook that moves it to the count the executor reports (steps
+/// trained, tokens generated).
+pub(crate) fn bar_with_hook(
+    len: u64,
+    message: String,
+) -> (indicatif::ProgressBar, meshplan_executor::train::StepHook) {
+    let bar = bar(len, message);
+    let shown = bar.clone();
+    let hook = move |done| shown.set_position(done);
+    (
+        bar,
+        meshplan_executor::train::StepHook(std::sync::Arc::new(hook)),
+    )
+}
+
 /// A bar of `len` steps with a message, or a hidden bar.
 pub(crate) fn bar(len: u64, message: String) -> indicatif::ProgressBar {
     if !progress_visible() {

@@ -274,12 +274,10 @@ pub(crate) fn run(a: &RunArgs<'_>) -> Result<(), Failure> {
         plan.ranks.len(),
         engine.describe()
     );
-    let bar = crate::log::bar(a.steps - start, format!("training {}", plan.model.name));
-    let shown = bar.clone();
+    let (bar, hook) =
+        crate::log::bar_with_hook(a.steps - start, format!("training {}", plan.model.name));
     let opts = TrainOptions {
-        on_step: Some(meshplan_executor::train::StepHook(std::sync::Arc::new(
-            move |done| shown.set_position(done),
-        ))),
+        on_step: Some(hook),
         ..opts
     };
     let report = engine.train(&plan, &opts).map_err(failure);

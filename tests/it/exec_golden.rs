@@ -139,9 +139,8 @@ pub(crate) fn check(name: &str, run: &TrainReport) {
 /// false, and nothing compared, where none is.
 #[track_caller]
 pub(crate) fn check_where_recorded(name: &str, run: &TrainReport) -> bool {
-    let safe = file_safe(name);
-    let own = golden_path(&format!("exec/{}/{safe}.txt", gemm_isa()));
-    if !golden_path(&format!("exec/{safe}.txt")).exists() && !own.exists() {
+    let (base, own) = golden_names(name);
+    if !golden_path(&base).exists() && !golden_path(&own).exists() {
         return false;
     }
     check(name, run);
@@ -154,25 +153,28 @@ pub(crate) fn check_infer(name: &str, run: &InferReport) {
     compare(name, &infer_fingerprint(run));
 }
 
-/// `name` as a file name.
-fn file_safe(name: &str) -> String {
-    name.chars()
+/// The goldens of `name` (made file-safe): the base set's `exec/NAME.txt`, and
+/// `exec/ISA/NAME.txt` for this CPU's GEMM kernels.
+fn golden_names(name: &str) -> (String, String) {
+    let safe: String = name
+        .chars()
         .map(|c| match c {
             'a'..='z' | 'A'..='Z' | '0'..='9' | '.' | '=' | '-' => c,
             _ => '_',
         })
-        .collect()
+        .collect();
+    (
+        format!("exec/{safe}.txt"),
+        format!("exec/{}/{safe}.txt", gemm_isa()),
+    )
 }
 
 #[track_caller]
 fn compare(name: &str, text: &str) {
-    let safe = file_safe(name);
-    let base = format!("exec/{safe}.txt");
-    let isa = gemm_isa();
-    if isa == BASE_ISA {
+    let (base, own) = golden_names(name);
+    if gemm_isa() == BASE_ISA {
         return crate::draw::golden(&base, text);
     }
-    let own = format!("exec/{isa}/{safe}.txt");
     let own_path = golden_path(&own);
     if std::env::var_os("UPDATE_GOLDEN").is_some() {
         let recorded = std::fs::read_to_string(golden_path(&base)).unwrap_or_else(|e| {

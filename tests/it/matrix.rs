@@ -325,16 +325,21 @@ pub(crate) fn check_bf16(m: &Model, cfg: &str, p: &meshplan_ir::plan::Plan) {
     let one = crate::executor::plan(m, &format!("dp=1,mbs={}", p.strategy.mbs));
     let reference =
         train(&one, &opts.reference_of(p)).unwrap_or_else(|e| panic!("{cfg}: reference: {e}"));
-    let run = train_device(p, &opts, &|_| Ok(Bf16Host)).unwrap_or_else(|e| panic!("{cfg}: {e}"));
-    let lines = check_mixed_precision(
-        p,
-        &run,
-        &reference,
-        &opts,
-        MIXED_LOSS_TOLERANCE,
-        MIXED_UPDATE_TOLERANCE,
-    )
-    .unwrap_or_else(|e| panic!("{cfg}: bf16 outside the tolerances: {e}"));
+    // `run --check`'s comparison; a wrong run is still measured from `opts`.
+    let bf16 = |o: &TrainOptions| {
+        let run = train_device(p, o, &|_| Ok(Bf16Host)).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        let checked = check_mixed_precision(
+            p,
+            &run,
+            &reference,
+            &opts,
+            MIXED_LOSS_TOLERANCE,
+            MIXED_UPDATE_TOLERANCE,
+        );
+        (run, checked)
+    };
+    let (run, checked) = bf16(&opts);
+    let lines = checked.unwrap_or_else(|e| panic!("{cfg}: bf16 outside the tolerances: {e}"));
     eprintln!("{cfg}: {}", lines.last().cloned().unwrap_or_default());
     // Not a check that cannot fail: bf16 does move the run, and a 1.5x learning
     // rate is refused.
@@ -346,15 +351,6 @@ pub(crate) fn check_bf16(m: &Model, cfg: &str, p: &meshplan_ir::plan::Plan) {
         lr: opts.lr * 1.5,
         ..opts.clone()
     };
-    let off = train_device(p, &wrong, &|_| Ok(Bf16Host)).unwrap_or_else(|e| panic!("{cfg}: {e}"));
-    let e = check_mixed_precision(
-        p,
-        &off,
-        &reference,
-        &opts,
-        MIXED_LOSS_TOLERANCE,
-        MIXED_UPDATE_TOLERANCE,
-    )
-    .expect_err("a 1.5x learning rate passes the check");
+    let e = (bf16(&wrong).1).expect_err("a 1.5x learning rate passes the check");
     eprintln!("{cfg}, 1.5x lr: {}", e.lines().last().unwrap_or_default());
 }

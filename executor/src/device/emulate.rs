@@ -75,8 +75,8 @@ impl HostPrecision for Bf16Host {
 
 /// Largest relative difference of a step's loss allowed between a mixed-precision
 /// run and its fp32 reference. Over the bf16 mode matrix (141 configurations of
-/// dense, tied + dropout and routed-expert models, `tests/it/matrix.rs` with
-/// `MESHPLAN_MATRIX_PRECISION=bf16`, 5 steps), [`Bf16Host`] measures at most
+/// dense, tied + dropout and routed-expert models, the `..._within_the_bf16_tolerances`
+/// tests of `tests/it/matrix.rs`, 5 steps), [`Bf16Host`] measures at most
 /// 2.4e-4 on the dense models and 6.7e-4 with routed experts; the headroom is for
 /// GPU kernels that also sum in another order than the CPU's.
 pub const MIXED_LOSS_TOLERANCE: f64 = 1e-3;
