@@ -311,7 +311,7 @@ fn reference(plan: &Plan, opts: &InferOptions) -> Result<InferReport, Failure> {
         &reference,
         &InferOptions {
             threads_per_rank: crate::run::threads_per_rank(None, 1)?,
-            ..opts.clone()
+            ..opts.reference_of(plan)
         },
     )
     .map_err(|e| runtime(format!("reference: {e}")))

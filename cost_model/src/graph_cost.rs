@@ -639,6 +639,19 @@ impl LayoutCtx {
                 add(&mut tp_f, self.tp_coll(Collective::AllReduce, full));
             }
         }
+        let tokens = self.env.batch * self.env.seq / self.tokens_div();
+        if ep_split && !self.sp && !self.dp_attention && tokens > 0.0 {
+            // Inference: each tensor rank routes its slice of the same tokens; the
+            // slices' outputs, padded to equal length, are gathered (as lowered).
+            let rows = meshplan_ir::graph::sliced_expert_rows(tokens, self.tp);
+            for a in &seg.expert_outputs {
+                let full = a.bytes.eval(&self.env) / self.tokens_div();
+                add(
+                    &mut tp_f,
+                    self.tp_coll(Collective::AllGather, full * rows / tokens),
+                );
+            }
+        }
         for op in &seg.ops {
             if op.role == TpRole::VocabLoss && self.sampling {
                 if let Work::Memory { acts, .. } = &op.work {

@@ -217,6 +217,17 @@ pub fn capacity_group_tokens(seq: u64, cp: u64, tp: u64, ep: u64) -> u64 {
     seq / cp.max(1) / tp_split
 }
 
+/// Rows an experts op gathers over the tensor axis when its experts are split over
+/// both `tp` and `ep` without sequence parallelism (inference): every tensor rank
+/// holds the same `tokens`, routes the contiguous slice `ceil(tokens / tp)` at its
+/// index (the last slices short or empty), and the slices' outputs, each padded to
+/// that length, are gathered, as vLLM's sequence-parallel MoE chunks and pads the
+/// tokens of its tensor ranks.
+pub fn sliced_expert_rows(tokens: f64, tp: u64) -> f64 {
+    let t = tp.max(1) as f64;
+    (tokens / t).ceil() * t
+}
+
 impl ExpertsShape {
     /// Slots each expert keeps per capacity group of `group_tokens` tokens:
     /// `ceil(capacity_factor * group_tokens * top_k / experts)`, `None` when dropless.

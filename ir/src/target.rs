@@ -73,7 +73,7 @@ impl LossStat {
     }
 }
 
-/// One of the four token exchanges of an expert-parallel MoE layer.
+/// One of the token exchanges of an expert-parallel MoE layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Exchange {
@@ -85,14 +85,19 @@ pub enum Exchange {
     GradCombine,
     /// The dispatch's gradient (backward, second).
     GradDispatch,
+    /// The outputs of the tensor ranks' token slices gathered over the tensor axis
+    /// (inference with experts over both `tp` and `ep`, where every tensor rank
+    /// holds the same tokens and routes only its slice).
+    Gather,
 }
 
 impl Exchange {
-    const ALL: [Exchange; 4] = [
+    const ALL: [Exchange; 5] = [
         Exchange::Dispatch,
         Exchange::Combine,
         Exchange::GradCombine,
         Exchange::GradDispatch,
+        Exchange::Gather,
     ];
 
     fn suffix(self) -> &'static str {
@@ -101,6 +106,7 @@ impl Exchange {
             Exchange::Combine => "combine",
             Exchange::GradCombine => "grad:combine",
             Exchange::GradDispatch => "grad:dispatch",
+            Exchange::Gather => "gather",
         }
     }
 }

@@ -627,6 +627,23 @@ impl Layout<'_> {
                     };
                     c.pre.push(a2a(Exchange::Dispatch));
                     c.post.push(a2a(Exchange::Combine));
+                    // Without sequence parallelism (inference) every tensor rank
+                    // holds the same tokens and routes its own slice of them: the
+                    // slices' outputs, padded to equal length, are gathered.
+                    let held = self.env.batch * self.env.seq / self.cp as f64;
+                    let sliced = !self.sp && !self.dp_attention && held > 0.0;
+                    if let (Some(&y), true) = (op.outputs.first(), sliced) {
+                        let rows = meshplan_ir::graph::sliced_expert_rows(held, self.tp);
+                        let gathered = self.full_bytes(y) * rows / held;
+                        c.post.extend(self.tp_coll(
+                            CollectiveKind::AllGather,
+                            Target::Experts {
+                                op: op.name.clone(),
+                                exchange: Exchange::Gather,
+                            },
+                            gathered,
+                        ));
+                    }
                     c.bpre.push(a2a(Exchange::GradCombine));
                     c.bpost.push(a2a(Exchange::GradDispatch));
                 }

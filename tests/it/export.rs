@@ -658,9 +658,11 @@ fn sglang_ep_over_replicas_is_one_server_with_attention_groups() {
     // 64 requests over 2 attention groups: 32 each, so 64 for the server (SGLang
     // gives each group max_running_requests // attn_dp_size).
     assert!(has_line(&s, "--max-running-requests 64"), "{s}");
-    // The planner's own Mixtral deployment exports too.
+    // The planner's own Mixtral deployment exports too: tp=8, since experts over
+    // both tp and ep gather their tensor ranks' token slices, which tp=8 does not.
     let own = exported("mixtral-serve", "sglang");
-    assert!(own.contains("--ep-size 8"), "{own}");
+    assert!(has_line(&own, "--tp-size 8"), "{own}");
+    assert!(!own.contains("--ep-size"), "{own}");
 }
 
 /// SGLang applies --max-running-requests to each --dp-size replica: the plan's

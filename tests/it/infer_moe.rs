@@ -1,13 +1,15 @@
 //! Inference of mixture-of-experts models end to end: tiny MoE plans (dropless, and
 //! with an expert capacity in prefill) planned and run through the command line
 //! with `--check` on every layout the inference executor takes (single rank, experts
-//! split over `tp`, data, pipeline and expert parallelism, and their mixes), each
-//! generating the single-rank run's tokens and sending the plan's bytes; an idle
-//! replica of an expert group still serves its experts; an unsupported layout
-//! exits 2 naming it.
+//! split over `tp`, data, pipeline and expert parallelism, and their mixes, experts
+//! over both `tp` and `ep` included), each generating the single-rank run's tokens
+//! and sending the plan's bytes; an idle replica of an expert group still serves
+//! its experts.
 
 use crate::cli::{meshplan, run_checked, tokens};
-use meshplan_executor::infer::{byte_mismatches, infer, routed_ep_summary, InferOptions};
+use meshplan_executor::infer::{
+    byte_mismatches, check_inference, infer, routed_ep_summary, InferOptions,
+};
 use meshplan_ir::plan::Plan;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -135,14 +137,23 @@ fn moe_inference_with_expert_capacity_equals_single_rank() {
 fn an_idle_replica_still_serves_its_experts() {
     // One request on two replicas whose experts are split between them: the idle
     // one runs every pass with no tokens of its own, or the other would wait on it.
+    // With experts over tp too, the idle replica's two tensor ranks both serve.
     let dir = temp_dir("idle");
-    for model in ["tiny-moe", "tiny-moe-capacity"] {
+    let layouts = [("dp=2,tp=1,pp=1,ep=2", 2), ("dp=2,tp=2,pp=1,ep=4", 4)];
+    for (model, (cfg, gpus)) in ["tiny-moe", "tiny-moe-capacity"]
+        .into_iter()
+        .flat_map(|m| layouts.map(|l| (m, l)))
+    {
         let single = plan(&dir, model, "dp=1,tp=1,pp=1,ep=1", 1, 1);
-        let p = plan(&dir, model, "dp=2,tp=1,pp=1,ep=2", 2, 1);
+        let p = plan(&dir, model, cfg, gpus, 1);
         let j = run_checked(&p, &[]);
         assert_eq!(j["bytes_match_plan"], true, "{}", j["byte_mismatches"]);
         assert!(j["measured"]["comm_bytes_per_gpu"]["ep"].as_f64() > Some(0.0));
-        assert_eq!(tokens(&j), tokens(&run_checked(&single, &[])), "{model}");
+        assert_eq!(
+            tokens(&j),
+            tokens(&run_checked(&single, &[])),
+            "{model} {cfg}"
+        );
         // Three prompts of different lengths: one replica prefills two, the other
         // one and then idles through a pass; capacity buffers of unequal prompts
         // exchange their counts.
@@ -158,7 +169,7 @@ fn an_idle_replica_still_serves_its_experts() {
         ];
         let a = run_checked(&p, &prompts);
         let b = run_checked(&single, &prompts);
-        assert_eq!(tokens(&a), tokens(&b), "{model}");
+        assert_eq!(tokens(&a), tokens(&b), "{model} {cfg}");
         assert_eq!(tokens(&a).len(), 3);
     }
     // The human report names the expert-parallel bytes the router decided, which
@@ -175,12 +186,77 @@ fn an_idle_replica_still_serves_its_experts() {
 }
 
 #[test]
-fn moe_inference_refuses_experts_split_over_both_tp_and_ep() {
-    let dir = temp_dir("refuse");
-    let p = plan(&dir, "tiny-moe", "dp=1,tp=2,pp=1,ep=2", 2, 2);
-    meshplan(&["run", &p, "--check"])
-        .expect_code(2)
-        .stderr_has(&["block.moe.experts", "tp=2 and ep=2", "plan with ep=1"]);
+fn moe_inference_over_both_tp_and_ep_equals_single_rank() {
+    // Each tensor rank routes its slice of the replica's tokens over ep and the
+    // slices' outputs are gathered over tp. At dp=2 each replica decodes one
+    // request: one row on two tensor ranks, the second slice empty and padded.
+    check_layouts(
+        "tp-ep",
+        "tiny-moe",
+        &[
+            ("dp=1,tp=2,pp=1,ep=2", 2),
+            ("dp=2,tp=2,pp=1,ep=2", 4),
+            ("dp=2,tp=2,pp=1,ep=4", 4),
+            ("dp=1,tp=2,pp=2,ep=2", 4),
+        ],
+    );
+    check_layouts(
+        "tp-ep-capacity",
+        "tiny-moe-capacity",
+        &[("dp=1,tp=2,pp=1,ep=2", 2), ("dp=2,tp=2,pp=1,ep=4", 4)],
+    );
+}
+
+#[test]
+fn sliced_experts_hold_each_slice_to_capacity_as_the_reference_does() {
+    // Prompts of 7 and 5 tokens on two tensor ranks: slices of 4 and 3, and of 3
+    // and 2, each its own capacity group, the replicas' slices unequal (their
+    // counts exchanged). The single-rank reference routes the same slices, one
+    // after the other; routing each whole prompt as one group keeps other tokens.
+    let dir = temp_dir("slices");
+    let path = plan(&dir, "tiny-moe-capacity", "dp=2,tp=2,pp=1,ep=4", 4, 2);
+    let single = load(&plan(
+        &dir,
+        "tiny-moe-capacity",
+        "dp=1,tp=1,pp=1,ep=1",
+        1,
+        2,
+    ));
+    let sharded = load(&path);
+    let opts = InferOptions {
+        requests: vec![vec![3, 14, 15, 92, 65, 35, 89], vec![79, 32, 38, 46, 26]],
+        max_new_tokens: 5,
+        ..InferOptions::default()
+    };
+    assert_eq!(opts.reference_of(&sharded).moe_token_slices, 2);
+    assert_eq!(opts.reference_of(&single).moe_token_slices, 1);
+    let run = infer(&sharded, &opts).unwrap_or_else(|e| panic!("{e}"));
+    let reference = infer(&single, &opts.reference_of(&sharded)).unwrap_or_else(|e| panic!("{e}"));
+    let whole = infer(&single, &opts).unwrap_or_else(|e| panic!("{e}"));
+    if let Err(e) = check_inference(&run, &reference) {
+        panic!("against the sliced reference: {e}");
+    }
+    assert!(
+        check_inference(&run, &whole).is_err(),
+        "whole-prompt capacity groups give the same logits: the slices are not tested"
+    );
+    // The command line's --check takes the same reference.
+    let prompts = [
+        "--prompt-ids",
+        "3,14,15,92,65,35,89",
+        "--prompt-ids",
+        "79,32,38,46,26",
+        "--max-new-tokens",
+        "5",
+    ];
+    let j = run_checked(&path, &prompts);
+    assert_eq!(tokens(&j), tokens_of(&run));
+}
+
+fn tokens_of(r: &meshplan_executor::infer::InferReport) -> Vec<Vec<u64>> {
+    (r.requests.iter())
+        .map(|q| q.tokens.iter().map(|&t| u64::from(t)).collect())
+        .collect()
 }
 
 #[test]

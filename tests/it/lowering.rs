@@ -11,7 +11,8 @@ use meshplan_cost_model::{
     InferenceLoad, PreparedGraph,
 };
 use meshplan_ir::plan::{
-    instrs_bytes_sent, Axis, AxisBytes, CollectiveKind, Instr, Pass, PhaseKind, Plan, SearchInfo,
+    instrs_bytes_sent, Axis, AxisBytes, CollectiveKind, Exchange, Instr, Pass, PhaseKind, Plan,
+    SearchInfo, Target,
 };
 use meshplan_ir::{
     load_model, model_graph, parse_model_yaml, Graph, ModelSpec, ParallelConfig, PartialConfig,
@@ -409,6 +410,75 @@ fn inference_decode_bytes_match_the_estimate() {
         "pp",
         l.plan.busiest_bytes(PhaseKind::Decode).pp,
         l.est.comm_bytes_per_gpu.pp,
+    );
+}
+
+/// Every collective of `instrs` with the times it runs (segment repeats multiplied).
+fn collectives(instrs: &[Instr], times: u64, out: &mut Vec<(Instr, u64)>) {
+    for i in instrs {
+        match i {
+            Instr::Segment { repeat, body, .. } => collectives(body, times * repeat, out),
+            Instr::Collective { .. } => out.push((i.clone(), times)),
+            _ => {}
+        }
+    }
+}
+
+#[test]
+fn moe_inference_over_tp_and_ep_gathers_the_slices_the_estimate_prices() {
+    // Mixtral serving 6 requests on 8 GPUs, dp=2,tp=4,ep=8: each tensor rank routes
+    // its slice of the replica's tokens and the slices' outputs are gathered over
+    // tp. Decoding 3 requests a replica, the slices are ceil(3 / 4) = 1 row, padded
+    // to 4 rows of 4096 bf16 values: 32,768 bytes gathered a layer.
+    let text = std::fs::read_to_string(PathBuf::from(ROOT).join("models/mixtral-8x7b.yaml"))
+        .expect("mixtral");
+    let head = text.split("\nworkload:").next().expect("a model");
+    let yaml = format!(
+        "{head}\nworkload:\n  kind: inference\n  prompt_len: 1000\n  output_len: 200\n  concurrency: 6\n"
+    );
+    let spec = parse_model_yaml(&yaml, "mixtral-inference.yaml").unwrap_or_else(|e| panic!("{e}"));
+    let m = from_spec(spec);
+    let cl = cluster("topologies/dgx-a100-80g.yaml", 1);
+    let l = inference(&m, &cl, "dp=2,tp=4,ep=8,dp_attention=false");
+    for (kind, rows) in [(PhaseKind::Decode, 4.0), (PhaseKind::Prefill, 1000.0)] {
+        let phase = l.plan.programs[0]
+            .phases
+            .iter()
+            .find(|p| p.kind == kind)
+            .expect("the phase");
+        let mut all = Vec::new();
+        for ch in &phase.chunks {
+            collectives(&ch.forward, 1, &mut all);
+        }
+        let gathers: Vec<(f64, f64, u64)> = all
+            .iter()
+            .filter_map(|(i, n)| match i {
+                Instr::Collective {
+                    kind: CollectiveKind::AllGather,
+                    axis: Axis::Tp,
+                    target:
+                        Target::Experts {
+                            exchange: Exchange::Gather,
+                            ..
+                        },
+                    payload_bytes,
+                    bytes_sent,
+                    ..
+                } => Some((*payload_bytes, *bytes_sent, *n)),
+                _ => None,
+            })
+            .collect();
+        let payload = rows * 4096.0 * 2.0;
+        assert_eq!(
+            gathers,
+            [(payload, payload * 3.0 / 4.0, 32)],
+            "{kind:?}: one gather of the sliced outputs a layer"
+        );
+    }
+    assert_bytes(
+        "dp=2,tp=4,ep=8",
+        l.plan.busiest_bytes(PhaseKind::Decode),
+        estimate_bytes(&l.est),
     );
 }
 

@@ -21,11 +21,15 @@
 //! list). A temperature samples on the host, from the downloaded logits.
 //!
 //! MoE layers run the training interpreter's experts (`moe::Exec::forward`): split over
-//! `tp` like a dense MLP (the plan all-reduces their output) or by expert over `ep`
-//! (All-to-All). Prefill holds each expert to its capacity over the prompt (a
-//! capacity group is one prompt, as one rank prefills it); decoding routes dropless,
-//! as the cost model prices it (`ExpertsShape::dispatched_rows`), so the sharded run
-//! and its single-rank reference keep the same tokens. An expert group spanning
+//! `tp` like a dense MLP (the plan all-reduces their output), by expert over `ep`
+//! (All-to-All), or over both: then every tensor rank, holding the same tokens,
+//! routes its contiguous slice of them over `ep` and the slices' outputs are
+//! gathered over `tp` (`sliced_expert_rows`; the plan's `Exchange::Gather`).
+//! Prefill holds each expert to its capacity over the prompt (a capacity group is
+//! one prompt, or a tensor rank's slice of it); decoding routes dropless, as the
+//! cost model prices it (`ExpertsShape::dispatched_rows`), so the sharded run and
+//! its single-rank reference (routing the same slices,
+//! [`InferOptions::reference_of`]) keep the same tokens. An expert group spanning
 //! replicas runs every pass together: a replica without a request for a pass runs
 //! only its experts, on what the others send them.
 //!
@@ -89,6 +93,37 @@ pub struct InferOptions {
     /// Told the tokens each request of the first replica holds so far: 1 once
     /// they are prefilled, then after each decode step (for a progress bar).
     pub on_token: Option<StepHook>,
+    /// The experts route a pass's tokens as this many contiguous slices, one after
+    /// the other, each prompt slice a capacity group: what a plan with experts over
+    /// both `tp` and `ep` computes, its tensor ranks routing a slice each. Its
+    /// single-rank reference takes the plan's `tp` ([`InferOptions::reference_of`]);
+    /// 1 otherwise. A plan with experts over both axes slices by its `tp` whatever
+    /// this says.
+    pub moe_token_slices: usize,
+}
+
+impl InferOptions {
+    /// These options for the single-rank reference of `plan` (a deployment's
+    /// prefill pool, which holds prompts to expert capacity): the same token
+    /// slices, since a capacity group is part of what the model computes.
+    pub fn reference_of(&self, plan: &Plan) -> InferOptions {
+        let prefill = crate::disagg::pools(plan)
+            .ok()
+            .flatten()
+            .map_or(plan, |(prefill, _)| prefill);
+        let s = &prefill.strategy;
+        let has_experts = (prefill.graph.ops()).any(|o| matches!(o.kind, OpKind::Experts(_)));
+        let slices = if has_experts && s.tp > 1 && s.ep > 1 {
+            s.tp as usize
+        } else {
+            self.moe_token_slices
+        };
+        InferOptions {
+            moe_token_slices: slices,
+            on_token: None,
+            ..self.clone()
+        }
+    }
 }
 
 impl Default for InferOptions {
@@ -104,6 +139,7 @@ impl Default for InferOptions {
             eos: Vec::new(),
             step_logits: false,
             on_token: None,
+            moe_token_slices: 1,
         }
     }
 }
@@ -253,10 +289,7 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     Ok(())
 }
 
-/// The MoE layouts the inference executor runs: experts split over `tp` or over
-/// `ep`, not both (an inference plan has no sequence parallelism, so each tensor
-/// rank would dispatch a slice of replicated tokens and the plan lists no gather of
-/// the experts' output), with synthetic weights.
+/// The MoE models the inference executor runs: synthetic weights.
 fn check_experts(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     let Some(op) = plan
         .graph
@@ -265,13 +298,6 @@ fn check_experts(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     else {
         return Ok(());
     };
-    let s = &plan.strategy;
-    if s.tp > 1 && s.ep > 1 {
-        return Err(format!(
-            "`{}`: experts with tp={} and ep={} are not run by the inference executor (without sequence parallelism each tensor rank would route a slice of the same tokens); plan with ep=1 (experts split over tp) or tp=1",
-            op.name, s.tp, s.ep
-        ));
-    }
     if opts.weights.is_some() {
         return Err(format!(
             "`{}`: MoE expert weights are not read from Hugging Face checkpoints yet; run without --weights (synthetic weights)",

@@ -220,17 +220,70 @@ impl<'a, D: Device> InferRank<'a, D> {
                 ))
             })
         };
-        // An idle rank routes no tokens: empty inputs, allocated only then.
-        let none;
-        let (x, logits) = if idle {
-            none = self.zeros(0)?;
-            (&none, &none)
-        } else {
-            (input(0)?, input(1)?)
-        };
         let (on, group) = ((&self.dev, self.comm.as_mut()), self.ep_group.as_ref());
         let mut exec = crate::moe::Exec::new(on, (self.tp, self.ep), group, &op.name);
-        let (out, _) = exec.forward(e, (x, logits), (weight(2)?, weight(3)?), routing)?;
+        let weights = (weight(2)?, weight(3)?);
+        // An idle rank routes no tokens: empty inputs, allocated only then.
+        if idle {
+            let none = self.dev.act_zeros(0).map_err(derr("allocation"))?;
+            return Ok(exec.forward(e, (&none, &none), weights, routing)?.0);
+        }
+        let (x, logits) = (input(0)?, input(1)?);
+        // Experts over both tp and ep: every tensor rank holds the same tokens and
+        // routes its slice (`sliced_expert_rows`); a reference routes the same
+        // slices one after the other.
+        let (h, sharded) = (e.hidden as usize, self.ep.size > 1 && self.tp.size > 1);
+        let slices = if sharded {
+            self.tp.size
+        } else {
+            self.opts.moe_token_slices.max(1)
+        };
+        if slices == 1 {
+            return Ok(exec.forward(e, (x, logits), weights, routing)?.0);
+        }
+        let rows = D::act_len(x) / h.max(1);
+        let (ne, each) = (e.experts as usize, rows.div_ceil(slices));
+        let mine = if sharded {
+            self.tp.rank..self.tp.rank + 1
+        } else {
+            0..slices
+        };
+        let err = derr(&op.name);
+        let mut padded = self.dev.act_zeros(mine.len() * each * h).map_err(&err)?;
+        for (at, s) in mine.enumerate() {
+            let span = (s * each).min(rows)..((s + 1) * each).min(rows);
+            let n = span.len();
+            let part = |src: &D::Act, w: usize| -> Result<D::Act, RankError> {
+                let mut out = self.dev.act_zeros(n * w).map_err(&err)?;
+                (self.dev)
+                    .act_copy((src, span.start * w), (&mut out, 0), n * w)
+                    .map_err(&err)?;
+                Ok(out)
+            };
+            let (xs, ls) = (part(x, h)?, part(logits, ne)?);
+            // A slice is a capacity group; members' slices are equal only when the
+            // tokens split evenly.
+            let routing = Routing {
+                group_tokens: routing.group_tokens.map(|_| n),
+                even: routing.even && rows.is_multiple_of(slices),
+            };
+            let (y, _) = exec.forward(e, (&xs, &ls), weights, routing)?;
+            (self.dev)
+                .act_copy((&y, 0), (&mut padded, at * each * h), n * h)
+                .map_err(&err)?;
+        }
+        if sharded {
+            let g = self.group("tp")?;
+            padded = (self.comm).act_collective(
+                &self.dev,
+                (CommKind::AllGather, (&g, "tp")),
+                &padded,
+            )?;
+        }
+        let mut out = self.dev.act_zeros(rows * h).map_err(&err)?;
+        (self.dev)
+            .act_copy((&padded, 0), (&mut out, 0), rows * h)
+            .map_err(&err)?;
         Ok(out)
     }
 

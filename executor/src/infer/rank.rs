@@ -325,8 +325,9 @@ impl<'a, D: Device> InferRank<'a, D> {
     }
 
     /// How the experts of prefill pass `j` (request `i`) hold tokens to capacity:
-    /// groups of one prompt, padded counts known to every member when each member
-    /// prefills a prompt of the same length in this pass.
+    /// groups of one prompt (or of a slice of it, where the tensor ranks route a
+    /// slice each), padded counts known to every member when each member prefills
+    /// a prompt of the same length in this pass.
     pub(super) fn prefill_routing(&self, j: usize, i: usize) -> Routing {
         let len = self.opts.requests[i].len();
         let dp = self.at.dp.max(1);
@@ -336,14 +337,8 @@ impl<'a, D: Device> InferRank<'a, D> {
                 self.opts.requests.get(other).map(Vec::len) == Some(len)
             })
         });
-        let group = meshplan_ir::graph::capacity_group_tokens(
-            len as u64,
-            1,
-            self.tp.size as u64,
-            self.ep.size as u64,
-        );
         Routing {
-            group_tokens: Some(group as usize),
+            group_tokens: Some(len),
             even,
         }
     }
