@@ -176,6 +176,14 @@ run plan-infer-moe 30 "$B/bin/meshplan" plan models/tiny-moe.yaml "$OUTDIR/mesh-
     -o "$OUTDIR/infer-moe.json" --quiet
 run run-check-infer-moe "$STEP" "$B/bin/meshplan" run "$OUTDIR/infer-moe.json" --backend cuda --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (inference, tiny-moe dp=2 ep=2)" PASS; else result "run --backend cuda --check (inference, tiny-moe dp=2 ep=2)" FAIL; fi
+# Experts over both tp and ep at inference: each tensor rank routes its slice of
+# the tokens and the slices' outputs are gathered over tp (one decode row per
+# replica: one slice empty, padded).
+run plan-infer-moe-tpep 30 "$B/bin/meshplan" plan models/tiny-moe.yaml "$OUTDIR/mesh-4.yaml" \
+    --workload "$OUTDIR/infer-workload.yaml" --config dp=2,ep=4,tp=2,pp=1,dp_attention=false \
+    -o "$OUTDIR/infer-moe-tpep.json" --quiet
+run run-check-infer-moe-tpep "$STEP" "$B/bin/meshplan" run "$OUTDIR/infer-moe-tpep.json" --backend cuda --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (inference, tiny-moe dp=2 tp=2 ep=4)" PASS; else result "run --backend cuda --check (inference, tiny-moe dp=2 tp=2 ep=4)" FAIL; fi
 
 # --- 2d. GPT-2 124M on one GPU (no dropout, as the PyTorch baseline): 32 sequences
 # of 1024 tokens per step, micro-batch 16, the same batch as torch_gpu.py's default;

@@ -240,6 +240,14 @@ fn sliced_experts_hold_each_slice_to_capacity_as_the_reference_does() {
         check_inference(&run, &whole).is_err(),
         "whole-prompt capacity groups give the same logits: the slices are not tested"
     );
+    // With bf16 compute: within the mixed-precision tolerance of the same reference.
+    let bf16 = meshplan_executor::infer::infer_on(&sharded, &opts, &|_| {
+        Ok(meshplan_executor::device::emulate::Bf16Host)
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    if let Err(e) = meshplan_executor::infer::check_inference_mixed(&bf16, &reference) {
+        panic!("bf16 against the sliced reference: {e}");
+    }
     // The command line's --check takes the same reference.
     let prompts = [
         "--prompt-ids",
