@@ -18,6 +18,7 @@ mod fuzz;
 mod fuzz_plan;
 mod hostile;
 mod infer;
+mod infer_matrix;
 mod infer_moe;
 mod launch;
 mod loaders;

@@ -218,6 +218,19 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     }
     opts.sampling.validate()?;
     let graph = &plan.graph;
+    // The layouts not run yet first: their weights split otherwise (DP-attention
+    // keeps attention whole on every tensor rank), so the split check would name a
+    // weight instead of the layout.
+    let s = &plan.strategy;
+    if s.cp > 1 {
+        return Err("inference with cp > 1 (ring attention over the prompt) is not run by the CPU executor yet; plan with cp=1".into());
+    }
+    if s.dp_attention {
+        return Err(
+            "dp_attention plans are not run by the CPU executor yet; plan with dp_attention=false"
+                .into(),
+        );
+    }
     crate::program::runnable(plan)?;
     // The tokens, not the table's rows: padded rows are no token.
     let vocab = graph
@@ -249,16 +262,6 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     let longest = (opts.requests.iter().map(Vec::len).max().unwrap_or(0))
         .saturating_add(opts.max_new_tokens - 1);
     crate::check_executable(graph, longest)?;
-    let s = &plan.strategy;
-    if s.cp > 1 {
-        return Err("inference with cp > 1 (ring attention over the prompt) is not run by the CPU executor yet; plan with cp=1".into());
-    }
-    if s.dp_attention {
-        return Err(
-            "dp_attention plans are not run by the CPU executor yet; plan with dp_attention=false"
-                .into(),
-        );
-    }
     for op in graph.ops() {
         match &op.kind {
             OpKind::Router { .. } => {
