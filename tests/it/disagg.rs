@@ -266,6 +266,37 @@ fn moe_pools_move_the_attention_cache() {
         &[CACHE],
         &[CACHE],
     );
+    // A prefill instance with experts over both tp and ep (each tensor rank routes
+    // its slice of the prompt, each slice a capacity group) hands a decode tp=1
+    // instance its caches, as the dense layout does.
+    check_layout(
+        "moe-tp2-ep2-tp1",
+        "tiny-moe",
+        4,
+        ("tp=2,ep=2,dp_attention=false", "tp=1"),
+        &[CACHE / 2.0, CACHE / 2.0],
+        &[CACHE],
+    );
+    // Under a capacity, prompts of 7 and 5 tokens slice unevenly; `--check`'s
+    // reference routes the prefill pool's slices (the deployment's decode pool has
+    // tp=1), which routing whole prompts does not reproduce.
+    let dir = temp_dir("moe-slices");
+    let path = deploy(
+        &dir,
+        "tiny-moe-capacity",
+        4,
+        "tp=2,ep=2,dp_attention=false",
+        "tp=1",
+    );
+    let args = [
+        "--prompt-ids",
+        "3,14,15,92,65,35,89",
+        "--prompt-ids",
+        "79,32,38,46,26",
+        "--max-new-tokens",
+        "5",
+    ];
+    assert_eq!(tokens(&run_checked(&path, &args)).len(), 2);
 }
 
 #[test]
