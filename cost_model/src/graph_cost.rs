@@ -464,8 +464,21 @@ impl LayoutCtx {
     /// Tokens of one expert-capacity group (`capacity_group_tokens`); `None` while
     /// decoding (see [`ExpertsShape::dispatched_rows`]).
     fn capacity_group(&self) -> Option<f64> {
-        let tp_split = if self.ep > 1 { self.tp as f64 } else { 1.0 };
-        (self.env.kv <= self.env.seq).then(|| self.env.seq / self.cp as f64 / tp_split)
+        let seq = self.env.seq / self.cp as f64;
+        let group = if self.ep > 1 {
+            meshplan_ir::graph::sliced_expert_rows(seq, self.tp) / self.tp as f64
+        } else {
+            seq
+        };
+        (self.env.kv <= self.env.seq).then_some(group)
+    }
+
+    /// Tokens the busiest rank routes when the experts split over `ep`: its slice of
+    /// the tokens its tensor group holds (`sliced_expert_rows`; an even share under
+    /// sequence parallelism).
+    fn expert_tokens(&self) -> f64 {
+        let tokens = self.env.batch * self.env.seq / self.tokens_div();
+        meshplan_ir::graph::sliced_expert_rows(tokens, self.tp) / self.tp as f64
     }
 
     /// Local bytes of an activation (`attn_part`: produced in a block's attention half).
@@ -686,8 +699,7 @@ impl LayoutCtx {
         if ep_split {
             for op in &seg.ops {
                 if let Work::Experts(e) = &op.work {
-                    let tokens = self.env.batch * self.env.seq / (self.tokens_div() * t);
-                    let rows = e.dispatched_rows(tokens, self.capacity_group());
+                    let rows = e.dispatched_rows(self.expert_tokens(), self.capacity_group());
                     let bytes = rows * e.hidden as f64 * bpe;
                     let time = self.comm.time_s(Collective::AllToAll, self.ep_group, bytes);
                     ep_fwd += 2.0 * time;
@@ -869,7 +881,7 @@ impl LayoutCtx {
             let ep = self.ep as f64;
             (
                 e.experts as f64 / ep,
-                e.dispatched_rows(tokens / t, group) * ep / e.experts as f64,
+                e.dispatched_rows(self.expert_tokens(), group) * ep / e.experts as f64,
                 e.ffn as f64,
             )
         } else {

@@ -429,7 +429,8 @@ fn moe_inference_over_tp_and_ep_gathers_the_slices_the_estimate_prices() {
     // Mixtral serving 6 requests on 8 GPUs, dp=2,tp=4,ep=8: each tensor rank routes
     // its slice of the replica's tokens and the slices' outputs are gathered over
     // tp. Decoding 3 requests a replica, the slices are ceil(3 / 4) = 1 row, padded
-    // to 4 rows of 4096 bf16 values: 32,768 bytes gathered a layer.
+    // to 4 rows of 4096 bf16 values: 32,768 bytes gathered a layer; the busiest
+    // rank routes one token.
     let text = std::fs::read_to_string(PathBuf::from(ROOT).join("models/mixtral-8x7b.yaml"))
         .expect("mixtral");
     let head = text.split("\nworkload:").next().expect("a model");
@@ -473,6 +474,28 @@ fn moe_inference_over_tp_and_ep_gathers_the_slices_the_estimate_prices() {
             gathers,
             [(payload, payload * 3.0 / 4.0, 32)],
             "{kind:?}: one gather of the sliced outputs a layer"
+        );
+        // The busiest rank dispatches its slice, ceil(3 / 4) = 1 token decoding and
+        // 1000 / 4 = 250 prefilling, each to its top 2 experts (dropless).
+        let dispatch: Vec<f64> = all
+            .iter()
+            .filter_map(|(i, _)| match i {
+                Instr::Collective {
+                    target:
+                        Target::Experts {
+                            exchange: Exchange::Dispatch,
+                            ..
+                        },
+                    payload_bytes,
+                    ..
+                } => Some(*payload_bytes),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            dispatch,
+            [rows / 4.0 * 2.0 * 4096.0 * 2.0],
+            "{kind:?}: dispatch"
         );
     }
     assert_bytes(
