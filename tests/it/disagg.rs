@@ -288,15 +288,8 @@ fn moe_pools_move_the_attention_cache() {
         "tp=2,ep=2,dp_attention=false",
         "tp=1",
     );
-    let args = [
-        "--prompt-ids",
-        "3,14,15,92,65,35,89",
-        "--prompt-ids",
-        "79,32,38,46,26",
-        "--max-new-tokens",
-        "5",
-    ];
-    assert_eq!(tokens(&run_checked(&path, &args)).len(), 2);
+    let j = run_checked(&path, &crate::infer_moe::UNEVEN_PROMPTS);
+    assert_eq!(tokens(&j).len(), 2);
 }
 
 #[test]

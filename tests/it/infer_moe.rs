@@ -207,6 +207,17 @@ fn moe_inference_over_both_tp_and_ep_equals_single_rank() {
     );
 }
 
+/// The prompts of [`sliced_experts_hold_each_slice_to_capacity_as_the_reference_does`]
+/// as `run` arguments: 7 and 5 tokens, 5 new ones.
+pub(crate) const UNEVEN_PROMPTS: [&str; 6] = [
+    "--prompt-ids",
+    "3,14,15,92,65,35,89",
+    "--prompt-ids",
+    "79,32,38,46,26",
+    "--max-new-tokens",
+    "5",
+];
+
 #[test]
 fn sliced_experts_hold_each_slice_to_capacity_as_the_reference_does() {
     // Prompts of 7 and 5 tokens on two tensor ranks: slices of 4 and 3, and of 3
@@ -249,15 +260,7 @@ fn sliced_experts_hold_each_slice_to_capacity_as_the_reference_does() {
         panic!("bf16 against the sliced reference: {e}");
     }
     // The command line's --check takes the same reference.
-    let prompts = [
-        "--prompt-ids",
-        "3,14,15,92,65,35,89",
-        "--prompt-ids",
-        "79,32,38,46,26",
-        "--max-new-tokens",
-        "5",
-    ];
-    let j = run_checked(&path, &prompts);
+    let j = run_checked(&path, &UNEVEN_PROMPTS);
     assert_eq!(tokens(&j), tokens_of(&run));
 }
 
