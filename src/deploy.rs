@@ -279,6 +279,7 @@ pub(crate) fn deploy(a: &DeployArgs) -> Result<(), Failure> {
         message: format!("cannot serialise the plan: {e}"),
     })?;
     crate::atomic::write_atomically(&a.output, &bytes, "plan")?;
+    crate::plan::warn_if_not_run(&plan);
     if let Some(dir) = &a.figures {
         let figure = meshplan_viz::Figure {
             name: "frontier",

@@ -515,6 +515,7 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
         message: format!("cannot serialise the plan: {e}"),
     })?;
     crate::atomic::write_atomically(&a.output, &bytes, "plan")?;
+    warn_if_not_run(&plan);
     let source = a.output.display().to_string();
     if let Some(dir) = &a.figures {
         let figures = crate::draw::plan_figures(&plan, &source)?;
@@ -595,6 +596,24 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
         );
     }
     Ok(())
+}
+
+/// Says, when it is so, that `meshplan run` does not execute an inference plan's
+/// layout (or a deployment's pool's) yet, and where such a plan runs instead.
+pub(crate) fn warn_if_not_run(plan: &meshplan_ir::plan::Plan) {
+    if plan.kind != meshplan_ir::plan::PlanKind::Inference {
+        return;
+    }
+    let prefill = (plan.serving.as_ref()).and_then(|s| s.prefill_plan.as_deref());
+    let why = [Some(plan), prefill]
+        .into_iter()
+        .flatten()
+        .find_map(meshplan_executor::infer::layout_not_run);
+    if let Some(why) = why {
+        tracing::warn!(
+            "`meshplan run` will refuse this plan: {why}; `meshplan export PLAN --to sglang` (or vllm) gives a serving engine's launch lines for it"
+        );
+    }
 }
 
 #[derive(serde::Deserialize)]

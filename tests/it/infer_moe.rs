@@ -207,6 +207,68 @@ fn moe_inference_over_both_tp_and_ep_equals_single_rank() {
     );
 }
 
+#[test]
+fn plan_and_deploy_say_when_run_will_refuse_the_plan() {
+    // DP-attention layouts are planned (and exported) but not run by meshplan's
+    // executor: `plan` and `deploy` say so when they write one, `run` refuses it.
+    let dir = temp_dir("not-run");
+    let warning = "`meshplan run` will refuse this plan: dp_attention plans are not run";
+    let wl = dir.join("workload.yaml");
+    std::fs::write(
+        &wl,
+        "kind: inference\nprompt_len: 12\noutput_len: 6\nconcurrency: 2\n",
+    )
+    .expect("workload");
+    let mesh = cluster(&dir, 4);
+    let out = dir.join("dpa.json").display().to_string();
+    let planned = |config: &str| {
+        let r = meshplan(&[
+            "plan",
+            "models/tiny-moe.yaml",
+            &mesh,
+            "--workload",
+            &wl.display().to_string(),
+            "--config",
+            config,
+            "-o",
+            &out,
+        ]);
+        r.expect_code(0);
+        r.stderr.contains(warning)
+    };
+    assert!(planned("dp=2,tp=2,ep=2,dp_attention=true"));
+    meshplan(&["run", &out])
+        .expect_code(2)
+        .stderr_has(&["dp_attention plans are not run"]);
+    assert!(!planned("dp=2,tp=2,ep=2,dp_attention=false"));
+    // A deployment says it of its prefill pool too.
+    let disagg = dir.join("disagg.yaml");
+    std::fs::write(
+        &disagg,
+        "kind: inference\nprompt_len: 8\noutput_len: 8\nconcurrency: 2\nserving: {mode: disaggregated, concurrency: {min: 2, max: 2}}\n",
+    )
+    .expect("workload");
+    let deployed = |prefill: &str| {
+        let r = meshplan(&[
+            "deploy",
+            "models/tiny-moe.yaml",
+            &mesh,
+            "--workload",
+            &disagg.display().to_string(),
+            "--prefill-config",
+            prefill,
+            "--decode-config",
+            "tp=1",
+            "-o",
+            &dir.join("deploy.json").display().to_string(),
+        ]);
+        r.expect_code(0);
+        r.stderr.contains(warning)
+    };
+    assert!(deployed("tp=2,ep=2,dp_attention=true"));
+    assert!(!deployed("tp=2,ep=2,dp_attention=false"));
+}
+
 /// The prompts of [`sliced_experts_hold_each_slice_to_capacity_as_the_reference_does`]
 /// as `run` arguments: 7 and 5 tokens, 5 new ones.
 pub(crate) const UNEVEN_PROMPTS: [&str; 6] = [

@@ -221,15 +221,8 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
     // The layouts not run yet first: their weights split otherwise (DP-attention
     // keeps attention whole on every tensor rank), so the split check would name a
     // weight instead of the layout.
-    let s = &plan.strategy;
-    if s.cp > 1 {
-        return Err("inference with cp > 1 (ring attention over the prompt) is not run by the CPU executor yet; plan with cp=1".into());
-    }
-    if s.dp_attention {
-        return Err(
-            "dp_attention plans are not run by the CPU executor yet; plan with dp_attention=false"
-                .into(),
-        );
+    if let Some(why) = layout_not_run(plan) {
+        return Err(why);
     }
     crate::program::runnable(plan)?;
     // The tokens, not the table's rows: padded rows are no token.
@@ -290,6 +283,24 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Why the executor does not run inference plan `plan`'s layout yet, if it does
+/// not: context parallelism over the prompt, or DP-attention (each tensor rank
+/// attending its own requests with whole attention weights). `plan` and `deploy`
+/// say so when they write such a plan; `run` refuses it.
+pub fn layout_not_run(plan: &Plan) -> Option<String> {
+    let s = &plan.strategy;
+    if s.cp > 1 {
+        return Some(format!(
+            "inference with cp={} (ring attention over the prompt) is not run by meshplan's executor yet; plan with cp=1",
+            s.cp
+        ));
+    }
+    s.dp_attention.then(|| {
+        "dp_attention plans are not run by meshplan's executor yet; plan with dp_attention=false"
+            .to_string()
+    })
 }
 
 /// The MoE models the inference executor runs: synthetic weights.
