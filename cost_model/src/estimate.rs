@@ -639,6 +639,7 @@ pub fn train_ctx(
         cp_group: groups.cp,
         ep_group: groups.ep,
         dp_attention: false,
+        dpa_amortized: false,
         tp_overlap: cfg.tp_overlap,
         sampling: false,
     }
@@ -1441,6 +1442,41 @@ pub fn inference_timeline(
     cfg: &ParallelConfig,
     load: &InferenceLoad,
 ) -> Result<(Estimate, InferenceTimeline), Unsupported> {
+    timeline_with(pg, cluster, cfg, load, false)
+}
+
+/// Seconds an instance spends per prompt of `prompt_len` tokens while prompts keep
+/// its prefill busy (a serving pool's service time): one prompt's prefill, its
+/// TTFT; under DP-attention the attention half at `1 / tp` of a prompt, the
+/// attention ranks prefilling prompts of their own side by side
+/// (`LayoutCtx::dpa_amortized`). A lone prompt's TTFT under DP-attention is longer:
+/// its attention runs whole on one rank.
+pub fn prefill_service_s(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    prompt_len: u64,
+) -> Result<f64, Unsupported> {
+    let load = InferenceLoad {
+        prompt_len,
+        output_len: 1,
+        concurrency: 1,
+        ttft_max_s: None,
+        tpot_max_s: None,
+    };
+    let (_, t) = timeline_with(pg, cluster, cfg, &load, true)?;
+    Ok(t.ttft_s)
+}
+
+/// [`inference_timeline`], its prefill (the TTFT) priced `amortized` under
+/// DP-attention ([`prefill_service_s`]).
+fn timeline_with(
+    pg: &PreparedGraph,
+    cluster: &Cluster,
+    cfg: &ParallelConfig,
+    load: &InferenceLoad,
+    amortized: bool,
+) -> Result<(Estimate, InferenceTimeline), Unsupported> {
     let gpus = cluster.gpus();
     check_world_size(cfg, gpus)?;
     check_shapes(pg, cfg, load.prompt_len.max(cfg.cp))?;
@@ -1466,6 +1502,7 @@ pub fn inference_timeline(
         cp_group: groups.cp,
         ep_group: groups.ep,
         dp_attention: cfg.dp_attention,
+        dpa_amortized: amortized,
         tp_overlap: cfg.tp_overlap,
         sampling: true,
     };
@@ -1497,6 +1534,8 @@ pub fn inference_timeline(
             kv: mean_ctx,
         },
         cp: 1,
+        // A step waits on the rank with the most requests.
+        dpa_amortized: false,
         ..base
     };
     let (decode, live_decode) = chunks_of(&decode_ctx);
@@ -1700,6 +1739,7 @@ pub fn replica_memory(pg: &PreparedGraph, workload: &Workload) -> MemoryLedger {
         cp_group: one,
         ep_group: one,
         dp_attention: false,
+        dpa_amortized: false,
         tp_overlap: false,
         sampling: false,
     };

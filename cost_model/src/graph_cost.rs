@@ -409,6 +409,11 @@ pub struct LayoutCtx {
     /// Batch split of attention over the tensor axis (inference DP-attention): the
     /// attention part runs data-parallel on the `tp` ranks with full weights.
     pub dp_attention: bool,
+    /// Under DP-attention, price the attention half as an even `1 / tp` of the
+    /// batch's requests: a busy prefill pool's time per prompt, its ranks prefilling
+    /// prompts of their own side by side. Otherwise the busiest rank's whole
+    /// requests, which a step (and a lone prompt's TTFT) waits on.
+    pub dpa_amortized: bool,
     /// Generation: the head samples instead of computing the loss, so it gathers each
     /// sequence's last-position logits over the tensor axis (fp32, full vocabulary)
     /// in place of the loss's three per-token reductions.
@@ -481,13 +486,28 @@ impl LayoutCtx {
         meshplan_ir::graph::sliced_expert_rows(tokens, self.tp) / self.tp as f64
     }
 
+    /// Under DP-attention, the busiest tensor rank's share of the replica's batch in
+    /// the attention half: each rank attends whole requests of its own, so it holds
+    /// `ceil(batch / tp)` of them (one prompt of a lone prefill, whole, on one rank),
+    /// not an even `1 / tp` of every request.
+    fn dpa_share(&self) -> f64 {
+        let b = self.env.batch;
+        if b <= 0.0 || self.dpa_amortized {
+            return 1.0 / self.tp as f64;
+        }
+        (b / self.tp as f64).ceil() / b
+    }
+
     /// Local bytes of an activation (`attn_part`: produced in a block's attention half).
     fn local(&self, a: &Act, attn_part: bool) -> f64 {
         let t = self.tp as f64;
         let v = a.bytes.eval(&self.env) / self.tokens_div();
+        if self.dp_attention && attn_part {
+            return v * self.dpa_share();
+        }
         match a.split {
             TpSplit::Sharded | TpSplit::Experts => v / t,
-            TpSplit::Replicated if self.sp || (self.dp_attention && attn_part) => v / t,
+            TpSplit::Replicated if self.sp => v / t,
             TpSplit::Replicated => v,
         }
     }
@@ -522,19 +542,24 @@ impl LayoutCtx {
         match role {
             TpRole::ColumnParallel | TpRole::VocabHead | TpRole::Local => n /= t,
             TpRole::RowParallel => k /= t,
-            _ if self.sp || (self.dp_attention && op.attn_part) => m /= t,
+            _ if self.dp_attention && op.attn_part => m *= self.dpa_share(),
+            _ if self.sp => m /= t,
             _ => {}
         }
         if self.dp_attention
             && op.attn_part
-            && matches!(role, TpRole::ColumnParallel | TpRole::RowParallel)
+            && matches!(
+                role,
+                TpRole::ColumnParallel | TpRole::RowParallel | TpRole::Local
+            )
         {
-            // DP-attention: projections keep full weights and split the batch instead.
+            // DP-attention: projections keep full weights and take the busiest
+            // rank's requests instead.
             match role {
-                TpRole::ColumnParallel => n *= t,
-                _ => k *= t,
+                TpRole::RowParallel => k *= t,
+                _ => n *= t,
             }
-            m /= t;
+            m *= self.dpa_share();
         }
         (batch, m, n, k)
     }
@@ -798,7 +823,7 @@ impl LayoutCtx {
         let t = self.tp as f64;
         let (b, s, kv) = (self.env.batch, self.env.seq / self.cp as f64, self.env.kv);
         let (heads, batch) = if self.dp_attention {
-            (a.heads as f64, b / t)
+            (a.heads as f64, b * self.dpa_share())
         } else {
             (a.heads as f64 / t, b)
         };

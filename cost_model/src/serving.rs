@@ -7,7 +7,12 @@
 //! An *instance* is one server: `dp x tp x pp` GPUs (`dp` > 1 only where the
 //! experts span its attention replicas, or with DP-attention). Its prefill of one
 //! prompt of `L` tokens takes `T_pf(L)`; its decode step over `B` requests at the mean
-//! context takes `T_dec(B)` (weights and KV cache read, the batch's FLOPs).
+//! context takes `T_dec(B)` (weights and KV cache read, the batch's FLOPs). Under
+//! DP-attention a prompt's attention runs whole on one tensor rank: one prompt's
+//! `T_pf` (a TTFT) keeps it there, while the pool's service time per prompt
+//! (`prefill_service_s`, what the queues and the fused iterations below use) takes a
+//! `1 / tp` share of the attention half, the ranks prefilling prompts of their own
+//! side by side.
 //!
 //! **Aggregated** (continuous batching with chunked prefill of `S` tokens): in
 //! steady state every iteration decodes the `C` requests in flight and prefills the
@@ -30,7 +35,9 @@
 
 use crate::cluster::Cluster;
 use crate::compute::Roofline;
-use crate::estimate::{inference_timeline, Estimate, InferenceLoad, Unsupported};
+use crate::estimate::{
+    inference_timeline, prefill_service_s, Estimate, InferenceLoad, Unsupported,
+};
 use crate::graph_cost::PreparedGraph;
 use meshplan_ir::serving::{ModeChoice, Objective, ServingMode};
 use meshplan_ir::{ParallelConfig, Workload};
@@ -245,9 +252,11 @@ pub struct InstanceCost {
     pub dcp: u64,
     /// Its GPUs.
     pub gpus: u64,
-    /// Prefill of the mean prompt, s (its service time as a prefill server).
+    /// Prefill of the mean prompt, s: its service time as a prefill server, while
+    /// prompts keep it busy (`prefill_service_s`: under DP-attention each attention
+    /// rank prefills a prompt of its own at once).
     pub prefill_mean_s: f64,
-    /// Prefill of the percentile prompt, s.
+    /// Prefill of the percentile prompt, s: one prompt's own time to first token.
     pub prefill_at_s: f64,
     /// Reading the fullest GPU's weights once, s.
     pub weight_read_s: f64,
@@ -365,7 +374,10 @@ pub fn price_instance(
     // The cache, split dcp ways, holds dcp times the requests.
     let kv_capacity = one.max_concurrency.unwrap_or(0).saturating_mul(dcp.max(1));
     let ctx = load.prompt_mean + load.output_mean / 2.0;
-    let (mean, _) = inference_timeline(pg, &inst, cfg, &at(load.prompt_mean, load.output_mean, 1))?;
+    // The pool's service time per prompt (DP-attention prefills one prompt on each
+    // attention rank at once); a prompt's own TTFT is `one`'s.
+    let mean_prompt = at(load.prompt_mean, load.output_mean, 1).prompt_len;
+    let service = prefill_service_s(pg, &inst, cfg, mean_prompt)?;
     let roof = Roofline::new(&inst, pg.dtype);
     let hi = load.concurrency.1.min(kv_capacity);
     let mut decode = Vec::new();
@@ -382,7 +394,7 @@ pub fn price_instance(
         cfg: *cfg,
         dcp: dcp.max(1),
         gpus: cfg.world_size(),
-        prefill_mean_s: mean.ttft_s.unwrap_or(0.0),
+        prefill_mean_s: service,
         prefill_at_s: one.ttft_s.unwrap_or(0.0),
         weight_read_s: one.memory_per_gpu_bytes.params / roof.hbm_bytes_per_s,
         kv_capacity,

@@ -138,6 +138,7 @@ fn layout(tp: u64, sp: bool, recompute: Recompute, attn: AttnImpl, env: DimEnv) 
         cp_group: group(1),
         ep_group: group(1),
         dp_attention: false,
+        dpa_amortized: false,
         tp_overlap: false,
         sampling: false,
     }
@@ -1138,4 +1139,45 @@ fn llama3_405b_interleaved_on_16k_h100s_fits_and_splits_its_126_layers_evenly() 
         est.infeasible_reason,
         est.memory_per_gpu_bytes.total / (1u64 << 30) as f64
     );
+}
+
+// === DP-attention: each request whole on one rank ===
+
+#[test]
+fn dp_attention_attends_each_request_whole_on_one_rank() {
+    // Hidden 1024, 8 heads of 128 (8 KV heads), SwiGLU 4096, a 512-token prompt,
+    // tp=8 with DP-attention. A lone prompt's attention half runs whole on the rank
+    // holding it:
+    //   QKV  2 x 512 x 1024 x 3072      = 3,221,225,472
+    //   core 2 x 8 x 512 x 512 x 256    = 1,073,741,824
+    //   proj 2 x 512 x 1024 x 1024      = 1,073,741,824
+    // and the MLP half splits over the 8 tensor ranks:
+    //   (2 x 512 x 1024 x 8192 + 2 x 512 x 4096 x 1024) / 8 = 1,610,612,736.
+    let (_, pg) = inline(
+        "name: m\ntransformer: {layers: 2, hidden: 1024, heads: 8, ffn_hidden: 4096, mlp: swiglu, norm: rmsnorm, vocab: 32000}\ndtype: bf16\n",
+    );
+    let priced = |batch: f64, dpa_amortized: bool| {
+        let env = DimEnv {
+            batch,
+            seq: 512.0,
+            kv: 512.0,
+        };
+        let ctx = LayoutCtx {
+            dp_attention: true,
+            dpa_amortized,
+            ..layout(8, false, Recompute::None, AttnImpl::Flash, env)
+        };
+        block_cost(&pg, &ctx).flops_fwd
+    };
+    let at = |batch| priced(batch, false);
+    let attention = 3_221_225_472.0 + 1_073_741_824.0 + 1_073_741_824.0;
+    let mlp = (8_589_934_592.0 + 4_294_967_296.0) / 8.0;
+    assert_eq!(at(1.0), attention + mlp);
+    // Eight prompts, one on each rank: the busiest still attends one, and the MLP
+    // half takes all eight. Nine: the busiest attends two.
+    assert_eq!(at(8.0), attention + 8.0 * mlp);
+    assert_eq!(at(9.0), 2.0 * attention + 9.0 * mlp);
+    // A busy prefill pool's time per prompt: the ranks attend prompts of their own
+    // side by side, an eighth of the attention half each.
+    assert_eq!(priced(1.0, true), attention / 8.0 + mlp);
 }

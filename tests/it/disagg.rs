@@ -430,14 +430,14 @@ fn route_bytes_per_gpu_agree_with_the_cost_model() {
 #[test]
 fn unsupported_pools_are_refused() {
     let dir = temp_dir("refuse");
-    // DP-attention is not run by the CPU executor, in a pool or alone.
+    // DP-attention is not run by meshplan's executor, in a pool or alone.
     let p = deploy(&dir, "tiny-moe", 4, "tp=2,ep=2,dp_attention=true", "tp=1");
     meshplan(&["run", &p, "--check"])
         .expect_code(2)
         .stderr_has(&[
             "the prefill pool",
             "dp_attention",
-            "not run by the CPU executor",
+            "not run by meshplan's executor",
         ]);
     // A disaggregated plan whose prefill pool was cut out.
     let p = deploy(&dir, "tiny-llama-inference", 4, "tp=2", "tp=1");

@@ -194,6 +194,50 @@ fn dp_attention_gathers_and_scatters_tokens_around_each_mlp() {
     close("DP-attention bytes per layer", per_layer, want, 1e-12);
 }
 
+#[test]
+fn a_dp_attention_pool_serves_a_prompt_a_rank_while_a_lone_prompt_waits_on_one() {
+    // Under DP-attention a lone prompt's attention runs whole on one tensor rank
+    // (its TTFT), while a busy prefill pool has each attention rank prefill a prompt
+    // of its own: its service time per prompt takes an eighth of the attention
+    // half. Without DP-attention both are one prompt's prefill.
+    let spec = meshplan_ir::parse_model_yaml(
+        "name: m\ntransformer: {layers: 4, hidden: 1024, heads: 8, ffn_hidden: 4096, mlp: swiglu, norm: rmsnorm, vocab: 32000, moe: {experts: 8, top_k: 2, expert_ffn_hidden: 1024}}\ndtype: bf16\n",
+        "m.yaml",
+    )
+    .unwrap();
+    let pg = prepare_model(&spec).unwrap();
+    let cl = load_cluster(&PathBuf::from(root("topologies/h200-node.yaml")), None).unwrap();
+    for (c, dpa) in [
+        ("tp=8,dp_attention=true", true),
+        ("tp=8,dp_attention=false", false),
+    ] {
+        let c = cfg(c, 8);
+        let ttft = estimate_inference(&pg, &cl, &c, &load(2048, 64, 1))
+            .unwrap()
+            .ttft_s
+            .unwrap();
+        let service = meshplan_cost_model::prefill_service_s(&pg, &cl, &c, 2048).unwrap();
+        if dpa {
+            assert!(service < ttft, "service {service} s, TTFT {ttft} s");
+        } else {
+            assert_eq!(service, ttft);
+        }
+        // A pool prices its queue by the service time and a prompt's own wait by
+        // its TTFT.
+        let inst = meshplan_cost_model::serving::price_instance(
+            &pg,
+            &cl,
+            &c,
+            1,
+            &serve_load(2048.0, 64.0),
+        )
+        .unwrap()
+        .expect("fits");
+        assert_eq!(inst.prefill_mean_s, service);
+        assert_eq!(inst.prefill_at_s, ttft);
+    }
+}
+
 // === Queueing, continuous batching, pools ===
 
 fn instance(prefill_s: f64, weight_s: f64, decode: Vec<(u64, f64)>) -> InstanceCost {
