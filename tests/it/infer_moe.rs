@@ -221,20 +221,25 @@ fn plan_and_deploy_say_when_run_will_refuse_the_plan() {
     .expect("workload");
     let mesh = cluster(&dir, 4);
     let out = dir.join("dpa.json").display().to_string();
+    // Whether the command succeeds with the warning.
+    let warns = |args: &[&str]| {
+        let r = meshplan(args);
+        r.expect_code(0);
+        r.stderr.contains(warning)
+    };
+    let (wl, model) = (wl.display().to_string(), "models/tiny-moe.yaml");
     let planned = |config: &str| {
-        let r = meshplan(&[
+        warns(&[
             "plan",
-            "models/tiny-moe.yaml",
+            model,
             &mesh,
             "--workload",
-            &wl.display().to_string(),
+            &wl,
             "--config",
             config,
             "-o",
             &out,
-        ]);
-        r.expect_code(0);
-        r.stderr.contains(warning)
+        ])
     };
     assert!(planned("dp=2,tp=2,ep=2,dp_attention=true"));
     meshplan(&["run", &out])
@@ -248,22 +253,24 @@ fn plan_and_deploy_say_when_run_will_refuse_the_plan() {
         "kind: inference\nprompt_len: 8\noutput_len: 8\nconcurrency: 2\nserving: {mode: disaggregated, concurrency: {min: 2, max: 2}}\n",
     )
     .expect("workload");
+    let (disagg, deploy_out) = (
+        disagg.display().to_string(),
+        dir.join("deploy.json").display().to_string(),
+    );
     let deployed = |prefill: &str| {
-        let r = meshplan(&[
+        warns(&[
             "deploy",
-            "models/tiny-moe.yaml",
+            model,
             &mesh,
             "--workload",
-            &disagg.display().to_string(),
+            &disagg,
             "--prefill-config",
             prefill,
             "--decode-config",
             "tp=1",
             "-o",
-            &dir.join("deploy.json").display().to_string(),
-        ]);
-        r.expect_code(0);
-        r.stderr.contains(warning)
+            &deploy_out,
+        ])
     };
     assert!(deployed("tp=2,ep=2,dp_attention=true"));
     assert!(!deployed("tp=2,ep=2,dp_attention=false"));
