@@ -604,7 +604,7 @@ pub(crate) fn warn_if_not_run(plan: &meshplan_ir::plan::Plan) {
     if plan.kind != meshplan_ir::plan::PlanKind::Inference {
         return;
     }
-    let prefill = (plan.serving.as_ref()).and_then(|s| s.prefill_plan.as_deref());
+    let prefill = meshplan_executor::disagg::prefill_pool(plan);
     let why = [Some(plan), prefill]
         .into_iter()
         .flatten()

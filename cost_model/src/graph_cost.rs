@@ -471,7 +471,7 @@ impl LayoutCtx {
     fn capacity_group(&self) -> Option<f64> {
         let seq = self.env.seq / self.cp as f64;
         let group = if self.ep > 1 {
-            meshplan_ir::graph::sliced_expert_rows(seq, self.tp) / self.tp as f64
+            meshplan_ir::graph::expert_slice(seq, self.tp)
         } else {
             seq
         };
@@ -479,11 +479,11 @@ impl LayoutCtx {
     }
 
     /// Tokens the busiest rank routes when the experts split over `ep`: its slice of
-    /// the tokens its tensor group holds (`sliced_expert_rows`; an even share under
+    /// the tokens its tensor group holds (`expert_slice`; an even share under
     /// sequence parallelism).
     fn expert_tokens(&self) -> f64 {
         let tokens = self.env.batch * self.env.seq / self.tokens_div();
-        meshplan_ir::graph::sliced_expert_rows(tokens, self.tp) / self.tp as f64
+        meshplan_ir::graph::expert_slice(tokens, self.tp)
     }
 
     /// Under DP-attention, the busiest tensor rank's share of the replica's batch in

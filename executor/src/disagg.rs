@@ -91,6 +91,11 @@ pub fn pools(plan: &Plan) -> Result<Option<(&Plan, &Plan)>, String> {
     Ok(Some((prefill, plan)))
 }
 
+/// The prefill pool of a disaggregated plan that carries one ([`pools`]).
+pub fn prefill_pool(plan: &Plan) -> Option<&Plan> {
+    pools(plan).ok().flatten().map(|(prefill, _)| prefill)
+}
+
 /// Checks a disaggregated run before any rank starts: both pools run these
 /// requests, and the prefill pool's caches map onto the decode pool's.
 pub fn check_disaggregated(plan: &Plan, opts: &InferOptions) -> Result<(), String> {

@@ -224,8 +224,13 @@ pub fn capacity_group_tokens(seq: u64, cp: u64, tp: u64, ep: u64) -> u64 {
 /// that length, are gathered, as vLLM's sequence-parallel MoE chunks and pads the
 /// tokens of its tensor ranks.
 pub fn sliced_expert_rows(tokens: f64, tp: u64) -> f64 {
-    let t = tp.max(1) as f64;
-    (tokens / t).ceil() * t
+    expert_slice(tokens, tp) * tp.max(1) as f64
+}
+
+/// The busiest tensor rank's slice of [`sliced_expert_rows`]: `ceil(tokens / tp)`
+/// (an even share when `tp` divides the tokens, as under sequence parallelism).
+pub fn expert_slice(tokens: f64, tp: u64) -> f64 {
+    (tokens / tp.max(1) as f64).ceil()
 }
 
 impl ExpertsShape {

@@ -606,15 +606,13 @@ impl Layout<'_> {
             if let OpKind::Experts(e) = &op.kind {
                 if self.ep > 1 {
                     // The busiest rank's slice of its tensor group's tokens, and of
-                    // a sequence for a capacity group (`sliced_expert_rows`; even
-                    // shares under sequence parallelism); decoding routes dropless
+                    // a sequence for a capacity group (even shares under sequence
+                    // parallelism); decoding routes dropless
                     // (`ExpertsShape::dispatched_rows`).
-                    let share = |n: f64| {
-                        meshplan_ir::graph::sliced_expert_rows(n, self.tp) / self.tp.max(1) as f64
-                    };
-                    let tokens = share(self.env.batch * self.env.seq / self.cp as f64);
+                    let slice = |n: f64| meshplan_ir::graph::expert_slice(n, self.tp);
+                    let tokens = slice(self.env.batch * self.env.seq / self.cp as f64);
                     let group =
-                        (self.env.kv <= self.env.seq).then(|| share(self.env.seq / self.cp as f64));
+                        (self.env.kv <= self.env.seq).then(|| slice(self.env.seq / self.cp as f64));
                     let bytes = e.dispatched_rows(tokens, group) * e.hidden as f64 * bpe;
                     let a2a = |exchange| {
                         collective(

@@ -107,10 +107,7 @@ impl InferOptions {
     /// prefill pool, which holds prompts to expert capacity): the same token
     /// slices, since a capacity group is part of what the model computes.
     pub fn reference_of(&self, plan: &Plan) -> InferOptions {
-        let prefill = crate::disagg::pools(plan)
-            .ok()
-            .flatten()
-            .map_or(plan, |(prefill, _)| prefill);
+        let prefill = crate::disagg::prefill_pool(plan).unwrap_or(plan);
         let s = &prefill.strategy;
         let has_experts = (prefill.graph.ops()).any(|o| matches!(o.kind, OpKind::Experts(_)));
         let slices = if has_experts && s.tp > 1 && s.ep > 1 {
