@@ -377,10 +377,14 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.activation_collective(k, (&g, axis), tensor, l, t)?
             }
             (Target::SegmentParams { segment, set }, CollectiveKind::AllGather) => {
-                self.zero3_gather((&g, axis), (segment, *set, l), backward)?
+                let copy = (*set, segment_index(self.graph, segment)?, l);
+                let (on, w) = ((&self.dev, &mut *self.comm), &mut self.weights);
+                (self.zero.z3).gather(on, (&g, axis), (segment, copy), (w, backward))?
             }
             (Target::SegmentGrads { segment, set }, CollectiveKind::ReduceScatter) => {
-                self.zero3_scatter((&g, axis), (segment, *set, l))?
+                let copy = (*set, segment_index(self.graph, segment)?, l);
+                let (on, w) = ((&self.dev, &mut *self.comm), &mut self.weights);
+                (self.zero.z3).scatter(on, (&g, axis), (segment, copy), w)?
             }
             (Target::SegmentSeqPartialGrads { segment }, CollectiveKind::AllReduce) => {
                 let s = segment_index(self.graph, segment)?;

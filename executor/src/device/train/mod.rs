@@ -301,7 +301,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         r.init_weights()?;
         r.count_uses()?;
         r.plan_step()?;
-        r.zero3_shard()?;
+        let zero3 = [(ParamSet::Dense, "dp"), (ParamSet::Experts, "edp")]
+            .into_iter()
+            .filter_map(|(set, name)| Some((set, r.mesh.groups.get(name)?.clone())))
+            .filter(|(_, g)| plan.strategy.zero >= 3 && g.size() > 1)
+            .collect();
+        let copies = segment_copies(r.graph, r.phase()?)?;
+        (r.zero.z3).shard((&r.dev, r.graph), &copies, (rank, zero3), &mut r.weights)?;
         r.first_moments()?;
         Ok(r)
     }
@@ -562,7 +568,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     fn check_finite(&mut self, step: u64) -> Res {
         let (keys, mut ws): (Vec<&Key>, Vec<&D::F32>) = self.weights.master.iter().unzip();
         // ZeRO-3's parts in the same call: one flag read back a step.
-        let (copies, parts): (Vec<_>, Vec<&D::F32>) = self.zero3_parts().unzip();
+        let (copies, parts): (Vec<_>, Vec<&D::F32>) = self.zero.z3.parts().unzip();
         ws.extend(parts);
         let bad = match self.dev.first_non_finite(&ws).map_err(derr("check"))? {
             Some(i) if i < keys.len() => {
@@ -571,7 +577,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let x = host.into_iter().find(|v| !v.is_finite());
                 Some((key.clone(), x.unwrap_or(f32::NAN)))
             }
-            Some(i) => Some(self.zero3_non_finite(copies[i - keys.len()])?),
+            Some(i) => Some(self.zero.z3.non_finite(&self.dev, copies[i - keys.len()])?),
             None => None,
         };
         if let Some(((name, layer), x)) = bad {
@@ -708,7 +714,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         let state_bytes = (fp32 * 4 + copies * self.dev.act_bytes()) as f64;
         let mut weights = BTreeMap::new();
         if self.opts.final_weights {
-            self.zero3_gather_all()?;
+            let on = (&self.dev, &mut *self.comm);
+            (self.zero.z3).gather_all(on, self.graph, &mut self.weights)?;
             for (key, w) in &self.weights.master {
                 weights.insert(key.clone(), self.dev.f32_download(w).map_err(derr(&key.0))?);
             }

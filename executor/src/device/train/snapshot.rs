@@ -111,7 +111,7 @@ impl<D: Device> DevRank<'_, D> {
             .map(|(&(set, start), mv)| (self.layout(set), start, mv, None))
             .collect();
         for (copy, mv) in &self.zero.z3.adam {
-            let (layout, start, part) = self.zero3_part(*copy)?;
+            let (layout, start, part) = self.zero.z3.part(*copy)?;
             parts.push((layout.as_slice(), start, mv, Some(part)));
         }
         Ok(parts)

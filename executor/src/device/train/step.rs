@@ -88,7 +88,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let mut layouts: BTreeMap<ParamSet, Layout> = BTreeMap::new();
         let wgrads = &self.weights.wgrads;
         for key in self.sync.final_order.iter().chain(wgrads.keys()) {
-            let sizes = layouts.entry(self.set_of(key)).or_default();
+            let sizes = layouts.entry(param_set(self.graph, key)).or_default();
             if !sizes.iter().any(|(k, _)| k == key) {
                 let g = wgrads.get(key).ok_or_else(|| fail("gradient missing"))?;
                 sizes.push((key.clone(), D::f32_len(g)));
@@ -128,21 +128,6 @@ impl<'a, D: Device> DevRank<'a, D> {
             len: b - a,
             pieces: pieces_of(sizes, a, b),
         })
-    }
-
-    /// The parameter set a weight belongs to: the routed experts' or the rest.
-    pub(super) fn set_of(&self, key: &Key) -> ParamSet {
-        let expert = self
-            .graph
-            .tensors
-            .iter()
-            .find(|t| t.name == key.0)
-            .is_some_and(|t| t.split == meshplan_ir::TpSplit::Experts);
-        if expert {
-            ParamSet::Experts
-        } else {
-            ParamSet::Dense
-        }
     }
 
     pub(super) fn layout(&self, set: ParamSet) -> &[(Key, usize)] {
@@ -429,7 +414,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// faulted in new pages for its activations: GPT-2 124M's second step took
     /// 5.2 s where the later ones take 3.3 s.
     pub(super) fn first_moments(&mut self) -> Result<(), RankError> {
-        self.zero3_moments()?;
+        self.zero.z3.moments(&self.dev, &self.zero.start_moments)?;
         for i in 0..self.zero.scatter.len() {
             let set = self.zero.scatter[i].set;
             let (start, c) = self.own_part(&self.zero.scatter[i])?;
@@ -438,8 +423,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             self.zero.shard_adam.insert((set, start), state);
         }
         let whole = |r: &Self, k: &Key| {
-            let set = r.set_of(k);
-            r.zero3_group(set).is_none() && !r.zero.scatter.iter().any(|b| b.set == set)
+            let set = param_set(r.graph, k);
+            r.zero.z3.group(set).is_none() && !r.zero.scatter.iter().any(|b| b.set == set)
         };
         let keys: Vec<Key> = (self.weights.master.keys())
             .filter(|k| whole(self, k))
@@ -458,8 +443,9 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     pub(super) fn optimizer(&mut self, set: ParamSet) -> Result<(), RankError> {
-        if self.zero3_group(set).is_some() {
-            return self.optimizer_zero3(set);
+        if self.zero.z3.group(set).is_some() {
+            let step = (self.meter.step_no + 1, self.opts.lr);
+            return self.zero.z3.optimizer(&self.dev, set, step);
         }
         if self.zero.scatter.iter().any(|b| b.set == set) {
             return self.optimizer_shards(set);
@@ -469,7 +455,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             .weights
             .master
             .keys()
-            .filter(|k| self.set_of(k) == set)
+            .filter(|k| param_set(self.graph, k) == set)
             .cloned()
             .collect();
         for key in &keys {
@@ -519,6 +505,18 @@ pub(super) fn bucket_range(
 /// A piece of a flat vector: (weight, offset in it, offset in the flat vector,
 /// values).
 pub(super) type Piece = (Key, usize, usize, usize);
+
+/// The parameter set a weight belongs to: the routed experts' or the rest.
+pub(super) fn param_set(graph: &Graph, key: &Key) -> ParamSet {
+    let expert = (graph.tensors.iter())
+        .find(|t| t.name == key.0)
+        .is_some_and(|t| t.split == meshplan_ir::TpSplit::Experts);
+    if expert {
+        ParamSet::Experts
+    } else {
+        ParamSet::Dense
+    }
+}
 
 /// The pieces of the weights in `from` one after another, as one new buffer of
 /// `len` values (`pieces` as [`pieces_of`] cuts a flat range of that length:

@@ -311,7 +311,8 @@ impl<D: Device> Forward for Fwd<'_, '_, D> {
     }
 
     fn leave(&mut self, s: usize, l: u64) -> Res {
-        self.r.zero3_forward_done(s, l)?;
+        let r = &mut *self.r;
+        r.zero.z3.forward_done(&r.dev, &mut r.weights, (s, l))?;
         if let Some(out) = segment_output(self.r.graph, s) {
             if let Some(v) = self.t.acts.get(&(l, out)) {
                 self.r.hidden = Some(Arc::clone(v));
