@@ -288,7 +288,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         if held.is_empty() && recvs.is_empty() {
             return Ok(());
         }
-        let m0 = self.mark()?;
+        let m0 = self.meter.mark(&self.dev)?;
         let sends: Vec<Sent<'_, D>> = held.iter().map(|h| (h.peer, &*h.x, h.part)).collect();
         let mut into: Vec<Recvd<'_, D>> = recvs.iter_mut().map(|r| (r.1, &mut r.2)).collect();
         self.comm.exchange_act(&self.dev, "pp", &sends, &mut into)?;
@@ -308,7 +308,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         self.boundaries
             .posted
             .extend(recvs.into_iter().map(|r| r.2));
-        self.span(m0, name.join(", "), "p2p", args)
+        self.meter
+            .span(&self.dev, m0, name.join(", "), ("p2p", args))
     }
 
     /// Gathers a boundary received in tensor-rank slices.
@@ -365,7 +366,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             target,
         } = c;
         let g = self.group(group)?;
-        let m0 = self.mark()?;
+        let m0 = self.meter.mark(&self.dev)?;
         // Read only when tracing: a count is a copy of the communicator's table.
         let sent0 = m0
             .is_some()
@@ -396,7 +397,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .filter(|(name, layer)| *layer == l && names.contains(name))
                     .cloned()
                     .collect();
-                self.sum_grads_of(&g, axis, &keys, "segment_seq_partial_grads")?
+                let on = (&self.dev, &mut *self.comm);
+                let what = (&keys[..], "segment_seq_partial_grads");
+                step::sum_grads(on, (&g, axis), what, &mut self.weights.wgrads)?
             }
             (Target::HiddenStates, CollectiveKind::AllGather) => {
                 self.gather_boundary(group, axis, false)?
@@ -418,7 +421,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         // The bytes this rank sent in it, measured, under the trace's key.
         let sent = sent0.map(|s0| self.comm.counts().axis_bytes_sent(axis) - s0);
         let args = serde_json::json!({"step": self.meter.step_no, "layer": l, "tensor": target.to_string(), "axis": axis, "bytes_sent": sent});
-        self.span(m0, format!("{kind:?} {axis}"), "comm", args)
+        self.meter
+            .span(&self.dev, m0, format!("{kind:?} {axis}"), ("comm", args))
     }
 
     /// A collective on activation `tensor` of layer `l`: summed in place, or

@@ -41,9 +41,11 @@ mod snapshot;
 mod state;
 mod step;
 mod walk;
+mod zero;
 mod zero3;
 
 use state::*;
+use zero::{StartMoments, ZeroState};
 
 /// A rank's result.
 type Res<T = ()> = Result<T, RankError>;
@@ -287,7 +289,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 held: Vec::new(),
                 posted: Default::default(),
             },
-            meter: Meter::started(t0),
+            meter: Meter::started(t0, opts.trace),
             sync: GradSync::unplanned(),
             zero: ZeroState::unplanned(),
             fixed: Fixed {
@@ -397,17 +399,14 @@ impl<'a, D: Device> DevRank<'a, D> {
         for (k, between) in points.iter().enumerate() {
             for ti in between.clone() {
                 let task = &phase.schedule[ti];
-                let m0 = self.mark()?;
+                let m0 = self.meter.mark(&self.dev)?;
                 // In the step's last backward, each gradient is final once the last
                 // op writing it has run.
                 self.run_task(phase, task, Some(ti) == last_b)?;
                 let pass = if task.pass == Pass::F { "fwd" } else { "bwd" };
-                self.span(
-                    m0,
-                    format!("{pass} mb{} c{}", task.mb, task.chunk),
-                    "task",
-                    serde_json::json!({"step": step, "mb": task.mb, "chunk": task.chunk}),
-                )?;
+                let args = serde_json::json!({"step": step, "mb": task.mb, "chunk": task.chunk});
+                let name = format!("{pass} mb{} c{}", task.mb, task.chunk);
+                self.meter.span(&self.dev, m0, name, ("task", args))?;
             }
             self.exchange_boundaries(phase, points.get(k + 1))?;
         }
@@ -446,7 +445,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         // A step ends when its work has, not when its launches have.
         self.dev.synchronize().map_err(derr("synchronize"))?;
-        self.resolve_spans(step_mark)?;
+        self.meter.resolve_spans(&self.dev, step_mark)?;
         self.check_finite(step)?;
         Ok(self.meter.loss_part)
     }
@@ -515,7 +514,7 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     /// Item `i` of the step list, traced as a span.
     fn run_step_item(&mut self, i: usize, step: u64) -> Res {
-        let m0 = self.mark()?;
+        let m0 = self.meter.mark(&self.dev)?;
         let comm = |kind: &str, axis: &str, tensor: &str| {
             (format!("{kind} {axis}"), "comm", Some(tensor.to_string()))
         };
@@ -528,14 +527,21 @@ impl<'a, D: Device> DevRank<'a, D> {
             } => {
                 let (group, axis, keys, tensor) =
                     (group.clone(), axis.clone(), keys.clone(), *tensor);
-                self.sum_grads_of(&group, &axis, &keys, tensor)?;
+                let on = (&self.dev, &mut *self.comm);
+                step::sum_grads(
+                    on,
+                    (&group, &axis),
+                    (&keys, tensor),
+                    &mut self.weights.wgrads,
+                )?;
                 comm("AllReduce", &axis, tensor)
             }
             &StepItem::Bucket(b) => {
+                let (on, grads) = ((&self.dev, &mut *self.comm), &mut self.weights.wgrads);
                 if self.sync.in_flight[b].is_none() {
-                    self.start_bucket(b)?;
+                    self.sync.start_bucket((on.0, &mut *on.1), b, grads)?;
                 }
-                self.finish_bucket(b)?;
+                self.sync.finish_bucket(on, b, grads)?;
                 let bk = &self.sync.buckets[b];
                 comm("AllReduce", &bk.axis, &bk.tensor)
             }
@@ -544,12 +550,14 @@ impl<'a, D: Device> DevRank<'a, D> {
                 ("optimizer".to_string(), "optimizer", None)
             }
             &StepItem::ReduceScatter(b) => {
-                self.reduce_scatter(b)?;
+                let on = (&self.dev, &mut *self.comm);
+                self.zero.reduce_scatter(on, b, &self.weights.wgrads)?;
                 let bk = &self.zero.scatter[b];
                 comm("ReduceScatter", &bk.axis, &bk.tensor)
             }
             &StepItem::AllGather(b) => {
-                self.all_gather(b)?;
+                let on = (&self.dev, &mut *self.comm);
+                self.zero.all_gather(on, b, &mut self.weights.master)?;
                 let bk = &self.zero.gather[b];
                 comm("AllGather", &bk.axis, &bk.tensor)
             }
@@ -558,7 +566,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             Some(tensor) => serde_json::json!({"step": step, "tensor": tensor}),
             None => serde_json::json!({"step": step}),
         };
-        self.span(m0, name, cat, args)
+        self.meter.span(&self.dev, m0, name, (cat, args))
     }
 
     /// A NaN or an infinity never recovers, and training on would write it into

@@ -108,7 +108,7 @@ impl<D: Device> DevRank<'_, D> {
     /// masters are the up-to-date ones, and under ZeRO-3 of each segment copy's.
     fn parts(&self) -> Result<Vec<Part<'_, D>>, RankError> {
         let mut parts: Vec<Part<'_, D>> = (self.zero.shard_adam.iter())
-            .map(|(&(set, start), mv)| (self.layout(set), start, mv, None))
+            .map(|(&(set, start), mv)| (self.zero.layout(set), start, mv, None))
             .collect();
         for (copy, mv) in &self.zero.z3.adam {
             let (layout, start, part) = self.zero.z3.part(*copy)?;

@@ -1,6 +1,6 @@
 //! A training rank's state by concern: the weights it holds, where it sits on the
-//! mesh, the workload's sizes, the step list and its buckets, ZeRO's parts, and
-//! what it measures.
+//! mesh, the workload's sizes, the step list and its buckets, and what it
+//! measures (ZeRO's parts are in `zero.rs` and `zero3.rs`).
 
 use super::*;
 
@@ -53,38 +53,6 @@ pub(super) struct GradSync<D: Device> {
     pub(super) final_order: Vec<Key>,
 }
 
-/// Each parameter set's flat vector, and what ZeRO keeps of it.
-pub(super) struct ZeroState<D: Device> {
-    /// Each parameter set's flat vector: weights and their lengths, in order.
-    pub(super) layouts: BTreeMap<ParamSet, Layout>,
-    /// ZeRO's gradient and parameter buckets.
-    pub(super) scatter: Vec<Bucket>,
-    pub(super) gather: Vec<Bucket>,
-    /// ZeRO: this rank's reduced gradient parts this step (flat start, values), and
-    /// the AdamW moments of each part it updates.
-    pub(super) shards: Vec<(ParamSet, usize, D::F32)>,
-    pub(super) shard_adam: BTreeMap<(ParamSet, usize), Moments<D>>,
-    /// ZeRO: the parts AdamW updated this step (flat start, values), packed as the
-    /// all-gather sends them, until it does.
-    pub(super) updated: Vec<(ParamSet, usize, D::F32)>,
-    /// ZeRO-3: this rank's parts of each segment copy's masters, gradients and
-    /// moments.
-    pub(super) z3: zero3::Zero3<D>,
-    /// Where AdamW's moments start.
-    pub(super) start_moments: StartMoments,
-}
-
-/// Where AdamW's moments start.
-pub(super) enum StartMoments {
-    /// At zero: a run from the start.
-    Zeros,
-    /// Resuming: this rank's part of each weight's saved moments, until
-    /// `first_moments` has built every state from them.
-    Saved(BTreeMap<Key, (Vec<f32>, Vec<f32>)>),
-    /// Every state is built: the saved moments are let go.
-    Taken,
-}
-
 /// What a rank measures and records: this step's number and losses, the clock,
 /// the trace, memory peaks and expert slots.
 pub(super) struct Meter<D: Device> {
@@ -106,6 +74,8 @@ pub(super) struct Meter<D: Device> {
     /// What of them the saves moved (a launched run's snapshots to rank 0), which
     /// are not the training's bytes.
     pub(super) saves: crate::comm::ByteCounts,
+    /// Whether spans are recorded (`TrainOptions::trace`).
+    trace: bool,
 }
 
 impl<D: Device> Weights<D> {
@@ -135,25 +105,10 @@ impl<D: Device> GradSync<D> {
     }
 }
 
-impl<D: Device> ZeroState<D> {
-    /// Before the parameter sets are laid out.
-    pub(super) fn unplanned() -> Self {
-        ZeroState {
-            layouts: BTreeMap::new(),
-            scatter: Vec::new(),
-            gather: Vec::new(),
-            shards: Vec::new(),
-            shard_adam: BTreeMap::new(),
-            updated: Vec::new(),
-            z3: zero3::Zero3::new(),
-            start_moments: StartMoments::Zeros,
-        }
-    }
-}
-
 impl<D: Device> Meter<D> {
-    /// Nothing measured yet; the run's clock started at `t0`.
-    pub(super) fn started(t0: Instant) -> Self {
+    /// Nothing measured yet; the run's clock started at `t0`; spans recorded
+    /// when `trace`.
+    pub(super) fn started(t0: Instant, trace: bool) -> Self {
         Meter {
             loss_part: 0.0,
             step_no: 0,
@@ -166,7 +121,54 @@ impl<D: Device> Meter<D> {
             expert_slots: (0, 0),
             f32_priced: crate::comm::ByteCounts::new(),
             saves: crate::comm::ByteCounts::new(),
+            trace,
         }
+    }
+
+    /// A mark on the device's timeline where spans are recorded.
+    pub(super) fn mark(&self, dev: &D) -> Res<Option<D::Mark>> {
+        (self.trace.then(|| dev.mark()).transpose()).map_err(derr("mark"))
+    }
+
+    /// A span from `from` (a [`Meter::mark`]) to now, resolved at the end of
+    /// the step.
+    pub(super) fn span(
+        &mut self,
+        dev: &D,
+        from: Option<D::Mark>,
+        name: impl Into<String>,
+        (cat, args): (&'static str, serde_json::Value),
+    ) -> Res {
+        if let Some(from) = from {
+            let to = dev.mark().map_err(derr("mark"))?;
+            self.pending.push(Pending {
+                from,
+                to,
+                name: name.into(),
+                cat,
+                args,
+            });
+        }
+        Ok(())
+    }
+
+    /// Device times of this step's spans, placed on the run's clock by the step's
+    /// first mark.
+    pub(super) fn resolve_spans(&mut self, dev: &D, (host0, mark0): (Instant, D::Mark)) -> Res {
+        let base = host0.duration_since(self.t0).as_secs_f64();
+        for p in std::mem::take(&mut self.pending) {
+            let e = derr("timing");
+            let start = dev.seconds_between(&mark0, &p.from).map_err(&e)?;
+            let dur = dev.seconds_between(&p.from, &p.to).map_err(&e)?;
+            self.spans.push(crate::trace::Span {
+                name: p.name,
+                cat: p.cat,
+                start_s: base + start,
+                dur_s: dur,
+                args: p.args,
+            });
+        }
+        Ok(())
     }
 }
 
@@ -213,6 +215,9 @@ pub(super) struct Bucket {
     /// Where it starts in the flat vector, and its length.
     pub(super) start: usize,
     pub(super) len: usize,
+    /// Where this rank's part starts in the flat vector (ZeRO's reduce-scatters
+    /// and gathers leave it): the group's equal parts, in group order.
+    pub(super) own: usize,
     /// (weight, offset in its gradient, offset in the bucket, values).
     pub(super) pieces: Vec<(Key, usize, usize, usize)>,
 }
@@ -226,54 +231,8 @@ pub(super) struct Pending<M> {
     args: serde_json::Value,
 }
 
-/// What the run measures: the timeline's spans and the memory a rank holds.
+/// What the rank holds.
 impl<D: Device> DevRank<'_, D> {
-    pub(super) fn mark(&self) -> Result<Option<D::Mark>, RankError> {
-        (self.opts.trace.then(|| self.dev.mark()).transpose()).map_err(derr("mark"))
-    }
-
-    pub(super) fn span(
-        &mut self,
-        from: Option<D::Mark>,
-        name: impl Into<String>,
-        cat: &'static str,
-        args: serde_json::Value,
-    ) -> Result<(), RankError> {
-        if let Some(from) = from {
-            let to = self.dev.mark().map_err(derr("mark"))?;
-            self.meter.pending.push(Pending {
-                from,
-                to,
-                name: name.into(),
-                cat,
-                args,
-            });
-        }
-        Ok(())
-    }
-
-    /// Device times of this step's spans, placed on the run's clock by the step's
-    /// first mark.
-    pub(super) fn resolve_spans(
-        &mut self,
-        (host0, mark0): (Instant, D::Mark),
-    ) -> Result<(), RankError> {
-        let base = host0.duration_since(self.meter.t0).as_secs_f64();
-        for p in std::mem::take(&mut self.meter.pending) {
-            let e = derr("timing");
-            let start = self.dev.seconds_between(&mark0, &p.from).map_err(&e)?;
-            let dur = self.dev.seconds_between(&p.from, &p.to).map_err(&e)?;
-            self.meter.spans.push(crate::trace::Span {
-                name: p.name,
-                cat: p.cat,
-                start_s: base + start,
-                dur_s: dur,
-                args: p.args,
-            });
-        }
-        Ok(())
-    }
-
     /// Samples what the rank holds with `current`, the task it runs, beside
     /// those waiting for their backward: after each forward task, and after each
     /// recomputation, when a layer's activations are held again.

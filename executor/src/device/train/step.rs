@@ -119,6 +119,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             )));
         }
         let sizes = layouts.get(&set).map_or(&[][..], |l| l.as_slice());
+        let own = a + self.index_in(&group)? * ((b - a) / group.size());
         Ok(Bucket {
             set,
             group,
@@ -126,12 +127,9 @@ impl<'a, D: Device> DevRank<'a, D> {
             tensor,
             start: a,
             len: b - a,
+            own,
             pieces: pieces_of(sizes, a, b),
         })
-    }
-
-    pub(super) fn layout(&self, set: ParamSet) -> &[(Key, usize)] {
-        self.zero.layouts.get(&set).map_or(&[], Vec::as_slice)
     }
 
     /// How many backward ops of one backward task write each weight's gradient.
@@ -204,94 +202,17 @@ impl<'a, D: Device> DevRank<'a, D> {
             if !ready {
                 break;
             }
-            let m0 = self.mark()?;
+            let m0 = self.meter.mark(&self.dev)?;
             let i = self.sync.next_bucket;
-            self.start_bucket(i)?;
+            let on = (&self.dev, &mut *self.comm);
+            self.sync.start_bucket(on, i, &self.weights.wgrads)?;
             let bk = &self.sync.buckets[i];
             let args =
                 serde_json::json!({"step": self.meter.step_no, "tensor": bk.tensor, "early": true});
             let name = format!("AllReduce {} (start)", bk.axis);
-            self.span(m0, name, "comm", args)?;
+            self.meter.span(&self.dev, m0, name, ("comm", args))?;
         }
         Ok(())
-    }
-
-    /// Copies bucket `i`'s gradient pieces into one buffer and starts its sum.
-    pub(super) fn start_bucket(&mut self, i: usize) -> Result<(), RankError> {
-        let b = &self.sync.buckets[i];
-        let buf = packed(
-            &self.dev,
-            &self.weights.wgrads,
-            (&b.pieces, b.len),
-            "bucket",
-        )?;
-        let r = self
-            .comm
-            .all_reduce_start(&self.dev, (&b.group, &b.axis), buf)?;
-        self.sync.in_flight[i] = Some(r);
-        self.sync.next_bucket = self.sync.next_bucket.max(i + 1);
-        Ok(())
-    }
-
-    /// Waits for bucket `i`'s sum and copies it back into the gradients.
-    pub(super) fn finish_bucket(&mut self, i: usize) -> Result<(), RankError> {
-        let r = self.sync.in_flight[i]
-            .take()
-            .ok_or_else(|| fail("a bucket finished before it started"))?;
-        let buf = self.comm.all_reduce_finish(&self.dev, r)?;
-        let pieces = &self.sync.buckets[i].pieces;
-        unpack(&self.dev, &buf, pieces, &mut self.weights.wgrads, "bucket")
-    }
-
-    /// Gradient bucket `i` summed over the data ranks, this rank keeping its part.
-    pub(super) fn reduce_scatter(&mut self, i: usize) -> Result<(), RankError> {
-        let bk = &self.zero.scatter[i];
-        let (own, _) = self.own_part(bk)?;
-        let buf = packed(
-            &self.dev,
-            &self.weights.wgrads,
-            (&bk.pieces, bk.len),
-            "reduce-scatter",
-        )?;
-        let part = self.comm.f32_collective_owned(
-            &self.dev,
-            (CommKind::ReduceScatter, (&bk.group, &bk.axis)),
-            buf,
-        )?;
-        self.zero.shards.push((bk.set, own, part));
-        Ok(())
-    }
-
-    /// Parameter bucket `i` from the parts each data rank updated.
-    pub(super) fn all_gather(&mut self, i: usize) -> Result<(), RankError> {
-        let bk = &self.zero.gather[i];
-        let (own, c) = self.own_part(bk)?;
-        // AdamW's packed output is this rank's part as it is in the masters: sent
-        // as it is, where packing it again would copy the same values.
-        let done = (self.zero.updated.iter())
-            .position(|(s, at, x)| (*s, *at, D::f32_len(x)) == (bk.set, own, c));
-        let local = match done {
-            Some(i) => self.zero.updated.swap_remove(i).2,
-            None => {
-                let mine = pieces_of(self.layout(bk.set), own, own + c);
-                packed(&self.dev, &self.weights.master, (&mine, c), "all-gather")?
-            }
-        };
-        let all = self.comm.f32_collective_owned(
-            &self.dev,
-            (CommKind::AllGather, (&bk.group, &bk.axis)),
-            local,
-        )?;
-        // The other ranks' parts only: this rank's holds the masters' own values.
-        let mine = own - bk.start;
-        let others = pieces_outside(&bk.pieces, (mine, mine + c));
-        unpack(
-            &self.dev,
-            &all,
-            &others,
-            &mut self.weights.master,
-            "all-gather",
-        )
     }
 
     /// The weights whose gradients sequence parallelism leaves partial over the
@@ -325,86 +246,9 @@ impl<'a, D: Device> DevRank<'a, D> {
             .collect()
     }
 
-    /// Sums the gradients of `keys` over `group` as one flat vector.
-    pub(super) fn sum_grads_of(
-        &mut self,
-        group: &Group,
-        axis: &str,
-        keys: &[Key],
-        tensor: &str,
-    ) -> Result<(), RankError> {
-        let layout: Layout = keys
-            .iter()
-            .map(|k| {
-                self.weights
-                    .wgrads
-                    .get(k)
-                    .map(|g| (k.clone(), D::f32_len(g)))
-            })
-            .collect::<Option<_>>()
-            .ok_or_else(|| fail("a partial gradient is missing"))?;
-        let total = layout.iter().map(|(_, n)| n).sum();
-        let pieces = pieces_of(&layout, 0, total);
-        let flat = packed(&self.dev, &self.weights.wgrads, (&pieces, total), tensor)?;
-        let r = self.comm.all_reduce_start(&self.dev, (group, axis), flat)?;
-        let flat = self.comm.all_reduce_finish(&self.dev, r)?;
-        unpack(&self.dev, &flat, &pieces, &mut self.weights.wgrads, tensor)
-    }
-
-    /// Where this rank's part of ZeRO bucket `bk` starts in its set's flat vector,
-    /// and its length: the group's equal parts, in group order.
-    fn own_part(&self, bk: &Bucket) -> Result<(usize, usize), RankError> {
-        let c = bk.len / bk.group.size();
-        Ok((bk.start + self.index_in(&bk.group)? * c, c))
-    }
-
     pub(super) fn index_in(&self, g: &Group) -> Result<usize, RankError> {
         g.index_of(self.rank)
             .ok_or_else(|| fail(format!("rank {} is not in group {}", self.rank, g.id)))
-    }
-
-    /// ZeRO's AdamW: each reduced part of the flat gradient updates the same part of
-    /// the fp32 masters, with moments of that part alone.
-    pub(super) fn optimizer_shards(&mut self, set: ParamSet) -> Result<(), RankError> {
-        let (mine, rest) = std::mem::take(&mut self.zero.shards)
-            .into_iter()
-            .partition(|(s, ..)| *s == set);
-        self.zero.shards = rest;
-        for (_, start, grad) in mine {
-            let c = D::f32_len(&grad);
-            let pieces = pieces_of(self.layout(set), start, start + c);
-            let mut state = (self.zero.shard_adam.remove(&(set, start)))
-                .ok_or_else(|| fail(format!("no AdamW state of the part at {start}")))?;
-            let part = self.adamw_part(&pieces, c, &grad, &mut state)?;
-            self.zero.shard_adam.insert((set, start), state);
-            self.zero.updated.push((set, start, part));
-        }
-        Ok(())
-    }
-
-    /// AdamW on the `c` values of the fp32 masters that `pieces` cover, with the
-    /// moments of that part alone (ZeRO's parts); returns the updated part, packed.
-    pub(super) fn adamw_part(
-        &mut self,
-        pieces: &[Piece],
-        c: usize,
-        grad: &D::F32,
-        (m, v): &mut Moments<D>,
-    ) -> Result<D::F32, RankError> {
-        let step = self.meter.step_no + 1;
-        let e = derr("adamw");
-        let mut param = packed(&self.dev, &self.weights.master, (pieces, c), "adamw")?;
-        // The compute copies are refreshed once the parts are gathered.
-        adamw(
-            &self.dev,
-            (&mut param, grad),
-            (m, v),
-            None,
-            (step, self.opts.lr),
-        )
-        .map_err(&e)?;
-        unpack(&self.dev, &param, pieces, &mut self.weights.master, "adamw")?;
-        Ok(param)
     }
 
     /// AdamW's moments of every weight the whole-tensor optimizer updates, of
@@ -415,16 +259,10 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// 5.2 s where the later ones take 3.3 s.
     pub(super) fn first_moments(&mut self) -> Result<(), RankError> {
         self.zero.z3.moments(&self.dev, &self.zero.start_moments)?;
-        for i in 0..self.zero.scatter.len() {
-            let set = self.zero.scatter[i].set;
-            let (start, c) = self.own_part(&self.zero.scatter[i])?;
-            let pieces = pieces_of(self.layout(set), start, start + c);
-            let state = initial_moments(&self.dev, &self.zero.start_moments, &pieces, c)?;
-            self.zero.shard_adam.insert((set, start), state);
-        }
+        self.zero.part_moments(&self.dev)?;
         let whole = |r: &Self, k: &Key| {
             let set = param_set(r.graph, k);
-            r.zero.z3.group(set).is_none() && !r.zero.scatter.iter().any(|b| b.set == set)
+            r.zero.z3.group(set).is_none() && !r.zero.sharded(set)
         };
         let keys: Vec<Key> = (self.weights.master.keys())
             .filter(|k| whole(self, k))
@@ -447,10 +285,13 @@ impl<'a, D: Device> DevRank<'a, D> {
             let step = (self.meter.step_no + 1, self.opts.lr);
             return self.zero.z3.optimizer(&self.dev, set, step);
         }
-        if self.zero.scatter.iter().any(|b| b.set == set) {
-            return self.optimizer_shards(set);
-        }
         let step = self.meter.step_no + 1;
+        if self.zero.sharded(set) {
+            let master = &mut self.weights.master;
+            return self
+                .zero
+                .optimizer(&self.dev, set, master, (step, self.opts.lr));
+        }
         let keys: Vec<Key> = self
             .weights
             .master
@@ -476,6 +317,56 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         Ok(())
     }
+}
+
+impl<D: Device> GradSync<D> {
+    /// Copies bucket `i`'s gradient pieces into one buffer and starts its sum.
+    pub(super) fn start_bucket(
+        &mut self,
+        (dev, comm): (&D, &mut D::Comm),
+        i: usize,
+        wgrads: &BTreeMap<Key, D::F32>,
+    ) -> Res {
+        let b = &self.buckets[i];
+        let buf = packed(dev, wgrads, (&b.pieces, b.len), "bucket")?;
+        let r = comm.all_reduce_start(dev, (&b.group, &b.axis), buf)?;
+        self.in_flight[i] = Some(r);
+        self.next_bucket = self.next_bucket.max(i + 1);
+        Ok(())
+    }
+
+    /// Waits for bucket `i`'s sum and copies it back into the gradients.
+    pub(super) fn finish_bucket(
+        &mut self,
+        (dev, comm): (&D, &mut D::Comm),
+        i: usize,
+        wgrads: &mut BTreeMap<Key, D::F32>,
+    ) -> Res {
+        let r = self.in_flight[i]
+            .take()
+            .ok_or_else(|| fail("a bucket finished before it started"))?;
+        let buf = comm.all_reduce_finish(dev, r)?;
+        unpack(dev, &buf, &self.buckets[i].pieces, wgrads, "bucket")
+    }
+}
+
+/// Sums the gradients of `keys` over `(group, axis)` as one flat vector.
+pub(super) fn sum_grads<D: Device>(
+    (dev, comm): (&D, &mut D::Comm),
+    (group, axis): (&Group, &str),
+    (keys, tensor): (&[Key], &str),
+    wgrads: &mut BTreeMap<Key, D::F32>,
+) -> Res {
+    let layout: Layout = (keys.iter())
+        .map(|k| wgrads.get(k).map(|g| (k.clone(), D::f32_len(g))))
+        .collect::<Option<_>>()
+        .ok_or_else(|| fail("a partial gradient is missing"))?;
+    let total = layout.iter().map(|(_, n)| n).sum();
+    let pieces = pieces_of(&layout, 0, total);
+    let flat = packed(dev, wgrads, (&pieces, total), tensor)?;
+    let r = comm.all_reduce_start(dev, (group, axis), flat)?;
+    let flat = comm.all_reduce_finish(dev, r)?;
+    unpack(dev, &flat, &pieces, wgrads, tensor)
 }
 
 /// The parameter set and flat range `a..b` of a gradient or parameter bucket (the

@@ -172,11 +172,17 @@ impl<'a, D: Device> DevRank<'a, D> {
                             self.note_peak(t);
                         }
                         Instr::Compute { name, .. } => {
-                            let m0 = self.mark()?;
+                            let m0 = self.meter.mark(&self.dev)?;
                             let op = find_op(self.graph, name)?;
                             self.backward_op(op, l, t)?;
                             self.gradients_written(op, l)?;
-                            self.span(m0, format!("{name} bwd"), "compute", self.op_args(l))?;
+                            let args = self.op_args(l);
+                            self.meter.span(
+                                &self.dev,
+                                m0,
+                                format!("{name} bwd"),
+                                ("compute", args),
+                            )?;
                         }
                         Instr::Collective { .. } => {
                             if let Some(c) = Coll::of(instr) {
@@ -328,7 +334,7 @@ impl<D: Device> Forward for Fwd<'_, '_, D> {
 
     fn compute(&mut self, name: &str, outputs: &[LocalTensor], l: u64) -> Res {
         let r = &mut *self.r;
-        let m0 = r.mark()?;
+        let m0 = r.meter.mark(&r.dev)?;
         let op = find_op(r.graph, name)?;
         // The rows the plan gives the output (a replicated table under sequence
         // parallelism looks up this rank's block alone).
@@ -337,7 +343,8 @@ impl<D: Device> Forward for Fwd<'_, '_, D> {
             t.shape[..n.saturating_sub(1)].iter().product::<u64>() as usize
         });
         r.forward_op(op, l, self.t, out_rows)?;
-        r.span(m0, name, "compute", r.op_args(l))
+        let args = r.op_args(l);
+        r.meter.span(&r.dev, m0, name, ("compute", args))
     }
 
     fn collective(&mut self, c: Coll<'_>, l: u64) -> Res {

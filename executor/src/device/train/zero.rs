@@ -1,0 +1,151 @@
+//! ZeRO 1 and 2: each parameter set's gradients are reduce-scattered over the data
+//! ranks in buckets; a rank updates its part of the fp32 masters with moments of
+//! that part alone, and the parameter buckets' all-gathers bring the other ranks'
+//! updated parts. ZeRO-3's segment copies are [`zero3::Zero3`]'s.
+//!
+//! [`ZeroState`] owns the parts, their moments and the buckets; the rank hands it
+//! the device, the communicator and the weights it works on.
+
+use super::step::{adamw, initial_moments, packed, pieces_of, pieces_outside, unpack};
+use super::*;
+
+/// Each parameter set's flat vector, and what ZeRO keeps of it.
+pub(super) struct ZeroState<D: Device> {
+    /// Each parameter set's flat vector: weights and their lengths, in order.
+    pub(super) layouts: BTreeMap<ParamSet, Layout>,
+    /// ZeRO's gradient and parameter buckets.
+    pub(super) scatter: Vec<Bucket>,
+    pub(super) gather: Vec<Bucket>,
+    /// ZeRO: this rank's reduced gradient parts this step (flat start, values), and
+    /// the AdamW moments of each part it updates.
+    pub(super) shards: Vec<(ParamSet, usize, D::F32)>,
+    pub(super) shard_adam: BTreeMap<(ParamSet, usize), Moments<D>>,
+    /// ZeRO: the parts AdamW updated this step (flat start, values), packed as the
+    /// all-gather sends them, until it does.
+    pub(super) updated: Vec<(ParamSet, usize, D::F32)>,
+    /// ZeRO-3: this rank's parts of each segment copy's masters, gradients and
+    /// moments.
+    pub(super) z3: zero3::Zero3<D>,
+    /// Where AdamW's moments start.
+    pub(super) start_moments: StartMoments,
+}
+
+/// Where AdamW's moments start.
+pub(super) enum StartMoments {
+    /// At zero: a run from the start.
+    Zeros,
+    /// Resuming: this rank's part of each weight's saved moments, until
+    /// `first_moments` has built every state from them.
+    Saved(BTreeMap<Key, (Vec<f32>, Vec<f32>)>),
+    /// Every state is built: the saved moments are let go.
+    Taken,
+}
+
+impl<D: Device> ZeroState<D> {
+    /// Before the parameter sets are laid out.
+    pub(super) fn unplanned() -> Self {
+        ZeroState {
+            layouts: BTreeMap::new(),
+            scatter: Vec::new(),
+            gather: Vec::new(),
+            shards: Vec::new(),
+            shard_adam: BTreeMap::new(),
+            updated: Vec::new(),
+            z3: zero3::Zero3::new(),
+            start_moments: StartMoments::Zeros,
+        }
+    }
+
+    /// `set`'s flat vector: its weights and their lengths, in order.
+    pub(super) fn layout(&self, set: ParamSet) -> &[(Key, usize)] {
+        self.layouts.get(&set).map_or(&[], Vec::as_slice)
+    }
+
+    /// Whether ZeRO 1-2's reduce-scatters leave this rank parts of `set`.
+    pub(super) fn sharded(&self, set: ParamSet) -> bool {
+        self.scatter.iter().any(|b| b.set == set)
+    }
+
+    /// Gradient bucket `i` summed over the data ranks, this rank keeping its part.
+    pub(super) fn reduce_scatter(
+        &mut self,
+        (dev, comm): (&D, &mut D::Comm),
+        i: usize,
+        wgrads: &BTreeMap<Key, D::F32>,
+    ) -> Res {
+        let bk = &self.scatter[i];
+        let buf = packed(dev, wgrads, (&bk.pieces, bk.len), "reduce-scatter")?;
+        let on = (CommKind::ReduceScatter, (&bk.group, bk.axis.as_str()));
+        let part = comm.f32_collective_owned(dev, on, buf)?;
+        self.shards.push((bk.set, bk.own, part));
+        Ok(())
+    }
+
+    /// Parameter bucket `i` from the parts each data rank updated.
+    pub(super) fn all_gather(
+        &mut self,
+        (dev, comm): (&D, &mut D::Comm),
+        i: usize,
+        master: &mut BTreeMap<Key, D::F32>,
+    ) -> Res {
+        let bk = &self.gather[i];
+        let (own, c) = (bk.own, bk.len / bk.group.size());
+        // AdamW's packed output is this rank's part as it is in the masters: sent
+        // as it is, where packing it again would copy the same values.
+        let done = (self.updated.iter())
+            .position(|(s, at, x)| (*s, *at, D::f32_len(x)) == (bk.set, own, c));
+        let local = match done {
+            Some(i) => self.updated.swap_remove(i).2,
+            None => {
+                let mine = pieces_of(self.layout(bk.set), own, own + c);
+                packed(dev, master, (&mine, c), "all-gather")?
+            }
+        };
+        let on = (CommKind::AllGather, (&bk.group, bk.axis.as_str()));
+        let all = comm.f32_collective_owned(dev, on, local)?;
+        // The other ranks' parts only: this rank's holds the masters' own values.
+        let mine = own - bk.start;
+        let others = pieces_outside(&bk.pieces, (mine, mine + c));
+        unpack(dev, &all, &others, master, "all-gather")
+    }
+
+    /// AdamW on `set`: each reduced part of the flat gradient updates the same
+    /// part of the fp32 masters, with moments of that part alone; the updated
+    /// part is kept, packed, for the parameter bucket's gather.
+    pub(super) fn optimizer(
+        &mut self,
+        dev: &D,
+        set: ParamSet,
+        master: &mut BTreeMap<Key, D::F32>,
+        (step, lr): (u64, f32),
+    ) -> Res {
+        let (mine, rest) = std::mem::take(&mut self.shards)
+            .into_iter()
+            .partition(|(s, ..)| *s == set);
+        self.shards = rest;
+        for (_, start, grad) in mine {
+            let c = D::f32_len(&grad);
+            let pieces = pieces_of(self.layout(set), start, start + c);
+            let (m, v) = (self.shard_adam.get_mut(&(set, start)))
+                .ok_or_else(|| fail(format!("no AdamW state of the part at {start}")))?;
+            let mut param = packed(dev, master, (&pieces, c), "adamw")?;
+            // The compute copies are refreshed once the parts are gathered.
+            adamw(dev, (&mut param, &grad), (m, v), None, (step, lr)).map_err(derr("adamw"))?;
+            unpack(dev, &param, &pieces, master, "adamw")?;
+            self.updated.push((set, start, param));
+        }
+        Ok(())
+    }
+
+    /// The AdamW moments of every part the reduce-scatters leave this rank
+    /// ([`DevRank::first_moments`]).
+    pub(super) fn part_moments(&mut self, dev: &D) -> Res {
+        for bk in &self.scatter {
+            let c = bk.len / bk.group.size();
+            let pieces = pieces_of(self.layout(bk.set), bk.own, bk.own + c);
+            let state = initial_moments(dev, &self.start_moments, &pieces, c)?;
+            self.shard_adam.insert((bk.set, bk.own), state);
+        }
+        Ok(())
+    }
+}
