@@ -33,9 +33,11 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Instant;
 
+mod boundary;
 mod comm;
 mod experts;
 mod ops;
+mod ring;
 mod run;
 mod snapshot;
 mod state;
@@ -44,6 +46,7 @@ mod walk;
 mod zero;
 mod zero3;
 
+use boundary::Boundaries;
 use state::*;
 use zero::{StartMoments, ZeroState};
 
@@ -181,31 +184,6 @@ struct Fixed<D: Device> {
     vocab_mask: Option<D::Act>,
 }
 
-/// Pipeline stage boundaries between the schedule's exchange points. A rank sends
-/// and receives boundaries only there, as one exchange each (one NCCL group): the
-/// sends of the tasks since the last point and the receives the tasks up to the
-/// next one open with, posted before they run. The points are Megatron-LM's: after
-/// each task in the warm-up and the cool-down, after each forward-backward pair in
-/// the steady state (its `send_forward_recv_backward` and the like). On NCCL a send
-/// may wait until its receive is posted, so two neighbouring stages that each sent
-/// on its own before receiving would wait on each other; over these points every
-/// schedule the planner writes completes (tests/it/device.rs runs them over sends
-/// that wait so).
-pub(super) struct Boundaries<D: Device> {
-    held: Vec<HeldSend<D>>,
-    /// Received at the last exchange point, in the order the tasks take them.
-    posted: std::collections::VecDeque<D::Act>,
-}
-
-/// A boundary held for the next exchange point.
-pub(super) struct HeldSend<D: Device> {
-    stage: u64,
-    peer: usize,
-    x: Arc<D::Act>,
-    /// `(offset, length)` of the part sent.
-    part: (usize, usize),
-}
-
 struct DevRank<'a, D: Device> {
     plan: &'a Plan,
     dev: D,
@@ -226,9 +204,8 @@ struct DevRank<'a, D: Device> {
     /// The weights this rank holds, their gradients and moments.
     weights: Weights<D>,
     tasks: BTreeMap<(u64, u64), Task<D>>,
-    hidden: Option<Arc<D::Act>>,
-    grad_hidden: Option<D::Act>,
-    boundaries: Boundaries<D>,
+    /// The pipeline stage boundaries: what a task opens with and what it sends.
+    stage: Boundaries<D>,
     /// What the run measures and records.
     meter: Meter<D>,
     /// The step list and the gradient buckets' progress.
@@ -283,12 +260,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             opts: opts.clone(),
             weights: Weights::none(),
             tasks: BTreeMap::new(),
-            hidden: None,
-            grad_hidden: None,
-            boundaries: Boundaries {
-                held: Vec::new(),
-                posted: Default::default(),
-            },
+            stage: Boundaries::of(plan, &entry.coords, place("tp"))?,
             meter: Meter::started(t0, opts.trace),
             sync: GradSync::unplanned(),
             zero: ZeroState::unplanned(),
@@ -475,13 +447,29 @@ impl<'a, D: Device> DevRank<'a, D> {
         out
     }
 
+    /// An exchange point of the schedule ([`Boundaries`]): the receives that the
+    /// tasks `next` open with, posted with the sends held since the last point.
+    fn exchange_boundaries(&mut self, phase: &Phase, next: Option<&std::ops::Range<usize>>) -> Res {
+        let mut recvs = Vec::new();
+        for ti in next.cloned().unwrap_or_default() {
+            if let Some(Instr::Recv {
+                peer_stage, bytes, ..
+            }) = task_list(phase, &phase.schedule[ti])?.first()
+            {
+                recvs.push((*peer_stage, *bytes));
+            }
+        }
+        let on = (&self.dev, &mut *self.comm);
+        self.stage.exchange(on, &recvs, &mut self.meter)
+    }
+
     /// One task of the schedule: a micro-batch's forward or backward over a chunk.
     fn run_task(&mut self, phase: &Phase, task: &ScheduleTask, last_backward: bool) -> Res {
         let ch = task_chunk(phase, task)?;
         match task.pass {
             Pass::F => {
                 let mut t = self.load_batch(task.mb)?;
-                self.hidden = None;
+                self.stage.hidden = None;
                 let mut layer = ch.layer_start;
                 let recomputed = walk::recomputed(self.graph, &ch.backward)?;
                 self.run_forward(&ch.forward, &mut t, (&mut layer, NO_LAYER), &recomputed)?;
@@ -493,7 +481,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     .tasks
                     .remove(&(task.chunk, task.mb))
                     .ok_or_else(|| fail("a backward before its forward"))?;
-                self.grad_hidden = None;
+                self.stage.grad_hidden = None;
                 let mut layer = ch.layer_end;
                 // Not under sequence parallelism: some gradients are partial until
                 // the step list sums them over the tensor axis.

@@ -134,17 +134,21 @@ impl<'a, D: Device> DevRank<'a, D> {
                 match instr {
                     Instr::Send {
                         peer_stage, bytes, ..
-                    } => self.send_boundary(*peer_stage, *bytes, true)?,
+                    } => self.stage.send(*peer_stage, *bytes, true)?,
                     Instr::Recv {
                         peer_stage, bytes, ..
-                    } => self.recv_boundary(*peer_stage, *bytes, true)?,
+                    } => self.stage.recv(*peer_stage, *bytes, true)?,
                     Instr::Collective {
                         kind: CollectiveKind::AllGather,
                         group,
                         axis,
                         target: Target::HiddenStatesGrad,
                         ..
-                    } => self.gather_boundary(group, axis.name(), true)?,
+                    } => {
+                        let g = self.group(group)?;
+                        let on = (&self.dev, &mut *self.comm);
+                        self.stage.gather(on, (&g, axis.name()), true)?
+                    }
                     other => {
                         return Err(fail(format!(
                             "the device interpreter does not run `{}` in a backward list",
@@ -159,7 +163,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             for _ in 0..*repeat {
                 let l = crate::program::prev_layer(*kind, layer);
                 if let (Some(out), Some(g)) =
-                    (segment_output(self.graph, s), self.grad_hidden.take())
+                    (segment_output(self.graph, s), self.stage.grad_hidden.take())
                 {
                     t.grads.insert((l, out), g);
                 }
@@ -189,7 +193,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                                 self.collective(c, l, t, true)?
                             }
                         }
-                        // The attention op passes the blocks itself (`ring_backward`).
+                        // The attention op passes the blocks itself (`Ring::backward`).
                         Instr::RingPass { .. } => {}
                         other => {
                             return Err(fail(format!(
@@ -200,7 +204,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                     }
                 }
                 if let Some(input) = segment_input(self.graph, s) {
-                    self.grad_hidden = t.grads.remove(&(l, input));
+                    self.stage.grad_hidden = t.grads.remove(&(l, input));
                 }
                 // No backward after this one reads this layer's activations.
                 t.let_go(l, &held);
@@ -310,7 +314,7 @@ impl<D: Device> Forward for Fwd<'_, '_, D> {
     }
 
     fn enter(&mut self, s: usize, l: u64) -> Res {
-        if let (Some(input), Some(h)) = (segment_input(self.r.graph, s), &self.r.hidden) {
+        if let (Some(input), Some(h)) = (segment_input(self.r.graph, s), &self.r.stage.hidden) {
             self.t.acts.insert((l, input), Arc::clone(h));
         }
         Ok(())
@@ -321,7 +325,7 @@ impl<D: Device> Forward for Fwd<'_, '_, D> {
         r.zero.z3.forward_done(&r.dev, &mut r.weights, (s, l))?;
         if let Some(out) = segment_output(self.r.graph, s) {
             if let Some(v) = self.t.acts.get(&(l, out)) {
-                self.r.hidden = Some(Arc::clone(v));
+                self.r.stage.hidden = Some(Arc::clone(v));
             }
         }
         // What recomputation is for: the layer keeps its input (and what the
@@ -352,14 +356,14 @@ impl<D: Device> Forward for Fwd<'_, '_, D> {
     }
 
     fn send(&mut self, stage: u64, bytes: f64) -> Res {
-        self.r.send_boundary(stage, bytes, false)
+        self.r.stage.send(stage, bytes, false)
     }
 
     fn recv(&mut self, stage: u64, bytes: f64) -> Res {
-        self.r.recv_boundary(stage, bytes, false)
+        self.r.stage.recv(stage, bytes, false)
     }
 
-    // The attention op passes the blocks itself (`ring_forward`).
+    // The attention op passes the blocks itself (`Ring::forward`).
     fn ring_pass(&mut self) -> Res {
         Ok(())
     }

@@ -55,7 +55,8 @@ impl<D: Device> DevRank<'_, D> {
         let mut o = self.zeros(dims.batch * dims.sq * dims.hq * dims.dv)?;
         let mut lse = self.zeros_f32(dims.batch * dims.hq * dims.sq)?;
         if let (true, Some((q, kk, v))) = (self.cp.size > 1, &qkv) {
-            self.ring_forward(&dims, (q, kk, v), &mask, &mut o, &mut lse)?;
+            self.ring()?
+                .forward(&dims, (q, kk, v), &mask, &mut o, &mut lse)?;
         } else {
             let a = attn_on(&mask, &dims, &*x, &qkv);
             let out = AttnOut {
@@ -129,7 +130,8 @@ impl<D: Device> DevRank<'_, D> {
         let mut dv = self.zeros(D::act_len(v))?;
         if self.cp.size > 1 {
             let grads = (&mut dq, &mut dk, &mut dv);
-            self.ring_backward(&dims, (q, kk, v), (&o, lse, &d_o), &mask, grads)?;
+            self.ring()?
+                .backward(&dims, (q, kk, v), (&o, lse, &d_o), &mask, grads)?;
         } else {
             let a = mask.attn(&dims, (q, kk, v), (0, 0));
             let grads = AttnGrads::Apart(&mut dq, &mut dk, &mut dv);
