@@ -349,7 +349,7 @@ fn verdict(check: bool, shown: &Shown<'_>) -> Result<(), Failure> {
 /// A disaggregated run's pools and KV move, as `--json` keys.
 fn disagg_json(plan: &Plan, d: &DisaggReport) -> serde_json::Value {
     let serving = plan.serving.as_ref();
-    let prefill = serving.and_then(|s| s.prefill_plan.as_deref());
+    let prefill = disagg::prefill_pool(plan);
     let pool = |p: Option<&Plan>, ranks: usize| {
         serde_json::json!({
             "ranks": ranks,
