@@ -491,11 +491,10 @@ impl LayoutCtx {
     /// `ceil(batch / tp)` of them (one prompt of a lone prefill, whole, on one rank),
     /// not an even `1 / tp` of every request.
     fn dpa_share(&self) -> f64 {
-        let b = self.env.batch;
-        if b <= 0.0 || self.dpa_amortized {
+        if self.dpa_amortized {
             return 1.0 / self.tp as f64;
         }
-        (b / self.tp as f64).ceil() / b
+        meshplan_ir::graph::dpa_share(self.env.batch, self.tp)
     }
 
     /// Local bytes of an activation (`attn_part`: produced in a block's attention half).

@@ -233,6 +233,18 @@ pub fn expert_slice(tokens: f64, tp: u64) -> f64 {
     (tokens / tp.max(1) as f64).ceil()
 }
 
+/// Under DP-attention, the busiest tensor rank's share of a replica's `batch`
+/// requests in a block's attention half: each rank attends whole requests of its
+/// own, so it holds `ceil(batch / tp)` of them (a lone prompt whole, on one rank),
+/// not an even `1 / tp` of every request. An even share for an empty batch.
+pub fn dpa_share(batch: f64, tp: u64) -> f64 {
+    let tp = tp.max(1) as f64;
+    if batch <= 0.0 {
+        return 1.0 / tp;
+    }
+    (batch / tp).ceil() / batch
+}
+
 impl ExpertsShape {
     /// Slots each expert keeps per capacity group of `group_tokens` tokens:
     /// `ceil(capacity_factor * group_tokens * top_k / experts)`, `None` when dropless.

@@ -352,13 +352,17 @@ impl Layout<'_> {
     /// FLOPs of an op's forward on this rank.
     fn local_flops(&self, op: &Op, attn_part: bool) -> f64 {
         let f = self.graph.op_flops(op).eval(&self.env) / self.cp as f64;
+        if self.dp_attention && attn_part {
+            // The busiest tensor rank's whole requests, with whole attention weights.
+            return f * meshplan_ir::graph::dpa_share(self.env.batch, self.tp);
+        }
         let split = match op.role {
             TpRole::ColumnParallel
             | TpRole::RowParallel
             | TpRole::VocabHead
             | TpRole::Local
             | TpRole::Experts => true,
-            _ => self.sp || (self.dp_attention && attn_part),
+            _ => self.sp,
         };
         if split && self.tp > 1 {
             f / self.tp as f64

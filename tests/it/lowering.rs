@@ -908,3 +908,67 @@ fn a_hand_given_inference_plan_splits_its_layers_as_the_estimate_chunks_them() {
     assert_eq!(plan.layer_split, vec![27, 27, 26]);
     assert_eq!(plan.layer_split, even_layer_split(80, 3, 1));
 }
+
+/// The compute instructions of `instrs` named `name`, once per segment repeat.
+fn computes<'i>(instrs: &'i [Instr], name: &str, out: &mut Vec<&'i Instr>) {
+    for i in instrs {
+        match i {
+            Instr::Segment { body, .. } => computes(body, name, out),
+            Instr::Compute { name: n, .. } if n == name => out.push(i),
+            _ => {}
+        }
+    }
+}
+
+#[test]
+fn dp_attention_lowers_the_busiest_ranks_whole_requests() {
+    // Llama 3 70B serving 12 requests on 8 GPUs with DP-attention (tp=8): each
+    // tensor rank attends whole requests of its own with whole attention weights,
+    // so a decode step waits on the rank holding ceil(12 / 8) = 2 of them, and a
+    // prompt's prefill runs on one rank whole, as the cost model prices it. The
+    // qkv projection (8192 -> 64 x 128 + 2 x 8 x 128 = 10240 columns) of one layer:
+    //   prefill, one prompt of 2048 tokens: 2 x 2048 x 8192 x 10240 = 343,597,383,680;
+    //   decode, 2 requests' tokens: 2 x 2 x 8192 x 10240 = 335,544,320.
+    // An even 1/8 of either (the lowering's share before) is 42,949,672,960 and
+    // 251,658,240. The MLP's gate/up projection stays split over tp:
+    //   decode, 12 tokens gathered: 2 x 12 x 8192 x 2 x 28672 / 8 = 1,409,286,144.
+    let text =
+        std::fs::read_to_string(PathBuf::from(ROOT).join("models/llama3-70b-inference.yaml"))
+            .expect("llama");
+    let yaml = text.replace("concurrency: 64", "concurrency: 12");
+    assert_ne!(yaml, text);
+    let spec = parse_model_yaml(&yaml, "llama-12.yaml").unwrap_or_else(|e| panic!("{e}"));
+    let m = from_spec(spec);
+    let cl = cluster("topologies/dgx-a100-80g.yaml", 1);
+    let l = inference(&m, &cl, "tp=8,dp_attention=true");
+    let flops = |kind: PhaseKind, op: &str| -> Vec<f64> {
+        let phase = (l.plan.programs[0].phases.iter())
+            .find(|p| p.kind == kind)
+            .expect("the phase");
+        let mut found = Vec::new();
+        for ch in &phase.chunks {
+            computes(&ch.forward, op, &mut found);
+        }
+        found
+            .iter()
+            .map(|i| match i {
+                Instr::Compute { flops, .. } => *flops,
+                _ => unreachable!(),
+            })
+            .collect()
+    };
+    let qkv_prefill = flops(PhaseKind::Prefill, "block.attn.qkv");
+    let qkv_decode = flops(PhaseKind::Decode, "block.attn.qkv");
+    assert!(!qkv_prefill.is_empty() && !qkv_decode.is_empty());
+    assert!(
+        qkv_prefill.iter().all(|&f| f == 343_597_383_680.0),
+        "{qkv_prefill:?}"
+    );
+    assert!(
+        qkv_decode.iter().all(|&f| f == 335_544_320.0),
+        "{qkv_decode:?}"
+    );
+    let up = flops(PhaseKind::Decode, "block.mlp.up");
+    assert!(!up.is_empty());
+    assert!(up.iter().all(|&f| f == 1_409_286_144.0), "{up:?}");
+}
