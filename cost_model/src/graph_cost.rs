@@ -12,8 +12,8 @@ use crate::calib;
 use crate::cluster::GroupShape;
 use crate::collective::{bytes_sent_per_rank, Collective, CommModel};
 use crate::compute::Roofline;
-use meshplan_ir::graph::AttentionShape;
 use meshplan_ir::graph::ExpertsShape;
+use meshplan_ir::graph::{attention_half, AttentionShape};
 use meshplan_ir::{
     AttnImpl, DType, DimEnv, Graph, Mono, OpKind, Recompute, SegmentKind, TensorKind, TpRole,
     TpSplit,
@@ -80,6 +80,9 @@ struct PSegment {
     params_replicated: f64,
     params_sharded: f64,
     params_experts: f64,
+    /// Of `params_sharded`, those a block's attention half reads first, which
+    /// DP-attention holds whole on every tensor rank.
+    params_sharded_attn: f64,
     /// Routed experts in one layer (0 if none).
     experts: u64,
     /// Weight elements this segment shares with another segment (tied embeddings).
@@ -185,14 +188,9 @@ impl PreparedGraph {
             let mut exp_scores = Vec::new();
             let mut exp_out = Vec::new();
             let mut weights: Vec<u32> = Vec::new();
-            let (mut p_rep, mut p_sh, mut p_exp) = (0.0, 0.0, 0.0);
+            let (mut p_rep, mut p_sh, mut p_exp, mut p_sh_attn) = (0.0, 0.0, 0.0, 0.0);
             let mut seg_experts = 0;
-            let mut in_attention = seg.kind == SegmentKind::Block;
-            for op in &seg.ops {
-                let attn_part = in_attention;
-                if matches!(op.kind, OpKind::Add) {
-                    in_attention = false;
-                }
+            for (op, attn_part) in seg.ops.iter().zip(attention_half(seg)) {
                 for s in &op.saves {
                     if !saved_ids.contains(s) {
                         saved_ids.push(*s);
@@ -207,7 +205,12 @@ impl PreparedGraph {
                     let e = t.elems().coef;
                     match t.split {
                         TpSplit::Replicated => p_rep += e,
-                        TpSplit::Sharded => p_sh += e,
+                        TpSplit::Sharded => {
+                            p_sh += e;
+                            if attn_part {
+                                p_sh_attn += e;
+                            }
+                        }
                         TpSplit::Experts => p_exp += e,
                     }
                 }
@@ -307,6 +310,7 @@ impl PreparedGraph {
                 expert_scores: exp_scores.iter().map(|&i| act(i)).collect(),
                 params_replicated: p_rep,
                 params_sharded: p_sh,
+                params_sharded_attn: p_sh_attn,
                 params_experts: p_exp,
                 experts: seg_experts,
                 params_shared: 0.0,
@@ -783,8 +787,11 @@ impl LayoutCtx {
             _ => c.act_bytes = all_saved,
         }
         // Parameters on this GPU.
+        // DP-attention: each tensor rank attends requests of its own with whole
+        // attention weights; the MLP and the vocabulary stay split, as their
+        // collectives (`column`, `row`) say.
         let dense_sharded = if self.dp_attention {
-            seg.params_sharded
+            seg.params_sharded_attn + (seg.params_sharded - seg.params_sharded_attn) / t
         } else {
             seg.params_sharded / t
         };

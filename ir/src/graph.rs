@@ -547,6 +547,22 @@ impl Graph {
     }
 }
 
+/// Whether each op of `seg` lies in a block's attention half: the ops up to and
+/// including the first residual add, which DP-attention runs data-parallel over
+/// the tensor ranks with whole weights. No op of another segment does.
+pub fn attention_half(seg: &Segment) -> Vec<bool> {
+    let mut in_attention = seg.kind == SegmentKind::Block;
+    (seg.ops.iter())
+        .map(|op| {
+            let attn_part = in_attention;
+            if matches!(op.kind, OpKind::Add) {
+                in_attention = false;
+            }
+            attn_part
+        })
+        .collect()
+}
+
 /// The weights of `seg` whose gradient each tensor-parallel rank holds only as a
 /// partial sum, to be all-reduced over the tensor axis once per step: under sequence
 /// parallelism (`sp`) those of replicated ops (norm scales and biases, which see a

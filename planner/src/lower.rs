@@ -36,7 +36,7 @@ use meshplan_cost_model::{
     inference_timeline, train_timeline_with, Cluster, Estimate, InferenceLoad, PreparedGraph,
     Timeline,
 };
-use meshplan_ir::graph::Segment;
+use meshplan_ir::graph::{attention_half, Segment};
 use meshplan_ir::plan::{
     Axis, ChunkProgram, ChunkSegment, ClusterInfo, CollectiveKind, Exchange, GroupSpec, Instr,
     LocalTensor, LossStat, MeshInfo, ModelInfo, ParamSet, Pass, Payload, Phase, PhaseDims,
@@ -455,7 +455,7 @@ impl Layout<'_> {
             .iter()
             .any(|op| matches!(op.kind, OpKind::Experts(_)));
         let (mut dense, mut experts) = (0.0, 0.0);
-        for op in &seg.ops {
+        for (op, attn_part) in seg.ops.iter().zip(attention_half(seg)) {
             for &w in &op.inputs {
                 let Some(tensor) = self.graph.tensors.get(w.0 as usize) else {
                     continue;
@@ -467,7 +467,8 @@ impl Layout<'_> {
                 let e = tensor.elems().coef;
                 match tensor.split {
                     TpSplit::Replicated => dense += e,
-                    TpSplit::Sharded if self.dp_attention => dense += e,
+                    // DP-attention holds the attention half's weights whole.
+                    TpSplit::Sharded if self.dp_attention && attn_part => dense += e,
                     TpSplit::Sharded => dense += e / t,
                     TpSplit::Experts if !has_experts => {}
                     TpSplit::Experts if self.ep > 1 => experts += e / self.ep as f64,
@@ -506,16 +507,11 @@ impl Layout<'_> {
     fn segment(&self, seg: &Segment, held: &mut Vec<TensorId>) -> SegmentLowered {
         let mut forward = Vec::new();
         let mut per_op_backward: Vec<Vec<Instr>> = Vec::new();
-        let mut in_attention = seg.kind == SegmentKind::Block;
         let mut column_seen: Vec<TensorId> = Vec::new();
         let mut deferred: Vec<(usize, Vec<Instr>)> = Vec::new();
         let bpe = self.bpe;
         let block = seg.kind == SegmentKind::Block;
-        for op in &seg.ops {
-            let attn_part = in_attention;
-            if matches!(op.kind, OpKind::Add) {
-                in_attention = false;
-            }
+        for (op, attn_part) in seg.ops.iter().zip(attention_half(seg)) {
             let mut c = OpComm::default();
             match op.role {
                 TpRole::ColumnParallel | TpRole::VocabHead => {

@@ -195,6 +195,38 @@ fn dp_attention_gathers_and_scatters_tokens_around_each_mlp() {
 }
 
 #[test]
+fn dp_attention_holds_whole_attention_weights_and_split_mlp_weights() {
+    // Llama 3 70B under DP-attention at tp=8: each tensor rank attends requests of
+    // its own, so it holds the attention half's weights whole; the MLP runs over
+    // the gathered tokens split over tp, and the embedding and head are
+    // vocabulary-parallel (their collectives are `column`'s and `row`'s). Bf16:
+    //   attention, 80 x (8192 x 10240 qkv + 8192 x 8192 out) = 12,079,595,520 whole;
+    //   MLP, 80 x (8192 x 57344 gate|up + 28672 x 8192 down) = 56,371,445,760 / 8;
+    //   embedding and head, 2 x 128256 x 8192 = 2,101,346,304 / 8;
+    //   norms, 2 x 80 x 8192 + 8192 = 1,318,912 on every rank;
+    //   19,390,013,440 values, 38,780,026,880 bytes a GPU.
+    // Holding every tp-split weight whole, as the estimate did, is 141,107,412,992
+    // bytes: more than an H200 holds.
+    let pg = prepared("models/llama3-70b-inference.yaml");
+    let cl = load_cluster(&PathBuf::from(root("topologies/h200-node.yaml")), None).unwrap();
+    let e = estimate_inference(
+        &pg,
+        &cl,
+        &cfg("tp=8,dp_attention=true", 8),
+        &load(2048, 256, 64),
+    )
+    .unwrap();
+    assert_eq!(e.memory_per_gpu_bytes.params, 38_780_026_880.0);
+    // Without DP-attention every tp-split weight is an eighth.
+    let e = estimate_inference(&pg, &cl, &cfg("tp=8", 8), &load(2048, 256, 64)).unwrap();
+    let all = 12_079_595_520.0 + 56_371_445_760.0 + 2_101_346_304.0;
+    assert_eq!(
+        e.memory_per_gpu_bytes.params,
+        2.0 * (all / 8.0 + 1_318_912.0)
+    );
+}
+
+#[test]
 fn a_dp_attention_pool_serves_a_prompt_a_rank_while_a_lone_prompt_waits_on_one() {
     // Under DP-attention a lone prompt's attention runs whole on one tensor rank
     // (its TTFT), while a busy prefill pool has each attention rank prefill a prompt
