@@ -1,5 +1,5 @@
-//! Project rules checked as tests: the crate arrows point one way, and no test is
-//! switched off.
+//! Project rules checked as tests: the crate arrows point one way, no test is
+//! switched off, and the executor stays in pieces a reader can hold.
 
 use std::path::{Path, PathBuf};
 
@@ -143,6 +143,75 @@ fn no_test_is_ignored_or_expects_a_panic() {
             );
         }
     }
+}
+
+/// Whether `line` opens a function item (`fn`, after visibility and qualifiers).
+fn opens_fn(line: &str) -> bool {
+    let t = line.trim_start();
+    let Some((head, _)) = t.split_once("fn ") else {
+        return false;
+    };
+    (head.split_whitespace())
+        .all(|w| w.starts_with("pub") || matches!(w, "const" | "unsafe" | "async" | "extern"))
+}
+
+/// Functions of `text` longer than `most` lines, as (first line, length): a body
+/// runs from the signature to the closing brace at the signature's indent;
+/// declarations without a body (a trait's) are skipped.
+fn long_fns(text: &str, most: usize) -> Vec<(usize, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        if !opens_fn(line) {
+            continue;
+        }
+        let end_of = |j: &usize| {
+            let l = lines[*j].trim_end();
+            l.ends_with('{') || l.ends_with(';')
+        };
+        let Some(open) = (i..lines.len()).find(end_of) else {
+            continue;
+        };
+        if lines[open].trim_end().ends_with(';') {
+            continue;
+        }
+        let indent = &line[..line.len() - line.trim_start().len()];
+        let close = format!("{indent}}}");
+        if let Some(end) = (open..lines.len()).find(|&j| lines[j] == close) {
+            if end - i + 1 > most {
+                out.push((i + 1, end - i + 1));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn executor_files_and_functions_stay_small() {
+    // One executor a newcomer can hold in their head: no file of it over 800 lines,
+    // no function over 100.
+    let mut files = Vec::new();
+    rust_files(&Path::new(ROOT).join("executor/src"), &mut files);
+    assert!(files.len() > 40, "found the executor's sources");
+    let mut over = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).expect("source");
+        let n = text.lines().count();
+        if n > 800 {
+            over.push(format!("{}: {n} lines", f.display()));
+        }
+        for (at, len) in long_fns(&text, 100) {
+            over.push(format!("{}:{at}: a function of {len} lines", f.display()));
+        }
+    }
+    assert!(over.is_empty(), "split these:\n{}", over.join("\n"));
+    // The measure finds what it must: a body over the limit, not a declaration.
+    let body = format!(
+        "    pub(crate) fn f(\n        x: u8,\n    ) -> u8 {{\n{}    }}\n",
+        "        x;\n".repeat(99)
+    );
+    assert_eq!(long_fns(&body, 100), [(1, 103)]);
+    assert!(long_fns("    fn g(&self) -> u8;\n}\n", 1).is_empty());
 }
 
 #[test]
