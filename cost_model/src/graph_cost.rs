@@ -542,27 +542,17 @@ impl LayoutCtx {
         let mut k = k.eval(&self.env);
         // Tokens live in `m`; context parallelism splits them.
         m /= self.tokens_div();
-        match role {
-            TpRole::ColumnParallel | TpRole::VocabHead | TpRole::Local => n /= t,
-            TpRole::RowParallel => k /= t,
-            _ if self.dp_attention && op.attn_part => m *= self.dpa_share(),
-            _ if self.sp => m /= t,
-            _ => {}
-        }
-        if self.dp_attention
-            && op.attn_part
-            && matches!(
-                role,
-                TpRole::ColumnParallel | TpRole::RowParallel | TpRole::Local
-            )
-        {
-            // DP-attention: projections keep full weights and take the busiest
-            // rank's requests instead.
-            match role {
-                TpRole::RowParallel => k *= t,
-                _ => n *= t,
-            }
+        if self.dp_attention && op.attn_part {
+            // DP-attention: the attention half keeps whole weights (projections
+            // too) and takes the busiest rank's requests instead.
             m *= self.dpa_share();
+        } else {
+            match role {
+                TpRole::ColumnParallel | TpRole::VocabHead | TpRole::Local => n /= t,
+                TpRole::RowParallel => k /= t,
+                _ if self.sp => m /= t,
+                _ => {}
+            }
         }
         (batch, m, n, k)
     }

@@ -525,11 +525,11 @@ impl<'a, D: Device> DevRank<'a, D> {
                 comm("AllReduce", &axis, tensor)
             }
             &StepItem::Bucket(b) => {
-                let (on, grads) = ((&self.dev, &mut *self.comm), &mut self.weights.wgrads);
+                let (dev, net, grads) = (&self.dev, &mut *self.comm, &mut self.weights.wgrads);
                 if self.sync.in_flight[b].is_none() {
-                    self.sync.start_bucket((on.0, &mut *on.1), b, grads)?;
+                    self.sync.start_bucket((dev, &mut *net), b, grads)?;
                 }
-                self.sync.finish_bucket(on, b, grads)?;
+                self.sync.finish_bucket((dev, net), b, grads)?;
                 let bk = &self.sync.buckets[b];
                 comm("AllReduce", &bk.axis, &bk.tensor)
             }

@@ -24,7 +24,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// This rank's place on the context group's ring.
     pub(super) fn ring(&mut self) -> Res<Ring<'_, D>> {
         let group = self.group("cp")?;
-        let (n, me) = (group.size(), self.index_in(&group)?);
+        let (n, me) = (group.size(), step::index_in(&group, self.rank)?);
         Ok(Ring {
             dev: &self.dev,
             comm: &mut *self.comm,

@@ -222,6 +222,24 @@ pub(super) struct Bucket {
     pub(super) pieces: Vec<(Key, usize, usize, usize)>,
 }
 
+impl Bucket {
+    /// This rank's part under ZeRO: where it starts in the set's flat vector, and
+    /// its length (the group's equal parts, in group order).
+    pub(super) fn part(&self) -> (usize, usize) {
+        (self.own, self.len / self.group.size())
+    }
+
+    /// The bucket's values of `from` as one buffer.
+    pub(super) fn packed<D: Device>(
+        &self,
+        dev: &D,
+        from: &BTreeMap<Key, D::F32>,
+        what: &str,
+    ) -> Res<D::F32> {
+        super::step::packed(dev, from, (&self.pieces, self.len), what)
+    }
+}
+
 /// A span on the device timeline, resolved at the end of the step.
 pub(super) struct Pending<M> {
     from: M,

@@ -119,7 +119,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             )));
         }
         let sizes = layouts.get(&set).map_or(&[][..], |l| l.as_slice());
-        let own = a + self.index_in(&group)? * ((b - a) / group.size());
+        let own = a + index_in(&group, self.rank)? * ((b - a) / group.size());
         Ok(Bucket {
             set,
             group,
@@ -246,11 +246,6 @@ impl<'a, D: Device> DevRank<'a, D> {
             .collect()
     }
 
-    pub(super) fn index_in(&self, g: &Group) -> Result<usize, RankError> {
-        g.index_of(self.rank)
-            .ok_or_else(|| fail(format!("rank {} is not in group {}", self.rank, g.id)))
-    }
-
     /// AdamW's moments of every weight the whole-tensor optimizer updates, of
     /// every part ZeRO-1/2's reduce-scatters leave this rank and of every segment
     /// copy's ZeRO-3 part, made before the first step. Made on first use, they took
@@ -328,7 +323,7 @@ impl<D: Device> GradSync<D> {
         wgrads: &BTreeMap<Key, D::F32>,
     ) -> Res {
         let b = &self.buckets[i];
-        let buf = packed(dev, wgrads, (&b.pieces, b.len), "bucket")?;
+        let buf = b.packed(dev, wgrads, "bucket")?;
         let r = comm.all_reduce_start(dev, (&b.group, &b.axis), buf)?;
         self.in_flight[i] = Some(r);
         self.next_bucket = self.next_bucket.max(i + 1);
@@ -396,6 +391,11 @@ pub(super) fn bucket_range(
 /// A piece of a flat vector: (weight, offset in it, offset in the flat vector,
 /// values).
 pub(super) type Piece = (Key, usize, usize, usize);
+
+/// Global rank `rank`'s position in group `g`.
+pub(super) fn index_in(g: &Group, rank: usize) -> Res<usize> {
+    (g.index_of(rank)).ok_or_else(|| fail(format!("rank {rank} is not in group {}", g.id)))
+}
 
 /// The parameter set a weight belongs to: the routed experts' or the rest.
 pub(super) fn param_set(graph: &Graph, key: &Key) -> ParamSet {

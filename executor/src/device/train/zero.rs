@@ -74,7 +74,7 @@ impl<D: Device> ZeroState<D> {
         wgrads: &BTreeMap<Key, D::F32>,
     ) -> Res {
         let bk = &self.scatter[i];
-        let buf = packed(dev, wgrads, (&bk.pieces, bk.len), "reduce-scatter")?;
+        let buf = bk.packed(dev, wgrads, "reduce-scatter")?;
         let on = (CommKind::ReduceScatter, (&bk.group, bk.axis.as_str()));
         let part = comm.f32_collective_owned(dev, on, buf)?;
         self.shards.push((bk.set, bk.own, part));
@@ -89,7 +89,7 @@ impl<D: Device> ZeroState<D> {
         master: &mut BTreeMap<Key, D::F32>,
     ) -> Res {
         let bk = &self.gather[i];
-        let (own, c) = (bk.own, bk.len / bk.group.size());
+        let (own, c) = bk.part();
         // AdamW's packed output is this rank's part as it is in the masters: sent
         // as it is, where packing it again would copy the same values.
         let done = (self.updated.iter())
@@ -141,10 +141,10 @@ impl<D: Device> ZeroState<D> {
     /// ([`DevRank::first_moments`]).
     pub(super) fn part_moments(&mut self, dev: &D) -> Res {
         for bk in &self.scatter {
-            let c = bk.len / bk.group.size();
-            let pieces = pieces_of(self.layout(bk.set), bk.own, bk.own + c);
+            let (own, c) = bk.part();
+            let pieces = pieces_of(self.layout(bk.set), own, own + c);
             let state = initial_moments(dev, &self.start_moments, &pieces, c)?;
-            self.shard_adam.insert((bk.set, bk.own), state);
+            self.shard_adam.insert((bk.set, own), state);
         }
         Ok(())
     }

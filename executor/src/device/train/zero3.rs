@@ -10,7 +10,7 @@
 //! [`Zero3`] owns all of it: the rank hands it the device, the communicator and
 //! the weights it works on, and keeps no ZeRO-3 state of its own.
 
-use super::step::{adamw, initial_moments, packed, param_set, pieces_of, unpack};
+use super::step::{adamw, index_in, initial_moments, packed, param_set, pieces_of, unpack};
 use super::*;
 use std::collections::BTreeSet;
 
@@ -106,11 +106,8 @@ impl<D: Device> Zero3<D> {
                 "{total} parameters of a segment do not split over {n} ranks"
             )));
         }
-        let index = g
-            .index_of(self.rank)
-            .ok_or_else(|| fail(format!("rank {} is not in group {}", self.rank, g.id)))?;
         let c = total / n;
-        Ok((total, index * c, c))
+        Ok((total, index_in(g, self.rank)? * c, c))
     }
 
     /// A copy's layout (a gather's or scatter's; [`Self::part`] with the part).
