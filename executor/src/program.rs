@@ -83,12 +83,23 @@ pub(crate) fn peer_on_stage(plan: &Plan, coords: &[u64], stage: u64) -> Result<u
         .ok_or_else(|| fail(format!("no rank at {coords:?}")))
 }
 
-/// The op of the plan's graph named `name`.
-pub(crate) fn find_op<'g>(graph: &'g Graph, name: &str) -> Result<&'g Op, RankError> {
-    graph
-        .ops()
-        .find(|o| o.name == name)
-        .ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
+/// The op named `name` in segment `seg` of the plan's graph, or anywhere in it for
+/// an instruction outside any segment. A name alone is ambiguous: a model whose
+/// first layers are dense and the rest MoE (DeepSeek's `first_dense_layers`) names
+/// the ops of both blocks alike.
+pub(crate) fn find_op<'g>(
+    graph: &'g Graph,
+    seg: Option<usize>,
+    name: &str,
+) -> Result<&'g Op, RankError> {
+    let found = match seg {
+        Some(s) => graph
+            .segments
+            .get(s)
+            .and_then(|g| g.ops.iter().find(|o| o.name == name)),
+        None => graph.ops().find(|o| o.name == name),
+    };
+    found.ok_or_else(|| fail(format!("op `{name}` is not in the plan's graph")))
 }
 
 /// The full shape of a weight (its dims are fixed).
@@ -116,8 +127,8 @@ pub(crate) fn fixed_width(t: &meshplan_ir::Tensor) -> Result<usize, RankError> {
 /// What both interpreters need of a plan's graph, checked before any rank starts
 /// (a hand-written graph may lack it): the first segment starts from token ids
 /// (they are all the interpreter feeds), a norm has a one-dim scale weight, an
-/// experts op its four operands, and the tensor and expert axes split every
-/// weight whole ([`crate::shard::check_split`]).
+/// experts op its four operands, attention one fused `q | k | v` input, and the
+/// tensor and expert axes split every weight whole ([`crate::shard::check_split`]).
 pub(crate) fn runnable(plan: &Plan) -> Result<(), String> {
     let graph = &plan.graph;
     let size = |axis: &str| mesh_place(plan, &[], axis).size;
@@ -139,6 +150,18 @@ pub(crate) fn runnable(plan: &Plan) -> Result<(), String> {
                 return Err(format!(
                     "norm `{}` has no one-dim scale weight as its second input; the \
                      executor's norms take a scale (and optionally a shift)",
+                    op.name
+                ))
+            }
+            // Latent attention (DeepSeek's MLA) reads its queries and its
+            // compressed keys and values apart, and the graph does not carry the
+            // decoupled RoPE key it concatenates: the kernels would read the wrong
+            // rows.
+            OpKind::Attention(_) if op.inputs.len() != 1 => {
+                return Err(format!(
+                    "`{}`: latent attention (`mla`) is not run by the executor yet: its \
+                     kernels take one fused q|k|v input; plan, estimate and compare \
+                     price it, and `run` takes the model without `mla`",
                     op.name
                 ))
             }

@@ -170,14 +170,17 @@ pub(crate) fn check_split(graph: &Graph, tp: usize, ep: usize) -> Result<(), Str
                 continue;
             }
             if op.role == TpRole::Experts {
-                let &[e, r, c] = shape.as_slice() else {
+                let (&[e, r, c], Some(part)) = (shape.as_slice(), ExpertWeight::of(op, w)) else {
                     continue;
                 };
-                let by_tp = if c > r { c / 2 } else { r };
                 if ep > 1 && e % ep != 0 {
                     return uneven(&t.name, &op.name, e.to_string(), &format!("ep={ep}"));
                 }
-                if ep <= 1 && tp > 1 && (by_tp % tp != 0 || (c > r && c % 2 != 0)) {
+                let (by_tp, halves) = match part {
+                    ExpertWeight::Up { gated } => (if gated { c / 2 } else { c }, gated),
+                    ExpertWeight::Down => (r, false),
+                };
+                if ep <= 1 && tp > 1 && (by_tp % tp != 0 || (halves && c % 2 != 0)) {
                     return uneven(&t.name, &op.name, by_tp.to_string(), &format!("tp={tp}"));
                 }
                 continue;
@@ -251,7 +254,10 @@ pub fn held_runs(
 ) -> Vec<std::ops::Range<usize>> {
     let len: usize = shape.iter().product();
     if role == TpRole::Experts {
-        return expert_runs(len, shape, tp, ep);
+        return match ExpertWeight::of(op, w) {
+            Some(part) => expert_runs(len, (shape, part), tp, ep),
+            None => vec![0..len],
+        };
     }
     match shard_spec(graph, op, role, w, shape, tp) {
         ShardSpec::All => vec![0..len],
@@ -268,11 +274,46 @@ pub fn held_runs(
     }
 }
 
+/// Which of an experts op's weights one is. Told by the op's operands and its
+/// activation, not by the shape: a SwiGLU up projection `[h, 2f]` is no wider than
+/// it is tall when `2f <= h` (DeepSeek-V3's 7168 x 4096), and a GELU one is not
+/// split in halves.
+#[derive(Clone, Copy)]
+enum ExpertWeight {
+    /// `[experts, h, f]`, or `[experts, h, 2f]` as `[gate | up]` when `gated`.
+    Up { gated: bool },
+    /// `[experts, f, h]`.
+    Down,
+}
+
+impl ExpertWeight {
+    /// The part weight `w` plays in experts op `op` (its operands are x, the
+    /// router's logits, the up and the down projections).
+    fn of(op: &Op, w: TensorId) -> Option<ExpertWeight> {
+        let OpKind::Experts(e) = &op.kind else {
+            return None;
+        };
+        match op.inputs.iter().position(|&i| i == w)? {
+            2 => Some(ExpertWeight::Up {
+                gated: e.mlp == MlpKind::Swiglu,
+            }),
+            3 => Some(ExpertWeight::Down),
+            _ => None,
+        }
+    }
+}
+
 /// Expert weights: `[experts, h, up]` and `[experts, f, h]` split by expert over
 /// the expert axis when ep > 1; otherwise each expert's MLP is split over the tensor
-/// axis like a dense one (gate and up halves by column, down by row).
+/// axis like a dense one (up by column, each of a gated one's halves apart; down by
+/// row).
 #[allow(clippy::single_range_in_vec_init)] // as in held_runs
-fn expert_runs(len: usize, shape: &[usize], tp: TpPos, ep: TpPos) -> Vec<std::ops::Range<usize>> {
+fn expert_runs(
+    len: usize,
+    (shape, part): (&[usize], ExpertWeight),
+    tp: TpPos,
+    ep: TpPos,
+) -> Vec<std::ops::Range<usize>> {
     let &[e, r, c] = shape else {
         return vec![0..len];
     };
@@ -286,17 +327,24 @@ fn expert_runs(len: usize, shape: &[usize], tp: TpPos, ep: TpPos) -> Vec<std::op
     let mut out = Vec::new();
     for x in 0..e {
         let m = x * r * c;
-        if c > r {
-            // Up `[h, 2f]` as [gate | up]: this rank's columns of each half.
-            let f = c / 2;
-            let w = f / tp.size;
-            for start in (0..r).flat_map(|row| [m + row * c, m + row * c + f]) {
-                out.push(start + tp.rank * w..start + (tp.rank + 1) * w);
+        match part {
+            // Up `[h, 2f]` as [gate | up], or `[h, f]`: this rank's columns of each
+            // half, or of the whole width.
+            ExpertWeight::Up { gated } => {
+                let halves: &[usize] = if gated { &[0, c / 2] } else { &[0] };
+                let w = c / halves.len() / tp.size;
+                for row in 0..r {
+                    for h in halves {
+                        let start = m + row * c + h;
+                        out.push(start + tp.rank * w..start + (tp.rank + 1) * w);
+                    }
+                }
             }
-        } else {
             // Down `[f, h]`: this rank's rows.
-            let rows = r / tp.size;
-            out.push(m + tp.rank * rows * c..m + (tp.rank + 1) * rows * c);
+            ExpertWeight::Down => {
+                let rows = r / tp.size;
+                out.push(m + tp.rank * rows * c..m + (tp.rank + 1) * rows * c);
+            }
         }
     }
     out
@@ -347,6 +395,39 @@ mod tests {
         assert_eq!(embed, (256..512).collect::<Vec<_>>());
         let norm = slice_on_rank_1(&g, "head.norm", 1, &[16]);
         assert_eq!(norm, (0..16).collect::<Vec<_>>());
+    }
+
+    /// Experts split over tp (ep = 1) on rank 1 of 2, each weight told apart by its
+    /// operand and the activation, not by its shape (hand-worked; 2 experts, hidden
+    /// 16):
+    /// - SwiGLU of width 4: up `[2, 16, 8]` is `[gate | up]` and no wider than
+    ///   tall; each row keeps gate columns 2..4 and up columns 6..8. Down
+    ///   `[2, 4, 16]` keeps rows 2..4 of each expert.
+    /// - GELU of width 16: up `[2, 16, 16]` keeps columns 8..16 of each row (the
+    ///   shape alone would have read it as a down projection: rows 8..16).
+    #[test]
+    fn expert_weights_split_by_their_part_not_their_shape() {
+        let moe = |mlp: &str, f: u64| {
+            LLAMA.replace(
+                "mlp: swiglu",
+                &format!("mlp: {mlp}, moe: {{experts: 2, top_k: 1, expert_ffn_hidden: {f}}}"),
+            )
+        };
+        let g = graph(&moe("swiglu", 4));
+        let up = slice_on_rank_1(&g, "block.moe.experts", 2, &[2, 16, 8]);
+        let want: Vec<usize> = (0..32)
+            .flat_map(|row| [2, 3, 6, 7].map(|c| row * 8 + c))
+            .collect();
+        assert_eq!(up, want);
+        let down = slice_on_rank_1(&g, "block.moe.experts", 3, &[2, 4, 16]);
+        let want: Vec<usize> = (32..64).chain(96..128).collect();
+        assert_eq!(down, want);
+        let g = graph(&moe("gelu", 16));
+        let up = slice_on_rank_1(&g, "block.moe.experts", 2, &[2, 16, 16]);
+        let want: Vec<usize> = (0..32)
+            .flat_map(|row| (8..16).map(move |c| row * 16 + c))
+            .collect();
+        assert_eq!(up, want);
     }
 
     /// A head tied to the embedding (`[vocab, hidden]`, read transposed) holds the

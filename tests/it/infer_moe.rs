@@ -118,6 +118,21 @@ fn moe_inference_over_ep_equals_single_rank() {
     );
 }
 
+/// A dense first layer before an MoE one: each layer runs its own block's ops,
+/// which share their names.
+#[test]
+fn dense_then_moe_layers_generate_like_one_rank() {
+    check_layouts(
+        "dense-first",
+        "tiny-moe-dense-first",
+        &[
+            ("dp=1,tp=2,pp=1,ep=1", 2),
+            ("dp=1,tp=1,pp=2,ep=1", 2),
+            ("dp=2,tp=1,pp=1,ep=2", 2),
+        ],
+    );
+}
+
 #[test]
 fn moe_inference_with_expert_capacity_equals_single_rank() {
     // Prefill holds each expert to its capacity over the prompt (the same tokens

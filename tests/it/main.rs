@@ -13,6 +13,7 @@ mod exec_golden;
 mod executor;
 mod explain;
 mod export;
+mod features;
 mod framework;
 mod fuzz;
 mod fuzz_plan;

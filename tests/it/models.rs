@@ -47,6 +47,11 @@ const EXPECTED: &[(&str, u64, u64)] = &[
     ("small-gpt2.yaml", 12_318_720, 12_318_720),
     ("tiny-moe.yaml", TINY_MOE_TOTAL, TINY_MOE_ACTIVE),
     ("tiny-moe-capacity.yaml", TINY_MOE_TOTAL, TINY_MOE_ACTIVE),
+    // 32,832 outside the blocks (two 256*64 tables, the final norm) + a dense layer of
+    // tiny-gpt's (2*64 + 64*128 + 64*64 + 3*64*128 = 36,992) + an MoE layer of
+    // tiny-moe's (2*64 + 64*128 + 64*64 + 64*4 router + 4 experts * 3*64*128 =
+    // 110,976; active: two experts, 61,824).
+    ("tiny-moe-dense-first.yaml", 180_800, 131_648),
     ("hf/llama3-8b.json", LLAMA3_8B, LLAMA3_8B),
     ("hf/llama3-8b-transformers5.json", LLAMA3_8B, LLAMA3_8B),
     ("hf/mistral-7b.json", MISTRAL_7B, MISTRAL_7B),

@@ -5,10 +5,10 @@
 //! are written here once.
 
 use meshplan_ir::plan::{CollectiveKind, Instr, LocalTensor, Target};
-use meshplan_ir::Graph;
+use meshplan_ir::{Graph, Op};
 
 use crate::comm::RankError;
-use crate::program::{next_layer, segment_index};
+use crate::program::{find_op, next_layer, segment_index};
 use crate::train::fail;
 
 /// A collective instruction's operands.
@@ -44,14 +44,14 @@ impl<'i> Coll<'i> {
 }
 
 /// What a rank does at each instruction of a forward list.
-pub(crate) trait Forward {
-    fn graph(&self) -> &Graph;
+pub(crate) trait Forward<'g> {
+    fn graph(&self) -> &'g Graph;
     /// Before copy `l` of segment `s` runs (hands it the hidden states).
     fn enter(&mut self, s: usize, l: u64) -> Result<(), RankError>;
     /// After copy `l` of segment `s` ran (takes its output as the hidden states).
     fn leave(&mut self, s: usize, l: u64) -> Result<(), RankError>;
-    /// Op `name` of layer `l`, its outputs as the plan holds them here.
-    fn compute(&mut self, name: &str, outputs: &[LocalTensor], l: u64) -> Result<(), RankError>;
+    /// Op `op` of layer `l`, its outputs as the plan holds them here.
+    fn compute(&mut self, op: &'g Op, outputs: &[LocalTensor], l: u64) -> Result<(), RankError>;
     fn collective(&mut self, c: Coll<'_>, l: u64) -> Result<(), RankError>;
     /// The hidden states to the same coordinates on `stage` (`bytes` planned).
     fn send(&mut self, stage: u64, bytes: f64) -> Result<(), RankError>;
@@ -63,12 +63,13 @@ pub(crate) trait Forward {
 }
 
 /// Runs `instrs` on `w`, the ops outside any block segment as layer `cur`;
-/// `layer` counts the block layers on.
-pub(crate) fn forward<W: Forward + ?Sized>(
+/// `layer` counts the block layers on. `seg` is the segment the instructions stand
+/// in (a recomputed body's), whose ops their names are looked up among.
+pub(crate) fn forward<'g, W: Forward<'g> + ?Sized>(
     w: &mut W,
     instrs: &[Instr],
     layer: &mut u64,
-    cur: u64,
+    (seg, cur): (Option<usize>, u64),
 ) -> Result<(), RankError> {
     for instr in instrs {
         match instr {
@@ -82,12 +83,14 @@ pub(crate) fn forward<W: Forward + ?Sized>(
                 for _ in 0..*repeat {
                     let l = next_layer(*kind, layer);
                     w.enter(s, l)?;
-                    forward(w, body, layer, l)?;
+                    forward(w, body, layer, (Some(s), l))?;
                     w.leave(s, l)?;
                 }
             }
-            Instr::Recompute { body } => forward(w, body, layer, cur)?,
-            Instr::Compute { name, outputs, .. } => w.compute(name, outputs, cur)?,
+            Instr::Recompute { body } => forward(w, body, layer, (seg, cur))?,
+            Instr::Compute { name, outputs, .. } => {
+                w.compute(find_op(w.graph(), seg, name)?, outputs, cur)?
+            }
             Instr::Collective { .. } => {
                 if let Some(c) = Coll::of(instr) {
                     w.collective(c, cur)?

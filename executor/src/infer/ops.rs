@@ -18,7 +18,7 @@ impl<'a, D: Device> InferRank<'a, D> {
                     positions: None,
                 },
             };
-            walk::forward(pass, &ch.forward, &mut layer, NO_LAYER)?;
+            walk::forward(pass, &ch.forward, &mut layer, (None, NO_LAYER))?;
         }
         Ok(())
     }
@@ -424,8 +424,8 @@ impl<D: Device> PassIds<D> {
     }
 }
 
-impl<D: Device> Forward for Pass<'_, '_, '_, D> {
-    fn graph(&self) -> &Graph {
+impl<'a, D: Device> Forward<'a> for Pass<'_, 'a, '_, D> {
+    fn graph(&self) -> &'a Graph {
         self.r.graph
     }
 
@@ -454,8 +454,7 @@ impl<D: Device> Forward for Pass<'_, '_, '_, D> {
         Ok(())
     }
 
-    fn compute(&mut self, name: &str, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
-        let op = crate::program::find_op(self.r.graph, name)?;
+    fn compute(&mut self, op: &'a Op, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
         self.r.forward_op(op, (self.batch, &mut self.ids), l)
     }
 

@@ -433,7 +433,7 @@ impl<'a, D: Device> InferRank<'a, D> {
         let before = self.ep_sent();
         for ch in &phase.chunks {
             let mut layer = ch.layer_start;
-            walk::forward(&mut Idle(self), &ch.forward, &mut layer, NO_LAYER)?;
+            walk::forward(&mut Idle(self), &ch.forward, &mut layer, (None, NO_LAYER))?;
         }
         // The plan counts no pass for a replica without requests.
         self.routed_ep.0 += self.ep_sent() - before;
@@ -530,8 +530,8 @@ impl<'a, D: Device> InferRank<'a, D> {
 /// them.
 struct Idle<'r, 'a, D: Device>(&'r mut InferRank<'a, D>);
 
-impl<D: Device> Forward for Idle<'_, '_, D> {
-    fn graph(&self) -> &Graph {
+impl<'a, D: Device> Forward<'a> for Idle<'_, 'a, D> {
+    fn graph(&self) -> &'a Graph {
         self.0.graph
     }
 
@@ -543,8 +543,7 @@ impl<D: Device> Forward for Idle<'_, '_, D> {
         Ok(())
     }
 
-    fn compute(&mut self, name: &str, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
-        let op = crate::program::find_op(self.0.graph, name)?;
+    fn compute(&mut self, op: &'a Op, _: &[LocalTensor], l: u64) -> Result<(), RankError> {
         if let OpKind::Experts(e) = &op.kind {
             self.0.experts(op, e, l, Routing::DROPLESS, true)?;
         }

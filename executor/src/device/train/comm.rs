@@ -193,7 +193,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         l: u64,
         t: &mut Task<D>,
     ) -> Result<(), RankError> {
-        let op = find_op(self.graph, name)?;
+        let op = find_op(self.graph, None, name)?;
         if !matches!(op.kind, OpKind::CrossEntropy { .. }) {
             return Err(fail(format!("`{name}` is not a cross-entropy op")));
         }

@@ -27,7 +27,9 @@ use meshplan_ir::plan::{
     ChunkProgram, CollectiveKind, Instr, LossStat, ParamSet, Pass, Phase, Plan, PlanKind, Program,
     Target, Task as ScheduleTask,
 };
-use meshplan_ir::{Graph, MlpKind, NormKind, Op, SegmentKind, TensorKind, TpRole, Workload};
+use meshplan_ir::{
+    Graph, MlpKind, NormKind, Op, SegmentKind, TensorId, TensorKind, TpRole, Workload,
+};
 use meshplan_kernels::cpu::{AttnDims, AttnDropout, DropoutDraw, RowDropout, Transpose};
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -110,14 +112,16 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
     Ok(())
 }
 
-/// The segments (by index) whose ops read each weight.
-fn weight_users(graph: &Graph) -> BTreeMap<&str, BTreeSet<usize>> {
-    let mut users: BTreeMap<&str, BTreeSet<usize>> = BTreeMap::new();
+/// The segments (by index) whose ops read each weight tensor. By tensor, not by
+/// name: a model whose first layers are dense and the rest MoE names the weights of
+/// both blocks alike, and they are different weights; a tied table is one tensor
+/// that the embedding and the head both read.
+fn weight_users(graph: &Graph) -> BTreeMap<TensorId, BTreeSet<usize>> {
+    let mut users: BTreeMap<TensorId, BTreeSet<usize>> = BTreeMap::new();
     for (s, seg) in graph.segments.iter().enumerate() {
-        for t in seg.ops.iter().flat_map(|op| &op.inputs) {
-            let t = graph.tensor(*t);
-            if t.kind == TensorKind::Weight {
-                users.entry(t.name.as_str()).or_default().insert(s);
+        for &t in seg.ops.iter().flat_map(|op| &op.inputs) {
+            if graph.tensor(t).kind == TensorKind::Weight {
+                users.entry(t).or_default().insert(s);
             }
         }
     }
@@ -472,7 +476,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.stage.hidden = None;
                 let mut layer = ch.layer_start;
                 let recomputed = walk::recomputed(self.graph, &ch.backward)?;
-                self.run_forward(&ch.forward, &mut t, (&mut layer, NO_LAYER), &recomputed)?;
+                self.run_forward(
+                    &ch.forward,
+                    &mut t,
+                    (&mut layer, (None, NO_LAYER)),
+                    &recomputed,
+                )?;
                 self.note_peak(&t);
                 self.tasks.insert((task.chunk, task.mb), t);
             }

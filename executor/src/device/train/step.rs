@@ -149,12 +149,12 @@ impl<'a, D: Device> DevRank<'a, D> {
                 else {
                     continue;
                 };
-                segment_index(self.graph, name)?;
+                let s = segment_index(self.graph, name)?;
                 for _ in 0..*repeat {
                     let l = crate::program::prev_layer(*kind, &mut layer);
                     for instr in body {
                         if let Instr::Compute { name, .. } = instr {
-                            for key in self.weight_keys(find_op(self.graph, name)?, l)? {
+                            for key in self.weight_keys(find_op(self.graph, Some(s), name)?, l)? {
                                 *uses.entry(key.clone()).or_insert(0) += 1;
                                 order.retain(|k| *k != key);
                                 order.push(key);
@@ -242,7 +242,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         weight_users(self.graph)
             .into_iter()
             .filter(|(_, s)| read_by(s, SegmentKind::Embed) && read_by(s, SegmentKind::Head))
-            .map(|(w, _)| w.to_string())
+            .map(|(w, _)| self.graph.tensor(w).name.clone())
             .collect()
     }
 

@@ -100,13 +100,14 @@ impl<'a, D: Device> DevRank<'a, D> {
     }
 
     /// Runs a forward list on micro-batch `t`, the ops outside any block segment
-    /// as layer `cur`; a segment's layer leaves behind none of what its backward
-    /// recomputes (`recomputed`, by segment).
+    /// as layer `cur` of segment `seg` (a recomputed body's); a segment's layer
+    /// leaves behind none of what its backward recomputes (`recomputed`, by
+    /// segment).
     pub(super) fn run_forward(
         &mut self,
         instrs: &[Instr],
         t: &mut Task<D>,
-        (layer, cur): (&mut u64, u64),
+        (layer, cur): (&mut u64, (Option<usize>, u64)),
         recomputed: &HashMap<usize, Held>,
     ) -> Result<(), RankError> {
         let mut w = Fwd {
@@ -171,13 +172,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                     match instr {
                         Instr::Recompute { body } => {
                             let mut dummy = l;
-                            self.run_forward(body, t, (&mut dummy, l), &HashMap::new())?;
+                            self.run_forward(body, t, (&mut dummy, (Some(s), l)), &HashMap::new())?;
                             // A recomputed layer beside everything else held.
                             self.note_peak(t);
                         }
                         Instr::Compute { name, .. } => {
                             let m0 = self.meter.mark(&self.dev)?;
-                            let op = find_op(self.graph, name)?;
+                            let op = find_op(self.graph, Some(s), name)?;
                             self.backward_op(op, l, t)?;
                             self.gradients_written(op, l)?;
                             let args = self.op_args(l);
@@ -274,19 +275,20 @@ pub(super) fn recomputed(
         if !body.iter().any(|i| matches!(i, Instr::Recompute { .. })) {
             continue;
         }
+        let s = segment_index(graph, name)?;
         let mut read_before = HashSet::new();
         for i in body {
             match i {
                 Instr::Compute { name, .. } => {
-                    let op = find_op(graph, name)?;
+                    let op = find_op(graph, Some(s), name)?;
                     let names = op.inputs.iter().chain(&op.outputs);
                     read_before.extend(names.map(|&x| graph.tensor(x).name.clone()));
                 }
                 Instr::Recompute { body } => {
-                    let r = out.entry(segment_index(graph, name)?).or_default();
+                    let r = out.entry(s).or_default();
                     for i in body {
                         if let Instr::Compute { name, .. } = i {
-                            let op = find_op(graph, name)?;
+                            let op = find_op(graph, Some(s), name)?;
                             r.ops.insert(op.name.clone());
                             let outputs = op.outputs.iter().map(|&o| &graph.tensor(o).name);
                             r.tensors
@@ -308,8 +310,8 @@ struct Fwd<'r, 'a, D: Device> {
     recomputed: &'r HashMap<usize, Held>,
 }
 
-impl<D: Device> Forward for Fwd<'_, '_, D> {
-    fn graph(&self) -> &Graph {
+impl<'a, D: Device> Forward<'a> for Fwd<'_, 'a, D> {
+    fn graph(&self) -> &'a Graph {
         self.r.graph
     }
 
@@ -336,10 +338,9 @@ impl<D: Device> Forward for Fwd<'_, '_, D> {
         Ok(())
     }
 
-    fn compute(&mut self, name: &str, outputs: &[LocalTensor], l: u64) -> Res {
+    fn compute(&mut self, op: &'a Op, outputs: &[LocalTensor], l: u64) -> Res {
         let r = &mut *self.r;
         let m0 = r.meter.mark(&r.dev)?;
-        let op = find_op(r.graph, name)?;
         // The rows the plan gives the output (a replicated table under sequence
         // parallelism looks up this rank's block alone).
         let out_rows = outputs.first().map_or(0, |t| {
@@ -348,7 +349,7 @@ impl<D: Device> Forward for Fwd<'_, '_, D> {
         });
         r.forward_op(op, l, self.t, out_rows)?;
         let args = r.op_args(l);
-        r.meter.span(&r.dev, m0, name, ("compute", args))
+        r.meter.span(&r.dev, m0, &op.name, ("compute", args))
     }
 
     fn collective(&mut self, c: Coll<'_>, l: u64) -> Res {

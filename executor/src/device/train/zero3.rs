@@ -72,10 +72,16 @@ impl<D: Device> Zero3<D> {
     ) -> Res {
         (self.rank, self.groups) = (rank, groups);
         let users = weight_users(graph);
+        let name = |id: &TensorId| graph.tensor(*id).name.as_str();
+        // Each weight with the segment that reads it first (a tied table: the
+        // embedding), by name, as the weights are keyed.
+        let owned: BTreeSet<(usize, &str)> = (users.iter())
+            .filter_map(|(id, s)| Some((*s.first()?, name(id))))
+            .collect();
         for (&set, g) in &self.groups {
             for &(s, l) in copies {
                 let l = l.unwrap_or(NO_LAYER);
-                let layout = copy_layout::<D>((graph, &users), &weights.master, (s, l, set));
+                let layout = copy_layout::<D>((graph, &owned), &weights.master, (s, l, set));
                 if layout.is_empty() {
                     continue;
                 }
@@ -86,8 +92,12 @@ impl<D: Device> Zero3<D> {
                 self.layouts.insert((set, s, l), layout);
             }
         }
+        let shared: BTreeSet<&str> = (users.iter())
+            .filter(|(_, s)| s.len() > 1)
+            .map(|(id, _)| name(id))
+            .collect();
         self.shared = (weights.held.iter())
-            .filter(|(name, _)| users.get(name.as_str()).is_some_and(|s| s.len() > 1))
+            .filter(|(w, _)| shared.contains(w.as_str()))
             .cloned()
             .collect();
         for copy in self.layouts.keys() {
@@ -286,19 +296,18 @@ impl<D: Device> Zero3<D> {
     }
 }
 
-/// The weights of one segment copy (those whose first user, by `users`, is in
-/// that segment; a tied table belongs to the embedding) in `set`, as the flat
+/// The weights of one segment copy (those `owned` pairs with that segment, the
+/// first to read them; a tied table belongs to the embedding) in `set`, as the flat
 /// vector the data ranks shard: (weight, length) in key order.
 fn copy_layout<D: Device>(
-    (graph, users): (&Graph, &BTreeMap<&str, BTreeSet<usize>>),
+    (graph, owned): (&Graph, &BTreeSet<(usize, &str)>),
     master: &BTreeMap<Key, D::F32>,
     (segment, l, set): (usize, u64, ParamSet),
 ) -> Layout {
-    let first_user = |w: &str| users.get(w).and_then(|s| s.first().copied());
     master
         .iter()
         .filter(|(k, _)| param_set(graph, k) == set)
-        .filter(|((w, layer), _)| *layer == l && first_user(w) == Some(segment))
+        .filter(|((w, layer), _)| *layer == l && owned.contains(&(segment, w.as_str())))
         .map(|(k, m)| (k.clone(), D::f32_len(m)))
         .collect()
 }

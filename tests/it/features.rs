@@ -1,0 +1,222 @@
+//! Every architecture feature a model file can name, trained and served: each
+//! either equals the single-rank run on tensor- and pipeline-parallel plans (and
+//! expert-parallel ones for MoE), or the executor refuses its plan before any rank
+//! starts (`ExecError::Plan`), naming the feature. A feature the planner takes that
+//! then fails inside a rank (a kernel argument of the wrong length, a tensor never
+//! produced) fails here: latent attention once reached the RoPE kernel with the
+//! wrong widths, and an MoE layer after a dense one ran the dense block's ops.
+
+use crate::executor::{check_plan_with, model_of, plan, Model};
+use meshplan_executor::infer::{byte_mismatches, check_inference, infer, InferOptions};
+use meshplan_executor::train::{train, ExecError, TrainOptions};
+
+const MOE: &str = "position: rope\n  moe:\n    experts: 4\n    top_k: 2\n    expert_ffn_hidden: 64";
+
+/// A feature: its name, the edits to `models/tiny-gpt.yaml` that give it, and,
+/// for one the executor refuses, a phrase its refusal names.
+struct Feature {
+    name: &'static str,
+    edits: &'static [(&'static str, &'static str)],
+    refused: Option<&'static str>,
+}
+
+const fn runs(name: &'static str, edits: &'static [(&'static str, &'static str)]) -> Feature {
+    Feature {
+        name,
+        edits,
+        refused: None,
+    }
+}
+
+const FEATURES: &[Feature] = &[
+    runs("llama", &[]),
+    runs(
+        "gpt2",
+        &[
+            ("mlp: swiglu", "mlp: gelu"),
+            ("norm: rmsnorm", "norm: layernorm\n  bias: true"),
+            ("position: rope", "position: learned\n  max_positions: 64"),
+        ],
+    ),
+    runs("gelu-rmsnorm", &[("mlp: swiglu", "mlp: gelu")]),
+    runs("swiglu-layernorm", &[("norm: rmsnorm", "norm: layernorm")]),
+    runs("multi-head", &[("kv_heads: 2", "kv_heads: 4")]),
+    runs("multi-query", &[("kv_heads: 2", "kv_heads: 1")]),
+    runs("head-dim", &[("kv_heads: 2", "kv_heads: 2\n  head_dim: 32")]),
+    runs("tied", &[("tie_embeddings: false", "tie_embeddings: true")]),
+    runs("qkv-bias", &[("kv_heads: 2", "kv_heads: 2\n  qkv_bias: true")]),
+    runs(
+        "out-bias",
+        &[("kv_heads: 2", "kv_heads: 2\n  attn_out_bias: true")],
+    ),
+    runs("mlp-bias", &[("kv_heads: 2", "kv_heads: 2\n  mlp_bias: true")]),
+    runs("dropout", &[("position: rope", "position: rope\n  dropout: true")]),
+    runs(
+        "rope-scaling",
+        &[(
+            "position: rope",
+            "position: rope\n  rope_scaling: {type: linear, factor: 2.0}",
+        )],
+    ),
+    runs(
+        "padded-vocab",
+        &[("vocab: 256", "vocab: 250\n  make_vocab_size_divisible_by: 64")],
+    ),
+    // A window no sequence reaches changes nothing.
+    runs(
+        "long-window",
+        &[("position: rope", "position: rope\n  sliding_window: 64")],
+    ),
+    runs("moe", &[("position: rope", MOE)]),
+    runs(
+        "moe-shared",
+        &[(
+            "position: rope",
+            "position: rope\n  moe:\n    experts: 4\n    top_k: 2\n    expert_ffn_hidden: 64\n    shared_experts: 1\n    shared_expert_ffn_hidden: 64",
+        )],
+    ),
+    runs(
+        "moe-dense-first",
+        &[(
+            "position: rope",
+            "position: rope\n  moe:\n    experts: 4\n    top_k: 2\n    expert_ffn_hidden: 64\n    first_dense_layers: 1",
+        )],
+    ),
+    // GELU experts: one up projection, not [gate | up] halves.
+    runs("moe-gelu", &[("mlp: swiglu", "mlp: gelu"), ("position: rope", MOE)]),
+    // A gated up projection [64, 2 x 16] no wider than it is tall, as DeepSeek-V3's.
+    runs(
+        "moe-narrow",
+        &[(
+            "position: rope",
+            "position: rope\n  moe:\n    experts: 4\n    top_k: 2\n    expert_ffn_hidden: 16",
+        )],
+    ),
+    Feature {
+        name: "alibi",
+        edits: &[("position: rope", "position: alibi")],
+        refused: Some("ALiBi"),
+    },
+    Feature {
+        name: "short-window",
+        edits: &[("position: rope", "position: rope\n  sliding_window: 4")],
+        refused: Some("sliding_window"),
+    },
+    Feature {
+        name: "mla",
+        edits: &[(
+            "position: rope",
+            "position: rope\n  mla: {q_lora_rank: 32, kv_lora_rank: 16, qk_nope_head_dim: 16, qk_rope_head_dim: 8, v_head_dim: 16}",
+        )],
+        refused: Some("latent attention (`mla`)"),
+    },
+];
+
+/// Prompts and new tokens: 8-token prompts and 3 new tokens stay inside the long
+/// window and the learned positions, and beyond the short window.
+const SERVED: &str =
+    "workload:\n  kind: inference\n  prompt_len: 8\n  output_len: 3\n  concurrency: 2\n";
+
+fn feature_model(f: &Feature, serve: bool) -> Model {
+    let mut text = std::fs::read_to_string(format!(
+        "{}/../models/tiny-gpt.yaml",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .expect("tiny-gpt");
+    for (from, to) in f.edits {
+        assert!(text.contains(from), "{}: `{from}`", f.name);
+        text = text.replacen(from, to, 1);
+    }
+    if serve {
+        let at = text.find("workload:").expect("a workload");
+        text.replace_range(at.., SERVED);
+    }
+    model_of(&text)
+}
+
+/// The layouts a feature runs on: tensor and pipeline parallelism, and expert
+/// parallelism where there are experts. Training splits key/value heads over tp
+/// (serving copies them), so one kv head trains data-parallel instead.
+fn layouts(m: &Model, serve: bool) -> Vec<String> {
+    let t = m.spec.transformer().expect("a transformer");
+    let tp = if serve || t.kv_heads.is_multiple_of(2) {
+        "tp=2"
+    } else {
+        "dp=2"
+    };
+    let mut out = vec![tp.to_string(), "pp=2,mbs=1".to_string()];
+    if t.moe.is_some() {
+        // Experts split over tp, and over ep.
+        out.extend(["tp=2,ep=1".into(), "dp=2,ep=2".into()]);
+    }
+    if serve {
+        for c in &mut out {
+            c.push_str(",dp_attention=false");
+        }
+    }
+    out
+}
+
+/// Whether `result` is the refusal `f` expects (its phrase, before any rank),
+/// or a run; anything else fails the feature.
+fn refused_or_ran<T>(f: &Feature, what: &str, result: Result<T, ExecError>) -> Option<T> {
+    match (result, f.refused) {
+        (Ok(run), None) => Some(run),
+        (Err(ExecError::Plan(m)), Some(phrase)) => {
+            assert!(
+                m.contains(phrase),
+                "{what}: refused without `{phrase}`: {m}"
+            );
+            None
+        }
+        (Ok(_), Some(phrase)) => panic!("{what}: ran, but is refused for `{phrase}`"),
+        (Err(e), _) => panic!("{what}: failed as it ran, not refused before: {e:?}"),
+    }
+}
+
+#[test]
+fn every_feature_trains_like_one_rank_or_is_refused_before_any_rank_starts() {
+    let mut ran = 0;
+    for f in FEATURES {
+        let m = feature_model(f, false);
+        for cfg in layouts(&m, false) {
+            let p = plan(&m, &cfg);
+            let what = format!("{} {cfg}", f.name);
+            if refused_or_ran(f, &what, train(&p, &TrainOptions::default())).is_some() {
+                check_plan_with(&m, &what, p, false);
+                ran += 1;
+            }
+        }
+    }
+    assert!(ran >= 40, "{ran} runs");
+}
+
+#[test]
+fn every_feature_generates_like_one_rank_or_is_refused_before_any_rank_starts() {
+    let opts = InferOptions {
+        requests: vec![vec![5, 9, 2, 7, 1, 3, 8, 4], vec![11, 6, 2, 9, 12, 1, 7, 3]],
+        max_new_tokens: 3,
+        ..InferOptions::default()
+    };
+    let mut ran = 0;
+    for f in FEATURES {
+        let m = feature_model(f, true);
+        let single = plan(&m, "dp=1,dp_attention=false");
+        for cfg in layouts(&m, true) {
+            let p = plan(&m, &cfg);
+            let what = format!("{} {cfg}", f.name);
+            let Some(run) = refused_or_ran(f, &what, infer(&p, &opts)) else {
+                continue;
+            };
+            let reference = infer(&single, &opts.reference_of(&p))
+                .unwrap_or_else(|e| panic!("{what} reference: {e}"));
+            if let Err(e) = check_inference(&run, &reference) {
+                panic!("{what}: {e}");
+            }
+            let bytes = byte_mismatches(&p, &opts, &run).expect("the plan's own workload");
+            assert!(bytes.is_empty(), "{what}:\n{}", bytes.join("\n"));
+            ran += 1;
+        }
+    }
+    assert!(ran >= 40, "{ran} runs");
+}
