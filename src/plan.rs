@@ -598,21 +598,20 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Says, when it is so, that `meshplan run` does not execute an inference plan's
-/// layout (or a deployment's pool's) yet, and where such a plan runs instead.
+/// Says, when it is so, that `meshplan run` refuses a plan (or a deployment's
+/// prefill pool) before any rank starts, and where such a plan runs instead.
 pub(crate) fn warn_if_not_run(plan: &meshplan_ir::plan::Plan) {
-    if plan.kind != meshplan_ir::plan::PlanKind::Inference {
-        return;
-    }
     let prefill = meshplan_executor::disagg::prefill_pool(plan);
     let why = [Some(plan), prefill]
         .into_iter()
         .flatten()
-        .find_map(meshplan_executor::infer::layout_not_run);
+        .find_map(meshplan_executor::refusal);
+    let instead = match plan.kind {
+        meshplan_ir::plan::PlanKind::Inference => "`meshplan export PLAN --to sglang` (or vllm) gives a serving engine's launch lines for it",
+        meshplan_ir::plan::PlanKind::Train => "`meshplan export PLAN --to megatron` (or torchtitan, deepspeed) gives a training framework's arguments for it",
+    };
     if let Some(why) = why {
-        tracing::warn!(
-            "`meshplan run` will refuse this plan: {why}; `meshplan export PLAN --to sglang` (or vllm) gives a serving engine's launch lines for it"
-        );
+        tracing::warn!("`meshplan run` will refuse this plan: {why}; {instead}");
     }
 }
 

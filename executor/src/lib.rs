@@ -70,6 +70,32 @@ pub(crate) enum Stat {
     Lse,
 }
 
+/// Why `meshplan run` refuses `plan` before any rank starts, whatever is asked of
+/// it: an inference layout not run yet ([`infer::layout_not_run`]), a graph the
+/// interpreters cannot feed or an op they do not compute (latent attention), or a
+/// model feature they do not implement for the plan's own sequences
+/// ([`check_executable`]). `plan` and `deploy` say it as they write such a plan.
+pub fn refusal(plan: &ir::plan::Plan) -> Option<String> {
+    if plan.kind == ir::plan::PlanKind::Inference {
+        if let Some(why) = infer::layout_not_run(plan) {
+            return Some(why);
+        }
+    }
+    // The tokens one sequence runs through: a generated sequence's last token is
+    // sampled, never fed back.
+    let tokens = match &plan.workload {
+        ir::Workload::Train { seq_len, .. } => *seq_len,
+        ir::Workload::Inference {
+            prompt_len,
+            output_len,
+            ..
+        } => (prompt_len + output_len).saturating_sub(1),
+    };
+    program::runnable(plan)
+        .and_then(|()| check_executable(&plan.graph, tokens as usize))
+        .err()
+}
+
 /// Refuses a model whose math the executor does not implement, naming the field,
 /// rather than computing another model: ALiBi attention, the `config.json` fields
 /// recorded as unexecutable, and a sliding attention window shorter than the `tokens` one

@@ -220,3 +220,42 @@ fn every_feature_generates_like_one_rank_or_is_refused_before_any_rank_starts() 
     }
     assert!(ran >= 40, "{ran} runs");
 }
+
+/// A plan `run` refuses is written with a warning that says why and where it runs
+/// instead (a training framework's arguments); `run` then refuses it before any
+/// rank starts, exit 2, naming the op. A plan it runs carries no warning.
+#[test]
+fn plan_says_when_run_will_refuse_a_model_and_run_refuses_it() {
+    let dir = crate::cli::temp_dir("features", "refused");
+    let mesh = crate::cli::cut_mesh(&dir, 2);
+    let mla = FEATURES.iter().find(|f| f.name == "mla").expect("mla");
+    let tiny = std::fs::read_to_string(format!(
+        "{}/../models/tiny-gpt.yaml",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .expect("tiny-gpt");
+    let warning =
+        "`meshplan run` will refuse this plan: `block.attn.core`: latent attention (`mla`)";
+    for (name, text, refused) in [
+        (
+            "mla",
+            tiny.replacen(mla.edits[0].0, mla.edits[0].1, 1),
+            true,
+        ),
+        ("llama", tiny.clone(), false),
+    ] {
+        let model = dir.join(format!("{name}.yaml"));
+        std::fs::write(&model, text).expect("model");
+        let out = dir.join(format!("{name}.json")).display().to_string();
+        let model = model.display().to_string();
+        let r = crate::cli::meshplan(&["plan", &model, &mesh, "--config", "tp=2", "-o", &out]);
+        r.expect_code(0);
+        assert_eq!(r.stderr.contains(warning), refused, "{name}: {}", r.stderr);
+        if refused {
+            assert!(r.stderr.contains("--to megatron"), "{}", r.stderr);
+            crate::cli::meshplan(&["run", &out, "--steps", "1"])
+                .expect_code(2)
+                .stderr_has(&["`block.attn.core`: latent attention (`mla`) is not run"]);
+        }
+    }
+}
