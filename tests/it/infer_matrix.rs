@@ -1,6 +1,7 @@
 //! The inference executor's mode matrix, generated rather than listed: every layout
 //! the planner's inference search emits and prices on the CPU test mesh (1 to 8
-//! ranks; dense and MoE models, with and without an expert capacity) either
+//! ranks; dense and MoE models, with and without an expert capacity, and one whose
+//! first layer is dense and the next MoE) either
 //! generates the single-rank run's tokens and logits with the plan's bytes on every
 //! rank and axis, or is one the executor names as not run yet (DP-attention). A
 //! layout the search gains enters the matrix without a line here; one the planner
@@ -45,6 +46,7 @@ fn every_inference_layout_the_planner_emits_generates_like_one_rank() {
         "tiny-llama-inference",
         "tiny-moe",
         "tiny-moe-capacity",
+        "tiny-moe-dense-first",
     ] {
         let m = inference_model(file);
         let workload = m.spec.workload.clone().expect("workload");
