@@ -65,8 +65,10 @@ extern "C" __global__ void moe_route_fwd_f32(const float* logits, int tokens, in
         }
     }
     if (renormalize) {
+        // One expert's weight is 1 exactly (see cpu/moe.rs): its router gets no
+        // rounding noise for a gradient.
         const float s = 1.0f / sel_sum;
-        for (int j = lane; j < k; j += WARP) weights[(i64)t * k + j] *= s;
+        for (int j = lane; j < k; j += WARP) weights[(i64)t * k + j] = k == 1 ? 1.0f : weights[(i64)t * k + j] * s;
     }
 }
 

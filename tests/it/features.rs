@@ -82,6 +82,15 @@ const FEATURES: &[Feature] = &[
             "position: rope\n  moe:\n    experts: 4\n    top_k: 2\n    expert_ffn_hidden: 64\n    first_dense_layers: 1",
         )],
     ),
+    // One expert a token: its weight is 1 and the router learns nothing through it,
+    // exactly, on every layout.
+    runs(
+        "moe-top1",
+        &[(
+            "position: rope",
+            "position: rope\n  moe:\n    experts: 4\n    top_k: 1\n    expert_ffn_hidden: 64",
+        )],
+    ),
     // GELU experts: one up projection, not [gate | up] halves.
     runs("moe-gelu", &[("mlp: swiglu", "mlp: gelu"), ("position: rope", MOE)]),
     // A gated up projection [64, 2 x 16] no wider than it is tall, as DeepSeek-V3's.

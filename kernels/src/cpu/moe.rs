@@ -7,8 +7,8 @@
 //! (`renormalize = true`; Mixtral / Qwen-MoE `norm_topk_prob`, equal to a
 //! softmax over the selected logits only) or the raw probabilities
 //! (`renormalize = false`; Switch / GShard style). Note that with
-//! `renormalize` and `k = 1` every weight is 1 and the router receives no
-//! gradient through the weights.
+//! `renormalize` and `k = 1` every weight is 1 (exactly) and the router receives
+//! no gradient through the weights (exactly none).
 //!
 //! Dispatch sorts the `tokens * k` assignments by expert (stable, so token
 //! order is kept within an expert) and gathers the token rows in that order;
@@ -142,6 +142,13 @@ pub fn moe_route_fwd(
             let inv = 1.0 / sel_sum;
             for x in w.iter_mut() {
                 *x *= inv;
+            }
+            // One expert's weight is 1 exactly: `p * (1 / p)` can round below it,
+            // and the backward's `w (dw - w dw)` would hand the router rounding
+            // noise where its gradient is zero, which AdamW scales up to a full
+            // step of random sign.
+            if k == 1 {
+                w[0] = 1.0;
             }
         }
     }
@@ -570,6 +577,34 @@ mod tests {
             &[3f32.exp() / zs, 3f32.exp() / zs, 2f32.exp() / zs],
             1e-6,
         );
+    }
+
+    /// Renormalised over one expert, the weight is 1 and the router's gradient
+    /// zero, exactly: `p * (1 / p)` rounds below 1 for some `p` (here for some of
+    /// 2,000 random tokens), and the backward would then pass rounding noise, of
+    /// the order of `dw * 6e-8`, which AdamW's division by its own scale turns into
+    /// full steps of random sign.
+    #[test]
+    fn one_renormalised_expert_weighs_one_and_passes_no_gradient_exactly() {
+        let mut rng = Rng::new(7);
+        let (tokens, experts) = (2000, 8);
+        let logits: Vec<f32> = (0..tokens * experts).map(|_| 4.0 * rng.f32()).collect();
+        let (p, idx, w) = route(&logits, tokens, experts, 1, true);
+        let inexact = (0..tokens)
+            .filter(|&t| {
+                let pt = p[t * experts + idx[t] as usize];
+                pt * (1.0 / pt) != 1.0
+            })
+            .count();
+        assert!(
+            inexact > 0,
+            "no token whose reciprocal rounds: the test checks nothing"
+        );
+        assert!(w.iter().all(|&x| x == 1.0));
+        let dw = rng.vec(tokens);
+        let mut dl = vec![0.0; logits.len()];
+        moe_route_bwd(&p, &idx, &w, &dw, tokens, experts, 1, true, &mut dl).unwrap();
+        assert!(dl.iter().all(|&x| x == 0.0));
     }
 
     #[test]
