@@ -1,9 +1,10 @@
 //! Hugging Face checkpoints: a directory with `config.json` and one or many
-//! `*.safetensors` files (Llama / Mistral / Qwen2 or GPT-2 tensor names).
+//! `*.safetensors` files (Llama / Mistral / Qwen2 / Mixtral or GPT-2 tensor names).
 //!
 //! Every file is memory-mapped once per process and shared by the rank threads; a
-//! rank copies out only the elements of its own shard ([`ShardSpec`], the same rule
-//! as [`crate::shard::local_weight`]), converting bf16 / f16 to f32 as it reads. No
+//! rank copies out only the elements of its own shard ([`crate::shard::held_runs`],
+//! the rule [`crate::shard::local_weight`] and the seeded weights follow, experts
+//! over the expert axis included), converting bf16 / f16 to f32 as it reads. No
 //! rank ever holds a full copy of a sharded weight.
 //!
 //! The graph stores a linear layer as `[in, out]`; Hugging Face's `nn.Linear` stores
@@ -12,7 +13,7 @@
 //! QKV projection is `q | k | v`, a SwiGLU up projection is `gate | up`. Rotary
 //! embedding needs no permutation: the kernel uses Hugging Face's rotate-half pairs.
 
-use crate::shard::{shard_spec, ShardSpec, TpPos};
+use crate::shard::TpPos;
 use crate::train::ExecError;
 use memmap2::Mmap;
 use meshplan_ir::graph::OpKind;
@@ -30,7 +31,8 @@ fn werr(message: impl Into<String>) -> ExecError {
 /// Tensor naming scheme of a checkpoint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Family {
-    /// Llama, Mistral, Qwen2: `model.layers.{i}.self_attn.q_proj.weight`, ...
+    /// Llama, Mistral, Qwen2, Mixtral: `model.layers.{i}.self_attn.q_proj.weight`,
+    /// ... (Mixtral's experts `block_sparse_moe.experts.{e}.w1.weight`, ...).
     Llama,
     /// GPT-2: `h.{i}.attn.c_attn.weight` (Conv1D, `[in, out]`), ...
     Gpt2,
@@ -95,9 +97,9 @@ pub(crate) fn starting_slice(
     let shape = crate::program::fixed_shape(t)?;
     match hf {
         Some(ck) => {
-            let spec = shard_spec(graph, op, op.role, w, &shape, tp);
+            let runs = crate::shard::held_runs(graph, (op, op.role, w), &shape, tp, ep);
             let l = (layer != crate::train::NO_LAYER).then_some(layer);
-            ck.local(graph, w, l, &spec)
+            ck.local(graph, w, l, &runs)
                 .map_err(|e| crate::comm::RankError::Input(e.to_string()))
         }
         None => {
@@ -136,11 +138,11 @@ impl Checkpoint {
             .and_then(|v| v.as_str())
             .unwrap_or("");
         let family = match model_type {
-            "llama" | "mistral" | "qwen2" => Family::Llama,
+            "llama" | "mistral" | "qwen2" | "mixtral" => Family::Llama,
             "gpt2" => Family::Gpt2,
             other => {
                 return Err(werr(format!(
-                    "{}: field `model_type` is `{other}`; --weights reads llama, mistral, qwen2 and gpt2 checkpoints",
+                    "{}: field `model_type` is `{other}`; --weights reads llama, mistral, qwen2, mixtral and gpt2 checkpoints",
                     config_path.display()
                 )))
             }
@@ -226,7 +228,12 @@ impl Checkpoint {
             (key("intermediate_size", "n_inner"), t.ffn_hidden, got.ffn),
             ("vocab_size", t.vocab, got.vocab),
         ];
-        for (field, w, g) in fields {
+        let moe = t.moe.as_ref().map_or((0, 0), |m| (m.experts, m.top_k));
+        let experts = [
+            ("num_local_experts", moe.0, got.experts),
+            ("num_experts_per_tok", moe.1, got.top_k),
+        ];
+        for (field, w, g) in fields.into_iter().chain(experts) {
             if w != g {
                 return Err(werr(format!(
                     "{file}: field `{field}` gives {w} but the plan's model has {g}; plan this checkpoint's model (meshplan plan {file} CLUSTER --workload FILE) or pass the matching --weights"
@@ -307,63 +314,71 @@ impl Checkpoint {
         }
     }
 
-    /// The part of graph weight `w` of `op` (block `layer`) that a rank holds under
-    /// `spec`, read from the mapped files element by element.
+    /// The elements `runs` of graph weight `w` (block `layer`; flat indices of
+    /// its full tensor, what [`crate::shard::held_runs`] gives a rank), read from
+    /// the mapped files element by element.
     pub fn local(
         &self,
         graph: &Graph,
         w: TensorId,
         layer: Option<u64>,
-        spec: &ShardSpec,
+        runs: &[std::ops::Range<usize>],
     ) -> Result<Vec<f32>, ExecError> {
         let shape = weight_shape(graph, w)?;
-        let parts = self.parts(graph, w, layer)?;
-        let rows = if shape.len() == 2 { shape[0] } else { 1 };
-        let cols = *shape.last().unwrap_or(&1);
+        // One list of parts, or one an expert.
+        let blocks = self.parts(graph, w, layer)?;
+        let (rows, cols) = match shape.as_slice() {
+            [n] => (1, *n),
+            [.., r, c] => (*r, *c),
+            [] => (1, 1),
+        };
         // Padded vocabulary rows or columns past the checkpoint's read as zeros.
-        let held = names::stored(graph, w, &shape);
-        let held_rows = if held.len() == 2 { held[0] } else { 1 };
-        let held_cols = *held.last().unwrap_or(&1);
-        // Column -> (part, column inside it).
-        let mut starts = Vec::new();
-        let mut acc = 0;
-        for p in &parts {
-            starts.push(acc);
-            acc += p.cols;
-        }
-        let entries: Vec<&Entry> = parts.iter().map(|p| &self.index[&p.name]).collect();
-        let read = |r: usize, c: usize| -> f32 {
+        let (held_rows, held_cols) = match names::stored(graph, w, &shape).as_slice() {
+            [r, c] => (*r, *c),
+            _ => (rows, cols),
+        };
+        // Per block, column -> (part, column inside it).
+        let starts: Vec<Vec<usize>> = (blocks.iter())
+            .map(|parts| {
+                let mut acc = 0;
+                (parts.iter())
+                    .map(|p| {
+                        acc += p.cols;
+                        acc - p.cols
+                    })
+                    .collect()
+            })
+            .collect();
+        let entries: Vec<Vec<&Entry>> = (blocks.iter())
+            .map(|parts| parts.iter().map(|p| &self.index[&p.name]).collect())
+            .collect();
+        // Element `i` of the full tensor: its part, entry and index there (none
+        // for a padded row or column).
+        let locate = |i: usize| -> Option<(&Part, &Entry, usize)> {
+            let (b, r, c) = (i / (rows * cols), i / cols % rows, i % cols);
             if r >= held_rows || c >= held_cols {
-                return 0.0;
+                return None;
             }
-            let pi = starts.partition_point(|&s| s <= c) - 1;
-            let (p, e) = (&parts[pi], entries[pi]);
-            let cc = c - starts[pi];
-            let i = if p.transpose {
+            let pi = starts[b].partition_point(|&s| s <= c) - 1;
+            let (p, e) = (&blocks[b][pi], entries[b][pi]);
+            let cc = c - starts[b][pi];
+            let at = if p.transpose {
                 cc * held_rows + r
             } else {
                 r * p.cols + cc
             };
-            self.elem(e, i)
+            Some((p, e, at))
         };
-        let (rows, ranges) = match spec {
-            ShardSpec::Rows(a, b) => (*a..*b, vec![(0, cols)]),
-            ShardSpec::Cols(ranges) => (0..rows, ranges.clone()),
-            ShardSpec::All => (0..rows, vec![(0, cols)]),
-        };
-        let mut out = Vec::new();
-        for r in rows {
-            for &(a, b) in &ranges {
-                out.extend((a..b).map(|c| read(r, c)));
-            }
-        }
+        let indices = || runs.iter().flat_map(|run| run.clone());
+        let out: Vec<f32> = indices()
+            .map(|i| locate(i).map_or(0.0, |(_, e, at)| self.elem(e, at)))
+            .collect();
         // NaN or infinity would generate (or train on) garbage without a word.
-        if let Some(bad) = out.iter().find(|x| !x.is_finite()) {
-            let names: Vec<&str> = parts.iter().map(|p| p.name.as_str()).collect();
+        if let Some((i, bad)) = indices().zip(&out).find(|(_, x)| !x.is_finite()) {
+            let name = locate(i).map_or("", |(p, ..)| p.name.as_str());
             return Err(werr(format!(
-                "{}: `{}` holds {bad}: the weights are damaged or were saved from a diverged run; use an intact checkpoint",
+                "{}: `{name}` holds {bad}: the weights are damaged or were saved from a diverged run; use an intact checkpoint",
                 self.dir.display(),
-                names.join("`, `")
             )));
         }
         Ok(out)

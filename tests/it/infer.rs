@@ -861,6 +861,104 @@ fn qwen2_bf16_tied_checkpoint_sharded_equals_single_rank_and_reference() {
     check_llama(&c, "qwen2", 12, Store::Bf16, 1);
 }
 
+/// `LLAMA`'s tensors as a Mixtral checkpoint of 4 experts, 2 a token, every expert
+/// a copy of the layer's MLP (`w1` its gate, `w3` its up, `w2` its down
+/// projection) under a router of its own: whatever the router picks, the chosen
+/// weights sum to one, so the model is the Llama model. Gate and up read swapped,
+/// or an expert's tensor transposed wrongly, would not be.
+fn mixtral_of_copies(t: &Tensors, dir: &Path, seed: u64) {
+    let mut m = Tensors::new();
+    for (name, v) in t {
+        let Some((pre, proj)) = name.split_once(".mlp.") else {
+            m.insert(name.clone(), v.clone());
+            continue;
+        };
+        let w = match proj {
+            "gate_proj.weight" => "w1",
+            "up_proj.weight" => "w3",
+            "down_proj.weight" => "w2",
+            other => panic!("{other}"),
+        };
+        for e in 0..4 {
+            m.insert(
+                format!("{pre}.block_sparse_moe.experts.{e}.{w}.weight"),
+                v.clone(),
+            );
+        }
+    }
+    let mut r = Rng(seed);
+    for l in 0..LLAMA.layers {
+        let router = (vec![4, LLAMA.hidden], r.vec(4 * LLAMA.hidden, 1.0, 0.0));
+        m.insert(
+            format!("model.layers.{l}.block_sparse_moe.gate.weight"),
+            router,
+        );
+    }
+    let config = llama_config(&LLAMA)
+        .replace("LlamaForCausalLM", "MixtralForCausalLM")
+        .replace(r#""model_type": "llama""#, r#""model_type": "mixtral""#)
+        .replacen(
+            '{',
+            r#"{"num_local_experts": 4, "num_experts_per_tok": 2, "#,
+            1,
+        );
+    write_checkpoint(dir, &config, &m, Store::F32, 1);
+}
+
+/// Mixtral's routed experts read from a checkpoint: on one rank, split over tp, over
+/// ep and over both, generation equals the naive f64 forward of the Llama model the
+/// checkpoint computes (see [`mixtral_of_copies`]), and fine-tuning from it on
+/// expert-parallel ranks starts from that model's loss.
+#[test]
+fn mixtral_checkpoint_equals_the_model_it_computes_on_every_expert_split() {
+    use meshplan_executor::train::{train, TrainOptions};
+    let dir = temp_dir("mixtral");
+    let t = llama_tensors(&LLAMA, 31);
+    mixtral_of_copies(&t, &dir, 5);
+    let ck = Arc::new(Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}")));
+    for (cfg, gpus) in [
+        ("dp=1,dp_attention=false", 1),
+        ("tp=2,ep=1,dp_attention=false", 2),
+        ("dp=2,ep=2,dp_attention=false", 2),
+        ("tp=2,ep=2,dp_attention=false", 2),
+    ] {
+        let r = run(&plan_of(&dir, cfg, gpus), &ck, Sampling::GREEDY, 3);
+        for (i, req) in r.requests.iter().enumerate() {
+            let (tokens, logits) =
+                reference_generate(&|x| llama_forward(&LLAMA, &t, x), PROMPTS[i], 5);
+            assert_eq!(req.tokens, tokens, "{cfg}: request {i}");
+            let (d, scale) = max_diff(&req.logits, &logits);
+            assert!(
+                d <= TOL * scale,
+                "{cfg}: request {i}: logits differ by {d:e}"
+            );
+        }
+    }
+    // Fine-tuning: the first step's loss is the dense checkpoint's, on the same data.
+    let dense = temp_dir("mixtral-dense");
+    write_checkpoint(&dense, &llama_config(&LLAMA), &t, Store::F32, 1);
+    let first_loss = |dir: &Path, cfg: &str| {
+        let opts = TrainOptions {
+            steps: 1,
+            weights: Some(Arc::new(
+                Checkpoint::open(dir).unwrap_or_else(|e| panic!("{e}")),
+            )),
+            ..TrainOptions::default()
+        };
+        train(&train_plan_of(dir, cfg, 2), &opts)
+            .unwrap_or_else(|e| panic!("{cfg}: {e}"))
+            .losses[0]
+    };
+    let want = first_loss(&dense, "dp=2");
+    for cfg in ["dp=2,ep=2", "tp=2,ep=1,sp=true"] {
+        let got = first_loss(&dir, cfg);
+        assert!(
+            (got - want).abs() <= 1e-5 * want,
+            "{cfg}: loss {got}, the dense model's {want}"
+        );
+    }
+}
+
 #[test]
 fn gpt2_checkpoint_sharded_equals_single_rank_and_reference() {
     let dir = temp_dir("gpt2");

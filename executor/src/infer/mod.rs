@@ -258,7 +258,6 @@ pub fn check_inputs(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
             op.name
         ));
     }
-    check_experts(plan, opts)?;
     for kind in [PhaseKind::Prefill, PhaseKind::Decode] {
         if plan
             .programs
@@ -287,24 +286,6 @@ pub fn layout_not_run(plan: &Plan) -> Option<String> {
         "dp_attention plans are not run by meshplan's executor yet; plan with dp_attention=false"
             .to_string()
     })
-}
-
-/// The MoE models the inference executor runs: synthetic weights.
-fn check_experts(plan: &Plan, opts: &InferOptions) -> Result<(), String> {
-    let Some(op) = plan
-        .graph
-        .ops()
-        .find(|o| matches!(o.kind, OpKind::Experts(_)))
-    else {
-        return Ok(());
-    };
-    if opts.weights.is_some() {
-        return Err(format!(
-            "`{}`: MoE expert weights are not read from Hugging Face checkpoints yet; run without --weights (synthetic weights)",
-            op.name
-        ));
-    }
-    Ok(())
 }
 
 /// Rows of a weight table in the graph, if it has it.

@@ -6,50 +6,64 @@ use super::*;
 
 impl Checkpoint {
     /// The checkpoint tensors that make up graph weight `w` at block `layer`,
-    /// each checked against the shape the graph needs.
+    /// each checked against the shape the graph needs: one list of column blocks,
+    /// or for routed experts (`[experts, rows, cols]`) one list an expert, each
+    /// expert's tensors being apart in a checkpoint.
     pub(super) fn parts(
         &self,
         graph: &Graph,
         w: TensorId,
         layer: Option<u64>,
-    ) -> Result<Vec<Part>, ExecError> {
+    ) -> Result<Vec<Vec<Part>>, ExecError> {
         let t = graph.tensor(w);
         let shape = weight_shape(graph, w)?;
-        let (rows, cols) = match stored(graph, w, &shape).as_slice() {
-            [n] => (1, *n),
-            [r, c] => (*r, *c),
+        let (experts, rows, cols) = match stored(graph, w, &shape).as_slice() {
+            [n] => (None, 1, *n),
+            [r, c] => (None, *r, *c),
+            [e, r, c] => (Some(*e), *r, *c),
             _ => {
                 return Err(werr(format!(
-                    "`{}`: weights of rank {} are not read from checkpoints (MoE checkpoints are not supported yet)",
+                    "`{}`: weights of rank {} are not read from checkpoints",
                     t.name,
                     shape.len()
                 )))
             }
         };
         let one_d = shape.len() == 1;
-        let block = Block {
-            graph,
-            name: &t.name,
-            l: layer.unwrap_or(0),
-            one_d,
-            cols,
-        };
-        let (names, transpose, widths) = match self.family {
-            Family::Llama => block.llama()?,
-            Family::Gpt2 => block.gpt2()?,
-        };
-        let total: usize = widths.iter().sum();
-        if total != cols {
-            return Err(werr(format!(
-                "`{}`: the checkpoint's blocks give {total} columns, the plan's model {cols}",
-                t.name
-            )));
-        }
         let at = (t.name.as_str(), layer);
-        let parts = names.iter().zip(&widths);
-        parts
-            .map(|(name, &c)| self.part(name, at, (one_d, transpose, rows, c)))
-            .collect()
+        let expert_ids: Vec<Option<usize>> = match experts {
+            Some(n) => (0..n).map(Some).collect(),
+            None => vec![None],
+        };
+        let mut out = Vec::with_capacity(expert_ids.len());
+        for expert in expert_ids {
+            let block = Block {
+                graph,
+                name: &t.name,
+                l: layer.unwrap_or(0),
+                expert,
+                one_d,
+                cols,
+            };
+            let (names, transpose, widths) = match self.family {
+                Family::Llama => block.llama()?,
+                Family::Gpt2 => block.gpt2()?,
+            };
+            let total: usize = widths.iter().sum();
+            if total != cols {
+                return Err(werr(format!(
+                    "`{}`: the checkpoint's blocks give {total} columns, the plan's model {cols}",
+                    t.name
+                )));
+            }
+            let parts = names.iter().zip(&widths);
+            out.push(
+                parts
+                    .map(|(name, &c)| self.part(name, at, (one_d, transpose, rows, c)))
+                    .collect::<Result<_, _>>()?,
+            );
+        }
+        Ok(out)
     }
 
     /// The checkpoint tensor `name` for the plan's weight `at` (name, layer), a
@@ -134,7 +148,11 @@ pub(super) struct Arch {
     pub(super) heads: u64,
     pub(super) kv_heads: u64,
     pub(super) head_dim: u64,
+    /// The dense MLP's width, else the experts'.
     pub(super) ffn: u64,
+    /// Routed experts and the experts a token takes (0 without experts).
+    pub(super) experts: u64,
+    pub(super) top_k: u64,
     pub(super) vocab: u64,
     pub(super) tied: bool,
 }
@@ -156,6 +174,10 @@ pub(super) fn arch_of(graph: &Graph) -> Result<Arch, ExecError> {
             _ => None,
         })
         .unwrap_or((0, 0, 0));
+    let experts = graph.ops().find_map(|o| match &o.kind {
+        OpKind::Experts(e) => Some(e),
+        _ => None,
+    });
     Ok(Arch {
         layers: graph
             .segments
@@ -169,18 +191,22 @@ pub(super) fn arch_of(graph: &Graph) -> Result<Arch, ExecError> {
         head_dim,
         ffn: find("block.mlp.down.w")
             .and_then(|s| s.first().copied())
-            .unwrap_or(0) as u64,
+            .map_or(experts.map_or(0, |e| e.ffn), |f| f as u64),
+        experts: experts.map_or(0, |e| e.experts),
+        top_k: experts.map_or(0, |e| e.top_k),
         vocab: graph.vocab().unwrap_or(table[0] as u64),
         tied: find("head.lm.w").is_none(),
     })
 }
 
 /// One weight of the plan as a checkpoint family names it: the plan's name, the
-/// layer, whether it is a vector (a norm's or a bias), its columns.
+/// layer, the routed expert (of an experts op's weight), whether it is a vector (a
+/// norm's or a bias), its columns.
 struct Block<'g> {
     graph: &'g Graph,
     name: &'g str,
     l: u64,
+    expert: Option<usize>,
     one_d: bool,
     cols: usize,
 }
@@ -253,6 +279,21 @@ impl Block<'_> {
             }
             "head.norm.w" => one("model.norm.weight".into(), false),
             "head.lm.w" => one("lm_head.weight".into(), true),
+            // Mixtral's: the router `[experts, hidden]`, and each expert's SwiGLU
+            // as Llama's MLP under other names (w1 gate, w3 up, w2 down).
+            "block.moe.router.w" => one(format!("{p}block_sparse_moe.gate.weight"), true),
+            "block.moe.experts.up.w" | "block.moe.experts.down.w" => {
+                let e = self.expert.ok_or_else(|| {
+                    werr(format!("`{}` is not an experts op's weight", self.name))
+                })?;
+                let x = format!("{p}block_sparse_moe.experts.{e}.");
+                if self.name.ends_with("up.w") {
+                    let names = ["w1", "w3"].map(|w| format!("{x}{w}.weight"));
+                    (names.to_vec(), true, vec![cols / 2, cols / 2])
+                } else {
+                    one(format!("{x}w2.weight"), true)
+                }
+            }
             other => {
                 return Err(werr(format!(
                     "the plan's weight `{other}` has no Llama-family checkpoint name"

@@ -54,7 +54,17 @@ EXTRA_PLANS = {
     "tp4": "tp=4,pp=1,dp=1",
     "tp2pp2dp2": "tp=2,pp=2,dp=2",
 }
-ALL_PLANS = {**PLANS, **EXTRA_PLANS}
+# A model with routed experts: on one rank, its experts split over tp, over
+# pipeline stages, and over ep (inside the data axis, and across the tensor ranks);
+# the search would otherwise take DP-attention, which `run` refuses.
+MOE_PLANS = {
+    "moe-single": "tp=1,pp=1,dp=1,dp_attention=false",
+    "moe-tp2": "tp=2,pp=1,dp=1,ep=1,dp_attention=false",
+    "moe-pp2": "tp=1,pp=2,dp=1,dp_attention=false",
+    "moe-dp2ep2": "tp=1,pp=1,dp=2,ep=2,dp_attention=false",
+    "moe-tp2ep2": "tp=2,pp=1,dp=1,ep=2,dp_attention=false",
+}
+ALL_PLANS = {**PLANS, **EXTRA_PLANS, **MOE_PLANS}
 
 # Two requests: the first longer than a sliding window of 4, the second short (on a
 # dp=2 plan each replica gets one; every plan decodes them side by side).
@@ -296,7 +306,8 @@ def ranks_of(cfg: str) -> int:
     n = 1
     for kv in cfg.split(","):
         k, v = kv.split("=")
-        if k in ("tp", "pp", "dp", "cp", "ep"):
+        # ep splits the experts over ranks of dp and tp: it adds none.
+        if k in ("tp", "pp", "dp", "cp"):
             n *= int(v)
     return n
 
