@@ -14,8 +14,9 @@
 # methods against the host device's); `run --backend cuda --check` (tiny-gpt over 8
 # data-parallel ranks sharing the GPU, against the fp32 CPU reference within bf16
 # tolerances; ZeRO-1; tp=2 with and without sp; a padded vocabulary at tp=2; tp=2 pp=2; ZeRO-3; cp=2; dropout;
-# routed experts over ep=2, dropless and under a capacity, all on the device
-# interpreter); GPT-2 124M training on
+# routed experts over ep=2, dropless and under a capacity; a dense layer before an
+# MoE one with top-1 experts over tp, all on the device interpreter); GPT-2 124M
+# training on
 # the GPU (tokens/s, MFU); the NCCL communicator tests (world size 1, and 2 when two
 # GPUs are visible) with REQUIRE_GPU=1; `meshplan
 # calibrate` (overlay.yaml); benches/python/torch_gpu.py (PyTorch bf16 matmul on the
@@ -146,6 +147,14 @@ run plan-ep2-capacity 30 "$B/bin/meshplan" plan models/tiny-moe-capacity.yaml to
     --config dp=4,ep=2,tp=2,pp=1,cp=1,sp=true -o "$OUTDIR/ep2-capacity.json" --quiet
 run run-check-ep2-capacity "$STEP" "$B/bin/meshplan" run "$OUTDIR/ep2-capacity.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, tiny-moe-capacity dp=4 ep=2 tp=2 sp)" PASS; else result "run --backend cuda --check (device, tiny-moe-capacity dp=4 ep=2 tp=2 sp)" FAIL; fi
+# A dense layer before an MoE one, its SwiGLU experts split over tp (ep=1) and a
+# top-1 router (its one weight exactly 1 in the moe_route kernel): each layer runs
+# its own block's ops, each tensor rank holds its columns of every expert.
+sed -e 's/top_k: 2/top_k: 1/' models/tiny-moe-dense-first.yaml >"$OUTDIR/dense-first-top1.yaml"
+run plan-dense-first 30 "$B/bin/meshplan" plan "$OUTDIR/dense-first-top1.yaml" topologies/cpu-test-mesh.yaml \
+    --config dp=4,ep=1,tp=2,pp=1,cp=1,sp=true -o "$OUTDIR/dense-first.json" --quiet
+run run-check-dense-first "$STEP" "$B/bin/meshplan" run "$OUTDIR/dense-first.json" --backend cuda --steps 5 --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dense then MoE layers, top-1, experts over tp=2)" PASS; else result "run --backend cuda --check (device, dense then MoE layers, top-1, experts over tp=2)" FAIL; fi
 # Inference on the GPU: weights, activations and KV cache on the device, tp=2 and
 # pp=2 as threads sharing it; the prompt's logits against the fp32 CPU run.
 run plan-infer 30 "$B/bin/meshplan" plan models/tiny-llama-inference.yaml topologies/cpu-test-mesh.yaml \
