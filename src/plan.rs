@@ -598,9 +598,14 @@ pub(crate) fn plan(a: &PlanArgs) -> Result<(), Failure> {
     Ok(())
 }
 
-/// Says, when it is so, that `meshplan run` refuses a plan (or a deployment's
-/// prefill pool) before any rank starts, and where such a plan runs instead.
+/// Says, when it is so, that `meshplan run` refuses a plan of meshplan's own
+/// executor (or a deployment's prefill pool) before any rank starts, and where
+/// such a plan runs instead.
 pub(crate) fn warn_if_not_run(plan: &meshplan_ir::plan::Plan) {
+    // A plan for another framework is that framework's to run.
+    if plan.workload.framework() != meshplan_ir::Framework::Meshplan {
+        return;
+    }
     let prefill = meshplan_executor::disagg::prefill_pool(plan);
     let why = [Some(plan), prefill]
         .into_iter()

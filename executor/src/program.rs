@@ -157,7 +157,7 @@ pub(crate) fn runnable(plan: &Plan) -> Result<(), String> {
             // compressed keys and values apart, and the graph does not carry the
             // decoupled RoPE key it concatenates: the kernels would read the wrong
             // rows.
-            OpKind::Attention(_) if op.inputs.len() != 1 => {
+            OpKind::Attention(_) if meshplan_ir::graph::latent_attention(op) => {
                 return Err(format!(
                     "`{}`: latent attention (`mla`) is not run by the executor yet: its \
                      kernels take one fused q|k|v input; plan, estimate and compare \

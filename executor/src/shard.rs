@@ -2,7 +2,7 @@
 //! rule used to initialise shards, to slice the reference for `--check`, and to read
 //! local sizes while computing.
 
-use meshplan_ir::graph::OpKind;
+use meshplan_ir::graph::{ExpertWeight, OpKind};
 use meshplan_ir::{Graph, MlpKind, Op, TensorId, TpRole};
 
 /// A rank's position on the tensor axis.
@@ -176,11 +176,12 @@ pub(crate) fn check_split(graph: &Graph, tp: usize, ep: usize) -> Result<(), Str
                 if ep > 1 && e % ep != 0 {
                     return uneven(&t.name, &op.name, e.to_string(), &format!("ep={ep}"));
                 }
-                let (by_tp, halves) = match part {
-                    ExpertWeight::Up { gated } => (if gated { c / 2 } else { c }, gated),
-                    ExpertWeight::Down => (r, false),
-                };
-                if ep <= 1 && tp > 1 && (by_tp % tp != 0 || (halves && c % 2 != 0)) {
+                let by_tp = part.hidden_width(r as u64, c as u64) as usize;
+                let halves = part == ExpertWeight::Up { gated: true };
+                if ep <= 1
+                    && tp > 1
+                    && (!by_tp.is_multiple_of(tp) || (halves && !c.is_multiple_of(2)))
+                {
                     return uneven(&t.name, &op.name, by_tp.to_string(), &format!("tp={tp}"));
                 }
                 continue;
@@ -270,35 +271,6 @@ pub fn held_runs(
             (0..len / n)
                 .flat_map(|row| ranges.iter().map(move |&(a, b)| row * n + a..row * n + b))
                 .collect()
-        }
-    }
-}
-
-/// Which of an experts op's weights one is. Told by the op's operands and its
-/// activation, not by the shape: a SwiGLU up projection `[h, 2f]` is no wider than
-/// it is tall when `2f <= h` (DeepSeek-V3's 7168 x 4096), and a GELU one is not
-/// split in halves.
-#[derive(Clone, Copy)]
-enum ExpertWeight {
-    /// `[experts, h, f]`, or `[experts, h, 2f]` as `[gate | up]` when `gated`.
-    Up { gated: bool },
-    /// `[experts, f, h]`.
-    Down,
-}
-
-impl ExpertWeight {
-    /// The part weight `w` plays in experts op `op` (its operands are x, the
-    /// router's logits, the up and the down projections).
-    fn of(op: &Op, w: TensorId) -> Option<ExpertWeight> {
-        let OpKind::Experts(e) = &op.kind else {
-            return None;
-        };
-        match op.inputs.iter().position(|&i| i == w)? {
-            2 => Some(ExpertWeight::Up {
-                gated: e.mlp == MlpKind::Swiglu,
-            }),
-            3 => Some(ExpertWeight::Down),
-            _ => None,
         }
     }
 }

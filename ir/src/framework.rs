@@ -4,7 +4,7 @@
 //! (attention kernels, overlap, gather granularity) belongs to the cost model.
 
 use crate::config::{AttnImpl, ParallelConfig, Recompute, Schedule};
-use crate::graph::{Graph, OpKind};
+use crate::graph::{ExpertWeight, Graph, OpKind};
 use std::fmt;
 use std::str::FromStr;
 
@@ -179,6 +179,13 @@ impl Framework {
                 }
             }
             Framework::MegatronCore => {
+                // What `export --to megatron` refuses too.
+                if needs.mla && cfg.cp > 1 {
+                    why.push(format!(
+                        "{name} runs multi-latent attention without context parallelism (cp={})",
+                        cfg.cp
+                    ));
+                }
                 if cfg.pp > 1 && cfg.schedule == Schedule::Gpipe {
                     why.push(format!(
                         "{name} has no GPipe schedule (1F1B or interleaved 1F1B)"
@@ -308,6 +315,8 @@ pub struct Needs {
     pub alibi: bool,
     /// Query/key width of one head.
     pub head_dim: u64,
+    /// Latent attention (DeepSeek's MLA).
+    pub mla: bool,
     /// The greatest common divisor of the layers' widths that tensor parallelism
     /// splits by rows (the MLP's hidden width, the attention output's input, an
     /// expert's hidden width); 0 where the graph has none.
@@ -330,6 +339,7 @@ impl Needs {
                 .map_or(0, |(rows, tokens)| rows.saturating_sub(tokens)),
             global_batch,
             alibi: attention.is_some_and(|a| a.alibi),
+            mla: graph.ops().any(crate::graph::latent_attention),
             head_dim: attention.map_or(0, |a| a.qk_dim),
             tp_widths: tp_widths(graph),
         }
@@ -337,26 +347,32 @@ impl Needs {
 }
 
 /// [`Needs::tp_widths`] of `graph`: the rows of row-parallel weights, and of each
-/// expert's MLP its hidden width (the rows of `[e, f, h]`, half the columns of
-/// `[e, h, 2f]`).
+/// expert's MLP its hidden width (its weights' part, [`ExpertWeight`], says where).
 fn tp_widths(graph: &Graph) -> u64 {
-    let fixed = |d: &crate::graph::Dim| match d {
-        crate::graph::Dim::Fixed(n) => Some(*n),
-        _ => None,
+    let fixed = |t: crate::graph::TensorId| -> Vec<u64> {
+        (graph.tensor(t).shape.iter())
+            .filter_map(|d| match d {
+                crate::graph::Dim::Fixed(n) => Some(*n),
+                _ => None,
+            })
+            .collect()
     };
     let mut g = 0;
     for op in graph.ops() {
-        let Some(w) = op.inputs.get(1).map(|&t| graph.tensor(t)) else {
+        if op.role == crate::graph::TpRole::Experts {
+            for &w in &op.inputs {
+                if let (Some(part), [_, r, c]) = (ExpertWeight::of(op, w), fixed(w).as_slice()) {
+                    g = crate::config::gcd(g, part.hidden_width(*r, *c));
+                }
+            }
+            continue;
+        }
+        let Some(&w) = op.inputs.get(1) else {
             continue;
         };
-        let dims: Vec<u64> = w.shape.iter().filter_map(fixed).collect();
-        let width = match (op.role, dims.as_slice()) {
-            (crate::graph::TpRole::RowParallel, [rows, _]) => *rows,
-            (crate::graph::TpRole::Experts, [_, r, c]) if r > c => *r,
-            (crate::graph::TpRole::Experts, [_, _, c]) => c / 2,
-            _ => continue,
-        };
-        g = crate::config::gcd(g, width);
+        if let (crate::graph::TpRole::RowParallel, [rows, _]) = (op.role, fixed(w).as_slice()) {
+            g = crate::config::gcd(g, *rows);
+        }
     }
     g
 }
@@ -433,6 +449,7 @@ mod tests {
             vocab_padding: 0,
             global_batch,
             alibi: false,
+            mla: false,
             head_dim: 128,
             tp_widths: 4096,
         }
@@ -606,6 +623,51 @@ mod tests {
         .expect("spec");
         let graph = crate::model_graph(&spec).expect("graph");
         assert_eq!(tp_widths(&graph), 64, "gcd(ffn 128, heads x head_dim 64)");
+        // Routed experts 48 wide: gcd(48, the attention output's 64) = 16, whatever
+        // the activation (SwiGLU's up projection [4, 64, 96] holds two halves of 48,
+        // GELU's [4, 64, 48] one).
+        let moe = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../models/tiny-moe.yaml"
+        ))
+        .expect("model")
+        .replace("expert_ffn_hidden: 128", "expert_ffn_hidden: 48");
+        for mlp in ["swiglu", "gelu"] {
+            let text = moe.replace("mlp: swiglu", &format!("mlp: {mlp}"));
+            let spec = crate::load::parse_model_yaml(&text, "tiny-moe.yaml").expect("spec");
+            let graph = crate::model_graph(&spec).expect("graph");
+            assert_eq!(tp_widths(&graph), 16, "{mlp}: gcd(experts 48, 64)");
+        }
+    }
+
+    #[test]
+    fn megatron_core_runs_latent_attention_without_context_parallelism() {
+        let mla = Needs {
+            mla: true,
+            ..needs(61, 129280, 1024)
+        };
+        let m = Framework::MegatronCore;
+        let cp2 = crate::PartialConfig::parse("dp=4,cp=2", "test")
+            .and_then(|p| p.resolve(8, "test"))
+            .expect("a configuration");
+        let why = m.cannot_run(&cp2, &mla);
+        assert!(
+            why.len() == 1 && why[0].contains("multi-latent attention") && why[0].contains("cp=2"),
+            "{why:?}"
+        );
+        assert!(m.cannot_run(&cfg(8, 1, 1, 1), &mla).is_empty());
+        assert!(m.cannot_run(&cp2, &needs(61, 129280, 1024)).is_empty());
+        let spec = crate::load::parse_model_yaml(
+            &std::fs::read_to_string(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/../models/deepseek-v3.yaml"
+            ))
+            .expect("model"),
+            "deepseek-v3.yaml",
+        )
+        .expect("spec");
+        let graph = crate::model_graph(&spec).expect("graph");
+        assert!(Needs::of(&graph, 61, 1024).mla);
     }
 
     #[test]

@@ -233,6 +233,54 @@ pub fn expert_slice(tokens: f64, tp: u64) -> f64 {
     (tokens / tp.max(1) as f64).ceil()
 }
 
+/// Whether `op` is latent attention (DeepSeek's MLA): its core reads the queries
+/// and the compressed keys and values apart, where standard attention reads one
+/// fused `q | k | v` input.
+pub fn latent_attention(op: &Op) -> bool {
+    matches!(op.kind, OpKind::Attention(_)) && op.inputs.len() > 1
+}
+
+/// Which of a routed experts op's weights one is, told by the op's operands (x,
+/// the router's logits, the up and the down projections) and its activation, not
+/// by the shape: a SwiGLU up projection `[experts, h, 2f]` is no wider than it is
+/// tall when `2f <= h` (DeepSeek-V3's 7168 x 4096), and a GELU one has no halves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertWeight {
+    /// `[experts, h, f]`, or `[experts, h, 2f]` as `[gate | up]`.
+    Up {
+        /// SwiGLU's two halves side by side.
+        gated: bool,
+    },
+    /// `[experts, f, h]`.
+    Down,
+}
+
+impl ExpertWeight {
+    /// The part weight `w` plays in experts op `op`, if it is one of its weights.
+    pub fn of(op: &Op, w: TensorId) -> Option<ExpertWeight> {
+        let OpKind::Experts(e) = &op.kind else {
+            return None;
+        };
+        match op.inputs.iter().position(|&i| i == w)? {
+            2 => Some(ExpertWeight::Up {
+                gated: e.mlp == MlpKind::Swiglu,
+            }),
+            3 => Some(ExpertWeight::Down),
+            _ => None,
+        }
+    }
+
+    /// The expert's hidden width, which tensor parallelism splits, in this weight
+    /// of `rows x cols` (an expert's slice).
+    pub fn hidden_width(self, rows: u64, cols: u64) -> u64 {
+        match self {
+            ExpertWeight::Up { gated: true } => cols / 2,
+            ExpertWeight::Up { gated: false } => cols,
+            ExpertWeight::Down => rows,
+        }
+    }
+}
+
 /// Under DP-attention, the busiest tensor rank's share of a replica's `batch`
 /// requests in a block's attention half: each rank attends whole requests of its
 /// own, so it holds `ceil(batch / tp)` of them (a lone prompt whole, on one rank),
