@@ -265,6 +265,20 @@ fn plan_says_when_run_will_refuse_a_model_and_run_refuses_it() {
             crate::cli::meshplan(&["run", &out, "--steps", "1"])
                 .expect_code(2)
                 .stderr_has(&["`block.attn.core`: latent attention (`mla`) is not run"]);
+            // A plan for another framework is that framework's to run: no warning.
+            let r = crate::cli::meshplan(&[
+                "plan",
+                &model,
+                &mesh,
+                "--config",
+                "tp=2",
+                "--framework",
+                "megatron-core",
+                "-o",
+                &out,
+            ]);
+            r.expect_code(0);
+            assert!(!r.stderr.contains("will refuse"), "{}", r.stderr);
         }
     }
 }
