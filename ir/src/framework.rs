@@ -612,32 +612,26 @@ mod tests {
         let why = Framework::MegatronCore.cannot_run(&cfg(4, 2, 1, 1), &needs(12, 50257, 64));
         assert!(why.iter().all(|w| !w.contains("executor")), "{why:?}");
         // The widths of a graph: the MLP's hidden width and the attention output.
-        let spec = crate::load::parse_model_yaml(
-            &std::fs::read_to_string(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../models/tiny-gpt.yaml"
-            ))
-            .expect("model"),
-            "tiny-gpt.yaml",
-        )
-        .expect("spec");
-        let graph = crate::model_graph(&spec).expect("graph");
+        let graph = shipped("tiny-gpt", |t| t);
         assert_eq!(tp_widths(&graph), 64, "gcd(ffn 128, heads x head_dim 64)");
         // Routed experts 48 wide: gcd(48, the attention output's 64) = 16, whatever
         // the activation (SwiGLU's up projection [4, 64, 96] holds two halves of 48,
         // GELU's [4, 64, 48] one).
-        let moe = std::fs::read_to_string(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../models/tiny-moe.yaml"
-        ))
-        .expect("model")
-        .replace("expert_ffn_hidden: 128", "expert_ffn_hidden: 48");
         for mlp in ["swiglu", "gelu"] {
-            let text = moe.replace("mlp: swiglu", &format!("mlp: {mlp}"));
-            let spec = crate::load::parse_model_yaml(&text, "tiny-moe.yaml").expect("spec");
-            let graph = crate::model_graph(&spec).expect("graph");
+            let graph = shipped("tiny-moe", |t| {
+                t.replace("expert_ffn_hidden: 128", "expert_ffn_hidden: 48")
+                    .replace("mlp: swiglu", &format!("mlp: {mlp}"))
+            });
             assert_eq!(tp_widths(&graph), 16, "{mlp}: gcd(experts 48, 64)");
         }
+    }
+
+    /// The graph of `models/NAME.yaml` as `edit` changes its text.
+    fn shipped(name: &str, edit: impl Fn(String) -> String) -> Graph {
+        let path = format!("{}/../models/{name}.yaml", env!("CARGO_MANIFEST_DIR"));
+        let text = edit(std::fs::read_to_string(&path).expect("model"));
+        let spec = crate::load::parse_model_yaml(&text, &path).expect("spec");
+        crate::model_graph(&spec).expect("graph")
     }
 
     #[test]
@@ -657,17 +651,7 @@ mod tests {
         );
         assert!(m.cannot_run(&cfg(8, 1, 1, 1), &mla).is_empty());
         assert!(m.cannot_run(&cp2, &needs(61, 129280, 1024)).is_empty());
-        let spec = crate::load::parse_model_yaml(
-            &std::fs::read_to_string(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/../models/deepseek-v3.yaml"
-            ))
-            .expect("model"),
-            "deepseek-v3.yaml",
-        )
-        .expect("spec");
-        let graph = crate::model_graph(&spec).expect("graph");
-        assert!(Needs::of(&graph, 61, 1024).mla);
+        assert!(Needs::of(&shipped("deepseek-v3", |t| t), 61, 1024).mla);
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //! wrong widths, and an MoE layer after a dense one ran the dense block's ops.
 
 use crate::executor::{check_plan_with, model_of, plan, Model};
-use meshplan_executor::infer::{byte_mismatches, check_inference, infer, InferOptions};
+use crate::infer_matrix::generates_like_one_rank;
+use meshplan_executor::infer::{infer, InferOptions};
 use meshplan_executor::train::{train, ExecError, TrainOptions};
 
 const MOE: &str = "position: rope\n  moe:\n    experts: 4\n    top_k: 2\n    expert_ffn_hidden: 64";
@@ -217,13 +218,7 @@ fn every_feature_generates_like_one_rank_or_is_refused_before_any_rank_starts() 
             let Some(run) = refused_or_ran(f, &what, infer(&p, &opts)) else {
                 continue;
             };
-            let reference = infer(&single, &opts.reference_of(&p))
-                .unwrap_or_else(|e| panic!("{what} reference: {e}"));
-            if let Err(e) = check_inference(&run, &reference) {
-                panic!("{what}: {e}");
-            }
-            let bytes = byte_mismatches(&p, &opts, &run).expect("the plan's own workload");
-            assert!(bytes.is_empty(), "{what}:\n{}", bytes.join("\n"));
+            generates_like_one_rank(&what, (&p, &single), &opts, &run);
             ran += 1;
         }
     }

@@ -11,7 +11,10 @@
 use crate::executor::{mesh, Model};
 use crate::matrix::variant;
 use meshplan_cost_model::{estimate_inference, InferenceLoad};
-use meshplan_executor::infer::{byte_mismatches, check_inference, infer, InferOptions};
+use meshplan_executor::infer::{
+    byte_mismatches, check_inference, infer, InferOptions, InferReport,
+};
+use meshplan_ir::plan::Plan;
 use meshplan_ir::{PartialConfig, Workload};
 use meshplan_planner::output::plan_for_config;
 use meshplan_planner::search::inference_space;
@@ -34,6 +37,24 @@ fn inference_model(file: &str) -> Model {
         &[(train, WORKLOAD)],
         &format!("{file}-inference.yaml"),
     )
+}
+
+/// `run` of plan `p` on the plan's own workload `opts` generates the tokens and
+/// logits of the single-rank plan `single`, and moves the plan's bytes.
+#[track_caller]
+pub(crate) fn generates_like_one_rank(
+    what: &str,
+    (p, single): (&Plan, &Plan),
+    opts: &InferOptions,
+    run: &InferReport,
+) {
+    let reference =
+        infer(single, &opts.reference_of(p)).unwrap_or_else(|e| panic!("{what} reference: {e}"));
+    if let Err(e) = check_inference(run, &reference) {
+        panic!("{what}: {e}");
+    }
+    let bytes = byte_mismatches(p, opts, run).expect("the plan's own workload");
+    assert!(bytes.is_empty(), "{what}:\n{}", bytes.join("\n"));
 }
 
 #[test]
@@ -97,13 +118,7 @@ fn every_inference_layout_the_planner_emits_generates_like_one_rank() {
                     }
                     Err(e) => panic!("{what}: the planner may write it, `run` refuses it: {e}"),
                 };
-                let reference = infer(&single, &opts.reference_of(&p))
-                    .unwrap_or_else(|e| panic!("{what} reference: {e}"));
-                if let Err(e) = check_inference(&run, &reference) {
-                    panic!("{what}: {e}");
-                }
-                let bytes = byte_mismatches(&p, &opts, &run).expect("the plan's own workload");
-                assert!(bytes.is_empty(), "{what}:\n{}", bytes.join("\n"));
+                generates_like_one_rank(&what, (&p, &single), &opts, &run);
                 ran += 1;
                 expert_layouts += usize::from(c.tp > 1 && c.ep > 1);
             }
