@@ -54,8 +54,71 @@ pub fn load_model(path: &Path, overrides: &WorkloadOverrides) -> Result<ModelSpe
 /// Parses and validates model YAML text.
 pub fn parse_model_yaml(text: &str, file: &str) -> Result<ModelSpec, IrError> {
     crate::yaml_depth::check_yaml_depth(text, file)?;
-    let raw: RawModel = serde_yaml_ng::from_str(text).map_err(|e| IrError::from_yaml(file, &e))?;
+    let raw: RawModel = serde_yaml_ng::from_str(text)
+        .map_err(|e| in_workload(IrError::from_yaml(file, &e), text, Some("workload")))?;
     raw.validate(file)
+}
+
+/// An error inside a workload, located again. serde reports an error inside an
+/// internally tagged enum (a workload, whose `kind` picks the variant) at line 1,
+/// column 1 and without the field's path, because it buffers the mapping before
+/// the variant reads it. The key or value the message quotes is looked up among
+/// the workload's own lines: the `block:` section of a model file (its indented
+/// lines), or a whole workload file (`block` `None`). An error located elsewhere,
+/// or one that quotes nothing found there, is left as it was.
+fn in_workload(err: IrError, text: &str, block: Option<&str>) -> IrError {
+    let IrError::Parse {
+        file,
+        line: line @ (Some(1) | None),
+        column: column @ (Some(1) | None),
+        message,
+    } = err
+    else {
+        return err;
+    };
+    let unlocated = |message: String| IrError::Parse {
+        file: file.clone(),
+        line,
+        column,
+        message,
+    };
+    let Some(quoted) = message.split('`').nth(1).filter(|q| !q.is_empty()) else {
+        return unlocated(message);
+    };
+    let lines: Vec<(usize, &str)> = text.lines().enumerate().collect();
+    let body: Vec<(usize, &str)> = match block {
+        None => lines,
+        Some(key) => {
+            let head = format!("{key}:");
+            let start = lines.iter().position(|(_, l)| l.trim_end() == head);
+            let Some(start) = start else {
+                return unlocated(message);
+            };
+            (lines[start + 1..].iter())
+                .take_while(|(_, l)| l.is_empty() || l.starts_with([' ', '\t', '#']))
+                .copied()
+                .collect()
+        }
+    };
+    // The line whose key is the quoted word (an unknown field), or whose value is
+    // (an unknown variant, a value of the wrong type).
+    let found = body.iter().find_map(|&(n, l)| {
+        let (key, value) = l.split_once(':')?;
+        let (key, value) = (key.trim(), value.split('#').next().unwrap_or("").trim());
+        (key == quoted || value == quoted).then(|| (n, key, l.len() - l.trim_start().len()))
+    });
+    match found {
+        Some((n, key, indent)) => {
+            let path = block.map_or(key.to_string(), |b| format!("{b}.{key}"));
+            IrError::Parse {
+                file,
+                line: Some(n + 1),
+                column: Some(indent + 1),
+                message: format!("{path}: {message}"),
+            }
+        }
+        None => unlocated(message),
+    }
 }
 
 fn apply_overrides(
@@ -83,7 +146,8 @@ fn apply_overrides(
         let wfile = wf.display().to_string();
         let text = read_text(wf)?;
         let w: Workload = crate::yaml_depth::check_yaml_depth(&text, &wfile).and_then(|()| {
-            serde_yaml_ng::from_str(&text).map_err(|e| IrError::from_yaml(&wfile, &e))
+            serde_yaml_ng::from_str(&text)
+                .map_err(|e| in_workload(IrError::from_yaml(&wfile, &e), &text, None))
         })?;
         w.validate(&wfile)?;
         spec.workload = Some(w);
@@ -150,6 +214,46 @@ mod tests {
 
     const BASE: &str =
         "name: m\ntransformer:\n  layers: 2\n  hidden: 64\n  heads: 4\n  vocab: 256\n";
+
+    /// A workload's errors name the field and its line (serde gives 1:1 and no
+    /// path inside the tagged `kind`): an unknown variant, a value of the wrong
+    /// type and an unknown key, in a model file and in a workload file.
+    #[test]
+    fn workload_errors_name_their_field_and_line() {
+        let err = |text: String| parse_model_yaml(&text, "m.yaml").unwrap_err().to_string();
+        let wl = |rest: &str| format!("{BASE}workload:\n  kind: train\n  seq_len: 32\n{rest}");
+        // BASE is 6 lines: the workload is line 7, its third key line 10.
+        assert_eq!(
+            err(wl("  global_batch: 8\n  framework: megatron  # a typo\n")),
+            "m.yaml:11:3: workload.framework: unknown variant `megatron`, expected one of \
+             `meshplan`, `megatron-core`, `torchtitan`, `deepspeed`, `megatron-deepspeed`"
+        );
+        assert_eq!(
+            err(wl("  global_batch: -8\n")),
+            "m.yaml:10:3: workload.global_batch: invalid value: integer `-8`, expected u64"
+        );
+        let typo = err(wl("  global_batch: 8\n  optimiser: adamw\n"));
+        assert!(
+            typo.starts_with("m.yaml:11:3: workload.optimiser: unknown field `optimiser`"),
+            "{typo}"
+        );
+        // A workload file is the workload itself.
+        let text = "kind: train\nseq_len: 32\nglobal_batch: 8\nframework: megatron\n";
+        let e = serde_yaml_ng::from_str::<Workload>(text)
+            .map_err(|e| in_workload(IrError::from_yaml("w.yaml", &e), text, None))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("w.yaml:4:1: framework: unknown variant `megatron`"),
+            "{e}"
+        );
+        // Errors serde located itself are left alone.
+        let e = err(format!("{BASE}  heads: 4\n"));
+        assert!(
+            e.starts_with("m.yaml:3:3: transformer: duplicate field `heads`"),
+            "{e}"
+        );
+    }
 
     #[test]
     fn rope_scaling_and_sliding_window_in_a_model_file() {
