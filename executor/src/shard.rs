@@ -304,7 +304,7 @@ fn expert_runs(
             // half, or of the whole width.
             ExpertWeight::Up { gated } => {
                 let halves: &[usize] = if gated { &[0, c / 2] } else { &[0] };
-                let w = c / halves.len() / tp.size;
+                let w = part.hidden_width(r as u64, c as u64) as usize / tp.size;
                 for row in 0..r {
                     for h in halves {
                         let start = m + row * c + h;

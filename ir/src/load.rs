@@ -62,63 +62,49 @@ pub fn parse_model_yaml(text: &str, file: &str) -> Result<ModelSpec, IrError> {
 /// An error inside a workload, located again. serde reports an error inside an
 /// internally tagged enum (a workload, whose `kind` picks the variant) at line 1,
 /// column 1 and without the field's path, because it buffers the mapping before
-/// the variant reads it. The key or value the message quotes is looked up among
-/// the workload's own lines: the `block:` section of a model file (its indented
-/// lines), or a whole workload file (`block` `None`). An error located elsewhere,
-/// or one that quotes nothing found there, is left as it was.
+/// the variant reads it. An error located elsewhere, or one [`workload_line`]
+/// cannot place, is left as it was.
 fn in_workload(err: IrError, text: &str, block: Option<&str>) -> IrError {
-    let IrError::Parse {
-        file,
-        line: line @ (Some(1) | None),
-        column: column @ (Some(1) | None),
-        message,
-    } = err
-    else {
-        return err;
+    let found = match &err {
+        IrError::Parse {
+            line: Some(1) | None,
+            column: Some(1) | None,
+            message,
+            ..
+        } => workload_line(text, block, message),
+        _ => None,
     };
-    let unlocated = |message: String| IrError::Parse {
-        file: file.clone(),
-        line,
-        column,
-        message,
-    };
-    let Some(quoted) = message.split('`').nth(1).filter(|q| !q.is_empty()) else {
-        return unlocated(message);
-    };
-    let lines: Vec<(usize, &str)> = text.lines().enumerate().collect();
-    let body: Vec<(usize, &str)> = match block {
-        None => lines,
-        Some(key) => {
-            let head = format!("{key}:");
-            let start = lines.iter().position(|(_, l)| l.trim_end() == head);
-            let Some(start) = start else {
-                return unlocated(message);
-            };
-            (lines[start + 1..].iter())
-                .take_while(|(_, l)| l.is_empty() || l.starts_with([' ', '\t', '#']))
-                .copied()
-                .collect()
-        }
-    };
-    // The line whose key is the quoted word (an unknown field), or whose value is
-    // (an unknown variant, a value of the wrong type).
-    let found = body.iter().find_map(|&(n, l)| {
+    match (err, found) {
+        (IrError::Parse { file, message, .. }, Some((line, column, path))) => IrError::Parse {
+            file,
+            line: Some(line),
+            column: Some(column),
+            message: format!("{path}: {message}"),
+        },
+        (err, _) => err,
+    }
+}
+
+/// Where the key or value `message` quotes stands among a workload's own lines:
+/// the `block:` section of a model file (its indented lines), or a whole workload
+/// file (`block` `None`). The line whose key is the quoted word (an unknown field),
+/// or whose value is (an unknown variant, a value of the wrong type): its 1-based
+/// line, column and field path.
+fn workload_line(text: &str, block: Option<&str>, message: &str) -> Option<(usize, usize, String)> {
+    let quoted = message.split('`').nth(1).filter(|q| !q.is_empty())?;
+    let mut lines = text.lines().enumerate();
+    if let Some(key) = block {
+        let head = format!("{key}:");
+        lines.find(|(_, l)| l.trim_end() == head)?;
+    }
+    let inside = |l: &str| block.is_none() || l.is_empty() || l.starts_with([' ', '\t', '#']);
+    lines.take_while(|&(_, l)| inside(l)).find_map(|(n, l)| {
         let (key, value) = l.split_once(':')?;
         let (key, value) = (key.trim(), value.split('#').next().unwrap_or("").trim());
-        (key == quoted || value == quoted).then(|| (n, key, l.len() - l.trim_start().len()))
-    });
-    match found {
-        Some((n, key, indent)) => {
-            let path = block.map_or(key.to_string(), |b| format!("{b}.{key}"));
-            IrError::Parse {
-                file,
-                line: Some(n + 1),
-                column: Some(indent + 1),
-                message: format!("{path}: {message}"),
-            }
-        }
-        None => unlocated(message),
-    }
+        let indent = l.len() - l.trim_start().len();
+        let path = || block.map_or(key.to_string(), |b| format!("{b}.{key}"));
+        (key == quoted || value == quoted).then(|| (n + 1, indent + 1, path()))
+    })
 }
 
 fn apply_overrides(
