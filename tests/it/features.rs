@@ -128,6 +128,10 @@ const SERVED: &str =
     "workload:\n  kind: inference\n  prompt_len: 8\n  output_len: 3\n  concurrency: 2\n";
 
 fn feature_model(f: &Feature, serve: bool) -> Model {
+    model_of(&feature_text(f, serve))
+}
+
+fn feature_text(f: &Feature, serve: bool) -> String {
     let mut text = std::fs::read_to_string(format!(
         "{}/../models/tiny-gpt.yaml",
         env!("CARGO_MANIFEST_DIR")
@@ -141,7 +145,7 @@ fn feature_model(f: &Feature, serve: bool) -> Model {
         let at = text.find("workload:").expect("a workload");
         text.replace_range(at.., SERVED);
     }
-    model_of(&text)
+    text
 }
 
 /// The layouts a feature runs on: tensor and pipeline parallelism, and expert
@@ -274,6 +278,146 @@ fn plan_says_when_run_will_refuse_a_model_and_run_refuses_it() {
             ]);
             r.expect_code(0);
             assert!(!r.stderr.contains("will refuse"), "{}", r.stderr);
+        }
+    }
+}
+
+/// Every feature saved on one layout and resumed on another (or the same) equals
+/// the uninterrupted run: bit for bit on the same plan, within `run --check`'s
+/// tolerances resharded. A checkpoint holds each weight whole, whatever split
+/// (heads, experts, ZeRO parts, stages) wrote it.
+#[test]
+fn every_feature_resumes_on_another_layout_like_the_uninterrupted_run() {
+    let mut ran = 0;
+    for f in FEATURES.iter().filter(|f| f.refused.is_none()) {
+        let m = feature_model(f, false);
+        let t = m.spec.transformer().expect("a transformer");
+        let tp = if t.kv_heads.is_multiple_of(2) {
+            "tp=2,"
+        } else {
+            ""
+        };
+        // ZeRO-3 with a table tied across stages is refused by the planner.
+        let z = if t.tie_embeddings { 1 } else { 3 };
+        let pairs: Vec<(String, String)> = if t.moe.is_some() {
+            vec![
+                ("dp=2,ep=2,pp=2,mbs=1,zero=1".into(), "tp=2,ep=1".into()),
+                ("tp=2,ep=1,zero=3,dp=2".into(), "dp=2,ep=2".into()),
+                ("dp=2,ep=2".into(), "dp=2,ep=2".into()),
+            ]
+        } else {
+            vec![
+                (
+                    format!("{tp}pp=2,mbs=1,dp=2,zero={z}"),
+                    format!("{tp}dp=2,zero=2"),
+                ),
+                (format!("{tp}dp=2,zero=1"), "pp=2,mbs=1,cp=2".into()),
+                (format!("{tp}pp=2,mbs=1"), format!("{tp}pp=2,mbs=1")),
+            ]
+        };
+        for (a, b) in pairs {
+            eprintln!("{}:", f.name);
+            crate::ckpt::resumes_like_uninterrupted(&m, &a, &b, false);
+            ran += 1;
+        }
+    }
+    assert!(ran >= 60, "{ran} resumes");
+}
+
+/// Every feature on the bf16-emulating device (a GPU's rounding) stays within the
+/// mixed-precision tolerances of its fp32 single-rank reference, and a 1.5x
+/// learning rate does not, on ZeRO-3, context-parallel, pipeline, recomputed and
+/// expert layouts.
+#[test]
+fn every_feature_trains_in_bf16_within_the_mixed_precision_tolerances() {
+    let mut ran = 0;
+    for f in FEATURES.iter().filter(|f| f.refused.is_none()) {
+        let m = feature_model(f, false);
+        let t = m.spec.transformer().expect("a transformer");
+        let tp = if t.kv_heads.is_multiple_of(2) {
+            "tp=2,"
+        } else {
+            ""
+        };
+        let cfgs: Vec<String> = if t.moe.is_some() {
+            vec!["dp=2,ep=2,zero=3".into(), "tp=2,ep=1,pp=2,mbs=1".into()]
+        } else {
+            vec![
+                format!("{tp}dp=2,zero=3"),
+                "pp=2,mbs=1,cp=2".into(),
+                format!("{tp}dp=2,recompute=full"),
+            ]
+        };
+        for cfg in cfgs {
+            eprintln!("{}:", f.name);
+            crate::matrix::check_bf16(&m, &cfg, &plan(&m, &cfg));
+            ran += 1;
+        }
+    }
+    assert!(ran >= 50, "{ran} runs");
+}
+
+/// Every feature served disaggregated: a prefill pool hands each request's KV
+/// cache to a decode pool of another layout, and `run --check` (fp32, and with a
+/// GPU's bf16 rounding) decodes the single-rank tokens with the plan's bytes.
+#[test]
+fn every_feature_serves_disaggregated_like_one_rank() {
+    let dir = crate::cli::temp_dir("features", "disaggregated");
+    let wl = dir.join("workload.yaml");
+    std::fs::write(
+        &wl,
+        "kind: inference\nprompt_len: 8\noutput_len: 3\nconcurrency: 2\nserving: {mode: disaggregated, concurrency: {min: 2, max: 2}}\n",
+    )
+    .expect("workload");
+    let (wl, mesh) = (wl.display().to_string(), crate::cli::cut_mesh(&dir, 4));
+    let pools = |moe: bool, i: usize| match (moe, i % 2) {
+        (false, 0) => ("tp=2", "pp=2"),
+        (false, _) => ("pp=2", "tp=2"),
+        (true, 0) => ("tp=2", "dp=2,ep=2"),
+        (true, _) => ("pp=2", "tp=2,ep=1"),
+    };
+    for (i, f) in FEATURES.iter().filter(|f| f.refused.is_none()).enumerate() {
+        let model = dir.join(format!("{}.yaml", f.name));
+        std::fs::write(&model, feature_text(f, true)).expect("model");
+        let moe = feature_model(f, true)
+            .spec
+            .transformer()
+            .expect("t")
+            .moe
+            .is_some();
+        let (pre, dec) = pools(moe, i);
+        let (pre, dec) = (
+            format!("{pre},dp_attention=false"),
+            format!("{dec},dp_attention=false"),
+        );
+        let out = dir.join(format!("{}.json", f.name)).display().to_string();
+        let model = model.display().to_string();
+        crate::cli::meshplan(&[
+            "deploy",
+            &model,
+            &mesh,
+            "--workload",
+            &wl,
+            "--prefill-config",
+            &pre,
+            "--decode-config",
+            &dec,
+            "-o",
+            &out,
+        ])
+        .expect_code(0);
+        for backend in ["cpu", "cpu-bf16"] {
+            let j = crate::cli::run_checked(&out, &["--backend", backend]);
+            assert_eq!(
+                j["bytes_match_plan"], true,
+                "{} {backend}: {}",
+                f.name, j["byte_mismatches"]
+            );
+            assert!(
+                j["kv_transfer_bytes"].as_f64().unwrap_or(0.0) > 0.0,
+                "{}: no KV moved",
+                f.name
+            );
         }
     }
 }
