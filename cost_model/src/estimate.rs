@@ -139,10 +139,10 @@ pub fn check_train_shapes(
             pg.kv_heads, cfg.tp
         )));
     }
-    if pg.tied && cfg.pp > 1 && cfg.zero >= 3 {
+    if pg.tied && cfg.pp > 1 && (cfg.zero >= 3 || (cfg.zero == 2 && cfg.dp * cfg.cp > 1)) {
         return Err(unsupported(format!(
-            "tied embeddings on pp({}) stages with zero=3: the first and last stage reduce the shared table's gradient before the data axis shards it; use zero <= 2 or untie the embeddings",
-            cfg.pp
+            "tied embeddings on pp({}) stages with zero={}: the first and last stage reduce the shared table's gradient once per step, before the data axis shards it, and ZeRO-{} shards gradients in every micro-batch; use zero <= 1 or untie the embeddings",
+            cfg.pp, cfg.zero, cfg.zero
         )));
     }
     if pg.experts > 0 && cfg.ep > 1 && cfg.tp > 1 && !cfg.sp {
@@ -894,6 +894,27 @@ pub struct Zero3Exposure {
     pub hidden_s: f64,
 }
 
+/// ZeRO-2's data-parallel time in a step of `m` micro-batches, `(exposed,
+/// hidden)`: a reduce-scatter of `rs` seconds per micro-batch and one all-gather of
+/// `ag`. The last micro-batch's scatter and the gather run in its backward's
+/// `window`, as ZeRO-1's do, the last of `buckets` always exposed; each earlier
+/// scatter beside the next micro-batch's forward and backward (`next`).
+pub fn zero2_exposure(
+    (rs, ag): (f64, f64),
+    (window, next): (f64, f64),
+    buckets: f64,
+    m: f64,
+) -> (f64, f64) {
+    let last = rs + ag;
+    let e_last = (last - window).max(last / buckets.max(1.0));
+    let e_mid = (rs - next).max(0.0);
+    let earlier = (m - 1.0).max(0.0);
+    (
+        e_last + earlier * e_mid,
+        (last - e_last) + earlier * (rs - e_mid),
+    )
+}
+
 /// ZeRO-3 / FSDP over `group` for one micro-batch of a stage holding `p_bytes` of
 /// parameters (gradients `g_bytes`) in `layers` layers, whose forward takes `fwd_s`
 /// and backward (recomputation included) `bwd_s`.
@@ -1045,8 +1066,9 @@ fn train_impl(
         let compute: f64 = mine.iter().map(|c| c.compute_f + c.compute_b).sum::<f64>() * m;
         let comm_s: f64 = mine.iter().map(|c| c.comm_f + c.comm_b).sum::<f64>() * m;
 
-        // Gradient reduction: AllReduce (ZeRO 0), ReduceScatter + AllGather (1, 2),
-        // per layer gathers and scatters in every micro-batch (3).
+        // Gradient reduction: AllReduce (ZeRO 0), ReduceScatter + AllGather (1), a
+        // ReduceScatter per micro-batch + AllGather (2), per layer gathers and
+        // scatters in every micro-batch (3).
         let fwd_mb: f64 = mine.iter().map(|c| c.compute_f).sum();
         let bwd_mb: f64 = mine.iter().map(|c| c.compute_b).sum();
         let last_bwd = bwd_mb / cfg.vpp as f64;
@@ -1095,6 +1117,22 @@ fn train_impl(
                     );
                     exposed += z.exposed_s * m;
                     hidden += z.hidden_s * m;
+                } else if cfg.zero == 2 {
+                    // ZeRO-2 reduce-scatters every micro-batch's gradients (no rank
+                    // holds them whole from one micro-batch to the next) and gathers
+                    // the updated parameters once. The last micro-batch's scatter and
+                    // the gather are exposed as ZeRO-1's are; each earlier scatter
+                    // runs beside the next micro-batch's forward and backward.
+                    let rs = comm.time_s(Collective::ReduceScatter, group, g_bytes);
+                    let ag = comm.time_s(Collective::AllGather, group, p_bytes);
+                    bytes += m * bytes_sent_per_rank(Collective::ReduceScatter, n, g_bytes)
+                        + bytes_sent_per_rank(Collective::AllGather, n, p_bytes);
+                    let buckets = (params / calib::DP_BUCKET_PARAMS).ceil().max(1.0);
+                    let window = (last_bwd - shared / cfg.vpp as f64).max(0.0);
+                    let next = (fwd_mb + bwd_mb - shared).max(0.0);
+                    let (e, h) = zero2_exposure((rs, ag), (window, next), buckets, m);
+                    exposed += e;
+                    hidden += h;
                 } else {
                     let t = if cfg.zero == 0 {
                         comm.time_s(Collective::AllReduce, group, g_bytes)
@@ -1124,12 +1162,13 @@ fn train_impl(
             )
         };
         // Sequence parallelism leaves norm gradients partial over the tensor axis:
-        // one AllReduce of them per step, before the optimizer; under ZeRO-3 with data
-        // parallelism one per segment copy and micro-batch, before the segment's
-        // ReduceScatter leaves each rank a slice of them (as the plan lowers it).
+        // one AllReduce of them per step, before the optimizer; under ZeRO-2 and -3
+        // with data parallelism one per micro-batch (under ZeRO-3 per segment copy),
+        // before the ReduceScatter leaves each rank a slice of them (as the plan
+        // lowers it).
         let seq_partial: f64 = mine.iter().map(|c| c.seq_partial).sum();
         let (sp_sync_s, sp_sync_bytes) = if seq_partial > 0.0 {
-            let per_mb = cfg.zero >= 3 && dense_dp > 1;
+            let per_mb = cfg.zero >= 2 && dense_dp > 1;
             let times = if per_mb { m } else { 1.0 };
             let g = seq_partial * bpe;
             (
@@ -1787,6 +1826,39 @@ pub fn replica_memory(pg: &PreparedGraph, workload: &Workload) -> MemoryLedger {
             }
             .summed()
         }
+    }
+}
+
+#[cfg(test)]
+mod zero2_tests {
+    use super::zero2_exposure;
+
+    #[test]
+    fn zero2_exposes_what_its_windows_do_not_hide() {
+        let close = |(a, b): (f64, f64), (x, y): (f64, f64)| {
+            assert!(
+                (a - x).abs() < 1e-12 && (b - y).abs() < 1e-12,
+                "({a}, {b}) vs ({x}, {y})"
+            );
+        };
+        // Scatter 0.3 s, gather 0.2 s, 4 micro-batches, 10 buckets. The last
+        // micro-batch's 0.5 s against a 0.4 s backward: 0.1 s out (more than a
+        // bucket's 0.05 s); each earlier 0.3 s scatter against 0.25 s of the next
+        // micro-batch: 0.05 s out, three times. Exposed 0.25 s, hidden 0.4 + 3 x 0.25.
+        close(
+            zero2_exposure((0.3, 0.2), (0.4, 0.25), 10.0, 4.0),
+            (0.25, 1.15),
+        );
+        // Windows of a second hide all but the last bucket: 0.05 s.
+        close(
+            zero2_exposure((0.3, 0.2), (1.0, 1.0), 10.0, 4.0),
+            (0.05, 1.35),
+        );
+        // One micro-batch is ZeRO-1's reduction: scatter and gather in the backward.
+        close(
+            zero2_exposure((0.3, 0.2), (0.4, 0.25), 10.0, 1.0),
+            (0.1, 0.4),
+        );
     }
 }
 

@@ -22,8 +22,10 @@
 //!   backward; selective recomputation repeats the attention core;
 //! - pipeline: each tensor-parallel rank sends `1/tp` of the boundary activation (and
 //!   of its gradient) and the receiver all-gathers it over `tp`;
-//! - data axis, once per step: AllReduce of the gradients (ZeRO 0), ReduceScatter then
-//!   AllGather (ZeRO 1, 2), or per micro-batch per segment two AllGathers of the
+//! - data axis: once per step an AllReduce of the gradients (ZeRO 0) or a
+//!   ReduceScatter then AllGather (ZeRO 1); under ZeRO 2 a ReduceScatter at the end of
+//!   each micro-batch's backward (with the sequence-partial sums before it) and the
+//!   AllGather once per step; or per micro-batch per segment two AllGathers of the
 //!   parameters and a ReduceScatter of the gradients (ZeRO 3); dense parameters over
 //!   the `dp x cp` group, routed experts over the expert data group.
 //!
@@ -1316,6 +1318,38 @@ fn build_phase(
         };
         if spec.training {
             phase.step = optimizer_step(layout, dense, experts, spec.bucket_params);
+            // ZeRO-2 shards the gradients themselves: each micro-batch's are
+            // reduce-scattered as soon as the stage's backward of it ends (its first
+            // chunk's), each rank adding up its part, so that no rank holds whole
+            // gradients from one micro-batch to the next (DeepSpeed's stage 2
+            // reduces in every micro-batch for this reason).
+            let per_mb: Vec<Instr> = if layout.zero == 2 {
+                let (rs, rest) = std::mem::take(&mut phase.step).into_iter().partition(|i| {
+                    matches!(
+                        i,
+                        Instr::Collective {
+                            kind: CollectiveKind::ReduceScatter,
+                            ..
+                        }
+                    )
+                });
+                phase.step = rest;
+                rs
+            } else {
+                Vec::new()
+            };
+            let dense_per_mb = per_mb.iter().any(|i| {
+                matches!(
+                    i,
+                    Instr::Collective {
+                        target: Target::GradBucket {
+                            set: ParamSet::Dense,
+                            ..
+                        },
+                        ..
+                    }
+                )
+            });
             let tied = layout.tied_params();
             if pp > 1 && tied > 0.0 && (i == 0 || i == pp - 1) {
                 // The first and the last stage each hold the tied table: its two
@@ -1334,18 +1368,21 @@ fn build_phase(
             }
             if seq_partial > 0.0 {
                 // First, so the data-parallel reduction sees whole gradients.
-                phase.step.insert(
-                    0,
-                    collective(
-                        CollectiveKind::AllReduce,
-                        "tp",
-                        Axis::Tp,
-                        layout.tp,
-                        Target::SeqPartialGrads,
-                        seq_partial * layout.bpe,
-                    ),
+                let sum = collective(
+                    CollectiveKind::AllReduce,
+                    "tp",
+                    Axis::Tp,
+                    layout.tp,
+                    Target::SeqPartialGrads,
+                    seq_partial * layout.bpe,
                 );
+                if dense_per_mb {
+                    phase.chunks[0].backward.push(sum);
+                } else {
+                    phase.step.insert(0, sum);
+                }
             }
+            phase.chunks[0].backward.extend(per_mb);
         }
         phase.comm_bytes_per_gpu = phase.bytes_sent();
         phases.push(phase);

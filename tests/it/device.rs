@@ -255,9 +255,11 @@ fn device_interpreter_runs_zero3_bit_for_bit() {
 /// tensor and pipeline parallelism and ZeRO too.
 /// Between steps a ZeRO-3 rank holds its part of each segment copy's fp32 masters
 /// and of their moments, nothing whole: the whole weights live from a copy's gather
-/// to the end of its forward or backward, their gradients during the backward.
+/// to the end of its forward or backward, their gradients during the backward. A
+/// ZeRO-2 rank holds whole masters and its part of the moments, and gradients only
+/// while a micro-batch's backward writes them.
 #[test]
-fn zero3_ranks_hold_only_their_parts_between_steps() {
+fn zero_ranks_hold_only_their_parts_between_steps() {
     let opts = TrainOptions::default();
     let state = |m: &Model, cfg: &str| {
         let run = train_device(&plan(m, cfg), &opts, &|_| Ok(HostDevice)).expect(cfg);
@@ -286,6 +288,29 @@ fn zero3_ranks_hold_only_their_parts_between_steps() {
     let (z3, p) = state(&gpt2_like(), "dp=2,zero=3");
     assert_eq!(p, 16_384 + 2_048 + 2 * 33_472 + 128);
     assert_eq!(z3, 6.0 * p as f64 + 8.0 * 16_384.0);
+    // ZeRO-1 over 2: whole masters and gradients, half the moments, 4 + 4 + 8 / 2
+    // bytes. ZeRO-2 scatters every micro-batch's gradients (4 of them here: 8
+    // sequences over 2 ranks) and holds none whole between micro-batches or steps:
+    // 4 + 8 / 2. Its first micro-batch's gradients are the step's only ones when
+    // there is one micro-batch, so the two runs then train alike bit for bit.
+    let llama = model("tiny-gpt");
+    let p = 16_384 + 2 * 36_992 + 64 + 16_384;
+    let (z1, _) = state(&llama, "dp=2,zero=1");
+    let (z2, _) = state(&llama, "dp=2,zero=2");
+    assert_eq!((z1, z2), (12.0 * p as f64, 8.0 * p as f64));
+    let run = |cfg: &str| train_device(&plan(&llama, cfg), &opts, &|_| Ok(HostDevice)).expect(cfg);
+    let (a, b) = (run("dp=2,zero=1,mbs=4"), run("dp=2,zero=2,mbs=4"));
+    assert_eq!(a.losses, b.losses);
+    assert!(a
+        .ranks
+        .iter()
+        .zip(&b.ranks)
+        .all(|(x, y)| x.weights == y.weights));
+    let (a, b) = (run("dp=2,zero=1,mbs=1"), run("dp=2,zero=2,mbs=1"));
+    assert_ne!(
+        a.losses, b.losses,
+        "summed in another order, not bit for bit"
+    );
 }
 
 #[test]

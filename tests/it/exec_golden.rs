@@ -139,12 +139,17 @@ pub(crate) fn check(name: &str, run: &TrainReport) {
 /// false, and nothing compared, where none is.
 #[track_caller]
 pub(crate) fn check_where_recorded(name: &str, run: &TrainReport) -> bool {
-    let (base, own) = golden_names(name);
-    if !golden_path(&base).exists() && !golden_path(&own).exists() {
+    if !recorded(name) {
         return false;
     }
     check(name, run);
     true
+}
+
+/// Whether a golden of `name` is recorded (base or this CPU's own).
+pub(crate) fn recorded(name: &str) -> bool {
+    let (base, own) = golden_names(name);
+    golden_path(&base).exists() || golden_path(&own).exists()
 }
 
 /// [`check`] for an inference run.

@@ -77,7 +77,7 @@ const CASES: &[Case] = &[
             "--nodes",
             "480",
             "--config",
-            "dp=40,tp=4,pp=12,cp=2,mbs=1,zero=2,recompute=none,sp=true,vpp=1",
+            "dp=40,tp=4,pp=12,cp=2,mbs=1,zero=1,recompute=none,sp=true,vpp=1",
         ],
         expressible: &[],
     },

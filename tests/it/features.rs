@@ -282,6 +282,16 @@ fn plan_says_when_run_will_refuse_a_model_and_run_refuses_it() {
     }
 }
 
+/// Each feature `run` trains, its model, and `tp=2,` where its key/value heads
+/// split over two tensor ranks.
+fn trained_features() -> impl Iterator<Item = (&'static Feature, Model, &'static str)> {
+    FEATURES.iter().filter(|f| f.refused.is_none()).map(|f| {
+        let m = feature_model(f, false);
+        let kv = m.spec.transformer().expect("a transformer").kv_heads;
+        (f, m, if kv.is_multiple_of(2) { "tp=2," } else { "" })
+    })
+}
+
 /// Every feature saved on one layout and resumed on another (or the same) equals
 /// the uninterrupted run: bit for bit on the same plan, within `run --check`'s
 /// tolerances resharded. A checkpoint holds each weight whole, whatever split
@@ -289,14 +299,8 @@ fn plan_says_when_run_will_refuse_a_model_and_run_refuses_it() {
 #[test]
 fn every_feature_resumes_on_another_layout_like_the_uninterrupted_run() {
     let mut ran = 0;
-    for f in FEATURES.iter().filter(|f| f.refused.is_none()) {
-        let m = feature_model(f, false);
+    for (f, m, tp) in trained_features() {
         let t = m.spec.transformer().expect("a transformer");
-        let tp = if t.kv_heads.is_multiple_of(2) {
-            "tp=2,"
-        } else {
-            ""
-        };
         // ZeRO-3 with a table tied across stages is refused by the planner.
         let z = if t.tie_embeddings { 1 } else { 3 };
         let pairs: Vec<(String, String)> = if t.moe.is_some() {
@@ -331,14 +335,8 @@ fn every_feature_resumes_on_another_layout_like_the_uninterrupted_run() {
 #[test]
 fn every_feature_trains_in_bf16_within_the_mixed_precision_tolerances() {
     let mut ran = 0;
-    for f in FEATURES.iter().filter(|f| f.refused.is_none()) {
-        let m = feature_model(f, false);
+    for (f, m, tp) in trained_features() {
         let t = m.spec.transformer().expect("a transformer");
-        let tp = if t.kv_heads.is_multiple_of(2) {
-            "tp=2,"
-        } else {
-            ""
-        };
         let cfgs: Vec<String> = if t.moe.is_some() {
             vec!["dp=2,ep=2,zero=3".into(), "tp=2,ep=1,pp=2,mbs=1".into()]
         } else {

@@ -104,15 +104,25 @@ fn tuples(f: &[String], sets: &[Vec<usize>]) -> Vec<String> {
         .collect()
 }
 
-/// Greedy covering (the classic AETG-style reduction): repeatedly take the candidate
-/// that covers the most `t`-way combinations not yet covered, until every combination
-/// that occurs in the space is covered. Deterministic: ties go to the earlier one.
-fn cover(cands: &[Vec<String>], t: usize) -> (Vec<usize>, usize) {
+/// Greedy covering (the classic AETG-style reduction): the candidates `kept` first,
+/// each once (those whose goldens are recorded, so that a change to the space
+/// keeps checking every configuration already fingerprinted), then repeatedly the candidate that covers
+/// the most `t`-way combinations not yet covered, until every combination that
+/// occurs in the space is covered. Deterministic: ties go to the earlier one.
+fn cover(cands: &[Vec<String>], t: usize, kept: &[usize]) -> (Vec<usize>, usize) {
     let sets = subsets(cands.first().map_or(0, |f| f.len()), t);
     let per: Vec<Vec<String>> = cands.iter().map(|f| tuples(f, &sets)).collect();
     let mut left: BTreeSet<&str> = per.iter().flatten().map(|s| s.as_str()).collect();
     let total = left.len();
     let mut chosen = Vec::new();
+    for &i in kept {
+        if !chosen.contains(&i) {
+            for s in &per[i] {
+                left.remove(s.as_str());
+            }
+            chosen.push(i);
+        }
+    }
     while !left.is_empty() {
         let (best, gain) = per
             .iter()
@@ -151,11 +161,20 @@ fn covering_selects_every_pair_and_no_more_than_needed() {
             }
         }
     }
-    let (chosen, total) = cover(&all, 2);
+    let (chosen, total) = cover(&all, 2, &[]);
     assert_eq!(total, 12);
     assert!((4..=5).contains(&chosen.len()), "{chosen:?}");
     let mut covered = BTreeSet::new();
     for &i in &chosen {
+        covered.extend(tuples(&all[i], &subsets(3, 2)));
+    }
+    assert_eq!(covered.len(), 12);
+    // Rows kept come first, once each, whatever they add.
+    let (kept, _) = cover(&all, 2, &[7, 0, 7]);
+    assert_eq!(kept[..2], [7, 0]);
+    assert!(!kept[2..].contains(&7) && !kept[2..].contains(&0));
+    let mut covered = BTreeSet::new();
+    for &i in &kept {
         covered.extend(tuples(&all[i], &subsets(3, 2)));
     }
     assert_eq!(covered.len(), 12);
@@ -264,7 +283,17 @@ fn mode_matrix(part: usize, parts: usize, bf16: bool) {
         .iter()
         .map(|(mi, c, _)| factors(models[*mi].0, c))
         .collect();
-    let (chosen, combos) = cover(&feats, strength);
+    let kept: Vec<usize> = (lowered.iter().enumerate())
+        .filter(|(_, (mi, c, _))| {
+            let m = &models[*mi];
+            crate::exec_golden::recorded(&crate::executor::golden_name(
+                &m.1,
+                &format!("{} {c}", m.0),
+            ))
+        })
+        .map(|(i, _)| i)
+        .collect();
+    let (chosen, combos) = cover(&feats, strength, &kept);
     eprintln!(
         "mode matrix: {} configurations in the space ({refused} refused by the lowering), \
          {} chosen to cover all {combos} {strength}-way combinations",

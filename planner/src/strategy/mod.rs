@@ -338,8 +338,14 @@ fn weight_terms(ctx: &Ctx, t: &Tensor, p: &[Placement], g: &[Placement]) -> (f64
             push(Collective::AllGather, Phase::Backward);
             push(Collective::ReduceScatter, Phase::Backward);
         } else if dp && zero >= 1 {
-            // ZeRO-1/2: gradients reduce-scattered, updated shards gathered, per step.
-            push(Collective::ReduceScatter, Phase::PerStep);
+            // ZeRO-1: gradients reduce-scattered once per step; ZeRO-2: in every
+            // micro-batch. Both gather the updated shards once per step.
+            let scatter = if zero == 2 {
+                Phase::Backward
+            } else {
+                Phase::PerStep
+            };
+            push(Collective::ReduceScatter, scatter);
             push(Collective::AllGather, Phase::PerStep);
         } else {
             push(Collective::AllReduce, Phase::PerStep);

@@ -162,9 +162,13 @@ impl<'a, D: Device> DevRank<'a, D> {
         (x, dy): (&D::Act, &D::Act),
         dx: &mut D::Act,
     ) -> Res {
-        let missing = || fail(format!("{}: expert weights or gradients missing", op.name));
         let w = operand::<D>(&self.weights.master, &self.weights.compute, key)?;
-        let g = self.weights.wgrads.get_mut(key).ok_or_else(missing)?;
+        let g = grad_in(
+            &self.dev,
+            &mut self.weights.wgrads,
+            &self.weights.master,
+            key,
+        )?;
         linear_spans_bwd(&self.dev, counts, dims, (x, w, dy), (dx, g)).map_err(derr(&op.name))
     }
 

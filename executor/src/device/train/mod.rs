@@ -548,7 +548,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
             &StepItem::ReduceScatter(b) => {
                 let on = (&self.dev, &mut *self.comm);
-                self.zero.reduce_scatter(on, b, &self.weights.wgrads)?;
+                self.zero
+                    .reduce_scatter(on, b, &mut self.weights.wgrads, false)?;
                 let bk = &self.zero.scatter[b];
                 comm("ReduceScatter", &bk.axis, &bk.tensor)
             }

@@ -16,6 +16,28 @@ pub(super) struct Weights<D: Device> {
     pub(super) adam: BTreeMap<Key, (D::F32, D::F32)>,
 }
 
+/// `key`'s gradient to accumulate into: made at zero where no op has written it
+/// since a ZeRO-2 scatter let it go; missing with its weight.
+pub(super) fn grad_in<'w, D: Device>(
+    dev: &D,
+    wgrads: &'w mut BTreeMap<Key, D::F32>,
+    master: &BTreeMap<Key, D::F32>,
+    key: &Key,
+) -> Res<&'w mut D::F32> {
+    match wgrads.entry(key.clone()) {
+        std::collections::btree_map::Entry::Occupied(o) => Ok(o.into_mut()),
+        std::collections::btree_map::Entry::Vacant(v) => {
+            let n = (master.get(key).map(D::f32_len)).ok_or_else(|| {
+                fail(format!(
+                    "the gradient of `{}`: its weight is not held",
+                    key.0
+                ))
+            })?;
+            Ok(v.insert(dev.f32_zeros(n).map_err(derr(&key.0))?))
+        }
+    }
+}
+
 /// Where a rank sits on the mesh, beyond its tensor, context and expert places.
 pub(super) struct MeshPos {
     pub(super) groups: BTreeMap<String, Group>,

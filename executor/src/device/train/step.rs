@@ -22,17 +22,18 @@ impl<'a, D: Device> DevRank<'a, D> {
                     target: target @ (Target::SeqPartialGrads | Target::TiedGrads),
                     ..
                 } => {
-                    let (names, tensor) = if *target == Target::TiedGrads {
-                        (self.tied_names(), "grads:tied")
+                    let (keys, tensor) = if *target == Target::TiedGrads {
+                        let names = self.tied_names();
+                        let keys = self.weights.master.keys();
+                        let keys = keys.filter(|(name, _)| names.contains(name));
+                        (keys.cloned().collect(), "grads:tied")
                     } else {
-                        (self.seq_partial_names(None), "seq_partial_grads")
+                        (self.seq_partial_keys(), "seq_partial_grads")
                     };
-                    let keys = self.weights.master.keys();
-                    let keys = keys.filter(|(name, _)| names.contains(name)).cloned();
                     self.sync.step_plan.push(StepItem::SumGrads {
                         group: self.group(group)?,
                         axis: axis.name().to_string(),
-                        keys: keys.collect(),
+                        keys,
                         tensor,
                     });
                 }
@@ -77,9 +78,37 @@ impl<'a, D: Device> DevRank<'a, D> {
                 }
             }
         }
+        // ZeRO-2's buckets, reduce-scattered at the end of every micro-batch's
+        // backward.
+        for ch in &self.phase()?.chunks {
+            for instr in &ch.backward {
+                if let Instr::Collective {
+                    kind: CollectiveKind::ReduceScatter,
+                    group,
+                    axis,
+                    target: target @ Target::GradBucket { .. },
+                    ..
+                } = instr
+                {
+                    let bucket =
+                        self.bucket(target, (self.group(group)?, axis.name()), &layouts)?;
+                    self.zero.scatter.push(bucket);
+                }
+            }
+        }
         self.sync.in_flight = self.sync.buckets.iter().map(|_| None).collect();
         self.zero.layouts = layouts;
         Ok(())
+    }
+
+    /// Every weight whose gradient sequence parallelism leaves partial over the
+    /// tensor axis.
+    pub(super) fn seq_partial_keys(&self) -> Vec<Key> {
+        let names = self.seq_partial_names(None);
+        let keys = self.weights.master.keys();
+        keys.filter(|(name, _)| names.contains(name))
+            .cloned()
+            .collect()
     }
 
     /// Each parameter set's flat vector: its weights in the order the backward

@@ -118,6 +118,45 @@ impl<'a, D: Device> DevRank<'a, D> {
         crate::device::walk::forward(&mut w, instrs, layer, cur)
     }
 
+    /// An instruction of a backward list outside its segments: the stage
+    /// boundary's receive, gather and send, and (ZeRO-2) the micro-batch's
+    /// gradient scatters with the sequence-partial sums before them.
+    fn backward_boundary(&mut self, instr: &Instr, t: &mut Task<D>, layer: u64) -> Res {
+        match instr {
+            Instr::Send {
+                peer_stage, bytes, ..
+            } => self.stage.send(*peer_stage, *bytes, true)?,
+            Instr::Recv {
+                peer_stage, bytes, ..
+            } => self.stage.recv(*peer_stage, *bytes, true)?,
+            Instr::Collective {
+                kind: CollectiveKind::AllGather,
+                group,
+                axis,
+                target: Target::HiddenStatesGrad,
+                ..
+            } => {
+                let g = self.group(group)?;
+                let on = (&self.dev, &mut *self.comm);
+                self.stage.gather(on, (&g, axis.name()), true)?
+            }
+            // ZeRO-2: the micro-batch's gradients reduce-scattered, and the
+            // sequence-partial sums before it.
+            Instr::Collective { .. } => {
+                if let Some(c) = Coll::of(instr) {
+                    self.collective(c, layer, t, true)?
+                }
+            }
+            other => {
+                return Err(fail(format!(
+                    "the device interpreter does not run `{}` in a backward list",
+                    other.op_name()
+                )))
+            }
+        }
+        Ok(())
+    }
+
     pub(super) fn run_backward(
         &mut self,
         instrs: &[Instr],
@@ -132,31 +171,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 body,
             } = instr
             else {
-                match instr {
-                    Instr::Send {
-                        peer_stage, bytes, ..
-                    } => self.stage.send(*peer_stage, *bytes, true)?,
-                    Instr::Recv {
-                        peer_stage, bytes, ..
-                    } => self.stage.recv(*peer_stage, *bytes, true)?,
-                    Instr::Collective {
-                        kind: CollectiveKind::AllGather,
-                        group,
-                        axis,
-                        target: Target::HiddenStatesGrad,
-                        ..
-                    } => {
-                        let g = self.group(group)?;
-                        let on = (&self.dev, &mut *self.comm);
-                        self.stage.gather(on, (&g, axis.name()), true)?
-                    }
-                    other => {
-                        return Err(fail(format!(
-                            "the device interpreter does not run `{}` in a backward list",
-                            other.op_name()
-                        )))
-                    }
-                }
+                self.backward_boundary(instr, t, *layer)?;
                 continue;
             };
             let s = segment_index(self.graph, name)?;

@@ -66,19 +66,62 @@ impl<D: Device> ZeroState<D> {
         self.scatter.iter().any(|b| b.set == set)
     }
 
-    /// Gradient bucket `i` summed over the data ranks, this rank keeping its part.
+    /// Gradient bucket `i` summed over the data ranks, this rank keeping its part
+    /// (adding it to the part an earlier micro-batch left, under ZeRO-2). A
+    /// `per_microbatch` (ZeRO-2) scatter zeroes the bucket's gradients for the
+    /// next micro-batch, and the set's last lets them go: whole gradients exist
+    /// only while a micro-batch's backward writes them (the ops make them again,
+    /// at zero, as they first write them).
     pub(super) fn reduce_scatter(
         &mut self,
         (dev, comm): (&D, &mut D::Comm),
         i: usize,
-        wgrads: &BTreeMap<Key, D::F32>,
+        wgrads: &mut BTreeMap<Key, D::F32>,
+        per_microbatch: bool,
     ) -> Res {
         let bk = &self.scatter[i];
+        let e = derr("reduce-scatter");
+        if per_microbatch {
+            // A weight no op wrote in this micro-batch (an expert no token chose,
+            // for instance) has a zero gradient.
+            for (key, ..) in &bk.pieces {
+                if !wgrads.contains_key(key) {
+                    let n = (self.layout(bk.set).iter())
+                        .find(|(k, _)| k == key)
+                        .map_or(0, |(_, n)| *n);
+                    wgrads.insert(key.clone(), dev.f32_zeros(n).map_err(&e)?);
+                }
+            }
+        }
         let buf = bk.packed(dev, wgrads, "reduce-scatter")?;
+        if per_microbatch {
+            let last = !self.scatter[i + 1..].iter().any(|b| b.set == bk.set);
+            if last {
+                for (key, _) in self.layout(bk.set) {
+                    wgrads.remove(key);
+                }
+            } else {
+                let zeros = dev.f32_zeros(bk.len).map_err(&e)?;
+                unpack(dev, &zeros, &bk.pieces, wgrads, "reduce-scatter")?;
+            }
+        }
         let on = (CommKind::ReduceScatter, (&bk.group, bk.axis.as_str()));
         let part = comm.f32_collective_owned(dev, on, buf)?;
-        self.shards.push((bk.set, bk.own, part));
+        let (set, own) = (bk.set, bk.own);
+        match (self.shards.iter_mut()).find(|(s, at, _)| (*s, *at) == (set, own)) {
+            Some((.., acc)) => dev
+                .f32_accumulate(acc, &part)
+                .map_err(derr("reduce-scatter"))?,
+            None => self.shards.push((set, own, part)),
+        }
         Ok(())
+    }
+
+    /// The index of the gradient bucket `target` names.
+    pub(super) fn scatter_index(&self, target: &Target) -> Res<usize> {
+        let name = target.to_string();
+        (self.scatter.iter().position(|b| b.tensor == name))
+            .ok_or_else(|| fail(format!("`{name}` is not a gradient bucket of this stage")))
     }
 
     /// Parameter bucket `i` from the parts each data rank updated.

@@ -31,11 +31,7 @@ impl<D: Device> DevRank<'_, D> {
         let key = self.wkey(op.inputs[1], l)?;
         let ids = self.lookup_ids(op, t, D::act_len(&dy) / dim.max(1))?;
         let start = self.site().vocab_start(op)?;
-        let dt = self
-            .weights
-            .wgrads
-            .get_mut(&key)
-            .ok_or_else(|| fail("embedding gradient missing"))?;
+        let dt = grad_in(dev, &mut self.weights.wgrads, &self.weights.master, &key)?;
         dev.embedding_bwd(
             &Embed {
                 ids,

@@ -30,11 +30,7 @@ impl<D: Device> DevRank<'_, D> {
         let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
         let (kk, n) = self.site().matmul_dims(op, w)?;
         let rows = D::act_len(&x) / kk.max(1);
-        let dw = self
-            .weights
-            .wgrads
-            .get_mut(&wkey)
-            .ok_or_else(|| fail("gradient missing"))?;
+        let dw = grad_in(dev, &mut self.weights.wgrads, &self.weights.master, &wkey)?;
         // The two products are independent: side by side on a host's threads.
         let (dx, acc) = if crate::shard::weight_transposed(op) {
             // `y = x wᵀ` with `w [n, k]`: `dx = dy w`, `dw += dyᵀ x`.
@@ -52,11 +48,7 @@ impl<D: Device> DevRank<'_, D> {
         acc.map_err(&e)?;
         if let Some(&b) = op.inputs.get(2) {
             let bk = self.wkey(b, l)?;
-            let db = self
-                .weights
-                .wgrads
-                .get_mut(&bk)
-                .ok_or_else(|| fail("bias gradient missing"))?;
+            let db = grad_in(dev, &mut self.weights.wgrads, &self.weights.master, &bk)?;
             dev.bias_grad(&dy, db).map_err(&e)?;
         }
         // A split op's input gradient is partial until the program sums it.

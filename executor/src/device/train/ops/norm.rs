@@ -40,11 +40,14 @@ impl<D: Device> DevRank<'_, D> {
         let bkey = op.inputs.get(2).map(|&b| self.wkey(b, l)).transpose()?;
         let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
         let rstd = stat(t, l, &op.name, Stat::Rstd)?;
-        let mut dw = self
-            .weights
-            .wgrads
-            .remove(&wkey)
-            .ok_or_else(|| fail("norm gradient missing"))?;
+        grad_in(
+            &self.dev,
+            &mut self.weights.wgrads,
+            &self.weights.master,
+            &wkey,
+        )?;
+        let mut dw =
+            (self.weights.wgrads.remove(&wkey)).ok_or_else(|| fail("norm gradient missing"))?;
         let layer = *kind == NormKind::Layernorm;
         let mean = layer
             .then(|| stat(t, l, &op.name, Stat::Mean))
@@ -54,12 +57,12 @@ impl<D: Device> DevRank<'_, D> {
             .then(|| self.zeros_f32(dim))
             .transpose()?;
         let db = match &bkey {
-            Some(k) => Some(
-                self.weights
-                    .wgrads
-                    .get_mut(k)
-                    .ok_or_else(|| fail("bias gradient missing"))?,
-            ),
+            Some(k) => Some(grad_in(
+                &self.dev,
+                &mut self.weights.wgrads,
+                &self.weights.master,
+                k,
+            )?),
             None => scratch.as_mut(),
         };
         let (x, kind, eps) = (&*x, *kind, self.graph.constants.norm_eps as f32);
