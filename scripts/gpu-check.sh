@@ -125,6 +125,13 @@ run plan-zero3 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-tes
     --config dp=4,tp=2,pp=1,cp=1,zero=3 -o "$OUTDIR/zero3.json" --quiet
 run run-check-zero3 "$STEP" "$B/bin/meshplan" run "$OUTDIR/zero3.json" --backend cuda --steps 5 --check
 if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=4 tp=2 ZeRO-3)" PASS; else result "run --backend cuda --check (device, dp=4 tp=2 ZeRO-3)" FAIL; fi
+# ZeRO-2 (each micro-batch's gradients reduce-scattered and let go, the parts added
+# up) with sequence parallelism, on the device interpreter: 8 sequences over dp=2 at
+# mbs=1 are 4 micro-batches.
+run plan-zero2 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
+    --config dp=2,tp=2,pp=2,cp=1,mbs=1,sp=true,zero=2 -o "$OUTDIR/zero2.json" --quiet
+run run-check-zero2 "$STEP" "$B/bin/meshplan" run "$OUTDIR/zero2.json" --backend cuda --steps 5 --check
+if [ "$rc" = 0 ]; then result "run --backend cuda --check (device, dp=2 tp=2 pp=2 ZeRO-2, 4 micro-batches)" PASS; else result "run --backend cuda --check (device, dp=2 tp=2 pp=2 ZeRO-2, 4 micro-batches)" FAIL; fi
 # Context parallelism (ring attention) on the device interpreter.
 run plan-cp2 30 "$B/bin/meshplan" plan models/tiny-gpt.yaml topologies/cpu-test-mesh.yaml \
     --config dp=2,tp=2,pp=1,cp=2,sp=true -o "$OUTDIR/cp2.json" --quiet
