@@ -1317,39 +1317,10 @@ fn build_phase(
             comm_bytes_per_gpu: Default::default(),
         };
         if spec.training {
-            phase.step = optimizer_step(layout, dense, experts, spec.bucket_params);
-            // ZeRO-2 shards the gradients themselves: each micro-batch's are
-            // reduce-scattered as soon as the stage's backward of it ends (its first
-            // chunk's), each rank adding up its part, so that no rank holds whole
-            // gradients from one micro-batch to the next (DeepSpeed's stage 2
-            // reduces in every micro-batch for this reason).
-            let per_mb: Vec<Instr> = if layout.zero == 2 {
-                let (rs, rest) = std::mem::take(&mut phase.step).into_iter().partition(|i| {
-                    matches!(
-                        i,
-                        Instr::Collective {
-                            kind: CollectiveKind::ReduceScatter,
-                            ..
-                        }
-                    )
-                });
-                phase.step = rest;
-                rs
-            } else {
-                Vec::new()
-            };
-            let dense_per_mb = per_mb.iter().any(|i| {
-                matches!(
-                    i,
-                    Instr::Collective {
-                        target: Target::GradBucket {
-                            set: ParamSet::Dense,
-                            ..
-                        },
-                        ..
-                    }
-                )
-            });
+            let (per_mb, step) = optimizer_step(layout, dense, experts, spec.bucket_params);
+            phase.step = step;
+            // ZeRO-2 reduce-scatters the dense gradients in every micro-batch.
+            let dense_per_mb = layout.zero == 2 && layout.dense_dp > 1 && dense > 0.0;
             let tied = layout.tied_params();
             if pp > 1 && tied > 0.0 && (i == 0 || i == pp - 1) {
                 // The first and the last stage each hold the tied table: its two
@@ -1390,9 +1361,20 @@ fn build_phase(
     Ok(phases)
 }
 
-/// Once per step: reduce gradients over the data groups per the ZeRO stage, update
-/// this rank's share of the parameters, gather updated parameters (ZeRO 1, 2).
-fn optimizer_step(layout: &Layout<'_>, dense: f64, experts: f64, bucket_params: f64) -> Vec<Instr> {
+/// The data groups' gradient reduction per the ZeRO stage, the update of this
+/// rank's share of the parameters and the gather of the updated parameters (ZeRO
+/// 1, 2): `(per micro-batch, per step)`. ZeRO-2 shards the gradients themselves:
+/// its reduce-scatters come back apart, to close the stage's backward of every
+/// micro-batch (its first chunk's), each rank adding up its part, so that no rank
+/// holds whole gradients from one micro-batch to the next (DeepSpeed's stage 2
+/// reduces in every micro-batch for this reason); every other stage reduces once
+/// per step.
+fn optimizer_step(
+    layout: &Layout<'_>,
+    dense: f64,
+    experts: f64,
+    bucket_params: f64,
+) -> (Vec<Instr>, Vec<Instr>) {
     let zero = layout.zero;
     let bpe = layout.bpe;
     let groups = [
@@ -1453,9 +1435,13 @@ fn optimizer_step(layout: &Layout<'_>, dense: f64, experts: f64, bucket_params: 
             elements: params / share,
         });
     }
+    if zero == 2 {
+        update.extend(gather);
+        return (reduce, update);
+    }
     reduce.extend(update);
     reduce.extend(gather);
-    reduce
+    (Vec::new(), reduce)
 }
 
 /// Lowers a training configuration into a plan: one `train` phase per stage.

@@ -79,20 +79,18 @@ impl<'a, D: Device> DevRank<'a, D> {
                 step::sum_grads(on, (&g, axis), what, &mut self.weights.wgrads)?
             }
             // ZeRO-2, at the end of each micro-batch's backward: this rank adds up
-            // its part of the sum, and the bucket's gradients start again at zero.
+            // its part of the sum, and the set's last scatter lets its gradients go.
             (Target::GradBucket { .. }, RS) => {
                 let i = self.zero.scatter_index(target)?;
+                let keys = self.zero.scatter[i].pieces.iter().map(|(k, ..)| k);
+                self.weights.hold_grads(&self.dev, keys)?;
                 let on = (&self.dev, &mut *self.comm);
                 self.zero
                     .reduce_scatter(on, i, &mut self.weights.wgrads, true)?
             }
             (Target::SeqPartialGrads, CollectiveKind::AllReduce) => {
                 let keys = self.seq_partial_keys();
-                // Under interleaved stages a later chunk's gradients may have gone
-                // with an earlier micro-batch's scatter: zero, not missing.
-                for k in &keys {
-                    grad_in(&self.dev, &mut self.weights.wgrads, &self.weights.master, k)?;
-                }
+                self.weights.hold_grads(&self.dev, &keys)?;
                 let on = (&self.dev, &mut *self.comm);
                 let what = (&keys[..], "seq_partial_grads");
                 step::sum_grads(on, (&g, axis), what, &mut self.weights.wgrads)?

@@ -38,6 +38,23 @@ pub(super) fn grad_in<'w, D: Device>(
     }
 }
 
+impl<D: Device> Weights<D> {
+    /// Each of `keys`' gradients held, at zero where none is ([`grad_in`]): what
+    /// a collective reads that a backward may not have written since a ZeRO-2
+    /// scatter let it go (an expert no token chose, a later chunk's gradients under
+    /// interleaved stages).
+    pub(super) fn hold_grads<'k>(
+        &mut self,
+        dev: &D,
+        keys: impl IntoIterator<Item = &'k Key>,
+    ) -> Res {
+        for key in keys {
+            grad_in(dev, &mut self.wgrads, &self.master, key)?;
+        }
+        Ok(())
+    }
+}
+
 /// Where a rank sits on the mesh, beyond its tensor, context and expert places.
 pub(super) struct MeshPos {
     pub(super) groups: BTreeMap<String, Group>,

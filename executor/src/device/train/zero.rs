@@ -67,11 +67,11 @@ impl<D: Device> ZeroState<D> {
     }
 
     /// Gradient bucket `i` summed over the data ranks, this rank keeping its part
-    /// (adding it to the part an earlier micro-batch left, under ZeRO-2). A
-    /// `per_microbatch` (ZeRO-2) scatter zeroes the bucket's gradients for the
-    /// next micro-batch, and the set's last lets them go: whole gradients exist
-    /// only while a micro-batch's backward writes them (the ops make them again,
-    /// at zero, as they first write them).
+    /// (adding it to the part an earlier micro-batch left, under ZeRO-2). The
+    /// last of a set's `per_microbatch` (ZeRO-2) scatters, which run back to back
+    /// at the end of a micro-batch's backward, lets the set's whole gradients go:
+    /// they exist only while a backward writes them (the ops make them again, at
+    /// zero, as they first write them).
     pub(super) fn reduce_scatter(
         &mut self,
         (dev, comm): (&D, &mut D::Comm),
@@ -80,29 +80,10 @@ impl<D: Device> ZeroState<D> {
         per_microbatch: bool,
     ) -> Res {
         let bk = &self.scatter[i];
-        let e = derr("reduce-scatter");
-        if per_microbatch {
-            // A weight no op wrote in this micro-batch (an expert no token chose,
-            // for instance) has a zero gradient.
-            for (key, ..) in &bk.pieces {
-                if !wgrads.contains_key(key) {
-                    let n = (self.layout(bk.set).iter())
-                        .find(|(k, _)| k == key)
-                        .map_or(0, |(_, n)| *n);
-                    wgrads.insert(key.clone(), dev.f32_zeros(n).map_err(&e)?);
-                }
-            }
-        }
         let buf = bk.packed(dev, wgrads, "reduce-scatter")?;
-        if per_microbatch {
-            let last = !self.scatter[i + 1..].iter().any(|b| b.set == bk.set);
-            if last {
-                for (key, _) in self.layout(bk.set) {
-                    wgrads.remove(key);
-                }
-            } else {
-                let zeros = dev.f32_zeros(bk.len).map_err(&e)?;
-                unpack(dev, &zeros, &bk.pieces, wgrads, "reduce-scatter")?;
+        if per_microbatch && !self.scatter[i + 1..].iter().any(|b| b.set == bk.set) {
+            for (key, _) in self.layout(bk.set) {
+                wgrads.remove(key);
             }
         }
         let on = (CommKind::ReduceScatter, (&bk.group, bk.axis.as_str()));

@@ -40,6 +40,7 @@ impl<D: Device> DevRank<'_, D> {
         let bkey = op.inputs.get(2).map(|&b| self.wkey(b, l)).transpose()?;
         let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
         let rstd = stat(t, l, &op.name, Stat::Rstd)?;
+        // Taken out (made first where missing) to be held beside the bias's.
         grad_in(
             &self.dev,
             &mut self.weights.wgrads,
