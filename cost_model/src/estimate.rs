@@ -9,7 +9,7 @@ use crate::collective::{bytes_sent_per_rank, Collective, CommModel};
 use crate::compute::Roofline;
 use crate::framework::Mechanisms;
 use crate::graph_cost::{LayoutCtx, PreparedGraph, SegCost};
-use crate::memory::{model_state_bytes, model_state_bytes_with, MemoryLedger};
+use crate::memory::{model_state_bytes, model_states, MemoryLedger};
 use crate::pipeline::{simulate, PipelineInput};
 use crate::timeline::{InferenceTimeline, StageTail, TrainTimeline};
 use meshplan_ir::{DimEnv, ParallelConfig, Recompute, SegmentKind, Workload};
@@ -1008,6 +1008,10 @@ fn train_impl(
 
     // Pipeline.
     let bpe = pg.dtype.size_bytes() as f64;
+    // Gradient sums (data-parallel reductions, the tied table's, sequence
+    // parallelism's partial norms) travel in the framework's gradient precision,
+    // never below the compute dtype's.
+    let grad_bpe = mech.grad_bytes.max(bpe);
     // Without sequence parallelism each tensor rank sends its 1/tp slice and the
     // receiver gathers it over the tensor axis (Megatron's scatter-gather), unless the
     // framework's pipeline engine sends every tensor rank's whole copy; with sequence
@@ -1099,8 +1103,8 @@ fn train_impl(
                 }
                 let shared = if group.nodes() > 1 { nic_pass } else { 0.0 };
                 // Gradients travel in the framework's precision, never below the
-                // compute dtype's.
-                let (p_bytes, g_bytes) = (params * bpe, params * mech.grad_bytes.max(bpe));
+                // compute dtype's; parameters as the framework gathers them.
+                let (p_bytes, g_bytes) = (params * mech.gather_bytes(bpe), params * grad_bpe);
                 if cfg.zero >= 3 {
                     let b = 2.0 * bytes_sent_per_rank(Collective::AllGather, n, p_bytes)
                         + bytes_sent_per_rank(Collective::ReduceScatter, n, g_bytes);
@@ -1170,7 +1174,7 @@ fn train_impl(
         let (sp_sync_s, sp_sync_bytes) = if seq_partial > 0.0 {
             let per_mb = cfg.zero >= 2 && dense_dp > 1;
             let times = if per_mb { m } else { 1.0 };
-            let g = seq_partial * bpe;
+            let g = seq_partial * grad_bpe;
             (
                 times * comm.time_s(Collective::AllReduce, groups.tp, g),
                 times * bytes_sent_per_rank(Collective::AllReduce, cfg.tp, g),
@@ -1183,7 +1187,7 @@ fn train_impl(
         // stage: their gradients meet in one AllReduce per step (Megatron's embedding
         // group), before the data-parallel reduction, exposed like it.
         let (tied_s, tied_bytes) = if pp > 1 && shared > 0.0 && (i == 0 || i == pp - 1) {
-            let g = shared * bpe;
+            let g = shared * grad_bpe;
             (
                 comm.time_s(Collective::AllReduce, groups.embed, g),
                 bytes_sent_per_rank(Collective::AllReduce, 2, g),
@@ -1216,8 +1220,9 @@ fn train_impl(
         }
 
         // Memory.
-        let (pd, gd, od) = model_state_bytes_with(dense, dense_dp, cfg.zero, mech.grad_bytes);
-        let (pe, ge, oe) = model_state_bytes_with(expert, expert_dp, cfg.zero, mech.grad_bytes);
+        let hold = mech.holding(bpe);
+        let (pd, gd, od) = model_states(dense, dense_dp, cfg.zero, hold);
+        let (pe, ge, oe) = model_states(expert, expert_dp, cfg.zero, hold);
         let act_per_mb = mine.iter().map(|c| c.act).fold(0.0, f64::max);
         let transient = mine.iter().map(|c| c.transient).fold(0.0, f64::max);
         let bucket_buffers = 2.0 * (dense + expert).min(calib::DP_BUCKET_PARAMS) * bpe;

@@ -10,6 +10,31 @@ pub const PARAM_BYTES: f64 = 2.0;
 pub const GRAD_BYTES: f64 = 2.0;
 /// Bytes per parameter of AdamW's fp32 master weights, momentum and variance (`K = 12`).
 pub const OPTIMIZER_BYTES: f64 = 12.0;
+/// Bytes per parameter of an fp32 master weight.
+const MASTER_BYTES: f64 = 4.0;
+
+/// How a framework holds the model states of AdamW training: the precision of the
+/// compute copy and of the gradients, and what ZeRO partitions.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Holding {
+    /// Bytes per element of the compute copy (the model's dtype). An fp32 model
+    /// computes on its masters and keeps no second copy.
+    pub compute_bytes: f64,
+    /// Bytes per element of the gradients held (never below the compute copy's).
+    pub grad_bytes: f64,
+    /// Whether ZeRO 1-2 partition the fp32 masters with the moments (the ZeRO
+    /// paper, Megatron-LM's distributed optimizer, DeepSpeed), or every data rank
+    /// keeps them whole and updates its part. ZeRO-3 partitions them either way.
+    pub shards_masters: bool,
+}
+
+/// The ZeRO paper's mixed-precision accounting: fp16 parameters and gradients,
+/// `K = 12` bytes of optimizer state, all partitioned by stage.
+pub const ZERO_PAPER: Holding = Holding {
+    compute_bytes: PARAM_BYTES,
+    grad_bytes: GRAD_BYTES,
+    shards_masters: true,
+};
 
 /// Model-state bytes on one GPU holding `params` parameters replicated over a
 /// data-parallel group of `dp` under ZeRO `stage` (ZeRO paper, Sec. 3.1):
@@ -17,17 +42,27 @@ pub const OPTIMIZER_BYTES: f64 = 12.0;
 ///
 /// Returns (params, grads, optimizer) bytes.
 pub fn model_state_bytes(params: f64, dp: u64, stage: u8) -> (f64, f64, f64) {
-    model_state_bytes_with(params, dp, stage, GRAD_BYTES)
+    model_states(params, dp, stage, ZERO_PAPER)
 }
 
-/// [`model_state_bytes`] with gradients held in `grad_bytes` per element: Megatron-LM's
-/// fp32 main gradients (4) make stage 0 `18 P`.
-pub fn model_state_bytes_with(params: f64, dp: u64, stage: u8, grad_bytes: f64) -> (f64, f64, f64) {
+/// [`model_state_bytes`] as framework `h` holds them: the compute copy, the gradients
+/// (Megatron-LM's fp32 main gradients make stage 0 `18 P` and its distributed
+/// optimizer `6 P + 12 P / dp`), fp32 masters unless the compute copy is fp32
+/// itself, and AdamW's two fp32 moments (8 bytes), each divided by `dp` from the
+/// stage that partitions it.
+pub fn model_states(params: f64, dp: u64, stage: u8, h: Holding) -> (f64, f64, f64) {
     let d = dp.max(1) as f64;
-    let p = PARAM_BYTES * params / if stage >= 3 { d } else { 1.0 };
-    let g = grad_bytes * params / if stage >= 2 { d } else { 1.0 };
-    let o = OPTIMIZER_BYTES * params / if stage >= 1 { d } else { 1.0 };
-    (p, g, o)
+    let over = |from: bool| if from { d } else { 1.0 };
+    let p = h.compute_bytes * params / over(stage >= 3);
+    let g = h.grad_bytes.max(h.compute_bytes) * params / over(stage >= 2);
+    let master = if h.compute_bytes < MASTER_BYTES {
+        MASTER_BYTES
+    } else {
+        0.0
+    };
+    let masters = master * params / over(stage >= 3 || (stage >= 1 && h.shards_masters));
+    let moments = (OPTIMIZER_BYTES - MASTER_BYTES) * params / over(stage >= 1);
+    (p, g, masters + moments)
 }
 
 /// KV cache bytes: `layers x tokens x 2 x kv_heads x head_dim x bytes`, given the
@@ -90,6 +125,37 @@ mod tests {
         assert!((total(1) - 31.40625).abs() < 1e-9);
         assert!((total(2) - 16.640625).abs() < 1e-9);
         assert!((total(3) - 1.875).abs() < 1e-9);
+    }
+
+    #[test]
+    fn holdings_by_hand() {
+        let h = |compute_bytes, grad_bytes, shards_masters| Holding {
+            compute_bytes,
+            grad_bytes,
+            shards_masters,
+        };
+        let per_param = |stage, hold| {
+            let (p, g, o) = model_states(1.0, 4, stage, hold);
+            [p, g, o]
+        };
+        // bf16 with fp32 gradients (Megatron-LM): 2 + 4 + (4 + 8) = 18 per
+        // parameter; its distributed optimizer 6 + 12 / 4 = 9.
+        assert_eq!(per_param(0, h(2.0, 4.0, true)), [2.0, 4.0, 12.0]);
+        assert_eq!(per_param(1, h(2.0, 4.0, true)), [2.0, 4.0, 3.0]);
+        // Whole masters under ZeRO 1-2: only the moments are divided (4 + 8 / 4),
+        // and ZeRO-3 divides everything.
+        assert_eq!(per_param(1, h(2.0, 4.0, false)), [2.0, 4.0, 6.0]);
+        assert_eq!(per_param(2, h(2.0, 4.0, false)), [2.0, 1.0, 6.0]);
+        assert_eq!(per_param(3, h(2.0, 4.0, false)), [0.5, 1.0, 3.0]);
+        // fp32 computes on its masters: 4 + 4 + 8 = 16, and gradients never
+        // narrower than the weights.
+        assert_eq!(per_param(0, h(4.0, 2.0, false)), [4.0, 4.0, 8.0]);
+        assert_eq!(per_param(1, h(4.0, 4.0, false)), [4.0, 4.0, 2.0]);
+        // The paper's accounting is the 2-byte holding that partitions masters.
+        assert_eq!(
+            model_state_bytes(7.0, 4, 1),
+            model_states(7.0, 4, 1, h(2.0, 2.0, true))
+        );
     }
 
     #[test]

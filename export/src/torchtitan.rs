@@ -21,9 +21,14 @@ pub(crate) fn export(plan: &Plan, target: Target) -> Result<String, crate::Canno
     let layers = plan.model.layers;
     if c.zero == 1 {
         let opt = predicted(plan, &["memory_per_gpu_bytes", "optimizer"]).unwrap_or(0.0);
+        // The rank's parameters, from its compute copy (whole below ZeRO-3): AdamW's
+        // two fp32 moments and, below fp32, fp32 masters, unsharded under DDP.
+        let bpe = plan.model.dtype.size_bytes() as f64;
+        let params = predicted(plan, &["memory_per_gpu_bytes", "params"]).unwrap_or(0.0) / bpe;
+        let unsharded = params * if bpe < 4.0 { 12.0 } else { 8.0 };
         r.push(format!(
             "torchtitan has no ZeRO-1: its data axis is DDP (the optimizer state unsharded, up to {:.1} GiB per GPU instead of the plan's {:.1} GiB) or FSDP (gradients sharded too, plus parameter all-gathers the plan did not price); re-plan with --config zero=0, zero=2 or zero=3",
-            gib(opt) * (c.dp * c.cp) as f64,
+            gib(unsharded),
             gib(opt)
         ));
     }

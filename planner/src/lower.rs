@@ -35,8 +35,8 @@
 
 use meshplan_cost_model::collective::bytes_sent_per_rank;
 use meshplan_cost_model::{
-    inference_timeline, train_timeline_with, Cluster, Estimate, InferenceLoad, PreparedGraph,
-    Timeline,
+    inference_timeline, train_timeline_with, Cluster, Estimate, InferenceLoad, Mechanisms,
+    PreparedGraph, Timeline,
 };
 use meshplan_ir::graph::{attention_half, Segment};
 use meshplan_ir::plan::{
@@ -142,6 +142,10 @@ struct Layout<'a> {
     recompute: Recompute,
     env: DimEnv,
     bpe: f64,
+    /// Bytes per element of gradient sums and of ZeRO's parameter gathers, as the
+    /// plan's framework moves them (`Mechanisms::grad_bytes`, `gather_bytes`).
+    grad_bpe: f64,
+    gather_bpe: f64,
     /// ZeRO stage, and whether it is 3 (parameter gathers per segment).
     zero: u8,
     zero3: bool,
@@ -736,7 +740,7 @@ impl Layout<'_> {
                 if n <= 1 || params <= 0.0 {
                     continue;
                 }
-                let g = params * bpe;
+                let (p, g) = (params * self.gather_bpe, params * self.grad_bpe);
                 let segment = seg.name.clone();
                 let gather = || {
                     collective(
@@ -748,7 +752,7 @@ impl Layout<'_> {
                             segment: segment.clone(),
                             set,
                         },
-                        g,
+                        p,
                     )
                 };
                 f_pre.push(gather());
@@ -762,7 +766,7 @@ impl Layout<'_> {
                         Target::SegmentSeqPartialGrads {
                             segment: segment.clone(),
                         },
-                        seq_partial * bpe,
+                        seq_partial * self.grad_bpe,
                     ));
                 }
                 b_post.push(collective(
@@ -1333,7 +1337,7 @@ fn build_phase(
                         Axis::Pp,
                         2,
                         Target::TiedGrads,
-                        tied * layout.bpe,
+                        tied * layout.grad_bpe,
                     ),
                 );
             }
@@ -1345,7 +1349,7 @@ fn build_phase(
                     Axis::Tp,
                     layout.tp,
                     Target::SeqPartialGrads,
-                    seq_partial * layout.bpe,
+                    seq_partial * layout.grad_bpe,
                 );
                 if dense_per_mb {
                     phase.chunks[0].backward.push(sum);
@@ -1376,7 +1380,6 @@ fn optimizer_step(
     bucket_params: f64,
 ) -> (Vec<Instr>, Vec<Instr>) {
     let zero = layout.zero;
-    let bpe = layout.bpe;
     let groups = [
         (dense, "dp", layout.dense_dp, ParamSet::Dense),
         (experts, "edp", layout.expert_dp, ParamSet::Experts),
@@ -1397,7 +1400,8 @@ fn optimizer_step(
             while start < total {
                 let end = (start + size).min(total);
                 let range = (start > 0 || end < total).then_some((start, end));
-                let g = (end - start) as f64 * bpe;
+                let elems = (end - start) as f64;
+                let (p, g) = (elems * layout.gather_bpe, elems * layout.grad_bpe);
                 if zero == 0 {
                     reduce.push(collective(
                         CollectiveKind::AllReduce,
@@ -1422,7 +1426,7 @@ fn optimizer_step(
                         Axis::Dp,
                         n,
                         Target::ParamBucket { set, range },
-                        g,
+                        p,
                     ));
                 }
                 start = end;
@@ -1473,6 +1477,8 @@ pub fn lower_train(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
     let pg = input.prepared;
     let microbatches = global_batch.div_ceil(cfg.dp * cfg.mbs);
     let seq = seq_len as f64;
+    let bpe = pg.dtype.size_bytes() as f64;
+    let mech = Mechanisms::of(input.workload.framework());
     let layout = Layout {
         graph: input.graph,
         pg,
@@ -1487,7 +1493,9 @@ pub fn lower_train(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
             seq,
             kv: seq,
         },
-        bpe: pg.dtype.size_bytes() as f64,
+        bpe,
+        grad_bpe: mech.grad_bytes.max(bpe),
+        gather_bpe: mech.gather_bytes(bpe),
         zero3: cfg.zero >= 3,
         zero: cfg.zero,
         dense_dp: cfg.dp * cfg.cp,
@@ -1573,6 +1581,8 @@ pub fn lower_inference(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
             kv: prompt_len as f64,
         },
         bpe: pg.dtype.size_bytes() as f64,
+        grad_bpe: pg.dtype.size_bytes() as f64,
+        gather_bpe: pg.dtype.size_bytes() as f64,
         zero3: false,
         zero: 0,
         dense_dp: cfg.dp * cfg.cp,

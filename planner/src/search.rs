@@ -15,7 +15,7 @@
 //!    refined step time is what the ranking and the plan report.
 
 use crate::cost_model::estimate::{check_train_shapes, gib, Estimate};
-use crate::cost_model::memory::model_state_bytes;
+use crate::cost_model::memory::{model_state_bytes, model_states};
 use crate::cost_model::{
     calib,
     estimate::{estimate_train_balanced_with, even_layer_split},
@@ -1200,17 +1200,20 @@ pub fn price_config(
     }
 }
 
-/// Per-micro-batch stage costs of a configuration for the stage DP.
+/// Per-micro-batch stage costs of a configuration for the stage DP, model states
+/// as framework `mech` holds them.
 pub fn stage_costs(
     pg: &PreparedGraph,
     cluster: &Cluster,
     cfg: &ParallelConfig,
     seq_len: u64,
+    mech: &Mechanisms,
 ) -> StageCosts {
     let ctx = train_ctx(pg, cluster, cfg, seq_len);
     let costs = ctx.price(pg);
+    let hold = mech.holding(pg.dtype.size_bytes() as f64);
     let state = |params: f64| {
-        let (p, g, o) = model_state_bytes(params, cfg.dp * cfg.cp, cfg.zero);
+        let (p, g, o) = model_states(params, cfg.dp * cfg.cp, cfg.zero, hold);
         p + g + o
     };
     let mut sc = StageCosts::default();
@@ -1247,14 +1250,14 @@ pub fn dp_split(
     pg: &PreparedGraph,
     cluster: &Cluster,
     cfg: &ParallelConfig,
-    seq_len: u64,
-    microbatches: u64,
+    (seq_len, microbatches): (u64, u64),
+    mech: &Mechanisms,
 ) -> Option<Vec<u64>> {
     let chunks = (cfg.pp * cfg.vpp) as usize;
     if chunks <= 1 {
         return None;
     }
-    let sc = stage_costs(pg, cluster, cfg, seq_len);
+    let sc = stage_costs(pg, cluster, cfg, seq_len, mech);
     let lim = (cfg.vpp == 1).then(|| MemoryLimit {
         in_flight: match cfg.schedule {
             Schedule::Gpipe => vec![microbatches as f64; chunks],
@@ -1344,7 +1347,7 @@ fn refine_train(
                 splits.push(Some(s));
             }
             let microbatches = global_batch.div_ceil(cfg.dp * cfg.mbs);
-            if let Some(s) = dp_split(lpg, cluster, cfg, seq_len, microbatches) {
+            if let Some(s) = dp_split(lpg, cluster, cfg, (seq_len, microbatches), &mech) {
                 splits.push(Some(s));
             }
         }

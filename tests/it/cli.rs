@@ -805,7 +805,11 @@ fn compare_puts_the_planner_first_with_ratios() {
         let step = number(&r["predicted"], "step_time_s");
         let ratio = number(r, "ratio_to_planner");
         assert!((ratio - step / best).abs() < 1e-9, "{r}");
-        assert!(ratio >= 1.0 - 1e-9, "the planner is not slower: {r}");
+        // A configuration that does not fit may be faster; the planner is not
+        // slower than any that does.
+        if r["predicted"]["feasible"] == true {
+            assert!(ratio >= 1.0 - 1e-9, "the planner is not slower: {r}");
+        }
         assert!(r["account"].is_string());
     }
     // Text mode prints one row per configuration.
@@ -1532,12 +1536,14 @@ fn bf16_model(dir: &std::path::Path, name: &str) -> String {
     path.display().to_string()
 }
 
-/// A bf16 model's plan prices its traffic in bf16 (and a vocabulary-parallel
-/// loss's statistics and the sampled logits in fp32), while the CPU engines move
-/// every value as fp32: `run --check` compares them element for element, so it
-/// passes on a bf16 model as on an fp32 one, on every engine, and the measured
-/// bytes are half the fp32 model's where the plan's are. (It failed before, every
-/// axis measuring twice the plan.)
+/// A bf16 model's plan prices its activations in bf16, and in fp32 what meshplan's
+/// executor moves in fp32 on every device (gradients, ZeRO's masters, a
+/// vocabulary-parallel loss's statistics, the sampled logits), while the CPU
+/// engines move every value as fp32: `run --check` compares them element for
+/// element, so it passes on a bf16 model as on an fp32 one, on every engine; the
+/// measured pipeline bytes are half the fp32 model's and the data-parallel bytes
+/// (gradients and masters) the same. (It failed before, every axis measuring twice
+/// the plan.)
 #[test]
 fn run_check_compares_a_bf16_models_bytes_element_for_element() {
     let dir = temp_dir("cli", "bf16-bytes");
@@ -1555,10 +1561,10 @@ fn run_check_compares_a_bf16_models_bytes_element_for_element() {
             run.expect_code(0);
             let v = json_of(&run);
             assert_eq!(v["bytes_match_plan"], true, "{cfg} {backend}: {v}");
-            for axis in ["dp", "pp"] {
+            for (axis, narrower) in [("dp", 1.0), ("pp", 2.0)] {
                 let (b, f) = (measured(&v, axis), measured(&fp32_run, axis));
                 assert!(
-                    b > 0.0 && b * 2.0 == f,
+                    b > 0.0 && b * narrower == f,
                     "{cfg} {backend} {axis}: {b} vs fp32 {f}"
                 );
             }
@@ -2166,7 +2172,8 @@ fn compare_shows_whole_names_and_flags_rows_that_do_not_fit() {
 
 #[test]
 fn explain_marks_moves_that_do_not_fit_and_never_as_improvements() {
-    // ZeRO-2 with one sequence per micro-batch fills 80 GiB: mbs=2 is faster but OOM.
+    // ZeRO-3 with one sequence per micro-batch fits 80 GiB (56 GiB): mbs=2 and ZeRO-2
+    // are faster but do not fit.
     let out = temp_file("explain-oom.json", "");
     let plan = out.to_str().expect("utf-8 path");
     meshplan(&[
@@ -2174,7 +2181,7 @@ fn explain_marks_moves_that_do_not_fit_and_never_as_improvements() {
         "models/llama3-8b.yaml",
         "topologies/dgx-h100.yaml",
         "--config",
-        "dp=8,tp=1,pp=1,mbs=1,zero=2,recompute=none",
+        "dp=8,tp=1,pp=1,mbs=1,zero=3,recompute=none",
         "--quiet",
         "-o",
         plan,

@@ -9,15 +9,16 @@
 
 use meshplan_cost_model::cluster::Link;
 use meshplan_cost_model::compute::Roofline;
+use meshplan_cost_model::estimate::estimate_train_with;
 use meshplan_cost_model::graph_cost::{LayoutCtx, SegCost};
 use meshplan_cost_model::memory::{kv_cache_bytes, model_state_bytes};
 use meshplan_cost_model::{
     estimate_inference, estimate_train, flops_per_token_forward, load_cluster, parse_cluster_yaml,
     prepare_model, replica_memory, Cluster, CommModel, Estimate, GroupShape, InferenceLoad,
-    PreparedGraph,
+    Mechanisms, PreparedGraph,
 };
 use meshplan_ir::{
-    load_model, parse_model_yaml, AttnImpl, DType, DimEnv, ModelSpec, ParallelConfig,
+    load_model, parse_model_yaml, AttnImpl, DType, DimEnv, Framework, ModelSpec, ParallelConfig,
     PartialConfig, Recompute, SegmentKind, Workload, WorkloadOverrides,
 };
 use std::path::PathBuf;
@@ -802,12 +803,14 @@ fn zero_stages_through_estimate_train() {
     let cl = cluster(8, 8, 80);
     let (seq, gb) = train_workload(&spec);
     let nd = 64.0;
-    // (params, grads, optimizer) per GPU for stages 0-3:
+    // The paper's accounting is DeepSpeed's (fp16 gradients, masters partitioned
+    // with the moments, fp16 parameters gathered); (params, grads, optimizer) per
+    // GPU for stages 0-3:
     //   0: 2 Psi, 2 Psi, 12 Psi              (16 Psi)
     //   1: 2 Psi, 2 Psi, 12 Psi / Nd         (4 Psi + 12 Psi / Nd)
     //   2: 2 Psi, 2 Psi / Nd, 12 Psi / Nd    (2 Psi + 14 Psi / Nd)
     //   3: 2 Psi / Nd, 2 Psi / Nd, 12 Psi / Nd (16 Psi / Nd)
-    let want = [
+    let paper = [
         (2.0 * psi, 2.0 * psi, 12.0 * psi),
         (2.0 * psi, 2.0 * psi, 12.0 * psi / nd),
         (2.0 * psi, 2.0 * psi / nd, 12.0 * psi / nd),
@@ -819,12 +822,27 @@ fn zero_stages_through_estimate_train() {
         2.0 * psi + 14.0 * psi / nd,
         16.0 * psi / nd,
     ];
-    let mut dp_bytes = Vec::new();
-    for stage in 0u8..=3 {
+    // meshplan's executor holds fp32 gradients, and whole fp32 masters (4 Psi)
+    // beside the moments' share (8 Psi / Nd) under stages 1-2.
+    let own = [
+        (2.0 * psi, 4.0 * psi, 12.0 * psi),
+        (2.0 * psi, 4.0 * psi, 4.0 * psi + 8.0 * psi / nd),
+        (2.0 * psi, 4.0 * psi / nd, 4.0 * psi + 8.0 * psi / nd),
+        (2.0 * psi / nd, 4.0 * psi / nd, 12.0 * psi / nd),
+    ];
+    let by = |fw: Framework, stage: u8| {
         let cfg = config(&format!("dp=64,zero={stage}"), 64);
-        let e = estimate_train(&pg, &cl, &cfg, seq, gb).unwrap_or_else(|e| panic!("{e}"));
+        let mech = Mechanisms::of(fw);
+        estimate_train_with(&pg, &cl, &cfg, seq, gb, None, f64::INFINITY, &mech)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .expect("unbounded")
+    };
+    let mut dp_bytes = Vec::new();
+    let mut own_bytes = Vec::new();
+    for stage in 0u8..=3 {
+        let e = by(Framework::Deepspeed, stage);
         let m = e.memory_per_gpu_bytes;
-        let (wp, wg, wo) = want[stage as usize];
+        let (wp, wg, wo) = paper[stage as usize];
         assert_close(&format!("zero {stage} params"), m.params, wp, 1e-12);
         assert_close(&format!("zero {stage} grads"), m.grads, wg, 1e-12);
         assert_close(&format!("zero {stage} optimizer"), m.optimizer, wo, 1e-12);
@@ -838,15 +856,36 @@ fn zero_stages_through_estimate_train() {
         assert_eq!((m.params, m.grads, m.optimizer), (p, g, o));
         assert_eq!(e.microbatches, 1);
         dp_bytes.push(e.comm_bytes_per_gpu.dp);
+        let e = by(Framework::Meshplan, stage);
+        let m = e.memory_per_gpu_bytes;
+        let (wp, wg, wo) = own[stage as usize];
+        assert_close(&format!("own zero {stage} params"), m.params, wp, 1e-12);
+        assert_close(&format!("own zero {stage} grads"), m.grads, wg, 1e-12);
+        assert_close(
+            &format!("own zero {stage} optimizer"),
+            m.optimizer,
+            wo,
+            1e-12,
+        );
+        own_bytes.push(e.comm_bytes_per_gpu.dp);
     }
     // Communication per step (one micro-batch): plain DP and stages 1-2 send
     // 2 (Nd-1)/Nd x 2 Psi bytes per rank (AllReduce = ReduceScatter + AllGather of the
-    // bf16 gradient); stage 3 adds a second parameter AllGather: 1.5x.
+    // bf16 gradient); stage 3 adds a second parameter AllGather: 1.5x. meshplan's
+    // executor sends fp32 gradients and masters: twice as many bytes.
     let base = 2.0 * (nd - 1.0) / nd * 2.0 * psi;
     assert_close("dp bytes zero 0", dp_bytes[0], base, 1e-12);
     assert_close("dp bytes zero 1", dp_bytes[1], base, 1e-12);
     assert_close("dp bytes zero 2", dp_bytes[2], base, 1e-12);
     assert_close("dp bytes zero 3", dp_bytes[3], 1.5 * base, 1e-12);
+    for (stage, (own, paper)) in own_bytes.iter().zip(&dp_bytes).enumerate() {
+        assert_close(
+            &format!("own dp bytes zero {stage}"),
+            *own,
+            2.0 * paper,
+            1e-12,
+        );
+    }
 }
 
 // === 8. Pipeline bubble ===
@@ -1053,8 +1092,8 @@ fn a_capacity_factor_out_of_range_names_the_field() {
 
 #[test]
 fn zero3_throughput_per_gpu_falls_once_gathers_outrun_compute() {
-    // GPT-3 175B with ZeRO-3 alone on A100 nodes with 400 Gb/s per node (6.25 GB/s
-    // per GPU) at a fixed global batch of 1536 sequences, one micro-batch per step: every GPU gathers the whole model twice and
+    // GPT-3 175B with DeepSpeed's ZeRO-3 (fp16 gathers and scatters) alone on A100
+    // nodes with 400 Gb/s per node (6.25 GB/s per GPU) at a fixed global batch of 1536 sequences, one micro-batch per step: every GPU gathers the whole model twice and
     // scatters its gradients once per step whatever the degree (bytes per GPU per
     // step: 3 x (N-1)/N x 2 bytes x P, P the parameters), while its compute halves
     // each time the degree doubles. Per-GPU throughput holds while a layer's compute
@@ -1066,6 +1105,7 @@ fn zero3_throughput_per_gpu_falls_once_gathers_outrun_compute() {
     // it from 2 sequences per GPU (dp=768), the backward's from 1 (dp=1536).
     let (spec, pg) = shipped("models/gpt3-175b.yaml");
     let (seq, _) = train_workload(&spec);
+    let ds = Mechanisms::of(Framework::Deepspeed);
     let mut last: Option<Estimate> = None;
     let mut falls = 0;
     for dp in [96u64, 192, 384, 768, 1536] {
@@ -1075,7 +1115,9 @@ fn zero3_throughput_per_gpu_falls_once_gathers_outrun_compute() {
             &format!("dp={dp},tp=1,pp=1,mbs={mbs},zero=3,recompute=full"),
             dp,
         );
-        let est = estimate_train(&pg, &cl, &cfg, seq, 1536).expect("estimate");
+        let est = estimate_train_with(&pg, &cl, &cfg, seq, 1536, None, f64::INFINITY, &ds)
+            .expect("estimate")
+            .expect("unbounded");
         // P from the ledger: ZeRO-3 holds 2 P / N bytes of parameters per GPU.
         let p = est.memory_per_gpu_bytes.params * dp as f64 / 2.0;
         let n = dp as f64;
@@ -1128,11 +1170,17 @@ fn llama3_405b_interleaved_on_16k_h100s_fits_and_splits_its_126_layers_evenly() 
     assert_eq!(per_stage[14..], [7; 2]);
     // Meta trained it with tp=8, pp=16, dp=128, 8k tokens, one sequence per
     // micro-batch, the interleaved schedule, no recomputation (Llama 3 paper,
-    // Sec. 3.3.2 and Table 4): it fits in 80 GB.
+    // Sec. 3.3.2 and Table 4): it fits in 80 GB. Its FSDP shards the optimizer
+    // states and the gradients but not the parameters (ZeRO-2), and accumulates and
+    // reduce-scatters the gradients in fp32 (Sec. 3.3.2), as torchtitan's FSDP2
+    // with an fp32 reduce dtype does.
     let (_, pg) = shipped("models/llama3-405b.yaml");
     let cl = shipped_cluster("topologies/dgx-h100.yaml", Some(2048));
-    let cfg = config("dp=128,tp=8,pp=16,vpp=2,mbs=1,sp=true,zero=1", 16384);
-    let est = estimate_train(&pg, &cl, &cfg, 8192, 2048).expect("estimate");
+    let cfg = config("dp=128,tp=8,pp=16,vpp=2,mbs=1,sp=true,zero=2", 16384);
+    let mech = Mechanisms::of(Framework::Torchtitan);
+    let est = estimate_train_with(&pg, &cl, &cfg, 8192, 2048, None, f64::INFINITY, &mech)
+        .expect("estimate")
+        .expect("unbounded");
     assert!(
         est.feasible,
         "{:?} ({:.1} GiB)",

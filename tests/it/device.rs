@@ -313,6 +313,78 @@ fn zero_ranks_hold_only_their_parts_between_steps() {
     );
 }
 
+/// The plan's model states and data-parallel bytes are what the ranks hold and
+/// send, in fp32 on the host device and for a bf16 model on the device that rounds
+/// as a GPU does (`Bf16Host`): meshplan's executor keeps a bf16 compute copy, fp32
+/// masters (whole on every data rank under ZeRO 1-2), fp32 gradients, and reduces
+/// and gathers those fp32 buffers, 4 bytes an element whatever the model's dtype.
+/// Between steps a rank has let go of what the plan counts at its peak: the
+/// gradient parts under ZeRO 2-3, and ZeRO-3's compute copies.
+#[test]
+fn model_states_and_gradient_bytes_are_what_the_plan_predicts() {
+    use meshplan_executor::device::emulate::Bf16Host;
+    let opts = TrainOptions {
+        steps: 1,
+        ..TrainOptions::default()
+    };
+    let bf16 = variant(&[("dtype: f32", "dtype: bf16")], "bf16.yaml");
+    // tiny-gpt's parameters, counted in `zero_ranks_hold_only_their_parts_between_steps`.
+    let p = (16_384 + 2 * 36_992 + 64 + 16_384) as f64;
+    for (m, wide) in [(model("tiny-gpt"), true), (bf16, false)] {
+        for zero in 0..=3u8 {
+            let cfg = format!("dp=2,mbs=1,zero={zero}");
+            let pl = plan(&m, &cfg);
+            let run = if wide {
+                train_device(&pl, &opts, &|_| Ok(HostDevice))
+            } else {
+                train_device(&pl, &opts, &|_| Ok(Bf16Host))
+            }
+            .unwrap_or_else(|e| panic!("{cfg}: {e}"));
+            let mem = &pl.predicted["memory_per_gpu_bytes"];
+            let [params, grads, optimizer] =
+                ["params", "grads", "optimizer"].map(|k| mem[k].as_f64().expect(k));
+            // Per parameter, by hand: fp32 4 + 4 + 8, bf16 2 + 4 + (4 + 8), each
+            // part over the 2 data ranks from the stage that partitions it.
+            let by_hand = match (wide, zero) {
+                (true, 0) => [4.0, 4.0, 8.0],
+                (true, 1) => [4.0, 4.0, 4.0],
+                (true, 2) => [4.0, 2.0, 4.0],
+                (true, _) => [2.0, 2.0, 4.0],
+                (false, 0) => [2.0, 4.0, 12.0],
+                (false, 1) => [2.0, 4.0, 8.0],
+                (false, 2) => [2.0, 2.0, 8.0],
+                (false, _) => [1.0, 2.0, 6.0],
+            };
+            assert_eq!([params, grads, optimizer], by_hand.map(|b| b * p), "{cfg}");
+            let held = match zero {
+                0 | 1 => params + grads + optimizer,
+                2 => params + optimizer,
+                // fp32 computes on its master parts (the plan's params); bf16
+                // gathers its compute copies for each use.
+                _ if wide => params + optimizer,
+                _ => optimizer,
+            };
+            for r in &run.ranks {
+                assert_eq!(r.state_bytes, held, "{cfg}, wide {wide}: rank {}", r.rank);
+            }
+            // One step of 4 micro-batches a rank: ZeRO-0 sums the fp32 gradients
+            // once, 2 (n - 1) / n x 4 P = 4 P bytes over 2 ranks; ZeRO-1 scatters
+            // them and gathers the fp32 masters, 2 x (n - 1) / n x 4 P = 4 P;
+            // ZeRO-2 scatters every micro-batch's, (4 + 1) x 2 P; ZeRO-3 gathers
+            // the masters twice and scatters the gradients once per micro-batch:
+            // 4 x 3 x 2 P.
+            let dp = [4.0, 4.0, 10.0, 24.0][zero as usize] * p;
+            assert_eq!(
+                run.ranks[0].counts.axis_bytes_sent("dp"),
+                dp,
+                "{cfg}, wide {wide}"
+            );
+            let bytes = byte_mismatches(&pl, &run, opts.steps);
+            assert!(bytes.is_empty(), "{cfg}: {}", bytes.join("\n"));
+        }
+    }
+}
+
 #[test]
 fn device_interpreter_runs_context_parallel_plans_bit_for_bit() {
     let llama = model("tiny-gpt");

@@ -16,14 +16,15 @@ use meshplan_cost_model::{
 use std::path::{Path, PathBuf};
 
 /// One `[4096, 4096]` bf16 weight over 4096-token sequences: 16,777,216 parameters
-/// whose bf16 gradients (33,554,432 bytes, under 40M parameters: one bucket, all of it
-/// exposed after the backward) are the only bytes data parallelism moves.
+/// whose gradients, fp32 in meshplan's executor (67,108,864 bytes, under 40M
+/// parameters: one bucket, all of it exposed after the backward), are the only bytes
+/// data parallelism moves.
 fn one_matmul() -> String {
     ONE_MATMUL.replace("global_batch: 8\n", "global_batch: 32\n")
 }
 
-/// The gradient bytes of [`one_matmul`]: 4096^2 parameters x 2 bytes.
-const GRAD_BYTES: f64 = 33_554_432.0;
+/// The gradient bytes of [`one_matmul`]: 4096^2 parameters x 4 bytes.
+const GRAD_BYTES: f64 = 67_108_864.0;
 
 fn dgx_h100() -> String {
     Path::new(ROOT)
@@ -61,10 +62,10 @@ fn all_reduce_overlay(dir: &Path, name: &str, alpha_us: f64, beta_gbps: f64) -> 
 #[test]
 fn a_measured_all_reduce_across_nodes_prices_data_parallel_gradients() {
     // dp=16 on two DGX H100 nodes (8 ranks per node, ZeRO 0, one micro-batch of one
-    // sequence each): the step ends with one AllReduce of the 33,554,432 gradient
+    // sequence each): the step ends with one AllReduce of the 67,108,864 gradient
     // bytes over 2 nodes x 8, all of it exposed (one bucket). Measured at 50 us +
-    // B / 40 GB/s it takes 50e-6 + 33554432 / 40e9 = 888.8608 us; at 50 us + B / 20
-    // GB/s, 1727.7216 us: the step grows by 838.8608 us and nothing else moves.
+    // B / 40 GB/s it takes 50e-6 + 67108864 / 40e9 = 1727.7216 us; at 50 us + B / 20
+    // GB/s, 3405.4432 us: the step grows by 1677.7216 us and nothing else moves.
     let dir = temp_dir("overlay-inter-dp");
     let model = write(&dir, "mm.yaml", &one_matmul());
     let fast = all_reduce_overlay(&dir, "fast.yaml", 50.0, 40.0);
@@ -81,7 +82,7 @@ fn a_measured_all_reduce_across_nodes_prices_data_parallel_gradients() {
         );
     }
     let t_fast = 50e-6 + GRAD_BYTES / 40e9;
-    assert_close("fit at 40 GB/s", t_fast, 888.8608e-6, 1e-9);
+    assert_close("fit at 40 GB/s", t_fast, 1727.7216e-6, 1e-9);
     assert_close(
         "exposed communication at 40 GB/s",
         f(&ef, "/time_breakdown_s/exposed_comm"),
@@ -89,7 +90,7 @@ fn a_measured_all_reduce_across_nodes_prices_data_parallel_gradients() {
         1e-9,
     );
     let d = f(&es, "/step_time_s") - f(&ef, "/step_time_s");
-    assert_close("slower network, longer step", d, 838.8608e-6, 1e-6);
+    assert_close("slower network, longer step", d, 1677.7216e-6, 1e-6);
     assert_eq!(
         f(&es, "/time_breakdown_s/compute"),
         f(&ef, "/time_breakdown_s/compute")
@@ -119,8 +120,8 @@ fn a_measured_all_reduce_across_nodes_prices_data_parallel_gradients() {
 fn four_nodes_stretch_the_two_node_fit() {
     // dp=32 on four nodes, the overlay measured on two. The latency grows with the
     // ring's node crossings, 3/1 x 50 us = 150 us; the bytes term with the ring's
-    // share per rank, (31/32) / (15/16) = 1.0333: at 40 GB/s 838.8608 us x 1.0333 =
-    // 866.8228 us, in all 1016.8228 us; at 20 GB/s the step grows by 866.8228 us.
+    // share per rank, (31/32) / (15/16) = 1.0333: at 40 GB/s 1677.7216 us x 1.0333 =
+    // 1733.6457 us, in all 1883.6457 us; at 20 GB/s the step grows by 1733.6457 us.
     let dir = temp_dir("overlay-inter-4");
     let model = write(&dir, "mm.yaml", &one_matmul());
     let fast = all_reduce_overlay(&dir, "fast.yaml", 50.0, 40.0);
@@ -130,7 +131,7 @@ fn four_nodes_stretch_the_two_node_fit() {
     let es = estimate(&model, 4, cfg, Some(&slow));
     let share = (31.0 / 32.0) / (15.0 / 16.0);
     let t_fast = 150e-6 + GRAD_BYTES / 40e9 * share;
-    assert_close("stretched fit", t_fast, 1016.8228e-6, 1e-7);
+    assert_close("stretched fit", t_fast, 1883.6457e-6, 1e-7);
     assert_close(
         "exposed communication on four nodes",
         f(&ef, "/time_breakdown_s/exposed_comm"),
@@ -140,7 +141,7 @@ fn four_nodes_stretch_the_two_node_fit() {
     assert_close(
         "step difference on four nodes",
         f(&es, "/step_time_s") - f(&ef, "/step_time_s"),
-        866.8228e-6,
+        1733.6457e-6,
         1e-6,
     );
 }

@@ -8,7 +8,35 @@ use crate::device::walk::Coll;
 use crate::device::{CeOut, DeviceComm, On};
 use CollectiveKind::{AllGather as AG, ReduceScatter as RS};
 
+/// Whether a collective on `target` moves fp32 buffers on every device: gradients
+/// (accumulated and reduced in fp32), ZeRO's master weights and a loss's
+/// statistics. Activations and their gradients move in the compute dtype.
+fn moves_f32(target: &Target) -> bool {
+    match target {
+        Target::SegmentParams { .. }
+        | Target::SegmentGrads { .. }
+        | Target::SegmentSeqPartialGrads { .. }
+        | Target::TiedGrads
+        | Target::SeqPartialGrads
+        | Target::GradBucket { .. }
+        | Target::ParamBucket { .. }
+        | Target::LossStat { .. } => true,
+        Target::Activation { .. }
+        | Target::ActivationGrad { .. }
+        | Target::HiddenStates
+        | Target::HiddenStatesGrad
+        | Target::Experts { .. } => false,
+    }
+}
+
 impl<'a, D: Device> DevRank<'a, D> {
+    /// Keeps apart what the communicator counted since `before` as moved in fp32
+    /// (`Meter::f32_moved`).
+    pub(super) fn moved_f32_since(&mut self, before: &crate::comm::ByteCounts) {
+        let moved = self.comm.counts().without(before);
+        self.meter.f32_moved.merge(&moved);
+    }
+
     /// `partial[name] += g`: an input gradient the program has still to sum.
     pub(super) fn add_partial(
         &self,
@@ -48,6 +76,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         let sent0 = m0
             .is_some()
             .then(|| self.comm.counts().axis_bytes_sent(axis));
+        let before = moves_f32(target).then(|| self.comm.counts());
         match (target, kind) {
             // The experts op moves its tokens itself (counts depend on the routing).
             (Target::Experts { .. }, _) => {}
@@ -112,6 +141,9 @@ impl<'a, D: Device> DevRank<'a, D> {
                     "{kind:?} of `{target}` is not a collective the device interpreter runs"
                 )))
             }
+        }
+        if let Some(before) = before {
+            self.moved_f32_since(&before);
         }
         // The bytes this rank sent in it, measured, under the trace's key.
         let sent = sent0.map(|s0| self.comm.counts().axis_bytes_sent(axis) - s0);
@@ -221,8 +253,6 @@ impl<'a, D: Device> DevRank<'a, D> {
             .ok_or_else(|| fail(format!("`{name}`: no {stat:?} to sum")))?;
         let r = self.comm.all_reduce_start(&self.dev, (g, axis), buf)?;
         let mut sum = self.comm.all_reduce_finish(&self.dev, r)?;
-        let bytes = crate::comm::bytes_of(D::f32_len(&sum));
-        (self.meter.f32_priced).record_ring(CommKind::AllReduce, axis, g.size(), bytes);
         let e = derr(name);
         let logits = self.act(t, l, op.inputs[0])?;
         let rows = self.rows();

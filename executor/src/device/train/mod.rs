@@ -512,6 +512,8 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Item `i` of the step list, traced as a span.
     fn run_step_item(&mut self, i: usize, step: u64) -> Res {
         let m0 = self.meter.mark(&self.dev)?;
+        // Every step item moves gradients or fp32 masters.
+        let before = self.comm.counts();
         let comm = |kind: &str, axis: &str, tensor: &str| {
             (format!("{kind} {axis}"), "comm", Some(tensor.to_string()))
         };
@@ -524,13 +526,8 @@ impl<'a, D: Device> DevRank<'a, D> {
             } => {
                 let (group, axis, keys, tensor) =
                     (group.clone(), axis.clone(), keys.clone(), *tensor);
-                let on = (&self.dev, &mut *self.comm);
-                step::sum_grads(
-                    on,
-                    (&group, &axis),
-                    (&keys, tensor),
-                    &mut self.weights.wgrads,
-                )?;
+                let (on, grads) = ((&self.dev, &mut *self.comm), &mut self.weights.wgrads);
+                step::sum_grads(on, (&group, &axis), (&keys, tensor), grads)?;
                 comm("AllReduce", &axis, tensor)
             }
             &StepItem::Bucket(b) => {
@@ -560,6 +557,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 comm("AllGather", &bk.axis, &bk.tensor)
             }
         };
+        self.moved_f32_since(&before);
         let args = match tensor {
             Some(tensor) => serde_json::json!({"step": step, "tensor": tensor}),
             None => serde_json::json!({"step": step}),
@@ -701,7 +699,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         // needs: each rank holds the others' parts as of their previous gather).
         let elem = self.plan.model.dtype.size_bytes();
         let counts = (self.comm.counts().without(&self.meter.saves))
-            .at_element_size_but(elem, &self.meter.f32_priced);
+            .at_element_size_but(elem, &self.meter.f32_moved);
         // What the rank holds between steps: masters and gradients in fp32 (under
         // ZeRO-3 its parts of the masters alone), the moments held (a part of them
         // under ZeRO), and the compute copies (none where the master serves).

@@ -107,9 +107,10 @@ pub(super) struct Meter<D: Device> {
     pub(super) device_peak: Option<u64>,
     /// Dispatch slots routed, and dropped over an expert capacity.
     pub(super) expert_slots: (u64, u64),
-    /// What of the communicator's counts the plan prices in fp32 whatever the
-    /// model's dtype: the loss statistics.
-    pub(super) f32_priced: crate::comm::ByteCounts,
+    /// What of the communicator's counts moved fp32 buffers whatever the model's
+    /// dtype (gradients, ZeRO's masters, a loss's statistics): the report states
+    /// them at 4 bytes an element, the rest at the model's element size.
+    pub(super) f32_moved: crate::comm::ByteCounts,
     /// What of them the saves moved (a launched run's snapshots to rank 0), which
     /// are not the training's bytes.
     pub(super) saves: crate::comm::ByteCounts,
@@ -158,7 +159,7 @@ impl<D: Device> Meter<D> {
             losses: Vec::new(),
             device_peak: None,
             expert_slots: (0, 0),
-            f32_priced: crate::comm::ByteCounts::new(),
+            f32_moved: crate::comm::ByteCounts::new(),
             saves: crate::comm::ByteCounts::new(),
             trace,
         }

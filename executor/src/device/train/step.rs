@@ -233,8 +233,10 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
             let m0 = self.meter.mark(&self.dev)?;
             let i = self.sync.next_bucket;
+            let before = self.comm.counts();
             let on = (&self.dev, &mut *self.comm);
             self.sync.start_bucket(on, i, &self.weights.wgrads)?;
+            self.moved_f32_since(&before);
             let bk = &self.sync.buckets[i];
             let args =
                 serde_json::json!({"step": self.meter.step_no, "tensor": bk.tensor, "early": true});
