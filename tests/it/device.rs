@@ -385,6 +385,38 @@ fn model_states_and_gradient_bytes_are_what_the_plan_predicts() {
     }
 }
 
+/// Every fp32 collective of a bf16 model counts at 4 bytes an element, as the plan
+/// prices it: a tied table summed between the first and last stage, sequence
+/// parallelism's partial norm gradients (once a step, per micro-batch under ZeRO-2,
+/// per segment copy under ZeRO-3), gradient buckets and parameter gathers.
+#[test]
+fn a_bf16_models_fp32_sums_are_priced_and_counted_alike() {
+    use meshplan_executor::device::emulate::Bf16Host;
+    let opts = TrainOptions {
+        steps: 1,
+        ..TrainOptions::default()
+    };
+    let m = variant(
+        &[
+            ("dtype: f32", "dtype: bf16"),
+            ("tie_embeddings: false", "tie_embeddings: true"),
+        ],
+        "tied-bf16.yaml",
+    );
+    for cfg in [
+        "dp=2,tp=2,pp=2,mbs=1,sp=true,zero=1",
+        "dp=2,tp=1,pp=2,mbs=1,zero=0",
+        "dp=2,tp=2,mbs=1,sp=true,zero=2",
+        "dp=2,tp=2,mbs=1,sp=true,zero=3",
+    ] {
+        let p = plan(&m, cfg);
+        let run =
+            train_device(&p, &opts, &|_| Ok(Bf16Host)).unwrap_or_else(|e| panic!("{cfg}: {e}"));
+        let bytes = byte_mismatches(&p, &run, opts.steps);
+        assert!(bytes.is_empty(), "{cfg}: {}", bytes.join("\n"));
+    }
+}
+
 #[test]
 fn device_interpreter_runs_context_parallel_plans_bit_for_bit() {
     let llama = model("tiny-gpt");
