@@ -1008,10 +1008,7 @@ fn train_impl(
 
     // Pipeline.
     let bpe = pg.dtype.size_bytes() as f64;
-    // Gradient sums (data-parallel reductions, the tied table's, sequence
-    // parallelism's partial norms) travel in the framework's gradient precision,
-    // never below the compute dtype's.
-    let grad_bpe = mech.grad_bytes.max(bpe);
+    let grad_bpe = mech.grad_sum_bytes(bpe);
     // Without sequence parallelism each tensor rank sends its 1/tp slice and the
     // receiver gathers it over the tensor axis (Megatron's scatter-gather), unless the
     // framework's pipeline engine sends every tensor rank's whole copy; with sequence

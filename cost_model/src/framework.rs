@@ -123,6 +123,14 @@ impl Mechanisms {
         }
     }
 
+    /// Bytes per element of the gradient sums (data-parallel reductions, a tied
+    /// table's, sequence parallelism's partial norms) of a model computing in
+    /// `compute_bytes` per element: the framework's gradient precision, never below
+    /// the compute dtype's.
+    pub fn grad_sum_bytes(self, compute_bytes: f64) -> f64 {
+        self.grad_bytes.max(compute_bytes)
+    }
+
     /// Bytes per element of ZeRO's parameter all-gathers for a model computing in
     /// `compute_bytes` per element.
     pub fn gather_bytes(self, compute_bytes: f64) -> f64 {
@@ -156,7 +164,9 @@ mod tests {
         assert!(Mechanisms::of(Framework::MegatronDeepspeed).p2p_blocking);
         // meshplan's own executor: fp32 gradients, whole masters, fp32 gathers.
         let own = Mechanisms::default();
-        assert_eq!((own.grad_bytes, own.gather_bytes(2.0)), (4.0, 4.0));
+        assert_eq!((own.grad_sum_bytes(2.0), own.gather_bytes(2.0)), (4.0, 4.0));
+        let ds = Mechanisms::of(Framework::Deepspeed);
+        assert_eq!((ds.grad_sum_bytes(2.0), ds.grad_sum_bytes(4.0)), (2.0, 4.0));
         assert!(!own.holding(2.0).shards_masters);
         assert_eq!(now.gather_bytes(2.0), 2.0);
         assert!(now.holding(2.0).shards_masters);

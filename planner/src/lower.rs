@@ -143,7 +143,7 @@ struct Layout<'a> {
     env: DimEnv,
     bpe: f64,
     /// Bytes per element of gradient sums and of ZeRO's parameter gathers, as the
-    /// plan's framework moves them (`Mechanisms::grad_bytes`, `gather_bytes`).
+    /// plan's framework moves them (`Mechanisms::grad_sum_bytes`, `gather_bytes`).
     grad_bpe: f64,
     gather_bpe: f64,
     /// ZeRO stage, and whether it is 3 (parameter gathers per segment).
@@ -1494,7 +1494,7 @@ pub fn lower_train(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
             kv: seq,
         },
         bpe,
-        grad_bpe: mech.grad_bytes.max(bpe),
+        grad_bpe: mech.grad_sum_bytes(bpe),
         gather_bpe: mech.gather_bytes(bpe),
         zero3: cfg.zero >= 3,
         zero: cfg.zero,

@@ -95,14 +95,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
             (Target::SegmentSeqPartialGrads { segment }, CollectiveKind::AllReduce) => {
                 let s = segment_index(self.graph, segment)?;
-                let names = self.seq_partial_names(Some(s));
-                let keys: Vec<Key> = self
-                    .weights
-                    .master
-                    .keys()
-                    .filter(|(name, layer)| *layer == l && names.contains(name))
-                    .cloned()
-                    .collect();
+                let keys = (self.weights).keys_named(&self.seq_partial_names(Some(s)), Some(l));
                 let on = (&self.dev, &mut *self.comm);
                 let what = (&keys[..], "segment_seq_partial_grads");
                 step::sum_grads(on, (&g, axis), what, &mut self.weights.wgrads)?

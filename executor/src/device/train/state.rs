@@ -39,6 +39,15 @@ pub(super) fn grad_in<'w, D: Device>(
 }
 
 impl<D: Device> Weights<D> {
+    /// The keys of the weights held that are named in `names` (of layer `layer`
+    /// only, if given).
+    pub(super) fn keys_named(&self, names: &[String], layer: Option<u64>) -> Vec<Key> {
+        (self.master.keys())
+            .filter(|(name, l)| layer.is_none_or(|at| *l == at) && names.contains(name))
+            .cloned()
+            .collect()
+    }
+
     /// Each of `keys`' gradients held, at zero where none is ([`grad_in`]): what
     /// a collective reads that a backward may not have written since a ZeRO-2
     /// scatter let it go (an expert no token chose, a later chunk's gradients under

@@ -23,10 +23,10 @@ impl<'a, D: Device> DevRank<'a, D> {
                     ..
                 } => {
                     let (keys, tensor) = if *target == Target::TiedGrads {
-                        let names = self.tied_names();
-                        let keys = self.weights.master.keys();
-                        let keys = keys.filter(|(name, _)| names.contains(name));
-                        (keys.cloned().collect(), "grads:tied")
+                        (
+                            self.weights.keys_named(&self.tied_names(), None),
+                            "grads:tied",
+                        )
                     } else {
                         (self.seq_partial_keys(), "seq_partial_grads")
                     };
@@ -104,11 +104,7 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Every weight whose gradient sequence parallelism leaves partial over the
     /// tensor axis.
     pub(super) fn seq_partial_keys(&self) -> Vec<Key> {
-        let names = self.seq_partial_names(None);
-        let keys = self.weights.master.keys();
-        keys.filter(|(name, _)| names.contains(name))
-            .cloned()
-            .collect()
+        self.weights.keys_named(&self.seq_partial_names(None), None)
     }
 
     /// Each parameter set's flat vector: its weights in the order the backward
