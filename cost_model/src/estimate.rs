@@ -1100,8 +1100,8 @@ fn train_impl(
                 }
                 let shared = if group.nodes() > 1 { nic_pass } else { 0.0 };
                 // Gradients travel in the framework's precision, never below the
-                // compute dtype's; parameters as the framework gathers them.
-                let (p_bytes, g_bytes) = (params * mech.gather_bytes(bpe), params * grad_bpe);
+                // compute dtype's; parameters as compute copies.
+                let (p_bytes, g_bytes) = (params * bpe, params * grad_bpe);
                 if cfg.zero >= 3 {
                     let b = 2.0 * bytes_sent_per_rank(Collective::AllGather, n, p_bytes)
                         + bytes_sent_per_rank(Collective::ReduceScatter, n, g_bytes);

@@ -18,14 +18,6 @@ pub struct Mechanisms {
     /// reduces those (4), as DeepSpeed's BF16 optimizer does; DeepSpeed's fp16 ZeRO and
     /// FSDP with a bf16 reduce dtype reduce in the compute precision (2).
     pub grad_bytes: f64,
-    /// ZeRO 1-2 partition the fp32 master weights with AdamW's moments (the ZeRO
-    /// paper's `K = 12` bytes over the data ranks). `false`: every data rank keeps
-    /// the masters whole, updates its part and gathers the others' updated parts.
-    pub shards_masters: bool,
-    /// ZeRO's parameter all-gathers (stages 1-3) carry fp32 master weights, 4 bytes
-    /// an element, instead of the compute copy (bf16 in Megatron-LM's distributed
-    /// optimizer, FSDP's `param_dtype`, DeepSpeed).
-    pub gathers_masters: bool,
     /// Pipeline sends and receives block the stage's compute stream (Megatron-LM
     /// before `--overlap-p2p-communication`, DeepSpeed's pipeline engine): each
     /// micro-batch's transfer is added to the stage's busy time instead of running
@@ -58,8 +50,6 @@ impl Mechanisms {
         let base = Mechanisms {
             framework,
             grad_bytes: 2.0,
-            shards_masters: true,
-            gathers_masters: false,
             p2p_blocking: false,
             zero3_prefetch_layers: 1.0,
             zero3_calls_per_layer: 1.0,
@@ -67,14 +57,11 @@ impl Mechanisms {
         };
         match framework {
             // meshplan's executor accumulates every gradient in fp32 and reduces it
-            // so on every device (its `F32` buffers), keeps whole fp32 masters on
-            // each data rank under ZeRO 1-2 and gathers the updated parts of them in
-            // fp32 (ZeRO-3 gathers its fp32 master parts too); it overlaps sends
-            // through its communicator threads.
+            // so on every device (its `F32` buffers), partitions the fp32 masters
+            // under ZeRO and gathers compute copies, as Megatron-LM's distributed
+            // optimizer does; it overlaps sends through its communicator threads.
             Framework::Meshplan => Mechanisms {
                 grad_bytes: 4.0,
-                shards_masters: false,
-                gathers_masters: true,
                 ..base
             },
             Framework::MegatronCore => Mechanisms {
@@ -119,7 +106,6 @@ impl Mechanisms {
         crate::memory::Holding {
             compute_bytes,
             grad_bytes: self.grad_bytes,
-            shards_masters: self.shards_masters,
         }
     }
 
@@ -129,16 +115,6 @@ impl Mechanisms {
     /// the compute dtype's.
     pub fn grad_sum_bytes(self, compute_bytes: f64) -> f64 {
         self.grad_bytes.max(compute_bytes)
-    }
-
-    /// Bytes per element of ZeRO's parameter all-gathers for a model computing in
-    /// `compute_bytes` per element.
-    pub fn gather_bytes(self, compute_bytes: f64) -> f64 {
-        if self.gathers_masters {
-            compute_bytes.max(4.0)
-        } else {
-            compute_bytes
-        }
     }
 
     /// With gradients reduced in `bytes` per element instead of the framework's
@@ -162,13 +138,10 @@ mod tests {
         assert!(!now.p2p_blocking);
         assert!(Mechanisms::release(Framework::MegatronCore, 2021).p2p_blocking);
         assert!(Mechanisms::of(Framework::MegatronDeepspeed).p2p_blocking);
-        // meshplan's own executor: fp32 gradients, whole masters, fp32 gathers.
+        // meshplan's own executor: fp32 gradients.
         let own = Mechanisms::default();
-        assert_eq!((own.grad_sum_bytes(2.0), own.gather_bytes(2.0)), (4.0, 4.0));
+        assert_eq!(own.grad_sum_bytes(2.0), 4.0);
         let ds = Mechanisms::of(Framework::Deepspeed);
         assert_eq!((ds.grad_sum_bytes(2.0), ds.grad_sum_bytes(4.0)), (2.0, 4.0));
-        assert!(!own.holding(2.0).shards_masters);
-        assert_eq!(now.gather_bytes(2.0), 2.0);
-        assert!(now.holding(2.0).shards_masters);
     }
 }

@@ -14,7 +14,9 @@ pub const OPTIMIZER_BYTES: f64 = 12.0;
 const MASTER_BYTES: f64 = 4.0;
 
 /// How a framework holds the model states of AdamW training: the precision of the
-/// compute copy and of the gradients, and what ZeRO partitions.
+/// compute copy and of the gradients. ZeRO 1-2 partition the fp32 masters with the
+/// moments in every framework modelled (the ZeRO paper, Megatron-LM's distributed
+/// optimizer, DeepSpeed, FSDP, meshplan's executor).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Holding {
     /// Bytes per element of the compute copy (the model's dtype). An fp32 model
@@ -22,10 +24,6 @@ pub struct Holding {
     pub compute_bytes: f64,
     /// Bytes per element of the gradients held (never below the compute copy's).
     pub grad_bytes: f64,
-    /// Whether ZeRO 1-2 partition the fp32 masters with the moments (the ZeRO
-    /// paper, Megatron-LM's distributed optimizer, DeepSpeed), or every data rank
-    /// keeps them whole and updates its part. ZeRO-3 partitions them either way.
-    pub shards_masters: bool,
 }
 
 /// The ZeRO paper's mixed-precision accounting: fp16 parameters and gradients,
@@ -33,7 +31,6 @@ pub struct Holding {
 pub const ZERO_PAPER: Holding = Holding {
     compute_bytes: PARAM_BYTES,
     grad_bytes: GRAD_BYTES,
-    shards_masters: true,
 };
 
 /// Model-state bytes on one GPU holding `params` parameters replicated over a
@@ -60,9 +57,8 @@ pub fn model_states(params: f64, dp: u64, stage: u8, h: Holding) -> (f64, f64, f
     } else {
         0.0
     };
-    let masters = master * params / over(stage >= 3 || (stage >= 1 && h.shards_masters));
-    let moments = (OPTIMIZER_BYTES - MASTER_BYTES) * params / over(stage >= 1);
-    (p, g, masters + moments)
+    let optimizer = (master + OPTIMIZER_BYTES - MASTER_BYTES) * params / over(stage >= 1);
+    (p, g, optimizer)
 }
 
 /// KV cache bytes: `layers x tokens x 2 x kv_heads x head_dim x bytes`, given the
@@ -129,32 +125,29 @@ mod tests {
 
     #[test]
     fn holdings_by_hand() {
-        let h = |compute_bytes, grad_bytes, shards_masters| Holding {
+        let h = |compute_bytes, grad_bytes| Holding {
             compute_bytes,
             grad_bytes,
-            shards_masters,
         };
         let per_param = |stage, hold| {
             let (p, g, o) = model_states(1.0, 4, stage, hold);
             [p, g, o]
         };
-        // bf16 with fp32 gradients (Megatron-LM): 2 + 4 + (4 + 8) = 18 per
-        // parameter; its distributed optimizer 6 + 12 / 4 = 9.
-        assert_eq!(per_param(0, h(2.0, 4.0, true)), [2.0, 4.0, 12.0]);
-        assert_eq!(per_param(1, h(2.0, 4.0, true)), [2.0, 4.0, 3.0]);
-        // Whole masters under ZeRO 1-2: only the moments are divided (4 + 8 / 4),
-        // and ZeRO-3 divides everything.
-        assert_eq!(per_param(1, h(2.0, 4.0, false)), [2.0, 4.0, 6.0]);
-        assert_eq!(per_param(2, h(2.0, 4.0, false)), [2.0, 1.0, 6.0]);
-        assert_eq!(per_param(3, h(2.0, 4.0, false)), [0.5, 1.0, 3.0]);
+        // bf16 with fp32 gradients (Megatron-LM, meshplan): 2 + 4 + (4 + 8) = 18
+        // per parameter; its distributed optimizer 6 + 12 / 4 = 9; ZeRO-2 and 3
+        // divide the gradients, then the compute copy.
+        assert_eq!(per_param(0, h(2.0, 4.0)), [2.0, 4.0, 12.0]);
+        assert_eq!(per_param(1, h(2.0, 4.0)), [2.0, 4.0, 3.0]);
+        assert_eq!(per_param(2, h(2.0, 4.0)), [2.0, 1.0, 3.0]);
+        assert_eq!(per_param(3, h(2.0, 4.0)), [0.5, 1.0, 3.0]);
         // fp32 computes on its masters: 4 + 4 + 8 = 16, and gradients never
         // narrower than the weights.
-        assert_eq!(per_param(0, h(4.0, 2.0, false)), [4.0, 4.0, 8.0]);
-        assert_eq!(per_param(1, h(4.0, 4.0, false)), [4.0, 4.0, 2.0]);
-        // The paper's accounting is the 2-byte holding that partitions masters.
+        assert_eq!(per_param(0, h(4.0, 2.0)), [4.0, 4.0, 8.0]);
+        assert_eq!(per_param(1, h(4.0, 4.0)), [4.0, 4.0, 2.0]);
+        // The paper's accounting is the 2-byte holding.
         assert_eq!(
             model_state_bytes(7.0, 4, 1),
-            model_states(7.0, 4, 1, h(2.0, 2.0, true))
+            model_states(7.0, 4, 1, h(2.0, 2.0))
         );
     }
 

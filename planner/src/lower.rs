@@ -142,10 +142,9 @@ struct Layout<'a> {
     recompute: Recompute,
     env: DimEnv,
     bpe: f64,
-    /// Bytes per element of gradient sums and of ZeRO's parameter gathers, as the
-    /// plan's framework moves them (`Mechanisms::grad_sum_bytes`, `gather_bytes`).
+    /// Bytes per element of gradient sums, as the plan's framework moves them
+    /// (`Mechanisms::grad_sum_bytes`); ZeRO gathers compute copies, at `bpe`.
     grad_bpe: f64,
-    gather_bpe: f64,
     /// ZeRO stage, and whether it is 3 (parameter gathers per segment).
     zero: u8,
     zero3: bool,
@@ -740,7 +739,7 @@ impl Layout<'_> {
                 if n <= 1 || params <= 0.0 {
                     continue;
                 }
-                let (p, g) = (params * self.gather_bpe, params * self.grad_bpe);
+                let (p, g) = (params * self.bpe, params * self.grad_bpe);
                 let segment = seg.name.clone();
                 let gather = || {
                     collective(
@@ -1401,7 +1400,7 @@ fn optimizer_step(
                 let end = (start + size).min(total);
                 let range = (start > 0 || end < total).then_some((start, end));
                 let elems = (end - start) as f64;
-                let (p, g) = (elems * layout.gather_bpe, elems * layout.grad_bpe);
+                let (p, g) = (elems * layout.bpe, elems * layout.grad_bpe);
                 if zero == 0 {
                     reduce.push(collective(
                         CollectiveKind::AllReduce,
@@ -1495,7 +1494,6 @@ pub fn lower_train(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
         },
         bpe,
         grad_bpe: mech.grad_sum_bytes(bpe),
-        gather_bpe: mech.gather_bytes(bpe),
         zero3: cfg.zero >= 3,
         zero: cfg.zero,
         dense_dp: cfg.dp * cfg.cp,
@@ -1582,7 +1580,6 @@ pub fn lower_inference(input: &LowerInput<'_>) -> Result<Plan, LowerError> {
         },
         bpe: pg.dtype.size_bytes() as f64,
         grad_bpe: pg.dtype.size_bytes() as f64,
-        gather_bpe: pg.dtype.size_bytes() as f64,
         zero3: false,
         zero: 0,
         dense_dp: cfg.dp * cfg.cp,

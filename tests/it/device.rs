@@ -18,16 +18,20 @@ fn variant(edits: &[(&str, &str)], name: &str) -> Model {
 /// GPT-2's layout at tiny-gpt's sizes: LayerNorm with biases, GELU, learned
 /// positions, the head tied to the token table, biases on every matmul.
 fn gpt2_like() -> Model {
-    variant(
-        &[
-            ("mlp: swiglu", "mlp: gelu"),
-            ("norm: rmsnorm", "norm: layernorm\n  bias: true"),
-            ("tie_embeddings: false", "tie_embeddings: true"),
-            ("position: rope", "position: learned\n  max_positions: 32"),
-            ("kv_heads: 2", "kv_heads: 4"),
-        ],
-        "gpt2-like.yaml",
-    )
+    gpt2_like_with(None, "gpt2-like.yaml")
+}
+
+/// [`gpt2_like`] with one more edit.
+fn gpt2_like_with(edit: Option<(&str, &str)>, name: &str) -> Model {
+    let mut edits = vec![
+        ("mlp: swiglu", "mlp: gelu"),
+        ("norm: rmsnorm", "norm: layernorm\n  bias: true"),
+        ("tie_embeddings: false", "tie_embeddings: true"),
+        ("position: rope", "position: learned\n  max_positions: 32"),
+        ("kv_heads: 2", "kv_heads: 4"),
+    ];
+    edits.extend(edit);
+    variant(&edits, name)
 }
 
 /// tiny-gpt with residual and attention dropout.
@@ -316,10 +320,10 @@ fn zero_ranks_hold_only_their_parts_between_steps() {
 /// The plan's model states and data-parallel bytes are what the ranks hold and
 /// send, in fp32 on the host device and for a bf16 model on the device that rounds
 /// as a GPU does (`Bf16Host`): meshplan's executor keeps a bf16 compute copy, fp32
-/// masters (whole on every data rank under ZeRO 1-2), fp32 gradients, and reduces
-/// and gathers those fp32 buffers, 4 bytes an element whatever the model's dtype.
-/// Between steps a rank has let go of what the plan counts at its peak: the
-/// gradient parts under ZeRO 2-3, and ZeRO-3's compute copies.
+/// masters (partitioned under ZeRO, as Megatron-LM's distributed optimizer does),
+/// fp32 gradients, reduces the gradients at 4 bytes an element whatever the
+/// model's dtype and gathers compute copies. Between steps a rank has let go of
+/// what the plan counts at its peak: the gradient parts under ZeRO 2-3.
 #[test]
 fn model_states_and_gradient_bytes_are_what_the_plan_predicts() {
     use meshplan_executor::device::emulate::Bf16Host;
@@ -343,37 +347,39 @@ fn model_states_and_gradient_bytes_are_what_the_plan_predicts() {
             let mem = &pl.predicted["memory_per_gpu_bytes"];
             let [params, grads, optimizer] =
                 ["params", "grads", "optimizer"].map(|k| mem[k].as_f64().expect(k));
-            // Per parameter, by hand: fp32 4 + 4 + 8, bf16 2 + 4 + (4 + 8), each
-            // part over the 2 data ranks from the stage that partitions it.
+            // Per parameter, by hand: fp32 4 + 4 + 8, bf16 2 + 4 + (4 + 8), the
+            // optimizer's over the 2 data ranks from ZeRO-1, the gradients' from
+            // ZeRO-2, the compute copy's at ZeRO-3.
             let by_hand = match (wide, zero) {
                 (true, 0) => [4.0, 4.0, 8.0],
                 (true, 1) => [4.0, 4.0, 4.0],
                 (true, 2) => [4.0, 2.0, 4.0],
                 (true, _) => [2.0, 2.0, 4.0],
                 (false, 0) => [2.0, 4.0, 12.0],
-                (false, 1) => [2.0, 4.0, 8.0],
-                (false, 2) => [2.0, 2.0, 8.0],
+                (false, 1) => [2.0, 4.0, 6.0],
+                (false, 2) => [2.0, 2.0, 6.0],
                 (false, _) => [1.0, 2.0, 6.0],
             };
             assert_eq!([params, grads, optimizer], by_hand.map(|b| b * p), "{cfg}");
             let held = match zero {
                 0 | 1 => params + grads + optimizer,
-                2 => params + optimizer,
-                // fp32 computes on its master parts (the plan's params); bf16
-                // gathers its compute copies for each use.
-                _ if wide => params + optimizer,
-                _ => optimizer,
+                _ => params + optimizer,
             };
             for r in &run.ranks {
                 assert_eq!(r.state_bytes, held, "{cfg}, wide {wide}: rank {}", r.rank);
             }
             // One step of 4 micro-batches a rank: ZeRO-0 sums the fp32 gradients
             // once, 2 (n - 1) / n x 4 P = 4 P bytes over 2 ranks; ZeRO-1 scatters
-            // them and gathers the fp32 masters, 2 x (n - 1) / n x 4 P = 4 P;
-            // ZeRO-2 scatters every micro-batch's, (4 + 1) x 2 P; ZeRO-3 gathers
-            // the masters twice and scatters the gradients once per micro-batch:
-            // 4 x 3 x 2 P.
-            let dp = [4.0, 4.0, 10.0, 24.0][zero as usize] * p;
+            // them, (n - 1) / n x 4 P = 2 P, and gathers the compute copies, P in
+            // bf16 (2 P in fp32); ZeRO-2 scatters every micro-batch's, 4 x 2 P,
+            // and gathers once; ZeRO-3 gathers the compute copies twice and
+            // scatters the gradients once per micro-batch: 4 x (2 x 1 + 2) P in
+            // bf16, 4 x 3 x 2 P in fp32.
+            let dp = match wide {
+                true => [4.0, 4.0, 10.0, 24.0],
+                false => [4.0, 3.0, 9.0, 16.0],
+            }[zero as usize]
+                * p;
             assert_eq!(
                 run.ranks[0].counts.axis_bytes_sent("dp"),
                 dp,
@@ -385,10 +391,81 @@ fn model_states_and_gradient_bytes_are_what_the_plan_predicts() {
     }
 }
 
+/// On the device that rounds as a GPU does, a bf16 model trains bit for bit alike
+/// at every ZeRO stage over 2 data ranks with one micro-batch each (2 ranks sum
+/// each element in one order whatever the collective): ZeRO 1-3 update each rank's
+/// part of the fp32 masters and bring the other parts' compute copies. A ZeRO-1
+/// rank's checkpoint, saved from its part, resumes bit for bit, and at ZeRO-3.
+#[test]
+fn a_bf16_model_trains_alike_at_every_zero_stage_and_resumes_from_its_parts() {
+    use meshplan_executor::ckpt::{Checkpoint, SaveOptions};
+    use meshplan_executor::device::emulate::Bf16Host;
+    let bf16 = ("dtype: f32", "dtype: bf16");
+    let run = |m: &Model, cfg: &str, o: &TrainOptions| {
+        train_device(&plan(m, cfg), o, &|_| Ok(Bf16Host)).unwrap_or_else(|e| panic!("{cfg}: {e}"))
+    };
+    let opts = TrainOptions::default();
+    for m in [
+        variant(&[bf16], "bf16.yaml"),
+        gpt2_like_with(Some(bf16), "gpt2-bf16.yaml"),
+    ] {
+        let base = run(&m, "dp=2,mbs=4,zero=0", &opts);
+        for zero in 1..=3 {
+            let cfg = format!("dp=2,mbs=4,zero={zero}");
+            let r = run(&m, &cfg, &opts);
+            assert_eq!(r.losses, base.losses, "{cfg}: losses");
+            for (x, y) in r.ranks.iter().zip(&base.ranks) {
+                assert!(x.weights == y.weights, "{cfg}: rank {} weights", x.rank);
+            }
+        }
+    }
+    let m = variant(&[bf16], "bf16.yaml");
+    for cfg in ["dp=2,mbs=4,zero=1", "dp=2,mbs=4,zero=3"] {
+        let dir = std::env::temp_dir().join(format!(
+            "meshplan-zero-bf16-{}-{}",
+            std::process::id(),
+            cfg.replace(['=', ','], "-")
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        let saving = TrainOptions {
+            steps: 3,
+            save: Some(SaveOptions::new(&dir, 3)),
+            ..TrainOptions::default()
+        };
+        run(&m, cfg, &saving);
+        let ck = Checkpoint::open(&dir).unwrap_or_else(|e| panic!("{e}"));
+        let resumed = TrainOptions {
+            steps: 6,
+            resume: Some(std::sync::Arc::new(ck)),
+            ..TrainOptions::default()
+        };
+        let (a, b) = (
+            run(&m, cfg, &resumed),
+            run(
+                &m,
+                cfg,
+                &TrainOptions {
+                    steps: 6,
+                    ..TrainOptions::default()
+                },
+            ),
+        );
+        assert_eq!(a.losses[..], b.losses[3..], "{cfg}: resumed losses");
+        for (x, y) in a.ranks.iter().zip(&b.ranks) {
+            assert!(
+                x.weights == y.weights,
+                "{cfg}: rank {} resumed weights",
+                x.rank
+            );
+        }
+    }
+}
+
 /// Every fp32 collective of a bf16 model counts at 4 bytes an element, as the plan
 /// prices it: a tied table summed between the first and last stage, sequence
 /// parallelism's partial norm gradients (once a step, per micro-batch under ZeRO-2,
-/// per segment copy under ZeRO-3), gradient buckets and parameter gathers.
+/// per segment copy under ZeRO-3) and gradient buckets; ZeRO's gathers of compute
+/// copies at 2.
 #[test]
 fn a_bf16_models_fp32_sums_are_priced_and_counted_alike() {
     use meshplan_executor::device::emulate::Bf16Host;

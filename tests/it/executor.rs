@@ -719,6 +719,19 @@ fn a_diverging_run_stops_naming_the_step_and_the_tensor() {
             && m.contains("a learning rate too large"),
         "{m}"
     );
+    // Nor does a bf16 model's ZeRO-1 rank hold whole masters: the check reads its
+    // parts of them.
+    use meshplan_executor::device::emulate::Bf16Host;
+    let bf16 = crate::matrix::variant("tiny-gpt", &[("dtype: f32", "dtype: bf16")], "bf16.yaml");
+    let p = plan(&bf16, "dp=2,zero=1");
+    let m = train_device(&p, &inf, &|_| Ok(Bf16Host))
+        .expect_err("diverges")
+        .message()
+        .to_string();
+    assert!(
+        m.contains("step 0: weight `") && m.contains(" holds "),
+        "{m}"
+    );
 }
 
 /// Every collective's target in `v` (a plan as JSON) rewritten to the string the

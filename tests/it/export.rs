@@ -118,8 +118,7 @@ const CASES: &[Case] = &[
         expressible: &["megatron", "torchtitan", "torchtitan-cli"],
     },
     // Experts over 8 ranks, ZeRO-1: torchtitan has no ZeRO-1. Planned for
-    // Megatron-LM, whose distributed optimizer partitions the fp32 masters (with
-    // meshplan's whole masters it does not fit in 80 GiB).
+    // Megatron-LM.
     Case {
         name: "mixtral-ep",
         model: "models/mixtral-8x7b.yaml",

@@ -272,12 +272,13 @@ fn exhaustive(fixed: &str) {
 
 #[test]
 fn near_ties_go_to_the_layout_with_fewer_bytes_and_axes() {
-    // Llama 3 8B on one H100 node, as meshplan's executor holds it (whole fp32
-    // masters beside ZeRO-1's share of the moments): two-stage pipelines over 2 or
-    // 4 context ranks, 1F1B and interleaved, price within 1% of each other (the
-    // context ring hides behind attention). The interleaved ones are the fastest
-    // by 0.3% but send a stage's boundary once per chunk; 1F1B over the fewest
-    // context ranks sends the fewest bytes and is chosen.
+    // Llama 3 8B on one H100 node, as meshplan's executor holds it (fp32
+    // gradients, ZeRO-1's partitioned masters and moments): the context-parallel
+    // layouts (cp = 2, 4, 8, with or without a two-stage pipeline) and a two-stage
+    // pipeline over 4 data ranks price within 1% of each other (the context ring
+    // hides behind attention). The ones without a pipeline are the fastest by
+    // 0.5% but send the ring's keys and values; the pipeline over data ranks alone
+    // sends the fewest bytes and is chosen.
     let c = case("llama3-8b", WorkloadOverrides::default(), "dgx-h100", 1);
     let r = search(&c, PartialConfig::default()).unwrap_or_else(|e| panic!("{e}"));
     assert!(r.near_ties >= 2, "{} near-ties", r.near_ties);
@@ -289,7 +290,7 @@ fn near_ties_go_to_the_layout_with_fewer_bytes_and_axes() {
         "the fastest was not the simplest"
     );
     assert_eq!(chosen.cfg.pp, 2, "chose {}", chosen.cfg);
-    assert_eq!(chosen.cfg.vpp, 1, "chose {}", chosen.cfg);
+    assert_eq!(chosen.cfg.cp, 1, "chose {}", chosen.cfg);
     for other in &r.top[1..r.near_ties] {
         let (a, b) = (
             network_bytes(&chosen.estimate),
@@ -302,10 +303,11 @@ fn near_ties_go_to_the_layout_with_fewer_bytes_and_axes() {
             other.cfg
         );
     }
-    // A faster interleaved layout ties and sends more: the tie was real, and broken.
+    // A faster context-parallel layout ties and sends more: the tie was real, and
+    // broken.
     assert!(r.top[..r.near_ties]
         .iter()
-        .any(|o| o.cfg.vpp > 1 && o.estimate.step_time_s < chosen.estimate.step_time_s));
+        .any(|o| o.cfg.cp > 1 && o.estimate.step_time_s < chosen.estimate.step_time_s));
 }
 
 #[test]
@@ -329,9 +331,9 @@ fn explain_shows_the_near_ties_and_why_the_simplest_was_chosen() {
         .expect("near_ties");
     assert!(ties.len() >= 2, "{ties:?}");
     assert_eq!(ties[0]["config"], v["strategy"], "the chosen one leads");
-    assert!(ties.iter().any(|t| t["config"]
-        .as_str()
-        .is_some_and(|c| c.contains("schedule=interleaved"))));
+    assert!(ties
+        .iter()
+        .any(|t| t["config"].as_str().is_some_and(|c| c.contains("cp=8"))));
     let text = crate::cli::meshplan(&["explain", p]);
     text.expect_code(0);
     assert!(

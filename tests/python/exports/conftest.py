@@ -35,8 +35,7 @@ PLANS = {
     "llama3-8b-zero2": ("models/llama3-8b.yaml", "topologies/dgx-h100.yaml",
                         ["--config", "dp=8,tp=1,pp=1,cp=1,mbs=2,zero=2,recompute=full"]),
     # plain data parallelism with ZeRO-1 (DeepSpeed stage 1, Megatron's distributed
-    # optimizer), planned for DeepSpeed, which partitions the fp32 masters (meshplan's
-    # executor keeps them whole: 86.8 GiB, over the H100's 80)
+    # optimizer), planned for DeepSpeed
     "llama3-8b-zero1": ("models/llama3-8b.yaml", "topologies/dgx-h100.yaml",
                         ["--framework", "deepspeed", "--nodes", "2", "--config",
                          "dp=16,tp=1,pp=1,cp=1,mbs=1,zero=1,recompute=full"]),
@@ -49,8 +48,7 @@ PLANS = {
     "llama3-70b-3d": ("models/llama3-70b.yaml", "topologies/dgx-h100.yaml",
                       ["--nodes", "8", "--config",
                        "dp=4,tp=8,pp=2,cp=1,mbs=1,zero=3,sp=true,recompute=selective,vpp=1"]),
-    # experts over 8 ranks, planned for Megatron-LM, whose distributed optimizer
-    # partitions the fp32 masters (with meshplan's whole masters: 87.0 GiB)
+    # experts over 8 ranks, planned for Megatron-LM
     "mixtral-ep": ("models/mixtral-8x7b.yaml", "topologies/dgx-h100.yaml",
                    ["--framework", "megatron-core", "--nodes", "4", "--config",
                     "dp=16,tp=2,pp=1,cp=1,ep=8,mbs=1,zero=1,sp=true,recompute=selective"]),

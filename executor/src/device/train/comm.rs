@@ -9,19 +9,20 @@ use crate::device::{CeOut, DeviceComm, On};
 use CollectiveKind::{AllGather as AG, ReduceScatter as RS};
 
 /// Whether a collective on `target` moves fp32 buffers on every device: gradients
-/// (accumulated and reduced in fp32), ZeRO's master weights and a loss's
-/// statistics. Activations and their gradients move in the compute dtype.
+/// (accumulated and reduced in fp32) and a loss's statistics. Activations, their
+/// gradients and ZeRO's gathered weights move in the compute dtype.
 fn moves_f32(target: &Target) -> bool {
     match target {
-        Target::SegmentParams { .. }
-        | Target::SegmentGrads { .. }
+        Target::SegmentGrads { .. }
         | Target::SegmentSeqPartialGrads { .. }
         | Target::TiedGrads
         | Target::SeqPartialGrads
         | Target::GradBucket { .. }
-        | Target::ParamBucket { .. }
         | Target::LossStat { .. } => true,
-        Target::Activation { .. }
+        // Compute copies, or masters that serve as them.
+        Target::SegmentParams { .. }
+        | Target::ParamBucket { .. }
+        | Target::Activation { .. }
         | Target::ActivationGrad { .. }
         | Target::HiddenStates
         | Target::HiddenStatesGrad

@@ -25,10 +25,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         let (ku, kd) = (self.wkey(op.inputs[2], l)?, self.wkey(op.inputs[3], l)?);
         let (on, ep_group) = ((&self.dev, self.comm.as_mut()), self.mesh.groups.get("ep"));
         let mut exec = moe::Exec::new(on, (self.tp, self.ep), ep_group, &op.name);
-        let weights = (
-            operand::<D>(&self.weights.master, &self.weights.compute, &ku)?,
-            operand::<D>(&self.weights.master, &self.weights.compute, &kd)?,
-        );
+        let held = (&self.weights.master, &self.weights.compute);
+        let weights = (operand::<D>(held, &ku)?, operand::<D>(held, &kd)?);
         // Every member of the expert group pads the same capacity buffers.
         let routing = Routing {
             group_tokens: Some(group),
@@ -162,13 +160,9 @@ impl<'a, D: Device> DevRank<'a, D> {
         (x, dy): (&D::Act, &D::Act),
         dx: &mut D::Act,
     ) -> Res {
-        let w = operand::<D>(&self.weights.master, &self.weights.compute, key)?;
-        let g = grad_in(
-            &self.dev,
-            &mut self.weights.wgrads,
-            &self.weights.master,
-            key,
-        )?;
+        let held = (&self.weights.master, &self.weights.compute);
+        let w = operand::<D>(held, key)?;
+        let g = grad_in(&self.dev, &mut self.weights.wgrads, held, key)?;
         linear_spans_bwd(&self.dev, counts, dims, (x, w, dy), (dx, g)).map_err(derr(&op.name))
     }
 

@@ -279,6 +279,7 @@ impl<'a, D: Device> DevRank<'a, D> {
         r.init_weights()?;
         r.count_uses()?;
         r.plan_step()?;
+        r.zero.shard_masters(&r.dev, &mut r.weights)?;
         let zero3 = [(ParamSet::Dense, "dp"), (ParamSet::Experts, "edp")]
             .into_iter()
             .filter_map(|(set, name)| Some((set, r.mesh.groups.get(name)?.clone())))
@@ -512,7 +513,9 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// Item `i` of the step list, traced as a span.
     fn run_step_item(&mut self, i: usize, step: u64) -> Res {
         let m0 = self.meter.mark(&self.dev)?;
-        // Every step item moves gradients or fp32 masters.
+        // Every step item but the parameter gathers (of compute copies, or masters
+        // that serve as them) moves fp32 gradients.
+        let fp32 = !matches!(self.sync.step_plan[i], StepItem::AllGather(_));
         let before = self.comm.counts();
         let comm = |kind: &str, axis: &str, tensor: &str| {
             (format!("{kind} {axis}"), "comm", Some(tensor.to_string()))
@@ -552,12 +555,14 @@ impl<'a, D: Device> DevRank<'a, D> {
             }
             &StepItem::AllGather(b) => {
                 let on = (&self.dev, &mut *self.comm);
-                self.zero.all_gather(on, b, &mut self.weights.master)?;
+                self.zero.all_gather(on, b, &mut self.weights)?;
                 let bk = &self.zero.gather[b];
                 comm("AllGather", &bk.axis, &bk.tensor)
             }
         };
-        self.moved_f32_since(&before);
+        if fp32 {
+            self.moved_f32_since(&before);
+        }
         let args = match tensor {
             Some(tensor) => serde_json::json!({"step": step, "tensor": tensor}),
             None => serde_json::json!({"step": step}),
@@ -571,7 +576,9 @@ impl<'a, D: Device> DevRank<'a, D> {
     /// loss: non-finite activations from finite weights.
     fn check_finite(&mut self, step: u64) -> Res {
         let (keys, mut ws): (Vec<&Key>, Vec<&D::F32>) = self.weights.master.iter().unzip();
-        // ZeRO-3's parts in the same call: one flag read back a step.
+        // ZeRO's parts in the same call: one flag read back a step.
+        let (zero, parts): (Vec<_>, Vec<&D::F32>) = self.zero.master_parts.iter().unzip();
+        ws.extend(parts);
         let (copies, parts): (Vec<_>, Vec<&D::F32>) = self.zero.z3.parts().unzip();
         ws.extend(parts);
         let bad = match self.dev.first_non_finite(&ws).map_err(derr("check"))? {
@@ -581,7 +588,15 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let x = host.into_iter().find(|v| !v.is_finite());
                 Some((key.clone(), x.unwrap_or(f32::NAN)))
             }
-            Some(i) => Some(self.zero.z3.non_finite(&self.dev, copies[i - keys.len()])?),
+            Some(i) if i < keys.len() + zero.len() => {
+                let &(set, start) = zero[i - keys.len()];
+                let at = (self.zero.layout(set), start);
+                Some(zero3::non_finite_in(&self.dev, at, ws[i])?)
+            }
+            Some(i) => {
+                let copy = copies[i - keys.len() - zero.len()];
+                Some(self.zero.z3.non_finite(&self.dev, copy)?)
+            }
             None => None,
         };
         if let Some(((name, layer), x)) = bad {
@@ -645,7 +660,7 @@ impl<'a, D: Device> DevRank<'a, D> {
 
     fn weight(&self, id: meshplan_ir::TensorId, l: u64) -> Result<&D::Act, RankError> {
         let key = self.wkey(id, l)?;
-        operand::<D>(&self.weights.master, &self.weights.compute, &key)
+        operand::<D>((&self.weights.master, &self.weights.compute), &key)
     }
 
     /// The bias of a norm or linear op (its third input), if it has one.
@@ -703,7 +718,9 @@ impl<'a, D: Device> DevRank<'a, D> {
         // What the rank holds between steps: masters and gradients in fp32 (under
         // ZeRO-3 its parts of the masters alone), the moments held (a part of them
         // under ZeRO), and the compute copies (none where the master serves).
-        let masters: usize = self.weights.master.values().map(D::f32_len).sum();
+        let masters: usize = (self.weights.master.values().map(D::f32_len))
+            .chain(self.zero.master_parts.values().map(D::f32_len))
+            .sum();
         let grads: usize = self.weights.wgrads.values().map(D::f32_len).sum();
         let moments: usize = self
             .weights
@@ -713,13 +730,17 @@ impl<'a, D: Device> DevRank<'a, D> {
             .chain(self.zero.z3.adam.values())
             .map(|(m, v)| D::f32_len(m) + D::f32_len(v))
             .sum();
-        let copies: usize = self.weights.compute.values().map(D::act_len).sum();
-        let fp32 = masters + grads + self.zero.z3.part_elems() + moments;
+        let (parts, part_copies) = self.zero.z3.part_elems();
+        let copies: usize =
+            self.weights.compute.values().map(D::act_len).sum::<usize>() + part_copies;
+        let fp32 = masters + grads + parts + moments;
         let state_bytes = (fp32 * 4 + copies * self.dev.act_bytes()) as f64;
         let mut weights = BTreeMap::new();
         if self.opts.final_weights {
             let on = (&self.dev, &mut *self.comm);
             (self.zero.z3).gather_all(on, self.graph, &mut self.weights)?;
+            let on = (&self.dev, &mut *self.comm);
+            self.zero.gather_masters(on, &mut self.weights)?;
             for (key, w) in &self.weights.master {
                 weights.insert(key.clone(), self.dev.f32_download(w).map_err(derr(&key.0))?);
             }
@@ -738,44 +759,6 @@ impl<'a, D: Device> DevRank<'a, D> {
             device_memory_bytes: self.meter.device_peak.map(|b| b as f64),
         })
     }
-}
-
-/// The kernels' operand of weight `key`: its compute copy, or the master itself
-/// where the device computes on it ([`Buffers::master_as_act`]). Takes the two maps
-/// rather than the rank, so a caller may hold a gradient mutably meanwhile.
-pub(super) fn operand<'m, D: Device>(
-    master: &'m BTreeMap<Key, D::F32>,
-    compute: &'m BTreeMap<Key, D::Act>,
-    key: &Key,
-) -> Result<&'m D::Act, RankError> {
-    if let Some(w) = master.get(key).and_then(D::master_as_act) {
-        return Ok(w);
-    }
-    compute
-        .get(key)
-        .ok_or_else(|| fail(format!("weight `{}` has no compute copy", key.0)))
-}
-
-/// Writes the compute copy of each of `keys` from its master, after the masters
-/// changed outside AdamW (ZeRO's gathers); nothing where the master serves as its
-/// own ([`Buffers::master_as_act`]).
-pub(super) fn refresh_copies<'k, D: Device>(
-    dev: &D,
-    master: &BTreeMap<Key, D::F32>,
-    compute: &mut BTreeMap<Key, D::Act>,
-    keys: impl IntoIterator<Item = &'k Key>,
-) -> Result<(), RankError> {
-    for key in keys {
-        let w = master.get(key).ok_or_else(|| fail("weight missing"))?;
-        if D::master_as_act(w).is_some() {
-            continue;
-        }
-        let c = compute
-            .get_mut(key)
-            .ok_or_else(|| fail("compute copy missing"))?;
-        dev.to_act(w, c).map_err(derr(&key.0))?;
-    }
-    Ok(())
 }
 
 /// The chunk a task of the schedule runs.

@@ -13,7 +13,7 @@ use std::collections::hash_map::Entry;
 type Source = Option<(usize, usize)>;
 
 /// A flat range of weights with its moments: its layout, its first element, its
-/// moments and, under ZeRO-3, the parameters it holds (otherwise the masters).
+/// moments and the part of the masters it holds, if the masters are not whole.
 type Part<'r, D> = (
     &'r [(Key, usize)],
     usize,
@@ -105,10 +105,14 @@ impl<D: Device> DevRank<'_, D> {
     }
 
     /// ZeRO's flat parts: of the flat vector (ZeRO 1 and 2), where this rank's
-    /// masters are the up-to-date ones, and under ZeRO-3 of each segment copy's.
+    /// masters (or its part of them) are the up-to-date ones, and under ZeRO-3 of
+    /// each segment copy's.
     fn parts(&self) -> Result<Vec<Part<'_, D>>, RankError> {
         let mut parts: Vec<Part<'_, D>> = (self.zero.shard_adam.iter())
-            .map(|(&(set, start), mv)| (self.zero.layout(set), start, mv, None))
+            .map(|(&(set, start), mv)| {
+                let held = self.zero.master_parts.get(&(set, start));
+                (self.zero.layout(set), start, mv, held)
+            })
             .collect();
         for (copy, mv) in &self.zero.z3.adam {
             let (layout, start, part) = self.zero.z3.part(*copy)?;

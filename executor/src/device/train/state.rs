@@ -8,26 +8,35 @@ use super::*;
 pub(super) struct Weights<D: Device> {
     /// Every weight this rank holds, whole or (ZeRO-3) by part.
     pub(super) held: BTreeSet<Key>,
-    /// fp32 master weights, their compute copies, gradients and AdamW moments
-    /// (under ZeRO-3, of the segment copies in use).
+    /// fp32 master weights (none of a set whose parts ZeRO holds apart, where the
+    /// device computes on copies), their compute copies, gradients and AdamW
+    /// moments (under ZeRO-3, of the segment copies in use).
     pub(super) master: BTreeMap<Key, D::F32>,
     pub(super) compute: BTreeMap<Key, D::Act>,
     pub(super) wgrads: BTreeMap<Key, D::F32>,
     pub(super) adam: BTreeMap<Key, (D::F32, D::F32)>,
 }
 
+/// A rank's masters and compute copies, borrowed apart from its gradients.
+pub(super) type Held<'w, D> = (
+    &'w BTreeMap<Key, <D as Buffers>::F32>,
+    &'w BTreeMap<Key, <D as Buffers>::Act>,
+);
+
 /// `key`'s gradient to accumulate into: made at zero where no op has written it
-/// since a ZeRO-2 scatter let it go; missing with its weight.
+/// since a ZeRO-2 scatter let it go; missing with its weight (its master, or its
+/// compute copy where the rank holds a part of the masters).
 pub(super) fn grad_in<'w, D: Device>(
     dev: &D,
     wgrads: &'w mut BTreeMap<Key, D::F32>,
-    master: &BTreeMap<Key, D::F32>,
+    (master, compute): Held<'_, D>,
     key: &Key,
 ) -> Res<&'w mut D::F32> {
     match wgrads.entry(key.clone()) {
         std::collections::btree_map::Entry::Occupied(o) => Ok(o.into_mut()),
         std::collections::btree_map::Entry::Vacant(v) => {
-            let n = (master.get(key).map(D::f32_len)).ok_or_else(|| {
+            let n = (master.get(key).map(D::f32_len)).or_else(|| compute.get(key).map(D::act_len));
+            let n = n.ok_or_else(|| {
                 fail(format!(
                     "the gradient of `{}`: its weight is not held",
                     key.0
@@ -38,11 +47,49 @@ pub(super) fn grad_in<'w, D: Device>(
     }
 }
 
+/// The kernels' operand of weight `key`: its compute copy, or the master itself
+/// where the device computes on it ([`Buffers::master_as_act`]). Takes the two maps
+/// rather than the rank, so a caller may hold a gradient mutably meanwhile.
+pub(super) fn operand<'m, D: Device>(
+    (master, compute): Held<'m, D>,
+    key: &Key,
+) -> Result<&'m D::Act, RankError> {
+    if let Some(w) = master.get(key).and_then(D::master_as_act) {
+        return Ok(w);
+    }
+    compute
+        .get(key)
+        .ok_or_else(|| fail(format!("weight `{}` has no compute copy", key.0)))
+}
+
+/// Writes the compute copy of each of `keys` from its master, after the masters
+/// changed outside AdamW (ZeRO's gathers); nothing where the master serves as its
+/// own ([`Buffers::master_as_act`]).
+pub(super) fn refresh_copies<'k, D: Device>(
+    dev: &D,
+    master: &BTreeMap<Key, D::F32>,
+    compute: &mut BTreeMap<Key, D::Act>,
+    keys: impl IntoIterator<Item = &'k Key>,
+) -> Result<(), RankError> {
+    for key in keys {
+        let w = master.get(key).ok_or_else(|| fail("weight missing"))?;
+        if D::master_as_act(w).is_some() {
+            continue;
+        }
+        let c = compute
+            .get_mut(key)
+            .ok_or_else(|| fail("compute copy missing"))?;
+        dev.to_act(w, c).map_err(derr(&key.0))?;
+    }
+    Ok(())
+}
+
 impl<D: Device> Weights<D> {
     /// The keys of the weights held that are named in `names` (of layer `layer`
     /// only, if given).
     pub(super) fn keys_named(&self, names: &[String], layer: Option<u64>) -> Vec<Key> {
-        (self.master.keys())
+        let keys: BTreeSet<&Key> = self.master.keys().chain(self.compute.keys()).collect();
+        (keys.into_iter())
             .filter(|(name, l)| layer.is_none_or(|at| *l == at) && names.contains(name))
             .cloned()
             .collect()
@@ -58,7 +105,7 @@ impl<D: Device> Weights<D> {
         keys: impl IntoIterator<Item = &'k Key>,
     ) -> Res {
         for key in keys {
-            grad_in(dev, &mut self.wgrads, &self.master, key)?;
+            grad_in(dev, &mut self.wgrads, (&self.master, &self.compute), key)?;
         }
         Ok(())
     }

@@ -309,10 +309,8 @@ impl<'a, D: Device> DevRank<'a, D> {
         }
         let step = self.meter.step_no + 1;
         if self.zero.sharded(set) {
-            let master = &mut self.weights.master;
-            return self
-                .zero
-                .optimizer(&self.dev, set, master, (step, self.opts.lr));
+            let weights = &mut self.weights;
+            return (self.zero).optimizer(&self.dev, set, weights, (step, self.opts.lr));
         }
         let keys: Vec<Key> = self
             .weights
@@ -445,6 +443,32 @@ pub(super) fn packed<D: Device>(
     (pieces, len): (&[Piece], usize),
     what: &str,
 ) -> Result<D::F32, RankError> {
+    let parts = runs(from, (pieces, len), what)?;
+    dev.f32_concat(&parts).map_err(derr(what))
+}
+
+/// [`packed`] of compute copies.
+pub(super) fn act_packed<D: Device>(
+    dev: &D,
+    from: &BTreeMap<Key, D::Act>,
+    (pieces, len): (&[Piece], usize),
+    what: &str,
+) -> Result<D::Act, RankError> {
+    let mut out = dev.act_zeros(len).map_err(derr(what))?;
+    for (at, (x, src, n)) in runs(from, (pieces, len), what)?.into_iter().enumerate() {
+        dev.act_copy((x, src), (&mut out, pieces[at].2), n)
+            .map_err(derr(what))?;
+    }
+    Ok(out)
+}
+
+/// Each piece's (buffer, offset in it, values), checked to lie one after another
+/// from offset 0 over `len` values.
+fn runs<'f, B>(
+    from: &'f BTreeMap<Key, B>,
+    (pieces, len): (&[Piece], usize),
+    what: &str,
+) -> Result<Vec<(&'f B, usize, usize)>, RankError> {
     let mut at = 0;
     let mut parts = Vec::with_capacity(pieces.len());
     for (key, src, dst, n) in pieces {
@@ -465,7 +489,7 @@ pub(super) fn packed<D: Device>(
             "{what}: the pieces hold {at} of {len} values"
         )));
     }
-    dev.f32_concat(&parts).map_err(derr(what))
+    Ok(parts)
 }
 
 /// The inverse of [`packed`]: each piece of `flat` back into its weight in `into`.
@@ -476,12 +500,31 @@ pub(super) fn unpack<D: Device>(
     into: &mut BTreeMap<Key, D::F32>,
     what: &str,
 ) -> Result<(), RankError> {
+    scatter_into((flat, pieces), into, what, |x, y, n| dev.f32_copy(x, y, n))
+}
+
+/// [`unpack`] into compute copies.
+pub(super) fn act_unpack<D: Device>(
+    dev: &D,
+    flat: &D::Act,
+    pieces: &[Piece],
+    into: &mut BTreeMap<Key, D::Act>,
+    what: &str,
+) -> Result<(), RankError> {
+    scatter_into((flat, pieces), into, what, |x, y, n| dev.act_copy(x, y, n))
+}
+
+fn scatter_into<B>(
+    (flat, pieces): (&B, &[Piece]),
+    into: &mut BTreeMap<Key, B>,
+    what: &str,
+    copy: impl Fn((&B, usize), (&mut B, usize), usize) -> DResult<()>,
+) -> Result<(), RankError> {
     for (key, src, dst, n) in pieces {
         let x = into
             .get_mut(key)
             .ok_or_else(|| fail(format!("{what}: `{}` is not held", key.0)))?;
-        dev.f32_copy((flat, *dst), (x, *src), *n)
-            .map_err(derr(what))?;
+        copy((flat, *dst), (x, *src), *n).map_err(derr(what))?;
     }
     Ok(())
 }

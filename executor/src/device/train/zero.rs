@@ -1,12 +1,18 @@
 //! ZeRO 1 and 2: each parameter set's gradients are reduce-scattered over the data
 //! ranks in buckets; a rank updates its part of the fp32 masters with moments of
 //! that part alone, and the parameter buckets' all-gathers bring the other ranks'
-//! updated parts. ZeRO-3's segment copies are [`zero3::Zero3`]'s.
+//! updated parts. Where the device computes on copies apart from the masters (bf16
+//! on a GPU), a rank holds only its part of the masters, as Megatron-LM's
+//! distributed optimizer does, and the gathers bring compute copies; where the
+//! master is the compute copy (fp32 on the host), the masters stay whole and the
+//! gathers bring them. ZeRO-3's segment copies are [`zero3::Zero3`]'s.
 //!
 //! [`ZeroState`] owns the parts, their moments and the buckets; the rank hands it
 //! the device, the communicator and the weights it works on.
 
-use super::step::{adamw, initial_moments, packed, pieces_of, pieces_outside, unpack};
+use super::step::{
+    act_packed, act_unpack, adamw, initial_moments, packed, pieces_of, pieces_outside, unpack,
+};
 use super::*;
 
 /// Each parameter set's flat vector, and what ZeRO keeps of it.
@@ -21,8 +27,13 @@ pub(super) struct ZeroState<D: Device> {
     pub(super) shards: Vec<(ParamSet, usize, D::F32)>,
     pub(super) shard_adam: BTreeMap<(ParamSet, usize), Moments<D>>,
     /// ZeRO: the parts AdamW updated this step (flat start, values), packed as the
-    /// all-gather sends them, until it does.
+    /// all-gather sends them, until it does: masters where they serve as compute
+    /// copies, else the compute copies of the updated parts.
     pub(super) updated: Vec<(ParamSet, usize, D::F32)>,
+    pub(super) updated_copies: Vec<(ParamSet, usize, D::Act)>,
+    /// This rank's part of the fp32 masters of each set it holds so (flat start,
+    /// values), where the device keeps compute copies apart.
+    pub(super) master_parts: BTreeMap<(ParamSet, usize), D::F32>,
     /// ZeRO-3: this rank's parts of each segment copy's masters, gradients and
     /// moments.
     pub(super) z3: zero3::Zero3<D>,
@@ -51,6 +62,8 @@ impl<D: Device> ZeroState<D> {
             shards: Vec::new(),
             shard_adam: BTreeMap::new(),
             updated: Vec::new(),
+            updated_copies: Vec::new(),
+            master_parts: BTreeMap::new(),
             z3: zero3::Zero3::new(),
             start_moments: StartMoments::Zeros,
         }
@@ -105,42 +118,118 @@ impl<D: Device> ZeroState<D> {
             .ok_or_else(|| fail(format!("`{name}` is not a gradient bucket of this stage")))
     }
 
-    /// Parameter bucket `i` from the parts each data rank updated.
+    /// Parameter bucket `i` from the parts each data rank updated: the compute
+    /// copies where this rank holds a part of the set's masters, else the masters.
     pub(super) fn all_gather(
         &mut self,
         (dev, comm): (&D, &mut D::Comm),
         i: usize,
-        master: &mut BTreeMap<Key, D::F32>,
+        weights: &mut Weights<D>,
     ) -> Res {
         let bk = &self.gather[i];
         let (own, c) = bk.part();
+        let on = (CommKind::AllGather, (&bk.group, bk.axis.as_str()));
+        // The other ranks' parts only: this rank's holds its own values.
+        let mine = own - bk.start;
+        let others = pieces_outside(&bk.pieces, (mine, mine + c));
+        let is_mine = |(s, at, n): (ParamSet, usize, usize)| (s, at, n) == (bk.set, own, c);
+        if self.sharded_masters(bk.set) {
+            let done = (self.updated_copies.iter())
+                .position(|(s, at, x)| is_mine((*s, *at, D::act_len(x))));
+            let local = match done {
+                Some(i) => self.updated_copies.swap_remove(i).2,
+                None => {
+                    let mine = pieces_of(self.layout(bk.set), own, own + c);
+                    act_packed(dev, &weights.compute, (&mine, c), "all-gather")?
+                }
+            };
+            let all = comm.act_collective(dev, on, &local)?;
+            return act_unpack(dev, &all, &others, &mut weights.compute, "all-gather");
+        }
         // AdamW's packed output is this rank's part as it is in the masters: sent
         // as it is, where packing it again would copy the same values.
-        let done = (self.updated.iter())
-            .position(|(s, at, x)| (*s, *at, D::f32_len(x)) == (bk.set, own, c));
+        let done = (self.updated.iter()).position(|(s, at, x)| is_mine((*s, *at, D::f32_len(x))));
         let local = match done {
             Some(i) => self.updated.swap_remove(i).2,
             None => {
                 let mine = pieces_of(self.layout(bk.set), own, own + c);
-                packed(dev, master, (&mine, c), "all-gather")?
+                packed(dev, &weights.master, (&mine, c), "all-gather")?
             }
         };
-        let on = (CommKind::AllGather, (&bk.group, bk.axis.as_str()));
         let all = comm.f32_collective_owned(dev, on, local)?;
-        // The other ranks' parts only: this rank's holds the masters' own values.
-        let mine = own - bk.start;
-        let others = pieces_outside(&bk.pieces, (mine, mine + c));
-        unpack(dev, &all, &others, master, "all-gather")
+        unpack(dev, &all, &others, &mut weights.master, "all-gather")
+    }
+
+    /// Whether this rank holds only its parts of `set`'s masters.
+    fn sharded_masters(&self, set: ParamSet) -> bool {
+        self.master_parts.keys().any(|(s, _)| *s == set)
+    }
+
+    /// Once the buckets are laid out, where the device computes on copies apart
+    /// from the masters: this rank keeps its part of each set's masters that the
+    /// reduce-scatters tile, and lets the whole masters go.
+    pub(super) fn shard_masters(&mut self, dev: &D, weights: &mut Weights<D>) -> Res {
+        let serve = (weights.master.values()).any(|w| D::master_as_act(w).is_some());
+        for set in [ParamSet::Dense, ParamSet::Experts] {
+            let total: usize = self.layout(set).iter().map(|(_, n)| n).sum();
+            let ranges: BTreeMap<usize, usize> = (self.scatter.iter())
+                .filter(|b| b.set == set)
+                .map(|b| (b.start, b.len))
+                .collect();
+            let mut end = 0;
+            for (&a, &n) in &ranges {
+                end = if a == end { a + n } else { usize::MAX };
+            }
+            if serve || total == 0 || end != total {
+                continue;
+            }
+            for bk in self.scatter.iter().filter(|b| b.set == set) {
+                let (own, c) = bk.part();
+                let pieces = pieces_of(self.layout(set), own, own + c);
+                let part = packed(dev, &weights.master, (&pieces, c), "ZeRO")?;
+                self.master_parts.insert((set, own), part);
+            }
+            for (key, _) in self.layout(set) {
+                weights.master.remove(key);
+            }
+        }
+        Ok(())
+    }
+
+    /// Before the report: the whole masters of every set this rank holds parts
+    /// of, gathered from every rank's part.
+    pub(super) fn gather_masters(
+        &self,
+        (dev, comm): (&D, &mut D::Comm),
+        weights: &mut Weights<D>,
+    ) -> Res {
+        for bk in &self.scatter {
+            let Some(part) = self.master_parts.get(&(bk.set, bk.own)) else {
+                continue;
+            };
+            for (key, n) in self.layout(bk.set) {
+                if !weights.master.contains_key(key) {
+                    let w = dev.f32_zeros(*n).map_err(derr("final weights"))?;
+                    weights.master.insert(key.clone(), w);
+                }
+            }
+            let on = (CommKind::AllGather, (&bk.group, bk.axis.as_str()));
+            let all = comm.f32_collective(dev, on, part)?;
+            unpack(dev, &all, &bk.pieces, &mut weights.master, "final weights")?;
+        }
+        Ok(())
     }
 
     /// AdamW on `set`: each reduced part of the flat gradient updates the same
     /// part of the fp32 masters, with moments of that part alone; the updated
-    /// part is kept, packed, for the parameter bucket's gather.
+    /// part is kept, packed, for the parameter bucket's gather (its compute copy,
+    /// written into the compute copies, where this rank holds parts of the
+    /// masters).
     pub(super) fn optimizer(
         &mut self,
         dev: &D,
         set: ParamSet,
-        master: &mut BTreeMap<Key, D::F32>,
+        weights: &mut Weights<D>,
         (step, lr): (u64, f32),
     ) -> Res {
         let (mine, rest) = std::mem::take(&mut self.shards)
@@ -152,10 +241,18 @@ impl<D: Device> ZeroState<D> {
             let pieces = pieces_of(self.layout(set), start, start + c);
             let (m, v) = (self.shard_adam.get_mut(&(set, start)))
                 .ok_or_else(|| fail(format!("no AdamW state of the part at {start}")))?;
-            let mut param = packed(dev, master, (&pieces, c), "adamw")?;
+            let e = derr("adamw");
+            if let Some(param) = self.master_parts.get_mut(&(set, start)) {
+                let mut copy = dev.act_zeros(c).map_err(&e)?;
+                adamw(dev, (param, &grad), (m, v), Some(&mut copy), (step, lr)).map_err(e)?;
+                act_unpack(dev, &copy, &pieces, &mut weights.compute, "adamw")?;
+                self.updated_copies.push((set, start, copy));
+                continue;
+            }
+            let mut param = packed(dev, &weights.master, (&pieces, c), "adamw")?;
             // The compute copies are refreshed once the parts are gathered.
-            adamw(dev, (&mut param, &grad), (m, v), None, (step, lr)).map_err(derr("adamw"))?;
-            unpack(dev, &param, &pieces, master, "adamw")?;
+            adamw(dev, (&mut param, &grad), (m, v), None, (step, lr)).map_err(e)?;
+            unpack(dev, &param, &pieces, &mut weights.master, "adamw")?;
             self.updated.push((set, start, param));
         }
         Ok(())

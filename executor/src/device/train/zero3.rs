@@ -1,16 +1,20 @@
 //! ZeRO-3 (FSDP): each segment copy's weights are one flat vector that the data
 //! ranks shard. Between its uses a rank holds only its part of the copy's fp32
-//! masters, and the AdamW moments of that part. The copy's forward and its backward
-//! each gather the whole weights first (and their compute copies are written from
-//! them); the forward lets them go when it ends, the backward after the
-//! reduce-scatter of its gradients, which exist only while it runs. Weights that
+//! masters, the AdamW moments of that part and, where the device computes on
+//! copies apart from the masters (bf16 on a GPU), the compute copy of that part.
+//! The copy's forward and its backward each gather the whole compute copies first
+//! (as FSDP gathers its `param_dtype` parameters; where the master serves as the
+//! compute copy, the masters); the forward lets them go when it ends, the backward
+//! after the reduce-scatter of its gradients, which exist only while it runs. Weights that
 //! more than one segment reads (a tied table) stay whole, as FSDP's root unit keeps
 //! its parameters.
 //!
 //! [`Zero3`] owns all of it: the rank hands it the device, the communicator and
 //! the weights it works on, and keeps no ZeRO-3 state of its own.
 
-use super::step::{adamw, index_in, initial_moments, packed, param_set, pieces_of, unpack};
+use super::step::{
+    act_unpack, adamw, index_in, initial_moments, packed, param_set, pieces_of, unpack,
+};
 use super::*;
 use std::collections::BTreeSet;
 
@@ -28,6 +32,8 @@ pub(super) struct Zero3<D: Device> {
     /// This rank's part of each copy's fp32 masters: between the copy's uses, the
     /// only values of those weights this rank holds.
     parts: BTreeMap<CopyKey, D::F32>,
+    /// The compute copy of each part, where the masters do not serve as one.
+    copies: BTreeMap<CopyKey, D::Act>,
     /// Each copy's reduce-scattered gradient part this step.
     pub grads: BTreeMap<CopyKey, D::F32>,
     /// The AdamW moments of each part.
@@ -44,15 +50,17 @@ impl<D: Device> Zero3<D> {
             groups: BTreeMap::new(),
             layouts: BTreeMap::new(),
             parts: BTreeMap::new(),
+            copies: BTreeMap::new(),
             grads: BTreeMap::new(),
             adam: BTreeMap::new(),
             shared: BTreeSet::new(),
         }
     }
 
-    /// Values held in parts of the masters.
-    pub fn part_elems(&self) -> usize {
-        self.parts.values().map(D::f32_len).sum()
+    /// Values held in parts of the masters, and in their compute copies.
+    pub fn part_elems(&self) -> (usize, usize) {
+        let copies = self.copies.values().map(D::act_len).sum();
+        (self.parts.values().map(D::f32_len).sum(), copies)
     }
 
     /// The group ZeRO-3 shards `set` over, if it does.
@@ -88,6 +96,11 @@ impl<D: Device> Zero3<D> {
                 let (_, start, c) = self.part_of(g, &layout)?;
                 let own = pieces_of(&layout, start, start + c);
                 let part = packed(dev, &weights.master, (&own, c), "ZeRO-3")?;
+                if D::master_as_act(&part).is_none() {
+                    let mut copy = dev.act_zeros(c).map_err(derr("ZeRO-3"))?;
+                    dev.to_act(&part, &mut copy).map_err(derr("ZeRO-3"))?;
+                    self.copies.insert((set, s, l), copy);
+                }
                 self.parts.insert((set, s, l), part);
                 self.layouts.insert((set, s, l), layout);
             }
@@ -167,9 +180,9 @@ impl<D: Device> Zero3<D> {
     }
 
     /// The gather of one segment copy's weights (`segment` names it) before its
-    /// forward or `backward`: every rank's part of the fp32 masters, then the
-    /// compute copies written; before the backward, zero gradients to accumulate
-    /// into.
+    /// forward or `backward`: every rank's part of the compute copies (of the
+    /// masters where they serve as them, their compute copies then written); before
+    /// the backward, zero gradients to accumulate into.
     pub fn gather(
         &self,
         (dev, comm): (&D, &mut D::Comm),
@@ -179,21 +192,54 @@ impl<D: Device> Zero3<D> {
     ) -> Res {
         let layout = self.layout(copy)?;
         let total: usize = layout.iter().map(|(_, n)| n).sum();
+        let all_pieces = pieces_of(&layout, 0, total);
+        let e = derr(segment);
+        let on = (CommKind::AllGather, (g, axis));
+        if let Some(part) = self.copies.get(&copy) {
+            let all = comm.act_collective(dev, on, part)?;
+            for (key, n) in &layout {
+                if !weights.compute.contains_key(key) {
+                    let w = dev.act_zeros(*n).map_err(&e)?;
+                    weights.compute.insert(key.clone(), w);
+                }
+            }
+            act_unpack(dev, &all, &all_pieces, &mut weights.compute, segment)?;
+        } else {
+            self.gather_masters((dev, comm), (g, axis), (segment, copy), weights)?;
+        }
+        if backward {
+            for (key, n) in &layout {
+                if !weights.wgrads.contains_key(key) {
+                    let grad = dev.f32_zeros(*n).map_err(&e)?;
+                    weights.wgrads.insert(key.clone(), grad);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Every rank's part of a segment copy's fp32 masters, whole in `weights`,
+    /// with their compute copies written.
+    fn gather_masters(
+        &self,
+        (dev, comm): (&D, &mut D::Comm),
+        (g, axis): (&Group, &str),
+        (segment, copy): (&str, CopyKey),
+        weights: &mut Weights<D>,
+    ) -> Res {
+        let layout = self.layout(copy)?;
+        let total: usize = layout.iter().map(|(_, n)| n).sum();
         let part = self.parts.get(&copy).ok_or_else(|| fail("no part"))?;
         let all = comm.f32_collective(dev, (CommKind::AllGather, (g, axis)), part)?;
         let e = derr(segment);
         for (key, n) in &layout {
             if !weights.master.contains_key(key) {
                 let master = dev.f32_zeros(*n).map_err(&e)?;
-                if D::master_as_act(&master).is_none() {
+                if D::master_as_act(&master).is_none() && !weights.compute.contains_key(key) {
                     let copy = dev.act_zeros(*n).map_err(&e)?;
                     weights.compute.insert(key.clone(), copy);
                 }
                 weights.master.insert(key.clone(), master);
-            }
-            if backward && !weights.wgrads.contains_key(key) {
-                let grad = dev.f32_zeros(*n).map_err(&e)?;
-                weights.wgrads.insert(key.clone(), grad);
             }
         }
         let all_pieces = pieces_of(&layout, 0, total);
@@ -246,6 +292,7 @@ impl<D: Device> Zero3<D> {
     /// with moments of that part alone.
     pub fn optimizer(&mut self, dev: &D, set: ParamSet, (step, lr): (u64, f32)) -> Res {
         for (&copy, part) in self.parts.iter_mut().filter(|(c, _)| c.0 == set) {
+            let compute = self.copies.get_mut(&copy);
             let (m, v) = (self.adam.get_mut(&copy))
                 .ok_or_else(|| fail(format!("ZeRO-3: no AdamW state of segment copy {copy:?}")))?;
             // A copy whose gradients the program never reduce-scattered would still
@@ -255,7 +302,7 @@ impl<D: Device> Zero3<D> {
                     "ZeRO-3: no reduced gradient of segment copy {copy:?} this step (the plan's backward has no reduce-scatter of it)"
                 ))
             })?;
-            adamw(dev, (part, &grad), (m, v), None, (step, lr)).map_err(derr("adamw"))?;
+            adamw(dev, (part, &grad), (m, v), compute, (step, lr)).map_err(derr("adamw"))?;
         }
         Ok(())
     }
@@ -268,18 +315,11 @@ impl<D: Device> Zero3<D> {
     /// The first non-finite value in this rank's part of segment copy `copy`'s
     /// masters (which holds one): the weight it belongs to.
     pub fn non_finite(&self, dev: &D, copy: CopyKey) -> Res<(Key, f32)> {
-        let e = derr("check");
         let (layout, start, part) = self.part(copy)?;
-        let host = dev.f32_download(part).map_err(&e)?;
-        let at = host.iter().position(|x| !x.is_finite()).unwrap_or(0);
-        let key = pieces_of(layout, start, start + host.len())
-            .into_iter()
-            .find(|(_, _, dst, n)| (*dst..dst + n).contains(&at))
-            .map_or_else(|| layout[0].0.clone(), |p| p.0);
-        Ok((key, host.get(at).copied().unwrap_or(f32::NAN)))
+        non_finite_in(dev, (layout, start), part)
     }
 
-    /// Before the report: every copy's weights gathered whole.
+    /// Before the report: every copy's fp32 masters gathered whole.
     pub fn gather_all(
         &self,
         on: (&D, &mut D::Comm),
@@ -290,7 +330,7 @@ impl<D: Device> Zero3<D> {
         for &copy in self.layouts.keys() {
             let g = self.group(copy.0).ok_or_else(|| fail("no ZeRO-3 group"))?;
             let seg = &graph.segments[copy.1].name;
-            self.gather((dev, &mut *comm), (g, "dp"), (seg, copy), (weights, false))?;
+            self.gather_masters((dev, &mut *comm), (g, "dp"), (seg, copy), weights)?;
         }
         Ok(())
     }
@@ -310,4 +350,20 @@ fn copy_layout<D: Device>(
         .filter(|((w, layer), _)| *layer == l && owned.contains(&(segment, w.as_str())))
         .map(|(k, m)| (k.clone(), D::f32_len(m)))
         .collect()
+}
+
+/// The first non-finite value in `part`, which starts at `start` of the flat
+/// vector `layout` lays out: the weight it belongs to, and the value.
+pub(super) fn non_finite_in<D: Device>(
+    dev: &D,
+    (layout, start): (&[(Key, usize)], usize),
+    part: &D::F32,
+) -> Res<(Key, f32)> {
+    let host = dev.f32_download(part).map_err(derr("check"))?;
+    let at = host.iter().position(|x| !x.is_finite()).unwrap_or(0);
+    let key = pieces_of(layout, start, start + host.len())
+        .into_iter()
+        .find(|(_, _, dst, n)| (*dst..dst + n).contains(&at))
+        .map_or_else(|| layout[0].0.clone(), |p| p.0);
+    Ok((key, host.get(at).copied().unwrap_or(f32::NAN)))
 }

@@ -31,7 +31,8 @@ impl<D: Device> DevRank<'_, D> {
         let key = self.wkey(op.inputs[1], l)?;
         let ids = self.lookup_ids(op, t, D::act_len(&dy) / dim.max(1))?;
         let start = self.site().vocab_start(op)?;
-        let dt = grad_in(dev, &mut self.weights.wgrads, &self.weights.master, &key)?;
+        let held = (&self.weights.master, &self.weights.compute);
+        let dt = grad_in(dev, &mut self.weights.wgrads, held, &key)?;
         dev.embedding_bwd(
             &Embed {
                 ids,

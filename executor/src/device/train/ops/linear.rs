@@ -27,10 +27,11 @@ impl<D: Device> DevRank<'_, D> {
         let dev = &self.dev;
         let x = self.linear_input(op, l, t)?;
         let wkey = self.wkey(op.inputs[1], l)?;
-        let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
+        let held = (&self.weights.master, &self.weights.compute);
+        let w = operand::<D>(held, &wkey)?;
         let (kk, n) = self.site().matmul_dims(op, w)?;
         let rows = D::act_len(&x) / kk.max(1);
-        let dw = grad_in(dev, &mut self.weights.wgrads, &self.weights.master, &wkey)?;
+        let dw = grad_in(dev, &mut self.weights.wgrads, held, &wkey)?;
         // The two products are independent: side by side on a host's threads.
         let (dx, acc) = if crate::shard::weight_transposed(op) {
             // `y = x wᵀ` with `w [n, k]`: `dx = dy w`, `dw += dyᵀ x`.
@@ -48,7 +49,7 @@ impl<D: Device> DevRank<'_, D> {
         acc.map_err(&e)?;
         if let Some(&b) = op.inputs.get(2) {
             let bk = self.wkey(b, l)?;
-            let db = grad_in(dev, &mut self.weights.wgrads, &self.weights.master, &bk)?;
+            let db = grad_in(dev, &mut self.weights.wgrads, held, &bk)?;
             dev.bias_grad(&dy, db).map_err(&e)?;
         }
         // A split op's input gradient is partial until the program sums it.

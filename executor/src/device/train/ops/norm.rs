@@ -38,15 +38,11 @@ impl<D: Device> DevRank<'_, D> {
         let mut dx = self.zeros(D::act_len(&x))?;
         let wkey = self.wkey(op.inputs[1], l)?;
         let bkey = op.inputs.get(2).map(|&b| self.wkey(b, l)).transpose()?;
-        let w = operand::<D>(&self.weights.master, &self.weights.compute, &wkey)?;
+        let held = (&self.weights.master, &self.weights.compute);
+        let w = operand::<D>(held, &wkey)?;
         let rstd = stat(t, l, &op.name, Stat::Rstd)?;
         // Taken out (made first where missing) to be held beside the bias's.
-        grad_in(
-            &self.dev,
-            &mut self.weights.wgrads,
-            &self.weights.master,
-            &wkey,
-        )?;
+        grad_in(&self.dev, &mut self.weights.wgrads, held, &wkey)?;
         let mut dw =
             (self.weights.wgrads.remove(&wkey)).ok_or_else(|| fail("norm gradient missing"))?;
         let layer = *kind == NormKind::Layernorm;
@@ -58,12 +54,7 @@ impl<D: Device> DevRank<'_, D> {
             .then(|| self.zeros_f32(dim))
             .transpose()?;
         let db = match &bkey {
-            Some(k) => Some(grad_in(
-                &self.dev,
-                &mut self.weights.wgrads,
-                &self.weights.master,
-                k,
-            )?),
+            Some(k) => Some(grad_in(&self.dev, &mut self.weights.wgrads, held, k)?),
             None => scratch.as_mut(),
         };
         let (x, kind, eps) = (&*x, *kind, self.graph.constants.norm_eps as f32);
