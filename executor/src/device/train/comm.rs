@@ -98,7 +98,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let s = segment_index(self.graph, segment)?;
                 let keys = (self.weights).keys_named(&self.seq_partial_names(Some(s)), Some(l));
                 let on = (&self.dev, &mut *self.comm);
-                let what = (&keys[..], "segment_seq_partial_grads");
+                let what = (&keys[..], target);
                 step::sum_grads(on, (&g, axis), what, &mut self.weights.wgrads)?
             }
             // ZeRO-2, at the end of each micro-batch's backward: this rank adds up
@@ -115,7 +115,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 let keys = self.seq_partial_keys();
                 self.weights.hold_grads(&self.dev, &keys)?;
                 let on = (&self.dev, &mut *self.comm);
-                let what = (&keys[..], "seq_partial_grads");
+                let what = (&keys[..], target);
                 step::sum_grads(on, (&g, axis), what, &mut self.weights.wgrads)?
             }
             (Target::HiddenStates, CollectiveKind::AllGather) => {

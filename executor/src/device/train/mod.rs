@@ -525,13 +525,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                 group,
                 axis,
                 keys,
-                tensor,
+                target,
             } => {
-                let (group, axis, keys, tensor) =
-                    (group.clone(), axis.clone(), keys.clone(), *tensor);
+                let (group, axis, keys) = (group.clone(), axis.clone(), keys.clone());
+                let target = target.clone();
                 let (on, grads) = ((&self.dev, &mut *self.comm), &mut self.weights.wgrads);
-                step::sum_grads(on, (&group, &axis), (&keys, tensor), grads)?;
-                comm("AllReduce", &axis, tensor)
+                step::sum_grads(on, (&group, &axis), (&keys, &target), grads)?;
+                comm("AllReduce", &axis, &target.to_string())
             }
             &StepItem::Bucket(b) => {
                 let (dev, net, grads) = (&self.dev, &mut *self.comm, &mut self.weights.wgrads);
@@ -540,7 +540,7 @@ impl<'a, D: Device> DevRank<'a, D> {
                 }
                 self.sync.finish_bucket((dev, net), b, grads)?;
                 let bk = &self.sync.buckets[b];
-                comm("AllReduce", &bk.axis, &bk.tensor)
+                comm("AllReduce", &bk.axis, &bk.target.to_string())
             }
             &StepItem::Optimizer(set) => {
                 self.optimizer(set)?;
@@ -551,13 +551,13 @@ impl<'a, D: Device> DevRank<'a, D> {
                 self.zero
                     .reduce_scatter(on, b, &mut self.weights.wgrads, false)?;
                 let bk = &self.zero.scatter[b];
-                comm("ReduceScatter", &bk.axis, &bk.tensor)
+                comm("ReduceScatter", &bk.axis, &bk.target.to_string())
             }
             &StepItem::AllGather(b) => {
                 let on = (&self.dev, &mut *self.comm);
                 self.zero.all_gather(on, b, &mut self.weights)?;
                 let bk = &self.zero.gather[b];
-                comm("AllGather", &bk.axis, &bk.tensor)
+                comm("AllGather", &bk.axis, &bk.target.to_string())
             }
         };
         if fp32 {

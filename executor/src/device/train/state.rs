@@ -298,7 +298,7 @@ pub(super) enum StepItem {
         group: Group,
         axis: String,
         keys: Vec<Key>,
-        tensor: &'static str,
+        target: Target,
     },
 }
 
@@ -307,7 +307,8 @@ pub(super) struct Bucket {
     pub(super) set: ParamSet,
     pub(super) group: Group,
     pub(super) axis: String,
-    pub(super) tensor: String,
+    /// What the plan's collective names (a `GradBucket` or `ParamBucket`).
+    pub(super) target: Target,
     /// Where it starts in the flat vector, and its length.
     pub(super) start: usize,
     pub(super) len: usize,

@@ -22,19 +22,16 @@ impl<'a, D: Device> DevRank<'a, D> {
                     target: target @ (Target::SeqPartialGrads | Target::TiedGrads),
                     ..
                 } => {
-                    let (keys, tensor) = if *target == Target::TiedGrads {
-                        (
-                            self.weights.keys_named(&self.tied_names(), None),
-                            "grads:tied",
-                        )
+                    let keys = if *target == Target::TiedGrads {
+                        self.weights.keys_named(&self.tied_names(), None)
                     } else {
-                        (self.seq_partial_keys(), "seq_partial_grads")
+                        self.seq_partial_keys()
                     };
                     self.sync.step_plan.push(StepItem::SumGrads {
                         group: self.group(group)?,
                         axis: axis.name().to_string(),
                         keys,
-                        tensor,
+                        target: target.clone(),
                     });
                 }
                 Instr::Collective {
@@ -135,11 +132,10 @@ impl<'a, D: Device> DevRank<'a, D> {
                 .get(&set)
                 .map_or(0, |l| l.iter().map(|(_, n)| n).sum())
         };
-        let tensor = target.to_string();
         let (set, a, b) = bucket_range(target, &total_of)?;
         if (b - a) % group.size() != 0 {
             return Err(fail(format!(
-                "bucket {a}..{b} of `{tensor}` does not split over {} ranks",
+                "bucket {a}..{b} of `{target}` does not split over {} ranks",
                 group.size()
             )));
         }
@@ -149,7 +145,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             set,
             group,
             axis: axis.to_string(),
-            tensor,
+            target: target.clone(),
             start: a,
             len: b - a,
             own,
@@ -234,8 +230,7 @@ impl<'a, D: Device> DevRank<'a, D> {
             self.sync.start_bucket(on, i, &self.weights.wgrads)?;
             self.moved_f32_since(&before);
             let bk = &self.sync.buckets[i];
-            let args =
-                serde_json::json!({"step": self.meter.step_no, "tensor": bk.tensor, "early": true});
+            let args = serde_json::json!({"step": self.meter.step_no, "tensor": bk.target.to_string(), "early": true});
             let name = format!("AllReduce {} (start)", bk.axis);
             self.meter.span(&self.dev, m0, name, ("comm", args))?;
         }
@@ -374,9 +369,10 @@ impl<D: Device> GradSync<D> {
 pub(super) fn sum_grads<D: Device>(
     (dev, comm): (&D, &mut D::Comm),
     (group, axis): (&Group, &str),
-    (keys, tensor): (&[Key], &str),
+    (keys, target): (&[Key], &Target),
     wgrads: &mut BTreeMap<Key, D::F32>,
 ) -> Res {
+    let tensor = &target.to_string();
     let layout: Layout = (keys.iter())
         .map(|k| wgrads.get(k).map(|g| (k.clone(), D::f32_len(g))))
         .collect::<Option<_>>()

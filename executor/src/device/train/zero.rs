@@ -113,9 +113,8 @@ impl<D: Device> ZeroState<D> {
 
     /// The index of the gradient bucket `target` names.
     pub(super) fn scatter_index(&self, target: &Target) -> Res<usize> {
-        let name = target.to_string();
-        (self.scatter.iter().position(|b| b.tensor == name))
-            .ok_or_else(|| fail(format!("`{name}` is not a gradient bucket of this stage")))
+        (self.scatter.iter().position(|b| b.target == *target))
+            .ok_or_else(|| fail(format!("`{target}` is not a gradient bucket of this stage")))
     }
 
     /// Parameter bucket `i` from the parts each data rank updated: the compute
