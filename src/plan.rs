@@ -229,10 +229,14 @@ fn nothing_fits(inp: &Inputs, report: &SearchReport) -> Failure {
         }
         if let Some((cfg, bytes)) = &report.smallest_lower_bound {
             // With everything sharded (ZeRO-3 over every GPU), the states alone need
-            // 16 bytes per parameter spread over the cluster.
+            // the framework's bytes per parameter spread over the cluster.
             let usable =
                 inp.cluster.gpu.memory_bytes - meshplan_cost_model::calib::RUNTIME_RESERVED_BYTES;
-            let gpus_needed = (16.0 * inp.pg.params_total / usable).ceil();
+            let per_param = meshplan_cost_model::state_bytes_per_param(
+                inp.workload.framework(),
+                inp.pg.dtype.size_bytes() as f64,
+            );
+            let gpus_needed = (per_param * inp.pg.params_total / usable).ceil();
             let nodes = (gpus_needed / inp.cluster.gpus_per_node as f64).ceil();
             msg.push_str(&format!(
                 "; smallest per-GPU memory found {:.1} GiB > {:.1} GiB (model states alone, {cfg}); the weights, gradients and Adam states need at least {gpus_needed:.0} GPUs of {:.0} GiB: try --nodes {nodes:.0} or more",

@@ -9,7 +9,7 @@ use crate::collective::{bytes_sent_per_rank, Collective, CommModel};
 use crate::compute::Roofline;
 use crate::framework::Mechanisms;
 use crate::graph_cost::{LayoutCtx, PreparedGraph, SegCost};
-use crate::memory::{model_state_bytes, model_states, MemoryLedger};
+use crate::memory::{model_states, MemoryLedger};
 use crate::pipeline::{simulate, PipelineInput};
 use crate::timeline::{InferenceTimeline, StageTail, TrainTimeline};
 use meshplan_ir::{DimEnv, ParallelConfig, Recompute, SegmentKind, Workload};
@@ -1749,9 +1749,20 @@ pub fn flops_per_token_forward(pg: &PreparedGraph, seq: u64) -> f64 {
     ) / s
 }
 
-/// The memory ledger of one unsharded replica: training states (16 bytes per
-/// parameter) and the activations of one sequence (flash attention, no
-/// recomputation), or for inference the weights and the KV cache of the workload.
+/// Bytes per parameter of the model states (compute copy, gradients, fp32 masters
+/// and AdamW's moments) of a model computing in `bpe` bytes per element, as
+/// `framework` holds them, before ZeRO divides any: 18 for bf16 with fp32
+/// gradients (Megatron-LM, meshplan's executor), the ZeRO paper's 16 with 2-byte
+/// gradients (DeepSpeed), 16 for fp32 (no separate master).
+pub fn state_bytes_per_param(framework: meshplan_ir::Framework, bpe: f64) -> f64 {
+    let (p, g, o) = model_states(1.0, 1, 0, Mechanisms::of(framework).holding(bpe));
+    p + g + o
+}
+
+/// The memory ledger of one unsharded replica: training states as the workload's
+/// framework holds them ([`state_bytes_per_param`]) and the activations of one
+/// sequence (flash attention, no recomputation), or for inference the weights and
+/// the KV cache of the workload.
 pub fn replica_memory(pg: &PreparedGraph, workload: &Workload) -> MemoryLedger {
     let roof = Roofline::uncalibrated(1e12, 1e12, calib::GEMM_EFFICIENCY_MAX);
     let one = GroupShape {
@@ -1794,7 +1805,8 @@ pub fn replica_memory(pg: &PreparedGraph, workload: &Workload) -> MemoryLedger {
                 .zip(&costs)
                 .map(|((_, r), c)| r as f64 * c.act_bytes)
                 .sum();
-            let (params, grads, optimizer) = model_state_bytes(p, 1, 0);
+            let hold = Mechanisms::of(workload.framework()).holding(bpe);
+            let (params, grads, optimizer) = model_states(p, 1, 0, hold);
             MemoryLedger {
                 params,
                 grads,

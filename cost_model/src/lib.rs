@@ -32,8 +32,8 @@ pub use collective::{Collective, CommModel};
 pub use estimate::{
     estimate_inference, estimate_train, estimate_train_balanced_with, estimate_train_bounded,
     estimate_train_split, estimate_train_split_with, estimate_train_with, flops_per_token_forward,
-    inference_timeline, prefill_service_s, prepare_model, replica_memory, train_ctx,
-    train_timeline, train_timeline_with, Estimate, InferenceLoad, Unsupported,
+    inference_timeline, prefill_service_s, prepare_model, replica_memory, state_bytes_per_param,
+    train_ctx, train_timeline, train_timeline_with, Estimate, InferenceLoad, Unsupported,
 };
 pub use framework::Mechanisms;
 pub use graph_cost::PreparedGraph;

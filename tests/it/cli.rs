@@ -267,9 +267,21 @@ fn inspect_json_prints_the_contract_keys() {
     assert_eq!(number(&v, "flops_per_token_forward"), 358_814_318_592.0);
     assert_eq!(number(&v, "flops_per_token_train"), 3.0 * 358_814_318_592.0);
     let m = object(&v, "memory_bytes", MEMORY_KEYS);
-    // 16 bytes per parameter of training state.
+    // Training state as meshplan's executor holds a bf16 model, 18 bytes per
+    // parameter (fp32 gradients); as DeepSpeed's fp16 ZeRO holds it, the paper's 16.
+    let states = |m: &Value| number(m, "params") + number(m, "grads") + number(m, "optimizer");
+    assert_eq!(states(m), 18.0 * 174_615_846_912.0);
+    let r = meshplan(&[
+        "inspect",
+        "models/gpt3-175b.yaml",
+        "--framework",
+        "deepspeed",
+        "--json",
+    ]);
+    r.expect_code(0);
+    let v = r.json();
     assert_eq!(
-        number(m, "params") + number(m, "grads") + number(m, "optimizer"),
+        states(object(&v, "memory_bytes", MEMORY_KEYS)),
         16.0 * 174_615_846_912.0
     );
 }
@@ -565,6 +577,30 @@ fn world_size_mismatch_exits_3_with_the_arithmetic() {
         "dp=61,tp=8,pp=8",
     ]);
     r.expect_code(3).stderr_has(&["3904", "3840", "dp=60"]);
+}
+
+/// A model no layout fits says how many GPUs its states need, as the framework
+/// holds them: GPT-3's 174,615,846,912 parameters at 18 bytes (meshplan's
+/// executor, fp32 gradients) over 80 GiB less the 1 GiB reserve, 3.143e12 /
+/// 8.483e10 = 37.05, 38 GPUs; at DeepSpeed's 16, 32.94, 33 GPUs.
+#[test]
+fn a_model_no_layout_fits_says_how_many_gpus_its_framework_needs() {
+    let args = [
+        "plan",
+        "models/gpt3-175b.yaml",
+        "topologies/dgx-h100.yaml",
+        "--nodes",
+        "1",
+        "-o",
+    ];
+    let out = temp_file("no-fit.json", "");
+    let out = out.to_str().expect("utf-8");
+    let r = meshplan(&[&args[..], &[out]].concat());
+    r.expect_code(3)
+        .stderr_has(&["need at least 38 GPUs of 80 GiB", "try --nodes 5"]);
+    let r = meshplan(&[&args[..], &[out, "--framework", "deepspeed"]].concat());
+    r.expect_code(3)
+        .stderr_has(&["need at least 33 GPUs of 80 GiB", "try --nodes 5"]);
 }
 
 #[test]
