@@ -461,6 +461,59 @@ fn a_bf16_model_trains_alike_at_every_zero_stage_and_resumes_from_its_parts() {
     }
 }
 
+/// Under ZeRO each rank gathers the parts it updated, so a plan's parameter gathers
+/// must cut the flat vector where its reduce-scatters do. Hand-edited to one gather
+/// of the whole set after 4 reduce-scatters, a plan trained on silently (its losses
+/// left ZeRO-0's from the second step, on the host device as on the one that rounds
+/// as a GPU does); it is refused, naming both cuts, before any rank starts.
+#[test]
+fn parameter_gathers_cut_elsewhere_than_the_gradient_buckets_are_refused() {
+    use meshplan_executor::device::emulate::Bf16Host;
+    use meshplan_ir::plan::{CollectiveKind, Instr, Target};
+    let m = variant(&[("dtype: f32", "dtype: bf16")], "bf16.yaml");
+    let opts = TrainOptions::default();
+    let good = plan_buckets(&m, "dp=2,mbs=4,zero=1", 30_000.0);
+    supported(&good).expect("the planner's cuts");
+    let mut p = good.clone();
+    let (mut scatters, mut gathers) = (0, 0);
+    for phase in p.programs.iter_mut().flat_map(|g| &mut g.phases) {
+        let mut kept = false;
+        phase.step.retain_mut(|i| match i {
+            Instr::Collective {
+                kind: CollectiveKind::AllGather,
+                target: Target::ParamBucket { range, .. },
+                ..
+            } => {
+                *range = None;
+                gathers += 1;
+                !std::mem::replace(&mut kept, true)
+            }
+            Instr::Collective {
+                kind: CollectiveKind::ReduceScatter,
+                ..
+            } => {
+                scatters += 1;
+                true
+            }
+            _ => true,
+        });
+    }
+    assert_eq!((scatters, gathers), (4, 4), "one program, 4 buckets");
+    let why = supported(&p).expect_err("cut elsewhere");
+    assert!(
+        why.contains("parameter gathers (params:dense)")
+            && why.contains("grads:dense[0..30000], grads:dense[30000..60000]"),
+        "{why}"
+    );
+    for run in [
+        train_device(&p, &opts, &|_| Ok(HostDevice)),
+        train_device(&p, &opts, &|_| Ok(Bf16Host)),
+    ] {
+        let e = run.expect_err("refused").message().to_string();
+        assert!(e.contains("do not cut the flat vector"), "{e}");
+    }
+}
+
 /// Every fp32 collective of a bf16 model counts at 4 bytes an element, as the plan
 /// prices it: a tied table summed between the first and last stage, sequence
 /// parallelism's partial norm gradients (once a step, per micro-batch under ZeRO-2,

@@ -98,6 +98,9 @@ pub fn supported(plan: &Plan) -> Result<(), String> {
     let graph = &plan.graph;
     crate::program::runnable(plan)?;
     crate::check_executable(graph, seq_len as usize)?;
+    for phase in plan.programs.iter().flat_map(|p| &p.phases) {
+        zero::cuts_match(phase)?;
+    }
     if let Some(op) = graph
         .ops()
         .find(|op| matches!(op.kind, OpKind::Router { .. }))
@@ -390,9 +393,6 @@ impl<'a, D: Device> DevRank<'a, D> {
         for i in 0..self.sync.step_plan.len() {
             self.run_step_item(i, step)?;
         }
-        // A part no all-gather sent (its buckets cut the vector elsewhere) is in
-        // the masters already.
-        self.zero.updated.clear();
         if !self.zero.gather.is_empty() {
             // The gathered masters hold every rank's update: refresh the compute copies.
             refresh_copies(

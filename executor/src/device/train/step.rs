@@ -439,32 +439,6 @@ pub(super) fn packed<D: Device>(
     (pieces, len): (&[Piece], usize),
     what: &str,
 ) -> Result<D::F32, RankError> {
-    let parts = runs(from, (pieces, len), what)?;
-    dev.f32_concat(&parts).map_err(derr(what))
-}
-
-/// [`packed`] of compute copies.
-pub(super) fn act_packed<D: Device>(
-    dev: &D,
-    from: &BTreeMap<Key, D::Act>,
-    (pieces, len): (&[Piece], usize),
-    what: &str,
-) -> Result<D::Act, RankError> {
-    let mut out = dev.act_zeros(len).map_err(derr(what))?;
-    for (at, (x, src, n)) in runs(from, (pieces, len), what)?.into_iter().enumerate() {
-        dev.act_copy((x, src), (&mut out, pieces[at].2), n)
-            .map_err(derr(what))?;
-    }
-    Ok(out)
-}
-
-/// Each piece's (buffer, offset in it, values), checked to lie one after another
-/// from offset 0 over `len` values.
-fn runs<'f, B>(
-    from: &'f BTreeMap<Key, B>,
-    (pieces, len): (&[Piece], usize),
-    what: &str,
-) -> Result<Vec<(&'f B, usize, usize)>, RankError> {
     let mut at = 0;
     let mut parts = Vec::with_capacity(pieces.len());
     for (key, src, dst, n) in pieces {
@@ -485,7 +459,7 @@ fn runs<'f, B>(
             "{what}: the pieces hold {at} of {len} values"
         )));
     }
-    Ok(parts)
+    dev.f32_concat(&parts).map_err(derr(what))
 }
 
 /// The inverse of [`packed`]: each piece of `flat` back into its weight in `into`.
@@ -510,6 +484,8 @@ pub(super) fn act_unpack<D: Device>(
     scatter_into((flat, pieces), into, what, |x, y, n| dev.act_copy(x, y, n))
 }
 
+/// Each piece of `flat` into its weight's buffer in `into`, by `copy` (the
+/// device's fp32 or compute-copy copy).
 fn scatter_into<B>(
     (flat, pieces): (&B, &[Piece]),
     into: &mut BTreeMap<Key, B>,

@@ -10,9 +10,7 @@
 //! [`ZeroState`] owns the parts, their moments and the buckets; the rank hands it
 //! the device, the communicator and the weights it works on.
 
-use super::step::{
-    act_packed, act_unpack, adamw, initial_moments, packed, pieces_of, pieces_outside, unpack,
-};
+use super::step::{act_unpack, adamw, initial_moments, packed, pieces_of, pieces_outside, unpack};
 use super::*;
 
 /// Each parameter set's flat vector, and what ZeRO keeps of it.
@@ -117,8 +115,10 @@ impl<D: Device> ZeroState<D> {
             .ok_or_else(|| fail(format!("`{target}` is not a gradient bucket of this stage")))
     }
 
-    /// Parameter bucket `i` from the parts each data rank updated: the compute
-    /// copies where this rank holds a part of the set's masters, else the masters.
+    /// Parameter bucket `i` from the parts each data rank updated (the buckets
+    /// cut the flat vector as the reduce-scatters do: [`cuts_match`]): the
+    /// compute copies where this rank holds a part of the set's masters, else the
+    /// masters.
     pub(super) fn all_gather(
         &mut self,
         (dev, comm): (&D, &mut D::Comm),
@@ -132,29 +132,18 @@ impl<D: Device> ZeroState<D> {
         let mine = own - bk.start;
         let others = pieces_outside(&bk.pieces, (mine, mine + c));
         let is_mine = |(s, at, n): (ParamSet, usize, usize)| (s, at, n) == (bk.set, own, c);
+        let missing = || fail(format!("`{}`: this rank updated no part of it", bk.target));
         if self.sharded_masters(bk.set) {
             let done = (self.updated_copies.iter())
                 .position(|(s, at, x)| is_mine((*s, *at, D::act_len(x))));
-            let local = match done {
-                Some(i) => self.updated_copies.swap_remove(i).2,
-                None => {
-                    let mine = pieces_of(self.layout(bk.set), own, own + c);
-                    act_packed(dev, &weights.compute, (&mine, c), "all-gather")?
-                }
-            };
+            let local = self.updated_copies.swap_remove(done.ok_or_else(missing)?).2;
             let all = comm.act_collective(dev, on, &local)?;
             return act_unpack(dev, &all, &others, &mut weights.compute, "all-gather");
         }
         // AdamW's packed output is this rank's part as it is in the masters: sent
-        // as it is, where packing it again would copy the same values.
+        // as it is.
         let done = (self.updated.iter()).position(|(s, at, x)| is_mine((*s, *at, D::f32_len(x))));
-        let local = match done {
-            Some(i) => self.updated.swap_remove(i).2,
-            None => {
-                let mine = pieces_of(self.layout(bk.set), own, own + c);
-                packed(dev, &weights.master, (&mine, c), "all-gather")?
-            }
-        };
+        let local = self.updated.swap_remove(done.ok_or_else(missing)?).2;
         let all = comm.f32_collective_owned(dev, on, local)?;
         unpack(dev, &all, &others, &mut weights.master, "all-gather")
     }
@@ -268,4 +257,51 @@ impl<D: Device> ZeroState<D> {
         }
         Ok(())
     }
+}
+
+/// ZeRO 1-2: each rank gathers the parts of the flat parameter vector it updated,
+/// which its gradient reduce-scatters leave it, so a phase's parameter gathers
+/// must cut the vector where its reduce-scatters do. Cut elsewhere, a gather would
+/// send values this rank did not update, and a part never gathered would leave the
+/// other ranks' copies behind: both train on silently.
+pub(super) fn cuts_match(phase: &Phase) -> Result<(), String> {
+    let (mut grads, mut params) = (BTreeSet::new(), BTreeSet::new());
+    let lists = (phase.step.iter()).chain(phase.chunks.iter().flat_map(|c| &c.backward));
+    for instr in lists {
+        match instr {
+            Instr::Collective {
+                kind: CollectiveKind::ReduceScatter,
+                target: Target::GradBucket { set, range },
+                ..
+            } => grads.insert((*set, *range)),
+            Instr::Collective {
+                kind: CollectiveKind::AllGather,
+                target: Target::ParamBucket { set, range },
+                ..
+            } => params.insert((*set, *range)),
+            _ => false,
+        };
+    }
+    if grads == params {
+        return Ok(());
+    }
+    let names = |cuts: &BTreeSet<(ParamSet, Option<(u64, u64)>)>, grad: bool| {
+        let name = |&(set, range)| match grad {
+            true => Target::GradBucket { set, range },
+            false => Target::ParamBucket { set, range },
+        };
+        cuts.iter()
+            .map(name)
+            .map(|t| t.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    Err(format!(
+        "the parameter gathers ({}) do not cut the flat vector where the gradient \
+         reduce-scatters do ({}): under ZeRO each rank gathers the parts it updated; \
+         give every reduce-scatter's range a gather of the same range (as `meshplan \
+         plan` writes them)",
+        names(&params, false),
+        names(&grads, true)
+    ))
 }

@@ -5,9 +5,9 @@
 //! The copy's forward and its backward each gather the whole compute copies first
 //! (as FSDP gathers its `param_dtype` parameters; where the master serves as the
 //! compute copy, the masters); the forward lets them go when it ends, the backward
-//! after the reduce-scatter of its gradients, which exist only while it runs. Weights that
-//! more than one segment reads (a tied table) stay whole, as FSDP's root unit keeps
-//! its parameters.
+//! after the reduce-scatter of its gradients, which exist only while it runs.
+//! Weights that more than one segment reads (a tied table) stay whole, as FSDP's
+//! root unit keeps its parameters.
 //!
 //! [`Zero3`] owns all of it: the rank hands it the device, the communicator and
 //! the weights it works on, and keeps no ZeRO-3 state of its own.
