@@ -393,15 +393,15 @@ impl<'a, D: Device> DevRank<'a, D> {
         for i in 0..self.sync.step_plan.len() {
             self.run_step_item(i, step)?;
         }
-        if !self.zero.gather.is_empty() {
-            // The gathered masters hold every rank's update: refresh the compute copies.
-            refresh_copies(
-                &self.dev,
-                &self.weights.master,
-                &mut self.weights.compute,
-                self.weights.master.keys(),
-            )?;
-        }
+        // Whole masters the gathers wrote hold every rank's update: refresh their
+        // compute copies (AdamW wrote every other copy).
+        let gathered = self.zero.gathered_masters();
+        refresh_copies(
+            &self.dev,
+            &self.weights.master,
+            &mut self.weights.compute,
+            gathered,
+        )?;
         self.sync.next_bucket = 0;
         let scale = self.loss_scale();
         // Every micro-batch's token losses in one read back (one wait for the

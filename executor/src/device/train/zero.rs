@@ -148,6 +148,16 @@ impl<D: Device> ZeroState<D> {
         unpack(dev, &all, &others, &mut weights.master, "all-gather")
     }
 
+    /// The weights whose whole masters the parameter gathers write (of the sets
+    /// gathered without parts of the masters).
+    pub(super) fn gathered_masters(&self) -> impl Iterator<Item = &Key> {
+        let sets: BTreeSet<ParamSet> = (self.gather.iter().map(|b| b.set))
+            .filter(|&set| !self.sharded_masters(set))
+            .collect();
+        sets.into_iter()
+            .flat_map(|set| self.layout(set).iter().map(|(key, _)| key))
+    }
+
     /// Whether this rank holds only its parts of `set`'s masters.
     fn sharded_masters(&self, set: ParamSet) -> bool {
         self.master_parts.keys().any(|(s, _)| *s == set)

@@ -191,21 +191,20 @@ impl<D: Device> Zero3<D> {
         (weights, backward): (&mut Weights<D>, bool),
     ) -> Res {
         let layout = self.layout(copy)?;
-        let total: usize = layout.iter().map(|(_, n)| n).sum();
-        let all_pieces = pieces_of(&layout, 0, total);
         let e = derr(segment);
-        let on = (CommKind::AllGather, (g, axis));
         if let Some(part) = self.copies.get(&copy) {
-            let all = comm.act_collective(dev, on, part)?;
+            let all = comm.act_collective(dev, (CommKind::AllGather, (g, axis)), part)?;
             for (key, n) in &layout {
                 if !weights.compute.contains_key(key) {
                     let w = dev.act_zeros(*n).map_err(&e)?;
                     weights.compute.insert(key.clone(), w);
                 }
             }
+            let total = layout.iter().map(|(_, n)| n).sum();
+            let all_pieces = pieces_of(&layout, 0, total);
             act_unpack(dev, &all, &all_pieces, &mut weights.compute, segment)?;
         } else {
-            self.gather_masters((dev, comm), (g, axis), (segment, copy), weights)?;
+            self.gather_masters((dev, comm), (g, axis), (segment, copy, &layout), weights)?;
         }
         if backward {
             for (key, n) in &layout {
@@ -224,15 +223,14 @@ impl<D: Device> Zero3<D> {
         &self,
         (dev, comm): (&D, &mut D::Comm),
         (g, axis): (&Group, &str),
-        (segment, copy): (&str, CopyKey),
+        (segment, copy, layout): (&str, CopyKey, &[(Key, usize)]),
         weights: &mut Weights<D>,
     ) -> Res {
-        let layout = self.layout(copy)?;
         let total: usize = layout.iter().map(|(_, n)| n).sum();
         let part = self.parts.get(&copy).ok_or_else(|| fail("no part"))?;
         let all = comm.f32_collective(dev, (CommKind::AllGather, (g, axis)), part)?;
         let e = derr(segment);
-        for (key, n) in &layout {
+        for (key, n) in layout {
             if !weights.master.contains_key(key) {
                 let master = dev.f32_zeros(*n).map_err(&e)?;
                 if D::master_as_act(&master).is_none() && !weights.compute.contains_key(key) {
@@ -242,7 +240,7 @@ impl<D: Device> Zero3<D> {
                 weights.master.insert(key.clone(), master);
             }
         }
-        let all_pieces = pieces_of(&layout, 0, total);
+        let all_pieces = pieces_of(layout, 0, total);
         unpack(dev, &all, &all_pieces, &mut weights.master, segment)?;
         let keys = layout.iter().map(|(key, _)| key);
         refresh_copies(dev, &weights.master, &mut weights.compute, keys)
@@ -330,7 +328,8 @@ impl<D: Device> Zero3<D> {
         for &copy in self.layouts.keys() {
             let g = self.group(copy.0).ok_or_else(|| fail("no ZeRO-3 group"))?;
             let seg = &graph.segments[copy.1].name;
-            self.gather_masters((dev, &mut *comm), (g, "dp"), (seg, copy), weights)?;
+            let layout = self.layouts.get(&copy).map_or(&[][..], Vec::as_slice);
+            self.gather_masters((dev, &mut *comm), (g, "dp"), (seg, copy, layout), weights)?;
         }
         Ok(())
     }
